@@ -1,0 +1,17 @@
+"""triton-ep: expert-parallel dispatch/combine for MoE models in Triton; a drop-in for DeepEP V1.
+
+    import triton_ep as deep_ep
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=deep_ep.Buffer.get_dispatch_config(R)
+                            .get_nvl_buffer_size_hint(hidden * 2, R))
+
+Public names only: :class:`Buffer`, :class:`Config`, :class:`EventOverlap`, ``topk_idx_t``, the errors
+and ``__version__``.
+"""
+from .config import Config, EventOverlap, topk_idx_t
+from .errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
+from .buffer import Buffer
+
+__version__ = "0.1.0"
+
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "EPError", "EPTimeoutError", "EPCapacityError",
+           "EPRemoteError", "__version__"]

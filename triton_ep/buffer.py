@@ -1,0 +1,642 @@
+"""``Buffer``: DeepEP V1's normal-mode API over Triton kernels and same-host shared buffers.
+
+Each public call checks its arguments, launches the kernels of :mod:`triton_ep.kernels` and moves data
+through :mod:`triton_ep.transport.ipc`. The body of every collective call is a generator that yields at
+each point where all ranks must meet (a bounded host barrier); :meth:`Buffer._run` drives it against the
+real barrier, and :mod:`triton_ep.testing` drives the same generators for ranks simulated in one process.
+
+Errors (DESIGN.md section 3): bad shapes, dtypes and devices are found before any kernel runs. So that
+no rank is left waiting, the rank that found them still takes part in the call's first exchange with an
+error status, then raises ``ValueError``/``TypeError``; the other ranks raise
+:class:`~triton_ep.errors.EPRemoteError` naming it. Bad ids are masked by the kernels and reported the
+same way at that exchange. A peer that never arrives gives :class:`~triton_ep.errors.EPTimeoutError`.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from typing import Generator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .config import Config, EventOverlap
+from .errors import EPCapacityError, EPError, EPRemoteError
+from .kernels.combine import record_bytes as combine_record_bytes
+from .kernels.dispatch import record_words as dispatch_record_words
+from .transport import ipc
+
+Tensor = torch.Tensor
+XLike = Union[Tensor, Tuple[Tensor, Tensor]]
+
+_DEFAULT_TIMEOUT_S = 100.0
+# Exchange-slot header words (int64).
+_ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 8)
+_NBAD, _NTOK = 8, 9
+_STATUS_TEXT = {1: "invalid arguments", 2: "topk_idx ids outside [-1, num_experts)"}
+
+
+class DispatchHandle(tuple):
+    """The communication handle ``dispatch`` returns, shaped as DeepEP's intranode handle::
+
+        (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+         is_token_in_rank, send_head)
+
+    - ``rank_prefix_matrix`` int32 ``[R, R]``: ``[i][j]`` = rows rank ``j`` receives from ranks ``0..i``.
+    - ``channel_prefix_matrix`` int32 ``[R, 1]``: cumulative rows this rank sends, by destination (one channel).
+    - ``recv_channel_prefix_matrix`` int32 ``[R, 1]``: first receive row of each source rank's group here.
+    - ``recv_src_idx`` int32 ``[N]``: source token index of each received row (``-1`` on padding rows).
+    - ``is_token_in_rank`` bool ``[T, R]``; ``send_head`` int64 ``[T, R]``: index of token ``t`` among the
+      rows sent to rank ``r``, ``-1`` where it is not sent.
+
+    It also remembers, on the host, what cached calls need without a device synchronisation.
+    """
+
+    def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: int, rpm_host: np.ndarray):
+        self = super().__new__(cls, items)
+        self.buffer_uid = buffer_uid
+        self.num_tokens = num_tokens
+        self.num_recv_tokens = num_recv_tokens
+        self.num_out_rows = int(items[3].shape[0])
+        self.rpm_host = rpm_host
+        return self
+
+
+def _to_dev(a, dtype: torch.dtype, device: torch.device, shape=None) -> Tensor:
+    """A fresh contiguous device tensor from host values (numpy views may be strided)."""
+    t = torch.tensor(np.ascontiguousarray(a), dtype=dtype)
+    return (t.reshape(shape) if shape is not None else t).to(device)
+
+
+def _isint(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+class Buffer:
+    """Expert-parallel communication buffer, a drop-in for DeepEP V1's ``deep_ep.Buffer`` in normal mode
+    within one host.
+
+    Args:
+        group: the EP process group (any backend: gloo or NCCL; used only to exchange buffer handles).
+            ``None`` means the default group.
+        num_nvl_bytes: bytes of this rank's intranode buffer, e.g. ``Config.get_nvl_buffer_size_hint``.
+            Transfers larger than it go through it in rounds.
+        num_rdma_bytes: accepted for compatibility; unused within one host.
+        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
+        explicitly_destroy, enable_shrink, comm: DeepEP's keyword arguments, accepted; those that do not
+            apply to an intranode normal-mode buffer are ignored.
+        timeout_s: bound in seconds on every wait for a peer (default 100, or ``TRITON_EP_TIMEOUT_S``).
+        device: where buffers and inputs live; default the current CUDA device, else CPU.
+
+    Raises:
+        ValueError: ranks on different hosts, or a bad argument value.
+        EPTimeoutError: a rank did not join within ``timeout_s``.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm=None, *, timeout_s: Optional[float] = None,
+                 device: Optional[Union[str, torch.device]] = None, **unused) -> None:
+        if unused:
+            warnings.warn(f"triton_ep.Buffer ignores unknown arguments {sorted(unused)}", stacklevel=2)
+        if not _isint(num_nvl_bytes) or num_nvl_bytes < 0:
+            raise ValueError(f"num_nvl_bytes must be a non-negative int, got {num_nvl_bytes!r}")
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("TRITON_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.timeout_s = float(timeout_s)
+        self._uid = uuid.uuid4().hex
+        self._op = 0
+        if isinstance(group, ipc.Comm):          # ranks simulated in one process (triton_ep.testing)
+            self._comm = group
+            self.group = None
+        else:
+            self.group = group if group is not None else dist.group.WORLD
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            self._comm = ipc.open_group(self.group, max(self.num_nvl_bytes, 4096), torch.device(device),
+                                        self.timeout_s, self._slot_words(self.group.size()))
+            self._comm.timeout_s = self.timeout_s
+        self.rank, self.group_size = self._comm.rank, self._comm.size
+        self.device = self._comm.device
+        self._delta_words = self._comm.delta_bytes // 4
+
+    # ------------------------------------------------------------------ static, DeepEP-compatible helpers
+    @staticmethod
+    def _slot_words(num_ranks: int) -> int:
+        return ipc.SLOT_HEADER + num_ranks + ipc.MAX_EXPERTS
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM count DeepEP's configs carry (even, positive). Results never depend on it.
+
+        Raises:
+            ValueError: ``new_num_sms`` is not a positive even int.
+        """
+        if not _isint(new_num_sms) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"the SM count must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = int(new_num_sms)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether SM90 (Hopper) features are available: true when the current CUDA device is SM90 or newer
+        (kernels are JIT-compiled for the device in use)."""
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current CUDA stream (``EventOverlap(None)`` on CPU)."""
+        if not torch.cuda.is_available():
+            return EventOverlap(None)
+        ev = torch.cuda.Event()
+        ev.record()
+        return EventOverlap(ev)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A recommended dispatch Config for ``num_ranks`` (any ``R >= 1``), DeepEP's values where it has them.
+
+        Raises:
+            ValueError: ``num_ranks < 1``.
+        """
+        return Buffer._config(num_ranks, {2: (24, 256), 4: (6, 256), 8: (6, 256), 16: (16, 288), 24: (8, 288),
+                                          32: (8, 288), 64: (20, 288), 128: (20, 560), 144: (32, 720),
+                                          160: (28, 720)})
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """A recommended combine Config for ``num_ranks`` (any ``R >= 1``), DeepEP's values where it has them.
+
+        Raises:
+            ValueError: ``num_ranks < 1``.
+        """
+        return Buffer._config(num_ranks, {2: (10, 256), 4: (9, 256), 8: (4, 256), 16: (2, 288), 24: (1, 288),
+                                          32: (1, 288), 64: (1, 288), 128: (1, 560), 144: (2, 720),
+                                          160: (2, 720)})
+
+    @staticmethod
+    def _config(num_ranks: int, table: dict) -> Config:
+        if not _isint(num_ranks) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        key = min((k for k in table if k >= num_ranks), default=max(table))   # next size up
+        send, recv = table[key]
+        return Config(Buffer.num_sms, send, recv, 6, 128)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes DeepEP's low-latency mode asks for: two (double-buffered) send and receive areas of
+        ``num_max_dispatch_tokens_per_rank`` rows per expert, each row bf16 ``hidden`` plus scales and
+        metadata, rounded up to 128 bytes. (Low-latency kernels are not part of this release.)"""
+        msg = hidden * 2 + hidden // 128 * 4 + 16 + 16
+        send = num_max_dispatch_tokens_per_rank * msg
+        recv = num_experts * num_max_dispatch_tokens_per_rank * msg
+        n = 2 * (2 * send + recv + num_experts * 8)
+        return (n + 127) // 128 * 128
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Tensor:
+        """A view of this rank's raw intranode buffer as ``dtype`` (from element ``offset``, optionally
+        reshaped to ``size``). Its contents change with every call.
+
+        Raises:
+            ValueError: ``use_rdma_buffer`` (no RDMA buffer within one host) or ``size`` too large.
+        """
+        if use_rdma_buffer:
+            raise ValueError("triton_ep has no RDMA buffer within one host")
+        t = self._comm.data.view(dtype)[offset:]
+        if size is None:
+            return t
+        if t.numel() < torch.Size(size).numel():
+            raise ValueError(f"size {tuple(size)} exceeds the buffer ({t.numel()} elements from offset {offset})")
+        return t[:torch.Size(size).numel()].view(size)
+
+    # ------------------------------------------------------------------ lifetime
+    def destroy(self) -> None:
+        """Release this rank's shared buffers and peer mappings. Idempotent; later calls raise ``EPError``."""
+        if getattr(self, "_comm", None) is not None:
+            try:
+                self._comm.sync_device()
+            finally:
+                self._comm.close()
+                self._comm = None
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        self.destroy()
+
+    def _live(self) -> ipc.Comm:
+        if self._comm is None:
+            raise EPError(f"rank {self.rank}: this Buffer was destroyed")
+        return self._comm
+
+    # ------------------------------------------------------------------ argument checks
+    def _check_tensor(self, name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]]) -> Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+        if t.device.type != self.device.type or (self.device.index is not None and t.device.index != self.device.index):
+            raise ValueError(f"{name} is on {t.device}, but this Buffer works on {self.device}")
+        return t.contiguous()
+
+    def _check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError("x as a tuple must be (fp8 [T, H] tensor, fp32 [T, H/128] scales)")
+            xv = self._check_tensor("x[0]", x[0], (torch.float8_e4m3fn,), (None, None))
+            T, H = xv.shape
+            if H % 128:
+                raise ValueError(f"FP8 x needs hidden % 128 == 0, got hidden {H}")
+            sc = self._check_tensor("x[1] (scales)", x[1], (torch.float32,), (T, H // 128))
+            return xv, sc
+        xv = self._check_tensor("x", x, (torch.bfloat16,), (None, None))
+        if (xv.shape[1] * xv.element_size()) % 16 or xv.shape[1] == 0:
+            raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]} "
+                             f"({xv.shape[1] * xv.element_size()} bytes)")
+        return xv, None
+
+    def _check_handle(self, handle) -> DispatchHandle:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be the handle a dispatch of triton_ep returned, got {type(handle).__name__}")
+        if handle.buffer_uid != self._uid:
+            raise ValueError("handle was made by another Buffer; pass the handle this Buffer's dispatch returned")
+        return handle
+
+    # ------------------------------------------------------------------ collective plumbing
+    def _run(self, gen: Generator):
+        comm = self._live()
+        try:
+            stage = next(gen)
+            while True:
+                comm.barrier(stage)
+                stage = next(gen)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            gen.close()
+
+    def _exchange(self, stage: str, err: Optional[BaseException], status: int, sig: Sequence[int],
+                  fill=None) -> Generator:
+        """Publish this rank's status, signature (and, through ``fill``, its counts), meet the others,
+        then raise on every rank if any rank failed. Returns the list of all ranks' slots."""
+        comm = self._live()
+        parity = self._op & 1
+        self._op += 1
+        slot = comm.slot(parity, self.rank)
+        slot[:ipc.SLOT_HEADER] = 0
+        slot[_ST] = 0 if err is None else status
+        slot[_SIG0:_SIG0 + len(sig)] = sig
+        if fill is not None and err is None:
+            fill(slot)
+        yield stage
+        slots = [comm.slot(parity, r).copy() for r in range(self.group_size)]
+        if err is not None:
+            raise err
+        bad = [r for r in range(self.group_size) if slots[r][_ST]]
+        if bad:
+            r = bad[0]
+            raise EPRemoteError(f"rank {self.rank}: rank {r} failed '{stage}' "
+                                f"({_STATUS_TEXT.get(int(slots[r][_ST]), 'error')}); no data was moved")
+        for r in range(self.group_size):
+            if not np.array_equal(slots[r][_SIG0:_SIG0 + len(sig)], slots[0][_SIG0:_SIG0 + len(sig)]):
+                raise ValueError(f"'{stage}': rank {r} passed (hidden words, scales, topk, flags) "
+                                 f"{slots[r][_SIG0:_SIG0 + len(sig)].tolist()} but rank 0 passed "
+                                 f"{slots[0][_SIG0:_SIG0 + len(sig)].tolist()}; all ranks must agree")
+        return slots
+
+    def _capacity(self, row_bytes: int, stage: str) -> int:
+        cap = self._live().min_bytes // row_bytes
+        if cap < 1:
+            raise ValueError(f"'{stage}': a row needs {row_bytes} bytes but the smallest rank buffer holds "
+                             f"{self._comm.min_bytes}; raise num_nvl_bytes (see Config.get_nvl_buffer_size_hint)")
+        return cap
+
+    def _event(self, async_finish: bool) -> EventOverlap:
+        return self.capture() if async_finish else EventOverlap(None)
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
+        """The routing layout of this rank's tokens (local, no communication).
+
+        Args:
+            topk_idx: ``[T, K]`` int64 (or int32) expert ids, ``-1`` = none.
+            num_experts: ``E``, a multiple of the group size.
+            previous_event: an event to wait for first; async_finish: return an event on completion;
+            allocate_on_comm_stream: accepted (one stream is used).
+
+        Returns:
+            ``num_tokens_per_rank`` int32 ``[R]``, ``None`` (no RDMA ranks within one host),
+            ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank`` bool ``[T, R]``, event.
+            Ids outside ``[-1, E)`` are masked here and reported by ``dispatch``.
+
+        Raises:
+            TypeError/ValueError: bad dtype, shape, device, or ``E % R != 0``.
+        """
+        self._live()
+        idx = self._check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None))
+        self._check_num_experts(num_experts)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        per_rank, per_expert, in_rank, _, _ = kernels.routing_layout(idx, num_experts, self.group_size)
+        return per_rank, None, per_expert, in_rank, self._event(async_finish)
+
+    def _check_num_experts(self, num_experts) -> None:
+        if not _isint(num_experts) or num_experts <= 0 or num_experts % self.group_size:
+            raise ValueError(f"num_experts must be a positive multiple of the group size {self.group_size}, "
+                             f"got {num_experts!r}")
+        if num_experts > ipc.MAX_EXPERTS:
+            raise ValueError(f"num_experts {num_experts} exceeds the supported maximum {ipc.MAX_EXPERTS}")
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: XLike, handle: Optional[tuple] = None, num_tokens_per_rank: Optional[Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[Tensor] = None, is_token_in_rank: Optional[Tensor] = None,
+                 num_tokens_per_expert: Optional[Tensor] = None, topk_idx: Optional[Tensor] = None,
+                 topk_weights: Optional[Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send each token row to every rank holding one of its experts (collective over the group).
+
+        Args:
+            x: bf16 ``[T, H]`` (row a multiple of 16 bytes), or ``(fp8 e4m3 [T, H], fp32 scales [T, H/128])``
+                with ``H % 128 == 0`` (scales may be column-major). ``T`` may be 0 and differ across ranks.
+            handle: a handle from an earlier dispatch of this Buffer: same routing, new data; then only
+                ``x`` is sent and no counts are exchanged.
+            num_tokens_per_rank: int32 ``[R]``; num_tokens_per_rdma_rank: ignored (one host);
+            is_token_in_rank: bool ``[T, R]``; num_tokens_per_expert: int32 ``[E]`` (gives ``E``; required
+                without a handle) -- as ``get_dispatch_layout`` returned them. With ``topk_idx`` the routing
+                is recomputed from ``topk_idx`` itself; without it, ``is_token_in_rank`` routes the rows.
+            topk_idx: int64 (or int32) ``[T, K]``; topk_weights: fp32 ``[T, K]`` (optional).
+            expert_alignment: per-expert counts are rounded up to a multiple of it.
+            num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows: ids -1, weights 0,
+                x 0, ``recv_src_idx`` -1); more arriving rows raise ``EPCapacityError`` on every rank.
+            config: accepted; results never depend on it. previous_event, async_finish,
+            allocate_on_comm_stream: as DeepEP (one stream is used; the call has finished on return).
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
+            ``recv_x`` like ``x`` with ``N`` rows grouped by source rank (a pair for FP8),
+            ``recv_topk_idx`` int64 ``[N, K]`` local expert ids (``-1`` where the expert lives elsewhere),
+            ``recv_topk_weights`` fp32 ``[N, K]`` (0 where the id is ``-1``), a list of ``E/R`` ints. With a
+            handle: ``(recv_x, None, None, None, None, event)``.
+
+        Raises:
+            TypeError/ValueError: bad arguments (before any kernel runs) or ids outside ``[-1, E)``;
+            EPRemoteError: another rank failed the call; EPCapacityError: ``num_worst_tokens`` too small;
+            EPTimeoutError: a peer did not answer within ``timeout_s``.
+        """
+        return self._run(self._dispatch_steps(x, handle, num_tokens_per_rank, is_token_in_rank,
+                                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                              num_worst_tokens, previous_event, async_finish))
+
+    def _dispatch_steps(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                        topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):
+        R, me = self.group_size, self.rank
+        err, a, status = None, None, 1
+        try:
+            a = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                    topk_idx, topk_weights, expert_alignment, num_worst_tokens)
+        except (TypeError, ValueError) as e:
+            err = e
+        if err is None and previous_event is not None:
+            previous_event.current_stream_wait()
+        sig = [a["wx"], a["s"], a["k"], a["flags"], a["E"]] if err is None else [0] * 5
+        if handle is not None:
+            yield from self._exchange("dispatch/start (cached)", err, 1, sig)
+            h = a["handle"]
+            rpm = h.rpm_host
+            send_pos, in_rank = h[5], h[4]
+            n_recv, n_out = h.num_recv_tokens, h.num_out_rows
+        else:
+            stage = "dispatch/exchange counts"
+            lay = None
+            if err is None:
+                lay = self._routing(a)
+                nbad = int(lay[4].item()) if lay[4] is not None else 0
+                if nbad:
+                    status = 2
+                    err = ValueError(f"topk_idx holds {nbad} ids outside [-1, {a['E']}) on rank {me}; "
+                                     f"they were masked and nothing was sent")
+
+            def fill(slot):
+                slot[_NWORST] = num_worst_tokens
+                slot[_NTOK] = a["T"]
+                slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] = lay[0].cpu().numpy()
+                slot[ipc.SLOT_HEADER + R:ipc.SLOT_HEADER + R + a["E"]] = lay[1].cpu().numpy()
+
+            slots = yield from self._exchange(stage, err, status, sig, fill)
+            counts = np.stack([s[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] for s in slots])        # [src, dst]
+            rpm = np.cumsum(counts, axis=0)
+            recv_all = rpm[-1]
+            over = [(r, int(recv_all[r]), int(s[_NWORST])) for r, s in enumerate(slots)
+                    if s[_NWORST] > 0 and recv_all[r] > s[_NWORST]]
+            if over:
+                r, got, cap = over[0]
+                raise EPCapacityError(f"rank {me}: rank {r} receives {got} rows but its num_worst_tokens is {cap}; "
+                                      f"no data was moved")
+            E = a["E"]
+            El = E // R
+            per_expert = sum(s[ipc.SLOT_HEADER + R + me * El:ipc.SLOT_HEADER + R + (me + 1) * El] for s in slots)
+            al = a["align"]
+            expert_list = [int((c + al - 1) // al * al) for c in per_expert.tolist()]
+            in_rank, send_pos = lay[2], lay[3]
+            n_recv = int(recv_all[me])
+            n_out = num_worst_tokens if num_worst_tokens > 0 else n_recv
+
+        rec_words = dispatch_record_words(a["wx"], a["s"], a["k"], with_src=handle is None)
+        cap = self._capacity(rec_words * 4, "dispatch")
+        rounds = max(1, -(-int(rpm[-1].max()) // cap))
+        dev = self.device
+        xv, sc = a["x"], a["scales"]
+        H = xv.shape[1]
+        recv_x = torch.empty((n_out, H), dtype=xv.dtype, device=dev)
+        recv_sc = torch.empty((n_out, a["s"]), dtype=torch.float32, device=dev) if sc is not None else None
+        cached = handle is not None
+        recv_idx = recv_w = recv_src = None
+        if not cached:
+            recv_src = torch.empty(n_out, dtype=torch.int32, device=dev)
+            if a["k"]:
+                recv_idx = torch.empty((n_out, a["k"]), dtype=torch.int64, device=dev)
+                if a["w"] is not None:
+                    recv_w = torch.empty((n_out, a["k"]), dtype=torch.float32, device=dev)
+        row_base = _to_dev(rpm[me - 1] if me > 0 else np.zeros(R, dtype=np.int64), torch.int64, dev)
+        rec = self._comm.data.view(torch.int32)
+        x_words = xv.view(torch.int32)
+        sc_words = sc.view(torch.int32) if sc is not None else None
+        w_words = a["w"].view(torch.int32) if (not cached and a["w"] is not None) else None
+        idx = a["idx"] if not cached else None
+        for k in range(rounds):
+            lo, hi = k * cap, (k + 1) * cap
+            if k:
+                yield f"dispatch/free round {k}"
+            kernels.dispatch_send(x_words, sc_words, idx, w_words, send_pos, row_base, self._delta_words, rec,
+                                  lo, hi, a["E"], rec_words, with_src=not cached)
+            yield f"dispatch/data round {k}"
+            kernels.dispatch_recv(rec, min(max(n_recv - lo, 0), cap), lo, me, a["E"] // R, a["wx"], a["s"],
+                                  a["k"] if not cached else 0, rec_words, recv_x.view(torch.int32),
+                                  recv_sc.view(torch.int32) if recv_sc is not None else None, recv_idx,
+                                  recv_w.view(torch.int32) if recv_w is not None else None, recv_src)
+        if n_out > n_recv:                       # num_worst_tokens padding
+            recv_x[n_recv:].zero_()
+            if recv_sc is not None:
+                recv_sc[n_recv:].zero_()
+            for t, v in ((recv_idx, -1), (recv_w, 0), (recv_src, -1)):
+                if t is not None:
+                    t[n_recv:].fill_(v)
+        event = self._event(async_finish)
+        out_x = (recv_x, recv_sc) if sc is not None else recv_x
+        if cached:
+            return out_x, None, None, None, None, event
+        rpm_t = _to_dev(rpm, torch.int32, dev)
+        send_prefix = _to_dev(np.cumsum(counts[me]), torch.int32, dev, (R, 1))
+        recv_start = _to_dev(np.concatenate([[0], rpm[:-1, me]]), torch.int32, dev, (R, 1))
+        new_handle = DispatchHandle((rpm_t, send_prefix, recv_start, recv_src, in_rank, send_pos), self._uid,
+                                    a["T"], n_recv, rpm)
+        return out_x, recv_idx, recv_w, expert_list, new_handle, event
+
+    def _routing(self, a):
+        """Layout of this call: from ``topk_idx`` by the kernel, else from ``is_token_in_rank``."""
+        if a["idx"] is not None:
+            return kernels.routing_layout(a["idx"], a["E"], self.group_size)
+        in_rank = a["in_rank"]
+        send_pos = torch.where(in_rank, in_rank.to(torch.int64).cumsum(0) - 1,
+                               torch.full_like(in_rank, -1, dtype=torch.int64))
+        return in_rank.sum(0, dtype=torch.int32), a["per_expert"], in_rank, send_pos, None
+
+    def _dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                       topk_weights, expert_alignment, num_worst_tokens) -> dict:
+        self._live()
+        R = self.group_size
+        xv, sc = self._check_x(x)
+        T = xv.shape[0]
+        if not _isint(expert_alignment) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if not _isint(num_worst_tokens) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        a = dict(x=xv, scales=sc, T=T, wx=xv.shape[1] * xv.element_size() // 4, s=sc.shape[1] if sc is not None else 0,
+                 align=int(expert_alignment), idx=None, w=None, k=0, E=0, in_rank=None, per_expert=None)
+        if handle is not None:
+            h = self._check_handle(handle)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+            if T != h.num_tokens:
+                raise ValueError(f"x has {T} rows but the handle was made for {h.num_tokens} tokens")
+            a.update(handle=h, flags=2 | (sc is not None))
+            return a
+        if num_tokens_per_expert is None:
+            raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
+        npe = self._check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32, torch.int64), (None,))
+        E = npe.shape[0]
+        self._check_num_experts(E)
+        if num_tokens_per_rank is not None:
+            self._check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,))
+        if is_token_in_rank is not None:
+            a["in_rank"] = self._check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R))
+        if topk_idx is not None:
+            a["idx"] = self._check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None))
+            a["k"] = a["idx"].shape[1]
+            if a["k"] == 0:
+                raise ValueError("topk_idx must have at least one column")
+            if topk_weights is not None:
+                a["w"] = self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, a["k"]))
+        elif topk_weights is not None:
+            raise ValueError("topk_weights given without topk_idx")
+        elif a["in_rank"] is None:
+            raise ValueError("dispatch needs topk_idx or is_token_in_rank (or a handle) to route the tokens")
+        else:
+            a["per_expert"] = npe.to(torch.int32)
+        a.update(E=E, flags=(sc is not None) | (4 if a["w"] is not None else 0))
+        return a
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: Tensor, handle: tuple, topk_weights: Optional[Tensor] = None,
+                bias: Union[None, Tensor, Tuple[Tensor, ...]] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
+        """Return rows along the routes of ``handle`` and sum them per source token (collective).
+
+        Args:
+            x: bf16 ``[N, H]``, one row per row the dispatch delivered here (``N`` includes any
+                ``num_worst_tokens`` padding, which is ignored).
+            handle: the handle of the matching dispatch of this Buffer.
+            topk_weights: fp32 ``[N, K]`` or ``None``: summed back the same way.
+            bias: ``None``, a bf16 ``[T, H]`` tensor or a tuple of up to two, added after the sum.
+            config, previous_event, async_finish, allocate_on_comm_stream: as in ``dispatch``.
+
+        Returns:
+            ``(combined_x bf16 [T, H], combined_topk_weights fp32 [T, K] or None, event)``: the fp32 sum
+            over destination ranks in ascending rank order (no weights applied), plus the biases, rounded
+            once to bf16. Deterministic and independent of buffer size and config.
+
+        Raises:
+            TypeError/ValueError: bad arguments or a handle of another Buffer or shape; EPRemoteError,
+            EPTimeoutError: as in ``dispatch``.
+        """
+        return self._run(self._combine_steps(x, handle, topk_weights, bias, previous_event, async_finish))
+
+    def _combine_steps(self, x, handle, topk_weights, bias, previous_event, async_finish):
+        R, me = self.group_size, self.rank
+        err, h, xv, w, biases = None, None, None, None, []
+        try:
+            self._live()
+            h = self._check_handle(handle)
+            xv = self._check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None))
+            if (xv.shape[1] * 2) % 16 or xv.shape[1] == 0:
+                raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]}")
+            if topk_weights is not None:
+                w = self._check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, None))
+            bl = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
+            if len(bl) > 2:
+                raise ValueError(f"bias takes at most two tensors, got {len(bl)}")
+            biases = [self._check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]))
+                      for i, b in enumerate(bl) if b is not None]
+        except (TypeError, ValueError) as e:
+            err = e
+        if err is None and previous_event is not None:
+            previous_event.current_stream_wait()
+        H = xv.shape[1] if err is None else 0
+        K = w.shape[1] if w is not None else 0
+        yield from self._exchange("combine/start", err, 1, [H, K, 0, 0, 0])
+        rpm = h.rpm_host
+        counts = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)   # [src, dst]
+        comb_base = _to_dev(counts[:, :me].sum(axis=1), torch.int64, self.device)
+        send_base = _to_dev(np.concatenate([[0], np.cumsum(counts[me])[:-1]]), torch.int64, self.device)
+        prefix = _to_dev(rpm[:, me], torch.int64, self.device)
+        rb = combine_record_bytes(H, K)
+        cap = self._capacity(rb, "combine")
+        rounds = max(1, -(-int(counts.sum(axis=1).max()) // cap))
+        T = h.num_tokens
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=self.device)
+        wout = torch.empty((T, K), dtype=torch.float32, device=self.device) if w is not None else None
+        acc = torch.empty((T, H), dtype=torch.float32, device=self.device) if rounds > 1 else None
+        wacc = torch.empty((T, K), dtype=torch.float32, device=self.device) if (rounds > 1 and K) else None
+        area = self._comm.data
+        x_words = xv.view(torch.int32)
+        w_words = w.view(torch.int32) if w is not None else None
+        for k in range(rounds):
+            lo, hi = k * cap, (k + 1) * cap
+            if k:
+                yield f"combine/free round {k}"
+            kernels.combine_send(x_words, w_words, h.num_recv_tokens, prefix, comb_base, self._delta_words,
+                                 area.view(torch.int32), lo, hi, rb // 4)
+            yield f"combine/data round {k}"
+            kernels.combine_reduce(area, h[5], send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,
+                                   first=k == 0, last=k == rounds - 1)
+        return out, wout, self._event(async_finish)

@@ -1,0 +1,94 @@
+"""``Config`` and ``EventOverlap``: DeepEP V1's tuning record and event wrapper, in Python."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+#: dtype of ``topk_idx`` that DeepEP callers allocate (int32 is accepted as well).
+topk_idx_t = torch.int64
+
+# Upper bounds used by the buffer size hints, as DeepEP sizes its buffers (top-k ids and scales per row).
+_MAX_TOPK = 128
+_MAX_SCALES = 128
+
+
+class Config:
+    """Performance-tuning record with DeepEP's fields and positional order.
+
+    Args:
+        num_sms: SMs a DeepEP kernel would use (we size nothing by it; kept for the hint).
+        num_max_nvl_chunked_send_tokens: tokens per NVLink send chunk.
+        num_max_nvl_chunked_recv_tokens: tokens per NVLink receive chunk (sets the NVLink buffer hint).
+        num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: the same for RDMA.
+
+    Results never depend on a Config: triton-ep reduces in a fixed order whatever it says.
+
+    Raises:
+        ValueError: a field is not a positive int.
+    """
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        vals = (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+                num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
+        if any(not isinstance(v, int) or v <= 0 for v in vals):
+            raise ValueError(f"Config fields must be positive ints, got {vals}")
+        (self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
+         self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens) = vals
+
+    def __repr__(self) -> str:
+        return (f"Config({self.num_sms}, {self.num_max_nvl_chunked_send_tokens}, "
+                f"{self.num_max_nvl_chunked_recv_tokens}, {self.num_max_rdma_chunked_send_tokens}, "
+                f"{self.num_max_rdma_chunked_recv_tokens})")
+
+    def _bytes(self, hidden_bytes: int, ranks: int, chunk_tokens: int) -> int:
+        channels = max(self.num_sms // 2, 1)
+        per_token = int(hidden_bytes) + _MAX_TOPK * 8 + _MAX_TOPK * 4 + _MAX_SCALES * 4 + 16
+        n = channels * ranks * chunk_tokens * per_token + channels * ranks * 64
+        return (n + 127) // 128 * 128
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink (intranode) buffer to allocate, computed the DeepEP way: channels (``num_sms/2``)
+        x NVLink ranks (at most 8) x ``num_max_nvl_chunked_recv_tokens`` x per-token bytes (row plus room
+        for 128 top-k ids, weights and scales). It does not depend on the token count: larger transfers
+        go through the buffer in rounds.
+
+        Args:
+            hidden_bytes: bytes of one row, e.g. ``hidden * max(x.element_size(), 2)``.
+            num_ranks: ranks in the group.
+        """
+        return self._bytes(hidden_bytes, min(max(int(num_ranks), 1), 8), self.num_max_nvl_chunked_recv_tokens)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of RDMA buffer DeepEP would ask for; 0 within one host (at most 8 ranks)."""
+        if num_ranks <= 8:
+            return 0
+        return self._bytes(hidden_bytes, (int(num_ranks) + 7) // 8, self.num_max_rdma_chunked_recv_tokens)
+
+
+class EventOverlap:
+    """An optional CUDA event, as DeepEP's ``EventOverlap``: ``current_stream_wait()`` makes the current
+    stream wait for it; ``with event:`` runs the block and then waits. On CPU the event is ``None`` and
+    both are no-ops (every call has finished when it returns).
+
+    Args:
+        event: a ``torch.cuda.Event`` or ``None``.
+        extra_tensors: tensors kept alive until the event is waited on.
+    """
+
+    def __init__(self, event: Optional[Any] = None, extra_tensors: Optional[tuple] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        """Make the current CUDA stream wait for the event (no-op without one)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        self.current_stream_wait()

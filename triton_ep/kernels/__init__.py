@@ -1,0 +1,26 @@
+"""Triton kernels of triton-ep and their thin launchers; no communication logic lives here.
+
+One module per operation: :mod:`.layout` (routing layout and send positions), :mod:`.dispatch`
+(copy rows into receivers' buffers, unpack them there), :mod:`.combine` (return rows, reduce them).
+
+On a machine without CUDA the kernels run under Triton's interpreter on CPU tensors: this package
+sets ``TRITON_INTERPRET=1`` before any kernel is defined unless the caller set it already.
+"""
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    import warnings
+    # The interpreter adds signed offsets to unsigned addresses (a peer buffer below ours): numpy wraps
+    # correctly but warns. Silence just that.
+    warnings.filterwarnings("ignore", message="overflow encountered", category=RuntimeWarning,
+                            module="triton.runtime.interpreter")
+
+from .layout import routing_layout  # noqa: E402
+from .dispatch import dispatch_send, dispatch_recv  # noqa: E402
+from .combine import combine_send, combine_reduce  # noqa: E402
+
+__all__ = ["routing_layout", "dispatch_send", "dispatch_recv", "combine_send", "combine_reduce"]

@@ -1,0 +1,166 @@
+"""Combine: return each received row to the rank it came from, then reduce per source token.
+
+Each source rank ``i`` has, in its buffer, a *combine area* with one slot per (token, destination) pair
+it sent, ordered by destination rank then by token: the rows rank ``j`` returns to ``i`` form one
+contiguous block starting at ``comb_base[i] = sum(C[i][r] for r < j)``, ``C[i][r]`` being the number of
+tokens ``i`` sent to ``r``. A combine record is ``[x row (H bf16) | top-k weights (K fp32)]`` padded to
+16 bytes.
+
+The reduction adds, per token and in ascending destination-rank order, the returned rows in fp32 (the
+slot of token ``t`` from rank ``r`` is ``send_base[r] + send_pos[t, r]``), adds the optional biases and
+rounds once to bf16. Slots grow with ``r`` for every token, so when the area is smaller than the transfer
+the rounds (windows ``[lo, hi)`` of slots) visit a token's contributions in the same order, carrying an
+fp32 accumulator between rounds: the result does not depend on the buffer size or block sizes.
+"""
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import interpreted, pow2
+
+
+@triton.jit
+def _bf16_rtne_bits(v):
+    """fp32 -> bf16 bit pattern (int16), rounding to nearest even, NaN kept NaN. Written out because
+    Triton's interpreter truncates in ``.to(tl.bfloat16)``; on GPU it is the same rounding as the cast."""
+    b = v.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    r = tl.where(v != v, 0x7FC0, r)
+    return r.to(tl.int16)
+
+
+@triton.jit
+def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi,
+                         WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
+                         HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    g = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # The source rank of received row g: how many groups end at or before g.
+    src = tl.zeros([BLOCK_T], dtype=tl.int64)
+    for i in tl.static_range(R):
+        src += (g >= tl.load(prefix_ptr + i)).to(tl.int64)
+    mg = (g < n_rows) & (src < R)
+    start = tl.load(prefix_ptr + src - 1, mask=mg & (src > 0), other=0)
+    slot = tl.load(comb_base_ptr + src, mask=mg, other=0) + g - start
+    m = mg & (slot >= lo) & (slot < hi)
+    row = rec_ptr + tl.load(delta_ptr + src, mask=m, other=0) + (slot - lo) * REC
+    for w0 in range(0, WX, BLOCK_W):
+        ow = w0 + tl.arange(0, BLOCK_W)
+        mw = m[:, None] & (ow[None, :] < WX)
+        tl.store(row[:, None] + ow[None, :], tl.load(x_ptr + g[:, None] * WX + ow[None, :], mask=mw), mask=mw)
+    if HAS_W:
+        ok = tl.arange(0, BLOCK_K)
+        mk = m[:, None] & (ok[None, :] < K)
+        tl.store(row[:, None] + WX + ok[None, :], tl.load(w_ptr + g[:, None] * K + ok[None, :], mask=mk), mask=mk)
+
+
+@triton.jit
+def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
+                           acc_ptr, out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr,
+                           H: tl.constexpr, K: tl.constexpr, REC_H: tl.constexpr, REC_F: tl.constexpr,
+                           R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr,
+                           FINAL: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mt = t < T
+    for h0 in range(0, H, BLOCK_H):
+        oh = h0 + tl.arange(0, BLOCK_H)
+        mth = mt[:, None] & (oh[None, :] < H)
+        if LOAD_ACC:
+            acc = tl.load(acc_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0)
+        else:
+            acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for r in tl.static_range(R):
+            pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+            slot = tl.load(send_base_ptr + r) + pos
+            m = (pos >= 0) & (slot >= lo) & (slot < hi)
+            v = tl.load(rec_h_ptr + (slot - lo)[:, None] * REC_H + oh[None, :], mask=m[:, None] & mth, other=0.0)
+            acc += v.to(tl.float32)
+        if STORE_ACC:
+            tl.store(acc_ptr + t[:, None] * H + oh[None, :], acc, mask=mth)
+        if FINAL:
+            if HAS_B0:
+                acc += tl.load(b0_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0).to(tl.float32)
+            if HAS_B1:
+                acc += tl.load(b1_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mth)
+    if HAS_W:
+        ok = tl.arange(0, BLOCK_K)
+        mtk = mt[:, None] & (ok[None, :] < K)
+        if LOAD_ACC:
+            wacc = tl.load(wacc_ptr + t[:, None] * K + ok[None, :], mask=mtk, other=0.0)
+        else:
+            wacc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for r in tl.static_range(R):
+            pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+            slot = tl.load(send_base_ptr + r) + pos
+            m = (pos >= 0) & (slot >= lo) & (slot < hi)
+            wacc += tl.load(rec_f_ptr + (slot - lo)[:, None] * REC_F + (H // 2) + ok[None, :],
+                            mask=m[:, None] & mtk, other=0.0)
+        if STORE_ACC:
+            tl.store(wacc_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
+        if FINAL:
+            tl.store(wout_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
+
+
+def record_bytes(hidden: int, k: int) -> int:
+    """Bytes of one combine record: ``hidden`` bf16 values and ``k`` fp32 weights, rounded up to 16."""
+    return (2 * hidden + 4 * k + 15) // 16 * 16
+
+
+def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
+                 comb_base: torch.Tensor, delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int,
+                 rec_words: int) -> None:
+    """Return this rank's received rows ``[0, n_rows)`` to their source ranks' combine areas (slots ``[lo, hi)``).
+
+    Args:
+        x_words: ``[N, H/2]`` int32, the expert outputs (bf16) as words, in receive order.
+        weight_words: ``[N, K]`` int32 (fp32 bits) or ``None``.
+        n_rows: rows actually received (``N`` may include ``num_worst_tokens`` padding beyond it).
+        prefix: ``[R]`` int64, column of ``rank_prefix_matrix`` for this rank (cumulative rows by source).
+        comb_base: ``[R]`` int64, where this rank's block starts in each source's combine area.
+        delta_words: ``[R]`` int64 peer-minus-local buffer distances in words; ``rec``: int32 local buffer.
+    """
+    if n_rows <= 0:
+        return
+    wx = x_words.shape[1]
+    k = weight_words.shape[1] if weight_words is not None else 0
+    bt, bw = (64, pow2(min(wx, 2048))) if interpreted() else (4, pow2(min(wx, 512)))
+    _combine_send_kernel[(triton.cdiv(n_rows, bt),)](
+        x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
+        WX=wx, K=k, REC=rec_words, R=prefix.shape[0], HAS_W=weight_words is not None,
+        BLOCK_T=bt, BLOCK_W=bw, BLOCK_K=pow2(k), num_warps=4)
+
+
+def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.Tensor, lo: int, hi: int,
+                   hidden: int, k: int, rec_bytes: int, acc: Optional[torch.Tensor], out: torch.Tensor,
+                   biases: Sequence[torch.Tensor], wacc: Optional[torch.Tensor], wout: Optional[torch.Tensor],
+                   first: bool, last: bool) -> None:
+    """Add the slots ``[lo, hi)`` of the local combine area into each token's sum.
+
+    Args:
+        area: the local buffer (uint8); slots start at its first byte.
+        send_pos: ``[T, R]`` int64; ``send_base``: ``[R]`` int64, slot of each destination's block.
+        hidden, k: row width ``H`` and weights per row ``K`` (0 for none); ``rec_bytes``: record size.
+        acc: ``[T, H]`` fp32 carried between rounds (``None`` when there is a single round); ``out``:
+            ``[T, H]`` bf16, written in the last round (after ``biases``, each ``[T, H]`` bf16, in order).
+        wacc, wout: the same for the ``[T, K]`` fp32 weights, or ``None``.
+        first, last: whether this is the first / last round.
+    """
+    T = send_pos.shape[0]
+    if T == 0:
+        return
+    bt, bh = (64, pow2(min(hidden, 2048))) if interpreted() else (4, pow2(min(hidden, 1024)))
+    b0 = biases[0] if len(biases) > 0 else out
+    b1 = biases[1] if len(biases) > 1 else out
+    _combine_reduce_kernel[(triton.cdiv(T, bt),)](
+        area.view(torch.bfloat16), area.view(torch.float32), send_pos, send_base, T, lo, hi,
+        acc if acc is not None else out, out.view(torch.int16), b0, b1,
+        wacc if wacc is not None else out, wout if wout is not None else out,
+        H=hidden, K=k, REC_H=rec_bytes // 2, REC_F=rec_bytes // 4, R=send_pos.shape[1],
+        LOAD_ACC=not first, STORE_ACC=not last, FINAL=last, HAS_B0=len(biases) > 0, HAS_B1=len(biases) > 1,
+        HAS_W=wout is not None, BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(k), num_warps=4)

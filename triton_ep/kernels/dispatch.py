@@ -1,0 +1,171 @@
+"""Dispatch copy: write each token's row record into every receiver's buffer, then unpack it there.
+
+A *record* is one received row in a receiver's buffer, in 32-bit words::
+
+    [ x row (WX words) | scales (S words) | global top-k ids (K) | top-k weight bits (K) | source index (1) ]
+
+padded to a multiple of 4 words (16 bytes). Rows are copied as raw words, so any element type whose row
+is a multiple of 4 bytes travels unchanged (bf16, fp8 e4m3, fp32 scales as their bit patterns).
+
+Peer buffers are reached by pointer arithmetic: ``rec_ptr + delta[r]`` is rank ``r``'s buffer, where
+``delta[r]`` is the distance in words from this rank's buffer to the peer's mapping of it (CUDA IPC on
+GPU, a shared-memory mapping on CPU). A receiver's rows form a *window* ``[lo, hi)`` of its receive index
+space: only rows inside the window are written, at ``row - lo``, so a buffer smaller than the transfer
+is used in rounds. All offsets are int64.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import interpreted, pow2
+
+
+@triton.jit
+def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
+                          T, lo, hi, num_experts,
+                          WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
+                          R: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                          HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mt = t < T
+    # x: each tile is read once and stored to every destination rank that takes the token.
+    for w0 in range(0, WX, BLOCK_W):
+        ow = w0 + tl.arange(0, BLOCK_W)
+        mw = ow < WX
+        v = tl.load(x_ptr + t[:, None] * WX + ow[None, :], mask=mt[:, None] & mw[None, :])
+        for r in tl.static_range(R):
+            pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+            dst = tl.load(row_base_ptr + r) + pos
+            m = (pos >= 0) & (dst >= lo) & (dst < hi)
+            row = rec_ptr + tl.load(delta_ptr + r) + (dst - lo) * REC
+            tl.store(row[:, None] + ow[None, :], v, mask=m[:, None] & mw[None, :])
+    for r in tl.static_range(R):
+        pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+        dst = tl.load(row_base_ptr + r) + pos
+        m = (pos >= 0) & (dst >= lo) & (dst < hi)
+        row = rec_ptr + tl.load(delta_ptr + r) + (dst - lo) * REC
+        if HAS_SCALES:
+            os_ = tl.arange(0, BLOCK_S)
+            ms = m[:, None] & (os_[None, :] < S)
+            s = tl.load(sc_ptr + t[:, None] * S + os_[None, :], mask=ms)
+            tl.store(row[:, None] + WX + os_[None, :], s, mask=ms)
+        if HAS_TOPK:
+            ok = tl.arange(0, BLOCK_K)
+            mk = m[:, None] & (ok[None, :] < K)
+            ids = tl.load(idx_ptr + t[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64)
+            ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
+            tl.store(row[:, None] + (WX + S) + ok[None, :], ids, mask=mk)
+            if HAS_W:
+                wb = tl.load(w_ptr + t[:, None] * K + ok[None, :], mask=mk, other=0)
+                tl.store(row[:, None] + (WX + S + K) + ok[None, :], wb, mask=mk)
+        if HAS_SRC:
+            tl.store(row + (WX + S + 2 * K), t.to(tl.int32), mask=m)
+
+
+@triton.jit
+def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
+                          out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
+                          WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
+                          HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
+                          HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m = i < n_rows
+    row = rec_ptr + i * REC
+    out = lo + i
+    for w0 in range(0, WX, BLOCK_W):
+        ow = w0 + tl.arange(0, BLOCK_W)
+        mw = m[:, None] & (ow[None, :] < WX)
+        tl.store(out_x_ptr + out[:, None] * WX + ow[None, :], tl.load(row[:, None] + ow[None, :], mask=mw), mask=mw)
+    if HAS_SCALES:
+        os_ = tl.arange(0, BLOCK_S)
+        ms = m[:, None] & (os_[None, :] < S)
+        tl.store(out_sc_ptr + out[:, None] * S + os_[None, :], tl.load(row[:, None] + WX + os_[None, :], mask=ms),
+                 mask=ms)
+    if HAS_TOPK:
+        ok = tl.arange(0, BLOCK_K)
+        mk = m[:, None] & (ok[None, :] < K)
+        g = tl.load(row[:, None] + (WX + S) + ok[None, :], mask=mk, other=-1).to(tl.int64)
+        here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
+        tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1), mask=mk)
+        if HAS_W:
+            wb = tl.load(row[:, None] + (WX + S + K) + ok[None, :], mask=mk, other=0)
+            tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mk)
+    if HAS_SRC:
+        tl.store(out_src_ptr + out, tl.load(row + (WX + S + 2 * K), mask=m), mask=m)
+
+
+def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
+    """Words (4 bytes) of one dispatch record: ``wx`` row words, ``s`` scale words, ``k`` ids and ``k``
+    weight words (``k = 0`` without top-k), and with ``with_src`` the source index; rounded up to 4 words
+    (16 bytes)."""
+    n = wx + s + 2 * k + (1 if with_src else 0)
+    return (n + 3) // 4 * 4
+
+
+def _blocks(wx: int, n_rows_hint: int):
+    if interpreted():
+        return 64, pow2(min(wx, 2048)), 4
+    return 4, pow2(min(wx, 512)), 4
+
+
+def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                  weight_words: Optional[torch.Tensor], send_pos: torch.Tensor, row_base: torch.Tensor,
+                  delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int, num_experts: int,
+                  rec_words: int, with_src: bool) -> None:
+    """Write this rank's records for receive rows ``[lo, hi)`` into every receiver's buffer.
+
+    Args:
+        x_words: ``[T, WX]`` int32, the rows as raw words (contiguous).
+        scale_words: ``[T, S]`` int32 (fp32 scale bits) or ``None``.
+        topk_idx: ``[T, K]`` int32/int64 global ids or ``None`` (cached dispatch sends no top-k).
+        weight_words: ``[T, K]`` int32 (fp32 weight bits) or ``None``.
+        send_pos: ``[T, R]`` int64 from :func:`routing_layout`.
+        row_base: ``[R]`` int64, where this rank's group starts in each receiver's rows.
+        delta_words: ``[R]`` int64, peer buffer minus local buffer, in words.
+        rec: int32 view of the local buffer (the base every delta is relative to).
+        lo, hi: the receive-row window of this round; ``rec_words``: the record width; ``with_src``:
+            write the source token index (every non-cached dispatch).
+    """
+    T, wx = x_words.shape
+    if T == 0:
+        return
+    R = send_pos.shape[1]
+    s = scale_words.shape[1] if scale_words is not None else 0
+    k = topk_idx.shape[1] if topk_idx is not None else 0
+    bt, bw, nw = _blocks(wx, T)
+    dummy = x_words
+    _dispatch_send_kernel[(triton.cdiv(T, bt),)](
+        x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
+        send_pos, row_base, delta_words, rec, T, lo, hi, num_experts,
+        WX=wx, S=s, K=k, REC=rec_words, R=R, HAS_SCALES=scale_words is not None, HAS_TOPK=topk_idx is not None,
+        HAS_W=weight_words is not None, HAS_SRC=with_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k), num_warps=nw)
+
+
+def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_per_rank: int, wx: int, s: int,
+                  k: int, rec_words: int, out_x: torch.Tensor, out_scales: Optional[torch.Tensor],
+                  out_idx: Optional[torch.Tensor], out_weights: Optional[torch.Tensor],
+                  out_src: Optional[torch.Tensor]) -> None:
+    """Unpack ``n_rows`` records from the local buffer into output rows ``[lo, lo + n_rows)``.
+
+    Global ids become local ids of this rank (``-1`` where the expert lives elsewhere) and their weights
+    0 there. ``out_x`` is ``[N, WX]`` int32 words, ``out_scales`` ``[N, S]`` int32, ``out_idx`` ``[N, K]``
+    int64 or ``None``, ``out_weights`` ``[N, K]`` int32 (weight bits) or ``None``, ``out_src`` ``[N]`` int32
+    or ``None``. ``k`` is 0 when the records carry no top-k.
+    """
+    if n_rows <= 0:
+        return
+    bt, bw, nw = _blocks(wx, n_rows)
+    dummy = out_x
+    has_topk = out_idx is not None
+    _dispatch_recv_kernel[(triton.cdiv(n_rows, bt),)](
+        rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
+        out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
+        out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,
+        WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=out_scales is not None, HAS_TOPK=has_topk,
+        HAS_W=out_weights is not None, HAS_SRC=out_src is not None, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k), num_warps=nw)

@@ -1,0 +1,197 @@
+"""Same-host transport: every rank maps every other rank's communication buffer.
+
+- On GPU the data buffer is device memory shared through CUDA IPC (PyTorch's tensor reduction, i.e.
+  ``cudaIpcGetMemHandle``/``cudaIpcOpenMemHandle``); several ranks may share one GPU.
+- On CPU it is a POSIX shared-memory file (``/dev/shm``) mapped by every rank with ``torch.from_file``.
+
+A small host *control block* in POSIX shared memory (for GPU runs too) holds one barrier counter per
+rank and per-rank slots for the small exchanges (counts, status words). Its barrier is a bounded wait:
+it raises :class:`~triton_ep.errors.EPTimeoutError` naming this rank, the missing peer and the stage,
+so nothing hangs. Before a rank arrives at a barrier its device work is synchronised, so a peer that
+passes the barrier sees every byte written before it (on CPU, x86 stores are seen in program order).
+
+Files are unlinked as soon as every rank has mapped them: nothing is left in ``/dev/shm`` even if a
+process dies. :class:`LocalWorld` gives the same objects for ranks simulated in one process.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import uuid
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import EPError, EPTimeoutError
+
+#: int64 words of one rank's exchange slot beyond the per-rank and per-expert counts.
+SLOT_HEADER = 16
+#: the largest expert count an exchange slot holds.
+MAX_EXPERTS = 16384
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    if create:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+class Comm:
+    """One rank's view of the shared buffers of its group.
+
+    Attributes:
+        rank, size: this rank's index and the group size ``R``.
+        min_bytes: the smallest data buffer of the group (what a transfer round may fill).
+        device: where the data buffers live.
+        data: this rank's data buffer, uint8 ``[num_bytes]`` on ``device``.
+        peers: every rank's data buffer as mapped here (``peers[rank] is data``).
+        delta_bytes: int64 ``[R]`` on ``device``: ``peers[r].data_ptr() - data.data_ptr()``, in bytes.
+        ctrl: int64 numpy view of the control block (shared by all ranks).
+    """
+
+    def __init__(self, rank: int, size: int, device: torch.device, peers: List[torch.Tensor], ctrl: torch.Tensor,
+                 timeout_s: float, slot_words: int, min_bytes: Optional[int] = None) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.min_bytes = int(min_bytes if min_bytes is not None else min(p.numel() for p in peers))
+        self.peers = peers
+        self.data = peers[rank]
+        base = self.data.data_ptr()
+        self.delta_bytes = torch.tensor([p.data_ptr() - base for p in peers], dtype=torch.int64, device=device)
+        self._ctrl_tensor = ctrl
+        self.ctrl = ctrl.view(torch.int64).numpy()
+        self.timeout_s = float(timeout_s)
+        self.slot_words = slot_words
+        self._seq = 0
+        self.broken: Optional[str] = None
+
+    # -- control block layout: [R barrier counters | 2 parities x R slots of slot_words] --
+    def slot(self, parity: int, rank: int) -> np.ndarray:
+        """The int64 exchange slot of ``rank`` for exchanges of the given parity (double-buffered)."""
+        start = self.size + (parity * self.size + rank) * self.slot_words
+        return self.ctrl[start:start + self.slot_words]
+
+    def sync_device(self) -> None:
+        """Wait for this rank's queued device work (GPU) so peers see its writes."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def barrier(self, stage: str) -> None:
+        """Bounded barrier over the group.
+
+        Raises:
+            EPTimeoutError: a peer did not arrive within ``timeout_s`` seconds (the Comm is then marked
+                broken: the Buffer must be destroyed and built again).
+            EPError: the Comm was broken by an earlier timeout.
+        """
+        if self.broken:
+            raise EPError(f"rank {self.rank}: communication buffer unusable after an earlier failure "
+                          f"({self.broken}); destroy() the Buffer and build a new one")
+        self.sync_device()
+        self._seq += 1
+        n = self._seq
+        ctr = self.ctrl
+        ctr[self.rank] = n
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        for peer in range(self.size):
+            while ctr[peer] < n:
+                spins += 1
+                if spins > 64:
+                    if time.monotonic() > deadline:
+                        self.broken = f"timeout at '{stage}' waiting for rank {peer}"
+                        raise EPTimeoutError(self.rank, peer, stage, self.timeout_s)
+                    time.sleep(min(1e-3, 1e-6 * spins))
+
+    def close(self) -> None:
+        """Drop this rank's mappings (the memory is released once no tensor refers to it)."""
+        self.peers = []
+        self.data = None
+        self.ctrl = None
+        self._ctrl_tensor = None
+
+
+def _device_handle(t: torch.Tensor):
+    from torch.multiprocessing.reductions import reduce_tensor
+    return reduce_tensor(t)
+
+
+def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, slot_words: int) -> Comm:
+    """Allocate this rank's buffer and map every peer's, exchanging handles through ``group``.
+
+    Collective over ``group`` (any backend: only ``all_gather_object`` is used). All ranks must be on one
+    host: raises ``ValueError`` otherwise. ``num_bytes`` is rounded up to 4 KiB.
+    """
+    rank, size = group.rank(), group.size()
+    num_bytes = max(4096, (int(num_bytes) + 4095) // 4096 * 4096)
+    ctrl_bytes = 8 * (size + 2 * size * slot_words)
+    tag = uuid.uuid4().hex[:16]
+    d = _shm_dir()
+    ctrl_path = os.path.join(d, f"triton_ep.{tag}.ctrl")
+    ctrl = _map_file(ctrl_path, ctrl_bytes, create=True) if rank == 0 else None
+    if device.type == "cuda":
+        data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        mine = ("cuda", pickle.dumps(_device_handle(data)))
+        data_path = None
+    else:
+        data_path = os.path.join(d, f"triton_ep.{tag}.r{rank}")
+        data = _map_file(data_path, num_bytes, create=True)
+        mine = ("file", data_path)
+    info = [None] * size
+    dist.all_gather_object(info, (socket.gethostname(), ctrl_path if rank == 0 else None, mine, num_bytes),
+                           group=group)
+    hosts = {i[0] for i in info}
+    try:
+        if len(hosts) != 1:
+            raise ValueError(f"triton_ep intranode buffers need every rank on one host; got hosts {sorted(hosts)}")
+        if ctrl is None:
+            ctrl = _map_file(info[0][1], ctrl_bytes, create=False)
+        peers = []
+        for r, (_, _, (kind, h), nb) in enumerate(info):
+            if r == rank:
+                peers.append(data)
+            elif kind == "cuda":
+                fn, args = pickle.loads(h)
+                peers.append(fn(*args).view(torch.uint8))
+            else:
+                peers.append(_map_file(h, nb, create=False))
+        comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info))
+        comm.barrier("bootstrap/map buffers")
+    finally:
+        for path in ([data_path] if data_path else []) + ([ctrl_path] if rank == 0 else []):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return comm
+
+
+class LocalWorld:
+    """``R`` ranks simulated in one process (plain CPU tensors), for lock-step tests.
+
+    ``comm(r)`` gives rank ``r`` a :class:`Comm` over the shared in-process buffers; its barriers are
+    driven by the caller (see :func:`triton_ep.testing.lockstep`), never waited on.
+    """
+
+    def __init__(self, size: int, num_bytes: int, slot_words: int, device: str = "cpu") -> None:
+        num_bytes = max(4096, (int(num_bytes) + 4095) // 4096 * 4096)
+        self.size = size
+        self.data = [torch.empty(num_bytes, dtype=torch.uint8, device=device) for _ in range(size)]
+        self.ctrl = torch.zeros(8 * (size + 2 * size * slot_words), dtype=torch.uint8)
+        self.slot_words = slot_words
+        self.device = torch.device(device)
+
+    def comm(self, rank: int) -> Comm:
+        return Comm(rank, self.size, self.device, self.data, self.ctrl, timeout_s=0.0, slot_words=self.slot_words)
