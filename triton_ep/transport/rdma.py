@@ -45,8 +45,9 @@ class RdmaError(EPError):
                  errno: Optional[int] = None) -> None:
         self.device, self.port, self.qp_num, self.peer = device, port, qp_num, peer
         self.status, self.errno = status, errno
-        where = f"device {device} port {port} QP {qp_num} peer {peer}"
-        super().__init__(f"triton-ep RDMA: {msg} ({where})")
+        where = " ".join(f"{k} {v}" for k, v in (("device", device), ("port", port), ("QP", qp_num),
+                                                  ("peer", peer)) if v is not None)
+        super().__init__(f"triton-ep RDMA: {msg}" + (f" ({where})" if where else ""))
 
 
 class RdmaUnavailable(RdmaError):
