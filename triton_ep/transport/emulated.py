@@ -286,7 +286,8 @@ class GlobalRoute:
 
     def __init__(self, dgid: Optional[GID] = None, flow_label: int = 0, sgid_index: int = 0,
                  hop_limit: int = 1, traffic_class: int = 0) -> None:
-        self.dgid, self.flow_label, self.sgid_index = dgid or GID(), flow_label, sgid_index
+        self.dgid = str(dgid or GID())   # pyverbs returns the GID as its string
+        self.flow_label, self.sgid_index = flow_label, sgid_index
         self.hop_limit, self.traffic_class = hop_limit, traffic_class
 
 
@@ -818,7 +819,7 @@ class QP:
             if ah is None or not attr.dest_qp_num:
                 raise PyverbsRDMAError("Failed to modify QP to RTR: no address or dest QPN", _errno.EINVAL)
             try:
-                dst = self.engine.fabric.resolve(ah.dgid.gid if ah.is_global else "", ah.dlid)
+                dst = self.engine.fabric.resolve(ah.dgid if ah.is_global else "", ah.dlid)
             except KeyError:
                 raise PyverbsRDMAError("Failed to modify QP to RTR: destination unreachable", _errno.EHOSTUNREACH)
             own = self.ctx._gids(self.port)
@@ -864,7 +865,7 @@ class QP:
         fab = self.engine.fabric
         ps = self.ctx.spec.ports[self.port - 1]
         src_gid = self.ctx._gids(self.port)[self.ah.sgid_index if self.ah.is_global else 0][0]
-        dst_gid = str(self.ah.dgid) if self.ah.is_global else ""
+        dst_gid = self.ah.dgid if self.ah.is_global else ""
         sport = topology.effective_udp_sport(self.ah.flow_label if self.ah.is_global else 0,
                                              self.qp_num, self.dest_qpn, self.forced_sport)
         path = topology.emulator_path_hash(src_gid, dst_gid, sport, fab.spec.n_paths)

@@ -291,10 +291,10 @@ def build_qp_attr(api: SimpleNamespace, *, port: int, local: QPInfo, remote: QPI
     attr.min_rnr_timer = min_rnr_timer
     attr.timeout, attr.retry_cnt, attr.rnr_retry = timeout, retry_cnt, rnr_retry
     is_global = 1 if remote.gid.strip("0:") else 0
-    gr = api.GlobalRoute(dgid=api.GID(), flow_label=flow_label & topology.FLOW_LABEL_MASK,
+    dgid = api.GID()
+    dgid.gid = remote.gid
+    gr = api.GlobalRoute(dgid=dgid, flow_label=flow_label & topology.FLOW_LABEL_MASK,
                          sgid_index=local.gid_index, hop_limit=hop_limit, traffic_class=traffic_class)
-    gr.dgid.gid = remote.gid
-    # pyverbs copies the GlobalRoute into the AH attribute at construction, so the GID is set first.
     attr.ah_attr = api.AHAttr(dlid=remote.lid, sl=0, is_global=is_global, port_num=port, gr=gr)
     return attr
 
