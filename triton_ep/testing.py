@@ -47,12 +47,13 @@ class VirtualGroup:
     Args:
         num_ranks: ``R``.
         num_nvl_bytes: each rank's buffer size in bytes.
+        device: where the buffers live (``"cpu"``, or ``"cuda"`` to run compiled kernels in one process).
 
     Use :meth:`call` to run one collective method on all ranks: ``call("dispatch", [kwargs_0, ...])``.
     """
 
-    def __init__(self, num_ranks: int, num_nvl_bytes: int) -> None:
-        self.world = LocalWorld(num_ranks, num_nvl_bytes, Buffer._slot_words(num_ranks))
+    def __init__(self, num_ranks: int, num_nvl_bytes: int, device: str = "cpu") -> None:
+        self.world = LocalWorld(num_ranks, num_nvl_bytes, Buffer._slot_words(num_ranks), device=device)
         self.buffers = [Buffer(self.world.comm(r), num_nvl_bytes) for r in range(num_ranks)]
 
     def call(self, method: str, per_rank_kwargs: Sequence[dict]) -> List[Any]:
@@ -78,3 +79,85 @@ def _steps_kwargs(method: str, kw: dict) -> dict:
     out = {"x": kw["x"]}
     out.update({k: kw.get(k, v) for k, v in names.items()})
     return out
+
+
+def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple) -> None:
+    import os
+    import pickle
+    import traceback
+
+    import torch.distributed as dist
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    result = None
+    try:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+        result = ("ok", fn(rank, world, *args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        result = ("err", (type(e).__name__, str(e), traceback.format_exc(), e if _picklable(e) else None))
+    finally:
+        with open(os.path.join(out_dir, f"r{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _picklable(obj) -> bool:
+    import pickle
+    try:
+        pickle.loads(pickle.dumps(obj))
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 300.0) -> List[Any]:
+    """Start ``world`` processes (spawn), bootstrap a ``torch.distributed`` group over a file rendezvous
+    and call ``fn(rank, world, *args)`` in each (``fn`` must be importable: defined at module level).
+
+    Returns:
+        per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.
+
+    Raises:
+        TimeoutError: the ranks did not all finish within ``timeout_s`` seconds (they are killed).
+    """
+    import os
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory(prefix="triton_ep_ranks_") as d:
+        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "init"), d, backend, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        import time
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not all(not p.is_alive() for p in ctx.processes):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout_s} s")
+                time.sleep(0.05)
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        out = []
+        for r in range(world):
+            path = os.path.join(d, f"r{r}.pkl")
+            if not os.path.exists(path):
+                out.append(RankFailure("ProcessDied", f"rank {r} exited with code {ctx.processes[r].exitcode}", "", None))
+                continue
+            with open(path, "rb") as f:
+                kind, val = pickle.load(f)
+            out.append(val if kind == "ok" else RankFailure(*val))
+        return out
+
+
+class RankFailure:
+    """What a rank of :func:`run_ranks` raised: ``type_name``, ``message``, ``traceback`` and, when it
+    could be pickled, the ``exception`` itself."""
+
+    def __init__(self, type_name: str, message: str, tb: str, exception) -> None:
+        self.type_name, self.message, self.traceback, self.exception = type_name, message, tb, exception
+
+    def __repr__(self) -> str:
+        return f"RankFailure({self.type_name}: {self.message})"

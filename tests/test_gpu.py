@@ -1,0 +1,50 @@
+"""GPU tests (marker ``gpu``): the compiled kernels and CUDA IPC between processes sharing one GPU."""
+import pytest
+import torch
+
+import mp_cases
+from helpers import check_round_trip_virtual
+from triton_ep.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def _ok(results):
+    bad = [r for r in results if not isinstance(r, int)]
+    assert not bad, "\n".join(getattr(b, "traceback", repr(b)) for b in bad)
+    return results
+
+
+@pytest.mark.parametrize("R,Ts,nbytes", [(1, [33], 1 << 20), (4, [40, 0, 17, 65], 1 << 20), (3, [50, 70, 9], 2048)])
+def test_virtual_round_trip_cuda(R, Ts, nbytes):
+    """Compiled kernels, ranks simulated in one process on cuda (2048 bytes forces several rounds)."""
+    check_round_trip_virtual(R=R, E=8 * R, K=4, H=128, Ts=Ts, seed=R, num_nvl_bytes=nbytes, device="cuda")
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_processes_share_one_gpu(R):
+    """Real processes on one GPU (gloo bootstrap, CUDA IPC buffers): bitwise against the reference."""
+    _ok(run_ranks(mp_cases.round_trip, R, 7, 8 * R, 8, 256, [64 + 13 * r for r in range(R)], 1 << 20, False, "cuda"))
+
+
+def test_processes_fp8_and_rounds_gpu():
+    _ok(run_ranks(mp_cases.round_trip, 2, 8, 16, 4, 256, [100, 3], 8192, True, "cuda"))
+
+
+def test_large_rows_64bit_offsets():
+    """One rank, rows x H past 2^31 elements in the receive buffer: offsets must be 64-bit."""
+    import triton_ep
+    T, H, E = 300_000, 7168 + 128, 8   # 300k x 7296 = 2.19e9 elements > 2^31
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    idx = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
+    from triton_ep.transport.ipc import LocalWorld
+    world = LocalWorld(1, T * H * 2 + (1 << 20), triton_ep.Buffer._slot_words(1), device="cuda")
+    buf = triton_ep.Buffer(world.comm(0))
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    from triton_ep.testing import lockstep
+    (res,) = lockstep([buf._dispatch_steps(x, None, per_rank, in_rank, per_expert, idx, None, 1, 0, None, False)])
+    if isinstance(res, Exception):
+        raise res
+    recv_x = res[0]
+    assert torch.equal(recv_x[-5:], x[-5:]) and torch.equal(recv_x[:5], x[:5])
+    assert torch.equal(res[4][3][-3:].cpu(), torch.arange(T - 3, T, dtype=torch.int32))

@@ -1,0 +1,183 @@
+"""Limits of the emulated fabric that the transport never lets a user reach: raw send-queue and CQ depth,
+state checks, fragmentation, the rate model, and two ranks in two processes over shared memory."""
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from triton_ep.transport import emulated as em
+from triton_ep.transport import topology, verbs
+from triton_ep.transport.rdma import WRITE, WRITE_WITH_IMM, Op, QPInfo
+
+from rdma_helpers import connect_pair, dual_port_fabric
+
+
+def raw_pair(sq=4, cqe=64, **fabric_kw):
+    """Two raw emulated QPs (pyverbs-level), connected to each other; returns (api, qa, qb, cqa, cqb, mra, mrb)."""
+    fab = dual_port_fabric(**fabric_kw)
+    api = fab.pyverbs()
+    e = api.enums
+    out = []
+    for name in ("mlx5_0", "mlx5_1"):
+        ctx = api.Context(name=name)
+        pd = api.PD(ctx)
+        cq = api.CQ(ctx, cqe, None, None, 0)
+        qp = api.QP(pd, verbs.build_init_attr(api, cq, sq, 4))
+        mr = api.MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC)
+        gid = ctx.query_gid(1, 3).gid
+        out.append((ctx, qp, cq, mr, QPInfo(qp.qp_num, 1, gid, 3, 0, 5, 1, name)))
+    (_, qa, cqa, mra, ia), (_, qb, cqb, mrb, ib) = out
+    for q, mine, other in ((qa, ia, ib), (qb, ib, ia)):
+        attr = verbs.build_qp_attr(api, port=1, local=mine, remote=other)
+        q.to_rts(attr)
+    return api, qa, qb, cqa, cqb, mra, mrb
+
+
+def write_wr(api, mr_local, mr_remote, wr_id, signaled):
+    return verbs.build_send_wr(api, WRITE, wr_id, api.SGE(mr_local.buf, 8, mr_local.lkey), mr_remote.rkey,
+                               mr_remote.buf, signaled=signaled)
+
+
+def poll_until(cq, n, tries=20000):
+    got = []
+    for _ in range(tries):
+        k, wcs = cq.poll(16)
+        got += wcs
+        if len(got) >= n:
+            return got
+        import time
+        time.sleep(0.0002)
+    raise AssertionError(f"only {len(got)} of {n} completions")
+
+
+def test_send_queue_overflow_is_enomem_until_a_signalled_completion_is_polled():
+    api, qa, qb, cqa, cqb, mra, mrb = raw_pair(sq=4)
+    for i in range(3):
+        qa.post_send(write_wr(api, mra, mrb, i, signaled=False))
+    qa.post_send(write_wr(api, mra, mrb, 3, signaled=True))
+    with pytest.raises(api.PyverbsRDMAError) as ei:
+        qa.post_send(write_wr(api, mra, mrb, 4, signaled=True))
+    assert ei.value.error_code == errno.ENOMEM
+    assert [w.wr_id for w in poll_until(cqa, 1)] == [3]     # unsignalled ones: no completion
+    for i in range(4):                                       # polling the signalled one freed all 4 slots
+        qa.post_send(write_wr(api, mra, mrb, 10 + i, signaled=True))
+
+
+def test_cq_overrun_raises_on_poll():
+    api, qa, qb, cqa, cqb, mra, mrb = raw_pair(sq=8, cqe=2)
+    for i in range(3):
+        qa.post_send(write_wr(api, mra, mrb, i, signaled=True))
+    with pytest.raises(api.PyverbsRDMAError, match="overrun"):
+        poll_until(cqa, 3)
+
+
+def test_post_before_rts_and_bad_transitions_fail():
+    fab = dual_port_fabric()
+    api = fab.pyverbs()
+    ctx = api.Context(name="mlx5_0")
+    pd, cq = api.PD(ctx), api.CQ(ctx, 8, None, None, 0)
+    qp = api.QP(pd, verbs.build_init_attr(api, cq, 4, 4))
+    mr = api.MR(pd, 64, api.enums.IBV_ACCESS_LOCAL_WRITE)
+    with pytest.raises(api.PyverbsRDMAError) as ei:
+        qp.post_send(write_wr(api, mr, mr, 1, True))
+    assert ei.value.error_code == errno.EINVAL
+    with pytest.raises(api.PyverbsRDMAError):
+        qp.post_recv(api.RecvWR(wr_id=1, num_sge=1, sg=[api.SGE(mr.buf, 8, mr.lkey)]))   # RESET
+    attr = api.QPAttr()
+    attr.port_num = 3                                            # the device has 2 ports
+    with pytest.raises(api.PyverbsRDMAError):
+        qp.to_init(attr)
+    with pytest.raises(api.PyverbsUserError):
+        api.SendWR(wr_id=1, num_sge=0, sg=None)
+    with pytest.raises(api.PyverbsRDMAError):
+        api.Context(name="mlx5_9")
+
+
+def test_write_larger_than_ring_is_fragmented_in_order():
+    fab = dual_port_fabric(ring_bytes=1 << 16)
+    t0 = verbs.VerbsTransport(0, 2, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=1, timeout_s=20)
+    t1 = verbs.VerbsTransport(1, 2, api=fab.pyverbs(["mlx5_1"]), num_qps_per_peer=1, timeout_s=20)
+    try:
+        connect_pair(t0, t1)
+        n = 1 << 20
+        src, dst = t0.register(n), t1.register(n)
+        src.view()[:] = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+        t0.post(1, 0, [Op(WRITE_WITH_IMM, src, 0, n, dst.remote(), 0, imm=1, signaled=True)])
+        t1.wait(lambda cs: len(cs) >= 1, stage="big")
+        assert (dst.view() == src.view()).all()
+    finally:
+        t0.close()
+        t1.close()
+
+
+def test_rate_model_matches_analytic_prediction():
+    """8 equal streams, 2 ports x 4 paths: the virtual makespan equals bytes / bottleneck bandwidth."""
+    m = em.RateModel()
+    port_bw, path_bw, chunk, per_qp = 50e9, 25e9, 1 << 20, 16
+    for k in range(per_qp):
+        for q in range(8):
+            m.charge(("qp", q), [(("tx", q % 2), port_bw), (("path", q % 4), path_bw), (("rx", q % 2), port_bw)], chunk)
+    total = 8 * per_qp * chunk
+    predicted = max(total / 2 / port_bw, total / 4 / path_bw)
+    assert m.makespan() == pytest.approx(predicted, rel=0.02)
+    m.reset()
+    for k in range(per_qp):
+        m.charge(("qp", 0), [(("tx", 0), port_bw), (("path", 0), path_bw), (("rx", 0), port_bw)], chunk)
+    assert m.makespan() == pytest.approx(per_qp * chunk / path_bw, rel=1e-9)
+
+
+def _rank_main(rank, fabric, init_file, q):
+    """One rank of the two-process test: torch.distributed (gloo) exchange, then RDMA over the fabric."""
+    try:
+        import torch.distributed as dist
+        from triton_ep.transport import rdma
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+        t = verbs.VerbsTransport(rank, 2, api=fabric.pyverbs([f"mlx5_{rank}"]), num_qps_per_peer=2,
+                                 n_paths=4, path_hash=topology.emulator_path_hash, timeout_s=30)
+        peer = 1 - rank
+        t.connect(peer, rdma.exchange_info({peer: t.local_info(peer)})[peer])
+        buf = t.register(4096)
+        regions = rdma.exchange_regions(buf.remote())
+        dist.barrier()
+        if rank == 0:
+            buf.view()[:256] = np.arange(256, dtype=np.uint8)
+            t.post(1, 1, [Op(WRITE, buf, 0, 256, regions[1], 512),
+                          Op(WRITE_WITH_IMM, buf, 0, 0, regions[1], 0, imm=42, signaled=True)])
+            t.wait(lambda cs: any(c.opcode == "write_imm" for c in cs), stage="mp write")
+        else:
+            cs = t.wait(lambda cs: any(c.opcode == "recv_imm" for c in cs), stage="mp recv", peer=0)
+            ok = bool((buf.view()[512:768] == np.arange(256, dtype=np.uint8)).all())
+            q.put(("recv", [c.imm for c in cs if c.opcode == "recv_imm"], ok, os.getpid()))
+        dist.barrier()
+        t.close()
+        dist.destroy_process_group()
+        q.put(("done", rank))
+    except BaseException as ex:  # report to the parent rather than hang it
+        q.put(("error", rank, repr(ex)))
+
+
+@pytest.mark.multiprocess
+def test_two_processes_over_shared_memory(tmp_path):
+    fab = dual_port_fabric()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, fab, str(tmp_path / "init"), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    msgs = []
+    try:
+        while len([m for m in msgs if m[0] in ("done", "error")]) < 2:
+            msgs.append(q.get(timeout=90))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert not [m for m in msgs if m[0] == "error"], msgs
+    (recv,) = [m for m in msgs if m[0] == "recv"]
+    assert recv[1] == [42] and recv[2] is True and recv[3] != os.getpid()
+    assert not [f for f in os.listdir(fab.shm_dir) if fab.token in f]   # rings unlinked at close
