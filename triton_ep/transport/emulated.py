@@ -36,6 +36,7 @@ measurement share a process, as the benchmark's do).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import errno as _errno
@@ -797,6 +798,7 @@ class QP:
         self.async_error: Optional[str] = None
         self.send_lock = threading.Lock()
         self.ring = _Ring(eng.path(self.qp_num), eng.fabric.spec.ring_bytes, create=True)
+        _created_rings.add(self.ring.path)
         with eng.lock:
             eng.qps[self.qp_num] = self
 
@@ -1060,6 +1062,20 @@ class QP:
             self.engine.qps.pop(self.qp_num, None)
             self.engine.out_rings.pop(self.qp_num, None)
         self.ring.close(unlink=True)
+        _created_rings.discard(self.ring.path)
+
+
+_created_rings: set = set()
+
+
+@atexit.register
+def _unlink_rings() -> None:
+    """Remove the ring files of QPs this process created and never closed."""
+    for path in list(_created_rings):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 __all__ = ["Fabric", "FabricSpec", "DeviceSpec", "PortSpec", "RateModel", "enums", "port_gids", "port_lid",
