@@ -181,3 +181,27 @@ def test_two_processes_over_shared_memory(tmp_path):
     (recv,) = [m for m in msgs if m[0] == "recv"]
     assert recv[1] == [42] and recv[2] is True and recv[3] != os.getpid()
     assert not [f for f in os.listdir(fab.shm_dir) if fab.token in f]   # rings unlinked at close
+
+
+def test_bonded_device_spreads_qps_over_lag_ports():
+    spec = em.FabricSpec([em.DeviceSpec("mlx5_bond_0", [em.PortSpec(speed_gbps=200, lag_ports=2)]),
+                          em.DeviceSpec("mlx5_bond_1", [em.PortSpec(speed_gbps=200, lag_ports=2)])])
+    fab = em.Fabric(spec)
+    t0 = verbs.VerbsTransport(0, 2, api=fab.pyverbs(["mlx5_bond_0"]), num_qps_per_peer=4)
+    t1 = verbs.VerbsTransport(1, 2, api=fab.pyverbs(["mlx5_bond_1"]), num_qps_per_peer=4)
+    try:
+        connect_pair(t0, t1)
+        assert [t0.qps[(1, i)].port.lag_port for i in range(4)] == [1, 2, 1, 2]
+        assert [t0.qps[(1, i)].qp.lag_port for i in range(4)] == [1, 2, 1, 2]   # steered by modify_lag_port
+        src, dst = t0.register(1 << 16), t1.register(1 << 16)
+        src.view()[:] = 5
+        fab.model.reset()
+        for i in range(4):
+            t0.post(1, i, [Op(WRITE, src, 0, 1 << 16, dst.remote(), 0, signaled=True)])
+        t0.wait(lambda cs: len(cs) >= 4, stage="bond")
+        assert (dst.view() == 5).all()
+        tx = {k: v for k, v in fab.model.bytes.items() if k[0] == "tx"}
+        assert sorted(tx.values()) == [2 << 16, 2 << 16]      # both LAG members carried half
+    finally:
+        t0.close()
+        t1.close()

@@ -251,6 +251,21 @@ def discover(api: SimpleNamespace, names: Optional[Sequence[str]] = None, max_gi
     return out
 
 
+def ports_of(devices: Sequence[DeviceInfo], lag_ports: Optional[int] = None) -> List[topology.PortRef]:
+    """Active ports as :class:`topology.PortRef` (with their best GID); a bonded mlx5 device's port is
+    listed once per LAG member (``lag_ports``, default 2 for names containing ``bond``)."""
+    out = []
+    for d in devices:
+        for p in d.ports:
+            if not p.active:
+                continue
+            g = p.best_gid() or GidInfo(0, "", "IB")
+            n = lag_ports if lag_ports is not None else (2 if d.is_mlx5 and "bond" in d.name else 0)
+            for lag in (range(1, n + 1) if n and p.link_layer == "Ethernet" else [0]):
+                out.append(topology.PortRef(d.name, p.port, g.gid, g.index, True, lag, p.link_layer, p.speed_gbps))
+    return out
+
+
 def _call(api: SimpleNamespace, what: str, fn, **where: Any):
     """Run a verbs call; turn a pyverbs error into :class:`RdmaError` naming ``where``."""
     try:
@@ -378,6 +393,8 @@ class VerbsTransport(Transport):
         min_rnr_timer, rnr_retry, retry_cnt, qp_timeout: IB-encoded QP timers (see :func:`build_qp_attr`).
         timeout_s: bound of every wait; exceeded -> ``EPTimeoutError``.
         force_sport: on mlx5, also set the UDP source port (and LAG port) directly after RTS.
+        lag_ports: physical ports behind a bonded device (default: 2 for mlx5 devices named ``*bond*``);
+            QPs are dealt over them and steered with ``modify_lag_port``.
     Raises:
         RdmaUnavailable: no pyverbs or no device ("no RDMA device: ... use the emulated transport").
         RdmaError: a verbs call failed (names device, port, QP, peer).
@@ -388,7 +405,7 @@ class VerbsTransport(Transport):
                  rq_depth: int = 256, n_paths: Optional[int] = None, path_hash: topology.PathHash = topology.crc_path_hash,
                  signal_every: Optional[int] = None, auto_replenish: bool = True, min_rnr_timer: int = 12,
                  rnr_retry: int = 7, retry_cnt: int = 7, qp_timeout: int = 14, timeout_s: float = 30.0,
-                 force_sport: bool = True, seed: int = 0) -> None:
+                 force_sport: bool = True, lag_ports: Optional[int] = None, seed: int = 0) -> None:
         self.api = api if api is not None else load_pyverbs()
         self.e = enums_of(self.api)
         self.rank, self.world_size, self.num_qps_per_peer = rank, world_size, num_qps_per_peer
@@ -402,8 +419,7 @@ class VerbsTransport(Transport):
         self.devices = [d for d in discover(self.api, devices) if any(p.active for p in d.ports)]
         if not self.devices:
             raise RdmaUnavailable(NO_DEVICE_HINT.format(why="no device has an active port"))
-        self.ports = [topology.PortRef(d.name, p.port, g.gid, g.index, True, 0, p.link_layer, p.speed_gbps)
-                      for d in self.devices for p in d.ports if p.active for g in [p.best_gid() or GidInfo(0, "", "IB")]]
+        self.ports = ports_of(self.devices, lag_ports)
         self.port_info = {(p.device, p.port): p for d in self.devices for p in d.ports}
         self.ctxs, self.pds, self.cqs, self.scratch = [], [], [], []
         self.qps: Dict[tuple, _QP] = {}
@@ -703,6 +719,6 @@ class VerbsTransport(Transport):
             o.close()
 
 
-__all__ = ["VerbsTransport", "Region", "EnumShim", "load_pyverbs", "discover", "pick_gid", "speed_gbps",
+__all__ = ["VerbsTransport", "Region", "EnumShim", "load_pyverbs", "discover", "ports_of", "pick_gid", "speed_gbps",
            "build_init_attr", "build_qp_attr", "build_send_wr", "DeviceInfo", "PortInfo", "GidInfo",
            "NO_DEVICE_HINT", "WC_STATUS_NAMES"]
