@@ -253,6 +253,8 @@ class Buffer:
             raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
         if t.device.type != self.device.type or (self.device.index is not None and t.device.index != self.device.index):
             raise ValueError(f"{name} is on {t.device}, but this Buffer works on {self.device}")
+        if t.numel() == 0:      # an empty view may keep odd strides (and a null data pointer)
+            return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
         return t.contiguous()
 
     def _check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:

@@ -143,7 +143,8 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
     ctrl = _map_file(ctrl_path, ctrl_bytes, create=True) if rank == 0 else None
     if device.type == "cuda":
         data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        mine = ("cuda", pickle.dumps(_device_handle(data)))
+        # One share per consumer: PyTorch counts the consumers of each share and expects exactly one.
+        mine = ("cuda", [pickle.dumps(_device_handle(data)) if r != rank else None for r in range(size)])
         data_path = None
     else:
         data_path = os.path.join(d, f"triton_ep.{tag}.r{rank}")
@@ -163,7 +164,7 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
             if r == rank:
                 peers.append(data)
             elif kind == "cuda":
-                fn, args = pickle.loads(h)
+                fn, args = pickle.loads(h[rank])
                 peers.append(fn(*args).view(torch.uint8))
             else:
                 peers.append(_map_file(h, nb, create=False))
