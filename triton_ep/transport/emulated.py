@@ -506,6 +506,7 @@ class _Engine:
         return os.path.join(self.fabric.shm_dir, f"tep_{self.fabric.token}_q{qpn:06x}")
 
     def start(self) -> None:
+        """Start the progress thread unless it runs."""
         with self.lock:
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="emulated-hca", daemon=True)
@@ -593,6 +594,11 @@ class _Engine:
                 idle = 0
                 continue
             idle = min(idle + 1, 20)
+            if idle == 20:
+                with self.lock:
+                    if not self.qps:        # nothing left to serve: stop; the next QP restarts the thread
+                        self.thread = None
+                        return
             self.kick.wait(0.00005 * idle)
             self.kick.clear()
 
@@ -786,6 +792,7 @@ class QP:
         self.dest_qpn, self.ah = 0, None
         self.min_rnr_timer, self.rnr_retry, self.retry_cnt, self.timeout = 0, 0, 0, 0
         self.forced_sport, self.lag_port = 0, 0
+        self._route: Optional[tuple] = None
         self.seq = 0
         self.outstanding: "collections.OrderedDict[int, dict]" = collections.OrderedDict()
         self.sq: collections.deque = collections.deque()   # seqs occupying send-queue slots
@@ -801,6 +808,7 @@ class QP:
         _created_rings.add(self.ring.path)
         with eng.lock:
             eng.qps[self.qp_num] = self
+        eng.start()
 
     @property
     def qp_state(self) -> int:
@@ -864,6 +872,13 @@ class QP:
 
     # ---- requester
     def _path_resources(self) -> Tuple[list, tuple]:
+        """Rate-model resources and (UDP sport, path) of this QP; cached until the route changes."""
+        key = (self.forced_sport, self.lag_port, self.dest_qpn, id(self.ah))
+        if self._route is None or self._route[0] != key:
+            self._route = (key, self._compute_route())
+        return self._route[1]
+
+    def _compute_route(self) -> Tuple[list, tuple]:
         fab = self.engine.fabric
         ps = self.ctx.spec.ports[self.port - 1]
         src_gid = self.ctx._gids(self.port)[self.ah.sgid_index if self.ah.is_global else 0][0]

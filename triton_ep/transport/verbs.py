@@ -126,8 +126,10 @@ def load_pyverbs() -> SimpleNamespace:
 
 
 def enums_of(api: SimpleNamespace) -> EnumShim:
-    """The :class:`EnumShim` of an API namespace (wrapping a plain enum module when needed)."""
-    return api.enums if isinstance(api.enums, EnumShim) else EnumShim(api.enums)
+    """The :class:`EnumShim` of an API namespace (a plain enum module is wrapped once, in place)."""
+    if not isinstance(api.enums, EnumShim):
+        api.enums = EnumShim(api.enums)
+    return api.enums
 
 
 # ------------------------------------------------------------------------------------------- discovery
