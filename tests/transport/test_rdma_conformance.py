@@ -216,3 +216,14 @@ def test_qps_spread_over_ports_and_paths(make_pair):
         assert sorted(paths) == [0, 1, 2, 3]          # the emulator routes them on the planned paths
         assert paths == [e.path for e in plan]
         assert all(p.t0.qps[(1, i)].sport_forced for i in range(4))
+
+
+def test_region_without_remote_write_refuses_writes(make_pair):
+    p = make_pair()
+    src = p.t0.register(4096)
+    ro = p.t1.register(4096, remote_write=False, remote_atomic=False)
+    assert ro.rkey == ro.rkeys[0] and ro.lkey == ro.lkeys[0]
+    p.t0.post(1, 1, [Op(WRITE, src, 0, 64, ro.remote(), 0, signaled=True)])
+    with pytest.raises(RdmaCompletionError) as ei:
+        p.t0.wait(sends(1), stage="read-only")
+    assert ei.value.status == "IBV_WC_REM_ACCESS_ERR"

@@ -202,27 +202,14 @@ class Transport(abc.ABC):
         kept in ``.completions``).
         """
 
+    @abc.abstractmethod
     def wait(self, predicate: Callable[[List[Completion]], bool], *, stage: str, peer: Optional[int] = None,
              timeout_s: Optional[float] = None, raise_on_error: bool = True) -> List[Completion]:
         """Poll until ``predicate(all completions so far)`` is true; returns them.
 
-        Raises ``EPTimeoutError(rank, peer, stage, timeout_s)`` when the bound passes first.
+        Raises ``EPTimeoutError(rank, peer, stage, timeout_s)`` when the bound (default ``timeout_s``) passes
+        first, and :class:`RdmaCompletionError` on a failed completion when ``raise_on_error``.
         """
-        import time
-        from triton_ep.errors import EPTimeoutError
-        t = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + t
-        got: List[Completion] = []
-        spins = 0
-        while True:
-            got.extend(self.poll(raise_on_error=raise_on_error))
-            if predicate(got):
-                return got
-            if time.monotonic() > deadline:
-                raise EPTimeoutError(self.rank, peer, stage, t)
-            spins += 1
-            if spins > 64:
-                time.sleep(0.0002)
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -348,6 +348,16 @@ class Region:
         self.lkeys = [m.lkey for m in mrs]
         self.rkeys = tuple(m.rkey for m in mrs)
 
+    @property
+    def lkey(self) -> int:
+        """The lkey on the first device."""
+        return self.lkeys[0]
+
+    @property
+    def rkey(self) -> int:
+        """The rkey on the first device."""
+        return self.rkeys[0]
+
     def remote(self) -> RemoteRegion:
         """What a peer needs to write here (send it with :func:`rdma.exchange_regions`)."""
         return RemoteRegion(self.addr, self.length, self.rkeys)
@@ -437,7 +447,8 @@ class VerbsTransport(Transport):
             self.cqs.append(_call(self.api, "create CQ", lambda: self.api.CQ(ctx, cqe, None, None, 0), device=d.name))
         self._scratch_buf = ctypes.create_string_buffer(64 * len(self.devices))
         for slot in range(len(self.devices)):
-            self.scratch.append(self._mr(slot, None, 64, ctypes.addressof(self._scratch_buf) + 64 * slot, False))
+            self.scratch.append(self._mr(slot, None, 64, ctypes.addressof(self._scratch_buf) + 64 * slot,
+                                         self._access(False, False)))
         for peer in range(world_size):
             if peer == rank:
                 continue
@@ -448,9 +459,13 @@ class VerbsTransport(Transport):
     def _slot(self, device: str) -> int:
         return [d.name for d in self.devices].index(device)
 
-    def _mr(self, slot: int, owner: Any, length: int, addr: Optional[int] = None, remote: bool = True):
+    def _access(self, remote_write: bool = True, remote_atomic: bool = True) -> int:
         e = self.e
-        acc = e.IBV_ACCESS_LOCAL_WRITE | ((e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC) if remote else 0)
+        return (e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if remote_write else 0)
+                | (e.IBV_ACCESS_REMOTE_ATOMIC if remote_atomic else 0))
+
+    def _mr(self, slot: int, owner: Any, length: int, addr: Optional[int] = None, acc: Optional[int] = None):
+        acc = self._access() if acc is None else acc
         a = ctypes.addressof(owner) if addr is None else addr
         return _call(self.api, f"register {length} bytes at 0x{a:x}",
                      lambda: self.api.MR(self.pds[slot], length, acc, address=a), device=self.devices[slot].name)
@@ -527,20 +542,19 @@ class VerbsTransport(Transport):
             if not a.flags["C_CONTIGUOUS"]:
                 raise RdmaError("register(): array must be C-contiguous")
             owner, addr, length = a, a.ctypes.data, a.nbytes
+        acc = self._access(remote_write, remote_atomic)
         mrs = []
         for slot in range(len(self.devices)):
             if host:
-                mrs.append(self._mr(slot, owner, length, addr))
+                mrs.append(self._mr(slot, owner, length, addr, acc))
             else:
-                mrs.append(self._gpu_mr(slot, addr, length))
+                mrs.append(self._gpu_mr(slot, addr, length, acc))
         reg = Region(addr, length, mrs, owner, host)
         self.regions.append(reg)
         return reg
 
-    def _gpu_mr(self, slot: int, addr: int, length: int) -> Any:
+    def _gpu_mr(self, slot: int, addr: int, length: int, acc: int) -> Any:
         """dma-buf registration of GPU memory (CUDA driver ``cuMemGetHandleForAddressRange``), else plain."""
-        e = self.e
-        acc = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
         if self.api.DmaBufMR is not None:
             try:
                 cuda = ctypes.CDLL("libcuda.so.1")
@@ -553,7 +567,7 @@ class VerbsTransport(Transport):
                     return self.api.DmaBufMR(self.pds[slot], size, acc, dmabuf=fd.value, offset=addr - base)
             except (OSError, AttributeError, self.api.PyverbsError):
                 pass
-        return self._mr(slot, None, length, addr)
+        return self._mr(slot, None, length, addr, acc)
 
     # ---- data path
     def _sge(self, q: _QP, region: Region, offset: int, length: int) -> Any:
