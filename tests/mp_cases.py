@@ -67,3 +67,65 @@ def round_trip(rank, world, seed, E, K, H, Ts, num_nvl_bytes, fp8=False, device=
         return int(recv_x.shape[0])
     finally:
         buf.destroy()
+
+
+def _layout_kwargs(buf, idx, E):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+
+
+def absent_peer(rank, world, timeout_s):
+    """The last rank never calls dispatch: the others must raise EPTimeoutError naming it within the
+    bound; then every rank destroys its Buffer, builds a new one and runs a correct dispatch."""
+    import time
+    import torch.distributed as dist
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(11, world, E, 2, H, [6] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=timeout_s)
+    report = None
+    if rank != world - 1:
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+            report = "no error"
+        except triton_ep.EPTimeoutError as e:
+            report = (type(e).__name__, isinstance(e, RuntimeError), isinstance(e, TimeoutError), e.rank, e.peer,
+                      e.stage, round(time.monotonic() - t0, 2), str(e))
+    buf.destroy()
+    dist.barrier()
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=timeout_s)
+    recv_x = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))[0]
+    assert torch.equal(recv_x, ref.dispatch(xs, idxs, ws, E)[rank]["recv_x"])
+    buf.destroy()
+    return report
+
+
+def bad_input_on_one_rank(rank, world, kind):
+    """Rank 1 passes bad input; it raises ValueError, every other rank EPRemoteError naming it, nobody
+    waits; then a correct dispatch works on the same Buffer."""
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(12, world, E, 2, H, [5] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=30)
+    kw = _layout_kwargs(buf, idxs[rank], E)
+    x = xs[rank]
+    before = idxs[rank].clone()
+    if rank == 1:
+        if kind == "bad_ids":
+            kw["topk_idx"] = idxs[rank].clone()
+            kw["topk_idx"][0, 0] = E + 5
+            before = kw["topk_idx"].clone()
+        elif kind == "dtype":
+            x = x.float()
+        elif kind == "worst":
+            pass
+    extra = dict(num_worst_tokens=1) if kind == "worst" and rank == 1 else {}
+    try:
+        buf.dispatch(x, topk_weights=ws[rank], **kw, **extra)
+        out = "no error"
+    except Exception as e:  # noqa: BLE001
+        out = (type(e).__name__, str(e))
+    assert torch.equal(kw["topk_idx"], before), "topk_idx was modified"
+    recv_x = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))[0]
+    assert torch.equal(recv_x, ref.dispatch(xs, idxs, ws, E)[rank]["recv_x"])
+    buf.destroy()
+    return out

@@ -1,0 +1,106 @@
+"""Bad input gets a clear error before any kernel runs, naming the argument; nothing is modified."""
+import pytest
+import torch
+
+import triton_ep
+from helpers import make_inputs, virtual_dispatch
+from triton_ep.testing import VirtualGroup
+
+
+@pytest.fixture()
+def one():
+    vg = VirtualGroup(1, 1 << 16)
+    return vg, vg.buffers[0]
+
+
+def _dispatch(vg, **kw):
+    (out,) = vg.call("dispatch", [kw])
+    return out
+
+
+def _layout(buf, idx, E):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx)
+
+
+@pytest.mark.parametrize("bad,exc,words", [
+    (dict(x=torch.zeros(4, 16, dtype=torch.float32)), TypeError, ["x", "bfloat16"]),
+    (dict(x=torch.zeros(4, 16, 1, dtype=torch.bfloat16)), ValueError, ["x", "shape"]),
+    (dict(x=torch.zeros(4, 12, dtype=torch.bfloat16)), ValueError, ["16 bytes"]),
+    (dict(x=torch.zeros(5, 16, dtype=torch.bfloat16)), ValueError, ["must have shape [5,"]),
+    (dict(x=torch.zeros(4, 16, dtype=torch.bfloat16, device="meta")), ValueError, ["x", "meta"]),
+    (dict(topk_weights=torch.zeros(4, 2, dtype=torch.float64)), TypeError, ["topk_weights"]),
+    (dict(topk_idx=torch.zeros(4, 2, dtype=torch.float32)), TypeError, ["topk_idx"]),
+    (dict(expert_alignment=0), ValueError, ["expert_alignment"]),
+    (dict(num_worst_tokens=-1), ValueError, ["num_worst_tokens"]),
+    (dict(x=(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(4, 2))), ValueError, ["scales", "shape"]),
+    (dict(x=(torch.zeros(4, 64, dtype=torch.float8_e4m3fn), torch.zeros(4, 0))), ValueError, ["128"]),
+])
+def test_dispatch_rejects_bad_arguments(one, bad, exc, words):
+    vg, buf = one
+    idx = torch.tensor([[0, 1], [1, -1], [-1, -1], [2, 2]])
+    kw = dict(x=torch.randn(4, 16).to(torch.bfloat16), topk_weights=torch.rand(4, 2), **_layout(buf, idx, 4))
+    kw.update(bad)
+    err = _dispatch(vg, **kw)
+    assert isinstance(err, exc), err
+    assert all(w in str(err) for w in words), str(err)
+
+
+def test_ids_out_of_range_are_masked_then_raised(one):
+    """Ids >= E and < -1 are masked by the layout kernel and raised at dispatch; the input is untouched."""
+    vg, buf = one
+    idx = torch.tensor([[0, 7], [-3, 1]])
+    keep = idx.clone()
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    assert per_expert.tolist() == [1, 1, 0, 0] and in_rank.tolist() == [[True], [True]]
+    err = _dispatch(vg, x=torch.randn(2, 16).to(torch.bfloat16), **_layout(buf, idx, 4))
+    assert isinstance(err, ValueError) and "2 ids outside [-1, 4)" in str(err)
+    assert torch.equal(idx, keep)
+
+
+def test_layout_and_group_size_errors():
+    vg = VirtualGroup(2, 1 << 16)
+    buf = vg.buffers[0]
+    with pytest.raises(ValueError, match="multiple of the group size 2"):
+        buf.get_dispatch_layout(torch.zeros(3, 2, dtype=torch.int64), 5)
+    with pytest.raises(TypeError, match="topk_idx"):
+        buf.get_dispatch_layout(torch.zeros(3, 2, dtype=torch.int16), 4)
+    with pytest.raises(ValueError, match="topk_idx must have shape"):
+        buf.get_dispatch_layout(torch.zeros(3, dtype=torch.int64), 4)
+
+
+def test_buffer_too_small_for_one_row_is_a_clear_error():
+    xs, idxs, ws = make_inputs(0, 2, 1, 4096, [3])
+    vg = VirtualGroup(1, 4096)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        virtual_dispatch(vg, xs, idxs, ws, 2)
+
+
+@pytest.mark.parametrize("R", range(1, 9))
+def test_configs_for_every_group_size(R):
+    for cfg in (triton_ep.Buffer.get_dispatch_config(R), triton_ep.Buffer.get_combine_config(R)):
+        assert isinstance(cfg, triton_ep.Config)
+        hint = cfg.get_nvl_buffer_size_hint(7168 * 2, R)
+        assert hint >= 7168 * 2 * R and hint % 128 == 0
+
+
+def test_static_api_surface():
+    with pytest.raises(ValueError):
+        triton_ep.Buffer.set_num_sms(7)
+    assert triton_ep.topk_idx_t is torch.int64
+    assert issubclass(triton_ep.EPTimeoutError, RuntimeError) and issubclass(triton_ep.EPTimeoutError, TimeoutError)
+    assert triton_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) > 0
+    ev = triton_ep.Buffer.capture()
+    ev.current_stream_wait()
+    with ev:
+        pass
+
+
+def test_destroyed_buffer_raises():
+    vg = VirtualGroup(1, 1 << 16)
+    buf = vg.buffers[0]
+    buf.destroy()
+    buf.destroy()
+    with pytest.raises(triton_ep.EPError, match="destroyed"):
+        buf.get_dispatch_layout(torch.zeros(1, 1, dtype=torch.int64), 1)

@@ -1,0 +1,51 @@
+"""Real rank processes on CPU: POSIX shared-memory buffers, gloo bootstrap, host barriers with timeouts."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mp_cases
+from triton_ep.testing import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _values(results):
+    bad = [r for r in results if hasattr(r, "traceback")]
+    assert not bad, "\n".join(b.traceback or b.message for b in bad)
+    return results
+
+
+@pytest.mark.property
+@settings(max_examples=3)
+@given(R=st.sampled_from([2, 3, 4]), seed=st.integers(0, 1000), H=st.sampled_from([16, 64]),
+       zero_rank=st.booleans(), small=st.booleans())
+def test_processes_round_trip_property(R, seed, H, zero_rank, small):
+    """dispatch / combine / cached dispatch across processes, bit for bit against the reference; ragged T
+    with an empty rank, and a buffer small enough to force many rounds."""
+    Ts = [(0 if (zero_rank and r == 1) else 5 + 7 * r + seed % 5) for r in range(R)]
+    _values(run_ranks(mp_cases.round_trip, R, seed, 4 * R, 3, H, Ts, 1024 if small else 1 << 20))
+
+
+def test_processes_fp8():
+    _values(run_ranks(mp_cases.round_trip, 2, 3, 8, 2, 256, [9, 4], 1 << 20, True))
+
+
+def test_absent_peer_times_out_then_recovers():
+    """A rank that never calls dispatch: every other rank raises a timeout naming itself, the peer and the
+    stage within the bound, and the same processes then rebuild a Buffer and dispatch correctly."""
+    out = _values(run_ranks(mp_cases.absent_peer, 3, 2.0))
+    for rank in (0, 1):
+        name, is_rt, is_to, r, peer, stage, waited, msg = out[rank]
+        assert name == "EPTimeoutError" and is_rt and is_to
+        assert (r, peer) == (rank, 2) and stage.startswith("dispatch")
+        assert 2.0 <= waited < 20, waited
+        assert f"rank {rank}" in msg and "peer 2" in msg
+    assert out[2] is None
+
+
+@pytest.mark.parametrize("kind,local,remote", [("bad_ids", "ValueError", "EPRemoteError"),
+                                               ("dtype", "TypeError", "EPRemoteError"),
+                                               ("worst", "EPCapacityError", "EPCapacityError")])
+def test_bad_input_raises_on_every_rank(kind, local, remote):
+    out = _values(run_ranks(mp_cases.bad_input_on_one_rank, 3, kind))
+    assert out[1][0] == local, out
+    assert all(out[r][0] == remote and "rank 1" in out[r][1] for r in (0, 2)), out
