@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from triton_ep.errors import EPTimeoutError
-from triton_ep.transport.rdma import FETCH_ADD, WRITE, WRITE_WITH_IMM, Op, RdmaCompletionError, RdmaError
+from triton_ep.transport.rdma import FETCH_ADD, WRITE, WRITE_WITH_IMM, Op, RdmaCompletionError
 
 
 def recv_count(n):
@@ -195,8 +195,13 @@ def test_selective_signalling_with_full_send_queue(make_pair):
     comps = p.t0.wait(sends(1), stage="last")
     assert [c.wr_id for c in comps] == [999]
     assert (dst.view() == src.view()).all()
-    with pytest.raises(RdmaError, match="exceeds the send queue depth 8"):
-        p.t0.post(1, 3, [Op(WRITE, src, 0, 16, dst.remote(), 0)] * 9)
+    # a few unsignalled requests in flight, then a chain longer than the whole queue: split, never stuck
+    src.view()[:] = 77
+    p.t0.post(1, 3, [Op(WRITE, src, 16 * j, 16, dst.remote(), 16 * j) for j in range(3)])
+    p.t0.post(1, 3, [Op(WRITE, src, 16 * j, 16, dst.remote(), 16 * j) for j in range(3, 300)]
+              + [Op(WRITE, src, 0, 16, dst.remote(), 0, signaled=True, wr_id=1000)])
+    assert [c.wr_id for c in p.t0.wait(sends(1), stage="long chain")] == [1000]
+    assert (dst.view() == 77).all()
 
 
 def test_wait_times_out_naming_rank_peer_stage(make_pair):

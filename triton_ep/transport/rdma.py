@@ -183,9 +183,10 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def post(self, peer: int, qp: int, ops: Sequence[Op]) -> List[int]:
-        """Post ``ops`` as one chained batch on QP ``qp`` of ``peer``; returns their wr_ids.
+        """Post ``ops``, in order, on QP ``qp`` of ``peer`` as chained batches; returns their wr_ids.
 
-        Blocks (polling, bounded by the transport's timeout) while the send queue is full.
+        Blocks (polling, bounded by the transport's timeout) while the send queue is full; completions
+        polled meanwhile are kept for :meth:`poll`.
         Raises :class:`RdmaError` if the verbs call fails, ``EPTimeoutError`` if the queue never drains.
         """
 

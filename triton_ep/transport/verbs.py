@@ -574,19 +574,37 @@ class VerbsTransport(Transport):
         return self.api.SGE(region.addr + offset, length, region.lkeys[q.slot])
 
     def post(self, peer: int, qp: int, ops: Sequence[Op]) -> List[int]:
-        """Post ``ops`` as one chain; see :meth:`rdma.Transport.post`.  Returns the user wr_ids."""
+        """Post ``ops`` in order on one QP; see :meth:`rdma.Transport.post`.  Returns the user wr_ids.
+
+        The ops go out as chains of as many as the send queue has room for (one ``post_send`` per chain).
+        A chain that fills the queue ends with a signalled request, and every ``signal_every``-th request is
+        signalled, so a full queue always has a completion coming that frees it.
+        """
         q = self.qps[(peer, qp)]
         where = dict(device=q.port.device, port=q.port.port, qp_num=q.info.qp_num, peer=peer)
         if q.remote is None:
             raise RdmaError("post before connect()", **where)
-        self._wait_space(q, len(ops))
+        bad = [op.kind for op in ops if op.kind not in (WRITE, WRITE_WITH_IMM, FETCH_ADD)]
+        if bad:
+            raise RdmaError(f"unknown op kind {bad[0]!r}", **where)
+        ids: List[int] = []
+        i = 0
+        while i < len(ops):
+            if len(q.inflight) >= self.sq_depth:
+                self.wait(lambda _: len(q.inflight) < self.sq_depth, stage="rdma/send-queue space", peer=peer,
+                          channel=qp, keep=True)
+            chunk = ops[i:i + self.sq_depth - len(q.inflight)]
+            ids += self._post_chain(q, chunk, fills=len(q.inflight) + len(chunk) == self.sq_depth, where=where)
+            i += len(chunk)
+        return ids
+
+    def _post_chain(self, q: _QP, ops: Sequence[Op], fills: bool, where: dict) -> List[int]:
+        """Build and post one chain of send WRs on ``q``; ``fills``: it takes the last free slot."""
         wrs, ids = [], []
-        for op in ops:
-            if op.kind not in (WRITE, WRITE_WITH_IMM, FETCH_ADD):
-                raise RdmaError(f"unknown op kind {op.kind!r}", **where)
+        for k, op in enumerate(ops):
             seq = next(q.seq)
             q.unsignaled_run += 1
-            sig = op.signaled or q.unsignaled_run >= self.signal_every
+            sig = op.signaled or q.unsignaled_run >= self.signal_every or (fills and k == len(ops) - 1)
             if sig:
                 q.unsignaled_run = 0
             uid = seq if op.wr_id is None else op.wr_id
@@ -605,16 +623,6 @@ class VerbsTransport(Transport):
             del q.inflight[len(q.inflight) - len(wrs):]
             raise
         return ids
-
-    def _wait_space(self, q: _QP, n: int) -> None:
-        """Poll (keeping completions for :meth:`poll`) until ``n`` send slots are free on ``q``."""
-        if n > self.sq_depth:
-            raise RdmaError(f"batch of {n} exceeds the send queue depth {self.sq_depth}", device=q.port.device,
-                            port=q.port.port, qp_num=q.info.qp_num, peer=q.peer)
-        if len(q.inflight) + n <= self.sq_depth:
-            return
-        self.wait(lambda _: len(q.inflight) + n <= self.sq_depth, stage="rdma/send-queue space", peer=q.peer,
-                  channel=q.index, keep=True)
 
     def wait(self, predicate, *, stage: str, peer: Optional[int] = None, timeout_s: Optional[float] = None,
              raise_on_error: bool = True, channel: Optional[int] = None, keep: bool = False) -> List[Completion]:
