@@ -93,3 +93,15 @@ def test_plan_table_renders_every_qp():
     assert text[0].split() == ["qp", "device", "port", "lag", "flow_label", "udp_sport", "path"]
     assert len(text) == 2 + 3
     assert text[3].split()[:3] == ["1", "mlx5_0", "2"]
+
+
+def test_nearest_nics_keeps_only_the_closest_group():
+    gpu = "/sys/devices/pci0000:00/0000:00:01.0/0000:17:00.0/0000:18:00.0"
+    nics = {"mlx5_0": "/sys/devices/pci0000:00/0000:00:01.0/0000:17:00.0/0000:19:00.0",
+            "mlx5_1": "/sys/devices/pci0000:00/0000:00:01.0/0000:17:00.0/0000:19:00.1",
+            "mlx5_2": "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0"}
+    assert tp.nearest_nics(gpu, nics) == ["mlx5_0", "mlx5_1"]
+    assert tp.nearest_nics(None, nics) == ["mlx5_0", "mlx5_1", "mlx5_2"]
+    import torch
+    if not torch.cuda.is_available():
+        assert tp.gpu_sysfs_path(0) is None        # no CUDA device: no path, no exception

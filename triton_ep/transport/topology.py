@@ -220,6 +220,30 @@ def nics_near_gpu(gpu_pci: Optional[str], nic_pci: dict) -> List[str]:
     return sorted(nic_pci, key=lambda d: (-shared(nic_pci[d]), d))
 
 
+def nearest_nics(gpu_pci: Optional[str], nic_pci: dict) -> List[str]:
+    """The NICs that share the longest PCI path with the GPU (all of them, by name, without a GPU path)."""
+    order = nics_near_gpu(gpu_pci, nic_pci)
+    if not gpu_pci or not order:
+        return order
+
+    def shared(p: str) -> int:
+        return len(os.path.commonpath([gpu_pci, p]).split("/")) if p else 0
+    best = max(shared(nic_pci[d]) for d in order)
+    return [d for d in order if shared(nic_pci[d]) == best]
+
+
+def gpu_sysfs_path(index: int) -> Optional[str]:
+    """Resolved sysfs PCI path of CUDA device ``index`` (via torch's PCI ids), or None where unknown."""
+    try:
+        import torch
+        pr = torch.cuda.get_device_properties(index)
+        bus = f"{pr.pci_domain_id:04x}:{pr.pci_bus_id:02x}:{pr.pci_device_id:02x}.0"
+    except Exception:
+        return None
+    path = os.path.join("/sys/bus/pci/devices", bus)
+    return os.path.realpath(path) if os.path.exists(path) else None
+
+
 def sysfs_nic_pci_paths(root: str = "/sys/class/infiniband") -> dict:
     """Device name -> resolved sysfs PCI path for each RDMA device under ``root`` ({} where none)."""
     out = {}

@@ -405,6 +405,7 @@ class VerbsTransport(Transport):
         min_rnr_timer, rnr_retry, retry_cnt, qp_timeout: IB-encoded QP timers (see :func:`build_qp_attr`).
         timeout_s: bound of every wait; exceeded -> ``EPTimeoutError``.
         force_sport: on mlx5, also set the UDP source port (and LAG port) directly after RTS.
+        gpu: CUDA device index; without ``devices``, use the NICs nearest it on the PCI tree (real pyverbs).
         lag_ports: physical ports behind a bonded device (default: 2 for mlx5 devices named ``*bond*``);
             QPs are dealt over them and steered with ``modify_lag_port``.
     Raises:
@@ -417,7 +418,8 @@ class VerbsTransport(Transport):
                  rq_depth: int = 256, n_paths: Optional[int] = None, path_hash: topology.PathHash = topology.crc_path_hash,
                  signal_every: Optional[int] = None, auto_replenish: bool = True, min_rnr_timer: int = 12,
                  rnr_retry: int = 7, retry_cnt: int = 7, qp_timeout: int = 14, timeout_s: float = 30.0,
-                 force_sport: bool = True, lag_ports: Optional[int] = None, seed: int = 0) -> None:
+                 force_sport: bool = True, lag_ports: Optional[int] = None, gpu: Optional[int] = None,
+                 seed: int = 0) -> None:
         self.api = api if api is not None else load_pyverbs()
         self.e = enums_of(self.api)
         self.rank, self.world_size, self.num_qps_per_peer = rank, world_size, num_qps_per_peer
@@ -428,6 +430,9 @@ class VerbsTransport(Transport):
         self.timers = dict(min_rnr_timer=min_rnr_timer, rnr_retry=rnr_retry, retry_cnt=retry_cnt, timeout=qp_timeout)
         self._rng = random.Random(seed * 7919 + rank)
         self._closed = False
+        if devices is None and gpu is not None and self.api.name == "pyverbs":
+            near = topology.nearest_nics(topology.gpu_sysfs_path(gpu), topology.sysfs_nic_pci_paths())
+            devices = near or None
         self.devices = [d for d in discover(self.api, devices) if any(p.active for p in d.ports)]
         if not self.devices:
             raise RdmaUnavailable(NO_DEVICE_HINT.format(why="no device has an active port"))
