@@ -28,6 +28,8 @@ from triton_ep.transport.rdma import WRITE, Op  # noqa: E402
 
 
 def make_pair(num_qps, port_gbps, path_gbps, n_paths, plan_paths, one_port):
+    """Two connected emulated ranks, each with a dual-port NIC model (port 2 down when ``one_port``);
+    ``plan_paths``: flow labels from the QP plan (else 0, the kernel's default) and mlx5 source ports set."""
     ports = lambda: [em.PortSpec(speed_gbps=port_gbps), em.PortSpec(speed_gbps=port_gbps, active=not one_port)]  # noqa
     fab = em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", ports()), em.DeviceSpec("mlx5_1", ports())],
                                   n_paths=n_paths, path_gbps=path_gbps, ring_bytes=4 << 20))
@@ -99,6 +101,7 @@ def pyverbs_build_cost(n=20000):
 
 
 def main(argv=None):
+    """Run both measurements and print them as markdown tables (or JSON with ``--json``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--qps", type=int, default=8)
     ap.add_argument("--port-gbps", type=float, default=400.0)

@@ -269,10 +269,12 @@ class GID:
 
     @property
     def gid(self) -> str:
+        """The GID as 8 colon-separated groups of 4 lowercase hex digits."""
         return self._gid
 
     @gid.setter
     def gid(self, val: str) -> None:
+        """Set from 8 colon-separated hex groups (pyverbs rejects other forms with PyverbsUserError)."""
         parts = val.split(":")
         if len(parts) != 8 or not all(len(p) <= 4 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
             raise PyverbsUserError(f"Invalid GID value ({parts})")
