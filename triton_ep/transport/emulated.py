@@ -620,7 +620,7 @@ class _Context:
         """Device attributes: ports, limits, vendor (Mellanox's id for ``mlx5_*`` names)."""
         mlx = self.name.startswith("mlx5")
         return SimpleNamespace(phys_port_cnt=len(self.spec.ports), max_qp_wr=32768, max_cqe=4194303,
-                               max_qp=4095, max_sge=30, max_mr_size=1 << 48, fw_ver="emulated",
+                               max_qp=4095, max_sge=30, max_mr_size=1 << 48, fw_ver="emulated", max_qp_rd_atom=16,
                                vendor_id=0x02C9 if mlx else 0, vendor_part_id=4129 if mlx else 0,
                                atomic_cap=1)
 

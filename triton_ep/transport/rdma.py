@@ -129,7 +129,8 @@ class Completion:
     Attributes:
         status: the ``IBV_WC_*`` status name (``"IBV_WC_SUCCESS"`` when fine).  ok: status is success.
         opcode: ``"write"``, ``"write_imm"``, ``"fetch_add"`` (send side) or ``"recv_imm"`` (receive side).
-        wr_id: the request's id.  imm: the immediate (receive side of WRITE_WITH_IMM), else None.
+        wr_id: the request's id (receive side: the transport's own id of the consumed receive).
+        imm: the immediate (receive side of WRITE_WITH_IMM), else None.
         qp_num: local QP number.  peer: peer rank of that QP.  qp: the QP's index among the peer's QPs.
         byte_len: bytes (receive side: length of the write).
     """

@@ -180,10 +180,11 @@ class PortInfo:
 
 @dataclass
 class DeviceInfo:
-    """A device as discovered: name, vendor id, ports."""
+    """A device as discovered: name, vendor id, ports, and the most outstanding RDMA reads/atomics per QP."""
     name: str
     vendor_id: int
     ports: List[PortInfo] = field(default_factory=list)
+    max_qp_rd_atom: int = 16
 
     @property
     def is_mlx5(self) -> bool:
@@ -231,7 +232,8 @@ def discover(api: SimpleNamespace, names: Optional[Sequence[str]] = None, max_gi
         ctx = _call(api, "open device", lambda: api.Context(name=name), device=name)
         try:
             da = _call(api, "query device", ctx.query_device, device=name)
-            info = DeviceInfo(name, int(getattr(da, "vendor_id", 0)))
+            info = DeviceInfo(name, int(getattr(da, "vendor_id", 0)),
+                              max_qp_rd_atom=int(getattr(da, "max_qp_rd_atom", 16) or 1))
             for p in range(1, int(da.phys_port_cnt) + 1):
                 pa = _call(api, "query port", lambda: ctx.query_port(p), device=name, port=p)
                 ll = "InfiniBand" if pa.link_layer == e.IBV_LINK_LAYER_INFINIBAND else "Ethernet"
@@ -506,7 +508,7 @@ class VerbsTransport(Transport):
             q = self.qps[(peer, ent.qp)]
             where = dict(device=q.port.device, port=q.port.port, qp_num=q.info.qp_num, peer=peer)
             attr = build_qp_attr(self.api, port=q.port.port, local=q.info, remote=r, flow_label=ent.flow_label,
-                                 **self.timers)
+                                 max_rd_atomic=min(16, self.devices[q.slot].max_qp_rd_atom), **self.timers)
             _call(self.api, "modify QP to INIT", lambda: q.qp.to_init(attr), **where)
             _call(self.api, "modify QP to RTR", lambda: q.qp.to_rtr(attr), **where)
             _call(self.api, "modify QP to RTS", lambda: q.qp.to_rts(attr), **where)
