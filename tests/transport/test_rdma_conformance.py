@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from triton_ep.errors import EPTimeoutError
-from triton_ep.transport.rdma import FETCH_ADD, WRITE, WRITE_WITH_IMM, Op, RdmaCompletionError
+from triton_ep.transport.rdma import FETCH_ADD, WRITE, WRITE_WITH_IMM, Op, RdmaCompletionError, RdmaError
 
 
 def recv_count(n):
@@ -232,3 +232,17 @@ def test_region_without_remote_write_refuses_writes(make_pair):
     with pytest.raises(RdmaCompletionError) as ei:
         p.t0.wait(sends(1), stage="read-only")
     assert ei.value.status == "IBV_WC_REM_ACCESS_ERR"
+
+
+def test_register_tensors_and_arrays_in_place(make_pair):
+    import torch
+    p = make_pair()
+    src = torch.arange(256, dtype=torch.float32)
+    dst = np.zeros(256, dtype=np.float32)
+    rs, rd = p.t0.register(src), p.t1.register(dst)
+    assert (rs.addr, rs.length, rd.addr, rd.length) == (src.data_ptr(), 1024, dst.ctypes.data, 1024)
+    p.t0.post(1, 0, [Op(WRITE, rs, 16, 512, rd.remote(), 64, signaled=True)])
+    p.t0.wait(sends(1), stage="tensor")
+    assert dst[16:144].tolist() == list(range(4, 132)) and not dst[:16].any() and not dst[144:].any()
+    with pytest.raises(RdmaError, match="contiguous"):
+        p.t0.register(torch.zeros(8, 8).t())
