@@ -1,12 +1,40 @@
-"""Small helpers shared by the launchers (block sizes per backend)."""
+"""Helpers shared by the launchers: backend detection and the block-size table.
+
+``GPU_TUNING`` holds the launch parameters used on a GPU (block sizes, ``num_warps``); the benchmark's
+sweep (benchmarks/bench_kernels.py) measures alternatives on the H200 and the chosen values are the ones
+written here. Results never depend on these values (fixed-order reductions), only speed does.
+``INTERP_TUNING`` favours few, large programs: the interpreter costs about 0.4 ms per program.
+"""
 import os
+from typing import Dict
 
 import triton
+
+GPU_TUNING: Dict[str, Dict[str, int]] = {
+    "layout": dict(block_t=256, num_warps=4),
+    "dispatch_send": dict(block_t=4, block_w=512, num_warps=4),
+    "dispatch_recv": dict(block_t=4, block_w=512, num_warps=4),
+    "combine_send": dict(block_t=4, block_w=512, num_warps=4),
+    "combine_reduce": dict(block_t=4, block_h=1024, num_warps=4),
+}
+
+INTERP_TUNING: Dict[str, Dict[str, int]] = {
+    "layout": dict(block_t=1024, num_warps=4),
+    "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4),
+    "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
+    "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
+    "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
+}
 
 
 def interpreted() -> bool:
     """True when Triton runs kernels in its interpreter (CPU tensors, ``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tuning(kernel: str) -> Dict[str, int]:
+    """Launch parameters of ``kernel`` for the current backend (a dict: block sizes, ``num_warps``)."""
+    return (INTERP_TUNING if interpreted() else GPU_TUNING)[kernel]
 
 
 def pow2(n: int, lo: int = 1) -> int:

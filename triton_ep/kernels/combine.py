@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interpreted, pow2
+from ._util import pow2, tuning
 
 
 @triton.jit
@@ -129,11 +129,12 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
         return
     wx = x_words.shape[1]
     k = weight_words.shape[1] if weight_words is not None else 0
-    bt, bw = (64, pow2(min(wx, 2048))) if interpreted() else (4, pow2(min(wx, 512)))
+    cfg = tuning("combine_send")
+    bt, bw = cfg["block_t"], pow2(min(wx, cfg["block_w"]))
     _combine_send_kernel[(triton.cdiv(n_rows, bt),)](
         x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
         WX=wx, K=k, REC=rec_words, R=prefix.shape[0], HAS_W=weight_words is not None,
-        BLOCK_T=bt, BLOCK_W=bw, BLOCK_K=pow2(k), num_warps=4)
+        BLOCK_T=bt, BLOCK_W=bw, BLOCK_K=pow2(k), num_warps=cfg["num_warps"])
 
 
 def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.Tensor, lo: int, hi: int,
@@ -154,7 +155,8 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
     T = send_pos.shape[0]
     if T == 0:
         return
-    bt, bh = (64, pow2(min(hidden, 2048))) if interpreted() else (4, pow2(min(hidden, 1024)))
+    cfg = tuning("combine_reduce")
+    bt, bh = cfg["block_t"], pow2(min(hidden, cfg["block_h"]))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
     _combine_reduce_kernel[(triton.cdiv(T, bt),)](
@@ -163,4 +165,4 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
         wacc if wacc is not None else out, wout if wout is not None else out,
         H=hidden, K=k, REC_H=rec_bytes // 2, REC_F=rec_bytes // 4, R=send_pos.shape[1],
         LOAD_ACC=not first, STORE_ACC=not last, FINAL=last, HAS_B0=len(biases) > 0, HAS_B1=len(biases) > 1,
-        HAS_W=wout is not None, BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(k), num_warps=4)
+        HAS_W=wout is not None, BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(k), num_warps=cfg["num_warps"])

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interpreted, pow2
+from ._util import pow2, tuning
 
 
 @triton.jit
@@ -108,10 +108,9 @@ def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
     return (n + 3) // 4 * 4
 
 
-def _blocks(wx: int, n_rows_hint: int):
-    if interpreted():
-        return 64, pow2(min(wx, 2048)), 4
-    return 4, pow2(min(wx, 512)), 4
+def _blocks(kernel: str, wx: int):
+    cfg = tuning(kernel)
+    return cfg["block_t"], pow2(min(wx, cfg["block_w"])), cfg["num_warps"]
 
 
 def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -138,7 +137,7 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
-    bt, bw, nw = _blocks(wx, T)
+    bt, bw, nw = _blocks("dispatch_send", wx)
     dummy = x_words
     _dispatch_send_kernel[(triton.cdiv(T, bt),)](
         x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
@@ -160,7 +159,7 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     """
     if n_rows <= 0:
         return
-    bt, bw, nw = _blocks(wx, n_rows)
+    bt, bw, nw = _blocks("dispatch_recv", wx)
     dummy = out_x
     has_topk = out_idx is not None
     _dispatch_recv_kernel[(triton.cdiv(n_rows, bt),)](
