@@ -205,3 +205,25 @@ def test_bonded_device_spreads_qps_over_lag_ports():
     finally:
         t0.close()
         t1.close()
+
+
+def test_dual_port_nic_as_two_devices_uses_each_devices_rkey():
+    """A dual-port HCA that shows as two single-port devices: one PD per device, so a region has one rkey
+    per device and each QP must use the rkey of the device its remote QP lives on."""
+    spec = em.FabricSpec([em.DeviceSpec(f"mlx5_{i}") for i in range(4)])
+    fab = em.Fabric(spec)
+    t0 = verbs.VerbsTransport(0, 2, api=fab.pyverbs(["mlx5_0", "mlx5_1"]), num_qps_per_peer=4)
+    t1 = verbs.VerbsTransport(1, 2, api=fab.pyverbs(["mlx5_2", "mlx5_3"]), num_qps_per_peer=4)
+    try:
+        connect_pair(t0, t1)
+        assert [t0.qps[(1, i)].port.device for i in range(4)] == ["mlx5_0", "mlx5_1"] * 2
+        src, dst = t0.register(4096), t1.register(4096)
+        assert len(dst.remote().rkeys) == 2 and dst.rkeys[0] != dst.rkeys[1]
+        src.view()[:] = np.arange(4096) % 199
+        for i in range(4):
+            t0.post(1, i, [Op(WRITE, src, 1024 * i, 1024, dst.remote(), 1024 * i, signaled=True)])
+        assert all(c.ok for c in t0.wait(lambda cs: len(cs) >= 4, stage="two devices"))
+        assert (dst.view() == src.view()).all()
+    finally:
+        t0.close()
+        t1.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 import collections
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triton_ep.transport import topology as tp
 
@@ -105,3 +107,18 @@ def test_nearest_nics_keeps_only_the_closest_group():
     import torch
     if not torch.cuda.is_available():
         assert tp.gpu_sysfs_path(0) is None        # no CUDA device: no path, no exception
+
+
+@pytest.mark.property
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, (1 << 32) - 1), min_size=4, max_size=4), st.integers(1, 32), st.integers(1, 8),
+       st.integers(1, 2), st.sampled_from([tp.emulator_path_hash, tp.crc_path_hash]))
+def test_plan_balances_any_addresses(v4, num_qps, n_paths, n_ports, hash_fn):
+    g = ["0000:0000:0000:0000:0000:ffff:%04x:%04x" % (x >> 16, x & 0xFFFF) for x in v4]
+    ps = [tp.PortRef("d", i + 1, g[i]) for i in range(n_ports)]
+    dst = [g[2 + i % n_ports] for i in range(num_qps)]
+    plan = tp.plan_peer(num_qps, ps, dst, n_paths, hash_fn, seed=v4[0] & 7)
+    counts = [sum(e.path == k for e in plan) for k in range(n_paths)]
+    assert max(counts) - min(counts) <= 1
+    per_port = collections.Counter(e.port.port for e in plan)
+    assert max(per_port.values()) - min(per_port.values()) <= 1
