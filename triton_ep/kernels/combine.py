@@ -46,7 +46,7 @@ def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec
     start = tl.load(prefix_ptr + src - 1, mask=mg & (src > 0), other=0)
     slot = tl.load(comb_base_ptr + src, mask=mg, other=0) + g - start
     m = mg & (slot >= lo) & (slot < hi)
-    row = rec_ptr + tl.load(delta_ptr + src, mask=m, other=0) + (slot - lo) * REC
+    row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + src, mask=m, other=0), 4) + (slot - lo) * REC
     for w0 in range(0, WX, BLOCK_W):
         ow = w0 + tl.arange(0, BLOCK_W)
         mw = m[:, None] & (ow[None, :] < WX)

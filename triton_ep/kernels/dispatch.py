@@ -41,13 +41,14 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
             pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
             dst = tl.load(row_base_ptr + r) + pos
             m = (pos >= 0) & (dst >= lo) & (dst < hi)
-            row = rec_ptr + tl.load(delta_ptr + r) + (dst - lo) * REC
+            # Peer buffers sit 16-byte aligned: the hint lets the row stores be 16 bytes wide.
+            row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
             tl.store(row[:, None] + ow[None, :], v, mask=m[:, None] & mw[None, :])
     for r in tl.static_range(R):
         pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
         dst = tl.load(row_base_ptr + r) + pos
         m = (pos >= 0) & (dst >= lo) & (dst < hi)
-        row = rec_ptr + tl.load(delta_ptr + r) + (dst - lo) * REC
+        row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
         if HAS_SCALES:
             os_ = tl.arange(0, BLOCK_S)
             ms = m[:, None] & (os_[None, :] < S)

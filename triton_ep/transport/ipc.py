@@ -69,7 +69,10 @@ class Comm:
         self.peers = peers
         self.data = peers[rank]
         base = self.data.data_ptr()
-        self.delta_bytes = torch.tensor([p.data_ptr() - base for p in peers], dtype=torch.int64, device=device)
+        deltas = [p.data_ptr() - base for p in peers]
+        if any(d % 16 for d in deltas):      # kernels rely on 16-byte aligned peer buffers
+            raise EPError(f"rank {rank}: peer buffers are not 16-byte aligned (deltas {deltas})")
+        self.delta_bytes = torch.tensor(deltas, dtype=torch.int64, device=device)
         self._ctrl_tensor = ctrl
         self.ctrl = ctrl.view(torch.int64).numpy()
         self.timeout_s = float(timeout_s)
