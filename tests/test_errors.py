@@ -104,3 +104,11 @@ def test_destroyed_buffer_raises():
     buf.destroy()
     with pytest.raises(triton_ep.EPError, match="destroyed"):
         buf.get_dispatch_layout(torch.zeros(1, 1, dtype=torch.int64), 1)
+
+
+def test_low_latency_entry_points_say_not_implemented():
+    buf = VirtualGroup(1, 1 << 16).buffers[0]
+    for name in ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer"):
+        with pytest.raises(NotImplementedError, match="normal"):
+            getattr(buf, name)(None)
+    assert buf.get_comm_stream() is None

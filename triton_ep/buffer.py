@@ -221,6 +221,23 @@ class Buffer:
             raise ValueError(f"size {tuple(size)} exceeds the buffer ({t.numel()} elements from offset {offset})")
         return t[:torch.Size(size).numel()].view(size)
 
+    def get_comm_stream(self):
+        """The stream communication runs on: the current CUDA stream (one stream is used), ``None`` on CPU."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def _low_latency_unavailable(self, *args, **kwargs):
+        """DeepEP's low-latency entry points (``low_latency_dispatch``, ``low_latency_combine``,
+        ``clean_low_latency_buffer``, ``get_next_low_latency_combine_buffer``).
+
+        Raises:
+            NotImplementedError: always; low-latency mode is not part of this release.
+        """
+        raise NotImplementedError("triton_ep implements DeepEP's normal (high-throughput) mode only; the "
+                                  "low-latency kernels are not available yet")
+
+    low_latency_dispatch = low_latency_combine = _low_latency_unavailable
+    clean_low_latency_buffer = get_next_low_latency_combine_buffer = _low_latency_unavailable
+
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
         """Release this rank's shared buffers and peer mappings. Idempotent; later calls raise ``EPError``."""
