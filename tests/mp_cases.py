@@ -129,3 +129,17 @@ def bad_input_on_one_rank(rank, world, kind):
     assert torch.equal(recv_x, ref.dispatch(xs, idxs, ws, E)[rank]["recv_x"])
     buf.destroy()
     return out
+
+
+def absent_at_construction(rank, world, timeout_s):
+    """The last rank never builds its Buffer: the others raise EPTimeoutError at bootstrap within the bound."""
+    import time
+    if rank == world - 1:
+        time.sleep(timeout_s + 3)
+        return None
+    t0 = time.monotonic()
+    try:
+        triton_ep.Buffer(None, 1 << 16, device="cpu", timeout_s=timeout_s)
+        return "no error"
+    except triton_ep.EPTimeoutError as e:
+        return (e.stage, round(time.monotonic() - t0, 2))

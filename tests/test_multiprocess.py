@@ -49,3 +49,11 @@ def test_bad_input_raises_on_every_rank(kind, local, remote):
     out = _values(run_ranks(mp_cases.bad_input_on_one_rank, 3, kind))
     assert out[1][0] == local, out
     assert all(out[r][0] == remote and "rank 1" in out[r][1] for r in (0, 2)), out
+
+
+def test_rank_missing_at_construction_times_out():
+    """A rank that never builds its Buffer: the others raise EPTimeoutError naming the bootstrap stage
+    within the bound instead of waiting for the process group's own (30 min) timeout."""
+    out = _values(run_ranks(mp_cases.absent_at_construction, 3, 2.0))
+    for stage, waited in out[:2]:
+        assert stage.startswith("bootstrap") and 2.0 <= waited < 20, (stage, waited)

@@ -131,11 +131,40 @@ def _device_handle(t: torch.Tensor):
     return reduce_tensor(t)
 
 
+def gather_objects(group, obj, timeout_s: float, stage: str) -> list:
+    """``all_gather_object`` over ``group`` with a bound: picklable ``obj`` from every rank, in rank order.
+
+    Works whatever the group's backend (tensors on the current CUDA device for NCCL, else on CPU).
+
+    Raises:
+        EPTimeoutError: not every rank joined within ``timeout_s`` seconds.
+    """
+    import datetime
+    rank, size = group.rank(), group.size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+    def gather(t: torch.Tensor) -> List[torch.Tensor]:
+        outs = [torch.empty_like(t) for _ in range(size)]
+        work = dist.all_gather(outs, t, group=group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise EPTimeoutError(rank, None, f"{stage} ({e})", timeout_s) from None
+        return outs
+
+    sizes = [int(s.item()) for s in gather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev))]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    padded[:payload.numel()] = payload.to(dev)
+    return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(gather(padded), sizes)]
+
+
 def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, slot_words: int) -> Comm:
     """Allocate this rank's buffer and map every peer's, exchanging handles through ``group``.
 
-    Collective over ``group`` (any backend: only ``all_gather_object`` is used). All ranks must be on one
-    host: raises ``ValueError`` otherwise. ``num_bytes`` is rounded up to 4 KiB.
+    Collective over ``group`` (any backend: one bounded all-gather is used). All ranks must be on one
+    host: raises ``ValueError`` otherwise, and ``EPTimeoutError`` if a rank does not join within
+    ``timeout_s``. ``num_bytes`` is rounded up to 4 KiB.
     """
     rank, size = group.rank(), group.size()
     num_bytes = max(4096, (int(num_bytes) + 4095) // 4096 * 4096)
@@ -153,9 +182,8 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         data_path = os.path.join(d, f"triton_ep.{tag}.r{rank}")
         data = _map_file(data_path, num_bytes, create=True)
         mine = ("file", data_path)
-    info = [None] * size
-    dist.all_gather_object(info, (socket.gethostname(), ctrl_path if rank == 0 else None, mine, num_bytes),
-                           group=group)
+    info = gather_objects(group, (socket.gethostname(), ctrl_path if rank == 0 else None, mine, num_bytes),
+                          timeout_s, "bootstrap: exchange buffer handles")
     hosts = {i[0] for i in info}
     try:
         if len(hosts) != 1:
