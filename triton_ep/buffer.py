@@ -121,6 +121,9 @@ class Buffer:
             self._comm = group
             self.group = None
         else:
+            if group is None and not dist.is_initialized():
+                raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
+                                 "or an explicit group")
             self.group = group if group is not None else dist.group.WORLD
             if device is None:
                 device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
