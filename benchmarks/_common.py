@@ -1,0 +1,174 @@
+"""Helpers shared by the GPU benchmarks (bench_kernels.py, bench_ep8.py): shapes, timing, routing,
+the combine check, output files.
+
+Importing this module puts the repository root on ``sys.path`` (a checkout that is not installed) and
+sets the NVLink-multicast switches off (``NCCL_NVLS_ENABLE=0`` and friends) before anything else uses NCCL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from moe_layer import pick_device, timed  # noqa: E402,F401  (re-exported: ranks' devices, collective timing)
+
+#: DeepSeek-V3's shapes as DeepEP benchmarks them: tokens per rank, hidden, top-k, routed experts, ranks.
+DSV3 = dict(tokens=4096, hidden=7168, topk=8, experts=256, ranks=8)
+#: Tiny shapes for a CPU run under the Triton interpreter (about 0.4 ms per program).
+SMALL = dict(tokens=24, hidden=256, topk=4, experts=32, ranks=4)
+
+
+def on_gpu() -> bool:
+    """True when the benchmarks run compiled kernels on a CUDA device (not the interpreter on CPU)."""
+    return torch.cuda.is_available()
+
+
+def device_name() -> str:
+    """The CUDA device's name, or ``"cpu (Triton interpreter)"``."""
+    return torch.cuda.get_device_name() if on_gpu() else "cpu (Triton interpreter)"
+
+
+def bench_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of one call of ``fn`` in milliseconds.
+
+    On a GPU: ``triton.testing.do_bench`` (CUDA events around each call; it also overwrites a 256 MB
+    buffer before each call, so L2 starts cold). On CPU: the median of a few wall-clock calls after one
+    warm-up call (interpreter figures, only to show the script runs)."""
+    if on_gpu():
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def random_topk(tokens: int, topk: int, experts: int, gen: torch.Generator, device) -> torch.Tensor:
+    """``[tokens, topk]`` int64 distinct expert ids per token, uniform over ``experts`` (the routing
+    DeepEP's own tests draw: ``randn(...).topk``)."""
+    scores = torch.rand((tokens, experts), generator=gen)
+    return scores.topk(topk, dim=1).indices.to(device)
+
+
+def random_rows(tokens: int, hidden: int, gen: torch.Generator, device) -> torch.Tensor:
+    """``[tokens, hidden]`` bf16 rows of standard normal values, drawn on ``device`` (seeded from ``gen``)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(torch.randint(1 << 62, (1,), generator=gen)))
+    return torch.randn((tokens, hidden), generator=g, device=device).to(torch.bfloat16)
+
+
+def expected_combine(x: torch.Tensor, is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """What combining the dispatched rows unchanged gives: each row times the number of ranks it went
+    to, summed in fp32 and rounded once (exact: a sum of at most a few hundred equal bf16 values)."""
+    return (x.float() * is_token_in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+
+
+def sig(v: Optional[float], digits: int = 4) -> Optional[float]:
+    """``v`` rounded to ``digits`` significant digits (``None`` stays ``None``)."""
+    return None if v is None else float(f"{v:.{digits}g}")
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """``nbytes`` over ``ms`` milliseconds, in GB/s (1e9 bytes per second)."""
+    return nbytes / ms / 1e6
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print ``rows`` under ``headers`` as an aligned text table (``None`` shows as ``-``)."""
+    cells = [[("-" if c is None else str(c)) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def write_json(path: str, obj) -> None:
+    """Write ``obj`` as indented JSON to ``path`` (making its folder) and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    print(f"wrote {path}")
+
+
+def bar_chart(path: str, labels: List[str], series: Dict[str, List[float]], title: str, ylabel: str,
+              hline: Optional[float] = None) -> None:
+    """A PNG bar chart (matplotlib, headless): one group of bars per label, one bar per series, an
+    optional dashed target line; says so and carries on when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: no chart {path}")
+        return
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(labels) + 2), 4.5))
+    width = 0.8 / max(len(series), 1)
+    for s, (name, values) in enumerate(series.items()):
+        xs = [i + (s - (len(series) - 1) / 2) * width for i in range(len(values))]
+        bars = ax.bar(xs, values, width, label=name)
+        for b, v in zip(bars, values):
+            ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                        fontsize=6)
+    if hline is not None:
+        ax.axhline(hline, color="tab:red", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def nvl_bytes_hint(hidden: int, ranks: int) -> int:
+    """The buffer size DeepEP's configs ask for (the larger of dispatch's and combine's hints)."""
+    import triton_ep
+    hb = hidden * 2
+    return max(triton_ep.Buffer.get_dispatch_config(ranks).get_nvl_buffer_size_hint(hb, ranks),
+               triton_ep.Buffer.get_combine_config(ranks).get_nvl_buffer_size_hint(hb, ranks))
+
+
+def dispatch_combine(buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int, iters: int,
+                     warmup: int, group=None):
+    """Normal-mode dispatch then combine (of the received rows unchanged) through ``buf``, checked and timed.
+
+    Returns ``(stats, outs)``: ``stats`` holds this rank's median ``dispatch_ms``/``combine_ms`` over
+    ``iters`` calls (each started together over ``group``: ``examples/moe_layer.timed``), ``recv_rows``, ``recv_bytes`` (bf16 rows received: DeepEP's byte count for both
+    directions), ``dispatch_GBps``/``combine_GBps`` (recv_bytes over the median time) and ``combine_ok``
+    (combine equals :func:`expected_combine`); ``outs`` is the first dispatch's return value plus the
+    combined tensor and ``is_token_in_rank``."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+
+    def dispatch():
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+    first = dispatch()
+    recv_x, handle = first[0], first[4]
+    combined = buf.combine(recv_x, handle)[0]
+    ok = torch.equal(combined, expected_combine(x, in_rank))
+    t_d = timed(dispatch, iters, warmup, buf.device, group)
+    t_c = timed(lambda: buf.combine(recv_x, handle), iters, warmup, buf.device, group)
+    nbytes = recv_x.shape[0] * recv_x.shape[1] * 2
+    stats = dict(dispatch_ms=t_d, combine_ms=t_c, recv_rows=int(recv_x.shape[0]), recv_bytes=nbytes,
+                 dispatch_GBps=gbps(nbytes, t_d), combine_GBps=gbps(nbytes, t_c), combine_ok=bool(ok))
+    return stats, tuple(first) + (combined, in_rank)
