@@ -10,14 +10,15 @@ from rdma_helpers import Pair, connect_pair, dual_port_fabric, real_api_or_skip
 
 @pytest.fixture(params=["emulated", "pyverbs"])
 def make_pair(request):
-    """Factory ``make_pair(reorder_seed=None, **transport_kwargs) -> Pair``; closes what it made."""
+    """Factory ``make_pair(reorder_seed=None, reorder_max_s=0.004, **transport_kwargs) -> Pair``; closes what
+    it made.  The reorder options apply to the emulated fabric only."""
     made = []
 
-    def make(reorder_seed=None, **kw):
+    def make(reorder_seed=None, reorder_max_s=0.004, **kw):
         kw.setdefault("num_qps_per_peer", 4)
         kw.setdefault("timeout_s", 10.0)
         if request.param == "emulated":
-            fab = dual_port_fabric(reorder_seed)
+            fab = dual_port_fabric(reorder_seed, reorder_max_s=reorder_max_s)
             kw.setdefault("n_paths", 4)
             kw.setdefault("path_hash", topology.emulator_path_hash)
             t0 = verbs.VerbsTransport(0, 2, api=fab.pyverbs(["mlx5_0"]), **kw)

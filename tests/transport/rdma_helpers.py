@@ -7,12 +7,13 @@ from triton_ep.transport import emulated as em
 from triton_ep.transport import rdma, verbs
 
 
-def dual_port_fabric(reorder_seed=None, n_paths=4, ring_bytes=1 << 20, path_gbps=400.0, port_gbps=400.0):
+def dual_port_fabric(reorder_seed=None, n_paths=4, ring_bytes=1 << 20, path_gbps=400.0, port_gbps=400.0,
+                     reorder_max_s=0.004):
     """Two hosts, each with one dual-port mlx5 device (``mlx5_0`` on host 0, ``mlx5_1`` on host 1)."""
     ports = lambda: [em.PortSpec(speed_gbps=port_gbps), em.PortSpec(speed_gbps=port_gbps)]  # noqa: E731
     return em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", ports()), em.DeviceSpec("mlx5_1", ports())],
                                    n_paths=n_paths, path_gbps=path_gbps, reorder_seed=reorder_seed,
-                                   ring_bytes=ring_bytes))
+                                   reorder_max_s=reorder_max_s, ring_bytes=ring_bytes))
 
 
 class Pair:

@@ -71,6 +71,11 @@ def test_cq_overrun_raises_on_poll():
     api, qa, qb, cqa, cqb, mra, mrb = raw_pair(sq=8, cqe=2)
     for i in range(3):
         qa.post_send(write_wr(api, mra, mrb, i, signaled=True))
+    import time
+    deadline = time.monotonic() + 10
+    while qa.outstanding and time.monotonic() < deadline:   # all three acknowledged before anyone polls
+        time.sleep(0.001)
+    assert not qa.outstanding
     with pytest.raises(api.PyverbsRDMAError, match="overrun"):
         poll_until(cqa, 3)
 
