@@ -41,6 +41,20 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if on_gpu() else "cpu (Triton interpreter)"
 
 
+def bench_graph_ms(fn: Callable[[], object], rep_ms: float = 100):
+    """Median GPU time of one call of ``fn`` in ms, replayed from a CUDA graph
+    (``triton.testing.do_bench_cudagraph``), so the host's launch overhead is left out; ``None`` on CPU
+    or where ``fn`` cannot be captured."""
+    if not on_gpu():
+        return None
+    import triton.testing
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+    except Exception as e:  # noqa: BLE001 - reported as "no figure"
+        print(f"  (graph replay not measured: {type(e).__name__}: {str(e)[:100]})", flush=True)
+        return None
+
+
 def bench_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median time of one call of ``fn`` in milliseconds.
 

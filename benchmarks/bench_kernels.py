@@ -292,7 +292,9 @@ def bench_case(case: Case, ceiling_GBps: float, warmup_ms: float, rep_ms: float)
         check = compare(case, k, want, exact=k != "combine_reduce")
         t_torch = C.bench_ms(rotating(case, plain), warmup_ms, rep_ms)
         snapshot(case, k, ours)
-        r = dict(shape=case.label, tokens=case.T, kernel=k, bytes=nbytes,
+        # GPU time alone, the host's launch overhead removed (CUDA graph replay); layout is launch-bound.
+        t_graph = C.bench_graph_ms(rotating(case, ours), rep_ms) if k == "layout" else None
+        r = dict(shape=case.label, tokens=case.T, kernel=k, bytes=nbytes, ours_graph_us=t_graph and t_graph * 1e3,
                  predicted_us=nbytes / ceiling_GBps / 1e3, ours_us=t_ours * 1e3, torch_us=t_torch * 1e3,
                  ours_GBps=C.gbps(nbytes, t_ours), torch_GBps=C.gbps(nbytes, t_torch),
                  ours_frac=C.gbps(nbytes, t_ours) / ceiling_GBps, torch_frac=C.gbps(nbytes, t_torch) / ceiling_GBps,
@@ -322,7 +324,7 @@ def sweep(case: Case, small: bool, budget_s: float) -> dict:
             if time.monotonic() > k_end:
                 skipped += 1
                 continue
-            table[k] = dict(cfg)
+            table[k] = {**default, **cfg}
             try:
                 case.reset(k)
                 run_all(case, fn)
@@ -401,6 +403,9 @@ def summarise_targets(results: List[dict], big_tokens: int) -> List[dict]:
     if r:
         rows.append(dict(target=f"layout at T={big_tokens}: < {TARGET_LAYOUT_US} us", value=r["ours_us"],
                          met=r["ours_us"] < TARGET_LAYOUT_US))
+        if r.get("ours_graph_us") is not None:
+            rows.append(dict(target=f"layout at T={big_tokens}, GPU time (graph replay): < {TARGET_LAYOUT_US} us",
+                             value=r["ours_graph_us"], met=r["ours_graph_us"] < TARGET_LAYOUT_US))
     for r in results:
         rows.append(dict(target=f"{r['kernel']} at T={r['tokens']}: no slower than PyTorch",
                          value=r["ours_over_torch"], met=r["ours_over_torch"] <= 1.0))
