@@ -143,3 +143,136 @@ def absent_at_construction(rank, world, timeout_s):
         return "no error"
     except triton_ep.EPTimeoutError as e:
         return (e.stage, round(time.monotonic() - t0, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Issue 3 (deployment shapes, peers, back-to-back rounds): rank bodies for tests/test_deployment.py and
+# tests/test_gpu_robustness.py.
+
+def _check_round(buf, me, R, seed, E, K, H, Ts, device):
+    """One dispatch -> (x*3 - 1 'experts') -> combine with weights on ``buf``, checked bit for bit against
+    the reference; returns (handle, inputs, reference) for later cached calls."""
+    xs, idxs, ws = make_inputs(seed, R, E, K, H, Ts)
+    exp = ref.dispatch(xs, idxs, ws, E)
+    recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
+        xs[me].to(device), topk_weights=ws[me].to(device), **_layout_kwargs(buf, idxs[me].to(device), E))
+    e = exp[me]
+    assert torch.equal(recv_x.cpu().view(torch.int16), e["recv_x"].view(torch.int16)), f"seed {seed}: recv_x"
+    assert torch.equal(recv_idx.cpu(), e["recv_topk_idx"]) and torch.equal(recv_w.cpu(), e["recv_topk_weights"])
+    assert lst == e["num_recv_tokens_per_expert_list"]
+    ys = [(d["recv_x"].float() * 3 - 1).to(torch.bfloat16) for d in exp]
+    out, wout, _ = buf.combine(ys[me].to(device), handle, topk_weights=recv_w)
+    want = ref.combine(ys, exp, Ts, [d["recv_topk_weights"] for d in exp])[me]
+    assert torch.equal(out.cpu().view(torch.int16), want[0].view(torch.int16)), f"seed {seed}: combined_x"
+    assert torch.equal(wout.cpu(), want[1]), f"seed {seed}: combined weights"
+    return handle, xs, idxs, ws, exp
+
+
+def _cached_round(buf, me, handle, xs, idxs, ws, E, Ts, device, shift):
+    """Cached dispatch and combine of new data (x + shift) with an older handle, bit for bit."""
+    x2 = [(x.float() + shift).to(torch.bfloat16) for x in xs]
+    exp2 = ref.dispatch(x2, idxs, ws, E)
+    rx = buf.dispatch(x2[me].to(device), handle=handle)[0]
+    assert torch.equal(rx.cpu().view(torch.int16), exp2[me]["recv_x"].view(torch.int16)), "cached recv_x"
+    out = buf.combine(rx, handle)[0]
+    want = ref.combine([d["recv_x"] for d in exp2], exp2, Ts)[me][0]
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), "cached combine"
+
+
+def back_to_back_rounds(buf, me, R, rounds, seed, device, E=None, K=4, H=64, max_t=48):
+    """``rounds`` dispatch -> combine rounds with fresh random routing and ragged T (zeros included), with no
+    barrier between calls; every 7th round a cached dispatch/combine reuses the previous handle."""
+    E = E or 2 * R
+    prev = None
+    for it in range(rounds):
+        g = torch.Generator().manual_seed(seed * 7919 + it)
+        Ts = torch.randint(0, max_t + 1, (R,), generator=g).tolist()
+        cur = _check_round(buf, me, R, seed * 7919 + it, E, K, H, Ts, device)
+        if prev is not None and it % 7 == 0:
+            _cached_round(buf, me, prev[0], *prev[1:4], E, prev[5], device, shift=it)
+        prev = cur + (Ts,)
+    return rounds
+
+
+def subgroups_and_two_buffers(rank, world, groups, rounds, device="cpu"):
+    """The world is split into EP subgroups (e.g. [1, 2, 3, 4] and [0, 5] of 6): each member builds, on its
+    subgroup only, two normal Buffers and a low-latency-mode one, all alive at once; calls on the two normal
+    ones interleave (dispatch A, dispatch B, combine B, cached dispatch A, combine A), then ``rounds``
+    back-to-back rounds run on A with fresh routing. Returns (group index, group rank) or None."""
+    import torch.distributed as dist
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    handles = [dist.new_group(g) for g in groups]          # collective over the world, same order everywhere
+    mine = [i for i, g in enumerate(groups) if rank in g]
+    if not mine:
+        return None
+    gi = mine[0]
+    group, R = handles[gi], len(groups[gi])
+    me = dist.get_rank(group)
+    assert me == sorted(groups[gi]).index(rank)
+    E, K, H = 2 * R, 3, 64
+    hint = triton_ep.Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
+    a = triton_ep.Buffer(group, hint, device=device, timeout_s=60)
+    b = triton_ep.Buffer(group, 1 << 16, device=device, timeout_s=60)
+    ll = triton_ep.Buffer(group, 0, triton_ep.Buffer.get_low_latency_rdma_size_hint(32, H, R, E), low_latency_mode=True,
+                          num_qps_per_rank=E // R, device=device, timeout_s=60)
+    try:
+        Ts = [3 + 5 * r for r in range(R)]
+        Ts[-1] = 0
+        xs, idxs, ws = make_inputs(100 + gi, R, E, K, H, Ts)
+        kw_a = _layout_kwargs(a, idxs[me].to(device), E)
+        ra = a.dispatch(xs[me].to(device), topk_weights=ws[me].to(device), **kw_a)
+        hb, xb, ib, wb, eb = _check_round(b, me, R, 200 + gi, E, K, H, [T + 1 for T in Ts], device)
+        exp = ref.dispatch(xs, idxs, ws, E)
+        assert torch.equal(ra[0].cpu().view(torch.int16), exp[me]["recv_x"].view(torch.int16))
+        _cached_round(a, me, ra[4], xs, idxs, ws, E, Ts, device, shift=5)
+        _cached_round(b, me, hb, xb, ib, wb, E, [T + 1 for T in Ts], device, shift=-3)
+        back_to_back_rounds(a, me, R, rounds, 300 + gi, device, E=E, K=K, H=H)
+    finally:
+        for buf in (ll, b, a):
+            buf.destroy()
+    return gi, me
+
+
+def absent_in_combine(rank, world, timeout_s, device="cpu"):
+    """Every rank dispatches; the last never calls combine. The others must raise EPTimeoutError (a
+    RuntimeError and a TimeoutError) naming this rank, the combine stage and the missing peer within the
+    bound. Afterwards every process destroys its Buffer, builds a new one and runs a correct round."""
+    import time
+    import torch.distributed as dist
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    E, K, H = 2 * world, 2, 32
+    Ts = [4 + r for r in range(world)]
+    buf = triton_ep.Buffer(None, 1 << 18, device=device, timeout_s=timeout_s)
+    xs, idxs, ws = make_inputs(13, world, E, K, H, Ts)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(xs[rank].to(device), topk_weights=ws[rank].to(device),
+                                                   **_layout_kwargs(buf, idxs[rank].to(device), E))
+    report = None
+    if rank != world - 1:
+        t0 = time.monotonic()
+        try:
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+            report = "no error"
+        except triton_ep.EPTimeoutError as e:
+            report = (isinstance(e, RuntimeError), isinstance(e, TimeoutError), e.rank, e.peer, e.stage,
+                      time.monotonic() - t0, str(e))
+    buf.destroy()
+    dist.barrier()
+    buf = triton_ep.Buffer(None, 1 << 18, device=device, timeout_s=timeout_s)
+    try:
+        _check_round(buf, rank, world, 14, E, K, H, Ts, device)
+    finally:
+        buf.destroy()
+    return report
+
+
+def back_to_back_processes(rank, world, rounds, seed, device="cpu"):
+    """``rounds`` back-to-back rounds on one Buffer of the world group, no barriers between calls."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    buf = triton_ep.Buffer(None, 1 << 20, device=device, timeout_s=120)
+    try:
+        return back_to_back_rounds(buf, rank, world, rounds, seed, device)
+    finally:
+        buf.destroy()
