@@ -232,3 +232,25 @@ def test_dual_port_nic_as_two_devices_uses_each_devices_rkey():
     finally:
         t0.close()
         t1.close()
+
+
+def test_failed_transition_names_device_port_qp_and_peer():
+    import dataclasses
+    fab = dual_port_fabric()
+    t0 = verbs.VerbsTransport(0, 2, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=2)
+    t1 = verbs.VerbsTransport(1, 2, api=fab.pyverbs(["mlx5_1"]), num_qps_per_peer=2)
+    try:
+        infos = t1.local_info(0)
+        nowhere = "0000:0000:0000:0000:0000:ffff:c0a8:0001"
+        with pytest.raises(verbs.RdmaError) as ei:
+            t0.connect(1, [dataclasses.replace(infos[0], gid=nowhere), infos[1]])
+        q = t0.qps[(1, 0)]
+        assert (ei.value.device, ei.value.port, ei.value.qp_num, ei.value.peer) == ("mlx5_0", 1, q.info.qp_num, 1)
+        assert "modify QP to RTR failed" in str(ei.value) and "unreachable" in str(ei.value)
+        with pytest.raises(verbs.RdmaError, match="post before connect"):
+            t0.post(1, 1, [Op(WRITE, t0.register(64), 0, 8, t1.register(64).remote())])
+        with pytest.raises(verbs.RdmaError, match="peer sent 1 QP infos, expected 2"):
+            t0.connect(1, infos[:1])
+    finally:
+        t0.close()
+        t1.close()
