@@ -63,8 +63,13 @@ def test_send_queue_overflow_is_enomem_until_a_signalled_completion_is_polled():
         qa.post_send(write_wr(api, mra, mrb, 4, signaled=True))
     assert ei.value.error_code == errno.ENOMEM
     assert [w.wr_id for w in poll_until(cqa, 1)] == [3]     # unsignalled ones: no completion
-    for i in range(4):                                       # polling the signalled one freed all 4 slots
+    for i in range(3):                                       # polling the signalled one freed all 4 slots
         qa.post_send(write_wr(api, mra, mrb, 10 + i, signaled=True))
+    chain = [write_wr(api, mra, mrb, 20 + i, signaled=True) for i in range(3)]
+    chain[0].next_wr, chain[1].next_wr = chain[1], chain[2]
+    with pytest.raises(api.PyverbsRDMAError):                # one slot left: the first of the chain is posted
+        qa.post_send(chain[0])
+    assert sorted(w.wr_id for w in poll_until(cqa, 4)) == [10, 11, 12, 20]
 
 
 def test_cq_overrun_raises_on_poll():

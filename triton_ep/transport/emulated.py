@@ -904,16 +904,20 @@ class QP:
         """Post a chain of send WRs (``next_wr``).  Raises ENOMEM on a full send queue, EINVAL before RTS."""
         with self.send_lock:
             out: List[bytes] = []
+            full = None
             with self.engine.lock:
                 if self.state not in (E.IBV_QPS_RTS, E.IBV_QPS_ERR):
                     raise PyverbsRDMAError(f"Failed to post send: QP {self.qp_num} not in RTS", _errno.EINVAL)
                 while wr is not None:
-                    if len(self.sq) >= self.cap.max_send_wr:
-                        raise PyverbsRDMAError("Failed to post send", _errno.ENOMEM)
+                    if len(self.sq) >= self.cap.max_send_wr:   # WRs before this one stay posted, as in verbs
+                        full = PyverbsRDMAError("Failed to post send", _errno.ENOMEM)
+                        break
                     out.extend(self._start(wr))
                     wr = wr.next_wr
             for rec in out:
                 self.engine.send(self.dest_qpn, rec)
+            if full is not None:
+                raise full
 
     def _start(self, wr: SendWR) -> List[bytes]:
         self.seq += 1
