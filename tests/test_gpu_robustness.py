@@ -69,6 +69,28 @@ def test_hidden_sizes_gpu(H, Ts):
     rb.case_hidden_sizes(H, Ts, DEV)
 
 
+def test_wrong_device_is_named_gpu():
+    """A CPU tensor handed to a CUDA Buffer: a ValueError naming that tensor and both devices, before any
+    kernel runs (no illegal memory access, nothing written). Catches: a kernel launched on a host pointer."""
+    vg = rb.guarded_group(1, 1 << 14, DEV)
+    buf = vg.buffers[0]
+    idx = torch.tensor([[0, 1], [1, -1]], device=DEV)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+    base = dict(x=torch.randn(2, 16, device=DEV).to(torch.bfloat16), topk_weights=torch.rand(2, 2, device=DEV),
+                num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+    for name in ("x", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert"):
+        kw = dict(base)
+        kw[name] = kw[name].cpu()
+        (err,) = vg.call("dispatch", [kw])
+        assert isinstance(err, ValueError) and name in str(err) and "cpu" in str(err), repr(err)
+    with pytest.raises(ValueError, match="topk_idx"):
+        buf.get_dispatch_layout(idx.cpu(), 2)
+    assert bool((vg.world.data[0] == 0xFF).all()), "the buffer was written"
+    (res,) = raise_first(vg.call("dispatch", [base]))
+    (err,) = vg.call("combine", [dict(x=res[0].cpu(), handle=res[4])])
+    assert isinstance(err, ValueError) and "x" in str(err) and "cpu" in str(err), repr(err)
+
+
 def test_fp32_accumulation_rounded_once_gpu():
     rb.case_fp32_accumulation_rounded_once(DEV)
 

@@ -253,14 +253,24 @@ def case_skew_hint_sized_buffer(mode, device="cpu", R=2, H=1024, Ts=(23, 21)):
         if device == "cpu":
             m.setattr(torch, "empty", _garbage_empty)
         res = virtual_dispatch(vg, xs, idxs, ws, E, device, num_worst_tokens=n_hot)
+        # the padded handle, cached, on new data: padding rows zero again
+        x2 = [(x.float() * 3).to(BF16) for x in xs]
+        cached = raise_first(vg.call("dispatch", [dict(x=x2[r].to(device), handle=res[r][4]) for r in range(R)]))
+    exp2 = ref.dispatch(x2, idxs, ws, E)
     for j in range(R):
         rx, ri, rw, lst, h, _ = res[j]
         n = exp[j]["recv_x"].shape[0]
-        assert rx.shape[0] == n_hot
+        assert rx.shape[0] == n_hot and cached[j][0].shape[0] == n_hot
         assert_bits(rx[:n], exp[j]["recv_x"], f"rank {j} rows")
         assert_bits(ri[:n], exp[j]["recv_topk_idx"], f"rank {j} ids")
         assert_bits(rw[:n], exp[j]["recv_topk_weights"], f"rank {j} weights")
         assert bool((ri[n:] == -1).all()) and bool((bits(rw[n:]) == 0).all()) and bool((bits(rx[n:]) == 0).all())
+        assert_bits(cached[j][0][:n], exp2[j]["recv_x"], f"rank {j} cached rows")
+        assert bool((bits(cached[j][0][n:]) == 0).all()), f"rank {j} cached padding"
+    got = raise_first(vg.call("combine", [dict(x=cached[j][0], handle=res[j][4]) for j in range(R)]))
+    want = ref.combine([e["recv_x"] for e in exp2], exp2, list(Ts))
+    for i in range(R):
+        assert_bits(got[i][0], want[i][0], f"rank {i} combine over a padded handle")
     assert guard_intact(vg)
     out = virtual_dispatch_results(vg, xs, idxs, ws, E, device, num_worst_tokens=n_hot - 1)
     for r, o in enumerate(out):
