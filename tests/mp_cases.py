@@ -34,6 +34,9 @@ def round_trip(rank, world, seed, E, K, H, Ts, num_nvl_bytes, fp8=False, device=
     exp = ref.dispatch(xs, idxs, ws, E)
     if device == "cuda":
         torch.cuda.set_device(0)
+    elif device == "cuda:rank":           # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = "cuda"
     buf = triton_ep.Buffer(None, num_nvl_bytes, device=device, timeout_s=60)
     xs = [_to(x, device) for x in xs]
     idxs = [i.to(device) for i in idxs]
@@ -202,6 +205,9 @@ def subgroups_and_two_buffers(rank, world, groups, rounds, device="cpu"):
     import torch.distributed as dist
     if device == "cuda":
         torch.cuda.set_device(0)
+    elif device == "cuda:rank":           # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = "cuda"
     handles = [dist.new_group(g) for g in groups]          # collective over the world, same order everywhere
     mine = [i for i, g in enumerate(groups) if rank in g]
     if not mine:
@@ -242,6 +248,9 @@ def absent_in_combine(rank, world, timeout_s, device="cpu"):
     import torch.distributed as dist
     if device == "cuda":
         torch.cuda.set_device(0)
+    elif device == "cuda:rank":           # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = "cuda"
     E, K, H = 2 * world, 2, 32
     Ts = [4 + r for r in range(world)]
     buf = triton_ep.Buffer(None, 1 << 18, device=device, timeout_s=timeout_s)
@@ -271,6 +280,9 @@ def back_to_back_processes(rank, world, rounds, seed, device="cpu"):
     """``rounds`` back-to-back rounds on one Buffer of the world group, no barriers between calls."""
     if device == "cuda":
         torch.cuda.set_device(0)
+    elif device == "cuda:rank":           # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = "cuda"
     buf = triton_ep.Buffer(None, 1 << 20, device=device, timeout_s=120)
     try:
         return back_to_back_rounds(buf, rank, world, rounds, seed, device)

@@ -48,3 +48,9 @@ def test_large_rows_64bit_offsets():
     recv_x = res[0]
     assert torch.equal(recv_x[-5:], x[-5:]) and torch.equal(recv_x[:5], x[:5])
     assert torch.equal(res[4][3][-3:].cpu(), torch.arange(T - 3, T, dtype=torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_one_rank_per_gpu_nccl_bootstrap():
+    """Each rank on its own GPU, NCCL group: peer buffers on other GPUs (CUDA IPC plus peer access)."""
+    _ok(run_ranks(mp_cases.round_trip, 2, 9, 16, 8, 512, [300, 77], 1 << 20, False, "cuda:rank", backend="nccl"))

@@ -127,7 +127,10 @@ class Buffer:
             self.group = group if group is not None else dist.group.WORLD
             if device is None:
                 device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-            self._comm = ipc.open_group(self.group, max(self.num_nvl_bytes, 4096), torch.device(device),
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._comm = ipc.open_group(self.group, max(self.num_nvl_bytes, 4096), device,
                                         self.timeout_s, self._slot_words(self.group.size()))
             self._comm.timeout_s = self.timeout_s
         self.rank, self.group_size = self._comm.rank, self._comm.size
@@ -448,10 +451,13 @@ class Buffer:
             n_recv, n_out = h.num_recv_tokens, h.num_out_rows
         else:
             stage = "dispatch/exchange counts"
-            lay = None
+            lay = host = None
             if err is None:
                 lay = self._routing(a)
-                nbad = int(lay[4].item()) if lay[4] is not None else 0
+                # one device-to-host copy: counts per rank, per expert, and bad ids
+                parts = [lay[0].to(torch.int64), lay[1].to(torch.int64)] + ([lay[4].to(torch.int64)] if lay[4] is not None else [])
+                host = torch.cat(parts).cpu().numpy()
+                nbad = int(host[R + a["E"]]) if lay[4] is not None else 0
                 if nbad:
                     status = 2
                     err = ValueError(f"topk_idx holds {nbad} ids outside [-1, {a['E']}) on rank {me}; "
@@ -460,8 +466,7 @@ class Buffer:
             def fill(slot):
                 slot[_NWORST] = num_worst_tokens
                 slot[_NTOK] = a["T"]
-                slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] = lay[0].cpu().numpy()
-                slot[ipc.SLOT_HEADER + R:ipc.SLOT_HEADER + R + a["E"]] = lay[1].cpu().numpy()
+                slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R + a["E"]] = host[:R + a["E"]]
 
             slots = yield from self._exchange(stage, err, status, sig, fill)
             counts = np.stack([s[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] for s in slots])        # [src, dst]

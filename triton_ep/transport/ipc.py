@@ -107,16 +107,17 @@ class Comm:
         n = self._seq
         ctr = self.ctrl
         ctr[self.rank] = n
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         for peer in range(self.size):
             while ctr[peer] < n:
-                spins += 1
-                if spins > 64:
-                    if time.monotonic() > deadline:
-                        self.broken = f"timeout at '{stage}' waiting for rank {peer}"
-                        raise EPTimeoutError(self.rank, peer, stage, self.timeout_s)
-                    time.sleep(min(1e-3, 1e-6 * spins))
+                now = time.monotonic()
+                if now > deadline:
+                    self.broken = f"timeout at '{stage}' waiting for rank {peer}"
+                    raise EPTimeoutError(self.rank, peer, stage, self.timeout_s)
+                # Yield the core for the first 5 ms (peers usually arrive within microseconds to a few
+                # milliseconds), then back off to 1 ms naps so a long wait costs no CPU.
+                time.sleep(0 if now - start < 5e-3 else 1e-3)
 
     def close(self) -> None:
         """Drop this rank's mappings (the memory is released once no tensor refers to it)."""
@@ -129,6 +130,29 @@ class Comm:
 def _device_handle(t: torch.Tensor):
     from torch.multiprocessing.reductions import reduce_tensor
     return reduce_tensor(t)
+
+
+def _check_peer_access(device: torch.device, peer_devices) -> None:
+    """Raise ``ValueError`` when ``device`` cannot reach one of ``peer_devices`` directly (no P2P path)."""
+    for d in peer_devices:
+        if d.type == "cuda" and d.index != device.index and not torch.cuda.can_device_access_peer(device.index, d.index):
+            raise ValueError(f"GPU {device.index} cannot access GPU {d.index} directly (no P2P); triton_ep "
+                             f"intranode buffers need peer access between every pair of the group's GPUs")
+
+
+def _open_device_handle(blob: bytes, device: torch.device) -> torch.Tensor:
+    """Map a peer's CUDA buffer from its pickled ``reduce_tensor`` share, opened in *our* device's context.
+
+    PyTorch would open it under the producer's device; a kernel on our GPU could then not touch it when
+    the peer sits on another GPU. Opened under ours, the driver enables peer access as needed
+    (``cudaIpcMemLazyEnablePeerAccess``), as DeepEP does.
+    """
+    import inspect
+    fn, args = pickle.loads(blob)
+    bound = inspect.signature(fn).bind(*args)
+    if "storage_device" in bound.arguments:
+        bound.arguments["storage_device"] = device.index
+    return fn(*bound.args, **bound.kwargs).view(torch.uint8)
 
 
 def gather_objects(group, obj, timeout_s: float, stage: str) -> list:
@@ -182,8 +206,8 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         data_path = os.path.join(d, f"triton_ep.{tag}.r{rank}")
         data = _map_file(data_path, num_bytes, create=True)
         mine = ("file", data_path)
-    info = gather_objects(group, (socket.gethostname(), ctrl_path if rank == 0 else None, mine, num_bytes),
-                          timeout_s, "bootstrap: exchange buffer handles")
+    info = gather_objects(group, (socket.gethostname(), ctrl_path if rank == 0 else None, mine, num_bytes,
+                                  device.index), timeout_s, "bootstrap: exchange buffer handles")
     hosts = {i[0] for i in info}
     try:
         if len(hosts) != 1:
@@ -191,14 +215,15 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         if ctrl is None:
             ctrl = _map_file(info[0][1], ctrl_bytes, create=False)
         peers = []
-        for r, (_, _, (kind, h), nb) in enumerate(info):
+        for r, (_, _, (kind, h), nb, _) in enumerate(info):
             if r == rank:
                 peers.append(data)
             elif kind == "cuda":
-                fn, args = pickle.loads(h[rank])
-                peers.append(fn(*args).view(torch.uint8))
+                peers.append(_open_device_handle(h[rank], device))
             else:
                 peers.append(_map_file(h, nb, create=False))
+        if device.type == "cuda":
+            _check_peer_access(device, {torch.device("cuda", i[4]) for i in info})
         comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info))
         comm.barrier("bootstrap/map buffers")
     finally:
