@@ -79,6 +79,9 @@ class Comm:
         self.slot_words = slot_words
         self._seq = 0
         self.broken: Optional[str] = None
+        #: when a list, each barrier appends (stage, t_arrive_start, t_device_synced, t_all_arrived)
+        #: in ``time.perf_counter`` seconds (see benchmarks/profile_phases.py)
+        self.profile: Optional[list] = None
 
     # -- control block layout: [R barrier counters | 2 parities x R slots of slot_words] --
     def slot(self, parity: int, rank: int) -> np.ndarray:
@@ -102,7 +105,9 @@ class Comm:
         if self.broken:
             raise EPError(f"rank {self.rank}: communication buffer unusable after an earlier failure "
                           f"({self.broken}); destroy() the Buffer and build a new one")
+        t0 = time.perf_counter()
         self.sync_device()
+        t1 = time.perf_counter()
         self._seq += 1
         n = self._seq
         ctr = self.ctrl
@@ -118,6 +123,8 @@ class Comm:
                 # Yield the core for the first 5 ms (peers usually arrive within microseconds to a few
                 # milliseconds), then back off to 1 ms naps so a long wait costs no CPU.
                 time.sleep(0 if now - start < 5e-3 else 1e-3)
+        if self.profile is not None:
+            self.profile.append((stage, t0, t1, time.perf_counter()))
 
     def close(self) -> None:
         """Drop this rank's mappings (the memory is released once no tensor refers to it)."""
