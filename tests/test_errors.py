@@ -112,3 +112,18 @@ def test_low_latency_entry_points_say_not_implemented():
         with pytest.raises(NotImplementedError, match="normal"):
             getattr(buf, name)(None)
     assert buf.get_comm_stream() is None
+
+
+def test_ranks_calling_different_collectives_fail_instead_of_hanging():
+    """Rank 0 dispatches while rank 1 combines: the operation is part of the exchanged signature, so both
+    raise at the first exchange (a bug would let them run mismatched protocols and hang or corrupt)."""
+    xs, idxs, ws = make_inputs(3, 4, 2, 16, [4, 4])
+    vg = VirtualGroup(2, 1 << 16)
+    first = virtual_dispatch(vg, xs, idxs, ws, 4)
+    b0, b1 = vg.buffers
+    lay = _layout(b0, idxs[0], 4)
+    from triton_ep.testing import lockstep
+    out = lockstep([b0._dispatch_steps(xs[0], None, lay["num_tokens_per_rank"], lay["is_token_in_rank"],
+                                       lay["num_tokens_per_expert"], lay["topk_idx"], ws[0], 1, 0, None, False),
+                    b1._combine_steps(first[1][0], first[1][4], None, None, None, False)])
+    assert all(isinstance(o, ValueError) and "all ranks must agree" in str(o) for o in out), out

@@ -36,6 +36,7 @@ _DEFAULT_TIMEOUT_S = 100.0
 # Exchange-slot header words (int64).
 _ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 8)
 _NBAD, _NTOK = 8, 9
+_OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
 _STATUS_TEXT = {1: "invalid arguments", 2: "topk_idx ids outside [-1, num_experts)"}
 
 
@@ -340,7 +341,8 @@ class Buffer:
                                 f"({_STATUS_TEXT.get(int(slots[r][_ST]), 'error')}); no data was moved")
         for r in range(self.group_size):
             if not np.array_equal(slots[r][_SIG0:_SIG0 + len(sig)], slots[0][_SIG0:_SIG0 + len(sig)]):
-                raise ValueError(f"'{stage}': rank {r} passed (hidden words, scales, topk, flags) "
+                raise ValueError(f"'{stage}': rank {r} called (operation, row words, scale words, top-k, flags, "
+                                 f"experts) "
                                  f"{slots[r][_SIG0:_SIG0 + len(sig)].tolist()} but rank 0 passed "
                                  f"{slots[0][_SIG0:_SIG0 + len(sig)].tolist()}; all ranks must agree")
         return slots
@@ -442,7 +444,9 @@ class Buffer:
             err = e
         if err is None and previous_event is not None:
             previous_event.current_stream_wait()
-        sig = [a["wx"], a["s"], a["k"], a["flags"], a["E"]] if err is None else [0] * 5
+        # The operation is part of the signature: ranks that call different collectives fail, not hang.
+        op = _OP_CACHED_DISPATCH if handle is not None else _OP_DISPATCH
+        sig = [op, a["wx"], a["s"], a["k"], a["flags"], a["E"]] if err is None else [op] + [0] * 5
         if handle is not None:
             yield from self._exchange("dispatch/start (cached)", err, 1, sig)
             h = a["handle"]
@@ -640,7 +644,7 @@ class Buffer:
             previous_event.current_stream_wait()
         H = xv.shape[1] if err is None else 0
         K = w.shape[1] if w is not None else 0
-        yield from self._exchange("combine/start", err, 1, [H, K, 0, 0, 0])
+        yield from self._exchange("combine/start", err, 1, [_OP_COMBINE, H, K, 0, 0, 0])
         rpm = h.rpm_host
         counts = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)   # [src, dst]
         comb_base = _to_dev(counts[:, :me].sum(axis=1), torch.int64, self.device)
