@@ -23,10 +23,14 @@ else
         echo "[run.sh] installing dependencies into .venv (first run only)" >&2
         pip_q=(-q --disable-pip-version-check)
         if ! "$vpy" -c 'import torch' >/dev/null 2>&1; then
-            # The CPU build of torch: from a local wheel where the machine has one (our CPU image),
-            # else from PyTorch's CPU index. Never the multi-GB CUDA build on a machine with no GPU.
-            "$vpy" -m pip install "${pip_q[@]}" --no-index torch==2.13.0 2>/dev/null \
-              || "$vpy" -m pip install "${pip_q[@]}" torch --index-url https://download.pytorch.org/whl/cpu
+            # The CPU build of torch, never the multi-GB CUDA build on a machine with no GPU: the local
+            # CPU wheel where pip's find-links has one (our CPU image: torch from disk, its dependencies
+            # from the index), else PyTorch's CPU index.
+            if "$vpy" -m pip install -q --dry-run --no-deps --no-index torch==2.13.0 >/dev/null 2>&1; then
+                "$vpy" -m pip install "${pip_q[@]}" torch==2.13.0
+            else
+                "$vpy" -m pip install "${pip_q[@]}" torch --index-url https://download.pytorch.org/whl/cpu
+            fi
         fi
         "$vpy" -m pip install "${pip_q[@]}" triton numpy pytest hypothesis
         "$vpy" -m pip install "${pip_q[@]}" --no-deps -e .

@@ -288,3 +288,55 @@ def back_to_back_processes(rank, world, rounds, seed, device="cpu"):
         return back_to_back_rounds(buf, rank, world, rounds, seed, device)
     finally:
         buf.destroy()
+
+
+def fail_mid_call(rank, world):
+    """Rank 0 fails after the counts exchange (its output allocation raises, as out-of-memory would);
+    the peer must not return wrong data: it times out naming rank 0, and rank 0's later calls raise at
+    once instead of meeting the peer at a wrong step."""
+    import unittest.mock
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(21, world, E, 2, H, [5] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=3)
+    kw = _layout_kwargs(buf, idxs[rank], E)
+    out = []
+    real_empty = torch.empty
+
+    def failing_empty(*a, **k):
+        if k.get("dtype") == torch.bfloat16:
+            raise RuntimeError("simulated out of memory")
+        return real_empty(*a, **k)
+
+    for attempt in range(2):
+        try:
+            if rank == 0 and attempt == 0:
+                with unittest.mock.patch.object(torch, "empty", failing_empty):
+                    buf.dispatch(xs[rank], topk_weights=ws[rank], **kw)
+            else:
+                buf.dispatch(xs[rank], topk_weights=ws[rank], **kw)
+            out.append("returned")
+        except Exception as e:  # noqa: BLE001
+            out.append(type(e).__name__)
+    buf.destroy()
+    return out
+
+
+def mixed_handles(rank, world):
+    """Ranks pass handles of different dispatches to combine / cached dispatch: every rank raises."""
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(22, world, E, 2, H, [6] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=20)
+    first = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+    second = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+    h = first[4] if rank == 0 else second[4]
+    x = first[0] if rank == 0 else second[0]
+    out = []
+    for call in (lambda: buf.combine(x, h), lambda: buf.dispatch(xs[rank], handle=h)):
+        try:
+            call()
+            out.append("returned")
+        except ValueError as e:
+            out.append("ValueError: " + ("handle's dispatch" in str(e) and "agree" in str(e)).__str__())
+    assert buf.combine(second[0], second[4])[0].shape == (6, H)     # the group is still in step
+    buf.destroy()
+    return out

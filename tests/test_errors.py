@@ -127,3 +127,39 @@ def test_ranks_calling_different_collectives_fail_instead_of_hanging():
                                        lay["num_tokens_per_expert"], lay["topk_idx"], ws[0], 1, 0, None, False),
                     b1._combine_steps(first[1][0], first[1][4], None, None, None, False)])
     assert all(isinstance(o, ValueError) and "all ranks must agree" in str(o) for o in out), out
+
+
+@pytest.mark.parametrize("kw,exc,words", [
+    (dict(previous_event=object()), TypeError, ["previous_event"]),
+    (dict(num_worst_tokens=2 ** 63), ValueError, ["num_worst_tokens"]),
+    (dict(expert_alignment=2 ** 70), ValueError, ["expert_alignment"]),
+])
+def test_more_bad_dispatch_arguments_go_through_the_exchange(one, kw, exc, words):
+    """Each is reported as a clear error naming the argument (a bug: AttributeError/OverflowError raised
+    before the exchange, leaving peers to pair with this rank's next call)."""
+    vg, buf = one
+    idx = torch.tensor([[0, 1], [1, -1]])
+    err = _dispatch(vg, x=torch.randn(2, 16).to(torch.bfloat16), **_layout(buf, idx, 4), **kw)
+    assert isinstance(err, exc) and all(w in str(err) for w in words), err
+
+
+def test_config_of_wrong_type_and_timeout_values_are_named(monkeypatch):
+    buf = VirtualGroup(1, 1 << 16).buffers[0]
+    with pytest.raises(TypeError, match="config"):
+        buf.dispatch(torch.zeros(1, 16, dtype=torch.bfloat16), config="abc")
+    from triton_ep.transport.ipc import LocalWorld
+    comm = LocalWorld(1, 4096, triton_ep.Buffer._slot_words(1)).comm(0)
+    for bad in (float("nan"), "x", 0, -1, float("inf")):
+        with pytest.raises(ValueError, match="timeout_s"):
+            triton_ep.Buffer(comm, 4096, timeout_s=bad)
+    monkeypatch.setenv("TRITON_EP_TIMEOUT_S", "abc")
+    with pytest.raises(ValueError, match="TRITON_EP_TIMEOUT_S"):
+        triton_ep.Buffer(comm, 4096)
+
+
+def test_internode_and_mask_entry_points_say_not_implemented():
+    buf = VirtualGroup(1, 1 << 16).buffers[0]
+    for name in ("internode_dispatch", "internode_combine", "low_latency_update_mask_buffer",
+                 "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer"):
+        with pytest.raises(NotImplementedError):
+            getattr(buf, name)()

@@ -57,3 +57,19 @@ def test_rank_missing_at_construction_times_out():
     out = _values(run_ranks(mp_cases.absent_at_construction, 3, 2.0))
     for stage, waited in out[:2]:
         assert stage.startswith("bootstrap") and 2.0 <= waited < 20, (stage, waited)
+
+
+def test_rank_failing_mid_call_never_yields_wrong_data():
+    """A rank that fails after meeting its peers (out of memory, an interrupt) must not later meet them at
+    a wrong step (a bug would let the peer return another call's rows as success): the peer times out
+    naming it, and the failed rank's Buffer refuses further calls."""
+    out = _values(run_ranks(mp_cases.fail_mid_call, 2))
+    assert out[0] == ["RuntimeError", "EPError"], out
+    assert out[1][0] == "EPTimeoutError", out
+
+
+def test_handles_of_different_dispatches_are_rejected_on_every_rank():
+    """Each rank passes a valid handle of this Buffer, but from different dispatches: combine and cached
+    dispatch raise on every rank (a bug would combine garbage silently)."""
+    out = _values(run_ranks(mp_cases.mixed_handles, 2))
+    assert out == [["ValueError: True"] * 2] * 2, out

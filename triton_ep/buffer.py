@@ -34,8 +34,8 @@ XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
 _DEFAULT_TIMEOUT_S = 100.0
 # Exchange-slot header words (int64).
-_ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 8)
-_NBAD, _NTOK = 8, 9
+_ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 10)
+_NTOK = 10
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
 _STATUS_TEXT = {1: "invalid arguments", 2: "topk_idx ids outside [-1, num_experts)"}
 
@@ -56,8 +56,10 @@ class DispatchHandle(tuple):
     It also remembers, on the host, what cached calls need without a device synchronisation.
     """
 
-    def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: int, rpm_host: np.ndarray):
+    def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: int, rpm_host: np.ndarray,
+                seq: int):
         self = super().__new__(cls, items)
+        self.seq = seq
         self.buffer_uid = buffer_uid
         self.num_tokens = num_tokens
         self.num_recv_tokens = num_recv_tokens
@@ -66,10 +68,29 @@ class DispatchHandle(tuple):
         return self
 
 
+def _collective(e: BaseException) -> BaseException:
+    """Mark ``e`` as raised on every rank at the same step (the group stays in step)."""
+    e._ep_collective = True
+    return e
+
+
+_MAX_INT32 = 2 ** 31 - 1
+
+
 def _to_dev(a, dtype: torch.dtype, device: torch.device, shape=None) -> Tensor:
     """A fresh contiguous device tensor from host values (numpy views may be strided)."""
     t = torch.tensor(np.ascontiguousarray(a), dtype=dtype)
     return (t.reshape(shape) if shape is not None else t).to(device)
+
+
+def _check_event(ev) -> None:
+    if ev is not None and not isinstance(ev, EventOverlap):
+        raise TypeError(f"previous_event must be an EventOverlap (e.g. from Buffer.capture()), got {type(ev).__name__}")
+
+
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a triton_ep.Config or None, got {type(config).__name__}")
 
 
 def _isint(v) -> bool:
@@ -109,15 +130,20 @@ class Buffer:
         if not _isint(num_nvl_bytes) or num_nvl_bytes < 0:
             raise ValueError(f"num_nvl_bytes must be a non-negative int, got {num_nvl_bytes!r}")
         if timeout_s is None:
-            timeout_s = float(os.environ.get("TRITON_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+            env = os.environ.get("TRITON_EP_TIMEOUT_S", str(_DEFAULT_TIMEOUT_S))
+            try:
+                timeout_s = float(env)
+            except ValueError:
+                raise ValueError(f"TRITON_EP_TIMEOUT_S must be a number of seconds, got {env!r}") from None
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite positive number of seconds, got {timeout_s!r}")
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.timeout_s = float(timeout_s)
         self._uid = uuid.uuid4().hex
         self._op = 0
+        self._dispatch_seq = 0
         if isinstance(group, ipc.Comm):          # ranks simulated in one process (triton_ep.testing)
             self._comm = group
             self.group = None
@@ -232,18 +258,22 @@ class Buffer:
         """The stream communication runs on: the current CUDA stream (one stream is used), ``None`` on CPU."""
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _low_latency_unavailable(self, *args, **kwargs):
-        """DeepEP's low-latency entry points (``low_latency_dispatch``, ``low_latency_combine``,
-        ``clean_low_latency_buffer``, ``get_next_low_latency_combine_buffer``).
+    def _unavailable(self, *args, **kwargs):
+        """DeepEP entry points this release does not implement: the low-latency ones
+        (``low_latency_dispatch``, ``low_latency_combine``, ``clean_low_latency_buffer``,
+        ``get_next_low_latency_combine_buffer``, the ``low_latency_*_mask_buffer`` ones) and the internode
+        ones (``internode_dispatch``, ``internode_combine``).
 
         Raises:
-            NotImplementedError: always; low-latency mode is not part of this release.
+            NotImplementedError: always.
         """
-        raise NotImplementedError("triton_ep implements DeepEP's normal (high-throughput) mode only; the "
-                                  "low-latency kernels are not available yet")
+        raise NotImplementedError("triton_ep implements DeepEP's normal (high-throughput) mode within one host "
+                                  "only; low-latency and internode kernels are not available yet")
 
-    low_latency_dispatch = low_latency_combine = _low_latency_unavailable
-    clean_low_latency_buffer = get_next_low_latency_combine_buffer = _low_latency_unavailable
+    low_latency_dispatch = low_latency_combine = _unavailable
+    clean_low_latency_buffer = get_next_low_latency_combine_buffer = _unavailable
+    low_latency_update_mask_buffer = low_latency_query_mask_buffer = low_latency_clean_mask_buffer = _unavailable
+    internode_dispatch = internode_combine = _unavailable
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
@@ -306,21 +336,31 @@ class Buffer:
 
     # ------------------------------------------------------------------ collective plumbing
     def _run(self, gen: Generator):
+        """Drive a collective's steps against the real barrier. A rank that fails in the middle of a call
+        (after meeting its peers, with an error its peers do not share: out of memory, an interrupt) can
+        no longer keep step with them: its Comm is marked broken, so it never meets them at a wrong step."""
         comm = self._live()
+        met = False
         try:
             stage = next(gen)
             while True:
                 comm.barrier(stage)
+                met = True
                 stage = next(gen)
         except StopIteration as stop:
             return stop.value
+        except BaseException as e:
+            if met and not getattr(e, "_ep_collective", False) and comm.broken is None:
+                comm.broken = f"rank {self.rank} failed in the middle of a call ({type(e).__name__}: {e})"
+            raise
         finally:
             gen.close()
 
     def _exchange(self, stage: str, err: Optional[BaseException], status: int, sig: Sequence[int],
-                  fill=None) -> Generator:
+                  sig_names: str, fill=None) -> Generator:
         """Publish this rank's status, signature (and, through ``fill``, its counts), meet the others,
-        then raise on every rank if any rank failed. Returns the list of all ranks' slots."""
+        then raise on every rank if any rank failed (every exception raised here is raised on all ranks at
+        the same step). Returns the list of all ranks' slots."""
         comm = self._live()
         parity = self._op & 1
         self._op += 1
@@ -333,25 +373,28 @@ class Buffer:
         yield stage
         slots = [comm.slot(parity, r).copy() for r in range(self.group_size)]
         if err is not None:
-            raise err
+            raise _collective(err)
         bad = [r for r in range(self.group_size) if slots[r][_ST]]
         if bad:
             r = bad[0]
-            raise EPRemoteError(f"rank {self.rank}: rank {r} failed '{stage}' "
-                                f"({_STATUS_TEXT.get(int(slots[r][_ST]), 'error')}); no data was moved")
+            raise _collective(EPRemoteError(
+                f"rank {self.rank}: rank {r} failed '{stage}' ({_STATUS_TEXT.get(int(slots[r][_ST]), 'error')}; "
+                f"rank {r} raised the details); no data was moved"))
         for r in range(self.group_size):
             if not np.array_equal(slots[r][_SIG0:_SIG0 + len(sig)], slots[0][_SIG0:_SIG0 + len(sig)]):
-                raise ValueError(f"'{stage}': rank {r} called (operation, row words, scale words, top-k, flags, "
-                                 f"experts) "
-                                 f"{slots[r][_SIG0:_SIG0 + len(sig)].tolist()} but rank 0 passed "
-                                 f"{slots[0][_SIG0:_SIG0 + len(sig)].tolist()}; all ranks must agree")
+                raise _collective(ValueError(
+                    f"'{stage}': rank {r} called with ({sig_names}) = {slots[r][_SIG0:_SIG0 + len(sig)].tolist()} "
+                    f"but rank 0 with {slots[0][_SIG0:_SIG0 + len(sig)].tolist()}; all ranks must call the same "
+                    f"operation with the same handle and sizes (all ranks must agree)"))
         return slots
 
     def _capacity(self, row_bytes: int, stage: str) -> int:
         cap = self._live().min_bytes // row_bytes
-        if cap < 1:
-            raise ValueError(f"'{stage}': a row needs {row_bytes} bytes but the smallest rank buffer holds "
-                             f"{self._comm.min_bytes}; raise num_nvl_bytes (see Config.get_nvl_buffer_size_hint)")
+        if cap < 1:      # the same on every rank: computed from shared values
+            raise _collective(ValueError(
+                f"'{stage}': a row needs {row_bytes} bytes but the smallest rank buffer holds "
+                f"{self._comm.min_bytes} (num_nvl_bytes, rounded up to 4 KiB); raise num_nvl_bytes "
+                f"(see Config.get_nvl_buffer_size_hint)"))
         return cap
 
     def _event(self, async_finish: bool) -> EventOverlap:
@@ -429,6 +472,7 @@ class Buffer:
             EPRemoteError: another rank failed the call; EPCapacityError: ``num_worst_tokens`` too small;
             EPTimeoutError: a peer did not answer within ``timeout_s``.
         """
+        _check_config(config)
         return self._run(self._dispatch_steps(x, handle, num_tokens_per_rank, is_token_in_rank,
                                               num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                               num_worst_tokens, previous_event, async_finish))
@@ -437,18 +481,23 @@ class Buffer:
                         topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):
         R, me = self.group_size, self.rank
         err, a, status = None, None, 1
+        if handle is None:
+            self._dispatch_seq += 1          # the same on every rank: names the handle this call makes
         try:
             a = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                    topk_idx, topk_weights, expert_alignment, num_worst_tokens)
-        except (TypeError, ValueError) as e:
+                                    topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+        except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
             err = e
-        if err is None and previous_event is not None:
-            previous_event.current_stream_wait()
-        # The operation is part of the signature: ranks that call different collectives fail, not hang.
+        # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
+        # ranks that call different collectives, or pass handles of different dispatches, fail together.
         op = _OP_CACHED_DISPATCH if handle is not None else _OP_DISPATCH
-        sig = [op, a["wx"], a["s"], a["k"], a["flags"], a["E"]] if err is None else [op] + [0] * 5
+        seq = a["handle"].seq if (err is None and handle is not None) else 0
+        sig = [op, a["wx"], a["s"], a["k"], a["flags"], a["E"], seq] if err is None else [op] + [0] * 6
+        names = "operation, row words, scale words, top-k, flags, experts, handle's dispatch"
         if handle is not None:
-            yield from self._exchange("dispatch/start (cached)", err, 1, sig)
+            yield from self._exchange("dispatch/start (cached)", err, 1, sig, names)
             h = a["handle"]
             rpm = h.rpm_host
             send_pos, in_rank = h[5], h[4]
@@ -457,10 +506,15 @@ class Buffer:
             stage = "dispatch/exchange counts"
             lay = host = None
             if err is None:
-                lay = self._routing(a)
-                # one device-to-host copy: counts per rank, per expert, and bad ids
-                parts = [lay[0].to(torch.int64), lay[1].to(torch.int64)] + ([lay[4].to(torch.int64)] if lay[4] is not None else [])
-                host = torch.cat(parts).cpu().numpy()
+                try:
+                    lay = self._routing(a)
+                    # one device-to-host copy: counts per rank, per expert, and bad ids
+                    parts = [lay[0].to(torch.int64), lay[1].to(torch.int64)] + \
+                        ([lay[4].to(torch.int64)] if lay[4] is not None else [])
+                    host = torch.cat(parts).cpu().numpy()
+                except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
+                    err = e
+            if err is None:
                 nbad = int(host[R + a["E"]]) if lay[4] is not None else 0
                 if nbad:
                     status = 2
@@ -472,7 +526,7 @@ class Buffer:
                 slot[_NTOK] = a["T"]
                 slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R + a["E"]] = host[:R + a["E"]]
 
-            slots = yield from self._exchange(stage, err, status, sig, fill)
+            slots = yield from self._exchange(stage, err, status, sig, names, fill)
             counts = np.stack([s[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] for s in slots])        # [src, dst]
             rpm = np.cumsum(counts, axis=0)
             recv_all = rpm[-1]
@@ -480,8 +534,8 @@ class Buffer:
                     if s[_NWORST] > 0 and recv_all[r] > s[_NWORST]]
             if over:
                 r, got, cap = over[0]
-                raise EPCapacityError(f"rank {me}: rank {r} receives {got} rows but its num_worst_tokens is {cap}; "
-                                      f"no data was moved")
+                raise _collective(EPCapacityError(f"rank {me}: rank {r} receives {got} rows but its num_worst_tokens "
+                                                  f"is {cap}; no data was moved"))
             E = a["E"]
             El = E // R
             per_expert = sum(s[ipc.SLOT_HEADER + R + me * El:ipc.SLOT_HEADER + R + (me + 1) * El] for s in slots)
@@ -539,7 +593,7 @@ class Buffer:
         send_prefix = _to_dev(np.cumsum(counts[me]), torch.int32, dev, (R, 1))
         recv_start = _to_dev(np.concatenate([[0], rpm[:-1, me]]), torch.int32, dev, (R, 1))
         new_handle = DispatchHandle((rpm_t, send_prefix, recv_start, recv_src, in_rank, send_pos), self._uid,
-                                    a["T"], n_recv, rpm)
+                                    a["T"], n_recv, rpm, self._dispatch_seq)
         return out_x, recv_idx, recv_w, expert_list, new_handle, event
 
     def _routing(self, a):
@@ -552,15 +606,16 @@ class Buffer:
         return in_rank.sum(0, dtype=torch.int32), a["per_expert"], in_rank, send_pos, None
 
     def _dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                       topk_weights, expert_alignment, num_worst_tokens) -> dict:
+                       topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> dict:
         self._live()
         R = self.group_size
+        _check_event(previous_event)
         xv, sc = self._check_x(x)
         T = xv.shape[0]
-        if not _isint(expert_alignment) or expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-        if not _isint(num_worst_tokens) or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        if not _isint(expert_alignment) or not 1 <= expert_alignment <= _MAX_INT32:
+            raise ValueError(f"expert_alignment must be an int in [1, 2^31), got {expert_alignment!r}")
+        if not _isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
+            raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
         a = dict(x=xv, scales=sc, T=T, wx=xv.shape[1] * xv.element_size() // 4, s=sc.shape[1] if sc is not None else 0,
                  align=int(expert_alignment), idx=None, w=None, k=0, E=0, in_rank=None, per_expert=None)
         if handle is not None:
@@ -620,6 +675,7 @@ class Buffer:
             TypeError/ValueError: bad arguments or a handle of another Buffer or shape; EPRemoteError,
             EPTimeoutError: as in ``dispatch``.
         """
+        _check_config(config)
         return self._run(self._combine_steps(x, handle, topk_weights, bias, previous_event, async_finish))
 
     def _combine_steps(self, x, handle, topk_weights, bias, previous_event, async_finish):
@@ -627,6 +683,7 @@ class Buffer:
         err, h, xv, w, biases = None, None, None, None, []
         try:
             self._live()
+            _check_event(previous_event)
             h = self._check_handle(handle)
             xv = self._check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None))
             if (xv.shape[1] * 2) % 16 or xv.shape[1] == 0:
@@ -638,13 +695,14 @@ class Buffer:
                 raise ValueError(f"bias takes at most two tensors, got {len(bl)}")
             biases = [self._check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]))
                       for i, b in enumerate(bl) if b is not None]
-        except (TypeError, ValueError) as e:
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+        except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
             err = e
-        if err is None and previous_event is not None:
-            previous_event.current_stream_wait()
         H = xv.shape[1] if err is None else 0
         K = w.shape[1] if w is not None else 0
-        yield from self._exchange("combine/start", err, 1, [_OP_COMBINE, H, K, 0, 0, 0])
+        yield from self._exchange("combine/start", err, 1, [_OP_COMBINE, H, K, h.seq if err is None else 0],
+                                  "operation, hidden, top-k weights, handle's dispatch")
         rpm = h.rpm_host
         counts = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)   # [src, dst]
         comb_base = _to_dev(counts[:, :me].sum(axis=1), torch.int64, self.device)
