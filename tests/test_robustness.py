@@ -185,7 +185,7 @@ def case_odd_ranks_ragged_and_empty(R, Ts, device="cpu"):
 def case_rank_receiving_nothing_combines_empty(device="cpu"):
     """A rank that receives no row gets [0, H] outputs and combines a torch.empty(0, H) (null pointer).
     Catches: a combine that requires a non-empty x, or reads x's (null) pointer."""
-    R, E, K, H = 3, 6, 2, 16
+    R, E, H = 3, 6, 16
     idxs = [_idx([[0, 1], [3, -1]]), _idx([[2, 3]]), _idx([[-1, 0]])]       # nothing for rank 2 (experts 4, 5)
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(i.shape[0], H, generator=g).to(BF16) for i in idxs]
@@ -402,7 +402,7 @@ def case_combine_offsets(base, device="cpu"):
     """combine_send and combine_reduce with slot bases and windows near/after 2^31, 2^32, 2^33 write and
     reduce exactly as with base 0. Catches: comb_base / send_base + pos or the window ``lo`` truncated to
     32 bits (returned rows masked out, written out of bounds, or summed from the wrong slot)."""
-    H, K, R = 16, 2, 2
+    H, K = 16, 2
     rb = combine_record_bytes(H, K)
     g = torch.Generator().manual_seed(6)
     n_rows = 5

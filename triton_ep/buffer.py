@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from typing import Generator, List, Optional, Sequence, Tuple, Union
+from typing import Generator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -34,8 +34,7 @@ XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
 _DEFAULT_TIMEOUT_S = 100.0
 # Exchange-slot header words (int64).
-_ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 10)
-_NTOK = 10
+_ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 9)
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
 _STATUS_TEXT = {1: "invalid arguments", 2: "topk_idx ids outside [-1, num_experts)"}
 
@@ -523,7 +522,6 @@ class Buffer:
 
             def fill(slot):
                 slot[_NWORST] = num_worst_tokens
-                slot[_NTOK] = a["T"]
                 slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R + a["E"]] = host[:R + a["E"]]
 
             slots = yield from self._exchange(stage, err, status, sig, names, fill)
