@@ -24,7 +24,7 @@ import os
 import random
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -45,10 +45,17 @@ TARGET_FRACTION = 0.8          # dispatch copy and combine reduction at 4096 tok
 TARGET_LAYOUT_US = 10.0        # layout of 4096 x 8 ids: under 10 us
 
 
-def sweep_grid(kernel: str, small: bool) -> List[Dict[str, int]]:
+def sweep_grid(kernel: str, small: bool) -> List[Dict[str, object]]:
     """The launch configurations ``--sweep`` tries for ``kernel`` (two per kernel with ``small``)."""
     if kernel == "layout":
-        grid = [dict(block_t=t, num_warps=w) for t in (64, 128, 256, 512) for w in (2, 4, 8)]
+        grid = [dict(block_t=t, block_s=s, max_programs=p, num_warps=w) for t in (128, 256, 512)
+                for s in (512, 1024, 2048) for p in (8, 16, 32, 64) for w in (4, 8)]
+    elif kernel == "dispatch_send":
+        # whole rows per program, or one slice per program (split_w); with and without streaming stores
+        grid = [dict(block_t=t, block_w=s, num_warps=w, split_w=sp, store_cache=c, store_evict=e)
+                for t in (1, 2) for s in (512, 1024, 2048, 4096) for w in (4, 8, 16) for sp in (0, 1)
+                for c, e in (("", ""), (".cs", ""), ("", "evict_first"))
+                if not (sp and s == 4096) and s // (32 * w) >= 4]
     else:
         wide = "block_h" if kernel == "combine_reduce" else "block_w"
         sizes = (512, 1024, 2048, 4096) if kernel == "combine_reduce" else (256, 512, 1024, 2048)
@@ -221,19 +228,23 @@ class Case:
             for t in self.outputs(kernel):
                 t.zero_()
 
-    def min_bytes(self, kernel: str) -> float:
-        """Bytes one call must read plus write at the least, averaged over the ranks (16-byte record
+    def min_rw(self, kernel: str) -> Tuple[float, float]:
+        """Bytes one call must read and write at the least, averaged over the ranks (16-byte record
         padding excluded, small per-rank vectors ignored)."""
         T, K, R, W = self.T, self.K, self.R, self.wx
         if kernel == "layout":      # ids in; is_token_in_rank, send_pos, counts out
-            return T * K * 8 + T * R * (1 + 8) + 4 * (R + self.E)
+            return T * K * 8, T * R * (1 + 8) + 4 * (R + self.E)
         if kernel == "dispatch_send":   # rows, ids, weights, send_pos in; records out
-            return T * (W * 4 + K * 12 + R * 8) + float(self.sent.mean()) * (W + 2 * K + 1) * 4
+            return T * (W * 4 + K * 12 + R * 8), float(self.sent.mean()) * (W + 2 * K + 1) * 4
         if kernel == "dispatch_recv":   # records in; rows, int64 ids, weights, source index out
-            return float(self.recv.mean()) * ((W + 2 * K + 1) * 4 + W * 4 + K * 12 + 4)
+            return float(self.recv.mean()) * (W + 2 * K + 1) * 4, float(self.recv.mean()) * (W * 4 + K * 12 + 4)
         if kernel == "combine_send":    # rows in, rows out
-            return float(self.recv.mean()) * W * 4 * 2
-        return float(self.sent.mean()) * self.H * 2 + T * R * 8 + T * self.H * 2   # slots + send_pos in, rows out
+            return float(self.recv.mean()) * W * 4, float(self.recv.mean()) * W * 4
+        return float(self.sent.mean()) * self.H * 2 + T * R * 8, T * self.H * 2   # slots + send_pos in, rows out
+
+    def min_bytes(self, kernel: str) -> float:
+        """:meth:`min_rw` read plus written."""
+        return sum(self.min_rw(kernel))
 
 
 def run_all(case: Case, fn: Callable[[int], None]) -> None:
@@ -269,22 +280,29 @@ def compare(case: Case, kernel: str, want: List[torch.Tensor], exact: bool) -> s
 
 def measure_ceiling(small: bool, warmup_ms: float, rep_ms: float) -> dict:
     """A plain device-to-device copy (``dst.copy_(src)``, 1 GiB; 16 MiB on CPU): bytes read plus written
-    per second."""
+    per second (``GBps``, the ceiling every fraction refers to). Also, to see what the mix of reads and
+    writes allows: a write-only pass (``dst.fill_``, ``write_GBps``) and a read-only one (a sum,
+    ``read_GBps``) over the same bytes."""
     n = (16 << 20) if small else (1 << 30)
     dev = "cuda" if C.on_gpu() else "cpu"
     src = torch.ones(n, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     ms = C.bench_ms(lambda: dst.copy_(src), warmup_ms, rep_ms)
-    return dict(bytes=2 * n, ms=ms, GBps=C.gbps(2 * n, ms))
+    ms_w = C.bench_ms(lambda: dst.fill_(7), warmup_ms, rep_ms)
+    words = src.view(torch.int32)
+    ms_r = C.bench_ms(lambda: words.sum(), warmup_ms, rep_ms)
+    return dict(bytes=2 * n, ms=ms, GBps=C.gbps(2 * n, ms), write_GBps=C.gbps(n, ms_w), read_GBps=C.gbps(n, ms_r))
 
 
-def bench_case(case: Case, ceiling_GBps: float, warmup_ms: float, rep_ms: float) -> List[dict]:
+def bench_case(case: Case, ceiling: dict, warmup_ms: float, rep_ms: float) -> List[dict]:
     """Every kernel of ``case``: ours and PyTorch's time, bytes, GB/s, fraction of the ceiling, checks.
     Leaves each kernel's outputs as ours made them (the next kernel's inputs)."""
     results = []
     for k in KERNELS:
         ours, plain = getattr(case, k), getattr(case, k + "_torch")
         nbytes = case.min_bytes(k)
+        rd, wr = case.min_rw(k)
+        ceiling_GBps = ceiling["GBps"]
         want = snapshot(case, k, ours)
         t_ours = C.bench_ms(rotating(case, ours), warmup_ms, rep_ms)
         case.reset(k)
@@ -295,25 +313,29 @@ def bench_case(case: Case, ceiling_GBps: float, warmup_ms: float, rep_ms: float)
         # GPU time alone, the host's launch overhead removed (CUDA graph replay); layout is launch-bound.
         t_graph = C.bench_graph_ms(rotating(case, ours), rep_ms) if k == "layout" else None
         r = dict(shape=case.label, tokens=case.T, kernel=k, bytes=nbytes, ours_graph_us=t_graph and t_graph * 1e3,
-                 predicted_us=nbytes / ceiling_GBps / 1e3, ours_us=t_ours * 1e3, torch_us=t_torch * 1e3,
+                 predicted_us=nbytes / ceiling_GBps / 1e3, read_bytes=rd, write_bytes=wr,
+                 mix_predicted_us=(rd / ceiling["read_GBps"] + wr / ceiling["write_GBps"]) / 1e3, ours_us=t_ours * 1e3, torch_us=t_torch * 1e3,
                  ours_GBps=C.gbps(nbytes, t_ours), torch_GBps=C.gbps(nbytes, t_torch),
                  ours_frac=C.gbps(nbytes, t_ours) / ceiling_GBps, torch_frac=C.gbps(nbytes, t_torch) / ceiling_GBps,
                  ours_over_torch=t_ours / t_torch, check_vs_torch=check, tuning=dict(active_table()[k]))
         results.append(r)
-        print(f"  {k:15s} {nbytes / 1e6:9.2f} MB  predicted {r['predicted_us']:9.2f} us  ours {r['ours_us']:9.2f} us "
+        print(f"  {k:15s} {nbytes / 1e6:9.2f} MB  predicted {r['predicted_us']:9.2f} us "
+              f"(from read/write-only rates {r['mix_predicted_us']:9.2f})  ours {r['ours_us']:9.2f} us "
               f"({r['ours_frac']:.2f} of ceiling)  torch {r['torch_us']:9.2f} us  [{check}]", flush=True)
     return results
 
 
-def sweep(case: Case, small: bool, budget_s: float) -> dict:
+def sweep(case: Case, small: bool, budget_s: float, only: Optional[List[str]] = None) -> dict:
     """Time every configuration of :func:`sweep_grid` per kernel on ``case`` (do_bench warmup 10 ms,
     rep 40 ms), check its outputs bitwise against the default configuration's, and return per kernel the
     default, the best correct configuration and every row. Each kernel gets an equal share of what is
-    left of ``budget_s``; configurations past it are skipped (and counted)."""
+    left of ``budget_s``; configurations past it are skipped (and counted). ``only``: the kernels to sweep
+    (default all)."""
     table = active_table()
     out = {}
     t_end = time.monotonic() + budget_s
-    for n_left, k in zip(range(len(KERNELS), 0, -1), KERNELS):
+    names = [k for k in KERNELS if not only or k in only]
+    for n_left, k in zip(range(len(names), 0, -1), names):
         default = dict(table[k])
         fn = getattr(case, k)
         want = snapshot(case, k, fn)
@@ -417,6 +439,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(C.HERE, "results"), help="output folder (default benchmarks/results)")
     p.add_argument("--sweep", action="store_true", help="also sweep launch configurations; writes tuning_h200.json")
+    p.add_argument("--sweep-kernels", type=lambda v: v.split(","), help="comma-separated kernels to sweep (default all)")
     p.add_argument("--sweep-budget-s", type=float, default=180.0, help="time bound of the sweep (default 180 s)")
     p.add_argument("--small", action="store_true", help="tiny shapes (the default without CUDA)")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end Buffer run")
@@ -439,13 +462,14 @@ def main(argv=None) -> int:
           f"{__import__('triton').__version__}; shape {shape}, tokens {token_counts}", flush=True)
     ceiling = measure_ceiling(a.small, a.warmup_ms, a.rep_ms)
     print(f"copy ceiling: {ceiling['GBps']:.1f} GB/s ({ceiling['bytes'] / 1e6:.0f} MB read+written in "
-          f"{ceiling['ms'] * 1e3:.1f} us)", flush=True)
+          f"{ceiling['ms'] * 1e3:.1f} us); write-only {ceiling['write_GBps']:.1f} GB/s, read-only "
+          f"{ceiling['read_GBps']:.1f} GB/s", flush=True)
     results, tuning = [], None
     for T in token_counts:
         case = Case(T, shape["hidden"], shape["topk"], shape["experts"], shape["ranks"], dev)
         print(f"{case.label}: rows sent per rank {case.sent.tolist()}, buffer {case.nbytes / 1e6:.1f} MB per rank",
               flush=True)
-        results += bench_case(case, ceiling["GBps"], a.warmup_ms, a.rep_ms)
+        results += bench_case(case, ceiling, a.warmup_ms, a.rep_ms)
         if a.sweep and T == token_counts[0]:
             big_case = case
         else:
@@ -457,15 +481,16 @@ def main(argv=None) -> int:
         e2e = bench_e2e(shape, a.e2e_ranks, iters=3 if a.small else 10, warmup=1 if a.small else 3)
     if a.sweep:
         print(f"sweep (budget {a.sweep_budget_s:.0f} s) on {big_case.label}", flush=True)
-        tuning = sweep(big_case, a.small, a.sweep_budget_s)
+        tuning = sweep(big_case, a.small, a.sweep_budget_s, a.sweep_kernels)
         C.write_json(os.path.join(a.out, "tuning_h200.json"), dict(
             device=C.device_name(), shape=big_case.label,
             best={k: v["best"] for k, v in tuning.items()}, detail=tuning))
         del big_case
 
-    headers = ["shape", "kernel", "MB", "pred_us", "ours_us", "GB/s", "frac", "torch_us", "ours/torch", "check"]
+    headers = ["shape", "kernel", "MB", "pred_us", "mix_us", "ours_us", "GB/s", "frac", "torch_us", "ours/torch", "check"]
     print()
     C.print_table(headers, [[f"T={r['tokens']}", r["kernel"], C.sig(r["bytes"] / 1e6), C.sig(r["predicted_us"], 3),
+                             C.sig(r["mix_predicted_us"], 3),
                              C.sig(r["ours_us"], 3), C.sig(r["ours_GBps"], 4), C.sig(r["ours_frac"], 3),
                              C.sig(r["torch_us"], 3), C.sig(r["ours_over_torch"], 3), r["check_vs_torch"]]
                             for r in results])

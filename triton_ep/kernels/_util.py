@@ -11,18 +11,21 @@ from typing import Dict
 import triton
 
 # Best of the sweep on one H200 (benchmarks/results/tuning_h200.json: T=4096, H=7168, top-8, 256 experts,
-# 8 ranks), except ``layout``'s block_b, which the sweep did not cover.
-GPU_TUNING: Dict[str, Dict[str, int]] = {
-    "layout": dict(block_t=256, block_b=16, num_warps=8),
-    "dispatch_send": dict(block_t=1, block_w=2048, num_warps=8),
+# 8 ranks). ``layout``: ``block_t`` tokens per tile of a program's own chunk, ``block_s`` tokens per tile of
+# the scan every program makes over all ids, at most ``max_programs`` programs (kernels/layout.py).
+# ``dispatch_send``: ``split_w`` 1 gives each row slice of ``block_w`` words its own program (a second grid
+# axis); ``store_cache`` / ``store_evict`` are Triton's store hints for the row copies ("" = none).
+GPU_TUNING: Dict[str, Dict[str, object]] = {
+    "layout": dict(block_t=256, block_s=1024, max_programs=32, num_warps=8),
+    "dispatch_send": dict(block_t=1, block_w=2048, num_warps=8, split_w=0, store_cache="", store_evict=""),
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_send": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),
 }
 
-INTERP_TUNING: Dict[str, Dict[str, int]] = {
-    "layout": dict(block_t=1024, block_b=4096, num_warps=4),
-    "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4),
+INTERP_TUNING: Dict[str, Dict[str, object]] = {
+    "layout": dict(block_t=1024, block_s=4096, max_programs=4, num_warps=4),
+    "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4, split_w=0, store_cache="", store_evict=""),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
@@ -34,7 +37,7 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def tuning(kernel: str) -> Dict[str, int]:
+def tuning(kernel: str) -> Dict[str, object]:
     """Launch parameters of ``kernel`` for the current backend (a dict: block sizes, ``num_warps``)."""
     return (INTERP_TUNING if interpreted() else GPU_TUNING)[kernel]
 

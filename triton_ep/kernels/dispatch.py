@@ -28,26 +28,42 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
                           WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
                           R: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr,
+                          STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     mt = t < T
-    # x: each tile is read once and stored to every destination rank that takes the token.
-    for w0 in range(0, WX, BLOCK_W):
+    # x: each tile is read once and stored to every destination rank that takes the token. With SPLIT_W
+    # the second grid axis picks one BLOCK_W slice of the row (and slice 0 writes the record's tail).
+    if SPLIT_W:
+        w_begin = tl.program_id(1) * BLOCK_W
+        w_end = w_begin + BLOCK_W
+    else:
+        w_begin = 0
+        w_end = WX
+    for w0 in range(w_begin, w_end, BLOCK_W):
         ow = w0 + tl.arange(0, BLOCK_W)
-        mw = ow < WX
-        v = tl.load(x_ptr + t[:, None] * WX + ow[None, :], mask=mt[:, None] & mw[None, :])
+        src = x_ptr + t[:, None] * WX + ow[None, :]
+        if EVEN_W:      # WX is a multiple of BLOCK_W: row masks only
+            v = tl.load(src, mask=mt[:, None])
+        else:
+            v = tl.load(src, mask=mt[:, None] & (ow < WX)[None, :])
         for r in tl.static_range(R):
             pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
             dst = tl.load(row_base_ptr + r) + pos
             m = (pos >= 0) & (dst >= lo) & (dst < hi)
             # Peer buffers sit 16-byte aligned: the hint lets the row stores be 16 bytes wide.
             row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
-            tl.store(row[:, None] + ow[None, :], v, mask=m[:, None] & mw[None, :])
+            if EVEN_W:
+                mask = m[:, None]
+            else:
+                mask = m[:, None] & (ow < WX)[None, :]
+            tl.store(row[:, None] + ow[None, :], v, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=STORE_EVICT)
+    tail = mt & ((tl.zeros([BLOCK_T], dtype=tl.int32) + tl.program_id(1)) == 0)
     for r in tl.static_range(R):
-        pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+        pos = tl.load(send_pos_ptr + t * R + r, mask=tail, other=-1)
         dst = tl.load(row_base_ptr + r) + pos
-        m = (pos >= 0) & (dst >= lo) & (dst < hi)
+        m = tail & (pos >= 0) & (dst >= lo) & (dst < hi)
         row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
         if HAS_SCALES:
             os_ = tl.arange(0, BLOCK_S)
@@ -138,13 +154,17 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
+    cfg = tuning("dispatch_send")
     bt, bw, nw = _blocks("dispatch_send", wx)
+    split = bool(cfg.get("split_w", 0))
     dummy = x_words
-    _dispatch_send_kernel[(triton.cdiv(T, bt),)](
+    _dispatch_send_kernel[(triton.cdiv(T, bt), triton.cdiv(wx, bw) if split else 1)](
         x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
         send_pos, row_base, delta_words, rec, T, lo, hi, num_experts,
         WX=wx, S=s, K=k, REC=rec_words, R=R, HAS_SCALES=scale_words is not None, HAS_TOPK=topk_idx is not None,
-        HAS_W=weight_words is not None, HAS_SRC=with_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k), num_warps=nw)
+        HAS_W=weight_words is not None, HAS_SRC=with_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k),
+        SPLIT_W=split, EVEN_W=wx % bw == 0, STORE_CACHE=cfg.get("store_cache", ""),
+        STORE_EVICT=cfg.get("store_evict", ""), num_warps=nw)
 
 
 def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_per_rank: int, wx: int, s: int,

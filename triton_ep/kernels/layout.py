@@ -4,13 +4,20 @@ Semantics: DeepEP's ``get_dispatch_layout`` (see :func:`triton_ep.reference.get_
 ``send_pos[t, r]``: the index of token ``t`` among the tokens this rank sends to rank ``r`` (its row offset
 within this rank's group on the receiver), ``-1`` where ``t`` does not go to ``r``.
 
-Two launches over blocks of tokens (no program waits on another):
+One launch, no memset, no atomics, and no program waits on another. The tokens are cut into ``P``
+contiguous chunks, one per program (``P`` at most ``max_programs``); program ``p``:
 
-1. ``_layout_count_kernel``: per block, ``is_token_in_rank`` and the block's tokens per rank; the expert
-   histogram (and, in one extra bin, the ids outside ``[-1, E)``) by integer atomic adds into a zeroed
-   array: integer sums, so the result does not depend on their order.
-2. ``_layout_pos_kernel``: per block, the exclusive prefix of the earlier blocks' counts plus an in-block
-   cumulative sum gives ``send_pos``; block 0 also writes the per-rank totals.
+1. scans every token in tiles of ``BLOCK_S``: it sums ``is_token_in_rank`` over the tokens before its
+   chunk (the exclusive prefix of its chunk, recomputed by every program instead of exchanged), and
+   histograms the ids of its own slice of experts ``[p * EB, (p + 1) * EB)`` over all tokens;
+2. walks its own chunk in tiles of ``BLOCK_T``: cumulative sums plus the running prefix give
+   ``send_pos``; it writes ``is_token_in_rank`` there;
+3. the last program writes the per-rank totals, program 0 the count of ids outside ``[-1, E)``.
+
+Every count is an integer sum, so nothing depends on the tiling. The redundant scan costs each program
+one read of the ``[T, K]`` ids (L2-resident after the first program touches them); with ``P`` capped the
+work grows linearly in ``T``. At ``T = 4096`` on the H200 that is 16 programs of 4 tiles each, one launch
+(benchmarks/bench_kernels.py measures it).
 """
 from typing import Tuple
 
@@ -22,55 +29,77 @@ from ._util import pow2, tuning
 
 
 @triton.jit
-def _layout_count_kernel(idx_ptr, T, num_experts, experts_per_rank, in_rank_ptr, block_rank_ptr, hist_ptr,
-                         K: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
-    pid = tl.program_id(0)
-    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mt = t < T
-    offs_r = tl.arange(0, BLOCK_R)
-    in_rank = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.int32)
+def _in_rank_tile(idx_ptr, t, mt, num_experts, experts_per_rank, offs_r, K: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """``[BLOCK, BLOCK_R]`` int32: 1 where token ``t`` has an id on rank ``r``; ids outside ``[0, E)`` count
+    nowhere."""
+    in_rank = tl.zeros([BLOCK, BLOCK_R], dtype=tl.int32)
     for k in tl.static_range(K):
         ids = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
-        valid = mt & (ids >= 0) & (ids < num_experts)
-        bad = mt & ((ids < -1) | (ids >= num_experts))
-        rank = tl.where(valid, ids // experts_per_rank, -1)
+        rank = tl.where((ids >= 0) & (ids < num_experts), ids // experts_per_rank, -1)
         in_rank = tl.maximum(in_rank, (rank[:, None] == offs_r[None, :]).to(tl.int32))
-        # bin E counts the bad ids; -1 entries count nowhere
-        tl.atomic_add(hist_ptr + tl.where(valid, ids, num_experts), 1, mask=valid | bad)
-    mr = offs_r < R
-    tl.store(in_rank_ptr + t[:, None] * R + offs_r[None, :], in_rank.to(tl.int8), mask=mt[:, None] & mr[None, :])
-    tl.store(block_rank_ptr + pid * BLOCK_R + offs_r, tl.sum(in_rank, axis=0))
+    return in_rank
 
 
 @triton.jit
-def _layout_pos_kernel(in_rank_ptr, T, num_blocks, block_rank_ptr, send_pos_ptr, tok_per_rank_ptr,
-                       R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+def _layout_kernel(idx_ptr, T, chunk, num_experts, experts_per_rank, in_rank_ptr, send_pos_ptr, tok_per_rank_ptr,
+                   per_expert_ptr, bad_ptr, K: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+                   EB: tl.constexpr, NBINS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
+    start = pid.to(tl.int64) * chunk
+    end = tl.minimum(start + chunk, T)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_b = tl.arange(0, BLOCK_B)
+    e_lo = pid.to(tl.int64) * EB
+    # 1. prefix of the earlier chunks (per rank) and this program's slice of the expert histogram
     prefix = tl.zeros([BLOCK_R], dtype=tl.int64)
-    for b0 in range(0, pid, BLOCK_B):
-        b = b0 + offs_b
-        c = tl.load(block_rank_ptr + b[:, None] * BLOCK_R + offs_r[None, :], mask=(b < pid)[:, None], other=0)
-        prefix += tl.sum(c.to(tl.int64), axis=0)
-    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mt = t < T
-    mtr = mt[:, None] & (offs_r < R)[None, :]
-    in_rank = tl.load(in_rank_ptr + t[:, None] * R + offs_r[None, :], mask=mtr, other=0).to(tl.int32)
-    pos = prefix[None, :] + tl.cumsum(in_rank, axis=0).to(tl.int64) - 1
-    tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1), mask=mtr)
+    hist = tl.zeros([NBINS], dtype=tl.int32)
+    bad = tl.zeros([BLOCK_S], dtype=tl.int32)
+    for s in range(0, T, BLOCK_S):
+        t = s + tl.arange(0, BLOCK_S).to(tl.int64)
+        mt = t < T
+        if s < start:
+            in_rank = _in_rank_tile(idx_ptr, t, t < start, num_experts, experts_per_rank, offs_r, K, BLOCK_R,
+                                    BLOCK_S)
+            prefix += tl.sum(in_rank, axis=0).to(tl.int64)
+        for k in tl.static_range(K):
+            ids = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
+            mine = (ids >= e_lo) & (ids < e_lo + EB) & (ids < num_experts)
+            # bin EB collects every id outside this program's slice (NBINS = 2 * EB); it is not stored
+            hist += tl.histogram(tl.where(mine, ids - e_lo, EB).to(tl.int32), NBINS)
+            bad += (mt & ((ids < -1) | (ids >= num_experts))).to(tl.int32)
+    offs_e = tl.arange(0, NBINS)
+    tl.store(per_expert_ptr + e_lo + offs_e, hist, mask=(offs_e < EB) & (e_lo + offs_e < num_experts))
     if pid == 0:
-        tot = tl.zeros([BLOCK_R], dtype=tl.int32)
-        for b0 in range(0, num_blocks, BLOCK_B):
-            b = b0 + offs_b
-            tot += tl.sum(tl.load(block_rank_ptr + b[:, None] * BLOCK_R + offs_r[None, :],
-                                  mask=(b < num_blocks)[:, None], other=0), axis=0)
-        tl.store(tok_per_rank_ptr + offs_r, tot, mask=offs_r < R)
+        tl.store(bad_ptr, tl.sum(bad, axis=0))
+    # 2. this program's chunk: send positions and is_token_in_rank
+    mr = offs_r < R
+    for s in range(start, end, BLOCK_T):
+        t = s + tl.arange(0, BLOCK_T).to(tl.int64)
+        mt = t < end
+        in_rank = _in_rank_tile(idx_ptr, t, mt, num_experts, experts_per_rank, offs_r, K, BLOCK_R, BLOCK_T)
+        pos = prefix[None, :] + tl.cumsum(in_rank, axis=0).to(tl.int64) - 1
+        mtr = mt[:, None] & mr[None, :]
+        tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1), mask=mtr)
+        tl.store(in_rank_ptr + t[:, None] * R + offs_r[None, :], in_rank.to(tl.int8), mask=mtr)
+        prefix += tl.sum(in_rank, axis=0).to(tl.int64)
+    # 3. the last chunk's prefix is the total
+    if pid == tl.num_programs(0) - 1:
+        tl.store(tok_per_rank_ptr + offs_r, prefix.to(tl.int32), mask=mr)
+
+
+def layout_grid(T: int, num_experts: int, block_t: int, max_programs: int) -> Tuple[int, int, int]:
+    """``(programs, tokens per program, experts per program)`` of one layout launch: chunks are whole
+    ``block_t`` tiles, at most ``max_programs`` of them (at least one program, also for ``T = 0``), and the
+    experts are split in equal power-of-two slices so that the programs cover all ``num_experts``."""
+    tiles = max(triton.cdiv(T, block_t), 1)
+    per_prog = triton.cdiv(tiles, max(int(max_programs), 1))
+    programs = triton.cdiv(tiles, per_prog)
+    return programs, per_prog * block_t, pow2(triton.cdiv(num_experts, programs))
 
 
 def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the layout kernels.
+    """Launch the layout kernel (one launch).
 
     Args:
         topk_idx: ``[T, K]`` int32 or int64, contiguous, on the kernels' device; ``T`` may be 0.
@@ -85,18 +114,13 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     T, K = topk_idx.shape
     dev = topk_idx.device
     cfg = tuning("layout")
-    block_t = cfg["block_t"]
-    block_r = pow2(num_ranks)
-    nb = max(triton.cdiv(T, block_t), 1)
-    tok_per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
-    hist = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)      # [E] counts, then bad ids
+    programs, chunk, eb = layout_grid(T, num_experts, cfg["block_t"], cfg["max_programs"])
+    counts = torch.empty(num_ranks + num_experts + 1, dtype=torch.int32, device=dev)   # per rank, per expert, bad
     in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=dev)
     send_pos = torch.empty((T, num_ranks), dtype=torch.int64, device=dev)
-    block_rank = torch.empty((nb, block_r), dtype=torch.int32, device=dev)
-    in_rank_i8 = in_rank.view(torch.int8)
-    _layout_count_kernel[(nb,)](topk_idx, T, num_experts, num_experts // num_ranks, in_rank_i8, block_rank, hist,
-                                K=K, R=num_ranks, BLOCK_T=block_t, BLOCK_R=block_r, num_warps=cfg["num_warps"])
-    _layout_pos_kernel[(nb,)](in_rank_i8, T, nb, block_rank, send_pos, tok_per_rank, R=num_ranks,
-                              BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_B=min(pow2(nb), cfg["block_b"]),
-                              num_warps=cfg["num_warps"])
-    return tok_per_rank, hist[:num_experts], in_rank, send_pos, hist[num_experts:]
+    per_rank, per_expert, bad = counts[:num_ranks], counts[num_ranks:-1], counts[-1:]
+    _layout_kernel[(programs,)](topk_idx, T, chunk, num_experts, num_experts // num_ranks, in_rank.view(torch.int8),
+                                send_pos, per_rank, per_expert, bad, K=K, R=num_ranks, BLOCK_R=pow2(num_ranks),
+                                EB=eb, NBINS=max(2 * eb, 32), BLOCK_S=cfg["block_s"], BLOCK_T=cfg["block_t"],
+                                num_warps=cfg["num_warps"])
+    return per_rank, per_expert, in_rank, send_pos, bad
