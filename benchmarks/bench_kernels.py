@@ -48,14 +48,15 @@ TARGET_LAYOUT_US = 10.0        # layout of 4096 x 8 ids: under 10 us
 def sweep_grid(kernel: str, small: bool) -> List[Dict[str, object]]:
     """The launch configurations ``--sweep`` tries for ``kernel`` (two per kernel with ``small``)."""
     if kernel == "layout":
-        grid = [dict(block_t=t, block_s=s, max_programs=p, num_warps=w) for t in (128, 256, 512)
-                for s in (512, 1024, 2048) for p in (8, 16, 32, 64) for w in (4, 8)]
+        grid = [dict(block_t=t, block_s=s, max_programs=p, expert_count=c, num_warps=w) for t in (128, 256)
+                for s in (256, 512, 1024) for p in (16, 32, 64, 128) for c in ("compare", "histogram") for w in (4, 8)]
     elif kernel == "dispatch_send":
-        # whole rows per program, or one slice per program (split_w); with and without streaming stores
-        grid = [dict(block_t=t, block_w=s, num_warps=w, split_w=sp, store_cache=c, store_evict=e)
-                for t in (1, 2) for s in (512, 1024, 2048, 4096) for w in (4, 8, 16) for sp in (0, 1)
-                for c, e in (("", ""), (".cs", ""), ("", "evict_first"))
-                if not (sp and s == 4096) and s // (32 * w) >= 4]
+        # whole rows per program (or a capped grid of programs looping over tokens), or one row slice per
+        # program (split_w); with and without streaming stores
+        grid = [dict(block_t=1, block_w=s, num_warps=w, split_w=0, store_cache=c, programs_per_sm=p)
+                for s in (2048, 4096) for w in (8, 16, 32) for c in ("", ".cs") for p in (0, 2, 4, 8)]
+        grid += [dict(block_t=t, block_w=s, num_warps=w, split_w=1, store_cache="", programs_per_sm=0)
+                 for t in (1, 2) for s in (512, 1024, 2048) for w in (4, 8) if s // (32 * w) >= 4]
     else:
         wide = "block_h" if kernel == "combine_reduce" else "block_w"
         sizes = (512, 1024, 2048, 4096) if kernel == "combine_reduce" else (256, 512, 1024, 2048)
@@ -280,18 +281,21 @@ def compare(case: Case, kernel: str, want: List[torch.Tensor], exact: bool) -> s
 
 def measure_ceiling(small: bool, warmup_ms: float, rep_ms: float) -> dict:
     """A plain device-to-device copy (``dst.copy_(src)``, 1 GiB; 16 MiB on CPU): bytes read plus written
-    per second (``GBps``, the ceiling every fraction refers to). Also, to see what the mix of reads and
-    writes allows: a write-only pass (``dst.fill_``, ``write_GBps``) and a read-only one (a sum,
-    ``read_GBps``) over the same bytes."""
+    per second (``GBps``, the ceiling every fraction refers to). On a GPU also the write-only, read-only
+    and fan-out rates of ``ceilings.py`` (``write_GBps``, ``read_GBps``, ``fanout_GBps``): what a kernel's
+    own mix of reads and writes allows."""
     n = (16 << 20) if small else (1 << 30)
     dev = "cuda" if C.on_gpu() else "cpu"
     src = torch.ones(n, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     ms = C.bench_ms(lambda: dst.copy_(src), warmup_ms, rep_ms)
-    ms_w = C.bench_ms(lambda: dst.fill_(7), warmup_ms, rep_ms)
-    words = src.view(torch.int32)
-    ms_r = C.bench_ms(lambda: words.sum(), warmup_ms, rep_ms)
-    return dict(bytes=2 * n, ms=ms, GBps=C.gbps(2 * n, ms), write_GBps=C.gbps(n, ms_w), read_GBps=C.gbps(n, ms_r))
+    out = dict(bytes=2 * n, ms=ms, GBps=C.gbps(2 * n, ms))
+    del src, dst
+    if C.on_gpu() and not small:
+        import ceilings
+        rates = ceilings.measure(lambda fn: C.bench_ms(fn, warmup_ms, rep_ms))
+        out.update(write_GBps=rates["write"], read_GBps=rates["read"], fanout_GBps=rates["fanout"])
+    return out
 
 
 def bench_case(case: Case, ceiling: dict, warmup_ms: float, rep_ms: float) -> List[dict]:
@@ -314,13 +318,17 @@ def bench_case(case: Case, ceiling: dict, warmup_ms: float, rep_ms: float) -> Li
         t_graph = C.bench_graph_ms(rotating(case, ours), rep_ms) if k == "layout" else None
         r = dict(shape=case.label, tokens=case.T, kernel=k, bytes=nbytes, ours_graph_us=t_graph and t_graph * 1e3,
                  predicted_us=nbytes / ceiling_GBps / 1e3, read_bytes=rd, write_bytes=wr,
-                 mix_predicted_us=(rd / ceiling["read_GBps"] + wr / ceiling["write_GBps"]) / 1e3, ours_us=t_ours * 1e3, torch_us=t_torch * 1e3,
+                 mix_predicted_us=(rd / ceiling["read_GBps"] + wr / ceiling["write_GBps"]) / 1e3
+                 if "read_GBps" in ceiling else None, ours_us=t_ours * 1e3, torch_us=t_torch * 1e3,
                  ours_GBps=C.gbps(nbytes, t_ours), torch_GBps=C.gbps(nbytes, t_torch),
                  ours_frac=C.gbps(nbytes, t_ours) / ceiling_GBps, torch_frac=C.gbps(nbytes, t_torch) / ceiling_GBps,
-                 ours_over_torch=t_ours / t_torch, check_vs_torch=check, tuning=dict(active_table()[k]))
+                 ours_over_torch=t_ours / t_torch,
+                 ours_frac_of_fanout=C.gbps(nbytes, t_ours) / ceiling["fanout_GBps"]
+                 if k == "dispatch_send" and "fanout_GBps" in ceiling else None,
+                 check_vs_torch=check, tuning=dict(active_table()[k]))
         results.append(r)
         print(f"  {k:15s} {nbytes / 1e6:9.2f} MB  predicted {r['predicted_us']:9.2f} us "
-              f"(from read/write-only rates {r['mix_predicted_us']:9.2f})  ours {r['ours_us']:9.2f} us "
+              f"(from read/write-only rates {C.sig(r['mix_predicted_us'], 3)})  ours {r['ours_us']:9.2f} us "
               f"({r['ours_frac']:.2f} of ceiling)  torch {r['torch_us']:9.2f} us  [{check}]", flush=True)
     return results
 
@@ -462,8 +470,10 @@ def main(argv=None) -> int:
           f"{__import__('triton').__version__}; shape {shape}, tokens {token_counts}", flush=True)
     ceiling = measure_ceiling(a.small, a.warmup_ms, a.rep_ms)
     print(f"copy ceiling: {ceiling['GBps']:.1f} GB/s ({ceiling['bytes'] / 1e6:.0f} MB read+written in "
-          f"{ceiling['ms'] * 1e3:.1f} us); write-only {ceiling['write_GBps']:.1f} GB/s, read-only "
-          f"{ceiling['read_GBps']:.1f} GB/s", flush=True)
+          f"{ceiling['ms'] * 1e3:.1f} us)", flush=True)
+    if "write_GBps" in ceiling:
+        print(f"write-only {ceiling['write_GBps']:.1f} GB/s, read-only {ceiling['read_GBps']:.1f} GB/s, "
+              f"fan-out copy (1 read, 5 writes) {ceiling['fanout_GBps']:.1f} GB/s", flush=True)
     results, tuning = [], None
     for T in token_counts:
         case = Case(T, shape["hidden"], shape["topk"], shape["experts"], shape["ranks"], dev)

@@ -8,24 +8,29 @@ written here. Results never depend on these values (fixed-order reductions), onl
 import os
 from typing import Dict
 
+import torch
 import triton
 
 # Best of the sweep on one H200 (benchmarks/results/tuning_h200.json: T=4096, H=7168, top-8, 256 experts,
 # 8 ranks). ``layout``: ``block_t`` tokens per tile of a program's own chunk, ``block_s`` tokens per tile of
-# the scan every program makes over all ids, at most ``max_programs`` programs (kernels/layout.py).
+# the scan every program makes over all ids, at most ``max_programs`` programs, ``expert_count`` "compare" or
+# "histogram" (``tl.histogram``) for each program's slice of the expert counts (kernels/layout.py).
 # ``dispatch_send``: ``split_w`` 1 gives each row slice of ``block_w`` words its own program (a second grid
-# axis); ``store_cache`` / ``store_evict`` are Triton's store hints for the row copies ("" = none).
+# axis); ``store_cache`` / ``store_evict`` are Triton's store hints for the row copies ("" = none);
+# ``programs_per_sm`` > 0 caps the grid at that many programs per multiprocessor, each looping over blocks.
 GPU_TUNING: Dict[str, Dict[str, object]] = {
-    "layout": dict(block_t=256, block_s=1024, max_programs=32, num_warps=8),
-    "dispatch_send": dict(block_t=1, block_w=2048, num_warps=8, split_w=0, store_cache="", store_evict=""),
+    "layout": dict(block_t=256, block_s=1024, max_programs=32, expert_count="compare", num_warps=8),
+    "dispatch_send": dict(block_t=1, block_w=2048, num_warps=8, split_w=0, store_cache="", store_evict="",
+                          programs_per_sm=0),
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_send": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),
 }
 
 INTERP_TUNING: Dict[str, Dict[str, object]] = {
-    "layout": dict(block_t=1024, block_s=4096, max_programs=4, num_warps=4),
-    "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4, split_w=0, store_cache="", store_evict=""),
+    "layout": dict(block_t=1024, block_s=4096, max_programs=4, expert_count="histogram", num_warps=4),
+    "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4, split_w=0, store_cache="", store_evict="",
+                          programs_per_sm=0),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
@@ -40,6 +45,19 @@ def interpreted() -> bool:
 def tuning(kernel: str) -> Dict[str, object]:
     """Launch parameters of ``kernel`` for the current backend (a dict: block sizes, ``num_warps``)."""
     return (INTERP_TUNING if interpreted() else GPU_TUNING)[kernel]
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached); 4 for the interpreter's CPU tensors."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+_SMS: Dict[int, int] = {}
 
 
 def pow2(n: int, lo: int = 1) -> int:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import pow2, tuning
+from ._util import num_sms, pow2, tuning
 
 
 @triton.jit
@@ -30,57 +30,58 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
                           HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr,
                           STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
-    pid = tl.program_id(0)
-    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mt = t < T
-    # x: each tile is read once and stored to every destination rank that takes the token. With SPLIT_W
-    # the second grid axis picks one BLOCK_W slice of the row (and slice 0 writes the record's tail).
-    if SPLIT_W:
-        w_begin = tl.program_id(1) * BLOCK_W
-        w_end = w_begin + BLOCK_W
-    else:
-        w_begin = 0
-        w_end = WX
-    for w0 in range(w_begin, w_end, BLOCK_W):
-        ow = w0 + tl.arange(0, BLOCK_W)
-        src = x_ptr + t[:, None] * WX + ow[None, :]
-        if EVEN_W:      # WX is a multiple of BLOCK_W: row masks only
-            v = tl.load(src, mask=mt[:, None])
+    # Programs take token blocks pid, pid + P, ... (P = the grid; one block each unless the grid is capped).
+    for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
+        mt = t < T
+        # x: each tile is read once and stored to every destination rank that takes the token. With SPLIT_W
+        # the second grid axis picks one BLOCK_W slice of the row (and slice 0 writes the record's tail).
+        if SPLIT_W:
+            w_begin = tl.program_id(1) * BLOCK_W
+            w_end = w_begin + BLOCK_W
         else:
-            v = tl.load(src, mask=mt[:, None] & (ow < WX)[None, :])
-        for r in tl.static_range(R):
-            pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
-            dst = tl.load(row_base_ptr + r) + pos
-            m = (pos >= 0) & (dst >= lo) & (dst < hi)
-            # Peer buffers sit 16-byte aligned: the hint lets the row stores be 16 bytes wide.
-            row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
-            if EVEN_W:
-                mask = m[:, None]
+            w_begin = 0
+            w_end = WX
+        for w0 in range(w_begin, w_end, BLOCK_W):
+            ow = w0 + tl.arange(0, BLOCK_W)
+            src = x_ptr + t[:, None] * WX + ow[None, :]
+            if EVEN_W:      # WX is a multiple of BLOCK_W: row masks only
+                v = tl.load(src, mask=mt[:, None])
             else:
-                mask = m[:, None] & (ow < WX)[None, :]
-            tl.store(row[:, None] + ow[None, :], v, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=STORE_EVICT)
-    tail = mt & ((tl.zeros([BLOCK_T], dtype=tl.int32) + tl.program_id(1)) == 0)
-    for r in tl.static_range(R):
-        pos = tl.load(send_pos_ptr + t * R + r, mask=tail, other=-1)
-        dst = tl.load(row_base_ptr + r) + pos
-        m = tail & (pos >= 0) & (dst >= lo) & (dst < hi)
-        row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
-        if HAS_SCALES:
-            os_ = tl.arange(0, BLOCK_S)
-            ms = m[:, None] & (os_[None, :] < S)
-            s = tl.load(sc_ptr + t[:, None] * S + os_[None, :], mask=ms)
-            tl.store(row[:, None] + WX + os_[None, :], s, mask=ms)
-        if HAS_TOPK:
-            ok = tl.arange(0, BLOCK_K)
-            mk = m[:, None] & (ok[None, :] < K)
-            ids = tl.load(idx_ptr + t[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64)
-            ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
-            tl.store(row[:, None] + (WX + S) + ok[None, :], ids, mask=mk)
-            if HAS_W:
-                wb = tl.load(w_ptr + t[:, None] * K + ok[None, :], mask=mk, other=0)
-                tl.store(row[:, None] + (WX + S + K) + ok[None, :], wb, mask=mk)
-        if HAS_SRC:
-            tl.store(row + (WX + S + 2 * K), t.to(tl.int32), mask=m)
+                v = tl.load(src, mask=mt[:, None] & (ow < WX)[None, :])
+            for r in tl.static_range(R):
+                pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+                dst = tl.load(row_base_ptr + r) + pos
+                m = (pos >= 0) & (dst >= lo) & (dst < hi)
+                # Peer buffers sit 16-byte aligned: the hint lets the row stores be 16 bytes wide.
+                row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
+                if EVEN_W:
+                    mask = m[:, None]
+                else:
+                    mask = m[:, None] & (ow < WX)[None, :]
+                tl.store(row[:, None] + ow[None, :], v, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=STORE_EVICT)
+        tail = mt & ((tl.zeros([BLOCK_T], dtype=tl.int32) + tl.program_id(1)) == 0)
+        for r in tl.static_range(R):
+            pos = tl.load(send_pos_ptr + t * R + r, mask=tail, other=-1)
+            dst = tl.load(row_base_ptr + r) + pos
+            m = tail & (pos >= 0) & (dst >= lo) & (dst < hi)
+            row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
+            if HAS_SCALES:
+                os_ = tl.arange(0, BLOCK_S)
+                ms = m[:, None] & (os_[None, :] < S)
+                s = tl.load(sc_ptr + t[:, None] * S + os_[None, :], mask=ms)
+                tl.store(row[:, None] + WX + os_[None, :], s, mask=ms)
+            if HAS_TOPK:
+                ok = tl.arange(0, BLOCK_K)
+                mk = m[:, None] & (ok[None, :] < K)
+                ids = tl.load(idx_ptr + t[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64)
+                ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
+                tl.store(row[:, None] + (WX + S) + ok[None, :], ids, mask=mk)
+                if HAS_W:
+                    wb = tl.load(w_ptr + t[:, None] * K + ok[None, :], mask=mk, other=0)
+                    tl.store(row[:, None] + (WX + S + K) + ok[None, :], wb, mask=mk)
+            if HAS_SRC:
+                tl.store(row + (WX + S + 2 * K), t.to(tl.int32), mask=m)
 
 
 @triton.jit
@@ -157,8 +158,11 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     cfg = tuning("dispatch_send")
     bt, bw, nw = _blocks("dispatch_send", wx)
     split = bool(cfg.get("split_w", 0))
+    blocks = triton.cdiv(T, bt)
+    if cfg.get("programs_per_sm", 0):
+        blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(x_words.device))
     dummy = x_words
-    _dispatch_send_kernel[(triton.cdiv(T, bt), triton.cdiv(wx, bw) if split else 1)](
+    _dispatch_send_kernel[(blocks, triton.cdiv(wx, bw) if split else 1)](
         x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
         send_pos, row_base, delta_words, rec, T, lo, hi, num_experts,
         WX=wx, S=s, K=k, REC=rec_words, R=R, HAS_SCALES=scale_words is not None, HAS_TOPK=topk_idx is not None,

@@ -29,27 +29,45 @@ from ._util import pow2, tuning
 
 
 @triton.jit
-def _in_rank_tile(idx_ptr, t, mt, num_experts, experts_per_rank, offs_r, K: tl.constexpr, BLOCK_R: tl.constexpr,
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _in_rank_tile(idx_ptr, t, mt, num_experts, offs_r, K: tl.constexpr, EPR: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK: tl.constexpr):
     """``[BLOCK, BLOCK_R]`` int32: 1 where token ``t`` has an id on rank ``r``; ids outside ``[0, E)`` count
-    nowhere."""
-    in_rank = tl.zeros([BLOCK, BLOCK_R], dtype=tl.int32)
-    for k in tl.static_range(K):
-        ids = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
-        rank = tl.where((ids >= 0) & (ids < num_experts), ids // experts_per_rank, -1)
-        in_rank = tl.maximum(in_rank, (rank[:, None] == offs_r[None, :]).to(tl.int32))
+    nowhere. Up to 64 ranks a token's ranks are first gathered as bits of one int64 (``K`` shifts instead
+    of ``K * R`` compares)."""
+    if BLOCK_R <= 64:
+        bits = tl.zeros([BLOCK], dtype=tl.int64)
+        for k in tl.static_range(K):
+            ids = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
+            valid = (ids >= 0) & (ids < num_experts)
+            rank = tl.where(valid, ids, 0).to(tl.int32) // EPR     # int32 division by a constant
+            bits = bits | tl.where(valid, tl.full([BLOCK], 1, tl.int64) << rank.to(tl.int64), 0)
+        in_rank = ((bits[:, None] >> offs_r[None, :].to(tl.int64)) & 1).to(tl.int32)
+    else:
+        in_rank = tl.zeros([BLOCK, BLOCK_R], dtype=tl.int32)
+        for k in tl.static_range(K):
+            ids = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
+            valid = (ids >= 0) & (ids < num_experts)
+            rank = tl.where(valid, tl.where(valid, ids, 0).to(tl.int32) // EPR, -1)
+            in_rank = tl.maximum(in_rank, (rank[:, None] == offs_r[None, :]).to(tl.int32))
     return in_rank
 
 
 @triton.jit
-def _layout_kernel(idx_ptr, T, chunk, num_experts, experts_per_rank, in_rank_ptr, send_pos_ptr, tok_per_rank_ptr,
-                   per_expert_ptr, bad_ptr, K: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                   EB: tl.constexpr, NBINS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+def _layout_kernel(idx_ptr, T, chunk, num_experts, in_rank_ptr, send_pos_ptr, tok_per_rank_ptr,
+                   per_expert_ptr, bad_ptr, K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr,
+                   BLOCK_R: tl.constexpr, EB: tl.constexpr, NBINS: tl.constexpr, HISTOGRAM: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * chunk
     end = tl.minimum(start + chunk, T)
     offs_r = tl.arange(0, BLOCK_R)
     e_lo = pid.to(tl.int64) * EB
+    offs_e = tl.arange(0, NBINS)
     # 1. prefix of the earlier chunks (per rank) and this program's slice of the expert histogram
     prefix = tl.zeros([BLOCK_R], dtype=tl.int64)
     hist = tl.zeros([NBINS], dtype=tl.int32)
@@ -58,16 +76,17 @@ def _layout_kernel(idx_ptr, T, chunk, num_experts, experts_per_rank, in_rank_ptr
         t = s + tl.arange(0, BLOCK_S).to(tl.int64)
         mt = t < T
         if s < start:
-            in_rank = _in_rank_tile(idx_ptr, t, t < start, num_experts, experts_per_rank, offs_r, K, BLOCK_R,
-                                    BLOCK_S)
+            in_rank = _in_rank_tile(idx_ptr, t, t < start, num_experts, offs_r, K, EPR, BLOCK_R, BLOCK_S)
             prefix += tl.sum(in_rank, axis=0).to(tl.int64)
         for k in tl.static_range(K):
             ids = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
             mine = (ids >= e_lo) & (ids < e_lo + EB) & (ids < num_experts)
-            # bin EB collects every id outside this program's slice (NBINS = 2 * EB); it is not stored
-            hist += tl.histogram(tl.where(mine, ids - e_lo, EB).to(tl.int32), NBINS)
+            local = tl.where(mine, ids - e_lo, EB).to(tl.int32)
+            if HISTOGRAM:   # bin EB collects every id outside this program's slice; it is not stored
+                hist += tl.histogram(local, NBINS)
+            else:
+                hist += tl.sum((local[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
             bad += (mt & ((ids < -1) | (ids >= num_experts))).to(tl.int32)
-    offs_e = tl.arange(0, NBINS)
     tl.store(per_expert_ptr + e_lo + offs_e, hist, mask=(offs_e < EB) & (e_lo + offs_e < num_experts))
     if pid == 0:
         tl.store(bad_ptr, tl.sum(bad, axis=0))
@@ -76,7 +95,7 @@ def _layout_kernel(idx_ptr, T, chunk, num_experts, experts_per_rank, in_rank_ptr
     for s in range(start, end, BLOCK_T):
         t = s + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < end
-        in_rank = _in_rank_tile(idx_ptr, t, mt, num_experts, experts_per_rank, offs_r, K, BLOCK_R, BLOCK_T)
+        in_rank = _in_rank_tile(idx_ptr, t, mt, num_experts, offs_r, K, EPR, BLOCK_R, BLOCK_T)
         pos = prefix[None, :] + tl.cumsum(in_rank, axis=0).to(tl.int64) - 1
         mtr = mt[:, None] & mr[None, :]
         tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1), mask=mtr)
@@ -119,8 +138,10 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=dev)
     send_pos = torch.empty((T, num_ranks), dtype=torch.int64, device=dev)
     per_rank, per_expert, bad = counts[:num_ranks], counts[num_ranks:-1], counts[-1:]
-    _layout_kernel[(programs,)](topk_idx, T, chunk, num_experts, num_experts // num_ranks, in_rank.view(torch.int8),
-                                send_pos, per_rank, per_expert, bad, K=K, R=num_ranks, BLOCK_R=pow2(num_ranks),
-                                EB=eb, NBINS=max(2 * eb, 32), BLOCK_S=cfg["block_s"], BLOCK_T=cfg["block_t"],
+    hist = cfg["expert_count"] == "histogram"
+    _layout_kernel[(programs,)](topk_idx, T, chunk, num_experts, in_rank.view(torch.int8), send_pos, per_rank,
+                                per_expert, bad, K=K, R=num_ranks, EPR=num_experts // num_ranks,
+                                BLOCK_R=pow2(num_ranks), EB=eb, NBINS=max(2 * eb, 32) if hist else pow2(eb + 1),
+                                HISTOGRAM=hist, BLOCK_S=min(cfg["block_s"], pow2(T)), BLOCK_T=cfg["block_t"],
                                 num_warps=cfg["num_warps"])
     return per_rank, per_expert, in_rank, send_pos, bad
