@@ -48,8 +48,8 @@ TARGET_LAYOUT_US = 10.0        # layout of 4096 x 8 ids: under 10 us
 def sweep_grid(kernel: str, small: bool) -> List[Dict[str, object]]:
     """The launch configurations ``--sweep`` tries for ``kernel`` (two per kernel with ``small``)."""
     if kernel == "layout":
-        grid = [dict(block_t=t, block_s=s, max_programs=p, expert_count=c, num_warps=w) for t in (128, 256)
-                for s in (256, 512, 1024) for p in (16, 32, 64, 128) for c in ("compare", "histogram") for w in (4, 8)]
+        grid = [dict(block_t=t, block_b=b, num_warps=w) for t in (64, 128, 256, 512, 1024) for b in (16, 64)
+                for w in (2, 4, 8, 16) if t * 8 >= 32 * w]
     elif kernel == "dispatch_send":
         # whole rows per program (or a capped grid of programs looping over tokens), or one row slice per
         # program (split_w); with and without streaming stores
@@ -335,7 +335,7 @@ def bench_case(case: Case, ceiling: dict, warmup_ms: float, rep_ms: float) -> Li
 
 def sweep(case: Case, small: bool, budget_s: float, only: Optional[List[str]] = None) -> dict:
     """Time every configuration of :func:`sweep_grid` per kernel on ``case`` (do_bench warmup 10 ms,
-    rep 40 ms), check its outputs bitwise against the default configuration's, and return per kernel the
+    rep 40 ms; graph replay for layout), check its outputs bitwise against the default configuration's, and return per kernel the
     default, the best correct configuration and every row. Each kernel gets an equal share of what is
     left of ``budget_s``; configurations past it are skipped (and counted). ``only``: the kernels to sweep
     (default all)."""
@@ -347,7 +347,10 @@ def sweep(case: Case, small: bool, budget_s: float, only: Optional[List[str]] = 
         default = dict(table[k])
         fn = getattr(case, k)
         want = snapshot(case, k, fn)
-        t_default = C.bench_ms(rotating(case, fn), 10, 40)
+        # layout is launch-bound: its configurations are compared by GPU time (graph replay)
+        timer = (lambda f: C.bench_graph_ms(f, 40)) if k == "layout" and C.on_gpu() else \
+            (lambda f: C.bench_ms(f, 10, 40))
+        t_default = timer(rotating(case, fn))
         k_end = time.monotonic() + (t_end - time.monotonic()) / n_left
         rows, skipped = [], 0
         for cfg in sweep_grid(k, small):
@@ -359,7 +362,7 @@ def sweep(case: Case, small: bool, budget_s: float, only: Optional[List[str]] = 
                 case.reset(k)
                 run_all(case, fn)
                 check = compare(case, k, want, exact=True)
-                ms = C.bench_ms(rotating(case, fn), 10, 40) if check == "exact" else None
+                ms = timer(rotating(case, fn)) if check == "exact" else None
                 rows.append(dict(config=cfg, us=None if ms is None else ms * 1e3, check=check))
             except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses is a result too
                 rows.append(dict(config=cfg, us=None, check=f"error: {type(e).__name__}: {str(e)[:120]}"))
@@ -376,6 +379,27 @@ def sweep(case: Case, small: bool, budget_s: float, only: Optional[List[str]] = 
         print(f"  sweep {k:15s} default {default} {t_default * 1e3:.2f} us -> best {best['config']} "
               f"{best['us']:.2f} us ({len(rows)} tried, {skipped} skipped, {len(out[k]['failed'])} failed)",
               flush=True)
+    return out
+
+
+def compare_record_align(shape: dict, warmup_ms: float, rep_ms: float) -> List[dict]:
+    """dispatch_send at ``shape`` with records rounded to 4 words (16 bytes) and to 32 (128 bytes: every
+    row starts on a cache line), the rest of the tuning as it is: median us and GB/s of each."""
+    table = active_table()["dispatch_send"]
+    default = table.get("record_align_words", 4)
+    out = []
+    try:
+        for align in (4, 32):
+            table["record_align_words"] = align
+            case = Case(shape["tokens"], shape["hidden"], shape["topk"], shape["experts"], shape["ranks"], "cuda")
+            ms = C.bench_ms(rotating(case, case.dispatch_send), warmup_ms, rep_ms)
+            out.append(dict(record_align_words=align, record_words=case.rec_words, us=ms * 1e3,
+                            GBps=C.gbps(case.min_bytes("dispatch_send"), ms)))
+            print(f"  dispatch_send, records rounded to {align} words ({case.rec_words} words): {ms * 1e3:.1f} us, "
+                  f"{out[-1]['GBps']:.0f} GB/s", flush=True)
+            del case
+    finally:
+        table["record_align_words"] = default
     return out
 
 
@@ -484,6 +508,7 @@ def main(argv=None) -> int:
             big_case = case
         else:
             del case
+    align = compare_record_align(shape, a.warmup_ms, a.rep_ms) if C.on_gpu() and not a.small else None
     e2e = None
     a.e2e_ranks = a.e2e_ranks or shape["ranks"]
     if not a.no_e2e:
@@ -516,7 +541,7 @@ def main(argv=None) -> int:
         (e2e is None or e2e.get("combine_ok", False))
     C.write_json(os.path.join(a.out, "kernels.json"), dict(
         device=C.device_name(), torch=torch.__version__, triton=__import__("triton").__version__, small=a.small,
-        shape=shape, ceiling=ceiling, kernels=results, targets=targets, e2e=e2e,
+        shape=shape, ceiling=ceiling, kernels=results, targets=targets, e2e=e2e, record_align=align,
         sweep_best=None if tuning is None else {k: v["best"] for k, v in tuning.items()},
         checks_ok=ok, elapsed_s=time.perf_counter() - t_start))
     labels = [f"{r['kernel']} T={r['tokens']}" for r in results]

@@ -337,7 +337,7 @@ def _send_setup(device):
     x = torch.randint(-2 ** 31, 2 ** 31 - 1, (T, WX), generator=g, dtype=torch.int32)
     idx = _idx([[0, 3], [2, -1], [1, 1], [-1, -1], [3, 0], [2, 2]])
     w = torch.rand(T, K, generator=g).view(torch.int32)
-    _, _, _, send_pos, _ = kernels.routing_layout(idx.to(device), E, R)
+    send_pos = kernels.routing_layout(idx.to(device), E, R)[3]
     return [t.to(device) for t in (x, idx, w)] + [send_pos, E, K, WX]
 
 
@@ -444,7 +444,8 @@ def case_layout_past_65536_tokens(device="cpu", T=70_001):
     g = torch.Generator().manual_seed(7)
     idx = torch.randint(-1, E, (T, K), generator=g)
     idx[: T - 100] = torch.where(idx[: T - 100] >= 0, idx[: T - 100] % 2, idx[: T - 100])   # rank 0 hot
-    per_rank, per_expert, in_rank, send_pos, nbad = kernels.routing_layout(idx.to(device), E, R)
+    per_rank, per_expert, in_rank, send_pos, nbad, counts = kernels.routing_layout(idx.to(device), E, R)
+    assert torch.equal(counts.cpu(), torch.cat([per_rank, per_expert, nbad]).cpu())
     r_rank, r_expert, r_in = ref.get_dispatch_layout(idx, E, R)
     assert torch.equal(per_rank.cpu(), r_rank) and torch.equal(per_expert.cpu(), r_expert)
     assert torch.equal(in_rank.cpu(), r_in) and int(nbad.item()) == 0
@@ -613,10 +614,10 @@ def test_fp32_accumulation_rounded_once():
 
 
 _TUNINGS = [
-    dict(layout=dict(block_t=16, block_s=2, max_programs=3, expert_count="compare"), dispatch_send=dict(block_t=1, block_w=4, split_w=1, store_cache=".cs", programs_per_sm=1),
+    dict(layout=dict(block_t=16, block_b=2, one_launch_tokens=0), dispatch_send=dict(block_t=1, block_w=4, split_w=1, store_cache=".cs", programs_per_sm=1),
          dispatch_recv=dict(block_t=2, block_w=8), combine_send=dict(block_t=4, block_w=2),
          combine_reduce=dict(block_t=1, block_h=16)),
-    dict(layout=dict(block_t=2, block_s=4, max_programs=2), dispatch_send=dict(block_t=8, block_w=16, split_w=1, store_evict="evict_first"),
+    dict(layout=dict(block_t=2, block_b=4, one_launch_tokens=8), dispatch_send=dict(block_t=8, block_w=16, split_w=1, store_evict="evict_first", record_align_words=32),
          dispatch_recv=dict(block_t=1, block_w=1), combine_send=dict(block_t=2, block_w=32),
          combine_reduce=dict(block_t=8, block_h=32)),
 ]

@@ -77,9 +77,16 @@ _MAX_INT32 = 2 ** 31 - 1
 
 
 def _to_dev(a, dtype: torch.dtype, device: torch.device, shape=None) -> Tensor:
-    """A fresh contiguous device tensor from host values (numpy views may be strided)."""
+    """A fresh contiguous device tensor from host values (numpy views may be strided).
+
+    On CUDA the values go through pinned memory and an asynchronous copy: a copy from pageable memory
+    would first wait for everything queued on the stream (a hidden device synchronisation). Torch's
+    pinned-memory cache keeps the staging block until the copy has run."""
     t = torch.tensor(np.ascontiguousarray(a), dtype=dtype)
-    return (t.reshape(shape) if shape is not None else t).to(device)
+    t = t.reshape(shape) if shape is not None else t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _check_event(ev) -> None:
@@ -424,7 +431,7 @@ class Buffer:
         self._check_num_experts(num_experts)
         if previous_event is not None:
             previous_event.current_stream_wait()
-        per_rank, per_expert, in_rank, _, _ = kernels.routing_layout(idx, num_experts, self.group_size)
+        per_rank, per_expert, in_rank = kernels.routing_layout(idx, num_experts, self.group_size)[:3]
         return per_rank, None, per_expert, in_rank, self._event(async_finish)
 
     def _check_num_experts(self, num_experts) -> None:
@@ -508,9 +515,7 @@ class Buffer:
                 try:
                     lay = self._routing(a)
                     # one device-to-host copy: counts per rank, per expert, and bad ids
-                    parts = [lay[0].to(torch.int64), lay[1].to(torch.int64)] + \
-                        ([lay[4].to(torch.int64)] if lay[4] is not None else [])
-                    host = torch.cat(parts).cpu().numpy()
+                    host = lay[5].cpu().numpy().astype(np.int64)
                 except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
                     err = e
             if err is None:
@@ -587,9 +592,10 @@ class Buffer:
         out_x = (recv_x, recv_sc) if sc is not None else recv_x
         if cached:
             return out_x, None, None, None, None, event
-        rpm_t = _to_dev(rpm, torch.int32, dev)
-        send_prefix = _to_dev(np.cumsum(counts[me]), torch.int32, dev, (R, 1))
-        recv_start = _to_dev(np.concatenate([[0], rpm[:-1, me]]), torch.int32, dev, (R, 1))
+        # the handle's int32 tables in one copy: rank_prefix_matrix [R, R], send prefix [R, 1], receive start [R, 1]
+        tables = _to_dev(np.concatenate([rpm.reshape(-1), np.cumsum(counts[me]), [0], rpm[:-1, me]]), torch.int32, dev)
+        rpm_t = tables[:R * R].view(R, R)
+        send_prefix, recv_start = tables[R * R:R * R + R].view(R, 1), tables[R * R + R:].view(R, 1)
         new_handle = DispatchHandle((rpm_t, send_prefix, recv_start, recv_src, in_rank, send_pos), self._uid,
                                     a["T"], n_recv, rpm, self._dispatch_seq)
         return out_x, recv_idx, recv_w, expert_list, new_handle, event
@@ -601,7 +607,9 @@ class Buffer:
         in_rank = a["in_rank"]
         send_pos = torch.where(in_rank, in_rank.to(torch.int64).cumsum(0) - 1,
                                torch.full_like(in_rank, -1, dtype=torch.int64))
-        return in_rank.sum(0, dtype=torch.int32), a["per_expert"], in_rank, send_pos, None
+        per_rank = in_rank.sum(0, dtype=torch.int32)
+        counts = torch.cat([per_rank, a["per_expert"].to(torch.int32)])
+        return per_rank, a["per_expert"], in_rank, send_pos, None, counts
 
     def _dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                        topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> dict:
@@ -703,9 +711,9 @@ class Buffer:
                                   "operation, hidden, top-k weights, handle's dispatch")
         rpm = h.rpm_host
         counts = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)   # [src, dst]
-        comb_base = _to_dev(counts[:, :me].sum(axis=1), torch.int64, self.device)
-        send_base = _to_dev(np.concatenate([[0], np.cumsum(counts[me])[:-1]]), torch.int64, self.device)
-        prefix = _to_dev(rpm[:, me], torch.int64, self.device)
+        tables = _to_dev(np.concatenate([counts[:, :me].sum(axis=1), [0], np.cumsum(counts[me])[:-1], rpm[:, me]]),
+                         torch.int64, self.device)
+        comb_base, send_base, prefix = tables[:R], tables[R:2 * R], tables[2 * R:]
         rb = combine_record_bytes(H, K)
         cap = self._capacity(rb, "combine")
         rounds = max(1, -(-int(counts.sum(axis=1).max()) // cap))

@@ -12,25 +12,25 @@ import torch
 import triton
 
 # Best of the sweep on one H200 (benchmarks/results/tuning_h200.json: T=4096, H=7168, top-8, 256 experts,
-# 8 ranks). ``layout``: ``block_t`` tokens per tile of a program's own chunk, ``block_s`` tokens per tile of
-# the scan every program makes over all ids, at most ``max_programs`` programs, ``expert_count`` "compare" or
-# "histogram" (``tl.histogram``) for each program's slice of the expert counts (kernels/layout.py).
+# 8 ranks). ``layout``: ``block_t`` tokens per program, ``block_b`` blocks per tile of the prefix sums, up to
+# ``one_launch_tokens`` tokens in one block (one launch).
 # ``dispatch_send``: ``split_w`` 1 gives each row slice of ``block_w`` words its own program (a second grid
 # axis); ``store_cache`` / ``store_evict`` are Triton's store hints for the row copies ("" = none);
-# ``programs_per_sm`` > 0 caps the grid at that many programs per multiprocessor, each looping over blocks.
+# ``programs_per_sm`` > 0 caps the grid at that many programs per multiprocessor, each looping over blocks;
+# ``record_align_words`` rounds the record width (a multiple of 4; every rank must use the same value).
 GPU_TUNING: Dict[str, Dict[str, object]] = {
-    "layout": dict(block_t=256, block_s=1024, max_programs=32, expert_count="compare", num_warps=8),
-    "dispatch_send": dict(block_t=1, block_w=2048, num_warps=8, split_w=0, store_cache="", store_evict="",
-                          programs_per_sm=0),
+    "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, num_warps=4),
+    "dispatch_send": dict(block_t=1, block_w=4096, num_warps=16, split_w=0, store_cache="", store_evict="",
+                          programs_per_sm=0, record_align_words=32),
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_send": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),
 }
 
 INTERP_TUNING: Dict[str, Dict[str, object]] = {
-    "layout": dict(block_t=1024, block_s=4096, max_programs=4, expert_count="histogram", num_warps=4),
+    "layout": dict(block_t=1024, block_b=4096, one_launch_tokens=1024, num_warps=4),
     "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4, split_w=0, store_cache="", store_evict="",
-                          programs_per_sm=0),
+                          programs_per_sm=0, record_align_words=4),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),

@@ -120,10 +120,11 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
 
 def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
     """Words (4 bytes) of one dispatch record: ``wx`` row words, ``s`` scale words, ``k`` ids and ``k``
-    weight words (``k = 0`` without top-k), and with ``with_src`` the source index; rounded up to 4 words
-    (16 bytes)."""
+    weight words (``k = 0`` without top-k), and with ``with_src`` the source index; rounded up to the
+    tuning table's ``record_align_words`` (4 words = 16 bytes, or more to start rows on whole lines)."""
     n = wx + s + 2 * k + (1 if with_src else 0)
-    return (n + 3) // 4 * 4
+    align = int(tuning("dispatch_send").get("record_align_words", 4))
+    return (n + align - 1) // align * align
 
 
 def _blocks(kernel: str, wx: int):

@@ -4,20 +4,17 @@ Semantics: DeepEP's ``get_dispatch_layout`` (see :func:`triton_ep.reference.get_
 ``send_pos[t, r]``: the index of token ``t`` among the tokens this rank sends to rank ``r`` (its row offset
 within this rank's group on the receiver), ``-1`` where ``t`` does not go to ``r``.
 
-One launch, no memset, no atomics, and no program waits on another. The tokens are cut into ``P``
-contiguous chunks, one per program (``P`` at most ``max_programs``); program ``p``:
+No memset, no atomics, and no program waits on another; one launch when the tokens fit one block, else
+two, over blocks of ``BLOCK_T`` tokens:
 
-1. scans every token in tiles of ``BLOCK_S``: it sums ``is_token_in_rank`` over the tokens before its
-   chunk (the exclusive prefix of its chunk, recomputed by every program instead of exchanged), and
-   histograms the ids of its own slice of experts ``[p * EB, (p + 1) * EB)`` over all tokens;
-2. walks its own chunk in tiles of ``BLOCK_T``: cumulative sums plus the running prefix give
-   ``send_pos``; it writes ``is_token_in_rank`` there;
-3. the last program writes the per-rank totals, program 0 the count of ids outside ``[-1, E)``.
+1. ``_layout_block_kernel``: per block, ``is_token_in_rank``, the block's tokens per rank, and the block's
+   histogram of its ids over ``E + 1`` bins (bin ``E`` counts the ids outside ``[-1, E)``), stored as one
+   row of a ``[blocks, E + 1]`` scratch. With a single block it also finishes the job (step 2).
+2. ``_layout_pos_kernel``: per block, the exclusive prefix of the earlier blocks' counts plus an in-block
+   cumulative sum gives ``send_pos``; program ``p`` also sums the histogram rows over all blocks for its
+   slice of the ``E + 1`` bins; the last program writes the per-rank totals.
 
-Every count is an integer sum, so nothing depends on the tiling. The redundant scan costs each program
-one read of the ``[T, K]`` ids (L2-resident after the first program touches them); with ``P`` capped the
-work grows linearly in ``T``. At ``T = 4096`` on the H200 that is 16 programs of 4 tiles each, one launch
-(benchmarks/bench_kernels.py measures it).
+Every count is an integer sum, so nothing depends on the tiling or the order programs run in.
 """
 from typing import Tuple
 
@@ -26,11 +23,6 @@ import triton
 import triton.language as tl
 
 from ._util import pow2, tuning
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
 
 
 @triton.jit
@@ -58,67 +50,76 @@ def _in_rank_tile(idx_ptr, t, mt, num_experts, offs_r, K: tl.constexpr, EPR: tl.
 
 
 @triton.jit
-def _layout_kernel(idx_ptr, T, chunk, num_experts, in_rank_ptr, send_pos_ptr, tok_per_rank_ptr,
-                   per_expert_ptr, bad_ptr, K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr,
-                   BLOCK_R: tl.constexpr, EB: tl.constexpr, NBINS: tl.constexpr, HISTOGRAM: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+def _positions(in_rank, t, mt, offs_r, prefix, send_pos_ptr, R: tl.constexpr):
+    """Store ``send_pos`` of tile ``t`` (``prefix`` + in-tile cumulative sum - 1, or -1)."""
+    pos = prefix[None, :] + tl.cumsum(in_rank, axis=0).to(tl.int64) - 1
+    mtr = mt[:, None] & (offs_r < R)[None, :]
+    tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1), mask=mtr)
+
+
+@triton.jit
+def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, block_hist_ptr, send_pos_ptr,
+                         counts_ptr, K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NBINS: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE: tl.constexpr):
     pid = tl.program_id(0)
-    start = pid.to(tl.int64) * chunk
-    end = tl.minimum(start + chunk, T)
+    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mt = t < T
     offs_r = tl.arange(0, BLOCK_R)
-    e_lo = pid.to(tl.int64) * EB
-    offs_e = tl.arange(0, NBINS)
-    # 1. prefix of the earlier chunks (per rank) and this program's slice of the expert histogram
-    prefix = tl.zeros([BLOCK_R], dtype=tl.int64)
-    hist = tl.zeros([NBINS], dtype=tl.int32)
-    bad = tl.zeros([BLOCK_S], dtype=tl.int32)
-    for s in range(0, T, BLOCK_S):
-        t = s + tl.arange(0, BLOCK_S).to(tl.int64)
-        mt = t < T
-        if s < start:
-            in_rank = _in_rank_tile(idx_ptr, t, t < start, num_experts, offs_r, K, EPR, BLOCK_R, BLOCK_S)
-            prefix += tl.sum(in_rank, axis=0).to(tl.int64)
-        for k in tl.static_range(K):
-            ids = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
-            mine = (ids >= e_lo) & (ids < e_lo + EB) & (ids < num_experts)
-            local = tl.where(mine, ids - e_lo, EB).to(tl.int32)
-            if HISTOGRAM:   # bin EB collects every id outside this program's slice; it is not stored
-                hist += tl.histogram(local, NBINS)
-            else:
-                hist += tl.sum((local[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-            bad += (mt & ((ids < -1) | (ids >= num_experts))).to(tl.int32)
-    tl.store(per_expert_ptr + e_lo + offs_e, hist, mask=(offs_e < EB) & (e_lo + offs_e < num_experts))
-    if pid == 0:
-        tl.store(bad_ptr, tl.sum(bad, axis=0))
-    # 2. this program's chunk: send positions and is_token_in_rank
-    mr = offs_r < R
-    for s in range(start, end, BLOCK_T):
-        t = s + tl.arange(0, BLOCK_T).to(tl.int64)
-        mt = t < end
-        in_rank = _in_rank_tile(idx_ptr, t, mt, num_experts, offs_r, K, EPR, BLOCK_R, BLOCK_T)
-        pos = prefix[None, :] + tl.cumsum(in_rank, axis=0).to(tl.int64) - 1
-        mtr = mt[:, None] & mr[None, :]
-        tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1), mask=mtr)
-        tl.store(in_rank_ptr + t[:, None] * R + offs_r[None, :], in_rank.to(tl.int8), mask=mtr)
-        prefix += tl.sum(in_rank, axis=0).to(tl.int64)
-    # 3. the last chunk's prefix is the total
-    if pid == tl.num_programs(0) - 1:
-        tl.store(tok_per_rank_ptr + offs_r, prefix.to(tl.int32), mask=mr)
+    in_rank = _in_rank_tile(idx_ptr, t, mt, num_experts, offs_r, K, EPR, BLOCK_R, BLOCK_T)
+    tl.store(in_rank_ptr + t[:, None] * R + offs_r[None, :], in_rank.to(tl.int8),
+             mask=mt[:, None] & (offs_r < R)[None, :])
+    # the block's histogram: bins [0, E) the experts, E the bad ids, E + 1 the -1 entries and padding
+    ok = tl.arange(0, BLOCK_K)
+    mk = mt[:, None] & (ok < K)[None, :]
+    ids = tl.load(idx_ptr + t[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64)
+    valid = (ids >= 0) & (ids < num_experts)
+    bins = tl.where(valid, ids, tl.where(mk & (ids != -1), num_experts, num_experts + 1)).to(tl.int32)
+    hist = tl.histogram(tl.reshape(bins, [BLOCK_T * BLOCK_K]), NBINS)
+    offs_b = tl.arange(0, NBINS)
+    tot = tl.sum(in_rank, axis=0)
+    if SINGLE:      # the only block: finish here
+        _positions(in_rank, t, mt, offs_r, tl.zeros([BLOCK_R], dtype=tl.int64), send_pos_ptr, R)
+        tl.store(counts_ptr + offs_r, tot, mask=offs_r < R)
+        tl.store(counts_ptr + R + offs_b, hist, mask=offs_b <= num_experts)
+    else:
+        tl.store(block_rank_ptr + pid * BLOCK_R + offs_r, tot)
+        tl.store(block_hist_ptr + pid.to(tl.int64) * (num_experts + 1) + offs_b, hist, mask=offs_b <= num_experts)
 
 
-def layout_grid(T: int, num_experts: int, block_t: int, max_programs: int) -> Tuple[int, int, int]:
-    """``(programs, tokens per program, experts per program)`` of one layout launch: chunks are whole
-    ``block_t`` tiles, at most ``max_programs`` of them (at least one program, also for ``T = 0``), and the
-    experts are split in equal power-of-two slices so that the programs cover all ``num_experts``."""
-    tiles = max(triton.cdiv(T, block_t), 1)
-    per_prog = triton.cdiv(tiles, max(int(max_programs), 1))
-    programs = triton.cdiv(tiles, per_prog)
-    return programs, per_prog * block_t, pow2(triton.cdiv(num_experts, programs))
+@triton.jit
+def _layout_pos_kernel(in_rank_ptr, T, num_experts, num_blocks, block_rank_ptr, block_hist_ptr, send_pos_ptr,
+                       counts_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_B: tl.constexpr, EB: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_b = tl.arange(0, BLOCK_B)
+    # this program's slice [pid * EB, (pid + 1) * EB) of the E + 1 bins, summed over the blocks
+    offs_e = pid * EB + tl.arange(0, EB)
+    me = offs_e <= num_experts
+    acc = tl.zeros([BLOCK_B, EB], dtype=tl.int32)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + offs_b
+        acc += tl.load(block_hist_ptr + b[:, None].to(tl.int64) * (num_experts + 1) + offs_e[None, :],
+                       mask=(b < num_blocks)[:, None] & me[None, :], other=0)
+    tl.store(counts_ptr + R + offs_e, tl.sum(acc, axis=0), mask=me)
+    # the prefix of the earlier blocks, then this block's positions
+    pre = tl.zeros([BLOCK_B, BLOCK_R], dtype=tl.int32)
+    for b0 in range(0, pid, BLOCK_B):
+        b = b0 + offs_b
+        pre += tl.load(block_rank_ptr + b[:, None] * BLOCK_R + offs_r[None, :], mask=(b < pid)[:, None], other=0)
+    prefix = tl.sum(pre, axis=0).to(tl.int64)
+    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mt = t < T
+    mtr = mt[:, None] & (offs_r < R)[None, :]
+    in_rank = tl.load(in_rank_ptr + t[:, None] * R + offs_r[None, :], mask=mtr, other=0).to(tl.int32)
+    _positions(in_rank, t, mt, offs_r, prefix, send_pos_ptr, R)
+    if pid == num_blocks - 1:
+        tl.store(counts_ptr + offs_r, (prefix + tl.sum(in_rank, axis=0)).to(tl.int32), mask=offs_r < R)
 
 
 def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the layout kernel (one launch).
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the layout kernels (one launch when ``T`` fits one block, else two).
 
     Args:
         topk_idx: ``[T, K]`` int32 or int64, contiguous, on the kernels' device; ``T`` may be 0.
@@ -128,20 +129,31 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     Returns:
         ``num_tokens_per_rank`` int32 ``[R]``, ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank``
         bool ``[T, R]``, ``send_pos`` int64 ``[T, R]`` and ``num_bad`` int32 ``[1]`` (ids outside
-        ``[-1, E)``, masked as if they were ``-1``). Nothing is synchronised with the host.
+        ``[-1, E)``, masked as if they were ``-1``), and ``counts`` int32 ``[R + E + 1]``: the three counts
+        in one tensor (the first, second and fifth results are views of it), for one copy to the host.
+        Nothing is synchronised with the host.
     """
     T, K = topk_idx.shape
     dev = topk_idx.device
     cfg = tuning("layout")
-    programs, chunk, eb = layout_grid(T, num_experts, cfg["block_t"], cfg["max_programs"])
+    # up to one_launch_tokens: one block, one launch (decode batches); else blocks of block_t
+    bt = pow2(T, 16) if T <= int(cfg["one_launch_tokens"]) else int(cfg["block_t"])
+    nb = max(triton.cdiv(T, bt), 1)
+    br, nbins = pow2(num_ranks), pow2(num_experts + 2, 32)
     counts = torch.empty(num_ranks + num_experts + 1, dtype=torch.int32, device=dev)   # per rank, per expert, bad
     in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=dev)
     send_pos = torch.empty((T, num_ranks), dtype=torch.int64, device=dev)
     per_rank, per_expert, bad = counts[:num_ranks], counts[num_ranks:-1], counts[-1:]
-    hist = cfg["expert_count"] == "histogram"
-    _layout_kernel[(programs,)](topk_idx, T, chunk, num_experts, in_rank.view(torch.int8), send_pos, per_rank,
-                                per_expert, bad, K=K, R=num_ranks, EPR=num_experts // num_ranks,
-                                BLOCK_R=pow2(num_ranks), EB=eb, NBINS=max(2 * eb, 32) if hist else pow2(eb + 1),
-                                HISTOGRAM=hist, BLOCK_S=min(cfg["block_s"], pow2(T)), BLOCK_T=cfg["block_t"],
+    # scratch: the blocks' tokens per rank, then their histograms (unused with one block)
+    scratch = torch.empty(nb * (br + num_experts + 1) if nb > 1 else 1, dtype=torch.int32, device=dev)
+    block_rank, block_hist = (scratch[: nb * br], scratch[nb * br:]) if nb > 1 else (scratch, scratch)
+    _layout_block_kernel[(nb,)](topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos,
+                                counts, K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
+                                BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1,
                                 num_warps=cfg["num_warps"])
-    return per_rank, per_expert, in_rank, send_pos, bad
+    if nb > 1:
+        _layout_pos_kernel[(nb,)](in_rank.view(torch.int8), T, num_experts, nb, block_rank, block_hist, send_pos,
+                                  counts, R=num_ranks, BLOCK_R=br, BLOCK_T=bt,
+                                  BLOCK_B=min(pow2(nb), int(cfg["block_b"])),
+                                  EB=pow2(triton.cdiv(num_experts + 1, nb)), num_warps=cfg["num_warps"])
+    return per_rank, per_expert, in_rank, send_pos, bad, counts
