@@ -436,6 +436,44 @@ def test_layout_past_65536_tokens():
     case_layout_past_65536_tokens()
 
 
+@pytest.mark.parametrize("T,K,E,R", [(50, 8, 1024, 8), (33, 6, 384, 8), (20, 9, 144, 72), (1, 1, 4096, 4)])
+@pytest.mark.parametrize("one_launch,max_bins", [(None, None), (0, 32)])
+def test_layout_many_experts_and_ranks(T, K, E, R, one_launch, max_bins):
+    case_layout_many_experts_and_ranks(T, K, E, R, one_launch=one_launch, max_bins=max_bins)
+
+
+def case_layout_many_experts_and_ranks(T, K, E, R, device="cpu", one_launch=None, max_bins=None):
+    """routing_layout with many experts (the per-block histograms grow with E) and more than 64 ranks
+    (rank sets no longer fit one int64), ids drawn with -1s and bad ids (-5, E, 2^40) mixed in: counts,
+    ``is_token_in_rank``, send positions and the bad-id count equal the reference's; garbage-filled memory
+    underneath does not leak. ``one_launch`` overrides the one-launch token bound (0: always two launches),
+    ``max_bins`` the histogram bound (past it: atomics).
+    Catches: a histogram too small for E + 2 bins, a rank-bit overflow past 64 ranks, padding ids counted."""
+    g = torch.Generator().manual_seed(E + R)
+    idx = torch.randint(-1, E, (T, K), generator=g)
+    if T > 2:
+        idx[0, 0], idx[1, -1], idx[2, 0] = -5, E, 2 ** 40
+    table = _util.GPU_TUNING if device != "cpu" else _util.INTERP_TUNING
+    saved = dict(table["layout"])
+    try:
+        if one_launch is not None:
+            table["layout"]["one_launch_tokens"] = one_launch
+        if max_bins is not None:
+            table["layout"]["histogram_max_bins"] = max_bins
+        per_rank, per_expert, in_rank, send_pos, nbad, counts = kernels.routing_layout(idx.to(device), E, R)
+    finally:
+        table["layout"].clear()
+        table["layout"].update(saved)
+    clean = torch.where((idx >= -1) & (idx < E), idx, -1)
+    r_rank, r_expert, r_in = ref.get_dispatch_layout(clean, E, R)
+    assert torch.equal(per_rank.cpu(), r_rank) and torch.equal(per_expert.cpu(), r_expert)
+    assert torch.equal(in_rank.cpu(), r_in)
+    want = torch.where(r_in, r_in.long().cumsum(0) - 1, torch.full_like(r_in, -1, dtype=torch.int64))
+    assert torch.equal(send_pos.cpu(), want)
+    assert int(nbad.item()) == int(((idx < -1) | (idx >= E)).sum())
+    assert torch.equal(counts.cpu(), torch.cat([per_rank, per_expert, nbad]).cpu())
+
+
 def case_layout_past_65536_tokens(device="cpu", T=70_001):
     """routing_layout with T past 65,536 (and counts past 2^16): counts and send positions equal the
     reference's. Catches: 16-bit counters or positions, a prefix over blocks that misses blocks past a

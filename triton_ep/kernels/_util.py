@@ -13,13 +13,13 @@ import triton
 
 # Best of the sweep on one H200 (benchmarks/results/tuning_h200.json: T=4096, H=7168, top-8, 256 experts,
 # 8 ranks). ``layout``: ``block_t`` tokens per program, ``block_b`` blocks per tile of the prefix sums, up to
-# ``one_launch_tokens`` tokens in one block (one launch).
+# ``one_launch_tokens`` tokens in one block (one launch), atomics past ``histogram_max_bins`` histogram bins.
 # ``dispatch_send``: ``split_w`` 1 gives each row slice of ``block_w`` words its own program (a second grid
 # axis); ``store_cache`` / ``store_evict`` are Triton's store hints for the row copies ("" = none);
 # ``programs_per_sm`` > 0 caps the grid at that many programs per multiprocessor, each looping over blocks;
 # ``record_align_words`` rounds the record width (a multiple of 4; every rank must use the same value).
 GPU_TUNING: Dict[str, Dict[str, object]] = {
-    "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, num_warps=4),
+    "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, histogram_max_bins=512, num_warps=4),
     "dispatch_send": dict(block_t=1, block_w=4096, num_warps=16, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=32),
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
@@ -28,7 +28,8 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
 }
 
 INTERP_TUNING: Dict[str, Dict[str, object]] = {
-    "layout": dict(block_t=1024, block_b=4096, one_launch_tokens=1024, num_warps=4),
+    "layout": dict(block_t=1024, block_b=4096, one_launch_tokens=1024, histogram_max_bins=1 << 20,
+               num_warps=4),
     "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=4),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),

@@ -14,7 +14,10 @@ two, over blocks of ``BLOCK_T`` tokens:
    cumulative sum gives ``send_pos``; program ``p`` also sums the histogram rows over all blocks for its
    slice of the ``E + 1`` bins; the last program writes the per-rank totals.
 
-Every count is an integer sum, so nothing depends on the tiling or the order programs run in.
+With more than ``histogram_max_bins`` bins (``E + 2`` rounded up to a power of two) the per-block
+histograms would cost too many registers; the counts are then zeroed (one memset) and step 1 adds each id
+with an integer atomic instead. Every count is an integer sum, so nothing depends on the tiling or the
+order programs run in.
 """
 from typing import Tuple
 
@@ -60,7 +63,8 @@ def _positions(in_rank, t, mt, offs_r, prefix, send_pos_ptr, R: tl.constexpr):
 @triton.jit
 def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                          counts_ptr, K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NBINS: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE: tl.constexpr):
+                         BLOCK_K: tl.constexpr, NBINS: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE: tl.constexpr,
+                         ATOMIC: tl.constexpr):
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     mt = t < T
@@ -74,34 +78,41 @@ def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, b
     ids = tl.load(idx_ptr + t[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64)
     valid = (ids >= 0) & (ids < num_experts)
     bins = tl.where(valid, ids, tl.where(mk & (ids != -1), num_experts, num_experts + 1)).to(tl.int32)
-    hist = tl.histogram(tl.reshape(bins, [BLOCK_T * BLOCK_K]), NBINS)
-    offs_b = tl.arange(0, NBINS)
     tot = tl.sum(in_rank, axis=0)
+    if ATOMIC:      # many experts: integer atomic adds into the zeroed counts instead of a block histogram
+        tl.atomic_add(counts_ptr + R + bins, tl.full([BLOCK_T, BLOCK_K], 1, tl.int32), mask=bins <= num_experts)
+    else:
+        hist = tl.histogram(tl.reshape(bins, [BLOCK_T * BLOCK_K]), NBINS)
+        offs_b = tl.arange(0, NBINS)
     if SINGLE:      # the only block: finish here
         _positions(in_rank, t, mt, offs_r, tl.zeros([BLOCK_R], dtype=tl.int64), send_pos_ptr, R)
         tl.store(counts_ptr + offs_r, tot, mask=offs_r < R)
-        tl.store(counts_ptr + R + offs_b, hist, mask=offs_b <= num_experts)
+        if not ATOMIC:
+            tl.store(counts_ptr + R + offs_b, hist, mask=offs_b <= num_experts)
     else:
         tl.store(block_rank_ptr + pid * BLOCK_R + offs_r, tot)
-        tl.store(block_hist_ptr + pid.to(tl.int64) * (num_experts + 1) + offs_b, hist, mask=offs_b <= num_experts)
+        if not ATOMIC:
+            tl.store(block_hist_ptr + pid.to(tl.int64) * (num_experts + 1) + offs_b, hist,
+                     mask=offs_b <= num_experts)
 
 
 @triton.jit
 def _layout_pos_kernel(in_rank_ptr, T, num_experts, num_blocks, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                        counts_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_B: tl.constexpr, EB: tl.constexpr):
+                       BLOCK_B: tl.constexpr, EB: tl.constexpr, ATOMIC: tl.constexpr):
     pid = tl.program_id(0)
     offs_r = tl.arange(0, BLOCK_R)
     offs_b = tl.arange(0, BLOCK_B)
-    # this program's slice [pid * EB, (pid + 1) * EB) of the E + 1 bins, summed over the blocks
-    offs_e = pid * EB + tl.arange(0, EB)
-    me = offs_e <= num_experts
-    acc = tl.zeros([BLOCK_B, EB], dtype=tl.int32)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        b = b0 + offs_b
-        acc += tl.load(block_hist_ptr + b[:, None].to(tl.int64) * (num_experts + 1) + offs_e[None, :],
-                       mask=(b < num_blocks)[:, None] & me[None, :], other=0)
-    tl.store(counts_ptr + R + offs_e, tl.sum(acc, axis=0), mask=me)
+    if not ATOMIC:
+        # this program's slice [pid * EB, (pid + 1) * EB) of the E + 1 bins, summed over the blocks
+        offs_e = pid * EB + tl.arange(0, EB)
+        me = offs_e <= num_experts
+        acc = tl.zeros([BLOCK_B, EB], dtype=tl.int32)
+        for b0 in range(0, num_blocks, BLOCK_B):
+            b = b0 + offs_b
+            acc += tl.load(block_hist_ptr + b[:, None].to(tl.int64) * (num_experts + 1) + offs_e[None, :],
+                           mask=(b < num_blocks)[:, None] & me[None, :], other=0)
+        tl.store(counts_ptr + R + offs_e, tl.sum(acc, axis=0), mask=me)
     # the prefix of the earlier blocks, then this block's positions
     pre = tl.zeros([BLOCK_B, BLOCK_R], dtype=tl.int32)
     for b0 in range(0, pid, BLOCK_B):
@@ -140,20 +151,25 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     bt = pow2(T, 16) if T <= int(cfg["one_launch_tokens"]) else int(cfg["block_t"])
     nb = max(triton.cdiv(T, bt), 1)
     br, nbins = pow2(num_ranks), pow2(num_experts + 2, 32)
-    counts = torch.empty(num_ranks + num_experts + 1, dtype=torch.int32, device=dev)   # per rank, per expert, bad
+    # past histogram_max_bins a block histogram costs too much (registers per bin): atomics into zeroed counts
+    atomic = nbins > int(cfg["histogram_max_bins"])
+    alloc = torch.zeros if atomic else torch.empty
+    counts = alloc(num_ranks + num_experts + 1, dtype=torch.int32, device=dev)   # per rank, per expert, bad
     in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=dev)
     send_pos = torch.empty((T, num_ranks), dtype=torch.int64, device=dev)
     per_rank, per_expert, bad = counts[:num_ranks], counts[num_ranks:-1], counts[-1:]
     # scratch: the blocks' tokens per rank, then their histograms (unused with one block)
-    scratch = torch.empty(nb * (br + num_experts + 1) if nb > 1 else 1, dtype=torch.int32, device=dev)
+    scratch = torch.empty(nb * (br + (0 if atomic else num_experts + 1)) if nb > 1 else 1, dtype=torch.int32,
+                          device=dev)
     block_rank, block_hist = (scratch[: nb * br], scratch[nb * br:]) if nb > 1 else (scratch, scratch)
     _layout_block_kernel[(nb,)](topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos,
                                 counts, K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
-                                BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1,
+                                BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic,
                                 num_warps=cfg["num_warps"])
     if nb > 1:
         _layout_pos_kernel[(nb,)](in_rank.view(torch.int8), T, num_experts, nb, block_rank, block_hist, send_pos,
                                   counts, R=num_ranks, BLOCK_R=br, BLOCK_T=bt,
                                   BLOCK_B=min(pow2(nb), int(cfg["block_b"])),
-                                  EB=pow2(triton.cdiv(num_experts + 1, nb)), num_warps=cfg["num_warps"])
+                                  EB=pow2(triton.cdiv(num_experts + 1, nb)), ATOMIC=atomic,
+                                  num_warps=cfg["num_warps"])
     return per_rank, per_expert, in_rank, send_pos, bad, counts
