@@ -4,8 +4,8 @@ Semantics: DeepEP's ``get_dispatch_layout`` (see :func:`triton_ep.reference.get_
 ``send_pos[t, r]``: the index of token ``t`` among the tokens this rank sends to rank ``r`` (its row offset
 within this rank's group on the receiver), ``-1`` where ``t`` does not go to ``r``.
 
-No memset, no atomics, and no program waits on another; one launch when the tokens fit one block, else
-two, over blocks of ``BLOCK_T`` tokens:
+No program waits on another, and (up to ``histogram_max_bins``, below) there is no memset and no atomic;
+one launch when the tokens fit one block, else two, over blocks of ``BLOCK_T`` tokens:
 
 1. ``_layout_block_kernel``: per block, ``is_token_in_rank``, the block's tokens per rank, and the block's
    histogram of its ids over ``E + 1`` bins (bin ``E`` counts the ids outside ``[-1, E)``), stored as one
