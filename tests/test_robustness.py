@@ -436,6 +436,21 @@ def test_layout_past_65536_tokens():
     case_layout_past_65536_tokens()
 
 
+def test_numpy_integer_num_experts():
+    """``num_experts`` as a numpy integer (``_isint`` accepts it) gives the same layout as a Python int.
+    Catches: a numpy scalar handed to a Triton launch, which the launcher rejects."""
+    import numpy as np
+    from triton_ep.testing import VirtualGroup
+    vg = VirtualGroup(2, 1 << 16)
+    idx = torch.tensor([[0, 3], [-1, 2], [1, 1]])
+    want = vg.buffers[0].get_dispatch_layout(idx, 4)
+    for e in (np.int64(4), np.int32(4)):
+        got = vg.buffers[0].get_dispatch_layout(idx, e)
+        assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]) if a is not None)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.routing_layout(idx.t(), 4, 2)
+
+
 @pytest.mark.parametrize("T,K,E,R", [(50, 8, 1024, 8), (33, 6, 384, 8), (20, 9, 144, 72), (1, 1, 4096, 4)])
 @pytest.mark.parametrize("one_launch,max_bins", [(None, None), (0, 32)])
 def test_layout_many_experts_and_ranks(T, K, E, R, one_launch, max_bins):

@@ -137,6 +137,9 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
         num_experts: ``E``; must be a multiple of ``num_ranks`` (checked by the caller).
         num_ranks: ``R >= 1``.
 
+    Raises:
+        ValueError: ``topk_idx`` is not contiguous.
+
     Returns:
         ``num_tokens_per_rank`` int32 ``[R]``, ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank``
         bool ``[T, R]``, ``send_pos`` int64 ``[T, R]`` and ``num_bad`` int32 ``[1]`` (ids outside
@@ -144,6 +147,9 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
         in one tensor (the first, second and fifth results are views of it), for one copy to the host.
         Nothing is synchronised with the host.
     """
+    if not topk_idx.is_contiguous():
+        raise ValueError("routing_layout needs a contiguous topk_idx")
+    num_experts, num_ranks = int(num_experts), int(num_ranks)      # numpy integers are not Triton scalars
     T, K = topk_idx.shape
     dev = topk_idx.device
     cfg = tuning("layout")
