@@ -49,16 +49,10 @@ def tuning(kernel: str) -> Dict[str, object]:
 
 
 def num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (cached); 4 for the interpreter's CPU tensors."""
+    """Multiprocessors of ``device``; 4 for the interpreter's CPU tensors."""
     if device.type != "cuda":
         return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
-_SMS: Dict[int, int] = {}
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pow2(n: int, lo: int = 1) -> int:

@@ -23,6 +23,18 @@ from ._util import num_sms, pow2, tuning
 
 
 @triton.jit
+def _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, mt, r, lo, hi, R: tl.constexpr, REC: tl.constexpr):
+    """Where tokens ``t`` go on rank ``r``: the store mask (the token goes there and its row lies in the
+    window ``[lo, hi)``) and the address of its record in rank ``r``'s buffer."""
+    pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+    dst = tl.load(row_base_ptr + r) + pos
+    m = mt & (pos >= 0) & (dst >= lo) & (dst < hi)
+    # Peer buffers sit 16-byte aligned: the hint lets the row stores be 16 bytes wide.
+    row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
+    return m, row
+
+
+@triton.jit
 def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
                           T, lo, hi, num_experts,
                           WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
@@ -50,11 +62,7 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
             else:
                 v = tl.load(src, mask=mt[:, None] & (ow < WX)[None, :])
             for r in tl.static_range(R):
-                pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
-                dst = tl.load(row_base_ptr + r) + pos
-                m = (pos >= 0) & (dst >= lo) & (dst < hi)
-                # Peer buffers sit 16-byte aligned: the hint lets the row stores be 16 bytes wide.
-                row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
+                m, row = _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, mt, r, lo, hi, R, REC)
                 if EVEN_W:
                     mask = m[:, None]
                 else:
@@ -62,10 +70,7 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
                 tl.store(row[:, None] + ow[None, :], v, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=STORE_EVICT)
         tail = mt & ((tl.zeros([BLOCK_T], dtype=tl.int32) + tl.program_id(1)) == 0)
         for r in tl.static_range(R):
-            pos = tl.load(send_pos_ptr + t * R + r, mask=tail, other=-1)
-            dst = tl.load(row_base_ptr + r) + pos
-            m = tail & (pos >= 0) & (dst >= lo) & (dst < hi)
-            row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + r), 4) + (dst - lo) * REC
+            m, row = _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, tail, r, lo, hi, R, REC)
             if HAS_SCALES:
                 os_ = tl.arange(0, BLOCK_S)
                 ms = m[:, None] & (os_[None, :] < S)
