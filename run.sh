@@ -4,7 +4,7 @@
 #   ./run.sh pytest                           # the test suite
 # Where torch and triton already import (a GPU machine with its own stack) they are used as they are
 # and nothing is installed. Elsewhere a virtual environment .venv/ is made with the CPU build of torch
-# (no CUDA libraries), triton, numpy, pytest and hypothesis, and this checkout installed editable.
+# (no CUDA libraries), triton, numpy, pytest, hypothesis and tqdm, and this checkout installed editable.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
@@ -19,7 +19,7 @@ else
         "$py" -m venv .venv
     fi
     vpy=.venv/bin/python
-    if ! "$vpy" -c 'import torch, triton, numpy, pytest, hypothesis, triton_ep' >/dev/null 2>&1; then
+    if ! "$vpy" -c 'import torch, triton, numpy, pytest, hypothesis, tqdm, triton_ep' >/dev/null 2>&1; then
         echo "[run.sh] installing dependencies into .venv (first run only)" >&2
         pip_q=(-q --disable-pip-version-check)
         if ! "$vpy" -c 'import torch' >/dev/null 2>&1; then
@@ -32,7 +32,7 @@ else
                 "$vpy" -m pip install "${pip_q[@]}" torch --index-url https://download.pytorch.org/whl/cpu
             fi
         fi
-        "$vpy" -m pip install "${pip_q[@]}" triton numpy pytest hypothesis
+        "$vpy" -m pip install "${pip_q[@]}" triton numpy pytest hypothesis tqdm
         "$vpy" -m pip install "${pip_q[@]}" --no-deps -e .
     fi
     if [ -x scripts/install_pyverbs.sh ]; then
