@@ -117,7 +117,11 @@ def bad_input_on_one_rank(rank, world, kind):
             kw["topk_idx"] = idxs[rank].clone()
             kw["topk_idx"][0, 0] = E + 5
             before = kw["topk_idx"].clone()
-        elif kind == "dtype":
+        elif kind == "row_bytes":          # 8-byte rows: not a multiple of 16 bytes
+            x = x[:, :4]
+        elif kind == "not_tensor":
+            x = x.tolist()
+        elif kind == "mixed_dtypes":       # a legal dtype, but not the one the other ranks send
             x = x.float()
         elif kind == "worst":
             pass
@@ -340,3 +344,31 @@ def mixed_handles(rank, world):
     assert buf.combine(second[0], second[4])[0].shape == (6, H)     # the group is still in step
     buf.destroy()
     return out
+
+
+def ambient_float32(rank, world, device="cpu", default_device="meta"):
+    """A DeepEP-style program in a real process: ``default_device`` set as default around Buffer
+    construction and every call, float32 x ``[8, 64]`` dispatched bit for bit, then bf16 combined."""
+    E = 2 * world
+    xs, idxs, ws = make_inputs(21, world, E, 2, 64, [8] * world)
+    xs32 = [x.float() for x in xs]
+    exp = ref.dispatch(xs32, idxs, ws, E)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index or 0)
+    x_in, w_in, i_in = xs32[rank].to(dev), ws[rank].to(dev), idxs[rank].to(dev)
+    torch.set_default_device(default_device)
+    try:
+        buf = triton_ep.Buffer(None, 1 << 20, device=dev, timeout_s=30)
+        recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(x_in, topk_weights=w_in,
+                                                                  **_layout_kwargs(buf, i_in, E))
+        comb, _, _ = buf.combine(recv_x.to(torch.bfloat16), handle)
+        buf.destroy()
+    finally:
+        torch.set_default_device(None)
+    recv_x, recv_idx, comb = recv_x.cpu(), recv_idx.cpu(), comb.cpu()
+    assert recv_x.dtype == torch.float32 and torch.equal(recv_x, exp[rank]["recv_x"])
+    assert torch.equal(recv_idx, exp[rank]["recv_topk_idx"]) and lst == exp[rank]["num_recv_tokens_per_expert_list"]
+    want = ref.combine([e["recv_x"].to(torch.bfloat16) for e in exp], exp, [8] * world)[rank][0]
+    assert torch.equal(comb.view(torch.int16), want.view(torch.int16))
+    return "ok"

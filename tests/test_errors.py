@@ -25,7 +25,10 @@ def _layout(buf, idx, E):
 
 
 @pytest.mark.parametrize("bad,exc,words", [
-    (dict(x=torch.zeros(4, 16, dtype=torch.float32)), TypeError, ["x", "bfloat16"]),
+    (dict(x=torch.zeros(4, 3, dtype=torch.float32)), ValueError, ["16 bytes", "12 bytes"]),   # any dtype, 16-byte rows
+    (dict(x=torch.zeros(4, 8, dtype=torch.uint8)), ValueError, ["16 bytes"]),
+    (dict(x=[[0.0] * 16] * 4), TypeError, ["x", "torch.Tensor"]),
+    (dict(x=torch.quantize_per_tensor(torch.zeros(4, 16), 0.1, 0, torch.quint8)), TypeError, ["x", "quantized"]),
     (dict(x=torch.zeros(4, 16, 1, dtype=torch.bfloat16)), ValueError, ["x", "shape"]),
     (dict(x=torch.zeros(4, 12, dtype=torch.bfloat16)), ValueError, ["16 bytes"]),
     (dict(x=torch.zeros(5, 16, dtype=torch.bfloat16)), ValueError, ["must have shape [5,"]),

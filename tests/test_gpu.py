@@ -54,3 +54,30 @@ def test_large_rows_64bit_offsets():
 def test_one_rank_per_gpu_nccl_bootstrap():
     """Each rank on its own GPU, NCCL group: peer buffers on other GPUs (CUDA IPC plus peer access)."""
     _ok(run_ranks(mp_cases.round_trip, 2, 9, 16, 8, 512, [300, 77], 1 << 20, False, "cuda:rank", backend="nccl"))
+
+
+@pytest.mark.parametrize("name", ["default_device_cuda", "default_dtype_bfloat16", "deterministic_algorithms",
+                                  "side_stream", "inference_mode"])
+def test_ambient_state_cuda(name):
+    """Invariant 12 on GPU: a default device 'cuda' (DeepEP's tests set it), a default dtype, deterministic
+    algorithms (NaN-filled ``torch.empty``), inference mode or a non-default current stream change no bit."""
+    import contextlib
+    from test_ambient import AMBIENT, _default_device, check_ambient
+
+    @contextlib.contextmanager
+    def side_stream():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            yield
+        torch.cuda.current_stream().wait_stream(s)
+
+    ctx = {"default_device_cuda": lambda: _default_device("cuda"), "side_stream": side_stream}.get(name) or AMBIENT[name]
+    check_ambient(ctx, name, "cuda")
+
+
+def test_processes_default_device_cuda_float32():
+    """Two processes on one GPU with ``torch.set_default_device('cuda')`` before the Buffer is built (the
+    DeepEP test that crashed with 'cannot pin torch.cuda.LongTensor'), float32 payload."""
+    out = run_ranks(mp_cases.ambient_float32, 2, "cuda", "cuda")
+    assert out == ["ok", "ok"], out

@@ -43,12 +43,20 @@ def test_absent_peer_times_out_then_recovers():
 
 
 @pytest.mark.parametrize("kind,local,remote", [("bad_ids", "ValueError", "EPRemoteError"),
-                                               ("dtype", "TypeError", "EPRemoteError"),
+                                               ("row_bytes", "ValueError", "EPRemoteError"),
+                                               ("not_tensor", "TypeError", "EPRemoteError"),
                                                ("worst", "EPCapacityError", "EPCapacityError")])
 def test_bad_input_raises_on_every_rank(kind, local, remote):
     out = _values(run_ranks(mp_cases.bad_input_on_one_rank, 3, kind))
     assert out[1][0] == local, out
     assert all(out[r][0] == remote and "rank 1" in out[r][1] for r in (0, 2)), out
+
+
+def test_ranks_sending_different_dtypes_raise_on_every_rank():
+    """Any dtype moves, but all ranks must send the same one: rank 1 sends float32 rows where the others
+    send bf16, and every rank raises ValueError naming the disagreement; nothing is reinterpreted."""
+    out = _values(run_ranks(mp_cases.bad_input_on_one_rank, 3, "mixed_dtypes"))
+    assert all(o[0] == "ValueError" and "x dtype" in o[1] and "all ranks must agree" in o[1] for o in out), out
 
 
 def test_rank_missing_at_construction_times_out():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import zlib
 import warnings
 from typing import Generator, Optional, Sequence, Tuple, Union
 
@@ -82,7 +83,7 @@ def _to_dev(a, dtype: torch.dtype, device: torch.device, shape=None) -> Tensor:
     On CUDA the values go through pinned memory and an asynchronous copy: a copy from pageable memory
     would first wait for everything queued on the stream (a hidden device synchronisation). Torch's
     pinned-memory cache keeps the staging block until the copy has run."""
-    t = torch.tensor(np.ascontiguousarray(a), dtype=dtype)
+    t = torch.tensor(np.ascontiguousarray(a), dtype=dtype, device="cpu")
     t = t.reshape(shape) if shape is not None else t
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
@@ -327,7 +328,11 @@ class Buffer:
                 raise ValueError(f"FP8 x needs hidden % 128 == 0, got hidden {H}")
             sc = self._check_tensor("x[1] (scales)", x[1], (torch.float32,), (T, H // 128))
             return xv, sc
-        xv = self._check_tensor("x", x, (torch.bfloat16,), (None, None))
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor or an (fp8 tensor, scales) pair, got {type(x).__name__}")
+        if x.is_quantized:
+            raise TypeError(f"x must be a plain tensor (its rows are moved as raw bytes), got quantized {x.dtype}")
+        xv = self._check_tensor("x", x, (x.dtype,), (None, None))
         if (xv.shape[1] * xv.element_size()) % 16 or xv.shape[1] == 0:
             raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]} "
                              f"({xv.shape[1] * xv.element_size()} bytes)")
@@ -451,8 +456,10 @@ class Buffer:
         """Send each token row to every rank holding one of its experts (collective over the group).
 
         Args:
-            x: bf16 ``[T, H]`` (row a multiple of 16 bytes), or ``(fp8 e4m3 [T, H], fp32 scales [T, H/128])``
-                with ``H % 128 == 0`` (scales may be column-major). ``T`` may be 0 and differ across ranks.
+            x: ``[T, H]`` of any dtype whose row is a multiple of 16 bytes (bf16, fp16, fp32, fp64, int8,
+                uint8, fp8...; the rows move as raw bytes, bit for bit, as in DeepEP's intranode dispatch; every
+                rank must send the same dtype), or ``(fp8 e4m3 [T, H], fp32 scales [T, H/128])`` with
+                ``H % 128 == 0`` (scales may be column-major). ``T`` may be 0 and differ across ranks.
             handle: a handle from an earlier dispatch of this Buffer: same routing, new data; then only
                 ``x`` is sent and no counts are exchanged.
             num_tokens_per_rank: int32 ``[R]``; num_tokens_per_rdma_rank: ignored (one host);
@@ -468,10 +475,14 @@ class Buffer:
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
-            ``recv_x`` like ``x`` with ``N`` rows grouped by source rank (a pair for FP8),
-            ``recv_topk_idx`` int64 ``[N, K]`` local expert ids (``-1`` where the expert lives elsewhere),
-            ``recv_topk_weights`` fp32 ``[N, K]`` (0 where the id is ``-1``), a list of ``E/R`` ints. With a
-            handle: ``(recv_x, None, None, None, None, event)``.
+            ``recv_x`` like ``x`` (same dtype) with ``N`` rows grouped by source rank (a pair for FP8),
+            ``recv_topk_idx`` ``[N, K]`` of ``topk_idx``'s dtype: local expert ids (``-1`` where the expert
+            lives elsewhere), ``recv_topk_weights`` fp32 ``[N, K]`` (0 where the id is ``-1``), and
+            ``num_recv_tokens_per_expert_list``, a Python list of ``E/R`` ints -- an empty list when
+            ``num_worst_tokens > 0``, as in DeepEP (the host never learns the counts then; they are the
+            histogram of ``recv_topk_idx``). Without ``topk_idx``, ``recv_topk_idx`` and
+            ``recv_topk_weights`` are ``None``. With a handle: ``(recv_x, None, None, None, None, event)``.
+            ``event`` is always an :class:`EventOverlap` (holding no event unless ``async_finish``).
 
         Raises:
             TypeError/ValueError: bad arguments (before any kernel runs) or ids outside ``[-1, E)``;
@@ -500,8 +511,8 @@ class Buffer:
         # ranks that call different collectives, or pass handles of different dispatches, fail together.
         op = _OP_CACHED_DISPATCH if handle is not None else _OP_DISPATCH
         seq = a["handle"].seq if (err is None and handle is not None) else 0
-        sig = [op, a["wx"], a["s"], a["k"], a["flags"], a["E"], seq] if err is None else [op] + [0] * 6
-        names = "operation, row words, scale words, top-k, flags, experts, handle's dispatch"
+        sig = [op, a["wx"], a["s"], a["k"], a["flags"], a["E"], seq, a["dtype"]] if err is None else [op] + [0] * 7
+        names = "operation, row words, scale words, top-k, flags, experts, handle's dispatch, x dtype"
         if handle is not None:
             yield from self._exchange("dispatch/start (cached)", err, 1, sig, names)
             h = a["handle"]
@@ -543,7 +554,8 @@ class Buffer:
             El = E // R
             per_expert = sum(s[ipc.SLOT_HEADER + R + me * El:ipc.SLOT_HEADER + R + (me + 1) * El] for s in slots)
             al = a["align"]
-            expert_list = [int((c + al - 1) // al * al) for c in per_expert.tolist()]
+            # DeepEP returns an empty list with num_worst_tokens: the host is not meant to learn the counts
+            expert_list = [] if num_worst_tokens > 0 else [int((c + al - 1) // al * al) for c in per_expert.tolist()]
             in_rank, send_pos = lay[2], lay[3]
             n_recv = int(recv_all[me])
             n_out = num_worst_tokens if num_worst_tokens > 0 else n_recv
@@ -561,7 +573,7 @@ class Buffer:
         if not cached:
             recv_src = torch.empty(n_out, dtype=torch.int32, device=dev)
             if a["k"]:
-                recv_idx = torch.empty((n_out, a["k"]), dtype=torch.int64, device=dev)
+                recv_idx = torch.empty((n_out, a["k"]), dtype=a["idx"].dtype, device=dev)
                 if a["w"] is not None:
                     recv_w = torch.empty((n_out, a["k"]), dtype=torch.float32, device=dev)
         row_base = _to_dev(rpm[me - 1] if me > 0 else np.zeros(R, dtype=np.int64), torch.int64, dev)
@@ -623,6 +635,7 @@ class Buffer:
         if not _isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
             raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
         a = dict(x=xv, scales=sc, T=T, wx=xv.shape[1] * xv.element_size() // 4, s=sc.shape[1] if sc is not None else 0,
+                 dtype=zlib.crc32(str(xv.dtype).encode()),
                  align=int(expert_alignment), idx=None, w=None, k=0, E=0, in_rank=None, per_expert=None)
         if handle is not None:
             h = self._check_handle(handle)
@@ -666,7 +679,8 @@ class Buffer:
 
         Args:
             x: bf16 ``[N, H]``, one row per row the dispatch delivered here (``N`` includes any
-                ``num_worst_tokens`` padding, which is ignored).
+                ``num_worst_tokens`` padding, which is ignored). Only bf16 is reduced, as in DeepEP: other
+                dtypes raise ``TypeError``.
             handle: the handle of the matching dispatch of this Buffer.
             topk_weights: fp32 ``[N, K]`` or ``None``: summed back the same way.
             bias: ``None``, a bf16 ``[T, H]`` tensor or a tuple of up to two, added after the sum.

@@ -43,7 +43,7 @@ def get_dispatch_layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> T
     per_expert = torch.bincount(ids[valid], minlength=num_experts).to(torch.int32)
     rank_of = _rank_of(ids, num_experts, num_ranks)
     in_rank = torch.stack([(rank_of == r).any(dim=1) for r in range(num_ranks)], dim=1) if ids.shape[0] else \
-        torch.zeros((0, num_ranks), dtype=torch.bool)
+        torch.zeros((0, num_ranks), dtype=torch.bool, device="cpu")
     return in_rank.sum(0).to(torch.int32), per_expert, in_rank
 
 
@@ -64,7 +64,7 @@ def dispatch(xs: Sequence[XLike], topk_idxs: Sequence[Tensor], topk_weights: Opt
 
     Returns:
         per receiving rank ``j`` a dict with ``recv_x`` (or ``(recv_x, recv_x_scales)``), ``recv_topk_idx``
-        int64 ``[N_j, K]`` (local ids, ``-1`` where the expert lives elsewhere), ``recv_topk_weights`` fp32
+        ``[N_j, K]`` of rank ``j``'s ``topk_idx`` dtype (local ids, ``-1`` where the expert lives elsewhere), ``recv_topk_weights`` fp32
         (0 where the id is ``-1``; ``None`` if no weights were given), ``num_recv_tokens_per_expert_list``,
         ``rank_prefix_matrix`` int32 ``[R, R]``, ``recv_src_idx`` int32 ``[N_j]``.
     """
@@ -95,7 +95,7 @@ def dispatch(xs: Sequence[XLike], topk_idxs: Sequence[Tensor], topk_weights: Opt
         recv_x = torch.cat(rows)
         out.append(dict(
             recv_x=(recv_x, torch.cat(scales)) if scales else recv_x,
-            recv_topk_idx=torch.cat(idx),
+            recv_topk_idx=torch.cat(idx).to(topk_idxs[j].dtype),     # DeepEP: the dtype of topk_idx
             recv_topk_weights=torch.cat(wts) if topk_weights is not None else None,
             num_recv_tokens_per_expert_list=[int((c + align - 1) // align * align) for c in per_expert.tolist()],
             rank_prefix_matrix=prefix.clone(),
@@ -125,10 +125,10 @@ def combine(recv_xs: Sequence[Tensor], dispatched: Sequence[dict], num_tokens: S
     H = recv_xs[0].shape[1]
     results = []
     for i in range(R):
-        acc = torch.zeros((num_tokens[i], H), dtype=torch.float32)
+        acc = torch.zeros((num_tokens[i], H), dtype=torch.float32, device="cpu")
         wacc = None
         if recv_topk_weights is not None:
-            wacc = torch.zeros((num_tokens[i], recv_topk_weights[0].shape[1]), dtype=torch.float32)
+            wacc = torch.zeros((num_tokens[i], recv_topk_weights[0].shape[1]), dtype=torch.float32, device="cpu")
         for j in range(R):
             m = dispatched[j]["rank_prefix_matrix"].long()
             lo = int(m[i - 1, j]) if i > 0 else 0

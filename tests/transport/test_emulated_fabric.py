@@ -16,8 +16,20 @@ from triton_ep.transport.rdma import WRITE, WRITE_WITH_IMM, Op, QPInfo
 from rdma_helpers import connect_pair, dual_port_fabric
 
 
+_RAW_QPS = []
+
+
+@pytest.fixture(autouse=True)
+def _close_raw_qps():
+    """Destroy the raw QPs a test made (their rings and the emulated HCA thread go with the last one)."""
+    yield
+    while _RAW_QPS:
+        _RAW_QPS.pop().close()
+
+
 def raw_pair(sq=4, cqe=64, **fabric_kw):
-    """Two raw emulated QPs (pyverbs-level), connected to each other; returns (api, qa, qb, cqa, cqb, mra, mrb)."""
+    """Two raw emulated QPs (pyverbs-level), connected to each other; returns (api, qa, qb, cqa, cqb, mra, mrb).
+    The test's teardown destroys them."""
     fab = dual_port_fabric(**fabric_kw)
     api = fab.pyverbs()
     e = api.enums
@@ -27,6 +39,7 @@ def raw_pair(sq=4, cqe=64, **fabric_kw):
         pd = api.PD(ctx)
         cq = api.CQ(ctx, cqe, None, None, 0)
         qp = api.QP(pd, verbs.build_init_attr(api, cq, sq, 4))
+        _RAW_QPS.append(qp)
         mr = api.MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC)
         gid = ctx.query_gid(1, 3).gid
         out.append((ctx, qp, cq, mr, QPInfo(qp.qp_num, 1, gid, 3, 0, 5, 1, name)))
@@ -91,6 +104,7 @@ def test_post_before_rts_and_bad_transitions_fail():
     ctx = api.Context(name="mlx5_0")
     pd, cq = api.PD(ctx), api.CQ(ctx, 8, None, None, 0)
     qp = api.QP(pd, verbs.build_init_attr(api, cq, 4, 4))
+    _RAW_QPS.append(qp)
     mr = api.MR(pd, 64, api.enums.IBV_ACCESS_LOCAL_WRITE)
     with pytest.raises(api.PyverbsRDMAError) as ei:
         qp.post_send(write_wr(api, mr, mr, 1, True))

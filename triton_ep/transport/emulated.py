@@ -507,6 +507,20 @@ class _Engine:
     def path(self, qpn: int) -> str:
         return os.path.join(self.fabric.shm_dir, f"tep_{self.fabric.token}_q{qpn:06x}")
 
+    def release_if_idle(self) -> None:
+        """With no QP left in this process: unmap the peers' rings (each mapping holds a descriptor) and
+        wait for the progress thread to stop (it stops by itself once idle without QPs)."""
+        with self.lock:
+            if self.qps:
+                return
+            rings, self.out_rings = list(self.out_rings.values()), {}
+            thread = self.thread
+        for r in rings:
+            r.close(unlink=False)
+        if thread is not None and thread is not threading.current_thread():
+            self.kick.set()
+            thread.join(timeout=5.0)
+
     def start(self) -> None:
         """Start the progress thread unless it runs."""
         with self.lock:
@@ -614,7 +628,6 @@ class _Context:
         self.dev_index = fabric.device_index(name)
         self.spec = fabric.spec.devices[self.dev_index]
         self.engine = fabric.engine
-        self.engine.start()
 
     def query_device(self) -> SimpleNamespace:
         """Device attributes: ports, limits, vendor (Mellanox's id for ``mlx5_*`` names)."""
@@ -810,6 +823,7 @@ class QP:
         _created_rings.add(self.ring.path)
         with eng.lock:
             eng.qps[self.qp_num] = self
+        eng.start()          # the progress thread runs while this process has QPs
         eng.start()
 
     @property
@@ -1078,12 +1092,14 @@ class QP:
         self.engine.kick.set()
 
     def close(self) -> None:
-        """Destroy the QP and its ring."""
+        """Destroy the QP and its ring; the last QP of this process also releases the peers' rings it
+        mapped and stops the progress thread."""
         with self.engine.lock:
             self.engine.qps.pop(self.qp_num, None)
             self.engine.out_rings.pop(self.qp_num, None)
         self.ring.close(unlink=True)
         _created_rings.discard(self.ring.path)
+        self.engine.release_if_idle()
 
 
 _created_rings: set = set()

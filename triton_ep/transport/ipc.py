@@ -46,7 +46,7 @@ def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
             os.ftruncate(fd, nbytes)
         finally:
             os.close(fd)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8, device="cpu")
 
 
 class Comm:
@@ -202,21 +202,23 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
     ctrl_bytes = 8 * (size + 2 * size * slot_words)
     tag = uuid.uuid4().hex[:16]
     d = _shm_dir()
-    ctrl_path = os.path.join(d, f"triton_ep.{tag}.ctrl")
-    ctrl = _map_file(ctrl_path, ctrl_bytes, create=True) if rank == 0 else None
-    if device.type == "cuda":
-        data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        # One share per consumer: PyTorch counts the consumers of each share and expects exactly one.
-        mine = ("cuda", [pickle.dumps(_device_handle(data)) if r != rank else None for r in range(size)])
-        data_path = None
-    else:
-        data_path = os.path.join(d, f"triton_ep.{tag}.r{rank}")
-        data = _map_file(data_path, num_bytes, create=True)
-        mine = ("file", data_path)
-    info = gather_objects(group, (socket.gethostname(), ctrl_path if rank == 0 else None, mine, num_bytes,
-                                  device.index), timeout_s, "bootstrap: exchange buffer handles")
-    hosts = {i[0] for i in info}
+    ctrl_path = os.path.join(d, f"triton_ep.{tag}.ctrl") if rank == 0 else None
+    data_path = os.path.join(d, f"triton_ep.{tag}.r{rank}") if device.type != "cuda" else None
+    # Every file this rank creates is unlinked on the way out, whatever happens: after a successful
+    # bootstrap every rank holds its mappings, and after a failure (a peer that never joins, bad hosts,
+    # an interrupt) nothing may stay behind in /dev/shm.
     try:
+        ctrl = _map_file(ctrl_path, ctrl_bytes, create=True) if rank == 0 else None
+        if device.type == "cuda":
+            data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+            # One share per consumer: PyTorch counts the consumers of each share and expects exactly one.
+            mine = ("cuda", [pickle.dumps(_device_handle(data)) if r != rank else None for r in range(size)])
+        else:
+            data = _map_file(data_path, num_bytes, create=True)
+            mine = ("file", data_path)
+        info = gather_objects(group, (socket.gethostname(), ctrl_path, mine, num_bytes, device.index), timeout_s,
+                              "bootstrap: exchange buffer handles")
+        hosts = {i[0] for i in info}
         if len(hosts) != 1:
             raise ValueError(f"triton_ep intranode buffers need every rank on one host; got hosts {sorted(hosts)}")
         if ctrl is None:
@@ -234,11 +236,12 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info))
         comm.barrier("bootstrap/map buffers")
     finally:
-        for path in ([data_path] if data_path else []) + ([ctrl_path] if rank == 0 else []):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        for path in (data_path, ctrl_path):
+            if path is not None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
     return comm
 
 
@@ -253,7 +256,7 @@ class LocalWorld:
         num_bytes = max(4096, (int(num_bytes) + 4095) // 4096 * 4096)
         self.size = size
         self.data = [torch.empty(num_bytes, dtype=torch.uint8, device=device) for _ in range(size)]
-        self.ctrl = torch.zeros(8 * (size + 2 * size * slot_words), dtype=torch.uint8)
+        self.ctrl = torch.zeros(8 * (size + 2 * size * slot_words), dtype=torch.uint8, device="cpu")
         self.slot_words = slot_words
         self.device = torch.device(device)
 
