@@ -1,5 +1,5 @@
-"""Helpers shared by the GPU benchmarks (bench_kernels.py, bench_ep8.py): shapes, timing, routing,
-the combine check, output files.
+"""Helpers shared by the benchmarks (bench_kernels.py, bench_ep8.py, profile_phases.py): shapes, timing,
+routing, the combine check, output files, progress bars and what a figure means on this machine.
 
 Importing this module puts the repository root on ``sys.path`` (a checkout that is not installed) and
 sets the NVLink-multicast switches off (``NCCL_NVLS_ENABLE=0`` and friends) before anything else uses NCCL.
@@ -30,6 +30,19 @@ DSV3 = dict(tokens=4096, hidden=7168, topk=8, experts=256, ranks=8)
 #: Tiny shapes for a CPU run under the Triton interpreter (about 0.4 ms per program).
 SMALL = dict(tokens=24, hidden=256, topk=4, experts=32, ranks=4)
 
+#: Where output files go without ``--out``: the repository's ignored ``out/`` folder. The committed GPU
+#: results in ``benchmarks/results/`` change only when ``--out`` names that folder.
+DEFAULT_OUT = os.path.join(ROOT, "out", "benchmarks")
+
+#: What a time measured on CPU means.
+CPU_NOTE = ("CPU: kernels run under the Triton interpreter; times are interpreter wall time, GB/s and "
+            "fractions are against this CPU's memory: they show the benchmark runs and say nothing about GPU speed")
+
+try:
+    from tqdm import tqdm as _tqdm
+except ImportError:  # a GPU machine's own Python stack may lack it (run.sh installs nothing there)
+    _tqdm = None
+
 
 def on_gpu() -> bool:
     """True when the benchmarks run compiled kernels on a CUDA device (not the interpreter on CPU)."""
@@ -39,6 +52,54 @@ def on_gpu() -> bool:
 def device_name() -> str:
     """The CUDA device's name, or ``"cpu (Triton interpreter)"``."""
     return torch.cuda.get_device_name() if on_gpu() else "cpu (Triton interpreter)"
+
+
+def add_out_arg(p, files: str) -> None:
+    """Add ``--out`` (an output folder, default :data:`DEFAULT_OUT`) to the parser ``p``; ``files``: what
+    the script writes there."""
+    shown = os.path.relpath(DEFAULT_OUT, ROOT)
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"folder for {files} (default {shown}/, ignored by git; the committed GPU results are "
+                        f"updated only by naming benchmarks/results here)")
+
+
+def progress(iterable=None, **kw):
+    """A tqdm progress bar on stderr (``tqdm(iterable, **kw)``); without tqdm installed, a stand-in
+    that iterates ``iterable`` and shows nothing."""
+    if _tqdm is not None:
+        return _tqdm(iterable, **kw)
+    return _NoBar(iterable)
+
+
+class _NoBar:
+    """What :func:`progress` gives without tqdm: iterates, and ignores every bar call."""
+
+    def __init__(self, iterable=None):
+        self.iterable = iterable if iterable is not None else ()
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def stages(names: Sequence[str], desc: str, show: bool = True, leave: bool = True):
+    """Yield ``names`` one by one under a progress bar that shows the one now running: call ``next()``
+    when a step starts and ``next(it, None)`` after the last, which closes the bar."""
+    bar = progress(names, desc=desc, disable=not show, leave=leave)
+    for name in bar:
+        bar.set_postfix_str(name)
+        yield name
+
+
+def say(msg: str) -> None:
+    """Print ``msg`` on stdout without breaking a progress bar that is showing."""
+    if _tqdm is not None:
+        _tqdm.write(msg)
+        sys.stdout.flush()
+    else:
+        print(msg, flush=True)
 
 
 def bench_graph_ms(fn: Callable[[], object], rep_ms: float = 100):
@@ -162,26 +223,38 @@ def nvl_bytes_hint(hidden: int, ranks: int) -> int:
 
 
 def dispatch_combine(buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int, iters: int,
-                     warmup: int, group=None):
+                     warmup: int, group=None, show_progress: bool = False):
     """Normal-mode dispatch then combine (of the received rows unchanged) through ``buf``, checked and timed.
 
     Returns ``(stats, outs)``: ``stats`` holds this rank's median ``dispatch_ms``/``combine_ms`` over
-    ``iters`` calls (each started together over ``group``: ``examples/moe_layer.timed``), ``recv_rows``, ``recv_bytes`` (bf16 rows received: DeepEP's byte count for both
-    directions), ``dispatch_GBps``/``combine_GBps`` (recv_bytes over the median time) and ``combine_ok``
-    (combine equals :func:`expected_combine`); ``outs`` is the first dispatch's return value plus the
-    combined tensor and ``is_token_in_rank``."""
+    ``iters`` calls (each started together over ``group``: ``examples/moe_layer.timed``), ``recv_rows``,
+    ``recv_bytes`` (bf16 rows received: DeepEP's byte count for both directions),
+    ``dispatch_GBps``/``combine_GBps`` (recv_bytes over the median time) and ``combine_ok`` (combine
+    equals :func:`expected_combine`); ``outs`` is the first dispatch's return value plus the combined
+    tensor and ``is_token_in_rank``. ``show_progress``: a progress bar over the four steps (first calls,
+    then the timed ones; it never runs inside a timed call)."""
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    steps = stages(("first dispatch", "first combine", "timed dispatch", "timed combine"), "dispatch/combine",
+                   show=show_progress, leave=False)
 
     def dispatch():
         return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
 
+    def combine():
+        return buf.combine(recv_x, handle)
+
+    next(steps)
     first = dispatch()
     recv_x, handle = first[0], first[4]
-    combined = buf.combine(recv_x, handle)[0]
+    next(steps)
+    combined = combine()[0]
     ok = torch.equal(combined, expected_combine(x, in_rank))
+    next(steps)
     t_d = timed(dispatch, iters, warmup, buf.device, group)
-    t_c = timed(lambda: buf.combine(recv_x, handle), iters, warmup, buf.device, group)
+    next(steps)
+    t_c = timed(combine, iters, warmup, buf.device, group)
+    next(steps, None)
     nbytes = recv_x.shape[0] * recv_x.shape[1] * 2
     stats = dict(dispatch_ms=t_d, combine_ms=t_c, recv_rows=int(recv_x.shape[0]), recv_bytes=nbytes,
                  dispatch_GBps=gbps(nbytes, t_d), combine_GBps=gbps(nbytes, t_c), combine_ok=bool(ok))

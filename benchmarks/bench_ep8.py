@@ -1,9 +1,9 @@
 """Expert-parallel benchmark over 8 GPUs of one host: triton-ep's normal-mode dispatch and combine against
 the same exchange through NCCL's ``all_to_all_single``, at DeepSeek-V3 shapes, checked in the same run.
 
-    python benchmarks/bench_ep8.py [--ranks 8] [--out benchmarks/results] [--small]   # starts its ranks
-    torchrun --nproc-per-node 8 benchmarks/bench_ep8.py                              # or under torchrun
-    python benchmarks/bench_ep8.py --ranks 1                                         # one-GPU dry run
+    ./run.sh python benchmarks/bench_ep8.py [--ranks 8] [--out DIR] [--small]   # starts its ranks
+    ./run.sh torchrun --nproc-per-node 8 benchmarks/bench_ep8.py               # or under torchrun
+    ./run.sh python benchmarks/bench_ep8.py --ranks 1                           # one-GPU dry run
 
 Per rank: 4096 tokens, hidden 7168 (BF16), top-8 of 256 experts, uniform random routing (seed per rank).
 
@@ -24,7 +24,10 @@ they share one (then the NCCL baseline is skipped with a message) and on CPU (``
 kernels under the Triton interpreter). NVLink multicast is off (``NCCL_NVLS_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
 
-Output: a table on rank 0's stdout and ``<out>/ep8.json``; exit status 0 when every check passed.
+Output: a table on rank 0's stdout, with a line saying what its figures mean on the machine it ran on, and
+``<out>/ep8.json`` (``--out`` defaults to ``out/benchmarks/``, ignored by git; name ``benchmarks/results`` to
+update the committed results); exit status 0 when every check passed. On CPU (about 10 s on two cores) the
+figures show the benchmark runs and say nothing about GPU or NVLink speed.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, help="routed experts (default 256)")
     p.add_argument("--iters", type=int, help="timed calls per measurement (default 20; 3 with --small)")
     p.add_argument("--warmup", type=int, help="untimed calls first (default 5; 1 with --small)")
-    p.add_argument("--out", default=os.path.join(C.HERE, "results"), help="output folder (default benchmarks/results)")
+    C.add_out_arg(p, "ep8.json")
     p.add_argument("--small", action="store_true", help="tiny shapes on CPU (the default without CUDA)")
     p.add_argument("--a2a-on-gloo", action="store_true",
                    help="testing aid: run the all_to_all_single baseline over gloo too (CPU; labelled gloo)")
@@ -167,18 +170,25 @@ def rank_main(a: argparse.Namespace) -> int:
     idx = C.random_topk(a.tokens, a.topk, a.experts, gen, device)
     w = torch.rand(idx.shape, generator=gen).to(device)
     buf = triton_ep.Buffer(dist.group.WORLD, C.nvl_bytes_hint(a.hidden, R), device=device)
-    ours, outs = C.dispatch_combine(buf, x, idx, w, a.experts, a.iters, a.warmup)
+    steps = C.stages(("triton-ep", "reference check", "all_to_all baseline", "p2p copy"), "bench_ep8 rank 0",
+                     show=rank == 0)
+    next(steps)
+    ours, outs = C.dispatch_combine(buf, x, idx, w, a.experts, a.iters, a.warmup, show_progress=rank == 0)
+    next(steps)
     checks = check_reference(a, rank, backend, x, idx, w, outs)
     checks["combine_expected_ok"] = ours.pop("combine_ok")
     nccl = None
+    next(steps)
     if backend == "nccl" or (a.a2a_on_gloo and device.type == "cpu"):
         nccl = nccl_baseline(a, x, outs[7], outs[0], outs[6])
         checks["nccl_dispatch_equal"] = nccl.pop("dispatch_ok")
         checks["nccl_combine_close"] = nccl.pop("combine_close")
     elif rank == 0:
-        print(f"[bench_ep8] backend {backend} ({'CPU' if device.type == 'cpu' else f'{sharing} ranks per GPU'}): "
+        C.say(f"[bench_ep8] backend {backend} ({'CPU' if device.type == 'cpu' else f'{sharing} ranks per GPU'}): "
               f"the NCCL all_to_all_single baseline is skipped (it needs one GPU per rank)")
+    next(steps)
     p2p = p2p_copy(a, buf)
+    next(steps, None)
     buf.destroy()
 
     per_rank = dict(ours=ours, nccl=nccl, p2p=p2p, checks=checks)
@@ -190,6 +200,19 @@ def rank_main(a: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def figures_note(device, ranks: int, sharing: int) -> str:
+    """What the table's figures mean for ``ranks`` ranks on ``device`` with ``sharing`` ranks per GPU."""
+    if device.type == "cpu":
+        return ("CPU: rank processes over gloo, kernels under the Triton interpreter; ms is interpreter wall time, "
+                "GB/s (ours and the p2p copy) host memory: functional figures, they say nothing about GPU or "
+                "NVLink speed")
+    if ranks == 1:
+        return "dry run (one rank on one GPU, nothing crosses NVLink): functional figures, not NVLink bandwidth"
+    if sharing > 1:
+        return f"dry run ({sharing} ranks time-slice each GPU): functional figures, not NVLink bandwidth"
+    return "one GPU per rank: GB/s is DeepEP's per-rank NVLink figure"
 
 
 def report(a, every, device, backend: str, sharing: int, elapsed_s: float) -> None:
@@ -227,8 +250,8 @@ def report(a, every, device, backend: str, sharing: int, elapsed_s: float) -> No
           f"({every[0]['p2p']['peers']} peers x {every[0]['p2p']['chunk_bytes'] / 1e6:.1f} MB)")
     checks = {k: all(e["checks"][k] for e in every) for k in every[0]["checks"]}
     print(f"checks: {checks}")
-    note = ("one GPU per rank: GB/s is DeepEP's per-rank NVLink figure" if device.type == "cuda" and sharing == 1
-            and R > 1 else "dry run (one rank, or ranks sharing a device): functional figures, not NVLink bandwidth")
+    note = figures_note(device, R, sharing)
+    print(f"({note})")
     C.write_json(os.path.join(a.out, "ep8.json"), dict(
         ranks=R, device=C.device_name() if device.type == "cuda" else "cpu", backend=backend, ranks_per_gpu=sharing,
         tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts=a.experts, iters=a.iters, rows=rows,

@@ -10,7 +10,9 @@
    every write is acknowledged); plus, where real pyverbs imports, the cost of building one pyverbs
    ``SendWR`` + ``SGE`` (no device needed).
 
-    python benchmarks/bench_fabric.py [--qps 8] [--port-gbps 400] [--path-gbps 200] [--mib 64] [--json]
+    ./run.sh python benchmarks/bench_fabric.py [--qps 8] [--port-gbps 400] [--path-gbps 200] [--mib 64] [--json]
+
+CPU only (the emulator), about 5 s on two cores; output: stdout only.
 """
 from __future__ import annotations
 
@@ -128,7 +130,8 @@ def main(argv=None):
         print(json.dumps(res, indent=2))
         return
     print(f"Emulated fabric: dual-port NIC {a.port_gbps:g} Gb/s per port, {a.paths} paths of {a.path_gbps:g} Gb/s; "
-          f"{a.mib} MiB in {a.chunk_kib} KiB writes")
+          f"{a.mib} MiB in {a.chunk_kib} KiB writes (the emulator's rate model: it shows the mechanism, "
+          f"not a hardware figure)")
     print("| scenario | modelled GB/s | analytic GB/s | paths used |")
     print("|---|---|---|---|")
     for r in rows:

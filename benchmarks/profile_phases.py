@@ -5,13 +5,22 @@ Each rank records, for every barrier of a call, when it got there, when its GPU 
 the device synchronisation alone, and the wait for the slowest peer. Printed as medians over ``--iters``
 calls, for rank 0. Ranks get one GPU each where there are enough, else share one (gloo).
 
-    python benchmarks/profile_phases.py --ranks 2 [--tokens 4096 --hidden 7168]
+    ./run.sh python benchmarks/profile_phases.py [--ranks 2] [--tokens 4096 --hidden 7168] [--cprofile]
+
+Shapes default to DeepSeek-V3's on a GPU (4096 tokens, hidden 7168, top-8 of 256 experts) and to tiny ones
+on CPU (24 tokens, hidden 256, top-4 of 32 experts: about 10 s on two cores), where the kernels run under
+the Triton interpreter and the times say nothing about a GPU. Output: stdout only.
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (puts the repository root on sys.path, sets the NVLS switches off)
+
+import torch  # noqa: E402
 
 
 def rank_main(rank, world, tokens, hidden, experts, topk, iters, cprofile=False):
@@ -36,7 +45,8 @@ def rank_main(rank, world, tokens, hidden, experts, topk, iters, cprofile=False)
     import io
     import pstats
     prof_host = cProfile.Profile() if (cprofile and rank == 0) else None
-    for it in range(iters + 2):
+    for it in C.progress(range(iters + 2), desc="dispatch+combine (first 2 untimed)", unit="call", leave=False,
+                         disable=rank != 0):
         if prof_host is not None and it == 2:
             prof_host.enable()
         for op in ("dispatch", "combine"):
@@ -68,18 +78,37 @@ def rank_main(rank, world, tokens, hidden, experts, topk, iters, cprofile=False)
     return out
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command line: ranks, shapes (DeepSeek-V3's on a GPU, tiny on CPU), ``--iters``, ``--cprofile``."""
+    shape = C.DSV3 if C.on_gpu() else C.SMALL
+    where = "GPU" if C.on_gpu() else "CPU"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
+    for k in ("tokens", "hidden", "experts", "topk"):
+        p.add_argument(f"--{k}", type=int, default=shape[k], help=f"default {shape[k]} on this machine's {where}")
+    p.add_argument("--iters", type=int, default=10, help="timed calls (default 10; two untimed calls come first)")
     p.add_argument("--cprofile", action="store_true", help="also print rank 0's host-side cProfile (tottime)")
-    a = p.parse_args()
+    return p.parse_args(argv)
+
+
+def figures_note(ranks: int) -> str:
+    """What the host-clock figures of ``ranks`` ranks mean on this machine."""
+    ngpu = torch.cuda.device_count()
+    if not ngpu:
+        return "CPU: kernels under the Triton interpreter; host-clock times that say nothing about a GPU"
+    if ngpu < ranks:
+        return (f"{ranks} ranks share {ngpu} GPU(s) (gloo): they time-slice a GPU, so the waits are not those of "
+                "one GPU per rank")
+    return f"one GPU per rank ({ranks} of {ngpu}, NCCL)"
+
+
+def main(argv=None):
+    """Run the ranks and print rank 0's medians per phase."""
+    a = parse_args(argv)
     from triton_ep.testing import run_ranks
     backend = "nccl" if torch.cuda.device_count() >= a.ranks else "gloo"
+    print(f"profile_phases: {a.ranks} ranks ({backend}), {a.tokens} tokens x {a.hidden}, top-{a.topk} of "
+          f"{a.experts} experts; {figures_note(a.ranks)}", flush=True)
     res = run_ranks(rank_main, a.ranks, a.tokens, a.hidden, a.experts, a.topk, a.iters, a.cprofile,
                     backend=backend)
     if not isinstance(res[0], dict):

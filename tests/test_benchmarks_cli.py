@@ -1,0 +1,139 @@
+"""The benchmark scripts as a user runs them on a machine without a GPU (issue 10, item 6).
+
+Each script runs in a subprocess with no size arguments, as the README says to run it: it must finish quickly
+(tiny shapes under the Triton interpreter; the DeepSeek-V3 shapes take minutes and would hit the timeout),
+write its file where ``--out`` says (by default under the ignored ``out/`` folder), leave the committed GPU
+results in ``benchmarks/results/`` exactly as they are, print no H200 target verdicts (``MISS``/``met``), and
+say that its figures are interpreter time. Skipped where CUDA is present: there the defaults are the GPU shapes.
+"""
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+TIMEOUT_S = 180
+CPU_NOTE = "say nothing about GPU speed"
+VERDICT = re.compile(r"^\s*(MISS|met)\s", re.MULTILINE)
+
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the defaults are DeepSeek-V3 shapes")]
+
+
+def results_state(root: str = ROOT) -> dict:
+    """Every file under ``<root>/benchmarks/results``: relative path -> sha256 of its bytes."""
+    folder = os.path.join(root, "benchmarks", "results")
+    state = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            path = os.path.join(d, f)
+            with open(path, "rb") as fh:
+                state[os.path.relpath(path, folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return state
+
+
+def git_status_results() -> str:
+    """``git status --porcelain`` of benchmarks/results in this checkout ("" where git cannot say)."""
+    r = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "benchmarks/results"],
+                       capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else ""
+
+
+def python(args, cwd: str) -> subprocess.CompletedProcess:
+    """This Python on ``args`` in ``cwd``, this checkout importable, output captured, bounded by TIMEOUT_S."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+def run_bench(script: str, *args: str, root: str = ROOT) -> subprocess.CompletedProcess:
+    """``python <root>/benchmarks/<script> args`` from ``root``; checked exit 0."""
+    r = python([os.path.join(root, "benchmarks", script), *args], root)
+    assert r.returncode == 0, f"{script} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture
+def results_untouched():
+    """Asserts, after the test, that the committed results in this checkout are byte for byte as before."""
+    before, status = results_state(), git_status_results()
+    assert before, "benchmarks/results/ should hold the committed GPU results"
+    yield
+    assert results_state() == before
+    assert git_status_results() == status
+
+
+def assert_cpu_report(r: subprocess.CompletedProcess, note: str = CPU_NOTE) -> None:
+    """No H200 target verdicts, nothing about time-slicing a GPU, and the CPU ``note`` on stdout."""
+    assert not VERDICT.search(r.stdout), r.stdout
+    assert "MISS" not in r.stdout + r.stderr
+    assert "time-slice" not in r.stdout
+    assert note in r.stdout
+
+
+def test_bench_kernels_default_writes_under_ignored_out(tmp_path, results_untouched):
+    """No arguments at all (a copy of the scripts, so the default folder is the copy's ``out/``): the file
+    lands in ``out/benchmarks``, the copy's committed results are unchanged, targets are reported as not
+    applicable."""
+    copy = tmp_path / "checkout"
+    for part in ("benchmarks", "examples"):
+        shutil.copytree(os.path.join(ROOT, part), copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    before = results_state(str(copy))
+    r = run_bench("bench_kernels.py", root=str(copy))
+    assert results_state(str(copy)) == before
+    out = json.loads((copy / "out" / "benchmarks" / "kernels.json").read_text())
+    assert out["small"] and out["shape"]["tokens"] == 24
+    assert out["checks_ok"] and out["targets"] is None and out["targets_skipped"]
+    assert CPU_NOTE in out["note"] and CPU_NOTE in out["e2e"]["note"]
+    assert_cpu_report(r)
+    assert "not applicable to this run" in r.stdout
+
+
+def test_bench_kernels_out(tmp_path, results_untouched):
+    """``--out`` names the folder; nothing else is written there but the JSON (no matplotlib in CI) or the chart."""
+    r = run_bench("bench_kernels.py", "--no-e2e", "--out", str(tmp_path / "k"))
+    assert set(os.listdir(tmp_path / "k")) <= {"kernels.json", "kernels.png"}
+    assert json.loads((tmp_path / "k" / "kernels.json").read_text())["checks_ok"]
+    assert_cpu_report(r)
+
+
+def test_bench_ep8_out(tmp_path, results_untouched):
+    """Four ranks on CPU, tiny shapes; ``ep8.json`` in ``--out`` with its CPU note; checks pass."""
+    r = run_bench("bench_ep8.py", "--out", str(tmp_path / "e"))
+    out = json.loads((tmp_path / "e" / "ep8.json").read_text())
+    assert out["ok"] and out["ranks"] == 4 and out["tokens"] == 24 and out["device"] == "cpu"
+    assert "say nothing about GPU or NVLink speed" in out["note"]
+    assert_cpu_report(r, out["note"])
+
+
+def test_default_out_is_ignored_and_not_results():
+    """Both file-writing scripts default to a folder git ignores, outside benchmarks/results."""
+    code = ("import bench_kernels, bench_ep8; "
+            "print(bench_kernels.parse_args([]).out); print(bench_ep8.parse_args([]).out)")
+    r = python(["-c", code], os.path.join(ROOT, "benchmarks"))
+    assert r.returncode == 0, r.stderr
+    outs = r.stdout.split()
+    assert len(outs) == 2
+    for out in outs:
+        rel = os.path.relpath(out, ROOT)
+        assert not rel.startswith(os.path.join("benchmarks", "results")) and not rel.startswith("..")
+        ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", "-q", os.path.join(rel, "kernels.json")])
+        if ignored.returncode == 128:
+            pytest.skip("not a git checkout")
+        assert ignored.returncode == 0, f"{rel} is not ignored by git"
+
+
+def test_profile_phases_default_is_cpu_sized():
+    """No arguments: tiny shapes, every phase row, and a line saying the times are not a GPU's."""
+    r = run_bench("profile_phases.py")
+    assert "24 tokens x 256" in r.stdout
+    assert_cpu_report(r, "say nothing about a GPU")
+    rows = [line for line in r.stdout.splitlines() if line.startswith("  ") and " | " in line]
+    assert any("whole call | total" in line for line in rows) and len(rows) >= 10
