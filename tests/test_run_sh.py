@@ -48,7 +48,8 @@ def run(co: Path, *cmd: str):
     fake = co.parent / "fake"
     log = fake / "log"
     before = log.read_text().splitlines() if log.exists() else []
-    env = {**os.environ, "FAKE_DIR": str(fake), "PYTHON": str(fake / "python3")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # an outer run.sh may have set it
+    env.update(FAKE_DIR=str(fake), PYTHON=str(fake / "python3"))
     r = subprocess.run(["./run.sh", *cmd], cwd=co, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     after = log.read_text().splitlines() if log.exists() else []
