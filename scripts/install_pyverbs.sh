@@ -5,7 +5,7 @@
 # Why not pip: PyPI's `pyverbs` is a source build that must match the rdma-core (libibverbs) of the host
 # exactly at run time. Debian ships a matching pair instead: `python3-pyverbs` (rdma-core 44 on bookworm)
 # built for the system's CPython 3.11. This script
-#   1. returns at once if PYTHON already imports pyverbs;
+#   1. returns at once, printing nothing, if PYTHON already imports pyverbs;
 #   2. installs python3-pyverbs with apt-get when it is missing (as root, or through passwordless sudo);
 #   3. checks that PYTHON's ABI tag matches the Debian extension modules (cpython-311);
 #   4. exposes ONLY the pyverbs package to PYTHON: a folder holding one symlink to
@@ -23,8 +23,7 @@ say() { echo "[install_pyverbs] $*" >&2; }
 probe='import pyverbs.device, pyverbs.qp, pyverbs.wr, pyverbs.addr, pyverbs.mr, pyverbs.cq, pyverbs.pd'
 
 if timeout 30 "$py" -c "$probe" >/dev/null 2>&1; then
-    say "pyverbs already imports in $py"
-    exit 0
+    exit 0   # silently: run.sh calls this on every setup
 fi
 
 src=/usr/lib/python3/dist-packages/pyverbs

@@ -1,20 +1,44 @@
-"""Command line: ``python -m triton_ep info`` (or ``triton-ep info``) prints RDMA devices, ports, GIDs and the QP plan.
+"""Command line of triton-ep: ``triton-ep info`` (or ``python -m triton_ep info``), the first diagnostic to run.
 
-    python -m triton_ep info                      # this host's devices through pyverbs
-    python -m triton_ep info --emulated           # a model host: one dual-port mlx5 NIC, 4 fabric paths
-    python -m triton_ep info --num-qps 8 --n-paths 4 --hash crc
+    triton-ep info                                # this host: versions, devices, same-host IPC, RDMA
+    triton-ep info --emulated                     # RDMA part for a model host: one dual-port mlx5 NIC, 4 paths
+    triton-ep info --num-qps 8 --n-paths 4 --hash crc
+    python -m triton_ep info                      # the same without the console script
+
+The report has four sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
+devices, and whether Triton kernels are compiled for the GPU or interpreted on the CPU; how ranks on this
+host reach each other's buffers (the GPU peer-access matrix, and the POSIX shared memory in /dev/shm that
+CPU ranks, and every rank's control block, live in); and the RDMA devices, ports and GIDs with the QP plan.
 
 The plan's flows are computed towards a peer laid out like this host (its GIDs stand in for the peer's), with
 the chosen path-hash model; on a real fabric the switch's hash decides, so treat the path column as a model.
-Exit status: 0 on success, 1 when no RDMA device or pyverbs is available (the message says why).
+
+Exit status:
+  0  the report was printed, RDMA present or absent (absent: pyverbs does not import, or there is no
+     RDMA device; the RDMA section says which), or present with no active port (then no QP plan)
+  1  an RDMA device exists but a query of it failed (open, port or GID query), or a device named by
+     --devices is not there; the other sections are printed, the error goes to stderr
+  2  bad usage: unknown command or option, or a bad option value
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
 import sys
-from typing import List, Optional
+import tempfile
+from typing import Callable, List, Optional, Sequence, TextIO
 
 from triton_ep.transport import topology
+
+#: Where ranks on one host put their shared buffers (CPU data buffers, and every rank's control block).
+SHM_DIR = "/dev/shm"
+#: The exit statuses, as the module docstring and ``--help`` state them.
+EXIT_OK, EXIT_RDMA_QUERY_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def _emulated_api():
@@ -23,24 +47,179 @@ def _emulated_api():
     return em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", ports)], n_paths=4)).pyverbs()
 
 
-def info(argv: Optional[List[str]] = None, out=None) -> int:
-    """Print the device/port/GID table and the QP plan; returns the exit status (0 ok, 1 no RDMA)."""
-    from triton_ep.transport import rdma, verbs
-    ap = argparse.ArgumentParser(prog="triton-ep info", description="RDMA devices, ports, GIDs and the QP plan")
-    ap.add_argument("--emulated", action="store_true", help="describe an emulated dual-port NIC instead")
-    ap.add_argument("--num-qps", type=int, default=8, help="QPs per peer (default 8)")
-    ap.add_argument("--n-paths", type=int, default=4, help="ECMP paths of the fabric model (default 4)")
-    ap.add_argument("--hash", choices=["crc", "emulator"], default=None,
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``triton-ep`` command and its ``info`` subcommand.
+
+    Returns:
+        An :class:`argparse.ArgumentParser`; its ``command`` attribute is ``"info"`` or None (no command).
+    """
+    fmt = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(prog="triton-ep", description=__doc__.strip(), formatter_class=fmt)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    exits = __doc__[__doc__.index("Exit status:"):].strip()
+    ip = sub.add_parser("info", help="versions, devices, same-host IPC, RDMA devices and the QP plan",
+                        description="Print versions, devices, same-host IPC reachability, RDMA devices, "
+                                    "ports, GIDs and the QP plan.", epilog=exits, formatter_class=fmt)
+    ip.add_argument("--emulated", action="store_true", help="describe an emulated dual-port NIC instead of RDMA")
+    ip.add_argument("--num-qps", type=_positive_int, default=8, help="QPs per peer (default 8)")
+    ip.add_argument("--n-paths", type=_positive_int, default=4, help="ECMP paths of the fabric model (default 4)")
+    ip.add_argument("--hash", choices=["crc", "emulator"], default=None,
                     help="path hash model (default: crc on hardware, emulator with --emulated)")
-    ap.add_argument("--devices", default=None, help="comma-separated device names (default: all)")
-    a = ap.parse_args(argv)
-    out = out or sys.stdout
+    ip.add_argument("--devices", default=None, help="comma-separated RDMA device names (default: all)")
+    return ap
+
+
+def _parse(argv: Sequence[str]):
+    """``build_parser().parse_args(argv)``, with argparse's exit turned into a return value (namespace or int)."""
+    try:
+        return build_parser().parse_args(list(argv))
+    except SystemExit as ex:   # --help (0) or bad usage (2); argparse has printed the message
+        return EXIT_OK if ex.code in (0, None) else EXIT_USAGE
+
+
+def _pyverbs_version() -> str:
+    try:
+        mod = importlib.import_module("pyverbs.device")
+    except Exception as ex:   # ImportError, or a .so built for another libibverbs
+        return f"not importable ({type(ex).__name__}: {ex})"
+    try:
+        return importlib.metadata.version("pyverbs")
+    except Exception:
+        pass
+    where = os.path.realpath(os.path.dirname(mod.__file__))
+    if where.startswith("/usr/lib/python3/dist-packages/"):
+        try:   # Debian's python3-pyverbs, linked in by scripts/install_pyverbs.sh: no Python metadata
+            v = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "python3-pyverbs"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+            if v:
+                return f"{v} (Debian python3-pyverbs, {where})"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"version unknown ({where})"
+
+
+def print_versions(out: TextIO) -> None:
+    """Print the versions of triton-ep, Python, torch, triton, numpy and pyverbs (pyverbs may be absent).
+
+    Args:
+        out: the stream written to.
+    """
+    import numpy
+    import torch
+    import triton
+    import triton_ep
+    rows = [("triton-ep", f"{triton_ep.__version__} ({os.path.dirname(triton_ep.__file__)})"),
+            ("python", f"{platform.python_version()} ({sys.executable})"),
+            ("torch", torch.__version__), ("triton", triton.__version__), ("numpy", numpy.__version__),
+            ("pyverbs", _pyverbs_version())]
+    print("Versions:", file=out)
+    for k, v in rows:
+        print(f"  {k:<10} {v}", file=out)
+
+
+def print_devices(out: TextIO) -> int:
+    """Print the compute devices and whether triton-ep's Triton kernels are compiled or interpreted.
+
+    Kernels are interpreted (Triton's interpreter on CPU tensors) when ``TRITON_INTERPRET`` is set to anything
+    but 0, which :mod:`triton_ep.kernels` does itself when no CUDA device exists.
+
+    Args:
+        out: the stream written to.
+    Returns:
+        The number of CUDA devices (0 on a CPU-only host).
+    """
+    import torch
+    from triton_ep.kernels._util import interpreted
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print("Devices:", file=out)
+    print(f"  cpu       {os.cpu_count()} cores ({platform.machine()})", file=out)
+    if n == 0:
+        why = "a CPU build of torch" if torch.version.cuda is None else f"torch for CUDA {torch.version.cuda}"
+        print(f"  cuda      none ({why}, torch.cuda.is_available() is False)", file=out)
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        print(f"  cuda:{i:<5}{p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.1f} GiB", file=out)
+    if interpreted():
+        why = "no CUDA device" if n == 0 else "set in the environment although CUDA is present"
+        print(f"  kernels   interpreted: Triton's interpreter on CPU tensors (TRITON_INTERPRET="
+              f"{os.environ.get('TRITON_INTERPRET')}: {why})", file=out)
+    elif n:
+        print("  kernels   compiled: Triton JIT-compiles each kernel for the GPU at its first call", file=out)
+    else:
+        print("  kernels   neither: no CUDA device and TRITON_INTERPRET=0, so kernels cannot run", file=out)
+    return n
+
+
+def _shm_state(d: str = SHM_DIR) -> str:
+    """Whether ``d`` takes a file (one is created and removed), and its free space."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=d, prefix="triton_ep.info."):
+            pass
+        return f"writable, {shutil.disk_usage(d).free / 2**30:.1f} GiB free"
+    except OSError as ex:
+        return f"NOT writable ({ex.strerror or ex}): triton-ep falls back to {tempfile.gettempdir()}"
+
+
+def print_ipc(out: TextIO, n_gpus: int, can_access: Optional[Callable[[int, int], bool]] = None) -> None:
+    """Print how ranks on this host reach each other's buffers.
+
+    Args:
+        out: the stream written to.
+        n_gpus: the number of CUDA devices.
+        can_access: ``(i, j) -> bool``, may GPU ``i`` access GPU ``j``'s memory (default
+            ``torch.cuda.can_device_access_peer``); asked only when ``n_gpus >= 2``.
+    """
+    print("Same-host IPC:", file=out)
+    shm = _shm_state()
+    if n_gpus == 0:
+        print(f"  no GPU: ranks share buffers through POSIX shared memory in {SHM_DIR} ({shm})", file=out)
+        return
+    print(f"  control blocks (barriers, small exchanges) in {SHM_DIR} ({shm})", file=out)
+    if n_gpus == 1:
+        print("  one GPU: ranks sharing it map each other's buffers through CUDA IPC; no peer access needed",
+              file=out)
+        return
+    if can_access is None:
+        import torch
+        can_access = torch.cuda.can_device_access_peer
+    t = topology.PlanTable([["from\\to"] + [f"cuda:{j}" for j in range(n_gpus)]])
+    for i in range(n_gpus):
+        t.rows.append([f"cuda:{i}"] + ["-" if i == j else ("yes" if can_access(i, j) else "NO")
+                                       for j in range(n_gpus)])
+    print("  CUDA IPC with peer access (torch.cuda.can_device_access_peer); NO: ranks on those two GPUs "
+          "cannot share buffers", file=out)
+    print("\n".join("  " + line for line in t.render().splitlines()), file=out)
+
+
+def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
+    """Print the RDMA device/port/GID table and the QP plan, or why RDMA is absent.
+
+    Args:
+        a: the parsed ``info`` options (``emulated``, ``num_qps``, ``n_paths``, ``hash``, ``devices``).
+        out: the stream written to; errors go to stderr.
+    Returns:
+        The exit status: 0 with RDMA present or absent, 1 when a device exists but a query of it failed
+        or a device named by ``--devices`` is not there.
+    """
+    from triton_ep.transport import rdma, verbs
     try:
         api = _emulated_api() if a.emulated else verbs.load_pyverbs()
         devs = verbs.discover(api, a.devices.split(",") if a.devices else None)
-    except rdma.RdmaUnavailable as ex:
+    except rdma.RdmaError as ex:
+        if isinstance(ex, rdma.RdmaUnavailable) and not a.devices:
+            print(f"RDMA: absent\n  {ex}", file=out)
+            return EXIT_OK
+        # a device failed a query, or the devices named by --devices are not there
+        print("RDMA: query failed (the error is on stderr)", file=out)
         print(str(ex), file=sys.stderr)
-        return 1
+        return EXIT_RDMA_QUERY_FAILED
     t = topology.PlanTable([["device", "port", "state", "link", "Gb/s", "mtu", "lid", "gid_idx", "gid", "type", "use"]])
     for d in devs:
         for p in d.ports:
@@ -55,7 +234,7 @@ def info(argv: Optional[List[str]] = None, out=None) -> int:
     ports = verbs.ports_of(devs)
     if not ports:
         print("\nno active port: no QP plan", file=out)
-        return 1
+        return EXIT_OK
     hash_name = a.hash or ("emulator" if a.emulated else "crc")
     fn = topology.emulator_path_hash if hash_name == "emulator" else topology.crc_path_hash
     plan = topology.plan_peer(a.num_qps, ports)
@@ -65,19 +244,50 @@ def info(argv: Optional[List[str]] = None, out=None) -> int:
     print(f"\nQP plan per peer: {a.num_qps} QPs over {len(ports)} port(s), {a.n_paths} paths, "
           f"{hash_name} path hash (peer assumed laid out like this host):", file=out)
     print(topology.plan_table(plan).render(), file=out)
-    return 0
+    return EXIT_OK
+
+
+def info(argv: Optional[List[str]] = None, out: Optional[TextIO] = None) -> int:
+    """Run ``triton-ep info``: versions, devices, same-host IPC, then the RDMA table and the QP plan.
+
+    Args:
+        argv: the options after ``info`` (default none).
+        out: the stream the report goes to (default stdout); errors go to stderr.
+    Returns:
+        The exit status: 0 report printed (RDMA present or absent), 1 an RDMA device exists but a query of
+        it failed (or ``--devices`` names one that is not there), 2 bad usage.
+    """
+    a = _parse(["info", *(argv or [])])
+    return a if isinstance(a, int) else _report(a, out or sys.stdout)
+
+
+def _report(a: argparse.Namespace, out: TextIO) -> int:
+    print_versions(out)
+    print(file=out)
+    n_gpus = print_devices(out)
+    print(file=out)
+    print_ipc(out, n_gpus)
+    print(file=out)
+    return print_rdma(a, out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``python -m triton_ep`` and the ``triton-ep`` console script."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 0
-    if argv[0] == "info":
-        return info(argv[1:])
-    print(f"triton-ep: unknown command {argv[0]!r} (try: info)", file=sys.stderr)
-    return 2
+    """Entry point of ``python -m triton_ep`` and of the ``triton-ep`` console script.
+
+    Args:
+        argv: the arguments after the program name (default ``sys.argv[1:]``).
+    Returns:
+        The exit status: no command or ``--help`` 0 (the help is printed); otherwise the command's
+        (``info``: 0, 1 or 2, see :func:`info`); 2 for an unknown command or option.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = _parse(argv)
+    if isinstance(a, int):
+        return a
+    if a.command is None:
+        build_parser().print_help()
+        return EXIT_OK
+    return _report(a, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,30 @@
-"""`python -m triton_ep info`: the device/GID table and the QP plan."""
+"""`triton-ep info` / `python -m triton_ep info`: versions, devices, same-host IPC, the RDMA table and the QP plan,
+and the exit statuses (0 report printed with RDMA present or absent, 1 RDMA query failed, 2 bad usage)."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+import torch
+
+import triton_ep
+from triton_ep import __main__ as cli
 from triton_ep.__main__ import info, main
+from triton_ep.transport import rdma, verbs
+
+
+def report(argv=(), rc=0):
+    out = io.StringIO()
+    assert info(list(argv), out=out) == rc
+    return out.getvalue()
 
 
 def test_info_emulated_prints_gids_and_a_balanced_plan():
-    out = io.StringIO()
-    assert info(["--emulated", "--num-qps", "6", "--n-paths", "3"], out=out) == 0
-    text = out.getvalue().splitlines()
+    text = report(["--emulated", "--num-qps", "6", "--n-paths", "3"]).splitlines()
     marked = [l.split() for l in text if l.rstrip().endswith("*")]
     assert [(r[0], r[1], r[7], r[9]) for r in marked] == [("mlx5_0", "1", "3", "RoCEv2"), ("mlx5_0", "2", "3", "RoCEv2")]
     start = next(i for i, l in enumerate(text) if l.startswith("QP plan per peer: 6 QPs over 2 port(s), 3 paths"))
@@ -21,17 +34,82 @@ def test_info_emulated_prints_gids_and_a_balanced_plan():
     assert len({r[5] for r in rows}) == 6
 
 
-def test_info_without_rdma_says_why(capsys):
-    rc = info([])
-    if rc == 0:
-        return   # a host with an RDMA device: the table printed is the real one
-    assert rc == 1
-    err = capsys.readouterr().err
-    assert "no RDMA device" in err or "pyverbs does not import" in err
+def check_sections(text: str) -> None:
+    """The versions, devices, same-host IPC and RDMA sections of a report from this host, in that order."""
+    heads = [l for l in text.splitlines() if l and not l.startswith(" ")]
+    assert heads[:3] == ["Versions:", "Devices:", "Same-host IPC:"]
+    assert heads[3].startswith(("RDMA: absent", "RDMA devices ("))
+    versions = dict(l.split(None, 1) for l in text.split("\n\n")[0].splitlines()[1:])
+    assert versions["triton-ep"].startswith(triton_ep.__version__ + " ")
+    assert versions["torch"] == torch.__version__
+    assert set(versions) == {"triton-ep", "python", "torch", "triton", "numpy", "pyverbs"}
+    if not torch.cuda.is_available():
+        assert "  cuda      none (" in text
+        assert "  kernels   interpreted: Triton's interpreter on CPU tensors (TRITON_INTERPRET=1: no CUDA device)" in text
+        assert "  no GPU: ranks share buffers through POSIX shared memory in /dev/shm (writable, " in text
 
 
-def test_module_entry_point_and_unknown_command(capsys):
+def test_info_prints_every_section_and_exits_0_on_this_host():
+    check_sections(report())
+
+
+def test_info_without_rdma_says_absent_and_exits_0(monkeypatch):
+    def no_pyverbs():
+        raise rdma.RdmaUnavailable("pyverbs does not import (ModuleNotFoundError); run scripts/install_pyverbs.sh")
+    monkeypatch.setattr(verbs, "load_pyverbs", no_pyverbs)
+    text = report()
+    assert text.endswith("RDMA: absent\n  triton-ep RDMA: pyverbs does not import (ModuleNotFoundError); "
+                         "run scripts/install_pyverbs.sh\n")
+    check_sections(text)
+
+
+def test_info_exits_1_when_a_device_fails_a_query_or_is_not_there(monkeypatch, capsys):
+    def broken(api, names=None):
+        raise rdma.RdmaError("query port failed: [Errno 5]", device="mlx5_0", port=1)
+    text = report(["--emulated", "--devices", "mlx5_7"], rc=1)
+    assert text.endswith("RDMA: query failed (the error is on stderr)\n")
+    assert "['mlx5_7'] not among ['mlx5_0']" in capsys.readouterr().err
+    monkeypatch.setattr(verbs, "discover", broken)
+    report(["--emulated"], rc=1)
+    assert capsys.readouterr().err == "triton-ep RDMA: query port failed: [Errno 5] (device mlx5_0 port 1)\n"
+
+
+def test_peer_access_matrix_and_shm_fallback(monkeypatch):
+    out = io.StringIO()
+    cli.print_ipc(out, 3, can_access=lambda i, j: (i, j) != (2, 0))
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("  control blocks (barriers, small exchanges) in /dev/shm (writable, ")
+    assert [l.split() for l in lines[-3:]] == [["cuda:0", "-", "yes", "yes"], ["cuda:1", "yes", "-", "yes"],
+                                               ["cuda:2", "NO", "yes", "-"]]
+    out = io.StringIO()
+    cli.print_ipc(out, 1)
+    assert "one GPU: ranks sharing it map each other's buffers through CUDA IPC" in out.getvalue()
+    assert cli._shm_state("/proc").startswith("NOT writable (")
+
+
+def test_usage_errors_exit_2_and_help_exits_0(capsys):
     assert main(["frobnicate"]) == 2
-    assert "unknown command 'frobnicate'" in capsys.readouterr().err
-    r = subprocess.run([sys.executable, "-m", "triton_ep", "--help"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "python -m triton_ep info" in r.stdout
+    assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+    assert info(["--num-qps", "0"]) == 2
+    assert "--num-qps: must be at least 1, got 0" in capsys.readouterr().err
+    assert main([]) == 0 and main(["--help"]) == 0 and info(["--help"]) == 0
+    assert capsys.readouterr().out.count("Exit status:\n  0  the report was printed") == 3
+
+
+def clean_env():
+    """The environment of a fresh shell: no run.sh PATH/PYTHONPATH, no TRITON_INTERPRET set by conftest."""
+    keep = ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER")
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", **{k: os.environ[k] for k in keep if k in os.environ}}
+
+
+def test_console_script_works_without_run_sh(tmp_path):
+    script = Path(sys.executable).parent / "triton-ep"
+    if not script.exists():
+        pytest.skip(f"no console script next to {sys.executable} (triton-ep not pip-installed here)")
+    r = subprocess.run([str(script), "info"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    check_sections(r.stdout)
+    r = subprocess.run([sys.executable, "-m", "triton_ep", "--help"], cwd=tmp_path, env=clean_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "python -m triton_ep info" in r.stdout and "Exit status:" in r.stdout

@@ -1,10 +1,15 @@
 """The paths of the verbs backend that need pyverbs but no device: attribute building, the enum shim, and the
 clear "no RDMA device" error.  Run against real pyverbs where it imports (scripts/install_pyverbs.sh brings
-Debian's python3-pyverbs into the venv) and against the emulated namespace everywhere."""
+Debian's python3-pyverbs into the venv) and against the emulated namespace everywhere.  Also: the script
+itself says nothing when pyverbs already imports (run.sh runs it on every setup)."""
 from __future__ import annotations
 
 import enum
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +126,14 @@ def test_discover_emulated_ports_and_gids():
     assert d[1].ports[0].lid == em.port_lid(1, 1) and d[0].is_mlx5 and not d[1].is_mlx5
     with pytest.raises(rdma.RdmaUnavailable, match="no RDMA device"):
         verbs.discover(em.Fabric(em.FabricSpec([])).pyverbs())
+
+
+def test_install_script_is_silent_when_pyverbs_already_imports(tmp_path):
+    pkg = tmp_path / "pyverbs"                      # a stand-in with the modules the script's probe imports
+    pkg.mkdir()
+    for mod in ("__init__", "device", "qp", "wr", "addr", "mr", "cq", "pd"):
+        (pkg / f"{mod}.py").write_text("")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "install_pyverbs.sh"
+    r = subprocess.run([str(script), sys.executable], env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
