@@ -1,5 +1,5 @@
 """Ambient torch state a caller may set (DeepEP's own tests set some of it) changes nothing: results are
-bit-equal to those of the plain state (DESIGN invariant 12), and every payload dtype DeepEP moves works."""
+bit-equal to those of the plain state (docs/design.md, invariant 12), and every payload dtype DeepEP moves works."""
 import contextlib
 
 import pytest

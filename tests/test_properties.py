@@ -1,4 +1,4 @@
-"""Hypothesis properties of DESIGN.md section 5 (invariants 1-5, 7, 8, 10) on ranks simulated in one
+"""Hypothesis properties: invariants 1-5, 7, 8 and 10 of docs/design.md (Testing) on ranks simulated in one
 process: the same kernels, offsets and rounds as the multi-process path, compared with the reference.
 
 Before every call the communication buffers and every tensor the library allocates are filled with

@@ -1,4 +1,4 @@
-"""The oracle itself, checked against a per-token loop written straight from DESIGN.md section 3."""
+"""The oracle itself, checked against a per-token loop written straight from the contract (docs/design.md, section 1)."""
 import torch
 
 from helpers import make_inputs

@@ -5,7 +5,7 @@ through :mod:`triton_ep.transport.ipc`. The body of every collective call is a g
 each point where all ranks must meet (a bounded host barrier); :meth:`Buffer._run` drives it against the
 real barrier, and :mod:`triton_ep.testing` drives the same generators for ranks simulated in one process.
 
-Errors (DESIGN.md section 3): bad shapes, dtypes and devices are found before any kernel runs. So that
+Errors (docs/design.md section 4): bad shapes, dtypes and devices are found before any kernel runs. So that
 no rank is left waiting, the rank that found them still takes part in the call's first exchange with an
 error status, then raises ``ValueError``/``TypeError``; the other ranks raise
 :class:`~triton_ep.errors.EPRemoteError` naming it. Bad ids are masked by the kernels and reported the

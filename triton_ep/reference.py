@@ -2,7 +2,7 @@
 
 Ranks are held as Python lists of per-rank tensors (index = rank). Nothing here is fast; everything
 here is meant to be read. The semantics are DeepEP's (``deep_ep.Buffer.get_dispatch_layout``,
-``dispatch`` and ``combine`` in normal mode), as DESIGN.md section 3 restates them:
+``dispatch`` and ``combine`` in normal mode), as docs/design.md section 1 restates them:
 
 - expert ``e`` lives on rank ``e // (E // R)``; ids outside ``[0, E)`` (``-1`` included) select nothing;
 - a token goes once to every rank that holds at least one of its experts;
