@@ -60,8 +60,8 @@ def _steps(fn):
             return (yield from fn(self, *args, **kwargs))
         except GeneratorExit:
             raise
-        except BaseException:
-            if getattr(self, "_comm", None) is not None:
+        except BaseException as e:
+            if getattr(self, "_comm", None) is not None and not getattr(e, "_ep_recorded", False):
                 self._sig.post_local_failure()
             raise
     return run
@@ -353,6 +353,7 @@ class Buffer:
             return
         if self._sig.permanent() and comm.broken is None:
             comm.broken = str(err)
+        err._ep_recorded = True             # the kernel that recorded it told the peers already
         raise _collective(err)
 
     def _fail_call(self, err: BaseException) -> BaseException:

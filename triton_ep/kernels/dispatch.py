@@ -117,31 +117,32 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
         go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
                                     USE_CLOCK)
         n_rows = tl.where(go, n_rows, 0)
-    pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    m = i < n_rows
-    row = rec_ptr + i * REC
-    out = lo + i
-    for w0 in range(0, WX, BLOCK_W):
-        ow = w0 + tl.arange(0, BLOCK_W)
-        mw = m[:, None] & (ow[None, :] < WX)
-        tl.store(out_x_ptr + out[:, None] * WX + ow[None, :], tl.load(row[:, None] + ow[None, :], mask=mw), mask=mw)
-    if HAS_SCALES:
-        os_ = tl.arange(0, BLOCK_S)
-        ms = m[:, None] & (os_[None, :] < S)
-        tl.store(out_sc_ptr + out[:, None] * S + os_[None, :], tl.load(row[:, None] + WX + os_[None, :], mask=ms),
-                 mask=ms)
-    if HAS_TOPK:
-        ok = tl.arange(0, BLOCK_K)
-        mk = m[:, None] & (ok[None, :] < K)
-        g = tl.load(row[:, None] + (WX + S) + ok[None, :], mask=mk, other=-1).to(tl.int64)
-        here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
-        tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1), mask=mk)
-        if HAS_W:
-            wb = tl.load(row[:, None] + (WX + S + K) + ok[None, :], mask=mk, other=0)
-            tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mk)
-    if HAS_SRC:
-        tl.store(out_src_ptr + out, tl.load(row + (WX + S + 2 * K), mask=m), mask=m)
+    # Programs take row blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
+    for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0)):
+        i = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
+        m = i < n_rows
+        row = rec_ptr + i * REC
+        out = lo + i
+        for w0 in range(0, WX, BLOCK_W):
+            ow = w0 + tl.arange(0, BLOCK_W)
+            mw = m[:, None] & (ow[None, :] < WX)
+            tl.store(out_x_ptr + out[:, None] * WX + ow[None, :], tl.load(row[:, None] + ow[None, :], mask=mw), mask=mw)
+        if HAS_SCALES:
+            os_ = tl.arange(0, BLOCK_S)
+            ms = m[:, None] & (os_[None, :] < S)
+            tl.store(out_sc_ptr + out[:, None] * S + os_[None, :], tl.load(row[:, None] + WX + os_[None, :], mask=ms),
+                     mask=ms)
+        if HAS_TOPK:
+            ok = tl.arange(0, BLOCK_K)
+            mk = m[:, None] & (ok[None, :] < K)
+            g = tl.load(row[:, None] + (WX + S) + ok[None, :], mask=mk, other=-1).to(tl.int64)
+            here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
+            tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1), mask=mk)
+            if HAS_W:
+                wb = tl.load(row[:, None] + (WX + S + K) + ok[None, :], mask=mk, other=0)
+                tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mk)
+        if HAS_SRC:
+            tl.store(out_src_ptr + out, tl.load(row + (WX + S + 2 * K), mask=m), mask=m)
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
     if SYNC:
         flags.finish_recv(hdr, n, advance, USE_ASM)
@@ -154,6 +155,14 @@ def sync_args(signals: Optional[dict], rnd: int, sig: int, like: torch.Tensor) -
     if signals is None:
         return (like, like, like, 0, 0, 0, 0)
     return (signals["hdr"], signals["hdr_delta"], signals["host"], rnd, sig, signals["me"], signals["timeout_ns"])
+
+
+def _grid(blocks: int, signals: Optional[dict]) -> int:
+    """Programs of a signalling launch: one per block, at least one (a launch always releases its round),
+    at most ``signals["max_programs"]`` where ranks share a GPU (programs loop over the blocks), so
+    spinning programs never take the multiprocessors the launches they wait for need."""
+    cap = signals.get("max_programs") if signals is not None else None
+    return max(min(blocks, cap) if cap else blocks, 1)
 
 
 def _use_clock(signals: Optional[dict]) -> bool:
@@ -204,7 +213,7 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     cfg = tuning("dispatch_send")
     bt, bw, nw = _blocks("dispatch_send", wx)
     split = bool(cfg.get("split_w", 0))
-    blocks = max(triton.cdiv(T, bt), 1)
+    blocks = _grid(triton.cdiv(T, bt), signals)
     if cfg.get("programs_per_sm", 0):
         blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(x_words.device))
     dummy = x_words
@@ -237,7 +246,7 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     bt, bw, nw = _blocks("dispatch_recv", wx)
     dummy = out_x
     has_topk = out_idx is not None
-    _dispatch_recv_kernel[(max(triton.cdiv(n_rows, bt), 1),)](
+    _dispatch_recv_kernel[(_grid(triton.cdiv(n_rows, bt), signals),)](
         rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
         out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
         out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,

@@ -48,8 +48,14 @@ def off_sig(R):
 
 
 def off_failed(R):
-    """``FAILED[s]``: nonzero once rank ``s`` failed a call (cleared when the group re-synchronises)."""
+    """``FAILED[s]``: set when rank ``s`` failed a call, to :func:`failure_word` of the round and the kind
+    (``E_MISMATCH`` when it found that ranks called different operations, else ``E_FAILED``)."""
     return W_FIXED + 2 * R
+
+
+def failure_word(round_no, kind):
+    """The ``FAILED`` word for a failure of kind ``kind`` in round ``round_no`` (kinds are < 8)."""
+    return round_no.to(tl.int64) * 8 + kind
 
 
 def off_gone(R):
@@ -132,28 +138,38 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
         if r != me:
             if kind == E_TIMEOUT:
                 release(hdr + tl.load(hdr_delta + r) + off_gone(R) + me, stage + 1)
-            else:
-                release(hdr + tl.load(hdr_delta + r) + off_failed(R) + me, call + 1)
+            else:       # a mismatch stays a mismatch where the peer reads it; anything else: "failed"
+                release(hdr + tl.load(hdr_delta + r) + off_failed(R) + me,
+                        failure_word(call, tl.where(kind == E_MISMATCH, E_MISMATCH, E_FAILED)))
+
+
+@triton.jit
+def _peer_status(hdr, peer, R: tl.constexpr):
+    """``E_GONE``, ``E_MISMATCH`` or ``E_FAILED`` when ``peer`` said so in this rank's header, else 0."""
+    gone = tl.load(hdr + off_gone(R) + peer, volatile=True)
+    failed = tl.load(hdr + off_failed(R) + peer, volatile=True)
+    # a failure word counts only for this call (its round is past the rounds this rank has completed):
+    # words of earlier calls, or posted late across a re-synchronisation, are ignored
+    kind = tl.where((failed >> 3) > tl.load(hdr + W_BASE, volatile=True), failed & 7, 0)
+    return tl.where(gone != 0, E_GONE, kind).to(tl.int32)
 
 
 @triton.jit
 def wait_at_least(flag, want, hdr, host, peer, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
     """Spin until ``*flag >= want`` (acquire). Returns 0, or the error kind that ended the wait: the
-    peer's ``GONE``/``FAILED`` word in this rank's header, or the bound (``%globaltimer`` on GPU, the host
-    watchdog's abort word under the interpreter)."""
+    peer's ``GONE``/``FAILED`` word in this rank's header (looked at first: a peer that left or failed
+    the call is not waited for, even where its flag already moved), or the bound (``%globaltimer`` on
+    GPU, the host watchdog's abort word under the interpreter)."""
+    status = _peer_status(hdr, peer, R)
     v = acquire(flag)
-    status = tl.full([], 0, tl.int32)
     t0 = _now_ns(USE_CLOCK)
     while (v < want) & (status == 0):
-        if tl.load(hdr + off_gone(R) + peer, volatile=True) != 0:
-            status = status + E_GONE
-        elif tl.load(hdr + off_failed(R) + peer, volatile=True) != 0:
-            status = status + E_FAILED
-        elif USE_CLOCK:
+        status = _peer_status(hdr, peer, R)
+        if USE_CLOCK:
             if _now_ns(USE_CLOCK) - t0 > timeout_ns:
-                status = status + E_TIMEOUT
+                status = tl.maximum(status, E_TIMEOUT)
         elif tl.load(host + H_ABORT, volatile=True) != 0:
-            status = status + E_TIMEOUT
+            status = tl.maximum(status, E_TIMEOUT)
         v = acquire(flag)
     return status
 
@@ -183,11 +199,13 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
             st = wait_at_least(hdr + off_ready(R) + r, want, hdr, host, r, timeout_ns, R, USE_CLOCK)
+            # a peer whose part arrived with another signature called another operation (it may also
+            # have said it failed: having found the same mismatch first); that is the error to name
+            arrived = (st == 0) | ((st == E_FAILED) & (acquire(hdr + off_ready(R) + r) >= want))
+            if arrived & (tl.load(hdr + off_sig(R) + r, volatile=True) != sig):
+                st = tl.full([], E_MISMATCH, tl.int32)
             if st != 0:
                 _post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
-            elif tl.load(hdr + off_sig(R) + r, volatile=True) != sig:
-                post_error(hdr, hdr_delta, host, E_MISMATCH, r, stage, call, me, R)
-                st = st + E_MISMATCH
             bad = bad + st
     return bad == 0
 

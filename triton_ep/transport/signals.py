@@ -155,10 +155,12 @@ class Signals:
         every peer through ``FAILED[rank]`` in theirs, so their waits end at once with ``EPRemoteError``.
         Later kernels of this rank move nothing until the next re-synchronisation."""
         R, me = self.size, self.rank
+        # the call's first round: this rank's completed rounds + 1 (a device read: an error path)
+        word = (int(self.header[F.W_BASE].item()) + 1) * 8 + F.E_FAILED
         with torch.inference_mode():          # also updates buffers made in inference mode
             for r, h in enumerate(self.peer_headers):
                 if r != me:
-                    h[F.off_failed(R) + me].fill_(1)
+                    h[F.off_failed(R) + me].fill_(word)
             self.header[F.W_ERR].fill_(F.E_FAILED)
         self.needs_resync = True
         self._reported = True
