@@ -1,8 +1,10 @@
 """Where the time of one normal-mode dispatch / combine goes, phase by phase (host clock).
 
-Each rank records, for every barrier of a call, when it got there, when its GPU work was done
+Each rank records, for every host barrier of a call, when it got there, when its GPU work was done
 (``sync_device``) and when all peers had arrived; the gaps are: host+GPU work before the barrier,
-the device synchronisation alone, and the wait for the slowest peer. Printed as medians over ``--iters``
+the device synchronisation alone, and the wait for the slowest peer. Since ranks wait for each other on
+the device, the counts exchange of a non-cached dispatch is the only host barrier of a call; the rest
+of a call shows as the time after it. Printed as medians over ``--iters``
 calls, for rank 0. Ranks get one GPU each where there are enough, else share one (gloo).
 
     ./run.sh python benchmarks/profile_phases.py [--ranks 2] [--tokens 4096 --hidden 7168] [--cprofile]

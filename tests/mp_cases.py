@@ -372,3 +372,138 @@ def ambient_float32(rank, world, device="cpu", default_device="meta"):
     want = ref.combine([e["recv_x"].to(torch.bfloat16) for e in exp], exp, [8] * world)[rank][0]
     assert torch.equal(comb.view(torch.int16), want.view(torch.int16))
     return "ok"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Device signalling (kernels wait for each other through flags): rank bodies for tests/test_signals.py and
+# tests/test_gpu_signals.py.
+
+def late_peer_combine(rank, world, timeout_s, device="cpu"):
+    """Rank 1 reaches its combine only after rank 0 gave up on it. Rank 0's kernels wait on the device
+    and raise EPTimeoutError naming rank 1 and the stage within the bound; rank 1 then raises at once that
+    rank 0 left, instead of waiting out its own timeout. Returns (error type, peer, stage, seconds, text)."""
+    import time
+    E, H = 2 * world, 32
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index or 0)
+    xs, idxs, ws = make_inputs(31, world, E, 2, H, [6] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device=dev, timeout_s=timeout_s)
+    recv_x, _, _, _, handle, _ = buf.dispatch(xs[rank].to(dev), topk_weights=ws[rank].to(dev),
+                                              **_layout_kwargs(buf, idxs[rank].to(dev), E))
+    if rank == 1:
+        time.sleep(timeout_s + 2)
+    t0 = time.monotonic()
+    try:
+        buf.combine(recv_x, handle)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        buf.check()
+        out = ("no error",)
+    except Exception as e:  # noqa: BLE001
+        out = (type(e).__name__, getattr(e, "peer", None), getattr(e, "stage", None),
+               round(time.monotonic() - t0, 2), str(e))
+    try:                                   # every later call refuses at once
+        buf.combine(recv_x, handle)
+        later = "returned"
+    except Exception as e:  # noqa: BLE001
+        later = type(e).__name__
+    buf.destroy()
+    return out + (later,)
+
+
+def graph_replay(rank, world, timeout_s=3.0):
+    """Cached dispatch, an expert stand-in and combine captured in one CUDA graph on each rank (processes
+    sharing or not sharing a GPU), replayed with new x written into the captured input: every replay is
+    bit for bit the reference. No host synchronisation in the captured calls (sync debug mode 'error').
+    Then rank 1 stops replaying: rank 0's replay raises EPTimeoutError at check() within the bound, and
+    its next replay returns at once. Returns a dict of what was seen."""
+    import time
+    import torch.distributed as dist
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, H, K = 4 * world, 256, 4
+    Ts = [40 + 7 * r for r in range(world)]
+    xs, idxs, ws = make_inputs(41, world, E, K, H, Ts)
+    buf = triton_ep.Buffer(None, 1 << 16, device=dev, timeout_s=timeout_s)   # small: several rounds
+    _, _, _, _, handle, _ = buf.dispatch(xs[rank].to(dev), topk_weights=ws[rank].to(dev),
+                                         **_layout_kwargs(buf, idxs[rank].to(dev), E))
+    x_in = xs[rank].to(dev).clone()
+
+    def step():
+        recv = buf.dispatch(x_in, handle=handle)[0]
+        y = (recv.float() * 3 - 1).to(torch.bfloat16)
+        return recv, buf.combine(y, handle)[0]
+
+    step()                                     # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.cuda.set_sync_debug_mode("error")     # inside: the graph context synchronises on entry
+        try:
+            recv_out, comb_out = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    seen = {"replays_ok": 0}
+    for i in range(3):
+        new = [(x.float() * (i + 2) - i).to(torch.bfloat16) for x in xs]
+        x_in.copy_(new[rank].to(dev))
+        g.replay()
+        torch.cuda.synchronize()
+        exp = ref.dispatch(new, idxs, ws, E)
+        ys = [(e["recv_x"].float() * 3 - 1).to(torch.bfloat16) for e in exp]
+        want = ref.combine(ys, exp, Ts)[rank][0]
+        assert torch.equal(recv_out.cpu().view(torch.int16), exp[rank]["recv_x"].view(torch.int16)), i
+        assert torch.equal(comb_out.cpu().view(torch.int16), want.view(torch.int16)), i
+        buf.check()
+        seen["replays_ok"] += 1
+    dist.barrier()
+    if rank == 0:
+        t0 = time.monotonic()
+        g.replay()
+        torch.cuda.synchronize()
+        seen["stopped_s"] = round(time.monotonic() - t0, 2)
+        try:
+            buf.check()
+            seen["error"] = None
+        except triton_ep.EPTimeoutError as e:
+            seen["error"] = (type(e).__name__, e.peer, e.stage)
+        t0 = time.monotonic()
+        g.replay()
+        torch.cuda.synchronize()
+        seen["later_s"] = round(time.monotonic() - t0, 2)
+    dist.barrier()
+    buf.destroy()
+    return seen
+
+
+def async_overlap(rank, world, delay_s=2.0):
+    """Rank 1 starts its combine late. Rank 0's combine with async_finish returns at once; a matmul on its
+    own stream then finishes while the comm stream still waits; the event then delivers the right result."""
+    import time
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, H = 2 * world, 128
+    xs, idxs, ws = make_inputs(43, world, E, 2, H, [16] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device=dev, timeout_s=30)
+    recv_x, _, _, _, handle, _ = buf.dispatch(xs[rank].to(dev), topk_weights=ws[rank].to(dev),
+                                              **_layout_kwargs(buf, idxs[rank].to(dev), E))
+    torch.cuda.synchronize()
+    out = {}
+    if rank == 1:
+        time.sleep(delay_s)
+    t0 = time.monotonic()
+    comb, _, ev = buf.combine(recv_x, handle, async_finish=True)
+    out["call_s"] = round(time.monotonic() - t0, 3)
+    a = torch.randn(512, 512, device=dev)
+    b = a @ a
+    torch.cuda.current_stream().synchronize()
+    out["compute_s"] = round(time.monotonic() - t0, 3)
+    ev.current_stream_wait()
+    torch.cuda.current_stream().synchronize()
+    out["done_s"] = round(time.monotonic() - t0, 3)
+    exp = ref.dispatch(xs, idxs, ws, E)
+    want = ref.combine([e["recv_x"] for e in exp], exp, [16] * world)[rank][0]
+    out["ok"] = bool(torch.equal(comb.cpu().view(torch.int16), want.view(torch.int16))) and bool(b.isfinite().all())
+    buf.destroy()
+    return out

@@ -118,8 +118,8 @@ def test_low_latency_entry_points_say_not_implemented():
 
 
 def test_ranks_calling_different_collectives_fail_instead_of_hanging():
-    """Rank 0 dispatches while rank 1 combines: the operation is part of the exchanged signature, so both
-    raise at the first exchange (a bug would let them run mismatched protocols and hang or corrupt)."""
+    """Rank 0 dispatches while rank 1 combines: both raise at once (a bug would let them run mismatched
+    protocols and hang or corrupt)."""
     xs, idxs, ws = make_inputs(3, 4, 2, 16, [4, 4])
     vg = VirtualGroup(2, 1 << 16)
     first = virtual_dispatch(vg, xs, idxs, ws, 4)
@@ -129,7 +129,10 @@ def test_ranks_calling_different_collectives_fail_instead_of_hanging():
     out = lockstep([b0._dispatch_steps(xs[0], None, lay["num_tokens_per_rank"], lay["is_token_in_rank"],
                                        lay["num_tokens_per_expert"], lay["topk_idx"], ws[0], 1, 0, None, False),
                     b1._combine_steps(first[1][0], first[1][4], None, None, None, False)])
-    assert all(isinstance(o, ValueError) and "all ranks must agree" in str(o) for o in out), out
+    # the dispatching rank finds the disagreement at its counts exchange; the combining rank (which has
+    # no host wait) learns from the device words that rank 0 failed: neither waits out its timeout
+    assert isinstance(out[0], ValueError) and "all ranks must agree" in str(out[0]), out
+    assert isinstance(out[1], triton_ep.EPRemoteError) and "rank 0" in str(out[1]), out
 
 
 @pytest.mark.parametrize("kw,exc,words", [

@@ -69,11 +69,12 @@ def test_rank_missing_at_construction_times_out():
 
 def test_rank_failing_mid_call_never_yields_wrong_data():
     """A rank that fails after meeting its peers (out of memory, an interrupt) must not later meet them at
-    a wrong step (a bug would let the peer return another call's rows as success): the peer times out
-    naming it, and the failed rank's Buffer refuses further calls."""
+    a wrong step (a bug would let the peer return another call's rows as success): it tells the peer,
+    which raises EPRemoteError at once instead of waiting out its timeout, and the failed rank's Buffer
+    refuses further calls."""
     out = _values(run_ranks(mp_cases.fail_mid_call, 2))
     assert out[0] == ["RuntimeError", "EPError"], out
-    assert out[1][0] == "EPTimeoutError", out
+    assert out[1][0] == "EPRemoteError", out
 
 
 def test_handles_of_different_dispatches_are_rejected_on_every_rank():

@@ -34,7 +34,7 @@ def guarded_group(R: int, usable: int, device: str = "cpu", guard: int = 4096) -
     Buffer computed (an out-of-bounds round) shows in :func:`guard_intact`."""
     vg = VirtualGroup(R, usable + guard, device=device)
     w = vg.world
-    vg.buffers = [triton_ep.Buffer(ipc.Comm(r, R, w.device, w.data, w.ctrl, 0.0, w.slot_words, min_bytes=usable))
+    vg.buffers = [triton_ep.Buffer(ipc.Comm(r, R, w.device, w.buffers, w.ctrl, 0.0, w.slot_words, min_bytes=usable))
                   for r in range(R)]
     for d in w.data:
         d.fill_(0xFF)

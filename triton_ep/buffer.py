@@ -13,6 +13,8 @@ same way at that exchange. A peer that never arrives gives :class:`~triton_ep.er
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import uuid
 import zlib
@@ -28,16 +30,41 @@ from .config import Config, EventOverlap
 from .errors import EPCapacityError, EPError, EPRemoteError
 from .kernels.combine import record_bytes as combine_record_bytes
 from .kernels.dispatch import record_words as dispatch_record_words
-from .transport import ipc
+from .transport import ipc, signals
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
 _DEFAULT_TIMEOUT_S = 100.0
 # Exchange-slot header words (int64).
-_ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 9)
-_OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
+_ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 10)
+_BASE, _HASERR = 12, 13                # rounds completed, holds an error (re-synchronisation)
+_OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE, _OP_RESYNC = 1, 2, 3, 4
+
+
+class _Meet(str):
+    """A step where the ranks meet on the host (a bounded barrier in the control block): the counts
+    exchange of a non-cached dispatch, and the re-synchronisation after an error. Every other step a
+    call yields is only a phase boundary: ranks simulated in one process run their launches phase by
+    phase, and real ranks wait for each other on the device."""
 _STATUS_TEXT = {1: "invalid arguments", 2: "topk_idx ids outside [-1, num_experts)"}
+
+
+def _steps(fn):
+    """Decorate a collective's step generator: whatever it raises, this rank first tells its peers
+    (a failure word in their signal headers), so kernels of theirs that wait for this rank's part of the
+    call stop at once and raise ``EPRemoteError``; the next call re-synchronises the group."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        try:
+            return (yield from fn(self, *args, **kwargs))
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            if getattr(self, "_comm", None) is not None and not getattr(e, "_ep_recorded", False):
+                self._sig.post_local_failure()
+            raise
+    return run
 
 
 class DispatchHandle(tuple):
@@ -57,7 +84,7 @@ class DispatchHandle(tuple):
     """
 
     def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: int, rpm_host: np.ndarray,
-                seq: int):
+                seq: int, row_base: Tensor, combine_tables: Tensor):
         self = super().__new__(cls, items)
         self.seq = seq
         self.buffer_uid = buffer_uid
@@ -65,6 +92,10 @@ class DispatchHandle(tuple):
         self.num_recv_tokens = num_recv_tokens
         self.num_out_rows = int(items[3].shape[0])
         self.rpm_host = rpm_host
+        #: int64 [R] on the device: where this rank's rows start among each receiver's rows
+        self.row_base = row_base
+        #: int64 [3R] on the device: combine's comb_base, send_base and prefix (no upload per combine)
+        self.combine_tables = combine_tables
         return self
 
 
@@ -169,7 +200,14 @@ class Buffer:
             self._comm.timeout_s = self.timeout_s
         self.rank, self.group_size = self._comm.rank, self._comm.size
         self.device = self._comm.device
-        self._delta_words = self._comm.delta_bytes // 4
+        with torch.inference_mode(False):
+            self._delta_words = self._comm.delta_bytes // 4
+        c = self._comm
+        self._sig = signals.Signals(c.rank, c.size, c.header, c.peer_headers, c.delta_bytes, c.device,
+                                    self.timeout_s, interpreted=kernels.interpreted())
+        self._sig_args = self._sig.kernel_args()
+        self._sig_args["max_programs"] = c.max_programs
+        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
     @staticmethod
@@ -262,8 +300,10 @@ class Buffer:
         return t[:torch.Size(size).numel()].view(size)
 
     def get_comm_stream(self):
-        """The stream communication runs on: the current CUDA stream (one stream is used), ``None`` on CPU."""
-        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        """The CUDA stream every kernel of this Buffer runs on (``None`` on CPU), as DeepEP's: a call first
+        makes it wait for ``previous_event`` or, without one, for the caller's current stream; with
+        ``async_finish`` the caller's stream does not wait for it and gets an event instead."""
+        return self._comm_stream
 
     def _unavailable(self, *args, **kwargs):
         """DeepEP entry points this release does not implement: the low-latency ones
@@ -284,13 +324,77 @@ class Buffer:
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
-        """Release this rank's shared buffers and peer mappings. Idempotent; later calls raise ``EPError``."""
+        """Release this rank's shared buffers and peer mappings. Idempotent; later calls raise ``EPError``.
+        Kernels still queued are waited for first (each wait they hold is bounded by ``timeout_s``)."""
         if getattr(self, "_comm", None) is not None:
             try:
+                if self._comm_stream is not None:
+                    self._comm_stream.synchronize()
                 self._comm.sync_device()
             finally:
                 self._comm.close()
                 self._comm = None
+
+    # ------------------------------------------------------------------ errors recorded by kernels
+    def check(self) -> None:
+        """Raise what this Buffer's kernels have recorded since the last check: a wait that ran out of
+        time (``EPTimeoutError`` naming the peer and the stage; the Buffer must then be destroyed and
+        rebuilt), a peer that gave up or failed the call (``EPRemoteError``), or a peer that called
+        another operation, handle or sizes (``ValueError``). Reads host memory only: no device
+        synchronisation. Every call runs it first (and last); event waits run it too.
+
+        Raises:
+            EPTimeoutError, EPRemoteError, ValueError: as above, each error once.
+            EPError: the Buffer was destroyed.
+        """
+        comm = self._live()
+        err = self._sig.error()
+        if err is None:
+            return
+        if self._sig.permanent() and comm.broken is None:
+            comm.broken = str(err)
+        err._ep_recorded = True             # the kernel that recorded it told the peers already
+        raise _collective(err)
+
+    def _fail_call(self, err: BaseException) -> BaseException:
+        """This rank rejects a call its peers run without a host wait: they learn it from the failure
+        word :func:`_steps` posts and raise ``EPRemoteError``; this Buffer stays usable."""
+        err._ep_collective = True
+        return err
+
+    def _resync_steps(self) -> Generator:
+        """After an error: meet every rank on the host and start the round counters afresh."""
+        yield from self._exchange("resync after an error", None, 1, [_OP_RESYNC], "operation")
+
+    # ------------------------------------------------------------------ streams
+    def _comm_ctx(self):
+        """Run what follows on the communication stream (a no-op on CPU)."""
+        return torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else contextlib.nullcontext()
+
+    def _begin(self, previous_event: Optional[EventOverlap]) -> None:
+        """The communication stream waits for ``previous_event``, else for the caller's current stream."""
+        if self._comm_stream is None:
+            return
+        if previous_event is not None and previous_event.event is not None:
+            self._comm_stream.wait_event(previous_event.event)
+        else:
+            self._comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _end(self, async_finish: bool, tensors: Sequence[Optional[Tensor]]) -> EventOverlap:
+        """Hand the call's results to the caller: with ``async_finish`` an event on the communication
+        stream (the tensors are marked as used there, so the caching allocator keeps them until then),
+        else the caller's stream waits for the communication stream."""
+        if self._comm_stream is None:
+            return EventOverlap(None, check=self.check)
+        if async_finish:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    t.record_stream(self._comm_stream)
+            ev = torch.cuda.Event()
+            ev.record(self._comm_stream)
+            return EventOverlap(ev, check=self.check)
+        torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
+        return EventOverlap(None, check=self.check)
 
     def __enter__(self) -> "Buffer":
         return self
@@ -347,21 +451,26 @@ class Buffer:
 
     # ------------------------------------------------------------------ collective plumbing
     def _run(self, gen: Generator):
-        """Drive a collective's steps against the real barrier. A rank that fails in the middle of a call
-        (after meeting its peers, with an error its peers do not share: out of memory, an interrupt) can
-        no longer keep step with them: its Comm is marked broken, so it never meets them at a wrong step."""
+        """Drive a collective's steps: meet the other ranks at its host steps (:class:`_Meet`); every other
+        step is a phase boundary the kernels synchronise on the device. A rank that fails in the middle of
+        a call (with an error its peers do not share: out of memory, an interrupt) can no longer keep step
+        with them: it tells them (they raise at once instead of waiting) and its Comm is marked broken, so
+        it never meets them at a wrong step."""
         comm = self._live()
-        met = False
+        started = False
         try:
             stage = next(gen)
             while True:
-                comm.barrier(stage)
-                met = True
+                started = True
+                if isinstance(stage, _Meet):
+                    if self._comm_stream is not None:
+                        self._comm_stream.synchronize()
+                    comm.barrier(stage)
                 stage = next(gen)
         except StopIteration as stop:
             return stop.value
         except BaseException as e:
-            if met and not getattr(e, "_ep_collective", False) and comm.broken is None:
+            if started and not getattr(e, "_ep_collective", False) and comm.broken is None:
                 comm.broken = f"rank {self.rank} failed in the middle of a call ({type(e).__name__}: {e})"
             raise
         finally:
@@ -379,10 +488,19 @@ class Buffer:
         slot[:ipc.SLOT_HEADER] = 0
         slot[_ST] = 0 if err is None else status
         slot[_SIG0:_SIG0 + len(sig)] = sig
+        with self._comm_ctx():
+            slot[_BASE], slot[_HASERR] = self._sig.local_state()
+            self._sig.clear_failures()
         if fill is not None and err is None:
             fill(slot)
-        yield stage
+        yield _Meet(stage)
         slots = [comm.slot(parity, r).copy() for r in range(self.group_size)]
+        # Every rank's device work has finished (each synchronised before it arrived): after an error,
+        # or if round counters differ, every rank starts afresh above the highest round any rank used.
+        bases = [int(s[_BASE]) for s in slots]
+        if any(s[_HASERR] for s in slots) or len(set(bases)) > 1:
+            with self._comm_ctx():
+                self._sig.resync(max(bases) + 1)
         if err is not None:
             raise _collective(err)
         bad = [r for r in range(self.group_size) if slots[r][_ST]]
@@ -408,8 +526,6 @@ class Buffer:
                 f"(see Config.get_nvl_buffer_size_hint)"))
         return cap
 
-    def _event(self, async_finish: bool) -> EventOverlap:
-        return self.capture() if async_finish else EventOverlap(None)
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
@@ -434,10 +550,12 @@ class Buffer:
         self._live()
         idx = self._check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None))
         self._check_num_experts(num_experts)
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-        per_rank, per_expert, in_rank = kernels.routing_layout(idx, num_experts, self.group_size)[:3]
-        return per_rank, None, per_expert, in_rank, self._event(async_finish)
+        _check_event(previous_event)
+        self.check()
+        self._begin(previous_event)
+        with self._comm_ctx():
+            per_rank, per_expert, in_rank = kernels.routing_layout(idx, num_experts, self.group_size)[:3]
+        return per_rank, None, per_expert, in_rank, self._end(async_finish, (idx, per_rank, per_expert, in_rank))
 
     def _check_num_experts(self, num_experts) -> None:
         if not _isint(num_experts) or num_experts <= 0 or num_experts % self.group_size:
@@ -494,39 +612,46 @@ class Buffer:
                                               num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                               num_worst_tokens, previous_event, async_finish))
 
+    @_steps
     def _dispatch_steps(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):
         R, me = self.group_size, self.rank
         err, a, status = None, None, 1
-        if handle is None:
+        self.check()
+        cached = handle is not None
+        if not cached:
             self._dispatch_seq += 1          # the same on every rank: names the handle this call makes
+        elif self._sig.needs_resync:
+            yield from self._resync_steps()
         try:
             a = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
-            if previous_event is not None:
-                previous_event.current_stream_wait()
-        except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
+        except Exception as e:  # noqa: BLE001 - reported to every rank (exchange, or device words)
+            if cached:
+                raise self._fail_call(e)
             err = e
         # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
         # ranks that call different collectives, or pass handles of different dispatches, fail together.
-        op = _OP_CACHED_DISPATCH if handle is not None else _OP_DISPATCH
-        seq = a["handle"].seq if (err is None and handle is not None) else 0
+        op = _OP_CACHED_DISPATCH if cached else _OP_DISPATCH
+        seq = a["handle"].seq if (err is None and cached) else 0
         sig = [op, a["wx"], a["s"], a["k"], a["flags"], a["E"], seq, a["dtype"]] if err is None else [op] + [0] * 7
         names = "operation, row words, scale words, top-k, flags, experts, handle's dispatch, x dtype"
-        if handle is not None:
-            yield from self._exchange("dispatch/start (cached)", err, 1, sig, names)
+        self._begin(previous_event)
+        if cached:
             h = a["handle"]
-            rpm = h.rpm_host
+            rpm, row_base = h.rpm_host, h.row_base
             send_pos, in_rank = h[5], h[4]
             n_recv, n_out = h.num_recv_tokens, h.num_out_rows
         else:
+            # The one host wait of a dispatch: the counts (and every rank's status and signature).
             stage = "dispatch/exchange counts"
             lay = host = None
             if err is None:
                 try:
-                    lay = self._routing(a)
-                    # one device-to-host copy: counts per rank, per expert, and bad ids
-                    host = lay[5].cpu().numpy().astype(np.int64)
+                    with self._comm_ctx():
+                        lay = self._routing(a)
+                        # one device-to-host copy: counts per rank, per expert, and bad ids
+                        host = lay[5].cpu().numpy().astype(np.int64)
                 except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
                     err = e
             if err is None:
@@ -559,16 +684,27 @@ class Buffer:
             in_rank, send_pos = lay[2], lay[3]
             n_recv = int(recv_all[me])
             n_out = num_worst_tokens if num_worst_tokens > 0 else n_recv
+            # Every device table the handle keeps, in one upload: rank_prefix_matrix [R, R], send prefix
+            # [R, 1], receive start [R, 1] (int32, DeepEP's), then this rank's row base in each receiver and
+            # combine's tables (int64).
+            cnt = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)
+            t32 = np.concatenate([rpm.reshape(-1), np.cumsum(counts[me]), [0], rpm[:-1, me]])
+            t64 = np.concatenate([rpm[me - 1] if me > 0 else np.zeros(R, dtype=np.int64),
+                                  cnt[:, :me].sum(axis=1), [0], np.cumsum(cnt[me])[:-1], rpm[:, me]])
+            with self._comm_ctx():
+                tables = _to_dev(np.concatenate([t32, t64]), torch.int64, self.device)
+                t32_dev = tables[:t32.size].to(torch.int32)
+            row_base, combine_tables = tables[t32.size:t32.size + R], tables[t32.size + R:]
 
-        rec_words = dispatch_record_words(a["wx"], a["s"], a["k"], with_src=handle is None)
+        rec_words = dispatch_record_words(a["wx"], a["s"], a["k"], with_src=not cached)
         cap = self._capacity(rec_words * 4, "dispatch")
         rounds = max(1, -(-int(rpm[-1].max()) // cap))
+        call_sig = signals.call_signature(sig + [rounds, rec_words])
         dev = self.device
         xv, sc = a["x"], a["scales"]
         H = xv.shape[1]
         recv_x = torch.empty((n_out, H), dtype=xv.dtype, device=dev)
         recv_sc = torch.empty((n_out, a["s"]), dtype=torch.float32, device=dev) if sc is not None else None
-        cached = handle is not None
         recv_idx = recv_w = recv_src = None
         if not cached:
             recv_src = torch.empty(n_out, dtype=torch.int32, device=dev)
@@ -576,40 +712,47 @@ class Buffer:
                 recv_idx = torch.empty((n_out, a["k"]), dtype=a["idx"].dtype, device=dev)
                 if a["w"] is not None:
                     recv_w = torch.empty((n_out, a["k"]), dtype=torch.float32, device=dev)
-        row_base = _to_dev(rpm[me - 1] if me > 0 else np.zeros(R, dtype=np.int64), torch.int64, dev)
         rec = self._comm.data.view(torch.int32)
         x_words = xv.view(torch.int32)
         sc_words = sc.view(torch.int32) if sc is not None else None
         w_words = a["w"].view(torch.int32) if (not cached and a["w"] is not None) else None
         idx = a["idx"] if not cached else None
+        # Rounds, each a send launch then a receive launch; ranks wait for each other on the device.
         for k in range(rounds):
             lo, hi = k * cap, (k + 1) * cap
-            if k:
-                yield f"dispatch/free round {k}"
-            kernels.dispatch_send(x_words, sc_words, idx, w_words, send_pos, row_base, self._delta_words, rec,
-                                  lo, hi, a["E"], rec_words, with_src=not cached)
-            yield f"dispatch/data round {k}"
-            kernels.dispatch_recv(rec, min(max(n_recv - lo, 0), cap), lo, me, a["E"] // R, a["wx"], a["s"],
-                                  a["k"] if not cached else 0, rec_words, recv_x.view(torch.int32),
-                                  recv_sc.view(torch.int32) if recv_sc is not None else None, recv_idx,
-                                  recv_w.view(torch.int32) if recv_w is not None else None, recv_src)
+            yield f"dispatch/send round {k}"
+            with self._comm_ctx(), self._sig.watch():
+                kernels.dispatch_send(x_words, sc_words, idx, w_words, send_pos, row_base, self._delta_words, rec,
+                                      lo, hi, a["E"], rec_words, with_src=not cached, signals=self._sig_args, rnd=k,
+                                      sig=call_sig)
+            yield f"dispatch/receive round {k}"
+            with self._comm_ctx(), self._sig.watch():
+                kernels.dispatch_recv(rec, min(max(n_recv - lo, 0), cap), lo, me, a["E"] // R, a["wx"], a["s"],
+                                      a["k"] if not cached else 0, rec_words, recv_x.view(torch.int32),
+                                      recv_sc.view(torch.int32) if recv_sc is not None else None, recv_idx,
+                                      recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
+                                      signals=self._sig_args, rnd=k, sig=call_sig,
+                                      advance=rounds if k == rounds - 1 else 0)
         if n_out > n_recv:                       # num_worst_tokens padding
-            recv_x[n_recv:].zero_()
-            if recv_sc is not None:
-                recv_sc[n_recv:].zero_()
-            for t, v in ((recv_idx, -1), (recv_w, 0), (recv_src, -1)):
-                if t is not None:
-                    t[n_recv:].fill_(v)
-        event = self._event(async_finish)
+            with self._comm_ctx():
+                recv_x[n_recv:].zero_()
+                if recv_sc is not None:
+                    recv_sc[n_recv:].zero_()
+                for t, v in ((recv_idx, -1), (recv_w, 0), (recv_src, -1)):
+                    if t is not None:
+                        t[n_recv:].fill_(v)
         out_x = (recv_x, recv_sc) if sc is not None else recv_x
+        inputs = (xv, sc, idx, a["w"], send_pos, row_base)
         if cached:
+            event = self._end(async_finish, inputs + (recv_x, recv_sc))
+            self.check()
             return out_x, None, None, None, None, event
-        # the handle's int32 tables in one copy: rank_prefix_matrix [R, R], send prefix [R, 1], receive start [R, 1]
-        tables = _to_dev(np.concatenate([rpm.reshape(-1), np.cumsum(counts[me]), [0], rpm[:-1, me]]), torch.int32, dev)
-        rpm_t = tables[:R * R].view(R, R)
-        send_prefix, recv_start = tables[R * R:R * R + R].view(R, 1), tables[R * R + R:].view(R, 1)
+        rpm_t = t32_dev[:R * R].view(R, R)
+        send_prefix, recv_start = t32_dev[R * R:R * R + R].view(R, 1), t32_dev[R * R + R:].view(R, 1)
         new_handle = DispatchHandle((rpm_t, send_prefix, recv_start, recv_src, in_rank, send_pos), self._uid,
-                                    a["T"], n_recv, rpm, self._dispatch_seq)
+                                    a["T"], n_recv, rpm, self._dispatch_seq, row_base, combine_tables)
+        event = self._end(async_finish, inputs + (recv_x, recv_sc, recv_idx, recv_w, recv_src, tables, t32_dev))
+        self.check()
         return out_x, recv_idx, recv_w, expert_list, new_handle, event
 
     def _routing(self, a):
@@ -698,9 +841,13 @@ class Buffer:
         _check_config(config)
         return self._run(self._combine_steps(x, handle, topk_weights, bias, previous_event, async_finish))
 
+    @_steps
     def _combine_steps(self, x, handle, topk_weights, bias, previous_event, async_finish):
         R, me = self.group_size, self.rank
-        err, h, xv, w, biases = None, None, None, None, []
+        h, xv, w, biases = None, None, None, []
+        self.check()
+        if self._sig.needs_resync:
+            yield from self._resync_steps()
         try:
             self._live()
             _check_event(previous_event)
@@ -715,22 +862,19 @@ class Buffer:
                 raise ValueError(f"bias takes at most two tensors, got {len(bl)}")
             biases = [self._check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]))
                       for i, b in enumerate(bl) if b is not None]
-            if previous_event is not None:
-                previous_event.current_stream_wait()
-        except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
-            err = e
-        H = xv.shape[1] if err is None else 0
+        except Exception as e:  # noqa: BLE001 - every rank learns it through the device words
+            raise self._fail_call(e)
+        H = xv.shape[1]
         K = w.shape[1] if w is not None else 0
-        yield from self._exchange("combine/start", err, 1, [_OP_COMBINE, H, K, h.seq if err is None else 0],
-                                  "operation, hidden, top-k weights, handle's dispatch")
         rpm = h.rpm_host
         counts = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)   # [src, dst]
-        tables = _to_dev(np.concatenate([counts[:, :me].sum(axis=1), [0], np.cumsum(counts[me])[:-1], rpm[:, me]]),
-                         torch.int64, self.device)
+        tables = h.combine_tables
         comb_base, send_base, prefix = tables[:R], tables[R:2 * R], tables[2 * R:]
         rb = combine_record_bytes(H, K)
         cap = self._capacity(rb, "combine")
         rounds = max(1, -(-int(counts.sum(axis=1).max()) // cap))
+        call_sig = signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds])
+        self._begin(previous_event)
         T = h.num_tokens
         out = torch.empty((T, H), dtype=torch.bfloat16, device=self.device)
         wout = torch.empty((T, K), dtype=torch.float32, device=self.device) if w is not None else None
@@ -739,13 +883,19 @@ class Buffer:
         area = self._comm.data
         x_words = xv.view(torch.int32)
         w_words = w.view(torch.int32) if w is not None else None
+        # Rounds, each a send launch then a reduce launch; ranks wait for each other on the device.
         for k in range(rounds):
             lo, hi = k * cap, (k + 1) * cap
-            if k:
-                yield f"combine/free round {k}"
-            kernels.combine_send(x_words, w_words, h.num_recv_tokens, prefix, comb_base, self._delta_words,
-                                 area.view(torch.int32), lo, hi, rb // 4)
-            yield f"combine/data round {k}"
-            kernels.combine_reduce(area, h[5], send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,
-                                   first=k == 0, last=k == rounds - 1)
-        return out, wout, self._event(async_finish)
+            yield f"combine/send round {k}"
+            with self._comm_ctx(), self._sig.watch():
+                kernels.combine_send(x_words, w_words, h.num_recv_tokens, prefix, comb_base, self._delta_words,
+                                     area.view(torch.int32), lo, hi, rb // 4, signals=self._sig_args, rnd=k,
+                                     sig=call_sig)
+            yield f"combine/reduce round {k}"
+            with self._comm_ctx(), self._sig.watch():
+                kernels.combine_reduce(area, h[5], send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,
+                                       first=k == 0, last=k == rounds - 1, signals=self._sig_args, rnd=k,
+                                       sig=call_sig, advance=rounds if k == rounds - 1 else 0)
+        event = self._end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
+        self.check()
+        return out, wout, event

@@ -1,7 +1,7 @@
 """``Config`` and ``EventOverlap``: DeepEP V1's tuning record and event wrapper, in Python."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -76,14 +76,20 @@ class EventOverlap:
     Args:
         event: a ``torch.cuda.Event`` or ``None``.
         extra_tensors: tensors kept alive until the event is waited on.
+        check: called before every wait (a Buffer's ``check``: errors its kernels recorded raise here).
     """
 
-    def __init__(self, event: Optional[Any] = None, extra_tensors: Optional[tuple] = None) -> None:
+    def __init__(self, event: Optional[Any] = None, extra_tensors: Optional[tuple] = None,
+                 check: Optional[Callable[[], None]] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
+        self._check = check
 
     def current_stream_wait(self) -> None:
-        """Make the current CUDA stream wait for the event (no-op without one)."""
+        """Make the current CUDA stream wait for the event (no-op without one), after raising any error
+        the Buffer's kernels have recorded (``Buffer.check()``)."""
+        if self._check is not None:
+            self._check()
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 

@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import flags
 from ._util import pow2, tuning
+from .dispatch import _grid, _use_clock, sync_args
 
 
 @triton.jit
@@ -33,78 +35,102 @@ def _bf16_rtne_bits(v):
 
 @triton.jit
 def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi,
+                         hdr, hdr_delta, host, k, sig, me, timeout_ns,
+                         SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                          WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
                          HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                          BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    g = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    # The source rank of received row g: how many groups end at or before g.
-    src = tl.zeros([BLOCK_T], dtype=tl.int64)
-    for i in tl.static_range(R):
-        src += (g >= tl.load(prefix_ptr + i)).to(tl.int64)
-    mg = (g < n_rows) & (src < R)
-    start = tl.load(prefix_ptr + src - 1, mask=mg & (src > 0), other=0)
-    slot = tl.load(comb_base_ptr + src, mask=mg, other=0) + g - start
-    m = mg & (slot >= lo) & (slot < hi)
-    row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + src, mask=m, other=0), 4) + (slot - lo) * REC
-    for w0 in range(0, WX, BLOCK_W):
-        ow = w0 + tl.arange(0, BLOCK_W)
-        mw = m[:, None] & (ow[None, :] < WX)
-        tl.store(row[:, None] + ow[None, :], tl.load(x_ptr + g[:, None] * WX + ow[None, :], mask=mw), mask=mw)
-    if HAS_W:
-        ok = tl.arange(0, BLOCK_K)
-        mk = m[:, None] & (ok[None, :] < K)
-        tl.store(row[:, None] + WX + ok[None, :], tl.load(w_ptr + g[:, None] * K + ok[None, :], mask=mk), mask=mk)
+    # Round n: wait until every source rank has moved round n - 1 out of its area.
+    if SYNC:
+        n = tl.load(hdr + flags.W_BASE) + k + 1
+        go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_COMBINE_SEND, n, timeout_ns, R,
+                                       USE_CLOCK)
+        n_rows = tl.where(go, n_rows, 0)
+    # Programs take row blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
+    for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0)):
+        g = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
+        # The source rank of received row g: how many groups end at or before g.
+        src = tl.zeros([BLOCK_T], dtype=tl.int64)
+        for i in tl.static_range(R):
+            src += (g >= tl.load(prefix_ptr + i)).to(tl.int64)
+        mg = (g < n_rows) & (src < R)
+        start = tl.load(prefix_ptr + src - 1, mask=mg & (src > 0), other=0)
+        slot = tl.load(comb_base_ptr + src, mask=mg, other=0) + g - start
+        m = mg & (slot >= lo) & (slot < hi)
+        row = rec_ptr + tl.multiple_of(tl.load(delta_ptr + src, mask=m, other=0), 4) + (slot - lo) * REC
+        for w0 in range(0, WX, BLOCK_W):
+            ow = w0 + tl.arange(0, BLOCK_W)
+            mw = m[:, None] & (ow[None, :] < WX)
+            tl.store(row[:, None] + ow[None, :], tl.load(x_ptr + g[:, None] * WX + ow[None, :], mask=mw), mask=mw)
+        if HAS_W:
+            ok = tl.arange(0, BLOCK_K)
+            mk = m[:, None] & (ok[None, :] < K)
+            tl.store(row[:, None] + WX + ok[None, :], tl.load(w_ptr + g[:, None] * K + ok[None, :], mask=mk), mask=mk)
+    # The last program tells every source rank that round n is in its area.
+    if SYNC:
+        flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
 
 
 @triton.jit
 def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                            acc_ptr, out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr,
+                           hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
+                           SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                            H: tl.constexpr, K: tl.constexpr, REC_H: tl.constexpr, REC_F: tl.constexpr,
                            R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr,
                            FINAL: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mt = t < T
-    for h0 in range(0, H, BLOCK_H):
-        oh = h0 + tl.arange(0, BLOCK_H)
-        mth = mt[:, None] & (oh[None, :] < H)
-        if LOAD_ACC:
-            acc = tl.load(acc_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0)
-        else:
-            acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        for r in tl.static_range(R):
-            pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
-            slot = tl.load(send_base_ptr + r) + pos
-            m = (pos >= 0) & (slot >= lo) & (slot < hi)
-            v = tl.load(rec_h_ptr + (slot - lo)[:, None] * REC_H + oh[None, :], mask=m[:, None] & mth, other=0.0)
-            acc += v.to(tl.float32)
-        if STORE_ACC:
-            tl.store(acc_ptr + t[:, None] * H + oh[None, :], acc, mask=mth)
-        if FINAL:
-            if HAS_B0:
-                acc += tl.load(b0_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0).to(tl.float32)
-            if HAS_B1:
-                acc += tl.load(b1_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0).to(tl.float32)
-            tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mth)
-    if HAS_W:
-        ok = tl.arange(0, BLOCK_K)
-        mtk = mt[:, None] & (ok[None, :] < K)
-        if LOAD_ACC:
-            wacc = tl.load(wacc_ptr + t[:, None] * K + ok[None, :], mask=mtk, other=0.0)
-        else:
-            wacc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        for r in tl.static_range(R):
-            pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
-            slot = tl.load(send_base_ptr + r) + pos
-            m = (pos >= 0) & (slot >= lo) & (slot < hi)
-            wacc += tl.load(rec_f_ptr + (slot - lo)[:, None] * REC_F + (H // 2) + ok[None, :],
-                            mask=m[:, None] & mtk, other=0.0)
-        if STORE_ACC:
-            tl.store(wacc_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
-        if FINAL:
-            tl.store(wout_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
+    # Round n: wait until every destination rank has returned its rows of round n here.
+    if SYNC:
+        n = tl.load(hdr + flags.W_BASE) + k + 1
+        go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_COMBINE_RECV, n, timeout_ns, R,
+                                    USE_CLOCK)
+        T = tl.where(go, T, 0)
+    # Programs take token blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
+    for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
+        mt = t < T
+        for h0 in range(0, H, BLOCK_H):
+            oh = h0 + tl.arange(0, BLOCK_H)
+            mth = mt[:, None] & (oh[None, :] < H)
+            if LOAD_ACC:
+                acc = tl.load(acc_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0)
+            else:
+                acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for r in tl.static_range(R):
+                pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+                slot = tl.load(send_base_ptr + r) + pos
+                m = (pos >= 0) & (slot >= lo) & (slot < hi)
+                v = tl.load(rec_h_ptr + (slot - lo)[:, None] * REC_H + oh[None, :], mask=m[:, None] & mth, other=0.0)
+                acc += v.to(tl.float32)
+            if STORE_ACC:
+                tl.store(acc_ptr + t[:, None] * H + oh[None, :], acc, mask=mth)
+            if FINAL:
+                if HAS_B0:
+                    acc += tl.load(b0_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0).to(tl.float32)
+                if HAS_B1:
+                    acc += tl.load(b1_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0).to(tl.float32)
+                tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mth)
+        if HAS_W:
+            ok = tl.arange(0, BLOCK_K)
+            mtk = mt[:, None] & (ok[None, :] < K)
+            if LOAD_ACC:
+                wacc = tl.load(wacc_ptr + t[:, None] * K + ok[None, :], mask=mtk, other=0.0)
+            else:
+                wacc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+            for r in tl.static_range(R):
+                pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+                slot = tl.load(send_base_ptr + r) + pos
+                m = (pos >= 0) & (slot >= lo) & (slot < hi)
+                wacc += tl.load(rec_f_ptr + (slot - lo)[:, None] * REC_F + (H // 2) + ok[None, :],
+                                mask=m[:, None] & mtk, other=0.0)
+            if STORE_ACC:
+                tl.store(wacc_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
+            if FINAL:
+                tl.store(wout_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
+    # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
+    if SYNC:
+        flags.finish_recv(hdr, n, advance, USE_ASM)
 
 
 def record_bytes(hidden: int, k: int) -> int:
@@ -114,7 +140,7 @@ def record_bytes(hidden: int, k: int) -> int:
 
 def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
                  comb_base: torch.Tensor, delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int,
-                 rec_words: int) -> None:
+                 rec_words: int, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0) -> None:
     """Return this rank's received rows ``[0, n_rows)`` to their source ranks' combine areas (slots ``[lo, hi)``).
 
     Args:
@@ -124,15 +150,20 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
         prefix: ``[R]`` int64, column of ``rank_prefix_matrix`` for this rank (cumulative rows by source).
         comb_base: ``[R]`` int64, where this rank's block starts in each source's combine area.
         delta_words: ``[R]`` int64 peer-minus-local buffer distances in words; ``rec``: int32 local buffer.
+        signals, rnd, sig: the round's signalling (``rnd``: the round within the call), as in
+            :func:`triton_ep.kernels.dispatch.dispatch_send`.
+
+    The launch always runs (a rank with nothing to return still releases its round).
     """
-    if n_rows <= 0:
-        return
+    n_rows = max(n_rows, 0)
     wx = x_words.shape[1]
     k = weight_words.shape[1] if weight_words is not None else 0
     cfg = tuning("combine_send")
     bt, bw = cfg["block_t"], pow2(min(wx, cfg["block_w"]))
-    _combine_send_kernel[(triton.cdiv(n_rows, bt),)](
+    _combine_send_kernel[(_grid(triton.cdiv(n_rows, bt), signals),)](
         x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
+        *sync_args(signals, rnd, sig, x_words), SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
+        USE_ASM=_use_clock(signals),
         WX=wx, K=k, REC=rec_words, R=prefix.shape[0], HAS_W=weight_words is not None,
         BLOCK_T=bt, BLOCK_W=bw, BLOCK_K=pow2(k), num_warps=cfg["num_warps"])
 
@@ -140,7 +171,8 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
 def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.Tensor, lo: int, hi: int,
                    hidden: int, k: int, rec_bytes: int, acc: Optional[torch.Tensor], out: torch.Tensor,
                    biases: Sequence[torch.Tensor], wacc: Optional[torch.Tensor], wout: Optional[torch.Tensor],
-                   first: bool, last: bool) -> None:
+                   first: bool, last: bool, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
+                   advance: int = 0) -> None:
     """Add the slots ``[lo, hi)`` of the local combine area into each token's sum.
 
     Args:
@@ -151,18 +183,21 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
             ``[T, H]`` bf16, written in the last round (after ``biases``, each ``[T, H]`` bf16, in order).
         wacc, wout: the same for the ``[T, K]`` fp32 weights, or ``None``.
         first, last: whether this is the first / last round.
+        signals, rnd, sig: the round's signalling; advance: the call's rounds in its last round, else 0.
+
+    The launch always runs (it frees this rank's area for the next round).
     """
     T = send_pos.shape[0]
-    if T == 0:
-        return
     cfg = tuning("combine_reduce")
     bt, bh = cfg["block_t"], pow2(min(hidden, cfg["block_h"]))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
-    _combine_reduce_kernel[(triton.cdiv(T, bt),)](
+    _combine_reduce_kernel[(_grid(triton.cdiv(T, bt), signals),)](
         area.view(torch.bfloat16), area.view(torch.float32), send_pos, send_base, T, lo, hi,
         acc if acc is not None else out, out.view(torch.int16), b0, b1,
         wacc if wacc is not None else out, wout if wout is not None else out,
+        *sync_args(signals, rnd, sig, out), advance, SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
+        USE_ASM=_use_clock(signals),
         H=hidden, K=k, REC_H=rec_bytes // 2, REC_F=rec_bytes // 4, R=send_pos.shape[1],
         LOAD_ACC=not first, STORE_ACC=not last, FINAL=last, HAS_B0=len(biases) > 0, HAS_B1=len(biases) > 1,
         HAS_W=wout is not None, BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(k), num_warps=cfg["num_warps"])

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import flags
 from ._util import num_sms, pow2, tuning
 
 
@@ -37,11 +38,20 @@ def _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, mt, r, lo, hi,
 @triton.jit
 def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
                           T, lo, hi, num_experts,
+                          hdr, hdr_delta, host, k, sig, me, timeout_ns,
+                          SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                           WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
                           R: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr,
                           STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
+    # Round n of the Buffer: wait until every receiver has moved round n - 1 out of its area. A program
+    # that may not write (an error, now or earlier) moves nothing.
+    if SYNC:
+        n = tl.load(hdr + flags.W_BASE) + k + 1
+        go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_DISPATCH_SEND, n, timeout_ns, R,
+                                       USE_CLOCK)
+        T = tl.where(go, T, 0)
     # Programs take token blocks pid, pid + P, ... (P = the grid; one block each unless the grid is capped).
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
@@ -87,40 +97,76 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
                     tl.store(row[:, None] + (WX + S + K) + ok[None, :], wb, mask=mk)
             if HAS_SRC:
                 tl.store(row + (WX + S + 2 * K), t.to(tl.int32), mask=m)
+    # The launch's last program tells every receiver that round n is in its area.
+    if SYNC:
+        flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
 
 
 @triton.jit
 def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
+                          hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
+                          R: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                           WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
                           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                           HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    m = i < n_rows
-    row = rec_ptr + i * REC
-    out = lo + i
-    for w0 in range(0, WX, BLOCK_W):
-        ow = w0 + tl.arange(0, BLOCK_W)
-        mw = m[:, None] & (ow[None, :] < WX)
-        tl.store(out_x_ptr + out[:, None] * WX + ow[None, :], tl.load(row[:, None] + ow[None, :], mask=mw), mask=mw)
-    if HAS_SCALES:
-        os_ = tl.arange(0, BLOCK_S)
-        ms = m[:, None] & (os_[None, :] < S)
-        tl.store(out_sc_ptr + out[:, None] * S + os_[None, :], tl.load(row[:, None] + WX + os_[None, :], mask=ms),
-                 mask=ms)
-    if HAS_TOPK:
-        ok = tl.arange(0, BLOCK_K)
-        mk = m[:, None] & (ok[None, :] < K)
-        g = tl.load(row[:, None] + (WX + S) + ok[None, :], mask=mk, other=-1).to(tl.int64)
-        here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
-        tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1), mask=mk)
-        if HAS_W:
-            wb = tl.load(row[:, None] + (WX + S + K) + ok[None, :], mask=mk, other=0)
-            tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mk)
-    if HAS_SRC:
-        tl.store(out_src_ptr + out, tl.load(row + (WX + S + 2 * K), mask=m), mask=m)
+    # Round n: wait until every sender has released it here, with the signature of this call.
+    if SYNC:
+        n = tl.load(hdr + flags.W_BASE) + k + 1
+        go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
+                                    USE_CLOCK)
+        n_rows = tl.where(go, n_rows, 0)
+    # Programs take row blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
+    for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0)):
+        i = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
+        m = i < n_rows
+        row = rec_ptr + i * REC
+        out = lo + i
+        for w0 in range(0, WX, BLOCK_W):
+            ow = w0 + tl.arange(0, BLOCK_W)
+            mw = m[:, None] & (ow[None, :] < WX)
+            tl.store(out_x_ptr + out[:, None] * WX + ow[None, :], tl.load(row[:, None] + ow[None, :], mask=mw), mask=mw)
+        if HAS_SCALES:
+            os_ = tl.arange(0, BLOCK_S)
+            ms = m[:, None] & (os_[None, :] < S)
+            tl.store(out_sc_ptr + out[:, None] * S + os_[None, :], tl.load(row[:, None] + WX + os_[None, :], mask=ms),
+                     mask=ms)
+        if HAS_TOPK:
+            ok = tl.arange(0, BLOCK_K)
+            mk = m[:, None] & (ok[None, :] < K)
+            g = tl.load(row[:, None] + (WX + S) + ok[None, :], mask=mk, other=-1).to(tl.int64)
+            here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
+            tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1), mask=mk)
+            if HAS_W:
+                wb = tl.load(row[:, None] + (WX + S + K) + ok[None, :], mask=mk, other=0)
+                tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mk)
+        if HAS_SRC:
+            tl.store(out_src_ptr + out, tl.load(row + (WX + S + 2 * K), mask=m), mask=m)
+    # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
+    if SYNC:
+        flags.finish_recv(hdr, n, advance, USE_ASM)
+
+
+def sync_args(signals: Optional[dict], rnd: int, sig: int, like: torch.Tensor) -> tuple:
+    """The signalling arguments every signalling launch passes, in the kernels' order. ``signals`` None
+    runs the kernel alone, without flags (benchmarks and tests of one kernel): ``like`` fills the
+    pointer slots."""
+    if signals is None:
+        return (like, like, like, 0, 0, 0, 0)
+    return (signals["hdr"], signals["hdr_delta"], signals["host"], rnd, sig, signals["me"], signals["timeout_ns"])
+
+
+def _grid(blocks: int, signals: Optional[dict]) -> int:
+    """Programs of a signalling launch: one per block, at least one (a launch always releases its round),
+    at most ``signals["max_programs"]`` where ranks share a GPU (programs loop over the blocks), so
+    spinning programs never take the multiprocessors the launches they wait for need."""
+    cap = signals.get("max_programs") if signals is not None else None
+    return max(min(blocks, cap) if cap else blocks, 1)
+
+
+def _use_clock(signals: Optional[dict]) -> bool:
+    return bool(signals is not None and signals["use_clock"])
 
 
 def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
@@ -140,7 +186,7 @@ def _blocks(kernel: str, wx: int):
 def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                   weight_words: Optional[torch.Tensor], send_pos: torch.Tensor, row_base: torch.Tensor,
                   delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int, num_experts: int,
-                  rec_words: int, with_src: bool) -> None:
+                  rec_words: int, with_src: bool, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0) -> None:
     """Write this rank's records for receive rows ``[lo, hi)`` into every receiver's buffer.
 
     Args:
@@ -154,23 +200,28 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
         rec: int32 view of the local buffer (the base every delta is relative to).
         lo, hi: the receive-row window of this round; ``rec_words``: the record width; ``with_src``:
             write the source token index (every non-cached dispatch).
+        signals: :meth:`triton_ep.transport.signals.Signals.kernel_args` (``None``: the kernel alone, no
+            flags, as benchmarks and single-kernel tests run it); rnd: the round within the call;
+            sig: the call's signature (:func:`~triton_ep.transport.signals.call_signature`).
+
+    The launch always runs (a rank with nothing to send still releases its round).
     """
     T, wx = x_words.shape
-    if T == 0:
-        return
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
     cfg = tuning("dispatch_send")
     bt, bw, nw = _blocks("dispatch_send", wx)
     split = bool(cfg.get("split_w", 0))
-    blocks = triton.cdiv(T, bt)
+    blocks = _grid(triton.cdiv(T, bt), signals)
     if cfg.get("programs_per_sm", 0):
         blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(x_words.device))
     dummy = x_words
     _dispatch_send_kernel[(blocks, triton.cdiv(wx, bw) if split else 1)](
         x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
         send_pos, row_base, delta_words, rec, T, lo, hi, num_experts,
+        *sync_args(signals, rnd, sig, x_words), SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
+        USE_ASM=_use_clock(signals),
         WX=wx, S=s, K=k, REC=rec_words, R=R, HAS_SCALES=scale_words is not None, HAS_TOPK=topk_idx is not None,
         HAS_W=weight_words is not None, HAS_SRC=with_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k),
         SPLIT_W=split, EVEN_W=wx % bw == 0, STORE_CACHE=cfg.get("store_cache", ""),
@@ -180,22 +231,26 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
 def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_per_rank: int, wx: int, s: int,
                   k: int, rec_words: int, out_x: torch.Tensor, out_scales: Optional[torch.Tensor],
                   out_idx: Optional[torch.Tensor], out_weights: Optional[torch.Tensor],
-                  out_src: Optional[torch.Tensor]) -> None:
+                  out_src: Optional[torch.Tensor], signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
+                  advance: int = 0) -> None:
     """Unpack ``n_rows`` records from the local buffer into output rows ``[lo, lo + n_rows)``.
 
     Global ids become local ids of this rank (``-1`` where the expert lives elsewhere) and their weights
     0 there. ``out_x`` is ``[N, WX]`` int32 words, ``out_scales`` ``[N, S]`` int32, ``out_idx`` ``[N, K]``
     int64 or ``None``, ``out_weights`` ``[N, K]`` int32 (weight bits) or ``None``, ``out_src`` ``[N]`` int32
-    or ``None``. ``k`` is 0 when the records carry no top-k.
+    or ``None``. ``k`` is 0 when the records carry no top-k. ``signals``, ``rnd``, ``sig``: as in
+    :func:`dispatch_send`; ``advance``: the call's rounds in its last round (the round counter moves on), else 0.
+    The launch always runs (it frees this rank's area for the next round).
     """
-    if n_rows <= 0:
-        return
+    n_rows = max(n_rows, 0)
     bt, bw, nw = _blocks("dispatch_recv", wx)
     dummy = out_x
     has_topk = out_idx is not None
-    _dispatch_recv_kernel[(triton.cdiv(n_rows, bt),)](
+    _dispatch_recv_kernel[(_grid(triton.cdiv(n_rows, bt), signals),)](
         rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
         out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
         out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,
+        *sync_args(signals, rnd, sig, rec), advance, R=signals["hdr_delta"].shape[0] if signals is not None else 1,
+        SYNC=signals is not None, USE_CLOCK=_use_clock(signals), USE_ASM=_use_clock(signals),
         WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=out_scales is not None, HAS_TOPK=has_topk,
         HAS_W=out_weights is not None, HAS_SRC=out_src is not None, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k), num_warps=nw)

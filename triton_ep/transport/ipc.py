@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EPError, EPTimeoutError
+from .signals import header_bytes
 
 #: int64 words of one rank's exchange slot beyond the per-rank and per-expert counts.
 SLOT_HEADER = 16
@@ -63,16 +64,31 @@ class Comm:
     """
 
     def __init__(self, rank: int, size: int, device: torch.device, peers: List[torch.Tensor], ctrl: torch.Tensor,
-                 timeout_s: float, slot_words: int, min_bytes: Optional[int] = None) -> None:
+                 timeout_s: float, slot_words: int, min_bytes: Optional[int] = None,
+                 ranks_on_device: int = 1) -> None:
         self.rank, self.size, self.device = rank, size, device
-        self.min_bytes = int(min_bytes if min_bytes is not None else min(p.numel() for p in peers))
-        self.peers = peers
-        self.data = peers[rank]
-        base = self.data.data_ptr()
+        #: ranks of the group whose buffers live on this rank's device (several ranks may share a GPU)
+        self.ranks_on_device = max(int(ranks_on_device), 1)
+        #: the most programs a waiting launch may occupy: with several ranks on one GPU, their spinning
+        #: programs must leave room for the launches they wait for (``None``: no cap)
+        self.max_programs = None
+        if device.type == "cuda" and self.ranks_on_device > 1:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self.max_programs = max(sms // (2 * self.ranks_on_device), 1)
+        hb = header_bytes(size)
+        self.min_bytes = int(min_bytes if min_bytes is not None else min(p.numel() - hb for p in peers))
+        # every buffer: [signal header | data area]; the same header size on every rank, so the distance
+        # between two ranks' data areas is that between their buffers
+        self.peers = [p[hb:] for p in peers]
+        self.peer_headers = [p[:hb].view(torch.int64) for p in peers]
+        self.data = self.peers[rank]
+        self.header = self.peer_headers[rank]
+        base = peers[rank].data_ptr()
         deltas = [p.data_ptr() - base for p in peers]
         if any(d % 16 for d in deltas):      # kernels rely on 16-byte aligned peer buffers
             raise EPError(f"rank {rank}: peer buffers are not 16-byte aligned (deltas {deltas})")
-        self.delta_bytes = torch.tensor(deltas, dtype=torch.int64, device=device)
+        with torch.inference_mode(False):
+            self.delta_bytes = torch.tensor(deltas, dtype=torch.int64, device=device)
         self._ctrl_tensor = ctrl
         self.ctrl = ctrl.view(torch.int64).numpy()
         self.timeout_s = float(timeout_s)
@@ -129,7 +145,9 @@ class Comm:
     def close(self) -> None:
         """Drop this rank's mappings (the memory is released once no tensor refers to it)."""
         self.peers = []
+        self.peer_headers = []
         self.data = None
+        self.header = None
         self.ctrl = None
         self._ctrl_tensor = None
 
@@ -199,6 +217,7 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
     """
     rank, size = group.rank(), group.size()
     num_bytes = max(4096, (int(num_bytes) + 4095) // 4096 * 4096)
+    hb = header_bytes(size)
     ctrl_bytes = 8 * (size + 2 * size * slot_words)
     tag = uuid.uuid4().hex[:16]
     d = _shm_dir()
@@ -210,11 +229,12 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
     try:
         ctrl = _map_file(ctrl_path, ctrl_bytes, create=True) if rank == 0 else None
         if device.type == "cuda":
-            data = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+            data = torch.empty(hb + num_bytes, dtype=torch.uint8, device=device)
+            data[:hb].zero_()        # the signal header starts at zero (peers look after the bootstrap barrier)
             # One share per consumer: PyTorch counts the consumers of each share and expects exactly one.
             mine = ("cuda", [pickle.dumps(_device_handle(data)) if r != rank else None for r in range(size)])
         else:
-            data = _map_file(data_path, num_bytes, create=True)
+            data = _map_file(data_path, hb + num_bytes, create=True)     # a new file reads zero
             mine = ("file", data_path)
         info = gather_objects(group, (socket.gethostname(), ctrl_path, mine, num_bytes, device.index), timeout_s,
                               "bootstrap: exchange buffer handles")
@@ -230,10 +250,11 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
             elif kind == "cuda":
                 peers.append(_open_device_handle(h[rank], device))
             else:
-                peers.append(_map_file(h, nb, create=False))
+                peers.append(_map_file(h, hb + nb, create=False))
         if device.type == "cuda":
             _check_peer_access(device, {torch.device("cuda", i[4]) for i in info})
-        comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info))
+        comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info),
+                    ranks_on_device=sum(1 for i in info if i[4] == device.index))
         comm.barrier("bootstrap/map buffers")
     finally:
         for path in (data_path, ctrl_path):
@@ -255,10 +276,16 @@ class LocalWorld:
     def __init__(self, size: int, num_bytes: int, slot_words: int, device: str = "cpu") -> None:
         num_bytes = max(4096, (int(num_bytes) + 4095) // 4096 * 4096)
         self.size = size
-        self.data = [torch.empty(num_bytes, dtype=torch.uint8, device=device) for _ in range(size)]
+        hb = header_bytes(size)
+        #: each rank's whole buffer (signal header, then data area) and its data area alone
+        self.buffers = [torch.empty(hb + num_bytes, dtype=torch.uint8, device=device) for _ in range(size)]
+        for b in self.buffers:
+            b[:hb].zero_()
+        self.data = [b[hb:] for b in self.buffers]
         self.ctrl = torch.zeros(8 * (size + 2 * size * slot_words), dtype=torch.uint8, device="cpu")
         self.slot_words = slot_words
         self.device = torch.device(device)
 
     def comm(self, rank: int) -> Comm:
-        return Comm(rank, self.size, self.device, self.data, self.ctrl, timeout_s=0.0, slot_words=self.slot_words)
+        return Comm(rank, self.size, self.device, self.buffers, self.ctrl, timeout_s=0.0, slot_words=self.slot_words,
+                    ranks_on_device=self.size)

@@ -1,0 +1,111 @@
+"""Device signalling: ranks wait for each other through flags their kernels release and acquire, every
+wait is bounded, errors are recorded by the kernels and raised by ``Buffer.check()``, and the host waits
+only where the contract allows (the counts of a non-cached dispatch)."""
+import pytest
+import torch
+
+import mp_cases
+import triton_ep
+from helpers import check_dispatch, make_inputs, raise_first, virtual_dispatch
+from triton_ep import buffer as buffer_mod
+from triton_ep import reference as ref
+from triton_ep.testing import VirtualGroup, run_ranks
+
+
+def _ok(results):
+    bad = [r for r in results if hasattr(r, "traceback")]
+    assert not bad, "\n".join(b.traceback or b.message for b in bad)
+    return results
+
+
+@pytest.fixture
+def meets(monkeypatch):
+    """Counts the host rendezvous of every call (each rank's, so R per collective meeting)."""
+    counter = {"n": 0}
+
+    class CountingMeet(buffer_mod._Meet):
+        def __new__(cls, stage):
+            counter["n"] += 1
+            return super().__new__(cls, stage)
+
+    monkeypatch.setattr(buffer_mod, "_Meet", CountingMeet)
+    return counter
+
+
+def test_host_waits_per_call(meets):
+    """A non-cached dispatch meets on the host once (for the counts); a cached dispatch and a combine
+    never do, however many rounds a small buffer needs: they only enqueue work."""
+    R, E = 3, 6
+    xs, idxs, ws = make_inputs(3, E, 2, 32, [9, 4, 7])
+    vg = VirtualGroup(R, 1024)                      # several rounds
+    res = virtual_dispatch(vg, xs, idxs, ws, E)
+    assert meets["n"] == R * 1
+    meets["n"] = 0
+    cached = raise_first(vg.call("dispatch", [dict(x=xs[r], handle=res[r][4]) for r in range(R)]))
+    comb = raise_first(vg.call("combine", [dict(x=res[r][0], handle=res[r][4]) for r in range(R)]))
+    assert meets["n"] == 0
+    exp = ref.dispatch(xs, idxs, ws, E)
+    assert all(torch.equal(cached[r][0], exp[r]["recv_x"]) for r in range(R))
+    want = ref.combine([e["recv_x"] for e in exp], exp, [9, 4, 7])
+    assert all(torch.equal(comb[r][0], want[r][0]) for r in range(R))
+
+
+def test_error_then_one_resync_then_correct(meets):
+    """A rank that rejects its combine arguments tells its peers through the device words: they raise
+    EPRemoteError in the same call without waiting; the next call meets once on the host to start the
+    round counters afresh and is correct again."""
+    R, E = 2, 4
+    xs, idxs, ws = make_inputs(5, E, 2, 16, [6, 5])
+    vg = VirtualGroup(R, 1 << 16)
+    res = virtual_dispatch(vg, xs, idxs, ws, E)
+    meets["n"] = 0
+    bad = vg.call("combine", [dict(x=res[0][0][:-1], handle=res[0][4]), dict(x=res[1][0], handle=res[1][4])])
+    assert isinstance(bad[0], ValueError) and "shape" in str(bad[0])
+    assert isinstance(bad[1], triton_ep.EPRemoteError) and "rank 0" in str(bad[1])
+    assert meets["n"] == 0
+    good = raise_first(vg.call("combine", [dict(x=res[r][0], handle=res[r][4]) for r in range(R)]))
+    assert meets["n"] == R                          # the re-synchronisation
+    exp = ref.dispatch(xs, idxs, ws, E)
+    want = ref.combine([e["recv_x"] for e in exp], exp, [6, 5])
+    assert all(torch.equal(good[r][0], want[r][0]) for r in range(R))
+    vg.buffers[0].check()                           # nothing left to raise
+    check_dispatch(virtual_dispatch(vg, xs, idxs, ws, E), exp)
+
+
+def test_check_raises_each_record_once():
+    """``Buffer.check()`` raises a recorded error once; a clean Buffer's check raises nothing."""
+    R, E = 2, 4
+    xs, idxs, ws = make_inputs(6, E, 2, 16, [3, 4])
+    vg = VirtualGroup(R, 1 << 16)
+    res = virtual_dispatch(vg, xs, idxs, ws, E)
+    for b in vg.buffers:
+        b.check()
+    out = vg.call("combine", [dict(x=res[0][0], handle=res[0][4]), dict(x=res[1][0][:-1], handle=res[1][4])])
+    assert isinstance(out[0], triton_ep.EPRemoteError) and isinstance(out[1], ValueError)
+    vg.buffers[0].check()                           # already raised by the call
+
+
+@pytest.mark.multiprocess
+def test_kernel_side_timeout_then_late_peer_raises_at_once():
+    """Rank 1 reaches combine only after rank 0 gave up: rank 0's kernels waited on the device and it
+    raises EPTimeoutError naming rank 1 and the combine stage within timeout_s + 5 s; rank 1 raises at
+    once that rank 0 left the group (not after its own timeout); later calls on both refuse at once."""
+    out = _ok(run_ranks(mp_cases.late_peer_combine, 2, 2.0))
+    name, peer, stage, waited, text, later = out[0]
+    assert name == "EPTimeoutError" and peer == 1 and stage.startswith("combine"), out[0]
+    assert 2.0 <= waited < 7.0, waited
+    name, _, _, waited, text, later1 = out[1]
+    assert name == "EPRemoteError" and "rank 0 timed out" in text and "left the group" in text, out[1]
+    assert waited < 1.5, waited
+    assert later == "EPError" and later1 in ("EPError", "EPRemoteError"), (later, later1)
+
+
+def test_ranks_combining_different_widths_raise_on_every_rank():
+    """Rank 0 returns rows of another width than rank 1: the call signatures differ, and each rank's
+    kernels see it in the words its peer stored: both raise ValueError, nothing is reduced."""
+    R, E = 2, 4
+    xs, idxs, ws = make_inputs(5, E, 2, 16, [6, 5])
+    vg = VirtualGroup(R, 1 << 16)
+    res = virtual_dispatch(vg, xs, idxs, ws, E)
+    out = vg.call("combine", [dict(x=res[0][0][:, :8], handle=res[0][4]), dict(x=res[1][0], handle=res[1][4])])
+    assert all(isinstance(o, ValueError) and "all ranks must agree" in str(o) for o in out), out

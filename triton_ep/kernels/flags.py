@@ -1,0 +1,254 @@
+"""Device-side flags: the words kernels release and acquire to signal each other across ranks.
+
+Every rank's shared buffer starts with a *signal header* of int64 words, laid out below. A kernel on
+rank ``s`` writes into rank ``d``'s header through the same peer mapping it writes data through
+(``hdr + hdr_delta[d]``); a kernel reads its own header locally. Round numbers grow by one for every
+transfer round any collective of the Buffer runs, identically on every rank, and live in device memory
+(``W_BASE``): a graph replay advances them as a live call does.
+
+Protocol of round ``n`` (every collective round: a *send* launch, then a *receive* launch):
+
+- the send launch waits until every peer ``d`` has consumed round ``n - 1`` out of its area
+  (``d.CONSUMED >= n - 1``), writes its data into the peers' areas, and its last program stores its call
+  signature into ``d.SIG[s]`` and then releases ``d.READY[s] = n``;
+- the receive launch waits for ``READY[s] >= n`` from every peer, compares ``SIG[s]`` with its own, moves
+  the rows out, and its last program releases ``CONSUMED = n`` (and, in the call's last round, advances
+  ``BASE`` by the call's rounds).
+
+No program waits for a program of its own launch (Triton's interpreter runs them one after another),
+and a send of round ``n`` waits only for receives of round ``n - 1``, which each rank launches before
+its send of round ``n``: there is no wait cycle.
+
+Every wait is bounded. On GPU a wait reads ``%globaltimer`` and gives up after ``timeout_ns``; under the
+interpreter (no clock) a host watchdog sets the host block's abort word. A wait also ends when the
+awaited peer says it failed (``FAILED[s]``) or gave up (``GONE[s]``). A wait that ends badly writes an
+*error record* into the host-visible block (first error wins), marks the local header (``W_ERR``) and
+tells every peer (``FAILED[me]`` or ``GONE[me]`` in their headers). Once ``W_ERR`` is set, later launches
+skip their waits and move nothing until the host re-synchronises the group.
+"""
+import triton
+import triton.language as tl
+
+# ---- the signal header (int64 words), per rank; R = group size ----
+W_BASE = 0          #: rounds this rank has completed (advanced by its kernels)
+W_CONSUMED = 1      #: last round whose data this rank has moved out of its own area
+W_DONE = 2          #: programs of the running launch that have finished (last-program counter)
+W_ERR = 3           #: nonzero once this rank holds an error record (device-side mirror)
+W_FIXED = 8         #: words before the per-peer arrays
+
+
+def off_ready(R):
+    """``READY[s]``: last round rank ``s`` has finished writing into this rank's area."""
+    return W_FIXED
+
+
+def off_sig(R):
+    """``SIG[s]``: signature of rank ``s``'s current call (stored before ``READY[s]``)."""
+    return W_FIXED + R
+
+
+def off_failed(R):
+    """``FAILED[s]``: set when rank ``s`` failed a call, to :func:`failure_word` of the round and the kind
+    (``E_MISMATCH`` when it found that ranks called different operations, else ``E_FAILED``)."""
+    return W_FIXED + 2 * R
+
+
+def failure_word(round_no, kind):
+    """The ``FAILED`` word for a failure of kind ``kind`` in round ``round_no`` (kinds are < 8)."""
+    return round_no.to(tl.int64) * 8 + kind
+
+
+def off_gone(R):
+    """``GONE[s]``: stage code + 1 once rank ``s`` gave up after a timeout (permanent)."""
+    return W_FIXED + 3 * R
+
+
+def header_words(R):
+    """int64 words of one rank's signal header."""
+    return W_FIXED + 4 * R
+
+
+# ---- the host-visible block (int64 words): pinned host memory on GPU, plain memory on CPU ----
+H_ABORT = 0         #: set by the host watchdog (interpreter): every wait gives up
+H_LOCK = 1          #: first error wins this word
+H_KIND = 2          #: error kind, written last (release)
+H_PEER = 3
+H_STAGE = 4
+H_CALL = 5          #: the round the error happened in
+H_WORDS = 8
+
+# error kinds
+E_TIMEOUT = 1       #: a wait for ``peer`` ran out of time
+E_GONE = 2          #: ``peer`` gave up after a timeout of its own
+E_FAILED = 3        #: ``peer`` failed the call (bad arguments there, or an error of its own)
+E_MISMATCH = 4      #: ``peer`` called another operation, handle or sizes
+
+# stages (error records name them; 0 = unknown)
+STAGE_DISPATCH_SEND = 1
+STAGE_DISPATCH_RECV = 2
+STAGE_COMBINE_SEND = 3
+STAGE_COMBINE_RECV = 4
+
+
+@triton.jit
+def _now_ns(USE_CLOCK: tl.constexpr):
+    """GPU global timer in nanoseconds; 0 under the interpreter (which has no clock)."""
+    if USE_CLOCK:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    else:
+        t = tl.full([], 0, tl.int64)
+    return t
+
+
+@triton.jit
+def fence_all_threads(USE_ASM: tl.constexpr):
+    """A system-scope fence in every thread of the program (GPU; a no-op under the interpreter, whose
+    programs run one after another): orders this thread's earlier stores before a later release."""
+    if USE_ASM:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [tl.arange(0, 1024)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def acquire(ptr):
+    """Read an int64 flag with acquire semantics at system scope."""
+    return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def release(ptr, value):
+    """Store an int64 flag with release semantics at system scope."""
+    tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexpr):
+    """Record an error (first one wins), mark this rank's header and tell every peer: ``GONE[me]`` after
+    a timeout (this rank leaves the group), ``FAILED[me]`` otherwise."""
+    zero = tl.full([], 0, tl.int64)
+    kind, peer, stage, call = zero + kind, zero + peer, zero + stage, zero + call
+    if tl.atomic_cas(host + H_LOCK, 0, 1, sem="acq_rel", scope="sys") == 0:
+        tl.store(host + H_PEER, peer)
+        tl.store(host + H_STAGE, stage)
+        tl.store(host + H_CALL, call)
+        release(host + H_KIND, kind)
+    release(hdr + W_ERR, kind)
+    for r in tl.static_range(R):
+        if r != me:
+            if kind == E_TIMEOUT:
+                release(hdr + tl.load(hdr_delta + r) + off_gone(R) + me, stage + 1)
+            else:       # a mismatch stays a mismatch where the peer reads it; anything else: "failed"
+                release(hdr + tl.load(hdr_delta + r) + off_failed(R) + me,
+                        failure_word(call, tl.where(kind == E_MISMATCH, E_MISMATCH, E_FAILED)))
+
+
+@triton.jit
+def _peer_status(hdr, peer, R: tl.constexpr):
+    """``E_GONE``, ``E_MISMATCH`` or ``E_FAILED`` when ``peer`` said so in this rank's header, else 0."""
+    gone = tl.load(hdr + off_gone(R) + peer, volatile=True)
+    failed = tl.load(hdr + off_failed(R) + peer, volatile=True)
+    # a failure word counts only for this call (its round is past the rounds this rank has completed):
+    # words of earlier calls, or posted late across a re-synchronisation, are ignored
+    kind = tl.where((failed >> 3) > tl.load(hdr + W_BASE, volatile=True), failed & 7, 0)
+    return tl.where(gone != 0, E_GONE, kind).to(tl.int32)
+
+
+@triton.jit
+def wait_at_least(flag, want, hdr, host, peer, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """Spin until ``*flag >= want`` (acquire). Returns 0, or the error kind that ended the wait: the
+    peer's ``GONE``/``FAILED`` word in this rank's header (looked at first: a peer that left or failed
+    the call is not waited for, even where its flag already moved), or the bound (``%globaltimer`` on
+    GPU, the host watchdog's abort word under the interpreter)."""
+    status = _peer_status(hdr, peer, R)
+    v = acquire(flag)
+    t0 = _now_ns(USE_CLOCK)
+    while (v < want) & (status == 0):
+        status = _peer_status(hdr, peer, R)
+        if USE_CLOCK:
+            if _now_ns(USE_CLOCK) - t0 > timeout_ns:
+                status = tl.maximum(status, E_TIMEOUT)
+        elif tl.load(host + H_ABORT, volatile=True) != 0:
+            status = tl.maximum(status, E_TIMEOUT)
+        v = acquire(flag)
+    return status
+
+
+@triton.jit
+def wait_peers_consumed(hdr, hdr_delta, host, want, me, stage, call, timeout_ns, R: tl.constexpr,
+                        USE_CLOCK: tl.constexpr):
+    """Send side of a round: wait until every peer has moved round ``want`` out of its area (it is free
+    to be written). Returns True when the program may move data."""
+    bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
+    for r in tl.static_range(R):
+        if (bad == 0) & (r != me):
+            st = wait_at_least(hdr + tl.load(hdr_delta + r) + W_CONSUMED, want, hdr, host, r, timeout_ns, R,
+                               USE_CLOCK)
+            if st != 0:
+                _post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
+            bad = bad + st
+    return bad == 0
+
+
+@triton.jit
+def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_ns, R: tl.constexpr,
+                     USE_CLOCK: tl.constexpr):
+    """Receive side of a round: wait for ``READY[s] >= want`` from every peer and check each one's call
+    signature against ``sig``. Returns True when the program may move data."""
+    bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
+    for r in tl.static_range(R):
+        if (bad == 0) & (r != me):
+            st = wait_at_least(hdr + off_ready(R) + r, want, hdr, host, r, timeout_ns, R, USE_CLOCK)
+            # a peer whose part arrived with another signature called another operation (it may also
+            # have said it failed: having found the same mismatch first); that is the error to name
+            arrived = (st == 0) | ((st == E_FAILED) & (acquire(hdr + off_ready(R) + r) >= want))
+            if arrived & (tl.load(hdr + off_sig(R) + r, volatile=True) != sig):
+                st = tl.full([], E_MISMATCH, tl.int32)
+            if st != 0:
+                _post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
+            bad = bad + st
+    return bad == 0
+
+
+@triton.jit
+def _post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.constexpr):
+    """A wait for ``peer`` ended with status ``st``: record it. For a peer that gave up, the record
+    names the peer's own stage (from its ``GONE`` word)."""
+    gone_stage = tl.load(hdr + off_gone(R) + peer, volatile=True) - 1
+    post_error(hdr, hdr_delta, host, st, peer, tl.where(st == E_GONE, gone_stage, stage), call, me, R)
+
+
+@triton.jit
+def last_program(hdr, USE_ASM: tl.constexpr):
+    """Count this program as finished; True in the launch's last program to finish (which then resets
+    the counter). Every earlier program's stores are ordered before the count it adds."""
+    fence_all_threads(USE_ASM)
+    tl.debug_barrier()
+    n = tl.num_programs(0) * tl.num_programs(1)
+    done = tl.atomic_add(hdr + W_DONE, 1, sem="acq_rel", scope="gpu")
+    last = done == n - 1
+    if last:
+        tl.store(hdr + W_DONE, 0)
+    return last
+
+
+@triton.jit
+def finish_send(hdr, hdr_delta, round_no, sig, me, R: tl.constexpr, USE_ASM: tl.constexpr):
+    """End of a send launch: the last program publishes the call signature and ``READY[me] = round_no``
+    in every peer's header (unless this rank holds an error: then peers learn it from ``FAILED``)."""
+    if last_program(hdr, USE_ASM):
+        if tl.load(hdr + W_ERR, volatile=True) == 0:
+            for r in tl.static_range(R):
+                peer = hdr + tl.load(hdr_delta + r)
+                tl.store(peer + off_sig(R) + me, sig)
+                release(peer + off_ready(R) + me, round_no)
+
+
+@triton.jit
+def finish_recv(hdr, round_no, advance, USE_ASM: tl.constexpr):
+    """End of a receive launch: the last program releases ``CONSUMED = round_no`` (this rank's area is
+    free again) and advances ``BASE`` by ``advance`` (the call's rounds, in its last round; else 0)."""
+    if last_program(hdr, USE_ASM):
+        if advance != 0:
+            tl.store(hdr + W_BASE, tl.load(hdr + W_BASE) + advance)
+        release(hdr + W_CONSUMED, round_no)

@@ -1,0 +1,192 @@
+"""Host side of the device signalling: one rank's signal header, its error records and their errors.
+
+The kernels release and acquire flags in each rank's signal header (the word layout and the device
+side are in :mod:`triton_ep.kernels.flags`); this module gives :class:`~triton_ep.Buffer` a small typed
+API over that state:
+
+- :class:`Signals` holds the header views, the peers' header offsets and the host-visible block that
+  kernels write error records into (pinned host memory on GPU, read without any device
+  synchronisation; plain memory on CPU);
+- :meth:`Signals.watch` bounds the interpreter's waits (it has no clock): a watchdog thread sets the
+  abort word after ``timeout_s``;
+- :meth:`Signals.error` turns a record into the exception to raise;
+- :meth:`Signals.post_local_failure` tells every peer that this rank failed the current call (bad
+  arguments found before launch, an error of its own mid-call), so they raise at once instead of
+  waiting out their timeout;
+- :meth:`Signals.resync` re-aligns the round counters of the group after an error, at a host
+  rendezvous where every rank's device work has finished.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from ..errors import EPRemoteError, EPTimeoutError
+from ..kernels import flags as F
+
+#: names of the stages error records carry
+STAGE_NAMES = {0: "unknown", F.STAGE_DISPATCH_SEND: "dispatch/send", F.STAGE_DISPATCH_RECV: "dispatch/receive",
+               F.STAGE_COMBINE_SEND: "combine/send", F.STAGE_COMBINE_RECV: "combine/reduce"}
+
+
+def header_bytes(num_ranks: int) -> int:
+    """Bytes reserved at the start of every rank's shared buffer for its signal header (a multiple of
+    256 bytes, so the data area keeps the buffer's alignment)."""
+    return (F.header_words(num_ranks) * 8 + 255) // 256 * 256
+
+
+def call_signature(words: Sequence[int]) -> int:
+    """A nonzero int64 digest of a call's signature words (operation, sizes, handle, rounds...): what a
+    receiving kernel compares with what each sender stored."""
+    h = hashlib.blake2b(repr(tuple(int(w) for w in words)).encode(), digest_size=7).digest()
+    return int.from_bytes(h, "little") | (1 << 56)
+
+
+class ErrorRecord(NamedTuple):
+    """An error a kernel recorded: ``kind`` (``flags.E_*``), the ``peer`` it concerns, the ``stage``
+    (``flags.STAGE_*``; for ``E_GONE`` the peer's stage) and the round ``call`` it happened in."""
+    kind: int
+    peer: int
+    stage: int
+    call: int
+
+
+class Signals:
+    """One rank's signalling state.
+
+    Args:
+        rank, size: this rank and the group size ``R``.
+        header: int64 ``[header_words(R)]`` view of this rank's signal header (on the buffers' device).
+        peer_headers: per rank, the same view of that rank's header as mapped here.
+        delta_bytes: int64 ``[R]`` on the device: peer buffer minus this rank's buffer, in bytes.
+        device: the buffers' device; timeout_s: the bound on every wait, in seconds.
+        interpreted: whether kernels run under Triton's interpreter (CPU): waits are then bounded by a
+            watchdog thread instead of the GPU clock.
+    """
+
+    def __init__(self, rank: int, size: int, header: torch.Tensor, peer_headers: Sequence[torch.Tensor],
+                 delta_bytes: torch.Tensor, device: torch.device, timeout_s: float, interpreted: bool) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.header = header
+        self.peer_headers = list(peer_headers)
+        with torch.inference_mode(False):
+            self.hdr_delta = (delta_bytes // 8).to(torch.int64)
+            self.host = torch.zeros(F.H_WORDS, dtype=torch.int64, device="cpu",
+                                    pin_memory=device.type == "cuda")
+        self._host_np = self.host.numpy()
+        self.timeout_s = float(timeout_s)
+        self.interpreted = interpreted
+        self.use_clock = device.type == "cuda" and not interpreted
+        #: set once an error has been raised (or this rank failed): the next call re-synchronises first
+        self.needs_resync = False
+        self._reported = False
+
+    # ---- what kernels take
+    def kernel_args(self) -> dict:
+        """Keyword arguments every signalling kernel launcher takes."""
+        return dict(hdr=self.header, hdr_delta=self.hdr_delta, host=self.host, me=self.rank,
+                    timeout_ns=int(self.timeout_s * 1e9), use_clock=self.use_clock)
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Bound the waits of the launches inside (interpreter only: the GPU bounds them by its clock). A
+        watchdog thread sets the abort word after ``timeout_s``; it is stopped and joined on exit."""
+        if not self.interpreted:
+            yield
+            return
+        fired = threading.Event()
+
+        def abort():
+            fired.set()
+            self._host_np[F.H_ABORT] = 1
+
+        t = threading.Timer(self.timeout_s, abort)
+        t.daemon = True
+        t.start()
+        try:
+            yield
+        finally:
+            t.cancel()
+            t.join()
+            self._host_np[F.H_ABORT] = 0
+
+    # ---- errors
+    def record(self) -> Optional[ErrorRecord]:
+        """The error record kernels wrote, or ``None`` (reads host memory only: no device sync)."""
+        kind = int(self._host_np[F.H_KIND])
+        if not kind:
+            return None
+        h = self._host_np
+        return ErrorRecord(kind, int(h[F.H_PEER]), int(h[F.H_STAGE]), int(h[F.H_CALL]))
+
+    def error(self) -> Optional[BaseException]:
+        """The exception a new error record stands for (``None`` without one, or once it was returned:
+        each record is raised once). Timeouts are permanent (the Buffer must be rebuilt: the caller
+        marks it broken); other errors are cleared by the next call's re-synchronisation."""
+        rec = self.record()
+        if rec is None or self._reported:
+            return None
+        self._reported = True
+        self.needs_resync = True
+        me, peer, stage = self.rank, rec.peer, STAGE_NAMES.get(rec.stage, "unknown")
+        if rec.kind == F.E_TIMEOUT:
+            return EPTimeoutError(me, peer, f"{stage} (round {rec.call})", self.timeout_s)
+        if rec.kind == F.E_GONE:
+            return EPRemoteError(f"rank {me}: rank {peer} timed out at stage '{stage}' and left the group; "
+                                 f"destroy() and rebuild the Buffer")
+        if rec.kind == F.E_MISMATCH:
+            return ValueError(f"'{stage}': rank {peer} called with another operation, handle (the handle's "
+                              f"dispatch), sizes or dtype than rank {me}; all ranks must call the same operation "
+                              f"with the same handle and sizes (all ranks must agree); nothing was moved")
+        return EPRemoteError(f"rank {me}: rank {peer} failed the call at '{stage}' (rank {peer} raised the "
+                             f"details); no data was moved here")
+
+    def permanent(self) -> bool:
+        """Whether the record is a timeout (ours or a peer's): the group cannot go on."""
+        rec = self.record()
+        return rec is not None and rec.kind in (F.E_TIMEOUT, F.E_GONE)
+
+    def post_local_failure(self) -> None:
+        """This rank fails the current call before (or while) its kernels run: mark its header and tell
+        every peer through ``FAILED[rank]`` in theirs, so their waits end at once with ``EPRemoteError``.
+        Later kernels of this rank move nothing until the next re-synchronisation."""
+        R, me = self.size, self.rank
+        # the call's first round: this rank's completed rounds + 1 (a device read: an error path)
+        word = (int(self.header[F.W_BASE].item()) + 1) * 8 + F.E_FAILED
+        with torch.inference_mode():          # also updates buffers made in inference mode
+            for r, h in enumerate(self.peer_headers):
+                if r != me:
+                    h[F.off_failed(R) + me].fill_(word)
+            self.header[F.W_ERR].fill_(F.E_FAILED)
+        self.needs_resync = True
+        self._reported = True
+
+    # ---- re-synchronisation (at a host rendezvous, with this rank's device work finished)
+    def local_state(self) -> tuple:
+        """``(rounds completed, holds an error)`` of this rank, for the rendezvous (one small device read)."""
+        base = int(self.header[F.W_BASE].item())
+        return base, int(self.needs_resync or self.record() is not None)
+
+    def clear_failures(self) -> None:
+        """Before a rendezvous: forget the failure words peers left in this rank's header. A peer posts
+        new ones only after the rendezvous, and a peer that posted one re-synchronises the group there."""
+        R = self.size
+        with torch.inference_mode():
+            self.header[F.off_failed(R):F.off_failed(R) + R].fill_(0)
+
+    def resync(self, new_base: int) -> None:
+        """After a rendezvous: start the group afresh at round ``new_base`` (above every round any rank has
+        used) and clear this rank's error state."""
+        with torch.inference_mode():
+            h = self.header
+            h[F.W_BASE].fill_(new_base)
+            h[F.W_CONSUMED].fill_(new_base)
+            h[F.W_DONE].fill_(0)
+            h[F.W_ERR].fill_(0)
+        self._host_np[:] = 0
+        self.needs_resync = False
+        self._reported = False
