@@ -1,5 +1,8 @@
 """Device-side flags: the words kernels release and acquire to signal each other across ranks.
 
+Word offsets and codes are ``tl.constexpr`` (kernels read them as constants; host code takes ``int()`` of
+them); the ``off_*`` functions give the per-peer arrays' offsets to host code, kernels write them inline.
+
 Every rank's shared buffer starts with a *signal header* of int64 words, laid out below. A kernel on
 rank ``s`` writes into rank ``d``'s header through the same peer mapping it writes data through
 (``hdr + hdr_delta[d]``); a kernel reads its own header locally. Round numbers grow by one for every
@@ -30,29 +33,30 @@ import triton
 import triton.language as tl
 
 # ---- the signal header (int64 words), per rank; R = group size ----
-W_BASE = 0          #: rounds this rank has completed (advanced by its kernels)
-W_CONSUMED = 1      #: last round whose data this rank has moved out of its own area
-W_DONE = 2          #: programs of the running launch that have finished (last-program counter)
-W_ERR = 3           #: nonzero once this rank holds an error record (device-side mirror)
-W_FIXED = 8         #: words before the per-peer arrays
+W_BASE = tl.constexpr(0)          #: rounds this rank has completed (advanced by its kernels)
+W_CONSUMED = tl.constexpr(1)      #: last round whose data this rank has moved out of its own area
+W_DONE = tl.constexpr(2)          #: programs of the running launch that have finished (last-program counter)
+W_ERR = tl.constexpr(3)           #: nonzero once this rank holds an error record (device-side mirror)
+W_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
 
 
 def off_ready(R):
     """``READY[s]``: last round rank ``s`` has finished writing into this rank's area."""
-    return W_FIXED
+    return int(W_FIXED)
 
 
 def off_sig(R):
     """``SIG[s]``: signature of rank ``s``'s current call (stored before ``READY[s]``)."""
-    return W_FIXED + R
+    return int(W_FIXED) + R
 
 
 def off_failed(R):
     """``FAILED[s]``: set when rank ``s`` failed a call, to :func:`failure_word` of the round and the kind
     (``E_MISMATCH`` when it found that ranks called different operations, else ``E_FAILED``)."""
-    return W_FIXED + 2 * R
+    return int(W_FIXED) + 2 * R
 
 
+@triton.jit
 def failure_word(round_no, kind):
     """The ``FAILED`` word for a failure of kind ``kind`` in round ``round_no`` (kinds are < 8)."""
     return round_no.to(tl.int64) * 8 + kind
@@ -60,34 +64,34 @@ def failure_word(round_no, kind):
 
 def off_gone(R):
     """``GONE[s]``: stage code + 1 once rank ``s`` gave up after a timeout (permanent)."""
-    return W_FIXED + 3 * R
+    return int(W_FIXED) + 3 * R
 
 
 def header_words(R):
     """int64 words of one rank's signal header."""
-    return W_FIXED + 4 * R
+    return int(W_FIXED) + 4 * R
 
 
 # ---- the host-visible block (int64 words): pinned host memory on GPU, plain memory on CPU ----
-H_ABORT = 0         #: set by the host watchdog (interpreter): every wait gives up
-H_LOCK = 1          #: first error wins this word
-H_KIND = 2          #: error kind, written last (release)
-H_PEER = 3
-H_STAGE = 4
-H_CALL = 5          #: the round the error happened in
-H_WORDS = 8
+H_ABORT = tl.constexpr(0)         #: set by the host watchdog (interpreter): every wait gives up
+H_LOCK = tl.constexpr(1)          #: first error wins this word
+H_KIND = tl.constexpr(2)          #: error kind, written last (release)
+H_PEER = tl.constexpr(3)
+H_STAGE = tl.constexpr(4)
+H_CALL = tl.constexpr(5)          #: the round the error happened in
+H_WORDS = tl.constexpr(8)
 
 # error kinds
-E_TIMEOUT = 1       #: a wait for ``peer`` ran out of time
-E_GONE = 2          #: ``peer`` gave up after a timeout of its own
-E_FAILED = 3        #: ``peer`` failed the call (bad arguments there, or an error of its own)
-E_MISMATCH = 4      #: ``peer`` called another operation, handle or sizes
+E_TIMEOUT = tl.constexpr(1)       #: a wait for ``peer`` ran out of time
+E_GONE = tl.constexpr(2)          #: ``peer`` gave up after a timeout of its own
+E_FAILED = tl.constexpr(3)        #: ``peer`` failed the call (bad arguments there, or an error of its own)
+E_MISMATCH = tl.constexpr(4)      #: ``peer`` called another operation, handle or sizes
 
 # stages (error records name them; 0 = unknown)
-STAGE_DISPATCH_SEND = 1
-STAGE_DISPATCH_RECV = 2
-STAGE_COMBINE_SEND = 3
-STAGE_COMBINE_RECV = 4
+STAGE_DISPATCH_SEND = tl.constexpr(1)
+STAGE_DISPATCH_RECV = tl.constexpr(2)
+STAGE_COMBINE_SEND = tl.constexpr(3)
+STAGE_COMBINE_RECV = tl.constexpr(4)
 
 
 @triton.jit
@@ -113,7 +117,7 @@ def fence_all_threads(USE_ASM: tl.constexpr):
 @triton.jit
 def acquire(ptr):
     """Read an int64 flag with acquire semantics at system scope."""
-    return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    return tl.atomic_add(ptr, tl.full([], 0, tl.int64), sem="acquire", scope="sys")
 
 
 @triton.jit
@@ -128,7 +132,7 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
     a timeout (this rank leaves the group), ``FAILED[me]`` otherwise."""
     zero = tl.full([], 0, tl.int64)
     kind, peer, stage, call = zero + kind, zero + peer, zero + stage, zero + call
-    if tl.atomic_cas(host + H_LOCK, 0, 1, sem="acq_rel", scope="sys") == 0:
+    if tl.atomic_cas(host + H_LOCK, zero, zero + 1, sem="acq_rel", scope="sys") == 0:
         tl.store(host + H_PEER, peer)
         tl.store(host + H_STAGE, stage)
         tl.store(host + H_CALL, call)
@@ -137,17 +141,17 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
     for r in tl.static_range(R):
         if r != me:
             if kind == E_TIMEOUT:
-                release(hdr + tl.load(hdr_delta + r) + off_gone(R) + me, stage + 1)
+                release(hdr + tl.load(hdr_delta + r) + (W_FIXED + 3 * R) + me, stage + 1)
             else:       # a mismatch stays a mismatch where the peer reads it; anything else: "failed"
-                release(hdr + tl.load(hdr_delta + r) + off_failed(R) + me,
+                release(hdr + tl.load(hdr_delta + r) + (W_FIXED + 2 * R) + me,
                         failure_word(call, tl.where(kind == E_MISMATCH, E_MISMATCH, E_FAILED)))
 
 
 @triton.jit
 def _peer_status(hdr, peer, R: tl.constexpr):
     """``E_GONE``, ``E_MISMATCH`` or ``E_FAILED`` when ``peer`` said so in this rank's header, else 0."""
-    gone = tl.load(hdr + off_gone(R) + peer, volatile=True)
-    failed = tl.load(hdr + off_failed(R) + peer, volatile=True)
+    gone = tl.load(hdr + (W_FIXED + 3 * R) + peer, volatile=True)
+    failed = tl.load(hdr + (W_FIXED + 2 * R) + peer, volatile=True)
     # a failure word counts only for this call (its round is past the rounds this rank has completed):
     # words of earlier calls, or posted late across a re-synchronisation, are ignored
     kind = tl.where((failed >> 3) > tl.load(hdr + W_BASE, volatile=True), failed & 7, 0)
@@ -198,11 +202,11 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
     bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
-            st = wait_at_least(hdr + off_ready(R) + r, want, hdr, host, r, timeout_ns, R, USE_CLOCK)
+            st = wait_at_least(hdr + (W_FIXED + 0 * R) + r, want, hdr, host, r, timeout_ns, R, USE_CLOCK)
             # a peer whose part arrived with another signature called another operation (it may also
             # have said it failed: having found the same mismatch first); that is the error to name
-            arrived = (st == 0) | ((st == E_FAILED) & (acquire(hdr + off_ready(R) + r) >= want))
-            if arrived & (tl.load(hdr + off_sig(R) + r, volatile=True) != sig):
+            arrived = (st == 0) | ((st == E_FAILED) & (acquire(hdr + (W_FIXED + 0 * R) + r) >= want))
+            if arrived & (tl.load(hdr + (W_FIXED + R) + r, volatile=True) != sig):
                 st = tl.full([], E_MISMATCH, tl.int32)
             if st != 0:
                 _post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
@@ -214,7 +218,7 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
 def _post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.constexpr):
     """A wait for ``peer`` ended with status ``st``: record it. For a peer that gave up, the record
     names the peer's own stage (from its ``GONE`` word)."""
-    gone_stage = tl.load(hdr + off_gone(R) + peer, volatile=True) - 1
+    gone_stage = tl.load(hdr + (W_FIXED + 3 * R) + peer, volatile=True) - 1
     post_error(hdr, hdr_delta, host, st, peer, tl.where(st == E_GONE, gone_stage, stage), call, me, R)
 
 
@@ -225,10 +229,10 @@ def last_program(hdr, USE_ASM: tl.constexpr):
     fence_all_threads(USE_ASM)
     tl.debug_barrier()
     n = tl.num_programs(0) * tl.num_programs(1)
-    done = tl.atomic_add(hdr + W_DONE, 1, sem="acq_rel", scope="gpu")
+    done = tl.atomic_add(hdr + W_DONE, tl.full([], 1, tl.int64), sem="acq_rel", scope="gpu")
     last = done == n - 1
     if last:
-        tl.store(hdr + W_DONE, 0)
+        tl.store(hdr + W_DONE, tl.full([], 0, tl.int64))
     return last
 
 
@@ -240,8 +244,8 @@ def finish_send(hdr, hdr_delta, round_no, sig, me, R: tl.constexpr, USE_ASM: tl.
         if tl.load(hdr + W_ERR, volatile=True) == 0:
             for r in tl.static_range(R):
                 peer = hdr + tl.load(hdr_delta + r)
-                tl.store(peer + off_sig(R) + me, sig)
-                release(peer + off_ready(R) + me, round_no)
+                tl.store(peer + (W_FIXED + R) + me, sig)
+                release(peer + (W_FIXED + 0 * R) + me, round_no)
 
 
 @triton.jit

@@ -29,8 +29,8 @@ from ..errors import EPRemoteError, EPTimeoutError
 from ..kernels import flags as F
 
 #: names of the stages error records carry
-STAGE_NAMES = {0: "unknown", F.STAGE_DISPATCH_SEND: "dispatch/send", F.STAGE_DISPATCH_RECV: "dispatch/receive",
-               F.STAGE_COMBINE_SEND: "combine/send", F.STAGE_COMBINE_RECV: "combine/reduce"}
+STAGE_NAMES = {0: "unknown", int(F.STAGE_DISPATCH_SEND): "dispatch/send", int(F.STAGE_DISPATCH_RECV): "dispatch/receive",
+               int(F.STAGE_COMBINE_SEND): "combine/send", int(F.STAGE_COMBINE_RECV): "combine/reduce"}
 
 
 def header_bytes(num_ranks: int) -> int:
@@ -75,7 +75,7 @@ class Signals:
         self.peer_headers = list(peer_headers)
         with torch.inference_mode(False):
             self.hdr_delta = (delta_bytes // 8).to(torch.int64)
-            self.host = torch.zeros(F.H_WORDS, dtype=torch.int64, device="cpu",
+            self.host = torch.zeros(int(F.H_WORDS), dtype=torch.int64, device="cpu",
                                     pin_memory=device.type == "cuda")
         self._host_np = self.host.numpy()
         self.timeout_s = float(timeout_s)
@@ -102,7 +102,7 @@ class Signals:
 
         def abort():
             fired.set()
-            self._host_np[F.H_ABORT] = 1
+            self._host_np[int(F.H_ABORT)] = 1
 
         t = threading.Timer(self.timeout_s, abort)
         t.daemon = True
@@ -112,16 +112,16 @@ class Signals:
         finally:
             t.cancel()
             t.join()
-            self._host_np[F.H_ABORT] = 0
+            self._host_np[int(F.H_ABORT)] = 0
 
     # ---- errors
     def record(self) -> Optional[ErrorRecord]:
         """The error record kernels wrote, or ``None`` (reads host memory only: no device sync)."""
-        kind = int(self._host_np[F.H_KIND])
+        kind = int(self._host_np[int(F.H_KIND)])
         if not kind:
             return None
         h = self._host_np
-        return ErrorRecord(kind, int(h[F.H_PEER]), int(h[F.H_STAGE]), int(h[F.H_CALL]))
+        return ErrorRecord(kind, int(h[int(F.H_PEER)]), int(h[int(F.H_STAGE)]), int(h[int(F.H_CALL)]))
 
     def error(self) -> Optional[BaseException]:
         """The exception a new error record stands for (``None`` without one, or once it was returned:
@@ -133,12 +133,12 @@ class Signals:
         self._reported = True
         self.needs_resync = True
         me, peer, stage = self.rank, rec.peer, STAGE_NAMES.get(rec.stage, "unknown")
-        if rec.kind == F.E_TIMEOUT:
+        if rec.kind == int(F.E_TIMEOUT):
             return EPTimeoutError(me, peer, f"{stage} (round {rec.call})", self.timeout_s)
-        if rec.kind == F.E_GONE:
+        if rec.kind == int(F.E_GONE):
             return EPRemoteError(f"rank {me}: rank {peer} timed out at stage '{stage}' and left the group; "
                                  f"destroy() and rebuild the Buffer")
-        if rec.kind == F.E_MISMATCH:
+        if rec.kind == int(F.E_MISMATCH):
             return ValueError(f"'{stage}': rank {peer} called with another operation, handle (the handle's "
                               f"dispatch), sizes or dtype than rank {me}; all ranks must call the same operation "
                               f"with the same handle and sizes (all ranks must agree); nothing was moved")
@@ -148,7 +148,7 @@ class Signals:
     def permanent(self) -> bool:
         """Whether the record is a timeout (ours or a peer's): the group cannot go on."""
         rec = self.record()
-        return rec is not None and rec.kind in (F.E_TIMEOUT, F.E_GONE)
+        return rec is not None and rec.kind in (int(F.E_TIMEOUT), int(F.E_GONE))
 
     def post_local_failure(self) -> None:
         """This rank fails the current call before (or while) its kernels run: mark its header and tell
@@ -156,19 +156,19 @@ class Signals:
         Later kernels of this rank move nothing until the next re-synchronisation."""
         R, me = self.size, self.rank
         # the call's first round: this rank's completed rounds + 1 (a device read: an error path)
-        word = (int(self.header[F.W_BASE].item()) + 1) * 8 + F.E_FAILED
+        word = (int(self.header[int(F.W_BASE)].item()) + 1) * 8 + int(F.E_FAILED)
         with torch.inference_mode():          # also updates buffers made in inference mode
             for r, h in enumerate(self.peer_headers):
                 if r != me:
                     h[F.off_failed(R) + me].fill_(word)
-            self.header[F.W_ERR].fill_(F.E_FAILED)
+            self.header[int(F.W_ERR)].fill_(int(F.E_FAILED))
         self.needs_resync = True
         self._reported = True
 
     # ---- re-synchronisation (at a host rendezvous, with this rank's device work finished)
     def local_state(self) -> tuple:
         """``(rounds completed, holds an error)`` of this rank, for the rendezvous (one small device read)."""
-        base = int(self.header[F.W_BASE].item())
+        base = int(self.header[int(F.W_BASE)].item())
         return base, int(self.needs_resync or self.record() is not None)
 
     def clear_failures(self) -> None:
@@ -183,10 +183,10 @@ class Signals:
         used) and clear this rank's error state."""
         with torch.inference_mode():
             h = self.header
-            h[F.W_BASE].fill_(new_base)
-            h[F.W_CONSUMED].fill_(new_base)
-            h[F.W_DONE].fill_(0)
-            h[F.W_ERR].fill_(0)
+            h[int(F.W_BASE)].fill_(new_base)
+            h[int(F.W_CONSUMED)].fill_(new_base)
+            h[int(F.W_DONE)].fill_(0)
+            h[int(F.W_ERR)].fill_(0)
         self._host_np[:] = 0
         self.needs_resync = False
         self._reported = False
