@@ -490,7 +490,6 @@ class Buffer:
         slot[_SIG0:_SIG0 + len(sig)] = sig
         with self._comm_ctx():
             slot[_BASE], slot[_HASERR] = self._sig.local_state()
-            self._sig.clear_failures()
         if fill is not None and err is None:
             fill(slot)
         yield _Meet(stage)

@@ -171,13 +171,6 @@ class Signals:
         base = int(self.header[int(F.W_BASE)].item())
         return base, int(self.needs_resync or self.record() is not None)
 
-    def clear_failures(self) -> None:
-        """Before a rendezvous: forget the failure words peers left in this rank's header. A peer posts
-        new ones only after the rendezvous, and a peer that posted one re-synchronises the group there."""
-        R = self.size
-        with torch.inference_mode():
-            self.header[F.off_failed(R):F.off_failed(R) + R].fill_(0)
-
     def resync(self, new_base: int) -> None:
         """After a rendezvous: start the group afresh at round ``new_base`` (above every round any rank has
         used) and clear this rank's error state."""
