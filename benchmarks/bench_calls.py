@@ -4,7 +4,8 @@ and combine at several token counts, with NCCL's ``all_to_all_single`` of the sa
     ./run.sh python benchmarks/bench_calls.py [--ranks 2] [--tokens 128,1024,4096] [--buffers hint,2e9] [--out DIR]
     ./run.sh torchrun --nproc-per-node 2 benchmarks/bench_calls.py
 
-Per call: ``dist.barrier()`` and a device synchronise, CUDA events around the one call, the median of
+``worst`` is a dispatch with ``num_worst_tokens`` = tokens x ranks (its counts stay on the device). Per
+call: ``dist.barrier()`` and a device synchronise, CUDA events around the one call, the median of
 ``--iters`` calls, the slowest rank's median. Bandwidth is DeepEP's measure: the bf16 rows a rank receives
 (dispatch) or sends back (combine) over that time. Host microseconds per call are the host time of the same
 call when the previous one has finished (``perf_counter`` around the call, no synchronise inside): the
@@ -34,7 +35,7 @@ import _launch  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-CALLS = ("layout", "dispatch", "cached", "combine", "a2a_dispatch", "a2a_combine")
+CALLS = ("layout", "dispatch", "worst", "cached", "combine", "a2a_dispatch", "a2a_combine")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,7 +105,13 @@ def one_case(a, tokens: int, nbytes: int, device, rank: int, R: int) -> dict:
     first = dispatch()
     recv_x, handle = first[0], first[4]
     out = {}
+    def worst():         # num_worst_tokens: the counts stay on the device (no host wait)
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                            num_worst_tokens=tokens * R)
+
     for name, fn in (("layout", lambda: buf.get_dispatch_layout(idx, a.experts)), ("dispatch", dispatch),
+                     ("worst", worst),
                      ("cached", lambda: buf.dispatch(x, handle=handle)), ("combine", lambda: buf.combine(recv_x, handle))):
         out[name], out[name + "_host"] = time_call(fn, a.iters, a.warmup, device)
     # NCCL anchor: the same rows, packed beforehand, through all_to_all_single (both directions)
@@ -164,10 +171,10 @@ def report(a, results, R, sharing, backend) -> None:
             f"{R} ranks share {'each GPU' if gpu else 'this CPU'}: functional figures, not speed")
     C.say(f"[bench_calls] {C.device_name()}, {R} ranks ({backend}), hidden {a.hidden}, top-{a.topk} of "
           f"{a.experts}; {what}")
-    heads = ["T", "buffer"] + [c + " us" for c in CALLS] + ["host us (l/d/c/cb)", "cached GB/s", "combine GB/s"]
+    heads = ["T", "buffer"] + [c + " us" for c in CALLS] + ["host us (l/d/w/c/cb)", "cached GB/s", "combine GB/s"]
     rows = []
     for r in results:
-        host = "/".join(f"{r[c + '_host']:.0f}" for c in ("layout", "dispatch", "cached", "combine"))
+        host = "/".join(f"{r[c + '_host']:.0f}" for c in ("layout", "dispatch", "worst", "cached", "combine"))
         rows.append([r["tokens"], r["buffer"]] + [C.sig(r.get(c), 4) for c in CALLS] +
                     [host, C.sig(r["cached_GBps"]), C.sig(r["combine_GBps"])])
     C.print_table(heads, rows)
@@ -178,7 +185,7 @@ def report(a, results, R, sharing, backend) -> None:
                             note=what, results=results))
     labels = [f"T{r['tokens']} {r['buffer']}" for r in results]
     C.bar_chart(os.path.join(a.out, "calls.png"), labels,
-                {c: [r.get(c) or 0 for r in results] for c in ("layout", "dispatch", "cached", "combine")},
+                {c: [r.get(c) or 0 for r in results] for c in ("layout", "dispatch", "worst", "cached", "combine")},
                 f"triton-ep calls, {R} ranks, {C.device_name()}", "µs per call (slowest rank)")
     C.say(f"[bench_calls] wrote {path}")
 

@@ -125,7 +125,8 @@ def bad_input_on_one_rank(rank, world, kind):
             x = x.float()
         elif kind == "worst":
             pass
-    extra = dict(num_worst_tokens=1) if kind == "worst" and rank == 1 else {}
+    # every rank passes the same num_worst_tokens (the rounds depend on it); one too small for all
+    extra = dict(num_worst_tokens=1) if kind == "worst" else {}
     try:
         buf.dispatch(x, topk_weights=ws[rank], **kw, **extra)
         out = "no error"
@@ -509,3 +510,73 @@ def async_overlap(rank, world, delay_s=2.0):
     out["ok"] = bool(torch.equal(comb.cpu().view(torch.int16), want.view(torch.int16))) and bool(b.isfinite().all())
     buf.destroy()
     return out
+
+
+def graph_full(rank, world, timeout_s=30.0):
+    """Layout, dispatch with num_worst_tokens, an expert stand-in and combine captured in one CUDA graph
+    (no host synchronisation inside: sync debug mode 'error'), replayed with new x and new routing written
+    into the captured inputs -- random, then every token to rank 0's experts (no row for the others),
+    then mostly -1: each replay bit for bit the reference, padding rows zero / -1."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, H, K, T = 4 * world, 256, 4, 48
+    worst = T * world                                 # room for every token of every rank
+    buf = triton_ep.Buffer(None, 1 << 16, device=dev, timeout_s=timeout_s)   # small: several rounds
+    cases = []
+    for c in range(3):
+        xs, idxs, ws = make_inputs(50 + c, world, E, K, H, [T] * world)
+        if c == 1:
+            idxs = [i % (E // world) for i in idxs]   # rank 0's experts only
+        if c == 2:
+            idxs = [torch.where(torch.rand(i.shape, generator=torch.Generator().manual_seed(c)) < 0.8, -1, i)
+                    for i in idxs]
+        cases.append((xs, idxs, ws))
+    x_in = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+    idx_in = torch.empty((T, K), dtype=torch.int64, device=dev)
+    w_in = torch.empty((T, K), dtype=torch.float32, device=dev)
+
+    def load(c):
+        xs, idxs, ws = cases[c]
+        x_in.copy_(xs[rank].to(dev))
+        idx_in.copy_(idxs[rank].to(dev))
+        w_in.copy_(ws[rank].to(dev))
+
+    def step():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_in, E)
+        recv_x, recv_idx, recv_w, lst, h, _ = buf.dispatch(
+            x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx_in, topk_weights=w_in, num_worst_tokens=worst)
+        y = (recv_x.float() * 3 - 1).to(torch.bfloat16)
+        return recv_x, recv_idx, recv_w, lst, h, buf.combine(y, h)[0]
+
+    load(0)
+    step()                                            # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv_x, recv_idx, recv_w, lst, h, comb = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert lst == []
+    for c in range(3):
+        load(c)
+        g.replay()
+        torch.cuda.synchronize()
+        buf.check()
+        xs, idxs, ws = cases[c]
+        exp = ref.dispatch(xs, idxs, ws, E)
+        e = exp[rank]
+        n = e["recv_x"].shape[0]
+        assert torch.equal(recv_x[:n].cpu().view(torch.int16), e["recv_x"].view(torch.int16)), c
+        assert bool((recv_x[n:] == 0).all()) and bool((recv_idx[n:] == -1).all()), c
+        assert torch.equal(recv_idx[:n].cpu(), e["recv_topk_idx"]) and torch.equal(recv_w[:n].cpu(), e["recv_topk_weights"])
+        assert torch.equal(h[0].cpu(), e["rank_prefix_matrix"]), c
+        ys = [(d["recv_x"].float() * 3 - 1).to(torch.bfloat16) for d in exp]
+        want = ref.combine(ys, exp, [T] * world)[rank][0]
+        assert torch.equal(comb.cpu().view(torch.int16), want.view(torch.int16)), c
+    import torch.distributed as dist
+    dist.barrier()
+    buf.destroy()
+    return "ok"

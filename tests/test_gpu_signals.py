@@ -68,3 +68,13 @@ def test_no_host_sync_in_cached_dispatch_and_combine():
     for r in range(R):
         assert torch.equal(cached[r][0].cpu(), exp[r]["recv_x"])
         assert torch.equal(comb[r][0].cpu(), want[r][0])
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_graph_capture_of_layout_dispatch_with_num_worst_tokens_and_combine(backend):
+    """The whole decode step captures: layout, dispatch with num_worst_tokens (the counts travel on the
+    device), an expert stand-in and combine; replays with new x and new routing (including none to a
+    peer) are bit for bit the reference. nccl: one rank per GPU (needs 2 GPUs)."""
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert _ok(run_ranks(mp_cases.graph_full, 2, backend=backend)) == ["ok", "ok"]

@@ -33,8 +33,9 @@ def meets(monkeypatch):
 
 
 def test_host_waits_per_call(meets):
-    """A non-cached dispatch meets on the host once (for the counts); a cached dispatch and a combine
-    never do, however many rounds a small buffer needs: they only enqueue work."""
+    """A non-cached dispatch meets on the host once (for the counts); a cached dispatch, a combine and a
+    dispatch with num_worst_tokens never do, however many rounds a small buffer needs: they only enqueue
+    work."""
     R, E = 3, 6
     xs, idxs, ws = make_inputs(3, E, 2, 32, [9, 4, 7])
     vg = VirtualGroup(R, 1024)                      # several rounds
@@ -46,6 +47,11 @@ def test_host_waits_per_call(meets):
     assert meets["n"] == 0
     exp = ref.dispatch(xs, idxs, ws, E)
     assert all(torch.equal(cached[r][0], exp[r]["recv_x"]) for r in range(R))
+    worst = virtual_dispatch(vg, xs, idxs, ws, E, num_worst_tokens=20)      # counts travel on the device
+    assert meets["n"] == 0
+    for r in range(R):
+        n = exp[r]["recv_x"].shape[0]
+        assert worst[r][3] == [] and torch.equal(worst[r][0][:n], exp[r]["recv_x"])
     want = ref.combine([e["recv_x"] for e in exp], exp, [9, 4, 7])
     assert all(torch.equal(comb[r][0], want[r][0]) for r in range(R))
 

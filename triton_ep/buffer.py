@@ -84,7 +84,7 @@ class DispatchHandle(tuple):
     """
 
     def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: int, rpm_host: np.ndarray,
-                seq: int, row_base: Tensor, combine_tables: Tensor):
+                seq: int, row_base: Tensor, combine_tables: Tensor, n_recv_dev: Optional[Tensor] = None):
         self = super().__new__(cls, items)
         self.seq = seq
         self.buffer_uid = buffer_uid
@@ -96,7 +96,25 @@ class DispatchHandle(tuple):
         self.row_base = row_base
         #: int64 [3R] on the device: combine's comb_base, send_base and prefix (no upload per combine)
         self.combine_tables = combine_tables
+        #: int64 [1] on the device: rows received, for a handle whose host never learnt the counts
+        #: (``num_worst_tokens``; then ``rpm_host`` and ``num_recv_tokens`` are ``None``)
+        self.n_recv_dev = n_recv_dev
         return self
+
+
+def _device_tables(m: Tensor, me: int):
+    """The handle's device tables from the counts matrix ``m`` (int64 ``[R, R]``, ``m[s][j]`` = rows rank
+    ``s`` sends to rank ``j``) with tensor operations only (no host synchronisation): ``(tables, t32,
+    row_base, combine_tables, n_recv)``; ``t32`` int32 holds ``rank_prefix_matrix`` ``[R, R]``, the send
+    prefix ``[R]`` and the receive start ``[R]``, as :meth:`Buffer.dispatch` lays them out."""
+    R = m.shape[0]
+    rpm = m.cumsum(0)
+    zero = torch.zeros(1, dtype=torch.int64, device=m.device)
+    sent = m[me].cumsum(0)
+    row_base = rpm[me - 1] if me > 0 else torch.zeros(R, dtype=torch.int64, device=m.device)
+    combine_tables = torch.cat([m[:, :me].sum(1), sent - m[me], rpm[:, me]])
+    t32 = torch.cat([rpm.reshape(-1), sent, zero, rpm[:-1, me]]).to(torch.int32)
+    return rpm, t32, row_base, combine_tables, rpm[R - 1, me:me + 1]
 
 
 def _collective(e: BaseException) -> BaseException:
@@ -618,15 +636,17 @@ class Buffer:
         err, a, status = None, None, 1
         self.check()
         cached = handle is not None
+        # With num_worst_tokens the host never learns the counts: they travel on the device (notify).
+        on_device = not cached and _isint(num_worst_tokens) and num_worst_tokens > 0
         if not cached:
             self._dispatch_seq += 1          # the same on every rank: names the handle this call makes
-        elif self._sig.needs_resync:
+        if (cached or on_device) and self._sig.needs_resync:
             yield from self._resync_steps()
         try:
             a = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         except Exception as e:  # noqa: BLE001 - reported to every rank (exchange, or device words)
-            if cached:
+            if cached or on_device:
                 raise self._fail_call(e)
             err = e
         # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
@@ -636,11 +656,27 @@ class Buffer:
         sig = [op, a["wx"], a["s"], a["k"], a["flags"], a["E"], seq, a["dtype"]] if err is None else [op] + [0] * 7
         names = "operation, row words, scale words, top-k, flags, experts, handle's dispatch, x dtype"
         self._begin(previous_event)
+        n_recv_dev = None
         if cached:
             h = a["handle"]
             rpm, row_base = h.rpm_host, h.row_base
             send_pos, in_rank = h[5], h[4]
-            n_recv, n_out = h.num_recv_tokens, h.num_out_rows
+            n_recv, n_out, n_recv_dev = h.num_recv_tokens, h.num_out_rows, h.n_recv_dev
+        elif on_device:
+            sig.append(num_worst_tokens)       # the rounds depend on it: every rank must pass the same
+            with self._comm_ctx():
+                lay = self._routing(a)
+            in_rank, send_pos = lay[2], lay[3]
+            yield "dispatch/notify"
+            with self._comm_ctx(), self._sig.watch():
+                kernels.notify_send(lay[5], a["E"], self._sig_args)
+            yield "dispatch/notify receive"
+            with self._comm_ctx():
+                matrix = torch.empty(R * R, dtype=torch.int64, device=self.device)
+                with self._sig.watch():
+                    kernels.notify_recv(matrix, num_worst_tokens, self._sig_args)
+                tables, t32_dev, row_base, combine_tables, n_recv_dev = _device_tables(matrix.view(R, R), me)
+            rpm, n_recv, n_out, expert_list = None, None, num_worst_tokens, []
         else:
             # The one host wait of a dispatch: the counts (and every rank's status and signature).
             stage = "dispatch/exchange counts"
@@ -697,7 +733,8 @@ class Buffer:
 
         rec_words = dispatch_record_words(a["wx"], a["s"], a["k"], with_src=not cached)
         cap = self._capacity(rec_words * 4, "dispatch")
-        rounds = max(1, -(-int(rpm[-1].max()) // cap))
+        # rounds: from the counts, or (counts on the device only) from num_worst_tokens, equal on every rank
+        rounds = max(1, -(-(int(rpm[-1].max()) if rpm is not None else n_out) // cap))
         call_sig = signals.call_signature(sig + [rounds, rec_words])
         dev = self.device
         xv, sc = a["x"], a["scales"]
@@ -726,13 +763,20 @@ class Buffer:
                                       sig=call_sig)
             yield f"dispatch/receive round {k}"
             with self._comm_ctx(), self._sig.watch():
-                kernels.dispatch_recv(rec, min(max(n_recv - lo, 0), cap), lo, me, a["E"] // R, a["wx"], a["s"],
+                kernels.dispatch_recv(rec, min(max((n_recv if n_recv is not None else n_out) - lo, 0), cap), lo, me,
+                                      a["E"] // R, a["wx"], a["s"],
                                       a["k"] if not cached else 0, rec_words, recv_x.view(torch.int32),
                                       recv_sc.view(torch.int32) if recv_sc is not None else None, recv_idx,
                                       recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
                                       signals=self._sig_args, rnd=k, sig=call_sig,
-                                      advance=rounds if k == rounds - 1 else 0)
-        if n_out > n_recv:                       # num_worst_tokens padding
+                                      advance=rounds if k == rounds - 1 else 0, n_recv=n_recv_dev, cap=cap)
+        if n_recv is None:                       # num_worst_tokens padding, past a count held on the device
+            with self._comm_ctx():
+                pad = torch.arange(n_out, device=self.device) >= n_recv_dev
+                for t, v in ((recv_x, 0), (recv_sc, 0), (recv_idx, -1), (recv_w, 0), (recv_src, -1)):
+                    if t is not None:
+                        t.masked_fill_(pad.view(-1, *([1] * (t.dim() - 1))), v)
+        elif n_out > n_recv:                     # num_worst_tokens padding
             with self._comm_ctx():
                 recv_x[n_recv:].zero_()
                 if recv_sc is not None:
@@ -749,7 +793,7 @@ class Buffer:
         rpm_t = t32_dev[:R * R].view(R, R)
         send_prefix, recv_start = t32_dev[R * R:R * R + R].view(R, 1), t32_dev[R * R + R:].view(R, 1)
         new_handle = DispatchHandle((rpm_t, send_prefix, recv_start, recv_src, in_rank, send_pos), self._uid,
-                                    a["T"], n_recv, rpm, self._dispatch_seq, row_base, combine_tables)
+                                    a["T"], n_recv, rpm, self._dispatch_seq, row_base, combine_tables, n_recv_dev)
         event = self._end(async_finish, inputs + (recv_x, recv_sc, recv_idx, recv_w, recv_src, tables, t32_dev))
         self.check()
         return out_x, recv_idx, recv_w, expert_list, new_handle, event
@@ -762,7 +806,8 @@ class Buffer:
         send_pos = torch.where(in_rank, in_rank.to(torch.int64).cumsum(0) - 1,
                                torch.full_like(in_rank, -1, dtype=torch.int64))
         per_rank = in_rank.sum(0, dtype=torch.int32)
-        counts = torch.cat([per_rank, a["per_expert"].to(torch.int32)])
+        counts = torch.cat([per_rank, a["per_expert"].to(torch.int32),
+                            torch.zeros(1, dtype=torch.int32, device=per_rank.device)])     # no bad ids
         return per_rank, a["per_expert"], in_rank, send_pos, None, counts
 
     def _dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -866,12 +911,16 @@ class Buffer:
         H = xv.shape[1]
         K = w.shape[1] if w is not None else 0
         rpm = h.rpm_host
-        counts = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)   # [src, dst]
         tables = h.combine_tables
         comb_base, send_base, prefix = tables[:R], tables[R:2 * R], tables[2 * R:]
         rb = combine_record_bytes(H, K)
         cap = self._capacity(rb, "combine")
-        rounds = max(1, -(-int(counts.sum(axis=1).max()) // cap))
+        if rpm is not None:
+            counts = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)   # [src, dst]
+            most = int(counts.sum(axis=1).max())     # the largest combine area of the group
+        else:   # counts on the device only: every rank receives at most num_worst_tokens rows
+            most = R * h.num_out_rows
+        rounds = max(1, -(-most // cap))
         call_sig = signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds])
         self._begin(previous_event)
         T = h.num_tokens
@@ -887,9 +936,9 @@ class Buffer:
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
             with self._comm_ctx(), self._sig.watch():
-                kernels.combine_send(x_words, w_words, h.num_recv_tokens, prefix, comb_base, self._delta_words,
-                                     area.view(torch.int32), lo, hi, rb // 4, signals=self._sig_args, rnd=k,
-                                     sig=call_sig)
+                kernels.combine_send(x_words, w_words, h.num_recv_tokens if rpm is not None else h.num_out_rows,
+                                     prefix, comb_base, self._delta_words, area.view(torch.int32), lo, hi, rb // 4,
+                                     signals=self._sig_args, rnd=k, sig=call_sig, n_recv=h.n_recv_dev)
             yield f"combine/reduce round {k}"
             with self._comm_ctx(), self._sig.watch():
                 kernels.combine_reduce(area, h[5], send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,

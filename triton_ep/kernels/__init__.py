@@ -23,5 +23,7 @@ from .layout import routing_layout  # noqa: E402
 from .dispatch import dispatch_send, dispatch_recv  # noqa: E402
 from .combine import combine_send, combine_reduce  # noqa: E402
 from ._util import interpreted  # noqa: E402
+from .notify import notify_send, notify_recv  # noqa: E402
 
-__all__ = ["routing_layout", "dispatch_send", "dispatch_recv", "combine_send", "combine_reduce", "interpreted"]
+__all__ = ["routing_layout", "dispatch_send", "dispatch_recv", "combine_send", "combine_reduce", "interpreted", "notify_send",
+           "notify_recv"]

@@ -34,12 +34,14 @@ def _bf16_rtne_bits(v):
 
 
 @triton.jit
-def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi,
+def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, n_ptr,
                          hdr, hdr_delta, host, k, sig, me, timeout_ns,
-                         SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                         N_PTR: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                          WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
                          HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                          BLOCK_K: tl.constexpr):
+    if N_PTR:       # the rows received, from the device (a dispatch with num_worst_tokens)
+        n_rows = tl.load(n_ptr).to(tl.int32)
     # Round n: wait until every source rank has moved round n - 1 out of its area.
     if SYNC:
         n = tl.load(hdr + flags.W_BASE) + k + 1
@@ -140,7 +142,8 @@ def record_bytes(hidden: int, k: int) -> int:
 
 def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
                  comb_base: torch.Tensor, delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int,
-                 rec_words: int, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0) -> None:
+                 rec_words: int, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
+                 n_recv: Optional[torch.Tensor] = None) -> None:
     """Return this rank's received rows ``[0, n_rows)`` to their source ranks' combine areas (slots ``[lo, hi)``).
 
     Args:
@@ -153,7 +156,9 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
         signals, rnd, sig: the round's signalling (``rnd``: the round within the call), as in
             :func:`triton_ep.kernels.dispatch.dispatch_send`.
 
-    The launch always runs (a rank with nothing to return still releases its round).
+    The launch always runs (a rank with nothing to return still releases its round). With ``n_recv``
+    (int64 ``[1]`` on the device) the kernel reads the rows received from it; ``n_rows`` then only sizes
+    the grid (an upper bound).
     """
     n_rows = max(n_rows, 0)
     wx = x_words.shape[1]
@@ -162,7 +167,8 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     bt, bw = cfg["block_t"], pow2(min(wx, cfg["block_w"]))
     _combine_send_kernel[(_grid(triton.cdiv(n_rows, bt), signals),)](
         x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
-        *sync_args(signals, rnd, sig, x_words), SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
+        n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words), N_PTR=n_recv is not None,
+        SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
         USE_ASM=_use_clock(signals),
         WX=wx, K=k, REC=rec_words, R=prefix.shape[0], HAS_W=weight_words is not None,
         BLOCK_T=bt, BLOCK_W=bw, BLOCK_K=pow2(k), num_warps=cfg["num_warps"])

@@ -104,13 +104,17 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
 
 @triton.jit
 def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
-                          out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
+                          out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, n_ptr, cap,
                           hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
-                          R: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                          N_PTR: tl.constexpr, R: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                           WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
                           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                           HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr):
+    # Rows of this round: given, or from the receive count on the device (a dispatch whose host never
+    # learns the counts: num_worst_tokens).
+    if N_PTR:
+        n_rows = tl.minimum(tl.maximum(tl.load(n_ptr) - lo, 0), cap)
     # Round n: wait until every sender has released it here, with the signature of this call.
     if SYNC:
         n = tl.load(hdr + flags.W_BASE) + k + 1
@@ -232,7 +236,7 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
                   k: int, rec_words: int, out_x: torch.Tensor, out_scales: Optional[torch.Tensor],
                   out_idx: Optional[torch.Tensor], out_weights: Optional[torch.Tensor],
                   out_src: Optional[torch.Tensor], signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
-                  advance: int = 0) -> None:
+                  advance: int = 0, n_recv: Optional[torch.Tensor] = None, cap: int = 0) -> None:
     """Unpack ``n_rows`` records from the local buffer into output rows ``[lo, lo + n_rows)``.
 
     Global ids become local ids of this rank (``-1`` where the expert lives elsewhere) and their weights
@@ -240,7 +244,9 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     int64 or ``None``, ``out_weights`` ``[N, K]`` int32 (weight bits) or ``None``, ``out_src`` ``[N]`` int32
     or ``None``. ``k`` is 0 when the records carry no top-k. ``signals``, ``rnd``, ``sig``: as in
     :func:`dispatch_send`; ``advance``: the call's rounds in its last round (the round counter moves on), else 0.
-    The launch always runs (it frees this rank's area for the next round).
+    The launch always runs (it frees this rank's area for the next round). With ``n_recv`` (int64 ``[1]``
+    on the device: the rows this rank receives in all) the rows of the round are ``clamp(n_recv - lo, 0,
+    cap)``, worked out by the kernel; ``n_rows`` is then only an upper bound that sizes the grid.
     """
     n_rows = max(n_rows, 0)
     bt, bw, nw = _blocks("dispatch_recv", wx)
@@ -250,7 +256,9 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
         rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
         out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
         out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,
-        *sync_args(signals, rnd, sig, rec), advance, R=signals["hdr_delta"].shape[0] if signals is not None else 1,
+        n_recv if n_recv is not None else rec, cap,
+        *sync_args(signals, rnd, sig, rec), advance, N_PTR=n_recv is not None,
+        R=signals["hdr_delta"].shape[0] if signals is not None else 1,
         SYNC=signals is not None, USE_CLOCK=_use_clock(signals), USE_ASM=_use_clock(signals),
         WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=out_scales is not None, HAS_TOPK=has_topk,
         HAS_W=out_weights is not None, HAS_SRC=out_src is not None, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k), num_warps=nw)

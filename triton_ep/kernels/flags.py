@@ -67,9 +67,20 @@ def off_gone(R):
     return int(W_FIXED) + 3 * R
 
 
+def off_nflag(R):
+    """``NOTIFIED[s]``: first round of the call whose counts rank ``s`` has written into ``NOTIFY``."""
+    return int(W_FIXED) + 4 * R
+
+
+def off_notify(R):
+    """``NOTIFY[s * R + j]``: rows rank ``s`` sends to rank ``j`` in the current call (an ``R x R``
+    matrix every rank receives whole: a dispatch with ``num_worst_tokens`` learns its sizes on the device)."""
+    return int(W_FIXED) + 5 * R
+
+
 def header_words(R):
     """int64 words of one rank's signal header."""
-    return int(W_FIXED) + 4 * R
+    return int(W_FIXED) + 5 * R + R * R
 
 
 # ---- the host-visible block (int64 words): pinned host memory on GPU, plain memory on CPU ----
@@ -79,6 +90,7 @@ H_KIND = tl.constexpr(2)          #: error kind, written last (release)
 H_PEER = tl.constexpr(3)
 H_STAGE = tl.constexpr(4)
 H_CALL = tl.constexpr(5)          #: the round the error happened in
+H_INFO = tl.constexpr(6)          #: a number the error names (``E_CAPACITY``: the rows the rank receives)
 H_WORDS = tl.constexpr(8)
 
 # error kinds
@@ -86,12 +98,15 @@ E_TIMEOUT = tl.constexpr(1)       #: a wait for ``peer`` ran out of time
 E_GONE = tl.constexpr(2)          #: ``peer`` gave up after a timeout of its own
 E_FAILED = tl.constexpr(3)        #: ``peer`` failed the call (bad arguments there, or an error of its own)
 E_MISMATCH = tl.constexpr(4)      #: ``peer`` called another operation, handle or sizes
+E_BADIDS = tl.constexpr(5)        #: this rank's ``topk_idx`` holds ids outside ``[-1, E)`` (``peer``: this rank)
+E_CAPACITY = tl.constexpr(6)      #: rank ``peer`` receives more rows than ``num_worst_tokens``
 
 # stages (error records name them; 0 = unknown)
 STAGE_DISPATCH_SEND = tl.constexpr(1)
 STAGE_DISPATCH_RECV = tl.constexpr(2)
 STAGE_COMBINE_SEND = tl.constexpr(3)
 STAGE_COMBINE_RECV = tl.constexpr(4)
+STAGE_NOTIFY = tl.constexpr(5)
 
 
 @triton.jit
@@ -189,7 +204,7 @@ def wait_peers_consumed(hdr, hdr_delta, host, want, me, stage, call, timeout_ns,
             st = wait_at_least(hdr + tl.load(hdr_delta + r) + W_CONSUMED, want, hdr, host, r, timeout_ns, R,
                                USE_CLOCK)
             if st != 0:
-                _post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
+                post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
             bad = bad + st
     return bad == 0
 
@@ -209,13 +224,13 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
             if arrived & (tl.load(hdr + (W_FIXED + R) + r, volatile=True) != sig):
                 st = tl.full([], E_MISMATCH, tl.int32)
             if st != 0:
-                _post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
+                post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
             bad = bad + st
     return bad == 0
 
 
 @triton.jit
-def _post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.constexpr):
+def post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.constexpr):
     """A wait for ``peer`` ended with status ``st``: record it. For a peer that gave up, the record
     names the peer's own stage (from its ``GONE`` word)."""
     gone_stage = tl.load(hdr + (W_FIXED + 3 * R) + peer, volatile=True) - 1

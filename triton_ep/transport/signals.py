@@ -25,12 +25,13 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ..errors import EPRemoteError, EPTimeoutError
+from ..errors import EPCapacityError, EPRemoteError, EPTimeoutError
 from ..kernels import flags as F
 
 #: names of the stages error records carry
 STAGE_NAMES = {0: "unknown", int(F.STAGE_DISPATCH_SEND): "dispatch/send", int(F.STAGE_DISPATCH_RECV): "dispatch/receive",
-               int(F.STAGE_COMBINE_SEND): "combine/send", int(F.STAGE_COMBINE_RECV): "combine/reduce"}
+               int(F.STAGE_COMBINE_SEND): "combine/send", int(F.STAGE_COMBINE_RECV): "combine/reduce",
+               int(F.STAGE_NOTIFY): "dispatch/notify counts"}
 
 
 def header_bytes(num_ranks: int) -> int:
@@ -138,6 +139,12 @@ class Signals:
         if rec.kind == int(F.E_GONE):
             return EPRemoteError(f"rank {me}: rank {peer} timed out at stage '{stage}' and left the group; "
                                  f"destroy() and rebuild the Buffer")
+        if rec.kind == int(F.E_BADIDS):
+            return ValueError(f"topk_idx holds ids outside [-1, num_experts) on rank {me}; they were masked and "
+                              f"nothing was sent")
+        if rec.kind == int(F.E_CAPACITY):
+            return EPCapacityError(f"rank {me}: rank {peer} receives {int(self._host_np[int(F.H_INFO)])} rows, more "
+                                   f"than num_worst_tokens; no data was moved")
         if rec.kind == int(F.E_MISMATCH):
             return ValueError(f"'{stage}': rank {peer} called with another operation, handle (the handle's "
                               f"dispatch), sizes or dtype than rank {me}; all ranks must call the same operation "
