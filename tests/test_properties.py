@@ -115,6 +115,7 @@ def test_num_worst_tokens_padding_and_alignment(p, align):
         assert_bits(ri[:n], exp[j]["recv_topk_idx"], "ids")
         assert (ri[n:] == -1).all() and (bits(rw[n:]) == 0).all() and (bits(rx[n:]) == 0).all()
         assert (h[3][n:] == -1).all()
+        assert_bits(h[0], exp[j]["rank_prefix_matrix"], "rank_prefix_matrix (built on the device)")
         # as DeepEP: no per-expert list with num_worst_tokens (the host never learns the counts); the
         # counts are still in the payload: the aligned histogram of the received ids is the reference's
         assert lst == []

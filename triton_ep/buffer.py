@@ -102,21 +102,6 @@ class DispatchHandle(tuple):
         return self
 
 
-def _device_tables(m: Tensor, me: int):
-    """The handle's device tables from the counts matrix ``m`` (int64 ``[R, R]``, ``m[s][j]`` = rows rank
-    ``s`` sends to rank ``j``) with tensor operations only (no host synchronisation): ``(tables, t32,
-    row_base, combine_tables, n_recv)``; ``t32`` int32 holds ``rank_prefix_matrix`` ``[R, R]``, the send
-    prefix ``[R]`` and the receive start ``[R]``, as :meth:`Buffer.dispatch` lays them out."""
-    R = m.shape[0]
-    rpm = m.cumsum(0)
-    zero = torch.zeros(1, dtype=torch.int64, device=m.device)
-    sent = m[me].cumsum(0)
-    row_base = rpm[me - 1] if me > 0 else torch.zeros(R, dtype=torch.int64, device=m.device)
-    combine_tables = torch.cat([m[:, :me].sum(1), sent - m[me], rpm[:, me]])
-    t32 = torch.cat([rpm.reshape(-1), sent, zero, rpm[:-1, me]]).to(torch.int32)
-    return rpm, t32, row_base, combine_tables, rpm[R - 1, me:me + 1]
-
-
 def _collective(e: BaseException) -> BaseException:
     """Mark ``e`` as raised on every rank at the same step (the group stays in step)."""
     e._ep_collective = True
@@ -671,11 +656,11 @@ class Buffer:
             with self._comm_ctx(), self._sig.watch():
                 kernels.notify_send(lay[5], a["E"], self._sig_args)
             yield "dispatch/notify receive"
-            with self._comm_ctx():
-                matrix = torch.empty(R * R, dtype=torch.int64, device=self.device)
-                with self._sig.watch():
-                    kernels.notify_recv(matrix, num_worst_tokens, self._sig_args)
-                tables, t32_dev, row_base, combine_tables, n_recv_dev = _device_tables(matrix.view(R, R), me)
+            with self._comm_ctx(), self._sig.watch():
+                t32_dev = torch.empty(R * R + 2 * R, dtype=torch.int32, device=self.device)
+                tables = torch.empty(4 * R + 1, dtype=torch.int64, device=self.device)
+                kernels.notify_recv(t32_dev, tables, num_worst_tokens, self._sig_args)
+            row_base, combine_tables, n_recv_dev = tables[:R], tables[R:4 * R], tables[4 * R:]
             rpm, n_recv, n_out, expert_list = None, None, num_worst_tokens, []
         else:
             # The one host wait of a dispatch: the counts (and every rank's status and signature).
