@@ -755,14 +755,8 @@ class Buffer:
                                       recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
                                       signals=self._sig_args, rnd=k, sig=call_sig,
                                       advance=rounds if k == rounds - 1 else 0, n_recv=n_recv_dev, cap=cap)
-        if n_recv is None:                       # num_worst_tokens padding, past a count held on the device
-            with self._comm_ctx():
-                pad = torch.arange(n_out, device=self.device) >= n_recv_dev
-                for t, v in ((recv_x, 0), (recv_sc, 0), (recv_idx, -1), (recv_w, 0), (recv_src, -1)):
-                    if t is not None:
-                        t.masked_fill_(pad.view(-1, *([1] * (t.dim() - 1))), v)
-        elif n_out > n_recv:                     # num_worst_tokens padding
-            with self._comm_ctx():
+        if n_recv is not None and n_out > n_recv:   # num_worst_tokens padding (with the count on the device,
+            with self._comm_ctx():                   # the receive launches wrote it)
                 recv_x[n_recv:].zero_()
                 if recv_sc is not None:
                     recv_sc[n_recv:].zero_()

@@ -112,7 +112,9 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr):
     # Rows of this round: given, or from the receive count on the device (a dispatch whose host never
-    # learns the counts: num_worst_tokens).
+    # learns the counts: num_worst_tokens). Then rows [n_rows, n_bound) of the window are padding: x 0,
+    # scales 0, ids -1, weights 0, source -1 (written here: no separate fill).
+    n_bound = n_rows
     if N_PTR:
         n_rows = tl.minimum(tl.maximum(tl.load(n_ptr) - lo, 0), cap)
     # Round n: wait until every sender has released it here, with the signature of this call.
@@ -122,31 +124,39 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                                     USE_CLOCK)
         n_rows = tl.where(go, n_rows, 0)
     # Programs take row blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
-    for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0)):
+    n_rows = tl.minimum(n_rows, n_bound)
+    if N_PTR:
+        n_out = n_bound           # rows written: received, then padding
+    else:
+        n_out = n_rows
+    for pid in range(tl.program_id(0), tl.cdiv(n_out, BLOCK_T), tl.num_programs(0)):
         i = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
-        m = i < n_rows
+        m = i < n_rows                                # rows received
+        mo = i < n_out                                # rows written
         row = rec_ptr + i * REC
         out = lo + i
         for w0 in range(0, WX, BLOCK_W):
             ow = w0 + tl.arange(0, BLOCK_W)
-            mw = m[:, None] & (ow[None, :] < WX)
-            tl.store(out_x_ptr + out[:, None] * WX + ow[None, :], tl.load(row[:, None] + ow[None, :], mask=mw), mask=mw)
+            cw = (ow[None, :] < WX)
+            tl.store(out_x_ptr + out[:, None] * WX + ow[None, :],
+                     tl.load(row[:, None] + ow[None, :], mask=m[:, None] & cw, other=0), mask=mo[:, None] & cw)
         if HAS_SCALES:
             os_ = tl.arange(0, BLOCK_S)
-            ms = m[:, None] & (os_[None, :] < S)
-            tl.store(out_sc_ptr + out[:, None] * S + os_[None, :], tl.load(row[:, None] + WX + os_[None, :], mask=ms),
-                     mask=ms)
+            cs = os_[None, :] < S
+            tl.store(out_sc_ptr + out[:, None] * S + os_[None, :],
+                     tl.load(row[:, None] + WX + os_[None, :], mask=m[:, None] & cs, other=0), mask=mo[:, None] & cs)
         if HAS_TOPK:
             ok = tl.arange(0, BLOCK_K)
-            mk = m[:, None] & (ok[None, :] < K)
-            g = tl.load(row[:, None] + (WX + S) + ok[None, :], mask=mk, other=-1).to(tl.int64)
+            ck = ok[None, :] < K
+            g = tl.load(row[:, None] + (WX + S) + ok[None, :], mask=m[:, None] & ck, other=-1).to(tl.int64)
             here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
-            tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1), mask=mk)
+            tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1),
+                     mask=mo[:, None] & ck)
             if HAS_W:
-                wb = tl.load(row[:, None] + (WX + S + K) + ok[None, :], mask=mk, other=0)
-                tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mk)
+                wb = tl.load(row[:, None] + (WX + S + K) + ok[None, :], mask=m[:, None] & ck, other=0)
+                tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mo[:, None] & ck)
         if HAS_SRC:
-            tl.store(out_src_ptr + out, tl.load(row + (WX + S + 2 * K), mask=m), mask=m)
+            tl.store(out_src_ptr + out, tl.load(row + (WX + S + 2 * K), mask=m, other=-1), mask=mo)
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
     if SYNC:
         flags.finish_recv(hdr, n, advance, USE_ASM)
