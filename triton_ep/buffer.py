@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from . import kernels
 from .config import Config, EventOverlap
-from .errors import EPCapacityError, EPError, EPRemoteError
+from .errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from .kernels.combine import record_bytes as combine_record_bytes
+from .kernels import flags as F
 from .kernels.dispatch import record_words as dispatch_record_words
 from .transport import ipc, signals
 
@@ -38,7 +39,7 @@ XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 _DEFAULT_TIMEOUT_S = 100.0
 # Exchange-slot header words (int64).
 _ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 10)
-_BASE, _HASERR = 12, 13                # rounds completed, holds an error (re-synchronisation)
+_BASE, _HASERR, _SEQ, _XN = 12, 13, 14, 15   # rounds completed, holds an error, dispatches, exchange number
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE, _OP_RESYNC = 1, 2, 3, 4
 
 
@@ -100,6 +101,20 @@ class DispatchHandle(tuple):
         #: (``num_worst_tokens``; then ``rpm_host`` and ``num_recv_tokens`` are ``None``)
         self.n_recv_dev = n_recv_dev
         return self
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The int a signature carries for a dtype (every rank computes the same one)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+_DTYPE_NAMES = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _sig_text(words) -> str:
+    """Signature words for an error message, a dtype code shown as its name."""
+    return "[" + ", ".join(_DTYPE_NAMES.get(int(w), str(int(w))) if i == 7 else str(int(w))
+                           for i, w in enumerate(words)) + "]"
 
 
 def _collective(e: BaseException) -> BaseException:
@@ -353,6 +368,9 @@ class Buffer:
         comm = self._live()
         err = self._sig.error()
         if err is None:
+            if comm.broken:                 # reported once already: the Buffer stays unusable
+                raise EPError(f"rank {self.rank}: this Buffer is unusable after an earlier failure ({comm.broken}); "
+                              f"destroy() it and build a new one")
             return
         if self._sig.permanent() and comm.broken is None:
             comm.broken = str(err)
@@ -468,13 +486,18 @@ class Buffer:
                 if isinstance(stage, _Meet):
                     if self._comm_stream is not None:
                         self._comm_stream.synchronize()
-                    comm.barrier(stage)
+                    try:
+                        comm.barrier(stage, gone=self._sig.gone_peers)
+                    except EPTimeoutError:
+                        self._sig.leave(int(F.STAGE_HOST))     # the peers must not wait for this rank
+                        raise
                 stage = next(gen)
         except StopIteration as stop:
             return stop.value
         except BaseException as e:
             if started and not getattr(e, "_ep_collective", False) and comm.broken is None:
                 comm.broken = f"rank {self.rank} failed in the middle of a call ({type(e).__name__}: {e})"
+                self._sig.leave(int(F.STAGE_FAILED))             # its peers stop waiting for it at once
             raise
         finally:
             gen.close()
@@ -493,13 +516,25 @@ class Buffer:
         slot[_SIG0:_SIG0 + len(sig)] = sig
         with self._comm_ctx():
             slot[_BASE], slot[_HASERR] = self._sig.local_state()
+        slot[_SEQ] = self._dispatch_seq
+        slot[_XN] = self._op          # this rank's exchange count: equal on ranks in step
         if fill is not None and err is None:
             fill(slot)
         yield _Meet(stage)
         slots = [comm.slot(parity, r).copy() for r in range(self.group_size)]
+        behind = [r for r, sl in enumerate(slots) if sl[_XN] != slot[_XN]]
+        if behind:
+            # a rank made another number of host exchanges (ranks called different operations, e.g. a
+            # dispatch against a combine): the host meeting points no longer pair up
+            comm.broken = (f"ranks out of step: rank {behind[0]} has met the others on the host a different number "
+                           f"of times (the ranks called different operations)")
+            raise _collective(EPError(f"rank {self.rank}: {comm.broken}; destroy() and rebuild the Buffer"))
         # Every rank's device work has finished (each synchronised before it arrived): after an error,
         # or if round counters differ, every rank starts afresh above the highest round any rank used.
         bases = [int(s[_BASE]) for s in slots]
+        # dispatch numbers name handles in call signatures: after a call that only some ranks made, they
+        # agree again from here on
+        self._dispatch_seq = max(int(s[_SEQ]) for s in slots)
         if any(s[_HASERR] for s in slots) or len(set(bases)) > 1:
             with self._comm_ctx():
                 self._sig.resync(max(bases) + 1)
@@ -514,9 +549,9 @@ class Buffer:
         for r in range(self.group_size):
             if not np.array_equal(slots[r][_SIG0:_SIG0 + len(sig)], slots[0][_SIG0:_SIG0 + len(sig)]):
                 raise _collective(ValueError(
-                    f"'{stage}': rank {r} called with ({sig_names}) = {slots[r][_SIG0:_SIG0 + len(sig)].tolist()} "
-                    f"but rank 0 with {slots[0][_SIG0:_SIG0 + len(sig)].tolist()}; all ranks must call the same "
-                    f"operation with the same handle and sizes (all ranks must agree)"))
+                    f"'{stage}': rank {r} called with ({sig_names}) = {_sig_text(slots[r][_SIG0:_SIG0 + len(sig)])} "
+                    f"but rank 0 with {_sig_text(slots[0][_SIG0:_SIG0 + len(sig)])}; all ranks must call the same "
+                    f"operation with the same handle, sizes and dtype (all ranks must agree)"))
         return slots
 
     def _capacity(self, row_bytes: int, stage: str) -> int:
@@ -674,6 +709,9 @@ class Buffer:
                         host = lay[5].cpu().numpy().astype(np.int64)
                 except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
                     err = e
+            if err is None and a["idx"] is None and (host[R:R + a["E"]] < 0).any():
+                err = ValueError(f"num_tokens_per_expert holds negative counts on rank {me} (without topk_idx the "
+                                 f"given counts are used as they are)")
             if err is None:
                 nbad = int(host[R + a["E"]]) if lay[4] is not None else 0
                 if nbad:
@@ -801,7 +839,7 @@ class Buffer:
         if not _isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
             raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
         a = dict(x=xv, scales=sc, T=T, wx=xv.shape[1] * xv.element_size() // 4, s=sc.shape[1] if sc is not None else 0,
-                 dtype=zlib.crc32(str(xv.dtype).encode()),
+                 dtype=_dtype_code(xv.dtype),
                  align=int(expert_alignment), idx=None, w=None, k=0, E=0, in_rank=None, per_expert=None)
         if handle is not None:
             h = self._check_handle(handle)

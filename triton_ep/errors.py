@@ -18,7 +18,8 @@ class EPTimeoutError(EPError, TimeoutError):
     Attributes:
         rank: this rank's index in the EP group.
         peer: the group rank that did not answer (``None`` when unknown).
-        stage: the step that waited, e.g. ``"dispatch/counts"`` or ``"combine/data round 2"``.
+        stage: the step that waited, e.g. ``"dispatch/exchange counts"`` (a host rendezvous) or
+            ``"combine/reduce (round 12)"`` (a kernel's wait; the round is the Buffer's round counter).
         channel: the channel or queue pair index, where there is one.
         timeout_s: the bound that was exceeded, in seconds.
     """

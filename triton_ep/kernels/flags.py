@@ -107,6 +107,8 @@ STAGE_DISPATCH_RECV = tl.constexpr(2)
 STAGE_COMBINE_SEND = tl.constexpr(3)
 STAGE_COMBINE_RECV = tl.constexpr(4)
 STAGE_NOTIFY = tl.constexpr(5)
+STAGE_HOST = tl.constexpr(6)      #: a host rendezvous (the counts exchange, a re-synchronisation)
+STAGE_FAILED = tl.constexpr(7)    #: a failure of the rank's own in the middle of a call
 
 
 @triton.jit

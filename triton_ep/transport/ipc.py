@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import EPError, EPTimeoutError
+from ..errors import EPError, EPRemoteError, EPTimeoutError
 from .signals import header_bytes
 
 #: int64 words of one rank's exchange slot beyond the per-rank and per-expert counts.
@@ -110,12 +110,18 @@ class Comm:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def barrier(self, stage: str) -> None:
+    def barrier(self, stage: str, gone=None) -> None:
         """Bounded barrier over the group.
+
+        Args:
+            stage: what the ranks meet for (named in errors).
+            gone: optional callable returning ``{peer: stage}`` of peers known to have left the group; it is
+                polled while waiting (every 10 ms), and the wait ends at once if a missing peer left.
 
         Raises:
             EPTimeoutError: a peer did not arrive within ``timeout_s`` seconds (the Comm is then marked
                 broken: the Buffer must be destroyed and built again).
+            EPRemoteError: a missing peer left the group (it timed out or failed elsewhere).
             EPError: the Comm was broken by an earlier timeout.
         """
         if self.broken:
@@ -130,12 +136,20 @@ class Comm:
         ctr[self.rank] = n
         start = time.monotonic()
         deadline = start + self.timeout_s
+        next_look = start
         for peer in range(self.size):
             while ctr[peer] < n:
                 now = time.monotonic()
                 if now > deadline:
                     self.broken = f"timeout at '{stage}' waiting for rank {peer}"
                     raise EPTimeoutError(self.rank, peer, stage, self.timeout_s)
+                if gone is not None and now >= next_look:
+                    next_look = now + 0.01
+                    left = gone()
+                    if peer in left:
+                        self.broken = f"rank {peer} left the group"
+                        raise EPRemoteError(f"rank {self.rank}: {left[peer]}, so it will not reach '{stage}'; "
+                                            f"destroy() and rebuild the Buffer")
                 # Yield the core for the first 5 ms (peers usually arrive within microseconds to a few
                 # milliseconds), then back off to 1 ms naps so a long wait costs no CPU.
                 time.sleep(0 if now - start < 5e-3 else 1e-3)
@@ -195,11 +209,16 @@ def gather_objects(group, obj, timeout_s: float, stage: str) -> list:
 
     def gather(t: torch.Tensor) -> List[torch.Tensor]:
         outs = [torch.empty_like(t) for _ in range(size)]
+        t0 = time.monotonic()
         work = dist.all_gather(outs, t, group=group, async_op=True)
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            raise EPTimeoutError(rank, None, f"{stage} ({e})", timeout_s) from None
+            if time.monotonic() - t0 < 0.9 * timeout_s:      # not a timeout: a peer's process failed
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                raise EPRemoteError(f"rank {rank}: a peer failed at '{stage}' (it could not build its Buffer, or "
+                                    f"its process ended); the process group reported: {first}") from None
+            raise EPTimeoutError(rank, None, stage, timeout_s) from None
         return outs
 
     sizes = [int(s.item()) for s in gather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev))]

@@ -31,7 +31,15 @@ from ..kernels import flags as F
 #: names of the stages error records carry
 STAGE_NAMES = {0: "unknown", int(F.STAGE_DISPATCH_SEND): "dispatch/send", int(F.STAGE_DISPATCH_RECV): "dispatch/receive",
                int(F.STAGE_COMBINE_SEND): "combine/send", int(F.STAGE_COMBINE_RECV): "combine/reduce",
-               int(F.STAGE_NOTIFY): "dispatch/notify counts"}
+               int(F.STAGE_NOTIFY): "dispatch/notify counts", int(F.STAGE_HOST): "a host rendezvous",
+               int(F.STAGE_FAILED): "an error of its own in the middle of a call"}
+
+
+def _left(peer: int, stage: int) -> str:
+    """Why rank ``peer`` left the group, from the stage code in its ``GONE`` word."""
+    if stage == int(F.STAGE_FAILED):
+        return f"rank {peer} failed in the middle of a call and left the group"
+    return f"rank {peer} timed out at stage '{STAGE_NAMES.get(stage, 'unknown')}' and left the group"
 
 
 def header_bytes(num_ranks: int) -> int:
@@ -137,8 +145,7 @@ class Signals:
         if rec.kind == int(F.E_TIMEOUT):
             return EPTimeoutError(me, peer, f"{stage} (round {rec.call})", self.timeout_s)
         if rec.kind == int(F.E_GONE):
-            return EPRemoteError(f"rank {me}: rank {peer} timed out at stage '{stage}' and left the group; "
-                                 f"destroy() and rebuild the Buffer")
+            return EPRemoteError(f"rank {me}: {_left(peer, rec.stage)}; destroy() and rebuild the Buffer")
         if rec.kind == int(F.E_BADIDS):
             return ValueError(f"topk_idx holds ids outside [-1, num_experts) on rank {me}; they were masked and "
                               f"nothing was sent")
@@ -146,9 +153,8 @@ class Signals:
             return EPCapacityError(f"rank {me}: rank {peer} receives {int(self._host_np[int(F.H_INFO)])} rows, more "
                                    f"than num_worst_tokens; no data was moved")
         if rec.kind == int(F.E_MISMATCH):
-            return ValueError(f"'{stage}': rank {peer} called with another operation, handle (the handle's "
-                              f"dispatch), sizes or dtype than rank {me}; all ranks must call the same operation "
-                              f"with the same handle and sizes (all ranks must agree); nothing was moved")
+            return ValueError(f"'{stage}': rank {me} and rank {peer} called with different operations, handles "
+                              f"(the handle's dispatch), sizes or dtypes; all ranks must agree; nothing was moved")
         return EPRemoteError(f"rank {me}: rank {peer} failed the call at '{stage}' (rank {peer} raised the "
                              f"details); no data was moved here")
 
@@ -171,6 +177,24 @@ class Signals:
             self.header[int(F.W_ERR)].fill_(int(F.E_FAILED))
         self.needs_resync = True
         self._reported = True
+
+    def leave(self, stage: int) -> None:
+        """This rank can no longer keep step with the group (it timed out at a host rendezvous, or failed in
+        the middle of a call): write ``GONE[rank]`` (``stage`` + 1) into every peer's header, so their
+        kernels and rendezvous stop waiting for it at once and raise that it left the group."""
+        R, me = self.size, self.rank
+        with torch.inference_mode():
+            for r, h in enumerate(self.peer_headers):
+                if r != me:
+                    h[F.off_gone(R) + me].fill_(int(stage) + 1)
+            self.header[int(F.W_ERR)].fill_(int(F.E_GONE))
+
+    def gone_peers(self) -> dict:
+        """``{peer: why}`` of the peers that left the group (their ``GONE`` words in this rank's
+        header); a small device read on GPU."""
+        R = self.size
+        words = self.header[F.off_gone(R):F.off_gone(R) + R].tolist()
+        return {r: _left(r, int(w) - 1) for r, w in enumerate(words) if w}
 
     # ---- re-synchronisation (at a host rendezvous, with this rank's device work finished)
     def local_state(self) -> tuple:
