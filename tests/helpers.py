@@ -107,3 +107,10 @@ def check_round_trip_virtual(R, E, K, H, Ts, seed, num_nvl_bytes, device="cpu", 
     for j in range(R):
         assert_bits(cached[j][0], exp2[j]["recv_x"], f"rank {j} cached recv_x")
         assert cached[j][1:5] == (None, None, None, None)
+
+
+def ok_results(results: List) -> List:
+    """``run_ranks`` results, after failing the test with every rank's traceback if any rank raised."""
+    bad = [r for r in results if hasattr(r, "traceback")]
+    assert not bad, "\n".join(b.traceback or b.message for b in bad)
+    return results

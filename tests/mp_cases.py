@@ -580,3 +580,62 @@ def graph_full(rank, world, timeout_s=30.0):
     dist.barrier()
     buf.destroy()
     return "ok"
+
+
+def late_at_exchange(rank, world, timeout_s):
+    """Rank 1 reaches a plain dispatch after rank 0 gave up at the counts exchange: rank 0 raises
+    EPTimeoutError there, rank 1 raises at once that rank 0 left (it does not wait in the kernels)."""
+    import time
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(61, world, E, 2, H, [4] * world)
+    buf = triton_ep.Buffer(None, 1 << 16, device="cpu", timeout_s=timeout_s)
+    buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+    if rank == 1:
+        time.sleep(timeout_s + 2)
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+        out = ("returned", 0.0, "")
+    except Exception as e:  # noqa: BLE001
+        out = (type(e).__name__, round(time.monotonic() - t0, 2), str(e))
+    buf.destroy()
+    return out
+
+
+def failed_mid_call_next_call(rank, world):
+    """Rank 1 fails inside its send (an error of its own, after the counts exchange). Rank 0's call raises
+    at once that rank 1 left; so does rank 0's next call (no timeout), and rank 1's Buffer refuses calls."""
+    import time
+    import unittest.mock
+    from triton_ep import buffer as bmod
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(62, world, E, 2, H, [4] * world)
+    buf = triton_ep.Buffer(None, 1 << 16, device="cpu", timeout_s=20)
+    out = []
+    for attempt in range(2):
+        t0 = time.monotonic()
+        try:
+            if rank == 1 and attempt == 0:
+                def boom(*a, **k):
+                    raise RuntimeError("injected failure")
+                with unittest.mock.patch.object(bmod.kernels, "dispatch_send", boom):
+                    buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+            else:
+                buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+            out.append(("returned", 0.0, ""))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, round(time.monotonic() - t0, 2), str(e)))
+    buf.destroy()
+    return out
+
+
+def peer_fails_to_build(rank, world):
+    """Rank 1 cannot build its Buffer (a buffer far beyond memory): rank 0 raises EPRemoteError saying a
+    peer failed at bootstrap, at once, not a timeout; neither leaves a file in /dev/shm."""
+    import time
+    t0 = time.monotonic()
+    try:
+        triton_ep.Buffer(None, (1 << 50) if rank == 1 else (1 << 16), device="cpu", timeout_s=20)
+        return ("built", 0.0, "")
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))

@@ -4,24 +4,18 @@ import pytest
 import torch
 
 import mp_cases
-from helpers import make_inputs, raise_first, virtual_dispatch
+from helpers import ok_results, make_inputs, raise_first, virtual_dispatch
 from triton_ep import reference as ref
 from triton_ep.testing import VirtualGroup, run_ranks
 
 pytestmark = pytest.mark.gpu
 
 
-def _ok(results):
-    bad = [r for r in results if hasattr(r, "traceback")]
-    assert not bad, "\n".join(b.traceback or b.message for b in bad)
-    return results
-
-
 def test_graph_capture_replay_and_stopped_peer():
     """Two processes on one GPU: captured cached dispatch + expert + combine replay bit-exact with new x;
     a peer that stops replaying makes the other raise EPTimeoutError at check() within the bound, and
     its later replays return at once."""
-    out = _ok(run_ranks(mp_cases.graph_replay, 2, 3.0, backend="gloo"))
+    out = ok_results(run_ranks(mp_cases.graph_replay, 2, 3.0, backend="gloo"))
     assert all(o["replays_ok"] == 3 for o in out), out
     assert out[0]["error"] == ("EPTimeoutError", 1, out[0]["error"][2]) and out[0]["error"][2].startswith(
         ("dispatch", "combine")), out
@@ -32,7 +26,7 @@ def test_graph_capture_replay_and_stopped_peer():
 def test_kernel_timeout_and_late_peer_gpu():
     """Rank 1 reaches combine after rank 0 gave up: rank 0 raises EPTimeoutError (GPU clock) naming rank 1
     and the stage; rank 1 raises at once that rank 0 left."""
-    out = _ok(run_ranks(mp_cases.late_peer_combine, 2, 2.0, "cuda"))
+    out = ok_results(run_ranks(mp_cases.late_peer_combine, 2, 2.0, "cuda"))
     name, peer, stage, waited, text, later = out[0]
     assert name == "EPTimeoutError" and peer == 1 and stage.startswith("combine"), out
     assert 2.0 <= waited < 7.0, out
@@ -43,7 +37,7 @@ def test_kernel_timeout_and_late_peer_gpu():
 def test_async_finish_leaves_the_callers_stream_free():
     """With async_finish a late peer stalls only the communication stream: compute on the caller's stream
     finishes long before the combine does, and the event then delivers the right result."""
-    out = _ok(run_ranks(mp_cases.async_overlap, 2, 2.0))
+    out = ok_results(run_ranks(mp_cases.async_overlap, 2, 2.0))
     o = out[0]
     assert o["ok"] and out[1]["ok"], out
     assert o["call_s"] < 0.5 and o["compute_s"] < 1.0 and o["done_s"] >= 1.5, out
@@ -77,4 +71,4 @@ def test_graph_capture_of_layout_dispatch_with_num_worst_tokens_and_combine(back
     peer) are bit for bit the reference. nccl: one rank per GPU (needs 2 GPUs)."""
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    assert _ok(run_ranks(mp_cases.graph_full, 2, backend=backend)) == ["ok", "ok"]
+    assert ok_results(run_ranks(mp_cases.graph_full, 2, backend=backend)) == ["ok", "ok"]

@@ -85,3 +85,9 @@ def test_handles_of_different_dispatches_are_rejected_on_every_rank():
     dispatch raise on every rank (a bug would combine garbage silently)."""
     out = _values(run_ranks(mp_cases.mixed_handles, 2))
     assert out == [["ValueError: True"] * 2] * 2, out
+
+
+def test_peer_failing_to_build_its_buffer_is_a_remote_error_not_a_timeout():
+    out = _values(run_ranks(mp_cases.peer_fails_to_build, 2))
+    assert out[1][0] != "built", out
+    assert out[0][0] == "EPRemoteError" and "could not build its Buffer" in out[0][2] and out[0][1] < 10, out

@@ -6,16 +6,10 @@ import torch
 
 import mp_cases
 import triton_ep
-from helpers import check_dispatch, make_inputs, raise_first, virtual_dispatch
+from helpers import ok_results, check_dispatch, make_inputs, raise_first, virtual_dispatch
 from triton_ep import buffer as buffer_mod
 from triton_ep import reference as ref
 from triton_ep.testing import VirtualGroup, run_ranks
-
-
-def _ok(results):
-    bad = [r for r in results if hasattr(r, "traceback")]
-    assert not bad, "\n".join(b.traceback or b.message for b in bad)
-    return results
 
 
 @pytest.fixture
@@ -96,7 +90,7 @@ def test_kernel_side_timeout_then_late_peer_raises_at_once():
     """Rank 1 reaches combine only after rank 0 gave up: rank 0's kernels waited on the device and it
     raises EPTimeoutError naming rank 1 and the combine stage within timeout_s + 5 s; rank 1 raises at
     once that rank 0 left the group (not after its own timeout); later calls on both refuse at once."""
-    out = _ok(run_ranks(mp_cases.late_peer_combine, 2, 2.0))
+    out = ok_results(run_ranks(mp_cases.late_peer_combine, 2, 2.0))
     name, peer, stage, waited, text, later = out[0]
     assert name == "EPTimeoutError" and peer == 1 and stage.startswith("combine"), out[0]
     assert 2.0 <= waited < 7.0, waited
@@ -115,3 +109,23 @@ def test_ranks_combining_different_widths_raise_on_every_rank():
     res = virtual_dispatch(vg, xs, idxs, ws, E)
     out = vg.call("combine", [dict(x=res[0][0][:, :8], handle=res[0][4]), dict(x=res[1][0], handle=res[1][4])])
     assert all(isinstance(o, ValueError) and "all ranks must agree" in str(o) for o in out), out
+
+
+@pytest.mark.multiprocess
+def test_late_peer_at_the_counts_exchange_raises_at_once():
+    """A rank that times out at a host rendezvous leaves the group: a peer arriving later raises at once
+    that it left, instead of waiting in its kernels for a second timeout and blaming the wrong stage."""
+    out = ok_results(run_ranks(mp_cases.late_at_exchange, 2, 2.0))
+    assert out[0][0] == "EPTimeoutError" and 2.0 <= out[0][1] < 7.0, out
+    assert out[1][0] == "EPRemoteError" and "rank 0" in out[1][2] and "left the group" in out[1][2], out
+    assert out[1][1] < 1.5, out
+
+
+@pytest.mark.multiprocess
+def test_peer_failing_mid_call_is_seen_at_once_in_later_calls_too():
+    """A rank whose call fails half way (an error of its own) leaves the group: its peer raises at once in
+    that call and in the next one (no timeout), and the failed rank's Buffer refuses further calls."""
+    out = ok_results(run_ranks(mp_cases.failed_mid_call_next_call, 2))
+    assert out[1][0][0] == "RuntimeError" and out[1][1][0] == "EPError", out
+    for name, secs, text in out[0]:
+        assert name in ("EPRemoteError", "EPError") and "rank 1" in text and secs < 2.0, out
