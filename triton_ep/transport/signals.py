@@ -156,7 +156,7 @@ class Signals:
             return ValueError(f"'{stage}': rank {me} and rank {peer} called with different operations, handles "
                               f"(the handle's dispatch), sizes or dtypes; all ranks must agree; nothing was moved")
         return EPRemoteError(f"rank {me}: rank {peer} failed the call at '{stage}' (rank {peer} raised the "
-                             f"details); no data was moved here")
+                             f"details); this call's outputs here are not valid")
 
     def permanent(self) -> bool:
         """Whether the record is a timeout (ours or a peer's): the group cannot go on."""
