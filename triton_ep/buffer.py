@@ -14,6 +14,7 @@ same way at that exchange. A peer that never arrives gives :class:`~triton_ep.er
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import uuid
@@ -68,6 +69,33 @@ def _steps(fn):
     return run
 
 
+@dataclasses.dataclass
+class DispatchArgs:
+    """One dispatch call's checked arguments (what the steps of the call read).
+
+    ``x`` ``[T, H]`` (contiguous) and its FP8 ``scales`` ``[T, H/128]`` or ``None``; ``row_words`` and
+    ``scale_words``: a row and its scales in 32-bit words; ``dtype_code``: the dtype as the cross-rank
+    signature carries it; ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank``
+    ``[T, R]`` and ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle``
+    for a cached dispatch; ``flags``: bit 0 FP8 scales, bit 1 cached, bit 2 weights (signature).
+    """
+    x: Tensor
+    scales: Optional[Tensor]
+    num_tokens: int
+    row_words: int
+    scale_words: int
+    dtype_code: int
+    expert_alignment: int
+    topk_idx: Optional[Tensor] = None
+    topk_weights: Optional[Tensor] = None
+    num_topk: int = 0
+    num_experts: int = 0
+    is_token_in_rank: Optional[Tensor] = None
+    num_tokens_per_expert: Optional[Tensor] = None
+    handle: Optional["DispatchHandle"] = None
+    flags: int = 0
+
+
 class DispatchHandle(tuple):
     """The communication handle ``dispatch`` returns, shaped as DeepEP's intranode handle::
 
@@ -101,6 +129,26 @@ class DispatchHandle(tuple):
         #: (``num_worst_tokens``; then ``rpm_host`` and ``num_recv_tokens`` are ``None``)
         self.n_recv_dev = n_recv_dev
         return self
+
+    @property
+    def rank_prefix_matrix(self) -> Tensor:
+        """int32 ``[R, R]``: ``[i][j]`` = rows rank ``j`` receives from ranks ``0..i``."""
+        return self[0]
+
+    @property
+    def recv_src_idx(self) -> Tensor:
+        """int32 ``[N]``: the source token of each received row (``-1`` on padding rows)."""
+        return self[3]
+
+    @property
+    def is_token_in_rank(self) -> Tensor:
+        """bool ``[T, R]``: whether token ``t`` went to rank ``r``."""
+        return self[4]
+
+    @property
+    def send_head(self) -> Tensor:
+        """int64 ``[T, R]``: index of token ``t`` among the rows sent to rank ``r`` (``-1``: not sent)."""
+        return self[5]
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -672,15 +720,15 @@ class Buffer:
         # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
         # ranks that call different collectives, or pass handles of different dispatches, fail together.
         op = _OP_CACHED_DISPATCH if cached else _OP_DISPATCH
-        seq = a["handle"].seq if (err is None and cached) else 0
-        sig = [op, a["wx"], a["s"], a["k"], a["flags"], a["E"], seq, a["dtype"]] if err is None else [op] + [0] * 7
+        seq = a.handle.seq if (err is None and cached) else 0
+        sig = [op, a.row_words, a.scale_words, a.num_topk, a.flags, a.num_experts, seq, a.dtype_code] if err is None else [op] + [0] * 7
         names = "operation, row words, scale words, top-k, flags, experts, handle's dispatch, x dtype"
         self._begin(previous_event)
         n_recv_dev = None
         if cached:
-            h = a["handle"]
+            h = a.handle
             rpm, row_base = h.rpm_host, h.row_base
-            send_pos, in_rank = h[5], h[4]
+            send_pos, in_rank = h.send_head, h.is_token_in_rank
             n_recv, n_out, n_recv_dev = h.num_recv_tokens, h.num_out_rows, h.n_recv_dev
         elif on_device:
             sig.append(num_worst_tokens)       # the rounds depend on it: every rank must pass the same
@@ -689,7 +737,7 @@ class Buffer:
             in_rank, send_pos = lay[2], lay[3]
             yield "dispatch/notify"
             with self._comm_ctx(), self._sig.watch():
-                kernels.notify_send(lay[5], a["E"], self._sig_args)
+                kernels.notify_send(lay[5], a.num_experts, self._sig_args)
             yield "dispatch/notify receive"
             with self._comm_ctx(), self._sig.watch():
                 t32_dev = torch.empty(R * R + 2 * R, dtype=torch.int32, device=self.device)
@@ -709,19 +757,19 @@ class Buffer:
                         host = lay[5].cpu().numpy().astype(np.int64)
                 except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
                     err = e
-            if err is None and a["idx"] is None and (host[R:R + a["E"]] < 0).any():
+            if err is None and a.topk_idx is None and (host[R:R + a.num_experts] < 0).any():
                 err = ValueError(f"num_tokens_per_expert holds negative counts on rank {me} (without topk_idx the "
                                  f"given counts are used as they are)")
             if err is None:
-                nbad = int(host[R + a["E"]]) if lay[4] is not None else 0
+                nbad = int(host[R + a.num_experts]) if lay[4] is not None else 0
                 if nbad:
                     status = 2
-                    err = ValueError(f"topk_idx holds {nbad} ids outside [-1, {a['E']}) on rank {me}; "
+                    err = ValueError(f"topk_idx holds {nbad} ids outside [-1, {a.num_experts}) on rank {me}; "
                                      f"they were masked and nothing was sent")
 
             def fill(slot):
                 slot[_NWORST] = num_worst_tokens
-                slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R + a["E"]] = host[:R + a["E"]]
+                slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R + a.num_experts] = host[:R + a.num_experts]
 
             slots = yield from self._exchange(stage, err, status, sig, names, fill)
             counts = np.stack([s[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] for s in slots])        # [src, dst]
@@ -733,10 +781,10 @@ class Buffer:
                 r, got, cap = over[0]
                 raise _collective(EPCapacityError(f"rank {me}: rank {r} receives {got} rows but its num_worst_tokens "
                                                   f"is {cap}; no data was moved"))
-            E = a["E"]
+            E = a.num_experts
             El = E // R
             per_expert = sum(s[ipc.SLOT_HEADER + R + me * El:ipc.SLOT_HEADER + R + (me + 1) * El] for s in slots)
-            al = a["align"]
+            al = a.expert_alignment
             # DeepEP returns an empty list with num_worst_tokens: the host is not meant to learn the counts
             expert_list = [] if num_worst_tokens > 0 else [int((c + al - 1) // al * al) for c in per_expert.tolist()]
             in_rank, send_pos = lay[2], lay[3]
@@ -754,41 +802,41 @@ class Buffer:
                 t32_dev = tables[:t32.size].to(torch.int32)
             row_base, combine_tables = tables[t32.size:t32.size + R], tables[t32.size + R:]
 
-        rec_words = dispatch_record_words(a["wx"], a["s"], a["k"], with_src=not cached)
+        rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
         cap = self._capacity(rec_words * 4, "dispatch")
         # rounds: from the counts, or (counts on the device only) from num_worst_tokens, equal on every rank
         rounds = max(1, -(-(int(rpm[-1].max()) if rpm is not None else n_out) // cap))
         call_sig = signals.call_signature(sig + [rounds, rec_words])
         dev = self.device
-        xv, sc = a["x"], a["scales"]
+        xv, sc = a.x, a.scales
         H = xv.shape[1]
         recv_x = torch.empty((n_out, H), dtype=xv.dtype, device=dev)
-        recv_sc = torch.empty((n_out, a["s"]), dtype=torch.float32, device=dev) if sc is not None else None
+        recv_sc = torch.empty((n_out, a.scale_words), dtype=torch.float32, device=dev) if sc is not None else None
         recv_idx = recv_w = recv_src = None
         if not cached:
             recv_src = torch.empty(n_out, dtype=torch.int32, device=dev)
-            if a["k"]:
-                recv_idx = torch.empty((n_out, a["k"]), dtype=a["idx"].dtype, device=dev)
-                if a["w"] is not None:
-                    recv_w = torch.empty((n_out, a["k"]), dtype=torch.float32, device=dev)
+            if a.num_topk:
+                recv_idx = torch.empty((n_out, a.num_topk), dtype=a.topk_idx.dtype, device=dev)
+                if a.topk_weights is not None:
+                    recv_w = torch.empty((n_out, a.num_topk), dtype=torch.float32, device=dev)
         rec = self._comm.data.view(torch.int32)
         x_words = xv.view(torch.int32)
         sc_words = sc.view(torch.int32) if sc is not None else None
-        w_words = a["w"].view(torch.int32) if (not cached and a["w"] is not None) else None
-        idx = a["idx"] if not cached else None
+        w_words = a.topk_weights.view(torch.int32) if (not cached and a.topk_weights is not None) else None
+        idx = a.topk_idx if not cached else None
         # Rounds, each a send launch then a receive launch; ranks wait for each other on the device.
         for k in range(rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
             with self._comm_ctx(), self._sig.watch():
                 kernels.dispatch_send(x_words, sc_words, idx, w_words, send_pos, row_base, self._delta_words, rec,
-                                      lo, hi, a["E"], rec_words, with_src=not cached, signals=self._sig_args, rnd=k,
+                                      lo, hi, a.num_experts, rec_words, with_src=not cached, signals=self._sig_args, rnd=k,
                                       sig=call_sig)
             yield f"dispatch/receive round {k}"
             with self._comm_ctx(), self._sig.watch():
                 kernels.dispatch_recv(rec, min(max((n_recv if n_recv is not None else n_out) - lo, 0), cap), lo, me,
-                                      a["E"] // R, a["wx"], a["s"],
-                                      a["k"] if not cached else 0, rec_words, recv_x.view(torch.int32),
+                                      a.num_experts // R, a.row_words, a.scale_words,
+                                      a.num_topk if not cached else 0, rec_words, recv_x.view(torch.int32),
                                       recv_sc.view(torch.int32) if recv_sc is not None else None, recv_idx,
                                       recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
                                       signals=self._sig_args, rnd=k, sig=call_sig,
@@ -802,7 +850,7 @@ class Buffer:
                     if t is not None:
                         t[n_recv:].fill_(v)
         out_x = (recv_x, recv_sc) if sc is not None else recv_x
-        inputs = (xv, sc, idx, a["w"], send_pos, row_base)
+        inputs = (xv, sc, idx, a.topk_weights, send_pos, row_base)
         if cached:
             event = self._end(async_finish, inputs + (recv_x, recv_sc))
             self.check()
@@ -810,25 +858,25 @@ class Buffer:
         rpm_t = t32_dev[:R * R].view(R, R)
         send_prefix, recv_start = t32_dev[R * R:R * R + R].view(R, 1), t32_dev[R * R + R:].view(R, 1)
         new_handle = DispatchHandle((rpm_t, send_prefix, recv_start, recv_src, in_rank, send_pos), self._uid,
-                                    a["T"], n_recv, rpm, self._dispatch_seq, row_base, combine_tables, n_recv_dev)
+                                    a.num_tokens, n_recv, rpm, self._dispatch_seq, row_base, combine_tables, n_recv_dev)
         event = self._end(async_finish, inputs + (recv_x, recv_sc, recv_idx, recv_w, recv_src, tables, t32_dev))
         self.check()
         return out_x, recv_idx, recv_w, expert_list, new_handle, event
 
     def _routing(self, a):
         """Layout of this call: from ``topk_idx`` by the kernel, else from ``is_token_in_rank``."""
-        if a["idx"] is not None:
-            return kernels.routing_layout(a["idx"], a["E"], self.group_size)
-        in_rank = a["in_rank"]
+        if a.topk_idx is not None:
+            return kernels.routing_layout(a.topk_idx, a.num_experts, self.group_size)
+        in_rank = a.is_token_in_rank
         send_pos = torch.where(in_rank, in_rank.to(torch.int64).cumsum(0) - 1,
                                torch.full_like(in_rank, -1, dtype=torch.int64))
         per_rank = in_rank.sum(0, dtype=torch.int32)
-        counts = torch.cat([per_rank, a["per_expert"].to(torch.int32),
+        counts = torch.cat([per_rank, a.num_tokens_per_expert.to(torch.int32),
                             torch.zeros(1, dtype=torch.int32, device=per_rank.device)])     # no bad ids
-        return per_rank, a["per_expert"], in_rank, send_pos, None, counts
+        return per_rank, a.num_tokens_per_expert, in_rank, send_pos, None, counts
 
     def _dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                       topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> dict:
+                       topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> "DispatchArgs":
         self._live()
         R = self.group_size
         _check_event(previous_event)
@@ -838,16 +886,16 @@ class Buffer:
             raise ValueError(f"expert_alignment must be an int in [1, 2^31), got {expert_alignment!r}")
         if not _isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
             raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
-        a = dict(x=xv, scales=sc, T=T, wx=xv.shape[1] * xv.element_size() // 4, s=sc.shape[1] if sc is not None else 0,
-                 dtype=_dtype_code(xv.dtype),
-                 align=int(expert_alignment), idx=None, w=None, k=0, E=0, in_rank=None, per_expert=None)
+        a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=xv.shape[1] * xv.element_size() // 4,
+                         scale_words=sc.shape[1] if sc is not None else 0, dtype_code=_dtype_code(xv.dtype),
+                         expert_alignment=int(expert_alignment))
         if handle is not None:
             h = self._check_handle(handle)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
             if T != h.num_tokens:
                 raise ValueError(f"x has {T} rows but the handle was made for {h.num_tokens} tokens")
-            a.update(handle=h, flags=2 | (sc is not None))
+            a.handle, a.flags = h, 2 | (sc is not None)
             return a
         if num_tokens_per_expert is None:
             raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
@@ -857,21 +905,21 @@ class Buffer:
         if num_tokens_per_rank is not None:
             self._check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,))
         if is_token_in_rank is not None:
-            a["in_rank"] = self._check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R))
+            a.is_token_in_rank = self._check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R))
         if topk_idx is not None:
-            a["idx"] = self._check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None))
-            a["k"] = a["idx"].shape[1]
-            if a["k"] == 0:
+            a.topk_idx = self._check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None))
+            a.num_topk = a.topk_idx.shape[1]
+            if a.num_topk == 0:
                 raise ValueError("topk_idx must have at least one column")
             if topk_weights is not None:
-                a["w"] = self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, a["k"]))
+                a.topk_weights = self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, a.num_topk))
         elif topk_weights is not None:
             raise ValueError("topk_weights given without topk_idx")
-        elif a["in_rank"] is None:
+        elif a.is_token_in_rank is None:
             raise ValueError("dispatch needs topk_idx or is_token_in_rank (or a handle) to route the tokens")
         else:
-            a["per_expert"] = npe.to(torch.int32)
-        a.update(E=E, flags=(sc is not None) | (4 if a["w"] is not None else 0))
+            a.num_tokens_per_expert = npe.to(torch.int32)
+        a.num_experts, a.flags = E, (sc is not None) | (4 if a.topk_weights is not None else 0)
         return a
 
     # ------------------------------------------------------------------ combine
@@ -958,7 +1006,7 @@ class Buffer:
                                      signals=self._sig_args, rnd=k, sig=call_sig, n_recv=h.n_recv_dev)
             yield f"combine/reduce round {k}"
             with self._comm_ctx(), self._sig.watch():
-                kernels.combine_reduce(area, h[5], send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,
+                kernels.combine_reduce(area, h.send_head, send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,
                                        first=k == 0, last=k == rounds - 1, signals=self._sig_args, rnd=k,
                                        sig=call_sig, advance=rounds if k == rounds - 1 else 0)
         event = self._end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
