@@ -142,3 +142,107 @@ def test_emulated_rtr_rejects_bad_qos_fields():
     finally:
         qa.close()
         qb.close()
+
+
+def test_rtr_path_mtu_above_either_active_mtu_is_einval_and_the_transport_takes_the_smaller():
+    fab = two_hosts(em.PortSpec(), em.PortSpec(active_mtu=1024))
+    api, qa, ia = raw_qp(fab, "mlx5_0")
+    _, qb, ib = raw_qp(fab, "mlx5_1")
+    e = api.enums
+    try:
+        assert (ia.mtu, ib.mtu) == (e.IBV_MTU_4096, e.IBV_MTU_1024)
+        for q, mine, other in ((qa, ia, ib), (qb, ib, ia)):     # 4096 is above the remote / the local port's
+            attr = verbs.build_qp_attr(api, port=1, local=mine, remote=other)
+            attr.path_mtu = e.IBV_MTU_4096
+            with pytest.raises(api.PyverbsRDMAError, match="path_mtu 5 above the active MTU") as ei:
+                q.to_rtr(attr)
+            assert ei.value.error_code == errno.EINVAL
+        attr = verbs.build_qp_attr(api, port=1, local=ia, remote=ib)
+        assert attr.path_mtu == e.IBV_MTU_1024
+        qa.to_rtr(attr)
+        assert qa.mtu == e.IBV_MTU_1024
+    finally:
+        qa.close()
+        qb.close()
+    with pytest.raises(ValueError, match="active_mtu 1000"):
+        em.mtu_code(em.PortSpec(active_mtu=1000))
+
+
+def old_pick_gid(gids):
+    """The GID choice before issue 12: RoCEv2 IPv4-mapped, else any RoCEv2 (lowest index), else the first."""
+    nonzero = [g for g in gids if g.gid.strip("0:")]
+    for cond in (lambda g: g.type == "RoCEv2" and g.ipv4_mapped, lambda g: g.type == "RoCEv2", lambda g: True):
+        for g in nonzero:
+            if cond(g):
+                return g
+    return None
+
+
+def write_once(t0, t1):
+    """One signalled 4 KiB WRITE from rank 0 to rank 1 on QP 0; returns (source, destination) regions."""
+    src, dst = t0.register(4096), t1.register(4096)
+    src.view()[:] = np.arange(4096) % 251
+    t0.post(1, 0, [Op(WRITE, src, 0, 4096, dst.remote(), 0, signaled=True)])
+    return src, dst
+
+
+def test_link_local_gid_across_segments_is_retry_exceeded_and_the_routable_choice_connects(monkeypatch):
+    """Two hosts on different L2 segments, each port's table [fe80::..., 2001:db8::<n>].  The old choice (the
+    link-local GID) connects, but its first send ends in IBV_WC_RETRY_EXC_ERR after the retry time and the QP
+    goes to ERR, as on hardware; the new choice (the routable GID) delivers."""
+    import time
+    fab = two_hosts(ipv6_port(0), ipv6_port(1))
+    monkeypatch.setattr(verbs, "pick_gid", old_pick_gid)
+    t0, t1 = pair(fab, num_qps_per_peer=1, qp_timeout=8)        # 8: 1.05 ms local ACK timeout
+    try:
+        assert t0.qps[(1, 0)].info.gid_index == 0
+        connect_pair(t0, t1)                                      # RTR resolves no link-local neighbour
+        t_post = time.monotonic()
+        write_once(t0, t1)
+        with pytest.raises(RdmaCompletionError) as ei:
+            t0.wait(lambda cs: len(cs) >= 1, stage="across segments")
+        waited = time.monotonic() - t_post
+        assert ei.value.completion.status == "IBV_WC_RETRY_EXC_ERR"
+        assert waited >= t0.qps[(1, 0)].qp.retry_time_s() == pytest.approx(8 * 4.096e-6 * 256)
+        assert t0.qp_state(1, 0) == "ERR"
+    finally:
+        t0.close()
+        t1.close()
+    monkeypatch.undo()
+    t0, t1 = pair(fab, num_qps_per_peer=1, qp_timeout=8)
+    try:
+        assert t0.qps[(1, 0)].info.gid_index == 1
+        connect_pair(t0, t1)
+        src, dst = write_once(t0, t1)
+        assert all(c.ok for c in t0.wait(lambda cs: len(cs) >= 1, stage="routable"))
+        assert (dst.view() == src.view()).all() and t0.qp_state(1, 0) == "RTS"
+    finally:
+        t0.close()
+        t1.close()
+
+
+def test_wrong_gid_for_the_dest_qp_is_retry_exceeded_and_flushes_the_rest():
+    """The GID of a port where the destination QP does not live: packets arrive, nobody answers."""
+    fab = em.Fabric(em.FabricSpec([em.DeviceSpec(f"mlx5_{i}") for i in range(3)]))
+    api, qa, ia = raw_qp(fab, "mlx5_0")
+    _, qb, ib = raw_qp(fab, "mlx5_1")
+    _, qc, ic = raw_qp(fab, "mlx5_2")
+    e = api.enums
+    try:
+        import dataclasses
+        attr = verbs.build_qp_attr(api, port=1, local=ia, remote=dataclasses.replace(ib, gid=ic.gid), timeout=4)
+        qa.to_rts(attr)
+        mr = api.MR(qa.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+        for i in range(2):
+            qa.post_send(verbs.build_send_wr(api, WRITE, i, api.SGE(mr.buf, 8, mr.lkey), 1, 0, signaled=False))
+        wcs = []
+        import time
+        deadline = time.monotonic() + 5
+        while len(wcs) < 2 and time.monotonic() < deadline:
+            wcs += qa.scq.poll(4)[1]
+        assert [(w.wr_id, w.status) for w in wcs] == [(0, e.IBV_WC_RETRY_EXC_ERR), (1, e.IBV_WC_WR_FLUSH_ERR)]
+        assert qa.qp_state == e.IBV_QPS_ERR
+        mr.close()
+    finally:
+        for q in (qa, qb, qc):
+            q.close()

@@ -22,6 +22,13 @@ What it models -- the promises of the InfiniBand verbs spec for RC queue pairs, 
   request on the same QP is polled; posting into a full queue fails with ENOMEM, as ibv_post_send does.
   Receive-queue depth likewise.  CQ depth: a completion arriving at a full CQ is an overrun; the next poll
   raises.
+* Ports have a GID table, an active MTU and an L2 segment (:class:`PortSpec`).  RTR rejects (EINVAL) a path
+  MTU above either end's active MTU, an SL above 15, a traffic class above 255, a bad source GID index; a
+  routable destination GID that no port owns fails RTR with EHOSTUNREACH.  A link-local GID (``fe80::/10``)
+  reaches only ports on the same segment, and a GID whose port lacks the destination QP reaches nobody: such
+  a QP gets to RTS, its requests are lost, and the oldest completes with ``IBV_WC_RETRY_EXC_ERR`` after
+  (``retry_cnt`` + 1) local ACK timeouts (the QP moves to ERR, the rest flush).  The QP keeps a copy of the
+  ``AHAttr`` given at RTR (``qp.ah``).
 * A rate model (:class:`RateModel`) charges each request's bytes to the sending port, the fabric path
   (ECMP: ``topology.emulator_path_hash(src GID, dst GID, UDP source port) % n_paths``) and the receiving
   port, each with a bandwidth cap, in virtual time.  The UDP source port is derived from the GRH flow label
@@ -1247,4 +1254,5 @@ def _unlink_rings() -> None:
 
 
 __all__ = ["Fabric", "FabricSpec", "DeviceSpec", "PortSpec", "RateModel", "enums", "port_gids", "port_lid",
+           "gid_table", "mtu_code", "segment_of", "is_link_local",
            "PyverbsError", "PyverbsRDMAError", "PyverbsUserError"]
