@@ -3,6 +3,7 @@
     triton-ep info                                # this host: versions, devices, same-host IPC, RDMA
     triton-ep info --emulated                     # RDMA part for a model host: one dual-port mlx5 NIC, 4 paths
     triton-ep info --num-qps 8 --n-paths 4 --hash crc
+    triton-ep info --traffic-class 106 --service-level 3   # the QoS line, as VerbsTransport would set it
     python -m triton_ep info                      # the same without the console script
 
 The report has four sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
@@ -18,7 +19,8 @@ Exit status:
      RDMA device; the RDMA section says which), or present with no active port (then no QP plan)
   1  an RDMA device exists but a query of it failed (open, port or GID query), or a device named by
      --devices is not there; the other sections are printed, the error goes to stderr
-  2  bad usage: unknown command or option, or a bad option value
+  2  bad usage: unknown command or option, or a bad option value, or a bad TRITON_EP_RDMA_TC /
+     TRITON_EP_RDMA_SL value
 """
 from __future__ import annotations
 
@@ -54,6 +56,19 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _ranged_int(hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in 0..``hi`` (decimal or 0x hex)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer in 0..{hi}, got {text!r}") from None
+        if not 0 <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in 0..{hi}, got {n}")
+        return n
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``triton-ep`` command and its ``info`` subcommand.
 
@@ -73,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--hash", choices=["crc", "emulator"], default=None,
                     help="path hash model (default: crc on hardware, emulator with --emulated)")
     ip.add_argument("--devices", default=None, help="comma-separated RDMA device names (default: all)")
+    ip.add_argument("--traffic-class", type=_ranged_int(255), default=None,
+                    help="GRH traffic class to show for every QP, 0..255 (default: $TRITON_EP_RDMA_TC, else 0)")
+    ip.add_argument("--service-level", type=_ranged_int(15), default=None,
+                    help="service level to show for every QP, 0..15 (default: $TRITON_EP_RDMA_SL, else 0)")
     return ap
 
 
@@ -198,17 +217,34 @@ def print_ipc(out: TextIO, n_gpus: int, can_access: Optional[Callable[[int, int]
     print("\n".join("  " + line for line in t.render().splitlines()), file=out)
 
 
+def qos_line(qos) -> str:
+    """The report's line on the QoS every QP's address carries (a :class:`verbs.QoS`), naming each value's source
+    (``--traffic-class`` / ``--service-level``, ``TRITON_EP_RDMA_TC`` / ``TRITON_EP_RDMA_SL``, or the default)."""
+    tc_src = "--traffic-class" if qos.sources[0] == "argument" else qos.sources[0]
+    sl_src = "--service-level" if qos.sources[1] == "argument" else qos.sources[1]
+    return (f"\nQoS of every QP: traffic class {qos.traffic_class} (DSCP {qos.traffic_class >> 2}, ECN "
+            f"{qos.traffic_class & 3}; {tc_src}), service level {qos.service_level} ({sl_src})")
+
+
 def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
     """Print the RDMA device/port/GID table and the QP plan, or why RDMA is absent.
 
     Args:
-        a: the parsed ``info`` options (``emulated``, ``num_qps``, ``n_paths``, ``hash``, ``devices``).
+        a: the parsed ``info`` options (``emulated``, ``num_qps``, ``n_paths``, ``hash``, ``devices``,
+            ``traffic_class``, ``service_level``).
         out: the stream written to; errors go to stderr.
     Returns:
         The exit status: 0 with RDMA present or absent, 1 when a device exists but a query of it failed
-        or a device named by ``--devices`` is not there.
+        or a device named by ``--devices`` is not there, 2 when ``TRITON_EP_RDMA_TC`` or ``TRITON_EP_RDMA_SL``
+        holds a bad value (the message, naming the variable, goes to stderr).
     """
     from triton_ep.transport import rdma, verbs
+    try:
+        qos = verbs.QoS.resolve(getattr(a, "traffic_class", None), getattr(a, "service_level", None))
+    except ValueError as ex:   # a bad TRITON_EP_RDMA_TC / TRITON_EP_RDMA_SL (the options are checked by argparse)
+        print("RDMA: bad QoS setting (the error is on stderr)", file=out)
+        print(f"triton-ep info: {ex}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         api = _emulated_api() if a.emulated else verbs.load_pyverbs()
         devs = verbs.discover(api, a.devices.split(",") if a.devices else None)
@@ -231,6 +267,7 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
                                "*" if best is not None and g.index == best.index else ""])
     print(f"RDMA devices ({api.name}):", file=out)
     print(t.render(), file=out)
+    print(qos_line(qos), file=out)
     ports = verbs.ports_of(devs)
     if not ports:
         print("\nno active port: no QP plan", file=out)

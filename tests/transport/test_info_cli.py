@@ -113,3 +113,30 @@ def test_console_script_works_without_run_sh(tmp_path):
     r = subprocess.run([sys.executable, "-m", "triton_ep", "--help"], cwd=tmp_path, env=clean_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "python -m triton_ep info" in r.stdout and "Exit status:" in r.stdout
+
+
+def test_info_marks_the_routable_gid_of_an_ipv6_only_table(monkeypatch):
+    """Issue 12: GID 0 link-local, GID 1 2001:db8::1 (both RoCEv2) -- "use" marks index 1 and the plan uses it."""
+    from triton_ep.transport import emulated as em
+    port = em.PortSpec(gids=[("fe80::200:ff:fe00:1", "RoCEv2"), ("2001:db8::1", "RoCEv2")])
+    fab = em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", [port])]))
+    monkeypatch.setattr(cli, "_emulated_api", fab.pyverbs)
+    text = report(["--emulated", "--num-qps", "2"]).splitlines()
+    rows = [l.split() for l in text if l.startswith("mlx5_0 ")]
+    assert [(r[7], r[8], r[-1]) for r in rows[:2]] == [("0", "fe80:0000:0000:0000:0200:00ff:fe00:0001", "RoCEv2"),
+                                                       ("1", "2001:0db8:0000:0000:0000:0000:0000:0001", "*")]
+
+
+def test_info_shows_the_qos_and_rejects_bad_values(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_EP_RDMA_TC", "106")
+    monkeypatch.delenv("TRITON_EP_RDMA_SL", raising=False)
+    assert ("\nQoS of every QP: traffic class 106 (DSCP 26, ECN 2; TRITON_EP_RDMA_TC), service level 0 (default)\n"
+            in report(["--emulated"]))
+    assert ("QoS of every QP: traffic class 8 (DSCP 2, ECN 0; --traffic-class), service level 3 (--service-level)"
+            in report(["--emulated", "--traffic-class", "8", "--service-level", "3"]))
+    assert info(["--service-level", "16"]) == 2
+    assert "--service-level: must be an integer in 0..15, got 16" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_EP_RDMA_SL", "high")
+    assert report(["--emulated"], rc=2).endswith("RDMA: bad QoS setting (the error is on stderr)\n")
+    assert capsys.readouterr().err == ("triton-ep info: TRITON_EP_RDMA_SL='high': the RDMA service level must be "
+                                       "an integer in 0..15\n")

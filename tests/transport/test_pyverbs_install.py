@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -109,9 +110,28 @@ def test_gid_choice_prefers_roce_v2_ipv4():
              G(2, "0000:0000:0000:0000:0000:ffff:0a00:0101", "RoCEv1"),
              G(3, "0000:0000:0000:0000:0000:ffff:0a00:0101", "RoCEv2")]
     assert verbs.pick_gid(table).index == 3
-    assert verbs.pick_gid(table[:3]).index == 1
-    assert verbs.pick_gid(table[:1]).index == 0
+    assert verbs.pick_gid(table[:3]).index == 2          # routable RoCEv1 before link-local RoCEv2
+    with pytest.warns(UserWarning, match="only a link-local GID"):
+        assert verbs.pick_gid(table[:2]).index == 1      # link-local as a last resort, RoCEv2 first
+    with pytest.warns(UserWarning, match="reaches peers on this L2 segment only"):
+        assert verbs.pick_gid(table[:1]).index == 0
     assert verbs.pick_gid([]) is None
+    ib = [G(0, "fe80:0000:0000:0000:0002:c903:0001:0002", "IB")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # IB's fe80:: subnet prefix is no link-local RoCE GID
+        assert verbs.pick_gid(ib).index == 0
+
+
+def test_gid_choice_prefers_routable_ipv6_over_link_local():
+    """Issue 12: a RoCEv2 table of IPv6 entries only, link-local first -- the global address wins."""
+    G = verbs.GidInfo
+    table = [G(0, "fe80:0000:0000:0000:0200:00ff:fe00:0001", "RoCEv2"),
+             G(1, "2001:0db8:0000:0000:0000:0000:0000:0001", "RoCEv2")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert verbs.pick_gid(table).index == 1
+        assert verbs.pick_gid(table + [G(2, "0000:0000:0000:0000:0000:ffff:0a00:0101", "RoCEv2")]).index == 2
+        assert verbs.pick_gid([G(0, table[1].gid, "RoCEv1"), G(1, table[1].gid, "RoCEv2")]).index == 1
     assert verbs.speed_gbps(128, 2) == 400.0 and verbs.speed_gbps(64, 2) == 200.0 and verbs.speed_gbps(0, 2) == 0
 
 

@@ -22,6 +22,13 @@ What it models -- the promises of the InfiniBand verbs spec for RC queue pairs, 
   request on the same QP is polled; posting into a full queue fails with ENOMEM, as ibv_post_send does.
   Receive-queue depth likewise.  CQ depth: a completion arriving at a full CQ is an overrun; the next poll
   raises.
+* Ports have a GID table, an active MTU and an L2 segment (:class:`PortSpec`).  RTR rejects (EINVAL) a path
+  MTU above either end's active MTU, an SL above 15, a traffic class above 255, a bad source GID index; a
+  routable destination GID that no port owns fails RTR with EHOSTUNREACH.  A link-local GID (``fe80::/10``)
+  reaches only ports on the same segment, and a GID whose port lacks the destination QP reaches nobody: such
+  a QP gets to RTS, its requests are lost, and the oldest completes with ``IBV_WC_RETRY_EXC_ERR`` after
+  (``retry_cnt`` + 1) local ACK timeouts (the QP moves to ERR, the rest flush).  The QP keeps a copy of the
+  ``AHAttr`` given at RTR (``qp.ah``).
 * A rate model (:class:`RateModel`) charges each request's bytes to the sending port, the fabric path
   (ECMP: ``topology.emulator_path_hash(src GID, dst GID, UDP source port) % n_paths``) and the receiving
   port, each with a bandwidth cap, in virtual time.  The UDP source port is derived from the GRH flow label
@@ -38,8 +45,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
 import ctypes
 import errno as _errno
+import ipaddress
 import mmap
 import os
 import random
@@ -100,12 +109,30 @@ class PyverbsRDMAError(PyverbsError):
 # ------------------------------------------------------------------------------------------ the fabric
 @dataclass
 class PortSpec:
-    """One emulated port: link layer, speed in Gb/s (per LAG member when bonded), ACTIVE or not, and LAG
-    members (0: not bonded; n: a bonded device's port made of n physical ports)."""
+    """One emulated port.
+
+    Attributes:
+        link_layer: ``"Ethernet"`` (RoCE) or ``"InfiniBand"``.
+        speed_gbps: link speed in Gb/s (per LAG member when bonded).
+        active: port state ACTIVE (else DOWN).
+        lag_ports: 0: not bonded; n: a bonded device's port made of n physical ports.
+        gids: the GID table, ``[(gid, type), ...]`` in index order; a GID in any IPv6 text form
+            (``"2001:db8::1"``), a type ``"RoCEv2"``, ``"RoCEv1"`` or ``"IB"`` (or the sysfs number,
+            ``IBV_GID_TYPE_SYSFS_*``).  None: the mlx5-like default of :func:`port_gids`.
+        active_mtu: the port's active MTU in bytes (256, 512, 1024, 2048 or 4096), as ``ibv_query_port``
+            reports it; a QP's path MTU above either end's active MTU fails RTR with EINVAL.
+        segment: the L2 segment (broadcast domain) of an Ethernet port: a link-local GID (``fe80::/10``) reaches
+            only ports with the same segment.  None: a segment of its own (reached by no other port).
+    Raises (at first use of the table):
+        ValueError: a GID that is not an IPv6 address, an unknown type, or an MTU not in the list.
+    """
     link_layer: str = "Ethernet"
     speed_gbps: float = 400.0
     active: bool = True
     lag_ports: int = 0
+    gids: Optional[List[Tuple[str, object]]] = None
+    active_mtu: int = 4096
+    segment: Optional[str] = None
 
 
 @dataclass
@@ -151,6 +178,51 @@ def port_gids(dev_index: int, port: int, link_layer: str) -> List[Tuple[str, int
 def port_lid(dev_index: int, port: int) -> int:
     """LID of an emulated InfiniBand port (Ethernet ports report 0)."""
     return (dev_index + 1) * 16 + port
+
+
+_GID_TYPES = {"RoCEv2": E.IBV_GID_TYPE_SYSFS_ROCE_V2, "RoCEv1": E.IBV_GID_TYPE_SYSFS_IB_ROCE_V1,
+              "IB": E.IBV_GID_TYPE_SYSFS_IB_ROCE_V1}
+_MTU_CODES = {256: E.IBV_MTU_256, 512: E.IBV_MTU_512, 1024: E.IBV_MTU_1024, 2048: E.IBV_MTU_2048,
+              4096: E.IBV_MTU_4096}
+
+
+def gid_table(ps: PortSpec, dev_index: int, port: int) -> List[Tuple[str, int]]:
+    """The GID table of port ``port`` of device ``dev_index``: ``PortSpec.gids`` normalized to pyverbs' form
+    (8 groups of 4 lowercase hex digits) with sysfs type numbers, else :func:`port_gids`.
+
+    Raises:
+        ValueError: a GID that is not an IPv6 address, or an unknown type name.
+    """
+    if ps.gids is None:
+        return port_gids(dev_index, port, ps.link_layer)
+    out = []
+    for gid, kind in ps.gids:
+        t = kind if isinstance(kind, int) else _GID_TYPES.get(kind)
+        if t is None:
+            raise ValueError(f"GID type {kind!r}: expected one of {sorted(_GID_TYPES)} or a sysfs number")
+        out.append((ipaddress.IPv6Address(gid).exploded, t))
+    return out
+
+
+def mtu_code(ps: PortSpec) -> int:
+    """``IBV_MTU_*`` code of the port's active MTU (``PortSpec.active_mtu``, bytes); ValueError if not valid."""
+    try:
+        return _MTU_CODES[ps.active_mtu]
+    except KeyError:
+        raise ValueError(f"active_mtu {ps.active_mtu}: expected one of {sorted(_MTU_CODES)}") from None
+
+
+def segment_of(ps: PortSpec, dev_index: int, port: int) -> str:
+    """The L2 segment id of a port: ``PortSpec.segment``, else one of its own."""
+    return ps.segment if ps.segment is not None else f"port {dev_index}/{port}"
+
+
+def is_link_local(gid: str) -> bool:
+    """``gid`` is in ``fe80::/10`` (an IPv6 link-local address; False for anything not IPv6)."""
+    try:
+        return ipaddress.IPv6Address(gid).is_link_local
+    except ValueError:
+        return False
 
 
 class RateModel:
@@ -226,15 +298,32 @@ class Fabric:
                 return i
         raise PyverbsRDMAError(f"Failed to open device {name}", _errno.ENODEV)
 
-    def resolve(self, gid: str, dlid: int) -> Tuple[int, int]:
-        """(device index, port) that owns GID ``gid`` (or, when the GID is zero, LID ``dlid``)."""
+    def ports(self):
+        """Every port of the fabric: ``(device index, port number, PortSpec)``."""
         for i, d in enumerate(self.spec.devices):
             for p, ps in enumerate(d.ports, 1):
-                if gid.strip("0:") and any(g == gid for g, _ in port_gids(i, p, ps.link_layer)):
-                    return i, p
-                if not gid.strip("0:") and dlid and port_lid(i, p) == dlid:
-                    return i, p
-        raise KeyError(gid or dlid)
+                yield i, p, ps
+
+    def resolve(self, gid: str, dlid: int, src: Optional[Tuple[int, int]] = None, sgid: str = "") -> Tuple[int, int]:
+        """(device index, port) that owns GID ``gid`` (or, when the GID is zero, LID ``dlid``); KeyError if none.
+        With ``src`` (and the source GID ``sgid``), an owner that :meth:`reaches` from there comes first (the same
+        link-local GID may exist on several segments)."""
+        owners = [(i, p) for i, p, ps in self.ports()
+                  if (any(g == gid for g, _ in gid_table(ps, i, p)) if gid.strip("0:") else dlid and port_lid(i, p) == dlid)]
+        if not owners:
+            raise KeyError(gid or dlid)
+        near = [o for o in owners if src is not None and self.reaches(src, sgid, o, gid)]
+        return (near or owners)[0]
+
+    def reaches(self, src: Tuple[int, int], sgid: str, dst: Tuple[int, int], dgid: str) -> bool:
+        """Whether packets from port ``src`` (sent from ``sgid``) to port ``dst`` (at ``dgid``) and their ACKs
+        arrive: on Ethernet, a link-local source or destination GID confines the exchange to the L2 segment
+        (:attr:`PortSpec.segment`); anything else (routable GIDs, InfiniBand) reaches every port."""
+        sps = self.spec.devices[src[0]].ports[src[1] - 1]
+        dps = self.spec.devices[dst[0]].ports[dst[1] - 1]
+        if sps.link_layer != "Ethernet" or not (is_link_local(sgid) or is_link_local(dgid)):
+            return True
+        return segment_of(sps, *src) == segment_of(dps, *dst)
 
     def pyverbs(self, devices: Optional[List[str]] = None) -> SimpleNamespace:
         """A pyverbs-like namespace seeing ``devices`` (names; None: all) -- one emulated host."""
@@ -580,6 +669,7 @@ class _Engine:
         with self.lock:
             now = time.monotonic()
             for qp in list(self.qps.values()):
+                qp._lost(now)
                 while qp.acks:
                     qp._on_ack(qp.acks.popleft())
                     did = True
@@ -643,18 +733,19 @@ class _Context:
         return self.spec.ports[port_num - 1]
 
     def query_port(self, port_num: int) -> SimpleNamespace:
-        """Port attributes: state, link layer, speed/width codes, MTU, LID, GID table length."""
+        """Port attributes: state, link layer, speed/width codes, active MTU (``PortSpec.active_mtu`` as an
+        ``IBV_MTU_*`` code; max MTU 4096), LID, GID table length."""
         ps = self._port(port_num)
         speed, width = _speed_codes(ps.speed_gbps)
         ib = ps.link_layer == "InfiniBand"
         return SimpleNamespace(state=E.IBV_PORT_ACTIVE if ps.active else E.IBV_PORT_DOWN,
                                link_layer=E.IBV_LINK_LAYER_INFINIBAND if ib else E.IBV_LINK_LAYER_ETHERNET,
-                               active_speed=speed, active_width=width, active_mtu=E.IBV_MTU_4096,
+                               active_speed=speed, active_width=width, active_mtu=mtu_code(ps),
                                max_mtu=E.IBV_MTU_4096, lid=port_lid(self.dev_index, port_num) if ib else 0,
-                               gid_tbl_len=len(port_gids(self.dev_index, port_num, ps.link_layer)))
+                               gid_tbl_len=len(self._gids(port_num)))
 
     def _gids(self, port_num: int):
-        return port_gids(self.dev_index, port_num, self._port(port_num).link_layer)
+        return gid_table(self._port(port_num), self.dev_index, port_num)
 
     def query_gid(self, port_num: int, index: int) -> GID:
         """GID ``index`` of port ``port_num``."""
@@ -788,7 +879,11 @@ _TRANSITIONS = {E.IBV_QPS_RESET: {E.IBV_QPS_INIT}, E.IBV_QPS_INIT: {E.IBV_QPS_IN
 
 
 class QP:
-    """An RC ``ibv_qp``: state machine RESET -> INIT -> RTR -> RTS (any -> ERR/RESET), post_send, post_recv."""
+    """An RC ``ibv_qp``: state machine RESET -> INIT -> RTR -> RTS (any -> ERR/RESET), post_send, post_recv.
+
+    After RTR, ``ah`` is a copy of the ``AHAttr`` it was given (SL, traffic class, flow label, GIDs, as an HCA
+    keeps them) and ``dst`` the (device index, port) its packets reach, None when they reach nothing.
+    """
 
     def __init__(self, pd: PD, init_attr: QPInitAttr, qp_attr: Optional[QPAttr] = None) -> None:
         if init_attr.qp_type != E.IBV_QPT_RC:
@@ -804,7 +899,7 @@ class QP:
         self.qp_type = E.IBV_QPT_RC
         self.state = E.IBV_QPS_RESET
         self.port, self.access, self.mtu = 1, 0, E.IBV_MTU_1024
-        self.dest_qpn, self.ah = 0, None
+        self.dest_qpn, self.ah, self.dst = 0, None, None
         self.min_rnr_timer, self.rnr_retry, self.retry_cnt, self.timeout = 0, 0, 0, 0
         self.forced_sport, self.lag_port = 0, 0
         self._route: Optional[tuple] = None
@@ -817,6 +912,7 @@ class QP:
         self.early_since: Optional[float] = None
         self.last_hold = 0.0
         self.rnr: Optional[dict] = None
+        self.lost_since: Optional[float] = None   # post time of the oldest request to an unreachable destination
         self.async_error: Optional[str] = None
         self.send_lock = threading.Lock()
         self.ring = _Ring(eng.path(self.qp_num), eng.fabric.spec.ring_bytes, create=True)
@@ -841,21 +937,60 @@ class QP:
                 raise PyverbsRDMAError(f"Failed to modify QP to INIT: bad port {attr.port_num}", _errno.EINVAL)
             self.port, self.access = attr.port_num, attr.qp_access_flags
         elif new == E.IBV_QPS_RTR:
-            ah = attr.ah_attr
-            if ah is None or not attr.dest_qp_num:
-                raise PyverbsRDMAError("Failed to modify QP to RTR: no address or dest QPN", _errno.EINVAL)
-            try:
-                dst = self.engine.fabric.resolve(ah.dgid if ah.is_global else "", ah.dlid)
-            except KeyError:
-                raise PyverbsRDMAError("Failed to modify QP to RTR: destination unreachable", _errno.EHOSTUNREACH)
-            own = self.ctx._gids(self.port)
-            if ah.is_global and not 0 <= ah.sgid_index < len(own):
-                raise PyverbsRDMAError(f"Failed to modify QP to RTR: bad sgid_index {ah.sgid_index}", _errno.EINVAL)
-            self.ah, self.dst, self.dest_qpn = ah, dst, attr.dest_qp_num
-            self.mtu, self.min_rnr_timer = attr.path_mtu, attr.min_rnr_timer
+            self._rtr(attr)
         elif new == E.IBV_QPS_RTS:
             self.retry_cnt, self.rnr_retry, self.timeout = attr.retry_cnt, attr.rnr_retry, attr.timeout
         self.state = new
+
+    def _rtr(self, attr: QPAttr) -> None:
+        """Check and keep the RTR attributes (``ibv_modify_qp`` to RTR; the checks of the verbs spec, 11.2.5).
+
+        Raises ``PyverbsRDMAError``: EINVAL for no address or destination QPN, a bad ``sgid_index``, an SL
+        outside 0..15 or a traffic class outside 0..255, or a path MTU that is not an ``IBV_MTU_*`` code or is
+        above the local or the remote port's active MTU; EHOSTUNREACH for a routable destination GID (or LID)
+        that no port owns (the kernel's neighbour resolution fails at RTR).  A link-local destination is not
+        resolved (the kernel derives its MAC from the GID), so an unreachable one -- on another L2 segment, or
+        nowhere -- passes RTR and the first send ends in ``IBV_WC_RETRY_EXC_ERR`` (:meth:`_lost`).
+        """
+        ah = attr.ah_attr
+        if ah is None or not attr.dest_qp_num:
+            raise PyverbsRDMAError("Failed to modify QP to RTR: no address or dest QPN", _errno.EINVAL)
+        own = self.ctx._gids(self.port)
+        if ah.is_global and not 0 <= ah.sgid_index < len(own):
+            raise PyverbsRDMAError(f"Failed to modify QP to RTR: bad sgid_index {ah.sgid_index}", _errno.EINVAL)
+        if not 0 <= ah.sl <= 15 or (ah.is_global and not 0 <= ah.traffic_class <= 255):
+            raise PyverbsRDMAError(f"Failed to modify QP to RTR: bad sl {ah.sl} or traffic_class "
+                                   f"{ah.traffic_class}", _errno.EINVAL)
+        fab, src = self.engine.fabric, (self.ctx.dev_index, self.port)
+        sgid, dgid = (own[ah.sgid_index][0], ah.dgid) if ah.is_global else ("", "")
+        ps = self.ctx.spec.ports[self.port - 1]
+        try:
+            dst = fab.resolve(dgid, ah.dlid, src, sgid)
+        except KeyError:
+            if not (ps.link_layer == "Ethernet" and is_link_local(dgid)):
+                raise PyverbsRDMAError("Failed to modify QP to RTR: destination unreachable",
+                                       _errno.EHOSTUNREACH) from None
+            dst = None
+        if dst is not None and not (fab.reaches(src, sgid, dst, dgid) and (attr.dest_qp_num >> 12) - 1 == dst[0]):
+            dst = None        # another segment, or a QPN the port at that GID does not have: packets are lost
+        limit = min([mtu_code(ps)] + ([mtu_code(fab.spec.devices[dst[0]].ports[dst[1] - 1])] if dst else []))
+        if not E.IBV_MTU_256 <= attr.path_mtu <= limit:
+            raise PyverbsRDMAError(f"Failed to modify QP to RTR: path_mtu {attr.path_mtu} above the active MTU "
+                                   f"({limit}) of this or the remote port", _errno.EINVAL)
+        self.ah, self.dst, self.dest_qpn = copy.copy(ah), dst, attr.dest_qp_num
+        self.mtu, self.min_rnr_timer, self.lost_since = attr.path_mtu, attr.min_rnr_timer, None
+
+    def retry_time_s(self) -> float:
+        """Seconds before a request that is never acknowledged fails: (``retry_cnt`` + 1) local ACK timeouts of
+        4.096 us * 2 ** ``timeout`` (IB encoding; ``timeout`` 0 means wait forever: ``inf``)."""
+        return float("inf") if not self.timeout else (self.retry_cnt + 1) * 4.096e-6 * (1 << self.timeout)
+
+    def _lost(self, now: float) -> None:
+        """Called by the progress thread: once the oldest request to an unreachable destination has waited
+        :meth:`retry_time_s`, it completes with ``IBV_WC_RETRY_EXC_ERR`` and the QP moves to ERR."""
+        if self.lost_since is not None and self.outstanding and now >= self.lost_since + self.retry_time_s():
+            self.lost_since = None
+            self._error(next(iter(self.outstanding)), E.IBV_WC_RETRY_EXC_ERR)
 
     def to_init(self, attr: QPAttr) -> None:
         """RESET -> INIT: port, access flags (remote write / atomic allowed as responder)."""
@@ -880,7 +1015,7 @@ class QP:
                 self._to_error()
         elif attr.qp_state == E.IBV_QPS_RESET:
             with self.engine.lock:
-                self.state = E.IBV_QPS_RESET
+                self.state, self.lost_since = E.IBV_QPS_RESET, None
                 for q in (self.outstanding, self.sq, self.rq, self.pending, self.acks):
                     q.clear()
         else:
@@ -955,6 +1090,9 @@ class QP:
             return []
         if bad and total:
             self._error(seq, E.IBV_WC_LOC_PROT_ERR)
+            return []
+        if self.dst is None:       # unreachable: the packets go nowhere and no ACK comes back
+            self.lost_since = self.lost_since or time.monotonic()
             return []
         res, _ = self._path_resources()
         self.engine.model.charge(("qp", self.ctx.dev_index, self.qp_num), res, max(total, 1))
@@ -1116,4 +1254,5 @@ def _unlink_rings() -> None:
 
 
 __all__ = ["Fabric", "FabricSpec", "DeviceSpec", "PortSpec", "RateModel", "enums", "port_gids", "port_lid",
+           "gid_table", "mtu_code", "segment_of", "is_link_local",
            "PyverbsError", "PyverbsRDMAError", "PyverbsUserError"]

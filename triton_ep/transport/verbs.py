@@ -17,10 +17,13 @@ import ctypes
 import enum as _enum
 import ipaddress
 import itertools
+import operator
+import os
 import random
+import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from triton_ep.errors import EPTimeoutError
 from triton_ep.transport import topology
@@ -147,18 +150,28 @@ def speed_gbps(active_speed: int, active_width: int) -> float:
 
 @dataclass
 class GidInfo:
-    """One GID table entry: index, GID (8 hex groups), type (``"RoCEv2"`` or ``"IB/RoCEv1"``)."""
+    """One GID table entry: index, GID (8 hex groups), type (``"RoCEv2"``, ``"RoCEv1"`` or ``"IB"``)."""
     index: int
     gid: str
     type: str
 
+    def _address(self) -> Optional[ipaddress.IPv6Address]:
+        try:
+            return ipaddress.IPv6Address(self.gid)
+        except ValueError:
+            return None
+
     @property
     def ipv4_mapped(self) -> bool:
         """The GID is an IPv4-mapped IPv6 address (``::ffff:a.b.c.d``): RoCE over an IPv4 interface."""
-        try:
-            return ipaddress.IPv6Address(self.gid).ipv4_mapped is not None
-        except ValueError:
-            return False
+        a = self._address()
+        return a is not None and a.ipv4_mapped is not None
+
+    @property
+    def link_local(self) -> bool:
+        """The GID is an IPv6 link-local address (``fe80::/10``): it reaches only its own L2 segment on RoCE."""
+        a = self._address()
+        return a is not None and a.is_link_local
 
 
 @dataclass
@@ -174,7 +187,7 @@ class PortInfo:
     gids: List[GidInfo] = field(default_factory=list)
 
     def best_gid(self) -> Optional[GidInfo]:
-        """The GID to send from: RoCEv2 IPv4-mapped, else RoCEv2, else the first (IB / RoCEv1)."""
+        """The GID to send from (see :func:`pick_gid`: routable RoCEv2 first, link-local last, with a warning)."""
         return pick_gid(self.gids)
 
 
@@ -193,16 +206,33 @@ class DeviceInfo:
 
 
 def pick_gid(gids: Sequence[GidInfo]) -> Optional[GidInfo]:
-    """RoCEv2 with an IPv4-mapped address first, then any RoCEv2, then the lowest index; None if empty.
+    """The GID to send from; None if the table has no non-zero entry.
 
-    A fixed index (DeepEP's 3) is wrong on hosts whose GID table is laid out differently.
+    Order (earlier wins, ties to the lowest index):
+
+    1. a routable RoCEv2 GID: IPv4-mapped (``::ffff:a.b.c.d``) before a global IPv6 address;
+    2. a routable RoCEv1 GID (RoCEv1 frames are plain Ethernet, so they stay on one L2 network anyway);
+    3. a link-local GID (``fe80::/10``), RoCEv2 before RoCEv1, as a last resort: the kernel derives the
+       destination MAC from it without address resolution, so it reaches only the local L2 segment, and
+       a peer on another segment never answers (``IBV_WC_RETRY_EXC_ERR`` on the first send).  Choosing it
+       issues a :class:`UserWarning` (``warnings.warn``).
+
+    InfiniBand GIDs (type ``"IB"``) carry the subnet prefix, ``fe80::`` by default on any IB subnet, and are
+    addressed by LID within it, so they are ranked by index only and never warned about.  Semantics: the GID
+    types and addresses of rdma-core's ``/sys/class/infiniband/*/ports/*/gid_attrs`` (``ibv_query_gid_type``);
+    the link-local MAC derivation is the kernel's ``rdma_link_local_addr`` / ``rdma_get_ll_mac``.  A fixed
+    index (DeepEP's 3) is wrong on hosts whose GID table is laid out differently.
     """
     nonzero = [g for g in gids if g.gid.strip("0:")]
-    for cond in (lambda g: g.type == "RoCEv2" and g.ipv4_mapped, lambda g: g.type == "RoCEv2", lambda g: True):
-        for g in nonzero:
-            if cond(g):
-                return g
-    return None
+    if not nonzero:
+        return None
+    best = min(nonzero, key=lambda g: (g.type != "IB" and g.link_local, g.type != "RoCEv2", not g.ipv4_mapped,
+                                       g.index))
+    if best.type != "IB" and best.link_local:
+        warnings.warn(f"RDMA: only a link-local GID ({best.gid}, index {best.index}, {best.type}) to send from: "
+                      f"it reaches peers on this L2 segment only; give the interface a routable (IPv4 or "
+                      f"global IPv6) address", stacklevel=2)
+    return best
 
 
 def discover(api: SimpleNamespace, names: Optional[Sequence[str]] = None, max_gids: int = 32) -> List[DeviceInfo]:
@@ -278,6 +308,67 @@ def _call(api: SimpleNamespace, what: str, fn, **where: Any):
         raise RdmaError(f"{what} failed: {ex}", errno=getattr(ex, "error_code", None), **where) from ex
 
 
+# ------------------------------------------------------------------------------------------------ QoS
+#: The environment variables that set the QoS defaults, and the range of each value.
+QOS_ENV = {"traffic_class": ("TRITON_EP_RDMA_TC", 255), "service_level": ("TRITON_EP_RDMA_SL", 15)}
+
+
+def _qos_value(name: str, value: Optional[int], env: Mapping[str, str]) -> Tuple[int, str]:
+    """(value, where it came from) of one QoS setting: the argument, else its variable, else 0."""
+    var, hi = QOS_ENV[name]
+    if value is not None:
+        try:
+            v = operator.index(value)
+        except TypeError:
+            v = -1
+        if isinstance(value, bool) or not 0 <= v <= hi:
+            raise ValueError(f"{name} must be an integer in 0..{hi}, got {value!r}")
+        return v, "argument"
+    text = env.get(var, "").strip()
+    if not text:
+        return 0, "default"
+    try:
+        v = int(text, 0)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= hi:
+        raise ValueError(f"{var}={text!r}: the RDMA {name.replace('_', ' ')} must be an integer in 0..{hi}")
+    return v, var
+
+
+@dataclass(frozen=True)
+class QoS:
+    """The QoS fields every QP's address carries (``ibv_ah_attr``, set at RTR).
+
+    Attributes:
+        traffic_class: ``ibv_global_route.traffic_class`` (0..255): the GRH traffic class, on RoCEv2 the IP
+            header's TOS / traffic-class byte (DSCP in the upper 6 bits, ECN in the lower 2), as switches see it
+            for PFC/ECN classification (NCCL's ``NCCL_IB_TC``).
+        service_level: ``ibv_ah_attr.sl`` (0..15): the InfiniBand service level (mapped to a virtual lane by the
+            subnet manager); on RoCE the kernel maps it to the VLAN priority (PCP) where a VLAN is used.
+        sources: where each came from: ``"argument"``, the environment variable's name, or ``"default"``.
+    Semantics: the verbs spec's address vector (IBTA vol. 1, 11.2.5 / 9.6.1) as ``ibv_modify_qp(3)`` takes it.
+    """
+    traffic_class: int = 0
+    service_level: int = 0
+    sources: Tuple[str, str] = ("default", "default")
+
+    @classmethod
+    def resolve(cls, traffic_class: Optional[int] = None, service_level: Optional[int] = None,
+                env: Optional[Mapping[str, str]] = None) -> "QoS":
+        """The effective settings: each argument when given, else ``TRITON_EP_RDMA_TC`` / ``TRITON_EP_RDMA_SL``
+        from ``env`` (default ``os.environ``; decimal or ``0x`` hex), else 0.
+
+        Raises:
+            ValueError: an argument outside 0..255 (traffic class) or 0..15 (service level), or not an int; a
+                variable that is not such an integer (the message names the variable and its value).
+        """
+        env = os.environ if env is None else env
+        tc, tc_src = _qos_value("traffic_class", traffic_class, env)
+        sl, sl_src = _qos_value("service_level", service_level, env)
+        return cls(tc, sl, (tc_src, sl_src))
+
+
 # -------------------------------------------------------------------------------- attribute building
 def build_init_attr(api: SimpleNamespace, cq: Any, max_send_wr: int, max_recv_wr: int) -> Any:
     """``QPInitAttr`` of an RC QP on ``cq`` (send and receive) with one SGE per request, no sq_sig_all."""
@@ -287,15 +378,20 @@ def build_init_attr(api: SimpleNamespace, cq: Any, max_send_wr: int, max_recv_wr
 
 
 def build_qp_attr(api: SimpleNamespace, *, port: int, local: QPInfo, remote: QPInfo, flow_label: int = 0,
-                  traffic_class: int = 0, hop_limit: int = 64, min_rnr_timer: int = 12, rnr_retry: int = 7,
-                  retry_cnt: int = 7, timeout: int = 14, max_rd_atomic: int = 16) -> Any:
+                  traffic_class: int = 0, service_level: int = 0, hop_limit: int = 64, min_rnr_timer: int = 12,
+                  rnr_retry: int = 7, retry_cnt: int = 7, timeout: int = 14, max_rd_atomic: int = 16) -> Any:
     """One ``QPAttr`` carrying everything INIT, RTR and RTS need (pyverbs' to_init/to_rtr/to_rts masks).
 
-    Access: local write, remote write, remote atomic.  Path MTU: the smaller of both ends'.  The address
-    has a GRH (``is_global``) whenever the remote GID is non-zero (always on RoCE), with ``flow_label``
-    (20 bits; selects the RoCEv2 UDP source port) and the local GID index.  Timers use the IB encodings
-    (``timeout`` 14 = 67 ms local ACK timeout; ``min_rnr_timer`` 12 = 0.64 ms; ``rnr_retry`` 7 = forever).
+    Access: local write, remote write, remote atomic.  Path MTU: the smaller of both ends' active MTUs.  The
+    address has a GRH (``is_global``) whenever the remote GID is non-zero (always on RoCE), with ``flow_label``
+    (20 bits; selects the RoCEv2 UDP source port), ``traffic_class`` (0..255) and the local GID index; its
+    ``sl`` is ``service_level`` (0..15); see :class:`QoS`.  Timers use the IB encodings (``timeout`` 14 = 67 ms
+    local ACK timeout; ``min_rnr_timer`` 12 = 0.64 ms; ``rnr_retry`` 7 = forever).
+
+    Raises:
+        ValueError: ``traffic_class`` or ``service_level`` out of range.
     """
+    QoS.resolve(traffic_class, service_level, env={})   # range checks only
     e = enums_of(api)
     attr = api.QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
     attr.port_num = port
@@ -314,7 +410,7 @@ def build_qp_attr(api: SimpleNamespace, *, port: int, local: QPInfo, remote: QPI
     dgid.gid = remote.gid
     gr = api.GlobalRoute(dgid=dgid, flow_label=flow_label & topology.FLOW_LABEL_MASK,
                          sgid_index=local.gid_index, hop_limit=hop_limit, traffic_class=traffic_class)
-    attr.ah_attr = api.AHAttr(dlid=remote.lid, sl=0, is_global=is_global, port_num=port, gr=gr)
+    attr.ah_attr = api.AHAttr(dlid=remote.lid, sl=service_level, is_global=is_global, port_num=port, gr=gr)
     return attr
 
 
@@ -410,7 +506,12 @@ class VerbsTransport(Transport):
         gpu: CUDA device index; without ``devices``, use the NICs nearest it on the PCI tree (real pyverbs).
         lag_ports: physical ports behind a bonded device (default: 2 for mlx5 devices named ``*bond*``);
             QPs are dealt over them and steered with ``modify_lag_port``.
+        traffic_class: GRH traffic class of every QP (0..255; on RoCEv2 the IP DSCP/ECN byte); default: the
+            ``TRITON_EP_RDMA_TC`` environment variable, else 0.  See :class:`QoS`.
+        service_level: service level of every QP's address (0..15); default: ``TRITON_EP_RDMA_SL``, else 0.
     Raises:
+        ValueError: a traffic class or service level out of range, from the argument or the environment (the
+            message names the variable).
         RdmaUnavailable: no pyverbs or no device ("no RDMA device: ... use the emulated transport").
         RdmaError: a verbs call failed (names device, port, QP, peer).
     """
@@ -421,7 +522,8 @@ class VerbsTransport(Transport):
                  signal_every: Optional[int] = None, auto_replenish: bool = True, min_rnr_timer: int = 12,
                  rnr_retry: int = 7, retry_cnt: int = 7, qp_timeout: int = 14, timeout_s: float = 30.0,
                  force_sport: bool = True, lag_ports: Optional[int] = None, gpu: Optional[int] = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, traffic_class: Optional[int] = None, service_level: Optional[int] = None) -> None:
+        self.qos = QoS.resolve(traffic_class, service_level)
         self.api = api if api is not None else load_pyverbs()
         self.e = enums_of(self.api)
         self.rank, self.world_size, self.num_qps_per_peer = rank, world_size, num_qps_per_peer
@@ -501,14 +603,20 @@ class VerbsTransport(Transport):
         return entries
 
     def connect(self, peer: int, remote: Sequence[QPInfo]) -> None:
-        """INIT -> RTR -> RTS for every QP towards ``peer``; then (mlx5) force UDP source and LAG ports."""
+        """INIT -> RTR -> RTS for every QP towards ``peer``; then (mlx5) force UDP source and LAG ports.
+
+        Each QP's address carries its planned flow label and this transport's :class:`QoS` (``self.qos``:
+        traffic class and service level).  Raises :class:`RdmaError` naming the QP when a transition fails.
+        """
         if len(remote) != self.num_qps_per_peer:
             raise RdmaError(f"peer sent {len(remote)} QP infos, expected {self.num_qps_per_peer}", peer=peer)
         for ent, r in zip(self.plan(peer, remote), remote):
             q = self.qps[(peer, ent.qp)]
             where = dict(device=q.port.device, port=q.port.port, qp_num=q.info.qp_num, peer=peer)
             attr = build_qp_attr(self.api, port=q.port.port, local=q.info, remote=r, flow_label=ent.flow_label,
-                                 max_rd_atomic=min(16, self.devices[q.slot].max_qp_rd_atom), **self.timers)
+                                 max_rd_atomic=min(16, self.devices[q.slot].max_qp_rd_atom),
+                                 traffic_class=self.qos.traffic_class, service_level=self.qos.service_level,
+                                 **self.timers)
             _call(self.api, "modify QP to INIT", lambda: q.qp.to_init(attr), **where)
             _call(self.api, "modify QP to RTR", lambda: q.qp.to_rtr(attr), **where)
             _call(self.api, "modify QP to RTS", lambda: q.qp.to_rts(attr), **where)
@@ -752,4 +860,4 @@ class VerbsTransport(Transport):
 
 __all__ = ["VerbsTransport", "Region", "EnumShim", "load_pyverbs", "discover", "ports_of", "pick_gid", "speed_gbps",
            "build_init_attr", "build_qp_attr", "build_send_wr", "DeviceInfo", "PortInfo", "GidInfo",
-           "NO_DEVICE_HINT", "WC_STATUS_NAMES"]
+           "NO_DEVICE_HINT", "WC_STATUS_NAMES", "QoS", "QOS_ENV"]
