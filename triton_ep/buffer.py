@@ -2,14 +2,17 @@
 
 Each public call checks its arguments, launches the kernels of :mod:`triton_ep.kernels` and moves data
 through :mod:`triton_ep.transport.ipc`. The body of every collective call is a generator that yields at
-each point where all ranks must meet (a bounded host barrier); :meth:`Buffer._run` drives it against the
-real barrier, and :mod:`triton_ep.testing` drives the same generators for ranks simulated in one process.
+each phase boundary; :meth:`Buffer._run` drives it, meeting the other ranks on the host only at
+:class:`_Meet` steps (the counts exchange of a plain dispatch, a re-synchronisation after an error), while
+the kernels wait for each other on the device (:mod:`triton_ep.kernels.flags`). :mod:`triton_ep.testing`
+drives the same generators for ranks simulated in one process.
 
 Errors (docs/design.md section 4): bad shapes, dtypes and devices are found before any kernel runs. So that
-no rank is left waiting, the rank that found them still takes part in the call's first exchange with an
-error status, then raises ``ValueError``/``TypeError``; the other ranks raise
-:class:`~triton_ep.errors.EPRemoteError` naming it. Bad ids are masked by the kernels and reported the
-same way at that exchange. A peer that never arrives gives :class:`~triton_ep.errors.EPTimeoutError`.
+no rank is left waiting, the rank that found them still takes part in the counts exchange with an error
+status (a plain dispatch) or posts a failure word its peers' kernels see (every other call), then raises
+``ValueError``/``TypeError``; the other ranks raise :class:`~triton_ep.errors.EPRemoteError` naming it.
+Bad ids are masked by the kernels and reported the same way. Errors the kernels record are raised by
+:meth:`Buffer.check`. A peer that never arrives gives :class:`~triton_ep.errors.EPTimeoutError`.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch.distributed as dist
 
 from . import kernels
 from .config import Config, EventOverlap
-from .errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
+from .errors import EPError, EPRemoteError, EPTimeoutError
 from .kernels.combine import record_bytes as combine_record_bytes
 from .kernels import flags as F
 from .kernels.dispatch import record_words as dispatch_record_words
@@ -39,7 +42,7 @@ XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
 _DEFAULT_TIMEOUT_S = 100.0
 # Exchange-slot header words (int64).
-_ST, _NWORST, _SIG0 = 0, 1, 2          # status, num_worst_tokens, signature words [2, 10)
+_ST, _SIG0 = 0, 2                      # status, signature words [2, 10) (word 1 unused)
 _BASE, _HASERR, _SEQ, _XN = 12, 13, 14, 15   # rounds completed, holds an error, dispatches, exchange number
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE, _OP_RESYNC = 1, 2, 3, 4
 
@@ -112,21 +115,25 @@ class DispatchHandle(tuple):
     It also remembers, on the host, what cached calls need without a device synchronisation.
     """
 
-    def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: int, rpm_host: np.ndarray,
-                seq: int, row_base: Tensor, combine_tables: Tensor, n_recv_dev: Optional[Tensor] = None):
+    def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: Optional[int],
+                recv_rows_max: int, area_rows_max: int, seq: int, row_base: Tensor, combine_tables: Tensor,
+                n_recv_dev: Optional[Tensor] = None):
         self = super().__new__(cls, items)
         self.seq = seq
         self.buffer_uid = buffer_uid
         self.num_tokens = num_tokens
         self.num_recv_tokens = num_recv_tokens
         self.num_out_rows = int(items[3].shape[0])
-        self.rpm_host = rpm_host
+        #: the most rows any rank of the group receives, and the largest combine area (rows returned to
+        #: one source): they size the rounds of cached dispatches and combines, the same on every rank
+        #: (with ``num_worst_tokens``, bounds from it: the host never learnt the counts)
+        self.recv_rows_max, self.area_rows_max = recv_rows_max, area_rows_max
         #: int64 [R] on the device: where this rank's rows start among each receiver's rows
         self.row_base = row_base
         #: int64 [3R] on the device: combine's comb_base, send_base and prefix (no upload per combine)
         self.combine_tables = combine_tables
         #: int64 [1] on the device: rows received, for a handle whose host never learnt the counts
-        #: (``num_worst_tokens``; then ``rpm_host`` and ``num_recv_tokens`` are ``None``)
+        #: (``num_worst_tokens``; then ``num_recv_tokens`` is ``None``)
         self.n_recv_dev = n_recv_dev
         return self
 
@@ -271,8 +278,7 @@ class Buffer:
         c = self._comm
         self._sig = signals.Signals(c.rank, c.size, c.header, c.peer_headers, c.delta_bytes, c.device,
                                     self.timeout_s, interpreted=kernels.interpreted())
-        self._sig_args = self._sig.kernel_args()
-        self._sig_args["max_programs"] = c.max_programs
+        self._sig_args = self._sig.kernel_args(c.max_programs)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
@@ -727,7 +733,7 @@ class Buffer:
         n_recv_dev = None
         if cached:
             h = a.handle
-            rpm, row_base = h.rpm_host, h.row_base
+            recv_rows_max, row_base = h.recv_rows_max, h.row_base
             send_pos, in_rank = h.send_head, h.is_token_in_rank
             n_recv, n_out, n_recv_dev = h.num_recv_tokens, h.num_out_rows, h.n_recv_dev
         elif on_device:
@@ -744,7 +750,8 @@ class Buffer:
                 tables = torch.empty(4 * R + 1, dtype=torch.int64, device=self.device)
                 kernels.notify_recv(t32_dev, tables, num_worst_tokens, self._sig_args)
             row_base, combine_tables, n_recv_dev = tables[:R], tables[R:4 * R], tables[4 * R:]
-            rpm, n_recv, n_out, expert_list = None, None, num_worst_tokens, []
+            n_recv, n_out, expert_list = None, num_worst_tokens, []
+            recv_rows_max, area_rows_max = num_worst_tokens, R * num_worst_tokens   # bounds: ranks receive <= it
         else:
             # The one host wait of a dispatch: the counts (and every rank's status and signature).
             stage = "dispatch/exchange counts"
@@ -768,35 +775,26 @@ class Buffer:
                                      f"they were masked and nothing was sent")
 
             def fill(slot):
-                slot[_NWORST] = num_worst_tokens
                 slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R + a.num_experts] = host[:R + a.num_experts]
 
             slots = yield from self._exchange(stage, err, status, sig, names, fill)
             counts = np.stack([s[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] for s in slots])        # [src, dst]
             rpm = np.cumsum(counts, axis=0)
-            recv_all = rpm[-1]
-            over = [(r, int(recv_all[r]), int(s[_NWORST])) for r, s in enumerate(slots)
-                    if s[_NWORST] > 0 and recv_all[r] > s[_NWORST]]
-            if over:
-                r, got, cap = over[0]
-                raise _collective(EPCapacityError(f"rank {me}: rank {r} receives {got} rows but its num_worst_tokens "
-                                                  f"is {cap}; no data was moved"))
             E = a.num_experts
             El = E // R
             per_expert = sum(s[ipc.SLOT_HEADER + R + me * El:ipc.SLOT_HEADER + R + (me + 1) * El] for s in slots)
             al = a.expert_alignment
-            # DeepEP returns an empty list with num_worst_tokens: the host is not meant to learn the counts
-            expert_list = [] if num_worst_tokens > 0 else [int((c + al - 1) // al * al) for c in per_expert.tolist()]
+            expert_list = [int((c + al - 1) // al * al) for c in per_expert.tolist()]
             in_rank, send_pos = lay[2], lay[3]
-            n_recv = int(recv_all[me])
-            n_out = num_worst_tokens if num_worst_tokens > 0 else n_recv
+            n_recv = n_out = int(rpm[-1][me])       # (num_worst_tokens > 0 takes the device path above)
+            recv_rows_max, area_rows_max = int(rpm[-1].max()), int(counts.sum(axis=1).max())
             # Every device table the handle keeps, in one upload: rank_prefix_matrix [R, R], send prefix
             # [R, 1], receive start [R, 1] (int32, DeepEP's), then this rank's row base in each receiver and
             # combine's tables (int64).
-            cnt = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)
-            t32 = np.concatenate([rpm.reshape(-1), np.cumsum(counts[me]), [0], rpm[:-1, me]])
+            sent = np.cumsum(counts[me])
+            t32 = np.concatenate([rpm.reshape(-1), sent, [0], rpm[:-1, me]])
             t64 = np.concatenate([rpm[me - 1] if me > 0 else np.zeros(R, dtype=np.int64),
-                                  cnt[:, :me].sum(axis=1), [0], np.cumsum(cnt[me])[:-1], rpm[:, me]])
+                                  counts[:, :me].sum(axis=1), [0], sent[:-1], rpm[:, me]])
             with self._comm_ctx():
                 tables = _to_dev(np.concatenate([t32, t64]), torch.int64, self.device)
                 t32_dev = tables[:t32.size].to(torch.int32)
@@ -805,7 +803,7 @@ class Buffer:
         rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
         cap = self._capacity(rec_words * 4, "dispatch")
         # rounds: from the counts, or (counts on the device only) from num_worst_tokens, equal on every rank
-        rounds = max(1, -(-(int(rpm[-1].max()) if rpm is not None else n_out) // cap))
+        rounds = max(1, -(-recv_rows_max // cap))
         call_sig = signals.call_signature(sig + [rounds, rec_words])
         dev = self.device
         xv, sc = a.x, a.scales
@@ -834,6 +832,7 @@ class Buffer:
                                       sig=call_sig)
             yield f"dispatch/receive round {k}"
             with self._comm_ctx(), self._sig.watch():
+                # with the count on the device (num_worst_tokens), the kernel also writes the padding rows
                 kernels.dispatch_recv(rec, min(max((n_recv if n_recv is not None else n_out) - lo, 0), cap), lo, me,
                                       a.num_experts // R, a.row_words, a.scale_words,
                                       a.num_topk if not cached else 0, rec_words, recv_x.view(torch.int32),
@@ -841,14 +840,6 @@ class Buffer:
                                       recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
                                       signals=self._sig_args, rnd=k, sig=call_sig,
                                       advance=rounds if k == rounds - 1 else 0, n_recv=n_recv_dev, cap=cap)
-        if n_recv is not None and n_out > n_recv:   # num_worst_tokens padding (with the count on the device,
-            with self._comm_ctx():                   # the receive launches wrote it)
-                recv_x[n_recv:].zero_()
-                if recv_sc is not None:
-                    recv_sc[n_recv:].zero_()
-                for t, v in ((recv_idx, -1), (recv_w, 0), (recv_src, -1)):
-                    if t is not None:
-                        t[n_recv:].fill_(v)
         out_x = (recv_x, recv_sc) if sc is not None else recv_x
         inputs = (xv, sc, idx, a.topk_weights, send_pos, row_base)
         if cached:
@@ -858,7 +849,8 @@ class Buffer:
         rpm_t = t32_dev[:R * R].view(R, R)
         send_prefix, recv_start = t32_dev[R * R:R * R + R].view(R, 1), t32_dev[R * R + R:].view(R, 1)
         new_handle = DispatchHandle((rpm_t, send_prefix, recv_start, recv_src, in_rank, send_pos), self._uid,
-                                    a.num_tokens, n_recv, rpm, self._dispatch_seq, row_base, combine_tables, n_recv_dev)
+                                    a.num_tokens, n_recv, recv_rows_max, area_rows_max, self._dispatch_seq, row_base,
+                                    combine_tables, n_recv_dev)
         event = self._end(async_finish, inputs + (recv_x, recv_sc, recv_idx, recv_w, recv_src, tables, t32_dev))
         self.check()
         return out_x, recv_idx, recv_w, expert_list, new_handle, event
@@ -952,7 +944,7 @@ class Buffer:
 
     @_steps
     def _combine_steps(self, x, handle, topk_weights, bias, previous_event, async_finish):
-        R, me = self.group_size, self.rank
+        R = self.group_size
         h, xv, w, biases = None, None, None, []
         self.check()
         if self._sig.needs_resync:
@@ -975,17 +967,11 @@ class Buffer:
             raise self._fail_call(e)
         H = xv.shape[1]
         K = w.shape[1] if w is not None else 0
-        rpm = h.rpm_host
         tables = h.combine_tables
         comb_base, send_base, prefix = tables[:R], tables[R:2 * R], tables[2 * R:]
         rb = combine_record_bytes(H, K)
         cap = self._capacity(rb, "combine")
-        if rpm is not None:
-            counts = np.diff(np.concatenate([np.zeros((1, R), dtype=rpm.dtype), rpm]), axis=0)   # [src, dst]
-            most = int(counts.sum(axis=1).max())     # the largest combine area of the group
-        else:   # counts on the device only: every rank receives at most num_worst_tokens rows
-            most = R * h.num_out_rows
-        rounds = max(1, -(-most // cap))
+        rounds = max(1, -(-h.area_rows_max // cap))
         call_sig = signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds])
         self._begin(previous_event)
         T = h.num_tokens
@@ -1001,7 +987,7 @@ class Buffer:
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
             with self._comm_ctx(), self._sig.watch():
-                kernels.combine_send(x_words, w_words, h.num_recv_tokens if rpm is not None else h.num_out_rows,
+                kernels.combine_send(x_words, w_words, h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows,
                                      prefix, comb_base, self._delta_words, area.view(torch.int32), lo, hi, rb // 4,
                                      signals=self._sig_args, rnd=k, sig=call_sig, n_recv=h.n_recv_dev)
             yield f"combine/reduce round {k}"

@@ -115,8 +115,9 @@ class Comm:
 
         Args:
             stage: what the ranks meet for (named in errors).
-            gone: optional callable returning ``{peer: stage}`` of peers known to have left the group; it is
-                polled while waiting (every 10 ms), and the wait ends at once if a missing peer left.
+            gone: optional callable returning ``{peer: why}`` (a phrase naming the peer and the stage it left
+                at) for peers known to have left the group; it is polled while waiting (every 10 ms), and the
+                wait ends at once if a missing peer left.
 
         Raises:
             EPTimeoutError: a peer did not arrive within ``timeout_s`` seconds (the Comm is then marked

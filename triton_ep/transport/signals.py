@@ -95,10 +95,11 @@ class Signals:
         self._reported = False
 
     # ---- what kernels take
-    def kernel_args(self) -> dict:
-        """Keyword arguments every signalling kernel launcher takes."""
+    def kernel_args(self, max_programs: Optional[int] = None) -> dict:
+        """What every signalling kernel launcher takes (``signals=``); ``max_programs``: the grid cap of a
+        waiting launch where ranks share a GPU (``Comm.max_programs``), ``None`` for none."""
         return dict(hdr=self.header, hdr_delta=self.hdr_delta, host=self.host, me=self.rank,
-                    timeout_ns=int(self.timeout_s * 1e9), use_clock=self.use_clock)
+                    timeout_ns=int(self.timeout_s * 1e9), use_clock=self.use_clock, max_programs=max_programs)
 
     @contextlib.contextmanager
     def watch(self):
@@ -107,10 +108,7 @@ class Signals:
         if not self.interpreted:
             yield
             return
-        fired = threading.Event()
-
         def abort():
-            fired.set()
             self._host_np[int(F.H_ABORT)] = 1
 
         t = threading.Timer(self.timeout_s, abort)
