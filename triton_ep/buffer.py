@@ -41,6 +41,7 @@ Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
 _DEFAULT_TIMEOUT_S = 100.0
+_NO_CTX = contextlib.nullcontext()        # reusable: entering it does nothing
 # Exchange-slot header words (int64).
 _ST, _SIG0 = 0, 2                      # status, signature words [2, 10) (word 1 unused)
 _BASE, _HASERR, _SEQ, _XN = 12, 13, 14, 15   # rounds completed, holds an error, dispatches, exchange number
@@ -280,6 +281,10 @@ class Buffer:
                                     self.timeout_s, interpreted=kernels.interpreted())
         self._sig_args = self._sig.kernel_args(c.max_programs)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        #: the running call's kernels go to the communication stream (async_finish), else the caller's
+        self._on_comm = False
+        #: work of an earlier call may still run on the communication / the caller's stream
+        self._comm_dirty = self._caller_dirty = False
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
     @staticmethod
@@ -372,9 +377,11 @@ class Buffer:
         return t[:torch.Size(size).numel()].view(size)
 
     def get_comm_stream(self):
-        """The CUDA stream every kernel of this Buffer runs on (``None`` on CPU), as DeepEP's: a call first
-        makes it wait for ``previous_event`` or, without one, for the caller's current stream; with
-        ``async_finish`` the caller's stream does not wait for it and gets an event instead."""
+        """The communication stream (``None`` on CPU), as DeepEP's: a call with ``async_finish`` runs its
+        kernels there, after ``previous_event`` or, without one, after the caller's current stream, and
+        returns an event on it; the caller's stream does not wait. A call without ``async_finish`` runs
+        its kernels on the caller's stream (after ``previous_event``): the order DeepEP's wait-run-wait
+        gives, with no cross-stream wait."""
         return self._comm_stream
 
     def _unavailable(self, *args, **kwargs):
@@ -443,33 +450,54 @@ class Buffer:
 
     # ------------------------------------------------------------------ streams
     def _comm_ctx(self):
-        """Run what follows on the communication stream (a no-op on CPU)."""
-        return torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else contextlib.nullcontext()
+        """Run what follows on the stream of the running call: the communication stream for a call with
+        ``async_finish``, else the caller's (a no-op on CPU)."""
+        return torch.cuda.stream(self._comm_stream) if self._on_comm else _NO_CTX
 
-    def _begin(self, previous_event: Optional[EventOverlap]) -> None:
-        """The communication stream waits for ``previous_event``, else for the caller's current stream."""
+    def _begin(self, previous_event: Optional[EventOverlap], async_finish: bool) -> None:
+        """Order the call's kernels after the caller's work.
+
+        With ``async_finish`` (DeepEP's overlap) they run on the communication stream, which first waits
+        for ``previous_event`` or, without one, for the caller's current stream. Without it the caller's
+        stream would wait for the communication stream right after the call, so the kernels run on the
+        caller's stream itself (after ``previous_event``, if given): the same order, without two
+        cross-stream waits per call. Calls of one Buffer stay in issue order across the two streams: a
+        call on one stream first waits for work the other still holds from an earlier call."""
+        self._on_comm = False
         if self._comm_stream is None:
             return
-        if previous_event is not None and previous_event.event is not None:
-            self._comm_stream.wait_event(previous_event.event)
-        else:
+        ev = previous_event.event if previous_event is not None else None
+        if not async_finish:
+            current = None
+            if self._comm_dirty:          # an earlier call's kernels still run on the communication stream
+                current = torch.cuda.current_stream(self.device)
+                current.wait_stream(self._comm_stream)
+                self._comm_dirty = False
+            if ev is not None:
+                (current or torch.cuda.current_stream(self.device)).wait_event(ev)
+            self._caller_dirty = True
+            return
+        self._on_comm = True
+        if ev is not None:
+            self._comm_stream.wait_event(ev)
+        if ev is None or self._caller_dirty:   # earlier calls' kernels ran on the caller's stream
             self._comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._caller_dirty = False
 
     def _end(self, async_finish: bool, tensors: Sequence[Optional[Tensor]]) -> EventOverlap:
         """Hand the call's results to the caller: with ``async_finish`` an event on the communication
-        stream (the tensors are marked as used there, so the caching allocator keeps them until then),
-        else the caller's stream waits for the communication stream."""
-        if self._comm_stream is None:
+        stream (the tensors are marked as used there, so the caching allocator keeps them until then);
+        else the work is on the caller's stream already."""
+        if not self._on_comm:
             return EventOverlap(None, check=self.check)
-        if async_finish:
-            for t in tensors:
-                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                    t.record_stream(self._comm_stream)
-            ev = torch.cuda.Event()
-            ev.record(self._comm_stream)
-            return EventOverlap(ev, check=self.check)
-        torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
-        return EventOverlap(None, check=self.check)
+        self._on_comm = False
+        self._comm_dirty = True
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                t.record_stream(self._comm_stream)
+        ev = torch.cuda.Event()
+        ev.record(self._comm_stream)
+        return EventOverlap(ev, check=self.check)
 
     def __enter__(self) -> "Buffer":
         return self
@@ -643,7 +671,7 @@ class Buffer:
         self._check_num_experts(num_experts)
         _check_event(previous_event)
         self.check()
-        self._begin(previous_event)
+        self._begin(previous_event, async_finish)
         with self._comm_ctx():
             per_rank, per_expert, in_rank = kernels.routing_layout(idx, num_experts, self.group_size)[:3]
         return per_rank, None, per_expert, in_rank, self._end(async_finish, (idx, per_rank, per_expert, in_rank))
@@ -729,7 +757,7 @@ class Buffer:
         seq = a.handle.seq if (err is None and cached) else 0
         sig = [op, a.row_words, a.scale_words, a.num_topk, a.flags, a.num_experts, seq, a.dtype_code] if err is None else [op] + [0] * 7
         names = "operation, row words, scale words, top-k, flags, experts, handle's dispatch, x dtype"
-        self._begin(previous_event)
+        self._begin(previous_event, async_finish)
         n_recv_dev = None
         if cached:
             h = a.handle
@@ -973,7 +1001,7 @@ class Buffer:
         cap = self._capacity(rb, "combine")
         rounds = max(1, -(-h.area_rows_max // cap))
         call_sig = signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds])
-        self._begin(previous_event)
+        self._begin(previous_event, async_finish)
         T = h.num_tokens
         out = torch.empty((T, H), dtype=torch.bfloat16, device=self.device)
         wout = torch.empty((T, K), dtype=torch.float32, device=self.device) if w is not None else None

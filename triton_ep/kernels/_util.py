@@ -5,11 +5,11 @@ sweep (benchmarks/bench_kernels.py) measures alternatives on the H200 and the ch
 written here. Results never depend on these values (fixed-order reductions), only speed does.
 ``INTERP_TUNING`` favours few, large programs: the interpreter costs about 0.4 ms per program.
 """
+import functools
 import os
 from typing import Dict
 
 import torch
-import triton
 
 # Best of the sweep on one H200 (benchmarks/results/tuning_h200.json: T=4096, H=7168, top-8, 256 experts,
 # 8 ranks). ``layout``: ``block_t`` tokens per program, ``block_b`` blocks per tile of the prefix sums, up to
@@ -38,6 +38,7 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def interpreted() -> bool:
     """True when Triton runs kernels in its interpreter (CPU tensors, ``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -56,5 +57,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def pow2(n: int, lo: int = 1) -> int:
-    """The smallest power of two ``>= max(n, lo)``."""
-    return max(triton.next_power_of_2(max(int(n), 1)), lo)
+    """The smallest power of two ``>= max(n, lo)`` (plain integer arithmetic: ``triton.next_power_of_2``
+    costs a microsecond a call on the launch path)."""
+    n = int(n)
+    return max(1 << (n - 1).bit_length() if n > 1 else 1, lo)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers (``triton.cdiv`` without its call overhead)."""
+    return -(-a // b)

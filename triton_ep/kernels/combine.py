@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from . import flags
-from ._util import pow2, tuning
+from .launch import Launcher
+from ._util import cdiv, pow2, tuning
 from .dispatch import _grid, _use_clock, sync_args
 
 
@@ -71,6 +72,9 @@ def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec
     # The last program tells every source rank that round n is in its area.
     if SYNC:
         flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+
+
+_combine_send_launch = Launcher(_combine_send_kernel)
 
 
 @triton.jit
@@ -135,6 +139,9 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
         flags.finish_recv(hdr, n, advance, USE_ASM)
 
 
+_combine_reduce_launch = Launcher(_combine_reduce_kernel)
+
+
 def record_bytes(hidden: int, k: int) -> int:
     """Bytes of one combine record: ``hidden`` bf16 values and ``k`` fp32 weights, rounded up to 16."""
     return (2 * hidden + 4 * k + 15) // 16 * 16
@@ -165,7 +172,7 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     k = weight_words.shape[1] if weight_words is not None else 0
     cfg = tuning("combine_send")
     bt, bw = cfg["block_t"], pow2(min(wx, cfg["block_w"]))
-    _combine_send_kernel[(_grid(triton.cdiv(n_rows, bt), signals),)](
+    _combine_send_launch[(_grid(cdiv(n_rows, bt), signals),)](
         x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
         n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words), N_PTR=n_recv is not None,
         SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
@@ -198,7 +205,7 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
     bt, bh = cfg["block_t"], pow2(min(hidden, cfg["block_h"]))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
-    _combine_reduce_kernel[(_grid(triton.cdiv(T, bt), signals),)](
+    _combine_reduce_launch[(_grid(cdiv(T, bt), signals),)](
         area.view(torch.bfloat16), area.view(torch.float32), send_pos, send_base, T, lo, hi,
         acc if acc is not None else out, out.view(torch.int16), b0, b1,
         wacc if wacc is not None else out, wout if wout is not None else out,

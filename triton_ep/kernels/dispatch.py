@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from . import flags
-from ._util import num_sms, pow2, tuning
+from .launch import Launcher
+from ._util import cdiv, num_sms, pow2, tuning
 
 
 @triton.jit
@@ -102,6 +103,9 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
         flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
 
 
+_dispatch_send_launch = Launcher(_dispatch_send_kernel)
+
+
 @triton.jit
 def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, n_ptr, cap,
@@ -160,6 +164,9 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
     if SYNC:
         flags.finish_recv(hdr, n, advance, USE_ASM)
+
+
+_dispatch_recv_launch = Launcher(_dispatch_recv_kernel)
 
 
 def sync_args(signals: Optional[dict], rnd: int, sig: int, like: torch.Tensor) -> tuple:
@@ -227,11 +234,11 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     cfg = tuning("dispatch_send")
     bt, bw, nw = _blocks("dispatch_send", wx)
     split = bool(cfg.get("split_w", 0))
-    blocks = _grid(triton.cdiv(T, bt), signals)
+    blocks = _grid(cdiv(T, bt), signals)
     if cfg.get("programs_per_sm", 0):
         blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(x_words.device))
     dummy = x_words
-    _dispatch_send_kernel[(blocks, triton.cdiv(wx, bw) if split else 1)](
+    _dispatch_send_launch[(blocks, cdiv(wx, bw) if split else 1)](
         x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
         send_pos, row_base, delta_words, rec, T, lo, hi, num_experts,
         *sync_args(signals, rnd, sig, x_words), SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
@@ -262,7 +269,7 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     bt, bw, nw = _blocks("dispatch_recv", wx)
     dummy = out_x
     has_topk = out_idx is not None
-    _dispatch_recv_kernel[(_grid(triton.cdiv(n_rows, bt), signals),)](
+    _dispatch_recv_launch[(_grid(cdiv(n_rows, bt), signals),)](
         rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
         out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
         out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,

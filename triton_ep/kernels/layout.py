@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import pow2, tuning
+from .launch import Launcher
+from ._util import cdiv, pow2, tuning
 
 
 @triton.jit
@@ -96,6 +97,9 @@ def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, b
                      mask=offs_b <= num_experts)
 
 
+_layout_block_launch = Launcher(_layout_block_kernel)
+
+
 @triton.jit
 def _layout_pos_kernel(in_rank_ptr, T, num_experts, num_blocks, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                        counts_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -128,6 +132,9 @@ def _layout_pos_kernel(in_rank_ptr, T, num_experts, num_blocks, block_rank_ptr, 
         tl.store(counts_ptr + offs_r, (prefix + tl.sum(in_rank, axis=0)).to(tl.int32), mask=offs_r < R)
 
 
+_layout_pos_launch = Launcher(_layout_pos_kernel)
+
+
 def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the layout kernels (one launch when ``T`` fits one block, else two).
@@ -155,7 +162,7 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     cfg = tuning("layout")
     # up to one_launch_tokens: one block, one launch (decode batches); else blocks of block_t
     bt = pow2(T, 16) if T <= int(cfg["one_launch_tokens"]) else int(cfg["block_t"])
-    nb = max(triton.cdiv(T, bt), 1)
+    nb = max(cdiv(T, bt), 1)
     br, nbins = pow2(num_ranks), pow2(num_experts + 2, 32)
     # past histogram_max_bins a block histogram costs too much (registers per bin): atomics into zeroed counts
     atomic = nbins > int(cfg["histogram_max_bins"])
@@ -168,14 +175,14 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     scratch = torch.empty(nb * (br + (0 if atomic else num_experts + 1)) if nb > 1 else 1, dtype=torch.int32,
                           device=dev)
     block_rank, block_hist = (scratch[: nb * br], scratch[nb * br:]) if nb > 1 else (scratch, scratch)
-    _layout_block_kernel[(nb,)](topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos,
+    _layout_block_launch[(nb,)](topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos,
                                 counts, K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
                                 BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic,
                                 num_warps=cfg["num_warps"])
     if nb > 1:
-        _layout_pos_kernel[(nb,)](in_rank.view(torch.int8), T, num_experts, nb, block_rank, block_hist, send_pos,
+        _layout_pos_launch[(nb,)](in_rank.view(torch.int8), T, num_experts, nb, block_rank, block_hist, send_pos,
                                   counts, R=num_ranks, BLOCK_R=br, BLOCK_T=bt,
                                   BLOCK_B=min(pow2(nb), int(cfg["block_b"])),
-                                  EB=pow2(triton.cdiv(num_experts + 1, nb)), ATOMIC=atomic,
+                                  EB=pow2(cdiv(num_experts + 1, nb)), ATOMIC=atomic,
                                   num_warps=cfg["num_warps"])
     return per_rank, per_expert, in_rank, send_pos, bad, counts

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import flags
+from .launch import Launcher
 from .dispatch import sync_args, _use_clock
 
 
@@ -38,6 +39,9 @@ def _notify_send_kernel(counts_ptr, num_experts, hdr, hdr_delta, host, k, sig, m
             for j in tl.static_range(R):
                 tl.store(peer + (flags.W_FIXED + 5 * R) + me * R + j, tl.load(counts_ptr + j).to(tl.int64))
             flags.release(peer + (flags.W_FIXED + 4 * R) + me, n)
+
+
+_notify_send_launch = Launcher(_notify_send_kernel)
 
 
 @triton.jit
@@ -94,11 +98,14 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, hdr, hdr_delta, host, k, si
         flags.post_error(hdr, hdr_delta, host, flags.E_CAPACITY, over, flags.STAGE_NOTIFY, n, me, R)
 
 
+_notify_recv_launch = Launcher(_notify_recv_kernel)
+
+
 def notify_send(counts: torch.Tensor, num_experts: int, signals: dict) -> None:
     """Publish this rank's send counts (``counts`` int32 ``[R + E + 1]`` from ``routing_layout``: rows per
     rank, per expert, then the number of bad ids) in every rank's header."""
     R = signals["hdr_delta"].shape[0]
-    _notify_send_kernel[(1,)](counts, num_experts, *sync_args(signals, 0, 0, counts), R=R,
+    _notify_send_launch[(1,)](counts, num_experts, *sync_args(signals, 0, 0, counts), R=R,
                               USE_CLOCK=_use_clock(signals), num_warps=1)
 
 
@@ -109,5 +116,5 @@ def notify_recv(t32: torch.Tensor, t64: torch.Tensor, num_worst_tokens: int, sig
     ``E_CAPACITY`` if a rank receives more than ``num_worst_tokens`` rows (the same value on every rank:
     it is part of the call's signature)."""
     R = signals["hdr_delta"].shape[0]
-    _notify_recv_kernel[(1,)](t32, t64, num_worst_tokens, *sync_args(signals, 0, 0, t64), R=R,
+    _notify_recv_launch[(1,)](t32, t64, num_worst_tokens, *sync_args(signals, 0, 0, t64), R=R,
                               USE_CLOCK=_use_clock(signals), num_warps=1)

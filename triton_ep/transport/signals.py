@@ -55,6 +55,9 @@ def call_signature(words: Sequence[int]) -> int:
     return int.from_bytes(h, "little") | (1 << 56)
 
 
+_NO_WATCH = contextlib.nullcontext()
+
+
 class ErrorRecord(NamedTuple):
     """An error a kernel recorded: ``kind`` (``flags.E_*``), the ``peer`` it concerns, the ``stage``
     (``flags.STAGE_*``; for ``E_GONE`` the peer's stage) and the round ``call`` it happened in."""
@@ -101,13 +104,14 @@ class Signals:
         return dict(hdr=self.header, hdr_delta=self.hdr_delta, host=self.host, me=self.rank,
                     timeout_ns=int(self.timeout_s * 1e9), use_clock=self.use_clock, max_programs=max_programs)
 
-    @contextlib.contextmanager
     def watch(self):
         """Bound the waits of the launches inside (interpreter only: the GPU bounds them by its clock). A
-        watchdog thread sets the abort word after ``timeout_s``; it is stopped and joined on exit."""
-        if not self.interpreted:
-            yield
-            return
+        watchdog thread sets the abort word after ``timeout_s``; it is stopped and joined on exit. On GPU
+        a shared no-op context (nothing to do on the launch path)."""
+        return self._watch() if self.interpreted else _NO_WATCH
+
+    @contextlib.contextmanager
+    def _watch(self):
         def abort():
             self._host_np[int(F.H_ABORT)] = 1
 

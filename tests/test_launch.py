@@ -1,0 +1,73 @@
+"""The kernels' launcher (triton_ep/kernels/launch.py): launching through the compiled kernel gives what
+``kernel[grid]`` gives, for every specialisation Triton makes (dtype, 16-byte alignment, integers equal
+to 1 or multiples of 16, 64-bit integers), and never reuses a kernel compiled for other arguments."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from triton_ep.kernels import interpreted
+from triton_ep.kernels.launch import Launcher, _arg_key
+
+
+@triton.jit
+def _axpb_kernel(x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(x_ptr + offs, mask=m, other=0)
+    tl.store(y_ptr + offs, (v * a + b + SHIFT).to(y_ptr.dtype.element_ty), mask=m)
+
+
+_axpb = Launcher(_axpb_kernel)
+
+
+def _check(device):
+    for dtype in (torch.float32, torch.int64, torch.float16):
+        for n in (1, 16, 37, 130):
+            for off in (0, 1):          # offset 1: the pointers lose their 16-byte alignment
+                for a, b in ((1, 0), (3, 16), (2, 5), (1, (1 << 33) + 7)):
+                    if b >= 1 << 31 and dtype != torch.int64:
+                        continue        # 64-bit integer arguments: checked exactly on int64 rows
+                    x = (torch.arange(n + 1, device=device) % 7).to(dtype)[off:off + n]
+                    y = torch.empty(n + 1, dtype=dtype, device=device)[off:off + n]
+                    for _ in range(2):  # the second launch takes the compiled kernel's path
+                        y.fill_(-99)
+                        _axpb[(triton.cdiv(n, 32),)](x, y, n, a, b, BLOCK=32, SHIFT=2, num_warps=1)
+                        exp = (x.to(torch.int64) * a + b + 2).to(dtype) if dtype == torch.int64 else \
+                            (x.double() * a + b + 2).to(dtype)
+                        assert torch.equal(y, exp), (dtype, n, off, a, b)
+
+
+def test_launcher_matches_kernel_call_cpu():
+    """Under the interpreter the launcher is Triton's own call: the same results."""
+    if not interpreted():
+        pytest.skip("interpreter only")
+    _check("cpu")
+
+
+def test_arg_key_tells_specialisations_apart():
+    """Keys differ wherever Triton compiles differently: dtypes, alignment, 1, multiples of 16, 64 bits."""
+    t = torch.zeros(8, dtype=torch.float32)
+    assert _arg_key(t) != _arg_key(t[1:])
+    assert _arg_key(t) != _arg_key(t.view(torch.int32))
+    keys = {_arg_key(v) for v in (1, 2, 16, 32, 1 << 31, -(1 << 31) - 1, 1 << 63)}
+    assert len({_arg_key(1), _arg_key(2), _arg_key(16), _arg_key(1 << 31)}) == 4
+    assert _arg_key(2) == _arg_key(3) and _arg_key(16) == _arg_key(48)
+    assert len(keys) >= 5
+    assert _arg_key(True) != _arg_key(1) and _arg_key(None) != _arg_key(0)
+
+
+@pytest.mark.gpu
+def test_launcher_matches_kernel_call_gpu():
+    """On GPU the second launch of each specialisation goes through the compiled kernel: same results,
+    one cache entry per specialisation, and the current stream is the one launched on."""
+    _check("cuda")
+    assert len(_axpb._cache) >= 6
+    s = torch.cuda.Stream()
+    x = torch.arange(64, device="cuda", dtype=torch.float32)
+    y = torch.zeros(64, device="cuda", dtype=torch.float32)
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(10_000_000)
+        _axpb[(2,)](x, y, 64, 2, 1, BLOCK=32, SHIFT=0, num_warps=1)
+    s.synchronize()
+    assert torch.equal(y, x * 2 + 1)
