@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mp_cases
-from helpers import ok_results, make_inputs, raise_first, virtual_dispatch
+from helpers import check_dispatch, ok_results, make_inputs, raise_first, virtual_dispatch
 from triton_ep import reference as ref
 from triton_ep.testing import VirtualGroup, run_ranks
 
@@ -62,6 +62,30 @@ def test_no_host_sync_in_cached_dispatch_and_combine():
     for r in range(R):
         assert torch.equal(cached[r][0].cpu(), exp[r]["recv_x"])
         assert torch.equal(comb[r][0].cpu(), want[r][0])
+
+
+def test_no_stream_sync_in_plain_dispatch():
+    """A plain dispatch's one host wait polls an event on a pinned copy of the counts: no synchronising
+    CUDA call (sync debug mode 'error'), and the results are the reference's; a dispatch with
+    num_worst_tokens and the layout make none either."""
+    R, E = 2, 8
+    xs, idxs, ws = make_inputs(11, E, 2, 128, [40, 17])
+    vg = VirtualGroup(R, 1 << 14, device="cuda")
+    virtual_dispatch(vg, xs, idxs, ws, E, "cuda")          # compile and warm up outside the check
+    virtual_dispatch(vg, xs, idxs, ws, E, "cuda", num_worst_tokens=64)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        res = virtual_dispatch(vg, xs, idxs, ws, E, "cuda")
+        worst = virtual_dispatch(vg, xs, idxs, ws, E, "cuda", num_worst_tokens=64)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    exp = ref.dispatch(xs, idxs, ws, E)
+    check_dispatch(res, exp)
+    for r in range(R):
+        n = exp[r]["recv_x"].shape[0]
+        assert torch.equal(worst[r][0][:n].cpu(), exp[r]["recv_x"])
+        assert not worst[r][0][n:].any()
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import time
 import uuid
 import zlib
 import warnings
@@ -285,6 +286,8 @@ class Buffer:
         self._on_comm = False
         #: work of an earlier call may still run on the communication / the caller's stream
         self._comm_dirty = self._caller_dirty = False
+        self._counts_pinned: Optional[Tensor] = None      # pinned staging of a dispatch's counts (GPU)
+        self._base_seen = 0                                # W_BASE as the counts copy saw it
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
     @staticmethod
@@ -566,7 +569,9 @@ class Buffer:
             while True:
                 started = True
                 if isinstance(stage, _Meet):
-                    if self._comm_stream is not None:
+                    # this rank's device work must have finished: a dispatch's counts wait saw to the
+                    # caller's stream; work on the communication stream is waited for here
+                    if self._comm_stream is not None and (self._on_comm or self._comm_dirty):
                         self._comm_stream.synchronize()
                     try:
                         comm.barrier(stage, gone=self._sig.gone_peers)
@@ -585,7 +590,7 @@ class Buffer:
             gen.close()
 
     def _exchange(self, stage: str, err: Optional[BaseException], status: int, sig: Sequence[int],
-                  sig_names: str, fill=None) -> Generator:
+                  sig_names: str, fill=None, base: Optional[int] = None) -> Generator:
         """Publish this rank's status, signature (and, through ``fill``, its counts), meet the others,
         then raise on every rank if any rank failed (every exception raised here is raised on all ranks at
         the same step). Returns the list of all ranks' slots."""
@@ -597,7 +602,7 @@ class Buffer:
         slot[_ST] = 0 if err is None else status
         slot[_SIG0:_SIG0 + len(sig)] = sig
         with self._comm_ctx():
-            slot[_BASE], slot[_HASERR] = self._sig.local_state()
+            slot[_BASE], slot[_HASERR] = self._sig.local_state(base)
         slot[_SEQ] = self._dispatch_seq
         slot[_XN] = self._op          # this rank's exchange count: equal on ranks in step
         if fill is not None and err is None:
@@ -789,7 +794,7 @@ class Buffer:
                     with self._comm_ctx():
                         lay = self._routing(a)
                         # one device-to-host copy: counts per rank, per expert, and bad ids
-                        host = lay[5].cpu().numpy().astype(np.int64)
+                        host = self._counts_to_host(lay[5]).astype(np.int64)
                 except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
                     err = e
             if err is None and a.topk_idx is None and (host[R:R + a.num_experts] < 0).any():
@@ -805,7 +810,7 @@ class Buffer:
             def fill(slot):
                 slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R + a.num_experts] = host[:R + a.num_experts]
 
-            slots = yield from self._exchange(stage, err, status, sig, names, fill)
+            slots = yield from self._exchange(stage, err, status, sig, names, fill, self._base_seen if host is not None else None)
             counts = np.stack([s[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] for s in slots])        # [src, dst]
             rpm = np.cumsum(counts, axis=0)
             E = a.num_experts
@@ -882,6 +887,37 @@ class Buffer:
         event = self._end(async_finish, inputs + (recv_x, recv_sc, recv_idx, recv_w, recv_src, tables, t32_dev))
         self.check()
         return out_x, recv_idx, recv_w, expert_list, new_handle, event
+
+    def _counts_to_host(self, counts: Tensor) -> np.ndarray:
+        """``counts`` (int32 ``[n]``) on the host, without a stream synchronise (and this rank's completed
+        rounds, ``W_BASE``, in ``_base_seen``): on GPU an asynchronous copy
+        into pinned memory and an event this rank polls with a deadline (``timeout_s`` + 5 s; the kernels
+        before it bound their own waits by ``timeout_s``), on CPU a plain copy.
+
+        Raises:
+            EPTimeoutError: the copy did not finish in time (this rank's device work is stalled)."""
+        base = self._sig.header[int(F.W_BASE):int(F.W_BASE) + 1]
+        if counts.device.type != "cuda":
+            self._base_seen = int(base.item())
+            return counts.numpy()
+        n = counts.numel()
+        if self._counts_pinned is None or self._counts_pinned.numel() < n:
+            self._counts_pinned = torch.empty(max(n, 1024), dtype=torch.int32, pin_memory=True)
+            self._base_pinned = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        dst = self._counts_pinned[:n]
+        dst.copy_(counts, non_blocking=True)
+        # and the rounds this rank has completed (the exchange compares them), in the same wait
+        self._base_pinned.copy_(base, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise EPTimeoutError(self.rank, None, "dispatch/counts to host (this rank's device work)",
+                                     self.timeout_s + 5.0)
+            time.sleep(0)
+        self._base_seen = int(self._base_pinned.numpy()[0])
+        return dst.numpy()
 
     def _routing(self, a):
         """Layout of this call: from ``topk_idx`` by the kernel, else from ``is_token_in_rank``."""

@@ -81,8 +81,8 @@ class Launcher:
         if self._interp or _hooks_set():
             self.fn[grid](*args, num_warps=num_warps, **meta)
             return
-        cvals = tuple(meta[n] for n in self.constexprs)
-        key = (cvals, num_warps, tuple(_arg_key(a) for a in args))
+        cvals = tuple(map(meta.__getitem__, self.constexprs))
+        key = (cvals, num_warps, tuple(map(_arg_key, args)))
         entry = self._cache.get(key)
         if entry is None:
             kernel = self.fn[grid](*args, num_warps=num_warps, **meta)     # compile (or load) and launch

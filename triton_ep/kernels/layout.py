@@ -172,9 +172,11 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     send_pos = torch.empty((T, num_ranks), dtype=torch.int64, device=dev)
     per_rank, per_expert, bad = counts[:num_ranks], counts[num_ranks:-1], counts[-1:]
     # scratch: the blocks' tokens per rank, then their histograms (unused with one block)
-    scratch = torch.empty(nb * (br + (0 if atomic else num_experts + 1)) if nb > 1 else 1, dtype=torch.int32,
-                          device=dev)
-    block_rank, block_hist = (scratch[: nb * br], scratch[nb * br:]) if nb > 1 else (scratch, scratch)
+    if nb > 1:
+        scratch = torch.empty(nb * (br + (0 if atomic else num_experts + 1)), dtype=torch.int32, device=dev)
+        block_rank, block_hist = scratch[: nb * br], scratch[nb * br:]
+    else:           # one block: no scratch (the pointers are not read; counts stands in)
+        block_rank = block_hist = counts
     _layout_block_launch[(nb,)](topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos,
                                 counts, K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
                                 BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic,

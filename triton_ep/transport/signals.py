@@ -199,9 +199,11 @@ class Signals:
         return {r: _left(r, int(w) - 1) for r, w in enumerate(words) if w}
 
     # ---- re-synchronisation (at a host rendezvous, with this rank's device work finished)
-    def local_state(self) -> tuple:
-        """``(rounds completed, holds an error)`` of this rank, for the rendezvous (one small device read)."""
-        base = int(self.header[int(F.W_BASE)].item())
+    def local_state(self, base: Optional[int] = None) -> tuple:
+        """``(rounds completed, holds an error)`` of this rank, for the rendezvous: ``base`` when the caller
+        read ``W_BASE`` already (with its device work finished), else one small device read."""
+        if base is None:
+            base = int(self.header[int(F.W_BASE)].item())
         return base, int(self.needs_resync or self.record() is not None)
 
     def resync(self, new_base: int) -> None:
