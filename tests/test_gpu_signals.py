@@ -71,13 +71,14 @@ def test_no_stream_sync_in_plain_dispatch():
     R, E = 2, 8
     xs, idxs, ws = make_inputs(11, E, 2, 128, [40, 17])
     vg = VirtualGroup(R, 1 << 14, device="cuda")
-    virtual_dispatch(vg, xs, idxs, ws, E, "cuda")          # compile and warm up outside the check
-    virtual_dispatch(vg, xs, idxs, ws, E, "cuda", num_worst_tokens=64)
+    xc, ic, wc = ([t.cuda() for t in ts] for ts in (xs, idxs, ws))     # inputs on the GPU beforehand
+    virtual_dispatch(vg, xc, ic, wc, E, "cuda")          # compile and warm up outside the check
+    virtual_dispatch(vg, xc, ic, wc, E, "cuda", num_worst_tokens=64)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        res = virtual_dispatch(vg, xs, idxs, ws, E, "cuda")
-        worst = virtual_dispatch(vg, xs, idxs, ws, E, "cuda", num_worst_tokens=64)
+        res = virtual_dispatch(vg, xc, ic, wc, E, "cuda")
+        worst = virtual_dispatch(vg, xc, ic, wc, E, "cuda", num_worst_tokens=64)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     exp = ref.dispatch(xs, idxs, ws, E)
