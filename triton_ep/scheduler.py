@@ -546,7 +546,7 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes:
     ``first_rx[p]`` (default: where the previous call of this function left off; every rank must call it
     the same number of times).
 
-    Returns: peer -> received uint8 array.  Raises: the proxy's error; ``EPTimeoutError`` naming the peer and
+    Returns (once every chunk it wrote is placed at its peer): peer -> received uint8 array.  Raises: the proxy's error; ``EPTimeoutError`` naming the peer and
     the stage when nothing moves for ``timeout_s``.
     """
     S, C = sched.slots, sched.slot_bytes
@@ -560,7 +560,10 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes:
     out = {p: np.empty(int(recv_sizes.get(p, 0)), np.uint8) for p in sched.peers}
     last = time.monotonic()
     idle = 0
-    while any(done_tx[p] < ntx[p] or done_rx[p] < nrx[p] for p in sched.peers):
+    def pending(p):   # chunks to write or read, or written chunks not yet placed at the peer
+        return done_tx[p] < ntx[p] or done_rx[p] < nrx[p] or sched.flags.get(RingFlags.SENT, p) < tx0[p] + ntx[p]
+
+    while any(pending(p) for p in sched.peers):
         sched.check()
         moved = False
         for p in sched.peers:
@@ -587,7 +590,7 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes:
         # a free send slot depends on the proxy, whose own bounds (credits, completions) name the cause
         # first; this host bound is the backstop of a proxy that stopped altogether
         if now - last > (sched.timeout_s if waiting_rx else 2 * sched.timeout_s + 1.0):
-            p = waiting_rx[0] if waiting_rx else next(p for p in sched.peers if done_tx[p] < ntx[p])
+            p = waiting_rx[0] if waiting_rx else next(p for p in sched.peers if pending(p))
             stage = STAGE_NAMES[STAGE_TAIL if waiting_rx else STAGE_SLOT]
             ex = EPTimeoutError(sched.rank, p, stage, sched.timeout_s)
             sched.fail(ex)
