@@ -3,6 +3,7 @@ emulated host, bootstrapped over gloo.  Shared by test_scheduler_mp.py (CPU) and
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 
@@ -57,8 +58,14 @@ def kernel_rank(rank, world, fab, device, rounds, slots, slot_bytes, timeout_s=3
                             timeout_s=timeout_s)
                 chunks.produce_chunks(ctrl, send, **args)
                 chunks.consume_chunks(ctrl, recv, result, **args)
-            if device == "cuda":
-                torch.cuda.synchronize()             # kernels' waits are bounded by the GPU clock
+            if device == "cuda":                     # poll (the proxy thread needs the GIL), bounded
+                done = torch.cuda.Event()
+                done.record()
+                deadline = time.monotonic() + 2 * timeout_s + 10
+                while not done.query():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {rank}: ring kernels did not finish within {2 * timeout_s + 10} s")
+                    time.sleep(0.0005)
         sched.check()
         err = sched.flags.error(timeout_s)
         if err is not None:
