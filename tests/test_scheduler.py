@@ -188,3 +188,20 @@ def test_fault_peer_stops_producing():
         assert ei.value.rank == 0 and ei.value.peer == 1 and "consumer: tail" in ei.value.stage
         with pytest.raises(ProxyRemoteError, match="consumer: tail"):
             g.scheds[1].wait_counter(RingFlags.TAIL, 0, 1, "test wait")
+
+
+def test_over_the_null_transport_with_payload():
+    """The engine over another Transport (no verbs at all): the scheduler needs only the interface."""
+    from triton_ep.transport.null import NullTransport, NullWire
+    wire = NullWire()
+    ts = [NullTransport(r, 2, wire, num_qps_per_peer=3, timeout_s=5.0, move_payload=True) for r in range(2)]
+    scheds = [Scheduler(t, slots=2, slot_bytes=256) for t in ts]
+    try:
+        for s in scheds:
+            s.start([x.remote_region() for x in scheds])
+        res = in_threads(lambda r: host_alltoall(scheds[r], {1 - r: payload(r, 1 - r, 5000 + r)}, {1 - r: 5001 - r}), 2)
+        assert np.array_equal(res[0][1], payload(1, 0, 5001)) and np.array_equal(res[1][0], payload(0, 1, 5000))
+        assert scheds[0].busy_s > 0 and len({q["bytes"] > 0 for q in scheds[0].stats()["qps"].values()}) == 1
+    finally:
+        for s in scheds:
+            s.close()

@@ -222,6 +222,8 @@ class Scheduler:
         self._replenish = not getattr(transport, "auto_replenish", False)
         self._t0 = time.perf_counter_ns()
         self.wrs_posted = 0
+        #: seconds the proxy threads spent in sweeps that moved something (the proxy's own host cost)
+        self.busy_s = 0.0
 
     # ---------------------------------------------------------------- set-up
     def remote_region(self) -> RemoteRegion:
@@ -325,9 +327,11 @@ class Scheduler:
         idle = 0
         try:
             while not self._stop.is_set():
+                t0 = time.perf_counter()
                 with self._lock:
                     did = self._sweep(own)
                 if did:
+                    self.busy_s += time.perf_counter() - t0
                     idle = 0
                 else:
                     idle += 1
