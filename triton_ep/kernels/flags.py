@@ -273,3 +273,70 @@ def finish_recv(hdr, round_no, advance, USE_ASM: tl.constexpr):
         if advance != 0:
             tl.store(hdr + W_BASE, tl.load(hdr + W_BASE) + advance)
         release(hdr + W_CONSUMED, round_no)
+
+
+# ---- scheduler rings (triton_ep/scheduler.py): a rank's ring control block, int64 words ----
+# Chunk counters per peer ``p`` (each counts chunks, and only grows):
+#   READY[p]  producer -> proxy: chunks for ``p`` written into the send ring (released after the data)
+#   SENT[p]   proxy -> producer: chunks for ``p`` placed at ``p`` (their send slots may be rewritten)
+#   TAIL[p]   proxy -> consumer: chunks from ``p`` that arrived, in order (released after placement)
+#   HEAD[p]   consumer -> proxy: chunks from ``p`` consumed (their receive slots are free again)
+#   CREDIT[p] written by ``p`` over RDMA: chunks of ours that ``p`` has consumed
+#   FAULT[p]  written by ``p`` over RDMA when its proxy failed (see scheduler.fault_word)
+#   SRC[p]    the 8-byte source of this rank's own credit writes to ``p``
+#   LEN[p * S + slot]  bytes of the chunk in send slot ``slot`` for ``p`` (written before READY)
+RING_ABORT = tl.constexpr(0)      #: nonzero: every ring wait gives up (1 watchdog / timeout, 2 proxy failed)
+RING_ERR_KIND = tl.constexpr(1)   #: a kernel's error record: kind (first error wins), peer, stage, chunk
+RING_ERR_PEER = tl.constexpr(2)
+RING_ERR_STAGE = tl.constexpr(3)
+RING_ERR_SEQ = tl.constexpr(4)
+RING_FIXED = tl.constexpr(8)
+RING_READY = tl.constexpr(0)      #: per-peer arrays, in units of R words after RING_FIXED
+RING_SENT = tl.constexpr(1)
+RING_TAIL = tl.constexpr(2)
+RING_HEAD = tl.constexpr(3)
+RING_CREDIT = tl.constexpr(4)
+RING_FAULT = tl.constexpr(5)
+RING_SRC = tl.constexpr(6)
+RING_LEN = tl.constexpr(7)
+STAGE_RING_PRODUCE = tl.constexpr(8)   #: a producer waiting for a free send slot
+STAGE_RING_CONSUME = tl.constexpr(9)   #: a consumer waiting for a chunk (the tail)
+
+
+def ring_word(array, R, peer):
+    """Word index of ``array[peer]`` (``array``: one of the ``RING_*`` per-peer arrays) for group size ``R``."""
+    return int(RING_FIXED) + int(array) * R + peer
+
+
+def ring_ctrl_words(R, S):
+    """int64 words of a ring control block for ``R`` ranks and ``S`` slots per peer."""
+    return int(RING_FIXED) + int(RING_LEN) * R + R * S
+
+
+@triton.jit
+def wait_ge(flag, want, abort, timeout_ns, USE_CLOCK: tl.constexpr):
+    """Spin until ``*flag >= want`` (acquire, system scope). Returns 0, ``E_TIMEOUT`` when the bound passed
+    (``%globaltimer`` on GPU; under the interpreter the host's watchdog sets ``*abort`` to 1) or
+    ``E_FAILED`` when the host set ``*abort`` to another value (the RDMA proxy failed)."""
+    v = acquire(flag)
+    t0 = _now_ns(USE_CLOCK)
+    status = tl.full([], 0, tl.int32)
+    while (v < want) & (status == 0):
+        a = tl.load(abort, volatile=True)
+        if a != 0:
+            status = tl.where(a == 1, E_TIMEOUT, E_FAILED).to(tl.int32)
+        if USE_CLOCK:
+            if _now_ns(USE_CLOCK) - t0 > timeout_ns:
+                status = tl.full([], E_TIMEOUT, tl.int32)
+        v = acquire(flag)
+    return status
+
+
+@triton.jit
+def post_ring_error(ctrl, kind, peer, stage, seq):
+    """Write a ring error record (first error wins) into the control block ``ctrl``."""
+    zero = tl.full([], 0, tl.int64)
+    if tl.atomic_cas(ctrl + RING_ERR_PEER, zero, zero + 1 + peer, sem="acq_rel", scope="sys") == 0:
+        tl.store(ctrl + RING_ERR_STAGE, zero + stage)
+        tl.store(ctrl + RING_ERR_SEQ, zero + seq)
+        release(ctrl + RING_ERR_KIND, zero + kind)

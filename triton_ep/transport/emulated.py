@@ -244,8 +244,13 @@ class RateModel:
         self.end = 0.0
 
     def charge(self, qp_key: tuple, resources: List[Tuple[tuple, float]], nbytes: int, t0: float = 0.0) -> float:
-        """Charge ``nbytes`` to ``resources`` ([(key, bytes/s)]) after ``qp_key``'s previous request; returns end."""
+        """Charge ``nbytes`` to ``resources`` ([(key, bytes/s)]) after ``qp_key``'s previous request; returns end.
+        A zero-byte request is ordered after its QP's previous one and occupies no resource."""
         with self.lock:
+            if nbytes <= 0:      # a zero-length request (a bare WRITE_WITH_IMM) holds no link, only its QP's order
+                end = self.free[qp_key] = max(t0, self.free[qp_key])
+                self.end = max(self.end, end)
+                return end
             start = max([t0, self.free[qp_key]] + [self.free[k] for k, _ in resources])
             slowest = min(bw for _, bw in resources)
             for k, bw in resources:
@@ -1095,7 +1100,7 @@ class QP:
             self.lost_since = self.lost_since or time.monotonic()
             return []
         res, _ = self._path_resources()
-        self.engine.model.charge(("qp", self.ctx.dev_index, self.qp_num), res, max(total, 1))
+        self.engine.model.charge(("qp", self.ctx.dev_index, self.qp_num), res, total)
         if wr.opcode == E.IBV_WR_ATOMIC_FETCH_AND_ADD:
             ent["result"] = sge.addr
             return [_pack(_REQ, wr.opcode, _F_LAST, self.qp_num, self.dest_qpn, seq, wr.rkey, wr.remote_addr,

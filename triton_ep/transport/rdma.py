@@ -217,6 +217,13 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Destroy QPs, CQs, MRs, PD and close the devices (idempotent)."""
 
+    def placement(self, peer: int) -> List[Any]:
+        """Where each QP towards ``peer`` sends from: one ``topology.QPPlanEntry`` per QP index (port, flow
+        label, UDP source port), as the topology plan placed it at :meth:`connect`.  The default (a
+        transport with no ports) puts every QP on one nameless port."""
+        from triton_ep.transport import topology
+        return [topology.QPPlanEntry(i, topology.PortRef("none", 1)) for i in range(self.num_qps_per_peer)]
+
 
 class RdmaCompletionError(RdmaError):
     """A work completion with an error status.  ``.completion`` is it; ``.completions`` all of that poll."""

@@ -58,6 +58,27 @@ def call_signature(words: Sequence[int]) -> int:
 _NO_WATCH = contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def watchdog(words, index: int, timeout_s: float, value: int = 1):
+    """Bound the interpreter's waits inside the block (it has no clock): a timer thread sets
+    ``words[index] = value`` after ``timeout_s`` seconds; on exit it is stopped, joined, and the word
+    cleared unless someone else set another value meanwhile. ``words``: an int64 numpy array."""
+    def abort():
+        if words[index] == 0:
+            words[index] = value
+
+    t = threading.Timer(timeout_s, abort)
+    t.daemon = True
+    t.start()
+    try:
+        yield
+    finally:
+        t.cancel()
+        t.join()
+        if words[index] == value:
+            words[index] = 0
+
+
 class ErrorRecord(NamedTuple):
     """An error a kernel recorded: ``kind`` (``flags.E_*``), the ``peer`` it concerns, the ``stage``
     (``flags.STAGE_*``; for ``E_GONE`` the peer's stage) and the round ``call`` it happened in."""
@@ -112,18 +133,8 @@ class Signals:
 
     @contextlib.contextmanager
     def _watch(self):
-        def abort():
-            self._host_np[int(F.H_ABORT)] = 1
-
-        t = threading.Timer(self.timeout_s, abort)
-        t.daemon = True
-        t.start()
-        try:
+        with watchdog(self._host_np, int(F.H_ABORT), self.timeout_s):
             yield
-        finally:
-            t.cancel()
-            t.join()
-            self._host_np[int(F.H_ABORT)] = 0
 
     # ---- errors
     def record(self) -> Optional[ErrorRecord]:
@@ -218,3 +229,72 @@ class Signals:
         self._host_np[:] = 0
         self.needs_resync = False
         self._reported = False
+
+
+class RingFlags:
+    """Host side of a scheduler ring's control block: chunk counters per peer (the layout and the device
+    side are ``flags.RING_*``), the abort word, and the error record ring kernels write.
+
+    Args:
+        words: int64 numpy array ``[flags.ring_ctrl_words(R, S)]`` over the control block (registered host
+            memory, pinned and device-mapped on GPU); the host reads and writes it without any device
+            synchronisation (aligned 8-byte stores and loads are single accesses).
+        rank, size: this rank and the group size ``R``; slots: ``S``, slots per peer.
+    """
+
+    READY, SENT, TAIL, HEAD = int(F.RING_READY), int(F.RING_SENT), int(F.RING_TAIL), int(F.RING_HEAD)
+    CREDIT, FAULT, SRC = int(F.RING_CREDIT), int(F.RING_FAULT), int(F.RING_SRC)
+
+    def __init__(self, words, rank: int, size: int, slots: int) -> None:
+        self.w, self.rank, self.size, self.slots = words, rank, size, slots
+
+    def index(self, array: int, peer: int) -> int:
+        """Word index of ``array[peer]``."""
+        return F.ring_word(array, self.size, peer)
+
+    def get(self, array: int, peer: int) -> int:
+        """``array[peer]`` (a chunk count, or a fault word)."""
+        return int(self.w[F.ring_word(array, self.size, peer)])
+
+    def put(self, array: int, peer: int, value: int) -> None:
+        """Store ``array[peer] = value`` (x86 and CUDA host stores are not reordered with earlier ones)."""
+        self.w[F.ring_word(array, self.size, peer)] = value
+
+    def set_len(self, peer: int, seq: int, nbytes: int) -> None:
+        """Bytes of chunk ``seq`` for ``peer`` (written before ``READY`` moves past it)."""
+        self.w[F.ring_word(F.RING_LEN, self.size, 0) + peer * self.slots + seq % self.slots] = nbytes
+
+    def length(self, peer: int, seq: int) -> int:
+        """Bytes of chunk ``seq`` for ``peer``, as its producer wrote them."""
+        return int(self.w[F.ring_word(F.RING_LEN, self.size, 0) + peer * self.slots + seq % self.slots])
+
+    def abort(self, value: int = 2) -> None:
+        """Make every ring wait give up (kernels' and the host's): 1 means a timeout, 2 a failed proxy."""
+        if self.w[int(F.RING_ABORT)] == 0:
+            self.w[int(F.RING_ABORT)] = value
+
+    @property
+    def aborted(self) -> int:
+        """The abort word (0: none)."""
+        return int(self.w[int(F.RING_ABORT)])
+
+    def record(self) -> Optional[ErrorRecord]:
+        """The error record a ring kernel wrote (``call`` holds the chunk number), or ``None``."""
+        kind = int(self.w[int(F.RING_ERR_KIND)])
+        if not kind:
+            return None
+        return ErrorRecord(kind, int(self.w[int(F.RING_ERR_PEER)]) - 1, int(self.w[int(F.RING_ERR_STAGE)]),
+                           int(self.w[int(F.RING_ERR_SEQ)]))
+
+    def error(self, timeout_s: float) -> Optional[BaseException]:
+        """The exception a kernel's record stands for: ``EPTimeoutError`` (the stage names the chunk), or
+        ``EPRemoteError`` when the wait ended because the proxy failed (its own error says why)."""
+        rec = self.record()
+        if rec is None:
+            return None
+        stage = {int(F.STAGE_RING_PRODUCE): "rdma ring/producer: free send slot",
+                 int(F.STAGE_RING_CONSUME): "rdma ring/consumer: tail"}.get(rec.stage, "rdma ring")
+        if rec.kind == int(F.E_TIMEOUT):
+            return EPTimeoutError(self.rank, rec.peer, f"{stage} (chunk {rec.call})", timeout_s)
+        return EPRemoteError(f"rank {self.rank}: a kernel's wait for peer {rec.peer} at '{stage}' (chunk "
+                             f"{rec.call}) ended because the RDMA proxy failed")

@@ -634,6 +634,11 @@ class VerbsTransport(Transport):
             if self.auto_replenish:
                 self.post_recv(peer, ent.qp, self.rq_depth)
 
+    def placement(self, peer: int) -> List[topology.QPPlanEntry]:
+        """Each QP's port, flow label and UDP source port towards ``peer``, as :meth:`connect` set them."""
+        return [topology.QPPlanEntry(i, q.port, q.flow_label, q.udp_sport)
+                for i in range(self.num_qps_per_peer) for q in [self.qps[(peer, i)]]]
+
     def register(self, nbytes_or_tensor: Any, *, remote_write: bool = True, remote_atomic: bool = True) -> Region:
         """Register memory with every opened device; see :meth:`rdma.Transport.register`.
 

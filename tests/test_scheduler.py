@@ -1,0 +1,207 @@
+"""The RDMA scheduler (triton_ep/scheduler.py) on the emulated fabric, ranks as emulated hosts in this
+process (one thread each): byte-exact all-to-all through rings much smaller than the transfer, chunks
+intact and in order per channel while the fabric reorders across QPs (and a planted variant that posts
+the signal on another QP fails that check), and faults: a QP in the error state, an error completion, a
+peer that stops consuming or producing; every rank raises an error naming peer, channel, QP and stage."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from triton_ep.errors import EPTimeoutError
+from triton_ep.scheduler import ProxyError, ProxyRemoteError, Scheduler, host_alltoall
+from triton_ep.transport.rdma import WRITE_WITH_IMM, Op
+from triton_ep.transport.signals import RingFlags
+
+from sched_helpers import Group, fabric, in_threads, payload
+
+
+def alltoall_checked(g: Group, sizes: dict, salt: int = 0) -> None:
+    """One all-to-all of ``sizes[(src, dst)]`` bytes on every rank of ``g``; asserts every byte."""
+    world = len(g.scheds)
+    for s in g.scheds:                              # unwritten bytes must show
+        s.mem[s.layout.ctrl_bytes:] = 0xA5
+
+    def rank(r):
+        peers = [p for p in range(world) if p != r]
+        return host_alltoall(g.scheds[r], {p: payload(r, p, sizes[(r, p)], salt) for p in peers},
+                             {p: sizes[(p, r)] for p in peers})
+
+    res = in_threads(rank, world)
+    for r, got in enumerate(res):
+        if isinstance(got, BaseException):
+            raise got
+        for p, data in got.items():
+            assert data.shape == (sizes[(p, r)],)
+            assert np.array_equal(data, payload(p, r, sizes[(p, r)], salt)), f"rank {r}: bytes from {p} differ"
+
+
+def test_alltoall_random_sizes_byte_exact_three_hosts():
+    """Sizes 0, smaller than a chunk, not dividing it, and 40x the ring; two calls (counters go on)."""
+    rng = np.random.default_rng(7)
+    world, slot = 3, 1024
+    with Group(fabric(world, reorder_seed=3), world, qps=4, slots=2, slot_bytes=slot, proxies=2) as g:
+        for call in range(2):
+            sizes = {(a, b): int(rng.choice([0, 1, 100, slot, 3 * slot + 17, 40 * 2 * slot + 5]))
+                     for a in range(world) for b in range(world) if a != b}
+            sizes[(0, 1)], sizes[(0, 2)] = 0, 40 * 2 * slot + 5
+            alltoall_checked(g, sizes, salt=call)
+        st0 = g.scheds[0].stats()
+        used = [q for q in st0["qps"].values() if q["bytes"]]
+        assert len({q["port"] for q in used}) == 2, st0     # both ports of the dual-port NIC carry chunks
+
+
+class Probe:
+    """What the receiving proxies saw at each signal: the slot's bytes then, and the order per QP."""
+
+    def __init__(self, sizes, slot, salt):
+        self.sizes, self.slot, self.salt, self.bad, self.order = sizes, slot, salt, [], {}
+
+    def hook(self, g_ref, r):
+        def on_signal(peer, qp, seq):
+            s = g_ref[0].scheds[r]
+            n = min(self.slot, self.sizes[(peer, r)] - seq * self.slot)
+            want = payload(peer, r, self.sizes[(peer, r)], self.salt)[seq * self.slot:seq * self.slot + n]
+            if not np.array_equal(s.recv_view(peer, seq)[:n], want):
+                self.bad.append((peer, r, qp, seq))
+            self.order.setdefault((peer, r, qp), []).append(seq)
+        return on_signal
+
+
+def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1):
+    """All-to-all with a probe at every signal; asserts each chunk intact when its signal arrives, chunks
+    in order on every QP (channel), and every byte at the end."""
+    probe = Probe(sizes, slot, seed)
+    g_ref = [None]
+
+    class Probed(cls):
+        def __init__(self, t, **kw):
+            super().__init__(t, on_signal=probe.hook(g_ref, t.rank), **kw)
+
+    with Group(fabric(world, reorder_seed=seed, reorder_max_s=0.006), world, qps=qps, cls=Probed, slots=slots,
+               slot_bytes=slot, proxies=proxies, timeout_s=20.0) as g:
+        g_ref[0] = g
+        alltoall_checked(g, sizes, salt=seed)
+    assert not probe.bad, f"chunks not intact when their signal arrived (src, dst, qp, seq): {probe.bad[:5]}"
+    for key, seqs in probe.order.items():
+        assert seqs == sorted(seqs), f"chunks out of order on one QP {key}: {seqs}"
+
+
+@settings(max_examples=6)
+@given(world=st.integers(2, 3), qps=st.integers(2, 4), slots=st.integers(1, 4),
+       slot=st.sampled_from([64, 256, 1024]), seed=st.integers(0, 1000), proxies=st.integers(1, 2),
+       data=st.data())
+def test_property_chunks_intact_and_in_order_per_channel(world, qps, slots, slot, seed, proxies, data):
+    sizes = {(a, b): data.draw(st.integers(0, 6 * slot), label=f"bytes {a}->{b}")
+             for a in range(world) for b in range(world) if a != b}
+    run_probe(Scheduler, world, qps, slots, slot, sizes, seed, proxies)
+
+
+class SignalOnAnotherQP(Scheduler):
+    """Planted bug: each chunk's signal goes on the next QP, not the one that carried its data."""
+
+    def _chunk_ops(self, peer, qp, seq, nbytes, signaled):
+        ops = super()._chunk_ops(peer, qp, seq, nbytes, signaled)
+        return [((q + 1) % self.t.num_qps_per_peer if op.kind == WRITE_WITH_IMM else q, op) for q, op in ops]
+
+
+def test_planted_signal_on_another_qp_fails_the_property():
+    sizes = {(0, 1): 60 * 4096, (1, 0): 60 * 4096}
+    run_probe(Scheduler, 2, 4, 8, 4096, sizes, seed=5)            # the real one passes this case
+    with pytest.raises(AssertionError, match="not intact|differ|out of order"):
+        run_probe(SignalOnAnotherQP, 2, 4, 8, 4096, sizes, seed=5)
+
+
+# ------------------------------------------------------------------------------------------ faults
+def both_fail(g, sizes, bound_s, back=None):
+    """Run an all-to-all (``sizes`` bytes 0 -> 1, ``back`` bytes 1 -> 0, default the same) expected to fail
+    on every rank; returns the two exceptions, checking the bound."""
+    n = {0: sizes, 1: sizes if back is None else back}
+    t0 = time.monotonic()
+    res = in_threads(lambda r: host_alltoall(g.scheds[r], {1 - r: payload(r, 1 - r, n[r])}, {1 - r: n[1 - r]}), 2)
+    assert time.monotonic() - t0 < bound_s
+    assert all(isinstance(x, BaseException) for x in res), res
+    return res
+
+
+def assert_names(ex, rank, peer, channel, qp, stage):
+    assert isinstance(ex, ProxyError), repr(ex)
+    assert (ex.rank, ex.peer, ex.channel, ex.qp) == (rank, peer, channel, qp), str(ex)
+    assert stage in ex.stage and stage in str(ex) and f"peer {peer}" in str(ex)
+
+
+def test_fault_qp_in_error_state():
+    with Group(fabric(2), 2, qps=2, slots=2, slot_bytes=1024, timeout_s=3.0) as g:
+        q = g.ts[0].qps[(1, 1)].qp
+        attr = g.ts[0].api.QPAttr(qp_state=g.ts[0].e.IBV_QPS_ERR)
+        q.modify(attr, 0)                                   # rank 0's QP 1 towards rank 1 is in ERR
+        e0, e1 = both_fail(g, 8 * 1024, 8.0, back=0)      # rank 1 posts only credits (on QP 0)
+    assert_names(e0, 0, 1, 1, 1, "send completion")
+    assert "IBV_WC_WR_FLUSH_ERR" in str(e0)
+    assert isinstance(e1, ProxyRemoteError)
+    assert_names(e1, 1, 0, 1, 1, "send completion")
+
+
+class BadAddressOnce(Scheduler):
+    """Planted fault: chunk 3 to rank 1 targets an address past the peer's region (remote access error)."""
+
+    def _chunk_ops(self, peer, qp, seq, nbytes, signaled):
+        ops = super()._chunk_ops(peer, qp, seq, nbytes, signaled)
+        if seq == 3 and self.rank == 0:
+            ops[0][1].remote_offset += self.layout.nbytes
+        return ops
+
+
+def test_fault_error_completion():
+    with Group(fabric(2), 2, qps=2, cls=BadAddressOnce, slots=2, slot_bytes=1024, timeout_s=3.0) as g:
+        e0, e1 = both_fail(g, 8 * 1024, 8.0)
+    assert isinstance(e0, ProxyError) and e0.stage.endswith("send completion"), e0
+    assert "IBV_WC_REM_ACCESS_ERR" in str(e0) and e0.peer == 1 and e0.qp in (0, 1) and e0.channel == e0.qp
+    assert isinstance(e1, ProxyError) and e1.peer == 0 and e1.qp in (0, 1) and "completion" in e1.stage, e1
+
+
+def test_fault_peer_stops_consuming():
+    """Rank 1 takes part but never consumes: rank 0's proxy runs out of credit and says so; rank 1 hears."""
+    with Group(fabric(2), 2, qps=2, slots=2, slot_bytes=1024, timeout_s=1.5) as g:
+        t0 = time.monotonic()
+        with pytest.raises(ProxyError) as ei:
+            host_alltoall(g.scheds[0], {1: payload(0, 1, 10 * 1024)}, {1: 0})
+        assert time.monotonic() - t0 < 5.0
+        assert_names(ei.value, 0, 1, None, None, "credits (the peer stopped consuming)")
+        with pytest.raises(ProxyRemoteError) as e1:
+            g.scheds[1].wait_counter(RingFlags.TAIL, 0, 10**6, "test wait")
+        assert e1.value.peer == 0 and "stopped consuming" in str(e1.value)
+        assert g.scheds[1].flags.aborted == 2                # kernels' ring waits end too
+
+
+def test_fault_peer_stops_producing():
+    """Rank 1 never produces: rank 0's consumer times out naming it, and rank 1 is told."""
+    with Group(fabric(2), 2, qps=2, slots=2, slot_bytes=1024, timeout_s=1.5) as g:
+        t0 = time.monotonic()
+        with pytest.raises(EPTimeoutError) as ei:
+            host_alltoall(g.scheds[0], {}, {1: 4096})
+        assert time.monotonic() - t0 < 5.0
+        assert ei.value.rank == 0 and ei.value.peer == 1 and "consumer: tail" in ei.value.stage
+        with pytest.raises(ProxyRemoteError, match="consumer: tail"):
+            g.scheds[1].wait_counter(RingFlags.TAIL, 0, 1, "test wait")
+
+
+def test_over_the_null_transport_with_payload():
+    """The engine over another Transport (no verbs at all): the scheduler needs only the interface."""
+    from triton_ep.transport.null import NullTransport, NullWire
+    wire = NullWire()
+    ts = [NullTransport(r, 2, wire, num_qps_per_peer=3, timeout_s=5.0, move_payload=True) for r in range(2)]
+    scheds = [Scheduler(t, slots=2, slot_bytes=256) for t in ts]
+    try:
+        for s in scheds:
+            s.start([x.remote_region() for x in scheds])
+        res = in_threads(lambda r: host_alltoall(scheds[r], {1 - r: payload(r, 1 - r, 5000 + r)}, {1 - r: 5001 - r}), 2)
+        assert np.array_equal(res[0][1], payload(1, 0, 5001)) and np.array_equal(res[1][0], payload(0, 1, 5000))
+        assert scheds[0].busy_s > 0 and len({q["bytes"] > 0 for q in scheds[0].stats()["qps"].values()}) == 1
+    finally:
+        for s in scheds:
+            s.close()

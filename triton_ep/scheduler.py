@@ -1,0 +1,686 @@
+"""The RDMA scheduler: a per-rank proxy that moves chunks between hosts over multi-channel, multi-QP RDMA.
+
+Each rank has one registered region (:class:`RingLayout`): a control block of int64 chunk counters
+(``flags.RING_*``; host side :class:`~triton_ep.transport.signals.RingFlags`), a send ring and a receive
+ring of ``slots`` slots of ``slot_bytes`` per peer.  Chunk ``k`` for peer ``p`` lives in send slot
+``k % slots`` here and lands in receive slot ``k % slots`` (of this rank's ring) at ``p``.
+
+- A **producer** (a Triton kernel, or host code) waits until ``SENT[p] > k - slots`` (the slot's earlier
+  chunk is placed at the peer), writes chunk ``k`` and its length (``LEN``), then releases
+  ``READY[p] = k + 1``.
+- The **proxy** (one or more threads, each owning some channels) polls ``READY``.  A chunk may go once the
+  peer has room for it (``k - CREDIT[p] < slots``).  It picks the QP with the least outstanding bytes on
+  its port, then on the QP itself, among its channels' QPs to ``p`` (the transport placed them over ports
+  and ECMP paths by the topology plan), and posts the chunk's RDMA WRITEs and then its signal, a
+  zero-length WRITE_WITH_IMM carrying ``k`` in the immediate, **on the same QP**: RC ordering places the
+  data before the receive completion of the signal, with no fence.  A QP's chunks are posted as one chain
+  per sweep; only every ``signal_every``-th signal, and the last of a chain, is signalled; a completion
+  retires every earlier chunk of that QP.  Retired chunks advance ``SENT``.
+- The receiving proxy turns receive completions (WRITE_WITH_IMM) into ``TAIL[p]``, the count of chunks
+  arrived in order (chunks on different QPs may arrive out of order; the tail waits for the gap), which a
+  consumer (kernel or host) acquires.  A consumer frees slots by releasing ``HEAD[p]``; the proxy writes
+  the head into the peer's ``CREDIT`` word lazily (when half a ring is freed, or the consumer caught up),
+  always on QP 0 of that peer so credits land in order.
+
+Every wait is bounded by ``timeout_s``.  A proxy that fails (a QP in the error state, an error completion,
+a chunk not completed within the bound, a peer that stops consuming) records a :class:`ProxyError` naming
+rank, peer, channel, QP and stage, sets the abort word (kernels' waits end), and writes a fault word into
+every peer's ``FAULT`` slot over RDMA, so the peers raise :class:`ProxyRemoteError` at once.  A peer that
+stops producing is seen by the consumers' waits (:class:`~triton_ep.errors.EPTimeoutError`).
+
+The scheduler talks only to :class:`triton_ep.transport.rdma.Transport`: the pyverbs backend and the
+emulated fabric are interchangeable.  Verbs names: QP (queue pair), CQ (completion queue), MR (memory
+region), PD (protection domain), rkey (the remote key in :class:`~triton_ep.transport.rdma.RemoteRegion`).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from triton_ep.errors import EPError, EPRemoteError, EPTimeoutError
+from triton_ep.kernels import flags as F
+from triton_ep.transport.rdma import WRITE, WRITE_WITH_IMM, Completion, Op, RemoteRegion, Transport
+from triton_ep.transport.signals import RingFlags
+
+#: wr_id tag of a chunk's signal (the low bits hold the chunk number)
+TAG_CHUNK = 1 << 60
+_SEQ_MASK = (1 << 48) - 1
+
+#: stages a proxy error names (also carried in fault words)
+STAGE_POST, STAGE_SEND_CQE, STAGE_RECV_CQE, STAGE_CREDIT, STAGE_SEND_WAIT, STAGE_INTERNAL = 1, 2, 3, 4, 5, 6
+STAGE_TAIL, STAGE_SLOT = 7, 8
+STAGE_NAMES = {STAGE_POST: "rdma proxy/post", STAGE_SEND_CQE: "rdma proxy/send completion",
+               STAGE_RECV_CQE: "rdma proxy/receive completion",
+               STAGE_CREDIT: "rdma proxy/credits (the peer stopped consuming)",
+               STAGE_SEND_WAIT: "rdma proxy/completion wait", STAGE_INTERNAL: "rdma proxy",
+               STAGE_TAIL: "rdma ring/consumer: tail", STAGE_SLOT: "rdma ring/producer: free send slot"}
+
+
+def fault_word(stage: int, channel: Optional[int], qp: Optional[int]) -> int:
+    """The 64-bit word a failed proxy writes into each peer's ``FAULT`` slot: bit 62 set, the stage in
+    bits 40..47, channel + 1 in 24..39 and QP + 1 in 8..23 (0: none)."""
+    ch = 0 if channel is None else channel + 1
+    q = 0 if qp is None else qp + 1
+    return (1 << 62) | (stage << 40) | (ch << 24) | (q << 8)
+
+
+def parse_fault(word: int) -> Tuple[int, Optional[int], Optional[int]]:
+    """``(stage, channel, qp)`` of a :func:`fault_word` (channel / QP ``None`` where it named none)."""
+    ch, q = (word >> 24) & 0xFFFF, (word >> 8) & 0xFFFF
+    return (word >> 40) & 0xFF, (ch - 1 if ch else None), (q - 1 if q else None)
+
+
+class ProxyError(EPError):
+    """The RDMA proxy of ``rank`` failed: the peer, channel and QP index (towards that peer) concerned, the
+    stage, and why (a completion status, a verbs error, a bound that passed).  Each may be ``None``."""
+
+    def __init__(self, rank: int, peer: Optional[int], channel: Optional[int], qp: Optional[int], stage: str,
+                 why: str) -> None:
+        self.rank, self.peer, self.channel, self.qp, self.stage, self.why = rank, peer, channel, qp, stage, why
+        where = ", ".join(f"{k} {v}" for k, v in (("peer", peer), ("channel", channel), ("QP", qp)) if v is not None)
+        super().__init__(f"triton-ep scheduler: rank {rank} failed at stage '{stage}' ({where or 'no peer'}): {why}")
+
+
+class ProxyRemoteError(ProxyError, EPRemoteError):
+    """A peer's proxy failed and said so (its fault word); ``peer``/``channel``/``qp``/``stage`` are its."""
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Byte layout of one rank's scheduler region (every rank uses the same one).
+
+    Attributes:
+        world: group size R.  slots: S, slots per peer and direction.  slot_bytes: bytes per slot (the
+            chunk size; a multiple of 64).
+    """
+    world: int
+    slots: int
+    slot_bytes: int
+
+    @property
+    def ctrl_bytes(self) -> int:
+        """Bytes of the control block (int64 words, rounded up to 4 KiB)."""
+        return -(-F.ring_ctrl_words(self.world, self.slots) * 8 // 4096) * 4096
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of one direction's ring (all peers)."""
+        return self.world * self.slots * self.slot_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole region: control block, send ring, receive ring."""
+        return self.ctrl_bytes + 2 * self.ring_bytes
+
+    def send_off(self, peer: int, seq: int) -> int:
+        """Byte offset of the send slot of chunk ``seq`` for ``peer``."""
+        return self.ctrl_bytes + (peer * self.slots + seq % self.slots) * self.slot_bytes
+
+    def recv_off(self, src: int, seq: int) -> int:
+        """Byte offset of the receive slot of chunk ``seq`` from ``src``."""
+        return self.ctrl_bytes + self.ring_bytes + (src * self.slots + seq % self.slots) * self.slot_bytes
+
+    def word_off(self, array: int, peer: int) -> int:
+        """Byte offset of control word ``array[peer]`` (``flags.RING_*``)."""
+        return 8 * F.ring_word(array, self.world, peer)
+
+
+@dataclass
+class _QPState:
+    peer: int
+    qp: int
+    channel: int
+    port: str
+    inflight: Deque[Tuple[int, int, float]] = field(default_factory=collections.deque)  # (seq, bytes, t)
+    out_bytes: int = 0
+    total_bytes: int = 0
+    wrs: int = 0
+    chunks: int = 0
+    unsignaled: int = 0
+
+
+@dataclass
+class _PeerState:
+    next_post: int = 0
+    sent: int = 0
+    sent_set: set = field(default_factory=set)
+    tail: int = 0
+    arrived: set = field(default_factory=set)
+    credit_sent: int = 0
+    stall_since: Optional[float] = None
+
+
+class Scheduler:
+    """One rank's RDMA scheduler: rings, proxy threads, credits, completions.
+
+    Args:
+        transport: a connected :class:`~triton_ep.transport.rdma.Transport` (QPs to every peer in RTS).
+        slots: S, ring slots per peer and direction (bounded rings: a producer waits for a free slot).
+        slot_bytes: bytes per slot = the chunk size (a multiple of 64).
+        wr_bytes: bytes per RDMA WRITE (a chunk is cut into WRITEs of at most this; default: one WRITE).
+        qps_per_channel: QPs each channel owns per peer; channels = ``num_qps_per_peer // qps_per_channel``
+            (channel ``c`` owns QP indices ``c * qps_per_channel ...``).
+        proxies: proxy threads; thread ``t`` owns channels ``c % proxies == t``.  They share one lock (the
+            transport is not thread-safe), so under the GIL more threads add structure, not speed.
+        signal_every: signal one chunk of ``signal_every`` per QP (and the last of each chain).
+        max_chunks_per_qp: chunks in flight per QP (default: a quarter of the send queue, at most 64).
+        timeout_s: bound of every wait, seconds (default: the transport's).
+        memory: host memory to put the region in (a contiguous uint8 CPU tensor or numpy array of at least
+            ``layout.nbytes``: pinned, device-mapped host memory for GPU kernels); default: allocated and
+            registered by the transport.
+        on_signal: ``f(peer, qp, seq)`` called in the proxy thread when chunk ``seq``'s signal arrives, before
+            the tail moves (tests look at the slot at that instant).
+        trace: keep ``(t_ns, kind, peer, channel, qp, seq, bytes)`` events in :attr:`events`.
+    Raises:
+        ValueError: bad sizes.  RdmaError: registration failed.
+    """
+
+    def __init__(self, transport: Transport, *, slots: int = 8, slot_bytes: int = 1 << 20,
+                 wr_bytes: Optional[int] = None, qps_per_channel: int = 1, proxies: int = 1, signal_every: int = 4,
+                 max_chunks_per_qp: Optional[int] = None, timeout_s: Optional[float] = None, memory=None,
+                 on_signal: Optional[Callable[[int, int, int], None]] = None, trace: bool = False) -> None:
+        nq = transport.num_qps_per_peer
+        if slots < 1 or slot_bytes < 64 or slot_bytes % 64:
+            raise ValueError(f"slots must be >= 1 and slot_bytes a positive multiple of 64 (got {slots}, {slot_bytes})")
+        if qps_per_channel < 1 or nq % qps_per_channel:
+            raise ValueError(f"qps_per_channel {qps_per_channel} must divide the transport's {nq} QPs per peer")
+        self.t = transport
+        self.rank, self.world = transport.rank, transport.world_size
+        self.layout = RingLayout(self.world, slots, slot_bytes)
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.wr_bytes = slot_bytes if wr_bytes is None else max(64, wr_bytes)
+        self.qps_per_channel = qps_per_channel
+        self.channels = nq // qps_per_channel
+        self.proxies = max(1, min(proxies, self.channels))
+        self.signal_every = max(1, signal_every)
+        sq = int(getattr(transport, "sq_depth", 256))
+        self.max_chunks_per_qp = max_chunks_per_qp or max(1, min(64, sq // 4))
+        self.timeout_s = float(transport.timeout_s if timeout_s is None else timeout_s)
+        self.on_signal, self.trace = on_signal, trace
+        self.events: List[tuple] = []
+        n = self.layout.nbytes
+        if memory is not None and memory.nbytes < n:
+            raise ValueError(f"memory holds fewer than the {n} bytes the rings need")
+        self.region = transport.register(n if memory is None else memory)
+        self.mem = self.region.view()[:n]
+        self.mem[:] = 0
+        self.flags = RingFlags(self.mem[:self.layout.ctrl_bytes].view(np.int64), self.rank, self.world, slots)
+        self.peers = [p for p in range(self.world) if p != self.rank]
+        self._remote: Dict[int, RemoteRegion] = {}
+        self._peer = {p: _PeerState() for p in self.peers}
+        self._qps: Dict[Tuple[int, int], _QPState] = {}
+        self._ports: Dict[str, List[int]] = collections.defaultdict(lambda: [0, 0])   # [outstanding, total]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+        self.error: Optional[BaseException] = None
+        self._replenish = not getattr(transport, "auto_replenish", False)
+        self._t0 = time.perf_counter_ns()
+        self.wrs_posted = 0
+        #: seconds the proxy threads spent in sweeps that moved something (the proxy's own host cost)
+        self.busy_s = 0.0
+
+    # ---------------------------------------------------------------- set-up
+    def remote_region(self) -> RemoteRegion:
+        """This rank's region as peers need it (address, length, rkeys); exchange it, then :meth:`start`."""
+        return self.region.remote()
+
+    def start(self, remotes: Sequence[RemoteRegion]) -> "Scheduler":
+        """Start the proxy threads, given every rank's :meth:`remote_region` (index = rank)."""
+        self._remote = {p: remotes[p] for p in self.peers}
+        for p in self.peers:
+            for ent in self.t.placement(p):
+                port = f"{ent.port.device}:{ent.port.port}" + (f"/lag{ent.port.lag_port}" if ent.port.lag_port else "")
+                self._qps[(p, ent.qp)] = _QPState(p, ent.qp, ent.qp // self.qps_per_channel, port)
+                if self._replenish:
+                    self.t.post_recv(p, ent.qp, int(getattr(self.t, "rq_depth", 64)))
+        for i in range(self.proxies):
+            own = [q for q in self._qps.values() if q.channel % self.proxies == i]
+            th = threading.Thread(target=self._run, args=(own,), name=f"triton-ep-proxy-{self.rank}.{i}", daemon=True)
+            self._threads.append(th)
+            th.start()
+        return self
+
+    def close(self) -> None:
+        """Stop and join the proxy threads (idempotent).  The transport (QPs, MRs, CQs, PD) is the caller's:
+        close it after this."""
+        self._stop.set()
+        for th in self._threads:
+            th.join(timeout=self.timeout_s + 5.0)
+        self._threads = []
+
+    def __enter__(self) -> "Scheduler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check(self) -> None:
+        """Raise the proxy's error, if it failed (every host wait calls this)."""
+        if self.error is not None:
+            raise self.error
+
+    # ---------------------------------------------------------------- producer / consumer (host side)
+    def send_view(self, peer: int, seq: int) -> np.ndarray:
+        """uint8 view of the send slot of chunk ``seq`` for ``peer`` (``slot_bytes`` long)."""
+        o = self.layout.send_off(peer, seq)
+        return self.mem[o:o + self.slot_bytes]
+
+    def recv_view(self, src: int, seq: int) -> np.ndarray:
+        """uint8 view of the receive slot of chunk ``seq`` from ``src``."""
+        o = self.layout.recv_off(src, seq)
+        return self.mem[o:o + self.slot_bytes]
+
+    def slot_free(self, peer: int, seq: int) -> bool:
+        """Whether chunk ``seq`` for ``peer`` may be written (its slot's previous chunk was placed there)."""
+        return self.flags.get(RingFlags.SENT, peer) > seq - self.slots
+
+    def publish(self, peer: int, seq: int, nbytes: int) -> None:
+        """Chunk ``seq`` (``nbytes``, 1..slot_bytes) for ``peer`` is written: set its length, then ``READY``."""
+        self.flags.set_len(peer, seq, nbytes)
+        self.flags.put(RingFlags.READY, peer, seq + 1)
+        if self.trace:
+            self._event("produce", peer, None, None, seq, nbytes)
+
+    def arrived(self, src: int) -> int:
+        """``TAIL[src]``: chunks from ``src`` that arrived, in order."""
+        return self.flags.get(RingFlags.TAIL, src)
+
+    def consume(self, src: int, upto: int) -> None:
+        """Chunks from ``src`` below ``upto`` are consumed: release ``HEAD[src]`` (their slots are free)."""
+        self.flags.put(RingFlags.HEAD, src, upto)
+
+    def wait_counter(self, array: int, peer: int, want: int, stage: str) -> None:
+        """Wait until control word ``array[peer] >= want`` (host side), bounded by ``timeout_s``.
+
+        Raises: the proxy's error; ``EPTimeoutError(rank, peer, stage)`` after the bound.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while self.flags.get(array, peer) < want:
+            self.check()
+            if time.monotonic() > deadline:
+                ex = EPTimeoutError(self.rank, peer, stage, self.timeout_s)
+                self.fail(ex)
+                raise ex
+            spins += 1
+            time.sleep(0 if spins < 50 else 0.0002)
+
+    def stats(self) -> dict:
+        """Bytes, WRs and chunks per QP (``"peer/qp"`` keys, with channel and port) and bytes per port."""
+        with self._lock:
+            qps = {f"{q.peer}/{q.qp}": dict(channel=q.channel, port=q.port, bytes=q.total_bytes, wrs=q.wrs,
+                                            chunks=q.chunks) for q in self._qps.values()}
+            ports = {k: v[1] for k, v in self._ports.items()}
+        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted}
+
+    # ---------------------------------------------------------------- the proxy
+    def _event(self, kind: str, peer, channel, qp, seq, nbytes) -> None:
+        self.events.append((time.perf_counter_ns() - self._t0, kind, peer, channel, qp, seq, nbytes))
+
+    def _run(self, own: List[_QPState]) -> None:
+        idle = 0
+        try:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                with self._lock:
+                    did = self._sweep(own)
+                if did:
+                    self.busy_s += time.perf_counter() - t0
+                    idle = 0
+                else:
+                    idle += 1
+                    time.sleep(0 if idle < 20 else 0.00005)
+        except BaseException as ex:   # noqa: BLE001  (recorded, raised by check() in the caller's thread)
+            self.fail(ex)
+
+    def fail(self, ex: BaseException) -> None:
+        """Record ``ex`` as this scheduler's error (the first one wins), end every ring wait (the abort
+        word), stop the proxy threads and tell every peer through its ``FAULT`` word, so they raise
+        :class:`ProxyRemoteError` instead of waiting out their bound.  Host waits that time out call this;
+        so does a failing proxy thread."""
+        stage = getattr(ex, "stage", STAGE_NAMES[STAGE_INTERNAL])
+        code = next((k for k, v in STAGE_NAMES.items() if stage.startswith(v)), STAGE_INTERNAL)
+        if not isinstance(ex, EPError):
+            ex = ProxyError(self.rank, getattr(ex, "peer", None), None, None, STAGE_NAMES[STAGE_INTERNAL],
+                            f"{type(ex).__name__}: {ex}")
+        with self._lock:
+            first = self.error is None
+            if first:
+                self.error = ex
+        self.flags.abort(2)
+        self._stop.set()
+        if not first or isinstance(ex, ProxyRemoteError):
+            return
+        self.flags.put(RingFlags.SRC, self.rank, fault_word(code, getattr(ex, "channel", None), getattr(ex, "qp", None)))
+        lay = self.layout
+        with self._lock:
+            for p in self.peers:                # every QP: the one that failed may be any of them
+                for q in range(self.t.num_qps_per_peer):
+                    try:
+                        self.t.post(p, q, [Op(WRITE, self.region, lay.word_off(RingFlags.SRC, self.rank), 8,
+                                              self._remote[p], lay.word_off(RingFlags.FAULT, self.rank))])
+                    except Exception:   # noqa: BLE001  (best effort: a broken QP cannot carry it)
+                        pass
+
+    def _sweep(self, own: List[_QPState]) -> bool:
+        """One pass of a proxy thread: completions, faults, posts, credits, bounds.  Returns whether
+        anything moved.  Raises ProxyError."""
+        did = False
+        try:
+            comps = self.t.poll(raise_on_error=False)
+        except Exception as ex:   # noqa: BLE001
+            raise ProxyError(self.rank, None, None, None, STAGE_NAMES[STAGE_SEND_CQE], f"poll failed: {ex}") from ex
+        for c in comps:
+            did = True
+            self._on_completion(c)
+        for p in self.peers:
+            w = self.flags.get(RingFlags.FAULT, p)
+            if w:
+                st, ch, q = parse_fault(w)
+                raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
+                                       f"rank {p}'s proxy failed there and told its peers")
+        now = time.monotonic()
+        batches: Dict[Tuple[int, int], List[Op]] = {}
+        for p in self.peers:
+            did |= self._gather(p, own, batches, now)
+        for (p, qp), ops in batches.items():
+            try:
+                self.t.post(p, qp, ops)
+            except Exception as ex:   # noqa: BLE001
+                raise ProxyError(self.rank, p, qp // self.qps_per_channel, qp, STAGE_NAMES[STAGE_POST],
+                                 f"{type(ex).__name__}: {ex}") from ex
+            self.wrs_posted += len(ops)
+        for p in self.peers:
+            did |= self._credit(p)
+        for q in own:
+            if q.inflight and now - q.inflight[0][2] > self.timeout_s:
+                raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
+                                 f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
+        return did
+
+    def _choose(self, own: List[_QPState], peer: int) -> Optional[_QPState]:
+        """The QP for the next chunk to ``peer``: least outstanding bytes on its port, then on the QP, then
+        least bytes so far (so equal loads deal round-robin); ``None`` when every QP has a full window."""
+        best, key = None, None
+        for q in own:
+            if q.peer != peer or len(q.inflight) >= self.max_chunks_per_qp:
+                continue
+            port = self._ports[q.port]
+            k = (port[0], q.out_bytes, port[1], q.total_bytes, q.qp)
+            if key is None or k < key:
+                best, key = q, k
+        return best
+
+    def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], List[Op]], now: float) -> bool:
+        """Move ready, credited chunks for peer ``p`` into per-QP chains (accounted as posted)."""
+        st = self._peer[p]
+        ready = self.flags.get(RingFlags.READY, p)
+        if st.next_post >= ready:
+            st.stall_since = None
+            return False
+        credit = self.flags.get(RingFlags.CREDIT, p)
+        chains: Dict[int, List[int]] = {}
+        while st.next_post < ready and st.next_post - credit < self.slots:
+            q = self._choose(own, p)
+            if q is None:
+                break
+            seq = st.next_post
+            n = self.flags.length(p, seq)
+            if not 0 < n <= self.slot_bytes:
+                raise ProxyError(self.rank, p, q.channel, q.qp, STAGE_NAMES[STAGE_POST],
+                                 f"chunk {seq} has length {n} (expected 1..{self.slot_bytes})")
+            chains.setdefault(q.qp, []).append(seq)
+            q.out_bytes += n
+            q.total_bytes += n
+            q.chunks += 1
+            port = self._ports[q.port]
+            port[0] += n
+            port[1] += n
+            st.next_post += 1
+            q.inflight.append((seq, n, now))   # placeholder; fixed below to the signal's QP
+        blocked = st.next_post < ready and st.next_post - credit >= self.slots
+        if blocked:
+            st.stall_since = st.stall_since or now
+            if now - st.stall_since > self.timeout_s:
+                raise ProxyError(self.rank, p, None, None, STAGE_NAMES[STAGE_CREDIT],
+                                 f"chunk {st.next_post} has had no room at the peer for {self.timeout_s:g} s "
+                                 f"(it consumed {credit} chunks)")
+        else:
+            st.stall_since = None
+        for qp, seqs in chains.items():
+            q = self._qps[(p, qp)]
+            for i, seq in enumerate(seqs):
+                q.unsignaled += 1
+                sig = q.unsignaled >= self.signal_every or i == len(seqs) - 1
+                if sig:
+                    q.unsignaled = 0
+                for tqp, op in self._chunk_ops(p, qp, seq, self.flags.length(p, seq), sig):
+                    batches.setdefault((p, tqp), []).append(op)
+                    q.wrs += 1
+                    if op.kind == WRITE_WITH_IMM and tqp != qp:   # the signal went elsewhere: retire it there
+                        ent = next(e for e in q.inflight if e[0] == seq)
+                        q.inflight.remove(ent)
+                        other = self._qps[(p, tqp)].inflight
+                        other.append(ent)
+                        other = sorted(other)
+                        self._qps[(p, tqp)].inflight = collections.deque(other)
+                if self.trace:
+                    self._event("post", p, q.channel, qp, seq, self.flags.length(p, seq))
+        return bool(chains)
+
+    def _chunk_ops(self, peer: int, qp: int, seq: int, nbytes: int, signaled: bool) -> List[Tuple[int, Op]]:
+        """The work requests of one chunk, as ``(QP index, Op)``: its WRITEs, then its signal (a zero-length
+        WRITE_WITH_IMM with the chunk number as immediate), all on QP ``qp``."""
+        lay, rem = self.layout, self._remote[peer]
+        src, dst = lay.send_off(peer, seq), lay.recv_off(self.rank, seq)
+        ops = [(qp, Op(WRITE, self.region, src + o, min(self.wr_bytes, nbytes - o), rem, dst + o))
+               for o in range(0, nbytes, self.wr_bytes)]
+        ops.append((qp, Op(WRITE_WITH_IMM, self.region, src, 0, rem, dst, imm=seq & 0xFFFFFFFF, signaled=signaled,
+                           wr_id=TAG_CHUNK | (seq & _SEQ_MASK))))
+        return ops
+
+    def _on_completion(self, c: Completion) -> None:
+        if c.peer is None:          # not one of our QPs' (cannot happen with one transport per scheduler)
+            return
+        ch = None if c.qp is None else c.qp // self.qps_per_channel
+        if not c.ok:
+            stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
+            raise ProxyError(self.rank, c.peer, ch, c.qp, STAGE_NAMES[stage],
+                             f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})")
+        if c.opcode == "recv_imm":
+            st = self._peer[c.peer]
+            seq = st.tail + ((c.imm - st.tail) & 0xFFFFFFFF)
+            if self.on_signal is not None:
+                self.on_signal(c.peer, c.qp, seq)
+            if self.trace:
+                self._event("arrive", c.peer, ch, c.qp, seq, 0)
+            st.arrived.add(seq)
+            while st.tail in st.arrived:
+                st.arrived.discard(st.tail)
+                st.tail += 1
+            self.flags.put(RingFlags.TAIL, c.peer, st.tail)
+            if self._replenish:
+                self.t.post_recv(c.peer, c.qp, 1)
+        elif c.wr_id & TAG_CHUNK:
+            self._retire(self._qps[(c.peer, c.qp)], c.wr_id & _SEQ_MASK)
+
+    def _retire(self, q: _QPState, seq: int) -> None:
+        """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""
+        st = self._peer[q.peer]
+        port = self._ports[q.port]
+        while q.inflight and q.inflight[0][0] <= seq:
+            s, n, _ = q.inflight.popleft()
+            q.out_bytes -= n
+            port[0] -= n
+            st.sent_set.add(s)
+        while st.sent in st.sent_set:
+            st.sent_set.discard(st.sent)
+            st.sent += 1
+        self.flags.put(RingFlags.SENT, q.peer, st.sent)
+
+    def _credit(self, p: int) -> bool:
+        """Send ``HEAD[p]`` to ``p``'s ``CREDIT[me]`` when half a ring was freed or the consumer caught up."""
+        st = self._peer[p]
+        head = self.flags.get(RingFlags.HEAD, p)
+        if head <= st.credit_sent or (head - st.credit_sent < max(1, self.slots // 2) and head < st.tail):
+            return False
+        lay = self.layout
+        self.flags.put(RingFlags.SRC, p, head)
+        try:
+            self.t.post(p, 0, [Op(WRITE, self.region, lay.word_off(RingFlags.SRC, p), 8, self._remote[p],
+                                  lay.word_off(RingFlags.CREDIT, self.rank))])
+        except Exception as ex:   # noqa: BLE001
+            raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST], f"credit write: {type(ex).__name__}: {ex}") from ex
+        self.wrs_posted += 1
+        st.credit_sent = head
+        return True
+
+
+def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes: Mapping[int, int],
+                  first_tx: Optional[Mapping[int, int]] = None,
+                  first_rx: Optional[Mapping[int, int]] = None) -> Dict[int, np.ndarray]:
+    """Host producer and consumer of one all-to-all through ``sched``: ``sends[p]`` (uint8 bytes) goes to
+    peer ``p``; ``recv_sizes[p]`` bytes come from each peer.  Chunks are numbered from ``first_tx[p]`` /
+    ``first_rx[p]`` (default: where the previous call of this function left off; every rank must call it
+    the same number of times).
+
+    Returns (once every chunk it wrote is placed at its peer): peer -> received uint8 array.  Raises: the proxy's error; ``EPTimeoutError`` naming the peer and
+    the stage when nothing moves for ``timeout_s``.
+    """
+    S, C = sched.slots, sched.slot_bytes
+    pos = getattr(sched, "_host_pos", None) or ({p: 0 for p in sched.peers}, {p: 0 for p in sched.peers})
+    tx0 = dict(first_tx or pos[0])
+    rx0 = dict(first_rx or pos[1])
+    ntx = {p: -(-len(sends.get(p, b"")) // C) for p in sched.peers}
+    nrx = {p: -(-int(recv_sizes.get(p, 0)) // C) for p in sched.peers}
+    done_tx = {p: 0 for p in sched.peers}
+    done_rx = {p: 0 for p in sched.peers}
+    out = {p: np.empty(int(recv_sizes.get(p, 0)), np.uint8) for p in sched.peers}
+    last = time.monotonic()
+    idle = 0
+    def pending(p):   # chunks to write or read, or written chunks not yet placed at the peer
+        return done_tx[p] < ntx[p] or done_rx[p] < nrx[p] or sched.flags.get(RingFlags.SENT, p) < tx0[p] + ntx[p]
+
+    while any(pending(p) for p in sched.peers):
+        sched.check()
+        moved = False
+        for p in sched.peers:
+            while done_tx[p] < ntx[p] and sched.slot_free(p, tx0[p] + done_tx[p]):
+                k = done_tx[p]
+                piece = sends[p][k * C:(k + 1) * C]
+                sched.send_view(p, tx0[p] + k)[:len(piece)] = piece
+                sched.publish(p, tx0[p] + k, len(piece))
+                done_tx[p] += 1
+                moved = True
+            tail = sched.arrived(p) - rx0[p]
+            while done_rx[p] < min(nrx[p], tail):
+                k = done_rx[p]
+                n = min(C, len(out[p]) - k * C)
+                out[p][k * C:k * C + n] = sched.recv_view(p, rx0[p] + k)[:n]
+                done_rx[p] += 1
+                sched.consume(p, rx0[p] + done_rx[p])
+                moved = True
+        now = time.monotonic()
+        if moved:
+            last, idle = now, 0
+            continue
+        waiting_rx = [p for p in sched.peers if done_rx[p] < nrx[p]]
+        # a free send slot depends on the proxy, whose own bounds (credits, completions) name the cause
+        # first; this host bound is the backstop of a proxy that stopped altogether
+        if now - last > (sched.timeout_s if waiting_rx else 2 * sched.timeout_s + 1.0):
+            p = waiting_rx[0] if waiting_rx else next(p for p in sched.peers if pending(p))
+            stage = STAGE_NAMES[STAGE_TAIL if waiting_rx else STAGE_SLOT]
+            ex = EPTimeoutError(sched.rank, p, stage, sched.timeout_s)
+            sched.fail(ex)
+            raise ex
+        idle += 1
+        time.sleep(0 if idle < 50 else 0.0002)
+    sched._host_pos = ({p: tx0[p] + ntx[p] for p in sched.peers}, {p: rx0[p] + nrx[p] for p in sched.peers})
+    return out
+
+
+def bootstrap(transport: Transport, sched_kwargs: Optional[dict] = None, group=None) -> Scheduler:
+    """Connect ``transport`` to every peer and start a :class:`Scheduler` on it, exchanging QP infos and
+    regions over ``torch.distributed`` (``group``: default group).  Returns the started scheduler."""
+    from triton_ep.transport.rdma import exchange_info, exchange_regions
+    peers = [p for p in range(transport.world_size) if p != transport.rank]
+    remote = exchange_info({p: transport.local_info(p) for p in peers}, group)
+    for p in peers:
+        transport.connect(p, remote[p])
+    sched = Scheduler(transport, **(sched_kwargs or {}))
+    return sched.start(exchange_regions(sched.remote_region(), group))
+
+
+def main(argv=None) -> None:
+    """``python -m triton_ep.scheduler``: a checked all-to-all between the ranks of a torchrun job (gloo from
+    the torchrun environment), one rank per host, through real pyverbs (the NICs nearest the local GPU, else
+    every active device) or, with ``--emulated``, the emulated fabric (all ranks on this machine).  Prints
+    wall-clock GB/s, bytes per port and per QP on rank 0."""
+    import argparse
+    import os
+
+    import torch.distributed as dist
+    ap = argparse.ArgumentParser(prog="python -m triton_ep.scheduler", description=main.__doc__)
+    ap.add_argument("--mib", type=int, default=64, help="MiB each rank sends each peer")
+    ap.add_argument("--qps", type=int, default=8, help="QPs per peer")
+    ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--emulated", action="store_true", help="emulated dual-port NICs, one per rank, on this machine")
+    a = ap.parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from triton_ep.transport import verbs
+    kw = dict(num_qps_per_peer=a.qps, timeout_s=a.timeout)
+    if a.emulated:
+        from triton_ep.transport import emulated as em, topology
+        spec = em.FabricSpec([em.DeviceSpec(f"mlx5_{r}", [em.PortSpec(), em.PortSpec()]) for r in range(world)],
+                             ring_bytes=4 << 20)
+        fab = em.Fabric(spec, token="sched" + os.environ.get("TORCHELASTIC_RUN_ID", "0")[:8])
+        kw.update(api=fab.pyverbs([f"mlx5_{rank}"]), n_paths=spec.n_paths, path_hash=topology.emulator_path_hash)
+    else:
+        import torch
+        if torch.cuda.is_available():
+            kw["gpu"] = int(os.environ.get("LOCAL_RANK", "0"))
+    t = verbs.VerbsTransport(rank, world, **kw)
+    sched = None
+    try:
+        sched = bootstrap(t, dict(slots=a.slots, slot_bytes=a.chunk_kib << 10))
+        n = a.mib << 20
+        peers = [p for p in range(world) if p != rank]
+        data = {p: np.random.default_rng([rank, p]).integers(0, 256, n, dtype=np.uint8) for p in peers}
+        dist.barrier()
+        t0 = time.perf_counter()
+        got = host_alltoall(sched, data, {p: n for p in peers})
+        dt = time.perf_counter() - t0
+        ok = all(np.array_equal(got[p], np.random.default_rng([p, rank]).integers(0, 256, n, dtype=np.uint8))
+                 for p in peers)
+        stats = sched.stats()
+        results: List[object] = [None] * world
+        dist.all_gather_object(results, (ok, n * len(peers) / dt / 1e9, stats["ports"]))
+        if rank == 0:
+            for r, (okr, gbs, ports) in enumerate(results):
+                print(f"rank {r}: {'byte-exact' if okr else 'WRONG BYTES'}, {gbs:.2f} GB/s sent (wall clock), "
+                      f"bytes per port {ports}")
+            print("bytes per QP (rank 0):", {k: v["bytes"] for k, v in stats["qps"].items()})
+        if not all(r[0] for r in results):
+            raise SystemExit(1)
+    finally:
+        if sched is not None:
+            sched.close()
+        t.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "host_alltoall", "bootstrap",
+           "fault_word", "parse_fault", "TAG_CHUNK", "STAGE_NAMES"]
