@@ -1,0 +1,150 @@
+"""Rank bodies of the low-latency tests (module-level, so spawned processes can import them), and the
+plain-PyTorch oracle of low-latency dispatch and combine."""
+import torch
+
+import triton_ep
+from triton_ep.kernels.fp8 import quantize_reference, unpack_ue8m0
+
+
+def ll_inputs(seed, R, E, K, H, Ts, skew=0.0, p_invalid=0.15, p_dup=0.1):
+    """Per-rank inputs, identical in every process: x bf16 [T, H], topk_idx int64 [T, K] with -1 entries,
+    duplicates within a token and (with ``skew``) hot experts, weights fp32 [T, K]."""
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for T in Ts:
+        xs.append((torch.randn(T, H, generator=g) * 3).to(torch.bfloat16))
+        idx = torch.randint(0, E, (T, K), generator=g)
+        hot = torch.randint(0, max(E // 4, 1), (T, K), generator=g)
+        idx = torch.where(torch.rand(T, K, generator=g) < skew, hot, idx)
+        if K > 1:
+            dup = torch.rand(T, K, generator=g) < p_dup
+            idx[:, 1:] = torch.where(dup[:, 1:], idx[:, :1].expand(-1, K - 1), idx[:, 1:])
+        idx = torch.where(torch.rand(T, K, generator=g) < p_invalid, torch.full_like(idx, -1), idx)
+        idxs.append(idx)
+        ws.append(torch.rand(T, K, generator=g))
+    return xs, idxs, ws
+
+
+def expected_rows(idxs, R, E, me, masked=()):
+    """Per local expert of rank ``me``: the (source rank, token) pairs it receives, in DeepEP's packed
+    order (source rank ascending, then token); a token goes once to each distinct valid expert."""
+    El = E // R
+    rows = [[] for _ in range(El)]
+    for s, idx in enumerate(idxs):
+        if s in masked:
+            continue
+        for t in range(idx.shape[0]):
+            seen = set()
+            for e in idx[t].tolist():
+                if 0 <= e < E and e // El == me and e not in seen:
+                    seen.add(e)
+                    rows[e - me * El].append((s, t))
+    return rows
+
+
+def expert_fn(kind, e, y):
+    """The stand-in experts: identity, or a per-expert affine map (computed in fp32, rounded to bf16)."""
+    if kind == "identity":
+        return y
+    return (y.float() * (0.5 + 0.25 * e) + (e - 3) * 0.125).to(torch.bfloat16)
+
+
+def expected_combine(x, idx, w, E, R, kind, masked=()):
+    """sum_k w[t, k] * f_e(x_t) in fp32 in ascending k (invalid, masked entries add nothing), rounded once."""
+    El = E // R
+    T, H = x.shape
+    acc = torch.zeros(T, H, dtype=torch.float32)
+    for k in range(idx.shape[1]):
+        for t in range(T):
+            e = int(idx[t, k])
+            if 0 <= e < E and e // El not in masked:
+                acc[t] = acc[t] + expert_fn(kind, e, x[t:t + 1]).float()[0] * w[t, k]
+    return acc.to(torch.bfloat16)
+
+
+def _dequant_rows(recv_x, scales, use_ue8m0):
+    El, RN, H = recv_x.shape
+    s = unpack_ue8m0(scales.contiguous()) if use_ue8m0 else scales.contiguous()
+    return recv_x.float() * s.repeat_interleave(128, dim=-1)
+
+
+def check_dispatch(out, count, handle, xs, idxs, R, E, me, use_fp8, round_scale, use_ue8m0, masked=()):
+    """Counts, layout, source indices and every row against the oracle (bf16 bit-exact; FP8: the bytes
+    and scales of the reference quantisation, so within the e4m3 bound of its block)."""
+    El = E // R
+    rows = expected_rows(idxs, R, E, me, masked)
+    src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+    assert count.cpu().tolist() == [len(r) for r in rows], (count.cpu().tolist(), [len(r) for r in rows])
+    for le in range(El):
+        beg = 0
+        for s in range(R):
+            c = sum(1 for (ss, _) in rows[le] if ss == s)
+            assert int(layout_range[le, s]) == (beg << 32) | c
+            beg += c
+        toks = [t for (_, t) in rows[le]]
+        assert src_info[le, :len(toks)].tolist() == toks
+        assert (src_info[le, len(toks):] == -1).all()
+        if not toks:
+            continue
+        src = torch.stack([xs[s][t] for (s, t) in rows[le]])
+        if not use_fp8:
+            got = out[le, :len(toks)].cpu()
+            assert torch.equal(got.view(torch.int16), src.view(torch.int16)), f"expert {le} rows"
+            continue
+        q, sc = out[0][le, :len(toks)].cpu(), out[1][le, :len(toks)].cpu()
+        assert out[1].stride(-2) == 1, "scales must be column-major"
+        qr, sr = quantize_reference(src, round_scale)
+        if use_ue8m0:
+            assert torch.equal(unpack_ue8m0(sc.contiguous()), sr), f"expert {le} UE8M0 scales"
+            s_full = unpack_ue8m0(sc.contiguous())
+        else:
+            assert torch.equal(sc.contiguous(), sr), f"expert {le} scales"
+            s_full = sc.contiguous()
+        if round_scale:
+            m, _ = torch.frexp(s_full)
+            assert (m == 0.5).all(), "scales must be powers of two"
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), f"expert {le} fp8 bytes"
+        deq = q.float() * s_full.repeat_interleave(128, dim=-1)
+        amax = src.float().reshape(len(toks), -1, 128).abs().amax(-1).clamp_min(1e-4)
+        bound = (amax / 16).repeat_interleave(128, dim=-1) * (1 + 1e-6)
+        assert ((deq - src.float()).abs() <= bound).all(), f"expert {le}: beyond the e4m3 bound"
+
+
+def round_trip(rank, world, seed, E, K, H, Ts, N, cases):
+    """Each case (use_fp8, round_scale, use_ue8m0, expert kind, hook, zero_copy): dispatch, check against
+    the oracle, run the stand-in experts, combine, check; the stats tensor accumulates the counts."""
+    xs, idxs, ws = ll_inputs(seed, world, E, K, H, Ts, skew=0.5 if seed % 2 else 0.0)
+    R, me, El = world, rank, E // world
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
+    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=El, timeout_s=60)
+    stats = torch.zeros(El, dtype=torch.int32)
+    cost = torch.zeros(R, dtype=torch.int64)
+    total = 0
+    try:
+        for use_fp8, round_scale, use_ue8m0, kind, hook, zero_copy in cases:
+            out, count, handle, _, h = buf.low_latency_dispatch(
+                xs[me], idxs[me], N, E, cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=cost,
+                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+            if hook:
+                h()
+            check_dispatch(out, count, handle, xs, idxs, R, E, me, use_fp8, round_scale, use_ue8m0)
+            total += int(count.sum())
+            rx = _dequant_rows(out[0], out[1], use_ue8m0).to(torch.bfloat16) if use_fp8 else out
+            y = buf.get_next_low_latency_combine_buffer(handle) if zero_copy else torch.empty_like(rx)
+            for le in range(El):
+                y[le] = expert_fn(kind, me * El + le, rx[le])
+            comb, _, h = buf.low_latency_combine(y, idxs[me], ws[me], handle, zero_copy=zero_copy, return_recv_hook=hook)
+            if hook:
+                h()
+            # the oracle's expert input: the row as received (FP8: dequantised)
+            xin = xs[me]
+            if use_fp8:
+                q, s = quantize_reference(xin, round_scale)
+                xin = (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16) if xin.shape[0] else xin
+            want = expected_combine(xin, idxs[me], ws[me], E, R, kind)
+            assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine"
+        assert int(stats.sum()) == total
+        assert int(cost.abs().sum()) == 0          # no clock under the interpreter
+        return total
+    finally:
+        buf.destroy()
