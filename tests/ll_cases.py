@@ -148,3 +148,129 @@ def round_trip(rank, world, seed, E, K, H, Ts, N, cases):
         return total
     finally:
         buf.destroy()
+
+
+def _buffer(R, N, H, E, **kw):
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
+    return triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // R, **kw)
+
+
+def two_live_hooks(rank, world, seed, E, K, H, Ts, N):
+    """Two dispatches outstanding at once (two hooks, the two halves), received in reverse order, then two
+    outstanding combines: each result equals its own oracle; a third outstanding call is refused."""
+    R, me, El = world, rank, E // world
+    a = ll_inputs(seed, R, E, K, H, Ts)
+    b = ll_inputs(seed + 1, R, E, K, H, Ts)
+    buf = _buffer(R, N, H, E, timeout_s=60)
+    try:
+        oa, ca, ha, _, hook_a = buf.low_latency_dispatch(a[0][me], a[1][me], N, E, use_fp8=False, return_recv_hook=True)
+        ob, cb, hb, _, hook_b = buf.low_latency_dispatch(b[0][me], b[1][me], N, E, use_fp8=False, return_recv_hook=True)
+        refused = False
+        try:
+            buf.low_latency_dispatch(a[0][me], a[1][me], N, E, use_fp8=False, return_recv_hook=True)
+        except ValueError as e:
+            refused = "outstanding" in str(e)
+        hook_b()
+        hook_a()
+        # the refused call told the peers it failed: every rank raises once, then the group re-synchronises
+        try:
+            buf.check()
+        except Exception:       # noqa: BLE001 - EPRemoteError on the peers
+            pass
+        check_dispatch(oa, ca, ha, a[0], a[1], R, E, me, False, False, False)
+        check_dispatch(ob, cb, hb, b[0], b[1], R, E, me, False, False, False)
+        ya = torch.stack([expert_fn("affine", me * El + le, oa[le]) for le in range(El)])
+        yb = oa.new_zeros(ob.shape).copy_(ob)
+        outa, _, hook_ca = buf.low_latency_combine(ya, a[1][me], a[2][me], ha, return_recv_hook=True)
+        outb, _, hook_cb = buf.low_latency_combine(yb, b[1][me], b[2][me], hb, return_recv_hook=True)
+        hook_ca()
+        hook_cb()
+        assert torch.equal(outa.view(torch.int16), expected_combine(a[0][me], a[1][me], a[2][me], E, R, "affine").view(torch.int16))
+        assert torch.equal(outb.view(torch.int16), expected_combine(b[0][me], b[1][me], b[2][me], E, R, "identity").view(torch.int16))
+        return refused
+    finally:
+        buf.destroy()
+
+
+def masked_rank(rank, world, seed, E, K, H, Ts, N, victim, by_timeout):
+    """Rank ``victim`` takes no part. The others mask it (explicitly, or with ``by_timeout`` by the
+    timeout of enable_shrink): exactly its tokens and its experts' entries are dropped, and the mask
+    query reports it; the next call does not wait again."""
+    import time
+    R, me, El = world, rank, E // world
+    xs, idxs, ws = ll_inputs(seed, R, E, K, H, Ts)
+    buf = _buffer(R, N, H, E, timeout_s=2.0, enable_shrink=True)
+    try:
+        if me == victim:
+            return None
+        if not by_timeout:
+            buf.low_latency_update_mask_buffer(victim, True)
+        waits = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False)
+            check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False, masked=(victim,))
+            comb, _, _ = buf.low_latency_combine(out, idxs[me], ws[me], handle)
+            waits.append(time.monotonic() - t0)
+            want = expected_combine(xs[me], idxs[me], ws[me], E, R, "identity", masked=(victim,))
+            assert torch.equal(comb.view(torch.int16), want.view(torch.int16))
+        status = torch.zeros(R, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(status)
+        buf.low_latency_clean_mask_buffer()
+        after = torch.zeros(R, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(after)
+        return status.tolist(), after.tolist(), waits
+    finally:
+        if me == victim:
+            time.sleep(8.0 if by_timeout else 1.0)     # stay mapped (alive but silent) while the others run
+        buf.destroy()
+
+
+def absent_without_shrink(rank, world, N, H, E):
+    """Without enable_shrink a silent peer gives EPTimeoutError naming it."""
+    import time
+    buf = _buffer(world, N, H, E, timeout_s=2.0)
+    try:
+        if rank == 1:
+            time.sleep(6.0)
+            return None
+        x = torch.ones(3, H, dtype=torch.bfloat16)
+        idx = torch.tensor([[0, E - 1]] * 3)
+        try:
+            buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+        except triton_ep.EPTimeoutError as e:
+            return type(e).__name__, e.peer, str(e)
+        return "no error"
+    finally:
+        buf.destroy()
+
+
+def bad_ids_then_recover(rank, world, N, H, E):
+    """Rank 1 passes an id outside [-1, E): it raises ValueError, the peers EPRemoteError; the next call
+    re-synchronises and is correct. Bad argument shapes raise before launch."""
+    R, me = world, rank
+    xs, idxs, ws = ll_inputs(7, R, E, 2, H, [4] * R)
+    buf = _buffer(R, N, H, E, timeout_s=30)
+    got = []
+    try:
+        try:
+            buf.low_latency_dispatch(xs[me][:, :64], idxs[me], N, E)
+        except ValueError as e:
+            got.append("shape" if "hidden" in str(e) else str(e))
+        bad = idxs[me].clone()
+        if me == 1:
+            bad[0, 0] = E + 5
+        try:
+            buf.low_latency_dispatch(xs[me], bad, N, E, use_fp8=False)
+            got.append("none")
+        except Exception as e:  # noqa: BLE001
+            got.append(type(e).__name__)
+        try:
+            buf.check()
+        except Exception as e:  # noqa: BLE001
+            got.append(type(e).__name__)
+        out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False)
+        check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False)
+        return got
+    finally:
+        buf.destroy()

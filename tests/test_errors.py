@@ -111,10 +111,10 @@ def test_destroyed_buffer_raises():
 
 def test_low_latency_entry_points_need_a_low_latency_buffer():
     buf = VirtualGroup(1, 1 << 16).buffers[0]
-    for name in ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer",
-                 "get_next_low_latency_combine_buffer", "low_latency_clean_mask_buffer"):
+    for name, nargs in (("low_latency_dispatch", 4), ("low_latency_combine", 4), ("clean_low_latency_buffer", 3),
+                        ("get_next_low_latency_combine_buffer", 1), ("low_latency_clean_mask_buffer", 0)):
         with pytest.raises(ValueError, match="low_latency_mode=True"):
-            getattr(buf, name)(*([None] * (0 if "mask" in name else 1 if "next" in name else 3)))
+            getattr(buf, name)(*([None] * nargs))
     assert buf.get_comm_stream() is None
 
 
