@@ -274,3 +274,98 @@ def bad_ids_then_recover(rank, world, N, H, E):
         return got
     finally:
         buf.destroy()
+
+
+# ---------------------------------------------------------------------------- GPU (marker ``gpu``)
+def _stand_in_expert(rx, scales, El, me, use_fp8):
+    """The affine stand-in expert of :func:`expert_fn`, in torch ops on the device (capturable)."""
+    if use_fp8:
+        rx = (rx.float() * scales.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+    e = (me * El + torch.arange(El, device=rx.device, dtype=torch.float32)).view(El, 1, 1)
+    return (rx.float() * (0.5 + 0.25 * e) + (e - 3) * 0.125).to(torch.bfloat16)
+
+
+def _expected_after_fp8(x, use_fp8):
+    if not use_fp8 or x.shape[0] == 0:
+        return x
+    q, s = quantize_reference(x, True)
+    return (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+
+
+def gpu_graph_replay(rank, world, use_fp8, replays, E, K, H, T, N):
+    """Two processes on one GPU: capture dispatch + affine stand-in expert + combine in a CUDA graph
+    (eager warm-up first, under sync debug mode "error"), then replay it with fresh routing and data
+    copied into the static inputs; every replay's output equals the oracle bit for bit."""
+    torch.cuda.set_device(0)
+    R, me, El = world, rank, E // world
+    buf = _buffer(R, N, H, E, timeout_s=60, device="cuda")
+    try:
+        xs, idxs, ws = ll_inputs(1000, R, E, K, H, [T] * R)
+        x_s, idx_s, w_s = xs[me].cuda(), idxs[me].cuda(), ws[me].cuda()
+
+        def step():
+            out, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, N, E, use_fp8=use_fp8, round_scale=use_fp8)
+            rx, sc = (out[0], out[1]) if use_fp8 else (out, None)
+            y = _stand_in_expert(rx, sc, El, me, use_fp8)
+            return buf.low_latency_combine(y, idx_s, w_s, handle)[0]
+
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()                  # warm-up: compiles every kernel; no host synchronisation allowed
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        torch.cuda.synchronize()
+        ok = 0
+        for i in range(replays):
+            xs, idxs, ws = ll_inputs(2000 + i, R, E, K, H, [T] * R, skew=0.5 if i % 3 == 0 else 0.0)
+            x_s.copy_(xs[me])
+            idx_s.copy_(idxs[me])
+            w_s.copy_(ws[me])
+            g.replay()
+            torch.cuda.synchronize()
+            buf.check()
+            want = expected_combine(_expected_after_fp8(xs[me], use_fp8), idxs[me], ws[me], E, R, "affine")
+            assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"replay {i}"
+            ok += 1
+        return ok
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+
+
+def gpu_hook_overlap(rank, world, E, K, H, T, N):
+    """The hook path on GPU: dispatch sends only, a compute kernel runs on the caller's stream, then the
+    hook receives; the same for combine. Results equal the oracle; no host synchronisation in the calls."""
+    torch.cuda.set_device(0)
+    R, me, El = world, rank, E // world
+    buf = _buffer(R, N, H, E, timeout_s=60, device="cuda")
+    try:
+        xs, idxs, ws = ll_inputs(77, R, E, K, H, [T] * R)
+        x, idx, w = xs[me].cuda(), idxs[me].cuda(), ws[me].cuda()
+        a = torch.randn(2048, 2048, device="cuda")
+        for it in range(2):         # the first round compiles
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out, count, handle, _, hook = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False, return_recv_hook=True)
+                c = a @ a                       # compute between send and receive
+                hook()
+                y = _stand_in_expert(out, None, El, me, False)
+                comb, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+                c = c @ a
+                hook()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+            check_dispatch(out.cpu(), count, handle, xs, idxs, R, E, me, False, False, False)
+            want = expected_combine(xs[me], idxs[me], ws[me], E, R, "affine")
+            assert torch.equal(comb.cpu().view(torch.int16), want.view(torch.int16))
+        return True
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
