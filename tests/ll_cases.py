@@ -158,7 +158,8 @@ def _buffer(R, N, H, E, **kw):
 def two_live_hooks(rank, world, seed, E, K, H, Ts, N):
     """Two dispatches outstanding at once (two hooks, the two halves), received in reverse order, then two
     outstanding combines: each result equals its own oracle; a third outstanding call is refused."""
-    R, me, El = world, rank, E // world
+    R, me = world, rank
+    El = E // R
     a = ll_inputs(seed, R, E, K, H, Ts)
     b = ll_inputs(seed + 1, R, E, K, H, Ts)
     buf = _buffer(R, N, H, E, timeout_s=60)

@@ -16,11 +16,10 @@ device wait that writes an error record, raised by :meth:`Buffer.check` (which e
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import torch
 
-from . import kernels
 from .config import EventOverlap
 from .kernels import flags as F
 from .kernels.fp8 import native_cast
@@ -235,7 +234,7 @@ class LowLatency:
                  round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
         self._start()
         buf = self.buf
-        R, me = buf.group_size, buf.rank
+        R = buf.group_size
         a = self._guard(self._dispatch_args, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                         cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                         use_ue8m0, async_finish, return_recv_hook)
