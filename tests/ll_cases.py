@@ -198,7 +198,7 @@ def masked_rank(rank, world, seed, E, K, H, Ts, N, victim, by_timeout):
     timeout of enable_shrink): exactly its tokens and its experts' entries are dropped, and the mask
     query reports it; the next call does not wait again."""
     import time
-    R, me, El = world, rank, E // world
+    R, me = world, rank
     xs, idxs, ws = ll_inputs(seed, R, E, K, H, Ts)
     buf = _buffer(R, N, H, E, timeout_s=2.0, enable_shrink=True)
     try:
