@@ -133,7 +133,9 @@ def one_case(a, tokens: int, nbytes: int, device, rank: int, R: int) -> dict:
     return out
 
 
-def rank_main(a) -> int:
+def init_rank(a) -> tuple:
+    """Join the launched group: ``(rank, R, device, ranks sharing a GPU, backend)``; one GPU per rank over
+    NCCL, else gloo (ranks sharing a GPU, or CPU)."""
     rank, R = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     gpu = C.on_gpu()
     ngpu = torch.cuda.device_count() if gpu else 0
@@ -144,6 +146,11 @@ def rank_main(a) -> int:
     backend = "nccl" if gpu and sharing == 1 else "gloo"
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=R,
                             timeout=datetime.timedelta(seconds=a.timeout))
+    return rank, R, device, sharing, backend
+
+
+def rank_main(a) -> int:
+    rank, R, device, sharing, backend = init_rank(a)
     results = []
     cases = [(int(t), b) for t in a.tokens.split(",") for b in a.buffers.split(",")]
     for tokens, b in C.progress(cases, desc="bench_calls", disable=rank != 0):

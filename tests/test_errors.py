@@ -109,11 +109,12 @@ def test_destroyed_buffer_raises():
         buf.get_dispatch_layout(torch.zeros(1, 1, dtype=torch.int64), 1)
 
 
-def test_low_latency_entry_points_say_not_implemented():
+def test_low_latency_entry_points_need_a_low_latency_buffer():
     buf = VirtualGroup(1, 1 << 16).buffers[0]
-    for name in ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer"):
-        with pytest.raises(NotImplementedError, match="normal"):
-            getattr(buf, name)(None)
+    for name, nargs in (("low_latency_dispatch", 4), ("low_latency_combine", 4), ("clean_low_latency_buffer", 3),
+                        ("get_next_low_latency_combine_buffer", 1), ("low_latency_clean_mask_buffer", 0)):
+        with pytest.raises(ValueError, match="low_latency_mode=True"):
+            getattr(buf, name)(*([None] * nargs))
     assert buf.get_comm_stream() is None
 
 
@@ -164,9 +165,8 @@ def test_config_of_wrong_type_and_timeout_values_are_named(monkeypatch):
         triton_ep.Buffer(comm, 4096)
 
 
-def test_internode_and_mask_entry_points_say_not_implemented():
+def test_internode_entry_points_say_not_implemented():
     buf = VirtualGroup(1, 1 << 16).buffers[0]
-    for name in ("internode_dispatch", "internode_combine", "low_latency_update_mask_buffer",
-                 "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer"):
+    for name in ("internode_dispatch", "internode_combine"):
         with pytest.raises(NotImplementedError):
             getattr(buf, name)()

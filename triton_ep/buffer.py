@@ -219,10 +219,12 @@ class Buffer:
             ``None`` means the default group.
         num_nvl_bytes: bytes of this rank's intranode buffer, e.g. ``Config.get_nvl_buffer_size_hint``.
             Transfers larger than it go through it in rounds.
-        num_rdma_bytes: accepted for compatibility; unused within one host.
-        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
-        explicitly_destroy, enable_shrink, comm: DeepEP's keyword arguments, accepted; those that do not
-            apply to an intranode normal-mode buffer are ignored.
+        num_rdma_bytes: with ``low_latency_mode``, bytes of the low-latency area
+            (``get_low_latency_rdma_size_hint``), mapped by every rank of the host; else unused.
+        low_latency_mode: enable the ``low_latency_*`` calls (docs/low_latency.md).
+        enable_shrink: allow rank masking in low-latency mode (a peer that times out is masked).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy,
+        comm: DeepEP's keyword arguments, accepted; those that do not apply within one host are ignored.
         timeout_s: bound in seconds on every wait for a peer (default 100, or ``TRITON_EP_TIMEOUT_S``).
         device: where buffers and inputs live; default the current CUDA device, else CPU.
 
@@ -257,6 +259,7 @@ class Buffer:
         self._uid = uuid.uuid4().hex
         self._op = 0
         self._dispatch_seq = 0
+        nvl_part = ll_bytes = 0
         if isinstance(group, ipc.Comm):          # ranks simulated in one process (triton_ep.testing)
             self._comm = group
             self.group = None
@@ -270,9 +273,16 @@ class Buffer:
             device = torch.device(device)
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            self._comm = ipc.open_group(self.group, max(self.num_nvl_bytes, 4096), device,
+            if not _isint(num_rdma_bytes) or num_rdma_bytes < 0:
+                raise ValueError(f"num_rdma_bytes must be a non-negative int, got {num_rdma_bytes!r}")
+            # Low-latency mode: the area sized by num_rdma_bytes follows the normal-mode part of the same
+            # shared buffer (every rank maps it), which normal-mode rounds never touch.
+            nvl_part = max(4096, (self.num_nvl_bytes + 4095) // 4096 * 4096)
+            ll_bytes = (self.num_rdma_bytes + 4095) // 4096 * 4096 if self.low_latency_mode else 0
+            self._comm = ipc.open_group(self.group, nvl_part + ll_bytes, device,
                                         self.timeout_s, self._slot_words(self.group.size()))
             self._comm.timeout_s = self.timeout_s
+            self._comm.min_bytes -= ll_bytes
         self.rank, self.group_size = self._comm.rank, self._comm.size
         self.device = self._comm.device
         with torch.inference_mode(False):
@@ -288,6 +298,13 @@ class Buffer:
         self._comm_dirty = self._caller_dirty = False
         self._counts_pinned: Optional[Tensor] = None      # pinned staging of a dispatch's counts (GPU)
         self._base_seen = 0                                # W_BASE as the counts copy saw it
+        self._ll = None
+        if self.low_latency_mode and self.group is not None and ll_bytes:
+            from .low_latency import LowLatency
+            self._ll = LowLatency(self, nvl_part, ll_bytes, enable_shrink)
+            with torch.inference_mode():
+                self._ll.ctl.zero_()              # peers write here only after the barrier
+            c.barrier("bootstrap/low-latency area")
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
     @staticmethod
@@ -353,14 +370,20 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes DeepEP's low-latency mode asks for: two (double-buffered) send and receive areas of
-        ``num_max_dispatch_tokens_per_rank`` rows per expert, each row bf16 ``hidden`` plus scales and
-        metadata, rounded up to 128 bytes. (Low-latency kernels are not part of this release.)"""
-        msg = hidden * 2 + hidden // 128 * 4 + 16 + 16
-        send = num_max_dispatch_tokens_per_rank * msg
-        recv = num_experts * num_max_dispatch_tokens_per_rank * msg
-        n = 2 * (2 * send + recv + num_experts * 8)
-        return (n + 127) // 128 * 128
+        """Bytes of ``num_rdma_bytes`` low-latency mode needs for these sizes (DeepEP's function): a control
+        block, two halves (each the counts and ``num_experts * num_max_dispatch_tokens_per_rank`` bf16 row
+        records; a dispatch or a combine uses one half) and the zero-copy combine input, rounded up to 128
+        bytes. Pass it as ``Buffer(..., num_rdma_bytes=hint, low_latency_mode=True)``.
+
+        Raises:
+            ValueError: a size is not a positive int, or ``num_experts % num_ranks != 0``.
+        """
+        from .low_latency import size_hint
+        vals = (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        if not all(_isint(v) and v > 0 for v in vals) or num_experts % num_ranks:
+            raise ValueError(f"get_low_latency_rdma_size_hint takes positive ints with num_experts % num_ranks == 0, "
+                             f"got {vals}")
+        return size_hint(*vals)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Tensor:
@@ -388,21 +411,150 @@ class Buffer:
         return self._comm_stream
 
     def _unavailable(self, *args, **kwargs):
-        """DeepEP entry points this release does not implement: the low-latency ones
-        (``low_latency_dispatch``, ``low_latency_combine``, ``clean_low_latency_buffer``,
-        ``get_next_low_latency_combine_buffer``, the ``low_latency_*_mask_buffer`` ones) and the internode
-        ones (``internode_dispatch``, ``internode_combine``).
+        """DeepEP entry points this release does not implement: the internode ones (``internode_dispatch``,
+        ``internode_combine``).
 
         Raises:
             NotImplementedError: always.
         """
-        raise NotImplementedError("triton_ep implements DeepEP's normal (high-throughput) mode within one host "
-                                  "only; low-latency and internode kernels are not available yet")
+        raise NotImplementedError("triton_ep implements DeepEP's normal and low-latency modes within one host "
+                                  "only; internode kernels are not available yet")
 
-    low_latency_dispatch = low_latency_combine = _unavailable
-    clean_low_latency_buffer = get_next_low_latency_combine_buffer = _unavailable
-    low_latency_update_mask_buffer = low_latency_query_mask_buffer = low_latency_clean_mask_buffer = _unavailable
     internode_dispatch = internode_combine = _unavailable
+
+    # ------------------------------------------------------------------ low-latency mode (docs/low_latency.md)
+    def _low_latency(self):
+        self._live()
+        if self._ll is None:
+            raise ValueError("low-latency calls need Buffer(..., num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint"
+                             "(...), low_latency_mode=True) built over a process group")
+        return self._ll
+
+    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Send each token to each of its experts, received expert-major (collective; DeepEP V1's
+        ``low_latency_dispatch``). No host synchronisation: it captures in a CUDA graph.
+
+        Args:
+            x: bf16 ``[T, H]``, ``T <= num_max_dispatch_tokens_per_rank`` (``N``), ``H % 128 == 0``.
+            topk_idx: int64 (or int32) ``[T, K]`` global expert ids, ``-1`` = none. A duplicate id within a
+                token sends the row once. Ids outside ``[-1, E)`` are masked, nothing is sent, and
+                ``check()`` raises ``ValueError`` (peers: ``EPRemoteError``).
+            num_max_dispatch_tokens_per_rank: ``N``, the same on every rank; num_experts: ``E``.
+            cumulative_local_expert_recv_stats: int32 ``[E/R]`` or ``None``: rows received per local expert
+                are added to it.
+            dispatch_wait_recv_cost_stats: int64 ``[R]`` (or ``[R, R]``: this rank's row) or ``None``:
+                nanoseconds spent waiting for each source rank are added to it (GPU clock; stays 0 on CPU,
+                where interpreted kernels cannot read a clock).
+            use_fp8: cast rows to FP8 e4m3 with one fp32 scale per 128 channels (``x ~= q * scale``);
+            round_scale: power-of-two scales; use_ue8m0: scales packed as UE8M0 bytes (needs
+                ``round_scale``, ``H % 512 == 0``).
+            async_finish: return an event instead of making the caller's stream wait.
+            return_recv_hook: only send; the returned ``hook()`` runs the receive (at most two calls
+                outstanding).
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is bf16 ``[E/R, R*N, H]``, or with FP8
+            ``(fp8 e4m3 [E/R, R*N, H], scales)`` where scales are fp32 ``[E/R, R*N, H/128]`` or UE8M0 int32
+            ``[E/R, R*N, H/512]``, column-major in their last two dimensions. Rows of each local expert are
+            packed by source rank in rank order, each in token order; only the first ``recv_count[e]``
+            (int32 ``[E/R]``) rows are valid. ``handle``: ``(src_info int32 [E/R, R*N], layout_range int64
+            [E/R, R] (begin << 32 | count), N, H, E)``. ``hook`` is ``None`` without ``return_recv_hook``.
+
+        Raises:
+            TypeError/ValueError: bad arguments (before any launch; the peers raise ``EPRemoteError``).
+            EPTimeoutError, EPRemoteError: a peer did not arrive or failed (from ``check()``; with
+            ``enable_shrink`` a peer that times out is masked instead).
+        """
+        return self._low_latency().dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                            use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[Tensor] = None):
+        """Return expert outputs to their tokens and reduce them **with** the weights (collective; DeepEP
+        V1's ``low_latency_combine``). No host synchronisation: it captures in a CUDA graph.
+
+        Args:
+            x: bf16 ``[E/R, R*N, H]``, the expert outputs in ``recv_x``'s order (rows past
+                ``recv_count`` are ignored).
+            topk_idx, topk_weights: the dispatch's ``[T, K]`` ids and fp32 weights.
+            handle: the matching ``low_latency_dispatch``'s handle.
+            use_logfmt: not implemented (``NotImplementedError``).
+            zero_copy: ``x`` is ``get_next_low_latency_combine_buffer(handle)``, already filled.
+            async_finish, return_recv_hook: as in ``low_latency_dispatch``.
+            out: optional bf16 ``[T, H]`` written in place and returned.
+            combine_wait_recv_cost_stats: as ``dispatch_wait_recv_cost_stats``.
+
+        Returns:
+            ``(combined_x bf16 [T, H], event, hook)``: per token ``sum_k w[t, k] * x_row(t, k)`` in fp32,
+            ascending ``k``, rounded once to bf16 (round to nearest even); entries with id ``-1`` or on a
+            masked rank add nothing.
+
+        Raises:
+            TypeError/ValueError, NotImplementedError, EPTimeoutError, EPRemoteError: as in dispatch.
+        """
+        return self._low_latency().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                           return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> Tensor:
+        """The bf16 ``[E/R, R*N, H]`` tensor to write expert outputs into for ``low_latency_combine(...,
+        zero_copy=True)`` (DeepEP's): a view of this rank's low-latency area, overwritten by the next
+        zero-copy combine's inputs only.
+
+        Raises:
+            TypeError/ValueError: not a low-latency handle of this Buffer.
+        """
+        ll = self._low_latency()
+        h = ll.check_handle(handle)
+        return ll.zero_copy_buffer(ll.layout(h[2], h[3], h[4]))
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """DeepEP's buffer cleaning before low-latency calls. Nothing needs zeroing here (the area's words
+        carry call numbers); it checks the sizes fit and, after an error, re-synchronises the group (a host
+        rendezvous: call it on every rank).
+
+        Raises:
+            ValueError: sizes that do not fit ``num_rdma_bytes``.
+        """
+        self._low_latency().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask a rank for this rank's low-latency calls (DeepEP's, with
+        ``enable_shrink``): no rows are sent to it or awaited from it; its experts' entries combine to nothing.
+
+        Raises:
+            ValueError: the Buffer was built without ``enable_shrink``, or a bad rank.
+        """
+        self._shrink().update_mask(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: Tensor) -> None:
+        """Write into ``mask_status`` (int32 ``[R]``) 1 for each masked rank (masked by
+        ``low_latency_update_mask_buffer``, or after it timed out with ``enable_shrink``), else 0.
+
+        Raises:
+            ValueError: no ``enable_shrink``, or ``mask_status`` not int32 ``[R]``.
+        """
+        self._shrink().query_mask(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank (DeepEP's ``clean_mask_buffer``).
+
+        Raises:
+            ValueError: the Buffer was built without ``enable_shrink``.
+        """
+        self._shrink().clean_mask()
+
+    def _shrink(self):
+        ll = self._low_latency()
+        if not ll.shrink:
+            raise ValueError("rank masking needs Buffer(..., enable_shrink=True)")
+        return ll
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

@@ -109,6 +109,38 @@ STAGE_COMBINE_RECV = tl.constexpr(4)
 STAGE_NOTIFY = tl.constexpr(5)
 STAGE_HOST = tl.constexpr(6)      #: a host rendezvous (the counts exchange, a re-synchronisation)
 STAGE_FAILED = tl.constexpr(7)    #: a failure of the rank's own in the middle of a call
+STAGE_LL_DISPATCH_SEND = tl.constexpr(8)
+STAGE_LL_DISPATCH_RECV = tl.constexpr(9)
+STAGE_LL_COMBINE_SEND = tl.constexpr(10)
+STAGE_LL_COMBINE_RECV = tl.constexpr(11)
+
+# ---- the low-latency control block (int64 words) at the start of each rank's low-latency area ----
+# Low-latency calls (dispatch or combine) are numbered 1, 2, ... on every rank alike; call ``n`` uses
+# half ``n & 1`` of the area. The numbers live here, in device memory, advanced by the kernels.
+L_SEQ = tl.constexpr(0)           #: the last call this rank has sent (advanced by its send launches)
+L_DONE = tl.constexpr(1)          #: programs of the running low-latency launch that have finished
+L_CONS = tl.constexpr(2)          #: ``CONS[h]`` (2 words): last call this rank has received out of half h
+L_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
+
+
+def off_ll_ready(R):
+    """``READY[h * R + s]``: the last call whose data rank ``s`` has finished writing into half ``h`` here."""
+    return int(L_FIXED)
+
+
+def off_ll_sig(R):
+    """``SIG[h * R + s]``: the signature of rank ``s``'s call in half ``h`` (stored before ``READY``)."""
+    return int(L_FIXED) + 2 * R
+
+
+def off_ll_mask(R):
+    """``MASK[s]``: nonzero when this rank no longer sends to or waits for rank ``s`` (rank masking)."""
+    return int(L_FIXED) + 4 * R
+
+
+def ll_ctl_words(R):
+    """int64 words of one rank's low-latency control block."""
+    return int(L_FIXED) + 5 * R
 
 
 @triton.jit
@@ -243,14 +275,83 @@ def post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.const
 def last_program(hdr, USE_ASM: tl.constexpr):
     """Count this program as finished; True in the launch's last program to finish (which then resets
     the counter). Every earlier program's stores are ordered before the count it adds."""
+    return last_program_at(hdr + W_DONE, USE_ASM)
+
+
+@triton.jit
+def last_program_at(counter, USE_ASM: tl.constexpr):
+    """:func:`last_program` over the launch counter word ``counter``."""
     fence_all_threads(USE_ASM)
     tl.debug_barrier()
     n = tl.num_programs(0) * tl.num_programs(1)
-    done = tl.atomic_add(hdr + W_DONE, tl.full([], 1, tl.int64), sem="acq_rel", scope="gpu")
+    done = tl.atomic_add(counter, tl.full([], 1, tl.int64), sem="acq_rel", scope="gpu")
     last = done == n - 1
     if last:
-        tl.store(hdr + W_DONE, tl.full([], 0, tl.int64))
+        tl.store(counter, tl.full([], 0, tl.int64))
     return last
+
+
+@triton.jit
+def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout_ns, cost_ptr, cost_on,
+                  R: tl.constexpr, REMOTE: tl.constexpr, CHECK_SIG: tl.constexpr, SHRINK: tl.constexpr,
+                  USE_CLOCK: tl.constexpr, COST: tl.constexpr):
+    """A low-latency launch waits for every peer ``r`` that is not masked (``MASK[r]`` here): with
+    ``REMOTE`` until ``r``'s word ``base`` is ``>= want`` (a send: the peer has received the call that last
+    used this half), else until this rank's word ``base + r`` is (a receive: ``READY``), then with
+    ``CHECK_SIG`` compares ``r``'s signature (``SIG`` word ``base + 2R + r``) with ``sig``.
+
+    A wait that ends badly writes an error record (:func:`post_wait_error`; failure words are tagged
+    with the normal-mode round ``W_BASE + 1``, what peers compare them with); with ``SHRINK`` a peer that
+    timed out or left is masked instead (``MASK[r] = 1``) and the launch goes on without it. With
+    ``COST`` and ``cost_on`` (one program of the launch) the nanoseconds spent waiting for each peer are
+    added to ``cost_ptr[r]`` (0 under the interpreter, which has no clock). Returns True when
+    the program may move data (this rank holds no error)."""
+    call = tl.load(hdr + W_BASE) + 1
+    bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
+    for r in tl.static_range(R):
+        masked = tl.load(ctl + (L_FIXED + 4 * R) + r, volatile=True) != 0
+        if (bad == 0) & (r != me) & (masked == 0):
+            if REMOTE:
+                flag = ctl + tl.load(hdr_delta + r) + base
+            else:
+                flag = ctl + base + r
+            t0 = _now_ns(USE_CLOCK)
+            st = wait_at_least(flag, want, hdr, host, r, timeout_ns, R, USE_CLOCK)
+            if COST:
+                if cost_on:
+                    tl.atomic_add(cost_ptr + r, _now_ns(USE_CLOCK) - t0, sem="relaxed")
+            if CHECK_SIG:
+                if (st == 0) & (tl.load(flag + 2 * R, volatile=True) != sig):
+                    st = tl.full([], E_MISMATCH, tl.int32)
+            if SHRINK & ((st == E_TIMEOUT) | (st == E_GONE)):
+                tl.store(ctl + (L_FIXED + 4 * R) + r, tl.full([], 1, tl.int64))
+                st = tl.full([], 0, tl.int32)
+            if st != 0:
+                post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
+            bad = bad + st
+    return bad == 0
+
+
+@triton.jit
+def ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_ASM: tl.constexpr):
+    """End of a low-latency send launch: the last program stores the call's signature and releases
+    ``READY[half * R + me] = n`` in every peer's control block (unless this rank holds an error: the
+    peers then learn it from ``FAILED``), and records ``n`` as this rank's last sent call."""
+    if last_program_at(ctl + L_DONE, USE_ASM):
+        if tl.load(hdr + W_ERR, volatile=True) == 0:
+            for r in tl.static_range(R):
+                peer = ctl + tl.load(hdr_delta + r)
+                tl.store(peer + (L_FIXED + 2 * R) + half * R + me, sig)
+                release(peer + L_FIXED + half * R + me, n)
+        tl.store(ctl + L_SEQ, n)
+
+
+@triton.jit
+def ll_finish_recv(ctl, half, n, USE_ASM: tl.constexpr):
+    """End of a low-latency receive launch: the last program releases ``CONS[half] = n`` (the half is
+    free for call ``n + 2``)."""
+    if last_program_at(ctl + L_DONE, USE_ASM):
+        release(ctl + L_CONS + half, n)
 
 
 @triton.jit

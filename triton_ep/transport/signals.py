@@ -32,7 +32,11 @@ from ..kernels import flags as F
 STAGE_NAMES = {0: "unknown", int(F.STAGE_DISPATCH_SEND): "dispatch/send", int(F.STAGE_DISPATCH_RECV): "dispatch/receive",
                int(F.STAGE_COMBINE_SEND): "combine/send", int(F.STAGE_COMBINE_RECV): "combine/reduce",
                int(F.STAGE_NOTIFY): "dispatch/notify counts", int(F.STAGE_HOST): "a host rendezvous",
-               int(F.STAGE_FAILED): "an error of its own in the middle of a call"}
+               int(F.STAGE_FAILED): "an error of its own in the middle of a call",
+               int(F.STAGE_LL_DISPATCH_SEND): "low_latency_dispatch/send",
+               int(F.STAGE_LL_DISPATCH_RECV): "low_latency_dispatch/receive",
+               int(F.STAGE_LL_COMBINE_SEND): "low_latency_combine/send",
+               int(F.STAGE_LL_COMBINE_RECV): "low_latency_combine/reduce"}
 
 
 def _left(peer: int, stage: int) -> str:

@@ -1,0 +1,169 @@
+"""Latency of the low-latency calls (decode-time dispatch and combine), timed the way DeepEP's figures were,
+with a same-run anchor built from ``torch.distributed.all_to_all_single`` plus permutes.
+
+    ./run.sh python benchmarks/bench_low_latency.py [--ranks 2] [--tokens 128] [--out DIR]
+
+Shapes (DeepEP's low-latency benchmark): 128 tokens per rank, hidden 7168, top-8 of 256 experts, uniform
+random routing. Per call: ``dist.barrier()`` and a device synchronise, CUDA events around the one call,
+the median of ``--iters`` calls, the slowest rank's median (``dispatch`` FP8, ``dispatch_bf16``,
+``combine``). Host µs: ``perf_counter`` around the same call (launches and argument checks). ``graph``:
+dispatch (FP8) + combine captured in one CUDA graph, GPU µs per replay (CUDA events around 20 replays,
+median), no host work at all. ``a2a_*`` (NCCL only, one rank per GPU): the same (token, expert) rows
+packed with ``index_select``, moved by ``all_to_all_single`` and put in expert order (dispatch), and back
+with the weighted sum by ``index_add_`` (combine). With several ranks on one GPU (gloo) or on CPU the
+figures only show the script runs. Output: a table on rank 0's stdout and ``<out>/low_latency.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (puts the repository root on sys.path, sets the NVLS switches off)
+
+import _launch  # noqa: E402
+from bench_calls import init_rank, time_call  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+CALLS = ("dispatch", "dispatch_bf16", "combine", "graph", "a2a_dispatch", "a2a_combine")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    gpu = C.on_gpu()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=max(torch.cuda.device_count(), 1) if gpu else 2)
+    p.add_argument("--tokens", type=int, default=128 if gpu else 8, help="tokens per rank (= N)")
+    p.add_argument("--hidden", type=int, default=7168 if gpu else 256)
+    p.add_argument("--experts", type=int, default=256 if gpu else 8)
+    p.add_argument("--topk", type=int, default=8 if gpu else 2)
+    p.add_argument("--iters", type=int, default=20 if gpu else 2)
+    p.add_argument("--warmup", type=int, default=5 if gpu else 1)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped")
+    C.add_out_arg(p, "low_latency.json")
+    return p.parse_args(argv)
+
+
+def _graph_us(fn, device) -> float:
+    """GPU µs per replay of ``fn`` captured in a CUDA graph (median over 5 x 20 replays)."""
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize(device)
+    ts = []
+    for _ in range(5):
+        dist.barrier()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(20):
+            g.replay()
+        e1.record()
+        torch.cuda.synchronize(device)
+        ts.append(e0.elapsed_time(e1) * 1e3 / 20)
+    return statistics.median(ts)
+
+
+def one_run(a, device, rank: int, R: int) -> dict:
+    import triton_ep
+    T, H, E, K = a.tokens, a.hidden, a.experts, a.topk
+    El = E // R
+    gen = torch.Generator().manual_seed(1000 * rank + 7)
+    x = C.random_rows(T, H, gen, device)
+    idx = C.random_topk(T, K, E, gen, device)
+    w = torch.rand(idx.shape, generator=gen).to(device)
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
+    buf = triton_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=El, device=device)
+    out = {}
+    first = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    recv_bf16, handle = first[0], first[2]
+
+    def dispatch():
+        return buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+
+    def combine():
+        return buf.low_latency_combine(recv_bf16, idx, w, handle)
+
+    for name, fn in (("dispatch", dispatch), ("dispatch_bf16", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)),
+                     ("combine", combine)):
+        out[name], out[name + "_host"] = time_call(fn, a.iters, a.warmup, device)
+    if device.type == "cuda":
+        out["graph"] = _graph_us(lambda: (dispatch(), combine()), device)
+    if dist.get_backend() == "nccl":
+        # anchor: the same (token, expert) rows through all_to_all_single, with the permutes around it
+        valid = idx >= 0
+        dst = torch.where(valid, idx // El, R)
+        flat = dst.flatten()
+        order = torch.argsort(flat, stable=True)[: int(valid.sum())]
+        send = torch.bincount(flat[order], minlength=R)[:R].tolist()
+        every = [None] * R
+        dist.all_gather_object(every, send)
+        recv = [every[i][rank] for i in range(R)]
+        got = torch.empty((sum(recv), H), dtype=x.dtype, device=device)
+        tok = order // K
+        perm = torch.randperm(max(sum(recv), 1), device=device)[: sum(recv)]     # stands for the expert sort
+        back = torch.empty((len(tok), H), dtype=x.dtype, device=device)
+        wt = w.flatten()[order].unsqueeze(1)
+
+        def a2a_dispatch():
+            dist.all_to_all_single(got, x.index_select(0, tok), recv, send)
+            return got.index_select(0, perm)
+
+        def a2a_combine():
+            dist.all_to_all_single(back, got.index_select(0, perm), send, recv)
+            res = torch.zeros((T, H), dtype=torch.float32, device=device)
+            res.index_add_(0, tok, back.float() * wt)
+            return res.to(torch.bfloat16)
+
+        out["a2a_dispatch"], _ = time_call(a2a_dispatch, a.iters, a.warmup, device)
+        out["a2a_combine"], _ = time_call(a2a_combine, a.iters, a.warmup, device)
+    buf.check()
+    buf.destroy()
+    return out
+
+
+def rank_main(a) -> int:
+    rank, R, device, sharing, backend = init_rank(a)
+    mine = None
+    for _ in C.progress(range(1), desc="bench_low_latency", disable=rank != 0):
+        mine = one_run(a, device, rank, R)
+    every = [None] * R
+    dist.all_gather_object(every, mine)
+    row = {k: max(e[k] for e in every if k in e) for k in mine}       # the slowest rank
+    if rank == 0:
+        report(a, row, R, sharing, backend)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def report(a, row, R, sharing, backend) -> None:
+    gpu = C.on_gpu()
+    what = ("GPU: CUDA-event µs of one call, slowest rank's median; graph: GPU µs per replay of dispatch + combine"
+            if gpu and sharing == 1 else
+            f"{R} ranks share {'each GPU' if gpu else 'this CPU'}: functional figures, not speed" +
+            ("" if gpu else f" ({C.CPU_NOTE})"))
+    C.say(f"[bench_low_latency] {C.device_name()}, {R} ranks ({backend}), {a.tokens} tokens/rank, hidden {a.hidden}, "
+          f"top-{a.topk} of {a.experts}; {what}")
+    heads = [c + " us" for c in CALLS] + ["host us (d/d16/c)"]
+    host = "/".join(f"{row[c + '_host']:.0f}" for c in ("dispatch", "dispatch_bf16", "combine"))
+    C.print_table(heads, [[C.sig(row.get(c), 4) for c in CALLS] + [host]])
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "low_latency.json")
+    C.write_json(path, dict(device=C.device_name(), ranks=R, ranks_per_gpu=sharing if gpu else None, backend=backend,
+                            tokens=a.tokens, hidden=a.hidden, experts=a.experts, topk=a.topk, iters=a.iters, note=what,
+                            results=row))
+    C.say(f"[bench_low_latency] wrote {path}")
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    return _launch.run(functools.partial(rank_main, a), a.ranks, a.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

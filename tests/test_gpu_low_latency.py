@@ -1,0 +1,20 @@
+"""GPU tests of low-latency mode (marker ``gpu``): two processes on one GPU bootstrapped over gloo, CUDA
+graph capture and replay with fresh routing, and the receive hook with compute between send and receive."""
+import pytest
+
+import ll_cases
+from helpers import ok_results
+from triton_ep.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_graph_capture_and_100_replays_bit_exact(use_fp8):
+    out = ok_results(run_ranks(ll_cases.gpu_graph_replay, 2, use_fp8, 100, 16, 4, 256, 24, 32, backend="gloo"))
+    assert out == [100, 100], out
+
+
+def test_hook_with_compute_between_send_and_receive():
+    out = ok_results(run_ranks(ll_cases.gpu_hook_overlap, 2, 16, 4, 512, 40, 64, backend="gloo"))
+    assert out == [True, True], out

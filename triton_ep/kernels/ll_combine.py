@@ -1,0 +1,140 @@
+"""Low-latency combine: expert outputs go back to their source tokens, reduced there with the weights.
+
+Combine is a low-latency call of its own (call ``n``, half ``n & 1`` of every rank's area; see
+:mod:`.ll_dispatch`). In the source rank's half, after the counts, slot ``t * K + k`` holds the bf16 row
+(``H`` values) returned for token ``t``'s entry ``k`` (the first entry of the token naming that expert).
+
+1. :func:`ll_combine_send` (expert side): waits until every peer has received the call that last used
+   the half, then writes each valid received row ``x[e, j]`` (``j < recv_count[e]``) into its source
+   rank's slot, found in the handle's ``ret_slot``; its last program releases ``READY`` everywhere.
+2. :func:`ll_combine_reduce` (the receive hook's launch, source side): waits for every peer's ``READY``
+   and computes, per token, ``sum_k w[t, k] * row(t, k)`` in fp32 in ascending ``k`` (entries with
+   ``-1``, a bad id or a masked rank add nothing), rounded once to bf16 (nearest even).
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import flags
+from ._util import pow2
+from .combine import _bf16_rtne_bits
+
+
+@triton.jit
+def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
+                            experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns,
+                            R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
+                            USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_W: tl.constexpr):
+    # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
+    n = tl.load(ctl + flags.L_SEQ) + 1
+    half = n & 1
+    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
+                             flags.STAGE_LL_COMBINE_SEND, timeout_ns, ctl, False, R, True, False, SHRINK,
+                             USE_CLOCK, False)
+    hb = ctl_w + half * half_w + cnt_w
+    RN = R * n_max
+    WX: tl.constexpr = H // 2
+    # Programs take (local expert, row block) pairs; each valid row goes to its source's slot.
+    for le in range(tl.program_id(0), experts_per_rank, tl.num_programs(0)):
+        total = tl.where(go, tl.load(count + le), 0)
+        for j0 in range(tl.program_id(1) * BLOCK_R, total, tl.num_programs(1) * BLOCK_R):
+            j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
+            m = j < total
+            ret = tl.load(ret_slot + le * RN + j, mask=m, other=-1).to(tl.int64)
+            m = m & (ret >= 0)
+            s = tl.where(m, ret // (n_max * K), 0)
+            m = m & (tl.load(ctl + (flags.L_FIXED + 4 * R) + s, mask=m, other=1) == 0)
+            dst = tl.load(delta_w + s, mask=m, other=0) + hb + (ret - s * (n_max * K)) * WX
+            for w0 in range(0, WX, BLOCK_W):
+                ow = w0 + tl.arange(0, BLOCK_W)
+                mw = m[:, None] & (ow < WX)[None, :]
+                tl.store(area_w + dst[:, None] + ow[None, :],
+                         tl.load(xw_ptr + (le * RN + j)[:, None] * WX + ow[None, :], mask=mw), mask=mw)
+    # The last program releases READY = n in every peer and records n as this rank's last call.
+    flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+
+
+@triton.jit
+def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T, offset, num_experts,
+                              experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns,
+                              R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
+                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    # This call's number: the rank's last sent call, less the sends issued after it (host-known).
+    n = tl.load(ctl + flags.L_SEQ) - offset
+    half = n & 1
+    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_FIXED + half * R, n, sig, me,
+                             flags.STAGE_LL_COMBINE_RECV, timeout_ns, cost_ptr, tl.program_id(0) == 0, R, False,
+                             True, SHRINK, USE_CLOCK, COST)
+    T = tl.where(go, T, 0)
+    hb = (ctl_w + half * half_w + cnt_w) * 2       # in bf16 elements
+    for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        mt = t < T
+        for h0 in range(0, H, BLOCK_H):
+            oh = h0 + tl.arange(0, BLOCK_H)
+            acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            # Fixed order: k ascending, one fp32 multiply and add per entry.
+            for k in tl.static_range(K):
+                e = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
+                ok = mt & (e >= 0) & (e < num_experts)
+                ok = ok & (tl.load(ctl + (flags.L_FIXED + 4 * R) + tl.where(ok, e // experts_per_rank, 0),
+                                   mask=ok, other=1) == 0)
+                # the row came back in the slot of the token's first entry naming this expert
+                first = tl.zeros([BLOCK_T], dtype=tl.int64) + k
+                for k2 in tl.static_range(K):
+                    if k2 < k:
+                        e2 = tl.load(idx_ptr + t * K + k2, mask=mt, other=-1).to(tl.int64)
+                        first = tl.where((first == k) & (e2 == e), k2, first)
+                v = tl.load(area_h + hb + (t * K + first)[:, None] * H + oh[None, :], mask=ok[:, None],
+                            other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + t * K + k, mask=ok, other=0.0)
+                acc = acc + tl.where(ok[:, None], v * w[:, None], 0.0)
+            tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mt[:, None])
+    # The last program frees the half for call n + 2.
+    flags.ll_finish_recv(ctl, half, n, USE_ASM)
+
+
+def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, num_topk: int,
+                    area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int, shrink: bool,
+                    signals: dict) -> None:
+    """Return rows ``x`` bf16 ``[E_local, R*N, H]`` (the first ``count[e]`` of each expert) to their source
+    ranks' slots. ``ret_slot`` int32 ``[E_local, R*N]``: ``src * N * K + t * K + k`` or ``-1``."""
+    from ._util import interpreted
+    El, RN, H = x.shape
+    interp = interpreted()
+    cap = signals.get("max_programs")
+    nb = 1 if (interp or cap) else 4
+    _ll_combine_send_kernel[(min(El, cap) if cap else El, nb)](
+        x.view(torch.int32), ret_slot, count, area, delta_words, ctl, lay.n_max, lay.ctl_words, lay.half_words,
+        lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], sig,
+        signals["me"], signals["timeout_ns"], R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink,
+        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_R=64 if interp else 4,
+        BLOCK_W=pow2(min(H // 2, 2048 if interp else 512)), num_warps=4)
+
+
+def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                      out: torch.Tensor, cost: Optional[torch.Tensor], offset: int, lay, sig: int, shrink: bool,
+                      signals: dict) -> None:
+    """Reduce the rows returned for call ``SEQ - offset`` into ``out`` bf16 ``[T, H]`` with ``topk_weights``
+    fp32 ``[T, K]`` (``topk_idx`` int32/int64 ``[T, K]``); wait ns per peer are added to ``cost`` (int64)."""
+    from ._util import interpreted
+    T, K = topk_idx.shape
+    H = out.shape[1]
+    interp = interpreted()
+    bt = 16 if interp else 1
+    bh = min(pow2(H), 2048 if interp else 1024)
+    while H % bh:
+        bh //= 2
+    cap = signals.get("max_programs")
+    grid = max(min(triton.cdiv(T, bt), cap) if cap else triton.cdiv(T, bt), 1)
+    extra = {} if interp else {"enable_fp_fusion": False}     # w * v rounded, then added: as the reference
+    _ll_combine_reduce_kernel[(grid,)](
+        area.view(torch.bfloat16), ctl, topk_idx, topk_weights, out.view(torch.int16),
+        cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
+        lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
+        signals["timeout_ns"], R=lay.num_ranks, K=K, H=H, COST=cost is not None, SHRINK=shrink,
+        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_T=bt, BLOCK_H=bh, num_warps=4, **extra)

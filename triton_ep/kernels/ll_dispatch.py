@@ -1,0 +1,294 @@
+"""Low-latency dispatch: every (token, expert) pair becomes one row in the expert's rank, expert-major.
+
+Each rank's low-latency area (mapped by every rank, :mod:`triton_ep.low_latency` sizes it) holds a
+control block (:mod:`.flags`, ``L_*`` words) and two *halves*; low-latency call ``n`` uses half ``n & 1``.
+A half starts with the counts, int32 ``[R][E_local]`` (rows rank ``s`` sends to each local expert), then
+holds the row *records* ``[E_local][R][N]``: record ``(e, s, i)`` is the ``i``-th row rank ``s`` sends to
+local expert ``e``, in 32-bit words::
+
+    [ payload (bf16 row: H/2 words; or fp8 row: H/4 words + H/128 fp32 scales) | t * K + k ]
+
+padded to 4 words, where ``t`` is the source token and ``k`` its first top-k entry naming that expert.
+The three launches of one dispatch:
+
+1. :func:`ll_route` (one program): the slot of each (token, expert) pair among this rank's rows for the
+   expert, in token order (deterministic), the rows per expert, masked ids (``-1``, a masked rank,
+   duplicates of an earlier entry of the same token: the row goes once); bad ids end the call with an
+   error record.
+2. :func:`ll_dispatch_send`: waits until every peer has received the call that last used this half,
+   casts rows to FP8 if asked, writes each record straight into the expert's rank, then the counts; its
+   last program releases ``READY`` in every peer and advances this rank's call number.
+3. :func:`ll_dispatch_recv` (the receive hook's launch): waits for every peer's ``READY``, packs the
+   records expert-major into fresh outputs (rows of source ranks in rank order, each in its token order),
+   and fills DeepEP's handle tables.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import flags
+from ._util import pow2
+from .fp8 import quantize_blocks
+
+
+@triton.jit
+def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
+                     hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    # 1. This rank's rows per expert start at zero.
+    for e0 in range(0, num_experts, BLOCK_E):
+        oe = e0 + tl.arange(0, BLOCK_E)
+        tl.store(cnt_ptr + oe, tl.zeros([BLOCK_E], dtype=tl.int32), mask=oe < num_experts)
+    tl.debug_barrier()
+    M: tl.constexpr = BLOCK_T * BLOCK_K
+    ok_ = tl.arange(0, BLOCK_K)
+    nbad = tl.zeros([], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        # 2. Valid entries: ids in [0, E) whose rank is not masked; bad ids are counted.
+        t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        m = (t < T)[:, None] & (ok_ < K)[None, :]
+        ids = tl.load(idx_ptr + t[:, None] * K + ok_[None, :], mask=m, other=-1).to(tl.int64)
+        nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
+        ok = m & (ids >= 0) & (ids < num_experts)
+        dst = tl.where(ok, ids // experts_per_rank, 0)
+        ok = ok & (tl.load(ctl + (flags.L_FIXED + 4 * R) + dst, mask=ok, other=0) == 0)
+        e = tl.where(ok, ids, -1)
+        # 3. A duplicate of an earlier entry of the same token makes no row (the token goes once).
+        same_tok = (e[:, :, None] == e[:, None, :]) & (ok_[None, None, :] < ok_[None, :, None]) & ok[:, None, :]
+        row = ok & (tl.max(same_tok.to(tl.int32), axis=2) == 0)
+        # 4. Slot = rows for the same expert before it (earlier blocks: the running count; this block: a
+        #    comparison of every pair in (token, k) order), so slots follow token order.
+        ef = tl.reshape(e, [M])
+        rf = tl.reshape(row, [M])
+        i = tl.arange(0, M)
+        eq = (ef[:, None] == ef[None, :]) & rf[None, :]
+        before = tl.sum((eq & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+        later = tl.sum((eq & (i[None, :] > i[:, None])).to(tl.int32), axis=1)
+        slot = tl.load(cnt_ptr + ef, mask=rf, other=0) + before
+        of = tl.reshape(t[:, None] * K + ok_[None, :], [M])
+        tl.store(slot_ptr + of, tl.where(rf, slot, -1), mask=tl.reshape(m, [M]))
+        tl.debug_barrier()
+        # the last row of each expert in the block carries the new count (one store per expert)
+        tl.store(cnt_ptr + ef, slot + 1, mask=rf & (later == 0))
+        tl.debug_barrier()
+    # 5. Bad ids: nothing is sent (the send launch sees the error) and every peer is told.
+    if nbad > 0:
+        flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
+                         tl.load(hdr + flags.W_BASE) + 1, me, R)
+
+
+@triton.jit
+def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
+                             T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
+                             hdr, hdr_delta, host, sig, me, timeout_ns,
+                             R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, REC: tl.constexpr,
+                             FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
+                             SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
+    n = tl.load(ctl + flags.L_SEQ) + 1
+    half = n & 1
+    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
+                             flags.STAGE_LL_DISPATCH_SEND, timeout_ns, ctl, False, R, True, False, SHRINK,
+                             USE_CLOCK, False)
+    T = tl.where(go, T, 0)
+    hb = ctl_w + half * half_w                  # the half, in words from the area's start (every rank alike)
+    PW: tl.constexpr = H // 4 if FP8 else H // 2
+    # Programs take token blocks pid, pid + P, ...; each tile of x is read (and cast) once and stored
+    # into the record of every expert the token goes to.
+    for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        mt = t < T
+        for h0 in range(0, H, BLOCK_H):
+            oh = h0 + tl.arange(0, BLOCK_H)
+            if FP8:
+                xv = tl.load(x_ptr + t[:, None] * H + oh[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
+                q, s = quantize_blocks(xv, ROUND_SCALE, NATIVE, BLOCK_T, BLOCK_H)
+                if not NATIVE:
+                    q = q.to(tl.uint8)
+                ob = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            else:
+                ow = h0 // 2 + tl.arange(0, BLOCK_H // 2)
+                v = tl.load(xw_ptr + t[:, None] * (H // 2) + ow[None, :], mask=mt[:, None])
+            for k in tl.static_range(K):
+                sl = tl.load(slot_ptr + t * K + k, mask=mt, other=-1)
+                m = mt & (sl >= 0)
+                e = tl.where(m, tl.load(idx_ptr + t * K + k, mask=m, other=0).to(tl.int64), 0)
+                d = e // experts_per_rank
+                rec = tl.load(delta_w + d, mask=m, other=0) + hb + cnt_w + \
+                    (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
+                if FP8:
+                    tl.store(area_q + rec[:, None] * 4 + oh[None, :], q, mask=m[:, None])
+                    tl.store(area_f + rec[:, None] + PW + ob[None, :], s, mask=m[:, None])
+                else:
+                    tl.store(area_w + rec[:, None] + ow[None, :], v, mask=m[:, None])
+        # the record's last word: t * K + k (the entry combine returns the row to)
+        for k in tl.static_range(K):
+            sl = tl.load(slot_ptr + t * K + k, mask=mt, other=-1)
+            m = mt & (sl >= 0)
+            e = tl.where(m, tl.load(idx_ptr + t * K + k, mask=m, other=0).to(tl.int64), 0)
+            d = e // experts_per_rank
+            rec = tl.load(delta_w + d, mask=m, other=0) + hb + cnt_w + \
+                (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
+            tl.store(area_w + rec + (PW + (H // 128 if FP8 else 0)), (t * K + k).to(tl.int32), mask=m)
+    # The rows per expert go to the expert's rank: counts [s = me][local expert] of the half there.
+    if (tl.program_id(0) == 0) & go:
+        for e0 in range(0, num_experts, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
+            me_ = e < num_experts
+            d = tl.where(me_, e // experts_per_rank, 0)
+            me_ = me_ & (tl.load(ctl + (flags.L_FIXED + 4 * R) + d, mask=me_, other=1) == 0)
+            tl.store(area_w + tl.load(delta_w + d, mask=me_, other=0) + hb + me * experts_per_rank
+                     + (e - d * experts_per_rank), tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
+    # The last program releases READY = n in every peer and records n as this rank's last call.
+    flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+
+
+@triton.jit
+def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, cost_ptr,
+                             offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
+                             hdr, hdr_delta, host, sig, me, timeout_ns,
+                             R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
+                             REC: tl.constexpr, UE8M0: tl.constexpr, STATS: tl.constexpr, COST: tl.constexpr,
+                             SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(1)
+    NB = tl.num_programs(1)
+    # This call's number: the rank's last sent call, less the sends issued after it (host-known).
+    n = tl.load(ctl + flags.L_SEQ) - offset
+    half = n & 1
+    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_FIXED + half * R, n, sig, me,
+                             flags.STAGE_LL_DISPATCH_RECV, timeout_ns, cost_ptr, (tl.program_id(0) == 0) & (b == 0), R, False,
+                             True, SHRINK, USE_CLOCK, COST)
+    hb = ctl_w + half * half_w
+    RN = R * n_max
+    # Programs take local experts pid, pid + P, ... (P capped where ranks share a GPU).
+    for le in range(tl.program_id(0), experts_per_rank, tl.num_programs(0)):
+        # Rows per source rank for this expert (none from a masked rank, or after an error), packed in rank
+        # order: DeepEP's layout_range = begin << 32 | count.
+        total = tl.zeros([], dtype=tl.int64)
+        for s in tl.static_range(R):
+            ok = go & (tl.load(ctl + (flags.L_FIXED + 4 * R) + s, volatile=True) == 0)
+            c = tl.where(ok, tl.load(area_w + hb + s * experts_per_rank + le, volatile=True), 0).to(tl.int64)
+            if b == 0:
+                tl.store(layout + le * R + s, (total << 32) | c)
+            total += c
+        if b == 0:
+            tl.store(count + le, total.to(tl.int32))
+            if STATS:
+                tl.store(stats_ptr + le, tl.load(stats_ptr + le) + total.to(tl.int32))
+        for j0 in range(b * BLOCK_R, RN, NB * BLOCK_R):
+            j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
+            valid = j < total
+            # the source rank and index of row j
+            src = tl.zeros([BLOCK_R], dtype=tl.int64)
+            i = tl.zeros([BLOCK_R], dtype=tl.int64)
+            beg = tl.zeros([], dtype=tl.int64)
+            for s in tl.static_range(R):
+                ok = go & (tl.load(ctl + (flags.L_FIXED + 4 * R) + s, volatile=True) == 0)
+                c = tl.where(ok, tl.load(area_w + hb + s * experts_per_rank + le), 0).to(tl.int64)
+                inside = (j >= beg) & (j < beg + c)
+                src = tl.where(inside, s, src)
+                i = tl.where(inside, j - beg, i)
+                beg += c
+            rec = hb + cnt_w + ((le * R + src) * n_max + i) * REC
+            tk = tl.load(area_w + rec + PW + SW, mask=valid, other=-1)
+            tl.store(src_info + le * RN + j, tl.where(valid, tk // K, -1), mask=j < RN)
+            tl.store(ret_slot + le * RN + j, tl.where(valid, src * (n_max * K) + tk, -1).to(tl.int32), mask=j < RN)
+            # Payload and scales of the valid rows (as DeepEP, rows past the count are left as they are).
+            if j0 < total:
+                for w0 in range(0, PW, BLOCK_W):
+                    ow = w0 + tl.arange(0, BLOCK_W)
+                    mw = valid[:, None] & (ow < PW)[None, :]
+                    tl.store(out_w + (le * RN + j)[:, None] * PW + ow[None, :],
+                             tl.load(area_w + rec[:, None] + ow[None, :], mask=mw), mask=mw)
+                if SW > 0:
+                    os_ = tl.arange(0, BLOCK_S)
+                    ms = valid[:, None] & (os_ < SW)[None, :]
+                    sb = tl.load(area_w + rec[:, None] + PW + os_[None, :], mask=ms, other=0)
+                    if UE8M0:       # 4 exponent bytes per int32, column-major [E_local, SW/4, RN]
+                        ex = tl.reshape((sb >> 23) & 0xFF, [BLOCK_R, BLOCK_S // 4, 4])
+                        sh = tl.arange(0, 4) * 8
+                        packed = tl.sum(ex << sh[None, None, :], axis=2)
+                        oq = tl.arange(0, BLOCK_S // 4)
+                        tl.store(out_s + le * (SW // 4) * RN + oq[None, :] * RN + j[:, None], packed,
+                                 mask=valid[:, None] & (oq < SW // 4)[None, :])
+                    else:           # fp32 bits, column-major [E_local, SW, RN]
+                        tl.store(out_s + le * SW * RN + os_[None, :] * RN + j[:, None], sb, mask=ms)
+    # The last program frees the half for call n + 2.
+    flags.ll_finish_recv(ctl, half, n, USE_ASM)
+
+
+def _blocks_t(k: int, interp: bool) -> int:
+    """Tokens per block of the route kernel: about 128 (token, k) pairs compared pairwise."""
+    return max(1, 128 // pow2(k)) if not interp else max(1, 256 // pow2(k))
+
+
+def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, ctl: torch.Tensor,
+             num_experts: int, num_ranks: int, signals: dict) -> None:
+    """Slots of this rank's (token, expert) rows: ``slots`` int32 ``[T, K]`` (``-1``: no row), ``counts``
+    int32 ``[E]`` (rows per expert). ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block."""
+    from ._util import interpreted
+    T, K = topk_idx.shape
+    _ll_route_kernel[(1,)](topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks,
+                           signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"], R=num_ranks, K=K,
+                           BLOCK_T=_blocks_t(K, interpreted()), BLOCK_K=pow2(K), BLOCK_E=1024, num_warps=8)
+
+
+def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                     area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
+                     use_fp8: bool, round_scale: bool, shrink: bool, signals: dict, native_fp8: bool) -> None:
+    """Write this rank's rows into the experts' ranks (bf16, or cast to FP8 on the way).
+
+    ``x`` bf16 ``[T, H]``; ``topk_idx`` ``[T, K]``; ``slots``/``counts`` from :func:`ll_route`; ``area``:
+    int32 view of the local low-latency area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control
+    block; ``lay``: the call's layout (:class:`triton_ep.low_latency.Layout`); ``sig``: call signature."""
+    from ._util import interpreted
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    interp = interpreted()
+    bt = 16 if interp else 1
+    bh = min(H, 2048 if interp else 1024)
+    while H % bh:
+        bh //= 2
+    grid = max(min(triton.cdiv(T, bt), signals.get("max_programs") or 1 << 30), 1)
+    area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
+    _ll_dispatch_send_kernel[(grid,)](
+        x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
+        T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
+        signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
+        R=lay.num_ranks, K=K, H=H, REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
+        NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"],
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_E=1024, num_warps=4 if interp else 8)
+
+
+def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, num_topk: int, use_fp8: bool,
+                     use_ue8m0: bool, out_words: torch.Tensor, out_scales: Optional[torch.Tensor],
+                     src_info: torch.Tensor, ret_slot: torch.Tensor, layout_range: torch.Tensor, count: torch.Tensor,
+                     stats: Optional[torch.Tensor], cost: Optional[torch.Tensor], sig: int, shrink: bool,
+                     signals: dict) -> None:
+    """Pack the rows this rank received (call ``SEQ - offset``) expert-major into ``out_words`` (int32
+    words ``[E_local, R*N, PW]``) and ``out_scales`` (int32 bits, column-major), and fill ``src_info``
+    int32 / ``ret_slot`` int32 ``[E_local, R*N]``, ``layout_range`` int64 ``[E_local, R]``, ``count`` int32
+    ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64)."""
+    from ._util import interpreted
+    El, RN, PW = out_words.shape
+    H = lay.hidden
+    SW = H // 128 if use_fp8 else 0
+    interp = interpreted()
+    nb = 1 if interp else max(1, min(triton.cdiv(RN, 8), 4))
+    br = 64 if interp else 4
+    if signals.get("max_programs"):
+        nb = 1
+    cap = signals.get("max_programs")
+    _ll_dispatch_recv_kernel[(min(El, cap) if cap else El, nb)](
+        area, ctl, out_words, out_scales if out_scales is not None else out_words, src_info, ret_slot, layout_range,
+        count, stats if stats is not None else count, cost if cost is not None else layout_range,
+        offset, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words, lay.experts_per_rank,
+        signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
+        R=lay.num_ranks, K=num_topk, PW=PW, SW=SW, REC=lay.record_words(use_fp8), UE8M0=use_ue8m0,
+        STATS=stats is not None, COST=cost is not None, SHRINK=shrink, USE_CLOCK=signals["use_clock"],
+        USE_ASM=signals["use_clock"], BLOCK_R=br, BLOCK_W=pow2(min(PW, 2048 if interp else 512)),
+        BLOCK_S=pow2(max(SW, 4)), num_warps=4)

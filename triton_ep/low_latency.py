@@ -1,0 +1,409 @@
+"""Low-latency mode (DeepEP's decode-time dispatch and combine) within one host.
+
+:class:`LowLatency` is what :class:`~triton_ep.Buffer` delegates its ``low_latency_*`` methods to. It
+owns the low-latency area: the part of each rank's shared buffer sized by ``num_rdma_bytes``, mapped by
+every rank (CUDA IPC on GPU, POSIX shared memory on CPU), laid out by :class:`Layout`::
+
+    [ control block | half 0 | half 1 | zero-copy combine input ]
+
+Every low-latency call (a dispatch or a combine) is numbered on the device (the control block's
+``L_SEQ``, advanced by the kernels, so a CUDA graph replays it correctly) and uses half ``n & 1``. Each
+call is a *send* launch then a *receive* launch (:mod:`triton_ep.kernels.ll_dispatch`,
+:mod:`triton_ep.kernels.ll_combine`); with ``return_recv_hook`` the receive launch is what the hook
+runs. No call waits on the host, reads the device or synchronises a stream: every wait is a bounded
+device wait that writes an error record, raised by :meth:`Buffer.check` (which every call runs first).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional
+
+import torch
+
+from .config import EventOverlap
+from .kernels import flags as F
+from .kernels.fp8 import native_cast
+from .kernels.ll_combine import ll_combine_reduce, ll_combine_send
+from .kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
+from .transport import signals
+
+Tensor = torch.Tensor
+_OP_LL_DISPATCH, _OP_LL_COMBINE = 11, 12
+_ALIGN = 256
+
+
+def _up(n: int, a: int = _ALIGN) -> int:
+    return (int(n) + a - 1) // a * a
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Byte layout of the low-latency area for ``N`` tokens per rank, hidden ``H``, ``R`` ranks and ``E``
+    experts (the same on every rank). Sizes in bytes; the ``*_words`` properties in 32-bit words.
+
+    - control block: ``ll_ctl_words(R)`` int64 words (:mod:`triton_ep.kernels.flags`);
+    - each half: counts int32 ``[R][E/R]``, then ``E * N`` dispatch records (the bf16 record, the larger)
+      or, in a combine, ``N * K`` returned bf16 rows;
+    - the zero-copy combine input, bf16 ``[E/R, R*N, H]`` (local only).
+    """
+    num_ranks: int
+    n_max: int
+    hidden: int
+    num_experts: int
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def ctl_bytes(self) -> int:
+        return _up(F.ll_ctl_words(self.num_ranks) * 8)
+
+    @property
+    def count_bytes(self) -> int:
+        return _up(self.num_experts * 4)
+
+    def record_words(self, fp8: bool) -> int:
+        """32-bit words of one dispatch record: payload (+ scales) + the ``t * K + k`` word, to 4 words."""
+        H = self.hidden
+        n = (H // 4 + H // 128 if fp8 else H // 2) + 1
+        return (n + 3) // 4 * 4
+
+    @property
+    def half_bytes(self) -> int:
+        return _up(self.count_bytes + self.num_experts * self.n_max * self.record_words(False) * 4)
+
+    @property
+    def zero_copy_bytes(self) -> int:
+        return _up(self.num_experts * self.n_max * self.hidden * 2)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.ctl_bytes + 2 * self.half_bytes + self.zero_copy_bytes
+
+    ctl_words = property(lambda self: self.ctl_bytes // 4)
+    half_words = property(lambda self: self.half_bytes // 4)
+    count_words = property(lambda self: self.count_bytes // 4)
+
+
+def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of the low-latency area for these sizes (:class:`Layout`), rounded up to 128 bytes as DeepEP's."""
+    n = Layout(int(num_ranks), int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts)).total_bytes
+    return (n + 127) // 128 * 128
+
+
+class LLHandle(tuple):
+    """DeepEP's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+    num_experts)``:
+
+    - ``src_info`` int32 ``[E_local, R*N]``: the source token index of each received row (``-1`` past
+      the expert's count);
+    - ``layout_range`` int64 ``[E_local, R]``: ``begin << 32 | count`` of each source rank's rows.
+
+    It also keeps ``ret_slot`` (int32 ``[E_local, R*N]``: where combine returns each row), ``recv_count``,
+    ``num_topk``, ``num_tokens`` and the Buffer that made it.
+    """
+
+    def __new__(cls, items, buffer_uid: str, ret_slot: Tensor, recv_count: Tensor, num_tokens: int, num_topk: int):
+        self = super().__new__(cls, items)
+        self.buffer_uid, self.ret_slot, self.recv_count = buffer_uid, ret_slot, recv_count
+        self.num_tokens, self.num_topk = num_tokens, num_topk
+        return self
+
+
+class LowLatency:
+    """The low-latency state of one Buffer: its area (``area_bytes`` at byte ``offset`` of the Buffer's
+    data buffer, the same offset on every rank), hooks still to run, and the host count of sends."""
+
+    def __init__(self, buf, offset: int, area_bytes: int, shrink: bool) -> None:
+        self.buf = buf
+        comm = buf._comm
+        with torch.inference_mode(False):
+            self.area_u8 = comm.data[offset:offset + area_bytes]
+            self.area = self.area_u8.view(torch.int32)
+            self.ctl = self.area_u8[:F.ll_ctl_words(comm.size) * 8].view(torch.int64)
+        self.area_bytes = area_bytes
+        self.shrink = bool(shrink)
+        #: low-latency sends this Buffer has issued (the device's L_SEQ moves with them, in stream order)
+        self.sent = 0
+        #: sends whose receive (hook) has not run yet
+        self.pending: List[int] = []
+
+    # ------------------------------------------------------------------ helpers
+    def layout(self, n_max: int, hidden: int, num_experts: int) -> Layout:
+        lay = Layout(self.buf.group_size, n_max, hidden, num_experts)
+        if lay.total_bytes > self.area_bytes:
+            raise ValueError(f"the low-latency area holds {self.area_bytes} bytes but num_max_dispatch_tokens_per_rank="
+                             f"{n_max}, hidden={hidden}, num_experts={num_experts} need {lay.total_bytes}; build the "
+                             f"Buffer with num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...)")
+        return lay
+
+    def _start(self) -> None:
+        """What every low-latency call does first: raise recorded errors, re-synchronise after one."""
+        buf = self.buf
+        buf._live()
+        buf.check()
+        if buf._sig.needs_resync:
+            buf._run(self._resync_steps())
+
+    def _resync_steps(self):
+        """After an error: meet every rank on the host (the normal re-synchronisation), and restart the
+        low-latency call numbers above the highest any rank reached; hooks still pending are dropped."""
+        from .buffer import _OP_RESYNC
+        from .transport.ipc import SLOT_HEADER
+
+        def fill(slot):
+            slot[SLOT_HEADER] = int(self.ctl[int(F.L_SEQ)].item())
+        slots = yield from self.buf._exchange("low-latency resync after an error", None, 1, [_OP_RESYNC],
+                                              "operation", fill)
+        top = max(int(s[SLOT_HEADER]) for s in slots)
+        with torch.inference_mode():
+            self.ctl[:4].copy_(torch.tensor([top, 0, top, top], dtype=torch.int64))
+        self.pending.clear()
+
+    def _guard(self, fn, *args):
+        """Run argument checks; on failure tell the peers (their waits for this rank end at once with
+        ``EPRemoteError``) and raise."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.buf._sig.post_local_failure()
+            raise
+
+    def _claim_send(self) -> int:
+        """Host bookkeeping of a new send: call ``n`` reuses the half of call ``n - 2``, which must have been
+        received here (at most two calls outstanding)."""
+        if any(p <= self.sent - 1 for p in self.pending):
+            raise ValueError("at most two low-latency calls may be outstanding: run the receive hook of the call "
+                             "before the previous one first")
+        self.sent += 1
+        return self.sent
+
+    def _check(self, name, t, dtypes, shape):
+        return self.buf._check_tensor(name, t, dtypes, shape)
+
+    def _stats(self, name: str, t: Optional[Tensor], dtype, shapes) -> Optional[Tensor]:
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) not in shapes or not t.is_contiguous() or t.device != self.buf.device:
+            raise ValueError(f"{name} must be a contiguous tensor of shape {' or '.join(map(str, shapes))} on "
+                             f"{self.buf.device}, got {tuple(t.shape)} on {t.device}")
+        return t
+
+    def _cost(self, name: str, t: Optional[Tensor]) -> Optional[Tensor]:
+        R = self.buf.group_size
+        t = self._stats(name, t, torch.int64, [(R,), (R, R)])
+        if t is not None and t.dim() == 2:       # this rank's row: waits for each source rank
+            t = t[self.buf.rank]
+        return t
+
+    def _launch(self, hook: bool, async_finish: bool, body: Callable, tensors) -> EventOverlap:
+        """Run ``body`` as ``Buffer`` calls run their kernels: on the communication stream with
+        ``async_finish``, else on the caller's stream (always with a hook, as DeepEP: ``async_finish``
+        and ``return_recv_hook`` exclude each other), and hand the results back."""
+        buf = self.buf
+        buf._begin(None, async_finish and not hook)
+        with buf._comm_ctx(), buf._sig.watch():
+            body()
+        return buf._end(async_finish and not hook, tensors)
+
+    def _hook(self, idx: int, recv: Callable) -> Callable[[], None]:
+        done = []
+
+        def hook() -> None:
+            """Complete the receive of this low-latency call (once). Raises what the kernels recorded."""
+            if done:
+                raise ValueError("this receive hook has already run")
+            if idx not in self.pending:
+                raise ValueError("this receive hook belongs to a call dropped by a re-synchronisation after an error")
+            done.append(True)
+            self.pending.remove(idx)
+            with self.buf._sig.watch():
+                recv(self.sent - idx)
+            self.buf.check()
+        return hook
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                 cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
+                 round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        self._start()
+        buf = self.buf
+        R = buf.group_size
+        a = self._guard(self._dispatch_args, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                        use_ue8m0, async_finish, return_recv_hook)
+        xv, idx, lay, stats, cost = a
+        T, H = xv.shape
+        K = idx.shape[1]
+        N, E, El = lay.n_max, lay.num_experts, lay.experts_per_rank
+        dev = buf.device
+        sig = signals.call_signature([_OP_LL_DISPATCH, N, H, E, K, int(use_fp8), int(use_ue8m0)])
+        # fresh outputs (scales column-major in their last two dimensions, as DeepEP returns them)
+        if use_fp8:
+            recv_x = torch.empty((El, R * N, H), dtype=torch.float8_e4m3fn, device=dev)
+            S = H // 512 if use_ue8m0 else H // 128
+            sc = torch.empty((El, S, R * N), dtype=torch.int32 if use_ue8m0 else torch.float32, device=dev)
+            recv_scales = sc.transpose(1, 2)
+        else:
+            recv_x = torch.empty((El, R * N, H), dtype=torch.bfloat16, device=dev)
+            sc = recv_scales = None
+        recv_count = torch.empty(El, dtype=torch.int32, device=dev)
+        src_info = torch.empty((El, R * N), dtype=torch.int32, device=dev)
+        ret_slot = torch.empty((El, R * N), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((El, R), dtype=torch.int64, device=dev)
+        slots = torch.empty((T, K), dtype=torch.int32, device=dev)
+        counts = torch.empty(E, dtype=torch.int32, device=dev)
+        sa = buf._sig_args
+        native = native_cast()
+        idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
+
+        def send():
+            ll_route(idx, slots, counts, self.ctl, E, R, sa)
+            ll_dispatch_send(xv, idx, slots, counts, self.area, buf._delta_words, self.ctl, lay, sig, use_fp8,
+                             round_scale, self.shrink, sa, native)
+
+        def recv(offset: int):
+            ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
+                             recv_x.view(torch.int32).view(El, R * N, -1),
+                             sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
+                             recv_count, stats, cost, sig, self.shrink, sa)
+
+        handle = LLHandle((src_info, layout_range, N, H, E), buf._uid, ret_slot, recv_count, T, K)
+        out = (recv_x, recv_scales) if use_fp8 else recv_x
+        tensors = (xv, idx, slots, counts, recv_x, sc, recv_count, src_info, ret_slot, layout_range, stats, cost)
+        if return_recv_hook:
+            self.pending.append(idx_n)
+            event = self._launch(True, False, send, tensors)
+            return out, recv_count, handle, event, self._hook(idx_n, recv)
+        event = self._launch(False, async_finish, lambda: (send(), recv(0)), tensors)
+        buf.check()
+        return out, recv_count, handle, event, None
+
+    def _dispatch_args(self, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_ue8m0, async_finish, hook):
+        buf = self.buf
+        from .buffer import _isint
+        if not _isint(N) or N <= 0:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
+        buf._check_num_experts(E)
+        xv = self._check("x", x, (torch.bfloat16,), (None, None))
+        T, H = xv.shape
+        if H % 128 or H == 0:
+            raise ValueError(f"low-latency x needs hidden % 128 == 0, got hidden {H}")
+        if T > N:
+            raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={N}")
+        idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None))
+        if idx.shape[1] == 0:
+            raise ValueError("topk_idx must have at least one column")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 holds powers of two)")
+        if use_ue8m0 and H % 512:
+            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, got {H}")
+        if async_finish and hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
+        lay = self.layout(int(N), H, int(E))
+        stats = self._stats("cumulative_local_expert_recv_stats", stats, torch.int32, [(lay.experts_per_rank,)])
+        return xv, idx, lay, stats, self._cost("dispatch_wait_recv_cost_stats", cost)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
+                return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        self._start()
+        buf = self.buf
+        a = self._guard(self._combine_args, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                        return_recv_hook, out, combine_wait_recv_cost_stats)
+        xv, idx, w, h, lay, out, cost = a
+        T, K = idx.shape
+        H = lay.hidden
+        sig = signals.call_signature([_OP_LL_COMBINE, lay.n_max, H, lay.num_experts, K])
+        if out is None:
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=buf.device)
+        sa = buf._sig_args
+        idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
+
+        def send():
+            ll_combine_send(xv, h.ret_slot, h.recv_count, K, self.area, buf._delta_words, self.ctl, lay, sig,
+                            self.shrink, sa)
+
+        def recv(offset: int):
+            ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa)
+
+        tensors = (xv, idx, w, h.ret_slot, h.recv_count, out, cost)
+        if return_recv_hook:
+            self.pending.append(idx_n)
+            event = self._launch(True, False, send, tensors)
+            return out, event, self._hook(idx_n, recv)
+        event = self._launch(False, async_finish, lambda: (send(), recv(0)), tensors)
+        buf.check()
+        return out, event, None
+
+    def _combine_args(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, hook, out, cost):
+        buf = self.buf
+        if use_logfmt:
+            raise NotImplementedError("low_latency_combine(use_logfmt=True) is not implemented: rows return as bf16")
+        h = self.check_handle(handle)
+        R = buf.group_size
+        N, H, E = h[2], h[3], h[4]
+        lay = self.layout(N, H, E)
+        xv = self._check("x", x, (torch.bfloat16,), (lay.experts_per_rank, R * N, H))
+        if zero_copy and x.data_ptr() != self.zero_copy_buffer(lay).data_ptr():
+            raise ValueError("zero_copy=True needs x to be the tensor get_next_low_latency_combine_buffer(handle) "
+                             "returned (with the expert outputs written into it)")
+        T = h.num_tokens
+        idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, h.num_topk))
+        w = self._check("topk_weights", topk_weights, (torch.float32,), (T, h.num_topk))
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H) \
+                    or not out.is_contiguous() or out.device != buf.device:
+                raise ValueError(f"out must be a contiguous bf16 tensor [{T}, {H}] on {buf.device}")
+        if async_finish and hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
+        return xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost)
+
+    def check_handle(self, handle) -> LLHandle:
+        if not isinstance(handle, LLHandle):
+            raise TypeError(f"handle must be the handle low_latency_dispatch returned, got {type(handle).__name__}")
+        if handle.buffer_uid != self.buf._uid:
+            raise ValueError("handle was made by another Buffer")
+        return handle
+
+    def zero_copy_buffer(self, lay: Layout) -> Tensor:
+        """The local zero-copy combine input, bf16 ``[E_local, R*N, H]``, a view into the area."""
+        start = lay.ctl_bytes + 2 * lay.half_bytes
+        n = lay.experts_per_rank * lay.num_ranks * lay.n_max * lay.hidden
+        return self.area_u8[start:start + 2 * n].view(torch.bfloat16).view(lay.experts_per_rank,
+                                                                            lay.num_ranks * lay.n_max, lay.hidden)
+
+    # ------------------------------------------------------------------ masking
+    def _mask_words(self) -> Tensor:
+        R = self.buf.group_size
+        return self.ctl[F.off_ll_mask(R):F.off_ll_mask(R) + R]
+
+    def update_mask(self, rank: int, mask: bool) -> None:
+        from .buffer import _isint
+        if not _isint(rank) or not 0 <= rank < self.buf.group_size:
+            raise ValueError(f"rank_to_mask must be an int in [0, {self.buf.group_size}), got {rank!r}")
+        with torch.inference_mode():
+            self._mask_words()[int(rank)].fill_(1 if mask else 0)
+
+    def query_mask(self, status: Tensor) -> None:
+        R = self.buf.group_size
+        if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or tuple(status.shape) != (R,):
+            raise ValueError(f"mask_status must be an int32 tensor [{R}]")
+        with torch.inference_mode():
+            status.copy_((self._mask_words() != 0).to(torch.int32))
+
+    def clean_mask(self) -> None:
+        with torch.inference_mode():
+            self._mask_words().zero_()
+
+    def clean(self, n_max: int, hidden: int, num_experts: int) -> None:
+        from .buffer import _isint
+        if not all(_isint(v) and v > 0 for v in (n_max, hidden, num_experts)):
+            raise ValueError("clean_low_latency_buffer takes positive ints (num_max_dispatch_tokens_per_rank, "
+                             "hidden, num_experts)")
+        self.buf._check_num_experts(num_experts)
+        self.layout(n_max, hidden, num_experts)
+        self._start()
