@@ -1,11 +1,11 @@
 """Where the time of one normal-mode dispatch / combine goes, phase by phase (host clock).
 
-Each rank records, for every host barrier of a call, when it got there, when its GPU work was done
-(``sync_device``) and when all peers had arrived; the gaps are: host+GPU work before the barrier,
-the device synchronisation alone, and the wait for the slowest peer. Since ranks wait for each other on
-the device, the counts exchange of a non-cached dispatch is the only host barrier of a call; the rest
-of a call shows as the time after it. Printed as medians over ``--iters``
-calls, for rank 0. Ranks get one GPU each where there are enough, else share one (gloo).
+Each rank records, for every host wait of a call, when it got there, when its device answered and
+when all peers had arrived; the gaps are: host+GPU work before the wait, the wait itself, and (at a host
+barrier) the wait for the slowest peer. Since ranks wait for each other on the device, the only host
+wait of a call is a plain dispatch's poll of the counts its notify kernel writes (``dispatch/notify
+(host wait)``: it includes the device work queued before it and the peers' notify); the rest of a call
+shows as the time after it. Printed as medians over ``--iters`` calls, for rank 0. Ranks get one GPU each where there are enough, else share one (gloo).
 
     ./run.sh python benchmarks/profile_phases.py [--ranks 2] [--tokens 4096 --hidden 7168] [--cprofile]
 
@@ -65,10 +65,10 @@ def rank_main(rank, world, tokens, hidden, experts, topk, iters, cprofile=False)
             prev = t_start
             for stage, t0, t1, t2 in prof:
                 rows.setdefault((op, stage, "work before"), []).append((t0 - prev) * 1e3)
-                rows.setdefault((op, stage, "device sync"), []).append((t1 - t0) * 1e3)
+                rows.setdefault((op, stage, "wait"), []).append((t1 - t0) * 1e3)
                 rows.setdefault((op, stage, "wait for peers"), []).append((t2 - t1) * 1e3)
                 prev = t2
-            rows.setdefault((op, "after last barrier", "work"), []).append((t_end - prev) * 1e3)
+            rows.setdefault((op, "after the last host wait", "work"), []).append((t_end - prev) * 1e3)
             rows.setdefault((op, "whole call", "total"), []).append((t_end - t_start) * 1e3)
     buf.destroy()
     out = {" | ".join(k): statistics.median(v) for k, v in rows.items()}

@@ -136,6 +136,6 @@ def test_profile_phases_default_is_cpu_sized():
     assert "24 tokens x 256" in r.stdout
     assert_cpu_report(r, "say nothing about a GPU")
     rows = [line for line in r.stdout.splitlines() if line.startswith("  ") and " | " in line]
-    # the counts exchange is the one host barrier left on the data path (dispatch); combine has none
+    # the poll of the notify's counts is the one host wait left on the data path (dispatch); combine has none
     assert any("whole call | total" in line for line in rows)
-    assert any("dispatch/exchange counts" in line for line in rows)
+    assert any("dispatch/notify (host wait)" in line for line in rows)

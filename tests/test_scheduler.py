@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from triton_ep.errors import EPTimeoutError
 from triton_ep.scheduler import ProxyError, ProxyRemoteError, Scheduler, host_alltoall
-from triton_ep.transport.rdma import WRITE_WITH_IMM, Op
+from triton_ep.transport.rdma import WRITE_WITH_IMM
 from triton_ep.transport.signals import RingFlags
 
 from sched_helpers import Group, fabric, in_threads, payload

@@ -14,27 +14,37 @@ from triton_ep.testing import VirtualGroup, run_ranks
 
 @pytest.fixture
 def meets(monkeypatch):
-    """Counts the host rendezvous of every call (each rank's, so R per collective meeting)."""
-    counter = {"n": 0}
+    """Counts the host waits of every call (each rank's): rendezvous with the other ranks (``meet``) and
+    polls of a plain dispatch's notify block (``poll``); ``n`` is their sum."""
+    counter = {"n": 0, "meet": 0, "poll": 0}
 
     class CountingMeet(buffer_mod._Meet):
         def __new__(cls, stage):
             counter["n"] += 1
+            counter["meet"] += 1
             return super().__new__(cls, stage)
 
+    real_wait = buffer_mod.Buffer._wait_notify
+
+    def counting_wait(self, *args):
+        counter["n"] += 1
+        counter["poll"] += 1
+        return real_wait(self, *args)
+
     monkeypatch.setattr(buffer_mod, "_Meet", CountingMeet)
+    monkeypatch.setattr(buffer_mod.Buffer, "_wait_notify", counting_wait)
     return counter
 
 
 def test_host_waits_per_call(meets):
-    """A non-cached dispatch meets on the host once (for the counts); a cached dispatch, a combine and a
-    dispatch with num_worst_tokens never do, however many rounds a small buffer needs: they only enqueue
-    work."""
+    """A non-cached dispatch waits on the host once (a poll of the counts its notify kernel writes; no
+    rendezvous with the other ranks); a cached dispatch, a combine and a dispatch with num_worst_tokens
+    never do, however many rounds a small buffer needs: they only enqueue work."""
     R, E = 3, 6
     xs, idxs, ws = make_inputs(3, E, 2, 32, [9, 4, 7])
     vg = VirtualGroup(R, 1024)                      # several rounds
     res = virtual_dispatch(vg, xs, idxs, ws, E)
-    assert meets["n"] == R * 1
+    assert meets["n"] == R * 1 and meets["poll"] == R
     meets["n"] = 0
     cached = raise_first(vg.call("dispatch", [dict(x=xs[r], handle=res[r][4]) for r in range(R)]))
     comb = raise_first(vg.call("combine", [dict(x=res[r][0], handle=res[r][4]) for r in range(R)]))

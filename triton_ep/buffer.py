@@ -3,13 +3,13 @@
 Each public call checks its arguments, launches the kernels of :mod:`triton_ep.kernels` and moves data
 through :mod:`triton_ep.transport.ipc`. The body of every collective call is a generator that yields at
 each phase boundary; :meth:`Buffer._run` drives it, meeting the other ranks on the host only at
-:class:`_Meet` steps (the counts exchange of a plain dispatch, a re-synchronisation after an error), while
-the kernels wait for each other on the device (:mod:`triton_ep.kernels.flags`). :mod:`triton_ep.testing`
-drives the same generators for ranks simulated in one process.
+:class:`_Meet` steps (a re-synchronisation after an error), while the kernels wait for each other on the
+device (:mod:`triton_ep.kernels.flags`); a plain dispatch's host waits once, polling the counts its notify
+kernel writes to host-visible memory. :mod:`triton_ep.testing` drives the same generators for ranks
+simulated in one process.
 
 Errors (docs/design.md section 4): bad shapes, dtypes and devices are found before any kernel runs. So that
-no rank is left waiting, the rank that found them still takes part in the counts exchange with an error
-status (a plain dispatch) or posts a failure word its peers' kernels see (every other call), then raises
+no rank is left waiting, the rank that found them posts a failure word its peers' kernels see, then raises
 ``ValueError``/``TypeError``; the other ranks raise :class:`~triton_ep.errors.EPRemoteError` naming it.
 Bad ids are masked by the kernels and reported the same way. Errors the kernels record are raised by
 :meth:`Buffer.check`. A peer that never arrives gives :class:`~triton_ep.errors.EPTimeoutError`.
@@ -35,6 +35,7 @@ from .config import Config, EventOverlap
 from .errors import EPError, EPRemoteError, EPTimeoutError
 from .kernels.combine import record_bytes as combine_record_bytes
 from .kernels import flags as F
+from .kernels import notify as NT
 from .kernels.dispatch import record_words as dispatch_record_words
 from .transport import ipc, signals
 
@@ -50,8 +51,8 @@ _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE, _OP_RESYNC = 1, 2, 3, 4
 
 
 class _Meet(str):
-    """A step where the ranks meet on the host (a bounded barrier in the control block): the counts
-    exchange of a non-cached dispatch, and the re-synchronisation after an error. Every other step a
+    """A step where the ranks meet on the host (a bounded barrier in the control block): the
+    re-synchronisation after an error. Every other step a
     call yields is only a phase boundary: ranks simulated in one process run their launches phase by
     phase, and real ranks wait for each other on the device."""
 _STATUS_TEXT = {1: "invalid arguments", 2: "topk_idx ids outside [-1, num_experts)"}
@@ -181,6 +182,7 @@ def _collective(e: BaseException) -> BaseException:
 
 
 _MAX_INT32 = 2 ** 31 - 1
+_MAX_ROWS = 1 << 62          # "no capacity limit" for the notify of a plain dispatch
 
 
 def _to_dev(a, dtype: torch.dtype, device: torch.device, shape=None) -> Tensor:
@@ -296,8 +298,10 @@ class Buffer:
         self._on_comm = False
         #: work of an earlier call may still run on the communication / the caller's stream
         self._comm_dirty = self._caller_dirty = False
-        self._counts_pinned: Optional[Tensor] = None      # pinned staging of a dispatch's counts (GPU)
-        self._base_seen = 0                                # W_BASE as the counts copy saw it
+        #: host-visible block of a plain dispatch's notify results, and the last dispatch number sent there
+        self._notify_res: Optional[Tensor] = None
+        self._notify_np: Optional[np.ndarray] = None
+        self._notify_seq = 0
         self._ll = None
         if self.low_latency_mode and self.group is not None and ll_bytes:
             from .low_latency import LowLatency
@@ -742,7 +746,7 @@ class Buffer:
             gen.close()
 
     def _exchange(self, stage: str, err: Optional[BaseException], status: int, sig: Sequence[int],
-                  sig_names: str, fill=None, base: Optional[int] = None) -> Generator:
+                  sig_names: str, fill=None) -> Generator:
         """Publish this rank's status, signature (and, through ``fill``, its counts), meet the others,
         then raise on every rank if any rank failed (every exception raised here is raised on all ranks at
         the same step). Returns the list of all ranks' slots."""
@@ -754,7 +758,7 @@ class Buffer:
         slot[_ST] = 0 if err is None else status
         slot[_SIG0:_SIG0 + len(sig)] = sig
         with self._comm_ctx():
-            slot[_BASE], slot[_HASERR] = self._sig.local_state(base)
+            slot[_BASE], slot[_HASERR] = self._sig.local_state()
         slot[_SEQ] = self._dispatch_seq
         slot[_XN] = self._op          # this rank's exchange count: equal on ranks in step
         if fill is not None and err is None:
@@ -891,99 +895,64 @@ class Buffer:
     @_steps
     def _dispatch_steps(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish):
-        R, me = self.group_size, self.rank
-        err, a, status = None, None, 1
+        R = self.group_size
         self.check()
         cached = handle is not None
-        # With num_worst_tokens the host never learns the counts: they travel on the device (notify).
-        on_device = not cached and _isint(num_worst_tokens) and num_worst_tokens > 0
         if not cached:
             self._dispatch_seq += 1          # the same on every rank: names the handle this call makes
-        if (cached or on_device) and self._sig.needs_resync:
+        if self._sig.needs_resync:
             yield from self._resync_steps()
         try:
             a = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
-        except Exception as e:  # noqa: BLE001 - reported to every rank (exchange, or device words)
-            if cached or on_device:
-                raise self._fail_call(e)
-            err = e
+        except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
+            raise self._fail_call(e)
+        # With num_worst_tokens the host never learns the counts: they stay on the device.
+        worst = not cached and num_worst_tokens > 0
         # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
         # ranks that call different collectives, or pass handles of different dispatches, fail together.
         op = _OP_CACHED_DISPATCH if cached else _OP_DISPATCH
-        seq = a.handle.seq if (err is None and cached) else 0
-        sig = [op, a.row_words, a.scale_words, a.num_topk, a.flags, a.num_experts, seq, a.dtype_code] if err is None else [op] + [0] * 7
-        names = "operation, row words, scale words, top-k, flags, experts, handle's dispatch, x dtype"
+        seq = a.handle.seq if cached else 0
+        sig = [op, a.row_words, a.scale_words, a.num_topk, a.flags, a.num_experts, seq, a.dtype_code]
         self._begin(previous_event, async_finish)
-        n_recv_dev = None
         if cached:
             h = a.handle
             recv_rows_max, row_base = h.recv_rows_max, h.row_base
             send_pos, in_rank = h.send_head, h.is_token_in_rank
             n_recv, n_out, n_recv_dev = h.num_recv_tokens, h.num_out_rows, h.n_recv_dev
-        elif on_device:
-            sig.append(num_worst_tokens)       # the rounds depend on it: every rank must pass the same
+        else:
+            # The counts travel on the device (notify): every rank's row of the count matrix, and for a
+            # plain dispatch the per-expert counts, into every rank's header; each rank builds its
+            # handle's tables from the matrix.
+            if worst:
+                sig.append(num_worst_tokens)       # the rounds depend on it: every rank must pass the same
+            El = a.num_experts // R
             with self._comm_ctx():
                 lay = self._routing(a)
             in_rank, send_pos = lay[2], lay[3]
             yield "dispatch/notify"
             with self._comm_ctx(), self._sig.watch():
-                kernels.notify_send(lay[5], a.num_experts, self._sig_args)
+                kernels.notify_send(lay[5], a.num_experts, self._sig_args, experts=not worst)
             yield "dispatch/notify receive"
             with self._comm_ctx(), self._sig.watch():
                 t32_dev = torch.empty(R * R + 2 * R, dtype=torch.int32, device=self.device)
                 tables = torch.empty(4 * R + 1, dtype=torch.int64, device=self.device)
-                kernels.notify_recv(t32_dev, tables, num_worst_tokens, self._sig_args)
+                res = None
+                if not worst:
+                    res = self._notify_block(El)
+                    self._notify_seq += 1
+                kernels.notify_recv(t32_dev, tables, num_worst_tokens if worst else _MAX_ROWS, self._sig_args, res,
+                                    self._notify_seq, El)
             row_base, combine_tables, n_recv_dev = tables[:R], tables[R:4 * R], tables[4 * R:]
-            n_recv, n_out, expert_list = None, num_worst_tokens, []
-            recv_rows_max, area_rows_max = num_worst_tokens, R * num_worst_tokens   # bounds: ranks receive <= it
-        else:
-            # The one host wait of a dispatch: the counts (and every rank's status and signature).
-            stage = "dispatch/exchange counts"
-            lay = host = None
-            if err is None:
-                try:
-                    with self._comm_ctx():
-                        lay = self._routing(a)
-                        # one device-to-host copy: counts per rank, per expert, and bad ids
-                        host = self._counts_to_host(lay[5]).astype(np.int64)
-                except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange
-                    err = e
-            if err is None and a.topk_idx is None and (host[R:R + a.num_experts] < 0).any():
-                err = ValueError(f"num_tokens_per_expert holds negative counts on rank {me} (without topk_idx the "
-                                 f"given counts are used as they are)")
-            if err is None:
-                nbad = int(host[R + a.num_experts]) if lay[4] is not None else 0
-                if nbad:
-                    status = 2
-                    err = ValueError(f"topk_idx holds {nbad} ids outside [-1, {a.num_experts}) on rank {me}; "
-                                     f"they were masked and nothing was sent")
-
-            def fill(slot):
-                slot[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R + a.num_experts] = host[:R + a.num_experts]
-
-            slots = yield from self._exchange(stage, err, status, sig, names, fill, self._base_seen if host is not None else None)
-            counts = np.stack([s[ipc.SLOT_HEADER:ipc.SLOT_HEADER + R] for s in slots])        # [src, dst]
-            rpm = np.cumsum(counts, axis=0)
-            E = a.num_experts
-            El = E // R
-            per_expert = sum(s[ipc.SLOT_HEADER + R + me * El:ipc.SLOT_HEADER + R + (me + 1) * El] for s in slots)
-            al = a.expert_alignment
-            expert_list = [int((c + al - 1) // al * al) for c in per_expert.tolist()]
-            in_rank, send_pos = lay[2], lay[3]
-            n_recv = n_out = int(rpm[-1][me])       # (num_worst_tokens > 0 takes the device path above)
-            recv_rows_max, area_rows_max = int(rpm[-1].max()), int(counts.sum(axis=1).max())
-            # Every device table the handle keeps, in one upload: rank_prefix_matrix [R, R], send prefix
-            # [R, 1], receive start [R, 1] (int32, DeepEP's), then this rank's row base in each receiver and
-            # combine's tables (int64).
-            sent = np.cumsum(counts[me])
-            t32 = np.concatenate([rpm.reshape(-1), sent, [0], rpm[:-1, me]])
-            t64 = np.concatenate([rpm[me - 1] if me > 0 else np.zeros(R, dtype=np.int64),
-                                  counts[:, :me].sum(axis=1), [0], sent[:-1], rpm[:, me]])
-            with self._comm_ctx():
-                tables = _to_dev(np.concatenate([t32, t64]), torch.int64, self.device)
-                t32_dev = tables[:t32.size].to(torch.int32)
-            row_base, combine_tables = tables[t32.size:t32.size + R], tables[t32.size + R:]
+            if worst:
+                n_recv, n_out, expert_list = None, num_worst_tokens, []
+                recv_rows_max, area_rows_max = num_worst_tokens, R * num_worst_tokens   # ranks receive <= it
+            else:
+                # The one host wait of a plain dispatch: the rows that arrive here, and per local expert.
+                n_recv, recv_rows_max, area_rows_max, per_expert = self._wait_notify(El)
+                n_out = n_recv
+                al = a.expert_alignment
+                expert_list = [(c + al - 1) // al * al for c in per_expert]
 
         rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
         cap = self._capacity(rec_words * 4, "dispatch")
@@ -1018,13 +987,14 @@ class Buffer:
             yield f"dispatch/receive round {k}"
             with self._comm_ctx(), self._sig.watch():
                 # with the count on the device (num_worst_tokens), the kernel also writes the padding rows
-                kernels.dispatch_recv(rec, min(max((n_recv if n_recv is not None else n_out) - lo, 0), cap), lo, me,
+                kernels.dispatch_recv(rec, min(max((n_recv if n_recv is not None else n_out) - lo, 0), cap), lo, self.rank,
                                       a.num_experts // R, a.row_words, a.scale_words,
                                       a.num_topk if not cached else 0, rec_words, recv_x.view(torch.int32),
                                       recv_sc.view(torch.int32) if recv_sc is not None else None, recv_idx,
                                       recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
                                       signals=self._sig_args, rnd=k, sig=call_sig,
-                                      advance=rounds if k == rounds - 1 else 0, n_recv=n_recv_dev, cap=cap)
+                                      advance=rounds if k == rounds - 1 else 0,
+                                      n_recv=n_recv_dev if n_recv is None else None, cap=cap)
         out_x = (recv_x, recv_sc) if sc is not None else recv_x
         inputs = (xv, sc, idx, a.topk_weights, send_pos, row_base)
         if cached:
@@ -1040,36 +1010,45 @@ class Buffer:
         self.check()
         return out_x, recv_idx, recv_w, expert_list, new_handle, event
 
-    def _counts_to_host(self, counts: Tensor) -> np.ndarray:
-        """``counts`` (int32 ``[n]``) on the host, without a stream synchronise (and this rank's completed
-        rounds, ``W_BASE``, in ``_base_seen``): on GPU an asynchronous copy
-        into pinned memory and an event this rank polls with a deadline (``timeout_s`` + 5 s; the kernels
-        before it bound their own waits by ``timeout_s``), on CPU a plain copy.
+    def _notify_block(self, experts_per_rank: int) -> Tensor:
+        """The host-visible block a plain dispatch's notify writes its results into (int64 ``[8 + E_local]``;
+        pinned host memory on GPU), grown on demand."""
+        n = 8 + experts_per_rank
+        if self._notify_res is None or self._notify_res.numel() < n:
+            with torch.inference_mode(False):
+                self._notify_res = torch.zeros(max(n, 64), dtype=torch.int64, device="cpu",
+                                               pin_memory=self.device.type == "cuda")
+            self._notify_np = self._notify_res.numpy()
+            self._notify_seq = 0
+        return self._notify_res
+
+    def _wait_notify(self, experts_per_rank: int) -> Tuple[int, int, int, list]:
+        """The host wait of a plain dispatch: poll the notify block until this call's sequence word arrives
+        (no stream synchronise), bounded by ``timeout_s`` + 5 s (the kernel bounds its own waits by
+        ``timeout_s``). Returns (rows received, the group's largest receive, its largest send, rows per
+        local expert).
 
         Raises:
-            EPTimeoutError: the copy did not finish in time (this rank's device work is stalled)."""
-        base = self._sig.header[int(F.W_BASE):int(F.W_BASE) + 1]
-        if counts.device.type != "cuda":
-            self._base_seen = int(base.item())
-            return counts.numpy()
-        n = counts.numel()
-        if self._counts_pinned is None or self._counts_pinned.numel() < n:
-            self._counts_pinned = torch.empty(max(n, 1024), dtype=torch.int32, pin_memory=True)
-            self._base_pinned = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        dst = self._counts_pinned[:n]
-        dst.copy_(counts, non_blocking=True)
-        # and the rounds this rank has completed (the exchange compares them), in the same wait
-        self._base_pinned.copy_(base, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
+            what the kernels recorded (bad ids, a peer that failed, left or called another collective, a
+            timeout: :meth:`check`); EPTimeoutError: the block never arrived (this rank's device is stalled).
+        """
+        res, want = self._notify_np, self._notify_seq
+        t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s + 5.0
-        while not ev.query():
+        while res[int(NT.RES_SEQ)] != want and self._sig.record() is None:
             if time.monotonic() > deadline:
-                raise EPTimeoutError(self.rank, None, "dispatch/counts to host (this rank's device work)",
+                raise EPTimeoutError(self.rank, None, "dispatch/notify (the host's wait for its device)",
                                      self.timeout_s + 5.0)
             time.sleep(0)
-        self._base_seen = int(self._base_pinned.numpy()[0])
-        return dst.numpy()
+        if self._comm.profile is not None:          # benchmarks/profile_phases.py
+            t1 = time.perf_counter()
+            self._comm.profile.append(("dispatch/notify (host wait)", t0, t1, t1))
+        self.check()
+        if res[int(NT.RES_STATUS)]:
+            raise EPError(f"rank {self.rank}: the dispatch's notify stopped on an earlier error; nothing was moved")
+        e0 = int(NT.RES_EXPERTS)
+        return (int(res[int(NT.RES_N_RECV)]), int(res[int(NT.RES_RECV_MAX)]), int(res[int(NT.RES_SEND_MAX)]),
+                res[e0:e0 + experts_per_rank].tolist())
 
     def _routing(self, a):
         """Layout of this call: from ``topk_idx`` by the kernel, else from ``is_token_in_rank``."""

@@ -550,10 +550,12 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes:
     ``first_rx[p]`` (default: where the previous call of this function left off; every rank must call it
     the same number of times).
 
-    Returns (once every chunk it wrote is placed at its peer): peer -> received uint8 array.  Raises: the proxy's error; ``EPTimeoutError`` naming the peer and
-    the stage when nothing moves for ``timeout_s``.
+    Returns (once every chunk it wrote is placed at its peer): peer -> received uint8 array.
+
+    Raises: the proxy's error; ``EPTimeoutError`` naming the peer and the stage when nothing moves for
+    ``timeout_s``.
     """
-    S, C = sched.slots, sched.slot_bytes
+    C = sched.slot_bytes
     pos = getattr(sched, "_host_pos", None) or ({p: 0 for p in sched.peers}, {p: 0 for p in sched.peers})
     tx0 = dict(first_tx or pos[0])
     rx0 = dict(first_rx or pos[1])

@@ -78,9 +78,20 @@ def off_notify(R):
     return int(W_FIXED) + 5 * R
 
 
+#: ``NOTIFY_E[s * E_local + e]`` after ``NOTIFY``: rows rank ``s`` sends to this rank's local expert ``e``
+#: in the current call (a plain dispatch: the host learns the per-expert counts from them); room for
+#: ``NOTIFY_E_WORDS`` experts in all
+NOTIFY_E_WORDS = tl.constexpr(16384)
+
+
+def off_notify_e(R):
+    """``NOTIFY_E``: per-expert counts each rank sends here (see ``NOTIFY_E_WORDS``)."""
+    return int(W_FIXED) + 5 * R + R * R
+
+
 def header_words(R):
     """int64 words of one rank's signal header."""
-    return int(W_FIXED) + 5 * R + R * R
+    return int(W_FIXED) + 5 * R + R * R + int(NOTIFY_E_WORDS)
 
 
 # ---- the host-visible block (int64 words): pinned host memory on GPU, plain memory on CPU ----
@@ -90,7 +101,9 @@ H_KIND = tl.constexpr(2)          #: error kind, written last (release)
 H_PEER = tl.constexpr(3)
 H_STAGE = tl.constexpr(4)
 H_CALL = tl.constexpr(5)          #: the round the error happened in
-H_INFO = tl.constexpr(6)          #: a number the error names (``E_CAPACITY``: the rows the rank receives)
+H_INFO = tl.constexpr(6)          #: a number the error names (``E_CAPACITY``: the rows the rank receives;
+                                  #: ``E_BADIDS``: the bad ids)
+H_INFO2 = tl.constexpr(7)         #: a second one (``E_BADIDS``: the number of experts)
 H_WORDS = tl.constexpr(8)
 
 # error kinds
@@ -100,6 +113,7 @@ E_FAILED = tl.constexpr(3)        #: ``peer`` failed the call (bad arguments the
 E_MISMATCH = tl.constexpr(4)      #: ``peer`` called another operation, handle or sizes
 E_BADIDS = tl.constexpr(5)        #: this rank's ``topk_idx`` holds ids outside ``[-1, E)`` (``peer``: this rank)
 E_CAPACITY = tl.constexpr(6)      #: rank ``peer`` receives more rows than ``num_worst_tokens``
+E_BADCOUNTS = tl.constexpr(7)     #: this rank's ``num_tokens_per_expert`` holds negative counts (``peer``: this rank)
 
 # stages (error records name them; 0 = unknown)
 STAGE_DISPATCH_SEND = tl.constexpr(1)
@@ -218,6 +232,28 @@ def wait_at_least(flag, want, hdr, host, peer, timeout_ns, R: tl.constexpr, USE_
     t0 = _now_ns(USE_CLOCK)
     while (v < want) & (status == 0):
         status = _peer_status(hdr, peer, R)
+        if USE_CLOCK:
+            if _now_ns(USE_CLOCK) - t0 > timeout_ns:
+                status = tl.maximum(status, E_TIMEOUT)
+        elif tl.load(host + H_ABORT, volatile=True) != 0:
+            status = tl.maximum(status, E_TIMEOUT)
+        v = acquire(flag)
+    return status
+
+
+@triton.jit
+def wait_notified(flag, want, ready, hdr, host, peer, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """:func:`wait_at_least` for a peer's ``NOTIFIED`` word, which also ends with ``E_MISMATCH`` when the
+    peer released ``READY`` (``ready``) for the awaited round first: it is running another collective (a
+    dispatch notifies before it sends anything of that round)."""
+    status = _peer_status(hdr, peer, R)
+    v = acquire(flag)
+    t0 = _now_ns(USE_CLOCK)
+    while (v < want) & (status == 0):
+        status = _peer_status(hdr, peer, R)
+        if acquire(ready) >= want:
+            if acquire(flag) < want:        # read again: a notifying peer released NOTIFIED before READY
+                status = tl.maximum(status, E_MISMATCH)
         if USE_CLOCK:
             if _now_ns(USE_CLOCK) - t0 > timeout_ns:
                 status = tl.maximum(status, E_TIMEOUT)

@@ -57,46 +57,47 @@ class Launcher:
     Args:
         fn: the ``triton.jit`` function. Its constexpr parameters must come after its runtime ones and be
             passed by keyword; runtime arguments are passed by position.
+        options: compile options for every launch on GPU (e.g. ``enable_fp_fusion=False``); the
+            interpreter takes none. A launch given other keywords than the constexprs always goes
+            through Triton.
 
     ``Launcher(fn)[grid](*args, num_warps=w, **constexprs)`` behaves as ``fn[grid](...)``: same kernels,
     same results, on the current stream. Raises what Triton raises (compilation errors on the first
     launch of a specialisation; a missing constexpr raises ``KeyError`` naming it).
     """
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, **options) -> None:
         self.fn = fn
         self._cache: Dict[tuple, tuple] = {}
+        self._driver = None
         self._interp = interpreted()
         self.constexprs: Tuple[str, ...] = ()
+        self.options = {} if self._interp else options
         if not self._interp:
             self.constexprs = tuple(p.name for p in fn.params if p.is_constexpr)
-            from triton.runtime import driver
-            self._stream = driver.active.get_current_stream
-            self._device = driver.active.get_current_device
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, num_warps: int = 4, **meta) -> None:
-        if self._interp or _hooks_set():
-            self.fn[grid](*args, num_warps=num_warps, **meta)
+        if self._interp or _hooks_set() or len(meta) != len(self.constexprs):
+            self.fn[grid](*args, num_warps=num_warps, **meta, **self.options)
             return
         cvals = tuple(map(meta.__getitem__, self.constexprs))
         key = (cvals, num_warps, tuple(map(_arg_key, args)))
         entry = self._cache.get(key)
         if entry is None:
-            kernel = self.fn[grid](*args, num_warps=num_warps, **meta)     # compile (or load) and launch
+            kernel = self.fn[grid](*args, num_warps=num_warps, **meta, **self.options)   # compile and launch
+            if self._driver is None:        # the GPU driver, known once a kernel has launched through Triton
+                from triton.runtime import driver
+                self._driver = (driver.active.get_current_stream, driver.active.get_current_device)
             self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata)
             return
         run, function, packed = entry
+        stream, device = self._driver
         n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(self._device()), function,
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream(device()), function,
             packed, None, None, None, *args, *cvals)
 
 
-def launcher(fn) -> Launcher:
-    """Decorator form: ``@launcher`` above ``@triton.jit`` (see :class:`Launcher`)."""
-    return Launcher(fn)
-
-
-__all__ = ["Launcher", "launcher"]
+__all__ = ["Launcher"]

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from . import flags
 from ._util import pow2
+from .launch import Launcher
 from .combine import _bf16_rtne_bits
 
 
@@ -55,6 +56,9 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max
                          tl.load(xw_ptr + (le * RN + j)[:, None] * WX + ow[None, :], mask=mw), mask=mw)
     # The last program releases READY = n in every peer and records n as this rank's last call.
     flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+
+
+_ll_combine_send_launch = Launcher(_ll_combine_send_kernel)
 
 
 @triton.jit
@@ -98,6 +102,10 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
     flags.ll_finish_recv(ctl, half, n, USE_ASM)
 
 
+# no fused multiply-add: w * v is rounded, then added, as in the reference
+_ll_combine_reduce_launch = Launcher(_ll_combine_reduce_kernel, enable_fp_fusion=False)
+
+
 def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, num_topk: int,
                     area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int, shrink: bool,
                     signals: dict) -> None:
@@ -108,7 +116,7 @@ def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor
     interp = interpreted()
     cap = signals.get("max_programs")
     nb = 1 if (interp or cap) else 4
-    _ll_combine_send_kernel[(min(El, cap) if cap else El, nb)](
+    _ll_combine_send_launch[(min(El, cap) if cap else El, nb)](
         x.view(torch.int32), ret_slot, count, area, delta_words, ctl, lay.n_max, lay.ctl_words, lay.half_words,
         lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], sig,
         signals["me"], signals["timeout_ns"], R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink,
@@ -131,10 +139,9 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
         bh //= 2
     cap = signals.get("max_programs")
     grid = max(min(triton.cdiv(T, bt), cap) if cap else triton.cdiv(T, bt), 1)
-    extra = {} if interp else {"enable_fp_fusion": False}     # w * v rounded, then added: as the reference
-    _ll_combine_reduce_kernel[(grid,)](
+    _ll_combine_reduce_launch[(grid,)](
         area.view(torch.bfloat16), ctl, topk_idx, topk_weights, out.view(torch.int16),
         cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
         lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
         signals["timeout_ns"], R=lay.num_ranks, K=K, H=H, COST=cost is not None, SHRINK=shrink,
-        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_T=bt, BLOCK_H=bh, num_warps=4, **extra)
+        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_T=bt, BLOCK_H=bh, num_warps=4)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from . import flags
 from ._util import pow2
+from .launch import Launcher
 from .fp8 import quantize_blocks
 
 
@@ -77,6 +78,9 @@ def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_pe
     if nbad > 0:
         flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
                          tl.load(hdr + flags.W_BASE) + 1, me, R)
+
+
+_ll_route_launch = Launcher(_ll_route_kernel)
 
 
 @triton.jit
@@ -144,6 +148,9 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                      + (e - d * experts_per_rank), tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
     # The last program releases READY = n in every peer and records n as this rank's last call.
     flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+
+
+_ll_dispatch_send_launch = Launcher(_ll_dispatch_send_kernel)
 
 
 @triton.jit
@@ -221,6 +228,9 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
     flags.ll_finish_recv(ctl, half, n, USE_ASM)
 
 
+_ll_dispatch_recv_launch = Launcher(_ll_dispatch_recv_kernel)
+
+
 def _blocks_t(k: int, interp: bool) -> int:
     """Tokens per block of the route kernel: about 128 (token, k) pairs compared pairwise."""
     return max(1, 128 // pow2(k)) if not interp else max(1, 256 // pow2(k))
@@ -232,7 +242,7 @@ def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, 
     int32 ``[E]`` (rows per expert). ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block."""
     from ._util import interpreted
     T, K = topk_idx.shape
-    _ll_route_kernel[(1,)](topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks,
+    _ll_route_launch[(1,)](topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks,
                            signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"], R=num_ranks, K=K,
                            BLOCK_T=_blocks_t(K, interpreted()), BLOCK_K=pow2(K), BLOCK_E=1024, num_warps=8)
 
@@ -255,7 +265,7 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
         bh //= 2
     grid = max(min(triton.cdiv(T, bt), signals.get("max_programs") or 1 << 30), 1)
     area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
-    _ll_dispatch_send_kernel[(grid,)](
+    _ll_dispatch_send_launch[(grid,)](
         x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
         T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
         signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
@@ -283,7 +293,7 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
     if signals.get("max_programs"):
         nb = 1
     cap = signals.get("max_programs")
-    _ll_dispatch_recv_kernel[(min(El, cap) if cap else El, nb)](
+    _ll_dispatch_recv_launch[(min(El, cap) if cap else El, nb)](
         area, ctl, out_words, out_scales if out_scales is not None else out_words, src_info, ret_slot, layout_range,
         count, stats if stats is not None else count, cost if cost is not None else layout_range,
         offset, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words, lay.experts_per_rank,

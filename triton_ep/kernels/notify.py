@@ -1,15 +1,22 @@
-"""Notify: the counts of a dispatch with ``num_worst_tokens``, exchanged on the device (no host wait).
+"""Notify: the counts of every non-cached dispatch, exchanged on the device.
 
 Each rank's send counts per destination (one row of the ``R x R`` matrix ``C[s][j]``) are written into
 every rank's signal header (``NOTIFY``), then released with ``NOTIFIED[me] = n`` (``n``: the call's first
 round). Every rank then waits for all rows and builds the handle's device tables from the matrix in the
-same launch, so the whole dispatch only enqueues work (it captures in a CUDA graph).
+same launch.
 
 - :func:`notify_send` (one program): bad ids in this rank's ``topk_idx`` end the call here (an error
-  record, and the peers are told); else it publishes this rank's row.
+  record, and the peers are told); else it publishes this rank's row and, for a plain dispatch, its
+  per-expert counts of each rank's experts (``NOTIFY_E``).
 - :func:`notify_recv` (one program): waits for every row, writes the handle's tables from the matrix, and
   checks that no rank receives more than ``num_worst_tokens`` rows (the same check on every rank, from
-  the same matrix).
+  the same matrix). A peer that released data of the awaited round before notifying runs another
+  collective: ``E_MISMATCH``.
+
+With ``num_worst_tokens`` the whole dispatch only enqueues work (it captures in a CUDA graph). A plain
+dispatch's host must learn how many rows arrive: ``notify_recv`` also writes them, the group's row
+maxima and the rows per local expert into a host-visible block and releases a sequence word there last,
+which the host polls (the call's one host wait; no stream synchronise, no host barrier).
 
 A rank's ``NOTIFY`` words are rewritten only by a later call's notify, by which time every rank has read
 them: each rank reads them before its first send of the call, and the writer's previous call could not
@@ -21,23 +28,52 @@ import triton.language as tl
 
 from . import flags
 from .launch import Launcher
+from ._util import pow2
 from .dispatch import sync_args, _use_clock
+
+# The host result block of a plain dispatch's notify (int64 words; pinned host memory on GPU).
+RES_SEQ = tl.constexpr(0)          #: the dispatch number, released last: the host polls it
+RES_STATUS = tl.constexpr(1)       #: nonzero when an error record stopped the notify (the host raises it)
+RES_N_RECV = tl.constexpr(2)       #: rows this rank receives
+RES_RECV_MAX = tl.constexpr(3)     #: the most rows any rank receives
+RES_SEND_MAX = tl.constexpr(4)     #: the most rows any rank sends
+RES_EXPERTS = tl.constexpr(8)      #: then rows per local expert (E_local words)
 
 
 @triton.jit
-def _notify_send_kernel(counts_ptr, num_experts, hdr, hdr_delta, host, k, sig, me, timeout_ns,
-                        R: tl.constexpr, USE_CLOCK: tl.constexpr):
+def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, hdr, hdr_delta, host, k, sig, me, timeout_ns,
+                        R: tl.constexpr, USE_CLOCK: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Step 1: this call's first round, and whether this rank's input is sound (no error yet, no bad id,
+    # with EXPERTS no negative per-expert count: those were given by the caller).
     n = tl.load(hdr + flags.W_BASE) + 1
     ok = tl.load(hdr + flags.W_ERR, volatile=True) == 0
     nbad = tl.load(counts_ptr + R + num_experts).to(tl.int64)
     if ok & (nbad > 0):
+        tl.store(host + flags.H_INFO, nbad)
+        tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
         flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_NOTIFY, n, me, R)
         ok = ok & (nbad == 0)
+    if EXPERTS:
+        neg = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for e0 in range(0, num_experts, BLOCK_E):
+            oe = e0 + tl.arange(0, BLOCK_E)
+            neg += (tl.load(counts_ptr + R + oe, mask=oe < num_experts, other=0) < 0).to(tl.int32)
+        if ok & (tl.sum(neg, axis=0) > 0):
+            flags.post_error(hdr, hdr_delta, host, flags.E_BADCOUNTS, me, flags.STAGE_NOTIFY, n, me, R)
+            ok = False
+    # Step 2: this rank's row of the count matrix (and its per-expert counts for each rank's experts) into
+    # every rank's header, then NOTIFIED[me] = n there.
     if ok:
         for r in tl.static_range(R):
             peer = hdr + tl.load(hdr_delta + r)
             for j in tl.static_range(R):
                 tl.store(peer + (flags.W_FIXED + 5 * R) + me * R + j, tl.load(counts_ptr + j).to(tl.int64))
+            if EXPERTS:
+                for e0 in range(0, experts_per_rank, BLOCK_E):
+                    oe = e0 + tl.arange(0, BLOCK_E)
+                    me_ = oe < experts_per_rank
+                    c = tl.load(counts_ptr + R + r * experts_per_rank + oe, mask=me_, other=0).to(tl.int64)
+                    tl.store(peer + (flags.W_FIXED + 5 * R + R * R) + me * experts_per_rank + oe, c, mask=me_)
             flags.release(peer + (flags.W_FIXED + 4 * R) + me, n)
 
 
@@ -45,14 +81,17 @@ _notify_send_launch = Launcher(_notify_send_kernel)
 
 
 @triton.jit
-def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, hdr, hdr_delta, host, k, sig, me, timeout_ns,
-                        R: tl.constexpr, USE_CLOCK: tl.constexpr):
+def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, k, sig,
+                        me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, HOST_OUT: tl.constexpr,
+                        BLOCK_E: tl.constexpr):
     n = tl.load(hdr + flags.W_BASE) + 1
     bad = (tl.load(hdr + flags.W_ERR, volatile=True) != 0).to(tl.int32)
     # Wait for every rank's row (a rank that failed or left ends the wait at once).
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
-            st = flags.wait_at_least(hdr + (flags.W_FIXED + 4 * R) + r, n, hdr, host, r, timeout_ns, R, USE_CLOCK)
+            # (a peer that released READY for round n first runs another collective: E_MISMATCH)
+            st = flags.wait_notified(hdr + (flags.W_FIXED + 4 * R) + r, n, hdr + flags.W_FIXED + r, hdr, host, r,
+                                     timeout_ns, R, USE_CLOCK)
             # a peer that published its row and then failed (it found a rank over capacity, as this rank
             # will from the same matrix) does not stop this rank: the capacity error is named below
             if (st == flags.E_FAILED) & (flags.acquire(hdr + (flags.W_FIXED + 4 * R) + r) >= n):
@@ -96,25 +135,66 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, hdr, hdr_delta, host, k, si
     if (bad == 0) & (over >= 0):
         tl.store(host + flags.H_INFO, got)
         flags.post_error(hdr, hdr_delta, host, flags.E_CAPACITY, over, flags.STAGE_NOTIFY, n, me, R)
+    # For the host (a plain dispatch's one wait): rows received, the group's largest receive and send
+    # totals (they size the rounds, the same on every rank), the rows per local expert, then seq, released
+    # last: the host polls it.
+    if HOST_OUT:
+        rmax = tl.full([], 0, tl.int64)
+        smax = tl.full([], 0, tl.int64)
+        for j in tl.static_range(R):
+            col = tl.full([], 0, tl.int64)
+            row = tl.full([], 0, tl.int64)
+            for s in tl.static_range(R):
+                col += tl.where(bad == 0, tl.load(NOTIFY + s * R + j, volatile=True), 0)
+                row += tl.where(bad == 0, tl.load(NOTIFY + j * R + s, volatile=True), 0)
+            rmax = tl.maximum(rmax, col)
+            smax = tl.maximum(smax, row)
+            if j == me:
+                tl.store(res_ptr + RES_N_RECV, col)
+        tl.store(res_ptr + RES_RECV_MAX, rmax)
+        tl.store(res_ptr + RES_SEND_MAX, smax)
+        NOTIFY_E = hdr + (flags.W_FIXED + 5 * R + R * R)
+        for e0 in range(0, experts_per_rank, BLOCK_E):
+            oe = e0 + tl.arange(0, BLOCK_E)
+            me_ = oe < experts_per_rank
+            acc = tl.zeros([BLOCK_E], dtype=tl.int64)
+            for s in tl.static_range(R):
+                acc += tl.where(bad == 0, tl.load(NOTIFY_E + s * experts_per_rank + oe, mask=me_, other=0,
+                                                  volatile=True), 0)
+            tl.store(res_ptr + RES_EXPERTS + oe, acc, mask=me_)
+        tl.store(res_ptr + RES_STATUS, bad.to(tl.int64))
+        flags.fence_all_threads(USE_CLOCK)
+        tl.debug_barrier()
+        flags.release(res_ptr + RES_SEQ, seq)
 
 
 _notify_recv_launch = Launcher(_notify_recv_kernel)
 
 
-def notify_send(counts: torch.Tensor, num_experts: int, signals: dict) -> None:
+def notify_send(counts: torch.Tensor, num_experts: int, signals: dict, experts: bool = False) -> None:
     """Publish this rank's send counts (``counts`` int32 ``[R + E + 1]`` from ``routing_layout``: rows per
-    rank, per expert, then the number of bad ids) in every rank's header."""
+    rank, per expert, then the number of bad ids) in every rank's header; with ``experts`` also the
+    per-expert counts of each rank's experts (a plain dispatch, whose host learns them), after checking
+    that none is negative (``E_BADCOUNTS``)."""
     R = signals["hdr_delta"].shape[0]
-    _notify_send_launch[(1,)](counts, num_experts, *sync_args(signals, 0, 0, counts), R=R,
-                              USE_CLOCK=_use_clock(signals), num_warps=1)
+    if experts and num_experts > int(flags.NOTIFY_E_WORDS):
+        raise ValueError(f"num_experts {num_experts} exceeds {int(flags.NOTIFY_E_WORDS)}")
+    _notify_send_launch[(1,)](counts, num_experts, num_experts // R, *sync_args(signals, 0, 0, counts), R=R,
+                              USE_CLOCK=_use_clock(signals), EXPERTS=experts,
+                              BLOCK_E=min(pow2(num_experts // R if experts else 1), 1024), num_warps=1 if not experts else 4)
 
 
-def notify_recv(t32: torch.Tensor, t64: torch.Tensor, num_worst_tokens: int, signals: dict) -> None:
+def notify_recv(t32: torch.Tensor, t64: torch.Tensor, num_worst_tokens: int, signals: dict,
+                res: torch.Tensor = None, seq: int = 0, experts_per_rank: int = 0) -> None:
     """Wait for every rank's counts and write the handle's tables: ``t32`` int32 ``[R*R + 2R]``
     (``rank_prefix_matrix``, send prefix, receive start) and ``t64`` int64 ``[4R + 1]`` (row base in each
     receiver, combine's comb_base, send_base and prefix, then the rows this rank receives). Records
     ``E_CAPACITY`` if a rank receives more than ``num_worst_tokens`` rows (the same value on every rank:
-    it is part of the call's signature)."""
+    it is part of the call's signature). With ``res`` (int64 ``[8 + experts_per_rank]``, host-visible)
+    also writes the rows received, the group's largest receive and send totals and the rows per local
+    expert (the ``RES_*`` words), then releases ``res[RES_SEQ] = seq`` for the host to poll."""
     R = signals["hdr_delta"].shape[0]
-    _notify_recv_launch[(1,)](t32, t64, num_worst_tokens, *sync_args(signals, 0, 0, t64), R=R,
-                              USE_CLOCK=_use_clock(signals), num_warps=1)
+    _notify_recv_launch[(1,)](t32, t64, num_worst_tokens, res if res is not None else t64, seq, experts_per_rank,
+                              *sync_args(signals, 0, 0, t64), R=R, USE_CLOCK=_use_clock(signals),
+                              HOST_OUT=res is not None, BLOCK_E=min(pow2(experts_per_rank), 1024),
+                              num_warps=1 if res is None else 4)

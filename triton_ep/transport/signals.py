@@ -164,14 +164,19 @@ class Signals:
         if rec.kind == int(F.E_GONE):
             return EPRemoteError(f"rank {me}: {_left(peer, rec.stage)}; destroy() and rebuild the Buffer")
         if rec.kind == int(F.E_BADIDS):
-            return ValueError(f"topk_idx holds ids outside [-1, num_experts) on rank {me}; they were masked and "
-                              f"nothing was sent")
+            h = self._host_np
+            return ValueError(f"topk_idx holds {int(h[int(F.H_INFO)])} ids outside [-1, {int(h[int(F.H_INFO2)])}) "
+                              f"on rank {me}; they were masked and nothing was sent")
+        if rec.kind == int(F.E_BADCOUNTS):
+            return ValueError(f"num_tokens_per_expert holds negative counts on rank {me} (without topk_idx the "
+                              f"given counts are used as they are); nothing was sent")
         if rec.kind == int(F.E_CAPACITY):
             return EPCapacityError(f"rank {me}: rank {peer} receives {int(self._host_np[int(F.H_INFO)])} rows, more "
                                    f"than num_worst_tokens; no data was moved")
         if rec.kind == int(F.E_MISMATCH):
-            return ValueError(f"'{stage}': rank {me} and rank {peer} called with different operations, handles "
-                              f"(the handle's dispatch), sizes or dtypes; all ranks must agree; nothing was moved")
+            return ValueError(f"'{stage}': rank {me} and rank {peer} called with different operations or arguments "
+                              f"(one of: the operation, the handle's dispatch, row size, scales, top-k, experts, "
+                              f"num_worst_tokens, x dtype, hidden); all ranks must agree; nothing was moved")
         return EPRemoteError(f"rank {me}: rank {peer} failed the call at '{stage}' (rank {peer} raised the "
                              f"details); this call's outputs here are not valid")
 
