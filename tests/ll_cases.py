@@ -370,3 +370,36 @@ def gpu_hook_overlap(rank, world, E, K, H, T, N):
     finally:
         torch.cuda.synchronize()
         buf.destroy()
+
+
+def bad_call_after_valid(rank, world, N, H, E):
+    """Rank 1 runs the receive hook of a valid call late, after rank 0 has already rejected the next call
+    (fp32 x, rejected on every rank): the late receive is not failed by that; every valid call returns
+    the right rows, every invalid one raises TypeError."""
+    import time
+    buf = _buffer(world, N, H, E, timeout_s=20)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    log = []
+
+    def step(name, fn):
+        try:
+            fn()
+            log.append((name, "ok"))
+        except Exception as e:  # noqa: BLE001
+            log.append((name, type(e).__name__))
+
+    for _ in range(2):
+        if rank == 0:
+            step("valid", lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False))
+        else:
+            hook = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False, return_recv_hook=True)[4]
+            time.sleep(0.6)
+            step("valid hook", hook)
+        step("bad", lambda: buf.low_latency_dispatch(x.float(), idx, N, E, use_fp8=False))
+    got = []
+    step("final", lambda: got.append(buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)))
+    if got:
+        log.append(("final rows", [int(c) for c in got[0][1].tolist()]))
+    buf.destroy()
+    return log

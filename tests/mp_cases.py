@@ -639,3 +639,43 @@ def peer_fails_to_build(rank, world):
         return ("built", 0.0, "")
     except Exception as e:  # noqa: BLE001
         return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))
+
+
+def bad_call_after_valid(rank, world, device="cpu"):
+    """Every rank alternates a valid call with the same invalid one (combine with fp32 x, then a cached
+    dispatch with a short x); rank 1's receive launches start late, so rank 0 has rejected its next call
+    while rank 1 still runs the valid one. Returns what each call did: the valid calls must
+    return and be correct, the invalid ones raise TypeError/ValueError, never an error of the peer's."""
+    import time
+    from triton_ep import buffer as bmod
+    if rank == 1:           # rank 1's receive launches start late: its peer has moved on to the next call
+        for name in ("combine_reduce", "dispatch_recv"):
+            def late(*a, _real=getattr(bmod.kernels, name), **k):
+                time.sleep(0.4)
+                return _real(*a, **k)
+            setattr(bmod.kernels, name, late)
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(71, world, E, 2, H, [6] * world)
+    x = xs[rank].to(device)
+    buf = triton_ep.Buffer(None, 1 << 16, device=device, timeout_s=20)
+    first = buf.dispatch(x, topk_weights=ws[rank].to(device), **_layout_kwargs(buf, idxs[rank].to(device), E))
+    recv_x, handle = first[0], first[4]
+    want_comb = buf.combine(recv_x, handle)[0].cpu()
+    out = []
+
+    def call(name, fn):
+        try:
+            fn()
+            out.append((name, "ok"))
+        except Exception as e:  # noqa: BLE001
+            out.append((name, type(e).__name__))
+
+    for _ in range(2):
+        call("combine", lambda: out.append(("same", bool(torch.equal(buf.combine(recv_x, handle)[0].cpu(), want_comb)))))
+        call("bad combine", lambda: buf.combine(recv_x.float(), handle))
+        call("cached", lambda: out.append(("same", bool(torch.equal(buf.dispatch(x, handle=handle)[0].cpu(),
+                                                                       recv_x.cpu())))))
+        call("bad cached", lambda: buf.dispatch(x[:-1], handle=handle))
+    call("final dispatch", lambda: buf.dispatch(x, **_layout_kwargs(buf, idxs[rank].to(device), E)))
+    buf.destroy()
+    return out

@@ -77,7 +77,33 @@ def test_fp8_cast_kernel_matches_reference(round_scale):
         assert torch.equal(unpack_ue8m0(pack_ue8m0(s)), s)
 
 
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_cast_keeps_nan_and_inf_as_the_reference(round_scale):
+    """A block holding a NaN gets a NaN scale and NaN values (not a finite -448); an infinite value makes
+    its block's scale infinite: bytes and scales as the reference's (NaN where it has NaN)."""
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    x[0, 5], x[1, 200], x[2, 7] = float("nan"), float("inf"), -float("inf")
+    q, s = quantize(x, round_scale)
+    qr, sr = quantize_reference(x, round_scale)
+    assert torch.equal(s.isnan(), sr.isnan()) and torch.equal(s[~s.isnan()], sr[~sr.isnan()])
+    assert s[0, 0].isnan() and s[1, 1].isinf() and q[0, :128].float().isnan().all()
+    same = (q.view(torch.uint8) == qr.view(torch.uint8)) | (q.float().isnan() & qr.float().isnan())
+    assert same.all()
+
+
 def test_size_hint_and_argument_errors():
     assert triton_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) % 128 == 0
     with pytest.raises(ValueError):
         triton_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 3, 256)
+
+
+def test_a_bad_call_on_every_rank_leaves_a_late_hook_alone():
+    """A peer rejecting the next low-latency call does not fail this rank's receive of the previous one
+    (the failure word names the call it belongs to); the group goes on after the rejected call."""
+    out = _values(run_ranks(ll_cases.bad_call_after_valid, 2, 4, 128, 4))
+    for rank, o in enumerate(out):
+        calls = [(k, v) for k, v in o if k != "final rows"]
+        assert all(v == "ok" for k, v in calls if k != "bad") and len(calls) == 5, o
+        assert all(v == "TypeError" for k, v in calls if k == "bad"), o
+        # 3 tokens from each of 2 ranks reach expert 0 (rank 0) and expert 3 (rank 1)
+        assert [v for k, v in o if k == "final rows"] == [[6, 0] if rank == 0 else [0, 6]], o

@@ -91,3 +91,15 @@ def test_peer_failing_to_build_its_buffer_is_a_remote_error_not_a_timeout():
     out = _values(run_ranks(mp_cases.peer_fails_to_build, 2))
     assert out[1][0] != "built", out
     assert out[0][0] == "EPRemoteError" and "could not build its Buffer" in out[0][2] and out[0][1] < 10, out
+
+
+def test_a_bad_call_on_every_rank_leaves_the_peers_earlier_call_alone():
+    """All ranks make the same invalid call right after a valid one that a late peer is still running:
+    the late peer's valid call is not failed by the other rank's rejection of the next one; every valid
+    call returns the right result and every invalid one raises its own argument error."""
+    out = _values(run_ranks(mp_cases.bad_call_after_valid, 2))
+    for o in out:
+        assert all(v is True for k, v in o if k == "same"), o
+        calls = [(k, v) for k, v in o if k != "same"]
+        assert all(v == "ok" for k, v in calls if not k.startswith("bad")), o
+        assert all(v in ("TypeError", "ValueError") for k, v in calls if k.startswith("bad")), o

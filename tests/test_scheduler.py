@@ -205,3 +205,18 @@ def test_over_the_null_transport_with_payload():
     finally:
         for s in scheds:
             s.close()
+
+
+@pytest.mark.parametrize("args,words", [(["--mib", "-1"], "--mib"), (["--qps", "0"], "--qps"),
+                                        (["--chunk-kib", "0"], "--chunk-kib"), (["--slots", "x"], "--slots"),
+                                        (["--timeout", "0"], "--timeout"), ([], "torchrun")])
+def test_cli_refuses_bad_values_and_runs_outside_torchrun(args, words):
+    """``python -m triton_ep.scheduler``: bad option values, or no torchrun environment, are a usage error
+    (exit status 2 with a message naming the option), not a traceback from deep inside."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-m", "triton_ep.scheduler", *args], capture_output=True, text=True,
+                       env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)

@@ -70,6 +70,10 @@ def _steps(fn):
             raise
         except BaseException as e:
             if getattr(self, "_comm", None) is not None and not getattr(e, "_ep_recorded", False):
+                # the failure word names the round after this rank's completed ones: its earlier calls'
+                # kernels must have finished (so a peer still in one of those is not told it failed)
+                if self._comm_stream is not None and (self._comm_dirty or self._on_comm):
+                    self._comm_stream.synchronize()
                 self._sig.post_local_failure()
             raise
     return run

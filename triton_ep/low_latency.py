@@ -122,6 +122,8 @@ class LowLatency:
             self.area_u8 = comm.data[offset:offset + area_bytes]
             self.area = self.area_u8.view(torch.int32)
             self.ctl = self.area_u8[:F.ll_ctl_words(comm.size) * 8].view(torch.int64)
+            #: every rank's control block as mapped here (this rank's failure words go into the peers')
+            self.peer_ctl = [p[offset:offset + F.ll_ctl_words(comm.size) * 8].view(torch.int64) for p in comm.peers]
         self.area_bytes = area_bytes
         self.shrink = bool(shrink)
         #: low-latency sends this Buffer has issued (the device's L_SEQ moves with them, in stream order)
@@ -157,8 +159,12 @@ class LowLatency:
         slots = yield from self.buf._exchange("low-latency resync after an error", None, 1, [_OP_RESYNC],
                                               "operation", fill)
         top = max(int(s[SLOT_HEADER]) for s in slots)
+        R = self.buf.group_size
         with torch.inference_mode():
             self.ctl[:4].copy_(torch.tensor([top, 0, top, top], dtype=torch.int64))
+            # failure words name calls up to top + 1: none may match a call after the restart (the peers
+            # wrote them before they came to this meeting)
+            self.ctl[F.off_ll_failed(R):F.off_ll_failed(R) + R].fill_(0)
         self.pending.clear()
 
     def _guard(self, fn, *args):
@@ -167,8 +173,23 @@ class LowLatency:
         try:
             return fn(*args)
         except Exception:
-            self.buf._sig.post_local_failure()
+            self._post_failure()
             raise
+
+    def _post_failure(self) -> None:
+        """This rank rejects its next low-latency call: write that call's number into every peer's
+        ``LFAILED[rank]``, so their waits of that call end at once (their earlier calls, which may still
+        be running, are not affected), and mark this rank for re-synchronisation."""
+        buf = self.buf
+        R, me = buf.group_size, buf.rank
+        if buf._comm_stream is not None and (buf._comm_dirty or buf._on_comm):
+            buf._comm_stream.synchronize()
+        n = int(self.ctl[int(F.L_SEQ)].item()) + 1       # a device read: an error path
+        with torch.inference_mode():
+            for r, pc in enumerate(self.peer_ctl):
+                if r != me:
+                    pc[F.off_ll_failed(R) + me].fill_(n)
+        buf._sig.post_local_failure(tell_peers=False)
 
     def _claim_send(self) -> int:
         """Host bookkeeping of a new send: call ``n`` reuses the half of call ``n - 2``, which must have been

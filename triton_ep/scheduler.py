@@ -628,14 +628,35 @@ def main(argv=None) -> None:
     import os
 
     import torch.distributed as dist
-    ap = argparse.ArgumentParser(prog="python -m triton_ep.scheduler", description=main.__doc__)
-    ap.add_argument("--mib", type=int, default=64, help="MiB each rank sends each peer")
-    ap.add_argument("--qps", type=int, default=8, help="QPs per peer")
-    ap.add_argument("--chunk-kib", type=int, default=1024)
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--timeout", type=float, default=60.0)
+
+    def at_least(lo, kind=int):
+        def parse(v):
+            try:
+                x = kind(v)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{v!r} is not a {kind.__name__}") from None
+            if not x >= lo or x != x or x == float("inf"):
+                raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}, got {v}")
+            return x
+        return parse
+
+    ap = argparse.ArgumentParser(prog="python -m triton_ep.scheduler", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="A checked all-to-all between the ranks of a torchrun job (gloo), one rank "
+                                             "per host, through real pyverbs or, with --emulated, the emulated fabric "
+                                             "(all ranks on this machine: torchrun --nnodes 1 --nproc-per-node N). "
+                                             "Prints wall-clock GB/s, bytes per port and per QP on rank 0.")
+    ap.add_argument("--mib", type=at_least(0), default=64, help="MiB each rank sends each peer (default 64)")
+    ap.add_argument("--qps", type=at_least(1), default=8, help="QPs per peer (default 8)")
+    ap.add_argument("--chunk-kib", type=at_least(1), default=1024, help="chunk (ring slot) size in KiB (default 1024)")
+    ap.add_argument("--slots", type=at_least(1), default=8, help="slots per send and receive ring (default 8)")
+    ap.add_argument("--timeout", type=at_least(0.001, float), default=60.0,
+                    help="seconds every wait may take before it raises (default 60)")
     ap.add_argument("--emulated", action="store_true", help="emulated dual-port NICs, one per rank, on this machine")
     a = ap.parse_args(argv)
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        ap.error(f"run it under torchrun (environment variables {', '.join(missing)} are not set), e.g. "
+                 f"torchrun --nnodes 1 --nproc-per-node 2 -m triton_ep.scheduler --emulated")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from triton_ep.transport import verbs

@@ -152,9 +152,15 @@ def off_ll_mask(R):
     return int(L_FIXED) + 4 * R
 
 
+def off_ll_failed(R):
+    """``LFAILED[s]``: the low-latency call rank ``s`` rejected on the host (its arguments): waits of that
+    call for rank ``s`` end at once; its other calls are not affected."""
+    return int(L_FIXED) + 5 * R
+
+
 def ll_ctl_words(R):
     """int64 words of one rank's low-latency control block."""
-    return int(L_FIXED) + 5 * R
+    return int(L_FIXED) + 6 * R
 
 
 @triton.jit
@@ -211,27 +217,34 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
 
 
 @triton.jit
-def _peer_status(hdr, peer, R: tl.constexpr):
-    """``E_GONE``, ``E_MISMATCH`` or ``E_FAILED`` when ``peer`` said so in this rank's header, else 0."""
+def _peer_status(hdr, peer, rnd, R: tl.constexpr):
+    """``E_GONE``, ``E_MISMATCH`` or ``E_FAILED`` when ``peer`` said so in this rank's header for a round
+    up to ``rnd`` (the round being waited for), else 0."""
     gone = tl.load(hdr + (W_FIXED + 3 * R) + peer, volatile=True)
     failed = tl.load(hdr + (W_FIXED + 2 * R) + peer, volatile=True)
-    # a failure word counts only for this call (its round is past the rounds this rank has completed):
-    # words of earlier calls, or posted late across a re-synchronisation, are ignored
-    kind = tl.where((failed >> 3) > tl.load(hdr + W_BASE, volatile=True), failed & 7, 0)
+    # a failure word counts only for this call: its round is past the rounds this rank has completed
+    # (words of earlier calls, or posted late across a re-synchronisation, are ignored) and not past the
+    # awaited round (a peer that finished this call and failed its next one says nothing about this one)
+    f = failed >> 3
+    kind = tl.where((f > tl.load(hdr + W_BASE, volatile=True)) & (f <= rnd), failed & 7, 0)
     return tl.where(gone != 0, E_GONE, kind).to(tl.int32)
 
 
 @triton.jit
-def wait_at_least(flag, want, hdr, host, peer, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
-    """Spin until ``*flag >= want`` (acquire). Returns 0, or the error kind that ended the wait: the
-    peer's ``GONE``/``FAILED`` word in this rank's header (looked at first: a peer that left or failed
-    the call is not waited for, even where its flag already moved), or the bound (``%globaltimer`` on
-    GPU, the host watchdog's abort word under the interpreter)."""
-    status = _peer_status(hdr, peer, R)
+def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
+                  fail_ptr, fail_call):
+    """Spin until ``*flag >= want`` (acquire), for round ``rnd``. Returns 0, or the error kind that ended
+    the wait: the peer's ``GONE``/``FAILED`` word in this rank's header (looked at first: a peer that left
+    or failed the call is not waited for, even where its flag already moved), ``E_FAILED`` when
+    ``*fail_ptr == fail_call`` (a low-latency call the peer rejected; ``fail_call`` -1 for none), or the
+    bound (``%globaltimer`` on GPU, the host watchdog's abort word under the interpreter)."""
+    status = _peer_status(hdr, peer, rnd, R)
+    status = tl.where((status == 0) & (tl.load(fail_ptr, volatile=True) == fail_call), E_FAILED, status)
     v = acquire(flag)
     t0 = _now_ns(USE_CLOCK)
     while (v < want) & (status == 0):
-        status = _peer_status(hdr, peer, R)
+        status = _peer_status(hdr, peer, rnd, R)
+        status = tl.where((status == 0) & (tl.load(fail_ptr, volatile=True) == fail_call), E_FAILED, status)
         if USE_CLOCK:
             if _now_ns(USE_CLOCK) - t0 > timeout_ns:
                 status = tl.maximum(status, E_TIMEOUT)
@@ -246,11 +259,11 @@ def wait_notified(flag, want, ready, hdr, host, peer, timeout_ns, R: tl.constexp
     """:func:`wait_at_least` for a peer's ``NOTIFIED`` word, which also ends with ``E_MISMATCH`` when the
     peer released ``READY`` (``ready``) for the awaited round first: it is running another collective (a
     dispatch notifies before it sends anything of that round)."""
-    status = _peer_status(hdr, peer, R)
+    status = _peer_status(hdr, peer, want, R)
     v = acquire(flag)
     t0 = _now_ns(USE_CLOCK)
     while (v < want) & (status == 0):
-        status = _peer_status(hdr, peer, R)
+        status = _peer_status(hdr, peer, want, R)
         if acquire(ready) >= want:
             if acquire(flag) < want:        # read again: a notifying peer released NOTIFIED before READY
                 status = tl.maximum(status, E_MISMATCH)
@@ -271,8 +284,8 @@ def wait_peers_consumed(hdr, hdr_delta, host, want, me, stage, call, timeout_ns,
     bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
-            st = wait_at_least(hdr + tl.load(hdr_delta + r) + W_CONSUMED, want, hdr, host, r, timeout_ns, R,
-                               USE_CLOCK)
+            st = wait_at_least(hdr + tl.load(hdr_delta + r) + W_CONSUMED, want, hdr, host, r, want + 1, timeout_ns,
+                               R, USE_CLOCK, hdr, -1)
             if st != 0:
                 post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
             bad = bad + st
@@ -287,7 +300,7 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
     bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
-            st = wait_at_least(hdr + (W_FIXED + 0 * R) + r, want, hdr, host, r, timeout_ns, R, USE_CLOCK)
+            st = wait_at_least(hdr + (W_FIXED + 0 * R) + r, want, hdr, host, r, want, timeout_ns, R, USE_CLOCK, hdr, -1)
             # a peer whose part arrived with another signature called another operation (it may also
             # have said it failed: having found the same mismatch first); that is the error to name
             arrived = (st == 0) | ((st == E_FAILED) & (acquire(hdr + (W_FIXED + 0 * R) + r) >= want))
@@ -352,7 +365,10 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
             else:
                 flag = ctl + base + r
             t0 = _now_ns(USE_CLOCK)
-            st = wait_at_least(flag, want, hdr, host, r, timeout_ns, R, USE_CLOCK)
+            # the low-latency call waited for: a receive waits for it (READY), a send for call - 2 (CONS)
+            lcall = want + 2 if REMOTE else want
+            st = wait_at_least(flag, want, hdr, host, r, call, timeout_ns, R, USE_CLOCK,
+                               ctl + (L_FIXED + 5 * R) + r, lcall)
             if COST:
                 if cost_on:
                     tl.atomic_add(cost_ptr + r, _now_ns(USE_CLOCK) - t0, sem="relaxed")

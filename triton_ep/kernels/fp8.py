@@ -52,7 +52,7 @@ def e4m3_bits(v):
     frac = t - q.to(tl.float32)
     q += ((frac > 0.5) | ((frac == 0.5) & ((q & 1) == 1))).to(tl.int32)
     code = tl.where(a < 0.015625, q, code)
-    return sign | tl.minimum(code, 0x7E)
+    return tl.where(a != a, 0x7F, sign | tl.minimum(code, 0x7E))       # NaN stays NaN (0x7F, as torch)
 
 
 @triton.jit
@@ -63,12 +63,15 @@ def quantize_blocks(x, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_T:
     their bytes as int32) and ``scale`` fp32 ``[BLOCK_T, BLOCK_H // 128]``."""
     NB: tl.constexpr = BLOCK_H // 128
     xb = tl.reshape(x, [BLOCK_T, NB, 128])
+    # A block holding a NaN gets a NaN scale and NaN values, as the reference (max() alone would skip it)
+    has_nan = tl.max((xb != xb).to(tl.int32), axis=2) > 0
     amax = tl.maximum(tl.max(tl.abs(xb), axis=2), AMAX_FLOOR)
+    amax = tl.where(has_nan, float("nan"), amax)
     scale = amax / FP8_MAX
     if ROUND_SCALE:
-        scale = pow2_ceil(scale)
+        scale = tl.where(scale == scale, pow2_ceil(scale), scale)
     y = xb / scale[:, :, None]
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    y = tl.where(y == y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), y)      # clamp, keeping NaN
     if NATIVE:
         q = tl.reshape(y.to(tl.float8e4nv), [BLOCK_T, BLOCK_H])
     else:

@@ -134,6 +134,7 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
         tl.store(t64_ptr + R + i, cb)
     if (bad == 0) & (over >= 0):
         tl.store(host + flags.H_INFO, got)
+        tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_worst)
         flags.post_error(hdr, hdr_delta, host, flags.E_CAPACITY, over, flags.STAGE_NOTIFY, n, me, R)
     # For the host (a plain dispatch's one wait): rows received, the group's largest receive and send
     # totals (they size the rounds, the same on every rank), the rows per local expert, then seq, released
