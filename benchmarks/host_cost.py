@@ -1,0 +1,131 @@
+"""Host cost of each normal-mode call on one rank alone: the microseconds Python spends in a call (argument
+checks, allocations, kernel launches, the plain dispatch's one host wait), and the kernel launches it makes.
+
+    ./run.sh python benchmarks/host_cost.py [--tokens 128] [--iters 30] [--cprofile] [--out DIR]
+
+One rank (a gloo group of one), hidden 7168 bf16, top-8 of 256 experts on a GPU (tiny shapes on CPU),
+random routing, a buffer holding every transfer in one round. Per call: a device synchronise, then
+``perf_counter`` around the one call; the median (and minimum) of ``--iters`` calls. This is what bounds a
+small call from below when the GPU waits for the host. Launcher calls are counted by wrapping the kernel
+launchers of ``triton_ep.kernels``: each is one kernel launch, except ``routing_layout``, which makes one
+(up to 256 tokens on a GPU) or two. On CPU, under the Triton interpreter, the times say nothing about a
+GPU. Output: a table, and ``<out>/host_cost.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (puts the repository root on sys.path, sets the NVLS switches off)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    gpu = C.on_gpu()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=128 if gpu else 16)
+    p.add_argument("--hidden", type=int, default=7168 if gpu else 256)
+    p.add_argument("--experts", type=int, default=256 if gpu else 16)
+    p.add_argument("--topk", type=int, default=8 if gpu else 4)
+    p.add_argument("--iters", type=int, default=30 if gpu else 5)
+    p.add_argument("--cprofile", action="store_true", help="also print the top of a cProfile of each call")
+    C.add_out_arg(p, "host_cost.json")
+    return p.parse_args(argv)
+
+
+def count_launches():
+    """Wrap every kernel launcher the Buffer uses; returns the counter dict (launcher name -> calls)."""
+    import triton_ep.kernels as K
+    from triton_ep import buffer as B
+    counter = {}
+    for name in ("routing_layout", "notify_send", "notify_recv", "dispatch_send", "dispatch_recv", "combine_send",
+                 "combine_reduce"):
+        real = getattr(K, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            counter[_name] = counter.get(_name, 0) + 1
+            return _real(*a, **k)
+        setattr(B.kernels, name, wrapped)
+    return counter
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import triton_ep
+    dev = torch.device("cuda") if C.on_gpu() else torch.device("cpu")
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/rdv", rank=0, world_size=1)
+        try:
+            gen = torch.Generator().manual_seed(7)
+            x = C.random_rows(a.tokens, a.hidden, gen, dev)
+            idx = C.random_topk(a.tokens, a.topk, a.experts, gen, dev)
+            w = torch.rand(idx.shape, generator=gen).to(dev)
+            buf = triton_ep.Buffer(dist.group.WORLD, max(1 << 22, a.tokens * (a.hidden * 2 + 512) * 2), device=dev)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
+            kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=idx, topk_weights=w)
+            first = buf.dispatch(x, **kw)
+            recv_x, handle = first[0], first[4]
+            calls = {"layout": lambda: buf.get_dispatch_layout(idx, a.experts),
+                     "dispatch": lambda: buf.dispatch(x, **kw),
+                     "worst": lambda: buf.dispatch(x, num_worst_tokens=a.tokens, **kw),
+                     "cached": lambda: buf.dispatch(x, handle=handle),
+                     "combine": lambda: buf.combine(recv_x, handle)}
+            sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+            counter = count_launches()
+            rows, out = [], []
+            for name, fn in C.progress(list(calls.items()), desc="host_cost"):
+                for _ in range(3):
+                    fn()
+                counter.clear()
+                fn()
+                launches = dict(counter)
+                ts = []
+                for _ in range(a.iters):
+                    sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append((time.perf_counter() - t0) * 1e6)
+                sync()
+                med, lo = statistics.median(ts), min(ts)
+                out.append(dict(call=name, host_us=med, host_us_min=lo, launches=launches))
+                rows.append([name, C.sig(med), C.sig(lo), sum(launches.values()),
+                             ", ".join(f"{k} {v}" for k, v in launches.items())])
+                if a.cprofile:
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(a.iters):
+                        fn()
+                    prof.disable()
+                    sync()
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+                    print(f"--- cProfile of {name} ({a.iters} calls)\n{text.getvalue()}")
+            buf.destroy()
+        finally:
+            dist.destroy_process_group()
+    what = ("host µs of one call from Python on this machine (GPU: the call only enqueues work, except a plain "
+            "dispatch's host wait)" if dev.type == "cuda" else
+            "CPU: kernels run inside the call under the Triton interpreter; the times say nothing about a GPU")
+    C.say(f"[host_cost] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of {a.experts}; {what}")
+    C.print_table(["call", "host us (median)", "min", "launcher calls", "launchers (per call)"], rows)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "host_cost.json")
+    C.write_json(path, dict(device=C.device_name(), ranks=1, ranks_per_gpu=1, tokens=a.tokens, hidden=a.hidden,
+                            experts=a.experts, topk=a.topk, iters=a.iters, note=what, results=out))
+    C.say(f"[host_cost] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
