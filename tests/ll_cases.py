@@ -403,3 +403,20 @@ def bad_call_after_valid(rank, world, N, H, E):
         log.append(("final rows", [int(c) for c in got[0][1].tolist()]))
     buf.destroy()
     return log
+
+
+def modes_disagree(rank, world, N, H, E, what):
+    """Ranks build their Buffers with different low-latency layouts (``what``: one rank without
+    low_latency_mode, or another num_nvl_bytes in low-latency mode): every rank raises ValueError at
+    construction, at once, naming the other rank. Returns (error type, seconds, text)."""
+    import time
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    ll = not (what == "mode" and rank == 1)
+    nvl = (1 << 16) if (what == "nvl" and rank == 1) else 0
+    t0 = time.monotonic()
+    try:
+        buf = triton_ep.Buffer(None, nvl, hint, low_latency_mode=ll, num_qps_per_rank=E // world, timeout_s=20)
+        buf.destroy()
+        return ("built", 0.0, "")
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))

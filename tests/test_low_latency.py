@@ -107,3 +107,12 @@ def test_a_bad_call_on_every_rank_leaves_a_late_hook_alone():
         assert all(v == "TypeError" for k, v in calls if k == "bad"), o
         # 3 tokens from each of 2 ranks reach expert 0 (rank 0) and expert 3 (rank 1)
         assert [v for k, v in o if k == "final rows"] == [[6, 0] if rank == 0 else [0, 6]], o
+
+
+@pytest.mark.parametrize("what", ["mode", "nvl"])
+def test_ranks_that_disagree_on_the_low_latency_layout_fail_at_construction(what):
+    """One rank without low_latency_mode, or with another num_nvl_bytes (the low-latency area would start
+    elsewhere): every rank raises ValueError at construction, at once, and nothing is left behind."""
+    out = _values(run_ranks(ll_cases.modes_disagree, 2, 4, 128, 4, what))
+    for name, secs, text in out:
+        assert name == "ValueError" and "low_latency_mode" in text and secs < 10, out

@@ -139,3 +139,35 @@ def test_peer_failing_mid_call_is_seen_at_once_in_later_calls_too():
     assert out[1][0][0] == "RuntimeError" and out[1][1][0] == "EPError", out
     for name, secs, text in out[0]:
         assert name in ("EPRemoteError", "EPError") and "rank 1" in text and secs < 2.0, out
+
+
+def test_dispatch_uses_the_layout_it_is_given(monkeypatch):
+    """A dispatch passed the topk_idx and is_token_in_rank that get_dispatch_layout returned (unchanged)
+    launches no layout of its own; after topk_idx changes in place it computes the layout again, and both
+    give the reference result."""
+    from triton_ep import kernels as K
+    calls = {"n": 0}
+    real = K.routing_layout
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(buffer_mod.kernels, "routing_layout", counting)
+    R, E = 2, 4
+    xs, idxs, ws = make_inputs(17, E, 2, 32, [7, 5])
+    vg = VirtualGroup(R, 1 << 16)
+    res = virtual_dispatch(vg, xs, idxs, ws, E)             # layout, then dispatch with it
+    assert calls["n"] == R
+    check_dispatch(res, ref.dispatch(xs, idxs, ws, E))
+    lays = [vg.buffers[r].get_dispatch_layout(idxs[r], E) for r in range(R)]
+    calls["n"] = 0
+    new = [i.clone() for i in idxs]
+    for r in range(R):
+        idxs[r].copy_(torch.flip(new[r], dims=[0]))       # changed in place after its layout was taken
+    kw = [dict(x=xs[r], topk_idx=idxs[r], topk_weights=ws[r], num_tokens_per_rank=lays[r][0],
+               is_token_in_rank=lays[r][3], num_tokens_per_expert=lays[r][2]) for r in range(R)]
+    res2 = raise_first(vg.call("dispatch", kw))
+    assert calls["n"] == R                                   # computed again from the changed ids
+    exp2 = ref.dispatch(xs, idxs, ws, E)
+    for r in range(R):
+        assert torch.equal(res2[r][0], exp2[r]["recv_x"])

@@ -22,6 +22,7 @@ import functools
 import os
 import time
 import uuid
+import weakref
 import zlib
 import warnings
 from typing import Generator, Optional, Sequence, Tuple, Union
@@ -202,6 +203,14 @@ def _to_dev(a, dtype: torch.dtype, device: torch.device, shape=None) -> Tensor:
     return t.to(device)
 
 
+def _version_of(t: Tensor) -> Optional[int]:
+    """A tensor's in-place version counter; ``None`` for an inference tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _check_event(ev) -> None:
     if ev is not None and not isinstance(ev, EventOverlap):
         raise TypeError(f"previous_event must be an EventOverlap (e.g. from Buffer.capture()), got {type(ev).__name__}")
@@ -306,13 +315,45 @@ class Buffer:
         self._notify_res: Optional[Tensor] = None
         self._notify_np: Optional[np.ndarray] = None
         self._notify_seq = 0
+        #: the last get_dispatch_layout: (weak ref to its topk_idx, its version, E, is_token_in_rank's
+        #: version, the layout), for the dispatch that passes it back
+        self._layout_memo = None
         self._ll = None
         if self.low_latency_mode and self.group is not None and ll_bytes:
             from .low_latency import LowLatency
             self._ll = LowLatency(self, nvl_part, ll_bytes, enable_shrink)
             with torch.inference_mode():
                 self._ll.ctl.zero_()              # peers write here only after the barrier
-            c.barrier("bootstrap/low-latency area")
+        if self.group is not None:
+            try:
+                self._agree_on_layout(nvl_part, ll_bytes)
+            except BaseException:
+                self._comm.close()
+                self._comm = None
+                raise
+
+    def _agree_on_layout(self, nvl_part: int, ll_bytes: int) -> None:
+        """Every rank publishes where its low-latency area lies (``num_nvl_bytes`` rounded, the area's
+        bytes: 0 without ``low_latency_mode``) and meets the others: the kernels address a peer's area at
+        this rank's own offset, so ranks must agree.
+
+        Raises:
+            ValueError: on every rank, when ranks disagree (naming the first rank that differs).
+            EPTimeoutError: a rank did not arrive within ``timeout_s``.
+        """
+        c = self._comm
+        mine = (0x4C4C, ll_bytes, nvl_part if ll_bytes else 0)
+        c.slot(1, self.rank)[:3] = mine       # parity-1 slots: the first exchange of a call uses parity 0
+        c.barrier("bootstrap/low-latency area")
+        for r in range(self.group_size):
+            theirs = tuple(int(v) for v in c.slot(1, r)[:3])
+            if theirs != mine:
+                raise ValueError(
+                    f"rank {self.rank}: rank {r} built its Buffer with low_latency_mode="
+                    f"{bool(theirs[1])}, a low-latency area of {theirs[1]} bytes after {theirs[2]} normal-mode "
+                    f"bytes; this rank with low_latency_mode={bool(ll_bytes)}, {ll_bytes} bytes after "
+                    f"{mine[2]}; every rank must pass the same low_latency_mode, num_rdma_bytes and (in "
+                    f"low-latency mode) num_nvl_bytes")
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
     @staticmethod
@@ -838,7 +879,12 @@ class Buffer:
         self.check()
         self._begin(previous_event, async_finish)
         with self._comm_ctx():
-            per_rank, per_expert, in_rank = kernels.routing_layout(idx, num_experts, self.group_size)[:3]
+            lay = kernels.routing_layout(idx, num_experts, self.group_size)
+        per_rank, per_expert, in_rank = lay[:3]
+        # kept for the dispatch that takes this layout (the same topk_idx and is_token_in_rank, unchanged):
+        # it then uses these send positions and counts instead of computing the layout again
+        vi, vr = _version_of(idx), _version_of(in_rank)
+        self._layout_memo = (weakref.ref(idx), vi, int(num_experts), vr, lay) if None not in (vi, vr) else None
         return per_rank, None, per_expert, in_rank, self._end(async_finish, (idx, per_rank, per_expert, in_rank))
 
     def _check_num_experts(self, num_experts) -> None:
@@ -866,8 +912,10 @@ class Buffer:
                 ``x`` is sent and no counts are exchanged.
             num_tokens_per_rank: int32 ``[R]``; num_tokens_per_rdma_rank: ignored (one host);
             is_token_in_rank: bool ``[T, R]``; num_tokens_per_expert: int32 ``[E]`` (gives ``E``; required
-                without a handle) -- as ``get_dispatch_layout`` returned them. With ``topk_idx`` the routing
-                is recomputed from ``topk_idx`` itself; without it, ``is_token_in_rank`` routes the rows.
+                without a handle) -- as ``get_dispatch_layout`` returned them. With ``topk_idx``, the layout
+                ``get_dispatch_layout`` computed for this very ``topk_idx`` is used when ``is_token_in_rank``
+                is the tensor it returned (neither changed since); otherwise the routing is computed from
+                ``topk_idx`` itself. Without ``topk_idx``, ``is_token_in_rank`` routes the rows.
             topk_idx: int64 (or int32) ``[T, K]``; topk_weights: fp32 ``[T, K]`` (optional).
             expert_alignment: per-expert counts are rounded up to a multiple of it.
             num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows: ids -1, weights 0,
@@ -1055,8 +1103,14 @@ class Buffer:
                 res[e0:e0 + experts_per_rank].tolist())
 
     def _routing(self, a):
-        """Layout of this call: from ``topk_idx`` by the kernel, else from ``is_token_in_rank``."""
+        """Layout of this call: the one ``get_dispatch_layout`` computed for this very ``topk_idx`` and
+        returned as this ``is_token_in_rank`` (neither changed since), else from ``topk_idx`` by the
+        kernel, else from ``is_token_in_rank``."""
         if a.topk_idx is not None:
+            m = self._layout_memo
+            if (m is not None and m[0]() is a.topk_idx and m[1] == _version_of(a.topk_idx) and m[2] == a.num_experts
+                    and a.is_token_in_rank is m[4][2] and m[3] == _version_of(a.is_token_in_rank)):
+                return m[4]
             return kernels.routing_layout(a.topk_idx, a.num_experts, self.group_size)
         in_rank = a.is_token_in_rank
         send_pos = torch.where(in_rank, in_rank.to(torch.int64).cumsum(0) - 1,
