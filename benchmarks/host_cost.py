@@ -6,7 +6,8 @@ checks, allocations, kernel launches, the plain dispatch's one host wait), and t
 One rank (a gloo group of one), hidden 7168 bf16, top-8 of 256 experts on a GPU (tiny shapes on CPU),
 random routing, a buffer holding every transfer in one round. Per call: a device synchronise, then
 ``perf_counter`` around the one call; the median (and minimum) of ``--iters`` calls. This is what bounds a
-small call from below when the GPU waits for the host. Launcher calls are counted by wrapping the kernel
+small call from below when the GPU waits for the host. The dispatches take the layout
+``get_dispatch_layout`` returned for their ``topk_idx`` (so they launch no layout of their own). Launcher calls are counted by wrapping the kernel
 launchers of ``triton_ep.kernels``: each is one kernel launch, except ``routing_layout``, which makes one
 (up to 256 tokens on a GPU) or two. On CPU, under the Triton interpreter, the times say nothing about a
 GPU. Output: a table, and ``<out>/host_cost.json``.
@@ -85,6 +86,10 @@ def main(argv=None) -> int:
             counter = count_launches()
             rows, out = [], []
             for name, fn in C.progress(list(calls.items()), desc="host_cost"):
+                if name == "dispatch":      # as a caller does: dispatch with the layout just computed for it
+                    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
+                    kw.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                              num_tokens_per_expert=per_expert)
                 for _ in range(3):
                     fn()
                 counter.clear()

@@ -140,6 +140,12 @@ class DispatchHandle(tuple):
         self.row_base = row_base
         #: int64 [3R] on the device: combine's comb_base, send_base and prefix (no upload per combine)
         self.combine_tables = combine_tables
+        R = int(items[0].shape[0])
+        #: the same three as views, made once
+        self.combine_views = (combine_tables[:R], combine_tables[R:2 * R], combine_tables[2 * R:])
+        #: per call shape (operation, widths): record size, rows per round, rounds and call signature,
+        #: worked out by the first call of that shape
+        self.plans: dict = {}
         #: int64 [1] on the device: rows received, for a handle whose host never learnt the counts
         #: (``num_worst_tokens``; then ``num_recv_tokens`` is ``None``)
         self.n_recv_dev = n_recv_dev
@@ -1006,11 +1012,16 @@ class Buffer:
                 al = a.expert_alignment
                 expert_list = [(c + al - 1) // al * al for c in per_expert]
 
-        rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
-        cap = self._capacity(rec_words * 4, "dispatch")
-        # rounds: from the counts, or (counts on the device only) from num_worst_tokens, equal on every rank
-        rounds = max(1, -(-recv_rows_max // cap))
-        call_sig = signals.call_signature(sig + [rounds, rec_words])
+        plan = a.handle.plans.get(tuple(sig)) if cached else None
+        if plan is None:
+            rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
+            cap = self._capacity(rec_words * 4, "dispatch")
+            # rounds: from the counts, or (counts on the device only) from num_worst_tokens, equal on every rank
+            rounds = max(1, -(-recv_rows_max // cap))
+            plan = (rec_words, cap, rounds, signals.call_signature(sig + [rounds, rec_words]))
+            if cached:
+                a.handle.plans[tuple(sig)] = plan
+        rec_words, cap, rounds, call_sig = plan
         dev = self.device
         xv, sc = a.x, a.scales
         H = xv.shape[1]
@@ -1197,7 +1208,6 @@ class Buffer:
 
     @_steps
     def _combine_steps(self, x, handle, topk_weights, bias, previous_event, async_finish):
-        R = self.group_size
         h, xv, w, biases = None, None, None, []
         self.check()
         if self._sig.needs_resync:
@@ -1220,12 +1230,15 @@ class Buffer:
             raise self._fail_call(e)
         H = xv.shape[1]
         K = w.shape[1] if w is not None else 0
-        tables = h.combine_tables
-        comb_base, send_base, prefix = tables[:R], tables[R:2 * R], tables[2 * R:]
-        rb = combine_record_bytes(H, K)
-        cap = self._capacity(rb, "combine")
-        rounds = max(1, -(-h.area_rows_max // cap))
-        call_sig = signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds])
+        comb_base, send_base, prefix = h.combine_views
+        plan = h.plans.get((_OP_COMBINE, H, K))
+        if plan is None:
+            rb = combine_record_bytes(H, K)
+            cap = self._capacity(rb, "combine")
+            rounds = max(1, -(-h.area_rows_max // cap))
+            plan = h.plans[(_OP_COMBINE, H, K)] = (rb, cap, rounds,
+                                                   signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds]))
+        rb, cap, rounds, call_sig = plan
         self._begin(previous_event, async_finish)
         T = h.num_tokens
         out = torch.empty((T, H), dtype=torch.bfloat16, device=self.device)
