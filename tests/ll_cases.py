@@ -420,3 +420,44 @@ def modes_disagree(rank, world, N, H, E, what):
         return ("built", 0.0, "")
     except Exception as e:  # noqa: BLE001
         return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))
+
+
+def hook_then_rejection(rank, world, N, H, E, kind):
+    """A hook of call A is pending while call B is rejected somewhere. ``kind`` "dtype": rank 1 passes fp32
+    x in B (rank 0's B is valid), then both run A's hook. "badid": rank 1 runs A's hook at once and passes
+    an id >= E in B; rank 0 runs A's hook late, after rank 1's B failed. Then both make a valid call C.
+    Returns a log of (step, outcome) with A's receive counts where A's hook returned."""
+    import time
+    buf = _buffer(world, N, H, E, timeout_s=20)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 5 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    bad_idx = torch.tensor([[0, E + 3]] * 3)
+    log = []
+
+    def step(name, fn):
+        try:
+            r = fn()
+            log.append((name, "ok" if r is None else r))
+        except Exception as e:  # noqa: BLE001
+            log.append((name, type(e).__name__))
+
+    def run_hook(hook, count):
+        hook()
+        return [int(c) for c in count.tolist()]
+
+    _, cnt_a, _, _, hook_a = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False, return_recv_hook=True)
+    if kind == "dtype":
+        xb = x.float() if rank == 1 else x
+        step("B", lambda: buf.low_latency_dispatch(xb, idx, N, E, use_fp8=False) and None)
+        step("hook A", lambda: run_hook(hook_a, cnt_a))
+    else:
+        if rank == 1:
+            step("hook A", lambda: run_hook(hook_a, cnt_a))
+            step("B", lambda: buf.low_latency_dispatch(x, bad_idx, N, E, use_fp8=False) and None)
+        else:
+            time.sleep(1.0)
+            step("hook A", lambda: run_hook(hook_a, cnt_a))
+            step("B", lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False) and None)
+    step("C", lambda: [int(c) for c in buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)[1].tolist()])
+    buf.destroy()
+    return log

@@ -116,3 +116,24 @@ def test_ranks_that_disagree_on_the_low_latency_layout_fail_at_construction(what
     out = _values(run_ranks(ll_cases.modes_disagree, 2, 4, 128, 4, what))
     for name, secs, text in out:
         assert name == "ValueError" and "low_latency_mode" in text and secs < 10, out
+
+
+@pytest.mark.parametrize("kind", ["dtype", "badid"])
+def test_a_pending_hook_and_a_failed_later_call(kind):
+    """A hook of an earlier, valid call never returns wrong rows after a later call failed: it returns the
+    right counts, or (where this rank's kernels were stopped by the later error) raises EPRemoteError.
+    A rank that only rejected the later call on the host still receives; a late hook is not failed by a
+    peer's bad ids in the next call; the call after the failure is correct on every rank."""
+    out = _values(run_ranks(ll_cases.hook_then_rejection, 2, 4, 128, 4, kind))
+    want = [[6, 0], [0, 6]]
+    for rank, o in enumerate(out):
+        d = dict(o)
+        assert d["hook A"] in (want[rank], "EPRemoteError"), o
+        assert d["C"] == want[rank], o
+    d0, d1 = dict(out[0]), dict(out[1])
+    assert d1["hook A"] == want[1], out                # rank 1's kernels were never stopped
+    if kind == "dtype":
+        assert d1["B"] == "TypeError" and d0["B"] == "EPRemoteError", out
+    else:
+        assert d0["hook A"] == want[0], out            # the late hook is not failed by rank 1's next call
+        assert d1["B"] == "ValueError" and d0["B"] == "EPRemoteError", out

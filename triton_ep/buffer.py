@@ -920,8 +920,11 @@ class Buffer:
             is_token_in_rank: bool ``[T, R]``; num_tokens_per_expert: int32 ``[E]`` (gives ``E``; required
                 without a handle) -- as ``get_dispatch_layout`` returned them. With ``topk_idx``, the layout
                 ``get_dispatch_layout`` computed for this very ``topk_idx`` is used when ``is_token_in_rank``
-                is the tensor it returned (neither changed since); otherwise the routing is computed from
-                ``topk_idx`` itself. Without ``topk_idx``, ``is_token_in_rank`` routes the rows.
+                is the tensor it returned (neither changed since, by their in-place version counters:
+                writes torch does not count -- through ``.data``, a numpy view or a kernel of your own --
+                are not seen, so after those pass the layout of the current ids); otherwise the routing is
+                computed from ``topk_idx`` itself. Without ``topk_idx``, ``is_token_in_rank`` routes the
+                rows.
             topk_idx: int64 (or int32) ``[T, K]``; topk_weights: fp32 ``[T, K]`` (optional).
             expert_alignment: per-expert counts are rounded up to a multiple of it.
             num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows: ids -1, weights 0,

@@ -21,6 +21,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .config import EventOverlap
+from .errors import EPRemoteError
 from .kernels import flags as F
 from .kernels.fp8 import native_cast
 from .kernels.ll_combine import ll_combine_reduce, ll_combine_send
@@ -179,7 +180,8 @@ class LowLatency:
     def _post_failure(self) -> None:
         """This rank rejects its next low-latency call: write that call's number into every peer's
         ``LFAILED[rank]``, so their waits of that call end at once (their earlier calls, which may still
-        be running, are not affected), and mark this rank for re-synchronisation."""
+        be running, are not affected), and mark this rank for re-synchronisation (its own kernels go on:
+        a hook of an earlier call still receives)."""
         buf = self.buf
         R, me = buf.group_size, buf.rank
         if buf._comm_stream is not None and (buf._comm_dirty or buf._on_comm):
@@ -189,7 +191,9 @@ class LowLatency:
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
                     pc[F.off_ll_failed(R) + me].fill_(n)
-        buf._sig.post_local_failure(tell_peers=False)
+        # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
+        # receives), and its next call re-synchronises the group with the peers that saw the failure
+        buf._sig.needs_resync = True
 
     def _claim_send(self) -> int:
         """Host bookkeeping of a new send: call ``n`` reuses the half of call ``n - 2``, which must have been
@@ -241,9 +245,17 @@ class LowLatency:
                 raise ValueError("this receive hook belongs to a call dropped by a re-synchronisation after an error")
             done.append(True)
             self.pending.remove(idx)
-            with self.buf._sig.watch():
+            buf = self.buf
+            buf.check()
+            if buf._sig.record() is not None:
+                # an error record since this call was sent (raised already) stops this rank's kernels
+                # until the next call re-synchronises the group: the receive would move nothing
+                raise EPRemoteError(f"rank {buf.rank}: the receive of this low-latency call cannot complete: an "
+                                    f"error raised after it was sent stopped this rank's low-latency kernels until "
+                                    f"the next call re-synchronises the group; its results are dropped")
+            with buf._sig.watch():
                 recv(self.sent - idx)
-            self.buf.check()
+            buf.check()
         return hook
 
     # ------------------------------------------------------------------ dispatch

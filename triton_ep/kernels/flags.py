@@ -196,9 +196,11 @@ def release(ptr, value):
 
 
 @triton.jit
-def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexpr):
+def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexpr, ctl=None, lcall=-1):
     """Record an error (first one wins), mark this rank's header and tell every peer: ``GONE[me]`` after
-    a timeout (this rank leaves the group), ``FAILED[me]`` otherwise."""
+    a timeout (this rank leaves the group), else ``FAILED[me]`` tagged with round ``call`` or, for a
+    low-latency call (``ctl``: this rank's low-latency control block), ``LFAILED[me] = lcall`` in the
+    peers' control blocks (the low-latency call it failed: their earlier calls are not affected)."""
     zero = tl.full([], 0, tl.int64)
     kind, peer, stage, call = zero + kind, zero + peer, zero + stage, zero + call
     if tl.atomic_cas(host + H_LOCK, zero, zero + 1, sem="acq_rel", scope="sys") == 0:
@@ -211,6 +213,8 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
         if r != me:
             if kind == E_TIMEOUT:
                 release(hdr + tl.load(hdr_delta + r) + (W_FIXED + 3 * R) + me, stage + 1)
+            elif ctl is not None:
+                release(ctl + tl.load(hdr_delta + r) + (L_FIXED + 5 * R) + me, zero + lcall)
             else:       # a mismatch stays a mismatch where the peer reads it; anything else: "failed"
                 release(hdr + tl.load(hdr_delta + r) + (W_FIXED + 2 * R) + me,
                         failure_word(call, tl.where(kind == E_MISMATCH, E_MISMATCH, E_FAILED)))
@@ -313,11 +317,11 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
 
 
 @triton.jit
-def post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.constexpr):
-    """A wait for ``peer`` ended with status ``st``: record it. For a peer that gave up, the record
-    names the peer's own stage (from its ``GONE`` word)."""
+def post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.constexpr, ctl=None, lcall=-1):
+    """A wait for ``peer`` ended with status ``st``: record it (``ctl``, ``lcall``: as :func:`post_error`).
+    For a peer that gave up, the record names the peer's own stage (from its ``GONE`` word)."""
     gone_stage = tl.load(hdr + (W_FIXED + 3 * R) + peer, volatile=True) - 1
-    post_error(hdr, hdr_delta, host, st, peer, tl.where(st == E_GONE, gone_stage, stage), call, me, R)
+    post_error(hdr, hdr_delta, host, st, peer, tl.where(st == E_GONE, gone_stage, stage), call, me, R, ctl, lcall)
 
 
 @triton.jit
@@ -367,7 +371,9 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
             t0 = _now_ns(USE_CLOCK)
             # the low-latency call waited for: a receive waits for it (READY), a send for call - 2 (CONS)
             lcall = want + 2 if REMOTE else want
-            st = wait_at_least(flag, want, hdr, host, r, call, timeout_ns, R, USE_CLOCK,
+            # (round 0: normal-mode FAILED words are not about low-latency calls, which learn of a
+            # peer's failure from LFAILED only)
+            st = wait_at_least(flag, want, hdr, host, r, 0, timeout_ns, R, USE_CLOCK,
                                ctl + (L_FIXED + 5 * R) + r, lcall)
             if COST:
                 if cost_on:
@@ -379,7 +385,7 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
                 tl.store(ctl + (L_FIXED + 4 * R) + r, tl.full([], 1, tl.int64))
                 st = tl.full([], 0, tl.int32)
             if st != 0:
-                post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
+                post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R, ctl, lcall)
             bad = bad + st
     return bad == 0
 

@@ -74,10 +74,13 @@ def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_pe
         # the last row of each expert in the block carries the new count (one store per expert)
         tl.store(cnt_ptr + ef, slot + 1, mask=rf & (later == 0))
         tl.debug_barrier()
-    # 5. Bad ids: nothing is sent (the send launch sees the error) and every peer is told.
+    # 5. Bad ids: nothing is sent (the send launch sees the error) and every peer is told that this
+    #    call (the next one this rank sends) failed.
     if nbad > 0:
+        tl.store(host + flags.H_INFO, nbad.to(tl.int64))
+        tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
         flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
-                         tl.load(hdr + flags.W_BASE) + 1, me, R)
+                         tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, tl.load(ctl + flags.L_SEQ) + 1)
 
 
 _ll_route_launch = Launcher(_ll_route_kernel)

@@ -185,17 +185,17 @@ class Signals:
         rec = self.record()
         return rec is not None and rec.kind in (int(F.E_TIMEOUT), int(F.E_GONE))
 
-    def post_local_failure(self, tell_peers: bool = True) -> None:
-        """This rank fails the current call before (or while) its kernels run: mark its header and (with
-        ``tell_peers``) tell every peer through ``FAILED[rank]`` in theirs, so their waits of this call end
-        at once with ``EPRemoteError``. Later kernels of this rank move nothing until the next
-        re-synchronisation. (A low-latency call tells its peers through its own words instead.)"""
+    def post_local_failure(self) -> None:
+        """This rank fails the current call before (or while) its kernels run: mark its header and tell
+        every peer through ``FAILED[rank]`` in theirs, so their waits of this call end at once with
+        ``EPRemoteError``. Later kernels of this rank move nothing until the next re-synchronisation.
+        (A low-latency call tells its peers through its own words instead.)"""
         R, me = self.size, self.rank
         # the call's first round: this rank's completed rounds + 1 (a device read: an error path)
         word = (int(self.header[int(F.W_BASE)].item()) + 1) * 8 + int(F.E_FAILED)
         with torch.inference_mode():          # also updates buffers made in inference mode
             for r, h in enumerate(self.peer_headers):
-                if r != me and tell_peers:
+                if r != me:
                     h[F.off_failed(R) + me].fill_(word)
             self.header[int(F.W_ERR)].fill_(int(F.E_FAILED))
         self.needs_resync = True
