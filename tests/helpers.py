@@ -22,13 +22,14 @@ def assert_bits(a: Optional[torch.Tensor], b: Optional[torch.Tensor], what: str)
 
 
 def make_inputs(seed: int, E: int, K: int, H: int, Ts: Sequence[int], skew: float = 0.0, p_invalid: float = 0.15,
-                p_dup: float = 0.1, fp8: bool = False, idx_dtype=torch.int64):
+                p_dup: float = 0.1, fp8: bool = False, idx_dtype=torch.int64, x_scale: float = 1.0):
     """Per-rank inputs: x bf16 (or an fp8 pair), topk_idx with -1 entries and duplicates, weights fp32.
-    ``skew`` in [0, 1]: probability that an id is drawn from the first quarter of experts (hot experts)."""
+    ``skew`` in [0, 1]: probability that an id is drawn from the first quarter of experts (hot experts);
+    ``x_scale`` multiplies x's normal draws before the cast."""
     g = torch.Generator().manual_seed(seed)
     xs, idxs, ws = [], [], []
     for T in Ts:
-        x = torch.randn(T, H, generator=g)
+        x = torch.randn(T, H, generator=g) * x_scale
         xs.append((x.to(torch.float8_e4m3fn), torch.rand(T, H // 128, generator=g) + 0.5) if fp8
                   else x.to(torch.bfloat16))
         idx = torch.randint(0, E, (T, K), generator=g)

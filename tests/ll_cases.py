@@ -7,22 +7,11 @@ from triton_ep.kernels.fp8 import quantize_reference, unpack_ue8m0
 
 
 def ll_inputs(seed, R, E, K, H, Ts, skew=0.0, p_invalid=0.15, p_dup=0.1):
-    """Per-rank inputs, identical in every process: x bf16 [T, H], topk_idx int64 [T, K] with -1 entries,
-    duplicates within a token and (with ``skew``) hot experts, weights fp32 [T, K]."""
-    g = torch.Generator().manual_seed(seed)
-    xs, idxs, ws = [], [], []
-    for T in Ts:
-        xs.append((torch.randn(T, H, generator=g) * 3).to(torch.bfloat16))
-        idx = torch.randint(0, E, (T, K), generator=g)
-        hot = torch.randint(0, max(E // 4, 1), (T, K), generator=g)
-        idx = torch.where(torch.rand(T, K, generator=g) < skew, hot, idx)
-        if K > 1:
-            dup = torch.rand(T, K, generator=g) < p_dup
-            idx[:, 1:] = torch.where(dup[:, 1:], idx[:, :1].expand(-1, K - 1), idx[:, 1:])
-        idx = torch.where(torch.rand(T, K, generator=g) < p_invalid, torch.full_like(idx, -1), idx)
-        idxs.append(idx)
-        ws.append(torch.rand(T, K, generator=g))
-    return xs, idxs, ws
+    """Per-rank inputs, identical in every process: x bf16 [T, H] (normal draws times 3), topk_idx int64
+    [T, K] with -1 entries, duplicates within a token and (with ``skew``) hot experts, weights fp32 [T, K]
+    (``helpers.make_inputs``)."""
+    from helpers import make_inputs
+    return make_inputs(seed, E, K, H, Ts, skew=skew, p_invalid=p_invalid, p_dup=p_dup, x_scale=3.0)
 
 
 def expected_rows(idxs, R, E, me, masked=()):

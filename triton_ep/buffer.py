@@ -73,8 +73,7 @@ def _steps(fn):
             if getattr(self, "_comm", None) is not None and not getattr(e, "_ep_recorded", False):
                 # the failure word names the round after this rank's completed ones: its earlier calls'
                 # kernels must have finished (so a peer still in one of those is not told it failed)
-                if self._comm_stream is not None and (self._comm_dirty or self._on_comm):
-                    self._comm_stream.synchronize()
+                self._wait_comm_stream()
                 self._sig.post_local_failure()
             raise
     return run
@@ -694,6 +693,12 @@ class Buffer:
             self._comm_stream.wait_stream(torch.cuda.current_stream(self.device))
             self._caller_dirty = False
 
+    def _wait_comm_stream(self) -> None:
+        """Wait for work the communication stream may still hold (an ``async_finish`` call's, or the running
+        one's): an error path or a host rendezvous needs this rank's device work finished."""
+        if self._comm_stream is not None and (self._comm_dirty or self._on_comm):
+            self._comm_stream.synchronize()
+
     def _end(self, async_finish: bool, tensors: Sequence[Optional[Tensor]]) -> EventOverlap:
         """Hand the call's results to the caller: with ``async_finish`` an event on the communication
         stream (the tensors are marked as used there, so the caching allocator keeps them until then);
@@ -776,10 +781,8 @@ class Buffer:
             while True:
                 started = True
                 if isinstance(stage, _Meet):
-                    # this rank's device work must have finished: a dispatch's counts wait saw to the
-                    # caller's stream; work on the communication stream is waited for here
-                    if self._comm_stream is not None and (self._on_comm or self._comm_dirty):
-                        self._comm_stream.synchronize()
+                    # this rank's device work must have finished (the rendezvous compares round counters)
+                    self._wait_comm_stream()
                     try:
                         comm.barrier(stage, gone=self._sig.gone_peers)
                     except EPTimeoutError:

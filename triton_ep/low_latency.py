@@ -184,8 +184,7 @@ class LowLatency:
         a hook of an earlier call still receives)."""
         buf = self.buf
         R, me = buf.group_size, buf.rank
-        if buf._comm_stream is not None and (buf._comm_dirty or buf._on_comm):
-            buf._comm_stream.synchronize()
+        buf._wait_comm_stream()
         n = int(self.ctl[int(F.L_SEQ)].item()) + 1       # a device read: an error path
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):

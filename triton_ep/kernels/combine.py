@@ -78,6 +78,15 @@ _combine_send_launch = Launcher(_combine_send_kernel)
 
 
 @triton.jit
+def _returned_slot(send_pos_ptr, send_base_ptr, t, mt, r, lo, hi, R: tl.constexpr):
+    """Where rank ``r`` returned tokens ``t``' rows in this rank's combine area: the mask (the token went
+    to ``r`` and its slot lies in the round's window ``[lo, hi)``) and the slot."""
+    pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+    slot = tl.load(send_base_ptr + r) + pos
+    return (pos >= 0) & (slot >= lo) & (slot < hi), slot
+
+
+@triton.jit
 def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                            acc_ptr, out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr,
                            hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
@@ -104,9 +113,7 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
             else:
                 acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             for r in tl.static_range(R):
-                pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
-                slot = tl.load(send_base_ptr + r) + pos
-                m = (pos >= 0) & (slot >= lo) & (slot < hi)
+                m, slot = _returned_slot(send_pos_ptr, send_base_ptr, t, mt, r, lo, hi, R)
                 v = tl.load(rec_h_ptr + (slot - lo)[:, None] * REC_H + oh[None, :], mask=m[:, None] & mth, other=0.0)
                 acc += v.to(tl.float32)
             if STORE_ACC:
@@ -125,9 +132,7 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
             else:
                 wacc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
             for r in tl.static_range(R):
-                pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
-                slot = tl.load(send_base_ptr + r) + pos
-                m = (pos >= 0) & (slot >= lo) & (slot < hi)
+                m, slot = _returned_slot(send_pos_ptr, send_base_ptr, t, mt, r, lo, hi, R)
                 wacc += tl.load(rec_f_ptr + (slot - lo)[:, None] * REC_F + (H // 2) + ok[None, :],
                                 mask=m[:, None] & mtk, other=0.0)
             if STORE_ACC:

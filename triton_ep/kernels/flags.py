@@ -236,41 +236,32 @@ def _peer_status(hdr, peer, rnd, R: tl.constexpr):
 
 @triton.jit
 def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
-                  fail_ptr, fail_call):
+                  fail_ptr=None, fail_call=-1, ready=None):
     """Spin until ``*flag >= want`` (acquire), for round ``rnd``. Returns 0, or the error kind that ended
-    the wait: the peer's ``GONE``/``FAILED`` word in this rank's header (looked at first: a peer that left
-    or failed the call is not waited for, even where its flag already moved), ``E_FAILED`` when
-    ``*fail_ptr == fail_call`` (a low-latency call the peer rejected; ``fail_call`` -1 for none), or the
-    bound (``%globaltimer`` on GPU, the host watchdog's abort word under the interpreter)."""
+    the wait:
+
+    - the peer's ``GONE``/``FAILED`` word in this rank's header (looked at first: a peer that left or
+      failed the call is not waited for, even where its flag already moved);
+    - with ``fail_ptr``, ``E_FAILED`` when ``*fail_ptr == fail_call`` (a low-latency call the peer
+      rejected);
+    - with ``ready``, ``E_MISMATCH`` when the peer released ``*ready >= want`` before the flag (a
+      dispatch's ``NOTIFIED`` comes before anything it sends of that round: a peer that sends first runs
+      another collective);
+    - the bound (``%globaltimer`` on GPU, the host watchdog's abort word under the interpreter).
+    """
     status = _peer_status(hdr, peer, rnd, R)
-    status = tl.where((status == 0) & (tl.load(fail_ptr, volatile=True) == fail_call), E_FAILED, status)
+    if fail_ptr is not None:
+        status = tl.where((status == 0) & (tl.load(fail_ptr, volatile=True) == fail_call), E_FAILED, status)
     v = acquire(flag)
     t0 = _now_ns(USE_CLOCK)
     while (v < want) & (status == 0):
         status = _peer_status(hdr, peer, rnd, R)
-        status = tl.where((status == 0) & (tl.load(fail_ptr, volatile=True) == fail_call), E_FAILED, status)
-        if USE_CLOCK:
-            if _now_ns(USE_CLOCK) - t0 > timeout_ns:
-                status = tl.maximum(status, E_TIMEOUT)
-        elif tl.load(host + H_ABORT, volatile=True) != 0:
-            status = tl.maximum(status, E_TIMEOUT)
-        v = acquire(flag)
-    return status
-
-
-@triton.jit
-def wait_notified(flag, want, ready, hdr, host, peer, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
-    """:func:`wait_at_least` for a peer's ``NOTIFIED`` word, which also ends with ``E_MISMATCH`` when the
-    peer released ``READY`` (``ready``) for the awaited round first: it is running another collective (a
-    dispatch notifies before it sends anything of that round)."""
-    status = _peer_status(hdr, peer, want, R)
-    v = acquire(flag)
-    t0 = _now_ns(USE_CLOCK)
-    while (v < want) & (status == 0):
-        status = _peer_status(hdr, peer, want, R)
-        if acquire(ready) >= want:
-            if acquire(flag) < want:        # read again: a notifying peer released NOTIFIED before READY
-                status = tl.maximum(status, E_MISMATCH)
+        if fail_ptr is not None:
+            status = tl.where((status == 0) & (tl.load(fail_ptr, volatile=True) == fail_call), E_FAILED, status)
+        if ready is not None:
+            if acquire(ready) >= want:
+                if acquire(flag) < want:        # read again: a notifying peer released the flag before READY
+                    status = tl.maximum(status, E_MISMATCH)
         if USE_CLOCK:
             if _now_ns(USE_CLOCK) - t0 > timeout_ns:
                 status = tl.maximum(status, E_TIMEOUT)
@@ -289,7 +280,7 @@ def wait_peers_consumed(hdr, hdr_delta, host, want, me, stage, call, timeout_ns,
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
             st = wait_at_least(hdr + tl.load(hdr_delta + r) + W_CONSUMED, want, hdr, host, r, want + 1, timeout_ns,
-                               R, USE_CLOCK, hdr, -1)
+                               R, USE_CLOCK)
             if st != 0:
                 post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
             bad = bad + st
@@ -304,7 +295,7 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
     bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
-            st = wait_at_least(hdr + (W_FIXED + 0 * R) + r, want, hdr, host, r, want, timeout_ns, R, USE_CLOCK, hdr, -1)
+            st = wait_at_least(hdr + (W_FIXED + 0 * R) + r, want, hdr, host, r, want, timeout_ns, R, USE_CLOCK)
             # a peer whose part arrived with another signature called another operation (it may also
             # have said it failed: having found the same mismatch first); that is the error to name
             arrived = (st == 0) | ((st == E_FAILED) & (acquire(hdr + (W_FIXED + 0 * R) + r) >= want))

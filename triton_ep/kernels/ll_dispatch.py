@@ -87,6 +87,20 @@ _ll_route_launch = Launcher(_ll_route_kernel)
 
 
 @triton.jit
+def _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, records_w, me, n_max, K: tl.constexpr,
+               R: tl.constexpr, REC: tl.constexpr):
+    """Where entry ``k`` of tokens ``t`` goes: the mask (it has a slot) and the word address, relative to
+    this rank's area, of its record ``(local expert, me, slot)`` in the expert's rank's area, whose records
+    start at word ``records_w`` of the half."""
+    sl = tl.load(slot_ptr + t * K + k, mask=mt, other=-1)
+    m = mt & (sl >= 0)
+    e = tl.where(m, tl.load(idx_ptr + t * K + k, mask=m, other=0).to(tl.int64), 0)
+    d = e // experts_per_rank
+    rec = tl.load(delta_w + d, mask=m, other=0) + records_w + (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
+    return m, rec
+
+
+@triton.jit
 def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
                              hdr, hdr_delta, host, sig, me, timeout_ns,
@@ -120,12 +134,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                 ow = h0 // 2 + tl.arange(0, BLOCK_H // 2)
                 v = tl.load(xw_ptr + t[:, None] * (H // 2) + ow[None, :], mask=mt[:, None])
             for k in tl.static_range(K):
-                sl = tl.load(slot_ptr + t * K + k, mask=mt, other=-1)
-                m = mt & (sl >= 0)
-                e = tl.where(m, tl.load(idx_ptr + t * K + k, mask=m, other=0).to(tl.int64), 0)
-                d = e // experts_per_rank
-                rec = tl.load(delta_w + d, mask=m, other=0) + hb + cnt_w + \
-                    (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
+                m, rec = _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, hb + cnt_w, me, n_max,
+                                    K, R, REC)
                 if FP8:
                     tl.store(area_q + rec[:, None] * 4 + oh[None, :], q, mask=m[:, None])
                     tl.store(area_f + rec[:, None] + PW + ob[None, :], s, mask=m[:, None])
@@ -133,12 +143,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                     tl.store(area_w + rec[:, None] + ow[None, :], v, mask=m[:, None])
         # the record's last word: t * K + k (the entry combine returns the row to)
         for k in tl.static_range(K):
-            sl = tl.load(slot_ptr + t * K + k, mask=mt, other=-1)
-            m = mt & (sl >= 0)
-            e = tl.where(m, tl.load(idx_ptr + t * K + k, mask=m, other=0).to(tl.int64), 0)
-            d = e // experts_per_rank
-            rec = tl.load(delta_w + d, mask=m, other=0) + hb + cnt_w + \
-                (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
+            m, rec = _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, hb + cnt_w, me, n_max, K, R,
+                                REC)
             tl.store(area_w + rec + (PW + (H // 128 if FP8 else 0)), (t * K + k).to(tl.int32), mask=m)
     # The rows per expert go to the expert's rank: counts [s = me][local expert] of the half there.
     if (tl.program_id(0) == 0) & go:

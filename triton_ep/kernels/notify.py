@@ -90,8 +90,8 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
             # (a peer that released READY for round n first runs another collective: E_MISMATCH)
-            st = flags.wait_notified(hdr + (flags.W_FIXED + 4 * R) + r, n, hdr + flags.W_FIXED + r, hdr, host, r,
-                                     timeout_ns, R, USE_CLOCK)
+            st = flags.wait_at_least(hdr + (flags.W_FIXED + 4 * R) + r, n, hdr, host, r, n, timeout_ns, R, USE_CLOCK,
+                                     None, -1, hdr + flags.W_FIXED + r)
             # a peer that published its row and then failed (it found a rank over capacity, as this rank
             # will from the same matrix) does not stop this rank: the capacity error is named below
             if (st == flags.E_FAILED) & (flags.acquire(hdr + (flags.W_FIXED + 4 * R) + r) >= n):
