@@ -12,9 +12,11 @@
 # site-packages has not changed since (no pip install or uninstall), runs the command at once and silently.
 # Otherwise (first run, an interrupted setup, run.sh or pyproject.toml changed, packages changed) the setup
 # runs again: each step says what it does and how long it took, and skips what already imports.
+#
+# The command runs in the caller's current folder (path/to/run.sh python myscript.py works from anywhere);
+# the setup and its checks run in the checkout's folder, so .venv is always the checkout's.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-cd "$here"
 py=${PYTHON:-python3}
 stamp=.venv/.run.sh-ok
 
@@ -83,11 +85,12 @@ setup_venv() {
     echo "[run.sh] .venv ready in $((SECONDS - start)) s" >&2
 }
 
-if [ ! -d .venv ] && "$py" -c 'import torch, triton, numpy' >/dev/null 2>&1; then
+# Setup and checks in the checkout's folder (subshells), the command in the caller's.
+if [ ! -d "$here/.venv" ] && (cd "$here" && "$py" -c 'import torch, triton, numpy') >/dev/null 2>&1; then
     export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
-    bin="$(dirname "$(command -v "$py")")"
+    bin="$(cd "$here" && cd "$(dirname "$(command -v "$py")")" && pwd)"
 else
-    if why="$(stale)"; then setup_venv "$why"; fi
+    if why="$(cd "$here" && stale)"; then (cd "$here"; setup_venv "$why"); fi
     bin="$here/.venv/bin"
 fi
 export PATH="$bin:$PATH"

@@ -165,8 +165,8 @@ class Case:
         in_rank = torch.zeros((ids.shape[0], R + 1), dtype=torch.bool, device=ids.device)
         in_rank.scatter_(1, rank_of, True)
         in_rank = in_rank[:, :R]
-        csum = in_rank.to(torch.int64).cumsum(0)
-        send_pos = torch.where(in_rank, csum - 1, -1)
+        csum = in_rank.to(torch.int32).cumsum(0, dtype=torch.int32)
+        send_pos = torch.where(in_rank, csum - 1, -1)        # int32, as routing_layout (DeepEP's send_head)
         self.layout_out[i] = (csum[-1].to(torch.int32), per_expert, in_rank, send_pos)
 
     def dispatch_send_torch(self, i: int) -> None:
@@ -237,14 +237,14 @@ class Case:
         padding excluded, small per-rank vectors ignored)."""
         T, K, R, W = self.T, self.K, self.R, self.wx
         if kernel == "layout":      # ids in; is_token_in_rank, send_pos, counts out
-            return T * K * 8, T * R * (1 + 8) + 4 * (R + self.E)
+            return T * K * 8, T * R * (1 + 4) + 4 * (R + self.E)
         if kernel == "dispatch_send":   # rows, ids, weights, send_pos in; records out
-            return T * (W * 4 + K * 12 + R * 8), float(self.sent.mean()) * (W + 2 * K + 1) * 4
+            return T * (W * 4 + K * 12 + R * 4), float(self.sent.mean()) * (W + 2 * K + 1) * 4
         if kernel == "dispatch_recv":   # records in; rows, int64 ids, weights, source index out
             return float(self.recv.mean()) * (W + 2 * K + 1) * 4, float(self.recv.mean()) * (W * 4 + K * 12 + 4)
         if kernel == "combine_send":    # rows in, rows out
             return float(self.recv.mean()) * W * 4, float(self.recv.mean()) * W * 4
-        return float(self.sent.mean()) * self.H * 2 + T * R * 8, T * self.H * 2   # slots + send_pos in, rows out
+        return float(self.sent.mean()) * self.H * 2 + T * R * 4, T * self.H * 2   # slots + send_pos in, rows out
 
     def min_bytes(self, kernel: str) -> float:
         """:meth:`min_rw` read plus written."""

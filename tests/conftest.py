@@ -6,6 +6,7 @@ by ``TRITON_EP_HYPOTHESIS=deep``.
 import os
 import sys
 import time
+import uuid
 
 import pytest
 import torch
@@ -19,9 +20,24 @@ settings.register_profile("deep", max_examples=300, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("TRITON_EP_HYPOTHESIS", "ci"))
 
+#: This run's tag in the name of every /dev/shm file triton-ep makes (``triton_ep.<tag>.*``, see
+#: ``triton_ep.transport.ipc.shm_name``), set before any test runs so the rank processes the tests start
+#: inherit it: the leak check below counts only files carrying it, never another program's.
+SHM_TAG = f"pytest{os.getpid()}-{uuid.uuid4().hex[:12]}"
+os.environ["TRITON_EP_SHM_TAG"] = SHM_TAG
+
+
+#: seconds a GPU test may take (``TRITON_EP_GPU_TEST_TIMEOUT_S``) where pytest-timeout is installed: a hang
+#: then fails that test instead of eating the whole run (the GPU machine's image has the plugin)
+GPU_TEST_TIMEOUT_S = float(os.environ.get("TRITON_EP_GPU_TEST_TIMEOUT_S", "150"))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        if config.pluginmanager.hasplugin("timeout"):
+            for item in items:
+                if "gpu" in item.keywords and item.get_closest_marker("timeout") is None:
+                    item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT_S, method="signal"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
     for item in items:
@@ -29,9 +45,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _shm_files() -> set:
-    d = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    return {f for f in os.listdir(d) if f.startswith("triton_ep.")} if d else set()
+def _shm_files(tag: str = SHM_TAG, d: str = "/dev/shm") -> set:
+    """The files in ``d`` that this run's triton-ep code made: named ``triton_ep.<tag>.*``."""
+    from triton_ep.transport.ipc import shm_name
+    prefix = shm_name("", tag)
+    return {f for f in os.listdir(d) if f.startswith(prefix)} if os.path.isdir(d) else set()
+
+
+def shm_left_behind(before: set, grace_s: float = 5.0, tag: str = SHM_TAG, d: str = "/dev/shm") -> set:
+    """This run's files in ``d`` (see :func:`_shm_files`) that are not in ``before`` and still there after up to
+    ``grace_s`` seconds (a rank process of this run may be on its way out). Other programs' files, tagged
+    otherwise or not at all, are never counted."""
+    new = _shm_files(tag, d) - before
+    deadline = time.monotonic() + grace_s
+    while new and time.monotonic() < deadline:
+        time.sleep(0.1)
+        new &= _shm_files(tag, d)
+    return new
+
+
+@pytest.fixture
+def shm_check():
+    """The shared-memory part of the leak check, for tests of it: ``.tag``, ``.files(tag=...)``,
+    ``.left_behind(before, grace_s=..., tag=...)`` (a fixture: ``import conftest`` may find another conftest)."""
+    import types
+    return types.SimpleNamespace(tag=SHM_TAG, files=_shm_files, left_behind=shm_left_behind)
 
 
 def _open_fds() -> dict:
@@ -57,20 +95,14 @@ def _process_wide_singletons():
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind(request, _process_wide_singletons):
-    """Invariant 15 around every test (failure paths included): no new triton_ep files in /dev/shm (ours or
-    the rank processes'), no new open descriptors in this process, no new threads."""
+    """Invariant 15 around every test (failure paths included): no new triton_ep files of this run in /dev/shm
+    (ours or the rank processes'; see SHM_TAG), no new open descriptors in this process, no new threads."""
     import threading
     import gc
     shm0, fds0, threads0 = _shm_files(), _open_fds(), set(threading.enumerate())
     yield
     gc.collect()
-    new_shm = _shm_files() - shm0
-    # another process's bootstrap (a second test run on the machine) may hold files for a moment: what
-    # this test left behind stays, theirs goes
-    deadline = time.monotonic() + 5.0
-    while new_shm and time.monotonic() < deadline:
-        time.sleep(0.1)
-        new_shm &= _shm_files()
+    new_shm = shm_left_behind(shm0)
     assert not new_shm, f"left in /dev/shm: {sorted(new_shm)}"
     new_fds = {fd: p for fd, p in _open_fds().items() if fds0.get(fd) != p and not p.startswith("/dev/nvidia")}
     assert not new_fds, f"descriptors left open: {new_fds}"

@@ -122,7 +122,11 @@ def round_trip(rank, world, seed, E, K, H, Ts, N, cases):
             y = buf.get_next_low_latency_combine_buffer(handle) if zero_copy else torch.empty_like(rx)
             for le in range(El):
                 y[le] = expert_fn(kind, me * El + le, rx[le])
-            comb, _, h = buf.low_latency_combine(y, idxs[me], ws[me], handle, zero_copy=zero_copy, return_recv_hook=hook)
+            # zero-copy as DeepEP's programs use it: the outputs were written into the buffer, and x is
+            # another tensor of the right shape and dtype (garbage here: it must not be read)
+            x_arg = torch.full((El, R * N, H), float("nan"), dtype=torch.bfloat16) if zero_copy else y
+            comb, _, h = buf.low_latency_combine(x_arg, idxs[me], ws[me], handle, zero_copy=zero_copy,
+                                                 return_recv_hook=hook)
             if hook:
                 h()
             # the oracle's expert input: the row as received (FP8: dequantised)
@@ -259,6 +263,30 @@ def bad_ids_then_recover(rank, world, N, H, E):
             buf.check()
         except Exception as e:  # noqa: BLE001
             got.append(type(e).__name__)
+        out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False)
+        check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False)
+        return got
+    finally:
+        buf.destroy()
+
+
+def disagree_then_recover(rank, world, N, H, E):
+    """Rank 1 calls with use_fp8=False where the others pass True, then with another
+    num_max_dispatch_tokens_per_rank: every rank raises ValueError naming the field and both values (one
+    exception type for a disagreement on every rank); the next agreeing call is correct."""
+    R, me = world, rank
+    xs, idxs, ws = ll_inputs(9, R, E, 2, H, [4] * R)
+    buf = _buffer(R, N, H, E, timeout_s=30)
+    got = []
+    try:
+        for kw in (dict(use_fp8=me != 1), dict(use_fp8=False, n=N if me != 1 else N // 2)):
+            n = kw.pop("n", N)
+            try:
+                buf.low_latency_dispatch(xs[me], idxs[me], n, E, **kw)
+                buf.check()
+                got.append(("none", ""))
+            except Exception as e:  # noqa: BLE001
+                got.append((type(e).__name__, str(e)))
         out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False)
         check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False)
         return got

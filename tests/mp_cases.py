@@ -267,6 +267,11 @@ def absent_in_combine(rank, world, timeout_s, device="cpu"):
         t0 = time.monotonic()
         try:
             buf.combine(recv_x, handle, topk_weights=recv_w)
+            # on GPU combine only enqueues (no host wait): its kernels' timeout record is raised by the
+            # next check (docs/design.md, Errors), here after the stream has drained
+            if device != "cpu":
+                torch.cuda.synchronize()
+            buf.check()
             report = "no error"
         except triton_ep.EPTimeoutError as e:
             report = (isinstance(e, RuntimeError), isinstance(e, TimeoutError), e.rank, e.peer, e.stage,
@@ -341,7 +346,9 @@ def mixed_handles(rank, world):
             call()
             out.append("returned")
         except ValueError as e:
-            out.append("ValueError: " + ("handle's dispatch" in str(e) and "agree" in str(e)).__str__())
+            a, b = (1, 2) if rank == 0 else (2, 1)
+            want = f"handle's dispatch number: rank {rank} passed {a}, rank {1 - rank} passed {b}"
+            out.append("ValueError: " + (want in str(e) and "agree" in str(e)).__str__())
     assert buf.combine(second[0], second[4])[0].shape == (6, H)     # the group is still in step
     buf.destroy()
     return out
@@ -682,3 +689,47 @@ def bad_call_after_valid(rank, world, device="cpu"):
     call("final dispatch", lambda: buf.dispatch(x, **_layout_kwargs(buf, idxs[rank].to(device), E)))
     buf.destroy()
     return out
+
+
+def never_builds(rank, world, timeout_s, pid_file, subgroup):
+    """Group rank 1 never builds its Buffer and stays alive. Rank 0 must raise EPTimeoutError within the
+    bound naming rank 1, then ``destroy_process_group()`` must return at once (no collective left
+    pending) and the process exit; rank 1 reports whether rank 0's process is gone 12 s after the bound.
+    With ``subgroup``, the Buffer is built over ``new_group([0, 1])`` of a 3-rank world (rank 2 idles)."""
+    import os
+    import time
+    import torch.distributed as dist
+    group = dist.new_group([0, 1]) if subgroup else None
+    if rank == 0:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        t0 = time.monotonic()
+        try:
+            triton_ep.Buffer(group, 1 << 16, device="cpu", timeout_s=timeout_s)
+            return "built"
+        except triton_ep.EPTimeoutError as e:
+            waited = time.monotonic() - t0
+            t1 = time.monotonic()
+            dist.destroy_process_group()
+            return (e.stage, e.peers, str(e), round(waited, 2), round(time.monotonic() - t1, 2))
+    if rank == 1:
+        time.sleep(timeout_s + 12)
+        pid = int(open(pid_file).read())
+        try:
+            os.kill(pid, 0)
+            return "rank 0 still running"
+        except ProcessLookupError:
+            return "rank 0 exited"
+    return None
+
+
+def rejects_its_arguments(rank, world):
+    """Rank 1 passes a bad num_nvl_bytes: it raises ValueError, rank 0 raises EPRemoteError at once naming
+    rank 1 and its reason (not a timeout)."""
+    import time
+    t0 = time.monotonic()
+    try:
+        triton_ep.Buffer(None, -5 if rank == 1 else 1 << 16, device="cpu", timeout_s=30)
+        return ("built", 0.0, "")
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))

@@ -37,8 +37,13 @@ def _layout(buf, idx, E):
     (dict(topk_idx=torch.zeros(4, 2, dtype=torch.float32)), TypeError, ["topk_idx"]),
     (dict(expert_alignment=0), ValueError, ["expert_alignment"]),
     (dict(num_worst_tokens=-1), ValueError, ["num_worst_tokens"]),
-    (dict(x=(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(4, 2))), ValueError, ["scales", "shape"]),
-    (dict(x=(torch.zeros(4, 64, dtype=torch.float8_e4m3fn), torch.zeros(4, 0))), ValueError, ["128"]),
+    # scales: [T, S] fp32 or int32, any S, with 1-byte x rows of 16-byte multiples (DeepEP's checks)
+    (dict(x=(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(5, 2))), ValueError,
+     ["x[1] (scales)", "shape [4, *]", "[5, 2]"]),
+    (dict(x=(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(4, 1, dtype=torch.bfloat16))), TypeError,
+     ["x[1] (scales)", "torch.float32 or torch.int32", "torch.bfloat16"]),
+    (dict(x=(torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.zeros(4, 1))), ValueError, ["16 bytes"]),
+    (dict(x=(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 1))), TypeError, ["x[0]", "1-byte"]),
 ])
 def test_dispatch_rejects_bad_arguments(one, bad, exc, words):
     vg, buf = one
@@ -133,8 +138,37 @@ def test_ranks_calling_different_collectives_fail_instead_of_hanging():
     # the dispatching rank's notify finds that rank 1 released data of the round before notifying (it runs
     # another collective); the combining rank learns from the device words that rank 0 found a
     # mismatch: neither waits out its timeout, both name the other rank
-    assert isinstance(out[0], ValueError) and "different operations" in str(out[0]) and "rank 1" in str(out[0]), out
-    assert isinstance(out[1], (ValueError, triton_ep.EPRemoteError)) and "rank 0" in str(out[1]), out
+    # a disagreement is a ValueError on every rank, naming what each rank called (docs/design.md, Errors)
+    assert isinstance(out[0], ValueError) and "rank 0 called dispatch, rank 1 called combine" in str(out[0]), out
+    assert isinstance(out[1], ValueError) and "rank 1 called combine, rank 0 called dispatch" in str(out[1]), out
+
+
+@pytest.mark.parametrize("field,kw0,kw1,want", [
+    ("hidden", dict(H=32), dict(H=16), "hidden: rank {me} passed {a}, rank {peer} passed {b}"),
+    ("dtype", dict(dtype=torch.bfloat16), dict(dtype=torch.float16),
+     "x dtype: rank {me} passed {a}, rank {peer} passed {b}"),
+    ("K", dict(K=2), dict(K=3), "top-k (topk_idx columns): rank {me} passed {a}, rank {peer} passed {b}"),
+    ("E", dict(E=4), dict(E=8), "num_experts: rank {me} passed {a}, rank {peer} passed {b}"),
+])
+def test_disagreeing_ranks_name_the_field_and_both_values(field, kw0, kw1, want):
+    """Two ranks pass different sizes or dtypes to dispatch: both raise ValueError naming the field and each
+    rank's value (not a list of candidates), and no field of another mode (num_worst_tokens) appears."""
+    from triton_ep.testing import lockstep
+    vg = VirtualGroup(2, 1 << 16)
+    gens, vals = [], []
+    for r, kw in enumerate((kw0, kw1)):
+        H, E, K, dtype = kw.get("H", 32), kw.get("E", 4), kw.get("K", 2), kw.get("dtype", torch.bfloat16)
+        xs, idxs, ws = make_inputs(7, E, K, H, [3, 3])
+        buf = vg.buffers[r]
+        lay = _layout(buf, idxs[r], E)
+        gens.append(buf._dispatch_steps(xs[r].to(dtype), None, lay["num_tokens_per_rank"], lay["is_token_in_rank"],
+                                        lay["num_tokens_per_expert"], lay["topk_idx"], ws[r], 1, 0, None, False))
+        vals.append({"hidden": H, "dtype": str(dtype).replace("torch.", ""), "K": K, "E": E}[field])
+    out = lockstep(gens)
+    for me, peer in ((0, 1), (1, 0)):
+        assert isinstance(out[me], ValueError), out
+        text = want.format(me=me, peer=peer, a=vals[me], b=vals[peer])
+        assert text in str(out[me]) and "num_worst_tokens" not in str(out[me]), (text, str(out[me]))
 
 
 @pytest.mark.parametrize("kw,exc,words", [

@@ -7,18 +7,19 @@ import triton
 import triton.language as tl
 
 from triton_ep.kernels import interpreted
-from triton_ep.kernels.launch import Launcher, _arg_key
+from triton_ep.kernels.launch import Launcher, _arg_key, _arg_key_unspecialized
 
 
-@triton.jit
-def _axpb_kernel(x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+def _axpb_body(x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(x_ptr + offs, mask=m, other=0)
     tl.store(y_ptr + offs, (v * a + b + SHIFT).to(y_ptr.dtype.element_ty), mask=m)
 
 
-_axpb = Launcher(_axpb_kernel)
+_axpb = Launcher(triton.jit(_axpb_body))
+#: the same kernel with n and a declared do_not_specialize (as the library's per-call integers)
+_axpb_dns = Launcher(triton.jit(do_not_specialize=["n", "a"])(_axpb_body))
 
 
 def _check(device):
@@ -55,6 +56,36 @@ def test_arg_key_tells_specialisations_apart():
     assert _arg_key(2) == _arg_key(3) and _arg_key(16) == _arg_key(48)
     assert len(keys) >= 5
     assert _arg_key(True) != _arg_key(1) and _arg_key(None) != _arg_key(0)
+
+
+def test_unspecialized_integers_share_one_key():
+    """``do_not_specialize`` integers (per-call values: token counts, rounds, signatures) key on their type
+    only, as Triton compiles them: 1, 16 and 37 share one kernel; 32 and 64 bits still differ."""
+    k = _arg_key_unspecialized
+    assert k(1) == k(16) == k(37) == k(0) and k(1 << 31) != k(1) and k(1 << 63) != k(1 << 31)
+
+
+def _check_dns(device):
+    x = torch.arange(80, device=device, dtype=torch.float32)
+    for n, a in ((1, 1), (16, 16), (37, 3), (64, 32), (80, 2)):
+        for _ in range(2):
+            y = torch.full((80,), -1.0, device=device)
+            _axpb_dns[(triton.cdiv(n, 32),)](x, y, n, a, 5, BLOCK=32, SHIFT=1, num_warps=1)
+            exp = torch.where(torch.arange(80, device=device) < n, x * a + 6, torch.full_like(x, -1.0))
+            assert torch.equal(y, exp), (n, a)
+
+
+def test_unspecialized_launches_are_correct_cpu():
+    if not interpreted():
+        pytest.skip("interpreter only")
+    _check_dns("cpu")
+
+
+@pytest.mark.gpu
+def test_unspecialized_integers_compile_once_gpu():
+    """Varying per-call integers compile one kernel (one launcher entry), and every launch is right."""
+    _check_dns("cuda")
+    assert len(_axpb_dns._cache) == 1, _axpb_dns._cache.keys()
 
 
 @pytest.mark.gpu

@@ -59,6 +59,15 @@ def test_silent_peer_without_shrink_times_out():
     assert out[0][0] == "EPTimeoutError" and out[0][1] == 1, out
 
 
+def test_disagreeing_ranks_raise_value_error_everywhere_naming_the_field():
+    out = _values(run_ranks(ll_cases.disagree_then_recover, 2, 8, 128, 4))
+    for me, peer in ((0, 1), (1, 0)):
+        (k0, m0), (k1, m1) = out[me]
+        assert k0 == "ValueError" and f"use_fp8: rank {me} passed {me != 1}, rank {peer} passed {peer != 1}" in m0, out
+        assert k1 == "ValueError" and (f"num_max_dispatch_tokens_per_rank: rank {me} passed {8 if me != 1 else 4}, "
+                                       f"rank {peer} passed {8 if peer != 1 else 4}") in m1, out
+
+
 def test_bad_ids_and_shapes():
     out = _values(run_ranks(ll_cases.bad_ids_then_recover, 2, 8, 128, 4))
     assert out[1][:2] == ["shape", "ValueError"], out

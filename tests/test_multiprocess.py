@@ -59,7 +59,9 @@ def test_ranks_sending_different_dtypes_raise_on_every_rank():
     """Any dtype moves, but all ranks must send the same one: rank 1 sends float32 rows where the others
     send bf16, and every rank raises ValueError naming the disagreement; nothing is reinterpreted."""
     out = _values(run_ranks(mp_cases.bad_input_on_one_rank, 3, "mixed_dtypes"))
-    assert all(o[0] == "ValueError" and "x dtype" in o[1] and "all ranks must agree" in o[1] for o in out), out
+    assert all(o[0] == "ValueError" and "all ranks must agree" in o[1] for o in out), out
+    assert "x dtype: rank 1 passed float32, rank 0 passed bfloat16" in out[1][1], out
+    assert all("x dtype: rank" in o[1] and "float32" in o[1] and "bfloat16" in o[1] for o in out), out
 
 
 def test_rank_missing_at_construction_times_out():
@@ -68,6 +70,25 @@ def test_rank_missing_at_construction_times_out():
     out = _values(run_ranks(mp_cases.absent_at_construction, 3, 2.0))
     for stage, waited in out[:2]:
         assert stage.startswith("bootstrap") and 2.0 <= waited < 20, (stage, waited)
+
+
+@pytest.mark.parametrize("subgroup", [False, True])
+def test_rank_that_never_builds_leaves_nothing_pending(tmp_path, subgroup):
+    """Rank 1 never builds its Buffer and stays alive: rank 0 raises EPTimeoutError within the bound naming
+    rank 1, then destroy_process_group() returns at once and its process exits (before: the bootstrap's
+    all-gather stayed pending and both waited for gloo's own 30-minute timeout); also over a subgroup."""
+    out = _values(run_ranks(mp_cases.never_builds, 3 if subgroup else 2, 2.0, str(tmp_path / "pid"), subgroup))
+    stage, peers, msg, waited, destroy_s = out[0]
+    assert stage.startswith("bootstrap") and peers == [1] and "peer 1 " in msg and "None" not in msg, out
+    assert 2.0 <= waited < 10 and destroy_s < 5, out
+    assert out[1] == "rank 0 exited", out
+
+
+def test_rank_rejecting_its_arguments_tells_the_peers_at_once():
+    out = _values(run_ranks(mp_cases.rejects_its_arguments, 2))
+    assert out[1][0] == "ValueError" and "num_nvl_bytes" in out[1][2], out
+    assert out[0][0] == "EPRemoteError" and "rank 1 rejected its Buffer arguments" in out[0][2], out
+    assert "num_nvl_bytes" in out[0][2] and out[0][1] < 10, out
 
 
 def test_rank_failing_mid_call_never_yields_wrong_data():
@@ -90,7 +111,7 @@ def test_handles_of_different_dispatches_are_rejected_on_every_rank():
 def test_peer_failing_to_build_its_buffer_is_a_remote_error_not_a_timeout():
     out = _values(run_ranks(mp_cases.peer_fails_to_build, 2))
     assert out[1][0] != "built", out
-    assert out[0][0] == "EPRemoteError" and "could not build its Buffer" in out[0][2] and out[0][1] < 10, out
+    assert out[0][0] == "EPRemoteError" and "rank 1 failed to build its Buffer" in out[0][2] and out[0][1] < 10, out
 
 
 def test_a_bad_call_on_every_rank_leaves_the_peers_earlier_call_alone():

@@ -411,7 +411,8 @@ def case_combine_offsets(base, device="cpu"):
     x = torch.randn(n_rows, H, generator=g).to(BF16).to(device)
     w = torch.rand(n_rows, K, generator=g).to(device)
     prefix = torch.tensor([3, 5], dtype=torch.int64, device=device)     # 3 rows from source 0, 2 from source 1
-    send_pos = torch.tensor([[0, -1], [1, 0], [-1, 1], [2, -1]], dtype=torch.int64, device=device)
+    # int32, as the handle's send_head: slots (int64 base + int32 position) must still pass 2^31
+    send_pos = torch.tensor([[0, -1], [1, 0], [-1, 1], [2, -1]], dtype=torch.int32, device=device)
     outs = []
     for b in (0, base):
         area = torch.zeros((2, 32 * rb), dtype=torch.uint8, device=device)

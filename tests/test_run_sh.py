@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,3 +103,25 @@ def test_where_torch_already_imports_and_there_is_no_venv_it_is_used_as_is(tmp_p
     assert out.splitlines() == [str(co), str(tmp_path / "fake" / "python3")]
     assert (err, calls) == ("", ["python -c import torch, triton, numpy"])
     assert not (co / ".venv").exists()
+
+
+def test_the_command_runs_in_the_callers_folder_and_setup_in_the_checkout(tmp_path):
+    """Issue 17, item 6: ``path/to/run.sh python script.py ARG`` from another folder runs script.py of that
+    folder with ARG resolved against it (it used to cd to the checkout: "can't open file"), whichever path
+    run.sh takes (first setup, stamped .venv, torch already importing); .venv is made in the checkout."""
+    caller = tmp_path / "elsewhere"
+    (caller / "data").mkdir(parents=True)
+    (caller / "data" / "in.txt").write_text("payload\n")
+    (caller / "script.py").write_text("import os, sys\nprint(os.getcwd()); print(open(sys.argv[1]).read().strip())\n")
+    for installed in (False, True):
+        base = tmp_path / f"installed_{installed}"
+        co = checkout(base, installed=installed)
+        fake = base / "fake"
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(FAKE_DIR=str(fake), PYTHON=str(fake / "python3"))
+        for _ in range(2):   # the first call may set .venv up, the second finds it stamped
+            r = subprocess.run([str(co / "run.sh"), sys.executable, "script.py", "data/in.txt"], cwd=caller,
+                               env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            assert r.stdout.splitlines() == [str(caller), "payload"]
+        assert (co / ".venv").is_dir() != installed and not (caller / ".venv").exists()

@@ -11,6 +11,9 @@ devices, and whether Triton kernels are compiled for the GPU or interpreted on t
 host reach each other's buffers (the GPU peer-access matrix, and the POSIX shared memory in /dev/shm that
 CPU ranks, and every rank's control block, live in); and the RDMA devices, ports and GIDs with the QP plan.
 
+Every option shows its effect in the report, or a line ``  OPTION VALUE: not applied: WHY`` at the end of the RDMA
+section says why it has none on this host (RDMA absent, the query failed, no active port, a port with no GID).
+
 The plan's flows are computed towards a peer laid out like this host (its GIDs stand in for the peer's), with
 the chosen path-hash model; on a real fabric the switch's hash decides, so treat the path column as a model.
 
@@ -41,6 +44,8 @@ from triton_ep.transport import topology
 SHM_DIR = "/dev/shm"
 #: The exit statuses, as the module docstring and ``--help`` state them.
 EXIT_OK, EXIT_RDMA_QUERY_FAILED, EXIT_USAGE = 0, 1, 2
+#: ``--num-qps`` and ``--n-paths`` when not given (their argparse default is None, so a given value is seen).
+DEFAULT_NUM_QPS, DEFAULT_N_PATHS = 8, 4
 
 
 def _emulated_api():
@@ -83,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Print versions, devices, same-host IPC reachability, RDMA devices, "
                                     "ports, GIDs and the QP plan.", epilog=exits, formatter_class=fmt)
     ip.add_argument("--emulated", action="store_true", help="describe an emulated dual-port NIC instead of RDMA")
-    ip.add_argument("--num-qps", type=_positive_int, default=8, help="QPs per peer (default 8)")
-    ip.add_argument("--n-paths", type=_positive_int, default=4, help="ECMP paths of the fabric model (default 4)")
+    ip.add_argument("--num-qps", type=_positive_int, default=None, help=f"QPs per peer (default {DEFAULT_NUM_QPS})")
+    ip.add_argument("--n-paths", type=_positive_int, default=None,
+                    help=f"ECMP paths of the fabric model (default {DEFAULT_N_PATHS})")
     ip.add_argument("--hash", choices=["crc", "emulator"], default=None,
                     help="path hash model (default: crc on hardware, emulator with --emulated)")
     ip.add_argument("--devices", default=None, help="comma-separated RDMA device names (default: all)")
@@ -178,8 +184,13 @@ def print_devices(out: TextIO) -> int:
 
 def _shm_state(d: str = SHM_DIR) -> str:
     """Whether ``d`` takes a file (one is created and removed), and its free space."""
+    from triton_ep.transport.ipc import shm_name
     try:
-        with tempfile.NamedTemporaryFile(dir=d, prefix="triton_ep.info."):
+        prefix = shm_name("info.")   # named like every triton-ep file there ($TRITON_EP_SHM_TAG)
+    except ValueError as ex:
+        return f"NOT usable: {ex}"
+    try:
+        with tempfile.NamedTemporaryFile(dir=d, prefix=prefix):
             pass
         return f"writable, {shutil.disk_usage(d).free / 2**30:.1f} GiB free"
     except OSError as ex:
@@ -226,6 +237,26 @@ def qos_line(qos) -> str:
             f"{qos.traffic_class & 3}; {tc_src}), service level {qos.service_level} ({sl_src})")
 
 
+#: The ``info`` options that shape the RDMA section: (attribute, option); the QoS ones also come from a variable.
+_RDMA_OPTIONS = (("num_qps", "--num-qps"), ("n_paths", "--n-paths"), ("hash", "--hash"),
+                 ("traffic_class", "--traffic-class"), ("service_level", "--service-level"))
+
+
+def _not_applied(a: argparse.Namespace, qos, attrs: Sequence[str], why: str, out: TextIO) -> None:
+    """Say, one line each, why the options among ``attrs`` that were given (and the QoS values set by
+    ``TRITON_EP_RDMA_TC`` / ``TRITON_EP_RDMA_SL``) have no effect on this report: every option shows its
+    effect or this line."""
+    from triton_ep.transport import verbs
+    for attr, flag in _RDMA_OPTIONS:
+        if attr not in attrs:
+            continue
+        value = getattr(a, attr, None)
+        if value is not None:
+            print(f"  {flag} {value}: not applied: {why}", file=out)
+        elif qos is not None and attr in verbs.QOS_ENV and qos.sources[attr == "service_level"] != "default":
+            print(f"  {verbs.QOS_ENV[attr][0]}={getattr(qos, attr)}: not applied: {why}", file=out)
+
+
 def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
     """Print the RDMA device/port/GID table and the QP plan, or why RDMA is absent.
 
@@ -249,11 +280,14 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
         api = _emulated_api() if a.emulated else verbs.load_pyverbs()
         devs = verbs.discover(api, a.devices.split(",") if a.devices else None)
     except rdma.RdmaError as ex:
+        every = [attr for attr, _ in _RDMA_OPTIONS]
         if isinstance(ex, rdma.RdmaUnavailable) and not a.devices:
             print(f"RDMA: absent\n  {ex}", file=out)
+            _not_applied(a, qos, every, "RDMA is absent on this machine (use --emulated to see the plan)", out)
             return EXIT_OK
         # a device failed a query, or the devices named by --devices are not there
         print("RDMA: query failed (the error is on stderr)", file=out)
+        _not_applied(a, qos, every, "the RDMA query failed (the error is on stderr)", out)
         print(str(ex), file=sys.stderr)
         return EXIT_RDMA_QUERY_FAILED
     t = topology.PlanTable([["device", "port", "state", "link", "Gb/s", "mtu", "lid", "gid_idx", "gid", "type", "use"]])
@@ -271,16 +305,24 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
     ports = verbs.ports_of(devs)
     if not ports:
         print("\nno active port: no QP plan", file=out)
+        _not_applied(a, None, ("num_qps", "n_paths", "hash"), "no active port, so no QP plan", out)
         return EXIT_OK
+    num_qps = a.num_qps if a.num_qps is not None else DEFAULT_NUM_QPS
+    n_paths = a.n_paths if a.n_paths is not None else DEFAULT_N_PATHS
     hash_name = a.hash or ("emulator" if a.emulated else "crc")
     fn = topology.emulator_path_hash if hash_name == "emulator" else topology.crc_path_hash
-    plan = topology.plan_peer(a.num_qps, ports)
+    plan = topology.plan_peer(num_qps, ports)
     dst = [e.port.gid for e in plan]
-    if all(g.strip("0:") for g in dst):
-        topology.plan_flows(plan, dst, a.n_paths, fn)
-    print(f"\nQP plan per peer: {a.num_qps} QPs over {len(ports)} port(s), {a.n_paths} paths, "
-          f"{hash_name} path hash (peer assumed laid out like this host):", file=out)
+    flows = all(g.strip("0:") for g in dst)
+    if flows:
+        topology.plan_flows(plan, dst, n_paths, fn)
+    how = (f"{n_paths} paths, {hash_name} path hash" if flows else
+           "no flows planned: a port has no GID to hash (flow label 0, no path)")
+    print(f"\nQP plan per peer: {num_qps} QPs over {len(ports)} port(s), {how} "
+          "(peer assumed laid out like this host):", file=out)
     print(topology.plan_table(plan).render(), file=out)
+    if not flows:
+        _not_applied(a, None, ("n_paths", "hash"), "no flows planned (a port has no GID to hash)", out)
     return EXIT_OK
 
 

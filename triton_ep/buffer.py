@@ -38,7 +38,9 @@ from .kernels.combine import record_bytes as combine_record_bytes
 from .kernels import flags as F
 from .kernels import notify as NT
 from .kernels.dispatch import record_words as dispatch_record_words
+from .protocol import call_card as card
 from .transport import ipc, signals
+from .transport.bootstrap import Exchange
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -83,11 +85,12 @@ def _steps(fn):
 class DispatchArgs:
     """One dispatch call's checked arguments (what the steps of the call read).
 
-    ``x`` ``[T, H]`` (contiguous) and its FP8 ``scales`` ``[T, H/128]`` or ``None``; ``row_words`` and
-    ``scale_words``: a row and its scales in 32-bit words; ``dtype_code``: the dtype as the cross-rank
-    signature carries it; ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank``
-    ``[T, R]`` and ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle``
-    for a cached dispatch; ``flags``: bit 0 FP8 scales, bit 1 cached, bit 2 weights (signature).
+    ``x`` ``[T, H]`` (contiguous) and its ``scales`` ``[T, S]`` (contiguous, fp32 or int32, any ``S >= 0``;
+    given with a 1-byte ``x``, as DeepEP) or ``None``; ``row_words`` and ``scale_words`` (``S``): a row and
+    its scales in 32-bit words; ``dtype_code``: the dtype as the cross-rank signature carries it;
+    ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank`` ``[T, R]`` and
+    ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle`` for a cached
+    dispatch; ``flags``: bit 0 scales, bit 1 cached, bit 2 weights, bit 3 int32 scales (signature).
     """
     x: Tensor
     scales: Optional[Tensor]
@@ -112,11 +115,15 @@ class DispatchHandle(tuple):
         (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
          is_token_in_rank, send_head)
 
+    Every entry has DeepEP's dtype; the two channel matrices are DeepEP's with one channel (``C = 1``;
+    DeepEP has ``C = num_sms / 2``), see docs/design.md, *Handle*:
+
     - ``rank_prefix_matrix`` int32 ``[R, R]``: ``[i][j]`` = rows rank ``j`` receives from ranks ``0..i``.
-    - ``channel_prefix_matrix`` int32 ``[R, 1]``: cumulative rows this rank sends, by destination (one channel).
-    - ``recv_channel_prefix_matrix`` int32 ``[R, 1]``: first receive row of each source rank's group here.
+    - ``channel_prefix_matrix`` int32 ``[R, 1]``: ``[j][0]`` = rows this rank sends to rank ``j``.
+    - ``recv_channel_prefix_matrix`` int32 ``[R, 1]``: ``[s][0]`` = where the channel starts within source
+      ``s``'s rows here: 0.
     - ``recv_src_idx`` int32 ``[N]``: source token index of each received row (``-1`` on padding rows).
-    - ``is_token_in_rank`` bool ``[T, R]``; ``send_head`` int64 ``[T, R]``: index of token ``t`` among the
+    - ``is_token_in_rank`` bool ``[T, R]``; ``send_head`` int32 ``[T, R]``: index of token ``t`` among the
       rows sent to rank ``r``, ``-1`` where it is not sent.
 
     It also remembers, on the host, what cached calls need without a device synchronisation.
@@ -167,16 +174,12 @@ class DispatchHandle(tuple):
 
     @property
     def send_head(self) -> Tensor:
-        """int64 ``[T, R]``: index of token ``t`` among the rows sent to rank ``r`` (``-1``: not sent)."""
+        """int32 ``[T, R]``: index of token ``t`` among the rows sent to rank ``r`` (``-1``: not sent)."""
         return self[5]
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    """The int a signature carries for a dtype (every rank computes the same one)."""
-    return zlib.crc32(str(dtype).encode())
-
-
-_DTYPE_NAMES = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_dtype_code = card.dtype_code
+_DTYPE_NAMES = card._DTYPE_NAMES
 
 
 def _sig_text(words) -> str:
@@ -214,6 +217,30 @@ def _version_of(t: Tensor) -> Optional[int]:
         return t._version
     except RuntimeError:
         return None
+
+
+def _timeout_arg(timeout_s) -> float:
+    """``timeout_s`` checked, or ``TRITON_EP_TIMEOUT_S``, or the default (seconds)."""
+    if timeout_s is None:
+        env = os.environ.get("TRITON_EP_TIMEOUT_S", str(_DEFAULT_TIMEOUT_S))
+        try:
+            timeout_s = float(env)
+        except ValueError:
+            raise ValueError(f"TRITON_EP_TIMEOUT_S must be a number of seconds, got {env!r}") from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise ValueError(f"timeout_s must be a finite positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _device_arg(device) -> torch.device:
+    """The Buffer's device: the given one (a CUDA device without index means the current one), else the
+    current CUDA device, else CPU."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check_event(ev) -> None:
@@ -262,45 +289,45 @@ class Buffer:
                  device: Optional[Union[str, torch.device]] = None, **unused) -> None:
         if unused:
             warnings.warn(f"triton_ep.Buffer ignores unknown arguments {sorted(unused)}", stacklevel=2)
-        if not _isint(num_nvl_bytes) or num_nvl_bytes < 0:
-            raise ValueError(f"num_nvl_bytes must be a non-negative int, got {num_nvl_bytes!r}")
-        if timeout_s is None:
-            env = os.environ.get("TRITON_EP_TIMEOUT_S", str(_DEFAULT_TIMEOUT_S))
-            try:
-                timeout_s = float(env)
-            except ValueError:
-                raise ValueError(f"TRITON_EP_TIMEOUT_S must be a number of seconds, got {env!r}") from None
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
-            raise ValueError(f"timeout_s must be a finite positive number of seconds, got {timeout_s!r}")
+        self._comm = None
+        exchange = None
+        if not isinstance(group, ipc.Comm):
+            if group is None and not dist.is_initialized():
+                raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
+                                 "or an explicit group")
+            group = group if group is not None else dist.group.WORLD
+            # made before the checks below: a rank that rejects its arguments tells its peers at once
+            exchange = Exchange(group, _DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")
+        try:
+            self.timeout_s = _timeout_arg(timeout_s)
+            if not _isint(num_nvl_bytes) or num_nvl_bytes < 0:
+                raise ValueError(f"num_nvl_bytes must be a non-negative int, got {num_nvl_bytes!r}")
+            if not _isint(num_rdma_bytes) or num_rdma_bytes < 0:
+                raise ValueError(f"num_rdma_bytes must be a non-negative int, got {num_rdma_bytes!r}")
+            device = _device_arg(device) if exchange is not None else device
+        except Exception as e:
+            if exchange is not None:
+                exchange.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
+            raise
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.timeout_s = float(timeout_s)
         self._uid = uuid.uuid4().hex
         self._op = 0
         self._dispatch_seq = 0
         nvl_part = ll_bytes = 0
-        if isinstance(group, ipc.Comm):          # ranks simulated in one process (triton_ep.testing)
+        if exchange is None:                     # ranks simulated in one process (triton_ep.testing)
             self._comm = group
             self.group = None
         else:
-            if group is None and not dist.is_initialized():
-                raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
-                                 "or an explicit group")
-            self.group = group if group is not None else dist.group.WORLD
-            if device is None:
-                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-            device = torch.device(device)
-            if device.type == "cuda" and device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            if not _isint(num_rdma_bytes) or num_rdma_bytes < 0:
-                raise ValueError(f"num_rdma_bytes must be a non-negative int, got {num_rdma_bytes!r}")
+            self.group = group
+            exchange.timeout_s = self.timeout_s
             # Low-latency mode: the area sized by num_rdma_bytes follows the normal-mode part of the same
             # shared buffer (every rank maps it), which normal-mode rounds never touch.
             nvl_part = max(4096, (self.num_nvl_bytes + 4095) // 4096 * 4096)
             ll_bytes = (self.num_rdma_bytes + 4095) // 4096 * 4096 if self.low_latency_mode else 0
             self._comm = ipc.open_group(self.group, nvl_part + ll_bytes, device,
-                                        self.timeout_s, self._slot_words(self.group.size()))
+                                        self.timeout_s, self._slot_words(self.group.size()), exchange)
             self._comm.timeout_s = self.timeout_s
             self._comm.min_bytes -= ll_bytes
         self.rank, self.group_size = self._comm.rank, self._comm.size
@@ -311,6 +338,9 @@ class Buffer:
         self._sig = signals.Signals(c.rank, c.size, c.header, c.peer_headers, c.delta_bytes, c.device,
                                     self.timeout_s, interpreted=kernels.interpreted())
         self._sig_args = self._sig.kernel_args(c.max_programs)
+        #: this rank's call card and its count of collective calls (named disagreements)
+        self._card, self._calls = c.card(c.rank), 0
+        self._sig.explain_mismatch = self._explain_mismatch
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         #: the running call's kernels go to the communication stream (async_finish), else the caller's
         self._on_comm = False
@@ -540,7 +570,9 @@ class Buffer:
             topk_idx, topk_weights: the dispatch's ``[T, K]`` ids and fp32 weights.
             handle: the matching ``low_latency_dispatch``'s handle.
             use_logfmt: not implemented (``NotImplementedError``).
-            zero_copy: ``x`` is ``get_next_low_latency_combine_buffer(handle)``, already filled.
+            zero_copy: the expert outputs were written into ``get_next_low_latency_combine_buffer(handle)``
+                beforehand; what that buffer holds is combined, and ``x`` (any tensor of the right shape and
+                dtype, e.g. the one copied from) is not read (DeepEP's contract).
             async_finish, return_recv_hook: as in ``low_latency_dispatch``.
             out: optional bf16 ``[T, H]`` written in place and returned.
             combine_wait_recv_cost_stats: as ``dispatch_wait_recv_cost_stats``.
@@ -647,6 +679,19 @@ class Buffer:
         err._ep_recorded = True             # the kernel that recorded it told the peers already
         raise _collective(err)
 
+    def _publish(self, code: int, values: Sequence[int]) -> None:
+        """Write this call's card (:mod:`triton_ep.protocol.call_card`) where the peers can read it: a
+        mismatch the kernels find is then raised naming the field and each rank's value."""
+        self._calls += 1
+        card.write(self._card, self._calls, code, values)
+
+    def _explain_mismatch(self, peer: int) -> Optional[str]:
+        """What differs between this rank's latest call and ``peer``'s, from their cards (``None``: unknown)."""
+        c = self._comm
+        if c is None or c.ctrl is None:
+            return None
+        return card.describe(c.card(self.rank), c.card(peer), self.rank, peer)
+
     def _fail_call(self, err: BaseException) -> BaseException:
         """This rank rejects a call its peers run without a host wait: they learn it from the failure
         word :func:`_steps` posts and raise ``EPRemoteError``; this Buffer stays usable."""
@@ -726,14 +771,18 @@ class Buffer:
         return self._comm
 
     # ------------------------------------------------------------------ argument checks
-    def _check_tensor(self, name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]]) -> Tensor:
+    def _check_tensor(self, name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]],
+                      why: str = "") -> Tensor:
+        """``t`` checked (type, dtype, shape with ``None`` for any size, device) and made contiguous.
+        ``why`` says where the expected sizes come from (e.g. ``"T = 5 rows of x"``), so the error names
+        which of two disagreeing arguments to look at."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in dtypes:
             raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
         if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+            raise ValueError(f"{name} must have shape {want}{f' ({why})' if why else ''}, got {list(t.shape)}")
         if t.device.type != self.device.type or (self.device.index is not None and t.device.index != self.device.index):
             raise ValueError(f"{name} is on {t.device}, but this Buffer works on {self.device}")
         if t.numel() == 0:      # an empty view may keep odd strides (and a null data pointer)
@@ -741,14 +790,22 @@ class Buffer:
         return t.contiguous()
 
     def _check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
+        if isinstance(x, tuple) and len(x) == 2 and x[1] is None:
+            x = x[0]            # DeepEP unpacks (x, None) as x without scales (and returns recv_x alone)
         if isinstance(x, tuple):
+            # DeepEP's intranode dispatch (csrc/deep_ep.cpp, "FP8 scales checks"): x of 1-byte elements, scales
+            # fp32 or int32 (e.g. packed UE8M0) [T, S] with any S and any strides; S floats move per row
             if len(x) != 2:
-                raise ValueError("x as a tuple must be (fp8 [T, H] tensor, fp32 [T, H/128] scales)")
-            xv = self._check_tensor("x[0]", x[0], (torch.float8_e4m3fn,), (None, None))
+                raise ValueError(f"x as a tuple must be (x [T, H] of 1-byte elements, scales [T, S] fp32 or int32), "
+                                 f"got a tuple of {len(x)}")
+            if isinstance(x[0], torch.Tensor) and (x[0].element_size() != 1 or x[0].is_quantized):
+                raise TypeError(f"x[0] must have plain 1-byte elements (e.g. torch.float8_e4m3fn) when scales are "
+                                f"given, got {x[0].dtype}")
+            xv = self._check_tensor("x[0]", x[0], (x[0].dtype,) if isinstance(x[0], torch.Tensor) else (), (None, None))
             T, H = xv.shape
-            if H % 128:
-                raise ValueError(f"FP8 x needs hidden % 128 == 0, got hidden {H}")
-            sc = self._check_tensor("x[1] (scales)", x[1], (torch.float32,), (T, H // 128))
+            if H % 16 or H == 0:
+                raise ValueError(f"x[0] rows must be a non-zero multiple of 16 bytes, got hidden {H} ({H} bytes)")
+            sc = self._check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None))
             return xv, sc
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor or an (fp8 tensor, scales) pair, got {type(x).__name__}")
@@ -915,8 +972,10 @@ class Buffer:
         Args:
             x: ``[T, H]`` of any dtype whose row is a multiple of 16 bytes (bf16, fp16, fp32, fp64, int8,
                 uint8, fp8...; the rows move as raw bytes, bit for bit, as in DeepEP's intranode dispatch; every
-                rank must send the same dtype), or ``(fp8 e4m3 [T, H], fp32 scales [T, H/128])`` with
-                ``H % 128 == 0`` (scales may be column-major). ``T`` may be 0 and differ across ranks.
+                rank must send the same dtype), or ``(x, scales)`` as DeepEP takes it: ``x`` ``[T, H]`` of
+                1-byte elements (fp8 e4m3...) and ``scales`` fp32 or int32 (e.g. packed UE8M0) ``[T, S]``,
+                any ``S`` and any strides; each row's ``S`` scales move with it, bit for bit (every rank must
+                pass the same ``S`` and scale dtype). ``T`` may be 0 and differ across ranks.
             handle: a handle from an earlier dispatch of this Buffer: same routing, new data; then only
                 ``x`` is sent and no counts are exchanged.
             num_tokens_per_rank: int32 ``[R]``; num_tokens_per_rdma_rank: ignored (one host);
@@ -937,7 +996,8 @@ class Buffer:
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
-            ``recv_x`` like ``x`` (same dtype) with ``N`` rows grouped by source rank (a pair for FP8),
+            ``recv_x`` like ``x`` (same dtype) with ``N`` rows grouped by source rank (for a pair, a pair:
+            the scales ``[N, S]`` row-major, of the scales' dtype),
             ``recv_topk_idx`` ``[N, K]`` of ``topk_idx``'s dtype: local expert ids (``-1`` where the expert
             lives elsewhere), ``recv_topk_weights`` fp32 ``[N, K]`` (0 where the id is ``-1``), and
             ``num_recv_tokens_per_expert_list``, a Python list of ``E/R`` ints -- an empty list when
@@ -978,6 +1038,13 @@ class Buffer:
         op = _OP_CACHED_DISPATCH if cached else _OP_DISPATCH
         seq = a.handle.seq if cached else 0
         sig = [op, a.row_words, a.scale_words, a.num_topk, a.flags, a.num_experts, seq, a.dtype_code]
+        sc_dtype = card.dtype_code(a.scales.dtype if a.scales is not None else None)
+        if cached:
+            self._publish(card.CACHED_DISPATCH, (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, seq))
+        else:
+            self._publish(card.DISPATCH_WORST if worst else card.DISPATCH,
+                          (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, a.num_topk,
+                           int(a.topk_weights is not None), a.num_experts) + ((num_worst_tokens,) if worst else ()))
         self._begin(previous_event, async_finish)
         if cached:
             h = a.handle
@@ -1032,7 +1099,8 @@ class Buffer:
         xv, sc = a.x, a.scales
         H = xv.shape[1]
         recv_x = torch.empty((n_out, H), dtype=xv.dtype, device=dev)
-        recv_sc = torch.empty((n_out, a.scale_words), dtype=torch.float32, device=dev) if sc is not None else None
+        # scales come back with their dtype, row-major [N, S] (DeepEP allocates them with x_scales' options)
+        recv_sc = torch.empty((n_out, a.scale_words), dtype=sc.dtype, device=dev) if sc is not None else None
         recv_idx = recv_w = recv_src = None
         if not cached:
             recv_src = torch.empty(n_out, dtype=torch.int32, device=dev)
@@ -1042,7 +1110,7 @@ class Buffer:
                     recv_w = torch.empty((n_out, a.num_topk), dtype=torch.float32, device=dev)
         rec = self._comm.data.view(torch.int32)
         x_words = xv.view(torch.int32)
-        sc_words = sc.view(torch.int32) if sc is not None else None
+        sc_words = sc.view(torch.int32) if (sc is not None and a.scale_words) else None    # S = 0: nothing to move
         w_words = a.topk_weights.view(torch.int32) if (not cached and a.topk_weights is not None) else None
         idx = a.topk_idx if not cached else None
         # Rounds, each a send launch then a receive launch; ranks wait for each other on the device.
@@ -1059,7 +1127,7 @@ class Buffer:
                 kernels.dispatch_recv(rec, min(max((n_recv if n_recv is not None else n_out) - lo, 0), cap), lo, self.rank,
                                       a.num_experts // R, a.row_words, a.scale_words,
                                       a.num_topk if not cached else 0, rec_words, recv_x.view(torch.int32),
-                                      recv_sc.view(torch.int32) if recv_sc is not None else None, recv_idx,
+                                      recv_sc.view(torch.int32) if sc_words is not None else None, recv_idx,
                                       recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
                                       signals=self._sig_args, rnd=k, sig=call_sig,
                                       advance=rounds if k == rounds - 1 else 0,
@@ -1071,8 +1139,9 @@ class Buffer:
             self.check()
             return out_x, None, None, None, None, event
         rpm_t = t32_dev[:R * R].view(R, R)
-        send_prefix, recv_start = t32_dev[R * R:R * R + R].view(R, 1), t32_dev[R * R + R:].view(R, 1)
-        new_handle = DispatchHandle((rpm_t, send_prefix, recv_start, recv_src, in_rank, send_pos), self._uid,
+        # DeepEP's channel_prefix_matrix and recv_channel_prefix_matrix with one channel (docs/design.md, Handle)
+        chan, recv_chan = t32_dev[R * R:R * R + R].view(R, 1), t32_dev[R * R + R:].view(R, 1)
+        new_handle = DispatchHandle((rpm_t, chan, recv_chan, recv_src, in_rank, send_pos), self._uid,
                                     a.num_tokens, n_recv, recv_rows_max, area_rows_max, self._dispatch_seq, row_base,
                                     combine_tables, n_recv_dev)
         event = self._end(async_finish, inputs + (recv_x, recv_sc, recv_idx, recv_w, recv_src, tables, t32_dev))
@@ -1130,8 +1199,8 @@ class Buffer:
                 return m[4]
             return kernels.routing_layout(a.topk_idx, a.num_experts, self.group_size)
         in_rank = a.is_token_in_rank
-        send_pos = torch.where(in_rank, in_rank.to(torch.int64).cumsum(0) - 1,
-                               torch.full_like(in_rank, -1, dtype=torch.int64))
+        send_pos = torch.where(in_rank, in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1,
+                               torch.full_like(in_rank, -1, dtype=torch.int32))      # send_head: int32, as DeepEP's
         per_rank = in_rank.sum(0, dtype=torch.int32)
         counts = torch.cat([per_rank, a.num_tokens_per_expert.to(torch.int32),
                             torch.zeros(1, dtype=torch.int32, device=per_rank.device)])     # no bad ids
@@ -1151,13 +1220,15 @@ class Buffer:
         a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=xv.shape[1] * xv.element_size() // 4,
                          scale_words=sc.shape[1] if sc is not None else 0, dtype_code=_dtype_code(xv.dtype),
                          expert_alignment=int(expert_alignment))
+        # scales and their dtype are in the signature: ranks must agree on both (and on their width, S)
+        sflags = 0 if sc is None else (9 if sc.dtype == torch.int32 else 1)
         if handle is not None:
             h = self._check_handle(handle)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
             if T != h.num_tokens:
                 raise ValueError(f"x has {T} rows but the handle was made for {h.num_tokens} tokens")
-            a.handle, a.flags = h, 2 | (sc is not None)
+            a.handle, a.flags = h, 2 | sflags
             return a
         if num_tokens_per_expert is None:
             raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
@@ -1165,23 +1236,27 @@ class Buffer:
         E = npe.shape[0]
         self._check_num_experts(E)
         if num_tokens_per_rank is not None:
-            self._check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,))
+            self._check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,),
+                               f"R = {R} ranks in the group")
         if is_token_in_rank is not None:
-            a.is_token_in_rank = self._check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R))
+            a.is_token_in_rank = self._check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R),
+                                                    f"T = {T} rows of x, R = {R} ranks")
         if topk_idx is not None:
-            a.topk_idx = self._check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None))
+            a.topk_idx = self._check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None),
+                                            f"T = {T} rows of x")
             a.num_topk = a.topk_idx.shape[1]
             if a.num_topk == 0:
                 raise ValueError("topk_idx must have at least one column")
             if topk_weights is not None:
-                a.topk_weights = self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, a.num_topk))
+                a.topk_weights = self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, a.num_topk),
+                                                    f"T = {T} rows of x, K = {a.num_topk} columns of topk_idx")
         elif topk_weights is not None:
             raise ValueError("topk_weights given without topk_idx")
         elif a.is_token_in_rank is None:
             raise ValueError("dispatch needs topk_idx or is_token_in_rank (or a handle) to route the tokens")
         else:
             a.num_tokens_per_expert = npe.to(torch.int32)
-        a.num_experts, a.flags = E, (sc is not None) | (4 if a.topk_weights is not None else 0)
+        a.num_experts, a.flags = E, sflags | (4 if a.topk_weights is not None else 0)
         return a
 
     # ------------------------------------------------------------------ combine
@@ -1222,15 +1297,18 @@ class Buffer:
             self._live()
             _check_event(previous_event)
             h = self._check_handle(handle)
-            xv = self._check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None))
+            xv = self._check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None),
+                                    f"{h.num_out_rows} rows the handle's dispatch delivered here")
             if (xv.shape[1] * 2) % 16 or xv.shape[1] == 0:
                 raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]}")
             if topk_weights is not None:
-                w = self._check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, None))
+                w = self._check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, None),
+                                       f"{h.num_out_rows} rows the handle's dispatch delivered here")
             bl = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
             if len(bl) > 2:
                 raise ValueError(f"bias takes at most two tensors, got {len(bl)}")
-            biases = [self._check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]))
+            biases = [self._check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]),
+                                         f"the handle's {h.num_tokens} source tokens, hidden {xv.shape[1]} of x")
                       for i, b in enumerate(bl) if b is not None]
         except Exception as e:  # noqa: BLE001 - every rank learns it through the device words
             raise self._fail_call(e)
@@ -1245,6 +1323,7 @@ class Buffer:
             plan = h.plans[(_OP_COMBINE, H, K)] = (rb, cap, rounds,
                                                    signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds]))
         rb, cap, rounds, call_sig = plan
+        self._publish(card.COMBINE, (H, K, h.seq))
         self._begin(previous_event, async_finish)
         T = h.num_tokens
         out = torch.empty((T, H), dtype=torch.bfloat16, device=self.device)

@@ -5,7 +5,7 @@ Our timeout keeps that contract and is also a ``TimeoutError``, so either ``exce
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 
 class EPError(RuntimeError):
@@ -17,18 +17,24 @@ class EPTimeoutError(EPError, TimeoutError):
 
     Attributes:
         rank: this rank's index in the EP group.
-        peer: the group rank that did not answer (``None`` when unknown).
+        peer: the group rank that did not answer (``None`` when unknown; the first one when several did not).
+        peers: every group rank that did not answer, where known (a list; ``[peer]`` or ``[]``).
         stage: the step that waited, e.g. ``"dispatch/exchange counts"`` (a host rendezvous) or
             ``"combine/reduce (round 12)"`` (a kernel's wait; the round is the Buffer's round counter).
         channel: the channel or queue pair index, where there is one.
         timeout_s: the bound that was exceeded, in seconds.
     """
 
-    def __init__(self, rank: int, peer: Optional[int], stage: str, timeout_s: float,
+    def __init__(self, rank: int, peer: Union[None, int, Sequence[int]], stage: str, timeout_s: float,
                  channel: Optional[int] = None) -> None:
-        self.rank, self.peer, self.stage, self.channel, self.timeout_s = rank, peer, stage, channel, timeout_s
+        peers = [] if peer is None else ([int(peer)] if isinstance(peer, int) else [int(p) for p in peer])
+        self.peers = peers
+        self.rank, self.peer, self.stage, self.channel, self.timeout_s = rank, (peers[0] if peers else None), \
+            stage, channel, timeout_s
         where = f" channel {channel}" if channel is not None else ""
-        super().__init__(f"triton-ep timeout: rank {rank} waited {timeout_s:.3g} s for peer {peer} "
+        who = (f"peer {peers[0]}" if len(peers) == 1 else f"peers {', '.join(map(str, peers))}" if peers
+               else "a peer (unknown which)")
+        super().__init__(f"triton-ep timeout: rank {rank} waited {timeout_s:.3g} s for {who} "
                          f"at stage '{stage}'{where}; the peer stopped answering or never called it")
 
 

@@ -23,6 +23,7 @@ import torch
 from .config import EventOverlap
 from .errors import EPRemoteError
 from .kernels import flags as F
+from .protocol import call_card as card
 from .kernels.fp8 import native_cast
 from .kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from .kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
@@ -189,7 +190,7 @@ class LowLatency:
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
-                    pc[F.off_ll_failed(R) + me].fill_(n)
+                    pc[F.off_ll_failed(R) + me].fill_(n * 8 + int(F.E_FAILED))     # flags.failure_word
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure
         buf._sig.needs_resync = True
@@ -203,8 +204,8 @@ class LowLatency:
         self.sent += 1
         return self.sent
 
-    def _check(self, name, t, dtypes, shape):
-        return self.buf._check_tensor(name, t, dtypes, shape)
+    def _check(self, name, t, dtypes, shape, why=""):
+        return self.buf._check_tensor(name, t, dtypes, shape, why)
 
     def _stats(self, name: str, t: Optional[Tensor], dtype, shapes) -> Optional[Tensor]:
         if t is None:
@@ -273,6 +274,7 @@ class LowLatency:
         N, E, El = lay.n_max, lay.num_experts, lay.experts_per_rank
         dev = buf.device
         sig = signals.call_signature([_OP_LL_DISPATCH, N, H, E, K, int(use_fp8), int(use_ue8m0)])
+        buf._publish(card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0)))
         # fresh outputs (scales column-major in their last two dimensions, as DeepEP returns them)
         if use_fp8:
             recv_x = torch.empty((El, R * N, H), dtype=torch.float8_e4m3fn, device=dev)
@@ -326,7 +328,7 @@ class LowLatency:
             raise ValueError(f"low-latency x needs hidden % 128 == 0, got hidden {H}")
         if T > N:
             raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={N}")
-        idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None))
+        idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), f"T = {T} rows of x")
         if idx.shape[1] == 0:
             raise ValueError("topk_idx must have at least one column")
         if use_ue8m0 and not (use_fp8 and round_scale):
@@ -350,6 +352,7 @@ class LowLatency:
         T, K = idx.shape
         H = lay.hidden
         sig = signals.call_signature([_OP_LL_COMBINE, lay.n_max, H, lay.num_experts, K])
+        buf._publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K))
         if out is None:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=buf.device)
         sa = buf._sig_args
@@ -379,17 +382,23 @@ class LowLatency:
         R = buf.group_size
         N, H, E = h[2], h[3], h[4]
         lay = self.layout(N, H, E)
-        xv = self._check("x", x, (torch.bfloat16,), (lay.experts_per_rank, R * N, H))
-        if zero_copy and x.data_ptr() != self.zero_copy_buffer(lay).data_ptr():
-            raise ValueError("zero_copy=True needs x to be the tensor get_next_low_latency_combine_buffer(handle) "
-                             "returned (with the expert outputs written into it)")
+        xv = self._check("x", x, (torch.bfloat16,), (lay.experts_per_rank, R * N, H),
+                         f"the handle's dispatch: E/R = {lay.experts_per_rank}, R*N = {R * N}, hidden {H}")
+        if zero_copy:
+            # DeepEP's contract: the caller wrote the expert outputs into the zero-copy buffer; what that
+            # buffer holds is sent, and x only has to have its shape and dtype (DeepEP's own programs pass
+            # the tensor they copied from)
+            xv = self.zero_copy_buffer(lay)
         T = h.num_tokens
-        idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, h.num_topk))
-        w = self._check("topk_weights", topk_weights, (torch.float32,), (T, h.num_topk))
+        why = f"the handle's dispatch took {T} tokens and {h.num_topk} top-k columns"
+        idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, h.num_topk), why)
+        w = self._check("topk_weights", topk_weights, (torch.float32,), (T, h.num_topk), why)
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H) \
                     or not out.is_contiguous() or out.device != buf.device:
-                raise ValueError(f"out must be a contiguous bf16 tensor [{T}, {H}] on {buf.device}")
+                raise ValueError(f"out must be a contiguous bf16 tensor [{T}, {H}] on {buf.device} (the handle's "
+                                 f"tokens, hidden), got {getattr(out, 'dtype', type(out).__name__)} "
+                                 f"{list(getattr(out, 'shape', []))} on {getattr(out, 'device', '-')}")
         if async_finish and hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
         return xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost)
@@ -423,7 +432,8 @@ class LowLatency:
     def query_mask(self, status: Tensor) -> None:
         R = self.buf.group_size
         if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or tuple(status.shape) != (R,):
-            raise ValueError(f"mask_status must be an int32 tensor [{R}]")
+            raise ValueError(f"mask_status must be an int32 tensor [{R}], got "
+                             f"{getattr(status, 'dtype', type(status).__name__)} {list(getattr(status, 'shape', []))}")
         with torch.inference_mode():
             status.copy_((self._mask_words() != 0).to(torch.int32))
 
@@ -434,8 +444,8 @@ class LowLatency:
     def clean(self, n_max: int, hidden: int, num_experts: int) -> None:
         from .buffer import _isint
         if not all(_isint(v) and v > 0 for v in (n_max, hidden, num_experts)):
-            raise ValueError("clean_low_latency_buffer takes positive ints (num_max_dispatch_tokens_per_rank, "
-                             "hidden, num_experts)")
+            raise ValueError(f"clean_low_latency_buffer takes positive ints (num_max_dispatch_tokens_per_rank, "
+                             f"hidden, num_experts), got {(n_max, hidden, num_experts)!r}")
         self.buf._check_num_experts(num_experts)
         self.layout(n_max, hidden, num_experts)
         self._start()

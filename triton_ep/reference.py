@@ -55,8 +55,8 @@ def dispatch(xs: Sequence[XLike], topk_idxs: Sequence[Tensor], topk_weights: Opt
     """What ``Buffer.dispatch`` must give on every rank.
 
     Args:
-        xs: per source rank, ``[T_i, H]`` rows of any dtype, or a pair (``[T_i, H]`` fp8, ``[T_i, H/128]`` fp32
-            scales); rows are copied bit for bit.
+        xs: per source rank, ``[T_i, H]`` rows of any dtype, or a pair (``[T_i, H]`` rows, ``[T_i, S]`` scales
+            of any dtype, width and layout); rows and scales are copied bit for bit (scales row-major).
         topk_idxs: per rank, ``[T_i, K]`` int ids.
         topk_weights: per rank, ``[T_i, K]`` fp32, or ``None``.
         num_experts: ``E``.

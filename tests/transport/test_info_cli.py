@@ -140,3 +140,69 @@ def test_info_shows_the_qos_and_rejects_bad_values(monkeypatch, capsys):
     assert report(["--emulated"], rc=2).endswith("RDMA: bad QoS setting (the error is on stderr)\n")
     assert capsys.readouterr().err == ("triton-ep info: TRITON_EP_RDMA_SL='high': the RDMA service level must be "
                                        "an integer in 0..15\n")
+
+
+#: Every option of ``info`` with a value, and the text that shows its effect in the report.
+OPTION_EFFECTS = {
+    "--num-qps 3": "QP plan per peer: 3 QPs over ",
+    "--n-paths 2": ", 2 paths, ",
+    "--hash crc": ", crc path hash ",
+    "--traffic-class 106": "traffic class 106 (DSCP 26, ECN 2; --traffic-class)",
+    "--service-level 3": "service level 3 (--service-level)",
+}
+
+
+@pytest.mark.parametrize("situation", ["present", "no active port", "no GID", "absent", "query failed"])
+def test_every_info_option_shows_its_effect_or_says_why_not(monkeypatch, capsys, situation):
+    """Issue 17, item 7: whatever the host, each option given to ``info`` either shows in the report or gets a
+    line ``  OPTION VALUE: not applied: WHY`` (``--traffic-class 106`` on a host without RDMA printed nothing)."""
+    from triton_ep.transport import emulated as em
+    monkeypatch.delenv("TRITON_EP_RDMA_TC", raising=False)
+    monkeypatch.delenv("TRITON_EP_RDMA_SL", raising=False)
+    port = {"no active port": em.PortSpec(active=False), "no GID": em.PortSpec(gids=[])}.get(situation, em.PortSpec())
+    fab = em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", [port]), em.DeviceSpec("mlx5_1", [em.PortSpec()])]))
+    monkeypatch.setattr(cli, "_emulated_api", fab.pyverbs)
+
+    def no_rdma():
+        raise rdma.RdmaUnavailable("no RDMA device: listing devices failed (test)")
+    monkeypatch.setattr(verbs, "load_pyverbs", no_rdma)
+    if situation == "query failed":
+        def broken(api, names=None):
+            raise rdma.RdmaError("query port failed: [Errno 5]", device="mlx5_0", port=1)
+        monkeypatch.setattr(verbs, "discover", broken)
+    argv = " ".join(OPTION_EFFECTS).split()
+    if situation != "absent":
+        argv = ["--emulated", "--devices", "mlx5_0", *argv]
+    text = report(argv, rc=1 if situation == "query failed" else 0)
+    unapplied = {
+        "present": set(), "no GID": {"--n-paths 2", "--hash crc"},
+        "no active port": {"--num-qps 3", "--n-paths 2", "--hash crc"},
+        "absent": set(OPTION_EFFECTS), "query failed": set(OPTION_EFFECTS)}[situation]
+    why = {"absent": "RDMA is absent on this machine (use --emulated to see the plan)",
+           "query failed": "the RDMA query failed (the error is on stderr)",
+           "no active port": "no active port, so no QP plan",
+           "no GID": "no flows planned (a port has no GID to hash)"}.get(situation)
+    for opt, effect in OPTION_EFFECTS.items():
+        line = f"\n  {opt}: not applied: {why}\n"
+        assert (line in text, effect in text) == ((True, False) if opt in unapplied else (False, True)), (opt, text)
+    if situation in ("present", "no active port", "no GID"):   # --emulated and --devices: the table's devices
+        rows = [l.split()[0] for l in text.split("RDMA devices (emulated):\n")[1].splitlines()[2:] if l.strip()]
+        assert rows and rows[0] == "mlx5_0" and "mlx5_1" not in rows
+    capsys.readouterr()
+    # --devices where RDMA is absent: the query of the named device fails, and says so
+    assert report(["--devices", "mlx5_0"], rc=1).endswith("RDMA: query failed (the error is on stderr)\n")
+    assert "listing devices failed (test)" in capsys.readouterr().err
+    # QoS values from the environment are reported the same way; no option, no such line
+    monkeypatch.setenv("TRITON_EP_RDMA_TC", "8")
+    if situation == "absent":
+        assert report().endswith("(test)\n  TRITON_EP_RDMA_TC=8: not applied: RDMA is absent on this machine "
+                                 "(use --emulated to see the plan)\n")
+        monkeypatch.delenv("TRITON_EP_RDMA_TC")
+        assert "not applied" not in report()
+
+
+def test_info_option_audit_covers_every_option():
+    """OPTION_EFFECTS (above) plus --emulated, --devices and --help are every option ``info`` takes."""
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["info"]
+    flags = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
+    assert flags == {o.split()[0] for o in OPTION_EFFECTS} | {"--emulated", "--devices", "--help"}

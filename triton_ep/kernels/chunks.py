@@ -29,7 +29,7 @@ def chunk_pattern(src, dst, seq, idx):
     return v.to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['first', 'count', 'me', 'timeout_ns'])
 def _produce(ctrl, send, first, count, me, S, slot_words, timeout_ns, R: tl.constexpr, BLOCK: tl.constexpr,
              USE_CLOCK: tl.constexpr):
     peer = tl.program_id(0)
@@ -55,7 +55,7 @@ def _produce(ctrl, send, first, count, me, S, slot_words, timeout_ns, R: tl.cons
                     F.release(ctrl + (F.RING_FIXED + F.RING_READY * R) + peer, tl.full([], 0, tl.int64) + k + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['first', 'count', 'me', 'timeout_ns'])
 def _consume(ctrl, recv, result, first, count, me, S, slot_words, timeout_ns, R: tl.constexpr,
              BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr):
     peer = tl.program_id(0)

@@ -34,7 +34,7 @@ def _bf16_rtne_bits(v):
     return r.to(tl.int16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_rows', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
 def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, n_ptr,
                          hdr, hdr_delta, host, k, sig, me, timeout_ns,
                          N_PTR: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
@@ -81,12 +81,12 @@ _combine_send_launch = Launcher(_combine_send_kernel)
 def _returned_slot(send_pos_ptr, send_base_ptr, t, mt, r, lo, hi, R: tl.constexpr):
     """Where rank ``r`` returned tokens ``t``' rows in this rank's combine area: the mask (the token went
     to ``r`` and its slot lies in the round's window ``[lo, hi)``) and the slot."""
-    pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+    pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1).to(tl.int64)    # int32 send_head, int64 slots
     slot = tl.load(send_base_ptr + r) + pos
     return (pos >= 0) & (slot >= lo) & (slot < hi), slot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
 def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                            acc_ptr, out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr,
                            hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
@@ -195,7 +195,8 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
 
     Args:
         area: the local buffer (uint8); slots start at its first byte.
-        send_pos: ``[T, R]`` int64; ``send_base``: ``[R]`` int64, slot of each destination's block.
+        send_pos: ``[T, R]`` int32 (the handle's ``send_head``); ``send_base``: ``[R]`` int64, slot of each
+            destination's block (so slots, and the offsets from them, are int64).
         hidden, k: row width ``H`` and weights per row ``K`` (0 for none); ``rec_bytes``: record size.
         acc: ``[T, H]`` fp32 carried between rounds (``None`` when there is a single round); ``out``:
             ``[T, H]`` bf16, written in the last round (after ``biases``, each ``[T, H]`` bf16, in order).

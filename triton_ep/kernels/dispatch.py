@@ -28,7 +28,7 @@ from ._util import cdiv, num_sms, pow2, tuning
 def _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, mt, r, lo, hi, R: tl.constexpr, REC: tl.constexpr):
     """Where tokens ``t`` go on rank ``r``: the store mask (the token goes there and its row lies in the
     window ``[lo, hi)``) and the address of its record in rank ``r``'s buffer."""
-    pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1)
+    pos = tl.load(send_pos_ptr + t * R + r, mask=mt, other=-1).to(tl.int64)    # int32 send_head, int64 offsets
     dst = tl.load(row_base_ptr + r) + pos
     m = mt & (pos >= 0) & (dst >= lo) & (dst < hi)
     # Peer buffers sit 16-byte aligned: the hint lets the row stores be 16 bytes wide.
@@ -36,7 +36,7 @@ def _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, mt, r, lo, hi,
     return m, row
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
 def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
                           T, lo, hi, num_experts,
                           hdr, hdr_delta, host, k, sig, me, timeout_ns,
@@ -106,7 +106,7 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
 _dispatch_send_launch = Launcher(_dispatch_send_kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_rows', 'lo', 'expert_lo', 'cap', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
 def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, n_ptr, cap,
                           hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
@@ -215,7 +215,7 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
         scale_words: ``[T, S]`` int32 (fp32 scale bits) or ``None``.
         topk_idx: ``[T, K]`` int32/int64 global ids or ``None`` (cached dispatch sends no top-k).
         weight_words: ``[T, K]`` int32 (fp32 weight bits) or ``None``.
-        send_pos: ``[T, R]`` int64 from :func:`routing_layout`.
+        send_pos: ``[T, R]`` int32 from :func:`routing_layout` (offsets from it are computed in int64).
         row_base: ``[R]`` int64, where this rank's group starts in each receiver's rows.
         delta_words: ``[R]`` int64, peer buffer minus local buffer, in words.
         rec: int32 view of the local buffer (the base every delta is relative to).

@@ -153,8 +153,9 @@ def off_ll_mask(R):
 
 
 def off_ll_failed(R):
-    """``LFAILED[s]``: the low-latency call rank ``s`` rejected on the host (its arguments): waits of that
-    call for rank ``s`` end at once; its other calls are not affected."""
+    """``LFAILED[s]``: ``failure_word(call, kind)`` of the low-latency call rank ``s`` failed (``E_FAILED``: it
+    rejected its arguments, or failed; ``E_MISMATCH``: it found ranks disagree): waits of that call for rank
+    ``s`` end at once; its other calls are not affected."""
     return int(L_FIXED) + 5 * R
 
 
@@ -213,8 +214,9 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
         if r != me:
             if kind == E_TIMEOUT:
                 release(hdr + tl.load(hdr_delta + r) + (W_FIXED + 3 * R) + me, stage + 1)
-            elif ctl is not None:
-                release(ctl + tl.load(hdr_delta + r) + (L_FIXED + 5 * R) + me, zero + lcall)
+            elif ctl is not None:       # the low-latency call, and whether this rank found a mismatch
+                release(ctl + tl.load(hdr_delta + r) + (L_FIXED + 5 * R) + me,
+                        failure_word(zero + lcall, tl.where(kind == E_MISMATCH, E_MISMATCH, E_FAILED)))
             else:       # a mismatch stays a mismatch where the peer reads it; anything else: "failed"
                 release(hdr + tl.load(hdr_delta + r) + (W_FIXED + 2 * R) + me,
                         failure_word(call, tl.where(kind == E_MISMATCH, E_MISMATCH, E_FAILED)))
@@ -235,6 +237,13 @@ def _peer_status(hdr, peer, rnd, R: tl.constexpr):
 
 
 @triton.jit
+def _ll_failed(status, fail_ptr, fail_call):
+    """``status``, or (when 0) the kind in the peer's ``LFAILED`` word when it names call ``fail_call``."""
+    w = tl.load(fail_ptr, volatile=True)
+    return tl.where((status == 0) & ((w >> 3) == fail_call), (w & 7).to(tl.int32), status)
+
+
+@triton.jit
 def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
                   fail_ptr=None, fail_call=-1, ready=None):
     """Spin until ``*flag >= want`` (acquire), for round ``rnd``. Returns 0, or the error kind that ended
@@ -242,8 +251,8 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
 
     - the peer's ``GONE``/``FAILED`` word in this rank's header (looked at first: a peer that left or
       failed the call is not waited for, even where its flag already moved);
-    - with ``fail_ptr``, ``E_FAILED`` when ``*fail_ptr == fail_call`` (a low-latency call the peer
-      rejected);
+    - with ``fail_ptr``, the kind (``E_FAILED`` or ``E_MISMATCH``) of ``*fail_ptr`` when it names low-latency
+      call ``fail_call`` (a call the peer rejected, or found its peers disagree on);
     - with ``ready``, ``E_MISMATCH`` when the peer released ``*ready >= want`` before the flag (a
       dispatch's ``NOTIFIED`` comes before anything it sends of that round: a peer that sends first runs
       another collective);
@@ -251,13 +260,13 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
     """
     status = _peer_status(hdr, peer, rnd, R)
     if fail_ptr is not None:
-        status = tl.where((status == 0) & (tl.load(fail_ptr, volatile=True) == fail_call), E_FAILED, status)
+        status = _ll_failed(status, fail_ptr, fail_call)
     v = acquire(flag)
     t0 = _now_ns(USE_CLOCK)
     while (v < want) & (status == 0):
         status = _peer_status(hdr, peer, rnd, R)
         if fail_ptr is not None:
-            status = tl.where((status == 0) & (tl.load(fail_ptr, volatile=True) == fail_call), E_FAILED, status)
+            status = _ll_failed(status, fail_ptr, fail_call)
         if ready is not None:
             if acquire(ready) >= want:
                 if acquire(flag) < want:        # read again: a notifying peer released the flag before READY

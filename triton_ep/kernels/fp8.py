@@ -79,7 +79,7 @@ def quantize_blocks(x, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_T:
     return q, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def _cast_kernel(x_ptr, q_ptr, s_ptr, T, H: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     # Each program takes BLOCK_T rows and walks the row in BLOCK_H-channel tiles.

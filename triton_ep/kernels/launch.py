@@ -13,6 +13,12 @@ stream. The key of a specialisation is everything Triton specialises on: the con
 ``num_warps``, each tensor's dtype and 16-byte alignment, each integer's type (32 or 64 bits) and whether it
 is 1 or a multiple of 16. So a launch never runs a kernel compiled for other arguments.
 
+Integer arguments whose value changes from call to call (token counts, round windows, round numbers, call
+signatures, ranks) are declared ``do_not_specialize`` on every kernel: otherwise each new combination of
+"is 1" / "is a multiple of 16" compiles the kernel again (measured on an H200: one test meeting many such
+combinations spent over 90 s compiling on a cold cache, and 3.6 s warm). The key then holds only such an
+argument's integer type, as Triton's own.
+
 Triton's launch hooks (a profiler such as proton sets them) are honoured: while any is set, every launch
 goes through Triton. Under the interpreter (``TRITON_INTERPRET=1``) every launch goes through Triton too.
 """
@@ -51,6 +57,17 @@ def _arg_key(a):
     return a.__class__, a           # bool, float, None: keyed by value
 
 
+def _arg_key_unspecialized(a):
+    """:func:`_arg_key` of a ``do_not_specialize`` argument: an integer's type only."""
+    if a.__class__ is int:
+        return (_I32_LO <= a < _I32_HI) | (a >= 1 << 63) << 1
+    return _arg_key(a)
+
+
+def _call(f, a):
+    return f(a)
+
+
 class Launcher:
     """A ``@triton.jit`` function launched through its compiled kernel once that is known.
 
@@ -73,8 +90,12 @@ class Launcher:
         self._interp = interpreted()
         self.constexprs: Tuple[str, ...] = ()
         self.options = {} if self._interp else options
+        #: per runtime argument, the function giving its part of the key
+        self._key_fns: Tuple = ()
         if not self._interp:
             self.constexprs = tuple(p.name for p in fn.params if p.is_constexpr)
+            self._key_fns = tuple(_arg_key_unspecialized if getattr(p, "do_not_specialize", False) else _arg_key
+                                  for p in fn.params if not p.is_constexpr)
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
@@ -84,7 +105,7 @@ class Launcher:
             self.fn[grid](*args, num_warps=num_warps, **meta, **self.options)
             return
         cvals = tuple(map(meta.__getitem__, self.constexprs))
-        key = (cvals, num_warps, tuple(map(_arg_key, args)))
+        key = (cvals, num_warps, tuple(map(_call, self._key_fns, args)))
         entry = self._cache.get(key)
         if entry is None:
             kernel = self.fn[grid](*args, num_warps=num_warps, **meta, **self.options)   # compile and launch

@@ -55,13 +55,14 @@ def _in_rank_tile(idx_ptr, t, mt, num_experts, offs_r, K: tl.constexpr, EPR: tl.
 
 @triton.jit
 def _positions(in_rank, t, mt, offs_r, prefix, send_pos_ptr, R: tl.constexpr):
-    """Store ``send_pos`` of tile ``t`` (``prefix`` + in-tile cumulative sum - 1, or -1)."""
+    """Store ``send_pos`` of tile ``t`` (``prefix`` + in-tile cumulative sum - 1, or -1), as int32 (DeepEP's
+    ``send_head`` dtype; a position is below ``T``); the address ``t * R + r`` stays int64."""
     pos = prefix[None, :] + tl.cumsum(in_rank, axis=0).to(tl.int64) - 1
     mtr = mt[:, None] & (offs_r < R)[None, :]
-    tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1), mask=mtr)
+    tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1).to(tl.int32), mask=mtr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                          counts_ptr, K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_K: tl.constexpr, NBINS: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE: tl.constexpr,
@@ -100,7 +101,7 @@ def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, b
 _layout_block_launch = Launcher(_layout_block_kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'num_blocks'])
 def _layout_pos_kernel(in_rank_ptr, T, num_experts, num_blocks, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                        counts_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_B: tl.constexpr, EB: tl.constexpr, ATOMIC: tl.constexpr):
@@ -149,7 +150,7 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
 
     Returns:
         ``num_tokens_per_rank`` int32 ``[R]``, ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank``
-        bool ``[T, R]``, ``send_pos`` int64 ``[T, R]`` and ``num_bad`` int32 ``[1]`` (ids outside
+        bool ``[T, R]``, ``send_pos`` int32 ``[T, R]`` and ``num_bad`` int32 ``[1]`` (ids outside
         ``[-1, E)``, masked as if they were ``-1``), and ``counts`` int32 ``[R + E + 1]``: the three counts
         in one tensor (the first, second and fifth results are views of it), for one copy to the host.
         Nothing is synchronised with the host.
@@ -169,7 +170,7 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     alloc = torch.zeros if atomic else torch.empty
     counts = alloc(num_ranks + num_experts + 1, dtype=torch.int32, device=dev)   # per rank, per expert, bad
     in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=dev)
-    send_pos = torch.empty((T, num_ranks), dtype=torch.int64, device=dev)
+    send_pos = torch.empty((T, num_ranks), dtype=torch.int32, device=dev)     # the handle's send_head (DeepEP: int32)
     per_rank, per_expert, bad = counts[:num_ranks], counts[num_ranks:-1], counts[-1:]
     # scratch: the blocks' tokens per rank, then their histograms (unused with one block)
     if nb > 1:

@@ -23,7 +23,7 @@ from .launch import Launcher
 from .combine import _bf16_rtne_bits
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns'])
 def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
                             experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns,
                             R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
@@ -61,7 +61,7 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max
 _ll_combine_send_launch = Launcher(_ll_combine_send_kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'offset', 'sig', 'me', 'timeout_ns'])
 def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T, offset, num_experts,
                               experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns,
                               R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,

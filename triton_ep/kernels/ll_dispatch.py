@@ -34,7 +34,7 @@ from .launch import Launcher
 from .fp8 import quantize_blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'me'])
 def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -100,7 +100,7 @@ def _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, records_w
     return m, rec
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
 def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
                              hdr, hdr_delta, host, sig, me, timeout_ns,
@@ -162,7 +162,7 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
 _ll_dispatch_send_launch = Launcher(_ll_dispatch_send_kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['offset', 'sig', 'me', 'timeout_ns'])
 def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, cost_ptr,
                              offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
                              hdr, hdr_delta, host, sig, me, timeout_ns,

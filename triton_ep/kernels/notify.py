@@ -40,7 +40,7 @@ RES_SEND_MAX = tl.constexpr(4)     #: the most rows any rank sends
 RES_EXPERTS = tl.constexpr(8)      #: then rows per local expert (E_local words)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['k', 'sig', 'me', 'timeout_ns'])
 def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, hdr, hdr_delta, host, k, sig, me, timeout_ns,
                         R: tl.constexpr, USE_CLOCK: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr):
     # Step 1: this call's first round, and whether this rank's input is sound (no error yet, no bad id,
@@ -80,7 +80,7 @@ def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, hdr, hdr_delt
 _notify_send_launch = Launcher(_notify_send_kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_worst', 'seq', 'k', 'sig', 'me', 'timeout_ns'])
 def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, k, sig,
                         me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, HOST_OUT: tl.constexpr,
                         BLOCK_E: tl.constexpr):
@@ -100,8 +100,9 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
                 flags.post_wait_error(hdr, hdr_delta, host, st, r, flags.STAGE_NOTIFY, n, me, R)
             bad = bad + st
     # The handle's tables, from the matrix C[s][j] (all zeros after an error: nothing will move).
-    #   t32: rank_prefix_matrix [R, R] (cumulative over s), send prefix [R] (cumulative C[me]),
-    #        receive start [R] (0, rpm[0][me], ..., rpm[R-2][me])
+    #   t32: rank_prefix_matrix [R, R] (cumulative over s), then DeepEP's channel_prefix_matrix and
+    #        recv_channel_prefix_matrix with one channel: C[me][j] (rows sent to j) [R], and 0 [R] (where
+    #        the channel starts within each source's rows)
     #   t64: row_base [R] (rpm[me-1], or 0 on rank 0), combine's comb_base [R] (sum of C[i][r<me]),
     #        send_base [R] (exclusive cumulative C[me]), prefix [R] (rpm[i][me]), then n_recv [1]
     NOTIFY = hdr + (flags.W_FIXED + 5 * R)
@@ -115,7 +116,6 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
             tl.store(t32_ptr + s * R + j, col.to(tl.int32))
             tl.store(t64_ptr + j, col, mask=me == s + 1)                     # row_base = rpm[me - 1]
             tl.store(t64_ptr + 3 * R + s, col, mask=me == j)                 # prefix = rpm[:, me]
-            tl.store(t32_ptr + R * R + R + s + 1, col.to(tl.int32), mask=(me == j) & (s + 1 < R))
         tl.store(t64_ptr + j, tl.zeros([], tl.int64), mask=me == 0)
         first = (over < 0) & (col > num_worst)
         got = tl.where(first, col, got)
@@ -124,9 +124,9 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
         c_me = tl.where(bad == 0, tl.load(NOTIFY + me * R + j, volatile=True), 0)
         tl.store(t64_ptr + 2 * R + j, mine)                                  # send_base (exclusive)
         mine += c_me
-        tl.store(t32_ptr + R * R + j, mine.to(tl.int32))                    # send prefix (inclusive)
+        tl.store(t32_ptr + R * R + j, c_me.to(tl.int32))                    # channel_prefix_matrix[j][0]
+        tl.store(t32_ptr + R * R + R + j, tl.zeros([], tl.int32))          # recv_channel_prefix_matrix[j][0]
         tl.store(t64_ptr + 4 * R, col, mask=me == j)                         # n_recv = rpm[R-1][me]
-    tl.store(t32_ptr + R * R + R, tl.zeros([], tl.int32))                   # receive start of rank 0
     for i in tl.static_range(R):                                             # comb_base[i] = sum C[i][r < me]
         cb = tl.full([], 0, tl.int64)
         for r in tl.static_range(R):
@@ -188,7 +188,8 @@ def notify_send(counts: torch.Tensor, num_experts: int, signals: dict, experts: 
 def notify_recv(t32: torch.Tensor, t64: torch.Tensor, num_worst_tokens: int, signals: dict,
                 res: torch.Tensor = None, seq: int = 0, experts_per_rank: int = 0) -> None:
     """Wait for every rank's counts and write the handle's tables: ``t32`` int32 ``[R*R + 2R]``
-    (``rank_prefix_matrix``, send prefix, receive start) and ``t64`` int64 ``[4R + 1]`` (row base in each
+    (``rank_prefix_matrix``, and ``channel_prefix_matrix``, ``recv_channel_prefix_matrix`` as DeepEP's with
+    one channel: the rows sent to each rank, zeros) and ``t64`` int64 ``[4R + 1]`` (row base in each
     receiver, combine's comb_base, send_base and prefix, then the rows this rank receives). Records
     ``E_CAPACITY`` if a rank receives more than ``num_worst_tokens`` rows (the same value on every rank:
     it is part of the call's signature). With ``res`` (int64 ``[8 + experts_per_rank]``, host-visible)

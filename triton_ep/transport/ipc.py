@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EPError, EPRemoteError, EPTimeoutError
+from ..protocol.call_card import CARD_WORDS
+from .bootstrap import Exchange
 from .signals import header_bytes
 
 #: int64 words of one rank's exchange slot beyond the per-rank and per-expert counts.
@@ -36,8 +38,34 @@ SLOT_HEADER = 16
 MAX_EXPERTS = 16384
 
 
+def ctrl_words(size: int, slot_words: int) -> int:
+    """int64 words of the host control block of ``size`` ranks (layout: :meth:`Comm.slot`, :meth:`Comm.card`)."""
+    return size + 2 * size * slot_words + size * CARD_WORDS
+
+
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+#: The environment variable whose value, when set, goes into the name of every shared-memory file triton-ep
+#: makes (``triton_ep.<tag>.<rest>``), so a program (a test run, say) can tell its own files, and those of the
+#: processes it starts (they inherit it), from other programs'. Letters, digits, ``_`` and ``-`` only.
+SHM_TAG_ENV = "TRITON_EP_SHM_TAG"
+SHM_PREFIX = "triton_ep."
+_SHM_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def shm_name(rest: str, tag: Optional[str] = None) -> str:
+    """The file name (no folder) of a shared-memory file of triton-ep: ``triton_ep.<rest>``, or
+    ``triton_ep.<tag>.<rest>`` with a nonempty ``tag`` (default: ``$TRITON_EP_SHM_TAG``, read at each call).
+
+    Raises:
+        ValueError: a tag with characters other than letters, digits, ``_`` and ``-`` (it names the variable).
+    """
+    tag = os.environ.get(SHM_TAG_ENV, "") if tag is None else tag
+    if not set(tag) <= _SHM_TAG_CHARS:
+        raise ValueError(f"{SHM_TAG_ENV}={tag!r}: the shared-memory tag may hold only letters, digits, _ and -")
+    return f"{SHM_PREFIX}{tag}.{rest}" if tag else f"{SHM_PREFIX}{rest}"
 
 
 def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -99,7 +127,13 @@ class Comm:
         #: in ``time.perf_counter`` seconds (see benchmarks/profile_phases.py)
         self.profile: Optional[list] = None
 
-    # -- control block layout: [R barrier counters | 2 parities x R slots of slot_words] --
+    # -- control block layout (ctrl_words): [R barrier counters | 2 parities x R slots of slot_words |
+    #    R call cards of CARD_WORDS] --
+    def card(self, rank: int) -> np.ndarray:
+        """The int64 call card of ``rank`` (:mod:`triton_ep.protocol.call_card`)."""
+        start = self.size + 2 * self.size * self.slot_words + rank * CARD_WORDS
+        return self.ctrl[start:start + CARD_WORDS]
+
     def slot(self, parity: int, rank: int) -> np.ndarray:
         """The int64 exchange slot of ``rank`` for exchanges of the given parity (double-buffered)."""
         start = self.size + (parity * self.size + rank) * self.slot_words
@@ -195,54 +229,26 @@ def _open_device_handle(blob: bytes, device: torch.device) -> torch.Tensor:
     return fn(*bound.args, **bound.kwargs).view(torch.uint8)
 
 
-def gather_objects(group, obj, timeout_s: float, stage: str) -> list:
-    """``all_gather_object`` over ``group`` with a bound: picklable ``obj`` from every rank, in rank order.
-
-    Works whatever the group's backend (tensors on the current CUDA device for NCCL, else on CPU).
-
-    Raises:
-        EPTimeoutError: not every rank joined within ``timeout_s`` seconds.
-    """
-    import datetime
-    rank, size = group.rank(), group.size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-    def gather(t: torch.Tensor) -> List[torch.Tensor]:
-        outs = [torch.empty_like(t) for _ in range(size)]
-        t0 = time.monotonic()
-        work = dist.all_gather(outs, t, group=group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            if time.monotonic() - t0 < 0.9 * timeout_s:      # not a timeout: a peer's process failed
-                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-                raise EPRemoteError(f"rank {rank}: a peer failed at '{stage}' (it could not build its Buffer, or "
-                                    f"its process ended); the process group reported: {first}") from None
-            raise EPTimeoutError(rank, None, stage, timeout_s) from None
-        return outs
-
-    sizes = [int(s.item()) for s in gather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev))]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
-    padded[:payload.numel()] = payload.to(dev)
-    return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(gather(padded), sizes)]
-
-
-def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, slot_words: int) -> Comm:
+def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, slot_words: int,
+               exchange: Optional[Exchange] = None) -> Comm:
     """Allocate this rank's buffer and map every peer's, exchanging handles through ``group``.
 
-    Collective over ``group`` (any backend: one bounded all-gather is used). All ranks must be on one
-    host: raises ``ValueError`` otherwise, and ``EPTimeoutError`` if a rank does not join within
-    ``timeout_s``. ``num_bytes`` is rounded up to 4 KiB.
+    Collective over ``group`` (any backend: one bounded exchange through the group's store,
+    :class:`~triton_ep.transport.bootstrap.Exchange`; pass ``exchange`` when the caller made it before
+    checking its own arguments). All ranks must be on one host: raises ``ValueError`` otherwise,
+    ``EPTimeoutError`` naming the ranks that did not join within ``timeout_s``, ``EPRemoteError`` when a
+    peer gave up first. ``num_bytes`` is rounded up to 4 KiB.
     """
+    if exchange is None:
+        exchange = Exchange(group, timeout_s, "bootstrap: exchange buffer handles")
     rank, size = group.rank(), group.size()
     num_bytes = max(4096, (int(num_bytes) + 4095) // 4096 * 4096)
     hb = header_bytes(size)
-    ctrl_bytes = 8 * (size + 2 * size * slot_words)
+    ctrl_bytes = 8 * ctrl_words(size, slot_words)
     tag = uuid.uuid4().hex[:16]
     d = _shm_dir()
-    ctrl_path = os.path.join(d, f"triton_ep.{tag}.ctrl") if rank == 0 else None
-    data_path = os.path.join(d, f"triton_ep.{tag}.r{rank}") if device.type != "cuda" else None
+    ctrl_path = os.path.join(d, shm_name(f"{tag}.ctrl")) if rank == 0 else None
+    data_path = os.path.join(d, shm_name(f"{tag}.r{rank}")) if device.type != "cuda" else None
     # Every file this rank creates is unlinked on the way out, whatever happens: after a successful
     # bootstrap every rank holds its mappings, and after a failure (a peer that never joins, bad hosts,
     # an interrupt) nothing may stay behind in /dev/shm.
@@ -256,8 +262,7 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         else:
             data = _map_file(data_path, hb + num_bytes, create=True)     # a new file reads zero
             mine = ("file", data_path)
-        info = gather_objects(group, (socket.gethostname(), ctrl_path, mine, num_bytes, device.index), timeout_s,
-                              "bootstrap: exchange buffer handles")
+        info = exchange.gather((socket.gethostname(), ctrl_path, mine, num_bytes, device.index))
         hosts = {i[0] for i in info}
         if len(hosts) != 1:
             raise ValueError(f"triton_ep intranode buffers need every rank on one host; got hosts {sorted(hosts)}")
@@ -276,6 +281,10 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info),
                     ranks_on_device=sum(1 for i in info if i[4] == device.index))
         comm.barrier("bootstrap/map buffers")
+    except BaseException as e:
+        # peers still waiting in the exchange raise at once (a no-op once it is complete)
+        exchange.fail(f"failed to build its Buffer ({type(e).__name__}: {e})")
+        raise
     finally:
         for path in (data_path, ctrl_path):
             if path is not None:
@@ -302,7 +311,7 @@ class LocalWorld:
         for b in self.buffers:
             b[:hb].zero_()
         self.data = [b[hb:] for b in self.buffers]
-        self.ctrl = torch.zeros(8 * (size + 2 * size * slot_words), dtype=torch.uint8, device="cpu")
+        self.ctrl = torch.zeros(8 * ctrl_words(size, slot_words), dtype=torch.uint8, device="cpu")
         self.slot_words = slot_words
         self.device = torch.device(device)
 

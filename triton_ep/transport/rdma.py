@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from triton_ep.errors import EPError
+from triton_ep.transport.bootstrap import gather_objects
 
 #: Work request kinds accepted by :meth:`Transport.post`.
 WRITE = "write"
@@ -233,29 +234,33 @@ class RdmaCompletionError(RdmaError):
         super().__init__(msg, status=completion.status, **where)
 
 
-def exchange_info(local: Dict[int, List[QPInfo]], group: Any = None) -> Dict[int, List[QPInfo]]:
-    """Swap connection info with every peer through ``torch.distributed`` (all_gather_object).
+def exchange_info(local: Dict[int, List[QPInfo]], group: Any = None,
+                  timeout_s: float = 100.0) -> Dict[int, List[QPInfo]]:
+    """Swap connection info with every peer through the group's store (a bounded exchange that leaves
+    nothing pending: :mod:`triton_ep.transport.bootstrap`).
 
     Args:
         local: peer rank -> this rank's QP infos towards that peer.
         group: process group (None: the default group).  Must be initialised.
+        timeout_s: bound in seconds on the wait for every rank.
     Returns:
         peer rank -> that peer's QP infos towards this rank.
+    Raises:
+        EPTimeoutError: ranks did not arrive in time (named); EPRemoteError: a peer gave up first.
     """
     import torch.distributed as dist
-    world = dist.get_world_size(group)
-    me = dist.get_rank(group)
-    gathered: List[Any] = [None] * world
-    dist.all_gather_object(gathered, local, group=group)
-    return {p: gathered[p][me] for p in range(world) if p != me and me in gathered[p]}
+    group = group if group is not None else dist.group.WORLD
+    me = group.rank()
+    gathered = gather_objects(group, local, timeout_s, "rdma: exchange QP info")
+    return {p: gathered[p][me] for p in range(len(gathered)) if p != me and me in gathered[p]}
 
 
-def exchange_regions(region: RemoteRegion, group: Any = None) -> List[RemoteRegion]:
-    """All ranks' :class:`RemoteRegion` of one buffer (index = rank), through ``torch.distributed``."""
+def exchange_regions(region: RemoteRegion, group: Any = None, timeout_s: float = 100.0) -> List[RemoteRegion]:
+    """All ranks' :class:`RemoteRegion` of one buffer (index = rank), through the group's store (bounded, as
+    :func:`exchange_info`)."""
     import torch.distributed as dist
-    gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, region, group=group)
-    return gathered
+    group = group if group is not None else dist.group.WORLD
+    return gather_objects(group, region, timeout_s, "rdma: exchange memory regions")
 
 
 __all__ = ["WRITE", "WRITE_WITH_IMM", "FETCH_ADD", "RdmaError", "RdmaUnavailable", "RdmaCompletionError",

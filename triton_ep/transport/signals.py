@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -121,6 +121,9 @@ class Signals:
         #: set once an error has been raised (or this rank failed): the next call re-synchronises first
         self.needs_resync = False
         self._reported = False
+        #: ``explain_mismatch(peer)``: what differs between this rank's call and ``peer``'s (a phrase naming
+        #: the field and both values), or ``None``; set by the Buffer (call cards)
+        self.explain_mismatch: Optional[Callable[[int], Optional[str]]] = None
 
     # ---- what kernels take
     def kernel_args(self, max_programs: Optional[int] = None) -> dict:
@@ -174,9 +177,11 @@ class Signals:
             return EPCapacityError(f"rank {me}: rank {peer} receives {int(self._host_np[int(F.H_INFO)])} rows, more "
                                    f"than num_worst_tokens={int(self._host_np[int(F.H_INFO2)])}; no data was moved")
         if rec.kind == int(F.E_MISMATCH):
-            return ValueError(f"'{stage}': rank {me} and rank {peer} called with different operations or arguments "
-                              f"(one of: the operation, the handle's dispatch, row size, scales, top-k, experts, "
-                              f"num_worst_tokens, x dtype, hidden); all ranks must agree; nothing was moved")
+            what = self.explain_mismatch(peer) if self.explain_mismatch is not None else None
+            what = what or (f"ranks {me} and {peer} called different operations or passed different arguments "
+                            f"(their calls no longer pair up)")
+            return ValueError(f"ranks disagree at '{stage}': {what}; all ranks must agree (the same call with the "
+                              f"same sizes, dtypes and handle); nothing was moved")
         return EPRemoteError(f"rank {me}: rank {peer} failed the call at '{stage}' (rank {peer} raised the "
                              f"details); this call's outputs here are not valid")
 

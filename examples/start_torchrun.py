@@ -1,0 +1,45 @@
+"""Ranks started by torchrun: one per GPU over NCCL; on CPU, or ranks sharing a GPU, over gloo.
+
+    torchrun --nproc-per-node 2 examples/start_torchrun.py
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+import triton_ep as deep_ep   # on CPU it sets TRITON_INTERPRET=1 itself (Triton's interpreter)
+
+local_rank, local_ranks = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+if torch.cuda.is_available():
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    backend = "nccl" if local_ranks <= torch.cuda.device_count() else "gloo"   # NCCL refuses 2 ranks on 1 GPU
+else:
+    device, backend = torch.device("cpu"), "gloo"
+dist.init_process_group(backend)   # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
+group, R, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+
+# A tiny round trip: 8 tokens of 128 bf16 values, each to 2 of 4 * R experts; experts return rows unchanged.
+T, hidden, E = 8, 128, 4 * R
+g = torch.Generator().manual_seed(rank)
+x = torch.randn(T, hidden, generator=g).to(device, torch.bfloat16)
+topk_idx = torch.rand(T, E, generator=g).topk(2).indices.to(device, deep_ep.topk_idx_t)
+topk_weights = torch.rand(T, 2, generator=g).to(device)
+
+num_nvl_bytes = max(deep_ep.Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(hidden * 2, R),
+                    deep_ep.Buffer.get_combine_config(R).get_nvl_buffer_size_hint(hidden * 2, R))
+buffer = deep_ep.Buffer(group, num_nvl_bytes)
+num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+recv_x, recv_topk_idx, recv_topk_weights, _, handle, _ = buffer.dispatch(
+    x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+    num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+combined_x, _, _ = buffer.combine(recv_x, handle)
+buffer.destroy()
+
+# combine sums what comes back from each rank a token went to: here x times that number of ranks
+ok = torch.equal(combined_x, (x.float() * is_token_in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
+print(f"rank {rank}/{R} ({backend}, {device}): sent {T} tokens, received {recv_x.shape[0]}, "
+      f"round trip {'correct' if ok else 'WRONG'}\n", end="", flush=True)   # one write: ranks' lines never mix
+dist.destroy_process_group()
+if not ok:
+    raise SystemExit(1)

@@ -1,0 +1,91 @@
+"""Call cards: what each rank says it called, so a disagreement between ranks names its field and values.
+
+Ranks compare their calls on the device through 64-bit signature digests (a mismatch moves nothing and
+records ``E_MISMATCH``). A digest says *that* ranks disagree, not *where*. So every collective call also
+writes a small card into this rank's slot of the host control block, which every rank of the host maps:
+
+    [ serial | code | value 0 | value 1 | ... ]        int64 words, CARD_WORDS per rank
+
+``serial`` counts this Buffer's collective calls (equal on ranks in step), ``code`` names the operation
+(:data:`FIELDS`), the values are the fields that operation's signature covers, in :data:`FIELDS` order.
+When a mismatch is raised, :func:`describe` compares this rank's card with the peer's: "hidden: rank 0
+passed 256, rank 1 passed 128". Only fields of the operation the ranks called appear.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+#: int64 words of one rank's card
+CARD_WORDS = 16
+
+# card codes (one per operation as callers see it)
+DISPATCH, CACHED_DISPATCH, COMBINE, DISPATCH_WORST = 1, 2, 3, 5
+LL_DISPATCH, LL_COMBINE = 11, 12
+
+#: by card code: the operation's name and its fields (name, kind); kind "dtype" values are dtype codes
+FIELDS: Dict[int, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
+    DISPATCH: ("dispatch", (("x dtype", "dtype"), ("hidden", "int"), ("scales dtype", "dtype"),
+                            ("scale columns", "int"), ("top-k (topk_idx columns)", "int"),
+                            ("topk_weights given", "bool"), ("num_experts", "int"))),
+    DISPATCH_WORST: ("dispatch with num_worst_tokens", (("x dtype", "dtype"), ("hidden", "int"),
+                                                        ("scales dtype", "dtype"), ("scale columns", "int"),
+                                                        ("top-k (topk_idx columns)", "int"),
+                                                        ("topk_weights given", "bool"), ("num_experts", "int"),
+                                                        ("num_worst_tokens", "int"))),
+    CACHED_DISPATCH: ("cached dispatch", (("x dtype", "dtype"), ("hidden", "int"), ("scales dtype", "dtype"),
+                                          ("scale columns", "int"), ("handle's dispatch number", "int"))),
+    COMBINE: ("combine", (("hidden", "int"), ("topk_weights columns", "int"),
+                          ("handle's dispatch number", "int"))),
+    LL_DISPATCH: ("low_latency_dispatch", (("num_max_dispatch_tokens_per_rank", "int"), ("hidden", "int"),
+                                           ("num_experts", "int"), ("top-k (topk_idx columns)", "int"),
+                                           ("use_fp8", "bool"), ("use_ue8m0", "bool"))),
+    LL_COMBINE: ("low_latency_combine", (("num_max_dispatch_tokens_per_rank", "int"), ("hidden", "int"),
+                                         ("num_experts", "int"), ("top-k (topk_idx columns)", "int"))),
+}
+assert all(2 + len(f) <= CARD_WORDS for _, f in FIELDS.values())
+
+
+def dtype_code(dtype: Optional[torch.dtype]) -> int:
+    """The int a card (and a call signature) carries for a dtype, the same on every rank; 0 for ``None``."""
+    return zlib.crc32(str(dtype).encode()) if dtype is not None else 0
+
+
+_DTYPE_NAMES = {dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values()
+                if isinstance(d, torch.dtype)}
+
+
+def write(card: np.ndarray, serial: int, code: int, values: Sequence[int]) -> None:
+    """Publish this rank's call: ``card`` is its int64 view (``Comm.card(rank)``)."""
+    card[2:2 + len(values)] = values
+    card[1] = code
+    card[0] = serial
+
+
+def _show(kind: str, v: int) -> str:
+    if kind == "dtype":
+        return "none" if v == 0 else _DTYPE_NAMES.get(v, f"dtype #{v}")
+    if kind == "bool":
+        return str(bool(v))
+    return str(v)
+
+
+def describe(mine: np.ndarray, theirs: np.ndarray, me: int, peer: int) -> Optional[str]:
+    """What differs between this rank's card and the peer's, e.g. ``"hidden: rank 0 passed 256, rank 1
+    passed 128"``; ``None`` when the cards cannot tell (the peer has not called yet, or they agree)."""
+    mine, theirs = [int(v) for v in mine], [int(v) for v in theirs]
+    if theirs[1] not in FIELDS or mine[1] not in FIELDS:
+        return None
+    if theirs[1] != mine[1]:
+        return (f"the operation: rank {me} called {FIELDS[mine[1]][0]}, rank {peer} called "
+                f"{FIELDS[theirs[1]][0]}")
+    name, fields = FIELDS[mine[1]]
+    diffs = [f"{n}: rank {me} passed {_show(k, a)}, rank {peer} passed {_show(k, b)}"
+             for (n, k), a, b in zip(fields, mine[2:], theirs[2:]) if a != b]
+    if not diffs:
+        return None
+    later = "" if theirs[0] == mine[0] else f" (rank {peer}'s latest call; it is at call {theirs[0]}, this rank at {mine[0]})"
+    return f"{name}: " + "; ".join(diffs) + later

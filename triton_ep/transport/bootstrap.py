@@ -1,0 +1,175 @@
+"""Bounded bootstrap exchanges over a process group that leave nothing pending.
+
+Building a Buffer (and connecting RDMA queue pairs) needs one all-gather of small Python objects (buffer
+handles, addresses, sizes). A collective on the caller's group cannot be bounded cleanly: if a rank never
+arrives, an all-gather that timed out on the host stays pending in the backend (gloo keeps waiting, and
+``destroy_process_group()`` and interpreter exit wait for it, 30 minutes by default; NCCL's watchdog
+would end the process). So the exchange goes through the group's key-value store instead
+(``ProcessGroup.get_group_store()``, the store torch itself rendezvoused the group through; it works the
+same for gloo and NCCL groups, subgroups made by ``new_group``, and ranks on several hosts):
+
+- every rank sets its key ``triton_ep/<exchange>/<rank>`` and polls (non-blocking ``check``) until every
+  rank's key is there, up to ``timeout_s``;
+- a rank that gives up (timeout, or bad arguments before the exchange: :meth:`Exchange.fail`) sets the
+  exchange's ``abort`` key with its reason, so a late peer raises at once instead of waiting out its own
+  bound;
+- the last rank to finish reading removes the exchange's keys.
+
+A timeout names every rank that did not arrive. Nothing blocks afterwards: no collective is pending, no
+thread was started. Exchanges are numbered per group in call order (every rank of a group builds its
+Buffers in the same order, as DeepEP requires).
+
+Where torch has no ``ProcessGroup.get_group_store``, the exchange falls back to an all-gather with a
+bounded wait, which may leave the collective pending after a timeout (documented in docs/design.md).
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import EPRemoteError, EPTimeoutError
+
+_PREFIX = "triton_ep"
+#: exchanges started per group (by group name), this process
+_counts: Dict[str, int] = {}
+
+
+def _group_store(group) -> Optional[Any]:
+    """The group's store, or ``None`` where torch does not expose it."""
+    get = getattr(group, "get_group_store", None)
+    if get is None:
+        return None
+    try:
+        return get()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class Exchange:
+    """One bounded all-gather of picklable objects over ``group`` (collective: every rank makes it).
+
+    Create it at the start of the collective step (so a rank that fails before it can still
+    :meth:`fail`); then :meth:`gather` once.
+
+    Args:
+        group: a ``torch.distributed`` process group (any backend).
+        timeout_s: bound in seconds on the wait for every rank.
+        stage: what the ranks exchange, named in errors (e.g. ``"bootstrap: exchange buffer handles"``).
+    """
+
+    def __init__(self, group, timeout_s: float, stage: str) -> None:
+        self.group, self.timeout_s, self.stage = group, float(timeout_s), stage
+        self.rank, self.size = group.rank(), group.size()
+        self.store = _group_store(group)
+        name = str(getattr(group, "group_name", id(group)))
+        n = _counts[name] = _counts.get(name, 0) + 1
+        self.base = f"{_PREFIX}/{n}/"
+        self._done = False
+
+    def _key(self, r: int) -> str:
+        return f"{self.base}{r}"
+
+    def fail(self, why: str) -> None:
+        """This rank will not take part (it gave up, or rejected its arguments): say so where the peers look,
+        so they raise ``EPRemoteError`` at once. Never raises."""
+        if self.store is None or self._done:
+            return
+        self._done = True
+        try:
+            if not self.store.check([self.base + "abort"]):
+                self.store.set(self.base + "abort", f"rank {self.rank} {why}")
+        except Exception:   # noqa: BLE001 - the store may be gone (the job is ending); the peers time out
+            pass
+
+    def _gave_up(self, keys: List[str], why: str) -> None:
+        """A peer gave up on this exchange (its ``abort`` key says why): raise ``EPTimeoutError`` naming the
+        ranks this rank is still missing too (the same absent peer), else ``EPRemoteError`` (this rank came
+        late, or the peer failed)."""
+        self._done = True
+        missing = [r for r in range(self.size) if not self.store.check([keys[r]])]
+        if missing and " gave up waiting " in why:
+            raise EPTimeoutError(self.rank, missing, f"{self.stage} ({why})", self.timeout_s)
+        raise EPRemoteError(f"rank {self.rank}: {why} at '{self.stage}'; this rank's Buffer was not built")
+
+    def gather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, in rank order.
+
+        Raises:
+            EPTimeoutError: ranks did not arrive within ``timeout_s``; it names all of them (``peer`` is the
+                first, ``peers`` the list).
+            EPRemoteError: a peer gave up or failed before the exchange (its reason is quoted).
+        """
+        if self.store is None:
+            return _gather_collective(self.group, obj, self.timeout_s, self.stage)
+        store, keys = self.store, [self._key(r) for r in range(self.size)]
+        store.set(keys[self.rank], pickle.dumps(obj))
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        abort = self.base + "abort"
+        while True:
+            arrived = store.check(keys)
+            if store.check([abort]):
+                self._gave_up(keys, store.get(abort).decode())
+            if arrived:
+                break
+            now = time.monotonic()
+            if now > deadline:
+                missing = [r for r in range(self.size) if not store.check([keys[r]])]
+                if not missing:          # they all arrived just now
+                    break
+                self.fail(f"gave up waiting for rank(s) {', '.join(map(str, missing))} after {self.timeout_s:.3g} s")
+                raise EPTimeoutError(self.rank, missing, self.stage, self.timeout_s)
+            # yield the core at first (peers usually arrive within milliseconds), then nap
+            time.sleep(0.0005 if now - start < 0.05 else 0.005)
+        out = [pickle.loads(store.get(k)) for k in keys]
+        self._done = True
+        if store.add(self.base + "read", 1) == self.size:        # the last reader cleans up
+            for k in keys + [self.base + "read"]:
+                try:
+                    store.delete_key(k)
+                except Exception:   # noqa: BLE001 - a store without delete (FileStore of old torch): keys stay
+                    pass
+        return out
+
+
+def gather_objects(group, obj: Any, timeout_s: float, stage: str) -> List[Any]:
+    """``all_gather_object`` over ``group`` with a bound (see :class:`Exchange`): picklable ``obj`` from every
+    rank, in rank order.
+
+    Raises:
+        EPTimeoutError: not every rank joined within ``timeout_s`` seconds (naming those that did not).
+        EPRemoteError: a peer gave up or failed before the exchange.
+    """
+    return Exchange(group, timeout_s, stage).gather(obj)
+
+
+def _gather_collective(group, obj: Any, timeout_s: float, stage: str) -> List[Any]:
+    """The fallback where torch exposes no group store: two all-gathers with a bounded host wait (the
+    collective may stay pending after a timeout)."""
+    rank, size = group.rank(), group.size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+    def gather(t: torch.Tensor) -> List[torch.Tensor]:
+        outs = [torch.empty_like(t) for _ in range(size)]
+        t0 = time.monotonic()
+        work = dist.all_gather(outs, t, group=group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if time.monotonic() - t0 < 0.9 * timeout_s:      # not a timeout: a peer's process failed
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                raise EPRemoteError(f"rank {rank}: a peer failed at '{stage}' (it could not build its Buffer, or "
+                                    f"its process ended); the process group reported: {first}") from None
+            raise EPTimeoutError(rank, None, stage, timeout_s) from None
+        return outs
+
+    sizes = [int(s.item()) for s in gather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev))]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    padded[:payload.numel()] = payload.to(dev)
+    return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(gather(padded), sizes)]
