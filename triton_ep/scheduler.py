@@ -44,6 +44,7 @@ import numpy as np
 
 from triton_ep.errors import EPError, EPRemoteError, EPTimeoutError
 from triton_ep.kernels import flags as F
+from triton_ep.transport.bootstrap import gather_objects
 from triton_ep.transport.rdma import WRITE, WRITE_WITH_IMM, Completion, Op, RemoteRegion, Transport
 from triton_ep.transport.signals import RingFlags
 
@@ -609,14 +610,17 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes:
 
 def bootstrap(transport: Transport, sched_kwargs: Optional[dict] = None, group=None) -> Scheduler:
     """Connect ``transport`` to every peer and start a :class:`Scheduler` on it, exchanging QP infos and
-    regions over ``torch.distributed`` (``group``: default group).  Returns the started scheduler."""
+    regions through the group's store (bounded by the scheduler's ``timeout_s``, nothing left pending:
+    :mod:`triton_ep.transport.bootstrap`; ``group``: default group).  Returns the started scheduler."""
     from triton_ep.transport.rdma import exchange_info, exchange_regions
     peers = [p for p in range(transport.world_size) if p != transport.rank]
-    remote = exchange_info({p: transport.local_info(p) for p in peers}, group)
+    timeout_s = (sched_kwargs or {}).get("timeout_s")
+    timeout_s = float(timeout_s if timeout_s is not None else getattr(transport, "timeout_s", 100.0))
+    remote = exchange_info({p: transport.local_info(p) for p in peers}, group, timeout_s)
     for p in peers:
         transport.connect(p, remote[p])
     sched = Scheduler(transport, **(sched_kwargs or {}))
-    return sched.start(exchange_regions(sched.remote_region(), group))
+    return sched.start(exchange_regions(sched.remote_region(), group, timeout_s))
 
 
 def main(argv=None) -> None:
@@ -678,15 +682,16 @@ def main(argv=None) -> None:
         n = a.mib << 20
         peers = [p for p in range(world) if p != rank]
         data = {p: np.random.default_rng([rank, p]).integers(0, 256, n, dtype=np.uint8) for p in peers}
-        dist.barrier()
+        world_group = dist.group.WORLD
+        gather_objects(world_group, None, a.timeout, "scheduler CLI: start")      # a bounded barrier
         t0 = time.perf_counter()
         got = host_alltoall(sched, data, {p: n for p in peers})
         dt = time.perf_counter() - t0
         ok = all(np.array_equal(got[p], np.random.default_rng([p, rank]).integers(0, 256, n, dtype=np.uint8))
                  for p in peers)
         stats = sched.stats()
-        results: List[object] = [None] * world
-        dist.all_gather_object(results, (ok, n * len(peers) / dt / 1e9, stats["ports"]))
+        results = gather_objects(world_group, (ok, n * len(peers) / dt / 1e9, stats["ports"]), a.timeout,
+                                 "scheduler CLI: results")
         if rank == 0:
             for r, (okr, gbs, ports) in enumerate(results):
                 print(f"rank {r}: {'byte-exact' if okr else 'WRONG BYTES'}, {gbs:.2f} GB/s sent (wall clock), "
