@@ -139,7 +139,7 @@ def nccl_baseline(a, x, in_rank, recv_x, combined) -> dict:
 def p2p_copy(a, buf) -> dict:
     """Every rank copies a chunk into each peer's buffer at once (``copy_`` into the CUDA IPC mapping;
     with one rank, into its own buffer): median ms and GB/s per rank (bytes it sends over the time)."""
-    comm = buf._comm
+    comm = buf._rt.comm
     R, me = comm.size, comm.rank
     chunk = max(16, min(comm.min_bytes // R, 64 << 20) // 16 * 16)
     src = torch.ones(chunk, dtype=torch.uint8, device=comm.device)

@@ -77,8 +77,8 @@ def active_table() -> Dict[str, Dict[str, int]]:
 
 class Case:
     """Inputs of ``R`` source ranks at one shape, their buffers in one process and every kernel's
-    arguments, computed the way ``Buffer._dispatch_steps`` / ``_combine_steps`` compute them (one round:
-    each buffer holds a whole transfer). Rank ``i``'s routing is drawn with seed ``seed + i``."""
+    arguments, computed the way ``Intranode.dispatch_steps`` / ``combine_steps`` (triton_ep/modes/intranode.py)
+    compute them (one round: each buffer holds a whole transfer). Rank ``i``'s routing is drawn with seed ``seed + i``."""
 
     def __init__(self, tokens: int, hidden: int, topk: int, experts: int, ranks: int, device, seed: int = 0):
         self.T, self.H, self.K, self.E, self.R = tokens, hidden, topk, experts, ranks
@@ -97,7 +97,7 @@ class Case:
         self.rec_words = dispatch_record_words(self.wx, 0, K, with_src=True)
         self.comb_rb = combine_record_bytes(hidden, 0)
         nbytes = max(int(self.recv.max()) * self.rec_words * 4, int(self.sent.max()) * self.comb_rb, 4096)
-        self.world = LocalWorld(R, nbytes, triton_ep.Buffer._slot_words(R), device=str(self.dev))
+        self.world = LocalWorld(R, nbytes, device=str(self.dev))
         self.nbytes = self.world.data[0].numel()
         self.cap = self.nbytes // (self.rec_words * 4)
         self.ccap = self.nbytes // self.comb_rb

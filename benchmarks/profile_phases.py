@@ -52,14 +52,14 @@ def rank_main(rank, world, tokens, hidden, experts, topk, iters, cprofile=False)
         if prof_host is not None and it == 2:
             prof_host.enable()
         for op in ("dispatch", "combine"):
-            buf._comm.profile = prof = []
+            buf._rt.comm.profile = prof = []
             t_start = time.perf_counter()
             if op == "dispatch":
                 out = buf.dispatch(x, **kw)
             else:
                 buf.combine(out[0], out[4])
             t_end = time.perf_counter()
-            buf._comm.profile = None
+            buf._rt.comm.profile = None
             if it < 2:
                 continue
             prev = t_start

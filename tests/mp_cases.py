@@ -617,7 +617,7 @@ def failed_mid_call_next_call(rank, world):
     at once that rank 1 left; so does rank 0's next call (no timeout), and rank 1's Buffer refuses calls."""
     import time
     import unittest.mock
-    from triton_ep import buffer as bmod
+    from triton_ep import kernels as K
     E, H = 2 * world, 32
     xs, idxs, ws = make_inputs(62, world, E, 2, H, [4] * world)
     buf = triton_ep.Buffer(None, 1 << 16, device="cpu", timeout_s=20)
@@ -628,7 +628,7 @@ def failed_mid_call_next_call(rank, world):
             if rank == 1 and attempt == 0:
                 def boom(*a, **k):
                     raise RuntimeError("injected failure")
-                with unittest.mock.patch.object(bmod.kernels, "dispatch_send", boom):
+                with unittest.mock.patch.object(K, "dispatch_send", boom):
                     buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
             else:
                 buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
@@ -657,13 +657,13 @@ def bad_call_after_valid(rank, world, device="cpu"):
     while rank 1 still runs the valid one. Returns what each call did: the valid calls must
     return and be correct, the invalid ones raise TypeError/ValueError, never an error of the peer's."""
     import time
-    from triton_ep import buffer as bmod
+    from triton_ep import kernels as K
     if rank == 1:           # rank 1's receive launches start late: its peer has moved on to the next call
         for name in ("combine_reduce", "dispatch_recv"):
-            def late(*a, _real=getattr(bmod.kernels, name), **k):
+            def late(*a, _real=getattr(K, name), **k):
                 time.sleep(0.4)
                 return _real(*a, **k)
-            setattr(bmod.kernels, name, late)
+            setattr(K, name, late)
     E, H = 2 * world, 32
     xs, idxs, ws = make_inputs(71, world, E, 2, H, [6] * world)
     x = xs[rank].to(device)

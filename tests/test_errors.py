@@ -131,10 +131,9 @@ def test_ranks_calling_different_collectives_fail_instead_of_hanging():
     first = virtual_dispatch(vg, xs, idxs, ws, 4)
     b0, b1 = vg.buffers
     lay = _layout(b0, idxs[0], 4)
-    from triton_ep.testing import lockstep
-    out = lockstep([b0._dispatch_steps(xs[0], None, lay["num_tokens_per_rank"], lay["is_token_in_rank"],
-                                       lay["num_tokens_per_expert"], lay["topk_idx"], ws[0], 1, 0, None, False),
-                    b1._combine_steps(first[1][0], first[1][4], None, None, None, False)])
+    from triton_ep.testing import lockstep, steps
+    out = lockstep([steps(b0, "dispatch", x=xs[0], topk_weights=ws[0], **lay),
+                    steps(b1, "combine", x=first[1][0], handle=first[1][4])])
     # the dispatching rank's notify finds that rank 1 released data of the round before notifying (it runs
     # another collective); the combining rank learns from the device words that rank 0 found a
     # mismatch: neither waits out its timeout, both name the other rank
@@ -153,7 +152,7 @@ def test_ranks_calling_different_collectives_fail_instead_of_hanging():
 def test_disagreeing_ranks_name_the_field_and_both_values(field, kw0, kw1, want):
     """Two ranks pass different sizes or dtypes to dispatch: both raise ValueError naming the field and each
     rank's value (not a list of candidates), and no field of another mode (num_worst_tokens) appears."""
-    from triton_ep.testing import lockstep
+    from triton_ep.testing import lockstep, steps
     vg = VirtualGroup(2, 1 << 16)
     gens, vals = [], []
     for r, kw in enumerate((kw0, kw1)):
@@ -161,8 +160,7 @@ def test_disagreeing_ranks_name_the_field_and_both_values(field, kw0, kw1, want)
         xs, idxs, ws = make_inputs(7, E, K, H, [3, 3])
         buf = vg.buffers[r]
         lay = _layout(buf, idxs[r], E)
-        gens.append(buf._dispatch_steps(xs[r].to(dtype), None, lay["num_tokens_per_rank"], lay["is_token_in_rank"],
-                                        lay["num_tokens_per_expert"], lay["topk_idx"], ws[r], 1, 0, None, False))
+        gens.append(steps(buf, "dispatch", x=xs[r].to(dtype), topk_weights=ws[r], **lay))
         vals.append({"hidden": H, "dtype": str(dtype).replace("torch.", ""), "K": K, "E": E}[field])
     out = lockstep(gens)
     for me, peer in ((0, 1), (1, 0)):
@@ -190,7 +188,7 @@ def test_config_of_wrong_type_and_timeout_values_are_named(monkeypatch):
     with pytest.raises(TypeError, match="config"):
         buf.dispatch(torch.zeros(1, 16, dtype=torch.bfloat16), config="abc")
     from triton_ep.transport.ipc import LocalWorld
-    comm = LocalWorld(1, 4096, triton_ep.Buffer._slot_words(1)).comm(0)
+    comm = LocalWorld(1, 4096).comm(0)
     for bad in (float("nan"), "x", 0, -1, float("inf")):
         with pytest.raises(ValueError, match="timeout_s"):
             triton_ep.Buffer(comm, 4096, timeout_s=bad)

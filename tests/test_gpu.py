@@ -38,11 +38,12 @@ def test_large_rows_64bit_offsets():
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     idx = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
     from triton_ep.transport.ipc import LocalWorld
-    world = LocalWorld(1, T * H * 2 + (1 << 20), triton_ep.Buffer._slot_words(1), device="cuda")
+    world = LocalWorld(1, T * H * 2 + (1 << 20), device="cuda")
     buf = triton_ep.Buffer(world.comm(0))
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    from triton_ep.testing import lockstep
-    (res,) = lockstep([buf._dispatch_steps(x, None, per_rank, in_rank, per_expert, idx, None, 1, 0, None, False)])
+    from triton_ep.testing import lockstep, steps
+    (res,) = lockstep([steps(buf, "dispatch", x=x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert, topk_idx=idx)])
     if isinstance(res, Exception):
         raise res
     recv_x = res[0]

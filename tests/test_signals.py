@@ -7,36 +7,22 @@ import torch
 import mp_cases
 import triton_ep
 from helpers import ok_results, check_dispatch, make_inputs, raise_first, virtual_dispatch
-from triton_ep import buffer as buffer_mod
 from triton_ep import reference as ref
-from triton_ep.testing import VirtualGroup, run_ranks
+from triton_ep.testing import VirtualGroup, host_waits, run_ranks
 
 
-@pytest.fixture
-def meets(monkeypatch):
-    """Counts the host waits of every call (each rank's): rendezvous with the other ranks (``meet``) and
-    polls of a plain dispatch's notify block (``poll``); ``n`` is their sum."""
-    counter = {"n": 0, "meet": 0, "poll": 0}
-
-    class CountingMeet(buffer_mod._Meet):
-        def __new__(cls, stage):
-            counter["n"] += 1
-            counter["meet"] += 1
-            return super().__new__(cls, stage)
-
-    real_wait = buffer_mod.Buffer._wait_notify
-
-    def counting_wait(self, *args):
-        counter["n"] += 1
-        counter["poll"] += 1
-        return real_wait(self, *args)
-
-    monkeypatch.setattr(buffer_mod, "_Meet", CountingMeet)
-    monkeypatch.setattr(buffer_mod.Buffer, "_wait_notify", counting_wait)
-    return counter
+def waits(vg) -> dict:
+    """The host waits of every rank of ``vg`` so far (``triton_ep.testing.host_waits``): rendezvous with the
+    other ranks (``meet``), polls of a plain dispatch's notify block (``poll``) and their sum ``n``."""
+    tot = {"meet": 0, "poll": 0}
+    for b in vg.buffers:
+        for k, v in host_waits(b).items():
+            tot[k] += v
+    tot["n"] = tot["meet"] + tot["poll"]
+    return tot
 
 
-def test_host_waits_per_call(meets):
+def test_host_waits_per_call():
     """A non-cached dispatch waits on the host once (a poll of the counts its notify kernel writes; no
     rendezvous with the other ranks); a cached dispatch, a combine and a dispatch with num_worst_tokens
     never do, however many rounds a small buffer needs: they only enqueue work."""
@@ -44,15 +30,15 @@ def test_host_waits_per_call(meets):
     xs, idxs, ws = make_inputs(3, E, 2, 32, [9, 4, 7])
     vg = VirtualGroup(R, 1024)                      # several rounds
     res = virtual_dispatch(vg, xs, idxs, ws, E)
-    assert meets["n"] == R * 1 and meets["poll"] == R
-    meets["n"] = 0
+    assert waits(vg)["n"] == R * 1 and waits(vg)["poll"] == R
+    base = waits(vg)["n"]
     cached = raise_first(vg.call("dispatch", [dict(x=xs[r], handle=res[r][4]) for r in range(R)]))
     comb = raise_first(vg.call("combine", [dict(x=res[r][0], handle=res[r][4]) for r in range(R)]))
-    assert meets["n"] == 0
+    assert waits(vg)["n"] == base
     exp = ref.dispatch(xs, idxs, ws, E)
     assert all(torch.equal(cached[r][0], exp[r]["recv_x"]) for r in range(R))
     worst = virtual_dispatch(vg, xs, idxs, ws, E, num_worst_tokens=20)      # counts travel on the device
-    assert meets["n"] == 0
+    assert waits(vg)["n"] == base
     for r in range(R):
         n = exp[r]["recv_x"].shape[0]
         assert worst[r][3] == [] and torch.equal(worst[r][0][:n], exp[r]["recv_x"])
@@ -60,7 +46,7 @@ def test_host_waits_per_call(meets):
     assert all(torch.equal(comb[r][0], want[r][0]) for r in range(R))
 
 
-def test_error_then_one_resync_then_correct(meets):
+def test_error_then_one_resync_then_correct():
     """A rank that rejects its combine arguments tells its peers through the device words: they raise
     EPRemoteError in the same call without waiting; the next call meets once on the host to start the
     round counters afresh and is correct again."""
@@ -68,13 +54,13 @@ def test_error_then_one_resync_then_correct(meets):
     xs, idxs, ws = make_inputs(5, E, 2, 16, [6, 5])
     vg = VirtualGroup(R, 1 << 16)
     res = virtual_dispatch(vg, xs, idxs, ws, E)
-    meets["n"] = 0
+    base = waits(vg)["n"]
     bad = vg.call("combine", [dict(x=res[0][0][:-1], handle=res[0][4]), dict(x=res[1][0], handle=res[1][4])])
     assert isinstance(bad[0], ValueError) and "shape" in str(bad[0])
     assert isinstance(bad[1], triton_ep.EPRemoteError) and "rank 0" in str(bad[1])
-    assert meets["n"] == 0
+    assert waits(vg)["n"] == base
     good = raise_first(vg.call("combine", [dict(x=res[r][0], handle=res[r][4]) for r in range(R)]))
-    assert meets["n"] == R                          # the re-synchronisation
+    assert waits(vg)["n"] == base + R               # the re-synchronisation
     exp = ref.dispatch(xs, idxs, ws, E)
     want = ref.combine([e["recv_x"] for e in exp], exp, [6, 5])
     assert all(torch.equal(good[r][0], want[r][0]) for r in range(R))
@@ -152,7 +138,7 @@ def test_dispatch_uses_the_layout_it_is_given(monkeypatch):
     def counting(*a, **k):
         calls["n"] += 1
         return real(*a, **k)
-    monkeypatch.setattr(buffer_mod.kernels, "routing_layout", counting)
+    monkeypatch.setattr(K, "routing_layout", counting)
     R, E = 2, 4
     xs, idxs, ws = make_inputs(17, E, 2, 32, [7, 5])
     vg = VirtualGroup(R, 1 << 16)

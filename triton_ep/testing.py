@@ -49,36 +49,38 @@ class VirtualGroup:
         num_nvl_bytes: each rank's buffer size in bytes.
         device: where the buffers live (``"cpu"``, or ``"cuda"`` to run compiled kernels in one process).
 
-    Use :meth:`call` to run one collective method on all ranks: ``call("dispatch", [kwargs_0, ...])``.
+    Use :meth:`call` to run one collective method on all ranks: ``call("dispatch", [kwargs_0, ...])``, or
+    :func:`steps` and :func:`lockstep` to run different calls on different ranks.
     """
 
     def __init__(self, num_ranks: int, num_nvl_bytes: int, device: str = "cpu") -> None:
-        self.world = LocalWorld(num_ranks, num_nvl_bytes, Buffer._slot_words(num_ranks), device=device)
+        self.world = LocalWorld(num_ranks, num_nvl_bytes, device=device)
         self.buffers = [Buffer(self.world.comm(r), num_nvl_bytes) for r in range(num_ranks)]
 
     def call(self, method: str, per_rank_kwargs: Sequence[dict]) -> List[Any]:
         """Run ``Buffer.<method>`` (``dispatch`` or ``combine``) on every rank in lock step; returns per rank
         the result tuple or the exception raised."""
-        steps = {"dispatch": "_dispatch_steps", "combine": "_combine_steps"}[method]
-        gens = []
-        for buf, kw in zip(self.buffers, per_rank_kwargs):
-            gens.append(getattr(buf, steps)(**_steps_kwargs(method, kw)))
-        return lockstep(gens)
+        return lockstep([steps(buf, method, **kw) for buf, kw in zip(self.buffers, per_rank_kwargs)])
 
 
-def _steps_kwargs(method: str, kw: dict) -> dict:
-    if method == "dispatch":
-        names = dict(handle=None, num_tokens_per_rank=None, is_token_in_rank=None, num_tokens_per_expert=None,
-                     topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
-                     previous_event=None, async_finish=False)
-    else:
-        names = dict(handle=None, topk_weights=None, bias=None, previous_event=None, async_finish=False)
-    extra = set(kw) - set(names) - {"x", "config", "allocate_on_comm_stream", "num_tokens_per_rdma_rank"}
-    if extra:
-        raise TypeError(f"{method} got unexpected arguments {sorted(extra)}")
-    out = {"x": kw["x"]}
-    out.update({k: kw.get(k, v) for k, v in names.items()})
-    return out
+def steps(buf: Buffer, method: str, **kwargs) -> Generator:
+    """The step generator of ``buf.<method>(**kwargs)`` (``method``: ``"dispatch"`` or ``"combine"``), with
+    the method's own arguments and defaults, for :func:`lockstep`: the very steps the method runs.
+
+    Raises:
+        ValueError: another method name.
+    """
+    mode = buf._intranode
+    fns = {"dispatch": mode.dispatch_steps, "combine": mode.combine_steps}
+    if method not in fns:
+        raise ValueError(f"steps() takes 'dispatch' or 'combine', got {method!r}")
+    return fns[method](**kwargs)
+
+
+def host_waits(buf: Buffer) -> dict:
+    """How often ``buf`` has waited on the host so far: ``{"meet": n, "poll": n}`` (rendezvous with the other
+    ranks, the re-synchronisation after an error; polls of a plain dispatch's counts). A copy."""
+    return dict(buf._rt.host_waits)
 
 
 def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple) -> None:

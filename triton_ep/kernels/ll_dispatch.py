@@ -1,6 +1,6 @@
 """Low-latency dispatch: every (token, expert) pair becomes one row in the expert's rank, expert-major.
 
-Each rank's low-latency area (mapped by every rank, :mod:`triton_ep.low_latency` sizes it) holds a
+Each rank's low-latency area (mapped by every rank, :mod:`triton_ep.modes.low_latency` sizes it) holds a
 control block (:mod:`.flags`, ``L_*`` words) and two *halves*; low-latency call ``n`` uses half ``n & 1``.
 A half starts with the counts, int32 ``[R][E_local]`` (rows rank ``s`` sends to each local expert), then
 holds the row *records* ``[E_local][R][N]``: record ``(e, s, i)`` is the ``i``-th row rank ``s`` sends to
@@ -263,7 +263,7 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
 
     ``x`` bf16 ``[T, H]``; ``topk_idx`` ``[T, K]``; ``slots``/``counts`` from :func:`ll_route`; ``area``:
     int32 view of the local low-latency area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control
-    block; ``lay``: the call's layout (:class:`triton_ep.low_latency.Layout`); ``sig``: call signature."""
+    block; ``lay``: the call's layout (:class:`triton_ep.modes.low_latency.Layout`); ``sig``: call signature."""
     from ._util import interpreted
     T, H = x.shape
     K = topk_idx.shape[1]

@@ -32,10 +32,10 @@ from ..protocol.call_card import CARD_WORDS
 from .bootstrap import Exchange
 from .signals import header_bytes
 
-#: int64 words of one rank's exchange slot beyond the per-rank and per-expert counts.
+#: int64 words of the header of one rank's exchange slot (the host rendezvous after an error).
 SLOT_HEADER = 16
-#: the largest expert count an exchange slot holds.
-MAX_EXPERTS = 16384
+#: int64 words of one rank's exchange slot: the header, then a few words a mode may add (its resync fill).
+SLOT_WORDS = SLOT_HEADER + 16
 
 
 def ctrl_words(size: int, slot_words: int) -> int:
@@ -229,7 +229,7 @@ def _open_device_handle(blob: bytes, device: torch.device) -> torch.Tensor:
     return fn(*bound.args, **bound.kwargs).view(torch.uint8)
 
 
-def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, slot_words: int,
+def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, slot_words: int = SLOT_WORDS,
                exchange: Optional[Exchange] = None) -> Comm:
     """Allocate this rank's buffer and map every peer's, exchanging handles through ``group``.
 
@@ -302,7 +302,7 @@ class LocalWorld:
     driven by the caller (see :func:`triton_ep.testing.lockstep`), never waited on.
     """
 
-    def __init__(self, size: int, num_bytes: int, slot_words: int, device: str = "cpu") -> None:
+    def __init__(self, size: int, num_bytes: int, slot_words: int = SLOT_WORDS, device: str = "cpu") -> None:
         num_bytes = max(4096, (int(num_bytes) + 4095) // 4096 * 4096)
         self.size = size
         hb = header_bytes(size)

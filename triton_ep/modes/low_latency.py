@@ -20,14 +20,17 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .config import EventOverlap
-from .errors import EPRemoteError
-from .kernels import flags as F
-from .protocol import call_card as card
-from .kernels.fp8 import native_cast
-from .kernels.ll_combine import ll_combine_reduce, ll_combine_send
-from .kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
-from .transport import signals
+from ..config import EventOverlap
+from ..errors import EPRemoteError
+from ..kernels import flags as F
+from ..kernels.fp8 import native_cast
+from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
+from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
+from ..protocol import call_card as card
+from ..runtime import Runtime
+from ..runtime.checks import isint
+from ..transport import signals
+from ..transport.ipc import SLOT_HEADER
 
 Tensor = torch.Tensor
 _OP_LL_DISPATCH, _OP_LL_COMBINE = 11, 12
@@ -117,9 +120,9 @@ class LowLatency:
     """The low-latency state of one Buffer: its area (``area_bytes`` at byte ``offset`` of the Buffer's
     data buffer, the same offset on every rank), hooks still to run, and the host count of sends."""
 
-    def __init__(self, buf, offset: int, area_bytes: int, shrink: bool) -> None:
-        self.buf = buf
-        comm = buf._comm
+    def __init__(self, rt: Runtime, offset: int, area_bytes: int, shrink: bool) -> None:
+        self.rt = rt
+        comm = rt.comm
         with torch.inference_mode(False):
             self.area_u8 = comm.data[offset:offset + area_bytes]
             self.area = self.area_u8.view(torch.int32)
@@ -135,7 +138,7 @@ class LowLatency:
 
     # ------------------------------------------------------------------ helpers
     def layout(self, n_max: int, hidden: int, num_experts: int) -> Layout:
-        lay = Layout(self.buf.group_size, n_max, hidden, num_experts)
+        lay = Layout(self.rt.group_size, n_max, hidden, num_experts)
         if lay.total_bytes > self.area_bytes:
             raise ValueError(f"the low-latency area holds {self.area_bytes} bytes but num_max_dispatch_tokens_per_rank="
                              f"{n_max}, hidden={hidden}, num_experts={num_experts} need {lay.total_bytes}; build the "
@@ -144,24 +147,21 @@ class LowLatency:
 
     def _start(self) -> None:
         """What every low-latency call does first: raise recorded errors, re-synchronise after one."""
-        buf = self.buf
-        buf._live()
-        buf.check()
-        if buf._sig.needs_resync:
-            buf._run(self._resync_steps())
+        rt = self.rt
+        rt.live()
+        rt.check()
+        if rt.sig.needs_resync:
+            rt.run(self._resync_steps())
 
     def _resync_steps(self):
         """After an error: meet every rank on the host (the normal re-synchronisation), and restart the
         low-latency call numbers above the highest any rank reached; hooks still pending are dropped."""
-        from .buffer import _OP_RESYNC
-        from .transport.ipc import SLOT_HEADER
 
         def fill(slot):
             slot[SLOT_HEADER] = int(self.ctl[int(F.L_SEQ)].item())
-        slots = yield from self.buf._exchange("low-latency resync after an error", None, 1, [_OP_RESYNC],
-                                              "operation", fill)
+        slots = yield from self.rt.resync_steps(fill)
         top = max(int(s[SLOT_HEADER]) for s in slots)
-        R = self.buf.group_size
+        R = self.rt.group_size
         with torch.inference_mode():
             self.ctl[:4].copy_(torch.tensor([top, 0, top, top], dtype=torch.int64))
             # failure words name calls up to top + 1: none may match a call after the restart (the peers
@@ -183,9 +183,9 @@ class LowLatency:
         ``LFAILED[rank]``, so their waits of that call end at once (their earlier calls, which may still
         be running, are not affected), and mark this rank for re-synchronisation (its own kernels go on:
         a hook of an earlier call still receives)."""
-        buf = self.buf
-        R, me = buf.group_size, buf.rank
-        buf._wait_comm_stream()
+        rt = self.rt
+        R, me = rt.group_size, rt.rank
+        rt.wait_comm_stream()
         n = int(self.ctl[int(F.L_SEQ)].item()) + 1       # a device read: an error path
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
@@ -193,7 +193,7 @@ class LowLatency:
                     pc[F.off_ll_failed(R) + me].fill_(n * 8 + int(F.E_FAILED))     # flags.failure_word
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure
-        buf._sig.needs_resync = True
+        rt.sig.needs_resync = True
 
     def _claim_send(self) -> int:
         """Host bookkeeping of a new send: call ``n`` reuses the half of call ``n - 2``, which must have been
@@ -205,34 +205,34 @@ class LowLatency:
         return self.sent
 
     def _check(self, name, t, dtypes, shape, why=""):
-        return self.buf._check_tensor(name, t, dtypes, shape, why)
+        return self.rt.check_tensor(name, t, dtypes, shape, why)
 
     def _stats(self, name: str, t: Optional[Tensor], dtype, shapes) -> Optional[Tensor]:
         if t is None:
             return None
         if not isinstance(t, torch.Tensor) or t.dtype != dtype:
             raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if tuple(t.shape) not in shapes or not t.is_contiguous() or t.device != self.buf.device:
+        if tuple(t.shape) not in shapes or not t.is_contiguous() or t.device != self.rt.device:
             raise ValueError(f"{name} must be a contiguous tensor of shape {' or '.join(map(str, shapes))} on "
-                             f"{self.buf.device}, got {tuple(t.shape)} on {t.device}")
+                             f"{self.rt.device}, got {tuple(t.shape)} on {t.device}")
         return t
 
     def _cost(self, name: str, t: Optional[Tensor]) -> Optional[Tensor]:
-        R = self.buf.group_size
+        R = self.rt.group_size
         t = self._stats(name, t, torch.int64, [(R,), (R, R)])
         if t is not None and t.dim() == 2:       # this rank's row: waits for each source rank
-            t = t[self.buf.rank]
+            t = t[self.rt.rank]
         return t
 
     def _launch(self, hook: bool, async_finish: bool, body: Callable, tensors) -> EventOverlap:
         """Run ``body`` as ``Buffer`` calls run their kernels: on the communication stream with
         ``async_finish``, else on the caller's stream (always with a hook, as DeepEP: ``async_finish``
         and ``return_recv_hook`` exclude each other), and hand the results back."""
-        buf = self.buf
-        buf._begin(None, async_finish and not hook)
-        with buf._comm_ctx(), buf._sig.watch():
+        rt = self.rt
+        rt.begin(None, async_finish and not hook)
+        with rt.comm_ctx(), rt.sig.watch():
             body()
-        return buf._end(async_finish and not hook, tensors)
+        return rt.end(async_finish and not hook, tensors)
 
     def _hook(self, idx: int, recv: Callable) -> Callable[[], None]:
         done = []
@@ -245,17 +245,17 @@ class LowLatency:
                 raise ValueError("this receive hook belongs to a call dropped by a re-synchronisation after an error")
             done.append(True)
             self.pending.remove(idx)
-            buf = self.buf
-            buf.check()
-            if buf._sig.record() is not None:
+            rt = self.rt
+            rt.check()
+            if rt.sig.record() is not None:
                 # an error record since this call was sent (raised already) stops this rank's kernels
                 # until the next call re-synchronises the group: the receive would move nothing
-                raise EPRemoteError(f"rank {buf.rank}: the receive of this low-latency call cannot complete: an "
+                raise EPRemoteError(f"rank {rt.rank}: the receive of this low-latency call cannot complete: an "
                                     f"error raised after it was sent stopped this rank's low-latency kernels until "
                                     f"the next call re-synchronises the group; its results are dropped")
-            with buf._sig.watch():
+            with rt.sig.watch():
                 recv(self.sent - idx)
-            buf.check()
+            rt.check()
         return hook
 
     # ------------------------------------------------------------------ dispatch
@@ -263,8 +263,8 @@ class LowLatency:
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
                  round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
         self._start()
-        buf = self.buf
-        R = buf.group_size
+        rt = self.rt
+        R = rt.group_size
         a = self._guard(self._dispatch_args, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                         cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                         use_ue8m0, async_finish, return_recv_hook)
@@ -272,9 +272,9 @@ class LowLatency:
         T, H = xv.shape
         K = idx.shape[1]
         N, E, El = lay.n_max, lay.num_experts, lay.experts_per_rank
-        dev = buf.device
+        dev = rt.device
         sig = signals.call_signature([_OP_LL_DISPATCH, N, H, E, K, int(use_fp8), int(use_ue8m0)])
-        buf._publish(card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0)))
+        rt.publish(card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0)))
         # fresh outputs (scales column-major in their last two dimensions, as DeepEP returns them)
         if use_fp8:
             recv_x = torch.empty((El, R * N, H), dtype=torch.float8_e4m3fn, device=dev)
@@ -290,13 +290,13 @@ class LowLatency:
         layout_range = torch.empty((El, R), dtype=torch.int64, device=dev)
         slots = torch.empty((T, K), dtype=torch.int32, device=dev)
         counts = torch.empty(E, dtype=torch.int32, device=dev)
-        sa = buf._sig_args
+        sa = rt.sig_args
         native = native_cast()
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
 
         def send():
             ll_route(idx, slots, counts, self.ctl, E, R, sa)
-            ll_dispatch_send(xv, idx, slots, counts, self.area, buf._delta_words, self.ctl, lay, sig, use_fp8,
+            ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
                              round_scale, self.shrink, sa, native)
 
         def recv(offset: int):
@@ -305,7 +305,7 @@ class LowLatency:
                              sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
                              recv_count, stats, cost, sig, self.shrink, sa)
 
-        handle = LLHandle((src_info, layout_range, N, H, E), buf._uid, ret_slot, recv_count, T, K)
+        handle = LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K)
         out = (recv_x, recv_scales) if use_fp8 else recv_x
         tensors = (xv, idx, slots, counts, recv_x, sc, recv_count, src_info, ret_slot, layout_range, stats, cost)
         if return_recv_hook:
@@ -313,15 +313,14 @@ class LowLatency:
             event = self._launch(True, False, send, tensors)
             return out, recv_count, handle, event, self._hook(idx_n, recv)
         event = self._launch(False, async_finish, lambda: (send(), recv(0)), tensors)
-        buf.check()
+        rt.check()
         return out, recv_count, handle, event, None
 
     def _dispatch_args(self, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_ue8m0, async_finish, hook):
-        buf = self.buf
-        from .buffer import _isint
-        if not _isint(N) or N <= 0:
+        rt = self.rt
+        if not isint(N) or N <= 0:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
-        buf._check_num_experts(E)
+        rt.check_num_experts(E)
         xv = self._check("x", x, (torch.bfloat16,), (None, None))
         T, H = xv.shape
         if H % 128 or H == 0:
@@ -345,21 +344,21 @@ class LowLatency:
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
                 return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
         self._start()
-        buf = self.buf
+        rt = self.rt
         a = self._guard(self._combine_args, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                         return_recv_hook, out, combine_wait_recv_cost_stats)
         xv, idx, w, h, lay, out, cost = a
         T, K = idx.shape
         H = lay.hidden
         sig = signals.call_signature([_OP_LL_COMBINE, lay.n_max, H, lay.num_experts, K])
-        buf._publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K))
+        rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K))
         if out is None:
-            out = torch.empty((T, H), dtype=torch.bfloat16, device=buf.device)
-        sa = buf._sig_args
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)
+        sa = rt.sig_args
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
 
         def send():
-            ll_combine_send(xv, h.ret_slot, h.recv_count, K, self.area, buf._delta_words, self.ctl, lay, sig,
+            ll_combine_send(xv, h.ret_slot, h.recv_count, K, self.area, rt.delta_words, self.ctl, lay, sig,
                             self.shrink, sa)
 
         def recv(offset: int):
@@ -371,15 +370,15 @@ class LowLatency:
             event = self._launch(True, False, send, tensors)
             return out, event, self._hook(idx_n, recv)
         event = self._launch(False, async_finish, lambda: (send(), recv(0)), tensors)
-        buf.check()
+        rt.check()
         return out, event, None
 
     def _combine_args(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, hook, out, cost):
-        buf = self.buf
+        rt = self.rt
         if use_logfmt:
             raise NotImplementedError("low_latency_combine(use_logfmt=True) is not implemented: rows return as bf16")
         h = self.check_handle(handle)
-        R = buf.group_size
+        R = rt.group_size
         N, H, E = h[2], h[3], h[4]
         lay = self.layout(N, H, E)
         xv = self._check("x", x, (torch.bfloat16,), (lay.experts_per_rank, R * N, H),
@@ -395,8 +394,8 @@ class LowLatency:
         w = self._check("topk_weights", topk_weights, (torch.float32,), (T, h.num_topk), why)
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H) \
-                    or not out.is_contiguous() or out.device != buf.device:
-                raise ValueError(f"out must be a contiguous bf16 tensor [{T}, {H}] on {buf.device} (the handle's "
+                    or not out.is_contiguous() or out.device != rt.device:
+                raise ValueError(f"out must be a contiguous bf16 tensor [{T}, {H}] on {rt.device} (the handle's "
                                  f"tokens, hidden), got {getattr(out, 'dtype', type(out).__name__)} "
                                  f"{list(getattr(out, 'shape', []))} on {getattr(out, 'device', '-')}")
         if async_finish and hook:
@@ -406,7 +405,7 @@ class LowLatency:
     def check_handle(self, handle) -> LLHandle:
         if not isinstance(handle, LLHandle):
             raise TypeError(f"handle must be the handle low_latency_dispatch returned, got {type(handle).__name__}")
-        if handle.buffer_uid != self.buf._uid:
+        if handle.buffer_uid != self.rt.uid:
             raise ValueError("handle was made by another Buffer")
         return handle
 
@@ -419,18 +418,17 @@ class LowLatency:
 
     # ------------------------------------------------------------------ masking
     def _mask_words(self) -> Tensor:
-        R = self.buf.group_size
+        R = self.rt.group_size
         return self.ctl[F.off_ll_mask(R):F.off_ll_mask(R) + R]
 
     def update_mask(self, rank: int, mask: bool) -> None:
-        from .buffer import _isint
-        if not _isint(rank) or not 0 <= rank < self.buf.group_size:
-            raise ValueError(f"rank_to_mask must be an int in [0, {self.buf.group_size}), got {rank!r}")
+        if not isint(rank) or not 0 <= rank < self.rt.group_size:
+            raise ValueError(f"rank_to_mask must be an int in [0, {self.rt.group_size}), got {rank!r}")
         with torch.inference_mode():
             self._mask_words()[int(rank)].fill_(1 if mask else 0)
 
     def query_mask(self, status: Tensor) -> None:
-        R = self.buf.group_size
+        R = self.rt.group_size
         if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or tuple(status.shape) != (R,):
             raise ValueError(f"mask_status must be an int32 tensor [{R}], got "
                              f"{getattr(status, 'dtype', type(status).__name__)} {list(getattr(status, 'shape', []))}")
@@ -442,10 +440,9 @@ class LowLatency:
             self._mask_words().zero_()
 
     def clean(self, n_max: int, hidden: int, num_experts: int) -> None:
-        from .buffer import _isint
-        if not all(_isint(v) and v > 0 for v in (n_max, hidden, num_experts)):
+        if not all(isint(v) and v > 0 for v in (n_max, hidden, num_experts)):
             raise ValueError(f"clean_low_latency_buffer takes positive ints (num_max_dispatch_tokens_per_rank, "
                              f"hidden, num_experts), got {(n_max, hidden, num_experts)!r}")
-        self.buf._check_num_experts(num_experts)
+        self.rt.check_num_experts(num_experts)
         self.layout(n_max, hidden, num_experts)
         self._start()

@@ -1,0 +1,531 @@
+"""Normal mode within one host (DeepEP V1's intranode ``dispatch`` / ``combine`` and ``get_dispatch_layout``).
+
+:class:`Intranode` owns this mode's arguments (:class:`DispatchArgs`), its steps and its handle
+(:class:`DispatchHandle`); what it shares with other modes comes from the :class:`~triton_ep.runtime.Runtime`
+it is given. Each collective call is a generator of steps (:meth:`Intranode.dispatch_steps`,
+:meth:`Intranode.combine_steps`) that ``Runtime.run`` drives for a real rank and
+:func:`triton_ep.testing.lockstep` for ranks simulated in one process. The protocol of one call (layout,
+notify, rounds of send and receive launches) is in docs/design.md, section 3.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .. import kernels
+from ..config import EventOverlap
+from ..errors import EPError, EPTimeoutError
+from ..kernels import notify as NT
+from ..kernels.combine import record_bytes as combine_record_bytes
+from ..kernels.dispatch import record_words as dispatch_record_words
+from ..protocol import call_card as card
+from ..runtime import Runtime, collective, steps
+from ..runtime.checks import check_config, check_event, isint
+from ..transport import signals
+
+Tensor = torch.Tensor
+XLike = Union[Tensor, Tuple[Tensor, Tensor]]
+
+_OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
+_MAX_INT32 = 2 ** 31 - 1
+_MAX_ROWS = 1 << 62          # "no capacity limit" for the notify of a plain dispatch
+_dtype_code = card.dtype_code
+
+
+def _version_of(t: Tensor) -> Optional[int]:
+    """A tensor's in-place version counter; ``None`` for an inference tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+@dataclasses.dataclass
+class DispatchArgs:
+    """One dispatch call's checked arguments (what the steps of the call read).
+
+    ``x`` ``[T, H]`` (contiguous) and its ``scales`` ``[T, S]`` (contiguous, fp32 or int32, any ``S >= 0``;
+    given with a 1-byte ``x``, as DeepEP) or ``None``; ``row_words`` and ``scale_words`` (``S``): a row and
+    its scales in 32-bit words; ``dtype_code``: the dtype as the cross-rank signature carries it;
+    ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank`` ``[T, R]`` and
+    ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle`` for a cached
+    dispatch; ``flags``: bit 0 scales, bit 1 cached, bit 2 weights, bit 3 int32 scales (signature).
+    """
+    x: Tensor
+    scales: Optional[Tensor]
+    num_tokens: int
+    row_words: int
+    scale_words: int
+    dtype_code: int
+    expert_alignment: int
+    topk_idx: Optional[Tensor] = None
+    topk_weights: Optional[Tensor] = None
+    num_topk: int = 0
+    num_experts: int = 0
+    is_token_in_rank: Optional[Tensor] = None
+    num_tokens_per_expert: Optional[Tensor] = None
+    handle: Optional["DispatchHandle"] = None
+    flags: int = 0
+
+
+class DispatchHandle(tuple):
+    """The communication handle ``dispatch`` returns, shaped as DeepEP's intranode handle::
+
+        (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+         is_token_in_rank, send_head)
+
+    Every entry has DeepEP's dtype; the two channel matrices are DeepEP's with one channel (``C = 1``;
+    DeepEP has ``C = num_sms / 2``), see docs/design.md, *Handle*:
+
+    - ``rank_prefix_matrix`` int32 ``[R, R]``: ``[i][j]`` = rows rank ``j`` receives from ranks ``0..i``.
+    - ``channel_prefix_matrix`` int32 ``[R, 1]``: ``[j][0]`` = rows this rank sends to rank ``j``.
+    - ``recv_channel_prefix_matrix`` int32 ``[R, 1]``: ``[s][0]`` = where the channel starts within source
+      ``s``'s rows here: 0.
+    - ``recv_src_idx`` int32 ``[N]``: source token index of each received row (``-1`` on padding rows).
+    - ``is_token_in_rank`` bool ``[T, R]``; ``send_head`` int32 ``[T, R]``: index of token ``t`` among the
+      rows sent to rank ``r``, ``-1`` where it is not sent.
+
+    It also remembers, on the host, what cached calls need without a device synchronisation.
+    """
+
+    def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: Optional[int],
+                recv_rows_max: int, area_rows_max: int, seq: int, row_base: Tensor, combine_tables: Tensor,
+                n_recv_dev: Optional[Tensor] = None):
+        self = super().__new__(cls, items)
+        self.seq = seq
+        self.buffer_uid = buffer_uid
+        self.num_tokens = num_tokens
+        self.num_recv_tokens = num_recv_tokens
+        self.num_out_rows = int(items[3].shape[0])
+        #: the most rows any rank of the group receives, and the largest combine area (rows returned to
+        #: one source): they size the rounds of cached dispatches and combines, the same on every rank
+        #: (with ``num_worst_tokens``, bounds from it: the host never learnt the counts)
+        self.recv_rows_max, self.area_rows_max = recv_rows_max, area_rows_max
+        #: int64 [R] on the device: where this rank's rows start among each receiver's rows
+        self.row_base = row_base
+        #: int64 [3R] on the device: combine's comb_base, send_base and prefix (no upload per combine)
+        self.combine_tables = combine_tables
+        R = int(items[0].shape[0])
+        #: the same three as views, made once
+        self.combine_views = (combine_tables[:R], combine_tables[R:2 * R], combine_tables[2 * R:])
+        #: per call shape (operation, widths): record size, rows per round, rounds and call signature,
+        #: worked out by the first call of that shape
+        self.plans: dict = {}
+        #: int64 [1] on the device: rows received, for a handle whose host never learnt the counts
+        #: (``num_worst_tokens``; then ``num_recv_tokens`` is ``None``)
+        self.n_recv_dev = n_recv_dev
+        return self
+
+    @property
+    def rank_prefix_matrix(self) -> Tensor:
+        """int32 ``[R, R]``: ``[i][j]`` = rows rank ``j`` receives from ranks ``0..i``."""
+        return self[0]
+
+    @property
+    def recv_src_idx(self) -> Tensor:
+        """int32 ``[N]``: the source token of each received row (``-1`` on padding rows)."""
+        return self[3]
+
+    @property
+    def is_token_in_rank(self) -> Tensor:
+        """bool ``[T, R]``: whether token ``t`` went to rank ``r``."""
+        return self[4]
+
+    @property
+    def send_head(self) -> Tensor:
+        """int32 ``[T, R]``: index of token ``t`` among the rows sent to rank ``r`` (``-1``: not sent)."""
+        return self[5]
+
+
+class Intranode:
+    """Normal mode within one host for one Buffer.
+
+    Args:
+        rt: the Buffer's runtime (shared buffers, signals, streams, checks).
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        #: host-visible block of a plain dispatch's notify results, and the last dispatch number sent there
+        self._notify_res: Optional[Tensor] = None
+        self._notify_np = None
+        self._notify_seq = 0
+        #: the last get_dispatch_layout: (weak ref to its topk_idx, its version, E, is_token_in_rank's
+        #: version, the layout), for the dispatch that passes it back
+        self._layout_memo = None
+
+    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
+        """``Buffer.get_dispatch_layout`` (same arguments and results): the routing layout, kept for the
+        dispatch that passes it back."""
+        self.rt.live()
+        idx = self.rt.check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None))
+        self.rt.check_num_experts(num_experts)
+        check_event(previous_event)
+        self.rt.check()
+        self.rt.begin(previous_event, async_finish)
+        with self.rt.comm_ctx():
+            lay = kernels.routing_layout(idx, num_experts, self.rt.group_size)
+        per_rank, per_expert, in_rank = lay[:3]
+        # kept for the dispatch that takes this layout (the same topk_idx and is_token_in_rank, unchanged):
+        # it then uses these send positions and counts instead of computing the layout again
+        vi, vr = _version_of(idx), _version_of(in_rank)
+        self._layout_memo = (weakref.ref(idx), vi, int(num_experts), vr, lay) if None not in (vi, vr) else None
+        return per_rank, None, per_expert, in_rank, self.rt.end(async_finish, (idx, per_rank, per_expert, in_rank))
+
+    @steps
+    def dispatch_steps(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                       is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                       expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                       allocate_on_comm_stream=False):
+        """The steps of ``Buffer.dispatch`` (same arguments; its docstring says what they mean): a generator
+        that yields at each phase boundary and returns the call's results."""
+        R = self.rt.group_size
+        self.rt.check()
+        cached = handle is not None
+        if not cached:
+            self.rt.dispatch_seq += 1          # the same on every rank: names the handle this call makes
+        if self.rt.sig.needs_resync:
+            yield from self.rt.resync_steps()
+        try:
+            check_config(config)
+            a = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                    topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+        except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
+            raise self.rt.fail_call(e)
+        # With num_worst_tokens the host never learns the counts: they stay on the device.
+        worst = not cached and num_worst_tokens > 0
+        # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
+        # ranks that call different collectives, or pass handles of different dispatches, fail together.
+        op = _OP_CACHED_DISPATCH if cached else _OP_DISPATCH
+        seq = a.handle.seq if cached else 0
+        sig = [op, a.row_words, a.scale_words, a.num_topk, a.flags, a.num_experts, seq, a.dtype_code]
+        sc_dtype = card.dtype_code(a.scales.dtype if a.scales is not None else None)
+        if cached:
+            self.rt.publish(card.CACHED_DISPATCH, (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, seq))
+        else:
+            self.rt.publish(card.DISPATCH_WORST if worst else card.DISPATCH,
+                          (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, a.num_topk,
+                           int(a.topk_weights is not None), a.num_experts) + ((num_worst_tokens,) if worst else ()))
+        self.rt.begin(previous_event, async_finish)
+        if cached:
+            h = a.handle
+            recv_rows_max, row_base = h.recv_rows_max, h.row_base
+            send_pos, in_rank = h.send_head, h.is_token_in_rank
+            n_recv, n_out, n_recv_dev = h.num_recv_tokens, h.num_out_rows, h.n_recv_dev
+        else:
+            # The counts travel on the device (notify): every rank's row of the count matrix, and for a
+            # plain dispatch the per-expert counts, into every rank's header; each rank builds its
+            # handle's tables from the matrix.
+            if worst:
+                sig.append(num_worst_tokens)       # the rounds depend on it: every rank must pass the same
+            El = a.num_experts // R
+            with self.rt.comm_ctx():
+                lay = self._routing(a)
+            in_rank, send_pos = lay[2], lay[3]
+            yield "dispatch/notify"
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst)
+            yield "dispatch/notify receive"
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                t32_dev = torch.empty(R * R + 2 * R, dtype=torch.int32, device=self.rt.device)
+                tables = torch.empty(4 * R + 1, dtype=torch.int64, device=self.rt.device)
+                res = None
+                if not worst:
+                    res = self._notify_block(El)
+                    self._notify_seq += 1
+                kernels.notify_recv(t32_dev, tables, num_worst_tokens if worst else _MAX_ROWS, self.rt.sig_args, res,
+                                    self._notify_seq, El)
+            row_base, combine_tables, n_recv_dev = tables[:R], tables[R:4 * R], tables[4 * R:]
+            if worst:
+                n_recv, n_out, expert_list = None, num_worst_tokens, []
+                recv_rows_max, area_rows_max = num_worst_tokens, R * num_worst_tokens   # ranks receive <= it
+            else:
+                # The one host wait of a plain dispatch: the rows that arrive here, and per local expert.
+                n_recv, recv_rows_max, area_rows_max, per_expert = self._wait_notify(El)
+                n_out = n_recv
+                al = a.expert_alignment
+                expert_list = [(c + al - 1) // al * al for c in per_expert]
+
+        plan = a.handle.plans.get(tuple(sig)) if cached else None
+        if plan is None:
+            rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
+            cap = self.rt.capacity(rec_words * 4, "dispatch")
+            # rounds: from the counts, or (counts on the device only) from num_worst_tokens, equal on every rank
+            rounds = max(1, -(-recv_rows_max // cap))
+            plan = (rec_words, cap, rounds, signals.call_signature(sig + [rounds, rec_words]))
+            if cached:
+                a.handle.plans[tuple(sig)] = plan
+        rec_words, cap, rounds, call_sig = plan
+        dev = self.rt.device
+        xv, sc = a.x, a.scales
+        H = xv.shape[1]
+        recv_x = torch.empty((n_out, H), dtype=xv.dtype, device=dev)
+        # scales come back with their dtype, row-major [N, S] (DeepEP allocates them with x_scales' options)
+        recv_sc = torch.empty((n_out, a.scale_words), dtype=sc.dtype, device=dev) if sc is not None else None
+        recv_idx = recv_w = recv_src = None
+        if not cached:
+            recv_src = torch.empty(n_out, dtype=torch.int32, device=dev)
+            if a.num_topk:
+                recv_idx = torch.empty((n_out, a.num_topk), dtype=a.topk_idx.dtype, device=dev)
+                if a.topk_weights is not None:
+                    recv_w = torch.empty((n_out, a.num_topk), dtype=torch.float32, device=dev)
+        rec = self.rt.comm.data.view(torch.int32)
+        x_words = xv.view(torch.int32)
+        sc_words = sc.view(torch.int32) if (sc is not None and a.scale_words) else None    # S = 0: nothing to move
+        w_words = a.topk_weights.view(torch.int32) if (not cached and a.topk_weights is not None) else None
+        idx = a.topk_idx if not cached else None
+        # Rounds, each a send launch then a receive launch; ranks wait for each other on the device.
+        for k in range(rounds):
+            lo, hi = k * cap, (k + 1) * cap
+            yield f"dispatch/send round {k}"
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                kernels.dispatch_send(x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec,
+                                      lo, hi, a.num_experts, rec_words, with_src=not cached, signals=self.rt.sig_args, rnd=k,
+                                      sig=call_sig)
+            yield f"dispatch/receive round {k}"
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                # with the count on the device (num_worst_tokens), the kernel also writes the padding rows
+                kernels.dispatch_recv(rec, min(max((n_recv if n_recv is not None else n_out) - lo, 0), cap), lo, self.rt.rank,
+                                      a.num_experts // R, a.row_words, a.scale_words,
+                                      a.num_topk if not cached else 0, rec_words, recv_x.view(torch.int32),
+                                      recv_sc.view(torch.int32) if sc_words is not None else None, recv_idx,
+                                      recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
+                                      signals=self.rt.sig_args, rnd=k, sig=call_sig,
+                                      advance=rounds if k == rounds - 1 else 0,
+                                      n_recv=n_recv_dev if n_recv is None else None, cap=cap)
+        out_x = (recv_x, recv_sc) if sc is not None else recv_x
+        inputs = (xv, sc, idx, a.topk_weights, send_pos, row_base)
+        if cached:
+            event = self.rt.end(async_finish, inputs + (recv_x, recv_sc))
+            self.rt.check()
+            return out_x, None, None, None, None, event
+        rpm_t = t32_dev[:R * R].view(R, R)
+        # DeepEP's channel_prefix_matrix and recv_channel_prefix_matrix with one channel (docs/design.md, Handle)
+        chan, recv_chan = t32_dev[R * R:R * R + R].view(R, 1), t32_dev[R * R + R:].view(R, 1)
+        new_handle = DispatchHandle((rpm_t, chan, recv_chan, recv_src, in_rank, send_pos), self.rt.uid,
+                                    a.num_tokens, n_recv, recv_rows_max, area_rows_max, self.rt.dispatch_seq, row_base,
+                                    combine_tables, n_recv_dev)
+        event = self.rt.end(async_finish, inputs + (recv_x, recv_sc, recv_idx, recv_w, recv_src, tables, t32_dev))
+        self.rt.check()
+        return out_x, recv_idx, recv_w, expert_list, new_handle, event
+
+    def _notify_block(self, experts_per_rank: int) -> Tensor:
+        """The host-visible block a plain dispatch's notify writes its results into (int64 ``[8 + E_local]``;
+        pinned host memory on GPU), grown on demand."""
+        n = 8 + experts_per_rank
+        if self._notify_res is None or self._notify_res.numel() < n:
+            with torch.inference_mode(False):
+                self._notify_res = torch.zeros(max(n, 64), dtype=torch.int64, device="cpu",
+                                               pin_memory=self.rt.device.type == "cuda")
+            self._notify_np = self._notify_res.numpy()
+            self._notify_seq = 0
+        return self._notify_res
+
+    def _wait_notify(self, experts_per_rank: int) -> Tuple[int, int, int, list]:
+        """The host wait of a plain dispatch: poll the notify block until this call's sequence word arrives
+        (no stream synchronise), bounded by ``timeout_s`` + 5 s (the kernel bounds its own waits by
+        ``timeout_s``). Returns (rows received, the group's largest receive, its largest send, rows per
+        local expert).
+
+        Raises:
+            what the kernels recorded (bad ids, a peer that failed, left or called another collective, a
+            timeout: :meth:`check`); EPTimeoutError: the block never arrived (this rank's device is stalled).
+        """
+        res, want = self._notify_np, self._notify_seq
+        self.rt.host_waits["poll"] += 1
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.rt.timeout_s + 5.0
+        while res[int(NT.RES_SEQ)] != want and self.rt.sig.record() is None:
+            if time.monotonic() > deadline:
+                raise EPTimeoutError(self.rt.rank, None, "dispatch/notify (the host's wait for its device)",
+                                     self.rt.timeout_s + 5.0)
+            time.sleep(0)
+        if self.rt.comm.profile is not None:          # benchmarks/profile_phases.py
+            t1 = time.perf_counter()
+            self.rt.comm.profile.append(("dispatch/notify (host wait)", t0, t1, t1))
+        self.rt.check()
+        if res[int(NT.RES_STATUS)]:
+            raise EPError(f"rank {self.rt.rank}: the dispatch's notify stopped on an earlier error; nothing was moved")
+        e0 = int(NT.RES_EXPERTS)
+        return (int(res[int(NT.RES_N_RECV)]), int(res[int(NT.RES_RECV_MAX)]), int(res[int(NT.RES_SEND_MAX)]),
+                res[e0:e0 + experts_per_rank].tolist())
+
+    def _routing(self, a):
+        """Layout of this call: the one ``get_dispatch_layout`` computed for this very ``topk_idx`` and
+        returned as this ``is_token_in_rank`` (neither changed since), else from ``topk_idx`` by the
+        kernel, else from ``is_token_in_rank``."""
+        if a.topk_idx is not None:
+            m = self._layout_memo
+            if (m is not None and m[0]() is a.topk_idx and m[1] == _version_of(a.topk_idx) and m[2] == a.num_experts
+                    and a.is_token_in_rank is m[4][2] and m[3] == _version_of(a.is_token_in_rank)):
+                return m[4]
+            return kernels.routing_layout(a.topk_idx, a.num_experts, self.rt.group_size)
+        in_rank = a.is_token_in_rank
+        send_pos = torch.where(in_rank, in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1,
+                               torch.full_like(in_rank, -1, dtype=torch.int32))      # send_head: int32, as DeepEP's
+        per_rank = in_rank.sum(0, dtype=torch.int32)
+        counts = torch.cat([per_rank, a.num_tokens_per_expert.to(torch.int32),
+                            torch.zeros(1, dtype=torch.int32, device=per_rank.device)])     # no bad ids
+        return per_rank, a.num_tokens_per_expert, in_rank, send_pos, None, counts
+
+    def _dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                       topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> "DispatchArgs":
+        self.rt.live()
+        R = self.rt.group_size
+        check_event(previous_event)
+        xv, sc = self._check_x(x)
+        T = xv.shape[0]
+        if not isint(expert_alignment) or not 1 <= expert_alignment <= _MAX_INT32:
+            raise ValueError(f"expert_alignment must be an int in [1, 2^31), got {expert_alignment!r}")
+        if not isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
+            raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
+        a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=xv.shape[1] * xv.element_size() // 4,
+                         scale_words=sc.shape[1] if sc is not None else 0, dtype_code=_dtype_code(xv.dtype),
+                         expert_alignment=int(expert_alignment))
+        # scales and their dtype are in the signature: ranks must agree on both (and on their width, S)
+        sflags = 0 if sc is None else (9 if sc.dtype == torch.int32 else 1)
+        if handle is not None:
+            h = self._check_handle(handle)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+            if T != h.num_tokens:
+                raise ValueError(f"x has {T} rows but the handle was made for {h.num_tokens} tokens")
+            a.handle, a.flags = h, 2 | sflags
+            return a
+        if num_tokens_per_expert is None:
+            raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
+        npe = self.rt.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32, torch.int64), (None,))
+        E = npe.shape[0]
+        self.rt.check_num_experts(E)
+        if num_tokens_per_rank is not None:
+            self.rt.check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,),
+                               f"R = {R} ranks in the group")
+        if is_token_in_rank is not None:
+            a.is_token_in_rank = self.rt.check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R),
+                                                    f"T = {T} rows of x, R = {R} ranks")
+        if topk_idx is not None:
+            a.topk_idx = self.rt.check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None),
+                                            f"T = {T} rows of x")
+            a.num_topk = a.topk_idx.shape[1]
+            if a.num_topk == 0:
+                raise ValueError("topk_idx must have at least one column")
+            if topk_weights is not None:
+                a.topk_weights = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (T, a.num_topk),
+                                                    f"T = {T} rows of x, K = {a.num_topk} columns of topk_idx")
+        elif topk_weights is not None:
+            raise ValueError("topk_weights given without topk_idx")
+        elif a.is_token_in_rank is None:
+            raise ValueError("dispatch needs topk_idx or is_token_in_rank (or a handle) to route the tokens")
+        else:
+            a.num_tokens_per_expert = npe.to(torch.int32)
+        a.num_experts, a.flags = E, sflags | (4 if a.topk_weights is not None else 0)
+        return a
+
+    @steps
+    def combine_steps(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                      async_finish=False, allocate_on_comm_stream=False):
+        """The steps of ``Buffer.combine`` (same arguments; its docstring says what they mean): a generator
+        that yields at each phase boundary and returns the call's results."""
+        h, xv, w, biases = None, None, None, []
+        self.rt.check()
+        if self.rt.sig.needs_resync:
+            yield from self.rt.resync_steps()
+        try:
+            self.rt.live()
+            check_config(config)
+            check_event(previous_event)
+            h = self._check_handle(handle)
+            xv = self.rt.check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None),
+                                    f"{h.num_out_rows} rows the handle's dispatch delivered here")
+            if (xv.shape[1] * 2) % 16 or xv.shape[1] == 0:
+                raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]}")
+            if topk_weights is not None:
+                w = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, None),
+                                       f"{h.num_out_rows} rows the handle's dispatch delivered here")
+            bl = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
+            if len(bl) > 2:
+                raise ValueError(f"bias takes at most two tensors, got {len(bl)}")
+            biases = [self.rt.check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]),
+                                         f"the handle's {h.num_tokens} source tokens, hidden {xv.shape[1]} of x")
+                      for i, b in enumerate(bl) if b is not None]
+        except Exception as e:  # noqa: BLE001 - every rank learns it through the device words
+            raise self.rt.fail_call(e)
+        H = xv.shape[1]
+        K = w.shape[1] if w is not None else 0
+        comb_base, send_base, prefix = h.combine_views
+        plan = h.plans.get((_OP_COMBINE, H, K))
+        if plan is None:
+            rb = combine_record_bytes(H, K)
+            cap = self.rt.capacity(rb, "combine")
+            rounds = max(1, -(-h.area_rows_max // cap))
+            plan = h.plans[(_OP_COMBINE, H, K)] = (rb, cap, rounds,
+                                                   signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds]))
+        rb, cap, rounds, call_sig = plan
+        self.rt.publish(card.COMBINE, (H, K, h.seq))
+        self.rt.begin(previous_event, async_finish)
+        T = h.num_tokens
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=self.rt.device)
+        wout = torch.empty((T, K), dtype=torch.float32, device=self.rt.device) if w is not None else None
+        acc = torch.empty((T, H), dtype=torch.float32, device=self.rt.device) if rounds > 1 else None
+        wacc = torch.empty((T, K), dtype=torch.float32, device=self.rt.device) if (rounds > 1 and K) else None
+        area = self.rt.comm.data
+        x_words = xv.view(torch.int32)
+        w_words = w.view(torch.int32) if w is not None else None
+        # Rounds, each a send launch then a reduce launch; ranks wait for each other on the device.
+        for k in range(rounds):
+            lo, hi = k * cap, (k + 1) * cap
+            yield f"combine/send round {k}"
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                kernels.combine_send(x_words, w_words, h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows,
+                                     prefix, comb_base, self.rt.delta_words, area.view(torch.int32), lo, hi, rb // 4,
+                                     signals=self.rt.sig_args, rnd=k, sig=call_sig, n_recv=h.n_recv_dev)
+            yield f"combine/reduce round {k}"
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                kernels.combine_reduce(area, h.send_head, send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,
+                                       first=k == 0, last=k == rounds - 1, signals=self.rt.sig_args, rnd=k,
+                                       sig=call_sig, advance=rounds if k == rounds - 1 else 0)
+        event = self.rt.end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
+        self.rt.check()
+        return out, wout, event
+
+    def _check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
+        if isinstance(x, tuple) and len(x) == 2 and x[1] is None:
+            x = x[0]            # DeepEP unpacks (x, None) as x without scales (and returns recv_x alone)
+        if isinstance(x, tuple):
+            # DeepEP's intranode dispatch (csrc/deep_ep.cpp, "FP8 scales checks"): x of 1-byte elements, scales
+            # fp32 or int32 (e.g. packed UE8M0) [T, S] with any S and any strides; S floats move per row
+            if len(x) != 2:
+                raise ValueError(f"x as a tuple must be (x [T, H] of 1-byte elements, scales [T, S] fp32 or int32), "
+                                 f"got a tuple of {len(x)}")
+            if isinstance(x[0], torch.Tensor) and (x[0].element_size() != 1 or x[0].is_quantized):
+                raise TypeError(f"x[0] must have plain 1-byte elements (e.g. torch.float8_e4m3fn) when scales are "
+                                f"given, got {x[0].dtype}")
+            xv = self.rt.check_tensor("x[0]", x[0], (x[0].dtype,) if isinstance(x[0], torch.Tensor) else (), (None, None))
+            T, H = xv.shape
+            if H % 16 or H == 0:
+                raise ValueError(f"x[0] rows must be a non-zero multiple of 16 bytes, got hidden {H} ({H} bytes)")
+            sc = self.rt.check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None))
+            return xv, sc
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor or an (fp8 tensor, scales) pair, got {type(x).__name__}")
+        if x.is_quantized:
+            raise TypeError(f"x must be a plain tensor (its rows are moved as raw bytes), got quantized {x.dtype}")
+        xv = self.rt.check_tensor("x", x, (x.dtype,), (None, None))
+        if (xv.shape[1] * xv.element_size()) % 16 or xv.shape[1] == 0:
+            raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]} "
+                             f"({xv.shape[1] * xv.element_size()} bytes)")
+        return xv, None
+
+    def _check_handle(self, handle) -> DispatchHandle:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be the handle a dispatch of triton_ep returned, got {type(handle).__name__}")
+        if handle.buffer_uid != self.rt.uid:
+            raise ValueError("handle was made by another Buffer; pass the handle this Buffer's dispatch returned")
+        return handle
+

@@ -1,0 +1,337 @@
+"""What every mode of one Buffer shares: the group's shared buffers and signals, stream order, error checks,
+call cards and the driver of a collective's steps.
+
+A mode (:mod:`triton_ep.modes`) gets one :class:`Runtime` and uses only its public members. The body of
+every collective call is a generator that yields at each phase boundary: :meth:`Runtime.run` drives it for
+a real rank, meeting the other ranks on the host only at :class:`Meet` steps (the re-synchronisation after
+an error), while the kernels wait for each other on the device; :mod:`triton_ep.testing` drives the same
+generators for ranks simulated in one process.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Generator, Optional, Sequence
+
+import torch
+
+from .. import kernels
+from ..config import EventOverlap
+from ..errors import EPError, EPTimeoutError
+from ..kernels import flags as F
+from ..protocol import call_card as card
+from ..transport import ipc, signals
+from .checks import check_num_experts, check_tensor
+
+Tensor = torch.Tensor
+_NO_CTX = contextlib.nullcontext()        # reusable: entering it does nothing
+# Exchange-slot header words (int64), ipc.SLOT_HEADER of them.
+_BASE, _HASERR, _SEQ, _XN = 12, 13, 14, 15   # rounds completed, holds an error, dispatches, exchange number
+
+
+class Meet(str):
+    """A step where the ranks meet on the host (a bounded barrier in the control block): the
+    re-synchronisation after an error. Every other step a call yields is only a phase boundary: ranks
+    simulated in one process run their launches phase by phase, and real ranks wait for each other on the
+    device."""
+
+
+def collective(e: BaseException) -> BaseException:
+    """Mark ``e`` as raised on every rank at the same step (the group stays in step)."""
+    e._ep_collective = True
+    return e
+
+
+def steps(fn: Callable) -> Callable:
+    """Decorate a mode's step generator (a method of an object with a ``rt`` :class:`Runtime`): whatever
+    it raises, this rank first tells its peers (a failure word in their signal headers), so kernels of
+    theirs that wait for this rank's part of the call stop at once and raise ``EPRemoteError``; the next
+    call re-synchronises the group."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        try:
+            return (yield from fn(self, *args, **kwargs))
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            rt = self.rt
+            if rt.comm is not None and not getattr(e, "_ep_recorded", False):
+                # the failure word names the round after this rank's completed ones: its earlier calls'
+                # kernels must have finished (so a peer still in one of those is not told it failed)
+                rt.wait_comm_stream()
+                rt.sig.post_local_failure()
+            raise
+    return run
+
+
+class Runtime:
+    """One rank's shared machinery for one Buffer.
+
+    Args:
+        comm: the group's shared buffers (:class:`triton_ep.transport.ipc.Comm`).
+        timeout_s: bound on every wait for a peer, in seconds.
+        uid: the Buffer's unique id (handles name it).
+        group: the process group, ``None`` for ranks simulated in one process.
+
+    Attributes:
+        comm, sig (:class:`~triton_ep.transport.signals.Signals`), sig_args (what signalling kernels take),
+        rank, group_size, device, timeout_s, uid, group, delta_words (int64 ``[R]``: peer buffers minus this
+        one, in 32-bit words), comm_stream (``None`` on CPU), dispatch_seq (dispatches so far, the same on
+        every rank: names handles), host_waits (``{"meet": n, "poll": n}``: host rendezvous and count polls
+        so far, read by :func:`triton_ep.testing.host_waits`).
+    """
+
+    def __init__(self, comm: ipc.Comm, timeout_s: float, uid: str, group=None) -> None:
+        self.comm, self.timeout_s, self.uid, self.group = comm, float(timeout_s), uid, group
+        self.rank, self.group_size, self.device = comm.rank, comm.size, comm.device
+        with torch.inference_mode(False):
+            self.delta_words = comm.delta_bytes // 4
+        self.sig = signals.Signals(comm.rank, comm.size, comm.header, comm.peer_headers, comm.delta_bytes,
+                                   comm.device, self.timeout_s, interpreted=kernels.interpreted())
+        self.sig_args = self.sig.kernel_args(comm.max_programs)
+        self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        #: the running call's kernels go to the communication stream (async_finish), else the caller's
+        self.on_comm = False
+        #: work of an earlier call may still run on the communication / the caller's stream
+        self._comm_dirty = self._caller_dirty = False
+        self._op = 0
+        self.dispatch_seq = 0
+        self.host_waits = {"meet": 0, "poll": 0}
+        #: this rank's call card and its count of collective calls (named disagreements)
+        self._card, self._calls = comm.card(comm.rank), 0
+        self.sig.explain_mismatch = self.explain_mismatch
+
+    # ------------------------------------------------------------------ lifetime
+    def live(self) -> ipc.Comm:
+        """The shared buffers; ``EPError`` once the Buffer was destroyed."""
+        if self.comm is None:
+            raise EPError(f"rank {self.rank}: this Buffer was destroyed")
+        return self.comm
+
+    def close(self) -> None:
+        """Release the shared buffers, waiting first for kernels still queued (each of their waits is bounded
+        by ``timeout_s``). Idempotent."""
+        if self.comm is not None:
+            try:
+                if self.comm_stream is not None:
+                    self.comm_stream.synchronize()
+                self.comm.sync_device()
+            finally:
+                self.comm.close()
+                self.comm = None
+
+    def agree_on_layout(self, nvl_part: int, ll_bytes: int) -> None:
+        """Every rank publishes where its low-latency area lies (``num_nvl_bytes`` rounded, the area's
+        bytes: 0 without ``low_latency_mode``) and meets the others: the kernels address a peer's area at
+        this rank's own offset, so ranks must agree.
+
+        Raises:
+            ValueError: on every rank, when ranks disagree (naming the first rank that differs).
+            EPTimeoutError: a rank did not arrive within ``timeout_s``.
+        """
+        c = self.comm
+        mine = (0x4C4C, ll_bytes, nvl_part if ll_bytes else 0)
+        c.slot(1, self.rank)[:3] = mine       # parity-1 slots: the first exchange of a call uses parity 0
+        c.barrier("bootstrap/low-latency area")
+        for r in range(self.group_size):
+            theirs = tuple(int(v) for v in c.slot(1, r)[:3])
+            if theirs != mine:
+                raise ValueError(
+                    f"rank {self.rank}: rank {r} built its Buffer with low_latency_mode="
+                    f"{bool(theirs[1])}, a low-latency area of {theirs[1]} bytes after {theirs[2]} normal-mode "
+                    f"bytes; this rank with low_latency_mode={bool(ll_bytes)}, {ll_bytes} bytes after "
+                    f"{mine[2]}; every rank must pass the same low_latency_mode, num_rdma_bytes and (in "
+                    f"low-latency mode) num_nvl_bytes")
+
+    # ------------------------------------------------------------------ errors
+    def check(self) -> None:
+        """Raise what the kernels recorded since the last check (see ``Buffer.check``).
+
+        Raises:
+            EPTimeoutError, EPRemoteError, ValueError: each recorded error once. EPError: destroyed, or
+            unusable after an earlier failure.
+        """
+        comm = self.live()
+        err = self.sig.error()
+        if err is None:
+            if comm.broken:                 # reported once already: the Buffer stays unusable
+                raise EPError(f"rank {self.rank}: this Buffer is unusable after an earlier failure ({comm.broken}); "
+                              f"destroy() it and build a new one")
+            return
+        if self.sig.permanent() and comm.broken is None:
+            comm.broken = str(err)
+        err._ep_recorded = True             # the kernel that recorded it told the peers already
+        raise collective(err)
+
+    def publish(self, code: int, values: Sequence[int]) -> None:
+        """Write this call's card (:mod:`triton_ep.protocol.call_card`) where the peers can read it: a
+        mismatch the kernels find is then raised naming the field and each rank's value."""
+        self._calls += 1
+        card.write(self._card, self._calls, code, values)
+
+    def explain_mismatch(self, peer: int) -> Optional[str]:
+        """What differs between this rank's latest call and ``peer``'s, from their cards (``None``: unknown)."""
+        c = self.comm
+        if c is None or c.ctrl is None:
+            return None
+        return card.describe(c.card(self.rank), c.card(peer), self.rank, peer)
+
+    @staticmethod
+    def fail_call(err: BaseException) -> BaseException:
+        """This rank rejects a call its peers run without a host wait: they learn it from the failure word
+        :func:`steps` posts and raise ``EPRemoteError``; the Buffer stays usable."""
+        err._ep_collective = True
+        return err
+
+    def check_tensor(self, name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]],
+                     why: str = "") -> Tensor:
+        """:func:`triton_ep.runtime.checks.check_tensor` on this Buffer's device."""
+        return check_tensor(name, t, dtypes, shape, self.device, why)
+
+    def check_num_experts(self, num_experts) -> None:
+        """:func:`triton_ep.runtime.checks.check_num_experts` for this group."""
+        check_num_experts(num_experts, self.group_size)
+
+    # ------------------------------------------------------------------ streams
+    def comm_ctx(self):
+        """Run what follows on the stream of the running call: the communication stream for a call with
+        ``async_finish``, else the caller's (a no-op on CPU)."""
+        return torch.cuda.stream(self.comm_stream) if self.on_comm else _NO_CTX
+
+    def begin(self, previous_event: Optional[EventOverlap], async_finish: bool) -> None:
+        """Order the call's kernels after the caller's work.
+
+        With ``async_finish`` (DeepEP's overlap) they run on the communication stream, which first waits
+        for ``previous_event`` or, without one, for the caller's current stream. Without it the caller's
+        stream would wait for the communication stream right after the call, so the kernels run on the
+        caller's stream itself (after ``previous_event``, if given): the same order, without two
+        cross-stream waits per call. Calls of one Buffer stay in issue order across the two streams: a
+        call on one stream first waits for work the other still holds from an earlier call."""
+        self.on_comm = False
+        if self.comm_stream is None:
+            return
+        ev = previous_event.event if previous_event is not None else None
+        if not async_finish:
+            current = None
+            if self._comm_dirty:          # an earlier call's kernels still run on the communication stream
+                current = torch.cuda.current_stream(self.device)
+                current.wait_stream(self.comm_stream)
+                self._comm_dirty = False
+            if ev is not None:
+                (current or torch.cuda.current_stream(self.device)).wait_event(ev)
+            self._caller_dirty = True
+            return
+        self.on_comm = True
+        if ev is not None:
+            self.comm_stream.wait_event(ev)
+        if ev is None or self._caller_dirty:   # earlier calls' kernels ran on the caller's stream
+            self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._caller_dirty = False
+
+    def wait_comm_stream(self) -> None:
+        """Wait for work the communication stream may still hold (an ``async_finish`` call's, or the running
+        one's): an error path or a host rendezvous needs this rank's device work finished."""
+        if self.comm_stream is not None and (self._comm_dirty or self.on_comm):
+            self.comm_stream.synchronize()
+
+    def end(self, async_finish: bool, tensors: Sequence[Optional[Tensor]]) -> EventOverlap:
+        """Hand the call's results to the caller: with ``async_finish`` an event on the communication
+        stream (the tensors are marked as used there, so the caching allocator keeps them until then);
+        else the work is on the caller's stream already."""
+        if not self.on_comm:
+            return EventOverlap(None, check=self.check)
+        self.on_comm = False
+        self._comm_dirty = True
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                t.record_stream(self.comm_stream)
+        ev = torch.cuda.Event()
+        ev.record(self.comm_stream)
+        return EventOverlap(ev, check=self.check)
+
+    # ------------------------------------------------------------------ the collective driver
+    def run(self, gen: Generator):
+        """Drive a collective's steps: meet the other ranks at its host steps (:class:`Meet`); every other
+        step is a phase boundary the kernels synchronise on the device. A rank that fails in the middle of
+        a call (with an error its peers do not share: out of memory, an interrupt) can no longer keep step
+        with them: it tells them (they raise at once instead of waiting) and its Comm is marked broken, so
+        it never meets them at a wrong step. Returns the generator's value."""
+        comm = self.live()
+        started = False
+        try:
+            stage = next(gen)
+            while True:
+                started = True
+                if isinstance(stage, Meet):
+                    # this rank's device work must have finished (the rendezvous compares round counters)
+                    self.wait_comm_stream()
+                    try:
+                        comm.barrier(stage, gone=self.sig.gone_peers)
+                    except EPTimeoutError:
+                        self.sig.leave(int(F.STAGE_HOST))     # the peers must not wait for this rank
+                        raise
+                stage = next(gen)
+        except StopIteration as stop:
+            return stop.value
+        except BaseException as e:
+            if started and not getattr(e, "_ep_collective", False) and comm.broken is None:
+                comm.broken = f"rank {self.rank} failed in the middle of a call ({type(e).__name__}: {e})"
+                self.sig.leave(int(F.STAGE_FAILED))             # its peers stop waiting for it at once
+            raise
+        finally:
+            gen.close()
+
+    def resync_steps(self, fill: Optional[Callable] = None) -> Generator:
+        """After an error: meet every rank on the host and start the round counters afresh above the highest
+        round any rank used. ``fill(slot)`` may add words after the slot header (``ipc.SLOT_HEADER``) for the
+        caller to read in the returned list of every rank's slot (a copy each).
+
+        Raises:
+            EPError: on every rank, when the ranks have met on the host a different number of times (they
+                called different operations): the Buffer is broken.
+        """
+        comm = self.live()
+        parity = self._op & 1
+        self._op += 1
+        slot = comm.slot(parity, self.rank)
+        slot[:ipc.SLOT_HEADER] = 0
+        with self.comm_ctx():
+            slot[_BASE], slot[_HASERR] = self.sig.local_state()
+        slot[_SEQ] = self.dispatch_seq
+        slot[_XN] = self._op          # this rank's exchange count: equal on ranks in step
+        if fill is not None:
+            fill(slot)
+        self.host_waits["meet"] += 1
+        yield Meet("resync after an error")
+        slots = [comm.slot(parity, r).copy() for r in range(self.group_size)]
+        behind = [r for r, sl in enumerate(slots) if sl[_XN] != slot[_XN]]
+        if behind:
+            # a rank made another number of host exchanges (ranks called different operations, e.g. a
+            # dispatch against a combine): the host meeting points no longer pair up
+            comm.broken = (f"ranks out of step: rank {behind[0]} has met the others on the host a different number "
+                           f"of times (the ranks called different operations)")
+            raise collective(EPError(f"rank {self.rank}: {comm.broken}; destroy() and rebuild the Buffer"))
+        # Every rank's device work has finished (each synchronised before it arrived): after an error,
+        # or if round counters differ, every rank starts afresh above the highest round any rank used.
+        bases = [int(s[_BASE]) for s in slots]
+        # dispatch numbers name handles in call signatures: after a call that only some ranks made, they
+        # agree again from here on
+        self.dispatch_seq = max(int(s[_SEQ]) for s in slots)
+        if any(s[_HASERR] for s in slots) or len(set(bases)) > 1:
+            with self.comm_ctx():
+                self.sig.resync(max(bases) + 1)
+        return slots
+
+    def capacity(self, row_bytes: int, stage: str) -> int:
+        """Rows of ``row_bytes`` that fit the smallest buffer of the group (what one round may move).
+
+        Raises:
+            ValueError: on every rank, when not even one fits.
+        """
+        cap = self.live().min_bytes // row_bytes
+        if cap < 1:      # the same on every rank: computed from shared values
+            raise collective(ValueError(
+                f"'{stage}': a row needs {row_bytes} bytes but the smallest rank buffer holds "
+                f"{self.comm.min_bytes} (num_nvl_bytes, rounded up to 4 KiB); raise num_nvl_bytes "
+                f"(see Config.get_nvl_buffer_size_hint)"))
+        return cap
