@@ -1,9 +1,10 @@
 """Device-side flags: the words kernels release and acquire to signal each other across ranks.
 
-Word offsets and codes are ``tl.constexpr`` (kernels read them as constants; host code takes ``int()`` of
-them); the ``off_*`` functions give the per-peer arrays' offsets to host code, kernels write them inline.
+Word offsets and codes live in :mod:`triton_ep.protocol.signal_header` (imported here for the kernels):
+``tl.constexpr`` that kernels read as constants and host code takes ``int()`` of; the ``off_*`` functions
+give the per-peer arrays' offsets to host code, kernels write them inline.
 
-Every rank's shared buffer starts with a *signal header* of int64 words, laid out below. A kernel on
+Every rank's shared buffer starts with a *signal header* of int64 words (laid out in the protocol). A kernel on
 rank ``s`` writes into rank ``d``'s header through the same peer mapping it writes data through
 (``hdr + hdr_delta[d]``); a kernel reads its own header locally. Round numbers grow by one for every
 transfer round any collective of the Buffer runs, identically on every rank, and live in device memory
@@ -32,136 +33,22 @@ skip their waits and move nothing until the host re-synchronises the group.
 import triton
 import triton.language as tl
 
-# ---- the signal header (int64 words), per rank; R = group size ----
-W_BASE = tl.constexpr(0)          #: rounds this rank has completed (advanced by its kernels)
-W_CONSUMED = tl.constexpr(1)      #: last round whose data this rank has moved out of its own area
-W_DONE = tl.constexpr(2)          #: programs of the running launch that have finished (last-program counter)
-W_ERR = tl.constexpr(3)           #: nonzero once this rank holds an error record (device-side mirror)
-W_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
-
-
-def off_ready(R):
-    """``READY[s]``: last round rank ``s`` has finished writing into this rank's area."""
-    return int(W_FIXED)
-
-
-def off_sig(R):
-    """``SIG[s]``: signature of rank ``s``'s current call (stored before ``READY[s]``)."""
-    return int(W_FIXED) + R
-
-
-def off_failed(R):
-    """``FAILED[s]``: set when rank ``s`` failed a call, to :func:`failure_word` of the round and the kind
-    (``E_MISMATCH`` when it found that ranks called different operations, else ``E_FAILED``)."""
-    return int(W_FIXED) + 2 * R
+from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported for the kernels
+    W_BASE, W_CONSUMED, W_DONE, W_ERR, W_FIXED, off_ready, off_sig, off_failed, off_gone, off_nflag, off_notify,
+    NOTIFY_E_WORDS, off_notify_e, header_words, H_ABORT, H_LOCK, H_KIND, H_PEER, H_STAGE, H_CALL, H_INFO,
+    H_INFO2, H_WORDS, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
+    STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
+    STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
+    L_SEQ, L_DONE, L_CONS, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed, ll_ctl_words,
+    RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
+    RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
+    ring_word, ring_ctrl_words, STAGE_NAMES)
 
 
 @triton.jit
 def failure_word(round_no, kind):
     """The ``FAILED`` word for a failure of kind ``kind`` in round ``round_no`` (kinds are < 8)."""
     return round_no.to(tl.int64) * 8 + kind
-
-
-def off_gone(R):
-    """``GONE[s]``: stage code + 1 once rank ``s`` gave up after a timeout (permanent)."""
-    return int(W_FIXED) + 3 * R
-
-
-def off_nflag(R):
-    """``NOTIFIED[s]``: first round of the call whose counts rank ``s`` has written into ``NOTIFY``."""
-    return int(W_FIXED) + 4 * R
-
-
-def off_notify(R):
-    """``NOTIFY[s * R + j]``: rows rank ``s`` sends to rank ``j`` in the current call (an ``R x R``
-    matrix every rank receives whole: a dispatch with ``num_worst_tokens`` learns its sizes on the device)."""
-    return int(W_FIXED) + 5 * R
-
-
-#: ``NOTIFY_E[s * E_local + e]`` after ``NOTIFY``: rows rank ``s`` sends to this rank's local expert ``e``
-#: in the current call (a plain dispatch: the host learns the per-expert counts from them); room for
-#: ``NOTIFY_E_WORDS`` experts in all
-NOTIFY_E_WORDS = tl.constexpr(16384)
-
-
-def off_notify_e(R):
-    """``NOTIFY_E``: per-expert counts each rank sends here (see ``NOTIFY_E_WORDS``)."""
-    return int(W_FIXED) + 5 * R + R * R
-
-
-def header_words(R):
-    """int64 words of one rank's signal header."""
-    return int(W_FIXED) + 5 * R + R * R + int(NOTIFY_E_WORDS)
-
-
-# ---- the host-visible block (int64 words): pinned host memory on GPU, plain memory on CPU ----
-H_ABORT = tl.constexpr(0)         #: set by the host watchdog (interpreter): every wait gives up
-H_LOCK = tl.constexpr(1)          #: first error wins this word
-H_KIND = tl.constexpr(2)          #: error kind, written last (release)
-H_PEER = tl.constexpr(3)
-H_STAGE = tl.constexpr(4)
-H_CALL = tl.constexpr(5)          #: the round the error happened in
-H_INFO = tl.constexpr(6)          #: a number the error names (``E_CAPACITY``: the rows the rank receives;
-                                  #: ``E_BADIDS``: the bad ids)
-H_INFO2 = tl.constexpr(7)         #: a second one (``E_BADIDS``: the number of experts)
-H_WORDS = tl.constexpr(8)
-
-# error kinds
-E_TIMEOUT = tl.constexpr(1)       #: a wait for ``peer`` ran out of time
-E_GONE = tl.constexpr(2)          #: ``peer`` gave up after a timeout of its own
-E_FAILED = tl.constexpr(3)        #: ``peer`` failed the call (bad arguments there, or an error of its own)
-E_MISMATCH = tl.constexpr(4)      #: ``peer`` called another operation, handle or sizes
-E_BADIDS = tl.constexpr(5)        #: this rank's ``topk_idx`` holds ids outside ``[-1, E)`` (``peer``: this rank)
-E_CAPACITY = tl.constexpr(6)      #: rank ``peer`` receives more rows than ``num_worst_tokens``
-E_BADCOUNTS = tl.constexpr(7)     #: this rank's ``num_tokens_per_expert`` holds negative counts (``peer``: this rank)
-
-# stages (error records name them; 0 = unknown)
-STAGE_DISPATCH_SEND = tl.constexpr(1)
-STAGE_DISPATCH_RECV = tl.constexpr(2)
-STAGE_COMBINE_SEND = tl.constexpr(3)
-STAGE_COMBINE_RECV = tl.constexpr(4)
-STAGE_NOTIFY = tl.constexpr(5)
-STAGE_HOST = tl.constexpr(6)      #: a host rendezvous (the counts exchange, a re-synchronisation)
-STAGE_FAILED = tl.constexpr(7)    #: a failure of the rank's own in the middle of a call
-STAGE_LL_DISPATCH_SEND = tl.constexpr(8)
-STAGE_LL_DISPATCH_RECV = tl.constexpr(9)
-STAGE_LL_COMBINE_SEND = tl.constexpr(10)
-STAGE_LL_COMBINE_RECV = tl.constexpr(11)
-
-# ---- the low-latency control block (int64 words) at the start of each rank's low-latency area ----
-# Low-latency calls (dispatch or combine) are numbered 1, 2, ... on every rank alike; call ``n`` uses
-# half ``n & 1`` of the area. The numbers live here, in device memory, advanced by the kernels.
-L_SEQ = tl.constexpr(0)           #: the last call this rank has sent (advanced by its send launches)
-L_DONE = tl.constexpr(1)          #: programs of the running low-latency launch that have finished
-L_CONS = tl.constexpr(2)          #: ``CONS[h]`` (2 words): last call this rank has received out of half h
-L_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
-
-
-def off_ll_ready(R):
-    """``READY[h * R + s]``: the last call whose data rank ``s`` has finished writing into half ``h`` here."""
-    return int(L_FIXED)
-
-
-def off_ll_sig(R):
-    """``SIG[h * R + s]``: the signature of rank ``s``'s call in half ``h`` (stored before ``READY``)."""
-    return int(L_FIXED) + 2 * R
-
-
-def off_ll_mask(R):
-    """``MASK[s]``: nonzero when this rank no longer sends to or waits for rank ``s`` (rank masking)."""
-    return int(L_FIXED) + 4 * R
-
-
-def off_ll_failed(R):
-    """``LFAILED[s]``: ``failure_word(call, kind)`` of the low-latency call rank ``s`` failed (``E_FAILED``: it
-    rejected its arguments, or failed; ``E_MISMATCH``: it found ranks disagree): waits of that call for rank
-    ``s`` end at once; its other calls are not affected."""
-    return int(L_FIXED) + 5 * R
-
-
-def ll_ctl_words(R):
-    """int64 words of one rank's low-latency control block."""
-    return int(L_FIXED) + 6 * R
 
 
 @triton.jit
@@ -432,44 +319,6 @@ def finish_recv(hdr, round_no, advance, USE_ASM: tl.constexpr):
         if advance != 0:
             tl.store(hdr + W_BASE, tl.load(hdr + W_BASE) + advance)
         release(hdr + W_CONSUMED, round_no)
-
-
-# ---- scheduler rings (triton_ep/scheduler.py): a rank's ring control block, int64 words ----
-# Chunk counters per peer ``p`` (each counts chunks, and only grows):
-#   READY[p]  producer -> proxy: chunks for ``p`` written into the send ring (released after the data)
-#   SENT[p]   proxy -> producer: chunks for ``p`` placed at ``p`` (their send slots may be rewritten)
-#   TAIL[p]   proxy -> consumer: chunks from ``p`` that arrived, in order (released after placement)
-#   HEAD[p]   consumer -> proxy: chunks from ``p`` consumed (their receive slots are free again)
-#   CREDIT[p] written by ``p`` over RDMA: chunks of ours that ``p`` has consumed
-#   FAULT[p]  written by ``p`` over RDMA when its proxy failed (see scheduler.fault_word)
-#   SRC[p]    the 8-byte source of this rank's own credit writes to ``p``
-#   LEN[p * S + slot]  bytes of the chunk in send slot ``slot`` for ``p`` (written before READY)
-RING_ABORT = tl.constexpr(0)      #: nonzero: every ring wait gives up (1 watchdog / timeout, 2 proxy failed)
-RING_ERR_KIND = tl.constexpr(1)   #: a kernel's error record: kind (first error wins), peer, stage, chunk
-RING_ERR_PEER = tl.constexpr(2)
-RING_ERR_STAGE = tl.constexpr(3)
-RING_ERR_SEQ = tl.constexpr(4)
-RING_FIXED = tl.constexpr(8)
-RING_READY = tl.constexpr(0)      #: per-peer arrays, in units of R words after RING_FIXED
-RING_SENT = tl.constexpr(1)
-RING_TAIL = tl.constexpr(2)
-RING_HEAD = tl.constexpr(3)
-RING_CREDIT = tl.constexpr(4)
-RING_FAULT = tl.constexpr(5)
-RING_SRC = tl.constexpr(6)
-RING_LEN = tl.constexpr(7)
-STAGE_RING_PRODUCE = tl.constexpr(8)   #: a producer waiting for a free send slot
-STAGE_RING_CONSUME = tl.constexpr(9)   #: a consumer waiting for a chunk (the tail)
-
-
-def ring_word(array, R, peer):
-    """Word index of ``array[peer]`` (``array``: one of the ``RING_*`` per-peer arrays) for group size ``R``."""
-    return int(RING_FIXED) + int(array) * R + peer
-
-
-def ring_ctrl_words(R, S):
-    """int64 words of a ring control block for ``R`` ranks and ``S`` slots per peer."""
-    return int(RING_FIXED) + int(RING_LEN) * R + R * S
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Host side of the device signalling: one rank's signal header, its error records and their errors.
 
-The kernels release and acquire flags in each rank's signal header (the word layout and the device
-side are in :mod:`triton_ep.kernels.flags`); this module gives :class:`~triton_ep.Buffer` a small typed
+The kernels release and acquire flags in each rank's signal header (the word layout is in
+:mod:`triton_ep.protocol.signal_header`, the device side in :mod:`triton_ep.kernels.flags`); this module gives :class:`~triton_ep.Buffer` a small typed
 API over that state:
 
 - :class:`Signals` holds the header views, the peers' header offsets and the host-visible block that
@@ -26,17 +26,10 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from ..errors import EPCapacityError, EPRemoteError, EPTimeoutError
-from ..kernels import flags as F
+from ..protocol import signal_header as F
 
-#: names of the stages error records carry
-STAGE_NAMES = {0: "unknown", int(F.STAGE_DISPATCH_SEND): "dispatch/send", int(F.STAGE_DISPATCH_RECV): "dispatch/receive",
-               int(F.STAGE_COMBINE_SEND): "combine/send", int(F.STAGE_COMBINE_RECV): "combine/reduce",
-               int(F.STAGE_NOTIFY): "dispatch/notify counts", int(F.STAGE_HOST): "a host rendezvous",
-               int(F.STAGE_FAILED): "an error of its own in the middle of a call",
-               int(F.STAGE_LL_DISPATCH_SEND): "low_latency_dispatch/send",
-               int(F.STAGE_LL_DISPATCH_RECV): "low_latency_dispatch/receive",
-               int(F.STAGE_LL_COMBINE_SEND): "low_latency_combine/send",
-               int(F.STAGE_LL_COMBINE_RECV): "low_latency_combine/reduce"}
+#: names of the stages error records carry (one table, in the protocol)
+STAGE_NAMES = F.STAGE_NAMES
 
 
 def _left(peer: int, stage: int) -> str:
@@ -307,8 +300,7 @@ class RingFlags:
         rec = self.record()
         if rec is None:
             return None
-        stage = {int(F.STAGE_RING_PRODUCE): "rdma ring/producer: free send slot",
-                 int(F.STAGE_RING_CONSUME): "rdma ring/consumer: tail"}.get(rec.stage, "rdma ring")
+        stage = STAGE_NAMES.get(rec.stage, "rdma ring")
         if rec.kind == int(F.E_TIMEOUT):
             return EPTimeoutError(self.rank, rec.peer, f"{stage} (chunk {rec.call})", timeout_s)
         return EPRemoteError(f"rank {self.rank}: a kernel's wait for peer {rec.peer} at '{stage}' (chunk "
