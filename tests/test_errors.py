@@ -39,7 +39,10 @@ def _layout(buf, idx, E):
     (dict(num_worst_tokens=-1), ValueError, ["num_worst_tokens"]),
     # scales: [T, S] fp32 or int32, any S, with 1-byte x rows of 16-byte multiples (DeepEP's checks)
     (dict(x=(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(5, 2))), ValueError,
-     ["x[1] (scales)", "shape [4, *]", "[5, 2]"]),
+     ["x[1] (scales)", "shape [4, *] (T = 4 rows of x[0])", "[5, 2]"]),
+    # the argument named is the one passed (dispatch takes no num_experts: E is its length)
+    (dict(num_tokens_per_expert=torch.zeros(0, dtype=torch.int32)), ValueError,
+     ["num_tokens_per_expert has 0 entries"]),
     (dict(x=(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(4, 1, dtype=torch.bfloat16))), TypeError,
      ["x[1] (scales)", "torch.float32 or torch.int32", "torch.bfloat16"]),
     (dict(x=(torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.zeros(4, 1))), ValueError, ["16 bytes"]),

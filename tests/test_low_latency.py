@@ -125,6 +125,8 @@ def test_ranks_that_disagree_on_the_low_latency_layout_fail_at_construction(what
     out = _values(run_ranks(ll_cases.modes_disagree, 2, 4, 128, 4, what))
     for name, secs, text in out:
         assert name == "ValueError" and "low_latency_mode" in text and secs < 10, out
+        if what == "mode":      # each side described as it is (no "area of 0 bytes" for a normal-mode rank)
+            assert "low_latency_mode=False" in text and "low_latency_mode=True, a low-latency area of" in text, out
 
 
 @pytest.mark.parametrize("kind", ["dtype", "badid"])

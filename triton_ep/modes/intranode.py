@@ -402,7 +402,10 @@ class Intranode:
             raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
         npe = self.rt.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32, torch.int64), (None,))
         E = npe.shape[0]
-        self.rt.check_num_experts(E)
+        try:
+            self.rt.check_num_experts(E)
+        except ValueError as e:
+            raise ValueError(f"num_tokens_per_expert has {E} entries, one per expert: {e}") from None
         if num_tokens_per_rank is not None:
             self.rt.check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,),
                                f"R = {R} ranks in the group")
@@ -510,7 +513,8 @@ class Intranode:
             T, H = xv.shape
             if H % 16 or H == 0:
                 raise ValueError(f"x[0] rows must be a non-zero multiple of 16 bytes, got hidden {H} ({H} bytes)")
-            sc = self.rt.check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None))
+            sc = self.rt.check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None),
+                                      f"T = {T} rows of x[0]")
             return xv, sc
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor or an (fp8 tensor, scales) pair, got {type(x).__name__}")

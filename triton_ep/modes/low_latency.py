@@ -199,8 +199,8 @@ class LowLatency:
         """Host bookkeeping of a new send: call ``n`` reuses the half of call ``n - 2``, which must have been
         received here (at most two calls outstanding)."""
         if any(p <= self.sent - 1 for p in self.pending):
-            raise ValueError("at most two low-latency calls may be outstanding: run the receive hook of the call "
-                             "before the previous one first")
+            raise ValueError("at most two low-latency calls may be outstanding, and the one before the last still "
+                             "waits for its receive: call that call's hook first")
         self.sent += 1
         return self.sent
 

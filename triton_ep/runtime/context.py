@@ -136,12 +136,13 @@ class Runtime:
         for r in range(self.group_size):
             theirs = tuple(int(v) for v in c.slot(1, r)[:3])
             if theirs != mine:
+                def says(v):
+                    return (f"low_latency_mode=True, a low-latency area of {v[1]} bytes (num_rdma_bytes) after "
+                            f"{v[2]} normal-mode bytes (num_nvl_bytes)" if v[1] else "low_latency_mode=False")
                 raise ValueError(
-                    f"rank {self.rank}: rank {r} built its Buffer with low_latency_mode="
-                    f"{bool(theirs[1])}, a low-latency area of {theirs[1]} bytes after {theirs[2]} normal-mode "
-                    f"bytes; this rank with low_latency_mode={bool(ll_bytes)}, {ll_bytes} bytes after "
-                    f"{mine[2]}; every rank must pass the same low_latency_mode, num_rdma_bytes and (in "
-                    f"low-latency mode) num_nvl_bytes")
+                    f"rank {self.rank}: rank {r} built its Buffer with {says(theirs)}; this rank with {says(mine)}; "
+                    f"every rank must pass the same low_latency_mode, num_rdma_bytes and (in low-latency mode) "
+                    f"num_nvl_bytes")
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
