@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU tests, the main job at DeepSeek-V3 shapes, the kernel benchmarks.
-#   [GPU_TESTS=tests/test_gpu.py] scripts/gpu_check.sh [bench_kernels options, e.g. --sweep]
+#   [GPU_TESTS=tests/modes/intranode/test_gpu.py] scripts/gpu_check.sh [bench_kernels options, e.g. --sweep]
 #   (outputs under $OUT, or ./out)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -12,6 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import triton_ep  # noqa: F401 - before any test module imports triton: it sets TRITON_INTERPRET=1 on CPU
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,

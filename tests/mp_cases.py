@@ -154,8 +154,8 @@ def absent_at_construction(rank, world, timeout_s):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Issue 3 (deployment shapes, peers, back-to-back rounds): rank bodies for tests/test_deployment.py and
-# tests/test_gpu_robustness.py.
+# Issue 3 (deployment shapes, peers, back-to-back rounds): rank bodies for
+# tests/modes/intranode/test_deployment.py and tests/modes/intranode/test_gpu_robustness.py.
 
 def _check_round(buf, me, R, seed, E, K, H, Ts, device):
     """One dispatch -> (x*3 - 1 'experts') -> combine with weights on ``buf``, checked bit for bit against
@@ -383,8 +383,8 @@ def ambient_float32(rank, world, device="cpu", default_device="meta"):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Device signalling (kernels wait for each other through flags): rank bodies for tests/test_signals.py and
-# tests/test_gpu_signals.py.
+# Device signalling (kernels wait for each other through flags): rank bodies for
+# tests/runtime/test_signals.py and tests/runtime/test_gpu_signals.py.
 
 def late_peer_combine(rank, world, timeout_s, device="cpu"):
     """Rank 1 reaches its combine only after rank 0 gave up on it. Rank 0's kernels wait on the device

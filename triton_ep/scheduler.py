@@ -477,7 +477,11 @@ class Scheduler:
 
     def _chunk_ops(self, peer: int, qp: int, seq: int, nbytes: int, signaled: bool) -> List[Tuple[int, Op]]:
         """The work requests of one chunk, as ``(QP index, Op)``: its WRITEs, then its signal (a zero-length
-        WRITE_WITH_IMM with the chunk number as immediate), all on QP ``qp``."""
+        WRITE_WITH_IMM with the chunk number as immediate), all on QP ``qp``.
+
+        A documented test hook: the ordering tests subclass the scheduler and override this method to post the
+        signal on another QP (the planted bug in-QP ordering exists to prevent), and check that their
+        property fails; every QP index returned must be below ``num_qps_per_peer``."""
         lay, rem = self.layout, self._remote[peer]
         src, dst = lay.send_off(peer, seq), lay.recv_off(self.rank, seq)
         ops = [(qp, Op(WRITE, self.region, src + o, min(self.wr_bytes, nbytes - o), rem, dst + o))

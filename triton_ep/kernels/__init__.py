@@ -22,6 +22,16 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     warnings.filterwarnings("ignore", message="invalid value encountered", category=RuntimeWarning,
                             module="triton.runtime.interpreter")
 
+    import triton.language as _tl
+    if type(_tl.zeros).__name__ == "JITFunction":
+        # triton.language was imported before TRITON_INTERPRET=1 was set: its standard library (tl.zeros,
+        # tl.sum...) was built for compilation and raises "Cannot call @triton.jit'd outside of the scope of
+        # a kernel" inside interpreted kernels, later and far from the cause
+        raise ImportError("triton was imported before triton_ep on a machine without CUDA, so Triton's standard "
+                          "library was built for compilation, not for its interpreter (TRITON_INTERPRET=1, which "
+                          "triton_ep sets when no CUDA device exists). Import triton_ep before triton, or set "
+                          "TRITON_INTERPRET=1 in the environment before Python starts.")
+
 from .layout import routing_layout  # noqa: E402
 from .dispatch import dispatch_send, dispatch_recv  # noqa: E402
 from .combine import combine_send, combine_reduce  # noqa: E402

@@ -1,5 +1,5 @@
-"""Issue 3 on the GPU (marker ``gpu``): the robustness cases of tests/test_robustness.py,
-tests/test_autograd.py and tests/test_deployment.py with compiled kernels on CUDA, plus what only a GPU can
+"""Issue 3 on the GPU (marker ``gpu``): the robustness cases of test_robustness.py, test_autograd.py and
+test_deployment.py (beside this file) with compiled kernels on CUDA, plus what only a GPU can
 hold: T past 65,536 through the full path, rows x H past 2^31 elements in dispatch and combine, and 1,000
 back-to-back rounds (ranks simulated in one process, and real processes sharing cuda:0 over gloo)."""
 import pytest

@@ -3,7 +3,7 @@ two processes on one GPU as two emulated hosts (gloo bootstrap).  The rings and 
 pinned, device-mapped host memory: the kernels write and read it over PCIe, the emulated fabric moves it
 as the host memory it is (docs/rdma.md says why).
 
-    python -m pytest -q -m gpu tests/test_gpu_scheduler.py
+    python -m pytest -q -m gpu tests/scheduler/test_gpu_scheduler.py
 """
 from __future__ import annotations
 

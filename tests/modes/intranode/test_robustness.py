@@ -2,8 +2,8 @@
 one process (the same kernels, offsets and rounds as the multi-process path), compared with the reference.
 
 Every test's docstring names the plausible wrong implementation it would catch. The ``case_*`` bodies take
-a device so that tests/test_gpu_robustness.py runs the same cases on the H200 (compiled kernels).
-Generic properties (random R, E, K, ragged T, garbage-filled outputs) live in tests/test_properties.py;
+a device so that test_gpu_robustness.py (beside this file) runs the same cases on the H200 (compiled
+kernels). Generic properties (random R, E, K, ragged T, garbage-filled outputs) live in test_properties.py;
 these tests add the corners that random draws rarely reach.
 """
 import os

@@ -218,5 +218,5 @@ def test_cli_refuses_bad_values_and_runs_outside_torchrun(args, words):
     import sys
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     r = subprocess.run([sys.executable, "-m", "triton_ep.scheduler", *args], capture_output=True, text=True,
-                       env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)

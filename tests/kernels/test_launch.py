@@ -102,3 +102,21 @@ def test_launcher_matches_kernel_call_gpu():
         _axpb[(2,)](x, y, 64, 2, 1, BLOCK=32, SHIFT=0, num_warps=1)
     s.synchronize()
     assert torch.equal(y, x * 2 + 1)
+
+
+def test_triton_imported_first_on_cpu_is_a_clear_import_error():
+    """On a machine without CUDA, triton imported before triton_ep has its standard library built for
+    compilation; kernels would later fail far from the cause ("Cannot call @triton.jit'd outside of the
+    scope of a kernel"). Importing triton_ep then says what to do; imported first, it works."""
+    import os
+    import subprocess
+    import sys
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is only chosen without CUDA")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bad = subprocess.run([sys.executable, "-c", "import triton; import triton_ep"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert bad.returncode != 0 and "Import triton_ep before triton" in bad.stderr, bad.stderr[-500:]
+    good = subprocess.run([sys.executable, "-c", "import triton_ep, triton; print('ok')"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert good.returncode == 0 and "ok" in good.stdout, good.stderr[-500:]

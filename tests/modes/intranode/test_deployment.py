@@ -1,7 +1,7 @@
 """Issue 3, kinds 8 and 9 in real rank processes on CPU (POSIX shared memory, gloo bootstrap): EP groups
 that are subgroups of a larger world, several Buffers alive in one process, a peer that stops answering
-in combine. (A peer absent from dispatch and bad input on one rank: tests/test_multiprocess.py; configs
-for every R from 1 to 8: tests/test_errors.py.)"""
+in combine. (A peer absent from dispatch and bad input on one rank: test_multiprocess.py; configs for every
+R from 1 to 8: test_errors.py, both beside this file.)"""
 import pytest
 
 import mp_cases
