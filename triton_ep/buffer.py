@@ -8,21 +8,16 @@ and forwards. Errors follow docs/design.md section 4.
 """
 from __future__ import annotations
 
-import uuid
 import warnings
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 from .config import Config, EventOverlap
-from .errors import EPError
 from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
 from .modes.low_latency import LowLatency, size_hint
-from .runtime import Runtime
-from .runtime.checks import DEFAULT_TIMEOUT_S, device_arg, isint, timeout_arg
-from .transport import ipc
-from .transport.bootstrap import Exchange
+from .runtime import open_runtime
+from .runtime.checks import isint
 
 Tensor = torch.Tensor
 
@@ -61,55 +56,14 @@ class Buffer:
                  device: Optional[Union[str, torch.device]] = None, **unused) -> None:
         if unused:
             warnings.warn(f"triton_ep.Buffer ignores unknown arguments {sorted(unused)}", stacklevel=2)
-        self._rt = None
-        exchange = None
-        if not isinstance(group, ipc.Comm):      # an ipc.Comm: ranks simulated in one process (testing)
-            if group is None and not dist.is_initialized():
-                raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
-                                 "or an explicit group")
-            group = group if group is not None else dist.group.WORLD
-            # made before the checks below: a rank that rejects its arguments tells its peers at once
-            exchange = Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")
-        try:
-            self.timeout_s = timeout_arg(timeout_s)
-            if not isint(num_nvl_bytes) or num_nvl_bytes < 0:
-                raise ValueError(f"num_nvl_bytes must be a non-negative int, got {num_nvl_bytes!r}")
-            if not isint(num_rdma_bytes) or num_rdma_bytes < 0:
-                raise ValueError(f"num_rdma_bytes must be a non-negative int, got {num_rdma_bytes!r}")
-            device = device_arg(device) if exchange is not None else device
-        except Exception as e:
-            if exchange is not None:
-                exchange.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
-            raise
+        self._rt = rt = open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, timeout_s, device)
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
-        self.low_latency_mode = bool(low_latency_mode)
-        self.explicitly_destroy = bool(explicitly_destroy)
-        # Low-latency mode: the area sized by num_rdma_bytes follows the normal-mode part of the same shared
-        # buffer (every rank maps it), which normal-mode rounds never touch.
-        nvl_part = max(4096, (self.num_nvl_bytes + 4095) // 4096 * 4096)
-        ll_bytes = (self.num_rdma_bytes + 4095) // 4096 * 4096 if (self.low_latency_mode and exchange) else 0
-        if exchange is None:
-            comm, self.group = group, None
-        else:
-            self.group = group
-            exchange.timeout_s = self.timeout_s
-            comm = ipc.open_group(group, nvl_part + ll_bytes, device, self.timeout_s, exchange=exchange)
-            comm.timeout_s = self.timeout_s
-            comm.min_bytes -= ll_bytes
-        self._rt = rt = Runtime(comm, self.timeout_s, uuid.uuid4().hex, self.group)
-        self.rank, self.group_size, self.device = rt.rank, rt.group_size, rt.device
+        self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
+        self.group, self.timeout_s, self.rank, self.group_size, self.device = \
+            rt.group, rt.timeout_s, rt.rank, rt.group_size, rt.device
         self._intranode = Intranode(rt)
-        self._ll: Optional[LowLatency] = None
-        if ll_bytes:
-            self._ll = LowLatency(rt, nvl_part, ll_bytes, enable_shrink)
-            with torch.inference_mode():
-                self._ll.ctl.zero_()              # peers write here only after the barrier
-        if self.group is not None:
-            try:
-                rt.agree_on_layout(nvl_part, ll_bytes)
-            except BaseException:
-                rt.close()
-                raise
+        self._ll = LowLatency(rt, rt.ll_offset, rt.ll_bytes, enable_shrink) if rt.ll_bytes else None
+        rt.agree_on_layout()
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
     @staticmethod

@@ -23,7 +23,7 @@ from ..kernels import notify as NT
 from ..kernels.combine import record_bytes as combine_record_bytes
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
-from ..runtime import Runtime, collective, steps
+from ..runtime import Runtime, steps
 from ..runtime.checks import check_config, check_event, isint
 from ..transport import signals
 

@@ -135,6 +135,8 @@ class LowLatency:
         self.sent = 0
         #: sends whose receive (hook) has not run yet
         self.pending: List[int] = []
+        with torch.inference_mode():
+            self.ctl.zero_()              # peers write here only after the construction's barrier
 
     # ------------------------------------------------------------------ helpers
     def layout(self, n_max: int, hidden: int, num_experts: int) -> Layout:

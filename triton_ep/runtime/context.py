@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import uuid
 from typing import Callable, Generator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from .. import kernels
+from ..kernels._util import interpreted
 from ..config import EventOverlap
 from ..errors import EPError, EPTimeoutError
 from ..kernels import flags as F
 from ..protocol import call_card as card
 from ..transport import ipc, signals
-from .checks import check_num_experts, check_tensor
+from ..transport.bootstrap import Exchange
+from .checks import DEFAULT_TIMEOUT_S, check_num_experts, check_tensor, device_arg, isint, timeout_arg
 
 Tensor = torch.Tensor
 _NO_CTX = contextlib.nullcontext()        # reusable: entering it does nothing
@@ -81,13 +84,16 @@ class Runtime:
         so far, read by :func:`triton_ep.testing.host_waits`).
     """
 
-    def __init__(self, comm: ipc.Comm, timeout_s: float, uid: str, group=None) -> None:
+    def __init__(self, comm: ipc.Comm, timeout_s: float, uid: str, group=None, ll_offset: int = 0,
+                 ll_bytes: int = 0) -> None:
         self.comm, self.timeout_s, self.uid, self.group = comm, float(timeout_s), uid, group
+        #: where the low-latency area starts in the data buffer, and its bytes (0: none)
+        self.ll_offset, self.ll_bytes = int(ll_offset), int(ll_bytes)
         self.rank, self.group_size, self.device = comm.rank, comm.size, comm.device
         with torch.inference_mode(False):
             self.delta_words = comm.delta_bytes // 4
         self.sig = signals.Signals(comm.rank, comm.size, comm.header, comm.peer_headers, comm.delta_bytes,
-                                   comm.device, self.timeout_s, interpreted=kernels.interpreted())
+                                   comm.device, self.timeout_s, interpreted=interpreted())
         self.sig_args = self.sig.kernel_args(comm.max_programs)
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         #: the running call's kernels go to the communication stream (async_finish), else the caller's
@@ -120,15 +126,25 @@ class Runtime:
                 self.comm.close()
                 self.comm = None
 
-    def agree_on_layout(self, nvl_part: int, ll_bytes: int) -> None:
-        """Every rank publishes where its low-latency area lies (``num_nvl_bytes`` rounded, the area's
-        bytes: 0 without ``low_latency_mode``) and meets the others: the kernels address a peer's area at
-        this rank's own offset, so ranks must agree.
+    def agree_on_layout(self) -> None:
+        """Every rank publishes where its low-latency area lies (its offset, the normal-mode part rounded from
+        ``num_nvl_bytes``, and its bytes: 0 without ``low_latency_mode``) and meets the others: the kernels
+        address a peer's area at this rank's own offset, so ranks must agree. Ranks simulated in one process
+        (no group) skip it. On failure the shared buffers are released.
 
         Raises:
             ValueError: on every rank, when ranks disagree (naming the first rank that differs).
             EPTimeoutError: a rank did not arrive within ``timeout_s``.
         """
+        if self.group is None:
+            return
+        try:
+            self._agree_on_layout(self.ll_offset, self.ll_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _agree_on_layout(self, nvl_part: int, ll_bytes: int) -> None:
         c = self.comm
         mine = (0x4C4C, ll_bytes, nvl_part if ll_bytes else 0)
         c.slot(1, self.rank)[:3] = mine       # parity-1 slots: the first exchange of a call uses parity 0
@@ -171,11 +187,18 @@ class Runtime:
         card.write(self._card, self._calls, code, values)
 
     def explain_mismatch(self, peer: int) -> Optional[str]:
-        """What differs between this rank's latest call and ``peer``'s, from their cards (``None``: unknown)."""
+        """What differs between this rank's latest call and ``peer``'s, from their cards (``None``: unknown).
+        The record may name a peer that agrees with this rank (one that found the disagreement first and told
+        everyone): then the first rank whose card differs from this rank's is named instead."""
         c = self.comm
         if c is None or c.ctrl is None:
             return None
-        return card.describe(c.card(self.rank), c.card(peer), self.rank, peer)
+        mine = c.card(self.rank)
+        for r in [peer] + [r for r in range(self.group_size) if r not in (peer, self.rank)]:
+            what = card.describe(mine, c.card(r), self.rank, r)
+            if what is not None:
+                return what
+        return None
 
     @staticmethod
     def fail_call(err: BaseException) -> BaseException:
@@ -336,3 +359,48 @@ class Runtime:
                 f"{self.comm.min_bytes} (num_nvl_bytes, rounded up to 4 KiB); raise num_nvl_bytes "
                 f"(see Config.get_nvl_buffer_size_hint)"))
         return cap
+
+
+def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, timeout_s, device) -> Runtime:
+    """Build one rank's :class:`Runtime` for a Buffer (collective over ``group``): check the constructor's
+    values, bootstrap the group's shared buffers (:func:`triton_ep.transport.ipc.open_group`: the normal-mode
+    part of ``num_nvl_bytes`` rounded up to 4 KiB, then, with ``low_latency_mode``, the low-latency area of
+    ``num_rdma_bytes``), and return the runtime. ``group`` may be an ``ipc.Comm`` (ranks simulated in one
+    process, :mod:`triton_ep.testing`). A rank that rejects its values tells its peers first (they raise
+    ``EPRemoteError`` at once instead of waiting).
+
+    Raises:
+        ValueError: a bad value (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``), no process group, ranks
+            on different hosts. EPTimeoutError: ranks did not arrive within ``timeout_s`` (named).
+            EPRemoteError: a peer gave up or failed first.
+    """
+    exchange = None
+    if not isinstance(group, ipc.Comm):
+        if group is None and not dist.is_initialized():
+            raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
+                             "or an explicit group")
+        group = group if group is not None else dist.group.WORLD
+        # made before the checks below: a rank that rejects its arguments tells its peers at once
+        exchange = Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")
+    try:
+        timeout_s = timeout_arg(timeout_s)
+        if not isint(num_nvl_bytes) or num_nvl_bytes < 0:
+            raise ValueError(f"num_nvl_bytes must be a non-negative int, got {num_nvl_bytes!r}")
+        if not isint(num_rdma_bytes) or num_rdma_bytes < 0:
+            raise ValueError(f"num_rdma_bytes must be a non-negative int, got {num_rdma_bytes!r}")
+        device = device_arg(device) if exchange is not None else device
+    except Exception as e:
+        if exchange is not None:
+            exchange.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
+        raise
+    if exchange is None:
+        return Runtime(group, timeout_s, uuid.uuid4().hex)
+    # the low-latency area follows the normal-mode part of the same shared buffer (every rank maps it),
+    # which normal-mode rounds never touch
+    nvl_part = max(4096, (int(num_nvl_bytes) + 4095) // 4096 * 4096)
+    ll_bytes = (int(num_rdma_bytes) + 4095) // 4096 * 4096 if low_latency_mode else 0
+    exchange.timeout_s = timeout_s
+    comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchange)
+    comm.timeout_s = timeout_s
+    comm.min_bytes -= ll_bytes
+    return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes)

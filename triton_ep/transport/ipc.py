@@ -25,7 +25,6 @@ from typing import List, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..errors import EPError, EPRemoteError, EPTimeoutError
 from ..protocol.call_card import CARD_WORDS

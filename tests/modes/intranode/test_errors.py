@@ -145,6 +145,23 @@ def test_ranks_calling_different_collectives_fail_instead_of_hanging():
     assert isinstance(out[1], ValueError) and "rank 1 called combine, rank 0 called dispatch" in str(out[1]), out
 
 
+def test_a_bystander_names_the_rank_that_differs():
+    """Three ranks, rank 1 passes another hidden size. Rank 0 finds it first and tells every peer; rank 2's
+    record then names rank 0, which agrees with it: the message must still name rank 1 and both values."""
+    from triton_ep.testing import lockstep, steps
+    vg = VirtualGroup(3, 1 << 16)
+    gens = []
+    for r in range(3):
+        H = 16 if r == 1 else 32
+        xs, idxs, ws = make_inputs(9, 6, 2, H, [3, 3, 3])
+        gens.append(steps(vg.buffers[r], "dispatch", x=xs[r], topk_weights=ws[r], **_layout(vg.buffers[r], idxs[r], 6)))
+    out = lockstep(gens)
+    assert all(isinstance(o, ValueError) for o in out), out
+    assert "hidden: rank 0 passed 32, rank 1 passed 16" in str(out[0]), str(out[0])
+    assert "hidden: rank 2 passed 32, rank 1 passed 16" in str(out[2]), str(out[2])
+    assert "hidden: rank 1 passed 16, rank " in str(out[1]) and "passed 32" in str(out[1]), str(out[1])
+
+
 @pytest.mark.parametrize("field,kw0,kw1,want", [
     ("hidden", dict(H=32), dict(H=16), "hidden: rank {me} passed {a}, rank {peer} passed {b}"),
     ("dtype", dict(dtype=torch.bfloat16), dict(dtype=torch.float16),
