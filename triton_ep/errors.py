@@ -27,7 +27,7 @@ class EPTimeoutError(EPError, TimeoutError):
 
     def __init__(self, rank: int, peer: Union[None, int, Sequence[int]], stage: str, timeout_s: float,
                  channel: Optional[int] = None) -> None:
-        peers = [] if peer is None else ([int(peer)] if isinstance(peer, int) else [int(p) for p in peer])
+        peers = [] if peer is None else ([int(p) for p in peer] if hasattr(peer, "__iter__") else [int(peer)])
         self.peers = peers
         self.rank, self.peer, self.stage, self.channel, self.timeout_s = rank, (peers[0] if peers else None), \
             stage, channel, timeout_s

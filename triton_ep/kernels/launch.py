@@ -23,6 +23,7 @@ Triton's launch hooks (a profiler such as proton sets them) are honoured: while 
 goes through Triton. Under the interpreter (``TRITON_INTERPRET=1``) every launch goes through Triton too.
 """
 import functools
+import operator
 from typing import Dict, Tuple
 
 import torch
@@ -64,8 +65,12 @@ def _arg_key_unspecialized(a):
     return _arg_key(a)
 
 
-def _call(f, a):
+def _call_py(f, a):
     return f(a)
+
+
+#: ``f(a)``, in C where Python has it (3.11+): one Python frame less per argument of every launch
+_call = getattr(operator, "call", _call_py)
 
 
 class Launcher:

@@ -527,9 +527,5 @@ class Intranode:
         return xv, None
 
     def _check_handle(self, handle) -> DispatchHandle:
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle must be the handle a dispatch of triton_ep returned, got {type(handle).__name__}")
-        if handle.buffer_uid != self.rt.uid:
-            raise ValueError("handle was made by another Buffer; pass the handle this Buffer's dispatch returned")
-        return handle
+        return self.rt.check_handle(handle, DispatchHandle, "dispatch")
 

@@ -192,7 +192,7 @@ class LowLatency:
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
-                    pc[F.off_ll_failed(R) + me].fill_(n * 8 + int(F.E_FAILED))     # flags.failure_word
+                    pc[F.off_ll_failed(R) + me].fill_(F.failure_word_of(n, F.E_FAILED))
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure
         rt.sig.needs_resync = True
@@ -405,11 +405,7 @@ class LowLatency:
         return xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost)
 
     def check_handle(self, handle) -> LLHandle:
-        if not isinstance(handle, LLHandle):
-            raise TypeError(f"handle must be the handle low_latency_dispatch returned, got {type(handle).__name__}")
-        if handle.buffer_uid != self.rt.uid:
-            raise ValueError("handle was made by another Buffer")
-        return handle
+        return self.rt.check_handle(handle, LLHandle, "low_latency_dispatch")
 
     def zero_copy_buffer(self, lay: Layout) -> Tensor:
         """The local zero-copy combine input, bf16 ``[E_local, R*N, H]``, a view into the area."""

@@ -85,6 +85,13 @@ E_BADIDS = tl.constexpr(5)        #: this rank's ``topk_idx`` holds ids outside 
 E_CAPACITY = tl.constexpr(6)      #: rank ``peer`` receives more rows than ``num_worst_tokens``
 E_BADCOUNTS = tl.constexpr(7)     #: this rank's ``num_tokens_per_expert`` holds negative counts (``peer``: this rank)
 
+
+def failure_word_of(call: int, kind) -> int:
+    """Host form of the kernels' ``flags.failure_word``: the ``FAILED`` (or ``LFAILED``) word saying that a
+    rank failed round (or low-latency call) ``call`` with error kind ``kind`` (kinds are < 8)."""
+    return int(call) * 8 + int(kind)
+
+
 # stages (error records name them; 0 = unknown)
 STAGE_DISPATCH_SEND = tl.constexpr(1)
 STAGE_DISPATCH_RECV = tl.constexpr(2)

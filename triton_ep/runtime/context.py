@@ -212,6 +212,18 @@ class Runtime:
         """:func:`triton_ep.runtime.checks.check_tensor` on this Buffer's device."""
         return check_tensor(name, t, dtypes, shape, self.device, why)
 
+    def check_handle(self, handle, kind: type, made_by: str):
+        """``handle`` as given, when it is a ``kind`` made by this Buffer's ``made_by`` call.
+
+        Raises:
+            TypeError: not a ``kind``. ValueError: made by another Buffer.
+        """
+        if not isinstance(handle, kind):
+            raise TypeError(f"handle must be the handle {made_by} of triton_ep returned, got {type(handle).__name__}")
+        if handle.buffer_uid != self.uid:
+            raise ValueError(f"handle was made by another Buffer; pass the handle this Buffer's {made_by} returned")
+        return handle
+
     def check_num_experts(self, num_experts) -> None:
         """:func:`triton_ep.runtime.checks.check_num_experts` for this group."""
         check_num_experts(num_experts, self.group_size)
@@ -401,6 +413,5 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     ll_bytes = (int(num_rdma_bytes) + 4095) // 4096 * 4096 if low_latency_mode else 0
     exchange.timeout_s = timeout_s
     comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchange)
-    comm.timeout_s = timeout_s
     comm.min_bytes -= ll_bytes
     return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes)

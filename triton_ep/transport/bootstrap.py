@@ -74,25 +74,32 @@ class Exchange:
     def _key(self, r: int) -> str:
         return f"{self.base}{r}"
 
-    def fail(self, why: str) -> None:
-        """This rank will not take part (it gave up, or rejected its arguments): say so where the peers look,
-        so they raise ``EPRemoteError`` at once. Never raises."""
+    def fail(self, why: str, timed_out: bool = False) -> None:
+        """This rank will not take part (``timed_out``: it gave up waiting for peers; else it rejected its
+        arguments or failed): say so where the peers look, so they raise at once. Never raises.
+
+        The ``abort`` key holds ``T`` or ``F`` (timed out or failed), then the reason."""
         if self.store is None or self._done:
             return
         self._done = True
         try:
             if not self.store.check([self.base + "abort"]):
-                self.store.set(self.base + "abort", f"rank {self.rank} {why}")
+                self.store.set(self.base + "abort", f"{'T' if timed_out else 'F'}rank {self.rank} {why}")
         except Exception:   # noqa: BLE001 - the store may be gone (the job is ending); the peers time out
             pass
 
-    def _gave_up(self, keys: List[str], why: str) -> None:
-        """A peer gave up on this exchange (its ``abort`` key says why): raise ``EPTimeoutError`` naming the
-        ranks this rank is still missing too (the same absent peer), else ``EPRemoteError`` (this rank came
-        late, or the peer failed)."""
+    def _missing(self, keys: List[str]) -> List[int]:
+        """The ranks whose key is not in the store yet."""
+        return [r for r in range(self.size) if not self.store.check([keys[r]])]
+
+    def _gave_up(self, keys: List[str], abort: str) -> None:
+        """A peer gave up on this exchange (its ``abort`` key, see :meth:`fail`): raise ``EPTimeoutError``
+        naming the ranks this rank is still missing too when the peer timed out (the same absent peer), else
+        ``EPRemoteError`` (this rank came late, or the peer failed)."""
         self._done = True
-        missing = [r for r in range(self.size) if not self.store.check([keys[r]])]
-        if missing and " gave up waiting " in why:
+        timed_out, why = abort[0] == "T", abort[1:]
+        missing = self._missing(keys)
+        if missing and timed_out:
             raise EPTimeoutError(self.rank, missing, f"{self.stage} ({why})", self.timeout_s)
         raise EPRemoteError(f"rank {self.rank}: {why} at '{self.stage}'; this rank's Buffer was not built")
 
@@ -119,10 +126,11 @@ class Exchange:
                 break
             now = time.monotonic()
             if now > deadline:
-                missing = [r for r in range(self.size) if not store.check([keys[r]])]
+                missing = self._missing(keys)
                 if not missing:          # they all arrived just now
                     break
-                self.fail(f"gave up waiting for rank(s) {', '.join(map(str, missing))} after {self.timeout_s:.3g} s")
+                self.fail(f"gave up waiting for rank(s) {', '.join(map(str, missing))} after {self.timeout_s:.3g} s",
+                          timed_out=True)
                 raise EPTimeoutError(self.rank, missing, self.stage, self.timeout_s)
             # yield the core at first (peers usually arrive within milliseconds), then nap
             time.sleep(0.0005 if now - start < 0.05 else 0.005)

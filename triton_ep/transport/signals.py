@@ -1,8 +1,8 @@
 """Host side of the device signalling: one rank's signal header, its error records and their errors.
 
 The kernels release and acquire flags in each rank's signal header (the word layout is in
-:mod:`triton_ep.protocol.signal_header`, the device side in :mod:`triton_ep.kernels.flags`); this module gives :class:`~triton_ep.Buffer` a small typed
-API over that state:
+:mod:`triton_ep.protocol.signal_header`, the device side in :mod:`triton_ep.kernels.flags`); this module
+gives :class:`~triton_ep.Buffer` a small typed API over that state:
 
 - :class:`Signals` holds the header views, the peers' header offsets and the host-visible block that
   kernels write error records into (pinned host memory on GPU, read without any device
@@ -190,7 +190,7 @@ class Signals:
         (A low-latency call tells its peers through its own words instead.)"""
         R, me = self.size, self.rank
         # the call's first round: this rank's completed rounds + 1 (a device read: an error path)
-        word = (int(self.header[int(F.W_BASE)].item()) + 1) * 8 + int(F.E_FAILED)
+        word = F.failure_word_of(int(self.header[int(F.W_BASE)].item()) + 1, F.E_FAILED)
         with torch.inference_mode():          # also updates buffers made in inference mode
             for r, h in enumerate(self.peer_headers):
                 if r != me:
