@@ -27,6 +27,7 @@ from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
 from ..protocol import call_card as card
+from ..protocol.signal_header import failure_word_of
 from ..runtime import Runtime
 from ..runtime.checks import isint
 from ..transport import signals
@@ -192,7 +193,7 @@ class LowLatency:
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
-                    pc[F.off_ll_failed(R) + me].fill_(F.failure_word_of(n, F.E_FAILED))
+                    pc[F.off_ll_failed(R) + me].fill_(failure_word_of(n, F.E_FAILED))
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure
         rt.sig.needs_resync = True
