@@ -14,6 +14,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .config import Config, EventOverlap
+from .modes.internode import Internode
 from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
 from .modes.low_latency import LowLatency, size_hint
 from .runtime import open_runtime
@@ -41,9 +42,16 @@ class Buffer:
         comm: DeepEP's keyword arguments, accepted; those that do not apply within one host are ignored.
         timeout_s: bound in seconds on every wait for a peer (default 100, or ``TRITON_EP_TIMEOUT_S``).
         device: where buffers and inputs live; default the current CUDA device, else CPU.
+        rdma_backend: the transport between hosts: ``"auto"`` (pyverbs on the machine's RDMA devices),
+            ``"verbs"`` or ``"emulated"`` (the emulated fabric: one machine standing in for several hosts);
+            ``None``: ``TRITON_EP_RDMA``, else ``"auto"``. Ranks are grouped into hosts by host identity,
+            or by ``TRITON_EP_RANKS_PER_HOST=n`` (docs/internode.md).
 
     Raises:
-        ValueError: ranks on different hosts, or a bad argument value.
+        ValueError: a bad argument value; ranks that disagree on ``rdma_backend`` or
+            ``TRITON_EP_RANKS_PER_HOST``; hosts of different sizes; several hosts and no RDMA transport.
+        NotImplementedError: ranks on several machines, or ``low_latency_mode`` with several hosts (the
+            internode data paths are not built yet: docs/internode.md).
         EPTimeoutError: a rank did not join within ``timeout_s``.
     """
 
@@ -53,15 +61,18 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm=None, *, timeout_s: Optional[float] = None,
-                 device: Optional[Union[str, torch.device]] = None, **unused) -> None:
+                 device: Optional[Union[str, torch.device]] = None, rdma_backend: Optional[str] = None,
+                 **unused) -> None:
         if unused:
             warnings.warn(f"triton_ep.Buffer ignores unknown arguments {sorted(unused)}", stacklevel=2)
-        self._rt = rt = open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, timeout_s, device)
+        self._rt = rt = open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, timeout_s, device,
+                                     rdma_backend)
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
         self.group, self.timeout_s, self.rank, self.group_size, self.device = \
             rt.group, rt.timeout_s, rt.rank, rt.group_size, rt.device
         self._intranode = Intranode(rt)
+        self._internode = Internode(rt) if rt.num_hosts > 1 else None
         self._ll = LowLatency(rt, rt.ll_offset, rt.ll_bytes, enable_shrink) if rt.ll_bytes else None
         rt.agree_on_layout()
 
@@ -351,15 +362,16 @@ class Buffer:
                 communication stream with ``async_finish``, else the caller's; see ``get_comm_stream``).
 
         Returns:
-            ``num_tokens_per_rank`` int32 ``[R]``, ``None`` (no RDMA ranks within one host),
+            ``num_tokens_per_rank`` int32 ``[R]``, ``num_tokens_per_rdma_rank`` int32 ``[num_hosts]`` (tokens
+            that go to at least one rank of each host; ``None`` when every rank is on one host),
             ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank`` bool ``[T, R]``, event.
             Ids outside ``[-1, E)`` are masked here and reported by ``dispatch``.
 
         Raises:
             TypeError/ValueError: bad dtype, shape, device, or ``E % R != 0``.
         """
-        return self._intranode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
-                                                   allocate_on_comm_stream)
+        mode = self._internode or self._intranode
+        return mode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: XLike, handle: Optional[tuple] = None, num_tokens_per_rank: Optional[Tensor] = None,
@@ -379,7 +391,8 @@ class Buffer:
                 pass the same ``S`` and scale dtype). ``T`` may be 0 and differ across ranks.
             handle: a handle from an earlier dispatch of this Buffer: same routing, new data; then only
                 ``x`` is sent and no counts are exchanged.
-            num_tokens_per_rank: int32 ``[R]``; num_tokens_per_rdma_rank: ignored (one host);
+            num_tokens_per_rank: int32 ``[R]``; num_tokens_per_rdma_rank: int32 ``[num_hosts]`` across hosts
+                (required there without a handle), ignored on one host;
             is_token_in_rank: bool ``[T, R]``; num_tokens_per_expert: int32 ``[E]`` (gives ``E``; required
                 without a handle) -- as ``get_dispatch_layout`` returned them. With ``topk_idx``, the layout
                 ``get_dispatch_layout`` computed for this very ``topk_idx`` is used when ``is_token_in_rank``
@@ -411,8 +424,11 @@ class Buffer:
         Raises:
             TypeError/ValueError: bad arguments (before any kernel runs) or ids outside ``[-1, E)``;
             EPRemoteError: another rank failed the call; EPCapacityError: ``num_worst_tokens`` too small;
-            EPTimeoutError: a peer did not answer within ``timeout_s``.
+            EPTimeoutError: a peer did not answer within ``timeout_s``; NotImplementedError: ranks span
+            several hosts (internode dispatch is not built yet; its arguments are checked first).
         """
+        if self._internode is not None:
+            return self._internode.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank)
         return self._rt.run(self._intranode.dispatch_steps(
             x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -441,7 +457,9 @@ class Buffer:
 
         Raises:
             TypeError/ValueError: bad arguments or a handle of another Buffer or shape; EPRemoteError,
-            EPTimeoutError: as in ``dispatch``.
+            EPTimeoutError, NotImplementedError: as in ``dispatch``.
         """
+        if self._internode is not None:
+            return self._internode.combine(x, handle)
         return self._rt.run(self._intranode.combine_steps(x, handle, topk_weights, bias, config, previous_event,
                                                           async_finish, allocate_on_comm_stream))

@@ -43,23 +43,20 @@ from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tup
 import numpy as np
 
 from triton_ep.errors import EPError, EPRemoteError, EPTimeoutError
-from triton_ep.kernels import flags as F
+from triton_ep.protocol import signal_header as F
 from triton_ep.transport.bootstrap import gather_objects
-from triton_ep.transport.rdma import WRITE, WRITE_WITH_IMM, Completion, Op, RemoteRegion, Transport
+from triton_ep.transport.rdma import (WRITE, WRITE_WITH_IMM, Completion, Op, RemoteRegion, Transport, exchange_info,
+                                      exchange_regions)
 from triton_ep.transport.signals import RingFlags
 
 #: wr_id tag of a chunk's signal (the low bits hold the chunk number)
 TAG_CHUNK = 1 << 60
 _SEQ_MASK = (1 << 48) - 1
 
-#: stages a proxy error names (also carried in fault words)
-STAGE_POST, STAGE_SEND_CQE, STAGE_RECV_CQE, STAGE_CREDIT, STAGE_SEND_WAIT, STAGE_INTERNAL = 1, 2, 3, 4, 5, 6
-STAGE_TAIL, STAGE_SLOT = 7, 8
-STAGE_NAMES = {STAGE_POST: "rdma proxy/post", STAGE_SEND_CQE: "rdma proxy/send completion",
-               STAGE_RECV_CQE: "rdma proxy/receive completion",
-               STAGE_CREDIT: "rdma proxy/credits (the peer stopped consuming)",
-               STAGE_SEND_WAIT: "rdma proxy/completion wait", STAGE_INTERNAL: "rdma proxy",
-               STAGE_TAIL: "rdma ring/consumer: tail", STAGE_SLOT: "rdma ring/producer: free send slot"}
+#: stages a proxy error names (also carried in fault words): codes and names from the protocol's one table
+STAGE_POST, STAGE_SEND_CQE, STAGE_RECV_CQE = F.STAGE_PROXY_POST, F.STAGE_PROXY_SEND_CQE, F.STAGE_PROXY_RECV_CQE
+STAGE_CREDIT, STAGE_SEND_WAIT, STAGE_INTERNAL = F.STAGE_PROXY_CREDIT, F.STAGE_PROXY_SEND_WAIT, F.STAGE_PROXY
+STAGE_NAMES = F.STAGE_NAMES
 
 
 def fault_word(stage: int, channel: Optional[int], qp: Optional[int]) -> int:
@@ -106,7 +103,7 @@ class RingLayout:
     @property
     def ctrl_bytes(self) -> int:
         """Bytes of the control block (int64 words, rounded up to 4 KiB)."""
-        return -(-F.ring_ctrl_words(self.world, self.slots) * 8 // 4096) * 4096
+        return -(-F.ring_ctrl_words.host(self.world, self.slots) * 8 // 4096) * 4096
 
     @property
     def ring_bytes(self) -> int:
@@ -128,7 +125,7 @@ class RingLayout:
 
     def word_off(self, array: int, peer: int) -> int:
         """Byte offset of control word ``array[peer]`` (``flags.RING_*``)."""
-        return 8 * F.ring_word(array, self.world, peer)
+        return 8 * F.ring_word.host(array, self.world, peer)
 
 
 @dataclass
@@ -602,7 +599,7 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes:
         # first; this host bound is the backstop of a proxy that stopped altogether
         if now - last > (sched.timeout_s if waiting_rx else 2 * sched.timeout_s + 1.0):
             p = waiting_rx[0] if waiting_rx else next(p for p in sched.peers if pending(p))
-            stage = STAGE_NAMES[STAGE_TAIL if waiting_rx else STAGE_SLOT]
+            stage = STAGE_NAMES[int(F.STAGE_RING_CONSUME if waiting_rx else F.STAGE_RING_PRODUCE)]
             ex = EPTimeoutError(sched.rank, p, stage, sched.timeout_s)
             sched.fail(ex)
             raise ex
@@ -616,7 +613,6 @@ def bootstrap(transport: Transport, sched_kwargs: Optional[dict] = None, group=N
     """Connect ``transport`` to every peer and start a :class:`Scheduler` on it, exchanging QP infos and
     regions through the group's store (bounded by the scheduler's ``timeout_s``, nothing left pending:
     :mod:`triton_ep.transport.bootstrap`; ``group``: default group).  Returns the started scheduler."""
-    from triton_ep.transport.rdma import exchange_info, exchange_regions
     peers = [p for p in range(transport.world_size) if p != transport.rank]
     timeout_s = (sched_kwargs or {}).get("timeout_s")
     timeout_s = float(timeout_s if timeout_s is not None else getattr(transport, "timeout_s", 100.0))

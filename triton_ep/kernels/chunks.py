@@ -38,7 +38,7 @@ def _produce(ctrl, send, first, count, me, S, slot_words, timeout_ns, R: tl.cons
         bad = (tl.load(ctrl + F.RING_ABORT, volatile=True) != 0).to(tl.int32)
         for k in range(first, first + count):
             if bad == 0:
-                st = F.wait_ge(ctrl + (F.RING_FIXED + F.RING_SENT * R) + peer, k + 1 - S, ctrl + F.RING_ABORT,
+                st = F.wait_ge(ctrl + F.ring_word(F.RING_SENT, R, peer), k + 1 - S, ctrl + F.RING_ABORT,
                                timeout_ns, USE_CLOCK)
                 if st != 0:
                     F.post_ring_error(ctrl, st, peer, F.STAGE_RING_PRODUCE, k)
@@ -48,11 +48,11 @@ def _produce(ctrl, send, first, count, me, S, slot_words, timeout_ns, R: tl.cons
                     for o in range(0, slot_words, BLOCK):
                         idx = o + offs
                         tl.store(base + idx, chunk_pattern(me, peer, k, idx), mask=idx < slot_words)
-                    tl.store(ctrl + (F.RING_FIXED + F.RING_LEN * R) + peer * S + k % S,
+                    tl.store(ctrl + F.ring_len_word(R, S, peer, k % S),
                              tl.full([], 0, tl.int64) + slot_words * 4)
                     F.fence_all_threads(USE_CLOCK)
                     tl.debug_barrier()
-                    F.release(ctrl + (F.RING_FIXED + F.RING_READY * R) + peer, tl.full([], 0, tl.int64) + k + 1)
+                    F.release(ctrl + F.ring_word(F.RING_READY, R, peer), tl.full([], 0, tl.int64) + k + 1)
 
 
 @triton.jit(do_not_specialize=['first', 'count', 'me', 'timeout_ns'])
@@ -64,7 +64,7 @@ def _consume(ctrl, recv, result, first, count, me, S, slot_words, timeout_ns, R:
         bad = (tl.load(ctrl + F.RING_ABORT, volatile=True) != 0).to(tl.int32)
         for k in range(first, first + count):
             if bad == 0:
-                st = F.wait_ge(ctrl + (F.RING_FIXED + F.RING_TAIL * R) + peer, k + 1, ctrl + F.RING_ABORT,
+                st = F.wait_ge(ctrl + F.ring_word(F.RING_TAIL, R, peer), k + 1, ctrl + F.RING_ABORT,
                                timeout_ns, USE_CLOCK)
                 if st != 0:
                     F.post_ring_error(ctrl, st, peer, F.STAGE_RING_CONSUME, k)
@@ -81,7 +81,7 @@ def _consume(ctrl, recv, result, first, count, me, S, slot_words, timeout_ns, R:
                     tl.atomic_add(result + peer * 2 + 1, tl.full([], 1, tl.int32))
                     F.fence_all_threads(USE_CLOCK)
                     tl.debug_barrier()
-                    F.release(ctrl + (F.RING_FIXED + F.RING_HEAD * R) + peer, tl.full([], 0, tl.int64) + k + 1)
+                    F.release(ctrl + F.ring_word(F.RING_HEAD, R, peer), tl.full([], 0, tl.int64) + k + 1)
 
 
 def _args(ctrl, ring, first, count, me, world, slots, slot_bytes, timeout_s):
@@ -100,7 +100,7 @@ def produce_chunks(ctrl: torch.Tensor, send: torch.Tensor, first: int, count: in
     """Produce chunks ``first .. first + count - 1`` for every peer (grid: one program per rank).
 
     Args:
-        ctrl: int64 ``[flags.ring_ctrl_words(world, slots)]``, the ring control block (host-visible).
+        ctrl: int64 ``[flags.ring_ctrl_words.host(world, slots)]``, the ring control block (host-visible).
         send: int32 view of the send ring, ``[world * slots * slot_bytes / 4]``.
         me, world: this rank and the group size.  slots, slot_bytes: the ring's shape (bytes, multiple of 4).
         timeout_s: bound of each wait for a free slot (GPU clock; the interpreter's bound is the host's

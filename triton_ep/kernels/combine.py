@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import flags
+from ..protocol import records
 from .launch import Launcher
 from ._util import cdiv, pow2, tuning
 from .dispatch import _grid, _use_clock, sync_args
@@ -68,7 +69,7 @@ def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec
         if HAS_W:
             ok = tl.arange(0, BLOCK_K)
             mk = m[:, None] & (ok[None, :] < K)
-            tl.store(row[:, None] + WX + ok[None, :], tl.load(w_ptr + g[:, None] * K + ok[None, :], mask=mk), mask=mk)
+            tl.store(row[:, None] + records.comb_weights(WX, K) + ok[None, :], tl.load(w_ptr + g[:, None] * K + ok[None, :], mask=mk), mask=mk)
     # The last program tells every source rank that round n is in its area.
     if SYNC:
         flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
@@ -133,7 +134,7 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
                 wacc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
             for r in tl.static_range(R):
                 m, slot = _returned_slot(send_pos_ptr, send_base_ptr, t, mt, r, lo, hi, R)
-                wacc += tl.load(rec_f_ptr + (slot - lo)[:, None] * REC_F + (H // 2) + ok[None, :],
+                wacc += tl.load(rec_f_ptr + (slot - lo)[:, None] * REC_F + records.comb_weights(H // 2, K) + ok[None, :],
                                 mask=m[:, None] & mtk, other=0.0)
             if STORE_ACC:
                 tl.store(wacc_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
@@ -149,7 +150,7 @@ _combine_reduce_launch = Launcher(_combine_reduce_kernel)
 
 def record_bytes(hidden: int, k: int) -> int:
     """Bytes of one combine record: ``hidden`` bf16 values and ``k`` fp32 weights, rounded up to 16."""
-    return (2 * hidden + 4 * k + 15) // 16 * 16
+    return records.combine_record_bytes(hidden, k)
 
 
 def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,

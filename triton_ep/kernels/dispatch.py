@@ -1,10 +1,7 @@
 """Dispatch copy: write each token's row record into every receiver's buffer, then unpack it there.
 
-A *record* is one received row in a receiver's buffer, in 32-bit words::
-
-    [ x row (WX words) | scales (S words) | global top-k ids (K) | top-k weight bits (K) | source index (1) ]
-
-padded to a multiple of 4 words (16 bytes). Rows are copied as raw words, so any element type whose row
+A *record* is one received row in a receiver's buffer; its fields' offsets are the formulas of
+:mod:`triton_ep.protocol.records` (``[ x row | scales | top-k ids | weight bits | source index ]``). Rows are copied as raw words, so any element type whose row
 is a multiple of 4 bytes travels unchanged (bf16, fp8 e4m3, fp32 scales as their bit patterns).
 
 Peer buffers are reached by pointer arithmetic: ``rec_ptr + delta[r]`` is rank ``r``'s buffer, where
@@ -20,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import flags
+from ..protocol import records
 from .launch import Launcher
 from ._util import cdiv, num_sms, pow2, tuning
 
@@ -86,18 +84,18 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
                 os_ = tl.arange(0, BLOCK_S)
                 ms = m[:, None] & (os_[None, :] < S)
                 s = tl.load(sc_ptr + t[:, None] * S + os_[None, :], mask=ms)
-                tl.store(row[:, None] + WX + os_[None, :], s, mask=ms)
+                tl.store(row[:, None] + records.rec_scales(WX, S, K) + os_[None, :], s, mask=ms)
             if HAS_TOPK:
                 ok = tl.arange(0, BLOCK_K)
                 mk = m[:, None] & (ok[None, :] < K)
                 ids = tl.load(idx_ptr + t[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64)
                 ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
-                tl.store(row[:, None] + (WX + S) + ok[None, :], ids, mask=mk)
+                tl.store(row[:, None] + records.rec_ids(WX, S, K) + ok[None, :], ids, mask=mk)
                 if HAS_W:
                     wb = tl.load(w_ptr + t[:, None] * K + ok[None, :], mask=mk, other=0)
-                    tl.store(row[:, None] + (WX + S + K) + ok[None, :], wb, mask=mk)
+                    tl.store(row[:, None] + records.rec_weights(WX, S, K) + ok[None, :], wb, mask=mk)
             if HAS_SRC:
-                tl.store(row + (WX + S + 2 * K), t.to(tl.int32), mask=m)
+                tl.store(row + records.rec_src(WX, S, K), t.to(tl.int32), mask=m)
     # The launch's last program tells every receiver that round n is in its area.
     if SYNC:
         flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
@@ -148,19 +146,19 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
             os_ = tl.arange(0, BLOCK_S)
             cs = os_[None, :] < S
             tl.store(out_sc_ptr + out[:, None] * S + os_[None, :],
-                     tl.load(row[:, None] + WX + os_[None, :], mask=m[:, None] & cs, other=0), mask=mo[:, None] & cs)
+                     tl.load(row[:, None] + records.rec_scales(WX, S, K) + os_[None, :], mask=m[:, None] & cs, other=0), mask=mo[:, None] & cs)
         if HAS_TOPK:
             ok = tl.arange(0, BLOCK_K)
             ck = ok[None, :] < K
-            g = tl.load(row[:, None] + (WX + S) + ok[None, :], mask=m[:, None] & ck, other=-1).to(tl.int64)
+            g = tl.load(row[:, None] + records.rec_ids(WX, S, K) + ok[None, :], mask=m[:, None] & ck, other=-1).to(tl.int64)
             here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
             tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1),
                      mask=mo[:, None] & ck)
             if HAS_W:
-                wb = tl.load(row[:, None] + (WX + S + K) + ok[None, :], mask=m[:, None] & ck, other=0)
+                wb = tl.load(row[:, None] + records.rec_weights(WX, S, K) + ok[None, :], mask=m[:, None] & ck, other=0)
                 tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mo[:, None] & ck)
         if HAS_SRC:
-            tl.store(out_src_ptr + out, tl.load(row + (WX + S + 2 * K), mask=m, other=-1), mask=mo)
+            tl.store(out_src_ptr + out, tl.load(row + records.rec_src(WX, S, K), mask=m, other=-1), mask=mo)
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
     if SYNC:
         flags.finish_recv(hdr, n, advance, USE_ASM)
@@ -194,9 +192,7 @@ def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
     """Words (4 bytes) of one dispatch record: ``wx`` row words, ``s`` scale words, ``k`` ids and ``k``
     weight words (``k = 0`` without top-k), and with ``with_src`` the source index; rounded up to the
     tuning table's ``record_align_words`` (4 words = 16 bytes, or more to start rows on whole lines)."""
-    n = wx + s + 2 * k + (1 if with_src else 0)
-    align = int(tuning("dispatch_send").get("record_align_words", 4))
-    return (n + align - 1) // align * align
+    return records.dispatch_record_words(wx, s, k, with_src, int(tuning("dispatch_send").get("record_align_words", 4)))
 
 
 def _blocks(kernel: str, wx: int):

@@ -1,8 +1,8 @@
 """Device-side flags: the words kernels release and acquire to signal each other across ranks.
 
 Word offsets and codes live in :mod:`triton_ep.protocol.signal_header` (imported here for the kernels):
-``tl.constexpr`` that kernels read as constants and host code takes ``int()`` of; the ``off_*`` functions
-give the per-peer arrays' offsets to host code, kernels write them inline.
+``tl.constexpr`` that kernels read as constants and host code takes ``int()`` of; the per-peer arrays'
+offsets are the protocol's formulas (``off_*``), which kernels call and host code evaluates with ``.host``.
 
 Every rank's shared buffer starts with a *signal header* of int64 words (laid out in the protocol). A kernel on
 rank ``s`` writes into rank ``d``'s header through the same peer mapping it writes data through
@@ -42,7 +42,7 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     L_SEQ, L_DONE, L_CONS, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
-    ring_word, ring_ctrl_words, STAGE_NAMES)
+    ring_word, ring_len_word, ring_ctrl_words, STAGE_NAMES)
 
 
 @triton.jit
@@ -100,12 +100,12 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
     for r in tl.static_range(R):
         if r != me:
             if kind == E_TIMEOUT:
-                release(hdr + tl.load(hdr_delta + r) + (W_FIXED + 3 * R) + me, stage + 1)
+                release(hdr + tl.load(hdr_delta + r) + off_gone(R) + me, stage + 1)
             elif ctl is not None:       # the low-latency call, and whether this rank found a mismatch
-                release(ctl + tl.load(hdr_delta + r) + (L_FIXED + 5 * R) + me,
+                release(ctl + tl.load(hdr_delta + r) + off_ll_failed(R) + me,
                         failure_word(zero + lcall, tl.where(kind == E_MISMATCH, E_MISMATCH, E_FAILED)))
             else:       # a mismatch stays a mismatch where the peer reads it; anything else: "failed"
-                release(hdr + tl.load(hdr_delta + r) + (W_FIXED + 2 * R) + me,
+                release(hdr + tl.load(hdr_delta + r) + off_failed(R) + me,
                         failure_word(call, tl.where(kind == E_MISMATCH, E_MISMATCH, E_FAILED)))
 
 
@@ -113,8 +113,8 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
 def _peer_status(hdr, peer, rnd, R: tl.constexpr):
     """``E_GONE``, ``E_MISMATCH`` or ``E_FAILED`` when ``peer`` said so in this rank's header for a round
     up to ``rnd`` (the round being waited for), else 0."""
-    gone = tl.load(hdr + (W_FIXED + 3 * R) + peer, volatile=True)
-    failed = tl.load(hdr + (W_FIXED + 2 * R) + peer, volatile=True)
+    gone = tl.load(hdr + off_gone(R) + peer, volatile=True)
+    failed = tl.load(hdr + off_failed(R) + peer, volatile=True)
     # a failure word counts only for this call: its round is past the rounds this rank has completed
     # (words of earlier calls, or posted late across a re-synchronisation, are ignored) and not past the
     # awaited round (a peer that finished this call and failed its next one says nothing about this one)
@@ -191,11 +191,11 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
     bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
-            st = wait_at_least(hdr + (W_FIXED + 0 * R) + r, want, hdr, host, r, want, timeout_ns, R, USE_CLOCK)
+            st = wait_at_least(hdr + off_ready(R) + r, want, hdr, host, r, want, timeout_ns, R, USE_CLOCK)
             # a peer whose part arrived with another signature called another operation (it may also
             # have said it failed: having found the same mismatch first); that is the error to name
-            arrived = (st == 0) | ((st == E_FAILED) & (acquire(hdr + (W_FIXED + 0 * R) + r) >= want))
-            if arrived & (tl.load(hdr + (W_FIXED + R) + r, volatile=True) != sig):
+            arrived = (st == 0) | ((st == E_FAILED) & (acquire(hdr + off_ready(R) + r) >= want))
+            if arrived & (tl.load(hdr + off_sig(R) + r, volatile=True) != sig):
                 st = tl.full([], E_MISMATCH, tl.int32)
             if st != 0:
                 post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R)
@@ -207,7 +207,7 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
 def post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.constexpr, ctl=None, lcall=-1):
     """A wait for ``peer`` ended with status ``st``: record it (``ctl``, ``lcall``: as :func:`post_error`).
     For a peer that gave up, the record names the peer's own stage (from its ``GONE`` word)."""
-    gone_stage = tl.load(hdr + (W_FIXED + 3 * R) + peer, volatile=True) - 1
+    gone_stage = tl.load(hdr + off_gone(R) + peer, volatile=True) - 1
     post_error(hdr, hdr_delta, host, st, peer, tl.where(st == E_GONE, gone_stage, stage), call, me, R, ctl, lcall)
 
 
@@ -232,13 +232,14 @@ def last_program_at(counter, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout_ns, cost_ptr, cost_on,
-                  R: tl.constexpr, REMOTE: tl.constexpr, CHECK_SIG: tl.constexpr, SHRINK: tl.constexpr,
-                  USE_CLOCK: tl.constexpr, COST: tl.constexpr):
+def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout_ns, R: tl.constexpr,
+                  REMOTE: tl.constexpr, CHECK_SIG: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
+                  COST: tl.constexpr, cost_ptr=None, cost_on=False):
     """A low-latency launch waits for every peer ``r`` that is not masked (``MASK[r]`` here): with
     ``REMOTE`` until ``r``'s word ``base`` is ``>= want`` (a send: the peer has received the call that last
     used this half), else until this rank's word ``base + r`` is (a receive: ``READY``), then with
-    ``CHECK_SIG`` compares ``r``'s signature (``SIG`` word ``base + 2R + r``) with ``sig``.
+    ``CHECK_SIG`` compares ``r``'s signature (its ``SIG`` word) with ``sig``. Callers pass the flags by
+    keyword.
 
     A wait that ends badly writes an error record (:func:`post_wait_error`; failure words are tagged
     with the normal-mode round ``W_BASE + 1``, what peers compare them with); with ``SHRINK`` a peer that
@@ -249,7 +250,7 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
     call = tl.load(hdr + W_BASE) + 1
     bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
-        masked = tl.load(ctl + (L_FIXED + 4 * R) + r, volatile=True) != 0
+        masked = tl.load(ctl + off_ll_mask(R) + r, volatile=True) != 0
         if (bad == 0) & (r != me) & (masked == 0):
             if REMOTE:
                 flag = ctl + tl.load(hdr_delta + r) + base
@@ -261,15 +262,15 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
             # (round 0: normal-mode FAILED words are not about low-latency calls, which learn of a
             # peer's failure from LFAILED only)
             st = wait_at_least(flag, want, hdr, host, r, 0, timeout_ns, R, USE_CLOCK,
-                               ctl + (L_FIXED + 5 * R) + r, lcall)
+                               ctl + off_ll_failed(R) + r, lcall)
             if COST:
                 if cost_on:
                     tl.atomic_add(cost_ptr + r, _now_ns(USE_CLOCK) - t0, sem="relaxed")
             if CHECK_SIG:
-                if (st == 0) & (tl.load(flag + 2 * R, volatile=True) != sig):
+                if (st == 0) & (tl.load(flag + (off_ll_sig(R) - off_ll_ready(R)), volatile=True) != sig):
                     st = tl.full([], E_MISMATCH, tl.int32)
             if SHRINK & ((st == E_TIMEOUT) | (st == E_GONE)):
-                tl.store(ctl + (L_FIXED + 4 * R) + r, tl.full([], 1, tl.int64))
+                tl.store(ctl + off_ll_mask(R) + r, tl.full([], 1, tl.int64))
                 st = tl.full([], 0, tl.int32)
             if st != 0:
                 post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R, ctl, lcall)
@@ -286,8 +287,8 @@ def ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_A
         if tl.load(hdr + W_ERR, volatile=True) == 0:
             for r in tl.static_range(R):
                 peer = ctl + tl.load(hdr_delta + r)
-                tl.store(peer + (L_FIXED + 2 * R) + half * R + me, sig)
-                release(peer + L_FIXED + half * R + me, n)
+                tl.store(peer + off_ll_sig(R) + half * R + me, sig)
+                release(peer + off_ll_ready(R) + half * R + me, n)
         tl.store(ctl + L_SEQ, n)
 
 
@@ -307,8 +308,8 @@ def finish_send(hdr, hdr_delta, round_no, sig, me, R: tl.constexpr, USE_ASM: tl.
         if tl.load(hdr + W_ERR, volatile=True) == 0:
             for r in tl.static_range(R):
                 peer = hdr + tl.load(hdr_delta + r)
-                tl.store(peer + (W_FIXED + R) + me, sig)
-                release(peer + (W_FIXED + 0 * R) + me, round_no)
+                tl.store(peer + off_sig(R) + me, sig)
+                release(peer + off_ready(R) + me, round_no)
 
 
 @triton.jit

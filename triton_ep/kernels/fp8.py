@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._util import interpreted
+
 FP8_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)
 BLOCK = 128
@@ -99,7 +101,6 @@ def _cast_kernel(x_ptr, q_ptr, s_ptr, T, H: tl.constexpr, ROUND_SCALE: tl.conste
 
 def native_cast() -> bool:
     """Whether kernels use Triton's own e4m3 cast (compiled GPU code) rather than :func:`e4m3_bits`."""
-    from ._util import interpreted
     return not interpreted()
 
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import flags
-from ._util import pow2
+from ._util import interpreted, pow2
 from .launch import Launcher
 from .combine import _bf16_rtne_bits
 
@@ -33,8 +33,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
-                             flags.STAGE_LL_COMBINE_SEND, timeout_ns, ctl, False, R, True, False, SHRINK,
-                             USE_CLOCK, False)
+                             flags.STAGE_LL_COMBINE_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
+                             SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
     hb = ctl_w + half * half_w + cnt_w
     RN = R * n_max
     WX: tl.constexpr = H // 2
@@ -47,7 +47,7 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max
             ret = tl.load(ret_slot + le * RN + j, mask=m, other=-1).to(tl.int64)
             m = m & (ret >= 0)
             s = tl.where(m, ret // (n_max * K), 0)
-            m = m & (tl.load(ctl + (flags.L_FIXED + 4 * R) + s, mask=m, other=1) == 0)
+            m = m & (tl.load(ctl + flags.off_ll_mask(R) + s, mask=m, other=1) == 0)
             dst = tl.load(delta_w + s, mask=m, other=0) + hb + (ret - s * (n_max * K)) * WX
             for w0 in range(0, WX, BLOCK_W):
                 ow = w0 + tl.arange(0, BLOCK_W)
@@ -70,9 +70,10 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
     # This call's number: the rank's last sent call, less the sends issued after it (host-known).
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
-    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_FIXED + half * R, n, sig, me,
-                             flags.STAGE_LL_COMBINE_RECV, timeout_ns, cost_ptr, tl.program_id(0) == 0, R, False,
-                             True, SHRINK, USE_CLOCK, COST)
+    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + half * R, n, sig, me,
+                             flags.STAGE_LL_COMBINE_RECV, timeout_ns, R=R, REMOTE=False, CHECK_SIG=True,
+                             SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=COST, cost_ptr=cost_ptr,
+                             cost_on=tl.program_id(0) == 0)
     T = tl.where(go, T, 0)
     hb = (ctl_w + half * half_w + cnt_w) * 2       # in bf16 elements
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
@@ -85,7 +86,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
             for k in tl.static_range(K):
                 e = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
                 ok = mt & (e >= 0) & (e < num_experts)
-                ok = ok & (tl.load(ctl + (flags.L_FIXED + 4 * R) + tl.where(ok, e // experts_per_rank, 0),
+                ok = ok & (tl.load(ctl + flags.off_ll_mask(R) + tl.where(ok, e // experts_per_rank, 0),
                                    mask=ok, other=1) == 0)
                 # the row came back in the slot of the token's first entry naming this expert
                 first = tl.zeros([BLOCK_T], dtype=tl.int64) + k
@@ -111,7 +112,6 @@ def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor
                     signals: dict) -> None:
     """Return rows ``x`` bf16 ``[E_local, R*N, H]`` (the first ``count[e]`` of each expert) to their source
     ranks' slots. ``ret_slot`` int32 ``[E_local, R*N]``: ``src * N * K + t * K + k`` or ``-1``."""
-    from ._util import interpreted
     El, RN, H = x.shape
     interp = interpreted()
     cap = signals.get("max_programs")
@@ -129,7 +129,6 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
                       signals: dict) -> None:
     """Reduce the rows returned for call ``SEQ - offset`` into ``out`` bf16 ``[T, H]`` with ``topk_weights``
     fp32 ``[T, K]`` (``topk_idx`` int32/int64 ``[T, K]``); wait ns per peer are added to ``cost`` (int64)."""
-    from ._util import interpreted
     T, K = topk_idx.shape
     H = out.shape[1]
     interp = interpreted()

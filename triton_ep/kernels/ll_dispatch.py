@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from . import flags
-from ._util import pow2
+from ..protocol import records
+from ._util import interpreted, pow2
 from .launch import Launcher
 from .fp8 import quantize_blocks
 
@@ -54,7 +55,7 @@ def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_pe
         nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
         ok = m & (ids >= 0) & (ids < num_experts)
         dst = tl.where(ok, ids // experts_per_rank, 0)
-        ok = ok & (tl.load(ctl + (flags.L_FIXED + 4 * R) + dst, mask=ok, other=0) == 0)
+        ok = ok & (tl.load(ctl + flags.off_ll_mask(R) + dst, mask=ok, other=0) == 0)
         e = tl.where(ok, ids, -1)
         # 3. A duplicate of an earlier entry of the same token makes no row (the token goes once).
         same_tok = (e[:, :, None] == e[:, None, :]) & (ok_[None, None, :] < ok_[None, :, None]) & ok[:, None, :]
@@ -104,19 +105,18 @@ def _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, records_w
 def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
                              hdr, hdr_delta, host, sig, me, timeout_ns,
-                             R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, REC: tl.constexpr,
-                             FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
+                             R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
+                             SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
-                             flags.STAGE_LL_DISPATCH_SEND, timeout_ns, ctl, False, R, True, False, SHRINK,
-                             USE_CLOCK, False)
+                             flags.STAGE_LL_DISPATCH_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
+                             SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
     T = tl.where(go, T, 0)
     hb = ctl_w + half * half_w                  # the half, in words from the area's start (every rank alike)
-    PW: tl.constexpr = H // 4 if FP8 else H // 2
     # Programs take token blocks pid, pid + P, ...; each tile of x is read (and cast) once and stored
     # into the record of every expert the token goes to.
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
@@ -138,21 +138,21 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                                     K, R, REC)
                 if FP8:
                     tl.store(area_q + rec[:, None] * 4 + oh[None, :], q, mask=m[:, None])
-                    tl.store(area_f + rec[:, None] + PW + ob[None, :], s, mask=m[:, None])
+                    tl.store(area_f + rec[:, None] + PW + ob[None, :], s, mask=m[:, None])   # scales after the payload
                 else:
                     tl.store(area_w + rec[:, None] + ow[None, :], v, mask=m[:, None])
         # the record's last word: t * K + k (the entry combine returns the row to)
         for k in tl.static_range(K):
             m, rec = _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, hb + cnt_w, me, n_max, K, R,
                                 REC)
-            tl.store(area_w + rec + (PW + (H // 128 if FP8 else 0)), (t * K + k).to(tl.int32), mask=m)
+            tl.store(area_w + rec + records.ll_rec_slot(PW, SW), (t * K + k).to(tl.int32), mask=m)
     # The rows per expert go to the expert's rank: counts [s = me][local expert] of the half there.
     if (tl.program_id(0) == 0) & go:
         for e0 in range(0, num_experts, BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
             me_ = e < num_experts
             d = tl.where(me_, e // experts_per_rank, 0)
-            me_ = me_ & (tl.load(ctl + (flags.L_FIXED + 4 * R) + d, mask=me_, other=1) == 0)
+            me_ = me_ & (tl.load(ctl + flags.off_ll_mask(R) + d, mask=me_, other=1) == 0)
             tl.store(area_w + tl.load(delta_w + d, mask=me_, other=0) + hb + me * experts_per_rank
                      + (e - d * experts_per_rank), tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
     # The last program releases READY = n in every peer and records n as this rank's last call.
@@ -175,9 +175,10 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
     # This call's number: the rank's last sent call, less the sends issued after it (host-known).
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
-    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_FIXED + half * R, n, sig, me,
-                             flags.STAGE_LL_DISPATCH_RECV, timeout_ns, cost_ptr, (tl.program_id(0) == 0) & (b == 0), R, False,
-                             True, SHRINK, USE_CLOCK, COST)
+    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + half * R, n, sig, me,
+                             flags.STAGE_LL_DISPATCH_RECV, timeout_ns, R=R, REMOTE=False, CHECK_SIG=True,
+                             SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=COST, cost_ptr=cost_ptr,
+                             cost_on=(tl.program_id(0) == 0) & (b == 0))
     hb = ctl_w + half * half_w
     RN = R * n_max
     # Programs take local experts pid, pid + P, ... (P capped where ranks share a GPU).
@@ -186,7 +187,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
         # order: DeepEP's layout_range = begin << 32 | count.
         total = tl.zeros([], dtype=tl.int64)
         for s in tl.static_range(R):
-            ok = go & (tl.load(ctl + (flags.L_FIXED + 4 * R) + s, volatile=True) == 0)
+            ok = go & (tl.load(ctl + flags.off_ll_mask(R) + s, volatile=True) == 0)
             c = tl.where(ok, tl.load(area_w + hb + s * experts_per_rank + le, volatile=True), 0).to(tl.int64)
             if b == 0:
                 tl.store(layout + le * R + s, (total << 32) | c)
@@ -203,14 +204,14 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
             i = tl.zeros([BLOCK_R], dtype=tl.int64)
             beg = tl.zeros([], dtype=tl.int64)
             for s in tl.static_range(R):
-                ok = go & (tl.load(ctl + (flags.L_FIXED + 4 * R) + s, volatile=True) == 0)
+                ok = go & (tl.load(ctl + flags.off_ll_mask(R) + s, volatile=True) == 0)
                 c = tl.where(ok, tl.load(area_w + hb + s * experts_per_rank + le), 0).to(tl.int64)
                 inside = (j >= beg) & (j < beg + c)
                 src = tl.where(inside, s, src)
                 i = tl.where(inside, j - beg, i)
                 beg += c
             rec = hb + cnt_w + ((le * R + src) * n_max + i) * REC
-            tk = tl.load(area_w + rec + PW + SW, mask=valid, other=-1)
+            tk = tl.load(area_w + rec + records.ll_rec_slot(PW, SW), mask=valid, other=-1)
             tl.store(src_info + le * RN + j, tl.where(valid, tk // K, -1), mask=j < RN)
             tl.store(ret_slot + le * RN + j, tl.where(valid, src * (n_max * K) + tk, -1).to(tl.int32), mask=j < RN)
             # Payload and scales of the valid rows (as DeepEP, rows past the count are left as they are).
@@ -249,7 +250,6 @@ def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, 
              num_experts: int, num_ranks: int, signals: dict) -> None:
     """Slots of this rank's (token, expert) rows: ``slots`` int32 ``[T, K]`` (``-1``: no row), ``counts``
     int32 ``[E]`` (rows per expert). ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block."""
-    from ._util import interpreted
     T, K = topk_idx.shape
     _ll_route_launch[(1,)](topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks,
                            signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"], R=num_ranks, K=K,
@@ -264,7 +264,6 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
     ``x`` bf16 ``[T, H]``; ``topk_idx`` ``[T, K]``; ``slots``/``counts`` from :func:`ll_route`; ``area``:
     int32 view of the local low-latency area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control
     block; ``lay``: the call's layout (:class:`triton_ep.modes.low_latency.Layout`); ``sig``: call signature."""
-    from ._util import interpreted
     T, H = x.shape
     K = topk_idx.shape[1]
     interp = interpreted()
@@ -278,7 +277,8 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
         x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
         T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
         signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
-        R=lay.num_ranks, K=K, H=H, REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
+        R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
+        SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
         NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"],
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_E=1024, num_warps=4 if interp else 8)
 
@@ -292,10 +292,9 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
     words ``[E_local, R*N, PW]``) and ``out_scales`` (int32 bits, column-major), and fill ``src_info``
     int32 / ``ret_slot`` int32 ``[E_local, R*N]``, ``layout_range`` int64 ``[E_local, R]``, ``count`` int32
     ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64)."""
-    from ._util import interpreted
     El, RN, PW = out_words.shape
     H = lay.hidden
-    SW = H // 128 if use_fp8 else 0
+    SW = records.ll_scale_words.host(H, use_fp8)
     interp = interpreted()
     nb = 1 if interp else max(1, min(triton.cdiv(RN, 8), 4))
     br = 64 if interp else 4

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import flags
+from ..protocol import records
 from .launch import Launcher
 from ._util import pow2
 from .dispatch import sync_args, _use_clock
@@ -67,14 +68,14 @@ def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, hdr, hdr_delt
         for r in tl.static_range(R):
             peer = hdr + tl.load(hdr_delta + r)
             for j in tl.static_range(R):
-                tl.store(peer + (flags.W_FIXED + 5 * R) + me * R + j, tl.load(counts_ptr + j).to(tl.int64))
+                tl.store(peer + flags.off_notify(R) + me * R + j, tl.load(counts_ptr + j).to(tl.int64))
             if EXPERTS:
                 for e0 in range(0, experts_per_rank, BLOCK_E):
                     oe = e0 + tl.arange(0, BLOCK_E)
                     me_ = oe < experts_per_rank
                     c = tl.load(counts_ptr + R + r * experts_per_rank + oe, mask=me_, other=0).to(tl.int64)
-                    tl.store(peer + (flags.W_FIXED + 5 * R + R * R) + me * experts_per_rank + oe, c, mask=me_)
-            flags.release(peer + (flags.W_FIXED + 4 * R) + me, n)
+                    tl.store(peer + flags.off_notify_e(R) + me * experts_per_rank + oe, c, mask=me_)
+            flags.release(peer + flags.off_nflag(R) + me, n)
 
 
 _notify_send_launch = Launcher(_notify_send_kernel)
@@ -90,11 +91,11 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
     for r in tl.static_range(R):
         if (bad == 0) & (r != me):
             # (a peer that released READY for round n first runs another collective: E_MISMATCH)
-            st = flags.wait_at_least(hdr + (flags.W_FIXED + 4 * R) + r, n, hdr, host, r, n, timeout_ns, R, USE_CLOCK,
-                                     None, -1, hdr + flags.W_FIXED + r)
+            st = flags.wait_at_least(hdr + flags.off_nflag(R) + r, n, hdr, host, r, n, timeout_ns, R, USE_CLOCK,
+                                     None, -1, hdr + flags.off_ready(R) + r)
             # a peer that published its row and then failed (it found a rank over capacity, as this rank
             # will from the same matrix) does not stop this rank: the capacity error is named below
-            if (st == flags.E_FAILED) & (flags.acquire(hdr + (flags.W_FIXED + 4 * R) + r) >= n):
+            if (st == flags.E_FAILED) & (flags.acquire(hdr + flags.off_nflag(R) + r) >= n):
                 st = tl.full([], 0, tl.int32)
             if st != 0:
                 flags.post_wait_error(hdr, hdr_delta, host, st, r, flags.STAGE_NOTIFY, n, me, R)
@@ -105,7 +106,7 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
     #        the channel starts within each source's rows)
     #   t64: row_base [R] (rpm[me-1], or 0 on rank 0), combine's comb_base [R] (sum of C[i][r<me]),
     #        send_base [R] (exclusive cumulative C[me]), prefix [R] (rpm[i][me]), then n_recv [1]
-    NOTIFY = hdr + (flags.W_FIXED + 5 * R)
+    NOTIFY = hdr + flags.off_notify(R)
     over = tl.full([], -1, tl.int64)
     got = tl.full([], 0, tl.int64)
     mine = tl.full([], 0, tl.int64)
@@ -115,23 +116,23 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
             col += tl.where(bad == 0, tl.load(NOTIFY + s * R + j, volatile=True), 0)
             tl.store(t32_ptr + s * R + j, col.to(tl.int32))
             tl.store(t64_ptr + j, col, mask=me == s + 1)                     # row_base = rpm[me - 1]
-            tl.store(t64_ptr + 3 * R + s, col, mask=me == j)                 # prefix = rpm[:, me]
+            tl.store(t64_ptr + records.t64_prefix(R) + s, col, mask=me == j)       # prefix = rpm[:, me]
         tl.store(t64_ptr + j, tl.zeros([], tl.int64), mask=me == 0)
         first = (over < 0) & (col > num_worst)
         got = tl.where(first, col, got)
         over = tl.where(first, j, over)
         # this rank's own row: sent to j, and before j
         c_me = tl.where(bad == 0, tl.load(NOTIFY + me * R + j, volatile=True), 0)
-        tl.store(t64_ptr + 2 * R + j, mine)                                  # send_base (exclusive)
+        tl.store(t64_ptr + records.t64_send_base(R) + j, mine)                     # send_base (exclusive)
         mine += c_me
-        tl.store(t32_ptr + R * R + j, c_me.to(tl.int32))                    # channel_prefix_matrix[j][0]
-        tl.store(t32_ptr + R * R + R + j, tl.zeros([], tl.int32))          # recv_channel_prefix_matrix[j][0]
-        tl.store(t64_ptr + 4 * R, col, mask=me == j)                         # n_recv = rpm[R-1][me]
+        tl.store(t32_ptr + records.t32_channel(R) + j, c_me.to(tl.int32))         # channel_prefix_matrix[j][0]
+        tl.store(t32_ptr + records.t32_recv_channel(R) + j, tl.zeros([], tl.int32))  # recv_channel_prefix_matrix[j][0]
+        tl.store(t64_ptr + records.t64_n_recv(R), col, mask=me == j)              # n_recv = rpm[R-1][me]
     for i in tl.static_range(R):                                             # comb_base[i] = sum C[i][r < me]
         cb = tl.full([], 0, tl.int64)
         for r in tl.static_range(R):
             cb += tl.where((bad == 0) & (r < me), tl.load(NOTIFY + i * R + r, volatile=True), 0)
-        tl.store(t64_ptr + R + i, cb)
+        tl.store(t64_ptr + records.t64_comb_base(R) + i, cb)
     if (bad == 0) & (over >= 0):
         tl.store(host + flags.H_INFO, got)
         tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_worst)
@@ -154,7 +155,7 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
                 tl.store(res_ptr + RES_N_RECV, col)
         tl.store(res_ptr + RES_RECV_MAX, rmax)
         tl.store(res_ptr + RES_SEND_MAX, smax)
-        NOTIFY_E = hdr + (flags.W_FIXED + 5 * R + R * R)
+        NOTIFY_E = hdr + flags.off_notify_e(R)
         for e0 in range(0, experts_per_rank, BLOCK_E):
             oe = e0 + tl.arange(0, BLOCK_E)
             me_ = oe < experts_per_rank

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -23,6 +23,7 @@ from ..kernels import notify as NT
 from ..kernels.combine import record_bytes as combine_record_bytes
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
+from ..protocol import records
 from ..runtime import Runtime, steps
 from ..runtime.checks import check_config, check_event, isint
 from ..transport import signals
@@ -111,7 +112,7 @@ class DispatchHandle(tuple):
         self.combine_tables = combine_tables
         R = int(items[0].shape[0])
         #: the same three as views, made once
-        self.combine_views = (combine_tables[:R], combine_tables[R:2 * R], combine_tables[2 * R:])
+        self.combine_views = records.split_combine_tables(combine_tables, R)
         #: per call shape (operation, widths): record size, rows per round, rounds and call signature,
         #: worked out by the first call of that shape
         self.plans: dict = {}
@@ -159,10 +160,12 @@ class Intranode:
         self._layout_memo = None
 
     def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                            tokens_per_host: Optional[Callable[[Tensor], Tensor]] = None
                             ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
         """``Buffer.get_dispatch_layout`` (same arguments and results): the routing layout, kept for the
-        dispatch that passes it back."""
+        dispatch that passes it back. ``tokens_per_host`` (internode mode) computes the second result,
+        ``num_tokens_per_rdma_rank``, from ``is_token_in_rank`` on the layout's stream (else ``None``)."""
         self.rt.live()
         idx = self.rt.check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None))
         self.rt.check_num_experts(num_experts)
@@ -171,12 +174,14 @@ class Intranode:
         self.rt.begin(previous_event, async_finish)
         with self.rt.comm_ctx():
             lay = kernels.routing_layout(idx, num_experts, self.rt.group_size)
-        per_rank, per_expert, in_rank = lay[:3]
+            per_rank, per_expert, in_rank = lay[:3]
+            per_host = tokens_per_host(in_rank) if tokens_per_host is not None else None
         # kept for the dispatch that takes this layout (the same topk_idx and is_token_in_rank, unchanged):
         # it then uses these send positions and counts instead of computing the layout again
         vi, vr = _version_of(idx), _version_of(in_rank)
         self._layout_memo = (weakref.ref(idx), vi, int(num_experts), vr, lay) if None not in (vi, vr) else None
-        return per_rank, None, per_expert, in_rank, self.rt.end(async_finish, (idx, per_rank, per_expert, in_rank))
+        return per_rank, per_host, per_expert, in_rank, self.rt.end(async_finish,
+                                                                    (idx, per_rank, per_host, per_expert, in_rank))
 
     @steps
     def dispatch_steps(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -233,15 +238,15 @@ class Intranode:
                 kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst)
             yield "dispatch/notify receive"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                t32_dev = torch.empty(R * R + 2 * R, dtype=torch.int32, device=self.rt.device)
-                tables = torch.empty(4 * R + 1, dtype=torch.int64, device=self.rt.device)
+                t32_dev = torch.empty(records.t32_words.host(R), dtype=torch.int32, device=self.rt.device)
+                tables = torch.empty(records.t64_words.host(R), dtype=torch.int64, device=self.rt.device)
                 res = None
                 if not worst:
                     res = self._notify_block(El)
                     self._notify_seq += 1
                 kernels.notify_recv(t32_dev, tables, num_worst_tokens if worst else _MAX_ROWS, self.rt.sig_args, res,
                                     self._notify_seq, El)
-            row_base, combine_tables, n_recv_dev = tables[:R], tables[R:4 * R], tables[4 * R:]
+            row_base, combine_tables, n_recv_dev = records.split_t64(tables, R)
             if worst:
                 n_recv, n_out, expert_list = None, num_worst_tokens, []
                 recv_rows_max, area_rows_max = num_worst_tokens, R * num_worst_tokens   # ranks receive <= it
@@ -305,9 +310,8 @@ class Intranode:
             event = self.rt.end(async_finish, inputs + (recv_x, recv_sc))
             self.rt.check()
             return out_x, None, None, None, None, event
-        rpm_t = t32_dev[:R * R].view(R, R)
         # DeepEP's channel_prefix_matrix and recv_channel_prefix_matrix with one channel (docs/design.md, Handle)
-        chan, recv_chan = t32_dev[R * R:R * R + R].view(R, 1), t32_dev[R * R + R:].view(R, 1)
+        rpm_t, chan, recv_chan = records.split_t32(t32_dev, R)
         new_handle = DispatchHandle((rpm_t, chan, recv_chan, recv_src, in_rank, send_pos), self.rt.uid,
                                     a.num_tokens, n_recv, recv_rows_max, area_rows_max, self.rt.dispatch_seq, row_base,
                                     combine_tables, n_recv_dev)

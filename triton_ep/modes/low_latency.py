@@ -27,6 +27,7 @@ from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
 from ..protocol import call_card as card
+from ..protocol import records
 from ..protocol.signal_header import failure_word_of
 from ..runtime import Runtime
 from ..runtime.checks import isint
@@ -63,17 +64,15 @@ class Layout:
 
     @property
     def ctl_bytes(self) -> int:
-        return _up(F.ll_ctl_words(self.num_ranks) * 8)
+        return _up(F.ll_ctl_words.host(self.num_ranks) * 8)
 
     @property
     def count_bytes(self) -> int:
         return _up(self.num_experts * 4)
 
     def record_words(self, fp8: bool) -> int:
-        """32-bit words of one dispatch record: payload (+ scales) + the ``t * K + k`` word, to 4 words."""
-        H = self.hidden
-        n = (H // 4 + H // 128 if fp8 else H // 2) + 1
-        return (n + 3) // 4 * 4
+        """32-bit words of one dispatch record (:mod:`triton_ep.protocol.records`)."""
+        return records.ll_record_words(self.hidden, fp8)
 
     @property
     def half_bytes(self) -> int:
@@ -127,9 +126,9 @@ class LowLatency:
         with torch.inference_mode(False):
             self.area_u8 = comm.data[offset:offset + area_bytes]
             self.area = self.area_u8.view(torch.int32)
-            self.ctl = self.area_u8[:F.ll_ctl_words(comm.size) * 8].view(torch.int64)
+            self.ctl = self.area_u8[:F.ll_ctl_words.host(comm.size) * 8].view(torch.int64)
             #: every rank's control block as mapped here (this rank's failure words go into the peers')
-            self.peer_ctl = [p[offset:offset + F.ll_ctl_words(comm.size) * 8].view(torch.int64) for p in comm.peers]
+            self.peer_ctl = [p[offset:offset + F.ll_ctl_words.host(comm.size) * 8].view(torch.int64) for p in comm.peers]
         self.area_bytes = area_bytes
         self.shrink = bool(shrink)
         #: low-latency sends this Buffer has issued (the device's L_SEQ moves with them, in stream order)
@@ -169,7 +168,7 @@ class LowLatency:
             self.ctl[:4].copy_(torch.tensor([top, 0, top, top], dtype=torch.int64))
             # failure words name calls up to top + 1: none may match a call after the restart (the peers
             # wrote them before they came to this meeting)
-            self.ctl[F.off_ll_failed(R):F.off_ll_failed(R) + R].fill_(0)
+            self.ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
         self.pending.clear()
 
     def _guard(self, fn, *args):
@@ -193,7 +192,7 @@ class LowLatency:
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
-                    pc[F.off_ll_failed(R) + me].fill_(failure_word_of(n, F.E_FAILED))
+                    pc[F.off_ll_failed.host(R) + me].fill_(failure_word_of(n, F.E_FAILED))
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure
         rt.sig.needs_resync = True
@@ -418,7 +417,7 @@ class LowLatency:
     # ------------------------------------------------------------------ masking
     def _mask_words(self) -> Tensor:
         R = self.rt.group_size
-        return self.ctl[F.off_ll_mask(R):F.off_ll_mask(R) + R]
+        return self.ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R]
 
     def update_mask(self, rank: int, mask: bool) -> None:
         if not isint(rank) or not 0 <= rank < self.rt.group_size:

@@ -1,11 +1,25 @@
 """The signal header, the host-visible error block, the low-latency control block and the scheduler ring's
 control block: every word's index, every error kind and stage code, written once. Kernels read them as
 ``tl.constexpr`` (through :mod:`triton_ep.kernels.flags`, which imports them from here); host code
-(:mod:`triton_ep.transport.signals`, the modes, the scheduler) takes ``int()`` of them and uses the
-``off_*`` functions for the per-peer arrays. The protocol these words carry is described in
+(:mod:`triton_ep.transport.signals`, the modes, the scheduler) takes ``int()`` of them. The per-peer arrays'
+offsets are :func:`formula` functions (``off_*``, ``ring_word``...): kernels call them, host code calls their
+``.host``. The protocol these words carry is described in
 :mod:`triton_ep.kernels.flags`.
 """
+import functools
+
+import triton
 import triton.language as tl
+
+
+def formula(fn):
+    """One formula for kernels and host code. ``fn`` computes a word index from ``tl.constexpr`` words and
+    its arguments; the result is a ``@triton.jit`` function that kernels call (with ``R: tl.constexpr`` it
+    folds to a constant) and whose ``.host(*args)`` evaluates the same source on the host to an ``int``."""
+    dev = triton.jit(fn)
+    cached = functools.lru_cache(maxsize=None)(lambda *args: int(fn(*args)))
+    dev.host = lambda *args: cached(*(int(a) for a in args))
+    return dev
 
 
 # ---- the signal header (int64 words), per rank; R = group size ----
@@ -16,36 +30,42 @@ W_ERR = tl.constexpr(3)           #: nonzero once this rank holds an error recor
 W_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
 
 
+@formula
 def off_ready(R):
     """``READY[s]``: last round rank ``s`` has finished writing into this rank's area."""
-    return int(W_FIXED)
+    return W_FIXED
 
 
+@formula
 def off_sig(R):
     """``SIG[s]``: signature of rank ``s``'s current call (stored before ``READY[s]``)."""
-    return int(W_FIXED) + R
+    return W_FIXED + R
 
 
+@formula
 def off_failed(R):
     """``FAILED[s]``: set when rank ``s`` failed a call, to :func:`failure_word` of the round and the kind
     (``E_MISMATCH`` when it found that ranks called different operations, else ``E_FAILED``)."""
-    return int(W_FIXED) + 2 * R
+    return W_FIXED + 2 * R
 
 
+@formula
 def off_gone(R):
     """``GONE[s]``: stage code + 1 once rank ``s`` gave up after a timeout (permanent)."""
-    return int(W_FIXED) + 3 * R
+    return W_FIXED + 3 * R
 
 
+@formula
 def off_nflag(R):
     """``NOTIFIED[s]``: first round of the call whose counts rank ``s`` has written into ``NOTIFY``."""
-    return int(W_FIXED) + 4 * R
+    return W_FIXED + 4 * R
 
 
+@formula
 def off_notify(R):
     """``NOTIFY[s * R + j]``: rows rank ``s`` sends to rank ``j`` in the current call (an ``R x R``
     matrix every rank receives whole: a dispatch with ``num_worst_tokens`` learns its sizes on the device)."""
-    return int(W_FIXED) + 5 * R
+    return W_FIXED + 5 * R
 
 
 #: ``NOTIFY_E[s * E_local + e]`` after ``NOTIFY``: rows rank ``s`` sends to this rank's local expert ``e``
@@ -54,14 +74,16 @@ def off_notify(R):
 NOTIFY_E_WORDS = tl.constexpr(16384)
 
 
+@formula
 def off_notify_e(R):
     """``NOTIFY_E``: per-expert counts each rank sends here (see ``NOTIFY_E_WORDS``)."""
-    return int(W_FIXED) + 5 * R + R * R
+    return W_FIXED + 5 * R + R * R
 
 
+@formula
 def header_words(R):
     """int64 words of one rank's signal header."""
-    return int(W_FIXED) + 5 * R + R * R + int(NOTIFY_E_WORDS)
+    return W_FIXED + 5 * R + R * R + NOTIFY_E_WORDS
 
 
 # ---- the host-visible block (int64 words): pinned host memory on GPU, plain memory on CPU ----
@@ -114,31 +136,36 @@ L_CONS = tl.constexpr(2)          #: ``CONS[h]`` (2 words): last call this rank 
 L_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
 
 
+@formula
 def off_ll_ready(R):
     """``READY[h * R + s]``: the last call whose data rank ``s`` has finished writing into half ``h`` here."""
-    return int(L_FIXED)
+    return L_FIXED
 
 
+@formula
 def off_ll_sig(R):
     """``SIG[h * R + s]``: the signature of rank ``s``'s call in half ``h`` (stored before ``READY``)."""
-    return int(L_FIXED) + 2 * R
+    return L_FIXED + 2 * R
 
 
+@formula
 def off_ll_mask(R):
     """``MASK[s]``: nonzero when this rank no longer sends to or waits for rank ``s`` (rank masking)."""
-    return int(L_FIXED) + 4 * R
+    return L_FIXED + 4 * R
 
 
+@formula
 def off_ll_failed(R):
     """``LFAILED[s]``: ``failure_word(call, kind)`` of the low-latency call rank ``s`` failed (``E_FAILED``: it
     rejected its arguments, or failed; ``E_MISMATCH``: it found ranks disagree): waits of that call for rank
     ``s`` end at once; its other calls are not affected."""
-    return int(L_FIXED) + 5 * R
+    return L_FIXED + 5 * R
 
 
+@formula
 def ll_ctl_words(R):
     """int64 words of one rank's low-latency control block."""
-    return int(L_FIXED) + 6 * R
+    return L_FIXED + 6 * R
 
 
 # ---- scheduler rings (triton_ep/scheduler.py): a rank's ring control block, int64 words ----
@@ -167,16 +194,31 @@ RING_SRC = tl.constexpr(6)
 RING_LEN = tl.constexpr(7)
 STAGE_RING_PRODUCE = tl.constexpr(12)   #: a producer waiting for a free send slot
 STAGE_RING_CONSUME = tl.constexpr(13)   #: a consumer waiting for a chunk (the tail)
+# the RDMA proxy's stages (host only; a failed proxy's fault word carries them to its peers)
+STAGE_PROXY_POST = 14
+STAGE_PROXY_SEND_CQE = 15
+STAGE_PROXY_RECV_CQE = 16
+STAGE_PROXY_CREDIT = 17
+STAGE_PROXY_SEND_WAIT = 18
+STAGE_PROXY = 19                        #: anything else inside the proxy
 
 
+@formula
 def ring_word(array, R, peer):
     """Word index of ``array[peer]`` (``array``: one of the ``RING_*`` per-peer arrays) for group size ``R``."""
-    return int(RING_FIXED) + int(array) * R + peer
+    return RING_FIXED + array * R + peer
 
 
+@formula
+def ring_len_word(R, S, peer, slot):
+    """Word index of ``LEN[peer * S + slot]``: the bytes of the chunk in send slot ``slot`` for ``peer``."""
+    return RING_FIXED + RING_LEN * R + peer * S + slot
+
+
+@formula
 def ring_ctrl_words(R, S):
     """int64 words of a ring control block for ``R`` ranks and ``S`` slots per peer."""
-    return int(RING_FIXED) + int(RING_LEN) * R + R * S
+    return RING_FIXED + RING_LEN * R + R * S
 
 
 #: every stage code (error records and ring records name them), in one table with its name
@@ -189,5 +231,10 @@ STAGE_NAMES = {0: "unknown", int(STAGE_DISPATCH_SEND): "dispatch/send", int(STAG
                int(STAGE_LL_COMBINE_SEND): "low_latency_combine/send",
                int(STAGE_LL_COMBINE_RECV): "low_latency_combine/reduce",
                int(STAGE_RING_PRODUCE): "rdma ring/producer: free send slot",
-               int(STAGE_RING_CONSUME): "rdma ring/consumer: tail"}
-assert len(STAGE_NAMES) == 14, "stage codes must be unique"
+               int(STAGE_RING_CONSUME): "rdma ring/consumer: tail",
+               STAGE_PROXY_POST: "rdma proxy/post", STAGE_PROXY_SEND_CQE: "rdma proxy/send completion",
+               STAGE_PROXY_RECV_CQE: "rdma proxy/receive completion",
+               STAGE_PROXY_CREDIT: "rdma proxy/credits (the peer stopped consuming)",
+               STAGE_PROXY_SEND_WAIT: "rdma proxy/completion wait",
+               STAGE_PROXY: "rdma proxy"}      # last: a prefix of the proxy names above
+assert len(STAGE_NAMES) == 20, "stage codes must be unique"

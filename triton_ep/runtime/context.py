@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import uuid
 from typing import Callable, Generator, Optional, Sequence
 
@@ -24,6 +25,8 @@ from ..kernels import flags as F
 from ..protocol import call_card as card
 from ..transport import ipc, signals
 from ..transport.bootstrap import Exchange
+from .hosts import (ENV_RANKS_PER_HOST, Hosts, choose_transport, group_hosts, host_identity,
+                    rdma_backend_arg)
 from .checks import DEFAULT_TIMEOUT_S, check_num_experts, check_tensor, device_arg, isint, timeout_arg
 
 Tensor = torch.Tensor
@@ -75,18 +78,22 @@ class Runtime:
         timeout_s: bound on every wait for a peer, in seconds.
         uid: the Buffer's unique id (handles name it).
         group: the process group, ``None`` for ranks simulated in one process.
+        hosts: which ranks share a host (:class:`~triton_ep.runtime.hosts.Hosts`; default: one host).
+        rdma_transport: the transport between hosts, ``None`` for one host, ``"emulated"`` or ``"verbs"``.
 
     Attributes:
         comm, sig (:class:`~triton_ep.transport.signals.Signals`), sig_args (what signalling kernels take),
         rank, group_size, device, timeout_s, uid, group, delta_words (int64 ``[R]``: peer buffers minus this
         one, in 32-bit words), comm_stream (``None`` on CPU), dispatch_seq (dispatches so far, the same on
         every rank: names handles), host_waits (``{"meet": n, "poll": n}``: host rendezvous and count polls
-        so far, read by :func:`triton_ep.testing.host_waits`).
+        so far, read by :func:`triton_ep.testing.host_waits`), hosts, num_hosts, rdma_transport.
     """
 
     def __init__(self, comm: ipc.Comm, timeout_s: float, uid: str, group=None, ll_offset: int = 0,
-                 ll_bytes: int = 0) -> None:
+                 ll_bytes: int = 0, hosts: Optional[Hosts] = None, rdma_transport: Optional[str] = None) -> None:
         self.comm, self.timeout_s, self.uid, self.group = comm, float(timeout_s), uid, group
+        self.hosts = hosts if hosts is not None else Hosts((0,) * comm.size, ("this host",), "one process")
+        self.num_hosts, self.rdma_transport = self.hosts.num_hosts, rdma_transport
         #: where the low-latency area starts in the data buffer, and its bytes (0: none)
         self.ll_offset, self.ll_bytes = int(ll_offset), int(ll_bytes)
         self.rank, self.group_size, self.device = comm.rank, comm.size, comm.device
@@ -373,45 +380,88 @@ class Runtime:
         return cap
 
 
-def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, timeout_s, device) -> Runtime:
+def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, timeout_s, device,
+                 rdma_backend: Optional[str] = None) -> Runtime:
     """Build one rank's :class:`Runtime` for a Buffer (collective over ``group``): check the constructor's
     values, bootstrap the group's shared buffers (:func:`triton_ep.transport.ipc.open_group`: the normal-mode
     part of ``num_nvl_bytes`` rounded up to 4 KiB, then, with ``low_latency_mode``, the low-latency area of
     ``num_rdma_bytes``), and return the runtime. ``group`` may be an ``ipc.Comm`` (ranks simulated in one
     process, :mod:`triton_ep.testing`). A rank that rejects its values tells its peers first (they raise
-    ``EPRemoteError`` at once instead of waiting).
+    ``EPRemoteError`` at once instead of waiting). The ranks are grouped into hosts and the transport between
+    hosts chosen (:mod:`triton_ep.runtime.hosts`; ``rdma_backend``: ``"auto"``, ``"verbs"``, ``"emulated"``
+    or ``None`` for ``TRITON_EP_RDMA``).
 
     Raises:
-        ValueError: a bad value (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``), no process group, ranks
-            on different hosts. EPTimeoutError: ranks did not arrive within ``timeout_s`` (named).
-            EPRemoteError: a peer gave up or failed first.
+        ValueError: a bad value (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``, ``rdma_backend``), no
+            process group, ranks that disagree on ``rdma_backend`` or ``TRITON_EP_RANKS_PER_HOST``, hosts of
+            different sizes, several hosts and no RDMA transport.
+        NotImplementedError: ranks on several machines (internode normal mode's data path is not built yet).
+        EPTimeoutError: ranks did not arrive within ``timeout_s`` (named).
+        EPRemoteError: a peer gave up or failed first.
     """
-    exchange = None
+    exchanges = []
     if not isinstance(group, ipc.Comm):
         if group is None and not dist.is_initialized():
             raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
                              "or an explicit group")
         group = group if group is not None else dist.group.WORLD
         # made before the checks below: a rank that rejects its arguments tells its peers at once
-        exchange = Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")
+        exchanges = [Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange host identities"),
+                     Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")]
     try:
         timeout_s = timeout_arg(timeout_s)
         if not isint(num_nvl_bytes) or num_nvl_bytes < 0:
             raise ValueError(f"num_nvl_bytes must be a non-negative int, got {num_nvl_bytes!r}")
         if not isint(num_rdma_bytes) or num_rdma_bytes < 0:
             raise ValueError(f"num_rdma_bytes must be a non-negative int, got {num_rdma_bytes!r}")
-        device = device_arg(device) if exchange is not None else device
+        backend = rdma_backend_arg(rdma_backend)
+        device = device_arg(device) if exchanges else device
+        if not exchanges:
+            size = group.size
+            hosts = group_hosts([host_identity()] * size, [os.environ.get(ENV_RANKS_PER_HOST)] * size)
+            _check_modes(hosts, low_latency_mode)
+            return Runtime(group, timeout_s, uuid.uuid4().hex, hosts=hosts,
+                           rdma_transport=choose_transport(backend, hosts))
+        for ex in exchanges:
+            ex.timeout_s = timeout_s
+        hosts, transport = _find_hosts(exchanges[0], backend, low_latency_mode)
     except Exception as e:
-        if exchange is not None:
-            exchange.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
+        for ex in exchanges:
+            ex.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
         raise
-    if exchange is None:
-        return Runtime(group, timeout_s, uuid.uuid4().hex)
     # the low-latency area follows the normal-mode part of the same shared buffer (every rank maps it),
     # which normal-mode rounds never touch
     nvl_part = max(4096, (int(num_nvl_bytes) + 4095) // 4096 * 4096)
     ll_bytes = (int(num_rdma_bytes) + 4095) // 4096 * 4096 if low_latency_mode else 0
-    exchange.timeout_s = timeout_s
-    comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchange)
+    comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchanges[1])
     comm.min_bytes -= ll_bytes
-    return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes)
+    return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport)
+
+
+def _find_hosts(exchange: Exchange, backend: str, low_latency_mode: bool):
+    """Exchange host identities (and each rank's ``TRITON_EP_RANKS_PER_HOST`` and ``rdma_backend``), group
+    the ranks into hosts and choose the transport between them: ``(Hosts, transport)``. Every rank raises the
+    same error where the exchanged values are at fault."""
+    info = exchange.gather((host_identity(), os.environ.get(ENV_RANKS_PER_HOST), backend))
+    backends = [i[2] for i in info]
+    if len(set(backends)) > 1:
+        who = ", ".join(f"rank {r}: {b!r}" for r, b in enumerate(backends))
+        raise ValueError(f"ranks disagree on rdma_backend / TRITON_EP_RDMA ({who})")
+    hosts = group_hosts([i[0] for i in info], [i[1] for i in info])
+    transport = choose_transport(backend, hosts)
+    machines = sorted({i[0] for i in info})
+    if len(machines) > 1:
+        raise NotImplementedError(
+            f"the group's ranks run on {len(machines)} machines ({', '.join(machines)}): internode normal mode's "
+            f"data path across machines is not built yet; this version runs every rank on one machine "
+            f"({ENV_RANKS_PER_HOST} makes it stand in for several hosts)")
+    _check_modes(hosts, low_latency_mode)
+    return hosts, transport
+
+
+def _check_modes(hosts: Hosts, low_latency_mode: bool) -> None:
+    """Raise ``NotImplementedError`` for a mode not built yet: low-latency mode across hosts."""
+    if hosts.num_hosts > 1 and low_latency_mode:
+        raise NotImplementedError(
+            f"low_latency_mode with ranks on {hosts.num_hosts} hosts ({hosts.source}): internode low-latency mode "
+            f"is not built yet; use low_latency_mode with every rank on one host")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from triton_ep.errors import EPError
+from triton_ep.transport import topology
 from triton_ep.transport.bootstrap import gather_objects
 
 #: Work request kinds accepted by :meth:`Transport.post`.
@@ -222,7 +223,6 @@ class Transport(abc.ABC):
         """Where each QP towards ``peer`` sends from: one ``topology.QPPlanEntry`` per QP index (port, flow
         label, UDP source port), as the topology plan placed it at :meth:`connect`.  The default (a
         transport with no ports) puts every QP on one nameless port."""
-        from triton_ep.transport import topology
         return [topology.QPPlanEntry(i, topology.PortRef("none", 1)) for i in range(self.num_qps_per_peer)]
 
 

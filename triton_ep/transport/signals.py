@@ -42,7 +42,7 @@ def _left(peer: int, stage: int) -> str:
 def header_bytes(num_ranks: int) -> int:
     """Bytes reserved at the start of every rank's shared buffer for its signal header (a multiple of
     256 bytes, so the data area keeps the buffer's alignment)."""
-    return (F.header_words(num_ranks) * 8 + 255) // 256 * 256
+    return (F.header_words.host(num_ranks) * 8 + 255) // 256 * 256
 
 
 def call_signature(words: Sequence[int]) -> int:
@@ -194,7 +194,7 @@ class Signals:
         with torch.inference_mode():          # also updates buffers made in inference mode
             for r, h in enumerate(self.peer_headers):
                 if r != me:
-                    h[F.off_failed(R) + me].fill_(word)
+                    h[F.off_failed.host(R) + me].fill_(word)
             self.header[int(F.W_ERR)].fill_(int(F.E_FAILED))
         self.needs_resync = True
         self._reported = True
@@ -207,14 +207,14 @@ class Signals:
         with torch.inference_mode():
             for r, h in enumerate(self.peer_headers):
                 if r != me:
-                    h[F.off_gone(R) + me].fill_(int(stage) + 1)
+                    h[F.off_gone.host(R) + me].fill_(int(stage) + 1)
             self.header[int(F.W_ERR)].fill_(int(F.E_GONE))
 
     def gone_peers(self) -> dict:
         """``{peer: why}`` of the peers that left the group (their ``GONE`` words in this rank's
         header); a small device read on GPU."""
         R = self.size
-        words = self.header[F.off_gone(R):F.off_gone(R) + R].tolist()
+        words = self.header[F.off_gone.host(R):F.off_gone.host(R) + R].tolist()
         return {r: _left(r, int(w) - 1) for r, w in enumerate(words) if w}
 
     # ---- re-synchronisation (at a host rendezvous, with this rank's device work finished)
@@ -244,7 +244,7 @@ class RingFlags:
     side are ``flags.RING_*``), the abort word, and the error record ring kernels write.
 
     Args:
-        words: int64 numpy array ``[flags.ring_ctrl_words(R, S)]`` over the control block (registered host
+        words: int64 numpy array ``[flags.ring_ctrl_words.host(R, S)]`` over the control block (registered host
             memory, pinned and device-mapped on GPU); the host reads and writes it without any device
             synchronisation (aligned 8-byte stores and loads are single accesses).
         rank, size: this rank and the group size ``R``; slots: ``S``, slots per peer.
@@ -258,23 +258,23 @@ class RingFlags:
 
     def index(self, array: int, peer: int) -> int:
         """Word index of ``array[peer]``."""
-        return F.ring_word(array, self.size, peer)
+        return F.ring_word.host(array, self.size, peer)
 
     def get(self, array: int, peer: int) -> int:
         """``array[peer]`` (a chunk count, or a fault word)."""
-        return int(self.w[F.ring_word(array, self.size, peer)])
+        return int(self.w[F.ring_word.host(array, self.size, peer)])
 
     def put(self, array: int, peer: int, value: int) -> None:
         """Store ``array[peer] = value`` (x86 and CUDA host stores are not reordered with earlier ones)."""
-        self.w[F.ring_word(array, self.size, peer)] = value
+        self.w[F.ring_word.host(array, self.size, peer)] = value
 
     def set_len(self, peer: int, seq: int, nbytes: int) -> None:
         """Bytes of chunk ``seq`` for ``peer`` (written before ``READY`` moves past it)."""
-        self.w[F.ring_word(F.RING_LEN, self.size, 0) + peer * self.slots + seq % self.slots] = nbytes
+        self.w[F.ring_len_word.host(self.size, self.slots, peer, seq % self.slots)] = nbytes
 
     def length(self, peer: int, seq: int) -> int:
         """Bytes of chunk ``seq`` for ``peer``, as its producer wrote them."""
-        return int(self.w[F.ring_word(F.RING_LEN, self.size, 0) + peer * self.slots + seq % self.slots])
+        return int(self.w[F.ring_len_word.host(self.size, self.slots, peer, seq % self.slots)])
 
     def abort(self, value: int = 2) -> None:
         """Make every ring wait give up (kernels' and the host's): 1 means a timeout, 2 a failed proxy."""

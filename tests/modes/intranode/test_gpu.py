@@ -31,6 +31,7 @@ def test_processes_fp8_and_rounds_gpu():
     _ok(run_ranks(mp_cases.round_trip, 2, 8, 16, 4, 256, [100, 3], 8192, True, "cuda"))
 
 
+@pytest.mark.xdist_group("big_memory")
 def test_large_rows_64bit_offsets():
     """One rank, rows x H past 2^31 elements in the receive buffer: offsets must be 64-bit."""
     import triton_ep

@@ -14,6 +14,8 @@ from test_deployment import values
 from triton_ep.testing import VirtualGroup, run_ranks
 
 pytestmark = pytest.mark.gpu
+#: tests that hold tens of GiB run one after another on one xdist worker (``pytest -n 4 --dist loadgroup``)
+BIG_MEMORY = pytest.mark.xdist_group("big_memory")
 DEV = "cuda"
 
 
@@ -48,12 +50,14 @@ def test_skew_hint_sized_buffer_gpu(mode):
     rb.case_skew_hint_sized_buffer(mode, DEV, R=4, H=2048, Ts=(300, 257, 0, 411))
 
 
+@BIG_MEMORY
 @pytest.mark.parametrize("base", rb._BIG)
 def test_kernel_offsets_past_2_31_gpu(base):
     rb.case_dispatch_send_offsets(base, DEV)
     rb.case_combine_offsets(base, DEV)
 
 
+@BIG_MEMORY
 @pytest.mark.parametrize("base", rb._BIG[:2])
 def test_dispatch_recv_rows_past_2_31_gpu(base):
     rb.case_dispatch_recv_offsets(base, DEV)
@@ -127,6 +131,7 @@ def test_autograd_matches_dense_gpu():
 
 
 # ------------------------------------------------------------------------- kind 4: only a GPU holds these
+@BIG_MEMORY
 def test_full_path_past_65536_tokens_gpu():
     """T past 65,536 on a rank (and more than 65,536 rows received), through dispatch, combine, cached
     dispatch and cached combine with DeepEP's default buffer hint (several rounds): bit for bit.
@@ -137,6 +142,7 @@ def test_full_path_past_65536_tokens_gpu():
     rb.verify_round_trip(VirtualGroup(R, hint, device=DEV), xs, idxs, ws, E, DEV)
 
 
+@BIG_MEMORY
 def test_rows_times_hidden_past_2_31_dispatch_and_combine_gpu():
     """Two ranks send every token to both ranks: each receives 300,001 rows of 7,296 bf16 (2.19e9 elements
     > 2^31) through a 2 GiB buffer (3 rounds), and combine (identity experts) returns exactly 2x.

@@ -1,0 +1,110 @@
+"""Internode mode, step 1: ranks grouped into hosts, the transport between them, and get_dispatch_layout's
+``num_tokens_per_rdma_rank`` (DeepEP's internode layout). CPU: processes over gloo, one machine standing in
+for several hosts through ``TRITON_EP_RANKS_PER_HOST``."""
+import pytest
+import torch
+
+import internode_cases as cases
+from triton_ep.runtime import hosts as H
+from triton_ep.testing import RankFailure, run_ranks
+
+
+# ---------------------------------------------------------------- grouping (host side, no processes)
+def test_ranks_with_one_identity_form_one_host_in_order_of_their_lowest_rank():
+    h = H.group_hosts(["b", "a", "b", "a"])
+    assert h.num_hosts == 2 and h.ranks_per_host == 2
+    assert h.host_of == (0, 1, 0, 1) and h.ranks(0) == (0, 2) and h.ranks(1) == (1, 3)
+    assert h.rank_order == (0, 2, 1, 3) and [h.local_index(r) for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_hosts_of_different_sizes_are_named():
+    with pytest.raises(ValueError) as e:
+        H.group_hosts(["a", "a", "a", "b"])
+    assert "'a': ranks [0, 1, 2]" in str(e.value) and "'b': ranks [3]" in str(e.value)
+
+
+def test_ranks_per_host_override_and_its_bad_values():
+    h = H.group_hosts(["m"] * 6, ["3"] * 6)
+    assert h.host_of == (0, 0, 0, 1, 1, 1) and h.source == "TRITON_EP_RANKS_PER_HOST=3"
+    for bad in ("4", "0", "-2", "two"):
+        with pytest.raises(ValueError, match="TRITON_EP_RANKS_PER_HOST"):
+            H.group_hosts(["m"] * 6, [bad] * 6)
+    with pytest.raises(ValueError, match="rank 1: '2'"):
+        H.group_hosts(["m"] * 4, ["1", "2", "1", "1"])
+    assert H.group_hosts(["m"] * 4, [""] * 4).num_hosts == 1
+
+
+def test_rdma_backend_values():
+    assert H.rdma_backend_arg(None, {}) == "auto"
+    assert H.rdma_backend_arg(None, {"TRITON_EP_RDMA": "emulated"}) == "emulated"
+    assert H.rdma_backend_arg("verbs", {"TRITON_EP_RDMA": "emulated"}) == "verbs"     # the keyword wins
+    with pytest.raises(ValueError, match="TRITON_EP_RDMA"):
+        H.rdma_backend_arg(None, {"TRITON_EP_RDMA": "ib"})
+    with pytest.raises(ValueError, match="rdma_backend"):
+        H.rdma_backend_arg("tcp", {})
+
+
+def test_transport_choice():
+    one, two = H.group_hosts(["a", "a"]), H.group_hosts(["a", "b"])
+    none = lambda: ([], "PyverbsRDMAError: no RDMA")          # noqa: E731
+    assert H.choose_transport("auto", one, none) is None
+    assert H.choose_transport("emulated", two, none) == "emulated"
+    assert H.choose_transport("auto", two, lambda: (["mlx5_0"], "")) == "verbs"
+    for backend in ("auto", "verbs"):
+        with pytest.raises(ValueError) as e:
+            H.choose_transport(backend, two, none)
+        msg = str(e.value)
+        assert "2 hosts" in msg and "PyverbsRDMAError" in msg and "TRITON_EP_RDMA=emulated" in msg
+        assert "rdma_backend='emulated'" in msg and "pyverbs" in msg
+
+
+# ---------------------------------------------------------------- a group of processes
+def _values(out):
+    for o in out:
+        if isinstance(o, RankFailure):
+            raise AssertionError(str(o))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,per_host", [(2, 1), (4, 2)])
+def test_layout_per_host_and_dispatch_checks(world, per_host):
+    """num_tokens_per_rdma_rank equals, per host, the tokens with an expert on one of its ranks (ragged T
+    with -1 ids); dispatch checks it (required without a handle, int32 [num_hosts]) before it says the data
+    path is not built, on every rank alike."""
+    env = {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated"}
+    E, K = 4 * world, 3
+    out = _values(run_ranks(cases.layout_and_checks, world, env, E, K, 5, 11))
+    num_hosts = world // per_host
+    for r, o in enumerate(out):
+        idx = o["idx"]
+        owner = torch.where(idx >= 0, idx // (E // world), -1)
+        want = torch.tensor([int(((owner // per_host) == h).any(1).sum()) for h in range(num_hosts)],
+                            dtype=torch.int32)
+        assert o["per_host"].dtype == torch.int32 and torch.equal(o["per_host"], want), (r, o["per_host"], want)
+        assert o["missing"][0] == "ValueError" and "num_tokens_per_rdma_rank" in o["missing"][1]
+        assert o["int64"][0] == "TypeError" and "num_tokens_per_rdma_rank" in o["int64"][1]
+        assert o["shape"][0] == "ValueError" and "num_tokens_per_rdma_rank" in o["shape"][1]
+        for call in ("ok", "combine"):
+            assert o[call][0] == "NotImplementedError", o[call]
+            assert f"{num_hosts} hosts of {per_host} ranks" in o[call][1] and "'emulated'" in o[call][1]
+
+
+@pytest.mark.multiprocess
+def test_construction_errors_across_hosts_on_every_rank():
+    """Two hosts and no RDMA device (this machine has none): a ValueError naming both ways out on every
+    rank; ranks that disagree on TRITON_EP_RDMA: a ValueError naming each rank's value; low-latency mode
+    across hosts: NotImplementedError. Nothing is left behind (the autouse fixture checks /dev/shm)."""
+    two = {"TRITON_EP_RANKS_PER_HOST": "1"}
+    out = _values(run_ranks(cases.build_only, 2, dict(two, TRITON_EP_RDMA="auto"), {}))
+    for o in out:
+        assert o[0] == "ValueError" and "TRITON_EP_RDMA=emulated" in o[1] and "pyverbs" in o[1], o
+    out = _values(run_ranks(cases.build_only, 2, two, {"rdma_backend": "emulated", "low_latency_mode": True,
+                                                       "num_rdma_bytes": 1 << 20}))
+    assert [o[0] for o in out] == ["NotImplementedError"] * 2, out
+    out = _values(run_ranks(cases.build_only, 2, {"TRITON_EP_RANKS_PER_HOST": ""}, {"rdma_backend": "verbs"}))
+    assert out == [None, None], out          # one host: no transport needed, whatever was asked
+    out = _values(run_ranks(cases.build_only, 2, [dict(two, TRITON_EP_RDMA="emulated"), dict(two, TRITON_EP_RDMA="auto")],
+                            {}))
+    for o in out:
+        assert o[0] == "ValueError" and "rank 0: 'emulated', rank 1: 'auto'" in o[1], o

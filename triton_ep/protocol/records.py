@@ -1,0 +1,163 @@
+"""Record layouts and handle tables, written once: each field's offset is a :func:`formula` that kernels
+call (with ``tl.constexpr`` widths it folds to a constant) and host code evaluates with ``.host(...)``.
+
+Normal-mode dispatch record (one received row in a receiver's buffer), in 32-bit words::
+
+    [ x row (WX) | scales (S) | global top-k ids (K) | top-k weight bits (K) | source index (1) ]
+
+padded to the tuning table's record alignment (at least 4 words = 16 bytes). A cached dispatch sends no
+top-k (``K = 0``) and no source index.
+
+Normal-mode combine record, in 32-bit words: ``[ x row (WX = H / 2 words of bf16) | top-k weights (K) ]``
+padded to 4 words.
+
+Low-latency dispatch record, in 32-bit words: ``[ payload (PW) | scales (SW) | t * K + k (1) ]``, padded to
+4 words: ``PW = H / 4`` (FP8) or ``H / 2`` (bf16) and ``SW = H / 128`` fp32 scales (FP8) or 0.
+
+Handle tables written by the notify kernel (:mod:`triton_ep.kernels.notify`):
+
+- ``t32`` int32: ``rank_prefix_matrix`` ``[R, R]``, then ``channel_prefix_matrix`` ``[R]`` and
+  ``recv_channel_prefix_matrix`` ``[R]`` (DeepEP's, with one channel);
+- ``t64`` int64: ``row_base`` ``[R]``, ``comb_base`` ``[R]``, ``send_base`` ``[R]``, ``prefix`` ``[R]``,
+  then ``n_recv`` ``[1]``.
+"""
+import triton.language as tl  # noqa: F401  (the interpreter needs it visible to jit functions)
+
+from .signal_header import formula
+
+
+# ---- normal-mode dispatch record ----
+@formula
+def rec_scales(WX, S, K):
+    """Word of the first scale."""
+    return WX
+
+
+@formula
+def rec_ids(WX, S, K):
+    """Word of the first global top-k id."""
+    return WX + S
+
+
+@formula
+def rec_weights(WX, S, K):
+    """Word of the first top-k weight (fp32 bits)."""
+    return WX + S + K
+
+
+@formula
+def rec_src(WX, S, K):
+    """Word of the source token index."""
+    return WX + S + 2 * K
+
+
+def dispatch_record_words(wx: int, s: int, k: int, with_src: bool, align: int = 4) -> int:
+    """32-bit words of one dispatch record (``k = 0`` without top-k; ``with_src``: the source index is
+    sent), rounded up to ``align`` words."""
+    n = rec_src.host(wx, s, k) + (1 if with_src else 0)
+    return (n + align - 1) // align * align
+
+
+# ---- normal-mode combine record ----
+@formula
+def comb_weights(WX, K):
+    """Word of the first top-k weight after the ``WX``-word row."""
+    return WX
+
+
+def combine_record_bytes(hidden: int, k: int) -> int:
+    """Bytes of one combine record: ``hidden`` bf16 values and ``k`` fp32 weights, rounded up to 16."""
+    return ((comb_weights.host(hidden // 2, k) + k) * 4 + 15) // 16 * 16
+
+
+# ---- low-latency dispatch record ----
+@formula
+def ll_payload_words(H, FP8):
+    """Words of a row's payload: ``H`` FP8 bytes or ``H`` bf16 values."""
+    return H // 4 if FP8 else H // 2
+
+
+@formula
+def ll_scale_words(H, FP8):
+    """Words of a row's fp32 scales (one per 128 values; none without FP8)."""
+    return H // 128 if FP8 else 0
+
+
+@formula
+def ll_rec_slot(PW, SW):
+    """Word holding ``t * K + k`` (the entry combine returns the row to), after ``PW`` payload and ``SW``
+    scale words."""
+    return PW + SW
+
+
+def ll_record_words(hidden: int, fp8: bool) -> int:
+    """32-bit words of one low-latency dispatch record, rounded up to 4."""
+    slot = ll_rec_slot.host(ll_payload_words.host(hidden, fp8), ll_scale_words.host(hidden, fp8))
+    return (slot + 1 + 3) // 4 * 4
+
+
+# ---- the handle tables the notify kernel writes ----
+@formula
+def t32_channel(R):
+    """``channel_prefix_matrix[:, 0]`` in ``t32``."""
+    return R * R
+
+
+@formula
+def t32_recv_channel(R):
+    """``recv_channel_prefix_matrix[:, 0]`` in ``t32``."""
+    return R * R + R
+
+
+@formula
+def t32_words(R):
+    return R * R + 2 * R
+
+
+@formula
+def t64_comb_base(R):
+    """``comb_base[i]``: where rank ``i``'s rows returned by this rank start in its combine area."""
+    return R
+
+
+@formula
+def t64_send_base(R):
+    """``send_base[j]``: rows this rank sends to ranks before ``j`` (exclusive prefix)."""
+    return 2 * R
+
+
+@formula
+def t64_prefix(R):
+    """``prefix[i]``: ``rank_prefix_matrix[i][me]``."""
+    return 3 * R
+
+
+@formula
+def t64_n_recv(R):
+    """``n_recv``: rows this rank receives."""
+    return 4 * R
+
+
+@formula
+def t64_words(R):
+    return 4 * R + 1
+
+
+def split_t32(t32, R: int):
+    """Views of ``t32``: ``rank_prefix_matrix`` ``[R, R]``, ``channel_prefix_matrix`` ``[R, 1]``,
+    ``recv_channel_prefix_matrix`` ``[R, 1]``."""
+    c, rc, end = t32_channel.host(R), t32_recv_channel.host(R), t32_words.host(R)
+    return t32[:c].view(R, R), t32[c:rc].view(R, 1), t32[rc:end].view(R, 1)
+
+
+def split_t64(t64, R: int):
+    """Views of ``t64``: ``row_base`` ``[R]``, combine's tables ``[3R]`` (``comb_base``, ``send_base``,
+    ``prefix``: what a combine reads) and ``n_recv`` ``[1]``."""
+    cb, nr = t64_comb_base.host(R), t64_n_recv.host(R)
+    return t64[:cb], t64[cb:nr], t64[nr:t64_words.host(R)]
+
+
+def split_combine_tables(tables, R: int):
+    """Views of the combine tables of :func:`split_t64`: ``comb_base``, ``send_base``, ``prefix``, ``[R]`` each."""
+    cb = t64_comb_base.host(R)
+    return tuple(tables[w - cb:w - cb + R] for w in (cb, t64_send_base.host(R), t64_prefix.host(R)))
