@@ -263,7 +263,7 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
 
     ``x`` bf16 ``[T, H]``; ``topk_idx`` ``[T, K]``; ``slots``/``counts`` from :func:`ll_route`; ``area``:
     int32 view of the local low-latency area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control
-    block; ``lay``: the call's layout (:class:`triton_ep.modes.low_latency.Layout`); ``sig``: call signature."""
+    block; ``lay``: the call's layout (:class:`triton_ep.protocol.ll_area.Layout`); ``sig``: call signature."""
     T, H = x.shape
     K = topk_idx.shape[1]
     interp = interpreted()

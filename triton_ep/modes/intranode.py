@@ -31,7 +31,6 @@ from ..transport import signals
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
-_OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
 _MAX_INT32 = 2 ** 31 - 1
 _MAX_ROWS = 1 << 62          # "no capacity limit" for the notify of a plain dispatch
 _dtype_code = card.dtype_code
@@ -207,7 +206,7 @@ class Intranode:
         worst = not cached and num_worst_tokens > 0
         # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
         # ranks that call different collectives, or pass handles of different dispatches, fail together.
-        op = _OP_CACHED_DISPATCH if cached else _OP_DISPATCH
+        op = card.CACHED_DISPATCH if cached else card.DISPATCH
         seq = a.handle.seq if cached else 0
         sig = [op, a.row_words, a.scale_words, a.num_topk, a.flags, a.num_experts, seq, a.dtype_code]
         sc_dtype = card.dtype_code(a.scales.dtype if a.scales is not None else None)
@@ -466,13 +465,13 @@ class Intranode:
         H = xv.shape[1]
         K = w.shape[1] if w is not None else 0
         comb_base, send_base, prefix = h.combine_views
-        plan = h.plans.get((_OP_COMBINE, H, K))
+        plan = h.plans.get((card.COMBINE, H, K))
         if plan is None:
             rb = combine_record_bytes(H, K)
             cap = self.rt.capacity(rb, "combine")
             rounds = max(1, -(-h.area_rows_max // cap))
-            plan = h.plans[(_OP_COMBINE, H, K)] = (rb, cap, rounds,
-                                                   signals.call_signature([_OP_COMBINE, H, K, h.seq, rounds]))
+            plan = h.plans[(card.COMBINE, H, K)] = (rb, cap, rounds,
+                                                   signals.call_signature([card.COMBINE, H, K, h.seq, rounds]))
         rb, cap, rounds, call_sig = plan
         self.rt.publish(card.COMBINE, (H, K, h.seq))
         self.rt.begin(previous_event, async_finish)

@@ -15,7 +15,6 @@ device wait that writes an error record, raised by :meth:`Buffer.check` (which e
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, List, Optional
 
 import torch
@@ -27,7 +26,7 @@ from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
 from ..protocol import call_card as card
-from ..protocol import records
+from ..protocol.ll_area import Layout
 from ..protocol.signal_header import failure_word_of
 from ..runtime import Runtime
 from ..runtime.checks import isint
@@ -35,60 +34,6 @@ from ..transport import signals
 from ..transport.ipc import SLOT_HEADER
 
 Tensor = torch.Tensor
-_OP_LL_DISPATCH, _OP_LL_COMBINE = 11, 12
-_ALIGN = 256
-
-
-def _up(n: int, a: int = _ALIGN) -> int:
-    return (int(n) + a - 1) // a * a
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Byte layout of the low-latency area for ``N`` tokens per rank, hidden ``H``, ``R`` ranks and ``E``
-    experts (the same on every rank). Sizes in bytes; the ``*_words`` properties in 32-bit words.
-
-    - control block: ``ll_ctl_words(R)`` int64 words (:mod:`triton_ep.kernels.flags`);
-    - each half: counts int32 ``[R][E/R]``, then ``E * N`` dispatch records (the bf16 record, the larger)
-      or, in a combine, ``N * K`` returned bf16 rows;
-    - the zero-copy combine input, bf16 ``[E/R, R*N, H]`` (local only).
-    """
-    num_ranks: int
-    n_max: int
-    hidden: int
-    num_experts: int
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.num_ranks
-
-    @property
-    def ctl_bytes(self) -> int:
-        return _up(F.ll_ctl_words.host(self.num_ranks) * 8)
-
-    @property
-    def count_bytes(self) -> int:
-        return _up(self.num_experts * 4)
-
-    def record_words(self, fp8: bool) -> int:
-        """32-bit words of one dispatch record (:mod:`triton_ep.protocol.records`)."""
-        return records.ll_record_words(self.hidden, fp8)
-
-    @property
-    def half_bytes(self) -> int:
-        return _up(self.count_bytes + self.num_experts * self.n_max * self.record_words(False) * 4)
-
-    @property
-    def zero_copy_bytes(self) -> int:
-        return _up(self.num_experts * self.n_max * self.hidden * 2)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.ctl_bytes + 2 * self.half_bytes + self.zero_copy_bytes
-
-    ctl_words = property(lambda self: self.ctl_bytes // 4)
-    half_words = property(lambda self: self.half_bytes // 4)
-    count_words = property(lambda self: self.count_bytes // 4)
 
 
 def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
@@ -275,7 +220,7 @@ class LowLatency:
         K = idx.shape[1]
         N, E, El = lay.n_max, lay.num_experts, lay.experts_per_rank
         dev = rt.device
-        sig = signals.call_signature([_OP_LL_DISPATCH, N, H, E, K, int(use_fp8), int(use_ue8m0)])
+        sig = signals.call_signature([card.LL_DISPATCH, N, H, E, K, int(use_fp8), int(use_ue8m0)])
         rt.publish(card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0)))
         # fresh outputs (scales column-major in their last two dimensions, as DeepEP returns them)
         if use_fp8:
@@ -352,7 +297,7 @@ class LowLatency:
         xv, idx, w, h, lay, out, cost = a
         T, K = idx.shape
         H = lay.hidden
-        sig = signals.call_signature([_OP_LL_COMBINE, lay.n_max, H, lay.num_experts, K])
+        sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K])
         rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K))
         if out is None:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)

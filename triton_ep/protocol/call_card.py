@@ -22,7 +22,7 @@ import torch
 #: int64 words of one rank's card
 CARD_WORDS = 16
 
-# card codes (one per operation as callers see it)
+# card codes (one per operation as callers see it); also the first word of each call's signature digest
 DISPATCH, CACHED_DISPATCH, COMBINE, DISPATCH_WORST = 1, 2, 3, 5
 LL_DISPATCH, LL_COMBINE = 11, 12
 
