@@ -54,3 +54,73 @@ def build_only(rank, world, env, kwargs):
         return _error(ex)
     buf.destroy()
     return None
+
+
+def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
+    """Internode dispatch -> x*2 'experts' -> combine -> cached dispatch of new data, each compared with the
+    reference bit for bit (combine: the two-level summation order, ``ref.combine(ranks_per_host=n)``).
+    ``opts``: ``fp8``, ``worst`` (num_worst_tokens), ``bias``, ``weights`` (default True).
+    Returns per step what it checked."""
+    opts = opts or {}
+    fp8, worst, bias, weights = (opts.get("fp8", False), opts.get("worst", 0), opts.get("bias", False),
+                                 opts.get("weights", True))
+    from triton_ep import reference as ref
+    from mp_cases import make_inputs
+    os.environ.update(env)
+    n = int(env["TRITON_EP_RANKS_PER_HOST"])
+    xs, idxs, ws = make_inputs(seed, world, E, K, H, Ts, fp8=fp8)
+    if not weights:
+        ws = None
+    exp = ref.dispatch(xs, idxs, ws, E)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    try:
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank], E)
+        recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
+            xs[rank], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idxs[rank], topk_weights=None if ws is None else ws[rank],
+            num_worst_tokens=worst)
+        e = exp[rank]
+        N = e["recv_topk_idx"].shape[0]
+        rows = recv_x[0] if fp8 else recv_x
+        assert rows.shape[0] == (worst or N), (rows.shape, worst, N)
+        if fp8:
+            assert torch.equal(recv_x[0][:N].view(torch.uint8), e["recv_x"][0].view(torch.uint8))
+            assert torch.equal(recv_x[1][:N], e["recv_x"][1])
+        else:
+            assert torch.equal(recv_x[:N].view(torch.int16), e["recv_x"].view(torch.int16))
+        assert torch.equal(recv_idx[:N], e["recv_topk_idx"])
+        if ws is not None:
+            assert torch.equal(recv_w[:N], e["recv_topk_weights"])
+        else:
+            assert recv_w is None
+        if worst:
+            assert lst == [] and bool((recv_idx[N:] == -1).all()) and bool((rows[N:].view(torch.uint8) == 0).all())
+        else:
+            assert lst == e["num_recv_tokens_per_expert_list"], (lst, e["num_recv_tokens_per_expert_list"])
+        rpm = e["rank_prefix_matrix"]
+        assert torch.equal(handle[0], in_rank)
+        assert torch.equal(handle[6], rpm[:, rank]), (handle[6], rpm[:, rank])
+        assert torch.equal(handle[7][:N, 1], e["recv_src_idx"])
+        out = {"rows": int(N)}
+        if fp8:
+            return out
+        y = torch.zeros_like(recv_x)
+        y[:N] = (recv_x[:N].float() * 2).to(torch.bfloat16)
+        y[N:] = float("nan")                                  # padding rows must be ignored
+        b = [(torch.randn(Ts[i], H, generator=torch.Generator().manual_seed(i))).to(torch.bfloat16)
+             for i in range(world)] if bias else None
+        cx, cw, _ = buf.combine(y, handle, topk_weights=recv_w, bias=None if b is None else b[rank])
+        ys = [(exp[j]["recv_x"].float() * 2).to(torch.bfloat16) for j in range(world)]
+        cexp = ref.combine(ys, exp, Ts, None if ws is None else [d["recv_topk_weights"] for d in exp],
+                           None if b is None else [[t] for t in b], ranks_per_host=n)[rank]
+        assert torch.equal(cx.view(torch.int16), cexp[0].view(torch.int16)), (cx - cexp[0]).abs().max()
+        if ws is not None:
+            assert torch.equal(cw, cexp[1])
+        x2 = (xs[rank].float() + 1).to(torch.bfloat16)
+        rx2 = buf.dispatch(x2, handle=handle)[0]
+        exp2 = ref.dispatch([(x.float() + 1).to(torch.bfloat16) for x in xs], idxs, ws, E)[rank]
+        assert torch.equal(rx2[:N].view(torch.int16), exp2["recv_x"].view(torch.int16))
+        out["combined"] = True
+        return out
+    finally:
+        buf.destroy()

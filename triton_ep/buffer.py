@@ -72,7 +72,11 @@ class Buffer:
         self.group, self.timeout_s, self.rank, self.group_size, self.device = \
             rt.group, rt.timeout_s, rt.rank, rt.group_size, rt.device
         self._intranode = Intranode(rt)
-        self._internode = Internode(rt) if rt.num_hosts > 1 else None
+        try:
+            self._internode = Internode(rt, self.num_nvl_bytes) if rt.num_hosts > 1 else None
+        except BaseException:
+            rt.close()
+            raise
         self._ll = LowLatency(rt, rt.ll_offset, rt.ll_bytes, enable_shrink) if rt.ll_bytes else None
         rt.agree_on_layout()
 
@@ -326,8 +330,13 @@ class Buffer:
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
         """Release this rank's shared buffers and peer mappings. Idempotent; later calls raise ``EPError``.
-        Kernels still queued are waited for first (each wait they hold is bounded by ``timeout_s``)."""
-        self._rt.close()
+        Kernels still queued are waited for first (each wait they hold is bounded by ``timeout_s``). Across
+        hosts, the RDMA proxy stops and its QPs, MRs, CQs and PD are released too."""
+        try:
+            if self._internode is not None:
+                self._internode.close()
+        finally:
+            self._rt.close()
 
     def check(self) -> None:
         """Raise what this Buffer's kernels have recorded since the last check: a wait that ran out of
@@ -370,8 +379,11 @@ class Buffer:
         Raises:
             TypeError/ValueError: bad dtype, shape, device, or ``E % R != 0``.
         """
-        mode = self._internode or self._intranode
-        return mode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream)
+        if self._internode is not None:
+            return self._internode.get_dispatch_layout(self._intranode, topk_idx, num_experts, previous_event,
+                                                       async_finish, allocate_on_comm_stream)
+        return self._intranode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                                   allocate_on_comm_stream)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: XLike, handle: Optional[tuple] = None, num_tokens_per_rank: Optional[Tensor] = None,
@@ -428,7 +440,9 @@ class Buffer:
             several hosts (internode dispatch is not built yet; its arguments are checked first).
         """
         if self._internode is not None:
-            return self._internode.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank)
+            return self._internode.dispatch(self._intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                            is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                            expert_alignment, num_worst_tokens, config, previous_event)
         return self._rt.run(self._intranode.dispatch_steps(
             x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -460,6 +474,6 @@ class Buffer:
             EPTimeoutError, NotImplementedError: as in ``dispatch``.
         """
         if self._internode is not None:
-            return self._internode.combine(x, handle)
+            return self._internode.combine(x, handle, topk_weights, bias, config, previous_event)
         return self._rt.run(self._intranode.combine_steps(x, handle, topk_weights, bias, config, previous_event,
                                                           async_finish, allocate_on_comm_stream))

@@ -106,7 +106,8 @@ def dispatch(xs: Sequence[XLike], topk_idxs: Sequence[Tensor], topk_weights: Opt
 
 def combine(recv_xs: Sequence[Tensor], dispatched: Sequence[dict], num_tokens: Sequence[int],
             recv_topk_weights: Optional[Sequence[Tensor]] = None,
-            biases: Optional[Sequence[Sequence[Tensor]]] = None) -> List[Tuple[Tensor, Optional[Tensor]]]:
+            biases: Optional[Sequence[Sequence[Tensor]]] = None,
+            ranks_per_host: Optional[int] = None) -> List[Tuple[Tensor, Optional[Tensor]]]:
     """What ``Buffer.combine`` must give on every rank.
 
     Args:
@@ -115,6 +116,10 @@ def combine(recv_xs: Sequence[Tensor], dispatched: Sequence[dict], num_tokens: S
         num_tokens: ``T_i`` per source rank.
         recv_topk_weights: per rank ``[N_j, K]`` fp32 to be summed back the same way, or ``None``.
         biases: per source rank, a sequence of ``[T_i, H]`` bf16 tensors added after the sum.
+        ranks_per_host: ``n`` to model internode mode's two-level sum (hosts of ranks ``[0, n)``, ``[n, 2n)``,
+            ...): per host, the fp32 sum over its ranks in ascending order rounded to bf16 (weights: kept in
+            fp32), then the fp32 sum of those partials over hosts in ascending order, plus the biases, rounded
+            once more. ``None``: one level.
 
     Returns:
         per source rank ``(combined_x bf16 [T_i, H], combined_topk_weights fp32 [T_i, K] or None)``: the fp32
@@ -123,20 +128,26 @@ def combine(recv_xs: Sequence[Tensor], dispatched: Sequence[dict], num_tokens: S
     """
     R = len(recv_xs)
     H = recv_xs[0].shape[1]
+    n = ranks_per_host or R
     results = []
     for i in range(R):
         acc = torch.zeros((num_tokens[i], H), dtype=torch.float32, device="cpu")
         wacc = None
         if recv_topk_weights is not None:
             wacc = torch.zeros((num_tokens[i], recv_topk_weights[0].shape[1]), dtype=torch.float32, device="cpu")
-        for j in range(R):
-            m = dispatched[j]["rank_prefix_matrix"].long()
-            lo = int(m[i - 1, j]) if i > 0 else 0
-            hi = int(m[i, j])
-            src = dispatched[j]["recv_src_idx"][lo:hi].long()
-            acc[src] += recv_xs[j].cpu()[lo:hi].float()
+        for h0 in range(0, R, n):
+            part, wpart = torch.zeros_like(acc), None if wacc is None else torch.zeros_like(wacc)
+            for j in range(h0, h0 + n):
+                m = dispatched[j]["rank_prefix_matrix"].long()
+                lo = int(m[i - 1, j]) if i > 0 else 0
+                hi = int(m[i, j])
+                src = dispatched[j]["recv_src_idx"][lo:hi].long()
+                part[src] += recv_xs[j].cpu()[lo:hi].float()
+                if wpart is not None:
+                    wpart[src] += recv_topk_weights[j].cpu()[lo:hi].float()
+            acc += part.to(torch.bfloat16).float() if ranks_per_host else part
             if wacc is not None:
-                wacc[src] += recv_topk_weights[j].cpu()[lo:hi].float()
+                wacc += wpart
         for b in (biases[i] if biases is not None else ()):
             acc += b.cpu().float()
         results.append((acc.to(torch.bfloat16), wacc))

@@ -44,6 +44,7 @@ import numpy as np
 
 from triton_ep.errors import EPError, EPRemoteError, EPTimeoutError
 from triton_ep.protocol import signal_header as F
+from triton_ep.transport import factory
 from triton_ep.transport.bootstrap import gather_objects
 from triton_ep.transport.rdma import (WRITE, WRITE_WITH_IMM, Completion, Op, RemoteRegion, Transport, exchange_info,
                                       exchange_regions)
@@ -663,19 +664,16 @@ def main(argv=None) -> None:
                  f"torchrun --nnodes 1 --nproc-per-node 2 -m triton_ep.scheduler --emulated")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    from triton_ep.transport import verbs
     kw = dict(num_qps_per_peer=a.qps, timeout_s=a.timeout)
     if a.emulated:
-        from triton_ep.transport import emulated as em, topology
-        spec = em.FabricSpec([em.DeviceSpec(f"mlx5_{r}", [em.PortSpec(), em.PortSpec()]) for r in range(world)],
-                             ring_bytes=4 << 20)
-        fab = em.Fabric(spec, token="sched" + os.environ.get("TORCHELASTIC_RUN_ID", "0")[:8])
-        kw.update(api=fab.pyverbs([f"mlx5_{rank}"]), n_paths=spec.n_paths, path_hash=topology.emulator_path_hash)
+        kw.update(fabric=factory.emulated_fabric([f"mlx5_{r}" for r in range(world)],
+                                                 "sched" + os.environ.get("TORCHELASTIC_RUN_ID", "0")[:8]),
+                  device_name=f"mlx5_{rank}")
     else:
         import torch
         if torch.cuda.is_available():
             kw["gpu"] = int(os.environ.get("LOCAL_RANK", "0"))
-    t = verbs.VerbsTransport(rank, world, **kw)
+    t = factory.open_transport("emulated" if a.emulated else "verbs", rank, world, **kw)
     sched = None
     try:
         sched = bootstrap(t, dict(slots=a.slots, slot_bytes=a.chunk_kib << 10))

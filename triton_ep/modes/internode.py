@@ -1,21 +1,102 @@
-"""Normal mode across hosts (DeepEP's internode normal mode): its layout, and its arguments' checks.
+"""Normal mode across hosts (DeepEP's internode normal mode): two-level dispatch and combine.
 
-Built in steps. This step groups the ranks into hosts (:mod:`triton_ep.runtime.hosts`), chooses the
-transport between them, and gives ``get_dispatch_layout`` DeepEP's ``num_tokens_per_rdma_rank``. The
-two-level dispatch and combine over the RDMA scheduler come next: until then ``dispatch`` and ``combine``
-check their arguments and raise ``NotImplementedError`` on every rank (nothing is launched, nothing is lost).
+**Two levels, as DeepEP.** Rank ``s`` (host ``h``, local index ``l``) sends each token once to every other
+host that holds one of its experts, to the rank with the same local index there (its *RDMA peer*), through
+the RDMA scheduler (:mod:`triton_ep.scheduler`); that rank forwards it, with the intranode dispatch over
+IPC, to the ranks of its host that need it. Combine runs backwards: rows are summed inside the destination
+host first (the intranode combine: fp32 in ascending local rank order, rounded once to bf16), cross the
+network once as bf16 partial sums, and are summed on the source rank in ascending host order in fp32 (plus
+the biases) and rounded once more to bf16. :func:`triton_ep.reference.combine` with ``ranks_per_host``
+models that order exactly.
+
+**This version is host-driven**: the network leg is packed, posted and unpacked by the host
+(:func:`triton_ep.scheduler.host_alltoall`; the proxy threads post the chunks' WRITEs and signals over the
+QP plan), so a call waits on the host and cannot be captured in a CUDA graph. Its results are what the
+device-driven path (kernels that pack the rings) must reproduce.
+
+Records on the network leg (uint8 rows, 16-byte aligned): ``[meta (4 int32: global source rank, source
+token, 0, 0) | x row | scales | top-k ids (int64) | top-k weights (fp32) | is_token_in_rank of the
+destination host's ranks (1 byte each)]`` (:class:`_Record`).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import dataclasses
+import uuid
+from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
+from .. import scheduler as sched_mod
 from ..config import EventOverlap
 from ..runtime import Runtime
-from .intranode import Intranode
+from ..runtime.checks import check_event, isint
+from ..runtime.context import open_runtime
+from ..transport import factory
+from ..transport.bootstrap import gather_objects
+from .intranode import DispatchHandle, Intranode
 
 Tensor = torch.Tensor
+_META = 16                  # bytes of a record's meta block
+
+
+def _up16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """Byte layout of one network-leg record (every rank alike: checked at each exchange)."""
+    row: int            # bytes of an x row
+    scales: int         # bytes of a row's scales
+    k: int              # top-k ids (int64); 0 for a cached dispatch
+    weights: int        # 1: top-k weights (fp32) follow the ids
+    local: int          # ranks per host (is_token_in_rank bytes); 0 for a cached dispatch
+
+    @property
+    def nbytes(self) -> int:
+        return _up16(_META + self.row + self.scales + (8 + 4 * self.weights) * self.k + self.local)
+
+    def key(self) -> Tuple[int, ...]:
+        return (self.row, self.scales, self.k, self.weights, self.local)
+
+
+class InternodeHandle(tuple):
+    """The handle of an internode dispatch: DeepEP's 10-tuple (what each entry holds below), with this
+    mode's plan for cached dispatches and combine kept as attributes.
+
+    0. ``is_token_in_rank`` bool ``[T, R]``;
+    1. ``rdma_channel_prefix_matrix`` int32 ``[num_hosts, 1]``: tokens this rank sends to each host;
+    2. ``gbl_channel_prefix_matrix`` int32 ``[R, 1]``: tokens this rank sends to each rank;
+    3. ``recv_rdma_channel_prefix_matrix`` int32 ``[num_hosts, 1]``: tokens this rank forwards for each
+       source host (its RDMA peers, and itself);
+    4. ``recv_rdma_rank_prefix_sum`` int32 ``[num_hosts]``: cumulative of 3;
+    5. ``recv_gbl_channel_prefix_matrix`` int32 ``[R, 1]``: rows this rank receives from each rank;
+    6. ``recv_gbl_rank_prefix_sum`` int32 ``[R]``: rows received from ranks ``0..i`` (DeepEP's meaning);
+    7. ``recv_src_meta`` int32 ``[N, 2]``: each received row's global source rank and source token (``-1`` on
+       padding rows);
+    8. ``send_rdma_head`` int32 ``[T, num_hosts]``: token ``t``'s index among the rows sent to each host (``-1``);
+    9. ``send_nvl_head`` int32 ``[F, ranks per host]``: the intranode ``send_head`` of the rows this rank
+       forwarded (``F`` of them).
+    """
+
+    def __new__(cls, items, plan):
+        h = super().__new__(cls, items)
+        h.plan = plan
+        return h
+
+
+@dataclasses.dataclass
+class _Plan:
+    uid: str
+    seq: int
+    num_tokens: int
+    to_host: List[Tensor]           # per host: int64 indices of this rank's tokens sent there, ascending
+    from_host: List[int]            # per host: rows this rank forwards for it
+    local_handle: DispatchHandle    # the intranode dispatch of the forwarded rows
+    order: Tensor                   # int64 [N]: received row i is intranode row order[i]
+    num_rows: int                   # N (padding included)
 
 
 class Internode:
@@ -23,33 +104,88 @@ class Internode:
 
     Args:
         rt: the Buffer's runtime (``rt.hosts``: the hosts; ``rt.rdma_transport``: ``"verbs"`` or
-            ``"emulated"``).
+            ``"emulated"``; ``rt.group``: the process group).
+        num_nvl_bytes: bytes of the intranode buffer the ranks of each host share (the forwarding leg).
+        num_qps_per_peer: RC QPs to each RDMA peer (placed over ports and ECMP paths).
+        slots, slot_bytes: the scheduler's rings: chunks in flight per peer and bytes per chunk.
+
+    Raises:
+        NotImplementedError: ranks simulated in one process (internode mode needs a process group).
+        EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, num_nvl_bytes: int, num_qps_per_peer: int = 4, slots: int = 8,
+                 slot_bytes: int = 1 << 16) -> None:
         self.rt = rt
-        self.hosts = rt.hosts
-        #: the per-rank layout is the intranode one (the same kernel): this mode adds the per-host counts
-        self._local = Intranode(rt)
-        order = self.hosts.rank_order
-        #: ranks host by host (``None``: already so, hosts hold consecutive ranks)
+        self.hosts = hosts = rt.hosts
+        if rt.group is None:
+            raise NotImplementedError("internode mode needs a torch.distributed process group (ranks simulated "
+                                      "in one process cannot span hosts)")
+        me = rt.rank
+        self.host, self.local_index = hosts.host_of[me], hosts.local_index(me)
+        self.num_hosts, self.per_host = hosts.num_hosts, hosts.ranks_per_host
+        order = hosts.rank_order
         self._order = None if order == tuple(range(rt.group_size)) else torch.tensor(order, device=rt.device)
+        self.local_rt: Optional[Runtime] = None
+        self.sched = self.transport = None
+        self._seq = 0
+        try:
+            # every rank makes every subgroup, in the same order (torch.distributed's rule)
+            local_groups = [dist.new_group(list(hosts.ranks(h))) for h in range(self.num_hosts)]
+            peer_groups = [dist.new_group([hosts.ranks(h)[i] for h in range(self.num_hosts)])
+                           for i in range(self.per_host)]
+            self.local_group, self.peer_group = local_groups[self.host], peer_groups[self.local_index]
+            self.local_rt = open_runtime(self.local_group, num_nvl_bytes, 0, False, rt.timeout_s, rt.device)
+            self.local_rt.agree_on_layout()
+            self.local = Intranode(self.local_rt)
+            token = gather_objects(rt.group, uuid.uuid4().hex[:12], rt.timeout_s, "internode: fabric token")[0]
+            names = [f"ep{token}_{r}" for r in range(rt.group_size)]
+            kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=rt.timeout_s)
+            if rt.rdma_transport == "emulated":
+                kw.update(fabric=factory.emulated_fabric(names, token), device_name=names[me])
+            elif rt.device.type == "cuda":
+                kw["gpu"] = rt.device.index
+            self.transport = factory.open_transport(rt.rdma_transport, self.host, self.num_hosts, **kw)
+            self.sched = sched_mod.bootstrap(self.transport, dict(slots=slots, slot_bytes=slot_bytes,
+                                                                  timeout_s=rt.timeout_s), group=self.peer_group)
+        except BaseException:
+            self.close()
+            raise
 
+    def close(self) -> None:
+        """Stop the proxy, release the QPs, MRs, CQs and PD, and the host's shared buffers. Idempotent."""
+        sched, transport, local_rt = self.sched, self.transport, self.local_rt
+        self.sched = self.transport = self.local_rt = None
+        try:
+            if sched is not None:
+                sched.close()
+        finally:
+            try:
+                if transport is not None:
+                    transport.close()
+            finally:
+                if local_rt is not None:
+                    local_rt.close()
+
+    # ------------------------------------------------------------------ layout
     def tokens_per_host(self, is_token_in_rank: Tensor) -> Tensor:
         """DeepEP's ``num_tokens_per_rdma_rank``: int32 ``[num_hosts]``, the tokens that go to at least one
         rank of each host, from ``is_token_in_rank`` bool ``[T, R]`` (on the device; no host wait)."""
-        in_rank = is_token_in_rank if self._order is None else is_token_in_rank.index_select(1, self._order)
-        T = in_rank.shape[0]
-        per_host = in_rank.view(T, self.hosts.num_hosts, self.hosts.ranks_per_host).any(dim=2)
+        per_host = self._host_mask(is_token_in_rank)
         return per_host.sum(dim=0, dtype=torch.int32)
 
-    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False
-                            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
-        """``Buffer.get_dispatch_layout`` across hosts: the intranode layout, plus ``num_tokens_per_rdma_rank``
-        int32 ``[num_hosts]`` in the second place (computed on the stream the layout ran on)."""
-        return self._local.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
-                                               allocate_on_comm_stream, tokens_per_host=self.tokens_per_host)
+    def _host_mask(self, is_token_in_rank: Tensor) -> Tensor:
+        """bool ``[T, num_hosts]``: token ``t`` goes to at least one rank of host ``h``."""
+        in_rank = is_token_in_rank if self._order is None else is_token_in_rank.index_select(1, self._order)
+        return in_rank.view(in_rank.shape[0], self.num_hosts, self.per_host).any(dim=2)
+
+    def get_dispatch_layout(self, intranode: Intranode, topk_idx: Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """``Buffer.get_dispatch_layout`` across hosts: the layout of ``intranode`` (the Buffer's group-wide
+        normal mode: the same kernel), plus ``num_tokens_per_rdma_rank`` int32 ``[num_hosts]`` second."""
+        return intranode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                             allocate_on_comm_stream, tokens_per_host=self.tokens_per_host)
 
     def check_tokens_per_host(self, num_tokens_per_rdma_rank: Optional[Tensor], required: bool) -> None:
         """Check ``num_tokens_per_rdma_rank`` (int32 ``[num_hosts]`` on the Buffer's device; ``required``:
@@ -64,31 +200,275 @@ class Internode:
                                  "get_dispatch_layout returned it) when no handle is given")
             return
         self.rt.check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, (torch.int32,),
-                             (self.hosts.num_hosts,))
+                             (self.num_hosts,))
 
-    def _not_built(self, what: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"rank {self.rt.rank}: {what} across hosts (internode normal mode, {self.hosts.num_hosts} hosts of "
-            f"{self.hosts.ranks_per_host} ranks, {self.hosts.source}, transport {self.rt.rdma_transport!r}) is not "
-            f"built yet: this version has the hosts, the transport choice and get_dispatch_layout; run dispatch "
-            f"and combine with every rank on one host")
+    # ------------------------------------------------------------------ the network leg
+    def _exchange(self, sends: List[Optional[Tensor]], rec: _Record, counts: Optional[List[int]]
+                  ) -> Tuple[List[Tensor], List[int]]:
+        """Send ``sends[h]`` (uint8 ``[n_h, rec.nbytes]``; ``None`` for this rank's own host) to the RDMA
+        peer on each host and receive theirs. ``counts``: rows each peer sends here, when known (a cached
+        dispatch, a combine); else a first exchange of counts (and record layouts, which must agree).
+        Returns per host the received rows (``None`` for this host) and the counts."""
+        peers = [h for h in range(self.num_hosts) if h != self.host]
+        if counts is None:
+            head = {h: np.array([sends[h].shape[0], *rec.key()], np.int64).view(np.uint8) for h in peers}
+            got = sched_mod.host_alltoall(self.sched, head, {h: 48 for h in peers})
+            counts = [0] * self.num_hosts
+            for h in peers:
+                words = got[h].view(np.int64)
+                if tuple(int(w) for w in words[1:]) != rec.key():
+                    raise ValueError(
+                        f"rank {self.rt.rank}: the RDMA peer on host {h} sends records of another layout "
+                        f"(row bytes, scale bytes, top-k, weights, ranks per host: {tuple(int(w) for w in words[1:])} there, "
+                        f"{rec.key()} here): the ranks called dispatch with different arguments")
+                counts[h] = int(words[0])
+        data = {h: sends[h].reshape(-1).numpy() for h in peers}
+        got = sched_mod.host_alltoall(self.sched, data, {h: counts[h] * rec.nbytes for h in peers})
+        out: List[Optional[Tensor]] = [None] * self.num_hosts
+        for h in peers:
+            out[h] = torch.from_numpy(got[h]).view(counts[h], rec.nbytes)
+        return out, counts
 
-    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, **kwargs):
-        """``Buffer.dispatch`` across hosts: checks ``num_tokens_per_rdma_rank``, then raises.
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, intranode: Intranode, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False):
+        """``Buffer.dispatch`` across hosts (same arguments and results; the handle is an
+        :class:`InternodeHandle`). ``intranode``: the Buffer's group-wide normal mode (its checks of ``x``).
 
         Raises:
-            ValueError / TypeError: a bad ``num_tokens_per_rdma_rank``.
-            NotImplementedError: always, after the checks (the data path is not built yet).
+            ValueError / TypeError: bad arguments, before anything moves; NotImplementedError: no
+            ``topk_idx`` (this version routes by it); EPTimeoutError / ProxyError: a peer or the RDMA proxy
+            did not answer within ``timeout_s``.
         """
         self.rt.live()
-        self.check_tokens_per_host(num_tokens_per_rdma_rank, required=handle is None)
-        raise self._not_built("dispatch")
+        self.rt.check()
+        check_event(previous_event)
+        xv, sc = intranode.check_x(x)
+        T = xv.shape[0]
+        if not isint(num_worst_tokens) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        if handle is not None:
+            plan = self._check_handle(handle)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+            if T != plan.num_tokens:
+                raise ValueError(f"x has {T} rows but the handle was made for {plan.num_tokens} tokens")
+            return self._cached_dispatch(xv, sc, plan, handle)
+        self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
+        if topk_idx is None:
+            raise NotImplementedError("dispatch across hosts routes by topk_idx in this version: pass topk_idx")
+        R = self.rt.group_size
+        idx = self.rt.check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), f"T = {T} rows of x")
+        K = idx.shape[1]
+        w = None
+        if topk_weights is not None:
+            w = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (T, K),
+                                     f"T = {T} rows of x, K = {K} columns of topk_idx")
+        if num_tokens_per_expert is None:
+            raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
+        npe = self.rt.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32, torch.int64),
+                                   (None,))
+        E = npe.shape[0]
+        self.rt.check_num_experts(E)
+        bad = idx[(idx < -1) | (idx >= E)]
+        if bad.numel():
+            raise ValueError(f"rank {self.rt.rank}: topk_idx holds ids outside [-1, {E}): {bad[:8].tolist()}")
+        if num_tokens_per_rank is not None:
+            self.rt.check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,),
+                                 f"R = {R} ranks in the group")
+        if is_token_in_rank is not None:
+            self.rt.check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R),
+                                 f"T = {T} rows of x, R = {R} ranks")
+        El = E // R
+        owner = torch.where(idx >= 0, idx.long() // El, -1)
+        in_rank = torch.zeros(T, R, dtype=torch.bool, device=idx.device)
+        rows, cols = torch.nonzero(owner >= 0, as_tuple=True)
+        in_rank[rows, owner[rows, cols]] = True
+        host_mask = self._host_mask(in_rank)
+        to_host = [torch.nonzero(host_mask[:, h], as_tuple=True)[0] for h in range(self.num_hosts)]
+        rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, K, int(w is not None),
+                      self.per_host)
+        records = [self._records(xv, sc, idx, w, in_rank, to_host[h], h, rec) for h in range(self.num_hosts)]
+        sends = [None if h == self.host else records[h] for h in range(self.num_hosts)]
+        got, counts = self._exchange(sends, rec, None)
+        got[self.host] = records[self.host]
+        counts[self.host] = records[self.host].shape[0]
+        fwd = torch.cat(got, 0) if self.num_hosts else records[self.host]
+        # the forwarding leg: the intranode dispatch of the forwarded rows among this host's ranks
+        x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
+        base = self.host * self.per_host * El
+        ids_local = torch.where((ids_f >= base) & (ids_f < base + self.per_host * El), ids_f - base, -1)
+        ids_local = ids_local.to(idx.dtype)
+        per_rank_f = in_f.sum(0, dtype=torch.int32)
+        npe_f = torch.zeros(self.per_host * El, dtype=torch.int32)
+        valid = ids_local[ids_local >= 0].long()
+        npe_f.index_add_(0, valid.cpu(), torch.ones_like(valid.cpu(), dtype=torch.int32))
+        dev = self.local_rt.device
+        out = self.local_rt.run(self.local.dispatch_steps(
+            x_f if sc_f is None else (x_f, sc_f), None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev),
+            ids_local.to(dev), w_f, expert_alignment, num_worst_tokens))
+        recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
+        recv_xf = recv_x_f[0] if isinstance(recv_x_f, tuple) else recv_x_f
+        recv_sc = recv_x_f[1] if isinstance(recv_x_f, tuple) else None
+        meta = recv_xf[:, :_META].contiguous().view(torch.int32).clone()
+        n_rows = recv_xf.shape[0]
+        meta[local_handle[3] < 0] = -1                 # padding rows (num_worst_tokens) carry no record
+        key = torch.where(meta[:, 0] >= 0, meta[:, 0].long(), R)
+        order = torch.sort(key, stable=True)[1]
+        x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[order]
+        x_ret = x_out if recv_sc is None else (x_out, recv_sc[order])
+        src_meta = meta[order][:, :2].contiguous()
+        recv_from = torch.bincount(src_meta[:, 0][src_meta[:, 0] >= 0].long(), minlength=R).to(torch.int32)
+        self._seq += 1
+        plan = _Plan(self.rt.uid, self._seq, T, to_host, counts, local_handle, order, n_rows)
+        head = torch.full((T, self.num_hosts), -1, dtype=torch.int32)
+        for h in range(self.num_hosts):
+            head[to_host[h].cpu(), h] = torch.arange(to_host[h].numel(), dtype=torch.int32)
+        cnt = torch.tensor(counts, dtype=torch.int32)
+        new_handle = InternodeHandle((
+            in_rank, torch.tensor([t.numel() for t in to_host], dtype=torch.int32).view(-1, 1),
+            in_rank.sum(0, dtype=torch.int32).view(-1, 1), cnt.view(-1, 1), torch.cumsum(cnt, 0, dtype=torch.int32),
+            recv_from.view(-1, 1), torch.cumsum(recv_from, 0, dtype=torch.int32), src_meta, head.to(xv.device),
+            local_handle[5]), plan)
+        return (x_ret, recv_idx[order] if recv_idx is not None else None,
+                recv_w[order] if recv_w is not None else None, per_expert_list, new_handle, EventOverlap(None))
 
-    def combine(self, x, handle, **kwargs):
-        """``Buffer.combine`` across hosts.
+    def _cached_dispatch(self, xv: Tensor, sc: Optional[Tensor], plan: _Plan, handle) -> tuple:
+        rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, 0, 0, 0)
+        records = [self._records(xv, sc, None, None, None, plan.to_host[h], h, rec) for h in range(self.num_hosts)]
+        sends = [None if h == self.host else records[h] for h in range(self.num_hosts)]
+        got, _ = self._exchange(sends, rec, plan.from_host)
+        got[self.host] = records[self.host]
+        fwd = torch.cat(got, 0)
+        x_f, sc_f, _, _, _ = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
+        out = self.local_rt.run(self.local.dispatch_steps(x_f if sc_f is None else (x_f, sc_f),
+                                                          handle=plan.local_handle))
+        recv = out[0]
+        recv_xf = recv[0] if isinstance(recv, tuple) else recv
+        x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[plan.order]
+        if isinstance(recv, tuple):
+            x_out = (x_out, recv[1][plan.order])
+        return x_out, None, None, None, None, EventOverlap(None)
+
+    def _records(self, xv, sc, idx, w, in_rank, tokens: Tensor, host: int, rec: _Record) -> Tensor:
+        """uint8 ``[len(tokens), rec.nbytes]``: the records of ``tokens`` (int64 indices) for ``host``."""
+        n = tokens.numel()
+        out = torch.zeros(n, rec.nbytes, dtype=torch.uint8)
+        if n == 0:
+            return out
+        t = tokens.cpu()
+        meta = torch.zeros(n, 4, dtype=torch.int32)
+        meta[:, 0] = self.rt.rank
+        meta[:, 1] = t.to(torch.int32)
+        o = 0
+        out[:, o:o + _META] = meta.view(torch.uint8)
+        o += _META
+        out[:, o:o + rec.row] = xv.cpu()[t].contiguous().view(torch.uint8).view(n, rec.row)
+        o += rec.row
+        if rec.scales:
+            out[:, o:o + rec.scales] = sc.cpu()[t].contiguous().view(torch.uint8).view(n, rec.scales)
+            o += rec.scales
+        if rec.k:
+            out[:, o:o + 8 * rec.k] = idx.cpu()[t].long().contiguous().view(torch.uint8).view(n, 8 * rec.k)
+            o += 8 * rec.k
+            if rec.weights:
+                out[:, o:o + 4 * rec.k] = w.cpu()[t].contiguous().view(torch.uint8).view(n, 4 * rec.k)
+                o += 4 * rec.k
+        if rec.local:
+            ranks = list(self.hosts.ranks(host))
+            out[:, o:o + rec.local] = in_rank.cpu()[t][:, ranks].to(torch.uint8)
+        return out
+
+    def _split(self, fwd: Tensor, rec: _Record, dtype, sc_dtype):
+        """The forwarded rows as the intranode dispatch takes them: ``x`` uint8 ``[F, 16 + row]`` (meta, then
+        the row's bytes), scales, ids int64 ``[F, K]``, weights fp32 ``[F, K]`` or ``None``, is_token_in_rank
+        bool ``[F, per_host]``."""
+        dev = self.local_rt.device
+        n = fwd.shape[0]
+        o = _META + rec.row
+        x_f = fwd[:, :o].contiguous().to(dev)
+        sc_f = ids = w = in_f = None
+        if rec.scales:
+            sc_f = fwd[:, o:o + rec.scales].contiguous().view(sc_dtype).view(n, -1).to(dev)
+            o += rec.scales
+        if rec.k:
+            ids = fwd[:, o:o + 8 * rec.k].contiguous().view(torch.int64).view(n, rec.k)
+            o += 8 * rec.k
+            if rec.weights:
+                w = fwd[:, o:o + 4 * rec.k].contiguous().view(torch.float32).view(n, rec.k).to(dev)
+                o += 4 * rec.k
+        if rec.local:
+            in_f = fwd[:, o:o + rec.local].bool()
+        return x_f, sc_f, ids, w, in_f
+
+    @staticmethod
+    def _rows(recv_xf: Tensor, dtype, hidden: int) -> Tensor:
+        """The x rows of received records (uint8 ``[N, 16 + row]``) as ``dtype`` ``[N, hidden]``."""
+        return recv_xf[:, _META:].contiguous().view(dtype).view(recv_xf.shape[0], hidden)
+
+    def _check_handle(self, handle) -> _Plan:
+        plan = getattr(handle, "plan", None)
+        if not isinstance(handle, InternodeHandle) or not isinstance(plan, _Plan) or plan.uid != self.rt.uid:
+            raise ValueError("handle must be the handle of an internode dispatch of this Buffer")
+        return plan
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: Tensor, handle, topk_weights: Optional[Tensor] = None, bias=None, config=None,
+                previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """``Buffer.combine`` across hosts (same arguments and results): the rows are summed inside each host
+        (fp32, ascending local rank, rounded to bf16), returned over the network once, and summed on this
+        rank over hosts in ascending order (fp32, plus the biases, rounded once to bf16).
 
         Raises:
-            NotImplementedError: always (no internode dispatch can have made a handle yet).
+            TypeError / ValueError: bad arguments or a handle of another Buffer; EPTimeoutError / ProxyError:
+            as ``dispatch``.
         """
         self.rt.live()
-        raise self._not_built("combine")
+        self.rt.check()
+        check_event(previous_event)
+        plan = self._check_handle(handle)
+        N = plan.num_rows
+        xv = self.rt.check_tensor("x", x, (torch.bfloat16,), (N, None), f"N = {N} rows the dispatch delivered")
+        H = xv.shape[1]
+        K = 0
+        if topk_weights is not None:
+            wv = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (N, None), f"N = {N} rows")
+            K = wv.shape[1]
+        biases = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
+        for b in biases:
+            self.rt.check_tensor("bias", b, (torch.bfloat16,), (plan.num_tokens, H), f"T = {plan.num_tokens}, H = {H}")
+        inv = torch.empty_like(plan.order)
+        inv[plan.order] = torch.arange(N, device=plan.order.device)
+        x_int = xv[inv]
+        w_int = wv[inv] if K else None
+        comb, comb_w, _ = self.local_rt.run(self.local.combine_steps(x_int, plan.local_handle, w_int))
+        # the partial sums go back to the hosts the rows came from
+        starts = np.cumsum([0] + plan.from_host)
+        rec = _Record(2 * H + 4 * K, 0, 0, 0, 0)
+        parts = []
+        for h in range(self.num_hosts):
+            lo, hi = int(starts[h]), int(starts[h + 1])
+            blk = torch.zeros(hi - lo, rec.nbytes, dtype=torch.uint8)
+            blk[:, _META:_META + 2 * H] = comb[lo:hi].cpu().contiguous().view(torch.uint8).view(hi - lo, 2 * H)
+            if K:
+                blk[:, _META + 2 * H:_META + 2 * H + 4 * K] = \
+                    comb_w[lo:hi].cpu().contiguous().view(torch.uint8).view(hi - lo, 4 * K)
+            parts.append(blk)
+        sends = [None if h == self.host else parts[h] for h in range(self.num_hosts)]
+        got, _ = self._exchange(sends, rec, [t.numel() for t in plan.to_host])
+        got[self.host] = parts[self.host]
+        T = plan.num_tokens
+        acc = torch.zeros(T, H, dtype=torch.float32)
+        wacc = torch.zeros(T, K, dtype=torch.float32) if K else None
+        for h in range(self.num_hosts):
+            t = plan.to_host[h].cpu()
+            blk = got[h]
+            acc[t] += blk[:, _META:_META + 2 * H].contiguous().view(torch.bfloat16).view(-1, H).float()
+            if K:
+                wacc[t] += blk[:, _META + 2 * H:_META + 2 * H + 4 * K].contiguous().view(torch.float32).view(-1, K)
+        for b in biases:
+            acc += b.cpu().float()
+        dev = xv.device
+        return (acc.to(torch.bfloat16).to(dev), wacc.to(dev) if K else None, EventOverlap(None))

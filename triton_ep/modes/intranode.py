@@ -382,7 +382,7 @@ class Intranode:
         self.rt.live()
         R = self.rt.group_size
         check_event(previous_event)
-        xv, sc = self._check_x(x)
+        xv, sc = self.check_x(x)
         T = xv.shape[0]
         if not isint(expert_alignment) or not 1 <= expert_alignment <= _MAX_INT32:
             raise ValueError(f"expert_alignment must be an int in [1, 2^31), got {expert_alignment!r}")
@@ -500,7 +500,10 @@ class Intranode:
         self.rt.check()
         return out, wout, event
 
-    def _check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
+    def check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
+        """Check ``x`` as ``dispatch`` takes it (a tensor ``[T, H]`` with rows of a multiple of 16 bytes, or
+        DeepEP's pair of 1-byte ``x`` and fp32 / int32 ``scales [T, S]``): ``(x, scales or None)``, both
+        contiguous. Raises ``TypeError`` / ``ValueError`` naming the fault."""
         if isinstance(x, tuple) and len(x) == 2 and x[1] is None:
             x = x[0]            # DeepEP unpacks (x, None) as x without scales (and returns recv_x alone)
         if isinstance(x, tuple):

@@ -1,0 +1,46 @@
+"""Open the RDMA transport a group of ranks uses between hosts: pyverbs on the machine's devices, or the
+emulated fabric (one machine standing in for several hosts). Used by internode mode and the scheduler CLI."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from . import emulated as em
+from . import topology, verbs
+from .rdma import Transport
+
+
+def emulated_fabric(device_names: Sequence[str], token: str, ports_per_device: int = 2) -> em.Fabric:
+    """The emulated fabric of ``device_names`` (one ``ports_per_device``-port NIC each), shared by every
+    process that builds it with the same names and ``token``."""
+    spec = em.FabricSpec([em.DeviceSpec(name, [em.PortSpec() for _ in range(ports_per_device)])
+                          for name in device_names], ring_bytes=4 << 20)
+    return em.Fabric(spec, token=token)
+
+
+def open_transport(backend: str, rank: int, world: int, *, num_qps_per_peer: int, timeout_s: float,
+                   fabric: Optional[em.Fabric] = None, device_name: Optional[str] = None,
+                   gpu: Optional[int] = None) -> Transport:
+    """Rank ``rank``'s transport to the ``world`` ranks it talks to over RDMA.
+
+    Args:
+        backend: ``"verbs"`` (pyverbs, the NICs nearest ``gpu`` where given, else every active device) or
+            ``"emulated"`` (``fabric``, this rank's NIC ``device_name``).
+        num_qps_per_peer: RC QPs per peer, placed over ports and ECMP paths by :mod:`topology`.
+        timeout_s: bound of every wait, seconds.
+
+    Raises:
+        ValueError: an unknown backend, or ``"emulated"`` without ``fabric`` / ``device_name``.
+        RdmaUnavailable: pyverbs does not import (``"verbs"``).
+    """
+    kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=timeout_s)
+    if backend == "emulated":
+        if fabric is None or device_name is None:
+            raise ValueError("the emulated transport needs its fabric and this rank's device name")
+        kw.update(api=fabric.pyverbs([device_name]), n_paths=fabric.spec.n_paths,
+                  path_hash=topology.emulator_path_hash)
+    elif backend == "verbs":
+        if gpu is not None:
+            kw["gpu"] = int(gpu)
+    else:
+        raise ValueError(f"backend must be 'verbs' or 'emulated', got {backend!r}")
+    return verbs.VerbsTransport(rank, world, **kw)
