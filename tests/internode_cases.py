@@ -124,3 +124,59 @@ def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
         return out
     finally:
         buf.destroy()
+
+
+def traffic(rank, world, env, T, H):
+    """Every token of every rank to the other host's experts (dispatch, combine); returns
+    ``Buffer.get_rdma_stats()`` and the chunk size."""
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 8 << 20, timeout_s=60)
+    try:
+        E = 2 * world
+        other = (rank + world // 2) % world
+        idx = torch.tensor([[other * 2, other * 2 + 1]]).repeat(T, 1)
+        x = torch.randn(T, H).to(torch.bfloat16)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                              topk_idx=idx)
+        buf.combine(rx, handle)
+        return buf.get_rdma_stats()
+    finally:
+        buf.destroy()
+
+
+def failure(rank, world, env, kind, timeout_s):
+    """``kind`` "stalled": rank 1 builds its Buffer and then calls nothing; "broken_qp": rank 0's QP 1 towards
+    host 1 is put into the error state first. Every other rank dispatches a few chunks' worth to the other
+    host. Returns ``[error type, message, seconds, type of the next call's error, seconds]`` (or None)."""
+    import time
+    from triton_ep.testing import break_rdma_qp
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 8 << 20, timeout_s=timeout_s)
+    try:
+        if kind == "stalled" and rank == 1:
+            time.sleep(2 * timeout_s + 2)
+            return None
+        if kind == "broken_qp" and rank == 0:
+            break_rdma_qp(buf, 1, 1)
+        T, H, E = 256, 1024, 2 * world
+        other = (rank + world // 2) % world
+        idx = torch.tensor([[other * 2, other * 2 + 1]]).repeat(T, 1)
+        x = torch.randn(T, H).to(torch.bfloat16)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert, topk_idx=idx)
+        out = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                buf.dispatch(x, **kw)
+                out += [None, "", time.monotonic() - t0]
+            except Exception as ex:   # noqa: BLE001
+                out += [type(ex).__name__, str(ex), time.monotonic() - t0]
+        if kind == "broken_qp":
+            time.sleep(timeout_s)       # the peer hears of the failure from the fault word, not from a teardown
+        return out
+    finally:
+        buf.destroy()

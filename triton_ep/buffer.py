@@ -327,6 +327,21 @@ class Buffer:
             raise ValueError("rank masking needs Buffer(..., enable_shrink=True)")
         return ll
 
+    def get_rdma_stats(self) -> dict:
+        """Traffic between hosts since construction (internode mode; triton-ep's own, not in DeepEP).
+
+        Returns:
+            a dict: ``transport`` (``None`` on one host, ``"verbs"`` or ``"emulated"``), ``num_hosts``, ``qps``
+            (``"peer host/QP index"`` -> ``channel``, ``port``, ``bytes``, ``wrs`` (work requests), ``chunks``),
+            ``ports`` (port -> bytes), ``channels`` (channel -> ``bytes``, ``chunks``), ``wrs`` (work requests
+            posted), ``network_s`` (seconds this rank's calls spent in the network leg) and ``exchanges``.
+            Bytes count payload written by this rank's proxy (not signals). On one host: zeros and empty dicts.
+        """
+        if self._internode is None:
+            return {"transport": None, "num_hosts": 1, "qps": {}, "ports": {}, "channels": {}, "wrs": 0,
+                    "network_s": 0.0, "exchanges": 0}
+        return self._internode.stats()
+
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
         """Release this rank's shared buffers and peer mappings. Idempotent; later calls raise ``EPError``.

@@ -9,9 +9,9 @@ ring of ``slots`` slots of ``slot_bytes`` per peer.  Chunk ``k`` for peer ``p`` 
   chunk is placed at the peer), writes chunk ``k`` and its length (``LEN``), then releases
   ``READY[p] = k + 1``.
 - The **proxy** (one or more threads, each owning some channels) polls ``READY``.  A chunk may go once the
-  peer has room for it (``k - CREDIT[p] < slots``).  It picks the QP with the least outstanding bytes on
-  its port, then on the QP itself, among its channels' QPs to ``p`` (the transport placed them over ports
-  and ECMP paths by the topology plan), and posts the chunk's RDMA WRITEs and then its signal, a
+  peer has room for it (``k - CREDIT[p] < slots``).  It picks the port with the fewest bytes posted so far
+  (then the least outstanding bytes on the port and on the QP), among its channels' QPs to ``p`` (the
+  transport placed them over ports and ECMP paths by the topology plan), and posts the chunk's RDMA WRITEs and then its signal, a
   zero-length WRITE_WITH_IMM carrying ``k`` in the immediate, **on the same QP**: RC ordering places the
   data before the receive completion of the signal, with no fence.  A QP's chunks are posted as one chain
   per sweep; only every ``signal_every``-th signal, and the last of a chain, is signalled; a completion
@@ -404,14 +404,16 @@ class Scheduler:
         return did
 
     def _choose(self, own: List[_QPState], peer: int) -> Optional[_QPState]:
-        """The QP for the next chunk to ``peer``: least outstanding bytes on its port, then on the QP, then
-        least bytes so far (so equal loads deal round-robin); ``None`` when every QP has a full window."""
+        """The QP for the next chunk to ``peer``: the port with the fewest bytes posted so far (so the ports'
+        totals never differ by more than one chunk), then least outstanding bytes on the port and on the QP,
+        then least bytes so far (equal loads deal round-robin); ``None`` when every QP has a full window (a
+        congested port's QPs fill their windows and are passed over, so the other port takes the chunks)."""
         best, key = None, None
         for q in own:
             if q.peer != peer or len(q.inflight) >= self.max_chunks_per_qp:
                 continue
             port = self._ports[q.port]
-            k = (port[0], q.out_bytes, port[1], q.total_bytes, q.qp)
+            k = (port[1], port[0], q.out_bytes, q.total_bytes, q.qp)
             if key is None or k < key:
                 best, key = q, k
         return best

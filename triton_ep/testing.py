@@ -83,6 +83,21 @@ def host_waits(buf: Buffer) -> dict:
     return dict(buf._rt.host_waits)
 
 
+def break_rdma_qp(buf: Buffer, peer_host: int, qp: int) -> None:
+    """Test hook (internode mode): move this rank's QP ``qp`` towards its RDMA peer on host ``peer_host`` into
+    the error state (verbs ``IBV_QPS_ERR``), as a failing link would; the work requests posted on it next
+    complete with a flush error.
+
+    Raises:
+        ValueError: the Buffer's ranks are on one host (no QPs).
+    """
+    mode = buf._internode
+    if mode is None:
+        raise ValueError("break_rdma_qp needs a Buffer whose ranks span several hosts")
+    t = mode.transport
+    t.qps[(peer_host, qp)].qp.modify(t.api.QPAttr(qp_state=t.e.IBV_QPS_ERR), 0)
+
+
 def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple) -> None:
     import os
     import pickle

@@ -21,6 +21,7 @@ destination host's ranks (1 byte each)]`` (:class:`_Record`).
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from typing import List, Optional, Tuple
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from .. import scheduler as sched_mod
 from ..config import EventOverlap
+from ..errors import EPError, EPTimeoutError
 from ..runtime import Runtime
 from ..runtime.checks import check_event, isint
 from ..runtime.context import open_runtime
@@ -129,6 +131,8 @@ class Internode:
         self.local_rt: Optional[Runtime] = None
         self.sched = self.transport = None
         self._seq = 0
+        #: seconds this rank's calls spent in the network leg (packing, waiting, unpacking), and its exchanges
+        self.network_s, self.exchanges = 0.0, 0
         try:
             # every rank makes every subgroup, in the same order (torch.distributed's rule)
             local_groups = [dist.new_group(list(hosts.ranks(h))) for h in range(self.num_hosts)]
@@ -167,7 +171,32 @@ class Internode:
                 if local_rt is not None:
                     local_rt.close()
 
+    def stats(self) -> dict:
+        """Traffic since construction: the scheduler's bytes, work requests and chunks per QP (``"host/qp"``
+        keys, with channel and port), bytes per port and per channel, and the network leg's seconds."""
+        s = self.sched.stats() if self.sched is not None else {"qps": {}, "ports": {}, "wrs": 0}
+        channels: dict = {}
+        for q in s["qps"].values():
+            c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
+            c["bytes"] += q["bytes"]
+            c["chunks"] += q["chunks"]
+        return {"transport": self.rt.rdma_transport, "num_hosts": self.num_hosts, "qps": s["qps"],
+                "ports": s["ports"], "channels": channels, "wrs": s["wrs"], "network_s": self.network_s,
+                "exchanges": self.exchanges}
+
     # ------------------------------------------------------------------ layout
+    def _live(self) -> None:
+        """Raise at once where an earlier call failed: the Buffer destroyed (``EPError``), a kernel's
+        recorded error, or the RDMA proxy's (sticky: every later call raises it, with global ranks)."""
+        self.rt.live()
+        self.rt.check()
+        if self.sched is None:
+            raise EPError(f"rank {self.rt.rank}: this Buffer was destroyed")
+        try:
+            self.sched.check()
+        except (sched_mod.ProxyError, EPTimeoutError) as ex:
+            raise self._global(ex) from ex
+
     def tokens_per_host(self, is_token_in_rank: Tensor) -> Tensor:
         """DeepEP's ``num_tokens_per_rdma_rank``: int32 ``[num_hosts]``, the tokens that go to at least one
         rank of each host, from ``is_token_in_rank`` bool ``[T, R]`` (on the device; no host wait)."""
@@ -209,6 +238,32 @@ class Internode:
         peer on each host and receive theirs. ``counts``: rows each peer sends here, when known (a cached
         dispatch, a combine); else a first exchange of counts (and record layouts, which must agree).
         Returns per host the received rows (``None`` for this host) and the counts."""
+        t0 = time.perf_counter()
+        try:
+            return self._exchange_rows(sends, rec, counts)
+        except (sched_mod.ProxyError, EPTimeoutError) as ex:
+            raise self._global(ex) from ex
+        finally:
+            self.network_s += time.perf_counter() - t0
+            self.exchanges += 1
+
+    def _peer_rank(self, host: Optional[int]) -> Optional[int]:
+        """The global rank of this rank's RDMA peer on ``host`` (the scheduler numbers its peers by host)."""
+        return None if host is None else self.hosts.ranks(host)[self.local_index]
+
+    def _global(self, ex: BaseException) -> BaseException:
+        """The scheduler's error with global ranks and host numbers in it (its ranks are host indices)."""
+        where = f"internode, host {self.host} of {self.num_hosts}"
+        if isinstance(ex, sched_mod.ProxyError):
+            peer = self._peer_rank(ex.peer)
+            why = f"{ex.why} ({where}; the peer is rank {peer} on host {ex.peer})" if peer is not None else \
+                f"{ex.why} ({where})"
+            return type(ex)(self.rt.rank, peer, ex.channel, ex.qp, ex.stage, why)
+        peers = [self._peer_rank(p) for p in ex.peers]
+        return EPTimeoutError(self.rt.rank, peers, f"{ex.stage} ({where}; waiting for host(s) "
+                              f"{', '.join(str(p) for p in ex.peers)})", ex.timeout_s, ex.channel)
+
+    def _exchange_rows(self, sends, rec: _Record, counts):
         peers = [h for h in range(self.num_hosts) if h != self.host]
         if counts is None:
             head = {h: np.array([sends[h].shape[0], *rec.key()], np.int64).view(np.uint8) for h in peers}
@@ -242,8 +297,7 @@ class Internode:
             ``topk_idx`` (this version routes by it); EPTimeoutError / ProxyError: a peer or the RDMA proxy
             did not answer within ``timeout_s``.
         """
-        self.rt.live()
-        self.rt.check()
+        self._live()
         check_event(previous_event)
         xv, sc = intranode.check_x(x)
         T = xv.shape[0]
@@ -425,8 +479,7 @@ class Internode:
             TypeError / ValueError: bad arguments or a handle of another Buffer; EPTimeoutError / ProxyError:
             as ``dispatch``.
         """
-        self.rt.live()
-        self.rt.check()
+        self._live()
         check_event(previous_event)
         plan = self._check_handle(handle)
         N = plan.num_rows

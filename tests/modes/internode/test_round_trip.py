@@ -34,3 +34,42 @@ def test_round_trip(world, per_host, Ts, kw):
 def test_fp8_pairs_across_hosts():
     out = _values(run_ranks(cases.round_trip, 2, _env(1), 3, 8, 2, 256, [5, 4], {"fp8": True}, timeout_s=240))
     assert all(o["rows"] >= 0 for o in out)
+
+
+def test_traffic_spreads_over_every_qp_and_both_ports():
+    """A dual-port emulated NIC per rank, 4 QPs per peer: every QP carries chunks, both ports carry bytes,
+    and the ports' bytes differ by at most one chunk (64 KiB) on each rank."""
+    out = _values(run_ranks(cases.traffic, 2, _env(1), 512, 1024, timeout_s=240))
+    for r, st in enumerate(out):
+        assert st["transport"] == "emulated" and st["num_hosts"] == 2
+        assert len(st["qps"]) == 4 and all(q["chunks"] > 0 for q in st["qps"].values()), st["qps"]
+        ports = list(st["ports"].values())
+        assert len(ports) == 2 and min(ports) > 0, st["ports"]
+        assert max(ports) - min(ports) <= 1 << 16, st["ports"]
+        assert sum(c["bytes"] for c in st["channels"].values()) == sum(ports)
+        assert st["exchanges"] == 2 and st["network_s"] > 0
+
+
+def test_rank_that_stops_calling_is_named_within_the_bound():
+    """Rank 1 (host 1) builds its Buffer and then calls nothing: rank 0's dispatch raises EPTimeoutError
+    within the bound, naming rank 1, host 1 and the stage; its next call raises at once. Nothing is left
+    behind (QPs, MRs, threads, /dev/shm: the autouse fixture and the ranks' exits)."""
+    out = _values(run_ranks(cases.failure, 2, _env(1), "stalled", 2.0, timeout_s=120))
+    assert out[1] is None
+    kind, msg, dt, kind2, msg2, dt2 = out[0]
+    assert kind == "EPTimeoutError" and "peer 1" in msg and "host(s) 1" in msg and "tail" in msg, msg
+    assert dt < 2.0 + 5.0, dt
+    assert kind2 is not None and dt2 < 1.0, (kind2, dt2)
+
+
+def test_qp_in_error_state_fails_both_ranks_naming_qp_and_channel():
+    """Rank 0's QP 1 towards host 1 goes into the error state: rank 0 raises ProxyError (send completion,
+    QP 1, peer rank 1 on host 1), rank 1 ProxyRemoteError, both within the bound; later calls raise at once."""
+    out = _values(run_ranks(cases.failure, 2, _env(1), "broken_qp", 3.0, timeout_s=120))
+    k0, m0, d0, k0b, _, d0b = out[0]
+    k1, m1, d1, k1b, _, d1b = out[1]
+    assert k0 == "ProxyError" and "QP 1" in m0 and "channel" in m0 and "rank 1 on host 1" in m0, m0
+    assert "send completion" in m0 and "IBV_WC_WR_FLUSH_ERR" in m0, m0
+    assert k1 == "ProxyRemoteError", (k1, m1)
+    assert max(d0, d1) < 3.0 + 5.0, (d0, d1)
+    assert k0b is not None and k1b is not None and max(d0b, d1b) < 1.0
