@@ -64,6 +64,7 @@ def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
     opts = opts or {}
     fp8, worst, bias, weights = (opts.get("fp8", False), opts.get("worst", 0), opts.get("bias", False),
                                  opts.get("weights", True))
+    device = opts.get("device", "cpu")
     from triton_ep import reference as ref
     from mp_cases import make_inputs
     os.environ.update(env)
@@ -72,13 +73,19 @@ def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
     if not weights:
         ws = None
     exp = ref.dispatch(xs, idxs, ws, E)
-    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60, device=device)
     try:
-        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank], E)
+        mine = tuple(t.to(device) for t in xs[rank]) if fp8 else xs[rank].to(device)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank].to(device), E)
         recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
-            xs[rank], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=idxs[rank], topk_weights=None if ws is None else ws[rank],
-            num_worst_tokens=worst)
+            mine, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idxs[rank].to(device),
+            topk_weights=None if ws is None else ws[rank].to(device), num_worst_tokens=worst)
+        recv_x = tuple(t.cpu() for t in recv_x) if fp8 else recv_x.cpu()
+        recv_idx, recv_w = recv_idx.cpu(), None if recv_w is None else recv_w.cpu()
+        handle_cpu = [t.cpu() for t in handle]
         e = exp[rank]
         N = e["recv_topk_idx"].shape[0]
         rows = recv_x[0] if fp8 else recv_x
@@ -98,9 +105,9 @@ def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
         else:
             assert lst == e["num_recv_tokens_per_expert_list"], (lst, e["num_recv_tokens_per_expert_list"])
         rpm = e["rank_prefix_matrix"]
-        assert torch.equal(handle[0], in_rank)
-        assert torch.equal(handle[6], rpm[:, rank]), (handle[6], rpm[:, rank])
-        assert torch.equal(handle[7][:N, 1], e["recv_src_idx"])
+        assert torch.equal(handle_cpu[0], in_rank.cpu())
+        assert torch.equal(handle_cpu[6], rpm[:, rank]), (handle_cpu[6], rpm[:, rank])
+        assert torch.equal(handle_cpu[7][:N, 1], e["recv_src_idx"])
         out = {"rows": int(N)}
         if fp8:
             return out
@@ -109,7 +116,9 @@ def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
         y[N:] = float("nan")                                  # padding rows must be ignored
         b = [(torch.randn(Ts[i], H, generator=torch.Generator().manual_seed(i))).to(torch.bfloat16)
              for i in range(world)] if bias else None
-        cx, cw, _ = buf.combine(y, handle, topk_weights=recv_w, bias=None if b is None else b[rank])
+        cx, cw, _ = buf.combine(y.to(device), handle, topk_weights=None if recv_w is None else recv_w.to(device),
+                                bias=None if b is None else b[rank].to(device))
+        cx, cw = cx.cpu(), None if cw is None else cw.cpu()
         ys = [(exp[j]["recv_x"].float() * 2).to(torch.bfloat16) for j in range(world)]
         cexp = ref.combine(ys, exp, Ts, None if ws is None else [d["recv_topk_weights"] for d in exp],
                            None if b is None else [[t] for t in b], ranks_per_host=n)[rank]
@@ -117,7 +126,7 @@ def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
         if ws is not None:
             assert torch.equal(cw, cexp[1])
         x2 = (xs[rank].float() + 1).to(torch.bfloat16)
-        rx2 = buf.dispatch(x2, handle=handle)[0]
+        rx2 = buf.dispatch(x2.to(device), handle=handle)[0].cpu()
         exp2 = ref.dispatch([(x.float() + 1).to(torch.bfloat16) for x in xs], idxs, ws, E)[rank]
         assert torch.equal(rx2[:N].view(torch.int16), exp2["recv_x"].view(torch.int16))
         out["combined"] = True
@@ -178,5 +187,36 @@ def failure(rank, world, env, kind, timeout_s):
         if kind == "broken_qp":
             time.sleep(timeout_s)       # the peer hears of the failure from the fault word, not from a teardown
         return out
+    finally:
+        buf.destroy()
+
+
+def propagation(rank, world, env, kind):
+    """2 hosts of 2 ranks. ``kind`` "capacity": every token of every rank goes to host 0's experts and
+    num_worst_tokens is too small there only; "bad_args": rank 3 passes int64 topk_weights. Returns the error
+    type and seconds of the failing call, then whether a correct dispatch + combine works afterwards."""
+    import time
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
+    try:
+        T, H, E = 6, 64, 8
+        x = torch.randn(T, H).to(torch.bfloat16)
+        idx = torch.tensor([[0, 2]]).repeat(T, 1) if kind == "capacity" else torch.randint(0, E, (T, 2))
+        w = torch.rand(T, 2)
+        if kind == "bad_args" and rank == 3:
+            w = w.double()
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert, topk_idx=idx)
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(x, topk_weights=w, num_worst_tokens=8 if kind == "capacity" else 0, **kw)
+            first = [None, time.monotonic() - t0]
+        except Exception as ex:   # noqa: BLE001
+            first = [type(ex).__name__, time.monotonic() - t0, str(ex)]
+        rx, _, _, _, handle, _ = buf.dispatch(x, **kw)
+        out, _, _ = buf.combine(rx, handle)
+        expect = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        return first + [bool(torch.equal(out, expect))]
     finally:
         buf.destroy()

@@ -153,3 +153,16 @@ def test_host_cost_out(tmp_path, results_untouched):
     assert sum(by["dispatch"]["launches"].values()) == 4 and "routing_layout" not in by["dispatch"]["launches"]
     assert all(c["host_us"] > 0 for c in out["results"])
     assert_cpu_report(r, "say nothing about a GPU")
+
+
+def test_bench_internode_out(tmp_path, results_untouched):
+    """The internode network-leg benchmark: every exchange byte-exact, the full QP plan over both ports beats
+    one QP per peer in the fabric model, and the JSON says what its figures are."""
+    run_bench("bench_internode.py", "--tokens", "256", "--out", str(tmp_path / "i"))
+    with open(tmp_path / "i" / "internode.json") as f:
+        res = json.load(f)
+    assert "virtual time" in res["note"] and len(res["results"]) == 4
+    assert all(r["byte_exact"] for r in res["results"])
+    full = [r["model_GBps"] for r in res["results"] if r["qps"] == 8]
+    one = [r["model_GBps"] for r in res["results"] if r["qps"] == 1]
+    assert min(full) > max(one), res["results"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from .. import scheduler as sched_mod
 from ..config import EventOverlap
-from ..errors import EPError, EPTimeoutError
+from ..errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from ..runtime import Runtime
 from ..runtime.checks import check_event, isint
 from ..runtime.context import open_runtime
@@ -62,6 +63,14 @@ class _Record:
 
     def key(self) -> Tuple[int, ...]:
         return (self.row, self.scales, self.k, self.weights, self.local)
+
+
+def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weights: bool, ranks_per_host: int) -> int:
+    """Bytes of one network-leg dispatch record (16-byte aligned): meta, an x row of ``row_bytes``, its
+    ``scale_bytes``, ``num_topk`` int64 ids (and fp32 weights with ``weights``), and ``ranks_per_host`` bytes of
+    ``is_token_in_rank``. A combine record is ``network_record_bytes(2 * hidden + 4 * num_topk, 0, 0, False, 0)``
+    (the partial sum in bf16, then the weights' fp32 sums)."""
+    return _Record(row_bytes, scale_bytes, num_topk, int(weights), ranks_per_host).nbytes
 
 
 class InternodeHandle(tuple):
@@ -232,20 +241,83 @@ class Internode:
                              (self.num_hosts,))
 
     # ------------------------------------------------------------------ the network leg
-    def _exchange(self, sends: List[Optional[Tensor]], rec: _Record, counts: Optional[List[int]]
-                  ) -> Tuple[List[Tensor], List[int]]:
+    def _exchange(self, sends: Optional[List[Optional[Tensor]]], rec: Optional[_Record],
+                  err: Optional[BaseException] = None, tell: bool = True) -> Tuple[List[Optional[Tensor]], List[int]]:
         """Send ``sends[h]`` (uint8 ``[n_h, rec.nbytes]``; ``None`` for this rank's own host) to the RDMA
-        peer on each host and receive theirs. ``counts``: rows each peer sends here, when known (a cached
-        dispatch, a combine); else a first exchange of counts (and record layouts, which must agree).
-        Returns per host the received rows (``None`` for this host) and the counts."""
+        peer on each host and receive theirs: first a header (a status, the row count and the record layout,
+        which must agree), then the rows. A rank that failed (``err``) sends only its header. Where this rank
+        or a peer failed, every rank of the exchange raises after the headers, and (with ``tell``: the
+        exchange comes before the forwarding leg) this rank first tells its own host's ranks (their
+        forwarding-leg waits end; they tell their own RDMA peers in turn).
+
+        Returns: per host the received rows (``None`` for this host) and the counts.
+        Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed; ``ValueError``
+        when the layouts differ (the ranks called with different arguments); the proxy's errors.
+        """
         t0 = time.perf_counter()
         try:
-            return self._exchange_rows(sends, rec, counts)
+            try:
+                return self._exchange_rows(sends, rec, err)
+            except (sched_mod.ProxyError, EPTimeoutError) as ex:
+                raise self._global(ex) from ex
+        except BaseException:
+            if tell:
+                self._tell_host()
+            raise
+        finally:
+            self.network_s += time.perf_counter() - t0
+            self.exchanges += 1
+
+    def _tell_host(self) -> None:
+        """This rank leaves the running call before its forwarding leg: the ranks of its host that wait for
+        it there stop at once (a failure word, as an intranode call that fails) and raise ``EPRemoteError``."""
+        if self.local_rt is not None and self.local_rt.comm is not None:
+            self.local_rt.wait_comm_stream()
+            self.local_rt.sig.post_local_failure()
+
+    def _status(self, err: Optional[BaseException]) -> None:
+        """After the forwarding leg: tell the RDMA peers whether this rank's part succeeded and hear theirs
+        (every rank of a host fails such a leg alike, so each rank hears of a host that failed from its own
+        peer there). Raises ``err``, else the first peer's failure."""
+        t0 = time.perf_counter()
+        try:
+            self._headers(None, None, err)
         except (sched_mod.ProxyError, EPTimeoutError) as ex:
             raise self._global(ex) from ex
         finally:
             self.network_s += time.perf_counter() - t0
             self.exchanges += 1
+
+    def _headers(self, sends, rec: Optional[_Record], err: Optional[BaseException] = None) -> List[int]:
+        """The header exchange of :meth:`_exchange` (``sends`` ``None``: a status alone). Returns the counts."""
+        peers = [h for h in range(self.num_hosts) if h != self.host]
+        key = rec.key() if rec is not None else (0,) * 5
+        code = 0 if err is None else (2 if isinstance(err, EPCapacityError) else 1)
+        head = {h: np.array([code, 0 if sends is None or err is not None else sends[h].shape[0], *key],
+                            np.int64).view(np.uint8) for h in peers}
+        got = sched_mod.host_alltoall(self.sched, head, {h: 56 for h in peers})
+        words = {h: got[h].view(np.int64) for h in peers}
+        if err is not None:
+            raise err
+        for h in peers:
+            if words[h][0]:
+                who = f"rank {self._peer_rank(h)} (host {h})"
+                if words[h][0] == 2:
+                    raise EPCapacityError(f"rank {self.rt.rank}: {who} found more rows than num_worst_tokens on its "
+                                          f"host; no rank returns from this dispatch")
+                raise EPRemoteError(f"rank {self.rt.rank}: {who} failed this call (its own error names why); "
+                                    f"this rank stopped too")
+        for h in peers:
+            if rec is not None and tuple(int(w) for w in words[h][2:]) != key:
+                raise ValueError(
+                    f"rank {self.rt.rank}: rank {self._peer_rank(h)} on host {h} sends records of another layout "
+                    f"(row bytes, scale bytes, top-k, weights, ranks per host: "
+                    f"{tuple(int(w) for w in words[h][2:])} there, {key} here): the ranks called with different "
+                    f"arguments")
+        counts = [0] * self.num_hosts
+        for h in peers:
+            counts[h] = int(words[h][1])
+        return counts
 
     def _peer_rank(self, host: Optional[int]) -> Optional[int]:
         """The global rank of this rank's RDMA peer on ``host`` (the scheduler numbers its peers by host)."""
@@ -263,20 +335,9 @@ class Internode:
         return EPTimeoutError(self.rt.rank, peers, f"{ex.stage} ({where}; waiting for host(s) "
                               f"{', '.join(str(p) for p in ex.peers)})", ex.timeout_s, ex.channel)
 
-    def _exchange_rows(self, sends, rec: _Record, counts):
+    def _exchange_rows(self, sends, rec: Optional[_Record], err: Optional[BaseException]):
         peers = [h for h in range(self.num_hosts) if h != self.host]
-        if counts is None:
-            head = {h: np.array([sends[h].shape[0], *rec.key()], np.int64).view(np.uint8) for h in peers}
-            got = sched_mod.host_alltoall(self.sched, head, {h: 48 for h in peers})
-            counts = [0] * self.num_hosts
-            for h in peers:
-                words = got[h].view(np.int64)
-                if tuple(int(w) for w in words[1:]) != rec.key():
-                    raise ValueError(
-                        f"rank {self.rt.rank}: the RDMA peer on host {h} sends records of another layout "
-                        f"(row bytes, scale bytes, top-k, weights, ranks per host: {tuple(int(w) for w in words[1:])} there, "
-                        f"{rec.key()} here): the ranks called dispatch with different arguments")
-                counts[h] = int(words[0])
+        counts = self._headers(sends, rec, err)
         data = {h: sends[h].reshape(-1).numpy() for h in peers}
         got = sched_mod.host_alltoall(self.sched, data, {h: counts[h] * rec.nbytes for h in peers})
         out: List[Optional[Tensor]] = [None] * self.num_hosts
@@ -298,6 +359,26 @@ class Internode:
             did not answer within ``timeout_s``.
         """
         self._live()
+        prep = err = None
+        try:
+            prep = self._prepare_dispatch(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                          is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                          num_worst_tokens, previous_event)
+        except Exception as e:   # noqa: BLE001 - the RDMA peers and this host's ranks are told, then it is raised
+            err = e
+        got, counts = self._exchange(prep.sends if prep else None, prep.rec if prep else None, err)
+        result = err = None
+        try:
+            result = self._forward(prep, got, counts, expert_alignment, num_worst_tokens)
+        except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (their hosts' ranks then fail alike)
+            err = e
+        self._status(err)
+        return result
+
+    def _prepare_dispatch(self, intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                          is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, num_worst_tokens,
+                          previous_event) -> SimpleNamespace:
+        """Check a dispatch's arguments and pack its records for each host (nothing moves yet)."""
         check_event(previous_event)
         xv, sc = intranode.check_x(x)
         T = xv.shape[0]
@@ -309,7 +390,10 @@ class Internode:
                 raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
             if T != plan.num_tokens:
                 raise ValueError(f"x has {T} rows but the handle was made for {plan.num_tokens} tokens")
-            return self._cached_dispatch(xv, sc, plan, handle)
+            rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, 0, 0, 0)
+            records = [self._records(xv, sc, None, None, None, plan.to_host[h], h, rec)
+                       for h in range(self.num_hosts)]
+            return SimpleNamespace(xv=xv, sc=sc, rec=rec, records=records, sends=self._sends(records), plan=plan)
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         if topk_idx is None:
             raise NotImplementedError("dispatch across hosts routes by topk_idx in this version: pass topk_idx")
@@ -335,8 +419,7 @@ class Internode:
         if is_token_in_rank is not None:
             self.rt.check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R),
                                  f"T = {T} rows of x, R = {R} ranks")
-        El = E // R
-        owner = torch.where(idx >= 0, idx.long() // El, -1)
+        owner = torch.where(idx >= 0, idx.long() // (E // R), -1)
         in_rank = torch.zeros(T, R, dtype=torch.bool, device=idx.device)
         rows, cols = torch.nonzero(owner >= 0, as_tuple=True)
         in_rank[rows, owner[rows, cols]] = True
@@ -345,24 +428,43 @@ class Internode:
         rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, K, int(w is not None),
                       self.per_host)
         records = [self._records(xv, sc, idx, w, in_rank, to_host[h], h, rec) for h in range(self.num_hosts)]
-        sends = [None if h == self.host else records[h] for h in range(self.num_hosts)]
-        got, counts = self._exchange(sends, rec, None)
-        got[self.host] = records[self.host]
-        counts[self.host] = records[self.host].shape[0]
-        fwd = torch.cat(got, 0) if self.num_hosts else records[self.host]
-        # the forwarding leg: the intranode dispatch of the forwarded rows among this host's ranks
+        return SimpleNamespace(xv=xv, sc=sc, rec=rec, records=records, sends=self._sends(records), plan=None,
+                               idx=idx, E=E, in_rank=in_rank, to_host=to_host)
+
+    def _sends(self, records: List[Tensor]) -> List[Optional[Tensor]]:
+        return [None if h == self.host else records[h] for h in range(self.num_hosts)]
+
+    def _forward(self, prep: SimpleNamespace, got: List[Optional[Tensor]], counts: List[int], expert_alignment: int,
+                 num_worst_tokens: int) -> tuple:
+        """The forwarding leg (the intranode dispatch of the rows this rank received over the network and of
+        its own rows for its host) and the results in DeepEP's order."""
+        xv, sc, rec = prep.xv, prep.sc, prep.rec
+        got[self.host] = prep.records[self.host]
+        counts[self.host] = prep.records[self.host].shape[0]
+        fwd = torch.cat(got, 0)
         x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
+        xs_f = x_f if sc_f is None else (x_f, sc_f)
+        if prep.plan is not None:                 # cached: the same routes, new rows
+            plan = prep.plan
+            recv = self.local_rt.run(self.local.dispatch_steps(xs_f, handle=plan.local_handle))[0]
+            recv_xf = recv[0] if isinstance(recv, tuple) else recv
+            x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[plan.order]
+            if isinstance(recv, tuple):
+                x_out = (x_out, recv[1][plan.order])
+            return x_out, None, None, None, None, EventOverlap(None)
+        R, E, idx, T = self.rt.group_size, prep.E, prep.idx, xv.shape[0]
+        El = E // R
         base = self.host * self.per_host * El
         ids_local = torch.where((ids_f >= base) & (ids_f < base + self.per_host * El), ids_f - base, -1)
         ids_local = ids_local.to(idx.dtype)
         per_rank_f = in_f.sum(0, dtype=torch.int32)
         npe_f = torch.zeros(self.per_host * El, dtype=torch.int32)
         valid = ids_local[ids_local >= 0].long()
-        npe_f.index_add_(0, valid.cpu(), torch.ones_like(valid.cpu(), dtype=torch.int32))
+        npe_f.index_add_(0, valid, torch.ones_like(valid, dtype=torch.int32))
         dev = self.local_rt.device
         out = self.local_rt.run(self.local.dispatch_steps(
-            x_f if sc_f is None else (x_f, sc_f), None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev),
-            ids_local.to(dev), w_f, expert_alignment, num_worst_tokens))
+            xs_f, None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev), ids_local.to(dev), w_f,
+            expert_alignment, num_worst_tokens))
         recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
         recv_xf = recv_x_f[0] if isinstance(recv_x_f, tuple) else recv_x_f
         recv_sc = recv_x_f[1] if isinstance(recv_x_f, tuple) else None
@@ -376,6 +478,7 @@ class Internode:
         src_meta = meta[order][:, :2].contiguous()
         recv_from = torch.bincount(src_meta[:, 0][src_meta[:, 0] >= 0].long(), minlength=R).to(torch.int32)
         self._seq += 1
+        to_host, in_rank = prep.to_host, prep.in_rank
         plan = _Plan(self.rt.uid, self._seq, T, to_host, counts, local_handle, order, n_rows)
         head = torch.full((T, self.num_hosts), -1, dtype=torch.int32)
         for h in range(self.num_hosts):
@@ -388,23 +491,6 @@ class Internode:
             local_handle[5]), plan)
         return (x_ret, recv_idx[order] if recv_idx is not None else None,
                 recv_w[order] if recv_w is not None else None, per_expert_list, new_handle, EventOverlap(None))
-
-    def _cached_dispatch(self, xv: Tensor, sc: Optional[Tensor], plan: _Plan, handle) -> tuple:
-        rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, 0, 0, 0)
-        records = [self._records(xv, sc, None, None, None, plan.to_host[h], h, rec) for h in range(self.num_hosts)]
-        sends = [None if h == self.host else records[h] for h in range(self.num_hosts)]
-        got, _ = self._exchange(sends, rec, plan.from_host)
-        got[self.host] = records[self.host]
-        fwd = torch.cat(got, 0)
-        x_f, sc_f, _, _, _ = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
-        out = self.local_rt.run(self.local.dispatch_steps(x_f if sc_f is None else (x_f, sc_f),
-                                                          handle=plan.local_handle))
-        recv = out[0]
-        recv_xf = recv[0] if isinstance(recv, tuple) else recv
-        x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[plan.order]
-        if isinstance(recv, tuple):
-            x_out = (x_out, recv[1][plan.order])
-        return x_out, None, None, None, None, EventOverlap(None)
 
     def _records(self, xv, sc, idx, w, in_rank, tokens: Tensor, host: int, rec: _Record) -> Tensor:
         """uint8 ``[len(tokens), rec.nbytes]``: the records of ``tokens`` (int64 indices) for ``host``."""
@@ -480,24 +566,60 @@ class Internode:
             as ``dispatch``.
         """
         self._live()
+        prep = err = None
+        try:
+            prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)
+        except Exception as e:   # noqa: BLE001 - this host's ranks and the RDMA peers are told, then it is raised
+            err = e
+            self._tell_host()
+        parts = rec = None
+        if err is None:
+            try:
+                parts, rec = self._reduce_in_host(prep)
+            except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (this host's ranks failed alike)
+                err = e
+        got, _ = self._exchange(self._sends(parts) if parts else None, rec, err, tell=False)
+        plan, H, K = prep.plan, prep.H, prep.K
+        got[self.host] = parts[self.host]
+        T = plan.num_tokens
+        acc = torch.zeros(T, H, dtype=torch.float32)
+        wacc = torch.zeros(T, K, dtype=torch.float32) if K else None
+        for h in range(self.num_hosts):
+            t = plan.to_host[h].cpu()
+            blk = got[h]
+            acc[t] += blk[:, _META:_META + 2 * H].contiguous().view(torch.bfloat16).view(-1, H).float()
+            if K:
+                wacc[t] += blk[:, _META + 2 * H:_META + 2 * H + 4 * K].contiguous().view(torch.float32).view(-1, K)
+        for b in prep.biases:
+            acc += b.cpu().float()
+        dev = prep.xv.device
+        return (acc.to(torch.bfloat16).to(dev), wacc.to(dev) if K else None, EventOverlap(None))
+
+    def _prepare_combine(self, x, handle, topk_weights, bias, previous_event) -> SimpleNamespace:
+        """Check a combine's arguments."""
         check_event(previous_event)
         plan = self._check_handle(handle)
         N = plan.num_rows
         xv = self.rt.check_tensor("x", x, (torch.bfloat16,), (N, None), f"N = {N} rows the dispatch delivered")
         H = xv.shape[1]
-        K = 0
+        wv, K = None, 0
         if topk_weights is not None:
             wv = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (N, None), f"N = {N} rows")
             K = wv.shape[1]
         biases = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
         for b in biases:
             self.rt.check_tensor("bias", b, (torch.bfloat16,), (plan.num_tokens, H), f"T = {plan.num_tokens}, H = {H}")
+        return SimpleNamespace(plan=plan, xv=xv, wv=wv, H=H, K=K, biases=biases)
+
+    def _reduce_in_host(self, prep: SimpleNamespace) -> Tuple[List[Tensor], _Record]:
+        """The intranode combine of this host's rows (per forwarded token: the fp32 sum over the host's ranks,
+        rounded to bf16), packed per source host: ``(records per host, their layout)``."""
+        plan, H, K = prep.plan, prep.H, prep.K
         inv = torch.empty_like(plan.order)
-        inv[plan.order] = torch.arange(N, device=plan.order.device)
-        x_int = xv[inv]
-        w_int = wv[inv] if K else None
+        inv[plan.order] = torch.arange(plan.num_rows, device=plan.order.device)
+        x_int = prep.xv[inv]
+        w_int = prep.wv[inv] if K else None
         comb, comb_w, _ = self.local_rt.run(self.local.combine_steps(x_int, plan.local_handle, w_int))
-        # the partial sums go back to the hosts the rows came from
         starts = np.cumsum([0] + plan.from_host)
         rec = _Record(2 * H + 4 * K, 0, 0, 0, 0)
         parts = []
@@ -509,19 +631,4 @@ class Internode:
                 blk[:, _META + 2 * H:_META + 2 * H + 4 * K] = \
                     comb_w[lo:hi].cpu().contiguous().view(torch.uint8).view(hi - lo, 4 * K)
             parts.append(blk)
-        sends = [None if h == self.host else parts[h] for h in range(self.num_hosts)]
-        got, _ = self._exchange(sends, rec, [t.numel() for t in plan.to_host])
-        got[self.host] = parts[self.host]
-        T = plan.num_tokens
-        acc = torch.zeros(T, H, dtype=torch.float32)
-        wacc = torch.zeros(T, K, dtype=torch.float32) if K else None
-        for h in range(self.num_hosts):
-            t = plan.to_host[h].cpu()
-            blk = got[h]
-            acc[t] += blk[:, _META:_META + 2 * H].contiguous().view(torch.bfloat16).view(-1, H).float()
-            if K:
-                wacc[t] += blk[:, _META + 2 * H:_META + 2 * H + 4 * K].contiguous().view(torch.float32).view(-1, K)
-        for b in biases:
-            acc += b.cpu().float()
-        dev = xv.device
-        return (acc.to(torch.bfloat16).to(dev), wacc.to(dev) if K else None, EventOverlap(None))
+        return parts, rec

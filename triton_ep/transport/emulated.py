@@ -1046,7 +1046,8 @@ class QP:
         dd, dp = self.dst
         dps = fab.spec.devices[dd].ports[dp - 1]
         res = [(("tx", self.ctx.dev_index, self.port, lag), ps.speed_gbps * 1e9 / 8),
-               (("path", path), fab.spec.path_gbps * 1e9 / 8),
+               # links are full duplex: a path carries each direction at its own rate
+               (("path", path, self.ctx.dev_index < dd), fab.spec.path_gbps * 1e9 / 8),
                (("rx", dd, dp), dps.speed_gbps * max(1, dps.lag_ports) * 1e9 / 8)]
         return res, (sport, path)
 

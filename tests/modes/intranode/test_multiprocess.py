@@ -70,7 +70,9 @@ def test_rank_missing_at_construction_times_out():
     within the bound instead of waiting for the process group's own (30 min) timeout."""
     out = _values(run_ranks(mp_cases.absent_at_construction, 3, 2.0))
     for stage, waited in out[:2]:
-        assert stage.startswith("bootstrap") and 2.0 <= waited < 20, (stage, waited)
+        # the first rank to give up (after its 2 s) tells the other, which may raise a little before its own
+        # bound ran out (it started waiting later): both raise near the bound, neither waits it out twice
+        assert stage.startswith("bootstrap") and 1.5 <= waited < 20, (stage, waited)
 
 
 @pytest.mark.parametrize("subgroup", [False, True])

@@ -1,0 +1,29 @@
+"""Internode normal mode on one GPU: 2 hosts of 1 rank and 2 hosts of 2 ranks (processes sharing the GPU
+over gloo, the emulated fabric between the hosts), dispatch bit-exact against the reference, combine
+bit-exact against its two-level order, cached dispatch, FP8 pairs. Functional only (a shared GPU)."""
+import pytest
+import torch
+
+import internode_cases as cases
+from triton_ep.testing import RankFailure, run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _values(out):
+    bad = [o for o in out if isinstance(o, RankFailure)]
+    assert not bad, "\n".join(str(o) for o in bad)
+    return out
+
+
+@pytest.mark.parametrize("world,per_host,opts", [
+    (2, 1, {"device": "cuda"}),
+    (4, 2, {"device": "cuda", "bias": True, "worst": 128}),
+    (2, 1, {"device": "cuda", "fp8": True}),
+])
+def test_round_trip_gpu(world, per_host, opts):
+    env = {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated"}
+    H = 256 if opts.get("fp8") else 7168
+    out = _values(run_ranks(cases.round_trip, world, env, 3, 8 * world, 4, H, [33, 17, 0, 40][:world], opts,
+                            timeout_s=140))
+    assert sum(o["rows"] for o in out) > 0
