@@ -327,7 +327,8 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
 
 
 def info(argv: Optional[List[str]] = None, out: Optional[TextIO] = None) -> int:
-    """Run ``triton-ep info``: versions, devices, same-host IPC, then the RDMA table and the QP plan.
+    """Run ``triton-ep info``: versions, devices, same-host IPC, the internode plan, then the RDMA table and
+    the QP plan.
 
     Args:
         argv: the options after ``info`` (default none).
@@ -340,12 +341,40 @@ def info(argv: Optional[List[str]] = None, out: Optional[TextIO] = None) -> int:
     return a if isinstance(a, int) else _report(a, out or sys.stdout)
 
 
+def print_internode(out: TextIO, env=None) -> None:
+    """The plan a Buffer would use across hosts from this machine: how ranks are grouped into hosts, and the
+    transport between hosts it would choose (docs/internode.md)."""
+    from triton_ep.modes import internode as I
+    from triton_ep.runtime import hosts as H
+    env = os.environ if env is None else env
+    print("Internode (a Buffer whose ranks span several hosts, docs/internode.md):", file=out)
+    n = env.get(H.ENV_RANKS_PER_HOST)
+    print(f"  hosts      {f'{H.ENV_RANKS_PER_HOST}={n}: ranks [0, {n}), [{n}, 2*{n}), ... form hosts' if n else 'by host identity (hostname and boot id); ' + H.ENV_RANKS_PER_HOST + '=n overrides it'}",
+          file=out)
+    try:
+        backend = H.rdma_backend_arg(None, env)
+    except ValueError as ex:
+        print(f"  transport  {ex}", file=out)
+        return
+    two = H.group_hosts(["a", "b"])
+    try:
+        chosen = H.choose_transport(backend, two)
+        print(f"  transport  rdma_backend {backend!r} ({H.ENV_RDMA}={env.get(H.ENV_RDMA, '')!r}): {chosen}, "
+              f"{I.DEFAULT_QPS_PER_PEER} RC QPs per peer over the NIC's ports, {I.DEFAULT_SLOTS} ring slots of "
+              f"{I.DEFAULT_SLOT_BYTES >> 10} KiB per peer, host-driven network leg", file=out)
+    except ValueError:
+        print(f"  transport  rdma_backend {backend!r}: none here (no usable RDMA device); set "
+              f"{H.ENV_RDMA}=emulated or Buffer(..., rdma_backend='emulated') to use the emulated fabric", file=out)
+
+
 def _report(a: argparse.Namespace, out: TextIO) -> int:
     print_versions(out)
     print(file=out)
     n_gpus = print_devices(out)
     print(file=out)
     print_ipc(out, n_gpus)
+    print(file=out)
+    print_internode(out)
     print(file=out)
     return print_rdma(a, out)
 

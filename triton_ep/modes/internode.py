@@ -42,6 +42,8 @@ from .intranode import DispatchHandle, Intranode
 
 Tensor = torch.Tensor
 _META = 16                  # bytes of a record's meta block
+#: the network leg's defaults: RC QPs per RDMA peer, ring slots per peer, bytes per slot (chunk)
+DEFAULT_QPS_PER_PEER, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES = 4, 8, 1 << 16
 
 
 def _up16(n: int) -> int:
@@ -125,8 +127,8 @@ class Internode:
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
 
-    def __init__(self, rt: Runtime, num_nvl_bytes: int, num_qps_per_peer: int = 4, slots: int = 8,
-                 slot_bytes: int = 1 << 16) -> None:
+    def __init__(self, rt: Runtime, num_nvl_bytes: int, num_qps_per_peer: int = DEFAULT_QPS_PER_PEER,
+                 slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
         self.rt = rt
         self.hosts = hosts = rt.hosts
         if rt.group is None:

@@ -31,7 +31,7 @@ from triton_ep.transport.rdma import (FETCH_ADD, WRITE, WRITE_WITH_IMM, Completi
                                       RdmaCompletionError, RdmaError, RdmaUnavailable, RemoteRegion, Transport)
 
 NO_DEVICE_HINT = ("no RDMA device: {why}. This host has no usable RDMA NIC (or its kernel lacks RDMA); "
-                  "use the emulated transport (triton_ep.transport.emulated.Fabric(...).pyverbs())")
+                  "use the emulated fabric (TRITON_EP_RDMA=emulated for a Buffer; triton_ep.transport.emulated.Fabric(...).pyverbs() for a transport alone)")
 
 #: Work completion status names, in libibverbs' numbering (enum ibv_wc_status).
 WC_STATUS_NAMES = ["IBV_WC_SUCCESS", "IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV_WC_LOC_EEC_OP_ERR",

@@ -107,3 +107,15 @@ def test_construction_errors_across_hosts_on_every_rank():
                             {}))
     for o in out:
         assert o[0] == "ValueError" and "rank 0: 'emulated', rank 1: 'auto'" in o[1], o
+
+
+def test_info_shows_the_plan_a_buffer_would_use():
+    import io
+    from triton_ep.__main__ import print_internode
+    for env, words in [({}, ["host identity", "none here", "TRITON_EP_RDMA=emulated"]),
+                       ({"TRITON_EP_RANKS_PER_HOST": "2", "TRITON_EP_RDMA": "emulated"},
+                        ["TRITON_EP_RANKS_PER_HOST=2", "emulated", "RC QPs per peer"]),
+                       ({"TRITON_EP_RDMA": "ib"}, ["must be one of"])]:
+        out = io.StringIO()
+        print_internode(out, env)
+        assert all(w in out.getvalue() for w in words), (env, out.getvalue())
