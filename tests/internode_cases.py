@@ -57,80 +57,115 @@ def build_only(rank, world, env, kwargs):
 
 
 def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
-    """Internode dispatch -> x*2 'experts' -> combine -> cached dispatch of new data, each compared with the
-    reference bit for bit (combine: the two-level summation order, ``ref.combine(ranks_per_host=n)``).
-    ``opts``: ``fp8``, ``worst`` (num_worst_tokens), ``bias``, ``weights`` (default True).
-    Returns per step what it checked."""
+    """Internode dispatch -> x*2 'experts' -> combine -> cached dispatch of new data on a new Buffer, each
+    compared with the reference (:func:`check_case`). Returns what it checked."""
     opts = opts or {}
-    fp8, worst, bias, weights = (opts.get("fp8", False), opts.get("worst", 0), opts.get("bias", False),
-                                 opts.get("weights", True))
-    device = opts.get("device", "cpu")
-    from triton_ep import reference as ref
-    from mp_cases import make_inputs
     os.environ.update(env)
-    n = int(env["TRITON_EP_RANKS_PER_HOST"])
-    xs, idxs, ws = make_inputs(seed, world, E, K, H, Ts, fp8=fp8)
-    if not weights:
-        ws = None
-    exp = ref.dispatch(xs, idxs, ws, E)
+    device = opts.get("device", "cpu")
     if device == "cuda":
         torch.cuda.set_device(0)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60, device=device)
     try:
-        mine = tuple(t.to(device) for t in xs[rank]) if fp8 else xs[rank].to(device)
-        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank].to(device), E)
-        recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
-            mine, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=idxs[rank].to(device),
-            topk_weights=None if ws is None else ws[rank].to(device), num_worst_tokens=worst)
-        recv_x = tuple(t.cpu() for t in recv_x) if fp8 else recv_x.cpu()
-        recv_idx, recv_w = recv_idx.cpu(), None if recv_w is None else recv_w.cpu()
-        handle_cpu = [t.cpu() for t in handle]
-        e = exp[rank]
-        N = e["recv_topk_idx"].shape[0]
-        rows = recv_x[0] if fp8 else recv_x
-        assert rows.shape[0] == (worst or N), (rows.shape, worst, N)
-        if fp8:
-            assert torch.equal(recv_x[0][:N].view(torch.uint8), e["recv_x"][0].view(torch.uint8))
-            assert torch.equal(recv_x[1][:N], e["recv_x"][1])
-        else:
-            assert torch.equal(recv_x[:N].view(torch.int16), e["recv_x"].view(torch.int16))
-        assert torch.equal(recv_idx[:N], e["recv_topk_idx"])
-        if ws is not None:
-            assert torch.equal(recv_w[:N], e["recv_topk_weights"])
-        else:
-            assert recv_w is None
-        if worst:
-            assert lst == [] and bool((recv_idx[N:] == -1).all()) and bool((rows[N:].view(torch.uint8) == 0).all())
-        else:
-            assert lst == e["num_recv_tokens_per_expert_list"], (lst, e["num_recv_tokens_per_expert_list"])
-        rpm = e["rank_prefix_matrix"]
-        assert torch.equal(handle_cpu[0], in_rank.cpu())
-        assert torch.equal(handle_cpu[6], rpm[:, rank]), (handle_cpu[6], rpm[:, rank])
-        assert torch.equal(handle_cpu[7][:N, 1], e["recv_src_idx"])
-        out = {"rows": int(N)}
-        if fp8:
-            return out
-        y = torch.zeros_like(recv_x)
-        y[:N] = (recv_x[:N].float() * 2).to(torch.bfloat16)
-        y[N:] = float("nan")                                  # padding rows must be ignored
-        b = [(torch.randn(Ts[i], H, generator=torch.Generator().manual_seed(i))).to(torch.bfloat16)
-             for i in range(world)] if bias else None
-        cx, cw, _ = buf.combine(y.to(device), handle, topk_weights=None if recv_w is None else recv_w.to(device),
-                                bias=None if b is None else b[rank].to(device))
-        cx, cw = cx.cpu(), None if cw is None else cw.cpu()
-        ys = [(exp[j]["recv_x"].float() * 2).to(torch.bfloat16) for j in range(world)]
-        cexp = ref.combine(ys, exp, Ts, None if ws is None else [d["recv_topk_weights"] for d in exp],
-                           None if b is None else [[t] for t in b], ranks_per_host=n)[rank]
-        assert torch.equal(cx.view(torch.int16), cexp[0].view(torch.int16)), (cx - cexp[0]).abs().max()
-        if ws is not None:
-            assert torch.equal(cw, cexp[1])
-        x2 = (xs[rank].float() + 1).to(torch.bfloat16)
-        rx2 = buf.dispatch(x2.to(device), handle=handle)[0].cpu()
-        exp2 = ref.dispatch([(x.float() + 1).to(torch.bfloat16) for x in xs], idxs, ws, E)[rank]
-        assert torch.equal(rx2[:N].view(torch.int16), exp2["recv_x"].view(torch.int16))
-        out["combined"] = True
+        return check_case(buf, rank, world, int(env["TRITON_EP_RANKS_PER_HOST"]), seed, E, K, H, Ts, opts)
+    finally:
+        buf.destroy()
+
+
+def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
+    """One dispatch -> x*2 'experts' -> combine -> cached dispatch of new data on ``buf``, each compared with
+    the reference bit for bit (combine: the two-level summation order, ``ref.combine(ranks_per_host=n)``).
+    ``opts``: ``fp8``, ``f32`` (float32 rows: dispatch only), ``skew`` (ids in the first quarter of the
+    experts), ``worst`` (num_worst_tokens), ``bias``, ``weights`` (default True), ``device``."""
+    from triton_ep import reference as ref
+    from mp_cases import make_inputs
+    fp8, worst, bias, weights = (opts.get("fp8", False), opts.get("worst", 0), opts.get("bias", False),
+                                 opts.get("weights", True))
+    f32, device = opts.get("f32", False), opts.get("device", "cpu")
+    xs, idxs, ws = make_inputs(seed, world, E, K, H, Ts, skew=opts.get("skew", False), fp8=fp8)
+    if f32:
+        xs = [x.float() for x in xs]
+    if not weights:
+        ws = None
+    exp = ref.dispatch(xs, idxs, ws, E)
+    mine = tuple(t.to(device) for t in xs[rank]) if fp8 else xs[rank].to(device)
+    per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank].to(device), E)
+    recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
+        mine, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idxs[rank].to(device),
+        topk_weights=None if ws is None else ws[rank].to(device), num_worst_tokens=worst)
+    recv_x = tuple(t.cpu() for t in recv_x) if fp8 else recv_x.cpu()
+    recv_idx, recv_w = recv_idx.cpu(), None if recv_w is None else recv_w.cpu()
+    handle_cpu = [t.cpu() for t in handle]
+    e = exp[rank]
+    N = e["recv_topk_idx"].shape[0]
+    rows = recv_x[0] if fp8 else recv_x
+    assert rows.shape[0] == (worst or N), (rows.shape, worst, N)
+    if fp8:
+        assert torch.equal(recv_x[0][:N].view(torch.uint8), e["recv_x"][0].view(torch.uint8))
+        assert torch.equal(recv_x[1][:N], e["recv_x"][1])
+    else:
+        assert torch.equal(recv_x[:N].view(torch.uint8), e["recv_x"].view(torch.uint8))
+    assert torch.equal(recv_idx[:N], e["recv_topk_idx"])
+    if ws is not None:
+        assert torch.equal(recv_w[:N], e["recv_topk_weights"])
+    else:
+        assert recv_w is None
+    if worst:
+        assert lst == [] and bool((recv_idx[N:] == -1).all()) and bool((rows[N:].view(torch.uint8) == 0).all())
+    else:
+        assert lst == e["num_recv_tokens_per_expert_list"], (lst, e["num_recv_tokens_per_expert_list"])
+    rpm = e["rank_prefix_matrix"]
+    assert torch.equal(handle_cpu[0], in_rank.cpu())
+    assert torch.equal(handle_cpu[6], rpm[:, rank]), (handle_cpu[6], rpm[:, rank])
+    assert torch.equal(handle_cpu[7][:N, 1], e["recv_src_idx"])
+    out = {"rows": int(N)}
+    if fp8 or f32:
         return out
+    y = torch.zeros_like(recv_x)
+    y[:N] = (recv_x[:N].float() * 2).to(torch.bfloat16)
+    y[N:] = float("nan")                                  # padding rows must be ignored
+    b = [(torch.randn(Ts[i], H, generator=torch.Generator().manual_seed(i))).to(torch.bfloat16)
+         for i in range(world)] if bias else None
+    cx, cw, _ = buf.combine(y.to(device), handle, topk_weights=None if recv_w is None else recv_w.to(device),
+                            bias=None if b is None else b[rank].to(device))
+    cx, cw = cx.cpu(), None if cw is None else cw.cpu()
+    ys = [(exp[j]["recv_x"].float() * 2).to(torch.bfloat16) for j in range(world)]
+    cexp = ref.combine(ys, exp, Ts, None if ws is None else [d["recv_topk_weights"] for d in exp],
+                       None if b is None else [[t] for t in b], ranks_per_host=n)[rank]
+    assert torch.equal(cx.view(torch.int16), cexp[0].view(torch.int16)), (cx - cexp[0]).abs().max()
+    if ws is not None:
+        assert torch.equal(cw, cexp[1])
+    x2 = (xs[rank].float() + 1).to(torch.bfloat16)
+    rx2 = buf.dispatch(x2.to(device), handle=handle)[0].cpu()
+    exp2 = ref.dispatch([(x.float() + 1).to(torch.bfloat16) for x in xs], idxs, ws, E)[rank]
+    assert torch.equal(rx2[:N].view(torch.int16), exp2["recv_x"].view(torch.int16))
+    out["combined"] = True
+    return out
+
+
+def property_cases(rank, world, env, seed, n_cases):
+    """``n_cases`` random cases on one Buffer, the same on every rank (seeded): ragged T with zeros, -1 ids,
+    duplicates, skew to the first host, bf16 / float32 rows / FP8 pairs, weights or not, num_worst_tokens,
+    biases. Returns the number of cases and the rows received in all."""
+    import random
+    os.environ.update(env)
+    n = int(env["TRITON_EP_RANKS_PER_HOST"])
+    rnd = random.Random(seed)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    rows = 0
+    try:
+        for c in range(n_cases):
+            K = rnd.choice([1, 2, 3])
+            E = world * rnd.choice([1, 2, 4])
+            Ts = [rnd.choice([0, 1, 5, 13]) for _ in range(world)]
+            kind = rnd.choice(["bf16", "bf16", "f32", "fp8"])
+            opts = {"skew": rnd.random() < 0.3, "weights": rnd.random() < 0.7, "bias": rnd.random() < 0.3,
+                    "fp8": kind == "fp8", "f32": kind == "f32"}
+            if rnd.random() < 0.3:
+                opts["worst"] = sum(Ts) * K + rnd.choice([0, 3])
+            H = 128 if kind == "fp8" else rnd.choice([8, 64])
+            rows += check_case(buf, rank, world, n, seed * 1000 + c, E, K, H, Ts, opts)["rows"]
+        return {"cases": n_cases, "rows": rows}
     finally:
         buf.destroy()
 

@@ -50,6 +50,14 @@ def _up16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
+def _field(rows: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
+    """Bytes ``[lo, hi)`` of each of ``rows`` (uint8 ``[n, nbytes]``) as ``dtype`` ``[n, (hi - lo) / size]``, in
+    fresh memory (a slice of one row keeps its offset, which a wider dtype's view may not take)."""
+    out = torch.empty((rows.shape[0], hi - lo), dtype=torch.uint8, device=rows.device)
+    out.copy_(rows[:, lo:hi])
+    return out.view(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Record:
     """Byte layout of one network-leg record (every rank alike: checked at each exchange)."""
@@ -374,6 +382,8 @@ class Internode:
             result = self._forward(prep, got, counts, expert_alignment, num_worst_tokens)
         except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (their hosts' ranks then fail alike)
             err = e
+            if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
+                self._tell_host()
         self._status(err)
         return result
 
@@ -395,7 +405,8 @@ class Internode:
             rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, 0, 0, 0)
             records = [self._records(xv, sc, None, None, None, plan.to_host[h], h, rec)
                        for h in range(self.num_hosts)]
-            return SimpleNamespace(xv=xv, sc=sc, rec=rec, records=records, sends=self._sends(records), plan=plan)
+            return SimpleNamespace(xv=xv, sc=sc, rec=rec, records=records, sends=self._sends(records), plan=plan,
+                                   local_started=False)
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         if topk_idx is None:
             raise NotImplementedError("dispatch across hosts routes by topk_idx in this version: pass topk_idx")
@@ -431,7 +442,7 @@ class Internode:
                       self.per_host)
         records = [self._records(xv, sc, idx, w, in_rank, to_host[h], h, rec) for h in range(self.num_hosts)]
         return SimpleNamespace(xv=xv, sc=sc, rec=rec, records=records, sends=self._sends(records), plan=None,
-                               idx=idx, E=E, in_rank=in_rank, to_host=to_host)
+                               idx=idx, E=E, in_rank=in_rank, to_host=to_host, local_started=False)
 
     def _sends(self, records: List[Tensor]) -> List[Optional[Tensor]]:
         return [None if h == self.host else records[h] for h in range(self.num_hosts)]
@@ -446,7 +457,8 @@ class Internode:
         fwd = torch.cat(got, 0)
         x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
         xs_f = x_f if sc_f is None else (x_f, sc_f)
-        if prep.plan is not None:                 # cached: the same routes, new rows
+        if prep.plan is not None:              # cached: the same routes, new rows
+            prep.local_started = True
             plan = prep.plan
             recv = self.local_rt.run(self.local.dispatch_steps(xs_f, handle=plan.local_handle))[0]
             recv_xf = recv[0] if isinstance(recv, tuple) else recv
@@ -464,13 +476,14 @@ class Internode:
         valid = ids_local[ids_local >= 0].long()
         npe_f.index_add_(0, valid, torch.ones_like(valid, dtype=torch.int32))
         dev = self.local_rt.device
+        prep.local_started = True
         out = self.local_rt.run(self.local.dispatch_steps(
             xs_f, None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev), ids_local.to(dev), w_f,
             expert_alignment, num_worst_tokens))
         recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
         recv_xf = recv_x_f[0] if isinstance(recv_x_f, tuple) else recv_x_f
         recv_sc = recv_x_f[1] if isinstance(recv_x_f, tuple) else None
-        meta = recv_xf[:, :_META].contiguous().view(torch.int32).clone()
+        meta = _field(recv_xf, 0, _META, torch.int32)
         n_rows = recv_xf.shape[0]
         meta[local_handle[3] < 0] = -1                 # padding rows (num_worst_tokens) carry no record
         key = torch.where(meta[:, 0] >= 0, meta[:, 0].long(), R)
@@ -528,18 +541,17 @@ class Internode:
         the row's bytes), scales, ids int64 ``[F, K]``, weights fp32 ``[F, K]`` or ``None``, is_token_in_rank
         bool ``[F, per_host]``."""
         dev = self.local_rt.device
-        n = fwd.shape[0]
         o = _META + rec.row
-        x_f = fwd[:, :o].contiguous().to(dev)
+        x_f = _field(fwd, 0, o, torch.uint8).to(dev)
         sc_f = ids = w = in_f = None
         if rec.scales:
-            sc_f = fwd[:, o:o + rec.scales].contiguous().view(sc_dtype).view(n, -1).to(dev)
+            sc_f = _field(fwd, o, o + rec.scales, sc_dtype).to(dev)
             o += rec.scales
         if rec.k:
-            ids = fwd[:, o:o + 8 * rec.k].contiguous().view(torch.int64).view(n, rec.k)
+            ids = _field(fwd, o, o + 8 * rec.k, torch.int64)
             o += 8 * rec.k
             if rec.weights:
-                w = fwd[:, o:o + 4 * rec.k].contiguous().view(torch.float32).view(n, rec.k).to(dev)
+                w = _field(fwd, o, o + 4 * rec.k, torch.float32).to(dev)
                 o += 4 * rec.k
         if rec.local:
             in_f = fwd[:, o:o + rec.local].bool()
@@ -548,7 +560,7 @@ class Internode:
     @staticmethod
     def _rows(recv_xf: Tensor, dtype, hidden: int) -> Tensor:
         """The x rows of received records (uint8 ``[N, 16 + row]``) as ``dtype`` ``[N, hidden]``."""
-        return recv_xf[:, _META:].contiguous().view(dtype).view(recv_xf.shape[0], hidden)
+        return _field(recv_xf, _META, recv_xf.shape[1], dtype)
 
     def _check_handle(self, handle) -> _Plan:
         plan = getattr(handle, "plan", None)
@@ -580,6 +592,8 @@ class Internode:
                 parts, rec = self._reduce_in_host(prep)
             except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (this host's ranks failed alike)
                 err = e
+                if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
+                    self._tell_host()
         got, _ = self._exchange(self._sends(parts) if parts else None, rec, err, tell=False)
         plan, H, K = prep.plan, prep.H, prep.K
         got[self.host] = parts[self.host]
@@ -589,9 +603,9 @@ class Internode:
         for h in range(self.num_hosts):
             t = plan.to_host[h].cpu()
             blk = got[h]
-            acc[t] += blk[:, _META:_META + 2 * H].contiguous().view(torch.bfloat16).view(-1, H).float()
+            acc[t] += _field(blk, _META, _META + 2 * H, torch.bfloat16).float()
             if K:
-                wacc[t] += blk[:, _META + 2 * H:_META + 2 * H + 4 * K].contiguous().view(torch.float32).view(-1, K)
+                wacc[t] += _field(blk, _META + 2 * H, _META + 2 * H + 4 * K, torch.float32)
         for b in prep.biases:
             acc += b.cpu().float()
         dev = prep.xv.device
@@ -611,7 +625,7 @@ class Internode:
         biases = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
         for b in biases:
             self.rt.check_tensor("bias", b, (torch.bfloat16,), (plan.num_tokens, H), f"T = {plan.num_tokens}, H = {H}")
-        return SimpleNamespace(plan=plan, xv=xv, wv=wv, H=H, K=K, biases=biases)
+        return SimpleNamespace(plan=plan, xv=xv, wv=wv, H=H, K=K, biases=biases, local_started=False)
 
     def _reduce_in_host(self, prep: SimpleNamespace) -> Tuple[List[Tensor], _Record]:
         """The intranode combine of this host's rows (per forwarded token: the fp32 sum over the host's ranks,
@@ -621,6 +635,7 @@ class Internode:
         inv[plan.order] = torch.arange(plan.num_rows, device=plan.order.device)
         x_int = prep.xv[inv]
         w_int = prep.wv[inv] if K else None
+        prep.local_started = True
         comb, comb_w, _ = self.local_rt.run(self.local.combine_steps(x_int, plan.local_handle, w_int))
         starts = np.cumsum([0] + plan.from_host)
         rec = _Record(2 * H + 4 * K, 0, 0, 0, 0)

@@ -1,6 +1,8 @@
 """Internode normal mode across processes (one machine standing in for several hosts, the emulated RDMA
 fabric): dispatch bit-exact against the reference, combine bit-exact against the reference's two-level
 summation order, cached dispatch, num_worst_tokens, FP8 pairs, biases."""
+import os
+
 import pytest
 
 import internode_cases as cases
@@ -89,3 +91,13 @@ def test_a_failure_on_one_host_reaches_every_rank(kind):
         assert o[0] == want, (r, o)
         assert o[1] < 10.0, (r, o)            # well inside the 20 s bound
         assert o[-1] is True, (r, o)
+
+
+@pytest.mark.property
+@pytest.mark.parametrize("world,per_host", [(2, 1), (4, 2), (6, 2), (6, 3)])
+def test_property_random_cases(world, per_host):
+    """Random cases on one Buffer against the reference (see internode_cases.property_cases): 2 hosts of 1
+    and 2 ranks, 3 hosts of 2, 2 hosts of 3. More cases with TRITON_EP_HYPOTHESIS=deep."""
+    n = 40 if os.environ.get("TRITON_EP_HYPOTHESIS") == "deep" else 4
+    out = _values(run_ranks(cases.property_cases, world, _env(per_host), 7 * world + per_host, n, timeout_s=600))
+    assert all(o["cases"] == n for o in out)
