@@ -297,7 +297,8 @@ def rank_main(a: argparse.Namespace) -> int:
         buf.get_dispatch_layout(topk_idx, a.experts)
 
     def dispatch():
-        return buf.dispatch(x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+        return buf.dispatch(x, num_tokens_per_rank=num_tokens_per_rank,
+                            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
                             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                             topk_weights=topk_weights)
 

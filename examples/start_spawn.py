@@ -33,10 +33,12 @@ def rank_main(rank: int, R: int, port: int) -> None:
     num_nvl_bytes = max(deep_ep.Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(hidden * 2, R),
                         deep_ep.Buffer.get_combine_config(R).get_nvl_buffer_size_hint(hidden * 2, R))
     buffer = deep_ep.Buffer(group, num_nvl_bytes)
-    num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = \
+        buffer.get_dispatch_layout(topk_idx, E)
     recv_x, recv_topk_idx, recv_topk_weights, _, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-        num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        x, num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+        is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+        topk_weights=topk_weights)
     combined_x, _, _ = buffer.combine(recv_x, handle)
     buffer.destroy()
 

@@ -164,13 +164,17 @@ class Internode:
             token = gather_objects(rt.group, uuid.uuid4().hex[:12], rt.timeout_s, "internode: fabric token")[0]
             names = [f"ep{token}_{r}" for r in range(rt.group_size)]
             kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=rt.timeout_s)
+            fabric = None
             if rt.rdma_transport == "emulated":
-                kw.update(fabric=factory.emulated_fabric(names, token), device_name=names[me])
+                fabric = factory.emulated_fabric(names, token)
+                kw.update(fabric=fabric, device_name=names[me])
             elif rt.device.type == "cuda":
                 kw["gpu"] = rt.device.index
             self.transport = factory.open_transport(rt.rdma_transport, self.host, self.num_hosts, **kw)
             self.sched = sched_mod.bootstrap(self.transport, dict(slots=slots, slot_bytes=slot_bytes,
                                                                   timeout_s=rt.timeout_s), group=self.peer_group)
+            if fabric is not None:      # every peer has mapped this rank's rings: a killed process leaves none
+                fabric.unlink_rings()
         except BaseException:
             self.close()
             raise
@@ -277,6 +281,19 @@ class Internode:
         finally:
             self.network_s += time.perf_counter() - t0
             self.exchanges += 1
+
+    def _local_run(self, gen):
+        """Run an intranode call of this host's ranks; its errors number the host's ranks from 0, so they
+        are told which global ranks those are."""
+        try:
+            return self.local_rt.run(gen)
+        except EPError as ex:
+            ranks = list(self.hosts.ranks(self.host))
+            if ex.args and isinstance(ex.args[0], str):
+                ex.args = (f"{ex.args[0]} [internode: in the forwarding leg of host {self.host}, ranks are numbered "
+                           f"within the host: 0..{len(ranks) - 1} are global ranks {ranks}; this is global rank "
+                           f"{self.rt.rank}]",) + ex.args[1:]
+            raise
 
     def _tell_host(self) -> None:
         """This rank leaves the running call before its forwarding leg: the ranks of its host that wait for
@@ -460,7 +477,7 @@ class Internode:
         if prep.plan is not None:              # cached: the same routes, new rows
             prep.local_started = True
             plan = prep.plan
-            recv = self.local_rt.run(self.local.dispatch_steps(xs_f, handle=plan.local_handle))[0]
+            recv = self._local_run(self.local.dispatch_steps(xs_f, handle=plan.local_handle))[0]
             recv_xf = recv[0] if isinstance(recv, tuple) else recv
             x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[plan.order]
             if isinstance(recv, tuple):
@@ -477,7 +494,7 @@ class Internode:
         npe_f.index_add_(0, valid, torch.ones_like(valid, dtype=torch.int32))
         dev = self.local_rt.device
         prep.local_started = True
-        out = self.local_rt.run(self.local.dispatch_steps(
+        out = self._local_run(self.local.dispatch_steps(
             xs_f, None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev), ids_local.to(dev), w_f,
             expert_alignment, num_worst_tokens))
         recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
@@ -636,7 +653,7 @@ class Internode:
         x_int = prep.xv[inv]
         w_int = prep.wv[inv] if K else None
         prep.local_started = True
-        comb, comb_w, _ = self.local_rt.run(self.local.combine_steps(x_int, plan.local_handle, w_int))
+        comb, comb_w, _ = self._local_run(self.local.combine_steps(x_int, plan.local_handle, w_int))
         starts = np.cumsum([0] + plan.from_host)
         rec = _Record(2 * H + 4 * K, 0, 0, 0, 0)
         parts = []

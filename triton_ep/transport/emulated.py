@@ -286,6 +286,18 @@ class Fabric:
     def __setstate__(self, st: dict) -> None:
         self.__dict__.update(st)
 
+    def unlink_rings(self) -> None:
+        """Remove the names of the ring files this process created for this fabric, keeping them mapped: once
+        every peer has moved its QPs to RTR (which maps their rings), nothing stays in ``shm_dir`` even if a
+        process is killed (the files go with their last mapping)."""
+        prefix = os.path.join(self.shm_dir, f"tep_{self.token}_q")
+        for path in [p for p in _created_rings if p.startswith(prefix)]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            _created_rings.discard(path)
+
     @property
     def engine(self) -> "_Engine":
         """This process's engine for the fabric (created on first use)."""
@@ -984,6 +996,11 @@ class QP:
                                    f"({limit}) of this or the remote port", _errno.EINVAL)
         self.ah, self.dst, self.dest_qpn = copy.copy(ah), dst, attr.dest_qp_num
         self.mtu, self.min_rnr_timer, self.lost_since = attr.path_mtu, attr.min_rnr_timer, None
+        if dst is not None:
+            try:        # map the peer's inbound ring now, so that its owner may unlink the file (Fabric.unlink_rings)
+                self.engine.out_ring(self.dest_qpn)
+            except OSError:
+                pass    # not created yet: mapped on the first send, as before
 
     def retry_time_s(self) -> float:
         """Seconds before a request that is never acknowledged fails: (``retry_cnt`` + 1) local ACK timeouts of

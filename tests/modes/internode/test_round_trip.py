@@ -91,6 +91,8 @@ def test_a_failure_on_one_host_reaches_every_rank(kind):
         assert o[0] == want, (r, o)
         assert o[1] < 10.0, (r, o)            # well inside the 20 s bound
         assert o[-1] is True, (r, o)
+    if kind == "bad_args":      # rank 2 hears of it in its host's forwarding leg, which numbers ranks 0..1
+        assert "global ranks [2, 3]" in out[2][2] and "this is global rank 2" in out[2][2], out[2]
 
 
 @pytest.mark.property
@@ -101,3 +103,12 @@ def test_property_random_cases(world, per_host):
     n = 40 if os.environ.get("TRITON_EP_HYPOTHESIS") == "deep" else 4
     out = _values(run_ranks(cases.property_cases, world, _env(per_host), 7 * world + per_host, n, timeout_s=600))
     assert all(o["cases"] == n for o in out)
+
+
+def test_a_killed_rank_leaves_no_ring_files():
+    """The emulated fabric's ring files are unlinked once every peer has mapped them (after the Buffer's
+    construction): a rank killed with SIGKILL leaves nothing in /dev/shm."""
+    out = run_ranks(cases.killed, 2, _env(1), timeout_s=120)
+    assert isinstance(out[1], RankFailure) and "ProcessDied" in str(out[1]), out[1]
+    assert not isinstance(out[0], RankFailure), out[0]
+    assert out[0]["during"] == [] and out[0]["after"] == [], out[0]
