@@ -242,7 +242,7 @@ def discover(api: SimpleNamespace, names: Optional[Sequence[str]] = None, max_gi
         api: a namespace from :func:`load_pyverbs` or the emulated fabric.
         names: only these devices (default: all).  max_gids: GID table entries read per port.
     Raises:
-        RdmaUnavailable: no device (message starts "no RDMA device: ... use the emulated transport").
+        RdmaUnavailable: no device (message starts "no RDMA device: ... use the emulated fabric").
         RdmaError: a device fails to open or answer (names the device and port).
     """
     e = enums_of(api)
@@ -512,7 +512,7 @@ class VerbsTransport(Transport):
     Raises:
         ValueError: a traffic class or service level out of range, from the argument or the environment (the
             message names the variable).
-        RdmaUnavailable: no pyverbs or no device ("no RDMA device: ... use the emulated transport").
+        RdmaUnavailable: no pyverbs or no device ("no RDMA device: ... use the emulated fabric").
         RdmaError: a verbs call failed (names device, port, QP, peer).
     """
 
