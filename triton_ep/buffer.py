@@ -26,8 +26,9 @@ __all__ = ["Buffer", "DispatchArgs", "DispatchHandle"]
 
 
 class Buffer:
-    """Expert-parallel communication buffer, a drop-in for DeepEP V1's ``deep_ep.Buffer`` in normal mode
-    within one host.
+    """Expert-parallel communication buffer, a drop-in for DeepEP V1's ``deep_ep.Buffer``: normal mode within
+    one host, low-latency mode within one host, and normal mode across hosts (a first, host-driven version:
+    docs/internode.md).
 
     Args:
         group: the EP process group (any backend: gloo or NCCL; used only to exchange buffer handles).
