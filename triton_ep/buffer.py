@@ -14,7 +14,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .config import Config, EventOverlap
-from .modes.internode import Internode
+from .modes.internode import Internode, traffic_stats
 from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
 from .modes.low_latency import LowLatency, size_hint
 from .runtime import open_runtime
@@ -338,10 +338,7 @@ class Buffer:
             posted), ``network_s`` (seconds this rank's calls spent in the network leg) and ``exchanges``.
             Bytes count payload written by this rank's proxy (not signals). On one host: zeros and empty dicts.
         """
-        if self._internode is None:
-            return {"transport": None, "num_hosts": 1, "qps": {}, "ports": {}, "channels": {}, "wrs": 0,
-                    "network_s": 0.0, "exchanges": 0}
-        return self._internode.stats()
+        return self._internode.stats() if self._internode is not None else traffic_stats()
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

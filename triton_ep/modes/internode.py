@@ -20,6 +20,7 @@ destination host's ranks (1 byte each)]`` (:class:`_Record`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -34,11 +35,12 @@ from .. import scheduler as sched_mod
 from ..config import EventOverlap
 from ..errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from ..runtime import Runtime
-from ..runtime.checks import check_event, isint
+from ..runtime.checks import check_event
 from ..runtime.context import open_runtime
 from ..transport import factory
 from ..transport.bootstrap import gather_objects
-from .intranode import DispatchHandle, Intranode
+from .. import kernels
+from .intranode import DispatchHandle, Intranode, check_cached_dispatch
 
 Tensor = torch.Tensor
 _META = 16                  # bytes of a record's meta block
@@ -58,21 +60,43 @@ def _field(rows: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
     return out.view(dtype)
 
 
+_FIELDS = ("meta", "row", "scales", "ids", "weights", "local")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Record:
-    """Byte layout of one network-leg record (every rank alike: checked at each exchange)."""
-    row: int            # bytes of an x row
+    """Byte layout of one network-leg record (every rank alike: checked at each exchange): the fields of
+    ``_FIELDS`` in that order, each field's offset computed here only (:meth:`span`)."""
+    row: int            # bytes of an x row (a combine: the bf16 partial sum)
     scales: int         # bytes of a row's scales
-    k: int              # top-k ids (int64); 0 for a cached dispatch
-    weights: int        # 1: top-k weights (fp32) follow the ids
-    local: int          # ranks per host (is_token_in_rank bytes); 0 for a cached dispatch
+    ids: int            # top-k ids (int64); 0 for a cached dispatch and a combine
+    weights: int        # top-k weights (fp32): as many as the ids, or 0; a combine: their sums
+    local: int          # ranks per host (is_token_in_rank bytes); 0 for a cached dispatch and a combine
+
+    def _sizes(self) -> Tuple[int, ...]:
+        return (_META, self.row, self.scales, 8 * self.ids, 4 * self.weights, self.local)
 
     @property
     def nbytes(self) -> int:
-        return _up16(_META + self.row + self.scales + (8 + 4 * self.weights) * self.k + self.local)
+        return _up16(sum(self._sizes()))
+
+    def span(self, field: str) -> Tuple[int, int]:
+        """Bytes ``[lo, hi)`` of ``field`` (one of ``_FIELDS``) in a record."""
+        i = _FIELDS.index(field)
+        lo = sum(self._sizes()[:i])
+        return lo, lo + self._sizes()[i]
 
     def key(self) -> Tuple[int, ...]:
-        return (self.row, self.scales, self.k, self.weights, self.local)
+        return (self.row, self.scales, self.ids, self.weights, self.local)
+
+    def put(self, out: Tensor, field: str, value: Tensor) -> None:
+        """Write ``value`` (``[n, ...]``, any dtype) as ``field`` of the records ``out`` (uint8 ``[n, nbytes]``)."""
+        lo, hi = self.span(field)
+        out[:, lo:hi] = value.contiguous().view(torch.uint8).view(out.shape[0], hi - lo)
+
+    def get(self, rows: Tensor, field: str, dtype: torch.dtype) -> Tensor:
+        """``field`` of the records ``rows`` (uint8 ``[n, nbytes]``) as ``dtype`` ``[n, ...]``, in fresh memory."""
+        return _field(rows, *self.span(field), dtype)
 
 
 def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weights: bool, ranks_per_host: int) -> int:
@@ -80,7 +104,21 @@ def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weight
     ``scale_bytes``, ``num_topk`` int64 ids (and fp32 weights with ``weights``), and ``ranks_per_host`` bytes of
     ``is_token_in_rank``. A combine record is ``network_record_bytes(2 * hidden + 4 * num_topk, 0, 0, False, 0)``
     (the partial sum in bf16, then the weights' fp32 sums)."""
-    return _Record(row_bytes, scale_bytes, num_topk, int(weights), ranks_per_host).nbytes
+    return _Record(row_bytes, scale_bytes, num_topk, num_topk if weights else 0, ranks_per_host).nbytes
+
+
+def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_stats: Optional[dict] = None,
+                  network_s: float = 0.0, exchanges: int = 0) -> dict:
+    """``Buffer.get_rdma_stats``'s dict from the scheduler's :meth:`~triton_ep.scheduler.Scheduler.stats`
+    (channels summed from its QPs); the defaults give a Buffer on one host: no traffic."""
+    s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0}
+    channels: dict = {}
+    for q in s["qps"].values():
+        c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
+        c["bytes"] += q["bytes"]
+        c["chunks"] += q["chunks"]
+    return {"transport": transport, "num_hosts": num_hosts, "qps": s["qps"], "ports": s["ports"],
+            "channels": channels, "wrs": s["wrs"], "network_s": network_s, "exchanges": exchanges}
 
 
 class InternodeHandle(tuple):
@@ -145,6 +183,8 @@ class Internode:
         me = rt.rank
         self.host, self.local_index = hosts.host_of[me], hosts.local_index(me)
         self.num_hosts, self.per_host = hosts.num_hosts, hosts.ranks_per_host
+        #: the other hosts: each holds one RDMA peer of this rank
+        self.peer_hosts = [h for h in range(self.num_hosts) if h != self.host]
         order = hosts.rank_order
         self._order = None if order == tuple(range(rt.group_size)) else torch.tensor(order, device=rt.device)
         self.local_rt: Optional[Runtime] = None
@@ -197,15 +237,8 @@ class Internode:
     def stats(self) -> dict:
         """Traffic since construction: the scheduler's bytes, work requests and chunks per QP (``"host/qp"``
         keys, with channel and port), bytes per port and per channel, and the network leg's seconds."""
-        s = self.sched.stats() if self.sched is not None else {"qps": {}, "ports": {}, "wrs": 0}
-        channels: dict = {}
-        for q in s["qps"].values():
-            c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
-            c["bytes"] += q["bytes"]
-            c["chunks"] += q["chunks"]
-        return {"transport": self.rt.rdma_transport, "num_hosts": self.num_hosts, "qps": s["qps"],
-                "ports": s["ports"], "channels": channels, "wrs": s["wrs"], "network_s": self.network_s,
-                "exchanges": self.exchanges}
+        return traffic_stats(self.rt.rdma_transport, self.num_hosts,
+                             self.sched.stats() if self.sched is not None else None, self.network_s, self.exchanges)
 
     # ------------------------------------------------------------------ layout
     def _live(self) -> None:
@@ -268,16 +301,23 @@ class Internode:
         Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed; ``ValueError``
         when the layouts differ (the ranks called with different arguments); the proxy's errors.
         """
-        t0 = time.perf_counter()
         try:
-            try:
+            with self._network():
                 return self._exchange_rows(sends, rec, err)
-            except (sched_mod.ProxyError, EPTimeoutError) as ex:
-                raise self._global(ex) from ex
         except BaseException:
             if tell:
                 self._tell_host()
             raise
+
+    @contextlib.contextmanager
+    def _network(self):
+        """One exchange with the RDMA peers: counted and timed (:meth:`stats`), the scheduler's errors given
+        global ranks and hosts."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        except (sched_mod.ProxyError, EPTimeoutError) as ex:
+            raise self._global(ex) from ex
         finally:
             self.network_s += time.perf_counter() - t0
             self.exchanges += 1
@@ -306,18 +346,12 @@ class Internode:
         """After the forwarding leg: tell the RDMA peers whether this rank's part succeeded and hear theirs
         (every rank of a host fails such a leg alike, so each rank hears of a host that failed from its own
         peer there). Raises ``err``, else the first peer's failure."""
-        t0 = time.perf_counter()
-        try:
+        with self._network():
             self._headers(None, None, err)
-        except (sched_mod.ProxyError, EPTimeoutError) as ex:
-            raise self._global(ex) from ex
-        finally:
-            self.network_s += time.perf_counter() - t0
-            self.exchanges += 1
 
     def _headers(self, sends, rec: Optional[_Record], err: Optional[BaseException] = None) -> List[int]:
         """The header exchange of :meth:`_exchange` (``sends`` ``None``: a status alone). Returns the counts."""
-        peers = [h for h in range(self.num_hosts) if h != self.host]
+        peers = self.peer_hosts
         key = rec.key() if rec is not None else (0,) * 5
         code = 0 if err is None else (2 if isinstance(err, EPCapacityError) else 1)
         head = {h: np.array([code, 0 if sends is None or err is not None else sends[h].shape[0], *key],
@@ -363,7 +397,7 @@ class Internode:
                               f"{', '.join(str(p) for p in ex.peers)})", ex.timeout_s, ex.channel)
 
     def _exchange_rows(self, sends, rec: Optional[_Record], err: Optional[BaseException]):
-        peers = [h for h in range(self.num_hosts) if h != self.host]
+        peers = self.peer_hosts
         counts = self._headers(sends, rec, err)
         data = {h: sends[h].reshape(-1).numpy() for h in peers}
         got = sched_mod.host_alltoall(self.sched, data, {h: counts[h] * rec.nbytes for h in peers})
@@ -390,7 +424,7 @@ class Internode:
         try:
             prep = self._prepare_dispatch(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                           is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                          num_worst_tokens, previous_event)
+                                          expert_alignment, num_worst_tokens, previous_event)
         except Exception as e:   # noqa: BLE001 - the RDMA peers and this host's ranks are told, then it is raised
             err = e
         got, counts = self._exchange(prep.sends if prep else None, prep.rec if prep else None, err)
@@ -405,20 +439,14 @@ class Internode:
         return result
 
     def _prepare_dispatch(self, intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                          is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, num_worst_tokens,
-                          previous_event) -> SimpleNamespace:
+                          is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                          num_worst_tokens, previous_event) -> SimpleNamespace:
         """Check a dispatch's arguments and pack its records for each host (nothing moves yet)."""
-        check_event(previous_event)
-        xv, sc = intranode.check_x(x)
-        T = xv.shape[0]
-        if not isint(num_worst_tokens) or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
         if handle is not None:
+            check_event(previous_event)
+            xv, sc = intranode.check_x(x)
             plan = self._check_handle(handle)
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
-            if T != plan.num_tokens:
-                raise ValueError(f"x has {T} rows but the handle was made for {plan.num_tokens} tokens")
+            check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
             rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, 0, 0, 0)
             records = [self._records(xv, sc, None, None, None, plan.to_host[h], h, rec)
                        for h in range(self.num_hosts)]
@@ -427,36 +455,18 @@ class Internode:
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         if topk_idx is None:
             raise NotImplementedError("dispatch across hosts routes by topk_idx in this version: pass topk_idx")
-        R = self.rt.group_size
-        idx = self.rt.check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), f"T = {T} rows of x")
-        K = idx.shape[1]
-        w = None
-        if topk_weights is not None:
-            w = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (T, K),
-                                     f"T = {T} rows of x, K = {K} columns of topk_idx")
-        if num_tokens_per_expert is None:
-            raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
-        npe = self.rt.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32, torch.int64),
-                                   (None,))
-        E = npe.shape[0]
-        self.rt.check_num_experts(E)
+        # the group-wide checks of intranode mode (R = every rank of every host)
+        a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                    topk_weights, expert_alignment, num_worst_tokens, previous_event)
+        xv, sc, idx, w, E, K = a.x, a.scales, a.topk_idx, a.topk_weights, a.num_experts, a.num_topk
         bad = idx[(idx < -1) | (idx >= E)]
         if bad.numel():
             raise ValueError(f"rank {self.rt.rank}: topk_idx holds ids outside [-1, {E}): {bad[:8].tolist()}")
-        if num_tokens_per_rank is not None:
-            self.rt.check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,),
-                                 f"R = {R} ranks in the group")
-        if is_token_in_rank is not None:
-            self.rt.check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R),
-                                 f"T = {T} rows of x, R = {R} ranks")
-        owner = torch.where(idx >= 0, idx.long() // (E // R), -1)
-        in_rank = torch.zeros(T, R, dtype=torch.bool, device=idx.device)
-        rows, cols = torch.nonzero(owner >= 0, as_tuple=True)
-        in_rank[rows, owner[rows, cols]] = True
+        in_rank = kernels.routing_layout(idx, E, self.rt.group_size)[2]
         host_mask = self._host_mask(in_rank)
         to_host = [torch.nonzero(host_mask[:, h], as_tuple=True)[0] for h in range(self.num_hosts)]
-        rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, K, int(w is not None),
-                      self.per_host)
+        rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, K,
+                      0 if w is None else K, self.per_host)
         records = [self._records(xv, sc, idx, w, in_rank, to_host[h], h, rec) for h in range(self.num_hosts)]
         return SimpleNamespace(xv=xv, sc=sc, rec=rec, records=records, sends=self._sends(records), plan=None,
                                idx=idx, E=E, in_rank=in_rank, to_host=to_host, local_started=False)
@@ -534,23 +544,16 @@ class Internode:
         meta = torch.zeros(n, 4, dtype=torch.int32)
         meta[:, 0] = self.rt.rank
         meta[:, 1] = t.to(torch.int32)
-        o = 0
-        out[:, o:o + _META] = meta.view(torch.uint8)
-        o += _META
-        out[:, o:o + rec.row] = xv.cpu()[t].contiguous().view(torch.uint8).view(n, rec.row)
-        o += rec.row
+        rec.put(out, "meta", meta)
+        rec.put(out, "row", xv.cpu()[t])
         if rec.scales:
-            out[:, o:o + rec.scales] = sc.cpu()[t].contiguous().view(torch.uint8).view(n, rec.scales)
-            o += rec.scales
-        if rec.k:
-            out[:, o:o + 8 * rec.k] = idx.cpu()[t].long().contiguous().view(torch.uint8).view(n, 8 * rec.k)
-            o += 8 * rec.k
-            if rec.weights:
-                out[:, o:o + 4 * rec.k] = w.cpu()[t].contiguous().view(torch.uint8).view(n, 4 * rec.k)
-                o += 4 * rec.k
+            rec.put(out, "scales", sc.cpu()[t])
+        if rec.ids:
+            rec.put(out, "ids", idx.cpu()[t].long())
+        if rec.weights:
+            rec.put(out, "weights", w.cpu()[t])
         if rec.local:
-            ranks = list(self.hosts.ranks(host))
-            out[:, o:o + rec.local] = in_rank.cpu()[t][:, ranks].to(torch.uint8)
+            rec.put(out, "local", in_rank.cpu()[t][:, list(self.hosts.ranks(host))].to(torch.uint8))
         return out
 
     def _split(self, fwd: Tensor, rec: _Record, dtype, sc_dtype):
@@ -558,20 +561,11 @@ class Internode:
         the row's bytes), scales, ids int64 ``[F, K]``, weights fp32 ``[F, K]`` or ``None``, is_token_in_rank
         bool ``[F, per_host]``."""
         dev = self.local_rt.device
-        o = _META + rec.row
-        x_f = _field(fwd, 0, o, torch.uint8).to(dev)
-        sc_f = ids = w = in_f = None
-        if rec.scales:
-            sc_f = _field(fwd, o, o + rec.scales, sc_dtype).to(dev)
-            o += rec.scales
-        if rec.k:
-            ids = _field(fwd, o, o + 8 * rec.k, torch.int64)
-            o += 8 * rec.k
-            if rec.weights:
-                w = _field(fwd, o, o + 4 * rec.k, torch.float32).to(dev)
-                o += 4 * rec.k
-        if rec.local:
-            in_f = fwd[:, o:o + rec.local].bool()
+        x_f = _field(fwd, 0, rec.span("row")[1], torch.uint8).to(dev)        # meta, then the row
+        sc_f = rec.get(fwd, "scales", sc_dtype).to(dev) if rec.scales else None
+        ids = rec.get(fwd, "ids", torch.int64) if rec.ids else None
+        w = rec.get(fwd, "weights", torch.float32).to(dev) if rec.weights else None
+        in_f = rec.get(fwd, "local", torch.bool) if rec.local else None
         return x_f, sc_f, ids, w, in_f
 
     @staticmethod
@@ -620,9 +614,9 @@ class Internode:
         for h in range(self.num_hosts):
             t = plan.to_host[h].cpu()
             blk = got[h]
-            acc[t] += _field(blk, _META, _META + 2 * H, torch.bfloat16).float()
+            acc[t] += rec.get(blk, "row", torch.bfloat16).float()
             if K:
-                wacc[t] += _field(blk, _META + 2 * H, _META + 2 * H + 4 * K, torch.float32)
+                wacc[t] += rec.get(blk, "weights", torch.float32)
         for b in prep.biases:
             acc += b.cpu().float()
         dev = prep.xv.device
@@ -655,14 +649,13 @@ class Internode:
         prep.local_started = True
         comb, comb_w, _ = self._local_run(self.local.combine_steps(x_int, plan.local_handle, w_int))
         starts = np.cumsum([0] + plan.from_host)
-        rec = _Record(2 * H + 4 * K, 0, 0, 0, 0)
+        rec = _Record(2 * H, 0, 0, K, 0)
         parts = []
         for h in range(self.num_hosts):
             lo, hi = int(starts[h]), int(starts[h + 1])
             blk = torch.zeros(hi - lo, rec.nbytes, dtype=torch.uint8)
-            blk[:, _META:_META + 2 * H] = comb[lo:hi].cpu().contiguous().view(torch.uint8).view(hi - lo, 2 * H)
+            rec.put(blk, "row", comb[lo:hi].cpu())
             if K:
-                blk[:, _META + 2 * H:_META + 2 * H + 4 * K] = \
-                    comb_w[lo:hi].cpu().contiguous().view(torch.uint8).view(hi - lo, 4 * K)
+                rec.put(blk, "weights", comb_w[lo:hi].cpu())
             parts.append(blk)
         return parts, rec

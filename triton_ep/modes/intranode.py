@@ -36,6 +36,18 @@ _MAX_ROWS = 1 << 62          # "no capacity limit" for the notify of a plain dis
 _dtype_code = card.dtype_code
 
 
+def check_cached_dispatch(num_rows: int, handle_tokens: int, topk_idx, topk_weights) -> None:
+    """A cached dispatch (a handle given) takes no routing, and ``x`` of the handle's token count.
+
+    Raises:
+        ValueError: ``topk_idx`` / ``topk_weights`` given, or ``num_rows`` differs from ``handle_tokens``.
+    """
+    if topk_idx is not None or topk_weights is not None:
+        raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+    if num_rows != handle_tokens:
+        raise ValueError(f"x has {num_rows} rows but the handle was made for {handle_tokens} tokens")
+
+
 def _version_of(t: Tensor) -> Optional[int]:
     """A tensor's in-place version counter; ``None`` for an inference tensor, which keeps none."""
     try:
@@ -198,7 +210,7 @@ class Intranode:
             yield from self.rt.resync_steps()
         try:
             check_config(config)
-            a = self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+            a = self.dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
             raise self.rt.fail_call(e)
@@ -377,8 +389,10 @@ class Intranode:
                             torch.zeros(1, dtype=torch.int32, device=per_rank.device)])     # no bad ids
         return per_rank, a.num_tokens_per_expert, in_rank, send_pos, None, counts
 
-    def _dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                       topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> "DispatchArgs":
+    def dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                      topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> "DispatchArgs":
+        """Check ``Buffer.dispatch``'s arguments against this Buffer's group (shapes, dtypes, devices, values),
+        before anything is launched. Raises ``TypeError`` / ``ValueError`` naming the argument."""
         self.rt.live()
         R = self.rt.group_size
         check_event(previous_event)
@@ -395,10 +409,7 @@ class Intranode:
         sflags = 0 if sc is None else (9 if sc.dtype == torch.int32 else 1)
         if handle is not None:
             h = self._check_handle(handle)
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
-            if T != h.num_tokens:
-                raise ValueError(f"x has {T} rows but the handle was made for {h.num_tokens} tokens")
+            check_cached_dispatch(T, h.num_tokens, topk_idx, topk_weights)
             a.handle, a.flags = h, 2 | sflags
             return a
         if num_tokens_per_expert is None:

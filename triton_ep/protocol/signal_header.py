@@ -17,8 +17,9 @@ def formula(fn):
     its arguments; the result is a ``@triton.jit`` function that kernels call (with ``R: tl.constexpr`` it
     folds to a constant) and whose ``.host(*args)`` evaluates the same source on the host to an ``int``."""
     dev = triton.jit(fn)
-    cached = functools.lru_cache(maxsize=None)(lambda *args: int(fn(*args)))
-    dev.host = lambda *args: cached(*(int(a) for a in args))
+    # cached per argument tuple: host code calls these on per-call paths (a plain dispatch slices its handle
+    # tables with them), where one evaluation of constexpr arithmetic costs about a microsecond
+    dev.host = functools.lru_cache(maxsize=None)(lambda *args: int(fn(*args)))
     return dev
 
 

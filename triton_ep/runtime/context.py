@@ -25,7 +25,7 @@ from ..kernels import flags as F
 from ..protocol import call_card as card
 from ..transport import ipc, signals
 from ..transport.bootstrap import Exchange
-from .hosts import (ENV_RANKS_PER_HOST, Hosts, choose_transport, group_hosts, host_identity,
+from .hosts import (ENV_RANKS_PER_HOST, Hosts, agreed, choose_transport, group_hosts, host_identity,
                     rdma_backend_arg)
 from .checks import DEFAULT_TIMEOUT_S, check_num_experts, check_tensor, device_arg, isint, timeout_arg
 
@@ -443,10 +443,7 @@ def _find_hosts(exchange: Exchange, backend: str, low_latency_mode: bool):
     the ranks into hosts and choose the transport between them: ``(Hosts, transport)``. Every rank raises the
     same error where the exchanged values are at fault."""
     info = exchange.gather((host_identity(), os.environ.get(ENV_RANKS_PER_HOST), backend))
-    backends = [i[2] for i in info]
-    if len(set(backends)) > 1:
-        who = ", ".join(f"rank {r}: {b!r}" for r, b in enumerate(backends))
-        raise ValueError(f"ranks disagree on rdma_backend / TRITON_EP_RDMA ({who})")
+    agreed("rdma_backend / TRITON_EP_RDMA", [i[2] for i in info])
     hosts = group_hosts([i[0] for i in info], [i[1] for i in info])
     transport = choose_transport(backend, hosts)
     machines = sorted({i[0] for i in info})

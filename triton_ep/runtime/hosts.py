@@ -77,6 +77,17 @@ class Hosts:
         return tuple(r for h in range(self.num_hosts) for r in self.ranks(h))
 
 
+def agreed(what: str, values: Sequence) -> None:
+    """Check that every rank gave the same value (``values``: one per rank).
+
+    Raises:
+        ValueError: naming ``what`` and each rank's value.
+    """
+    if len(set(values)) > 1:
+        who = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        raise ValueError(f"ranks disagree on {what} ({who}); set it alike on every rank")
+
+
 def _ranks_per_host_arg(value: Optional[str], num_ranks: int) -> Optional[int]:
     """``TRITON_EP_RANKS_PER_HOST``'s value as an int dividing ``num_ranks``, or ``None`` when unset."""
     if value is None or value.strip() == "":
@@ -102,9 +113,7 @@ def group_hosts(identities: Sequence[str], ranks_per_host: Sequence[Optional[str
     """
     R = len(identities)
     values = list(ranks_per_host) or [None] * R
-    if len(set(values)) > 1:
-        who = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-        raise ValueError(f"ranks disagree on {ENV_RANKS_PER_HOST} ({who}); set it alike on every rank")
+    agreed(ENV_RANKS_PER_HOST, values)
     n = _ranks_per_host_arg(values[0], R)
     if n is not None:
         host_of = tuple(r // n for r in range(R))

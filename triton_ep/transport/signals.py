@@ -255,26 +255,30 @@ class RingFlags:
 
     def __init__(self, words, rank: int, size: int, slots: int) -> None:
         self.w, self.rank, self.size, self.slots = words, rank, size, slots
+        # the protocol's word indices, evaluated once: the proxy reads and writes these words in its hot loop
+        self._word = {a: [F.ring_word.host(a, size, p) for p in range(size)]
+                      for a in (self.READY, self.SENT, self.TAIL, self.HEAD, self.CREDIT, self.FAULT, self.SRC)}
+        self._len = [[F.ring_len_word.host(size, slots, p, k) for k in range(slots)] for p in range(size)]
 
     def index(self, array: int, peer: int) -> int:
         """Word index of ``array[peer]``."""
-        return F.ring_word.host(array, self.size, peer)
+        return self._word[array][peer]
 
     def get(self, array: int, peer: int) -> int:
         """``array[peer]`` (a chunk count, or a fault word)."""
-        return int(self.w[F.ring_word.host(array, self.size, peer)])
+        return int(self.w[self._word[array][peer]])
 
     def put(self, array: int, peer: int, value: int) -> None:
         """Store ``array[peer] = value`` (x86 and CUDA host stores are not reordered with earlier ones)."""
-        self.w[F.ring_word.host(array, self.size, peer)] = value
+        self.w[self._word[array][peer]] = value
 
     def set_len(self, peer: int, seq: int, nbytes: int) -> None:
         """Bytes of chunk ``seq`` for ``peer`` (written before ``READY`` moves past it)."""
-        self.w[F.ring_len_word.host(self.size, self.slots, peer, seq % self.slots)] = nbytes
+        self.w[self._len[peer][seq % self.slots]] = nbytes
 
     def length(self, peer: int, seq: int) -> int:
         """Bytes of chunk ``seq`` for ``peer``, as its producer wrote them."""
-        return int(self.w[F.ring_len_word.host(self.size, self.slots, peer, seq % self.slots)])
+        return int(self.w[self._len[peer][seq % self.slots]])
 
     def abort(self, value: int = 2) -> None:
         """Make every ring wait give up (kernels' and the host's): 1 means a timeout, 2 a failed proxy."""
