@@ -212,6 +212,8 @@ class Scheduler:
         self.peers = [p for p in range(self.world) if p != self.rank]
         self._remote: Dict[int, RemoteRegion] = {}
         self._peer = {p: _PeerState() for p in self.peers}
+        self._next_tx = {p: 0 for p in self.peers}      # the next chunk numbers (:meth:`reserve`)
+        self._next_rx = {p: 0 for p in self.peers}
         self._qps: Dict[Tuple[int, int], _QPState] = {}
         self._ports: Dict[str, List[int]] = collections.defaultdict(lambda: [0, 0])   # [outstanding, total]
         self._lock = threading.Lock()
@@ -285,6 +287,17 @@ class Scheduler:
         self.flags.put(RingFlags.READY, peer, seq + 1)
         if self.trace:
             self._event("produce", peer, None, None, seq, nbytes)
+
+    def reserve(self, tx: Mapping[int, int], rx: Mapping[int, int]) -> Tuple[Dict[int, int], Dict[int, int]]:
+        """Number the next chunks: ``tx[p]`` to send to peer ``p`` and ``rx[p]`` to receive from it (a peer
+        missing: none).  Producers (host or kernel) and consumers use these numbers; every rank must reserve
+        matching amounts in the same order.  Returns ``(first_tx, first_rx)``: per peer, the first chunk's
+        number."""
+        first = (dict(self._next_tx), dict(self._next_rx))
+        for p in self.peers:
+            self._next_tx[p] += int(tx.get(p, 0))
+            self._next_rx[p] += int(rx.get(p, 0))
+        return first
 
     def arrived(self, src: int) -> int:
         """``TAIL[src]``: chunks from ``src`` that arrived, in order."""
@@ -547,13 +560,12 @@ class Scheduler:
         return True
 
 
-def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes: Mapping[int, int],
-                  first_tx: Optional[Mapping[int, int]] = None,
-                  first_rx: Optional[Mapping[int, int]] = None) -> Dict[int, np.ndarray]:
+def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray],
+                  recv_sizes: Mapping[int, int]) -> Dict[int, np.ndarray]:
     """Host producer and consumer of one all-to-all through ``sched``: ``sends[p]`` (uint8 bytes) goes to
-    peer ``p``; ``recv_sizes[p]`` bytes come from each peer.  Chunks are numbered from ``first_tx[p]`` /
-    ``first_rx[p]`` (default: where the previous call of this function left off; every rank must call it
-    the same number of times).
+    peer ``p``; ``recv_sizes[p]`` bytes come from each peer.  Its chunks are numbered by
+    :meth:`Scheduler.reserve` (every rank must move the same chunks in the same order); it starts once every
+    earlier chunk (a kernel's) was produced and consumed, so host and kernel chunks never overtake each other.
 
     Returns (once every chunk it wrote is placed at its peer): peer -> received uint8 array.
 
@@ -561,11 +573,12 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes:
     ``timeout_s``.
     """
     C = sched.slot_bytes
-    pos = getattr(sched, "_host_pos", None) or ({p: 0 for p in sched.peers}, {p: 0 for p in sched.peers})
-    tx0 = dict(first_tx or pos[0])
-    rx0 = dict(first_rx or pos[1])
     ntx = {p: -(-len(sends.get(p, b"")) // C) for p in sched.peers}
     nrx = {p: -(-int(recv_sizes.get(p, 0)) // C) for p in sched.peers}
+    tx0, rx0 = sched.reserve(ntx, nrx)
+    for p in sched.peers:
+        sched.wait_counter(RingFlags.READY, p, tx0[p], STAGE_NAMES[int(F.STAGE_RING_PRODUCE)])
+        sched.wait_counter(RingFlags.HEAD, p, rx0[p], STAGE_NAMES[int(F.STAGE_RING_CONSUME)])
     done_tx = {p: 0 for p in sched.peers}
     done_rx = {p: 0 for p in sched.peers}
     out = {p: np.empty(int(recv_sizes.get(p, 0)), np.uint8) for p in sched.peers}
@@ -608,7 +621,6 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes:
             raise ex
         idle += 1
         time.sleep(0 if idle < 50 else 0.0002)
-    sched._host_pos = ({p: tx0[p] + ntx[p] for p in sched.peers}, {p: rx0[p] + nrx[p] for p in sched.peers})
     return out
 
 

@@ -9,23 +9,27 @@ network once as bf16 partial sums, and are summed on the source rank in ascendin
 the biases) and rounded once more to bf16. :func:`triton_ep.reference.combine` with ``ranks_per_host``
 models that order exactly.
 
-**This version is host-driven**: the network leg is packed, posted and unpacked by the host
-(:func:`triton_ep.scheduler.host_alltoall`; the proxy threads post the chunks' WRITEs and signals over the
-QP plan), so a call waits on the host and cannot be captured in a CUDA graph. Its results are what the
-device-driven path (kernels that pack the rings) must reproduce.
+**The network leg runs in kernels** (:mod:`triton_ep.kernels.net`): a pack kernel writes each host's
+record stream into the RDMA scheduler's send rings and releases ``READY``; the proxy threads post each
+chunk's WRITEs and then its signal on one QP of the plan; an unpack kernel acquires ``TAIL``, copies the
+chunks out and releases ``HEAD`` (credits).  A launch moves at most ``slots`` chunks per peer; larger
+transfers run in rounds.  The host still exchanges a small header with its RDMA peers per call (counts,
+record layout, status) and runs the forwarding leg as an intranode call, so a call waits on the host and
+cannot yet be captured in a CUDA graph.
 
-Records on the network leg (uint8 rows, 16-byte aligned): ``[meta (4 int32: global source rank, source
-token, 0, 0) | x row | scales | top-k ids (int64) | top-k weights (fp32) | is_token_in_rank of the
-destination host's ranks (1 byte each)]`` (:class:`_Record`).
+Records on the network leg: :class:`triton_ep.protocol.records.NetRecord` (``[meta (4 int32: global source
+rank, source token, 0, 0) | x row | scales | top-k ids (int64) | top-k weights (fp32) | is_token_in_rank of
+the destination host's ranks (1 byte each)]``, 16-byte aligned).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 import uuid
 from types import SimpleNamespace
-from typing import List, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -36,20 +40,48 @@ from ..config import EventOverlap
 from ..errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from ..runtime import Runtime
 from ..runtime.checks import check_event
+from ..runtime import hosts as hosts_mod
 from ..runtime.context import open_runtime
 from ..transport import factory
 from ..transport.bootstrap import gather_objects
 from .. import kernels
+from ..kernels import net
+from ..kernels._util import cdiv, interpreted
+from ..protocol.records import NET_META_BYTES, NetRecord
+from ..transport.signals import watchdog
 from .intranode import DispatchHandle, Intranode, check_cached_dispatch
 
 Tensor = torch.Tensor
-_META = 16                  # bytes of a record's meta block
 #: the network leg's defaults: RC QPs per RDMA peer, ring slots per peer, bytes per slot (chunk)
 DEFAULT_QPS_PER_PEER, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES = 4, 8, 1 << 16
+#: environment variables that override them (every rank must set the same values)
+ENV_QPS, ENV_SLOTS, ENV_CHUNK = "TRITON_EP_RDMA_QPS_PER_PEER", "TRITON_EP_RDMA_SLOTS", "TRITON_EP_RDMA_CHUNK_BYTES"
 
 
-def _up16(n: int) -> int:
-    return (n + 15) // 16 * 16
+def network_shape(env: Mapping[str, str] = os.environ) -> Tuple[int, int, int]:
+    """The network leg's shape: ``(QPs per RDMA peer, ring slots per peer, bytes per slot)``, from
+    ``TRITON_EP_RDMA_QPS_PER_PEER`` (default 4), ``TRITON_EP_RDMA_SLOTS`` (8) and ``TRITON_EP_RDMA_CHUNK_BYTES``
+    (65536, a multiple of 64). The rings take ``2 * (num_hosts - 1) * slots * chunk`` bytes of pinned host
+    memory per rank (DeepEP's ``num_rdma_bytes`` is a hint this mode does not need).
+
+    Raises:
+        ValueError: a value that is not an integer in range, naming the variable.
+    """
+    def get(name: str, default: int, lo: int, hi: int, multiple: int = 1) -> int:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            v = int(raw)
+        except ValueError:
+            v = lo - 1
+        if not lo <= v <= hi or v % multiple:
+            extra = f", a multiple of {multiple}" if multiple > 1 else ""
+            raise ValueError(f"{name}={raw!r} must be an integer in [{lo}, {hi}]{extra}")
+        return v
+
+    return (get(ENV_QPS, DEFAULT_QPS_PER_PEER, 1, 64), get(ENV_SLOTS, DEFAULT_SLOTS, 1, 1024),
+            get(ENV_CHUNK, DEFAULT_SLOT_BYTES, 64, 1 << 30, 64))
 
 
 def _field(rows: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
@@ -60,43 +92,29 @@ def _field(rows: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
     return out.view(dtype)
 
 
-_FIELDS = ("meta", "row", "scales", "ids", "weights", "local")
+def _get(rec: NetRecord, rows: Tensor, field: str, dtype: torch.dtype) -> Tensor:
+    """``field`` of the records ``rows`` (uint8 ``[n, nbytes]``) as ``dtype`` ``[n, ...]``, in fresh memory."""
+    return _field(rows, *rec.span(field), dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Record:
-    """Byte layout of one network-leg record (every rank alike: checked at each exchange): the fields of
-    ``_FIELDS`` in that order, each field's offset computed here only (:meth:`span`)."""
-    row: int            # bytes of an x row (a combine: the bf16 partial sum)
-    scales: int         # bytes of a row's scales
-    ids: int            # top-k ids (int64); 0 for a cached dispatch and a combine
-    weights: int        # top-k weights (fp32): as many as the ids, or 0; a combine: their sums
-    local: int          # ranks per host (is_token_in_rank bytes); 0 for a cached dispatch and a combine
+def _words(t: Optional[Tensor], n: int, dev) -> Tensor:
+    """``t`` (``[n, ...]``, contiguous) as int32 ``[n, words]``; a one-word dummy for ``None``."""
+    if t is None:
+        return torch.zeros(1, dtype=torch.int32, device=dev)
+    row_bytes = t.element_size() * (int(np.prod(t.shape[1:])) if t.dim() > 1 else 1)
+    return t.contiguous().view(torch.uint8).view(n, row_bytes).view(torch.int32)
 
-    def _sizes(self) -> Tuple[int, ...]:
-        return (_META, self.row, self.scales, 8 * self.ids, 4 * self.weights, self.local)
 
-    @property
-    def nbytes(self) -> int:
-        return _up16(sum(self._sizes()))
+@dataclasses.dataclass
+class _Streams:
+    """What a rank sends each host in one exchange: a record stream per host (its own host's included, which
+    stays on this rank), built by the network-leg kernels from ``src``."""
+    rec: NetRecord
+    src: net.Sources
+    tokens: List[Tensor]        # per host: int64 rows of the sources, in stream order, on the device
 
-    def span(self, field: str) -> Tuple[int, int]:
-        """Bytes ``[lo, hi)`` of ``field`` (one of ``_FIELDS``) in a record."""
-        i = _FIELDS.index(field)
-        lo = sum(self._sizes()[:i])
-        return lo, lo + self._sizes()[i]
-
-    def key(self) -> Tuple[int, ...]:
-        return (self.row, self.scales, self.ids, self.weights, self.local)
-
-    def put(self, out: Tensor, field: str, value: Tensor) -> None:
-        """Write ``value`` (``[n, ...]``, any dtype) as ``field`` of the records ``out`` (uint8 ``[n, nbytes]``)."""
-        lo, hi = self.span(field)
-        out[:, lo:hi] = value.contiguous().view(torch.uint8).view(out.shape[0], hi - lo)
-
-    def get(self, rows: Tensor, field: str, dtype: torch.dtype) -> Tensor:
-        """``field`` of the records ``rows`` (uint8 ``[n, nbytes]``) as ``dtype`` ``[n, ...]``, in fresh memory."""
-        return _field(rows, *self.span(field), dtype)
+    def count(self, host: int) -> int:
+        return self.tokens[host].numel()
 
 
 def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weights: bool, ranks_per_host: int) -> int:
@@ -104,7 +122,7 @@ def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weight
     ``scale_bytes``, ``num_topk`` int64 ids (and fp32 weights with ``weights``), and ``ranks_per_host`` bytes of
     ``is_token_in_rank``. A combine record is ``network_record_bytes(2 * hidden + 4 * num_topk, 0, 0, False, 0)``
     (the partial sum in bf16, then the weights' fp32 sums)."""
-    return _Record(row_bytes, scale_bytes, num_topk, num_topk if weights else 0, ranks_per_host).nbytes
+    return NetRecord(row_bytes, scale_bytes, num_topk, num_topk if weights else 0, ranks_per_host).nbytes
 
 
 def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_stats: Optional[dict] = None,
@@ -167,14 +185,15 @@ class Internode:
         num_nvl_bytes: bytes of the intranode buffer the ranks of each host share (the forwarding leg).
         num_qps_per_peer: RC QPs to each RDMA peer (placed over ports and ECMP paths).
         slots, slot_bytes: the scheduler's rings: chunks in flight per peer and bytes per chunk.
+        Each ``None``: :func:`network_shape` (the environment, else the defaults); every rank must agree.
 
     Raises:
         NotImplementedError: ranks simulated in one process (internode mode needs a process group).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
 
-    def __init__(self, rt: Runtime, num_nvl_bytes: int, num_qps_per_peer: int = DEFAULT_QPS_PER_PEER,
-                 slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+    def __init__(self, rt: Runtime, num_nvl_bytes: int, num_qps_per_peer: Optional[int] = None,
+                 slots: Optional[int] = None, slot_bytes: Optional[int] = None) -> None:
         self.rt = rt
         self.hosts = hosts = rt.hosts
         if rt.group is None:
@@ -188,7 +207,10 @@ class Internode:
         order = hosts.rank_order
         self._order = None if order == tuple(range(rt.group_size)) else torch.tensor(order, device=rt.device)
         self.local_rt: Optional[Runtime] = None
-        self.sched = self.transport = None
+        self.sched = self.transport = self._ring_mem = None
+        #: int32 [num_hosts, per_host]: the global rank (is_token_in_rank column) of each host's local ranks
+        self._cols = torch.tensor([list(hosts.ranks(h)) for h in range(self.num_hosts)], dtype=torch.int32,
+                                  device=rt.device)
         self._seq = 0
         #: seconds this rank's calls spent in the network leg (packing, waiting, unpacking), and its exchanges
         self.network_s, self.exchanges = 0.0, 0
@@ -201,7 +223,13 @@ class Internode:
             self.local_rt = open_runtime(self.local_group, num_nvl_bytes, 0, False, rt.timeout_s, rt.device)
             self.local_rt.agree_on_layout()
             self.local = Intranode(self.local_rt)
-            token = gather_objects(rt.group, uuid.uuid4().hex[:12], rt.timeout_s, "internode: fabric token")[0]
+            env_shape = network_shape()
+            shape = tuple(e if v is None else int(v) for v, e in zip((num_qps_per_peer, slots, slot_bytes), env_shape))
+            num_qps_per_peer, slots, slot_bytes = shape
+            mine = (uuid.uuid4().hex[:12], shape)
+            every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
+            hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
+            token = every[0][0]
             names = [f"ep{token}_{r}" for r in range(rt.group_size)]
             kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=rt.timeout_s)
             fabric = None
@@ -211,7 +239,14 @@ class Internode:
             elif rt.device.type == "cuda":
                 kw["gpu"] = rt.device.index
             self.transport = factory.open_transport(rt.rdma_transport, self.host, self.num_hosts, **kw)
-            self.sched = sched_mod.bootstrap(self.transport, dict(slots=slots, slot_bytes=slot_bytes,
+            # the rings: host memory the proxy and the NIC see, pinned and device-mapped for GPU kernels
+            lay = sched_mod.RingLayout(self.num_hosts, slots, slot_bytes)
+            mem = torch.zeros(lay.nbytes, dtype=torch.uint8, pin_memory=rt.device.type == "cuda")
+            self._ring_mem = mem
+            c, r = lay.ctrl_bytes, lay.ring_bytes
+            self._ring_ctrl = mem[:c].view(torch.int64)
+            self._ring_send, self._ring_recv = mem[c:c + r].view(torch.int32), mem[c + r:c + 2 * r].view(torch.int32)
+            self.sched = sched_mod.bootstrap(self.transport, dict(slots=slots, slot_bytes=slot_bytes, memory=mem,
                                                                   timeout_s=rt.timeout_s), group=self.peer_group)
             if fabric is not None:      # every peer has mapped this rank's rings: a killed process leaves none
                 fabric.unlink_rings()
@@ -230,6 +265,7 @@ class Internode:
             try:
                 if transport is not None:
                     transport.close()
+                self._ring_mem = self._ring_ctrl = self._ring_send = self._ring_recv = None
             finally:
                 if local_rt is not None:
                     local_rt.close()
@@ -288,22 +324,25 @@ class Internode:
                              (self.num_hosts,))
 
     # ------------------------------------------------------------------ the network leg
-    def _exchange(self, sends: Optional[List[Optional[Tensor]]], rec: Optional[_Record],
-                  err: Optional[BaseException] = None, tell: bool = True) -> Tuple[List[Optional[Tensor]], List[int]]:
-        """Send ``sends[h]`` (uint8 ``[n_h, rec.nbytes]``; ``None`` for this rank's own host) to the RDMA
-        peer on each host and receive theirs: first a header (a status, the row count and the record layout,
-        which must agree), then the rows. A rank that failed (``err``) sends only its header. Where this rank
-        or a peer failed, every rank of the exchange raises after the headers, and (with ``tell``: the
-        exchange comes before the forwarding leg) this rank first tells its own host's ranks (their
+    def _exchange(self, streams: Optional[_Streams], err: Optional[BaseException] = None,
+                  tell: bool = True) -> Tuple[Optional[Tensor], List[int]]:
+        """Send each host's record stream of ``streams`` to this rank's RDMA peer there and receive theirs:
+        first a header (a status, the record count and the record layout, which must agree), then the
+        records, through the network-leg kernels. A rank that failed (``err``) sends only its header. Where
+        this rank or a peer failed, every rank of the exchange raises after the headers, and (with ``tell``:
+        the exchange comes before the forwarding leg) this rank first tells its own host's ranks (their
         forwarding-leg waits end; they tell their own RDMA peers in turn).
 
-        Returns: per host the received rows (``None`` for this host) and the counts.
+        Returns: the records received, uint8 ``[n, rec.nbytes]`` on the device, one block per host in host
+        order (this host's block is this rank's own stream for it), and the blocks' record counts.
         Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed; ``ValueError``
-        when the layouts differ (the ranks called with different arguments); the proxy's errors.
+        when the layouts differ (the ranks called with different arguments); the proxy's and the ring
+        kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
         """
         try:
             with self._network():
-                return self._exchange_rows(sends, rec, err)
+                counts = self._headers(streams, err)
+                return self._move(streams, counts), counts
         except BaseException:
             if tell:
                 self._tell_host()
@@ -347,14 +386,15 @@ class Internode:
         (every rank of a host fails such a leg alike, so each rank hears of a host that failed from its own
         peer there). Raises ``err``, else the first peer's failure."""
         with self._network():
-            self._headers(None, None, err)
+            self._headers(None, err)
 
-    def _headers(self, sends, rec: Optional[_Record], err: Optional[BaseException] = None) -> List[int]:
-        """The header exchange of :meth:`_exchange` (``sends`` ``None``: a status alone). Returns the counts."""
+    def _headers(self, streams: Optional[_Streams], err: Optional[BaseException] = None) -> List[int]:
+        """The header exchange of :meth:`_exchange` (``streams`` ``None``: a status alone). Returns the record
+        counts per host (this host's: its own stream's)."""
         peers = self.peer_hosts
-        key = rec.key() if rec is not None else (0,) * 5
+        key = streams.rec.key() if streams is not None else (0,) * 5
         code = 0 if err is None else (2 if isinstance(err, EPCapacityError) else 1)
-        head = {h: np.array([code, 0 if sends is None or err is not None else sends[h].shape[0], *key],
+        head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), *key],
                             np.int64).view(np.uint8) for h in peers}
         got = sched_mod.host_alltoall(self.sched, head, {h: 56 for h in peers})
         words = {h: got[h].view(np.int64) for h in peers}
@@ -369,7 +409,7 @@ class Internode:
                 raise EPRemoteError(f"rank {self.rt.rank}: {who} failed this call (its own error names why); "
                                     f"this rank stopped too")
         for h in peers:
-            if rec is not None and tuple(int(w) for w in words[h][2:]) != key:
+            if streams is not None and tuple(int(w) for w in words[h][2:]) != key:
                 raise ValueError(
                     f"rank {self.rt.rank}: rank {self._peer_rank(h)} on host {h} sends records of another layout "
                     f"(row bytes, scale bytes, top-k, weights, ranks per host: "
@@ -378,6 +418,8 @@ class Internode:
         counts = [0] * self.num_hosts
         for h in peers:
             counts[h] = int(words[h][1])
+        if streams is not None:
+            counts[self.host] = streams.count(self.host)
         return counts
 
     def _peer_rank(self, host: Optional[int]) -> Optional[int]:
@@ -396,15 +438,78 @@ class Internode:
         return EPTimeoutError(self.rt.rank, peers, f"{ex.stage} ({where}; waiting for host(s) "
                               f"{', '.join(str(p) for p in ex.peers)})", ex.timeout_s, ex.channel)
 
-    def _exchange_rows(self, sends, rec: Optional[_Record], err: Optional[BaseException]):
+    def _move(self, st: _Streams, counts: List[int]) -> Tensor:
+        """The records of :meth:`_exchange`: this host's own block by :func:`net.pack_linear`, the peers'
+        through the rings in rounds of ``slots`` chunks per peer (pack, then unpack; the proxy carries them).
+        Returns uint8 ``[sum(counts), rec.nbytes]`` on the device."""
+        sched, dev, rec = self.sched, self.rt.device, st.rec
+        rw = rec.nbytes // 4
+        starts = np.cumsum([0] + counts)
+        out = torch.empty(int(starts[-1]) * rw, dtype=torch.int32, device=dev)
+        net.pack_linear(out[int(starts[self.host]) * rw:], st.src, st.tokens[self.host], self.host)
+        S, SW = sched.slots, sched.slot_bytes // 4
         peers = self.peer_hosts
-        counts = self._headers(sends, rec, err)
-        data = {h: sends[h].reshape(-1).numpy() for h in peers}
-        got = sched_mod.host_alltoall(self.sched, data, {h: counts[h] * rec.nbytes for h in peers})
-        out: List[Optional[Tensor]] = [None] * self.num_hosts
-        for h in peers:
-            out[h] = torch.from_numpy(got[h]).view(counts[h], rec.nbytes)
-        return out, counts
+        tx_words = [st.count(h) * rw for h in range(self.num_hosts)]
+        rx_words = [counts[h] * rw for h in range(self.num_hosts)]
+        ntx = {h: cdiv(tx_words[h], SW) for h in peers}
+        nrx = {h: cdiv(rx_words[h], SW) for h in peers}
+        tx0, rx0 = sched.reserve(ntx, nrx)
+        rounds = max([cdiv(max(ntx[h], nrx[h]), S) for h in peers] + [0])
+        if rounds:
+            def i64(vals):
+                return torch.tensor(vals, dtype=torch.int64, device=dev)
+            tok_n = [st.count(h) for h in range(self.num_hosts)]
+            tokens = torch.cat([t.to(dev, torch.int64) for t in st.tokens])
+            tok_start = i64(np.cumsum([0] + tok_n)[:-1].tolist())
+            n_tx, n_rx = i64(tx_words), i64(rx_words)
+            f_tx = i64([tx0.get(h, 0) for h in range(self.num_hosts)])
+            f_rx = i64([rx0.get(h, 0) for h in range(self.num_hosts)])
+            out_start = i64((starts[:-1] * rw).tolist())
+            common = dict(me_host=self.host, num_hosts=self.num_hosts, slots=S, slot_bytes=sched.slot_bytes,
+                          timeout_s=self.rt.timeout_s)
+            guard = (watchdog(sched.flags.w, int(kernels.flags.RING_ABORT), self.rt.timeout_s) if interpreted()
+                     else contextlib.nullcontext())
+            with guard:
+                for i in range(rounds):
+                    net.pack_ring(self._ring_ctrl, self._ring_send, st.src, tokens, tok_start, n_tx, f_tx, i * S,
+                                  (i + 1) * S, **common)
+                    net.unpack_ring(self._ring_ctrl, self._ring_recv, out, out_start, n_rx, f_rx, i * S, (i + 1) * S,
+                                    **common)
+                self._wait_device()
+            sched.check()
+            ex = sched.flags.error(self.rt.timeout_s)
+            if ex is not None:
+                sched.fail(ex)
+                raise ex
+        return out.view(torch.uint8).view(int(starts[-1]), rec.nbytes)
+
+    def _wait_device(self) -> None:
+        """Wait (bounded; polling, so the proxy threads keep the GIL) for the kernels queued on the device."""
+        if self.rt.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record()
+        bound = 2 * self.rt.timeout_s + 10.0
+        deadline = time.monotonic() + bound
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise EPTimeoutError(self.rt.rank, [], "internode network leg (the ring kernels did not finish)",
+                                     bound)
+            time.sleep(0.0002)
+
+    def _sources(self, rec: NetRecord, n: int, x: Tensor, sc: Optional[Tensor] = None, ids: Optional[Tensor] = None,
+                 w: Optional[Tensor] = None, in_rank: Optional[Tensor] = None) -> net.Sources:
+        """The network-leg kernels' view of ``n`` source rows: ``x`` (``[n, ...]``, ``rec.row`` bytes a row),
+        scales, int64 ids, fp32 weights and bool ``is_token_in_rank`` ``[n, R]`` (each ``None`` where ``rec``
+        has no such field)."""
+        dev = self.rt.device
+        loc = torch.zeros(1, dtype=torch.uint8, device=dev) if in_rank is None else \
+            in_rank.contiguous().view(torch.uint8)
+        wo = {f: rec.span(f)[0] // 4 for f in ("row", "scales", "ids", "weights", "local")}
+        return net.Sources(_words(x, n, dev), _words(sc, n, dev), _words(ids, n, dev), _words(w, n, dev), loc,
+                           0 if in_rank is None else in_rank.shape[1], self._cols, self.rt.rank, rec.row // 4,
+                           rec.scales // 4, 2 * rec.ids, rec.weights, rec.local, wo["row"], wo["scales"], wo["ids"],
+                           wo["weights"], wo["local"], rec.nbytes // 4)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, intranode: Intranode, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -427,10 +532,10 @@ class Internode:
                                           expert_alignment, num_worst_tokens, previous_event)
         except Exception as e:   # noqa: BLE001 - the RDMA peers and this host's ranks are told, then it is raised
             err = e
-        got, counts = self._exchange(prep.sends if prep else None, prep.rec if prep else None, err)
+        fwd, counts = self._exchange(prep.streams if prep else None, err)
         result = err = None
         try:
-            result = self._forward(prep, got, counts, expert_alignment, num_worst_tokens)
+            result = self._forward(prep, fwd, counts, expert_alignment, num_worst_tokens)
         except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (their hosts' ranks then fail alike)
             err = e
             if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
@@ -447,11 +552,9 @@ class Internode:
             xv, sc = intranode.check_x(x)
             plan = self._check_handle(handle)
             check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
-            rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, 0, 0, 0)
-            records = [self._records(xv, sc, None, None, None, plan.to_host[h], h, rec)
-                       for h in range(self.num_hosts)]
-            return SimpleNamespace(xv=xv, sc=sc, rec=rec, records=records, sends=self._sends(records), plan=plan,
-                                   local_started=False)
+            rec = NetRecord(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, 0, 0, 0)
+            streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc), plan.to_host)
+            return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=plan, local_started=False)
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         if topk_idx is None:
             raise NotImplementedError("dispatch across hosts routes by topk_idx in this version: pass topk_idx")
@@ -465,23 +568,17 @@ class Internode:
         in_rank = kernels.routing_layout(idx, E, self.rt.group_size)[2]
         host_mask = self._host_mask(in_rank)
         to_host = [torch.nonzero(host_mask[:, h], as_tuple=True)[0] for h in range(self.num_hosts)]
-        rec = _Record(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, K,
-                      0 if w is None else K, self.per_host)
-        records = [self._records(xv, sc, idx, w, in_rank, to_host[h], h, rec) for h in range(self.num_hosts)]
-        return SimpleNamespace(xv=xv, sc=sc, rec=rec, records=records, sends=self._sends(records), plan=None,
-                               idx=idx, E=E, in_rank=in_rank, to_host=to_host, local_started=False)
+        rec = NetRecord(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, K,
+                        0 if w is None else K, self.per_host)
+        streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc, idx.long(), w, in_rank), to_host)
+        return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=None, idx=idx, E=E, in_rank=in_rank,
+                               to_host=to_host, local_started=False)
 
-    def _sends(self, records: List[Tensor]) -> List[Optional[Tensor]]:
-        return [None if h == self.host else records[h] for h in range(self.num_hosts)]
-
-    def _forward(self, prep: SimpleNamespace, got: List[Optional[Tensor]], counts: List[int], expert_alignment: int,
+    def _forward(self, prep: SimpleNamespace, fwd: Tensor, counts: List[int], expert_alignment: int,
                  num_worst_tokens: int) -> tuple:
-        """The forwarding leg (the intranode dispatch of the rows this rank received over the network and of
-        its own rows for its host) and the results in DeepEP's order."""
+        """The forwarding leg (the intranode dispatch of ``fwd``, the records this rank received over the
+        network and its own for its host, uint8 ``[F, nbytes]``) and the results in DeepEP's order."""
         xv, sc, rec = prep.xv, prep.sc, prep.rec
-        got[self.host] = prep.records[self.host]
-        counts[self.host] = prep.records[self.host].shape[0]
-        fwd = torch.cat(got, 0)
         x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
         xs_f = x_f if sc_f is None else (x_f, sc_f)
         if prep.plan is not None:              # cached: the same routes, new rows
@@ -499,7 +596,7 @@ class Internode:
         ids_local = torch.where((ids_f >= base) & (ids_f < base + self.per_host * El), ids_f - base, -1)
         ids_local = ids_local.to(idx.dtype)
         per_rank_f = in_f.sum(0, dtype=torch.int32)
-        npe_f = torch.zeros(self.per_host * El, dtype=torch.int32)
+        npe_f = torch.zeros(self.per_host * El, dtype=torch.int32, device=ids_local.device)
         valid = ids_local[ids_local >= 0].long()
         npe_f.index_add_(0, valid, torch.ones_like(valid, dtype=torch.int32))
         dev = self.local_rt.device
@@ -510,7 +607,7 @@ class Internode:
         recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
         recv_xf = recv_x_f[0] if isinstance(recv_x_f, tuple) else recv_x_f
         recv_sc = recv_x_f[1] if isinstance(recv_x_f, tuple) else None
-        meta = _field(recv_xf, 0, _META, torch.int32)
+        meta = _field(recv_xf, 0, NET_META_BYTES, torch.int32)
         n_rows = recv_xf.shape[0]
         meta[local_handle[3] < 0] = -1                 # padding rows (num_worst_tokens) carry no record
         key = torch.where(meta[:, 0] >= 0, meta[:, 0].long(), R)
@@ -534,44 +631,22 @@ class Internode:
         return (x_ret, recv_idx[order] if recv_idx is not None else None,
                 recv_w[order] if recv_w is not None else None, per_expert_list, new_handle, EventOverlap(None))
 
-    def _records(self, xv, sc, idx, w, in_rank, tokens: Tensor, host: int, rec: _Record) -> Tensor:
-        """uint8 ``[len(tokens), rec.nbytes]``: the records of ``tokens`` (int64 indices) for ``host``."""
-        n = tokens.numel()
-        out = torch.zeros(n, rec.nbytes, dtype=torch.uint8)
-        if n == 0:
-            return out
-        t = tokens.cpu()
-        meta = torch.zeros(n, 4, dtype=torch.int32)
-        meta[:, 0] = self.rt.rank
-        meta[:, 1] = t.to(torch.int32)
-        rec.put(out, "meta", meta)
-        rec.put(out, "row", xv.cpu()[t])
-        if rec.scales:
-            rec.put(out, "scales", sc.cpu()[t])
-        if rec.ids:
-            rec.put(out, "ids", idx.cpu()[t].long())
-        if rec.weights:
-            rec.put(out, "weights", w.cpu()[t])
-        if rec.local:
-            rec.put(out, "local", in_rank.cpu()[t][:, list(self.hosts.ranks(host))].to(torch.uint8))
-        return out
-
-    def _split(self, fwd: Tensor, rec: _Record, dtype, sc_dtype):
+    def _split(self, fwd: Tensor, rec: NetRecord, dtype, sc_dtype):
         """The forwarded rows as the intranode dispatch takes them: ``x`` uint8 ``[F, 16 + row]`` (meta, then
         the row's bytes), scales, ids int64 ``[F, K]``, weights fp32 ``[F, K]`` or ``None``, is_token_in_rank
         bool ``[F, per_host]``."""
         dev = self.local_rt.device
         x_f = _field(fwd, 0, rec.span("row")[1], torch.uint8).to(dev)        # meta, then the row
-        sc_f = rec.get(fwd, "scales", sc_dtype).to(dev) if rec.scales else None
-        ids = rec.get(fwd, "ids", torch.int64) if rec.ids else None
-        w = rec.get(fwd, "weights", torch.float32).to(dev) if rec.weights else None
-        in_f = rec.get(fwd, "local", torch.bool) if rec.local else None
+        sc_f = _get(rec, fwd, "scales", sc_dtype).to(dev) if rec.scales else None
+        ids = _get(rec, fwd, "ids", torch.int64).to(dev) if rec.ids else None
+        w = _get(rec, fwd, "weights", torch.float32).to(dev) if rec.weights else None
+        in_f = _get(rec, fwd, "local", torch.bool).to(dev) if rec.local else None
         return x_f, sc_f, ids, w, in_f
 
     @staticmethod
     def _rows(recv_xf: Tensor, dtype, hidden: int) -> Tensor:
         """The x rows of received records (uint8 ``[N, 16 + row]``) as ``dtype`` ``[N, hidden]``."""
-        return _field(recv_xf, _META, recv_xf.shape[1], dtype)
+        return _field(recv_xf, NET_META_BYTES, recv_xf.shape[1], dtype)
 
     def _check_handle(self, handle) -> _Plan:
         plan = getattr(handle, "plan", None)
@@ -597,30 +672,29 @@ class Internode:
         except Exception as e:   # noqa: BLE001 - this host's ranks and the RDMA peers are told, then it is raised
             err = e
             self._tell_host()
-        parts = rec = None
+        streams = None
         if err is None:
             try:
-                parts, rec = self._reduce_in_host(prep)
+                streams = self._reduce_in_host(prep)
             except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (this host's ranks failed alike)
                 err = e
                 if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
                     self._tell_host()
-        got, _ = self._exchange(self._sends(parts) if parts else None, rec, err, tell=False)
-        plan, H, K = prep.plan, prep.H, prep.K
-        got[self.host] = parts[self.host]
-        T = plan.num_tokens
-        acc = torch.zeros(T, H, dtype=torch.float32)
-        wacc = torch.zeros(T, K, dtype=torch.float32) if K else None
-        for h in range(self.num_hosts):
-            t = plan.to_host[h].cpu()
-            blk = got[h]
-            acc[t] += rec.get(blk, "row", torch.bfloat16).float()
-            if K:
-                wacc[t] += rec.get(blk, "weights", torch.float32)
-        for b in prep.biases:
-            acc += b.cpu().float()
+        got, counts = self._exchange(streams, err, tell=False)
+        plan, H, K, rec = prep.plan, prep.H, prep.K, streams.rec
         dev = prep.xv.device
-        return (acc.to(torch.bfloat16).to(dev), wacc.to(dev) if K else None, EventOverlap(None))
+        acc = torch.zeros(plan.num_tokens, H, dtype=torch.float32, device=dev)
+        wacc = torch.zeros(plan.num_tokens, K, dtype=torch.float32, device=dev) if K else None
+        starts = np.cumsum([0] + counts)
+        for h in range(self.num_hosts):          # ascending host order; each token at most once per host
+            t = plan.to_host[h].to(dev)
+            blk = got[int(starts[h]):int(starts[h + 1])]
+            acc[t] += _get(rec, blk, "row", torch.bfloat16)[:, :H].float()
+            if K:
+                wacc[t] += _get(rec, blk, "weights", torch.float32)
+        for b in prep.biases:
+            acc += b.float()
+        return (acc.to(torch.bfloat16), wacc, EventOverlap(None))
 
     def _prepare_combine(self, x, handle, topk_weights, bias, previous_event) -> SimpleNamespace:
         """Check a combine's arguments."""
@@ -638,9 +712,9 @@ class Internode:
             self.rt.check_tensor("bias", b, (torch.bfloat16,), (plan.num_tokens, H), f"T = {plan.num_tokens}, H = {H}")
         return SimpleNamespace(plan=plan, xv=xv, wv=wv, H=H, K=K, biases=biases, local_started=False)
 
-    def _reduce_in_host(self, prep: SimpleNamespace) -> Tuple[List[Tensor], _Record]:
+    def _reduce_in_host(self, prep: SimpleNamespace) -> _Streams:
         """The intranode combine of this host's rows (per forwarded token: the fp32 sum over the host's ranks,
-        rounded to bf16), packed per source host: ``(records per host, their layout)``."""
+        rounded to bf16), as record streams to each source host (rows padded to 4 bytes)."""
         plan, H, K = prep.plan, prep.H, prep.K
         inv = torch.empty_like(plan.order)
         inv[plan.order] = torch.arange(plan.num_rows, device=plan.order.device)
@@ -648,14 +722,10 @@ class Internode:
         w_int = prep.wv[inv] if K else None
         prep.local_started = True
         comb, comb_w, _ = self._local_run(self.local.combine_steps(x_int, plan.local_handle, w_int))
+        if H % 2:
+            comb = torch.nn.functional.pad(comb, (0, 1))
         starts = np.cumsum([0] + plan.from_host)
-        rec = _Record(2 * H, 0, 0, K, 0)
-        parts = []
-        for h in range(self.num_hosts):
-            lo, hi = int(starts[h]), int(starts[h + 1])
-            blk = torch.zeros(hi - lo, rec.nbytes, dtype=torch.uint8)
-            rec.put(blk, "row", comb[lo:hi].cpu())
-            if K:
-                rec.put(blk, "weights", comb_w[lo:hi].cpu())
-            parts.append(blk)
-        return parts, rec
+        rec = NetRecord(2 * comb.shape[1], 0, 0, K, 0)
+        rows = torch.arange(comb.shape[0], dtype=torch.int64, device=comb.device)
+        tokens = [rows[int(starts[h]):int(starts[h + 1])] for h in range(self.num_hosts)]
+        return _Streams(rec, self._sources(rec, comb.shape[0], comb, w=comb_w if K else None), tokens)

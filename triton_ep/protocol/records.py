@@ -21,6 +21,8 @@ Handle tables written by the notify kernel (:mod:`triton_ep.kernels.notify`):
 - ``t64`` int64: ``row_base`` ``[R]``, ``comb_base`` ``[R]``, ``send_base`` ``[R]``, ``prefix`` ``[R]``,
   then ``n_recv`` ``[1]``.
 """
+import dataclasses
+
 import triton.language as tl  # noqa: F401  (the interpreter needs it visible to jit functions)
 
 from .signal_header import formula
@@ -161,3 +163,49 @@ def split_combine_tables(tables, R: int):
     """Views of the combine tables of :func:`split_t64`: ``comb_base``, ``send_base``, ``prefix``, ``[R]`` each."""
     cb = t64_comb_base.host(R)
     return tuple(tables[w - cb:w - cb + R] for w in (cb, t64_send_base.host(R), t64_prefix.host(R)))
+
+
+# ---- internode network-leg record ----
+#: fields of a network-leg record, in order (:class:`NetRecord`)
+NET_FIELDS = ("meta", "row", "scales", "ids", "weights", "local")
+NET_META_BYTES = 16     #: the meta block: 4 int32 (global source rank, source token, 0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class NetRecord:
+    """Byte layout of one internode network-leg record (every rank alike: checked at each exchange)::
+
+        [ meta (16) | row | scales | top-k ids (int64) | top-k weights (fp32) | is_token_in_rank (1 byte per rank
+          of the destination host) ]
+
+    padded to 16 bytes.  A host's records travel as one byte stream cut into the RDMA scheduler's chunks (a
+    record may straddle two chunks).  Each field's offset is computed here only (:meth:`span`).
+
+    Attributes:
+        row: bytes of an x row (a combine: the bf16 partial sum).  scales: bytes of a row's scales.
+        ids: top-k ids (0 for a cached dispatch and a combine).  weights: top-k weights (as many as the ids,
+        or 0; a combine: their sums).  local: ranks per host (0 for a cached dispatch and a combine).
+    """
+    row: int
+    scales: int
+    ids: int
+    weights: int
+    local: int
+
+    def _sizes(self):
+        return (NET_META_BYTES, self.row, self.scales, 8 * self.ids, 4 * self.weights, self.local)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one record (a multiple of 16)."""
+        return (sum(self._sizes()) + 15) // 16 * 16
+
+    def span(self, field: str):
+        """Bytes ``[lo, hi)`` of ``field`` (one of :data:`NET_FIELDS`) in a record."""
+        i = NET_FIELDS.index(field)
+        lo = sum(self._sizes()[:i])
+        return lo, lo + self._sizes()[i]
+
+    def key(self):
+        """The layout as a tuple (what two ranks compare)."""
+        return (self.row, self.scales, self.ids, self.weights, self.local)

@@ -107,6 +107,23 @@ def test_construction_errors_across_hosts_on_every_rank():
                             {}))
     for o in out:
         assert o[0] == "ValueError" and "rank 0: 'emulated', rank 1: 'auto'" in o[1], o
+    emu = dict(two, TRITON_EP_RDMA="emulated")
+    out = _values(run_ranks(cases.build_only, 2, [dict(emu, TRITON_EP_RDMA_SLOTS="4"), emu], {}))
+    for o in out:
+        assert o[0] == "ValueError" and "TRITON_EP_RDMA_SLOTS" in o[1] and "rank 0: (4, 4, 65536)" in o[1], o
+
+
+def test_network_shape_from_the_environment():
+    """TRITON_EP_RDMA_QPS_PER_PEER / _SLOTS / _CHUNK_BYTES override the defaults; bad values raise naming the
+    variable."""
+    from triton_ep.modes.internode import network_shape
+    assert network_shape({}) == (4, 8, 65536)
+    assert network_shape({"TRITON_EP_RDMA_QPS_PER_PEER": "2", "TRITON_EP_RDMA_SLOTS": "3",
+                          "TRITON_EP_RDMA_CHUNK_BYTES": "128"}) == (2, 3, 128)
+    for name, bad in [("TRITON_EP_RDMA_CHUNK_BYTES", "100"), ("TRITON_EP_RDMA_SLOTS", "0"),
+                      ("TRITON_EP_RDMA_QPS_PER_PEER", "two")]:
+        with pytest.raises(ValueError, match=name):
+            network_shape({name: bad})
 
 
 def test_info_shows_the_plan_a_buffer_would_use():

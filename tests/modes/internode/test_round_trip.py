@@ -33,6 +33,16 @@ def test_round_trip(world, per_host, Ts, kw):
     assert sum(o["rows"] for o in out) > 0
 
 
+def test_records_straddle_chunks_over_many_rounds():
+    """Chunks of 128 bytes, 2 slots per peer: every record (192 bytes) straddles two chunks and each call
+    moves its records in many rounds of the ring kernels (pack, unpack) with credits between them; results
+    stay bit-exact."""
+    env = dict(_env(2), TRITON_EP_RDMA_CHUNK_BYTES="128", TRITON_EP_RDMA_SLOTS="2")
+    out = _values(run_ranks(cases.round_trip, 4, env, 17, 16, 3, 64, [7, 5, 0, 9], {"bias": True}, timeout_s=240))
+    assert all(o["combined"] for o in out), out
+    assert sum(o["rows"] for o in out) > 0
+
+
 def test_fp8_pairs_across_hosts():
     out = _values(run_ranks(cases.round_trip, 2, _env(1), 3, 8, 2, 256, [5, 4], {"fp8": True}, timeout_s=240))
     assert all(o["rows"] >= 0 for o in out)
@@ -65,17 +75,19 @@ def test_rank_that_stops_calling_is_named_within_the_bound():
 
 
 def test_qp_in_error_state_fails_both_ranks_naming_qp_and_channel():
-    """Rank 0's QP 1 towards host 1 goes into the error state: rank 0 raises ProxyError (send completion,
-    QP 1, peer rank 1 on host 1), rank 1 ProxyRemoteError or its own ProxyError on that QP, both within the
-    bound; later calls raise at once."""
+    """Rank 0's QP 1 towards host 1 goes into the error state. The rank whose proxy sees it first (rank 0: its
+    posts on QP 1 flush; or rank 1: its writes on QP 1 are not acknowledged, retry exceeded) raises
+    ProxyError at the send completion, naming QP 1, its channel and the peer; it tells the other through its
+    fault word (ProxyRemoteError), unless that one saw the QP itself. Both within the bound; later calls raise
+    at once."""
     out = _values(run_ranks(cases.failure, 2, _env(1), "broken_qp", 3.0, timeout_s=120))
     k0, m0, d0, k0b, _, d0b = out[0]
     k1, m1, d1, k1b, _, d1b = out[1]
-    assert k0 == "ProxyError" and "QP 1" in m0 and "channel" in m0 and "rank 1 on host 1" in m0, m0
-    assert "send completion" in m0 and "IBV_WC_WR_FLUSH_ERR" in m0, m0
-    # rank 1 hears it from rank 0's fault word, or sees the broken QP itself (its writes on QP 1 are not
-    # acknowledged: retry exceeded), whichever comes first
-    assert k1 in ("ProxyRemoteError", "ProxyError") and "QP 1" in m1 and "rank 0 on host 0" in m1, (k1, m1)
+    assert "ProxyError" in (k0, k1) and {k0, k1} <= {"ProxyError", "ProxyRemoteError"}, (k0, k1)
+    assert "QP 1" in m0 and "channel" in m0 and "rank 1 on host 1" in m0 and "send completion" in m0, m0
+    assert "QP 1" in m1 and "rank 0 on host 0" in m1 and "send completion" in m1, m1
+    if k0 == "ProxyError":
+        assert "IBV_WC_WR_FLUSH_ERR" in m0, m0
     assert max(d0, d1) < 3.0 + 5.0, (d0, d1)
     assert k0b is not None and k1b is not None and max(d0b, d1b) < 1.0
 

@@ -1,0 +1,254 @@
+"""The internode network leg's kernels: pack record streams into the RDMA scheduler's send rings, unpack
+them from its receive rings (the kernel side of :mod:`triton_ep.scheduler`'s ring protocol).
+
+A host's records (:class:`triton_ep.protocol.records.NetRecord`, the same bytes the host path sends) form
+one stream of 32-bit words per destination host, cut into chunks of ``slot_bytes``; a record may straddle
+two chunks.  Word ``w`` of a stream is word ``w % rec_w`` of record ``w // rec_w``, which is built from the
+token ``tokens[w // rec_w]``'s row, scales, ids, weights and ``is_token_in_rank`` bytes (:func:`_word`).
+
+- :func:`pack_ring`: one program per destination host; for each of its chunks in ``[c_lo, c_hi)``: wait
+  (bounded) until the send slot is free (``SENT > k - S``), write the chunk's words, store its length, then
+  release ``READY = k + 1`` at system scope.
+- :func:`unpack_ring`: one program per source host; for each chunk: acquire ``TAIL > k``, copy the slot's
+  words to the host's place in ``out``, release ``HEAD = k + 1`` (the proxy returns the slot as a credit).
+- :func:`pack_linear`: this host's own stream into ordinary memory (no ring).
+
+A launch moves at most ``slots`` chunks per peer (one *round*): under the interpreter and in one stream a
+program never waits for a later launch, so the caller runs rounds ``pack, unpack, pack, unpack...``.  A wait
+that ends badly writes the ring error record (``RingFlags.error``) and its program moves nothing more.
+"""
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import flags as F
+from ._util import interpreted
+
+
+class Sources(NamedTuple):
+    """What a record stream is built from (every tensor on the kernels' device, contiguous).
+
+    Attributes:
+        x32: int32 ``[T, row_w]``, the rows' bytes.  sc32: int32 ``[T, sc_w]`` (scales' bits) or a dummy.
+        id32: int32 ``[T, id_w]`` (int64 ids as word pairs) or a dummy.  wt32: int32 ``[T, wt_w]`` (fp32
+        weights' bits) or a dummy.  loc8: uint8 ``[T, loc_stride]`` (``is_token_in_rank``) or a dummy.
+        cols: int32 ``[num_hosts, per_host]``, the ``loc8`` column of each host's local rank ``j``, or a dummy.
+        src_rank: the meta block's first word.  per_host: ``is_token_in_rank`` bytes per record (0: none).
+        offs: word offsets of row, scales, ids, weights and local in a record, and the record's words.
+    """
+    x32: torch.Tensor
+    sc32: torch.Tensor
+    id32: torch.Tensor
+    wt32: torch.Tensor
+    loc8: torch.Tensor
+    loc_stride: int
+    cols: torch.Tensor
+    src_rank: int
+    row_w: int
+    sc_w: int
+    id_w: int
+    wt_w: int
+    per_host: int
+    off_row: int
+    off_sc: int
+    off_id: int
+    off_wt: int
+    off_loc: int
+    rec_w: int
+
+    def args(self):
+        return (self.x32, self.sc32, self.id32, self.wt32, self.loc8, self.loc_stride, self.cols, self.src_rank,
+                self.row_w, self.sc_w, self.id_w, self.wt_w, self.per_host, self.off_row, self.off_sc, self.off_id,
+                self.off_wt, self.off_loc, self.rec_w)
+
+
+_SRC_NAMES = ["loc_stride", "src_rank", "row_w", "sc_w", "id_w", "wt_w", "per_host", "off_row", "off_sc", "off_id",
+              "off_wt", "off_loc", "rec_w"]
+
+
+@triton.jit
+def _field(v, o, valid, n, src, tok):
+    """``v`` with the lanes whose field word ``o`` lies in ``[0, n)`` replaced by ``src[tok, o]``."""
+    m = valid & (o >= 0) & (o < n)
+    return tl.where(m, tl.load(src + tok * n + o, mask=m, other=0), v)
+
+
+@triton.jit
+def _word(w, valid, tokens, host, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w, wt_w,
+          per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w):
+    """Words ``w`` (int64 ``[BLOCK]``, masked by ``valid``) of the record stream of ``tokens`` for ``host``."""
+    r = w // rec_w
+    j = w - r * rec_w
+    tok = tl.load(tokens + r, mask=valid, other=0).to(tl.int64)
+    v = tl.zeros_like(j).to(tl.int32)
+    v = tl.where(valid & (j == 0), src_rank, v)
+    v = tl.where(valid & (j == 1), tok.to(tl.int32), v)
+    v = _field(v, j - off_row, valid, row_w, x32, tok)
+    v = _field(v, j - off_sc, valid, sc_w, sc32, tok)
+    v = _field(v, j - off_id, valid, id_w, id32, tok)
+    v = _field(v, j - off_wt, valid, wt_w, wt32, tok)
+    o = j - off_loc
+    m = valid & (o >= 0) & (o * 4 < per_host)
+    acc = tl.zeros_like(v)
+    for b in tl.static_range(4):
+        bi = o * 4 + b
+        mb = m & (bi < per_host)
+        col = tl.load(cols + host * per_host + bi, mask=mb, other=0).to(tl.int64)
+        byte = tl.load(loc8 + tok * loc_stride + col, mask=mb, other=0).to(tl.int32)
+        acc = acc | (byte << (8 * b))
+    return tl.where(m, acc, v)
+
+
+@triton.jit
+def _stream(ctrl, n_words, first_seq, h, c_hi, SW):
+    """Peer ``h``'s stream: its words, the end of this launch's chunks, its first chunk's number, and
+    whether an earlier wait already gave up (the abort word)."""
+    nw = tl.load(n_words + h)
+    bad = (tl.load(ctrl + F.RING_ABORT, volatile=True) != 0).to(tl.int32)
+    return nw, tl.minimum((nw + SW - 1) // SW, c_hi), tl.load(first_seq + h), bad
+
+
+@triton.jit
+def _claim(ctrl, array, want, h, stage, k, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """Wait (bounded) until ``array[h] >= want`` for chunk ``k``; on failure write the ring error record.
+    Returns the wait's status (0: go)."""
+    st = F.wait_ge(ctrl + F.ring_word(array, R, h), want, ctrl + F.RING_ABORT, timeout_ns, USE_CLOCK)
+    if st != 0:
+        F.post_ring_error(ctrl, st, h, stage, k)
+    return st
+
+
+@triton.jit
+def _publish(ctrl, array, h, k, R: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """Chunk ``k`` is done: release ``array[h] = k + 1`` after every thread's stores (system scope)."""
+    F.fence_all_threads(USE_CLOCK)
+    tl.debug_barrier()
+    F.release(ctrl + F.ring_word(array, R, h), k + 1)
+
+
+@triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns'] + _SRC_NAMES)
+def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, c_lo, c_hi, me_host, S, SW, timeout_ns,
+               x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w, wt_w, per_host,
+               off_row, off_sc, off_id, off_wt, off_loc, rec_w,
+               R: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr):
+    h = tl.program_id(0)
+    if h != me_host:
+        offs = tl.arange(0, BLOCK).to(tl.int64)
+        nw, hi, seq0, bad = _stream(ctrl, n_words, first_seq, h, c_hi, SW)
+        toks = tokens + tl.load(tok_start + h)
+        for c in range(c_lo, hi):
+            if bad == 0:
+                k = seq0 + c
+                bad = _claim(ctrl, F.RING_SENT, k + 1 - S, h, F.STAGE_RING_PRODUCE, k, timeout_ns, R, USE_CLOCK)
+                if bad == 0:
+                    base = send + (h * S + k % S) * SW
+                    w0 = (tl.full([], 0, tl.int64) + c) * SW
+                    n = tl.minimum(nw - w0, SW)
+                    for o in range(0, n, BLOCK):
+                        idx = o + offs
+                        valid = idx < n
+                        v = _word(w0 + idx, valid, toks, h, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank,
+                                  row_w, sc_w, id_w, wt_w, per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w)
+                        tl.store(base + idx, v, mask=valid)
+                    tl.store(ctrl + F.ring_len_word(R, S, h, k % S), n * 4)
+                    _publish(ctrl, F.RING_READY, h, k, R, USE_CLOCK)
+
+
+@triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns'])
+def _unpack_ring(ctrl, recv, out, out_start, n_words, first_seq, c_lo, c_hi, me_host, S, SW, timeout_ns,
+                 R: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr):
+    h = tl.program_id(0)
+    if h != me_host:
+        offs = tl.arange(0, BLOCK).to(tl.int64)
+        nw, hi, seq0, bad = _stream(ctrl, n_words, first_seq, h, c_hi, SW)
+        dst = out + tl.load(out_start + h)
+        for c in range(c_lo, hi):
+            if bad == 0:
+                k = seq0 + c
+                bad = _claim(ctrl, F.RING_TAIL, k + 1, h, F.STAGE_RING_CONSUME, k, timeout_ns, R, USE_CLOCK)
+                if bad == 0:
+                    base = recv + (h * S + k % S) * SW
+                    w0 = (tl.full([], 0, tl.int64) + c) * SW
+                    n = tl.minimum(nw - w0, SW)
+                    for o in range(0, n, BLOCK):
+                        idx = o + offs
+                        valid = idx < n
+                        tl.store(dst + w0 + idx, tl.load(base + idx, mask=valid, other=0, volatile=True), mask=valid)
+                    _publish(ctrl, F.RING_HEAD, h, k, R, USE_CLOCK)
+
+
+@triton.jit(do_not_specialize=['nw', 'host'] + _SRC_NAMES)
+def _pack_linear(out, tokens, nw, host, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w,
+                 wt_w, per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < nw
+    v = _word(idx, valid, tokens, host, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w,
+              wt_w, per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w)
+    tl.store(out + idx, v, mask=valid)
+
+
+def _block() -> int:
+    return 4096 if interpreted() else 1024
+
+
+def pack_ring(ctrl: torch.Tensor, send: torch.Tensor, src: Sources, tokens: torch.Tensor, tok_start: torch.Tensor,
+              n_words: torch.Tensor, first_seq: torch.Tensor, c_lo: int, c_hi: int, me_host: int, num_hosts: int,
+              slots: int, slot_bytes: int, timeout_s: float) -> None:
+    """Write chunks ``[c_lo, c_hi)`` of each peer host's record stream into the send ring and release them.
+
+    Args:
+        ctrl: int64 ``[flags.ring_ctrl_words.host(num_hosts, slots)]``, the scheduler's control block.
+        send: int32 view of its send ring, ``[num_hosts * slots * slot_bytes / 4]``.
+        src: the streams' sources (:class:`Sources`).  tokens: int64, every host's tokens (source rows) one
+            after another; tok_start: int64 ``[num_hosts]``, where each host's start.
+        n_words: int64 ``[num_hosts]``, words of each host's stream.  first_seq: int64 ``[num_hosts]``, the
+            scheduler's chunk number of each stream's first chunk.
+        me_host: this host (its program does nothing).  slot_bytes: the chunk size (a multiple of 64).
+        timeout_s: bound of each wait for a free slot (GPU clock; under the interpreter the caller's watchdog
+            on ``ctrl[RING_ABORT]``).
+    Errors end in the ring error record, never in a hang.
+    """
+    _pack_ring[(num_hosts,)](ctrl, send, tokens, tok_start, n_words, first_seq, c_lo, c_hi, me_host, slots,
+                             slot_bytes // 4, int(timeout_s * 1e9), *src.args(), R=num_hosts, BLOCK=_block(),
+                             USE_CLOCK=not interpreted(), num_warps=4)
+
+
+def unpack_ring(ctrl: torch.Tensor, recv: torch.Tensor, out: torch.Tensor, out_start: torch.Tensor,
+                n_words: torch.Tensor, first_seq: torch.Tensor, c_lo: int, c_hi: int, me_host: int, num_hosts: int,
+                slots: int, slot_bytes: int, timeout_s: float) -> None:
+    """Copy chunks ``[c_lo, c_hi)`` of each peer host's stream from the receive ring into ``out`` (int32, at
+    word ``out_start[h]``, int64 ``[num_hosts]``) and free their slots.  ``n_words``: int64 ``[num_hosts]``,
+    words of each stream; the others as :func:`pack_ring`."""
+    _unpack_ring[(num_hosts,)](ctrl, recv, out, out_start, n_words, first_seq, c_lo, c_hi, me_host, slots,
+                               slot_bytes // 4, int(timeout_s * 1e9), R=num_hosts, BLOCK=_block(),
+                               USE_CLOCK=not interpreted(), num_warps=4)
+
+
+def pack_linear(out: torch.Tensor, src: Sources, tokens: torch.Tensor, host: int) -> None:
+    """Write the record stream of ``tokens`` (int64 ``[n]``) for ``host`` into ``out`` (int32
+    ``[n * src.rec_w]``)."""
+    nw = tokens.numel() * src.rec_w
+    if nw == 0:
+        return
+    blk = _block()
+    _pack_linear[(triton.cdiv(nw, blk),)](out, tokens, nw, host, *src.args(), BLOCK=blk, num_warps=4)
+
+
+def reference_stream(src: Sources, tokens: torch.Tensor, host: int) -> torch.Tensor:
+    """The record stream :func:`pack_linear` writes, built with torch (int32 ``[n * rec_w]``; tests)."""
+    n, t = tokens.numel(), tokens.long().cpu()
+    out = torch.zeros(n, src.rec_w, dtype=torch.int32)
+    out[:, 0] = src.src_rank
+    out[:, 1] = t.to(torch.int32)
+    for off, w, ten in ((src.off_row, src.row_w, src.x32), (src.off_sc, src.sc_w, src.sc32),
+                        (src.off_id, src.id_w, src.id32), (src.off_wt, src.wt_w, src.wt32)):
+        if w:
+            out[:, off:off + w] = ten.cpu()[t]
+    if src.per_host:
+        cols = src.cols.cpu()[host].long()
+        loc = torch.zeros(n, (src.per_host + 3) // 4 * 4, dtype=torch.uint8)
+        loc[:, :src.per_host] = src.loc8.cpu()[t][:, cols]
+        out[:, src.off_loc:src.off_loc + loc.shape[1] // 4] = loc.view(torch.int32)
+    return out.view(-1)
