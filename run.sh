@@ -4,8 +4,9 @@
 #   ./run.sh pytest                           # the test suite
 # Where torch and triton already import and there is no .venv/ (a GPU machine with its own stack) they are
 # used as they are and nothing is installed. Elsewhere a virtual environment .venv/ is made with the CPU build
-# of torch (no CUDA libraries), triton, numpy, pytest, hypothesis and tqdm, and this checkout installed
-# editable; scripts/install_pyverbs.sh then tries to bring Debian's pyverbs into it (optional).
+# of torch (no CUDA libraries), triton, numpy, pytest, hypothesis, tqdm and prometheus-client (the metrics
+# exporter's tests), and this checkout installed editable; scripts/install_pyverbs.sh then tries to bring
+# Debian's pyverbs into it (optional).
 #
 # Setup is checked once, not on every call: after a successful setup run.sh writes the stamp .venv/.run.sh-ok
 # (the checksums of run.sh and pyproject.toml). A later call whose stamp matches, and whose .venv
@@ -68,8 +69,9 @@ setup_venv() {
         fi
         took 2
     fi
-    if step 3 "triton numpy pytest hypothesis tqdm" "triton, numpy, pytest, hypothesis, tqdm"; then
-        "$vpy" -m pip install "${pip_q[@]}" triton numpy pytest hypothesis tqdm
+    if step 3 "triton numpy pytest hypothesis tqdm prometheus-client" \
+            "triton, numpy, pytest, hypothesis, tqdm, prometheus_client"; then
+        "$vpy" -m pip install "${pip_q[@]}" triton numpy pytest hypothesis tqdm prometheus-client
         took 3
     fi
     # Always, on this path: pyproject.toml may have changed (console scripts, metadata).

@@ -192,10 +192,15 @@ def traffic(rank, world, env, T, H):
 
 def failure(rank, world, env, kind, timeout_s):
     """``kind`` "stalled": rank 1 builds its Buffer and then calls nothing; "broken_qp": rank 0's QP 1 towards
-    host 1 is put into the error state first. Every other rank dispatches a few chunks' worth to the other
-    host. Returns ``[error type, message, seconds, type of the next call's error, seconds]`` (or None)."""
+    host 1 is put into the error state first; "dropped_signal": rank 0's proxy leaves out the signal of its
+    second chunk to host 1; "killed": the last rank (on the last host) dies with SIGKILL in its first
+    dispatch, after its records went out and before it unpacks its peers'. Every other rank dispatches a few
+    chunks' worth to the other host. Returns ``[error type, message, seconds, type of the next call's error,
+    message, seconds]`` (or None)."""
+    import signal
     import time
-    from triton_ep.testing import break_rdma_qp
+    from triton_ep.kernels import net
+    from triton_ep.testing import break_rdma_qp, drop_rdma_signal
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 8 << 20, timeout_s=timeout_s)
     try:
@@ -204,6 +209,13 @@ def failure(rank, world, env, kind, timeout_s):
             return None
         if kind == "broken_qp" and rank == 0:
             break_rdma_qp(buf, 1, 1)
+        if kind == "dropped_signal" and rank == 0:
+            drop_rdma_signal(buf, 1, 1)
+        if kind == "killed" and rank == world - 1:
+            def die(*args, **kwargs):
+                time.sleep(0.5)         # the proxy posts what the pack kernel released
+                os.kill(os.getpid(), signal.SIGKILL)
+            net.unpack_ring = die
         T, H, E = 256, 1024, 2 * world
         other = (rank + world // 2) % world
         idx = torch.tensor([[other * 2, other * 2 + 1]]).repeat(T, 1)
@@ -219,7 +231,7 @@ def failure(rank, world, env, kind, timeout_s):
                 out += [None, "", time.monotonic() - t0]
             except Exception as ex:   # noqa: BLE001
                 out += [type(ex).__name__, str(ex), time.monotonic() - t0]
-        if kind == "broken_qp":
+        if kind in ("broken_qp", "dropped_signal", "killed"):
             time.sleep(timeout_s)       # the peer hears of the failure from the fault word, not from a teardown
         return out
     finally:

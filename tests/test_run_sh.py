@@ -67,7 +67,7 @@ def test_first_setup_shows_steps_then_calls_are_silent_and_skip_the_checks(tmp_p
         "[run.sh] 1/5 creating .venv with " + str(tmp_path / "fake" / "python3"), "[run.sh] 2/5 torch (CPU build)",
         "[run.sh] 4/5 triton-ep (editable install of this checkout)",
         "[run.sh] 5/5 pyverbs (optional; silent when it already imports)"]
-    assert "[run.sh] 3/5 triton numpy pytest hypothesis tqdm: already there" in lines
+    assert "[run.sh] 3/5 triton numpy pytest hypothesis tqdm prometheus-client: already there" in lines
     assert lines[-1].startswith("[run.sh] .venv ready in ")
     assert "python -m pip install -q --disable-pip-version-check torch==2.13.0" in calls
     assert "python -m pip install -q --disable-pip-version-check --no-deps -e ." in calls

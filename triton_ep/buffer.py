@@ -335,7 +335,9 @@ class Buffer:
             a dict: ``transport`` (``None`` on one host, ``"verbs"`` or ``"emulated"``), ``num_hosts``, ``qps``
             (``"peer host/QP index"`` -> ``channel``, ``port``, ``bytes``, ``wrs`` (work requests), ``chunks``),
             ``ports`` (port -> bytes), ``channels`` (channel -> ``bytes``, ``chunks``), ``wrs`` (work requests
-            posted), ``network_s`` (seconds this rank's calls spent in the network leg) and ``exchanges``.
+            posted), ``chunks`` (chunks posted), ``proxy_busy_s`` (seconds the RDMA proxy threads spent in
+            sweeps that moved something: its host cost), ``network_s`` (seconds this rank's calls spent in the
+            network leg, waits included) and ``exchanges``.
             Bytes count payload written by this rank's proxy (not signals). On one host: zeros and empty dicts.
         """
         return self._internode.stats() if self._internode is not None else traffic_stats()

@@ -324,12 +324,13 @@ class Scheduler:
             time.sleep(0 if spins < 50 else 0.0002)
 
     def stats(self) -> dict:
-        """Bytes, WRs and chunks per QP (``"peer/qp"`` keys, with channel and port) and bytes per port."""
+        """Bytes, WRs and chunks per QP (``"peer/qp"`` keys, with channel and port), bytes per port, work
+        requests posted, and ``proxy_busy_s``: seconds the proxy threads spent in sweeps that moved something."""
         with self._lock:
             qps = {f"{q.peer}/{q.qp}": dict(channel=q.channel, port=q.port, bytes=q.total_bytes, wrs=q.wrs,
                                             chunks=q.chunks) for q in self._qps.values()}
             ports = {k: v[1] for k, v in self._ports.items()}
-        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted}
+        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": self.busy_s}
 
     # ---------------------------------------------------------------- the proxy
     def _event(self, kind: str, peer, channel, qp, seq, nbytes) -> None:

@@ -98,6 +98,28 @@ def break_rdma_qp(buf: Buffer, peer_host: int, qp: int) -> None:
     t.qps[(peer_host, qp)].qp.modify(t.api.QPAttr(qp_state=t.e.IBV_QPS_ERR), 0)
 
 
+def drop_rdma_signal(buf: Buffer, peer_host: int, nth: int = 0) -> None:
+    """Test hook (internode mode): this rank's proxy leaves out the signal (the WRITE_WITH_IMM) of its
+    ``nth`` chunk (counting from 0, from now on) towards its RDMA peer on host ``peer_host``, as a lost
+    message would: the chunk's data lands but the peer never learns it arrived.
+
+    Raises:
+        ValueError: the Buffer's ranks are on one host (no RDMA scheduler).
+    """
+    mode = buf._internode
+    if mode is None:
+        raise ValueError("drop_rdma_signal needs a Buffer whose ranks span several hosts")
+    sched = mode.sched
+    first = sched._next_tx[peer_host]
+    chunk_ops = sched._chunk_ops
+
+    def without_signal(peer, qp, seq, nbytes, signaled):
+        ops = chunk_ops(peer, qp, seq, nbytes, signaled)
+        return ops[:-1] if peer == peer_host and seq == first + nth else ops
+
+    sched._chunk_ops = without_signal
+
+
 def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple) -> None:
     import os
     import pickle

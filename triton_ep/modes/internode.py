@@ -48,7 +48,7 @@ from .. import kernels
 from ..kernels import net
 from ..kernels._util import cdiv, interpreted
 from ..protocol.records import NET_META_BYTES, NetRecord
-from ..transport.signals import watchdog
+from ..transport.signals import stall_watchdog
 from .intranode import DispatchHandle, Intranode, check_cached_dispatch
 
 Tensor = torch.Tensor
@@ -129,14 +129,15 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
                   network_s: float = 0.0, exchanges: int = 0) -> dict:
     """``Buffer.get_rdma_stats``'s dict from the scheduler's :meth:`~triton_ep.scheduler.Scheduler.stats`
     (channels summed from its QPs); the defaults give a Buffer on one host: no traffic."""
-    s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0}
+    s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0}
     channels: dict = {}
     for q in s["qps"].values():
         c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
         c["bytes"] += q["bytes"]
         c["chunks"] += q["chunks"]
     return {"transport": transport, "num_hosts": num_hosts, "qps": s["qps"], "ports": s["ports"],
-            "channels": channels, "wrs": s["wrs"], "network_s": network_s, "exchanges": exchanges}
+            "channels": channels, "wrs": s["wrs"], "chunks": sum(q["chunks"] for q in s["qps"].values()),
+            "proxy_busy_s": s["proxy_busy_s"], "network_s": network_s, "exchanges": exchanges}
 
 
 class InternodeHandle(tuple):
@@ -285,8 +286,15 @@ class Internode:
         if self.sched is None:
             raise EPError(f"rank {self.rt.rank}: this Buffer was destroyed")
         try:
+            if self.local_rt.live().broken:     # this host's forwarding leg failed for good earlier
+                self.local_rt.check()
+        except EPError as ex:
+            self._annotate(ex)
+            raise
+        try:
             self.sched.check()
         except (sched_mod.ProxyError, EPTimeoutError) as ex:
+            self._leave_host()
             raise self._global(ex) from ex
 
     def tokens_per_host(self, is_token_in_rank: Tensor) -> Tensor:
@@ -342,7 +350,9 @@ class Internode:
         try:
             with self._network():
                 counts = self._headers(streams, err)
-                return self._move(streams, counts), counts
+                if err is None:
+                    return self._move(streams, counts), counts
+            raise err
         except BaseException:
             if tell:
                 self._tell_host()
@@ -356,6 +366,8 @@ class Internode:
         try:
             yield
         except (sched_mod.ProxyError, EPTimeoutError) as ex:
+            if self.sched is not None and self.sched.error is not None:
+                self._leave_host()
             raise self._global(ex) from ex
         finally:
             self.network_s += time.perf_counter() - t0
@@ -367,12 +379,22 @@ class Internode:
         try:
             return self.local_rt.run(gen)
         except EPError as ex:
-            ranks = list(self.hosts.ranks(self.host))
-            if ex.args and isinstance(ex.args[0], str):
-                ex.args = (f"{ex.args[0]} [internode: in the forwarding leg of host {self.host}, ranks are numbered "
-                           f"within the host: 0..{len(ranks) - 1} are global ranks {ranks}; this is global rank "
-                           f"{self.rt.rank}]",) + ex.args[1:]
+            self._annotate(ex)
             raise
+
+    def _annotate(self, ex: EPError) -> None:
+        """Add to an error of this host's intranode runtime which global ranks its local numbers are."""
+        ranks = list(self.hosts.ranks(self.host))
+        if ex.args and isinstance(ex.args[0], str):
+            ex.args = (f"{ex.args[0]} [internode: in the forwarding leg of host {self.host}, ranks are numbered "
+                       f"within the host: 0..{len(ranks) - 1} are global ranks {ranks}; this is global rank "
+                       f"{self.rt.rank}]",) + ex.args[1:]
+
+    def _leave_host(self) -> None:
+        """The network leg failed for good (the scheduler's error is sticky): leave this host's group, so
+        its ranks' later calls and re-synchronisations raise at once instead of waiting for this rank."""
+        if self.local_rt is not None and self.local_rt.sig is not None:
+            self.local_rt.sig.leave(int(kernels.flags.STAGE_FAILED))
 
     def _tell_host(self) -> None:
         """This rank leaves the running call before its forwarding leg: the ranks of its host that wait for
@@ -387,10 +409,13 @@ class Internode:
         peer there). Raises ``err``, else the first peer's failure."""
         with self._network():
             self._headers(None, err)
+        if err is not None:
+            raise err
 
     def _headers(self, streams: Optional[_Streams], err: Optional[BaseException] = None) -> List[int]:
-        """The header exchange of :meth:`_exchange` (``streams`` ``None``: a status alone). Returns the record
-        counts per host (this host's: its own stream's)."""
+        """The header exchange of :meth:`_exchange` (``streams`` ``None``: a status alone; ``err``: this rank
+        failed, and says so). Returns the record counts per host (this host's: its own stream's); raises the
+        peers' failures (not ``err``: the caller raises it outside the network's error translation)."""
         peers = self.peer_hosts
         key = streams.rec.key() if streams is not None else (0,) * 5
         code = 0 if err is None else (2 if isinstance(err, EPCapacityError) else 1)
@@ -399,7 +424,7 @@ class Internode:
         got = sched_mod.host_alltoall(self.sched, head, {h: 56 for h in peers})
         words = {h: got[h].view(np.int64) for h in peers}
         if err is not None:
-            raise err
+            return [0] * self.num_hosts
         for h in peers:
             if words[h][0]:
                 who = f"rank {self._peer_rank(h)} (host {h})"
@@ -467,8 +492,8 @@ class Internode:
             out_start = i64((starts[:-1] * rw).tolist())
             common = dict(me_host=self.host, num_hosts=self.num_hosts, slots=S, slot_bytes=sched.slot_bytes,
                           timeout_s=self.rt.timeout_s)
-            guard = (watchdog(sched.flags.w, int(kernels.flags.RING_ABORT), self.rt.timeout_s) if interpreted()
-                     else contextlib.nullcontext())
+            guard = (stall_watchdog(sched.flags.w, int(kernels.flags.RING_ABORT), self.rt.timeout_s,
+                                    self._ring_progress) if interpreted() else contextlib.nullcontext())
             with guard:
                 for i in range(rounds):
                     net.pack_ring(self._ring_ctrl, self._ring_send, st.src, tokens, tok_start, n_tx, f_tx, i * S,
@@ -482,6 +507,11 @@ class Internode:
                 sched.fail(ex)
                 raise ex
         return out.view(torch.uint8).view(int(starts[-1]), rec.nbytes)
+
+    def _ring_progress(self) -> int:
+        """The sum of the ring's chunk counters (every wait of the ring kernels advances one when it ends)."""
+        f = self.sched.flags
+        return sum(f.get(a, h) for a in (f.READY, f.SENT, f.TAIL, f.HEAD) for h in self.peer_hosts)
 
     def _wait_device(self) -> None:
         """Wait (bounded; polling, so the proxy threads keep the GIL) for the kernels queued on the device."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -56,24 +57,41 @@ _NO_WATCH = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def watchdog(words, index: int, timeout_s: float, value: int = 1):
-    """Bound the interpreter's waits inside the block (it has no clock): a timer thread sets
-    ``words[index] = value`` after ``timeout_s`` seconds; on exit it is stopped, joined, and the word
-    cleared unless someone else set another value meanwhile. ``words``: an int64 numpy array."""
-    def abort():
-        if words[index] == 0:
-            words[index] = value
+def stall_watchdog(words, index: int, timeout_s: float, progress: Callable[[], int], value: int = 1):
+    """Bound the interpreter's waits inside the block by stalls, not by the block's length (the GPU's
+    per-wait clock bound, seen from the host): a watchdog thread sets ``words[index] = value`` once
+    ``progress()`` (a counter the waits advance, e.g. the sum of a ring's chunk counters) has not changed for
+    ``timeout_s`` seconds. On exit it is stopped and joined, and the word cleared unless someone else set
+    another value meanwhile. ``words``: an int64 numpy array."""
+    stop = threading.Event()
 
-    t = threading.Timer(timeout_s, abort)
-    t.daemon = True
+    def run():
+        last, since = progress(), time.monotonic()
+        while not stop.wait(min(0.05, timeout_s / 4)):
+            now = progress()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > timeout_s:
+                if words[index] == 0:
+                    words[index] = value
+                return
+
+    t = threading.Thread(target=run, name="triton-ep-stall-watchdog", daemon=True)
     t.start()
     try:
         yield
     finally:
-        t.cancel()
+        stop.set()
         t.join()
         if words[index] == value:
             words[index] = 0
+
+
+def watchdog(words, index: int, timeout_s: float, value: int = 1):
+    """Bound the interpreter's waits inside the block (it has no clock): a watchdog thread sets
+    ``words[index] = value`` after ``timeout_s`` seconds; on exit it is stopped, joined, and the word
+    cleared unless someone else set another value meanwhile. ``words``: an int64 numpy array."""
+    return stall_watchdog(words, index, timeout_s, lambda: 0, value)
 
 
 class ErrorRecord(NamedTuple):

@@ -124,3 +124,35 @@ def test_a_killed_rank_leaves_no_ring_files():
     assert isinstance(out[1], RankFailure) and "ProcessDied" in str(out[1]), out[1]
     assert not isinstance(out[0], RankFailure), out[0]
     assert out[0]["during"] == [] and out[0]["after"] == [], out[0]
+
+
+def test_a_dropped_signal_fails_both_ranks_within_the_bound():
+    """Rank 0's proxy leaves out the signal of its first data chunk to host 1: the chunk never completes at
+    rank 0 and never counts as arrived at rank 1. Rank 0 raises ProxyError naming the chunk's QP, channel
+    and peer (or its ring wait's EPTimeoutError), rank 1 hears of it (ProxyRemoteError) or times out itself;
+    both within the bound, later calls at once."""
+    out = _values(run_ranks(cases.failure, 2, _env(1), "dropped_signal", 3.0, timeout_s=120))
+    k0, m0, d0, k0b, _, d0b = out[0]
+    k1, m1, d1, k1b, _, d1b = out[1]
+    assert k0 in ("ProxyError", "EPTimeoutError") and ("rank 1 on host 1" in m0 or "host(s) 1" in m0), (k0, m0)
+    assert k1 in ("ProxyRemoteError", "ProxyError", "EPTimeoutError") and "host 0" in m1, (k1, m1)
+    assert max(d0, d1) < 3.0 + 5.0, (d0, d1)
+    assert k0b is not None and k1b is not None and max(d0b, d1b) < 1.0, (k0b, d0b, k1b, d1b)
+
+
+def test_a_rank_killed_mid_dispatch_on_the_other_host():
+    """2 hosts of 2 ranks; rank 3 (host 1) dies with SIGKILL inside a dispatch, after its records went out
+    and before it unpacks its peer's. Every other rank raises an EPError within two bounds (the failure
+    reaches rank 0 through rank 1's forwarding leg); the ranks that wait on rank 3 directly name it (rank
+    1: its RDMA peer, rank 3 on host 1; rank 2: local rank 1 of host 1, global ranks [2, 3]); later calls
+    raise at once; nothing is left in /dev/shm (the autouse fixture)."""
+    out = run_ranks(cases.failure, 4, _env(2), "killed", 3.0, timeout_s=120)
+    assert isinstance(out[3], RankFailure) and "ProcessDied" in str(out[3]), out[3]
+    for r in range(3):
+        assert not isinstance(out[r], RankFailure), out[r]
+        kind, msg, dt, kind2, msg2, dt2 = out[r]
+        assert kind in ("EPTimeoutError", "EPRemoteError", "ProxyError", "ProxyRemoteError"), (r, kind, msg)
+        assert dt < 2 * 3.0 + 5.0, (r, dt)
+        assert kind2 is not None and dt2 < 1.0, (r, kind2, dt2)
+    assert "rank 3 on host 1" in out[1][1] or "peer 3" in out[1][1], out[1][1]
+    assert "global ranks [2, 3]" in out[2][1] or "rank 3" in out[2][1], out[2][1]

@@ -1,0 +1,37 @@
+"""Rank bodies for the Prometheus exporter's multi-process test (module-level: spawned processes import them)."""
+import os
+
+import torch
+
+import triton_ep
+
+
+def exported_traffic(rank, world, env, T, H):
+    """One dispatch and combine of ``T`` tokens of ``H`` bf16 each, every token to the other host's experts,
+    then a scrape of ``triton_ep.metrics``'s exporter in a fresh registry (label ``job="test"``).
+
+    Returns:
+        ``{"stats": get_rdma_stats(), "text": the exposition, "stats_after": get_rdma_stats() after the scrape,
+        "destroyed": the exposition after Buffer.destroy()}``.
+    """
+    import prometheus_client
+    from triton_ep.metrics import start_prometheus_exporter
+    os.environ.update(env)
+    registry = prometheus_client.CollectorRegistry()
+    buf = triton_ep.Buffer(None, 4 << 20, timeout_s=60)
+    try:
+        exporter = start_prometheus_exporter(buf, registry=registry, labels={"job": "test"})
+        other = (rank + world // 2) % world
+        idx = torch.tensor([[other * 2, other * 2 + 1]]).repeat(T, 1)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 2 * world)
+        rx, _, _, _, handle, _ = buf.dispatch(torch.randn(T, H).to(torch.bfloat16), num_tokens_per_rank=per_rank,
+                                              num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=per_expert, topk_idx=idx)
+        buf.combine(rx, handle)
+        out = {"stats": buf.get_rdma_stats(), "text": prometheus_client.generate_latest(registry).decode()}
+        out["stats_after"] = buf.get_rdma_stats()
+    finally:
+        buf.destroy()
+    out["destroyed"] = prometheus_client.generate_latest(registry).decode()
+    exporter.close()
+    return out
