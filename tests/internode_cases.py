@@ -25,6 +25,7 @@ def layout_and_checks(rank, world, env, E, K, T, seed):
             "missing": dict(num_tokens_per_rdma_rank=None),
             "int64": dict(num_tokens_per_rdma_rank=per_host.long() if per_host is not None else None),
             "shape": dict(num_tokens_per_rdma_rank=torch.zeros(7, dtype=torch.int32)),
+            "value": dict(num_tokens_per_rdma_rank=per_host + 1 if per_host is not None else None),
             "ok": dict(num_tokens_per_rdma_rank=per_host),
         }
         for name, kw in calls.items():
@@ -75,25 +76,30 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
     """One dispatch -> x*2 'experts' -> combine -> cached dispatch of new data on ``buf``, each compared with
     the reference bit for bit (combine: the two-level summation order, ``ref.combine(ranks_per_host=n)``).
     ``opts``: ``fp8``, ``f32`` (float32 rows: dispatch only), ``skew`` (ids in the first quarter of the
-    experts), ``worst`` (num_worst_tokens), ``bias``, ``weights`` (default True), ``device``."""
+    experts), ``worst`` (num_worst_tokens), ``bias``, ``weights`` (default True), ``device``, ``no_topk``
+    (dispatch routed by is_token_in_rank and counted by num_tokens_per_expert, without topk_idx: no weights,
+    recv_topk_idx None)."""
     from triton_ep import reference as ref
     from mp_cases import make_inputs
     fp8, worst, bias, weights = (opts.get("fp8", False), opts.get("worst", 0), opts.get("bias", False),
                                  opts.get("weights", True))
-    f32, device = opts.get("f32", False), opts.get("device", "cpu")
+    f32, device, no_topk = opts.get("f32", False), opts.get("device", "cpu"), opts.get("no_topk", False)
     xs, idxs, ws = make_inputs(seed, world, E, K, H, Ts, skew=opts.get("skew", False), fp8=fp8)
     if f32:
         xs = [x.float() for x in xs]
-    if not weights:
+    if not weights or no_topk:
         ws = None
     exp = ref.dispatch(xs, idxs, ws, E)
     mine = tuple(t.to(device) for t in xs[rank]) if fp8 else xs[rank].to(device)
     per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank].to(device), E)
     recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
         mine, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idxs[rank].to(device),
+        num_tokens_per_expert=per_expert, topk_idx=None if no_topk else idxs[rank].to(device),
         topk_weights=None if ws is None else ws[rank].to(device), num_worst_tokens=worst)
     recv_x = tuple(t.cpu() for t in recv_x) if fp8 else recv_x.cpu()
+    if no_topk:
+        assert recv_idx is None and recv_w is None
+        recv_idx = torch.full(((recv_x[0] if fp8 else recv_x).shape[0],), -1, dtype=torch.int64)
     recv_idx, recv_w = recv_idx.cpu(), None if recv_w is None else recv_w.cpu()
     handle_cpu = [t.cpu() for t in handle]
     e = exp[rank]
@@ -105,7 +111,8 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
         assert torch.equal(recv_x[1][:N], e["recv_x"][1])
     else:
         assert torch.equal(recv_x[:N].view(torch.uint8), e["recv_x"].view(torch.uint8))
-    assert torch.equal(recv_idx[:N], e["recv_topk_idx"])
+    if not no_topk:
+        assert torch.equal(recv_idx[:N], e["recv_topk_idx"])
     if ws is not None:
         assert torch.equal(recv_w[:N], e["recv_topk_weights"])
     else:
@@ -146,7 +153,7 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
 def property_cases(rank, world, env, seed, n_cases):
     """``n_cases`` random cases on one Buffer, the same on every rank (seeded): ragged T with zeros, -1 ids,
     duplicates, skew to the first host, bf16 / float32 rows / FP8 pairs, weights or not, num_worst_tokens,
-    biases. Returns the number of cases and the rows received in all."""
+    biases, dispatch without topk_idx. Returns the number of cases and the rows received in all."""
     import random
     os.environ.update(env)
     n = int(env["TRITON_EP_RANKS_PER_HOST"])
@@ -160,7 +167,7 @@ def property_cases(rank, world, env, seed, n_cases):
             Ts = [rnd.choice([0, 1, 5, 13]) for _ in range(world)]
             kind = rnd.choice(["bf16", "bf16", "f32", "fp8"])
             opts = {"skew": rnd.random() < 0.3, "weights": rnd.random() < 0.7, "bias": rnd.random() < 0.3,
-                    "fp8": kind == "fp8", "f32": kind == "f32"}
+                    "fp8": kind == "fp8", "f32": kind == "f32", "no_topk": rnd.random() < 0.2}
             if rnd.random() < 0.3:
                 opts["worst"] = sum(Ts) * K + rnd.choice([0, 3])
             H = 128 if kind == "fp8" else rnd.choice([8, 64])

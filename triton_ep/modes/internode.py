@@ -112,6 +112,9 @@ class _Streams:
     rec: NetRecord
     src: net.Sources
     tokens: List[Tensor]        # per host: int64 rows of the sources, in stream order, on the device
+    #: a dispatch without topk_idx: num_tokens_per_expert (int32 [E]); each host's slice goes to the RDMA peer
+    #: there, which forwards the sums (the forwarding leg's per-expert counts)
+    npe: Optional[Tensor] = None
 
     def count(self, host: int) -> int:
         return self.tokens[host].numel()
@@ -333,7 +336,7 @@ class Internode:
 
     # ------------------------------------------------------------------ the network leg
     def _exchange(self, streams: Optional[_Streams], err: Optional[BaseException] = None,
-                  tell: bool = True) -> Tuple[Optional[Tensor], List[int]]:
+                  tell: bool = True) -> Tuple[Tensor, List[int], Optional[Tensor]]:
         """Send each host's record stream of ``streams`` to this rank's RDMA peer there and receive theirs:
         first a header (a status, the record count and the record layout, which must agree), then the
         records, through the network-leg kernels. A rank that failed (``err``) sends only its header. Where
@@ -342,7 +345,9 @@ class Internode:
         forwarding-leg waits end; they tell their own RDMA peers in turn).
 
         Returns: the records received, uint8 ``[n, rec.nbytes]`` on the device, one block per host in host
-        order (this host's block is this rank's own stream for it), and the blocks' record counts.
+        order (this host's block is this rank's own stream for it), the blocks' record counts, and (with
+        ``streams.npe``) int32 ``[ranks per host * E / R]``: this host's experts' counts summed over the
+        sources this rank forwards for.
         Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed; ``ValueError``
         when the layouts differ (the ranks called with different arguments); the proxy's and the ring
         kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
@@ -351,7 +356,8 @@ class Internode:
             with self._network():
                 counts = self._headers(streams, err)
                 if err is None:
-                    return self._move(streams, counts), counts
+                    npe = None if streams.npe is None else self._expert_counts(streams.npe)
+                    return self._move(streams, counts), counts, npe
             raise err
         except BaseException:
             if tell:
@@ -417,11 +423,12 @@ class Internode:
         failed, and says so). Returns the record counts per host (this host's: its own stream's); raises the
         peers' failures (not ``err``: the caller raises it outside the network's error translation)."""
         peers = self.peer_hosts
-        key = streams.rec.key() if streams is not None else (0,) * 5
+        key = (0,) * 6 if streams is None else \
+            streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
         code = 0 if err is None else (2 if isinstance(err, EPCapacityError) else 1)
         head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), *key],
                             np.int64).view(np.uint8) for h in peers}
-        got = sched_mod.host_alltoall(self.sched, head, {h: 56 for h in peers})
+        got = sched_mod.host_alltoall(self.sched, head, {h: 64 for h in peers})
         words = {h: got[h].view(np.int64) for h in peers}
         if err is not None:
             return [0] * self.num_hosts
@@ -437,7 +444,7 @@ class Internode:
             if streams is not None and tuple(int(w) for w in words[h][2:]) != key:
                 raise ValueError(
                     f"rank {self.rt.rank}: rank {self._peer_rank(h)} on host {h} sends records of another layout "
-                    f"(row bytes, scale bytes, top-k, weights, ranks per host: "
+                    f"(row bytes, scale bytes, top-k, weights, ranks per host, experts without top-k: "
                     f"{tuple(int(w) for w in words[h][2:])} there, {key} here): the ranks called with different "
                     f"arguments")
         counts = [0] * self.num_hosts
@@ -446,6 +453,19 @@ class Internode:
         if streams is not None:
             counts[self.host] = streams.count(self.host)
         return counts
+
+    def _expert_counts(self, npe: Tensor) -> Tensor:
+        """A dispatch without ``topk_idx``: send each RDMA peer the counts of its host's experts in ``npe``
+        (int32 ``[E]``) and return this host's experts' counts summed over this rank and its peers (int32
+        ``[ranks per host * E / R]``, on the device): what this rank's forwarding leg delivers."""
+        n = npe.shape[0] // self.num_hosts
+        mine = npe.to(torch.int64).cpu().numpy()
+        got = sched_mod.host_alltoall(self.sched, {h: mine[h * n:(h + 1) * n].view(np.uint8) for h in self.peer_hosts},
+                                      {h: 8 * n for h in self.peer_hosts})
+        total = mine[self.host * n:(self.host + 1) * n].copy()
+        for h in self.peer_hosts:
+            total += got[h].view(np.int64)
+        return torch.from_numpy(total.astype(np.int32)).to(self.rt.device)
 
     def _peer_rank(self, host: Optional[int]) -> Optional[int]:
         """The global rank of this rank's RDMA peer on ``host`` (the scheduler numbers its peers by host)."""
@@ -550,8 +570,8 @@ class Internode:
         :class:`InternodeHandle`). ``intranode``: the Buffer's group-wide normal mode (its checks of ``x``).
 
         Raises:
-            ValueError / TypeError: bad arguments, before anything moves; NotImplementedError: no
-            ``topk_idx`` (this version routes by it); EPTimeoutError / ProxyError: a peer or the RDMA proxy
+            ValueError / TypeError: bad arguments (``num_tokens_per_rdma_rank`` other than the tokens sent to
+            each host included), before anything moves; EPTimeoutError / ProxyError: a peer or the RDMA proxy
             did not answer within ``timeout_s``.
         """
         self._live()
@@ -562,10 +582,10 @@ class Internode:
                                           expert_alignment, num_worst_tokens, previous_event)
         except Exception as e:   # noqa: BLE001 - the RDMA peers and this host's ranks are told, then it is raised
             err = e
-        fwd, counts = self._exchange(prep.streams if prep else None, err)
+        fwd, counts, npe_f = self._exchange(prep.streams if prep else None, err)
         result = err = None
         try:
-            result = self._forward(prep, fwd, counts, expert_alignment, num_worst_tokens)
+            result = self._forward(prep, fwd, counts, npe_f, expert_alignment, num_worst_tokens)
         except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (their hosts' ranks then fail alike)
             err = e
             if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
@@ -586,28 +606,41 @@ class Internode:
             streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc), plan.to_host)
             return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=plan, local_started=False)
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
-        if topk_idx is None:
-            raise NotImplementedError("dispatch across hosts routes by topk_idx in this version: pass topk_idx")
         # the group-wide checks of intranode mode (R = every rank of every host)
         a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     topk_weights, expert_alignment, num_worst_tokens, previous_event)
         xv, sc, idx, w, E, K = a.x, a.scales, a.topk_idx, a.topk_weights, a.num_experts, a.num_topk
-        bad = idx[(idx < -1) | (idx >= E)]
-        if bad.numel():
-            raise ValueError(f"rank {self.rt.rank}: topk_idx holds ids outside [-1, {E}): {bad[:8].tolist()}")
-        in_rank = kernels.routing_layout(idx, E, self.rt.group_size)[2]
+        if idx is not None:
+            bad = idx[(idx < -1) | (idx >= E)]
+            if bad.numel():
+                raise ValueError(f"rank {self.rt.rank}: topk_idx holds ids outside [-1, {E}): {bad[:8].tolist()}")
+            in_rank = kernels.routing_layout(idx, E, self.rt.group_size)[2]
+        else:                       # routed by is_token_in_rank, counted by num_tokens_per_expert as given
+            in_rank = a.is_token_in_rank
+            if (a.num_tokens_per_expert < 0).any():
+                raise ValueError(f"rank {self.rt.rank}: num_tokens_per_expert holds negative counts (without "
+                                 f"topk_idx the given counts are used as they are)")
         host_mask = self._host_mask(in_rank)
+        want = host_mask.sum(dim=0, dtype=torch.int32)
+        if not torch.equal(num_tokens_per_rdma_rank.to(want.device), want):
+            raise ValueError(f"rank {self.rt.rank}: num_tokens_per_rdma_rank {num_tokens_per_rdma_rank.tolist()} "
+                             f"differs from the tokens this rank sends to each host {want.tolist()} (by "
+                             f"{'topk_idx' if idx is not None else 'is_token_in_rank'}); pass what "
+                             f"get_dispatch_layout returned")
         to_host = [torch.nonzero(host_mask[:, h], as_tuple=True)[0] for h in range(self.num_hosts)]
         rec = NetRecord(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, K,
                         0 if w is None else K, self.per_host)
-        streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc, idx.long(), w, in_rank), to_host)
+        streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc, None if idx is None else idx.long(), w,
+                                              in_rank), to_host,
+                           None if idx is not None else a.num_tokens_per_expert)
         return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=None, idx=idx, E=E, in_rank=in_rank,
                                to_host=to_host, local_started=False)
 
-    def _forward(self, prep: SimpleNamespace, fwd: Tensor, counts: List[int], expert_alignment: int,
-                 num_worst_tokens: int) -> tuple:
+    def _forward(self, prep: SimpleNamespace, fwd: Tensor, counts: List[int], npe_f: Optional[Tensor],
+                 expert_alignment: int, num_worst_tokens: int) -> tuple:
         """The forwarding leg (the intranode dispatch of ``fwd``, the records this rank received over the
-        network and its own for its host, uint8 ``[F, nbytes]``) and the results in DeepEP's order."""
+        network and its own for its host, uint8 ``[F, nbytes]``) and the results in DeepEP's order.
+        ``npe_f``: without ``topk_idx``, the per-expert counts of the forwarded rows (from the sources)."""
         xv, sc, rec = prep.xv, prep.sc, prep.rec
         x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
         xs_f = x_f if sc_f is None else (x_f, sc_f)
@@ -622,17 +655,19 @@ class Internode:
             return x_out, None, None, None, None, EventOverlap(None)
         R, E, idx, T = self.rt.group_size, prep.E, prep.idx, xv.shape[0]
         El = E // R
-        base = self.host * self.per_host * El
-        ids_local = torch.where((ids_f >= base) & (ids_f < base + self.per_host * El), ids_f - base, -1)
-        ids_local = ids_local.to(idx.dtype)
-        per_rank_f = in_f.sum(0, dtype=torch.int32)
-        npe_f = torch.zeros(self.per_host * El, dtype=torch.int32, device=ids_local.device)
-        valid = ids_local[ids_local >= 0].long()
-        npe_f.index_add_(0, valid, torch.ones_like(valid, dtype=torch.int32))
         dev = self.local_rt.device
+        ids_local = None
+        if idx is not None:
+            base = self.host * self.per_host * El
+            ids_local = torch.where((ids_f >= base) & (ids_f < base + self.per_host * El), ids_f - base, -1)
+            ids_local = ids_local.to(idx.dtype).to(dev)
+            npe_f = torch.zeros(self.per_host * El, dtype=torch.int32, device=dev)
+            valid = ids_local[ids_local >= 0].long()
+            npe_f.index_add_(0, valid, torch.ones_like(valid, dtype=torch.int32))
+        per_rank_f = in_f.sum(0, dtype=torch.int32)
         prep.local_started = True
         out = self._local_run(self.local.dispatch_steps(
-            xs_f, None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev), ids_local.to(dev), w_f,
+            xs_f, None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev), ids_local, w_f,
             expert_alignment, num_worst_tokens))
         recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
         recv_xf = recv_x_f[0] if isinstance(recv_x_f, tuple) else recv_x_f
@@ -710,7 +745,7 @@ class Internode:
                 err = e
                 if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
                     self._tell_host()
-        got, counts = self._exchange(streams, err, tell=False)
+        got, counts, _ = self._exchange(streams, err, tell=False)
         plan, H, K, rec = prep.plan, prep.H, prep.K, streams.rec
         dev = prep.xv.device
         acc = torch.zeros(plan.num_tokens, H, dtype=torch.float32, device=dev)

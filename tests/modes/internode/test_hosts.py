@@ -85,6 +85,7 @@ def test_layout_per_host_and_dispatch_checks(world, per_host):
         assert o["missing"][0] == "ValueError" and "num_tokens_per_rdma_rank" in o["missing"][1]
         assert o["int64"][0] == "TypeError" and "num_tokens_per_rdma_rank" in o["int64"][1]
         assert o["shape"][0] == "ValueError" and "num_tokens_per_rdma_rank" in o["shape"][1]
+        assert o["value"][0] == "ValueError" and "differs from the tokens this rank sends" in o["value"][1], o["value"]
         assert o["ok"] is None, o["ok"]
         assert o["combine"][0] == "ValueError" and "handle" in o["combine"][1], o["combine"]
 

@@ -25,12 +25,21 @@ def _env(per_host):
     (2, 1, [9, 0], {}),                                   # 2 hosts of 1 rank, an empty rank
     (4, 2, [7, 13, 1, 5], {"bias": True}),                # 2 hosts of 2 ranks
     (3, 1, [6, 3, 8], {"worst": 40, "weights": False}),   # 3 hosts of 1 rank, num_worst_tokens, no weights
+    (4, 2, [5, 0, 9, 3], {"no_topk": True}),              # routed by is_token_in_rank, without topk_idx
 ])
 def test_round_trip(world, per_host, Ts, kw):
     out = _values(run_ranks(cases.round_trip, world, _env(per_host), 5 + world, 4 * world, 3, 64, Ts, kw,
                             timeout_s=240))
     assert all(o["combined"] for o in out), out
     assert sum(o["rows"] for o in out) > 0
+
+
+def test_three_hosts_of_three_ranks():
+    """The one test with 3 hosts of 3 ranks (9 processes): dispatch, combine with weights and biases, and
+    cached dispatch bit-exact against the reference, skew to the first host's experts."""
+    out = _values(run_ranks(cases.round_trip, 9, _env(3), 29, 18, 2, 16, [3, 0, 2, 4, 1, 2, 0, 3, 2],
+                            {"bias": True, "skew": True}, timeout_s=300))
+    assert all(o["combined"] for o in out), out
 
 
 def test_records_straddle_chunks_over_many_rounds():
