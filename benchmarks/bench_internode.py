@@ -14,12 +14,19 @@ virtual time, a model of NICs and fabric, not hardware) against the aggregate po
 ports, 100 GB/s), bytes per port and per QP, and the proxy's host microseconds per chunk (wall time of its
 busy sweeps on this CPU, with the emulator copying payloads in the posting thread: an upper bound).
 
-What this does not time: packing and unpacking the records on the host (the host-driven version of the
-mode), the forwarding leg over IPC, and anything on a NIC.
+Then, **inside internode dispatch + combine** (``--inside-tokens``, default 512; 0 skips it): two processes
+as two hosts of one rank on the emulated fabric without the rate model, ``Buffer.dispatch`` and
+``Buffer.combine`` called ``--calls`` times after one warm-up call (the record kernels under Triton's
+interpreter on CPU tensors, or on the GPU where there is one), and from ``Buffer.get_rdma_stats()`` the
+proxy's busy seconds per chunk and per MiB, the chunks and work requests per call, and the network leg's
+seconds per call (kernels, proxy and waits: on a CPU the interpreter's kernels dominate it).
 
-    ./run.sh python benchmarks/bench_internode.py [--tokens 4096] [--qps 8] [--chunk-kib 1024] [--out DIR]
+What this does not time: the forwarding leg over IPC on its own, and anything on a NIC.
 
-About a minute on two CPU cores at the defaults. Output: internode.json and a table.
+    ./run.sh python benchmarks/bench_internode.py [--tokens 4096] [--qps 8] [--chunk-kib 1024]
+        [--inside-tokens 512] [--calls 3] [--out DIR]
+
+A few minutes on two CPU cores at the defaults. Output: internode.json and two tables.
 """
 from __future__ import annotations
 
@@ -52,9 +59,14 @@ def parse_args(argv=None):
     p.add_argument("--qps", type=int, default=8, help="QPs per peer of the full plan (default 8)")
     p.add_argument("--chunk-kib", type=int, default=1024, help="chunk (ring slot) KiB (default 1024)")
     p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--inside-tokens", type=int, default=512,
+                   help="tokens per rank of the inside-internode runs (0: skip them; default 512)")
+    p.add_argument("--calls", type=int, default=3, help="timed dispatch + combine calls inside internode (default 3)")
     add_out_arg(p, "internode.json")
     a = p.parse_args(argv)
-    for name in ("tokens", "hidden", "experts", "topk", "qps", "chunk_kib", "slots"):
+    if a.inside_tokens < 0:
+        p.error("--inside-tokens must be >= 0")
+    for name in ("tokens", "hidden", "experts", "topk", "qps", "chunk_kib", "slots", "calls"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.experts % 2:
@@ -98,6 +110,61 @@ def run(a, qps: int, phase: str, vol: dict) -> dict:
             "proxy_us_per_chunk": busy / max(chunks, 1) * 1e6}
 
 
+def inside_rank(rank, world, a) -> dict:
+    """One rank of the inside-internode runs: dispatch + combine ``a.calls`` times after a warm-up; the
+    traffic counters' growth over the timed calls."""
+    import time
+    os.environ.update({"TRITON_EP_RANKS_PER_HOST": "1", "TRITON_EP_RDMA": "emulated",
+                       "TRITON_EP_RDMA_QPS_PER_PEER": str(a.qps), "TRITON_EP_RDMA_SLOTS": str(a.slots),
+                       "TRITON_EP_RDMA_CHUNK_BYTES": str(a.chunk_kib << 10)})
+    import triton_ep
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda":
+        torch.cuda.set_device(0)
+    buf = triton_ep.Buffer(None, 256 << 20, timeout_s=600, device=dev)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.stack([torch.randperm(a.experts, generator=g)[:a.topk] for _ in range(a.inside_tokens)]).to(dev)
+        w = torch.rand(a.inside_tokens, a.topk, generator=g).to(dev)
+        x = torch.randn(a.inside_tokens, a.hidden, generator=g).to(torch.bfloat16).to(dev)
+        layout = buf.get_dispatch_layout(idx, a.experts)
+
+        def call():
+            rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
+                                                   is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                                                   topk_idx=idx, topk_weights=w)
+            buf.combine(rx, handle, topk_weights=rw)
+
+        call()
+        s0, t0 = buf.get_rdma_stats(), time.perf_counter()
+        for _ in range(a.calls):
+            call()
+        wall, s1 = time.perf_counter() - t0, buf.get_rdma_stats()
+        return {k: s1[k] - s0[k] for k in ("chunks", "wrs", "proxy_busy_s", "network_s")} | {
+            "wall_s": wall, "bytes": sum(s1["ports"].values()) - sum(s0["ports"].values()), "device": dev}
+    finally:
+        buf.destroy()
+
+
+def inside(a) -> dict:
+    """The inside-internode runs (two processes); rank 0's and rank 1's figures per call."""
+    from triton_ep.testing import RankFailure, run_ranks
+    out = run_ranks(inside_rank, 2, a, timeout_s=3600)
+    bad = [o for o in out if isinstance(o, RankFailure)]
+    if bad:
+        raise RuntimeError("; ".join(map(str, bad)))
+    per_rank = []
+    for r, o in enumerate(out):
+        n = a.calls
+        per_rank.append({"rank": r, "device": o["device"], "chunks_per_call": o["chunks"] / n,
+                         "wrs_per_call": o["wrs"] / n, "MiB_per_call": o["bytes"] / n / 2 ** 20,
+                         "proxy_us_per_chunk": o["proxy_busy_s"] / max(o["chunks"], 1) * 1e6,
+                         "proxy_us_per_MiB": o["proxy_busy_s"] / max(o["bytes"] / 2 ** 20, 1e-9) * 1e6,
+                         "proxy_ms_per_call": o["proxy_busy_s"] / n * 1e3,
+                         "network_ms_per_call": o["network_s"] / n * 1e3, "wall_ms_per_call": o["wall_s"] / n * 1e3})
+    return {"tokens": a.inside_tokens, "calls": a.calls, "chunk_bytes": a.chunk_kib << 10, "per_rank": per_rank}
+
+
 def main(argv=None):
     a = parse_args(argv)
     vol = volumes(a)
@@ -113,8 +180,19 @@ def main(argv=None):
              r["byte_exact"]] for r in results]
     print_table(["phase", "QPs/peer", "model GB/s", "of 2 ports", "bytes per port", "proxy us/chunk", "exact"],
                 rows)
+    doc = {"note": NOTE, "args": vars(a), "volumes": vol, "results": results}
+    if a.inside_tokens:
+        say(f"[bench_internode] inside internode dispatch + combine: {a.inside_tokens} tokens per rank, {a.calls} "
+            f"calls after a warm-up, 2 processes as 2 hosts (emulated fabric, no rate model)")
+        doc["inside"] = ins = inside(a)
+        print_table(["rank", "device", "chunks/call", "WRs/call", "MiB/call", "proxy us/chunk", "proxy us/MiB",
+                     "proxy ms/call", "network ms/call", "wall ms/call"],
+                    [[r["rank"], r["device"], f"{r['chunks_per_call']:.1f}", f"{r['wrs_per_call']:.1f}",
+                      f"{r['MiB_per_call']:.2f}", f"{r['proxy_us_per_chunk']:.1f}", f"{r['proxy_us_per_MiB']:.1f}",
+                      f"{r['proxy_ms_per_call']:.2f}", f"{r['network_ms_per_call']:.1f}", f"{r['wall_ms_per_call']:.1f}"]
+                     for r in ins["per_rank"]])
     path = os.path.join(a.out, "internode.json")
-    write_json(path, {"note": NOTE, "args": vars(a), "volumes": vol, "results": results})
+    write_json(path, doc)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ __all__ = ["Buffer", "DispatchArgs", "DispatchHandle"]
 
 class Buffer:
     """Expert-parallel communication buffer, a drop-in for DeepEP V1's ``deep_ep.Buffer``: normal mode within
-    one host, low-latency mode within one host, and normal mode across hosts (a first, host-driven version:
-    docs/internode.md).
+    one host, low-latency mode within one host, and normal mode across hosts (its network leg in kernels over
+    the RDMA scheduler, each call still waiting on the host: docs/internode.md).
 
     Args:
         group: the EP process group (any backend: gloo or NCCL; used only to exchange buffer handles).
@@ -51,8 +51,8 @@ class Buffer:
     Raises:
         ValueError: a bad argument value; ranks that disagree on ``rdma_backend`` or
             ``TRITON_EP_RANKS_PER_HOST``; hosts of different sizes; several hosts and no RDMA transport.
-        NotImplementedError: ranks on several machines, or ``low_latency_mode`` with several hosts (the
-            internode data paths are not built yet: docs/internode.md).
+        NotImplementedError: ranks on several machines (each host's buffers are still opened over IPC), or
+            ``low_latency_mode`` with several hosts (not built yet: docs/internode.md).
         EPTimeoutError: a rank did not join within ``timeout_s``.
     """
 
@@ -180,17 +180,29 @@ class Buffer:
         gives, with no cross-stream wait."""
         return self._rt.comm_stream
 
-    def _unavailable(self, *args, **kwargs):
-        """DeepEP entry points this release does not implement: the internode ones (``internode_dispatch``,
-        ``internode_combine``).
+    def internode_dispatch(self, *args, **kwargs):
+        """DeepEP's ``internode_dispatch`` (what its ``dispatch`` calls when ranks span hosts): ``dispatch`` on a
+        Buffer whose ranks span several hosts, with the same arguments and results.
 
         Raises:
-            NotImplementedError: always.
+            ValueError: this Buffer's ranks are on one host (call ``dispatch``); otherwise as ``dispatch``.
         """
-        raise NotImplementedError("triton_ep implements DeepEP's normal and low-latency modes within one host "
-                                  "only; internode kernels are not available yet")
+        self._across_hosts("internode_dispatch")
+        return self.dispatch(*args, **kwargs)
 
-    internode_dispatch = internode_combine = _unavailable
+    def internode_combine(self, *args, **kwargs):
+        """DeepEP's ``internode_combine``: ``combine`` on a Buffer whose ranks span several hosts.
+
+        Raises:
+            ValueError: this Buffer's ranks are on one host (call ``combine``); otherwise as ``combine``.
+        """
+        self._across_hosts("internode_combine")
+        return self.combine(*args, **kwargs)
+
+    def _across_hosts(self, name: str) -> None:
+        if self._internode is None:
+            raise ValueError(f"{name}: this Buffer's ranks are all on one host; call "
+                             f"{name.replace('internode_', '')}() (it picks the mode)")
 
     # ------------------------------------------------------------------ low-latency mode (docs/low_latency.md)
     def _low_latency(self) -> LowLatency:
@@ -451,8 +463,9 @@ class Buffer:
         Raises:
             TypeError/ValueError: bad arguments (before any kernel runs) or ids outside ``[-1, E)``;
             EPRemoteError: another rank failed the call; EPCapacityError: ``num_worst_tokens`` too small;
-            EPTimeoutError: a peer did not answer within ``timeout_s``; NotImplementedError: ranks span
-            several hosts (internode dispatch is not built yet; its arguments are checked first).
+            EPTimeoutError: a peer did not answer within ``timeout_s``. Across hosts (docs/internode.md) also
+            ``num_tokens_per_rdma_rank`` (int32 ``[num_hosts]``, from ``get_dispatch_layout``), required without a
+            handle and checked; ProxyError: the RDMA proxy failed (a QP, a completion), naming peer and QP.
         """
         if self._internode is not None:
             return self._internode.dispatch(self._intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
