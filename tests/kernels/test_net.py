@@ -74,21 +74,30 @@ def test_empty_stream_writes_nothing():
     assert (out == -7).all()
 
 
-@pytest.mark.parametrize("slot_bytes,slots", [(64, 2), (128, 3), (4096, 8)])
-def test_rings_carry_streams_in_rounds(slot_bytes, slots):
+@pytest.mark.parametrize("slot_bytes,slots,device", [
+    (64, 2, "cpu"), (128, 3, "cpu"), (4096, 8, "cpu"),
+    pytest.param(128, 3, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs CUDA")]),
+])
+def test_rings_carry_streams_in_rounds(slot_bytes, slots, device):
     """Three hosts; this is host 1. pack_ring fills each peer's send slots with the stream's chunks (records
     straddle chunks when the chunk is small), stores their lengths and releases READY chunk by chunk; a stand-in
     for the proxy copies them to the receive ring and moves TAIL; unpack_ring reassembles every stream in
-    place and releases HEAD. Chunk numbers continue from earlier traffic (first_seq)."""
+    place and releases HEAD. Chunk numbers continue from earlier traffic (first_seq). On a GPU the rings are
+    pinned, device-mapped host memory and the sources device tensors."""
     H, me = 3, 1
     src, rec, _ = _sources(9, 32, 8, 2, True, 6, 2, seed=slot_bytes)
+    if device == "cuda":
+        src = net.Sources(*[v.cuda() if isinstance(v, torch.Tensor) else v for v in src])
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     lay = RingLayout(H, slots, slot_bytes)
-    mem = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    mem = torch.zeros(lay.nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     c, r = lay.ctrl_bytes, lay.ring_bytes
     ctrl, send, recv = mem[:c].view(torch.int64), mem[c:c + r].view(torch.int32), mem[c + r:].view(torch.int32)
     flags = RingFlags(ctrl.numpy(), me, H, slots)
     toks = [torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.tensor([0]), torch.tensor([8, 0, 5])]
     streams = [net.reference_stream(src, t, h) for h, t in enumerate(toks)]
+    d = torch.device(device)
     SW = slot_bytes // 4
     first = [0, 0, 5]                  # host 2's ring already carried 5 chunks
     for h in (0, 2):
@@ -96,17 +105,18 @@ def test_rings_carry_streams_in_rounds(slot_bytes, slots):
         flags.put(RingFlags.READY, h, first[h])
         flags.put(RingFlags.TAIL, h, first[h])
         flags.put(RingFlags.HEAD, h, first[h])
-    tokens = torch.cat(toks)
-    tok_start = torch.tensor([0, 8, 9])
-    n_words = torch.tensor([s.numel() for s in streams])
-    fseq = torch.tensor(first)
-    out = torch.full((int(n_words.sum()),), -7, dtype=torch.int32)
-    out_start = torch.tensor([0, int(n_words[0]), int(n_words[0] + n_words[1])])
+    tokens = torch.cat(toks).to(d)
+    tok_start = torch.tensor([0, 8, 9], device=d)
+    n_words = torch.tensor([s.numel() for s in streams], device=d)
+    fseq = torch.tensor(first, device=d)
+    out = torch.full((int(n_words.sum()),), -7, dtype=torch.int32, device=d)
+    out_start = torch.tensor([0, int(n_words[0]), int(n_words[0] + n_words[1])], device=d)
     nch = [-(-int(n) // SW) for n in n_words]
     rounds = -(-max(nch[0], nch[2]) // slots)
     for i in range(rounds):
         net.pack_ring(ctrl, send, src, tokens, tok_start, n_words, fseq, i * slots, (i + 1) * slots, me, H, slots,
                       slot_bytes, 5.0)
+        sync()
         assert flags.record() is None
         for h in (0, 2):
             lo, hi = first[h] + i * slots, first[h] + min((i + 1) * slots, nch[h])
@@ -122,9 +132,11 @@ def test_rings_carry_streams_in_rounds(slot_bytes, slots):
             flags.put(RingFlags.TAIL, h, hi)
         net.unpack_ring(ctrl, recv, out, out_start, n_words, fseq, i * slots, (i + 1) * slots, me, H, slots,
                         slot_bytes, 5.0)
+        sync()
         assert flags.record() is None
         for h in (0, 2):
             assert flags.get(RingFlags.HEAD, h) == first[h] + min((i + 1) * slots, nch[h])
+    out = out.cpu()
     for h in (0, 2):
         lo = int(out_start[h])
         assert torch.equal(out[lo:lo + streams[h].numel()], streams[h])

@@ -20,6 +20,7 @@ def _values(out):
     (2, 1, {"device": "cuda"}),
     (4, 2, {"device": "cuda", "bias": True, "worst": 128}),
     (2, 1, {"device": "cuda", "fp8": True}),
+    (4, 2, {"device": "cuda", "no_topk": True}),
 ])
 def test_round_trip_gpu(world, per_host, opts):
     env = {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated"}
@@ -27,3 +28,13 @@ def test_round_trip_gpu(world, per_host, opts):
     out = _values(run_ranks(cases.round_trip, world, env, 3, 8 * world, 4, H, [33, 17, 0, 40][:world], opts,
                             timeout_s=140))
     assert sum(o["rows"] for o in out) > 0
+
+
+def test_small_chunks_many_rounds_gpu():
+    """4 KiB chunks in 2 slots: records (about 14 KiB at hidden 7168) straddle several chunks and each call
+    runs many rounds of the ring kernels on the GPU, with pinned, device-mapped rings."""
+    env = {"TRITON_EP_RANKS_PER_HOST": "1", "TRITON_EP_RDMA": "emulated", "TRITON_EP_RDMA_CHUNK_BYTES": "4096",
+           "TRITON_EP_RDMA_SLOTS": "2"}
+    out = _values(run_ranks(cases.round_trip, 2, env, 5, 16, 4, 7168, [9, 6], {"device": "cuda", "bias": True},
+                            timeout_s=140))
+    assert all(o["combined"] for o in out)
