@@ -57,6 +57,29 @@ def build_only(rank, world, env, kwargs):
     return None
 
 
+def machines(rank, world, env, per_machine, seed):
+    """Each rank claims to run on machine ``rank // per_machine`` (its host identity), with ``env`` set: the
+    Buffer's hosts, what its runtime maps, and a dispatch + combine round trip against the reference (or
+    the error the construction raises)."""
+    from triton_ep.runtime import context
+    from triton_ep.runtime.context import HostsRuntime
+    os.environ.update(env)
+    context.host_identity = lambda: f"machine-{rank // per_machine}"
+    try:
+        buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    except Exception as ex:   # noqa: BLE001
+        return {"error": _error(ex)}
+    try:
+        rt = buf._rt
+        out = {"hosts": rt.hosts.host_of, "source": rt.hosts.source, "hosts_runtime": isinstance(rt, HostsRuntime),
+               "mapped": rt.live().size, "rdma_buffer": buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).numel()}
+        out.update(check_case(buf, rank, world, rt.hosts.ranks_per_host, seed, 4 * world, 2, 32, [5, 3, 0, 7][:world],
+                              {"bias": True}))
+        return out
+    finally:
+        buf.destroy()
+
+
 def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
     """Internode dispatch -> x*2 'experts' -> combine -> cached dispatch of new data on a new Buffer, each
     compared with the reference (:func:`check_case`). Returns what it checked."""

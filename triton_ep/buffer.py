@@ -50,9 +50,9 @@ class Buffer:
 
     Raises:
         ValueError: a bad argument value; ranks that disagree on ``rdma_backend`` or
-            ``TRITON_EP_RANKS_PER_HOST``; hosts of different sizes; several hosts and no RDMA transport.
-        NotImplementedError: ranks on several machines (each host's buffers are still opened over IPC), or
-            ``low_latency_mode`` with several hosts (not built yet: docs/internode.md).
+            ``TRITON_EP_RANKS_PER_HOST``; hosts of different sizes; a host whose ranks run on several
+            machines; several hosts and no RDMA transport.
+        NotImplementedError: ``low_latency_mode`` with several hosts (not built yet: docs/internode.md).
         EPTimeoutError: a rank did not join within ``timeout_s``.
     """
 
@@ -74,7 +74,7 @@ class Buffer:
             rt.group, rt.timeout_s, rt.rank, rt.group_size, rt.device
         self._intranode = Intranode(rt)
         try:
-            self._internode = Internode(rt, self.num_nvl_bytes) if rt.num_hosts > 1 else None
+            self._internode = Internode(rt) if rt.num_hosts > 1 else None
         except BaseException:
             rt.close()
             raise
@@ -158,14 +158,19 @@ class Buffer:
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Tensor:
         """A view of this rank's raw intranode buffer as ``dtype`` (from element ``offset``, optionally
-        reshaped to ``size``). Its contents change with every call.
+        reshaped to ``size``); with ``use_rdma_buffer`` (ranks on several hosts), of its RDMA buffer: the
+        scheduler's registered rings (pinned host memory: control block, send ring, receive ring). Its
+        contents change with every call.
 
         Raises:
-            ValueError: ``use_rdma_buffer`` (no RDMA buffer within one host) or ``size`` too large.
+            ValueError: ``use_rdma_buffer`` on one host (no RDMA buffer) or ``size`` too large. EPError: destroyed.
         """
         if use_rdma_buffer:
-            raise ValueError("triton_ep has no RDMA buffer within one host")
-        t = self._rt.live().data.view(dtype)[offset:]
+            if self._internode is None:
+                raise ValueError("triton_ep has no RDMA buffer within one host")
+            t = self._internode.rdma_buffer().view(dtype)[offset:]
+        else:
+            t = self._rt.live().data.view(dtype)[offset:]
         if size is None:
             return t
         if t.numel() < torch.Size(size).numel():

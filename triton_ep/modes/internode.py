@@ -33,7 +33,6 @@ from typing import List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from .. import scheduler as sched_mod
 from ..config import EventOverlap
@@ -41,7 +40,6 @@ from ..errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from ..runtime import Runtime
 from ..runtime.checks import check_event
 from ..runtime import hosts as hosts_mod
-from ..runtime.context import open_runtime
 from ..transport import factory
 from ..transport.bootstrap import gather_objects
 from .. import kernels
@@ -184,9 +182,9 @@ class Internode:
     """Internode normal mode for one Buffer whose ranks span several hosts.
 
     Args:
-        rt: the Buffer's runtime (``rt.hosts``: the hosts; ``rt.rdma_transport``: ``"verbs"`` or
-            ``"emulated"``; ``rt.group``: the process group).
-        num_nvl_bytes: bytes of the intranode buffer the ranks of each host share (the forwarding leg).
+        rt: the Buffer's :class:`~triton_ep.runtime.context.HostsRuntime` (``rt.hosts``: the hosts;
+            ``rt.rdma_transport``: ``"verbs"`` or ``"emulated"``; ``rt.group``: the process group; ``rt.local``:
+            this host's runtime, whose shared buffers carry the forwarding leg).
         num_qps_per_peer: RC QPs to each RDMA peer (placed over ports and ECMP paths).
         slots, slot_bytes: the scheduler's rings: chunks in flight per peer and bytes per chunk.
         Each ``None``: :func:`network_shape` (the environment, else the defaults); every rank must agree.
@@ -196,7 +194,7 @@ class Internode:
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
 
-    def __init__(self, rt: Runtime, num_nvl_bytes: int, num_qps_per_peer: Optional[int] = None,
+    def __init__(self, rt, num_qps_per_peer: Optional[int] = None,
                  slots: Optional[int] = None, slot_bytes: Optional[int] = None) -> None:
         self.rt = rt
         self.hosts = hosts = rt.hosts
@@ -219,13 +217,9 @@ class Internode:
         #: seconds this rank's calls spent in the network leg (packing, waiting, unpacking), and its exchanges
         self.network_s, self.exchanges = 0.0, 0
         try:
-            # every rank makes every subgroup, in the same order (torch.distributed's rule)
-            local_groups = [dist.new_group(list(hosts.ranks(h))) for h in range(self.num_hosts)]
-            peer_groups = [dist.new_group([hosts.ranks(h)[i] for h in range(self.num_hosts)])
-                           for i in range(self.per_host)]
-            self.local_group, self.peer_group = local_groups[self.host], peer_groups[self.local_index]
-            self.local_rt = open_runtime(self.local_group, num_nvl_bytes, 0, False, rt.timeout_s, rt.device)
-            self.local_rt.agree_on_layout()
+            # this host's ranks share their own buffers (the forwarding leg); nothing is mapped between hosts
+            self.local_group, self.peer_group = rt.local_group, rt.peer_group
+            self.local_rt = rt.local
             self.local = Intranode(self.local_rt)
             env_shape = network_shape()
             shape = tuple(e if v is None else int(v) for v, e in zip((num_qps_per_peer, slots, slot_bytes), env_shape))
@@ -273,6 +267,17 @@ class Internode:
             finally:
                 if local_rt is not None:
                     local_rt.close()
+
+    def rdma_buffer(self) -> Tensor:
+        """This rank's registered RDMA memory: uint8, the scheduler's control block, send ring and receive
+        ring (``Buffer.get_local_buffer_tensor(..., use_rdma_buffer=True)``).
+
+        Raises:
+            EPError: the Buffer was destroyed.
+        """
+        if self._ring_mem is None:
+            raise EPError(f"rank {self.rt.rank}: this Buffer was destroyed")
+        return self._ring_mem
 
     def stats(self) -> dict:
         """Traffic since construction: the scheduler's bytes, work requests and chunks per QP (``"host/qp"``

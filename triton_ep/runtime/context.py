@@ -391,11 +391,14 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     hosts chosen (:mod:`triton_ep.runtime.hosts`; ``rdma_backend``: ``"auto"``, ``"verbs"``, ``"emulated"``
     or ``None`` for ``TRITON_EP_RDMA``).
 
+    Ranks on several hosts get a :class:`HostsRuntime` instead: each host's ranks share their own buffers
+    (nothing is mapped between hosts, which may be different machines).
+
     Raises:
         ValueError: a bad value (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``, ``rdma_backend``), no
             process group, ranks that disagree on ``rdma_backend`` or ``TRITON_EP_RANKS_PER_HOST``, hosts of
-            different sizes, several hosts and no RDMA transport.
-        NotImplementedError: ranks on several machines (internode normal mode's data path is not built yet).
+            different sizes, a host whose ranks run on several machines, several hosts and no RDMA transport.
+        NotImplementedError: ``low_latency_mode`` with several hosts (not built yet).
         EPTimeoutError: ranks did not arrive within ``timeout_s`` (named).
         EPRemoteError: a peer gave up or failed first.
     """
@@ -429,6 +432,8 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
         for ex in exchanges:
             ex.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
         raise
+    if hosts.num_hosts > 1:
+        return _open_hosts(group, hosts, transport, num_nvl_bytes, timeout_s, device)
     # the low-latency area follows the normal-mode part of the same shared buffer (every rank maps it),
     # which normal-mode rounds never touch
     nvl_part = max(4096, (int(num_nvl_bytes) + 4095) // 4096 * 4096)
@@ -446,14 +451,98 @@ def _find_hosts(exchange: Exchange, backend: str, low_latency_mode: bool):
     agreed("rdma_backend / TRITON_EP_RDMA", [i[2] for i in info])
     hosts = group_hosts([i[0] for i in info], [i[1] for i in info])
     transport = choose_transport(backend, hosts)
-    machines = sorted({i[0] for i in info})
-    if len(machines) > 1:
-        raise NotImplementedError(
-            f"the group's ranks run on {len(machines)} machines ({', '.join(machines)}): internode normal mode's "
-            f"data path across machines is not built yet; this version runs every rank on one machine "
-            f"({ENV_RANKS_PER_HOST} makes it stand in for several hosts)")
+    for h in range(hosts.num_hosts):       # a host's ranks share memory: they must run on one machine
+        machines = sorted({info[r][0] for r in hosts.ranks(h)})
+        if len(machines) > 1:
+            raise ValueError(f"{ENV_RANKS_PER_HOST} puts ranks {list(hosts.ranks(h))} into host {h}, but they run on "
+                             f"{len(machines)} machines ({', '.join(machines)}); a host's ranks must share a machine")
     _check_modes(hosts, low_latency_mode)
     return hosts, transport
+
+
+def _open_hosts(group, hosts: Hosts, transport: str, num_nvl_bytes: int, timeout_s: float, device) -> "HostsRuntime":
+    """The :class:`HostsRuntime` of a Buffer whose ranks span several hosts (collective over ``group``): a
+    process group per host and one per local index (every rank makes every subgroup, in the same order), and
+    this host's own runtime (its ranks' shared buffers, of ``num_nvl_bytes``)."""
+    def world(ranks):           # hosts number the ranks of ``group``; new_group takes global ranks
+        return [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in ranks]
+
+    me = group.rank()
+    local_groups = [dist.new_group(world(hosts.ranks(h))) for h in range(hosts.num_hosts)]
+    peer_groups = [dist.new_group(world([hosts.ranks(h)[i] for h in range(hosts.num_hosts)]))
+                   for i in range(hosts.ranks_per_host)]
+    host = hosts.host_of[me]
+    local = open_runtime(local_groups[host], num_nvl_bytes, 0, False, timeout_s, device)
+    try:
+        local.agree_on_layout()
+    except BaseException:
+        local.close()
+        raise
+    return HostsRuntime(local, group, me, group.size(), hosts, transport, local_groups[host],
+                        peer_groups[hosts.local_index(me)])
+
+
+class HostsRuntime:
+    """The runtime of a Buffer whose ranks span several hosts: the group's view (global rank and size, hosts,
+    the transport between them) over this host's own :class:`Runtime` (``local``: the shared buffers,
+    signals and streams of this host's ranks). Nothing is mapped between hosts. The group-wide argument
+    checks and the routing layout use it as they use a :class:`Runtime`; the data moves through
+    :mod:`triton_ep.modes.internode`.
+
+    Attributes:
+        local: this host's runtime. local_group: the process group of this host's ranks. peer_group: the
+        process group of the ranks with this rank's local index on every host (its RDMA peers). group, rank,
+        group_size, hosts, num_hosts, rdma_transport, timeout_s, device, uid: as :class:`Runtime`'s.
+    """
+
+    ll_offset = ll_bytes = 0
+
+    def __init__(self, local: Runtime, group, rank: int, size: int, hosts: Hosts, rdma_transport: str,
+                 local_group, peer_group) -> None:
+        self.local, self.group, self.rank, self.group_size = local, group, rank, size
+        self.hosts, self.num_hosts, self.rdma_transport = hosts, hosts.num_hosts, rdma_transport
+        self.local_group, self.peer_group = local_group, peer_group
+        self.timeout_s, self.device, self.uid = local.timeout_s, local.device, local.uid
+
+    @property
+    def comm(self):
+        """This host's shared buffers (``None`` once closed)."""
+        return self.local.comm
+
+    @property
+    def comm_stream(self):
+        return self.local.comm_stream
+
+    def live(self) -> ipc.Comm:
+        return self.local.live()
+
+    def check(self) -> None:
+        self.local.check()
+
+    def close(self) -> None:
+        self.local.close()
+
+    def agree_on_layout(self) -> None:
+        """Done by this host's runtime at construction."""
+
+    def check_tensor(self, *args, **kwargs) -> Tensor:
+        return self.local.check_tensor(*args, **kwargs)
+
+    def check_num_experts(self, num_experts) -> None:
+        """:func:`triton_ep.runtime.checks.check_num_experts` for the whole group (every host's ranks)."""
+        check_num_experts(num_experts, self.group_size)
+
+    def comm_ctx(self):
+        return self.local.comm_ctx()
+
+    def begin(self, previous_event, async_finish: bool) -> None:
+        self.local.begin(previous_event, async_finish)
+
+    def end(self, async_finish: bool, tensors) -> EventOverlap:
+        return self.local.end(async_finish, tensors)
+
+    def wait_comm_stream(self) -> None:
+        self.local.wait_comm_stream()
 
 
 def _check_modes(hosts: Hosts, low_latency_mode: bool) -> None:

@@ -137,3 +137,18 @@ def test_info_shows_the_plan_a_buffer_would_use():
         out = io.StringIO()
         print_internode(out, env)
         assert all(w in out.getvalue() for w in words), (env, out.getvalue())
+
+
+def test_ranks_on_several_machines():
+    """Ranks that report two machines (host identities) form two hosts of two ranks without
+    TRITON_EP_RANKS_PER_HOST: each host's ranks map only each other's buffers (nothing is mapped between
+    hosts), the RDMA buffer is the scheduler's rings, and a round trip matches the reference. A
+    TRITON_EP_RANKS_PER_HOST that puts ranks of two machines into one host is a ValueError on every rank."""
+    emu = {"TRITON_EP_RDMA": "emulated", "TRITON_EP_RANKS_PER_HOST": ""}
+    out = _values(run_ranks(cases.machines, 4, emu, 2, 3, timeout_s=240))
+    for o in out:
+        assert o["hosts"] == (0, 0, 1, 1) and o["hosts_runtime"] and o["mapped"] == 2, o
+        assert o["rdma_buffer"] > 0 and o["combined"], o
+    out = _values(run_ranks(cases.machines, 4, dict(emu, TRITON_EP_RANKS_PER_HOST="4"), 2, 3, timeout_s=120))
+    for o in out:
+        assert o["error"][0] == "ValueError" and "a host's ranks must share a machine" in o["error"][1], o
