@@ -359,10 +359,14 @@ def print_internode(out: TextIO, env=None) -> None:
     two = H.group_hosts(["a", "b"])
     try:
         chosen = H.choose_transport(backend, two)
+        qps, slots, chunk = I.network_shape(env)
         print(f"  transport  rdma_backend {backend!r} ({H.ENV_RDMA}={env.get(H.ENV_RDMA, '')!r}): {chosen}, "
-              f"{I.DEFAULT_QPS_PER_PEER} RC QPs per peer over the NIC's ports, {I.DEFAULT_SLOTS} ring slots of "
-              f"{I.DEFAULT_SLOT_BYTES >> 10} KiB per peer, host-driven network leg", file=out)
-    except ValueError:
+              f"{qps} RC QPs per peer over the NIC's ports, {slots} ring slots of {chunk >> 10} KiB per peer "
+              f"({I.ENV_QPS}, {I.ENV_SLOTS}, {I.ENV_CHUNK}); records packed into the rings by kernels", file=out)
+    except ValueError as ex:
+        if "TRITON_EP_RDMA_" in str(ex):
+            print(f"  transport  {ex}", file=out)
+            return
         print(f"  transport  rdma_backend {backend!r}: none here (no usable RDMA device); set "
               f"{H.ENV_RDMA}=emulated or Buffer(..., rdma_backend='emulated') to use the emulated fabric", file=out)
 

@@ -133,7 +133,11 @@ def test_info_shows_the_plan_a_buffer_would_use():
     for env, words in [({}, ["host identity", "none here", "TRITON_EP_RDMA=emulated"]),
                        ({"TRITON_EP_RANKS_PER_HOST": "2", "TRITON_EP_RDMA": "emulated"},
                         ["TRITON_EP_RANKS_PER_HOST=2", "emulated", "RC QPs per peer"]),
-                       ({"TRITON_EP_RDMA": "ib"}, ["must be one of"])]:
+                       ({"TRITON_EP_RDMA": "ib"}, ["must be one of"]),
+                       ({"TRITON_EP_RDMA": "emulated", "TRITON_EP_RDMA_SLOTS": "3", "TRITON_EP_RDMA_CHUNK_BYTES": "4096"},
+                        ["3 ring slots of 4 KiB", "kernels"]),
+                       ({"TRITON_EP_RDMA": "emulated", "TRITON_EP_RDMA_CHUNK_BYTES": "100"},
+                        ["TRITON_EP_RDMA_CHUNK_BYTES='100' must be"])]:
         out = io.StringIO()
         print_internode(out, env)
         assert all(w in out.getvalue() for w in words), (env, out.getvalue())
