@@ -322,3 +322,44 @@ def killed(rank, world, env):
     buf.destroy()
     time.sleep(1)
     return {"during": sorted(during), "after": sorted(set(glob.glob("/dev/shm/tep_*")) - before)}
+
+
+def in_step(rank, world, env):
+    """2 hosts of 2 ranks; rank 3 alone passes bad arguments to a dispatch, a combine and a cached dispatch
+    (each fails on every rank), then a combine of another hidden size. Returns each call's error type, the
+    last one's message, and whether a correct dispatch + combine works afterwards."""
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        T, H, E = 8, 64, 8
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+        pr, ph, pe, ir, _ = buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=pr, num_tokens_per_rdma_rank=ph, is_token_in_rank=ir,
+                  num_tokens_per_expert=pe, topk_idx=idx)
+        bad = rank == 3
+        out = []
+        msg = ""
+        for call in ("dispatch", "combine", "cached", "hidden"):
+            try:
+                if call == "dispatch":
+                    buf.dispatch(x.flatten() if bad else x, **kw)
+                else:
+                    rx, _, _, _, h, _ = buf.dispatch(x, **kw)
+                    if call == "combine":
+                        buf.combine(rx[:-1] if bad else rx, h)
+                    elif call == "cached":
+                        buf.dispatch(x[:-1] if bad else x, handle=h)
+                    else:
+                        buf.combine(torch.zeros(rx.shape[0], 32 if bad else H, dtype=torch.bfloat16), h)
+                out.append(None)
+            except Exception as ex:   # noqa: BLE001
+                out.append(type(ex).__name__)
+                msg = str(ex)
+        rx, _, _, _, h, _ = buf.dispatch(x, **kw)
+        y, _, _ = buf.combine(rx, h)
+        expect = (x.float() * ir.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        return out + [msg, bool(torch.equal(y, expect))]
+    finally:
+        buf.destroy()

@@ -50,6 +50,7 @@ from ..transport.signals import stall_watchdog
 from .intranode import DispatchHandle, Intranode, check_cached_dispatch
 
 Tensor = torch.Tensor
+_SKIP = object()            # the handle of a local call a rank takes only to fail it (Internode._skip_local)
 #: the network leg's defaults: RC QPs per RDMA peer, ring slots per peer, bytes per slot (chunk)
 DEFAULT_QPS_PER_PEER, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES = 4, 8, 1 << 16
 #: environment variables that override them (every rank must set the same values)
@@ -341,13 +342,13 @@ class Internode:
 
     # ------------------------------------------------------------------ the network leg
     def _exchange(self, streams: Optional[_Streams], err: Optional[BaseException] = None,
-                  tell: bool = True) -> Tuple[Tensor, List[int], Optional[Tensor]]:
+                  skip: Optional[str] = None) -> Tuple[Tensor, List[int], Optional[Tensor]]:
         """Send each host's record stream of ``streams`` to this rank's RDMA peer there and receive theirs:
         first a header (a status, the record count and the record layout, which must agree), then the
         records, through the network-leg kernels. A rank that failed (``err``) sends only its header. Where
-        this rank or a peer failed, every rank of the exchange raises after the headers, and (with ``tell``:
-        the exchange comes before the forwarding leg) this rank first tells its own host's ranks (their
-        forwarding-leg waits end; they tell their own RDMA peers in turn).
+        this rank or a peer failed, every rank of the exchange raises after the headers, and (with ``skip``,
+        the kind of the forwarding leg still to come: ``"dispatch"`` or ``"cached"``) this rank first leaves
+        that leg (:meth:`_skip_local`: its host's ranks stop at once and tell their own RDMA peers in turn).
 
         Returns: the records received, uint8 ``[n, rec.nbytes]`` on the device, one block per host in host
         order (this host's block is this rank's own stream for it), the blocks' record counts, and (with
@@ -365,8 +366,8 @@ class Internode:
                     return self._move(streams, counts), counts, npe
             raise err
         except BaseException:
-            if tell:
-                self._tell_host()
+            if skip is not None:
+                self._skip_local(skip)
             raise
 
     @contextlib.contextmanager
@@ -407,12 +408,21 @@ class Internode:
         if self.local_rt is not None and self.local_rt.sig is not None:
             self.local_rt.sig.leave(int(kernels.flags.STAGE_FAILED))
 
-    def _tell_host(self) -> None:
-        """This rank leaves the running call before its forwarding leg: the ranks of its host that wait for
-        it there stop at once (a failure word, as an intranode call that fails) and raise ``EPRemoteError``."""
-        if self.local_rt is not None and self.local_rt.comm is not None:
-            self.local_rt.wait_comm_stream()
-            self.local_rt.sig.post_local_failure()
+    def _skip_local(self, kind: str) -> None:
+        """This rank leaves the running call before its host's intranode leg (``kind``: ``"dispatch"``,
+        ``"cached"`` or ``"combine"``): it still takes that call's steps and fails at their argument check,
+        as a rank of one host that rejects its arguments does, so the ranks of its host that wait for it stop
+        at once (its failure word: they raise ``EPRemoteError``) and every rank's call counters stay in step.
+        What that local call raises is dropped: the caller raises this rank's own error."""
+        if self.local_rt is None or self.local_rt.comm is None:
+            return
+        steps = {"dispatch": lambda: self.local.dispatch_steps(None),
+                 "cached": lambda: self.local.dispatch_steps(None, handle=_SKIP),
+                 "combine": lambda: self.local.combine_steps(None, _SKIP)}[kind]
+        try:
+            self.local_rt.run(steps())
+        except Exception:   # noqa: BLE001 - the expected argument error, or the host's earlier failure
+            pass
 
     def _status(self, err: Optional[BaseException]) -> None:
         """After the forwarding leg: tell the RDMA peers whether this rank's part succeeded and hear theirs
@@ -587,14 +597,15 @@ class Internode:
                                           expert_alignment, num_worst_tokens, previous_event)
         except Exception as e:   # noqa: BLE001 - the RDMA peers and this host's ranks are told, then it is raised
             err = e
-        fwd, counts, npe_f = self._exchange(prep.streams if prep else None, err)
+        kind = "dispatch" if handle is None else "cached"
+        fwd, counts, npe_f = self._exchange(prep.streams if prep else None, err, skip=kind)
         result = err = None
         try:
             result = self._forward(prep, fwd, counts, npe_f, expert_alignment, num_worst_tokens)
         except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (their hosts' ranks then fail alike)
             err = e
             if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
-                self._tell_host()
+                self._skip_local(kind)
         self._status(err)
         return result
 
@@ -741,7 +752,7 @@ class Internode:
             prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)
         except Exception as e:   # noqa: BLE001 - this host's ranks and the RDMA peers are told, then it is raised
             err = e
-            self._tell_host()
+            self._skip_local("combine")
         streams = None
         if err is None:
             try:
@@ -749,8 +760,8 @@ class Internode:
             except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (this host's ranks failed alike)
                 err = e
                 if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
-                    self._tell_host()
-        got, counts, _ = self._exchange(streams, err, tell=False)
+                    self._skip_local("combine")
+        got, counts, _ = self._exchange(streams, err)
         plan, H, K, rec = prep.plan, prep.H, prep.K, streams.rec
         dev = prep.xv.device
         acc = torch.zeros(plan.num_tokens, H, dtype=torch.float32, device=dev)

@@ -221,6 +221,7 @@ class LowLatency:
         N, E, El = lay.n_max, lay.num_experts, lay.experts_per_rank
         dev = rt.device
         sig = signals.call_signature([card.LL_DISPATCH, N, H, E, K, int(use_fp8), int(use_ue8m0)])
+        rt.count_call()
         rt.publish(card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0)))
         # fresh outputs (scales column-major in their last two dimensions, as DeepEP returns them)
         if use_fp8:
@@ -298,6 +299,7 @@ class LowLatency:
         T, K = idx.shape
         H = lay.hidden
         sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K])
+        rt.count_call()
         rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K))
         if out is None:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)

@@ -52,9 +52,11 @@ def steps(fn: Callable) -> Callable:
     """Decorate a mode's step generator (a method of an object with a ``rt`` :class:`Runtime`): whatever
     it raises, this rank first tells its peers (a failure word in their signal headers), so kernels of
     theirs that wait for this rank's part of the call stop at once and raise ``EPRemoteError``; the next
-    call re-synchronises the group."""
+    call re-synchronises the group. Every call it starts counts as one (:meth:`Runtime.count_call`), also on
+    a rank that rejects its arguments before publishing its card, so the ranks' call numbers stay equal."""
     @functools.wraps(fn)
     def run(self, *args, **kwargs):
+        self.rt.count_call()
         try:
             return (yield from fn(self, *args, **kwargs))
         except GeneratorExit:
@@ -187,10 +189,14 @@ class Runtime:
         err._ep_recorded = True             # the kernel that recorded it told the peers already
         raise collective(err)
 
+    def count_call(self) -> None:
+        """A collective call starts (its card carries the count; :func:`steps` counts its calls, the
+        low-latency calls count themselves)."""
+        self._calls += 1
+
     def publish(self, code: int, values: Sequence[int]) -> None:
         """Write this call's card (:mod:`triton_ep.protocol.call_card`) where the peers can read it: a
         mismatch the kernels find is then raised naming the field and each rank's value."""
-        self._calls += 1
         card.write(self._card, self._calls, code, values)
 
     def explain_mismatch(self, peer: int) -> Optional[str]:
@@ -226,7 +232,9 @@ class Runtime:
             TypeError: not a ``kind``. ValueError: made by another Buffer.
         """
         if not isinstance(handle, kind):
-            raise TypeError(f"handle must be the handle {made_by} of triton_ep returned, got {type(handle).__name__}")
+            what = ("the handle of a dispatch across hosts (this Buffer's ranks are on one host)"
+                    if type(handle).__name__ == "InternodeHandle" else type(handle).__name__)
+            raise TypeError(f"handle must be the handle {made_by} of triton_ep returned, got {what}")
         if handle.buffer_uid != self.uid:
             raise ValueError(f"handle was made by another Buffer; pass the handle this Buffer's {made_by} returned")
         return handle

@@ -165,3 +165,18 @@ def test_a_rank_killed_mid_dispatch_on_the_other_host():
         assert kind2 is not None and dt2 < 1.0, (r, kind2, dt2)
     assert "rank 3 on host 1" in out[1][1] or "peer 3" in out[1][1], out[1][1]
     assert "global ranks [2, 3]" in out[2][1] or "rank 3" in out[2][1], out[2][1]
+
+
+def test_a_rank_that_rejects_its_arguments_keeps_its_host_in_step():
+    """Rank 3 (host 1) alone passes bad arguments to a dispatch, a combine and a cached dispatch: it raises
+    its own error each time, every other rank EPRemoteError; it still takes its host's forwarding-leg call
+    (failing at the argument check), so each host's ranks stay at the same call: a later disagreement on
+    host 1 (rank 3 combines another hidden size) names the field and both values as one call's (no "it is
+    at call" note), and the next correct dispatch + combine works on every rank."""
+    out = _values(run_ranks(cases.in_step, 4, _env(2), timeout_s=240))
+    for r, o in enumerate(out):
+        want = "ValueError" if r == 3 else "EPRemoteError"
+        assert o[:3] == [want] * 3, (r, o)
+        assert o[-1] is True, (r, o)
+    for r in (2, 3):
+        assert out[r][3] == "ValueError" and "hidden" in out[r][4] and "it is at call" not in out[r][4], out[r]
