@@ -327,7 +327,8 @@ def killed(rank, world, env):
 def in_step(rank, world, env):
     """2 hosts of 2 ranks; rank 3 alone passes bad arguments to a dispatch, a combine and a cached dispatch
     (each fails on every rank), then a combine of another hidden size. Returns each call's error type, the
-    last one's message, and whether a correct dispatch + combine works afterwards."""
+    last one's message, the bad combine's message, and whether a correct dispatch + combine works
+    afterwards."""
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
     try:
@@ -340,7 +341,7 @@ def in_step(rank, world, env):
                   num_tokens_per_expert=pe, topk_idx=idx)
         bad = rank == 3
         out = []
-        msg = ""
+        msg = combine_msg = ""
         for call in ("dispatch", "combine", "cached", "hidden"):
             try:
                 if call == "dispatch":
@@ -357,9 +358,11 @@ def in_step(rank, world, env):
             except Exception as ex:   # noqa: BLE001
                 out.append(type(ex).__name__)
                 msg = str(ex)
+                if call == "combine":
+                    combine_msg = str(ex)
         rx, _, _, _, h, _ = buf.dispatch(x, **kw)
         y, _, _ = buf.combine(rx, h)
         expect = (x.float() * ir.sum(1, keepdim=True).float()).to(torch.bfloat16)
-        return out + [msg, bool(torch.equal(y, expect))]
+        return out + [msg, combine_msg, bool(torch.equal(y, expect))]
     finally:
         buf.destroy()

@@ -395,8 +395,12 @@ class Internode:
             raise
 
     def _annotate(self, ex: EPError) -> None:
-        """Add to an error of this host's intranode runtime which global ranks its local numbers are."""
+        """Add to an error of this host's intranode runtime which global ranks its local numbers are (and,
+        for a failure word, which global rank posted it: ``ex.culprit``, passed on in the status header)."""
         ranks = list(self.hosts.ranks(self.host))
+        failed = getattr(ex, "failed_rank", None)
+        if failed is not None and 0 <= failed < len(ranks) and not hasattr(ex, "culprit"):
+            ex.culprit = ranks[failed]
         if ex.args and isinstance(ex.args[0], str):
             ex.args = (f"{ex.args[0]} [internode: in the forwarding leg of host {self.host}, ranks are numbered "
                        f"within the host: 0..{len(ranks) - 1} are global ranks {ranks}; this is global rank "
@@ -441,26 +445,34 @@ class Internode:
         key = (0,) * 6 if streams is None else \
             streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
         code = 0 if err is None else (2 if isinstance(err, EPCapacityError) else 1)
-        head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), *key],
+        # the rank whose own error started a failure (-1: unknown, e.g. heard in a host's forwarding leg)
+        culprit = -1 if err is None else getattr(err, "culprit", -1 if isinstance(err, EPError) else self.rt.rank)
+        head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), culprit, *key],
                             np.int64).view(np.uint8) for h in peers}
-        got = sched_mod.host_alltoall(self.sched, head, {h: 64 for h in peers})
+        got = sched_mod.host_alltoall(self.sched, head, {h: 72 for h in peers})
         words = {h: got[h].view(np.int64) for h in peers}
         if err is not None:
             return [0] * self.num_hosts
         for h in peers:
             if words[h][0]:
-                who = f"rank {self._peer_rank(h)} (host {h})"
+                peer, first = self._peer_rank(h), int(words[h][2])
+                who = f"rank {peer} (host {h})"
+                if first >= 0 and first != peer:
+                    who = f"rank {first} (host {self.hosts.host_of[first]}; rank {peer} on host {h} passed it on)"
                 if words[h][0] == 2:
-                    raise EPCapacityError(f"rank {self.rt.rank}: {who} found more rows than num_worst_tokens on its "
-                                          f"host; no rank returns from this dispatch")
-                raise EPRemoteError(f"rank {self.rt.rank}: {who} failed this call (its own error names why); "
-                                    f"this rank stopped too")
+                    ex = EPCapacityError(f"rank {self.rt.rank}: {who} found more rows than num_worst_tokens on its "
+                                         f"host; no rank returns from this dispatch")
+                else:
+                    ex = EPRemoteError(f"rank {self.rt.rank}: {who} failed this call (its own error names why); "
+                                       f"this rank stopped too")
+                ex.culprit = first if first >= 0 else peer
+                raise ex
         for h in peers:
-            if streams is not None and tuple(int(w) for w in words[h][2:]) != key:
+            if streams is not None and tuple(int(w) for w in words[h][3:]) != key:
                 raise ValueError(
                     f"rank {self.rt.rank}: rank {self._peer_rank(h)} on host {h} sends records of another layout "
                     f"(row bytes, scale bytes, top-k, weights, ranks per host, experts without top-k: "
-                    f"{tuple(int(w) for w in words[h][2:])} there, {key} here): the ranks called with different "
+                    f"{tuple(int(w) for w in words[h][3:])} there, {key} here): the ranks called with different "
                     f"arguments")
         counts = [0] * self.num_hosts
         for h in peers:

@@ -193,8 +193,10 @@ class Signals:
                             f"(their calls no longer pair up)")
             return ValueError(f"ranks disagree at '{stage}': {what}; all ranks must agree (the same call with the "
                               f"same sizes, dtypes and handle); nothing was moved")
-        return EPRemoteError(f"rank {me}: rank {peer} failed the call at '{stage}' (rank {peer} raised the "
-                             f"details); this call's outputs here are not valid")
+        ex = EPRemoteError(f"rank {me}: rank {peer} failed the call at '{stage}' (rank {peer} raised the "
+                           f"details); this call's outputs here are not valid")
+        ex.failed_rank = peer           # the rank (of this group) whose failure word ended the wait
+        return ex
 
     def permanent(self) -> bool:
         """Whether the record is a timeout (ours or a peer's): the group cannot go on."""

@@ -172,7 +172,8 @@ def test_a_rank_that_rejects_its_arguments_keeps_its_host_in_step():
     its own error each time, every other rank EPRemoteError; it still takes its host's forwarding-leg call
     (failing at the argument check), so each host's ranks stay at the same call: a later disagreement on
     host 1 (rank 3 combines another hidden size) names the field and both values as one call's (no "it is
-    at call" note), and the next correct dispatch + combine works on every rank."""
+    at call" note), and the next correct dispatch + combine works on every rank. The ranks of host 0 name
+    rank 3 for the bad combine: rank 1 as its RDMA peer, rank 0 through rank 2, which passed it on."""
     out = _values(run_ranks(cases.in_step, 4, _env(2), timeout_s=240))
     for r, o in enumerate(out):
         want = "ValueError" if r == 3 else "EPRemoteError"
@@ -180,3 +181,5 @@ def test_a_rank_that_rejects_its_arguments_keeps_its_host_in_step():
         assert o[-1] is True, (r, o)
     for r in (2, 3):
         assert out[r][3] == "ValueError" and "hidden" in out[r][4] and "it is at call" not in out[r][4], out[r]
+    assert "rank 3 (host 1) failed this call" in out[1][5], out[1][5]
+    assert "rank 3 (host 1; rank 2 on host 1 passed it on)" in out[0][5], out[0][5]
