@@ -157,8 +157,10 @@ def test_host_cost_out(tmp_path, results_untouched):
 
 def test_bench_internode_out(tmp_path, results_untouched):
     """The internode network-leg benchmark: every exchange byte-exact, the full QP plan over both ports beats
-    one QP per peer in the fabric model, and the JSON says what its figures are."""
-    run_bench("bench_internode.py", "--tokens", "256", "--out", str(tmp_path / "i"))
+    one QP per peer in the fabric model, and the JSON says what its figures are; the inside-internode runs
+    (tiny: 8 tokens, one call) report the proxy's figures from both ranks."""
+    run_bench("bench_internode.py", "--tokens", "256", "--inside-tokens", "8", "--calls", "1",
+              "--out", str(tmp_path / "i"))
     with open(tmp_path / "i" / "internode.json") as f:
         res = json.load(f)
     assert "virtual time" in res["note"] and len(res["results"]) == 4
@@ -166,3 +168,5 @@ def test_bench_internode_out(tmp_path, results_untouched):
     full = [r["model_GBps"] for r in res["results"] if r["qps"] == 8]
     one = [r["model_GBps"] for r in res["results"] if r["qps"] == 1]
     assert min(full) > max(one), res["results"]
+    inside = res["inside"]["per_rank"]
+    assert len(inside) == 2 and all(r["chunks_per_call"] > 0 and r["proxy_us_per_chunk"] > 0 for r in inside), inside
