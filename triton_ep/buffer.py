@@ -356,7 +356,11 @@ class Buffer:
             sweeps that moved something: its host cost), ``network_s`` (seconds this rank's calls spent in the
             network leg, waits included) and ``exchanges``.
             Bytes count payload written by this rank's proxy (not signals). On one host: zeros and empty dicts.
+
+        Raises:
+            EPError: the Buffer was destroyed.
         """
+        self._rt.live()
         return self._internode.stats() if self._internode is not None else traffic_stats()
 
     # ------------------------------------------------------------------ lifetime

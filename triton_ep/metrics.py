@@ -64,12 +64,6 @@ def _prometheus_core():
     return core
 
 
-def _destroyed(buffer) -> bool:
-    """Whether ``buffer`` was destroyed (its runtime released its shared buffers: ``Runtime.comm`` is None)."""
-    rt = getattr(buffer, "_rt", None)
-    return rt is not None and rt.comm is None
-
-
 class PrometheusExporter:
     """A prometheus_client collector of one Buffer's ``get_rdma_stats()``: register it into a registry
     (``registry.register(exporter)``), or use :func:`start_prometheus_exporter`.
@@ -124,10 +118,10 @@ class PrometheusExporter:
         """This scrape's metric families, from one fresh ``get_rdma_stats()`` (see docs/metrics.md)."""
         buffer = self._buffer()
         stats = None
-        if buffer is not None and not _destroyed(buffer):
+        if buffer is not None:
             try:
                 stats = buffer.get_rdma_stats()
-            except EPError:          # destroyed meanwhile
+            except EPError:          # destroyed
                 pass
         return self._families(stats)
 

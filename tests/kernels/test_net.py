@@ -22,10 +22,8 @@ def _sources(T, row, sc, K, weights, R, per_host, seed, src_rank=3):
     num_hosts = R // per_host if per_host else 1
     cols = torch.randperm(R, generator=g)[:num_hosts * max(per_host, 1)].view(num_hosts, -1).to(torch.int32)
     rec = NetRecord(row, sc, K, K if weights else 0, per_host)
-    wo = {f: rec.span(f)[0] // 4 for f in ("row", "scales", "ids", "weights", "local")}
-    src = net.Sources(x, scw, ids.view(torch.int32), w.view(torch.int32), in_rank.view(torch.uint8), R, cols,
-                      src_rank, row // 4, sc // 4, 2 * K, K if weights else 0, per_host, wo["row"], wo["scales"],
-                      wo["ids"], wo["weights"], wo["local"], rec.nbytes // 4)
+    src = net.Sources.of(rec, x, scw, ids.view(torch.int32), w.view(torch.int32), in_rank.view(torch.uint8), R, cols,
+                         src_rank)
     return src, rec, (x, scw, ids, w, in_rank, cols)
 
 

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from . import flags as F
 from ._util import interpreted
+from ..protocol.records import NetRecord
 
 
 class Sources(NamedTuple):
@@ -58,14 +59,19 @@ class Sources(NamedTuple):
     off_loc: int
     rec_w: int
 
-    def args(self):
-        return (self.x32, self.sc32, self.id32, self.wt32, self.loc8, self.loc_stride, self.cols, self.src_rank,
-                self.row_w, self.sc_w, self.id_w, self.wt_w, self.per_host, self.off_row, self.off_sc, self.off_id,
-                self.off_wt, self.off_loc, self.rec_w)
+    @classmethod
+    def of(cls, rec: NetRecord, x32: torch.Tensor, sc32: torch.Tensor, id32: torch.Tensor, wt32: torch.Tensor,
+           loc8: torch.Tensor, loc_stride: int, cols: torch.Tensor, src_rank: int) -> "Sources":
+        """The sources of records laid out as ``rec``: field widths and word offsets from the record layout
+        (the one place they are computed), the tensors as given (the kernels' arguments, in this order)."""
+        off = {f: rec.span(f)[0] // 4 for f in ("row", "scales", "ids", "weights", "local")}
+        return cls(x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, rec.row // 4, rec.scales // 4, 2 * rec.ids,
+                   rec.weights, rec.local, off["row"], off["scales"], off["ids"], off["weights"], off["local"],
+                   rec.nbytes // 4)
 
 
-_SRC_NAMES = ["loc_stride", "src_rank", "row_w", "sc_w", "id_w", "wt_w", "per_host", "off_row", "off_sc", "off_id",
-              "off_wt", "off_loc", "rec_w"]
+#: the integer fields of :class:`Sources` (the kernels do not specialise on them)
+_SRC_NAMES = [f for f in Sources._fields if Sources.__annotations__[f] is int]
 
 
 @triton.jit
@@ -128,6 +134,14 @@ def _publish(ctrl, array, h, k, R: tl.constexpr, USE_CLOCK: tl.constexpr):
     F.release(ctrl + F.ring_word(array, R, h), k + 1)
 
 
+@triton.jit
+def _slot(ring, h, k, c, nw, S, SW):
+    """Chunk ``c`` (the scheduler's chunk ``k``) of peer ``h``'s stream of ``nw`` words: its slot in
+    ``ring``, its first stream word and its words."""
+    w0 = (tl.full([], 0, tl.int64) + c) * SW
+    return ring + (h * S + k % S) * SW, w0, tl.minimum(nw - w0, SW)
+
+
 @triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns'] + _SRC_NAMES)
 def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, c_lo, c_hi, me_host, S, SW, timeout_ns,
                x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w, wt_w, per_host,
@@ -143,9 +157,7 @@ def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, c_lo, c_hi, me
                 k = seq0 + c
                 bad = _claim(ctrl, F.RING_SENT, k + 1 - S, h, F.STAGE_RING_PRODUCE, k, timeout_ns, R, USE_CLOCK)
                 if bad == 0:
-                    base = send + (h * S + k % S) * SW
-                    w0 = (tl.full([], 0, tl.int64) + c) * SW
-                    n = tl.minimum(nw - w0, SW)
+                    base, w0, n = _slot(send, h, k, c, nw, S, SW)
                     for o in range(0, n, BLOCK):
                         idx = o + offs
                         valid = idx < n
@@ -169,9 +181,7 @@ def _unpack_ring(ctrl, recv, out, out_start, n_words, first_seq, c_lo, c_hi, me_
                 k = seq0 + c
                 bad = _claim(ctrl, F.RING_TAIL, k + 1, h, F.STAGE_RING_CONSUME, k, timeout_ns, R, USE_CLOCK)
                 if bad == 0:
-                    base = recv + (h * S + k % S) * SW
-                    w0 = (tl.full([], 0, tl.int64) + c) * SW
-                    n = tl.minimum(nw - w0, SW)
+                    base, w0, n = _slot(recv, h, k, c, nw, S, SW)
                     for o in range(0, n, BLOCK):
                         idx = o + offs
                         valid = idx < n
@@ -211,7 +221,7 @@ def pack_ring(ctrl: torch.Tensor, send: torch.Tensor, src: Sources, tokens: torc
     Errors end in the ring error record, never in a hang.
     """
     _pack_ring[(num_hosts,)](ctrl, send, tokens, tok_start, n_words, first_seq, c_lo, c_hi, me_host, slots,
-                             slot_bytes // 4, int(timeout_s * 1e9), *src.args(), R=num_hosts, BLOCK=_block(),
+                             slot_bytes // 4, int(timeout_s * 1e9), *src, R=num_hosts, BLOCK=_block(),
                              USE_CLOCK=not interpreted(), num_warps=4)
 
 
@@ -233,7 +243,7 @@ def pack_linear(out: torch.Tensor, src: Sources, tokens: torch.Tensor, host: int
     if nw == 0:
         return
     blk = _block()
-    _pack_linear[(triton.cdiv(nw, blk),)](out, tokens, nw, host, *src.args(), BLOCK=blk, num_warps=4)
+    _pack_linear[(triton.cdiv(nw, blk),)](out, tokens, nw, host, *src, BLOCK=blk, num_warps=4)
 
 
 def reference_stream(src: Sources, tokens: torch.Tensor, host: int) -> torch.Tensor:

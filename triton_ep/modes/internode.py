@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 import uuid
@@ -100,8 +101,7 @@ def _words(t: Optional[Tensor], n: int, dev) -> Tensor:
     """``t`` (``[n, ...]``, contiguous) as int32 ``[n, words]``; a one-word dummy for ``None``."""
     if t is None:
         return torch.zeros(1, dtype=torch.int32, device=dev)
-    row_bytes = t.element_size() * (int(np.prod(t.shape[1:])) if t.dim() > 1 else 1)
-    return t.contiguous().view(torch.uint8).view(n, row_bytes).view(torch.int32)
+    return t.contiguous().view(torch.uint8).view(n, t.element_size() * math.prod(t.shape[1:])).view(torch.int32)
 
 
 @dataclasses.dataclass
@@ -207,13 +207,13 @@ class Internode:
         self.num_hosts, self.per_host = hosts.num_hosts, hosts.ranks_per_host
         #: the other hosts: each holds one RDMA peer of this rank
         self.peer_hosts = [h for h in range(self.num_hosts) if h != self.host]
-        order = hosts.rank_order
-        self._order = None if order == tuple(range(rt.group_size)) else torch.tensor(order, device=rt.device)
         self.local_rt: Optional[Runtime] = None
         self.sched = self.transport = self._ring_mem = None
         #: int32 [num_hosts, per_host]: the global rank (is_token_in_rank column) of each host's local ranks
         self._cols = torch.tensor([list(hosts.ranks(h)) for h in range(self.num_hosts)], dtype=torch.int32,
                                   device=rt.device)
+        #: the same, flat (``hosts.rank_order``): the columns of is_token_in_rank host by host; None: in order
+        self._order = None if hosts.rank_order == tuple(range(rt.group_size)) else self._cols.view(-1)
         self._seq = 0
         #: seconds this rank's calls spent in the network leg (packing, waiting, unpacking), and its exchanges
         self.network_s, self.exchanges = 0.0, 0
@@ -290,14 +290,15 @@ class Internode:
     def _live(self) -> None:
         """Raise at once where an earlier call failed: the Buffer destroyed (``EPError``), a kernel's
         recorded error, or the RDMA proxy's (sticky: every later call raises it, with global ranks)."""
-        self.rt.live()
-        self.rt.check()
         if self.sched is None:
             raise EPError(f"rank {self.rt.rank}: this Buffer was destroyed")
         try:
-            if self.local_rt.live().broken:     # this host's forwarding leg failed for good earlier
-                self.local_rt.check()
+            self.rt.check()         # this host's runtime: also raises where its forwarding leg failed for good
         except EPError as ex:
+            if self.local_rt.comm is not None and self.local_rt.comm.broken and self.sched.error is None:
+                # the network's twin of _leave_host: the RDMA peers hear it from the fault word and raise at once
+                self.sched.fail(EPRemoteError(f"rank {self.rt.rank}: the forwarding leg of host {self.host} failed "
+                                              f"for good ({self.local_rt.comm.broken})"))
             self._annotate(ex)
             raise
         try:
@@ -582,11 +583,8 @@ class Internode:
         dev = self.rt.device
         loc = torch.zeros(1, dtype=torch.uint8, device=dev) if in_rank is None else \
             in_rank.contiguous().view(torch.uint8)
-        wo = {f: rec.span(f)[0] // 4 for f in ("row", "scales", "ids", "weights", "local")}
-        return net.Sources(_words(x, n, dev), _words(sc, n, dev), _words(ids, n, dev), _words(w, n, dev), loc,
-                           0 if in_rank is None else in_rank.shape[1], self._cols, self.rt.rank, rec.row // 4,
-                           rec.scales // 4, 2 * rec.ids, rec.weights, rec.local, wo["row"], wo["scales"], wo["ids"],
-                           wo["weights"], wo["local"], rec.nbytes // 4)
+        return net.Sources.of(rec, _words(x, n, dev), _words(sc, n, dev), _words(ids, n, dev), _words(w, n, dev), loc,
+                              0 if in_rank is None else in_rank.shape[1], self._cols, self.rt.rank)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, intranode: Intranode, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -630,7 +628,7 @@ class Internode:
             xv, sc = intranode.check_x(x)
             plan = self._check_handle(handle)
             check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
-            rec = NetRecord(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, 0, 0, 0)
+            rec = self._record(xv, sc)
             streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc), plan.to_host)
             return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=plan, local_started=False)
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
@@ -656,13 +654,18 @@ class Internode:
                              f"{'topk_idx' if idx is not None else 'is_token_in_rank'}); pass what "
                              f"get_dispatch_layout returned")
         to_host = [torch.nonzero(host_mask[:, h], as_tuple=True)[0] for h in range(self.num_hosts)]
-        rec = NetRecord(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, K,
-                        0 if w is None else K, self.per_host)
+        rec = self._record(xv, sc, K, 0 if w is None else K, self.per_host)
         streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc, None if idx is None else idx.long(), w,
                                               in_rank), to_host,
                            None if idx is not None else a.num_tokens_per_expert)
         return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=None, idx=idx, E=E, in_rank=in_rank,
                                to_host=to_host, local_started=False)
+
+    @staticmethod
+    def _record(xv: Tensor, sc: Optional[Tensor], ids: int = 0, weights: int = 0, local: int = 0) -> NetRecord:
+        """The record layout of a dispatch of rows ``xv`` with scales ``sc`` (fp32 / int32 ``[T, S]`` or
+        ``None``); a cached dispatch carries no ids, weights or is_token_in_rank bytes."""
+        return NetRecord(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, ids, weights, local)
 
     def _forward(self, prep: SimpleNamespace, fwd: Tensor, counts: List[int], npe_f: Optional[Tensor],
                  expert_alignment: int, num_worst_tokens: int) -> tuple:
@@ -689,9 +692,7 @@ class Internode:
             base = self.host * self.per_host * El
             ids_local = torch.where((ids_f >= base) & (ids_f < base + self.per_host * El), ids_f - base, -1)
             ids_local = ids_local.to(idx.dtype).to(dev)
-            npe_f = torch.zeros(self.per_host * El, dtype=torch.int32, device=dev)
-            valid = ids_local[ids_local >= 0].long()
-            npe_f.index_add_(0, valid, torch.ones_like(valid, dtype=torch.int32))
+            npe_f = torch.bincount(ids_local[ids_local >= 0].long(), minlength=self.per_host * El).to(torch.int32)
         per_rank_f = in_f.sum(0, dtype=torch.int32)
         prep.local_started = True
         out = self._local_run(self.local.dispatch_steps(
