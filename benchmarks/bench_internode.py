@@ -19,12 +19,14 @@ as two hosts of one rank on the emulated fabric without the rate model, ``Buffer
 ``Buffer.combine`` called ``--calls`` times after one warm-up call (the record kernels under Triton's
 interpreter on CPU tensors, or on the GPU where there is one), and from ``Buffer.get_rdma_stats()`` the
 proxy's busy seconds per chunk and per MiB, the chunks and work requests per call, and the network leg's
-seconds per call (kernels, proxy and waits: on a CPU the interpreter's kernels dominate it).
+seconds per call (kernels, proxy and waits: on a CPU the interpreter's kernels dominate it). With ``--worst``
+the same again with ``num_worst_tokens`` (on a GPU the capture path: no host exchange per call), and on a GPU
+one CUDA-graph replay of that dispatch + combine (wall time, two processes sharing the GPU: functional).
 
 What this does not time: the forwarding leg over IPC on its own, and anything on a NIC.
 
     ./run.sh python benchmarks/bench_internode.py [--tokens 4096] [--qps 8] [--chunk-kib 1024]
-        [--inside-tokens 512] [--calls 3] [--out DIR]
+        [--inside-tokens 512] [--calls 3] [--worst] [--out DIR]
 
 A few minutes on two CPU cores at the defaults. Output: internode.json and two tables.
 """
@@ -62,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--inside-tokens", type=int, default=512,
                    help="tokens per rank of the inside-internode runs (0: skip them; default 512)")
     p.add_argument("--calls", type=int, default=3, help="timed dispatch + combine calls inside internode (default 3)")
+    p.add_argument("--worst", action="store_true",
+                   help="also time num_worst_tokens dispatch + combine (on a GPU: the capture path, and one CUDA-graph "
+                        "replay of them)")
     add_out_arg(p, "internode.json")
     a = p.parse_args(argv)
     if a.inside_tokens < 0:
@@ -110,9 +115,10 @@ def run(a, qps: int, phase: str, vol: dict) -> dict:
             "proxy_us_per_chunk": busy / max(chunks, 1) * 1e6}
 
 
-def inside_rank(rank, world, a) -> dict:
-    """One rank of the inside-internode runs: dispatch + combine ``a.calls`` times after a warm-up; the
-    traffic counters' growth over the timed calls."""
+def inside_rank(rank, world, a, worst: int = 0) -> dict:
+    """One rank of the inside-internode runs: dispatch + combine ``a.calls`` times after a warm-up (with
+    ``worst``: ``num_worst_tokens=worst``, on a GPU the capture path, then also captured in a CUDA graph and
+    replayed ``a.calls`` times); the traffic counters' growth over the timed calls."""
     import time
     os.environ.update({"TRITON_EP_RANKS_PER_HOST": "1", "TRITON_EP_RDMA": "emulated",
                        "TRITON_EP_RDMA_QPS_PER_PEER": str(a.qps), "TRITON_EP_RDMA_SLOTS": str(a.slots),
@@ -132,24 +138,44 @@ def inside_rank(rank, world, a) -> dict:
         def call():
             rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
                                                    is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-                                                   topk_idx=idx, topk_weights=w)
-            buf.combine(rx, handle, topk_weights=rw)
+                                                   topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
+            return buf.combine(rx, handle, topk_weights=rw)[0]
+
+        def sync():
+            if dev == "cuda":
+                torch.cuda.synchronize()
 
         call()
+        sync()
         s0, t0 = buf.get_rdma_stats(), time.perf_counter()
         for _ in range(a.calls):
             call()
+        sync()
         wall, s1 = time.perf_counter() - t0, buf.get_rdma_stats()
-        return {k: s1[k] - s0[k] for k in ("chunks", "wrs", "proxy_busy_s", "network_s")} | {
+        out = {k: s1[k] - s0[k] for k in ("chunks", "wrs", "proxy_busy_s", "network_s", "host_exchanges")} | {
             "wall_s": wall, "bytes": sum(s1["ports"].values()) - sum(s0["ports"].values()), "device": dev}
+        if worst and dev == "cuda":
+            import torch.distributed as dist
+            graph = torch.cuda.CUDAGraph()
+            dist.barrier()
+            with torch.cuda.graph(graph):
+                call()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(a.calls):
+                graph.replay()
+            sync()
+            out["graph_replay_ms"] = (time.perf_counter() - t0) / a.calls * 1e3
+            dist.barrier()
+        return out
     finally:
         buf.destroy()
 
 
-def inside(a) -> dict:
+def inside(a, worst: int = 0) -> dict:
     """The inside-internode runs (two processes); rank 0's and rank 1's figures per call."""
     from triton_ep.testing import RankFailure, run_ranks
-    out = run_ranks(inside_rank, 2, a, timeout_s=3600)
+    out = run_ranks(inside_rank, 2, a, worst, timeout_s=3600)
     bad = [o for o in out if isinstance(o, RankFailure)]
     if bad:
         raise RuntimeError("; ".join(map(str, bad)))
@@ -161,8 +187,11 @@ def inside(a) -> dict:
                          "proxy_us_per_chunk": o["proxy_busy_s"] / max(o["chunks"], 1) * 1e6,
                          "proxy_us_per_MiB": o["proxy_busy_s"] / max(o["bytes"] / 2 ** 20, 1e-9) * 1e6,
                          "proxy_ms_per_call": o["proxy_busy_s"] / n * 1e3,
-                         "network_ms_per_call": o["network_s"] / n * 1e3, "wall_ms_per_call": o["wall_s"] / n * 1e3})
-    return {"tokens": a.inside_tokens, "calls": a.calls, "chunk_bytes": a.chunk_kib << 10, "per_rank": per_rank}
+                         "network_ms_per_call": o["network_s"] / n * 1e3, "wall_ms_per_call": o["wall_s"] / n * 1e3,
+                         "host_exchanges_per_call": o["host_exchanges"] / n,
+                         "graph_replay_ms": o.get("graph_replay_ms")})
+    return {"tokens": a.inside_tokens, "calls": a.calls, "chunk_bytes": a.chunk_kib << 10, "num_worst_tokens": worst,
+            "per_rank": per_rank}
 
 
 def main(argv=None):
@@ -184,13 +213,22 @@ def main(argv=None):
     if a.inside_tokens:
         say(f"[bench_internode] inside internode dispatch + combine: {a.inside_tokens} tokens per rank, {a.calls} "
             f"calls after a warm-up, 2 processes as 2 hosts (emulated fabric, no rate model)")
-        doc["inside"] = ins = inside(a)
-        print_table(["rank", "device", "chunks/call", "WRs/call", "MiB/call", "proxy us/chunk", "proxy us/MiB",
-                     "proxy ms/call", "network ms/call", "wall ms/call"],
-                    [[r["rank"], r["device"], f"{r['chunks_per_call']:.1f}", f"{r['wrs_per_call']:.1f}",
+        doc["inside"] = inside(a)
+        runs = [("plain", doc["inside"])]
+        if a.worst:
+            doc["inside_worst"] = inside(a, 2 * a.inside_tokens)
+            runs.append(("num_worst_tokens", doc["inside_worst"]))
+        say("[bench_internode] num_worst_tokens: on a GPU the capture path (no host exchange; 'graph ms' is one "
+            "CUDA-graph replay of dispatch + combine); on a CPU the host path. Two processes share one GPU: "
+            "functional timings, not speed")
+        print_table(["call", "rank", "device", "chunks/call", "WRs/call", "MiB/call", "proxy us/chunk", "proxy us/MiB",
+                     "proxy ms/call", "network ms/call", "wall ms/call", "host exch/call", "graph ms"],
+                    [[name, r["rank"], r["device"], f"{r['chunks_per_call']:.1f}", f"{r['wrs_per_call']:.1f}",
                       f"{r['MiB_per_call']:.2f}", f"{r['proxy_us_per_chunk']:.1f}", f"{r['proxy_us_per_MiB']:.1f}",
-                      f"{r['proxy_ms_per_call']:.2f}", f"{r['network_ms_per_call']:.1f}", f"{r['wall_ms_per_call']:.1f}"]
-                     for r in ins["per_rank"]])
+                      f"{r['proxy_ms_per_call']:.2f}", f"{r['network_ms_per_call']:.1f}", f"{r['wall_ms_per_call']:.1f}",
+                      f"{r['host_exchanges_per_call']:.1f}",
+                      "-" if r["graph_replay_ms"] is None else f"{r['graph_replay_ms']:.2f}"]
+                     for name, ins in runs for r in ins["per_rank"]])
     path = os.path.join(a.out, "internode.json")
     write_json(path, doc)
 

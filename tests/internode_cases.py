@@ -366,3 +366,126 @@ def in_step(rank, world, env):
         return out + [msg, combine_msg, bool(torch.equal(y, expect))]
     finally:
         buf.destroy()
+
+
+def capture_sequence(rank, world, env, seed, E, K, H, Ts):
+    """The capture path (``TRITON_EP_INTERNODE_CAPTURE_PATH=1``) on one Buffer, each case checked against the
+    reference (:func:`check_case`): num_worst_tokens with weights and biases, then without topk_idx, then a
+    plain dispatch on the host path (its chunk numbers re-read from the ring counters the capture path
+    advanced), then the capture path again. Returns what each case checked."""
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    n = int(env["TRITON_EP_RANKS_PER_HOST"])
+    worst = sum(Ts) * K + 3
+    try:
+        out = []
+        for i, opts in enumerate(({"worst": worst, "bias": True}, {"worst": worst, "no_topk": True}, {"bias": True},
+                                  {"worst": worst, "skew": True})):
+            out.append(check_case(buf, rank, world, n, seed + i, E, K, H, Ts, opts))
+        out.append(buf.get_rdma_stats()["host_exchanges"])
+        return out
+    finally:
+        buf.destroy()
+
+
+def capture_errors(rank, world, env, kind):
+    """2 hosts of 2 ranks on the capture path. ``kind`` "bad_ids": rank 3 passes an id past the experts;
+    "capacity": every token goes to host 0 and num_worst_tokens is too small there; "bad_shape": rank 3
+    passes int64 topk_weights (a host-side check). The call returns (bad values are found on the device);
+    ``Buffer.check()`` then raises on the ranks that recorded it, and every rank's next call raises at once.
+    Returns the first call's, the check's and the next call's errors ([type, message] or None) and the calls'
+    seconds."""
+    import time
+    import torch.distributed as dist
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
+    try:
+        T, H, E = 6, 64, 8
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        idx = torch.tensor([[0, 2]]).repeat(T, 1) if kind == "capacity" else torch.randint(0, E, (T, 2), generator=g)
+        w = torch.rand(T, 2, generator=g)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        if kind == "bad_ids" and rank == 3:
+            idx = idx.clone()
+            idx[0, 0] = E + 5
+        if kind == "bad_shape" and rank == 3:
+            w = w.double()
+        kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        worst = 4 if kind == "capacity" else 64
+        first = None
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(x, num_worst_tokens=worst, **kw)
+        except Exception as ex:   # noqa: BLE001
+            first = [type(ex).__name__, str(ex)]
+        first_s = time.monotonic() - t0
+        dist.barrier()
+        checked = None
+        try:
+            buf.check()
+        except Exception as ex:   # noqa: BLE001
+            checked = [type(ex).__name__, str(ex)]
+        dist.barrier()
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(x, num_worst_tokens=64, **kw)
+            nxt = None
+        except Exception as ex:   # noqa: BLE001
+            nxt = [type(ex).__name__, str(ex)]
+        return {"first": first, "first_s": first_s, "checked": checked, "next": nxt, "next_s": time.monotonic() - t0}
+    finally:
+        buf.destroy()
+
+
+def graph_across_hosts(rank, world, env, seed):
+    """Layout, a num_worst_tokens dispatch, an expert stand-in and combine across hosts captured in one CUDA
+    graph (no host synchronisation inside: sync debug mode 'error'), replayed with new x and new routing
+    written into the captured inputs (random, every token to rank 0's experts, mostly -1): each replay
+    bit for bit the reference (combine: the two-level order), padding rows zero / -1. Returns the replays."""
+    from triton_ep import reference as ref
+    from mp_cases import capture, check_replayed_dispatch, graph_inputs
+    import torch.distributed as dist
+    os.environ.update(env)
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    n = int(env["TRITON_EP_RANKS_PER_HOST"])
+    E, H, K, T = 4 * world, 512, 4, 24
+    worst = T * world
+    buf = triton_ep.Buffer(None, 1 << 20, device=dev, timeout_s=60)
+    try:
+        cases, x_in, idx_in, w_in, load = graph_inputs(rank, world, seed, E, K, H, T, dev)
+
+        def step():
+            per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_in, E)
+            recv_x, recv_idx, recv_w, lst, h, _ = buf.dispatch(
+                x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=idx_in, topk_weights=w_in, num_worst_tokens=worst)
+            y = (recv_x.float() * 3 - 1).to(torch.bfloat16)
+            return recv_x, recv_idx, recv_w, lst, h, buf.combine(y, h, topk_weights=recv_w)
+
+        load(0)
+        g, (recv_x, recv_idx, recv_w, lst, h, comb) = capture(step, dist.barrier)
+        assert lst == []
+        replays = 0
+        for c in [0, 1, 2, 0]:
+            load(c)
+            dist.barrier()
+            g.replay()
+            torch.cuda.synchronize()
+            buf.check()
+            exp = check_replayed_dispatch(rank, E, cases[c], recv_x, recv_idx, recv_w, c)
+            e = exp[rank]
+            N = e["recv_x"].shape[0]
+            assert torch.equal(h[6].cpu(), e["rank_prefix_matrix"][:, rank]), c
+            assert torch.equal(h[7][:N, 1].cpu(), e["recv_src_idx"]), c
+            ys = [(d["recv_x"].float() * 3 - 1).to(torch.bfloat16) for d in exp]
+            want = ref.combine(ys, exp, [T] * world, [d["recv_topk_weights"] for d in exp], ranks_per_host=n)[rank]
+            assert torch.equal(comb[0].cpu().view(torch.int16), want[0].view(torch.int16)), c
+            assert torch.equal(comb[1].cpu(), want[1]), c
+            replays += 1
+        dist.barrier()
+        return {"replays": replays}
+    finally:
+        buf.destroy()

@@ -522,19 +522,13 @@ def async_overlap(rank, world, delay_s=2.0):
     return out
 
 
-def graph_full(rank, world, timeout_s=30.0):
-    """Layout, dispatch with num_worst_tokens, an expert stand-in and combine captured in one CUDA graph
-    (no host synchronisation inside: sync debug mode 'error'), replayed with new x and new routing written
-    into the captured inputs -- random, then every token to rank 0's experts (no row for the others),
-    then mostly -1: each replay bit for bit the reference, padding rows zero / -1."""
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dev = torch.device("cuda", torch.cuda.current_device())
-    E, H, K, T = 4 * world, 256, 4, 48
-    worst = T * world                                 # room for every token of every rank
-    buf = triton_ep.Buffer(None, 1 << 16, device=dev, timeout_s=timeout_s)   # small: several rounds
+def graph_inputs(rank, world, seed, E, K, H, T, dev):
+    """Inputs for replays of a captured graph: three cases of every rank's (x, topk_idx, topk_weights) --
+    random, every token to rank 0's experts, mostly -1 -- and this rank's captured input tensors with
+    ``load(c)``, which writes case ``c`` into them. Returns (cases, x_in, idx_in, w_in, load)."""
     cases = []
     for c in range(3):
-        xs, idxs, ws = make_inputs(50 + c, world, E, K, H, [T] * world)
+        xs, idxs, ws = make_inputs(seed + c, world, E, K, H, [T] * world)
         if c == 1:
             idxs = [i % (E // world) for i in idxs]   # rank 0's experts only
         if c == 2:
@@ -550,6 +544,52 @@ def graph_full(rank, world, timeout_s=30.0):
         x_in.copy_(xs[rank].to(dev))
         idx_in.copy_(idxs[rank].to(dev))
         w_in.copy_(ws[rank].to(dev))
+    return cases, x_in, idx_in, w_in, load
+
+
+def capture(step, barrier=None):
+    """Run ``step()`` once outside the capture (its kernels compile), then capture it in a CUDA graph with
+    any host synchronisation an error inside (sync debug mode 'error'); ``barrier``: called between the two.
+    Returns the graph and what the captured ``step()`` returned."""
+    step()
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return g, out
+
+
+def check_replayed_dispatch(rank, E, case, recv_x, recv_idx, recv_w, tag):
+    """Assert that a replayed num_worst_tokens dispatch's outputs are the reference's for ``case`` (every
+    rank's (x, topk_idx, topk_weights)) bit for bit, padding rows zero / -1. Returns the reference."""
+    xs, idxs, ws = case
+    exp = ref.dispatch(xs, idxs, ws, E)
+    e = exp[rank]
+    n = e["recv_x"].shape[0]
+    assert torch.equal(recv_x[:n].cpu().view(torch.int16), e["recv_x"].view(torch.int16)), tag
+    assert bool((recv_x[n:] == 0).all()) and bool((recv_idx[n:] == -1).all()), tag
+    assert torch.equal(recv_idx[:n].cpu(), e["recv_topk_idx"]), tag
+    assert torch.equal(recv_w[:n].cpu(), e["recv_topk_weights"]), tag
+    return exp
+
+
+def graph_full(rank, world, timeout_s=30.0):
+    """Layout, dispatch with num_worst_tokens, an expert stand-in and combine captured in one CUDA graph
+    (no host synchronisation inside: sync debug mode 'error'), replayed with new x and new routing written
+    into the captured inputs -- random, then every token to rank 0's experts (no row for the others),
+    then mostly -1: each replay bit for bit the reference, padding rows zero / -1."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, H, K, T = 4 * world, 256, 4, 48
+    worst = T * world                                 # room for every token of every rank
+    buf = triton_ep.Buffer(None, 1 << 16, device=dev, timeout_s=timeout_s)   # small: several rounds
+    cases, x_in, idx_in, w_in, load = graph_inputs(rank, world, 50, E, K, H, T, dev)
 
     def step():
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_in, E)
@@ -560,29 +600,15 @@ def graph_full(rank, world, timeout_s=30.0):
         return recv_x, recv_idx, recv_w, lst, h, buf.combine(y, h)[0]
 
     load(0)
-    step()                                            # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            recv_x, recv_idx, recv_w, lst, h, comb = step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    g, (recv_x, recv_idx, recv_w, lst, h, comb) = capture(step)
     assert lst == []
     for c in range(3):
         load(c)
         g.replay()
         torch.cuda.synchronize()
         buf.check()
-        xs, idxs, ws = cases[c]
-        exp = ref.dispatch(xs, idxs, ws, E)
-        e = exp[rank]
-        n = e["recv_x"].shape[0]
-        assert torch.equal(recv_x[:n].cpu().view(torch.int16), e["recv_x"].view(torch.int16)), c
-        assert bool((recv_x[n:] == 0).all()) and bool((recv_idx[n:] == -1).all()), c
-        assert torch.equal(recv_idx[:n].cpu(), e["recv_topk_idx"]) and torch.equal(recv_w[:n].cpu(), e["recv_topk_weights"])
-        assert torch.equal(h[0].cpu(), e["rank_prefix_matrix"]), c
+        exp = check_replayed_dispatch(rank, E, cases[c], recv_x, recv_idx, recv_w, c)
+        assert torch.equal(h[0].cpu(), exp[rank]["rank_prefix_matrix"]), c
         ys = [(d["recv_x"].float() * 3 - 1).to(torch.bfloat16) for d in exp]
         want = ref.combine(ys, exp, [T] * world)[rank][0]
         assert torch.equal(comb.cpu().view(torch.int16), want.view(torch.int16)), c

@@ -354,7 +354,9 @@ class Buffer:
             ``ports`` (port -> bytes), ``channels`` (channel -> ``bytes``, ``chunks``), ``wrs`` (work requests
             posted), ``chunks`` (chunks posted), ``proxy_busy_s`` (seconds the RDMA proxy threads spent in
             sweeps that moved something: its host cost), ``network_s`` (seconds this rank's calls spent in the
-            network leg, waits included) and ``exchanges``.
+            network leg, waits included), ``exchanges`` (network legs: a call makes one or more) and
+            ``host_exchanges`` (those that went through host memory: headers, statuses, counts; calls on the
+            capture path make none).
             Bytes count payload written by this rank's proxy (not signals). On one host: zeros and empty dicts.
 
         Raises:
@@ -385,7 +387,10 @@ class Buffer:
             EPTimeoutError, EPRemoteError, ValueError: as above, each error once.
             EPError: the Buffer was destroyed.
         """
-        self._rt.check()
+        if self._internode is not None:
+            self._internode.check()          # across hosts: also the RDMA proxy and the capture path's statuses
+        else:
+            self._rt.check()
 
     def __enter__(self) -> "Buffer":
         return self

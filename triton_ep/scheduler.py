@@ -299,6 +299,14 @@ class Scheduler:
             self._next_rx[p] += int(rx.get(p, 0))
         return first
 
+    def resync(self) -> None:
+        """Take the next chunk numbers from the ring counters (``READY`` to send, ``HEAD`` to receive): after
+        kernels numbered their chunks themselves from those counters, once every chunk they produced and
+        consumed is done (the caller waited for the device)."""
+        for p in self.peers:
+            self._next_tx[p] = self.flags.get(RingFlags.READY, p)
+            self._next_rx[p] = self.flags.get(RingFlags.HEAD, p)
+
     def arrived(self, src: int) -> int:
         """``TAIL[src]``: chunks from ``src`` that arrived, in order."""
         return self.flags.get(RingFlags.TAIL, src)

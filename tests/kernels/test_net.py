@@ -166,9 +166,9 @@ def test_a_full_ring_ends_in_the_error_record():
 
 
 def test_kernels_compile_for_sm90():
-    """The ring kernels compile for an H200 (sm_90) to a cubin on this CPU machine: the interpreter runs
-    them untyped, so type errors of the compiled path (loop bounds of mixed widths, loop-carried status)
-    would show first on a GPU."""
+    """The ring kernels compile for an H200 (sm_90) to a cubin on this CPU machine, in both forms (the host
+    path's, the capture path's): the interpreter runs them untyped, so type errors of the compiled path (loop
+    bounds of mixed widths, loop-carried status) would show first on a GPU."""
     import subprocess
     import sys
     import textwrap
@@ -184,13 +184,18 @@ def test_kernels_compile_for_sm90():
         src = dict(x32="*i32", sc32="*i32", id32="*i32", wt32="*i32", loc8="*u8", loc_stride="i32", cols="*i32",
                    src_rank="i32", row_w="i32", sc_w="i32", id_w="i32", wt_w="i32", per_host="i32", off_row="i32",
                    off_sc="i32", off_id="i32", off_wt="i32", off_loc="i32", rec_w="i32")
-        cases = [
-            (net._pack_ring, dict(ctrl="*i64", send="*i32", tokens="*i64", tok_start="*i64", **{k: v for k, v in
-             common.items() if k != "ctrl"}, **src), dict(R=3, BLOCK=1024, USE_CLOCK=True)),
-            (net._unpack_ring, dict(ctrl="*i64", recv="*i32", out="*i32", out_start="*i64", **{k: v for k, v in
-             common.items() if k != "ctrl"}), dict(R=3, BLOCK=1024, USE_CLOCK=True)),
-            (net._pack_linear, dict(out="*i32", tokens="*i64", nw="i64", host="i32", **src), dict(BLOCK=1024)),
-        ]
+        cases = []
+        for dev in (False, True):      # the host path's streams, and the capture path's (headers, device counts)
+            cases += [
+                (net._pack_ring, dict(ctrl="*i64", send="*i32", tokens="*i64", tok_start="*i64", hdr="*i32", HW="i32",
+                 status="*i32", **{k: v for k, v in common.items() if k != "ctrl"}, **src),
+                 dict(R=3, BLOCK=1024, USE_CLOCK=True, DEV=dev)),
+                (net._unpack_ring, dict(ctrl="*i64", recv="*i32", out="*i32", out_start="*i64", rx_count="*i32",
+                 status="*i32", HW="i32", cap_words="i64", key="i32", rec_w="i32", **{k: v for k, v in
+                 common.items() if k != "ctrl"}), dict(R=3, BLOCK=1024, USE_CLOCK=True, DEV=dev)),
+                (net._pack_linear, dict(out="*i32", tokens="*i64", nw="i64", count="*i64", host="i32", **src),
+                 dict(BLOCK=1024, COUNTED=dev)),
+            ]
         for fn, sig, consts in cases:
             names = list(fn.arg_names)
             types = {n: sig.get(n, "constexpr") for n in names}

@@ -25,7 +25,12 @@ import triton.language as tl
 
 from . import flags as F
 from ._util import interpreted
-from ..protocol.records import NetRecord
+from ..protocol.records import NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STATUS_LAYOUT, NetRecord
+
+#: a device-counted stream's header words, and the status codes its receiver notes (kernels' constants)
+HEADER_WORDS = NET_HEADER_WORDS
+STATUS_CAPACITY: tl.constexpr = tl.constexpr(NET_STATUS_CAPACITY)
+STATUS_LAYOUT: tl.constexpr = tl.constexpr(NET_STATUS_LAYOUT)
 
 
 class Sources(NamedTuple):
@@ -108,12 +113,12 @@ def _word(w, valid, tokens, host, x32, sc32, id32, wt32, loc8, loc_stride, cols,
 
 
 @triton.jit
-def _stream(ctrl, n_words, first_seq, h, c_hi, SW):
-    """Peer ``h``'s stream: its words, the end of this launch's chunks, its first chunk's number, and
-    whether an earlier wait already gave up (the abort word)."""
+def _stream(ctrl, n_words, h, c_hi, SW):
+    """Peer ``h``'s stream: its words, the end of this launch's chunks, and whether an earlier wait already
+    gave up (the abort word)."""
     nw = tl.load(n_words + h)
     bad = (tl.load(ctrl + F.RING_ABORT, volatile=True) != 0).to(tl.int32)
-    return nw, tl.minimum((nw + SW - 1) // SW, c_hi), tl.load(first_seq + h), bad
+    return nw, tl.minimum((nw + SW - 1) // SW, c_hi), bad
 
 
 @triton.jit
@@ -142,15 +147,38 @@ def _slot(ring, h, k, c, nw, S, SW):
     return ring + (h * S + k % S) * SW, w0, tl.minimum(nw - w0, SW)
 
 
-@triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns'] + _SRC_NAMES)
-def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, c_lo, c_hi, me_host, S, SW, timeout_ns,
+@triton.jit
+def _bases(ctrl, array, first_seq, h, c_lo, R: tl.constexpr, DEV: tl.constexpr):
+    """Peer ``h``'s first chunk number: given (``first_seq``), or (``DEV``) the counter ``array[h]`` when the
+    call's first round starts, saved in ``first_seq`` for its later rounds (every earlier chunk was produced
+    and consumed: stream order)."""
+    if DEV:
+        if c_lo == 0:
+            seq0 = tl.load(ctrl + F.ring_word(array, R, h), volatile=True)
+            tl.store(first_seq + h, seq0)
+        else:
+            seq0 = tl.load(first_seq + h)
+    else:
+        seq0 = tl.load(first_seq + h)
+    return seq0
+
+
+@triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns', 'HW'] + _SRC_NAMES)
+def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, hdr, HW, status, c_lo, c_hi, me_host, S, SW, timeout_ns,
                x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w, wt_w, per_host,
                off_row, off_sc, off_id, off_wt, off_loc, rec_w,
-               R: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr):
+               R: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr, DEV: tl.constexpr):
     h = tl.program_id(0)
+    if DEV:
+        if (h == me_host) & (c_lo == 0):     # this rank's own status: its header's code and reason words
+            code = tl.load(hdr + h * HW + 2)
+            if code != 0:                    # (a status stays until the host read it)
+                tl.store(status + 2 * h, code)
+                tl.store(status + 2 * h + 1, tl.load(hdr + h * HW + 5))
     if h != me_host:
         offs = tl.arange(0, BLOCK).to(tl.int64)
-        nw, hi, seq0, bad = _stream(ctrl, n_words, first_seq, h, c_hi, SW)
+        nw, hi, bad = _stream(ctrl, n_words, h, c_hi, SW)
+        seq0 = _bases(ctrl, F.RING_READY, first_seq, h, c_lo, R, DEV)
         toks = tokens + tl.load(tok_start + h)
         for c in range(c_lo, hi):
             if bad == 0:
@@ -161,39 +189,87 @@ def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, c_lo, c_hi, me
                     for o in range(0, n, BLOCK):
                         idx = o + offs
                         valid = idx < n
-                        v = _word(w0 + idx, valid, toks, h, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank,
-                                  row_w, sc_w, id_w, wt_w, per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w)
+                        sw = w0 + idx           # the stream's word: the header's first HW, then the records'
+                        v = _word(sw - HW, valid & (sw >= HW), toks, h, x32, sc32, id32, wt32, loc8, loc_stride,
+                                  cols, src_rank, row_w, sc_w, id_w, wt_w, per_host, off_row, off_sc, off_id, off_wt,
+                                  off_loc, rec_w)
+                        mh = valid & (sw < HW)
+                        v = tl.where(mh, tl.load(hdr + h * HW + sw, mask=mh, other=0), v)
                         tl.store(base + idx, v, mask=valid)
                     tl.store(ctrl + F.ring_len_word(R, S, h, k % S), n * 4)
                     _publish(ctrl, F.RING_READY, h, k, R, USE_CLOCK)
 
 
-@triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns'])
+@triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns', 'HW', 'cap_words', 'key', 'rec_w'])
 def _unpack_ring(ctrl, recv, out, out_start, n_words, first_seq, c_lo, c_hi, me_host, S, SW, timeout_ns,
-                 R: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr):
+                 rx_count, status, HW, cap_words, key, rec_w,
+                 R: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr, DEV: tl.constexpr):
     h = tl.program_id(0)
     if h != me_host:
         offs = tl.arange(0, BLOCK).to(tl.int64)
-        nw, hi, seq0, bad = _stream(ctrl, n_words, first_seq, h, c_hi, SW)
+        nw, hi, bad = _stream(ctrl, n_words, h, c_hi, SW)
+        seq0 = _bases(ctrl, F.RING_HEAD, first_seq, h, c_lo, R, DEV)
+        lim = nw
+        if DEV:
+            # the stream's length is in its header (first chunk): until it arrived, assume one chunk
+            if c_lo == 0:
+                nw = (tl.zeros([], tl.int64) + SW)
+                lim = nw * 0
+            else:
+                lim = tl.load(n_words + R + h)
+            hi = c_hi
         dst = out + tl.load(out_start + h)
         for c in range(c_lo, hi):
-            if bad == 0:
+            if (bad == 0) & ((tl.full([], 0, tl.int64) + c) * SW < nw):
                 k = seq0 + c
                 bad = _claim(ctrl, F.RING_TAIL, k + 1, h, F.STAGE_RING_CONSUME, k, timeout_ns, R, USE_CLOCK)
                 if bad == 0:
                     base, w0, n = _slot(recv, h, k, c, nw, S, SW)
+                    if DEV:
+                        if c == 0:
+                            nw, lim = _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, R)
+                            n = tl.minimum(nw - w0, SW)
                     for o in range(0, n, BLOCK):
                         idx = o + offs
-                        valid = idx < n
-                        tl.store(dst + w0 + idx, tl.load(base + idx, mask=valid, other=0, volatile=True), mask=valid)
+                        sw = w0 + idx
+                        valid = (idx < n) & (sw < lim)
+                        tl.store(dst + sw, tl.load(base + idx, mask=valid, other=0, volatile=True), mask=valid)
                     _publish(ctrl, F.RING_HEAD, h, k, R, USE_CLOCK)
 
 
+@triton.jit
+def _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, R: tl.constexpr):
+    """A device-counted stream's header (:data:`HEADER_WORDS` words: its words, records, status code, the rank
+    whose error started a failure, layout key): note the records that may be copied (``rx_count[h]``; 0
+    unless the status is 0, the layout matches and they fit ``cap_words``) and the status (``status[h]``:
+    code, culprit). Returns the stream's words and the end of the words copied (the header always; the
+    records where they may be)."""
+    nw = tl.load(base + 0, volatile=True).to(tl.int64)
+    cnt = tl.load(base + 1, volatile=True).to(tl.int64)
+    code = tl.load(base + 2, volatile=True)
+    culprit = tl.load(base + 3, volatile=True)
+    same = tl.load(base + 4, volatile=True) == key
+    fits = cnt * rec_w <= cap_words
+    code = tl.where(code != 0, code, tl.where(same, tl.where(fits, 0, STATUS_CAPACITY), STATUS_LAYOUT))
+    ok = code == 0
+    lim = tl.where(ok, HW + cnt * rec_w, HW)
+    tl.store(rx_count + h, tl.where(ok, cnt, 0).to(tl.int32))
+    if code != 0:                            # (a status stays until the host read it)
+        tl.store(status + 2 * h, code)
+        tl.store(status + 2 * h + 1, culprit)
+    tl.store(n_words + h, nw)
+    tl.store(n_words + R + h, lim)
+    return nw, lim
+
+
 @triton.jit(do_not_specialize=['nw', 'host'] + _SRC_NAMES)
-def _pack_linear(out, tokens, nw, host, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w,
-                 wt_w, per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w, BLOCK: tl.constexpr):
+def _pack_linear(out, tokens, nw, count, host, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w,
+                 id_w, wt_w, per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w, BLOCK: tl.constexpr,
+                 COUNTED: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = idx < nw
+    if COUNTED:
+        valid = valid & (idx < tl.load(count).to(tl.int64) * rec_w)
     v = _word(idx, valid, tokens, host, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w,
               wt_w, per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w)
     tl.store(out + idx, v, mask=valid)
@@ -203,9 +279,31 @@ def _block() -> int:
     return 4096 if interpreted() else 1024
 
 
+class DeviceCounts(NamedTuple):
+    """The device-counted form of a call's streams (the capture path: the host learns no count).
+
+    Attributes:
+        hdr: int32 ``[num_hosts, hw]``, each stream's header (:data:`HEADER_WORDS` words, then extra words),
+            built on the device.  hw: header words (a multiple of 4).
+        rx_count: int32 ``[num_hosts]`` (out): records received from each peer host (0 where its status is
+            not 0).  status: int32 ``[num_hosts, 2]`` (out; pinned host memory on GPU, so the host reads it
+            without a synchronisation): each peer's status code and culprit rank; this host's row: this
+            rank's own code and reason.
+        cap_words: words of each peer's staging area (records beyond it are a capacity error).  key: this
+            rank's layout key (:meth:`NetRecord.key32`).  rec_w: words of a received record.
+    """
+    hdr: torch.Tensor
+    hw: int
+    rx_count: torch.Tensor
+    status: torch.Tensor
+    cap_words: int
+    key: int
+    rec_w: int
+
+
 def pack_ring(ctrl: torch.Tensor, send: torch.Tensor, src: Sources, tokens: torch.Tensor, tok_start: torch.Tensor,
               n_words: torch.Tensor, first_seq: torch.Tensor, c_lo: int, c_hi: int, me_host: int, num_hosts: int,
-              slots: int, slot_bytes: int, timeout_s: float) -> None:
+              slots: int, slot_bytes: int, timeout_s: float, dev: "DeviceCounts" = None) -> None:
     """Write chunks ``[c_lo, c_hi)`` of each peer host's record stream into the send ring and release them.
 
     Args:
@@ -213,37 +311,57 @@ def pack_ring(ctrl: torch.Tensor, send: torch.Tensor, src: Sources, tokens: torc
         send: int32 view of its send ring, ``[num_hosts * slots * slot_bytes / 4]``.
         src: the streams' sources (:class:`Sources`).  tokens: int64, every host's tokens (source rows) one
             after another; tok_start: int64 ``[num_hosts]``, where each host's start.
-        n_words: int64 ``[num_hosts]``, words of each host's stream.  first_seq: int64 ``[num_hosts]``, the
-            scheduler's chunk number of each stream's first chunk.
+        n_words: int64 ``[num_hosts]``, words of each host's stream (its header included).
+        first_seq: int64 ``[num_hosts]``: the scheduler's chunk number of each stream's first chunk; with
+            ``dev``, scratch: the first round reads ``READY`` there.
         me_host: this host (its program does nothing).  slot_bytes: the chunk size (a multiple of 64).
         timeout_s: bound of each wait for a free slot (GPU clock; under the interpreter the caller's watchdog
             on ``ctrl[RING_ABORT]``).
+        dev: a device-counted call (:class:`DeviceCounts`): each stream starts with its header ``dev.hdr``;
+            this host's row of it gives this rank's own status (its words 2 and 5: code and reason).
     Errors end in the ring error record, never in a hang.
     """
-    _pack_ring[(num_hosts,)](ctrl, send, tokens, tok_start, n_words, first_seq, c_lo, c_hi, me_host, slots,
+    if dev is None:
+        hdr = status = torch.zeros(1, dtype=torch.int32, device=tokens.device)   # (the kernels' device)
+        hw = 0
+    else:
+        hdr, hw, status = dev.hdr, dev.hw, dev.status
+    _pack_ring[(num_hosts,)](ctrl, send, tokens, tok_start, n_words, first_seq, hdr, hw, status, c_lo, c_hi, me_host, slots,
                              slot_bytes // 4, int(timeout_s * 1e9), *src, R=num_hosts, BLOCK=_block(),
-                             USE_CLOCK=not interpreted(), num_warps=4)
+                             USE_CLOCK=not interpreted(), DEV=dev is not None, num_warps=4)
 
 
 def unpack_ring(ctrl: torch.Tensor, recv: torch.Tensor, out: torch.Tensor, out_start: torch.Tensor,
                 n_words: torch.Tensor, first_seq: torch.Tensor, c_lo: int, c_hi: int, me_host: int, num_hosts: int,
-                slots: int, slot_bytes: int, timeout_s: float) -> None:
+                slots: int, slot_bytes: int, timeout_s: float, dev: "DeviceCounts" = None) -> None:
     """Copy chunks ``[c_lo, c_hi)`` of each peer host's stream from the receive ring into ``out`` (int32, at
     word ``out_start[h]``, int64 ``[num_hosts]``) and free their slots.  ``n_words``: int64 ``[num_hosts]``,
-    words of each stream; the others as :func:`pack_ring`."""
+    words of each stream; with ``dev`` (:class:`DeviceCounts`), int64 ``[2 * num_hosts]`` scratch: each
+    stream's length comes in its header, which is copied, and so are its records where they may be (status
+    0, the same layout, within ``dev.cap_words``);
+    ``first_seq`` as :func:`pack_ring`."""
+    if dev is None:
+        dummy = torch.zeros(2, dtype=torch.int32, device=out.device)     # (the kernels' device)
+        extra = (dummy, dummy, 0, 0, 0, 1)
+    else:
+        extra = (dev.rx_count, dev.status, dev.hw, dev.cap_words, dev.key, dev.rec_w)
     _unpack_ring[(num_hosts,)](ctrl, recv, out, out_start, n_words, first_seq, c_lo, c_hi, me_host, slots,
-                               slot_bytes // 4, int(timeout_s * 1e9), R=num_hosts, BLOCK=_block(),
-                               USE_CLOCK=not interpreted(), num_warps=4)
+                               slot_bytes // 4, int(timeout_s * 1e9), *extra, R=num_hosts, BLOCK=_block(),
+                               USE_CLOCK=not interpreted(), DEV=dev is not None, num_warps=4)
 
 
-def pack_linear(out: torch.Tensor, src: Sources, tokens: torch.Tensor, host: int) -> None:
+def pack_linear(out: torch.Tensor, src: Sources, tokens: torch.Tensor, host: int,
+                count: torch.Tensor = None) -> None:
     """Write the record stream of ``tokens`` (int64 ``[n]``) for ``host`` into ``out`` (int32
-    ``[n * src.rec_w]``)."""
+    ``[n * src.rec_w]``); with ``count`` (int32 / int64 ``[1]`` on the device), only its first ``count[0]``
+    records (the host never learns how many)."""
     nw = tokens.numel() * src.rec_w
     if nw == 0:
         return
     blk = _block()
-    _pack_linear[(triton.cdiv(nw, blk),)](out, tokens, nw, host, *src, BLOCK=blk, num_warps=4)
+    cnt = tokens if count is None else count
+    _pack_linear[(triton.cdiv(nw, blk),)](out, tokens, nw, cnt, host, *src, BLOCK=blk, COUNTED=count is not None,
+                                          num_warps=4)
 
 
 def reference_stream(src: Sources, tokens: torch.Tensor, host: int) -> torch.Tensor:

@@ -49,6 +49,7 @@ from ..kernels._util import cdiv, interpreted
 from ..protocol.records import NET_META_BYTES, NetRecord
 from ..transport.signals import stall_watchdog
 from .intranode import DispatchHandle, Intranode, check_cached_dispatch
+from .internode_capture import ENV_CAPTURE_PATH, CapturePath, CapturePlan
 
 Tensor = torch.Tensor
 _SKIP = object()            # the handle of a local call a rank takes only to fail it (Internode._skip_local)
@@ -97,6 +98,12 @@ def _get(rec: NetRecord, rows: Tensor, field: str, dtype: torch.dtype) -> Tensor
     return _field(rows, *rec.span(field), dtype)
 
 
+def record_meta(recv_xf: Tensor) -> Tensor:
+    """The meta blocks of received records (uint8 ``[N, 16 + row]``) as int32 ``[N, 4]`` (source rank,
+    source token, 0, 0)."""
+    return _field(recv_xf, 0, NET_META_BYTES, torch.int32)
+
+
 def _words(t: Optional[Tensor], n: int, dev) -> Tensor:
     """``t`` (``[n, ...]``, contiguous) as int32 ``[n, words]``; a one-word dummy for ``None``."""
     if t is None:
@@ -128,7 +135,7 @@ def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weight
 
 
 def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_stats: Optional[dict] = None,
-                  network_s: float = 0.0, exchanges: int = 0) -> dict:
+                  network_s: float = 0.0, exchanges: int = 0, host_exchanges: int = 0) -> dict:
     """``Buffer.get_rdma_stats``'s dict from the scheduler's :meth:`~triton_ep.scheduler.Scheduler.stats`
     (channels summed from its QPs); the defaults give a Buffer on one host: no traffic."""
     s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0}
@@ -139,7 +146,8 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
         c["chunks"] += q["chunks"]
     return {"transport": transport, "num_hosts": num_hosts, "qps": s["qps"], "ports": s["ports"],
             "channels": channels, "wrs": s["wrs"], "chunks": sum(q["chunks"] for q in s["qps"].values()),
-            "proxy_busy_s": s["proxy_busy_s"], "network_s": network_s, "exchanges": exchanges}
+            "proxy_busy_s": s["proxy_busy_s"], "network_s": network_s, "exchanges": exchanges,
+            "host_exchanges": host_exchanges}
 
 
 class InternodeHandle(tuple):
@@ -179,7 +187,7 @@ class _Plan:
     num_rows: int                   # N (padding included)
 
 
-class Internode:
+class Internode(CapturePath):
     """Internode normal mode for one Buffer whose ranks span several hosts.
 
     Args:
@@ -217,6 +225,8 @@ class Internode:
         self._seq = 0
         #: seconds this rank's calls spent in the network leg (packing, waiting, unpacking), and its exchanges
         self.network_s, self.exchanges = 0.0, 0
+        #: exchanges through host memory (headers, statuses, counts): the host path's; the capture path makes none
+        self.host_exchanges = 0
         try:
             # this host's ranks share their own buffers (the forwarding leg); nothing is mapped between hosts
             self.local_group, self.peer_group = rt.local_group, rt.peer_group
@@ -225,9 +235,15 @@ class Internode:
             env_shape = network_shape()
             shape = tuple(e if v is None else int(v) for v, e in zip((num_qps_per_peer, slots, slot_bytes), env_shape))
             num_qps_per_peer, slots, slot_bytes = shape
-            mine = (uuid.uuid4().hex[:12], shape)
+            raw = os.environ.get(ENV_CAPTURE_PATH, "").strip()
+            if raw not in ("", "0", "1"):
+                raise ValueError(f"{ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)")
+            capture = None if not raw else raw == "1"
+            mine = (uuid.uuid4().hex[:12], shape, capture)
             every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
             hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
+            hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])
+            self._init_capture(capture)
             token = every[0][0]
             names = [f"ep{token}_{r}" for r in range(rt.group_size)]
             kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=rt.timeout_s)
@@ -284,7 +300,8 @@ class Internode:
         """Traffic since construction: the scheduler's bytes, work requests and chunks per QP (``"host/qp"``
         keys, with channel and port), bytes per port and per channel, and the network leg's seconds."""
         return traffic_stats(self.rt.rdma_transport, self.num_hosts,
-                             self.sched.stats() if self.sched is not None else None, self.network_s, self.exchanges)
+                             self.sched.stats() if self.sched is not None else None, self.network_s, self.exchanges,
+                             self.host_exchanges)
 
     # ------------------------------------------------------------------ layout
     def _live(self) -> None:
@@ -306,6 +323,16 @@ class Internode:
         except (sched_mod.ProxyError, EPTimeoutError) as ex:
             self._leave_host()
             raise self._global(ex) from ex
+        self.check_capture()
+
+    def check(self) -> None:
+        """``Buffer.check()`` across hosts: raise what the last calls recorded (this host's kernels, the RDMA
+        proxy, the capture path's statuses), reading host memory only.
+
+        Raises:
+            EPError (EPTimeoutError, EPRemoteError, EPCapacityError...), ValueError: as the calls would.
+        """
+        self._live()
 
     def tokens_per_host(self, is_token_in_rank: Tensor) -> Tensor:
         """DeepEP's ``num_tokens_per_rdma_rank``: int32 ``[num_hosts]``, the tokens that go to at least one
@@ -442,6 +469,8 @@ class Internode:
         """The header exchange of :meth:`_exchange` (``streams`` ``None``: a status alone; ``err``: this rank
         failed, and says so). Returns the record counts per host (this host's: its own stream's); raises the
         peers' failures (not ``err``: the caller raises it outside the network's error translation)."""
+        self.sync_host_path()
+        self.host_exchanges += 1
         peers = self.peer_hosts
         key = (0,) * 6 if streams is None else \
             streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
@@ -487,6 +516,7 @@ class Internode:
         (int32 ``[E]``) and return this host's experts' counts summed over this rank and its peers (int32
         ``[ranks per host * E / R]``, on the device): what this rank's forwarding leg delivers."""
         n = npe.shape[0] // self.num_hosts
+        self.host_exchanges += 1
         mine = npe.to(torch.int64).cpu().numpy()
         got = sched_mod.host_alltoall(self.sched, {h: mine[h * n:(h + 1) * n].view(np.uint8) for h in self.peer_hosts},
                                       {h: 8 * n for h in self.peer_hosts})
@@ -600,6 +630,10 @@ class Internode:
             did not answer within ``timeout_s``.
         """
         self._live()
+        if self.capture_path(num_worst_tokens, handle):
+            return self.dispatch_capture(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                         is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                         expert_alignment, num_worst_tokens, previous_event)
         prep = err = None
         try:
             prep = self._prepare_dispatch(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
@@ -677,13 +711,7 @@ class Internode:
         xs_f = x_f if sc_f is None else (x_f, sc_f)
         if prep.plan is not None:              # cached: the same routes, new rows
             prep.local_started = True
-            plan = prep.plan
-            recv = self._local_run(self.local.dispatch_steps(xs_f, handle=plan.local_handle))[0]
-            recv_xf = recv[0] if isinstance(recv, tuple) else recv
-            x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[plan.order]
-            if isinstance(recv, tuple):
-                x_out = (x_out, recv[1][plan.order])
-            return x_out, None, None, None, None, EventOverlap(None)
+            return self._forward_cached(xs_f, prep.plan, xv)
         R, E, idx, T = self.rt.group_size, prep.E, prep.idx, xv.shape[0]
         El = E // R
         dev = self.local_rt.device
@@ -699,17 +727,8 @@ class Internode:
             xs_f, None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev), ids_local, w_f,
             expert_alignment, num_worst_tokens))
         recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
-        recv_xf = recv_x_f[0] if isinstance(recv_x_f, tuple) else recv_x_f
-        recv_sc = recv_x_f[1] if isinstance(recv_x_f, tuple) else None
-        meta = _field(recv_xf, 0, NET_META_BYTES, torch.int32)
-        n_rows = recv_xf.shape[0]
-        meta[local_handle[3] < 0] = -1                 # padding rows (num_worst_tokens) carry no record
-        key = torch.where(meta[:, 0] >= 0, meta[:, 0].long(), R)
-        order = torch.sort(key, stable=True)[1]
-        x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[order]
-        x_ret = x_out if recv_sc is None else (x_out, recv_sc[order])
-        src_meta = meta[order][:, :2].contiguous()
-        recv_from = torch.bincount(src_meta[:, 0][src_meta[:, 0] >= 0].long(), minlength=R).to(torch.int32)
+        x_ret, order, src_meta, recv_from = self._in_rank_order(recv_x_f, local_handle, xv)
+        n_rows = order.shape[0]
         self._seq += 1
         to_host, in_rank = prep.to_host, prep.in_rank
         plan = _Plan(self.rt.uid, self._seq, T, to_host, counts, local_handle, order, n_rows)
@@ -724,6 +743,37 @@ class Internode:
             local_handle[5]), plan)
         return (x_ret, recv_idx[order] if recv_idx is not None else None,
                 recv_w[order] if recv_w is not None else None, per_expert_list, new_handle, EventOverlap(None))
+
+    def _forward_cached(self, xs_f, plan, xv: Tensor) -> tuple:
+        """A cached dispatch's forwarding leg: the intranode cached dispatch of ``xs_f`` (the forwarded records'
+        ``x`` as :meth:`_split` gives it, with scales where there are) by ``plan``'s local handle, its rows put
+        in ``plan.order`` as ``xv``'s dtype and hidden size. Returns DeepEP's six results."""
+        recv = self._local_run(self.local.dispatch_steps(xs_f, handle=plan.local_handle))[0]
+        recv_xf = recv[0] if isinstance(recv, tuple) else recv
+        x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[plan.order]
+        if isinstance(recv, tuple):
+            x_out = (x_out, recv[1][plan.order])
+        return x_out, None, None, None, None, EventOverlap(None)
+
+    def _in_rank_order(self, recv_x_f, local_handle, xv: Tensor):
+        """The forwarding leg's received rows (``recv_x_f``: uint8 ``[N, 16 + row]``, or that with scales) in
+        DeepEP's order: by global source rank, stable (the source's token order); padding rows last.
+        Returns the rows as ``xv``'s dtype (with their scales), the order (int64 ``[N]``), each row's (source
+        rank, source token) int32 ``[N, 2]`` (``-1``: padding) and the rows from each rank int32 ``[R]``; no
+        host synchronisation."""
+        R = self.rt.group_size
+        recv_xf = recv_x_f[0] if isinstance(recv_x_f, tuple) else recv_x_f
+        recv_sc = recv_x_f[1] if isinstance(recv_x_f, tuple) else None
+        # padding rows (num_worst_tokens) carry no record
+        meta = torch.where((local_handle[3] < 0)[:, None], -1, record_meta(recv_xf))
+        order = torch.sort(torch.where(meta[:, 0] >= 0, meta[:, 0].long(), R), stable=True)[1]
+        x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[order]
+        x_ret = x_out if recv_sc is None else (x_out, recv_sc[order])
+        src_meta = meta[order][:, :2].contiguous()
+        got = src_meta[:, 0] >= 0
+        recv_from = torch.zeros(R, dtype=torch.int32, device=src_meta.device)
+        recv_from.scatter_add_(0, torch.where(got, src_meta[:, 0], 0).long(), got.to(torch.int32))
+        return x_ret, order, src_meta, recv_from
 
     def _split(self, fwd: Tensor, rec: NetRecord, dtype, sc_dtype):
         """The forwarded rows as the intranode dispatch takes them: ``x`` uint8 ``[F, 16 + row]`` (meta, then
@@ -744,7 +794,8 @@ class Internode:
 
     def _check_handle(self, handle) -> _Plan:
         plan = getattr(handle, "plan", None)
-        if not isinstance(handle, InternodeHandle) or not isinstance(plan, _Plan) or plan.uid != self.rt.uid:
+        if not isinstance(handle, InternodeHandle) or not isinstance(plan, (_Plan, CapturePlan)) or \
+                plan.uid != self.rt.uid:
             raise ValueError("handle must be the handle of an internode dispatch of this Buffer")
         return plan
 
@@ -760,6 +811,8 @@ class Internode:
             as ``dispatch``.
         """
         self._live()
+        if self.capture_path(handle=handle):
+            return self.combine_capture(x, handle, topk_weights, bias, previous_event)
         prep = err = None
         try:
             prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)

@@ -169,6 +169,13 @@ def split_combine_tables(tables, R: int):
 #: fields of a network-leg record, in order (:class:`NetRecord`)
 NET_FIELDS = ("meta", "row", "scales", "ids", "weights", "local")
 NET_META_BYTES = 16     #: the meta block: 4 int32 (global source rank, source token, 0, 0)
+#: A device-counted stream (the capture path: no host exchange) starts with a header of int32 words:
+#: ``[stream words (header included), records, status, culprit rank (-1: none), layout key, 0, 0, 0]``, then
+#: (a dispatch without top-k ids) the sender's counts of the destination host's experts, padded to 4 words.
+NET_HEADER_WORDS = 8
+#: header status codes: 0 ok; the sender failed this call (the culprit rank's own error says why); the
+#: records did not fit the receiver's staging area (num_worst_tokens too small); the layouts differ
+NET_STATUS_FAILED, NET_STATUS_CAPACITY, NET_STATUS_LAYOUT = 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,3 +216,11 @@ class NetRecord:
     def key(self):
         """The layout as a tuple (what two ranks compare)."""
         return (self.row, self.scales, self.ids, self.weights, self.local)
+
+    def key32(self, *extra: int) -> int:
+        """The layout (and ``extra`` ints) folded into one non-negative int32: a device-counted stream's
+        header carries it, and the receiver compares it with its own."""
+        h = 17
+        for v in self.key() + tuple(extra):
+            h = (h * 1000003 + int(v) + 1) & 0x7FFFFFFF
+        return h

@@ -38,3 +38,13 @@ def test_small_chunks_many_rounds_gpu():
     out = _values(run_ranks(cases.round_trip, 2, env, 5, 16, 4, 7168, [9, 6], {"device": "cuda", "bias": True},
                             timeout_s=140))
     assert all(o["combined"] for o in out)
+
+
+@pytest.mark.parametrize("world,per_host", [(2, 1), (4, 2)])
+def test_graph_capture_across_hosts_gpu(world, per_host):
+    """Layout + num_worst_tokens dispatch + combine across hosts captured in one CUDA graph (the capture path:
+    no host wait, no host exchange; sync debug mode 'error' inside), replayed 4 times with new x and new
+    routing: each replay bit for bit the reference, combine in its two-level order."""
+    env = {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated"}
+    out = _values(run_ranks(cases.graph_across_hosts, world, env, 7, timeout_s=200))
+    assert all(o["replays"] == 4 for o in out), out

@@ -1,0 +1,59 @@
+"""The capture path of internode normal mode (docs/internode.md, "CUDA graphs"): num_worst_tokens calls
+across hosts with no host wait and no host exchange, on CPU processes over the emulated fabric
+(``TRITON_EP_INTERNODE_CAPTURE_PATH=1``; on GPU it is the default, and tests/modes/internode/test_gpu_internode.py
+captures it in a CUDA graph)."""
+import pytest
+
+import internode_cases as cases
+from triton_ep.testing import RankFailure, run_ranks
+
+
+def _values(out):
+    bad = [o for o in out if isinstance(o, RankFailure)]
+    assert not bad, "\n".join(str(o) for o in bad)
+    return out
+
+
+def _env(per_host, **more):
+    return dict({"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated",
+                 "TRITON_EP_INTERNODE_CAPTURE_PATH": "1"}, **more)
+
+
+@pytest.mark.parametrize("world,per_host,Ts,more", [
+    (4, 2, [7, 0, 9, 4], {}),                                                        # 2 hosts of 2 ranks
+    (3, 1, [5, 8, 2], {"TRITON_EP_RDMA_CHUNK_BYTES": "128", "TRITON_EP_RDMA_SLOTS": "2"}),  # 3 hosts, many rounds
+])
+def test_capture_path_round_trips_and_host_path_between(world, per_host, Ts, more):
+    """num_worst_tokens dispatch, combine and cached dispatch bit for bit the reference on the capture path
+    (with weights and biases; without topk_idx; skewed), with a plain dispatch on the host path between them on
+    the same Buffer: the host path re-reads the chunk numbers the capture path's kernels advanced. Records
+    straddle 128-byte chunks in the second case. Only the host-path call exchanges headers."""
+    out = _values(run_ranks(cases.capture_sequence, world, _env(per_host, **more), 11, 4 * world, 3, 64, Ts,
+                            timeout_s=300))
+    for o in out:
+        assert all(c["combined"] for c in o[:4]), o
+        # the host-path calls alone: the dispatch's header and status, the combine's header, the cached
+        # dispatch's header and status
+        assert o[4] == 5, o
+    assert sum(c["rows"] for o in out for c in o[:4]) > 0
+
+
+@pytest.mark.parametrize("kind", ["bad_ids", "capacity", "bad_shape"])
+def test_capture_path_errors_reach_every_rank(kind):
+    """A bad id on rank 3 (found on the device: the call returns, Buffer.check() raises ValueError there), a
+    num_worst_tokens too small for host 0 (EPCapacityError on host 0's ranks: the forwarding leg's), int64
+    topk_weights on rank 3 (TypeError at once). Each ends the network leg for good: every rank's next call raises at once,
+    none waits out its 20 s bound."""
+    out = _values(run_ranks(cases.capture_errors, 4, _env(2), kind, timeout_s=240))
+    for r, o in enumerate(out):
+        first = (o["first"] or [None])[0]
+        assert o["first_s"] < 10.0, (r, o)
+        if kind == "bad_shape":     # the others return, or raise at once where rank 3 left first
+            assert first == "TypeError" if r == 3 else first in (None, "EPRemoteError", "ProxyRemoteError"), (r, o)
+        elif kind == "bad_ids":
+            assert first is None, (r, o)
+            if r == 3:
+                assert o["checked"][0] == "ValueError" and "topk_idx" in o["checked"][1], o
+        elif r in (0, 1):      # on CPU the forwarding leg raises at the call's end; on GPU at check()
+            assert "EPCapacityError" in (first, (o["checked"] or [None])[0]), (r, o)
+        assert o["next"] is not None and o["next_s"] < 10.0, (r, o)

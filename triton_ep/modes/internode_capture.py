@@ -1,0 +1,364 @@
+"""The capture path of internode normal mode: a ``num_worst_tokens`` dispatch across hosts, its cached
+dispatches and its combines with no host wait and no host exchange, so they can be captured in a CUDA graph.
+
+The host path (:class:`~triton_ep.modes.internode.Internode`) exchanges a small header with each RDMA peer per
+call and numbers the ring's chunks on the host; here everything the host learnt there stays on the device:
+
+- **Streams with a header.** Each stream to a peer host starts with
+  :data:`~triton_ep.protocol.records.NET_HEADER_WORDS` int32 words (its length, its records, a status code,
+  the rank whose error started a failure, the record layout's key), then, for a dispatch without ``topk_idx``,
+  the sender's counts of that host's experts. The pack kernel writes it from a tensor built on the device; the
+  unpack kernel reads it from the first chunk and learns how many chunks follow.
+- **Chunk numbers from the ring's counters.** Each stream's first chunk number is the ring counter
+  (``READY`` to send, ``HEAD`` to receive) when the call's first round starts: every earlier chunk was produced
+  and consumed before (stream order). The host path re-reads the counters after waiting for the device
+  (:meth:`~triton_ep.scheduler.Scheduler.resync`).
+- **Sizes from num_worst_tokens.** A rank receives at most ``W = num_worst_tokens`` rows, so a host's ranks
+  receive at most ``ranks_per_host * W``, and each record crossing the network gives at least one of them:
+  each peer host's staging area holds ``C = ranks_per_host * W`` records, and the rounds (launches) per call
+  follow from ``C`` and the record size. A sender with more than ``C`` records for a host sends ``C`` and a
+  capacity status.
+- **Errors at the next call or check().** The header's status (this rank's own: bad ``topk_idx`` ids,
+  ``num_tokens_per_rdma_rank`` that differs from the routing, negative ``num_tokens_per_expert``; a peer's:
+  its failure, more records than fit, another layout) lands in pinned host memory; the next call or
+  ``Buffer.check()`` raises it. Such an error ends the network leg for good (the RDMA peers hear it from the
+  fault word, this host's ranks from the failure word): destroy and rebuild the Buffer. Argument errors found
+  on the host (shapes, dtypes) do the same, since the peers' kernels already wait for this rank's streams.
+
+This path takes every ``num_worst_tokens`` dispatch on a CUDA device (so the warm-up call before a capture
+compiles the same kernels), and the cached dispatches and combines of its handles.
+``TRITON_EP_INTERNODE_CAPTURE_PATH=1`` sends such calls down it on any device (the CPU tests), ``=0`` down the
+host path (except while a graph is captured); every rank must set the same. Its results are bit for bit
+those of the host path.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from .. import kernels
+from ..config import EventOverlap
+from ..errors import EPCapacityError, EPRemoteError
+from ..kernels import net
+from ..kernels._util import cdiv, interpreted
+from ..protocol.records import (NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STATUS_FAILED, NET_STATUS_LAYOUT,
+                                NetRecord)
+from ..runtime.checks import check_event
+from ..transport.signals import stall_watchdog
+from . import internode as inode       # (a cycle: its Internode mixes this class in; names used at call time)
+from .intranode import check_cached_dispatch
+
+Tensor = torch.Tensor
+#: the environment variable that sends every num_worst_tokens call across hosts down the capture path
+ENV_CAPTURE_PATH = "TRITON_EP_INTERNODE_CAPTURE_PATH"
+#: this rank's own status reasons (header word 5)
+_REASONS = {1: "topk_idx held ids outside [-1, num_experts) (they were masked)",
+            2: "num_tokens_per_rdma_rank differed from the tokens this rank sends to each host",
+            3: "num_tokens_per_expert held negative counts"}
+
+
+@dataclasses.dataclass
+class CapturePlan:
+    """The plan a capture-path dispatch keeps in its handle (tensors on the device; nothing on the host).
+
+    Attributes:
+        tok: int64 ``[num_hosts, T]``: per host, this rank's tokens sent there, ascending (the first ``cnt[h]``).
+        cnt: int64 ``[num_hosts]``: tokens sent to each host.  cap: ``C``, records per host's staging area.
+        rx: int32 ``[num_hosts]``: records received from each host (this host: this rank's own).
+        local_handle: the forwarding leg's intranode handle.  order: int64 ``[W]``: received row ``i`` is
+        intranode row ``order[i]``.  num_rows: ``W``.
+    """
+    uid: str
+    seq: int
+    num_tokens: int
+    tok: Tensor
+    cnt: Tensor
+    cap: int
+    rx: Tensor
+    local_handle: object
+    order: Tensor
+    num_rows: int
+
+
+class CapturePath:
+    """The capture path's calls; a mix-in of :class:`~triton_ep.modes.internode.Internode` (its attributes:
+    ``rt``, ``sched``, ``hosts``, ``host``, ``num_hosts``, ``per_host``, the ring tensors and helpers)."""
+
+    def _init_capture(self, mode: Optional[bool]) -> None:
+        """``mode``: ``TRITON_EP_INTERNODE_CAPTURE_PATH`` (``None``: unset, the capture path on CUDA only)."""
+        dev = self.rt.device
+        #: int32 [num_hosts, 2]: the capture path's statuses (code, culprit / reason), pinned on GPU so the
+        #: host reads them without a synchronisation
+        self._cstatus = torch.zeros(self.num_hosts, 2, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._capture_mode = dev.type == "cuda" if mode is None else mode
+        #: a capture-path call was made (or captured: its replays advance the ring counters unseen)
+        self._capture_used = False
+
+    def capture_path(self, num_worst_tokens: int = 0, handle=None) -> bool:
+        """Whether a call takes the capture path: a cached dispatch or combine of a handle it made; a
+        ``num_worst_tokens`` dispatch on a CUDA device (``TRITON_EP_INTERNODE_CAPTURE_PATH=1``: on any device;
+        ``=0``: nowhere) or while a CUDA graph is captured."""
+        if handle is not None:
+            return isinstance(getattr(handle, "plan", None), CapturePlan)
+        if not num_worst_tokens:
+            return False
+        return self._capture_mode or (self.rt.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    def sync_host_path(self) -> None:
+        """Before a host-path exchange: once any capture-path call was made, wait for the work queued on the
+        device (graph replays included) and take the scheduler's chunk numbers from the ring counters."""
+        if self._capture_used:
+            self._wait_device()
+            self.sched.resync()
+
+    def check_capture(self) -> None:
+        """Raise what a capture-path call's status recorded (pinned host memory; no synchronisation). Any
+        such error ends the network leg for good (the RDMA peers and this host's ranks are told)."""
+        st = self._cstatus.numpy()
+        if not st[:, 0].any():
+            return
+        rows = [(h, int(st[h, 0]), int(st[h, 1])) for h in range(self.num_hosts) if st[h, 0]]
+        st[:] = 0
+        me = self.rt.rank
+        h, code, extra = next(((h, c, e) for h, c, e in rows if h == self.host), rows[0])
+        if h == self.host:
+            if code == NET_STATUS_CAPACITY:
+                ex = EPCapacityError(f"rank {me}: a num_worst_tokens dispatch sent its own host more records than "
+                                     f"ranks_per_host * num_worst_tokens")
+            else:
+                ex = ValueError(f"rank {me}: in a num_worst_tokens call across hosts, "
+                                f"{_REASONS.get(extra, 'an argument was bad')}")
+        else:
+            peer = self._peer_rank(h)
+            if code == NET_STATUS_CAPACITY:
+                ex = EPCapacityError(f"rank {me}: rank {peer} (host {h}) sent more records than ranks_per_host * "
+                                     f"num_worst_tokens: num_worst_tokens is too small")
+            elif code == NET_STATUS_LAYOUT:
+                ex = ValueError(f"rank {me}: rank {peer} (host {h}) sent records of another layout: the ranks "
+                                f"called with different arguments")
+            else:
+                who = f"rank {extra} (host {self.hosts.host_of[extra]})" if 0 <= extra < self.rt.group_size else \
+                    f"rank {peer} (host {h})"
+                ex = EPRemoteError(f"rank {me}: {who} failed a num_worst_tokens call across hosts (its own error "
+                                   f"names why)")
+        self._fail_for_good(ex)
+        raise ex
+
+    def _fail_for_good(self, ex: BaseException) -> None:
+        """A capture-path call failed: end the network leg (the RDMA peers' waits end at once) and leave this
+        host's group, so every later call of every rank raises at once."""
+        if self.sched is not None and self.sched.error is None:
+            self.sched.fail(EPRemoteError(f"rank {self.rt.rank}: a num_worst_tokens call across hosts failed "
+                                          f"({type(ex).__name__}: {ex}); destroy() and rebuild the Buffer"))
+        self._leave_host()
+
+    def _capture_call(self, body, *args):
+        """One capture-path call, ``body(*args)``: any error it raises (an argument check on the host, this
+        host's forwarding leg) ends the network leg for good, since the peers' kernels already count on
+        this rank's streams."""
+        try:
+            return body(*args)
+        except Exception as ex:   # noqa: BLE001 - told to the peers, then raised
+            self._fail_for_good(ex)
+            raise
+        finally:
+            self._capture_used = True
+
+    # ------------------------------------------------------------------ the network leg
+    def _move_capture(self, rec: NetRecord, src: net.Sources, tok: Tensor, cnt: Tensor, cap_rx: int,
+                      extra: Optional[Tensor] = None, code: Optional[Tensor] = None,
+                      reason: Optional[Tensor] = None, tx_cap: Optional[int] = None) -> Tuple[Tensor, Tensor, int]:
+        """Send each host ``cnt[h]`` records of ``tok[h]`` (int64 ``[num_hosts, n]``; ``cnt`` int64
+        ``[num_hosts]`` on the device) with a header (``extra``: int32 ``[num_hosts, e]`` more words; ``code`` /
+        ``reason``: int32 ``[]`` this rank's own status) and receive each peer's. Senders clamp to ``tx_cap``
+        records (a capacity status beyond).
+
+        Returns: the staging area int32 ``[num_hosts, hw + cap_rx * rec_w]`` (each host's header, then its
+        records; this host's: this rank's own), the records per host (int32 ``[num_hosts]``), and ``hw``.
+        """
+        sched, dev, nh, me = self.sched, self.rt.device, self.num_hosts, self.host
+        rw = rec.nbytes // 4
+        ne = 0 if extra is None else extra.shape[1]
+        hw = NET_HEADER_WORDS + cdiv(ne, 4) * 4
+        n = tok.shape[1]
+        cnt = cnt.to(torch.int64)
+        st = torch.zeros(nh, dtype=torch.int32, device=dev) if code is None else code.expand(nh).clone()
+        if tx_cap is not None:
+            st = torch.where((cnt > tx_cap) & (st == 0), NET_STATUS_CAPACITY, st)
+            cnt = cnt.clamp(max=tx_cap)
+            n = min(n, tx_cap)
+        hdr = torch.zeros(nh, hw, dtype=torch.int32, device=dev)
+        hdr[:, 0] = (cnt * rw + hw).to(torch.int32)
+        hdr[:, 1] = cnt.to(torch.int32)
+        hdr[:, 2] = st
+        hdr[:, 3] = torch.where(st == NET_STATUS_FAILED, self.rt.rank, -1)
+        hdr[:, 4] = rec.key32(hw)
+        if reason is not None:
+            hdr[:, 5] = reason
+        if ne:
+            hdr[:, NET_HEADER_WORDS:NET_HEADER_WORDS + ne] = extra
+        region = hw + cap_rx * rw
+        out = torch.empty(nh, region, dtype=torch.int32, device=dev)
+        out[me, :hw] = hdr[me]
+        own = tok[me, :min(n, cap_rx)]
+        net.pack_linear(out[me, hw:], src, own, me, count=cnt[me:me + 1])
+        rx = torch.empty(nh, dtype=torch.int32, device=dev)
+        S, SW = sched.slots, sched.slot_bytes // 4
+        rounds = cdiv(max(cdiv(hw + n * rw, SW), cdiv(region, SW)), S)
+        cd = net.DeviceCounts(hdr, hw, rx, self._cstatus, cap_rx * rw, rec.key32(hw), rw)
+        ar = torch.arange(nh, dtype=torch.int64, device=dev)
+        tokens = tok[:, :n].contiguous().view(-1) if n else torch.zeros(1, dtype=torch.int64, device=dev)
+        tok_start, out_start = ar * n, ar * region
+        n_tx = hdr[:, 0].to(torch.int64)
+        n_rx = torch.empty(2 * nh, dtype=torch.int64, device=dev)
+        f_tx, f_rx = (torch.empty(nh, dtype=torch.int64, device=dev) for _ in range(2))
+        common = dict(me_host=me, num_hosts=nh, slots=S, slot_bytes=sched.slot_bytes, timeout_s=self.rt.timeout_s,
+                      dev=cd)
+        guard = (stall_watchdog(sched.flags.w, int(kernels.flags.RING_ABORT), self.rt.timeout_s,
+                                self._ring_progress) if interpreted() else contextlib.nullcontext())
+        with self._network(), guard:
+            for i in range(rounds):
+                net.pack_ring(self._ring_ctrl, self._ring_send, src, tokens, tok_start, n_tx, f_tx, i * S, (i + 1) * S,
+                              **common)
+                net.unpack_ring(self._ring_ctrl, self._ring_recv, out.view(-1), out_start, n_rx, f_rx, i * S,
+                                (i + 1) * S, **common)
+            sched.check()
+            ex = sched.flags.error(self.rt.timeout_s)
+            if ex is not None:
+                sched.fail(ex)
+                raise ex
+        rx[me] = cnt[me].to(torch.int32)
+        return out, rx, hw
+
+    def _records(self, out: Tensor, hw: int, rec: NetRecord, cap: int) -> Tensor:
+        """The records of a staging area (int32 ``[num_hosts, hw + cap * rec_w]``) as uint8 ``[num_hosts * cap,
+        rec.nbytes]``, host by host."""
+        return out[:, hw:].contiguous().view(torch.uint8).view(self.num_hosts * cap, rec.nbytes)
+
+    def _valid(self, rx: Tensor, cap: int) -> Tensor:
+        """bool ``[num_hosts * cap]``: which staging rows hold a received record."""
+        return (torch.arange(cap, device=rx.device)[None, :] < rx[:, None]).view(-1)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch_capture(self, intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                         previous_event):
+        """:meth:`Internode.dispatch` on the capture path (same arguments and results)."""
+        if handle is not None:
+            return self._capture_call(self._cached_capture, intranode, x, handle, topk_idx, topk_weights,
+                                      previous_event)
+        return self._capture_call(self._dispatch_capture, intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                  is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                  num_worst_tokens, previous_event)
+
+    def _dispatch_capture(self, intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                          previous_event):
+        self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
+        a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                    topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+        xv, sc, idx, w, E, K = a.x, a.scales, a.topk_idx, a.topk_weights, a.num_experts, a.num_topk
+        dev, nh, R, T, W = self.rt.device, self.num_hosts, self.rt.group_size, xv.shape[0], num_worst_tokens
+        C = self.per_host * W
+        lay = intranode._routing(a)
+        in_rank = lay[2]
+        host_mask = self._host_mask(in_rank)
+        cnt = host_mask.sum(0)
+        reason = torch.zeros((), dtype=torch.int32, device=dev)
+        if idx is not None:
+            reason = torch.where(lay[4].view(()) > 0, 1, reason)
+        else:
+            reason = torch.where((a.num_tokens_per_expert < 0).any(), 3, reason)
+        given = num_tokens_per_rdma_rank.to(torch.int64)
+        reason = torch.where((reason == 0) & (given != cnt).any(), 2, reason).to(torch.int32)
+        code = torch.where(reason != 0, NET_STATUS_FAILED, 0).to(torch.int32)
+        pos = host_mask.to(torch.int64).cumsum(0) - 1
+        slot = torch.where(host_mask, torch.arange(nh, device=dev)[None, :] * T + pos, nh * T)
+        tok = torch.zeros(nh * T + 1, dtype=torch.int64, device=dev)
+        tok.scatter_(0, slot.view(-1), torch.arange(T, device=dev)[:, None].expand(T, nh).reshape(-1))
+        tok = tok[:nh * T].view(nh, T)
+        rec = self._record(xv, sc, K, 0 if w is None else K, self.per_host)
+        src = self._sources(rec, T, xv, sc, None if idx is None else idx.long(), w, in_rank)
+        extra = None if idx is not None else a.num_tokens_per_expert.to(torch.int32).view(nh, E // nh)
+        out, rx, hw = self._move_capture(rec, src, tok, cnt, C, extra, code, reason, tx_cap=C)
+        fwd = self._records(out, hw, rec, C)
+        valid = self._valid(rx, C)
+        x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
+        in_f = in_f & valid[:, None]
+        El = E // R
+        ids_local = None
+        if idx is not None:
+            base = self.host * self.per_host * El
+            keep = (ids_f >= base) & (ids_f < base + self.per_host * El) & valid[:, None]
+            ids_local = torch.where(keep, ids_f - base, -1).to(idx.dtype)
+            npe_f = torch.zeros(self.per_host * El, dtype=torch.int32, device=dev)
+            npe_f.scatter_add_(0, ids_local.clamp(min=0).view(-1).long(), keep.view(-1).to(torch.int32))
+        else:
+            n_e = self.per_host * El
+            npe_f = out[:, NET_HEADER_WORDS:NET_HEADER_WORDS + n_e].sum(0, dtype=torch.int32)
+        xs_f = x_f if sc_f is None else (x_f, sc_f)
+        res = self._local_run(self.local.dispatch_steps(
+            xs_f, None, in_f.sum(0, dtype=torch.int32), None, in_f, npe_f, ids_local, w_f, expert_alignment, W))
+        recv_x_f, recv_idx, recv_w, _, local_handle, _ = res
+        x_ret, order, src_meta, recv_from = self._in_rank_order(recv_x_f, local_handle, xv)
+        self._seq += 1
+        cnt_c = cnt.clamp(max=C)
+        plan = CapturePlan(self.rt.uid, self._seq, T, tok, cnt_c, C, rx, local_handle, order, W)
+        head = torch.where(host_mask, pos, -1).to(torch.int32)
+        handle = inode.InternodeHandle((
+            in_rank, cnt_c.to(torch.int32).view(-1, 1), in_rank.sum(0, dtype=torch.int32).view(-1, 1),
+            rx.view(-1, 1), torch.cumsum(rx, 0, dtype=torch.int32), recv_from.view(-1, 1),
+            torch.cumsum(recv_from, 0, dtype=torch.int32), src_meta, head, local_handle[5]), plan)
+        return (x_ret, recv_idx[order] if recv_idx is not None else None,
+                recv_w[order] if recv_w is not None else None, [], handle, EventOverlap(None))
+
+    def _cached_capture(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
+        check_event(previous_event)
+        xv, sc = intranode.check_x(x)
+        plan = self._check_handle(handle)
+        check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
+        rec = self._record(xv, sc)
+        src = self._sources(rec, xv.shape[0], xv, sc)
+        out, rx, hw = self._move_capture(rec, src, plan.tok, plan.cnt, plan.cap, tx_cap=plan.cap)
+        x_f, sc_f, _, _, _ = self._split(self._records(out, hw, rec, plan.cap), rec, xv.dtype,
+                                         None if sc is None else sc.dtype)
+        return self._forward_cached(x_f if sc_f is None else (x_f, sc_f), plan, xv)
+
+    # ------------------------------------------------------------------ combine
+    def combine_capture(self, x, handle, topk_weights, bias, previous_event):
+        """:meth:`Internode.combine` on the capture path (same arguments and results)."""
+        return self._capture_call(self._combine_capture, x, handle, topk_weights, bias, previous_event)
+
+    def _combine_capture(self, x, handle, topk_weights, bias, previous_event):
+        prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)
+        plan, H, K = prep.plan, prep.H, prep.K
+        dev, nh, T, C = self.rt.device, self.num_hosts, plan.num_tokens, plan.cap
+        inv = torch.empty_like(plan.order)
+        inv.scatter_(0, plan.order, torch.arange(plan.num_rows, device=plan.order.device))
+        x_int = prep.xv[inv]
+        w_int = prep.wv[inv] if K else None
+        comb, comb_w, _ = self._local_run(self.local.combine_steps(x_int, plan.local_handle, w_int))
+        if H % 2:
+            comb = torch.nn.functional.pad(comb, (0, 1))
+        rec = NetRecord(2 * comb.shape[1], 0, 0, K, 0)
+        src = self._sources(rec, comb.shape[0], comb, w=comb_w if K else None)
+        tok = torch.arange(nh * C, dtype=torch.int64, device=dev).view(nh, C)
+        out, rx, hw = self._move_capture(rec, src, tok, plan.rx, T)
+        got = self._records(out, hw, rec, T)
+        acc = torch.zeros(T + 1, H, dtype=torch.float32, device=dev)      # row T: where unused rows go
+        wacc = torch.zeros(T + 1, K, dtype=torch.float32, device=dev) if K else None
+        valid = self._valid(rx, T).view(nh, T)
+        rows = inode._get(rec, got, "row", torch.bfloat16)[:, :H].float().view(nh, T, H)
+        ws = inode._get(rec, got, "weights", torch.float32).view(nh, T, K) if K else None
+        for h in range(nh):          # ascending host order; each token at most once per host
+            t = torch.where(valid[h], plan.tok[h], T)
+            acc.index_add_(0, t, rows[h])
+            if K:
+                wacc.index_add_(0, t, ws[h])
+        acc = acc[:T]
+        for b in prep.biases:
+            acc += b.float()
+        return acc.to(torch.bfloat16), None if wacc is None else wacc[:T], EventOverlap(None)
