@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20 if gpu else 2)
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped")
+    p.add_argument("--profile", action="store_true",
+                   help="on a GPU, also list each kernel's µs per graph replay of dispatch + combine (rank 0)")
     C.add_out_arg(p, "low_latency.json")
     return p.parse_args(argv)
 
@@ -66,6 +68,27 @@ def _graph_us(fn, device) -> float:
         torch.cuda.synchronize(device)
         ts.append(e0.elapsed_time(e1) * 1e3 / 20)
     return statistics.median(ts)
+
+
+def _kernel_us(fn, device, replays: int = 20) -> dict:
+    """GPU µs per replay of each kernel of ``fn`` captured in a CUDA graph (``torch.profiler`` over
+    ``replays`` replays): kernel name -> [launches per replay, µs per replay]."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize(device)
+    rows = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.count and us:
+            rows[e.key[:60]] = [e.count / replays, us / replays]
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
 
 
 def one_run(a, device, rank: int, R: int) -> dict:
@@ -93,6 +116,8 @@ def one_run(a, device, rank: int, R: int) -> dict:
         out[name], out[name + "_host"] = time_call(fn, a.iters, a.warmup, device)
     if device.type == "cuda":
         out["graph"] = _graph_us(lambda: (dispatch(), combine()), device)
+        if a.profile and rank == 0:
+            out["kernels"] = _kernel_us(lambda: (dispatch(), combine()), device)
     if dist.get_backend() == "nccl":
         # anchor: the same (token, expert) rows through all_to_all_single, with the permutes around it
         valid = idx >= 0
@@ -133,15 +158,16 @@ def rank_main(a) -> int:
         mine = one_run(a, device, rank, R)
     every = [None] * R
     dist.all_gather_object(every, mine)
+    kernels = mine.pop("kernels", None)
     row = {k: max(e[k] for e in every if k in e) for k in mine}       # the slowest rank
     if rank == 0:
-        report(a, row, R, sharing, backend)
+        report(a, row, R, sharing, backend, kernels)
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-def report(a, row, R, sharing, backend) -> None:
+def report(a, row, R, sharing, backend, kernels=None) -> None:
     gpu = C.on_gpu()
     what = ("GPU: CUDA-event µs of one call, slowest rank's median; graph: GPU µs per replay of dispatch + combine"
             if gpu and sharing == 1 else
@@ -152,11 +178,14 @@ def report(a, row, R, sharing, backend) -> None:
     heads = [c + " us" for c in CALLS] + ["host us (d/d16/c)"]
     host = "/".join(f"{row[c + '_host']:.0f}" for c in ("dispatch", "dispatch_bf16", "combine"))
     C.print_table(heads, [[C.sig(row.get(c), 4) for c in CALLS] + [host]])
+    if kernels:
+        C.say("[bench_low_latency] rank 0's kernels per graph replay of dispatch + combine (torch.profiler):")
+        C.print_table(["kernel", "launches", "GPU us"], [[k, f"{n:g}", f"{us:.1f}"] for k, (n, us) in kernels.items()])
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "low_latency.json")
     C.write_json(path, dict(device=C.device_name(), ranks=R, ranks_per_gpu=sharing if gpu else None, backend=backend,
                             tokens=a.tokens, hidden=a.hidden, experts=a.experts, topk=a.topk, iters=a.iters, note=what,
-                            results=row))
+                            results=row, kernels_per_replay=kernels))
     C.say(f"[bench_low_latency] wrote {path}")
 
 

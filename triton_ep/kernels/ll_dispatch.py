@@ -11,7 +11,7 @@ local expert ``e``, in 32-bit words::
 padded to 4 words, where ``t`` is the source token and ``k`` its first top-k entry naming that expert.
 The three launches of one dispatch:
 
-1. :func:`ll_route` (one program): the slot of each (token, expert) pair among this rank's rows for the
+1. :func:`ll_route` (a program per 32 experts): the slot of each (token, expert) pair among this rank's rows for the
    expert, in token order (deterministic), the rows per expert, masked ids (``-1``, a masked rank,
    duplicates of an earlier entry of the same token: the row goes once); bad ids end the call with an
    error record.
@@ -39,16 +39,15 @@ from .fp8 import quantize_blocks
 def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    # 1. This rank's rows per expert start at zero.
-    for e0 in range(0, num_experts, BLOCK_E):
-        oe = e0 + tl.arange(0, BLOCK_E)
-        tl.store(cnt_ptr + oe, tl.zeros([BLOCK_E], dtype=tl.int32), mask=oe < num_experts)
-    tl.debug_barrier()
-    M: tl.constexpr = BLOCK_T * BLOCK_K
+    # Program p owns experts [p * BLOCK_E, (p + 1) * BLOCK_E): it alone writes their slots and counts, so the
+    # programs need no ordering among themselves; program 0 also writes -1 for entries that make no row.
+    pid = tl.program_id(0)
+    oe = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     ok_ = tl.arange(0, BLOCK_K)
+    running = tl.zeros([BLOCK_E], dtype=tl.int32)      # rows of earlier token blocks, per owned expert
     nbad = tl.zeros([], dtype=tl.int32)
     for t0 in range(0, T, BLOCK_T):
-        # 2. Valid entries: ids in [0, E) whose rank is not masked; bad ids are counted.
+        # 1. Valid entries: ids in [0, E) whose rank is not masked; bad ids are counted.
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         m = (t < T)[:, None] & (ok_ < K)[None, :]
         ids = tl.load(idx_ptr + t[:, None] * K + ok_[None, :], mask=m, other=-1).to(tl.int64)
@@ -57,27 +56,25 @@ def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_pe
         dst = tl.where(ok, ids // experts_per_rank, 0)
         ok = ok & (tl.load(ctl + flags.off_ll_mask(R) + dst, mask=ok, other=0) == 0)
         e = tl.where(ok, ids, -1)
-        # 3. A duplicate of an earlier entry of the same token makes no row (the token goes once).
+        # 2. A duplicate of an earlier entry of the same token makes no row (the token goes once).
         same_tok = (e[:, :, None] == e[:, None, :]) & (ok_[None, None, :] < ok_[None, :, None]) & ok[:, None, :]
         row = ok & (tl.max(same_tok.to(tl.int32), axis=2) == 0)
-        # 4. Slot = rows for the same expert before it (earlier blocks: the running count; this block: a
-        #    comparison of every pair in (token, k) order), so slots follow token order.
-        ef = tl.reshape(e, [M])
-        rf = tl.reshape(row, [M])
-        i = tl.arange(0, M)
-        eq = (ef[:, None] == ef[None, :]) & rf[None, :]
-        before = tl.sum((eq & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-        later = tl.sum((eq & (i[None, :] > i[:, None])).to(tl.int32), axis=1)
-        slot = tl.load(cnt_ptr + ef, mask=rf, other=0) + before
-        of = tl.reshape(t[:, None] * K + ok_[None, :], [M])
-        tl.store(slot_ptr + of, tl.where(rf, slot, -1), mask=tl.reshape(m, [M]))
-        tl.debug_barrier()
-        # the last row of each expert in the block carries the new count (one store per expert)
-        tl.store(cnt_ptr + ef, slot + 1, mask=rf & (later == 0))
-        tl.debug_barrier()
-    # 5. Bad ids: nothing is sent (the send launch sees the error) and every peer is told that this
+        # 3. Slot = rows for the same expert from earlier tokens (slots follow token order): an exclusive
+        #    prefix sum over the block's tokens of each owned expert's one-hot, plus the earlier blocks'.
+        hit = (e[:, :, None] == oe[None, None, :]) & row[:, :, None]         # [T, K, E]
+        onehot = tl.max(hit.to(tl.int32), axis=1)                             # [T, E]
+        before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]
+        slot = tl.sum(tl.where(hit, before[:, None, :], 0), axis=2)           # [T, K]
+        mine = row & (e >= pid * BLOCK_E) & (e < (pid + 1) * BLOCK_E)
+        of = t[:, None] * K + ok_[None, :]
+        tl.store(slot_ptr + of, slot, mask=m & mine)
+        if pid == 0:
+            tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=m & (row == 0))
+        running += tl.sum(onehot, axis=0)
+    tl.store(cnt_ptr + oe, running, mask=oe < num_experts)
+    # 4. Bad ids: nothing is sent (the send launch sees the error) and every peer is told that this
     #    call (the next one this rank sends) failed.
-    if nbad > 0:
+    if (pid == 0) & (nbad > 0):
         tl.store(host + flags.H_INFO, nbad.to(tl.int64))
         tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
         flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
@@ -242,8 +239,8 @@ _ll_dispatch_recv_launch = Launcher(_ll_dispatch_recv_kernel)
 
 
 def _blocks_t(k: int, interp: bool) -> int:
-    """Tokens per block of the route kernel: about 128 (token, k) pairs compared pairwise."""
-    return max(1, 128 // pow2(k)) if not interp else max(1, 256 // pow2(k))
+    """Tokens per block of the route kernel: about 512 (token, k) pairs, each compared with 32 experts."""
+    return max(1, 512 // pow2(k))
 
 
 def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, ctl: torch.Tensor,
@@ -251,9 +248,11 @@ def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, 
     """Slots of this rank's (token, expert) rows: ``slots`` int32 ``[T, K]`` (``-1``: no row), ``counts``
     int32 ``[E]`` (rows per expert). ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block."""
     T, K = topk_idx.shape
-    _ll_route_launch[(1,)](topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks,
-                           signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"], R=num_ranks, K=K,
-                           BLOCK_T=_blocks_t(K, interpreted()), BLOCK_K=pow2(K), BLOCK_E=1024, num_warps=8)
+    be = min(pow2(num_experts), 32)
+    _ll_route_launch[(triton.cdiv(num_experts, be),)](
+        topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks, signals["hdr"], signals["hdr_delta"],
+        signals["host"], signals["me"], R=num_ranks, K=K, BLOCK_T=_blocks_t(K, interpreted()), BLOCK_K=pow2(K),
+        BLOCK_E=be, num_warps=8)
 
 
 def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
