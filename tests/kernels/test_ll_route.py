@@ -24,8 +24,13 @@ def _model(idx, E, per_rank, masked):
     return slots, torch.tensor(counts, dtype=torch.int32)
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("T,K,E,R,masked", [(300, 3, 100, 4, ()), (70, 8, 64, 8, (2, 5)), (0, 2, 8, 2, ())])
-def test_route_slots_follow_token_order(T, K, E, R, masked):
+def test_route_slots_follow_token_order(T, K, E, R, masked, device):
     g = torch.Generator().manual_seed(T + K + E)
     idx = torch.randint(-1, E, (T, K), generator=g)
     if T:
@@ -35,8 +40,9 @@ def test_route_slots_follow_token_order(T, K, E, R, masked):
         ctl[flags.off_ll_mask.host(R) + r] = 1
     slots = torch.full((T, K), 7, dtype=torch.int32)          # garbage: every entry must be written
     counts = torch.full((E,), 7, dtype=torch.int32)
-    dummy = torch.zeros(64, dtype=torch.int64)
-    ll_route(idx, slots, counts, ctl, E, R, {"hdr": dummy, "hdr_delta": dummy, "host": dummy, "me": 0})
+    dummy = torch.zeros(64, dtype=torch.int64, device=device)
+    idx_d, slots, counts, ctl = (t.to(device) for t in (idx, slots, counts, ctl))
+    ll_route(idx_d, slots, counts, ctl, E, R, {"hdr": dummy, "hdr_delta": dummy, "host": dummy, "me": 0})
     want_slots, want_counts = _model(idx, E, E // R, set(masked))
-    assert torch.equal(slots, want_slots)
-    assert torch.equal(counts, want_counts)
+    assert torch.equal(slots.cpu(), want_slots)
+    assert torch.equal(counts.cpu(), want_counts)
