@@ -220,12 +220,12 @@ def traffic(rank, world, env, T, H):
         buf.destroy()
 
 
-def failure(rank, world, env, kind, timeout_s):
+def failure(rank, world, env, kind, timeout_s, worst=0):
     """``kind`` "stalled": rank 1 builds its Buffer and then calls nothing; "broken_qp": rank 0's QP 1 towards
     host 1 is put into the error state first; "dropped_signal": rank 0's proxy leaves out the signal of its
     second chunk to host 1; "killed": the last rank (on the last host) dies with SIGKILL in its first
     dispatch, after its records went out and before it unpacks its peers'. Every other rank dispatches a few
-    chunks' worth to the other host. Returns ``[error type, message, seconds, type of the next call's error,
+    chunks' worth to the other host (with ``num_worst_tokens=worst``). Returns ``[error type, message, seconds, type of the next call's error,
     message, seconds]`` (or None)."""
     import signal
     import time
@@ -257,7 +257,8 @@ def failure(rank, world, env, kind, timeout_s):
         for _ in range(2):
             t0 = time.monotonic()
             try:
-                buf.dispatch(x, **kw)
+                buf.dispatch(x, num_worst_tokens=worst, **kw)
+                buf.check()
                 out += [None, "", time.monotonic() - t0]
             except Exception as ex:   # noqa: BLE001
                 out += [type(ex).__name__, str(ex), time.monotonic() - t0]

@@ -353,7 +353,8 @@ class Buffer:
             (``"peer host/QP index"`` -> ``channel``, ``port``, ``bytes``, ``wrs`` (work requests), ``chunks``),
             ``ports`` (port -> bytes), ``channels`` (channel -> ``bytes``, ``chunks``), ``wrs`` (work requests
             posted), ``chunks`` (chunks posted), ``proxy_busy_s`` (seconds the RDMA proxy threads spent in
-            sweeps that moved something: its host cost), ``network_s`` (seconds this rank's calls spent in the
+            sweeps that moved something: its host cost), ``proxy_post_s`` (the part of it inside the transport's
+            data posts: over the emulated fabric its payload copies), ``network_s`` (seconds this rank's calls spent in the
             network leg, waits included), ``exchanges`` (network legs: a call makes one or more) and
             ``host_exchanges`` (those that went through host memory: headers, statuses, counts; calls on the
             capture path make none).
@@ -381,10 +382,13 @@ class Buffer:
         time (``EPTimeoutError`` naming the peer and the stage; the Buffer must then be destroyed and
         rebuilt), a peer that gave up or failed the call (``EPRemoteError``), or a peer that called
         another operation, handle or sizes (``ValueError``). Reads host memory only: no device
-        synchronisation. Every call runs it first (and last); event waits run it too.
+        synchronisation. Every call runs it first (and last); event waits run it too. Across hosts it also
+        raises the RDMA proxy's and the ring kernels' errors and the capture path's statuses
+        (docs/internode.md); the network leg's errors are permanent there, so every later check raises again.
 
         Raises:
-            EPTimeoutError, EPRemoteError, ValueError: as above, each error once.
+            EPTimeoutError, EPRemoteError, EPCapacityError, ValueError: as above, each error once (across
+            hosts, a network-leg error at every check).
             EPError: the Buffer was destroyed.
         """
         if self._internode is not None:

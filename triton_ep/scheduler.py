@@ -223,8 +223,9 @@ class Scheduler:
         self._replenish = not getattr(transport, "auto_replenish", False)
         self._t0 = time.perf_counter_ns()
         self.wrs_posted = 0
-        #: seconds the proxy threads spent in sweeps that moved something (the proxy's own host cost)
-        self.busy_s = 0.0
+        #: seconds the proxy threads spent in sweeps that moved something (the proxy's own host cost), and the
+        #: part of it inside the transport's data posts (over the emulated fabric: its payload copies)
+        self.busy_s = self.post_s = 0.0
 
     # ---------------------------------------------------------------- set-up
     def remote_region(self) -> RemoteRegion:
@@ -333,12 +334,15 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Bytes, WRs and chunks per QP (``"peer/qp"`` keys, with channel and port), bytes per port, work
-        requests posted, and ``proxy_busy_s``: seconds the proxy threads spent in sweeps that moved something."""
+        requests posted, ``proxy_busy_s``: seconds the proxy threads spent in sweeps that moved something, and
+        ``proxy_post_s``: the part of those inside the transport's data posts (the emulated fabric copies
+        payloads there; a NIC's post only rings a doorbell)."""
         with self._lock:
             qps = {f"{q.peer}/{q.qp}": dict(channel=q.channel, port=q.port, bytes=q.total_bytes, wrs=q.wrs,
                                             chunks=q.chunks) for q in self._qps.values()}
             ports = {k: v[1] for k, v in self._ports.items()}
-        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": self.busy_s}
+        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": self.busy_s,
+                "proxy_post_s": self.post_s}
 
     # ---------------------------------------------------------------- the proxy
     def _event(self, kind: str, peer, channel, qp, seq, nbytes) -> None:
@@ -411,11 +415,14 @@ class Scheduler:
         for p in self.peers:
             did |= self._gather(p, own, batches, now)
         for (p, qp), ops in batches.items():
+            t0 = time.perf_counter()
             try:
                 self.t.post(p, qp, ops)
             except Exception as ex:   # noqa: BLE001
                 raise ProxyError(self.rank, p, qp // self.qps_per_channel, qp, STAGE_NAMES[STAGE_POST],
                                  f"{type(ex).__name__}: {ex}") from ex
+            finally:
+                self.post_s += time.perf_counter() - t0
             self.wrs_posted += len(ops)
         for p in self.peers:
             did |= self._credit(p)

@@ -110,6 +110,7 @@ def drop_rdma_signal(buf: Buffer, peer_host: int, nth: int = 0) -> None:
     if mode is None:
         raise ValueError("drop_rdma_signal needs a Buffer whose ranks span several hosts")
     sched = mode.sched
+    mode.sync_host_path()           # after capture-path calls, the chunk numbers are the ring counters'
     first = sched._next_tx[peer_host]
     chunk_ops = sched._chunk_ops
 

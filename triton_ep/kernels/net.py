@@ -128,6 +128,9 @@ def _claim(ctrl, array, want, h, stage, k, timeout_ns, R: tl.constexpr, USE_CLOC
     st = F.wait_ge(ctrl + F.ring_word(array, R, h), want, ctrl + F.RING_ABORT, timeout_ns, USE_CLOCK)
     if st != 0:
         F.post_ring_error(ctrl, st, h, stage, k)
+        # end every later ring wait at once (a capture-path call's later rounds and calls are queued already;
+        # the host raises the record at its next check)
+        F.release(ctrl + F.RING_ABORT, tl.full([], 3, tl.int64))
     return st
 
 

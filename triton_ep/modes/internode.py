@@ -13,9 +13,11 @@ models that order exactly.
 record stream into the RDMA scheduler's send rings and releases ``READY``; the proxy threads post each
 chunk's WRITEs and then its signal on one QP of the plan; an unpack kernel acquires ``TAIL``, copies the
 chunks out and releases ``HEAD`` (credits).  A launch moves at most ``slots`` chunks per peer; larger
-transfers run in rounds.  The host still exchanges a small header with its RDMA peers per call (counts,
-record layout, status) and runs the forwarding leg as an intranode call, so a call waits on the host and
-cannot yet be captured in a CUDA graph.
+transfers run in rounds.  On the host path the host exchanges a small header with its RDMA peers per call
+(counts, record layout, status) and waits for the ring kernels; the capture path
+(:mod:`triton_ep.modes.internode_capture`: ``num_worst_tokens`` dispatches on a GPU, and the cached
+dispatches and combines of GPU handles) keeps all of that on the device, so it captures in a CUDA graph.
+The forwarding leg is an intranode call on both.
 
 Records on the network leg: :class:`triton_ep.protocol.records.NetRecord` (``[meta (4 int32: global source
 rank, source token, 0, 0) | x row | scales | top-k ids (int64) | top-k weights (fp32) | is_token_in_rank of
@@ -138,7 +140,7 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
                   network_s: float = 0.0, exchanges: int = 0, host_exchanges: int = 0) -> dict:
     """``Buffer.get_rdma_stats``'s dict from the scheduler's :meth:`~triton_ep.scheduler.Scheduler.stats`
     (channels summed from its QPs); the defaults give a Buffer on one host: no traffic."""
-    s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0}
+    s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0, "proxy_post_s": 0.0}
     channels: dict = {}
     for q in s["qps"].values():
         c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
@@ -146,7 +148,7 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
         c["chunks"] += q["chunks"]
     return {"transport": transport, "num_hosts": num_hosts, "qps": s["qps"], "ports": s["ports"],
             "channels": channels, "wrs": s["wrs"], "chunks": sum(q["chunks"] for q in s["qps"].values()),
-            "proxy_busy_s": s["proxy_busy_s"], "network_s": network_s, "exchanges": exchanges,
+            "proxy_busy_s": s["proxy_busy_s"], "proxy_post_s": s["proxy_post_s"], "network_s": network_s, "exchanges": exchanges,
             "host_exchanges": host_exchanges}
 
 
@@ -320,6 +322,10 @@ class Internode(CapturePath):
             raise
         try:
             self.sched.check()
+            ex = self.sched.flags.error(self.rt.timeout_s)   # a ring kernel's wait that failed (capture path)
+            if ex is not None:
+                self.sched.fail(ex)
+                raise ex
         except (sched_mod.ProxyError, EPTimeoutError) as ex:
             self._leave_host()
             raise self._global(ex) from ex
@@ -731,7 +737,10 @@ class Internode(CapturePath):
         n_rows = order.shape[0]
         self._seq += 1
         to_host, in_rank = prep.to_host, prep.in_rank
-        plan = _Plan(self.rt.uid, self._seq, T, to_host, counts, local_handle, order, n_rows)
+        if self._capture_mode:      # its cached dispatches and combines: no host wait, no host exchange
+            plan = CapturePlan.of_plain(self.rt.uid, self._seq, T, to_host, counts, local_handle, order)
+        else:
+            plan = _Plan(self.rt.uid, self._seq, T, to_host, counts, local_handle, order, n_rows)
         head = torch.full((T, self.num_hosts), -1, dtype=torch.int32)
         for h in range(self.num_hosts):
             head[to_host[h].cpu(), h] = torch.arange(to_host[h].numel(), dtype=torch.int32)

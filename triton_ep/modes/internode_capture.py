@@ -26,7 +26,8 @@ call and numbers the ring's chunks on the host; here everything the host learnt 
   on the host (shapes, dtypes) do the same, since the peers' kernels already wait for this rank's streams.
 
 This path takes every ``num_worst_tokens`` dispatch on a CUDA device (so the warm-up call before a capture
-compiles the same kernels), and the cached dispatches and combines of its handles.
+compiles the same kernels), and the cached dispatches and combines of its handles and of plain dispatches'
+handles (whose counts the host learnt: :meth:`CapturePlan.of_plain`), so those capture in a graph too.
 ``TRITON_EP_INTERNODE_CAPTURE_PATH=1`` sends such calls down it on any device (the CPU tests), ``=0`` down the
 host path (except while a graph is captured); every rank must set the same. Its results are bit for bit
 those of the host path.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -68,8 +69,12 @@ class CapturePlan:
         tok: int64 ``[num_hosts, T]``: per host, this rank's tokens sent there, ascending (the first ``cnt[h]``).
         cnt: int64 ``[num_hosts]``: tokens sent to each host.  cap: ``C``, records per host's staging area.
         rx: int32 ``[num_hosts]``: records received from each host (this host: this rank's own).
-        local_handle: the forwarding leg's intranode handle.  order: int64 ``[W]``: received row ``i`` is
-        intranode row ``order[i]``.  num_rows: ``W``.
+        local_handle: the forwarding leg's intranode handle.  order: int64 ``[N]``: received row ``i`` is
+        intranode row ``order[i]``.  num_rows: ``N`` (``W`` for a num_worst_tokens dispatch).
+        ctok: int64 ``[num_hosts, m]``: per host, the forwarding leg's rows that return there in a combine
+        (the first ``rx[h]``).  blocks: ``None`` where the forwarding leg took the staging areas as they are
+        (``num_hosts * cap`` rows, a num_worst_tokens dispatch); else the records per host, host-known (a
+        plain dispatch, whose forwarding leg took them packed one host after another).
     """
     uid: str
     seq: int
@@ -81,6 +86,27 @@ class CapturePlan:
     local_handle: object
     order: Tensor
     num_rows: int
+    ctok: Tensor
+    blocks: Optional[List[int]] = None
+
+    @classmethod
+    def of_plain(cls, uid: str, seq: int, num_tokens: int, to_host: List[Tensor], counts: List[int], local_handle,
+                 order: Tensor) -> "CapturePlan":
+        """The plan of a plain dispatch (counts host-known: ``to_host``, per host the int64 tokens sent there;
+        ``counts``, per host the records received), so that its cached dispatches and combines take the
+        capture path. Builds its device tensors once, here (a later capture copies nothing from the host)."""
+        dev = order.device
+        nh = len(to_host)
+        tok = torch.zeros(nh, max(num_tokens, 1), dtype=torch.int64, device=dev)
+        for h, t in enumerate(to_host):
+            tok[h, :t.numel()] = t
+        cnt = torch.tensor([t.numel() for t in to_host], dtype=torch.int64).to(dev)
+        rx = torch.tensor(counts, dtype=torch.int32).to(dev)
+        starts = [sum(counts[:h]) for h in range(nh)]
+        m = max(max(counts), 1)
+        ctok = (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(m)[None, :]).clamp(
+            max=max(sum(counts) - 1, 0)).to(dev)
+        return cls(uid, seq, num_tokens, tok, cnt, m, rx, local_handle, order, order.shape[0], ctok, list(counts))
 
 
 class CapturePath:
@@ -174,7 +200,8 @@ class CapturePath:
         """Send each host ``cnt[h]`` records of ``tok[h]`` (int64 ``[num_hosts, n]``; ``cnt`` int64
         ``[num_hosts]`` on the device) with a header (``extra``: int32 ``[num_hosts, e]`` more words; ``code`` /
         ``reason``: int32 ``[]`` this rank's own status) and receive each peer's. Senders clamp to ``tx_cap``
-        records (a capacity status beyond).
+        records (a capacity status beyond); ``tx_cap`` is part of the layout key, which every peer must share
+        (ranks that passed different num_worst_tokens fail with a layout status).
 
         Returns: the staging area int32 ``[num_hosts, hw + cap_rx * rec_w]`` (each host's header, then its
         records; this host's: this rank's own), the records per host (int32 ``[num_hosts]``), and ``hw``.
@@ -195,7 +222,8 @@ class CapturePath:
         hdr[:, 1] = cnt.to(torch.int32)
         hdr[:, 2] = st
         hdr[:, 3] = torch.where(st == NET_STATUS_FAILED, self.rt.rank, -1)
-        hdr[:, 4] = rec.key32(hw)
+        key = rec.key32(hw, tx_cap or 0)
+        hdr[:, 4] = key
         if reason is not None:
             hdr[:, 5] = reason
         if ne:
@@ -205,15 +233,15 @@ class CapturePath:
         out[me, :hw] = hdr[me]
         own = tok[me, :min(n, cap_rx)]
         net.pack_linear(out[me, hw:], src, own, me, count=cnt[me:me + 1])
-        rx = torch.empty(nh, dtype=torch.int32, device=dev)
+        rx = torch.zeros(nh, dtype=torch.int32, device=dev)         # (a peer whose header never came: none)
         S, SW = sched.slots, sched.slot_bytes // 4
         rounds = cdiv(max(cdiv(hw + n * rw, SW), cdiv(region, SW)), S)
-        cd = net.DeviceCounts(hdr, hw, rx, self._cstatus, cap_rx * rw, rec.key32(hw), rw)
+        cd = net.DeviceCounts(hdr, hw, rx, self._cstatus, cap_rx * rw, key, rw)
         ar = torch.arange(nh, dtype=torch.int64, device=dev)
         tokens = tok[:, :n].contiguous().view(-1) if n else torch.zeros(1, dtype=torch.int64, device=dev)
         tok_start, out_start = ar * n, ar * region
         n_tx = hdr[:, 0].to(torch.int64)
-        n_rx = torch.empty(2 * nh, dtype=torch.int64, device=dev)
+        n_rx = torch.zeros(2 * nh, dtype=torch.int64, device=dev)     # (a header that never came: nothing)
         f_tx, f_rx = (torch.empty(nh, dtype=torch.int64, device=dev) for _ in range(2))
         common = dict(me_host=me, num_hosts=nh, slots=S, slot_bytes=sched.slot_bytes, timeout_s=self.rt.timeout_s,
                       dev=cd)
@@ -237,6 +265,15 @@ class CapturePath:
         """The records of a staging area (int32 ``[num_hosts, hw + cap * rec_w]``) as uint8 ``[num_hosts * cap,
         rec.nbytes]``, host by host."""
         return out[:, hw:].contiguous().view(torch.uint8).view(self.num_hosts * cap, rec.nbytes)
+
+    def _forwarded(self, out: Tensor, hw: int, rec: NetRecord, plan: CapturePlan) -> Tensor:
+        """The records the forwarding leg takes, laid out as ``plan``'s dispatch had them: the staging areas
+        as they are, or (``plan.blocks``) each host's first ``blocks[h]`` records, one host after another."""
+        if plan.blocks is None:
+            return self._records(out, hw, rec, plan.cap)
+        rw = rec.nbytes // 4
+        parts = [out[h, hw:hw + n * rw] for h, n in enumerate(plan.blocks)]
+        return torch.cat(parts).view(torch.uint8).view(sum(plan.blocks), rec.nbytes)
 
     def _valid(self, rx: Tensor, cap: int) -> Tensor:
         """bool ``[num_hosts * cap]``: which staging rows hold a received record."""
@@ -306,7 +343,8 @@ class CapturePath:
         x_ret, order, src_meta, recv_from = self._in_rank_order(recv_x_f, local_handle, xv)
         self._seq += 1
         cnt_c = cnt.clamp(max=C)
-        plan = CapturePlan(self.rt.uid, self._seq, T, tok, cnt_c, C, rx, local_handle, order, W)
+        ctok = torch.arange(nh * C, dtype=torch.int64, device=dev).view(nh, C)
+        plan = CapturePlan(self.rt.uid, self._seq, T, tok, cnt_c, C, rx, local_handle, order, W, ctok)
         head = torch.where(host_mask, pos, -1).to(torch.int32)
         handle = inode.InternodeHandle((
             in_rank, cnt_c.to(torch.int32).view(-1, 1), in_rank.sum(0, dtype=torch.int32).view(-1, 1),
@@ -322,8 +360,10 @@ class CapturePath:
         check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
         rec = self._record(xv, sc)
         src = self._sources(rec, xv.shape[0], xv, sc)
-        out, rx, hw = self._move_capture(rec, src, plan.tok, plan.cnt, plan.cap, tx_cap=plan.cap)
-        x_f, sc_f, _, _, _ = self._split(self._records(out, hw, rec, plan.cap), rec, xv.dtype,
+        # a num_worst_tokens plan's senders clamp to the staging areas; a plain one's counts are exact
+        out, rx, hw = self._move_capture(rec, src, plan.tok, plan.cnt, plan.cap,
+                                         tx_cap=plan.cap if plan.blocks is None else None)
+        x_f, sc_f, _, _, _ = self._split(self._forwarded(out, hw, rec, plan), rec, xv.dtype,
                                          None if sc is None else sc.dtype)
         return self._forward_cached(x_f if sc_f is None else (x_f, sc_f), plan, xv)
 
@@ -335,7 +375,7 @@ class CapturePath:
     def _combine_capture(self, x, handle, topk_weights, bias, previous_event):
         prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)
         plan, H, K = prep.plan, prep.H, prep.K
-        dev, nh, T, C = self.rt.device, self.num_hosts, plan.num_tokens, plan.cap
+        dev, nh, T = self.rt.device, self.num_hosts, plan.num_tokens
         inv = torch.empty_like(plan.order)
         inv.scatter_(0, plan.order, torch.arange(plan.num_rows, device=plan.order.device))
         x_int = prep.xv[inv]
@@ -345,8 +385,7 @@ class CapturePath:
             comb = torch.nn.functional.pad(comb, (0, 1))
         rec = NetRecord(2 * comb.shape[1], 0, 0, K, 0)
         src = self._sources(rec, comb.shape[0], comb, w=comb_w if K else None)
-        tok = torch.arange(nh * C, dtype=torch.int64, device=dev).view(nh, C)
-        out, rx, hw = self._move_capture(rec, src, tok, plan.rx, T)
+        out, rx, hw = self._move_capture(rec, src, plan.ctok, plan.rx, T)
         got = self._records(out, hw, rec, T)
         acc = torch.zeros(T + 1, H, dtype=torch.float32, device=dev)      # row T: where unused rows go
         wacc = torch.zeros(T + 1, K, dtype=torch.float32, device=dev) if K else None

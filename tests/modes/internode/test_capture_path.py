@@ -26,15 +26,15 @@ def _env(per_host, **more):
 def test_capture_path_round_trips_and_host_path_between(world, per_host, Ts, more):
     """num_worst_tokens dispatch, combine and cached dispatch bit for bit the reference on the capture path
     (with weights and biases; without topk_idx; skewed), with a plain dispatch on the host path between them on
-    the same Buffer: the host path re-reads the chunk numbers the capture path's kernels advanced. Records
-    straddle 128-byte chunks in the second case. Only the host-path call exchanges headers."""
+    the same Buffer: the host path re-reads the chunk numbers the capture path's kernels advanced, and the plain
+    dispatch's combine and cached dispatch take the capture path with its host-known counts. Records straddle
+    128-byte chunks in the second case. Only the plain dispatch exchanges headers."""
     out = _values(run_ranks(cases.capture_sequence, world, _env(per_host, **more), 11, 4 * world, 3, 64, Ts,
                             timeout_s=300))
     for o in out:
         assert all(c["combined"] for c in o[:4]), o
-        # the host-path calls alone: the dispatch's header and status, the combine's header, the cached
-        # dispatch's header and status
-        assert o[4] == 5, o
+        # the plain dispatch alone (its header and status): its combine and cached dispatch take the capture path
+        assert o[4] == 2, o
     assert sum(c["rows"] for o in out for c in o[:4]) > 0
 
 
@@ -57,3 +57,13 @@ def test_capture_path_errors_reach_every_rank(kind):
         elif r in (0, 1):      # on CPU the forwarding leg raises at the call's end; on GPU at check()
             assert "EPCapacityError" in (first, (o["checked"] or [None])[0]), (r, o)
         assert o["next"] is not None and o["next_s"] < 10.0, (r, o)
+
+
+def test_capture_path_dropped_signal_ends_every_wait():
+    """A dropped signal on the capture path: rank 1's ring wait for the chunk runs out of time, which ends
+    every later ring wait at once; both ranks raise (at the call's end on CPU, at the next check() on a GPU)
+    within the bound, and their next calls at once."""
+    out = _values(run_ranks(cases.failure, 2, _env(1), "dropped_signal", 3.0, 512, timeout_s=120))
+    for o in out:
+        assert o[0] in ("ProxyError", "ProxyRemoteError", "EPTimeoutError", "EPRemoteError"), o
+        assert o[2] < 3.0 + 5.0 and o[3] is not None and o[5] < 1.0, o
