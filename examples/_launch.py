@@ -16,6 +16,7 @@ alone owns stdout.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -42,8 +43,13 @@ def _rank_entry(rank: int, nranks: int, port: int, main: Callable[[], int | None
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nranks), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = _run_here(main)
-    if code:
-        sys.exit(code)
+    # Leave without the interpreter's finalisation: there, torch's gloo worker threads can race the teardown
+    # and abort a rank whose run succeeded ("terminate called without an active exception", SIGABRT; seen
+    # once in bench_ep8's CLI test). Exit handlers (atexit: cleanups of shared memory) still run first.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_here(main: Callable[[], int | None]) -> int:
