@@ -422,8 +422,7 @@ def capture_errors(rank, world, env, kind):
         except Exception as ex:   # noqa: BLE001
             first = [type(ex).__name__, str(ex)]
         first_s = time.monotonic() - t0
-        dist.barrier()
-        checked = None
+        checked = None                  # (no barrier first: this rank's own error must win over its peers' echo)
         try:
             buf.check()
         except Exception as ex:   # noqa: BLE001

@@ -409,7 +409,7 @@ class Scheduler:
             if w:
                 st, ch, q = parse_fault(w)
                 raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
-                                       f"rank {p}'s proxy failed there and told its peers")
+                                       "the peer's proxy failed there and told its peers")
         now = time.monotonic()
         batches: Dict[Tuple[int, int], List[Op]] = {}
         for p in self.peers:

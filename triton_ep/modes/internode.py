@@ -311,6 +311,7 @@ class Internode(CapturePath):
         recorded error, or the RDMA proxy's (sticky: every later call raises it, with global ranks)."""
         if self.sched is None:
             raise EPError(f"rank {self.rt.rank}: this Buffer was destroyed")
+        self.check_capture()        # first: this rank's own recorded error names the cause, the others echo it
         try:
             self.rt.check()         # this host's runtime: also raises where its forwarding leg failed for good
         except EPError as ex:
@@ -329,7 +330,6 @@ class Internode(CapturePath):
         except (sched_mod.ProxyError, EPTimeoutError) as ex:
             self._leave_host()
             raise self._global(ex) from ex
-        self.check_capture()
 
     def check(self) -> None:
         """``Buffer.check()`` across hosts: raise what the last calls recorded (this host's kernels, the RDMA
@@ -355,7 +355,9 @@ class Internode(CapturePath):
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
         """``Buffer.get_dispatch_layout`` across hosts: the layout of ``intranode`` (the Buffer's group-wide
-        normal mode: the same kernel), plus ``num_tokens_per_rdma_rank`` int32 ``[num_hosts]`` second."""
+        normal mode: the same kernel), plus ``num_tokens_per_rdma_rank`` int32 ``[num_hosts]`` second.
+        Raises at once where an earlier call failed for good (:meth:`_live`)."""
+        self._live()
         return intranode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
                                              allocate_on_comm_stream, tokens_per_host=self.tokens_per_host)
 
@@ -424,7 +426,7 @@ class Internode(CapturePath):
         are told which global ranks those are."""
         try:
             return self.local_rt.run(gen)
-        except EPError as ex:
+        except (EPError, ValueError) as ex:     # (a disagreement of the host's ranks is a ValueError)
             self._annotate(ex)
             raise
 

@@ -50,9 +50,9 @@ def test_capture_path_errors_reach_every_rank(kind):
         assert o["first_s"] < 10.0, (r, o)
         if kind == "bad_shape":     # the others return, or raise at once where rank 3 left first
             assert first == "TypeError" if r == 3 else first in (None, "EPRemoteError", "ProxyRemoteError"), (r, o)
-        elif kind == "bad_ids":
-            assert first is None, (r, o)
-            if r == 3:
+        elif kind == "bad_ids":     # rank 3's call returns (or hears of a peer that already failed)
+            assert first in (None, "EPRemoteError", "ProxyRemoteError"), (r, o)
+            if r == 3:              # its own recorded error, not its peers' echo of it
                 assert o["checked"][0] == "ValueError" and "topk_idx" in o["checked"][1], o
         elif r in (0, 1):      # on CPU the forwarding leg raises at the call's end; on GPU at check()
             assert "EPCapacityError" in (first, (o["checked"] or [None])[0]), (r, o)
