@@ -50,13 +50,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _graph_us(fn, device) -> float:
-    """GPU µs per replay of ``fn`` captured in a CUDA graph (median over 5 x 20 replays)."""
+def _captured(fn, device) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured in a CUDA graph (the device synchronised before and after)."""
     torch.cuda.synchronize(device)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
     torch.cuda.synchronize(device)
+    return g
+
+
+def _graph_us(g, device) -> float:
+    """GPU µs per replay of the CUDA graph ``g`` (median over 5 x 20 replays)."""
     ts = []
     for _ in range(5):
         dist.barrier()
@@ -70,13 +75,10 @@ def _graph_us(fn, device) -> float:
     return statistics.median(ts)
 
 
-def _kernel_us(fn, device, replays: int = 20) -> dict:
-    """GPU µs per replay of each kernel of ``fn`` captured in a CUDA graph (``torch.profiler`` over
-    ``replays`` replays): kernel name -> [launches per replay, µs per replay]."""
+def _kernel_us(g, device, replays: int = 20) -> dict:
+    """GPU µs per replay of each kernel of the CUDA graph ``g`` (``torch.profiler`` over ``replays``
+    replays): kernel name -> [launches per replay, µs per replay]."""
     from torch.profiler import ProfilerActivity, profile
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
     g.replay()
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -115,9 +117,10 @@ def one_run(a, device, rank: int, R: int) -> dict:
                      ("combine", combine)):
         out[name], out[name + "_host"] = time_call(fn, a.iters, a.warmup, device)
     if device.type == "cuda":
-        out["graph"] = _graph_us(lambda: (dispatch(), combine()), device)
+        graph = _captured(lambda: (dispatch(), combine()), device)
+        out["graph"] = _graph_us(graph, device)
         if a.profile and rank == 0:
-            out["kernels"] = _kernel_us(lambda: (dispatch(), combine()), device)
+            out["kernels"] = _kernel_us(graph, device)
     if dist.get_backend() == "nccl":
         # anchor: the same (token, expert) rows through all_to_all_single, with the permutes around it
         valid = idx >= 0

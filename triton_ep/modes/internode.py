@@ -323,10 +323,7 @@ class Internode(CapturePath):
             raise
         try:
             self.sched.check()
-            ex = self.sched.flags.error(self.rt.timeout_s)   # a ring kernel's wait that failed (capture path)
-            if ex is not None:
-                self.sched.fail(ex)
-                raise ex
+            self._ring_error()          # a ring kernel's wait that failed (the capture path's came unseen)
         except (sched_mod.ProxyError, EPTimeoutError) as ex:
             self._leave_host()
             raise self._global(ex) from ex
@@ -576,23 +573,40 @@ class Internode(CapturePath):
             f_tx = i64([tx0.get(h, 0) for h in range(self.num_hosts)])
             f_rx = i64([rx0.get(h, 0) for h in range(self.num_hosts)])
             out_start = i64((starts[:-1] * rw).tolist())
-            common = dict(me_host=self.host, num_hosts=self.num_hosts, slots=S, slot_bytes=sched.slot_bytes,
-                          timeout_s=self.rt.timeout_s)
-            guard = (stall_watchdog(sched.flags.w, int(kernels.flags.RING_ABORT), self.rt.timeout_s,
-                                    self._ring_progress) if interpreted() else contextlib.nullcontext())
-            with guard:
-                for i in range(rounds):
-                    net.pack_ring(self._ring_ctrl, self._ring_send, st.src, tokens, tok_start, n_tx, f_tx, i * S,
-                                  (i + 1) * S, **common)
-                    net.unpack_ring(self._ring_ctrl, self._ring_recv, out, out_start, n_rx, f_rx, i * S, (i + 1) * S,
-                                    **common)
-                self._wait_device()
-            sched.check()
-            ex = sched.flags.error(self.rt.timeout_s)
-            if ex is not None:
-                sched.fail(ex)
-                raise ex
+            self._rounds(rounds, st.src, tokens, tok_start, n_tx, f_tx, out, out_start, n_rx, f_rx, wait=True)
         return out.view(torch.uint8).view(int(starts[-1]), rec.nbytes)
+
+    def _rounds(self, rounds: int, src: net.Sources, tokens: Tensor, tok_start: Tensor, n_tx: Tensor, f_tx: Tensor,
+                out: Tensor, out_start: Tensor, n_rx: Tensor, f_rx: Tensor, wait: bool = False,
+                dev: Optional[net.DeviceCounts] = None) -> None:
+        """Launch ``rounds`` rounds of the ring kernels (:func:`net.pack_ring`, then :func:`net.unpack_ring`,
+        arguments as theirs), under the interpreter with the stall watchdog as their bound; with ``wait``,
+        wait for them on the device. Then raise the proxy's error or a ring kernel's recorded one (failing
+        the scheduler for good)."""
+        sched = self.sched
+        S = sched.slots
+        common = dict(me_host=self.host, num_hosts=self.num_hosts, slots=S, slot_bytes=sched.slot_bytes,
+                      timeout_s=self.rt.timeout_s, dev=dev)
+        guard = (stall_watchdog(sched.flags.w, int(kernels.flags.RING_ABORT), self.rt.timeout_s,
+                                self._ring_progress) if interpreted() else contextlib.nullcontext())
+        with guard:
+            for i in range(rounds):
+                net.pack_ring(self._ring_ctrl, self._ring_send, src, tokens, tok_start, n_tx, f_tx, i * S, (i + 1) * S,
+                              **common)
+                net.unpack_ring(self._ring_ctrl, self._ring_recv, out, out_start, n_rx, f_rx, i * S, (i + 1) * S,
+                                **common)
+            if wait:
+                self._wait_device()
+        sched.check()
+        self._ring_error()
+
+    def _ring_error(self) -> None:
+        """Raise a ring kernel's recorded error (a wait that ran out of time or was aborted), failing the
+        scheduler for good first (host memory only)."""
+        ex = self.sched.flags.error(self.rt.timeout_s)
+        if ex is not None:
+            self.sched.fail(ex)
+            raise ex
 
     def _ring_progress(self) -> int:
         """The sum of the ring's chunk counters (every wait of the ring kernels advances one when it ends)."""
@@ -666,12 +680,8 @@ class Internode(CapturePath):
                           num_worst_tokens, previous_event) -> SimpleNamespace:
         """Check a dispatch's arguments and pack its records for each host (nothing moves yet)."""
         if handle is not None:
-            check_event(previous_event)
-            xv, sc = intranode.check_x(x)
-            plan = self._check_handle(handle)
-            check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
-            rec = self._record(xv, sc)
-            streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc), plan.to_host)
+            xv, sc, plan, rec, src = self._cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
+            streams = _Streams(rec, src, plan.to_host)
             return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=plan, local_started=False)
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         # the group-wide checks of intranode mode (R = every rank of every host)
@@ -703,6 +713,16 @@ class Internode(CapturePath):
         return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=None, idx=idx, E=E, in_rank=in_rank,
                                to_host=to_host, local_started=False)
 
+    def _cached_args(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
+        """Check a cached dispatch's arguments. Returns its rows (and scales), its handle's plan, its record
+        layout (no ids, weights or is_token_in_rank bytes) and the records' sources."""
+        check_event(previous_event)
+        xv, sc = intranode.check_x(x)
+        plan = self._check_handle(handle)
+        check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
+        rec = self._record(xv, sc)
+        return xv, sc, plan, rec, self._sources(rec, xv.shape[0], xv, sc)
+
     @staticmethod
     def _record(xv: Tensor, sc: Optional[Tensor], ids: int = 0, weights: int = 0, local: int = 0) -> NetRecord:
         """The record layout of a dispatch of rows ``xv`` with scales ``sc`` (fp32 / int32 ``[T, S]`` or
@@ -720,15 +740,11 @@ class Internode(CapturePath):
         if prep.plan is not None:              # cached: the same routes, new rows
             prep.local_started = True
             return self._forward_cached(xs_f, prep.plan, xv)
-        R, E, idx, T = self.rt.group_size, prep.E, prep.idx, xv.shape[0]
-        El = E // R
+        E, idx, T = prep.E, prep.idx, xv.shape[0]
         dev = self.local_rt.device
         ids_local = None
         if idx is not None:
-            base = self.host * self.per_host * El
-            ids_local = torch.where((ids_f >= base) & (ids_f < base + self.per_host * El), ids_f - base, -1)
-            ids_local = ids_local.to(idx.dtype).to(dev)
-            npe_f = torch.bincount(ids_local[ids_local >= 0].long(), minlength=self.per_host * El).to(torch.int32)
+            ids_local, npe_f = self._local_experts(ids_f.to(dev), E, idx.dtype)
         per_rank_f = in_f.sum(0, dtype=torch.int32)
         prep.local_started = True
         out = self._local_run(self.local.dispatch_steps(
@@ -754,6 +770,20 @@ class Internode(CapturePath):
             local_handle[5]), plan)
         return (x_ret, recv_idx[order] if recv_idx is not None else None,
                 recv_w[order] if recv_w is not None else None, per_expert_list, new_handle, EventOverlap(None))
+
+    def _local_experts(self, ids_f: Tensor, num_experts: int, dtype, valid: Optional[Tensor] = None):
+        """The forwarded rows' top-k ids (int64 ``[F, K]``, global expert ids) as ids of this host's experts
+        (``dtype``, ``-1`` for the others, and for every id of a row not ``valid``, bool ``[F]``), and the
+        rows per host expert (int32 ``[ranks per host * E / R]``); no host synchronisation."""
+        n = self.per_host * (num_experts // self.rt.group_size)
+        base = self.host * n
+        keep = (ids_f >= base) & (ids_f < base + n)
+        if valid is not None:
+            keep = keep & valid[:, None]
+        ids_local = torch.where(keep, ids_f - base, -1).to(dtype)
+        npe = torch.zeros(n, dtype=torch.int32, device=ids_f.device)
+        npe.scatter_add_(0, ids_local.clamp(min=0).view(-1).long(), keep.view(-1).to(torch.int32))
+        return ids_local, npe
 
     def _forward_cached(self, xs_f, plan, xv: Tensor) -> tuple:
         """A cached dispatch's forwarding leg: the intranode cached dispatch of ``xs_f`` (the forwarded records'
@@ -873,17 +903,26 @@ class Internode(CapturePath):
     def _reduce_in_host(self, prep: SimpleNamespace) -> _Streams:
         """The intranode combine of this host's rows (per forwarded token: the fp32 sum over the host's ranks,
         rounded to bf16), as record streams to each source host (rows padded to 4 bytes)."""
+        plan = prep.plan
+        rec, src, rows = self._combine_in_host(prep)
+        starts = np.cumsum([0] + plan.from_host)
+        tokens = [rows[int(starts[h]):int(starts[h + 1])] for h in range(self.num_hosts)]
+        return _Streams(rec, src, tokens)
+
+    def _combine_in_host(self, prep: SimpleNamespace):
+        """The intranode combine of a combine's rows (``prep`` from :meth:`_prepare_combine`) back to the rows
+        this rank forwarded (per row: the fp32 sum over the host's ranks, rounded to bf16; padded to 4 bytes).
+        Returns their record layout (the partial sum, then the weights' sums), the records' sources and the
+        forwarded rows' indices (int64 ``[F]``, on the device); no host synchronisation."""
         plan, H, K = prep.plan, prep.H, prep.K
         inv = torch.empty_like(plan.order)
-        inv[plan.order] = torch.arange(plan.num_rows, device=plan.order.device)
+        inv.scatter_(0, plan.order, torch.arange(plan.num_rows, device=plan.order.device))
         x_int = prep.xv[inv]
         w_int = prep.wv[inv] if K else None
         prep.local_started = True
         comb, comb_w, _ = self._local_run(self.local.combine_steps(x_int, plan.local_handle, w_int))
         if H % 2:
             comb = torch.nn.functional.pad(comb, (0, 1))
-        starts = np.cumsum([0] + plan.from_host)
         rec = NetRecord(2 * comb.shape[1], 0, 0, K, 0)
         rows = torch.arange(comb.shape[0], dtype=torch.int64, device=comb.device)
-        tokens = [rows[int(starts[h]):int(starts[h + 1])] for h in range(self.num_hosts)]
-        return _Streams(rec, self._sources(rec, comb.shape[0], comb, w=comb_w if K else None), tokens)
+        return rec, self._sources(rec, comb.shape[0], comb, w=comb_w if K else None), rows

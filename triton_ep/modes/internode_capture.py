@@ -34,23 +34,18 @@ those of the host path.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import List, Optional, Tuple
 
 import torch
 
-from .. import kernels
 from ..config import EventOverlap
 from ..errors import EPCapacityError, EPRemoteError
 from ..kernels import net
-from ..kernels._util import cdiv, interpreted
+from ..kernels._util import cdiv
 from ..protocol.records import (NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STATUS_FAILED, NET_STATUS_LAYOUT,
                                 NetRecord)
-from ..runtime.checks import check_event
-from ..transport.signals import stall_watchdog
 from . import internode as inode       # (a cycle: its Internode mixes this class in; names used at call time)
-from .intranode import check_cached_dispatch
 
 Tensor = torch.Tensor
 #: the environment variable that sends every num_worst_tokens call across hosts down the capture path
@@ -243,21 +238,8 @@ class CapturePath:
         n_tx = hdr[:, 0].to(torch.int64)
         n_rx = torch.zeros(2 * nh, dtype=torch.int64, device=dev)     # (a header that never came: nothing)
         f_tx, f_rx = (torch.empty(nh, dtype=torch.int64, device=dev) for _ in range(2))
-        common = dict(me_host=me, num_hosts=nh, slots=S, slot_bytes=sched.slot_bytes, timeout_s=self.rt.timeout_s,
-                      dev=cd)
-        guard = (stall_watchdog(sched.flags.w, int(kernels.flags.RING_ABORT), self.rt.timeout_s,
-                                self._ring_progress) if interpreted() else contextlib.nullcontext())
-        with self._network(), guard:
-            for i in range(rounds):
-                net.pack_ring(self._ring_ctrl, self._ring_send, src, tokens, tok_start, n_tx, f_tx, i * S, (i + 1) * S,
-                              **common)
-                net.unpack_ring(self._ring_ctrl, self._ring_recv, out.view(-1), out_start, n_rx, f_rx, i * S,
-                                (i + 1) * S, **common)
-            sched.check()
-            ex = sched.flags.error(self.rt.timeout_s)
-            if ex is not None:
-                sched.fail(ex)
-                raise ex
+        with self._network():
+            self._rounds(rounds, src, tokens, tok_start, n_tx, f_tx, out.view(-1), out_start, n_rx, f_rx, dev=cd)
         rx[me] = cnt[me].to(torch.int32)
         return out, rx, hw
 
@@ -325,16 +307,11 @@ class CapturePath:
         valid = self._valid(rx, C)
         x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
         in_f = in_f & valid[:, None]
-        El = E // R
         ids_local = None
         if idx is not None:
-            base = self.host * self.per_host * El
-            keep = (ids_f >= base) & (ids_f < base + self.per_host * El) & valid[:, None]
-            ids_local = torch.where(keep, ids_f - base, -1).to(idx.dtype)
-            npe_f = torch.zeros(self.per_host * El, dtype=torch.int32, device=dev)
-            npe_f.scatter_add_(0, ids_local.clamp(min=0).view(-1).long(), keep.view(-1).to(torch.int32))
+            ids_local, npe_f = self._local_experts(ids_f, E, idx.dtype, valid)
         else:
-            n_e = self.per_host * El
+            n_e = self.per_host * (E // R)
             npe_f = out[:, NET_HEADER_WORDS:NET_HEADER_WORDS + n_e].sum(0, dtype=torch.int32)
         xs_f = x_f if sc_f is None else (x_f, sc_f)
         res = self._local_run(self.local.dispatch_steps(
@@ -354,12 +331,7 @@ class CapturePath:
                 recv_w[order] if recv_w is not None else None, [], handle, EventOverlap(None))
 
     def _cached_capture(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
-        check_event(previous_event)
-        xv, sc = intranode.check_x(x)
-        plan = self._check_handle(handle)
-        check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
-        rec = self._record(xv, sc)
-        src = self._sources(rec, xv.shape[0], xv, sc)
+        xv, sc, plan, rec, src = self._cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
         # a num_worst_tokens plan's senders clamp to the staging areas; a plain one's counts are exact
         out, rx, hw = self._move_capture(rec, src, plan.tok, plan.cnt, plan.cap,
                                          tx_cap=plan.cap if plan.blocks is None else None)
@@ -376,15 +348,7 @@ class CapturePath:
         prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)
         plan, H, K = prep.plan, prep.H, prep.K
         dev, nh, T = self.rt.device, self.num_hosts, plan.num_tokens
-        inv = torch.empty_like(plan.order)
-        inv.scatter_(0, plan.order, torch.arange(plan.num_rows, device=plan.order.device))
-        x_int = prep.xv[inv]
-        w_int = prep.wv[inv] if K else None
-        comb, comb_w, _ = self._local_run(self.local.combine_steps(x_int, plan.local_handle, w_int))
-        if H % 2:
-            comb = torch.nn.functional.pad(comb, (0, 1))
-        rec = NetRecord(2 * comb.shape[1], 0, 0, K, 0)
-        src = self._sources(rec, comb.shape[0], comb, w=comb_w if K else None)
+        rec, src, _ = self._combine_in_host(prep)
         out, rx, hw = self._move_capture(rec, src, plan.ctok, plan.rx, T)
         got = self._records(out, hw, rec, T)
         acc = torch.zeros(T + 1, H, dtype=torch.float32, device=dev)      # row T: where unused rows go
