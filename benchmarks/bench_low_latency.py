@@ -46,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped")
     p.add_argument("--profile", action="store_true",
                    help="on a GPU, also list each kernel's µs per graph replay of dispatch + combine (rank 0)")
+    p.add_argument("--sweep", action="store_true",
+                   help="on a GPU, also sweep the low-latency kernels' launch shapes (one parameter at a time, "
+                        "each kept where its kernel's µs per graph replay is least; rank 0's kernels, results "
+                        "checked bit for bit against the starting shapes) and write low_latency_sweep.json")
     C.add_out_arg(p, "low_latency.json")
     return p.parse_args(argv)
 
@@ -93,6 +97,69 @@ def _kernel_us(g, device, replays: int = 20) -> dict:
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
 
 
+#: the swept launch parameters (triton_ep.kernels._util.GPU_TUNING's low-latency entries) and their kernels
+SWEEP = {
+    "ll_send": ("_ll_dispatch_send_kernel", dict(block_h=[256, 512, 1024], block_t=[1, 2], num_warps=[4, 8, 16])),
+    "ll_recv": ("_ll_dispatch_recv_kernel", dict(block_r=[2, 4, 8, 16], programs_per_expert=[1, 2, 4, 8],
+                                                 expert_programs=[0, 128, 64], block_w=[256, 512, 1024, 2048],
+                                                 num_warps=[2, 4, 8])),
+    "ll_combine_send": ("_ll_combine_send_kernel", dict(block_r=[1, 2, 4], programs_per_expert=[2, 4, 8, 16],
+                                                        block_w=[1024, 2048, 4096], num_warps=[2, 4, 8])),
+    "ll_reduce": ("_ll_combine_reduce_kernel", dict(block_h=[256, 512, 1024], block_t=[1, 2], num_warps=[2, 4, 8])),
+}
+
+
+def _sweep(dispatch, combine, device) -> dict:
+    """Coordinate descent over :data:`SWEEP` on dispatch (FP8) + combine in a CUDA graph: for each kernel
+    and parameter, every value is tried with the others held, and the one giving that kernel the fewest
+    µs per replay is kept. Every variant's outputs must equal the starting shapes' bit for bit (the
+    received rows and scales up to each expert's count, the counts, the combined tokens). Returns the
+    chosen shapes, the µs before and after, and every trial."""
+    from triton_ep.kernels._util import GPU_TUNING
+
+    def measure():
+        res = {}
+
+        def both():
+            (q, sc), cnt, h, _, _ = dispatch()
+            res["d"] = (q, sc, cnt, h[0])
+            res["c"] = combine()[0]
+        g = _captured(both, device)
+        g.replay()
+        torch.cuda.synchronize(device)
+        q, sc, cnt, src = res["d"]
+        rows = torch.arange(q.shape[1], device=device)[None, :] < cnt[:, None].long()
+        got = (q.view(torch.uint8)[rows].clone(), sc[rows].clone(), cnt.clone(), src[rows].clone(), res["c"].clone())
+        us = {k: v[1] for k, v in _kernel_us(g, device).items()}
+        total = _graph_us(g, device)
+        del g
+        return got, us, total
+
+    ref, us0, total0 = measure()
+    trials = []
+    for tune, (kernel, params) in SWEEP.items():
+        for p, values in params.items():
+            best_v = GPU_TUNING[tune][p]
+            best = measure()[1].get(kernel, float("inf"))
+            for v in values:
+                if v == best_v:
+                    continue
+                GPU_TUNING[tune][p] = v
+                got, us, total = measure()
+                same = all(torch.equal(a_, b_) for a_, b_ in zip(got, ref))
+                trials.append(dict(kernel=tune, param=p, value=v, us=us.get(kernel), graph_us=total, same=same))
+                C.say(f"[sweep] {tune}.{p}={v}: {us.get(kernel, float('nan')):.1f} us (best {best:.1f} at {best_v}), "
+                      f"graph {total:.1f} us{'' if same else ', RESULTS DIFFER'}")
+                if not same:
+                    raise AssertionError(f"{tune}.{p}={v} changed the results")
+                if us.get(kernel, float("inf")) < best:
+                    best_v, best = v, us[kernel]
+                GPU_TUNING[tune][p] = best_v
+    _, us1, total1 = measure()
+    return dict(chosen={k: dict(GPU_TUNING[k]) for k in SWEEP}, kernels_before=us0, graph_before=total0,
+                kernels_after=us1, graph_after=total1, trials=trials)
+
+
 def one_run(a, device, rank: int, R: int) -> dict:
     import triton_ep
     T, H, E, K = a.tokens, a.hidden, a.experts, a.topk
@@ -121,6 +188,9 @@ def one_run(a, device, rank: int, R: int) -> dict:
         out["graph"] = _graph_us(graph, device)
         if a.profile and rank == 0:
             out["kernels"] = _kernel_us(graph, device)
+        if a.sweep:
+            del graph
+            out["sweep"] = _sweep(dispatch, combine, device)
     if dist.get_backend() == "nccl":
         # anchor: the same (token, expert) rows through all_to_all_single, with the permutes around it
         valid = idx >= 0
@@ -162,9 +232,18 @@ def rank_main(a) -> int:
     every = [None] * R
     dist.all_gather_object(every, mine)
     kernels = mine.pop("kernels", None)
+    sweep = mine.pop("sweep", None)
+    for e in every:
+        e.pop("sweep", None)
+        e.pop("kernels", None)
     row = {k: max(e[k] for e in every if k in e) for k in mine}       # the slowest rank
     if rank == 0:
         report(a, row, R, sharing, backend, kernels)
+        if sweep is not None:
+            path = os.path.join(a.out, "low_latency_sweep.json")
+            C.write_json(path, dict(device=C.device_name(), ranks=R, tokens=a.tokens, hidden=a.hidden,
+                                    experts=a.experts, topk=a.topk, note="GPU us per graph replay of dispatch (FP8) + "
+                                    "combine; per kernel by torch.profiler, rank 0", **sweep))
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -194,6 +273,8 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.sweep and a.ranks != 1:
+        raise SystemExit("--sweep runs at --ranks 1 (each rank would choose its own shapes)")
     return _launch.run(functools.partial(rank_main, a), a.ranks, a.timeout)
 
 

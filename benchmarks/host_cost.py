@@ -7,10 +7,11 @@ One rank (a gloo group of one), hidden 7168 bf16, top-8 of 256 experts on a GPU 
 random routing, a buffer holding every transfer in one round. Per call: a device synchronise, then
 ``perf_counter`` around the one call; the median (and minimum) of ``--iters`` calls. This is what bounds a
 small call from below when the GPU waits for the host. The dispatches take the layout
-``get_dispatch_layout`` returned for their ``topk_idx`` (so they launch no layout of their own). Launcher calls are counted by wrapping the kernel
-launchers of ``triton_ep.kernels``: each is one kernel launch, except ``routing_layout``, which makes one
-(up to 256 tokens on a GPU) or two. On CPU, under the Triton interpreter, the times say nothing about a
-GPU. Output: a table, and ``<out>/host_cost.json``.
+``get_dispatch_layout`` returned for their ``topk_idx`` (so they launch no layout of their own); ``ll_dispatch``
+(FP8) and ``ll_combine`` are the low-latency calls on a low-latency Buffer of their own (N = tokens). Kernels
+per call: on a GPU, the kernels ``torch.profiler`` sees in one call (driver launches count); on CPU, under
+the Triton interpreter, calls of the kernel launchers of ``triton_ep.kernels`` (the times say nothing
+about a GPU there). Output: a table, and ``<out>/host_cost.json``.
 """
 from __future__ import annotations
 
@@ -45,18 +46,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def count_launches():
-    """Wrap every kernel launcher the Buffer uses; returns the counter dict (launcher name -> calls)."""
+    """CPU: wrap every kernel launcher the Buffer uses; returns the counter dict (launcher name -> calls)."""
     import triton_ep.kernels as K
+    import triton_ep.modes.low_latency as LL
     counter = {}
-    for name in ("routing_layout", "notify_send", "notify_recv", "dispatch_send", "dispatch_recv", "combine_send",
-                 "combine_reduce"):
-        real = getattr(K, name)
+    for mod, names in ((K, ("routing_layout", "notify_send", "notify_recv", "dispatch_send", "dispatch_recv",
+                            "combine_send", "combine_reduce")),
+                       (LL, ("ll_route", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
+                             "ll_combine_reduce"))):
+        for name in names:
+            real = getattr(mod, name)
 
-        def wrapped(*a, _real=real, _name=name, **k):
-            counter[_name] = counter.get(_name, 0) + 1
-            return _real(*a, **k)
-        setattr(K, name, wrapped)
+            def wrapped(*a, _real=real, _name=name, **k):
+                counter[_name] = counter.get(_name, 0) + 1
+                return _real(*a, **k)
+            setattr(mod, name, wrapped)
     return counter
+
+
+def gpu_kernels(fn) -> dict:
+    """GPU: the kernels ``torch.profiler`` records in one call of ``fn`` (name -> launches)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key[:48]: e.count for e in prof.key_averages()
+            if e.count and (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0))}
 
 
 def main(argv=None) -> int:
@@ -76,13 +92,19 @@ def main(argv=None) -> int:
                       topk_idx=idx, topk_weights=w)
             first = buf.dispatch(x, **kw)
             recv_x, handle = first[0], first[4]
+            hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(a.tokens, a.hidden, 1, a.experts)
+            llbuf = triton_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=a.experts,
+                                     device=dev)
+            ll = llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=False)
             calls = {"layout": lambda: buf.get_dispatch_layout(idx, a.experts),
                      "dispatch": lambda: buf.dispatch(x, **kw),
                      "worst": lambda: buf.dispatch(x, num_worst_tokens=a.tokens, **kw),
                      "cached": lambda: buf.dispatch(x, handle=handle),
-                     "combine": lambda: buf.combine(recv_x, handle)}
+                     "combine": lambda: buf.combine(recv_x, handle),
+                     "ll_dispatch": lambda: llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=True),
+                     "ll_combine": lambda: llbuf.low_latency_combine(ll[0], idx, w, ll[2])}
             sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-            counter = count_launches()
+            counter = count_launches() if dev.type != "cuda" else None
             rows, out = [], []
             for name, fn in C.progress(list(calls.items()), desc="host_cost"):
                 if name == "dispatch":      # as a caller does: dispatch with the layout just computed for it
@@ -91,9 +113,12 @@ def main(argv=None) -> int:
                               num_tokens_per_expert=per_expert)
                 for _ in range(3):
                     fn()
-                counter.clear()
-                fn()
-                launches = dict(counter)
+                if counter is None:
+                    launches = gpu_kernels(fn)
+                else:
+                    counter.clear()
+                    fn()
+                    launches = dict(counter)
                 ts = []
                 for _ in range(a.iters):
                     sync()
@@ -115,6 +140,7 @@ def main(argv=None) -> int:
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
                     print(f"--- cProfile of {name} ({a.iters} calls)\n{text.getvalue()}")
+            llbuf.destroy()
             buf.destroy()
         finally:
             dist.destroy_process_group()
@@ -122,7 +148,8 @@ def main(argv=None) -> int:
             "dispatch's host wait)" if dev.type == "cuda" else
             "CPU: kernels run inside the call under the Triton interpreter; the times say nothing about a GPU")
     C.say(f"[host_cost] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of {a.experts}; {what}")
-    C.print_table(["call", "host us (median)", "min", "launcher calls", "launchers (per call)"], rows)
+    C.print_table(["call", "host us (median)", "min", "kernels" if dev.type == "cuda" else "launcher calls",
+                   "per kernel"], rows)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "host_cost.json")
     C.write_json(path, dict(device=C.device_name(), ranks=1, ranks_per_gpu=1, tokens=a.tokens, hidden=a.hidden,

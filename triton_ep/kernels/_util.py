@@ -25,6 +25,10 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_send": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),
+    "ll_send": dict(block_t=1, block_h=1024, num_warps=4),
+    "ll_recv": dict(block_r=8, block_w=2048, block_f=128, expert_programs=0, programs_per_expert=1, num_warps=8),
+    "ll_combine_send": dict(block_r=1, block_w=4096, programs_per_expert=4, num_warps=4),
+    "ll_reduce": dict(block_t=1, block_h=1024, num_warps=2),
 }
 
 INTERP_TUNING: Dict[str, Dict[str, object]] = {
@@ -35,6 +39,10 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
+    "ll_send": dict(block_t=16, block_h=2048, num_warps=4),
+    "ll_recv": dict(block_r=64, block_w=2048, block_f=1024, expert_programs=0, programs_per_expert=1, num_warps=4),
+    "ll_combine_send": dict(block_r=64, block_w=2048, programs_per_expert=1, num_warps=4),
+    "ll_reduce": dict(block_t=16, block_h=2048, num_warps=4),
 }
 
 

@@ -220,11 +220,17 @@ def last_program(hdr, USE_ASM: tl.constexpr):
 
 @triton.jit
 def last_program_at(counter, USE_ASM: tl.constexpr):
-    """:func:`last_program` over the launch counter word ``counter``."""
-    fence_all_threads(USE_ASM)
+    """:func:`last_program` over the launch counter word ``counter``.
+
+    The program's threads meet at a barrier, then one thread adds to the counter with a system-scope
+    acquire-release atomic: a release is cumulative over what the barrier ordered before it (the PTX
+    memory model's causality order includes ``bar.sync``), so every thread's earlier stores, to this GPU or
+    a peer's, are ordered before the count, and the last program's acquire orders them before its own
+    later releases. (One system-scope operation per program: with a fence in every thread before the count
+    instead, a graph replay of low-latency dispatch + combine took 86 us on an H200, against 51 us so.)"""
     tl.debug_barrier()
     n = tl.num_programs(0) * tl.num_programs(1)
-    done = tl.atomic_add(counter, tl.full([], 1, tl.int64), sem="acq_rel", scope="gpu")
+    done = tl.atomic_add(counter, tl.full([], 1, tl.int64), sem="acq_rel", scope="sys")
     last = done == n - 1
     if last:
         tl.store(counter, tl.full([], 0, tl.int64))

@@ -18,9 +18,10 @@ import triton
 import triton.language as tl
 
 from . import flags
-from ._util import interpreted, pow2
+from ._util import cdiv, pow2, tuning
 from .launch import Launcher
 from .combine import _bf16_rtne_bits
+from .ll_dispatch import _grid2
 
 
 @triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns'])
@@ -38,7 +39,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max
     hb = ctl_w + half * half_w + cnt_w
     RN = R * n_max
     WX: tl.constexpr = H // 2
-    # Programs take (local expert, row block) pairs; each valid row goes to its source's slot.
+    # Program (p, q) takes local experts p, p + P0, ... and of each the row blocks q, q + P1, ...; each valid
+    # row goes to its source's slot.
     for le in range(tl.program_id(0), experts_per_rank, tl.num_programs(0)):
         total = tl.where(go, tl.load(count + le), 0)
         for j0 in range(tl.program_id(1) * BLOCK_R, total, tl.num_programs(1) * BLOCK_R):
@@ -79,7 +81,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
-        for h0 in range(0, H, BLOCK_H):
+        for h0 in range(tl.program_id(1) * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             # Fixed order: k ascending, one fp32 multiply and add per entry.
@@ -113,15 +115,14 @@ def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor
     """Return rows ``x`` bf16 ``[E_local, R*N, H]`` (the first ``count[e]`` of each expert) to their source
     ranks' slots. ``ret_slot`` int32 ``[E_local, R*N]``: ``src * N * K + t * K + k`` or ``-1``."""
     El, RN, H = x.shape
-    interp = interpreted()
-    cap = signals.get("max_programs")
-    nb = 1 if (interp or cap) else 4
-    _ll_combine_send_launch[(min(El, cap) if cap else El, nb)](
+    tune = tuning("ll_combine_send")
+    grid = _grid2(El, tune["programs_per_expert"], signals)
+    _ll_combine_send_launch[grid](
         x.view(torch.int32), ret_slot, count, area, delta_words, ctl, lay.n_max, lay.ctl_words, lay.half_words,
         lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], sig,
         signals["me"], signals["timeout_ns"], R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink,
-        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_R=64 if interp else 4,
-        BLOCK_W=pow2(min(H // 2, 2048 if interp else 512)), num_warps=4)
+        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_R=tune["block_r"],
+        BLOCK_W=pow2(min(H // 2, tune["block_w"])), num_warps=tune["num_warps"])
 
 
 def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -131,16 +132,15 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
     fp32 ``[T, K]`` (``topk_idx`` int32/int64 ``[T, K]``); wait ns per peer are added to ``cost`` (int64)."""
     T, K = topk_idx.shape
     H = out.shape[1]
-    interp = interpreted()
-    bt = 16 if interp else 1
-    bh = min(pow2(H), 2048 if interp else 1024)
+    tune = tuning("ll_reduce")
+    bt = tune["block_t"]
+    bh = min(pow2(H), tune["block_h"])
     while H % bh:
         bh //= 2
-    cap = signals.get("max_programs")
-    grid = max(min(triton.cdiv(T, bt), cap) if cap else triton.cdiv(T, bt), 1)
-    _ll_combine_reduce_launch[(grid,)](
+    grid = _grid2(cdiv(T, bt), H // bh, signals)
+    _ll_combine_reduce_launch[grid](
         area.view(torch.bfloat16), ctl, topk_idx, topk_weights, out.view(torch.int16),
         cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
         lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
         signals["timeout_ns"], R=lay.num_ranks, K=K, H=H, COST=cost is not None, SHRINK=shrink,
-        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_T=bt, BLOCK_H=bh, num_warps=4)
+        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_T=bt, BLOCK_H=bh, num_warps=tune["num_warps"])

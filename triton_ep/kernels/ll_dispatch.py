@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import flags
 from ..protocol import records
-from ._util import interpreted, pow2
+from ._util import cdiv, interpreted, pow2, tuning
 from .launch import Launcher
 from .fp8 import quantize_blocks
 
@@ -85,17 +85,20 @@ _ll_route_launch = Launcher(_ll_route_kernel)
 
 
 @triton.jit
-def _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, records_w, me, n_max, K: tl.constexpr,
-               R: tl.constexpr, REC: tl.constexpr):
-    """Where entry ``k`` of tokens ``t`` goes: the mask (it has a slot) and the word address, relative to
-    this rank's area, of its record ``(local expert, me, slot)`` in the expert's rank's area, whose records
-    start at word ``records_w`` of the half."""
-    sl = tl.load(slot_ptr + t * K + k, mask=mt, other=-1)
-    m = mt & (sl >= 0)
-    e = tl.where(m, tl.load(idx_ptr + t * K + k, mask=m, other=0).to(tl.int64), 0)
+def _records_of(slot_ptr, idx_ptr, delta_w, t, mt, experts_per_rank, records_w, me, n_max, K: tl.constexpr,
+                R: tl.constexpr, REC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Where the entries of tokens ``t`` go: ``[BLOCK_T, BLOCK_K]`` masks (the entry has a slot) and word
+    addresses, relative to this rank's area, of their records ``(local expert, me, slot)`` in the expert's
+    rank's area, whose records start at word ``records_w`` of the half."""
+    k = tl.arange(0, BLOCK_K)
+    mk = mt[:, None] & (k < K)[None, :]
+    of = t[:, None] * K + k[None, :]
+    sl = tl.load(slot_ptr + of, mask=mk, other=-1)
+    m = mk & (sl >= 0)
+    e = tl.where(m, tl.load(idx_ptr + of, mask=m, other=0).to(tl.int64), 0)
     d = e // experts_per_rank
     rec = tl.load(delta_w + d, mask=m, other=0) + records_w + (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
-    return m, rec
+    return m, rec, of
 
 
 @triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
@@ -105,7 +108,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                              R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
                              SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_E: tl.constexpr):
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
@@ -114,12 +118,15 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                              SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
     T = tl.where(go, T, 0)
     hb = ctl_w + half * half_w                  # the half, in words from the area's start (every rank alike)
-    # Programs take token blocks pid, pid + P, ...; each tile of x is read (and cast) once and stored
-    # into the record of every expert the token goes to.
+    hp = tl.program_id(1)
+    # Programs (p, q) take token blocks p, p + P0, ... and, of each, the hidden blocks q, q + P1, ...: each
+    # tile of x is read (and cast) once and stored into the record of every expert the token goes to.
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
-        for h0 in range(0, H, BLOCK_H):
+        m, rec, of = _records_of(slot_ptr, idx_ptr, delta_w, t, mt, experts_per_rank, hb + cnt_w, me, n_max, K, R,
+                                 REC, BLOCK_K)
+        for h0 in range(hp * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             if FP8:
                 xv = tl.load(x_ptr + t[:, None] * H + oh[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
@@ -127,24 +134,20 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                 if not NATIVE:
                     q = q.to(tl.uint8)
                 ob = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                tl.store(area_q + rec[:, :, None] * 4 + oh[None, None, :],
+                         tl.broadcast_to(q[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H]), mask=m[:, :, None])
+                tl.store(area_f + rec[:, :, None] + PW + ob[None, None, :],            # scales after the payload
+                         tl.broadcast_to(s[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 128]), mask=m[:, :, None])
             else:
                 ow = h0 // 2 + tl.arange(0, BLOCK_H // 2)
                 v = tl.load(xw_ptr + t[:, None] * (H // 2) + ow[None, :], mask=mt[:, None])
-            for k in tl.static_range(K):
-                m, rec = _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, hb + cnt_w, me, n_max,
-                                    K, R, REC)
-                if FP8:
-                    tl.store(area_q + rec[:, None] * 4 + oh[None, :], q, mask=m[:, None])
-                    tl.store(area_f + rec[:, None] + PW + ob[None, :], s, mask=m[:, None])   # scales after the payload
-                else:
-                    tl.store(area_w + rec[:, None] + ow[None, :], v, mask=m[:, None])
+                tl.store(area_w + rec[:, :, None] + ow[None, None, :],
+                         tl.broadcast_to(v[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 2]), mask=m[:, :, None])
         # the record's last word: t * K + k (the entry combine returns the row to)
-        for k in tl.static_range(K):
-            m, rec = _record_of(slot_ptr, idx_ptr, delta_w, t, mt, k, experts_per_rank, hb + cnt_w, me, n_max, K, R,
-                                REC)
-            tl.store(area_w + rec + records.ll_rec_slot(PW, SW), (t * K + k).to(tl.int32), mask=m)
+        if hp == 0:
+            tl.store(area_w + rec + records.ll_rec_slot(PW, SW), of.to(tl.int32), mask=m)
     # The rows per expert go to the expert's rank: counts [s = me][local expert] of the half there.
-    if (tl.program_id(0) == 0) & go:
+    if (tl.program_id(0) == 0) & (hp == 0) & go:
         for e0 in range(0, num_experts, BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
             me_ = e < num_experts
@@ -166,7 +169,8 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
                              R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
                              REC: tl.constexpr, UE8M0: tl.constexpr, STATS: tl.constexpr, COST: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr):
+                             BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_F: tl.constexpr):
     b = tl.program_id(1)
     NB = tl.num_programs(1)
     # This call's number: the rank's last sent call, less the sends issued after it (host-known).
@@ -193,7 +197,8 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
             tl.store(count + le, total.to(tl.int32))
             if STATS:
                 tl.store(stats_ptr + le, tl.load(stats_ptr + le) + total.to(tl.int32))
-        for j0 in range(b * BLOCK_R, RN, NB * BLOCK_R):
+        # The received rows, blocks of BLOCK_R spread over the expert's programs.
+        for j0 in range(b * BLOCK_R, total, NB * BLOCK_R):
             j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
             valid = j < total
             # the source rank and index of row j
@@ -209,28 +214,33 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
                 beg += c
             rec = hb + cnt_w + ((le * R + src) * n_max + i) * REC
             tk = tl.load(area_w + rec + records.ll_rec_slot(PW, SW), mask=valid, other=-1)
-            tl.store(src_info + le * RN + j, tl.where(valid, tk // K, -1), mask=j < RN)
-            tl.store(ret_slot + le * RN + j, tl.where(valid, src * (n_max * K) + tk, -1).to(tl.int32), mask=j < RN)
-            # Payload and scales of the valid rows (as DeepEP, rows past the count are left as they are).
-            if j0 < total:
-                for w0 in range(0, PW, BLOCK_W):
-                    ow = w0 + tl.arange(0, BLOCK_W)
-                    mw = valid[:, None] & (ow < PW)[None, :]
-                    tl.store(out_w + (le * RN + j)[:, None] * PW + ow[None, :],
-                             tl.load(area_w + rec[:, None] + ow[None, :], mask=mw), mask=mw)
-                if SW > 0:
-                    os_ = tl.arange(0, BLOCK_S)
-                    ms = valid[:, None] & (os_ < SW)[None, :]
-                    sb = tl.load(area_w + rec[:, None] + PW + os_[None, :], mask=ms, other=0)
-                    if UE8M0:       # 4 exponent bytes per int32, column-major [E_local, SW/4, RN]
-                        ex = tl.reshape((sb >> 23) & 0xFF, [BLOCK_R, BLOCK_S // 4, 4])
-                        sh = tl.arange(0, 4) * 8
-                        packed = tl.sum(ex << sh[None, None, :], axis=2)
-                        oq = tl.arange(0, BLOCK_S // 4)
-                        tl.store(out_s + le * (SW // 4) * RN + oq[None, :] * RN + j[:, None], packed,
-                                 mask=valid[:, None] & (oq < SW // 4)[None, :])
-                    else:           # fp32 bits, column-major [E_local, SW, RN]
-                        tl.store(out_s + le * SW * RN + os_[None, :] * RN + j[:, None], sb, mask=ms)
+            tl.store(src_info + le * RN + j, tk // K, mask=valid)
+            tl.store(ret_slot + le * RN + j, (src * (n_max * K) + tk).to(tl.int32), mask=valid)
+            # Payload and scales (as DeepEP, rows past the count are left as they are).
+            for w0 in range(0, PW, BLOCK_W):
+                ow = w0 + tl.arange(0, BLOCK_W)
+                mw = valid[:, None] & (ow < PW)[None, :]
+                tl.store(out_w + (le * RN + j)[:, None] * PW + ow[None, :],
+                         tl.load(area_w + rec[:, None] + ow[None, :], mask=mw), mask=mw)
+            if SW > 0:
+                os_ = tl.arange(0, BLOCK_S)
+                ms = valid[:, None] & (os_ < SW)[None, :]
+                sb = tl.load(area_w + rec[:, None] + PW + os_[None, :], mask=ms, other=0)
+                if UE8M0:       # 4 exponent bytes per int32, column-major [E_local, SW/4, RN]
+                    ex = tl.reshape((sb >> 23) & 0xFF, [BLOCK_R, BLOCK_S // 4, 4])
+                    sh = tl.arange(0, 4) * 8
+                    packed = tl.sum(ex << sh[None, None, :], axis=2)
+                    oq = tl.arange(0, BLOCK_S // 4)
+                    tl.store(out_s + le * (SW // 4) * RN + oq[None, :] * RN + j[:, None], packed,
+                             mask=valid[:, None] & (oq < SW // 4)[None, :])
+                else:           # fp32 bits, column-major [E_local, SW, RN]
+                    tl.store(out_s + le * SW * RN + os_[None, :] * RN + j[:, None], sb, mask=ms)
+        # The handle's tables past the count: -1, blocks of BLOCK_F spread over the expert's programs.
+        for j0 in range(total + b * BLOCK_F, RN, NB * BLOCK_F):
+            j = j0 + tl.arange(0, BLOCK_F).to(tl.int64)
+            mf = j < RN
+            tl.store(src_info + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
+            tl.store(ret_slot + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
     # The last program frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n, USE_ASM)
 
@@ -270,21 +280,30 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
     block; ``lay``: the call's layout (:class:`triton_ep.protocol.ll_area.Layout`); ``sig``: call signature."""
     T, H = x.shape
     K = topk_idx.shape[1]
-    interp = interpreted()
-    bt = 16 if interp else 1
-    bh = min(H, 2048 if interp else 1024)
+    tune = tuning("ll_send")
+    bt = tune["block_t"]
+    bh = min(H, tune["block_h"])
     while H % bh:
         bh //= 2
-    grid = max(min(triton.cdiv(T, bt), signals.get("max_programs") or 1 << 30), 1)
+    grid = _grid2(cdiv(T, bt), H // bh, signals)
     area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
-    _ll_dispatch_send_launch[(grid,)](
+    _ll_dispatch_send_launch[grid](
         x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
         T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
         signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
         R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
         SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
         NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"],
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_E=1024, num_warps=4 if interp else 8)
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(K), BLOCK_E=1024, num_warps=tune["num_warps"])
+
+
+def _grid2(rows: int, cols: int, signals: dict) -> tuple:
+    """A ``(rows, cols)`` grid of programs (each axis at least 1); where ranks share a GPU the launch is
+    capped at ``signals["max_programs"]`` programs (``(min(rows, cap), 1)``: programs loop over the rest)."""
+    cap = signals.get("max_programs")
+    if cap:
+        return max(min(rows, cap), 1), 1
+    return max(rows, 1), max(cols, 1)
 
 
 def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, num_topk: int, use_fp8: bool,
@@ -299,18 +318,14 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
     El, RN, PW = out_words.shape
     H = lay.hidden
     SW = records.ll_scale_words.host(H, use_fp8)
-    interp = interpreted()
-    nb = 1 if interp else max(1, min(triton.cdiv(RN, 8), 4))
-    br = 64 if interp else 4
-    if signals.get("max_programs"):
-        nb = 1
-    cap = signals.get("max_programs")
-    _ll_dispatch_recv_launch[(min(El, cap) if cap else El, nb)](
+    tune = tuning("ll_recv")
+    grid = _grid2(min(El, tune["expert_programs"] or El), tune["programs_per_expert"], signals)
+    _ll_dispatch_recv_launch[grid](
         area, ctl, out_words, out_scales if out_scales is not None else out_words, src_info, ret_slot, layout_range,
         count, stats if stats is not None else count, cost if cost is not None else layout_range,
         offset, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words, lay.experts_per_rank,
         signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
         R=lay.num_ranks, K=num_topk, PW=PW, SW=SW, REC=lay.record_words(use_fp8), UE8M0=use_ue8m0,
         STATS=stats is not None, COST=cost is not None, SHRINK=shrink, USE_CLOCK=signals["use_clock"],
-        USE_ASM=signals["use_clock"], BLOCK_R=br, BLOCK_W=pow2(min(PW, 2048 if interp else 512)),
-        BLOCK_S=pow2(max(SW, 4)), num_warps=4)
+        USE_ASM=signals["use_clock"], BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(PW, tune["block_w"])),
+        BLOCK_S=pow2(max(SW, 4)), BLOCK_F=min(pow2(RN), tune["block_f"]), num_warps=tune["num_warps"])

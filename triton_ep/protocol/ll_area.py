@@ -2,6 +2,7 @@
 and records) and the zero-copy combine input sit. The modes size and slice the area with it; the kernels take
 its sizes (in 32-bit words)."""
 import dataclasses
+import functools
 
 from . import records
 from .signal_header import ll_ctl_words
@@ -28,34 +29,38 @@ class Layout:
     hidden: int
     num_experts: int
 
-    @property
+    @functools.cached_property
     def experts_per_rank(self) -> int:
         return self.num_experts // self.num_ranks
 
-    @property
+    @functools.cached_property
     def ctl_bytes(self) -> int:
         return _up(ll_ctl_words.host(self.num_ranks) * 8)
 
-    @property
+    @functools.cached_property
     def count_bytes(self) -> int:
         return _up(self.num_experts * 4)
 
     def record_words(self, fp8: bool) -> int:
         """32-bit words of one dispatch record (:mod:`triton_ep.protocol.records`)."""
-        return records.ll_record_words(self.hidden, fp8)
+        return self._record_words[bool(fp8)]
 
-    @property
+    @functools.cached_property
+    def _record_words(self) -> tuple:
+        return records.ll_record_words(self.hidden, False), records.ll_record_words(self.hidden, True)
+
+    @functools.cached_property
     def half_bytes(self) -> int:
         return _up(self.count_bytes + self.num_experts * self.n_max * self.record_words(False) * 4)
 
-    @property
+    @functools.cached_property
     def zero_copy_bytes(self) -> int:
         return _up(self.num_experts * self.n_max * self.hidden * 2)
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> int:
         return self.ctl_bytes + 2 * self.half_bytes + self.zero_copy_bytes
 
-    ctl_words = property(lambda self: self.ctl_bytes // 4)
-    half_words = property(lambda self: self.half_bytes // 4)
-    count_words = property(lambda self: self.count_bytes // 4)
+    ctl_words = functools.cached_property(lambda self: self.ctl_bytes // 4)
+    half_words = functools.cached_property(lambda self: self.half_bytes // 4)
+    count_words = functools.cached_property(lambda self: self.count_bytes // 4)

@@ -19,6 +19,7 @@ gives :class:`~triton_ep.Buffer` a small typed API over that state:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 import time
@@ -49,7 +50,12 @@ def header_bytes(num_ranks: int) -> int:
 def call_signature(words: Sequence[int]) -> int:
     """A nonzero int64 digest of a call's signature words (operation, sizes, handle, rounds...): what a
     receiving kernel compares with what each sender stored."""
-    h = hashlib.blake2b(repr(tuple(int(w) for w in words)).encode(), digest_size=7).digest()
+    return _signature(tuple(int(w) for w in words))
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(words: tuple) -> int:
+    h = hashlib.blake2b(repr(words).encode(), digest_size=7).digest()
     return int.from_bytes(h, "little") | (1 << 56)
 
 
