@@ -52,7 +52,7 @@ def count_launches():
     counter = {}
     for mod, names in ((K, ("routing_layout", "notify_send", "notify_recv", "dispatch_send", "dispatch_recv",
                             "combine_send", "combine_reduce")),
-                       (LL, ("ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
+                       (LL, ("ll_route", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
                              "ll_combine_reduce"))):
         for name in names:
             real = getattr(mod, name)

@@ -1,8 +1,7 @@
-"""The low-latency send kernel's routing (its device functions, run on their own by
-triton_ep.kernels.ll_dispatch.ll_route) against a plain-Python model: each (token, k) entry's slot among this
-rank's rows for its expert, in token order, and the rows per expert; no row for -1, for a masked rank's
-experts, or for a duplicate of an earlier entry of the same token. Several scan blocks of tokens and a
-partial block of experts."""
+"""The low-latency route kernel (triton_ep.kernels.ll_dispatch.ll_route) against a plain-Python model: each
+(token, k) entry's slot among this rank's rows for its expert, in token order, and the rows per expert;
+no row for -1, for a masked rank's experts, or for a duplicate of an earlier entry of the same token.
+Several token blocks and a partial block of experts (the kernel runs a program per 32 experts)."""
 import pytest
 import torch
 
@@ -41,8 +40,9 @@ def test_route_slots_follow_token_order(T, K, E, R, masked, device):
         ctl[flags.off_ll_mask.host(R) + r] = 1
     slots = torch.full((T, K), 7, dtype=torch.int32)          # garbage: every entry must be written
     counts = torch.full((E,), 7, dtype=torch.int32)
+    dummy = torch.zeros(64, dtype=torch.int64, device=device)
     idx_d, slots, counts, ctl = (t.to(device) for t in (idx, slots, counts, ctl))
-    ll_route(idx_d, slots, counts, ctl, E, R)
+    ll_route(idx_d, slots, counts, ctl, E, R, {"hdr": dummy, "hdr_delta": dummy, "host": dummy, "me": 0})
     want_slots, want_counts = _model(idx, E, E // R, set(masked))
     assert torch.equal(slots.cpu(), want_slots)
     assert torch.equal(counts.cpu(), want_counts)

@@ -9,16 +9,16 @@ local expert ``e``, in 32-bit words::
     [ payload (bf16 row: H/2 words; or fp8 row: H/4 words + H/128 fp32 scales) | t * K + k ]
 
 padded to 4 words, where ``t`` is the source token and ``k`` its first top-k entry naming that expert.
-The two launches of one dispatch:
+The three launches of one dispatch:
 
-1. :func:`ll_dispatch_send`: waits until every peer has received the call that last used this half; each
-   program routes its tokens (from all of ``topk_idx``, so no program waits for another): the slot of
-   each (token, expert) row among this rank's rows for the expert, in token order (deterministic), with
-   no row for a ``-1`` id, a masked rank's expert or a duplicate of an earlier entry of the same token
-   (the row goes once); casts rows to FP8 if asked and writes each record straight into the expert's
-   rank; program 0 writes the rows per expert (or, for bad ids, sends nothing and records the error); the
+1. :func:`ll_route` (a program per few experts): the slot of each (token, expert) pair among this rank's rows for the
+   expert, in token order (deterministic), the rows per expert, masked ids (``-1``, a masked rank,
+   duplicates of an earlier entry of the same token: the row goes once); bad ids end the call with an
+   error record.
+2. :func:`ll_dispatch_send`: waits until every peer has received the call that last used this half,
+   casts rows to FP8 if asked, writes each record straight into the expert's rank, then the counts; its
    last program releases ``READY`` in every peer and advances this rank's call number.
-2. :func:`ll_dispatch_recv` (the receive hook's launch): waits for every peer's ``READY``, packs the
+3. :func:`ll_dispatch_recv` (the receive hook's launch): waits for every peer's ``READY``, packs the
    records expert-major into fresh outputs (rows of source ranks in rank order, each in its token order),
    and fills DeepEP's handle tables.
 """
@@ -30,109 +30,86 @@ import triton.language as tl
 
 from . import flags
 from ..protocol import records
-from ._util import cdiv, pow2, tuning
+from ._util import cdiv, interpreted, pow2, tuning
 from .launch import Launcher
 from .fp8 import quantize_blocks
 
 
-@triton.jit
-def _row_experts(idx_ptr, ctl, t, mt, num_experts, experts_per_rank, R: tl.constexpr, K: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """The expert each entry of tokens ``t`` makes a row for, int64 ``[BLOCK_T, BLOCK_K]`` (``-1``: no row:
-    a ``-1`` or bad id, a masked rank's expert, a duplicate of an earlier entry of the same token), and the
-    number of bad ids (outside ``[-1, E)``) among them."""
-    ok_ = tl.arange(0, BLOCK_K)
-    m = mt[:, None] & (ok_ < K)[None, :]
-    ids = tl.load(idx_ptr + t[:, None] * K + ok_[None, :], mask=m, other=-1).to(tl.int64)
-    nbad = tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
-    ok = m & (ids >= 0) & (ids < num_experts)
-    dst = tl.where(ok, ids // experts_per_rank, 0)
-    ok = ok & (tl.load(ctl + flags.off_ll_mask(R) + dst, mask=ok, other=0) == 0)
-    e = tl.where(ok, ids, -1)
-    same_tok = (e[:, :, None] == e[:, None, :]) & (ok_[None, None, :] < ok_[None, :, None]) & ok[:, None, :]
-    row = ok & (tl.max(same_tok.to(tl.int32), axis=2) == 0)
-    return tl.where(row, e, -1), nbad
-
-
-@triton.jit
-def _slots(idx_ptr, ctl, t, er, T, num_experts, experts_per_rank, R: tl.constexpr, K: tl.constexpr,
-           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Slot of each row of tokens ``t`` (``er``: their row experts, :func:`_row_experts`) among this rank's
-    rows for its expert: the earlier tokens with a row for that expert (so slots follow token order, the
-    same whichever program computes them), int64 ``[BLOCK_T, BLOCK_K]``; and the bad ids of all ``T``
-    tokens. Every token is read, ``BLOCK_S`` at a time."""
-    NF: tl.constexpr = BLOCK_T * BLOCK_K
-    ef = tl.reshape(er, [NF])
-    tf = tl.reshape(tl.broadcast_to(t[:, None], [BLOCK_T, BLOCK_K]), [NF])
-    before = tl.zeros([NF], dtype=tl.int32)
-    nbad = tl.zeros([], dtype=tl.int32)
-    for s0 in range(0, T, BLOCK_S):
-        ts = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
-        es, nb = _row_experts(idx_ptr, ctl, ts, ts < T, num_experts, experts_per_rank, R, K, BLOCK_K)
-        nbad += nb
-        hit = (es[:, :, None] == ef[None, None, :]) & (ef >= 0)[None, None, :]       # [S, K, T*K]
-        has = tl.max(hit.to(tl.int32), axis=1)                                        # [S, T*K]
-        before += tl.sum(tl.where(ts[:, None] < tf[None, :], has, 0), axis=0)
-    return tl.reshape(before, [BLOCK_T, BLOCK_K]).to(tl.int64), nbad
-
-
-@triton.jit
-def _low_half(h, BLOCK_E: tl.constexpr):
-    """The first ``BLOCK_E`` bins of a ``2 * BLOCK_E``-bin histogram."""
-    h2 = tl.reshape(h, [2, BLOCK_E])
-    first = (tl.arange(0, 2) == 0)[:, None]
-    return tl.sum(tl.where(first, h2, 0), axis=0)
-
-
-@triton.jit
-def _row_counts(idx_ptr, ctl, T, e0, num_experts, experts_per_rank, R: tl.constexpr, K: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Rows per expert for experts ``[e0, e0 + BLOCK_E)``, int32 ``[BLOCK_E]``, and the bad ids of all ``T``
-    tokens (a histogram per ``BLOCK_S`` tokens; bin ``BLOCK_E`` takes every other entry)."""
-    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
-    nbad = tl.zeros([], dtype=tl.int32)
-    for s0 in range(0, T, BLOCK_S):
-        ts = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
-        es, nb = _row_experts(idx_ptr, ctl, ts, ts < T, num_experts, experts_per_rank, R, K, BLOCK_K)
-        nbad += nb
-        b = tl.where((es >= e0) & (es < e0 + BLOCK_E), es - e0, BLOCK_E).to(tl.int32)
-        h = tl.histogram(tl.reshape(b, [BLOCK_S * BLOCK_K]), 2 * BLOCK_E)
-        cnt += _low_half(h, BLOCK_E)
-    return cnt, nbad
-
-
-@triton.jit(do_not_specialize=['T'])
-def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, R: tl.constexpr,
-                     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                     BLOCK_E: tl.constexpr):
-    # The send kernel's routing on its own (tests): program p writes the slots of token block p (-1: no
-    # row) and the rows per expert of expert block p.
+@triton.jit(do_not_specialize=['T', 'me'])
+def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
+                     hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Program p owns experts [p * BLOCK_E, (p + 1) * BLOCK_E): it alone writes their slots and counts, so the
+    # programs need no ordering among themselves; program 0 also writes -1 for entries that make no row.
     pid = tl.program_id(0)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    mt = t < T
-    er, _ = _row_experts(idx_ptr, ctl, t, mt, num_experts, experts_per_rank, R, K, BLOCK_K)
-    slot, _ = _slots(idx_ptr, ctl, t, er, T, num_experts, experts_per_rank, R, K, BLOCK_T, BLOCK_K, BLOCK_S)
-    k = tl.arange(0, BLOCK_K)
-    tl.store(slot_ptr + t[:, None] * K + k[None, :], tl.where(er >= 0, slot, -1).to(tl.int32),
-             mask=mt[:, None] & (k < K)[None, :])
-    e0 = pid * BLOCK_E
-    cnt, _ = _row_counts(idx_ptr, ctl, T, e0, num_experts, experts_per_rank, R, K, BLOCK_K, BLOCK_S, BLOCK_E)
-    oe = e0 + tl.arange(0, BLOCK_E)
-    tl.store(cnt_ptr + oe, cnt, mask=oe < num_experts)
+    oe = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    ok_ = tl.arange(0, BLOCK_K)
+    running = tl.zeros([BLOCK_E], dtype=tl.int32)      # rows of earlier token blocks, per owned expert
+    nbad = tl.zeros([], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        # 1. Valid entries: ids in [0, E) whose rank is not masked; bad ids are counted.
+        t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        m = (t < T)[:, None] & (ok_ < K)[None, :]
+        ids = tl.load(idx_ptr + t[:, None] * K + ok_[None, :], mask=m, other=-1).to(tl.int64)
+        nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
+        ok = m & (ids >= 0) & (ids < num_experts)
+        dst = tl.where(ok, ids // experts_per_rank, 0)
+        ok = ok & (tl.load(ctl + flags.off_ll_mask(R) + dst, mask=ok, other=0) == 0)
+        e = tl.where(ok, ids, -1)
+        # 2. A duplicate of an earlier entry of the same token makes no row (the token goes once).
+        same_tok = (e[:, :, None] == e[:, None, :]) & (ok_[None, None, :] < ok_[None, :, None]) & ok[:, None, :]
+        row = ok & (tl.max(same_tok.to(tl.int32), axis=2) == 0)
+        # 3. Slot = rows for the same expert from earlier tokens (slots follow token order): an exclusive
+        #    prefix sum over the block's tokens of each owned expert's one-hot, plus the earlier blocks'.
+        hit = (e[:, :, None] == oe[None, None, :]) & row[:, :, None]         # [T, K, E]
+        onehot = tl.max(hit.to(tl.int32), axis=1)                             # [T, E]
+        before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]
+        slot = tl.sum(tl.where(hit, before[:, None, :], 0), axis=2)           # [T, K]
+        mine = row & (e >= pid * BLOCK_E) & (e < (pid + 1) * BLOCK_E)
+        of = t[:, None] * K + ok_[None, :]
+        tl.store(slot_ptr + of, slot, mask=m & mine)
+        if pid == 0:
+            tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=m & (row == 0))
+        running += tl.sum(onehot, axis=0)
+    tl.store(cnt_ptr + oe, running, mask=oe < num_experts)
+    # 4. Bad ids: nothing is sent (the send launch sees the error) and every peer is told that this
+    #    call (the next one this rank sends) failed.
+    if (pid == 0) & (nbad > 0):
+        tl.store(host + flags.H_INFO, nbad.to(tl.int64))
+        tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
+        flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
+                         tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, tl.load(ctl + flags.L_SEQ) + 1)
 
 
 _ll_route_launch = Launcher(_ll_route_kernel)
 
 
+@triton.jit
+def _records_of(slot_ptr, idx_ptr, delta_w, t, mt, experts_per_rank, records_w, me, n_max, K: tl.constexpr,
+                R: tl.constexpr, REC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Where the entries of tokens ``t`` go: ``[BLOCK_T, BLOCK_K]`` masks (the entry has a slot) and word
+    addresses, relative to this rank's area, of their records ``(local expert, me, slot)`` in the expert's
+    rank's area, whose records start at word ``records_w`` of the half."""
+    k = tl.arange(0, BLOCK_K)
+    mk = mt[:, None] & (k < K)[None, :]
+    of = t[:, None] * K + k[None, :]
+    sl = tl.load(slot_ptr + of, mask=mk, other=-1)
+    m = mk & (sl >= 0)
+    e = tl.where(m, tl.load(idx_ptr + of, mask=m, other=0).to(tl.int64), 0)
+    d = e // experts_per_rank
+    rec = tl.load(delta_w + d, mask=m, other=0) + records_w + (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
+    return m, rec, of
+
+
 @triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
-def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, area_w, area_q, area_f, delta_w, ctl,
+def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
                              hdr, hdr_delta, host, sig, me, timeout_ns,
                              R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
                              SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+                             BLOCK_E: tl.constexpr):
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
@@ -147,29 +124,20 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, area_w, area_q, area_f, del
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
-        # Routing, computed by every program for its tokens from all of topk_idx (no program waits for
-        # another): the row's expert and slot; a bad id anywhere means nothing is sent.
-        er, _ = _row_experts(idx_ptr, ctl, t, mt, num_experts, experts_per_rank, R, K, BLOCK_K)
-        slot, nbad = _slots(idx_ptr, ctl, t, er, T, num_experts, experts_per_rank, R, K, BLOCK_T, BLOCK_K, BLOCK_S)
-        er = tl.where(nbad + tl.zeros_like(er) == 0, er, -1)
-        m = er >= 0
-        e = tl.where(m, er, 0)
-        d = e // experts_per_rank
-        # record (local expert, me, slot) of the half in the expert's rank's area, in words from this area
-        rec = tl.load(delta_w + d, mask=m, other=0) + hb + cnt_w + (((e - d * experts_per_rank) * R + me) * n_max
-                                                                       + slot) * REC
+        m, rec, of = _records_of(slot_ptr, idx_ptr, delta_w, t, mt, experts_per_rank, hb + cnt_w, me, n_max, K, R,
+                                 REC, BLOCK_K)
         for h0 in range(hp * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             if FP8:
                 xv = tl.load(x_ptr + t[:, None] * H + oh[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
-                q, sc = quantize_blocks(xv, ROUND_SCALE, NATIVE, BLOCK_T, BLOCK_H)
+                q, s = quantize_blocks(xv, ROUND_SCALE, NATIVE, BLOCK_T, BLOCK_H)
                 if not NATIVE:
                     q = q.to(tl.uint8)
                 ob = h0 // 128 + tl.arange(0, BLOCK_H // 128)
                 tl.store(area_q + rec[:, :, None] * 4 + oh[None, None, :],
                          tl.broadcast_to(q[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H]), mask=m[:, :, None])
                 tl.store(area_f + rec[:, :, None] + PW + ob[None, None, :],            # scales after the payload
-                         tl.broadcast_to(sc[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 128]), mask=m[:, :, None])
+                         tl.broadcast_to(s[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 128]), mask=m[:, :, None])
             else:
                 ow = h0 // 2 + tl.arange(0, BLOCK_H // 2)
                 v = tl.load(xw_ptr + t[:, None] * (H // 2) + ow[None, :], mask=mt[:, None])
@@ -177,26 +145,16 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, area_w, area_q, area_f, del
                          tl.broadcast_to(v[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 2]), mask=m[:, :, None])
         # the record's last word: t * K + k (the entry combine returns the row to)
         if hp == 0:
-            of = t[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
             tl.store(area_w + rec + records.ll_rec_slot(PW, SW), of.to(tl.int32), mask=m)
-    # Program (0, 0): the rows per expert go to the expert's rank (counts [s = me][local expert] of the
-    # half there); or, with bad ids, every peer is told this call failed (and nothing was sent).
+    # The rows per expert go to the expert's rank: counts [s = me][local expert] of the half there.
     if (tl.program_id(0) == 0) & (hp == 0) & go:
-        bad = tl.zeros([], dtype=tl.int32)
         for e0 in range(0, num_experts, BLOCK_E):
-            cnt, bad = _row_counts(idx_ptr, ctl, T, e0, num_experts, experts_per_rank, R, K, BLOCK_K, BLOCK_S,
-                                   BLOCK_E)
             e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
-            me_ = (e < num_experts) & (bad + tl.zeros_like(e) == 0)
+            me_ = e < num_experts
             d = tl.where(me_, e // experts_per_rank, 0)
             me_ = me_ & (tl.load(ctl + flags.off_ll_mask(R) + d, mask=me_, other=1) == 0)
             tl.store(area_w + tl.load(delta_w + d, mask=me_, other=0) + hb + me * experts_per_rank
-                     + (e - d * experts_per_rank), cnt, mask=me_)
-        if bad > 0:
-            tl.store(host + flags.H_INFO, bad.to(tl.int64))
-            tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
-            flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
-                             tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, n)
+                     + (e - d * experts_per_rank), tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
     # The last program releases READY = n in every peer and records n as this rank's last call.
     flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
 
@@ -290,29 +248,36 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
 _ll_dispatch_recv_launch = Launcher(_ll_dispatch_recv_kernel)
 
 
+def _route_blocks(k: int, num_experts: int, interp: bool) -> tuple:
+    """The route kernel's (tokens per block, experts per program). On an H200 at T 128, top-8 of 256, a
+    sweep of both and of num_warps (20 launches in a CUDA graph) gave 5.8 us a launch for (128, 4) with 8
+    warps, against 48 us for (64, 32) (fewer experts per program: more programs, smaller [T, K, E] tiles);
+    torch.profiler then gave it 5.6 us in a dispatch + combine graph replay. The interpreter runs programs one
+    after another, so there a few large programs are quicker."""
+    if interp:
+        return max(1, 512 // pow2(k)), min(pow2(num_experts), 32)
+    return max(1, min(128, 1024 // pow2(k))), 4
+
+
 def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, ctl: torch.Tensor,
-             num_experts: int, num_ranks: int) -> None:
-    """The routing :func:`ll_dispatch_send` computes inside its programs, written out (for tests): ``slots``
-    int32 ``[T, K]``, each entry's slot among this rank's rows for its expert (``-1``: no row), ``counts``
-    int32 ``[E]``, the rows per expert. ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block
-    (its mask words)."""
+             num_experts: int, num_ranks: int, signals: dict) -> None:
+    """Slots of this rank's (token, expert) rows: ``slots`` int32 ``[T, K]`` (``-1``: no row), ``counts``
+    int32 ``[E]`` (rows per expert). ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block."""
     T, K = topk_idx.shape
-    tune = tuning("ll_send")
-    bt, bs, be = tune["block_t"], tune["block_s"], min(tune["block_e"], pow2(num_experts))
-    grid = max(cdiv(T, bt), cdiv(num_experts, be), 1)
-    _ll_route_launch[(grid,)](topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks, R=num_ranks,
-                              K=K, BLOCK_T=bt, BLOCK_K=pow2(K), BLOCK_S=bs, BLOCK_E=be, num_warps=tune["num_warps"])
+    bt, be = _route_blocks(K, num_experts, interpreted())
+    _ll_route_launch[(triton.cdiv(num_experts, be),)](
+        topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks, signals["hdr"], signals["hdr_delta"],
+        signals["host"], signals["me"], R=num_ranks, K=K, BLOCK_T=bt, BLOCK_K=pow2(K), BLOCK_E=be, num_warps=8)
 
 
-def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, area: torch.Tensor, delta_words: torch.Tensor,
-                     ctl: torch.Tensor, lay, sig: int, use_fp8: bool, round_scale: bool, shrink: bool, signals: dict,
-                     native_fp8: bool) -> None:
-    """Route this rank's rows and write them into the experts' ranks (bf16, or cast to FP8 on the way),
-    then the rows per expert; bad ids in ``topk_idx`` send nothing and record ``E_BADIDS``.
+def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                     area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
+                     use_fp8: bool, round_scale: bool, shrink: bool, signals: dict, native_fp8: bool) -> None:
+    """Write this rank's rows into the experts' ranks (bf16, or cast to FP8 on the way).
 
-    ``x`` bf16 ``[T, H]``; ``topk_idx`` int32/int64 ``[T, K]``; ``area``: int32 view of the local low-latency
-    area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control block; ``lay``: the call's layout
-    (:class:`triton_ep.protocol.ll_area.Layout`); ``sig``: call signature."""
+    ``x`` bf16 ``[T, H]``; ``topk_idx`` ``[T, K]``; ``slots``/``counts`` from :func:`ll_route`; ``area``:
+    int32 view of the local low-latency area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control
+    block; ``lay``: the call's layout (:class:`triton_ep.protocol.ll_area.Layout`); ``sig``: call signature."""
     T, H = x.shape
     K = topk_idx.shape[1]
     tune = tuning("ll_send")
@@ -323,14 +288,13 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, area: torch.Tensor
     grid = _grid2(cdiv(T, bt), H // bh, signals)
     area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
     _ll_dispatch_send_launch[grid](
-        x, x.view(torch.int32), topk_idx, area, area_q, area.view(torch.float32), delta_words, ctl,
+        x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
         T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
         signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
         R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
         SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
         NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"],
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(K), BLOCK_S=tune["block_s"],
-        BLOCK_E=min(tune["block_e"], pow2(lay.num_experts)), num_warps=tune["num_warps"])
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(K), BLOCK_E=1024, num_warps=tune["num_warps"])
 
 
 def _grid2(rows: int, cols: int, signals: dict) -> tuple:

@@ -24,7 +24,7 @@ from ..errors import EPRemoteError
 from ..kernels import flags as F
 from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
-from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send
+from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
 from ..protocol import call_card as card
 from ..protocol.ll_area import Layout
 from ..protocol.signal_header import failure_word_of
@@ -236,13 +236,16 @@ class LowLatency:
         src_info = torch.empty((El, R * N), dtype=torch.int32, device=dev)
         ret_slot = torch.empty((El, R * N), dtype=torch.int32, device=dev)
         layout_range = torch.empty((El, R), dtype=torch.int64, device=dev)
+        slots = torch.empty((T, K), dtype=torch.int32, device=dev)
+        counts = torch.empty(E, dtype=torch.int32, device=dev)
         sa = rt.sig_args
         native = native_cast()
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
 
         def send():
-            ll_dispatch_send(xv, idx, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8, round_scale,
-                             self.shrink, sa, native)
+            ll_route(idx, slots, counts, self.ctl, E, R, sa)
+            ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
+                             round_scale, self.shrink, sa, native)
 
         def recv(offset: int):
             ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
@@ -252,7 +255,7 @@ class LowLatency:
 
         handle = LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K)
         out = (recv_x, recv_scales) if use_fp8 else recv_x
-        tensors = (xv, idx, recv_x, sc, recv_count, src_info, ret_slot, layout_range, stats, cost)
+        tensors = (xv, idx, slots, counts, recv_x, sc, recv_count, src_info, ret_slot, layout_range, stats, cost)
         if return_recv_hook:
             self.pending.append(idx_n)
             event = self._launch(True, False, send, tensors)
