@@ -143,13 +143,16 @@ def test_profile_phases_default_is_cpu_sized():
 
 def test_host_cost_out(tmp_path, results_untouched):
     """One rank on CPU: every call's host µs and its launcher calls (a cached dispatch and a combine make two
-    launches, a plain dispatch given its layout four: notify, notify receive, send, receive), in
-    ``host_cost.json`` under ``--out``."""
+    launches, a plain dispatch given its layout four: notify, notify receive, send, receive; a low-latency
+    dispatch three: route, send, receive; its combine two), in ``host_cost.json`` under ``--out``."""
     r = run_bench("host_cost.py", "--iters", "2", "--out", str(tmp_path / "h"))
     out = json.loads((tmp_path / "h" / "host_cost.json").read_text())
     by = {c["call"]: c for c in out["results"]}
-    assert set(by) == {"layout", "dispatch", "worst", "cached", "combine"} and out["device"].startswith("cpu")
+    assert set(by) == {"layout", "dispatch", "worst", "cached", "combine", "ll_dispatch", "ll_combine"}
+    assert out["device"].startswith("cpu")
     assert sum(by["cached"]["launches"].values()) == 2 and sum(by["combine"]["launches"].values()) == 2
+    assert by["ll_dispatch"]["launches"] == {"ll_route": 1, "ll_dispatch_send": 1, "ll_dispatch_recv": 1}
+    assert by["ll_combine"]["launches"] == {"ll_combine_send": 1, "ll_combine_reduce": 1}
     assert sum(by["dispatch"]["launches"].values()) == 4 and "routing_layout" not in by["dispatch"]["launches"]
     assert all(c["host_us"] > 0 for c in out["results"])
     assert_cpu_report(r, "say nothing about a GPU")
