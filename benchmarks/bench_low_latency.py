@@ -99,13 +99,13 @@ def _kernel_us(g, device, replays: int = 20) -> dict:
 
 #: the swept launch parameters (triton_ep.kernels._util.GPU_TUNING's low-latency entries) and their kernels
 SWEEP = {
-    "ll_send": ("_ll_dispatch_send_kernel", dict(block_h=[256, 512, 1024], block_t=[1, 2], num_warps=[4, 8, 16])),
-    "ll_recv": ("_ll_dispatch_recv_kernel", dict(block_r=[2, 4, 8, 16], programs_per_expert=[1, 2, 4, 8],
-                                                 expert_programs=[0, 128, 64], block_w=[256, 512, 1024, 2048],
+    "ll_send": ("_ll_dispatch_send_kernel", dict(block_h=[512, 1024], block_t=[1, 2], num_warps=[2, 4, 8])),
+    "ll_recv": ("_ll_dispatch_recv_kernel", dict(block_r=[4, 8, 16], programs_per_expert=[1, 2],
+                                                 expert_programs=[0, 128], block_w=[512, 1024, 2048],
                                                  num_warps=[2, 4, 8])),
-    "ll_combine_send": ("_ll_combine_send_kernel", dict(block_r=[1, 2, 4], programs_per_expert=[2, 4, 8, 16],
+    "ll_combine_send": ("_ll_combine_send_kernel", dict(programs_per_expert=[1, 2, 4, 8], block_r=[1, 2, 4, 8],
                                                         block_w=[1024, 2048, 4096], num_warps=[2, 4, 8])),
-    "ll_reduce": ("_ll_combine_reduce_kernel", dict(block_h=[256, 512, 1024], block_t=[1, 2], num_warps=[2, 4, 8])),
+    "ll_reduce": ("_ll_combine_reduce_kernel", dict(block_h=[512, 1024], block_t=[1, 2], num_warps=[1, 2, 4])),
 }
 
 

@@ -25,9 +25,12 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_send": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),
+    # low-latency kernels: benchmarks/bench_low_latency.py --sweep on one H200 (T 128, H 7168, top-8 of 256;
+    # benchmarks/results/low_latency_h200_r1_sweep_*.json). ``programs_per_expert``: a second grid axis over
+    # each expert's rows; ``expert_programs`` > 0 caps the programs over experts (they loop).
     "ll_send": dict(block_t=1, block_h=1024, num_warps=4),
-    "ll_recv": dict(block_r=8, block_w=2048, block_f=128, expert_programs=0, programs_per_expert=1, num_warps=8),
-    "ll_combine_send": dict(block_r=1, block_w=4096, programs_per_expert=4, num_warps=4),
+    "ll_recv": dict(block_r=8, block_w=2048, block_f=128, expert_programs=0, programs_per_expert=1, num_warps=4),
+    "ll_combine_send": dict(block_r=2, block_w=4096, programs_per_expert=4, num_warps=4),
     "ll_reduce": dict(block_t=1, block_h=1024, num_warps=2),
 }
 

@@ -15,6 +15,7 @@ device wait that writes an error record, raised by :meth:`Buffer.check` (which e
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional
 
 import torch
@@ -40,6 +41,18 @@ def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
     """Bytes of the low-latency area for these sizes (:class:`Layout`), rounded up to 128 bytes as DeepEP's."""
     n = Layout(int(num_ranks), int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts)).total_bytes
     return (n + 127) // 128 * 128
+
+
+def carve(device: torch.device, parts) -> List[Tensor]:
+    """Uninitialised tensors ``[(dtype, shape), ...]`` on ``device``, views of one allocation, each starting
+    on a 16-byte boundary (what Triton specialises pointers on). They share one storage: it lives until the
+    last of them is freed."""
+    sizes = [dtype.itemsize * math.prod(shape) for dtype, shape in parts]
+    offs = [0]
+    for size in sizes:
+        offs.append(offs[-1] + (size + 15) // 16 * 16)
+    raw = torch.empty(max(offs[-1], 16), dtype=torch.uint8, device=device)
+    return [raw[o:o + size].view(dtype).view(shape) for (dtype, shape), o, size in zip(parts, offs, sizes)]
 
 
 class LLHandle(tuple):
@@ -232,12 +245,10 @@ class LowLatency:
         else:
             recv_x = torch.empty((El, R * N, H), dtype=torch.bfloat16, device=dev)
             sc = recv_scales = None
-        recv_count = torch.empty(El, dtype=torch.int32, device=dev)
-        src_info = torch.empty((El, R * N), dtype=torch.int32, device=dev)
-        ret_slot = torch.empty((El, R * N), dtype=torch.int32, device=dev)
-        layout_range = torch.empty((El, R), dtype=torch.int64, device=dev)
-        slots = torch.empty((T, K), dtype=torch.int32, device=dev)
-        counts = torch.empty(E, dtype=torch.int32, device=dev)
+        # the handle's tables and the routing's scratch: one allocation (each torch.empty costs host time)
+        layout_range, recv_count, src_info, ret_slot, slots, counts = carve(dev, (
+            (torch.int64, (El, R)), (torch.int32, (El,)), (torch.int32, (El, R * N)), (torch.int32, (El, R * N)),
+            (torch.int32, (T, K)), (torch.int32, (E,))))
         sa = rt.sig_args
         native = native_cast()
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
