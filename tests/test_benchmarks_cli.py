@@ -173,3 +173,19 @@ def test_bench_internode_out(tmp_path, results_untouched):
     assert min(full) > max(one), res["results"]
     inside = res["inside"]["per_rank"]
     assert len(inside) == 2 and all(r["chunks_per_call"] > 0 and r["proxy_us_per_chunk"] > 0 for r in inside), inside
+
+
+def test_compare_writes_ratios(tmp_path, results_untouched):
+    """compare.py on two committed low-latency results (before and after this work's kernel levers): the
+    figures both have, with ratio = after / before, in ``<name>.json`` under ``--out``; files of different
+    scripts are refused."""
+    res = os.path.join(ROOT, "benchmarks", "results")
+    run_bench("compare.py", os.path.join(res, "low_latency_h200_r1_base_c052012.json"),
+              os.path.join(res, "low_latency_h200_r1_new.json"), "--name", "ll", "--out", str(tmp_path))
+    out = json.loads((tmp_path / "ll.json").read_text())
+    rows = {r["what"]: r for r in out["rows"]}
+    assert rows["graph"]["ratio"] == pytest.approx(rows["graph"]["after"] / rows["graph"]["before"])
+    assert rows["graph"]["unit"] == "GPU us" and rows["dispatch_host"]["unit"] == "host us"
+    r = python([os.path.join(ROOT, "benchmarks", "compare.py"), os.path.join(res, "host_cost_h200.json"),
+                os.path.join(res, "low_latency_h200_r1_new.json"), "--out", str(tmp_path)], ROOT)
+    assert r.returncode != 0 and "different scripts" in r.stderr
