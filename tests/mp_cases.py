@@ -125,8 +125,9 @@ def bad_input_on_one_rank(rank, world, kind):
             x = x.float()
         elif kind == "worst":
             pass
-    # every rank passes the same num_worst_tokens (the rounds depend on it); one too small for all
-    extra = dict(num_worst_tokens=1) if kind == "worst" else {}
+    # each rank passes its own num_worst_tokens (DeepEP's contract): 1 on rank 1 (too small), 60 and 61
+    # elsewhere (enough)
+    extra = dict(num_worst_tokens=1 if rank == 1 else 60 + rank) if kind == "worst" else {}
     try:
         buf.dispatch(x, topk_weights=ws[rank], **kw, **extra)
         out = "no error"

@@ -460,8 +460,12 @@ class Buffer:
                 rows.
             topk_idx: int64 (or int32) ``[T, K]``; topk_weights: fp32 ``[T, K]`` (optional).
             expert_alignment: per-expert counts are rounded up to a multiple of it.
-            num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows: ids -1, weights 0,
-                x 0, ``recv_src_idx`` -1); more arriving rows raise ``EPCapacityError`` on every rank.
+            num_worst_tokens: if > 0, this rank's outputs have exactly this many rows (padding rows: ids -1,
+                weights 0, x 0, ``recv_src_idx`` -1); more rows arriving at a rank than its value raise
+                ``EPCapacityError`` on every rank, naming that rank. Each rank may pass its own value, as in
+                DeepEP, within one host (every rank reads the others' from the host's call cards, with a
+                bounded wait on their host and no device synchronisation); across hosts every rank must
+                pass the same value.
             config: accepted; results never depend on it. previous_event, async_finish,
             allocate_on_comm_stream: as DeepEP: the kernels run on the communication stream with
                 ``async_finish`` (the returned event marks their end), else on the caller's stream.

@@ -7,11 +7,12 @@ same launch.
 
 - :func:`notify_send` (one program): bad ids in this rank's ``topk_idx`` end the call here (an error
   record, and the peers are told); else it publishes this rank's row and, for a plain dispatch, its
-  per-expert counts of each rank's experts (``NOTIFY_E``).
+  per-expert counts of each rank's experts (``NOTIFY_E``), or, with ``num_worst_tokens``, its own value
+  (``NOTIFY_E[me]``: ranks may pass different values).
 - :func:`notify_recv` (one program): waits for every row, writes the handle's tables from the matrix, and
-  checks that no rank receives more than ``num_worst_tokens`` rows (the same check on every rank, from
-  the same matrix). A peer that released data of the awaited round before notifying runs another
-  collective: ``E_MISMATCH``.
+  checks that no rank receives more rows than its ``num_worst_tokens`` (the same check on every rank, from
+  the same matrix and values). A peer that released data of the awaited round before notifying runs
+  another collective: ``E_MISMATCH``.
 
 With ``num_worst_tokens`` the whole dispatch only enqueues work (it captures in a CUDA graph). A plain
 dispatch's host must learn how many rows arrive: ``notify_recv`` also writes them, the group's row
@@ -41,9 +42,10 @@ RES_SEND_MAX = tl.constexpr(4)     #: the most rows any rank sends
 RES_EXPERTS = tl.constexpr(8)      #: then rows per local expert (E_local words)
 
 
-@triton.jit(do_not_specialize=['k', 'sig', 'me', 'timeout_ns'])
-def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, hdr, hdr_delta, host, k, sig, me, timeout_ns,
-                        R: tl.constexpr, USE_CLOCK: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr):
+@triton.jit(do_not_specialize=['num_worst', 'k', 'sig', 'me', 'timeout_ns'])
+def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, k, sig, me,
+                        timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, EXPERTS: tl.constexpr,
+                        BLOCK_E: tl.constexpr):
     # Step 1: this call's first round, and whether this rank's input is sound (no error yet, no bad id,
     # with EXPERTS no negative per-expert count: those were given by the caller).
     n = tl.load(hdr + flags.W_BASE) + 1
@@ -75,6 +77,8 @@ def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, hdr, hdr_delt
                     me_ = oe < experts_per_rank
                     c = tl.load(counts_ptr + R + r * experts_per_rank + oe, mask=me_, other=0).to(tl.int64)
                     tl.store(peer + flags.off_notify_e(R) + me * experts_per_rank + oe, c, mask=me_)
+            else:       # num_worst_tokens: this rank's value, the bound on the rows it receives
+                tl.store(peer + flags.off_notify_e(R) + me, tl.full([], 0, tl.int64) + num_worst)
             flags.release(peer + flags.off_nflag(R) + me, n)
 
 
@@ -109,6 +113,7 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
     NOTIFY = hdr + flags.off_notify(R)
     over = tl.full([], -1, tl.int64)
     got = tl.full([], 0, tl.int64)
+    limit = tl.full([], 0, tl.int64)
     mine = tl.full([], 0, tl.int64)
     for j in tl.static_range(R):
         col = tl.full([], 0, tl.int64)
@@ -118,8 +123,14 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
             tl.store(t64_ptr + j, col, mask=me == s + 1)                     # row_base = rpm[me - 1]
             tl.store(t64_ptr + records.t64_prefix(R) + s, col, mask=me == j)       # prefix = rpm[:, me]
         tl.store(t64_ptr + j, tl.zeros([], tl.int64), mask=me == 0)
-        first = (over < 0) & (col > num_worst)
+        # rank j receives at most its num_worst_tokens (its notify sent it; a plain dispatch: no bound)
+        if HOST_OUT:
+            bound = tl.full([], 0, tl.int64) + num_worst
+        else:
+            bound = tl.load(hdr + flags.off_notify_e(R) + j, volatile=True)
+        first = (over < 0) & (col > bound)
         got = tl.where(first, col, got)
+        limit = tl.where(first, bound, limit)
         over = tl.where(first, j, over)
         # this rank's own row: sent to j, and before j
         c_me = tl.where(bad == 0, tl.load(NOTIFY + me * R + j, volatile=True), 0)
@@ -135,7 +146,7 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
         tl.store(t64_ptr + records.t64_comb_base(R) + i, cb)
     if (bad == 0) & (over >= 0):
         tl.store(host + flags.H_INFO, got)
-        tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_worst)
+        tl.store(host + flags.H_INFO2, limit)
         flags.post_error(hdr, hdr_delta, host, flags.E_CAPACITY, over, flags.STAGE_NOTIFY, n, me, R)
     # For the host (a plain dispatch's one wait): rows received, the group's largest receive and send
     # totals (they size the rounds, the same on every rank), the rows per local expert, then seq, released
@@ -173,15 +184,18 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
 _notify_recv_launch = Launcher(_notify_recv_kernel)
 
 
-def notify_send(counts: torch.Tensor, num_experts: int, signals: dict, experts: bool = False) -> None:
+def notify_send(counts: torch.Tensor, num_experts: int, signals: dict, experts: bool = False,
+                num_worst_tokens: int = 0) -> None:
     """Publish this rank's send counts (``counts`` int32 ``[R + E + 1]`` from ``routing_layout``: rows per
     rank, per expert, then the number of bad ids) in every rank's header; with ``experts`` also the
     per-expert counts of each rank's experts (a plain dispatch, whose host learns them), after checking
-    that none is negative (``E_BADCOUNTS``)."""
+    that none is negative (``E_BADCOUNTS``); without, this rank's ``num_worst_tokens`` (the bound
+    :func:`notify_recv` checks its received rows against, on every rank)."""
     R = signals["hdr_delta"].shape[0]
     if experts and num_experts > int(flags.NOTIFY_E_WORDS):
         raise ValueError(f"num_experts {num_experts} exceeds {int(flags.NOTIFY_E_WORDS)}")
-    _notify_send_launch[(1,)](counts, num_experts, num_experts // R, *sync_args(signals, 0, 0, counts), R=R,
+    _notify_send_launch[(1,)](counts, num_experts, num_experts // R, num_worst_tokens,
+                              *sync_args(signals, 0, 0, counts), R=R,
                               USE_CLOCK=_use_clock(signals), EXPERTS=experts,
                               BLOCK_E=min(pow2(num_experts // R if experts else 1), 1024), num_warps=1 if not experts else 4)
 
@@ -191,9 +205,10 @@ def notify_recv(t32: torch.Tensor, t64: torch.Tensor, num_worst_tokens: int, sig
     """Wait for every rank's counts and write the handle's tables: ``t32`` int32 ``[R*R + 2R]``
     (``rank_prefix_matrix``, and ``channel_prefix_matrix``, ``recv_channel_prefix_matrix`` as DeepEP's with
     one channel: the rows sent to each rank, zeros) and ``t64`` int64 ``[4R + 1]`` (row base in each
-    receiver, combine's comb_base, send_base and prefix, then the rows this rank receives). Records
-    ``E_CAPACITY`` if a rank receives more than ``num_worst_tokens`` rows (the same value on every rank:
-    it is part of the call's signature). With ``res`` (int64 ``[8 + experts_per_rank]``, host-visible)
+    receiver, combine's comb_base, send_base and prefix, then the rows this rank receives). Without
+    ``res`` (a dispatch with ``num_worst_tokens``) records ``E_CAPACITY`` if a rank receives more rows than
+    the ``num_worst_tokens`` its notify published (every rank finds the same rank); ``num_worst_tokens``
+    is then unused. With ``res`` (int64 ``[8 + experts_per_rank]``, host-visible)
     also writes the rows received, the group's largest receive and send totals and the rows per local
     expert (the ``RES_*`` words), then releases ``res[RES_SEQ] = seq`` for the host to poll."""
     R = signals["hdr_delta"].shape[0]

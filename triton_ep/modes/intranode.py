@@ -227,7 +227,7 @@ class Intranode:
         else:
             self.rt.publish(card.DISPATCH_WORST if worst else card.DISPATCH,
                           (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, a.num_topk,
-                           int(a.topk_weights is not None), a.num_experts) + ((num_worst_tokens,) if worst else ()))
+                           int(a.topk_weights is not None), a.num_experts))
         self.rt.begin(previous_event, async_finish)
         if cached:
             h = a.handle
@@ -238,15 +238,18 @@ class Intranode:
             # The counts travel on the device (notify): every rank's row of the count matrix, and for a
             # plain dispatch the per-expert counts, into every rank's header; each rank builds its
             # handle's tables from the matrix.
-            if worst:
-                sig.append(num_worst_tokens)       # the rounds depend on it: every rank must pass the same
             El = a.num_experts // R
             with self.rt.comm_ctx():
                 lay = self._routing(a)
             in_rank, send_pos = lay[2], lay[3]
+            if worst:
+                self.rt.publish_worst(num_worst_tokens)
             yield "dispatch/notify"
+            # each rank's num_worst_tokens (they may differ): the rounds follow from the largest
+            worst_all = self.rt.every_worst() if worst else None
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst)
+                kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst,
+                                    num_worst_tokens=num_worst_tokens if worst else 0)
             yield "dispatch/notify receive"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 t32_dev = torch.empty(records.t32_words.host(R), dtype=torch.int32, device=self.rt.device)
@@ -260,7 +263,8 @@ class Intranode:
             row_base, combine_tables, n_recv_dev = records.split_t64(tables, R)
             if worst:
                 n_recv, n_out, expert_list = None, num_worst_tokens, []
-                recv_rows_max, area_rows_max = num_worst_tokens, R * num_worst_tokens   # ranks receive <= it
+                # rank r receives at most its own value; rows returned to one source at most their sum
+                recv_rows_max, area_rows_max = max(worst_all), sum(worst_all)
             else:
                 # The one host wait of a plain dispatch: the rows that arrive here, and per local expert.
                 n_recv, recv_rows_max, area_rows_max, per_expert = self._wait_notify(El)
@@ -272,7 +276,7 @@ class Intranode:
         if plan is None:
             rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
             cap = self.rt.capacity(rec_words * 4, "dispatch")
-            # rounds: from the counts, or (counts on the device only) from num_worst_tokens, equal on every rank
+            # rounds: from the counts, or (counts on the device only) from every rank's num_worst_tokens
             rounds = max(1, -(-recv_rows_max // cap))
             plan = (rec_words, cap, rounds, signals.call_signature(sig + [rounds, rec_words]))
             if cached:

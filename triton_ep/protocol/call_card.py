@@ -4,12 +4,18 @@ Ranks compare their calls on the device through 64-bit signature digests (a mism
 records ``E_MISMATCH``). A digest says *that* ranks disagree, not *where*. So every collective call also
 writes a small card into this rank's slot of the host control block, which every rank of the host maps:
 
-    [ serial | code | value 0 | value 1 | ... ]        int64 words, CARD_WORDS per rank
+    [ serial | code | value 0 | value 1 | ... | failed | worst 0 | worst 1 ]     int64 words, CARD_WORDS per rank
 
 ``serial`` counts this Buffer's collective calls (equal on ranks in step), ``code`` names the operation
 (:data:`FIELDS`), the values are the fields that operation's signature covers, in :data:`FIELDS` order.
 When a mismatch is raised, :func:`describe` compares this rank's card with the peer's: "hidden: rank 0
 passed 256, rank 1 passed 128". Only fields of the operation the ranks called appear.
+
+The last three words are not part of the comparison. ``failed`` holds the serial of a call this rank gave
+up before it launched anything, or :data:`LEFT` once it left the group (its peers stop waiting for its card). ``worst 0/1`` carry each rank's
+``num_worst_tokens`` of its latest two dispatches with it (``n << 32 | value``, ``n`` the group's count of
+such dispatches, slot ``n & 1``): ranks may pass different values, and each reads every rank's before it
+sizes the call's rounds (:func:`publish_worst`, :func:`worst_of`).
 """
 from __future__ import annotations
 
@@ -34,8 +40,7 @@ FIELDS: Dict[int, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
     DISPATCH_WORST: ("dispatch with num_worst_tokens", (("x dtype", "dtype"), ("hidden", "int"),
                                                         ("scales dtype", "dtype"), ("scale columns", "int"),
                                                         ("top-k (topk_idx columns)", "int"),
-                                                        ("topk_weights given", "bool"), ("num_experts", "int"),
-                                                        ("num_worst_tokens", "int"))),
+                                                        ("topk_weights given", "bool"), ("num_experts", "int"))),
     CACHED_DISPATCH: ("cached dispatch", (("x dtype", "dtype"), ("hidden", "int"), ("scales dtype", "dtype"),
                                           ("scale columns", "int"), ("handle's dispatch number", "int"))),
     COMBINE: ("combine", (("hidden", "int"), ("topk_weights columns", "int"),
@@ -46,7 +51,11 @@ FIELDS: Dict[int, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
     LL_COMBINE: ("low_latency_combine", (("num_max_dispatch_tokens_per_rank", "int"), ("hidden", "int"),
                                          ("num_experts", "int"), ("top-k (topk_idx columns)", "int"))),
 }
-assert all(2 + len(f) <= CARD_WORDS for _, f in FIELDS.values())
+#: the word holding the serial of a call this rank gave up before launching anything
+FAILED_WORD = CARD_WORDS - 3
+#: the two words carrying ``num_worst_tokens`` (slot ``n & 1``)
+WORST_WORDS = (CARD_WORDS - 2, CARD_WORDS - 1)
+assert all(2 + len(f) <= FAILED_WORD for _, f in FIELDS.values())
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -63,6 +72,34 @@ def write(card: np.ndarray, serial: int, code: int, values: Sequence[int]) -> No
     card[2:2 + len(values)] = values
     card[1] = code
     card[0] = serial
+
+
+def publish_worst(card: np.ndarray, n: int, value: int) -> None:
+    """Publish this rank's ``num_worst_tokens`` ``value`` (``< 2**31``) of the group's ``n``-th dispatch
+    with it."""
+    card[WORST_WORDS[n & 1]] = (int(n) << 32) | int(value)
+
+
+def worst_of(card: np.ndarray, n: int) -> Optional[int]:
+    """A rank's ``num_worst_tokens`` of the ``n``-th dispatch with it, ``None`` until it is published."""
+    v = int(card[WORST_WORDS[n & 1]])
+    return v & 0xFFFFFFFF if v >> 32 == n else None
+
+
+#: the ``failed`` word of a rank that left the group (it takes no later call)
+LEFT = -1
+
+
+def mark_failed(card: np.ndarray, serial: int) -> None:
+    """Say that this rank gave up call ``serial`` before launching anything (:data:`LEFT`: every later call:
+    it left the group). A rank that left stays marked."""
+    if int(card[FAILED_WORD]) != LEFT:
+        card[FAILED_WORD] = serial
+
+
+def clear_extra(card: np.ndarray) -> None:
+    """Forget the failed call and the ``num_worst_tokens`` values (a re-synchronisation restarts the count)."""
+    card[FAILED_WORD:] = 0
 
 
 def _show(kind: str, v: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 import uuid
 from typing import Callable, Generator, Optional, Sequence
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from ..kernels._util import interpreted
 from ..config import EventOverlap
-from ..errors import EPError, EPTimeoutError
+from ..errors import EPError, EPRemoteError, EPTimeoutError
 from ..kernels import flags as F
 from ..protocol import call_card as card
 from ..transport import ipc, signals
@@ -64,6 +65,8 @@ def steps(fn: Callable) -> Callable:
         except BaseException as e:
             rt = self.rt
             if rt.comm is not None and not getattr(e, "_ep_recorded", False):
+                # a peer waiting on the host for this call's card stops at once
+                card.mark_failed(rt._card, rt._calls)
                 # the failure word names the round after this rank's completed ones: its earlier calls'
                 # kernels must have finished (so a peer still in one of those is not told it failed)
                 rt.wait_comm_stream()
@@ -114,6 +117,10 @@ class Runtime:
         self.host_waits = {"meet": 0, "poll": 0}
         #: this rank's call card and its count of collective calls (named disagreements)
         self._card, self._calls = comm.card(comm.rank), 0
+        #: dispatches with num_worst_tokens since the last re-synchronisation (equal on ranks in step)
+        self.worst_calls = 0
+        # a rank that leaves the group says so in its card too (peers may wait there: every_worst)
+        self.sig.on_leave = lambda: card.mark_failed(self._card, card.LEFT)
         self.sig.explain_mismatch = self.explain_mismatch
 
     # ------------------------------------------------------------------ lifetime
@@ -198,6 +205,50 @@ class Runtime:
         """Write this call's card (:mod:`triton_ep.protocol.call_card`) where the peers can read it: a
         mismatch the kernels find is then raised naming the field and each rank's value."""
         card.write(self._card, self._calls, code, values)
+
+    def publish_worst(self, value: int) -> None:
+        """Publish this rank's ``num_worst_tokens`` of the dispatch it starts, in its call card (which every
+        rank of the host maps); :meth:`every_worst` reads every rank's, after the call's next step."""
+        self.worst_calls += 1
+        card.publish_worst(self._card, self.worst_calls, value)
+
+    def every_worst(self) -> list:
+        """Every rank's ``num_worst_tokens`` of this dispatch (:meth:`publish_worst`), read from the call cards
+        with a bounded wait on the peers' host (no device synchronisation). The ranks may pass different
+        values (DeepEP's contract: each sizes that rank's outputs); the call's rounds follow from all of
+        them. Call it a step after :meth:`publish_worst` (in the lock-step runner every rank has then
+        published).
+
+        Raises:
+            EPRemoteError: a peer gave this call up before launching anything. ValueError: a peer called
+                another operation here. EPTimeoutError: a peer did not reach the call within ``timeout_s``.
+        """
+        comm = self.live()
+        n = self.worst_calls
+        vals = [None] * self.group_size
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for r in range(self.group_size):
+                if vals[r] is not None:
+                    continue
+                theirs = comm.card(r)
+                vals[r] = card.worst_of(theirs, n)
+                if vals[r] is not None:
+                    continue
+                if int(theirs[card.FAILED_WORD]) in (self._calls, card.LEFT):
+                    raise EPRemoteError(f"rank {self.rank}: rank {r} gave this dispatch up before it started, or "
+                                        f"left the group (rank {r} raised the details); nothing was moved")
+                if int(theirs[0]) > self._calls or (int(theirs[0]) == self._calls
+                                                     and int(theirs[1]) != card.DISPATCH_WORST):
+                    what = card.describe(self._card, theirs, self.rank, r) or "the operation"
+                    raise ValueError(f"ranks disagree at 'dispatch': {what}; all ranks must make the same calls")
+            if all(v is not None for v in vals):
+                return vals
+            self.check()
+            if time.monotonic() > deadline:
+                raise EPTimeoutError(self.rank, [r for r, v in enumerate(vals) if v is None],
+                                     "dispatch/num_worst_tokens of every rank (the host)", self.timeout_s)
+            time.sleep(0)
 
     def explain_mismatch(self, peer: int) -> Optional[str]:
         """What differs between this rank's latest call and ``peer``'s, from their cards (``None``: unknown).
@@ -344,6 +395,10 @@ class Runtime:
         comm = self.live()
         parity = self._op & 1
         self._op += 1
+        # the count of num_worst_tokens dispatches starts afresh on every rank (this rank's old values go
+        # before the meeting, so none is read as a later call's)
+        card.clear_extra(self._card)
+        self.worst_calls = 0
         slot = comm.slot(parity, self.rank)
         slot[:ipc.SLOT_HEADER] = 0
         with self.comm_ctx():

@@ -141,6 +141,8 @@ class Signals:
         #: ``explain_mismatch(peer)``: what differs between this rank's call and ``peer``'s (a phrase naming
         #: the field and both values), or ``None``; set by the Buffer (call cards)
         self.explain_mismatch: Optional[Callable[[int], Optional[str]]] = None
+        #: called when this rank leaves the group (:meth:`leave`), before its peers are told; set by the Runtime
+        self.on_leave: Optional[Callable[[], None]] = None
 
     # ---- what kernels take
     def kernel_args(self, max_programs: Optional[int] = None) -> dict:
@@ -192,7 +194,7 @@ class Signals:
                               f"given counts are used as they are); nothing was sent")
         if rec.kind == int(F.E_CAPACITY):
             return EPCapacityError(f"rank {me}: rank {peer} receives {int(self._host_np[int(F.H_INFO)])} rows, more "
-                                   f"than num_worst_tokens={int(self._host_np[int(F.H_INFO2)])}; no data was moved")
+                                   f"than its num_worst_tokens={int(self._host_np[int(F.H_INFO2)])}; no data was moved")
         if rec.kind == int(F.E_MISMATCH):
             what = self.explain_mismatch(peer) if self.explain_mismatch is not None else None
             what = what or (f"ranks {me} and {peer} called different operations or passed different arguments "
@@ -230,6 +232,8 @@ class Signals:
         the middle of a call): write ``GONE[rank]`` (``stage`` + 1) into every peer's header, so their
         kernels and rendezvous stop waiting for it at once and raise that it left the group."""
         R, me = self.size, self.rank
+        if self.on_leave is not None:
+            self.on_leave()
         with torch.inference_mode():
             for r, h in enumerate(self.peer_headers):
                 if r != me:

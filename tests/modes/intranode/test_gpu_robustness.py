@@ -50,6 +50,11 @@ def test_skew_hint_sized_buffer_gpu(mode):
     rb.case_skew_hint_sized_buffer(mode, DEV, R=4, H=2048, Ts=(300, 257, 0, 411))
 
 
+def test_per_rank_num_worst_tokens_gpu():
+    dirty_cuda_cache()
+    rb.case_per_rank_worst(DEV, R=4, H=2048, Ts=(300, 57, 0, 111))
+
+
 @BIG_MEMORY
 @pytest.mark.parametrize("base", rb._BIG)
 def test_kernel_offsets_past_2_31_gpu(base):

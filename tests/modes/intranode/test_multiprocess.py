@@ -49,8 +49,9 @@ def test_absent_peer_times_out_then_recovers():
 def test_bad_input_raises_on_every_rank(kind, local, remote):
     out = _values(run_ranks(mp_cases.bad_input_on_one_rank, 3, kind))
     assert out[1][0] == local, out
-    if kind == "worst":     # every rank is short of room: each names the same (first) rank, with its count
-        assert all(o[0] == remote and "rank 0 receives" in o[1] for o in out), out
+    if kind == "worst":     # rank 1's value is too small: every rank names rank 1, with rank 1's value
+        assert all(o[0] == remote and "rank 1 receives" in o[1] and "num_worst_tokens=1;" in o[1]
+                   for o in out), out
     else:
         assert all(out[r][0] == remote and "rank 1" in out[r][1] for r in (0, 2)), out
 

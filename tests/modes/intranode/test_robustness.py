@@ -282,6 +282,60 @@ def case_skew_hint_sized_buffer(mode, device="cpu", R=2, H=1024, Ts=(23, 21)):
     check_dispatch(virtual_dispatch(vg, *small, E, device), ref.dispatch(*small, E))
 
 
+def test_per_rank_num_worst_tokens_many_rounds():
+    case_per_rank_worst()
+
+
+def case_per_rank_worst(device="cpu", R=3, H=1024, Ts=(23, 5, 9)):
+    """Each rank passes its own num_worst_tokens (DeepEP's contract: it sizes that rank's outputs), through a
+    buffer holding a tenth of what the hot rank receives: the rounds follow from the largest value (no rank
+    assumes its own is everyone's), every rank's outputs have its own number of rows, its rows are the
+    reference's with zero padding after them, and a cached dispatch and a combine over the padded handles
+    are bit-exact. Then one rank's value one short of its count: every rank raises EPCapacityError naming
+    that rank and its value, and the group goes on.
+    Catches: rounds taken from a rank's own value (too few rounds on the ranks with small values: rows lost
+    or a hang), a combine area bound from one rank's value, a capacity check against another rank's value."""
+    E, K = 2 * R, 3
+    xs, idxs, ws = skewed_inputs("one_rank", R, E, K, H, list(Ts), seed=5)
+    vg = guarded_group(R, hint_bytes(H, R), device)
+    exp = ref.dispatch(xs, idxs, ws, E)
+    counts = [e["recv_x"].shape[0] for e in exp]
+    worst = [c + 2 * r + 1 for r, c in enumerate(counts)]          # every value different
+    rows_per_round = hint_bytes(H, R) // (4 * dispatch_record_words(H // 2, 0, K, True))
+    assert max(worst) >= 5 * rows_per_round > min(worst), (worst, rows_per_round)
+    kw = [dict(x=xs[r].to(device), num_worst_tokens=worst[r]) for r in range(R)]
+    for r in range(R):
+        per_rank, _, per_expert, in_rank, _ = vg.buffers[r].get_dispatch_layout(idxs[r].to(device), E)
+        kw[r].update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=idxs[r].to(device), topk_weights=ws[r].to(device))
+    res = raise_first(vg.call("dispatch", kw))
+    for j in range(R):
+        rx, ri, rw, lst, h, _ = res[j]
+        n = counts[j]
+        assert rx.shape[0] == worst[j] and ri.shape[0] == worst[j] and lst == []
+        assert_bits(rx[:n], exp[j]["recv_x"], f"rank {j} rows")
+        assert_bits(ri[:n], exp[j]["recv_topk_idx"], f"rank {j} ids")
+        assert bool((ri[n:] == -1).all()) and bool((bits(rx[n:]) == 0).all())
+    x2 = [(x.float() * 3).to(BF16) for x in xs]
+    cached = raise_first(vg.call("dispatch", [dict(x=x2[r].to(device), handle=res[r][4]) for r in range(R)]))
+    exp2 = ref.dispatch(x2, idxs, ws, E)
+    got = raise_first(vg.call("combine", [dict(x=cached[j][0], handle=res[j][4]) for j in range(R)]))
+    want = ref.combine([e["recv_x"] for e in exp2], exp2, list(Ts))
+    for j in range(R):
+        assert_bits(cached[j][0][:counts[j]], exp2[j]["recv_x"], f"rank {j} cached rows")
+        assert_bits(got[j][0], want[j][0], f"rank {j} combine over a padded handle")
+    assert guard_intact(vg), "a write landed past the buffer capacity"
+    short = counts.index(max(counts))           # the hot rank, one row short
+    kw[short]["num_worst_tokens"] = counts[short] - 1
+    out = vg.call("dispatch", kw)
+    for r, o in enumerate(out):
+        assert isinstance(o, triton_ep.EPCapacityError), (r, o)
+        assert f"rank {short} receives {counts[short]} rows, more than its num_worst_tokens={counts[short] - 1}" \
+            in str(o), str(o)
+    small = [x[:2] for x in xs], [i[:2] for i in idxs], [w[:2] for w in ws]
+    check_dispatch(virtual_dispatch(vg, *small, E, device), ref.dispatch(*small, E))
+
+
 @st.composite
 def skewed_problems(draw):
     R = draw(st.sampled_from([1, 3, 5, 7]))
