@@ -123,16 +123,22 @@ def bad_input_on_one_rank(rank, world, kind):
             x = x.tolist()
         elif kind == "mixed_dtypes":       # a legal dtype, but not the one the other ranks send
             x = x.float()
-        elif kind == "worst":
-            pass
-    # each rank passes its own num_worst_tokens (DeepEP's contract): 1 on rank 1 (too small), 60 and 61
-    # elsewhere (enough)
-    extra = dict(num_worst_tokens=1 if rank == 1 else 60 + rank) if kind == "worst" else {}
+        elif kind == "worst_not_tensor":   # a bad argument while every rank passes num_worst_tokens
+            x = x.tolist()
+    # each rank passes its own num_worst_tokens (DeepEP's contract): "worst": 1 on rank 1 (too small), 60
+    # and more elsewhere (enough); "worst_mixed": 0 (none) on rank 1, the others > 0
+    extra = {}
+    if kind.startswith("worst"):
+        extra = dict(num_worst_tokens=60 + rank)
+        if rank == 1 and kind in ("worst", "worst_mixed"):
+            extra = dict(num_worst_tokens=1 if kind == "worst" else 0)
+    import time
+    t0 = time.monotonic()
     try:
         buf.dispatch(x, topk_weights=ws[rank], **kw, **extra)
         out = "no error"
     except Exception as e:  # noqa: BLE001
-        out = (type(e).__name__, str(e))
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
     assert torch.equal(kw["topk_idx"], before), "topk_idx was modified"
     recv_x = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))[0]
     assert torch.equal(recv_x, ref.dispatch(xs, idxs, ws, E)[rank]["recv_x"])

@@ -464,8 +464,9 @@ class Buffer:
                 weights 0, x 0, ``recv_src_idx`` -1); more rows arriving at a rank than its value raise
                 ``EPCapacityError`` on every rank, naming that rank. Each rank may pass its own value, as in
                 DeepEP, within one host (every rank reads the others' from the host's call cards, with a
-                bounded wait on their host and no device synchronisation); across hosts every rank must
-                pass the same value.
+                bounded wait on their host and no device synchronisation); the rounds follow from the largest
+                value, so one rank's large value makes every rank take its rounds. Every rank passes a value
+                > 0 or none does. Across hosts every rank must pass the same value.
             config: accepted; results never depend on it. previous_event, async_finish,
             allocate_on_comm_stream: as DeepEP: the kernels run on the communication stream with
                 ``async_finish`` (the returned event marks their end), else on the caller's stream.

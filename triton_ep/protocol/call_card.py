@@ -11,11 +11,12 @@ writes a small card into this rank's slot of the host control block, which every
 When a mismatch is raised, :func:`describe` compares this rank's card with the peer's: "hidden: rank 0
 passed 256, rank 1 passed 128". Only fields of the operation the ranks called appear.
 
-The last three words are not part of the comparison. ``failed`` holds the serial of a call this rank gave
-up before it launched anything, or :data:`LEFT` once it left the group (its peers stop waiting for its card). ``worst 0/1`` carry each rank's
-``num_worst_tokens`` of its latest two dispatches with it (``n << 32 | value``, ``n`` the group's count of
-such dispatches, slot ``n & 1``): ranks may pass different values, and each reads every rank's before it
-sizes the call's rounds (:func:`publish_worst`, :func:`worst_of`).
+The last three words are not part of the comparison. ``failed`` holds the serial of the last call this rank
+gave up before it launched anything, or :data:`LEFT` once it left the group (its peers stop waiting for its
+card). ``worst 0/1`` carry each rank's ``num_worst_tokens`` of its latest two dispatches with it
+(``serial << 32 | value``, in slot ``k & 1`` for the group's ``k``-th such dispatch since the last
+re-synchronisation): ranks may pass different values, and each reads every rank's before it sizes the call's
+rounds (:func:`publish_worst`, :func:`worst_of`). Serials only grow, so a stale word never matches a later call.
 """
 from __future__ import annotations
 
@@ -74,16 +75,17 @@ def write(card: np.ndarray, serial: int, code: int, values: Sequence[int]) -> No
     card[0] = serial
 
 
-def publish_worst(card: np.ndarray, n: int, value: int) -> None:
-    """Publish this rank's ``num_worst_tokens`` ``value`` (``< 2**31``) of the group's ``n``-th dispatch
-    with it."""
-    card[WORST_WORDS[n & 1]] = (int(n) << 32) | int(value)
+def publish_worst(card: np.ndarray, k: int, serial: int, value: int) -> None:
+    """Publish this rank's ``num_worst_tokens`` ``value`` (``< 2**31``) of call ``serial``, the group's ``k``-th
+    dispatch with it since the last re-synchronisation."""
+    card[WORST_WORDS[k & 1]] = (int(serial) << 32) | int(value)
 
 
-def worst_of(card: np.ndarray, n: int) -> Optional[int]:
-    """A rank's ``num_worst_tokens`` of the ``n``-th dispatch with it, ``None`` until it is published."""
-    v = int(card[WORST_WORDS[n & 1]])
-    return v & 0xFFFFFFFF if v >> 32 == n else None
+def worst_of(card: np.ndarray, k: int, serial: int) -> Optional[int]:
+    """A rank's ``num_worst_tokens`` of call ``serial`` (the ``k``-th dispatch with it), ``None`` until it is
+    published."""
+    v = int(card[WORST_WORDS[k & 1]])
+    return v & 0xFFFFFFFF if v >> 32 == serial else None
 
 
 #: the ``failed`` word of a rank that left the group (it takes no later call)
@@ -95,11 +97,6 @@ def mark_failed(card: np.ndarray, serial: int) -> None:
     it left the group). A rank that left stays marked."""
     if int(card[FAILED_WORD]) != LEFT:
         card[FAILED_WORD] = serial
-
-
-def clear_extra(card: np.ndarray) -> None:
-    """Forget the failed call and the ``num_worst_tokens`` values (a re-synchronisation restarts the count)."""
-    card[FAILED_WORD:] = 0
 
 
 def _show(kind: str, v: int) -> str:

@@ -210,7 +210,7 @@ class Runtime:
         """Publish this rank's ``num_worst_tokens`` of the dispatch it starts, in its call card (which every
         rank of the host maps); :meth:`every_worst` reads every rank's, after the call's next step."""
         self.worst_calls += 1
-        card.publish_worst(self._card, self.worst_calls, value)
+        card.publish_worst(self._card, self.worst_calls, self._calls, value)
 
     def every_worst(self) -> list:
         """Every rank's ``num_worst_tokens`` of this dispatch (:meth:`publish_worst`), read from the call cards
@@ -224,7 +224,7 @@ class Runtime:
                 another operation here. EPTimeoutError: a peer did not reach the call within ``timeout_s``.
         """
         comm = self.live()
-        n = self.worst_calls
+        k, serial = self.worst_calls, self._calls
         vals = [None] * self.group_size
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -232,16 +232,18 @@ class Runtime:
                 if vals[r] is not None:
                     continue
                 theirs = comm.card(r)
-                vals[r] = card.worst_of(theirs, n)
+                vals[r] = card.worst_of(theirs, k, serial)
                 if vals[r] is not None:
                     continue
-                if int(theirs[card.FAILED_WORD]) in (self._calls, card.LEFT):
-                    raise EPRemoteError(f"rank {self.rank}: rank {r} gave this dispatch up before it started, or "
-                                        f"left the group (rank {r} raised the details); nothing was moved")
-                if int(theirs[0]) > self._calls or (int(theirs[0]) == self._calls
-                                                     and int(theirs[1]) != card.DISPATCH_WORST):
+                # (the peers raise too, at this step: the group stays in step)
+                if int(theirs[card.FAILED_WORD]) in (serial, card.LEFT):
+                    raise collective(EPRemoteError(
+                        f"rank {self.rank}: rank {r} gave this dispatch up before it started, or left the group "
+                        f"(rank {r} raised the details); nothing was moved"))
+                if int(theirs[0]) > serial or (int(theirs[0]) == serial and int(theirs[1]) != card.DISPATCH_WORST):
                     what = card.describe(self._card, theirs, self.rank, r) or "the operation"
-                    raise ValueError(f"ranks disagree at 'dispatch': {what}; all ranks must make the same calls")
+                    raise collective(ValueError(f"ranks disagree at 'dispatch': {what}; all ranks must make the "
+                                                f"same calls (num_worst_tokens > 0 on every rank, or on none)"))
             if all(v is not None for v in vals):
                 return vals
             self.check()
@@ -395,9 +397,8 @@ class Runtime:
         comm = self.live()
         parity = self._op & 1
         self._op += 1
-        # the count of num_worst_tokens dispatches starts afresh on every rank (this rank's old values go
-        # before the meeting, so none is read as a later call's)
-        card.clear_extra(self._card)
+        # the count of num_worst_tokens dispatches starts afresh on every rank (the values already published
+        # name their calls' serials: none is read as a later call's)
         self.worst_calls = 0
         slot = comm.slot(parity, self.rank)
         slot[:ipc.SLOT_HEADER] = 0

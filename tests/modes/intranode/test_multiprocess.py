@@ -45,13 +45,21 @@ def test_absent_peer_times_out_then_recovers():
 @pytest.mark.parametrize("kind,local,remote", [("bad_ids", "ValueError", "EPRemoteError"),
                                                ("row_bytes", "ValueError", "EPRemoteError"),
                                                ("not_tensor", "TypeError", "EPRemoteError"),
-                                               ("worst", "EPCapacityError", "EPCapacityError")])
+                                               ("worst", "EPCapacityError", "EPCapacityError"),
+                                               ("worst_not_tensor", "TypeError", "EPRemoteError"),
+                                               ("worst_mixed", "EPRemoteError", "ValueError")])
 def test_bad_input_raises_on_every_rank(kind, local, remote):
+    """Rank 1's input is bad (or its num_worst_tokens too small, or 0 where the others pass one): every rank
+    raises at once (well within timeout_s = 30 s), naming rank 1 or the disagreement, and a correct dispatch
+    then works on the same Buffer (mp_cases.bad_input_on_one_rank)."""
     out = _values(run_ranks(mp_cases.bad_input_on_one_rank, 3, kind))
     assert out[1][0] == local, out
+    assert all(o[2] < 10.0 for o in out), out
     if kind == "worst":     # rank 1's value is too small: every rank names rank 1, with rank 1's value
         assert all(o[0] == remote and "rank 1 receives" in o[1] and "num_worst_tokens=1;" in o[1]
                    for o in out), out
+    elif kind == "worst_mixed":     # the others found that rank 1 made a dispatch without num_worst_tokens
+        assert all(out[r][0] == remote and "rank 1 called dispatch" in out[r][1] for r in (0, 2)), out
     else:
         assert all(out[r][0] == remote and "rank 1" in out[r][1] for r in (0, 2)), out
 
