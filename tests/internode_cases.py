@@ -57,6 +57,31 @@ def build_only(rank, world, env, kwargs):
     return None
 
 
+def low_latency_buffer(rank, world, env, seed):
+    """A Buffer built with low_latency_mode (and num_rdma_bytes from the hint) over ranks on several hosts:
+    DeepEP's one Buffer for both modes. Its normal-mode calls work across hosts (:func:`check_case`, against
+    the reference); each of its low-latency calls raises NotImplementedError (``[type, message]`` per call)."""
+    os.environ.update(env)
+    E, K, H, N = 4 * world, 2, 64, 8
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    buf = triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=True, timeout_s=60)
+    try:
+        checked = check_case(buf, rank, world, int(env["TRITON_EP_RANKS_PER_HOST"]), seed, E, K, H,
+                             [5 + r for r in range(world)], {})
+        x = torch.randn(3, H).to(torch.bfloat16)
+        idx = torch.zeros(3, K, dtype=torch.int64)
+        errors = []
+        for call in (lambda: buf.low_latency_dispatch(x, idx, N, E), lambda: buf.clean_low_latency_buffer(N, H, E)):
+            try:
+                call()
+                errors.append(None)
+            except Exception as ex:   # noqa: BLE001
+                errors.append(_error(ex))
+        return checked, errors
+    finally:
+        buf.destroy()
+
+
 def machines(rank, world, env, per_machine, seed):
     """Each rank claims to run on machine ``rank // per_machine`` (its host identity), with ``env`` set: the
     Buffer's hosts, what its runtime maps, and a dispatch + combine round trip against the reference (or

@@ -52,8 +52,11 @@ class Buffer:
         ValueError: a bad argument value; ranks that disagree on ``rdma_backend`` or
             ``TRITON_EP_RANKS_PER_HOST``; hosts of different sizes; a host whose ranks run on several
             machines; several hosts and no RDMA transport.
-        NotImplementedError: ``low_latency_mode`` with several hosts (not built yet: docs/internode.md).
         EPTimeoutError: a rank did not join within ``timeout_s``.
+
+    With ``low_latency_mode`` and ranks on several hosts the Buffer serves the normal-mode calls across hosts
+    (as DeepEP's one Buffer for both modes); its ``low_latency_*`` calls raise ``NotImplementedError``
+    (internode low-latency mode is not built yet: docs/internode.md).
     """
 
     num_sms: int = 20
@@ -212,6 +215,10 @@ class Buffer:
     # ------------------------------------------------------------------ low-latency mode (docs/low_latency.md)
     def _low_latency(self) -> LowLatency:
         self._rt.live()
+        if self._ll is None and self.low_latency_mode and self._rt.num_hosts > 1:
+            raise NotImplementedError(
+                f"low-latency calls with ranks on {self._rt.num_hosts} hosts (internode low-latency mode) are not built "
+                f"yet; this Buffer's normal-mode calls (dispatch, combine) work across hosts")
         if self._ll is None:
             raise ValueError("low-latency calls need Buffer(..., num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint"
                              "(...), low_latency_mode=True) built over a process group")

@@ -462,7 +462,6 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
         ValueError: a bad value (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``, ``rdma_backend``), no
             process group, ranks that disagree on ``rdma_backend`` or ``TRITON_EP_RANKS_PER_HOST``, hosts of
             different sizes, a host whose ranks run on several machines, several hosts and no RDMA transport.
-        NotImplementedError: ``low_latency_mode`` with several hosts (not built yet).
         EPTimeoutError: ranks did not arrive within ``timeout_s`` (named).
         EPRemoteError: a peer gave up or failed first.
     """
@@ -486,12 +485,11 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
         if not exchanges:
             size = group.size
             hosts = group_hosts([host_identity()] * size, [os.environ.get(ENV_RANKS_PER_HOST)] * size)
-            _check_modes(hosts, low_latency_mode)
             return Runtime(group, timeout_s, uuid.uuid4().hex, hosts=hosts,
                            rdma_transport=choose_transport(backend, hosts))
         for ex in exchanges:
             ex.timeout_s = timeout_s
-        hosts, transport = _find_hosts(exchanges[0], backend, low_latency_mode)
+        hosts, transport = _find_hosts(exchanges[0], backend)
     except Exception as e:
         for ex in exchanges:
             ex.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
@@ -507,7 +505,7 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport)
 
 
-def _find_hosts(exchange: Exchange, backend: str, low_latency_mode: bool):
+def _find_hosts(exchange: Exchange, backend: str):
     """Exchange host identities (and each rank's ``TRITON_EP_RANKS_PER_HOST`` and ``rdma_backend``), group
     the ranks into hosts and choose the transport between them: ``(Hosts, transport)``. Every rank raises the
     same error where the exchanged values are at fault."""
@@ -520,7 +518,6 @@ def _find_hosts(exchange: Exchange, backend: str, low_latency_mode: bool):
         if len(machines) > 1:
             raise ValueError(f"{ENV_RANKS_PER_HOST} puts ranks {list(hosts.ranks(h))} into host {h}, but they run on "
                              f"{len(machines)} machines ({', '.join(machines)}); a host's ranks must share a machine")
-    _check_modes(hosts, low_latency_mode)
     return hosts, transport
 
 
@@ -608,10 +605,3 @@ class HostsRuntime:
     def wait_comm_stream(self) -> None:
         self.local.wait_comm_stream()
 
-
-def _check_modes(hosts: Hosts, low_latency_mode: bool) -> None:
-    """Raise ``NotImplementedError`` for a mode not built yet: low-latency mode across hosts."""
-    if hosts.num_hosts > 1 and low_latency_mode:
-        raise NotImplementedError(
-            f"low_latency_mode with ranks on {hosts.num_hosts} hosts ({hosts.source}): internode low-latency mode "
-            f"is not built yet; use low_latency_mode with every rank on one host")
