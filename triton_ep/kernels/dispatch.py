@@ -184,6 +184,14 @@ def _grid(blocks: int, signals: Optional[dict]) -> int:
     return max(min(blocks, cap) if cap else blocks, 1)
 
 
+def _grid2(rows: int, cols: int, signals: Optional[dict]) -> tuple:
+    """A ``(rows, cols)`` grid of a signalling launch (each axis at least 1); where ranks share a GPU,
+    :func:`_grid`'s cap over the rows and one column (programs loop over the rest)."""
+    if signals is not None and signals.get("max_programs"):
+        return _grid(rows, signals), 1
+    return max(rows, 1), max(cols, 1)
+
+
 def _use_clock(signals: Optional[dict]) -> bool:
     return bool(signals is not None and signals["use_clock"])
 

@@ -21,7 +21,7 @@ from . import flags
 from ._util import cdiv, pow2, tuning
 from .launch import Launcher
 from .combine import _bf16_rtne_bits
-from .ll_dispatch import _grid2
+from .dispatch import _grid2
 
 
 @triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns'])

@@ -31,6 +31,7 @@ import triton.language as tl
 from . import flags
 from ..protocol import records
 from ._util import cdiv, interpreted, pow2, tuning
+from .dispatch import _grid2
 from .launch import Launcher
 from .fp8 import quantize_blocks
 
@@ -295,15 +296,6 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
         SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
         NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"],
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(K), BLOCK_E=1024, num_warps=tune["num_warps"])
-
-
-def _grid2(rows: int, cols: int, signals: dict) -> tuple:
-    """A ``(rows, cols)`` grid of programs (each axis at least 1); where ranks share a GPU the launch is
-    capped at ``signals["max_programs"]`` programs (``(min(rows, cap), 1)``: programs loop over the rest)."""
-    cap = signals.get("max_programs")
-    if cap:
-        return max(min(rows, cap), 1), 1
-    return max(rows, 1), max(cols, 1)
 
 
 def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, num_topk: int, use_fp8: bool,

@@ -54,7 +54,7 @@ FIELDS: Dict[int, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
 }
 #: the word holding the serial of a call this rank gave up before launching anything
 FAILED_WORD = CARD_WORDS - 3
-#: the two words carrying ``num_worst_tokens`` (slot ``n & 1``)
+#: the two words carrying ``num_worst_tokens`` (slot ``k & 1`` for the ``k``-th dispatch with it)
 WORST_WORDS = (CARD_WORDS - 2, CARD_WORDS - 1)
 assert all(2 + len(f) <= FAILED_WORD for _, f in FIELDS.values())
 
