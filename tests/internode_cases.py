@@ -59,25 +59,37 @@ def build_only(rank, world, env, kwargs):
 
 def low_latency_buffer(rank, world, env, seed):
     """A Buffer built with low_latency_mode (and num_rdma_bytes from the hint) over ranks on several hosts:
-    DeepEP's one Buffer for both modes. Its normal-mode calls work across hosts (:func:`check_case`, against
-    the reference); each of its low-latency calls raises NotImplementedError (``[type, message]`` per call)."""
+    DeepEP's one Buffer for both modes. Normal-mode calls, then low-latency calls, then normal-mode calls
+    again (with ``clean_low_latency_buffer`` between the kinds of use, as DeepEP asks), each checked against
+    its oracle: ``[normal ok, low-latency rows received, normal ok]``."""
+    import ll_cases
     os.environ.update(env)
-    E, K, H, N = 4 * world, 2, 64, 8
+    E, K, H, N = 4 * world, 2, 128, 8
     hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
-    buf = triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=True, timeout_s=60)
+    buf = triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=True, num_qps_per_rank=2, timeout_s=60)
     try:
-        checked = check_case(buf, rank, world, int(env["TRITON_EP_RANKS_PER_HOST"]), seed, E, K, H,
-                             [5 + r for r in range(world)], {})
-        x = torch.randn(3, H).to(torch.bfloat16)
-        idx = torch.zeros(3, K, dtype=torch.int64)
-        errors = []
-        for call in (lambda: buf.low_latency_dispatch(x, idx, N, E), lambda: buf.clean_low_latency_buffer(N, H, E)):
-            try:
-                call()
-                errors.append(None)
-            except Exception as ex:   # noqa: BLE001
-                errors.append(_error(ex))
-        return checked, errors
+        per_host = int(env["TRITON_EP_RANKS_PER_HOST"])
+        first = check_case(buf, rank, world, per_host, seed, E, K, H, [5 + r for r in range(world)], {})
+        buf.clean_low_latency_buffer(N, H, E)
+        xs, idxs, ws = ll_cases.ll_inputs(seed, world, E, K, H, [N - r for r in range(world)])
+        rows = 0
+        for use_fp8 in (False, True):
+            out, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=use_fp8)
+            ll_cases.check_dispatch(out, count, handle, xs, idxs, world, E, rank, use_fp8, False, False)
+            rx = out[0].float() * out[1].repeat_interleave(128, dim=-1) if use_fp8 else out
+            y = torch.stack([ll_cases.expert_fn("affine", rank * (E // world) + le, rx[le].to(torch.bfloat16))
+                             for le in range(E // world)])
+            comb = buf.low_latency_combine(y, idxs[rank], ws[rank], handle)[0]
+            xin = xs[rank]
+            if use_fp8:
+                q, sc = ll_cases.quantize_reference(xin, False)
+                xin = (q.float() * sc.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+            want = ll_cases.expected_combine(xin, idxs[rank], ws[rank], E, world, "affine")
+            assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "low-latency combine"
+            rows += int(count.sum())
+        buf.clean_low_latency_buffer(N, H, E)
+        again = check_case(buf, rank, world, per_host, seed + 1, E, K, H, [3 + r for r in range(world)], {})
+        return first, rows, again
     finally:
         buf.destroy()
 

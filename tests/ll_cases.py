@@ -1,5 +1,7 @@
 """Rank bodies of the low-latency tests (module-level, so spawned processes can import them), and the
 plain-PyTorch oracle of low-latency dispatch and combine."""
+import os
+
 import torch
 
 import triton_ep
@@ -99,13 +101,15 @@ def check_dispatch(out, count, handle, xs, idxs, R, E, me, use_fp8, round_scale,
         assert ((deq - src.float()).abs() <= bound).all(), f"expert {le}: beyond the e4m3 bound"
 
 
-def round_trip(rank, world, seed, E, K, H, Ts, N, cases):
+def round_trip(rank, world, seed, E, K, H, Ts, N, cases, allow_nvlink=True, inputs=None):
     """Each case (use_fp8, round_scale, use_ue8m0, expert kind, hook, zero_copy): dispatch, check against
-    the oracle, run the stand-in experts, combine, check; the stats tensor accumulates the counts."""
-    xs, idxs, ws = ll_inputs(seed, world, E, K, H, Ts, skew=0.5 if seed % 2 else 0.0)
+    the oracle, run the stand-in experts, combine, check; the stats tensor accumulates the counts.
+    ``inputs``: ``(xs, idxs, ws)`` instead of :func:`ll_inputs`."""
+    xs, idxs, ws = inputs or ll_inputs(seed, world, E, K, H, Ts, skew=0.5 if seed % 2 else 0.0)
     R, me, El = world, rank, E // world
     hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
-    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=El, timeout_s=60)
+    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=El, timeout_s=60,
+                           allow_nvlink_for_low_latency_mode=allow_nvlink)
     stats = torch.zeros(El, dtype=torch.int32)
     cost = torch.zeros(R, dtype=torch.int64)
     total = 0
@@ -148,9 +152,10 @@ def _buffer(R, N, H, E, **kw):
     return triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // R, **kw)
 
 
-def two_live_hooks(rank, world, seed, E, K, H, Ts, N):
+def two_live_hooks(rank, world, seed, E, K, H, Ts, N, third=True):
     """Two dispatches outstanding at once (two hooks, the two halves), received in reverse order, then two
-    outstanding combines: each result equals its own oracle; a third outstanding call is refused."""
+    outstanding combines: each result equals its own oracle; a third outstanding call is refused (with
+    ``third``; across hosts a refused call ends the Buffer's low-latency calls, so not there)."""
     R, me = world, rank
     El = E // R
     a = ll_inputs(seed, R, E, K, H, Ts)
@@ -161,7 +166,8 @@ def two_live_hooks(rank, world, seed, E, K, H, Ts, N):
         ob, cb, hb, _, hook_b = buf.low_latency_dispatch(b[0][me], b[1][me], N, E, use_fp8=False, return_recv_hook=True)
         refused = False
         try:
-            buf.low_latency_dispatch(a[0][me], a[1][me], N, E, use_fp8=False, return_recv_hook=True)
+            if third:
+                buf.low_latency_dispatch(a[0][me], a[1][me], N, E, use_fp8=False, return_recv_hook=True)
         except ValueError as e:
             refused = "outstanding" in str(e)
         hook_b()
@@ -478,3 +484,57 @@ def hook_then_rejection(rank, world, N, H, E, kind):
     step("C", lambda: [int(c) for c in buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)[1].tolist()])
     buf.destroy()
     return log
+
+
+def across_hosts(rank, world, env, case, *args):
+    """Run the case named ``case`` of this module with ``env`` set first (``TRITON_EP_RANKS_PER_HOST``,
+    ``TRITON_EP_RDMA=emulated``: ranks standing in for several hosts)."""
+    os.environ.update(env)
+    return globals()[case](rank, world, *args)
+
+
+def skew_to_remote(rank, world, E, K, H, T, N):
+    """Every token of every rank goes to the last expert (on the last rank: another host for the first
+    ones), its other entries -1 or duplicates of it: a round trip in bf16 and FP8, checked as
+    :func:`round_trip` checks."""
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    idxs = []
+    for r in range(world):
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        idx[:, 0] = E - 1
+        idx[::2, K - 1] = E - 1          # a duplicate in every other token
+        idxs.append(idx)
+    ws = [torch.rand(T, K, generator=gen) for _ in range(world)]
+    cases = [(False, False, False, "affine", False, False), (True, True, False, "identity", True, False)]
+    return round_trip(rank, world, 0, E, K, H, [T] * world, N, cases, inputs=(xs, idxs, ws))
+
+
+def rejected_across_hosts(rank, world, N, H, E):
+    """A valid round trip, then rank 0 rejects a dispatch (bad dtype): it raises TypeError, the others
+    EPRemoteError naming it (from the failure chunk, at once: no timeout); afterwards every rank's
+    low-latency calls raise EPError (across hosts an error ends them), and normal-mode calls still work."""
+    import time
+    K = 2
+    xs, idxs, ws = ll_inputs(3, world, E, K, H, [3] * world)
+    buf = _buffer(world, N, H, E, timeout_s=20)
+    out = {}
+    try:
+        recv, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
+        check_dispatch(recv, count, handle, xs, idxs, world, E, rank, False, False, False)
+        t0 = time.monotonic()
+        x = xs[rank].float() if rank == 0 else xs[rank]
+        try:
+            buf.low_latency_dispatch(x, idxs[rank], N, E, use_fp8=False)
+            out["first"] = None
+        except Exception as ex:     # noqa: BLE001
+            out["first"] = [type(ex).__name__, str(ex)]
+        out["seconds"] = time.monotonic() - t0
+        try:
+            buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
+            out["after"] = None
+        except Exception as ex:     # noqa: BLE001
+            out["after"] = [type(ex).__name__, str(ex)]
+        return out
+    finally:
+        buf.destroy()

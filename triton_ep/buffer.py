@@ -16,6 +16,7 @@ import torch
 from .config import Config, EventOverlap
 from .modes.internode import Internode, traffic_stats
 from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
+from .modes import internode_ll
 from .modes.low_latency import LowLatency, size_hint
 from .runtime import open_runtime
 from .runtime.checks import isint
@@ -27,8 +28,8 @@ __all__ = ["Buffer", "DispatchArgs", "DispatchHandle"]
 
 class Buffer:
     """Expert-parallel communication buffer, a drop-in for DeepEP V1's ``deep_ep.Buffer``: normal mode within
-    one host, low-latency mode within one host, and normal mode across hosts (its network leg in kernels over
-    the RDMA scheduler, each call still waiting on the host: docs/internode.md).
+    one host, low-latency mode within one host, and both modes across hosts (their network legs in kernels
+    over the RDMA scheduler: docs/internode.md, docs/low_latency.md).
 
     Args:
         group: the EP process group (any backend: gloo or NCCL; used only to exchange buffer handles).
@@ -36,11 +37,14 @@ class Buffer:
         num_nvl_bytes: bytes of this rank's intranode buffer, e.g. ``Config.get_nvl_buffer_size_hint``.
             Transfers larger than it go through it in rounds.
         num_rdma_bytes: with ``low_latency_mode``, bytes of the low-latency area
-            (``get_low_latency_rdma_size_hint``), mapped by every rank of the host; else unused.
+            (``get_low_latency_rdma_size_hint``), mapped by every rank of the host (across hosts: this rank's
+            own, plus about twice that of registered host memory for the network leg); else unused.
         low_latency_mode: enable the ``low_latency_*`` calls (docs/low_latency.md).
         enable_shrink: allow rank masking in low-latency mode (a peer that times out is masked).
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy,
-        comm: DeepEP's keyword arguments, accepted; those that do not apply within one host are ignored.
+        num_qps_per_rank: RC QPs to each peer of low-latency mode across hosts (DeepEP passes ``E / R``).
+        allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, comm: DeepEP's
+            keyword arguments, accepted; those that do not apply are ignored (across hosts every low-latency
+            peer is reached over RDMA, whatever ``allow_nvlink_for_low_latency_mode``: the results are the same).
         timeout_s: bound in seconds on every wait for a peer (default 100, or ``TRITON_EP_TIMEOUT_S``).
         device: where buffers and inputs live; default the current CUDA device, else CPU.
         rdma_backend: the transport between hosts: ``"auto"`` (pyverbs on the machine's RDMA devices),
@@ -54,9 +58,9 @@ class Buffer:
             machines; several hosts and no RDMA transport.
         EPTimeoutError: a rank did not join within ``timeout_s``.
 
-    With ``low_latency_mode`` and ranks on several hosts the Buffer serves the normal-mode calls across hosts
-    (as DeepEP's one Buffer for both modes); its ``low_latency_*`` calls raise ``NotImplementedError``
-    (internode low-latency mode is not built yet: docs/internode.md).
+    With ``low_latency_mode`` and ranks on several hosts the Buffer serves both the normal-mode calls and the
+    low-latency calls across hosts (as DeepEP's one Buffer for both modes); there an error in a low-latency
+    call ends its low-latency calls for good, and ``enable_shrink`` is not available (``NotImplementedError``).
     """
 
     num_sms: int = 20
@@ -82,6 +86,16 @@ class Buffer:
             rt.close()
             raise
         self._ll = LowLatency(rt, rt.ll_offset, rt.ll_bytes, enable_shrink) if rt.ll_bytes else None
+        if rt.num_hosts > 1 and low_latency_mode and num_rdma_bytes:
+            try:
+                self._ll = internode_ll.open_internode_low_latency(rt, (int(num_rdma_bytes) + 4095) // 4096 * 4096,
+                                                                   num_qps_per_rank, enable_shrink)
+            except BaseException:
+                try:
+                    self._internode.close()
+                finally:
+                    rt.close()
+                raise
         rt.agree_on_layout()
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
@@ -215,10 +229,6 @@ class Buffer:
     # ------------------------------------------------------------------ low-latency mode (docs/low_latency.md)
     def _low_latency(self) -> LowLatency:
         self._rt.live()
-        if self._ll is None and self.low_latency_mode and self._rt.num_hosts > 1:
-            raise NotImplementedError(
-                f"low-latency calls with ranks on {self._rt.num_hosts} hosts (internode low-latency mode) are not built "
-                f"yet; this Buffer's normal-mode calls (dispatch, combine) work across hosts")
         if self._ll is None:
             raise ValueError("low-latency calls need Buffer(..., num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint"
                              "(...), low_latency_mode=True) built over a process group")
@@ -379,10 +389,13 @@ class Buffer:
         Kernels still queued are waited for first (each wait they hold is bounded by ``timeout_s``). Across
         hosts, the RDMA proxy stops and its QPs, MRs, CQs and PD are released too."""
         try:
-            if self._internode is not None:
-                self._internode.close()
+            internode_ll.close(self._ll)
         finally:
-            self._rt.close()
+            try:
+                if self._internode is not None:
+                    self._internode.close()
+            finally:
+                self._rt.close()
 
     def check(self) -> None:
         """Raise what this Buffer's kernels have recorded since the last check: a wait that ran out of
@@ -400,6 +413,8 @@ class Buffer:
         """
         if self._internode is not None:
             self._internode.check()          # across hosts: also the RDMA proxy and the capture path's statuses
+            if self._ll is not None:
+                self._ll.check()             # low-latency mode's own signals and proxy
         else:
             self._rt.check()
 

@@ -17,17 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from . import flags
+from . import flags, ll_net
 from ._util import cdiv, pow2, tuning
 from .launch import Launcher
 from .combine import _bf16_rtne_bits
 from .dispatch import _grid2
 
 
-@triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns'])
-def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
-                            experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns,
-                            R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
+@triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw'])
+def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
+                            experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
+                            NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
                             USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_W: tl.constexpr):
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
@@ -36,6 +36,9 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
                              flags.STAGE_LL_COMBINE_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
                              SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
+    if NET:     # ranks on the network: chunk n - 1 of each reuses the send slot of chunk n - 3, once placed
+        go = go & ll_net.wait_slots(ring_ctl, hdr, hdr_delta, host, n, me, flags.STAGE_LL_COMBINE_SEND,
+                                    timeout_ns, R, USE_CLOCK, ctl)
     hb = ctl_w + half * half_w + cnt_w
     RN = R * n_max
     WX: tl.constexpr = H // 2
@@ -51,13 +54,27 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, area_w, delta_w, ctl, n_max
             s = tl.where(m, ret // (n_max * K), 0)
             m = m & (tl.load(ctl + flags.off_ll_mask(R) + s, mask=m, other=1) == 0)
             dst = tl.load(delta_w + s, mask=m, other=0) + hb + (ret - s * (n_max * K)) * WX
+            if NET:
+                # a source on the network gets its rows packed in its chunk, in the order of the records it
+                # sent: after the rows of this rank's experts below le, then by index among s's rows of le
+                oc = tl.arange(0, BLOCK_C)
+                lr = tl.load(layout + oc[None, :] * R + s[:, None], mask=m[:, None] & (oc < le)[None, :], other=0)
+                beg = tl.load(layout + le * R + s, mask=m, other=0) >> 32
+                at = ll_net.chunk_at(ring_dw, s, n - 1, slot_w) + ll_net.NH + (tl.sum(lr & 0xFFFFFFFF, axis=1) + j - beg) * RW
+                far = m & (s != me)
+                tl.store(area_w + at, (ret - s * (n_max * K)).to(tl.int32), mask=far)
+                dst = tl.where(far, at + 4, dst)
             for w0 in range(0, WX, BLOCK_W):
                 ow = w0 + tl.arange(0, BLOCK_W)
                 mw = m[:, None] & (ow < WX)[None, :]
                 tl.store(area_w + dst[:, None] + ow[None, :],
                          tl.load(xw_ptr + (le * RN + j)[:, None] * WX + ow[None, :], mask=mw), mask=mw)
-    # The last program releases READY = n in every peer and records n as this rank's last call.
-    flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+    if NET:     # each network peer's chunk: the rows this rank received from it
+        ll_net.finish_send(ctl, hdr, area_w, ring_ctl, ring_dw, slot_w, n, sig, me, layout, R, 1, experts_per_rank, RW,
+                           0, R, BLOCK_C, USE_ASM)
+    else:
+        # The last program releases READY = n in every peer and records n as this rank's last call.
+        flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
 
 
 _ll_combine_send_launch = Launcher(_ll_combine_send_kernel)
@@ -109,18 +126,21 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
 _ll_combine_reduce_launch = Launcher(_ll_combine_reduce_kernel, enable_fp_fusion=False)
 
 
-def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, num_topk: int,
-                    area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int, shrink: bool,
-                    signals: dict) -> None:
+def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, layout_range: torch.Tensor,
+                    num_topk: int, area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
+                    shrink: bool, signals: dict, net=None) -> None:
     """Return rows ``x`` bf16 ``[E_local, R*N, H]`` (the first ``count[e]`` of each expert) to their source
-    ranks' slots. ``ret_slot`` int32 ``[E_local, R*N]``: ``src * N * K + t * K + k`` or ``-1``."""
+    ranks' slots. ``ret_slot`` int32 ``[E_local, R*N]``: ``src * N * K + t * K + k`` or ``-1``;
+    ``layout_range`` int64 ``[E_local, R]`` (the dispatch handle's); ``net``: the network leg (sources on
+    other hosts get their rows in a chunk of the send ring, :mod:`.ll_net`), or None."""
     El, RN, H = x.shape
     tune = tuning("ll_combine_send")
     grid = _grid2(El, tune["programs_per_expert"], signals)
     _ll_combine_send_launch[grid](
-        x.view(torch.int32), ret_slot, count, area, delta_words, ctl, lay.n_max, lay.ctl_words, lay.half_words,
-        lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], sig,
-        signals["me"], signals["timeout_ns"], R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink,
+        x.view(torch.int32), ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
+        lay.half_words, lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"],
+        sig, signals["me"], signals["timeout_ns"], *ll_net.kernel_args(net, ctl), NET=net is not None,
+        RW=lay.net_row_words, BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink,
         USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_R=tune["block_r"],
         BLOCK_W=pow2(min(H // 2, tune["block_w"])), num_warps=tune["num_warps"])
 

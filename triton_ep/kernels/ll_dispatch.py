@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import flags
+from . import flags, ll_net
 from ..protocol import records
 from ._util import cdiv, interpreted, pow2, tuning
 from .dispatch import _grid2
@@ -86,11 +86,14 @@ _ll_route_launch = Launcher(_ll_route_kernel)
 
 
 @triton.jit
-def _records_of(slot_ptr, idx_ptr, delta_w, t, mt, experts_per_rank, records_w, me, n_max, K: tl.constexpr,
-                R: tl.constexpr, REC: tl.constexpr, BLOCK_K: tl.constexpr):
+def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, t, mt, experts_per_rank, records_w, me, n_max, k_net, ring_dw,
+                slot_w, K: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, BLOCK_K: tl.constexpr,
+                NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr):
     """Where the entries of tokens ``t`` go: ``[BLOCK_T, BLOCK_K]`` masks (the entry has a slot) and word
     addresses, relative to this rank's area, of their records ``(local expert, me, slot)`` in the expert's
-    rank's area, whose records start at word ``records_w`` of the half."""
+    rank's area, whose records start at word ``records_w`` of the half. With ``NET`` every other rank is on
+    the network: its records go, packed by expert, into its chunk ``k_net`` of the send ring (at word
+    ``ring_dw``)."""
     k = tl.arange(0, BLOCK_K)
     mk = mt[:, None] & (k < K)[None, :]
     of = t[:, None] * K + k[None, :]
@@ -99,14 +102,18 @@ def _records_of(slot_ptr, idx_ptr, delta_w, t, mt, experts_per_rank, records_w, 
     e = tl.where(m, tl.load(idx_ptr + of, mask=m, other=0).to(tl.int64), 0)
     d = e // experts_per_rank
     rec = tl.load(delta_w + d, mask=m, other=0) + records_w + (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
+    if NET:
+        pre = ll_net.rows_before(cnt_ptr, d * experts_per_rank, e - d * experts_per_rank, experts_per_rank, BLOCK_C)
+        net = ll_net.chunk_at(ring_dw, d, k_net, slot_w) + ll_net.NH + CW + (pre + sl) * REC
+        rec = tl.where(d != me, net, rec)
     return m, rec, of
 
 
-@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
+@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
-                             hdr, hdr_delta, host, sig, me, timeout_ns,
-                             R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
+                             hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
+                             NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
                              SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -117,6 +124,9 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
                              flags.STAGE_LL_DISPATCH_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
                              SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
+    if NET:     # ranks on the network: chunk n - 1 of each reuses the send slot of chunk n - 3, once placed
+        go = go & ll_net.wait_slots(ring_ctl, hdr, hdr_delta, host, n, me, flags.STAGE_LL_DISPATCH_SEND,
+                                    timeout_ns, R, USE_CLOCK, ctl)
     T = tl.where(go, T, 0)
     hb = ctl_w + half * half_w                  # the half, in words from the area's start (every rank alike)
     hp = tl.program_id(1)
@@ -125,8 +135,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
-        m, rec, of = _records_of(slot_ptr, idx_ptr, delta_w, t, mt, experts_per_rank, hb + cnt_w, me, n_max, K, R,
-                                 REC, BLOCK_K)
+        m, rec, of = _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, t, mt, experts_per_rank, hb + cnt_w, me, n_max,
+                                 n - 1, ring_dw, slot_w, K, R, REC, BLOCK_K, NET, CW, BLOCK_C)
         for h0 in range(hp * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             if FP8:
@@ -154,10 +164,17 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
             me_ = e < num_experts
             d = tl.where(me_, e // experts_per_rank, 0)
             me_ = me_ & (tl.load(ctl + flags.off_ll_mask(R) + d, mask=me_, other=1) == 0)
-            tl.store(area_w + tl.load(delta_w + d, mask=me_, other=0) + hb + me * experts_per_rank
-                     + (e - d * experts_per_rank), tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
-    # The last program releases READY = n in every peer and records n as this rank's last call.
-    flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+            at = tl.load(delta_w + d, mask=me_, other=0) + hb + me * experts_per_rank + (e - d * experts_per_rank)
+            if NET:     # a rank on the network gets its counts at the head of its chunk
+                at = tl.where(d != me, ll_net.chunk_at(ring_dw, d, n - 1, slot_w) + ll_net.NH + (e - d * experts_per_rank),
+                              at)
+            tl.store(area_w + at, tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
+    if NET:     # each network peer's chunk: the counts of its experts, then their records
+        ll_net.finish_send(ctl, hdr, area_w, ring_ctl, ring_dw, slot_w, n, sig, me, cnt_ptr, 1, experts_per_rank,
+                           experts_per_rank, REC, CW, R, BLOCK_C, USE_ASM)
+    else:
+        # The last program releases READY = n in every peer and records n as this rank's last call.
+        flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
 
 
 _ll_dispatch_send_launch = Launcher(_ll_dispatch_send_kernel)
@@ -273,12 +290,13 @@ def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, 
 
 def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
                      area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
-                     use_fp8: bool, round_scale: bool, shrink: bool, signals: dict, native_fp8: bool) -> None:
+                     use_fp8: bool, round_scale: bool, shrink: bool, signals: dict, native_fp8: bool, net=None) -> None:
     """Write this rank's rows into the experts' ranks (bf16, or cast to FP8 on the way).
 
     ``x`` bf16 ``[T, H]``; ``topk_idx`` ``[T, K]``; ``slots``/``counts`` from :func:`ll_route`; ``area``:
     int32 view of the local low-latency area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control
-    block; ``lay``: the call's layout (:class:`triton_ep.protocol.ll_area.Layout`); ``sig``: call signature."""
+    block; ``lay``: the call's layout (:class:`triton_ep.protocol.ll_area.Layout`); ``sig``: call signature;
+    ``net``: the network leg (every other rank gets a chunk in the send ring, :mod:`.ll_net`), or None."""
     T, H = x.shape
     K = topk_idx.shape[1]
     tune = tuning("ll_send")
@@ -292,7 +310,8 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
         x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
         T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
         signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
-        R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
+        *ll_net.kernel_args(net, ctl), NET=net is not None, CW=lay.net_count_words,
+        BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
         SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
         NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"],
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(K), BLOCK_E=1024, num_warps=tune["num_warps"])

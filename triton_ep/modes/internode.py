@@ -43,7 +43,6 @@ from ..errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from ..runtime import Runtime
 from ..runtime.checks import check_event
 from ..runtime import hosts as hosts_mod
-from ..transport import factory
 from ..transport.bootstrap import gather_objects
 from .. import kernels
 from ..kernels import net
@@ -52,6 +51,7 @@ from ..protocol.records import NET_META_BYTES, NetRecord
 from ..transport.signals import stall_watchdog
 from .intranode import DispatchHandle, Intranode, check_cached_dispatch
 from .internode_capture import ENV_CAPTURE_PATH, CapturePath, CapturePlan
+from .network import open_network
 
 Tensor = torch.Tensor
 _SKIP = object()            # the handle of a local call a rank takes only to fail it (Internode._skip_local)
@@ -248,25 +248,12 @@ class Internode(CapturePath):
             self._init_capture(capture)
             token = every[0][0]
             names = [f"ep{token}_{r}" for r in range(rt.group_size)]
-            kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=rt.timeout_s)
-            fabric = None
-            if rt.rdma_transport == "emulated":
-                fabric = factory.emulated_fabric(names, token)
-                kw.update(fabric=fabric, device_name=names[me])
-            elif rt.device.type == "cuda":
-                kw["gpu"] = rt.device.index
-            self.transport = factory.open_transport(rt.rdma_transport, self.host, self.num_hosts, **kw)
             # the rings: host memory the proxy and the NIC see, pinned and device-mapped for GPU kernels
-            lay = sched_mod.RingLayout(self.num_hosts, slots, slot_bytes)
-            mem = torch.zeros(lay.nbytes, dtype=torch.uint8, pin_memory=rt.device.type == "cuda")
-            self._ring_mem = mem
-            c, r = lay.ctrl_bytes, lay.ring_bytes
-            self._ring_ctrl = mem[:c].view(torch.int64)
-            self._ring_send, self._ring_recv = mem[c:c + r].view(torch.int32), mem[c + r:c + 2 * r].view(torch.int32)
-            self.sched = sched_mod.bootstrap(self.transport, dict(slots=slots, slot_bytes=slot_bytes, memory=mem,
-                                                                  timeout_s=rt.timeout_s), group=self.peer_group)
-            if fabric is not None:      # every peer has mapped this rank's rings: a killed process leaves none
-                fabric.unlink_rings()
+            leg = open_network(rt.rdma_transport, self.peer_group, self.host, self.num_hosts, token=token, names=names,
+                               name=names[me], num_qps_per_peer=num_qps_per_peer, slots=slots, slot_bytes=slot_bytes,
+                               timeout_s=rt.timeout_s, device=rt.device)
+            self.transport, self.sched, self._ring_mem = leg.transport, leg.sched, leg.mem
+            self._ring_ctrl, self._ring_send, self._ring_recv = leg.ring_ctl, leg.send, leg.recv
         except BaseException:
             self.close()
             raise

@@ -21,11 +21,12 @@ from typing import Callable, List, Optional
 import torch
 
 from ..config import EventOverlap
-from ..errors import EPRemoteError
+from ..errors import EPError, EPRemoteError
 from ..kernels import flags as F
 from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
+from ..kernels.ll_net import ll_unpack
 from ..protocol import call_card as card
 from ..protocol.ll_area import Layout
 from ..protocol.signal_header import failure_word_of
@@ -93,6 +94,8 @@ class LowLatency:
         self.sent = 0
         #: sends whose receive (hook) has not run yet
         self.pending: List[int] = []
+        #: ranks on several hosts: the network leg to every other rank (:mod:`triton_ep.modes.internode_ll`)
+        self.net = None
         with torch.inference_mode():
             self.ctl.zero_()              # peers write here only after the construction's barrier
 
@@ -105,10 +108,35 @@ class LowLatency:
                              f"Buffer with num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...)")
         return lay
 
+    def _fits_network(self, lay: Layout, num_topk: int) -> None:
+        """Across hosts: a call's largest chunk must fit a ring slot (it does with the size hint)."""
+        if self.net is not None and lay.net_chunk_bytes(num_topk) > self.net.slot_bytes:
+            raise ValueError(f"num_rdma_bytes={self.area_bytes} gives the network leg ring slots of "
+                             f"{self.net.slot_bytes} bytes, but a call with num_max_dispatch_tokens_per_rank="
+                             f"{lay.n_max}, hidden={lay.hidden}, num_experts={lay.num_experts} and top-{num_topk} may "
+                             f"send a peer {lay.net_chunk_bytes(num_topk)}; build the Buffer with num_rdma_bytes >= "
+                             f"Buffer.get_low_latency_rdma_size_hint(...)")
+
     def _start(self) -> None:
         """What every low-latency call does first: raise recorded errors, re-synchronise after one."""
         rt = self.rt
-        rt.live()
+        comm = rt.live()
+        if self.net is not None:
+            # across hosts every error ends the low-latency calls for good (no group to meet again in)
+            if self.shrink:
+                raise NotImplementedError("rank masking (enable_shrink) in low-latency mode across hosts is not "
+                                          "built yet: build the Buffer with enable_shrink=False")
+            try:
+                self.check()
+            except Exception as ex:
+                comm.broken = comm.broken or f"{type(ex).__name__}: {ex}"
+                raise
+            if rt.sig.needs_resync and comm.broken is None:
+                comm.broken = "an earlier low-latency call failed"
+            if comm.broken:
+                raise EPError(f"rank {rt.rank}: this Buffer's low-latency calls across hosts are unusable after an "
+                              f"earlier failure ({comm.broken}); destroy() it and build a new one")
+            return
         rt.check()
         if rt.sig.needs_resync:
             rt.run(self._resync_steps())
@@ -147,6 +175,10 @@ class LowLatency:
         R, me = rt.group_size, rt.rank
         rt.wait_comm_stream()
         n = int(self.ctl[int(F.L_SEQ)].item()) + 1       # a device read: an error path
+        if self.net is not None:        # the peers learn it from this call's chunk; the Buffer is done
+            rt.sig.needs_resync = True
+            self.net.post_failure(n)
+            return
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
@@ -256,9 +288,11 @@ class LowLatency:
         def send():
             ll_route(idx, slots, counts, self.ctl, E, R, sa)
             ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
-                             round_scale, self.shrink, sa, native)
+                             round_scale, self.shrink, sa, native, self.net)
 
         def recv(offset: int):
+            if self.net is not None:
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, sa)
             ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
                              recv_x.view(torch.int32).view(El, R * N, -1),
                              sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
@@ -296,6 +330,7 @@ class LowLatency:
         if async_finish and hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
         lay = self.layout(int(N), H, int(E))
+        self._fits_network(lay, idx.shape[1])
         stats = self._stats("cumulative_local_expert_recv_stats", stats, torch.int32, [(lay.experts_per_rank,)])
         return xv, idx, lay, stats, self._cost("dispatch_wait_recv_cost_stats", cost)
 
@@ -318,10 +353,12 @@ class LowLatency:
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
 
         def send():
-            ll_combine_send(xv, h.ret_slot, h.recv_count, K, self.area, rt.delta_words, self.ctl, lay, sig,
-                            self.shrink, sa)
+            ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
+                            self.shrink, sa, self.net)
 
         def recv(offset: int):
+            if self.net is not None:
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, sa)
             ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa)
 
         tensors = (xv, idx, w, h.ret_slot, h.recv_count, out, cost)
@@ -351,6 +388,7 @@ class LowLatency:
         T = h.num_tokens
         why = f"the handle's dispatch took {T} tokens and {h.num_topk} top-k columns"
         idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, h.num_topk), why)
+        self._fits_network(lay, h.num_topk)
         w = self._check("topk_weights", topk_weights, (torch.float32,), (T, h.num_topk), why)
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H) \
@@ -361,6 +399,13 @@ class LowLatency:
         if async_finish and hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
         return xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost)
+
+    def check(self) -> None:
+        """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one
+        host the Buffer's runtime is this mode's, checked by the Buffer itself."""
+        if self.net is not None:
+            self.net.sched.check()
+            self.rt.check()
 
     def check_handle(self, handle) -> LLHandle:
         return self.rt.check_handle(handle, LLHandle, "low_latency_dispatch")

@@ -64,3 +64,34 @@ class Layout:
     ctl_words = functools.cached_property(lambda self: self.ctl_bytes // 4)
     half_words = functools.cached_property(lambda self: self.half_bytes // 4)
     count_words = functools.cached_property(lambda self: self.count_bytes // 4)
+
+    # ---- the network leg (ranks on other hosts): one chunk per peer and call in the RDMA scheduler's ring
+    @functools.cached_property
+    def net_count_words(self) -> int:
+        """int32 words of a dispatch chunk's counts (``E/R``, rounded up to 4)."""
+        return (self.experts_per_rank + 3) // 4 * 4
+
+    @functools.cached_property
+    def net_row_words(self) -> int:
+        """Words of one returned row in a combine chunk: ``t * K + k``, 3 pad words, the bf16 row."""
+        return 4 + self.hidden // 2
+
+    def net_chunk_bytes(self, num_topk: int) -> int:
+        """Bytes of the largest chunk a call with ``num_topk`` sends one peer: a source sends a peer at most
+        ``N * min(K, E/R)`` rows (:data:`NET_HDR_WORDS` header words first; dispatch: the counts, then
+        records; combine: rows of :attr:`net_row_words`)."""
+        rows = self.n_max * min(int(num_topk), self.experts_per_rank)
+        return 4 * (NET_HDR_WORDS + max(self.net_count_words + rows * self.record_words(False), rows * self.net_row_words))
+
+
+#: int32 words of a network chunk's header: int64 ``[call number, call signature, status, rows]``; status 0,
+#: or ``flags.E_FAILED`` when the sender failed the call (nothing follows)
+NET_HDR_WORDS = 8
+
+
+def net_slot_bytes(area_bytes: int, num_ranks: int) -> int:
+    """Bytes of each ring slot (one chunk) of a Buffer's network leg in low-latency mode, from its
+    ``num_rdma_bytes`` (``area_bytes``): the ring holds 2 slots per peer and direction, so the leg takes about
+    twice the area in registered host memory. With ``num_rdma_bytes`` from
+    ``get_low_latency_rdma_size_hint`` a slot holds any call's chunk (:meth:`Layout.net_chunk_bytes`)."""
+    return max(64, int(area_bytes) // (2 * int(num_ranks)) // 64 * 64)

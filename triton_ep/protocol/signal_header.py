@@ -134,6 +134,8 @@ STAGE_LL_COMBINE_RECV = tl.constexpr(11)
 L_SEQ = tl.constexpr(0)           #: the last call this rank has sent (advanced by its send launches)
 L_DONE = tl.constexpr(1)          #: programs of the running low-latency launch that have finished
 L_CONS = tl.constexpr(2)          #: ``CONS[h]`` (2 words): last call this rank has received out of half h
+#: ``UNPACKED[h]`` (2 words, internode): last call whose network chunks this rank has unpacked into half h
+L_UNPACKED = tl.constexpr(4)
 L_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
 
 

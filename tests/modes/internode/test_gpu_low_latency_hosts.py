@@ -1,0 +1,34 @@
+"""GPU tests of low-latency mode across hosts (marker ``gpu``): processes on one GPU standing in for 2 hosts
+(``TRITON_EP_RANKS_PER_HOST``) over the emulated RDMA fabric, the rings in pinned host memory the kernels
+reach directly. The same oracle as within one host, bit for bit: CUDA-graph capture with 100 replays of
+fresh routing (the proxy runs beside the graph), and the receive hook with compute between send and receive."""
+import pytest
+
+import ll_cases
+from helpers import ok_results
+from triton_ep.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def _env(per_host):
+    return {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated"}
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_graph_capture_and_100_replays_across_hosts(use_fp8):
+    out = ok_results(run_ranks(ll_cases.across_hosts, 2, _env(1), "gpu_graph_replay", use_fp8, 100, 16, 4, 256, 24,
+                               32, backend="gloo"))
+    assert out == [100, 100], out
+
+
+def test_graph_replays_two_hosts_of_two_ranks():
+    out = ok_results(run_ranks(ll_cases.across_hosts, 4, _env(2), "gpu_graph_replay", True, 20, 16, 4, 256, 24, 32,
+                               backend="gloo"))
+    assert out == [20] * 4, out
+
+
+def test_hook_with_compute_across_hosts():
+    out = ok_results(run_ranks(ll_cases.across_hosts, 2, _env(1), "gpu_hook_overlap", 16, 4, 512, 40, 64,
+                               backend="gloo"))
+    assert out == [True, True], out

@@ -1,0 +1,130 @@
+"""Low-latency mode across hosts (DeepEP's internode low-latency mode): every other rank over RDMA.
+
+A Buffer built with ``low_latency_mode`` whose ranks span several hosts gets a low-latency area of its own
+(``num_rdma_bytes``, in this rank's memory: nothing is mapped between ranks) and a network leg to every
+other rank of the group (:mod:`triton_ep.modes.network`: the transport, the RDMA scheduler and its rings, 2
+slots per peer, one per half of the area). The low-latency kernels run as within one host, with the
+network leg (:mod:`triton_ep.kernels.ll_net`): records and returned rows for another rank go packed into
+that rank's chunk of the send ring, the proxy posts the chunk's WRITEs and then its signal on one QP, and
+the receive (or its hook) first unpacks the chunks that arrived into the area. Each token still goes
+straight to every rank holding one of its experts (no forwarding). Rows for this rank's own experts stay
+in its memory.
+
+This version sends to every other rank over RDMA, the ranks of this rank's own host included (as DeepEP does
+with ``allow_nvlink_for_low_latency_mode=False``); with ``allow_nvlink_for_low_latency_mode=True`` the
+results are the same, bit for bit, but the same-host peers do not take the NVLink / IPC shortcut yet.
+Errors end the Buffer's low-latency calls for good (destroy it and build a new one), and rank masking
+(``enable_shrink``) is not available across hosts.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..errors import EPError
+from ..kernels import flags as F
+from ..protocol.ll_area import NET_HDR_WORDS, net_slot_bytes
+from ..runtime import Runtime
+from ..runtime import hosts as hosts_mod
+from ..transport import ipc
+from ..transport.bootstrap import gather_objects
+from ..transport.signals import RingFlags, header_bytes
+from .low_latency import LowLatency
+from .network import Network, open_network
+
+
+class NetLeg:
+    """What the low-latency kernels take of the network leg: the scheduler's control block ``ring_ctl``
+    (int64), the first words of its send and receive rings relative to the low-latency area (``send_dw``,
+    ``recv_dw``, int32 words) and the words of a slot (``slot_w``). ``network``: the open leg."""
+
+    def __init__(self, network: Network, area: torch.Tensor, slot_bytes: int) -> None:
+        self.network, self.sched, self.ring_ctl = network, network.sched, network.ring_ctl
+        base = area.data_ptr()
+        deltas = [network.send.data_ptr() - base, network.recv.data_ptr() - base]
+        if any(d % 4 for d in deltas):
+            raise EPError(f"the rings are not 4-byte aligned with the low-latency area (deltas {deltas})")
+        self.send_dw, self.recv_dw = (d // 4 for d in deltas)
+        self.slot_bytes, self.slot_w = int(slot_bytes), int(slot_bytes) // 4
+
+    def post_failure(self, n: int) -> None:
+        """This rank rejects low-latency call ``n`` on the host: send every peer chunk ``n - 1`` with status
+        ``E_FAILED`` and nothing else, so their receive of that call raises ``EPRemoteError`` at once
+        (bounded wait for each send slot; raises ``EPTimeoutError`` or the proxy's error)."""
+        sched = self.sched
+        for p in sched.peers:
+            sched.wait_counter(RingFlags.SENT, p, n - 2, "low-latency failure notice: free send slot")
+            sched.send_view(p, n - 1)[:NET_HDR_WORDS * 4].view(np.int64)[:] = (n, 0, int(F.E_FAILED), 0)
+            sched.publish(p, n - 1, NET_HDR_WORDS * 4)
+
+    def close(self) -> None:
+        """Let the proxy place the chunks already published (a failure notice a rank posted just before
+        destroying its Buffer must still reach the peers; bounded by ``timeout_s``, less after a proxy
+        error), then close the leg."""
+        sched = self.sched
+        deadline = time.monotonic() + sched.timeout_s
+        while sched.error is None and time.monotonic() < deadline and any(
+                sched.flags.get(RingFlags.SENT, p) < sched.flags.get(RingFlags.READY, p) for p in sched.peers):
+            time.sleep(0.001)
+        self.network.close()
+
+
+def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrink: bool) -> LowLatency:
+    """The low-latency state of a Buffer across hosts (collective over ``rt.group``).
+
+    Args:
+        rt: the Buffer's :class:`~triton_ep.runtime.context.HostsRuntime`.
+        area_bytes: ``num_rdma_bytes`` rounded up to 4 KiB: the area, in this rank's memory; the network leg
+            takes about twice that in registered host memory (2 slots of
+            :func:`~triton_ep.protocol.ll_area.net_slot_bytes` per peer and direction).
+        num_qps_per_rank: RC QPs to each peer (placed over ports and ECMP paths by the topology plan).
+        shrink: ``enable_shrink`` (its low-latency calls raise ``NotImplementedError`` across hosts).
+    Raises:
+        ValueError: ranks disagree on ``num_rdma_bytes`` or ``num_qps_per_rank`` (on every rank).
+        EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
+    """
+    me, R, dev = rt.rank, rt.group_size, rt.device
+    qps = max(1, int(num_qps_per_rank))
+    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], int(area_bytes), qps), rt.timeout_s,
+                           "internode low-latency: fabric token")
+    hosts_mod.agreed("num_rdma_bytes (low-latency mode across hosts)", [e[1] for e in every])
+    hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[2] for e in every])
+    token = every[0][0]
+    names = [f"ll{token}_{r}" for r in range(R)]
+    # the area and a signal header of the whole group's size, in this rank's memory only: the kernels see a
+    # group of R ranks whose peers are all on the network
+    hb = header_bytes(R)
+    with torch.inference_mode(False):
+        buf = torch.zeros(hb + int(area_bytes), dtype=torch.uint8, device=dev)
+        ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8)
+    comm = ipc.Comm(me, R, dev, [buf] * R, ctrl, rt.timeout_s, ipc.SLOT_WORDS)
+    own = Runtime(comm, rt.timeout_s, rt.uid, None, 0, int(area_bytes), rt.hosts, rt.rdma_transport)
+    network = None
+    try:
+        slot = net_slot_bytes(area_bytes, R)
+        network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
+                               num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev)
+        ll = LowLatency(own, 0, int(area_bytes), shrink)
+        ll.net = NetLeg(network, ll.area, slot)
+        return ll
+    except BaseException:
+        try:
+            if network is not None:
+                network.close()
+        finally:
+            own.close()
+        raise
+
+
+def close(ll: Optional[LowLatency]) -> None:
+    """Release a low-latency state across hosts: the proxy, QPs, MRs, CQs and PD, then the area."""
+    if ll is None or ll.net is None:
+        return
+    try:
+        ll.net.close()
+    finally:
+        ll.rt.close()

@@ -1,0 +1,75 @@
+"""A Buffer's RDMA leg between hosts: the transport (pyverbs or the emulated fabric), the RDMA scheduler on
+it, and the scheduler's registered region (rings in host memory, pinned and device-mapped on GPU). Internode
+normal mode opens one between RDMA peers (a rank per host), internode low-latency mode one between all
+ranks."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import scheduler as sched_mod
+from ..transport import factory
+
+
+@dataclasses.dataclass
+class Network:
+    """An open RDMA leg.
+
+    Attributes:
+        transport: the connected transport (QPs to every peer in RTS).  sched: the started
+            :class:`~triton_ep.scheduler.Scheduler`.  mem: its region, uint8 (control block, send ring,
+            receive ring).  ring_ctl: int64 view of the control block.  send, recv: int32 views of the rings.
+    """
+    transport: object
+    sched: sched_mod.Scheduler
+    mem: torch.Tensor
+    ring_ctl: torch.Tensor
+    send: torch.Tensor
+    recv: torch.Tensor
+
+    def close(self) -> None:
+        """Stop the proxy, then release the QPs, MRs, CQs and PD. Idempotent."""
+        try:
+            self.sched.close()
+        finally:
+            self.transport.close()
+
+
+def open_network(backend: str, group, rank: int, world: int, *, token: str, names, name: str,
+                 num_qps_per_peer: int, slots: int, slot_bytes: int, timeout_s: float,
+                 device: torch.device, **sched_kwargs) -> Network:
+    """Open rank ``rank``'s RDMA leg to the ``world`` ranks of ``group`` (collective over it).
+
+    Args:
+        backend: ``"verbs"`` or ``"emulated"`` (then ``names``: every member's NIC name on the fabric
+            ``token``, ``name``: this rank's).
+        num_qps_per_peer: RC QPs per peer.  slots, slot_bytes: the scheduler's rings.
+        device: the kernels' device: on CUDA the region is pinned host memory (device-mapped).
+        sched_kwargs: more :class:`~triton_ep.scheduler.Scheduler` arguments.
+    Raises:
+        what the transport and the bootstrap raise (``EPTimeoutError`` for a peer that never joins); nothing
+        stays open on the way out.
+    """
+    kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=timeout_s)
+    fabric = None
+    if backend == "emulated":
+        fabric = factory.emulated_fabric(list(names), token)
+        kw.update(fabric=fabric, device_name=name)
+    elif device.type == "cuda":
+        kw["gpu"] = device.index
+    transport = factory.open_transport(backend, rank, world, **kw)
+    try:
+        lay = sched_mod.RingLayout(world, slots, slot_bytes)
+        mem = torch.zeros(lay.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        sched = sched_mod.bootstrap(transport, dict(slots=slots, slot_bytes=slot_bytes, memory=mem,
+                                                    timeout_s=timeout_s, **sched_kwargs), group=group)
+    except BaseException:
+        transport.close()
+        raise
+    if fabric is not None:      # every peer has mapped this rank's rings: a killed process leaves none
+        fabric.unlink_rings()
+    c, r = lay.ctrl_bytes, lay.ring_bytes
+    return Network(transport, sched, mem, mem[:c].view(torch.int64), mem[c:c + r].view(torch.int32),
+                   mem[c + r:c + 2 * r].view(torch.int32))
+
