@@ -16,12 +16,37 @@ Shapes: hidden 7168 bf16, top-8 of 256 experts, uniform random routing (DeepEP's
 every transfer in one round. On CPU (tiny shapes, kernels under the Triton interpreter) the figures only
 show the script runs. Output: a table on rank 0's stdout and ``<out>/calls.json`` (``ranks``,
 ``ranks_per_gpu``, ``tokens``, µs per call); ``calls.png`` where matplotlib is installed.
+
+Side by side with another DeepEP V1 implementation (an installed ``deep_ep``, or ``triton_ep`` itself):
+
+    ./run.sh python benchmarks/bench_calls.py --compare deep_ep [--repeats 3] [--tokens ...] [--out DIR]
+
+Both libraries' Buffers (the first ``--buffers`` size; the peer's built as ``Buffer(group, num_nvl_bytes, 0)``,
+with ``explicitly_destroy=True`` where it takes that, and destroyed at the end only where it has
+``destroy()``) live in the same rank processes and get the same inputs. Per token count and repeat, layout,
+dispatch, cached dispatch and combine are timed with one library and then the other, the order alternating
+(repeat 1: the peer first, repeat 2: ours first, ...). A timed call: device synchronise, ``dist.barrier()``,
+``perf_counter`` around the one call with nothing waited for inside (host µs), CUDA events around it (µs,
+end to end; on CPU the same wall time); the median of ``--iters`` after ``--warmup``, the slowest rank's,
+then the median over repeats. Each timed call gets fresh tensors, picked before the timer from a rotation of
+4 with one routing: ``x`` and ``topk_weights`` of new values, ``topk_idx`` copies of the same ids (so the
+cached handle stays valid); combine takes rows of the received shape, also 4 of them; outputs are new
+every call. A dispatch gets the layout ``get_dispatch_layout`` returned for its ``topk_idx`` just before it
+(untimed), as a framework calls them. ``ratio`` = ours / peer host µs: below 1, ours is quicker. DeepEP's
+Buffer takes 2, 4 or 8 ranks, one GPU each. Output: a table on rank 0's stdout, ``<out>/calls_compare.json``
+(rows of ``tokens``, ``call``, ``ours_host_us``, ``peer_host_us``, ``ratio``, ``ours_us``, ``peer_us``,
+``repeats``: each repeat's ``[ours, peer]`` host µs, ``repeats_us`` the same end to end; the peer module's
+name, file and version; ``note``: what the figures mean on this machine) and ``calls_compare.png`` (the
+ratios as bars; needs matplotlib). A module that does not import: a message and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import functools
+import importlib
+import importlib.metadata
+import inspect
 import os
 import statistics
 import sys
@@ -36,6 +61,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 CALLS = ("layout", "dispatch", "worst", "cached", "combine", "a2a_dispatch", "a2a_combine")
+#: The calls ``--compare`` times with both libraries, and how many input tensors each rotates through.
+COMPARED = ("layout", "dispatch", "cached", "combine")
+ROTATION = 4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,7 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20 if gpu else 3)
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped")
-    C.add_out_arg(p, "calls.json and calls.png")
+    p.add_argument("--compare", metavar="MODULE",
+                   help="time these calls side by side with MODULE's Buffer (DeepEP V1's API, e.g. deep_ep)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="with --compare: timings of each token count per library, the order alternating")
+    C.add_out_arg(p, "calls.json and calls.png (with --compare: calls_compare.json and calls_compare.png)")
     return p.parse_args(argv)
 
 
@@ -63,8 +95,15 @@ def _sync(device):
 
 def time_call(fn, iters: int, warmup: int, device) -> tuple:
     """(median device-or-wall µs, median host µs) of ``fn()``, every call started together after a barrier."""
+    return time_drawn(lambda i: fn, iters, warmup, device)
+
+
+def time_drawn(draw, iters: int, warmup: int, device) -> tuple:
+    """:func:`time_call` of a new callable each time: ``draw(i)`` gives call ``i``'s (its inputs picked, any
+    untimed set-up done) before the synchronise, the barrier and the timer."""
     times, host = [], []
     for i in range(warmup + iters):
+        fn = draw(i)
         _sync(device)
         dist.barrier()
         if device.type == "cuda":
@@ -151,6 +190,14 @@ def init_rank(a) -> tuple:
 
 def rank_main(a) -> int:
     rank, R, device, sharing, backend = init_rank(a)
+    (compare_calls if a.compare else all_calls)(a, rank, R, device, sharing, backend)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def all_calls(a, rank: int, R: int, device, sharing: int, backend: str) -> None:
+    """Every call of every (tokens, buffer) case, triton-ep alone; rank 0 reports."""
     results = []
     cases = [(int(t), b) for t in a.tokens.split(",") for b in a.buffers.split(",")]
     for tokens, b in C.progress(cases, desc="bench_calls", disable=rank != 0):
@@ -167,9 +214,163 @@ def rank_main(a) -> int:
         results.append(row)
     if rank == 0:
         report(a, results, R, sharing, backend)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+
+
+def peer_buffer(mod, nbytes: int):
+    """``mod.Buffer(WORLD, nbytes, 0)``, DeepEP V1's constructor; with ``explicitly_destroy=True`` where it
+    takes that (DeepEP's ``destroy()`` refuses a Buffer made without it)."""
+    try:
+        kw = {"explicitly_destroy": True} if "explicitly_destroy" in inspect.signature(mod.Buffer).parameters else {}
+    except (TypeError, ValueError):      # no signature to read (a compiled class)
+        kw = {}
+    return mod.Buffer(dist.group.WORLD, nbytes, 0, **kw)
+
+
+def compare_inputs(a, tokens: int, rank: int, device) -> dict:
+    """This rank's inputs, the same for both libraries: ``ROTATION`` tensors each of ``x`` (new values),
+    ``topk_weights`` (new values) and ``topk_idx`` (copies of one routing), and the seed of combine's rows."""
+    gen = torch.Generator().manual_seed(1000 * rank + tokens)
+    idx = C.random_topk(tokens, a.topk, a.experts, gen, device)
+    return dict(x=[C.random_rows(tokens, a.hidden, gen, device) for _ in range(ROTATION)],
+                w=[torch.rand(idx.shape, generator=gen).to(device) for _ in range(ROTATION)],
+                idx=[idx.clone() for _ in range(ROTATION)], seed=int(torch.randint(1 << 62, (1,), generator=gen)))
+
+
+def compare_draws(buf, inp: dict, a, device) -> tuple:
+    """``(rows received, {call: draw})`` of one library's Buffer on ``inp``: the untimed first dispatch (for
+    its handle), then per compared call a ``draw(i)`` for :func:`time_drawn` that takes rotation
+    ``i % ROTATION`` (combine: rows of the received shape drawn from ``inp``'s seed, so both libraries
+    combine the same values)."""
+    xs, ws, idxs = inp["x"], inp["w"], inp["idx"]
+
+    def dispatch(k):      # the layout of this topk_idx just before, untimed, as a framework calls them
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[k], a.experts)
+        return functools.partial(buf.dispatch, xs[k], num_tokens_per_rank=per_rank,
+                                 num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                 num_tokens_per_expert=per_expert, topk_idx=idxs[k], topk_weights=ws[k])
+
+    first = dispatch(0)()
+    handle, n = first[4], int(first[0].shape[0])
+    gen = torch.Generator().manual_seed(inp["seed"])
+    rows = [C.random_rows(n, a.hidden, gen, device) for _ in range(ROTATION)]
+    return n, {"layout": lambda i: functools.partial(buf.get_dispatch_layout, idxs[i % ROTATION], a.experts),
+               "dispatch": lambda i: dispatch(i % ROTATION),
+               "cached": lambda i: functools.partial(buf.dispatch, xs[i % ROTATION], handle=handle),
+               "combine": lambda i: functools.partial(buf.combine, rows[i % ROTATION], handle)}
+
+
+def compare_calls(a, rank: int, R: int, device, sharing: int, backend: str) -> None:
+    """``--compare``: the compared calls with triton-ep's Buffer and the peer module's, alternately, per
+    token count and repeat; rank 0 reports."""
+    import triton_ep
+    peer = importlib.import_module(a.compare)
+    b = a.buffers.split(",")[0]
+    nbytes = C.nvl_bytes_hint(a.hidden, R) if b == "hint" else int(float(b))
+    bufs = {"ours": triton_ep.Buffer(dist.group.WORLD, nbytes, device=device), "peer": peer_buffer(peer, nbytes)}
+    rows = []
+    for tokens in C.progress([int(t) for t in a.tokens.split(",")], desc="bench_calls --compare",
+                             disable=rank != 0):
+        inp = compare_inputs(a, tokens, rank, device)
+        recv, draws = {}, {}
+        for side, buf in bufs.items():
+            recv[side], draws[side] = compare_draws(buf, inp, a, device)
+        if recv["ours"] != recv["peer"]:
+            raise RuntimeError(f"rank {rank}, {tokens} tokens: {a.compare} received {recv['peer']} rows, "
+                               f"triton_ep {recv['ours']}: not the same routing")
+        mine = []            # per repeat: {side: {call: (µs, host µs)}}
+        for r in range(a.repeats):
+            mine.append({side: {c: time_drawn(draws[side][c], a.iters, a.warmup, device) for c in COMPARED}
+                         for side in (("peer", "ours") if r % 2 == 0 else ("ours", "peer"))})
+        every = [None] * R
+        dist.all_gather_object(every, mine)
+        rows += compare_rows(tokens, every)
+    bufs["ours"].check()
+    for buf in bufs.values():
+        if callable(getattr(buf, "destroy", None)):
+            buf.destroy()
+    if rank == 0:
+        compare_report(a, rows, R, sharing, backend, peer, b, nbytes)
+
+
+def compare_rows(tokens: int, every: list) -> list:
+    """Rows of one token count from every rank's timings: per call and repeat the slowest rank's medians,
+    then the median over repeats of each, and ``ratio`` = ours / peer host µs."""
+    rows = []
+    for c in COMPARED:
+        # slow[r][side] = (µs, host µs) of repeat r, the slowest rank's
+        slow = [{side: tuple(max(e[r][side][c][j] for e in every) for j in (0, 1)) for side in ("ours", "peer")}
+                for r in range(len(every[0]))]
+
+        def med(side, j):
+            return statistics.median(rep[side][j] for rep in slow)
+
+        ours, peer = med("ours", 1), med("peer", 1)
+        rows.append(dict(tokens=tokens, call=c, ours_host_us=ours, peer_host_us=peer,
+                         ratio=ours / peer if peer else None, ours_us=med("ours", 0), peer_us=med("peer", 0),
+                         repeats=[[rep["ours"][1], rep["peer"][1]] for rep in slow],
+                         repeats_us=[[rep["ours"][0], rep["peer"][0]] for rep in slow]))
+    return rows
+
+
+def module_info(mod) -> dict:
+    """A module's name, file and version (``__version__``, else its installed distribution's; else None)."""
+    version = getattr(mod, "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version(mod.__name__.split(".")[0])
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return dict(module=mod.__name__, file=getattr(mod, "__file__", None), version=version)
+
+
+def compare_note(R: int, sharing: int) -> str:
+    """What ``--compare``'s figures mean on this machine."""
+    if not C.on_gpu():
+        return (f"CPU: {R} ranks share this CPU and triton-ep's kernels run under the Triton interpreter; host µs "
+                f"and µs are both wall time of the whole call: they show the comparison runs and say nothing "
+                f"about GPU speed")
+    if sharing > 1:
+        return (f"{sharing} ranks share each GPU: host µs (each process's own Python and launch work) compare; "
+                f"µs (CUDA events) are the GPU's time-slicing between processes and do not")
+    return ("one GPU per rank: host µs are the Python and launch work of one call (nothing waited for inside), "
+            "µs the CUDA-event time of the same call, end to end; both compare")
+
+
+def compare_report(a, rows, R, sharing, backend, peer, buffer: str, nbytes: int) -> None:
+    import triton_ep
+    gpu = C.on_gpu()
+    note = compare_note(R, sharing)
+    C.say(f"[bench_calls] {C.device_name()}, {R} ranks ({backend}), hidden {a.hidden}, top-{a.topk} of "
+          f"{a.experts}, buffer {buffer}; triton_ep vs {a.compare}, median of {a.repeats} repeats (order "
+          f"alternating), slowest rank; ratio = ours / peer host us (below 1: ours quicker); {note}")
+    C.print_table(["T", "call", "ours host us", "peer host us", "ratio", "ours us", "peer us"],
+                  [[r["tokens"], r["call"], C.sig(r["ours_host_us"]), C.sig(r["peer_host_us"]), C.sig(r["ratio"], 3),
+                    C.sig(r["ours_us"]), C.sig(r["peer_us"])] for r in rows])
+    path = os.path.join(a.out, "calls_compare.json")
+    C.write_json(path, dict(device=C.device_name(), ranks=R, ranks_per_gpu=sharing if gpu else None,
+                            backend=backend, hidden=a.hidden, experts=a.experts, topk=a.topk, iters=a.iters,
+                            warmup=a.warmup, num_repeats=a.repeats, rotation=ROTATION, buffer=buffer,
+                            buffer_bytes=nbytes, ours=module_info(triton_ep), peer=module_info(peer),
+                            order="repeat 1: the peer first, then ours; repeat 2: ours first; and so on",
+                            note=note, results=rows))
+    C.bar_chart(os.path.join(a.out, "calls_compare.png"), [f"T{r['tokens']} {r['call']}" for r in rows],
+                {"ours / peer host µs": [r["ratio"] or 0.0 for r in rows]},
+                f"triton-ep / {a.compare}, {R} ranks, {C.device_name()}", "ratio (below 1: ours quicker)",
+                hline=1.0)
+    C.say(f"[bench_calls] wrote {path}")
+
+
+def peer_error(a) -> str:
+    """Why ``--compare`` cannot run here ("" when it can): the module does not import, or DeepEP's rank
+    counts."""
+    try:
+        importlib.import_module(a.compare)
+    except Exception as e:  # noqa: BLE001 - any failure to import is reported the same way
+        return f"--compare {a.compare}: module not importable: {type(e).__name__}: {e}"
+    R = int(os.environ["WORLD_SIZE"]) if _launch.launched_externally() else a.ranks
+    if a.compare.split(".")[0] == "deep_ep" and R not in (2, 4, 8):
+        return f"--compare {a.compare}: DeepEP's Buffer takes 2, 4 or 8 ranks, not {R}"
+    return ""
 
 
 def report(a, results, R, sharing, backend) -> None:
@@ -199,6 +400,10 @@ def report(a, results, R, sharing, backend) -> None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    err = peer_error(a) if a.compare else ""
+    if err:
+        print(err, file=sys.stderr)
+        return 2
     return _launch.run(functools.partial(rank_main, a), a.ranks, a.timeout)
 
 

@@ -8,6 +8,7 @@ say that its figures are interpreter time. Skipped where CUDA is present: there 
 """
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -189,3 +190,34 @@ def test_compare_writes_ratios(tmp_path, results_untouched):
     r = python([os.path.join(ROOT, "benchmarks", "compare.py"), os.path.join(res, "host_cost_h200.json"),
                 os.path.join(res, "low_latency_h200_r1_new.json"), "--out", str(tmp_path)], ROOT)
     assert r.returncode != 0 and "different scripts" in r.stderr
+
+
+def test_bench_calls_compare_with_itself(tmp_path, results_untouched):
+    """``--compare triton_ep`` (the library against itself, two CPU ranks, tiny shapes): a row per compared
+    call with finite positive host µs for both sides and ratio = ours / peer, one pair per repeat, the peer
+    module named, and the CPU note."""
+    r = run_bench("bench_calls.py", "--compare", "triton_ep", "--tokens", "16", "--iters", "1", "--warmup", "0",
+                  "--repeats", "2", "--out", str(tmp_path / "c"))
+    out = json.loads((tmp_path / "c" / "calls_compare.json").read_text())
+    assert set(os.listdir(tmp_path / "c")) <= {"calls_compare.json", "calls_compare.png"}
+    rows = {row["call"]: row for row in out["results"]}
+    assert set(rows) == {"layout", "dispatch", "cached", "combine"} and len(out["results"]) == 4
+    for row in rows.values():
+        assert row["tokens"] == 16
+        for k in ("ours_host_us", "peer_host_us", "ours_us", "peer_us"):
+            assert math.isfinite(row[k]) and row[k] > 0, (k, row)
+        assert row["ratio"] == pytest.approx(row["ours_host_us"] / row["peer_host_us"])
+        assert len(row["repeats"]) == 2 and all(len(pair) == 2 for pair in row["repeats"])
+    assert out["ranks"] == 2 and out["backend"] == "gloo" and out["peer"]["module"] == "triton_ep"
+    assert out["peer"]["file"] and out["peer"]["version"]
+    assert_cpu_report(r, out["note"])
+    assert CPU_NOTE in out["note"]
+
+
+def test_bench_calls_compare_module_not_importable(tmp_path):
+    """``--compare`` of a module that does not import: exit status 2 and the reason, before any rank starts."""
+    r = python([os.path.join(ROOT, "benchmarks", "bench_calls.py"), "--compare", "no_such_module",
+                "--out", str(tmp_path)], ROOT)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--compare no_such_module: module not importable: " in r.stderr
+    assert not os.listdir(tmp_path)
