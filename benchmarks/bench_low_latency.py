@@ -12,6 +12,15 @@ median), no host work at all. ``a2a_*`` (NCCL only, one rank per GPU): the same 
 packed with ``index_select``, moved by ``all_to_all_single`` and put in expert order (dispatch), and back
 with the weighted sum by ``index_add_`` (combine). With several ranks on one GPU (gloo) or on CPU the
 figures only show the script runs. Output: a table on rank 0's stdout and ``<out>/low_latency.json``.
+
+``--hosts H`` (H >= 2 dividing ``--ranks``) runs the ranks as H hosts on the emulated RDMA fabric
+(``TRITON_EP_RANKS_PER_HOST``, ``TRITON_EP_RDMA=emulated``): internode low-latency mode, every peer over the
+RDMA scheduler. It adds ``network``: over ``--net-calls`` FP8 dispatch + combine pairs after the timed calls,
+the work requests and chunks each low-latency call posts (per rank), the proxy's host µs per call and per work
+request (``proxy_busy_s`` of ``Buffer.get_rdma_stats()["low_latency"]``: its sweeps that moved something; over
+the emulated fabric that includes the emulator's payload copies, reported apart as ``proxy_post_us_per_call``,
+the rest as ``proxy_other_us_per_call``: the proxy's own work, what a NIC would leave), the bytes
+per port and their spread (max / min - 1) and the bytes per QP. The call timings there are functional.
 """
 from __future__ import annotations
 
@@ -50,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on a GPU, also sweep the low-latency kernels' launch shapes (one parameter at a time, "
                         "each kept where its kernel's µs per graph replay is least; rank 0's kernels, results "
                         "checked bit for bit against the starting shapes) and write low_latency_sweep.json")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="run the ranks as this many hosts over the emulated RDMA fabric (internode low-latency mode)")
+    p.add_argument("--net-calls", type=int, default=20, help="with --hosts: dispatch + combine pairs counted")
     C.add_out_arg(p, "low_latency.json")
     return p.parse_args(argv)
 
@@ -219,9 +231,37 @@ def one_run(a, device, rank: int, R: int) -> dict:
 
         out["a2a_dispatch"], _ = time_call(a2a_dispatch, a.iters, a.warmup, device)
         out["a2a_combine"], _ = time_call(a2a_combine, a.iters, a.warmup, device)
+    if a.hosts > 1:
+        out["network"] = _network(buf, dispatch, combine, a.net_calls)
     buf.check()
     buf.destroy()
     return out
+
+
+def _network(buf, dispatch, combine, calls: int) -> dict:
+    """The low-latency network leg's counters over ``calls`` dispatch + combine pairs (``--hosts``)."""
+    def snap():
+        return buf.get_rdma_stats()["low_latency"]
+    s0 = snap()
+    for _ in range(calls):
+        dispatch()
+        combine()
+    if buf.device.type == "cuda":     # every rank's kernels done: every chunk was posted and placed
+        torch.cuda.synchronize(buf.device)
+    dist.barrier()
+    buf.check()
+    s1 = snap()
+    n = 2 * calls
+    wrs = s1["wrs"] - s0["wrs"]
+    busy_us = (s1["proxy_busy_s"] - s0["proxy_busy_s"]) * 1e6
+    post_us = (s1["proxy_post_s"] - s0["proxy_post_s"]) * 1e6
+    ports = {k: v - s0["ports"].get(k, 0) for k, v in s1["ports"].items()}
+    qps = {k: v["bytes"] - s0["qps"].get(k, {"bytes": 0})["bytes"] for k, v in s1["qps"].items()}
+    pv = [v for v in ports.values()]
+    return dict(calls=n, wrs_per_call=wrs / n, chunks_per_call=(s1["chunks"] - s0["chunks"]) / n,
+                proxy_us_per_call=busy_us / n, proxy_us_per_wr=busy_us / max(wrs, 1),
+                proxy_post_us_per_call=post_us / n, proxy_other_us_per_call=(busy_us - post_us) / n,
+                port_bytes=ports, port_spread=(max(pv) / max(min(pv), 1) - 1) if pv else None, qp_bytes=qps)
 
 
 def rank_main(a) -> int:
@@ -236,7 +276,11 @@ def rank_main(a) -> int:
     for e in every:
         e.pop("sweep", None)
         e.pop("kernels", None)
+    nets = [e.pop("network", None) for e in every]
+    mine.pop("network", None)
     row = {k: max(e[k] for e in every if k in e) for k in mine}       # the slowest rank
+    if nets[0] is not None:
+        row["network"] = nets
     if rank == 0:
         report(a, row, R, sharing, backend, kernels)
         if sweep is not None:
@@ -260,6 +304,12 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
     heads = [c + " us" for c in CALLS] + ["host us (d/d16/c)"]
     host = "/".join(f"{row[c + '_host']:.0f}" for c in ("dispatch", "dispatch_bf16", "combine"))
     C.print_table(heads, [[C.sig(row.get(c), 4) for c in CALLS] + [host]])
+    for r, net in enumerate(row.get("network") or []):
+        C.say(f"[bench_low_latency] rank {r}, network leg over {net['calls']} low-latency calls: "
+              f"{net['wrs_per_call']:.1f} work requests and {net['chunks_per_call']:.1f} chunks a call, proxy "
+              f"{net['proxy_us_per_call']:.0f} µs a call ({net['proxy_post_us_per_call']:.0f} of them in the transport's "
+              f"posts: the emulator's copies), {net['proxy_us_per_wr']:.1f} µs a work request, port "
+              f"spread {C.sig(net['port_spread'])}; bytes per port {net['port_bytes']}")
     if kernels:
         C.say("[bench_low_latency] rank 0's kernels per graph replay of dispatch + combine (torch.profiler):")
         C.print_table(["kernel", "launches", "GPU us"], [[k, f"{n:g}", f"{us:.1f}"] for k, (n, us) in kernels.items()])
@@ -273,6 +323,10 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.hosts > 1:
+        if a.ranks % a.hosts:
+            raise SystemExit(f"--hosts {a.hosts} must divide --ranks {a.ranks}")
+        os.environ.update(TRITON_EP_RANKS_PER_HOST=str(a.ranks // a.hosts), TRITON_EP_RDMA="emulated")
     if a.sweep and a.ranks != 1:
         raise SystemExit("--sweep runs at --ranks 1 (each rank would choose its own shapes)")
     return _launch.run(functools.partial(rank_main, a), a.ranks, a.timeout)

@@ -376,12 +376,17 @@ class Buffer:
             ``host_exchanges`` (those that went through host memory: headers, statuses, counts; calls on the
             capture path make none).
             Bytes count payload written by this rank's proxy (not signals). On one host: zeros and empty dicts.
+            With low-latency mode across hosts, ``low_latency``: the same counters of that mode's own network
+            leg (to every other rank: its ``qps`` keys are ``"peer rank/QP index"``).
 
         Raises:
             EPError: the Buffer was destroyed.
         """
         self._rt.live()
-        return self._internode.stats() if self._internode is not None else traffic_stats()
+        stats = self._internode.stats() if self._internode is not None else traffic_stats()
+        if self._ll is not None and self._ll.net is not None:
+            stats["low_latency"] = traffic_stats(self._rt.rdma_transport, self._rt.num_hosts, self._ll.net.sched.stats())
+        return stats
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
