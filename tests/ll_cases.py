@@ -538,3 +538,121 @@ def rejected_across_hosts(rank, world, N, H, E):
         return out
     finally:
         buf.destroy()
+
+
+def peers_on_network(rank, world, allow_nvlink):
+    """A bf16 round trip on a low-latency Buffer across hosts; returns the ranks this rank's network leg
+    carried bytes to (``Buffer.get_rdma_stats()["low_latency"]``, QP keys ``"peer/QP"``)."""
+    E, K, H, N = 2 * world, 2, 128, 4
+    cases = [(False, False, False, "identity", False, False)]
+    xs, idxs, ws = ll_inputs(9, world, E, K, H, [N] * world)
+    for i in idxs:      # every token to one expert of every rank: every peer gets rows
+        i[:, 0] = torch.arange(i.shape[0]) % world * (E // world)
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=2, timeout_s=60,
+                           allow_nvlink_for_low_latency_mode=allow_nvlink)
+    try:
+        for use_fp8, round_scale, use_ue8m0, kind, hook, zero_copy in cases:
+            out, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
+            check_dispatch(out, count, handle, xs, idxs, world, E, rank, False, False, False)
+            comb = buf.low_latency_combine(out, idxs[rank], ws[rank], handle)[0]
+            assert torch.equal(comb.view(torch.int16),
+                               expected_combine(xs[rank], idxs[rank], ws[rank], E, world, kind).view(torch.int16))
+        qps = buf.get_rdma_stats()["low_latency"]["qps"]
+        return sorted({int(k.split("/")[0]) for k, v in qps.items() if v["bytes"] > 0})
+    finally:
+        buf.destroy()
+
+
+def silent_peers(rank, world, victims, by_timeout):
+    """Ranks ``victims`` (a remote rank, or a whole host) build the Buffer and then take no part. The others,
+    with ``enable_shrink``, mask them (explicitly, or ``by_timeout``): exactly their tokens and their
+    experts' entries are dropped, the next call does not wait again, the mask query reports them, and
+    unmasking a rank reached over the network raises NotImplementedError."""
+    import time
+    E, K, H, N = 2 * world, 2, 128, 8
+    xs, idxs, ws = ll_inputs(4, world, E, K, H, [N - 1] * world)
+    buf = _buffer(world, N, H, E, timeout_s=2.0, enable_shrink=True)
+    victims = tuple(victims)
+    try:
+        if rank in victims:
+            return None
+        if not by_timeout:
+            for v in victims:
+                buf.low_latency_update_mask_buffer(v, True)
+        waits = []
+        for use_fp8 in (False, False, True):
+            t0 = time.monotonic()
+            out, count, handle, _, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=use_fp8,
+                                                                   return_recv_hook=True)
+            hook()
+            check_dispatch(out, count, handle, xs, idxs, world, E, rank, use_fp8, False, False, masked=victims)
+            rx = (_dequant_rows(out[0], out[1], False).to(torch.bfloat16)) if use_fp8 else out
+            comb, _, _ = buf.low_latency_combine(rx, idxs[rank], ws[rank], handle)
+            waits.append(time.monotonic() - t0)
+            xin = _dequant_x(xs[rank]) if use_fp8 else xs[rank]
+            want = expected_combine(xin, idxs[rank], ws[rank], E, world, "identity", masked=victims)
+            assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), use_fp8
+        status = torch.zeros(world, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(status)
+        try:
+            buf.low_latency_clean_mask_buffer()
+            unmask = None
+        except NotImplementedError as ex:
+            unmask = str(ex)
+        return status.tolist(), waits, unmask
+    finally:
+        if rank in victims:
+            time.sleep(9.0 if by_timeout else 2.0)     # alive but silent while the others run
+        buf.destroy()
+
+
+def _dequant_x(x):
+    q, s = quantize_reference(x, False)
+    return (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+
+
+def ordering(rank, world, planted):
+    """Round trips over a fabric that reorders requests across QPs (``TRITON_EP_EMULATED_REORDER_S``), with a
+    probe at each chunk's signal (the scheduler's ``on_signal`` hook, run when the signal arrives, before the
+    tail moves): the chunk in the receive slot must already be the one signalled (its header names the call
+    ``seq + 1``). With ``planted`` every rank's scheduler posts each chunk's signal on the next QP instead of
+    the data's (the bug in-QP ordering prevents), so signals overtake rows. Returns ``(what failed or None,
+    chunks seen incomplete at their signal, signals probed)``."""
+    import numpy as np
+    from triton_ep.scheduler import Scheduler
+    from triton_ep.transport.rdma import WRITE_WITH_IMM
+    real_ops, real_init = Scheduler._chunk_ops, Scheduler.__init__
+    seen = {"bad": 0, "all": 0}
+
+    def init(self, transport, **kw):
+        def probe(peer, qp, seq):
+            head = self.recv_view(peer, seq)[:8].view(np.int64)
+            seen["all"] += 1
+            seen["bad"] += int(head[0]) != seq + 1
+        real_init(self, transport, on_signal=probe, **kw)
+
+    def signal_elsewhere(self, peer, qp, seq, nbytes, signaled):
+        ops = real_ops(self, peer, qp, seq, nbytes, signaled)
+        return [((q + 1) % self.t.num_qps_per_peer if op.kind == WRITE_WITH_IMM else q, op) for q, op in ops]
+    Scheduler.__init__ = init
+    if planted:
+        Scheduler._chunk_ops = signal_elsewhere
+    E, K, H, N = 4 * world, 3, 2048, 8
+    buf = _buffer(world, N, H, E, timeout_s=3)
+    failed = None
+    try:
+        for i in range(10):
+            xs, idxs, ws = ll_inputs(20 + i, world, E, K, H, [N] * world)
+            try:
+                out, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
+                check_dispatch(out, count, handle, xs, idxs, world, E, rank, False, False, False)
+                comb = buf.low_latency_combine(out, idxs[rank], ws[rank], handle)[0]
+                want = expected_combine(xs[rank], idxs[rank], ws[rank], E, world, "identity")
+                assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine differs from the oracle"
+            except Exception as ex:     # noqa: BLE001 - what failed is the result
+                failed = f"call {i}: {type(ex).__name__}: {ex}"
+                break
+        return failed, seen["bad"], seen["all"]
+    finally:
+        buf.destroy()

@@ -42,9 +42,10 @@ class Buffer:
         low_latency_mode: enable the ``low_latency_*`` calls (docs/low_latency.md).
         enable_shrink: allow rank masking in low-latency mode (a peer that times out is masked).
         num_qps_per_rank: RC QPs to each peer of low-latency mode across hosts (DeepEP passes ``E / R``).
-        allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, comm: DeepEP's
-            keyword arguments, accepted; those that do not apply are ignored (across hosts every low-latency
-            peer is reached over RDMA, whatever ``allow_nvlink_for_low_latency_mode``: the results are the same).
+        allow_nvlink_for_low_latency_mode: across hosts, low-latency peers on this rank's host are reached
+            through the host's shared buffer (NVLink / IPC); ``False``: over RDMA as well. Same results.
+        allow_mnnvl, use_fabric, explicitly_destroy, comm: DeepEP's keyword arguments, accepted; those that do
+            not apply are ignored.
         timeout_s: bound in seconds on every wait for a peer (default 100, or ``TRITON_EP_TIMEOUT_S``).
         device: where buffers and inputs live; default the current CUDA device, else CPU.
         rdma_backend: the transport between hosts: ``"auto"`` (pyverbs on the machine's RDMA devices),
@@ -60,7 +61,7 @@ class Buffer:
 
     With ``low_latency_mode`` and ranks on several hosts the Buffer serves both the normal-mode calls and the
     low-latency calls across hosts (as DeepEP's one Buffer for both modes); there an error in a low-latency
-    call ends its low-latency calls for good, and ``enable_shrink`` is not available (``NotImplementedError``).
+    call ends its low-latency calls for good, and a masked rank on another host cannot be unmasked.
     """
 
     num_sms: int = 20
@@ -89,7 +90,8 @@ class Buffer:
         if rt.num_hosts > 1 and low_latency_mode and num_rdma_bytes:
             try:
                 self._ll = internode_ll.open_internode_low_latency(rt, (int(num_rdma_bytes) + 4095) // 4096 * 4096,
-                                                                   num_qps_per_rank, enable_shrink)
+                                                                   num_qps_per_rank, enable_shrink,
+                                                                   bool(allow_nvlink_for_low_latency_mode))
             except BaseException:
                 try:
                     self._internode.close()

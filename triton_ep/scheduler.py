@@ -406,7 +406,7 @@ class Scheduler:
             self._on_completion(c)
         for p in self.peers:
             w = self.flags.get(RingFlags.FAULT, p)
-            if w:
+            if w and not self.flags.masked(p):
                 st, ch, q = parse_fault(w)
                 raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
                                        "the peer's proxy failed there and told its peers")
@@ -427,7 +427,7 @@ class Scheduler:
         for p in self.peers:
             did |= self._credit(p)
         for q in own:
-            if q.inflight and now - q.inflight[0][2] > self.timeout_s:
+            if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
                 raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
                                  f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
         return did
@@ -454,6 +454,11 @@ class Scheduler:
         if st.next_post >= ready:
             st.stall_since = None
             return False
+        if self.flags.masked(p):        # a masked peer's chunks are dropped, counted as placed
+            st.next_post = st.sent = ready
+            st.stall_since = None
+            self.flags.put(RingFlags.SENT, p, ready)
+            return True
         credit = self.flags.get(RingFlags.CREDIT, p)
         chains: Dict[int, List[int]] = {}
         while st.next_post < ready and st.next_post - credit < self.slots:
@@ -524,6 +529,8 @@ class Scheduler:
             return
         ch = None if c.qp is None else c.qp // self.qps_per_channel
         if not c.ok:
+            if self.flags.masked(c.peer):      # a masked (dead) peer's QPs may fail: nothing waits for them
+                return
             stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
             raise ProxyError(self.rank, c.peer, ch, c.qp, STAGE_NAMES[stage],
                              f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})")
@@ -562,7 +569,7 @@ class Scheduler:
         """Send ``HEAD[p]`` to ``p``'s ``CREDIT[me]`` when half a ring was freed or the consumer caught up."""
         st = self._peer[p]
         head = self.flags.get(RingFlags.HEAD, p)
-        if head <= st.credit_sent or (head - st.credit_sent < max(1, self.slots // 2) and head < st.tail):
+        if self.flags.masked(p) or head <= st.credit_sent or (head - st.credit_sent < max(1, self.slots // 2) and head < st.tail):
             return False
         lay = self.layout
         self.flags.put(RingFlags.SRC, p, head)

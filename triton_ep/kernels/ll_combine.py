@@ -27,7 +27,7 @@ from .dispatch import _grid2
 @triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
                             experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
-                            NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
+                            remote, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
                             USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_W: tl.constexpr):
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
@@ -37,8 +37,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                              flags.STAGE_LL_COMBINE_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
                              SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
     if NET:     # ranks on the network: chunk n - 1 of each reuses the send slot of chunk n - 3, once placed
-        go = go & ll_net.wait_slots(ring_ctl, hdr, hdr_delta, host, n, me, flags.STAGE_LL_COMBINE_SEND,
-                                    timeout_ns, R, USE_CLOCK, ctl)
+        go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, flags.STAGE_LL_COMBINE_SEND,
+                                    timeout_ns, R, USE_CLOCK, ctl, SHRINK)
     hb = ctl_w + half * half_w + cnt_w
     RN = R * n_max
     WX: tl.constexpr = H // 2
@@ -61,7 +61,7 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                 lr = tl.load(layout + oc[None, :] * R + s[:, None], mask=m[:, None] & (oc < le)[None, :], other=0)
                 beg = tl.load(layout + le * R + s, mask=m, other=0) >> 32
                 at = ll_net.chunk_at(ring_dw, s, n - 1, slot_w) + ll_net.NH + (tl.sum(lr & 0xFFFFFFFF, axis=1) + j - beg) * RW
-                far = m & (s != me)
+                far = m & (tl.load(remote + s, mask=m, other=0) != 0)
                 tl.store(area_w + at, (ret - s * (n_max * K)).to(tl.int32), mask=far)
                 dst = tl.where(far, at + 4, dst)
             for w0 in range(0, WX, BLOCK_W):
@@ -70,8 +70,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                 tl.store(area_w + dst[:, None] + ow[None, :],
                          tl.load(xw_ptr + (le * RN + j)[:, None] * WX + ow[None, :], mask=mw), mask=mw)
     if NET:     # each network peer's chunk: the rows this rank received from it
-        ll_net.finish_send(ctl, hdr, area_w, ring_ctl, ring_dw, slot_w, n, sig, me, layout, R, 1, experts_per_rank, RW,
-                           0, R, BLOCK_C, USE_ASM)
+        ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, layout, R,
+                           1, experts_per_rank, RW, 0, R, BLOCK_C, USE_ASM)
     else:
         # The last program releases READY = n in every peer and records n as this rank's last call.
         flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)

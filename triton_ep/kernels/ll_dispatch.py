@@ -87,12 +87,12 @@ _ll_route_launch = Launcher(_ll_route_kernel)
 
 @triton.jit
 def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, t, mt, experts_per_rank, records_w, me, n_max, k_net, ring_dw,
-                slot_w, K: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, BLOCK_K: tl.constexpr,
+                slot_w, remote, K: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, BLOCK_K: tl.constexpr,
                 NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr):
     """Where the entries of tokens ``t`` go: ``[BLOCK_T, BLOCK_K]`` masks (the entry has a slot) and word
     addresses, relative to this rank's area, of their records ``(local expert, me, slot)`` in the expert's
-    rank's area, whose records start at word ``records_w`` of the half. With ``NET`` every other rank is on
-    the network: its records go, packed by expert, into its chunk ``k_net`` of the send ring (at word
+    rank's area, whose records start at word ``records_w`` of the half. With ``NET`` a rank on the network
+    (``remote[d]``) gets its records packed by expert into its chunk ``k_net`` of the send ring (at word
     ``ring_dw``)."""
     k = tl.arange(0, BLOCK_K)
     mk = mt[:, None] & (k < K)[None, :]
@@ -105,14 +105,14 @@ def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, t, mt, experts_per_rank, re
     if NET:
         pre = ll_net.rows_before(cnt_ptr, d * experts_per_rank, e - d * experts_per_rank, experts_per_rank, BLOCK_C)
         net = ll_net.chunk_at(ring_dw, d, k_net, slot_w) + ll_net.NH + CW + (pre + sl) * REC
-        rec = tl.where(d != me, net, rec)
+        rec = tl.where(tl.load(remote + d, mask=m, other=0) != 0, net, rec)
     return m, rec, of
 
 
 @triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
-                             hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
+                             hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w, remote,
                              NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
                              SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
@@ -125,8 +125,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                              flags.STAGE_LL_DISPATCH_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
                              SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
     if NET:     # ranks on the network: chunk n - 1 of each reuses the send slot of chunk n - 3, once placed
-        go = go & ll_net.wait_slots(ring_ctl, hdr, hdr_delta, host, n, me, flags.STAGE_LL_DISPATCH_SEND,
-                                    timeout_ns, R, USE_CLOCK, ctl)
+        go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, flags.STAGE_LL_DISPATCH_SEND,
+                                    timeout_ns, R, USE_CLOCK, ctl, SHRINK)
     T = tl.where(go, T, 0)
     hb = ctl_w + half * half_w                  # the half, in words from the area's start (every rank alike)
     hp = tl.program_id(1)
@@ -136,7 +136,7 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
         m, rec, of = _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, t, mt, experts_per_rank, hb + cnt_w, me, n_max,
-                                 n - 1, ring_dw, slot_w, K, R, REC, BLOCK_K, NET, CW, BLOCK_C)
+                                 n - 1, ring_dw, slot_w, remote, K, R, REC, BLOCK_K, NET, CW, BLOCK_C)
         for h0 in range(hp * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             if FP8:
@@ -166,12 +166,12 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
             me_ = me_ & (tl.load(ctl + flags.off_ll_mask(R) + d, mask=me_, other=1) == 0)
             at = tl.load(delta_w + d, mask=me_, other=0) + hb + me * experts_per_rank + (e - d * experts_per_rank)
             if NET:     # a rank on the network gets its counts at the head of its chunk
-                at = tl.where(d != me, ll_net.chunk_at(ring_dw, d, n - 1, slot_w) + ll_net.NH + (e - d * experts_per_rank),
+                at = tl.where(tl.load(remote + d, mask=me_, other=0) != 0, ll_net.chunk_at(ring_dw, d, n - 1, slot_w) + ll_net.NH + (e - d * experts_per_rank),
                               at)
             tl.store(area_w + at, tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
     if NET:     # each network peer's chunk: the counts of its experts, then their records
-        ll_net.finish_send(ctl, hdr, area_w, ring_ctl, ring_dw, slot_w, n, sig, me, cnt_ptr, 1, experts_per_rank,
-                           experts_per_rank, REC, CW, R, BLOCK_C, USE_ASM)
+        ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, cnt_ptr,
+                           1, experts_per_rank, experts_per_rank, REC, CW, R, BLOCK_C, USE_ASM)
     else:
         # The last program releases READY = n in every peer and records n as this rank's last call.
         flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)

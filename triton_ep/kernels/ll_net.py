@@ -38,8 +38,9 @@ S: tl.constexpr = tl.constexpr(2)
 
 
 def kernel_args(net, ctl: torch.Tensor) -> tuple:
-    """The send launches' ``(ring_ctl, ring_dw, slot_w)``: the network leg's (``net``), or placeholders."""
-    return (ctl, 0, 0) if net is None else (net.ring_ctl, net.send_dw, net.slot_w)
+    """The send launches' ``(ring_ctl, ring_dw, slot_w, remote)``: the network leg's (``net``), or
+    placeholders."""
+    return (ctl, 0, 0, ctl) if net is None else (net.ring_ctl, net.send_dw, net.slot_w, net.remote)
 
 
 @triton.jit
@@ -62,15 +63,33 @@ def rows_before(cnt_ptr, first, upto, num, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def wait_slots(ring_ctl, hdr, hdr_delta, host, n, me, stage, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
-               ctl):
+def mask_peer(ctl, ring_ctl, r, R: tl.constexpr):
+    """Rank masking (``enable_shrink``): rank ``r`` stopped answering; this rank no longer sends to it or
+    waits for it (``MASK[r]``), and its proxy drops what it still holds for it (``MASKED[r]``)."""
+    tl.store(ctl + flags.off_ll_mask(R) + r, tl.full([], 1, tl.int64))
+    flags.release(ring_ctl + flags.ring_masked_word(R, S, r), tl.full([], 1, tl.int64))
+
+
+@triton.jit
+def live_peer(ctl, remote, r, R: tl.constexpr):
+    """Whether rank ``r`` is on the network and not masked."""
+    return (tl.load(remote + r) != 0) & (tl.load(ctl + flags.off_ll_mask(R) + r, volatile=True) == 0)
+
+
+@triton.jit
+def wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, stage, timeout_ns, R: tl.constexpr,
+               USE_CLOCK: tl.constexpr, ctl, SHRINK: tl.constexpr):
     """A send launch of call ``n`` waits until every network peer's send slot for chunk ``n - 1`` is free
-    (chunk ``n - 3`` placed there: ``SENT >= n - 2``). Returns True when the program may write."""
+    (chunk ``n - 3`` placed there: ``SENT >= n - 2``); masked peers are not waited for, and with ``SHRINK`` a
+    peer that times out is masked. Returns True when the program may write."""
     bad = (tl.load(hdr + flags.W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
-        if (bad == 0) & (r != me):
+        if (bad == 0) & live_peer(ctl, remote, r, R):
             st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_SENT, R, r), n - 2, hdr, host, r, 0,
                                      timeout_ns, R, USE_CLOCK)
+            if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
+                mask_peer(ctl, ring_ctl, r, R)
+                st = tl.full([], 0, tl.int32)
             if st != 0:
                 flags.post_wait_error(hdr, hdr_delta, host, st, r, stage, tl.load(hdr + flags.W_BASE) + 1, me, R,
                                       ctl, n)
@@ -95,26 +114,32 @@ def publish(area_w, ring_ctl, ring_dw, slot_w, r, n, sig, ok, rows, ROW_W, EXTRA
 
 
 @triton.jit
-def finish_send(ctl, hdr, area_w, ring_ctl, ring_dw, slot_w, n, sig, me, rows_ptr, stride, col, experts_per_rank,
-                ROW_W, EXTRA_W, R: tl.constexpr, BLOCK_C: tl.constexpr, USE_ASM: tl.constexpr):
-    """End of a send launch with network peers: the last program publishes each peer ``r``'s chunk (its rows:
-    ``sum(rows_ptr[c * stride + r * col] & 0xFFFFFFFF for c < experts_per_rank)``, the counts of its experts
-    or of the rows received from it) and records ``n`` as this rank's last call."""
+def finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, rows_ptr, stride,
+                col, experts_per_rank, ROW_W, EXTRA_W, R: tl.constexpr, BLOCK_C: tl.constexpr, USE_ASM: tl.constexpr):
+    """End of a send launch with network peers: the last program publishes each network peer ``r``'s chunk
+    (its rows: ``sum(rows_ptr[c * stride + r * col] & 0xFFFFFFFF for c < experts_per_rank)``, the counts of
+    its experts or of the rows received from it), releases ``READY = n`` (signature first) in each peer on
+    this host as :func:`flags.ll_finish_send` does (unless this rank holds an error), and records ``n`` as
+    this rank's last call."""
     if flags.last_program_at(ctl + flags.L_DONE, USE_ASM):
         ok = tl.load(hdr + flags.W_ERR, volatile=True) == 0
         oc = tl.arange(0, BLOCK_C)
         for r in tl.static_range(R):
-            if r != me:
+            if live_peer(ctl, remote, r, R):
                 v = tl.load(rows_ptr + oc * stride + r * col, mask=oc < experts_per_rank, other=0).to(tl.int64)
                 publish(area_w, ring_ctl, ring_dw, slot_w, r, n, sig, ok, tl.sum(v & 0xFFFFFFFF), ROW_W, EXTRA_W, R)
+            elif ok & (r != me):
+                peer = ctl + tl.load(hdr_delta + r)
+                tl.store(peer + flags.off_ll_sig(R) + half * R + me, sig)
+                flags.release(peer + flags.off_ll_ready(R) + half * R + me, n)
         tl.store(ctl + flags.L_SEQ, n)
 
 
 @triton.jit(do_not_specialize=['offset', 'me', 'timeout_ns', 'ring_dw'])
-def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
+def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
                       hdr, hdr_delta, host, me, timeout_ns, R: tl.constexpr, COMBINE: tl.constexpr, REC: tl.constexpr,
-                      CW: tl.constexpr, RW: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
+                      CW: tl.constexpr, RW: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
+                      USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
     # Program (s, q): the chunk from rank s (none from this rank or a masked one), work spread over q.
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
@@ -124,12 +149,13 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, offset, n_max, ctl
     P = tl.num_programs(1)
     stage = flags.STAGE_LL_DISPATCH_RECV + COMBINE * (flags.STAGE_LL_COMBINE_RECV - flags.STAGE_LL_DISPATCH_RECV)
     hb = ctl_w + half * half_w
-    live = (s != me) & (tl.load(ctl + flags.off_ll_mask(R) + s, volatile=True) == 0)
-    live = live & (tl.load(hdr + flags.W_ERR, volatile=True) == 0)
+    live = live_peer(ctl, remote, s, R) & (tl.load(hdr + flags.W_ERR, volatile=True) == 0)
     if live:
         st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_TAIL, R, s), n, hdr, host, s, 0, timeout_ns,
                                  R, USE_CLOCK)
-        if st != 0:
+        if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
+            mask_peer(ctl, ring_ctl, s, R)      # its rows are dropped: the receive does not wait for it
+        elif st != 0:
             flags.post_wait_error(hdr, hdr_delta, host, st, s, stage, tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, n)
         else:
             base = chunk_at(ring_dw, s, k, slot_w)
@@ -177,7 +203,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, offset, n_max, ctl
     if flags.last_program_at(ctl + flags.L_DONE, USE_ASM):
         if tl.load(hdr + flags.W_ERR, volatile=True) == 0:
             for r in tl.static_range(R):
-                if (r != me) & (tl.load(ctl + flags.off_ll_mask(R) + r, volatile=True) == 0):
+                if live_peer(ctl, remote, r, R):
                     h = (area_w + chunk_at(ring_dw, r, k, slot_w)).to(tl.pointer_type(tl.int64))
                     if (tl.load(h + 2) == 0) & (tl.load(h) == n):
                         tl.store(ctl + flags.off_ll_sig(R) + half * R + r, tl.load(h + 1))
@@ -187,7 +213,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, offset, n_max, ctl
         head = tl.where(other == n + 1, n + 1, tl.where(other == n - 1, n, 0))
         if head > 0:
             for r in tl.static_range(R):
-                if r != me:
+                if tl.load(remote + r) != 0:
                     flags.release(ring_ctl + flags.ring_word(flags.RING_HEAD, R, r), head)
 
 
@@ -195,20 +221,20 @@ _ll_unpack_launch = Launcher(_ll_unpack_kernel)
 
 
 def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, combine: bool, use_fp8: bool,
-              signals: dict) -> None:
+              shrink: bool, signals: dict) -> None:
     """Unpack the chunks of call ``SEQ - offset`` from every rank on the network into this rank's half
     (``combine``: returned rows at their slots ``t * K + k``; else the dispatch's counts and records).
 
     ``area``: int32 view of the local low-latency area; ``ctl``: its int64 control block; ``net``: the leg
     (``ring_ctl`` int64 control block of the scheduler's region, ``recv_dw``: its receive ring's first word
     relative to ``area``, ``slot_w``: words per slot); ``lay``: the call's
-    :class:`~triton_ep.protocol.ll_area.Layout`."""
+    :class:`~triton_ep.protocol.ll_area.Layout`; ``shrink``: a peer that times out is masked."""
     R = lay.num_ranks
     rw = lay.net_row_words
     rec = lay.record_words(use_fp8)
     _ll_unpack_launch[_grid2(R, 4, signals)](
-        area, ctl, net.ring_ctl, net.recv_dw, net.slot_w, offset, lay.n_max, lay.ctl_words, lay.half_words,
+        area, ctl, net.ring_ctl, net.recv_dw, net.slot_w, net.remote, offset, lay.n_max, lay.ctl_words, lay.half_words,
         lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"],
-        signals["timeout_ns"], R=R, COMBINE=combine, REC=rec, CW=lay.net_count_words, RW=rw,
+        signals["timeout_ns"], R=R, COMBINE=combine, REC=rec, CW=lay.net_count_words, RW=rw, SHRINK=shrink,
         USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_R=4,
         BLOCK_W=pow2(min(rw - 4 if combine else rec, 1024)), BLOCK_C=pow2(lay.experts_per_rank), num_warps=4)

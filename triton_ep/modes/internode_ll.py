@@ -1,8 +1,7 @@
 """Low-latency mode across hosts (DeepEP's internode low-latency mode): every other rank over RDMA.
 
 A Buffer built with ``low_latency_mode`` whose ranks span several hosts gets a low-latency area of its own
-(``num_rdma_bytes``, in this rank's memory: nothing is mapped between ranks) and a network leg to every
-other rank of the group (:mod:`triton_ep.modes.network`: the transport, the RDMA scheduler and its rings, 2
+(``num_rdma_bytes``, mapped by the ranks of its host) and a network leg to every other rank of the group (:mod:`triton_ep.modes.network`: the transport, the RDMA scheduler and its rings, 2
 slots per peer, one per half of the area). The low-latency kernels run as within one host, with the
 network leg (:mod:`triton_ep.kernels.ll_net`): records and returned rows for another rank go packed into
 that rank's chunk of the send ring, the proxy posts the chunk's WRITEs and then its signal on one QP, and
@@ -10,11 +9,11 @@ the receive (or its hook) first unpacks the chunks that arrived into the area. E
 straight to every rank holding one of its experts (no forwarding). Rows for this rank's own experts stay
 in its memory.
 
-This version sends to every other rank over RDMA, the ranks of this rank's own host included (as DeepEP does
-with ``allow_nvlink_for_low_latency_mode=False``); with ``allow_nvlink_for_low_latency_mode=True`` the
-results are the same, bit for bit, but the same-host peers do not take the NVLink / IPC shortcut yet.
-Errors end the Buffer's low-latency calls for good (destroy it and build a new one), and rank masking
-(``enable_shrink``) is not available across hosts.
+The area lives in a buffer the ranks of one host map (CUDA IPC on GPU, POSIX shared memory on CPU): with
+``allow_nvlink_for_low_latency_mode`` (DeepEP's default) a peer on the same host is written there directly,
+as within one host; without it every other rank goes over RDMA. Errors end the Buffer's low-latency calls
+for good (destroy it and build a new one). With ``enable_shrink`` a silent rank on the network is masked (its
+proxy then drops what it holds for it); it cannot be unmasked.
 """
 from __future__ import annotations
 
@@ -40,10 +39,15 @@ from .network import Network, open_network
 class NetLeg:
     """What the low-latency kernels take of the network leg: the scheduler's control block ``ring_ctl``
     (int64), the first words of its send and receive rings relative to the low-latency area (``send_dw``,
-    ``recv_dw``, int32 words) and the words of a slot (``slot_w``). ``network``: the open leg."""
+    ``recv_dw``, int32 words), the words of a slot (``slot_w``) and ``remote`` (int32 ``[R]``: 1 for each rank
+    reached over the network). ``network``: the open leg; ``local``: this host's shared buffers (closed with
+    the leg)."""
 
-    def __init__(self, network: Network, area: torch.Tensor, slot_bytes: int) -> None:
+    def __init__(self, network: Network, area: torch.Tensor, slot_bytes: int, remote: torch.Tensor,
+                 local: Optional[ipc.Comm] = None) -> None:
         self.network, self.sched, self.ring_ctl = network, network.sched, network.ring_ctl
+        self.remote, self.local = remote, local
+        self.remote_ranks = [r for r, v in enumerate(remote.tolist()) if v]
         base = area.data_ptr()
         deltas = [network.send.data_ptr() - base, network.recv.data_ptr() - base]
         if any(d % 4 for d in deltas):
@@ -56,7 +60,7 @@ class NetLeg:
         ``E_FAILED`` and nothing else, so their receive of that call raises ``EPRemoteError`` at once
         (bounded wait for each send slot; raises ``EPTimeoutError`` or the proxy's error)."""
         sched = self.sched
-        for p in sched.peers:
+        for p in self.remote_ranks:
             sched.wait_counter(RingFlags.SENT, p, n - 2, "low-latency failure notice: free send slot")
             sched.send_view(p, n - 1)[:NET_HDR_WORDS * 4].view(np.int64)[:] = (n, 0, int(F.E_FAILED), 0)
             sched.publish(p, n - 1, NET_HDR_WORDS * 4)
@@ -73,50 +77,64 @@ class NetLeg:
         self.network.close()
 
 
-def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrink: bool) -> LowLatency:
+def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrink: bool,
+                               allow_nvlink: bool = True) -> LowLatency:
     """The low-latency state of a Buffer across hosts (collective over ``rt.group``).
 
     Args:
         rt: the Buffer's :class:`~triton_ep.runtime.context.HostsRuntime`.
-        area_bytes: ``num_rdma_bytes`` rounded up to 4 KiB: the area, in this rank's memory; the network leg
-            takes about twice that in registered host memory (2 slots of
-            :func:`~triton_ep.protocol.ll_area.net_slot_bytes` per peer and direction).
+        area_bytes: ``num_rdma_bytes`` rounded up to 4 KiB: the area, in a buffer the ranks of this host map
+            (CUDA IPC on GPU, POSIX shared memory on CPU); the network leg takes about twice that in
+            registered host memory (2 slots of :func:`~triton_ep.protocol.ll_area.net_slot_bytes` per peer
+            and direction).
         num_qps_per_rank: RC QPs to each peer (placed over ports and ECMP paths by the topology plan).
-        shrink: ``enable_shrink`` (its low-latency calls raise ``NotImplementedError`` across hosts).
+        shrink: ``enable_shrink``: a peer that does not answer within ``timeout_s`` is masked.
+        allow_nvlink: peers on this rank's host are reached through the shared buffer (NVLink / IPC, DeepEP's
+            ``allow_nvlink_for_low_latency_mode``); else over RDMA as the other hosts' ranks.
     Raises:
-        ValueError: ranks disagree on ``num_rdma_bytes`` or ``num_qps_per_rank`` (on every rank).
+        ValueError: ranks disagree on ``num_rdma_bytes``, ``num_qps_per_rank`` or
+            ``allow_nvlink_for_low_latency_mode`` (on every rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
-    me, R, dev = rt.rank, rt.group_size, rt.device
+    me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
     qps = max(1, int(num_qps_per_rank))
-    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], int(area_bytes), qps), rt.timeout_s,
+    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], int(area_bytes), qps, bool(allow_nvlink)), rt.timeout_s,
                            "internode low-latency: fabric token")
     hosts_mod.agreed("num_rdma_bytes (low-latency mode across hosts)", [e[1] for e in every])
     hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[2] for e in every])
+    hosts_mod.agreed("allow_nvlink_for_low_latency_mode (low-latency mode across hosts)", [e[3] for e in every])
     token = every[0][0]
     names = [f"ll{token}_{r}" for r in range(R)]
-    # the area and a signal header of the whole group's size, in this rank's memory only: the kernels see a
-    # group of R ranks whose peers are all on the network
+    # Each rank's [signal header of the whole group | area], in a buffer this host's ranks map: the kernels
+    # see a group of R ranks in which a peer on another host (or, without allow_nvlink, any peer) aliases this
+    # rank's own buffer and is reached over the network leg instead.
     hb = header_bytes(R)
-    with torch.inference_mode(False):
-        buf = torch.zeros(hb + int(area_bytes), dtype=torch.uint8, device=dev)
-        ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8)
-    comm = ipc.Comm(me, R, dev, [buf] * R, ctrl, rt.timeout_s, ipc.SLOT_WORDS)
-    own = Runtime(comm, rt.timeout_s, rt.uid, None, 0, int(area_bytes), rt.hosts, rt.rdma_transport)
-    network = None
+    local = ipc.open_group(rt.local_group, hb + int(area_bytes), dev, rt.timeout_s)
+    own = network = None
     try:
+        with torch.inference_mode(False):
+            local.data[:hb].zero_()     # the group's signal header starts at zero (peers write after the exchange)
+        same = [hosts.host_of[r] == hosts.host_of[me] and (allow_nvlink or r == me) for r in range(R)]
+        bufs = [local.peers[hosts.local_index(r)] if same[r] else local.data for r in range(R)]
+        with torch.inference_mode(False):
+            ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8)
+            remote = torch.tensor([0 if s else 1 for s in same], dtype=torch.int32, device=dev)
+        comm = ipc.Comm(me, R, dev, bufs, ctrl, rt.timeout_s, ipc.SLOT_WORDS, ranks_on_device=local.ranks_on_device)
+        own = Runtime(comm, rt.timeout_s, rt.uid, None, 0, int(area_bytes), hosts, rt.rdma_transport)
+        ll = LowLatency(own, 0, int(area_bytes), shrink)      # zeroes its control block before the exchange below
         slot = net_slot_bytes(area_bytes, R)
         network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
                                num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev)
-        ll = LowLatency(own, 0, int(area_bytes), shrink)
-        ll.net = NetLeg(network, ll.area, slot)
+        ll.net = NetLeg(network, ll.area, slot, remote, local)
         return ll
     except BaseException:
         try:
             if network is not None:
                 network.close()
         finally:
-            own.close()
+            if own is not None:
+                own.close()
+            local.close()
         raise
 
 
@@ -127,4 +145,8 @@ def close(ll: Optional[LowLatency]) -> None:
     try:
         ll.net.close()
     finally:
-        ll.rt.close()
+        try:
+            ll.rt.close()
+        finally:
+            if ll.net.local is not None:
+                ll.net.local.close()

@@ -123,9 +123,6 @@ class LowLatency:
         comm = rt.live()
         if self.net is not None:
             # across hosts every error ends the low-latency calls for good (no group to meet again in)
-            if self.shrink:
-                raise NotImplementedError("rank masking (enable_shrink) in low-latency mode across hosts is not "
-                                          "built yet: build the Buffer with enable_shrink=False")
             try:
                 self.check()
             except Exception as ex:
@@ -175,14 +172,14 @@ class LowLatency:
         R, me = rt.group_size, rt.rank
         rt.wait_comm_stream()
         n = int(self.ctl[int(F.L_SEQ)].item()) + 1       # a device read: an error path
-        if self.net is not None:        # the peers learn it from this call's chunk; the Buffer is done
-            rt.sig.needs_resync = True
-            self.net.post_failure(n)
-            return
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
                     pc[F.off_ll_failed.host(R) + me].fill_(failure_word_of(n, F.E_FAILED))
+        if self.net is not None:        # the peers on the network learn it from this call's chunk; the Buffer is done
+            rt.sig.needs_resync = True
+            self.net.post_failure(n)
+            return
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure
         rt.sig.needs_resync = True
@@ -292,7 +289,7 @@ class LowLatency:
 
         def recv(offset: int):
             if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, sa)
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa)
             ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
                              recv_x.view(torch.int32).view(El, R * N, -1),
                              sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
@@ -358,7 +355,7 @@ class LowLatency:
 
         def recv(offset: int):
             if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, sa)
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa)
             ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa)
 
         tensors = (xv, idx, w, h.ret_slot, h.recv_count, out, cost)
@@ -425,8 +422,19 @@ class LowLatency:
     def update_mask(self, rank: int, mask: bool) -> None:
         if not isint(rank) or not 0 <= rank < self.rt.group_size:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.rt.group_size}), got {rank!r}")
+        rank = int(rank)
+        if self.net is not None and rank in self.net.remote_ranks:
+            if mask:
+                self.net.sched.flags.mask(rank)     # its proxy drops what it still holds for that rank
+            elif int(self._mask_words()[rank].item()):
+                self._no_unmask([rank])
         with torch.inference_mode():
-            self._mask_words()[int(rank)].fill_(1 if mask else 0)
+            self._mask_words()[rank].fill_(1 if mask else 0)
+
+    def _no_unmask(self, ranks) -> None:
+        raise NotImplementedError(f"rank(s) {ranks} are masked and reached over the network: across hosts a masked "
+                                  f"rank cannot be unmasked (its chunks were dropped); destroy() the Buffer and build a "
+                                  f"new one")
 
     def query_mask(self, status: Tensor) -> None:
         R = self.rt.group_size
@@ -437,6 +445,10 @@ class LowLatency:
             status.copy_((self._mask_words() != 0).to(torch.int32))
 
     def clean_mask(self) -> None:
+        if self.net is not None:
+            masked = [r for r in self.net.remote_ranks if int(self._mask_words()[r].item())]
+            if masked:
+                self._no_unmask(masked)
         with torch.inference_mode():
             self._mask_words().zero_()
 

@@ -181,6 +181,7 @@ def ll_ctl_words(R):
 #   FAULT[p]  written by ``p`` over RDMA when its proxy failed (see scheduler.fault_word)
 #   SRC[p]    the 8-byte source of this rank's own credit writes to ``p``
 #   LEN[p * S + slot]  bytes of the chunk in send slot ``slot`` for ``p`` (written before READY)
+#   MASKED[p] nonzero once ``p`` is masked (low-latency rank masking): the proxy drops its chunks and credits
 RING_ABORT = tl.constexpr(0)      #: nonzero: every ring wait gives up (1 watchdog / timeout, 2 proxy failed)
 RING_ERR_KIND = tl.constexpr(1)   #: a kernel's error record: kind (first error wins), peer, stage, chunk
 RING_ERR_PEER = tl.constexpr(2)
@@ -219,9 +220,15 @@ def ring_len_word(R, S, peer, slot):
 
 
 @formula
+def ring_masked_word(R, S, peer):
+    """Word index of ``MASKED[peer]`` (after the ``LEN`` words)."""
+    return RING_FIXED + RING_LEN * R + R * S + peer
+
+
+@formula
 def ring_ctrl_words(R, S):
     """int64 words of a ring control block for ``R`` ranks and ``S`` slots per peer."""
-    return RING_FIXED + RING_LEN * R + R * S
+    return RING_FIXED + RING_LEN * R + R * S + R
 
 
 #: every stage code (error records and ring records name them), in one table with its name

@@ -2,6 +2,8 @@
 emulated fabric (one machine standing in for several hosts). Used by internode mode and the scheduler CLI."""
 from __future__ import annotations
 
+import os
+import zlib
 from typing import Optional, Sequence
 
 from . import emulated as em
@@ -9,11 +11,29 @@ from . import topology, verbs
 from .rdma import Transport
 
 
+#: the environment variable that makes the emulated fabric a Buffer builds hold each request a random delay of up
+#: to this many seconds (monotone per QP), so QPs overtake each other: for ordering tests (every rank alike)
+ENV_REORDER_S = "TRITON_EP_EMULATED_REORDER_S"
+
+
 def emulated_fabric(device_names: Sequence[str], token: str, ports_per_device: int = 2) -> em.Fabric:
     """The emulated fabric of ``device_names`` (one ``ports_per_device``-port NIC each), shared by every
-    process that builds it with the same names and ``token``."""
+    process that builds it with the same names and ``token``. With ``TRITON_EP_EMULATED_REORDER_S=s`` (a
+    positive number of seconds) it reorders requests across QPs, seeded by ``token``.
+
+    Raises:
+        ValueError: ``TRITON_EP_EMULATED_REORDER_S`` is not a non-negative number.
+    """
+    raw = os.environ.get(ENV_REORDER_S, "").strip()
+    try:
+        hold = float(raw) if raw else 0.0
+    except ValueError:
+        hold = -1.0
+    if not hold >= 0.0:
+        raise ValueError(f"{ENV_REORDER_S}={raw!r} must be a non-negative number of seconds")
     spec = em.FabricSpec([em.DeviceSpec(name, [em.PortSpec() for _ in range(ports_per_device)])
-                          for name in device_names], ring_bytes=4 << 20)
+                          for name in device_names], ring_bytes=4 << 20,
+                         reorder_seed=zlib.crc32(token.encode()) if hold > 0 else None, reorder_max_s=hold or 0.004)
     return em.Fabric(spec, token=token)
 
 

@@ -289,6 +289,7 @@ class RingFlags:
         self._word = {a: [F.ring_word.host(a, size, p) for p in range(size)]
                       for a in (self.READY, self.SENT, self.TAIL, self.HEAD, self.CREDIT, self.FAULT, self.SRC)}
         self._len = [[F.ring_len_word.host(size, slots, p, k) for k in range(slots)] for p in range(size)]
+        self._masked = [F.ring_masked_word.host(size, slots, p) for p in range(size)]
 
     def index(self, array: int, peer: int) -> int:
         """Word index of ``array[peer]``."""
@@ -305,6 +306,14 @@ class RingFlags:
     def set_len(self, peer: int, seq: int, nbytes: int) -> None:
         """Bytes of chunk ``seq`` for ``peer`` (written before ``READY`` moves past it)."""
         self.w[self._len[peer][seq % self.slots]] = nbytes
+
+    def masked(self, peer: int) -> bool:
+        """Whether ``peer`` is masked (low-latency rank masking: the proxy drops its chunks and credits)."""
+        return bool(self.w[self._masked[peer]])
+
+    def mask(self, peer: int) -> None:
+        """Mask ``peer`` (kernels do the same with a store to ``MASKED[peer]``)."""
+        self.w[self._masked[peer]] = 1
 
     def length(self, peer: int, seq: int) -> int:
         """Bytes of chunk ``seq`` for ``peer``, as its producer wrote them."""

@@ -55,3 +55,47 @@ def test_rejected_call_raises_everywhere_at_once_then_the_buffer_says_so():
     assert out[1]["first"][0] == "EPRemoteError" and "rank 0" in out[1]["first"][1], out
     assert all(o["seconds"] < 15 for o in out), out
     assert all(o["after"][0] == "EPError" and "destroy" in o["after"][1] for o in out), out
+
+
+@pytest.mark.parametrize("allow_nvlink", [True, False])
+def test_same_host_peers_take_the_shared_buffer_with_allow_nvlink(allow_nvlink):
+    """2 hosts of 2 ranks, every rank sending to every rank: with allow_nvlink_for_low_latency_mode the network
+    leg carries bytes to the other host's ranks only (the same-host peer is written through the shared
+    buffer); without it, to all three peers. The results are the oracle's either way."""
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "peers_on_network", allow_nvlink))
+    for r, peers in enumerate(out):
+        other_host = [p for p in range(4) if p // 2 != r // 2]
+        assert peers == (other_host if allow_nvlink else [p for p in range(4) if p != r]), out
+
+
+@pytest.mark.parametrize("by_timeout", [False, True])
+def test_masked_remote_rank(by_timeout):
+    """3 hosts of 1 rank; rank 2 builds the Buffer and falls silent. With enable_shrink the others mask it
+    (explicitly, or after one timeout of 2 s): exactly its tokens and experts' entries are dropped, later calls
+    do not wait for it, and it cannot be unmasked across hosts."""
+    out = _values(run_ranks(ll_cases.across_hosts, 3, _env(1), "silent_peers", (2,), by_timeout))
+    for status, waits, unmask in out[:2]:
+        assert status == [0, 0, 1], out
+        assert unmask and "cannot be unmasked" in unmask, out
+        if by_timeout:
+            assert waits[0] >= 2.0 and max(waits[1:]) < 1.5, waits
+
+
+def test_masked_dead_host():
+    """2 hosts of 2 ranks; both ranks of host 1 fall silent: host 0's ranks mask the whole host after one
+    timeout and go on between themselves, results the oracle's without host 1's experts."""
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "silent_peers", (2, 3), True))
+    for status, waits, unmask in out[:2]:
+        assert status == [0, 0, 1, 1], out
+        assert max(waits[1:]) < 1.5, waits
+
+
+def test_signal_after_rows_on_one_qp_and_the_planted_variant_fails():
+    """Over a fabric that reorders requests across QPs, every chunk is complete when its signal arrives (each
+    chunk's signal travels after its rows on the same QP) and the round trips match the oracle. The planted
+    variant that posts the signal on another QP fails that check."""
+    env = dict(_env(1), TRITON_EP_EMULATED_REORDER_S="0.02")
+    for failed, bad, probed in _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", False)):
+        assert failed is None and bad == 0 and probed >= 20, (failed, bad, probed)
+    out = _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", True))
+    assert sum(bad for _, bad, _ in out) > 0, out
