@@ -511,30 +511,43 @@ def skew_to_remote(rank, world, E, K, H, T, N):
 
 
 def rejected_across_hosts(rank, world, N, H, E):
-    """A valid round trip, then rank 0 rejects a dispatch (bad dtype): it raises TypeError, the others
-    EPRemoteError naming it (from the failure chunk, at once: no timeout); afterwards every rank's
-    low-latency calls raise EPError (across hosts an error ends them), and normal-mode calls still work."""
+    """Errors that do not end the Buffer, then recovery: rank 0 rejects a dispatch (bad dtype: TypeError there,
+    EPRemoteError naming it elsewhere, at once: the failure travels in the call's chunk); the next round trip
+    works on every rank (the group re-synchronised); rank 1 passes ids outside [-1, E) (ValueError there,
+    EPRemoteError elsewhere); the next round trip works again. Returns the errors per step and their seconds."""
     import time
     K = 2
-    xs, idxs, ws = ll_inputs(3, world, E, K, H, [3] * world)
     buf = _buffer(world, N, H, E, timeout_s=20)
     out = {}
-    try:
+
+    def round_trip_ok(seed):
+        xs, idxs, ws = ll_inputs(seed, world, E, K, H, [3] * world)
         recv, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
         check_dispatch(recv, count, handle, xs, idxs, world, E, rank, False, False, False)
+        comb = buf.low_latency_combine(recv, idxs[rank], ws[rank], handle)[0]
+        want = expected_combine(xs[rank], idxs[rank], ws[rank], E, world, "identity")
+        assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), f"round trip {seed}"
+        return True
+
+    def failing(name, x, idx):
         t0 = time.monotonic()
-        x = xs[rank].float() if rank == 0 else xs[rank]
         try:
-            buf.low_latency_dispatch(x, idxs[rank], N, E, use_fp8=False)
-            out["first"] = None
+            buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+            out[name] = None
         except Exception as ex:     # noqa: BLE001
-            out["first"] = [type(ex).__name__, str(ex)]
-        out["seconds"] = time.monotonic() - t0
-        try:
-            buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
-            out["after"] = None
-        except Exception as ex:     # noqa: BLE001
-            out["after"] = [type(ex).__name__, str(ex)]
+            out[name] = [type(ex).__name__, str(ex)]
+        out[name + "_s"] = time.monotonic() - t0
+
+    try:
+        out["first"] = round_trip_ok(3)
+        xs, idxs, _ = ll_inputs(4, world, E, K, H, [3] * world)
+        failing("dtype", xs[rank].float() if rank == 0 else xs[rank], idxs[rank])
+        out["after_dtype"] = round_trip_ok(5)
+        bad = idxs[rank].clone()
+        if rank == 1:
+            bad[0, 0] = E + 3
+        failing("ids", xs[rank], bad)
+        out["after_ids"] = round_trip_ok(6)
         return out
     finally:
         buf.destroy()

@@ -60,8 +60,8 @@ class Buffer:
         EPTimeoutError: a rank did not join within ``timeout_s``.
 
     With ``low_latency_mode`` and ranks on several hosts the Buffer serves both the normal-mode calls and the
-    low-latency calls across hosts (as DeepEP's one Buffer for both modes); there an error in a low-latency
-    call ends its low-latency calls for good, and a masked rank on another host cannot be unmasked.
+    low-latency calls across hosts (as DeepEP's one Buffer for both modes); there a timeout or a failed RDMA
+    proxy ends its low-latency calls for good, and a masked rank on another host cannot be unmasked.
     """
 
     num_sms: int = 20

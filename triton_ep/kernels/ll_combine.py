@@ -60,7 +60,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                 oc = tl.arange(0, BLOCK_C)
                 lr = tl.load(layout + oc[None, :] * R + s[:, None], mask=m[:, None] & (oc < le)[None, :], other=0)
                 beg = tl.load(layout + le * R + s, mask=m, other=0) >> 32
-                at = ll_net.chunk_at(ring_dw, s, n - 1, slot_w) + ll_net.NH + (tl.sum(lr & 0xFFFFFFFF, axis=1) + j - beg) * RW
+                chunk = ll_net.chunk_at(ring_dw, s, ll_net.tx_chunk(ctl, s, n, R), slot_w)
+                at = chunk + ll_net.NH + (tl.sum(lr & 0xFFFFFFFF, axis=1) + j - beg) * RW
                 far = m & (tl.load(remote + s, mask=m, other=0) != 0)
                 tl.store(area_w + at, (ret - s * (n_max * K)).to(tl.int32), mask=far)
                 dst = tl.where(far, at + 4, dst)

@@ -86,14 +86,14 @@ _ll_route_launch = Launcher(_ll_route_kernel)
 
 
 @triton.jit
-def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, t, mt, experts_per_rank, records_w, me, n_max, k_net, ring_dw,
-                slot_w, remote, K: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, BLOCK_K: tl.constexpr,
+def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, ctl, t, mt, experts_per_rank, records_w, me, n_max, k_net,
+                ring_dw, slot_w, remote, K: tl.constexpr, R: tl.constexpr, REC: tl.constexpr, BLOCK_K: tl.constexpr,
                 NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr):
     """Where the entries of tokens ``t`` go: ``[BLOCK_T, BLOCK_K]`` masks (the entry has a slot) and word
     addresses, relative to this rank's area, of their records ``(local expert, me, slot)`` in the expert's
     rank's area, whose records start at word ``records_w`` of the half. With ``NET`` a rank on the network
-    (``remote[d]``) gets its records packed by expert into its chunk ``k_net`` of the send ring (at word
-    ``ring_dw``)."""
+    (``remote[d]``) gets its records packed by expert into its chunk of call ``k_net`` in the send ring (at
+    word ``ring_dw``)."""
     k = tl.arange(0, BLOCK_K)
     mk = mt[:, None] & (k < K)[None, :]
     of = t[:, None] * K + k[None, :]
@@ -104,7 +104,8 @@ def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, t, mt, experts_per_rank, re
     rec = tl.load(delta_w + d, mask=m, other=0) + records_w + (((e - d * experts_per_rank) * R + me) * n_max + sl) * REC
     if NET:
         pre = ll_net.rows_before(cnt_ptr, d * experts_per_rank, e - d * experts_per_rank, experts_per_rank, BLOCK_C)
-        net = ll_net.chunk_at(ring_dw, d, k_net, slot_w) + ll_net.NH + CW + (pre + sl) * REC
+        chunk = ll_net.chunk_at(ring_dw, d, ll_net.tx_chunk(ctl, d, k_net, R), slot_w)
+        net = chunk + ll_net.NH + CW + (pre + sl) * REC
         rec = tl.where(tl.load(remote + d, mask=m, other=0) != 0, net, rec)
     return m, rec, of
 
@@ -135,8 +136,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
-        m, rec, of = _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, t, mt, experts_per_rank, hb + cnt_w, me, n_max,
-                                 n - 1, ring_dw, slot_w, remote, K, R, REC, BLOCK_K, NET, CW, BLOCK_C)
+        m, rec, of = _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, ctl, t, mt, experts_per_rank, hb + cnt_w, me,
+                                 n_max, n, ring_dw, slot_w, remote, K, R, REC, BLOCK_K, NET, CW, BLOCK_C)
         for h0 in range(hp * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             if FP8:
@@ -166,7 +167,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
             me_ = me_ & (tl.load(ctl + flags.off_ll_mask(R) + d, mask=me_, other=1) == 0)
             at = tl.load(delta_w + d, mask=me_, other=0) + hb + me * experts_per_rank + (e - d * experts_per_rank)
             if NET:     # a rank on the network gets its counts at the head of its chunk
-                at = tl.where(tl.load(remote + d, mask=me_, other=0) != 0, ll_net.chunk_at(ring_dw, d, n - 1, slot_w) + ll_net.NH + (e - d * experts_per_rank),
+                chunk = ll_net.chunk_at(ring_dw, d, ll_net.tx_chunk(ctl, d, n, R), slot_w)
+                at = tl.where(tl.load(remote + d, mask=me_, other=0) != 0, chunk + ll_net.NH + (e - d * experts_per_rank),
                               at)
             tl.store(area_w + at, tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
     if NET:     # each network peer's chunk: the counts of its experts, then their records

@@ -44,6 +44,18 @@ def kernel_args(net, ctl: torch.Tensor) -> tuple:
 
 
 @triton.jit
+def tx_chunk(ctl, r, n, R: tl.constexpr):
+    """The ring's chunk number of call ``n``'s chunk to rank ``r`` (elementwise over tensors ``r``)."""
+    return n - 1 + tl.load(ctl + flags.off_ll_tx(R) + r)
+
+
+@triton.jit
+def rx_chunk(ctl, r, n, R: tl.constexpr):
+    """The ring's chunk number of call ``n``'s chunk from rank ``r``."""
+    return n - 1 + tl.load(ctl + flags.off_ll_rx(R) + r)
+
+
+@triton.jit
 def chunk_at(ring_dw, peer, k, slot_w):
     """Word (relative to the area) where chunk ``k`` for / from ``peer`` starts, in the ring at ``ring_dw``."""
     return ring_dw + (peer * S + (k & 1)) * slot_w
@@ -79,14 +91,14 @@ def live_peer(ctl, remote, r, R: tl.constexpr):
 @triton.jit
 def wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, stage, timeout_ns, R: tl.constexpr,
                USE_CLOCK: tl.constexpr, ctl, SHRINK: tl.constexpr):
-    """A send launch of call ``n`` waits until every network peer's send slot for chunk ``n - 1`` is free
-    (chunk ``n - 3`` placed there: ``SENT >= n - 2``); masked peers are not waited for, and with ``SHRINK`` a
+    """A send launch of call ``n`` waits until every network peer's send slot for its chunk ``k`` is free
+    (chunk ``k - 2`` placed there: ``SENT >= k - 1``); masked peers are not waited for, and with ``SHRINK`` a
     peer that times out is masked. Returns True when the program may write."""
     bad = (tl.load(hdr + flags.W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
         if (bad == 0) & live_peer(ctl, remote, r, R):
-            st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_SENT, R, r), n - 2, hdr, host, r, 0,
-                                     timeout_ns, R, USE_CLOCK)
+            st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_SENT, R, r), tx_chunk(ctl, r, n, R) - 1,
+                                     hdr, host, r, 0, timeout_ns, R, USE_CLOCK)
             if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
                 mask_peer(ctl, ring_ctl, r, R)
                 st = tl.full([], 0, tl.int32)
@@ -98,19 +110,20 @@ def wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, stage, timeout_ns,
 
 
 @triton.jit
-def publish(area_w, ring_ctl, ring_dw, slot_w, r, n, sig, ok, rows, ROW_W, EXTRA_W, R: tl.constexpr):
-    """Chunk ``n - 1`` for peer ``r`` is written (``rows`` of ``ROW_W`` words after ``EXTRA_W`` words): store
-    its header (status ``E_FAILED`` and no rows when not ``ok``) and length, then release ``READY = n``."""
+def publish(area_w, ring_ctl, ring_dw, slot_w, r, n, k, sig, ok, rows, ROW_W, EXTRA_W, R: tl.constexpr):
+    """Call ``n``'s chunk ``k`` for peer ``r`` is written (``rows`` of ``ROW_W`` words after ``EXTRA_W``
+    words): store its header (status ``E_FAILED`` and no rows when not ``ok``) and length, then release
+    ``READY = k + 1``."""
     zero = tl.full([], 0, tl.int64)
     rows = tl.where(ok, rows.to(tl.int64), 0)
-    h = (area_w + chunk_at(ring_dw, r, n - 1, slot_w)).to(tl.pointer_type(tl.int64))
+    h = (area_w + chunk_at(ring_dw, r, k, slot_w)).to(tl.pointer_type(tl.int64))
     tl.store(h, zero + n)
     tl.store(h + 1, zero + sig)
     tl.store(h + 2, tl.where(ok, zero, zero + flags.E_FAILED))
     tl.store(h + 3, rows)
     nbytes = 4 * (NH + tl.where(ok, EXTRA_W + rows * ROW_W, 0))
-    tl.store(ring_ctl + flags.ring_len_word(R, S, r, (n - 1) & 1), nbytes)
-    flags.release(ring_ctl + flags.ring_word(flags.RING_READY, R, r), zero + n)
+    tl.store(ring_ctl + flags.ring_len_word(R, S, r, k & 1), nbytes)
+    flags.release(ring_ctl + flags.ring_word(flags.RING_READY, R, r), zero + k + 1)
 
 
 @triton.jit
@@ -127,7 +140,8 @@ def finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, 
         for r in tl.static_range(R):
             if live_peer(ctl, remote, r, R):
                 v = tl.load(rows_ptr + oc * stride + r * col, mask=oc < experts_per_rank, other=0).to(tl.int64)
-                publish(area_w, ring_ctl, ring_dw, slot_w, r, n, sig, ok, tl.sum(v & 0xFFFFFFFF), ROW_W, EXTRA_W, R)
+                publish(area_w, ring_ctl, ring_dw, slot_w, r, n, tx_chunk(ctl, r, n, R), sig, ok,
+                        tl.sum(v & 0xFFFFFFFF), ROW_W, EXTRA_W, R)
             elif ok & (r != me):
                 peer = ctl + tl.load(hdr_delta + r)
                 tl.store(peer + flags.off_ll_sig(R) + half * R + me, sig)
@@ -143,7 +157,6 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
     # Program (s, q): the chunk from rank s (none from this rank or a masked one), work spread over q.
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
-    k = n - 1
     s = tl.program_id(0)
     q = tl.program_id(1)
     P = tl.num_programs(1)
@@ -151,8 +164,9 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
     hb = ctl_w + half * half_w
     live = live_peer(ctl, remote, s, R) & (tl.load(hdr + flags.W_ERR, volatile=True) == 0)
     if live:
-        st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_TAIL, R, s), n, hdr, host, s, 0, timeout_ns,
-                                 R, USE_CLOCK)
+        k = rx_chunk(ctl, s, n, R)
+        st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_TAIL, R, s), k + 1, hdr, host, s, 0,
+                                 timeout_ns, R, USE_CLOCK)
         if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
             mask_peer(ctl, ring_ctl, s, R)      # its rows are dropped: the receive does not wait for it
         elif st != 0:
@@ -204,7 +218,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
         if tl.load(hdr + flags.W_ERR, volatile=True) == 0:
             for r in tl.static_range(R):
                 if live_peer(ctl, remote, r, R):
-                    h = (area_w + chunk_at(ring_dw, r, k, slot_w)).to(tl.pointer_type(tl.int64))
+                    h = (area_w + chunk_at(ring_dw, r, rx_chunk(ctl, r, n, R), slot_w)).to(tl.pointer_type(tl.int64))
                     if (tl.load(h + 2) == 0) & (tl.load(h) == n):
                         tl.store(ctl + flags.off_ll_sig(R) + half * R + r, tl.load(h + 1))
                         flags.release(ctl + flags.off_ll_ready(R) + half * R + r, n)
@@ -214,7 +228,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
         if head > 0:
             for r in tl.static_range(R):
                 if tl.load(remote + r) != 0:
-                    flags.release(ring_ctl + flags.ring_word(flags.RING_HEAD, R, r), head)
+                    flags.release(ring_ctl + flags.ring_word(flags.RING_HEAD, R, r), rx_chunk(ctl, r, head, R) + 1)
 
 
 _ll_unpack_launch = Launcher(_ll_unpack_kernel)

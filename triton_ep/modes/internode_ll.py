@@ -11,9 +11,10 @@ in its memory.
 
 The area lives in a buffer the ranks of one host map (CUDA IPC on GPU, POSIX shared memory on CPU): with
 ``allow_nvlink_for_low_latency_mode`` (DeepEP's default) a peer on the same host is written there directly,
-as within one host; without it every other rank goes over RDMA. Errors end the Buffer's low-latency calls
-for good (destroy it and build a new one). With ``enable_shrink`` a silent rank on the network is masked (its
-proxy then drops what it holds for it); it cannot be unmasked.
+as within one host; without it every other rank goes over RDMA. After an error the next call re-synchronises
+the group (:meth:`NetLeg.resync`); a timeout or a failed proxy ends the Buffer's low-latency calls for good.
+With ``enable_shrink`` a silent rank on the network is masked (its proxy then drops what it holds for it); it
+cannot be unmasked.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..errors import EPError
+from ..errors import EPError, EPTimeoutError
 from ..kernels import flags as F
 from ..protocol.ll_area import NET_HDR_WORDS, net_slot_bytes
 from ..runtime import Runtime
@@ -41,11 +42,11 @@ class NetLeg:
     (int64), the first words of its send and receive rings relative to the low-latency area (``send_dw``,
     ``recv_dw``, int32 words), the words of a slot (``slot_w``) and ``remote`` (int32 ``[R]``: 1 for each rank
     reached over the network). ``network``: the open leg; ``local``: this host's shared buffers (closed with
-    the leg)."""
+    the leg); ``group``: the Buffer's process group (the re-synchronisation meets there)."""
 
     def __init__(self, network: Network, area: torch.Tensor, slot_bytes: int, remote: torch.Tensor,
-                 local: Optional[ipc.Comm] = None) -> None:
-        self.network, self.sched, self.ring_ctl = network, network.sched, network.ring_ctl
+                 local: Optional[ipc.Comm] = None, group=None) -> None:
+        self.network, self.sched, self.ring_ctl, self.group = network, network.sched, network.ring_ctl, group
         self.remote, self.local = remote, local
         self.remote_ranks = [r for r, v in enumerate(remote.tolist()) if v]
         base = area.data_ptr()
@@ -55,15 +56,70 @@ class NetLeg:
         self.send_dw, self.recv_dw = (d // 4 for d in deltas)
         self.slot_bytes, self.slot_w = int(slot_bytes), int(slot_bytes) // 4
 
-    def post_failure(self, n: int) -> None:
-        """This rank rejects low-latency call ``n`` on the host: send every peer chunk ``n - 1`` with status
-        ``E_FAILED`` and nothing else, so their receive of that call raises ``EPRemoteError`` at once
-        (bounded wait for each send slot; raises ``EPTimeoutError`` or the proxy's error)."""
-        sched = self.sched
+    def post_failure(self, ll: LowLatency, n: int) -> None:
+        """This rank rejects low-latency call ``n`` on the host: send every unmasked network peer that call's
+        chunk with status ``E_FAILED`` and nothing else, so their receive of that call raises
+        ``EPRemoteError`` at once (bounded wait for each send slot; raises ``EPTimeoutError`` or the proxy's
+        error). Reads the chunk offsets and masks from the device (an error path)."""
+        sched, R = self.sched, ll.rt.group_size
+        tx = ll.ctl[F.off_ll_tx.host(R):F.off_ll_tx.host(R) + R].tolist()
+        mask = ll.ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R].tolist()
         for p in self.remote_ranks:
-            sched.wait_counter(RingFlags.SENT, p, n - 2, "low-latency failure notice: free send slot")
-            sched.send_view(p, n - 1)[:NET_HDR_WORDS * 4].view(np.int64)[:] = (n, 0, int(F.E_FAILED), 0)
-            sched.publish(p, n - 1, NET_HDR_WORDS * 4)
+            if mask[p]:
+                continue
+            k = n - 1 + tx[p]
+            sched.wait_counter(RingFlags.SENT, p, k - 1, "low-latency failure notice: free send slot")
+            sched.send_view(p, k)[:NET_HDR_WORDS * 4].view(np.int64)[:] = (n, 0, int(F.E_FAILED), 0)
+            sched.publish(p, k, NET_HDR_WORDS * 4)
+
+    def resync(self, ll: LowLatency) -> None:
+        """After an error that did not end the Buffer (a rejected call, a mismatch, bad ids): meet every rank
+        of the group (a bounded exchange through its store), drain the chunks still on their way to this rank,
+        and restart the call numbers above the highest any rank reached, each peer's chunk numbers going on
+        from where its ring stands (``TXOFF``/``RXOFF``). Hooks still pending are dropped. Every rank's device
+        work must be finished (the caller waited for it).
+
+        Raises:
+            EPTimeoutError: a rank did not come to the meeting, or a peer's chunks did not arrive, within
+                ``timeout_s`` (the Buffer is then unusable); the proxy's error.
+        """
+        rt, sched = ll.rt, self.sched
+        R, me = rt.group_size, rt.rank
+        ctl = ll.ctl
+        seq = int(ctl[int(F.L_SEQ)].item())
+        base, _ = rt.sig.local_state()
+        ready = [sched.flags.get(RingFlags.READY, p) if p in self.remote_ranks else 0 for p in range(R)]
+        mask = ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R].tolist()
+        every = gather_objects(self.group, (seq, base, ready), rt.timeout_s,
+                               "low-latency across hosts: re-synchronise after an error")
+        top = max(e[0] for e in every)
+        # drain: consume what each network peer sent this rank, as it arrives (freeing slots lets its proxy
+        # post the rest), until its chunk count is reached
+        want = {p: every[p][2][me] for p in self.remote_ranks if not mask[p]}
+        deadline = time.monotonic() + rt.timeout_s
+        while True:
+            sched.check()
+            late = {p: w for p, w in want.items() if sched.flags.get(RingFlags.TAIL, p) < w}
+            for p in want:
+                sched.consume(p, min(sched.flags.get(RingFlags.TAIL, p), want[p]))
+            if not late:
+                break
+            if time.monotonic() > deadline:
+                p = next(iter(late))
+                raise EPTimeoutError(me, p, "low-latency re-synchronisation: chunks still on their way",
+                                     rt.timeout_s)
+            time.sleep(0.0005)
+        with torch.inference_mode():
+            tx = [ready[p] - top for p in range(R)]
+            rx = [every[p][2][me] - top for p in range(R)]
+            ctl[F.off_ll_tx.host(R):F.off_ll_tx.host(R) + R].copy_(torch.tensor(tx, dtype=torch.int64))
+            ctl[F.off_ll_rx.host(R):F.off_ll_rx.host(R) + R].copy_(torch.tensor(rx, dtype=torch.int64))
+            # L_SEQ, L_DONE, CONS[0..1], UNPACKED[0..1]: call top + 1 comes next, calls up to top are done
+            unpacked = [top if top % 2 == h else top - 1 for h in (0, 1)]
+            ctl[:6].copy_(torch.tensor([top, 0, top, top] + unpacked, dtype=torch.int64))
+            ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
+        rt.sig.resync(max(e[1] for e in every) + 1)
+        ll.pending.clear()
 
     def close(self) -> None:
         """Let the proxy place the chunks already published (a failure notice a rank posted just before
@@ -125,7 +181,7 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         slot = net_slot_bytes(area_bytes, R)
         network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
                                num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev)
-        ll.net = NetLeg(network, ll.area, slot, remote, local)
+        ll.net = NetLeg(network, ll.area, slot, remote, local, rt.group)
         return ll
     except BaseException:
         try:

@@ -122,17 +122,25 @@ class LowLatency:
         rt = self.rt
         comm = rt.live()
         if self.net is not None:
-            # across hosts every error ends the low-latency calls for good (no group to meet again in)
+            # across hosts: a timeout or the proxy's failure ends the low-latency calls for good; after any
+            # other error the group meets through its store and starts afresh (NetLeg.resync)
             try:
                 self.check()
             except Exception as ex:
-                comm.broken = comm.broken or f"{type(ex).__name__}: {ex}"
+                if self.net.sched.error is not None:
+                    comm.broken = comm.broken or f"{type(ex).__name__}: {ex}"
                 raise
-            if rt.sig.needs_resync and comm.broken is None:
-                comm.broken = "an earlier low-latency call failed"
             if comm.broken:
                 raise EPError(f"rank {rt.rank}: this Buffer's low-latency calls across hosts are unusable after an "
                               f"earlier failure ({comm.broken}); destroy() it and build a new one")
+            if rt.sig.needs_resync:
+                rt.wait_comm_stream()
+                comm.sync_device()
+                try:
+                    self.net.resync(self)
+                except Exception as ex:
+                    comm.broken = comm.broken or f"re-synchronisation failed: {type(ex).__name__}: {ex}"
+                    raise
             return
         rt.check()
         if rt.sig.needs_resync:
@@ -176,9 +184,9 @@ class LowLatency:
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
                     pc[F.off_ll_failed.host(R) + me].fill_(failure_word_of(n, F.E_FAILED))
-        if self.net is not None:        # the peers on the network learn it from this call's chunk; the Buffer is done
+        if self.net is not None:        # the peers on the network learn it from this call's chunk
             rt.sig.needs_resync = True
-            self.net.post_failure(n)
+            self.net.post_failure(self, n)
             return
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure

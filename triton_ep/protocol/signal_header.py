@@ -166,9 +166,22 @@ def off_ll_failed(R):
 
 
 @formula
+def off_ll_tx(R):
+    """``TXOFF[p]`` (internode): call ``n``'s chunk to rank ``p`` is chunk ``n - 1 + TXOFF[p]`` of the ring
+    (0 until a re-synchronisation after an error restarts the call numbers)."""
+    return L_FIXED + 6 * R
+
+
+@formula
+def off_ll_rx(R):
+    """``RXOFF[p]`` (internode): call ``n``'s chunk from rank ``p`` is chunk ``n - 1 + RXOFF[p]``."""
+    return L_FIXED + 7 * R
+
+
+@formula
 def ll_ctl_words(R):
     """int64 words of one rank's low-latency control block."""
-    return L_FIXED + 6 * R
+    return L_FIXED + 8 * R
 
 
 # ---- scheduler rings (triton_ep/scheduler.py): a rank's ring control block, int64 words ----
