@@ -2,6 +2,7 @@
 over the emulated RDMA fabric, kernels under the interpreter; every result checked against the oracle of
 tests/ll_cases.py, bit for bit as within one host."""
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import ll_cases
 from triton_ep.testing import run_ranks
@@ -20,20 +21,37 @@ def _env(per_host):
 
 
 # (use_fp8, round_scale, use_ue8m0, expert, hook, zero_copy)
-_CASES = [(False, False, False, "identity", False, False), (True, False, False, "affine", True, False),
-          (True, True, True, "affine", False, True), (False, False, False, "affine", True, True),
-          (True, True, False, "identity", False, False)]
+_case = st.tuples(st.booleans(), st.booleans(), st.booleans(), st.sampled_from(["identity", "affine"]),
+                  st.booleans(), st.booleans())
 
 
-@pytest.mark.parametrize("world,per_host,allow_nvlink", [(2, 1, True), (4, 2, False), (4, 2, True)])
-def test_round_trip_across_hosts(world, per_host, allow_nvlink):
+@pytest.mark.property
+@settings(max_examples=3, deadline=None)
+@given(shape=st.sampled_from([(2, 1, True), (4, 2, False), (4, 2, True)]), seed=st.integers(0, 1000),
+       K=st.sampled_from([1, 3, 4]), H=st.sampled_from([128, 512]), cases=st.lists(_case, min_size=3, max_size=4),
+       zero_rank=st.booleans())
+def test_round_trip_across_hosts_property(shape, seed, K, H, cases, zero_rank):
     """2 hosts of 1 and of 2 ranks, ``allow_nvlink_for_low_latency_mode`` both ways: bf16, FP8, round_scale,
-    UE8M0, hooks and zero-copy, ragged T up to N with an empty rank, -1 ids, duplicates and skew; N = 8."""
-    N, H, K = 8, 512, 3
-    E = 2 * world
-    Ts = [N, 3, 0, 5][:world] if world > 2 else [N, 0]
-    out = _values(run_ranks(ll_cases.across_hosts, world, _env(per_host), "round_trip", 5, E, K, H, Ts, N, _CASES,
-                            allow_nvlink))
+    UE8M0, hooks and zero-copy, ragged T up to N with an empty rank, -1 ids, duplicates and skew (odd seeds);
+    N = 8; every output the oracle's, bit for bit (FP8: the reference bytes and scales)."""
+    world, per_host, allow_nvlink = shape
+    N, E = 8, 2 * world
+    cases = [(f, rs and f, u and f and rs and H % 512 == 0, kind, hook, zc) for f, rs, u, kind, hook, zc in cases]
+    Ts = [0 if (zero_rank and r == world - 1) else 1 + (seed + 3 * r) % N for r in range(world)]
+    Ts[0] = N
+    _values(run_ranks(ll_cases.across_hosts, world, _env(per_host), "round_trip", seed, E, K, H, Ts, N, cases,
+                      allow_nvlink))
+
+
+_CASES = [(False, False, False, "identity", False, False), (True, False, False, "affine", True, False),
+          (True, True, True, "affine", False, True), (False, False, False, "affine", True, True)]
+
+
+def test_round_trip_every_feature_two_hosts_of_two():
+    """The fixed cases that cover every feature at once (UE8M0 with zero-copy, FP8 hooks, bf16 zero-copy hooks),
+    2 hosts of 2 ranks with the same-host shortcut, an empty rank."""
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "round_trip", 5, 8, 3, 512, [8, 3, 0, 5], 8, _CASES,
+                            True))
     assert sum(out) > 0, out
 
 
