@@ -577,15 +577,28 @@ def peers_on_network(rank, world, allow_nvlink):
         buf.destroy()
 
 
-def silent_peers(rank, world, victims, by_timeout):
+def _cpu(v):
+    """``v`` with every tensor in it (tuples too) copied to the CPU."""
+    if isinstance(v, torch.Tensor):
+        return v.cpu()
+    if isinstance(v, tuple):
+        return tuple(_cpu(e) for e in v)
+    return v
+
+
+def silent_peers(rank, world, victims, by_timeout, device="cpu", timeout_s=4.0):
     """Ranks ``victims`` (a remote rank, or a whole host) build the Buffer and then take no part. The others,
     with ``enable_shrink``, mask them (explicitly, or ``by_timeout``): exactly their tokens and their
     experts' entries are dropped, the next call does not wait again, the mask query reports them, and
-    unmasking a rank reached over the network raises NotImplementedError."""
+    unmasking a rank reached over the network raises NotImplementedError. ``device="cuda"``: every rank on
+    GPU 0 (outputs checked on the CPU)."""
     import time
+    if device == "cuda":
+        torch.cuda.set_device(0)
     E, K, H, N = 2 * world, 2, 128, 8
     xs, idxs, ws = ll_inputs(4, world, E, K, H, [N - 1] * world)
-    buf = _buffer(world, N, H, E, timeout_s=2.0, enable_shrink=True)
+    buf = _buffer(world, N, H, E, timeout_s=timeout_s, enable_shrink=True, device=device)
+    x_d, idx_d, w_d = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
     victims = tuple(victims)
     try:
         if rank in victims:
@@ -596,12 +609,13 @@ def silent_peers(rank, world, victims, by_timeout):
         waits = []
         for use_fp8 in (False, False, True):
             t0 = time.monotonic()
-            out, count, handle, _, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=use_fp8,
+            out, count, handle, _, hook = buf.low_latency_dispatch(x_d, idx_d, N, E, use_fp8=use_fp8,
                                                                    return_recv_hook=True)
             hook()
-            check_dispatch(out, count, handle, xs, idxs, world, E, rank, use_fp8, False, False, masked=victims)
+            check_dispatch(_cpu(out), _cpu(count), _cpu(handle), xs, idxs, world, E, rank, use_fp8, False, False,
+                           masked=victims)
             rx = (_dequant_rows(out[0], out[1], False).to(torch.bfloat16)) if use_fp8 else out
-            comb, _, _ = buf.low_latency_combine(rx, idxs[rank], ws[rank], handle)
+            comb = _cpu(buf.low_latency_combine(rx, idx_d, w_d, handle)[0])
             waits.append(time.monotonic() - t0)
             xin = _dequant_x(xs[rank]) if use_fp8 else xs[rank]
             want = expected_combine(xin, idxs[rank], ws[rank], E, world, "identity", masked=victims)
@@ -615,8 +629,7 @@ def silent_peers(rank, world, victims, by_timeout):
             unmask = str(ex)
         return status.tolist(), waits, unmask
     finally:
-        if rank in victims:
-            time.sleep(9.0 if by_timeout else 2.0)     # alive but silent while the others run
+        torch.distributed.barrier()         # the victims stay alive but silent until the others are done
         buf.destroy()
 
 

@@ -69,10 +69,12 @@ def quantize_blocks(x, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_T:
     has_nan = tl.max((xb != xb).to(tl.int32), axis=2) > 0
     amax = tl.maximum(tl.max(tl.abs(xb), axis=2), AMAX_FLOOR)
     amax = tl.where(has_nan, float("nan"), amax)
-    scale = amax / FP8_MAX
+    # IEEE divisions (round to nearest): a GPU's default fp32 division is approximate (within 2 ulp), which
+    # would make scales and bytes differ from the reference's now and then
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
     if ROUND_SCALE:
         scale = tl.where(scale == scale, pow2_ceil(scale), scale)
-    y = xb / scale[:, :, None]
+    y = tl.math.div_rn(xb, tl.broadcast_to(scale[:, :, None], xb.shape))
     y = tl.where(y == y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), y)      # clamp, keeping NaN
     if NATIVE:
         q = tl.reshape(y.to(tl.float8e4nv), [BLOCK_T, BLOCK_H])

@@ -32,3 +32,13 @@ def test_hook_with_compute_across_hosts():
     out = ok_results(run_ranks(ll_cases.across_hosts, 2, _env(1), "gpu_hook_overlap", 16, 4, 512, 40, 64,
                                backend="gloo"))
     assert out == [True, True], out
+
+
+def test_masked_silent_host_on_gpu():
+    """2 hosts of 2 ranks on one GPU; host 1's ranks fall silent: host 0's ranks mask both after one timeout
+    (the kernels' mask words and the proxy's MASKED words) and go on between themselves, bit for bit the
+    oracle without host 1's experts."""
+    out = ok_results(run_ranks(ll_cases.across_hosts, 4, _env(2), "silent_peers", (2, 3), True, "cuda",
+                               backend="gloo"))
+    for status, waits, unmask in out[:2]:
+        assert status == [0, 0, 1, 1] and waits[0] >= 4.0 and max(waits[1:]) < waits[0] - 2.0, out
