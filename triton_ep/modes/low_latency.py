@@ -1,4 +1,5 @@
-"""Low-latency mode (DeepEP's decode-time dispatch and combine) within one host.
+"""Low-latency mode (DeepEP's decode-time dispatch and combine), within one host and, with the network leg of
+:mod:`triton_ep.modes.internode_ll`, across hosts.
 
 :class:`LowLatency` is what :class:`~triton_ep.Buffer` delegates its ``low_latency_*`` methods to. It
 owns the low-latency area: the part of each rank's shared buffer sized by ``num_rdma_bytes``, mapped by
@@ -186,7 +187,11 @@ class LowLatency:
                     pc[F.off_ll_failed.host(R) + me].fill_(failure_word_of(n, F.E_FAILED))
         if self.net is not None:        # the peers on the network learn it from this call's chunk
             rt.sig.needs_resync = True
-            self.net.post_failure(self, n)
+            try:
+                self.net.post_failure(self, n)
+            except Exception as ex:     # noqa: BLE001 - the caller hears its own error; the Buffer is done
+                comm = rt.live()
+                comm.broken = comm.broken or f"a failure notice could not be sent ({type(ex).__name__}: {ex})"
             return
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure
