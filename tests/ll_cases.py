@@ -154,8 +154,8 @@ def _buffer(R, N, H, E, **kw):
 
 def two_live_hooks(rank, world, seed, E, K, H, Ts, N, third=True):
     """Two dispatches outstanding at once (two hooks, the two halves), received in reverse order, then two
-    outstanding combines: each result equals its own oracle; a third outstanding call is refused (with
-    ``third``; across hosts a refused call ends the Buffer's low-latency calls, so not there)."""
+    outstanding combines: each result equals its own oracle; with ``third`` a third outstanding call is
+    refused."""
     R, me = world, rank
     El = E // R
     a = ll_inputs(seed, R, E, K, H, Ts)
@@ -680,5 +680,51 @@ def ordering(rank, world, planted):
                 failed = f"call {i}: {type(ex).__name__}: {ex}"
                 break
         return failed, seen["bad"], seen["all"]
+    finally:
+        buf.destroy()
+
+
+def combine_before_hook(rank, world):
+    """A combine given the handle of a dispatch whose receive hook has not run is refused (ValueError on every
+    rank: the handle's tables are written by that receive), the hook then delivers the dispatch's rows, and
+    the next round trip matches the oracle (the group re-synchronised)."""
+    E, K, H, N = 2 * world, 2, 128, 4
+    buf = _buffer(world, N, H, E, timeout_s=20)
+    try:
+        xs, idxs, ws = ll_inputs(2, world, E, K, H, [N] * world)
+        out, count, handle, _, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False,
+                                                               return_recv_hook=True)
+        try:
+            buf.low_latency_combine(out, idxs[rank], ws[rank], handle)
+            refused = None
+        except ValueError as ex:
+            refused = str(ex)
+        hook()
+        check_dispatch(out, count, handle, xs, idxs, world, E, rank, False, False, False)
+        xs, idxs, ws = ll_inputs(3, world, E, K, H, [N] * world)
+        out, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
+        comb = buf.low_latency_combine(out, idxs[rank], ws[rank], handle)[0]
+        want = expected_combine(xs[rank], idxs[rank], ws[rank], E, world, "identity")
+        return refused, torch.equal(comb.view(torch.int16), want.view(torch.int16))
+    finally:
+        buf.destroy()
+
+
+def mode_mismatch(rank, world):
+    """Rank 0 builds its Buffer without low_latency_mode, the others with it: ValueError on every rank, then
+    a Buffer built alike on every rank works (the ranks' exchanges stayed in step)."""
+    E, H, N = 2 * world, 128, 4
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    try:
+        triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=rank != 0, num_qps_per_rank=1, timeout_s=20).destroy()
+        first = None
+    except ValueError as ex:
+        first = str(ex)
+    buf = _buffer(world, N, H, E, timeout_s=20)
+    try:
+        xs, idxs, _ = ll_inputs(5, world, E, 2, H, [N] * world)
+        out, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
+        check_dispatch(out, count, handle, xs, idxs, world, E, rank, False, False, False)
+        return first
     finally:
         buf.destroy()

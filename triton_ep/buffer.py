@@ -82,7 +82,8 @@ class Buffer:
             rt.group, rt.timeout_s, rt.rank, rt.group_size, rt.device
         self._intranode = Intranode(rt)
         try:
-            self._internode = Internode(rt) if rt.num_hosts > 1 else None
+            ll = (bool(low_latency_mode), int(num_rdma_bytes) if low_latency_mode else 0)
+            self._internode = Internode(rt, low_latency=ll) if rt.num_hosts > 1 else None
         except BaseException:
             rt.close()
             raise

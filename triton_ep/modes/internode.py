@@ -198,6 +198,8 @@ class Internode(CapturePath):
             this host's runtime, whose shared buffers carry the forwarding leg).
         num_qps_per_peer: RC QPs to each RDMA peer (placed over ports and ECMP paths).
         slots, slot_bytes: the scheduler's rings: chunks in flight per peer and bytes per chunk.
+        low_latency: the Buffer's ``(low_latency_mode, num_rdma_bytes)``: checked equal on every rank here,
+            before the low-latency set-up (whose exchanges only the ranks in low-latency mode make).
         Each ``None``: :func:`network_shape` (the environment, else the defaults); every rank must agree.
 
     Raises:
@@ -206,7 +208,7 @@ class Internode(CapturePath):
     """
 
     def __init__(self, rt, num_qps_per_peer: Optional[int] = None,
-                 slots: Optional[int] = None, slot_bytes: Optional[int] = None) -> None:
+                 slots: Optional[int] = None, slot_bytes: Optional[int] = None, low_latency: tuple = (False, 0)) -> None:
         self.rt = rt
         self.hosts = hosts = rt.hosts
         if rt.group is None:
@@ -241,8 +243,9 @@ class Internode(CapturePath):
             if raw not in ("", "0", "1"):
                 raise ValueError(f"{ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)")
             capture = None if not raw else raw == "1"
-            mine = (uuid.uuid4().hex[:12], shape, capture)
+            mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency))
             every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
+            hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
             hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
             hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])
             self._init_capture(capture)
@@ -262,6 +265,7 @@ class Internode(CapturePath):
         """Stop the proxy, release the QPs, MRs, CQs and PD, and the host's shared buffers. Idempotent."""
         sched, transport, local_rt = self.sched, self.transport, self.local_rt
         self.sched = self.transport = self.local_rt = None
+        self.local_group = self.peer_group = None       # the HostsRuntime destroys them
         try:
             if sched is not None:
                 sched.close()

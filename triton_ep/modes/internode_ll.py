@@ -37,6 +37,10 @@ from .low_latency import LowLatency
 from .network import Network, open_network
 
 
+#: seconds ``NetLeg.close`` waits at most for chunks already published to be placed
+CLOSE_WAIT_S = 5.0
+
+
 class NetLeg:
     """What the low-latency kernels take of the network leg: the scheduler's control block ``ring_ctl``
     (int64), the first words of its send and receive rings relative to the low-latency area (``send_dw``,
@@ -123,10 +127,10 @@ class NetLeg:
 
     def close(self) -> None:
         """Let the proxy place the chunks already published (a failure notice a rank posted just before
-        destroying its Buffer must still reach the peers; bounded by ``timeout_s``, less after a proxy
-        error), then close the leg."""
+        destroying its Buffer must still reach the peers; bounded by ``CLOSE_WAIT_S`` or ``timeout_s``, none
+        after a proxy error: a peer that closed first never takes them), then close the leg."""
         sched = self.sched
-        deadline = time.monotonic() + sched.timeout_s
+        deadline = time.monotonic() + min(sched.timeout_s, CLOSE_WAIT_S)
         while sched.error is None and time.monotonic() < deadline and any(
                 sched.flags.get(RingFlags.SENT, p) < sched.flags.get(RingFlags.READY, p) for p in sched.peers):
             time.sleep(0.001)
@@ -148,17 +152,18 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         allow_nvlink: peers on this rank's host are reached through the shared buffer (NVLink / IPC, DeepEP's
             ``allow_nvlink_for_low_latency_mode``); else over RDMA as the other hosts' ranks.
     Raises:
-        ValueError: ranks disagree on ``num_rdma_bytes``, ``num_qps_per_rank`` or
+        ValueError: ranks disagree on ``num_rdma_bytes``, ``num_qps_per_rank``, ``enable_shrink`` or
             ``allow_nvlink_for_low_latency_mode`` (on every rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
     me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
     qps = max(1, int(num_qps_per_rank))
-    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], int(area_bytes), qps, bool(allow_nvlink)), rt.timeout_s,
-                           "internode low-latency: fabric token")
+    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], int(area_bytes), qps, bool(allow_nvlink), bool(shrink)),
+                           rt.timeout_s, "internode low-latency: fabric token")
     hosts_mod.agreed("num_rdma_bytes (low-latency mode across hosts)", [e[1] for e in every])
     hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[2] for e in every])
     hosts_mod.agreed("allow_nvlink_for_low_latency_mode (low-latency mode across hosts)", [e[3] for e in every])
+    hosts_mod.agreed("enable_shrink (low-latency mode across hosts)", [e[4] for e in every])
     token = every[0][0]
     names = [f"ll{token}_{r}" for r in range(R)]
     # Each rank's [signal header of the whole group | area], in a buffer this host's ranks map: the kernels

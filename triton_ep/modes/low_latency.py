@@ -66,13 +66,15 @@ class LLHandle(tuple):
     - ``layout_range`` int64 ``[E_local, R]``: ``begin << 32 | count`` of each source rank's rows.
 
     It also keeps ``ret_slot`` (int32 ``[E_local, R*N]``: where combine returns each row), ``recv_count``,
-    ``num_topk``, ``num_tokens`` and the Buffer that made it.
+    ``num_topk``, ``num_tokens``, the Buffer that made it and ``call``, the host's number of the send that
+    made it (its tables are written by that call's receive: a combine before the receive hook ran is refused).
     """
 
-    def __new__(cls, items, buffer_uid: str, ret_slot: Tensor, recv_count: Tensor, num_tokens: int, num_topk: int):
+    def __new__(cls, items, buffer_uid: str, ret_slot: Tensor, recv_count: Tensor, num_tokens: int, num_topk: int,
+                call: int = 0):
         self = super().__new__(cls, items)
         self.buffer_uid, self.ret_slot, self.recv_count = buffer_uid, ret_slot, recv_count
-        self.num_tokens, self.num_topk = num_tokens, num_topk
+        self.num_tokens, self.num_topk, self.call = num_tokens, num_topk, call
         return self
 
 
@@ -308,7 +310,7 @@ class LowLatency:
                              sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
                              recv_count, stats, cost, sig, self.shrink, sa)
 
-        handle = LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K)
+        handle = LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K, idx_n)
         out = (recv_x, recv_scales) if use_fp8 else recv_x
         tensors = (xv, idx, slots, counts, recv_x, sc, recv_count, src_info, ret_slot, layout_range, stats, cost)
         if return_recv_hook:
@@ -385,6 +387,9 @@ class LowLatency:
         if use_logfmt:
             raise NotImplementedError("low_latency_combine(use_logfmt=True) is not implemented: rows return as bf16")
         h = self.check_handle(handle)
+        if h.call in self.pending:
+            raise ValueError("the handle's low_latency_dispatch still waits for its receive: call the hook it "
+                             "returned before low_latency_combine (the handle's tables are written there)")
         R = rt.group_size
         N, H, E = h[2], h[3], h[4]
         lay = self.layout(N, H, E)

@@ -533,14 +533,31 @@ def _open_hosts(group, hosts: Hosts, transport: str, num_nvl_bytes: int, timeout
     peer_groups = [dist.new_group(world([hosts.ranks(h)[i] for h in range(hosts.num_hosts)]))
                    for i in range(hosts.ranks_per_host)]
     host = hosts.host_of[me]
-    local = open_runtime(local_groups[host], num_nvl_bytes, 0, False, timeout_s, device)
+    mine = (local_groups[host], peer_groups[hosts.local_index(me)])
+    try:
+        local = open_runtime(local_groups[host], num_nvl_bytes, 0, False, timeout_s, device)
+    except BaseException:
+        _destroy_groups(mine)
+        raise
     try:
         local.agree_on_layout()
     except BaseException:
-        local.close()
+        try:
+            local.close()
+        finally:
+            _destroy_groups(mine)
         raise
     return HostsRuntime(local, group, me, group.size(), hosts, transport, local_groups[host],
                         peer_groups[hosts.local_index(me)])
+
+
+def _destroy_groups(groups) -> None:
+    """Release the process groups a Buffer made for itself (each holds sockets and threads)."""
+    for g in groups:
+        try:
+            dist.destroy_process_group(g)
+        except Exception:       # noqa: BLE001 - already gone (the default group was destroyed first)
+            pass
 
 
 class HostsRuntime:
@@ -563,6 +580,7 @@ class HostsRuntime:
         self.local, self.group, self.rank, self.group_size = local, group, rank, size
         self.hosts, self.num_hosts, self.rdma_transport = hosts, hosts.num_hosts, rdma_transport
         self.local_group, self.peer_group = local_group, peer_group
+        self._groups = (local_group, peer_group)
         self.timeout_s, self.device, self.uid = local.timeout_s, local.device, local.uid
 
     @property
@@ -575,13 +593,22 @@ class HostsRuntime:
         return self.local.comm_stream
 
     def live(self) -> ipc.Comm:
-        return self.local.live()
+        if self.local.comm is None:
+            raise EPError(f"rank {self.rank}: this Buffer was destroyed")
+        return self.local.comm
 
     def check(self) -> None:
         self.local.check()
 
     def close(self) -> None:
-        self.local.close()
+        """Release this host's shared buffers, then the host's and the RDMA peers' process groups. Idempotent."""
+        try:
+            self.local.close()
+        finally:
+            # gloo frees a group's sockets and threads once nothing refers to it: drop every reference
+            groups, self._groups = self._groups, ()
+            self.local_group = self.peer_group = self.local.group = None
+            _destroy_groups(groups)
 
     def agree_on_layout(self) -> None:
         """Done by this host's runtime at construction."""

@@ -124,3 +124,18 @@ def test_signal_after_rows_on_one_qp_and_the_planted_variant_fails():
         assert failed is None and bad == 0 and probed >= 20, (failed, bad, probed)
     out = _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", True))
     assert sum(bad for _, bad, _ in out) > 0, out
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_combine_before_its_dispatch_hook_is_refused(per_host):
+    """(A new user's find: it read unwritten handle tables and could crash the process.) Within one host
+    (per_host 2) and across hosts (per_host 1)."""
+    env = _env(per_host) if per_host == 1 else {"TRITON_EP_RANKS_PER_HOST": "2"}
+    for refused, ok in _values(run_ranks(ll_cases.across_hosts, 2, env, "combine_before_hook")):
+        assert refused and "hook" in refused and ok, (refused, ok)
+
+
+def test_low_latency_mode_mismatch_across_hosts_raises_everywhere():
+    """(A new user's find: the ranks' set-up exchanges fell out of step, and no Buffer could be built again.)"""
+    for first in _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "mode_mismatch")):
+        assert first and "low_latency_mode" in first, first
