@@ -19,6 +19,7 @@ from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
 from .modes import internode_ll
 from .modes.low_latency import LowLatency, size_hint
 from .runtime import open_runtime
+from .runtime.context import ll_area_bytes
 from .runtime.checks import isint
 
 Tensor = torch.Tensor
@@ -90,9 +91,9 @@ class Buffer:
         self._ll = LowLatency(rt, rt.ll_offset, rt.ll_bytes, enable_shrink) if rt.ll_bytes else None
         if rt.num_hosts > 1 and low_latency_mode and num_rdma_bytes:
             try:
-                self._ll = internode_ll.open_internode_low_latency(rt, (int(num_rdma_bytes) + 4095) // 4096 * 4096,
-                                                                   num_qps_per_rank, enable_shrink,
-                                                                   bool(allow_nvlink_for_low_latency_mode))
+                self._ll = internode_ll.open_internode_low_latency(
+                    rt, ll_area_bytes(num_rdma_bytes), num_qps_per_rank, enable_shrink,
+                    bool(allow_nvlink_for_low_latency_mode))
             except BaseException:
                 try:
                     self._internode.close()

@@ -114,7 +114,8 @@ def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, ctl, t, mt, experts_per_ran
 def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
                              hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w, remote,
-                             NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
+                             NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
+                             K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
                              SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -125,7 +126,7 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
                              flags.STAGE_LL_DISPATCH_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
                              SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
-    if NET:     # ranks on the network: chunk n - 1 of each reuses the send slot of chunk n - 3, once placed
+    if NET:     # ranks on the network: each one's chunk k reuses the send slot of its chunk k - 2, once placed
         go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, flags.STAGE_LL_DISPATCH_SEND,
                                     timeout_ns, R, USE_CLOCK, ctl, SHRINK)
     T = tl.where(go, T, 0)
@@ -168,8 +169,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
             at = tl.load(delta_w + d, mask=me_, other=0) + hb + me * experts_per_rank + (e - d * experts_per_rank)
             if NET:     # a rank on the network gets its counts at the head of its chunk
                 chunk = ll_net.chunk_at(ring_dw, d, ll_net.tx_chunk(ctl, d, n, R), slot_w)
-                at = tl.where(tl.load(remote + d, mask=me_, other=0) != 0, chunk + ll_net.NH + (e - d * experts_per_rank),
-                              at)
+                at = tl.where(tl.load(remote + d, mask=me_, other=0) != 0,
+                              chunk + ll_net.NH + (e - d * experts_per_rank), at)
             tl.store(area_w + at, tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
     if NET:     # each network peer's chunk: the counts of its experts, then their records
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, cnt_ptr,

@@ -2,7 +2,9 @@
 RDMA scheduler's rings (:mod:`triton_ep.scheduler`), and the launch that unpacks the chunks received.
 
 Each call sends every rank on the network one chunk, in the scheduler's ring of 2 slots per peer (the two
-halves of the area): call ``n`` is chunk ``n - 1``, in slot ``(n - 1) & 1``. A chunk is
+halves of the area): call ``n``'s chunk to rank ``p`` is chunk ``k = n - 1 + TXOFF[p]`` of that ring, in slot
+``k & 1``, and from ``p`` chunk ``n - 1 + RXOFF[p]`` (the offsets are 0 until a re-synchronisation after an
+error restarts the call numbers; :mod:`triton_ep.modes.internode_ll`). A chunk is
 (:data:`triton_ep.protocol.ll_area.NET_HDR_WORDS` header words, int64 ``[n, signature, status, rows]``):
 
 - dispatch: the counts (int32 ``[E/R]``, padded to 4) of the receiver's local experts, then the records
@@ -12,11 +14,11 @@ halves of the area): call ``n`` is chunk ``n - 1``, in slot ``(n - 1) & 1``. A c
   the records the source sent (so the packing needs no search).
 
 The send launches (:mod:`.ll_dispatch`, :mod:`.ll_combine`) write the chunk straight into the send slot
-(after waiting until the slot's earlier chunk was placed at the peer: ``SENT >= n - 2``); their last
-program writes each chunk's header and length and releases ``READY = n`` at system scope, and the proxy
+(after waiting until the slot's earlier chunk was placed at the peer: ``SENT >= k - 1``); their last
+program writes each chunk's header and length and releases ``READY = k + 1`` at system scope, and the proxy
 posts the chunk's WRITEs and then its signal on one queue pair (the count travels after the rows, in-QP
 ordering). :func:`ll_unpack` (the first launch of the receive, or of the hook) waits for each network peer's
-chunk (``TAIL >= n``), copies its records or rows into this rank's half as a peer on the same host would
+chunk (``TAIL`` past it), copies its records or rows into this rank's half as a peer on the same host would
 have written them, then releases ``READY[s] = n`` in this rank's control block: the receive launches that
 follow are the same as within one host. A chunk whose status says the sender failed the call ends the
 receive's wait for that rank with ``EPRemoteError``; a chunk of another call number with a mismatch.
@@ -150,8 +152,9 @@ def finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, 
 
 
 @triton.jit(do_not_specialize=['offset', 'me', 'timeout_ns', 'ring_dw'])
-def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
-                      hdr, hdr_delta, host, me, timeout_ns, R: tl.constexpr, COMBINE: tl.constexpr, REC: tl.constexpr,
+def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_max, ctl_w, half_w, cnt_w,
+                      experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, R: tl.constexpr, COMBINE: tl.constexpr,
+                      REC: tl.constexpr,
                       CW: tl.constexpr, RW: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
                       USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
     # Program (s, q): the chunk from rank s (none from this rank or a masked one), work spread over q.

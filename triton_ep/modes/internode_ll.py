@@ -1,8 +1,9 @@
 """Low-latency mode across hosts (DeepEP's internode low-latency mode): every other rank over RDMA.
 
 A Buffer built with ``low_latency_mode`` whose ranks span several hosts gets a low-latency area of its own
-(``num_rdma_bytes``, mapped by the ranks of its host) and a network leg to every other rank of the group (:mod:`triton_ep.modes.network`: the transport, the RDMA scheduler and its rings, 2
-slots per peer, one per half of the area). The low-latency kernels run as within one host, with the
+(``num_rdma_bytes``, mapped by the ranks of its host) and a network leg to every other rank of the group
+(:mod:`triton_ep.modes.network`: the transport, the RDMA scheduler and its rings, 2 slots per peer, one per half
+of the area). The low-latency kernels run as within one host, with the
 network leg (:mod:`triton_ep.kernels.ll_net`): records and returned rows for another rank go packed into
 that rank's chunk of the send ring, the proxy posts the chunk's WRITEs and then its signal on one QP, and
 the receive (or its hook) first unpacks the chunks that arrived into the area. Each token still goes
@@ -152,18 +153,19 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         allow_nvlink: peers on this rank's host are reached through the shared buffer (NVLink / IPC, DeepEP's
             ``allow_nvlink_for_low_latency_mode``); else over RDMA as the other hosts' ranks.
     Raises:
-        ValueError: ranks disagree on ``num_rdma_bytes``, ``num_qps_per_rank``, ``enable_shrink`` or
-            ``allow_nvlink_for_low_latency_mode`` (on every rank).
+        ValueError: ranks disagree on ``num_qps_per_rank``, ``enable_shrink`` or
+            ``allow_nvlink_for_low_latency_mode`` (on every rank; ``num_rdma_bytes`` is checked before, by
+            :class:`~triton_ep.modes.internode.Internode`).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
     me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
     qps = max(1, int(num_qps_per_rank))
-    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], int(area_bytes), qps, bool(allow_nvlink), bool(shrink)),
-                           rt.timeout_s, "internode low-latency: fabric token")
-    hosts_mod.agreed("num_rdma_bytes (low-latency mode across hosts)", [e[1] for e in every])
-    hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[2] for e in every])
-    hosts_mod.agreed("allow_nvlink_for_low_latency_mode (low-latency mode across hosts)", [e[3] for e in every])
-    hosts_mod.agreed("enable_shrink (low-latency mode across hosts)", [e[4] for e in every])
+    # (num_rdma_bytes, with low_latency_mode, was checked equal on every rank by the normal-mode set-up)
+    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink)), rt.timeout_s,
+                           "internode low-latency: fabric token")
+    hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[1] for e in every])
+    hosts_mod.agreed("allow_nvlink_for_low_latency_mode (low-latency mode across hosts)", [e[2] for e in every])
+    hosts_mod.agreed("enable_shrink (low-latency mode across hosts)", [e[3] for e in every])
     token = every[0][0]
     names = [f"ll{token}_{r}" for r in range(R)]
     # Each rank's [signal header of the whole group | area], in a buffer this host's ranks map: the kernels
@@ -173,11 +175,10 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
     local = ipc.open_group(rt.local_group, hb + int(area_bytes), dev, rt.timeout_s)
     own = network = None
     try:
-        with torch.inference_mode(False):
-            local.data[:hb].zero_()     # the group's signal header starts at zero (peers write after the exchange)
         same = [hosts.host_of[r] == hosts.host_of[me] and (allow_nvlink or r == me) for r in range(R)]
         bufs = [local.peers[hosts.local_index(r)] if same[r] else local.data for r in range(R)]
         with torch.inference_mode(False):
+            local.data[:hb].zero_()     # the group's signal header starts at zero (peers write after the exchange)
             ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8)
             remote = torch.tensor([0 if s else 1 for s in same], dtype=torch.int32, device=dev)
         comm = ipc.Comm(me, R, dev, bufs, ctrl, rt.timeout_s, ipc.SLOT_WORDS, ranks_on_device=local.ranks_on_device)

@@ -444,6 +444,11 @@ class Runtime:
         return cap
 
 
+def ll_area_bytes(num_rdma_bytes: int) -> int:
+    """Bytes of a low-latency area for ``num_rdma_bytes``: rounded up to 4 KiB."""
+    return (int(num_rdma_bytes) + 4095) // 4096 * 4096
+
+
 def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, timeout_s, device,
                  rdma_backend: Optional[str] = None) -> Runtime:
     """Build one rank's :class:`Runtime` for a Buffer (collective over ``group``): check the constructor's
@@ -499,7 +504,7 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     # the low-latency area follows the normal-mode part of the same shared buffer (every rank maps it),
     # which normal-mode rounds never touch
     nvl_part = max(4096, (int(num_nvl_bytes) + 4095) // 4096 * 4096)
-    ll_bytes = (int(num_rdma_bytes) + 4095) // 4096 * 4096 if low_latency_mode else 0
+    ll_bytes = ll_area_bytes(num_rdma_bytes) if low_latency_mode else 0
     comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchanges[1])
     comm.min_bytes -= ll_bytes
     return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport)
