@@ -426,9 +426,32 @@ def capture_sequence(rank, world, env, seed, E, K, H, Ts):
         buf.destroy()
 
 
+def _pause_after_notify(seconds):
+    """This process's next intranode dispatch sleeps ``seconds`` after its notify send launch (once)."""
+    import time
+    from triton_ep.modes.intranode import Intranode
+    orig = Intranode.dispatch_steps
+
+    def paused(self, *args, **kwargs):
+        Intranode.dispatch_steps = orig
+        gen = orig(self, *args, **kwargs)
+        stage = next(gen)
+        while True:
+            yield stage
+            if stage == "dispatch/notify receive":   # its counts are out, its receive not yet run
+                time.sleep(seconds)
+            try:
+                stage = next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    Intranode.dispatch_steps = paused
+
+
 def capture_errors(rank, world, env, kind):
     """2 hosts of 2 ranks on the capture path. ``kind`` "bad_ids": rank 3 passes an id past the experts;
-    "capacity": every token goes to host 0 and num_worst_tokens is too small there; "bad_shape": rank 3
+    "capacity": every token goes to host 0 and num_worst_tokens is too small there ("capacity_late": and rank 0
+    pauses 2 s after its notify launch, so rank 1 finds the error, raises and leaves first); "bad_shape": rank 3
     passes int64 topk_weights (a host-side check). The call returns (bad values are found on the device);
     ``Buffer.check()`` then raises on the ranks that recorded it, and every rank's next call raises at once.
     Returns the first call's, the check's and the next call's errors ([type, message] or None) and the calls'
@@ -441,7 +464,10 @@ def capture_errors(rank, world, env, kind):
         T, H, E = 6, 64, 8
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-        idx = torch.tensor([[0, 2]]).repeat(T, 1) if kind == "capacity" else torch.randint(0, E, (T, 2), generator=g)
+        capacity = kind.startswith("capacity")
+        idx = torch.tensor([[0, 2]]).repeat(T, 1) if capacity else torch.randint(0, E, (T, 2), generator=g)
+        if kind == "capacity_late" and rank == 0:
+            _pause_after_notify(2.0)
         w = torch.rand(T, 2, generator=g)
         per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
         if kind == "bad_ids" and rank == 3:
@@ -451,7 +477,7 @@ def capture_errors(rank, world, env, kind):
             w = w.double()
         kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
                   num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-        worst = 4 if kind == "capacity" else 64
+        worst = 4 if capacity else 64
         first = None
         t0 = time.monotonic()
         try:

@@ -48,6 +48,7 @@ from .. import kernels
 from ..kernels import net
 from ..kernels._util import cdiv, interpreted
 from ..protocol.records import NET_META_BYTES, NetRecord
+from ..protocol.signal_header import STAGE_CAPACITY
 from ..transport.signals import stall_watchdog
 from .intranode import DispatchHandle, Intranode, check_cached_dispatch
 from .internode_capture import ENV_CAPTURE_PATH, CapturePath, CapturePlan
@@ -430,11 +431,14 @@ class Internode(CapturePath):
                        f"within the host: 0..{len(ranks) - 1} are global ranks {ranks}; this is global rank "
                        f"{self.rt.rank}]",) + ex.args[1:]
 
-    def _leave_host(self) -> None:
+    def _leave_host(self, err: Optional[BaseException] = None) -> None:
         """The network leg failed for good (the scheduler's error is sticky): leave this host's group, so
-        its ranks' later calls and re-synchronisations raise at once instead of waiting for this rank."""
+        its ranks' later calls and re-synchronisations raise at once instead of waiting for this rank.
+        ``err`` an ``EPCapacityError``: the ``GONE`` word says so, and a rank of the host that hears of it
+        before finding it itself raises ``EPCapacityError`` as well."""
         if self.local_rt is not None and self.local_rt.sig is not None:
-            self.local_rt.sig.leave(int(kernels.flags.STAGE_FAILED))
+            stage = STAGE_CAPACITY if isinstance(err, EPCapacityError) else int(kernels.flags.STAGE_FAILED)
+            self.local_rt.sig.leave(stage)
 
     def _skip_local(self, kind: str) -> None:
         """This rank leaves the running call before its host's intranode leg (``kind``: ``"dispatch"``,

@@ -174,7 +174,7 @@ class CapturePath:
         if self.sched is not None and self.sched.error is None:
             self.sched.fail(EPRemoteError(f"rank {self.rt.rank}: a num_worst_tokens call across hosts failed "
                                           f"({type(ex).__name__}: {ex}); destroy() and rebuild the Buffer"))
-        self._leave_host()
+        self._leave_host(ex)
 
     def _capture_call(self, body, *args):
         """One capture-path call, ``body(*args)``: any error it raises (an argument check on the host, this

@@ -218,6 +218,9 @@ STAGE_PROXY_RECV_CQE = 16
 STAGE_PROXY_CREDIT = 17
 STAGE_PROXY_SEND_WAIT = 18
 STAGE_PROXY = 19                        #: anything else inside the proxy
+#: a rank whose call found num_worst_tokens too small left the group (its GONE word; host only): every rank
+#: of the group finds that alike, so a peer that hears of it first raises EPCapacityError too
+STAGE_CAPACITY = 20
 
 
 @formula
@@ -259,5 +262,6 @@ STAGE_NAMES = {0: "unknown", int(STAGE_DISPATCH_SEND): "dispatch/send", int(STAG
                STAGE_PROXY_RECV_CQE: "rdma proxy/receive completion",
                STAGE_PROXY_CREDIT: "rdma proxy/credits (the peer stopped consuming)",
                STAGE_PROXY_SEND_WAIT: "rdma proxy/completion wait",
+               STAGE_CAPACITY: "num_worst_tokens too small",
                STAGE_PROXY: "rdma proxy"}      # last: a prefix of the proxy names above
-assert len(STAGE_NAMES) == 20, "stage codes must be unique"
+assert len(STAGE_NAMES) == 21, "stage codes must be unique"

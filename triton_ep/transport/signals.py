@@ -38,6 +38,8 @@ def _left(peer: int, stage: int) -> str:
     """Why rank ``peer`` left the group, from the stage code in its ``GONE`` word."""
     if stage == int(F.STAGE_FAILED):
         return f"rank {peer} failed in the middle of a call and left the group"
+    if stage == F.STAGE_CAPACITY:
+        return f"rank {peer} found more rows than num_worst_tokens in this call and left the group"
     return f"rank {peer} timed out at stage '{STAGE_NAMES.get(stage, 'unknown')}' and left the group"
 
 
@@ -183,6 +185,9 @@ class Signals:
         me, peer, stage = self.rank, rec.peer, STAGE_NAMES.get(rec.stage, "unknown")
         if rec.kind == int(F.E_TIMEOUT):
             return EPTimeoutError(me, peer, f"{stage} (round {rec.call})", self.timeout_s)
+        if rec.kind == int(F.E_GONE) and rec.stage == F.STAGE_CAPACITY:
+            # the peer's error is this call's for every rank (the same counts), whichever rank saw it first
+            return EPCapacityError(f"rank {me}: {_left(peer, rec.stage)}; destroy() and rebuild the Buffer")
         if rec.kind == int(F.E_GONE):
             return EPRemoteError(f"rank {me}: {_left(peer, rec.stage)}; destroy() and rebuild the Buffer")
         if rec.kind == int(F.E_BADIDS):

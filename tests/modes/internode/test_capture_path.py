@@ -38,10 +38,11 @@ def test_capture_path_round_trips_and_host_path_between(world, per_host, Ts, mor
     assert sum(c["rows"] for o in out for c in o[:4]) > 0
 
 
-@pytest.mark.parametrize("kind", ["bad_ids", "capacity", "bad_shape"])
+@pytest.mark.parametrize("kind", ["bad_ids", "capacity", "capacity_late", "bad_shape"])
 def test_capture_path_errors_reach_every_rank(kind):
     """A bad id on rank 3 (found on the device: the call returns, Buffer.check() raises ValueError there), a
-    num_worst_tokens too small for host 0 (EPCapacityError on host 0's ranks: the forwarding leg's), int64
+    num_worst_tokens too small for host 0 (EPCapacityError on host 0's ranks: the forwarding leg's; also where
+    rank 1 finds it, raises and leaves the host's group while rank 0 is still in the call), int64
     topk_weights on rank 3 (TypeError at once). Each ends the network leg for good: every rank's next call raises at once,
     none waits out its 20 s bound."""
     out = _values(run_ranks(cases.capture_errors, 4, _env(2), kind, timeout_s=240))
