@@ -555,7 +555,8 @@ def rejected_across_hosts(rank, world, N, H, E):
 
 def peers_on_network(rank, world, allow_nvlink):
     """A bf16 round trip on a low-latency Buffer across hosts; returns the ranks this rank's network leg
-    carried bytes to (``Buffer.get_rdma_stats()["low_latency"]``, QP keys ``"peer/QP"``)."""
+    carried bytes to and the ranks it has QPs to (``Buffer.get_rdma_stats()["low_latency"]``, QP keys
+    ``"peer/QP"``), and how many QPs."""
     E, K, H, N = 2 * world, 2, 128, 4
     cases = [(False, False, False, "identity", False, False)]
     xs, idxs, ws = ll_inputs(9, world, E, K, H, [N] * world)
@@ -572,7 +573,8 @@ def peers_on_network(rank, world, allow_nvlink):
             assert torch.equal(comb.view(torch.int16),
                                expected_combine(xs[rank], idxs[rank], ws[rank], E, world, kind).view(torch.int16))
         qps = buf.get_rdma_stats()["low_latency"]["qps"]
-        return sorted({int(k.split("/")[0]) for k, v in qps.items() if v["bytes"] > 0})
+        return (sorted({int(k.split("/")[0]) for k, v in qps.items() if v["bytes"] > 0}),
+                sorted({int(k.split("/")[0]) for k in qps}), len(qps))
     finally:
         buf.destroy()
 

@@ -374,8 +374,11 @@ class Buffer:
             (``"peer host/QP index"`` -> ``channel``, ``port``, ``bytes``, ``wrs`` (work requests), ``chunks``),
             ``ports`` (port -> bytes), ``channels`` (channel -> ``bytes``, ``chunks``), ``wrs`` (work requests
             posted), ``chunks`` (chunks posted), ``proxy_busy_s`` (seconds the RDMA proxy threads spent in
-            sweeps that moved something: its host cost), ``proxy_post_s`` (the part of it inside the transport's
-            data posts: over the emulated fabric its payload copies), ``network_s`` (seconds this rank's calls spent in the
+            sweeps that moved something, wall clock: its host cost), ``proxy_post_s`` (the part of it inside the
+            transport's data posts: over the emulated fabric its payload copies), ``proxy_transport_s`` (the part
+            inside any transport call: polls, posts, credits; the rest is the proxy's own Python),
+            ``proxy_cpu_s`` (the proxy threads' CPU seconds in those sweeps: without their waits for the GIL),
+            ``network_s`` (seconds this rank's calls spent in the
             network leg, waits included), ``exchanges`` (network legs: a call makes one or more) and
             ``host_exchanges`` (those that went through host memory: headers, statuses, counts; calls on the
             capture path make none).

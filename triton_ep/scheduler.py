@@ -35,6 +35,7 @@ region), PD (protection domain), rkey (the remote key in :class:`~triton_ep.tran
 from __future__ import annotations
 
 import collections
+import heapq
 import threading
 import time
 from dataclasses import dataclass, field
@@ -129,18 +130,20 @@ class RingLayout:
         return 8 * F.ring_word.host(array, self.world, peer)
 
 
-@dataclass
+@dataclass(eq=False)        # (hashed by identity: the proxy keeps sets of them)
 class _QPState:
     peer: int
     qp: int
     channel: int
     port: str
     inflight: Deque[Tuple[int, int, float]] = field(default_factory=collections.deque)  # (seq, bytes, t)
+    owner: int = 0          # the proxy thread that posts on it
     out_bytes: int = 0
     total_bytes: int = 0
     wrs: int = 0
     chunks: int = 0
     unsignaled: int = 0
+    parked: bool = False    # out of its port's heap: its window was full
 
 
 @dataclass
@@ -209,7 +212,7 @@ class Scheduler:
         self.mem = self.region.view()[:n]
         self.mem[:] = 0
         self.flags = RingFlags(self.mem[:self.layout.ctrl_bytes].view(np.int64), self.rank, self.world, slots)
-        self.peers = [p for p in range(self.world) if p != self.rank]
+        self.peers = transport.peer_ranks()     # (the ranks it has QPs to: every other one, or a subset)
         self._remote: Dict[int, RemoteRegion] = {}
         self._peer = {p: _PeerState() for p in self.peers}
         self._next_tx = {p: 0 for p in self.peers}      # the next chunk numbers (:meth:`reserve`)
@@ -223,9 +226,18 @@ class Scheduler:
         self._replenish = not getattr(transport, "auto_replenish", False)
         self._t0 = time.perf_counter_ns()
         self.wrs_posted = 0
-        #: seconds the proxy threads spent in sweeps that moved something (the proxy's own host cost), and the
-        #: part of it inside the transport's data posts (over the emulated fabric: its payload copies)
-        self.busy_s = self.post_s = 0.0
+        #: seconds the proxy threads spent in sweeps that moved something (wall clock: with the GIL waits of
+        #: a busy process), the part of it inside the transport's data posts (over the emulated fabric: its
+        #: payload copies), and the proxy threads' CPU seconds in those sweeps (no GIL waits)
+        self.busy_s = self.post_s = self.busy_cpu_s = 0.0
+        #: of ``busy_s``: seconds inside every transport call (polls, posts, credits, receive replenishes:
+        #: on a NIC, pyverbs calls; over the emulated fabric, the emulator's Python as well)
+        self.transport_s = 0.0
+        self._sweep_tx = 0.0
+        #: per (proxy thread, peer, port): a heap of ``(out_bytes, total_bytes, qp)`` of its QPs with room
+        #: in their window (stale entries are dropped when met), and the QPs with chunks in flight
+        self._heaps: Dict[Tuple[int, int], Dict[str, list]] = {}
+        self._busy_qps: set = set()
 
     # ---------------------------------------------------------------- set-up
     def remote_region(self) -> RemoteRegion:
@@ -235,18 +247,27 @@ class Scheduler:
     def start(self, remotes: Sequence[RemoteRegion]) -> "Scheduler":
         """Start the proxy threads, given every rank's :meth:`remote_region` (index = rank)."""
         self._remote = {p: remotes[p] for p in self.peers}
+        self._plan_qps()
+        for i in range(self.proxies):
+            own = [q for q in self._qps.values() if q.owner == i]
+            th = threading.Thread(target=self._run, args=(own,), name=f"triton-ep-proxy-{self.rank}.{i}", daemon=True)
+            self._threads.append(th)
+            th.start()
+        return self
+
+    def _plan_qps(self) -> None:
+        """The QPs' states from the transport's placement (port, channel, owning proxy thread), their
+        receive queues filled, and the QP picker's heaps."""
         for p in self.peers:
             for ent in self.t.placement(p):
                 port = f"{ent.port.device}:{ent.port.port}" + (f"/lag{ent.port.lag_port}" if ent.port.lag_port else "")
                 self._qps[(p, ent.qp)] = _QPState(p, ent.qp, ent.qp // self.qps_per_channel, port)
                 if self._replenish:
                     self.t.post_recv(p, ent.qp, int(getattr(self.t, "rq_depth", 64)))
-        for i in range(self.proxies):
-            own = [q for q in self._qps.values() if q.channel % self.proxies == i]
-            th = threading.Thread(target=self._run, args=(own,), name=f"triton-ep-proxy-{self.rank}.{i}", daemon=True)
-            self._threads.append(th)
-            th.start()
-        return self
+        for q in self._qps.values():
+            q.owner = q.channel % self.proxies
+            self._heaps.setdefault((q.owner, q.peer), {}).setdefault(q.port, [])
+            self._push(q)
 
     def close(self) -> None:
         """Stop and join the proxy threads (idempotent).  The transport (QPs, MRs, CQs, PD) is the caller's:
@@ -334,15 +355,17 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Bytes, WRs and chunks per QP (``"peer/qp"`` keys, with channel and port), bytes per port, work
-        requests posted, ``proxy_busy_s``: seconds the proxy threads spent in sweeps that moved something, and
-        ``proxy_post_s``: the part of those inside the transport's data posts (the emulated fabric copies
-        payloads there; a NIC's post only rings a doorbell)."""
+        requests posted, ``proxy_busy_s``: seconds (wall clock) the proxy threads spent in sweeps that moved
+        something, ``proxy_post_s``: the part of those inside the transport's data posts (the emulated fabric
+        copies payloads there; a NIC's post only rings a doorbell), ``proxy_transport_s``: the part inside any
+        transport call (polls, posts, credits, receive replenishes), and ``proxy_cpu_s``: the proxy threads'
+        CPU seconds in those sweeps (``proxy_busy_s`` less the time they waited, e.g. for the GIL)."""
         with self._lock:
             qps = {f"{q.peer}/{q.qp}": dict(channel=q.channel, port=q.port, bytes=q.total_bytes, wrs=q.wrs,
                                             chunks=q.chunks) for q in self._qps.values()}
             ports = {k: v[1] for k, v in self._ports.items()}
         return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": self.busy_s,
-                "proxy_post_s": self.post_s}
+                "proxy_post_s": self.post_s, "proxy_transport_s": self.transport_s, "proxy_cpu_s": self.busy_cpu_s}
 
     # ---------------------------------------------------------------- the proxy
     def _event(self, kind: str, peer, channel, qp, seq, nbytes) -> None:
@@ -352,11 +375,15 @@ class Scheduler:
         idle = 0
         try:
             while not self._stop.is_set():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 with self._lock:
+                    self._sweep_tx = 0.0
                     did = self._sweep(own)
+                    tx = self._sweep_tx
                 if did:
                     self.busy_s += time.perf_counter() - t0
+                    self.busy_cpu_s += time.thread_time() - c0
+                    self.transport_s += tx
                     idle = 0
                 else:
                     idle += 1
@@ -397,23 +424,33 @@ class Scheduler:
         """One pass of a proxy thread: completions, faults, posts, credits, bounds.  Returns whether
         anything moved.  Raises ProxyError."""
         did = False
+        flags = self.flags
+        t0 = time.perf_counter()
         try:
             comps = self.t.poll(raise_on_error=False)
         except Exception as ex:   # noqa: BLE001
             raise ProxyError(self.rank, None, None, None, STAGE_NAMES[STAGE_SEND_CQE], f"poll failed: {ex}") from ex
+        finally:
+            self._sweep_tx += time.perf_counter() - t0
         for c in comps:
             did = True
             self._on_completion(c)
-        for p in self.peers:
-            w = self.flags.get(RingFlags.FAULT, p)
-            if w and not self.flags.masked(p):
-                st, ch, q = parse_fault(w)
-                raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
-                                       "the peer's proxy failed there and told its peers")
+        if flags.row(RingFlags.FAULT).any():        # (one read of every peer's word; the loop is the rare case)
+            for p in self.peers:
+                w = flags.get(RingFlags.FAULT, p)
+                if w and not flags.masked(p):
+                    st, ch, q = parse_fault(w)
+                    raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
+                                           "the peer's proxy failed there and told its peers")
         now = time.monotonic()
         batches: Dict[Tuple[int, int], List[Op]] = {}
+        ready = flags.row(RingFlags.READY).tolist()
         for p in self.peers:
-            did |= self._gather(p, own, batches, now)
+            st = self._peer[p]
+            if st.next_post >= ready[p]:            # nothing new for p (the common case: one read for all)
+                st.stall_since = None
+            else:
+                did |= self._gather(p, own, batches, now)
         for (p, qp), ops in batches.items():
             t0 = time.perf_counter()
             try:
@@ -422,11 +459,15 @@ class Scheduler:
                 raise ProxyError(self.rank, p, qp // self.qps_per_channel, qp, STAGE_NAMES[STAGE_POST],
                                  f"{type(ex).__name__}: {ex}") from ex
             finally:
-                self.post_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.post_s += dt
+                self._sweep_tx += dt
             self.wrs_posted += len(ops)
+        heads = flags.row(RingFlags.HEAD).tolist()
         for p in self.peers:
-            did |= self._credit(p)
-        for q in own:
+            if heads[p] > self._peer[p].credit_sent:
+                did |= self._credit(p)
+        for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
             if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
                 raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
                                  f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
@@ -437,15 +478,40 @@ class Scheduler:
         totals never differ by more than one chunk), then least outstanding bytes on the port and on the QP,
         then least bytes so far (equal loads deal round-robin); ``None`` when every QP has a full window (a
         congested port's QPs fill their windows and are passed over, so the other port takes the chunks)."""
+        # each port's best QP heads its heap (an entry is stale once its QP's bytes moved: it is dropped; a
+        # QP whose window is full leaves its heap until a completion frees room); the port key decides
         best, key = None, None
-        for q in own:
-            if q.peer != peer or len(q.inflight) >= self.max_chunks_per_qp:
-                continue
-            port = self._ports[q.port]
-            k = (port[1], port[0], q.out_bytes, q.total_bytes, q.qp)
-            if key is None or k < key:
-                best, key = q, k
+        for port, heap in self._heaps.get((own[0].owner if own else -1, peer), {}).items():
+            q = self._head(heap, peer)
+            if q is not None:
+                pw = self._ports[port]
+                k = (pw[1], pw[0], q.out_bytes, q.total_bytes, q.qp)
+                if key is None or k < key:
+                    best, key = q, k
         return best
+
+    def _head(self, heap: list, peer: int) -> Optional[_QPState]:
+        """The QP at the top of ``heap`` (one port's QPs to ``peer``), after dropping stale and full entries."""
+        while heap:
+            out, total, qp = heap[0]
+            q = self._qps[(peer, qp)]
+            if out == q.out_bytes and total == q.total_bytes and len(q.inflight) < self.max_chunks_per_qp:
+                return q
+            heapq.heappop(heap)
+            if out == q.out_bytes and total == q.total_bytes:
+                q.parked = True         # full: pushed again when a completion frees its window
+        return None
+
+    def _push(self, q: _QPState) -> None:
+        """``q``'s bytes changed (or its window has room again): a fresh entry in its port's heap."""
+        heap = self._heaps[(q.owner, q.peer)][q.port]
+        if len(heap) > 4 * self.t.num_qps_per_peer + 64:     # many stale entries: rebuild from the live QPs
+            live = {qp for _, _, qp in heap}
+            heap[:] = [(self._qps[(q.peer, i)].out_bytes, self._qps[(q.peer, i)].total_bytes, i) for i in live
+                       if i != q.qp and not self._qps[(q.peer, i)].parked]
+            heapq.heapify(heap)
+        q.parked = False
+        heapq.heappush(heap, (q.out_bytes, q.total_bytes, q.qp))
 
     def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], List[Op]], now: float) -> bool:
         """Move ready, credited chunks for peer ``p`` into per-QP chains (accounted as posted)."""
@@ -471,14 +537,8 @@ class Scheduler:
                 raise ProxyError(self.rank, p, q.channel, q.qp, STAGE_NAMES[STAGE_POST],
                                  f"chunk {seq} has length {n} (expected 1..{self.slot_bytes})")
             chains.setdefault(q.qp, []).append(seq)
-            q.out_bytes += n
-            q.total_bytes += n
-            q.chunks += 1
-            port = self._ports[q.port]
-            port[0] += n
-            port[1] += n
+            self._account(q, seq, n, now)
             st.next_post += 1
-            q.inflight.append((seq, n, now))   # placeholder; fixed below to the signal's QP
         blocked = st.next_post < ready and st.next_post - credit >= self.slots
         if blocked:
             st.stall_since = st.stall_since or now
@@ -501,13 +561,28 @@ class Scheduler:
                     if op.kind == WRITE_WITH_IMM and tqp != qp:   # the signal went elsewhere: retire it there
                         ent = next(e for e in q.inflight if e[0] == seq)
                         q.inflight.remove(ent)
+                        if q.parked:            # its window has room again
+                            self._push(q)
                         other = self._qps[(p, tqp)].inflight
                         other.append(ent)
                         other = sorted(other)
                         self._qps[(p, tqp)].inflight = collections.deque(other)
+                        self._busy_qps.add(self._qps[(p, tqp)])
                 if self.trace:
                     self._event("post", p, q.channel, qp, seq, self.flags.length(p, seq))
         return bool(chains)
+
+    def _account(self, q: _QPState, seq: int, n: int, now: float) -> None:
+        """Chunk ``seq`` of ``n`` bytes goes on ``q``: its bytes count as posted there and on its port."""
+        q.out_bytes += n
+        q.total_bytes += n
+        q.chunks += 1
+        port = self._ports[q.port]
+        port[0] += n
+        port[1] += n
+        q.inflight.append((seq, n, now))   # moved to the signal's QP where that is another one
+        self._push(q)
+        self._busy_qps.add(q)
 
     def _chunk_ops(self, peer: int, qp: int, seq: int, nbytes: int, signaled: bool) -> List[Tuple[int, Op]]:
         """The work requests of one chunk, as ``(QP index, Op)``: its WRITEs, then its signal (a zero-length
@@ -547,7 +622,9 @@ class Scheduler:
                 st.tail += 1
             self.flags.put(RingFlags.TAIL, c.peer, st.tail)
             if self._replenish:
+                t0 = time.perf_counter()
                 self.t.post_recv(c.peer, c.qp, 1)
+                self._sweep_tx += time.perf_counter() - t0
         elif c.wr_id & TAG_CHUNK:
             self._retire(self._qps[(c.peer, c.qp)], c.wr_id & _SEQ_MASK)
 
@@ -555,11 +632,17 @@ class Scheduler:
         """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""
         st = self._peer[q.peer]
         port = self._ports[q.port]
+        moved = False
         while q.inflight and q.inflight[0][0] <= seq:
             s, n, _ = q.inflight.popleft()
             q.out_bytes -= n
             port[0] -= n
             st.sent_set.add(s)
+            moved = True
+        if moved:
+            self._push(q)
+        if not q.inflight:
+            self._busy_qps.discard(q)
         while st.sent in st.sent_set:
             st.sent_set.discard(st.sent)
             st.sent += 1
@@ -573,11 +656,14 @@ class Scheduler:
             return False
         lay = self.layout
         self.flags.put(RingFlags.SRC, p, head)
+        t0 = time.perf_counter()
         try:
             self.t.post(p, 0, [Op(WRITE, self.region, lay.word_off(RingFlags.SRC, p), 8, self._remote[p],
                                   lay.word_off(RingFlags.CREDIT, self.rank))])
         except Exception as ex:   # noqa: BLE001
             raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST], f"credit write: {type(ex).__name__}: {ex}") from ex
+        finally:
+            self._sweep_tx += time.perf_counter() - t0
         self.wrs_posted += 1
         st.credit_sent = head
         return True
@@ -651,7 +737,7 @@ def bootstrap(transport: Transport, sched_kwargs: Optional[dict] = None, group=N
     """Connect ``transport`` to every peer and start a :class:`Scheduler` on it, exchanging QP infos and
     regions through the group's store (bounded by the scheduler's ``timeout_s``, nothing left pending:
     :mod:`triton_ep.transport.bootstrap`; ``group``: default group).  Returns the started scheduler."""
-    peers = [p for p in range(transport.world_size) if p != transport.rank]
+    peers = transport.peer_ranks()
     timeout_s = (sched_kwargs or {}).get("timeout_s")
     timeout_s = float(timeout_s if timeout_s is not None else getattr(transport, "timeout_s", 100.0))
     remote = exchange_info({p: transport.local_info(p) for p in peers}, group, timeout_s)

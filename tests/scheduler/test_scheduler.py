@@ -202,6 +202,8 @@ def test_over_the_null_transport_with_payload():
         res = in_threads(lambda r: host_alltoall(scheds[r], {1 - r: payload(r, 1 - r, 5000 + r)}, {1 - r: 5001 - r}), 2)
         assert np.array_equal(res[0][1], payload(1, 0, 5001)) and np.array_equal(res[1][0], payload(0, 1, 5000))
         assert scheds[0].busy_s > 0 and len({q["bytes"] > 0 for q in scheds[0].stats()["qps"].values()}) == 1
+        st = scheds[0].stats()      # the proxy's time split: transport calls within the busy sweeps, CPU time
+        assert 0 < st["proxy_post_s"] <= st["proxy_transport_s"] <= st["proxy_busy_s"] and st["proxy_cpu_s"] > 0, st
     finally:
         for s in scheds:
             s.close()
@@ -220,3 +222,58 @@ def test_cli_refuses_bad_values_and_runs_outside_torchrun(args, words):
     r = subprocess.run([sys.executable, "-m", "triton_ep.scheduler", *args], capture_output=True, text=True,
                        env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+
+
+@settings(max_examples=25, deadline=None)
+@given(proxies=st.sampled_from([1, 2]), window=st.integers(1, 3), seed=st.integers(0, 2 ** 31 - 1))
+def test_qp_picker_matches_the_placement_rule(proxies, window, seed):
+    """The proxy's QP choice (per-port heaps, stale entries dropped lazily) is the rule the docs give, taken
+    by a scan of every QP: the port with the fewest bytes posted, then least outstanding on the port, on
+    the QP, least bytes so far, lowest QP index, among QPs with room in their window; none when all are
+    full. Random chunk sizes, completions of random QPs (cumulative, as signalled chunks retire), 3 hosts
+    (2 peers) of dual-port NICs, 6 QPs per peer."""
+    rng = np.random.default_rng(seed)
+    fab = fabric(3)
+    from sched_helpers import transport
+    ts = [transport(fab, r, 3, 6) for r in range(3)]
+    try:
+        for a in range(3):
+            for b in range(a + 1, 3):
+                ts[a].connect(b, ts[b].local_info(a))
+                ts[b].connect(a, ts[a].local_info(b))
+        s = Scheduler(ts[0], proxies=proxies, qps_per_channel=1, max_chunks_per_qp=window)
+        s._plan_qps()                   # the proxy's state, no threads: this test drives it
+        owners = [[q for q in s._qps.values() if q.owner == i] for i in range(s.proxies)]
+
+        def scan(own, peer):
+            best, key = None, None
+            for q in own:
+                if q.peer != peer or len(q.inflight) >= s.max_chunks_per_qp:
+                    continue
+                port = s._ports[q.port]
+                k = (port[1], port[0], q.out_bytes, q.total_bytes, q.qp)
+                if key is None or k < key:
+                    best, key = q, k
+            return best
+
+        seq, picks, full = 0, 0, 0
+        for _ in range(400):
+            own, peer = owners[int(rng.integers(len(owners)))], int(rng.choice(s.peers))
+            if rng.random() < 0.6:
+                want, got = scan(own, peer), s._choose(own, peer)
+                assert got is want, (want, got)
+                if got is None:
+                    full += 1
+                else:
+                    picks += 1
+                    s._account(got, seq, int(rng.integers(1, 5)) * 64, 0.0)
+                    seq += 1
+            else:
+                busy = [q for q in s._qps.values() if q.inflight]
+                if busy:
+                    q = busy[int(rng.integers(len(busy)))]
+                    s._retire(q, q.inflight[int(rng.integers(len(q.inflight)))][0])
+        assert picks > 50
+    finally:
+        for t in ts:
+            t.close()

@@ -246,3 +246,20 @@ def test_wrong_gid_for_the_dest_qp_is_retry_exceeded_and_flushes_the_rest():
     finally:
         for q in (qa, qb, qc):
             q.close()
+
+
+def test_peers_limits_the_qps_to_those_ranks_and_bad_peers_are_value_errors():
+    """``peers``: QPs to those ranks only (rank 0 of 3 with peers [2]: none to rank 1); a peer that is this
+    rank or outside the group is a ValueError before any device is opened."""
+    fab = em.Fabric(em.FabricSpec([em.DeviceSpec(f"mlx5_{h}", [em.PortSpec()]) for h in range(3)]))
+    t = verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=3, timeout_s=10.0, peers=[2])
+    try:
+        assert t.peer_ranks() == [2] and sorted(t.qps) == [(2, 0), (2, 1), (2, 2)]
+        assert len(t.local_info(2)) == 3
+        with pytest.raises(KeyError):
+            t.local_info(1)
+    finally:
+        t.close()
+    for bad in ([0], [3], [-1, 2]):
+        with pytest.raises(ValueError, match="peers must be ranks"):
+            verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=1, peers=bad)

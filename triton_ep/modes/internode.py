@@ -141,7 +141,8 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
                   network_s: float = 0.0, exchanges: int = 0, host_exchanges: int = 0) -> dict:
     """``Buffer.get_rdma_stats``'s dict from the scheduler's :meth:`~triton_ep.scheduler.Scheduler.stats`
     (channels summed from its QPs); the defaults give a Buffer on one host: no traffic."""
-    s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0, "proxy_post_s": 0.0}
+    s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0, "proxy_post_s": 0.0,
+                        "proxy_transport_s": 0.0, "proxy_cpu_s": 0.0}
     channels: dict = {}
     for q in s["qps"].values():
         c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
@@ -149,7 +150,8 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
         c["chunks"] += q["chunks"]
     return {"transport": transport, "num_hosts": num_hosts, "qps": s["qps"], "ports": s["ports"],
             "channels": channels, "wrs": s["wrs"], "chunks": sum(q["chunks"] for q in s["qps"].values()),
-            "proxy_busy_s": s["proxy_busy_s"], "proxy_post_s": s["proxy_post_s"], "network_s": network_s, "exchanges": exchanges,
+            "proxy_busy_s": s["proxy_busy_s"], "proxy_post_s": s["proxy_post_s"],
+            "proxy_transport_s": s["proxy_transport_s"], "proxy_cpu_s": s["proxy_cpu_s"], "network_s": network_s, "exchanges": exchanges,
             "host_exchanges": host_exchanges}
 
 

@@ -186,7 +186,8 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         ll = LowLatency(own, 0, int(area_bytes), shrink)      # zeroes its control block before the exchange below
         slot = net_slot_bytes(area_bytes, R)
         network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
-                               num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev)
+                               num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev,
+                               peers=[r for r in range(R) if not same[r]])    # no QPs to peers on the NVLink path
         ll.net = NetLeg(network, ll.area, slot, remote, local, rt.group)
         return ll
     except BaseException:

@@ -38,7 +38,7 @@ class Network:
 
 def open_network(backend: str, group, rank: int, world: int, *, token: str, names, name: str,
                  num_qps_per_peer: int, slots: int, slot_bytes: int, timeout_s: float,
-                 device: torch.device, **sched_kwargs) -> Network:
+                 device: torch.device, peers=None, **sched_kwargs) -> Network:
     """Open rank ``rank``'s RDMA leg to the ``world`` ranks of ``group`` (collective over it).
 
     Args:
@@ -46,12 +46,13 @@ def open_network(backend: str, group, rank: int, world: int, *, token: str, name
             ``token``, ``name``: this rank's).
         num_qps_per_peer: RC QPs per peer.  slots, slot_bytes: the scheduler's rings.
         device: the kernels' device: on CUDA the region is pinned host memory (device-mapped).
+        peers: the ranks of ``group`` to make QPs to (default: every other one).
         sched_kwargs: more :class:`~triton_ep.scheduler.Scheduler` arguments.
     Raises:
         what the transport and the bootstrap raise (``EPTimeoutError`` for a peer that never joins); nothing
         stays open on the way out.
     """
-    kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=timeout_s)
+    kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=timeout_s, peers=peers)
     fabric = None
     if backend == "emulated":
         fabric = factory.emulated_fabric(list(names), token)

@@ -39,7 +39,7 @@ def emulated_fabric(device_names: Sequence[str], token: str, ports_per_device: i
 
 def open_transport(backend: str, rank: int, world: int, *, num_qps_per_peer: int, timeout_s: float,
                    fabric: Optional[em.Fabric] = None, device_name: Optional[str] = None,
-                   gpu: Optional[int] = None) -> Transport:
+                   gpu: Optional[int] = None, peers: Optional[Sequence[int]] = None) -> Transport:
     """Rank ``rank``'s transport to the ``world`` ranks it talks to over RDMA.
 
     Args:
@@ -47,12 +47,13 @@ def open_transport(backend: str, rank: int, world: int, *, num_qps_per_peer: int
             ``"emulated"`` (``fabric``, this rank's NIC ``device_name``).
         num_qps_per_peer: RC QPs per peer, placed over ports and ECMP paths by :mod:`topology`.
         timeout_s: bound of every wait, seconds.
+        peers: the ranks to make QPs to (default: every other rank).
 
     Raises:
         ValueError: an unknown backend, or ``"emulated"`` without ``fabric`` / ``device_name``.
         RdmaUnavailable: pyverbs does not import (``"verbs"``).
     """
-    kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=timeout_s)
+    kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=timeout_s, peers=peers)
     if backend == "emulated":
         if fabric is None or device_name is None:
             raise ValueError("the emulated transport needs its fabric and this rank's device name")

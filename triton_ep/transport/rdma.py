@@ -163,6 +163,12 @@ class Transport(abc.ABC):
     num_qps_per_peer: int
     #: bound in seconds of every wait (send-queue space, :meth:`wait`)
     timeout_s: float = 30.0
+    #: the ranks it has QPs to (``None``: every other rank of the group)
+    peers: Optional[List[int]] = None
+
+    def peer_ranks(self) -> List[int]:
+        """The ranks this transport has QPs to, ascending."""
+        return list(self.peers) if self.peers is not None else [p for p in range(self.world_size) if p != self.rank]
 
     @abc.abstractmethod
     def register(self, nbytes_or_tensor: Any, *, remote_write: bool = True, remote_atomic: bool = True) -> Any:

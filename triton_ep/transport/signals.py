@@ -300,6 +300,11 @@ class RingFlags:
         """Word index of ``array[peer]``."""
         return self._word[array][peer]
 
+    def row(self, array: int):
+        """int64 numpy view ``[R]`` of ``array[0..R)`` (the proxy reads a whole array at once)."""
+        i = self._word[array][0]
+        return self.w[i:i + self.size]
+
     def get(self, array: int, peer: int) -> int:
         """``array[peer]`` (a chunk count, or a fault word)."""
         return int(self.w[self._word[array][peer]])

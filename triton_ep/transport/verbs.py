@@ -490,7 +490,8 @@ class VerbsTransport(Transport):
     """RC queue pairs to every peer over one or more RDMA devices, through pyverbs (real or emulated).
 
     Args:
-        rank, world_size: this rank and the group size; QPs are made towards every other rank.
+        rank, world_size: this rank and the group size; QPs are made towards every other rank, or only to
+            ``peers`` (ranks of the group other than ``rank``; e.g. the ranks on other hosts).
         api: namespace from :func:`load_pyverbs` (default) or ``emulated.Fabric(...).pyverbs(...)``.
         devices: device names to use (default: every device with an active port).
         num_qps_per_peer: RC QPs per peer, dealt over the active ports by :func:`topology.spread_ports`.
@@ -522,7 +523,14 @@ class VerbsTransport(Transport):
                  signal_every: Optional[int] = None, auto_replenish: bool = True, min_rnr_timer: int = 12,
                  rnr_retry: int = 7, retry_cnt: int = 7, qp_timeout: int = 14, timeout_s: float = 30.0,
                  force_sport: bool = True, lag_ports: Optional[int] = None, gpu: Optional[int] = None,
-                 seed: int = 0, traffic_class: Optional[int] = None, service_level: Optional[int] = None) -> None:
+                 seed: int = 0, traffic_class: Optional[int] = None, service_level: Optional[int] = None,
+                 peers: Optional[Sequence[int]] = None) -> None:
+        if peers is not None:
+            bad = [p for p in peers if not 0 <= int(p) < world_size or int(p) == rank]
+            if bad:
+                raise ValueError(f"peers must be ranks of the group other than this rank {rank} (0..{world_size - 1}); "
+                                 f"got {bad}")
+            self.peers = sorted({int(p) for p in peers})
         self.qos = QoS.resolve(traffic_class, service_level)
         self.api = api if api is not None else load_pyverbs()
         self.e = enums_of(self.api)
@@ -547,7 +555,7 @@ class VerbsTransport(Transport):
         self.by_qpn: Dict[tuple, _QP] = {}
         self.regions: List[Region] = []
         self._backlog: List[Completion] = []
-        nq = num_qps_per_peer * max(1, world_size - 1)
+        nq = num_qps_per_peer * max(1, len(self.peer_ranks()))
         for slot, d in enumerate(self.devices):
             ctx = _call(self.api, "open device", lambda: self.api.Context(name=d.name), device=d.name)
             self.ctxs.append(ctx)
@@ -558,9 +566,7 @@ class VerbsTransport(Transport):
         for slot in range(len(self.devices)):
             self.scratch.append(self._mr(slot, None, 64, ctypes.addressof(self._scratch_buf) + 64 * slot,
                                          self._access(False, False)))
-        for peer in range(world_size):
-            if peer == rank:
-                continue
+        for peer in self.peer_ranks():
             for i, port in enumerate(topology.spread_ports(num_qps_per_peer, self.ports)):
                 self._create_qp(peer, i, port)
 

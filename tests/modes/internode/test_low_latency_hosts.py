@@ -85,11 +85,12 @@ def test_errors_raise_everywhere_at_once_and_the_group_recovers():
 def test_same_host_peers_take_the_shared_buffer_with_allow_nvlink(allow_nvlink):
     """2 hosts of 2 ranks, every rank sending to every rank: with allow_nvlink_for_low_latency_mode the network
     leg carries bytes to the other host's ranks only (the same-host peer is written through the shared
-    buffer); without it, to all three peers. The results are the oracle's either way."""
+    buffer) and has QPs (num_qps_per_rank = 2 each) to them alone; without it, to all three peers. The
+    results are the oracle's either way."""
     out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "peers_on_network", allow_nvlink))
-    for r, peers in enumerate(out):
-        other_host = [p for p in range(4) if p // 2 != r // 2]
-        assert peers == (other_host if allow_nvlink else [p for p in range(4) if p != r]), out
+    for r, (carried, with_qps, n_qps) in enumerate(out):
+        want = [p for p in range(4) if p // 2 != r // 2] if allow_nvlink else [p for p in range(4) if p != r]
+        assert carried == want and with_qps == want and n_qps == 2 * len(want), out
 
 
 @pytest.mark.parametrize("by_timeout", [False, True])
