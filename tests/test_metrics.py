@@ -20,6 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the counters of one rank, by metric (sample) name -> get_rdma_stats() field
 RANK_COUNTERS = {"triton_ep_rdma_work_requests_total": "wrs", "triton_ep_rdma_chunks_total": "chunks",
                  "triton_ep_rdma_proxy_busy_seconds_total": "proxy_busy_s",
+                 "triton_ep_rdma_proxy_transport_seconds_total": "proxy_transport_s",
+                 "triton_ep_rdma_proxy_cpu_seconds_total": "proxy_cpu_s",
                  "triton_ep_rdma_network_seconds_total": "network_s", "triton_ep_rdma_exchanges_total": "exchanges"}
 
 
@@ -104,7 +106,8 @@ def test_labels_name_each_field_of_a_qp(prom):
         c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
         c["bytes"], c["chunks"] = c["bytes"] + q["bytes"], c["chunks"] + q["chunks"]
     st = {"transport": "verbs", "num_hosts": 3, "qps": qps, "ports": ports, "channels": channels, "wrs": 999,
-          "chunks": sum(q["chunks"] for q in qps.values()), "proxy_busy_s": 0.25, "network_s": 1.5, "exchanges": 4}
+          "chunks": sum(q["chunks"] for q in qps.values()), "proxy_busy_s": 0.25, "proxy_transport_s": 0.125,
+          "proxy_cpu_s": 0.2, "network_s": 1.5, "exchanges": 4}
     buf = StandIn(5, st)
     registry = prom.CollectorRegistry()
     registry.register(PrometheusExporter(buf, labels={"job": "x"}))
