@@ -712,13 +712,15 @@ def combine_before_hook(rank, world):
         buf.destroy()
 
 
-def mode_mismatch(rank, world):
-    """Rank 0 builds its Buffer without low_latency_mode, the others with it: ValueError on every rank, then
-    a Buffer built alike on every rank works (the ranks' exchanges stayed in step)."""
+def mode_mismatch(rank, world, zero_qps=False):
+    """Rank 0 builds its Buffer without low_latency_mode, the others with it (``zero_qps``: every rank with
+    it and ``num_qps_per_rank=0``): ValueError on every rank, then a Buffer built alike on every rank works
+    (the ranks' exchanges stayed in step)."""
     E, H, N = 2 * world, 128, 4
     hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
     try:
-        triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=rank != 0, num_qps_per_rank=1, timeout_s=20).destroy()
+        triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=zero_qps or rank != 0,
+                         num_qps_per_rank=0 if zero_qps else 1, timeout_s=20).destroy()
         first = None
     except ValueError as ex:
         first = str(ex)

@@ -381,8 +381,9 @@ class Scheduler:
                     did = self._sweep(own)
                     tx = self._sweep_tx
                 if did:
+                    c1 = time.thread_time()         # (read inside the wall-clock interval: CPU <= wall)
                     self.busy_s += time.perf_counter() - t0
-                    self.busy_cpu_s += time.thread_time() - c0
+                    self.busy_cpu_s += c1 - c0
                     self.transport_s += tx
                     idle = 0
                 else:
@@ -762,7 +763,7 @@ def main(argv=None) -> None:
             try:
                 x = kind(v)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{v!r} is not a {kind.__name__}") from None
+                raise argparse.ArgumentTypeError(f"{v!r} is not of type {kind.__name__}") from None
             if not x >= lo or x != x or x == float("inf"):
                 raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}, got {v}")
             return x

@@ -249,8 +249,9 @@ def test_wrong_gid_for_the_dest_qp_is_retry_exceeded_and_flushes_the_rest():
 
 
 def test_peers_limits_the_qps_to_those_ranks_and_bad_peers_are_value_errors():
-    """``peers``: QPs to those ranks only (rank 0 of 3 with peers [2]: none to rank 1); a peer that is this
-    rank or outside the group is a ValueError before any device is opened."""
+    """``peers``: QPs to those ranks only (rank 0 of 3 with peers [2]: none to rank 1; a generator works as
+    a list); a peer that is this rank, outside the group or given twice is a ValueError, a non-int a
+    TypeError, before any device is opened."""
     fab = em.Fabric(em.FabricSpec([em.DeviceSpec(f"mlx5_{h}", [em.PortSpec()]) for h in range(3)]))
     t = verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=3, timeout_s=10.0, peers=[2])
     try:
@@ -260,6 +261,14 @@ def test_peers_limits_the_qps_to_those_ranks_and_bad_peers_are_value_errors():
             t.local_info(1)
     finally:
         t.close()
-    for bad in ([0], [3], [-1, 2]):
-        with pytest.raises(ValueError, match="peers must be ranks"):
+    t = verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=1, peers=(p for p in [2, 1]))
+    try:
+        assert t.peer_ranks() == [1, 2] and len(t.qps) == 2
+    finally:
+        t.close()
+    for bad in ([0], [3], [-1, 2], [1, 1, 2]):
+        with pytest.raises(ValueError, match="peers must be distinct ranks"):
+            verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=1, peers=bad)
+    for bad in ([1.5], ["2"], "12", [True]):
+        with pytest.raises(TypeError, match="peers must be a sequence of int"):
             verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=1, peers=bad)

@@ -153,17 +153,21 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         allow_nvlink: peers on this rank's host are reached through the shared buffer (NVLink / IPC, DeepEP's
             ``allow_nvlink_for_low_latency_mode``); else over RDMA as the other hosts' ranks.
     Raises:
-        ValueError: ranks disagree on ``num_qps_per_rank``, ``enable_shrink`` or
+        ValueError: ``num_qps_per_rank`` not an int >= 1; ranks disagree on it, on ``enable_shrink`` or
             ``allow_nvlink_for_low_latency_mode`` (on every rank; ``num_rdma_bytes`` is checked before, by
             :class:`~triton_ep.modes.internode.Internode`).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
     me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
-    qps = max(1, int(num_qps_per_rank))
+    ok = isinstance(num_qps_per_rank, int) and not isinstance(num_qps_per_rank, bool)
+    qps = num_qps_per_rank if ok else repr(num_qps_per_rank)
     # (num_rdma_bytes, with low_latency_mode, was checked equal on every rank by the normal-mode set-up)
     every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink)), rt.timeout_s,
                            "internode low-latency: fabric token")
     hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[1] for e in every])
+    if not isinstance(qps, int) or qps < 1:     # (checked after the exchange: every rank raises it alike)
+        raise ValueError(f"num_qps_per_rank must be an int >= 1 for low-latency mode across hosts (RC QPs to each "
+                         f"peer); got {num_qps_per_rank!r}")
     hosts_mod.agreed("allow_nvlink_for_low_latency_mode (low-latency mode across hosts)", [e[2] for e in every])
     hosts_mod.agreed("enable_shrink (low-latency mode across hosts)", [e[3] for e in every])
     token = every[0][0]

@@ -491,7 +491,8 @@ class VerbsTransport(Transport):
 
     Args:
         rank, world_size: this rank and the group size; QPs are made towards every other rank, or only to
-            ``peers`` (ranks of the group other than ``rank``; e.g. the ranks on other hosts).
+            ``peers`` (distinct int ranks of the group other than ``rank``; e.g. the ranks on other hosts;
+            empty: no QPs).
         api: namespace from :func:`load_pyverbs` (default) or ``emulated.Fabric(...).pyverbs(...)``.
         devices: device names to use (default: every device with an active port).
         num_qps_per_peer: RC QPs per peer, dealt over the active ports by :func:`topology.spread_ports`.
@@ -512,7 +513,8 @@ class VerbsTransport(Transport):
         service_level: service level of every QP's address (0..15); default: ``TRITON_EP_RDMA_SL``, else 0.
     Raises:
         ValueError: a traffic class or service level out of range, from the argument or the environment (the
-            message names the variable).
+            message names the variable); ``peers`` holding this rank, a rank outside the group or a rank twice.
+        TypeError: ``peers`` holding something other than ints.
         RdmaUnavailable: no pyverbs or no device ("no RDMA device: ... use the emulated fabric").
         RdmaError: a verbs call failed (names device, port, QP, peer).
     """
@@ -526,11 +528,14 @@ class VerbsTransport(Transport):
                  seed: int = 0, traffic_class: Optional[int] = None, service_level: Optional[int] = None,
                  peers: Optional[Sequence[int]] = None) -> None:
         if peers is not None:
-            bad = [p for p in peers if not 0 <= int(p) < world_size or int(p) == rank]
-            if bad:
-                raise ValueError(f"peers must be ranks of the group other than this rank {rank} (0..{world_size - 1}); "
-                                 f"got {bad}")
-            self.peers = sorted({int(p) for p in peers})
+            peers = list(peers)
+            if any(not isinstance(p, int) or isinstance(p, bool) for p in peers):
+                raise TypeError(f"peers must be a sequence of int ranks, got {peers!r}")
+            bad = [p for p in peers if not 0 <= p < world_size or p == rank]
+            if bad or len(set(peers)) != len(peers):
+                raise ValueError(f"peers must be distinct ranks of the group other than this rank {rank} "
+                                 f"(0..{world_size - 1}); got {peers}")
+            self.peers = sorted(peers)
         self.qos = QoS.resolve(traffic_class, service_level)
         self.api = api if api is not None else load_pyverbs()
         self.e = enums_of(self.api)

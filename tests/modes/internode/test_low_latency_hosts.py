@@ -140,3 +140,10 @@ def test_low_latency_mode_mismatch_across_hosts_raises_everywhere():
     """(A new user's find: the ranks' set-up exchanges fell out of step, and no Buffer could be built again.)"""
     for first in _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "mode_mismatch")):
         assert first and "low_latency_mode" in first, first
+
+
+def test_zero_qps_per_rank_across_hosts_raises_everywhere():
+    """num_qps_per_rank=0 (DeepEP requires at least one): ValueError naming it on every rank, and the next
+    Buffer works."""
+    for first in _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "mode_mismatch", True)):
+        assert first and "num_qps_per_rank must be an int >= 1" in first, first
