@@ -250,7 +250,7 @@ def test_wrong_gid_for_the_dest_qp_is_retry_exceeded_and_flushes_the_rest():
 
 def test_peers_limits_the_qps_to_those_ranks_and_bad_peers_are_value_errors():
     """``peers``: QPs to those ranks only (rank 0 of 3 with peers [2]: none to rank 1; a generator works as
-    a list); a peer that is this rank, outside the group or given twice is a ValueError, a non-int a
+    a list, numpy ints as ints); a peer that is this rank, outside the group or given twice is a ValueError, a non-int a
     TypeError, before any device is opened."""
     fab = em.Fabric(em.FabricSpec([em.DeviceSpec(f"mlx5_{h}", [em.PortSpec()]) for h in range(3)]))
     t = verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=3, timeout_s=10.0, peers=[2])
@@ -261,7 +261,7 @@ def test_peers_limits_the_qps_to_those_ranks_and_bad_peers_are_value_errors():
             t.local_info(1)
     finally:
         t.close()
-    t = verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=1, peers=(p for p in [2, 1]))
+    t = verbs.VerbsTransport(0, 3, api=fab.pyverbs(["mlx5_0"]), num_qps_per_peer=1, peers=(p for p in [np.int64(2), 1]))
     try:
         assert t.peer_ranks() == [1, 2] and len(t.qps) == 2
     finally:

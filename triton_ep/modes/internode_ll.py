@@ -19,6 +19,7 @@ cannot be unmasked.
 """
 from __future__ import annotations
 
+import operator
 import time
 import uuid
 from typing import Optional
@@ -159,8 +160,10 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
     me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
-    ok = isinstance(num_qps_per_rank, int) and not isinstance(num_qps_per_rank, bool)
-    qps = num_qps_per_rank if ok else repr(num_qps_per_rank)
+    try:                # (an int, numpy's included; a bool or anything else is refused below, on every rank)
+        qps = repr(num_qps_per_rank) if isinstance(num_qps_per_rank, bool) else operator.index(num_qps_per_rank)
+    except TypeError:
+        qps = repr(num_qps_per_rank)
     # (num_rdma_bytes, with low_latency_mode, was checked equal on every rank by the normal-mode set-up)
     every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink)), rt.timeout_s,
                            "internode low-latency: fabric token")

@@ -529,8 +529,12 @@ class VerbsTransport(Transport):
                  peers: Optional[Sequence[int]] = None) -> None:
         if peers is not None:
             peers = list(peers)
-            if any(not isinstance(p, int) or isinstance(p, bool) for p in peers):
-                raise TypeError(f"peers must be a sequence of int ranks, got {peers!r}")
+            try:
+                if any(isinstance(p, bool) for p in peers):
+                    raise TypeError
+                peers = [operator.index(p) for p in peers]      # (ints, numpy's included)
+            except TypeError:
+                raise TypeError(f"peers must be a sequence of int ranks, got {peers!r}") from None
             bad = [p for p in peers if not 0 <= p < world_size or p == rank]
             if bad or len(set(peers)) != len(peers):
                 raise ValueError(f"peers must be distinct ranks of the group other than this rank {rank} "
