@@ -447,11 +447,7 @@ class Scheduler:
         batches: Dict[Tuple[int, int], List[Op]] = {}
         ready = flags.row(RingFlags.READY).tolist()
         for p in self.peers:
-            st = self._peer[p]
-            if st.next_post >= ready[p]:            # nothing new for p (the common case: one read for all)
-                st.stall_since = None
-            else:
-                did |= self._gather(p, own, batches, now)
+            did |= self._gather(p, own, batches, now, ready[p])
         for (p, qp), ops in batches.items():
             t0 = time.perf_counter()
             try:
@@ -466,8 +462,8 @@ class Scheduler:
             self.wrs_posted += len(ops)
         heads = flags.row(RingFlags.HEAD).tolist()
         for p in self.peers:
-            if heads[p] > self._peer[p].credit_sent:
-                did |= self._credit(p)
+            if heads[p] > self._peer[p].credit_sent:    # (the common case, nothing freed, without a call)
+                did |= self._credit(p, heads[p])
         for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
             if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
                 raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
@@ -514,10 +510,11 @@ class Scheduler:
         q.parked = False
         heapq.heappush(heap, (q.out_bytes, q.total_bytes, q.qp))
 
-    def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], List[Op]], now: float) -> bool:
-        """Move ready, credited chunks for peer ``p`` into per-QP chains (accounted as posted)."""
+    def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], List[Op]], now: float,
+                ready: int) -> bool:
+        """Move ready (below ``ready``, ``READY[p]`` as the sweep read it), credited chunks for peer ``p`` into
+        per-QP chains (accounted as posted)."""
         st = self._peer[p]
-        ready = self.flags.get(RingFlags.READY, p)
         if st.next_post >= ready:
             st.stall_since = None
             return False
@@ -649,10 +646,10 @@ class Scheduler:
             st.sent += 1
         self.flags.put(RingFlags.SENT, q.peer, st.sent)
 
-    def _credit(self, p: int) -> bool:
-        """Send ``HEAD[p]`` to ``p``'s ``CREDIT[me]`` when half a ring was freed or the consumer caught up."""
+    def _credit(self, p: int, head: int) -> bool:
+        """Send ``head`` (``HEAD[p]`` as the sweep read it) to ``p``'s ``CREDIT[me]`` when half a ring was freed
+        or the consumer caught up."""
         st = self._peer[p]
-        head = self.flags.get(RingFlags.HEAD, p)
         if self.flags.masked(p) or head <= st.credit_sent or (head - st.credit_sent < max(1, self.slots // 2) and head < st.tail):
             return False
         lay = self.layout

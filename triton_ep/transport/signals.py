@@ -185,11 +185,11 @@ class Signals:
         me, peer, stage = self.rank, rec.peer, STAGE_NAMES.get(rec.stage, "unknown")
         if rec.kind == int(F.E_TIMEOUT):
             return EPTimeoutError(me, peer, f"{stage} (round {rec.call})", self.timeout_s)
-        if rec.kind == int(F.E_GONE) and rec.stage == F.STAGE_CAPACITY:
-            # the peer's error is this call's for every rank (the same counts), whichever rank saw it first
-            return EPCapacityError(f"rank {me}: {_left(peer, rec.stage)}; destroy() and rebuild the Buffer")
         if rec.kind == int(F.E_GONE):
-            return EPRemoteError(f"rank {me}: {_left(peer, rec.stage)}; destroy() and rebuild the Buffer")
+            # a peer that left over num_worst_tokens: that error is this call's on every rank (the same
+            # counts), whichever rank saw it first
+            cls = EPCapacityError if rec.stage == F.STAGE_CAPACITY else EPRemoteError
+            return cls(f"rank {me}: {_left(peer, rec.stage)}; destroy() and rebuild the Buffer")
         if rec.kind == int(F.E_BADIDS):
             h = self._host_np
             return ValueError(f"topk_idx holds {int(h[int(F.H_INFO)])} ids outside [-1, {int(h[int(F.H_INFO2)])}) "
