@@ -11,7 +11,16 @@ small call from below when the GPU waits for the host. The dispatches take the l
 (FP8) and ``ll_combine`` are the low-latency calls on a low-latency Buffer of their own (N = tokens). Kernels
 per call: on a GPU, the kernels ``torch.profiler`` sees in one call (driver launches count); on CPU, under
 the Triton interpreter, calls of the kernel launchers of ``triton_ep.kernels`` (the times say nothing
-about a GPU there). Output: a table, and ``<out>/host_cost.json``.
+about a GPU there).
+
+On a GPU two further passes split each call's time: ``launch_us``, the time spent inside kernel launches
+(:class:`triton_ep.kernels.launch.Launcher` and ``BoundLaunch`` calls), and ``alloc_us``, inside tensor allocations
+(``torch.empty``, ``zeros``, ``full`` and their ``_like`` forms); ``host_us - launch_us - alloc_us`` is the
+call's own Python. Two rows give this machine's floor for one launch, timed the same way: ``floor_torch``
+(``Tensor.add_`` on 64 floats, PyTorch's own launch) and ``floor_triton`` (a one-line Triton kernel through
+``Launcher``). The kernels each call makes are counted last, after every timing: once ``torch.profiler`` has
+attached CUPTI, later launches on the machine cost more (seen on an H200 host: the floor rows went from 8-11
+to 9-16 µs). Output: a table, and ``<out>/host_cost.json``.
 """
 from __future__ import annotations
 
@@ -30,6 +39,15 @@ import _common as C  # noqa: E402  (puts the repository root on sys.path, sets t
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+import triton_ep  # noqa: E402,F401  (before triton: it chooses the interpreter where there is no GPU)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton_ep.kernels import launch as _launch  # noqa: E402
+from triton_ep.kernels.launch import Launcher  # noqa: E402
+
+#: what a kernel launch goes through: a launcher's call, or a bound launch's (kernels/launch.py)
+LAUNCHES = [(Launcher, "_launch")] + ([(_launch.BoundLaunch, "__call__")] if hasattr(_launch, "BoundLaunch") else [])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,6 +93,56 @@ def gpu_kernels(fn) -> dict:
             if e.count and (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0))}
 
 
+def time_inside(fn, iters: int, sync, targets) -> float:
+    """Median µs per call of ``fn`` spent inside the functions ``targets`` names (``(owner, attribute)``
+    pairs), each wrapped by a timer for this pass only (nested calls are counted once)."""
+    spent, depth = [0.0], [0]
+    saved = [(o, n, getattr(o, n)) for o, n in targets]
+
+    def wrap(real):
+        def timed(*args, **kw):
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kw)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.perf_counter() - t0
+        return timed
+    for o, n, real in saved:
+        setattr(o, n, wrap(real))
+    try:
+        per = []
+        for _ in range(iters):
+            sync()
+            spent[0] = 0.0
+            fn()
+            per.append(spent[0] * 1e6)
+    finally:
+        for o, n, real in saved:
+            setattr(o, n, real)
+    return statistics.median(per)
+
+
+@triton.jit
+def _floor_kernel(x_ptr, n, B: tl.constexpr):
+    o = tl.arange(0, B)
+    tl.store(x_ptr + o, tl.load(x_ptr + o, mask=o < n) + 1, mask=o < n)
+
+
+def floor_calls(dev) -> dict:
+    """This machine's floor for one launch: PyTorch's own (``add_`` on 64 floats) and a one-line Triton kernel
+    through the library's :class:`Launcher`."""
+    t = torch.zeros(64, device=dev)
+    launch = Launcher(_floor_kernel)
+    return {"floor_torch": lambda: t.add_(1), "floor_triton": lambda: launch[(1,)](t, 64, B=64, num_warps=1)}
+
+
+#: the tensor allocations a call may make
+ALLOCATORS = [(torch, n) for n in ("empty", "zeros", "full", "empty_like", "zeros_like", "full_like", "ones")]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     import triton_ep
@@ -103,19 +171,24 @@ def main(argv=None) -> int:
                      "combine": lambda: buf.combine(recv_x, handle),
                      "ll_dispatch": lambda: llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=True),
                      "ll_combine": lambda: llbuf.low_latency_combine(ll[0], idx, w, ll[2])}
+            if dev.type == "cuda":
+                calls.update(floor_calls(dev))
             sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
             counter = count_launches() if dev.type != "cuda" else None
-            rows, out = [], []
+            out = []
+            def fresh_layout():
+                """As a caller does: dispatch with the layout just computed for its topk_idx (the Buffer then
+                launches no layout of its own)."""
+                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
+                kw.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
             for name, fn in C.progress(list(calls.items()), desc="host_cost"):
-                if name == "dispatch":      # as a caller does: dispatch with the layout just computed for it
-                    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
-                    kw.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                              num_tokens_per_expert=per_expert)
+                if name == "dispatch":
+                    fresh_layout()
                 for _ in range(3):
                     fn()
-                if counter is None:
-                    launches = gpu_kernels(fn)
-                else:
+                launches = None
+                if counter is not None:
                     counter.clear()
                     fn()
                     launches = dict(counter)
@@ -127,9 +200,11 @@ def main(argv=None) -> int:
                     ts.append((time.perf_counter() - t0) * 1e6)
                 sync()
                 med, lo = statistics.median(ts), min(ts)
-                out.append(dict(call=name, host_us=med, host_us_min=lo, launches=launches))
-                rows.append([name, C.sig(med), C.sig(lo), sum(launches.values()),
-                             ", ".join(f"{k} {v}" for k, v in launches.items())])
+                row = dict(call=name, host_us=med, host_us_min=lo, launches=launches)
+                if dev.type == "cuda" and not name.startswith("floor"):
+                    row.update(launch_us=time_inside(fn, a.iters, sync, LAUNCHES),
+                               alloc_us=time_inside(fn, a.iters, sync, ALLOCATORS))
+                out.append(row)
                 if a.cprofile:
                     prof = cProfile.Profile()
                     prof.enable()
@@ -140,6 +215,16 @@ def main(argv=None) -> int:
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
                     print(f"--- cProfile of {name} ({a.iters} calls)\n{text.getvalue()}")
+            if counter is None:
+                # after every timing: CUPTI, once a profiler attached it, may slow later launches down
+                for row in out:
+                    if row["call"] == "dispatch":
+                        fresh_layout()
+                    row["launches"] = gpu_kernels(calls[row["call"]])
+            rows = [[r["call"], C.sig(r["host_us"]), C.sig(r["host_us_min"]), C.sig(r.get("launch_us")),
+                     C.sig(r.get("alloc_us")),
+                     sum(r["launches"].values()), ", ".join(f"{k} {v}" for k, v in r["launches"].items())]
+                    for r in out]
             llbuf.destroy()
             buf.destroy()
         finally:
@@ -148,8 +233,8 @@ def main(argv=None) -> int:
             "dispatch's host wait)" if dev.type == "cuda" else
             "CPU: kernels run inside the call under the Triton interpreter; the times say nothing about a GPU")
     C.say(f"[host_cost] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of {a.experts}; {what}")
-    C.print_table(["call", "host us (median)", "min", "kernels" if dev.type == "cuda" else "launcher calls",
-                   "per kernel"], rows)
+    C.print_table(["call", "host us (median)", "min", "in launches us", "in allocations us",
+                   "kernels" if dev.type == "cuda" else "launcher calls", "per kernel"], rows)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "host_cost.json")
     C.write_json(path, dict(device=C.device_name(), ranks=1, ranks_per_gpu=1, tokens=a.tokens, hidden=a.hidden,

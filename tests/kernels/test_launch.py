@@ -1,13 +1,15 @@
 """The kernels' launcher (triton_ep/kernels/launch.py): launching through the compiled kernel gives what
 ``kernel[grid]`` gives, for every specialisation Triton makes (dtype, 16-byte alignment, integers equal
 to 1 or multiples of 16, 64-bit integers), and never reuses a kernel compiled for other arguments."""
+import functools
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from triton_ep.kernels import interpreted
-from triton_ep.kernels.launch import Launcher, _arg_key, _arg_key_unspecialized
+from triton_ep.kernels.launch import Launcher, _arg_key, _arg_key_unspecialized, bound
 
 
 def _axpb_body(x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
@@ -22,7 +24,10 @@ _axpb = Launcher(triton.jit(_axpb_body))
 _axpb_dns = Launcher(triton.jit(do_not_specialize=["n", "a"])(_axpb_body))
 
 
-def _check(device):
+def _check(device, bind=False):
+    """Every specialisation, launched through ``launcher[grid]`` or (``bind``) through one bound launch per
+    grid that then meets every dtype, alignment and integer kind in turn."""
+    binds = {}
     for dtype in (torch.float32, torch.int64, torch.float16):
         for n in (1, 16, 37, 130):
             for off in (0, 1):          # offset 1: the pointers lose their 16-byte alignment
@@ -33,7 +38,13 @@ def _check(device):
                     y = torch.empty(n + 1, dtype=dtype, device=device)[off:off + n]
                     for _ in range(2):  # the second launch takes the compiled kernel's path
                         y.fill_(-99)
-                        _axpb[(triton.cdiv(n, 32),)](x, y, n, a, b, BLOCK=32, SHIFT=2, num_warps=1)
+                        grid = (triton.cdiv(n, 32),)
+                        if bind:
+                            launch = bound(binds, grid, lambda: _axpb.bind(grid, num_warps=1, BLOCK=32, SHIFT=2))
+                        else:
+                            launch = _axpb[grid]
+                            launch = functools.partial(launch, BLOCK=32, SHIFT=2, num_warps=1)
+                        launch(x, y, n, a, b)
                         exp = (x.to(torch.int64) * a + b + 2).to(dtype) if dtype == torch.int64 else \
                             (x.double() * a + b + 2).to(dtype)
                         assert torch.equal(y, exp), (dtype, n, off, a, b)
@@ -44,6 +55,23 @@ def test_launcher_matches_kernel_call_cpu():
     if not interpreted():
         pytest.skip("interpreter only")
     _check("cpu")
+
+
+def test_bound_launch_matches_kernel_call_cpu():
+    """A bound launch (grid and constexprs fixed) gives what the plain call gives, under the interpreter."""
+    if not interpreted():
+        pytest.skip("interpreter only")
+    _check("cpu", bind=True)
+
+
+def test_bound_cache_makes_once_and_stays_bounded():
+    """``bound`` makes a launch once per key and starts again past 256 keys (shapes that keep changing)."""
+    made, cache = [], {}
+    for i in range(300):
+        for _ in range(2):
+            bound(cache, (i,), lambda i=i: made.append(i) or object())
+    assert made == list(range(300)) and 0 < len(cache) <= 256
+    assert bound(cache, (299,), lambda: 1 / 0) is cache[(299,)]
 
 
 def test_arg_key_tells_specialisations_apart():
@@ -94,6 +122,9 @@ def test_launcher_matches_kernel_call_gpu():
     one cache entry per specialisation, and the current stream is the one launched on."""
     _check("cuda")
     assert len(_axpb._cache) >= 6
+    n = len(_axpb._cache)
+    _check("cuda", bind=True)           # the bound launches reuse the launcher's kernels: no new entry
+    assert len(_axpb._cache) == n
     s = torch.cuda.Stream()
     x = torch.arange(64, device="cuda", dtype=torch.float32)
     y = torch.zeros(64, device="cuda", dtype=torch.float32)

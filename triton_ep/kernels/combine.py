@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import flags
 from ..protocol import records
-from .launch import Launcher
+from .launch import Launcher, bound
 from ._util import cdiv, pow2, tuning
 from .dispatch import _grid, _use_clock, sync_args
 
@@ -177,14 +177,21 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     wx = x_words.shape[1]
     k = weight_words.shape[1] if weight_words is not None else 0
     cfg = tuning("combine_send")
-    bt, bw = cfg["block_t"], pow2(min(wx, cfg["block_w"]))
-    _combine_send_launch[(_grid(cdiv(n_rows, bt), signals),)](
-        x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
-        n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words), N_PTR=n_recv is not None,
-        SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
-        USE_ASM=_use_clock(signals),
-        WX=wx, K=k, REC=rec_words, R=prefix.shape[0], HAS_W=weight_words is not None,
-        BLOCK_T=bt, BLOCK_W=bw, BLOCK_K=pow2(k), num_warps=cfg["num_warps"])
+    key = (_grid(cdiv(n_rows, cfg["block_t"]), signals), wx, k, weight_words is not None, rec_words, prefix.shape[0],
+           n_recv is not None, signals is not None, _use_clock(signals), tuple(cfg.items()))
+    launch = _SEND_BOUND.get(key) or bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], cfg))
+    launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
+           n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words))
+
+
+_SEND_BOUND: dict = {}
+
+
+def _bind_send(grid, wx, k, has_w, rec_words, R, n_ptr, sync, use_clock, cfg):
+    return _combine_send_launch.bind(
+        (grid,), num_warps=cfg["num_warps"], N_PTR=n_ptr, SYNC=sync, USE_CLOCK=use_clock, USE_ASM=use_clock,
+        WX=wx, K=k, REC=rec_words, R=R, HAS_W=has_w, BLOCK_T=cfg["block_t"],
+        BLOCK_W=pow2(min(wx, cfg["block_w"])), BLOCK_K=pow2(k))
 
 
 def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.Tensor, lo: int, hi: int,
@@ -209,15 +216,23 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
     """
     T = send_pos.shape[0]
     cfg = tuning("combine_reduce")
-    bt, bh = cfg["block_t"], pow2(min(hidden, cfg["block_h"]))
+    key = (_grid(cdiv(T, cfg["block_t"]), signals), hidden, k, rec_bytes, send_pos.shape[1], first, last,
+           len(biases), wout is not None, signals is not None, _use_clock(signals), tuple(cfg.items()))
+    launch = _REDUCE_BOUND.get(key) or bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], cfg))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
-    _combine_reduce_launch[(_grid(cdiv(T, bt), signals),)](
-        area.view(torch.bfloat16), area.view(torch.float32), send_pos, send_base, T, lo, hi,
-        acc if acc is not None else out, out.view(torch.int16), b0, b1,
-        wacc if wacc is not None else out, wout if wout is not None else out,
-        *sync_args(signals, rnd, sig, out), advance, SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
-        USE_ASM=_use_clock(signals),
-        H=hidden, K=k, REC_H=rec_bytes // 2, REC_F=rec_bytes // 4, R=send_pos.shape[1],
-        LOAD_ACC=not first, STORE_ACC=not last, FINAL=last, HAS_B0=len(biases) > 0, HAS_B1=len(biases) > 1,
-        HAS_W=wout is not None, BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(k), num_warps=cfg["num_warps"])
+    launch(area.view(torch.bfloat16), area.view(torch.float32), send_pos, send_base, T, lo, hi,
+           acc if acc is not None else out, out.view(torch.int16), b0, b1,
+           wacc if wacc is not None else out, wout if wout is not None else out,
+           *sync_args(signals, rnd, sig, out), advance)
+
+
+_REDUCE_BOUND: dict = {}
+
+
+def _bind_reduce(grid, hidden, k, rec_bytes, R, first, last, n_biases, has_w, sync, use_clock, cfg):
+    return _combine_reduce_launch.bind(
+        (grid,), num_warps=cfg["num_warps"], SYNC=sync, USE_CLOCK=use_clock, USE_ASM=use_clock,
+        H=hidden, K=k, REC_H=rec_bytes // 2, REC_F=rec_bytes // 4, R=R,
+        LOAD_ACC=not first, STORE_ACC=not last, FINAL=last, HAS_B0=n_biases > 0, HAS_B1=n_biases > 1,
+        HAS_W=has_w, BLOCK_T=cfg["block_t"], BLOCK_H=pow2(min(hidden, cfg["block_h"])), BLOCK_K=pow2(k))

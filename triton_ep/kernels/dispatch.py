@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import flags
 from ..protocol import records
-from .launch import Launcher
+from .launch import Launcher, bound
 from ._util import cdiv, num_sms, pow2, tuning
 
 
@@ -236,21 +236,33 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
     cfg = tuning("dispatch_send")
+    key = (T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
+           with_src, signals is not None, _use_clock(signals), signals and signals.get("max_programs"),
+           x_words.device, tuple(cfg.items()))
+    launch = _SEND_BOUND.get(key) or bound(_SEND_BOUND, key, lambda: _bind_send(
+        T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
+        with_src, signals, x_words.device, cfg))
+    dummy = x_words
+    launch(x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
+           send_pos, row_base, delta_words, rec, T, lo, hi, num_experts, *sync_args(signals, rnd, sig, x_words))
+
+
+_SEND_BOUND: dict = {}
+
+
+def _bind_send(T, wx, s, k, R, rec_words, has_scales, has_topk, has_w, with_src, signals, device, cfg):
     bt, bw, nw = _blocks("dispatch_send", wx)
     split = bool(cfg.get("split_w", 0))
     blocks = _grid(cdiv(T, bt), signals)
     if cfg.get("programs_per_sm", 0):
-        blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(x_words.device))
-    dummy = x_words
-    _dispatch_send_launch[(blocks, cdiv(wx, bw) if split else 1)](
-        x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
-        send_pos, row_base, delta_words, rec, T, lo, hi, num_experts,
-        *sync_args(signals, rnd, sig, x_words), SYNC=signals is not None, USE_CLOCK=_use_clock(signals),
-        USE_ASM=_use_clock(signals),
-        WX=wx, S=s, K=k, REC=rec_words, R=R, HAS_SCALES=scale_words is not None, HAS_TOPK=topk_idx is not None,
-        HAS_W=weight_words is not None, HAS_SRC=with_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k),
+        blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(device))
+    return _dispatch_send_launch.bind(
+        (blocks, cdiv(wx, bw) if split else 1), num_warps=nw, SYNC=signals is not None,
+        USE_CLOCK=_use_clock(signals), USE_ASM=_use_clock(signals),
+        WX=wx, S=s, K=k, REC=rec_words, R=R, HAS_SCALES=has_scales, HAS_TOPK=has_topk,
+        HAS_W=has_w, HAS_SRC=with_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k),
         SPLIT_W=split, EVEN_W=wx % bw == 0, STORE_CACHE=cfg.get("store_cache", ""),
-        STORE_EVICT=cfg.get("store_evict", ""), num_warps=nw)
+        STORE_EVICT=cfg.get("store_evict", ""))
 
 
 def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_per_rank: int, wx: int, s: int,
@@ -270,16 +282,25 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     cap)``, worked out by the kernel; ``n_rows`` is then only an upper bound that sizes the grid.
     """
     n_rows = max(n_rows, 0)
-    bt, bw, nw = _blocks("dispatch_recv", wx)
     dummy = out_x
     has_topk = out_idx is not None
-    _dispatch_recv_launch[(_grid(cdiv(n_rows, bt), signals),)](
-        rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
-        out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
-        out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,
-        n_recv if n_recv is not None else rec, cap,
-        *sync_args(signals, rnd, sig, rec), advance, N_PTR=n_recv is not None,
-        R=signals["hdr_delta"].shape[0] if signals is not None else 1,
-        SYNC=signals is not None, USE_CLOCK=_use_clock(signals), USE_ASM=_use_clock(signals),
-        WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=out_scales is not None, HAS_TOPK=has_topk,
-        HAS_W=out_weights is not None, HAS_SRC=out_src is not None, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k), num_warps=nw)
+    grid = _grid(cdiv(n_rows, tuning("dispatch_recv")["block_t"]), signals)
+    key = (grid, wx, s, k, rec_words, n_recv is not None, out_scales is not None, has_topk, out_weights is not None,
+           out_src is not None, signals is not None, _use_clock(signals),
+           signals["hdr_delta"].shape[0] if signals is not None else 1, tuple(tuning("dispatch_recv").items()))
+    launch = _RECV_BOUND.get(key) or bound(_RECV_BOUND, key, lambda: _bind_recv(grid, *key[1:-1]))
+    launch(rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
+           out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
+           out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,
+           n_recv if n_recv is not None else rec, cap, *sync_args(signals, rnd, sig, rec), advance)
+
+
+_RECV_BOUND: dict = {}
+
+
+def _bind_recv(grid, wx, s, k, rec_words, n_ptr, has_scales, has_topk, has_w, has_src, sync, use_clock, R):
+    bt, bw, nw = _blocks("dispatch_recv", wx)
+    return _dispatch_recv_launch.bind(
+        (grid,), num_warps=nw, N_PTR=n_ptr, R=R, SYNC=sync, USE_CLOCK=use_clock, USE_ASM=use_clock,
+        WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=has_scales, HAS_TOPK=has_topk,
+        HAS_W=has_w, HAS_SRC=has_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k))

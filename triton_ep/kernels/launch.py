@@ -113,17 +113,86 @@ class Launcher:
         key = (cvals, num_warps, tuple(map(_call, self._key_fns, args)))
         entry = self._cache.get(key)
         if entry is None:
-            kernel = self.fn[grid](*args, num_warps=num_warps, **meta, **self.options)   # compile and launch
-            if self._driver is None:        # the GPU driver, known once a kernel has launched through Triton
-                from triton.runtime import driver
-                self._driver = (driver.active.get_current_stream, driver.active.get_current_device)
-            self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+            self._first(grid, args, num_warps, meta, key)
             return
-        run, function, packed = entry
+        self._run(entry, grid, args)
+
+    def _first(self, grid, args, num_warps: int, meta: dict, key: tuple) -> tuple:
+        """Launch through Triton (which compiles, or loads its on-disk cache) and keep the compiled kernel's
+        launcher for ``key``; returns the entry kept."""
+        kernel = self.fn[grid](*args, num_warps=num_warps, **meta, **self.options)   # compile and launch
+        if self._driver is None:        # the GPU driver, known once a kernel has launched through Triton
+            from triton.runtime import driver
+            self._driver = (driver.active.get_current_stream, driver.active.get_current_device)
+        entry = self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, key[0])
+        return entry
+
+    def _run(self, entry: tuple, grid, args) -> None:
+        run, function, packed, cvals = entry
         stream, device = self._driver
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream(device()), function,
             packed, None, None, None, *args, *cvals)
 
+    def bind(self, grid, num_warps: int = 4, **meta) -> "BoundLaunch":
+        """This launcher with its grid, ``num_warps`` and constexprs fixed: ``bound(*args)`` launches as
+        ``launcher[grid](*args, num_warps=num_warps, **meta)`` does, minus the per-call work on the fixed
+        parts (the constexprs' part of the key, the keyword arguments). A launch wrapper keeps one per shape
+        (see :class:`BoundLaunch`)."""
+        return BoundLaunch(self, tuple(grid), num_warps, meta)
 
-__all__ = ["Launcher"]
+
+class BoundLaunch:
+    """One :class:`Launcher` with its grid, ``num_warps`` and constexprs fixed (:meth:`Launcher.bind`).
+
+    ``bound(*args)`` takes the runtime arguments by position and launches on the current stream, with the same
+    kernels and results as the launcher's own call: the key of a specialisation still includes each runtime
+    argument's part (dtype, alignment, integer kind), and its entries are the launcher's (one compilation
+    serves both). Under the interpreter, while a Triton launch hook is set, or where the keywords are not
+    exactly the constexprs, every call goes through Triton. Raises what Triton raises.
+    """
+
+    __slots__ = ("launcher", "grid", "num_warps", "meta", "cvals", "_entries", "_g")
+
+    def __init__(self, launcher: Launcher, grid: tuple, num_warps: int, meta: dict) -> None:
+        self.launcher, self.grid, self.num_warps, self.meta = launcher, grid, num_warps, meta
+        self._g = grid + (1,) * (3 - len(grid))
+        generic = launcher._interp or len(meta) != len(launcher.constexprs)
+        self.cvals = None if generic else tuple(map(meta.__getitem__, launcher.constexprs))
+        #: runtime arguments' key -> the launcher's entry
+        self._entries: Dict[tuple, tuple] = {}
+
+    def __call__(self, *args) -> None:
+        la = self.launcher
+        if self.cvals is None or _hooks_set():
+            la.fn[self.grid](*args, num_warps=self.num_warps, **self.meta, **la.options)
+            return
+        akey = tuple(map(_call, la._key_fns, args))
+        entry = self._entries.get(akey)
+        if entry is None:
+            key = (self.cvals, self.num_warps, akey)
+            entry = la._cache.get(key)
+            if entry is None:
+                self._entries[akey] = la._first(self.grid, args, self.num_warps, self.meta, key)
+                return
+            self._entries[akey] = entry
+        run, function, packed, cvals = entry
+        stream, device = la._driver
+        g = self._g
+        run(g[0], g[1], g[2], stream(device()), function, packed, None, None, None, *args, *cvals)
+
+
+def bound(cache: Dict[tuple, BoundLaunch], key: tuple, make) -> BoundLaunch:
+    """``cache[key]``, made by ``make()`` (a :meth:`Launcher.bind`) the first time; a launch wrapper keys its
+    cache by everything that decides its grid and constexprs (shapes, flags, its tuning entry's items, which
+    tests and sweeps may change). Past 256 entries the cache starts again, so shapes that keep changing
+    cost a bind each, never unbounded memory."""
+    b = cache.get(key)
+    if b is None:
+        if len(cache) >= 256:
+            cache.clear()
+        b = cache[key] = make()
+    return b
+
+
+__all__ = ["BoundLaunch", "Launcher", "bound"]

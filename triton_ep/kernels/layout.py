@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher
+from .launch import Launcher, bound
 from ._util import cdiv, pow2, tuning
 
 
@@ -136,6 +136,9 @@ def _layout_pos_kernel(in_rank_ptr, T, num_experts, num_blocks, block_rank_ptr, 
 _layout_pos_launch = Launcher(_layout_pos_kernel)
 
 
+_BLOCK_BOUND: dict = {}
+
+
 def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the layout kernels (one launch when ``T`` fits one block, else two).
@@ -178,10 +181,11 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
         block_rank, block_hist = scratch[: nb * br], scratch[nb * br:]
     else:           # one block: no scratch (the pointers are not read; counts stands in)
         block_rank = block_hist = counts
-    _layout_block_launch[(nb,)](topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos,
-                                counts, K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
-                                BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic,
-                                num_warps=cfg["num_warps"])
+    key = (nb, bt, K, num_ranks, num_experts, atomic, cfg["num_warps"])
+    launch = _BLOCK_BOUND.get(key) or bound(_BLOCK_BOUND, key, lambda: _layout_block_launch.bind(
+        (nb,), num_warps=cfg["num_warps"], K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
+        BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic))
+    launch(topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos, counts)
     if nb > 1:
         _layout_pos_launch[(nb,)](in_rank.view(torch.int8), T, num_experts, nb, block_rank, block_hist, send_pos,
                                   counts, R=num_ranks, BLOCK_R=br, BLOCK_T=bt,
