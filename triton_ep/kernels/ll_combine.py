@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import flags, ll_net
 from ._util import cdiv, pow2, tuning
-from .launch import Launcher
+from .launch import Launcher, bound
 from .combine import _bf16_rtne_bits
 from .dispatch import _grid2
 
@@ -137,14 +137,22 @@ def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor
     other hosts get their rows in a chunk of the send ring, :mod:`.ll_net`), or None."""
     El, RN, H = x.shape
     tune = tuning("ll_combine_send")
-    grid = _grid2(El, tune["programs_per_expert"], signals)
-    _ll_combine_send_launch[grid](
-        x.view(torch.int32), ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
-        lay.half_words, lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"],
-        sig, signals["me"], signals["timeout_ns"], *ll_net.kernel_args(net, ctl), NET=net is not None,
+    key = (El, H, lay, num_topk, shrink, net is not None, signals["use_clock"], signals.get("max_programs"),
+           tuple(tune.items()))
+    launch = _SEND_BOUND.get(key) or bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
+    launch(x.view(torch.int32), ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
+           lay.half_words, lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"],
+           sig, signals["me"], signals["timeout_ns"], *ll_net.kernel_args(net, ctl))
+
+
+_SEND_BOUND: dict = {}
+
+
+def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, signals, tune):
+    return _ll_combine_send_launch.bind(
+        _grid2(El, tune["programs_per_expert"], signals), num_warps=tune["num_warps"], NET=has_net,
         RW=lay.net_row_words, BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink,
-        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_R=tune["block_r"],
-        BLOCK_W=pow2(min(H // 2, tune["block_w"])), num_warps=tune["num_warps"])
+        USE_CLOCK=use_clock, USE_ASM=use_clock, BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(H // 2, tune["block_w"])))
 
 
 def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -155,14 +163,23 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
     T, K = topk_idx.shape
     H = out.shape[1]
     tune = tuning("ll_reduce")
+    key = (T, K, H, lay, cost is not None, shrink, signals["use_clock"], signals.get("max_programs"),
+           tuple(tune.items()))
+    launch = _REDUCE_BOUND.get(key) or bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], signals, tune))
+    launch(area.view(torch.bfloat16), ctl, topk_idx, topk_weights, out.view(torch.int16),
+           cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
+           lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
+           signals["timeout_ns"])
+
+
+_REDUCE_BOUND: dict = {}
+
+
+def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, signals, tune):
     bt = tune["block_t"]
     bh = min(pow2(H), tune["block_h"])
     while H % bh:
         bh //= 2
-    grid = _grid2(cdiv(T, bt), H // bh, signals)
-    _ll_combine_reduce_launch[grid](
-        area.view(torch.bfloat16), ctl, topk_idx, topk_weights, out.view(torch.int16),
-        cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
-        lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
-        signals["timeout_ns"], R=lay.num_ranks, K=K, H=H, COST=cost is not None, SHRINK=shrink,
-        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_T=bt, BLOCK_H=bh, num_warps=tune["num_warps"])
+    return _ll_combine_reduce_launch.bind(
+        _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], R=lay.num_ranks, K=K, H=H,
+        COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, BLOCK_T=bt, BLOCK_H=bh)

@@ -32,7 +32,7 @@ from . import flags, ll_net
 from ..protocol import records
 from ._util import cdiv, interpreted, pow2, tuning
 from .dispatch import _grid2
-from .launch import Launcher
+from .launch import Launcher, bound
 from .fp8 import quantize_blocks
 
 
@@ -285,10 +285,19 @@ def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, 
     """Slots of this rank's (token, expert) rows: ``slots`` int32 ``[T, K]`` (``-1``: no row), ``counts``
     int32 ``[E]`` (rows per expert). ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block."""
     T, K = topk_idx.shape
+    key = (K, num_experts, num_ranks)
+    launch = _ROUTE_BOUND.get(key) or bound(_ROUTE_BOUND, key, lambda: _bind_route(K, num_experts, num_ranks))
+    launch(topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks, signals["hdr"], signals["hdr_delta"],
+           signals["host"], signals["me"])
+
+
+_ROUTE_BOUND: dict = {}
+
+
+def _bind_route(K, num_experts, num_ranks):
     bt, be = _route_blocks(K, num_experts, interpreted())
-    _ll_route_launch[(triton.cdiv(num_experts, be),)](
-        topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks, signals["hdr"], signals["hdr_delta"],
-        signals["host"], signals["me"], R=num_ranks, K=K, BLOCK_T=bt, BLOCK_K=pow2(K), BLOCK_E=be, num_warps=8)
+    return _ll_route_launch.bind((triton.cdiv(num_experts, be),), num_warps=8, R=num_ranks, K=K, BLOCK_T=bt,
+                                 BLOCK_K=pow2(K), BLOCK_E=be)
 
 
 def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
@@ -303,21 +312,30 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
     T, H = x.shape
     K = topk_idx.shape[1]
     tune = tuning("ll_send")
+    key = (T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, net is not None, signals["use_clock"],
+           signals.get("max_programs"), tuple(tune.items()))
+    launch = _SEND_BOUND.get(key) or bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
+    area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
+    launch(x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
+           T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
+           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
+           *ll_net.kernel_args(net, ctl))
+
+
+_SEND_BOUND: dict = {}
+
+
+def _bind_send(T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, has_net, use_clock, _cap, signals, tune):
     bt = tune["block_t"]
     bh = min(H, tune["block_h"])
     while H % bh:
         bh //= 2
-    grid = _grid2(cdiv(T, bt), H // bh, signals)
-    area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
-    _ll_dispatch_send_launch[grid](
-        x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
-        T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
-        signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
-        *ll_net.kernel_args(net, ctl), NET=net is not None, CW=lay.net_count_words,
+    return _ll_dispatch_send_launch.bind(
+        _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], NET=has_net, CW=lay.net_count_words,
         BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
         SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
-        NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"],
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(K), BLOCK_E=1024, num_warps=tune["num_warps"])
+        NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock,
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(K), BLOCK_E=1024)
 
 
 def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, num_topk: int, use_fp8: bool,
@@ -330,16 +348,25 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
     int32 / ``ret_slot`` int32 ``[E_local, R*N]``, ``layout_range`` int64 ``[E_local, R]``, ``count`` int32
     ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64)."""
     El, RN, PW = out_words.shape
-    H = lay.hidden
-    SW = records.ll_scale_words.host(H, use_fp8)
     tune = tuning("ll_recv")
-    grid = _grid2(min(El, tune["expert_programs"] or El), tune["programs_per_expert"], signals)
-    _ll_dispatch_recv_launch[grid](
-        area, ctl, out_words, out_scales if out_scales is not None else out_words, src_info, ret_slot, layout_range,
-        count, stats if stats is not None else count, cost if cost is not None else layout_range,
-        offset, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words, lay.experts_per_rank,
-        signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
+    key = (El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, stats is not None, cost is not None, shrink,
+           signals["use_clock"], signals.get("max_programs"), tuple(tune.items()))
+    launch = _RECV_BOUND.get(key) or bound(_RECV_BOUND, key, lambda: _bind_recv(*key[:-1], signals, tune))
+    launch(area, ctl, out_words, out_scales if out_scales is not None else out_words, src_info, ret_slot, layout_range,
+           count, stats if stats is not None else count, cost if cost is not None else layout_range,
+           offset, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words, lay.experts_per_rank,
+           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
+
+
+_RECV_BOUND: dict = {}
+
+
+def _bind_recv(El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, has_stats, has_cost, shrink, use_clock, _cap, signals,
+               tune):
+    SW = records.ll_scale_words.host(lay.hidden, use_fp8)
+    return _ll_dispatch_recv_launch.bind(
+        _grid2(min(El, tune["expert_programs"] or El), tune["programs_per_expert"], signals), num_warps=tune["num_warps"],
         R=lay.num_ranks, K=num_topk, PW=PW, SW=SW, REC=lay.record_words(use_fp8), UE8M0=use_ue8m0,
-        STATS=stats is not None, COST=cost is not None, SHRINK=shrink, USE_CLOCK=signals["use_clock"],
-        USE_ASM=signals["use_clock"], BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(PW, tune["block_w"])),
-        BLOCK_S=pow2(max(SW, 4)), BLOCK_F=min(pow2(RN), tune["block_f"]), num_warps=tune["num_warps"])
+        STATS=has_stats, COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock,
+        USE_ASM=use_clock, BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(PW, tune["block_w"])),
+        BLOCK_S=pow2(max(SW, 4)), BLOCK_F=min(pow2(RN), tune["block_f"]))

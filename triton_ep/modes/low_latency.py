@@ -99,12 +99,20 @@ class LowLatency:
         self.pending: List[int] = []
         #: ranks on several hosts: the network leg to every other rank (:mod:`triton_ep.modes.internode_ll`)
         self.net = None
+        self._layouts: dict = {}
         with torch.inference_mode():
             self.ctl.zero_()              # peers write here only after the construction's barrier
 
     # ------------------------------------------------------------------ helpers
     def layout(self, n_max: int, hidden: int, num_experts: int) -> Layout:
-        lay = Layout(self.rt.group_size, n_max, hidden, num_experts)
+        """The area's :class:`Layout` for these sizes (one object per sizes: its derived sizes are worked out
+        once). Raises ``ValueError`` where the area is too small."""
+        lay = self._layouts.get((n_max, hidden, num_experts))
+        if lay is None:
+            lay = Layout(self.rt.group_size, n_max, hidden, num_experts)
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            self._layouts[(n_max, hidden, num_experts)] = lay
         if lay.total_bytes > self.area_bytes:
             raise ValueError(f"the low-latency area holds {self.area_bytes} bytes but num_max_dispatch_tokens_per_rank="
                              f"{n_max}, hidden={hidden}, num_experts={num_experts} need {lay.total_bytes}; build the "
