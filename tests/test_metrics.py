@@ -38,35 +38,41 @@ def samples(text: str) -> dict:
 
 
 def expected(stats: dict, base: dict, live: bool = True) -> dict:
-    """What :func:`samples` must give for ``get_rdma_stats()`` ``stats`` with constant labels ``base``."""
+    """What :func:`samples` must give for ``get_rdma_stats()`` ``stats`` with constant labels ``base``: normal
+    mode's leg under ``mode="normal"``, and ``stats["low_latency"]`` (where there is one) under
+    ``mode="low_latency"``."""
     def key(name, **labels):
         return name, frozenset({**base, **labels}.items())
     if not live:
         return {key("triton_ep_buffer_live"): 0}
     out = {key("triton_ep_buffer_live"): 1,
            key("triton_ep_rdma_hosts", transport=stats["transport"] or "none"): stats["num_hosts"]}
-    for name, field in RANK_COUNTERS.items():
-        out[key(name)] = stats[field]
-    for k, q in stats["qps"].items():
-        peer, qp = k.split("/")
-        labels = dict(peer=peer, qp=qp, channel=str(q["channel"]), port=str(q["port"]))
-        for name, field in (("sent_bytes", "bytes"), ("work_requests", "wrs"), ("chunks", "chunks")):
-            out[key(f"triton_ep_rdma_qp_{name}_total", **labels)] = q[field]
-    for port, n in stats["ports"].items():
-        out[key("triton_ep_rdma_port_sent_bytes_total", port=str(port))] = n
-    for ch, c in stats["channels"].items():
-        out[key("triton_ep_rdma_channel_sent_bytes_total", channel=str(ch))] = c["bytes"]
-        out[key("triton_ep_rdma_channel_chunks_total", channel=str(ch))] = c["chunks"]
+    legs = [("normal", stats)] + ([("low_latency", stats["low_latency"])] if "low_latency" in stats else [])
+    for mode, leg in legs:
+        for name, field in RANK_COUNTERS.items():
+            out[key(name, mode=mode)] = leg[field]
+        for k, q in leg["qps"].items():
+            peer, qp = k.split("/")
+            labels = dict(mode=mode, peer=peer, qp=qp, channel=str(q["channel"]), port=str(q["port"]))
+            for name, field in (("sent_bytes", "bytes"), ("work_requests", "wrs"), ("chunks", "chunks")):
+                out[key(f"triton_ep_rdma_qp_{name}_total", **labels)] = q[field]
+        for port, n in leg["ports"].items():
+            out[key("triton_ep_rdma_port_sent_bytes_total", mode=mode, port=str(port))] = n
+        for ch, c in leg["channels"].items():
+            out[key("triton_ep_rdma_channel_sent_bytes_total", mode=mode, channel=str(ch))] = c["bytes"]
+            out[key("triton_ep_rdma_channel_chunks_total", mode=mode, channel=str(ch))] = c["chunks"]
     return out
 
 
 @pytest.mark.multiprocess
 def test_exposition_holds_the_rdma_stats_of_two_emulated_hosts(prom):
-    """2 ranks, one per emulated host, 4 QPs per peer over a dual-port NIC, 4 KiB chunks: every series of the
-    exposition is one number of get_rdma_stats() with its labels (rank, job, peer, qp, channel, port), and
-    nothing else; after destroy() the scrape gives triton_ep_buffer_live 0 and no counters."""
+    """2 ranks, one per emulated host, a low-latency Buffer serving both modes (4 QPs per peer over a
+    dual-port NIC and 4 KiB chunks in normal mode, 2 QPs per peer in low-latency mode): every series of the
+    exposition is one number of get_rdma_stats() with its labels (rank, job, mode, peer, qp, channel, port),
+    each leg under its own mode, and nothing else; after destroy() the scrape gives triton_ep_buffer_live 0
+    and no counters."""
     env = {"TRITON_EP_RANKS_PER_HOST": "1", "TRITON_EP_RDMA": "emulated", "TRITON_EP_RDMA_CHUNK_BYTES": "4096"}
-    out = run_ranks(metrics_cases.exported_traffic, 2, env, 64, 256, timeout_s=120)
+    out = run_ranks(metrics_cases.exported_traffic, 2, env, 64, 256, timeout_s=180)
     bad = [o for o in out if isinstance(o, RankFailure)]
     assert not bad, "\n".join(o.traceback or str(o) for o in bad)
     for rank, o in enumerate(out):
@@ -76,11 +82,18 @@ def test_exposition_holds_the_rdma_stats_of_two_emulated_hosts(prom):
         assert len(st["qps"]) == 4 and all(q["chunks"] > 0 for q in st["qps"].values()), st["qps"]
         assert {k.split("/")[0] for k in st["qps"]} == {str(1 - rank)}, st["qps"]
         assert len(st["ports"]) == 2 and min(st["ports"].values()) > 0, st["ports"]
+        ll = st["low_latency"]
+        assert ll["chunks"] >= 2 and ll["wrs"] > 0 and sum(ll["ports"].values()) > 0, ll
+        assert {k.split("/")[0] for k in ll["qps"]} == {str(1 - rank)}, ll["qps"]
         base = {"rank": str(rank), "job": "test"}
         got = samples(o["text"])
         assert got == expected(st, base), o["text"]
-        assert sum(v for (n, _), v in got.items() if n == "triton_ep_rdma_port_sent_bytes_total") == \
-            sum(v for (n, _), v in got.items() if n == "triton_ep_rdma_qp_sent_bytes_total") > 64 * 256 * 2
+        for mode, leg in (("normal", st), ("low_latency", ll)):
+            port_sum = sum(v for (n, lab), v in got.items()
+                           if n == "triton_ep_rdma_port_sent_bytes_total" and ("mode", mode) in lab)
+            qp_sum = sum(v for (n, lab), v in got.items()
+                         if n == "triton_ep_rdma_qp_sent_bytes_total" and ("mode", mode) in lab)
+            assert port_sum == qp_sum == sum(leg["ports"].values()) > 0, mode
         assert samples(o["destroyed"]) == expected(st, base, live=False), o["destroyed"]
 
 
@@ -113,8 +126,16 @@ def test_labels_name_each_field_of_a_qp(prom):
     registry.register(PrometheusExporter(buf, labels={"job": "x"}))
     text = prom.generate_latest(registry).decode()
     assert samples(text) == expected(st, {"rank": "5", "job": "x"}), text
-    assert ('triton_ep_rdma_qp_work_requests_total{channel="3",job="x",peer="2",port="mlx5_bond_0:1/lag2",'
-            'qp="11",rank="5"} 77.0') in text
+    assert ('triton_ep_rdma_qp_work_requests_total{channel="3",job="x",mode="normal",peer="2",'
+            'port="mlx5_bond_0:1/lag2",qp="11",rank="5"} 77.0') in text
+    # low-latency mode's own leg (peers are ranks there): its numbers under mode="low_latency", nothing mixed
+    st["low_latency"] = {**st, "qps": {"7/0": dict(channel=0, port="mlx5_0:2", bytes=4096, wrs=3, chunks=1)},
+                         "ports": {"mlx5_0:2": 4096}, "channels": {0: {"bytes": 4096, "chunks": 1}}, "wrs": 5,
+                         "chunks": 1, "proxy_busy_s": 0.5, "network_s": 0.75, "exchanges": 2}
+    text = prom.generate_latest(registry).decode()
+    assert samples(text) == expected(st, {"rank": "5", "job": "x"}), text
+    assert 'triton_ep_rdma_proxy_busy_seconds_total{job="x",mode="low_latency",rank="5"} 0.5' in text
+    assert 'triton_ep_rdma_proxy_busy_seconds_total{job="x",mode="normal",rank="5"} 0.25' in text
 
 
 def test_one_host_exports_zeros_and_a_destroyed_or_dropped_buffer_scrapes(prom):

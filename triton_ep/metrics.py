@@ -23,7 +23,7 @@ from .errors import EPError
 __all__ = ["PrometheusExporter", "start_prometheus_exporter"]
 
 #: the labels the exporter sets itself; ``labels=`` may not use them
-RESERVED_LABELS = frozenset({"rank", "peer", "qp", "channel", "port", "transport"})
+RESERVED_LABELS = frozenset({"rank", "mode", "peer", "qp", "channel", "port", "transport"})
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 
 #: per-QP counters: (metric name without ``_total``, ``qps`` field, unit, help)
@@ -73,10 +73,12 @@ class PrometheusExporter:
     (``registry.register(exporter)``), or use :func:`start_prometheus_exporter`.
 
     Each scrape (``collect()``) reads a fresh ``get_rdma_stats()``; the counters are cumulative since the
-    Buffer was built. The exporter holds the Buffer weakly: it does not keep a dropped Buffer's memory alive.
+    Buffer was built. Every counter has a ``mode`` label: ``normal`` (normal mode's network leg, always) and,
+    for a low-latency Buffer across hosts, ``low_latency`` (that mode's own leg, ``get_rdma_stats()
+    ["low_latency"]``). The exporter holds the Buffer weakly: it does not keep a dropped Buffer's memory alive.
     Once the Buffer was destroyed (or collected), a scrape gives ``triton_ep_buffer_live 0`` and no counter
     samples (never an error, never counters reset to zero). On one host every counter family is there with
-    its ``rank``-only series at 0 and no per-QP, per-port or per-channel series.
+    its ``mode="normal"`` series at 0 and no per-QP, per-port or per-channel series.
 
     Args:
         buffer: a :class:`triton_ep.Buffer` (anything with ``rank`` and ``get_rdma_stats()``).
@@ -153,19 +155,23 @@ class PrometheusExporter:
         yield self._family(core.GaugeMetricFamily, "triton_ep_rdma_hosts", "", "Hosts the Buffer's group spans; "
                            "transport: verbs, emulated, or none on one host.", ("transport",),
                            [((stats["transport"] or "none",), stats["num_hosts"])] if live else [])
-        qps = _qp_rows(stats["qps"]) if live else []
+        # the network legs: normal mode's, and low-latency mode's own where it has one (label ``mode``)
+        legs = [("normal", stats)] if live else []
+        if live and stats.get("low_latency") is not None:
+            legs.append(("low_latency", stats["low_latency"]))
+        qps = [((mode,) + key, q) for mode, leg in legs for key, q in _qp_rows(leg["qps"])]
         for name, field, unit, doc in _QP_COUNTERS:
-            yield self._counter(name, unit, doc, ("peer", "qp", "channel", "port"),
+            yield self._counter(name, unit, doc, ("mode", "peer", "qp", "channel", "port"),
                                 [(key, q[field]) for key, q in qps])
-        ports = sorted(stats["ports"].items()) if live else []
         yield self._counter("triton_ep_rdma_port_sent_bytes", "bytes",
-                            "Payload bytes this rank's RDMA proxy wrote through the port.", ("port",),
-                            [((str(p),), n) for p, n in ports])
-        channels = sorted(stats["channels"].items()) if live else []
+                            "Payload bytes this rank's RDMA proxy wrote through the port.", ("mode", "port"),
+                            [((mode, str(p)), n) for mode, leg in legs for p, n in sorted(leg["ports"].items())])
         for name, field, unit, doc in _CHANNEL_COUNTERS:
-            yield self._counter(name, unit, doc, ("channel",), [((str(c),), v[field]) for c, v in channels])
+            yield self._counter(name, unit, doc, ("mode", "channel"),
+                                [((mode, str(c)), v[field]) for mode, leg in legs
+                                 for c, v in sorted(leg["channels"].items())])
         for name, field, unit, doc in _RANK_COUNTERS:
-            yield self._counter(name, unit, doc, (), [((), stats[field])] if live else [])
+            yield self._counter(name, unit, doc, ("mode",), [((mode,), leg[field]) for mode, leg in legs])
 
     def _counter(self, name: str, unit: str, doc: str, label_names: Sequence[str],
                  rows: Iterable[Tuple[Tuple[str, ...], float]]):
@@ -183,7 +189,8 @@ class PrometheusExporter:
 
 def _qp_rows(qps: Mapping[str, dict]):
     """``(("peer", "qp", "channel", "port"), counters)`` per QP of ``get_rdma_stats()["qps"]`` (keys
-    ``"<peer host>/<qp index>"``), ordered by peer then QP."""
+    ``"<peer>/<qp index>"``: the peer host in normal mode, the peer rank in low-latency mode), ordered by peer
+    then QP."""
     rows = [(key.split("/", 1), q) for key, q in qps.items()]
     return [((peer, qp, str(q["channel"]), str(q["port"])), q)
             for (peer, qp), q in sorted(rows, key=lambda r: (int(r[0][0]), int(r[0][1])))]
