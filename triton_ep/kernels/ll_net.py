@@ -23,6 +23,8 @@ have written them, then releases ``READY[s] = n`` in this rank's control block: 
 follow are the same as within one host. A chunk whose status says the sender failed the call ends the
 receive's wait for that rank with ``EPRemoteError``; a chunk of another call number with a mismatch.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -153,8 +155,8 @@ def finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, 
 
 @triton.jit(do_not_specialize=['offset', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_max, ctl_w, half_w, cnt_w,
-                      experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, R: tl.constexpr, COMBINE: tl.constexpr,
-                      REC: tl.constexpr,
+                      experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, cost_ptr, R: tl.constexpr,
+                      COMBINE: tl.constexpr, REC: tl.constexpr, COST: tl.constexpr,
                       CW: tl.constexpr, RW: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
                       USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
     # Program (s, q): the chunk from rank s (none from this rank or a masked one), work spread over q.
@@ -168,8 +170,12 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
     live = live_peer(ctl, remote, s, R) & (tl.load(hdr + flags.W_ERR, volatile=True) == 0)
     if live:
         k = rx_chunk(ctl, s, n, R)
+        t0 = flags._now_ns(USE_CLOCK)
         st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_TAIL, R, s), k + 1, hdr, host, s, 0,
                                  timeout_ns, R, USE_CLOCK)
+        if COST:            # the wait for s's chunk is the receive's wait for s (its wait-cost statistics)
+            if q == 0:
+                tl.atomic_add(cost_ptr + s, flags._now_ns(USE_CLOCK) - t0, sem="relaxed")
         if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
             mask_peer(ctl, ring_ctl, s, R)      # its rows are dropped: the receive does not wait for it
         elif st != 0:
@@ -238,20 +244,23 @@ _ll_unpack_launch = Launcher(_ll_unpack_kernel)
 
 
 def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, combine: bool, use_fp8: bool,
-              shrink: bool, signals: dict) -> None:
+              shrink: bool, signals: dict, cost: Optional[torch.Tensor] = None) -> None:
     """Unpack the chunks of call ``SEQ - offset`` from every rank on the network into this rank's half
     (``combine``: returned rows at their slots ``t * K + k``; else the dispatch's counts and records).
 
     ``area``: int32 view of the local low-latency area; ``ctl``: its int64 control block; ``net``: the leg
     (``ring_ctl`` int64 control block of the scheduler's region, ``recv_dw``: its receive ring's first word
     relative to ``area``, ``slot_w``: words per slot); ``lay``: the call's
-    :class:`~triton_ep.protocol.ll_area.Layout`; ``shrink``: a peer that times out is masked."""
+    :class:`~triton_ep.protocol.ll_area.Layout`; ``shrink``: a peer that times out is masked; ``cost``: int64
+    ``[R]``, the call's wait-cost statistics: the nanoseconds spent waiting for each network peer's chunk are
+    added to its entry (0 under the interpreter, which has no clock), as the receive adds its own waits."""
     R = lay.num_ranks
     rw = lay.net_row_words
     rec = lay.record_words(use_fp8)
     _ll_unpack_launch[_grid2(R, 4, signals)](
         area, ctl, net.ring_ctl, net.recv_dw, net.slot_w, net.remote, offset, lay.n_max, lay.ctl_words, lay.half_words,
         lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"],
-        signals["timeout_ns"], R=R, COMBINE=combine, REC=rec, CW=lay.net_count_words, RW=rw, SHRINK=shrink,
+        signals["timeout_ns"], cost if cost is not None else ctl, R=R, COMBINE=combine, REC=rec,
+        COST=cost is not None, CW=lay.net_count_words, RW=rw, SHRINK=shrink,
         USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_R=4,
         BLOCK_W=pow2(min(rw - 4 if combine else rec, 1024)), BLOCK_C=pow2(lay.experts_per_rank), num_warps=4)

@@ -312,7 +312,7 @@ class LowLatency:
 
         def recv(offset: int):
             if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa)
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa, cost)
             ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
                              recv_x.view(torch.int32).view(El, R * N, -1),
                              sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
@@ -378,7 +378,7 @@ class LowLatency:
 
         def recv(offset: int):
             if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa)
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost)
             ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa)
 
         tensors = (xv, idx, w, h.ret_slot, h.recv_count, out, cost)
