@@ -732,3 +732,22 @@ def mode_mismatch(rank, world, zero_qps=False):
         return first
     finally:
         buf.destroy()
+
+
+def wide_topk(rank, world):
+    """top-k wider than num_experts on every rank: each gets ValueError before anything launches; then a
+    call with 2 columns works. Returns ``(the error's message, rows this rank received)``."""
+    E, H, N = 2 * world, 128, 4
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=2, timeout_s=60)
+    try:
+        x = torch.randn(2, H).to(torch.bfloat16)
+        try:
+            buf.low_latency_dispatch(x, torch.zeros(2, E + 1, dtype=torch.int64), N, E, use_fp8=False)
+            return "no error", 0
+        except ValueError as e:
+            msg = str(e)
+        _, count, _, _, _ = buf.low_latency_dispatch(x, torch.tensor([[0, 1], [E - 1, 0]]), N, E, use_fp8=False)
+        return msg, int(count.sum())
+    finally:
+        buf.destroy()

@@ -327,7 +327,7 @@ _SEND_BOUND: dict = {}
 
 def _bind_send(T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, has_net, use_clock, _cap, signals, tune):
     bt = tune["block_t"]
-    bh = min(H, tune["block_h"])
+    bh = 1 << (min(H, tune["block_h"]).bit_length() - 1)   # a power of two (a block) dividing H
     while H % bh:
         bh //= 2
     return _ll_dispatch_send_launch.bind(

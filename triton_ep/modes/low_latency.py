@@ -343,6 +343,9 @@ class LowLatency:
         idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), f"T = {T} rows of x")
         if idx.shape[1] == 0:
             raise ValueError("topk_idx must have at least one column")
+        if idx.shape[1] > E:
+            # combine returns N * K rows to each source in a half of the area sized for E * N records
+            raise ValueError(f"topk_idx has {idx.shape[1]} columns, more than num_experts={E}")
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 holds powers of two)")
         if use_ue8m0 and H % 512:

@@ -100,6 +100,22 @@ def test_fp8_cast_keeps_nan_and_inf_as_the_reference(round_scale):
     assert same.all()
 
 
+@pytest.mark.parametrize("H", [384, 640])
+def test_hidden_a_multiple_of_128_but_not_a_power_of_two(H):
+    """Hidden 384 or 640 (a multiple of 128, below the send kernel's block): bf16 and FP8 round trips are the
+    reference's (the send's block was once 384 wide, which Triton refuses: a block must be a power of two)."""
+    _values(run_ranks(ll_cases.round_trip, 2, 5, 4, 2, H, [3, 5], 8,
+                      [(False, False, False, "affine", False, False), (True, False, False, "identity", False, False)]))
+
+
+def test_more_top_k_columns_than_experts_is_refused():
+    """top-k wider than num_experts would return more rows to a source than a half of the area holds (DeepEP's
+    top-k picks distinct experts): ValueError on every rank before anything launches, and the next call works."""
+    out = _values(run_ranks(ll_cases.wide_topk, 2))
+    assert all("more than num_experts=4" in msg for msg, _ in out), out
+    assert sum(rows for _, rows in out) == 8, out
+
+
 def test_size_hint_and_argument_errors():
     assert triton_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) % 128 == 0
     with pytest.raises(ValueError):
