@@ -179,7 +179,7 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     cfg = tuning("combine_send")
     key = (_grid(cdiv(n_rows, cfg["block_t"]), signals), wx, k, weight_words is not None, rec_words, prefix.shape[0],
            n_recv is not None, signals is not None, _use_clock(signals), tuple(cfg.items()))
-    launch = _SEND_BOUND.get(key) or bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], cfg))
+    launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], cfg))
     launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
            n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words))
 
@@ -218,7 +218,7 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
     cfg = tuning("combine_reduce")
     key = (_grid(cdiv(T, cfg["block_t"]), signals), hidden, k, rec_bytes, send_pos.shape[1], first, last,
            len(biases), wout is not None, signals is not None, _use_clock(signals), tuple(cfg.items()))
-    launch = _REDUCE_BOUND.get(key) or bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], cfg))
+    launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], cfg))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
     launch(area.view(torch.bfloat16), area.view(torch.float32), send_pos, send_base, T, lo, hi,

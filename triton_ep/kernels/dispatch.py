@@ -239,7 +239,7 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     key = (T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
            with_src, signals is not None, _use_clock(signals), signals and signals.get("max_programs"),
            x_words.device, tuple(cfg.items()))
-    launch = _SEND_BOUND.get(key) or bound(_SEND_BOUND, key, lambda: _bind_send(
+    launch = bound(_SEND_BOUND, key, lambda: _bind_send(
         T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
         with_src, signals, x_words.device, cfg))
     dummy = x_words
@@ -284,11 +284,12 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     n_rows = max(n_rows, 0)
     dummy = out_x
     has_topk = out_idx is not None
-    grid = _grid(cdiv(n_rows, tuning("dispatch_recv")["block_t"]), signals)
+    cfg = tuning("dispatch_recv")
+    grid = _grid(cdiv(n_rows, cfg["block_t"]), signals)
     key = (grid, wx, s, k, rec_words, n_recv is not None, out_scales is not None, has_topk, out_weights is not None,
            out_src is not None, signals is not None, _use_clock(signals),
-           signals["hdr_delta"].shape[0] if signals is not None else 1, tuple(tuning("dispatch_recv").items()))
-    launch = _RECV_BOUND.get(key) or bound(_RECV_BOUND, key, lambda: _bind_recv(grid, *key[1:-1]))
+           signals["hdr_delta"].shape[0] if signals is not None else 1, tuple(cfg.items()))
+    launch = bound(_RECV_BOUND, key, lambda: _bind_recv(grid, *key[1:-1]))
     launch(rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
            out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
            out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,

@@ -163,11 +163,10 @@ class BoundLaunch:
     kernel's constexprs, every call goes through Triton. Raises what Triton raises.
     """
 
-    __slots__ = ("launcher", "grid", "num_warps", "meta", "cvals", "_entries", "_g")
+    __slots__ = ("launcher", "grid", "num_warps", "meta", "cvals", "_entries")
 
     def __init__(self, launcher: Launcher, grid: tuple, num_warps: int, meta: dict) -> None:
         self.launcher, self.grid, self.num_warps, self.meta = launcher, grid, num_warps, meta
-        self._g = grid + (1,) * (3 - len(grid))
         generic = launcher._interp or len(meta) != len(launcher.constexprs)
         self.cvals = None if generic else tuple(map(meta.__getitem__, launcher.constexprs))
         #: runtime arguments' key -> the launcher's entry
@@ -187,10 +186,7 @@ class BoundLaunch:
                 self._entries[akey] = la._first(self.grid, args, self.num_warps, self.meta, key)
                 return
             self._entries[akey] = entry
-        run, function, packed, cvals = entry
-        stream, device = la._driver
-        g = self._g
-        run(g[0], g[1], g[2], stream(device()), function, packed, None, None, None, *args, *cvals)
+        la._run(entry, self.grid, args)
 
 
 def bound(cache: Dict[tuple, BoundLaunch], key: tuple, make) -> BoundLaunch:

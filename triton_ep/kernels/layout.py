@@ -182,7 +182,7 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     else:           # one block: no scratch (the pointers are not read; counts stands in)
         block_rank = block_hist = counts
     key = (nb, bt, K, num_ranks, num_experts, atomic, cfg["num_warps"])
-    launch = _BLOCK_BOUND.get(key) or bound(_BLOCK_BOUND, key, lambda: _layout_block_launch.bind(
+    launch = bound(_BLOCK_BOUND, key, lambda: _layout_block_launch.bind(
         (nb,), num_warps=cfg["num_warps"], K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
         BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic))
     launch(topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos, counts)

@@ -139,7 +139,7 @@ def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor
     tune = tuning("ll_combine_send")
     key = (El, H, lay, num_topk, shrink, net is not None, signals["use_clock"], signals.get("max_programs"),
            tuple(tune.items()))
-    launch = _SEND_BOUND.get(key) or bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
+    launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
     launch(x.view(torch.int32), ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
            lay.half_words, lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"],
            sig, signals["me"], signals["timeout_ns"], *ll_net.kernel_args(net, ctl))
@@ -165,7 +165,7 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
     tune = tuning("ll_reduce")
     key = (T, K, H, lay, cost is not None, shrink, signals["use_clock"], signals.get("max_programs"),
            tuple(tune.items()))
-    launch = _REDUCE_BOUND.get(key) or bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], signals, tune))
+    launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], signals, tune))
     launch(area.view(torch.bfloat16), ctl, topk_idx, topk_weights, out.view(torch.int16),
            cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
            lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],

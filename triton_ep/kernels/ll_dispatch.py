@@ -286,7 +286,7 @@ def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, 
     int32 ``[E]`` (rows per expert). ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block."""
     T, K = topk_idx.shape
     key = (K, num_experts, num_ranks)
-    launch = _ROUTE_BOUND.get(key) or bound(_ROUTE_BOUND, key, lambda: _bind_route(K, num_experts, num_ranks))
+    launch = bound(_ROUTE_BOUND, key, lambda: _bind_route(K, num_experts, num_ranks))
     launch(topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks, signals["hdr"], signals["hdr_delta"],
            signals["host"], signals["me"])
 
@@ -314,7 +314,7 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
     tune = tuning("ll_send")
     key = (T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, net is not None, signals["use_clock"],
            signals.get("max_programs"), tuple(tune.items()))
-    launch = _SEND_BOUND.get(key) or bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
+    launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
     area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
     launch(x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
            T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
@@ -351,7 +351,7 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
     tune = tuning("ll_recv")
     key = (El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, stats is not None, cost is not None, shrink,
            signals["use_clock"], signals.get("max_programs"), tuple(tune.items()))
-    launch = _RECV_BOUND.get(key) or bound(_RECV_BOUND, key, lambda: _bind_recv(*key[:-1], signals, tune))
+    launch = bound(_RECV_BOUND, key, lambda: _bind_recv(*key[:-1], signals, tune))
     launch(area, ctl, out_words, out_scales if out_scales is not None else out_words, src_info, ret_slot, layout_range,
            count, stats if stats is not None else count, cost if cost is not None else layout_range,
            offset, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words, lay.experts_per_rank,
