@@ -266,6 +266,7 @@ def _network(buf, dispatch, combine, calls: int) -> dict:
                 proxy_post_us_per_call=post_us / n, proxy_other_us_per_call=(busy_us - post_us) / n,
                 proxy_transport_us_per_call=tx_us / n, proxy_own_us_per_call=(busy_us - tx_us) / n,
                 proxy_cpu_us_per_call=cpu_us / n,
+                proxy_busy_sweeps_per_call=(s1["proxy_busy_sweeps"] - s0["proxy_busy_sweeps"]) / n,
                 port_bytes=ports, port_spread=(max(pv) / max(min(pv), 1) - 1) if pv else None, qp_bytes=qps)
 
 

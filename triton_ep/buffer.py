@@ -273,7 +273,10 @@ class Buffer:
             [E/R, R] (begin << 32 | count), N, H, E)``. ``hook`` is ``None`` without ``return_recv_hook``.
 
         Raises:
-            TypeError/ValueError: bad arguments (before any launch; the peers raise ``EPRemoteError``).
+            TypeError/ValueError: bad arguments (before any launch; the peers raise ``EPRemoteError``); sizes
+                (``num_max_dispatch_tokens_per_rank``, hidden, ``num_experts``) other than the last low-latency
+                call's while a receive hook of this rank is pending (the first call of new sizes waits until
+                every peer received the last call).
             EPTimeoutError, EPRemoteError: a peer did not arrive or failed (from ``check()``; with
             ``enable_shrink`` a peer that times out is masked instead).
         """

@@ -233,6 +233,8 @@ class Scheduler:
         #: of ``busy_s``: seconds inside every transport call (polls, posts, credits, receive replenishes:
         #: on a NIC, pyverbs calls; over the emulated fabric, the emulator's Python as well)
         self.transport_s = 0.0
+        #: sweeps that moved something
+        self.busy_sweeps = 0
         self._sweep_tx = 0.0
         #: per (proxy thread, peer, port): a heap of ``(out_bytes, total_bytes, qp)`` of its QPs with room
         #: in their window (stale entries are dropped when met), and the QPs with chunks in flight
@@ -365,7 +367,8 @@ class Scheduler:
                                             chunks=q.chunks) for q in self._qps.values()}
             ports = {k: v[1] for k, v in self._ports.items()}
         return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": self.busy_s,
-                "proxy_post_s": self.post_s, "proxy_transport_s": self.transport_s, "proxy_cpu_s": self.busy_cpu_s}
+                "proxy_post_s": self.post_s, "proxy_transport_s": self.transport_s, "proxy_cpu_s": self.busy_cpu_s,
+                "proxy_busy_sweeps": self.busy_sweeps}
 
     # ---------------------------------------------------------------- the proxy
     def _event(self, kind: str, peer, channel, qp, seq, nbytes) -> None:
@@ -383,6 +386,7 @@ class Scheduler:
                 if did:
                     c1 = time.thread_time()         # (read inside the wall-clock interval: CPU <= wall)
                     self.busy_s += time.perf_counter() - t0
+                    self.busy_sweeps += 1
                     self.busy_cpu_s += c1 - c0
                     self.transport_s += tx
                     idle = 0

@@ -240,7 +240,7 @@ def last_program_at(counter, USE_ASM: tl.constexpr):
 @triton.jit
 def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout_ns, R: tl.constexpr,
                   REMOTE: tl.constexpr, CHECK_SIG: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
-                  COST: tl.constexpr, cost_ptr=None, cost_on=False):
+                  COST: tl.constexpr, cost_ptr=None, cost_on=False, ahead=2):
     """A low-latency launch waits for every peer ``r`` that is not masked (``MASK[r]`` here): with
     ``REMOTE`` until ``r``'s word ``base`` is ``>= want`` (a send: the peer has received the call that last
     used this half), else until this rank's word ``base + r`` is (a receive: ``READY``), then with
@@ -251,8 +251,9 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
     with the normal-mode round ``W_BASE + 1``, what peers compare them with); with ``SHRINK`` a peer that
     timed out or left is masked instead (``MASK[r] = 1``) and the launch goes on without it. With
     ``COST`` and ``cost_on`` (one program of the launch) the nanoseconds spent waiting for each peer are
-    added to ``cost_ptr[r]`` (0 under the interpreter, which has no clock). Returns True when
-    the program may move data (this rank holds no error)."""
+    added to ``cost_ptr[r]`` (0 under the interpreter, which has no clock). With ``REMOTE``, ``want + ahead``
+    is the call that waits (its number goes into failure records). Returns True when the program may move
+    data (this rank holds no error)."""
     call = tl.load(hdr + W_BASE) + 1
     bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
@@ -263,8 +264,9 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
             else:
                 flag = ctl + base + r
             t0 = _now_ns(USE_CLOCK)
-            # the low-latency call waited for: a receive waits for it (READY), a send for call - 2 (CONS)
-            lcall = want + 2 if REMOTE else want
+            # the low-latency call waited for: a receive waits for it (READY), a send for call - 2 (CONS; call
+            # - 1 as well when its sizes differ from the last call's: ll_fence)
+            lcall = want + ahead if REMOTE else want
             # (round 0: normal-mode FAILED words are not about low-latency calls, which learn of a
             # peer's failure from LFAILED only)
             st = wait_at_least(flag, want, hdr, host, r, 0, timeout_ns, R, USE_CLOCK,
@@ -282,6 +284,19 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
                 post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R, ctl, lcall)
             bad = bad + st
     return bad == 0
+
+
+@triton.jit
+def ll_fence(go, ctl, hdr, hdr_delta, host, half, n, me, stage, timeout_ns, fence, R: tl.constexpr,
+             SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """A low-latency send of call ``n`` whose sizes differ from the last call's (``fence`` != 0): its half lies
+    elsewhere, over part of the other half of the last call's layout, so it also waits until every peer has
+    received call ``n - 1`` (``CONS[1 - half] >= n - 1``). Returns ``go`` and-ed with that wait's result."""
+    if fence != 0:
+        go = go & ll_wait_peers(ctl, hdr, hdr_delta, host, L_CONS + 1 - half, n - 1, 0, me, stage, timeout_ns, R=R,
+                                REMOTE=True, CHECK_SIG=False, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False,
+                                ahead=1)
+    return go
 
 
 @triton.jit

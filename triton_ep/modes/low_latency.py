@@ -97,6 +97,8 @@ class LowLatency:
         self.sent = 0
         #: sends whose receive (hook) has not run yet
         self.pending: List[int] = []
+        #: (N, hidden, num_experts) of the last send: a send of other sizes waits for every peer's last receive
+        self.last_sizes: Optional[tuple] = None
         #: ranks on several hosts: the network leg to every other rank (:mod:`triton_ep.modes.internode_ll`)
         self.net = None
         self._layouts: dict = {}
@@ -207,6 +209,20 @@ class LowLatency:
         # receives), and its next call re-synchronises the group with the peers that saw the failure
         rt.sig.needs_resync = True
 
+    def _fence(self, lay: Layout) -> bool:
+        """Whether a send of ``lay``'s sizes must wait until every peer received the last call: its sizes differ,
+        so its half lies elsewhere, partly over the other half of the last call, which a slower peer may still be
+        reading (:func:`triton_ep.kernels.flags.ll_fence`). Raises ``ValueError`` when that call's receive hook
+        has not run here (the wait would need it)."""
+        sizes = (lay.n_max, lay.hidden, lay.num_experts)
+        if self.last_sizes is None or self.last_sizes == sizes:
+            return False
+        if self.pending:
+            raise ValueError(f"a low-latency call with num_max_dispatch_tokens_per_rank, hidden, num_experts = {sizes} "
+                             f"after calls with {self.last_sizes} waits until every rank received the last call, but "
+                             f"this rank's receive hook of an earlier call has not run: call it first")
+        return True
+
     def _claim_send(self) -> int:
         """Host bookkeeping of a new send: call ``n`` reuses the half of call ``n - 2``, which must have been
         received here (at most two calls outstanding)."""
@@ -280,7 +296,7 @@ class LowLatency:
         a = self._guard(self._dispatch_args, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                         cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                         use_ue8m0, async_finish, return_recv_hook)
-        xv, idx, lay, stats, cost = a
+        xv, idx, lay, stats, cost, fence = a
         T, H = xv.shape
         K = idx.shape[1]
         N, E, El = lay.n_max, lay.num_experts, lay.experts_per_rank
@@ -304,11 +320,12 @@ class LowLatency:
         sa = rt.sig_args
         native = native_cast()
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
+        self.last_sizes = (N, H, E)
 
         def send():
             ll_route(idx, slots, counts, self.ctl, E, R, sa)
             ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
-                             round_scale, self.shrink, sa, native, self.net)
+                             round_scale, self.shrink, sa, native, self.net, fence)
 
         def recv(offset: int):
             if self.net is not None:
@@ -355,7 +372,7 @@ class LowLatency:
         lay = self.layout(int(N), H, int(E))
         self._fits_network(lay, idx.shape[1])
         stats = self._stats("cumulative_local_expert_recv_stats", stats, torch.int32, [(lay.experts_per_rank,)])
-        return xv, idx, lay, stats, self._cost("dispatch_wait_recv_cost_stats", cost)
+        return xv, idx, lay, stats, self._cost("dispatch_wait_recv_cost_stats", cost), self._fence(lay)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
@@ -364,7 +381,7 @@ class LowLatency:
         rt = self.rt
         a = self._guard(self._combine_args, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                         return_recv_hook, out, combine_wait_recv_cost_stats)
-        xv, idx, w, h, lay, out, cost = a
+        xv, idx, w, h, lay, out, cost, fence = a
         T, K = idx.shape
         H = lay.hidden
         sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K])
@@ -374,10 +391,11 @@ class LowLatency:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)
         sa = rt.sig_args
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
+        self.last_sizes = (lay.n_max, H, lay.num_experts)
 
         def send():
             ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
-                            self.shrink, sa, self.net)
+                            self.shrink, sa, self.net, fence)
 
         def recv(offset: int):
             if self.net is not None:
@@ -424,7 +442,7 @@ class LowLatency:
                                  f"{list(getattr(out, 'shape', []))} on {getattr(out, 'device', '-')}")
         if async_finish and hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
-        return xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost)
+        return xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost), self._fence(lay)
 
     def check(self) -> None:
         """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one

@@ -55,6 +55,14 @@ def test_round_trip_every_feature_two_hosts_of_two():
     assert sum(out) > 0, out
 
 
+def test_a_call_of_other_sizes_waits_for_a_slow_peer():
+    """2 hosts of 2 ranks: rank 1 (rank 0's host peer) holds its combine's hook while the others go on to a
+    dispatch of smaller N; every result equals the oracle, and other sizes while a hook is pending are refused."""
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "size_change"))
+    assert [same for same, _, _ in out] == [True] * 4, out
+    assert all(dispatched and "receive hook of an earlier call has not run" in msg for _, dispatched, msg in out), out
+
+
 def test_skew_to_one_remote_expert():
     """Every token of every rank to one expert on another host (duplicates within tokens, -1 entries)."""
     _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "skew_to_remote", 4, 4, 128, 8, 8))

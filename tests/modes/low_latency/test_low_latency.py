@@ -116,6 +116,16 @@ def test_more_top_k_columns_than_experts_is_refused():
     assert sum(rows for _, rows in out) == 8, out
 
 
+def test_a_call_of_other_sizes_waits_for_a_slow_peer():
+    """Rank 1 holds its combine's hook while rank 0 goes on to a dispatch of smaller N, whose half of the area
+    lies over the half rank 1 still has to reduce: both results equal the oracle (before the first call of new
+    sizes waited for every peer's last receive, rank 1's combine came out wrong). Other sizes while a hook is
+    pending are refused with ValueError."""
+    out = _values(run_ranks(ll_cases.size_change, 2))
+    assert [same for same, _, _ in out] == [True, True], out
+    assert all(dispatched and "receive hook of an earlier call has not run" in msg for _, dispatched, msg in out), out
+
+
 def test_size_hint_and_argument_errors():
     assert triton_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) % 128 == 0
     with pytest.raises(ValueError):
