@@ -753,14 +753,16 @@ def wide_topk(rank, world):
         buf.destroy()
 
 
-def size_change(rank, world, delay_s=1.5):
+def size_change(rank, world, delay_s=1.5, device="cpu"):
     """Sizes that change between calls while a peer is slow: every rank dispatches and combines with N = 8;
     rank 1 holds its combine's receive hook for ``delay_s`` while rank 0 goes on to a dispatch with N = 1,
     whose half of the area lies over the half rank 1 has still to reduce. Both results must equal the oracle
     (the new sizes' first call waits until every peer received the last call). Then a call of other sizes
     while this rank's hook is pending is refused. Returns ``(rank 1's combine equal, dispatch B checked,
-    the refusal's message)``."""
+    the refusal's message)``. ``device="cuda"``: every rank on GPU 0 (outputs checked on the CPU)."""
     import time
+    if device == "cuda":
+        torch.cuda.set_device(0)
     R, me = world, rank
     E, K, H = 2 * R, 2, 128
     El = E // R
@@ -773,24 +775,27 @@ def size_change(rank, world, delay_s=1.5):
     xb = [(torch.randn(small, H, generator=gen) * 3).to(torch.bfloat16) for _ in range(R)]
     ib = [torch.tensor([[El + 1, El]]) for _ in range(R)]     # rank 1's experts
     hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(big, H, R, E)
-    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=El, timeout_s=60)
+    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=El, timeout_s=60, device=device)
+    d = lambda t: t.to(device)      # noqa: E731
     try:
-        out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], big, E, use_fp8=False)
-        check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False)
+        out, count, handle, _, _ = buf.low_latency_dispatch(d(xs[me]), d(idxs[me]), big, E, use_fp8=False)
+        out, count, handle_c = _cpu(out), _cpu(count), _cpu(handle)
+        check_dispatch(out, count, handle_c, xs, idxs, R, E, me, False, False, False)
         y = torch.stack([expert_fn("affine", me * El + le, out[le]) for le in range(El)])
-        comb, _, hook = buf.low_latency_combine(y, idxs[me], ws[me], handle, return_recv_hook=True)
+        comb, _, hook = buf.low_latency_combine(d(y), d(idxs[me]), d(ws[me]), handle, return_recv_hook=True)
         if me == 1:
             time.sleep(delay_s)     # rank 0's next call (other sizes) comes meanwhile
         hook()
-        same = torch.equal(comb.view(torch.int16),
+        same = torch.equal(_cpu(comb).view(torch.int16),
                            expected_combine(xs[me], idxs[me], ws[me], E, R, "affine").view(torch.int16))
-        out_b, count_b, handle_b, _, _ = buf.low_latency_dispatch(xb[me], ib[me], small, E, use_fp8=False)
-        check_dispatch(out_b, count_b, handle_b, xb, ib, R, E, me, False, False, False)
+        out_b, count_b, handle_b, _, _ = buf.low_latency_dispatch(d(xb[me]), d(ib[me]), small, E, use_fp8=False)
+        check_dispatch(_cpu(out_b), _cpu(count_b), _cpu(handle_b), xb, ib, R, E, me, False, False, False)
         # other sizes while a hook of this rank is pending: refused on every rank (the first call of new sizes
         # waits for every peer's receive of the last call, and this rank's own would never come)
-        _, _, _, _, hook_c = buf.low_latency_dispatch(xb[me], ib[me], small, E, use_fp8=False, return_recv_hook=True)
+        _, _, _, _, hook_c = buf.low_latency_dispatch(d(xb[me]), d(ib[me]), small, E, use_fp8=False,
+                                                      return_recv_hook=True)
         try:
-            buf.low_latency_dispatch(xs[me], idxs[me], big, E, use_fp8=False)
+            buf.low_latency_dispatch(d(xs[me]), d(idxs[me]), big, E, use_fp8=False)
             msg = "no error"
         except ValueError as e:
             msg = str(e)

@@ -264,8 +264,8 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
             else:
                 flag = ctl + base + r
             t0 = _now_ns(USE_CLOCK)
-            # the low-latency call waited for: a receive waits for it (READY), a send for call - 2 (CONS; call
-            # - 1 as well when its sizes differ from the last call's: ll_fence)
+            # the low-latency call waited for: a receive waits for it (READY), a send for call - 2 (CONS; the
+            # fence of a call of new sizes for call - 1: kernels.ll_fence)
             lcall = want + ahead if REMOTE else want
             # (round 0: normal-mode FAILED words are not about low-latency calls, which learn of a
             # peer's failure from LFAILED only)
@@ -284,19 +284,6 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
                 post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R, ctl, lcall)
             bad = bad + st
     return bad == 0
-
-
-@triton.jit
-def ll_fence(go, ctl, hdr, hdr_delta, host, half, n, me, stage, timeout_ns, fence, R: tl.constexpr,
-             SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr):
-    """A low-latency send of call ``n`` whose sizes differ from the last call's (``fence`` != 0): its half lies
-    elsewhere, over part of the other half of the last call's layout, so it also waits until every peer has
-    received call ``n - 1`` (``CONS[1 - half] >= n - 1``). Returns ``go`` and-ed with that wait's result."""
-    if fence != 0:
-        go = go & ll_wait_peers(ctl, hdr, hdr_delta, host, L_CONS + 1 - half, n - 1, 0, me, stage, timeout_ns, R=R,
-                                REMOTE=True, CHECK_SIG=False, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False,
-                                ahead=1)
-    return go
 
 
 @triton.jit

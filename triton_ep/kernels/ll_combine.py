@@ -24,9 +24,9 @@ from .combine import _bf16_rtne_bits
 from .dispatch import _grid2
 
 
-@triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw', 'fence'])
+@triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
-                            experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, fence, ring_ctl, ring_dw, slot_w,
+                            experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
                             remote, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
                             K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
                             USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -37,8 +37,6 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
                              flags.STAGE_LL_COMBINE_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
                              SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
-    go = flags.ll_fence(go, ctl, hdr, hdr_delta, host, half, n, me, flags.STAGE_LL_COMBINE_SEND, timeout_ns, fence,
-                        R, SHRINK, USE_CLOCK)
     if NET:     # ranks on the network: each one's chunk k reuses the send slot of its chunk k - 2, once placed
         go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, flags.STAGE_LL_COMBINE_SEND,
                                     timeout_ns, R, USE_CLOCK, ctl, SHRINK)
@@ -132,12 +130,11 @@ _ll_combine_reduce_launch = Launcher(_ll_combine_reduce_kernel, enable_fp_fusion
 
 def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, layout_range: torch.Tensor,
                     num_topk: int, area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
-                    shrink: bool, signals: dict, net=None, fence: bool = False) -> None:
+                    shrink: bool, signals: dict, net=None) -> None:
     """Return rows ``x`` bf16 ``[E_local, R*N, H]`` (the first ``count[e]`` of each expert) to their source
     ranks' slots. ``ret_slot`` int32 ``[E_local, R*N]``: ``src * N * K + t * K + k`` or ``-1``;
     ``layout_range`` int64 ``[E_local, R]`` (the dispatch handle's); ``net``: the network leg (sources on
-    other hosts get their rows in a chunk of the send ring, :mod:`.ll_net`), or None; ``fence``: the last call
-    had other sizes (wait until every peer received it, :func:`.flags.ll_fence`)."""
+    other hosts get their rows in a chunk of the send ring, :mod:`.ll_net`), or None."""
     El, RN, H = x.shape
     tune = tuning("ll_combine_send")
     key = (El, H, lay, num_topk, shrink, net is not None, signals["use_clock"], signals.get("max_programs"),
@@ -145,7 +142,7 @@ def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
     launch(x.view(torch.int32), ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
            lay.half_words, lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"],
-           sig, signals["me"], signals["timeout_ns"], int(fence), *ll_net.kernel_args(net, ctl))
+           sig, signals["me"], signals["timeout_ns"], *ll_net.kernel_args(net, ctl))
 
 
 _SEND_BOUND: dict = {}

@@ -110,10 +110,10 @@ def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, ctl, t, mt, experts_per_ran
     return m, rec, of
 
 
-@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns', 'ring_dw', 'fence'])
+@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
-                             hdr, hdr_delta, host, sig, me, timeout_ns, fence, ring_ctl, ring_dw, slot_w, remote,
+                             hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w, remote,
                              NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
                              K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
                              SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
@@ -126,8 +126,6 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
                              flags.STAGE_LL_DISPATCH_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
                              SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
-    go = flags.ll_fence(go, ctl, hdr, hdr_delta, host, half, n, me, flags.STAGE_LL_DISPATCH_SEND, timeout_ns, fence,
-                        R, SHRINK, USE_CLOCK)
     if NET:     # ranks on the network: each one's chunk k reuses the send slot of its chunk k - 2, once placed
         go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, flags.STAGE_LL_DISPATCH_SEND,
                                     timeout_ns, R, USE_CLOCK, ctl, SHRINK)
@@ -304,15 +302,13 @@ def _bind_route(K, num_experts, num_ranks):
 
 def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
                      area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
-                     use_fp8: bool, round_scale: bool, shrink: bool, signals: dict, native_fp8: bool, net=None,
-                     fence: bool = False) -> None:
+                     use_fp8: bool, round_scale: bool, shrink: bool, signals: dict, native_fp8: bool, net=None) -> None:
     """Write this rank's rows into the experts' ranks (bf16, or cast to FP8 on the way).
 
     ``x`` bf16 ``[T, H]``; ``topk_idx`` ``[T, K]``; ``slots``/``counts`` from :func:`ll_route`; ``area``:
     int32 view of the local low-latency area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control
     block; ``lay``: the call's layout (:class:`triton_ep.protocol.ll_area.Layout`); ``sig``: call signature;
-    ``net``: the network leg (every other rank gets a chunk in the send ring, :mod:`.ll_net`), or None;
-    ``fence``: the last call had other sizes (wait until every peer received it, :func:`.flags.ll_fence`)."""
+    ``net``: the network leg (every other rank gets a chunk in the send ring, :mod:`.ll_net`), or None."""
     T, H = x.shape
     K = topk_idx.shape[1]
     tune = tuning("ll_send")
@@ -322,7 +318,7 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
     area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
     launch(x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
            T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
-           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], int(fence),
+           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
            *ll_net.kernel_args(net, ctl))
 
 

@@ -27,6 +27,7 @@ from ..kernels import flags as F
 from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
+from ..kernels.ll_fence import ll_fence
 from ..kernels.ll_net import ll_unpack
 from ..protocol import call_card as card
 from ..protocol.ll_area import Layout
@@ -212,8 +213,8 @@ class LowLatency:
     def _fence(self, lay: Layout) -> bool:
         """Whether a send of ``lay``'s sizes must wait until every peer received the last call: its sizes differ,
         so its half lies elsewhere, partly over the other half of the last call, which a slower peer may still be
-        reading (:func:`triton_ep.kernels.flags.ll_fence`). Raises ``ValueError`` when that call's receive hook
-        has not run here (the wait would need it)."""
+        reading (:mod:`triton_ep.kernels.ll_fence`, launched before such a call's send). Raises ``ValueError``
+        when that call's receive hook has not run here (the wait would need it)."""
         sizes = (lay.n_max, lay.hidden, lay.num_experts)
         if self.last_sizes is None or self.last_sizes == sizes:
             return False
@@ -323,9 +324,11 @@ class LowLatency:
         self.last_sizes = (N, H, E)
 
         def send():
+            if fence:
+                ll_fence(self.ctl, R, False, self.shrink, sa)
             ll_route(idx, slots, counts, self.ctl, E, R, sa)
             ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
-                             round_scale, self.shrink, sa, native, self.net, fence)
+                             round_scale, self.shrink, sa, native, self.net)
 
         def recv(offset: int):
             if self.net is not None:
@@ -394,8 +397,10 @@ class LowLatency:
         self.last_sizes = (lay.n_max, H, lay.num_experts)
 
         def send():
+            if fence:
+                ll_fence(self.ctl, rt.group_size, True, self.shrink, sa)
             ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
-                            self.shrink, sa, self.net, fence)
+                            self.shrink, sa, self.net)
 
         def recv(offset: int):
             if self.net is not None:

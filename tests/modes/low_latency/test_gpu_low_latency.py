@@ -18,3 +18,11 @@ def test_graph_capture_and_100_replays_bit_exact(use_fp8):
 def test_hook_with_compute_between_send_and_receive():
     out = ok_results(run_ranks(ll_cases.gpu_hook_overlap, 2, 16, 4, 512, 40, 64, backend="gloo"))
     assert out == [True, True], out
+
+
+def test_a_call_of_other_sizes_waits_for_a_slow_peer():
+    """The fence launch before a call of new sizes on the GPU: rank 1 holds its combine's hook while rank 0
+    dispatches with smaller N into rank 1's experts; every result equals the oracle."""
+    out = ok_results(run_ranks(ll_cases.size_change, 2, 1.5, "cuda", backend="gloo"))
+    assert [same for same, _, _ in out] == [True, True], out
+    assert all(ok and "receive hook of an earlier call has not run" in msg for _, ok, msg in out), out
