@@ -440,7 +440,9 @@ class Scheduler:
         for c in comps:
             did = True
             self._on_completion(c)
-        if flags.row(RingFlags.FAULT).any():        # (one read of every peer's word; the loop is the rare case)
+        R = self.world
+        words = flags.rows()        # READY .. FAULT of every peer, one read
+        if any(words[(RingFlags.FAULT - RingFlags.READY) * R:]):        # (the loop is the rare case)
             for p in self.peers:
                 w = flags.get(RingFlags.FAULT, p)
                 if w and not flags.masked(p):
@@ -449,9 +451,8 @@ class Scheduler:
                                            "the peer's proxy failed there and told its peers")
         now = time.monotonic()
         batches: Dict[Tuple[int, int], List[Op]] = {}
-        ready = flags.row(RingFlags.READY).tolist()
         for p in self.peers:
-            did |= self._gather(p, own, batches, now, ready[p])
+            did |= self._gather(p, own, batches, now, words[p])
         for (p, qp), ops in batches.items():
             t0 = time.perf_counter()
             try:
@@ -464,10 +465,10 @@ class Scheduler:
                 self.post_s += dt
                 self._sweep_tx += dt
             self.wrs_posted += len(ops)
-        heads = flags.row(RingFlags.HEAD).tolist()
+        h0 = (RingFlags.HEAD - RingFlags.READY) * R
         for p in self.peers:
-            if heads[p] > self._peer[p].credit_sent:    # (the common case, nothing freed, without a call)
-                did |= self._credit(p, heads[p])
+            if words[h0 + p] > self._peer[p].credit_sent:    # (the common case, nothing freed, without a call)
+                did |= self._credit(p, words[h0 + p])
         for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
             if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
                 raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],

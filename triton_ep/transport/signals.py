@@ -305,6 +305,12 @@ class RingFlags:
         i = self._word[array][0]
         return self.w[i:i + self.size]
 
+    def rows(self) -> list:
+        """The arrays ``READY`` to ``FAULT`` (adjacent in the block) as one list of ``6 * R`` ints, read at once:
+        ``array[p]`` is item ``(array - READY) * R + p`` (the proxy's sweep reads these every pass)."""
+        i = self._word[self.READY][0]
+        return self.w[i:i + (self.FAULT - self.READY + 1) * self.size].tolist()
+
     def get(self, array: int, peer: int) -> int:
         """``array[peer]`` (a chunk count, or a fault word)."""
         return int(self.w[self._word[array][peer]])
