@@ -1,4 +1,6 @@
 """Rank bodies for multi-process tests (module-level so that spawned processes can import them)."""
+import os
+
 import torch
 
 import triton_ep
@@ -766,3 +768,15 @@ def rejects_its_arguments(rank, world):
         return ("built", 0.0, "")
     except Exception as e:  # noqa: BLE001
         return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))
+
+
+def fused(rank, world, seed, rounds):
+    """With ``TRITON_EP_FUSED=1`` (the send and receive of a call of one round as one launch, one program
+    under the interpreter): :func:`round_trip` and :func:`back_to_back_processes` (dispatch, cached dispatch,
+    combine, ragged T with zeros). Returns the rows received and whether the fused dispatch and combine
+    launches ran."""
+    os.environ["TRITON_EP_FUSED"] = "1"
+    from triton_ep.kernels import combine as C, dispatch as D
+    rows = round_trip(rank, world, seed, 4 * world, 3, 64, [5 + 3 * r for r in range(world)], 1 << 20)
+    back_to_back_processes(rank, world, rounds, seed)
+    return rows, len(D._FUSED_BOUND) > 0 and len(C._FUSED_BOUND) > 0

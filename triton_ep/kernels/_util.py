@@ -23,6 +23,8 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_send": dict(block_t=1, block_w=4096, num_warps=16, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=32),
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
+    # a call of one round of at most max_tokens tokens runs its send and receive as one launch (fused.py)
+    "fused": dict(max_tokens=1024),
     "combine_send": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),
     # low-latency kernels: benchmarks/bench_low_latency.py --sweep on one H200 (T 128, H 7168, top-8 of 256;
@@ -40,6 +42,7 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=4),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
+    "fused": dict(max_tokens=0),        # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
     "ll_send": dict(block_t=16, block_h=2048, num_warps=4),

@@ -22,7 +22,7 @@ from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
 from ._util import cdiv, pow2, tuning
-from .dispatch import _grid, _use_clock, sync_args
+from .dispatch import _grid, _use_clock, fused_programs, sync_args
 
 
 @triton.jit
@@ -35,21 +35,12 @@ def _bf16_rtne_bits(v):
     return r.to(tl.int16)
 
 
-@triton.jit(do_not_specialize=['n_rows', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
-def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, n_ptr,
-                         hdr, hdr_delta, host, k, sig, me, timeout_ns,
-                         N_PTR: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                         WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
-                         HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    if N_PTR:       # the rows received, from the device (a dispatch with num_worst_tokens)
-        n_rows = tl.load(n_ptr).to(tl.int32)
-    # Round n: wait until every source rank has moved round n - 1 out of its area.
-    if SYNC:
-        n = tl.load(hdr + flags.W_BASE) + k + 1
-        go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_COMBINE_SEND, n, timeout_ns, R,
-                                       USE_CLOCK)
-        n_rows = tl.where(go, n_rows, 0)
+@triton.jit
+def _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, WX: tl.constexpr,
+                 K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The combine send's data movement: this program's blocks of received rows ``[0, n_rows)``, each into
+    its source rank's combine area (slots ``[lo, hi)``)."""
     # Programs take row blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
     for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0)):
         g = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
@@ -70,6 +61,25 @@ def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec
             ok = tl.arange(0, BLOCK_K)
             mk = m[:, None] & (ok[None, :] < K)
             tl.store(row[:, None] + records.comb_weights(WX, K) + ok[None, :], tl.load(w_ptr + g[:, None] * K + ok[None, :], mask=mk), mask=mk)
+
+
+@triton.jit(do_not_specialize=['n_rows', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
+def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, n_ptr,
+                         hdr, hdr_delta, host, k, sig, me, timeout_ns,
+                         N_PTR: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                         WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
+                         HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    if N_PTR:       # the rows received, from the device (a dispatch with num_worst_tokens)
+        n_rows = tl.load(n_ptr).to(tl.int32)
+    # Round n: wait until every source rank has moved round n - 1 out of its area.
+    if SYNC:
+        n = tl.load(hdr + flags.W_BASE) + k + 1
+        go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_COMBINE_SEND, n, timeout_ns, R,
+                                       USE_CLOCK)
+        n_rows = tl.where(go, n_rows, 0)
+    _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, WX, K, REC, R, HAS_W,
+                 BLOCK_T, BLOCK_W, BLOCK_K)
     # The last program tells every source rank that round n is in its area.
     if SYNC:
         flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
@@ -87,21 +97,14 @@ def _returned_slot(send_pos_ptr, send_base_ptr, t, mt, r, lo, hi, R: tl.constexp
     return (pos >= 0) & (slot >= lo) & (slot < hi), slot
 
 
-@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
-def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
-                           acc_ptr, out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr,
-                           hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
-                           SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                           H: tl.constexpr, K: tl.constexpr, REC_H: tl.constexpr, REC_F: tl.constexpr,
-                           R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr,
-                           FINAL: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Round n: wait until every destination rank has returned its rows of round n here.
-    if SYNC:
-        n = tl.load(hdr + flags.W_BASE) + k + 1
-        go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_COMBINE_RECV, n, timeout_ns, R,
-                                    USE_CLOCK)
-        T = tl.where(go, T, 0)
+@triton.jit
+def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi, acc_ptr, out_ptr, b0_ptr, b1_ptr,
+                   wacc_ptr, wout_ptr, H: tl.constexpr, K: tl.constexpr, REC_H: tl.constexpr, REC_F: tl.constexpr,
+                   R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr, FINAL: tl.constexpr,
+                   HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The reduce's arithmetic: this program's token blocks, the returned rows of slots ``[lo, hi)`` added in
+    ascending destination rank (and, in the last round, the biases), rounded once to bf16."""
     # Programs take token blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
@@ -140,12 +143,62 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
                 tl.store(wacc_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
             if FINAL:
                 tl.store(wout_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
+
+
+@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
+def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
+                           acc_ptr, out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr,
+                           hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
+                           SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                           H: tl.constexpr, K: tl.constexpr, REC_H: tl.constexpr, REC_F: tl.constexpr,
+                           R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr,
+                           FINAL: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Round n: wait until every destination rank has returned its rows of round n here.
+    if SYNC:
+        n = tl.load(hdr + flags.W_BASE) + k + 1
+        go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_COMBINE_RECV, n, timeout_ns, R,
+                                    USE_CLOCK)
+        T = tl.where(go, T, 0)
+    _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi, acc_ptr, out_ptr, b0_ptr, b1_ptr,
+                   wacc_ptr, wout_ptr, H, K, REC_H, REC_F, R, LOAD_ACC, STORE_ACC, FINAL, HAS_B0, HAS_B1, HAS_W, BLOCK_T,
+                   BLOCK_H, BLOCK_K)
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
     if SYNC:
         flags.finish_recv(hdr, n, advance, USE_ASM)
 
 
 _combine_reduce_launch = Launcher(_combine_reduce_kernel)
+
+
+@triton.jit(do_not_specialize=['n_rows', 'T', 'hi', 'sig', 'me', 'timeout_ns'])
+def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, n_ptr,
+                          rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, hi, out_ptr, b0_ptr, b1_ptr, wout_ptr,
+                          hdr, hdr_delta, host, sig, me, timeout_ns,
+                          N_PTR: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, WX: tl.constexpr,
+                          K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr,
+                          HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                          BLOCK_TR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A combine of one round as one launch: the send part, then the reduce part, each as its own launch does
+    # it (programs all resident at once: see dispatch._dispatch_fused_kernel).
+    if N_PTR:
+        n_rows = tl.load(n_ptr).to(tl.int32)
+    n = tl.load(hdr + flags.W_BASE) + 1
+    go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_COMBINE_SEND, n, timeout_ns, R,
+                                   USE_CLOCK)
+    _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, tl.where(go, n_rows, 0), 0, hi, WX, K,
+                 REC, R, HAS_W, BLOCK_T, BLOCK_W, BLOCK_K)
+    flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+    go = flags.wait_own_send(hdr, hdr_delta, host, n, me, flags.STAGE_COMBINE_RECV, timeout_ns, R, USE_CLOCK)
+    go = go & flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_COMBINE_RECV, n, timeout_ns, R,
+                                     USE_CLOCK)
+    _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, tl.where(go, T, 0), 0, hi, out_ptr, out_ptr,
+                   b0_ptr, b1_ptr, wout_ptr, wout_ptr, 2 * WX, K, REC * 2, REC, R, False, False, True, HAS_B0, HAS_B1,
+                   HAS_W, BLOCK_TR, BLOCK_H, BLOCK_K)
+    flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, 1, USE_ASM)
+
+
+_combine_fused_launch = Launcher(_combine_fused_kernel)
 
 
 def record_bytes(hidden: int, k: int) -> int:
@@ -236,3 +289,40 @@ def _bind_reduce(grid, hidden, k, rec_bytes, R, first, last, n_biases, has_w, sy
         H=hidden, K=k, REC_H=rec_bytes // 2, REC_F=rec_bytes // 4, R=R,
         LOAD_ACC=not first, STORE_ACC=not last, FINAL=last, HAS_B0=n_biases > 0, HAS_B1=n_biases > 1,
         HAS_W=has_w, BLOCK_T=cfg["block_t"], BLOCK_H=pow2(min(hidden, cfg["block_h"])), BLOCK_K=pow2(k))
+
+
+def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
+                  comb_base: torch.Tensor, delta_words: torch.Tensor, area: torch.Tensor, send_pos: torch.Tensor,
+                  send_base: torch.Tensor, hi: int, rec_bytes: int, out: torch.Tensor, biases: Sequence[torch.Tensor],
+                  wout: Optional[torch.Tensor], signals: dict, sig: int, n_recv: Optional[torch.Tensor] = None) -> None:
+    """A combine of one round (slots ``[0, hi)``) as one launch: :func:`combine_send`, then :func:`combine_reduce`
+    (first and last round, ``advance = 1``), same arguments and results; ``area``: the local buffer (uint8).
+    The grid is :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps``."""
+    n_rows = max(n_rows, 0)
+    wx = x_words.shape[1]
+    k = weight_words.shape[1] if weight_words is not None else 0
+    T = send_pos.shape[0]
+    cs, cr = tuning("combine_send"), tuning("combine_reduce")
+    progs = fused_programs(max(cdiv(n_rows, cs["block_t"]), cdiv(T, cr["block_t"]), 1), area.device, signals)
+    key = (progs, wx, k, weight_words is not None, rec_bytes, prefix.shape[0], n_recv is not None, len(biases),
+           wout is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()))
+    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs, cr))
+    b0 = biases[0] if len(biases) > 0 else out
+    b1 = biases[1] if len(biases) > 1 else out
+    launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, area.view(torch.int32), n_rows,
+           n_recv if n_recv is not None else prefix, area.view(torch.bfloat16), area.view(torch.float32), send_pos,
+           send_base, T, hi, out.view(torch.int16), b0, b1, wout if wout is not None else out,
+           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
+
+
+_FUSED_BOUND: dict = {}
+
+
+def _bind_fused(progs, wx, k, has_w, rec_bytes, R, n_ptr, n_biases, has_wout, use_clock, cs, cr):
+    if has_w != has_wout:
+        raise ValueError("combine's weights and their output come together")
+    return _combine_fused_launch.bind(
+        (progs,), num_warps=cs["num_warps"], N_PTR=n_ptr, USE_CLOCK=use_clock, USE_ASM=use_clock, WX=wx, K=k,
+        REC=rec_bytes // 4, R=R, HAS_W=has_w, HAS_B0=n_biases > 0, HAS_B1=n_biases > 1, BLOCK_T=cs["block_t"],
+        BLOCK_W=pow2(min(wx, cs["block_w"])), BLOCK_TR=cr["block_t"], BLOCK_H=pow2(min(2 * wx, cr["block_h"])),
+        BLOCK_K=pow2(k))

@@ -10,6 +10,7 @@ GPU, a shared-memory mapping on CPU). A receiver's rows form a *window* ``[lo, h
 space: only rows inside the window are written, at ``row - lo``, so a buffer smaller than the transfer
 is used in rounds. All offsets are int64.
 """
+import os
 from typing import Optional
 
 import torch
@@ -19,7 +20,7 @@ import triton.language as tl
 from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
-from ._util import cdiv, num_sms, pow2, tuning
+from ._util import cdiv, interpreted, num_sms, pow2, tuning
 
 
 @triton.jit
@@ -34,23 +35,14 @@ def _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, mt, r, lo, hi,
     return m, row
 
 
-@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
-def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
-                          T, lo, hi, num_experts,
-                          hdr, hdr_delta, host, k, sig, me, timeout_ns,
-                          SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                          WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
-                          R: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-                          HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr,
-                          STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
-    # Round n of the Buffer: wait until every receiver has moved round n - 1 out of its area. A program
-    # that may not write (an error, now or earlier) moves nothing.
-    if SYNC:
-        n = tl.load(hdr + flags.W_BASE) + k + 1
-        go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_DISPATCH_SEND, n, timeout_ns, R,
-                                       USE_CLOCK)
-        T = tl.where(go, T, 0)
+@triton.jit
+def _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, T, lo, hi, num_experts,
+                 WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
+                 HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_SRC: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr, STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
+    """The send's data movement: this program's token blocks, each row's record into every receiver that takes
+    it (the window ``[lo, hi)`` of its rows)."""
     # Programs take token blocks pid, pid + P, ... (P = the grid; one block each unless the grid is capped).
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
@@ -96,12 +88,71 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
                     tl.store(row[:, None] + records.rec_weights(WX, S, K) + ok[None, :], wb, mask=mk)
             if HAS_SRC:
                 tl.store(row + records.rec_src(WX, S, K), t.to(tl.int32), mask=m)
+
+
+@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
+def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
+                          T, lo, hi, num_experts,
+                          hdr, hdr_delta, host, k, sig, me, timeout_ns,
+                          SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                          WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
+                          R: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                          HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr,
+                          STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
+    # Round n of the Buffer: wait until every receiver has moved round n - 1 out of its area. A program
+    # that may not write (an error, now or earlier) moves nothing.
+    if SYNC:
+        n = tl.load(hdr + flags.W_BASE) + k + 1
+        go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_DISPATCH_SEND, n, timeout_ns, R,
+                                       USE_CLOCK)
+        T = tl.where(go, T, 0)
+    _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, T, lo, hi, num_experts,
+                 WX, S, K, REC, R, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K, SPLIT_W,
+                 EVEN_W, STORE_CACHE, STORE_EVICT)
     # The launch's last program tells every receiver that round n is in its area.
     if SYNC:
         flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
 
 
 _dispatch_send_launch = Launcher(_dispatch_send_kernel)
+
+
+@triton.jit
+def _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
+               out_src_ptr, WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
+               HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_SRC: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The receive's data movement: this program's blocks of rows ``[0, n_out)`` of the round (rows below
+    ``n_rows`` unpacked from the area, the rest padding), into output rows ``lo + i``."""
+    for pid in range(tl.program_id(0), tl.cdiv(n_out, BLOCK_T), tl.num_programs(0)):
+        i = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
+        m = i < n_rows                                # rows received
+        mo = i < n_out                                # rows written
+        row = rec_ptr + i * REC
+        out = lo + i
+        for w0 in range(0, WX, BLOCK_W):
+            ow = w0 + tl.arange(0, BLOCK_W)
+            cw = (ow[None, :] < WX)
+            tl.store(out_x_ptr + out[:, None] * WX + ow[None, :],
+                     tl.load(row[:, None] + ow[None, :], mask=m[:, None] & cw, other=0), mask=mo[:, None] & cw)
+        if HAS_SCALES:
+            os_ = tl.arange(0, BLOCK_S)
+            cs = os_[None, :] < S
+            tl.store(out_sc_ptr + out[:, None] * S + os_[None, :],
+                     tl.load(row[:, None] + records.rec_scales(WX, S, K) + os_[None, :], mask=m[:, None] & cs, other=0), mask=mo[:, None] & cs)
+        if HAS_TOPK:
+            ok = tl.arange(0, BLOCK_K)
+            ck = ok[None, :] < K
+            g = tl.load(row[:, None] + records.rec_ids(WX, S, K) + ok[None, :], mask=m[:, None] & ck, other=-1).to(tl.int64)
+            here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
+            tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1),
+                     mask=mo[:, None] & ck)
+            if HAS_W:
+                wb = tl.load(row[:, None] + records.rec_weights(WX, S, K) + ok[None, :], mask=m[:, None] & ck, other=0)
+                tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mo[:, None] & ck)
+        if HAS_SRC:
+            tl.store(out_src_ptr + out, tl.load(row + records.rec_src(WX, S, K), mask=m, other=-1), mask=mo)
 
 
 @triton.jit(do_not_specialize=['n_rows', 'lo', 'expert_lo', 'cap', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
@@ -131,40 +182,56 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
         n_out = n_bound           # rows written: received, then padding
     else:
         n_out = n_rows
-    for pid in range(tl.program_id(0), tl.cdiv(n_out, BLOCK_T), tl.num_programs(0)):
-        i = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
-        m = i < n_rows                                # rows received
-        mo = i < n_out                                # rows written
-        row = rec_ptr + i * REC
-        out = lo + i
-        for w0 in range(0, WX, BLOCK_W):
-            ow = w0 + tl.arange(0, BLOCK_W)
-            cw = (ow[None, :] < WX)
-            tl.store(out_x_ptr + out[:, None] * WX + ow[None, :],
-                     tl.load(row[:, None] + ow[None, :], mask=m[:, None] & cw, other=0), mask=mo[:, None] & cw)
-        if HAS_SCALES:
-            os_ = tl.arange(0, BLOCK_S)
-            cs = os_[None, :] < S
-            tl.store(out_sc_ptr + out[:, None] * S + os_[None, :],
-                     tl.load(row[:, None] + records.rec_scales(WX, S, K) + os_[None, :], mask=m[:, None] & cs, other=0), mask=mo[:, None] & cs)
-        if HAS_TOPK:
-            ok = tl.arange(0, BLOCK_K)
-            ck = ok[None, :] < K
-            g = tl.load(row[:, None] + records.rec_ids(WX, S, K) + ok[None, :], mask=m[:, None] & ck, other=-1).to(tl.int64)
-            here = (g >= expert_lo) & (g < expert_lo + experts_per_rank)
-            tl.store(out_idx_ptr + out[:, None] * K + ok[None, :], tl.where(here, g - expert_lo, -1),
-                     mask=mo[:, None] & ck)
-            if HAS_W:
-                wb = tl.load(row[:, None] + records.rec_weights(WX, S, K) + ok[None, :], mask=m[:, None] & ck, other=0)
-                tl.store(out_w_ptr + out[:, None] * K + ok[None, :], tl.where(here, wb, 0), mask=mo[:, None] & ck)
-        if HAS_SRC:
-            tl.store(out_src_ptr + out, tl.load(row + records.rec_src(WX, S, K), mask=m, other=-1), mask=mo)
+    _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
+               out_src_ptr, WX, S, K, REC, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K)
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
     if SYNC:
         flags.finish_recv(hdr, n, advance, USE_ASM)
 
 
 _dispatch_recv_launch = Launcher(_dispatch_recv_kernel)
+
+
+@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'n_rows', 'expert_lo', 'cap', 'sig', 'me', 'timeout_ns', 'advance'])
+def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
+                           T, lo, hi, num_experts, n_rows, expert_lo, experts_per_rank,
+                           out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, n_ptr, cap,
+                           hdr, hdr_delta, host, sig, me, timeout_ns, advance,
+                           N_PTR: tl.constexpr, R: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                           WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
+                           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
+                           HAS_SRC: tl.constexpr, OUT_TOPK: tl.constexpr, OUT_W: tl.constexpr, OUT_SRC: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_TR: tl.constexpr,
+                           BLOCK_WR: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
+                           STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
+    # A call of one round as one launch: the send part, then the receive part, each as its own launch does
+    # it. The grid is capped so that every program is resident at once (a receive part waits for the send
+    # part's last program, of the same launch); the send part counts its programs at W_DONE, the receive
+    # part at W_DONE2.
+    n = tl.load(hdr + flags.W_BASE) + 1
+    go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_DISPATCH_SEND, n, timeout_ns, R,
+                                   USE_CLOCK)
+    _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, tl.where(go, T, 0),
+                 lo, hi, num_experts, WX, S, K, REC, R, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W,
+                 BLOCK_S, BLOCK_K, False, EVEN_W, STORE_CACHE, STORE_EVICT)
+    flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+    n_bound = n_rows
+    if N_PTR:
+        n_rows = tl.minimum(tl.maximum(tl.load(n_ptr) - lo, 0), cap)
+    go = flags.wait_own_send(hdr, hdr_delta, host, n, me, flags.STAGE_DISPATCH_RECV, timeout_ns, R, USE_CLOCK)
+    go = go & flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
+                                     USE_CLOCK)
+    n_rows = tl.minimum(tl.where(go, n_rows, 0), n_bound)
+    if N_PTR:
+        n_out = n_bound
+    else:
+        n_out = n_rows
+    _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
+               out_src_ptr, WX, S, K, REC, HAS_SCALES, OUT_TOPK, OUT_W, OUT_SRC, BLOCK_TR, BLOCK_WR, BLOCK_S, BLOCK_K)
+    flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, advance, USE_ASM)
+
+
+_dispatch_fused_launch = Launcher(_dispatch_fused_kernel)
 
 
 def sync_args(signals: Optional[dict], rnd: int, sig: int, like: torch.Tensor) -> tuple:
@@ -305,3 +372,73 @@ def _bind_recv(grid, wx, s, k, rec_words, n_ptr, has_scales, has_topk, has_w, ha
         (grid,), num_warps=nw, N_PTR=n_ptr, R=R, SYNC=sync, USE_CLOCK=use_clock, USE_ASM=use_clock,
         WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=has_scales, HAS_TOPK=has_topk,
         HAS_W=has_w, HAS_SRC=has_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k))
+
+
+def fused_programs(blocks: int, device: torch.device, signals: dict) -> int:
+    """Programs of a fused send + receive launch: at most one per multiprocessor (every program resident at
+    once: its receive part waits for its send part's last program), within the shared-GPU cap of
+    :func:`_grid`; one under the interpreter, which runs programs one after another."""
+    if interpreted():
+        return 1
+    return min(_grid(blocks, signals), num_sms(device))
+
+
+def use_fused(num_tokens: int, group) -> bool:
+    """Whether a call of one round with ``num_tokens`` tokens runs its send and receive as one launch: real
+    ranks only (``group`` not None: the lock-step runner of simulated ranks needs split launches), and
+    ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU). ``TRITON_EP_FUSED=1`` / ``0``: always / never
+    (real ranks; the CPU tests run the fused kernels so, one program a launch)."""
+    if group is None:
+        return False
+    force = os.environ.get("TRITON_EP_FUSED", "")
+    if force in ("0", "1"):
+        return force == "1"
+    return num_tokens <= int(tuning("fused")["max_tokens"])
+
+
+def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                   weight_words: Optional[torch.Tensor], send_pos: torch.Tensor, row_base: torch.Tensor,
+                   delta_words: torch.Tensor, rec: torch.Tensor, num_experts: int, rec_words: int, with_src: bool,
+                   n_rows: int, rank: int, experts_per_rank: int, k_out: int, out_x: torch.Tensor,
+                   out_scales: Optional[torch.Tensor], out_idx: Optional[torch.Tensor],
+                   out_weights: Optional[torch.Tensor], out_src: Optional[torch.Tensor], signals: dict, sig: int,
+                   n_recv: Optional[torch.Tensor] = None, cap: int = 0) -> None:
+    """A call of one round (receive rows ``[0, cap)``) as one launch: :func:`dispatch_send`, then
+    :func:`dispatch_recv` with ``advance = 1``, same arguments and results (``k_out``: the receive's ``k``).
+    Its programs wait for each other between the parts, so the grid is :func:`fused_programs`; the launch
+    takes the send's ``num_warps`` and each part its own blocks."""
+    T, wx = x_words.shape
+    R = send_pos.shape[1]
+    s = scale_words.shape[1] if scale_words is not None else 0
+    k = topk_idx.shape[1] if topk_idx is not None else 0
+    n_rows = max(n_rows, 0)
+    cs, cr = tuning("dispatch_send"), tuning("dispatch_recv")
+    progs = fused_programs(max(cdiv(T, cs["block_t"]), cdiv(n_rows, cr["block_t"]), 1), rec.device, signals)
+    key = (progs, wx, s, k, k_out, R, rec_words, scale_words is not None, topk_idx is not None,
+           weight_words is not None, with_src, n_recv is not None, out_idx is not None, out_weights is not None,
+           out_src is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()))
+    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs))
+    dummy = x_words
+    launch(x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
+           send_pos, row_base, delta_words, rec, T, 0, cap, num_experts, n_rows, rank * experts_per_rank,
+           experts_per_rank, out_x, out_scales if out_scales is not None else dummy,
+           out_idx if out_idx is not None else dummy, out_weights if out_weights is not None else dummy,
+           out_src if out_src is not None else dummy, n_recv if n_recv is not None else rec, cap,
+           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], 1)
+
+
+_FUSED_BOUND: dict = {}
+
+
+def _bind_fused(progs, wx, s, k, k_out, R, rec_words, has_scales, has_topk, has_w, with_src, n_ptr, out_topk, out_w,
+                out_src, use_clock, cs):
+    bt, bw, nw = _blocks("dispatch_send", wx)
+    btr, bwr, _ = _blocks("dispatch_recv", wx)
+    if k_out != k:
+        raise ValueError(f"the send's records carry {k} top-k columns but the receive reads {k_out}")
+    return _dispatch_fused_launch.bind(
+        (progs,), num_warps=nw, N_PTR=n_ptr, R=R, USE_CLOCK=use_clock, USE_ASM=use_clock, WX=wx, S=s, K=k,
+        REC=rec_words, HAS_SCALES=has_scales, HAS_TOPK=has_topk, HAS_W=has_w, HAS_SRC=with_src,
+        OUT_TOPK=out_topk, OUT_W=out_w, OUT_SRC=out_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_TR=btr, BLOCK_WR=bwr,
+        BLOCK_S=pow2(s), BLOCK_K=pow2(k), EVEN_W=wx % bw == 0, STORE_CACHE=cs.get("store_cache", ""),
+        STORE_EVICT=cs.get("store_evict", ""))

@@ -21,7 +21,9 @@ Protocol of round ``n`` (every collective round: a *send* launch, then a *receiv
 
 No program waits for a program of its own launch (Triton's interpreter runs them one after another),
 and a send of round ``n`` waits only for receives of round ``n - 1``, which each rank launches before
-its send of round ``n``: there is no wait cycle.
+its send of round ``n``: there is no wait cycle. The exception is a *fused* launch (a call of one round as
+one launch: :func:`wait_own_send` between its send and receive parts, the receive counted at ``W_DONE2``),
+whose grid is capped so that all its programs are resident at once (one program under the interpreter).
 
 Every wait is bounded. On GPU a wait reads ``%globaltimer`` and gives up after ``timeout_ns``; under the
 interpreter (no clock) a host watchdog sets the host block's abort word. A wait also ends when the
@@ -34,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported for the kernels
-    W_BASE, W_CONSUMED, W_DONE, W_ERR, W_FIXED, off_ready, off_sig, off_failed, off_gone, off_nflag, off_notify,
+    W_BASE, W_CONSUMED, W_DONE, W_DONE2, W_ERR, W_FIXED, off_ready, off_sig, off_failed, off_gone, off_nflag, off_notify,
     NOTIFY_E_WORDS, off_notify_e, header_words, H_ABORT, H_LOCK, H_KIND, H_PEER, H_STAGE, H_CALL, H_INFO,
     H_INFO2, H_WORDS, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
     STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
@@ -324,7 +326,29 @@ def finish_send(hdr, hdr_delta, round_no, sig, me, R: tl.constexpr, USE_ASM: tl.
 def finish_recv(hdr, round_no, advance, USE_ASM: tl.constexpr):
     """End of a receive launch: the last program releases ``CONSUMED = round_no`` (this rank's area is
     free again) and advances ``BASE`` by ``advance`` (the call's rounds, in its last round; else 0)."""
-    if last_program(hdr, USE_ASM):
+    finish_recv_at(hdr, hdr + W_DONE, round_no, advance, USE_ASM)
+
+
+@triton.jit
+def wait_own_send(hdr, hdr_delta, host, round_no, me, stage, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """In a fused send + receive launch, between its parts: wait until the send part's last program released
+    ``READY[me] = round_no`` here (every program's records into this rank's own area are then visible). The
+    launch's programs are all resident at once (its grid is capped), so the wait ends; a timeout is recorded
+    against this rank. Returns True when the program may move data."""
+    ok = tl.load(hdr + W_ERR, volatile=True) == 0
+    if ok:
+        st = wait_at_least(hdr + off_ready(R) + me, round_no, hdr, host, me, round_no, timeout_ns, R, USE_CLOCK)
+        if st != 0:
+            post_error(hdr, hdr_delta, host, st, me, stage, round_no, me, R)
+            ok = False
+    return ok
+
+
+@triton.jit
+def finish_recv_at(hdr, counter, round_no, advance, USE_ASM: tl.constexpr):
+    """:func:`finish_recv` counting the launch's programs at ``counter`` (``hdr + W_DONE2`` in a fused launch,
+    whose send part counts at ``W_DONE``)."""
+    if last_program_at(counter, USE_ASM):
         if advance != 0:
             tl.store(hdr + W_BASE, tl.load(hdr + W_BASE) + advance)
         release(hdr + W_CONSUMED, round_no)

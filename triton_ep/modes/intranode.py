@@ -20,7 +20,9 @@ from .. import kernels
 from ..config import EventOverlap
 from ..errors import EPError, EPTimeoutError
 from ..kernels import notify as NT
+from ..kernels.combine import combine_fused
 from ..kernels.combine import record_bytes as combine_record_bytes
+from ..kernels.dispatch import dispatch_fused, use_fused
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
 from ..protocol import records
@@ -300,8 +302,20 @@ class Intranode:
         sc_words = sc.view(torch.int32) if (sc is not None and a.scale_words) else None    # S = 0: nothing to move
         w_words = a.topk_weights.view(torch.int32) if (not cached and a.topk_weights is not None) else None
         idx = a.topk_idx if not cached else None
-        # Rounds, each a send launch then a receive launch; ranks wait for each other on the device.
-        for k in range(rounds):
+        # Rounds, each a send launch then a receive launch; ranks wait for each other on the device. A call of one
+        # round may run both as one launch (kernels.dispatch.use_fused).
+        fused = rounds == 1 and use_fused(xv.shape[0], self.rt.group)
+        if fused:
+            yield "dispatch/send and receive"
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                dispatch_fused(x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec,
+                               a.num_experts, rec_words, not cached,
+                               min(max(n_recv if n_recv is not None else n_out, 0), cap),
+                               self.rt.rank, a.num_experts // R, a.num_topk if not cached else 0, recv_x.view(torch.int32),
+                               recv_sc.view(torch.int32) if sc_words is not None else None, recv_idx,
+                               recv_w.view(torch.int32) if recv_w is not None else None, recv_src, self.rt.sig_args,
+                               call_sig, n_recv=n_recv_dev if n_recv is None else None, cap=cap)
+        for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
@@ -498,8 +512,16 @@ class Intranode:
         area = self.rt.comm.data
         x_words = xv.view(torch.int32)
         w_words = w.view(torch.int32) if w is not None else None
-        # Rounds, each a send launch then a reduce launch; ranks wait for each other on the device.
-        for k in range(rounds):
+        # Rounds, each a send launch then a reduce launch; ranks wait for each other on the device. A combine of
+        # one round may run both as one launch (kernels.dispatch.use_fused).
+        fused = rounds == 1 and use_fused(T, self.rt.group)
+        if fused:
+            yield "combine/send and reduce"
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                combine_fused(x_words, w_words, h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows,
+                              prefix, comb_base, self.rt.delta_words, area, h.send_head, send_base, cap, rb, out,
+                              biases, wout, self.rt.sig_args, call_sig, n_recv=h.n_recv_dev)
+        for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():

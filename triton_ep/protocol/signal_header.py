@@ -28,6 +28,7 @@ W_BASE = tl.constexpr(0)          #: rounds this rank has completed (advanced by
 W_CONSUMED = tl.constexpr(1)      #: last round whose data this rank has moved out of its own area
 W_DONE = tl.constexpr(2)          #: programs of the running launch that have finished (last-program counter)
 W_ERR = tl.constexpr(3)           #: nonzero once this rank holds an error record (device-side mirror)
+W_DONE2 = tl.constexpr(4)         #: a fused send + receive launch's second last-program counter (its receive)
 W_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
 
 

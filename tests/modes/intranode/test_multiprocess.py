@@ -25,6 +25,13 @@ def test_processes_round_trip_property(R, seed, H, zero_rank, small):
     _values(run_ranks(mp_cases.round_trip, R, seed, 4 * R, 3, H, Ts, 1024 if small else 1 << 20))
 
 
+def test_send_and_receive_fused_in_one_launch():
+    """Calls of one round run their send and receive as one launch (TRITON_EP_FUSED=1): plain and cached
+    dispatch bit for bit against the reference, then back-to-back calls with ragged T, on 3 ranks."""
+    out = _values(run_ranks(mp_cases.fused, 3, 5, 8))
+    assert all(ran for _, ran in out), out
+
+
 def test_processes_fp8():
     _values(run_ranks(mp_cases.round_trip, 2, 3, 8, 2, 256, [9, 4], 1 << 20, True))
 
