@@ -772,11 +772,21 @@ def rejects_its_arguments(rank, world):
 
 def fused(rank, world, seed, rounds):
     """With ``TRITON_EP_FUSED=1`` (the send and receive of a call of one round as one launch, one program
-    under the interpreter): :func:`round_trip` and :func:`back_to_back_processes` (dispatch, cached dispatch,
-    combine, ragged T with zeros). Returns the rows received and whether the fused dispatch and combine
-    launches ran."""
+    under the interpreter, and the count exchange as one launch): :func:`round_trip` and
+    :func:`back_to_back_processes` (dispatch, cached dispatch, combine, ragged T with zeros). Returns the rows
+    received and whether the fused dispatch, combine and count-exchange launches ran."""
     os.environ["TRITON_EP_FUSED"] = "1"
-    from triton_ep.kernels import combine as C, dispatch as D
+    from triton_ep.kernels import combine as C, dispatch as D, notify as NT
+    launched = []
+
+    class Counted:          # the one-launch count exchange's launcher, counted
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return self.inner[grid]
+    NT._notify_launch = Counted(NT._notify_launch)
     rows = round_trip(rank, world, seed, 4 * world, 3, 64, [5 + 3 * r for r in range(world)], 1 << 20)
     back_to_back_processes(rank, world, rounds, seed)
-    return rows, len(D._FUSED_BOUND) > 0 and len(C._FUSED_BOUND) > 0
+    return rows, len(D._FUSED_BOUND) > 0 and len(C._FUSED_BOUND) > 0 and len(launched) > 0

@@ -386,14 +386,16 @@ def fused_programs(blocks: int, device: torch.device, signals: dict) -> int:
 def use_fused(num_tokens: int, group) -> bool:
     """Whether a call of one round with ``num_tokens`` tokens runs its send and receive as one launch: real
     ranks only (``group`` not None: the lock-step runner of simulated ranks needs split launches), and
-    ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU). ``TRITON_EP_FUSED=1`` / ``0``: always / never
-    (real ranks; the CPU tests run the fused kernels so, one program a launch)."""
+    ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU: never). ``TRITON_EP_FUSED=1`` / ``0``: always /
+    never (real ranks; the CPU tests run the fused kernels so, one program a launch). A dispatch's count
+    exchange (one program, any number of tokens) asks with ``num_tokens`` 0."""
     if group is None:
         return False
     force = os.environ.get("TRITON_EP_FUSED", "")
     if force in ("0", "1"):
         return force == "1"
-    return num_tokens <= int(tuning("fused")["max_tokens"])
+    limit = int(tuning("fused")["max_tokens"])
+    return 0 < limit and num_tokens <= limit
 
 
 def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],

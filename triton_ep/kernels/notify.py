@@ -42,10 +42,11 @@ RES_SEND_MAX = tl.constexpr(4)     #: the most rows any rank sends
 RES_EXPERTS = tl.constexpr(8)      #: then rows per local expert (E_local words)
 
 
-@triton.jit(do_not_specialize=['num_worst', 'k', 'sig', 'me', 'timeout_ns'])
-def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, k, sig, me,
-                        timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, EXPERTS: tl.constexpr,
-                        BLOCK_E: tl.constexpr):
+@triton.jit
+def _publish(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, me, R: tl.constexpr,
+             EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The send part: check this rank's counts, publish its row (and per-expert counts, or its
+    num_worst_tokens) into every rank's header, then ``NOTIFIED[me] = n`` there."""
     # Step 1: this call's first round, and whether this rank's input is sound (no error yet, no bad id,
     # with EXPERTS no negative per-expert count: those were given by the caller).
     n = tl.load(hdr + flags.W_BASE) + 1
@@ -82,13 +83,21 @@ def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, hd
             flags.release(peer + flags.off_nflag(R) + me, n)
 
 
+@triton.jit(do_not_specialize=['num_worst', 'k', 'sig', 'me', 'timeout_ns'])
+def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, k, sig, me,
+                        timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, EXPERTS: tl.constexpr,
+                        BLOCK_E: tl.constexpr):
+    _publish(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, me, R, EXPERTS, BLOCK_E)
+
+
 _notify_send_launch = Launcher(_notify_send_kernel)
 
 
-@triton.jit(do_not_specialize=['num_worst', 'seq', 'k', 'sig', 'me', 'timeout_ns'])
-def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, k, sig,
-                        me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, HOST_OUT: tl.constexpr,
-                        BLOCK_E: tl.constexpr):
+@triton.jit
+def _tables(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, me, timeout_ns,
+            R: tl.constexpr, USE_CLOCK: tl.constexpr, HOST_OUT: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The receive part: wait for every rank's row, write the handle's tables, check the bounds, and for a
+    plain dispatch fill the host's result block."""
     n = tl.load(hdr + flags.W_BASE) + 1
     bad = (tl.load(hdr + flags.W_ERR, volatile=True) != 0).to(tl.int32)
     # Wait for every rank's row (a rank that failed or left ends the wait at once).
@@ -181,7 +190,29 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
         flags.release(res_ptr + RES_SEQ, seq)
 
 
+@triton.jit(do_not_specialize=['num_worst', 'seq', 'k', 'sig', 'me', 'timeout_ns'])
+def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, k, sig,
+                        me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, HOST_OUT: tl.constexpr,
+                        BLOCK_E: tl.constexpr):
+    _tables(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, R,
+            USE_CLOCK, HOST_OUT, BLOCK_E)
+
+
 _notify_recv_launch = Launcher(_notify_recv_kernel)
+
+
+@triton.jit(do_not_specialize=['num_worst', 'num_worst_rx', 'seq', 'me', 'timeout_ns'])
+def _notify_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, t32_ptr, t64_ptr, num_worst_rx, res_ptr, seq,
+                   hdr, hdr_delta, host, me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
+                   EXPERTS: tl.constexpr, HOST_OUT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EX: tl.constexpr):
+    # notify_send then notify_recv in one program (one launch: it waits only for other ranks' launches)
+    _publish(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, me, R, EXPERTS, BLOCK_E)
+    tl.debug_barrier()          # the program's own row (written by any of its threads) is read below
+    _tables(t32_ptr, t64_ptr, num_worst_rx, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, R,
+            USE_CLOCK, HOST_OUT, BLOCK_EX)
+
+
+_notify_launch = Launcher(_notify_kernel)
 
 
 def notify_send(counts: torch.Tensor, num_experts: int, signals: dict, experts: bool = False,
@@ -216,3 +247,19 @@ def notify_recv(t32: torch.Tensor, t64: torch.Tensor, num_worst_tokens: int, sig
                               *sync_args(signals, 0, 0, t64), R=R, USE_CLOCK=_use_clock(signals),
                               HOST_OUT=res is not None, BLOCK_E=min(pow2(experts_per_rank), 1024),
                               num_warps=1 if res is None else 4)
+
+
+def notify(counts: torch.Tensor, num_experts: int, t32: torch.Tensor, t64: torch.Tensor, signals: dict,
+           experts: bool = False, num_worst_tokens: int = 0, res: torch.Tensor = None, seq: int = 0,
+           experts_per_rank: int = 0, num_worst_rx: int = 0) -> None:
+    """:func:`notify_send` then :func:`notify_recv` as one launch of one program (same arguments; ``num_worst_rx``:
+    the receive's ``num_worst_tokens``). Its program waits for the other ranks' launches only, never for one of
+    its own, but a rank simulated in one process runs it to its end before the next rank's: real ranks only."""
+    R = signals["hdr_delta"].shape[0]
+    if experts and num_experts > int(flags.NOTIFY_E_WORDS):
+        raise ValueError(f"num_experts {num_experts} exceeds {int(flags.NOTIFY_E_WORDS)}")
+    _notify_launch[(1,)](counts, num_experts, num_experts // R, num_worst_tokens, t32, t64, num_worst_rx,
+                         res if res is not None else t64, seq, signals["hdr"], signals["hdr_delta"], signals["host"],
+                         signals["me"], signals["timeout_ns"], R=R, USE_CLOCK=_use_clock(signals), EXPERTS=experts,
+                         HOST_OUT=res is not None, BLOCK_E=min(pow2(num_experts // R if experts else 1), 1024),
+                         BLOCK_EX=min(pow2(experts_per_rank), 1024), num_warps=4 if (experts or res is not None) else 1)

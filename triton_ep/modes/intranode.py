@@ -249,10 +249,13 @@ class Intranode:
             yield "dispatch/notify"
             # each rank's num_worst_tokens (they may differ): the rounds follow from the largest
             worst_all = self.rt.every_worst() if worst else None
-            with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst,
-                                    num_worst_tokens=num_worst_tokens if worst else 0)
-            yield "dispatch/notify receive"
+            # the count exchange: a send launch and a receive launch, or one launch (kernels.dispatch.use_fused)
+            one = use_fused(0, self.rt.group)
+            if not one:
+                with self.rt.comm_ctx(), self.rt.sig.watch():
+                    kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst,
+                                        num_worst_tokens=num_worst_tokens if worst else 0)
+                yield "dispatch/notify receive"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 t32_dev = torch.empty(records.t32_words.host(R), dtype=torch.int32, device=self.rt.device)
                 tables = torch.empty(records.t64_words.host(R), dtype=torch.int64, device=self.rt.device)
@@ -260,8 +263,13 @@ class Intranode:
                 if not worst:
                     res = self._notify_block(El)
                     self._notify_seq += 1
-                kernels.notify_recv(t32_dev, tables, num_worst_tokens if worst else _MAX_ROWS, self.rt.sig_args, res,
-                                    self._notify_seq, El)
+                if one:
+                    NT.notify(lay[5], a.num_experts, t32_dev, tables, self.rt.sig_args, experts=not worst,
+                              num_worst_tokens=num_worst_tokens if worst else 0, res=res, seq=self._notify_seq,
+                              experts_per_rank=El, num_worst_rx=num_worst_tokens if worst else _MAX_ROWS)
+                else:
+                    kernels.notify_recv(t32_dev, tables, num_worst_tokens if worst else _MAX_ROWS, self.rt.sig_args,
+                                        res, self._notify_seq, El)
             row_base, combine_tables, n_recv_dev = records.split_t64(tables, R)
             if worst:
                 n_recv, n_out, expert_list = None, num_worst_tokens, []
