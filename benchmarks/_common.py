@@ -63,6 +63,21 @@ def add_out_arg(p, files: str) -> None:
                         f"updated only by naming benchmarks/results here)")
 
 
+def check_shape_args(p, a, positive, hidden_multiple: int, why: str) -> None:
+    """The checks the one-rank benchmarks share, as argparse errors of parser ``p`` (exit 2) on the parsed ``a``:
+    each name in ``positive`` at least 1, ``--topk`` at most ``--experts``, ``--hidden`` a multiple of
+    ``hidden_multiple`` (``why``: the reason, for the message), and ``--out`` not a file."""
+    for name in positive:
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+    if a.topk > a.experts:
+        p.error(f"--topk {a.topk} is more than --experts {a.experts} (a token's experts are distinct)")
+    if a.hidden % hidden_multiple:
+        p.error(f"--hidden must be a multiple of {hidden_multiple} ({why}), got {a.hidden}")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--out {a.out} is a file, not a folder")
+
+
 def progress(iterable=None, **kw):
     """A tqdm progress bar on stderr (``tqdm(iterable, **kw)``); without tqdm installed, a stand-in
     that iterates ``iterable`` and shows nothing."""

@@ -62,15 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cprofile", action="store_true", help="also print the top of a cProfile of each call")
     C.add_out_arg(p, "host_cost.json")
     a = p.parse_args(argv)
-    for name in ("tokens", "hidden", "experts", "topk", "iters"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
-    if a.topk > a.experts:
-        p.error(f"--topk {a.topk} is more than --experts {a.experts} (a token's experts are distinct)")
-    if a.hidden % 128:
-        p.error(f"--hidden must be a multiple of 128 (low-latency mode's rows), got {a.hidden}")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        p.error(f"--out {a.out} is a file, not a folder")
+    C.check_shape_args(p, a, ("tokens", "hidden", "experts", "topk", "iters"), 128, "low-latency mode's rows")
     return a
 
 

@@ -159,6 +159,21 @@ def test_host_cost_out(tmp_path, results_untouched):
     assert_cpu_report(r, "say nothing about a GPU")
 
 
+def test_fused_replay_out(tmp_path, results_untouched):
+    """One rank on CPU: cached dispatch + combine through split and fused launches, both timed and their outputs
+    equal, in ``fused_replay.json`` under ``--out``; a bad ``--tokens`` is an argparse error."""
+    r = run_bench("fused_replay.py", "--out", str(tmp_path / "f"))
+    out = json.loads((tmp_path / "f" / "fused_replay.json").read_text())
+    assert [row["tokens"] for row in out["results"]] == [16]
+    row = out["results"][0]
+    assert row["results_equal"] and row["split_us"] > 0 and row["fused_us"] > 0
+    assert math.isclose(row["ratio"], row["fused_us"] / row["split_us"])
+    assert_cpu_report(r, CPU_NOTE)
+    bad = python([os.path.join(ROOT, "benchmarks", "fused_replay.py"), "--tokens", "1,x", "--out", str(tmp_path / "g")],
+                 ROOT)
+    assert bad.returncode == 2 and "comma-separated ints" in bad.stderr
+
+
 def test_bench_internode_out(tmp_path, results_untouched):
     """The internode network-leg benchmark: every exchange byte-exact, the full QP plan over both ports beats
     one QP per peer in the fabric model, and the JSON says what its figures are; the inside-internode runs
