@@ -74,8 +74,19 @@ def check_shape_args(p, a, positive, hidden_multiple: int, why: str) -> None:
         p.error(f"--topk {a.topk} is more than --experts {a.experts} (a token's experts are distinct)")
     if a.hidden % hidden_multiple:
         p.error(f"--hidden must be a multiple of {hidden_multiple} ({why}), got {a.hidden}")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        p.error(f"--out {a.out} is a file, not a folder")
+    check_out(p, a.out)
+
+
+def check_out(p, out: str) -> None:
+    """An argparse error of parser ``p`` unless ``out`` can be a folder: not empty, not a file, and no file
+    among the folders above it (checked before anything is measured)."""
+    if not out:
+        p.error("--out must name a folder, got ''")
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        p.error(f"--out {out}: {path} is a file, not a folder")
 
 
 def progress(iterable=None, **kw):

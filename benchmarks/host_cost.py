@@ -69,11 +69,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def count_launches():
     """CPU: wrap every kernel launcher the Buffer uses; returns the counter dict (launcher name -> calls)."""
     import triton_ep.kernels as K
+    import triton_ep.kernels.notify as NT
+    import triton_ep.modes.intranode as IN
     import triton_ep.modes.low_latency as LL
     counter = {}
     for mod, names in ((K, ("routing_layout", "notify_send", "notify_recv", "dispatch_send", "dispatch_recv",
                             "combine_send", "combine_reduce")),
-                       (LL, ("ll_route", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
+                       (NT, ("notify",)),                       # the count exchange as one launch
+                       (IN, ("dispatch_fused", "combine_fused")),   # a call of one round as one launch
+                       (LL, ("ll_fence", "ll_route", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
                              "ll_combine_reduce"))):
         for name in names:
             real = getattr(mod, name)

@@ -172,6 +172,10 @@ def test_fused_replay_out(tmp_path, results_untouched):
     bad = python([os.path.join(ROOT, "benchmarks", "fused_replay.py"), "--tokens", "1,x", "--out", str(tmp_path / "g")],
                  ROOT)
     assert bad.returncode == 2 and "comma-separated ints" in bad.stderr
+    (tmp_path / "afile").write_text("x")
+    for out in (str(tmp_path / "afile" / "sub"), ""):        # refused before anything is measured
+        bad = python([os.path.join(ROOT, "benchmarks", "fused_replay.py"), "--out", out], ROOT)
+        assert bad.returncode == 2 and "--out" in bad.stderr, bad.stderr
 
 
 def test_bench_internode_out(tmp_path, results_untouched):

@@ -383,17 +383,24 @@ def fused_programs(blocks: int, device: torch.device, signals: dict) -> int:
     return min(_grid(blocks, signals), num_sms(device))
 
 
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def use_fused(num_tokens: int, group) -> bool:
     """Whether a call of one round with ``num_tokens`` tokens runs its send and receive as one launch: real
     ranks only (``group`` not None: the lock-step runner of simulated ranks needs split launches), and
     ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU: never). ``TRITON_EP_FUSED=1`` / ``0``: always /
     never (real ranks; the CPU tests run the fused kernels so, one program a launch). A dispatch's count
-    exchange (one program, any number of tokens) asks with ``num_tokens`` 0."""
+    exchange (one program, any number of tokens) asks with ``num_tokens`` 0. Raises ``ValueError`` for another
+    value of the variable (also true / false, yes / no, on / off)."""
     if group is None:
         return False
-    force = os.environ.get("TRITON_EP_FUSED", "")
-    if force in ("0", "1"):
-        return force == "1"
+    force = os.environ.get("TRITON_EP_FUSED", "").strip().lower()
+    if force:
+        if force not in _SWITCH:
+            raise ValueError(f"TRITON_EP_FUSED must be 1 or 0 (or true / false, yes / no, on / off), got "
+                             f"{os.environ['TRITON_EP_FUSED']!r}")
+        return _SWITCH[force]
     limit = int(tuning("fused")["max_tokens"])
     return 0 < limit and num_tokens <= limit
 
