@@ -427,9 +427,11 @@ def capture_sequence(rank, world, env, seed, E, K, H, Ts):
 
 
 def _pause_after_notify(seconds):
-    """This process's next intranode dispatch sleeps ``seconds`` after its notify send launch (once)."""
+    """This process's next intranode dispatch sleeps ``seconds`` after its notify send launch (once). The count
+    exchange stays two launches here (``TRITON_EP_FUSED=0``: one launch has no point between them)."""
     import time
     from triton_ep.modes.intranode import Intranode
+    os.environ["TRITON_EP_FUSED"] = "0"
     orig = Intranode.dispatch_steps
 
     def paused(self, *args, **kwargs):

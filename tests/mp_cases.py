@@ -790,3 +790,31 @@ def fused(rank, world, seed, rounds):
     rows = round_trip(rank, world, seed, 4 * world, 3, 64, [5 + 3 * r for r in range(world)], 1 << 20)
     back_to_back_processes(rank, world, rounds, seed)
     return rows, len(D._FUSED_BOUND) > 0 and len(C._FUSED_BOUND) > 0 and len(launched) > 0
+
+
+def bad_fused_switch(rank, world):
+    """``TRITON_EP_FUSED`` with a value that is not a switch: every call raises ``ValueError`` on every rank before
+    anything runs; with the variable fixed the same Buffer goes on (a cached dispatch gives the rows of the first
+    dispatch again). Returns the error messages of a plain dispatch, a cached dispatch and a combine, and whether
+    the rows came back equal."""
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=30)
+    xs, idxs, ws = make_inputs(3, world, 4 * world, 2, 64, [6, 4, 5][:world])
+    msgs = []
+    try:
+        first, _, _, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank],
+                                                 **_layout_kwargs(buf, idxs[rank], 4 * world))
+        os.environ["TRITON_EP_FUSED"] = "maybe"
+        for call in (lambda: buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], 4 * world)),
+                     lambda: buf.dispatch(xs[rank], handle=handle),
+                     lambda: buf.combine(torch.zeros_like(first), handle)):
+            try:
+                call()
+                msgs.append("no error")
+            except ValueError as e:
+                msgs.append(str(e))
+        os.environ.pop("TRITON_EP_FUSED")
+        again = buf.dispatch(xs[rank], handle=handle)[0]
+        return msgs, torch.equal(first.view(torch.int16), again.view(torch.int16))
+    finally:
+        os.environ.pop("TRITON_EP_FUSED", None)
+        buf.destroy()

@@ -360,8 +360,9 @@ class Scheduler:
         requests posted, ``proxy_busy_s``: seconds (wall clock) the proxy threads spent in sweeps that moved
         something, ``proxy_post_s``: the part of those inside the transport's data posts (the emulated fabric
         copies payloads there; a NIC's post only rings a doorbell), ``proxy_transport_s``: the part inside any
-        transport call (polls, posts, credits, receive replenishes), and ``proxy_cpu_s``: the proxy threads'
-        CPU seconds in those sweeps (``proxy_busy_s`` less the time they waited, e.g. for the GIL)."""
+        transport call (polls, posts, credits, receive replenishes), ``proxy_cpu_s``: the proxy threads'
+        CPU seconds in those sweeps (``proxy_busy_s`` less the time they waited, e.g. for the GIL), and
+        ``proxy_busy_sweeps``: how many such sweeps."""
         with self._lock:
             qps = {f"{q.peer}/{q.qp}": dict(channel=q.channel, port=q.port, bytes=q.total_bytes, wrs=q.wrs,
                                             chunks=q.chunks) for q in self._qps.values()}

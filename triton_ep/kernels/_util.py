@@ -23,7 +23,8 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_send": dict(block_t=1, block_w=4096, num_warps=16, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=32),
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
-    # a call of one round of at most max_tokens tokens runs its send and receive as one launch (fused.py)
+    # a call of one round of at most max_tokens tokens runs its send and receive as one launch
+    # (kernels.dispatch.dispatch_fused, kernels.combine.combine_fused)
     "fused": dict(max_tokens=1024),
     "combine_send": dict(block_t=1, block_w=1024, num_warps=8),
     "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),

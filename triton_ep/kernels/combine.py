@@ -188,7 +188,7 @@ def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, re
                                    USE_CLOCK)
     _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, tl.where(go, n_rows, 0), 0, hi, WX, K,
                  REC, R, HAS_W, BLOCK_T, BLOCK_W, BLOCK_K)
-    flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+    flags.finish_send_fused(hdr, hdr_delta, n, sig, me, R, USE_ASM)
     go = flags.wait_own_send(hdr, hdr_delta, host, n, me, flags.STAGE_COMBINE_RECV, timeout_ns, R, USE_CLOCK)
     go = go & flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_COMBINE_RECV, n, timeout_ns, R,
                                      USE_CLOCK)

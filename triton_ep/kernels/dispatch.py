@@ -214,7 +214,7 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
     _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, tl.where(go, T, 0),
                  lo, hi, num_experts, WX, S, K, REC, R, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W,
                  BLOCK_S, BLOCK_K, False, EVEN_W, STORE_CACHE, STORE_EVICT)
-    flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+    flags.finish_send_fused(hdr, hdr_delta, n, sig, me, R, USE_ASM)
     n_bound = n_rows
     if N_PTR:
         n_rows = tl.minimum(tl.maximum(tl.load(n_ptr) - lo, 0), cap)
@@ -386,21 +386,30 @@ def fused_programs(blocks: int, device: torch.device, signals: dict) -> int:
 _SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
+def fused_switch() -> Optional[bool]:
+    """``TRITON_EP_FUSED`` as a switch: True / False, or None when unset. Raises ``ValueError`` for a value other
+    than 1 / 0, true / false, yes / no, on / off (calls check it with their arguments, before anything runs)."""
+    force = os.environ.get("TRITON_EP_FUSED", "").strip().lower()
+    if not force:
+        return None
+    if force not in _SWITCH:
+        raise ValueError(f"TRITON_EP_FUSED must be 1 or 0 (or true / false, yes / no, on / off), got "
+                         f"{os.environ['TRITON_EP_FUSED']!r}")
+    return _SWITCH[force]
+
+
 def use_fused(num_tokens: int, group) -> bool:
     """Whether a call of one round with ``num_tokens`` tokens runs its send and receive as one launch: real
     ranks only (``group`` not None: the lock-step runner of simulated ranks needs split launches), and
     ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU: never). ``TRITON_EP_FUSED=1`` / ``0``: always /
     never (real ranks; the CPU tests run the fused kernels so, one program a launch). A dispatch's count
     exchange (one program, any number of tokens) asks with ``num_tokens`` 0. Raises ``ValueError`` for another
-    value of the variable (also true / false, yes / no, on / off)."""
+    value of the variable (:func:`fused_switch`)."""
     if group is None:
         return False
-    force = os.environ.get("TRITON_EP_FUSED", "").strip().lower()
-    if force:
-        if force not in _SWITCH:
-            raise ValueError(f"TRITON_EP_FUSED must be 1 or 0 (or true / false, yes / no, on / off), got "
-                             f"{os.environ['TRITON_EP_FUSED']!r}")
-        return _SWITCH[force]
+    force = fused_switch()
+    if force is not None:
+        return force
     limit = int(tuning("fused")["max_tokens"])
     return 0 < limit and num_tokens <= limit
 
@@ -420,6 +429,8 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
+    if (scale_words is None) != (out_scales is None):
+        raise ValueError("dispatch_fused moves scales only with both scale_words and out_scales")
     n_rows = max(n_rows, 0)
     cs, cr = tuning("dispatch_send"), tuning("dispatch_recv")
     progs = fused_programs(max(cdiv(T, cs["block_t"]), cdiv(n_rows, cr["block_t"]), 1), rec.device, signals)

@@ -316,10 +316,29 @@ def finish_send(hdr, hdr_delta, round_no, sig, me, R: tl.constexpr, USE_ASM: tl.
     in every peer's header (unless this rank holds an error: then peers learn it from ``FAILED``)."""
     if last_program(hdr, USE_ASM):
         if tl.load(hdr + W_ERR, volatile=True) == 0:
-            for r in tl.static_range(R):
-                peer = hdr + tl.load(hdr_delta + r)
-                tl.store(peer + off_sig(R) + me, sig)
-                release(peer + off_ready(R) + me, round_no)
+            _release_ready(hdr, hdr_delta, round_no, sig, me, R)
+
+
+@triton.jit
+def _release_ready(hdr, hdr_delta, round_no, sig, me, R: tl.constexpr):
+    """Store the call signature into every rank's ``SIG[me]``, then release ``READY[me] = round_no`` there."""
+    for r in tl.static_range(R):
+        peer = hdr + tl.load(hdr_delta + r)
+        tl.store(peer + off_sig(R) + me, sig)
+        release(peer + off_ready(R) + me, round_no)
+
+
+@triton.jit
+def finish_send_fused(hdr, hdr_delta, round_no, sig, me, R: tl.constexpr, USE_ASM: tl.constexpr):
+    """:func:`finish_send` at the end of a fused launch's send part. The last program also releases this rank's own
+    ``READY[me] = round_no`` when this rank holds an error (only :func:`wait_own_send` reads that word), so the
+    launch's other programs never wait for a release that would not come (an error posted by one program after
+    another had read ``W_ERR`` and begun to wait)."""
+    if last_program(hdr, USE_ASM):
+        if tl.load(hdr + W_ERR, volatile=True) == 0:
+            _release_ready(hdr, hdr_delta, round_no, sig, me, R)
+        else:
+            release(hdr + off_ready(R) + me, round_no)
 
 
 @triton.jit
@@ -332,9 +351,10 @@ def finish_recv(hdr, round_no, advance, USE_ASM: tl.constexpr):
 @triton.jit
 def wait_own_send(hdr, hdr_delta, host, round_no, me, stage, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
     """In a fused send + receive launch, between its parts: wait until the send part's last program released
-    ``READY[me] = round_no`` here (every program's records into this rank's own area are then visible). The
-    launch's programs are all resident at once (its grid is capped), so the wait ends; a timeout is recorded
-    against this rank. Returns True when the program may move data."""
+    ``READY[me] = round_no`` here (every program's records into this rank's own area are then visible;
+    :func:`finish_send_fused` releases it even when this rank holds an error). The grid is capped at one program
+    per multiprocessor so that all are resident; where they are not (SMs withheld, e.g. by MPS), the wait runs
+    out and the timeout is recorded against this rank. Returns True when the program may move data."""
     ok = tl.load(hdr + W_ERR, volatile=True) == 0
     if ok:
         st = wait_at_least(hdr + off_ready(R) + me, round_no, hdr, host, me, round_no, timeout_ns, R, USE_CLOCK)

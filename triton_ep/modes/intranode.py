@@ -22,7 +22,7 @@ from ..errors import EPError, EPTimeoutError
 from ..kernels import notify as NT
 from ..kernels.combine import combine_fused
 from ..kernels.combine import record_bytes as combine_record_bytes
-from ..kernels.dispatch import dispatch_fused, use_fused
+from ..kernels.dispatch import dispatch_fused, fused_switch, use_fused
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
 from ..protocol import records
@@ -212,6 +212,7 @@ class Intranode:
             yield from self.rt.resync_steps()
         try:
             check_config(config)
+            fused_switch()          # a bad TRITON_EP_FUSED is an argument error, before anything runs
             a = self.dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
@@ -482,6 +483,7 @@ class Intranode:
         try:
             self.rt.live()
             check_config(config)
+            fused_switch()
             check_event(previous_event)
             h = self._check_handle(handle)
             xv = self.rt.check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None),

@@ -268,6 +268,7 @@ class Signals:
             h[int(F.W_BASE)].fill_(new_base)
             h[int(F.W_CONSUMED)].fill_(new_base)
             h[int(F.W_DONE)].fill_(0)
+            h[int(F.W_DONE2)].fill_(0)
             h[int(F.W_ERR)].fill_(0)
         self._host_np[:] = 0
         self.needs_resync = False

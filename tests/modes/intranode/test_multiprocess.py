@@ -32,6 +32,14 @@ def test_send_and_receive_fused_in_one_launch():
     assert all(ran for _, ran in out), out
 
 
+def test_a_bad_fused_switch_is_an_argument_error():
+    """TRITON_EP_FUSED=maybe: ValueError on every rank for a plain dispatch, a cached dispatch and a combine,
+    before anything runs; the same Buffer goes on once the variable is fixed."""
+    for msgs, same in _values(run_ranks(mp_cases.bad_fused_switch, 2)):
+        assert len(msgs) == 3 and all("TRITON_EP_FUSED must be 1 or 0" in m for m in msgs), msgs
+        assert same
+
+
 def test_processes_fp8():
     _values(run_ranks(mp_cases.round_trip, 2, 3, 8, 2, 256, [9, 4], 1 << 20, True))
 
