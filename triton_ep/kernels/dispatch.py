@@ -398,16 +398,15 @@ def fused_switch() -> Optional[bool]:
     return _SWITCH[force]
 
 
-def use_fused(num_tokens: int, group) -> bool:
+def use_fused(num_tokens: int, group, force: Optional[bool]) -> bool:
     """Whether a call of one round with ``num_tokens`` tokens runs its send and receive as one launch: real
     ranks only (``group`` not None: the lock-step runner of simulated ranks needs split launches), and
     ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU: never). ``TRITON_EP_FUSED=1`` / ``0``: always /
     never (real ranks; the CPU tests run the fused kernels so, one program a launch). A dispatch's count
-    exchange (one program, any number of tokens) asks with ``num_tokens`` 0. Raises ``ValueError`` for another
-    value of the variable (:func:`fused_switch`)."""
+    exchange (one program, any number of tokens) asks with ``num_tokens`` 0. ``force``: :func:`fused_switch`, read
+    once per call with its arguments."""
     if group is None:
         return False
-    force = fused_switch()
     if force is not None:
         return force
     limit = int(tuning("fused")["max_tokens"])

@@ -215,6 +215,12 @@ def _notify_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, t32_ptr
 _notify_launch = Launcher(_notify_kernel)
 
 
+def _check_experts(experts: bool, num_experts: int) -> None:
+    """Per-expert counts travel in ``NOTIFY_E``: at most its words of them (``ValueError`` beyond)."""
+    if experts and num_experts > int(flags.NOTIFY_E_WORDS):
+        raise ValueError(f"num_experts {num_experts} exceeds {int(flags.NOTIFY_E_WORDS)}")
+
+
 def notify_send(counts: torch.Tensor, num_experts: int, signals: dict, experts: bool = False,
                 num_worst_tokens: int = 0) -> None:
     """Publish this rank's send counts (``counts`` int32 ``[R + E + 1]`` from ``routing_layout``: rows per
@@ -223,8 +229,7 @@ def notify_send(counts: torch.Tensor, num_experts: int, signals: dict, experts: 
     that none is negative (``E_BADCOUNTS``); without, this rank's ``num_worst_tokens`` (the bound
     :func:`notify_recv` checks its received rows against, on every rank)."""
     R = signals["hdr_delta"].shape[0]
-    if experts and num_experts > int(flags.NOTIFY_E_WORDS):
-        raise ValueError(f"num_experts {num_experts} exceeds {int(flags.NOTIFY_E_WORDS)}")
+    _check_experts(experts, num_experts)
     _notify_send_launch[(1,)](counts, num_experts, num_experts // R, num_worst_tokens,
                               *sync_args(signals, 0, 0, counts), R=R,
                               USE_CLOCK=_use_clock(signals), EXPERTS=experts,
@@ -251,15 +256,14 @@ def notify_recv(t32: torch.Tensor, t64: torch.Tensor, num_worst_tokens: int, sig
 
 def notify(counts: torch.Tensor, num_experts: int, t32: torch.Tensor, t64: torch.Tensor, signals: dict,
            experts: bool = False, num_worst_tokens: int = 0, res: torch.Tensor = None, seq: int = 0,
-           experts_per_rank: int = 0, num_worst_rx: int = 0) -> None:
+           num_worst_rx: int = 0) -> None:
     """:func:`notify_send` then :func:`notify_recv` as one launch of one program (same arguments; ``num_worst_rx``:
-    the receive's ``num_worst_tokens``). Its program waits for the other ranks' launches only, never for one of
+    the receive's ``num_worst_tokens``; the receive's ``experts_per_rank`` is ``num_experts // R``). Its program waits for the other ranks' launches only, never for one of
     its own, but a rank simulated in one process runs it to its end before the next rank's: real ranks only."""
     R = signals["hdr_delta"].shape[0]
-    if experts and num_experts > int(flags.NOTIFY_E_WORDS):
-        raise ValueError(f"num_experts {num_experts} exceeds {int(flags.NOTIFY_E_WORDS)}")
+    _check_experts(experts, num_experts)
     _notify_launch[(1,)](counts, num_experts, num_experts // R, num_worst_tokens, t32, t64, num_worst_rx,
                          res if res is not None else t64, seq, signals["hdr"], signals["hdr_delta"], signals["host"],
                          signals["me"], signals["timeout_ns"], R=R, USE_CLOCK=_use_clock(signals), EXPERTS=experts,
                          HOST_OUT=res is not None, BLOCK_E=min(pow2(num_experts // R if experts else 1), 1024),
-                         BLOCK_EX=min(pow2(experts_per_rank), 1024), num_warps=4 if (experts or res is not None) else 1)
+                         BLOCK_EX=min(pow2(num_experts // R), 1024), num_warps=4 if (experts or res is not None) else 1)

@@ -212,7 +212,7 @@ class Intranode:
             yield from self.rt.resync_steps()
         try:
             check_config(config)
-            fused_switch()          # a bad TRITON_EP_FUSED is an argument error, before anything runs
+            force = fused_switch()      # a bad TRITON_EP_FUSED is an argument error, before anything runs
             a = self.dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
@@ -251,7 +251,7 @@ class Intranode:
             # each rank's num_worst_tokens (they may differ): the rounds follow from the largest
             worst_all = self.rt.every_worst() if worst else None
             # the count exchange: a send launch and a receive launch, or one launch (kernels.dispatch.use_fused)
-            one = use_fused(0, self.rt.group)
+            one = use_fused(0, self.rt.group, force)
             if not one:
                 with self.rt.comm_ctx(), self.rt.sig.watch():
                     kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst,
@@ -267,7 +267,7 @@ class Intranode:
                 if one:
                     NT.notify(lay[5], a.num_experts, t32_dev, tables, self.rt.sig_args, experts=not worst,
                               num_worst_tokens=num_worst_tokens if worst else 0, res=res, seq=self._notify_seq,
-                              experts_per_rank=El, num_worst_rx=num_worst_tokens if worst else _MAX_ROWS)
+                              num_worst_rx=num_worst_tokens if worst else _MAX_ROWS)
                 else:
                     kernels.notify_recv(t32_dev, tables, num_worst_tokens if worst else _MAX_ROWS, self.rt.sig_args,
                                         res, self._notify_seq, El)
@@ -313,17 +313,22 @@ class Intranode:
         idx = a.topk_idx if not cached else None
         # Rounds, each a send launch then a receive launch; ranks wait for each other on the device. A call of one
         # round may run both as one launch (kernels.dispatch.use_fused).
-        fused = rounds == 1 and use_fused(xv.shape[0], self.rt.group)
+        # what the receive writes, as words, and its rows (with the count on the device, num_worst_tokens, an
+        # upper bound: the kernel also writes the padding rows)
+        out_words = recv_x.view(torch.int32)
+        sc_out = recv_sc.view(torch.int32) if sc_words is not None else None
+        w_out = recv_w.view(torch.int32) if recv_w is not None else None
+        rows = n_recv if n_recv is not None else n_out
+        k_rec = a.num_topk if not cached else 0
+        n_dev = n_recv_dev if n_recv is None else None
+        fused = rounds == 1 and use_fused(xv.shape[0], self.rt.group, force)
         if fused:
             yield "dispatch/send and receive"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 dispatch_fused(x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec,
-                               a.num_experts, rec_words, not cached,
-                               min(max(n_recv if n_recv is not None else n_out, 0), cap),
-                               self.rt.rank, a.num_experts // R, a.num_topk if not cached else 0, recv_x.view(torch.int32),
-                               recv_sc.view(torch.int32) if sc_words is not None else None, recv_idx,
-                               recv_w.view(torch.int32) if recv_w is not None else None, recv_src, self.rt.sig_args,
-                               call_sig, n_recv=n_recv_dev if n_recv is None else None, cap=cap)
+                               a.num_experts, rec_words, not cached, min(max(rows, 0), cap), self.rt.rank,
+                               a.num_experts // R, k_rec, out_words, sc_out, recv_idx, w_out, recv_src,
+                               self.rt.sig_args, call_sig, n_recv=n_dev, cap=cap)
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
@@ -333,15 +338,10 @@ class Intranode:
                                       sig=call_sig)
             yield f"dispatch/receive round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                # with the count on the device (num_worst_tokens), the kernel also writes the padding rows
-                kernels.dispatch_recv(rec, min(max((n_recv if n_recv is not None else n_out) - lo, 0), cap), lo, self.rt.rank,
-                                      a.num_experts // R, a.row_words, a.scale_words,
-                                      a.num_topk if not cached else 0, rec_words, recv_x.view(torch.int32),
-                                      recv_sc.view(torch.int32) if sc_words is not None else None, recv_idx,
-                                      recv_w.view(torch.int32) if recv_w is not None else None, recv_src,
-                                      signals=self.rt.sig_args, rnd=k, sig=call_sig,
-                                      advance=rounds if k == rounds - 1 else 0,
-                                      n_recv=n_recv_dev if n_recv is None else None, cap=cap)
+                kernels.dispatch_recv(rec, min(max(rows - lo, 0), cap), lo, self.rt.rank, a.num_experts // R,
+                                      a.row_words, a.scale_words, k_rec, rec_words, out_words, sc_out, recv_idx, w_out,
+                                      recv_src, signals=self.rt.sig_args, rnd=k, sig=call_sig,
+                                      advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap)
         out_x = (recv_x, recv_sc) if sc is not None else recv_x
         inputs = (xv, sc, idx, a.topk_weights, send_pos, row_base)
         if cached:
@@ -483,7 +483,7 @@ class Intranode:
         try:
             self.rt.live()
             check_config(config)
-            fused_switch()
+            force = fused_switch()
             check_event(previous_event)
             h = self._check_handle(handle)
             xv = self.rt.check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None),
@@ -524,19 +524,18 @@ class Intranode:
         w_words = w.view(torch.int32) if w is not None else None
         # Rounds, each a send launch then a reduce launch; ranks wait for each other on the device. A combine of
         # one round may run both as one launch (kernels.dispatch.use_fused).
-        fused = rounds == 1 and use_fused(T, self.rt.group)
+        rows = h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows   # (device count: a bound)
+        fused = rounds == 1 and use_fused(T, self.rt.group, force)
         if fused:
             yield "combine/send and reduce"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                combine_fused(x_words, w_words, h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows,
-                              prefix, comb_base, self.rt.delta_words, area, h.send_head, send_base, cap, rb, out,
+                combine_fused(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head, send_base, cap, rb, out,
                               biases, wout, self.rt.sig_args, call_sig, n_recv=h.n_recv_dev)
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.combine_send(x_words, w_words, h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows,
-                                     prefix, comb_base, self.rt.delta_words, area.view(torch.int32), lo, hi, rb // 4,
+                kernels.combine_send(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words, area.view(torch.int32), lo, hi, rb // 4,
                                      signals=self.rt.sig_args, rnd=k, sig=call_sig, n_recv=h.n_recv_dev)
             yield f"combine/reduce round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
