@@ -16,7 +16,6 @@ device wait that writes an error record, raised by :meth:`Buffer.check` (which e
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, List, Optional
 
 import torch
@@ -47,15 +46,38 @@ def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int
 
 
 def carve(device: torch.device, parts) -> List[Tensor]:
-    """Uninitialised tensors ``[(dtype, shape), ...]`` on ``device``, views of one allocation, each starting
-    on a 16-byte boundary (what Triton specialises pointers on). They share one storage: it lives until the
-    last of them is freed."""
-    sizes = [dtype.itemsize * math.prod(shape) for dtype, shape in parts]
-    offs = [0]
-    for size in sizes:
-        offs.append(offs[-1] + (size + 15) // 16 * 16)
-    raw = torch.empty(max(offs[-1], 16), dtype=torch.uint8, device=device)
-    return [raw[o:o + size].view(dtype).view(shape) for (dtype, shape), o, size in zip(parts, offs, sizes)]
+    """Uninitialised tensors ``[(dtype, shape), ...]`` on ``device`` (``parts``: a tuple of such pairs), views
+    of one allocation, each starting on a 16-byte boundary (what Triton specialises pointers on). They share
+    one storage: it lives until the last of them is freed. The offsets of each ``parts`` are worked out once;
+    a call makes one allocation, a view of it per dtype and a strided view per part."""
+    plan = _CARVE_PLANS.get(parts)
+    if plan is None:
+        plan = _carve_plan(parts)
+        if len(_CARVE_PLANS) >= 256:
+            _CARVE_PLANS.clear()
+        _CARVE_PLANS[parts] = plan
+    nbytes, dtypes, views = plan
+    raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    typed = {dt: raw.view(dt) for dt in dtypes}
+    return [typed[dt].as_strided(shape, stride, off) for dt, shape, stride, off in views]
+
+
+def _carve_plan(parts) -> tuple:
+    """``carve``'s layout of ``parts``: total bytes (a multiple of 16), the dtypes, and per part its dtype,
+    shape, contiguous strides and offset in elements of its dtype."""
+    views, at = [], 0
+    for dtype, shape in parts:
+        stride, n = [], 1
+        for d in reversed(shape):
+            stride.append(n)
+            n *= d
+        views.append((dtype, tuple(shape), tuple(reversed(stride)), at // dtype.itemsize))
+        at += (dtype.itemsize * n + 15) // 16 * 16
+    return max(at, 16), tuple(dict.fromkeys(dt for dt, _ in parts)), tuple(views)
+
+
+#: ``carve``'s plans, by ``parts``
+_CARVE_PLANS: dict = {}
 
 
 class LLHandle(tuple):
@@ -334,7 +356,7 @@ class LowLatency:
             if self.net is not None:
                 ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa, cost)
             ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
-                             recv_x.view(torch.int32).view(El, R * N, -1),
+                             recv_x.view(torch.int32),
                              sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
                              recv_count, stats, cost, sig, self.shrink, sa)
 
