@@ -150,6 +150,40 @@ def floor_calls(dev) -> dict:
 ALLOCATORS = [(torch, n) for n in ("empty", "zeros", "full", "empty_like", "zeros_like", "full_like", "ones")]
 
 
+def inputs(a, dev) -> tuple:
+    """The calls' inputs: ``x`` bf16 ``[tokens, hidden]``, ``topk_idx`` int64 ``[tokens, topk]`` (random routing, seed
+    7) and ``topk_weights`` fp32 ``[tokens, topk]`` on ``dev``."""
+    gen = torch.Generator().manual_seed(7)
+    x = C.random_rows(a.tokens, a.hidden, gen, dev)
+    idx = C.random_topk(a.tokens, a.topk, a.experts, gen, dev)
+    w = torch.rand(idx.shape, generator=gen).to(dev)
+    return x, idx, w
+
+
+def make_calls(lib, a, dev, x, idx, w) -> tuple:
+    """Two Buffers of the package ``lib`` (``triton_ep``, or another copy of it: ``host_cost_ab.py``) on the
+    default group: a normal one holding every transfer in one round and a low-latency one (N = tokens). Returns
+    ``(buffer, low_latency_buffer, calls, dispatch_kwargs)``; ``calls``: name -> a function making that call
+    once (dispatches take the layout ``get_dispatch_layout`` returned, so they launch none of their own)."""
+    buf = lib.Buffer(dist.group.WORLD, max(1 << 22, a.tokens * (a.hidden * 2 + 512) * 2), device=dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
+    kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+              topk_idx=idx, topk_weights=w)
+    first = buf.dispatch(x, **kw)
+    recv_x, handle = first[0], first[4]
+    hint = lib.Buffer.get_low_latency_rdma_size_hint(a.tokens, a.hidden, 1, a.experts)
+    llbuf = lib.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=a.experts, device=dev)
+    ll = llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=False)
+    calls = {"layout": lambda: buf.get_dispatch_layout(idx, a.experts),
+             "dispatch": lambda: buf.dispatch(x, **kw),
+             "worst": lambda: buf.dispatch(x, num_worst_tokens=a.tokens, **kw),
+             "cached": lambda: buf.dispatch(x, handle=handle),
+             "combine": lambda: buf.combine(recv_x, handle),
+             "ll_dispatch": lambda: llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=True),
+             "ll_combine": lambda: llbuf.low_latency_combine(ll[0], idx, w, ll[2])}
+    return buf, llbuf, calls, kw
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     import triton_ep
@@ -157,27 +191,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/rdv", rank=0, world_size=1)
         try:
-            gen = torch.Generator().manual_seed(7)
-            x = C.random_rows(a.tokens, a.hidden, gen, dev)
-            idx = C.random_topk(a.tokens, a.topk, a.experts, gen, dev)
-            w = torch.rand(idx.shape, generator=gen).to(dev)
-            buf = triton_ep.Buffer(dist.group.WORLD, max(1 << 22, a.tokens * (a.hidden * 2 + 512) * 2), device=dev)
-            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
-            kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                      topk_idx=idx, topk_weights=w)
-            first = buf.dispatch(x, **kw)
-            recv_x, handle = first[0], first[4]
-            hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(a.tokens, a.hidden, 1, a.experts)
-            llbuf = triton_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=a.experts,
-                                     device=dev)
-            ll = llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=False)
-            calls = {"layout": lambda: buf.get_dispatch_layout(idx, a.experts),
-                     "dispatch": lambda: buf.dispatch(x, **kw),
-                     "worst": lambda: buf.dispatch(x, num_worst_tokens=a.tokens, **kw),
-                     "cached": lambda: buf.dispatch(x, handle=handle),
-                     "combine": lambda: buf.combine(recv_x, handle),
-                     "ll_dispatch": lambda: llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=True),
-                     "ll_combine": lambda: llbuf.low_latency_combine(ll[0], idx, w, ll[2])}
+            x, idx, w = inputs(a, dev)
+            buf, llbuf, calls, kw = make_calls(triton_ep, a, dev, x, idx, w)
             if dev.type == "cuda":
                 calls.update(floor_calls(dev))
             sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -159,6 +159,29 @@ def test_host_cost_out(tmp_path, results_untouched):
     assert_cpu_report(r, "say nothing about a GPU")
 
 
+def test_host_cost_ab_against_a_copy(tmp_path, results_untouched):
+    """The in-process A/B against another checkout (here a copy of this one's package): both sides timed, the
+    other side's Buffer really runs from the copy, ``ratio`` = this / other
+    per call in ``host_cost_ab.json``; --against without a package, or naming this checkout, is refused."""
+    other = tmp_path / "other"
+    shutil.copytree(os.path.join(ROOT, "triton_ep"), other / "triton_ep",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    r = run_bench("host_cost_ab.py", "--against", str(other), "--calls", "cached", "ll_dispatch", "--iters", "1",
+                  "--rounds", "2", "--out", str(tmp_path / "ab"))
+    out = json.loads((tmp_path / "ab" / "host_cost_ab.json").read_text())
+    by = {c["call"]: c for c in out["results"]}
+    assert set(by) == {"cached", "ll_dispatch"}
+    for c in by.values():
+        assert c["this_us"] > 0 and c["other_us"] > 0
+        assert c["ratio"] == pytest.approx(c["this_us"] / c["other_us"])
+    assert out["other_code"] == str(other / "triton_ep" / "buffer.py")
+    assert out["this_code"] == os.path.join(ROOT, "triton_ep", "buffer.py")
+    assert_cpu_report(r, "say nothing about a GPU")
+    for bad, why in (([str(tmp_path)], "holds no triton_ep package"), ([ROOT], "names this checkout itself")):
+        r = python([os.path.join(ROOT, "benchmarks", "host_cost_ab.py"), "--against", *bad], ROOT)
+        assert r.returncode == 2 and why in r.stderr, r.stderr[-2000:]
+
+
 def test_fused_replay_out(tmp_path, results_untouched):
     """One rank on CPU: cached dispatch + combine through split and fused launches, both timed and their outputs
     equal, in ``fused_replay.json`` under ``--out``; a bad ``--tokens`` is an argparse error."""
