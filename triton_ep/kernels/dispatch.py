@@ -119,6 +119,24 @@ _dispatch_send_launch = Launcher(_dispatch_send_kernel)
 
 
 @triton.jit
+def _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR: tl.constexpr):
+    """A receive's rows of this round: ``(unpacked, written)``. Unpacked: ``n_rows`` as given, or (``N_PTR``: a
+    dispatch whose host never learns the counts, num_worst_tokens) the receive count on the device at ``n_ptr``
+    less ``lo``, within ``[0, cap]`` and at most ``n_rows``; none where ``go`` is false (a wait failed). Written:
+    with ``N_PTR`` all ``n_rows`` of the window (received, then padding: x 0, scales 0, ids -1, weights 0,
+    source -1, written by the receive itself), else the unpacked ones."""
+    n_bound = n_rows
+    if N_PTR:
+        n_rows = tl.minimum(tl.maximum(tl.load(n_ptr) - lo, 0), cap)
+    n_rows = tl.minimum(tl.where(go, n_rows, 0), n_bound)
+    if N_PTR:
+        n_out = n_bound
+    else:
+        n_out = n_rows
+    return n_rows, n_out
+
+
+@triton.jit
 def _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
                out_src_ptr, WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
                HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_SRC: tl.constexpr,
@@ -167,21 +185,14 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
     # Rows of this round: given, or from the receive count on the device (a dispatch whose host never
     # learns the counts: num_worst_tokens). Then rows [n_rows, n_bound) of the window are padding: x 0,
     # scales 0, ids -1, weights 0, source -1 (written here: no separate fill).
-    n_bound = n_rows
-    if N_PTR:
-        n_rows = tl.minimum(tl.maximum(tl.load(n_ptr) - lo, 0), cap)
     # Round n: wait until every sender has released it here, with the signature of this call.
+    go = tl.full([], 1, tl.int1)
     if SYNC:
         n = tl.load(hdr + flags.W_BASE) + k + 1
         go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
                                     USE_CLOCK)
-        n_rows = tl.where(go, n_rows, 0)
     # Programs take row blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
-    n_rows = tl.minimum(n_rows, n_bound)
-    if N_PTR:
-        n_out = n_bound           # rows written: received, then padding
-    else:
-        n_out = n_rows
+    n_rows, n_out = _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR)
     _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
                out_src_ptr, WX, S, K, REC, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K)
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
@@ -215,17 +226,10 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
                  lo, hi, num_experts, WX, S, K, REC, R, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W,
                  BLOCK_S, BLOCK_K, False, EVEN_W, STORE_CACHE, STORE_EVICT)
     flags.finish_send_fused(hdr, hdr_delta, n, sig, me, R, USE_ASM)
-    n_bound = n_rows
-    if N_PTR:
-        n_rows = tl.minimum(tl.maximum(tl.load(n_ptr) - lo, 0), cap)
     go = flags.wait_own_send(hdr, hdr_delta, host, n, me, flags.STAGE_DISPATCH_RECV, timeout_ns, R, USE_CLOCK)
     go = go & flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
                                      USE_CLOCK)
-    n_rows = tl.minimum(tl.where(go, n_rows, 0), n_bound)
-    if N_PTR:
-        n_out = n_bound
-    else:
-        n_out = n_rows
+    n_rows, n_out = _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR)
     _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
                out_src_ptr, WX, S, K, REC, HAS_SCALES, OUT_TOPK, OUT_W, OUT_SRC, BLOCK_TR, BLOCK_WR, BLOCK_S, BLOCK_K)
     flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, advance, USE_ASM)
