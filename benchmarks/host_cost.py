@@ -160,27 +160,38 @@ def inputs(a, dev) -> tuple:
     return x, idx, w
 
 
-def make_calls(lib, a, dev, x, idx, w) -> tuple:
-    """Two Buffers of the package ``lib`` (``triton_ep``, or another copy of it: ``host_cost_ab.py``) on the
-    default group: a normal one holding every transfer in one round and a low-latency one (N = tokens). Returns
-    ``(buffer, low_latency_buffer, calls, dispatch_kwargs)``; ``calls``: name -> a function making that call
-    once (dispatches take the layout ``get_dispatch_layout`` returned, so they launch none of their own)."""
-    buf = lib.Buffer(dist.group.WORLD, max(1 << 22, a.tokens * (a.hidden * 2 + 512) * 2), device=dev)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
-    kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-              topk_idx=idx, topk_weights=w)
-    first = buf.dispatch(x, **kw)
-    recv_x, handle = first[0], first[4]
-    hint = lib.Buffer.get_low_latency_rdma_size_hint(a.tokens, a.hidden, 1, a.experts)
-    llbuf = lib.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=a.experts, device=dev)
-    ll = llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=False)
-    calls = {"layout": lambda: buf.get_dispatch_layout(idx, a.experts),
-             "dispatch": lambda: buf.dispatch(x, **kw),
-             "worst": lambda: buf.dispatch(x, num_worst_tokens=a.tokens, **kw),
-             "cached": lambda: buf.dispatch(x, handle=handle),
-             "combine": lambda: buf.combine(recv_x, handle),
-             "ll_dispatch": lambda: llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=True),
-             "ll_combine": lambda: llbuf.low_latency_combine(ll[0], idx, w, ll[2])}
+def make_calls(lib, a, dev, x, idx, w, low_latency: bool = True) -> tuple:
+    """Buffers of the package ``lib`` (``triton_ep``, or another copy of it: ``host_cost_ab.py``) on the default
+    group: a normal one holding every transfer in one round and, with ``low_latency``, a low-latency one (N =
+    tokens). Returns ``(buffer, low_latency_buffer or None, calls, dispatch_kwargs)``; ``calls``: name -> a
+    function making that call once (dispatches take the layout ``get_dispatch_layout`` returned, so they launch
+    none of their own; ``ll_*`` only with ``low_latency``)."""
+    made = []                   # destroyed again if a later step fails (the caller gets nothing to destroy)
+    try:
+        buf = lib.Buffer(dist.group.WORLD, max(1 << 22, a.tokens * (a.hidden * 2 + 512) * 2), device=dev)
+        made.append(buf)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
+        kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w)
+        first = buf.dispatch(x, **kw)
+        recv_x, handle = first[0], first[4]
+        calls = {"layout": lambda: buf.get_dispatch_layout(idx, a.experts),
+                 "dispatch": lambda: buf.dispatch(x, **kw),
+                 "worst": lambda: buf.dispatch(x, num_worst_tokens=a.tokens, **kw),
+                 "cached": lambda: buf.dispatch(x, handle=handle),
+                 "combine": lambda: buf.combine(recv_x, handle)}
+        if not low_latency:
+            return buf, None, calls, kw
+        hint = lib.Buffer.get_low_latency_rdma_size_hint(a.tokens, a.hidden, 1, a.experts)
+        llbuf = lib.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=a.experts, device=dev)
+        made.append(llbuf)
+        ll = llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=False)
+    except BaseException:
+        for b in made:
+            b.destroy()
+        raise
+    calls.update(ll_dispatch=lambda: llbuf.low_latency_dispatch(x, idx, a.tokens, a.experts, use_fp8=True),
+                 ll_combine=lambda: llbuf.low_latency_combine(ll[0], idx, w, ll[2]))
     return buf, llbuf, calls, kw
 
 

@@ -15,7 +15,8 @@ processes one after another differed by up to 2x from process to process (seen: 
 280 µs at the same commit), more than most changes of the launch path are worth. In one process, both sides see
 the same CPU, clocks and placement, so their ratio holds where their absolute figures drift.
 
-Limits: the other checkout must have the same Buffer API as this one (the calls of ``host_cost.py``), and each
+Limits: the other checkout must make the calls asked for with the same arguments as this one (the calls of
+``host_cost.py``; the low-latency Buffer is built only when ``--calls`` names a low-latency call), and each
 package must import its modules when it is imported (a module imported later inside a function would come
 from this checkout). On CPU the kernels run inside the calls under the Triton interpreter: the times say
 nothing about a GPU there. Output: a table, and ``<out>/host_cost_ab.json``.
@@ -56,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     C.check_shape_args(p, a, ("tokens", "hidden", "experts", "topk", "iters", "rounds"), 128,
                        "low-latency mode's rows")
+    if not os.path.isdir(a.against):
+        p.error(f"--against {a.against!r} is not a folder (give the folder of another checkout)")
     if not os.path.isfile(os.path.join(a.against, "triton_ep", "__init__.py")):
         p.error(f"--against {a.against!r} holds no triton_ep package (give the folder of another checkout)")
     if os.path.realpath(os.path.join(a.against, "triton_ep")) == os.path.realpath(os.path.dirname(HC.triton_ep.__file__)):
@@ -118,9 +121,15 @@ def main(argv=None) -> int:
         try:
             x, idx, w = HC.inputs(a, dev)
             calls = {}
+            ll = any(c.startswith("ll_") for c in a.calls)
             for side, lib in libs.items():
-                buf, llbuf, fns, _ = HC.make_calls(lib, a, dev, x, idx, w)
-                built += [buf, llbuf]
+                try:
+                    buf, llbuf, fns, _ = HC.make_calls(lib, a, dev, x, idx, w, low_latency=ll)
+                except Exception as ex:     # noqa: BLE001 - said in one line: the other checkout lacks a call
+                    raise SystemExit(f"host_cost_ab.py: the {'other' if side == 'other' else 'this'} checkout's "
+                                     f"Buffer cannot make the calls asked for ({type(ex).__name__}: "
+                                     f"{str(ex).splitlines()[0] if str(ex) else ''}); name fewer with --calls") from None
+                built += [b for b in (buf, llbuf) if b is not None]
                 calls[side] = fns
             for name in C.progress(a.calls, desc="host_cost_ab"):
                 ts = time_pair({side: calls[side][name] for side in libs}, a.iters, a.rounds, sync)

@@ -177,7 +177,19 @@ def test_host_cost_ab_against_a_copy(tmp_path, results_untouched):
     assert out["other_code"] == str(other / "triton_ep" / "buffer.py")
     assert out["this_code"] == os.path.join(ROOT, "triton_ep", "buffer.py")
     assert_cpu_report(r, "say nothing about a GPU")
-    for bad, why in (([str(tmp_path)], "holds no triton_ep package"), ([ROOT], "names this checkout itself")):
+    # a checkout without low-latency mode: its normal-mode calls still compare; asking for a low-latency call
+    # is one line naming what failed (the suite's leak check covers the /dev/shm files of its processes)
+    with open(other / "triton_ep" / "buffer.py", "a") as f:
+        f.write("\n\ndef _no_ll(self, *args, **kwargs):\n    raise NotImplementedError('planted: no low-latency mode')\n"
+                "\n\nBuffer.low_latency_dispatch = _no_ll\n")
+    run_bench("host_cost_ab.py", "--against", str(other), "--calls", "cached", "--iters", "1", "--rounds", "1",
+              "--out", str(tmp_path / "ab2"))
+    r = python([os.path.join(ROOT, "benchmarks", "host_cost_ab.py"), "--against", str(other), "--calls", "ll_dispatch",
+                "--iters", "1", "--rounds", "1", "--out", str(tmp_path / "ab3")], ROOT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "the other checkout's Buffer cannot make the calls asked for" in r.stderr and "planted" in r.stderr
+    for bad, why in (([str(tmp_path)], "holds no triton_ep package"), ([ROOT], "names this checkout itself"),
+                     ([str(tmp_path / "nowhere")], "is not a folder")):
         r = python([os.path.join(ROOT, "benchmarks", "host_cost_ab.py"), "--against", *bad], ROOT)
         assert r.returncode == 2 and why in r.stderr, r.stderr[-2000:]
 

@@ -60,7 +60,8 @@ def check_config(config) -> None:
 def check_num_experts(num_experts, num_ranks: int) -> None:
     """``num_experts`` is a positive multiple of the group size, at most :data:`MAX_EXPERTS` (``ValueError``)."""
     if not isint(num_experts) or num_experts <= 0 or num_experts % num_ranks:
-        raise ValueError(f"num_experts must be a positive multiple of the group size {num_ranks}, got {num_experts!r}")
+        raise ValueError(f"num_experts must be an int, a positive multiple of the group size {num_ranks}, got "
+                         f"{num_experts!r}{' (not an int)' if not isint(num_experts) else ''}")
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"num_experts {num_experts} exceeds the supported maximum {MAX_EXPERTS}")
 
