@@ -588,19 +588,36 @@ def _cpu(v):
     return v
 
 
+def _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, use_fp8, hook, masked, device="cpu"):
+    """One low-latency dispatch (with or without its receive hook) and combine on ``buf``, checked bit for bit
+    against the oracle with the ranks ``masked`` left out (their tokens and their experts' entries)."""
+    x_d, idx_d, w_d = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+    out, count, handle, _, recv = buf.low_latency_dispatch(x_d, idx_d, N, E, use_fp8=use_fp8, return_recv_hook=hook)
+    if hook:
+        recv()
+    check_dispatch(_cpu(out), _cpu(count), _cpu(handle), xs, idxs, world, E, rank, use_fp8, False, False,
+                   masked=masked)
+    rx = (_dequant_rows(out[0], out[1], False).to(torch.bfloat16)) if use_fp8 else out
+    comb = _cpu(buf.low_latency_combine(rx, idx_d, w_d, handle)[0])
+    xin = _dequant_x(xs[rank]) if use_fp8 else xs[rank]
+    want = expected_combine(xin, idxs[rank], ws[rank], E, world, "identity", masked=masked)
+    assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), (use_fp8, hook, masked)
+
+
 def silent_peers(rank, world, victims, by_timeout, device="cpu", timeout_s=4.0):
     """Ranks ``victims`` (a remote rank, or a whole host) build the Buffer and then take no part. The others,
     with ``enable_shrink``, mask them (explicitly, or ``by_timeout``): exactly their tokens and their
-    experts' entries are dropped, the next call does not wait again, the mask query reports them, and
-    unmasking a rank reached over the network raises NotImplementedError. ``device="cuda"``: every rank on
-    GPU 0 (outputs checked on the CPU)."""
+    experts' entries are dropped, the next call does not wait again, and the mask query reports them.
+    Unmasking them is a collective call across hosts, which the silent ranks do not join: it raises
+    ``EPTimeoutError`` after ``timeout_s``. Returns ``(mask status, seconds of each round trip, the unmask
+    error's text)``. ``device="cuda"``: every rank on GPU 0 (outputs checked on the CPU)."""
     import time
+    from triton_ep.errors import EPTimeoutError
     if device == "cuda":
         torch.cuda.set_device(0)
     E, K, H, N = 2 * world, 2, 128, 8
     xs, idxs, ws = ll_inputs(4, world, E, K, H, [N - 1] * world)
     buf = _buffer(world, N, H, E, timeout_s=timeout_s, enable_shrink=True, device=device)
-    x_d, idx_d, w_d = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
     victims = tuple(victims)
     try:
         if rank in victims:
@@ -611,27 +628,60 @@ def silent_peers(rank, world, victims, by_timeout, device="cpu", timeout_s=4.0):
         waits = []
         for use_fp8 in (False, False, True):
             t0 = time.monotonic()
-            out, count, handle, _, hook = buf.low_latency_dispatch(x_d, idx_d, N, E, use_fp8=use_fp8,
-                                                                   return_recv_hook=True)
-            hook()
-            check_dispatch(_cpu(out), _cpu(count), _cpu(handle), xs, idxs, world, E, rank, use_fp8, False, False,
-                           masked=victims)
-            rx = (_dequant_rows(out[0], out[1], False).to(torch.bfloat16)) if use_fp8 else out
-            comb = _cpu(buf.low_latency_combine(rx, idx_d, w_d, handle)[0])
+            _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, use_fp8, True, victims, device)
             waits.append(time.monotonic() - t0)
-            xin = _dequant_x(xs[rank]) if use_fp8 else xs[rank]
-            want = expected_combine(xin, idxs[rank], ws[rank], E, world, "identity", masked=victims)
-            assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), use_fp8
         status = torch.zeros(world, dtype=torch.int32)
         buf.low_latency_query_mask_buffer(status)
         try:
             buf.low_latency_clean_mask_buffer()
             unmask = None
-        except NotImplementedError as ex:
+        except EPTimeoutError as ex:
             unmask = str(ex)
         return status.tolist(), waits, unmask
     finally:
         torch.distributed.barrier()         # the victims stay alive but silent until the others are done
+        buf.destroy()
+
+
+def recovering_peer(rank, world, victim, by_timeout, timeout_s=4.0):
+    """Rank ``victim`` builds the Buffer and stays silent while the others, with ``enable_shrink``, mask it
+    (explicitly, or after one timeout) and make round trips without it; then it comes back, and every rank
+    unmasks every rank (``low_latency_clean_mask_buffer``, a collective across hosts). The round trips after
+    that include it again, bit for bit the oracle's (bf16 and FP8, with and without hooks). Then the ranks
+    make different unmask calls (rank 0 ``update_mask_buffer(victim, False)``, the others
+    ``clean_mask_buffer()``): every rank raises ``ValueError`` and nothing changed (a round trip follows).
+    Returns ``(mask status before the unmask (None on the victim), after it, the mismatch's text)``."""
+    import torch.distributed as dist
+    E, K, H, N = 2 * world, 2, 128, 8
+    xs, idxs, ws = ll_inputs(5, world, E, K, H, [N - 1] * world)
+    buf = _buffer(world, N, H, E, timeout_s=timeout_s, enable_shrink=True)
+    status = torch.zeros(world, dtype=torch.int32)
+    try:
+        before = None
+        if rank != victim:
+            if not by_timeout:
+                buf.low_latency_update_mask_buffer(victim, True)
+            for use_fp8 in (False, True):
+                _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, use_fp8, True, (victim,))
+            buf.low_latency_query_mask_buffer(status)
+            before = status.tolist()
+        dist.barrier()                      # the victim comes back once the others have gone on without it
+        buf.low_latency_clean_mask_buffer()
+        buf.low_latency_query_mask_buffer(status)
+        after = status.tolist()
+        for use_fp8, hook in ((False, True), (True, False), (False, False)):
+            _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, use_fp8, hook, ())
+        try:
+            if rank == 0:
+                buf.low_latency_update_mask_buffer(victim, False)
+            else:
+                buf.low_latency_clean_mask_buffer()
+            mismatch = None
+        except ValueError as ex:
+            mismatch = str(ex)
+        _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, True, True, ())
+        return before, after, mismatch
+    finally:
         buf.destroy()
 
 

@@ -62,7 +62,8 @@ class Buffer:
 
     With ``low_latency_mode`` and ranks on several hosts the Buffer serves both the normal-mode calls and the
     low-latency calls across hosts (as DeepEP's one Buffer for both modes); there a timeout or a failed RDMA
-    proxy ends its low-latency calls for good, and a masked rank on another host cannot be unmasked.
+    proxy ends its low-latency calls for good, and unmasking a rank reached over the network is a collective
+    call (every rank makes it: the group meets and renumbers the rings of the pairs that were masked).
     """
 
     num_sms: int = 20
@@ -341,8 +342,20 @@ class Buffer:
         """Mask (``mask=True``) or unmask a rank for this rank's low-latency calls (DeepEP's, with
         ``enable_shrink``): no rows are sent to it or awaited from it; its experts' entries combine to nothing.
 
+        Across hosts, unmasking a rank reached over the network (another host's, or any other rank without
+        ``allow_nvlink_for_low_latency_mode``) is a collective call: every rank of the group calls it with the
+        same rank, after every low-latency call it made has completed (its hooks run or given up: pending hooks
+        are dropped). The group meets as after an error (a bounded host exchange); each pair of ranks of which
+        one had masked the other, ``rank_to_mask`` among them, renumbers its RDMA rings and unmasks the other.
+        Masking stays local to this rank.
+
         Raises:
-            ValueError: the Buffer was built without ``enable_shrink``, or a bad rank.
+            ValueError: the Buffer was built without ``enable_shrink``, or a bad rank; across hosts, ranks that
+                made different unmask calls (on every rank; nothing changed).
+            EPError: across hosts, the RDMA proxy of the rank to unmask (or of this one) failed while it was
+                masked: the Buffer is unusable.
+            EPTimeoutError: across hosts, a rank did not come within ``timeout_s`` (a dead rank cannot be
+                unmasked): the Buffer is unusable.
         """
         self._shrink().update_mask(rank_to_mask, mask)
 
@@ -356,10 +369,13 @@ class Buffer:
         self._shrink().query_mask(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank (DeepEP's ``clean_mask_buffer``).
+        """Unmask every rank (DeepEP's ``clean_mask_buffer``). Across hosts a collective call, as unmasking in
+        ``low_latency_update_mask_buffer``: every rank calls it, and every pair of ranks that had masked one
+        another renumbers its rings.
 
         Raises:
-            ValueError: the Buffer was built without ``enable_shrink``.
+            ValueError: the Buffer was built without ``enable_shrink``; across hosts, ranks that made different
+                unmask calls. EPError, EPTimeoutError: across hosts, as ``low_latency_update_mask_buffer``.
         """
         self._shrink().clean_mask()
 

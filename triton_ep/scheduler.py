@@ -155,6 +155,9 @@ class _PeerState:
     arrived: set = field(default_factory=set)
     credit_sent: int = 0
     stall_since: Optional[float] = None
+    #: ``CREDIT`` as of the last renumbering (:meth:`Scheduler.rebase`): a credit word the peer wrote before it
+    #: and that lands after it never counts for less
+    credit_floor: int = 0
 
 
 class Scheduler:
@@ -330,6 +333,52 @@ class Scheduler:
         for p in self.peers:
             self._next_tx[p] = self.flags.get(RingFlags.READY, p)
             self._next_rx[p] = self.flags.get(RingFlags.HEAD, p)
+
+    def wait_quiet(self, peer: int, stage: str) -> None:
+        """Wait until no chunk to ``peer`` is in flight (every chunk posted to it completed), bounded by
+        ``timeout_s``: before :meth:`rebase`. A masked peer's failed completions retire nothing, so a peer whose
+        QPs failed never gets quiet.
+
+        Raises: the proxy's error; ``EPTimeoutError(rank, peer, stage)`` after the bound (the scheduler is then
+        failed, as after any host wait that runs out).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self.check()
+            with self._lock:
+                busy = any(q.inflight for (p, _), q in self._qps.items() if p == peer)
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                ex = EPTimeoutError(self.rank, peer, stage, self.timeout_s)
+                self.fail(ex)
+                raise ex
+            time.sleep(0.0002)
+
+    def rebase(self, peer: int, tx: int, rx: int) -> None:
+        """Renumber the rings with ``peer`` and unmask it (its ``MASKED`` word): the next chunk this rank sends it is ``tx``, the next
+        it receives from it ``rx`` (``READY`` = ``SENT`` = ``CREDIT`` = ``tx``, ``TAIL`` = ``HEAD`` = ``rx``: nothing
+        pending either way, chunks not consumed are dropped). Both ranks of the pair call it with matching
+        numbers (this rank's ``tx`` is the peer's ``rx``), with no chunk in flight to ``peer`` (:meth:`wait_quiet`)
+        and no producer or consumer of its rings running (the device work finished). Unmasking a rank on
+        another host (``Buffer.low_latency_clean_mask_buffer``) uses it: a masked peer's chunks were dropped
+        (counted as placed), so the two sides' counters no longer match. A signal of a chunk numbered before
+        this that completes after it is recognised (behind the tail) and ignored."""
+        tx, rx = int(tx), int(rx)
+        with self._lock:
+            st = self._peer[peer]
+            st.next_post = st.sent = tx
+            st.sent_set.clear()
+            st.credit_floor = tx
+            st.tail = rx
+            st.arrived.clear()
+            st.credit_sent = rx
+            st.stall_since = None
+            for word, v in ((RingFlags.READY, tx), (RingFlags.SENT, tx), (RingFlags.CREDIT, tx),
+                            (RingFlags.TAIL, rx), (RingFlags.HEAD, rx)):
+                self.flags.put(word, peer, v)
+            self._next_tx[peer], self._next_rx[peer] = tx, rx
+            self.flags.mask(peer, False)
 
     def arrived(self, src: int) -> int:
         """``TAIL[src]``: chunks from ``src`` that arrived, in order."""
@@ -529,7 +578,7 @@ class Scheduler:
             st.stall_since = None
             self.flags.put(RingFlags.SENT, p, ready)
             return True
-        credit = self.flags.get(RingFlags.CREDIT, p)
+        credit = max(self.flags.get(RingFlags.CREDIT, p), st.credit_floor)
         chains: Dict[int, List[int]] = {}
         while st.next_post < ready and st.next_post - credit < self.slots:
             q = self._choose(own, p)
@@ -615,16 +664,18 @@ class Scheduler:
                              f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})")
         if c.opcode == "recv_imm":
             st = self._peer[c.peer]
-            seq = st.tail + ((c.imm - st.tail) & 0xFFFFFFFF)
-            if self.on_signal is not None:
-                self.on_signal(c.peer, c.qp, seq)
-            if self.trace:
-                self._event("arrive", c.peer, ch, c.qp, seq, 0)
-            st.arrived.add(seq)
-            while st.tail in st.arrived:
-                st.arrived.discard(st.tail)
-                st.tail += 1
-            self.flags.put(RingFlags.TAIL, c.peer, st.tail)
+            ahead = (c.imm - st.tail) & 0xFFFFFFFF
+            if ahead < 1 << 31:         # (else a chunk numbered before a renumbering, already counted: rebase)
+                seq = st.tail + ahead
+                if self.on_signal is not None:
+                    self.on_signal(c.peer, c.qp, seq)
+                if self.trace:
+                    self._event("arrive", c.peer, ch, c.qp, seq, 0)
+                st.arrived.add(seq)
+                while st.tail in st.arrived:
+                    st.arrived.discard(st.tail)
+                    st.tail += 1
+                self.flags.put(RingFlags.TAIL, c.peer, st.tail)
             if self._replenish:
                 t0 = time.perf_counter()
                 self.t.post_recv(c.peer, c.qp, 1)

@@ -190,6 +190,74 @@ def test_fault_peer_stops_producing():
             g.scheds[1].wait_counter(RingFlags.TAIL, 0, 1, "test wait")
 
 
+def _produce(s: Scheduler, peer: int, seq: int, data: np.ndarray) -> None:
+    """Host producer of chunk ``seq`` for ``peer``, once its slot is free (bounded)."""
+    deadline = time.monotonic() + 5.0
+    while not s.slot_free(peer, seq):
+        s.check()
+        assert time.monotonic() < deadline, f"send slot of chunk {seq} never freed"
+        time.sleep(0.0005)
+    s.send_view(peer, seq)[:len(data)] = data
+    s.publish(peer, seq, len(data))
+
+
+def _consume(s: Scheduler, src: int, seq: int, n: int) -> np.ndarray:
+    """Host consumer of chunk ``seq`` from ``src`` (``n`` bytes): wait for it (bounded), copy, free its slot."""
+    s.wait_counter(RingFlags.TAIL, src, seq + 1, "test: chunk arrival")
+    got = s.recv_view(src, seq)[:n].copy()
+    s.consume(src, seq + 1)
+    return got
+
+
+@pytest.mark.parametrize("renumber", [True, False])
+def test_rebase_after_dropped_chunks_to_a_masked_peer(renumber):
+    """Rank 0 masks rank 1 and produces 3 chunks for it, which its proxy drops (counted as placed); rank 1
+    meanwhile sends one chunk that rank 0 never consumes. Both then renumber the pair's rings (rebase) to the
+    numbers either side counted, whichever is ahead, once nothing is in flight: the mask is gone, and 2 * slots
+    + 1 chunks each way (credits and slot reuse included) arrive byte-exact under the new numbers. Without the
+    renumbering (only the mask cleared) rank 1 waits for the dropped chunks' numbers: its wait times out."""
+    slots, C = 2, 1024
+    with Group(fabric(2), 2, qps=2, slots=slots, slot_bytes=C, timeout_s=2.0) as g:
+        s0, s1 = g.scheds
+        s0.flags.mask(1)
+        for k in range(3):
+            _produce(s0, 1, k, payload(0, 1, C, k))
+        _produce(s1, 0, 0, payload(1, 0, C, 0))
+        s0.wait_counter(RingFlags.SENT, 1, 3, "test: dropped chunks counted as placed")
+        s0.wait_counter(RingFlags.TAIL, 1, 1, "test: rank 1's chunk arrived")
+        assert s1.flags.get(RingFlags.TAIL, 0) == 0        # nothing of the dropped chunks reached rank 1
+        x01 = max(s0.flags.get(RingFlags.READY, 1), s1.flags.get(RingFlags.TAIL, 0))
+        x10 = max(s1.flags.get(RingFlags.READY, 0), s0.flags.get(RingFlags.TAIL, 1))
+        assert (x01, x10) == (3, 1)
+        s0.wait_quiet(1, "test")
+        s1.wait_quiet(0, "test")
+        if renumber:
+            s0.rebase(1, x01, x10)
+            s1.rebase(0, x10, x01)
+        else:
+            s0.flags.mask(1, False)
+        assert not s0.flags.masked(1) and not s1.flags.masked(0)
+        n = 2 * slots + 1
+
+        def rank(r):
+            me, peer = g.scheds[r], g.scheds[1 - r]
+            tx, rx = (x01, x10) if r == 0 else (x10, x01)
+            got = []
+            for i in range(n):
+                _produce(me, 1 - r, tx + i, payload(r, 1 - r, C, 100 + i))
+                got.append(_consume(me, 1 - r, rx + i, C))
+            return got
+
+        res = in_threads(rank, 2, timeout_s=30.0)
+        if not renumber:
+            assert any(isinstance(e, EPTimeoutError) for e in res), res
+            return
+        for r, got in enumerate(res):
+            assert not isinstance(got, BaseException), got
+            for i, data in enumerate(got):
+                assert np.array_equal(data, payload(1 - r, r, C, 100 + i)), (r, i)
+
+
 def test_over_the_null_transport_with_payload():
     """The engine over another Transport (no verbs at all): the scheduler needs only the interface."""
     from triton_ep.transport.null import NullTransport, NullWire

@@ -14,8 +14,9 @@ The area lives in a buffer the ranks of one host map (CUDA IPC on GPU, POSIX sha
 ``allow_nvlink_for_low_latency_mode`` (DeepEP's default) a peer on the same host is written there directly,
 as within one host; without it every other rank goes over RDMA. After an error the next call re-synchronises
 the group (:meth:`NetLeg.resync`); a timeout or a failed proxy ends the Buffer's low-latency calls for good.
-With ``enable_shrink`` a silent rank on the network is masked (its proxy then drops what it holds for it); it
-cannot be unmasked.
+With ``enable_shrink`` a silent rank on the network is masked (its proxy then drops what it holds for it).
+Unmasking one is a collective call (every rank makes it): the group meets as after an error and each pair of
+ranks that had masked the other renumbers its rings (:meth:`NetLeg.resync`).
 """
 from __future__ import annotations
 
@@ -78,30 +79,61 @@ class NetLeg:
             sched.send_view(p, k)[:NET_HDR_WORDS * 4].view(np.int64)[:] = (n, 0, int(F.E_FAILED), 0)
             sched.publish(p, k, NET_HDR_WORDS * 4)
 
-    def resync(self, ll: LowLatency) -> None:
-        """After an error that did not end the Buffer (a rejected call, a mismatch, bad ids): meet every rank
-        of the group (a bounded exchange through its store), drain the chunks still on their way to this rank,
-        and restart the call numbers above the highest any rank reached, each peer's chunk numbers going on
-        from where its ring stands (``TXOFF``/``RXOFF``). Hooks still pending are dropped. Every rank's device
-        work must be finished (the caller waited for it).
+    def resync(self, ll: LowLatency, unmask=None) -> None:
+        """After an error that did not end the Buffer (a rejected call, a mismatch, bad ids), or to unmask ranks
+        (``unmask``: the ranks every rank unmasks, a collective call): meet every rank of the group (a bounded
+        exchange through its store), drain the chunks still on their way to this rank, and restart the call
+        numbers above the highest any rank reached, each peer's chunk numbers going on from where its ring stands
+        (``TXOFF``/``RXOFF``). Hooks still pending are dropped. Every rank's device work must be finished (the
+        caller waited for it).
+
+        A pair of ranks of which either masked the other has dropped chunks (counted as placed on the sending
+        side, never arrived on the other): nothing is drained between them. When one of the two is in
+        ``unmask``, both renumber their rings with each other (:meth:`Scheduler.rebase`, once no chunk is in flight
+        between them) to numbers worked out alike on both sides from the exchanged counters, and unmask each
+        other; otherwise they stay masked.
 
         Raises:
-            EPTimeoutError: a rank did not come to the meeting, or a peer's chunks did not arrive, within
-                ``timeout_s`` (the Buffer is then unusable); the proxy's error.
+            EPTimeoutError: a rank did not come to the meeting, or a peer's chunks did not arrive or complete,
+                within ``timeout_s`` (the Buffer is then unusable); the proxy's error.
+            ValueError: on every rank, when the ranks came with different ``unmask`` sets (or some came to
+                re-synchronise after an error): nothing was changed.
+            EPError: a rank to unmask whose proxy failed (its fault word): nothing was changed.
         """
         rt, sched = ll.rt, self.sched
         R, me = rt.group_size, rt.rank
         ctl = ll.ctl
         seq = int(ctl[int(F.L_SEQ)].item())
         base, _ = rt.sig.local_state()
-        ready = [sched.flags.get(RingFlags.READY, p) if p in self.remote_ranks else 0 for p in range(R)]
-        mask = ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R].tolist()
-        every = gather_objects(self.group, (seq, base, ready), rt.timeout_s,
-                               "low-latency across hosts: re-synchronise after an error")
+        remote = set(self.remote_ranks)
+        ready = [sched.flags.get(RingFlags.READY, p) if p in remote else 0 for p in range(R)]
+        tail = [sched.flags.get(RingFlags.TAIL, p) if p in remote else 0 for p in range(R)]
+        mask = [int(v) for v in ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R].tolist()]
+        faulty = [p for p in remote if sched.flags.get(RingFlags.FAULT, p)]
+        asked = sorted(int(r) for r in (unmask or ()))
+        what = ("unmask ranks " + str(asked)) if unmask is not None else "re-synchronise after an error"
+        every = gather_objects(self.group, (seq, base, ready, tail, mask, asked, unmask is not None, faulty),
+                               rt.timeout_s, f"low-latency across hosts: {what}")
+        odd = [r for r, e in enumerate(every) if (e[5], e[6]) != (asked, unmask is not None)]
+        if odd:
+            e = every[odd[0]]
+            theirs = f"unmask ranks {e[5]}" if e[6] else "re-synchronise after an error"
+            raise ValueError(f"rank {me}: the ranks met to change the low-latency masks differently: this rank came to "
+                             f"{what}, rank {odd[0]} to {theirs}; every rank must make the same unmask call "
+                             f"(low_latency_update_mask_buffer(rank, False) or low_latency_clean_mask_buffer())")
+        U = set(asked)
+
+        def masked_pair(a: int, b: int) -> bool:
+            return bool(every[a][4][b] or every[b][4][a])
+        renumber = [p for p in sorted(remote) if masked_pair(me, p) and (p in U or me in U)]
+        bad = [p for p in renumber if p in faulty or me in every[p][7]]
+        if bad:
+            raise EPError(f"rank {me}: rank {bad[0]} cannot be unmasked: the RDMA proxy of one of the two failed "
+                          f"while it was masked; destroy() the Buffer and build a new one")
         top = max(e[0] for e in every)
         # drain: consume what each network peer sent this rank, as it arrives (freeing slots lets its proxy
-        # post the rest), until its chunk count is reached
-        want = {p: every[p][2][me] for p in self.remote_ranks if not mask[p]}
+        # post the rest), until its chunk count is reached; nothing from a peer either side masked
+        want = {p: every[p][2][me] for p in self.remote_ranks if not masked_pair(me, p)}
         deadline = time.monotonic() + rt.timeout_s
         while True:
             sched.check()
@@ -115,15 +147,25 @@ class NetLeg:
                 raise EPTimeoutError(me, p, "low-latency re-synchronisation: chunks still on their way",
                                      rt.timeout_s)
             time.sleep(0.0005)
+        next_tx = list(ready)
+        next_rx = [every[p][2][me] for p in range(R)]
+        for p in renumber:
+            sched.wait_quiet(p, "low-latency unmask: chunks posted before the mask")
+            # the same numbers on both sides: what either side counted, whichever is ahead
+            next_tx[p] = max(ready[p], every[p][3][me])
+            next_rx[p] = max(every[p][2][me], tail[p])
+            sched.rebase(p, next_tx[p], next_rx[p])
         with torch.inference_mode():
-            tx = [ready[p] - top for p in range(R)]
-            rx = [every[p][2][me] - top for p in range(R)]
+            tx = [next_tx[p] - top for p in range(R)]
+            rx = [next_rx[p] - top for p in range(R)]
             ctl[F.off_ll_tx.host(R):F.off_ll_tx.host(R) + R].copy_(torch.tensor(tx, dtype=torch.int64))
             ctl[F.off_ll_rx.host(R):F.off_ll_rx.host(R) + R].copy_(torch.tensor(rx, dtype=torch.int64))
             # L_SEQ, L_DONE, CONS[0..1], UNPACKED[0..1]: call top + 1 comes next, calls up to top are done
             unpacked = [top if top % 2 == h else top - 1 for h in (0, 1)]
             ctl[:6].copy_(torch.tensor([top, 0, top, top] + unpacked, dtype=torch.int64))
             ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
+            for p in renumber:
+                ctl[F.off_ll_mask.host(R) + p].fill_(0)
         rt.sig.resync(max(e[1] for e in every) + 1)
         ll.pending.clear()
 

@@ -498,17 +498,40 @@ class LowLatency:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.rt.group_size}), got {rank!r}")
         rank = int(rank)
         if self.net is not None and rank in self.net.remote_ranks:
-            if mask:
-                self.net.sched.flags.mask(rank)     # its proxy drops what it still holds for that rank
-            elif int(self._mask_words()[rank].item()):
-                self._no_unmask([rank])
+            if not mask:
+                self._unmask_across_hosts([rank])
+                return
+            self.net.sched.flags.mask(rank)     # its proxy drops what it still holds for that rank
         with torch.inference_mode():
             self._mask_words()[rank].fill_(1 if mask else 0)
 
-    def _no_unmask(self, ranks) -> None:
-        raise NotImplementedError(f"rank(s) {ranks} are masked and reached over the network: across hosts a masked "
-                                  f"rank cannot be unmasked (its chunks were dropped); destroy() the Buffer and build a "
-                                  f"new one")
+    def _unmask_across_hosts(self, ranks) -> None:
+        """Unmask ``ranks`` with a Buffer whose ranks span hosts: a collective (every rank makes the same call).
+        The group meets as after an error (:meth:`NetLeg.resync`): pending hooks are dropped, and each pair of
+        ranks of which one had masked the other, one of them in ``ranks``, renumbers its rings and unmasks the
+        other. Same-host ranks in ``ranks`` reached through the shared buffer are unmasked here only.
+
+        Raises:
+            ValueError: the ranks made different unmask calls (on every rank; nothing changed).
+            EPError: a rank to unmask whose RDMA proxy failed (nothing changed); this Buffer unusable.
+            EPTimeoutError: a rank did not come within ``timeout_s`` (the Buffer is then unusable).
+        """
+        rt = self.rt
+        self._start()
+        comm = rt.live()
+        rt.wait_comm_stream()
+        comm.sync_device()
+        try:
+            self.net.resync(self, unmask=ranks)
+        except ValueError:
+            raise                           # every rank raises it; nothing was changed
+        except Exception as ex:
+            comm.broken = comm.broken or f"unmasking failed: {type(ex).__name__}: {ex}"
+            raise
+        local = [r for r in ranks if r not in self.net.remote_ranks]
+        with torch.inference_mode():
+            for r in local:
+                self._mask_words()[r].fill_(0)
 
     def query_mask(self, status: Tensor) -> None:
         R = self.rt.group_size
@@ -519,10 +542,8 @@ class LowLatency:
             status.copy_((self._mask_words() != 0).to(torch.int32))
 
     def clean_mask(self) -> None:
-        if self.net is not None:
-            masked = [r for r in self.net.remote_ranks if int(self._mask_words()[r].item())]
-            if masked:
-                self._no_unmask(masked)
+        if self.net is not None:            # a collective across hosts: every rank unmasks every rank
+            self._unmask_across_hosts(list(range(self.rt.group_size)))
         with torch.inference_mode():
             self._mask_words().zero_()
 

@@ -328,9 +328,10 @@ class RingFlags:
         """Whether ``peer`` is masked (low-latency rank masking: the proxy drops its chunks and credits)."""
         return bool(self.w[self._masked[peer]])
 
-    def mask(self, peer: int) -> None:
-        """Mask ``peer`` (kernels do the same with a store to ``MASKED[peer]``)."""
-        self.w[self._masked[peer]] = 1
+    def mask(self, peer: int, on: bool = True) -> None:
+        """Mask ``peer`` (kernels do the same with a store to ``MASKED[peer]``); ``on=False`` clears it (unmasking
+        across hosts, once the rings with ``peer`` are renumbered: ``Scheduler.rebase``)."""
+        self.w[self._masked[peer]] = 1 if on else 0
 
     def length(self, peer: int, seq: int) -> int:
         """Bytes of chunk ``seq`` for ``peer``, as its producer wrote them."""
