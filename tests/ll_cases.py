@@ -609,7 +609,8 @@ def silent_peers(rank, world, victims, by_timeout, device="cpu", timeout_s=4.0):
     with ``enable_shrink``, mask them (explicitly, or ``by_timeout``): exactly their tokens and their
     experts' entries are dropped, the next call does not wait again, and the mask query reports them.
     Unmasking them is a collective call across hosts, which the silent ranks do not join: it raises
-    ``EPTimeoutError`` after ``timeout_s``. Returns ``(mask status, seconds of each round trip, the unmask
+    ``EPTimeoutError`` after ``timeout_s``, and nothing changed (still masked, a round trip without them works).
+    Returns ``(mask status, seconds of each round trip, the unmask
     error's text)``. ``device="cuda"``: every rank on GPU 0 (outputs checked on the CPU)."""
     import time
     from triton_ep.errors import EPTimeoutError
@@ -637,16 +638,23 @@ def silent_peers(rank, world, victims, by_timeout, device="cpu", timeout_s=4.0):
             unmask = None
         except EPTimeoutError as ex:
             unmask = str(ex)
+        # nothing changed: the silent ranks are still masked, and the Buffer still works without them
+        after = torch.zeros(world, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(after)
+        assert torch.equal(after, status), (after, status)
+        _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, True, False, victims, device)
         return status.tolist(), waits, unmask
     finally:
         torch.distributed.barrier()         # the victims stay alive but silent until the others are done
         buf.destroy()
 
 
-def recovering_peer(rank, world, victim, by_timeout, timeout_s=4.0):
+def recovering_peer(rank, world, victim, by_timeout, how="clean", timeout_s=4.0):
     """Rank ``victim`` builds the Buffer and stays silent while the others, with ``enable_shrink``, mask it
     (explicitly, or after one timeout) and make round trips without it; then it comes back, and every rank
-    unmasks every rank (``low_latency_clean_mask_buffer``, a collective across hosts). The round trips after
+    (the victim too) unmasks it, a collective across hosts: ``how`` ``"clean"``
+    (``low_latency_clean_mask_buffer``) or ``"update"`` (``low_latency_update_mask_buffer(victim, False)``). The
+    round trips after
     that include it again, bit for bit the oracle's (bf16 and FP8, with and without hooks). Then the ranks
     make different unmask calls (rank 0 ``update_mask_buffer(victim, False)``, the others
     ``clean_mask_buffer()``): every rank raises ``ValueError`` and nothing changed (a round trip follows).
@@ -666,7 +674,10 @@ def recovering_peer(rank, world, victim, by_timeout, timeout_s=4.0):
             buf.low_latency_query_mask_buffer(status)
             before = status.tolist()
         dist.barrier()                      # the victim comes back once the others have gone on without it
-        buf.low_latency_clean_mask_buffer()
+        if how == "clean":
+            buf.low_latency_clean_mask_buffer()
+        else:
+            buf.low_latency_update_mask_buffer(victim, False)
         buf.low_latency_query_mask_buffer(status)
         after = status.tolist()
         for use_fp8, hook in ((False, True), (True, False), (False, False)):

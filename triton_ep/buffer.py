@@ -342,20 +342,18 @@ class Buffer:
         """Mask (``mask=True``) or unmask a rank for this rank's low-latency calls (DeepEP's, with
         ``enable_shrink``): no rows are sent to it or awaited from it; its experts' entries combine to nothing.
 
-        Across hosts, unmasking a rank reached over the network (another host's, or any other rank without
-        ``allow_nvlink_for_low_latency_mode``) is a collective call: every rank of the group calls it with the
-        same rank, after every low-latency call it made has completed (its hooks run or given up: pending hooks
-        are dropped). The group meets as after an error (a bounded host exchange); each pair of ranks of which
-        one had masked the other, ``rank_to_mask`` among them, renumbers its RDMA rings and unmasks the other.
-        Masking stays local to this rank.
+        On a Buffer whose ranks span hosts, unmasking is a collective call: every rank of the group (the rank
+        being unmasked too) calls it with the same rank, after every low-latency call it made has completed
+        (pending hooks are dropped). The group meets as after an error (a bounded host exchange); each pair of
+        ranks of which one had masked the other, ``rank_to_mask`` among them, renumbers its RDMA rings and
+        unmasks the other (docs/low_latency.md). Masking stays local to this rank.
 
         Raises:
             ValueError: the Buffer was built without ``enable_shrink``, or a bad rank; across hosts, ranks that
                 made different unmask calls (on every rank; nothing changed).
-            EPError: across hosts, the RDMA proxy of the rank to unmask (or of this one) failed while it was
-                masked: the Buffer is unusable.
             EPTimeoutError: across hosts, a rank did not come within ``timeout_s`` (a dead rank cannot be
-                unmasked): the Buffer is unusable.
+                unmasked; nothing changed, and that rank can join no later meeting of this Buffer), or the
+                renumbering ran out of time (the Buffer is then unusable).
         """
         self._shrink().update_mask(rank_to_mask, mask)
 
@@ -375,7 +373,7 @@ class Buffer:
 
         Raises:
             ValueError: the Buffer was built without ``enable_shrink``; across hosts, ranks that made different
-                unmask calls. EPError, EPTimeoutError: across hosts, as ``low_latency_update_mask_buffer``.
+                unmask calls. EPTimeoutError: across hosts, as ``low_latency_update_mask_buffer``.
         """
         self._shrink().clean_mask()
 

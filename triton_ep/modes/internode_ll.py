@@ -89,16 +89,19 @@ class NetLeg:
 
         A pair of ranks of which either masked the other has dropped chunks (counted as placed on the sending
         side, never arrived on the other): nothing is drained between them. When one of the two is in
-        ``unmask``, both renumber their rings with each other (:meth:`Scheduler.rebase`, once no chunk is in flight
-        between them) to numbers worked out alike on both sides from the exchanged counters, and unmask each
-        other; otherwise they stay masked.
+        ``unmask``, both stop posting to each other (their proxies drop what is still held back), wait until no
+        chunk is in flight between them, renumber their rings (:meth:`Scheduler.rebase`) to numbers worked out
+        alike on both sides from the exchanged counters, and unmask each other; otherwise they stay masked. An
+        unmask ends with a second exchange, so no rank sends before every rank has renumbered.
 
         Raises:
             EPTimeoutError: a rank did not come to the meeting, or a peer's chunks did not arrive or complete,
                 within ``timeout_s`` (the Buffer is then unusable); the proxy's error.
             ValueError: on every rank, when the ranks came with different ``unmask`` sets (or some came to
                 re-synchronise after an error): nothing was changed.
-            EPError: a rank to unmask whose proxy failed (its fault word): nothing was changed.
+
+        An error of the first exchange (a rank that did not come: dead, or raising its own error, e.g. its proxy
+        failed) carries ``_ep_nothing_changed``: no state was touched.
         """
         rt, sched = ll.rt, self.sched
         R, me = rt.group_size, rt.rank
@@ -109,11 +112,14 @@ class NetLeg:
         ready = [sched.flags.get(RingFlags.READY, p) if p in remote else 0 for p in range(R)]
         tail = [sched.flags.get(RingFlags.TAIL, p) if p in remote else 0 for p in range(R)]
         mask = [int(v) for v in ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R].tolist()]
-        faulty = [p for p in remote if sched.flags.get(RingFlags.FAULT, p)]
         asked = sorted(int(r) for r in (unmask or ()))
         what = ("unmask ranks " + str(asked)) if unmask is not None else "re-synchronise after an error"
-        every = gather_objects(self.group, (seq, base, ready, tail, mask, asked, unmask is not None, faulty),
-                               rt.timeout_s, f"low-latency across hosts: {what}")
+        try:
+            every = gather_objects(self.group, (seq, base, ready, tail, mask, asked, unmask is not None),
+                                   rt.timeout_s, f"low-latency across hosts: {what}")
+        except Exception as ex:
+            ex._ep_nothing_changed = True       # (the caller may keep the Buffer: no state was touched)
+            raise
         odd = [r for r, e in enumerate(every) if (e[5], e[6]) != (asked, unmask is not None)]
         if odd:
             e = every[odd[0]]
@@ -126,10 +132,6 @@ class NetLeg:
         def masked_pair(a: int, b: int) -> bool:
             return bool(every[a][4][b] or every[b][4][a])
         renumber = [p for p in sorted(remote) if masked_pair(me, p) and (p in U or me in U)]
-        bad = [p for p in renumber if p in faulty or me in every[p][7]]
-        if bad:
-            raise EPError(f"rank {me}: rank {bad[0]} cannot be unmasked: the RDMA proxy of one of the two failed "
-                          f"while it was masked; destroy() the Buffer and build a new one")
         top = max(e[0] for e in every)
         # drain: consume what each network peer sent this rank, as it arrives (freeing slots lets its proxy
         # post the rest), until its chunk count is reached; nothing from a peer either side masked
@@ -150,6 +152,7 @@ class NetLeg:
         next_tx = list(ready)
         next_rx = [every[p][2][me] for p in range(R)]
         for p in renumber:
+            sched.flags.mask(p)     # its proxy drops what is still held back for p (no credit): nothing more goes
             sched.wait_quiet(p, "low-latency unmask: chunks posted before the mask")
             # the same numbers on both sides: what either side counted, whichever is ahead
             next_tx[p] = max(ready[p], every[p][3][me])
@@ -168,6 +171,10 @@ class NetLeg:
                 ctl[F.off_ll_mask.host(R) + p].fill_(0)
         rt.sig.resync(max(e[1] for e in every) + 1)
         ll.pending.clear()
+        if unmask is not None:
+            # every rank renumbered before any sends again: a peer's first chunk after the renumbering must not
+            # arrive here before this rank's own renumbering (which would drop it)
+            gather_objects(self.group, None, rt.timeout_s, f"low-latency across hosts: {what}, rings renumbered")
 
     def close(self) -> None:
         """Let the proxy place the chunks already published (a failure notice a rank posted just before

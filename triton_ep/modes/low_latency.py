@@ -293,7 +293,8 @@ class LowLatency:
             if done:
                 raise ValueError("this receive hook has already run")
             if idx not in self.pending:
-                raise ValueError("this receive hook belongs to a call dropped by a re-synchronisation after an error")
+                raise ValueError("this receive hook belongs to a call dropped by a re-synchronisation (after an "
+                                 "error, or an unmask across hosts)")
             done.append(True)
             self.pending.remove(idx)
             rt = self.rt
@@ -497,10 +498,10 @@ class LowLatency:
         if not isint(rank) or not 0 <= rank < self.rt.group_size:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.rt.group_size}), got {rank!r}")
         rank = int(rank)
+        if self.net is not None and not mask:   # a collective across hosts, on every rank (the rank itself too)
+            self._unmask_across_hosts([rank])
+            return
         if self.net is not None and rank in self.net.remote_ranks:
-            if not mask:
-                self._unmask_across_hosts([rank])
-                return
             self.net.sched.flags.mask(rank)     # its proxy drops what it still holds for that rank
         with torch.inference_mode():
             self._mask_words()[rank].fill_(1 if mask else 0)
@@ -513,8 +514,9 @@ class LowLatency:
 
         Raises:
             ValueError: the ranks made different unmask calls (on every rank; nothing changed).
-            EPError: a rank to unmask whose RDMA proxy failed (nothing changed); this Buffer unusable.
-            EPTimeoutError: a rank did not come within ``timeout_s`` (the Buffer is then unusable).
+            EPTimeoutError: a rank did not come within ``timeout_s`` (nothing changed: the masks stay; that rank
+                can take part in no later meeting of this Buffer), or a later step ran out of time (the Buffer
+                is then unusable).
         """
         rt = self.rt
         self._start()
@@ -526,7 +528,8 @@ class LowLatency:
         except ValueError:
             raise                           # every rank raises it; nothing was changed
         except Exception as ex:
-            comm.broken = comm.broken or f"unmasking failed: {type(ex).__name__}: {ex}"
+            if not getattr(ex, "_ep_nothing_changed", False):
+                comm.broken = comm.broken or f"unmasking failed: {type(ex).__name__}: {ex}"
             raise
         local = [r for r in ranks if r not in self.net.remote_ranks]
         with torch.inference_mode():

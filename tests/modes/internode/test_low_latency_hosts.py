@@ -106,7 +106,8 @@ def test_masked_remote_rank(by_timeout):
     """3 hosts of 1 rank; rank 2 builds the Buffer and falls silent. With enable_shrink the others mask it
     (explicitly, or after one timeout of 4 s): exactly its tokens and experts' entries are dropped, later calls
     do not wait for it (each takes at least 2 s less than the first, which waited), and unmasking it (a
-    collective across hosts, which it does not join) raises EPTimeoutError naming it."""
+    collective across hosts, which it does not join) raises EPTimeoutError naming it and changes nothing (a
+    round trip without it follows)."""
     out = _values(run_ranks(ll_cases.across_hosts, 3, _env(1), "silent_peers", (2,), by_timeout))
     for status, waits, unmask in out[:2]:
         assert status == [0, 0, 1], out
@@ -115,15 +116,16 @@ def test_masked_remote_rank(by_timeout):
             assert waits[0] >= 4.0 and max(waits[1:]) < waits[0] - 2.0, waits
 
 
-@pytest.mark.parametrize("world,by_timeout", [(2, False), (3, True)])
-def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout):
+@pytest.mark.parametrize("world,by_timeout,how", [(2, False, "update"), (3, True, "clean")])
+def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how):
     """Hosts of 1 rank; the last rank stays silent while the others mask it (explicitly, or after one timeout of
-    4 s) and go on without it; then it comes back and every rank calls low_latency_clean_mask_buffer: the pairs
+    4 s) and go on without it; then it comes back and every rank, itself too, unmasks it
+    (low_latency_update_mask_buffer(victim, False), or low_latency_clean_mask_buffer): the pairs
     that were masked renumber their rings, no rank is masked any more, and the round trips that follow include
     it, bit for bit the oracle's. Ranks that then make different unmask calls all raise ValueError, and the next
     round trip shows nothing changed."""
     victim = world - 1
-    out = _values(run_ranks(ll_cases.across_hosts, world, _env(1), "recovering_peer", victim, by_timeout))
+    out = _values(run_ranks(ll_cases.across_hosts, world, _env(1), "recovering_peer", victim, by_timeout, how))
     for r, (before, after, mismatch) in enumerate(out):
         assert before == (None if r == victim else [1 if p == victim else 0 for p in range(world)]), out
         assert after == [0] * world, out
