@@ -342,28 +342,21 @@ class Scheduler:
         Raises: the proxy's error; ``EPTimeoutError(rank, peer, stage)`` after the bound (the scheduler is then
         failed, as after any host wait that runs out).
         """
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            self.check()
+        def busy() -> bool:
             with self._lock:
-                busy = any(q.inflight for (p, _), q in self._qps.items() if p == peer)
-            if not busy:
-                return
-            if time.monotonic() > deadline:
-                ex = EPTimeoutError(self.rank, peer, stage, self.timeout_s)
-                self.fail(ex)
-                raise ex
-            time.sleep(0.0002)
+                return any(q.inflight for (p, _), q in self._qps.items() if p == peer)
+        self._wait_while(busy, peer, stage)
 
     def rebase(self, peer: int, tx: int, rx: int) -> None:
-        """Renumber the rings with ``peer`` and unmask it (its ``MASKED`` word): the next chunk this rank sends it is ``tx``, the next
-        it receives from it ``rx`` (``READY`` = ``SENT`` = ``CREDIT`` = ``tx``, ``TAIL`` = ``HEAD`` = ``rx``: nothing
-        pending either way, chunks not consumed are dropped). Both ranks of the pair call it with matching
-        numbers (this rank's ``tx`` is the peer's ``rx``), with no chunk in flight to ``peer`` (:meth:`wait_quiet`)
-        and no producer or consumer of its rings running (the device work finished). Unmasking a rank on
-        another host (``Buffer.low_latency_clean_mask_buffer``) uses it: a masked peer's chunks were dropped
-        (counted as placed), so the two sides' counters no longer match. A signal of a chunk numbered before
-        this that completes after it is recognised (behind the tail) and ignored."""
+        """Renumber the rings with ``peer`` and unmask it (its ``MASKED`` word): the next chunk this rank sends
+        it is ``tx``, the next it receives from it ``rx`` (``READY`` = ``SENT`` = ``CREDIT`` = ``tx``, ``TAIL`` =
+        ``HEAD`` = ``rx``: nothing pending either way, chunks not consumed are dropped). Both ranks of the pair
+        call it with matching numbers (this rank's ``tx`` is the peer's ``rx``), with no chunk in flight to
+        ``peer`` (:meth:`wait_quiet`) and no producer or consumer of its rings running (the device work
+        finished). Unmasking a rank on another host (``Buffer.low_latency_update_mask_buffer(rank, False)``,
+        ``low_latency_clean_mask_buffer``) uses it: a masked peer's chunks were dropped (counted as placed), so
+        the two sides' counters no longer match. A signal of a chunk numbered before this that completes after
+        it is recognised (behind the tail) and ignored."""
         tx, rx = int(tx), int(rx)
         with self._lock:
             st = self._peer[peer]
@@ -393,9 +386,14 @@ class Scheduler:
 
         Raises: the proxy's error; ``EPTimeoutError(rank, peer, stage)`` after the bound.
         """
+        self._wait_while(lambda: self.flags.get(array, peer) < want, peer, stage)
+
+    def _wait_while(self, pending: Callable[[], bool], peer: int, stage: str) -> None:
+        """The host waits' loop: while ``pending()``, raise the proxy's error if it has one, else spin (then nap),
+        up to ``timeout_s``; past it, fail the scheduler with ``EPTimeoutError(rank, peer, stage)`` and raise it."""
         deadline = time.monotonic() + self.timeout_s
         spins = 0
-        while self.flags.get(array, peer) < want:
+        while pending():
             self.check()
             if time.monotonic() > deadline:
                 ex = EPTimeoutError(self.rank, peer, stage, self.timeout_s)

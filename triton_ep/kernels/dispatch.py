@@ -182,16 +182,14 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                           HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr):
-    # Rows of this round: given, or from the receive count on the device (a dispatch whose host never
-    # learns the counts: num_worst_tokens). Then rows [n_rows, n_bound) of the window are padding: x 0,
-    # scales 0, ids -1, weights 0, source -1 (written here: no separate fill).
     # Round n: wait until every sender has released it here, with the signature of this call.
     go = tl.full([], 1, tl.int1)
     if SYNC:
         n = tl.load(hdr + flags.W_BASE) + k + 1
         go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
                                     USE_CLOCK)
-    # Programs take row blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
+    # The round's rows (given, or the device's count with num_worst_tokens: then padding rows too), in row
+    # blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
     n_rows, n_out = _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR)
     _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
                out_src_ptr, WX, S, K, REC, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K)

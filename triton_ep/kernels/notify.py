@@ -258,8 +258,9 @@ def notify(counts: torch.Tensor, num_experts: int, t32: torch.Tensor, t64: torch
            experts: bool = False, num_worst_tokens: int = 0, res: torch.Tensor = None, seq: int = 0,
            num_worst_rx: int = 0) -> None:
     """:func:`notify_send` then :func:`notify_recv` as one launch of one program (same arguments; ``num_worst_rx``:
-    the receive's ``num_worst_tokens``; the receive's ``experts_per_rank`` is ``num_experts // R``). Its program waits for the other ranks' launches only, never for one of
-    its own, but a rank simulated in one process runs it to its end before the next rank's: real ranks only."""
+    the receive's ``num_worst_tokens``; the receive's ``experts_per_rank`` is ``num_experts // R``). Its program
+    waits for the other ranks' launches only, never for one of its own, but a rank simulated in one process runs
+    it to its end before the next rank's: real ranks only."""
     R = signals["hdr_delta"].shape[0]
     _check_experts(experts, num_experts)
     _notify_launch[(1,)](counts, num_experts, num_experts // R, num_worst_tokens, t32, t64, num_worst_rx,

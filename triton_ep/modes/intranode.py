@@ -529,14 +529,15 @@ class Intranode:
         if fused:
             yield "combine/send and reduce"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                combine_fused(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head, send_base, cap, rb, out,
-                              biases, wout, self.rt.sig_args, call_sig, n_recv=h.n_recv_dev)
+                combine_fused(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
+                              send_base, cap, rb, out, biases, wout, self.rt.sig_args, call_sig, n_recv=h.n_recv_dev)
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.combine_send(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words, area.view(torch.int32), lo, hi, rb // 4,
-                                     signals=self.rt.sig_args, rnd=k, sig=call_sig, n_recv=h.n_recv_dev)
+                kernels.combine_send(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words,
+                                     area.view(torch.int32), lo, hi, rb // 4, signals=self.rt.sig_args, rnd=k,
+                                     sig=call_sig, n_recv=h.n_recv_dev)
             yield f"combine/reduce round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 kernels.combine_reduce(area, h.send_head, send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,

@@ -301,11 +301,6 @@ class RingFlags:
         """Word index of ``array[peer]``."""
         return self._word[array][peer]
 
-    def row(self, array: int):
-        """int64 numpy view ``[R]`` of ``array[0..R)`` (the proxy reads a whole array at once)."""
-        i = self._word[array][0]
-        return self.w[i:i + self.size]
-
     def rows(self) -> list:
         """The arrays ``READY`` to ``FAULT`` (adjacent in the block) as one list of ``6 * R`` ints, read at once:
         ``array[p]`` is item ``(array - READY) * R + p`` (the proxy's sweep reads these every pass)."""
