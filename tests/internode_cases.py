@@ -136,7 +136,8 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
     """One dispatch -> x*2 'experts' -> combine -> cached dispatch of new data on ``buf``, each compared with
     the reference bit for bit (combine: the two-level summation order, ``ref.combine(ranks_per_host=n)``).
     ``opts``: ``fp8``, ``f32`` (float32 rows: dispatch only), ``skew`` (ids in the first quarter of the
-    experts), ``worst`` (num_worst_tokens), ``bias``, ``weights`` (default True), ``device``, ``no_topk``
+    experts), ``worst`` (num_worst_tokens; ``"per_rank"``: each rank its own, the rows it receives plus twice
+    its rank, so rank 0's has no room to spare and no two are equal), ``bias``, ``weights`` (default True), ``device``, ``no_topk``
     (dispatch routed by is_token_in_rank and counted by num_tokens_per_expert, without topk_idx: no weights,
     recv_topk_idx None)."""
     from triton_ep import reference as ref
@@ -150,6 +151,8 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
     if not weights or no_topk:
         ws = None
     exp = ref.dispatch(xs, idxs, ws, E)
+    if worst == "per_rank":
+        worst = exp[rank]["recv_topk_idx"].shape[0] + 2 * rank
     mine = tuple(t.to(device) for t in xs[rank]) if fp8 else xs[rank].to(device)
     per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank].to(device), E)
     recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
@@ -406,15 +409,16 @@ def in_step(rank, world, env):
         buf.destroy()
 
 
-def capture_sequence(rank, world, env, seed, E, K, H, Ts):
+def capture_sequence(rank, world, env, seed, E, K, H, Ts, per_rank=False):
     """The capture path (``TRITON_EP_INTERNODE_CAPTURE_PATH=1``) on one Buffer, each case checked against the
     reference (:func:`check_case`): num_worst_tokens with weights and biases, then without topk_idx, then a
     plain dispatch on the host path (its chunk numbers re-read from the ring counters the capture path
-    advanced), then the capture path again. Returns what each case checked."""
+    advanced), then the capture path again. ``per_rank``: each rank passes its own num_worst_tokens, as small
+    as its rows allow (:func:`check_case`'s ``"per_rank"``). Returns what each case checked."""
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
     n = int(env["TRITON_EP_RANKS_PER_HOST"])
-    worst = sum(Ts) * K + 3
+    worst = "per_rank" if per_rank else sum(Ts) * K + 3
     try:
         out = []
         for i, opts in enumerate(({"worst": worst, "bias": True}, {"worst": worst, "no_topk": True}, {"bias": True},
@@ -453,7 +457,11 @@ def _pause_after_notify(seconds):
 def capture_errors(rank, world, env, kind):
     """2 hosts of 2 ranks on the capture path. ``kind`` "bad_ids": rank 3 passes an id past the experts;
     "capacity": every token goes to host 0 and num_worst_tokens is too small there ("capacity_late": and rank 0
-    pauses 2 s after its notify launch, so rank 1 finds the error, raises and leaves first); "bad_shape": rank 3
+    pauses 2 s after its notify launch, so rank 1 finds the error, raises and leaves first; "capacity_rank": every
+    token goes to rank 0 alone, whose num_worst_tokens alone is too small: the staging areas, sized by host 0's
+    ranks' sum, take every record, and the forwarding leg finds rank 0's; "capacity_net", run on 2 hosts of one
+    rank: rank 1's tokens go to rank 0, whose num_worst_tokens is too small for that stream, which is cut after
+    its first round on both sides, and rank 0's to rank 1); "bad_shape": rank 3
     passes int64 topk_weights (a host-side check). The call returns (bad values are found on the device);
     ``Buffer.check()`` then raises on the ranks that recorded it, and every rank's next call raises at once.
     Returns the first call's, the check's and the next call's errors ([type, message] or None) and the calls'
@@ -467,7 +475,10 @@ def capture_errors(rank, world, env, kind):
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         capacity = kind.startswith("capacity")
-        idx = torch.tensor([[0, 2]]).repeat(T, 1) if capacity else torch.randint(0, E, (T, 2), generator=g)
+        idx = torch.tensor([[0, 1 if kind == "capacity_rank" else 2]]).repeat(T, 1) if capacity else \
+            torch.randint(0, E, (T, 2), generator=g)
+        if kind == "capacity_net":
+            idx = torch.tensor([[4, 5] if rank == 0 else [0, 1]]).repeat(T, 1)
         if kind == "capacity_late" and rank == 0:
             _pause_after_notify(2.0)
         w = torch.rand(T, 2, generator=g)
@@ -479,7 +490,8 @@ def capture_errors(rank, world, env, kind):
             w = w.double()
         kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
                   num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-        worst = 4 if capacity else 64
+        worst = {"capacity_net": 2 if rank == 0 else 64, "capacity_rank": 4 if rank == 0 else 64}.get(
+            kind, 4 if capacity else 64)
         first = None
         t0 = time.monotonic()
         try:
@@ -487,6 +499,8 @@ def capture_errors(rank, world, env, kind):
         except Exception as ex:   # noqa: BLE001
             first = [type(ex).__name__, str(ex)]
         first_s = time.monotonic() - t0
+        if kind == "capacity_net":      # rank 1's call must end by itself (its cut stream), not by rank 0's failure
+            dist.barrier()
         checked = None                  # (no barrier first: this rank's own error must win over its peers' echo)
         try:
             buf.check()
@@ -508,7 +522,8 @@ def graph_across_hosts(rank, world, env, seed):
     """Layout, a num_worst_tokens dispatch, an expert stand-in and combine across hosts captured in one CUDA
     graph (no host synchronisation inside: sync debug mode 'error'), replayed with new x and new routing
     written into the captured inputs (random, every token to rank 0's experts, mostly -1): each replay
-    bit for bit the reference (combine: the two-level order), padding rows zero / -1. Returns the replays."""
+    bit for bit the reference (combine: the two-level order), padding rows zero / -1. Each rank passes its own
+    num_worst_tokens. Returns the replays."""
     from triton_ep import reference as ref
     from mp_cases import capture, check_replayed_dispatch, graph_inputs
     import torch.distributed as dist
@@ -517,7 +532,7 @@ def graph_across_hosts(rank, world, env, seed):
     dev = torch.device("cuda", 0)
     n = int(env["TRITON_EP_RANKS_PER_HOST"])
     E, H, K, T = 4 * world, 512, 4, 24
-    worst = T * world
+    worst = T * world + 3 * rank        # each rank its own (rank 0's exactly what the skewed case sends it)
     buf = triton_ep.Buffer(None, 1 << 20, device=dev, timeout_s=60)
     try:
         cases, x_in, idx_in, w_in, load = graph_inputs(rank, world, seed, E, K, H, T, dev)

@@ -188,7 +188,7 @@ def test_kernels_compile_for_sm90():
         for dev in (False, True):      # the host path's streams, and the capture path's (headers, device counts)
             cases += [
                 (net._pack_ring, dict(ctrl="*i64", send="*i32", tokens="*i64", tok_start="*i64", hdr="*i32", HW="i32",
-                 status="*i32", **{k: v for k, v in common.items() if k != "ctrl"}, **src),
+                 status="*i32", peer_words="*i64", **{k: v for k, v in common.items() if k != "ctrl"}, **src),
                  dict(R=3, BLOCK=1024, USE_CLOCK=True, DEV=dev)),
                 (net._unpack_ring, dict(ctrl="*i64", recv="*i32", out="*i32", out_start="*i64", rx_count="*i32",
                  status="*i32", HW="i32", cap_words="i64", key="i32", rec_w="i32", **{k: v for k, v in

@@ -167,7 +167,8 @@ def _bases(ctrl, array, first_seq, h, c_lo, R: tl.constexpr, DEV: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns', 'HW'] + _SRC_NAMES)
-def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, hdr, HW, status, c_lo, c_hi, me_host, S, SW, timeout_ns,
+def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, hdr, HW, status, peer_words, c_lo, c_hi, me_host, S,
+               SW, timeout_ns,
                x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w, wt_w, per_host,
                off_row, off_sc, off_id, off_wt, off_loc, rec_w,
                R: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr, DEV: tl.constexpr):
@@ -181,6 +182,11 @@ def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, hdr, HW, statu
     if h != me_host:
         offs = tl.arange(0, BLOCK).to(tl.int64)
         nw, hi, bad = _stream(ctrl, n_words, h, c_hi, SW)
+        if DEV:
+            if c_lo > 0:   # more records than the peer takes: the stream ends with the first round's chunks
+                over = tl.load(hdr + h * HW + 1).to(tl.int64) > tl.load(peer_words + 2 * R + h)
+                nw = tl.where(over, tl.minimum(nw, S * SW), nw)
+                hi = tl.minimum((nw + SW - 1) // SW, c_hi)
         seq0 = _bases(ctrl, F.RING_READY, first_seq, h, c_lo, R, DEV)
         toks = tokens + tl.load(tok_start + h)
         for c in range(c_lo, hi):
@@ -230,7 +236,7 @@ def _unpack_ring(ctrl, recv, out, out_start, n_words, first_seq, c_lo, c_hi, me_
                     base, w0, n = _slot(recv, h, k, c, nw, S, SW)
                     if DEV:
                         if c == 0:
-                            nw, lim = _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, R)
+                            nw, lim = _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, S, SW, R)
                             n = tl.minimum(nw - w0, SW)
                     for o in range(0, n, BLOCK):
                         idx = o + offs
@@ -241,18 +247,22 @@ def _unpack_ring(ctrl, recv, out, out_start, n_words, first_seq, c_lo, c_hi, me_
 
 
 @triton.jit
-def _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, R: tl.constexpr):
+def _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, S, SW, R: tl.constexpr):
     """A device-counted stream's header (:data:`HEADER_WORDS` words: its words, records, status code, the rank
-    whose error started a failure, layout key): note the records that may be copied (``rx_count[h]``; 0
-    unless the status is 0, the layout matches and they fit ``cap_words``) and the status (``status[h]``:
-    code, culprit). Returns the stream's words and the end of the words copied (the header always; the
-    records where they may be)."""
+    whose error started a failure, layout key, the records the sender's own staging area takes from each
+    peer): note the records that may be copied (``rx_count[h]``; 0 unless the status is 0, the layout matches
+    and they fit ``cap_words``), the status (``status[h]``: code, culprit) and the sender's room
+    (``n_words[2R + h]``, which this rank's later send rounds read). A stream of more records than fit ends
+    with its first round's chunks (``S``), on both sides. Returns the stream's words (so clamped) and the end
+    of the words copied (the header always; the records where they may be)."""
     nw = tl.load(base + 0, volatile=True).to(tl.int64)
     cnt = tl.load(base + 1, volatile=True).to(tl.int64)
     code = tl.load(base + 2, volatile=True)
     culprit = tl.load(base + 3, volatile=True)
     same = tl.load(base + 4, volatile=True) == key
-    fits = cnt * rec_w <= cap_words
+    tl.store(n_words + 2 * R + h, tl.load(base + 6, volatile=True).to(tl.int64))
+    fits = cnt <= cap_words // rec_w
+    nw = tl.where(fits, nw, tl.minimum(nw, S * SW))
     code = tl.where(code != 0, code, tl.where(same, tl.where(fits, 0, STATUS_CAPACITY), STATUS_LAYOUT))
     ok = code == 0
     lim = tl.where(ok, HW + cnt * rec_w, HW)
@@ -289,7 +299,8 @@ class DeviceCounts(NamedTuple):
         hdr: int32 ``[num_hosts, hw]``, each stream's header (:data:`HEADER_WORDS` words, then extra words),
             built on the device.  hw: header words (a multiple of 4).
         rx_count: int32 ``[num_hosts]`` (out): records received from each peer host (0 where its status is
-            not 0).  status: int32 ``[num_hosts, 2]`` (out; pinned host memory on GPU, so the host reads it
+            not 0).  rx_words: the int64 ``[3 * num_hosts]`` scratch :func:`unpack_ring` takes as ``n_words``
+            (:func:`pack_ring` reads each peer's room there).  status: int32 ``[num_hosts, 2]`` (out; pinned host memory on GPU, so the host reads it
             without a synchronisation): each peer's status code and culprit rank; this host's row: this
             rank's own code and reason.
         cap_words: words of each peer's staging area (records beyond it are a capacity error).  key: this
@@ -298,6 +309,7 @@ class DeviceCounts(NamedTuple):
     hdr: torch.Tensor
     hw: int
     rx_count: torch.Tensor
+    rx_words: torch.Tensor
     status: torch.Tensor
     cap_words: int
     key: int
@@ -321,16 +333,18 @@ def pack_ring(ctrl: torch.Tensor, send: torch.Tensor, src: Sources, tokens: torc
         timeout_s: bound of each wait for a free slot (GPU clock; under the interpreter the caller's watchdog
             on ``ctrl[RING_ABORT]``).
         dev: a device-counted call (:class:`DeviceCounts`): each stream starts with its header ``dev.hdr``;
-            this host's row of it gives this rank's own status (its words 2 and 5: code and reason).
+            this host's row of it gives this rank's own status (its words 2 and 5: code and reason). From the
+            second round on, a stream of more records than its receiver takes (its header's word 6, noted by
+            :func:`unpack_ring`'s first round) ends with the first round's chunks.
     Errors end in the ring error record, never in a hang.
     """
     if dev is None:
         hdr = status = torch.zeros(1, dtype=torch.int32, device=tokens.device)   # (the kernels' device)
-        hw = 0
+        hw, peer_words = 0, n_words
     else:
-        hdr, hw, status = dev.hdr, dev.hw, dev.status
-    _pack_ring[(num_hosts,)](ctrl, send, tokens, tok_start, n_words, first_seq, hdr, hw, status, c_lo, c_hi, me_host, slots,
-                             slot_bytes // 4, int(timeout_s * 1e9), *src, R=num_hosts, BLOCK=_block(),
+        hdr, hw, status, peer_words = dev.hdr, dev.hw, dev.status, dev.rx_words
+    _pack_ring[(num_hosts,)](ctrl, send, tokens, tok_start, n_words, first_seq, hdr, hw, status, peer_words, c_lo, c_hi,
+                             me_host, slots, slot_bytes // 4, int(timeout_s * 1e9), *src, R=num_hosts, BLOCK=_block(),
                              USE_CLOCK=not interpreted(), DEV=dev is not None, num_warps=4)
 
 
@@ -339,9 +353,10 @@ def unpack_ring(ctrl: torch.Tensor, recv: torch.Tensor, out: torch.Tensor, out_s
                 slots: int, slot_bytes: int, timeout_s: float, dev: "DeviceCounts" = None) -> None:
     """Copy chunks ``[c_lo, c_hi)`` of each peer host's stream from the receive ring into ``out`` (int32, at
     word ``out_start[h]``, int64 ``[num_hosts]``) and free their slots.  ``n_words``: int64 ``[num_hosts]``,
-    words of each stream; with ``dev`` (:class:`DeviceCounts`), int64 ``[2 * num_hosts]`` scratch: each
-    stream's length comes in its header, which is copied, and so are its records where they may be (status
-    0, the same layout, within ``dev.cap_words``);
+    words of each stream; with ``dev`` (:class:`DeviceCounts`), int64 ``[3 * num_hosts]`` scratch
+    (``dev.rx_words``): each stream's length comes in its header, which is copied, and so are its records
+    where they may be (status 0, the same layout, within ``dev.cap_words``; a stream of more records ends
+    with its first round's chunks);
     ``first_seq`` as :func:`pack_ring`."""
     if dev is None:
         dummy = torch.zeros(2, dtype=torch.int32, device=out.device)     # (the kernels' device)

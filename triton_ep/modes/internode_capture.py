@@ -13,11 +13,14 @@ call and numbers the ring's chunks on the host; here everything the host learnt 
   (``READY`` to send, ``HEAD`` to receive) when the call's first round starts: every earlier chunk was produced
   and consumed before (stream order). The host path re-reads the counters after waiting for the device
   (:meth:`~triton_ep.scheduler.Scheduler.resync`).
-- **Sizes from num_worst_tokens.** A rank receives at most ``W = num_worst_tokens`` rows, so a host's ranks
-  receive at most ``ranks_per_host * W``, and each record crossing the network gives at least one of them:
-  each peer host's staging area holds ``C = ranks_per_host * W`` records, and the rounds (launches) per call
-  follow from ``C`` and the record size. A sender with more than ``C`` records for a host sends ``C`` and a
-  capacity status.
+- **Sizes from num_worst_tokens.** Rank ``r`` receives at most its own ``W_r = num_worst_tokens`` rows (the
+  ranks may pass different values, as in DeepEP), so a host's ranks receive at most ``C``, the sum of their
+  ``W_r`` (they read each other's values from their call cards, :meth:`Intranode.worst_steps`), and each
+  record crossing the network gives at least one of those rows: this rank's staging area for each peer host
+  holds ``C`` records. Each stream's header names its sender's ``C``; a stream of more records than its
+  receiver's ``C`` ends with its first round's chunks on both sides, and the receiver notes a capacity
+  status. No rank assumes another's sizes: each rank's rounds (launches) follow from its own ``C``, its own
+  token count and the record size, and cover every chunk it sends or receives.
 - **Errors at the next call or check().** The header's status (this rank's own: bad ``topk_idx`` ids,
   ``num_tokens_per_rdma_rank`` that differs from the routing, negative ``num_tokens_per_expert``; a peer's:
   its failure, more records than fit, another layout) lands in pinned host memory; the next call or
@@ -117,6 +120,8 @@ class CapturePath:
         self._capture_mode = dev.type == "cuda" if mode is None else mode
         #: a capture-path call was made (or captured: its replays advance the ring counters unseen)
         self._capture_used = False
+        #: this host's ranks' num_worst_tokens at the latest capture-path dispatch (its staging areas' room)
+        self._host_worst: List[int] = []
 
     def capture_path(self, num_worst_tokens: int = 0, handle=None) -> bool:
         """Whether a call takes the capture path: a cached dispatch or combine of a handle it made; a
@@ -145,18 +150,20 @@ class CapturePath:
         st[:] = 0
         me = self.rt.rank
         h, code, extra = next(((h, c, e) for h, c, e in rows if h == self.host), rows[0])
+        room = (f"its ranks' num_worst_tokens add up to ({sum(self._host_worst)}: "
+                + ", ".join(f"rank {r}: {w}" for r, w in zip(self.hosts.ranks(self.host), self._host_worst)) + ")")
         if h == self.host:
             if code == NET_STATUS_CAPACITY:
                 ex = EPCapacityError(f"rank {me}: a num_worst_tokens dispatch sent its own host more records than "
-                                     f"ranks_per_host * num_worst_tokens")
+                                     f"{room}: a num_worst_tokens of those ranks is too small")
             else:
                 ex = ValueError(f"rank {me}: in a num_worst_tokens call across hosts, "
                                 f"{_REASONS.get(extra, 'an argument was bad')}")
         else:
             peer = self._peer_rank(h)
             if code == NET_STATUS_CAPACITY:
-                ex = EPCapacityError(f"rank {me}: rank {peer} (host {h}) sent more records than ranks_per_host * "
-                                     f"num_worst_tokens: num_worst_tokens is too small")
+                ex = EPCapacityError(f"rank {me}: rank {peer} (host {h}) sent this host (host {self.host}) more "
+                                     f"records than {room}: a num_worst_tokens of those ranks is too small")
             elif code == NET_STATUS_LAYOUT:
                 ex = ValueError(f"rank {me}: rank {peer} (host {h}) sent records of another layout: the ranks "
                                 f"called with different arguments")
@@ -191,12 +198,15 @@ class CapturePath:
     # ------------------------------------------------------------------ the network leg
     def _move_capture(self, rec: NetRecord, src: net.Sources, tok: Tensor, cnt: Tensor, cap_rx: int,
                       extra: Optional[Tensor] = None, code: Optional[Tensor] = None,
-                      reason: Optional[Tensor] = None, tx_cap: Optional[int] = None) -> Tuple[Tensor, Tensor, int]:
+                      reason: Optional[Tensor] = None, own_cap: bool = False) -> Tuple[Tensor, Tensor, int]:
         """Send each host ``cnt[h]`` records of ``tok[h]`` (int64 ``[num_hosts, n]``; ``cnt`` int64
         ``[num_hosts]`` on the device) with a header (``extra``: int32 ``[num_hosts, e]`` more words; ``code`` /
-        ``reason``: int32 ``[]`` this rank's own status) and receive each peer's. Senders clamp to ``tx_cap``
-        records (a capacity status beyond); ``tx_cap`` is part of the layout key, which every peer must share
-        (ranks that passed different num_worst_tokens fail with a layout status).
+        ``reason``: int32 ``[]`` this rank's own status) and receive each peer's into staging areas of
+        ``cap_rx`` records each. Each header names the room of its sender's staging areas (``cap_rx``): a
+        stream of more records than its receiver takes is cut on both sides (:func:`net.pack_ring`) and the
+        receiver notes a capacity status; so ranks may size their staging areas differently (per-rank
+        ``num_worst_tokens``) and the launches of each follow from its own sizes. ``own_cap``: more than
+        ``cap_rx`` records for this rank's own host are its own capacity status.
 
         Returns: the staging area int32 ``[num_hosts, hw + cap_rx * rec_w]`` (each host's header, then its
         records; this host's: this rank's own), the records per host (int32 ``[num_hosts]``), and ``hw``.
@@ -208,17 +218,16 @@ class CapturePath:
         n = tok.shape[1]
         cnt = cnt.to(torch.int64)
         st = torch.zeros(nh, dtype=torch.int32, device=dev) if code is None else code.expand(nh).clone()
-        if tx_cap is not None:
-            st = torch.where((cnt > tx_cap) & (st == 0), NET_STATUS_CAPACITY, st)
-            cnt = cnt.clamp(max=tx_cap)
-            n = min(n, tx_cap)
+        if own_cap:
+            st[me] = torch.where((cnt[me] > cap_rx) & (st[me] == 0), NET_STATUS_CAPACITY, st[me])
         hdr = torch.zeros(nh, hw, dtype=torch.int32, device=dev)
         hdr[:, 0] = (cnt * rw + hw).to(torch.int32)
         hdr[:, 1] = cnt.to(torch.int32)
         hdr[:, 2] = st
         hdr[:, 3] = torch.where(st == NET_STATUS_FAILED, self.rt.rank, -1)
-        key = rec.key32(hw, tx_cap or 0)
+        key = rec.key32(hw)
         hdr[:, 4] = key
+        hdr[:, 6] = cap_rx
         if reason is not None:
             hdr[:, 5] = reason
         if ne:
@@ -231,16 +240,16 @@ class CapturePath:
         rx = torch.zeros(nh, dtype=torch.int32, device=dev)         # (a peer whose header never came: none)
         S, SW = sched.slots, sched.slot_bytes // 4
         rounds = cdiv(max(cdiv(hw + n * rw, SW), cdiv(region, SW)), S)
-        cd = net.DeviceCounts(hdr, hw, rx, self._cstatus, cap_rx * rw, key, rw)
+        n_rx = torch.zeros(3 * nh, dtype=torch.int64, device=dev)     # (a header that never came: nothing)
+        cd = net.DeviceCounts(hdr, hw, rx, n_rx, self._cstatus, cap_rx * rw, key, rw)
         ar = torch.arange(nh, dtype=torch.int64, device=dev)
         tokens = tok[:, :n].contiguous().view(-1) if n else torch.zeros(1, dtype=torch.int64, device=dev)
         tok_start, out_start = ar * n, ar * region
         n_tx = hdr[:, 0].to(torch.int64)
-        n_rx = torch.zeros(2 * nh, dtype=torch.int64, device=dev)     # (a header that never came: nothing)
         f_tx, f_rx = (torch.empty(nh, dtype=torch.int64, device=dev) for _ in range(2))
         with self._network():
             self._rounds(rounds, src, tokens, tok_start, n_tx, f_tx, out.view(-1), out_start, n_rx, f_rx, dev=cd)
-        rx[me] = cnt[me].to(torch.int32)
+        rx[me] = cnt[me].clamp(max=cap_rx).to(torch.int32)
         return out, rx, hw
 
     def _records(self, out: Tensor, hw: int, rec: NetRecord, cap: int) -> Tensor:
@@ -281,7 +290,9 @@ class CapturePath:
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         xv, sc, idx, w, E, K = a.x, a.scales, a.topk_idx, a.topk_weights, a.num_experts, a.num_topk
         dev, nh, R, T, W = self.rt.device, self.num_hosts, self.rt.group_size, xv.shape[0], num_worst_tokens
-        C = self.per_host * W
+        # this host's ranks' values (each may pass its own): a record gives at least one row on this host
+        self._host_worst = self._local_run(self.local.worst_steps(a, W))
+        C = sum(self._host_worst)
         lay = intranode._routing(a)
         in_rank = lay[2]
         host_mask = self._host_mask(in_rank)
@@ -302,7 +313,7 @@ class CapturePath:
         rec = self._record(xv, sc, K, 0 if w is None else K, self.per_host)
         src = self._sources(rec, T, xv, sc, None if idx is None else idx.long(), w, in_rank)
         extra = None if idx is not None else a.num_tokens_per_expert.to(torch.int32).view(nh, E // nh)
-        out, rx, hw = self._move_capture(rec, src, tok, cnt, C, extra, code, reason, tx_cap=C)
+        out, rx, hw = self._move_capture(rec, src, tok, cnt, C, extra, code, reason, own_cap=True)
         fwd = self._records(out, hw, rec, C)
         valid = self._valid(rx, C)
         x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
@@ -319,7 +330,8 @@ class CapturePath:
         recv_x_f, recv_idx, recv_w, _, local_handle, _ = res
         x_ret, order, src_meta, recv_from = self._in_rank_order(recv_x_f, local_handle, xv)
         self._seq += 1
-        cnt_c = cnt.clamp(max=C)
+        cnt_c = cnt.clone()
+        cnt_c[self.host] = cnt_c[self.host].clamp(max=C)
         ctok = torch.arange(nh * C, dtype=torch.int64, device=dev).view(nh, C)
         plan = CapturePlan(self.rt.uid, self._seq, T, tok, cnt_c, C, rx, local_handle, order, W, ctok)
         head = torch.where(host_mask, pos, -1).to(torch.int32)
@@ -332,9 +344,9 @@ class CapturePath:
 
     def _cached_capture(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
         xv, sc, plan, rec, src = self._cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
-        # a num_worst_tokens plan's senders clamp to the staging areas; a plain one's counts are exact
-        out, rx, hw = self._move_capture(rec, src, plan.tok, plan.cnt, plan.cap,
-                                         tx_cap=plan.cap if plan.blocks is None else None)
+        # a num_worst_tokens plan's own records must fit (the peers' receivers check theirs); a plain one's
+        # counts are exact
+        out, rx, hw = self._move_capture(rec, src, plan.tok, plan.cnt, plan.cap, own_cap=plan.blocks is None)
         x_f, sc_f, _, _, _ = self._split(self._forwarded(out, hw, rec, plan), rec, xv.dtype,
                                          None if sc is None else sc.dtype)
         return self._forward_cached(x_f if sc_f is None else (x_f, sc_f), plan, xv)

@@ -58,6 +58,14 @@ def _version_of(t: Tensor) -> Optional[int]:
         return None
 
 
+def _card_values(a: "DispatchArgs") -> tuple:
+    """A new dispatch's call-card fields (:data:`triton_ep.protocol.call_card.DISPATCH`): dtype, hidden,
+    scale dtype and words, top-k, weights given, experts."""
+    sc_dtype = card.dtype_code(a.scales.dtype if a.scales is not None else None)
+    return (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, a.num_topk, int(a.topk_weights is not None),
+            a.num_experts)
+
+
 @dataclasses.dataclass
 class DispatchArgs:
     """One dispatch call's checked arguments (what the steps of the call read).
@@ -197,6 +205,24 @@ class Intranode:
                                                                     (idx, per_rank, per_host, per_expert, in_rank))
 
     @steps
+    def worst_steps(self, a: "DispatchArgs", num_worst_tokens: int):
+        """The ``num_worst_tokens`` of every rank of this group for a dispatch of arguments ``a``
+        (:meth:`dispatch_args`), as a call of its own (a generator for :meth:`Runtime.run`, collective: every
+        rank makes it): each rank publishes its value in its call card and reads every rank's, a host wait on
+        shared memory with no device work. Internode's capture path sizes its staging areas from its host's
+        values before the forwarding dispatch starts. Returns a list of ``R`` ints.
+
+        Raises (on every rank):
+            ValueError: a rank called something else here. EPRemoteError: a rank failed before this point.
+            EPTimeoutError: a rank did not come within ``timeout_s``.
+        """
+        self.rt.check()
+        self.rt.publish(card.DISPATCH_WORST, _card_values(a))
+        self.rt.publish_worst(num_worst_tokens)
+        yield "dispatch/num_worst_tokens"
+        return self.rt.every_worst()
+
+    @steps
     def dispatch_steps(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                        is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                        expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
@@ -228,9 +254,7 @@ class Intranode:
         if cached:
             self.rt.publish(card.CACHED_DISPATCH, (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, seq))
         else:
-            self.rt.publish(card.DISPATCH_WORST if worst else card.DISPATCH,
-                          (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, a.num_topk,
-                           int(a.topk_weights is not None), a.num_experts))
+            self.rt.publish(card.DISPATCH_WORST if worst else card.DISPATCH, _card_values(a))
         self.rt.begin(previous_event, async_finish)
         if cached:
             h = a.handle

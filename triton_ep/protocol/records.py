@@ -170,7 +170,8 @@ def split_combine_tables(tables, R: int):
 NET_FIELDS = ("meta", "row", "scales", "ids", "weights", "local")
 NET_META_BYTES = 16     #: the meta block: 4 int32 (global source rank, source token, 0, 0)
 #: A device-counted stream (the capture path: no host exchange) starts with a header of int32 words:
-#: ``[stream words (header included), records, status, culprit rank (-1: none), layout key, 0, 0, 0]``, then
+#: ``[stream words (header included), records, status, culprit rank (-1: none), layout key, reason (the
+#: sender's own status), the records the sender's staging area takes from each peer host, 0]``, then
 #: (a dispatch without top-k ids) the sender's counts of the destination host's experts, padded to 4 words.
 NET_HEADER_WORDS = 8
 #: header status codes: 0 ok; the sender failed this call (the culprit rank's own error says why); the

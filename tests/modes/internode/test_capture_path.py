@@ -19,18 +19,25 @@ def _env(per_host, **more):
                  "TRITON_EP_INTERNODE_CAPTURE_PATH": "1"}, **more)
 
 
-@pytest.mark.parametrize("world,per_host,Ts,more", [
-    (4, 2, [7, 0, 9, 4], {}),                                                        # 2 hosts of 2 ranks
-    (3, 1, [5, 8, 2], {"TRITON_EP_RDMA_CHUNK_BYTES": "128", "TRITON_EP_RDMA_SLOTS": "2"}),  # 3 hosts, many rounds
+_MANY_ROUNDS = {"TRITON_EP_RDMA_CHUNK_BYTES": "128", "TRITON_EP_RDMA_SLOTS": "2"}
+
+
+@pytest.mark.parametrize("world,per_host,Ts,more,per_rank", [
+    (4, 2, [7, 0, 9, 4], {}, False),                        # 2 hosts of 2 ranks
+    (3, 1, [5, 8, 2], _MANY_ROUNDS, False),                 # 3 hosts, many rounds
+    (4, 2, [7, 0, 9, 4], _MANY_ROUNDS, True),               # each rank its own num_worst_tokens
+    (3, 1, [5, 8, 2], _MANY_ROUNDS, True),
 ])
-def test_capture_path_round_trips_and_host_path_between(world, per_host, Ts, more):
+def test_capture_path_round_trips_and_host_path_between(world, per_host, Ts, more, per_rank):
     """num_worst_tokens dispatch, combine and cached dispatch bit for bit the reference on the capture path
     (with weights and biases; without topk_idx; skewed), with a plain dispatch on the host path between them on
     the same Buffer: the host path re-reads the chunk numbers the capture path's kernels advanced, and the plain
     dispatch's combine and cached dispatch take the capture path with its host-known counts. Records straddle
-    128-byte chunks in the second case. Only the plain dispatch exchanges headers."""
+    128-byte chunks in the many-round cases. Only the plain dispatch exchanges headers. ``per_rank``: every
+    rank passes its own num_worst_tokens (rank 0's exactly its rows), so the ranks' staging areas and rounds
+    differ."""
     out = _values(run_ranks(cases.capture_sequence, world, _env(per_host, **more), 11, 4 * world, 3, 64, Ts,
-                            timeout_s=300))
+                            per_rank, timeout_s=300))
     for o in out:
         assert all(c["combined"] for c in o[:4]), o
         # the plain dispatch alone (its header and status): its combine and cached dispatch take the capture path
@@ -38,11 +45,12 @@ def test_capture_path_round_trips_and_host_path_between(world, per_host, Ts, mor
     assert sum(c["rows"] for o in out for c in o[:4]) > 0
 
 
-@pytest.mark.parametrize("kind", ["bad_ids", "capacity", "capacity_late", "bad_shape"])
+@pytest.mark.parametrize("kind", ["bad_ids", "capacity", "capacity_late", "capacity_rank", "bad_shape"])
 def test_capture_path_errors_reach_every_rank(kind):
     """A bad id on rank 3 (found on the device: the call returns, Buffer.check() raises ValueError there), a
     num_worst_tokens too small for host 0 (EPCapacityError on host 0's ranks: the forwarding leg's; also where
-    rank 1 finds it, raises and leaves the host's group while rank 0 is still in the call), int64
+    rank 1 finds it, raises and leaves the host's group while rank 0 is still in the call), too small on rank 0
+    alone (EPCapacityError on host 0's ranks naming rank 0, and on rank 0 its value), int64
     topk_weights on rank 3 (TypeError at once). Each ends the network leg for good: every rank's next call raises at once,
     none waits out its 20 s bound."""
     out = _values(run_ranks(cases.capture_errors, 4, _env(2), kind, timeout_s=240))
@@ -57,7 +65,27 @@ def test_capture_path_errors_reach_every_rank(kind):
                 assert o["checked"][0] == "ValueError" and "topk_idx" in o["checked"][1], o
         elif r in (0, 1):      # on CPU the forwarding leg raises at the call's end; on GPU at check()
             assert "EPCapacityError" in (first, (o["checked"] or [None])[0]), (r, o)
+            if kind == "capacity_rank":
+                msg = o["first"][1] if o["first"] and o["first"][0] == "EPCapacityError" else o["checked"][1]
+                # (rank 1 may hear it from rank 0's GONE word, which names the rank but not its value)
+                assert ("num_worst_tokens=4" in msg or r == 1 and "rank 0 found more rows" in msg) and \
+                    "global ranks [0, 1]" in msg, (r, o)
         assert o["next"] is not None and o["next_s"] < 10.0, (r, o)
+
+
+def test_capture_path_stream_over_the_receivers_room_is_cut():
+    """2 hosts of one rank, many rounds: rank 0's num_worst_tokens (2) is too small for the 6 records rank 1
+    sends it. Rank 1's stream is cut after its first round (both sides agree from the headers, so no wait is
+    left over): rank 1's call returns (both ranks meet at a barrier before either checks), rank 0's check()
+    raises EPCapacityError naming its value, rank 1 then hears of the failure; no rank waits out its bound,
+    and every next call raises at once."""
+    out = _values(run_ranks(cases.capture_errors, 2, _env(1, **_MANY_ROUNDS), "capacity_net", timeout_s=240))
+    for r, o in enumerate(out):
+        assert o["first_s"] < 10.0 and o["next"] is not None and o["next_s"] < 10.0, (r, o)
+    seen = [x for x in (out[0]["first"], out[0]["checked"]) if x]
+    assert seen and seen[0][0] == "EPCapacityError" and "rank 0: 2" in seen[0][1], out[0]
+    # rank 1's call ends by itself (its stream cut, not its wait for credit ended by rank 0's failure)
+    assert out[1]["first"] is None, out[1]
 
 
 def test_capture_path_dropped_signal_ends_every_wait():
