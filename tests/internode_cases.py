@@ -348,21 +348,21 @@ def killed(rank, world, env):
     import time
     import torch.distributed as dist
     os.environ.update(env)
-    before = set(glob.glob("/dev/shm/tep_*"))
+    before = set(glob.glob("/dev/shm/triton_ep.*tep_*"))
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
     idx = torch.randint(0, 8, (6, 2))
     per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 8)
     buf.dispatch(torch.randn(6, 64).to(torch.bfloat16), num_tokens_per_rank=per_rank,
                  num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                  topk_idx=idx)
-    during = set(glob.glob("/dev/shm/tep_*")) - before
+    during = set(glob.glob("/dev/shm/triton_ep.*tep_*")) - before
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(2)
     buf.destroy()
     time.sleep(1)
-    return {"during": sorted(during), "after": sorted(set(glob.glob("/dev/shm/tep_*")) - before)}
+    return {"during": sorted(during), "after": sorted(set(glob.glob("/dev/shm/triton_ep.*tep_*")) - before)}
 
 
 def in_step(rank, world, env):

@@ -215,7 +215,8 @@ def test_rebase_after_dropped_chunks_to_a_masked_peer(renumber):
     meanwhile sends one chunk that rank 0 never consumes. Both then renumber the pair's rings (rebase) to the
     numbers either side counted, whichever is ahead, once nothing is in flight: the mask is gone, and 2 * slots
     + 1 chunks each way (credits and slot reuse included) arrive byte-exact under the new numbers. Without the
-    renumbering (only the mask cleared) rank 1 waits for the dropped chunks' numbers: its wait times out."""
+    renumbering (only the mask cleared) rank 1 waits for the dropped chunks' numbers: its wait times out, or
+    a proxy's wait for credits ends first (the same bound)."""
     slots, C = 2, 1024
     with Group(fabric(2), 2, qps=2, slots=slots, slot_bytes=C, timeout_s=2.0) as g:
         s0, s1 = g.scheds
@@ -249,8 +250,9 @@ def test_rebase_after_dropped_chunks_to_a_masked_peer(renumber):
             return got
 
         res = in_threads(rank, 2, timeout_s=30.0)
-        if not renumber:
-            assert any(isinstance(e, EPTimeoutError) for e in res), res
+        if not renumber:        # (whichever bound ends first: rank 1's wait, or a proxy's wait for credits)
+            assert any(isinstance(e, EPTimeoutError) or isinstance(e, ProxyError) and "credits" in str(e)
+                       for e in res), res
             return
         for r, got in enumerate(res):
             assert not isinstance(got, BaseException), got

@@ -97,3 +97,23 @@ def test_every_shm_file_triton_ep_makes_carries_the_tag(monkeypatch, tmp_path, s
     assert len(probes) == 1 and probes[0].startswith(f"triton_ep.{shm_check.tag}.info.")
     monkeypatch.setenv(ipc.SHM_TAG_ENV, "bad/tag")
     assert cli._shm_state(str(tmp_path)).startswith("NOT usable: TRITON_EP_SHM_TAG='bad/tag'")
+
+
+def test_emulated_fabric_ring_files_carry_the_tag(shm_check):
+    """The emulated fabric's ring files (one per QP, until every peer has mapped it) are named by
+    ``ipc.shm_name`` too, so a run's leak check sees one its processes leave behind (a process killed
+    before its peers moved their QPs to RTR) and another program's are not counted."""
+    from rdma_helpers import dual_port_fabric
+    from triton_ep.transport import verbs
+    before = shm_check.files()
+    fab = dual_port_fabric()
+    api = fab.pyverbs()
+    ctx = api.Context(name="mlx5_0")
+    qp = api.QP(api.PD(ctx), verbs.build_init_attr(api, api.CQ(ctx, 8, None, None, 0), 4, 4))
+    try:
+        left = shm_check.left_behind(before, grace_s=0.2)
+        assert left == {os.path.basename(fab.ring_prefix) + f"{qp.qp_num:06x}"}, left
+        assert all(f.startswith(f"triton_ep.{shm_check.tag}.tep_{fab.token}_q") for f in left)
+    finally:
+        qp.close()
+    assert shm_check.left_behind(before, grace_s=0.2) == set()

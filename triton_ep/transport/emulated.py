@@ -62,6 +62,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 from triton_ep.transport import topology
+from triton_ep.transport.ipc import shm_name
 
 
 # ----------------------------------------------------------------------------------------------- enums
@@ -273,15 +274,24 @@ class Fabric:
         spec: the :class:`FabricSpec`.
         token: names this fabric's shared-memory files; generated when None.
         shm_dir: folder for the ring files (default /dev/shm, else the temp folder).
+
+    The ring files are named as triton-ep's other shared-memory files
+    (:func:`triton_ep.transport.ipc.shm_name`, so ``$TRITON_EP_SHM_TAG`` tags them, read at construction:
+    processes joining one fabric must share it), then ``tep_<token>_q<QP number>``.
+
+    Raises:
+        ValueError: a ``$TRITON_EP_SHM_TAG`` with characters other than letters, digits, ``_`` and ``-``.
     """
 
     def __init__(self, spec: FabricSpec, token: Optional[str] = None, shm_dir: Optional[str] = None) -> None:
         self.spec = spec
         self.token = token or uuid.uuid4().hex[:12]
         self.shm_dir = shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        #: the ring files' path up to the QP number
+        self.ring_prefix = os.path.join(self.shm_dir, shm_name(f"tep_{self.token}_q"))
 
     def __getstate__(self) -> dict:
-        return {"spec": self.spec, "token": self.token, "shm_dir": self.shm_dir}
+        return {"spec": self.spec, "token": self.token, "shm_dir": self.shm_dir, "ring_prefix": self.ring_prefix}
 
     def __setstate__(self, st: dict) -> None:
         self.__dict__.update(st)
@@ -290,8 +300,7 @@ class Fabric:
         """Remove the names of the ring files this process created for this fabric, keeping them mapped: once
         every peer has moved its QPs to RTR (which maps their rings), nothing stays in ``shm_dir`` even if a
         process is killed (the files go with their last mapping)."""
-        prefix = os.path.join(self.shm_dir, f"tep_{self.token}_q")
-        for path in [p for p in _created_rings if p.startswith(prefix)]:
+        for path in [p for p in _created_rings if p.startswith(self.ring_prefix)]:
             try:
                 os.unlink(path)
             except OSError:
@@ -611,7 +620,7 @@ class _Engine:
         self.placements: collections.deque = collections.deque(maxlen=1 << 16)
 
     def path(self, qpn: int) -> str:
-        return os.path.join(self.fabric.shm_dir, f"tep_{self.fabric.token}_q{qpn:06x}")
+        return f"{self.fabric.ring_prefix}{qpn:06x}"
 
     def release_if_idle(self) -> None:
         """With no QP left in this process: unmap the peers' rings (each mapping holds a descriptor) and
