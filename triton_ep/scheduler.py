@@ -515,8 +515,11 @@ class Scheduler:
             self.wrs_posted += len(ops)
         h0 = (RingFlags.HEAD - RingFlags.READY) * R
         for p in self.peers:
-            if words[h0 + p] > self._peer[p].credit_sent:    # (the common case, nothing freed, without a call)
-                did |= self._credit(p, words[h0 + p])
+            head = words[h0 + p]
+            if self.flags.masked(p):    # nothing consumes a masked peer's chunks: their slots go back on arrival
+                head = self._peer[p].tail
+            if head > self._peer[p].credit_sent:    # (the common case, nothing freed, without a call)
+                did |= self._credit(p, head)
         for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
             if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
                 raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
@@ -702,10 +705,12 @@ class Scheduler:
         self.flags.put(RingFlags.SENT, q.peer, st.sent)
 
     def _credit(self, p: int, head: int) -> bool:
-        """Send ``head`` (``HEAD[p]`` as the sweep read it) to ``p``'s ``CREDIT[me]`` when half a ring was freed
-        or the consumer caught up."""
+        """Send ``head`` (``HEAD[p]`` as the sweep read it; for a masked peer, whose chunks nothing consumes, the
+        chunks that arrived) to ``p``'s ``CREDIT[me]`` when half a ring was freed or the consumer caught up. A
+        peer that masked this rank (and was not masked here) so never stalls for credit: its chunks land and
+        are discarded until its own kernels mask this rank."""
         st = self._peer[p]
-        if self.flags.masked(p) or head <= st.credit_sent or (head - st.credit_sent < max(1, self.slots // 2) and head < st.tail):
+        if head <= st.credit_sent or (head - st.credit_sent < max(1, self.slots // 2) and head < st.tail):
             return False
         lay = self.layout
         self.flags.put(RingFlags.SRC, p, head)

@@ -347,3 +347,24 @@ def test_qp_picker_matches_the_placement_rule(proxies, window, seed):
     finally:
         for t in ts:
             t.close()
+
+
+def test_a_peer_that_masked_this_rank_does_not_stall_its_sends():
+    """Rank 0 masks rank 1; rank 1 has not masked rank 0 and keeps producing for it, 2 * slots + 1 chunks that
+    nothing on rank 0 consumes. Rank 0's proxy returns their slots as they arrive, so rank 1's proxy never
+    waits for credit: every chunk is placed, and past the credit bound (timeout_s) neither proxy has failed.
+    (Before, rank 1's proxy failed for good at its credit bound, possibly before its own kernels masked rank 0.)
+    Rank 0's HEAD (its consumers' counter) is untouched."""
+    slots, C = 2, 512
+    with Group(fabric(2), 2, qps=2, slots=slots, slot_bytes=C, timeout_s=1.0) as g:
+        s0, s1 = g.scheds
+        s0.flags.mask(1)
+        n = 2 * slots + 1
+        for k in range(n):
+            _produce(s1, 0, k, payload(1, 0, C, k))
+        s1.wait_counter(RingFlags.SENT, 0, n, "test: every chunk placed at the masked side")
+        s0.wait_counter(RingFlags.TAIL, 1, n, "test: every chunk arrived")
+        time.sleep(1.5)                     # past the credit bound
+        s0.check()
+        s1.check()
+        assert s0.flags.get(RingFlags.HEAD, 1) == 0 and s1.flags.get(RingFlags.CREDIT, 0) == n

@@ -320,7 +320,8 @@ class RingFlags:
         self.w[self._len[peer][seq % self.slots]] = nbytes
 
     def masked(self, peer: int) -> bool:
-        """Whether ``peer`` is masked (low-latency rank masking: the proxy drops its chunks and credits)."""
+        """Whether ``peer`` is masked (low-latency rank masking: the proxy drops the chunks for it and returns the
+        slots of its chunks as they arrive, which nothing consumes)."""
         return bool(self.w[self._masked[peer]])
 
     def mask(self, peer: int, on: bool = True) -> None:
