@@ -215,8 +215,8 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
 
 def property_cases(rank, world, env, seed, n_cases):
     """``n_cases`` random cases on one Buffer, the same on every rank (seeded): ragged T with zeros, -1 ids,
-    duplicates, skew to the first host, bf16 / float32 rows / FP8 pairs, weights or not, num_worst_tokens,
-    biases, dispatch without topk_idx. Returns the number of cases and the rows received in all."""
+    duplicates, skew to the first host, bf16 / float32 rows / FP8 pairs, weights or not, num_worst_tokens (the
+    same everywhere, or each rank its own), biases, dispatch without topk_idx. Returns the number of cases and the rows received in all."""
     import random
     os.environ.update(env)
     n = int(env["TRITON_EP_RANKS_PER_HOST"])
@@ -232,7 +232,7 @@ def property_cases(rank, world, env, seed, n_cases):
             opts = {"skew": rnd.random() < 0.3, "weights": rnd.random() < 0.7, "bias": rnd.random() < 0.3,
                     "fp8": kind == "fp8", "f32": kind == "f32", "no_topk": rnd.random() < 0.2}
             if rnd.random() < 0.3:
-                opts["worst"] = sum(Ts) * K + rnd.choice([0, 3])
+                opts["worst"] = rnd.choice([sum(Ts) * K, sum(Ts) * K + 3, "per_rank"])
             H = 128 if kind == "fp8" else rnd.choice([8, 64])
             rows += check_case(buf, rank, world, n, seed * 1000 + c, E, K, H, Ts, opts)["rows"]
         return {"cases": n_cases, "rows": rows}

@@ -313,6 +313,7 @@ def test_normal_mode_keys(checker, monkeypatch):
         _normal_pass(1 << 16, caps=(None, 1), which=_SMALL)
     _assert_met(checker, ("dispatch._SEND_BOUND", "dispatch._RECV_BOUND", "combine._SEND_BOUND",
                           "combine._REDUCE_BOUND", "layout._BLOCK_BOUND"), hits=30, misses=8)
+    _assert_met(checker, ("layout._POS_BOUND",), hits=3, misses=1)      # (the layout's second launch: small blocks)
 
 
 def _kernels_alone(T, H, K, E, R, seed, weights, n_on_device):

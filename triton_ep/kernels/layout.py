@@ -137,6 +137,7 @@ _layout_pos_launch = Launcher(_layout_pos_kernel)
 
 
 _BLOCK_BOUND: dict = {}
+_POS_BOUND: dict = {}
 
 
 def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
@@ -187,9 +188,9 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
         BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic))
     launch(topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos, counts)
     if nb > 1:
-        _layout_pos_launch[(nb,)](in_rank.view(torch.int8), T, num_experts, nb, block_rank, block_hist, send_pos,
-                                  counts, R=num_ranks, BLOCK_R=br, BLOCK_T=bt,
-                                  BLOCK_B=min(pow2(nb), int(cfg["block_b"])),
-                                  EB=pow2(cdiv(num_experts + 1, nb)), ATOMIC=atomic,
-                                  num_warps=cfg["num_warps"])
+        bb = min(pow2(nb), int(cfg["block_b"]))
+        pos = bound(_POS_BOUND, key + (bb,), lambda: _layout_pos_launch.bind(
+            (nb,), num_warps=cfg["num_warps"], R=num_ranks, BLOCK_R=br, BLOCK_T=bt, BLOCK_B=bb,
+            EB=pow2(cdiv(num_experts + 1, nb)), ATOMIC=atomic))
+        pos(in_rank.view(torch.int8), T, num_experts, nb, block_rank, block_hist, send_pos, counts)
     return per_rank, per_expert, in_rank, send_pos, bad, counts
