@@ -136,8 +136,8 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
     """One dispatch -> x*2 'experts' -> combine -> cached dispatch of new data on ``buf``, each compared with
     the reference bit for bit (combine: the two-level summation order, ``ref.combine(ranks_per_host=n)``).
     ``opts``: ``fp8``, ``f32`` (float32 rows: dispatch only), ``skew`` (ids in the first quarter of the
-    experts), ``worst`` (num_worst_tokens; ``"per_rank"``: each rank its own, the rows it receives plus twice
-    its rank, so rank 0's has no room to spare and no two are equal), ``bias``, ``weights`` (default True), ``device``, ``no_topk``
+    experts), ``worst`` (num_worst_tokens; ``"per_rank"``: each rank its own, the rows it receives (at least 1)
+    plus twice its rank, so rank 0's has no room to spare and no two are equal), ``bias``, ``weights`` (default True), ``device``, ``no_topk``
     (dispatch routed by is_token_in_rank and counted by num_tokens_per_expert, without topk_idx: no weights,
     recv_topk_idx None)."""
     from triton_ep import reference as ref
@@ -151,8 +151,8 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
     if not weights or no_topk:
         ws = None
     exp = ref.dispatch(xs, idxs, ws, E)
-    if worst == "per_rank":
-        worst = exp[rank]["recv_topk_idx"].shape[0] + 2 * rank
+    if worst == "per_rank":                 # (never 0: that is no num_worst_tokens)
+        worst = max(exp[rank]["recv_topk_idx"].shape[0], 1) + 2 * rank
     mine = tuple(t.to(device) for t in xs[rank]) if fp8 else xs[rank].to(device)
     per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank].to(device), E)
     recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
@@ -347,22 +347,24 @@ def killed(rank, world, env):
     import signal
     import time
     import torch.distributed as dist
+    from triton_ep.transport.ipc import shm_name
     os.environ.update(env)
-    before = set(glob.glob("/dev/shm/triton_ep.*tep_*"))
+    pattern = os.path.join("/dev/shm", shm_name("tep_") + "*")      # this run's emulated ring files
+    before = set(glob.glob(pattern))
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
     idx = torch.randint(0, 8, (6, 2))
     per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 8)
     buf.dispatch(torch.randn(6, 64).to(torch.bfloat16), num_tokens_per_rank=per_rank,
                  num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                  topk_idx=idx)
-    during = set(glob.glob("/dev/shm/triton_ep.*tep_*")) - before
+    during = set(glob.glob(pattern)) - before
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(2)
     buf.destroy()
     time.sleep(1)
-    return {"during": sorted(during), "after": sorted(set(glob.glob("/dev/shm/triton_ep.*tep_*")) - before)}
+    return {"during": sorted(during), "after": sorted(set(glob.glob(pattern)) - before)}
 
 
 def in_step(rank, world, env):
@@ -471,7 +473,8 @@ def capture_errors(rank, world, env, kind):
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
     try:
-        T, H, E = 6, 64, 8
+        # (capacity_net: rank 0's own rounds, from its T of 1, cover only its room for rank 1's 6 records)
+        T, H, E = 1 if kind == "capacity_net" and rank == 0 else 6, 64, 8
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         capacity = kind.startswith("capacity")
@@ -567,5 +570,84 @@ def graph_across_hosts(rank, world, env, seed):
             replays += 1
         dist.barrier()
         return {"replays": replays}
+    finally:
+        buf.destroy()
+
+
+def capture_mismatch(rank, world, env, kind):
+    """Ranks across hosts that make different capture-path calls, each ending in a clear error on every rank
+    at its call or its next ``check()`` (never a wait that runs out): ``"combine_vs_cached"`` (2 hosts of 1:
+    after a num_worst_tokens dispatch, rank 0 combines while rank 1 makes a cached dispatch: records of one
+    size, another operation), ``"hidden"`` (rank 1's rows are 4x wider: its stream outruns rank 0's rounds
+    unless both cut it), ``"zero_worst"`` (rank 0 passes no num_worst_tokens, so it takes the host path).
+    Returns the call's and the check's errors ([type, message] or None) and the seconds they took."""
+    import time
+    import torch.distributed as dist
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
+    try:
+        T, E = 6, 8
+        H = 256 if kind == "hidden" and rank == 1 else 64
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, E, (T, 2), generator=g)
+        w = torch.rand(T, 2, generator=g)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        worst = 0 if kind == "zero_worst" and rank == 0 else 64
+        t0, first = time.monotonic(), None
+        try:
+            if kind == "combine_vs_cached":
+                recv_x, _, _, _, handle, _ = buf.dispatch(x, num_worst_tokens=worst, **kw)
+                buf.check()
+                dist.barrier()
+                t0 = time.monotonic()
+                if rank == 0:       # (no weights: its records are then a cached dispatch's, bf16 rows alone)
+                    buf.combine(recv_x, handle)
+                else:
+                    buf.dispatch(x, handle=handle)
+            else:
+                buf.dispatch(x, num_worst_tokens=worst, **kw)
+        except Exception as ex:   # noqa: BLE001
+            first = [type(ex).__name__, str(ex)]
+        checked = None
+        try:
+            buf.check()
+        except Exception as ex:   # noqa: BLE001
+            checked = [type(ex).__name__, str(ex)]
+        return {"first": first, "checked": checked, "s": time.monotonic() - t0}
+    finally:
+        buf.destroy()
+
+
+def worst_after_rejection(rank, world, env):
+    """2 hosts of 2 ranks, host path for num_worst_tokens calls (TRITON_EP_INTERNODE_CAPTURE_PATH=0): rank 3
+    rejects a num_worst_tokens dispatch (int64 topk_weights), the others raise; then, on the capture path
+    (as while a CUDA graph is captured), a valid num_worst_tokens dispatch, combine and cached dispatch are the
+    reference's bit for bit on every rank (the host's ranks re-synchronise before they exchange their values).
+    Returns the first call's error type and the check's result."""
+    import torch.distributed as dist
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
+    try:
+        T, H, E = 6, 64, 8
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, E, (T, 2), generator=g)
+        w = torch.rand(T, 2, generator=g)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        first = None
+        try:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                         topk_weights=w.double() if rank == 3 else w, num_worst_tokens=64)
+        except Exception as ex:   # noqa: BLE001
+            first = type(ex).__name__
+        dist.barrier()
+        buf._internode._capture_mode = True
+        Ts = [7, 0, 9, 4]
+        checked = check_case(buf, rank, world, 2, 5, 16, 3, 64, Ts, {"worst": "per_rank", "bias": True})
+        return {"first": first, "checked": checked}
     finally:
         buf.destroy()

@@ -513,11 +513,12 @@ class Buffer:
             expert_alignment: per-expert counts are rounded up to a multiple of it.
             num_worst_tokens: if > 0, this rank's outputs have exactly this many rows (padding rows: ids -1,
                 weights 0, x 0, ``recv_src_idx`` -1); more rows arriving at a rank than its value raise
-                ``EPCapacityError`` on every rank, naming that rank. Each rank may pass its own value, as in
-                DeepEP, within one host (every rank reads the others' from the host's call cards, with a
-                bounded wait on their host and no device synchronisation); the rounds follow from the largest
-                value, so one rank's large value makes every rank take its rounds. Every rank passes a value
-                > 0 or none does. Across hosts every rank must pass the same value.
+                ``EPCapacityError`` (within one host on every rank, naming that rank; across hosts on the
+                ranks that find it, docs/internode.md). Each rank may pass its own value, as in DeepEP (a
+                host's ranks read each other's from the host's call cards, with a bounded wait on their host
+                and no device synchronisation). Within one host the rounds follow from the largest value, so
+                one rank's large value makes every rank take its rounds; across hosts each rank tells its
+                peers in its streams' headers how many records it takes from each. Every rank passes a value > 0 or none does.
             config: accepted; results never depend on it. previous_event, async_finish,
             allocate_on_comm_stream: as DeepEP: the kernels run on the communication stream with
                 ``async_finish`` (the returned event marks their end), else on the caller's stream.

@@ -515,11 +515,11 @@ class Scheduler:
             self.wrs_posted += len(ops)
         h0 = (RingFlags.HEAD - RingFlags.READY) * R
         for p in self.peers:
-            head = words[h0 + p]
-            if self.flags.masked(p):    # nothing consumes a masked peer's chunks: their slots go back on arrival
-                head = self._peer[p].tail
-            if head > self._peer[p].credit_sent:    # (the common case, nothing freed, without a call)
-                did |= self._credit(p, head)
+            st = self._peer[p]
+            if words[h0 + p] > st.credit_sent:    # (the common case, nothing freed, without a call)
+                did |= self._credit(p, words[h0 + p])
+            elif st.tail > st.credit_sent and self.flags.masked(p):
+                did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
         for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
             if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
                 raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],

@@ -252,17 +252,18 @@ def _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, S, SW
     whose error started a failure, layout key, the records the sender's own staging area takes from each
     peer): note the records that may be copied (``rx_count[h]``; 0 unless the status is 0, the layout matches
     and they fit ``cap_words``), the status (``status[h]``: code, culprit) and the sender's room
-    (``n_words[2R + h]``, which this rank's later send rounds read). A stream of more records than fit ends
-    with its first round's chunks (``S``), on both sides. Returns the stream's words (so clamped) and the end
+    (``n_words[2R + h]``, which this rank's later send rounds read; -1 for another layout). A stream of more
+    records than fit, or of another layout, ends with its first round's chunks (``S``), on both sides. Returns the stream's words (so clamped) and the end
     of the words copied (the header always; the records where they may be)."""
     nw = tl.load(base + 0, volatile=True).to(tl.int64)
     cnt = tl.load(base + 1, volatile=True).to(tl.int64)
     code = tl.load(base + 2, volatile=True)
     culprit = tl.load(base + 3, volatile=True)
     same = tl.load(base + 4, volatile=True) == key
-    tl.store(n_words + 2 * R + h, tl.load(base + 6, volatile=True).to(tl.int64))
+    # (another layout: the room is -1, so the other side cuts its stream too; the keys differ alike both ways)
+    tl.store(n_words + 2 * R + h, tl.where(same, tl.load(base + 6, volatile=True).to(tl.int64), -1))
     fits = cnt <= cap_words // rec_w
-    nw = tl.where(fits, nw, tl.minimum(nw, S * SW))
+    nw = tl.where(fits & same, nw, tl.minimum(nw, S * SW))
     code = tl.where(code != 0, code, tl.where(same, tl.where(fits, 0, STATUS_CAPACITY), STATUS_LAYOUT))
     ok = code == 0
     lim = tl.where(ok, HW + cnt * rec_w, HW)
@@ -335,7 +336,8 @@ def pack_ring(ctrl: torch.Tensor, send: torch.Tensor, src: Sources, tokens: torc
         dev: a device-counted call (:class:`DeviceCounts`): each stream starts with its header ``dev.hdr``;
             this host's row of it gives this rank's own status (its words 2 and 5: code and reason). From the
             second round on, a stream of more records than its receiver takes (its header's word 6, noted by
-            :func:`unpack_ring`'s first round) ends with the first round's chunks.
+            :func:`unpack_ring`'s first round), or to a receiver of another layout, ends with the first round's
+            chunks.
     Errors end in the ring error record, never in a hang.
     """
     if dev is None:

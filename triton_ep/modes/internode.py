@@ -484,6 +484,12 @@ class Internode(CapturePath):
                             np.int64).view(np.uint8) for h in peers}
         got = sched_mod.host_alltoall(self.sched, head, {h: 72 for h in peers})
         words = {h: got[h].view(np.int64) for h in peers}
+        for h in peers:     # a capture-path stream read as a header: the ranks took different paths
+            if err is None and not (0 <= words[h][0] <= 2 and words[h][1] >= 0
+                                    and -1 <= words[h][2] < self.rt.group_size):
+                raise ValueError(f"rank {self.rt.rank}: rank {self._peer_rank(h)} (host {h}) sent no header this "
+                                 f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
+                                 f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
         if err is not None:
             return [0] * self.num_hosts
         for h in peers:

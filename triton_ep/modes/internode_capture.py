@@ -53,6 +53,8 @@ from . import internode as inode       # (a cycle: its Internode mixes this clas
 Tensor = torch.Tensor
 #: the environment variable that sends every num_worst_tokens call across hosts down the capture path
 ENV_CAPTURE_PATH = "TRITON_EP_INTERNODE_CAPTURE_PATH"
+#: the operation of a capture-path stream, part of its layout key
+OP_DISPATCH, OP_CACHED, OP_COMBINE = 1, 2, 3
 #: this rank's own status reasons (header word 5)
 _REASONS = {1: "topk_idx held ids outside [-1, num_experts) (they were masked)",
             2: "num_tokens_per_rdma_rank differed from the tokens this rank sends to each host",
@@ -166,7 +168,8 @@ class CapturePath:
                                      f"records than {room}: a num_worst_tokens of those ranks is too small")
             elif code == NET_STATUS_LAYOUT:
                 ex = ValueError(f"rank {me}: rank {peer} (host {h}) sent records of another layout: the ranks "
-                                f"called with different arguments")
+                                f"called with different arguments or made different calls (a combine against a "
+                                f"cached dispatch; num_worst_tokens > 0 on one rank and 0 on another)")
             else:
                 who = f"rank {extra} (host {self.hosts.host_of[extra]})" if 0 <= extra < self.rt.group_size else \
                     f"rank {peer} (host {h})"
@@ -196,7 +199,7 @@ class CapturePath:
             self._capture_used = True
 
     # ------------------------------------------------------------------ the network leg
-    def _move_capture(self, rec: NetRecord, src: net.Sources, tok: Tensor, cnt: Tensor, cap_rx: int,
+    def _move_capture(self, op: int, rec: NetRecord, src: net.Sources, tok: Tensor, cnt: Tensor, cap_rx: int,
                       extra: Optional[Tensor] = None, code: Optional[Tensor] = None,
                       reason: Optional[Tensor] = None, own_cap: bool = False) -> Tuple[Tensor, Tensor, int]:
         """Send each host ``cnt[h]`` records of ``tok[h]`` (int64 ``[num_hosts, n]``; ``cnt`` int64
@@ -206,7 +209,9 @@ class CapturePath:
         stream of more records than its receiver takes is cut on both sides (:func:`net.pack_ring`) and the
         receiver notes a capacity status; so ranks may size their staging areas differently (per-rank
         ``num_worst_tokens``) and the launches of each follow from its own sizes. ``own_cap``: more than
-        ``cap_rx`` records for this rank's own host are its own capacity status.
+        ``cap_rx`` records for this rank's own host are its own capacity status. ``op`` (:data:`OP_DISPATCH`,
+        :data:`OP_CACHED`, :data:`OP_COMBINE`) is part of the layout key, so a combine meeting a cached dispatch
+        of the same record size is a layout status too.
 
         Returns: the staging area int32 ``[num_hosts, hw + cap_rx * rec_w]`` (each host's header, then its
         records; this host's: this rank's own), the records per host (int32 ``[num_hosts]``), and ``hw``.
@@ -225,7 +230,7 @@ class CapturePath:
         hdr[:, 1] = cnt.to(torch.int32)
         hdr[:, 2] = st
         hdr[:, 3] = torch.where(st == NET_STATUS_FAILED, self.rt.rank, -1)
-        key = rec.key32(hw)
+        key = rec.key32(hw, op)
         hdr[:, 4] = key
         hdr[:, 6] = cap_rx
         if reason is not None:
@@ -313,7 +318,7 @@ class CapturePath:
         rec = self._record(xv, sc, K, 0 if w is None else K, self.per_host)
         src = self._sources(rec, T, xv, sc, None if idx is None else idx.long(), w, in_rank)
         extra = None if idx is not None else a.num_tokens_per_expert.to(torch.int32).view(nh, E // nh)
-        out, rx, hw = self._move_capture(rec, src, tok, cnt, C, extra, code, reason, own_cap=True)
+        out, rx, hw = self._move_capture(OP_DISPATCH, rec, src, tok, cnt, C, extra, code, reason, own_cap=True)
         fwd = self._records(out, hw, rec, C)
         valid = self._valid(rx, C)
         x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
@@ -346,7 +351,8 @@ class CapturePath:
         xv, sc, plan, rec, src = self._cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
         # a num_worst_tokens plan's own records must fit (the peers' receivers check theirs); a plain one's
         # counts are exact
-        out, rx, hw = self._move_capture(rec, src, plan.tok, plan.cnt, plan.cap, own_cap=plan.blocks is None)
+        out, rx, hw = self._move_capture(OP_CACHED, rec, src, plan.tok, plan.cnt, plan.cap,
+                                         own_cap=plan.blocks is None)
         x_f, sc_f, _, _, _ = self._split(self._forwarded(out, hw, rec, plan), rec, xv.dtype,
                                          None if sc is None else sc.dtype)
         return self._forward_cached(x_f if sc_f is None else (x_f, sc_f), plan, xv)
@@ -361,7 +367,7 @@ class CapturePath:
         plan, H, K = prep.plan, prep.H, prep.K
         dev, nh, T = self.rt.device, self.num_hosts, plan.num_tokens
         rec, src, _ = self._combine_in_host(prep)
-        out, rx, hw = self._move_capture(rec, src, plan.ctok, plan.rx, T)
+        out, rx, hw = self._move_capture(OP_COMBINE, rec, src, plan.ctok, plan.rx, T)
         got = self._records(out, hw, rec, T)
         acc = torch.zeros(T + 1, H, dtype=torch.float32, device=dev)      # row T: where unused rows go
         wacc = torch.zeros(T + 1, K, dtype=torch.float32, device=dev) if K else None

@@ -217,6 +217,8 @@ class Intranode:
             EPTimeoutError: a rank did not come within ``timeout_s``.
         """
         self.rt.check()
+        if self.rt.sig.needs_resync:      # (after a failed call: the worst-value slots restart from there)
+            yield from self.rt.resync_steps()
         self.rt.publish(card.DISPATCH_WORST, _card_values(a))
         self.rt.publish_worst(num_worst_tokens)
         yield "dispatch/num_worst_tokens"

@@ -75,7 +75,7 @@ def test_capture_path_errors_reach_every_rank(kind):
 
 def test_capture_path_stream_over_the_receivers_room_is_cut():
     """2 hosts of one rank, many rounds: rank 0's num_worst_tokens (2) is too small for the 6 records rank 1
-    sends it. Rank 1's stream is cut after its first round (both sides agree from the headers, so no wait is
+    sends it, and rank 0's own rounds (its T is 1) cover only its room. Rank 1's stream is cut after its first round (both sides agree from the headers, so no wait is
     left over): rank 1's call returns (both ranks meet at a barrier before either checks), rank 0's check()
     raises EPCapacityError naming its value, rank 1 then hears of the failure; no rank waits out its bound,
     and every next call raises at once."""
@@ -96,3 +96,32 @@ def test_capture_path_dropped_signal_ends_every_wait():
     for o in out:
         assert o[0] in ("ProxyError", "ProxyRemoteError", "EPTimeoutError", "EPRemoteError"), o
         assert o[2] < 3.0 + 5.0 and o[3] is not None and o[5] < 1.0, o
+
+
+@pytest.mark.parametrize("kind", ["combine_vs_cached", "hidden", "zero_worst"])
+def test_capture_path_different_calls_fail_at_once(kind):
+    """Ranks across hosts making different calls on the capture path (a combine against a cached dispatch of
+    the same record size; rows of another width, whose longer stream both sides cut after its first round; one
+    rank without num_worst_tokens, on the host path) raise ValueError at the call or the next check(),
+    where it was found, and no rank waits out its 20 s bound."""
+    out = _values(run_ranks(cases.capture_mismatch, 2, _env(1, **_MANY_ROUNDS), kind, timeout_s=240))
+    for r, o in enumerate(out):
+        assert o["s"] < 10.0, (r, o)
+        seen = [x for x in (o["first"], o["checked"]) if x]
+        assert seen, (r, o)
+    found = [x for o in out for x in (o["first"], o["checked"]) if x and x[0] == "ValueError"]
+    assert found, out
+    if kind != "zero_worst":        # both ranks read the other's header and find the other layout
+        assert all(any(x and x[0] == "ValueError" and "another layout" in x[1] for x in (o["first"], o["checked"]))
+                   for o in out), out
+
+
+def test_capture_path_after_a_rejected_host_path_call():
+    """A num_worst_tokens dispatch on the host path that rank 3 rejects, then the capture path (as while a
+    CUDA graph is captured): the host's ranks re-synchronise before exchanging their num_worst_tokens, so the
+    dispatch, combine and cached dispatch that follow are the reference's bit for bit on every rank."""
+    out = _values(run_ranks(cases.worst_after_rejection, 4, _env(2, TRITON_EP_INTERNODE_CAPTURE_PATH="0"),
+                            timeout_s=240))
+    assert out[3]["first"] == "TypeError", out
+    assert all(o["first"] is not None for o in out), out
+    assert all(o["checked"]["combined"] for o in out), out
