@@ -579,7 +579,8 @@ def capture_mismatch(rank, world, env, kind):
     at its call or its next ``check()`` (never a wait that runs out): ``"combine_vs_cached"`` (2 hosts of 1:
     after a num_worst_tokens dispatch, rank 0 combines while rank 1 makes a cached dispatch: records of one
     size, another operation), ``"hidden"`` (rank 1's rows are 4x wider: its stream outruns rank 0's rounds
-    unless both cut it), ``"zero_worst"`` (rank 0 passes no num_worst_tokens, so it takes the host path).
+    unless both cut it), ``"zero_worst"`` (rank 0 passes no num_worst_tokens, so it takes the host path),
+    ``"sum_overflow"`` (2 ranks a host, each passing 2^31 - 1: their sum does not fit a stream's count).
     Returns the call's and the check's errors ([type, message] or None) and the seconds they took."""
     import time
     import torch.distributed as dist
@@ -595,7 +596,7 @@ def capture_mismatch(rank, world, env, kind):
         per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
         kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
                   num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-        worst = 0 if kind == "zero_worst" and rank == 0 else 64
+        worst = 0 if kind == "zero_worst" and rank == 0 else (1 << 31) - 1 if kind == "sum_overflow" else 64
         t0, first = time.monotonic(), None
         try:
             if kind == "combine_vs_cached":

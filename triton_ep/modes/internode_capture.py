@@ -298,6 +298,9 @@ class CapturePath:
         # this host's ranks' values (each may pass its own): a record gives at least one row on this host
         self._host_worst = self._local_run(self.local.worst_steps(a, W))
         C = sum(self._host_worst)
+        if C >= 1 << 31:        # (the same on every rank of the host: they all raise here)
+            raise ValueError(f"rank {self.rt.rank}: the num_worst_tokens of host {self.host}'s ranks add up to {C} "
+                             f"({', '.join(map(str, self._host_worst))}), more than a stream can count (2^31 - 1)")
         lay = intranode._routing(a)
         in_rank = lay[2]
         host_mask = self._host_mask(in_rank)

@@ -243,6 +243,7 @@ class Intranode:
             force = fused_switch()      # a bad TRITON_EP_FUSED is an argument error, before anything runs
             a = self.dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+            num_worst_tokens = int(num_worst_tokens)      # (a numpy integer: the kernels take Python ints)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
             raise self.rt.fail_call(e)
         # With num_worst_tokens the host never learns the counts: they stay on the device.

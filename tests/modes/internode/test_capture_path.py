@@ -98,20 +98,26 @@ def test_capture_path_dropped_signal_ends_every_wait():
         assert o[2] < 3.0 + 5.0 and o[3] is not None and o[5] < 1.0, o
 
 
-@pytest.mark.parametrize("kind", ["combine_vs_cached", "hidden", "zero_worst"])
-def test_capture_path_different_calls_fail_at_once(kind):
+@pytest.mark.parametrize("kind,world,per_host", [("combine_vs_cached", 2, 1), ("hidden", 2, 1), ("zero_worst", 2, 1),
+                                                  ("sum_overflow", 4, 2)])
+def test_capture_path_different_calls_fail_at_once(kind, world, per_host):
     """Ranks across hosts making different calls on the capture path (a combine against a cached dispatch of
     the same record size; rows of another width, whose longer stream both sides cut after its first round; one
-    rank without num_worst_tokens, on the host path) raise ValueError at the call or the next check(),
-    where it was found, and no rank waits out its 20 s bound."""
-    out = _values(run_ranks(cases.capture_mismatch, 2, _env(1, **_MANY_ROUNDS), kind, timeout_s=240))
+    rank without num_worst_tokens, on the host path), or values whose sum a stream cannot count, raise
+    ValueError at the call or the next check(), where it was found, and no rank waits out its 20 s bound."""
+    out = _values(run_ranks(cases.capture_mismatch, world, _env(per_host, **_MANY_ROUNDS), kind, timeout_s=240))
     for r, o in enumerate(out):
         assert o["s"] < 10.0, (r, o)
         seen = [x for x in (o["first"], o["checked"]) if x]
         assert seen, (r, o)
     found = [x for o in out for x in (o["first"], o["checked"]) if x and x[0] == "ValueError"]
     assert found, out
-    if kind != "zero_worst":        # both ranks read the other's header and find the other layout
+    if kind == "sum_overflow":      # found before anything is sent (a rank may hear of a peer's failure first)
+        assert all(o["first"] for o in out), out
+        assert any(o["first"][0] == "ValueError" and "add up to 4294967294" in o["first"][1] for o in out), out
+    if kind == "zero_worst":        # the rank without num_worst_tokens reads the other's stream as a header
+        assert out[0]["first"][0] == "ValueError" and "different calls" in out[0]["first"][1], out
+    if kind in ("combine_vs_cached", "hidden"):     # both ranks read the other's header: the other layout
         assert all(any(x and x[0] == "ValueError" and "another layout" in x[1] for x in (o["first"], o["checked"]))
                    for o in out), out
 

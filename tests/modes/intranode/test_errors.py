@@ -58,6 +58,18 @@ def test_dispatch_rejects_bad_arguments(one, bad, exc, words):
     assert all(w in str(err) for w in words), str(err)
 
 
+def test_numpy_integers_are_taken_as_ints(one):
+    """A numpy integer num_worst_tokens (as a config loaded with numpy gives) sizes the outputs as an int does
+    (it used to reach a kernel launch and fail there)."""
+    import numpy as np
+    vg, buf = one
+    idx = torch.tensor([[0, 1], [1, -1], [-1, -1], [2, 2]])
+    kw = dict(x=torch.randn(4, 16).to(torch.bfloat16), topk_weights=torch.rand(4, 2), **_layout(buf, idx, 4))
+    out = _dispatch(vg, num_worst_tokens=np.int64(6), **kw)
+    assert not isinstance(out, BaseException), out
+    assert out[0].shape[0] == 6 and out[1][3:].eq(-1).all(), out[1]
+
+
 def test_ids_out_of_range_are_masked_then_raised(one):
     """Ids >= E and < -1 are masked by the layout kernel and raised at dispatch; the input is untouched."""
     vg, buf = one
