@@ -137,7 +137,8 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
     the reference bit for bit (combine: the two-level summation order, ``ref.combine(ranks_per_host=n)``).
     ``opts``: ``fp8``, ``f32`` (float32 rows: dispatch only), ``skew`` (ids in the first quarter of the
     experts), ``worst`` (num_worst_tokens; ``"per_rank"``: each rank its own, the rows it receives (at least 1)
-    plus twice its rank, so rank 0's has no room to spare and no two are equal), ``bias``, ``weights`` (default True), ``device``, ``no_topk``
+    plus twice its rank, so rank 0's has no room to spare and no two are equal), ``bias``, ``weights`` (default
+    True), ``device``, ``no_topk``
     (dispatch routed by is_token_in_rank and counted by num_tokens_per_expert, without topk_idx: no weights,
     recv_topk_idx None)."""
     from triton_ep import reference as ref
@@ -216,7 +217,8 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
 def property_cases(rank, world, env, seed, n_cases):
     """``n_cases`` random cases on one Buffer, the same on every rank (seeded): ragged T with zeros, -1 ids,
     duplicates, skew to the first host, bf16 / float32 rows / FP8 pairs, weights or not, num_worst_tokens (the
-    same everywhere, or each rank its own), biases, dispatch without topk_idx. Returns the number of cases and the rows received in all."""
+    same everywhere, or each rank its own), biases, dispatch without topk_idx. Returns the number of cases and
+    the rows received in all."""
     import random
     os.environ.update(env)
     n = int(env["TRITON_EP_RANKS_PER_HOST"])

@@ -518,7 +518,8 @@ class Buffer:
                 host's ranks read each other's from the host's call cards, with a bounded wait on their host
                 and no device synchronisation). Within one host the rounds follow from the largest value, so
                 one rank's large value makes every rank take its rounds; across hosts each rank tells its
-                peers in its streams' headers how many records it takes from each. Every rank passes a value > 0 or none does.
+                peers in its streams' headers how many records it takes from each. Every rank passes a value
+                > 0 or none does.
             config: accepted; results never depend on it. previous_event, async_finish,
             allocate_on_comm_stream: as DeepEP: the kernels run on the communication stream with
                 ``async_finish`` (the returned event marks their end), else on the caller's stream.

@@ -118,7 +118,13 @@ def _stream(ctrl, n_words, h, c_hi, SW):
     gave up (the abort word)."""
     nw = tl.load(n_words + h)
     bad = (tl.load(ctrl + F.RING_ABORT, volatile=True) != 0).to(tl.int32)
-    return nw, tl.minimum((nw + SW - 1) // SW, c_hi), bad
+    return nw, _end(nw, c_hi, SW), bad
+
+
+@triton.jit
+def _end(nw, c_hi, SW):
+    """The end of this launch's chunks of a stream of ``nw`` words (at most ``c_hi``)."""
+    return tl.minimum((nw + SW - 1) // SW, c_hi)
 
 
 @triton.jit
@@ -186,7 +192,7 @@ def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, hdr, HW, statu
             if c_lo > 0:   # more records than the peer takes: the stream ends with the first round's chunks
                 over = tl.load(hdr + h * HW + 1).to(tl.int64) > tl.load(peer_words + 2 * R + h)
                 nw = tl.where(over, tl.minimum(nw, S * SW), nw)
-                hi = tl.minimum((nw + SW - 1) // SW, c_hi)
+                hi = _end(nw, c_hi, SW)
         seq0 = _bases(ctrl, F.RING_READY, first_seq, h, c_lo, R, DEV)
         toks = tokens + tl.load(tok_start + h)
         for c in range(c_lo, hi):
@@ -253,8 +259,9 @@ def _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, S, SW
     peer): note the records that may be copied (``rx_count[h]``; 0 unless the status is 0, the layout matches
     and they fit ``cap_words``), the status (``status[h]``: code, culprit) and the sender's room
     (``n_words[2R + h]``, which this rank's later send rounds read; -1 for another layout). A stream of more
-    records than fit, or of another layout, ends with its first round's chunks (``S``), on both sides. Returns the stream's words (so clamped) and the end
-    of the words copied (the header always; the records where they may be)."""
+    records than fit, or of another layout, ends with its first round's chunks (``S``), on both sides.
+    Returns the stream's words (so clamped) and the end of the words copied (the header always; the records
+    where they may be)."""
     nw = tl.load(base + 0, volatile=True).to(tl.int64)
     cnt = tl.load(base + 1, volatile=True).to(tl.int64)
     code = tl.load(base + 2, volatile=True)
@@ -301,9 +308,9 @@ class DeviceCounts(NamedTuple):
             built on the device.  hw: header words (a multiple of 4).
         rx_count: int32 ``[num_hosts]`` (out): records received from each peer host (0 where its status is
             not 0).  rx_words: the int64 ``[3 * num_hosts]`` scratch :func:`unpack_ring` takes as ``n_words``
-            (:func:`pack_ring` reads each peer's room there).  status: int32 ``[num_hosts, 2]`` (out; pinned host memory on GPU, so the host reads it
-            without a synchronisation): each peer's status code and culprit rank; this host's row: this
-            rank's own code and reason.
+            (:func:`pack_ring` reads each peer's room there).  status: int32 ``[num_hosts, 2]`` (out; pinned
+            host memory on GPU, so the host reads it without a synchronisation): each peer's status code and
+            culprit rank; this host's row: this rank's own code and reason.
         cap_words: words of each peer's staging area (records beyond it are a capacity error).  key: this
             rank's layout key (:meth:`NetRecord.key32`).  rec_w: words of a received record.
     """

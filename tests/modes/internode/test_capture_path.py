@@ -75,10 +75,10 @@ def test_capture_path_errors_reach_every_rank(kind):
 
 def test_capture_path_stream_over_the_receivers_room_is_cut():
     """2 hosts of one rank, many rounds: rank 0's num_worst_tokens (2) is too small for the 6 records rank 1
-    sends it, and rank 0's own rounds (its T is 1) cover only its room. Rank 1's stream is cut after its first round (both sides agree from the headers, so no wait is
-    left over): rank 1's call returns (both ranks meet at a barrier before either checks), rank 0's check()
-    raises EPCapacityError naming its value, rank 1 then hears of the failure; no rank waits out its bound,
-    and every next call raises at once."""
+    sends it, and rank 0's own rounds (its T is 1) cover only its room. Rank 1's stream is cut after its first
+    round (both sides agree from the headers, so no wait is left over): rank 1's call returns (both ranks meet
+    at a barrier before either checks), rank 0's check() raises EPCapacityError naming its value, rank 1 then
+    hears of the failure; no rank waits out its bound, and every next call raises at once."""
     out = _values(run_ranks(cases.capture_errors, 2, _env(1, **_MANY_ROUNDS), "capacity_net", timeout_s=240))
     for r, o in enumerate(out):
         assert o["first_s"] < 10.0 and o["next"] is not None and o["next_s"] < 10.0, (r, o)
