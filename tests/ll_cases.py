@@ -649,7 +649,7 @@ def silent_peers(rank, world, victims, by_timeout, device="cpu", timeout_s=4.0):
         buf.destroy()
 
 
-def recovering_peer(rank, world, victim, by_timeout, how="clean", timeout_s=4.0):
+def recovering_peer(rank, world, victim, by_timeout, how="clean", timeout_s=4.0, device="cpu"):
     """Rank ``victim`` builds the Buffer and stays silent while the others, with ``enable_shrink``, mask it
     (explicitly, or after one timeout) and make round trips without it; then it comes back, and every rank
     (the victim too) unmasks it, a collective across hosts: ``how`` ``"clean"``
@@ -658,11 +658,14 @@ def recovering_peer(rank, world, victim, by_timeout, how="clean", timeout_s=4.0)
     that include it again, bit for bit the oracle's (bf16 and FP8, with and without hooks). Then the ranks
     make different unmask calls (rank 0 ``update_mask_buffer(victim, False)``, the others
     ``clean_mask_buffer()``): every rank raises ``ValueError`` and nothing changed (a round trip follows).
-    Returns ``(mask status before the unmask (None on the victim), after it, the mismatch's text)``."""
+    Returns ``(mask status before the unmask (None on the victim), after it, the mismatch's text)``.
+    ``device="cuda"``: every rank on GPU 0 (outputs checked on the CPU)."""
     import torch.distributed as dist
+    if device == "cuda":
+        torch.cuda.set_device(0)
     E, K, H, N = 2 * world, 2, 128, 8
     xs, idxs, ws = ll_inputs(5, world, E, K, H, [N - 1] * world)
-    buf = _buffer(world, N, H, E, timeout_s=timeout_s, enable_shrink=True)
+    buf = _buffer(world, N, H, E, timeout_s=timeout_s, enable_shrink=True, device=device)
     status = torch.zeros(world, dtype=torch.int32)
     try:
         before = None
@@ -670,7 +673,7 @@ def recovering_peer(rank, world, victim, by_timeout, how="clean", timeout_s=4.0)
             if not by_timeout:
                 buf.low_latency_update_mask_buffer(victim, True)
             for use_fp8 in (False, True):
-                _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, use_fp8, True, (victim,))
+                _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, use_fp8, True, (victim,), device)
             buf.low_latency_query_mask_buffer(status)
             before = status.tolist()
         dist.barrier()                      # the victim comes back once the others have gone on without it
@@ -681,7 +684,7 @@ def recovering_peer(rank, world, victim, by_timeout, how="clean", timeout_s=4.0)
         buf.low_latency_query_mask_buffer(status)
         after = status.tolist()
         for use_fp8, hook in ((False, True), (True, False), (False, False)):
-            _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, use_fp8, hook, ())
+            _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, use_fp8, hook, (), device)
         try:
             if rank == 0:
                 buf.low_latency_update_mask_buffer(victim, False)
@@ -690,7 +693,7 @@ def recovering_peer(rank, world, victim, by_timeout, how="clean", timeout_s=4.0)
             mismatch = None
         except ValueError as ex:
             mismatch = str(ex)
-        _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, True, True, ())
+        _masked_round_trip(buf, rank, world, xs, idxs, ws, E, N, True, True, (), device)
         return before, after, mismatch
     finally:
         buf.destroy()

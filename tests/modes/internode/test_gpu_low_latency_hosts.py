@@ -42,3 +42,16 @@ def test_masked_silent_host_on_gpu():
                                backend="gloo"))
     for status, waits, unmask in out[:2]:
         assert status == [0, 0, 1, 1] and waits[0] >= 4.0 and max(waits[1:]) < waits[0] - 2.0, out
+
+
+def test_masked_rank_comes_back_and_is_unmasked_on_gpu():
+    """Hosts of 1 rank on one GPU; rank 2 stays silent while the others mask it after one timeout and go on
+    without it, then it comes back and every rank unmasks it (low_latency_clean_mask_buffer, a collective
+    across hosts): the pairs renumber their rings and the round trips that follow include it, bit for bit the
+    oracle's; different unmask calls then raise ValueError everywhere."""
+    out = ok_results(run_ranks(ll_cases.across_hosts, 3, _env(1), "recovering_peer", 2, True, "clean", 4.0, "cuda",
+                               backend="gloo"))
+    for r, (before, after, mismatch) in enumerate(out):
+        assert before == (None if r == 2 else [0, 0, 1]), out
+        assert after == [0, 0, 0], out
+        assert mismatch and "different" in mismatch, out
