@@ -63,6 +63,30 @@ def add_out_arg(p, files: str) -> None:
                         f"updated only by naming benchmarks/results here)")
 
 
+def add_replay_args(p, repeats_help: str) -> None:
+    """Add the arguments of a one-rank graph-replay benchmark to the parser ``p``: ``--hidden``, ``--experts``,
+    ``--topk`` (DeepSeek-V3's on a GPU, tiny on CPU), ``--repeats`` (``repeats_help``: what alternates) and
+    ``--replays``."""
+    gpu = on_gpu()
+    p.add_argument("--hidden", type=int, default=7168 if gpu else 256)
+    p.add_argument("--experts", type=int, default=256 if gpu else 16)
+    p.add_argument("--topk", type=int, default=8 if gpu else 4)
+    p.add_argument("--repeats", type=int, default=5 if gpu else 1, help=repeats_help)
+    p.add_argument("--replays", type=int, default=50 if gpu else 2, help="timed replays (CPU: calls) per repeat")
+
+
+def int_list(p, name: str, value: str, lo: int) -> List[int]:
+    """``value`` (comma-separated ints) as a list, each at least ``lo``; otherwise an argparse error of parser
+    ``p`` naming ``--name``."""
+    try:
+        out = [int(t) for t in value.split(",")]
+    except ValueError:
+        p.error(f"--{name} takes comma-separated ints, got {value!r}")
+    if min(out) < lo:
+        p.error(f"--{name} values must be >= {lo}, got {out}")
+    return out
+
+
 def check_shape_args(p, a, positive, hidden_multiple: int, why: str) -> None:
     """The checks the one-rank benchmarks share, as argparse errors of parser ``p`` (exit 2) on the parsed ``a``:
     each name in ``positive`` at least 1, ``--topk`` at most ``--experts``, ``--hidden`` a multiple of

@@ -38,19 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="128,1024,4096" if gpu else "16",
                    help="comma-separated token counts (one Buffer each)")
-    p.add_argument("--hidden", type=int, default=7168 if gpu else 256)
-    p.add_argument("--experts", type=int, default=256 if gpu else 16)
-    p.add_argument("--topk", type=int, default=8 if gpu else 4)
-    p.add_argument("--repeats", type=int, default=5 if gpu else 1, help="alternations of the two paths")
-    p.add_argument("--replays", type=int, default=50 if gpu else 2, help="timed replays (CPU: calls) per repeat")
+    C.add_replay_args(p, "alternations of the two paths")
     C.add_out_arg(p, "fused_replay.json")
     a = p.parse_args(argv)
-    try:
-        a.tokens = [int(t) for t in a.tokens.split(",")]
-    except ValueError:
-        p.error(f"--tokens takes comma-separated ints, got {a.tokens!r}")
-    if min(a.tokens) < 1:
-        p.error(f"--tokens must be positive, got {a.tokens}")
+    a.tokens = C.int_list(p, "tokens", a.tokens, 1)
     C.check_shape_args(p, a, ("hidden", "experts", "topk", "repeats", "replays"), 8, "rows of 16 bytes")
     return a
 

@@ -213,6 +213,25 @@ def test_fused_replay_out(tmp_path, results_untouched):
         assert bad.returncode == 2 and "--out" in bad.stderr, bad.stderr
 
 
+def test_grid_cap_out(tmp_path, results_untouched):
+    """One rank on CPU: cached dispatch and combine under two grid caps, timed and bit for bit equal, in
+    ``grid_cap.json`` under ``--out`` with each cap's ratio to the first; the tuning table's cap, read after the
+    runs, is the default again; bad ``--caps`` are argparse errors."""
+    from triton_ep.kernels import _util
+    r = run_bench("grid_cap.py", "--out", str(tmp_path / "g"))
+    out = json.loads((tmp_path / "g" / "grid_cap.json").read_text())
+    assert [(row["tokens"], row["programs_per_sm"]) for row in out["results"]] == [(24, 0), (24, 1)]
+    for row in out["results"]:
+        assert row["results_equal"] and row["dispatch_us"] > 0 and row["combine_us"] > 0
+        assert math.isclose(row["dispatch_ratio"], row["dispatch_us"] / out["results"][0]["dispatch_us"])
+    assert out["default_programs_per_sm"] == _util.INTERP_TUNING["grid"]["programs_per_sm"] == 0
+    assert_cpu_report(r, CPU_NOTE)
+    for caps, why in (("1,x", "comma-separated ints"), ("-1", ">= 0")):
+        bad = python([os.path.join(ROOT, "benchmarks", "grid_cap.py"), "--caps", caps, "--out", str(tmp_path / "h")],
+                     ROOT)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+
+
 def test_bench_internode_out(tmp_path, results_untouched):
     """The internode network-leg benchmark: every exchange byte-exact, the full QP plan over both ports beats
     one QP per peer in the fabric model, and the JSON says what its figures are; the inside-internode runs

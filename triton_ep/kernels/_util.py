@@ -23,6 +23,9 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_send": dict(block_t=1, block_w=4096, num_warps=16, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=32),
     "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
+    # normal mode's send and receive launches (not the fused ones, not low-latency): at most this many
+    # programs per multiprocessor, each looping over blocks (kernels.dispatch._grid; 0: a program per block)
+    "grid": dict(programs_per_sm=8),
     # a call of one round of at most max_tokens tokens runs its send and receive as one launch
     # (kernels.dispatch.dispatch_fused, kernels.combine.combine_fused)
     "fused": dict(max_tokens=1024),
@@ -43,6 +46,7 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=4),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
+    "grid": dict(programs_per_sm=0),
     "fused": dict(max_tokens=0),        # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),

@@ -246,10 +246,22 @@ def sync_args(signals: Optional[dict], rnd: int, sig: int, like: torch.Tensor) -
 
 
 def _grid(blocks: int, signals: Optional[dict]) -> int:
-    """Programs of a signalling launch: one per block, at least one (a launch always releases its round),
-    at most ``signals["max_programs"]`` where ranks share a GPU (programs loop over the blocks), so
-    spinning programs never take the multiprocessors the launches they wait for need."""
-    cap = signals.get("max_programs") if signals is not None else None
+    """Programs of a normal-mode signalling launch: one per block, at least one (a launch always releases its
+    round), at most ``signals["max_programs"]`` where ranks share a GPU (so spinning programs never take the
+    multiprocessors the launches they wait for need), and at most the tuning table's ``grid`` /
+    ``programs_per_sm`` per multiprocessor (``signals["sms"]``); programs loop over the blocks.
+
+    The second cap is for speed: every program of a signalling launch checks the round's flags when it starts
+    and counts itself done with one system-scope atomic when it ends, so a grid of a program per token paid
+    that thousands of times. On an H200, one rank, T 4096, hidden 7168: a CUDA-graph replay of a cached
+    dispatch took 104 us with a program per token and 74 with 4 or 8 programs per multiprocessor, a combine 94
+    and 75 (benchmarks/README.md)."""
+    cap = None
+    if signals is not None:
+        cap = signals.get("max_programs")
+        per_sm, sms = int(tuning("grid")["programs_per_sm"]), signals.get("sms")
+        if per_sm and sms:
+            cap = min(cap, per_sm * sms) if cap else per_sm * sms
     return max(min(blocks, cap) if cap else blocks, 1)
 
 
@@ -306,7 +318,7 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     k = topk_idx.shape[1] if topk_idx is not None else 0
     cfg = tuning("dispatch_send")
     key = (T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
-           with_src, signals is not None, _use_clock(signals), signals and signals.get("max_programs"),
+           with_src, signals is not None, _use_clock(signals), _grid(cdiv(T, cfg["block_t"]), signals),
            x_words.device, tuple(cfg.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(
         T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,

@@ -19,7 +19,7 @@ from typing import Callable, Generator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..kernels._util import interpreted
+from ..kernels._util import interpreted, num_sms
 from ..config import EventOverlap
 from ..errors import EPError, EPRemoteError, EPTimeoutError
 from ..kernels import flags as F
@@ -107,6 +107,7 @@ class Runtime:
         self.sig = signals.Signals(comm.rank, comm.size, comm.header, comm.peer_headers, comm.delta_bytes,
                                    comm.device, self.timeout_s, interpreted=interpreted())
         self.sig_args = self.sig.kernel_args(comm.max_programs)
+        self.sig_args["sms"] = num_sms(comm.device)      # (the normal-mode launches' grid cap, kernels.dispatch._grid)
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         #: the running call's kernels go to the communication stream (async_finish), else the caller's
         self.on_comm = False

@@ -724,7 +724,8 @@ def test_fp32_accumulation_rounded_once():
 
 
 _TUNINGS = [
-    dict(layout=dict(block_t=16, block_b=2, one_launch_tokens=0), dispatch_send=dict(block_t=1, block_w=4, split_w=1, store_cache=".cs", programs_per_sm=1),
+    dict(grid=dict(programs_per_sm=1),  # (a grid cap: programs loop over blocks)
+         layout=dict(block_t=16, block_b=2, one_launch_tokens=0), dispatch_send=dict(block_t=1, block_w=4, split_w=1, store_cache=".cs", programs_per_sm=1),
          dispatch_recv=dict(block_t=2, block_w=8), combine_send=dict(block_t=4, block_w=2),
          combine_reduce=dict(block_t=1, block_h=16)),
     dict(layout=dict(block_t=2, block_b=4, one_launch_tokens=8), dispatch_send=dict(block_t=8, block_w=16, split_w=1, store_evict="evict_first", record_align_words=32),
