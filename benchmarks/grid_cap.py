@@ -18,8 +18,9 @@ it). ``floor_us``: the bytes a call must move at one rank (x read once, each rec
 the output written once: 4 x T rows) over the copy ceiling measured first (``dst.copy_(src)`` of 512 MiB, read
 plus written bytes per second); ``*_frac`` = floor / time; ``*_ratio`` = time / the first cap's time (below 1:
 quicker). Every cap's outputs are compared bit for bit with the first cap's. On CPU (no CUDA graphs) eager
-calls run under the Triton interpreter with 4 "multiprocessors": they show that the script runs and the caps agree,
-nothing about speed. Output: a table, and ``<out>/grid_cap.json``.
+calls run under the Triton interpreter with 4 "multiprocessors" (320 tokens: 5 blocks of the interpreter's 64,
+so a cap of 1 makes programs loop): they show that the capped grids agree, nothing about speed. Output: a
+table, and ``<out>/grid_cap.json``.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from triton_ep.kernels import _util  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     gpu = C.on_gpu()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", default="2048,4096" if gpu else "24",
+    p.add_argument("--tokens", default="2048,4096" if gpu else "320",
                    help="comma-separated token counts (one Buffer each; past the fused launch's limit on a GPU)")
     p.add_argument("--caps", default="0,2,4,8,16" if gpu else "0,1",
                    help="comma-separated programs per multiprocessor (0: a program per block); the first is the "
@@ -53,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.tokens = C.int_list(p, "tokens", a.tokens, 1)
     a.caps = C.int_list(p, "caps", a.caps, 0)
+    if len(set(a.caps)) < len(a.caps):
+        p.error(f"--caps names a cap twice: {a.caps}")
     C.check_shape_args(p, a, ("hidden", "experts", "topk", "repeats", "replays"), 8, "rows of 16 bytes")
     return a
 

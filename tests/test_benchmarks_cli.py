@@ -220,13 +220,13 @@ def test_grid_cap_out(tmp_path, results_untouched):
     from triton_ep.kernels import _util
     r = run_bench("grid_cap.py", "--out", str(tmp_path / "g"))
     out = json.loads((tmp_path / "g" / "grid_cap.json").read_text())
-    assert [(row["tokens"], row["programs_per_sm"]) for row in out["results"]] == [(24, 0), (24, 1)]
+    assert [(row["tokens"], row["programs_per_sm"]) for row in out["results"]] == [(320, 0), (320, 1)]
     for row in out["results"]:
         assert row["results_equal"] and row["dispatch_us"] > 0 and row["combine_us"] > 0
         assert math.isclose(row["dispatch_ratio"], row["dispatch_us"] / out["results"][0]["dispatch_us"])
     assert out["default_programs_per_sm"] == _util.INTERP_TUNING["grid"]["programs_per_sm"] == 0
     assert_cpu_report(r, CPU_NOTE)
-    for caps, why in (("1,x", "comma-separated ints"), ("-1", ">= 0")):
+    for caps, why in (("1,x", "comma-separated ints"), ("-1", ">= 0"), ("0,0", "twice")):
         bad = python([os.path.join(ROOT, "benchmarks", "grid_cap.py"), "--caps", caps, "--out", str(tmp_path / "h")],
                      ROOT)
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr

@@ -2,9 +2,10 @@
 
 Every launch wrapper of ``triton_ep.kernels`` (dispatch, combine, layout, ll_dispatch, ll_combine) keeps a
 module-level dict of :class:`~triton_ep.kernels.launch.BoundLaunch` objects, filled through
-:func:`triton_ep.kernels.launch.bound` under a key of shapes, flags, the signals' ``max_programs`` and its
-tuning entry's items. A key that leaves out something the bind reads would reuse a stale grid, ``num_warps``
-or constexpr set, and a result-only test would not see it: other block sizes still compute the right answer.
+:func:`triton_ep.kernels.launch.bound` under a key of shapes, flags, the grid (or the signals' ``max_programs``,
+for the low-latency launches) and its tuning entry's items. A key that leaves out something the bind reads would
+reuse a stale grid, ``num_warps`` or constexpr set, and a result-only test would not see it: other block sizes
+still compute the right answer.
 
 Here ``bound`` is replaced (in ``launch`` and in every module that imported it by name) by a checking version:
 on every cache hit it also calls ``make()`` and asserts that the fresh launch equals the cached one in all it
@@ -14,7 +15,8 @@ scales; with and without top-k weights; one and several rounds), combine (with a
 biases), ``get_dispatch_layout`` on simulated ranks and on a real one-rank group (split or fused launches), and
 low-latency dispatch and combine (bf16, FP8, round_scale, UE8M0, hooks, zero-copy, stats, changing sizes) on a
 one-rank Buffer. Each runs under the interpreter's tuning and under one of small blocks (grids of several
-programs), with and without the signals' ``max_programs`` (a grid cap). Neighbouring cases differ in one thing
+programs), with and without the signals' ``max_programs`` (a grid cap), and normal mode also under the
+tuning's per-multiprocessor grid cap (``grid`` / ``programs_per_sm``). Neighbouring cases differ in one thing
 only, so a key that leaves it out meets a launch bound for the other case. A change of a tuning entry between
 calls must bind anew, and going back to the old entry must find the old launches.
 
@@ -311,6 +313,11 @@ def test_normal_mode_keys(checker, monkeypatch):
     _normal_pass(4096, caps=(None,), which=_ROUNDS)    # several
     with _tuned(monkeypatch, _SMALL_BLOCKS):
         _normal_pass(1 << 16, caps=(None, 1), which=_SMALL)
+    # the per-multiprocessor cap (the interpreter's 4 "multiprocessors": 4 programs) after and before the same
+    # calls uncapped: a key that leaves the cap out meets a launch bound with another grid
+    for per_sm in (1, 0, 1):
+        with _tuned(monkeypatch, {**_SMALL_BLOCKS, "grid": dict(programs_per_sm=per_sm)}):
+            _normal_pass(1 << 16, caps=(None,), which=_SMALL)
     _assert_met(checker, ("dispatch._SEND_BOUND", "dispatch._RECV_BOUND", "combine._SEND_BOUND",
                           "combine._REDUCE_BOUND", "layout._BLOCK_BOUND"), hits=30, misses=8)
     _assert_met(checker, ("layout._POS_BOUND",), hits=3, misses=1)      # (the layout's second launch: small blocks)

@@ -41,7 +41,7 @@ def _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_
                  BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
     """The combine send's data movement: this program's blocks of received rows ``[0, n_rows)``, each into
     its source rank's combine area (slots ``[lo, hi)``)."""
-    # Programs take row blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
+    # Programs take row blocks pid, pid + P, ... (P = the grid: capped, kernels.dispatch._grid).
     for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0)):
         g = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
         # The source rank of received row g: how many groups end at or before g.
@@ -105,7 +105,7 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """The reduce's arithmetic: this program's token blocks, the returned rows of slots ``[lo, hi)`` added in
     ascending destination rank (and, in the last round, the biases), rounded once to bf16."""
-    # Programs take token blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
+    # Programs take token blocks pid, pid + P, ... (P = the grid: capped, kernels.dispatch._grid).
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
         mt = t < T

@@ -189,7 +189,7 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
         go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
                                     USE_CLOCK)
     # The round's rows (given, or the device's count with num_worst_tokens: then padding rows too), in row
-    # blocks pid, pid + P, ... (P = the grid: capped where ranks share a GPU).
+    # blocks pid, pid + P, ... (P = the grid: capped, kernels.dispatch._grid).
     n_rows, n_out = _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR)
     _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
                out_src_ptr, WX, S, K, REC, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K)
@@ -245,23 +245,25 @@ def sync_args(signals: Optional[dict], rnd: int, sig: int, like: torch.Tensor) -
     return (signals["hdr"], signals["hdr_delta"], signals["host"], rnd, sig, signals["me"], signals["timeout_ns"])
 
 
-def _grid(blocks: int, signals: Optional[dict]) -> int:
-    """Programs of a normal-mode signalling launch: one per block, at least one (a launch always releases its
-    round), at most ``signals["max_programs"]`` where ranks share a GPU (so spinning programs never take the
-    multiprocessors the launches they wait for need), and at most the tuning table's ``grid`` /
-    ``programs_per_sm`` per multiprocessor (``signals["sms"]``); programs loop over the blocks.
+def _grid(blocks: int, signals: Optional[dict], per_sm: bool = True) -> int:
+    """Programs of a signalling launch: one per block, at least one (a launch always releases its round), at
+    most ``signals["max_programs"]`` where ranks share a GPU (so spinning programs never take the
+    multiprocessors the launches they wait for need), and with ``per_sm`` (normal mode's launches; not
+    :func:`_grid2`'s low-latency ones) at most the tuning table's ``grid`` / ``programs_per_sm`` per
+    multiprocessor (``signals["sms"]``, set by the runtime). The programs loop over the blocks. (A dispatch
+    send with ``split_w`` multiplies this by its second grid axis.)
 
-    The second cap is for speed: every program of a signalling launch checks the round's flags when it starts
-    and counts itself done with one system-scope atomic when it ends, so a grid of a program per token paid
-    that thousands of times. On an H200, one rank, T 4096, hidden 7168: a CUDA-graph replay of a cached
-    dispatch took 104 us with a program per token and 74 with 4 or 8 programs per multiprocessor, a combine 94
-    and 75 (benchmarks/README.md)."""
+    The ``per_sm`` cap is for speed: every program of a signalling launch checks the round's flags when it
+    starts and counts itself done with one system-scope atomic when it ends, so a grid of a program per token
+    paid that thousands of times. On an H200, one rank, T 4096, hidden 7168, a CUDA-graph replay of a cached
+    dispatch took 104 us with a program per token and 74 with 8 programs per multiprocessor, a combine 94 and
+    75 (a probe; benchmarks/grid_cap.py measures it)."""
     cap = None
     if signals is not None:
         cap = signals.get("max_programs")
-        per_sm, sms = int(tuning("grid")["programs_per_sm"]), signals.get("sms")
-        if per_sm and sms:
-            cap = min(cap, per_sm * sms) if cap else per_sm * sms
+        n, sms = int(tuning("grid")["programs_per_sm"]), signals.get("sms")
+        if per_sm and n and sms:
+            cap = min(cap, n * sms) if cap else n * sms
     return max(min(blocks, cap) if cap else blocks, 1)
 
 
@@ -269,7 +271,7 @@ def _grid2(rows: int, cols: int, signals: Optional[dict]) -> tuple:
     """A ``(rows, cols)`` grid of a signalling launch (each axis at least 1); where ranks share a GPU,
     :func:`_grid`'s cap over the rows and one column (programs loop over the rest)."""
     if signals is not None and signals.get("max_programs"):
-        return _grid(rows, signals), 1
+        return _grid(rows, signals, per_sm=False), 1
     return max(rows, 1), max(cols, 1)
 
 

@@ -114,7 +114,7 @@ def test_fp32_accumulation_rounded_once_gpu():
 
 # Other block sizes the compiled kernels take (powers of two).
 _GPU_TUNINGS = [
-    dict(grid=dict(programs_per_sm=1),  # (a grid cap: programs loop over blocks)
+    dict(grid=dict(programs_per_sm=1),  # (132 programs: these shapes' launches stay below; the CPU case loops)
          layout=dict(block_t=64, block_b=2, one_launch_tokens=0), dispatch_send=dict(block_t=2, block_w=32, split_w=1, store_cache=".cs", programs_per_sm=1),
          dispatch_recv=dict(block_t=8, block_w=64), combine_send=dict(block_t=2, block_w=16),
          combine_reduce=dict(block_t=2, block_h=32)),
