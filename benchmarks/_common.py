@@ -10,6 +10,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -68,11 +69,13 @@ def add_replay_args(p, repeats_help: str) -> None:
     ``--topk`` (DeepSeek-V3's on a GPU, tiny on CPU), ``--repeats`` (``repeats_help``: what alternates) and
     ``--replays``."""
     gpu = on_gpu()
-    p.add_argument("--hidden", type=int, default=7168 if gpu else 256)
-    p.add_argument("--experts", type=int, default=256 if gpu else 16)
-    p.add_argument("--topk", type=int, default=8 if gpu else 4)
-    p.add_argument("--repeats", type=int, default=5 if gpu else 1, help=repeats_help)
-    p.add_argument("--replays", type=int, default=50 if gpu else 2, help="timed replays (CPU: calls) per repeat")
+    p.add_argument("--hidden", type=int, default=7168 if gpu else 256,
+                   help="bf16 elements per row (default: 7168 on a GPU, 256 on CPU)")
+    p.add_argument("--experts", type=int, default=256 if gpu else 16, help="default: 256 on a GPU, 16 on CPU")
+    p.add_argument("--topk", type=int, default=8 if gpu else 4, help="default: 8 on a GPU, 4 on CPU")
+    p.add_argument("--repeats", type=int, default=5 if gpu else 1, help=f"{repeats_help} (default: 5 on a GPU, 1 on CPU)")
+    p.add_argument("--replays", type=int, default=50 if gpu else 2,
+                   help="timed replays (CPU: calls) per repeat (default: 50 on a GPU, 2 on CPU)")
 
 
 def int_list(p, name: str, value: str, lo: int) -> List[int]:
@@ -102,8 +105,9 @@ def check_shape_args(p, a, positive, hidden_multiple: int, why: str) -> None:
 
 
 def check_out(p, out: str) -> None:
-    """An argparse error of parser ``p`` unless ``out`` can be a folder: not empty, not a file, and no file
-    among the folders above it (checked before anything is measured)."""
+    """An argparse error of parser ``p`` unless ``out`` can be a folder: not empty, not a file, no file among
+    the folders above it, and a folder this process can create and write in (it is created, and a scratch file
+    written and removed there: checked before anything is measured)."""
     if not out:
         p.error("--out must name a folder, got ''")
     path = os.path.abspath(out)
@@ -111,6 +115,12 @@ def check_out(p, out: str) -> None:
         path = os.path.dirname(path)
     if not os.path.isdir(path):
         p.error(f"--out {out}: {path} is a file, not a folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as ex:
+        p.error(f"--out {out}: cannot write there ({ex.strerror or ex})")
 
 
 def progress(iterable=None, **kw):

@@ -208,7 +208,7 @@ def test_fused_replay_out(tmp_path, results_untouched):
                  ROOT)
     assert bad.returncode == 2 and "comma-separated ints" in bad.stderr
     (tmp_path / "afile").write_text("x")
-    for out in (str(tmp_path / "afile" / "sub"), ""):        # refused before anything is measured
+    for out in (str(tmp_path / "afile" / "sub"), "", "/proc/triton_ep_nu"):   # refused before anything is measured
         bad = python([os.path.join(ROOT, "benchmarks", "fused_replay.py"), "--out", out], ROOT)
         assert bad.returncode == 2 and "--out" in bad.stderr, bad.stderr
 
