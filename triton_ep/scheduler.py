@@ -12,8 +12,9 @@ ring of ``slots`` slots of ``slot_bytes`` per peer.  Chunk ``k`` for peer ``p`` 
   peer has room for it (``k - CREDIT[p] < slots``).  It picks the port with the fewest bytes posted so far
   (then the least outstanding bytes on the port and on the QP), among its channels' QPs to ``p`` (the
   transport placed them over ports and ECMP paths by the topology plan), and posts the chunk's RDMA WRITEs and then its signal, a
-  zero-length WRITE_WITH_IMM carrying ``k`` in the immediate, **on the same QP**: RC ordering places the
-  data before the receive completion of the signal, with no fence.  A QP's chunks are posted as one chain
+  WRITE_WITH_IMM carrying ``k`` in the immediate, **on the same QP**: RC ordering places the data before the
+  receive completion of the signal, with no fence. The signal is the chunk's last WRITE itself (a
+  WRITE_WITH_IMM carries data), so a chunk of one WRITE is one work request.  A QP's chunks are posted as one chain
   per sweep; only every ``signal_every``-th signal, and the last of a chain, is signalled; a completion
   retires every earlier chunk of that QP.  Retired chunks advance ``SENT``.
 - The receiving proxy turns receive completions (WRITE_WITH_IMM) into ``TAIL[p]``, the count of chunks
@@ -609,7 +610,7 @@ class Scheduler:
                 sig = q.unsignaled >= self.signal_every or i == len(seqs) - 1
                 if sig:
                     q.unsignaled = 0
-                for tqp, op in self._chunk_ops(p, qp, seq, self.flags.length(p, seq), sig):
+                for tqp, op in _fold_signal(self._chunk_ops(p, qp, seq, self.flags.length(p, seq), sig)):
                     batches.setdefault((p, tqp), []).append(op)
                     q.wrs += 1
                     if op.kind == WRITE_WITH_IMM and tqp != qp:   # the signal went elsewhere: retire it there
@@ -640,7 +641,8 @@ class Scheduler:
 
     def _chunk_ops(self, peer: int, qp: int, seq: int, nbytes: int, signaled: bool) -> List[Tuple[int, Op]]:
         """The work requests of one chunk, as ``(QP index, Op)``: its WRITEs, then its signal (a zero-length
-        WRITE_WITH_IMM with the chunk number as immediate), all on QP ``qp``.
+        WRITE_WITH_IMM with the chunk number as immediate), all on QP ``qp``; the caller folds the signal into the
+        last WRITE where both are on one QP (:func:`_fold_signal`).
 
         A documented test hook: the ordering tests subclass the scheduler and override this method to post the
         signal on another QP (the planted bug in-QP ordering exists to prevent), and check that their
@@ -725,6 +727,23 @@ class Scheduler:
         self.wrs_posted += 1
         st.credit_sent = head
         return True
+
+
+def _fold_signal(ops: List[Tuple[int, Op]]) -> List[Tuple[int, Op]]:
+    """A chunk's work requests with its signal folded into its last WRITE where both go on the same QP: that
+    WRITE becomes the WRITE_WITH_IMM (same bytes, the signal's immediate, completion request and ``wr_id``), one
+    work request fewer. In-QP ordering is unchanged: the immediate's receive completion still says that every
+    byte before it on the QP, its own included, is placed (the verbs spec's WRITE_WITH_IMM carries data). A
+    signal on another QP than the data (the ordering tests' planted bug), or a chunk without one, is left as
+    it is."""
+    if len(ops) < 2:
+        return ops
+    (qs, sig), (qw, last) = ops[-1], ops[-2]
+    if sig.kind != WRITE_WITH_IMM or sig.length or last.kind != WRITE or qs != qw:
+        return ops
+    folded = Op(WRITE_WITH_IMM, last.region, last.offset, last.length, last.remote, last.remote_offset,
+                imm=sig.imm, signaled=sig.signaled, wr_id=sig.wr_id)
+    return ops[:-2] + [(qw, folded)]
 
 
 def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray],

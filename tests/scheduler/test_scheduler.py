@@ -72,7 +72,7 @@ class Probe:
         return on_signal
 
 
-def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1):
+def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1, wr_bytes=None):
     """All-to-all with a probe at every signal; asserts each chunk intact when its signal arrives, chunks
     in order on every QP (channel), and every byte at the end."""
     probe = Probe(sizes, slot, seed)
@@ -83,7 +83,7 @@ def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1):
             super().__init__(t, on_signal=probe.hook(g_ref, t.rank), **kw)
 
     with Group(fabric(world, reorder_seed=seed, reorder_max_s=0.006), world, qps=qps, cls=Probed, slots=slots,
-               slot_bytes=slot, proxies=proxies, timeout_s=20.0) as g:
+               slot_bytes=slot, proxies=proxies, timeout_s=20.0, wr_bytes=wr_bytes) as g:
         g_ref[0] = g
         alltoall_checked(g, sizes, salt=seed)
     assert not probe.bad, f"chunks not intact when their signal arrived (src, dst, qp, seq): {probe.bad[:5]}"
@@ -98,7 +98,26 @@ def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1):
 def test_property_chunks_intact_and_in_order_per_channel(world, qps, slots, slot, seed, proxies, data):
     sizes = {(a, b): data.draw(st.integers(0, 6 * slot), label=f"bytes {a}->{b}")
              for a in range(world) for b in range(world) if a != b}
-    run_probe(Scheduler, world, qps, slots, slot, sizes, seed, proxies)
+    # chunks of one WRITE (the signal is that WRITE) or of several (the signal rides on the last)
+    wr_bytes = data.draw(st.sampled_from([None, 64]), label="wr_bytes")
+    run_probe(Scheduler, world, qps, slots, slot, sizes, seed, proxies, wr_bytes=wr_bytes)
+
+
+@pytest.mark.parametrize("wr_bytes,per_chunk", [(None, 1), (256, 4)])
+def test_signal_is_the_chunks_last_write(wr_bytes, per_chunk):
+    """A chunk's signal is its last WRITE (a WRITE_WITH_IMM carries data): a chunk of one WRITE is one work
+    request, a chunk of 4 WRITEs 4 (one more each before the fold); every byte arrives."""
+    slot = 1024
+    sizes = {(0, 1): 5 * slot, (1, 0): 3 * slot + 100}
+    with Group(fabric(2, reorder_seed=5), 2, qps=2, slots=2, slot_bytes=slot, wr_bytes=wr_bytes) as g:
+        alltoall_checked(g, sizes)
+        for r, sched in enumerate(g.scheds):
+            qps = sched.stats()["qps"].values()
+            chunks = sum(q["chunks"] for q in qps)
+            assert chunks == -(-sizes[(r, 1 - r)] // slot)
+            full, last = divmod(sizes[(r, 1 - r)], slot)
+            want = full * per_chunk + (-(-last // (wr_bytes or slot)) if last else 0)
+            assert sum(q["wrs"] for q in qps) == want, (r, list(qps))
 
 
 class SignalOnAnotherQP(Scheduler):
