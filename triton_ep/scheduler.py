@@ -168,7 +168,8 @@ class Scheduler:
         transport: a connected :class:`~triton_ep.transport.rdma.Transport` (QPs to every peer in RTS).
         slots: S, ring slots per peer and direction (bounded rings: a producer waits for a free slot).
         slot_bytes: bytes per slot = the chunk size (a multiple of 64).
-        wr_bytes: bytes per RDMA WRITE (a chunk is cut into WRITEs of at most this; default: one WRITE).
+        wr_bytes: bytes per RDMA WRITE (a chunk is cut into WRITEs of at most this, at least 64; default: one
+            WRITE).
         qps_per_channel: QPs each channel owns per peer; channels = ``num_qps_per_peer // qps_per_channel``
             (channel ``c`` owns QP indices ``c * qps_per_channel ...``).
         proxies: proxy threads; thread ``t`` owns channels ``c % proxies == t``.  They share one lock (the
@@ -183,7 +184,8 @@ class Scheduler:
             the tail moves (tests look at the slot at that instant).
         trace: keep ``(t_ns, kind, peer, channel, qp, seq, bytes)`` events in :attr:`events`.
     Raises:
-        ValueError: bad sizes.  RdmaError: registration failed.
+        ValueError: bad sizes (``slots``, ``slot_bytes``, ``wr_bytes``, ``qps_per_channel``).  RdmaError:
+            registration failed.
     """
 
     def __init__(self, transport: Transport, *, slots: int = 8, slot_bytes: int = 1 << 20,
@@ -199,6 +201,8 @@ class Scheduler:
         self.rank, self.world = transport.rank, transport.world_size
         self.layout = RingLayout(self.world, slots, slot_bytes)
         self.slots, self.slot_bytes = slots, slot_bytes
+        if wr_bytes is not None and wr_bytes < 1:
+            raise ValueError(f"wr_bytes must be >= 1 (a WRITE below 64 bytes is raised to 64), got {wr_bytes}")
         self.wr_bytes = slot_bytes if wr_bytes is None else max(64, wr_bytes)
         self.qps_per_channel = qps_per_channel
         self.channels = nq // qps_per_channel
@@ -877,6 +881,8 @@ def main(argv=None) -> None:
     sched = None
     try:
         sched = bootstrap(t, dict(slots=a.slots, slot_bytes=a.chunk_kib << 10))
+        if a.emulated:      # every peer has mapped this rank's rings: a killed rank (torchrun's SIGTERM) leaves none
+            kw["fabric"].unlink_rings()
         n = a.mib << 20
         peers = [p for p in range(world) if p != rank]
         data = {p: np.random.default_rng([rank, p]).integers(0, 256, n, dtype=np.uint8) for p in peers}
