@@ -311,7 +311,8 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
     host = "/".join(f"{row[c + '_host']:.0f}" for c in ("dispatch", "dispatch_bf16", "combine"))
     C.print_table(heads, [[C.sig(row.get(c), 4) for c in CALLS] + [host]])
     for r, net in enumerate(row.get("network") or []):
-        C.say(f"[bench_low_latency] rank {r}, network leg over {net['calls']} low-latency calls: "
+        C.say(f"[bench_low_latency] rank {r}, network leg over {net['calls']} low-latency calls "
+              f"({net['calls'] // 2} FP8 dispatches and {net['calls'] // 2} combines, --net-calls pairs): "
               f"{net['wrs_per_call']:.1f} work requests and {net['chunks_per_call']:.1f} chunks a call, proxy "
               f"{net['proxy_us_per_call']:.0f} µs a call ({net['proxy_post_us_per_call']:.0f} of them in the transport's "
               f"posts: the emulator's copies; {net['proxy_transport_us_per_call']:.0f} in any transport call, "
