@@ -399,9 +399,9 @@ def test_wr_bytes_below_one_is_refused(wr_bytes):
 
 @pytest.mark.multiprocess
 def test_cli_killed_by_sigterm_leaves_no_ring_files():
-    """``torchrun -m triton_ep.scheduler --emulated``, its ranks killed by SIGTERM in the middle of the transfer
-    (what torchrun sends the other ranks when one fails): no ring file stays in /dev/shm. Each rank unlinks
-    its rings' names once every peer has mapped them (before, 16 files of 4 MiB stayed after every such run)."""
+    """``torchrun -m triton_ep.scheduler --emulated``, its ranks killed by SIGTERM once set up (what torchrun
+    sends the other ranks when one fails): no ring file stays in /dev/shm. Each rank unlinks its rings' names
+    once every peer has mapped them (before, 16 files of 4 MiB stayed after every such run)."""
     import os
     import signal
     import subprocess
@@ -418,8 +418,9 @@ def test_cli_killed_by_sigterm_leaves_no_ring_files():
                           "-m", "triton_ep.scheduler", "--emulated", "--mib", "256", "--chunk-kib", "1",
                           "--timeout", "60"], cwd=root, start_new_session=True, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
-    def mapping():
-        """The ranks (torchrun's descendants) that have ring files of the run mapped."""
+
+    def ranks():
+        """torchrun's descendants (its ranks run in sessions of their own), from /proc."""
         parent = {}
         for d in os.listdir("/proc"):
             try:
@@ -428,34 +429,53 @@ def test_cli_killed_by_sigterm_leaves_no_ring_files():
                         parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 pass
-        pids = set()
+        out = set()
         for pid in parent:
-            up, hops = pid, 0
+            up, hops = parent[pid], 0
             while up in parent and up != p.pid and hops < 16:
                 up, hops = parent[up], hops + 1
-            if up != p.pid or pid == p.pid:
-                continue
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    if any(prefix in line for line in f):
-                        pids.add(pid)
-            except OSError:
-                pass
-        return pids
+            if up == p.pid:
+                out.add(pid)
+        return out
 
+    def unlinked(pid):
+        """Whether ``pid`` maps ring files of the run whose names are gone (the kernel marks them deleted)."""
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                return any(prefix in line and line.rstrip().endswith("(deleted)") for line in f)
+        except OSError:
+            return False
+
+    seen = set()
     try:
-        deadline = time.monotonic() + 90
-        while len(mapping()) < 2 and time.monotonic() < deadline:     # both ranks set up (peers' rings mapped)
-            time.sleep(0.1)
-        assert len(mapping()) == 2, "the ranks never mapped their rings"
-        time.sleep(1.0)                         # in the middle of the transfer
-        assert p.poll() is None, "the transfer ended before the ranks could be killed"
+        # both ranks set up: every peer has mapped their rings and the names are gone (with the fix: a few
+        # ms after set-up); without the fix that never happens, and the ranks are killed after the bound
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None:
+            seen |= ranks()
+            if sum(unlinked(pid) for pid in seen) >= 2:
+                break
+            time.sleep(0.05)
+        assert p.poll() is None, "the command ended before its ranks could be killed"
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
+        seen |= ranks()
+        try:
+            os.killpg(p.pid, signal.SIGTERM)        # torchrun passes it on to its ranks
+        except ProcessLookupError:
+            pass
         try:
             p.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            pass
+        for pid in seen | {p.pid}:                  # nothing of the run may outlive the test
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    ours = b"triton_ep.scheduler" in f.read()    # (not a reused pid)
+                if ours:
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+        if p.returncode is None:
             p.wait(timeout=30)
     left = rings()
     for n in left:                              # (a failing run must not leave them for the next test either)
