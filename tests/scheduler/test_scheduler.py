@@ -398,7 +398,7 @@ def test_wr_bytes_below_one_is_refused(wr_bytes):
 
 
 @pytest.mark.multiprocess
-def test_cli_killed_by_sigterm_leaves_no_ring_files():
+def test_cli_killed_by_sigterm_leaves_no_ring_files(shm_check):
     """``torchrun -m triton_ep.scheduler --emulated``, its ranks killed by SIGTERM once set up (what torchrun
     sends the other ranks when one fails): no ring file stays in /dev/shm. Each rank unlinks its rings' names
     once every peer has mapped them (before, 16 files of 4 MiB stayed after every such run)."""
@@ -408,10 +408,7 @@ def test_cli_killed_by_sigterm_leaves_no_ring_files():
     import sys
     from triton_ep.transport.emulated import shm_name
     prefix = shm_name("tep_sched")       # the CLI's fabric token: "sched" + torchrun's run id
-    before = {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
-
-    def rings():
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix) and n not in before)
+    before = shm_check.files()
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -450,7 +447,7 @@ def test_cli_killed_by_sigterm_leaves_no_ring_files():
     try:
         # both ranks set up: every peer has mapped their rings and the names are gone (with the fix: a few
         # ms after set-up); without the fix that never happens, and the ranks are killed after the bound
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 30        # (well inside the transfer, which takes about a minute)
         while time.monotonic() < deadline and p.poll() is None:
             seen |= ranks()
             if sum(unlinked(pid) for pid in seen) >= 2:
@@ -477,7 +474,7 @@ def test_cli_killed_by_sigterm_leaves_no_ring_files():
                 pass
         if p.returncode is None:
             p.wait(timeout=30)
-    left = rings()
+    left = sorted(shm_check.left_behind(before))
     for n in left:                              # (a failing run must not leave them for the next test either)
         os.unlink(os.path.join("/dev/shm", n))
     assert not left, f"ring files left in /dev/shm after SIGTERM: {left}"
