@@ -21,9 +21,10 @@ request (``proxy_busy_s`` of ``Buffer.get_rdma_stats()["low_latency"]``: its swe
 the emulated fabric that includes the emulator's payload copies, reported apart as ``proxy_post_us_per_call``,
 the rest as ``proxy_other_us_per_call``; ``proxy_transport_us_per_call``: inside any transport call (polls,
 posts, credits: the emulator's Python over the emulated fabric, pyverbs calls on a NIC), and
-``proxy_own_us_per_call`` the rest, the scheduler's own Python; ``proxy_cpu_us_per_call``: the proxy thread's CPU
-time in those sweeps, without its waits for the GIL), the bytes
-per port and their spread (max / min - 1) and the bytes per QP. The call timings there are functional.
+``proxy_own_us_per_call`` the rest, the scheduler's own Python (wall clock: with any wait for the GIL that falls
+in it); ``proxy_cpu_us_per_call``: the proxy thread's CPU time in those sweeps, without its waits for the GIL, and
+``proxy_own_cpu_us_per_call`` the part of it outside transport calls: the scheduler's own Python in CPU time),
+the bytes per port and their spread (max / min - 1) and the bytes per QP. The call timings there are functional.
 """
 from __future__ import annotations
 
@@ -256,8 +257,8 @@ def _network(buf, dispatch, combine, calls: int) -> dict:
     s1 = snap()
     n = 2 * calls
     wrs = s1["wrs"] - s0["wrs"]
-    busy_us, post_us, tx_us, cpu_us = ((s1[k] - s0[k]) * 1e6 for k in ("proxy_busy_s", "proxy_post_s",
-                                                                      "proxy_transport_s", "proxy_cpu_s"))
+    busy_us, post_us, tx_us, cpu_us, tx_cpu_us = ((s1[k] - s0[k]) * 1e6 for k in (
+        "proxy_busy_s", "proxy_post_s", "proxy_transport_s", "proxy_cpu_s", "proxy_transport_cpu_s"))
     ports = {k: v - s0["ports"].get(k, 0) for k, v in s1["ports"].items()}
     qps = {k: v["bytes"] - s0["qps"].get(k, {"bytes": 0})["bytes"] for k, v in s1["qps"].items()}
     pv = [v for v in ports.values()]
@@ -265,7 +266,7 @@ def _network(buf, dispatch, combine, calls: int) -> dict:
                 proxy_us_per_call=busy_us / n, proxy_us_per_wr=busy_us / max(wrs, 1),
                 proxy_post_us_per_call=post_us / n, proxy_other_us_per_call=(busy_us - post_us) / n,
                 proxy_transport_us_per_call=tx_us / n, proxy_own_us_per_call=(busy_us - tx_us) / n,
-                proxy_cpu_us_per_call=cpu_us / n,
+                proxy_cpu_us_per_call=cpu_us / n, proxy_own_cpu_us_per_call=(cpu_us - tx_cpu_us) / n,
                 proxy_busy_sweeps_per_call=(s1["proxy_busy_sweeps"] - s0["proxy_busy_sweeps"]) / n,
                 port_bytes=ports, port_spread=(max(pv) / max(min(pv), 1) - 1) if pv else None, qp_bytes=qps)
 
@@ -317,7 +318,7 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
               f"{net['proxy_us_per_call']:.0f} µs a call ({net['proxy_post_us_per_call']:.0f} of them in the transport's "
               f"posts: the emulator's copies; {net['proxy_transport_us_per_call']:.0f} in any transport call, "
               f"{net['proxy_own_us_per_call']:.0f} in the proxy's own Python; CPU "
-              f"{net['proxy_cpu_us_per_call']:.0f}) over {net['proxy_busy_sweeps_per_call']:.1f} sweeps that moved "
+              f"{net['proxy_cpu_us_per_call']:.0f}, of which {net['proxy_own_cpu_us_per_call']:.0f} own) over {net['proxy_busy_sweeps_per_call']:.1f} sweeps that moved "
               f"something, {net['proxy_us_per_wr']:.1f} µs a work request, port "
               f"spread {C.sig(net['port_spread'])}; bytes per port {net['port_bytes']}")
     if kernels:

@@ -22,6 +22,7 @@ RANK_COUNTERS = {"triton_ep_rdma_work_requests_total": "wrs", "triton_ep_rdma_ch
                  "triton_ep_rdma_proxy_busy_seconds_total": "proxy_busy_s",
                  "triton_ep_rdma_proxy_transport_seconds_total": "proxy_transport_s",
                  "triton_ep_rdma_proxy_cpu_seconds_total": "proxy_cpu_s",
+                 "triton_ep_rdma_proxy_transport_cpu_seconds_total": "proxy_transport_cpu_s",
                  "triton_ep_rdma_network_seconds_total": "network_s", "triton_ep_rdma_exchanges_total": "exchanges"}
 
 
@@ -120,7 +121,7 @@ def test_labels_name_each_field_of_a_qp(prom):
         c["bytes"], c["chunks"] = c["bytes"] + q["bytes"], c["chunks"] + q["chunks"]
     st = {"transport": "verbs", "num_hosts": 3, "qps": qps, "ports": ports, "channels": channels, "wrs": 999,
           "chunks": sum(q["chunks"] for q in qps.values()), "proxy_busy_s": 0.25, "proxy_transport_s": 0.125,
-          "proxy_cpu_s": 0.2, "network_s": 1.5, "exchanges": 4}
+          "proxy_cpu_s": 0.2, "proxy_transport_cpu_s": 0.0625, "network_s": 1.5, "exchanges": 4}
     buf = StandIn(5, st)
     registry = prom.CollectorRegistry()
     registry.register(PrometheusExporter(buf, labels={"job": "x"}))

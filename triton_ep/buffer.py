@@ -395,6 +395,8 @@ class Buffer:
             transport's data posts: over the emulated fabric its payload copies), ``proxy_transport_s`` (the part
             inside any transport call: polls, posts, credits; the rest is the proxy's own Python),
             ``proxy_cpu_s`` (the proxy threads' CPU seconds in those sweeps: without their waits for the GIL),
+            ``proxy_transport_cpu_s`` (the part of those inside transport calls; the rest is the proxy's own
+            Python in CPU time),
             ``proxy_busy_sweeps`` (how many such sweeps), ``network_s`` (seconds this rank's calls spent in the
             network leg, waits included), ``exchanges`` (network legs: a call makes one or more) and
             ``host_exchanges`` (those that went through host memory: headers, statuses, counts; calls on the

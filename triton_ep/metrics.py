@@ -48,6 +48,8 @@ _RANK_COUNTERS = (
      "Of the proxy's busy seconds, those inside transport calls (posts, polls, credits)."),
     ("triton_ep_rdma_proxy_cpu_seconds", "proxy_cpu_s", "seconds",
      "CPU seconds of this rank's RDMA proxy threads in sweeps that moved something (no GIL waits)."),
+    ("triton_ep_rdma_proxy_transport_cpu_seconds", "proxy_transport_cpu_s", "seconds",
+     "Of the proxy's CPU seconds, those inside transport calls (the rest is its own Python)."),
     ("triton_ep_rdma_network_seconds", "network_s", "seconds",
      "Seconds this rank's calls spent in the network leg, waits included."),
     ("triton_ep_rdma_exchanges", "exchanges", "", "Exchanges with the RDMA peers this rank's calls made."),

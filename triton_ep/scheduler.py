@@ -239,11 +239,13 @@ class Scheduler:
         #: payload copies), and the proxy threads' CPU seconds in those sweeps (no GIL waits)
         self.busy_s = self.post_s = self.busy_cpu_s = 0.0
         #: of ``busy_s``: seconds inside every transport call (polls, posts, credits, receive replenishes:
-        #: on a NIC, pyverbs calls; over the emulated fabric, the emulator's Python as well)
-        self.transport_s = 0.0
+        #: on a NIC, pyverbs calls; over the emulated fabric, the emulator's Python as well), and of
+        #: ``busy_cpu_s`` the proxy threads' CPU seconds inside them (``busy_cpu_s - transport_cpu_s``: the
+        #: scheduler's own Python in CPU time, without the waits for the GIL that its wall clock holds)
+        self.transport_s = self.transport_cpu_s = 0.0
         #: sweeps that moved something
         self.busy_sweeps = 0
-        self._sweep_tx = 0.0
+        self._sweep_tx = self._sweep_tx_cpu = 0.0
         #: per (proxy thread, peer, port): a heap of ``(out_bytes, total_bytes, qp)`` of its QPs with room
         #: in their window (stale entries are dropped when met), and the QPs with chunks in flight
         self._heaps: Dict[Tuple[int, int], Dict[str, list]] = {}
@@ -413,14 +415,17 @@ class Scheduler:
         something, ``proxy_post_s``: the part of those inside the transport's data posts (the emulated fabric
         copies payloads there; a NIC's post only rings a doorbell), ``proxy_transport_s``: the part inside any
         transport call (polls, posts, credits, receive replenishes), ``proxy_cpu_s``: the proxy threads'
-        CPU seconds in those sweeps (``proxy_busy_s`` less the time they waited, e.g. for the GIL), and
-        ``proxy_busy_sweeps``: how many such sweeps."""
+        CPU seconds in those sweeps (``proxy_busy_s`` less the time they waited, e.g. for the GIL),
+        ``proxy_transport_cpu_s``: the part of those inside transport calls (``proxy_cpu_s -
+        proxy_transport_cpu_s`` is the scheduler's own Python in CPU time), and ``proxy_busy_sweeps``: how
+        many such sweeps."""
         with self._lock:
             qps = {f"{q.peer}/{q.qp}": dict(channel=q.channel, port=q.port, bytes=q.total_bytes, wrs=q.wrs,
                                             chunks=q.chunks) for q in self._qps.values()}
             ports = {k: v[1] for k, v in self._ports.items()}
         return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": self.busy_s,
                 "proxy_post_s": self.post_s, "proxy_transport_s": self.transport_s, "proxy_cpu_s": self.busy_cpu_s,
+                "proxy_transport_cpu_s": self.transport_cpu_s,
                 "proxy_busy_sweeps": self.busy_sweeps}
 
     # ---------------------------------------------------------------- the proxy
@@ -433,15 +438,16 @@ class Scheduler:
             while not self._stop.is_set():
                 t0, c0 = time.perf_counter(), time.thread_time()
                 with self._lock:
-                    self._sweep_tx = 0.0
+                    self._sweep_tx = self._sweep_tx_cpu = 0.0
                     did = self._sweep(own)
-                    tx = self._sweep_tx
+                    tx, tx_cpu = self._sweep_tx, self._sweep_tx_cpu
                 if did:
                     c1 = time.thread_time()         # (read inside the wall-clock interval: CPU <= wall)
                     self.busy_s += time.perf_counter() - t0
                     self.busy_sweeps += 1
                     self.busy_cpu_s += c1 - c0
                     self.transport_s += tx
+                    self.transport_cpu_s += tx_cpu
                     idle = 0
                 else:
                     idle += 1
@@ -483,13 +489,13 @@ class Scheduler:
         anything moved.  Raises ProxyError."""
         did = False
         flags = self.flags
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             comps = self.t.poll(raise_on_error=False)
         except Exception as ex:   # noqa: BLE001
             raise ProxyError(self.rank, None, None, None, STAGE_NAMES[STAGE_SEND_CQE], f"poll failed: {ex}") from ex
         finally:
-            self._sweep_tx += time.perf_counter() - t0
+            self._tx_done(t0, c0)
         for c in comps:
             did = True
             self._on_completion(c)
@@ -507,16 +513,14 @@ class Scheduler:
         for p in self.peers:
             did |= self._gather(p, own, batches, now, words[p])
         for (p, qp), ops in batches.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 self.t.post(p, qp, ops)
             except Exception as ex:   # noqa: BLE001
                 raise ProxyError(self.rank, p, qp // self.qps_per_channel, qp, STAGE_NAMES[STAGE_POST],
                                  f"{type(ex).__name__}: {ex}") from ex
             finally:
-                dt = time.perf_counter() - t0
-                self.post_s += dt
-                self._sweep_tx += dt
+                self.post_s += self._tx_done(t0, c0)
             self.wrs_posted += len(ops)
         h0 = (RingFlags.HEAD - RingFlags.READY) * R
         for p in self.peers:
@@ -530,6 +534,15 @@ class Scheduler:
                 raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
                                  f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
         return did
+
+    def _tx_done(self, t0: float, c0: float) -> float:
+        """A transport call that began at ``perf_counter() == t0`` and ``thread_time() == c0`` returned: its wall
+        and CPU seconds count as the sweep's transport time.  Returns the wall seconds."""
+        c1 = time.thread_time()         # (read inside the wall-clock interval: CPU <= wall)
+        dt = time.perf_counter() - t0
+        self._sweep_tx += dt
+        self._sweep_tx_cpu += c1 - c0
+        return dt
 
     def _choose(self, own: List[_QPState], peer: int) -> Optional[_QPState]:
         """The QP for the next chunk to ``peer``: the port with the fewest bytes posted so far (so the ports'
@@ -684,9 +697,9 @@ class Scheduler:
                     st.tail += 1
                 self.flags.put(RingFlags.TAIL, c.peer, st.tail)
             if self._replenish:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 self.t.post_recv(c.peer, c.qp, 1)
-                self._sweep_tx += time.perf_counter() - t0
+                self._tx_done(t0, c0)
         elif c.wr_id & TAG_CHUNK:
             self._retire(self._qps[(c.peer, c.qp)], c.wr_id & _SEQ_MASK)
 
@@ -720,14 +733,14 @@ class Scheduler:
             return False
         lay = self.layout
         self.flags.put(RingFlags.SRC, p, head)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             self.t.post(p, 0, [Op(WRITE, self.region, lay.word_off(RingFlags.SRC, p), 8, self._remote[p],
                                   lay.word_off(RingFlags.CREDIT, self.rank))])
         except Exception as ex:   # noqa: BLE001
             raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST], f"credit write: {type(ex).__name__}: {ex}") from ex
         finally:
-            self._sweep_tx += time.perf_counter() - t0
+            self._tx_done(t0, c0)
         self.wrs_posted += 1
         st.credit_sent = head
         return True

@@ -142,7 +142,8 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
     """``Buffer.get_rdma_stats``'s dict from the scheduler's :meth:`~triton_ep.scheduler.Scheduler.stats`
     (channels summed from its QPs); the defaults give a Buffer on one host: no traffic."""
     s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0, "proxy_post_s": 0.0,
-                        "proxy_transport_s": 0.0, "proxy_cpu_s": 0.0, "proxy_busy_sweeps": 0}
+                        "proxy_transport_s": 0.0, "proxy_cpu_s": 0.0, "proxy_transport_cpu_s": 0.0,
+                        "proxy_busy_sweeps": 0}
     channels: dict = {}
     for q in s["qps"].values():
         c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
@@ -152,6 +153,7 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
             "channels": channels, "wrs": s["wrs"], "chunks": sum(q["chunks"] for q in s["qps"].values()),
             "proxy_busy_s": s["proxy_busy_s"], "proxy_post_s": s["proxy_post_s"],
             "proxy_transport_s": s["proxy_transport_s"], "proxy_cpu_s": s["proxy_cpu_s"],
+            "proxy_transport_cpu_s": s["proxy_transport_cpu_s"],
             "proxy_busy_sweeps": s["proxy_busy_sweeps"], "network_s": network_s, "exchanges": exchanges,
             "host_exchanges": host_exchanges}
 
