@@ -293,6 +293,7 @@ def test_over_the_null_transport_with_payload():
         assert scheds[0].busy_s > 0 and len({q["bytes"] > 0 for q in scheds[0].stats()["qps"].values()}) == 1
         st = scheds[0].stats()      # the proxy's time split: transport calls within the busy sweeps, CPU time
         assert 0 < st["proxy_post_s"] <= st["proxy_transport_s"] <= st["proxy_busy_s"] and st["proxy_cpu_s"] > 0, st
+        assert 0 < st["proxy_transport_cpu_s"] <= st["proxy_cpu_s"], st      # (CPU time nests as wall time does)
     finally:
         for s in scheds:
             s.close()
