@@ -318,8 +318,8 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
               f"{net['proxy_us_per_call']:.0f} µs a call ({net['proxy_post_us_per_call']:.0f} of them in the transport's "
               f"posts: the emulator's copies; {net['proxy_transport_us_per_call']:.0f} in any transport call, "
               f"{net['proxy_own_us_per_call']:.0f} in the proxy's own Python; CPU "
-              f"{net['proxy_cpu_us_per_call']:.0f}, of which {net['proxy_own_cpu_us_per_call']:.0f} own) over {net['proxy_busy_sweeps_per_call']:.1f} sweeps that moved "
-              f"something, {net['proxy_us_per_wr']:.1f} µs a work request, port "
+              f"{net['proxy_cpu_us_per_call']:.0f}, of which {net['proxy_own_cpu_us_per_call']:.0f} own) over "
+              f"{net['proxy_busy_sweeps_per_call']:.1f} sweeps that moved something, {net['proxy_us_per_wr']:.1f} µs a work request, port "
               f"spread {C.sig(net['port_spread'])}; bytes per port {net['port_bytes']}")
     if kernels:
         C.say("[bench_low_latency] rank 0's kernels per graph replay of dispatch + combine (torch.profiler):")

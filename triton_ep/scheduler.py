@@ -241,7 +241,9 @@ class Scheduler:
         #: of ``busy_s``: seconds inside every transport call (polls, posts, credits, receive replenishes:
         #: on a NIC, pyverbs calls; over the emulated fabric, the emulator's Python as well), and of
         #: ``busy_cpu_s`` the proxy threads' CPU seconds inside them (``busy_cpu_s - transport_cpu_s``: the
-        #: scheduler's own Python in CPU time, without the waits for the GIL that its wall clock holds)
+        #: scheduler's own Python in CPU time, without the waits for the GIL that its wall clock holds; the two
+        #: ``thread_time`` reads around each transport call, system calls of some 0.2-0.4 µs, count in the
+        #: transport's wall time but in the own CPU time, so own CPU can exceed own wall by about 1 µs a call)
         self.transport_s = self.transport_cpu_s = 0.0
         #: sweeps that moved something
         self.busy_sweeps = 0
@@ -437,17 +439,17 @@ class Scheduler:
         try:
             while not self._stop.is_set():
                 t0, c0 = time.perf_counter(), time.thread_time()
-                with self._lock:
+                with self._lock:        # (the counters too: proxy threads share them, stats() reads them whole)
                     self._sweep_tx = self._sweep_tx_cpu = 0.0
                     did = self._sweep(own)
-                    tx, tx_cpu = self._sweep_tx, self._sweep_tx_cpu
+                    if did:
+                        c1 = time.thread_time()     # (read inside the wall-clock interval: CPU <= wall)
+                        self.busy_s += time.perf_counter() - t0
+                        self.busy_sweeps += 1
+                        self.busy_cpu_s += c1 - c0
+                        self.transport_s += self._sweep_tx
+                        self.transport_cpu_s += self._sweep_tx_cpu
                 if did:
-                    c1 = time.thread_time()         # (read inside the wall-clock interval: CPU <= wall)
-                    self.busy_s += time.perf_counter() - t0
-                    self.busy_sweeps += 1
-                    self.busy_cpu_s += c1 - c0
-                    self.transport_s += tx
-                    self.transport_cpu_s += tx_cpu
                     idle = 0
                 else:
                     idle += 1
@@ -622,6 +624,7 @@ class Scheduler:
             st.stall_since = None
         # chunks of one WRITE skip _chunk_ops + _fold_signal, unless a test hook replaced _chunk_ops
         fast = self.wr_bytes >= self.slot_bytes and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
+        lay = self.layout
         for qp, seqs in chains.items():
             q = self._qps[(p, qp)]
             last = len(seqs) - 1
@@ -631,7 +634,6 @@ class Scheduler:
                 if sig:
                     q.unsignaled = 0
                 if fast:        # one WRITE carrying the signal: what _fold_signal makes of _chunk_ops' two
-                    lay = self.layout
                     batches.setdefault((p, qp), []).append(Op(
                         WRITE_WITH_IMM, self.region, lay.send_off(p, seq), n, self._remote[p],
                         lay.recv_off(self.rank, seq), imm=seq & 0xFFFFFFFF, signaled=sig,
@@ -676,7 +678,8 @@ class Scheduler:
 
         A documented test hook: the ordering tests subclass the scheduler and override this method to post the
         signal on another QP (the planted bug in-QP ordering exists to prevent), and check that their
-        property fails; every QP index returned must be below ``num_qps_per_peer``. While it is not replaced, a
+        property fails; every QP index returned must be below ``num_qps_per_peer``. While it is not replaced (on
+        the instance, the class or in a subclass: ``testing.drop_rdma_signal``, the ordering and fault tests), a
         chunk of one WRITE (``wr_bytes`` at least ``slot_bytes``, the default) is built directly as the folded
         WRITE_WITH_IMM, without calling it (the same work request, a few µs less of the proxy's Python)."""
         lay, rem = self.layout, self._remote[peer]

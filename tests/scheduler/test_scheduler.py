@@ -299,6 +299,41 @@ def test_over_the_null_transport_with_payload():
             s.close()
 
 
+def test_one_write_chunks_are_the_work_requests_chunk_ops_makes():
+    """A chunk of one WRITE is built directly, not through ``_chunk_ops`` + ``_fold_signal``: every chunk
+    posted is field for field what those two make of it (QP, offsets, length, immediate, completion request,
+    wr_id); with ``_chunk_ops`` replaced on the instance (a test hook) the chunks go through it."""
+    from triton_ep.transport.null import NullTransport, NullWire
+    from triton_ep.scheduler import TAG_CHUNK, _fold_signal
+    for hooked in (False, True):
+        wire = NullWire()
+        ts = [NullTransport(r, 2, wire, num_qps_per_peer=3, timeout_s=5.0, move_payload=True) for r in range(2)]
+        scheds = [Scheduler(t, slots=2, slot_bytes=256) for t in ts]
+        seen, hook_calls = [], []
+        try:
+            s0, real_post = scheds[0], ts[0].post
+
+            def post(peer, qp, ops, s0=s0, real_post=real_post, seen=seen):
+                for op in ops:
+                    if op.kind == WRITE_WITH_IMM:
+                        seq = op.wr_id & ~TAG_CHUNK
+                        want = _fold_signal(Scheduler._chunk_ops(s0, peer, qp, seq, op.length, op.signaled))
+                        seen.append(want == [(qp, op)])
+                return real_post(peer, qp, ops)
+            ts[0].post = post
+            if hooked:
+                s0._chunk_ops = lambda *a, s0=s0, calls=hook_calls: calls.append(a) or Scheduler._chunk_ops(s0, *a)
+            for s in scheds:
+                s.start([x.remote_region() for x in scheds])
+            res = in_threads(lambda r: host_alltoall(scheds[r], {1 - r: payload(r, 1 - r, 3000)}, {1 - r: 3000}), 2)
+            assert np.array_equal(res[1][0], payload(0, 1, 3000))
+        finally:
+            for s in scheds:
+                s.close()
+        assert len(seen) == 12 and all(seen), (hooked, seen)          # 3000 bytes in chunks of 256
+        assert len(hook_calls) == (12 if hooked else 0), hooked
+
+
 @pytest.mark.parametrize("args,words", [(["--mib", "-1"], "--mib"), (["--qps", "0"], "--qps"),
                                         (["--chunk-kib", "0"], "--chunk-kib"), (["--slots", "x"], "--slots"),
                                         (["--timeout", "0"], "--timeout"), ([], "torchrun")])
