@@ -624,7 +624,6 @@ class Scheduler:
             st.stall_since = None
         # chunks of one WRITE skip _chunk_ops + _fold_signal, unless a test hook replaced _chunk_ops
         fast = self.wr_bytes >= self.slot_bytes and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
-        lay = self.layout
         for qp, seqs in chains.items():
             q = self._qps[(p, qp)]
             last = len(seqs) - 1
@@ -634,10 +633,7 @@ class Scheduler:
                 if sig:
                     q.unsignaled = 0
                 if fast:        # one WRITE carrying the signal: what _fold_signal makes of _chunk_ops' two
-                    batches.setdefault((p, qp), []).append(Op(
-                        WRITE_WITH_IMM, self.region, lay.send_off(p, seq), n, self._remote[p],
-                        lay.recv_off(self.rank, seq), imm=seq & 0xFFFFFFFF, signaled=sig,
-                        wr_id=TAG_CHUNK | (seq & _SEQ_MASK)))
+                    batches.setdefault((p, qp), []).append(self._signal_op(p, seq, n, sig))
                     q.wrs += 1
                     if self.trace:
                         self._event("post", p, q.channel, qp, seq, n)
@@ -686,9 +682,17 @@ class Scheduler:
         src, dst = lay.send_off(peer, seq), lay.recv_off(self.rank, seq)
         ops = [(qp, Op(WRITE, self.region, src + o, min(self.wr_bytes, nbytes - o), rem, dst + o))
                for o in range(0, nbytes, self.wr_bytes)]
-        ops.append((qp, Op(WRITE_WITH_IMM, self.region, src, 0, rem, dst, imm=seq & 0xFFFFFFFF, signaled=signaled,
-                           wr_id=TAG_CHUNK | (seq & _SEQ_MASK))))
+        ops.append((qp, self._signal_op(peer, seq, 0, signaled)))
         return ops
+
+    def _signal_op(self, peer: int, seq: int, nbytes: int, signaled: bool) -> Op:
+        """Chunk ``seq``'s signal to ``peer``: a WRITE_WITH_IMM of the first ``nbytes`` of its slot (0: the
+        zero-length signal of :meth:`_chunk_ops`; the chunk's length: the whole chunk as one work request), the
+        chunk number as immediate and in ``wr_id``."""
+        lay = self.layout
+        return Op(WRITE_WITH_IMM, self.region, lay.send_off(peer, seq), nbytes, self._remote[peer],
+                  lay.recv_off(self.rank, seq), imm=seq & 0xFFFFFFFF, signaled=signaled,
+                  wr_id=TAG_CHUNK | (seq & _SEQ_MASK))
 
     def _on_completion(self, c: Completion) -> None:
         if c.peer is None:          # not one of our QPs' (cannot happen with one transport per scheduler)
