@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import flags, ll_net
+from . import flags, ll_net, pdl
 from ._util import cdiv, pow2, tuning
 from .launch import Launcher, bound
 from .combine import _bf16_rtne_bits
@@ -31,6 +31,7 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                             K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
                             USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_W: tl.constexpr):
+    pdl.pdl_start()
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
@@ -79,7 +80,7 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
         flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
 
 
-_ll_combine_send_launch = Launcher(_ll_combine_send_kernel)
+_ll_combine_send_launch = Launcher(_ll_combine_send_kernel, **pdl.options())
 
 
 @triton.jit(do_not_specialize=['T', 'offset', 'sig', 'me', 'timeout_ns'])
@@ -88,6 +89,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                               R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
                               SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pdl.pdl_start()
     # This call's number: the rank's last sent call, less the sends issued after it (host-known).
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
@@ -125,7 +127,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
 
 
 # no fused multiply-add: w * v is rounded, then added, as in the reference
-_ll_combine_reduce_launch = Launcher(_ll_combine_reduce_kernel, enable_fp_fusion=False)
+_ll_combine_reduce_launch = Launcher(_ll_combine_reduce_kernel, enable_fp_fusion=False, **pdl.options())
 
 
 def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, layout_range: torch.Tensor,

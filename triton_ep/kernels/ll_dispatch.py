@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import flags, ll_net
+from . import flags, ll_net, pdl
 from ..protocol import records
 from ._util import cdiv, interpreted, pow2, tuning
 from .dispatch import _grid2
@@ -40,6 +40,7 @@ from .fp8 import quantize_blocks
 def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    pdl.pdl_start()
     # Program p owns experts [p * BLOCK_E, (p + 1) * BLOCK_E): it alone writes their slots and counts, so the
     # programs need no ordering among themselves; program 0 also writes -1 for entries that make no row.
     pid = tl.program_id(0)
@@ -82,7 +83,7 @@ def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_pe
                          tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, tl.load(ctl + flags.L_SEQ) + 1)
 
 
-_ll_route_launch = Launcher(_ll_route_kernel)
+_ll_route_launch = Launcher(_ll_route_kernel, **pdl.options())
 
 
 @triton.jit
@@ -120,6 +121,7 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                              BLOCK_E: tl.constexpr):
+    pdl.pdl_start()
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
@@ -180,7 +182,7 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
         flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
 
 
-_ll_dispatch_send_launch = Launcher(_ll_dispatch_send_kernel)
+_ll_dispatch_send_launch = Launcher(_ll_dispatch_send_kernel, **pdl.options())
 
 
 @triton.jit(do_not_specialize=['offset', 'sig', 'me', 'timeout_ns'])
@@ -192,6 +194,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                              BLOCK_F: tl.constexpr):
+    pdl.pdl_start()
     b = tl.program_id(1)
     NB = tl.num_programs(1)
     # This call's number: the rank's last sent call, less the sends issued after it (host-known).
@@ -266,7 +269,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
     flags.ll_finish_recv(ctl, half, n, USE_ASM)
 
 
-_ll_dispatch_recv_launch = Launcher(_ll_dispatch_recv_kernel)
+_ll_dispatch_recv_launch = Launcher(_ll_dispatch_recv_kernel, **pdl.options())
 
 
 def _route_blocks(k: int, num_experts: int, interp: bool) -> tuple:
