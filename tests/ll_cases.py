@@ -867,3 +867,20 @@ def size_change(rank, world, delay_s=1.5, device="cpu"):
         return same, True, msg
     finally:
         buf.destroy()
+
+
+def pdl_bad_value(rank, world):
+    """A process started with a TRITON_EP_PDL that is no switch value: its first low-latency dispatch raises
+    ValueError naming the variable, before anything launches; the Buffer is destroyed cleanly."""
+    N, H, E = 8, 128, 4
+    buf = _buffer(world, N, H, E)
+    try:
+        x = torch.randn(4, H).bfloat16()
+        idx = torch.randint(0, E, (4, 2))
+        try:
+            buf.low_latency_dispatch(x, idx, N, E)
+        except ValueError as e:
+            return str(e)
+        return None
+    finally:
+        buf.destroy()

@@ -6,13 +6,21 @@ it has completed and its writes are visible, so the launch's own start-up overla
 (Hopper and later, CUDA 12.3+ for graphs). Every kernel launched with PDL calls :func:`pdl_start` before it
 reads or writes anything, which keeps the stream's order for everything after it: a later launch waits for this
 one, which waited for the one before. Off by default, and always off under the interpreter.
+
+The switch is read once, when ``triton_ep`` is imported: set it before. Its values are those of
+``TRITON_EP_FUSED`` (1 / 0, true / false, yes / no, on / off, any case, spaces around ignored). The first
+low-latency call of a process checks it (:func:`check`): another value, or PDL on for a GPU older than Hopper
+(or a ROCm one), raises ``ValueError`` before anything is launched.
 """
 import os
+import warnings
 
+import torch
 import triton
 import triton.language as tl
 
 from ._util import interpreted
+from .dispatch import _SWITCH
 
 try:                                    # Triton >= 3.4 on NVIDIA
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -20,15 +28,54 @@ except ImportError:                     # pragma: no cover - older Triton: PDL s
     gdc_wait = gdc_launch_dependents = None
 
 
+def _switch() -> object:
+    """``TRITON_EP_PDL`` as True / False (unset or empty: False), or the raw string where it is no switch value."""
+    raw = os.environ.get("TRITON_EP_PDL", "")
+    v = raw.strip().lower()
+    return False if not v else _SWITCH.get(v, raw)
+
+
 def pdl_enabled() -> bool:
-    """``TRITON_EP_PDL`` is 1 (or true / yes / on), kernels run on a GPU and Triton has ``gdc_wait``."""
-    on = os.environ.get("TRITON_EP_PDL", "0").strip().lower() in ("1", "true", "yes", "on")
-    return on and not interpreted() and gdc_wait is not None
+    """``TRITON_EP_PDL`` is on (1, true, yes, on), kernels run on a GPU and Triton has ``gdc_wait``."""
+    return _switch() is True and not interpreted() and gdc_wait is not None
 
 
 #: whether the low-latency kernels are compiled and launched with PDL (fixed at import)
 PDL_ON = pdl_enabled()
 PDL = tl.constexpr(PDL_ON)
+
+
+#: the switch as it was at import (what :func:`check` judges)
+SWITCH = _switch()
+_CHECKED: set = set()
+
+
+def _capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
+
+
+def check(device: torch.device) -> None:
+    """Judge the switch once per process and device, at the first low-latency call (before anything launches).
+
+    Raises:
+        ValueError: ``TRITON_EP_PDL`` is not a switch value, or PDL is on and ``device`` is a GPU older than Hopper
+            (compute capability 9.0) or a ROCm GPU, where the kernels' ``griddepcontrol`` does not compile.
+    Warns (once) where the switch is on but this Triton has no ``gdc_wait`` (PDL stays off)."""
+    key = str(device)
+    if key in _CHECKED:
+        return
+    if SWITCH not in (True, False):
+        raise ValueError(f"TRITON_EP_PDL must be 1 or 0 (or true / false, yes / no, on / off), got {SWITCH!r}")
+    if SWITCH and gdc_wait is None and not interpreted():
+        warnings.warn("TRITON_EP_PDL is on but this Triton has no gdc_wait: the low-latency kernels launch without "
+                      "programmatic dependent launch", stacklevel=3)
+    if PDL_ON and device.type == "cuda":
+        cap = _capability(device)
+        if getattr(torch.version, "hip", None) or tuple(cap) < (9, 0):
+            raise ValueError(f"TRITON_EP_PDL=1 needs an NVIDIA GPU of compute capability 9.0 (Hopper) or newer; "
+                             f"{device} has {cap[0]}.{cap[1]}{' (ROCm)' if getattr(torch.version, 'hip', None) else ''}: "
+                             f"unset it")
+    _CHECKED.add(key)
 
 
 def options() -> dict:

@@ -22,7 +22,7 @@ import torch
 
 from ..config import EventOverlap
 from ..errors import EPError, EPRemoteError
-from ..kernels import flags as F
+from ..kernels import flags as F, pdl
 from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
@@ -374,6 +374,7 @@ class LowLatency:
 
     def _dispatch_args(self, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_ue8m0, async_finish, hook):
         rt = self.rt
+        pdl.check(rt.device)
         if not isint(N) or N <= 0:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
         rt.check_num_experts(E)
