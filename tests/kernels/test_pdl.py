@@ -43,7 +43,7 @@ def test_check_rejects_a_value_that_is_no_switch(monkeypatch):
         pdl.check(torch.device("cpu"))
     monkeypatch.setattr(pdl, "SWITCH", False)
     pdl.check(torch.device("cpu"))
-    assert "cpu" in pdl._CHECKED
+    assert torch.device("cpu") in pdl._CHECKED
 
 
 @pytest.mark.parametrize("cap, ok", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)])

@@ -7,7 +7,7 @@ written here. Results never depend on these values (fixed-order reductions), onl
 """
 import functools
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -62,6 +62,21 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
 def interpreted() -> bool:
     """True when Triton runs kernels in its interpreter (CPU tensors, ``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def env_switch(name: str) -> Optional[bool]:
+    """The environment variable ``name`` as a switch: True / False, or None when unset or empty (case and spaces
+    around ignored). Raises ``ValueError`` naming it for a value other than 1 / 0, true / false, yes / no, on /
+    off. ``TRITON_EP_FUSED`` and ``TRITON_EP_PDL`` are read through it."""
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return None
+    if v not in _SWITCH:
+        raise ValueError(f"{name} must be 1 or 0 (or true / false, yes / no, on / off), got {os.environ[name]!r}")
+    return _SWITCH[v]
 
 
 def tuning(kernel: str) -> Dict[str, object]:

@@ -20,7 +20,7 @@ import triton.language as tl
 from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
-from ._util import cdiv, interpreted, num_sms, pow2, tuning
+from ._util import cdiv, env_switch, interpreted, num_sms, pow2, tuning
 
 
 @triton.jit
@@ -399,19 +399,11 @@ def fused_programs(blocks: int, device: torch.device, signals: dict) -> int:
     return min(_grid(blocks, signals), num_sms(device))
 
 
-_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
 def fused_switch() -> Optional[bool]:
-    """``TRITON_EP_FUSED`` as a switch: True / False, or None when unset. Raises ``ValueError`` for a value other
-    than 1 / 0, true / false, yes / no, on / off (calls check it with their arguments, before anything runs)."""
-    force = os.environ.get("TRITON_EP_FUSED", "").strip().lower()
-    if not force:
-        return None
-    if force not in _SWITCH:
-        raise ValueError(f"TRITON_EP_FUSED must be 1 or 0 (or true / false, yes / no, on / off), got "
-                         f"{os.environ['TRITON_EP_FUSED']!r}")
-    return _SWITCH[force]
+    """``TRITON_EP_FUSED`` as a switch (:func:`._util.env_switch`): True / False, or None when unset. Raises
+    ``ValueError`` for a value other than 1 / 0, true / false, yes / no, on / off (calls check it with their
+    arguments, before anything runs)."""
+    return env_switch("TRITON_EP_FUSED")
 
 
 def use_fused(num_tokens: int, group, force: Optional[bool]) -> bool:

@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interpreted
-from .dispatch import _SWITCH
+from ._util import env_switch, interpreted
 
 try:                                    # Triton >= 3.4 on NVIDIA
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -29,10 +28,12 @@ except ImportError:                     # pragma: no cover - older Triton: PDL s
 
 
 def _switch() -> object:
-    """``TRITON_EP_PDL`` as True / False (unset or empty: False), or the raw string where it is no switch value."""
-    raw = os.environ.get("TRITON_EP_PDL", "")
-    v = raw.strip().lower()
-    return False if not v else _SWITCH.get(v, raw)
+    """``TRITON_EP_PDL`` as True / False (unset or empty: False), or the raw string where it is no switch value
+    (:func:`check` raises for it at the first low-latency call, not at import)."""
+    try:
+        return bool(env_switch("TRITON_EP_PDL"))
+    except ValueError:
+        return os.environ["TRITON_EP_PDL"]
 
 
 def pdl_enabled() -> bool:
@@ -61,8 +62,7 @@ def check(device: torch.device) -> None:
         ValueError: ``TRITON_EP_PDL`` is not a switch value, or PDL is on and ``device`` is a GPU older than Hopper
             (compute capability 9.0) or a ROCm GPU, where the kernels' ``griddepcontrol`` does not compile.
     Warns (once) where the switch is on but this Triton has no ``gdc_wait`` (PDL stays off)."""
-    key = str(device)
-    if key in _CHECKED:
+    if device in _CHECKED:      # (every low-latency dispatch comes here: a set lookup, no string made)
         return
     if SWITCH not in (True, False):
         raise ValueError(f"TRITON_EP_PDL must be 1 or 0 (or true / false, yes / no, on / off), got {SWITCH!r}")
@@ -70,12 +70,11 @@ def check(device: torch.device) -> None:
         warnings.warn("TRITON_EP_PDL is on but this Triton has no gdc_wait: the low-latency kernels launch without "
                       "programmatic dependent launch", stacklevel=3)
     if PDL_ON and device.type == "cuda":
-        cap = _capability(device)
-        if getattr(torch.version, "hip", None) or tuple(cap) < (9, 0):
+        cap, hip = _capability(device), getattr(torch.version, "hip", None)
+        if hip or tuple(cap) < (9, 0):
             raise ValueError(f"TRITON_EP_PDL=1 needs an NVIDIA GPU of compute capability 9.0 (Hopper) or newer; "
-                             f"{device} has {cap[0]}.{cap[1]}{' (ROCm)' if getattr(torch.version, 'hip', None) else ''}: "
-                             f"unset it")
-    _CHECKED.add(key)
+                             f"{device} has {cap[0]}.{cap[1]}{' (ROCm)' if hip else ''}: unset it")
+    _CHECKED.add(device)
 
 
 def options() -> dict:
