@@ -1,8 +1,8 @@
-"""GPU time of a cached dispatch and of a combine at one rank for several caps of the normal-mode launches' grid,
-the caps alternated in one process.
+"""GPU time of a cached dispatch and of a combine at one rank for several caps of the normal-mode launches' grid
+(and other launch parameters of the tuning table), the settings alternated in one process.
 
     ./run.sh python benchmarks/grid_cap.py [--tokens 2048,4096] [--caps 0,2,4,8,16] [--repeats 5] [--replays 50]
-                                           [--out DIR]
+                                           [--vary KERNEL.KEY=V1,V2 ...] [--config "K.K=V;K.K=V" ...] [--out DIR]
 
 The send and receive launches of normal-mode calls of more than one block (not the fused single launch of a
 small call, not low-latency mode) take at most ``GPU_TUNING["grid"]["programs_per_sm"]`` programs per
@@ -17,7 +17,13 @@ unmeasured and ``--replays`` times between two CUDA events, cap after cap: GPU �
 it). ``floor_us``: the bytes a call must move at one rank (x read once, each record written once and read once,
 the output written once: 4 x T rows) over the copy ceiling measured first (``dst.copy_(src)`` of 512 MiB, read
 plus written bytes per second); ``*_frac`` = floor / time; ``*_ratio`` = time / the first cap's time (below 1:
-quicker). Every cap's outputs are compared bit for bit with the first cap's. On CPU (no CUDA graphs) eager
+quicker). Every cap's outputs are compared bit for bit with the first cap's.
+
+``--vary dispatch_recv.num_warps=4,16`` adds a setting per value: the tuning table's defaults with the first cap
+and that one entry changed (``GPU_TUNING`` on a GPU, ``INTERP_TUNING`` on CPU; one entry at a time, repeatable);
+``--config "dispatch_send.num_warps=8;grid.programs_per_sm=4"`` adds one setting that changes several entries at
+once. Each setting is a row (``setting``: what it changes, ``tuning``: those entries), timed, compared and
+ratioed as the caps are. Results never depend on these entries (``triton_ep.kernels._util``), only speed does. On CPU (no CUDA graphs) eager
 calls run under the Triton interpreter with 4 "multiprocessors" (320 tokens: 5 blocks of the interpreter's 64,
 so a cap of 1 makes programs loop): they show that the capped grids agree, nothing about speed. Output: a
 table, and ``<out>/grid_cap.json``.
@@ -49,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--caps", default="0,2,4,8,16" if gpu else "0,1",
                    help="comma-separated programs per multiprocessor (0: a program per block); the first is the "
                         "reference of every ratio and of the bitwise check")
-    C.add_replay_args(p, "alternations of the caps")
+    p.add_argument("--vary", action="append", default=[], metavar="KERNEL.KEY=V1,V2",
+                   help="a setting per value: the defaults (first cap) with that tuning entry changed; repeatable")
+    p.add_argument("--config", action="append", default=[], metavar="K.K=V;K.K=V",
+                   help="one setting changing several tuning entries; repeatable")
+    C.add_replay_args(p, "alternations of the settings")
     C.add_out_arg(p, "grid_cap.json")
     a = p.parse_args(argv)
     a.tokens = C.int_list(p, "tokens", a.tokens, 1)
@@ -57,7 +67,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     if len(set(a.caps)) < len(a.caps):
         p.error(f"--caps names a cap twice: {a.caps}")
     C.check_shape_args(p, a, ("hidden", "experts", "topk", "repeats", "replays"), 8, "rows of 16 bytes")
+    a.settings = [{"grid.programs_per_sm": cap} for cap in a.caps]
+    for spec in a.vary:
+        key, _, values = spec.partition("=")
+        a.settings += [_setting(p, "--vary", f"{key}={v}") for v in values.split(",")]
+    a.settings += [_setting(p, "--config", spec) for spec in a.config]
     return a
+
+
+def _setting(p, opt: str, spec: str) -> dict:
+    """``"kernel.key=value;..."`` as ``{"kernel.key": value}``, checked against the tuning table (the value as
+    the table's entry's type); otherwise an argparse error of parser ``p`` naming ``opt``."""
+    out = {}
+    for item in spec.split(";"):
+        name, eq, text = item.strip().partition("=")
+        kernel, _, key = name.partition(".")
+        table = _util.GPU_TUNING
+        if not eq or kernel not in table or key not in table[kernel]:
+            p.error(f"{opt} {spec!r}: {name!r} is no tuning entry (kernel.key=value; kernels: "
+                    f"{', '.join(sorted(table))})")
+        kind = type(table[kernel][key])
+        try:
+            value = kind(text) if kind is not bool else text.strip().lower() in ("1", "true")
+        except ValueError:
+            p.error(f"{opt} {spec!r}: {name} takes a {kind.__name__}, got {text!r}")
+        if kind is int and value < 0:
+            p.error(f"{opt} {spec!r}: {name} must be >= 0, got {value}")
+        if name == "dispatch_send.record_align_words":
+            p.error(f"{opt}: {name} changes the records' layout, not a launch; it cannot be varied here")
+        out[name] = value
+    return out
 
 
 def copy_ceiling(dev: torch.device):
@@ -71,22 +110,33 @@ def copy_ceiling(dev: torch.device):
     return 2 * (1 << 29) / (ms * 1e-3)
 
 
-class _Cap:
-    """``GPU_TUNING["grid"]["programs_per_sm"]`` (the interpreter's table on CPU) set to ``cap`` inside."""
+class _Tuned:
+    """The tuning table's entries (``GPU_TUNING``, the interpreter's on CPU) set to ``setting``
+    (``{"kernel.key": value}``) inside, restored on exit."""
 
-    def __init__(self, cap: int) -> None:
-        self.table, self.cap = _util.tuning("grid"), cap
+    def __init__(self, setting: dict) -> None:
+        self.setting = setting
 
     def __enter__(self):
-        self.saved = self.table["programs_per_sm"]
-        self.table["programs_per_sm"] = self.cap
+        self.saved = {}
+        for name, value in self.setting.items():
+            kernel, key = name.split(".")
+            table = _util.tuning(kernel)
+            self.saved[name] = table[key]
+            table[key] = value
 
     def __exit__(self, *exc) -> None:
-        self.table["programs_per_sm"] = self.saved
+        for name, value in self.saved.items():
+            kernel, key = name.split(".")
+            _util.tuning(kernel)[key] = value
+
+
+def _label(setting: dict) -> str:
+    return ";".join(f"{k}={v}" for k, v in setting.items())
 
 
 def one_size(a, T: int, dev: torch.device, ceiling) -> list:
-    """Every cap at ``T`` tokens: µs per cached dispatch and per combine over the repeats, outputs compared."""
+    """Every setting at ``T`` tokens: µs per cached dispatch and per combine over the repeats, outputs compared."""
     gen = torch.Generator().manual_seed(7)
     x = C.random_rows(T, a.hidden, gen, dev)
     idx = C.random_topk(T, a.topk, a.experts, gen, dev)
@@ -96,29 +146,31 @@ def one_size(a, T: int, dev: torch.device, ceiling) -> list:
         pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, a.experts)
         recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir,
                                                 num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
-        timers = {}
-        for cap in a.caps:             # each graph keeps the grid it was captured with
-            with _Cap(cap):
-                timers[cap] = (_timer(lambda: buf.dispatch(x, handle=handle)[0], dev),
-                               _timer(lambda: buf.combine(recv, handle)[0], dev))
-        us = {cap: ([], []) for cap in a.caps}
+        timers = []
+        for st in a.settings:          # each graph keeps the grid and parameters it was captured with
+            with _Tuned(st):
+                timers.append((_timer(lambda: buf.dispatch(x, handle=handle)[0], dev),
+                               _timer(lambda: buf.combine(recv, handle)[0], dev)))
+        us = [([], []) for _ in a.settings]
         for _ in range(a.repeats):
-            for cap in a.caps:
-                with _Cap(cap):
+            for j, st in enumerate(a.settings):
+                with _Tuned(st):
                     for i in (0, 1):
-                        us[cap][i].append(timers[cap][i][0](a.replays))
-        ref = [timers[a.caps[0]][i][1]().view(torch.int16) for i in (0, 1)]
+                        us[j][i].append(timers[j][i][0](a.replays))
+        ref = [timers[0][i][1]().view(torch.int16) for i in (0, 1)]
         floor = None if ceiling is None else (x.numel() + 3 * recv.numel()) * x.element_size() / ceiling * 1e6
         rows = []
-        for cap in a.caps:
-            d, c = (statistics.median(us[cap][i]) for i in (0, 1))
-            d0, c0 = (statistics.median(us[a.caps[0]][i]) for i in (0, 1))
-            same = all(torch.equal(timers[cap][i][1]().view(torch.int16), ref[i]) for i in (0, 1))
-            rows.append(dict(tokens=T, programs_per_sm=cap, dispatch_us=d, combine_us=c, dispatch_ratio=d / d0,
+        d0, c0 = (statistics.median(us[0][i]) for i in (0, 1))
+        for j, st in enumerate(a.settings):
+            d, c = (statistics.median(us[j][i]) for i in (0, 1))
+            same = all(torch.equal(timers[j][i][1]().view(torch.int16), ref[i]) for i in (0, 1))
+            cap = st.get("grid.programs_per_sm", a.caps[0])
+            rows.append(dict(tokens=T, setting=_label(st), tuning=st, programs_per_sm=cap, dispatch_us=d,
+                             combine_us=c, dispatch_ratio=d / d0,
                              combine_ratio=c / c0, floor_us=floor,
                              dispatch_frac=None if floor is None else floor / d,
                              combine_frac=None if floor is None else floor / c,
-                             dispatch_all=us[cap][0], combine_all=us[cap][1], results_equal=same))
+                             dispatch_all=us[j][0], combine_all=us[j][1], results_equal=same))
         return rows
     finally:
         buf.destroy()
@@ -140,15 +192,18 @@ def main(argv=None) -> int:
             if dev.type == "cuda" else
             "CPU: µs per eager call under the Triton interpreter; they say nothing about GPU speed")
     print(f"[grid_cap] {C.device_name()}, one rank, hidden {a.hidden}, top-{a.topk} of {a.experts}: {what}")
-    C.print_table(["tokens", "programs/SM", "dispatch us", "ratio", "frac", "combine us", "ratio", "frac", "equal"],
-                  [[r["tokens"], r["programs_per_sm"], f"{r['dispatch_us']:.1f}", f"{r['dispatch_ratio']:.3f}",
+    C.print_table(["tokens", "setting", "dispatch us", "ratio", "frac", "combine us", "ratio", "frac", "equal"],
+                  [[r["tokens"], r["setting"], f"{r['dispatch_us']:.1f}", f"{r['dispatch_ratio']:.3f}",
                     "-" if r["dispatch_frac"] is None else f"{r['dispatch_frac']:.2f}", f"{r['combine_us']:.1f}",
                     f"{r['combine_ratio']:.3f}", "-" if r["combine_frac"] is None else f"{r['combine_frac']:.2f}",
                     r["results_equal"]] for r in rows])
     C.write_json(os.path.join(a.out, "grid_cap.json"),
                  dict(device=C.device_name(), ranks=1, hidden=a.hidden, experts=a.experts, topk=a.topk,
                       repeats=a.repeats, replays=a.replays, copy_ceiling_Bps=ceiling,
-                      default_programs_per_sm=_util.tuning("grid")["programs_per_sm"], note=what, results=rows))
+                      default_programs_per_sm=_util.tuning("grid")["programs_per_sm"],
+                      default_tuning={k: dict(v) for k, v in (_util.GPU_TUNING if dev.type == "cuda"
+                                                              else _util.INTERP_TUNING).items()},
+                      note=what, results=rows))
     return 0 if all(r["results_equal"] for r in rows) else 1
 
 

@@ -18,11 +18,15 @@ import torch
 # axis); ``store_cache`` / ``store_evict`` are Triton's store hints for the row copies ("" = none);
 # ``programs_per_sm`` > 0 caps the grid at that many programs per multiprocessor, each looping over blocks;
 # ``record_align_words`` rounds the record width (a multiple of 4; every rank must use the same value).
+# The ``num_warps`` of dispatch_send / dispatch_recv / combine_send and the block_w of dispatch_recv /
+# combine_send were swept again on one H200 once the grid cap was in (benchmarks/grid_cap.py --vary, one rank,
+# CUDA-graph replays; benchmarks/README.md): 4 warps where there were 8 or 16 made a cached dispatch 0.66x /
+# 0.90x / 0.95x the GPU time at T 128 / 1024 / 4096 and a combine 0.93x-0.97x.
 GPU_TUNING: Dict[str, Dict[str, object]] = {
     "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, histogram_max_bins=512, num_warps=4),
-    "dispatch_send": dict(block_t=1, block_w=4096, num_warps=16, split_w=0, store_cache="", store_evict="",
+    "dispatch_send": dict(block_t=1, block_w=4096, num_warps=4, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=32),
-    "dispatch_recv": dict(block_t=1, block_w=1024, num_warps=8),
+    "dispatch_recv": dict(block_t=1, block_w=2048, num_warps=4),
     # normal mode's send and receive launches (not the fused ones, not low-latency): at most this many
     # programs per multiprocessor, each looping over blocks (kernels.dispatch._grid; 0: a program per block;
     # a dispatch send with split_w multiplies it by its row slices)
@@ -30,7 +34,7 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # a call of one round of at most max_tokens tokens runs its send and receive as one launch
     # (kernels.dispatch.dispatch_fused, kernels.combine.combine_fused)
     "fused": dict(max_tokens=1024),
-    "combine_send": dict(block_t=1, block_w=1024, num_warps=8),
+    "combine_send": dict(block_t=1, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),
     # low-latency kernels: benchmarks/bench_low_latency.py --sweep on one H200 (T 128, H 7168, top-8 of 256;
     # benchmarks/results/low_latency_h200_r1_sweep_*.json). ``programs_per_expert``: a second grid axis over
