@@ -25,6 +25,9 @@ posts, credits: the emulator's Python over the emulated fabric, pyverbs calls on
 in it); ``proxy_cpu_us_per_call``: the proxy thread's CPU time in those sweeps, without its waits for the GIL, and
 ``proxy_own_cpu_us_per_call`` the part of it outside transport calls: the scheduler's own Python in CPU time),
 the bytes per port and their spread (max / min - 1) and the bytes per QP. The call timings there are functional.
+``--arrival-words`` (with ``--hosts``) sets ``TRITON_EP_LL_ARRIVAL_WORDS=1``: each chunk is signalled by an arrival
+word the receiving kernel polls instead of a WRITE_WITH_IMM the receiving proxy turns into the tail
+(``network.arrival_words`` says which ran).
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hosts", type=int, default=1,
                    help="run the ranks as this many hosts over the emulated RDMA fabric (internode low-latency mode)")
     p.add_argument("--net-calls", type=int, default=20, help="with --hosts: dispatch + combine pairs counted")
+    p.add_argument("--arrival-words", action="store_true",
+                   help="with --hosts: signal chunks by arrival words the receive polls (TRITON_EP_LL_ARRIVAL_WORDS=1)")
     C.add_out_arg(p, "low_latency.json")
     return p.parse_args(argv)
 
@@ -262,7 +267,8 @@ def _network(buf, dispatch, combine, calls: int) -> dict:
     ports = {k: v - s0["ports"].get(k, 0) for k, v in s1["ports"].items()}
     qps = {k: v["bytes"] - s0["qps"].get(k, {"bytes": 0})["bytes"] for k, v in s1["qps"].items()}
     pv = [v for v in ports.values()]
-    return dict(calls=n, wrs_per_call=wrs / n, chunks_per_call=(s1["chunks"] - s0["chunks"]) / n,
+    return dict(calls=n, arrival_words=buf._ll.net.arrival_words, wrs_per_call=wrs / n,
+                chunks_per_call=(s1["chunks"] - s0["chunks"]) / n,
                 proxy_us_per_call=busy_us / n, proxy_us_per_wr=busy_us / max(wrs, 1),
                 proxy_post_us_per_call=post_us / n, proxy_other_us_per_call=(busy_us - post_us) / n,
                 proxy_transport_us_per_call=tx_us / n, proxy_own_us_per_call=(busy_us - tx_us) / n,
@@ -313,7 +319,8 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
     C.print_table(heads, [[C.sig(row.get(c), 4) for c in CALLS] + [host]])
     for r, net in enumerate(row.get("network") or []):
         C.say(f"[bench_low_latency] rank {r}, network leg over {net['calls']} low-latency calls "
-              f"({net['calls'] // 2} FP8 dispatches and {net['calls'] // 2} combines, --net-calls pairs): "
+              f"({net['calls'] // 2} FP8 dispatches and {net['calls'] // 2} combines, --net-calls pairs; chunks signalled "
+              f"by {'arrival words' if net['arrival_words'] else 'WRITE_WITH_IMM'}): "
               f"{net['wrs_per_call']:.1f} work requests and {net['chunks_per_call']:.1f} chunks a call, proxy "
               f"{net['proxy_us_per_call']:.0f} µs a call ({net['proxy_post_us_per_call']:.0f} of them in the transport's "
               f"posts: the emulator's copies; {net['proxy_transport_us_per_call']:.0f} in any transport call, "
@@ -338,6 +345,10 @@ def main(argv=None) -> int:
         if a.ranks % a.hosts:
             raise SystemExit(f"--hosts {a.hosts} must divide --ranks {a.ranks}")
         os.environ.update(TRITON_EP_RANKS_PER_HOST=str(a.ranks // a.hosts), TRITON_EP_RDMA="emulated")
+        if a.arrival_words:
+            os.environ["TRITON_EP_LL_ARRIVAL_WORDS"] = "1"
+    elif a.arrival_words:
+        raise SystemExit("--arrival-words needs --hosts (it changes the network leg between hosts)")
     if a.sweep and a.ranks != 1:
         raise SystemExit("--sweep runs at --ranks 1 (each rank would choose its own shapes)")
     return _launch.run(functools.partial(rank_main, a), a.ranks, a.timeout)

@@ -712,8 +712,7 @@ def ordering(rank, world, planted):
     the data's (the bug in-QP ordering prevents), so signals overtake rows. Returns ``(what failed or None,
     chunks seen incomplete at their signal, signals probed)``."""
     import numpy as np
-    from triton_ep.scheduler import Scheduler
-    from triton_ep.transport.rdma import WRITE_WITH_IMM
+    from triton_ep.scheduler import TAG_CHUNK, Scheduler
     real_ops, real_init = Scheduler._chunk_ops, Scheduler.__init__
     seen = {"bad": 0, "all": 0}
 
@@ -725,8 +724,9 @@ def ordering(rank, world, planted):
         real_init(self, transport, on_signal=probe, **kw)
 
     def signal_elsewhere(self, peer, qp, seq, nbytes, signaled):
-        ops = real_ops(self, peer, qp, seq, nbytes, signaled)
-        return [((q + 1) % self.t.num_qps_per_peer if op.kind == WRITE_WITH_IMM else q, op) for q, op in ops]
+        ops = real_ops(self, peer, qp, seq, nbytes, signaled)     # (the signal: a WRITE_WITH_IMM or arrival word)
+        return [((q + 1) % self.t.num_qps_per_peer if op.wr_id is not None and op.wr_id & TAG_CHUNK else q, op)
+                for q, op in ops]
     Scheduler.__init__ = init
     if planted:
         Scheduler._chunk_ops = signal_elsewhere
@@ -884,3 +884,37 @@ def pdl_bad_value(rank, world):
         return None
     finally:
         buf.destroy()
+
+
+def arrival_words(rank, world):
+    """Three round trips checked against the oracle; returns ``(the network leg's arrival_words, work requests
+    its proxy posted, low-latency calls made)``."""
+    E, K, H, N = 2 * world, 2, 128, 4
+    buf = _buffer(world, N, H, E, timeout_s=20)
+    try:
+        calls = 0
+        for i in range(3):
+            xs, idxs, ws = ll_inputs(30 + i, world, E, K, H, [N] * world)
+            out, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
+            check_dispatch(out, count, handle, xs, idxs, world, E, rank, False, False, False)
+            comb = buf.low_latency_combine(out, idxs[rank], ws[rank], handle)[0]
+            want = expected_combine(xs[rank], idxs[rank], ws[rank], E, world, "identity")
+            assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine differs from the oracle"
+            calls += 2
+        # every chunk placed and credited (the last credit may trail the call): wait for the counters to settle
+        sched = buf._ll.net.sched
+        import time
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sched.stats()["wrs"] < (3 if sched.arrival_words else 2) * calls:
+            time.sleep(0.01)
+        return buf._ll.net.arrival_words, buf.get_rdma_stats()["low_latency"]["wrs"], calls
+    finally:
+        buf.destroy()
+
+
+def arrival_words_mismatch(rank, world, how):
+    """Rank 1 sets ``TRITON_EP_LL_ARRIVAL_WORDS`` to a value that is no switch (``how`` "bad") or on while rank
+    0 has it off ("disagree"); builds the Buffer, which must raise."""
+    if rank == 1:
+        os.environ["TRITON_EP_LL_ARRIVAL_WORDS"] = "maybe" if how == "bad" else "1"
+    _buffer(world, 4, 128, 2 * world, timeout_s=20).destroy()

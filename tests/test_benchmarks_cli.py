@@ -278,17 +278,25 @@ def test_bench_internode_out(tmp_path, results_untouched):
     assert len(inside) == 2 and all(r["chunks_per_call"] > 0 and r["proxy_us_per_chunk"] > 0 for r in inside), inside
 
 
-def test_bench_low_latency_across_hosts(tmp_path, results_untouched):
-    """bench_low_latency.py --hosts 2: the ranks as 2 hosts over the emulated fabric; each rank reports its
-    network leg: one chunk per peer and call, its work requests, the proxy's µs, bytes on both ports."""
-    run_bench("bench_low_latency.py", "--hosts", "2", "--net-calls", "2", "--out", str(tmp_path / "l"))
+@pytest.mark.parametrize("arrival", [False, True])
+def test_bench_low_latency_across_hosts(tmp_path, results_untouched, arrival):
+    """bench_low_latency.py --hosts 2 (and with --arrival-words): the ranks as 2 hosts over the emulated fabric;
+    each rank reports its network leg: one chunk per peer and call, its work requests (one more a call with
+    arrival words: the chunk's arrival word), the proxy's µs, bytes on both ports, and which signal ran."""
+    run_bench("bench_low_latency.py", "--hosts", "2", "--net-calls", "2", *(["--arrival-words"] if arrival else []),
+              "--out", str(tmp_path / "l"))
     with open(tmp_path / "l" / "low_latency.json") as f:
         res = json.load(f)
     nets = res["results"]["network"]
     assert len(nets) == 2, nets
     for n in nets:
-        assert n["calls"] == 4 and n["chunks_per_call"] == 1.0 and n["wrs_per_call"] >= 2, n
+        assert n["calls"] == 4 and n["chunks_per_call"] == 1.0 and n["wrs_per_call"] >= (3 if arrival else 2), n
+        assert n["arrival_words"] is arrival, n
         assert n["proxy_us_per_call"] > 0 and len(n["port_bytes"]) == 2 and all(v > 0 for v in n["port_bytes"].values())
+    if arrival:
+        bad = python([os.path.join(ROOT, "benchmarks", "bench_low_latency.py"), "--arrival-words", "--out",
+                      str(tmp_path / "m")], ROOT)
+        assert bad.returncode != 0 and "--arrival-words needs --hosts" in bad.stderr, bad.stderr
 
 
 def test_compare_writes_ratios(tmp_path, results_untouched):

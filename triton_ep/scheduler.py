@@ -22,6 +22,11 @@ ring of ``slots`` slots of ``slot_bytes`` per peer.  Chunk ``k`` for peer ``p`` 
   consumer (kernel or host) acquires.  A consumer frees slots by releasing ``HEAD[p]``; the proxy writes
   the head into the peer's ``CREDIT`` word lazily (when half a ring is freed, or the consumer caught up),
   always on QP 0 of that peer so credits land in order.
+- With **arrival words** (``arrival_words=True``; low-latency mode across hosts) a chunk's signal is a plain RDMA
+  WRITE of the word ``k + 1`` into the peer's ``ARRIVE`` word of the chunk's receive slot, posted after the
+  chunk's data on the same QP (in-QP ordering places the data first): a consumer polls that word, so the
+  receiving proxy is not on the chunk's path (no receive completion, no receive to post again). The receiving
+  proxy still moves ``TAIL`` from the arrival words it sees (host consumers, credits and masking use it).
 
 Every wait is bounded by ``timeout_s``.  A proxy that fails (a QP in the error state, an error completion,
 a chunk not completed within the bound, a peer that stops consuming) records a :class:`ProxyError` naming
@@ -181,7 +186,11 @@ class Scheduler:
             ``layout.nbytes``: pinned, device-mapped host memory for GPU kernels); default: allocated and
             registered by the transport.
         on_signal: ``f(peer, qp, seq)`` called in the proxy thread when chunk ``seq``'s signal arrives, before
-            the tail moves (tests look at the slot at that instant).
+            the tail moves (tests look at the slot at that instant; with arrival words ``qp`` is None and the call
+            comes when the proxy first sees the arrival word).
+        arrival_words: signal each chunk with an arrival word (an RDMA WRITE into the peer's ``ARRIVE`` word, after
+            the data on the same QP) instead of a WRITE_WITH_IMM: two work requests a chunk of one WRITE, no
+            receive completion at the peer (``flags.ring_arrive_word``).
         trace: keep ``(t_ns, kind, peer, channel, qp, seq, bytes)`` events in :attr:`events`.
     Raises:
         ValueError: bad sizes (``slots``, ``slot_bytes``, ``wr_bytes``, ``qps_per_channel``).  RdmaError:
@@ -191,7 +200,8 @@ class Scheduler:
     def __init__(self, transport: Transport, *, slots: int = 8, slot_bytes: int = 1 << 20,
                  wr_bytes: Optional[int] = None, qps_per_channel: int = 1, proxies: int = 1, signal_every: int = 4,
                  max_chunks_per_qp: Optional[int] = None, timeout_s: Optional[float] = None, memory=None,
-                 on_signal: Optional[Callable[[int, int, int], None]] = None, trace: bool = False) -> None:
+                 on_signal: Optional[Callable[[int, int, int], None]] = None, trace: bool = False,
+                 arrival_words: bool = False) -> None:
         nq = transport.num_qps_per_peer
         if slots < 1 or slot_bytes < 64 or slot_bytes % 64:
             raise ValueError(f"slots must be >= 1 and slot_bytes a positive multiple of 64 (got {slots}, {slot_bytes})")
@@ -231,7 +241,9 @@ class Scheduler:
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self.error: Optional[BaseException] = None
-        self._replenish = not getattr(transport, "auto_replenish", False)
+        self.arrival_words = bool(arrival_words)
+        # (with arrival words no WRITE_WITH_IMM arrives: no receive is consumed, none is posted)
+        self._replenish = not getattr(transport, "auto_replenish", False) and not self.arrival_words
         self._t0 = time.perf_counter_ns()
         self.wrs_posted = 0
         #: seconds the proxy threads spent in sweeps that moved something (wall clock: with the GIL waits of
@@ -501,6 +513,8 @@ class Scheduler:
         for c in comps:
             did = True
             self._on_completion(c)
+        if self.arrival_words:
+            did |= self._arrivals()
         R = self.world
         words = flags.rows()        # READY .. FAULT of every peer, one read
         if any(words[(RingFlags.FAULT - RingFlags.READY) * R:]):        # (the loop is the rare case)
@@ -536,6 +550,25 @@ class Scheduler:
                 raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
                                  f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
         return did
+
+    def _arrivals(self) -> bool:
+        """With arrival words: move each peer's ``TAIL`` past the chunks whose arrival words have landed (in order; a
+        slot's word is ``k + 1`` once chunk ``k`` is placed there). Returns whether a tail moved."""
+        arr, S, moved = self.flags.arrivals(), self.slots, False
+        for p in self.peers:
+            st = self._peer[p]
+            tail = st.tail
+            while arr[p * S + tail % S] > tail:
+                if self.on_signal is not None:
+                    self.on_signal(p, None, tail)
+                if self.trace:
+                    self._event("arrive", p, None, None, tail, 0)
+                tail += 1
+            if tail != st.tail:
+                st.tail = tail
+                self.flags.put(RingFlags.TAIL, p, tail)
+                moved = True
+        return moved
 
     def _tx_done(self, t0: float, c0: float) -> float:
         """A transport call that began at ``perf_counter() == t0`` and ``thread_time() == c0`` returned: its wall
@@ -623,7 +656,8 @@ class Scheduler:
         else:
             st.stall_since = None
         # chunks of one WRITE skip _chunk_ops + _fold_signal, unless a test hook replaced _chunk_ops
-        fast = self.wr_bytes >= self.slot_bytes and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
+        fast = (self.wr_bytes >= self.slot_bytes and not self.arrival_words
+                and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS)
         for qp, seqs in chains.items():
             q = self._qps[(p, qp)]
             last = len(seqs) - 1
@@ -641,7 +675,7 @@ class Scheduler:
                 for tqp, op in _fold_signal(self._chunk_ops(p, qp, seq, n, sig)):
                     batches.setdefault((p, tqp), []).append(op)
                     q.wrs += 1
-                    if op.kind == WRITE_WITH_IMM and tqp != qp:   # the signal went elsewhere: retire it there
+                    if tqp != qp and op.wr_id is not None and op.wr_id & TAG_CHUNK:   # the signal went elsewhere
                         ent = next(e for e in q.inflight if e[0] == seq)
                         q.inflight.remove(ent)
                         if q.parked:            # its window has room again
@@ -688,8 +722,15 @@ class Scheduler:
     def _signal_op(self, peer: int, seq: int, nbytes: int, signaled: bool) -> Op:
         """Chunk ``seq``'s signal to ``peer``: a WRITE_WITH_IMM of the first ``nbytes`` of its slot (0: the
         zero-length signal of :meth:`_chunk_ops`; the chunk's length: the whole chunk as one work request), the
-        chunk number as immediate and in ``wr_id``."""
+        chunk number as immediate and in ``wr_id``. With arrival words (``nbytes`` 0): the WRITE of the arrival word
+        ``seq + 1`` from its ``ASRC`` word into the peer's ``ARRIVE`` word of the slot (``wr_id`` as above)."""
         lay = self.layout
+        if self.arrival_words and not nbytes:
+            i = self.flags.asrc_index(peer, seq)
+            self.flags.w[i] = seq + 1        # (rewritten for chunk seq + slots only once this one is placed)
+            return Op(WRITE, self.region, 8 * i, 8, self._remote[peer],
+                      8 * F.ring_arrive_word.host(self.world, self.slots, self.rank, seq % self.slots),
+                      signaled=signaled, wr_id=TAG_CHUNK | (seq & _SEQ_MASK))
         return Op(WRITE_WITH_IMM, self.region, lay.send_off(peer, seq), nbytes, self._remote[peer],
                   lay.recv_off(self.rank, seq), imm=seq & 0xFFFFFFFF, signaled=signaled,
                   wr_id=TAG_CHUNK | (seq & _SEQ_MASK))

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triton_ep.errors import EPTimeoutError
-from triton_ep.scheduler import ProxyError, ProxyRemoteError, Scheduler, host_alltoall
+from triton_ep.scheduler import TAG_CHUNK, ProxyError, ProxyRemoteError, Scheduler, host_alltoall
 from triton_ep.transport.rdma import WRITE_WITH_IMM
 from triton_ep.transport.signals import RingFlags
 
@@ -72,9 +72,10 @@ class Probe:
         return on_signal
 
 
-def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1, wr_bytes=None):
-    """All-to-all with a probe at every signal; asserts each chunk intact when its signal arrives, chunks
-    in order on every QP (channel), and every byte at the end."""
+def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1, wr_bytes=None, arrival_words=False):
+    """All-to-all with a probe at every signal; asserts each chunk intact when its signal arrives (with
+    ``arrival_words``: when the proxy first sees its arrival word), chunks in order on every QP (channel), and
+    every byte at the end."""
     probe = Probe(sizes, slot, seed)
     g_ref = [None]
 
@@ -83,7 +84,7 @@ def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1, wr_bytes=Non
             super().__init__(t, on_signal=probe.hook(g_ref, t.rank), **kw)
 
     with Group(fabric(world, reorder_seed=seed, reorder_max_s=0.006), world, qps=qps, cls=Probed, slots=slots,
-               slot_bytes=slot, proxies=proxies, timeout_s=20.0, wr_bytes=wr_bytes) as g:
+               slot_bytes=slot, proxies=proxies, timeout_s=20.0, wr_bytes=wr_bytes, arrival_words=arrival_words) as g:
         g_ref[0] = g
         alltoall_checked(g, sizes, salt=seed)
     assert not probe.bad, f"chunks not intact when their signal arrived (src, dst, qp, seq): {probe.bad[:5]}"
@@ -100,7 +101,9 @@ def test_property_chunks_intact_and_in_order_per_channel(world, qps, slots, slot
              for a in range(world) for b in range(world) if a != b}
     # chunks of one WRITE (the signal is that WRITE) or of several (the signal rides on the last)
     wr_bytes = data.draw(st.sampled_from([None, 64]), label="wr_bytes")
-    run_probe(Scheduler, world, qps, slots, slot, sizes, seed, proxies, wr_bytes=wr_bytes)
+    # the signal a WRITE_WITH_IMM, or an arrival word the consumer polls
+    arrival = data.draw(st.booleans(), label="arrival_words")
+    run_probe(Scheduler, world, qps, slots, slot, sizes, seed, proxies, wr_bytes=wr_bytes, arrival_words=arrival)
 
 
 @pytest.mark.parametrize("wr_bytes,per_chunk", [(None, 1), (256, 4)])
@@ -121,18 +124,21 @@ def test_signal_is_the_chunks_last_write(wr_bytes, per_chunk):
 
 
 class SignalOnAnotherQP(Scheduler):
-    """Planted bug: each chunk's signal goes on the next QP, not the one that carried its data."""
+    """Planted bug: each chunk's signal (its WRITE_WITH_IMM, or its arrival word) goes on the next QP, not the one
+    that carried its data."""
 
     def _chunk_ops(self, peer, qp, seq, nbytes, signaled):
         ops = super()._chunk_ops(peer, qp, seq, nbytes, signaled)
-        return [((q + 1) % self.t.num_qps_per_peer if op.kind == WRITE_WITH_IMM else q, op) for q, op in ops]
+        return [((q + 1) % self.t.num_qps_per_peer if op.wr_id is not None and op.wr_id & TAG_CHUNK else q, op)
+                for q, op in ops]
 
 
-def test_planted_signal_on_another_qp_fails_the_property():
+@pytest.mark.parametrize("arrival_words", [False, True])
+def test_planted_signal_on_another_qp_fails_the_property(arrival_words):
     sizes = {(0, 1): 60 * 4096, (1, 0): 60 * 4096}
-    run_probe(Scheduler, 2, 4, 8, 4096, sizes, seed=5)            # the real one passes this case
+    run_probe(Scheduler, 2, 4, 8, 4096, sizes, seed=5, arrival_words=arrival_words)     # the real one passes
     with pytest.raises(AssertionError, match="not intact|differ|out of order"):
-        run_probe(SignalOnAnotherQP, 2, 4, 8, 4096, sizes, seed=5)
+        run_probe(SignalOnAnotherQP, 2, 4, 8, 4096, sizes, seed=5, arrival_words=arrival_words)
 
 
 # ------------------------------------------------------------------------------------------ faults

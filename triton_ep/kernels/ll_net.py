@@ -158,7 +158,8 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
                       experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, cost_ptr, R: tl.constexpr,
                       COMBINE: tl.constexpr, REC: tl.constexpr, COST: tl.constexpr,
                       CW: tl.constexpr, RW: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
-                      USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
+                      USE_ASM: tl.constexpr, ARRIVAL_WORD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
     # Program (s, q): the chunk from rank s (none from this rank or a masked one), work spread over q.
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
@@ -171,8 +172,11 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
     if live:
         k = rx_chunk(ctl, s, n, R)
         t0 = flags._now_ns(USE_CLOCK)
-        st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_TAIL, R, s), k + 1, hdr, host, s, 0,
-                                 timeout_ns, R, USE_CLOCK)
+        if ARRIVAL_WORD:    # the sender's arrival word for this slot, written after the chunk on its QP
+            arrived = ring_ctl + flags.ring_arrive_word(R, S, s, k & 1)
+        else:               # the tail the receiving proxy moves on the chunk's receive completion
+            arrived = ring_ctl + flags.ring_word(flags.RING_TAIL, R, s)
+        st = flags.wait_at_least(arrived, k + 1, hdr, host, s, 0, timeout_ns, R, USE_CLOCK)
         if COST:            # the wait for s's chunk is the receive's wait for s (its wait-cost statistics)
             if q == 0:
                 tl.atomic_add(cost_ptr + s, flags._now_ns(USE_CLOCK) - t0, sem="relaxed")
@@ -262,5 +266,5 @@ def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, comb
         lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"],
         signals["timeout_ns"], cost if cost is not None else ctl, R=R, COMBINE=combine, REC=rec,
         COST=cost is not None, CW=lay.net_count_words, RW=rw, SHRINK=shrink,
-        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], BLOCK_R=4,
+        USE_CLOCK=signals["use_clock"], USE_ASM=signals["use_clock"], ARRIVAL_WORD=net.arrival_words, BLOCK_R=4,
         BLOCK_W=pow2(min(rw - 4 if combine else rec, 1024)), BLOCK_C=pow2(lay.experts_per_rank), num_warps=4)

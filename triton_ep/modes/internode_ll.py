@@ -30,6 +30,7 @@ import torch
 
 from ..errors import EPError, EPTimeoutError
 from ..kernels import flags as F
+from ..kernels._util import env_switch
 from ..protocol.ll_area import NET_HDR_WORDS, net_slot_bytes
 from ..runtime import Runtime
 from ..runtime import hosts as hosts_mod
@@ -54,6 +55,8 @@ class NetLeg:
     def __init__(self, network: Network, area: torch.Tensor, slot_bytes: int, remote: torch.Tensor,
                  local: Optional[ipc.Comm] = None, group=None) -> None:
         self.network, self.sched, self.ring_ctl, self.group = network, network.sched, network.ring_ctl, group
+        #: the receive polls each chunk's arrival word (``Scheduler(arrival_words=True)``) instead of the tail
+        self.arrival_words = network.sched.arrival_words
         self.remote, self.local = remote, local
         self.remote_ranks = [r for r, v in enumerate(remote.tolist()) if v]
         base = area.data_ptr()
@@ -188,6 +191,14 @@ class NetLeg:
         self.network.close()
 
 
+def arrival_words_switch() -> bool:
+    """``TRITON_EP_LL_ARRIVAL_WORDS`` (:func:`~triton_ep.kernels._util.env_switch`; unset: off): whether the
+    network leg signals each chunk with an arrival word the receiving kernel polls (an RDMA WRITE after the chunk
+    on its QP) instead of a WRITE_WITH_IMM whose receive completion the receiving proxy turns into the tail.
+    Raises ``ValueError`` for a value that is no switch."""
+    return bool(env_switch("TRITON_EP_LL_ARRIVAL_WORDS"))
+
+
 def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrink: bool,
                                allow_nvlink: bool = True) -> LowLatency:
     """The low-latency state of a Buffer across hosts (collective over ``rt.group``).
@@ -203,25 +214,34 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         allow_nvlink: peers on this rank's host are reached through the shared buffer (NVLink / IPC, DeepEP's
             ``allow_nvlink_for_low_latency_mode``); else over RDMA as the other hosts' ranks.
     Raises:
-        ValueError: ``num_qps_per_rank`` not an int >= 1; ranks disagree on it, on ``enable_shrink`` or
-            ``allow_nvlink_for_low_latency_mode`` (on every rank; ``num_rdma_bytes`` is checked before, by
-            :class:`~triton_ep.modes.internode.Internode`).
+        ValueError: ``num_qps_per_rank`` not an int >= 1; ranks disagree on it, on ``enable_shrink``,
+            ``allow_nvlink_for_low_latency_mode`` or ``TRITON_EP_LL_ARRIVAL_WORDS`` (on every rank; ``num_rdma_bytes``
+            is checked before, by :class:`~triton_ep.modes.internode.Internode`); ``TRITON_EP_LL_ARRIVAL_WORDS``
+            is no switch on some rank (on every rank, naming that rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
     me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
+    try:                # (a bad value is raised after the exchange, on every rank alike)
+        arrival = arrival_words_switch()
+    except ValueError as ex:
+        arrival = f"rank {me}: {ex}"
     try:                # (an int, numpy's included; a bool or anything else is refused below, on every rank)
         qps = repr(num_qps_per_rank) if isinstance(num_qps_per_rank, bool) else operator.index(num_qps_per_rank)
     except TypeError:
         qps = repr(num_qps_per_rank)
     # (num_rdma_bytes, with low_latency_mode, was checked equal on every rank by the normal-mode set-up)
-    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink)), rt.timeout_s,
-                           "internode low-latency: fabric token")
+    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink), arrival),
+                           rt.timeout_s, "internode low-latency: fabric token")
     hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[1] for e in every])
     if not isinstance(qps, int) or qps < 1:     # (checked after the exchange: every rank raises it alike)
         raise ValueError(f"num_qps_per_rank must be an int >= 1 for low-latency mode across hosts (RC QPs to each "
                          f"peer); got {num_qps_per_rank!r}")
     hosts_mod.agreed("allow_nvlink_for_low_latency_mode (low-latency mode across hosts)", [e[2] for e in every])
     hosts_mod.agreed("enable_shrink (low-latency mode across hosts)", [e[3] for e in every])
+    bad = [e[4] for e in every if not isinstance(e[4], bool)]
+    if bad:
+        raise ValueError(bad[0])
+    hosts_mod.agreed("TRITON_EP_LL_ARRIVAL_WORDS (low-latency mode across hosts)", [e[4] for e in every])
     token = every[0][0]
     names = [f"ll{token}_{r}" for r in range(R)]
     # Each rank's [signal header of the whole group | area], in a buffer this host's ranks map: the kernels
@@ -243,7 +263,8 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         slot = net_slot_bytes(area_bytes, R)
         network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
                                num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev,
-                               peers=[r for r in range(R) if not same[r]])    # no QPs to peers on the NVLink path
+                               peers=[r for r in range(R) if not same[r]],    # no QPs to peers on the NVLink path
+                               arrival_words=arrival)
         ll.net = NetLeg(network, ll.area, slot, remote, local, rt.group)
         return ll
     except BaseException:

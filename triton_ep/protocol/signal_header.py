@@ -196,6 +196,10 @@ def ll_ctl_words(R):
 #   SRC[p]    the 8-byte source of this rank's own credit writes to ``p``
 #   LEN[p * S + slot]  bytes of the chunk in send slot ``slot`` for ``p`` (written before READY)
 #   MASKED[p] nonzero once ``p`` is masked (low-latency rank masking): the proxy drops its chunks and credits
+#   ARRIVE[p * S + slot]  with arrival words (``Scheduler(arrival_words=True)``, low-latency mode across hosts):
+#             written by ``p`` over RDMA after the chunk's data, on the same QP: ``k + 1`` once chunk ``k`` from
+#             ``p`` (in receive slot ``slot = k % S``) is placed here; consumers poll it instead of TAIL
+#   ASRC[p * S + slot]  the 8-byte source of this rank's arrival word for its chunk in send slot ``slot`` for ``p``
 RING_ABORT = tl.constexpr(0)      #: nonzero: every ring wait gives up (1 watchdog / timeout, 2 proxy failed)
 RING_ERR_KIND = tl.constexpr(1)   #: a kernel's error record: kind (first error wins), peer, stage, chunk
 RING_ERR_PEER = tl.constexpr(2)
@@ -243,9 +247,23 @@ def ring_masked_word(R, S, peer):
 
 
 @formula
+def ring_arrive_word(R, S, peer, slot):
+    """Word index of ``ARRIVE[peer * S + slot]`` (after the ``MASKED`` words): the arrival word of receive slot
+    ``slot`` from ``peer``."""
+    return RING_FIXED + RING_LEN * R + R * S + R + peer * S + slot
+
+
+@formula
+def ring_asrc_word(R, S, peer, slot):
+    """Word index of ``ASRC[peer * S + slot]`` (after the ``ARRIVE`` words): the source of the arrival word of send
+    slot ``slot`` for ``peer``."""
+    return RING_FIXED + RING_LEN * R + 2 * R * S + R + peer * S + slot
+
+
+@formula
 def ring_ctrl_words(R, S):
     """int64 words of a ring control block for ``R`` ranks and ``S`` slots per peer."""
-    return RING_FIXED + RING_LEN * R + R * S + R
+    return RING_FIXED + RING_LEN * R + 3 * R * S + R
 
 
 #: every stage code (error records and ring records name them), in one table with its name

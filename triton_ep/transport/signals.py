@@ -296,6 +296,8 @@ class RingFlags:
                       for a in (self.READY, self.SENT, self.TAIL, self.HEAD, self.CREDIT, self.FAULT, self.SRC)}
         self._len = [[F.ring_len_word.host(size, slots, p, k) for k in range(slots)] for p in range(size)]
         self._masked = [F.ring_masked_word.host(size, slots, p) for p in range(size)]
+        self._arrive0 = F.ring_arrive_word.host(size, slots, 0, 0)
+        self._asrc = [[F.ring_asrc_word.host(size, slots, p, k) for k in range(slots)] for p in range(size)]
 
     def index(self, array: int, peer: int) -> int:
         """Word index of ``array[peer]``."""
@@ -306,6 +308,16 @@ class RingFlags:
         ``array[p]`` is item ``(array - READY) * R + p`` (the proxy's sweep reads these every pass)."""
         i = self._word[self.READY][0]
         return self.w[i:i + (self.FAULT - self.READY + 1) * self.size].tolist()
+
+    def arrivals(self) -> list:
+        """The arrival words ``ARRIVE`` (``R * S`` ints, read at once): item ``peer * S + slot`` is ``k + 1`` once
+        chunk ``k`` from ``peer`` (receive slot ``slot``) was placed, over RDMA, by a scheduler with arrival words."""
+        i = self._arrive0
+        return self.w[i:i + self.size * self.slots].tolist()
+
+    def asrc_index(self, peer: int, seq: int) -> int:
+        """Word index of ``ASRC`` for chunk ``seq`` to ``peer`` (its send slot's arrival-word source)."""
+        return self._asrc[peer][seq % self.slots]
 
     def get(self, array: int, peer: int) -> int:
         """``array[peer]`` (a chunk count, or a fault word)."""

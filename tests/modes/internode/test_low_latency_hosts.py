@@ -16,8 +16,11 @@ def _values(results):
     return results
 
 
-def _env(per_host):
-    return {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated"}
+def _env(per_host, arrival=False):
+    """Ranks as hosts of ``per_host`` over the emulated fabric; ``arrival``: the network leg's chunks signalled
+    by arrival words the receive polls (``TRITON_EP_LL_ARRIVAL_WORDS``) instead of WRITE_WITH_IMM."""
+    return {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated",
+            "TRITON_EP_LL_ARRIVAL_WORDS": "1" if arrival else "0"}
 
 
 # (use_fp8, round_scale, use_ue8m0, expert, hook, zero_copy)
@@ -29,29 +32,31 @@ _case = st.tuples(st.booleans(), st.booleans(), st.booleans(), st.sampled_from([
 @settings(max_examples=3, deadline=None)
 @given(shape=st.sampled_from([(2, 1, True), (4, 2, False), (4, 2, True)]), seed=st.integers(0, 1000),
        K=st.sampled_from([1, 3, 4]), H=st.sampled_from([128, 512]), cases=st.lists(_case, min_size=3, max_size=4),
-       zero_rank=st.booleans())
-def test_round_trip_across_hosts_property(shape, seed, K, H, cases, zero_rank):
-    """2 hosts of 1 and of 2 ranks, ``allow_nvlink_for_low_latency_mode`` both ways: bf16, FP8, round_scale,
-    UE8M0, hooks and zero-copy, ragged T up to N with an empty rank, -1 ids, duplicates and skew (odd seeds);
-    N = 8; every output the oracle's, bit for bit (FP8: the reference bytes and scales)."""
+       zero_rank=st.booleans(), arrival=st.booleans())
+def test_round_trip_across_hosts_property(shape, seed, K, H, cases, zero_rank, arrival):
+    """2 hosts of 1 and of 2 ranks, ``allow_nvlink_for_low_latency_mode`` both ways, chunks signalled by
+    WRITE_WITH_IMM or by arrival words: bf16, FP8, round_scale, UE8M0, hooks and zero-copy, ragged T up to N with
+    an empty rank, -1 ids, duplicates and skew (odd seeds); N = 8; every output the oracle's, bit for bit (FP8:
+    the reference bytes and scales)."""
     world, per_host, allow_nvlink = shape
     N, E = 8, 2 * world
     cases = [(f, rs and f, u and f and rs and H % 512 == 0, kind, hook, zc) for f, rs, u, kind, hook, zc in cases]
     Ts = [0 if (zero_rank and r == world - 1) else 1 + (seed + 3 * r) % N for r in range(world)]
     Ts[0] = N
-    _values(run_ranks(ll_cases.across_hosts, world, _env(per_host), "round_trip", seed, E, K, H, Ts, N, cases,
-                      allow_nvlink))
+    _values(run_ranks(ll_cases.across_hosts, world, _env(per_host, arrival), "round_trip", seed, E, K, H, Ts, N,
+                      cases, allow_nvlink))
 
 
 _CASES = [(False, False, False, "identity", False, False), (True, False, False, "affine", True, False),
           (True, True, True, "affine", False, True), (False, False, False, "affine", True, True)]
 
 
-def test_round_trip_every_feature_two_hosts_of_two():
+@pytest.mark.parametrize("arrival", [False, True])
+def test_round_trip_every_feature_two_hosts_of_two(arrival):
     """The fixed cases that cover every feature at once (UE8M0 with zero-copy, FP8 hooks, bf16 zero-copy hooks),
-    2 hosts of 2 ranks with the same-host shortcut, an empty rank."""
-    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "round_trip", 5, 8, 3, 512, [8, 3, 0, 5], 8, _CASES,
-                            True))
+    2 hosts of 2 ranks with the same-host shortcut, an empty rank; chunks signalled either way."""
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2, arrival), "round_trip", 5, 8, 3, 512, [8, 3, 0, 5], 8,
+                            _CASES, True))
     assert sum(out) > 0, out
 
 
@@ -68,8 +73,10 @@ def test_skew_to_one_remote_expert():
     _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "skew_to_remote", 4, 4, 128, 8, 8))
 
 
-def test_two_outstanding_hooks_received_in_reverse_order():
-    out = _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "two_live_hooks", 11, 4, 2, 128, [6, 5], 8, False))
+@pytest.mark.parametrize("arrival", [False, True])
+def test_two_outstanding_hooks_received_in_reverse_order(arrival):
+    out = _values(run_ranks(ll_cases.across_hosts, 2, _env(1, arrival), "two_live_hooks", 11, 4, 2, 128, [6, 5], 8,
+                            False))
     assert out == [False, False]
 
 
@@ -132,20 +139,22 @@ def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how):
         assert mismatch and "different" in mismatch, out
 
 
-def test_masked_dead_host():
+@pytest.mark.parametrize("arrival", [False, True])
+def test_masked_dead_host(arrival):
     """2 hosts of 2 ranks; both ranks of host 1 fall silent: host 0's ranks mask the whole host after one
     timeout and go on between themselves, results the oracle's without host 1's experts."""
-    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "silent_peers", (2, 3), True))
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2, arrival), "silent_peers", (2, 3), True))
     for status, waits, unmask in out[:2]:
         assert status == [0, 0, 1, 1], out
         assert waits[0] >= 4.0 and max(waits[1:]) < waits[0] - 2.0, waits
 
 
-def test_signal_after_rows_on_one_qp_and_the_planted_variant_fails():
+@pytest.mark.parametrize("arrival", [False, True])
+def test_signal_after_rows_on_one_qp_and_the_planted_variant_fails(arrival):
     """Over a fabric that reorders requests across QPs, every chunk is complete when its signal arrives (each
-    chunk's signal travels after its rows on the same QP) and the round trips match the oracle. The planted
-    variant that posts the signal on another QP fails that check."""
-    env = dict(_env(1), TRITON_EP_EMULATED_REORDER_S="0.02")
+    chunk's signal, a WRITE_WITH_IMM or its arrival word, travels after its rows on the same QP) and the round
+    trips match the oracle. The planted variant that posts the signal on another QP fails that check."""
+    env = dict(_env(1, arrival), TRITON_EP_EMULATED_REORDER_S="0.02")
     for failed, bad, probed in _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", False)):
         assert failed is None and bad == 0 and probed >= 20, (failed, bad, probed)
     out = _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", True))
@@ -172,3 +181,24 @@ def test_zero_qps_per_rank_across_hosts_raises_everywhere():
     Buffer works."""
     for first in _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "mode_mismatch", True)):
         assert first and "num_qps_per_rank must be an int >= 1" in first, first
+
+
+@pytest.mark.parametrize("arrival", [False, True])
+def test_arrival_words_switch(arrival):
+    """2 hosts of 1 rank, ``TRITON_EP_LL_ARRIVAL_WORDS`` off / on: the network leg uses the mode asked for, the
+    round trips match the oracle, and each call posts 2 work requests to the peer with WRITE_WITH_IMM (the
+    chunk, a credit) and 3 with arrival words (the chunk's data, its arrival word, a credit)."""
+    for mode, wrs, calls in _values(run_ranks(ll_cases.across_hosts, 2, _env(1, arrival), "arrival_words")):
+        assert mode is arrival and wrs == (3 if arrival else 2) * calls, (mode, wrs, calls)
+
+
+def test_arrival_words_switch_bad_value_or_disagreement_raises_everywhere():
+    """A value that is no switch on one rank, or ranks that disagree: ValueError on every rank, naming the
+    variable (and, for a bad value, the rank), instead of a hang or a timeout."""
+    env = _env(1)
+    for how, want in (("bad", "TRITON_EP_LL_ARRIVAL_WORDS"), ("disagree", "disagree")):
+        out = run_ranks(ll_cases.across_hosts, 2, env, "arrival_words_mismatch", how)
+        for r in out:
+            assert getattr(r, "type_name", None) == "ValueError" and want in r.message, out
+            if how == "bad":
+                assert "rank 1" in r.message, out
