@@ -11,14 +11,16 @@ from triton_ep.testing import run_ranks
 pytestmark = pytest.mark.gpu
 
 
-def _env(per_host):
-    return {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated"}
+def _env(per_host, arrival=False):
+    """``arrival``: chunks signalled by arrival words the receive polls (``TRITON_EP_LL_ARRIVAL_WORDS``)."""
+    return {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated",
+            "TRITON_EP_LL_ARRIVAL_WORDS": "1" if arrival else "0"}
 
 
-@pytest.mark.parametrize("use_fp8", [False, True])
-def test_graph_capture_and_100_replays_across_hosts(use_fp8):
-    out = ok_results(run_ranks(ll_cases.across_hosts, 2, _env(1), "gpu_graph_replay", use_fp8, 100, 16, 4, 256, 24,
-                               32, backend="gloo"))
+@pytest.mark.parametrize("use_fp8,arrival", [(False, False), (True, False), (True, True)])
+def test_graph_capture_and_100_replays_across_hosts(use_fp8, arrival):
+    out = ok_results(run_ranks(ll_cases.across_hosts, 2, _env(1, arrival), "gpu_graph_replay", use_fp8, 100, 16, 4,
+                               256, 24, 32, backend="gloo"))
     assert out == [100, 100], out
 
 
