@@ -348,7 +348,7 @@ def main(argv=None) -> int:
         if a.arrival_words:
             os.environ["TRITON_EP_LL_ARRIVAL_WORDS"] = "1"
     elif a.arrival_words:
-        raise SystemExit("--arrival-words needs --hosts (it changes the network leg between hosts)")
+        raise SystemExit("--arrival-words needs --hosts 2 or more (it changes the network leg between hosts)")
     if a.sweep and a.ranks != 1:
         raise SystemExit("--sweep runs at --ranks 1 (each rank would choose its own shapes)")
     return _launch.run(functools.partial(rank_main, a), a.ranks, a.timeout)

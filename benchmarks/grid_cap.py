@@ -20,9 +20,9 @@ plus written bytes per second); ``*_frac`` = floor / time; ``*_ratio`` = time / 
 quicker). Every cap's outputs are compared bit for bit with the first cap's.
 
 ``--vary dispatch_recv.num_warps=4,16`` adds a setting per value: the tuning table's defaults with the first cap
-and that one entry changed (``GPU_TUNING`` on a GPU, ``INTERP_TUNING`` on CPU; one entry at a time, repeatable);
+(unless the entry is the cap itself, ``grid.programs_per_sm``) and that one entry changed (``GPU_TUNING`` on a GPU, ``INTERP_TUNING`` on CPU; one entry at a time, repeatable);
 ``--config "dispatch_send.num_warps=8;grid.programs_per_sm=4"`` adds one setting that changes several entries at
-once. Each setting is a row (``setting``: what it changes, ``tuning``: those entries), timed, compared and
+once (at the first cap unless it names one). Each setting is a row (``setting``: what it changes, ``tuning``: those entries), timed, compared and
 ratioed as the caps are. Results never depend on these entries (``triton_ep.kernels._util``), only speed does. On CPU (no CUDA graphs) eager
 calls run under the Triton interpreter with 4 "multiprocessors" (320 tokens: 5 blocks of the interpreter's 64,
 so a cap of 1 makes programs loop): they show that the capped grids agree, nothing about speed. Output: a
@@ -69,10 +69,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     C.check_shape_args(p, a, ("hidden", "experts", "topk", "repeats", "replays"), 8, "rows of 16 bytes")
     a.settings = [{"grid.programs_per_sm": cap} for cap in a.caps]
     for spec in a.vary:
+        if ";" in spec:
+            p.error(f"--vary {spec!r}: one entry with its values (KERNEL.KEY=V1,V2); several entries: --config")
         key, _, values = spec.partition("=")
         a.settings += [_setting(p, "--vary", f"{key}={v}") for v in values.split(",")]
     a.settings += [_setting(p, "--config", spec) for spec in a.config]
+    first = a.caps[0]           # a setting that leaves the cap alone runs at the first cap, as its label says
+    a.settings = [dict(st) if "grid.programs_per_sm" in st else {"grid.programs_per_sm": first, **st}
+                  for st in a.settings]
+    seen = set()
+    for st in a.settings:
+        k = tuple(sorted(st.items()))
+        if k in seen:
+            p.error(f"the setting {_label(st)} comes twice (--caps, --vary and --config together)")
+        seen.add(k)
     return a
+
+
+#: values of the tuning table's string entries (Triton's store cache modifiers and eviction policies)
+_STR_VALUES = {"store_cache": ("", ".wb", ".cg", ".cs", ".wt"), "store_evict": ("", "evict_first", "evict_last")}
 
 
 def _setting(p, opt: str, spec: str) -> dict:
@@ -86,15 +101,29 @@ def _setting(p, opt: str, spec: str) -> dict:
         if not eq or kernel not in table or key not in table[kernel]:
             p.error(f"{opt} {spec!r}: {name!r} is no tuning entry (kernel.key=value; kernels: "
                     f"{', '.join(sorted(table))})")
+        if kernel.startswith("ll_") or name == "dispatch_send.record_align_words":
+            p.error(f"{opt} {spec!r}: {name} is not a launch parameter of the normal-mode calls this script "
+                    f"times (low-latency entries: bench_low_latency.py --sweep; record_align_words changes the "
+                    f"records' layout)")
         kind = type(table[kernel][key])
-        try:
-            value = kind(text) if kind is not bool else text.strip().lower() in ("1", "true")
-        except ValueError:
-            p.error(f"{opt} {spec!r}: {name} takes a {kind.__name__}, got {text!r}")
-        if kind is int and value < 0:
-            p.error(f"{opt} {spec!r}: {name} must be >= 0, got {value}")
-        if name == "dispatch_send.record_align_words":
-            p.error(f"{opt}: {name} changes the records' layout, not a launch; it cannot be varied here")
+        text = text.strip()
+        if kind is bool or kind is int:
+            try:
+                value = int(text)
+            except ValueError:
+                p.error(f"{opt} {spec!r}: {name} takes an integer, got {text!r}")
+            if kind is bool and value not in (0, 1):
+                p.error(f"{opt} {spec!r}: {name} takes 0 or 1, got {text!r}")
+            if key == "num_warps" or key.startswith("block_"):
+                if value < 1 or value & (value - 1):
+                    p.error(f"{opt} {spec!r}: {name} must be a power of two, got {value}")
+            elif value < 0:
+                p.error(f"{opt} {spec!r}: {name} must be >= 0, got {value}")
+            value = kind(value)
+        else:
+            value = text
+            if value not in _STR_VALUES.get(key, (value,)):
+                p.error(f"{opt} {spec!r}: {name} takes one of {_STR_VALUES[key]}, got {text!r}")
         out[name] = value
     return out
 

@@ -712,7 +712,7 @@ def ordering(rank, world, planted):
     the data's (the bug in-QP ordering prevents), so signals overtake rows. Returns ``(what failed or None,
     chunks seen incomplete at their signal, signals probed)``."""
     import numpy as np
-    from triton_ep.scheduler import TAG_CHUNK, Scheduler
+    from triton_ep.scheduler import Scheduler, is_chunk_signal
     real_ops, real_init = Scheduler._chunk_ops, Scheduler.__init__
     seen = {"bad": 0, "all": 0}
 
@@ -725,8 +725,7 @@ def ordering(rank, world, planted):
 
     def signal_elsewhere(self, peer, qp, seq, nbytes, signaled):
         ops = real_ops(self, peer, qp, seq, nbytes, signaled)     # (the signal: a WRITE_WITH_IMM or arrival word)
-        return [((q + 1) % self.t.num_qps_per_peer if op.wr_id is not None and op.wr_id & TAG_CHUNK else q, op)
-                for q, op in ops]
+        return [((q + 1) % self.t.num_qps_per_peer if is_chunk_signal(op) else q, op) for q, op in ops]
     Scheduler.__init__ = init
     if planted:
         Scheduler._chunk_ops = signal_elsewhere

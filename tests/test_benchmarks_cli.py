@@ -233,32 +233,39 @@ def test_grid_cap_out(tmp_path, results_untouched):
 
 
 def test_grid_cap_vary(tmp_path, results_untouched):
-    """``--vary`` adds a row per value (the defaults with that one tuning entry changed) and ``--config`` one row
-    changing several; each is timed, bit for bit equal to the first row, ratioed to it, and the tuning table is
-    the default again afterwards; entries that do not exist, values of the wrong type and the record layout are
-    argparse errors."""
+    """``--vary`` adds a row per value (the defaults at the first cap with that one tuning entry changed) and
+    ``--config`` one row changing several; each is timed, bit for bit equal to the first row, ratioed to it, and
+    the tuning table is the default again afterwards; entries that do not exist, values of the wrong type or out of
+    range, low-latency entries, the record layout and a setting given twice are argparse errors."""
     from triton_ep.kernels import _util
     before = {k: dict(v) for k, v in _util.INTERP_TUNING.items()}
-    run_bench("grid_cap.py", "--caps", "0", "--vary", "dispatch_recv.num_warps=2,8",
-              "--config", "combine_send.block_w=1024;grid.programs_per_sm=1", "--out", str(tmp_path / "g"))
+    run_bench("grid_cap.py", "--caps", "1", "--vary", "dispatch_recv.num_warps=2,8",
+              "--config", "combine_send.block_w=1024;grid.programs_per_sm=0", "--out", str(tmp_path / "g"))
     out = json.loads((tmp_path / "g" / "grid_cap.json").read_text())
     assert [row["setting"] for row in out["results"]] == [
-        "grid.programs_per_sm=0", "dispatch_recv.num_warps=2", "dispatch_recv.num_warps=8",
-        "combine_send.block_w=1024;grid.programs_per_sm=1"]
-    assert out["results"][3]["tuning"] == {"combine_send.block_w": 1024, "grid.programs_per_sm": 1}
-    assert out["results"][3]["programs_per_sm"] == 1 and out["results"][1]["programs_per_sm"] == 0
+        "grid.programs_per_sm=1", "grid.programs_per_sm=1;dispatch_recv.num_warps=2",
+        "grid.programs_per_sm=1;dispatch_recv.num_warps=8", "combine_send.block_w=1024;grid.programs_per_sm=0"]
+    # a --vary row runs at the first cap (1, not the table's 0), as its label says
+    assert out["results"][1]["tuning"] == {"grid.programs_per_sm": 1, "dispatch_recv.num_warps": 2}
+    assert [row["programs_per_sm"] for row in out["results"]] == [1, 1, 1, 0]
     for row in out["results"]:
         assert row["results_equal"] and row["dispatch_us"] > 0 and row["combine_us"] > 0
         assert math.isclose(row["combine_ratio"], row["combine_us"] / out["results"][0]["combine_us"])
     assert out["default_tuning"] == before          # (read by the benchmark after its runs)
-    for opt, spec, why in (("--vary", "nokernel.num_warps=4", "no tuning entry"),
-                           ("--vary", "dispatch_recv.nokey=4", "no tuning entry"),
-                           ("--config", "dispatch_recv.num_warps", "no tuning entry"),
-                           ("--vary", "dispatch_recv.num_warps=x", "takes a int"),
-                           ("--vary", "dispatch_recv.num_warps=-4", ">= 0"),
-                           ("--vary", "dispatch_send.record_align_words=8", "records' layout")):
-        bad = python([os.path.join(ROOT, "benchmarks", "grid_cap.py"), opt, spec, "--out", str(tmp_path / "h")], ROOT)
-        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+    for args, why in ((["--vary", "nokernel.num_warps=4"], "no tuning entry"),
+                      (["--vary", "dispatch_recv.nokey=4"], "no tuning entry"),
+                      (["--config", "dispatch_recv.num_warps"], "no tuning entry"),
+                      (["--vary", "dispatch_recv.num_warps=x"], "takes an integer"),
+                      (["--vary", "dispatch_recv.num_warps=3"], "power of two"),
+                      (["--vary", "dispatch_recv.block_w=0"], "power of two"),
+                      (["--vary", "grid.programs_per_sm=-4"], ">= 0"),
+                      (["--vary", "dispatch_send.store_cache=bogus"], "takes one of"),
+                      (["--vary", "ll_send.num_warps=8"], "not a launch parameter"),
+                      (["--vary", "dispatch_send.record_align_words=8"], "records' layout"),
+                      (["--vary", "dispatch_recv.num_warps=4;combine_send.num_warps=8,2"], "several entries"),
+                      (["--caps", "0", "--vary", "grid.programs_per_sm=0"], "twice")):
+        bad = python([os.path.join(ROOT, "benchmarks", "grid_cap.py"), *args, "--out", str(tmp_path / "h")], ROOT)
+        assert bad.returncode == 2 and why in bad.stderr, (args, bad.stderr)
 
 
 def test_bench_internode_out(tmp_path, results_untouched):

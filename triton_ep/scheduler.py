@@ -67,6 +67,13 @@ STAGE_CREDIT, STAGE_SEND_WAIT, STAGE_INTERNAL = F.STAGE_PROXY_CREDIT, F.STAGE_PR
 STAGE_NAMES = F.STAGE_NAMES
 
 
+def is_chunk_signal(op: Op) -> bool:
+    """Whether ``op`` is a chunk's signal (its WRITE_WITH_IMM, or with arrival words its arrival-word WRITE): the
+    work request whose ``wr_id`` carries :data:`TAG_CHUNK` and the chunk number. Test hooks that move or drop a
+    chunk's signal pick it with this."""
+    return op.wr_id is not None and bool(op.wr_id & TAG_CHUNK)
+
+
 def fault_word(stage: int, channel: Optional[int], qp: Optional[int]) -> int:
     """The 64-bit word a failed proxy writes into each peer's ``FAULT`` slot: bit 62 set, the stage in
     bits 40..47, channel + 1 in 24..39 and QP + 1 in 8..23 (0: none)."""
@@ -242,6 +249,8 @@ class Scheduler:
         self._threads: List[threading.Thread] = []
         self.error: Optional[BaseException] = None
         self.arrival_words = bool(arrival_words)
+        #: byte offsets of this rank's arrival words at a peer, per slot (where its chunks' arrival words go)
+        self._arrive_off = [8 * F.ring_arrive_word.host(self.world, slots, self.rank, k) for k in range(slots)]
         # (with arrival words no WRITE_WITH_IMM arrives: no receive is consumed, none is posted)
         self._replenish = not getattr(transport, "auto_replenish", False) and not self.arrival_words
         self._t0 = time.perf_counter_ns()
@@ -371,7 +380,8 @@ class Scheduler:
     def rebase(self, peer: int, tx: int, rx: int) -> None:
         """Renumber the rings with ``peer`` and unmask it (its ``MASKED`` word): the next chunk this rank sends
         it is ``tx``, the next it receives from it ``rx`` (``READY`` = ``SENT`` = ``CREDIT`` = ``tx``, ``TAIL`` =
-        ``HEAD`` = ``rx``: nothing pending either way, chunks not consumed are dropped). Both ranks of the pair
+        ``HEAD`` = ``rx``: nothing pending either way, chunks not consumed are dropped; with arrival words ``rx`` must
+        be past every chunk from ``peer`` that arrived, else ``ValueError``). Both ranks of the pair
         call it with matching numbers (this rank's ``tx`` is the peer's ``rx``), with no chunk in flight to
         ``peer`` (:meth:`wait_quiet`) and no producer or consumer of its rings running (the device work
         finished). Unmasking a rank on another host (``Buffer.low_latency_update_mask_buffer(rank, False)``,
@@ -379,6 +389,13 @@ class Scheduler:
         the two sides' counters no longer match. A signal of a chunk numbered before this that completes after
         it is recognised (behind the tail) and ignored."""
         tx, rx = int(tx), int(rx)
+        if self.arrival_words:
+            # the arrival words from peer hold chunk numbers + 1 of chunks placed before: the new numbering must
+            # start past them, else a stale word would read as the arrival of a new chunk
+            words = self.flags.arrivals()[peer * self.slots:(peer + 1) * self.slots]
+            if max(words) > rx:
+                raise ValueError(f"rank {self.rank}: rebase of the rings with peer {peer} to receive chunk {rx} next, "
+                                 f"but chunks up to {max(words) - 1} from it already arrived (arrival words {words})")
         with self._lock:
             st = self._peer[peer]
             st.next_post = st.sent = tx
@@ -675,7 +692,7 @@ class Scheduler:
                 for tqp, op in _fold_signal(self._chunk_ops(p, qp, seq, n, sig)):
                     batches.setdefault((p, tqp), []).append(op)
                     q.wrs += 1
-                    if tqp != qp and op.wr_id is not None and op.wr_id & TAG_CHUNK:   # the signal went elsewhere
+                    if tqp != qp and is_chunk_signal(op):   # the signal went elsewhere: retire it there
                         ent = next(e for e in q.inflight if e[0] == seq)
                         q.inflight.remove(ent)
                         if q.parked:            # its window has room again
@@ -726,10 +743,12 @@ class Scheduler:
         ``seq + 1`` from its ``ASRC`` word into the peer's ``ARRIVE`` word of the slot (``wr_id`` as above)."""
         lay = self.layout
         if self.arrival_words and not nbytes:
+            # The NIC reads the source word when it executes the WRITE, after this returns. It is rewritten only
+            # for chunk seq + slots, which goes once the peer's credit passed seq: the peer consumed chunk seq, so
+            # it saw this word land, so the NIC had read it.
             i = self.flags.asrc_index(peer, seq)
-            self.flags.w[i] = seq + 1        # (rewritten for chunk seq + slots only once this one is placed)
-            return Op(WRITE, self.region, 8 * i, 8, self._remote[peer],
-                      8 * F.ring_arrive_word.host(self.world, self.slots, self.rank, seq % self.slots),
+            self.flags.w[i] = seq + 1
+            return Op(WRITE, self.region, 8 * i, 8, self._remote[peer], self._arrive_off[seq % self.slots],
                       signaled=signaled, wr_id=TAG_CHUNK | (seq & _SEQ_MASK))
         return Op(WRITE_WITH_IMM, self.region, lay.send_off(peer, seq), nbytes, self._remote[peer],
                   lay.recv_off(self.rank, seq), imm=seq & 0xFFFFFFFF, signaled=signaled,
@@ -995,4 +1014,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "host_alltoall", "bootstrap",
-           "fault_word", "parse_fault", "TAG_CHUNK", "STAGE_NAMES"]
+           "fault_word", "parse_fault", "is_chunk_signal", "TAG_CHUNK", "STAGE_NAMES"]

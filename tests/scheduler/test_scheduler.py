@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triton_ep.errors import EPTimeoutError
-from triton_ep.scheduler import TAG_CHUNK, ProxyError, ProxyRemoteError, Scheduler, host_alltoall
+from triton_ep.scheduler import ProxyError, ProxyRemoteError, Scheduler, host_alltoall, is_chunk_signal
 from triton_ep.transport.rdma import WRITE_WITH_IMM
 from triton_ep.transport.signals import RingFlags
 
@@ -74,8 +74,9 @@ class Probe:
 
 def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1, wr_bytes=None, arrival_words=False):
     """All-to-all with a probe at every signal; asserts each chunk intact when its signal arrives (with
-    ``arrival_words``: when the proxy first sees its arrival word), chunks in order on every QP (channel), and
-    every byte at the end."""
+    ``arrival_words``: when the proxy first sees its arrival word), chunks in order on every QP (channel; with
+    arrival words the probe gets no QP and the tail moves in order by construction, so only the intact check and
+    the bytes speak there), and every byte at the end."""
     probe = Probe(sizes, slot, seed)
     g_ref = [None]
 
@@ -129,8 +130,7 @@ class SignalOnAnotherQP(Scheduler):
 
     def _chunk_ops(self, peer, qp, seq, nbytes, signaled):
         ops = super()._chunk_ops(peer, qp, seq, nbytes, signaled)
-        return [((q + 1) % self.t.num_qps_per_peer if op.wr_id is not None and op.wr_id & TAG_CHUNK else q, op)
-                for q, op in ops]
+        return [((q + 1) % self.t.num_qps_per_peer if is_chunk_signal(op) else q, op) for q, op in ops]
 
 
 @pytest.mark.parametrize("arrival_words", [False, True])
@@ -139,6 +139,28 @@ def test_planted_signal_on_another_qp_fails_the_property(arrival_words):
     run_probe(Scheduler, 2, 4, 8, 4096, sizes, seed=5, arrival_words=arrival_words)     # the real one passes
     with pytest.raises(AssertionError, match="not intact|differ|out of order"):
         run_probe(SignalOnAnotherQP, 2, 4, 8, 4096, sizes, seed=5, arrival_words=arrival_words)
+
+
+def test_arrival_words_rebase_starts_past_what_arrived():
+    """With arrival words a ring renumbering (``rebase``) must start past every chunk that arrived from the peer
+    (a stale arrival word would read as a new chunk's): below that it raises ValueError and changes nothing; at it,
+    the next all-to-all runs byte for byte and no phantom chunk shows up in the tail."""
+    slot = 1024
+    sizes = {(0, 1): 3 * slot, (1, 0): 3 * slot}
+    with Group(fabric(2), 2, qps=2, slots=2, slot_bytes=slot, arrival_words=True) as g:
+        alltoall_checked(g, sizes)
+        s0 = g.scheds[0]
+        assert s0.flags.get(RingFlags.TAIL, 1) == 3 and max(s0.flags.arrivals()[2:4]) == 3
+        with pytest.raises(ValueError, match="already arrived"):
+            s0.rebase(1, 3, 2)
+        assert s0.flags.get(RingFlags.TAIL, 1) == 3 and s0._next_rx[1] == 3      # nothing changed
+        for r, s in enumerate(g.scheds):           # both sides renumber alike, further on: 10 each way
+            s.wait_quiet(1 - r, "test")
+            s.rebase(1 - r, 10, 10)
+        time.sleep(0.05)                            # sweeps run: a stale word must not move the tail
+        assert [s.flags.get(RingFlags.TAIL, 1 - r) for r, s in enumerate(g.scheds)] == [10, 10]
+        alltoall_checked(g, sizes, salt=1)
+        assert [s.flags.get(RingFlags.TAIL, 1 - r) for r, s in enumerate(g.scheds)] == [13, 13]
 
 
 # ------------------------------------------------------------------------------------------ faults

@@ -20,8 +20,9 @@ import torch
 # ``record_align_words`` rounds the record width (a multiple of 4; every rank must use the same value).
 # The ``num_warps`` of dispatch_send / dispatch_recv / combine_send and the block_w of dispatch_recv /
 # combine_send were swept again on one H200 once the grid cap was in (benchmarks/grid_cap.py --vary, one rank,
-# CUDA-graph replays; benchmarks/README.md): 4 warps where there were 8 or 16 made a cached dispatch 0.66x /
-# 0.90x / 0.95x the GPU time at T 128 / 1024 / 4096 and a combine 0.93x-0.97x.
+# CUDA-graph replays; benchmarks/README.md, results/grid_cap_h200_launch_params.json): a cached dispatch took 0.61x /
+# 0.84x / 0.83x / 0.95x the GPU time of the old parameters at T 128 / 1024 / 2048 / 4096, a combine 0.89x / 1.00x /
+# 0.95x / 0.97x.
 GPU_TUNING: Dict[str, Dict[str, object]] = {
     "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, histogram_max_bins=512, num_warps=4),
     "dispatch_send": dict(block_t=1, block_w=4096, num_warps=4, split_w=0, store_cache="", store_evict="",

@@ -18,7 +18,8 @@ The send launches (:mod:`.ll_dispatch`, :mod:`.ll_combine`) write the chunk stra
 program writes each chunk's header and length and releases ``READY = k + 1`` at system scope, and the proxy
 posts the chunk's WRITEs and then its signal on one queue pair (the count travels after the rows, in-QP
 ordering). :func:`ll_unpack` (the first launch of the receive, or of the hook) waits for each network peer's
-chunk (``TAIL`` past it), copies its records or rows into this rank's half as a peer on the same host would
+chunk (``TAIL`` past it, or with arrival words the chunk's arrival word, which the sender's proxy writes after
+the chunk on its QP: ``Scheduler(arrival_words=True)``), copies its records or rows into this rank's half as a peer on the same host would
 have written them, then releases ``READY[s] = n`` in this rank's control block: the receive launches that
 follow are the same as within one host. A chunk whose status says the sender failed the call ends the
 receive's wait for that rank with ``EPRemoteError``; a chunk of another call number with a mismatch.
@@ -255,7 +256,8 @@ def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, comb
     ``area``: int32 view of the local low-latency area; ``ctl``: its int64 control block; ``net``: the leg
     (``ring_ctl`` int64 control block of the scheduler's region, ``recv_dw``: its receive ring's first word
     relative to ``area``, ``slot_w``: words per slot); ``lay``: the call's
-    :class:`~triton_ep.protocol.ll_area.Layout`; ``shrink``: a peer that times out is masked; ``cost``: int64
+    :class:`~triton_ep.protocol.ll_area.Layout`; ``net.arrival_words``: wait for each chunk's arrival word instead of
+    the tail; ``shrink``: a peer that times out is masked; ``cost``: int64
     ``[R]``, the call's wait-cost statistics: the nanoseconds spent waiting for each network peer's chunk are
     added to its entry (0 under the interpreter, which has no clock), as the receive adds its own waits."""
     R = lay.num_ranks

@@ -80,12 +80,13 @@ def test_two_outstanding_hooks_received_in_reverse_order(arrival):
     assert out == [False, False]
 
 
-def test_errors_raise_everywhere_at_once_and_the_group_recovers():
+@pytest.mark.parametrize("arrival", [False, True])
+def test_errors_raise_everywhere_at_once_and_the_group_recovers(arrival):
     """Rank 0 rejects its arguments (TypeError there), then rank 1 passes bad ids (ValueError there): the
     other ranks raise EPRemoteError naming the culprit well within the timeout (the failure travels in the
     call's chunk), and the next round trip on every rank matches the oracle (the group met through its store
     and restarted the call numbers, each peer's chunk numbers going on)."""
-    out = _values(run_ranks(ll_cases.across_hosts, 3, _env(1), "rejected_across_hosts", 8, 128, 6))
+    out = _values(run_ranks(ll_cases.across_hosts, 3, _env(1, arrival), "rejected_across_hosts", 8, 128, 6))
     assert out[0]["dtype"][0] == "TypeError" and out[1]["ids"][0] == "ValueError", out
     for r, o in enumerate(out):
         assert o["first"] and o["after_dtype"] and o["after_ids"], o
@@ -123,8 +124,9 @@ def test_masked_remote_rank(by_timeout):
             assert waits[0] >= 4.0 and max(waits[1:]) < waits[0] - 2.0, waits
 
 
-@pytest.mark.parametrize("world,by_timeout,how", [(2, False, "update"), (3, True, "clean")])
-def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how):
+@pytest.mark.parametrize("world,by_timeout,how,arrival", [(2, False, "update", False), (3, True, "clean", False),
+                                                         (2, False, "update", True)])
+def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how, arrival):
     """Hosts of 1 rank; the last rank stays silent while the others mask it (explicitly, or after one timeout of
     4 s) and go on without it; then it comes back and every rank, itself too, unmasks it
     (low_latency_update_mask_buffer(victim, False), or low_latency_clean_mask_buffer): the pairs
@@ -132,7 +134,7 @@ def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how):
     it, bit for bit the oracle's. Ranks that then make different unmask calls all raise ValueError, and the next
     round trip shows nothing changed."""
     victim = world - 1
-    out = _values(run_ranks(ll_cases.across_hosts, world, _env(1), "recovering_peer", victim, by_timeout, how))
+    out = _values(run_ranks(ll_cases.across_hosts, world, _env(1, arrival), "recovering_peer", victim, by_timeout, how))
     for r, (before, after, mismatch) in enumerate(out):
         assert before == (None if r == victim else [1 if p == victim else 0 for p in range(world)]), out
         assert after == [0] * world, out
