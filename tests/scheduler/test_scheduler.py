@@ -204,8 +204,12 @@ class BadAddressOnce(Scheduler):
 
 
 def test_fault_error_completion():
+    """Rank 0's chunk 3 hits an address past rank 1's region: rank 0's proxy fails on that error completion,
+    naming its status, and rank 1 is told. Rank 1 sends no data (``back=0``: only credits): with data of its own
+    in flight on the QP the error moves to ERR, its flushed requests could fail its proxy first, and rank 0
+    would then hear of rank 1's failure before its own completion (a race seen once on a slow CI machine)."""
     with Group(fabric(2), 2, qps=2, cls=BadAddressOnce, slots=2, slot_bytes=1024, timeout_s=3.0) as g:
-        e0, e1 = both_fail(g, 8 * 1024, 8.0)
+        e0, e1 = both_fail(g, 8 * 1024, 8.0, back=0)
     assert isinstance(e0, ProxyError) and e0.stage.endswith("send completion"), e0
     assert "IBV_WC_REM_ACCESS_ERR" in str(e0) and e0.peer == 1 and e0.qp in (0, 1) and e0.channel == e0.qp
     assert isinstance(e1, ProxyError) and e1.peer == 0 and e1.qp in (0, 1) and "completion" in e1.stage, e1
