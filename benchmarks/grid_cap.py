@@ -193,8 +193,8 @@ def one_size(a, T: int, dev: torch.device, ceiling) -> list:
         for j, st in enumerate(a.settings):
             d, c = (statistics.median(us[j][i]) for i in (0, 1))
             same = all(torch.equal(timers[j][i][1]().view(torch.int16), ref[i]) for i in (0, 1))
-            cap = st.get("grid.programs_per_sm", a.caps[0])
-            rows.append(dict(tokens=T, setting=_label(st), tuning=st, programs_per_sm=cap, dispatch_us=d,
+            rows.append(dict(tokens=T, setting=_label(st), tuning=st, programs_per_sm=st["grid.programs_per_sm"],
+                             dispatch_us=d,
                              combine_us=c, dispatch_ratio=d / d0,
                              combine_ratio=c / c0, floor_us=floor,
                              dispatch_frac=None if floor is None else floor / d,
