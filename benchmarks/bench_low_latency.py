@@ -120,6 +120,7 @@ def _kernel_us(g, device, replays: int = 20) -> dict:
 
 #: the swept launch parameters (triton_ep.kernels._util.GPU_TUNING's low-latency entries) and their kernels
 SWEEP = {
+    "ll_route": ("_ll_route_kernel", dict(block_t=[32, 64, 128], experts=[1, 2, 4], num_warps=[1, 2, 4, 8])),
     "ll_send": ("_ll_dispatch_send_kernel", dict(block_h=[512, 1024], block_t=[1, 2], num_warps=[2, 4, 8])),
     "ll_recv": ("_ll_dispatch_recv_kernel", dict(block_r=[4, 8, 16], programs_per_expert=[1, 2],
                                                  expert_programs=[0, 128], block_w=[512, 1024, 2048],

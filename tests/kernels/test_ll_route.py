@@ -1,11 +1,13 @@
 """The low-latency route kernel (triton_ep.kernels.ll_dispatch.ll_route) against a plain-Python model: each
 (token, k) entry's slot among this rank's rows for its expert, in token order, and the rows per expert;
 no row for -1, for a masked rank's experts, or for a duplicate of an earlier entry of the same token.
-Several token blocks and a partial block of experts (the kernel runs a program per 32 experts)."""
+Several token blocks, a program per expert and per several (a partial block of experts), under the interpreter
+with both its own launch shapes and the GPU's."""
 import pytest
 import torch
 
 from triton_ep.kernels import flags
+from triton_ep.kernels._util import GPU_TUNING, INTERP_TUNING
 from triton_ep.kernels.ll_dispatch import ll_route
 
 
@@ -28,9 +30,15 @@ _CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torc
                                                                       reason="needs CUDA")])
 
 
+@pytest.mark.parametrize("shapes", ["own", "gpu", "small"])
 @pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("T,K,E,R,masked", [(300, 3, 100, 4, ()), (70, 8, 64, 8, (2, 5)), (0, 2, 8, 2, ())])
-def test_route_slots_follow_token_order(T, K, E, R, masked, device):
+def test_route_slots_follow_token_order(T, K, E, R, masked, device, shapes, monkeypatch):
+    table = GPU_TUNING if device == "cuda" else INTERP_TUNING
+    if shapes == "gpu":
+        monkeypatch.setitem(table, "ll_route", dict(GPU_TUNING["ll_route"]))
+    elif shapes == "small":     # many token blocks, experts per program not dividing E
+        monkeypatch.setitem(table, "ll_route", dict(block_t=16, experts=3, num_warps=1))
     g = torch.Generator().manual_seed(T + K + E)
     idx = torch.randint(-1, E, (T, K), generator=g)
     if T:

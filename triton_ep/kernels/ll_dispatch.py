@@ -11,7 +11,7 @@ local expert ``e``, in 32-bit words::
 padded to 4 words, where ``t`` is the source token and ``k`` its first top-k entry naming that expert.
 The three launches of one dispatch:
 
-1. :func:`ll_route` (a program per few experts): the slot of each (token, expert) pair among this rank's rows for the
+1. :func:`ll_route` (a program per expert, or per few): the slot of each (token, expert) pair among this rank's rows for the
    expert, in token order (deterministic), the rows per expert, masked ids (``-1``, a masked rank,
    duplicates of an earlier entry of the same token: the row goes once); bad ids end the call with an
    error record.
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import flags, ll_net, pdl
 from ..protocol import records
-from ._util import cdiv, interpreted, pow2, tuning
+from ._util import cdiv, pow2, tuning
 from .dispatch import _grid2
 from .launch import Launcher, bound
 from .fp8 import quantize_blocks
@@ -39,43 +39,38 @@ from .fp8 import quantize_blocks
 @triton.jit(do_not_specialize=['T', 'me'])
 def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr):
     pdl.pdl_start()
-    # Program p owns experts [p * BLOCK_E, (p + 1) * BLOCK_E): it alone writes their slots and counts, so the
-    # programs need no ordering among themselves; program 0 also writes -1 for entries that make no row.
+    # Program p owns experts [p * EXPERTS, (p + 1) * EXPERTS): it alone writes their counts and the slots of the
+    # entries naming them, so the programs need no ordering among themselves; program 0 also writes -1 for the
+    # entries naming no expert (-1, or a bad id: counted).
     pid = tl.program_id(0)
-    oe = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     ok_ = tl.arange(0, BLOCK_K)
-    running = tl.zeros([BLOCK_E], dtype=tl.int32)      # rows of earlier token blocks, per owned expert
     nbad = tl.zeros([], dtype=tl.int32)
-    for t0 in range(0, T, BLOCK_T):
-        # 1. Valid entries: ids in [0, E) whose rank is not masked; bad ids are counted.
-        t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        m = (t < T)[:, None] & (ok_ < K)[None, :]
-        ids = tl.load(idx_ptr + t[:, None] * K + ok_[None, :], mask=m, other=-1).to(tl.int64)
-        nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
-        ok = m & (ids >= 0) & (ids < num_experts)
-        dst = tl.where(ok, ids // experts_per_rank, 0)
-        ok = ok & (tl.load(ctl + flags.off_ll_mask(R) + dst, mask=ok, other=0) == 0)
-        e = tl.where(ok, ids, -1)
-        # 2. A duplicate of an earlier entry of the same token makes no row (the token goes once).
-        same_tok = (e[:, :, None] == e[:, None, :]) & (ok_[None, None, :] < ok_[None, :, None]) & ok[:, None, :]
-        row = ok & (tl.max(same_tok.to(tl.int32), axis=2) == 0)
-        # 3. Slot = rows for the same expert from earlier tokens (slots follow token order): an exclusive
-        #    prefix sum over the block's tokens of each owned expert's one-hot, plus the earlier blocks'.
-        hit = (e[:, :, None] == oe[None, None, :]) & row[:, :, None]         # [T, K, E]
-        onehot = tl.max(hit.to(tl.int32), axis=1)                             # [T, E]
-        before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]
-        slot = tl.sum(tl.where(hit, before[:, None, :], 0), axis=2)           # [T, K]
-        mine = row & (e >= pid * BLOCK_E) & (e < (pid + 1) * BLOCK_E)
-        of = t[:, None] * K + ok_[None, :]
-        tl.store(slot_ptr + of, slot, mask=m & mine)
-        if pid == 0:
-            tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=m & (row == 0))
-        running += tl.sum(onehot, axis=0)
-    tl.store(cnt_ptr + oe, running, mask=oe < num_experts)
-    # 4. Bad ids: nothing is sent (the send launch sees the error) and every peer is told that this
-    #    call (the next one this rank sends) failed.
+    for e in range(pid * EXPERTS, tl.minimum(pid * EXPERTS + EXPERTS, num_experts)):
+        live = tl.load(ctl + flags.off_ll_mask(R) + e // experts_per_rank) == 0     # (a masked rank: no rows)
+        running = tl.zeros([], dtype=tl.int32)          # rows of earlier token blocks
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+            m = (t < T)[:, None] & (ok_ < K)[None, :]
+            of = t[:, None] * K + ok_[None, :]
+            ids = tl.load(idx_ptr + of, mask=m, other=-1)
+            hit = (m & (ids == e)).to(tl.int32)
+            # the token's first entry naming e makes the row (a duplicate of it makes none)
+            first = (hit == 1) & ((tl.cumsum(hit, axis=1) - hit) == 0)
+            onehot = tl.max(first.to(tl.int32), axis=1)                         # [BLOCK_T]
+            # slot = rows for e from earlier tokens (slots follow token order)
+            before = tl.cumsum(onehot, axis=0) - onehot + running
+            slot = tl.where(first & live, tl.broadcast_to(before[:, None], [BLOCK_T, BLOCK_K]), -1)
+            tl.store(slot_ptr + of, slot, mask=hit == 1)
+            running += tl.sum(onehot)
+            if (pid == 0) & (e == 0):
+                nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
+                tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32),
+                         mask=m & ((ids < 0) | (ids >= num_experts)))
+        tl.store(cnt_ptr + e, tl.where(live, running, 0))
+    # Bad ids: nothing is sent (the send launch sees the error) and every peer is told that this call (the next
+    # one this rank sends) failed.
     if (pid == 0) & (nbad > 0):
         tl.store(host + flags.H_INFO, nbad.to(tl.int64))
         tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
@@ -272,24 +267,14 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
 _ll_dispatch_recv_launch = Launcher(_ll_dispatch_recv_kernel, **pdl.options())
 
 
-def _route_blocks(k: int, num_experts: int, interp: bool) -> tuple:
-    """The route kernel's (tokens per block, experts per program). On an H200 at T 128, top-8 of 256, a
-    sweep of both and of num_warps (20 launches in a CUDA graph) gave 5.8 us a launch for (128, 4) with 8
-    warps, against 48 us for (64, 32) (fewer experts per program: more programs, smaller [T, K, E] tiles);
-    torch.profiler then gave it 5.6 us in a dispatch + combine graph replay. The interpreter runs programs one
-    after another, so there a few large programs are quicker."""
-    if interp:
-        return max(1, 512 // pow2(k)), min(pow2(num_experts), 32)
-    return max(1, min(128, 1024 // pow2(k))), 4
-
-
 def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, ctl: torch.Tensor,
              num_experts: int, num_ranks: int, signals: dict) -> None:
     """Slots of this rank's (token, expert) rows: ``slots`` int32 ``[T, K]`` (``-1``: no row), ``counts``
     int32 ``[E]`` (rows per expert). ``topk_idx`` int32/int64 ``[T, K]``; ``ctl``: int64 control block."""
     T, K = topk_idx.shape
-    key = (K, num_experts, num_ranks)
-    launch = bound(_ROUTE_BOUND, key, lambda: _bind_route(K, num_experts, num_ranks))
+    tune = tuning("ll_route")
+    key = (K, num_experts, num_ranks, tuple(tune.items()))
+    launch = bound(_ROUTE_BOUND, key, lambda: _bind_route(K, num_experts, num_ranks, tune))
     launch(topk_idx, slots, counts, ctl, T, num_experts, num_experts // num_ranks, signals["hdr"], signals["hdr_delta"],
            signals["host"], signals["me"])
 
@@ -297,10 +282,12 @@ def ll_route(topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, 
 _ROUTE_BOUND: dict = {}
 
 
-def _bind_route(K, num_experts, num_ranks):
-    bt, be = _route_blocks(K, num_experts, interpreted())
-    return _ll_route_launch.bind((triton.cdiv(num_experts, be),), num_warps=8, R=num_ranks, K=K, BLOCK_T=bt,
-                                 BLOCK_K=pow2(K), BLOCK_E=be)
+def _bind_route(K, num_experts, num_ranks, tune):
+    # (tokens per block: BLOCK_T * BLOCK_K entries a tile)
+    bt = max(1, tune["block_t"] * 8 // pow2(K, 8))
+    ex = tune["experts"]
+    return _ll_route_launch.bind((cdiv(num_experts, ex),), num_warps=tune["num_warps"], R=num_ranks, K=K, BLOCK_T=bt,
+                                 BLOCK_K=pow2(K), EXPERTS=ex)
 
 
 def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
