@@ -246,8 +246,8 @@ def absent_without_shrink(rank, world, N, H, E):
 
 
 def bad_ids_then_recover(rank, world, N, H, E):
-    """Rank 1 passes an id outside [-1, E): it raises ValueError, the peers EPRemoteError; the next call
-    re-synchronises and is correct. Bad argument shapes raise before launch."""
+    """Rank 1 passes two ids outside [-1, E) (one above, one below): it raises ValueError counting both, the peers
+    EPRemoteError; the next call re-synchronises and is correct. Bad argument shapes raise before launch."""
     R, me = world, rank
     xs, idxs, ws = ll_inputs(7, R, E, 2, H, [4] * R)
     buf = _buffer(R, N, H, E, timeout_s=30)
@@ -260,11 +260,12 @@ def bad_ids_then_recover(rank, world, N, H, E):
         bad = idxs[me].clone()
         if me == 1:
             bad[0, 0] = E + 5
+            bad[1, 1] = -2
         try:
             buf.low_latency_dispatch(xs[me], bad, N, E, use_fp8=False)
             got.append("none")
         except Exception as e:  # noqa: BLE001
-            got.append(type(e).__name__)
+            got.append(type(e).__name__ + (" (2 ids)" if "holds 2 ids outside" in str(e) else ""))
         try:
             buf.check()
         except Exception as e:  # noqa: BLE001

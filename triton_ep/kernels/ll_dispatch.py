@@ -39,36 +39,41 @@ from .fp8 import quantize_blocks
 @triton.jit(do_not_specialize=['T', 'me'])
 def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     pdl.pdl_start()
-    # Program p owns experts [p * EXPERTS, (p + 1) * EXPERTS): it alone writes their counts and the slots of the
-    # entries naming them, so the programs need no ordering among themselves; program 0 also writes -1 for the
-    # entries naming no expert (-1, or a bad id: counted).
+    # Program p owns experts [p * BLOCK_E, (p + 1) * BLOCK_E) (one on GPU): it alone writes their counts and the
+    # slots of the entries naming them, so the programs need no ordering among themselves; program 0 also writes
+    # -1 for the entries naming no expert (-1, or a bad id: counted).
     pid = tl.program_id(0)
     ok_ = tl.arange(0, BLOCK_K)
+    oe = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    me_ = oe < num_experts
+    # an expert of a masked rank gets no rows
+    live = me_ & (tl.load(ctl + flags.off_ll_mask(R) + tl.where(me_, oe // experts_per_rank, 0), mask=me_,
+                          other=1) == 0)
+    running = tl.zeros([BLOCK_E], dtype=tl.int32)       # rows of earlier token blocks, per owned expert
     nbad = tl.zeros([], dtype=tl.int32)
-    for e in range(pid * EXPERTS, tl.minimum(pid * EXPERTS + EXPERTS, num_experts)):
-        live = tl.load(ctl + flags.off_ll_mask(R) + e // experts_per_rank) == 0     # (a masked rank: no rows)
-        running = tl.zeros([], dtype=tl.int32)          # rows of earlier token blocks
-        for t0 in range(0, T, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            m = (t < T)[:, None] & (ok_ < K)[None, :]
-            of = t[:, None] * K + ok_[None, :]
-            ids = tl.load(idx_ptr + of, mask=m, other=-1)
-            hit = (m & (ids == e)).to(tl.int32)
-            # the token's first entry naming e makes the row (a duplicate of it makes none)
-            first = (hit == 1) & ((tl.cumsum(hit, axis=1) - hit) == 0)
-            onehot = tl.max(first.to(tl.int32), axis=1)                         # [BLOCK_T]
-            # slot = rows for e from earlier tokens (slots follow token order)
-            before = tl.cumsum(onehot, axis=0) - onehot + running
-            slot = tl.where(first & live, tl.broadcast_to(before[:, None], [BLOCK_T, BLOCK_K]), -1)
-            tl.store(slot_ptr + of, slot, mask=hit == 1)
-            running += tl.sum(onehot)
-            if (pid == 0) & (e == 0):
-                nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
-                tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32),
-                         mask=m & ((ids < 0) | (ids >= num_experts)))
-        tl.store(cnt_ptr + e, tl.where(live, running, 0))
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        m = (t < T)[:, None] & (ok_ < K)[None, :]
+        of = t[:, None] * K + ok_[None, :]
+        ids = tl.load(idx_ptr + of, mask=m, other=-1)
+        hit = (m[:, :, None] & (ids[:, :, None] == oe[None, None, :])).to(tl.int32)      # [T, K, E]
+        # the token's first entry naming an expert makes its row (a duplicate of it makes none)
+        first = (hit == 1) & ((tl.cumsum(hit, axis=1) - hit) == 0)
+        onehot = tl.max(first.to(tl.int32), axis=1)                                     # [T, E]
+        # slot = rows for the expert from earlier tokens (slots follow token order)
+        before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]
+        row = first & live[None, None, :]
+        slot = tl.sum(tl.where(row, before[:, None, :], 0), axis=2)                       # [T, K]
+        slot = tl.where(tl.max(row.to(tl.int32), axis=2) == 1, slot, -1)
+        tl.store(slot_ptr + of, slot, mask=tl.max(hit, axis=2) == 1)
+        running += tl.sum(onehot, axis=0)
+        if pid == 0:
+            nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
+            tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32),
+                     mask=m & ((ids < 0) | (ids >= num_experts)))
+    tl.store(cnt_ptr + oe, tl.where(live, running, 0), mask=me_)
     # Bad ids: nothing is sent (the send launch sees the error) and every peer is told that this call (the next
     # one this rank sends) failed.
     if (pid == 0) & (nbad > 0):
@@ -285,9 +290,9 @@ _ROUTE_BOUND: dict = {}
 def _bind_route(K, num_experts, num_ranks, tune):
     # (tokens per block: BLOCK_T * BLOCK_K entries a tile)
     bt = max(1, tune["block_t"] * 8 // pow2(K, 8))
-    ex = tune["experts"]
-    return _ll_route_launch.bind((cdiv(num_experts, ex),), num_warps=tune["num_warps"], R=num_ranks, K=K, BLOCK_T=bt,
-                                 BLOCK_K=pow2(K), EXPERTS=ex)
+    be = pow2(tune["experts"])
+    return _ll_route_launch.bind((cdiv(num_experts, be),), num_warps=tune["num_warps"], R=num_ranks, K=K,
+                                 BLOCK_T=pow2(bt), BLOCK_K=pow2(K), BLOCK_E=be)
 
 
 def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,

@@ -70,7 +70,7 @@ def test_disagreeing_ranks_raise_value_error_everywhere_naming_the_field():
 
 def test_bad_ids_and_shapes():
     out = _values(run_ranks(ll_cases.bad_ids_then_recover, 2, 8, 128, 4))
-    assert out[1][:2] == ["shape", "ValueError"], out
+    assert out[1][:2] == ["shape", "ValueError (2 ids)"], out
     assert out[0][0] == "shape" and "EPRemoteError" in out[0][1:], out
 
 
