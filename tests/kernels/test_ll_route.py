@@ -37,7 +37,7 @@ def test_route_slots_follow_token_order(T, K, E, R, masked, device, shapes, monk
     table = GPU_TUNING if device == "cuda" else INTERP_TUNING
     if shapes == "gpu":
         monkeypatch.setitem(table, "ll_route", dict(GPU_TUNING["ll_route"]))
-    elif shapes == "small":     # many token blocks, experts per program not dividing E
+    elif shapes == "small":     # many token blocks of 16 tokens, 3 experts a program (rounded up to 4)
         monkeypatch.setitem(table, "ll_route", dict(block_t=16, experts=3, num_warps=1))
     g = torch.Generator().manual_seed(T + K + E)
     idx = torch.randint(-1, E, (T, K), generator=g)

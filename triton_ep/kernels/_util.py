@@ -40,10 +40,10 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # low-latency kernels: benchmarks/bench_low_latency.py --sweep on one H200 (T 128, H 7168, top-8 of 256;
     # benchmarks/results/low_latency_h200_r1_sweep_*.json). ``programs_per_expert``: a second grid axis over
     # each expert's rows; ``expert_programs`` > 0 caps the programs over experts (they loop).
-    # ll_route: a program per ``experts`` experts (a power of two), token blocks of ``block_t`` tokens (at top-8
-    # or less; fewer at a larger top-k); one H200, 20 launches in a CUDA graph: 2.9 us a launch (torch.profiler in
-    # a dispatch + combine replay: 2.8) against 5.6-6.0 for the kernel it replaced (4 experts a program, [T, K, K]
-    # duplicate tiles)
+    # ll_route: a program per ``experts`` experts, token blocks of ``block_t`` tokens at top-8 or less (fewer at a
+    # larger top-k; both rounded up to powers of two); one H200, 20 launches in a CUDA graph: 2.9 us a launch
+    # (torch.profiler in a dispatch + combine replay: 2.8) against 5.6-6.0 for the kernel it replaced (4 experts a
+    # program, [T, K, K] duplicate tiles); benchmarks/results/low_latency_h200_r1_launch_floor_probe.json
     "ll_route": dict(block_t=128, experts=1, num_warps=8),
     "ll_send": dict(block_t=1, block_h=1024, num_warps=4),
     "ll_recv": dict(block_r=8, block_w=2048, block_f=128, expert_programs=0, programs_per_expert=1, num_warps=4),
