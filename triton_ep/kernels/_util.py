@@ -61,7 +61,7 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "fused": dict(max_tokens=0),        # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
-    "ll_route": dict(block_t=64, experts=32, num_warps=4),
+    "ll_route": dict(block_t=64, experts=32, num_warps=4),     # (the interpreter runs programs one by one: few, large)
     "ll_send": dict(block_t=16, block_h=2048, num_warps=4),
     "ll_recv": dict(block_r=64, block_w=2048, block_f=1024, expert_programs=0, programs_per_expert=1, num_warps=4),
     "ll_combine_send": dict(block_r=64, block_w=2048, programs_per_expert=1, num_warps=4),

@@ -11,8 +11,8 @@ local expert ``e``, in 32-bit words::
 padded to 4 words, where ``t`` is the source token and ``k`` its first top-k entry naming that expert.
 The three launches of one dispatch:
 
-1. :func:`ll_route` (a program per expert, or per few): the slot of each (token, expert) pair among this rank's rows for the
-   expert, in token order (deterministic), the rows per expert, masked ids (``-1``, a masked rank,
+1. :func:`ll_route` (a program per expert, or per few): the slot of each (token, expert) pair among this rank's
+   rows for the expert, in token order (deterministic), the rows per expert, masked ids (``-1``, a masked rank,
    duplicates of an earlier entry of the same token: the row goes once); bad ids end the call with an
    error record.
 2. :func:`ll_dispatch_send`: waits until every peer has received the call that last used this half,
