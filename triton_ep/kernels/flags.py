@@ -41,7 +41,7 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     H_INFO2, H_WORDS, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
     STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
     STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
-    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed, off_ll_tx, off_ll_rx, ll_ctl_words,
+    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed, off_ll_tx, off_ll_rx, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
     ring_word, ring_len_word, ring_masked_word, ring_arrive_word, ring_asrc_word, ring_ctrl_words, STAGE_NAMES)
@@ -303,11 +303,26 @@ def ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_A
 
 
 @triton.jit
-def ll_finish_recv(ctl, half, n, USE_ASM: tl.constexpr):
-    """End of a low-latency receive launch: the last program releases ``CONS[half] = n`` (the half is
-    free for call ``n + 2``)."""
-    if last_program_at(ctl + L_DONE, USE_ASM):
-        release(ctl + L_CONS + half, n)
+def ll_finish_recv(ctl, half, n):
+    """End of a low-latency receive launch: program (0, 0) records ``PEND[half] = n``. The launch has no
+    end-of-launch count: the rank's next low-latency launch, which starts only once this one has completed
+    (stream order), releases ``CONS[half] = n`` (:func:`ll_release_cons`; the half is then free for call
+    ``n + 2``). A peer waits for that ``CONS`` only in a launch of a later call, and this rank's first launch
+    of any later call releases it before it waits for anything, so no wait depends on its own launch."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(ctl + L_PEND + half, n)
+
+
+@triton.jit
+def ll_release_cons(ctl):
+    """First thing of every low-latency launch, in program (0, 0), before any wait: release ``CONS[h] =
+    PEND[h]`` for each half whose last receive (a launch before this one in the stream, so complete: its reads
+    of the half are done) is not released yet (:func:`ll_finish_recv`)."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for h in tl.static_range(2):
+            p = tl.load(ctl + L_PEND + h)
+            if p > tl.load(ctl + L_CONS + h):
+                release(ctl + L_CONS + h, p)
 
 
 @triton.jit

@@ -32,6 +32,7 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                             USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_W: tl.constexpr):
     pdl.pdl_start()
+    flags.ll_release_cons(ctl)      # (the last receive's CONS, before this launch waits)
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
@@ -90,6 +91,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                               SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     pdl.pdl_start()
+    flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
     # This call's number: the rank's last sent call, less the sends issued after it (host-known).
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
@@ -123,7 +125,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                 acc = acc + tl.where(ok[:, None], v * w[:, None], 0.0)
             tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mt[:, None])
     # The last program frees the half for call n + 2.
-    flags.ll_finish_recv(ctl, half, n, USE_ASM)
+    flags.ll_finish_recv(ctl, half, n)
 
 
 # no fused multiply-add: w * v is rounded, then added, as in the reference

@@ -41,6 +41,7 @@ def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_pe
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     pdl.pdl_start()
+    flags.ll_release_cons(ctl)      # (a dispatch's first launch: the last receive's CONS, before the send waits)
     # Program p owns experts [p * BLOCK_E, (p + 1) * BLOCK_E) (one on GPU): it alone writes their counts and the
     # slots of the entries naming them, so the programs need no ordering among themselves; program 0 also writes
     # -1 for the entries naming no expert (-1, or a bad id: counted).
@@ -195,6 +196,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
                              BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                              BLOCK_F: tl.constexpr):
     pdl.pdl_start()
+    flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
     b = tl.program_id(1)
     NB = tl.num_programs(1)
     # This call's number: the rank's last sent call, less the sends issued after it (host-known).
@@ -266,7 +268,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
             tl.store(src_info + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
             tl.store(ret_slot + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
     # The last program frees the half for call n + 2.
-    flags.ll_finish_recv(ctl, half, n, USE_ASM)
+    flags.ll_finish_recv(ctl, half, n)
 
 
 _ll_dispatch_recv_launch = Launcher(_ll_dispatch_recv_kernel, **pdl.options())

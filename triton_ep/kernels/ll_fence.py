@@ -19,6 +19,7 @@ from .launch import Launcher
 @triton.jit(do_not_specialize=['me', 'timeout_ns', 'stage'])
 def _ll_fence_kernel(ctl, hdr, hdr_delta, host, me, timeout_ns, stage, R: tl.constexpr, SHRINK: tl.constexpr,
                      USE_CLOCK: tl.constexpr):
+    flags.ll_release_cons(ctl)                  # (before the wait: the peers' fences wait for it)
     n = tl.load(ctl + flags.L_SEQ) + 1          # the call about to be sent
     flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + 1 - (n & 1), n - 1, 0, me, stage, timeout_ns,
                         R=R, REMOTE=True, CHECK_SIG=False, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False, ahead=1)

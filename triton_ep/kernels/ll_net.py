@@ -161,6 +161,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
                       CW: tl.constexpr, RW: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
                       USE_ASM: tl.constexpr, ARRIVAL_WORD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_C: tl.constexpr):
+    flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
     # Program (s, q): the chunk from rank s (none from this rank or a masked one), work spread over q.
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1

@@ -166,9 +166,10 @@ class NetLeg:
             rx = [next_rx[p] - top for p in range(R)]
             ctl[F.off_ll_tx.host(R):F.off_ll_tx.host(R) + R].copy_(torch.tensor(tx, dtype=torch.int64))
             ctl[F.off_ll_rx.host(R):F.off_ll_rx.host(R) + R].copy_(torch.tensor(rx, dtype=torch.int64))
-            # L_SEQ, L_DONE, CONS[0..1], UNPACKED[0..1]: call top + 1 comes next, calls up to top are done
+            # L_SEQ, L_DONE, CONS[0..1], UNPACKED[0..1], PEND[0..1] (as CONS: nothing left to release): call top + 1
+            # comes next, calls up to top are done
             unpacked = [top if top % 2 == h else top - 1 for h in (0, 1)]
-            ctl[:6].copy_(torch.tensor([top, 0, top, top] + unpacked, dtype=torch.int64))
+            ctl[:8].copy_(torch.tensor([top, 0, top, top] + unpacked + [top, top], dtype=torch.int64))
             ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
             for p in renumber:
                 ctl[F.off_ll_mask.host(R) + p].fill_(0)

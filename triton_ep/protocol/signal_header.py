@@ -137,6 +137,10 @@ L_DONE = tl.constexpr(1)          #: programs of the running low-latency launch 
 L_CONS = tl.constexpr(2)          #: ``CONS[h]`` (2 words): last call this rank has received out of half h
 #: ``UNPACKED[h]`` (2 words, internode): last call whose network chunks this rank has unpacked into half h
 L_UNPACKED = tl.constexpr(4)
+#: ``PEND[h]`` (2 words): last call this rank's receive launch took out of half h; the rank's next low-latency
+#: launch, which starts once that receive has completed, releases it into ``CONS[h]`` (a receive launch has no
+#: end-of-launch count)
+L_PEND = tl.constexpr(6)
 L_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
 
 
