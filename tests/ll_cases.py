@@ -918,3 +918,53 @@ def arrival_words_mismatch(rank, world, how):
     if rank == 1:
         os.environ["TRITON_EP_LL_ARRIVAL_WORDS"] = "maybe" if how == "bad" else "1"
     _buffer(world, 4, 128, 2 * world, timeout_s=20).destroy()
+
+
+def control_words(rank, world, N=8, H=128, E=4, K=2):
+    """The control block's words through calls without and with hooks (``L_SEQ``, ``NEXT``, ``PEND``, ``CONS``,
+    ``READY``), and a call without a hook while another's hook is pending: each result equals its oracle.
+    Returns the words seen after each step (every rank sees the same)."""
+    from triton_ep.kernels import flags as F
+    R, me, El = world, rank, E // world
+    a = ll_inputs(3, R, E, K, H, [5] * R)
+    b = ll_inputs(4, R, E, K, H, [6] * R)
+    buf = _buffer(R, N, H, E, timeout_s=60)
+    ctl = buf._ll.ctl
+    seen = []
+
+    def words(tag):
+        w = ctl.tolist()
+        ready = [w[int(F.off_ll_ready.host(R)) + h * R + s] for h in (0, 1) for s in range(R)]
+        seen.append((tag, w[int(F.L_SEQ)], w[int(F.L_NEXT)], w[int(F.L_PEND)], w[int(F.L_PEND) + 1],
+                     w[int(F.L_CONS)], w[int(F.L_CONS) + 1], w[int(F.L_DONE)], ready))
+
+    try:
+        # call 1, no hook: the send leaves NEXT = 1, the receive publishes (SEQ, READY) and records PEND[1]
+        o1, c1, h1, _, _ = buf.low_latency_dispatch(a[0][me], a[1][me], N, E, use_fp8=False)
+        check_dispatch(o1, c1, h1, a[0], a[1], R, E, me, False, False, False)
+        words("dispatch 1")
+        # call 2 with a hook: the send counts its programs and publishes; it released CONS[1] = 1 first
+        y1 = torch.stack([expert_fn("affine", me * El + le, o1[le]) for le in range(El)])
+        out2, _, hook2 = buf.low_latency_combine(y1, a[1][me], a[2][me], h1, return_recv_hook=True)
+        words("combine 2 sent")
+        hook2()
+        words("combine 2 received")
+        assert torch.equal(out2.view(torch.int16),
+                           expected_combine(a[0][me], a[1][me], a[2][me], E, R, "affine").view(torch.int16))
+        # call 3 with a hook, then call 4 without one while 3's hook is pending, then 3's hook
+        o3, c3, h3, _, hook3 = buf.low_latency_dispatch(b[0][me], b[1][me], N, E, use_fp8=False,
+                                                        return_recv_hook=True)
+        o4, c4, h4, _, _ = buf.low_latency_dispatch(a[0][me], a[1][me], N, E, use_fp8=False)
+        words("dispatch 4 beside 3's hook")
+        hook3()
+        words("dispatch 3 received")
+        check_dispatch(o3, c3, h3, b[0], b[1], R, E, me, False, False, False)
+        check_dispatch(o4, c4, h4, a[0], a[1], R, E, me, False, False, False)
+        y4 = torch.stack([expert_fn("identity", me * El + le, o4[le]) for le in range(El)])
+        out5, _, _ = buf.low_latency_combine(y4, a[1][me], a[2][me], h4)
+        words("combine 5")
+        assert torch.equal(out5.view(torch.int16),
+                           expected_combine(a[0][me], a[1][me], a[2][me], E, R, "identity").view(torch.int16))
+        return seen
+    finally:
+        buf.destroy()

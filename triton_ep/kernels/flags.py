@@ -25,6 +25,16 @@ its send of round ``n``: there is no wait cycle. The exception is a *fused* laun
 one launch: :func:`wait_own_send` between its send and receive parts, the receive counted at ``W_DONE2``),
 whose grid is capped so that all its programs are resident at once (one program under the interpreter).
 
+Low-latency calls (the ``L_*`` words) skip the end-of-launch count where the next launch in the stream can act
+instead, as it starts only once the launch before it has completed: a receive's ``CONS`` is released by the
+rank's next low-latency launch (:func:`ll_finish_recv`), and in a call without a receive hook, within one host,
+the receive launch publishes its own call's ``READY`` in program (0, 0) before it waits
+(:func:`ll_publish_deferred`). Then the programs of a receive wait for program (0, 0) of the peers' receive of
+the same call, which publishes before it waits; the GPU places a launch's programs in order (not a documented
+guarantee, but what persistent kernels rely on), so that program is among the first to run, and where
+ranks share a GPU their grids are capped (``max_programs``) so that spinning programs of one rank never keep
+another's from starting.
+
 Every wait is bounded. On GPU a wait reads ``%globaltimer`` and gives up after ``timeout_ns``; under the
 interpreter (no clock) a host watchdog sets the host block's abort word. A wait also ends when the
 awaited peer says it failed (``FAILED[s]``) or gave up (``GONE[s]``). A wait that ends badly writes an
@@ -41,7 +51,7 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     H_INFO2, H_WORDS, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
     STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
     STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
-    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed, off_ll_tx, off_ll_rx, ll_ctl_words,
+    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed, off_ll_tx, off_ll_rx, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
     ring_word, ring_len_word, ring_masked_word, ring_arrive_word, ring_asrc_word, ring_ctrl_words, STAGE_NAMES)
@@ -294,12 +304,42 @@ def ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_A
     ``READY[half * R + me] = n`` in every peer's control block (unless this rank holds an error: the
     peers then learn it from ``FAILED``), and records ``n`` as this rank's last sent call."""
     if last_program_at(ctl + L_DONE, USE_ASM):
-        if tl.load(hdr + W_ERR, volatile=True) == 0:
-            for r in tl.static_range(R):
-                peer = ctl + tl.load(hdr_delta + r)
-                tl.store(peer + off_ll_sig(R) + half * R + me, sig)
-                release(peer + off_ll_ready(R) + half * R + me, n)
-        tl.store(ctl + L_SEQ, n)
+        _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R, me)
+
+
+@triton.jit
+def _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me):
+    if tl.load(hdr + W_ERR, volatile=True) == 0:
+        for r in tl.static_range(R):
+            peer = ctl + tl.load(hdr_delta + r)
+            tl.store(peer + off_ll_sig(R) + half * R + me, sig)
+            release(peer + off_ll_ready(R) + half * R + me, n)
+    tl.store(ctl + L_SEQ, n)
+
+
+@triton.jit
+def ll_defer_send(ctl, n):
+    """End of a low-latency send launch without its end-of-launch count (a call without a receive hook, within
+    one host: its receive launch follows it in the stream): program (0, 0) records the call as ``NEXT = n``.
+    Nothing is published yet: :func:`ll_publish_deferred`, in that receive launch, does it."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(ctl + L_NEXT, n)
+
+
+@triton.jit
+def ll_publish_deferred(ctl, hdr, hdr_delta, sig, R: tl.constexpr, me):
+    """Start of the receive launch of a call whose send launch had no end-of-launch count (:func:`ll_defer_send`):
+    returns the call's number ``n = NEXT``, and program (0, 0), before anything waits, does what the send's last
+    program would have done (:func:`ll_finish_send`): the signature and ``READY[half * R + me] = n`` in every peer
+    (unless this rank holds an error), then ``SEQ = n``. The send launch has completed (stream order), so every
+    row it wrote is in place before the release; the peers' receive launches of the call wait for it, and each
+    publishes its own in its program (0, 0) before it waits (the programs of a launch start in order, and where
+    ranks share a GPU their grids are capped so that no rank's programs keep another's from starting). No
+    program of this launch reads ``SEQ``."""
+    n = tl.load(ctl + L_NEXT)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        _ll_publish(ctl, hdr, hdr_delta, n & 1, n, sig, R, me)
+    return n
 
 
 @triton.jit

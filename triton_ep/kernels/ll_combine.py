@@ -6,10 +6,12 @@ Combine is a low-latency call of its own (call ``n``, half ``n & 1`` of every ra
 
 1. :func:`ll_combine_send` (expert side): waits until every peer has received the call that last used
    the half, then writes each valid received row ``x[e, j]`` (``j < recv_count[e]``) into its source
-   rank's slot, found in the handle's ``ret_slot``; its last program releases ``READY`` everywhere.
+   rank's slot, found in the handle's ``ret_slot``; its last program releases ``READY`` everywhere (in a
+   call without a receive hook, within one host: the reduce launch does, first thing, as in a dispatch).
 2. :func:`ll_combine_reduce` (the receive hook's launch, source side): waits for every peer's ``READY``
    and computes, per token, ``sum_k w[t, k] * row(t, k)`` in fp32 in ascending ``k`` (entries with
-   ``-1``, a bad id or a masked rank add nothing), rounded once to bf16 (nearest even).
+   ``-1``, a bad id or a masked rank add nothing), rounded once to bf16 (nearest even). The rank's next
+   low-latency launch frees the half (no end-of-launch count here).
 """
 from typing import Optional
 
@@ -29,8 +31,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                             experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
                             remote, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
                             K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
-                            USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_W: tl.constexpr):
+                            USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, DEFER: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     pdl.pdl_start()
     flags.ll_release_cons(ctl)      # (the last receive's CONS, before this launch waits)
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
@@ -76,6 +78,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
     if NET:     # each network peer's chunk: the rows this rank received from it
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, layout, R,
                            1, experts_per_rank, RW, 0, R, BLOCK_C, USE_ASM)
+    elif DEFER:     # no end-of-launch count: the reduce launch right after this one publishes the call
+        flags.ll_defer_send(ctl, n)
     else:
         # The last program releases READY = n in every peer and records n as this rank's last call.
         flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
@@ -89,11 +93,13 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                               experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns,
                               R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
                               SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                              DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     pdl.pdl_start()
     flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
-    # This call's number: the rank's last sent call, less the sends issued after it (host-known).
-    n = tl.load(ctl + flags.L_SEQ) - offset
+    if DEFER:       # the send launch just before sent call NEXT and left it to this launch to publish
+        n = flags.ll_publish_deferred(ctl, hdr, hdr_delta, sig, R, me)
+    else:           # the rank's last sent call, less the sends issued after it (host-known)
+        n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + half * R, n, sig, me,
                              flags.STAGE_LL_COMBINE_RECV, timeout_ns, R=R, REMOTE=False, CHECK_SIG=True,
@@ -134,15 +140,17 @@ _ll_combine_reduce_launch = Launcher(_ll_combine_reduce_kernel, enable_fp_fusion
 
 def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, layout_range: torch.Tensor,
                     num_topk: int, area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
-                    shrink: bool, signals: dict, net=None) -> None:
+                    shrink: bool, signals: dict, net=None, defer: bool = False) -> None:
     """Return rows ``x`` bf16 ``[E_local, R*N, H]`` (the first ``count[e]`` of each expert) to their source
     ranks' slots. ``ret_slot`` int32 ``[E_local, R*N]``: ``src * N * K + t * K + k`` or ``-1``;
     ``layout_range`` int64 ``[E_local, R]`` (the dispatch handle's); ``net``: the network leg (sources on
-    other hosts get their rows in a chunk of the send ring, :mod:`.ll_net`), or None."""
+    other hosts get their rows in a chunk of the send ring, :mod:`.ll_net`), or None; ``defer``: no end-of-launch
+    count, the call's :func:`ll_combine_reduce` (with ``defer``) comes next in the stream and publishes it (a call
+    without a receive hook; not with ``net``)."""
     El, RN, H = x.shape
     tune = tuning("ll_combine_send")
     key = (El, H, lay, num_topk, shrink, net is not None, signals["use_clock"], signals.get("max_programs"),
-           tuple(tune.items()))
+           bool(defer), tuple(tune.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
     launch(x.view(torch.int32), ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
            lay.half_words, lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"],
@@ -152,22 +160,27 @@ def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor
 _SEND_BOUND: dict = {}
 
 
-def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, signals, tune):
+def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, defer, signals, tune):
+    if defer and has_net:
+        raise ValueError("a deferred low-latency send (no receive hook) is for calls within one host")
     return _ll_combine_send_launch.bind(
         _grid2(El, tune["programs_per_expert"], signals), num_warps=tune["num_warps"], NET=has_net,
         RW=lay.net_row_words, BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink,
-        USE_CLOCK=use_clock, USE_ASM=use_clock, BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(H // 2, tune["block_w"])))
+        USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer, BLOCK_R=tune["block_r"],
+        BLOCK_W=pow2(min(H // 2, tune["block_w"])))
 
 
 def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                       out: torch.Tensor, cost: Optional[torch.Tensor], offset: int, lay, sig: int, shrink: bool,
-                      signals: dict) -> None:
+                      signals: dict, defer: bool = False) -> None:
     """Reduce the rows returned for call ``SEQ - offset`` into ``out`` bf16 ``[T, H]`` with ``topk_weights``
-    fp32 ``[T, K]`` (``topk_idx`` int32/int64 ``[T, K]``); wait ns per peer are added to ``cost`` (int64)."""
+    fp32 ``[T, K]`` (``topk_idx`` int32/int64 ``[T, K]``); wait ns per peer are added to ``cost`` (int64). With
+    ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
+    this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`)."""
     T, K = topk_idx.shape
     H = out.shape[1]
     tune = tuning("ll_reduce")
-    key = (T, K, H, lay, cost is not None, shrink, signals["use_clock"], signals.get("max_programs"),
+    key = (T, K, H, lay, cost is not None, shrink, signals["use_clock"], signals.get("max_programs"), bool(defer),
            tuple(tune.items()))
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], signals, tune))
     launch(area.view(torch.bfloat16), ctl, topk_idx, topk_weights, out.view(torch.int16),
@@ -179,11 +192,11 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
 _REDUCE_BOUND: dict = {}
 
 
-def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, signals, tune):
+def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, defer, signals, tune):
     bt = tune["block_t"]
     bh = min(pow2(H), tune["block_h"])
     while H % bh:
         bh //= 2
     return _ll_combine_reduce_launch.bind(
         _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], R=lay.num_ranks, K=K, H=H,
-        COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, BLOCK_T=bt, BLOCK_H=bh)
+        COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer, BLOCK_T=bt, BLOCK_H=bh)

@@ -17,10 +17,13 @@ The three launches of one dispatch:
    error record.
 2. :func:`ll_dispatch_send`: waits until every peer has received the call that last used this half,
    casts rows to FP8 if asked, writes each record straight into the expert's rank, then the counts; its
-   last program releases ``READY`` in every peer and advances this rank's call number.
+   last program releases ``READY`` in every peer and advances this rank's call number. In a call without
+   a receive hook, within one host, the send has no end-of-launch count: it records the call (``NEXT``) and
+   the receive launch, next in the stream, publishes it first thing (:func:`.flags.ll_publish_deferred`).
 3. :func:`ll_dispatch_recv` (the receive hook's launch): waits for every peer's ``READY``, packs the
    records expert-major into fresh outputs (rows of source ranks in rank order, each in its token order),
-   and fills DeepEP's handle tables.
+   and fills DeepEP's handle tables. It has no end-of-launch count: the rank's next low-latency launch frees
+   the half for call ``n + 2`` (:func:`.flags.ll_finish_recv`).
 """
 from typing import Optional
 
@@ -120,8 +123,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                              K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
                              SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_E: tl.constexpr):
+                             DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     pdl.pdl_start()
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
@@ -178,6 +181,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
     if NET:     # each network peer's chunk: the counts of its experts, then their records
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, cnt_ptr,
                            1, experts_per_rank, experts_per_rank, REC, CW, R, BLOCK_C, USE_ASM)
+    elif DEFER:     # no end-of-launch count: the receive launch right after this one publishes the call
+        flags.ll_defer_send(ctl, n)
     else:
         # The last program releases READY = n in every peer and records n as this rank's last call.
         flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
@@ -193,14 +198,16 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
                              R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
                              REC: tl.constexpr, UE8M0: tl.constexpr, STATS: tl.constexpr, COST: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
-                             BLOCK_F: tl.constexpr):
+                             DEFER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                             BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
     pdl.pdl_start()
     flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
     b = tl.program_id(1)
     NB = tl.num_programs(1)
-    # This call's number: the rank's last sent call, less the sends issued after it (host-known).
-    n = tl.load(ctl + flags.L_SEQ) - offset
+    if DEFER:       # the send launch just before sent call NEXT and left it to this launch to publish
+        n = flags.ll_publish_deferred(ctl, hdr, hdr_delta, sig, R, me)
+    else:           # the rank's last sent call, less the sends issued after it (host-known)
+        n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + half * R, n, sig, me,
                              flags.STAGE_LL_DISPATCH_RECV, timeout_ns, R=R, REMOTE=False, CHECK_SIG=True,
@@ -299,18 +306,21 @@ def _bind_route(K, num_experts, num_ranks, tune):
 
 def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
                      area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
-                     use_fp8: bool, round_scale: bool, shrink: bool, signals: dict, native_fp8: bool, net=None) -> None:
+                     use_fp8: bool, round_scale: bool, shrink: bool, signals: dict, native_fp8: bool, net=None,
+                     defer: bool = False) -> None:
     """Write this rank's rows into the experts' ranks (bf16, or cast to FP8 on the way).
 
     ``x`` bf16 ``[T, H]``; ``topk_idx`` ``[T, K]``; ``slots``/``counts`` from :func:`ll_route`; ``area``:
     int32 view of the local low-latency area (peers at ``+ delta_words[r]``); ``ctl``: its int64 control
     block; ``lay``: the call's layout (:class:`triton_ep.protocol.ll_area.Layout`); ``sig``: call signature;
-    ``net``: the network leg (every other rank gets a chunk in the send ring, :mod:`.ll_net`), or None."""
+    ``net``: the network leg (every other rank gets a chunk in the send ring, :mod:`.ll_net`), or None;
+    ``defer``: no end-of-launch count, the call's :func:`ll_dispatch_recv` (with ``defer``) comes next in the
+    stream and publishes it (a call without a receive hook; not with ``net``)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     tune = tuning("ll_send")
     key = (T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, net is not None, signals["use_clock"],
-           signals.get("max_programs"), tuple(tune.items()))
+           signals.get("max_programs"), bool(defer), tuple(tune.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
     area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
     launch(x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
@@ -322,7 +332,9 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
 _SEND_BOUND: dict = {}
 
 
-def _bind_send(T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, has_net, use_clock, _cap, signals, tune):
+def _bind_send(T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, has_net, use_clock, _cap, defer, signals, tune):
+    if defer and has_net:
+        raise ValueError("a deferred low-latency send (no receive hook) is for calls within one host")
     bt = tune["block_t"]
     bh = 1 << (min(H, tune["block_h"]).bit_length() - 1)   # a power of two (a block) dividing H
     while H % bh:
@@ -331,7 +343,7 @@ def _bind_send(T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, has_net, 
         _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], NET=has_net, CW=lay.net_count_words,
         BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
         SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
-        NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock,
+        NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer,
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_K=pow2(K), BLOCK_E=1024)
 
 
@@ -339,15 +351,17 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
                      use_ue8m0: bool, out_words: torch.Tensor, out_scales: Optional[torch.Tensor],
                      src_info: torch.Tensor, ret_slot: torch.Tensor, layout_range: torch.Tensor, count: torch.Tensor,
                      stats: Optional[torch.Tensor], cost: Optional[torch.Tensor], sig: int, shrink: bool,
-                     signals: dict) -> None:
+                     signals: dict, defer: bool = False) -> None:
     """Pack the rows this rank received (call ``SEQ - offset``) expert-major into ``out_words`` (int32
     words ``[E_local, R*N, PW]``) and ``out_scales`` (int32 bits, column-major), and fill ``src_info``
     int32 / ``ret_slot`` int32 ``[E_local, R*N]``, ``layout_range`` int64 ``[E_local, R]``, ``count`` int32
-    ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64)."""
+    ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64). With
+    ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
+    this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`)."""
     El, RN, PW = out_words.shape
     tune = tuning("ll_recv")
     key = (El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, stats is not None, cost is not None, shrink,
-           signals["use_clock"], signals.get("max_programs"), tuple(tune.items()))
+           signals["use_clock"], signals.get("max_programs"), bool(defer), tuple(tune.items()))
     launch = bound(_RECV_BOUND, key, lambda: _bind_recv(*key[:-1], signals, tune))
     launch(area, ctl, out_words, out_scales if out_scales is not None else out_words, src_info, ret_slot, layout_range,
            count, stats if stats is not None else count, cost if cost is not None else layout_range,
@@ -358,12 +372,12 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
 _RECV_BOUND: dict = {}
 
 
-def _bind_recv(El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, has_stats, has_cost, shrink, use_clock, _cap, signals,
-               tune):
+def _bind_recv(El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, has_stats, has_cost, shrink, use_clock, _cap, defer,
+               signals, tune):
     SW = records.ll_scale_words.host(lay.hidden, use_fp8)
     return _ll_dispatch_recv_launch.bind(
         _grid2(min(El, tune["expert_programs"] or El), tune["programs_per_expert"], signals), num_warps=tune["num_warps"],
         R=lay.num_ranks, K=num_topk, PW=PW, SW=SW, REC=lay.record_words(use_fp8), UE8M0=use_ue8m0,
         STATS=has_stats, COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock,
-        USE_ASM=use_clock, BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(PW, tune["block_w"])),
+        USE_ASM=use_clock, DEFER=defer, BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(PW, tune["block_w"])),
         BLOCK_S=pow2(max(SW, 4)), BLOCK_F=min(pow2(RN), tune["block_f"]))

@@ -348,20 +348,20 @@ class LowLatency:
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
         self.last_sizes = (N, H, E)
 
-        def send():
+        def send(defer: bool = False):
             if fence:
                 ll_fence(self.ctl, R, False, self.shrink, sa)
             ll_route(idx, slots, counts, self.ctl, E, R, sa)
             ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
-                             round_scale, self.shrink, sa, native, self.net)
+                             round_scale, self.shrink, sa, native, self.net, defer)
 
-        def recv(offset: int):
+        def recv(offset: int, defer: bool = False):
             if self.net is not None:
                 ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa, cost)
             ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
                              recv_x.view(torch.int32),
                              sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
-                             recv_count, stats, cost, sig, self.shrink, sa)
+                             recv_count, stats, cost, sig, self.shrink, sa, defer)
 
         handle = LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K, idx_n)
         out = (recv_x, recv_scales) if use_fp8 else recv_x
@@ -370,7 +370,8 @@ class LowLatency:
             self.pending.append(idx_n)
             event = self._launch(True, False, send, tensors)
             return out, recv_count, handle, event, self._hook(idx_n, recv)
-        event = self._launch(False, async_finish, lambda: (send(), recv(0)), tensors)
+        defer = self.net is None        # send and receive back to back: the receive publishes the call
+        event = self._launch(False, async_finish, lambda: (send(defer), recv(0, defer)), tensors)
         rt.check()
         return out, recv_count, handle, event, None
 
@@ -422,23 +423,24 @@ class LowLatency:
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
         self.last_sizes = (lay.n_max, H, lay.num_experts)
 
-        def send():
+        def send(defer: bool = False):
             if fence:
                 ll_fence(self.ctl, rt.group_size, True, self.shrink, sa)
             ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
-                            self.shrink, sa, self.net)
+                            self.shrink, sa, self.net, defer)
 
-        def recv(offset: int):
+        def recv(offset: int, defer: bool = False):
             if self.net is not None:
                 ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost)
-            ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa)
+            ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa, defer)
 
         tensors = (xv, idx, w, h.ret_slot, h.recv_count, out, cost)
         if return_recv_hook:
             self.pending.append(idx_n)
             event = self._launch(True, False, send, tensors)
             return out, event, self._hook(idx_n, recv)
-        event = self._launch(False, async_finish, lambda: (send(), recv(0)), tensors)
+        defer = self.net is None        # send and receive back to back: the receive publishes the call
+        event = self._launch(False, async_finish, lambda: (send(defer), recv(0, defer)), tensors)
         rt.check()
         return out, event, None
 

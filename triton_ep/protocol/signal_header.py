@@ -141,7 +141,10 @@ L_UNPACKED = tl.constexpr(4)
 #: launch, which starts once that receive has completed, releases it into ``CONS[h]`` (a receive launch has no
 #: end-of-launch count)
 L_PEND = tl.constexpr(6)
-L_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
+#: ``NEXT``: the call a send launch without its end-of-launch count sent (a call without a receive hook, within one
+#: host): the receive launch right after it in the stream takes its number from here and publishes it
+L_NEXT = tl.constexpr(8)
+L_FIXED = tl.constexpr(16)        #: words before the per-peer arrays
 
 
 @formula

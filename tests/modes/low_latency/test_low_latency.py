@@ -40,6 +40,32 @@ def test_dispatch_combine_property(R, seed, K, H, cases, zero_rank):
     _values(run_ranks(ll_cases.round_trip, R, seed, E, K, H, Ts, N, cases))
 
 
+def test_control_words_without_and_with_hooks():
+    """Calls without a hook skip the send's end-of-launch count (the receive publishes the call), receives skip
+    theirs (the next launch releases CONS): the words after each step, with 2 ranks. READY[h][s] is checked where
+    it is settled: a rank's own entry always, a peer's once a receive of that half waited for it."""
+    R = 2
+    # step: SEQ, NEXT, PEND[0], PEND[1], CONS[0], CONS[1], DONE, {half: (value, peers settled)}
+    want = {
+        "dispatch 1": (1, 1, 0, 1, 0, 0, 0, {0: (0, True), 1: (1, True)}),
+        "combine 2 sent": (2, 1, 0, 1, 0, 1, 0, {0: (2, False), 1: (1, True)}),
+        "combine 2 received": (2, 1, 2, 1, 0, 1, 0, {0: (2, True), 1: (1, True)}),
+        "dispatch 4 beside 3's hook": (4, 4, 4, 1, 2, 1, 0, {0: (4, True), 1: (3, False)}),
+        "dispatch 3 received": (4, 4, 4, 3, 4, 1, 0, {0: (4, True), 1: (3, True)}),
+        "combine 5": (5, 5, 4, 5, 4, 3, 0, {0: (4, True), 1: (5, True)}),
+    }
+    for me, seen in enumerate(_values(run_ranks(ll_cases.control_words, R))):
+        assert [s[0] for s in seen] == list(want), seen
+        for tag, *got, ready in seen:
+            w = want[tag]
+            assert tuple(got) == w[:7], (me, tag, got, w[:7])
+            for h, (v, settled) in w[7].items():
+                row = ready[h * R:(h + 1) * R]
+                assert row[me] == v, (me, tag, h, row)
+                if settled:
+                    assert row == [v] * R, (me, tag, h, row)
+
+
 def test_two_outstanding_hooks_and_a_third_refused():
     out = _values(run_ranks(ll_cases.two_live_hooks, 2, 11, 4, 2, 128, [6, 5], 8))
     assert out == [True, True]
