@@ -3,8 +3,9 @@
     ./run.sh python benchmarks/compare.py BEFORE.json AFTER.json --out DIR [--name NAME]
 
 Reads the JSON of ``bench_low_latency.py`` (every call's µs in ``results``, and with ``--profile`` each kernel's
-GPU µs per graph replay), ``bench_kernels.py`` (each kernel's median µs per shape) or ``host_cost.py`` (each
-call's median host µs). Both files must come from the same script; a figure only one of them has is left out.
+GPU µs per graph replay), ``bench_kernels.py`` (each kernel's median µs per shape), ``host_cost.py`` (each
+call's median host µs) or ``grid_cap.py`` (each setting's GPU µs per replay and its fraction of the copy ceiling,
+per token count). Both files must come from the same script; a figure only one of them has is left out.
 A ratio below 1 means the after run was quicker. Writes ``<out>/<name>.json`` (rows of ``what``, ``unit``,
 ``before``, ``after``, ``ratio``, and both files' device and path) and ``<out>/<name>.png`` (the ratios as
 bars; needs matplotlib), and prints the table. The figures mean what their script says they mean: compare
@@ -33,6 +34,12 @@ def figures(doc: dict) -> Tuple[str, Dict[str, Tuple[float, str]]]:
         for k in doc["kernels"]:
             out[f"T={k['tokens']} {k['kernel']}"] = (k["ours_us"], "GPU us")
         return "bench_kernels", out
+    if isinstance(doc.get("results"), list) and doc["results"] and "dispatch_frac" in doc["results"][0]:   # grid_cap.py
+        for c in doc["results"]:
+            for call in ("dispatch", "combine"):
+                out[f"T={c['tokens']} {c['setting']} {call}"] = (c[f"{call}_us"], "GPU us")
+                out[f"T={c['tokens']} {c['setting']} {call} frac"] = (c[f"{call}_frac"], "of the copy ceiling")
+        return "grid_cap", out
     if isinstance(doc.get("results"), list):                                   # host_cost.py
         for c in doc["results"]:
             out[c["call"]] = (c["host_us"], "host us")
@@ -44,7 +51,7 @@ def figures(doc: dict) -> Tuple[str, Dict[str, Tuple[float, str]]]:
         for name, (_, us) in (doc.get("kernels_per_replay") or {}).items():
             out[f"replay: {name}"] = (us, "GPU us")
         return "bench_low_latency", out
-    raise ValueError("not a JSON of bench_low_latency.py, bench_kernels.py or host_cost.py")
+    raise ValueError("not a JSON of bench_low_latency.py, bench_kernels.py, host_cost.py or grid_cap.py")
 
 
 def compare(before: dict, after: dict) -> list:

@@ -818,3 +818,41 @@ def bad_fused_switch(rank, world):
     finally:
         os.environ.pop("TRITON_EP_FUSED", None)
         buf.destroy()
+
+
+def header_words(rank, world, num_nvl_bytes, seed=3):
+    """Split send / receive launches without end-of-launch counts (ranks as processes): after every call of a
+    dispatch -> combine -> cached dispatch -> cached combine sequence (checked bit for bit), the signal header
+    holds ``BASE`` = the rounds so far, ``NEXT`` = ``PENDC`` = ``BASE`` (the last round, published by its
+    receive launch, not yet released), ``CONSUMED`` = ``BASE - 1`` (released by the last round's send launch) and
+    ``READY[s]`` = ``BASE`` from every rank, and the launch counters at 0. Returns each call's words."""
+    from triton_ep.kernels import flags as F
+    R, me = world, rank
+    E, K, H = 4 * R, 3, 512
+    Ts = [9 + 5 * r for r in range(R)]
+    buf = triton_ep.Buffer(None, num_nvl_bytes, timeout_s=60)
+    hdr = buf._rt.sig.header
+    seen = []
+
+    def words(tag):
+        w = hdr.tolist()
+        seen.append((tag, w[int(F.W_BASE)], w[int(F.W_CONSUMED)], w[int(F.W_PENDC)], w[int(F.W_NEXT)],
+                     w[int(F.W_DONE)], w[int(F.W_DONE2)], w[int(F.off_ready.host(R)):int(F.off_ready.host(R)) + R]))
+
+    try:
+        xs, idxs, ws = make_inputs(seed, R, E, K, H, Ts)
+        exp = ref.dispatch(xs, idxs, ws, E)
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(xs[me], topk_weights=ws[me],
+                                                                **_layout_kwargs(buf, idxs[me], E))
+        assert torch.equal(recv_x.view(torch.int16), exp[me]["recv_x"].view(torch.int16))
+        words("dispatch")
+        ys = [(d["recv_x"].float() * 3 - 1).to(torch.bfloat16) for d in exp]
+        out, _, _ = buf.combine(ys[me], handle, topk_weights=recv_w)
+        want = ref.combine(ys, exp, Ts, [d["recv_topk_weights"] for d in exp])[me]
+        assert torch.equal(out.view(torch.int16), want[0].view(torch.int16))
+        words("combine")
+        _cached_round(buf, me, handle, xs, idxs, ws, E, Ts, "cpu", 2.0)
+        words("cached dispatch + combine")
+        return seen
+    finally:
+        buf.destroy()

@@ -330,6 +330,19 @@ def test_compare_writes_ratios(tmp_path, results_untouched):
     assert r.returncode != 0 and "different scripts" in r.stderr
 
 
+def test_compare_reads_grid_cap_results(tmp_path, results_untouched):
+    """compare.py on two committed grid_cap.py results (normal-mode split launches before and after they dropped
+    their end-of-launch counts): GPU µs and the fraction of the copy ceiling per token count and call."""
+    res = os.path.join(ROOT, "benchmarks", "results")
+    run_bench("compare.py", os.path.join(res, "grid_cap_h200_defer_before_run1.json"),
+              os.path.join(res, "grid_cap_h200_defer_after_run1.json"), "--name", "gc", "--out", str(tmp_path))
+    rows = {r["what"]: r for r in json.loads((tmp_path / "gc.json").read_text())["rows"]}
+    d = rows["T=4096 grid.programs_per_sm=8 dispatch"]
+    assert d["unit"] == "GPU us" and d["ratio"] == pytest.approx(d["after"] / d["before"])
+    assert rows["T=4096 grid.programs_per_sm=8 combine frac"]["unit"] == "of the copy ceiling"
+    assert len(rows) == 8       # 2 token counts x 2 calls x (µs, frac)
+
+
 def test_bench_calls_compare_with_itself(tmp_path, results_untouched):
     """``--compare triton_ep`` (the library against itself, two CPU ranks, tiny shapes): a row per compared
     call with finite positive host µs for both sides and ratio = ours / peer, one pair per repeat, the peer

@@ -22,7 +22,7 @@ from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
 from ._util import cdiv, pow2, tuning
-from .dispatch import _grid, _use_clock, fused_programs, sync_args
+from .dispatch import _defer, _grid, _use_clock, fused_programs, sync_args
 
 
 @triton.jit
@@ -66,23 +66,28 @@ def _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_
 @triton.jit(do_not_specialize=['n_rows', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
 def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, n_ptr,
                          hdr, hdr_delta, host, k, sig, me, timeout_ns,
-                         N_PTR: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                         WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
+                         N_PTR: tl.constexpr, SYNC: tl.constexpr, DEFER: tl.constexpr, USE_CLOCK: tl.constexpr,
+                         USE_ASM: tl.constexpr, WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
                          HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     if N_PTR:       # the rows received, from the device (a dispatch with num_worst_tokens)
         n_rows = tl.load(n_ptr).to(tl.int32)
     # Round n: wait until every source rank has moved round n - 1 out of its area.
     if SYNC:
+        flags.release_consumed(hdr)     # (the last receive's, where it had no end-of-launch count)
         n = tl.load(hdr + flags.W_BASE) + k + 1
         go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_COMBINE_SEND, n, timeout_ns, R,
                                        USE_CLOCK)
         n_rows = tl.where(go, n_rows, 0)
     _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, WX, K, REC, R, HAS_W,
                  BLOCK_T, BLOCK_W, BLOCK_K)
-    # The last program tells every source rank that round n is in its area.
+    # The last program tells every source rank that round n is in its area (with DEFER: the reduce launch right
+    # after this one does, first thing).
     if SYNC:
-        flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+        if DEFER:
+            flags.defer_send(hdr, n)
+        else:
+            flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
 
 
 _combine_send_launch = Launcher(_combine_send_kernel)
@@ -149,23 +154,30 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
 def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                            acc_ptr, out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr,
                            hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
-                           SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                           SYNC: tl.constexpr, DEFER: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                            H: tl.constexpr, K: tl.constexpr, REC_H: tl.constexpr, REC_F: tl.constexpr,
                            R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr,
                            FINAL: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     # Round n: wait until every destination rank has returned its rows of round n here.
     if SYNC:
-        n = tl.load(hdr + flags.W_BASE) + k + 1
+        if DEFER:       # the send launch just before wrote round NEXT: publish it here, then wait
+            n = flags.publish_deferred(hdr, hdr_delta, sig, me, R)
+        else:
+            n = tl.load(hdr + flags.W_BASE) + k + 1
         go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_COMBINE_RECV, n, timeout_ns, R,
                                     USE_CLOCK)
         T = tl.where(go, T, 0)
     _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi, acc_ptr, out_ptr, b0_ptr, b1_ptr,
                    wacc_ptr, wout_ptr, H, K, REC_H, REC_F, R, LOAD_ACC, STORE_ACC, FINAL, HAS_B0, HAS_B1, HAS_W, BLOCK_T,
                    BLOCK_H, BLOCK_K)
-    # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
+    # The last program frees this rank's area for round n + 1 (and ends the call's rounds); with DEFER program (0, 0)
+    # ends the rounds and this rank's next send launch frees the area.
     if SYNC:
-        flags.finish_recv(hdr, n, advance, USE_ASM)
+        if DEFER:
+            flags.defer_recv(hdr, n, advance)
+        else:
+            flags.finish_recv(hdr, n, advance, USE_ASM)
 
 
 _combine_reduce_launch = Launcher(_combine_reduce_kernel)
@@ -183,6 +195,7 @@ def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, re
     # it (programs all resident at once: see dispatch._dispatch_fused_kernel).
     if N_PTR:
         n_rows = tl.load(n_ptr).to(tl.int32)
+    flags.release_consumed(hdr)         # (the last receive's, where it had no end-of-launch count)
     n = tl.load(hdr + flags.W_BASE) + 1
     go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_COMBINE_SEND, n, timeout_ns, R,
                                    USE_CLOCK)
@@ -231,7 +244,7 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     k = weight_words.shape[1] if weight_words is not None else 0
     cfg = tuning("combine_send")
     key = (_grid(cdiv(n_rows, cfg["block_t"]), signals), wx, k, weight_words is not None, rec_words, prefix.shape[0],
-           n_recv is not None, signals is not None, _use_clock(signals), tuple(cfg.items()))
+           n_recv is not None, signals is not None, _use_clock(signals), _defer(signals), tuple(cfg.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], cfg))
     launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
            n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words))
@@ -240,9 +253,9 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
 _SEND_BOUND: dict = {}
 
 
-def _bind_send(grid, wx, k, has_w, rec_words, R, n_ptr, sync, use_clock, cfg):
+def _bind_send(grid, wx, k, has_w, rec_words, R, n_ptr, sync, use_clock, defer, cfg):
     return _combine_send_launch.bind(
-        (grid,), num_warps=cfg["num_warps"], N_PTR=n_ptr, SYNC=sync, USE_CLOCK=use_clock, USE_ASM=use_clock,
+        (grid,), num_warps=cfg["num_warps"], N_PTR=n_ptr, SYNC=sync, DEFER=defer, USE_CLOCK=use_clock, USE_ASM=use_clock,
         WX=wx, K=k, REC=rec_words, R=R, HAS_W=has_w, BLOCK_T=cfg["block_t"],
         BLOCK_W=pow2(min(wx, cfg["block_w"])), BLOCK_K=pow2(k))
 
@@ -270,7 +283,7 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
     T = send_pos.shape[0]
     cfg = tuning("combine_reduce")
     key = (_grid(cdiv(T, cfg["block_t"]), signals), hidden, k, rec_bytes, send_pos.shape[1], first, last,
-           len(biases), wout is not None, signals is not None, _use_clock(signals), tuple(cfg.items()))
+           len(biases), wout is not None, signals is not None, _use_clock(signals), _defer(signals), tuple(cfg.items()))
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], cfg))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
@@ -283,9 +296,9 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
 _REDUCE_BOUND: dict = {}
 
 
-def _bind_reduce(grid, hidden, k, rec_bytes, R, first, last, n_biases, has_w, sync, use_clock, cfg):
+def _bind_reduce(grid, hidden, k, rec_bytes, R, first, last, n_biases, has_w, sync, use_clock, defer, cfg):
     return _combine_reduce_launch.bind(
-        (grid,), num_warps=cfg["num_warps"], SYNC=sync, USE_CLOCK=use_clock, USE_ASM=use_clock,
+        (grid,), num_warps=cfg["num_warps"], SYNC=sync, DEFER=defer, USE_CLOCK=use_clock, USE_ASM=use_clock,
         H=hidden, K=k, REC_H=rec_bytes // 2, REC_F=rec_bytes // 4, R=R,
         LOAD_ACC=not first, STORE_ACC=not last, FINAL=last, HAS_B0=n_biases > 0, HAS_B1=n_biases > 1,
         HAS_W=has_w, BLOCK_T=cfg["block_t"], BLOCK_H=pow2(min(hidden, cfg["block_h"])), BLOCK_K=pow2(k))

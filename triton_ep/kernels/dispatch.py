@@ -94,7 +94,7 @@ def _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delt
 def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
                           T, lo, hi, num_experts,
                           hdr, hdr_delta, host, k, sig, me, timeout_ns,
-                          SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                          SYNC: tl.constexpr, DEFER: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                           WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
                           R: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -103,6 +103,7 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
     # Round n of the Buffer: wait until every receiver has moved round n - 1 out of its area. A program
     # that may not write (an error, now or earlier) moves nothing.
     if SYNC:
+        flags.release_consumed(hdr)     # (the last receive's, where it had no end-of-launch count)
         n = tl.load(hdr + flags.W_BASE) + k + 1
         go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_DISPATCH_SEND, n, timeout_ns, R,
                                        USE_CLOCK)
@@ -110,9 +111,13 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
     _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, T, lo, hi, num_experts,
                  WX, S, K, REC, R, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K, SPLIT_W,
                  EVEN_W, STORE_CACHE, STORE_EVICT)
-    # The launch's last program tells every receiver that round n is in its area.
+    # The launch's last program tells every receiver that round n is in its area (with DEFER: the receive launch
+    # right after this one does, first thing).
     if SYNC:
-        flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+        if DEFER:
+            flags.defer_send(hdr, n)
+        else:
+            flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
 
 
 _dispatch_send_launch = Launcher(_dispatch_send_kernel)
@@ -177,7 +182,8 @@ def _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_pt
 def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, n_ptr, cap,
                           hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
-                          N_PTR: tl.constexpr, R: tl.constexpr, SYNC: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                          N_PTR: tl.constexpr, R: tl.constexpr, SYNC: tl.constexpr, DEFER: tl.constexpr,
+                          USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                           WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
                           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                           HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -185,7 +191,10 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
     # Round n: wait until every sender has released it here, with the signature of this call.
     go = tl.full([], 1, tl.int1)
     if SYNC:
-        n = tl.load(hdr + flags.W_BASE) + k + 1
+        if DEFER:       # the send launch just before wrote round NEXT: publish it here, then wait
+            n = flags.publish_deferred(hdr, hdr_delta, sig, me, R)
+        else:
+            n = tl.load(hdr + flags.W_BASE) + k + 1
         go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
                                     USE_CLOCK)
     # The round's rows (given, or the device's count with num_worst_tokens: then padding rows too), in row
@@ -193,9 +202,13 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
     n_rows, n_out = _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR)
     _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
                out_src_ptr, WX, S, K, REC, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K)
-    # The last program frees this rank's area for round n + 1 (and ends the call's rounds).
+    # The last program frees this rank's area for round n + 1 (and ends the call's rounds); with DEFER program (0, 0)
+    # ends the rounds and this rank's next send launch frees the area.
     if SYNC:
-        flags.finish_recv(hdr, n, advance, USE_ASM)
+        if DEFER:
+            flags.defer_recv(hdr, n, advance)
+        else:
+            flags.finish_recv(hdr, n, advance, USE_ASM)
 
 
 _dispatch_recv_launch = Launcher(_dispatch_recv_kernel)
@@ -217,6 +230,7 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
     # it. The grid is capped so that every program is resident at once (a receive part waits for the send
     # part's last program, of the same launch); the send part counts its programs at W_DONE, the receive
     # part at W_DONE2.
+    flags.release_consumed(hdr)         # (the last receive's, where it had no end-of-launch count)
     n = tl.load(hdr + flags.W_BASE) + 1
     go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_DISPATCH_SEND, n, timeout_ns, R,
                                    USE_CLOCK)
@@ -279,6 +293,14 @@ def _use_clock(signals: Optional[dict]) -> bool:
     return bool(signals is not None and signals["use_clock"])
 
 
+def _defer(signals: Optional[dict]) -> bool:
+    """Whether a split send / receive launch pair of a round skips its end-of-launch counts (the receive publishes
+    the round, the next send frees the area: :func:`triton_ep.kernels.flags.defer_send`): ranks that run
+    concurrently (``signals["defer"]``), not the lock-step runner, where one rank's whole launch runs before the
+    next rank's and no program may wait for a peer's program of the same launch."""
+    return bool(signals is not None and signals.get("defer"))
+
+
 def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
     """Words (4 bytes) of one dispatch record: ``wx`` row words, ``s`` scale words, ``k`` ids and ``k``
     weight words (``k = 0`` without top-k), and with ``with_src`` the source index; rounded up to the
@@ -320,7 +342,7 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     k = topk_idx.shape[1] if topk_idx is not None else 0
     cfg = tuning("dispatch_send")
     key = (T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
-           with_src, signals is not None, _use_clock(signals), _grid(cdiv(T, cfg["block_t"]), signals),
+           with_src, signals is not None, _use_clock(signals), _defer(signals), _grid(cdiv(T, cfg["block_t"]), signals),
            x_words.device, tuple(cfg.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(
         T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
@@ -340,7 +362,7 @@ def _bind_send(T, wx, s, k, R, rec_words, has_scales, has_topk, has_w, with_src,
     if cfg.get("programs_per_sm", 0):
         blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(device))
     return _dispatch_send_launch.bind(
-        (blocks, cdiv(wx, bw) if split else 1), num_warps=nw, SYNC=signals is not None,
+        (blocks, cdiv(wx, bw) if split else 1), num_warps=nw, SYNC=signals is not None, DEFER=_defer(signals),
         USE_CLOCK=_use_clock(signals), USE_ASM=_use_clock(signals),
         WX=wx, S=s, K=k, REC=rec_words, R=R, HAS_SCALES=has_scales, HAS_TOPK=has_topk,
         HAS_W=has_w, HAS_SRC=with_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k),
@@ -370,7 +392,7 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     cfg = tuning("dispatch_recv")
     grid = _grid(cdiv(n_rows, cfg["block_t"]), signals)
     key = (grid, wx, s, k, rec_words, n_recv is not None, out_scales is not None, has_topk, out_weights is not None,
-           out_src is not None, signals is not None, _use_clock(signals),
+           out_src is not None, signals is not None, _use_clock(signals), _defer(signals),
            signals["hdr_delta"].shape[0] if signals is not None else 1, tuple(cfg.items()))
     launch = bound(_RECV_BOUND, key, lambda: _bind_recv(grid, *key[1:-1]))
     launch(rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
@@ -382,10 +404,10 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
 _RECV_BOUND: dict = {}
 
 
-def _bind_recv(grid, wx, s, k, rec_words, n_ptr, has_scales, has_topk, has_w, has_src, sync, use_clock, R):
+def _bind_recv(grid, wx, s, k, rec_words, n_ptr, has_scales, has_topk, has_w, has_src, sync, use_clock, defer, R):
     bt, bw, nw = _blocks("dispatch_recv", wx)
     return _dispatch_recv_launch.bind(
-        (grid,), num_warps=nw, N_PTR=n_ptr, R=R, SYNC=sync, USE_CLOCK=use_clock, USE_ASM=use_clock,
+        (grid,), num_warps=nw, N_PTR=n_ptr, R=R, SYNC=sync, DEFER=defer, USE_CLOCK=use_clock, USE_ASM=use_clock,
         WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=has_scales, HAS_TOPK=has_topk,
         HAS_W=has_w, HAS_SRC=has_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k))
 

@@ -25,15 +25,18 @@ its send of round ``n``: there is no wait cycle. The exception is a *fused* laun
 one launch: :func:`wait_own_send` between its send and receive parts, the receive counted at ``W_DONE2``),
 whose grid is capped so that all its programs are resident at once (one program under the interpreter).
 
-Low-latency calls (the ``L_*`` words) skip the end-of-launch count where the next launch in the stream can act
-instead, as it starts only once the launch before it has completed: a receive's ``CONS`` is released by the
-rank's next low-latency launch (:func:`ll_finish_recv`), and in a call without a receive hook, within one host,
-the receive launch publishes its own call's ``READY`` in program (0, 0) before it waits
+Launches skip the end-of-launch count where the next launch in the stream can act instead, as it starts only
+once the launch before it has completed. Normal mode, where ranks run concurrently (``signals["defer"]``: not the
+lock-step runner): a split send records its round (``NEXT``, :func:`defer_send`), the receive right after it
+publishes it (:func:`publish_deferred`) and records the freed area (``PENDC``, :func:`defer_recv`), which the
+rank's next send releases into ``CONSUMED`` (:func:`release_consumed`). Low-latency calls (the ``L_*`` words): a
+receive's ``CONS`` is released by the rank's next low-latency launch (:func:`ll_finish_recv`), and in a call
+without a receive hook, within one host, the receive launch publishes its own call's ``READY``
 (:func:`ll_publish_deferred`). Then the programs of a receive wait for program (0, 0) of the peers' receive of
-the same call, which publishes before it waits; the GPU places a launch's programs in order (not a documented
-guarantee, but what persistent kernels rely on), so that program is among the first to run, and where
-ranks share a GPU their grids are capped (``max_programs``) so that spinning programs of one rank never keep
-another's from starting.
+the same round or call, which publishes before it waits; the GPU places a launch's programs in order (not a
+documented guarantee, but what persistent kernels rely on), so that program is among the first to run, and
+where ranks share a GPU their grids are capped (``max_programs``) so that spinning programs of one rank never
+keep another's from starting.
 
 Every wait is bounded. On GPU a wait reads ``%globaltimer`` and gives up after ``timeout_ns``; under the
 interpreter (no clock) a host watchdog sets the host block's abort word. A wait also ends when the
@@ -46,7 +49,7 @@ import triton
 import triton.language as tl
 
 from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported for the kernels
-    W_BASE, W_CONSUMED, W_DONE, W_DONE2, W_ERR, W_FIXED, off_ready, off_sig, off_failed, off_gone, off_nflag, off_notify,
+    W_BASE, W_CONSUMED, W_DONE, W_DONE2, W_ERR, W_PENDC, W_NEXT, W_FIXED, off_ready, off_sig, off_failed, off_gone, off_nflag, off_notify,
     NOTIFY_E_WORDS, off_notify_e, header_words, H_ABORT, H_LOCK, H_KIND, H_PEER, H_STAGE, H_CALL, H_INFO,
     H_INFO2, H_WORDS, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
     STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
@@ -401,6 +404,57 @@ def finish_recv(hdr, round_no, advance, USE_ASM: tl.constexpr):
     """End of a receive launch: the last program releases ``CONSUMED = round_no`` (this rank's area is
     free again) and advances ``BASE`` by ``advance`` (the call's rounds, in its last round; else 0)."""
     finish_recv_at(hdr, hdr + W_DONE, round_no, advance, USE_ASM)
+
+
+@triton.jit
+def _first_program():
+    return (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+
+
+@triton.jit
+def release_consumed(hdr):
+    """First thing of a send launch (split or fused), in program (0, 0), before any wait: release ``CONSUMED =
+    PENDC`` where the last receive launch, which had no end-of-launch count (:func:`defer_recv`), is not released
+    yet. That receive precedes this launch in the stream, so it has completed: its reads of the area are done."""
+    if _first_program():
+        p = tl.load(hdr + W_PENDC)
+        if p > tl.load(hdr + W_CONSUMED):
+            release(hdr + W_CONSUMED, p)
+
+
+@triton.jit
+def defer_send(hdr, round_no):
+    """End of a send launch without an end-of-launch count (ranks that run concurrently: not the lock-step runner):
+    program (0, 0) records ``NEXT = round_no``; the receive launch right after it publishes the round
+    (:func:`publish_deferred`)."""
+    if _first_program():
+        tl.store(hdr + W_NEXT, round_no)
+
+
+@triton.jit
+def publish_deferred(hdr, hdr_delta, sig, me, R: tl.constexpr):
+    """Start of the receive launch after a send launch without an end-of-launch count: returns the round ``n =
+    NEXT``, and program (0, 0), before anything waits, publishes it as the send's last program would have
+    (:func:`finish_send`: the signature and ``READY[me] = n`` in every peer, unless this rank holds an error). The
+    send launch has completed (stream order), so its records are in place before the release. The peers' receive
+    launches of the round wait for it and publish theirs first, in their program (0, 0) (see the module's notes)."""
+    n = tl.load(hdr + W_NEXT)
+    if _first_program():
+        if tl.load(hdr + W_ERR, volatile=True) == 0:
+            _release_ready(hdr, hdr_delta, n, sig, me, R)
+    return n
+
+
+@triton.jit
+def defer_recv(hdr, round_no, advance):
+    """End of a receive launch without an end-of-launch count (one whose round came from :func:`publish_deferred`,
+    so none of its programs reads ``BASE``): program (0, 0) advances ``BASE`` by ``advance`` and records ``PENDC =
+    round_no``; this rank's next send launch releases ``CONSUMED`` (:func:`release_consumed`), and a peer waits for
+    that only in a send of a later round."""
+    if _first_program():
+        if advance != 0:
+            tl.store(hdr + W_BASE, tl.load(hdr + W_BASE) + advance)
+        tl.store(hdr + W_PENDC, tl.full([], 0, tl.int64) + round_no)
 
 
 @triton.jit

@@ -258,7 +258,8 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
             local.data[:hb].zero_()     # the group's signal header starts at zero (peers write after the exchange)
             ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8)
             remote = torch.tensor([0 if s else 1 for s in same], dtype=torch.int32, device=dev)
-        comm = ipc.Comm(me, R, dev, bufs, ctrl, rt.timeout_s, ipc.SLOT_WORDS, ranks_on_device=local.ranks_on_device)
+        comm = ipc.Comm(me, R, dev, bufs, ctrl, rt.timeout_s, ipc.SLOT_WORDS, ranks_on_device=local.ranks_on_device,
+                        concurrent=True)
         own = Runtime(comm, rt.timeout_s, rt.uid, None, 0, int(area_bytes), hosts, rt.rdma_transport)
         ll = LowLatency(own, 0, int(area_bytes), shrink)      # zeroes its control block before the exchange below
         slot = net_slot_bytes(area_bytes, R)

@@ -29,6 +29,11 @@ W_CONSUMED = tl.constexpr(1)      #: last round whose data this rank has moved o
 W_DONE = tl.constexpr(2)          #: programs of the running launch that have finished (last-program counter)
 W_ERR = tl.constexpr(3)           #: nonzero once this rank holds an error record (device-side mirror)
 W_DONE2 = tl.constexpr(4)         #: a fused send + receive launch's second last-program counter (its receive)
+#: the last round a receive launch without an end-of-launch count moved out of this rank's area; this rank's
+#: next send launch (or fused launch) releases it into ``CONSUMED`` before it waits
+W_PENDC = tl.constexpr(5)
+#: the round a send launch without an end-of-launch count wrote; the receive launch right after it publishes it
+W_NEXT = tl.constexpr(6)
 W_FIXED = tl.constexpr(8)         #: words before the per-peer arrays
 
 

@@ -108,6 +108,9 @@ class Runtime:
                                    comm.device, self.timeout_s, interpreted=interpreted())
         self.sig_args = self.sig.kernel_args(comm.max_programs)
         self.sig_args["sms"] = num_sms(comm.device)      # (the normal-mode launches' grid cap, kernels.dispatch._grid)
+        # (split send / receive launches skip their end-of-launch counts where ranks run concurrently:
+        # kernels.dispatch._defer)
+        self.sig_args["defer"] = comm.concurrent
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         #: the running call's kernels go to the communication stream (async_finish), else the caller's
         self.on_comm = False

@@ -92,13 +92,17 @@ class Comm:
 
     def __init__(self, rank: int, size: int, device: torch.device, peers: List[torch.Tensor], ctrl: torch.Tensor,
                  timeout_s: float, slot_words: int, min_bytes: Optional[int] = None,
-                 ranks_on_device: int = 1) -> None:
+                 ranks_on_device: int = 1, concurrent: bool = False) -> None:
         self.rank, self.size, self.device = rank, size, device
         #: ranks of the group whose buffers live on this rank's device (several ranks may share a GPU)
         self.ranks_on_device = max(int(ranks_on_device), 1)
         #: the most programs a waiting launch may occupy: with several ranks on one GPU, their spinning
         #: programs must leave room for the launches they wait for (``None``: no cap)
         self.max_programs = None
+        #: the ranks run at the same time (processes: :func:`open_group` says so); False (the default) for ranks
+        #: simulated in one process and driven in lock step (:class:`LocalWorld`, or a Comm built over its buffers),
+        #: where one rank's whole launch runs before the next rank's
+        self.concurrent = bool(concurrent)
         if device.type == "cuda" and self.ranks_on_device > 1:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             self.max_programs = max(sms // (2 * self.ranks_on_device), 1)
@@ -278,7 +282,7 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         if device.type == "cuda":
             _check_peer_access(device, {torch.device("cuda", i[4]) for i in info})
         comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info),
-                    ranks_on_device=sum(1 for i in info if i[4] == device.index))
+                    ranks_on_device=sum(1 for i in info if i[4] == device.index), concurrent=True)
         comm.barrier("bootstrap/map buffers")
     except BaseException as e:
         # peers still waiting in the exchange raise at once (a no-op once it is complete)

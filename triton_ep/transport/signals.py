@@ -267,6 +267,7 @@ class Signals:
             h = self.header
             h[int(F.W_BASE)].fill_(new_base)
             h[int(F.W_CONSUMED)].fill_(new_base)
+            h[int(F.W_PENDC)].fill_(new_base)       # (nothing left for the next send to release)
             h[int(F.W_DONE)].fill_(0)
             h[int(F.W_DONE2)].fill_(0)
             h[int(F.W_ERR)].fill_(0)

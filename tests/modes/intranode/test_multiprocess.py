@@ -25,6 +25,22 @@ def test_processes_round_trip_property(R, seed, H, zero_rank, small):
     _values(run_ranks(mp_cases.round_trip, R, seed, 4 * R, 3, H, Ts, 1024 if small else 1 << 20))
 
 
+@pytest.mark.parametrize("num_nvl_bytes", [1 << 20, 1024], ids=["one round", "several rounds"])
+def test_split_launches_hand_their_flags_to_the_next_launch(num_nvl_bytes):
+    """Ranks as processes: the send launch leaves its round for the receive launch to publish, the receive leaves
+    the freed area for the next send to release; the header's words after each call say so, on every rank."""
+    R = 2
+    runs = _values(run_ranks(mp_cases.header_words, R, num_nvl_bytes))
+    assert [w[1:] for w in runs[0]] == [w[1:] for w in runs[1]], runs      # every rank alike
+    last = 0
+    for tag, base, consumed, pendc, nxt, done, done2, ready in runs[0]:
+        assert base > last, (tag, base, last)
+        assert (consumed, pendc, nxt, done, done2, ready) == (base - 1, base, base, 0, 0, [base] * R), (tag, runs[0])
+        last = base
+    if num_nvl_bytes == 1024:
+        assert runs[0][0][1] > 1, "the small buffer was to force several rounds a call"
+
+
 def test_send_and_receive_fused_in_one_launch():
     """Calls of one round run their send and receive as one launch (TRITON_EP_FUSED=1): plain and cached
     dispatch bit for bit against the reference, then back-to-back calls with ragged T, on 3 ranks."""
