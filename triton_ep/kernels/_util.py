@@ -33,10 +33,13 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # a dispatch send with split_w multiplies it by its row slices)
     "grid": dict(programs_per_sm=8),
     # a call of one round of at most max_tokens tokens runs its send and receive as one launch
-    # (kernels.dispatch.dispatch_fused, kernels.combine.combine_fused)
-    "fused": dict(max_tokens=1024),
+    # (kernels.dispatch.dispatch_fused, kernels.combine.combine_fused); the fused combine's reduce part takes
+    # reduce_block_h (the split reduce's 2048 made a fused T 1024 combine about 6% slower, benchmarks/README.md)
+    "fused": dict(max_tokens=1024, reduce_block_h=4096),
     "combine_send": dict(block_t=1, block_w=2048, num_warps=4),
-    "combine_reduce": dict(block_t=1, block_h=4096, num_warps=8),
+    # (4 warps, blocks of 2048: a T 4096 combine 69.0 -> 65.8 us on one H200, T 2048 unchanged;
+    # benchmarks/results/grid_cap_h200_reduce_tuning.json)
+    "combine_reduce": dict(block_t=1, block_h=2048, num_warps=4),
     # low-latency kernels: benchmarks/bench_low_latency.py --sweep on one H200 (T 128, H 7168, top-8 of 256;
     # benchmarks/results/low_latency_h200_r1_sweep_*.json). ``programs_per_expert``: a second grid axis over
     # each expert's rows; ``expert_programs`` > 0 caps the programs over experts (they loop).
@@ -58,7 +61,7 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
                           programs_per_sm=0, record_align_words=4),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
     "grid": dict(programs_per_sm=0),
-    "fused": dict(max_tokens=0),        # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
+    "fused": dict(max_tokens=0, reduce_block_h=2048),   # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
     "ll_route": dict(block_t=64, experts=32, num_warps=4),     # (the interpreter runs programs one by one: few, large)

@@ -315,11 +315,11 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
     wx = x_words.shape[1]
     k = weight_words.shape[1] if weight_words is not None else 0
     T = send_pos.shape[0]
-    cs, cr = tuning("combine_send"), tuning("combine_reduce")
+    cs, cr, cf = tuning("combine_send"), tuning("combine_reduce"), tuning("fused")
     progs = fused_programs(max(cdiv(n_rows, cs["block_t"]), cdiv(T, cr["block_t"]), 1), area.device, signals)
     key = (progs, wx, k, weight_words is not None, rec_bytes, prefix.shape[0], n_recv is not None, len(biases),
-           wout is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()))
-    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs, cr))
+           wout is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()), tuple(cf.items()))
+    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-3], cs, cr, cf))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
     launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, area.view(torch.int32), n_rows,
@@ -331,11 +331,12 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
 _FUSED_BOUND: dict = {}
 
 
-def _bind_fused(progs, wx, k, has_w, rec_bytes, R, n_ptr, n_biases, has_wout, use_clock, cs, cr):
+def _bind_fused(progs, wx, k, has_w, rec_bytes, R, n_ptr, n_biases, has_wout, use_clock, cs, cr, cf):
     if has_w != has_wout:
         raise ValueError("combine's weights and their output come together")
     return _combine_fused_launch.bind(
         (progs,), num_warps=cs["num_warps"], N_PTR=n_ptr, USE_CLOCK=use_clock, USE_ASM=use_clock, WX=wx, K=k,
         REC=rec_bytes // 4, R=R, HAS_W=has_w, HAS_B0=n_biases > 0, HAS_B1=n_biases > 1, BLOCK_T=cs["block_t"],
-        BLOCK_W=pow2(min(wx, cs["block_w"])), BLOCK_TR=cr["block_t"], BLOCK_H=pow2(min(2 * wx, cr["block_h"])),
+        BLOCK_W=pow2(min(wx, cs["block_w"])), BLOCK_TR=cr["block_t"],
+        BLOCK_H=pow2(min(2 * wx, cf.get("reduce_block_h", cr["block_h"]))),
         BLOCK_K=pow2(k))
