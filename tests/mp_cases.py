@@ -856,3 +856,30 @@ def header_words(rank, world, num_nvl_bytes, seed=3):
         return seen
     finally:
         buf.destroy()
+
+
+def other_collective_after_a_call(rank, world, second, timeout_s=30.0):
+    """A dispatch on every rank, then rank 0 a plain dispatch while the others make ``second`` (``"combine"`` or a
+    cached ``"dispatch"``): every rank raises ValueError at once, not after the timeout (the split launches leave
+    the last receive's CONSUMED to the next launch: the notify releases it too). Returns (error type, seconds)."""
+    import time
+    R, me = world, rank
+    E, K, H = 4 * R, 2, 64
+    Ts = [6 + r for r in range(R)]
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=timeout_s)
+    try:
+        xs, idxs, ws = make_inputs(1, R, E, K, H, Ts)
+        rx, _, rw, _, handle, _ = buf.dispatch(xs[me], topk_weights=ws[me], **_layout_kwargs(buf, idxs[me], E))
+        t0 = time.monotonic()
+        try:
+            if me == 0:
+                buf.dispatch(xs[me], topk_weights=ws[me], **_layout_kwargs(buf, idxs[me], E))
+            elif second == "combine":
+                buf.combine(rx, handle, topk_weights=rw)
+            else:
+                buf.dispatch(xs[me], handle=handle)
+            return ("no error", time.monotonic() - t0)
+        except Exception as ex:     # noqa: BLE001 - the type is the result
+            return (type(ex).__name__, time.monotonic() - t0)
+    finally:
+        buf.destroy()

@@ -32,8 +32,8 @@ publishes it (:func:`publish_deferred`) and records the freed area (``PENDC``, :
 rank's next send releases into ``CONSUMED`` (:func:`release_consumed`). Low-latency calls (the ``L_*`` words): a
 receive's ``CONS`` is released by the rank's next low-latency launch (:func:`ll_finish_recv`), and in a call
 without a receive hook, within one host, the receive launch publishes its own call's ``READY``
-(:func:`ll_publish_deferred`). Then the programs of a receive wait for program (0, 0) of the peers' receive of
-the same round or call, which publishes before it waits; the GPU places a launch's programs in order (not a
+(:func:`ll_publish_deferred`). Then the programs of a receive may wait for program (0, 0) of a peer's receive of
+the same round or call (where that peer deferred too), which publishes before it waits; the GPU places a launch's programs in order (not a
 documented guarantee, but what persistent kernels rely on), so that program is among the first to run, and
 where ranks share a GPU their grids are capped (``max_programs``) so that spinning programs of one rank never
 keep another's from starting.
@@ -350,8 +350,9 @@ def ll_finish_recv(ctl, half, n):
     """End of a low-latency receive launch: program (0, 0) records ``PEND[half] = n``. The launch has no
     end-of-launch count: the rank's next low-latency launch, which starts only once this one has completed
     (stream order), releases ``CONS[half] = n`` (:func:`ll_release_cons`; the half is then free for call
-    ``n + 2``). A peer waits for that ``CONS`` only in a launch of a later call, and this rank's first launch
-    of any later call releases it before it waits for anything, so no wait depends on its own launch."""
+    ``n + 2``). A peer waits for that ``CONS`` only in a launch of a later call, and this rank's next low-latency
+    launch after this receive (at the latest the first launch of call ``n + 2``; with two hooks outstanding, the
+    receive of call ``n + 1``) releases it before it waits for anything, so no wait depends on its own launch."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(ctl + L_PEND + half, n)
 
@@ -413,7 +414,7 @@ def _first_program():
 
 @triton.jit
 def release_consumed(hdr):
-    """First thing of a send launch (split or fused), in program (0, 0), before any wait: release ``CONSUMED =
+    """First thing of a send launch (split or fused) and of a notify launch, in program (0, 0), before any wait: release ``CONSUMED =
     PENDC`` where the last receive launch, which had no end-of-launch count (:func:`defer_recv`), is not released
     yet. That receive precedes this launch in the stream, so it has completed: its reads of the area are done."""
     if _first_program():

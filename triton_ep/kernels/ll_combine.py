@@ -130,7 +130,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                 w = tl.load(w_ptr + t * K + k, mask=ok, other=0.0)
                 acc = acc + tl.where(ok[:, None], v * w[:, None], 0.0)
             tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mt[:, None])
-    # The last program frees the half for call n + 2.
+    # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 
 

@@ -274,7 +274,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
             mf = j < RN
             tl.store(src_info + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
             tl.store(ret_slot + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
-    # The last program frees the half for call n + 2.
+    # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 
 

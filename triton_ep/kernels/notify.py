@@ -87,6 +87,9 @@ def _publish(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delt
 def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, k, sig, me,
                         timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, EXPERTS: tl.constexpr,
                         BLOCK_E: tl.constexpr):
+    # (the last receive's CONSUMED first, where it had no end-of-launch count: a peer that runs another collective
+    # then gets as far as releasing READY, which the receive part below reads as the mismatch it is)
+    flags.release_consumed(hdr)
     _publish(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, me, R, EXPERTS, BLOCK_E)
 
 
@@ -206,6 +209,7 @@ def _notify_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, t32_ptr
                    hdr, hdr_delta, host, me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
                    EXPERTS: tl.constexpr, HOST_OUT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EX: tl.constexpr):
     # notify_send then notify_recv in one program (one launch: it waits only for other ranks' launches)
+    flags.release_consumed(hdr)         # (as _notify_send_kernel)
     _publish(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, me, R, EXPERTS, BLOCK_E)
     tl.debug_barrier()          # the program's own row (written by any of its threads) is read below
     _tables(t32_ptr, t64_ptr, num_worst_rx, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, R,

@@ -25,7 +25,7 @@ def formula(fn):
 
 # ---- the signal header (int64 words), per rank; R = group size ----
 W_BASE = tl.constexpr(0)          #: rounds this rank has completed (advanced by its kernels)
-W_CONSUMED = tl.constexpr(1)      #: last round whose data this rank has moved out of its own area
+W_CONSUMED = tl.constexpr(1)      #: last round whose data this rank has moved out of its own area (see ``PENDC``)
 W_DONE = tl.constexpr(2)          #: programs of the running launch that have finished (last-program counter)
 W_ERR = tl.constexpr(3)           #: nonzero once this rank holds an error record (device-side mirror)
 W_DONE2 = tl.constexpr(4)         #: a fused send + receive launch's second last-program counter (its receive)
@@ -137,7 +137,7 @@ STAGE_LL_COMBINE_RECV = tl.constexpr(11)
 # ---- the low-latency control block (int64 words) at the start of each rank's low-latency area ----
 # Low-latency calls (dispatch or combine) are numbered 1, 2, ... on every rank alike; call ``n`` uses
 # half ``n & 1`` of the area. The numbers live here, in device memory, advanced by the kernels.
-L_SEQ = tl.constexpr(0)           #: the last call this rank has sent (advanced by its send launches)
+L_SEQ = tl.constexpr(0)           #: the last call this rank has sent (advanced by its send launches; see ``NEXT``)
 L_DONE = tl.constexpr(1)          #: programs of the running low-latency launch that have finished
 L_CONS = tl.constexpr(2)          #: ``CONS[h]`` (2 words): last call this rank has received out of half h
 #: ``UNPACKED[h]`` (2 words, internode): last call whose network chunks this rank has unpacked into half h

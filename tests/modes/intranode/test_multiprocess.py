@@ -41,6 +41,15 @@ def test_split_launches_hand_their_flags_to_the_next_launch(num_nvl_bytes):
         assert runs[0][0][1] > 1, "the small buffer was to force several rounds a call"
 
 
+@pytest.mark.parametrize("second", ["combine", "dispatch"])
+def test_another_collective_after_a_call_raises_at_once(second):
+    """After a call, rank 0 makes a plain dispatch while rank 1 makes a combine (or a cached dispatch): both raise
+    ValueError well within the 30 s timeout, as before the split launches left their flags to the next launch."""
+    out = _values(run_ranks(mp_cases.other_collective_after_a_call, 2, second))
+    assert [o[0] for o in out] == ["ValueError", "ValueError"], out
+    assert all(o[1] < 15 for o in out), out
+
+
 def test_send_and_receive_fused_in_one_launch():
     """Calls of one round run their send and receive as one launch (TRITON_EP_FUSED=1): plain and cached
     dispatch bit for bit against the reference, then back-to-back calls with ragged T, on 3 ranks."""
