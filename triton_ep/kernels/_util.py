@@ -61,7 +61,8 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
                           programs_per_sm=0, record_align_words=4),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
     "grid": dict(programs_per_sm=0),
-    "fused": dict(max_tokens=0, reduce_block_h=2048),   # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
+    # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
+    "fused": dict(max_tokens=0, reduce_block_h=2048),
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
     "ll_route": dict(block_t=64, experts=32, num_warps=4),     # (the interpreter runs programs one by one: few, large)

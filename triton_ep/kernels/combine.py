@@ -255,8 +255,8 @@ _SEND_BOUND: dict = {}
 
 def _bind_send(grid, wx, k, has_w, rec_words, R, n_ptr, sync, use_clock, defer, cfg):
     return _combine_send_launch.bind(
-        (grid,), num_warps=cfg["num_warps"], N_PTR=n_ptr, SYNC=sync, DEFER=defer, USE_CLOCK=use_clock, USE_ASM=use_clock,
-        WX=wx, K=k, REC=rec_words, R=R, HAS_W=has_w, BLOCK_T=cfg["block_t"],
+        (grid,), num_warps=cfg["num_warps"], N_PTR=n_ptr, SYNC=sync, DEFER=defer, USE_CLOCK=use_clock,
+        USE_ASM=use_clock, WX=wx, K=k, REC=rec_words, R=R, HAS_W=has_w, BLOCK_T=cfg["block_t"],
         BLOCK_W=pow2(min(wx, cfg["block_w"])), BLOCK_K=pow2(k))
 
 
@@ -338,5 +338,5 @@ def _bind_fused(progs, wx, k, has_w, rec_bytes, R, n_ptr, n_biases, has_wout, us
         (progs,), num_warps=cs["num_warps"], N_PTR=n_ptr, USE_CLOCK=use_clock, USE_ASM=use_clock, WX=wx, K=k,
         REC=rec_bytes // 4, R=R, HAS_W=has_w, HAS_B0=n_biases > 0, HAS_B1=n_biases > 1, BLOCK_T=cs["block_t"],
         BLOCK_W=pow2(min(wx, cs["block_w"])), BLOCK_TR=cr["block_t"],
-        BLOCK_H=pow2(min(2 * wx, cf.get("reduce_block_h", cr["block_h"]))),
+        BLOCK_H=pow2(min(2 * wx, cf["reduce_block_h"])),
         BLOCK_K=pow2(k))

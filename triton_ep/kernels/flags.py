@@ -33,10 +33,10 @@ rank's next send releases into ``CONSUMED`` (:func:`release_consumed`). Low-late
 receive's ``CONS`` is released by the rank's next low-latency launch (:func:`ll_finish_recv`), and in a call
 without a receive hook, within one host, the receive launch publishes its own call's ``READY``
 (:func:`ll_publish_deferred`). Then the programs of a receive may wait for program (0, 0) of a peer's receive of
-the same round or call (where that peer deferred too), which publishes before it waits; the GPU places a launch's programs in order (not a
-documented guarantee, but what persistent kernels rely on), so that program is among the first to run, and
-where ranks share a GPU their grids are capped (``max_programs``) so that spinning programs of one rank never
-keep another's from starting.
+the same round or call (where that peer deferred too), which publishes before it waits; the GPU places a
+launch's programs in order (not a documented guarantee, but what persistent kernels rely on), so that program is
+among the first to run, and where ranks share a GPU their grids are capped (``max_programs``) so that spinning
+programs of one rank never keep another's from starting.
 
 Every wait is bounded. On GPU a wait reads ``%globaltimer`` and gives up after ``timeout_ns``; under the
 interpreter (no clock) a host watchdog sets the host block's abort word. A wait also ends when the
@@ -49,12 +49,14 @@ import triton
 import triton.language as tl
 
 from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported for the kernels
-    W_BASE, W_CONSUMED, W_DONE, W_DONE2, W_ERR, W_PENDC, W_NEXT, W_FIXED, off_ready, off_sig, off_failed, off_gone, off_nflag, off_notify,
+    W_BASE, W_CONSUMED, W_DONE, W_DONE2, W_ERR, W_PENDC, W_NEXT, W_FIXED, off_ready, off_sig, off_failed, off_gone,
+    off_nflag, off_notify,
     NOTIFY_E_WORDS, off_notify_e, header_words, H_ABORT, H_LOCK, H_KIND, H_PEER, H_STAGE, H_CALL, H_INFO,
     H_INFO2, H_WORDS, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
     STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
     STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
-    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed, off_ll_tx, off_ll_rx, ll_ctl_words,
+    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed,
+    off_ll_tx, off_ll_rx, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
     ring_word, ring_len_word, ring_masked_word, ring_arrive_word, ring_asrc_word, ring_ctrl_words, STAGE_NAMES)
@@ -311,6 +313,21 @@ def ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_A
 
 
 @triton.jit
+def _first_program():
+    """Program (0, 0) of the launch: the one that acts for a launch without an end-of-launch count."""
+    return (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+
+
+@triton.jit
+def _release_pending(flag, pending):
+    """Release ``*flag = *pending`` where the flag is behind (a receive recorded ``*pending`` and left its release to
+    the next launch, which calls this)."""
+    p = tl.load(pending)
+    if p > tl.load(flag):
+        release(flag, p)
+
+
+@triton.jit
 def _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me):
     if tl.load(hdr + W_ERR, volatile=True) == 0:
         for r in tl.static_range(R):
@@ -325,7 +342,7 @@ def ll_defer_send(ctl, n):
     """End of a low-latency send launch without its end-of-launch count (a call without a receive hook, within
     one host: its receive launch follows it in the stream): program (0, 0) records the call as ``NEXT = n``.
     Nothing is published yet: :func:`ll_publish_deferred`, in that receive launch, does it."""
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    if _first_program():
         tl.store(ctl + L_NEXT, n)
 
 
@@ -340,7 +357,7 @@ def ll_publish_deferred(ctl, hdr, hdr_delta, sig, R: tl.constexpr, me):
     ranks share a GPU their grids are capped so that no rank's programs keep another's from starting). No
     program of this launch reads ``SEQ``."""
     n = tl.load(ctl + L_NEXT)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    if _first_program():
         _ll_publish(ctl, hdr, hdr_delta, n & 1, n, sig, R, me)
     return n
 
@@ -353,7 +370,7 @@ def ll_finish_recv(ctl, half, n):
     ``n + 2``). A peer waits for that ``CONS`` only in a launch of a later call, and this rank's next low-latency
     launch after this receive (at the latest the first launch of call ``n + 2``; with two hooks outstanding, the
     receive of call ``n + 1``) releases it before it waits for anything, so no wait depends on its own launch."""
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    if _first_program():
         tl.store(ctl + L_PEND + half, n)
 
 
@@ -362,11 +379,9 @@ def ll_release_cons(ctl):
     """First thing of every low-latency launch, in program (0, 0), before any wait: release ``CONS[h] =
     PEND[h]`` for each half whose last receive (a launch before this one in the stream, so complete: its reads
     of the half are done) is not released yet (:func:`ll_finish_recv`)."""
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    if _first_program():
         for h in tl.static_range(2):
-            p = tl.load(ctl + L_PEND + h)
-            if p > tl.load(ctl + L_CONS + h):
-                release(ctl + L_CONS + h, p)
+            _release_pending(ctl + L_CONS + h, ctl + L_PEND + h)
 
 
 @triton.jit
@@ -408,19 +423,13 @@ def finish_recv(hdr, round_no, advance, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _first_program():
-    return (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-
-
-@triton.jit
 def release_consumed(hdr):
-    """First thing of a send launch (split or fused) and of a notify launch, in program (0, 0), before any wait: release ``CONSUMED =
-    PENDC`` where the last receive launch, which had no end-of-launch count (:func:`defer_recv`), is not released
-    yet. That receive precedes this launch in the stream, so it has completed: its reads of the area are done."""
+    """First thing of a send launch (split or fused) and of a notify launch, in program (0, 0), before any wait:
+    release ``CONSUMED = PENDC`` where the last receive launch, which had no end-of-launch count (:func:`defer_recv`),
+    is not released yet. That receive precedes this launch in the stream, so it has completed: its reads of the
+    area are done."""
     if _first_program():
-        p = tl.load(hdr + W_PENDC)
-        if p > tl.load(hdr + W_CONSUMED):
-            release(hdr + W_CONSUMED, p)
+        _release_pending(hdr + W_CONSUMED, hdr + W_PENDC)
 
 
 @triton.jit
@@ -455,7 +464,7 @@ def defer_recv(hdr, round_no, advance):
     if _first_program():
         if advance != 0:
             tl.store(hdr + W_BASE, tl.load(hdr + W_BASE) + advance)
-        tl.store(hdr + W_PENDC, tl.full([], 0, tl.int64) + round_no)
+        tl.store(hdr + W_PENDC, round_no)
 
 
 @triton.jit
