@@ -2,6 +2,7 @@
 ``kernel[grid]`` gives, for every specialisation Triton makes (dtype, 16-byte alignment, integers equal
 to 1 or multiples of 16, 64-bit integers), and never reuses a kernel compiled for other arguments."""
 import functools
+import random
 
 import pytest
 import torch
@@ -151,3 +152,122 @@ def test_triton_imported_first_on_cpu_is_a_clear_import_error():
     good = subprocess.run([sys.executable, "-c", "import triton_ep, triton; print('ok')"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert good.returncode == 0 and "ok" in good.stdout, good.stderr[-500:]
+
+
+# ---- the bound launch's compiled path, on CPU: Triton's compile step and compiled launcher replaced by recorders
+
+_I32 = 1 << 31
+
+
+def _draw_int(rng):
+    return rng.choice([0, 1, 2, 16, 37, -5, _I32 - 1, -_I32, _I32, -_I32 - 1, (1 << 40) + 3, (1 << 63) - 1,
+                       1 << 63, (1 << 64) - 1])
+
+
+def _draw(rng, kind, base):
+    """A value of ``kind``: a tensor view of ``base`` (dtype and 16-byte alignment drawn), an integer, another."""
+    if kind in "T":
+        dt = rng.choice([torch.float32, torch.int32])
+        off = rng.choice([0, 0, 0, 4, 1])
+        return base.view(dt)[off:off + 8]
+    if kind in "IU":
+        return _draw_int(rng)
+    return rng.choice([None, True, False, 1.5, 2.0])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_binder_separates_exactly_what_the_per_argument_key_separates(seed):
+    """Over random calls of one kind of argument list, two calls get the same binder key exactly when their
+    per-argument keys (what Triton specialises on) are equal, and the launch arguments are the tensors'
+    addresses and the other values as they are."""
+    from triton_ep.kernels.launch import _binder, _kinds
+    rng = random.Random(seed)
+    base = torch.zeros(64, dtype=torch.float32)
+    kinds = "".join(rng.choice("TTIUO") for _ in range(rng.randint(1, 14)))
+    fns = tuple(_arg_key_unspecialized if k == "U" else _arg_key for k in kinds)
+    bind = _binder(kinds)
+    seen = {}
+    for _ in range(400):
+        args = tuple(_draw(rng, k, base) for k in kinds)
+        assert _kinds(args, fns) == kinds
+        key, cargs = bind(*args)
+        assert cargs == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        gen = tuple(f(a) for f, a in zip(fns, args))
+        seen.setdefault(key, set()).add(gen)
+        assert len(seen[key]) == 1, (args, key)
+    gens = [g for s in seen.values() for g in s]
+    assert len(gens) == len(set(gens))          # and no two binder keys share a per-argument key
+    assert len(seen) > 3
+
+
+def test_binder_refuses_or_marks_arguments_of_other_kinds():
+    """A tensor's place given no tensor raises (the bound launch then takes the general path); an integer's
+    place given a bool, a float or a tensor gets the value's class in the key, never an integer's bits."""
+    from triton_ep.kernels.launch import _binder
+    bind = _binder("TIUO")
+    t = torch.zeros(4)
+    for bad in (None, 3, 1.5):
+        with pytest.raises(AttributeError):
+            bind(bad, 1, 1, None)
+    ints = {bind(t, v, 1, None)[0][2] for v in (0, 1, 2, 16, 1 << 40, 1 << 63)}
+    for v in (True, 1.0, t[:1]):
+        assert bind(t, v, 1, None)[0][2] not in ints
+        assert bind(t, 1, v, None)[0][3] not in {bind(t, 1, u, None)[0][3] for u in (0, 1 << 40, 1 << 63)}
+
+
+class _Recorder:
+    """Stands in for Triton: ``_first`` makes an entry per per-argument key (as compiling would) and records a
+    launch through Triton; the entry's ``run`` records which entry launched with which arguments."""
+
+    def __init__(self, la):
+        self.la, self.firsts, self.runs = la, [], []
+        la._interp, la._driver = False, (lambda d: 0, lambda: 0)
+
+    def first(self, grid, args, num_warps, meta, key):
+        tpos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        tag = key[2]
+
+        def run(*a, _tag=tag):
+            self.runs.append((_tag, a[9:-1]))     # (the runtime arguments, then the constexpr B)
+        entry = self.la._cache[key] = (run, None, None, key[0], tpos)
+        self.firsts.append(tag)
+        self.runs.append((tag, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)))
+        return entry
+
+
+def _forced_launcher():
+    """A Launcher over a stub kernel ``(x, y, n [dns], a, w [dns], flag, B: constexpr)`` with the GPU path on."""
+    la = Launcher.__new__(Launcher)
+    la.fn, la._cache, la._binds, la._driver, la._interp, la.options = None, {}, {}, None, True, {}
+    la.constexprs = ("B",)
+    la._key_fns = (_arg_key, _arg_key, _arg_key_unspecialized, _arg_key, _arg_key_unspecialized, _arg_key)
+    rec = _Recorder(la)
+    la._first = rec.first
+    return la, rec
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["bound", "launcher"])
+def test_compiled_path_runs_the_entry_the_per_argument_key_picks(plain):
+    """A bound launch, and a plain ``launcher[grid]`` launch (which goes through one), over calls that change
+    dtypes, alignment, integer widths, flags and, now and then, the kind of an argument (``None`` or an
+    integer where a tensor was, a bool where an integer was): every launch runs the entry compiled for its own
+    per-argument key, with the tensors' addresses in their places; each key compiles once."""
+    from triton_ep.kernels.launch import BoundLaunch
+    la, rec = _forced_launcher()
+    b = BoundLaunch(la, (4,), 4, {"B": 32})
+    rng = random.Random(3)
+    base = torch.zeros(64, dtype=torch.float32)
+    for i in range(600):
+        x = _draw(rng, "T", base) if rng.random() < 0.95 else rng.choice([None, 7])
+        args = (x, _draw(rng, "T", base), _draw_int(rng), rng.choice([1, 2, 16, 3, True]),
+                rng.choice([5, (1 << 40) + 1, 1 << 63]), rng.choice([True, False, None]))
+        if plain:
+            la[(4,)](*args, num_warps=4, B=32)
+        else:
+            b(*args)
+        assert len(rec.runs) == i + 1
+        tag, got = rec.runs[-1]
+        assert tag == tuple(f(a) for f, a in zip(la._key_fns, args)), (i, args)
+        assert got == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    assert len(rec.firsts) == len(set(rec.firsts))
+    assert len(la._binds) == (1 if plain else 0)

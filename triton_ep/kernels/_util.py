@@ -86,11 +86,14 @@ def env_switch(name: str) -> Optional[bool]:
     """The environment variable ``name`` as a switch: True / False, or None when unset or empty (case and spaces
     around ignored). Raises ``ValueError`` naming it for a value other than 1 / 0, true / false, yes / no, on /
     off. ``TRITON_EP_FUSED`` and ``TRITON_EP_PDL`` are read through it."""
-    v = os.environ.get(name, "").strip().lower()
+    raw = os.environ.get(name, "")
+    if raw in _SWITCH:                  # (the plain spellings: no parsing on the call path)
+        return _SWITCH[raw]
+    v = raw.strip().lower()
     if not v:
         return None
     if v not in _SWITCH:
-        raise ValueError(f"{name} must be 1 or 0 (or true / false, yes / no, on / off), got {os.environ[name]!r}")
+        raise ValueError(f"{name} must be 1 or 0 (or true / false, yes / no, on / off), got {raw!r}")
     return _SWITCH[v]
 
 
@@ -99,8 +102,10 @@ def tuning(kernel: str) -> Dict[str, object]:
     return (INTERP_TUNING if interpreted() else GPU_TUNING)[kernel]
 
 
+@functools.lru_cache(maxsize=64)
 def num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device``; 4 for the interpreter's CPU tensors."""
+    """Multiprocessors of ``device``; 4 for the interpreter's CPU tensors (asked once per device: a fused
+    launch asks on every call)."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count

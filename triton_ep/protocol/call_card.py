@@ -61,7 +61,14 @@ assert all(2 + len(f) <= FAILED_WORD for _, f in FIELDS.values())
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
     """The int a card (and a call signature) carries for a dtype, the same on every rank; 0 for ``None``."""
-    return zlib.crc32(str(dtype).encode()) if dtype is not None else 0
+    code = _CODES.get(dtype)
+    if code is None:
+        code = _CODES[dtype] = zlib.crc32(str(dtype).encode()) if dtype is not None else 0
+    return code
+
+
+#: dtype -> its code, worked out once (a call asks for one or two per call)
+_CODES: dict = {}
 
 
 _DTYPE_NAMES = {dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values()

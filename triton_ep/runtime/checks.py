@@ -35,11 +35,13 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Op
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+    ts = t.shape
+    if len(ts) != len(shape) or not all(s is None or s == d for s, d in zip(shape, ts)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {want}{f' ({why})' if why else ''}, got {list(t.shape)}")
-    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
-        raise ValueError(f"{name} is on {t.device}, but this Buffer works on {device}")
+        raise ValueError(f"{name} must have shape {want}{f' ({why})' if why else ''}, got {list(ts)}")
+    td = t.device
+    if td != device and (td.type != device.type or device.index is not None):
+        raise ValueError(f"{name} is on {td}, but this Buffer works on {device}")
     if t.numel() == 0:
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t.contiguous()
