@@ -22,7 +22,7 @@ from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
 from ._util import cdiv, pow2, tuning
-from .dispatch import _defer, _grid, _use_clock, fused_programs, sync_args
+from .dispatch import _defer, _grid, _use_clock, fused_programs, row_words, sync_args
 
 
 @triton.jit
@@ -40,7 +40,11 @@ def _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_
                  K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
     """The combine send's data movement: this program's blocks of received rows ``[0, n_rows)``, each into
-    its source rank's combine area (slots ``[lo, hi)``)."""
+    its source rank's combine area (slots ``[lo, hi)``). ``x`` (bf16), its weights (fp32) and the area (any
+    dtype) are read and written as 32-bit words."""
+    x_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    w_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    rec_ptr = rec_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     # Programs take row blocks pid, pid + P, ... (P = the grid: capped, kernels.dispatch._grid).
     for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0)):
         g = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
@@ -109,7 +113,11 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                    HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """The reduce's arithmetic: this program's token blocks, the returned rows of slots ``[lo, hi)`` added in
-    ascending destination rank (and, in the last round, the biases), rounded once to bf16."""
+    ascending destination rank (and, in the last round, the biases), rounded once to bf16. The area comes in
+    any dtype (read as bf16 rows and fp32 weights) and ``out`` as bf16 (written as the rounded bits)."""
+    rec_h_ptr = rec_h_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    rec_f_ptr = rec_f_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+    out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
     # Programs take token blocks pid, pid + P, ... (P = the grid: capped, kernels.dispatch._grid).
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
@@ -226,12 +234,13 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     """Return this rank's received rows ``[0, n_rows)`` to their source ranks' combine areas (slots ``[lo, hi)``).
 
     Args:
-        x_words: ``[N, H/2]`` int32, the expert outputs (bf16) as words, in receive order.
-        weight_words: ``[N, K]`` int32 (fp32 bits) or ``None``.
+        x_words: ``[N, H]`` bf16 (or its ``[N, H/2]`` int32 view), the expert outputs in receive order.
+        weight_words: ``[N, K]`` fp32 (or its int32 view) or ``None``.
         n_rows: rows actually received (``N`` may include ``num_worst_tokens`` padding beyond it).
         prefix: ``[R]`` int64, column of ``rank_prefix_matrix`` for this rank (cumulative rows by source).
         comb_base: ``[R]`` int64, where this rank's block starts in each source's combine area.
-        delta_words: ``[R]`` int64 peer-minus-local buffer distances in words; ``rec``: int32 local buffer.
+        delta_words: ``[R]`` int64 peer-minus-local buffer distances in words; ``rec``: the local buffer
+            (any dtype: uint8 as ``Comm.data`` holds it, or an int32 view).
         signals, rnd, sig: the round's signalling (``rnd``: the round within the call), as in
             :func:`triton_ep.kernels.dispatch.dispatch_send`.
 
@@ -240,7 +249,7 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     the grid (an upper bound).
     """
     n_rows = max(n_rows, 0)
-    wx = x_words.shape[1]
+    wx = row_words(x_words)
     k = weight_words.shape[1] if weight_words is not None else 0
     cfg = tuning("combine_send")
     key = (_grid(cdiv(n_rows, cfg["block_t"]), signals), wx, k, weight_words is not None, rec_words, prefix.shape[0],
@@ -287,8 +296,7 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], cfg))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
-    launch(area.view(torch.bfloat16), area.view(torch.float32), send_pos, send_base, T, lo, hi,
-           acc if acc is not None else out, out.view(torch.int16), b0, b1,
+    launch(area, area, send_pos, send_base, T, lo, hi, acc if acc is not None else out, out, b0, b1,
            wacc if wacc is not None else out, wout if wout is not None else out,
            *sync_args(signals, rnd, sig, out), advance)
 
@@ -312,7 +320,7 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
     (first and last round, ``advance = 1``), same arguments and results; ``area``: the local buffer (uint8).
     The grid is :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps``."""
     n_rows = max(n_rows, 0)
-    wx = x_words.shape[1]
+    wx = row_words(x_words)
     k = weight_words.shape[1] if weight_words is not None else 0
     T = send_pos.shape[0]
     cs, cr, cf = tuning("combine_send"), tuning("combine_reduce"), tuning("fused")
@@ -322,9 +330,9 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
     launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-3], cs, cr, cf))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
-    launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, area.view(torch.int32), n_rows,
-           n_recv if n_recv is not None else prefix, area.view(torch.bfloat16), area.view(torch.float32), send_pos,
-           send_base, T, hi, out.view(torch.int16), b0, b1, wout if wout is not None else out,
+    launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, area, n_rows,
+           n_recv if n_recv is not None else prefix, area, area, send_pos, send_base, T, hi, out, b0, b1,
+           wout if wout is not None else out,
            signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
 
 

@@ -42,7 +42,11 @@ def _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delt
                  BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr, STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
     """The send's data movement: this program's token blocks, each row's record into every receiver that takes
-    it (the window ``[lo, hi)`` of its rows)."""
+    it (the window ``[lo, hi)`` of its rows). ``x``, its scales and weights come in their own dtypes and move as
+    32-bit words (no view per call on the host)."""
+    x_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    sc_ptr = sc_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    w_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     # Programs take token blocks pid, pid + P, ... (P = the grid; one block each unless the grid is capped).
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
@@ -147,7 +151,11 @@ def _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_pt
                HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_SRC: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """The receive's data movement: this program's blocks of rows ``[0, n_out)`` of the round (rows below
-    ``n_rows`` unpacked from the area, the rest padding), into output rows ``lo + i``."""
+    ``n_rows`` unpacked from the area, the rest padding), into output rows ``lo + i`` (outputs of any dtype,
+    written as 32-bit words)."""
+    out_x_ptr = out_x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    out_sc_ptr = out_sc_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    out_w_ptr = out_w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     for pid in range(tl.program_id(0), tl.cdiv(n_out, BLOCK_T), tl.num_programs(0)):
         i = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
         m = i < n_rows                                # rows received
@@ -301,6 +309,11 @@ def _defer(signals: Optional[dict]) -> bool:
     return bool(signals is not None and signals.get("defer"))
 
 
+def row_words(t: torch.Tensor) -> int:
+    """32-bit words per row of a 2-D tensor whose rows are whole words (what the kernels move)."""
+    return t.shape[1] * t.element_size() // 4
+
+
 def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
     """Words (4 bytes) of one dispatch record: ``wx`` row words, ``s`` scale words, ``k`` ids and ``k``
     weight words (``k = 0`` without top-k), and with ``with_src`` the source index; rounded up to the
@@ -320,10 +333,11 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     """Write this rank's records for receive rows ``[lo, hi)`` into every receiver's buffer.
 
     Args:
-        x_words: ``[T, WX]`` int32, the rows as raw words (contiguous).
-        scale_words: ``[T, S]`` int32 (fp32 scale bits) or ``None``.
+        x_words: ``[T, H]`` contiguous, of any dtype whose row is whole 32-bit words (``WX`` of them): the
+            rows move as raw words (an int32 view or the tensor itself, e.g. bf16 or fp8).
+        scale_words: ``[T, S]`` fp32 or int32 (moved as bits) or ``None``.
         topk_idx: ``[T, K]`` int32/int64 global ids or ``None`` (cached dispatch sends no top-k).
-        weight_words: ``[T, K]`` int32 (fp32 weight bits) or ``None``.
+        weight_words: ``[T, K]`` fp32 or int32 (moved as bits) or ``None``.
         send_pos: ``[T, R]`` int32 from :func:`routing_layout` (offsets from it are computed in int64).
         row_base: ``[R]`` int64, where this rank's group starts in each receiver's rows.
         delta_words: ``[R]`` int64, peer buffer minus local buffer, in words.
@@ -336,7 +350,7 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
 
     The launch always runs (a rank with nothing to send still releases its round).
     """
-    T, wx = x_words.shape
+    T, wx = x_words.shape[0], row_words(x_words)
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
@@ -347,8 +361,9 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(
         T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
         with_src, signals, x_words.device, cfg))
-    dummy = x_words
-    launch(x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
+    dummy = x_words         # (in place of absent tensors: the kernel reads them as words, never dereferenced)
+    wts = weight_words if (k and weight_words is not None) else dummy
+    launch(x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
            send_pos, row_base, delta_words, rec, T, lo, hi, num_experts, *sync_args(signals, rnd, sig, x_words))
 
 
@@ -378,8 +393,9 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     """Unpack ``n_rows`` records from the local buffer into output rows ``[lo, lo + n_rows)``.
 
     Global ids become local ids of this rank (``-1`` where the expert lives elsewhere) and their weights
-    0 there. ``out_x`` is ``[N, WX]`` int32 words, ``out_scales`` ``[N, S]`` int32, ``out_idx`` ``[N, K]``
-    int64 or ``None``, ``out_weights`` ``[N, K]`` int32 (weight bits) or ``None``, ``out_src`` ``[N]`` int32
+    0 there. ``out_x`` is ``[N, H]`` of any dtype whose row is ``WX`` 32-bit words, ``out_scales`` ``[N, S]``
+    fp32 or int32, ``out_idx`` ``[N, K]`` int64 or ``None``, ``out_weights`` ``[N, K]`` fp32 or int32 (written
+    as bits) or ``None``, ``out_src`` ``[N]`` int32
     or ``None``. ``k`` is 0 when the records carry no top-k. ``signals``, ``rnd``, ``sig``: as in
     :func:`dispatch_send`; ``advance``: the call's rounds in its last round (the round counter moves on), else 0.
     The launch always runs (it frees this rank's area for the next round). With ``n_recv`` (int64 ``[1]``
@@ -454,7 +470,7 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
     :func:`dispatch_recv` with ``advance = 1``, same arguments and results (``k_out``: the receive's ``k``).
     Its programs wait for each other between the parts, so the grid is :func:`fused_programs`; the launch
     takes the send's ``num_warps`` and each part its own blocks."""
-    T, wx = x_words.shape
+    T, wx = x_words.shape[0], row_words(x_words)
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
@@ -468,7 +484,8 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
            out_src is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()))
     launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs))
     dummy = x_words
-    launch(x_words, scale_words if s else dummy, topk_idx if k else dummy, weight_words if k else dummy,
+    wts = weight_words if (k and weight_words is not None) else dummy
+    launch(x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
            send_pos, row_base, delta_words, rec, T, 0, cap, num_experts, n_rows, rank * experts_per_rank,
            experts_per_rank, out_x, out_scales if out_scales is not None else dummy,
            out_idx if out_idx is not None else dummy, out_weights if out_weights is not None else dummy,

@@ -67,6 +67,7 @@ def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, b
                          counts_ptr, K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_K: tl.constexpr, NBINS: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE: tl.constexpr,
                          ATOMIC: tl.constexpr):
+    in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8), bitcast=True)     # (bool as bytes: no view per call)
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     mt = t < T
@@ -105,6 +106,7 @@ _layout_block_launch = Launcher(_layout_block_kernel)
 def _layout_pos_kernel(in_rank_ptr, T, num_experts, num_blocks, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                        counts_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_B: tl.constexpr, EB: tl.constexpr, ATOMIC: tl.constexpr):
+    in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
     pid = tl.program_id(0)
     offs_r = tl.arange(0, BLOCK_R)
     offs_b = tl.arange(0, BLOCK_B)
@@ -175,22 +177,22 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     counts = alloc(num_ranks + num_experts + 1, dtype=torch.int32, device=dev)   # per rank, per expert, bad
     in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=dev)
     send_pos = torch.empty((T, num_ranks), dtype=torch.int32, device=dev)     # the handle's send_head (DeepEP: int32)
-    per_rank, per_expert, bad = counts[:num_ranks], counts[num_ranks:-1], counts[-1:]
+    per_rank, per_expert, bad = counts.split((num_ranks, num_experts, 1))     # (one op: views cost host time)
     # scratch: the blocks' tokens per rank, then their histograms (unused with one block)
     if nb > 1:
         scratch = torch.empty(nb * (br + (0 if atomic else num_experts + 1)), dtype=torch.int32, device=dev)
-        block_rank, block_hist = scratch[: nb * br], scratch[nb * br:]
+        block_rank, block_hist = scratch.split((nb * br, scratch.numel() - nb * br))
     else:           # one block: no scratch (the pointers are not read; counts stands in)
         block_rank = block_hist = counts
     key = (nb, bt, K, num_ranks, num_experts, atomic, cfg["num_warps"])
     launch = bound(_BLOCK_BOUND, key, lambda: _layout_block_launch.bind(
         (nb,), num_warps=cfg["num_warps"], K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
         BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic))
-    launch(topk_idx, T, num_experts, in_rank.view(torch.int8), block_rank, block_hist, send_pos, counts)
+    launch(topk_idx, T, num_experts, in_rank, block_rank, block_hist, send_pos, counts)
     if nb > 1:
         bb = min(pow2(nb), int(cfg["block_b"]))
         pos = bound(_POS_BOUND, key + (bb,), lambda: _layout_pos_launch.bind(
             (nb,), num_warps=cfg["num_warps"], R=num_ranks, BLOCK_R=br, BLOCK_T=bt, BLOCK_B=bb,
             EB=pow2(cdiv(num_experts + 1, nb)), ATOMIC=atomic))
-        pos(in_rank.view(torch.int8), T, num_experts, nb, block_rank, block_hist, send_pos, counts)
+        pos(in_rank, T, num_experts, nb, block_rank, block_hist, send_pos, counts)
     return per_rank, per_expert, in_rank, send_pos, bad, counts

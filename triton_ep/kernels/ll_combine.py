@@ -34,6 +34,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                             USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, DEFER: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     pdl.pdl_start()
+    xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
+    area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
     flags.ll_release_cons(ctl)      # (the last receive's CONS, before this launch waits)
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
@@ -95,6 +97,8 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                               SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                               DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     pdl.pdl_start()
+    area_h = area_h.to(tl.pointer_type(tl.bfloat16), bitcast=True)     # (the area's rows, out as bf16 bits)
+    out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
     flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
     if DEFER:       # the send launch just before sent call NEXT and left it to this launch to publish
         n = flags.ll_publish_deferred(ctl, hdr, hdr_delta, sig, R, me)
@@ -152,7 +156,7 @@ def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor
     key = (El, H, lay, num_topk, shrink, net is not None, signals["use_clock"], signals.get("max_programs"),
            bool(defer), tuple(tune.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
-    launch(x.view(torch.int32), ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
+    launch(x, ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
            lay.half_words, lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"],
            sig, signals["me"], signals["timeout_ns"], *ll_net.kernel_args(net, ctl))
 
@@ -183,7 +187,7 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
     key = (T, K, H, lay, cost is not None, shrink, signals["use_clock"], signals.get("max_programs"), bool(defer),
            tuple(tune.items()))
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], signals, tune))
-    launch(area.view(torch.bfloat16), ctl, topk_idx, topk_weights, out.view(torch.int16),
+    launch(area, ctl, topk_idx, topk_weights, out,
            cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
            lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
            signals["timeout_ns"])

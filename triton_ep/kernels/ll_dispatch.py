@@ -126,6 +126,14 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                              DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     pdl.pdl_start()
+    # x as words, and the area as words, FP8 bytes and fp32 scales: typed here, not by views on the host
+    xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
+    if NATIVE:
+        area_q = area_q.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    else:
+        area_q = area_q.to(tl.pointer_type(tl.uint8), bitcast=True)
+    area_f = area_f.to(tl.pointer_type(tl.float32), bitcast=True)
     # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
@@ -201,6 +209,9 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
                              DEFER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
                              BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
     pdl.pdl_start()
+    area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
+    out_w = out_w.to(tl.pointer_type(tl.int32), bitcast=True)          # (the rows and their scales as words, whatever their dtypes)
+    out_s = out_s.to(tl.pointer_type(tl.int32), bitcast=True)
     flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
     b = tl.program_id(1)
     NB = tl.num_programs(1)
@@ -322,8 +333,7 @@ def ll_dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tenso
     key = (T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, net is not None, signals["use_clock"],
            signals.get("max_programs"), bool(defer), tuple(tune.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
-    area_q = area.view(torch.float8_e4m3fn) if native_fp8 else area.view(torch.uint8)
-    launch(x, x.view(torch.int32), topk_idx, slots, counts, area, area_q, area.view(torch.float32), delta_words, ctl,
+    launch(x, x, topk_idx, slots, counts, area, area, area, delta_words, ctl,     # (typed by the kernel)
            T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
            signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
            *ll_net.kernel_args(net, ctl))
@@ -352,13 +362,14 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
                      src_info: torch.Tensor, ret_slot: torch.Tensor, layout_range: torch.Tensor, count: torch.Tensor,
                      stats: Optional[torch.Tensor], cost: Optional[torch.Tensor], sig: int, shrink: bool,
                      signals: dict, defer: bool = False) -> None:
-    """Pack the rows this rank received (call ``SEQ - offset``) expert-major into ``out_words`` (int32
-    words ``[E_local, R*N, PW]``) and ``out_scales`` (int32 bits, column-major), and fill ``src_info``
+    """Pack the rows this rank received (call ``SEQ - offset``) expert-major into ``out_words`` (``[E_local,
+    R*N, H]`` FP8 or bf16, or its int32 view ``[E_local, R*N, PW]``: written as words) and ``out_scales`` (fp32
+    or int32, column-major: written as bits), and fill ``src_info``
     int32 / ``ret_slot`` int32 ``[E_local, R*N]``, ``layout_range`` int64 ``[E_local, R]``, ``count`` int32
     ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64). With
     ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
     this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`)."""
-    El, RN, PW = out_words.shape
+    El, RN, PW = out_words.shape[0], out_words.shape[1], out_words.shape[2] * out_words.element_size() // 4
     tune = tuning("ll_recv")
     key = (El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, stats is not None, cost is not None, shrink,
            signals["use_clock"], signals.get("max_programs"), bool(defer), tuple(tune.items()))

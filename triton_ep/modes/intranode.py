@@ -333,18 +333,20 @@ class Intranode:
                 recv_idx = torch.empty((n_out, a.num_topk), dtype=a.topk_idx.dtype, device=dev)
                 if a.topk_weights is not None:
                     recv_w = torch.empty((n_out, a.num_topk), dtype=torch.float32, device=dev)
-        rec = self.rt.comm.data.view(torch.int32)
-        x_words = xv.view(torch.int32)
-        sc_words = sc.view(torch.int32) if (sc is not None and a.scale_words) else None    # S = 0: nothing to move
-        w_words = a.topk_weights.view(torch.int32) if (not cached and a.topk_weights is not None) else None
+        # (the kernels take x, scales, weights and outputs in their own dtypes and move them as 32-bit words: no
+        # view per call, each costing microseconds of host time on a GPU machine)
+        rec = self.rt.comm.data_view(torch.int32)
+        x_words = xv
+        sc_words = sc if (sc is not None and a.scale_words) else None    # S = 0: nothing to move
+        w_words = a.topk_weights if not cached else None
         idx = a.topk_idx if not cached else None
         # Rounds, each a send launch then a receive launch; ranks wait for each other on the device. A call of one
         # round may run both as one launch (kernels.dispatch.use_fused).
         # what the receive writes, as words, and its rows (with the count on the device, num_worst_tokens, an
         # upper bound: the kernel also writes the padding rows)
-        out_words = recv_x.view(torch.int32)
-        sc_out = recv_sc.view(torch.int32) if sc_words is not None else None
-        w_out = recv_w.view(torch.int32) if recv_w is not None else None
+        out_words = recv_x
+        sc_out = recv_sc if sc_words is not None else None
+        w_out = recv_w
         rows = n_recv if n_recv is not None else n_out
         k_rec = a.num_topk if not cached else 0
         n_dev = n_recv_dev if n_recv is None else None
@@ -547,8 +549,7 @@ class Intranode:
         acc = torch.empty((T, H), dtype=torch.float32, device=self.rt.device) if rounds > 1 else None
         wacc = torch.empty((T, K), dtype=torch.float32, device=self.rt.device) if (rounds > 1 and K) else None
         area = self.rt.comm.data
-        x_words = xv.view(torch.int32)
-        w_words = w.view(torch.int32) if w is not None else None
+        x_words, w_words = xv, w            # (moved as 32-bit words by the kernels, as in dispatch)
         # Rounds, each a send launch then a reduce launch; ranks wait for each other on the device. A combine of
         # one round may run both as one launch (kernels.dispatch.use_fused).
         rows = h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows   # (device count: a bound)
@@ -563,7 +564,7 @@ class Intranode:
             yield f"combine/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 kernels.combine_send(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words,
-                                     area.view(torch.int32), lo, hi, rb // 4, signals=self.rt.sig_args, rnd=k,
+                                     area, lo, hi, rb // 4, signals=self.rt.sig_args, rnd=k,
                                      sig=call_sig, n_recv=h.n_recv_dev)
             yield f"combine/reduce round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():

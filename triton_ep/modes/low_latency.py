@@ -359,8 +359,7 @@ class LowLatency:
             if self.net is not None:
                 ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa, cost)
             ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
-                             recv_x.view(torch.int32),
-                             sc.view(torch.int32) if sc is not None else None, src_info, ret_slot, layout_range,
+                             recv_x, sc, src_info, ret_slot, layout_range,
                              recv_count, stats, cost, sig, self.shrink, sa, defer)
 
         handle = LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K, idx_n)

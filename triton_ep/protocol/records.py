@@ -149,20 +149,31 @@ def split_t32(t32, R: int):
     """Views of ``t32``: ``rank_prefix_matrix`` ``[R, R]``, ``channel_prefix_matrix`` ``[R, 1]``,
     ``recv_channel_prefix_matrix`` ``[R, 1]``."""
     c, rc, end = t32_channel.host(R), t32_recv_channel.host(R), t32_words.host(R)
-    return t32[:c].view(R, R), t32[c:rc].view(R, 1), t32[rc:end].view(R, 1)
+    rpm, chan, recv_chan = _split(t32, (c, rc - c, end - rc))
+    return rpm.view(R, R), chan.view(R, 1), recv_chan.view(R, 1)
+
+
+def _split(t, sizes):
+    """``t``'s first ``sum(sizes)`` elements as consecutive views of ``sizes`` (one ``split``: on a GPU machine
+    each view costs microseconds of host time, and a plain dispatch makes a handle of such views)."""
+    end = sum(sizes)
+    return (t if t.numel() == end else t[:end]).split(sizes)
 
 
 def split_t64(t64, R: int):
     """Views of ``t64``: ``row_base`` ``[R]``, combine's tables ``[3R]`` (``comb_base``, ``send_base``,
     ``prefix``: what a combine reads) and ``n_recv`` ``[1]``."""
     cb, nr = t64_comb_base.host(R), t64_n_recv.host(R)
-    return t64[:cb], t64[cb:nr], t64[nr:t64_words.host(R)]
+    return _split(t64, (cb, nr - cb, t64_words.host(R) - nr))
 
 
 def split_combine_tables(tables, R: int):
     """Views of the combine tables of :func:`split_t64`: ``comb_base``, ``send_base``, ``prefix``, ``[R]`` each."""
-    cb = t64_comb_base.host(R)
-    return tuple(tables[w - cb:w - cb + R] for w in (cb, t64_send_base.host(R), t64_prefix.host(R)))
+    return _split(tables, (R, R, R))        # (three consecutive blocks: checked below, at import)
+
+
+assert all((t64_send_base.host(r), t64_prefix.host(r)) == (t64_comb_base.host(r) + r, t64_comb_base.host(r) + 2 * r)
+           for r in range(1, 65))
 
 
 # ---- internode network-leg record ----

@@ -52,7 +52,7 @@ def header_bytes(num_ranks: int) -> int:
 def call_signature(words: Sequence[int]) -> int:
     """A nonzero int64 digest of a call's signature words (operation, sizes, handle, rounds...): what a
     receiving kernel compares with what each sender stored."""
-    return _signature(tuple(int(w) for w in words))
+    return _signature(tuple(map(int, words)))
 
 
 @functools.lru_cache(maxsize=4096)
