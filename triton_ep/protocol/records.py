@@ -157,7 +157,7 @@ def _split(t, sizes):
     """``t``'s first ``sum(sizes)`` elements as consecutive views of ``sizes`` (one ``split``: on a GPU machine
     each view costs microseconds of host time, and a plain dispatch makes a handle of such views)."""
     end = sum(sizes)
-    return (t if t.numel() == end else t[:end]).split(sizes)
+    return (t if t.numel() == end else t[:end]).split_with_sizes(sizes)    # (Tensor.split: a Python wrapper)
 
 
 def split_t64(t64, R: int):
