@@ -10,6 +10,7 @@ GPU, a shared-memory mapping on CPU). A receiver's rows form a *window* ``[lo, h
 space: only rows inside the window are written, at ``row - lo``, so a buffer smaller than the transfer
 is used in rounds. All offsets are int64.
 """
+import functools
 import os
 from typing import Optional
 
@@ -307,6 +308,28 @@ def _defer(signals: Optional[dict]) -> bool:
     concurrently (``signals["defer"]``), not the lock-step runner, where one rank's whole launch runs before the
     next rank's and no program may wait for a peer's program of the same launch."""
     return bool(signals is not None and signals.get("defer"))
+
+
+#: dtypes every backend has a Triton pointer type for; float8_e4m3fn and float8_e5m2 join them under the
+#: interpreter and on GPUs of compute capability 8.9 and up (:func:`as_words`)
+_PLAIN_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                           torch.int16, torch.int32, torch.int64))
+
+
+@functools.lru_cache(maxsize=64)
+def _word_dtypes(device: torch.device) -> frozenset:
+    fp8 = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+        return _PLAIN_DTYPES | fp8
+    return _PLAIN_DTYPES
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the dispatch kernels take it (they move its rows as 32-bit words): itself where Triton has a
+    pointer type for its dtype on this device (no view per call), else its int32 view (fnuz FP8, e8m0,
+    complex, sub-byte and other dtypes Triton cannot name, or fp8 on a GPU older than compute capability
+    8.9). ``t``: contiguous, 4-byte aligned, rows of whole words."""
+    return t if t.dtype in _word_dtypes(t.device) else t.view(torch.int32)
 
 
 def row_words(t: torch.Tensor) -> int:

@@ -22,7 +22,7 @@ from ..errors import EPError, EPTimeoutError
 from ..kernels import notify as NT
 from ..kernels.combine import combine_fused
 from ..kernels.combine import record_bytes as combine_record_bytes
-from ..kernels.dispatch import dispatch_fused, fused_switch, use_fused
+from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, use_fused
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
 from ..protocol import records
@@ -336,7 +336,7 @@ class Intranode:
         # (the kernels take x, scales, weights and outputs in their own dtypes and move them as 32-bit words: no
         # view per call, each costing microseconds of host time on a GPU machine)
         rec = self.rt.comm.data_view(torch.int32)
-        x_words = xv
+        x_words = as_words(xv)
         sc_words = sc if (sc is not None and a.scale_words) else None    # S = 0: nothing to move
         w_words = a.topk_weights if not cached else None
         idx = a.topk_idx if not cached else None
@@ -344,7 +344,7 @@ class Intranode:
         # round may run both as one launch (kernels.dispatch.use_fused).
         # what the receive writes, as words, and its rows (with the count on the device, num_worst_tokens, an
         # upper bound: the kernel also writes the padding rows)
-        out_words = recv_x
+        out_words = as_words(recv_x)
         sc_out = recv_sc if sc_words is not None else None
         w_out = recv_w
         rows = n_recv if n_recv is not None else n_out

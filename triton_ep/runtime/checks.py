@@ -25,7 +25,8 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Op
                  why: str = "") -> torch.Tensor:
     """``t`` checked (a tensor, one of ``dtypes``, ``shape`` with ``None`` for any size, on ``device``) and made
     contiguous (an empty tensor is replaced by fresh zeros: an empty view may keep odd strides and a null
-    data pointer). ``why`` says where the expected sizes come from (e.g. ``"T = 5 rows of x"``), so the
+    data pointer) and 4-byte aligned (the kernels move rows as 32-bit words: a tensor of 1- or 2-byte
+    elements starting between two words, e.g. ``x[1:]`` of a flat buffer, is copied). ``why`` says where the expected sizes come from (e.g. ``"T = 5 rows of x"``), so the
     error names which of two disagreeing arguments to look at.
 
     Raises:
@@ -44,7 +45,10 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Op
         raise ValueError(f"{name} is on {td}, but this Buffer works on {device}")
     if t.numel() == 0:
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-    return t.contiguous()
+    t = t.contiguous()
+    if t.data_ptr() & 3:
+        t = t.clone()           # (a fresh allocation: aligned)
+    return t
 
 
 def check_event(ev) -> None:

@@ -106,6 +106,48 @@ def test_scales_travel_with_any_one_byte_x(xdtype):
     assert all(r[0][0].dtype == xdtype for r in res)
 
 
+_WORD_DTYPES = [torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.complex64, torch.float8_e4m3fn, torch.bool,
+                torch.float64]
+
+
+def case_any_dtype_and_misaligned_x(xdtype, device="cpu"):
+    """Rows of any dtype move bit for bit, Triton's types or not (fnuz / e8m0 FP8, complex: the kernels then take
+    an int32 view), and so do rows of an ``x`` that starts between two 32-bit words (a contiguous slice at an
+    odd element: copied to an aligned tensor first); combine takes such an ``x`` too."""
+    R, E, K, Ts = 2, 4, 2, [5, 7]
+    xs, idxs, ws = make_inputs(21, E, K, 64, Ts)
+    g = torch.Generator().manual_seed(22)
+    if xdtype is not None:
+        xs = [_raw((T, 16), torch.int32, g).view(torch.uint8).view(xdtype) if xdtype != torch.bool else
+              (_raw((T, 16), torch.int32, g).view(torch.uint8) & 1).bool() for T in Ts]
+    else:           # bf16 rows starting 2 bytes into a flat buffer
+        xs = [torch.cat([torch.zeros(1, dtype=torch.bfloat16), x.flatten()])[1:].view(x.shape) for x in xs]
+        assert all(x.data_ptr() % 4 == 2 and x.is_contiguous() for x in xs)
+    vg = VirtualGroup(R, 1 << 15, device=device)
+    res = virtual_dispatch(vg, xs, idxs, ws, E, device)
+    exp = ref.dispatch(xs, idxs, ws, E)
+    check_dispatch(res, exp)
+    assert all(r[0].dtype == xs[0].dtype for r in res)
+    if xdtype is None:
+        ys = [(e["recv_x"].float() * 3).to(torch.bfloat16) for e in exp]
+        ys = [torch.cat([torch.zeros(1, dtype=torch.bfloat16), y.flatten()])[1:].view(y.shape) for y in ys]
+        got = raise_first(vg.call("combine", [dict(x=_to(ys[j], device), handle=res[j][4]) for j in range(R)]))
+        want = ref.combine(ys, exp, Ts)
+        for j in range(R):
+            assert_bits(got[j][0], want[j][0], f"rank {j} combined_x")
+
+
+@pytest.mark.parametrize("xdtype", _WORD_DTYPES + [None], ids=[str(d) for d in _WORD_DTYPES] + ["misaligned bf16"])
+def test_any_dtype_and_misaligned_x(xdtype):
+    case_any_dtype_and_misaligned_x(xdtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("xdtype", _WORD_DTYPES + [None], ids=[str(d) for d in _WORD_DTYPES] + ["misaligned bf16"])
+def test_any_dtype_and_misaligned_x_cuda(xdtype):
+    case_any_dtype_and_misaligned_x(xdtype, "cuda")
+
+
 def test_pair_with_none_scales_is_plain_x():
     """DeepEP unpacks ``(x, None)`` as ``x`` without scales and returns ``recv_x`` alone
     (deep_ep/buffer.py:382, :398-401); a cached dispatch likewise."""
