@@ -333,8 +333,8 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 
 def row_words(t: torch.Tensor) -> int:
-    """32-bit words per row of a 2-D tensor whose rows are whole words (what the kernels move)."""
-    return t.shape[1] * t.element_size() // 4
+    """32-bit words per row (last dimension) of a tensor whose rows are whole words (what the kernels move)."""
+    return t.shape[-1] * t.element_size() // 4
 
 
 def record_words(wx: int, s: int, k: int, with_src: bool) -> int:

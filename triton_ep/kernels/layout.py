@@ -177,7 +177,8 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     counts = alloc(num_ranks + num_experts + 1, dtype=torch.int32, device=dev)   # per rank, per expert, bad
     in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=dev)
     send_pos = torch.empty((T, num_ranks), dtype=torch.int32, device=dev)     # the handle's send_head (DeepEP: int32)
-    per_rank, per_expert, bad = counts.split_with_sizes((num_ranks, num_experts, 1))     # (one op: views cost host time)
+    # (one op for the three views: each view costs host time on a GPU machine)
+    per_rank, per_expert, bad = counts.split_with_sizes((num_ranks, num_experts, 1))
     # scratch: the blocks' tokens per rank, then their histograms (unused with one block)
     if nb > 1:
         scratch = torch.empty(nb * (br + (0 if atomic else num_experts + 1)), dtype=torch.int32, device=dev)

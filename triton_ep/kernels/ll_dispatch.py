@@ -34,7 +34,7 @@ import triton.language as tl
 from . import flags, ll_net, pdl
 from ..protocol import records
 from ._util import cdiv, pow2, tuning
-from .dispatch import _grid2
+from .dispatch import _grid2, row_words
 from .launch import Launcher, bound
 from .fp8 import quantize_blocks
 
@@ -210,7 +210,8 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
                              BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
     pdl.pdl_start()
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
-    out_w = out_w.to(tl.pointer_type(tl.int32), bitcast=True)          # (the rows and their scales as words, whatever their dtypes)
+    # (the rows and their scales as words, whatever their dtypes)
+    out_w = out_w.to(tl.pointer_type(tl.int32), bitcast=True)
     out_s = out_s.to(tl.pointer_type(tl.int32), bitcast=True)
     flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
     b = tl.program_id(1)
@@ -369,7 +370,7 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
     ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64). With
     ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
     this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`)."""
-    El, RN, PW = out_words.shape[0], out_words.shape[1], out_words.shape[2] * out_words.element_size() // 4
+    El, RN, PW = out_words.shape[0], out_words.shape[1], row_words(out_words)
     tune = tuning("ll_recv")
     key = (El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, stats is not None, cost is not None, shrink,
            signals["use_clock"], signals.get("max_programs"), bool(defer), tuple(tune.items()))

@@ -22,7 +22,7 @@ from ..errors import EPError, EPTimeoutError
 from ..kernels import notify as NT
 from ..kernels.combine import combine_fused
 from ..kernels.combine import record_bytes as combine_record_bytes
-from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, use_fused
+from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, row_words, use_fused
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
 from ..protocol import records
@@ -458,7 +458,7 @@ class Intranode:
             raise ValueError(f"expert_alignment must be an int in [1, 2^31), got {expert_alignment!r}")
         if not isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
             raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
-        a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=xv.shape[1] * xv.element_size() // 4,
+        a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=row_words(xv),
                          scale_words=sc.shape[1] if sc is not None else 0, dtype_code=_dtype_code(xv.dtype),
                          expert_alignment=int(expert_alignment))
         # scales and their dtype are in the signature: ranks must agree on both (and on their width, S)
@@ -549,7 +549,6 @@ class Intranode:
         acc = torch.empty((T, H), dtype=torch.float32, device=self.rt.device) if rounds > 1 else None
         wacc = torch.empty((T, K), dtype=torch.float32, device=self.rt.device) if (rounds > 1 and K) else None
         area = self.rt.comm.data
-        x_words, w_words = xv, w            # (moved as 32-bit words by the kernels, as in dispatch)
         # Rounds, each a send launch then a reduce launch; ranks wait for each other on the device. A combine of
         # one round may run both as one launch (kernels.dispatch.use_fused).
         rows = h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows   # (device count: a bound)
@@ -557,13 +556,13 @@ class Intranode:
         if fused:
             yield "combine/send and reduce"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                combine_fused(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
+                combine_fused(xv, w, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
                               send_base, cap, rb, out, biases, wout, self.rt.sig_args, call_sig, n_recv=h.n_recv_dev)
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.combine_send(x_words, w_words, rows, prefix, comb_base, self.rt.delta_words,
+                kernels.combine_send(xv, w, rows, prefix, comb_base, self.rt.delta_words,
                                      area, lo, hi, rb // 4, signals=self.rt.sig_args, rnd=k,
                                      sig=call_sig, n_recv=h.n_recv_dev)
             yield f"combine/reduce round {k}"

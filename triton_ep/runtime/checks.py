@@ -26,8 +26,9 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Op
     """``t`` checked (a tensor, one of ``dtypes``, ``shape`` with ``None`` for any size, on ``device``) and made
     contiguous (an empty tensor is replaced by fresh zeros: an empty view may keep odd strides and a null
     data pointer) and 4-byte aligned (the kernels move rows as 32-bit words: a tensor of 1- or 2-byte
-    elements starting between two words, e.g. ``x[1:]`` of a flat buffer, is copied). ``why`` says where the expected sizes come from (e.g. ``"T = 5 rows of x"``), so the
-    error names which of two disagreeing arguments to look at.
+    elements starting between two words, e.g. ``x[1:]`` of a flat buffer, is copied). ``why`` says where the
+    expected sizes come from (e.g. ``"T = 5 rows of x"``), so the error names which of two disagreeing
+    arguments to look at.
 
     Raises:
         TypeError: not a tensor, or another dtype. ValueError: another shape or device.
