@@ -489,9 +489,65 @@ def hook_then_rejection(rank, world, N, H, E, kind):
 
 def across_hosts(rank, world, env, case, *args):
     """Run the case named ``case`` of this module with ``env`` set first (``TRITON_EP_RANKS_PER_HOST``,
-    ``TRITON_EP_RDMA=emulated``: ranks standing in for several hosts)."""
+    ``TRITON_EP_RDMA=emulated``: ranks standing in for several hosts; or ``TRITON_EP_FUSED``)."""
     os.environ.update(env)
     return globals()[case](rank, world, *args)
+
+
+#: the low-latency mode's kernel launchers (triton_ep.modes.low_latency's names), counted by :func:`launches_per_call`
+LL_LAUNCHERS = ("ll_fence", "ll_route", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send", "ll_combine_reduce",
+                "ll_dispatch_fused", "ll_combine_fused")
+
+
+def launches_per_call(rank, world, N=8, H=128, E=4, K=2):
+    """With ``TRITON_EP_FUSED=1`` (one program a launch under the interpreter): the launches each low-latency call
+    makes (its launchers' names, in order), without and with hooks, after a first call of these sizes (which also
+    launches the fence), each result checked against its oracle; then the control block's one-launch words
+    (``DONE``, ``DONE2``, ``GATE``). Returns ``(launches by step, words)``."""
+    os.environ["TRITON_EP_FUSED"] = "1"
+    from triton_ep.kernels import flags as F
+    import triton_ep.modes.low_latency as LL
+    R, me, El = world, rank, E // world
+    a = ll_inputs(5, R, E, K, H, [5, 7][:R] + [3] * max(0, R - 2))
+    log = []
+    for name in LL_LAUNCHERS:
+        real = getattr(LL, name)
+
+        def counted(*args, _real=real, _name=name, **kw):
+            log.append(_name)
+            return _real(*args, **kw)
+        setattr(LL, name, counted)
+    buf = _buffer(R, N, H, E, timeout_s=60)
+    steps = {}
+
+    def step(tag, fn):
+        del log[:]
+        r = fn()
+        steps[tag] = list(log)
+        return r
+
+    try:
+        buf.low_latency_dispatch(a[0][me], a[1][me], N, E, use_fp8=False)       # the first call: its fence
+        for use_fp8 in (False, True):
+            o, c, h, _, _ = step(f"dispatch fp8={use_fp8}", lambda: buf.low_latency_dispatch(
+                a[0][me], a[1][me], N, E, use_fp8=use_fp8, round_scale=use_fp8, use_ue8m0=False))
+            check_dispatch(o, c, h, a[0], a[1], R, E, me, use_fp8, use_fp8, False)
+        o, c, h, _, hook = step("dispatch with hook", lambda: buf.low_latency_dispatch(
+            a[0][me], a[1][me], N, E, use_fp8=False, return_recv_hook=True))
+        step("dispatch hook", hook)
+        check_dispatch(o, c, h, a[0], a[1], R, E, me, False, False, False)
+        y = torch.stack([expert_fn("affine", me * El + le, o[le]) for le in range(El)])
+        want = expected_combine(a[0][me], a[1][me], a[2][me], E, R, "affine").view(torch.int16)
+        out, _, _ = step("combine", lambda: buf.low_latency_combine(y, a[1][me], a[2][me], h))
+        assert torch.equal(out.view(torch.int16), want), "combine"
+        out, _, hook = step("combine with hook", lambda: buf.low_latency_combine(y, a[1][me], a[2][me], h,
+                                                                                 return_recv_hook=True))
+        step("combine hook", hook)
+        assert torch.equal(out.view(torch.int16), want), "combine with hook"
+        w = buf._ll.ctl.tolist()
+        return steps, (w[int(F.L_DONE)], w[int(F.L_DONE2)], w[int(F.L_GATE)])
+    finally:
+        buf.destroy()
 
 
 def skew_to_remote(rank, world, E, K, H, T, N):

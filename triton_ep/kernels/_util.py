@@ -52,6 +52,9 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     "ll_recv": dict(block_r=8, block_w=2048, block_f=128, expert_programs=0, programs_per_expert=1, num_warps=4),
     "ll_combine_send": dict(block_r=2, block_w=4096, programs_per_expert=4, num_warps=4),
     "ll_reduce": dict(block_t=1, block_h=1024, num_warps=2),
+    # a low-latency call as one launch (kernels/ll_fused.py): at most this many programs per multiprocessor, and
+    # no more than fit there at once (launch.resident_per_sm); each part takes its split launch's blocks
+    "ll_fused": dict(programs_per_sm=4),
 }
 
 INTERP_TUNING: Dict[str, Dict[str, object]] = {
@@ -70,6 +73,7 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "ll_recv": dict(block_r=64, block_w=2048, block_f=1024, expert_programs=0, programs_per_expert=1, num_warps=4),
     "ll_combine_send": dict(block_r=64, block_w=2048, programs_per_expert=1, num_warps=4),
     "ll_reduce": dict(block_t=16, block_h=2048, num_warps=4),
+    "ll_fused": dict(programs_per_sm=1),
 }
 
 

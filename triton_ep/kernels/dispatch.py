@@ -451,13 +451,13 @@ def _bind_recv(grid, wx, s, k, rec_words, n_ptr, has_scales, has_topk, has_w, ha
         HAS_W=has_w, HAS_SRC=has_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k))
 
 
-def fused_programs(blocks: int, device: torch.device, signals: dict) -> int:
-    """Programs of a fused send + receive launch: at most one per multiprocessor (every program resident at
-    once: its receive part waits for its send part's last program), within the shared-GPU cap of
-    :func:`_grid`; one under the interpreter, which runs programs one after another."""
+def fused_programs(blocks: int, device: torch.device, signals: dict, per_sm: int = 1) -> int:
+    """Programs of a fused send + receive launch: at most ``per_sm`` per multiprocessor (every program resident
+    at once: its receive part waits for its send part's last program; the caller knows how many fit), within
+    the shared-GPU cap of :func:`_grid`; one under the interpreter, which runs programs one after another."""
     if interpreted():
         return 1
-    return min(_grid(blocks, signals), num_sms(device))
+    return min(_grid(blocks, signals), max(per_sm, 1) * num_sms(device))
 
 
 def fused_switch() -> Optional[bool]:

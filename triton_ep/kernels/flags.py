@@ -55,7 +55,7 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     H_INFO2, H_WORDS, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
     STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
     STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
-    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed,
+    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_DONE2, L_GATE, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed,
     off_ll_tx, off_ll_rx, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
@@ -310,6 +310,47 @@ def ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_A
     peers then learn it from ``FAILED``), and records ``n`` as this rank's last sent call."""
     if last_program_at(ctl + L_DONE, USE_ASM):
         _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R, me)
+
+
+@triton.jit
+def ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_ASM: tl.constexpr):
+    """:func:`ll_finish_send` at the end of a one-launch call's send part. The last program also releases this
+    rank's own ``READY[half * R + me] = n`` when this rank holds an error (only :func:`ll_wait_own` reads that word
+    then), so the launch's other programs never wait for a release that would not come."""
+    if last_program_at(ctl + L_DONE, USE_ASM):
+        _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R, me)
+        if tl.load(hdr + W_ERR, volatile=True) != 0:
+            release(ctl + off_ll_ready(R) + half * R + me, n)
+
+
+@triton.jit
+def ll_wait_own(ctl, hdr, hdr_delta, host, flag, want, me, stage, lcall, timeout_ns, R: tl.constexpr,
+                USE_CLOCK: tl.constexpr):
+    """In a one-launch low-latency call, between its parts: wait until ``*flag >= want``, a word of this rank's
+    own that the launch's last program to finish the part before releases. Every program of the launch must be
+    resident at once (the grid is capped at one program per multiprocessor); where they are not, the wait runs out
+    and the timeout is recorded against this rank (low-latency call ``lcall``). Returns True when the program may
+    move data (this rank holds no error)."""
+    ok = tl.load(hdr + W_ERR, volatile=True) == 0
+    if ok:
+        st = wait_at_least(flag, want, hdr, host, me, 0, timeout_ns, R, USE_CLOCK)
+        if st != 0:
+            post_error(hdr, hdr_delta, host, st, me, stage, tl.load(hdr + W_BASE) + 1, me, R, ctl, lcall)
+            ok = False
+    return ok
+
+
+@triton.jit
+def ll_gate(ctl, hdr, hdr_delta, host, me, stage, lcall, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
+            USE_ASM: tl.constexpr):
+    """Every program of a one-launch low-latency call meets here (a grid barrier): each reads ``GATE`` before it
+    counts itself at ``DONE2``; the last to count releases ``GATE`` + 1, and all wait for it (:func:`ll_wait_own`:
+    bounded, every program resident). What each program stored before is visible to every program after.
+    Returns True when the program may move data."""
+    g = tl.load(ctl + L_GATE, volatile=True)
+    if last_program_at(ctl + L_DONE2, USE_ASM):
+        release(ctl + L_GATE, g + 1)
+    return ll_wait_own(ctl, hdr, hdr_delta, host, ctl + L_GATE, g + 1, me, stage, lcall, timeout_ns, R, USE_CLOCK)
 
 
 @triton.jit

@@ -294,6 +294,23 @@ class BoundLaunch:
         la._run(entry, self.grid, args)
 
 
+def resident_per_sm(launcher: Launcher, args: tuple, num_warps: int, meta: dict, device: torch.device) -> int:
+    """How many programs of ``launcher``'s kernel, specialised for the runtime arguments ``args`` with
+    ``num_warps`` and the constexprs ``meta``, fit on one multiprocessor of ``device`` at once (by registers,
+    shared memory and threads, as the CUDA occupancy rules count them). Compiles the kernel without launching it
+    (Triton's ``warmup``; the launch that follows finds it in Triton's cache) and loads it to learn its registers.
+    A launch whose programs wait for each other sizes its grid with this (every program must be resident).
+    GPU only; raises what Triton raises for the compilation."""
+    kernel = launcher.fn.warmup(*args, grid=(1,), num_warps=num_warps, **meta, **launcher.options)
+    kernel._init_handles()          # (loads it: its register count is known from here)
+    props = torch.cuda.get_device_properties(device)
+    warp_regs = -(-max(int(kernel.n_regs), 1) * 32 // 256) * 256      # registers go to warps 256 at a time
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
+    by_shared = props.shared_memory_per_multiprocessor // (int(kernel.metadata.shared) + 1024)   # 1 KiB a program
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    return max(0, min(by_regs, by_shared, by_threads, 32))
+
+
 def bound(cache: Dict[tuple, BoundLaunch], key: tuple, make) -> BoundLaunch:
     """``cache[key]``, made by ``make()`` (a :meth:`Launcher.bind`) the first time; a launch wrapper keys its
     cache by everything that decides its grid and constexprs (shapes, flags, its tuning entry's items, which
@@ -307,4 +324,4 @@ def bound(cache: Dict[tuple, BoundLaunch], key: tuple, make) -> BoundLaunch:
     return b
 
 
-__all__ = ["BoundLaunch", "Launcher", "bound"]
+__all__ = ["BoundLaunch", "Launcher", "bound", "resident_per_sm"]

@@ -24,36 +24,23 @@ from ._util import cdiv, pow2, tuning
 from .launch import Launcher, bound
 from .combine import _bf16_rtne_bits
 from .dispatch import _grid2
+from .ll_dispatch import recv_call, wait_recv, wait_send
 
 
-@triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw'])
-def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
-                            experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
-                            remote, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
-                            K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
-                            USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, DEFER: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    pdl.pdl_start()
-    xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
-    area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
-    flags.ll_release_cons(ctl)      # (the last receive's CONS, before this launch waits)
-    # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
-    n = tl.load(ctl + flags.L_SEQ) + 1
-    half = n & 1
-    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
-                             flags.STAGE_LL_COMBINE_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
-                             SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
-    if NET:     # ranks on the network: each one's chunk k reuses the send slot of its chunk k - 2, once placed
-        go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, flags.STAGE_LL_COMBINE_SEND,
-                                    timeout_ns, R, USE_CLOCK, ctl, SHRINK)
-    hb = ctl_w + half * half_w + cnt_w
+@triton.jit
+def combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, hb, experts_per_rank, n, go,
+                      ring_dw, slot_w, remote, p, P, S, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr,
+                      R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_W: tl.constexpr):
+    """The send of combine call ``n`` (its half's rows at word ``hb``) by program ``p`` of ``P``: items ``p``,
+    ``p + P``, ... of the local experts times ``S`` programs each (item ``v``: expert ``v // S``, its row blocks
+    ``v % S``, ``v % S + S``, ...); each valid row goes to its source's slot. Moves nothing unless ``go``."""
     RN = R * n_max
     WX: tl.constexpr = H // 2
-    # Program (p, q) takes local experts p, p + P0, ... and of each the row blocks q, q + P1, ...; each valid
-    # row goes to its source's slot.
-    for le in range(tl.program_id(0), experts_per_rank, tl.num_programs(0)):
+    for v in range(p, experts_per_rank * S, P):
+        le = v // S
         total = tl.where(go, tl.load(count + le), 0)
-        for j0 in range(tl.program_id(1) * BLOCK_R, total, tl.num_programs(1) * BLOCK_R):
+        for j0 in range((v % S) * BLOCK_R, total, S * BLOCK_R):
             j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
             m = j < total
             ret = tl.load(ret_slot + le * RN + j, mask=m, other=-1).to(tl.int64)
@@ -77,6 +64,28 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                 mw = m[:, None] & (ow < WX)[None, :]
                 tl.store(area_w + dst[:, None] + ow[None, :],
                          tl.load(xw_ptr + (le * RN + j)[:, None] * WX + ow[None, :], mask=mw), mask=mw)
+
+
+@triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw'])
+def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
+                            experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
+                            remote, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
+                            K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
+                            USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, DEFER: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    pdl.pdl_start()
+    xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
+    area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
+    flags.ll_release_cons(ctl)      # (the last receive's CONS, before this launch waits)
+    n = tl.load(ctl + flags.L_SEQ) + 1
+    half = n & 1
+    go = wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ring_ctl, remote, flags.STAGE_LL_COMBINE_SEND, R,
+                   NET, SHRINK, USE_CLOCK)
+    # Program (p, q) takes local experts p, p + P0, ... and of each the row blocks q, q + P1, ...
+    combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w + half * half_w + cnt_w,
+                      experts_per_rank, n, go, ring_dw, slot_w, remote,
+                      tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(0) * tl.num_programs(1),
+                      tl.num_programs(1), NET, RW, BLOCK_C, R, K, H, BLOCK_R, BLOCK_W)
     if NET:     # each network peer's chunk: the rows this rank received from it
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, layout, R,
                            1, experts_per_rank, RW, 0, R, BLOCK_C, USE_ASM)
@@ -90,31 +99,16 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
 _ll_combine_send_launch = Launcher(_ll_combine_send_kernel, **pdl.options())
 
 
-@triton.jit(do_not_specialize=['T', 'offset', 'sig', 'me', 'timeout_ns'])
-def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T, offset, num_experts,
-                              experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns,
-                              R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
-                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                              DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    pdl.pdl_start()
-    area_h = area_h.to(tl.pointer_type(tl.bfloat16), bitcast=True)     # (the area's rows, out as bf16 bits)
-    out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-    flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
-    if DEFER:       # the send launch just before sent call NEXT and left it to this launch to publish
-        n = flags.ll_publish_deferred(ctl, hdr, hdr_delta, sig, R, me)
-    else:           # the rank's last sent call, less the sends issued after it (host-known)
-        n = tl.load(ctl + flags.L_SEQ) - offset
-    half = n & 1
-    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + half * R, n, sig, me,
-                             flags.STAGE_LL_COMBINE_RECV, timeout_ns, R=R, REMOTE=False, CHECK_SIG=True,
-                             SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=COST, cost_ptr=cost_ptr,
-                             cost_on=tl.program_id(0) == 0)
-    T = tl.where(go, T, 0)
-    hb = (ctl_w + half * half_w + cnt_w) * 2       # in bf16 elements
-    for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
-        t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+@triton.jit
+def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb, p, P, S,
+                R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The reduce of the rows at element ``hb`` of the area (bf16) into ``out`` by program ``p`` of ``P``: items
+    ``p``, ``p + P``, ... of the token blocks times ``S`` slices of the hidden dimension (item ``v``: token block
+    ``v // S``, hidden blocks ``v % S``, ``v % S + S``, ...)."""
+    for v in range(p, tl.cdiv(T, BLOCK_T) * S, P):
+        t = (v // S) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
-        for h0 in range(tl.program_id(1) * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
+        for h0 in range((v % S) * BLOCK_H, H, S * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             # Fixed order: k ascending, one fp32 multiply and add per entry.
@@ -129,11 +123,31 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                     if k2 < k:
                         e2 = tl.load(idx_ptr + t * K + k2, mask=mt, other=-1).to(tl.int64)
                         first = tl.where((first == k) & (e2 == e), k2, first)
-                v = tl.load(area_h + hb + (t * K + first)[:, None] * H + oh[None, :], mask=ok[:, None],
-                            other=0.0).to(tl.float32)
+                xv = tl.load(area_h + hb + (t * K + first)[:, None] * H + oh[None, :], mask=ok[:, None],
+                             other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + t * K + k, mask=ok, other=0.0)
-                acc = acc + tl.where(ok[:, None], v * w[:, None], 0.0)
+                acc = acc + tl.where(ok[:, None], xv * w[:, None], 0.0)
             tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mt[:, None])
+
+
+@triton.jit(do_not_specialize=['T', 'offset', 'sig', 'me', 'timeout_ns'])
+def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T, offset, num_experts,
+                              experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns,
+                              R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
+                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                              DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pdl.pdl_start()
+    area_h = area_h.to(tl.pointer_type(tl.bfloat16), bitcast=True)     # (the area's rows, out as bf16 bits)
+    out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+    p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    n = recv_call(ctl, hdr, hdr_delta, sig, me, offset, R, DEFER)
+    half = n & 1
+    go = wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, p == 0,
+                   flags.STAGE_LL_COMBINE_RECV, R, SHRINK, USE_CLOCK, COST)
+    # Program (p, q) takes token blocks p, p + P0, ... and of each the hidden blocks q, q + P1, ...
+    reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, tl.where(go, T, 0), num_experts, experts_per_rank,
+                (ctl_w + half * half_w + cnt_w) * 2, p, tl.num_programs(0) * tl.num_programs(1), tl.num_programs(1),
+                R, K, H, BLOCK_T, BLOCK_H)
     # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 

@@ -39,52 +39,61 @@ from .launch import Launcher, bound
 from .fp8 import quantize_blocks
 
 
+@triton.jit
+def route_part(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me, p, P,
+               R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_E: tl.constexpr):
+    """The route of :func:`ll_route` done by program ``p`` of ``P``: expert blocks ``p``, ``p + P``, ..."""
+    # The program owning an expert block alone writes its counts and the slots of the entries naming its experts,
+    # so the programs need no ordering among themselves; the owner of block 0 also writes -1 for the entries naming
+    # no expert (-1, or a bad id: counted).
+    ok_ = tl.arange(0, BLOCK_K)
+    for eb in range(p, tl.cdiv(num_experts, BLOCK_E), P):
+        oe = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+        me_ = oe < num_experts
+        # an expert of a masked rank gets no rows
+        live = me_ & (tl.load(ctl + flags.off_ll_mask(R) + tl.where(me_, oe // experts_per_rank, 0), mask=me_,
+                              other=1) == 0)
+        running = tl.zeros([BLOCK_E], dtype=tl.int32)       # rows of earlier token blocks, per owned expert
+        nbad = tl.zeros([], dtype=tl.int32)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+            m = (t < T)[:, None] & (ok_ < K)[None, :]
+            of = t[:, None] * K + ok_[None, :]
+            ids = tl.load(idx_ptr + of, mask=m, other=-1)
+            hit = (m[:, :, None] & (ids[:, :, None] == oe[None, None, :])).to(tl.int32)      # [T, K, E]
+            # the token's first entry naming an expert makes its row (a duplicate of it makes none)
+            first = (hit == 1) & ((tl.cumsum(hit, axis=1) - hit) == 0)
+            onehot = tl.max(first.to(tl.int32), axis=1)                                     # [T, E]
+            # slot = rows for the expert from earlier tokens (slots follow token order)
+            before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]
+            row = first & live[None, None, :]
+            slot = tl.sum(tl.where(row, before[:, None, :], 0), axis=2)                       # [T, K]
+            slot = tl.where(tl.max(row.to(tl.int32), axis=2) == 1, slot, -1)
+            tl.store(slot_ptr + of, slot, mask=tl.max(hit, axis=2) == 1)
+            running += tl.sum(onehot, axis=0)
+            if eb == 0:
+                nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
+                tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32),
+                         mask=m & ((ids < 0) | (ids >= num_experts)))
+        tl.store(cnt_ptr + oe, tl.where(live, running, 0), mask=me_)
+        # Bad ids: nothing is sent (the send sees the error) and every peer is told that this call (the next one
+        # this rank sends) failed.
+        if (eb == 0) & (nbad > 0):
+            tl.store(host + flags.H_INFO, nbad.to(tl.int64))
+            tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
+            flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
+                             tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, tl.load(ctl + flags.L_SEQ) + 1)
+
+
 @triton.jit(do_not_specialize=['T', 'me'])
 def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     pdl.pdl_start()
     flags.ll_release_cons(ctl)      # (a dispatch's first launch: the last receive's CONS, before the send waits)
-    # Program p owns experts [p * BLOCK_E, (p + 1) * BLOCK_E) (one on GPU): it alone writes their counts and the
-    # slots of the entries naming them, so the programs need no ordering among themselves; program 0 also writes
-    # -1 for the entries naming no expert (-1, or a bad id: counted).
-    pid = tl.program_id(0)
-    ok_ = tl.arange(0, BLOCK_K)
-    oe = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    me_ = oe < num_experts
-    # an expert of a masked rank gets no rows
-    live = me_ & (tl.load(ctl + flags.off_ll_mask(R) + tl.where(me_, oe // experts_per_rank, 0), mask=me_,
-                          other=1) == 0)
-    running = tl.zeros([BLOCK_E], dtype=tl.int32)       # rows of earlier token blocks, per owned expert
-    nbad = tl.zeros([], dtype=tl.int32)
-    for t0 in range(0, T, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        m = (t < T)[:, None] & (ok_ < K)[None, :]
-        of = t[:, None] * K + ok_[None, :]
-        ids = tl.load(idx_ptr + of, mask=m, other=-1)
-        hit = (m[:, :, None] & (ids[:, :, None] == oe[None, None, :])).to(tl.int32)      # [T, K, E]
-        # the token's first entry naming an expert makes its row (a duplicate of it makes none)
-        first = (hit == 1) & ((tl.cumsum(hit, axis=1) - hit) == 0)
-        onehot = tl.max(first.to(tl.int32), axis=1)                                     # [T, E]
-        # slot = rows for the expert from earlier tokens (slots follow token order)
-        before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]
-        row = first & live[None, None, :]
-        slot = tl.sum(tl.where(row, before[:, None, :], 0), axis=2)                       # [T, K]
-        slot = tl.where(tl.max(row.to(tl.int32), axis=2) == 1, slot, -1)
-        tl.store(slot_ptr + of, slot, mask=tl.max(hit, axis=2) == 1)
-        running += tl.sum(onehot, axis=0)
-        if pid == 0:
-            nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
-            tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32),
-                     mask=m & ((ids < 0) | (ids >= num_experts)))
-    tl.store(cnt_ptr + oe, tl.where(live, running, 0), mask=me_)
-    # Bad ids: nothing is sent (the send launch sees the error) and every peer is told that this call (the next
-    # one this rank sends) failed.
-    if (pid == 0) & (nbad > 0):
-        tl.store(host + flags.H_INFO, nbad.to(tl.int64))
-        tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
-        flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
-                         tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, tl.load(ctl + flags.L_SEQ) + 1)
+    route_part(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me,
+               tl.program_id(0), tl.num_programs(0), R, K, BLOCK_T, BLOCK_K, BLOCK_E)
 
 
 _ll_route_launch = Launcher(_ll_route_kernel, **pdl.options())
@@ -115,45 +124,38 @@ def _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, ctl, t, mt, experts_per_ran
     return m, rec, of
 
 
-@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns', 'ring_dw'])
-def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
-                             T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
-                             hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w, remote,
-                             NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
-                             K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
-                             SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
-                             SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                             DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    pdl.pdl_start()
-    # x as words, and the area as words, FP8 bytes and fp32 scales: typed here, not by views on the host
-    xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+@triton.jit
+def typed_area(area_w, area_q, area_f, NATIVE: tl.constexpr):
+    """The area as 32-bit words, FP8 bytes (``float8e4nv``, or ``uint8`` without a native cast) and fp32 scales:
+    typed inside the kernel, not by views on the host."""
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
     if NATIVE:
         area_q = area_q.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     else:
         area_q = area_q.to(tl.pointer_type(tl.uint8), bitcast=True)
     area_f = area_f.to(tl.pointer_type(tl.float32), bitcast=True)
-    # Call n uses half n & 1: wait until every peer has received call n - 2 (the half's last user).
-    n = tl.load(ctl + flags.L_SEQ) + 1
-    half = n & 1
-    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + half, n - 2, 0, me,
-                             flags.STAGE_LL_DISPATCH_SEND, timeout_ns, R=R, REMOTE=True, CHECK_SIG=False,
-                             SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
-    if NET:     # ranks on the network: each one's chunk k reuses the send slot of its chunk k - 2, once placed
-        go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, flags.STAGE_LL_DISPATCH_SEND,
-                                    timeout_ns, R, USE_CLOCK, ctl, SHRINK)
+    return area_w, area_q, area_f
+
+
+@triton.jit
+def send_part(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl, T, num_experts,
+              experts_per_rank, n_max, hb, cnt_w, n, go, me, ring_dw, slot_w, remote, p, P, S,
+              NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
+              H: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr,
+              ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The send of call ``n`` (half at word ``hb``) by program ``p`` of ``P``: items ``p``, ``p + P``, ... of the
+    token blocks times ``S`` slices of the hidden dimension (item ``v``: token block ``v // S``, hidden blocks
+    ``v % S``, ``v % S + S``, ...), then program 0 sends the counts. Moves nothing unless ``go``."""
     T = tl.where(go, T, 0)
-    hb = ctl_w + half * half_w                  # the half, in words from the area's start (every rank alike)
-    hp = tl.program_id(1)
-    # Programs (p, q) take token blocks p, p + P0, ... and, of each, the hidden blocks q, q + P1, ...: each
-    # tile of x is read (and cast) once and stored into the record of every expert the token goes to.
-    for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
-        t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    # Each tile of x is read (and cast) once and stored into the record of every expert the token goes to.
+    for v in range(p, tl.cdiv(T, BLOCK_T) * S, P):
+        hp = v % S
+        t = (v // S) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
         m, rec, of = _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, ctl, t, mt, experts_per_rank, hb + cnt_w, me,
                                  n_max, n, ring_dw, slot_w, remote, K, R, REC, BLOCK_K, NET, CW, BLOCK_C)
-        for h0 in range(hp * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
+        for h0 in range(hp * BLOCK_H, H, S * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             if FP8:
                 xv = tl.load(x_ptr + t[:, None] * H + oh[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
@@ -167,14 +169,14 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                          tl.broadcast_to(s[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 128]), mask=m[:, :, None])
             else:
                 ow = h0 // 2 + tl.arange(0, BLOCK_H // 2)
-                v = tl.load(xw_ptr + t[:, None] * (H // 2) + ow[None, :], mask=mt[:, None])
+                xr = tl.load(xw_ptr + t[:, None] * (H // 2) + ow[None, :], mask=mt[:, None])
                 tl.store(area_w + rec[:, :, None] + ow[None, None, :],
-                         tl.broadcast_to(v[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 2]), mask=m[:, :, None])
+                         tl.broadcast_to(xr[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 2]), mask=m[:, :, None])
         # the record's last word: t * K + k (the entry combine returns the row to)
         if hp == 0:
             tl.store(area_w + rec + records.ll_rec_slot(PW, SW), of.to(tl.int32), mask=m)
     # The rows per expert go to the expert's rank: counts [s = me][local expert] of the half there.
-    if (tl.program_id(0) == 0) & (hp == 0) & go:
+    if (p == 0) & go:
         for e0 in range(0, num_experts, BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
             me_ = e < num_experts
@@ -186,6 +188,45 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
                 at = tl.where(tl.load(remote + d, mask=me_, other=0) != 0,
                               chunk + ll_net.NH + (e - d * experts_per_rank), at)
             tl.store(area_w + at, tl.load(cnt_ptr + e, mask=me_, other=0), mask=me_)
+
+
+@triton.jit
+def wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ring_ctl, remote, stage, R: tl.constexpr,
+              NET: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """Before a send of call ``n`` (dispatch or combine): it uses half ``n & 1``; wait until every peer has
+    received call ``n - 2``, the half's last user (with ``NET``, also until the send ring's slots are free).
+    Returns True when the program may move data."""
+    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + (n & 1), n - 2, 0, me, stage, timeout_ns,
+                             R=R, REMOTE=True, CHECK_SIG=False, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
+    if NET:     # ranks on the network: each one's chunk k reuses the send slot of its chunk k - 2, once placed
+        go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, stage, timeout_ns, R, USE_CLOCK,
+                                    ctl, SHRINK)
+    return go
+
+
+@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns', 'ring_dw'])
+def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
+                             T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
+                             hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w, remote,
+                             NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
+                             K: tl.constexpr, H: tl.constexpr, PW: tl.constexpr,
+                             SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
+                             SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                             DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    pdl.pdl_start()
+    xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)      # (x as words)
+    area_w, area_q, area_f = typed_area(area_w, area_q, area_f, NATIVE)
+    n = tl.load(ctl + flags.L_SEQ) + 1
+    half = n & 1
+    go = wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ring_ctl, remote, flags.STAGE_LL_DISPATCH_SEND, R,
+                   NET, SHRINK, USE_CLOCK)
+    # Program (p, q) takes token blocks p, p + P0, ... and, of each, the hidden blocks q, q + P1, ...
+    send_part(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl, T, num_experts,
+              experts_per_rank, n_max, ctl_w + half * half_w, cnt_w, n, go, me, ring_dw, slot_w, remote,
+              tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(0) * tl.num_programs(1),
+              tl.num_programs(1), NET, CW, BLOCK_C, R, K, H, PW, SW, REC, FP8, ROUND_SCALE, NATIVE, BLOCK_T, BLOCK_H,
+              BLOCK_K, BLOCK_E)
     if NET:     # each network peer's chunk: the counts of its experts, then their records
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, cnt_ptr,
                            1, experts_per_rank, experts_per_rank, REC, CW, R, BLOCK_C, USE_ASM)
@@ -199,36 +240,18 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
 _ll_dispatch_send_launch = Launcher(_ll_dispatch_send_kernel, **pdl.options())
 
 
-@triton.jit(do_not_specialize=['offset', 'sig', 'me', 'timeout_ns'])
-def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, cost_ptr,
-                             offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
-                             hdr, hdr_delta, host, sig, me, timeout_ns,
-                             R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
-                             REC: tl.constexpr, UE8M0: tl.constexpr, STATS: tl.constexpr, COST: tl.constexpr,
-                             SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                             DEFER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-                             BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
-    pdl.pdl_start()
-    area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
-    # (the rows and their scales as words, whatever their dtypes)
-    out_w = out_w.to(tl.pointer_type(tl.int32), bitcast=True)
-    out_s = out_s.to(tl.pointer_type(tl.int32), bitcast=True)
-    flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
-    b = tl.program_id(1)
-    NB = tl.num_programs(1)
-    if DEFER:       # the send launch just before sent call NEXT and left it to this launch to publish
-        n = flags.ll_publish_deferred(ctl, hdr, hdr_delta, sig, R, me)
-    else:           # the rank's last sent call, less the sends issued after it (host-known)
-        n = tl.load(ctl + flags.L_SEQ) - offset
-    half = n & 1
-    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + half * R, n, sig, me,
-                             flags.STAGE_LL_DISPATCH_RECV, timeout_ns, R=R, REMOTE=False, CHECK_SIG=True,
-                             SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=COST, cost_ptr=cost_ptr,
-                             cost_on=(tl.program_id(0) == 0) & (b == 0))
-    hb = ctl_w + half * half_w
+@triton.jit
+def recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, n_max, hb, cnt_w,
+              experts_per_rank, go, p, P, S, R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
+              REC: tl.constexpr, UE8M0: tl.constexpr, STATS: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The receive of the half at word ``hb`` by program ``p`` of ``P``: items ``p``, ``p + P``, ... of the local
+    experts times ``S`` programs each (item ``v``: expert ``v // S``, its row blocks ``v % S``, ``v % S + S``,
+    ...). Moves nothing unless ``go`` (the counts then read as 0)."""
     RN = R * n_max
-    # Programs take local experts pid, pid + P, ... (P capped where ranks share a GPU).
-    for le in range(tl.program_id(0), experts_per_rank, tl.num_programs(0)):
+    for v in range(p, experts_per_rank * S, P):
+        le = v // S
+        b = v % S
         # Rows per source rank for this expert (none from a masked rank, or after an error), packed in rank
         # order: DeepEP's layout_range = begin << 32 | count.
         total = tl.zeros([], dtype=tl.int64)
@@ -243,7 +266,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
             if STATS:
                 tl.store(stats_ptr + le, tl.load(stats_ptr + le) + total.to(tl.int32))
         # The received rows, blocks of BLOCK_R spread over the expert's programs.
-        for j0 in range(b * BLOCK_R, total, NB * BLOCK_R):
+        for j0 in range(b * BLOCK_R, total, S * BLOCK_R):
             j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
             valid = j < total
             # the source rank and index of row j
@@ -281,11 +304,62 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
                 else:           # fp32 bits, column-major [E_local, SW, RN]
                     tl.store(out_s + le * SW * RN + os_[None, :] * RN + j[:, None], sb, mask=ms)
         # The handle's tables past the count: -1, blocks of BLOCK_F spread over the expert's programs.
-        for j0 in range(total + b * BLOCK_F, RN, NB * BLOCK_F):
+        for j0 in range(total + b * BLOCK_F, RN, S * BLOCK_F):
             j = j0 + tl.arange(0, BLOCK_F).to(tl.int64)
             mf = j < RN
             tl.store(src_info + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
             tl.store(ret_slot + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
+
+
+@triton.jit
+def wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, cost_on, stage, R: tl.constexpr,
+              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, COST: tl.constexpr):
+    """Before a receive of call ``n`` (dispatch or combine): wait for every peer's ``READY`` of the call's half
+    and check its signature (wait ns per peer into ``cost_ptr`` with ``COST`` where ``cost_on``). Returns True
+    when the program may move data."""
+    return flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + (n & 1) * R, n, sig, me, stage,
+                               timeout_ns, R=R, REMOTE=False, CHECK_SIG=True, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK,
+                               COST=COST, cost_ptr=cost_ptr, cost_on=cost_on)
+
+
+@triton.jit
+def recv_call(ctl, hdr, hdr_delta, sig, me, offset, R: tl.constexpr, DEFER: tl.constexpr):
+    """Start of a split receive launch (dispatch or combine): releases the last receive's ``CONS`` (a hook's receive
+    may follow another receive) and returns the call it receives: with ``DEFER`` the one the send launch just
+    before it sent and left to it to publish (it publishes it here), else the rank's last sent call less the sends
+    issued after it (``offset``, host-known)."""
+    flags.ll_release_cons(ctl)
+    if DEFER:
+        n = flags.ll_publish_deferred(ctl, hdr, hdr_delta, sig, R, me)
+    else:
+        n = tl.load(ctl + flags.L_SEQ) - offset
+    return n
+
+
+@triton.jit(do_not_specialize=['offset', 'sig', 'me', 'timeout_ns'])
+def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, cost_ptr,
+                             offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
+                             hdr, hdr_delta, host, sig, me, timeout_ns,
+                             R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
+                             REC: tl.constexpr, UE8M0: tl.constexpr, STATS: tl.constexpr, COST: tl.constexpr,
+                             SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                             DEFER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                             BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
+    pdl.pdl_start()
+    area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
+    # (the rows and their scales as words, whatever their dtypes)
+    out_w = out_w.to(tl.pointer_type(tl.int32), bitcast=True)
+    out_s = out_s.to(tl.pointer_type(tl.int32), bitcast=True)
+    p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    n = recv_call(ctl, hdr, hdr_delta, sig, me, offset, R, DEFER)
+    half = n & 1
+    go = wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, p == 0, flags.STAGE_LL_DISPATCH_RECV,
+                   R, SHRINK, USE_CLOCK, COST)
+    # Program (p, q) takes local experts p, p + P0, ... (P0 capped where ranks share a GPU), of each the row
+    # blocks q, q + P1, ...
+    recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, n_max, ctl_w + half * half_w,
+              cnt_w, experts_per_rank, go, p, tl.num_programs(0) * tl.num_programs(1), tl.num_programs(1), R, K, PW,
+              SW, REC, UE8M0, STATS, BLOCK_R, BLOCK_W, BLOCK_S, BLOCK_F)
     # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 

@@ -23,10 +23,12 @@ import torch
 from ..config import EventOverlap
 from ..errors import EPError, EPRemoteError
 from ..kernels import flags as F, pdl
+from ..kernels.dispatch import fused_switch, use_fused
 from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
 from ..kernels.ll_fence import ll_fence
+from ..kernels.ll_fused import ll_combine_fused, ll_dispatch_fused
 from ..kernels.ll_net import ll_unpack
 from ..protocol import call_card as card
 from ..protocol.ll_area import Layout
@@ -234,6 +236,19 @@ class LowLatency:
         # receives), and its next call re-synchronises the group with the peers that saw the failure
         rt.sig.needs_resync = True
 
+    def _one_launch(self, num_tokens: int) -> bool:
+        """Whether a call of ``num_tokens`` tokens runs as one launch (:mod:`triton_ep.kernels.ll_fused`; with a
+        receive hook, a dispatch's route and send as one): within one host (no network leg), as normal mode's
+        calls of one round (:func:`triton_ep.kernels.dispatch.use_fused`: real ranks, up to the tuning table's
+        ``fused`` token limit; ``TRITON_EP_FUSED`` forces it on or off), and not while the stream is captured into a
+        CUDA graph unless forced. Raises ``ValueError`` for a bad ``TRITON_EP_FUSED``."""
+        force = fused_switch()
+        if self.net is not None:
+            return False
+        if force is None and self.rt.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False        # (in a CUDA graph host time does not count, and the split launches take less GPU time)
+        return use_fused(num_tokens, self.rt.group, force)
+
     def _fence(self, lay: Layout) -> bool:
         """Whether a send of ``lay``'s sizes must wait until every peer received the last call: its sizes differ,
         so its half lies elsewhere, partly over the other half of the last call, which a slower peer may still be
@@ -287,6 +302,17 @@ class LowLatency:
             body()
         return rt.end(async_finish and not hook, tensors)
 
+    def _send_recv(self, one: bool, send: Callable, recv: Callable) -> None:
+        """The launches of a call without a receive hook: with ``one`` the whole call as one launch
+        (``send(whole=True)``), else the send and then the receive, back to back (within one host the send has no
+        end-of-launch count: the receive publishes the call)."""
+        if one:
+            send(whole=True)
+            return
+        defer = self.net is None
+        send(defer)
+        recv(0, defer)
+
     def _hook(self, idx: int, recv: Callable) -> Callable[[], None]:
         done = []
 
@@ -322,7 +348,7 @@ class LowLatency:
         a = self._guard(self._dispatch_args, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                         cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                         use_ue8m0, async_finish, return_recv_hook)
-        xv, idx, lay, stats, cost, fence = a
+        xv, idx, lay, stats, cost, fence, one = a
         T, H = xv.shape
         K = idx.shape[1]
         N, E, El = lay.n_max, lay.num_experts, lay.experts_per_rank
@@ -348,9 +374,15 @@ class LowLatency:
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
         self.last_sizes = (N, H, E)
 
-        def send(defer: bool = False):
+        def send(defer: bool = False, whole: bool = False):
             if fence:
                 ll_fence(self.ctl, R, False, self.shrink, sa)
+            if one:     # route and send as one launch, with ``whole`` the receive too (kernels/ll_fused.py)
+                ll_dispatch_fused(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
+                                  round_scale, use_ue8m0, self.shrink, sa, native,
+                                  *((recv_x, sc, src_info, ret_slot, layout_range, recv_count, stats, cost)
+                                    if whole else ()))
+                return
             ll_route(idx, slots, counts, self.ctl, E, R, sa)
             ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
                              round_scale, self.shrink, sa, native, self.net, defer)
@@ -369,8 +401,7 @@ class LowLatency:
             self.pending.append(idx_n)
             event = self._launch(True, False, send, tensors)
             return out, recv_count, handle, event, self._hook(idx_n, recv)
-        defer = self.net is None        # send and receive back to back: the receive publishes the call
-        event = self._launch(False, async_finish, lambda: (send(defer), recv(0, defer)), tensors)
+        event = self._launch(False, async_finish, lambda: self._send_recv(one, send, recv), tensors)
         rt.check()
         return out, recv_count, handle, event, None
 
@@ -401,7 +432,8 @@ class LowLatency:
         lay = self.layout(int(N), H, int(E))
         self._fits_network(lay, idx.shape[1])
         stats = self._stats("cumulative_local_expert_recv_stats", stats, torch.int32, [(lay.experts_per_rank,)])
-        return xv, idx, lay, stats, self._cost("dispatch_wait_recv_cost_stats", cost), self._fence(lay)
+        return (xv, idx, lay, stats, self._cost("dispatch_wait_recv_cost_stats", cost), self._fence(lay),
+                self._one_launch(T))
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
@@ -410,7 +442,7 @@ class LowLatency:
         rt = self.rt
         a = self._guard(self._combine_args, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                         return_recv_hook, out, combine_wait_recv_cost_stats)
-        xv, idx, w, h, lay, out, cost, fence = a
+        xv, idx, w, h, lay, out, cost, fence, one = a
         T, K = idx.shape
         H = lay.hidden
         sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K])
@@ -422,9 +454,13 @@ class LowLatency:
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
         self.last_sizes = (lay.n_max, H, lay.num_experts)
 
-        def send(defer: bool = False):
+        def send(defer: bool = False, whole: bool = False):
             if fence:
                 ll_fence(self.ctl, rt.group_size, True, self.shrink, sa)
+            if whole:   # send and reduce as one launch (kernels/ll_fused.py)
+                ll_combine_fused(xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost, self.area, rt.delta_words,
+                                 self.ctl, lay, sig, self.shrink, sa)
+                return
             ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
                             self.shrink, sa, self.net, defer)
 
@@ -438,8 +474,7 @@ class LowLatency:
             self.pending.append(idx_n)
             event = self._launch(True, False, send, tensors)
             return out, event, self._hook(idx_n, recv)
-        defer = self.net is None        # send and receive back to back: the receive publishes the call
-        event = self._launch(False, async_finish, lambda: (send(defer), recv(0, defer)), tensors)
+        event = self._launch(False, async_finish, lambda: self._send_recv(one, send, recv), tensors)
         rt.check()
         return out, event, None
 
@@ -474,7 +509,8 @@ class LowLatency:
                                  f"{list(getattr(out, 'shape', []))} on {getattr(out, 'device', '-')}")
         if async_finish and hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
-        return xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost), self._fence(lay)
+        return (xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost), self._fence(lay),
+                self._one_launch(T))
 
     def check(self) -> None:
         """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one

@@ -149,6 +149,11 @@ L_PEND = tl.constexpr(6)
 #: ``NEXT``: the call a send launch without its end-of-launch count sent (a call without a receive hook, within one
 #: host): the receive launch right after it in the stream takes its number from here and publishes it
 L_NEXT = tl.constexpr(8)
+#: a one-launch low-latency call's programs that have reached its gate (last-program counter; the route part of a
+#: dispatch finishes in every program before any program's send part starts)
+L_DONE2 = tl.constexpr(9)
+#: ``GATE``: the gates the one-launch calls' programs have passed (advanced by the last program to reach one)
+L_GATE = tl.constexpr(10)
 L_FIXED = tl.constexpr(16)        #: words before the per-peer arrays
 
 

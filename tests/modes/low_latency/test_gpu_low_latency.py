@@ -15,8 +15,20 @@ def test_graph_capture_and_100_replays_bit_exact(use_fp8):
     assert out == [100, 100], out
 
 
-def test_hook_with_compute_between_send_and_receive():
-    out = ok_results(run_ranks(ll_cases.gpu_hook_overlap, 2, 16, 4, 512, 40, 64, backend="gloo"))
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_graph_of_one_launch_calls_bit_exact(use_fp8):
+    """``TRITON_EP_FUSED=1``: the captured calls are one launch each too (a capture takes the split launches
+    unless forced), replayed with fresh routing, every replay equal to the oracle."""
+    out = ok_results(run_ranks(ll_cases.across_hosts, 2, {"TRITON_EP_FUSED": "1"}, "gpu_graph_replay", use_fp8, 30,
+                               16, 4, 256, 24, 32, backend="gloo"))
+    assert out == [30, 30], out
+
+
+@pytest.mark.parametrize("fused", ["default", "0"])
+def test_hook_with_compute_between_send_and_receive(fused):
+    """The hook path, its send as one launch (route and send; the default on a GPU) and split (``0``)."""
+    env = {} if fused == "default" else {"TRITON_EP_FUSED": fused}
+    out = ok_results(run_ranks(ll_cases.across_hosts, 2, env, "gpu_hook_overlap", 16, 4, 512, 40, 64, backend="gloo"))
     assert out == [True, True], out
 
 
