@@ -360,8 +360,9 @@ class LowLatency:
         if use_fp8:
             recv_x = torch.empty((El, R * N, H), dtype=torch.float8_e4m3fn, device=dev)
             S = H // 512 if use_ue8m0 else H // 128
-            sc = torch.empty((El, S, R * N), dtype=torch.int32 if use_ue8m0 else torch.float32, device=dev)
-            recv_scales = sc.transpose(1, 2)
+            # [E_local, R*N, S] with strides of [E_local, S, R*N] (one call, not an allocation and a transpose)
+            sc = recv_scales = torch.empty_strided((El, R * N, S), (S * R * N, 1, R * N),
+                                                   dtype=torch.int32 if use_ue8m0 else torch.float32, device=dev)
         else:
             recv_x = torch.empty((El, R * N, H), dtype=torch.bfloat16, device=dev)
             sc = recv_scales = None
