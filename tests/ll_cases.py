@@ -199,7 +199,8 @@ def masked_rank(rank, world, seed, E, K, H, Ts, N, victim, by_timeout):
     import time
     R, me = world, rank
     xs, idxs, ws = ll_inputs(seed, R, E, K, H, Ts)
-    buf = _buffer(R, N, H, E, timeout_s=2.0, enable_shrink=True)
+    # (masked by hand, a long timeout: under load a 2 s one could mask a slow live peer too)
+    buf = _buffer(R, N, H, E, timeout_s=2.0 if by_timeout else 30.0, enable_shrink=True)
     try:
         if me == victim:
             return None

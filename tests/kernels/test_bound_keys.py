@@ -43,7 +43,7 @@ from triton_ep.kernels.launch import BoundLaunch
 from triton_ep.testing import VirtualGroup
 
 #: the modules whose launch wrappers keep bound-launch caches (``grep -n "bound(" triton_ep/kernels``)
-WRAPPERS = ("dispatch", "combine", "layout", "ll_dispatch", "ll_combine")
+WRAPPERS = ("dispatch", "combine", "layout", "ll_dispatch", "ll_combine", "ll_fused")
 
 pytestmark = pytest.mark.skipif(not interpreted(), reason="CPU (interpreter) test: small shapes, one process")
 
@@ -493,6 +493,16 @@ def test_low_latency_keys(checker, monkeypatch, one_rank_group):
             _ll_pass(buf, caps=(None, 1))
     _assert_met(checker, ("ll_dispatch._ROUTE_BOUND", "ll_dispatch._SEND_BOUND", "ll_dispatch._RECV_BOUND",
                           "ll_combine._SEND_BOUND", "ll_combine._REDUCE_BOUND"), hits=20, misses=3)
+
+
+def test_low_latency_one_launch_keys(checker, monkeypatch, one_rank_group):
+    """The same with ``TRITON_EP_FUSED=1``: the one-launch dispatch (with and without a hook) and combine."""
+    monkeypatch.setenv("TRITON_EP_FUSED", "1")
+    with _ll_buffer(one_rank_group) as buf:
+        _ll_pass(buf, caps=(None,))
+        with _tuned(monkeypatch, _SMALL_BLOCKS):
+            _ll_pass(buf, caps=(None, 1))
+    _assert_met(checker, ("ll_fused._DISPATCH_BOUND", "ll_fused._COMBINE_BOUND"), hits=20, misses=3)
 
 
 # --------------------------------------------------------------------------------------- tuning changes

@@ -328,8 +328,8 @@ def ll_wait_own(ctl, hdr, hdr_delta, host, flag, want, me, stage, lcall, timeout
                 USE_CLOCK: tl.constexpr):
     """In a one-launch low-latency call, between its parts: wait until ``*flag >= want``, a word of this rank's
     own that the launch's last program to finish the part before releases. Every program of the launch must be
-    resident at once (the grid is capped at one program per multiprocessor); where they are not, the wait runs out
-    and the timeout is recorded against this rank (low-latency call ``lcall``). Returns True when the program may
+    resident at once (the grid holds no more programs than fit on the multiprocessors, kernels.ll_fused); where they
+    are not, the wait runs out and the timeout is recorded against this rank (low-latency call ``lcall``). Returns True when the program may
     move data (this rank holds no error)."""
     ok = tl.load(hdr + W_ERR, volatile=True) == 0
     if ok:

@@ -101,13 +101,17 @@ def ll_dispatch_fused(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tens
     ``src_info`` / ``ret_slot`` int32 ``[E_local, R*N]``; ``layout_range`` int64 ``[E_local, R]``; ``count`` int32
     ``[E_local]``; ``stats`` int32 ``[E_local]`` or None; ``cost`` int64 ``[R]`` or None). Without ``out_words``
     it is the send launch of a call with a receive hook (route and send; the hook's
-    :func:`.ll_dispatch.ll_dispatch_recv` receives). Raises ``ValueError`` when only some of the receive's
-    tensors are given."""
+    :func:`.ll_dispatch.ll_dispatch_recv` receives). Raises ``ValueError`` when the receive's tensors are given
+    in part (``out_scales`` goes with FP8 and only with it), or without ``out_words``."""
     T, H = x.shape
     K = topk_idx.shape[1]
     recv = out_words is not None
-    if recv and (src_info is None or ret_slot is None or layout_range is None or count is None):
-        raise ValueError("ll_dispatch_fused receives only with out_words, src_info, ret_slot, layout_range and count")
+    tables = (src_info, ret_slot, layout_range, count)
+    if recv and (any(t is None for t in tables) or use_fp8 != (out_scales is not None)):
+        raise ValueError("ll_dispatch_fused receives with out_words, src_info, ret_slot, layout_range, count and, "
+                         "for FP8 (only), out_scales")
+    if not recv and (any(t is not None for t in tables) or out_scales is not None or stats is not None):
+        raise ValueError("ll_dispatch_fused without out_words sends only: it takes no receive tensors")
     El, R, E = lay.experts_per_rank, lay.num_ranks, lay.num_experts
     tr, ts, tv = tuning("ll_route"), tuning("ll_send"), tuning("ll_recv")
     PW = records.ll_payload_words.host(H, use_fp8)
@@ -116,7 +120,7 @@ def ll_dispatch_fused(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tens
     tf = tuning("ll_fused")
     key = (T, H, K, lay, use_fp8, round_scale, use_ue8m0, native_fp8, shrink, recv, stats is not None,
            cost is not None, signals["use_clock"], signals.get("max_programs"), tuple(tr.items()),
-           tuple(ts.items()), tuple(tv.items()), tuple(tf.items()))
+           tuple(ts.items()), tuple(tv.items()), tuple(tf.items()), _variant(x, topk_idx, stats, cost))
     rx = out_words if recv else ctl
     args = (x, x, topk_idx, slots, counts, area, area, area, delta_words, ctl,      # (typed by the kernel)
             rx, out_scales if out_scales is not None else rx, src_info if recv else ctl, ret_slot if recv else ctl,
@@ -124,10 +128,17 @@ def ll_dispatch_fused(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tens
             cost if cost is not None else rx,
             T, E, El, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
             signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
-    bound(_DISPATCH_BOUND, key, lambda: _bind_dispatch(*key[:-4], signals, tr, ts, tv, tf, args))(*args)
+    bound(_DISPATCH_BOUND, key, lambda: _bind_dispatch(*key[:-5], signals, tr, ts, tv, tf, args))(*args)
 
 
 _DISPATCH_BOUND: dict = {}
+
+
+def _variant(*tensors) -> tuple:
+    """What of the caller's tensors may make Triton compile another variant of a one-launch kernel (dtype,
+    16-byte alignment; the library's own tensors are always alike): part of the wrappers' cache keys, so that
+    each variant's grid is sized for its own registers (:func:`_grid`)."""
+    return tuple((t.dtype, not t.data_ptr() & 15) if t is not None else None for t in tensors)
 
 
 def _send_blocks(H: int, tune: dict) -> int:
@@ -230,12 +241,12 @@ def ll_combine_fused(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tenso
     T, K = topk_idx.shape
     ts, tr, tf = tuning("ll_combine_send"), tuning("ll_reduce"), tuning("ll_fused")
     key = (T, K, H, lay, shrink, cost is not None, signals["use_clock"], signals.get("max_programs"),
-           tuple(ts.items()), tuple(tr.items()), tuple(tf.items()))
+           tuple(ts.items()), tuple(tr.items()), tuple(tf.items()), _variant(x, topk_idx, topk_weights, out, cost))
     args = (x, ret_slot, count, layout_range, area, area, delta_words, ctl, topk_idx, topk_weights, out,
             cost if cost is not None else ctl, T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words,
             lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
             signals["timeout_ns"])
-    bound(_COMBINE_BOUND, key, lambda: _bind_combine(*key[:-3], signals, ts, tr, tf, args))(*args)
+    bound(_COMBINE_BOUND, key, lambda: _bind_combine(*key[:-4], signals, ts, tr, tf, args))(*args)
 
 
 _COMBINE_BOUND: dict = {}
