@@ -38,7 +38,13 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Op
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
     ts = t.shape
-    if len(ts) != len(shape) or not all(s is None or s == d for s, d in zip(shape, ts)):
+    bad = len(ts) != len(shape)
+    if not bad:
+        for s, d in zip(shape, ts):     # (a loop, not all() over a generator: a call's hot path)
+            if s is not None and s != d:
+                bad = True
+                break
+    if bad:
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name} must have shape {want}{f' ({why})' if why else ''}, got {list(ts)}")
     td = t.device
