@@ -29,18 +29,17 @@ from .ll_dispatch import recv_call, wait_recv, wait_send
 
 @triton.jit
 def combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, hb, experts_per_rank, n, go,
-                      ring_dw, slot_w, remote, p, P, S, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr,
+                      ring_dw, slot_w, remote, p0, P0, p1, P1, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr,
                       R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_W: tl.constexpr):
-    """The send of combine call ``n`` (its half's rows at word ``hb``) by program ``p`` of ``P``: items ``p``,
-    ``p + P``, ... of the local experts times ``S`` programs each (item ``v``: expert ``v // S``, its row blocks
-    ``v % S``, ``v % S + S``, ...); each valid row goes to its source's slot. Moves nothing unless ``go``."""
+    """The send of combine call ``n`` (its half's rows at word ``hb``) by program ``(p0, p1)`` of ``(P0, P1)``:
+    local experts ``p0``, ``p0 + P0``, ... and, of each, the row blocks ``p1``, ``p1 + P1``, ...; each valid row
+    goes to its source's slot. Moves nothing unless ``go``."""
     RN = R * n_max
     WX: tl.constexpr = H // 2
-    for v in range(p, experts_per_rank * S, P):
-        le = v // S
+    for le in range(p0, experts_per_rank, P0):
         total = tl.where(go, tl.load(count + le), 0)
-        for j0 in range((v % S) * BLOCK_R, total, S * BLOCK_R):
+        for j0 in range(p1 * BLOCK_R, total, P1 * BLOCK_R):
             j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
             m = j < total
             ret = tl.load(ret_slot + le * RN + j, mask=m, other=-1).to(tl.int64)
@@ -84,8 +83,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
     # Program (p, q) takes local experts p, p + P0, ... and of each the row blocks q, q + P1, ...
     combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w + half * half_w + cnt_w,
                       experts_per_rank, n, go, ring_dw, slot_w, remote,
-                      tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(0) * tl.num_programs(1),
-                      tl.num_programs(1), NET, RW, BLOCK_C, R, K, H, BLOCK_R, BLOCK_W)
+                      tl.program_id(0), tl.num_programs(0), tl.program_id(1), tl.num_programs(1), NET, RW, BLOCK_C, R,
+                      K, H, BLOCK_R, BLOCK_W)
     if NET:     # each network peer's chunk: the rows this rank received from it
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, layout, R,
                            1, experts_per_rank, RW, 0, R, BLOCK_C, USE_ASM)
@@ -100,15 +99,14 @@ _ll_combine_send_launch = Launcher(_ll_combine_send_kernel, **pdl.options())
 
 
 @triton.jit
-def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb, p, P, S,
+def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb, p0, P0, p1, P1,
                 R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The reduce of the rows at element ``hb`` of the area (bf16) into ``out`` by program ``p`` of ``P``: items
-    ``p``, ``p + P``, ... of the token blocks times ``S`` slices of the hidden dimension (item ``v``: token block
-    ``v // S``, hidden blocks ``v % S``, ``v % S + S``, ...)."""
-    for v in range(p, tl.cdiv(T, BLOCK_T) * S, P):
-        t = (v // S) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    """The reduce of the rows at element ``hb`` of the area (bf16) into ``out`` by program ``(p0, p1)`` of ``(P0,
+    P1)``: token blocks ``p0``, ``p0 + P0``, ... and, of each, the hidden blocks ``p1``, ``p1 + P1``, ..."""
+    for pid in range(p0, tl.cdiv(T, BLOCK_T), P0):
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
-        for h0 in range((v % S) * BLOCK_H, H, S * BLOCK_H):
+        for h0 in range(p1 * BLOCK_H, H, P1 * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             # Fixed order: k ascending, one fp32 multiply and add per entry.
@@ -146,8 +144,8 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                    flags.STAGE_LL_COMBINE_RECV, R, SHRINK, USE_CLOCK, COST)
     # Program (p, q) takes token blocks p, p + P0, ... and of each the hidden blocks q, q + P1, ...
     reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, tl.where(go, T, 0), num_experts, experts_per_rank,
-                (ctl_w + half * half_w + cnt_w) * 2, p, tl.num_programs(0) * tl.num_programs(1), tl.num_programs(1),
-                R, K, H, BLOCK_T, BLOCK_H)
+                (ctl_w + half * half_w + cnt_w) * 2, tl.program_id(0), tl.num_programs(0), tl.program_id(1),
+                tl.num_programs(1), R, K, H, BLOCK_T, BLOCK_H)
     # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 

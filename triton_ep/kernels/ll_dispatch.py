@@ -42,48 +42,62 @@ from .fp8 import quantize_blocks
 @triton.jit
 def route_part(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me, p, P,
                R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_E: tl.constexpr):
-    """The route of :func:`ll_route` done by program ``p`` of ``P``: expert blocks ``p``, ``p + P``, ..."""
+               BLOCK_E: tl.constexpr, ONE: tl.constexpr):
+    """The route of :func:`ll_route` done by program ``p`` of ``P``: expert blocks ``p``, ``p + P``, ... (with
+    ``ONE``, a grid of a program per block: block ``p`` alone, no loop)."""
+    if ONE:
+        _route_block(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me, p,
+                     R, K, BLOCK_T, BLOCK_K, BLOCK_E)
+    else:
+        for eb in range(p, tl.cdiv(num_experts, BLOCK_E), P):
+            _route_block(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me,
+                         eb, R, K, BLOCK_T, BLOCK_K, BLOCK_E)
+
+
+@triton.jit
+def _route_block(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me, eb,
+                 R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
+    """Route expert block ``eb``."""
     # The program owning an expert block alone writes its counts and the slots of the entries naming its experts,
     # so the programs need no ordering among themselves; the owner of block 0 also writes -1 for the entries naming
     # no expert (-1, or a bad id: counted).
     ok_ = tl.arange(0, BLOCK_K)
-    for eb in range(p, tl.cdiv(num_experts, BLOCK_E), P):
-        oe = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-        me_ = oe < num_experts
-        # an expert of a masked rank gets no rows
-        live = me_ & (tl.load(ctl + flags.off_ll_mask(R) + tl.where(me_, oe // experts_per_rank, 0), mask=me_,
-                              other=1) == 0)
-        running = tl.zeros([BLOCK_E], dtype=tl.int32)       # rows of earlier token blocks, per owned expert
-        nbad = tl.zeros([], dtype=tl.int32)
-        for t0 in range(0, T, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            m = (t < T)[:, None] & (ok_ < K)[None, :]
-            of = t[:, None] * K + ok_[None, :]
-            ids = tl.load(idx_ptr + of, mask=m, other=-1)
-            hit = (m[:, :, None] & (ids[:, :, None] == oe[None, None, :])).to(tl.int32)      # [T, K, E]
-            # the token's first entry naming an expert makes its row (a duplicate of it makes none)
-            first = (hit == 1) & ((tl.cumsum(hit, axis=1) - hit) == 0)
-            onehot = tl.max(first.to(tl.int32), axis=1)                                     # [T, E]
-            # slot = rows for the expert from earlier tokens (slots follow token order)
-            before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]
-            row = first & live[None, None, :]
-            slot = tl.sum(tl.where(row, before[:, None, :], 0), axis=2)                       # [T, K]
-            slot = tl.where(tl.max(row.to(tl.int32), axis=2) == 1, slot, -1)
-            tl.store(slot_ptr + of, slot, mask=tl.max(hit, axis=2) == 1)
-            running += tl.sum(onehot, axis=0)
-            if eb == 0:
-                nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
-                tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32),
-                         mask=m & ((ids < 0) | (ids >= num_experts)))
-        tl.store(cnt_ptr + oe, tl.where(live, running, 0), mask=me_)
-        # Bad ids: nothing is sent (the send sees the error) and every peer is told that this call (the next one
-        # this rank sends) failed.
-        if (eb == 0) & (nbad > 0):
-            tl.store(host + flags.H_INFO, nbad.to(tl.int64))
-            tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
-            flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
-                             tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, tl.load(ctl + flags.L_SEQ) + 1)
+    oe = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    me_ = oe < num_experts
+    # an expert of a masked rank gets no rows
+    live = me_ & (tl.load(ctl + flags.off_ll_mask(R) + tl.where(me_, oe // experts_per_rank, 0), mask=me_,
+                          other=1) == 0)
+    running = tl.zeros([BLOCK_E], dtype=tl.int32)       # rows of earlier token blocks, per owned expert
+    nbad = tl.zeros([], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        m = (t < T)[:, None] & (ok_ < K)[None, :]
+        of = t[:, None] * K + ok_[None, :]
+        ids = tl.load(idx_ptr + of, mask=m, other=-1)
+        hit = (m[:, :, None] & (ids[:, :, None] == oe[None, None, :])).to(tl.int32)      # [T, K, E]
+        # the token's first entry naming an expert makes its row (a duplicate of it makes none)
+        first = (hit == 1) & ((tl.cumsum(hit, axis=1) - hit) == 0)
+        onehot = tl.max(first.to(tl.int32), axis=1)                                     # [T, E]
+        # slot = rows for the expert from earlier tokens (slots follow token order)
+        before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]
+        row = first & live[None, None, :]
+        slot = tl.sum(tl.where(row, before[:, None, :], 0), axis=2)                       # [T, K]
+        slot = tl.where(tl.max(row.to(tl.int32), axis=2) == 1, slot, -1)
+        tl.store(slot_ptr + of, slot, mask=tl.max(hit, axis=2) == 1)
+        running += tl.sum(onehot, axis=0)
+        if eb == 0:
+            nbad += tl.sum((m & ((ids < -1) | (ids >= num_experts))).to(tl.int32))
+            tl.store(slot_ptr + of, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32),
+                     mask=m & ((ids < 0) | (ids >= num_experts)))
+    tl.store(cnt_ptr + oe, tl.where(live, running, 0), mask=me_)
+    # Bad ids: nothing is sent (the send sees the error) and every peer is told that this call (the next one
+    # this rank sends) failed.
+    if (eb == 0) & (nbad > 0):
+        tl.store(host + flags.H_INFO, nbad.to(tl.int64))
+        tl.store(host + flags.H_INFO2, tl.full([], 0, tl.int64) + num_experts)
+        flags.post_error(hdr, hdr_delta, host, flags.E_BADIDS, me, flags.STAGE_LL_DISPATCH_SEND,
+                         tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, tl.load(ctl + flags.L_SEQ) + 1)
 
 
 @triton.jit(do_not_specialize=['T', 'me'])
@@ -93,7 +107,7 @@ def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_pe
     pdl.pdl_start()
     flags.ll_release_cons(ctl)      # (a dispatch's first launch: the last receive's CONS, before the send waits)
     route_part(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me,
-               tl.program_id(0), tl.num_programs(0), R, K, BLOCK_T, BLOCK_K, BLOCK_E)
+               tl.program_id(0), tl.num_programs(0), R, K, BLOCK_T, BLOCK_K, BLOCK_E, True)
 
 
 _ll_route_launch = Launcher(_ll_route_kernel, **pdl.options())
@@ -139,23 +153,22 @@ def typed_area(area_w, area_q, area_f, NATIVE: tl.constexpr):
 
 @triton.jit
 def send_part(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl, T, num_experts,
-              experts_per_rank, n_max, hb, cnt_w, n, go, me, ring_dw, slot_w, remote, p, P, S,
+              experts_per_rank, n_max, hb, cnt_w, n, go, me, ring_dw, slot_w, remote, p0, P0, p1, P1,
               NET: tl.constexpr, CW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
               H: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr, REC: tl.constexpr, FP8: tl.constexpr,
               ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
               BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The send of call ``n`` (half at word ``hb``) by program ``p`` of ``P``: items ``p``, ``p + P``, ... of the
-    token blocks times ``S`` slices of the hidden dimension (item ``v``: token block ``v // S``, hidden blocks
-    ``v % S``, ``v % S + S``, ...), then program 0 sends the counts. Moves nothing unless ``go``."""
+    """The send of call ``n`` (half at word ``hb``) by program ``(p0, p1)`` of ``(P0, P1)``: token blocks ``p0``,
+    ``p0 + P0``, ... and, of each, the hidden blocks ``p1``, ``p1 + P1``, ...; then program ``(0, 0)`` sends the
+    counts. Moves nothing unless ``go``."""
     T = tl.where(go, T, 0)
     # Each tile of x is read (and cast) once and stored into the record of every expert the token goes to.
-    for v in range(p, tl.cdiv(T, BLOCK_T) * S, P):
-        hp = v % S
-        t = (v // S) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    for pid in range(p0, tl.cdiv(T, BLOCK_T), P0):
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
         m, rec, of = _records_of(slot_ptr, idx_ptr, cnt_ptr, delta_w, ctl, t, mt, experts_per_rank, hb + cnt_w, me,
                                  n_max, n, ring_dw, slot_w, remote, K, R, REC, BLOCK_K, NET, CW, BLOCK_C)
-        for h0 in range(hp * BLOCK_H, H, S * BLOCK_H):
+        for h0 in range(p1 * BLOCK_H, H, P1 * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             if FP8:
                 xv = tl.load(x_ptr + t[:, None] * H + oh[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
@@ -173,10 +186,10 @@ def send_part(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f,
                 tl.store(area_w + rec[:, :, None] + ow[None, None, :],
                          tl.broadcast_to(xr[:, None, :], [BLOCK_T, BLOCK_K, BLOCK_H // 2]), mask=m[:, :, None])
         # the record's last word: t * K + k (the entry combine returns the row to)
-        if hp == 0:
+        if p1 == 0:
             tl.store(area_w + rec + records.ll_rec_slot(PW, SW), of.to(tl.int32), mask=m)
     # The rows per expert go to the expert's rank: counts [s = me][local expert] of the half there.
-    if (p == 0) & go:
+    if (p0 == 0) & (p1 == 0) & go:
         for e0 in range(0, num_experts, BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
             me_ = e < num_experts
@@ -224,9 +237,8 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
     # Program (p, q) takes token blocks p, p + P0, ... and, of each, the hidden blocks q, q + P1, ...
     send_part(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl, T, num_experts,
               experts_per_rank, n_max, ctl_w + half * half_w, cnt_w, n, go, me, ring_dw, slot_w, remote,
-              tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(0) * tl.num_programs(1),
-              tl.num_programs(1), NET, CW, BLOCK_C, R, K, H, PW, SW, REC, FP8, ROUND_SCALE, NATIVE, BLOCK_T, BLOCK_H,
-              BLOCK_K, BLOCK_E)
+              tl.program_id(0), tl.num_programs(0), tl.program_id(1), tl.num_programs(1), NET, CW, BLOCK_C, R, K, H, PW,
+              SW, REC, FP8, ROUND_SCALE, NATIVE, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_E)
     if NET:     # each network peer's chunk: the counts of its experts, then their records
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, cnt_ptr,
                            1, experts_per_rank, experts_per_rank, REC, CW, R, BLOCK_C, USE_ASM)
@@ -242,16 +254,14 @@ _ll_dispatch_send_launch = Launcher(_ll_dispatch_send_kernel, **pdl.options())
 
 @triton.jit
 def recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, n_max, hb, cnt_w,
-              experts_per_rank, go, p, P, S, R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
+              experts_per_rank, go, p0, P0, b, NB, R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
               REC: tl.constexpr, UE8M0: tl.constexpr, STATS: tl.constexpr, BLOCK_R: tl.constexpr,
               BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
-    """The receive of the half at word ``hb`` by program ``p`` of ``P``: items ``p``, ``p + P``, ... of the local
-    experts times ``S`` programs each (item ``v``: expert ``v // S``, its row blocks ``v % S``, ``v % S + S``,
-    ...). Moves nothing unless ``go`` (the counts then read as 0)."""
+    """The receive of the half at word ``hb`` by program ``(p0, b)`` of ``(P0, NB)``: local experts ``p0``,
+    ``p0 + P0``, ... and, of each, the row blocks ``b``, ``b + NB``, ... Moves nothing unless ``go`` (the counts then
+    read as 0)."""
     RN = R * n_max
-    for v in range(p, experts_per_rank * S, P):
-        le = v // S
-        b = v % S
+    for le in range(p0, experts_per_rank, P0):
         # Rows per source rank for this expert (none from a masked rank, or after an error), packed in rank
         # order: DeepEP's layout_range = begin << 32 | count.
         total = tl.zeros([], dtype=tl.int64)
@@ -266,7 +276,7 @@ def recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stat
             if STATS:
                 tl.store(stats_ptr + le, tl.load(stats_ptr + le) + total.to(tl.int32))
         # The received rows, blocks of BLOCK_R spread over the expert's programs.
-        for j0 in range(b * BLOCK_R, total, S * BLOCK_R):
+        for j0 in range(b * BLOCK_R, total, NB * BLOCK_R):
             j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
             valid = j < total
             # the source rank and index of row j
@@ -304,7 +314,7 @@ def recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stat
                 else:           # fp32 bits, column-major [E_local, SW, RN]
                     tl.store(out_s + le * SW * RN + os_[None, :] * RN + j[:, None], sb, mask=ms)
         # The handle's tables past the count: -1, blocks of BLOCK_F spread over the expert's programs.
-        for j0 in range(total + b * BLOCK_F, RN, S * BLOCK_F):
+        for j0 in range(total + b * BLOCK_F, RN, NB * BLOCK_F):
             j = j0 + tl.arange(0, BLOCK_F).to(tl.int64)
             mf = j < RN
             tl.store(src_info + le * RN + j, tl.full([BLOCK_F], -1, tl.int32), mask=mf)
@@ -358,8 +368,8 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
     # Program (p, q) takes local experts p, p + P0, ... (P0 capped where ranks share a GPU), of each the row
     # blocks q, q + P1, ...
     recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, n_max, ctl_w + half * half_w,
-              cnt_w, experts_per_rank, go, p, tl.num_programs(0) * tl.num_programs(1), tl.num_programs(1), R, K, PW,
-              SW, REC, UE8M0, STATS, BLOCK_R, BLOCK_W, BLOCK_S, BLOCK_F)
+              cnt_w, experts_per_rank, go, tl.program_id(0), tl.num_programs(0), tl.program_id(1), tl.num_programs(1),
+              R, K, PW, SW, REC, UE8M0, STATS, BLOCK_R, BLOCK_W, BLOCK_S, BLOCK_F)
     # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 

@@ -38,6 +38,16 @@ from .ll_combine import combine_send_part, reduce_part
 from .ll_dispatch import recv_part, route_part, send_part, typed_area, wait_recv, wait_send
 
 
+@triton.jit
+def _as_grid2(p, P, S: tl.constexpr, rows):
+    """Program ``p`` of a one-dimensional grid of ``P`` as program ``(p0, p1)`` of a ``(P // S, S)`` grid, as a
+    part's split launch has its programs (``P >= S``, :func:`_slices`); the programs past ``(P // S) * S`` get
+    ``p0 = max(rows, 1)``, past the part's last row (and not program (0, 0)): nothing to do."""
+    P0 = P // S
+    p0 = tl.where(p < P0 * S, p // S, tl.maximum(rows, 1))
+    return p0, P0, p % S, S
+
+
 @triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
 def _ll_dispatch_fused_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                               out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, cost_ptr,
@@ -63,12 +73,13 @@ def _ll_dispatch_fused_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w,
     half = n & 1
     hb = ctl_w + half * half_w
     route_part(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me, p, P,
-               R, K, ROUTE_T, BLOCK_K, ROUTE_E)
+               R, K, ROUTE_T, BLOCK_K, ROUTE_E, False)
     flags.ll_gate(ctl, hdr, hdr_delta, host, me, flags.STAGE_LL_DISPATCH_SEND, n, timeout_ns, R, USE_CLOCK, USE_ASM)
     go = wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ctl, ctl, flags.STAGE_LL_DISPATCH_SEND, R, False,
                    SHRINK, USE_CLOCK)
+    s0, S0, s1, S1 = _as_grid2(p, P, SEND_S, tl.cdiv(tl.where(go, T, 0), BLOCK_T))
     send_part(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl, T, num_experts,
-              experts_per_rank, n_max, hb, cnt_w, n, go, me, 0, 0, ctl, p, P, SEND_S, False, 1, 1, R, K, H, PW, SW,
+              experts_per_rank, n_max, hb, cnt_w, n, go, me, 0, 0, ctl, s0, S0, s1, S1, False, 1, 1, R, K, H, PW, SW,
               REC, FP8, ROUND_SCALE, NATIVE, BLOCK_T, BLOCK_H, BLOCK_K, 1024)
     flags.ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
     if RECV:
@@ -76,8 +87,9 @@ def _ll_dispatch_fused_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w,
                                flags.STAGE_LL_DISPATCH_RECV, n, timeout_ns, R, USE_CLOCK)
         go = go & wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, p == 0,
                             flags.STAGE_LL_DISPATCH_RECV, R, SHRINK, USE_CLOCK, COST)
+        r0, R0, r1, R1 = _as_grid2(p, P, RECV_S, experts_per_rank)
         recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, n_max, hb, cnt_w,
-                  experts_per_rank, go, p, P, RECV_S, R, K, PW, SW, REC, UE8M0, STATS, BLOCK_R, BLOCK_W, BLOCK_S,
+                  experts_per_rank, go, r0, R0, r1, R1, R, K, PW, SW, REC, UE8M0, STATS, BLOCK_R, BLOCK_W, BLOCK_S,
                   BLOCK_F)
         # Program 0 records the call; the rank's next low-latency launch frees the half for call n + 2.
         flags.ll_finish_recv(ctl, half, n)
@@ -152,8 +164,9 @@ def _send_blocks(H: int, tune: dict) -> int:
 
 def _slices(cols: int, signals: dict) -> int:
     """The slices ``S`` of a part whose split launch has ``cols`` programs on its second grid axis (1 where ranks
-    share a GPU: :func:`.dispatch._grid2`)."""
-    return 1 if signals.get("max_programs") else max(cols, 1)
+    share a GPU, as :func:`.dispatch._grid2`, and under the interpreter, which runs one program: a grid of ``P``
+    programs plays a ``(P // S, S)`` grid, so ``S`` must not exceed it)."""
+    return 1 if (signals.get("max_programs") or interpreted()) else max(cols, 1)
 
 
 def _grid(launcher: Launcher, items: int, num_warps: int, meta: dict, signals: dict, tf: dict, args: tuple) -> tuple:
@@ -177,7 +190,8 @@ def _bind_dispatch(T, H, K, lay, use_fp8, round_scale, use_ue8m0, native_fp8, sh
     bh = _send_blocks(H, ts)
     send_s = _slices(H // bh, signals)
     recv_s = _slices(tv["programs_per_expert"], signals)
-    items = max(cdiv(E, route_e), cdiv(T, ts["block_t"]) * send_s, El * recv_s if recv else 1)
+    # (at least S programs: each part's grid is (P // S, S))
+    items = max(cdiv(E, route_e), cdiv(T, ts["block_t"]) * send_s, El * recv_s if recv else 1, send_s, recv_s)
     SW = records.ll_scale_words.host(H, use_fp8)
     PW = records.ll_payload_words.host(H, use_fp8)
     meta = dict(R=R, K=K, H=H, PW=PW, SW=SW, REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
@@ -211,15 +225,18 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
     hb = ctl_w + half * half_w + cnt_w
     go = wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ctl, ctl, flags.STAGE_LL_COMBINE_SEND, R, False,
                    SHRINK, USE_CLOCK)
+    s0, S0, s1, S1 = _as_grid2(p, P, SEND_S, experts_per_rank)
     combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, hb, experts_per_rank, n, go, 0,
-                      0, ctl, p, P, SEND_S, False, 1, 1, R, K, H, BLOCK_R, BLOCK_W)
+                      0, ctl, s0, S0, s1, S1, False, 1, 1, R, K, H, BLOCK_R, BLOCK_W)
     flags.ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
     go = flags.ll_wait_own(ctl, hdr, hdr_delta, host, ctl + flags.off_ll_ready(R) + half * R + me, n, me,
                            flags.STAGE_LL_COMBINE_RECV, n, timeout_ns, R, USE_CLOCK)
     go = go & wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, p == 0,
                         flags.STAGE_LL_COMBINE_RECV, R, SHRINK, USE_CLOCK, COST)
-    reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, tl.where(go, T, 0), num_experts, experts_per_rank, hb * 2, p, P,
-                REDUCE_S, R, K, H, BLOCK_T, BLOCK_H)
+    T = tl.where(go, T, 0)
+    r0, R0, r1, R1 = _as_grid2(p, P, REDUCE_S, tl.cdiv(T, BLOCK_T))
+    reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb * 2, r0, R0, r1, R1, R, K, H,
+                BLOCK_T, BLOCK_H)
     # Program 0 records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 
@@ -259,7 +276,7 @@ def _bind_combine(T, K, H, lay, shrink, has_cost, use_clock, _cap, signals, ts, 
         bh //= 2
     send_s = _slices(ts["programs_per_expert"], signals)
     reduce_s = _slices(H // bh, signals)
-    items = max(lay.experts_per_rank * send_s, cdiv(T, bt) * reduce_s)
+    items = max(lay.experts_per_rank * send_s, cdiv(T, bt) * reduce_s, send_s, reduce_s)    # (at least S programs)
     meta = dict(R=lay.num_ranks, K=K, H=H, COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock,
                 SEND_S=send_s, BLOCK_R=ts["block_r"], BLOCK_W=pow2(min(H // 2, ts["block_w"])), REDUCE_S=reduce_s,
                 BLOCK_T=bt, BLOCK_H=bh)
