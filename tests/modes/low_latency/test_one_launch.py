@@ -41,7 +41,7 @@ _case = st.tuples(st.booleans(), st.booleans(), st.booleans(), st.sampled_from([
 
 
 @pytest.mark.property
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=1, deadline=None)
 @given(R=st.sampled_from([2, 3]), seed=st.integers(0, 1000), K=st.sampled_from([1, 3, 4]),
        cases=st.lists(_case, min_size=2, max_size=4), zero_rank=st.booleans())
 def test_round_trip_property_in_one_launch(R, seed, K, cases, zero_rank):
@@ -58,16 +58,13 @@ def test_two_outstanding_hooks_in_one_launch():
     assert out == [True, True]
 
 
-@pytest.mark.parametrize("by_timeout", [False, True])
-def test_masked_rank_in_one_launch(by_timeout):
-    """A silent rank masked by hand or by enable_shrink's timeout: exactly its tokens are dropped."""
-    out = _values(run_ranks(ll_cases.across_hosts, 3, FUSED, "masked_rank", 5, 6, 2, 128, [5, 6, 4], 8, 2,
-                            by_timeout))
+def test_masked_rank_in_one_launch():
+    """A silent rank masked by hand: exactly its tokens are dropped. (Masking by enable_shrink's timeout happens in
+    the same wait, ll_wait_peers, in both launch forms: test_low_latency.py times it.)"""
+    out = _values(run_ranks(ll_cases.across_hosts, 3, FUSED, "masked_rank", 5, 6, 2, 128, [5, 6, 4], 8, 2, False))
     assert out[2] is None
-    for status, after, waits in out[:2]:
+    for status, after, _ in out[:2]:
         assert status == [0, 0, 1] and after == [0, 0, 0], (status, after)
-        if by_timeout:      # one timeout (2 s), then the masked rank is not waited for again
-            assert waits[0] >= 2.0 and waits[1] < 1.5, waits
 
 
 def test_bad_ids_then_recover_in_one_launch():
