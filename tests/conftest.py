@@ -84,12 +84,21 @@ def _open_fds() -> dict:
     return fds
 
 
+#: the test modules holding rank bodies (imported by the fork server, see below)
+RANK_BODY_MODULES = ("helpers", "mp_cases", "ll_cases", "internode_cases", "sched_cases", "metrics_cases")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _process_wide_singletons():
     """Start what Python opens once per process on first use (multiprocessing's resource tracker and its
     pipe), so the per-test check below sees only what a test leaves behind."""
     from multiprocessing import resource_tracker
     resource_tracker.ensure_running()
+    # CPU: rank processes fork from one server that imported torch, triton_ep and the rank bodies once
+    # (``spawn`` pays about 4 s of CPU per rank for those imports); on a GPU machine they stay spawned
+    from triton_ep import testing
+    if testing.start_forkserver(RANK_BODY_MODULES):
+        testing.START_METHOD = "forkserver"
     if torch.cuda.is_available():          # the driver's own descriptors, opened once
         torch.zeros(1, device="cuda")
     yield

@@ -6,7 +6,7 @@ before any goes on. The kernels, offsets and rounds are exactly those of the mul
 """
 from __future__ import annotations
 
-from typing import Any, Generator, List, Sequence
+from typing import Any, Generator, List, Optional, Sequence
 
 from .buffer import Buffer
 from .transport.ipc import LocalWorld
@@ -121,12 +121,41 @@ def drop_rdma_signal(buf: Buffer, peer_host: int, nth: int = 0) -> None:
     sched._chunk_ops = without_signal
 
 
-def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple) -> None:
+#: The start method :func:`run_ranks` uses when its caller names none: ``"spawn"`` (a fresh interpreter per
+#: rank) or ``"forkserver"`` (see :func:`start_forkserver`; CPU machines only, ``"spawn"`` where CUDA is present).
+START_METHOD = "spawn"
+#: The modules a forkserver imports once, before it forks any rank.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "numpy", "triton_ep")
+
+
+def start_forkserver(modules: Sequence[str] = ()) -> bool:
+    """Start multiprocessing's fork server with :data:`FORKSERVER_PRELOAD` and ``modules`` imported in it, so
+    each rank :func:`run_ranks` starts with ``start_method="forkserver"`` is a fork of a process that has
+    imported torch and triton_ep already (on a 2-core CPU machine that import costs about 4 s of CPU per
+    rank with ``"spawn"``). ``modules``: more importable module names (the modules the rank functions live in).
+    Where CUDA is present nothing starts and the result is False (a process forked after CUDA initialised
+    cannot use it); else True. The server lives until this process exits; it starts once (later calls add
+    no modules)."""
+    import multiprocessing.forkserver as forkserver
+
+    import torch
+    if torch.cuda.is_available():
+        return False
+    forkserver.set_forkserver_preload(list(dict.fromkeys([*FORKSERVER_PRELOAD, *modules])))
+    forkserver.ensure_running()
+    return True
+
+
+def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple,
+               env: Optional[dict] = None) -> None:
     import os
     import pickle
     import traceback
 
     import torch.distributed as dist
+    if env is not None:            # a fork server's child: the caller's environment at the call, not the server's
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     result = None
     try:
@@ -150,9 +179,14 @@ def _picklable(obj) -> bool:
         return False
 
 
-def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 300.0) -> List[Any]:
-    """Start ``world`` processes (spawn), bootstrap a ``torch.distributed`` group over a file rendezvous
-    and call ``fn(rank, world, *args)`` in each (``fn`` must be importable: defined at module level).
+def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
+              start_method: Optional[str] = None) -> List[Any]:
+    """Start ``world`` processes, bootstrap a ``torch.distributed`` group over a file rendezvous and call
+    ``fn(rank, world, *args)`` in each (``fn`` must be importable: defined at module level). The processes
+    start by ``start_method`` (default :data:`START_METHOD`): ``"spawn"``, or ``"forkserver"`` on a machine
+    without CUDA (forks of :func:`start_forkserver`'s server, started here if it is not running; each rank
+    gets this process's environment as it is at the call). Where CUDA is present ``"forkserver"`` means
+    ``"spawn"``.
 
     Returns:
         per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.
@@ -165,9 +199,15 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     import tempfile
 
     import torch.multiprocessing as mp
+    method = start_method or START_METHOD
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
+    if method == "forkserver" and not start_forkserver():
+        method = "spawn"
+    env = dict(os.environ) if method == "forkserver" else None
     with tempfile.TemporaryDirectory(prefix="triton_ep_ranks_") as d:
-        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "init"), d, backend, args),
-                                 nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "init"), d, backend, args, env),
+                                 nprocs=world, join=False, start_method=method)
         import time
         deadline = time.monotonic() + timeout_s
         try:
