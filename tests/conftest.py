@@ -1,4 +1,4 @@
-"""Shared pytest set-up: hypothesis profiles and the GPU marker.
+"""Shared pytest set-up: hypothesis profiles, the GPU marker and the extended tier (``--extended``).
 
 Profiles: ``ci`` (default; derandomized, few examples, no deadline) and ``deep`` (many examples), chosen
 by ``TRITON_EP_HYPOTHESIS=deep``.
@@ -34,7 +34,18 @@ os.environ["TRITON_EP_SHM_TAG"] = SHM_TAG
 GPU_TEST_TIMEOUT_S = float(os.environ.get("TRITON_EP_GPU_TEST_TIMEOUT_S", "150"))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the tests marked extended (costlier variants of cases the default run covers)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--extended"):
+        tier = pytest.mark.skip(reason="extended tier: a costlier variant of a case the default run covers "
+                                       "(pytest --extended runs it)")
+        for item in items:
+            if "extended" in item.keywords:
+                item.add_marker(tier)
     if torch.cuda.is_available():
         if config.pluginmanager.hasplugin("timeout"):
             for item in items:

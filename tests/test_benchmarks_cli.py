@@ -79,6 +79,7 @@ def assert_cpu_report(r: subprocess.CompletedProcess, note: str = CPU_NOTE) -> N
     assert note in r.stdout
 
 
+@pytest.mark.extended
 def test_bench_kernels_default_writes_under_ignored_out(tmp_path, results_untouched):
     """No arguments at all (a copy of the scripts, so the default folder is the copy's ``out/``): the file
     lands in ``out/benchmarks``, the copy's committed results are unchanged, targets are reported as not
@@ -159,6 +160,7 @@ def test_host_cost_out(tmp_path, results_untouched):
     assert_cpu_report(r, "say nothing about a GPU")
 
 
+@pytest.mark.extended
 def test_host_cost_ab_against_a_copy(tmp_path, results_untouched):
     """The in-process A/B against another checkout (here a copy of this one's package): both sides timed, the
     other side's Buffer really runs from the copy, ``ratio`` = this / other
@@ -232,6 +234,7 @@ def test_grid_cap_out(tmp_path, results_untouched):
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
 
 
+@pytest.mark.extended
 def test_grid_cap_vary(tmp_path, results_untouched, capsys):
     """``--vary`` adds a row per value (the defaults at the first cap with that one tuning entry changed) and
     ``--config`` one row changing several; each is timed, bit for bit equal to the first row, ratioed to it, and
@@ -293,7 +296,7 @@ def test_bench_internode_out(tmp_path, results_untouched):
     assert len(inside) == 2 and all(r["chunks_per_call"] > 0 and r["proxy_us_per_chunk"] > 0 for r in inside), inside
 
 
-@pytest.mark.parametrize("arrival", [False, True])
+@pytest.mark.parametrize("arrival", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_bench_low_latency_across_hosts(tmp_path, results_untouched, arrival):
     """bench_low_latency.py --hosts 2 (and with --arrival-words): the ranks as 2 hosts over the emulated fabric;
     each rank reports its network leg: one chunk per peer and call, its work requests (one more a call with

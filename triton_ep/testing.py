@@ -185,8 +185,9 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     ``fn(rank, world, *args)`` in each (``fn`` must be importable: defined at module level). The processes
     start by ``start_method`` (default :data:`START_METHOD`): ``"spawn"``, or ``"forkserver"`` on a machine
     without CUDA (forks of :func:`start_forkserver`'s server, started here if it is not running; each rank
-    gets this process's environment as it is at the call). Where CUDA is present ``"forkserver"`` means
-    ``"spawn"``.
+    gets this process's environment as it is at the call, but modules the server imported keep what they read
+    from the environment at import, e.g. ``TRITON_EP_PDL``: a rank that needs such a variable changed is spawned).
+    Where CUDA is present ``"forkserver"`` means ``"spawn"``.
 
     Returns:
         per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.

@@ -133,5 +133,6 @@ def test_first_low_latency_call_rejects_a_bad_value(monkeypatch):
     import ll_cases
     from triton_ep.testing import run_ranks
     monkeypatch.setenv("TRITON_EP_PDL", "2")
-    res = run_ranks(ll_cases.pdl_bad_value, 1)
+    # spawned: the switch is read when triton_ep is imported, and a fork server imported it without the variable
+    res = run_ranks(ll_cases.pdl_bad_value, 1, start_method="spawn")
     assert isinstance(res[0], str) and "TRITON_EP_PDL must be 1 or 0" in res[0], res

@@ -24,8 +24,10 @@ _MANY_ROUNDS = {"TRITON_EP_RDMA_CHUNK_BYTES": "128", "TRITON_EP_RDMA_SLOTS": "2"
 
 @pytest.mark.parametrize("world,per_host,Ts,more,per_rank", [
     (4, 2, [7, 0, 9, 4], {}, False),                        # 2 hosts of 2 ranks
-    (3, 1, [5, 8, 2], _MANY_ROUNDS, False),                 # 3 hosts, many rounds
-    (4, 2, [7, 0, 9, 4], _MANY_ROUNDS, True),               # each rank its own num_worst_tokens
+    # 3 hosts, many rounds (the default run has them with per-rank num_worst_tokens, the last case)
+    pytest.param(3, 1, [5, 8, 2], _MANY_ROUNDS, False, marks=pytest.mark.extended),
+    # each rank its own num_worst_tokens, 2 hosts of 2 ranks, many rounds
+    pytest.param(4, 2, [7, 0, 9, 4], _MANY_ROUNDS, True, marks=pytest.mark.extended),
     (3, 1, [5, 8, 2], _MANY_ROUNDS, True),
 ])
 def test_capture_path_round_trips_and_host_path_between(world, per_host, Ts, more, per_rank):
@@ -45,7 +47,8 @@ def test_capture_path_round_trips_and_host_path_between(world, per_host, Ts, mor
     assert sum(c["rows"] for o in out for c in o[:4]) > 0
 
 
-@pytest.mark.parametrize("kind", ["bad_ids", "capacity", "capacity_late", "capacity_rank", "bad_shape"])
+@pytest.mark.parametrize("kind", ["bad_ids", "capacity", pytest.param("capacity_late", marks=pytest.mark.extended),
+                                  pytest.param("capacity_rank", marks=pytest.mark.extended), "bad_shape"])
 def test_capture_path_errors_reach_every_rank(kind):
     """A bad id on rank 3 (found on the device: the call returns, Buffer.check() raises ValueError there), a
     num_worst_tokens too small for host 0 (EPCapacityError on host 0's ranks: the forwarding leg's; also where

@@ -73,14 +73,14 @@ def test_skew_to_one_remote_expert():
     _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "skew_to_remote", 4, 4, 128, 8, 8))
 
 
-@pytest.mark.parametrize("arrival", [False, True])
+@pytest.mark.parametrize("arrival", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_two_outstanding_hooks_received_in_reverse_order(arrival):
     out = _values(run_ranks(ll_cases.across_hosts, 2, _env(1, arrival), "two_live_hooks", 11, 4, 2, 128, [6, 5], 8,
                             False))
     assert out == [False, False]
 
 
-@pytest.mark.parametrize("arrival", [False, True])
+@pytest.mark.parametrize("arrival", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_errors_raise_everywhere_at_once_and_the_group_recovers(arrival):
     """Rank 0 rejects its arguments (TypeError there), then rank 1 passes bad ids (ValueError there): the
     other ranks raise EPRemoteError naming the culprit well within the timeout (the failure travels in the
@@ -125,7 +125,8 @@ def test_masked_remote_rank(by_timeout):
 
 
 @pytest.mark.parametrize("world,by_timeout,how,arrival", [(2, False, "update", False), (3, True, "clean", False),
-                                                         (2, False, "update", True)])
+                                                         pytest.param(2, False, "update", True,
+                                                                      marks=pytest.mark.extended)])
 def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how, arrival):
     """Hosts of 1 rank; the last rank stays silent while the others mask it (explicitly, or after one timeout of
     4 s) and go on without it; then it comes back and every rank, itself too, unmasks it
@@ -141,7 +142,7 @@ def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how, arrival)
         assert mismatch and "different" in mismatch, out
 
 
-@pytest.mark.parametrize("arrival", [False, True])
+@pytest.mark.parametrize("arrival", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_masked_dead_host(arrival):
     """2 hosts of 2 ranks; both ranks of host 1 fall silent: host 0's ranks mask the whole host after one
     timeout and go on between themselves, results the oracle's without host 1's experts."""
@@ -151,7 +152,7 @@ def test_masked_dead_host(arrival):
         assert waits[0] >= 4.0 and max(waits[1:]) < waits[0] - 2.0, waits
 
 
-@pytest.mark.parametrize("arrival", [False, True])
+@pytest.mark.parametrize("arrival", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_signal_after_rows_on_one_qp_and_the_planted_variant_fails(arrival):
     """Over a fabric that reorders requests across QPs, every chunk is complete when its signal arrives (each
     chunk's signal, a WRITE_WITH_IMM or its arrival word, travels after its rows on the same QP) and the round

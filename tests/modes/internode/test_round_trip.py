@@ -117,7 +117,8 @@ def test_a_failure_on_one_host_reaches_every_rank(kind):
 
 
 @pytest.mark.property
-@pytest.mark.parametrize("world,per_host", [(2, 1), (4, 2), (6, 2), (6, 3)])
+@pytest.mark.parametrize("world,per_host", [(2, 1), (4, 2), pytest.param(6, 2, marks=pytest.mark.extended),
+                                            pytest.param(6, 3, marks=pytest.mark.extended)])
 def test_property_random_cases(world, per_host):
     """Random cases on one Buffer against the reference (see internode_cases.property_cases): 2 hosts of 1
     and 2 ranks, 3 hosts of 2, 2 hosts of 3. More cases with TRITON_EP_HYPOTHESIS=deep."""

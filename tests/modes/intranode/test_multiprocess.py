@@ -124,7 +124,7 @@ def test_rank_missing_at_construction_times_out():
         assert stage.startswith("bootstrap") and 1.5 <= waited < 20, (stage, waited)
 
 
-@pytest.mark.parametrize("subgroup", [False, True])
+@pytest.mark.parametrize("subgroup", [pytest.param(False, marks=pytest.mark.extended), True])
 def test_rank_that_never_builds_leaves_nothing_pending(tmp_path, subgroup):
     """Rank 1 never builds its Buffer and stays alive: rank 0 raises EPTimeoutError within the bound naming
     rank 1, then destroy_process_group() returns at once and its process exits (before: the bootstrap's

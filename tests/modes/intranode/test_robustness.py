@@ -224,7 +224,7 @@ def skewed_inputs(mode: str, R: int, E: int, K: int, H: int, Ts, seed: int):
     return xs, idxs, ws
 
 
-@pytest.mark.parametrize("mode", ["one_expert", "one_rank"])
+@pytest.mark.parametrize("mode", ["one_expert", pytest.param("one_rank", marks=pytest.mark.extended)])
 def test_skew_hint_sized_buffer_many_rounds(mode):
     case_skew_hint_sized_buffer(mode)
 
@@ -345,6 +345,7 @@ def skewed_problems(draw):
                 small=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
 
 
+@pytest.mark.extended
 @pytest.mark.property
 @given(skewed_problems())
 def test_property_odd_ranks_heavy_skew(p):
@@ -695,6 +696,7 @@ def back_to_back(vg: VirtualGroup, rounds: int, R: int, E: int, K: int, H: int, 
         prev = (res, xs, idxs, ws, Ts)
 
 
+@pytest.mark.extended
 def test_fifty_back_to_back_rounds():
     """50 rounds with fresh routing through one (small, multi-round) buffer. Catches: state carried from
     one call to the next (stale counts or flags, an exchange-slot parity mix-up, a handle that points at
