@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
         tier = pytest.mark.skip(reason="extended tier: a costlier variant of a case the default run covers "
                                        "(pytest --extended runs it)")
         for item in items:
-            if "extended" in item.keywords:
+            if item.get_closest_marker("extended") is not None:
                 item.add_marker(tier)
     if torch.cuda.is_available():
         if config.pluginmanager.hasplugin("timeout"):

@@ -164,7 +164,7 @@ def test_host_cost_out(tmp_path, results_untouched):
 def test_host_cost_ab_against_a_copy(tmp_path, results_untouched):
     """The in-process A/B against another checkout (here a copy of this one's package): both sides timed, the
     other side's Buffer really runs from the copy, ``ratio`` = this / other
-    per call in ``host_cost_ab.json``; --against without a package, or naming this checkout, is refused."""
+    per call in ``host_cost_ab.json``; a call the other checkout cannot make is one line naming what failed."""
     other = tmp_path / "other"
     shutil.copytree(os.path.join(ROOT, "triton_ep"), other / "triton_ep",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -190,6 +190,10 @@ def test_host_cost_ab_against_a_copy(tmp_path, results_untouched):
                 "--iters", "1", "--rounds", "1", "--out", str(tmp_path / "ab3")], ROOT)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "the other checkout's Buffer cannot make the calls asked for" in r.stderr and "planted" in r.stderr
+
+
+def test_host_cost_ab_refuses_a_bad_against(tmp_path):
+    """``--against`` without a package, naming this checkout, or naming no folder: exit status 2 and why."""
     for bad, why in (([str(tmp_path)], "holds no triton_ep package"), ([ROOT], "names this checkout itself"),
                      ([str(tmp_path / "nowhere")], "is not a folder")):
         r = python([os.path.join(ROOT, "benchmarks", "host_cost_ab.py"), "--against", *bad], ROOT)
@@ -235,18 +239,11 @@ def test_grid_cap_out(tmp_path, results_untouched):
 
 
 @pytest.mark.extended
-def test_grid_cap_vary(tmp_path, results_untouched, capsys):
+def test_grid_cap_vary(tmp_path, results_untouched):
     """``--vary`` adds a row per value (the defaults at the first cap with that one tuning entry changed) and
     ``--config`` one row changing several; each is timed, bit for bit equal to the first row, ratioed to it, and
-    the tuning table is the default again afterwards; entries that do not exist, values of the wrong type or out of
-    range, low-latency entries, the record layout and a setting given twice are argparse errors."""
+    the tuning table is the default again afterwards."""
     from triton_ep.kernels import _util
-    bench_dir = os.path.join(ROOT, "benchmarks")
-    sys.path.insert(0, bench_dir)
-    try:
-        import grid_cap
-    finally:
-        sys.path.remove(bench_dir)
     before = {k: dict(v) for k, v in _util.INTERP_TUNING.items()}
     run_bench("grid_cap.py", "--caps", "1", "--vary", "dispatch_recv.num_warps=2,8",
               "--config", "combine_send.block_w=1024;grid.programs_per_sm=0", "--out", str(tmp_path / "g"))
@@ -261,6 +258,17 @@ def test_grid_cap_vary(tmp_path, results_untouched, capsys):
         assert row["results_equal"] and row["dispatch_us"] > 0 and row["combine_us"] > 0
         assert math.isclose(row["combine_ratio"], row["combine_us"] / out["results"][0]["combine_us"])
     assert out["default_tuning"] == before          # (read by the benchmark after its runs)
+
+
+def test_grid_cap_refuses_bad_settings(tmp_path, capsys):
+    """Entries that do not exist, values of the wrong type or out of range, low-latency entries, the record layout
+    and a setting given twice are argparse errors of ``grid_cap.py``."""
+    bench_dir = os.path.join(ROOT, "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        import grid_cap
+    finally:
+        sys.path.remove(bench_dir)
     for args, why in ((["--vary", "nokernel.num_warps=4"], "no tuning entry"),
                       (["--vary", "dispatch_recv.nokey=4"], "no tuning entry"),
                       (["--config", "dispatch_recv.num_warps"], "no tuning entry"),

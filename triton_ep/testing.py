@@ -132,17 +132,29 @@ def start_forkserver(modules: Sequence[str] = ()) -> bool:
     """Start multiprocessing's fork server with :data:`FORKSERVER_PRELOAD` and ``modules`` imported in it, so
     each rank :func:`run_ranks` starts with ``start_method="forkserver"`` is a fork of a process that has
     imported torch and triton_ep already (on a 2-core CPU machine that import costs about 4 s of CPU per
-    rank with ``"spawn"``). ``modules``: more importable module names (the modules the rank functions live in).
-    Where CUDA is present nothing starts and the result is False (a process forked after CUDA initialised
-    cannot use it); else True. The server lives until this process exits; it starts once (later calls add
-    no modules)."""
+    rank with ``"spawn"``). ``modules``: more module names, importable from this process's ``sys.path`` (the
+    modules the rank functions live in); one that fails to import is skipped silently (the ranks import it
+    themselves). Where CUDA is present nothing starts and the result is False (a process forked after CUDA
+    initialised cannot use it); else True. The server lives until this process exits; it starts once (later
+    calls add no modules), with this process's environment and standard streams as they are then."""
     import multiprocessing.forkserver as forkserver
+    import os
+    import sys
 
     import torch
     if torch.cuda.is_available():
         return False
     forkserver.set_forkserver_preload(list(dict.fromkeys([*FORKSERVER_PRELOAD, *modules])))
-    forkserver.ensure_running()
+    # the server imports from this sys.path (Python before 3.12 does not hand it over: PYTHONPATH does)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     return True
 
 
@@ -153,9 +165,23 @@ def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend:
     import traceback
 
     import torch.distributed as dist
-    if env is not None:            # a fork server's child: the caller's environment at the call, not the server's
+    if env is not None:
+        # a fork server's child: the caller's environment at the call (not the server's), set before the rank
+        # function and its arguments are unpickled (``fn``: their pickle), so modules they import read it
         os.environ.clear()
         os.environ.update(env)
+        fn, args = pickle.loads(fn)
+        # the server's liveness pipe, inherited: closed, so that the server exits when its parent (the caller)
+        # dies, and torch's parent-death signal then ends this rank too
+        from multiprocessing import forkserver
+        server = getattr(forkserver, "_forkserver", None)
+        fd = getattr(server, "_forkserver_alive_fd", None)
+        if isinstance(fd, int):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            server._forkserver_alive_fd = None
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     result = None
     try:
@@ -185,9 +211,10 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     ``fn(rank, world, *args)`` in each (``fn`` must be importable: defined at module level). The processes
     start by ``start_method`` (default :data:`START_METHOD`): ``"spawn"``, or ``"forkserver"`` on a machine
     without CUDA (forks of :func:`start_forkserver`'s server, started here if it is not running; each rank
-    gets this process's environment as it is at the call, but modules the server imported keep what they read
-    from the environment at import, e.g. ``TRITON_EP_PDL``: a rank that needs such a variable changed is spawned).
-    Where CUDA is present ``"forkserver"`` means ``"spawn"``.
+    gets this process's environment as it is at the call, before ``fn`` and ``args`` are unpickled there, but
+    modules the server imported keep what they read from the environment at import, e.g. ``TRITON_EP_PDL``: a
+    rank that needs such a variable changed is spawned; its standard streams are the server's). Where CUDA is
+    present ``"forkserver"`` means ``"spawn"``.
 
     Returns:
         per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.
@@ -200,14 +227,16 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     import tempfile
 
     import torch.multiprocessing as mp
-    method = start_method or START_METHOD
+    method = START_METHOD if start_method is None else start_method
     if method not in ("spawn", "forkserver"):
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
     if method == "forkserver" and not start_forkserver():
         method = "spawn"
-    env = dict(os.environ) if method == "forkserver" else None
+    env, call = None, (fn, args)
+    if method == "forkserver":
+        env, call = dict(os.environ), (pickle.dumps((fn, args)), ())
     with tempfile.TemporaryDirectory(prefix="triton_ep_ranks_") as d:
-        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "init"), d, backend, args, env),
+        ctx = mp.start_processes(_rank_main, args=(call[0], world, os.path.join(d, "init"), d, backend, call[1], env),
                                  nprocs=world, join=False, start_method=method)
         import time
         deadline = time.monotonic() + timeout_s
