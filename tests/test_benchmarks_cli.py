@@ -106,6 +106,7 @@ def test_bench_kernels_out(tmp_path, results_untouched):
     assert_cpu_report(r)
 
 
+@pytest.mark.extended
 def test_bench_ep8_out(tmp_path, results_untouched):
     """Four ranks on CPU, tiny shapes; ``ep8.json`` in ``--out`` with its CPU note; checks pass."""
     r = run_bench("bench_ep8.py", "--out", str(tmp_path / "e"))
@@ -200,6 +201,7 @@ def test_host_cost_ab_refuses_a_bad_against(tmp_path):
         assert r.returncode == 2 and why in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.extended
 def test_fused_replay_out(tmp_path, results_untouched):
     """One rank on CPU: cached dispatch + combine through split and fused launches, both timed and their outputs
     equal, in ``fused_replay.json`` under ``--out``; a bad ``--tokens`` is an argparse error."""

@@ -495,6 +495,7 @@ def test_low_latency_keys(checker, monkeypatch, one_rank_group):
                           "ll_combine._SEND_BOUND", "ll_combine._REDUCE_BOUND"), hits=20, misses=3)
 
 
+@pytest.mark.extended
 def test_low_latency_one_launch_keys(checker, monkeypatch, one_rank_group):
     """The same with ``TRITON_EP_FUSED=1``: the one-launch dispatch (with and without a hook) and combine."""
     monkeypatch.setenv("TRITON_EP_FUSED", "1")

@@ -51,7 +51,7 @@ _CASES = [(False, False, False, "identity", False, False), (True, False, False, 
           (True, True, True, "affine", False, True), (False, False, False, "affine", True, True)]
 
 
-@pytest.mark.parametrize("arrival", [False, True])
+@pytest.mark.parametrize("arrival", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_round_trip_every_feature_two_hosts_of_two(arrival):
     """The fixed cases that cover every feature at once (UE8M0 with zero-copy, FP8 hooks, bf16 zero-copy hooks),
     2 hosts of 2 ranks with the same-host shortcut, an empty rank; chunks signalled either way."""

@@ -162,7 +162,7 @@ def test_a_rank_killed_mid_dispatch_on_the_other_host():
         assert not isinstance(out[r], RankFailure), out[r]
         kind, msg, dt, kind2, msg2, dt2 = out[r]
         assert kind in ("EPTimeoutError", "EPRemoteError", "ProxyError", "ProxyRemoteError"), (r, kind, msg)
-        assert dt < 2 * 3.0 + 5.0, (r, dt)
+        assert dt < 2 * 3.0 + 8.0, (r, dt)      # (two bounds, and the interpreter's watchdog slack on a loaded CPU)
         assert kind2 is not None and dt2 < 1.0, (r, kind2, dt2)
     assert "rank 3 on host 1" in out[1][1] or "peer 3" in out[1][1], out[1][1]
     assert "global ranks [2, 3]" in out[2][1] or "rank 3" in out[2][1], out[2][1]
