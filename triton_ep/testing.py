@@ -232,11 +232,11 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
     if method == "forkserver" and not start_forkserver():
         method = "spawn"
-    env, call = None, (fn, args)
-    if method == "forkserver":
-        env, call = dict(os.environ), (pickle.dumps((fn, args)), ())
+    env = None
+    if method == "forkserver":      # (_rank_main unpickles fn and args after it set env)
+        env, fn, args = dict(os.environ), pickle.dumps((fn, args)), ()
     with tempfile.TemporaryDirectory(prefix="triton_ep_ranks_") as d:
-        ctx = mp.start_processes(_rank_main, args=(call[0], world, os.path.join(d, "init"), d, backend, call[1], env),
+        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "init"), d, backend, args, env),
                                  nprocs=world, join=False, start_method=method)
         import time
         deadline = time.monotonic() + timeout_s
