@@ -883,3 +883,109 @@ def other_collective_after_a_call(rank, world, second, timeout_s=30.0):
             return (type(ex).__name__, time.monotonic() - t0)
     finally:
         buf.destroy()
+
+
+def replayed_calls(rank, world, seed, device="cpu"):
+    """Cached dispatches and combines of one handle with unchanged shapes replay the plan their first call left
+    (``TRITON_EP_FUSED=1``: calls of one launch; modes/intranode_replay.py): fresh contents each call, bit for
+    bit against the reference; then what makes a call take the general path instead (a non-contiguous x, other
+    weights, a tuning change, ``TRITON_EP_FUSED=0``, a rank that passes a bad x while its peers replay: they
+    raise ``EPRemoteError`` and the group goes on), an x off the plan's 16-byte alignment (replayed through the
+    bound launch), and ``destroy()`` dropping the plans. Returns
+    ``(replays counted after each step, the error each rank raised at the bad call)``."""
+    os.environ["TRITON_EP_FUSED"] = "1"
+    from triton_ep.errors import EPRemoteError
+    from triton_ep.kernels import _util
+    from triton_ep.modes import intranode_replay as RP
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    E, K, H = 4 * world, 3, 64
+    Ts = [5 + 3 * r for r in range(world)]
+    xs, idxs, ws = make_inputs(seed, world, E, K, H, Ts)
+    replays = [0]
+    real_run = RP._run
+
+    def counted(*a, **k):
+        replays[0] += 1
+        return real_run(*a, **k)
+    RP._run = counted
+    buf = triton_ep.Buffer(None, 1 << 20, device=device, timeout_s=60)
+    seen, err = [], None
+    try:
+        dev = buf.device
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+            xs[rank].to(dev), topk_weights=ws[rank].to(dev), **_layout_kwargs(buf, idxs[rank].to(dev), E))
+        exp0 = ref.dispatch(xs, idxs, ws, E)
+
+        def fresh(k):       # new contents, same shapes: each rank's x and the reference's
+            xk = [(x.float() * (k + 2) - k).to(torch.bfloat16) for x in xs]
+            return xk, ref.dispatch(xk, idxs, ws, E)
+
+        def check_dispatch(k, **kw):
+            xk, ek = fresh(k)
+            got = buf.dispatch(kw.pop("x", xk[rank].to(dev)), handle=handle, **kw)
+            assert got[1:5] == (None, None, None, None), got[1:5]
+            assert torch.equal(got[0].cpu().view(torch.int16), ek[rank]["recv_x"].view(torch.int16)), k
+            return ek
+
+        def check_combine(k, ek, weights=True):
+            ys = [(ek[j]["recv_x"].float() * 2).to(torch.bfloat16) for j in range(world)]
+            wk = [d["recv_topk_weights"] * (k + 1) for d in ek]
+            out, wout, _ = buf.combine(ys[rank].to(dev), handle, topk_weights=wk[rank].to(dev) if weights else None)
+            cexp = ref.combine(ys, ek, Ts, wk)[rank]
+            assert torch.equal(out.cpu().view(torch.int16), cexp[0].view(torch.int16)), k
+            assert (wout is None) if not weights else torch.equal(wout.cpu(), cexp[1]), k
+
+        ek = check_dispatch(0)                  # the general path: plans
+        check_combine(0, ek)
+        seen.append(replays[0])
+        assert handle.replay_dispatch is not None and handle.replay_combine is not None
+        for k in range(1, 4):                   # replays, fresh contents each
+            ek = check_dispatch(k)
+            check_combine(k, ek)
+        seen.append(replays[0])
+        xk, ek = fresh(5)                       # a non-contiguous x of the same values: the general path
+        xt = xk[rank].to(dev).t().contiguous().t()
+        assert not xt.is_contiguous()
+        check_dispatch(5, x=xt)
+        check_combine(5, ek, weights=False)     # no weights where the plan had them: the general path, replans
+        check_combine(6, ek, weights=False)     # ... and replays that
+        seen.append(replays[0])
+        _util.INTERP_TUNING["fused"]["reduce_block_h"] = _util.INTERP_TUNING["fused"]["reduce_block_h"]
+        ek = check_dispatch(7)                  # a tuning change: the general path
+        os.environ["TRITON_EP_FUSED"] = "0"
+        check_combine(7, ek, weights=False)     # split launches: the general path
+        os.environ["TRITON_EP_FUSED"] = "1"
+        ek = check_dispatch(8)                  # replays (the plan of step 7)
+        seen.append(replays[0])
+        bad = xk[rank].to(dev)[:-1] if rank == 1 else xk[rank].to(dev)
+        try:
+            buf.dispatch(bad, handle=handle)
+        except (ValueError, EPRemoteError) as e:
+            err = type(e).__name__
+        ek = check_dispatch(9)                  # after the error: the re-synchronisation, the general path
+        check_combine(9, ek)
+        ek = check_dispatch(10)                 # replays again
+        check_combine(10, ek)
+        seen.append(replays[0])
+        xk, ek = fresh(11)                      # x 4 bytes past a 16-byte boundary (the plan's was on one): the
+        flat = torch.empty(xk[rank].numel() + 2, dtype=torch.bfloat16, device=dev)   # replay takes the bound launch
+        xm = flat[2:].view(xk[rank].shape)
+        xm.copy_(xk[rank].to(dev))
+        assert xm.is_contiguous() and xm.data_ptr() % 16 == 4
+        check_dispatch(11, x=xm)
+        seen.append(replays[0])
+        assert torch.equal(buf.dispatch(xs[rank].to(dev), handle=handle)[0].cpu().view(torch.int16),
+                           exp0[rank]["recv_x"].view(torch.int16))
+        plans = (handle.replay_dispatch, handle.replay_combine)
+    finally:
+        RP._run = real_run
+        os.environ.pop("TRITON_EP_FUSED", None)
+        buf.destroy()
+    assert all(p.replay is None for p in plans), "destroy() drops the plans"
+    try:
+        buf.dispatch(xs[rank].to(dev), handle=handle)
+        raise AssertionError("a destroyed Buffer's cached dispatch ran")
+    except triton_ep.EPError:
+        pass
+    return seen, err

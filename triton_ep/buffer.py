@@ -16,7 +16,7 @@ import torch
 from .config import Config, EventOverlap
 from .modes.internode import Internode, traffic_stats
 from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
-from .modes import internode_ll
+from .modes import internode_ll, intranode_replay
 from .modes.low_latency import LowLatency, size_hint
 from .runtime import open_runtime
 from .runtime.context import ll_area_bytes
@@ -549,6 +549,12 @@ class Buffer:
             return self._internode.dispatch(self._intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                             expert_alignment, num_worst_tokens, config, previous_event)
+        if (handle is not None and self._internode is None and num_tokens_per_rank is None and is_token_in_rank is None
+                and num_tokens_per_expert is None and topk_idx is None and topk_weights is None and expert_alignment == 1
+                and num_worst_tokens == 0 and num_tokens_per_rdma_rank is None and handle.__class__ is DispatchHandle):
+            out = intranode_replay.cached_dispatch(self._rt, handle, x, config, previous_event, async_finish)
+            if out is not None:     # (the call of the handle's last shapes again: its plan launched it)
+                return out
         return self._rt.run(self._intranode.dispatch_steps(
             x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -581,5 +587,9 @@ class Buffer:
         """
         if self._internode is not None:
             return self._internode.combine(x, handle, topk_weights, bias, config, previous_event)
+        if bias is None and handle.__class__ is DispatchHandle:
+            out = intranode_replay.combine(self._rt, handle, x, topk_weights, config, previous_event, async_finish)
+            if out is not None:     # (the call of the handle's last shapes again: its plan launched it)
+                return out
         return self._rt.run(self._intranode.combine_steps(x, handle, topk_weights, bias, config, previous_event,
                                                           async_finish, allocate_on_comm_stream))

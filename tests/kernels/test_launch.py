@@ -271,3 +271,65 @@ def test_compiled_path_runs_the_entry_the_per_argument_key_picks(plain):
         assert got == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     assert len(rec.firsts) == len(set(rec.firsts))
     assert len(la._binds) == (1 if plain else 0)
+
+
+def test_replay_substitutes_the_varying_tensors_in_every_slot():
+    """``BoundLaunch.replay`` (modes/intranode_replay.py's plans): a replay launches the planned launch's entry with
+    the new tensors' addresses in every slot the planned ones held (dummy slots too) and the other arguments as
+    planned; a tensor of another dtype, or off the 16-byte alignment the planned one had, goes through the bound
+    launch (its own key's entry); while a launch hook is set the replay takes the bound launch too. The replay
+    keeps no reference to the planned varying tensors."""
+    import gc
+    import weakref
+    from triton_ep.kernels import launch as L
+    la, rec = _forced_launcher()
+    b = L.BoundLaunch(la, (4,), 4, {"B": 32})
+    x, other = torch.zeros(64), torch.ones(8)
+    planned = (x, other, 5, 2, 7, x)        # x in a second slot too (a dummy slot: a flag's place here)
+    b(*planned)
+    b(*planned)                             # (the second launch keys through the binder)
+    r = b.replay(planned, (x,))
+    ref_x = weakref.ref(x)
+    del x, planned
+    gc.collect()
+    assert ref_x() is None, "the replay kept a varying tensor alive"
+    n = len(rec.runs)
+    x2 = torch.zeros(64)
+    r(x2)
+    assert len(rec.runs) == n + 1
+    assert rec.runs[-1][1] == (x2.data_ptr(), other.data_ptr(), 5, 2, 7, x2.data_ptr()), rec.runs[-1]
+    off = torch.zeros(65)[1:]               # 4 bytes past a 16-byte boundary: its own key, through the bound launch
+    r(off)
+    tag, got = rec.runs[-1]
+    assert got == (off.data_ptr(), other.data_ptr(), 5, 2, 7, off.data_ptr()), got
+    assert tag == tuple(f(a) for f, a in zip(la._key_fns, (off, other, 5, 2, 7, off)))
+    firsts = len(rec.firsts)
+    d = torch.zeros(64, dtype=torch.float64)
+    r(d)                                    # another dtype: the entry compiled for it
+    assert len(rec.firsts) == firsts + 1 and rec.runs[-1][1][0] == d.data_ptr()
+    old = L._hooks_set
+    L._hooks_set = lambda: True             # a launch hook is set: Triton's own call
+    through = []
+    la.fn = type("F", (), {"__getitem__": lambda s, g: lambda *a, **k: through.append(a)})()
+    try:
+        r(x2)
+    finally:
+        L._hooks_set = old
+    assert len(through) == 1 and through[0][0] is x2 and through[0][1] is other and through[0][5] is x2
+
+
+def test_replay_under_the_interpreter_launches_the_same_kernel():
+    """Under the interpreter a replay launches through the bound launch with the tensors in their slots: the same
+    results as a plain launch, for new contents and a new output each time."""
+    if not interpreted():
+        pytest.skip("interpreter only")
+    from triton_ep.kernels.launch import BoundLaunch
+    b = BoundLaunch(_axpb, (2,), 1, {"BLOCK": 32, "SHIFT": 2})
+    x, y = torch.arange(50, dtype=torch.float32), torch.full((50,), -99.0)
+    args = (x, y, 50, 3, 1)
+    b(*args)
+    r = b.replay(args, (x, y))
+    for k in range(3):
+        x2, y2 = torch.arange(50, dtype=torch.float32) * (k + 2), torch.full((50,), -99.0)
+        r(x2, y2)
+        assert torch.equal(y2, x2 * 3 + 1 + 2), k

@@ -23,6 +23,55 @@ import torch
 # CUDA-graph replays; benchmarks/README.md, results/grid_cap_h200_launch_params.json): a cached dispatch took 0.61x /
 # 0.84x / 0.83x / 0.95x the GPU time of the old parameters at T 128 / 1024 / 2048 / 4096, a combine 0.89x / 1.00x /
 # 0.95x / 0.97x.
+#: changes made to either tuning table so far (:class:`_Table` counts them): a call that replays a launch
+#: planned at an earlier call (``launch.Replay``) replans when this moved
+_TUNING_CHANGES = [0]
+
+
+class _Table(dict):
+    """A tuning table, or one of its entries: a dict that counts its changes in :data:`_TUNING_CHANGES` (tests
+    and sweeps change entries in place, ``monkeypatch.setitem`` or plain assignment); an entry stored in a
+    table becomes a ``_Table`` too, so changes to it count as well."""
+
+    def __setitem__(self, k, v) -> None:
+        super().__setitem__(k, _Table(v) if isinstance(v, dict) and not isinstance(v, _Table) else v)
+        _TUNING_CHANGES[0] += 1
+
+    def __delitem__(self, k) -> None:
+        super().__delitem__(k)
+        _TUNING_CHANGES[0] += 1
+
+    def update(self, *args, **kw) -> None:
+        for k, v in dict(*args, **kw).items():
+            self[k] = v
+
+    def setdefault(self, k, v=None):
+        if k not in self:
+            self[k] = v
+        return self[k]
+
+    def pop(self, *args):
+        _TUNING_CHANGES[0] += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        _TUNING_CHANGES[0] += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        _TUNING_CHANGES[0] += 1
+        super().clear()
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+
+def tuning_changes() -> int:
+    """How many changes the tuning tables have had in this process (a plan made before a change is stale)."""
+    return _TUNING_CHANGES[0]
+
+
 GPU_TUNING: Dict[str, Dict[str, object]] = {
     "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, histogram_max_bins=512, num_warps=4),
     "dispatch_send": dict(block_t=1, block_w=4096, num_warps=4, split_w=0, store_cache="", store_evict="",
@@ -75,6 +124,10 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "ll_reduce": dict(block_t=16, block_h=2048, num_warps=4),
     "ll_fused": dict(programs_per_sm=1),
 }
+
+
+GPU_TUNING = _Table({k: _Table(v) for k, v in GPU_TUNING.items()})
+INTERP_TUNING = _Table({k: _Table(v) for k, v in INTERP_TUNING.items()})
 
 
 @functools.lru_cache(maxsize=None)

@@ -315,10 +315,11 @@ def _bind_reduce(grid, hidden, k, rec_bytes, R, first, last, n_biases, has_w, sy
 def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
                   comb_base: torch.Tensor, delta_words: torch.Tensor, area: torch.Tensor, send_pos: torch.Tensor,
                   send_base: torch.Tensor, hi: int, rec_bytes: int, out: torch.Tensor, biases: Sequence[torch.Tensor],
-                  wout: Optional[torch.Tensor], signals: dict, sig: int, n_recv: Optional[torch.Tensor] = None) -> None:
+                  wout: Optional[torch.Tensor], signals: dict, sig: int, n_recv: Optional[torch.Tensor] = None) -> tuple:
     """A combine of one round (slots ``[0, hi)``) as one launch: :func:`combine_send`, then :func:`combine_reduce`
     (first and last round, ``advance = 1``), same arguments and results; ``area``: the local buffer (uint8).
-    The grid is :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps``."""
+    The grid is :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps``.
+    Returns the bound launch and its arguments (for :meth:`triton_ep.kernels.launch.BoundLaunch.replay`)."""
     n_rows = max(n_rows, 0)
     wx = row_words(x_words)
     k = weight_words.shape[1] if weight_words is not None else 0
@@ -330,10 +331,12 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
     launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-3], cs, cr, cf))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
-    launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, area, n_rows,
-           n_recv if n_recv is not None else prefix, area, area, send_pos, send_base, T, hi, out, b0, b1,
-           wout if wout is not None else out,
-           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
+    args = (x_words, weight_words if k else x_words, prefix, comb_base, delta_words, area, n_rows,
+            n_recv if n_recv is not None else prefix, area, area, send_pos, send_base, T, hi, out, b0, b1,
+            wout if wout is not None else out,
+            signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
+    launch(*args)
+    return launch, args
 
 
 _FUSED_BOUND: dict = {}

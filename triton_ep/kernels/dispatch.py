@@ -488,11 +488,12 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
                    n_rows: int, rank: int, experts_per_rank: int, k_out: int, out_x: torch.Tensor,
                    out_scales: Optional[torch.Tensor], out_idx: Optional[torch.Tensor],
                    out_weights: Optional[torch.Tensor], out_src: Optional[torch.Tensor], signals: dict, sig: int,
-                   n_recv: Optional[torch.Tensor] = None, cap: int = 0) -> None:
+                   n_recv: Optional[torch.Tensor] = None, cap: int = 0) -> tuple:
     """A call of one round (receive rows ``[0, cap)``) as one launch: :func:`dispatch_send`, then
     :func:`dispatch_recv` with ``advance = 1``, same arguments and results (``k_out``: the receive's ``k``).
     Its programs wait for each other between the parts, so the grid is :func:`fused_programs`; the launch
-    takes the send's ``num_warps`` and each part its own blocks."""
+    takes the send's ``num_warps`` and each part its own blocks. Returns the bound launch and its arguments
+    (:meth:`triton_ep.kernels.launch.BoundLaunch.replay` plans a later call of the same shapes from them)."""
     T, wx = x_words.shape[0], row_words(x_words)
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
@@ -508,12 +509,14 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
     launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs))
     dummy = x_words
     wts = weight_words if (k and weight_words is not None) else dummy
-    launch(x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
-           send_pos, row_base, delta_words, rec, T, 0, cap, num_experts, n_rows, rank * experts_per_rank,
-           experts_per_rank, out_x, out_scales if out_scales is not None else dummy,
-           out_idx if out_idx is not None else dummy, out_weights if out_weights is not None else dummy,
-           out_src if out_src is not None else dummy, n_recv if n_recv is not None else rec, cap,
-           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], 1)
+    args = (x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
+            send_pos, row_base, delta_words, rec, T, 0, cap, num_experts, n_rows, rank * experts_per_rank,
+            experts_per_rank, out_x, out_scales if out_scales is not None else dummy,
+            out_idx if out_idx is not None else dummy, out_weights if out_weights is not None else dummy,
+            out_src if out_src is not None else dummy, n_recv if n_recv is not None else rec, cap,
+            signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], 1)
+    launch(*args)
+    return launch, args
 
 
 _FUSED_BOUND: dict = {}

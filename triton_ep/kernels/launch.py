@@ -283,6 +283,26 @@ class BoundLaunch:
         g = self._grid3
         entry[0](g[0], g[1], g[2], stream(device()), entry[1], entry[2], None, None, None, *cargs, *self.cvals)
 
+    def replay(self, args: tuple, vary: tuple) -> "Replay":
+        """A :class:`Replay` of the launch just made with ``args``: later launches pass only the tensors of
+        ``vary`` (tensors among ``args``, by identity; every position holding one of them, dummy slots too,
+        takes the new tensor), the rest of ``args`` stays as it was. Call it right after launching with
+        ``args``: on GPU it keeps the compiled kernel that launch used and the other arguments' addresses. It
+        keeps references to the other arguments, never to a tensor of ``vary``."""
+        slots = tuple(next((j for j, v in enumerate(vary) if a is v), -1) for a in args)
+        entry = cargs = None
+        if self.cvals is not None and self._bind is not None and not _hooks_set():
+            try:
+                key, cargs = self._bind(*args)
+                entry = self._entries.get(key)
+            except (AttributeError, TypeError):
+                entry = None
+        if entry is not None:
+            cargs = tuple(0 if j >= 0 else a for a, j in zip(cargs, slots))
+        targs = tuple(None if j >= 0 else a for a, j in zip(args, slots))
+        return Replay(self, entry, cargs, targs, slots, tuple(not (v.data_ptr() & 15) for v in vary),
+                      tuple(v.dtype for v in vary))
+
     def _general(self, args) -> None:
         """Launch keying every argument on its own (arguments of other kinds than the binder's)."""
         la = self.launcher
@@ -292,6 +312,50 @@ class BoundLaunch:
             la._first(self.grid, args, self.num_warps, self.meta, key)
             return
         la._run(entry, self.grid, args)
+
+
+class Replay:
+    """A launch made again with the same grid and arguments but for a few tensors (:meth:`BoundLaunch.replay`):
+    what a call whose shapes did not change since its last call launches, with no key worked out and no
+    argument rebuilt but the tensors' addresses.
+
+    ``replay(*tensors)`` (one per ``vary`` tensor of the planned launch) launches on the current stream with the
+    compiled kernel the planned launch used, the tensors' addresses in their positions. Where that kernel cannot
+    stand for these tensors (another dtype, or an address not 16-byte aligned where the planned one was: the
+    kernel may assume it), while a Triton launch hook is set, and under the interpreter, it launches through
+    the bound launch with the arguments rebuilt (same results). Raises what Triton raises.
+    """
+
+    __slots__ = ("bound", "entry", "cargs", "targs", "aligned", "dtypes", "pos")
+
+    def __init__(self, bound: BoundLaunch, entry, cargs, targs: tuple, slots: tuple, aligned: tuple,
+                 dtypes: tuple) -> None:
+        self.bound, self.entry, self.cargs, self.targs = bound, entry, cargs, targs
+        self.aligned, self.dtypes = aligned, dtypes
+        #: per vary tensor, the positions it fills
+        self.pos = tuple(tuple(i for i, j in enumerate(slots) if j == k) for k in range(len(dtypes)))
+
+    def __call__(self, *tensors) -> None:
+        entry = self.entry
+        if entry is not None and not _hooks_set():
+            args, aligned, dtypes = list(self.cargs), self.aligned, self.dtypes
+            for k, t in enumerate(tensors):
+                p = t.data_ptr()
+                if t.dtype is not dtypes[k] or (p & 15 and aligned[k]):
+                    break
+                for i in self.pos[k]:
+                    args[i] = p
+            else:
+                run, function, packed, cvals, _ = entry
+                stream, device = self.bound.launcher._driver
+                g = self.bound._grid3
+                run(g[0], g[1], g[2], stream(device()), function, packed, None, None, None, *args, *cvals)
+                return
+        args = list(self.targs)
+        for k, t in enumerate(tensors):
+            for i in self.pos[k]:
+                args[i] = t
+        self.bound(*args)
 
 
 def resident_per_sm(launcher: Launcher, args: tuple, num_warps: int, meta: dict, device: torch.device) -> int:
@@ -324,4 +388,4 @@ def bound(cache: Dict[tuple, BoundLaunch], key: tuple, make) -> BoundLaunch:
     return b
 
 
-__all__ = ["BoundLaunch", "Launcher", "bound", "resident_per_sm"]
+__all__ = ["BoundLaunch", "Launcher", "Replay", "bound", "resident_per_sm"]

@@ -29,6 +29,7 @@ from ..protocol import records
 from ..runtime import Runtime, steps
 from ..runtime.checks import check_config, check_event, isint
 from ..transport import signals
+from . import intranode_replay as replay
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -137,6 +138,8 @@ class DispatchHandle(tuple):
         #: per call shape (operation, widths): record size, rows per round, rounds and call signature,
         #: worked out by the first call of that shape
         self.plans: dict = {}
+        #: the plans a cached dispatch and a combine of this handle replay (:mod:`.intranode_replay`)
+        self.replay_dispatch = self.replay_combine = None
         #: int64 [1] on the device: rows received, for a handle whose host never learnt the counts
         #: (``num_worst_tokens``; then ``num_recv_tokens`` is ``None``)
         self.n_recv_dev = n_recv_dev
@@ -354,10 +357,15 @@ class Intranode:
         if fused:
             yield "dispatch/send and receive"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                dispatch_fused(x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec,
-                               a.num_experts, rec_words, not cached, min(max(rows, 0), cap), self.rt.rank,
-                               a.num_experts // R, k_rec, out_words, sc_out, recv_idx, w_out, recv_src,
-                               self.rt.sig_args, call_sig, n_recv=n_dev, cap=cap)
+                launch, largs = dispatch_fused(
+                    x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec, a.num_experts,
+                    rec_words, not cached, min(max(rows, 0), cap), self.rt.rank, a.num_experts // R, k_rec, out_words,
+                    sc_out, recv_idx, w_out, recv_src, self.rt.sig_args, call_sig, n_recv=n_dev, cap=cap)
+            if cached and sc is None and x_words is xv and out_words is recv_x and xv.numel():
+                # the next cached dispatch of this handle with x of these shapes replays this launch
+                a.handle.replay_dispatch = replay.CallPlan(
+                    self.rt, xv, 0, recv_x.shape, card.CACHED_DISPATCH, (a.dtype_code, H, sc_dtype, 0, seq),
+                    launch.replay(largs, (xv, recv_x)), force)
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
@@ -556,8 +564,14 @@ class Intranode:
         if fused:
             yield "combine/send and reduce"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                combine_fused(xv, w, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
-                              send_base, cap, rb, out, biases, wout, self.rt.sig_args, call_sig, n_recv=h.n_recv_dev)
+                launch, largs = combine_fused(xv, w, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
+                                              send_base, cap, rb, out, biases, wout, self.rt.sig_args, call_sig,
+                                              n_recv=h.n_recv_dev)
+            if not biases and xv.numel():
+                # the next combine of this handle with x (and weights) of these shapes replays this launch
+                h.replay_combine = replay.CallPlan(self.rt, xv, K, out.shape, card.COMBINE, (H, K, h.seq),
+                                                   launch.replay(largs, (xv, out) if w is None else (xv, w, out, wout)),
+                                                   force)
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"

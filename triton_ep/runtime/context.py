@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import time
+import weakref
 import uuid
 from typing import Callable, Generator, Optional, Sequence
 
@@ -63,14 +64,7 @@ def steps(fn: Callable) -> Callable:
         except GeneratorExit:
             raise
         except BaseException as e:
-            rt = self.rt
-            if rt.comm is not None and not getattr(e, "_ep_recorded", False):
-                # a peer waiting on the host for this call's card stops at once
-                card.mark_failed(rt._card, rt._calls)
-                # the failure word names the round after this rank's completed ones: its earlier calls'
-                # kernels must have finished (so a peer still in one of those is not told it failed)
-                rt.wait_comm_stream()
-                rt.sig.post_local_failure()
+            self.rt.tell_failure(e)
             raise
     return run
 
@@ -117,6 +111,8 @@ class Runtime:
         #: work of an earlier call may still run on the communication / the caller's stream
         self._comm_dirty = self._caller_dirty = False
         self._op = 0
+        #: the call plans made for this Buffer's handles (modes.intranode_replay), dropped when it closes
+        self.plans = weakref.WeakSet()
         self.dispatch_seq = 0
         self.host_waits = {"meet": 0, "poll": 0}
         #: this rank's call card and its count of collective calls (named disagreements)
@@ -143,6 +139,8 @@ class Runtime:
                     self.comm_stream.synchronize()
                 self.comm.sync_device()
             finally:
+                for p in list(self.plans):
+                    p.drop()
                 self.comm.close()
                 self.comm = None
 
@@ -199,6 +197,31 @@ class Runtime:
             comm.broken = str(err)
         err._ep_recorded = True             # the kernel that recorded it told the peers already
         raise collective(err)
+
+    def tell_failure(self, e: BaseException) -> None:
+        """This rank's call raises ``e``: unless the kernel that recorded it told the peers already, mark the
+        call's card failed (a peer waiting on the host for it stops at once) and post the failure word (their
+        kernels waiting for this rank's part stop and raise ``EPRemoteError``). What :func:`steps` does."""
+        if self.comm is not None and not getattr(e, "_ep_recorded", False):
+            card.mark_failed(self._card, self._calls)
+            # the failure word names the round after this rank's completed ones: its earlier calls'
+            # kernels must have finished (so a peer still in one of those is not told it failed)
+            self.wait_comm_stream()
+            self.sig.post_local_failure()
+
+    def broke_mid_call(self, e: BaseException) -> None:
+        """``e`` (not raised on every rank alike) stopped this rank after its call started launching: it can no
+        longer keep step with its peers, so its Comm is marked broken and it leaves the group (its peers stop
+        waiting for it at once). What :meth:`run` does."""
+        comm = self.comm
+        if comm is not None and not getattr(e, "_ep_collective", False) and comm.broken is None:
+            comm.broken = f"rank {self.rank} failed in the middle of a call ({type(e).__name__}: {e})"
+            self.sig.leave(int(F.STAGE_FAILED))             # its peers stop waiting for it at once
+
+    @property
+    def exchanges(self) -> int:
+        """Host exchanges (re-synchronisations) this rank made so far: a plan made before one is stale."""
+        return self._op
 
     def count_call(self) -> None:
         """A collective call starts (its card carries the count; :func:`steps` counts its calls, the
@@ -382,9 +405,8 @@ class Runtime:
         except StopIteration as stop:
             return stop.value
         except BaseException as e:
-            if started and not getattr(e, "_ep_collective", False) and comm.broken is None:
-                comm.broken = f"rank {self.rank} failed in the middle of a call ({type(e).__name__}: {e})"
-                self.sig.leave(int(F.STAGE_FAILED))             # its peers stop waiting for it at once
+            if started:
+                self.broke_mid_call(e)
             raise
         finally:
             gen.close()

@@ -27,6 +27,18 @@ def test_processes_share_one_gpu(R):
     _ok(run_ranks(mp_cases.round_trip, R, 7, 8 * R, 8, 256, [64 + 13 * r for r in range(R)], 1 << 20, False, "cuda"))
 
 
+def test_cached_calls_replay_their_plan_gpu():
+    """modes/intranode_replay.py with compiled kernels (3 processes sharing the GPU): cached dispatches and combines
+    replay the compiled launch of their handle's last call, bit for bit against the reference; every case that
+    takes the general path or the bound launch (an x off the plan's 16-byte alignment) as on CPU."""
+    out = run_ranks(mp_cases.replayed_calls, 3, 4, "cuda")
+    bad = [r for r in out if hasattr(r, "traceback")]
+    assert not bad, "\n".join(b.traceback or b.message for b in bad)
+    for rank, (seen, err) in enumerate(out):
+        assert seen == [0, 6, 7, 8, 10 if rank == 1 else 11, 11 if rank == 1 else 12], (rank, seen)
+        assert err == ("ValueError" if rank == 1 else "EPRemoteError"), (rank, err)
+
+
 def test_processes_fp8_and_rounds_gpu():
     _ok(run_ranks(mp_cases.round_trip, 2, 8, 16, 4, 256, [100, 3], 8192, True, "cuda"))
 

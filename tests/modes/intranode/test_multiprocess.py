@@ -57,6 +57,19 @@ def test_send_and_receive_fused_in_one_launch():
     assert all(ran for _, ran in out), out
 
 
+def test_cached_dispatch_and_combine_replay_their_plan():
+    """A cached dispatch or combine of one launch with the shapes of its handle's last call replays the plan that
+    call left (fresh contents, bit for bit against the reference, on 3 ranks); a non-contiguous x, weights the plan
+    did not have, a tuning change, ``TRITON_EP_FUSED=0`` and the re-synchronisation after a rank's bad call take
+    the general path; the ranks that replayed while one rejected its x raise ``EPRemoteError``; an x off the plan's
+    16-byte alignment replays through the bound launch; ``destroy()`` drops the plans."""
+    out = _values(run_ranks(mp_cases.replayed_calls, 3, 4))
+    for rank, (seen, err) in enumerate(out):
+        bad = rank == 1
+        assert seen == [0, 6, 7, 8, 10 if bad else 11, 11 if bad else 12], (rank, seen)
+        assert err == ("ValueError" if bad else "EPRemoteError"), (rank, err)
+
+
 def test_a_bad_fused_switch_is_an_argument_error():
     """TRITON_EP_FUSED=maybe: ValueError on every rank for a plain dispatch, a cached dispatch and a combine,
     before anything runs; the same Buffer goes on once the variable is fixed."""

@@ -1,0 +1,135 @@
+"""Cached dispatch and combine calls made again with the shapes of their last call: the same launch, replayed.
+
+A cached ``dispatch`` (``handle=...``) or a ``combine`` of one round, at most ``tuning("fused")["max_tokens"]``
+tokens (a single launch, :func:`triton_ep.kernels.dispatch.use_fused`), leaves a :class:`CallPlan` on its
+handle: what the next call of that handle with the same shapes needs (the call card's values, the output's
+shape, the launch with every argument but the call's own tensors, :class:`triton_ep.kernels.launch.Replay`).
+That next call checks its tensors against the plan (type, shape, dtype, device, contiguity, 4-byte
+alignment), then does what the general path does (the call count, the error check, the card, the stream
+order, the output's allocation, the launch, the event, the error check) without working the rest out again.
+A call that does not match its plan in any way, or any other argument than the defaults, ``config``,
+``previous_event`` and ``async_finish``, takes the general path (:mod:`triton_ep.modes.intranode`), which
+checks and raises as always and plans again.
+
+Why: on an H200 machine most of a cached dispatch's or a combine's host time was the Python around its one
+launch (benchmarks/README.md), checks and bookkeeping that give the same answer as on the previous call.
+
+A plan stops serving (the general path runs and replans) once the tuning tables changed
+(:func:`triton_ep.kernels._util.tuning_changes`), once the ranks met to re-synchronise after an error, and for
+another value of ``TRITON_EP_FUSED`` (read on every call, as by the general path).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..kernels._util import tuning_changes
+from ..kernels.dispatch import fused_switch
+from ..runtime.checks import check_config, check_event
+
+Tensor = torch.Tensor
+
+
+class CallPlan:
+    """What a call of one handle needs to launch again with the same shapes (see the module's docstring).
+
+    Attributes:
+        rt: the Runtime of the Buffer that made it. shape, dtype: ``x``'s (a ``torch.Size``, a dtype).
+        k: ``topk_weights``' columns for a combine (0: none). out_shape: the output's shape.
+        code, card: the call card's operation and values. replay: the launch (:class:`triton_ep.kernels.launch.Replay`),
+        ``None`` once the Buffer was destroyed (:meth:`drop`: it referenced the Buffer's shared memory).
+        force, tuning, exchanges: ``TRITON_EP_FUSED``, the tuning tables' changes and the Runtime's host
+        exchanges when it was made (another value makes it stale).
+    """
+
+    __slots__ = ("rt", "shape", "dtype", "k", "out_shape", "code", "card", "replay", "force", "tuning", "exchanges",
+                 "__weakref__")
+
+    def __init__(self, rt, x: Tensor, k: int, out_shape: tuple, code: int, card_values: tuple, replay,
+                 force: Optional[bool]) -> None:
+        self.rt, self.shape, self.dtype, self.k, self.out_shape = rt, x.shape, x.dtype, k, tuple(out_shape)
+        self.code, self.card, self.replay, self.force = code, tuple(card_values), replay, force
+        self.tuning, self.exchanges = tuning_changes(), rt.exchanges
+        rt.plans.add(self)      # (dropped when the Buffer is destroyed)
+
+    def drop(self) -> None:
+        """Forget the launch (and with it every reference to the Buffer's memory): the plan serves no call."""
+        self.replay = None
+
+
+def _usable(p: Optional[CallPlan], rt, x, config, previous_event) -> bool:
+    """Whether plan ``p`` serves a call of ``x``, ``config`` and ``previous_event`` now (no side effect: any
+    doubt says no, and the general path checks and raises)."""
+    if p is None or p.rt is not rt or p.replay is None or x.__class__ is not torch.Tensor:
+        return False
+    if x.shape != p.shape or x.dtype is not p.dtype or x.device != rt.device or not x.is_contiguous():
+        return False
+    if x.data_ptr() & 3 or rt.comm is None or rt.sig.needs_resync:
+        return False
+    if p.tuning != tuning_changes() or p.exchanges != rt.exchanges:
+        return False
+    try:
+        check_config(config)
+        check_event(previous_event)
+        return fused_switch() == p.force
+    except (TypeError, ValueError):
+        return False
+
+
+def _run(rt, p: CallPlan, previous_event, async_finish: bool, x: Tensor, w: Optional[Tensor],
+         keep: tuple):
+    """The call of plan ``p``, as the general path makes it: count it, raise a recorded error, publish the
+    card, order after the caller's work, allocate the outputs, launch, hand back the event, raise
+    an error recorded meanwhile. Returns ``(out, wout, event)``."""
+    rt.count_call()
+    started = False
+    try:
+        rt.check()
+        rt.publish(p.code, p.card)
+        rt.begin(previous_event, async_finish)
+        started = True
+        out = torch.empty(p.out_shape, dtype=x.dtype, device=rt.device)
+        wout = torch.empty((p.out_shape[0], p.k), dtype=torch.float32, device=rt.device) if w is not None else None
+        with rt.comm_ctx(), rt.sig.watch():
+            if w is None:
+                p.replay(x, out)
+            else:
+                p.replay(x, w, out, wout)
+        event = rt.end(async_finish, (x, w, out, wout) + keep)
+        rt.check()
+        return out, wout, event
+    except BaseException as e:
+        rt.tell_failure(e)
+        if started:
+            rt.broke_mid_call(e)
+        raise
+
+
+def cached_dispatch(rt, handle, x, config, previous_event, async_finish: bool):
+    """``Buffer.dispatch(x, handle=handle, config=..., previous_event=..., async_finish=...)`` by the handle's
+    plan: DeepEP's cached dispatch result ``(recv_x, None, None, None, None, event)``, or ``None`` when the
+    plan does not serve this call (then nothing was done: take the general path). Raises what the general
+    path raises once the call started (a recorded error, an allocation failure)."""
+    p = handle.replay_dispatch
+    if not _usable(p, rt, x, config, previous_event):
+        return None
+    out, _, event = _run(rt, p, previous_event, async_finish, x, None, (handle.send_head, handle.row_base))
+    return out, None, None, None, None, event
+
+
+def combine(rt, handle, x, topk_weights, config, previous_event, async_finish: bool):
+    """``Buffer.combine(x, handle, topk_weights, config=..., previous_event=..., async_finish=...)`` (no bias)
+    by the handle's plan: ``(combined_x, combined_topk_weights or None, event)``, or ``None`` when the plan
+    does not serve this call (nothing was done). Raises as :func:`cached_dispatch`."""
+    p = handle.replay_combine
+    if not _usable(p, rt, x, config, previous_event):
+        return None
+    w = topk_weights
+    if w is None:
+        if p.k:
+            return None
+    elif (w.__class__ is not torch.Tensor or not p.k or w.shape != (p.shape[0], p.k) or w.dtype is not torch.float32
+          or w.device != rt.device or not w.is_contiguous() or w.data_ptr() & 3):
+        return None
+    return _run(rt, p, previous_event, async_finish, x, w, (handle.send_head,))
