@@ -961,6 +961,9 @@ def replayed_calls(rank, world, seed, device="cpu"):
         bad = xk[rank].to(dev)[:-1] if rank == 1 else xk[rank].to(dev)
         try:
             buf.dispatch(bad, handle=handle)
+            if device == "cuda":        # (on GPU the peers' kernels learn it after the call returned)
+                torch.cuda.synchronize()
+                buf.check()
         except (ValueError, EPRemoteError) as e:
             err = type(e).__name__
         ek = check_dispatch(9)                  # after the error: the re-synchronisation, the general path
