@@ -885,15 +885,17 @@ def other_collective_after_a_call(rank, world, second, timeout_s=30.0):
         buf.destroy()
 
 
-def replayed_calls(rank, world, seed, device="cpu"):
+def replayed_calls(rank, world, seed, device="cpu", fused=True):
     """Cached dispatches and combines of one handle with unchanged shapes replay the plan their first call left
     (``TRITON_EP_FUSED=1``: calls of one launch; modes/intranode_replay.py): fresh contents each call, bit for
     bit against the reference; then what makes a call take the general path instead (a non-contiguous x, other
     weights, a tuning change, ``TRITON_EP_FUSED=0``, a rank that passes a bad x while its peers replay: they
     raise ``EPRemoteError`` and the group goes on), an x off the plan's 16-byte alignment (replayed through the
-    bound launch), and ``destroy()`` dropping the plans. Returns
+    bound launch), and ``destroy()`` dropping the plans. ``fused``: calls of one launch (``TRITON_EP_FUSED=1``), else
+    a send and a receive launch each (``0``; the step that changes it sets the other value). Returns
     ``(replays counted after each step, the error each rank raised at the bad call)``."""
-    os.environ["TRITON_EP_FUSED"] = "1"
+    on, off = ("1", "0") if fused else ("0", "1")
+    os.environ["TRITON_EP_FUSED"] = on
     from triton_ep.errors import EPRemoteError
     from triton_ep.kernels import _util
     from triton_ep.modes import intranode_replay as RP
@@ -953,9 +955,9 @@ def replayed_calls(rank, world, seed, device="cpu"):
         seen.append(replays[0])
         _util.INTERP_TUNING["fused"]["reduce_block_h"] = _util.INTERP_TUNING["fused"]["reduce_block_h"]
         ek = check_dispatch(7)                  # a tuning change: the general path
-        os.environ["TRITON_EP_FUSED"] = "0"
-        check_combine(7, ek, weights=False)     # split launches: the general path
-        os.environ["TRITON_EP_FUSED"] = "1"
+        os.environ["TRITON_EP_FUSED"] = off
+        check_combine(7, ek, weights=False)     # the other launches: the general path
+        os.environ["TRITON_EP_FUSED"] = on
         ek = check_dispatch(8)                  # replays (the plan of step 7)
         seen.append(replays[0])
         bad = xk[rank].to(dev)[:-1] if rank == 1 else xk[rank].to(dev)
@@ -985,10 +987,45 @@ def replayed_calls(rank, world, seed, device="cpu"):
         RP._run = real_run
         os.environ.pop("TRITON_EP_FUSED", None)
         buf.destroy()
-    assert all(p.replay is None for p in plans), "destroy() drops the plans"
+    assert all(p.launches is None for p in plans), "destroy() drops the plans"
     try:
         buf.dispatch(xs[rank].to(dev), handle=handle)
         raise AssertionError("a destroyed Buffer's cached dispatch ran")
     except triton_ep.EPError:
         pass
     return seen, err
+
+
+def replayed_rounds(rank, world, seed, num_nvl_bytes):
+    """A buffer small enough for several rounds a call: cached dispatches replay their send and receive launches of
+    every round (fresh contents, bit for bit against the reference); a combine of several rounds is never
+    replayed (its sums carry over in fresh fp32 tensors). Returns ``(dispatch replays, combine replays)``."""
+    from triton_ep.modes import intranode_replay as RP
+    E, K, H = 4 * world, 3, 64
+    Ts = [40 + 5 * r for r in range(world)]
+    xs, idxs, ws = make_inputs(seed, world, E, K, H, Ts)
+    counts = {}
+    real_run = RP._run
+
+    def counted(rt, p, *a, **k):
+        counts[p.code] = counts.get(p.code, 0) + 1
+        assert len(p.launches) > 2, ("several rounds: a send and a receive launch each", len(p.launches))
+        return real_run(rt, p, *a, **k)
+    RP._run = counted
+    buf = triton_ep.Buffer(None, num_nvl_bytes, timeout_s=60)
+    try:
+        _, _, recv_w, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+        for k in range(4):
+            xk = [(x.float() * (k + 2) - k).to(torch.bfloat16) for x in xs]
+            ek = ref.dispatch(xk, idxs, ws, E)
+            got = buf.dispatch(xk[rank], handle=handle)[0]
+            assert torch.equal(got.view(torch.int16), ek[rank]["recv_x"].view(torch.int16)), k
+            ys = [(e["recv_x"].float() * 2).to(torch.bfloat16) for e in ek]
+            out, _, _ = buf.combine(ys[rank], handle)
+            cexp = ref.combine(ys, ek, Ts, [e["recv_topk_weights"] for e in ek])[rank]
+            assert torch.equal(out.view(torch.int16), cexp[0].view(torch.int16)), k
+        from triton_ep.protocol import call_card as card
+        return counts.get(card.CACHED_DISPATCH, 0), counts.get(card.COMBINE, 0)
+    finally:
+        RP._run = real_run
+        buf.destroy()

@@ -230,8 +230,9 @@ def record_bytes(hidden: int, k: int) -> int:
 def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
                  comb_base: torch.Tensor, delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int,
                  rec_words: int, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
-                 n_recv: Optional[torch.Tensor] = None) -> None:
+                 n_recv: Optional[torch.Tensor] = None) -> tuple:
     """Return this rank's received rows ``[0, n_rows)`` to their source ranks' combine areas (slots ``[lo, hi)``).
+    Returns the bound launch and its arguments (as :func:`combine_fused`).
 
     Args:
         x_words: ``[N, H]`` bf16 (or its ``[N, H/2]`` int32 view), the expert outputs in receive order.
@@ -255,8 +256,10 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     key = (_grid(cdiv(n_rows, cfg["block_t"]), signals), wx, k, weight_words is not None, rec_words, prefix.shape[0],
            n_recv is not None, signals is not None, _use_clock(signals), _defer(signals), tuple(cfg.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], cfg))
-    launch(x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
-           n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words))
+    args = (x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
+            n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words))
+    launch(*args)
+    return launch, args
 
 
 _SEND_BOUND: dict = {}
@@ -273,8 +276,9 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
                    hidden: int, k: int, rec_bytes: int, acc: Optional[torch.Tensor], out: torch.Tensor,
                    biases: Sequence[torch.Tensor], wacc: Optional[torch.Tensor], wout: Optional[torch.Tensor],
                    first: bool, last: bool, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
-                   advance: int = 0) -> None:
-    """Add the slots ``[lo, hi)`` of the local combine area into each token's sum.
+                   advance: int = 0) -> tuple:
+    """Add the slots ``[lo, hi)`` of the local combine area into each token's sum. Returns the bound launch and
+    its arguments (as :func:`combine_fused`).
 
     Args:
         area: the local buffer (uint8); slots start at its first byte.
@@ -296,9 +300,11 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], cfg))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
-    launch(area, area, send_pos, send_base, T, lo, hi, acc if acc is not None else out, out, b0, b1,
-           wacc if wacc is not None else out, wout if wout is not None else out,
-           *sync_args(signals, rnd, sig, out), advance)
+    args = (area, area, send_pos, send_base, T, lo, hi, acc if acc is not None else out, out, b0, b1,
+            wacc if wacc is not None else out, wout if wout is not None else out,
+            *sync_args(signals, rnd, sig, out), advance)
+    launch(*args)
+    return launch, args
 
 
 _REDUCE_BOUND: dict = {}

@@ -352,8 +352,9 @@ def _blocks(kernel: str, wx: int):
 def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                   weight_words: Optional[torch.Tensor], send_pos: torch.Tensor, row_base: torch.Tensor,
                   delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int, num_experts: int,
-                  rec_words: int, with_src: bool, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0) -> None:
-    """Write this rank's records for receive rows ``[lo, hi)`` into every receiver's buffer.
+                  rec_words: int, with_src: bool, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0) -> tuple:
+    """Write this rank's records for receive rows ``[lo, hi)`` into every receiver's buffer. Returns the bound
+    launch and its arguments (as :func:`dispatch_fused`).
 
     Args:
         x_words: ``[T, H]`` contiguous, of any dtype whose row is whole 32-bit words (``WX`` of them): the
@@ -386,8 +387,10 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
         with_src, signals, x_words.device, cfg))
     dummy = x_words         # (in place of absent tensors: the kernel reads them as words, never dereferenced)
     wts = weight_words if (k and weight_words is not None) else dummy
-    launch(x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
-           send_pos, row_base, delta_words, rec, T, lo, hi, num_experts, *sync_args(signals, rnd, sig, x_words))
+    args = (x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
+            send_pos, row_base, delta_words, rec, T, lo, hi, num_experts, *sync_args(signals, rnd, sig, x_words))
+    launch(*args)
+    return launch, args
 
 
 _SEND_BOUND: dict = {}
@@ -412,8 +415,9 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
                   k: int, rec_words: int, out_x: torch.Tensor, out_scales: Optional[torch.Tensor],
                   out_idx: Optional[torch.Tensor], out_weights: Optional[torch.Tensor],
                   out_src: Optional[torch.Tensor], signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
-                  advance: int = 0, n_recv: Optional[torch.Tensor] = None, cap: int = 0) -> None:
-    """Unpack ``n_rows`` records from the local buffer into output rows ``[lo, lo + n_rows)``.
+                  advance: int = 0, n_recv: Optional[torch.Tensor] = None, cap: int = 0) -> tuple:
+    """Unpack ``n_rows`` records from the local buffer into output rows ``[lo, lo + n_rows)``. Returns the bound
+    launch and its arguments (as :func:`dispatch_fused`).
 
     Global ids become local ids of this rank (``-1`` where the expert lives elsewhere) and their weights
     0 there. ``out_x`` is ``[N, H]`` of any dtype whose row is ``WX`` 32-bit words, ``out_scales`` ``[N, S]``
@@ -434,10 +438,12 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
            out_src is not None, signals is not None, _use_clock(signals), _defer(signals),
            signals["hdr_delta"].shape[0] if signals is not None else 1, tuple(cfg.items()))
     launch = bound(_RECV_BOUND, key, lambda: _bind_recv(grid, *key[1:-1]))
-    launch(rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
-           out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
-           out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,
-           n_recv if n_recv is not None else rec, cap, *sync_args(signals, rnd, sig, rec), advance)
+    args = (rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
+            out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
+            out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,
+            n_recv if n_recv is not None else rec, cap, *sync_args(signals, rnd, sig, rec), advance)
+    launch(*args)
+    return launch, args
 
 
 _RECV_BOUND: dict = {}

@@ -354,31 +354,33 @@ class Intranode:
         k_rec = a.num_topk if not cached else 0
         n_dev = n_recv_dev if n_recv is None else None
         fused = rounds == 1 and use_fused(xv.shape[0], self.rt.group, force)
+        launches = []       # (bound launch, its arguments), in order: what a later cached call may replay
         if fused:
             yield "dispatch/send and receive"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                launch, largs = dispatch_fused(
+                launches.append(dispatch_fused(
                     x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec, a.num_experts,
                     rec_words, not cached, min(max(rows, 0), cap), self.rt.rank, a.num_experts // R, k_rec, out_words,
-                    sc_out, recv_idx, w_out, recv_src, self.rt.sig_args, call_sig, n_recv=n_dev, cap=cap)
-            if cached and sc is None and x_words is xv and out_words is recv_x and xv.numel():
-                # the next cached dispatch of this handle with x of these shapes replays this launch
-                a.handle.replay_dispatch = replay.CallPlan(
-                    self.rt, xv, 0, recv_x.shape, card.CACHED_DISPATCH, (a.dtype_code, H, sc_dtype, 0, seq),
-                    launch.replay(largs, (xv, recv_x)), force)
+                    sc_out, recv_idx, w_out, recv_src, self.rt.sig_args, call_sig, n_recv=n_dev, cap=cap))
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.dispatch_send(x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec,
-                                      lo, hi, a.num_experts, rec_words, with_src=not cached, signals=self.rt.sig_args, rnd=k,
-                                      sig=call_sig)
+                launches.append(kernels.dispatch_send(
+                    x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec, lo, hi,
+                    a.num_experts, rec_words, with_src=not cached, signals=self.rt.sig_args, rnd=k, sig=call_sig))
             yield f"dispatch/receive round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.dispatch_recv(rec, min(max(rows - lo, 0), cap), lo, self.rt.rank, a.num_experts // R,
-                                      a.row_words, a.scale_words, k_rec, rec_words, out_words, sc_out, recv_idx, w_out,
-                                      recv_src, signals=self.rt.sig_args, rnd=k, sig=call_sig,
-                                      advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap)
+                launches.append(kernels.dispatch_recv(
+                    rec, min(max(rows - lo, 0), cap), lo, self.rt.rank, a.num_experts // R, a.row_words, a.scale_words,
+                    k_rec, rec_words, out_words, sc_out, recv_idx, w_out, recv_src, signals=self.rt.sig_args, rnd=k,
+                    sig=call_sig, advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap))
+        if (cached and self.rt.group is not None and sc is None and x_words is xv and out_words is recv_x
+                and xv.numel()):
+            # the next cached dispatch of this handle with x of these shapes replays these launches
+            a.handle.replay_dispatch = replay.CallPlan(
+                self.rt, xv, 0, recv_x.shape, card.CACHED_DISPATCH, (a.dtype_code, H, sc_dtype, 0, seq),
+                tuple(la.replay(args, (xv, recv_x)) for la, args in launches), force)
         out_x = (recv_x, recv_sc) if sc is not None else recv_x
         inputs = (xv, sc, idx, a.topk_weights, send_pos, row_base)
         if cached:
@@ -561,29 +563,32 @@ class Intranode:
         # one round may run both as one launch (kernels.dispatch.use_fused).
         rows = h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows   # (device count: a bound)
         fused = rounds == 1 and use_fused(T, self.rt.group, force)
+        launches = []       # (bound launch, its arguments), in order: what a later combine may replay
         if fused:
             yield "combine/send and reduce"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                launch, largs = combine_fused(xv, w, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
+                launches.append(combine_fused(xv, w, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
                                               send_base, cap, rb, out, biases, wout, self.rt.sig_args, call_sig,
-                                              n_recv=h.n_recv_dev)
-            if not biases and xv.numel():
-                # the next combine of this handle with x (and weights) of these shapes replays this launch
-                h.replay_combine = replay.CallPlan(self.rt, xv, K, out.shape, card.COMBINE, (H, K, h.seq),
-                                                   launch.replay(largs, (xv, out) if w is None else (xv, w, out, wout)),
-                                                   force)
+                                              n_recv=h.n_recv_dev))
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.combine_send(xv, w, rows, prefix, comb_base, self.rt.delta_words,
-                                     area, lo, hi, rb // 4, signals=self.rt.sig_args, rnd=k,
-                                     sig=call_sig, n_recv=h.n_recv_dev)
+                launches.append(kernels.combine_send(xv, w, rows, prefix, comb_base, self.rt.delta_words,
+                                                     area, lo, hi, rb // 4, signals=self.rt.sig_args, rnd=k,
+                                                     sig=call_sig, n_recv=h.n_recv_dev))
             yield f"combine/reduce round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
-                kernels.combine_reduce(area, h.send_head, send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout,
-                                       first=k == 0, last=k == rounds - 1, signals=self.rt.sig_args, rnd=k,
-                                       sig=call_sig, advance=rounds if k == rounds - 1 else 0)
+                launches.append(kernels.combine_reduce(
+                    area, h.send_head, send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout, first=k == 0,
+                    last=k == rounds - 1, signals=self.rt.sig_args, rnd=k, sig=call_sig,
+                    advance=rounds if k == rounds - 1 else 0))
+        if self.rt.group is not None and not biases and acc is None and xv.numel():
+            # the next combine of this handle with x (and weights) of these shapes replays these launches (a
+            # combine of several rounds, whose sums carry over in fresh fp32 tensors, does not)
+            vary = (xv, out) if w is None else (xv, w, out, wout)
+            h.replay_combine = replay.CallPlan(self.rt, xv, K, out.shape, card.COMBINE, (H, K, h.seq),
+                                               tuple(la.replay(args, vary) for la, args in launches), force)
         event = self.rt.end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
         self.rt.check()
         return out, wout, event

@@ -1,9 +1,10 @@
 """Cached dispatch and combine calls made again with the shapes of their last call: the same launch, replayed.
 
-A cached ``dispatch`` (``handle=...``) or a ``combine`` of one round, at most ``tuning("fused")["max_tokens"]``
-tokens (a single launch, :func:`triton_ep.kernels.dispatch.use_fused`), leaves a :class:`CallPlan` on its
-handle: what the next call of that handle with the same shapes needs (the call card's values, the output's
-shape, the launch with every argument but the call's own tensors, :class:`triton_ep.kernels.launch.Replay`).
+A cached ``dispatch`` (``handle=...``) of plain ``x`` (no scales), or a ``combine`` without bias whose rows fit one
+round, leaves a :class:`CallPlan` on its handle: what the next call of that handle with the same shapes needs (the
+call card's values, the output's shape, the call's launches with every argument but the call's own tensors,
+:class:`triton_ep.kernels.launch.Replay`: one launch up to ``tuning("fused")["max_tokens"]`` tokens,
+:func:`triton_ep.kernels.dispatch.use_fused`, else a send and a receive launch per round).
 That next call checks its tensors against the plan (type, shape, dtype, device, contiguity, 4-byte
 alignment), then does what the general path does (the call count, the error check, the card, the stream
 order, the output's allocation, the launch, the event, the error check) without working the rest out again.
@@ -37,31 +38,32 @@ class CallPlan:
     Attributes:
         rt: the Runtime of the Buffer that made it. shape, dtype: ``x``'s (a ``torch.Size``, a dtype).
         k: ``topk_weights``' columns for a combine (0: none). out_shape: the output's shape.
-        code, card: the call card's operation and values. replay: the launch (:class:`triton_ep.kernels.launch.Replay`),
-        ``None`` once the Buffer was destroyed (:meth:`drop`: it referenced the Buffer's shared memory).
+        code, card: the call card's operation and values. launches: the call's launches in order
+        (:class:`triton_ep.kernels.launch.Replay` each: one for a call of one launch, a send and a receive per round
+        otherwise), ``None`` once the Buffer was destroyed (:meth:`drop`: they referenced its shared memory).
         force, tuning, exchanges: ``TRITON_EP_FUSED``, the tuning tables' changes and the Runtime's host
         exchanges when it was made (another value makes it stale).
     """
 
-    __slots__ = ("rt", "shape", "dtype", "k", "out_shape", "code", "card", "replay", "force", "tuning", "exchanges",
-                 "__weakref__")
+    __slots__ = ("rt", "shape", "dtype", "k", "out_shape", "code", "card", "launches", "force", "tuning",
+                 "exchanges", "__weakref__")
 
-    def __init__(self, rt, x: Tensor, k: int, out_shape: tuple, code: int, card_values: tuple, replay,
+    def __init__(self, rt, x: Tensor, k: int, out_shape: tuple, code: int, card_values: tuple, launches: tuple,
                  force: Optional[bool]) -> None:
         self.rt, self.shape, self.dtype, self.k, self.out_shape = rt, x.shape, x.dtype, k, tuple(out_shape)
-        self.code, self.card, self.replay, self.force = code, tuple(card_values), replay, force
+        self.code, self.card, self.launches, self.force = code, tuple(card_values), launches, force
         self.tuning, self.exchanges = tuning_changes(), rt.exchanges
         rt.plans.add(self)      # (dropped when the Buffer is destroyed)
 
     def drop(self) -> None:
-        """Forget the launch (and with it every reference to the Buffer's memory): the plan serves no call."""
-        self.replay = None
+        """Forget the launches (and with them every reference to the Buffer's memory): the plan serves no call."""
+        self.launches = None
 
 
 def _usable(p: Optional[CallPlan], rt, x, config, previous_event) -> bool:
     """Whether plan ``p`` serves a call of ``x``, ``config`` and ``previous_event`` now (no side effect: any
     doubt says no, and the general path checks and raises)."""
-    if p is None or p.rt is not rt or p.replay is None or x.__class__ is not torch.Tensor:
+    if p is None or p.rt is not rt or p.launches is None or x.__class__ is not torch.Tensor:
         return False
     if x.shape != p.shape or x.dtype is not p.dtype or x.device != rt.device or not x.is_contiguous():
         return False
@@ -91,11 +93,11 @@ def _run(rt, p: CallPlan, previous_event, async_finish: bool, x: Tensor, w: Opti
         started = True
         out = torch.empty(p.out_shape, dtype=x.dtype, device=rt.device)
         wout = torch.empty((p.out_shape[0], p.k), dtype=torch.float32, device=rt.device) if w is not None else None
-        with rt.comm_ctx(), rt.sig.watch():
-            if w is None:
-                p.replay(x, out)
-            else:
-                p.replay(x, w, out, wout)
+        ts = (x, out) if w is None else (x, w, out, wout)
+        with rt.comm_ctx():
+            for launch in p.launches:
+                with rt.sig.watch():
+                    launch(*ts)
         event = rt.end(async_finish, (x, w, out, wout) + keep)
         rt.check()
         return out, wout, event

@@ -57,17 +57,25 @@ def test_send_and_receive_fused_in_one_launch():
     assert all(ran for _, ran in out), out
 
 
-def test_cached_dispatch_and_combine_replay_their_plan():
+@pytest.mark.parametrize("fused", [True, False], ids=["one launch", "send and receive launches"])
+def test_cached_dispatch_and_combine_replay_their_plan(fused):
     """A cached dispatch or combine of one launch with the shapes of its handle's last call replays the plan that
     call left (fresh contents, bit for bit against the reference, on 3 ranks); a non-contiguous x, weights the plan
     did not have, a tuning change, ``TRITON_EP_FUSED=0`` and the re-synchronisation after a rank's bad call take
     the general path; the ranks that replayed while one rejected its x raise ``EPRemoteError``; an x off the plan's
     16-byte alignment replays through the bound launch; ``destroy()`` drops the plans."""
-    out = _values(run_ranks(mp_cases.replayed_calls, 3, 4))
+    out = _values(run_ranks(mp_cases.replayed_calls, 3, 4, "cpu", fused))
     for rank, (seen, err) in enumerate(out):
         bad = rank == 1
         assert seen == [0, 6, 7, 8, 10 if bad else 11, 11 if bad else 12], (rank, seen)
         assert err == ("ValueError" if bad else "EPRemoteError"), (rank, err)
+
+
+def test_cached_dispatches_of_several_rounds_replay_every_launch():
+    """A buffer of 4 KiB (1 KiB rounded up) and 40-45 tokens a rank: every call takes several rounds; cached dispatches replay all their launches (bit for bit
+    against the reference), combines of several rounds take the general path."""
+    for disp, comb in _values(run_ranks(mp_cases.replayed_rounds, 2, 6, 1024)):
+        assert (disp, comb) == (3, 0), (disp, comb)
 
 
 def test_a_bad_fused_switch_is_an_argument_error():
