@@ -518,6 +518,14 @@ def launches_per_call(rank, world, N=8, H=128, E=4, K=2):
             log.append(_name)
             return _real(*args, **kw)
         setattr(LL, name, counted)
+    # a call of the last call's sizes replays its launch (modes/low_latency_replay.py): counted by its kernel
+    from triton_ep.kernels import launch as L
+    real_replay = L.Replay.__call__
+
+    def replayed(self, *args):
+        log.append(self.bound.launcher.fn.fn.__name__.strip("_").replace("_kernel", ""))
+        return real_replay(self, *args)
+    L.Replay.__call__ = replayed
     buf = _buffer(R, N, H, E, timeout_s=60)
     steps = {}
 
@@ -548,6 +556,7 @@ def launches_per_call(rank, world, N=8, H=128, E=4, K=2):
         w = buf._ll.ctl.tolist()
         return steps, (w[int(F.L_DONE)], w[int(F.L_DONE2)], w[int(F.L_GATE)])
     finally:
+        L.Replay.__call__ = real_replay
         buf.destroy()
 
 
@@ -1025,3 +1034,86 @@ def control_words(rank, world, N=8, H=128, E=4, K=2):
         return seen
     finally:
         buf.destroy()
+
+
+def replayed_calls(rank, world, device="cpu"):
+    """Decode-like steps (fresh x, routing and weights each step, the same sizes): low-latency dispatches and
+    combines of one launch replay the plan of the last call (modes/low_latency_replay.py), each result against the
+    oracle (FP8 with UE8M0 scales, stats and cost tensors); then what takes the general path (another stats
+    argument, a receive hook, a non-contiguous x, the re-synchronisation after a rank's bad ids: that call is
+    replayed and raises ``ValueError`` there and ``EPRemoteError`` on its peers) and ``destroy()`` dropping the
+    plans. Returns ``(dispatch replays, combine replays, the error this rank raised)``."""
+    os.environ["TRITON_EP_FUSED"] = "1"
+    from triton_ep.errors import EPRemoteError
+    from triton_ep.modes import low_latency_replay as RP
+    from triton_ep.protocol import call_card as card
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    R, me, N, E, K, H = world, rank, 8, 2 * world, 3, 512
+    El = E // R
+    counts = {card.LL_DISPATCH: 0, card.LL_COMBINE: 0}
+    real_usable = RP.LLPlan.usable
+
+    def usable(self, sizes):
+        ok = real_usable(self, sizes)
+        counts[self.card[0]] += ok
+        return ok
+    RP.LLPlan.usable = usable
+    buf = _buffer(R, N, H, E, timeout_s=60, device=device)
+    dev = buf.device
+    stats = torch.zeros(El, dtype=torch.int32, device=dev)
+    cost = torch.zeros(R, dtype=torch.int64, device=dev)
+    err = None
+
+    def step(k, with_stats=True, hook=False, contiguous=True):
+        xs, idxs, ws = ll_inputs(100 + k, R, E, K, H, [6] * R)
+        x = xs[me].to(dev)
+        if not contiguous:
+            x = x.t().contiguous().t()
+        o, c, h, _, hk = buf.low_latency_dispatch(
+            x, idxs[me].to(dev), N, E, cumulative_local_expert_recv_stats=stats if with_stats else None,
+            dispatch_wait_recv_cost_stats=cost, use_fp8=True, round_scale=True, use_ue8m0=True, return_recv_hook=hook)
+        if hook:
+            hk()
+        o = (o[0].cpu(), o[1].cpu())
+        check_dispatch(o, c.cpu(), tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in h), xs, idxs, R, E, me,
+                       True, True, True)
+        rx = _dequant_rows(o[0], o[1], True).to(torch.bfloat16)
+        y = torch.stack([expert_fn("affine", me * El + le, rx[le]) for le in range(El)])
+        comb, _, _ = buf.low_latency_combine(y.to(dev), idxs[me].to(dev), ws[me].to(dev), h,
+                                             combine_wait_recv_cost_stats=cost)
+        q, s = quantize_reference(xs[me], True)
+        xin = (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+        want = expected_combine(xin, idxs[me], ws[me], E, R, "affine")
+        assert torch.equal(comb.cpu().view(torch.int16), want.view(torch.int16)), k
+
+    try:
+        for k in range(4):
+            step(k)                     # the first: the general path, plans; then replays
+        step(4, with_stats=False)       # another stats argument: the general path (the combine replays)
+        step(5)                         # ... and back: the general path
+        step(6, hook=True)              # a receive hook: the general path
+        step(7)
+        xs, idxs, _ = ll_inputs(108, R, E, K, H, [6] * R)
+        idx = idxs[me].clone()
+        if me == 1:
+            idx[0, 0] = E + 3           # rank 1's bad ids, found by the replayed launch
+        try:
+            buf.low_latency_dispatch(xs[me].to(dev), idx.to(dev), N, E, cumulative_local_expert_recv_stats=stats,
+                                     dispatch_wait_recv_cost_stats=cost, use_fp8=True, round_scale=True,
+                                     use_ue8m0=True)
+            if device == "cuda":        # (on GPU the error is known once the kernels ran)
+                torch.cuda.synchronize()
+                buf.check()
+        except (ValueError, EPRemoteError) as e:
+            err = type(e).__name__
+        step(9)                         # the re-synchronisation: the general path
+        step(10)
+        step(11, contiguous=False)      # a non-contiguous x: the general path
+        plans = (buf._ll.replay_dispatch, buf._ll.replay_combine)
+    finally:
+        RP.LLPlan.usable = real_usable
+        os.environ.pop("TRITON_EP_FUSED", None)
+        buf.destroy()
+    assert all(p.launch is None for p in plans), "destroy() drops the plans"
+    return counts[card.LL_DISPATCH], counts[card.LL_COMBINE], err

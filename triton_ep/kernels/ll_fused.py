@@ -104,7 +104,7 @@ def ll_dispatch_fused(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tens
                       out_words: Optional[torch.Tensor] = None, out_scales: Optional[torch.Tensor] = None,
                       src_info: Optional[torch.Tensor] = None, ret_slot: Optional[torch.Tensor] = None,
                       layout_range: Optional[torch.Tensor] = None, count: Optional[torch.Tensor] = None,
-                      stats: Optional[torch.Tensor] = None, cost: Optional[torch.Tensor] = None) -> None:
+                      stats: Optional[torch.Tensor] = None, cost: Optional[torch.Tensor] = None) -> tuple:
     """A low-latency dispatch within one host as one launch: :func:`.ll_dispatch.ll_route`, then
     :func:`.ll_dispatch.ll_dispatch_send` (with its end-of-launch count), then, given ``out_words``,
     :func:`.ll_dispatch.ll_dispatch_recv` of the same call; same arguments and results as those (``x`` bf16
@@ -114,7 +114,8 @@ def ll_dispatch_fused(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tens
     ``[E_local]``; ``stats`` int32 ``[E_local]`` or None; ``cost`` int64 ``[R]`` or None). Without ``out_words``
     it is the send launch of a call with a receive hook (route and send; the hook's
     :func:`.ll_dispatch.ll_dispatch_recv` receives). Raises ``ValueError`` when the receive's tensors are given
-    in part (``out_scales`` goes with FP8 and only with it), or without ``out_words``."""
+    in part (``out_scales`` goes with FP8 and only with it), or without ``out_words``. Returns the bound launch
+    and its arguments (for :meth:`triton_ep.kernels.launch.BoundLaunch.replay`)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     recv = out_words is not None
@@ -140,7 +141,9 @@ def ll_dispatch_fused(x: torch.Tensor, topk_idx: torch.Tensor, slots: torch.Tens
             cost if cost is not None else rx,
             T, E, El, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words,
             signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
-    bound(_DISPATCH_BOUND, key, lambda: _bind_dispatch(*key[:-5], signals, tr, ts, tv, tf, args))(*args)
+    launch = bound(_DISPATCH_BOUND, key, lambda: _bind_dispatch(*key[:-5], signals, tr, ts, tv, tf, args))
+    launch(*args)
+    return launch, args
 
 
 _DISPATCH_BOUND: dict = {}
@@ -248,12 +251,13 @@ _ll_combine_fused_launch = Launcher(_ll_combine_fused_kernel, enable_fp_fusion=F
 def ll_combine_fused(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, layout_range: torch.Tensor,
                      topk_idx: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, cost: Optional[torch.Tensor],
                      area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int, shrink: bool,
-                     signals: dict) -> None:
+                     signals: dict) -> tuple:
     """A low-latency combine within one host as one launch: :func:`.ll_combine.ll_combine_send` (with its
     end-of-launch count), then :func:`.ll_combine.ll_combine_reduce` of the same call; same arguments and results
     (``x`` bf16 ``[E_local, R*N, H]``; ``ret_slot`` int32 ``[E_local, R*N]``; ``count`` int32 ``[E_local]``;
     ``layout_range`` int64 ``[E_local, R]``; ``topk_idx`` int32/int64 ``[T, K]``; ``topk_weights`` fp32 ``[T, K]``;
-    ``out`` bf16 ``[T, H]``; ``cost`` int64 ``[R]`` or None)."""
+    ``out`` bf16 ``[T, H]``; ``cost`` int64 ``[R]`` or None). Returns the bound launch and its arguments (for
+    :meth:`triton_ep.kernels.launch.BoundLaunch.replay`)."""
     El, _, H = x.shape
     T, K = topk_idx.shape
     ts, tr, tf = tuning("ll_combine_send"), tuning("ll_reduce"), tuning("ll_fused")
@@ -263,7 +267,9 @@ def ll_combine_fused(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tenso
             cost if cost is not None else ctl, T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words,
             lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
             signals["timeout_ns"])
-    bound(_COMBINE_BOUND, key, lambda: _bind_combine(*key[:-4], signals, ts, tr, tf, args))(*args)
+    launch = bound(_COMBINE_BOUND, key, lambda: _bind_combine(*key[:-4], signals, ts, tr, tf, args))
+    launch(*args)
+    return launch, args
 
 
 _COMBINE_BOUND: dict = {}

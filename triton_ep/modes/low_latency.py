@@ -37,6 +37,7 @@ from ..runtime import Runtime
 from ..runtime.checks import isint
 from ..transport import signals
 from ..transport.ipc import SLOT_HEADER
+from . import low_latency_replay as replay
 
 Tensor = torch.Tensor
 
@@ -126,6 +127,8 @@ class LowLatency:
         self.last_sizes: Optional[tuple] = None
         #: ranks on several hosts: the network leg to every other rank (:mod:`triton_ep.modes.internode_ll`)
         self.net = None
+        #: the plans the next dispatch and combine of the same sizes replay (:mod:`.low_latency_replay`)
+        self.replay_dispatch = self.replay_combine = None
         self._layouts: dict = {}
         with torch.inference_mode():
             self.ctl.zero_()              # peers write here only after the construction's barrier
@@ -343,6 +346,12 @@ class LowLatency:
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
                  round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        if not return_recv_hook and self.replay_dispatch is not None:
+            out = replay.dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                  round_scale, use_ue8m0, async_finish)
+            if out is not None:     # (a call of the last call's sizes again: its plan launched it)
+                return out
         self._start()
         rt = self.rt
         R = rt.group_size
@@ -368,22 +377,23 @@ class LowLatency:
             recv_x = torch.empty((El, R * N, H), dtype=torch.bfloat16, device=dev)
             sc = recv_scales = None
         # the handle's tables and the routing's scratch: one allocation (each torch.empty costs host time)
-        layout_range, recv_count, src_info, ret_slot, slots, counts = carve(dev, (
-            (torch.int64, (El, R)), (torch.int32, (El,)), (torch.int32, (El, R * N)), (torch.int32, (El, R * N)),
-            (torch.int32, (T, K)), (torch.int32, (E,))))
+        parts = ((torch.int64, (El, R)), (torch.int32, (El,)), (torch.int32, (El, R * N)), (torch.int32, (El, R * N)),
+                 (torch.int32, (T, K)), (torch.int32, (E,)))
+        layout_range, recv_count, src_info, ret_slot, slots, counts = carve(dev, parts)
         sa = rt.sig_args
         native = native_cast()
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
         self.last_sizes = (N, H, E)
+        made = []
 
         def send(defer: bool = False, whole: bool = False):
             if fence:
                 ll_fence(self.ctl, R, False, self.shrink, sa)
             if one:     # route and send as one launch, with ``whole`` the receive too (kernels/ll_fused.py)
-                ll_dispatch_fused(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
-                                  round_scale, use_ue8m0, self.shrink, sa, native,
-                                  *((recv_x, sc, src_info, ret_slot, layout_range, recv_count, stats, cost)
-                                    if whole else ()))
+                made.append(ll_dispatch_fused(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig,
+                                              use_fp8, round_scale, use_ue8m0, self.shrink, sa, native,
+                                              *((recv_x, sc, src_info, ret_slot, layout_range, recv_count, stats, cost)
+                                                if whole else ())))
                 return
             ll_route(idx, slots, counts, self.ctl, E, R, sa)
             ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
@@ -404,6 +414,20 @@ class LowLatency:
             event = self._launch(True, False, send, tensors)
             return out, recv_count, handle, event, self._hook(idx_n, recv)
         event = self._launch(False, async_finish, lambda: self._send_recv(one, send, recv), tensors)
+        if made and self.net is None and rt.group is not None:
+            # the next call of these sizes and flags replays this launch (modes/low_latency_replay.py)
+            launch, args = made[0]
+            vary = tuple(t for t in (xv, idx, slots, counts, recv_x, sc, src_info, ret_slot, layout_range, recv_count,
+                                     stats, cost) if t is not None)
+            raw_cost = dispatch_wait_recv_cost_stats
+            self.replay_dispatch = replay.LLPlan(
+                self, (num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, stats is None,
+                       cost is None), (card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0))),
+                launch.replay(args, vary), fused_switch(),
+                (xv.shape, idx.shape, idx.dtype, None if stats is None else stats.shape,
+                 None if raw_cost is None else raw_cost.shape),
+                (recv_x.shape, None if sc is None else sc.shape, None if sc is None else sc.stride(),
+                 None if sc is None else sc.dtype, parts))
         rt.check()
         return out, recv_count, handle, event, None
 
@@ -440,6 +464,12 @@ class LowLatency:
     # ------------------------------------------------------------------ combine
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
                 return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        if (not return_recv_hook and not zero_copy and not use_logfmt and out is None
+                and self.replay_combine is not None):
+            res = replay.combine(self, x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats, async_finish)
+            if res is not None:     # (a call of the last call's sizes again: its plan launched it)
+                return res
+        plan_out = out is None
         self._start()
         rt = self.rt
         a = self._guard(self._combine_args, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
@@ -455,13 +485,14 @@ class LowLatency:
         sa = rt.sig_args
         idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
         self.last_sizes = (lay.n_max, H, lay.num_experts)
+        made = []
 
         def send(defer: bool = False, whole: bool = False):
             if fence:
                 ll_fence(self.ctl, rt.group_size, True, self.shrink, sa)
             if whole:   # send and reduce as one launch (kernels/ll_fused.py)
-                ll_combine_fused(xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost, self.area, rt.delta_words,
-                                 self.ctl, lay, sig, self.shrink, sa)
+                made.append(ll_combine_fused(xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost, self.area,
+                                             rt.delta_words, self.ctl, lay, sig, self.shrink, sa))
                 return
             ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
                             self.shrink, sa, self.net, defer)
@@ -477,6 +508,15 @@ class LowLatency:
             event = self._launch(True, False, send, tensors)
             return out, event, self._hook(idx_n, recv)
         event = self._launch(False, async_finish, lambda: self._send_recv(one, send, recv), tensors)
+        if made and plan_out and not zero_copy and self.net is None and rt.group is not None:
+            # the next call of these sizes replays this launch (modes/low_latency_replay.py)
+            launch, args = made[0]
+            vary = tuple(t for t in (xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost) if t is not None)
+            raw_cost = combine_wait_recv_cost_stats
+            self.replay_combine = replay.LLPlan(
+                self, (cost is None,), (card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K)), launch.replay(args, vary),
+                fused_switch(), (xv.shape, idx.shape, idx.dtype, None if raw_cost is None else raw_cost.shape),
+                (lay.n_max, H, lay.num_experts))
         rt.check()
         return out, event, None
 

@@ -38,3 +38,12 @@ def test_a_call_of_other_sizes_waits_for_a_slow_peer():
     out = ok_results(run_ranks(ll_cases.size_change, 2, 1.5, "cuda", backend="gloo"))
     assert [same for same, _, _ in out] == [True, True], out
     assert all(ok and "receive hook of an earlier call has not run" in msg for _, ok, msg in out), out
+
+
+def test_decode_steps_replay_the_last_calls_plan_gpu():
+    """modes/low_latency_replay.py with compiled kernels (2 processes sharing the GPU): as on CPU, the replayed
+    launches give the oracle's results and every case that takes the general path does."""
+    out = ok_results(run_ranks(ll_cases.replayed_calls, 2, "cuda", backend="gloo"))
+    for rank, (d, c, err) in enumerate(out):
+        assert (d, c) == (6, 9), (rank, d, c)
+        assert err == ("ValueError" if rank == 1 else "EPRemoteError"), (rank, err)

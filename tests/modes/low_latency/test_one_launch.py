@@ -73,3 +73,14 @@ def test_bad_ids_then_recover_in_one_launch():
     out = _values(run_ranks(ll_cases.across_hosts, 2, FUSED, "bad_ids_then_recover", 8, 128, 4))
     assert out[1][:2] == ["shape", "ValueError (2 ids)"], out
     assert out[0][0] == "shape" and "EPRemoteError" in out[0][1:], out
+
+
+def test_decode_steps_replay_the_last_calls_plan():
+    """Low-latency calls of the last call's sizes replay its plan (modes/low_latency_replay.py): fresh inputs each
+    step, every result against the oracle; another stats argument, a hook, a non-contiguous x and the
+    re-synchronisation after a rank's bad ids take the general path; the replayed call with bad ids raises
+    ``ValueError`` on that rank and ``EPRemoteError`` on its peer; ``destroy()`` drops the plans."""
+    out = _values(run_ranks(ll_cases.replayed_calls, 2))
+    for rank, (d, c, err) in enumerate(out):
+        assert (d, c) == (6, 9), (rank, d, c)
+        assert err == ("ValueError" if rank == 1 else "EPRemoteError"), (rank, err)
