@@ -997,9 +997,9 @@ def replayed_calls(rank, world, seed, device="cpu", fused=True):
 
 
 def replayed_rounds(rank, world, seed, num_nvl_bytes):
-    """A buffer small enough for several rounds a call: cached dispatches replay their send and receive launches of
-    every round (fresh contents, bit for bit against the reference); a combine of several rounds is never
-    replayed (its sums carry over in fresh fp32 tensors). Returns ``(dispatch replays, combine replays)``."""
+    """A buffer small enough for several rounds a call: cached dispatches and combines replay their send and receive
+    launches of every round (a combine with fresh fp32 sums each call), fresh contents each call, bit for bit
+    against the reference, with and without weights. Returns ``(dispatch replays, combine replays)``."""
     from triton_ep.modes import intranode_replay as RP
     E, K, H = 4 * world, 3, 64
     Ts = [40 + 5 * r for r in range(world)]
@@ -1015,15 +1015,18 @@ def replayed_rounds(rank, world, seed, num_nvl_bytes):
     buf = triton_ep.Buffer(None, num_nvl_bytes, timeout_s=60)
     try:
         _, _, recv_w, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
-        for k in range(4):
+        for k in range(6):
             xk = [(x.float() * (k + 2) - k).to(torch.bfloat16) for x in xs]
             ek = ref.dispatch(xk, idxs, ws, E)
             got = buf.dispatch(xk[rank], handle=handle)[0]
             assert torch.equal(got.view(torch.int16), ek[rank]["recv_x"].view(torch.int16)), k
             ys = [(e["recv_x"].float() * 2).to(torch.bfloat16) for e in ek]
-            out, _, _ = buf.combine(ys[rank], handle)
-            cexp = ref.combine(ys, ek, Ts, [e["recv_topk_weights"] for e in ek])[rank]
+            weights = k >= 3         # (the combine's plan changes once: with weights from here)
+            wk = [e["recv_topk_weights"] * (k + 1) for e in ek]
+            out, wout, _ = buf.combine(ys[rank], handle, topk_weights=wk[rank] if weights else None)
+            cexp = ref.combine(ys, ek, Ts, wk)[rank]
             assert torch.equal(out.view(torch.int16), cexp[0].view(torch.int16)), k
+            assert torch.equal(wout, cexp[1]) if weights else wout is None, k
         from triton_ep.protocol import call_card as card
         return counts.get(card.CACHED_DISPATCH, 0), counts.get(card.COMBINE, 0)
     finally:

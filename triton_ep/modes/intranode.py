@@ -583,12 +583,13 @@ class Intranode:
                     area, h.send_head, send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout, first=k == 0,
                     last=k == rounds - 1, signals=self.rt.sig_args, rnd=k, sig=call_sig,
                     advance=rounds if k == rounds - 1 else 0))
-        if self.rt.group is not None and not biases and acc is None and xv.numel():
-            # the next combine of this handle with x (and weights) of these shapes replays these launches (a
-            # combine of several rounds, whose sums carry over in fresh fp32 tensors, does not)
-            vary = (xv, out) if w is None else (xv, w, out, wout)
+        if self.rt.group is not None and not biases and xv.numel():
+            # the next combine of this handle with x (and weights) of these shapes replays these launches (with
+            # fresh fp32 sums for a combine of several rounds, as here)
+            vary = tuple(t for t in (xv, w, out, wout, acc, wacc) if t is not None)
             h.replay_combine = replay.CallPlan(self.rt, xv, K, out.shape, card.COMBINE, (H, K, h.seq),
-                                               tuple(la.replay(args, vary) for la, args in launches), force)
+                                               tuple(la.replay(args, vary) for la, args in launches), force,
+                                               sums=acc is not None)
         event = self.rt.end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
         self.rt.check()
         return out, wout, event

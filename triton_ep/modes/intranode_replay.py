@@ -1,7 +1,6 @@
 """Cached dispatch and combine calls made again with the shapes of their last call: the same launch, replayed.
 
-A cached ``dispatch`` (``handle=...``) of plain ``x`` (no scales), or a ``combine`` without bias whose rows fit one
-round, leaves a :class:`CallPlan` on its handle: what the next call of that handle with the same shapes needs (the
+A cached ``dispatch`` (``handle=...``) of plain ``x`` (no scales), or a ``combine`` without bias, leaves a :class:`CallPlan` on its handle: what the next call of that handle with the same shapes needs (the
 call card's values, the output's shape, the call's launches with every argument but the call's own tensors,
 :class:`triton_ep.kernels.launch.Replay`: one launch up to ``tuning("fused")["max_tokens"]`` tokens,
 :func:`triton_ep.kernels.dispatch.use_fused`, else a send and a receive launch per round).
@@ -42,14 +41,16 @@ class CallPlan:
         (:class:`triton_ep.kernels.launch.Replay` each: one for a call of one launch, a send and a receive per round
         otherwise), ``None`` once the Buffer was destroyed (:meth:`drop`: they referenced its shared memory).
         force, tuning, exchanges: ``TRITON_EP_FUSED``, the tuning tables' changes and the Runtime's host
-        exchanges when it was made (another value makes it stale).
+        exchanges when it was made (another value makes it stale). sums: a combine of several rounds, whose
+        launches carry the sums over in fp32 tensors ``[T, H]`` (and ``[T, K]`` with weights) made per call.
     """
 
     __slots__ = ("rt", "shape", "dtype", "k", "out_shape", "code", "card", "launches", "force", "tuning",
-                 "exchanges", "__weakref__")
+                 "exchanges", "sums", "__weakref__")
 
     def __init__(self, rt, x: Tensor, k: int, out_shape: tuple, code: int, card_values: tuple, launches: tuple,
-                 force: Optional[bool]) -> None:
+                 force: Optional[bool], sums: bool = False) -> None:
+        self.sums = sums
         self.rt, self.shape, self.dtype, self.k, self.out_shape = rt, x.shape, x.dtype, k, tuple(out_shape)
         self.code, self.card, self.launches, self.force = code, tuple(card_values), launches, force
         self.tuning, self.exchanges = tuning_changes(), rt.exchanges
@@ -91,14 +92,19 @@ def _run(rt, p: CallPlan, previous_event, async_finish: bool, x: Tensor, w: Opti
         rt.publish(p.code, p.card)
         rt.begin(previous_event, async_finish)
         started = True
-        out = torch.empty(p.out_shape, dtype=x.dtype, device=rt.device)
-        wout = torch.empty((p.out_shape[0], p.k), dtype=torch.float32, device=rt.device) if w is not None else None
+        dev = rt.device
+        out = torch.empty(p.out_shape, dtype=x.dtype, device=dev)
+        wout = torch.empty((p.out_shape[0], p.k), dtype=torch.float32, device=dev) if w is not None else None
         ts = (x, out) if w is None else (x, w, out, wout)
+        if p.sums:          # (a combine of several rounds: its fp32 sums, as the general path makes them)
+            ts += (torch.empty(p.out_shape, dtype=torch.float32, device=dev),)
+            if w is not None:
+                ts += (torch.empty((p.out_shape[0], p.k), dtype=torch.float32, device=dev),)
         with rt.comm_ctx():
             for launch in p.launches:
                 with rt.sig.watch():
                     launch(*ts)
-        event = rt.end(async_finish, (x, w, out, wout) + keep)
+        event = rt.end(async_finish, ts + keep)
         rt.check()
         return out, wout, event
     except BaseException as e:
