@@ -14,7 +14,8 @@ the Triton interpreter, calls of the kernel launchers of ``triton_ep.kernels`` (
 about a GPU there).
 
 On a GPU two further passes split each call's time: ``launch_us``, the time spent inside kernel launches
-(:class:`triton_ep.kernels.launch.Launcher` and ``BoundLaunch`` calls), and ``alloc_us``, inside tensor allocations
+(:class:`triton_ep.kernels.launch.Launcher`, ``BoundLaunch`` and ``Replay`` calls: a replayed call's launches),
+and ``alloc_us``, inside tensor allocations
 (``torch.empty``, ``zeros``, ``full`` and their ``_like`` forms); ``host_us - launch_us - alloc_us`` is the
 call's own Python. Two rows give this machine's floor for one launch, timed the same way: ``floor_torch``
 (``Tensor.add_`` on 64 floats, PyTorch's own launch) and ``floor_triton`` (a one-line Triton kernel through
@@ -48,7 +49,8 @@ from triton_ep.kernels import launch as _launch  # noqa: E402
 from triton_ep.kernels.launch import Launcher  # noqa: E402
 
 #: what a kernel launch goes through: a launcher's call, or a bound launch's (kernels/launch.py)
-LAUNCHES = [(Launcher, "_launch")] + ([(_launch.BoundLaunch, "__call__")] if hasattr(_launch, "BoundLaunch") else [])
+LAUNCHES = ([(Launcher, "_launch")] + ([(_launch.BoundLaunch, "__call__")] if hasattr(_launch, "BoundLaunch") else [])
+            + ([(_launch.Replay, "__call__")] if hasattr(_launch, "Replay") else []))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def count_launches():
-    """CPU: wrap every kernel launcher the Buffer uses; returns the counter dict (launcher name -> calls)."""
+    """CPU: wrap every kernel launcher the Buffer uses, and the replays of a call's launches; returns the counter
+    dict (launcher name -> calls)."""
     import triton_ep.kernels as K
     import triton_ep.kernels.notify as NT
     import triton_ep.modes.intranode as IN
@@ -86,6 +89,14 @@ def count_launches():
                 counter[_name] = counter.get(_name, 0) + 1
                 return _real(*a, **k)
             setattr(mod, name, wrapped)
+    if hasattr(_launch, "Replay"):     # a replayed call's launches (modes/*_replay.py), by their wrapper's name
+        real_replay = _launch.Replay.__call__
+
+        def replayed(self, *a, **k):
+            name = self.bound.launcher.name
+            counter[name] = counter.get(name, 0) + 1
+            return real_replay(self, *a, **k)
+        _launch.Replay.__call__ = replayed
     return counter
 
 

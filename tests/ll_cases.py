@@ -523,7 +523,7 @@ def launches_per_call(rank, world, N=8, H=128, E=4, K=2):
     real_replay = L.Replay.__call__
 
     def replayed(self, *args):
-        log.append(self.bound.launcher.fn.fn.__name__.strip("_").replace("_kernel", ""))
+        log.append(self.bound.launcher.name)
         return real_replay(self, *args)
     L.Replay.__call__ = replayed
     buf = _buffer(R, N, H, E, timeout_s=60)

@@ -168,6 +168,9 @@ class Launcher:
 
     def __init__(self, fn, **options) -> None:
         self.fn = fn
+        #: the kernel's name without its leading ``_`` and trailing ``_kernel``: by the kernels' convention, the
+        #: name of the launch wrapper that launches it (``_dispatch_send_kernel`` -> ``dispatch_send``)
+        self.name = getattr(getattr(fn, "fn", fn), "__name__", "kernel").lstrip("_").removesuffix("_kernel")
         self._cache: Dict[tuple, tuple] = {}
         #: (grid, num_warps, constexpr values) -> the bound launch a plain launch goes through
         self._binds: Dict[tuple, "BoundLaunch"] = {}
