@@ -1111,6 +1111,15 @@ def replayed_calls(rank, world, device="cpu"):
         step(10)
         step(11, contiguous=False)      # a non-contiguous x: the general path
         plans = (buf._ll.replay_dispatch, buf._ll.replay_combine)
+        xs, idxs, _ = ll_inputs(112, R, E, K, H, [6] * R)
+        for n, e in ((float(N), E), (N, float(E)), (N, True)):
+            try:                        # values the general path refuses are refused with a plan too
+                buf.low_latency_dispatch(xs[me].to(dev), idxs[me].to(dev), n, e,
+                                         cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=cost,
+                                         use_fp8=True, round_scale=True, use_ue8m0=True)
+                raise AssertionError(f"a dispatch with N, E = {n!r}, {e!r} ran")
+            except ValueError:
+                pass
     finally:
         RP.LLPlan.usable = real_usable
         os.environ.pop("TRITON_EP_FUSED", None)

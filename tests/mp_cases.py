@@ -983,6 +983,12 @@ def replayed_calls(rank, world, seed, device="cpu", fused=True):
         assert torch.equal(buf.dispatch(xs[rank].to(dev), handle=handle)[0].cpu().view(torch.int16),
                            exp0[rank]["recv_x"].view(torch.int16))
         plans = (handle.replay_dispatch, handle.replay_combine)
+        for kw in (dict(expert_alignment=1.0), dict(num_worst_tokens=0.0), dict(expert_alignment=True)):
+            try:                        # values the general path refuses are refused with a plan too
+                buf.dispatch(xs[rank].to(dev), handle=handle, **kw)
+                raise AssertionError(f"a cached dispatch with {kw} ran")
+            except ValueError as e:
+                assert "must be an int" in str(e), (kw, e)
     finally:
         RP._run = real_run
         os.environ.pop("TRITON_EP_FUSED", None)

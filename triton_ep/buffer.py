@@ -550,7 +550,8 @@ class Buffer:
                                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                             expert_alignment, num_worst_tokens, config, previous_event)
         if (handle is not None and self._internode is None and num_tokens_per_rank is None and is_token_in_rank is None
-                and num_tokens_per_expert is None and topk_idx is None and topk_weights is None and expert_alignment == 1
+                and num_tokens_per_expert is None and topk_idx is None and topk_weights is None
+                and expert_alignment.__class__ is int and expert_alignment == 1 and num_worst_tokens.__class__ is int
                 and num_worst_tokens == 0 and num_tokens_per_rdma_rank is None and handle.__class__ is DispatchHandle):
             out = intranode_replay.cached_dispatch(self._rt, handle, x, config, previous_event, async_finish)
             if out is not None:     # (the call of the handle's last shapes again: its plan launched it)

@@ -77,6 +77,8 @@ def dispatch(ll, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_ue8m0
     ``(recv_x, recv_count, handle, event, None)``, or ``None`` when the plan does not serve this call (nothing
     was done: take the general path)."""
     p = ll.replay_dispatch
+    if N.__class__ is not int or E.__class__ is not int:     # (the general path says which values it takes)
+        return None
     if p is None or p.key != (N, E, use_fp8, round_scale, use_ue8m0, stats is None, cost is None):
         return None
     rt = ll.rt
