@@ -1038,3 +1038,67 @@ def replayed_rounds(rank, world, seed, num_nvl_bytes):
     finally:
         RP._run = real_run
         buf.destroy()
+
+
+def replayed_layouts(rank, world, seed):
+    """``get_dispatch_layout`` of a ``topk_idx`` of the last layout's shape and dtype replays that layout's launches
+    (modes/intranode_replay.py, kernels/layout.py ``LayoutPlan``): fresh routing each call (with ``-1`` and ids out
+    of range), the layout against the reference and the dispatch that takes it (its remembered send positions)
+    against the reference; another dtype, a non-contiguous ``topk_idx``, a tuning change (two launches of
+    several blocks; atomic counts) take the general path once and plan again; a float ``num_experts`` is refused
+    as on the general path. Returns the replays counted."""
+    from triton_ep.kernels import _util, layout as LY
+    E, K, H, T = 4 * world, 3, 64, 10
+    replays = [0]
+    real_call = LY.LayoutPlan.__call__
+
+    def counted(self, idx):
+        replays[0] += 1
+        return real_call(self, idx)
+    LY.LayoutPlan.__call__ = counted
+    table = _util.INTERP_TUNING["layout"]
+    saved = dict(table)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    try:
+        def check(k, dtype=torch.int64, contiguous=True):
+            xs, idxs, ws = make_inputs(seed + k, world, E, K, H, [T] * world)
+            idx = idxs[rank].to(dtype)
+            bad = idx.clone()
+            bad[0, 0] = E + 2           # an id out of range: masked (and reported by the dispatch)
+            if not contiguous:
+                idx = idx.t().contiguous().t()
+            per_rank, none, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            want = ref.get_dispatch_layout(idx, E, world)
+            assert none is None
+            assert torch.equal(per_rank, want[0]) and torch.equal(per_expert, want[1]), k
+            assert torch.equal(in_rank, want[2]), k
+            recv_x, _, _, _, _, _ = buf.dispatch(xs[rank], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=ws[rank])
+            exp = ref.dispatch(xs, [i.to(dtype) for i in idxs], ws, E)[rank]
+            assert torch.equal(recv_x.view(torch.int16), exp["recv_x"].view(torch.int16)), k
+            got_bad = buf.get_dispatch_layout(bad, E)
+            want_bad = ref.get_dispatch_layout(bad, E, world)
+            for got, want in zip((got_bad[0], got_bad[2], got_bad[3]), want_bad):
+                assert torch.equal(got, want), k
+
+        for k in range(3):
+            check(k)                    # the first: the general path, plans; then replays
+        check(3, dtype=torch.int32)     # another dtype: the general path, plans again
+        check(4, dtype=torch.int32)
+        check(5, contiguous=False)      # a copy on the general path (a plan of int64 again)
+        table["one_launch_tokens"] = 4  # several blocks, two launches
+        check(6)
+        check(7)
+        table["histogram_max_bins"] = 8     # atomic counts into zeroed counts
+        check(8)
+        check(9)
+        try:
+            buf.get_dispatch_layout(make_inputs(seed, world, E, K, H, [T] * world)[1][rank], float(E))
+            raise AssertionError("a float num_experts was taken")
+        except ValueError:
+            pass
+        return replays[0]
+    finally:
+        table.update(saved)
+        LY.LayoutPlan.__call__ = real_call
+        buf.destroy()

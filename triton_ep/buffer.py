@@ -480,6 +480,10 @@ class Buffer:
         if self._internode is not None:
             return self._internode.get_dispatch_layout(self._intranode, topk_idx, num_experts, previous_event,
                                                        async_finish, allocate_on_comm_stream)
+        if self._intranode.replay_layout is not None:
+            out = intranode_replay.layout(self._intranode, topk_idx, num_experts, previous_event, async_finish)
+            if out is not None:     # (a layout of the last layout's shapes again: its plan launched it)
+                return out
         return self._intranode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
                                                    allocate_on_comm_stream)
 

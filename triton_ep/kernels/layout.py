@@ -142,14 +142,15 @@ _BLOCK_BOUND: dict = {}
 _POS_BOUND: dict = {}
 
 
-def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, plan: bool = False):
     """Launch the layout kernels (one launch when ``T`` fits one block, else two).
 
     Args:
         topk_idx: ``[T, K]`` int32 or int64, contiguous, on the kernels' device; ``T`` may be 0.
         num_experts: ``E``; must be a multiple of ``num_ranks`` (checked by the caller).
         num_ranks: ``R >= 1``.
+        plan: also return a :class:`LayoutPlan` that makes the same launches for another ``topk_idx`` of this
+            shape and dtype (``(results, plan)``).
 
     Raises:
         ValueError: ``topk_idx`` is not contiguous.
@@ -165,7 +166,6 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
         raise ValueError("routing_layout needs a contiguous topk_idx")
     num_experts, num_ranks = int(num_experts), int(num_ranks)      # numpy integers are not Triton scalars
     T, K = topk_idx.shape
-    dev = topk_idx.device
     cfg = tuning("layout")
     # up to one_launch_tokens: one block, one launch (decode batches); else blocks of block_t
     bt = pow2(T, 16) if T <= int(cfg["one_launch_tokens"]) else int(cfg["block_t"])
@@ -173,27 +173,64 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     br, nbins = pow2(num_ranks), pow2(num_experts + 2, 32)
     # past histogram_max_bins a block histogram costs too much (registers per bin): atomics into zeroed counts
     atomic = nbins > int(cfg["histogram_max_bins"])
-    alloc = torch.zeros if atomic else torch.empty
-    counts = alloc(num_ranks + num_experts + 1, dtype=torch.int32, device=dev)   # per rank, per expert, bad
-    in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=dev)
-    send_pos = torch.empty((T, num_ranks), dtype=torch.int32, device=dev)     # the handle's send_head (DeepEP: int32)
-    # (one op for the three views: each view costs host time on a GPU machine)
-    per_rank, per_expert, bad = counts.split_with_sizes((num_ranks, num_experts, 1))
-    # scratch: the blocks' tokens per rank, then their histograms (unused with one block)
-    if nb > 1:
-        scratch = torch.empty(nb * (br + (0 if atomic else num_experts + 1)), dtype=torch.int32, device=dev)
-        block_rank, block_hist = scratch.split_with_sizes((nb * br, scratch.numel() - nb * br))
-    else:           # one block: no scratch (the pointers are not read; counts stands in)
-        block_rank = block_hist = counts
+    sizes = (T, num_ranks, num_experts, nb, br, atomic)
+    out = _outputs(sizes, topk_idx.device)
+    counts, in_rank, send_pos, per_rank, per_expert, bad, block_rank, block_hist = out
     key = (nb, bt, K, num_ranks, num_experts, atomic, cfg["num_warps"])
     launch = bound(_BLOCK_BOUND, key, lambda: _layout_block_launch.bind(
         (nb,), num_warps=cfg["num_warps"], K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
         BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic))
-    launch(topk_idx, T, num_experts, in_rank, block_rank, block_hist, send_pos, counts)
+    made = [(launch, (topk_idx, T, num_experts, in_rank, block_rank, block_hist, send_pos, counts))]
+    launch(*made[0][1])
     if nb > 1:
         bb = min(pow2(nb), int(cfg["block_b"]))
         pos = bound(_POS_BOUND, key + (bb,), lambda: _layout_pos_launch.bind(
             (nb,), num_warps=cfg["num_warps"], R=num_ranks, BLOCK_R=br, BLOCK_T=bt, BLOCK_B=bb,
             EB=pow2(cdiv(num_experts + 1, nb)), ATOMIC=atomic))
-        pos(in_rank, T, num_experts, nb, block_rank, block_hist, send_pos, counts)
-    return per_rank, per_expert, in_rank, send_pos, bad, counts
+        made.append((pos, (in_rank, T, num_experts, nb, block_rank, block_hist, send_pos, counts)))
+        pos(*made[1][1])
+    results = per_rank, per_expert, in_rank, send_pos, bad, counts
+    if not plan:
+        return results
+    vary = (topk_idx, counts, in_rank, send_pos) + ((block_rank, block_hist) if nb > 1 else ())
+    return results, LayoutPlan(sizes, tuple(la.replay(args, vary) for la, args in made))
+
+
+def _outputs(sizes: tuple, device: torch.device) -> tuple:
+    """The layout's outputs and scratch for ``sizes`` (:func:`routing_layout`'s ``T, R, E``, blocks, ranks rounded up,
+    atomics): ``counts, in_rank, send_pos``, the three views of ``counts`` and the blocks' scratch (``counts``
+    again with one block: its pointers are not read)."""
+    T, num_ranks, num_experts, nb, br, atomic = sizes
+    alloc = torch.zeros if atomic else torch.empty
+    counts = alloc(num_ranks + num_experts + 1, dtype=torch.int32, device=device)   # per rank, per expert, bad
+    in_rank = torch.empty((T, num_ranks), dtype=torch.bool, device=device)
+    send_pos = torch.empty((T, num_ranks), dtype=torch.int32, device=device)   # the handle's send_head (DeepEP: int32)
+    # (one op for the three views: each view costs host time on a GPU machine)
+    per_rank, per_expert, bad = counts.split_with_sizes((num_ranks, num_experts, 1))
+    # scratch: the blocks' tokens per rank, then their histograms (unused with one block)
+    if nb > 1:
+        scratch = torch.empty(nb * (br + (0 if atomic else num_experts + 1)), dtype=torch.int32, device=device)
+        block_rank, block_hist = scratch.split_with_sizes((nb * br, scratch.numel() - nb * br))
+    else:           # one block: no scratch (the pointers are not read; counts stands in)
+        block_rank = block_hist = counts
+    return counts, in_rank, send_pos, per_rank, per_expert, bad, block_rank, block_hist
+
+
+class LayoutPlan:
+    """:func:`routing_layout`'s launches for one shape of ``topk_idx`` (``routing_layout(..., plan=True)``), made
+    again for another ``topk_idx`` of that shape and dtype: fresh outputs, the launches replayed
+    (:class:`triton_ep.kernels.launch.Replay`), no key worked out."""
+
+    __slots__ = ("sizes", "launches")
+
+    def __init__(self, sizes: tuple, launches: tuple) -> None:
+        self.sizes, self.launches = sizes, launches
+
+    def __call__(self, topk_idx: torch.Tensor) -> tuple:
+        """:func:`routing_layout`'s results for ``topk_idx`` (contiguous, of the planned shape and dtype)."""
+        counts, in_rank, send_pos, per_rank, per_expert, bad, block_rank, block_hist = _outputs(self.sizes,
+                                                                                                topk_idx.device)
+        ts = (topk_idx, counts, in_rank, send_pos) + ((block_rank, block_hist) if self.sizes[3] > 1 else ())
+        for launch in self.launches:
+            launch(*ts)
+        return per_rank, per_expert, in_rank, send_pos, bad, counts

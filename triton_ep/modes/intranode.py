@@ -182,6 +182,8 @@ class Intranode:
         #: the last get_dispatch_layout: (weak ref to its topk_idx, its version, E, is_token_in_rank's
         #: version, the layout), for the dispatch that passes it back
         self._layout_memo = None
+        #: the plan the next get_dispatch_layout of the same shapes replays (:mod:`.intranode_replay`)
+        self.replay_layout = None
 
     def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False,
@@ -197,15 +199,22 @@ class Intranode:
         self.rt.check()
         self.rt.begin(previous_event, async_finish)
         with self.rt.comm_ctx():
-            lay = kernels.routing_layout(idx, num_experts, self.rt.group_size)
+            lay, plan = kernels.routing_layout(idx, num_experts, self.rt.group_size, plan=True)
             per_rank, per_expert, in_rank = lay[:3]
             per_host = tokens_per_host(in_rank) if tokens_per_host is not None else None
-        # kept for the dispatch that takes this layout (the same topk_idx and is_token_in_rank, unchanged):
-        # it then uses these send positions and counts instead of computing the layout again
-        vi, vr = _version_of(idx), _version_of(in_rank)
-        self._layout_memo = (weakref.ref(idx), vi, int(num_experts), vr, lay) if None not in (vi, vr) else None
+        if tokens_per_host is None and isint(num_experts):
+            # the next layout of a topk_idx of this shape and dtype replays these launches (.intranode_replay)
+            self.replay_layout = replay.LayoutCall(self.rt, idx, int(num_experts), plan)
+        self.remember_layout(idx, num_experts, lay)
         return per_rank, per_host, per_expert, in_rank, self.rt.end(async_finish,
                                                                     (idx, per_rank, per_host, per_expert, in_rank))
+
+    def remember_layout(self, idx: Tensor, num_experts: int, lay: tuple) -> None:
+        """Keep ``lay`` (``routing_layout``'s results for ``idx``) for the dispatch that takes this layout (the same
+        ``topk_idx`` and ``is_token_in_rank``, unchanged): it then uses these send positions and counts instead of
+        computing the layout again."""
+        vi, vr = _version_of(idx), _version_of(lay[2])
+        self._layout_memo = (weakref.ref(idx), vi, int(num_experts), vr, lay) if None not in (vi, vr) else None
 
     @steps
     def worst_steps(self, a: "DispatchArgs", num_worst_tokens: int):

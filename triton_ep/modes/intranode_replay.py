@@ -1,4 +1,5 @@
-"""Cached dispatch and combine calls made again with the shapes of their last call: the same launch, replayed.
+"""Cached dispatch, combine and layout calls made again with the shapes of their last call: the same launches,
+replayed.
 
 A cached ``dispatch`` (``handle=...``) of plain ``x`` (no scales), or a ``combine`` without bias, leaves a :class:`CallPlan` on its handle: what the next call of that handle with the same shapes needs (the
 call card's values, the output's shape, the call's launches with every argument but the call's own tensors,
@@ -10,6 +11,10 @@ order, the output's allocation, the launch, the event, the error check) without 
 A call that does not match its plan in any way, or any other argument than the defaults, ``config``,
 ``previous_event`` and ``async_finish``, takes the general path (:mod:`triton_ep.modes.intranode`), which
 checks and raises as always and plans again.
+
+``get_dispatch_layout`` (within one host) likewise keeps a :class:`LayoutCall` on the Buffer: the next layout of a
+``topk_idx`` of the same shape and dtype and the same ``num_experts`` allocates its outputs and replays the
+layout's launches (:class:`triton_ep.kernels.layout.LayoutPlan`).
 
 Why: on an H200 machine most of a cached dispatch's or a combine's host time was the Python around its one
 launch (benchmarks/README.md), checks and bookkeeping that give the same answer as on the previous call.
@@ -24,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ..config import EventOverlap
 from ..kernels._util import tuning_changes
 from ..kernels.dispatch import fused_switch
 from ..runtime.checks import check_config, check_event
@@ -59,6 +65,50 @@ class CallPlan:
     def drop(self) -> None:
         """Forget the launches (and with them every reference to the Buffer's memory): the plan serves no call."""
         self.launches = None
+
+
+def plain(t, shape: tuple, dtype, device) -> bool:
+    """Whether ``t`` is a plain contiguous tensor of ``shape``, ``dtype`` and ``device``, 4-byte aligned (what the
+    general path's checks take as it is, without a copy)."""
+    return (t.__class__ is torch.Tensor and t.shape == shape and t.dtype is dtype and t.device == device
+            and t.is_contiguous() and not t.data_ptr() & 3)
+
+
+class LayoutCall:
+    """What ``get_dispatch_layout`` needs to launch again for a ``topk_idx`` of the same shape and dtype and the
+    same ``num_experts``: the :class:`triton_ep.kernels.layout.LayoutPlan` (``None`` once dropped)."""
+
+    __slots__ = ("rt", "shape", "dtype", "num_experts", "plan", "tuning", "__weakref__")
+
+    def __init__(self, rt, topk_idx: Tensor, num_experts: int, plan) -> None:
+        self.rt, self.shape, self.dtype = rt, topk_idx.shape, topk_idx.dtype
+        self.num_experts, self.plan = num_experts, plan
+        self.tuning = tuning_changes()
+        rt.plans.add(self)
+
+    def drop(self) -> None:
+        """Forget the launches."""
+        self.plan = None
+
+
+def layout(mode, topk_idx, num_experts, previous_event, async_finish: bool):
+    """``Buffer.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish)`` (within one host) by the
+    plan of the last layout: its results, or ``None`` when the plan does not serve this call (nothing was done)."""
+    p = mode.replay_layout
+    rt = mode.rt
+    if p is None or p.plan is None or num_experts.__class__ is not int or num_experts != p.num_experts:
+        return None
+    if not plain(topk_idx, p.shape, p.dtype, rt.device) or rt.comm is None or p.tuning != tuning_changes():
+        return None
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        return None
+    rt.check()
+    rt.begin(previous_event, async_finish)
+    with rt.comm_ctx():
+        lay = p.plan(topk_idx)
+    per_rank, per_expert, in_rank = lay[:3]
+    mode.remember_layout(topk_idx, num_experts, lay)
+    return per_rank, None, per_expert, in_rank, rt.end(async_finish, (topk_idx, per_rank, per_expert, in_rank))
 
 
 def _usable(p: Optional[CallPlan], rt, x, config, previous_event) -> bool:

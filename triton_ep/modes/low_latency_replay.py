@@ -22,15 +22,9 @@ import torch
 
 from ..kernels._util import tuning_changes
 from ..kernels.dispatch import fused_switch
+from .intranode_replay import plain
 
 Tensor = torch.Tensor
-
-
-def plain(t, shape: tuple, dtype, device) -> bool:
-    """Whether ``t`` is a plain contiguous tensor of ``shape``, ``dtype`` and ``device``, 4-byte aligned (what the
-    general path's checks take as it is, without a copy)."""
-    return (t.__class__ is torch.Tensor and t.shape == shape and t.dtype is dtype and t.device == device
-            and t.is_contiguous() and not t.data_ptr() & 3)
 
 
 class LLPlan:

@@ -79,6 +79,14 @@ def test_calls_of_several_rounds_replay_every_launch():
         assert (disp, comb) == (5, 4), (disp, comb)
 
 
+def test_layouts_of_the_same_shape_replay_their_launches():
+    """``get_dispatch_layout`` replays the last layout's launches for a ``topk_idx`` of its shape and dtype: fresh
+    routing each call against the reference (one block, several blocks, atomic counts), the dispatch given that
+    layout too; another dtype, a non-contiguous ``topk_idx`` and a tuning change take the general path once."""
+    for n in _values(run_ranks(mp_cases.replayed_layouts, 2, 3)):
+        assert n == 15, n      # 20 layouts: 5 on the general path (the first, int32, non-contiguous, 2 tuning changes)
+
+
 def test_a_bad_fused_switch_is_an_argument_error():
     """TRITON_EP_FUSED=maybe: ValueError on every rank for a plain dispatch, a cached dispatch and a combine,
     before anything runs; the same Buffer goes on once the variable is fixed."""
