@@ -114,11 +114,9 @@ def layout(mode, topk_idx, num_experts, previous_event, async_finish: bool):
 def _usable(p: Optional[CallPlan], rt, x, config, previous_event) -> bool:
     """Whether plan ``p`` serves a call of ``x``, ``config`` and ``previous_event`` now (no side effect: any
     doubt says no, and the general path checks and raises)."""
-    if p is None or p.rt is not rt or p.launches is None or x.__class__ is not torch.Tensor:
+    if p is None or p.rt is not rt or p.launches is None or not plain(x, p.shape, p.dtype, rt.device):
         return False
-    if x.shape != p.shape or x.dtype is not p.dtype or x.device != rt.device or not x.is_contiguous():
-        return False
-    if x.data_ptr() & 3 or rt.comm is None or rt.sig.needs_resync:
+    if rt.comm is None or rt.sig.needs_resync:
         return False
     if p.tuning != tuning_changes() or p.exchanges != rt.exchanges:
         return False
@@ -187,7 +185,6 @@ def combine(rt, handle, x, topk_weights, config, previous_event, async_finish: b
     if w is None:
         if p.k:
             return None
-    elif (w.__class__ is not torch.Tensor or not p.k or w.shape != (p.shape[0], p.k) or w.dtype is not torch.float32
-          or w.device != rt.device or not w.is_contiguous() or w.data_ptr() & 3):
+    elif not p.k or not plain(w, (p.shape[0], p.k), torch.float32, rt.device):
         return None
     return _run(rt, p, previous_event, async_finish, x, w, (handle.send_head,))
