@@ -25,6 +25,7 @@ another value of ``TRITON_EP_FUSED`` (read on every call, as by the general path
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -41,7 +42,8 @@ class CallPlan:
     """What a call of one handle needs to launch again with the same shapes (see the module's docstring).
 
     Attributes:
-        rt: the Runtime of the Buffer that made it. shape, dtype: ``x``'s (a ``torch.Size``, a dtype).
+        rt: a weak reference to the Runtime of the Buffer that made it. shape, dtype: ``x``'s (a ``torch.Size``, a
+        dtype).
         k: ``topk_weights``' columns for a combine (0: none). out_shape: the output's shape.
         code, card: the call card's operation and values. launches: the call's launches in order
         (:class:`triton_ep.kernels.launch.Replay` each: one for a call of one launch, a send and a receive per round
@@ -57,7 +59,8 @@ class CallPlan:
     def __init__(self, rt, x: Tensor, k: int, out_shape: tuple, code: int, card_values: tuple, launches: tuple,
                  force: Optional[bool], sums: bool = False) -> None:
         self.sums = sums
-        self.rt, self.shape, self.dtype, self.k, self.out_shape = rt, x.shape, x.dtype, k, tuple(out_shape)
+        # (weakly: a handle kept after its Buffer was dropped keeps nothing of the Buffer alive)
+        self.rt, self.shape, self.dtype, self.k, self.out_shape = weakref.ref(rt), x.shape, x.dtype, k, tuple(out_shape)
         self.code, self.card, self.launches, self.force = code, tuple(card_values), launches, force
         self.tuning, self.exchanges = tuning_changes(), rt.exchanges
         rt.plans.add(self)      # (dropped when the Buffer is destroyed)
@@ -114,7 +117,7 @@ def layout(mode, topk_idx, num_experts, previous_event, async_finish: bool):
 def _usable(p: Optional[CallPlan], rt, x, config, previous_event) -> bool:
     """Whether plan ``p`` serves a call of ``x``, ``config`` and ``previous_event`` now (no side effect: any
     doubt says no, and the general path checks and raises)."""
-    if p is None or p.rt is not rt or p.launches is None or not plain(x, p.shape, p.dtype, rt.device):
+    if p is None or p.rt() is not rt or p.launches is None or not plain(x, p.shape, p.dtype, rt.device):
         return False
     if rt.comm is None or rt.sig.needs_resync:
         return False
