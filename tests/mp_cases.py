@@ -1102,3 +1102,25 @@ def replayed_layouts(rank, world, seed):
         table.update(saved)
         LY.LayoutPlan.__call__ = real_call
         buf.destroy()
+
+
+def replay_plans_let_a_dropped_buffer_go(rank, world):
+    """A Buffer dropped without ``destroy()`` while a handle whose cached dispatch and combine were replayed is kept:
+    nothing of the Buffer stays alive (its Runtime and its shared data area are collected; the plans' launches,
+    which referred to that area, are dropped). Returns ``(Runtime collected, data area collected, plans dropped)``."""
+    import gc
+    import weakref
+    E, K, H = 4 * world, 2, 64
+    xs, idxs, ws = make_inputs(9, world, E, K, H, [6] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    recv_x, _, _, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+    for _ in range(3):
+        buf.dispatch(xs[rank], handle=handle)
+        buf.combine(recv_x, handle)
+    assert handle.replay_dispatch.launches is not None and handle.replay_combine.launches is not None
+    rt, data = weakref.ref(buf._rt), weakref.ref(buf._rt.comm.data)
+    import torch.distributed as dist
+    dist.barrier()                      # (every rank's calls are done before any drops its Buffer)
+    del buf
+    gc.collect()
+    return rt() is None, data() is None, (handle.replay_dispatch.launches, handle.replay_combine.launches) == (None, None)

@@ -42,8 +42,8 @@ class CallPlan:
     """What a call of one handle needs to launch again with the same shapes (see the module's docstring).
 
     Attributes:
-        rt: a weak reference to the Runtime of the Buffer that made it. shape, dtype: ``x``'s (a ``torch.Size``, a
-        dtype).
+        rt: a weak reference to the Runtime of the Buffer that made it (the plan drops its launches when that
+        Runtime goes). shape, dtype: ``x``'s (a ``torch.Size``, a dtype).
         k: ``topk_weights``' columns for a combine (0: none). out_shape: the output's shape.
         code, card: the call card's operation and values. launches: the call's launches in order
         (:class:`triton_ep.kernels.launch.Replay` each: one for a call of one launch, a send and a receive per round
@@ -59,8 +59,11 @@ class CallPlan:
     def __init__(self, rt, x: Tensor, k: int, out_shape: tuple, code: int, card_values: tuple, launches: tuple,
                  force: Optional[bool], sums: bool = False) -> None:
         self.sums = sums
-        # (weakly: a handle kept after its Buffer was dropped keeps nothing of the Buffer alive)
-        self.rt, self.shape, self.dtype, self.k, self.out_shape = weakref.ref(rt), x.shape, x.dtype, k, tuple(out_shape)
+        # (weakly, and the launches go with the Runtime: a handle kept after its Buffer was dropped without
+        # destroy() keeps nothing of the Buffer alive, its shared memory included)
+        me = weakref.ref(self)
+        self.rt = weakref.ref(rt, lambda _: me() is not None and me().drop())
+        self.shape, self.dtype, self.k, self.out_shape = x.shape, x.dtype, k, tuple(out_shape)
         self.code, self.card, self.launches, self.force = code, tuple(card_values), launches, force
         self.tuning, self.exchanges = tuning_changes(), rt.exchanges
         rt.plans.add(self)      # (dropped when the Buffer is destroyed)

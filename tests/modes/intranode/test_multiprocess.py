@@ -87,6 +87,14 @@ def test_layouts_of_the_same_shape_replay_their_launches():
         assert n == 15, n      # 20 layouts: 5 on the general path (the first, int32, non-contiguous, 2 tuning changes)
 
 
+def test_a_kept_handle_keeps_nothing_of_a_dropped_buffer():
+    """A handle whose calls were replayed, kept after its Buffer was dropped without destroy(): the Buffer's Runtime
+    and shared data area are collected, the plans' launches dropped (found by a review: the launches' saved
+    arguments held the data area)."""
+    for out in _values(run_ranks(mp_cases.replay_plans_let_a_dropped_buffer_go, 2)):
+        assert out == (True, True, True), out
+
+
 def test_a_bad_fused_switch_is_an_argument_error():
     """TRITON_EP_FUSED=maybe: ValueError on every rank for a plain dispatch, a cached dispatch and a combine,
     before anything runs; the same Buffer goes on once the variable is fixed."""
