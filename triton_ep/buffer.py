@@ -553,7 +553,7 @@ class Buffer:
             return self._internode.dispatch(self._intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                             expert_alignment, num_worst_tokens, config, previous_event)
-        if (handle is not None and self._internode is None and num_tokens_per_rank is None and is_token_in_rank is None
+        if (handle is not None and num_tokens_per_rank is None and is_token_in_rank is None
                 and num_tokens_per_expert is None and topk_idx is None and topk_weights is None
                 and expert_alignment.__class__ is int and expert_alignment == 1 and num_worst_tokens.__class__ is int
                 and num_worst_tokens == 0 and num_tokens_per_rdma_rank is None and handle.__class__ is DispatchHandle):

@@ -292,7 +292,10 @@ class BoundLaunch:
         takes the new tensor), the rest of ``args`` stays as it was. Call it right after launching with
         ``args``: on GPU it keeps the compiled kernel that launch used and the other arguments' addresses. It
         keeps references to the other arguments, never to a tensor of ``vary``."""
-        slots = tuple(next((j for j, v in enumerate(vary) if a is v), -1) for a in args)
+        where = {}                      # a tensor's first place in vary, by identity (every argument is alive here)
+        for j, v in enumerate(vary):
+            where.setdefault(id(v), j)
+        slots = tuple(where.get(id(a), -1) for a in args)
         entry = cargs = None
         if self.cvals is not None and self._bind is not None and not _hooks_set():
             try:

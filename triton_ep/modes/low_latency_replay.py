@@ -22,6 +22,7 @@ import torch
 
 from ..kernels._util import tuning_changes
 from ..kernels.dispatch import fused_switch
+from . import low_latency as LL     # (low_latency imports this module: its names are read at call time)
 from .intranode_replay import plain
 
 Tensor = torch.Tensor
@@ -87,7 +88,6 @@ def dispatch(ll, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_ue8m0
     H = xs[1]
     if not p.usable((N, H, E)):
         return None
-    from .low_latency import LLHandle, carve
     T, K = idx_shape
     recv_shape, sc_shape, sc_stride, sc_dtype, parts = p.extra
     rt.check()                          # (what every low-latency call does first)
@@ -95,9 +95,9 @@ def dispatch(ll, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_ue8m0
     rt.publish(p.card[0], p.card[1])
     recv_x = torch.empty(recv_shape, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=dev)
     sc = torch.empty_strided(sc_shape, sc_stride, dtype=sc_dtype, device=dev) if use_fp8 else None
-    layout_range, recv_count, src_info, ret_slot, slots, counts = carve(dev, parts)
+    layout_range, recv_count, src_info, ret_slot, slots, counts = LL.carve(dev, parts)
     idx_n = ll._claim_send()
-    handle = LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K, idx_n)
+    handle = LL.LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K, idx_n)
     c = cost if cost is None or cost.dim() == 1 else cost[rt.rank]
     ts = tuple(t for t in (x, topk_idx, slots, counts, recv_x, sc, src_info, ret_slot, layout_range, recv_count,
                            stats, c) if t is not None)
@@ -112,11 +112,10 @@ def combine(ll, x, topk_idx, topk_weights, handle, cost, async_finish):
     p = ll.replay_combine
     if p is None or p.key != (cost is None,):
         return None
-    from .low_latency import LLHandle
     rt = ll.rt
     dev = rt.device
     xs, idx_shape, idx_dtype, cost_shape = p.shapes
-    if handle.__class__ is not LLHandle or handle.buffer_uid != rt.uid or handle.call in ll.pending:
+    if handle.__class__ is not LL.LLHandle or handle.buffer_uid != rt.uid or handle.call in ll.pending:
         return None
     N, H, E = handle[2], handle[3], handle[4]
     if (handle.num_tokens, handle.num_topk) != idx_shape or (N, H, E) != p.extra:
