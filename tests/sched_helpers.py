@@ -12,12 +12,12 @@ from triton_ep.transport import topology, verbs
 
 
 def fabric(hosts: int, reorder_seed=None, reorder_max_s: float = 0.004, ring_bytes: int = 1 << 20,
-           n_paths: int = 4, port_gbps: float = 400.0, path_gbps: float = 200.0) -> em.Fabric:
+           n_paths: int = 4, port_gbps: float = 400.0, path_gbps: float = 200.0, skew_s: float = 0.0) -> em.Fabric:
     """``hosts`` emulated hosts, each one dual-port mlx5 device ``mlx5_<host>``, over ``n_paths`` ECMP paths."""
     ports = lambda: [em.PortSpec(speed_gbps=port_gbps), em.PortSpec(speed_gbps=port_gbps)]  # noqa: E731
     return em.Fabric(em.FabricSpec([em.DeviceSpec(f"mlx5_{h}", ports()) for h in range(hosts)], n_paths=n_paths,
                                    path_gbps=path_gbps, reorder_seed=reorder_seed, reorder_max_s=reorder_max_s,
-                                   ring_bytes=ring_bytes))
+                                   skew_s=skew_s, ring_bytes=ring_bytes))
 
 
 def transport(fab: em.Fabric, rank: int, world: int, qps: int = 4, timeout_s: float = 20.0, **kw):

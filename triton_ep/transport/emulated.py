@@ -8,7 +8,8 @@ verbs backend runs unchanged on it in CI and on real pyverbs with a NIC.
 What it models -- the promises of the InfiniBand verbs spec for RC queue pairs, and no more:
 
 * Work requests of one QP are placed in order; nothing orders different QPs.  With ``FabricSpec.reorder_seed``
-  each arriving request is held for a seeded random delay (monotone per QP), so QPs overtake each other.
+  each arriving request is held for a seeded random delay (monotone per QP), so QPs overtake each other;
+  ``FabricSpec.skew_s`` holds the requests of every even-numbered QP longer, so they are overtaken for sure.
 * A send completion is generated only after the responder placed the data (it answers with an ACK after
   the copy).  FETCH_AND_ADD returns the previous value into the local 8-byte slot before completing.
 * WRITE_WITH_IMM consumes one posted receive; with none posted the responder sends RNR NAKs: the request
@@ -152,6 +153,9 @@ class FabricSpec:
         n_paths: ECMP paths between any two ports; path_gbps: each path's bandwidth cap, Gb/s.
         reorder_seed: None: deliver as soon as possible; an int: hold each request a seeded random delay
             of up to ``reorder_max_s`` seconds (monotone per QP) so QPs overtake each other.
+        skew_s: hold every request that arrives at an even-numbered QP this many seconds more (monotone per
+            QP): a request on an odd-numbered QP overtakes one on an even-numbered QP posted less than
+            ``skew_s`` before it, whatever the host's speed (tests of cross-QP ordering bugs).
         ring_bytes: capacity of each QP's inbound ring (bytes); writes larger than a quarter are fragmented.
     """
     devices: List[DeviceSpec]
@@ -159,6 +163,7 @@ class FabricSpec:
     path_gbps: float = 400.0
     reorder_seed: Optional[int] = None
     reorder_max_s: float = 0.004
+    skew_s: float = 0.0
     ring_bytes: int = 1 << 20
 
 
@@ -681,10 +686,13 @@ class _Engine:
                     if rec[0] == _ACK:
                         qp.acks.append(rec)
                         continue
-                    hold = now
-                    if self.fabric.spec.reorder_seed is not None:
-                        hold = max(qp.last_hold, now + self.rng.random() * self.fabric.spec.reorder_max_s)
-                        qp.last_hold = hold
+                    spec, hold = self.fabric.spec, now
+                    if spec.reorder_seed is not None:
+                        hold += self.rng.random() * spec.reorder_max_s
+                    if spec.skew_s and qp.qp_num % 2 == 0:
+                        hold += spec.skew_s
+                    if hold != now:
+                        hold = qp.last_hold = max(qp.last_hold, hold)
                     qp.pending.append([hold, rec])
 
     def step(self) -> bool:
