@@ -772,8 +772,8 @@ def _dequant_x(x):
 
 
 def ordering(rank, world, planted):
-    """Round trips over a fabric that reorders requests across QPs (``TRITON_EP_EMULATED_REORDER_S``), with a
-    probe at each chunk's signal (the scheduler's ``on_signal`` hook, run when the signal arrives, before the
+    """Round trips over a fabric that reorders requests across QPs (``TRITON_EP_EMULATED_REORDER_S`` and
+    ``TRITON_EP_EMULATED_SKEW_S``), with a probe at each chunk's signal (the scheduler's ``on_signal`` hook, run when the signal arrives, before the
     tail moves): the chunk in the receive slot must already be the one signalled (its header names the call
     ``seq + 1``). With ``planted`` every rank's scheduler posts each chunk's signal on the next QP instead of
     the data's (the bug in-QP ordering prevents), so signals overtake rows. Returns ``(what failed or None,

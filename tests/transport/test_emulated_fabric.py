@@ -273,3 +273,18 @@ def test_failed_transition_names_device_port_qp_and_peer():
     finally:
         t0.close()
         t1.close()
+
+
+@pytest.mark.parametrize("var", ["TRITON_EP_EMULATED_REORDER_S", "TRITON_EP_EMULATED_SKEW_S"])
+def test_fabric_delay_variables_take_seconds_and_refuse_the_rest(var, monkeypatch):
+    """The emulated fabric a Buffer builds reads its reordering and skew from the environment: a number of
+    seconds lands in the spec, anything else (a word, a negative, inf, nan) is a ValueError naming the variable."""
+    from triton_ep.transport.factory import emulated_fabric
+    monkeypatch.setenv(var, "0.25")
+    spec = emulated_fabric(["mlx5_0"], "t").spec
+    assert (spec.reorder_max_s if var.endswith("REORDER_S") else spec.skew_s) == 0.25
+    assert (spec.reorder_seed is not None) == var.endswith("REORDER_S")
+    for bad in ("soon", "-1", "inf", "nan"):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            emulated_fabric(["mlx5_0"], "t")

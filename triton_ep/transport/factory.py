@@ -14,26 +14,41 @@ from .rdma import Transport
 #: the environment variable that makes the emulated fabric a Buffer builds hold each request a random delay of up
 #: to this many seconds (monotone per QP), so QPs overtake each other: for ordering tests (every rank alike)
 ENV_REORDER_S = "TRITON_EP_EMULATED_REORDER_S"
+#: ... and the one that holds every request to an even-numbered QP this many seconds more
+#: (``FabricSpec.skew_s``), so requests on the other QPs overtake them whatever the host's speed
+ENV_SKEW_S = "TRITON_EP_EMULATED_SKEW_S"
+
+
+def _seconds(name: str) -> float:
+    """The non-negative number of seconds in environment variable ``name`` (0 when unset or blank).
+
+    Raises:
+        ValueError: it is set to something else.
+    """
+    raw = os.environ.get(name, "").strip()
+    try:
+        v = float(raw) if raw else 0.0
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v < float("inf"):
+        raise ValueError(f"{name}={raw!r} must be a non-negative number of seconds")
+    return v
 
 
 def emulated_fabric(device_names: Sequence[str], token: str, ports_per_device: int = 2) -> em.Fabric:
     """The emulated fabric of ``device_names`` (one ``ports_per_device``-port NIC each), shared by every
     process that builds it with the same names and ``token``. With ``TRITON_EP_EMULATED_REORDER_S=s`` (a
-    positive number of seconds) it reorders requests across QPs, seeded by ``token``.
+    positive number of seconds) it reorders requests across QPs, seeded by ``token``; with
+    ``TRITON_EP_EMULATED_SKEW_S=s`` it holds every request to an even-numbered QP ``s`` seconds more.
 
     Raises:
-        ValueError: ``TRITON_EP_EMULATED_REORDER_S`` is not a non-negative number.
+        ValueError: either variable is not a non-negative number.
     """
-    raw = os.environ.get(ENV_REORDER_S, "").strip()
-    try:
-        hold = float(raw) if raw else 0.0
-    except ValueError:
-        hold = -1.0
-    if not hold >= 0.0:
-        raise ValueError(f"{ENV_REORDER_S}={raw!r} must be a non-negative number of seconds")
+    hold, skew = _seconds(ENV_REORDER_S), _seconds(ENV_SKEW_S)
     spec = em.FabricSpec([em.DeviceSpec(name, [em.PortSpec() for _ in range(ports_per_device)])
                           for name in device_names], ring_bytes=4 << 20,
-                         reorder_seed=zlib.crc32(token.encode()) if hold > 0 else None, reorder_max_s=hold or 0.004)
+                         reorder_seed=zlib.crc32(token.encode()) if hold > 0 else None, reorder_max_s=hold or 0.004,
+                         skew_s=skew)
     return em.Fabric(spec, token=token)
 
 

@@ -156,8 +156,10 @@ def test_masked_dead_host(arrival):
 def test_signal_after_rows_on_one_qp_and_the_planted_variant_fails(arrival):
     """Over a fabric that reorders requests across QPs, every chunk is complete when its signal arrives (each
     chunk's signal, a WRITE_WITH_IMM or its arrival word, travels after its rows on the same QP) and the round
-    trips match the oracle. The planted variant that posts the signal on another QP fails that check."""
-    env = dict(_env(1, arrival), TRITON_EP_EMULATED_REORDER_S="0.02")
+    trips match the oracle. The planted variant that posts the signal on another QP fails that check: the fabric
+    also holds every even-numbered QP's requests 50 ms more, so signals moved off them overtake their rows
+    however fast or slow the host runs."""
+    env = dict(_env(1, arrival), TRITON_EP_EMULATED_REORDER_S="0.02", TRITON_EP_EMULATED_SKEW_S="0.05")
     for failed, bad, probed in _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", False)):
         assert failed is None and bad == 0 and probed >= 20, (failed, bad, probed)
     out = _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", True))
