@@ -7,6 +7,7 @@ results in ``benchmarks/results/`` exactly as they are, print no H200 target ver
 say that its figures are interpreter time. Skipped where CUDA is present: there the defaults are the GPU shapes.
 """
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -59,6 +60,25 @@ def run_bench(script: str, *args: str, root: str = ROOT) -> subprocess.Completed
     r = python([os.path.join(root, "benchmarks", script), *args], root)
     assert r.returncode == 0, f"{script} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
+
+
+def bench_module(name: str):
+    """The benchmark script ``benchmarks/<name>.py`` imported into this process (to call its argument parser: a
+    process each costs seconds of imports)."""
+    bench_dir = os.path.join(ROOT, "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(bench_dir)
+
+
+def assert_parse_error(parse_args, args, why: str, capsys) -> None:
+    """``parse_args(args)`` exits with argparse's status 2 and ``why`` on stderr."""
+    with pytest.raises(SystemExit) as ex:
+        parse_args(list(args))
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and why in err, (args, err)
 
 
 @pytest.fixture
@@ -118,12 +138,7 @@ def test_bench_ep8_out(tmp_path, results_untouched):
 
 def test_default_out_is_ignored_and_not_results():
     """Both file-writing scripts default to a folder git ignores, outside benchmarks/results."""
-    code = ("import bench_kernels, bench_ep8; "
-            "print(bench_kernels.parse_args([]).out); print(bench_ep8.parse_args([]).out)")
-    r = python(["-c", code], os.path.join(ROOT, "benchmarks"))
-    assert r.returncode == 0, r.stderr
-    outs = r.stdout.split()
-    assert len(outs) == 2
+    outs = [bench_module(name).parse_args([]).out for name in ("bench_kernels", "bench_ep8")]
     for out in outs:
         rel = os.path.relpath(out, ROOT)
         assert not rel.startswith(os.path.join("benchmarks", "results")) and not rel.startswith("..")
@@ -193,12 +208,12 @@ def test_host_cost_ab_against_a_copy(tmp_path, results_untouched):
     assert "the other checkout's Buffer cannot make the calls asked for" in r.stderr and "planted" in r.stderr
 
 
-def test_host_cost_ab_refuses_a_bad_against(tmp_path):
+def test_host_cost_ab_refuses_a_bad_against(tmp_path, capsys):
     """``--against`` without a package, naming this checkout, or naming no folder: exit status 2 and why."""
-    for bad, why in (([str(tmp_path)], "holds no triton_ep package"), ([ROOT], "names this checkout itself"),
-                     ([str(tmp_path / "nowhere")], "is not a folder")):
-        r = python([os.path.join(ROOT, "benchmarks", "host_cost_ab.py"), "--against", *bad], ROOT)
-        assert r.returncode == 2 and why in r.stderr, r.stderr[-2000:]
+    parse_args = bench_module("host_cost_ab").parse_args
+    for bad, why in ((str(tmp_path), "holds no triton_ep package"), (ROOT, "names this checkout itself"),
+                     (str(tmp_path / "nowhere"), "is not a folder")):
+        assert_parse_error(parse_args, ["--against", bad], why, capsys)
 
 
 @pytest.mark.extended
@@ -221,7 +236,7 @@ def test_fused_replay_out(tmp_path, results_untouched):
         assert bad.returncode == 2 and "--out" in bad.stderr, bad.stderr
 
 
-def test_grid_cap_out(tmp_path, results_untouched):
+def test_grid_cap_out(tmp_path, results_untouched, capsys):
     """One rank on CPU: cached dispatch and combine under two grid caps, timed and bit for bit equal, in
     ``grid_cap.json`` under ``--out`` with each cap's ratio to the first; the tuning table's cap, read after the
     runs, is the default again; bad ``--caps`` are argparse errors."""
@@ -234,10 +249,9 @@ def test_grid_cap_out(tmp_path, results_untouched):
         assert math.isclose(row["dispatch_ratio"], row["dispatch_us"] / out["results"][0]["dispatch_us"])
     assert out["default_programs_per_sm"] == _util.INTERP_TUNING["grid"]["programs_per_sm"] == 0
     assert_cpu_report(r, CPU_NOTE)
+    parse_args = bench_module("grid_cap").parse_args
     for caps, why in (("1,x", "comma-separated ints"), ("-1", ">= 0"), ("0,0", "twice")):
-        bad = python([os.path.join(ROOT, "benchmarks", "grid_cap.py"), "--caps", caps, "--out", str(tmp_path / "h")],
-                     ROOT)
-        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+        assert_parse_error(parse_args, ["--caps", caps, "--out", str(tmp_path / "h")], why, capsys)
 
 
 @pytest.mark.extended
@@ -265,12 +279,7 @@ def test_grid_cap_vary(tmp_path, results_untouched):
 def test_grid_cap_refuses_bad_settings(tmp_path, capsys):
     """Entries that do not exist, values of the wrong type or out of range, low-latency entries, the record layout
     and a setting given twice are argparse errors of ``grid_cap.py``."""
-    bench_dir = os.path.join(ROOT, "benchmarks")
-    sys.path.insert(0, bench_dir)
-    try:
-        import grid_cap
-    finally:
-        sys.path.remove(bench_dir)
+    grid_cap = bench_module("grid_cap")
     for args, why in ((["--vary", "nokernel.num_warps=4"], "no tuning entry"),
                       (["--vary", "dispatch_recv.nokey=4"], "no tuning entry"),
                       (["--config", "dispatch_recv.num_warps"], "no tuning entry"),
@@ -283,10 +292,7 @@ def test_grid_cap_refuses_bad_settings(tmp_path, capsys):
                       (["--vary", "dispatch_send.record_align_words=8"], "records' layout"),
                       (["--vary", "dispatch_recv.num_warps=4;combine_send.num_warps=8,2"], "several entries"),
                       (["--caps", "0", "--vary", "grid.programs_per_sm=0"], "twice")):
-        with pytest.raises(SystemExit) as ex:      # (the parser in this process: a process each costs seconds)
-            grid_cap.parse_args([*args, "--out", str(tmp_path / "h")])
-        err = capsys.readouterr().err
-        assert ex.value.code == 2 and why in err, (args, err)
+        assert_parse_error(grid_cap.parse_args, [*args, "--out", str(tmp_path / "h")], why, capsys)
 
 
 def test_bench_internode_out(tmp_path, results_untouched):
@@ -338,9 +344,9 @@ def test_compare_writes_ratios(tmp_path, results_untouched):
     rows = {r["what"]: r for r in out["rows"]}
     assert rows["graph"]["ratio"] == pytest.approx(rows["graph"]["after"] / rows["graph"]["before"])
     assert rows["graph"]["unit"] == "GPU us" and rows["dispatch_host"]["unit"] == "host us"
-    r = python([os.path.join(ROOT, "benchmarks", "compare.py"), os.path.join(res, "host_cost_h200.json"),
-                os.path.join(res, "low_latency_h200_r1_new.json"), "--out", str(tmp_path)], ROOT)
-    assert r.returncode != 0 and "different scripts" in r.stderr
+    with pytest.raises(ValueError, match="different scripts"):       # (in this process: a process costs seconds)
+        bench_module("compare").main([os.path.join(res, "host_cost_h200.json"),
+                                      os.path.join(res, "low_latency_h200_r1_new.json"), "--out", str(tmp_path)])
 
 
 def test_compare_reads_grid_cap_results(tmp_path, results_untouched):
@@ -378,10 +384,10 @@ def test_bench_calls_compare_with_itself(tmp_path, results_untouched):
     assert CPU_NOTE in out["note"]
 
 
-def test_bench_calls_compare_module_not_importable(tmp_path):
-    """``--compare`` of a module that does not import: exit status 2 and the reason, before any rank starts."""
-    r = python([os.path.join(ROOT, "benchmarks", "bench_calls.py"), "--compare", "no_such_module",
-                "--out", str(tmp_path)], ROOT)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "--compare no_such_module: module not importable: " in r.stderr
+def test_bench_calls_compare_module_not_importable(tmp_path, capsys):
+    """``--compare`` of a module that does not import: exit status 2 and the reason, before any rank starts
+    (``main`` in this process: it returns before starting any)."""
+    code = bench_module("bench_calls").main(["--compare", "no_such_module", "--out", str(tmp_path)])
+    assert code == 2
+    assert "--compare no_such_module: module not importable: " in capsys.readouterr().err
     assert not os.listdir(tmp_path)

@@ -109,7 +109,9 @@ def test_same_host_peers_take_the_shared_buffer_with_allow_nvlink(allow_nvlink):
         assert carried == want and with_qps == want and n_qps == 2 * len(want), out
 
 
-@pytest.mark.parametrize("by_timeout", [False, True])
+# (masking by timeout across hosts runs in the default tier in test_masked_dead_host and
+# test_masked_rank_comes_back_and_is_unmasked)
+@pytest.mark.parametrize("by_timeout", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_masked_remote_rank(by_timeout):
     """3 hosts of 1 rank; rank 2 builds the Buffer and falls silent. With enable_shrink the others mask it
     (explicitly, or after one timeout of 4 s): exactly its tokens and experts' entries are dropped, later calls
