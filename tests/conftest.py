@@ -119,6 +119,7 @@ def _process_wide_singletons():
     gc.collect()
     gc.freeze()
     yield
+    gc.unfreeze()       # (frozen objects are never freed: nanobind, triton's binding, would report them at exit)
 
 
 @pytest.fixture(autouse=True)

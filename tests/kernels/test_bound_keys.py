@@ -314,20 +314,31 @@ def _assert_met(checker, names, hits, misses):
 
 def test_normal_mode_keys(checker, monkeypatch):
     """Dispatch (plain, worst, cached; bf16 and FP8 with scales; with and without weights), combine (with and
-    without weights, 0-2 biases) and layout, over shapes, one and several rounds, two tunings and grid caps:
-    every cache hit binds what a fresh bind gives."""
-    _normal_pass(1 << 16, caps=(None,))               # one round a call
-    _normal_pass(4096, caps=(None,), which=_ROUNDS)    # several
+    without weights, 0-2 biases) and layout, over shapes, one round a call, two tunings and the signals' grid
+    cap: every cache hit binds what a fresh bind gives (several rounds and the per-multiprocessor cap: the
+    extended test below)."""
+    _normal_pass(1 << 16, caps=(None,))
     with _tuned(monkeypatch, _SMALL_BLOCKS):
         _normal_pass(1 << 16, caps=(None, 1), which=_SMALL)
+    _assert_met(checker, ("dispatch._SEND_BOUND", "dispatch._RECV_BOUND", "combine._SEND_BOUND",
+                          "combine._REDUCE_BOUND", "layout._BLOCK_BOUND"), hits=20, misses=6)
+    _assert_met(checker, ("layout._POS_BOUND",), hits=3, misses=1)      # (the layout's second launch: small blocks)
+
+
+@pytest.mark.extended
+def test_normal_mode_keys_rounds_and_multiprocessor_cap(checker, monkeypatch):
+    """The same over several rounds a call, and under the tuning's per-multiprocessor grid cap after the same calls
+    uncapped."""
+    _normal_pass(4096, caps=(None,), which=_ROUNDS)
+    with _tuned(monkeypatch, _SMALL_BLOCKS):
+        _normal_pass(1 << 16, caps=(None,), which=_SMALL)
     # the per-multiprocessor cap (the interpreter's 4 "multiprocessors": 4 programs) after the same calls
     # uncapped (the pass above: the interpreter's tuning has no cap): a key that leaves the cap out meets a
     # launch bound with another grid
     with _tuned(monkeypatch, {**_SMALL_BLOCKS, "grid": dict(programs_per_sm=1)}):
         _normal_pass(1 << 16, caps=(None,), which=_SMALL)
     _assert_met(checker, ("dispatch._SEND_BOUND", "dispatch._RECV_BOUND", "combine._SEND_BOUND",
-                          "combine._REDUCE_BOUND", "layout._BLOCK_BOUND"), hits=30, misses=8)
-    _assert_met(checker, ("layout._POS_BOUND",), hits=3, misses=1)      # (the layout's second launch: small blocks)
+                          "combine._REDUCE_BOUND", "layout._BLOCK_BOUND"), hits=10, misses=4)
 
 
 def _kernels_alone(T, H, K, E, R, seed, weights, n_on_device):

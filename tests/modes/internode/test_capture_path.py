@@ -23,7 +23,8 @@ _MANY_ROUNDS = {"TRITON_EP_RDMA_CHUNK_BYTES": "128", "TRITON_EP_RDMA_SLOTS": "2"
 
 
 @pytest.mark.parametrize("world,per_host,Ts,more,per_rank", [
-    (4, 2, [7, 0, 9, 4], {}, False),                        # 2 hosts of 2 ranks
+    # 2 hosts of 2 ranks (the default run has them in test_capture_path_different_calls_fail_at_once)
+    pytest.param(4, 2, [7, 0, 9, 4], {}, False, marks=pytest.mark.extended),
     # 3 hosts, many rounds (the default run has them with per-rank num_worst_tokens, the last case)
     pytest.param(3, 1, [5, 8, 2], _MANY_ROUNDS, False, marks=pytest.mark.extended),
     # each rank its own num_worst_tokens, 2 hosts of 2 ranks, many rounds
