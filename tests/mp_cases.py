@@ -729,7 +729,7 @@ def bad_call_after_valid(rank, world, device="cpu"):
 def never_builds(rank, world, timeout_s, pid_file, subgroup):
     """Group rank 1 never builds its Buffer and stays alive. Rank 0 must raise EPTimeoutError within the
     bound naming rank 1, then ``destroy_process_group()`` must return at once (no collective left
-    pending) and the process exit; rank 1 reports whether rank 0's process is gone 12 s after the bound.
+    pending) and the process exit; rank 1 reports whether rank 0's process is gone within 12 s after the bound.
     With ``subgroup``, the Buffer is built over ``new_group([0, 1])`` of a 3-rank world (rank 2 idles)."""
     import os
     import time
@@ -748,13 +748,18 @@ def never_builds(rank, world, timeout_s, pid_file, subgroup):
             dist.destroy_process_group()
             return (e.stage, e.peers, str(e), round(waited, 2), round(time.monotonic() - t1, 2))
     if rank == 1:
-        time.sleep(timeout_s + 12)
-        pid = int(open(pid_file).read())
-        try:
-            os.kill(pid, 0)
-            return "rank 0 still running"
-        except ProcessLookupError:
-            return "rank 0 exited"
+        deadline = time.monotonic() + timeout_s + 12
+        pid = None
+        while time.monotonic() < deadline:
+            try:
+                pid = pid or int(open(pid_file).read())
+                os.kill(pid, 0)
+            except (FileNotFoundError, ValueError):     # rank 0 has not written its pid yet
+                pass
+            except ProcessLookupError:
+                return "rank 0 exited"
+            time.sleep(0.1)
+        return "rank 0 still running"
     return None
 
 

@@ -292,16 +292,17 @@ _ROUNDS = [0, 2, 5, 6]
 _SMALL = [0, 1, 3, 4, 6, 10]
 
 
-def _normal_pass(nbytes, caps, which=range(len(_NORMAL))):
-    """The cases ``which`` of ``_NORMAL``, each twice (each key is made once, then met again), under each grid
-    cap, on simulated ranks with buffers of ``nbytes``."""
+def _normal_pass(nbytes, caps, which=range(len(_NORMAL)), repeats=2):
+    """The cases ``which`` of ``_NORMAL``, each ``repeats`` times (twice: each key is made once, then met again;
+    once: only the neighbouring cases meet each other's launches), under each grid cap, on simulated ranks with
+    buffers of ``nbytes``."""
     cases = [(i, _NORMAL[i]) for i in which]
     groups = {R: VirtualGroup(R, nbytes) for R in {c[0] for _, c in cases}}
     for cap in caps:
         for vg in groups.values():
             _set_max_programs(vg.buffers, cap)
         for i, (R, E, K, H, Ts, opts) in cases:
-            for _ in range(2):
+            for _ in range(repeats):
                 _normal_case(groups[R], R, E, K, H, Ts, seed=10 * i + 1, **opts)
 
 
@@ -319,10 +320,10 @@ def test_normal_mode_keys(checker, monkeypatch):
     extended test below)."""
     _normal_pass(1 << 16, caps=(None,))
     with _tuned(monkeypatch, _SMALL_BLOCKS):
-        _normal_pass(1 << 16, caps=(None, 1), which=_SMALL)
+        _normal_pass(1 << 16, caps=(None, 1), which=_SMALL, repeats=1)
     _assert_met(checker, ("dispatch._SEND_BOUND", "dispatch._RECV_BOUND", "combine._SEND_BOUND",
                           "combine._REDUCE_BOUND", "layout._BLOCK_BOUND"), hits=20, misses=6)
-    _assert_met(checker, ("layout._POS_BOUND",), hits=3, misses=1)      # (the layout's second launch: small blocks)
+    _assert_met(checker, ("layout._POS_BOUND",), hits=1, misses=1)      # (the layout's second launch: small blocks)
 
 
 @pytest.mark.extended
@@ -483,11 +484,12 @@ def _ll_case(buf, seed, N, H, E, K, T, use_fp8, round_scale, use_ue8m0, hook, ze
     assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "low-latency combine"
 
 
-def _ll_pass(buf, caps):
+def _ll_pass(buf, caps, repeats=2):
+    """Every case of ``_LL``, ``repeats`` times, under each grid cap (see ``_normal_pass``)."""
     for cap in caps:
         _set_max_programs([buf], cap)
         for i, case in enumerate(_LL):
-            for _ in range(2):
+            for _ in range(repeats):
                 _ll_case(buf, 100 + i, *case)
 
 
@@ -508,9 +510,9 @@ def test_low_latency_keys(checker, monkeypatch, one_rank_group):
     with _ll_buffer(one_rank_group) as buf:
         _ll_pass(buf, caps=(None,))
         with _tuned(monkeypatch, _SMALL_BLOCKS):
-            _ll_pass(buf, caps=(None, 1))
+            _ll_pass(buf, caps=(None, 1), repeats=1)
     _assert_met(checker, ("ll_dispatch._ROUTE_BOUND", "ll_dispatch._SEND_BOUND", "ll_dispatch._RECV_BOUND",
-                          "ll_combine._SEND_BOUND", "ll_combine._REDUCE_BOUND"), hits=20, misses=3)
+                          "ll_combine._SEND_BOUND", "ll_combine._REDUCE_BOUND"), hits=8, misses=3)
 
 
 @pytest.mark.extended

@@ -126,7 +126,9 @@ def test_masked_remote_rank(by_timeout):
             assert waits[0] >= 4.0 and max(waits[1:]) < waits[0] - 2.0, waits
 
 
-@pytest.mark.parametrize("world,by_timeout,how,arrival", [(2, False, "update", False), (3, True, "clean", False),
+@pytest.mark.parametrize("world,by_timeout,how,arrival", [(2, False, "update", False), (2, True, "clean", False),
+                                                         pytest.param(3, True, "clean", False,
+                                                                      marks=pytest.mark.extended),
                                                          pytest.param(2, False, "update", True,
                                                                       marks=pytest.mark.extended)])
 def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how, arrival):
