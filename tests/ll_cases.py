@@ -430,6 +430,53 @@ def bad_call_after_valid(rank, world, N, H, E):
     return log
 
 
+def rejection_then_normal_mode(rank, world, N, H, E, who):
+    """One Buffer of both modes within one host: a low-latency dispatch that the ranks ``who`` ("all" or "one":
+    rank 1 only) reject (fp32 x; the others make it valid and hear of it), then a normal-mode round trip, then
+    two valid low-latency round trips. Returns ``[(step, outcome)]`` with the last dispatch's counts. (A new
+    user's find: the normal-mode call's re-synchronisation cleared the error state the modes share without
+    restarting the low-latency call numbers, so the next low-latency call met the rejection's failure words
+    and failed on every rank.)"""
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    buf = triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=True, num_qps_per_rank=E // world, timeout_s=20)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    log = []
+
+    def step(name, fn):
+        try:
+            out = fn()
+            log.append((name, "ok"))
+            return out
+        except Exception as e:  # noqa: BLE001
+            log.append((name, type(e).__name__))
+            return None
+
+    try:
+        step("valid", lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False))
+        bad = who == "all" or rank == 1
+        step("rejected", lambda: buf.low_latency_dispatch(x.float() if bad else x, idx, N, E, use_fp8=False))
+
+        def normal():
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            rx, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=idx)
+            combined = buf.combine(rx, handle)[0]
+            # each token reaches 2 ranks (experts 0 and E - 1): the sum of its two copies
+            assert torch.equal(combined.float(), x.float() * 2), "normal-mode combine"
+        step("normal", normal)
+        for i in range(2):
+            out = step(f"low-latency {i}", lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False))
+            if out is not None:
+                recv, count, handle = out[0], out[1], out[2]
+                comb = buf.low_latency_combine(recv, idx, torch.ones(3, 2), handle)[0]
+                assert torch.equal(comb.float(), x.float() * 2), "low-latency combine"
+                log.append((f"counts {i}", [int(c) for c in count.tolist()]))
+    finally:
+        buf.destroy()
+    return log
+
+
 def modes_disagree(rank, world, N, H, E, what):
     """Ranks build their Buffers with different low-latency layouts (``what``: one rank without
     low_latency_mode, or another num_nvl_bytes in low-latency mode): every rank raises ValueError at
@@ -984,6 +1031,17 @@ def arrival_words_mismatch(rank, world, how):
     if rank == 1:
         os.environ["TRITON_EP_LL_ARRIVAL_WORDS"] = "maybe" if how == "bad" else "1"
     _buffer(world, 4, 128, 2 * world, timeout_s=20).destroy()
+
+
+def env_mismatch(rank, world, var, value, low_latency):
+    """Rank 1 alone sets environment variable ``var`` to ``value``; every rank builds a Buffer across hosts (in
+    low-latency mode, or in normal mode only), which must raise on every rank."""
+    if rank == 1:
+        os.environ[var] = value
+    if low_latency:
+        _buffer(world, 4, 128, 2 * world, timeout_s=20).destroy()
+    else:
+        triton_ep.Buffer(None, 1 << 20, timeout_s=20).destroy()
 
 
 def control_words(rank, world, N=8, H=128, E=4, K=2):

@@ -52,7 +52,7 @@ from ..protocol.signal_header import STAGE_CAPACITY
 from ..transport.signals import stall_watchdog
 from .intranode import DispatchHandle, Intranode, check_cached_dispatch
 from .internode_capture import ENV_CAPTURE_PATH, CapturePath, CapturePlan
-from .network import open_network
+from .network import agreed_delays, delays_to_exchange, open_network
 
 Tensor = torch.Tensor
 _SKIP = object()            # the handle of a local call a rank takes only to fail it (Internode._skip_local)
@@ -210,6 +210,10 @@ class Internode(CapturePath):
 
     Raises:
         NotImplementedError: ranks simulated in one process (internode mode needs a process group).
+        ValueError: on every rank alike, where the ranks disagree on the network leg's shape, the capture path,
+            ``low_latency_mode`` / ``num_rdma_bytes`` or the emulated fabric's delays, or a rank's
+            ``TRITON_EP_INTERNODE_CAPTURE_PATH``, ``TRITON_EP_EMULATED_REORDER_S`` or ``TRITON_EP_EMULATED_SKEW_S`` is bad
+            (naming that rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
 
@@ -246,11 +250,15 @@ class Internode(CapturePath):
             shape = tuple(e if v is None else int(v) for v, e in zip((num_qps_per_peer, slots, slot_bytes), env_shape))
             num_qps_per_peer, slots, slot_bytes = shape
             raw = os.environ.get(ENV_CAPTURE_PATH, "").strip()
-            if raw not in ("", "0", "1"):
-                raise ValueError(f"{ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)")
-            capture = None if not raw else raw == "1"
-            mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency))
+            # (a bad value is raised after the exchange, on every rank alike: the peers do not wait for this rank)
+            capture = (None if not raw else raw == "1") if raw in ("", "0", "1") else \
+                f"rank {me}: {ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)"
+            mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency), delays_to_exchange(rt.rdma_transport, me))
             every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
+            bad = [e[2] for e in every if isinstance(e[2], str)]
+            if bad:
+                raise ValueError(bad[0])
+            delays = agreed_delays([e[4] for e in every])
             hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
             hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
             hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])
@@ -260,7 +268,7 @@ class Internode(CapturePath):
             # the rings: host memory the proxy and the NIC see, pinned and device-mapped for GPU kernels
             leg = open_network(rt.rdma_transport, self.peer_group, self.host, self.num_hosts, token=token, names=names,
                                name=names[me], num_qps_per_peer=num_qps_per_peer, slots=slots, slot_bytes=slot_bytes,
-                               timeout_s=rt.timeout_s, device=rt.device)
+                               timeout_s=rt.timeout_s, device=rt.device, delays=delays)
             self.transport, self.sched, self._ring_mem = leg.transport, leg.sched, leg.mem
             self._ring_ctrl, self._ring_send, self._ring_recv = leg.ring_ctl, leg.send, leg.recv
         except BaseException:

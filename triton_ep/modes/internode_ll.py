@@ -38,7 +38,7 @@ from ..transport import ipc
 from ..transport.bootstrap import gather_objects
 from ..transport.signals import RingFlags, header_bytes
 from .low_latency import LowLatency
-from .network import Network, open_network
+from .network import Network, agreed_delays, delays_to_exchange, open_network
 
 
 #: seconds ``NetLeg.close`` waits at most for chunks already published to be placed
@@ -218,7 +218,8 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         ValueError: ``num_qps_per_rank`` not an int >= 1; ranks disagree on it, on ``enable_shrink``,
             ``allow_nvlink_for_low_latency_mode`` or ``TRITON_EP_LL_ARRIVAL_WORDS`` (on every rank; ``num_rdma_bytes``
             is checked before, by :class:`~triton_ep.modes.internode.Internode`); ``TRITON_EP_LL_ARRIVAL_WORDS``
-            is no switch on some rank (on every rank, naming that rank).
+            is no switch on some rank, or ``TRITON_EP_EMULATED_REORDER_S`` / ``TRITON_EP_EMULATED_SKEW_S`` are no
+            non-negative numbers of seconds there or differ between ranks (on every rank, naming that rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
     me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
@@ -231,8 +232,10 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
     except TypeError:
         qps = repr(num_qps_per_rank)
     # (num_rdma_bytes, with low_latency_mode, was checked equal on every rank by the normal-mode set-up)
-    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink), arrival),
+    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink), arrival,
+                                      delays_to_exchange(rt.rdma_transport, me)),
                            rt.timeout_s, "internode low-latency: fabric token")
+    delays = agreed_delays([e[5] for e in every])
     hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[1] for e in every])
     if not isinstance(qps, int) or qps < 1:     # (checked after the exchange: every rank raises it alike)
         raise ValueError(f"num_qps_per_rank must be an int >= 1 for low-latency mode across hosts (RC QPs to each "
@@ -266,7 +269,7 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
                                num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev,
                                peers=[r for r in range(R) if not same[r]],    # no QPs to peers on the NVLink path
-                               arrival_words=arrival)
+                               arrival_words=arrival, delays=delays)
         ll.net = NetLeg(network, ll.area, slot, remote, local, rt.group)
         return ll
     except BaseException:

@@ -16,6 +16,7 @@ device wait that writes an error record, raised by :meth:`Buffer.check` (which e
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, List, Optional
 
 import torch
@@ -130,8 +131,13 @@ class LowLatency:
         #: the plans the next dispatch and combine of the same sizes replay (:mod:`.low_latency_replay`)
         self.replay_dispatch = self.replay_combine = None
         self._layouts: dict = {}
+        #: this rank failed a low-latency call since the last restart of the call numbers (see resync_fill)
+        self.failed = False
         with torch.inference_mode():
             self.ctl.zero_()              # peers write here only after the construction's barrier
+        # every re-synchronisation meeting of the Runtime, a normal-mode call's too, restarts the low-latency
+        # call numbers where they need it (a normal-mode meeting clears the error state both modes share)
+        rt.resync_parts.append(weakref.ref(self))
 
     # ------------------------------------------------------------------ helpers
     def layout(self, n_max: int, hidden: int, num_experts: int) -> Layout:
@@ -188,13 +194,33 @@ class LowLatency:
             rt.run(self._resync_steps())
 
     def _resync_steps(self):
-        """After an error: meet every rank on the host (the normal re-synchronisation), and restart the
-        low-latency call numbers above the highest any rank reached; hooks still pending are dropped."""
+        """After an error: meet every rank on the host (the normal re-synchronisation; :meth:`resync_apply`
+        restarts the low-latency call numbers there)."""
+        self.failed = True          # (this rank raised a low-latency call's error: restart the numbers)
+        yield from self.rt.resync_steps()
 
-        def fill(slot):
-            slot[SLOT_HEADER] = int(self.ctl[int(F.L_SEQ)].item())
-        slots = yield from self.rt.resync_steps(fill)
-        top = max(int(s[SLOT_HEADER]) for s in slots)
+    def resync_fill(self, slot) -> None:
+        """This rank's words in a re-synchronisation meeting (any mode's): its last low-latency call number and
+        whether its call numbers need a restart (it failed a low-latency call, or a peer's failure word waits in
+        its control block). A small device read: an error path."""
+        if self.net is not None:        # (across hosts the network leg re-synchronises low-latency calls)
+            return
+        R = self.rt.group_size
+        failed_words = self.ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R]
+        slot[SLOT_HEADER] = int(self.ctl[int(F.L_SEQ)].item())
+        slot[SLOT_HEADER + 1] = int(self.failed or bool(failed_words.any().item()))
+
+    def resync_apply(self, slots) -> None:
+        """After a re-synchronisation meeting: where any rank failed a low-latency call, holds a peer's failure
+        word or sent another number of calls, every rank restarts its low-latency call numbers above the
+        highest any rank reached (hooks still pending are dropped); otherwise nothing changes (a normal-mode
+        error leaves a pending hook alone)."""
+        if self.net is not None:
+            return
+        seqs = [int(s[SLOT_HEADER]) for s in slots]
+        if len(set(seqs)) == 1 and not any(int(s[SLOT_HEADER + 1]) for s in slots):
+            return
+        top = max(seqs)
         R = self.rt.group_size
         with torch.inference_mode():
             # L_SEQ, L_DONE, CONS[0..1]; PEND[0..1] as CONS (nothing left to release)
@@ -205,6 +231,7 @@ class LowLatency:
             # wrote them before they came to this meeting)
             self.ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
         self.pending.clear()
+        self.failed = False
 
     def _guard(self, fn, *args):
         """Run argument checks; on failure tell the peers (their waits for this rank end at once with
@@ -239,6 +266,7 @@ class LowLatency:
         # the rejected call launched nothing: this rank's kernels go on (a hook of an earlier call still
         # receives), and its next call re-synchronises the group with the peers that saw the failure
         rt.sig.needs_resync = True
+        self.failed = True
 
     def _one_launch(self, num_tokens: int) -> bool:
         """Whether a call of ``num_tokens`` tokens runs as one launch (:mod:`triton_ep.kernels.ll_fused`; with a

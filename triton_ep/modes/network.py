@@ -9,7 +9,35 @@ import dataclasses
 import torch
 
 from .. import scheduler as sched_mod
+from ..runtime import hosts as hosts_mod
 from ..transport import factory
+
+
+def delays_to_exchange(backend: str, rank: int):
+    """What rank ``rank`` puts in its Buffer's set-up exchange about the emulated fabric's delays
+    (``TRITON_EP_EMULATED_REORDER_S``, ``TRITON_EP_EMULATED_SKEW_S``): ``(reorder_s, skew_s)``, the text of its
+    error for a bad value (raised on every rank after the exchange, by :func:`agreed_delays`), or ``None`` for
+    the verbs backend (which reads neither)."""
+    if backend != "emulated":
+        return None
+    try:
+        return factory.fabric_delays()
+    except ValueError as ex:
+        return f"rank {rank}: {ex}"
+
+
+def agreed_delays(values):
+    """Every rank's :func:`delays_to_exchange`, checked after the exchange: the delays the fabric takes.
+
+    Raises:
+        ValueError: on every rank alike, where a rank's value was bad (naming that rank and the variable) or
+            the ranks' values differ.
+    """
+    bad = [v for v in values if isinstance(v, str)]
+    if bad:
+        raise ValueError(bad[0])
+    hosts_mod.agreed(f"{factory.ENV_REORDER_S} and {factory.ENV_SKEW_S} (the emulated fabric's delays)", values)
+    return values[0] if values else None
 
 
 @dataclasses.dataclass
@@ -38,7 +66,7 @@ class Network:
 
 def open_network(backend: str, group, rank: int, world: int, *, token: str, names, name: str,
                  num_qps_per_peer: int, slots: int, slot_bytes: int, timeout_s: float,
-                 device: torch.device, peers=None, **sched_kwargs) -> Network:
+                 device: torch.device, peers=None, delays=None, **sched_kwargs) -> Network:
     """Open rank ``rank``'s RDMA leg to the ``world`` ranks of ``group`` (collective over it).
 
     Args:
@@ -47,6 +75,8 @@ def open_network(backend: str, group, rank: int, world: int, *, token: str, name
         num_qps_per_peer: RC QPs per peer.  slots, slot_bytes: the scheduler's rings.
         device: the kernels' device: on CUDA the region is pinned host memory (device-mapped).
         peers: the ranks of ``group`` to make QPs to (default: every other one).
+        delays: the emulated fabric's ``(reorder_s, skew_s)`` as the ranks agreed on them (:func:`agreed_delays`);
+            ``None``: read from the environment.
         sched_kwargs: more :class:`~triton_ep.scheduler.Scheduler` arguments.
     Raises:
         what the transport and the bootstrap raise (``EPTimeoutError`` for a peer that never joins); nothing
@@ -55,7 +85,7 @@ def open_network(backend: str, group, rank: int, world: int, *, token: str, name
     kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=timeout_s, peers=peers)
     fabric = None
     if backend == "emulated":
-        fabric = factory.emulated_fabric(list(names), token)
+        fabric = factory.emulated_fabric(list(names), token, delays=delays)
         kw.update(fabric=fabric, device_name=name)
     elif device.type == "cuda":
         kw["gpu"] = device.index

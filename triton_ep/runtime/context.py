@@ -119,6 +119,10 @@ class Runtime:
         self._card, self._calls = comm.card(comm.rank), 0
         #: dispatches with num_worst_tokens since the last re-synchronisation (equal on ranks in step)
         self.worst_calls = 0
+        #: weak references to what else shares this Runtime's re-synchronisation meeting (the Buffer's
+        #: low-latency state within one host): each referent's ``resync_fill(slot)`` writes its words after the
+        #: slot header before the meeting, and its ``resync_apply(slots)`` reads every rank's after it
+        self.resync_parts: list = []
         # a rank that leaves the group says so in its card too (peers may wait there: every_worst)
         self.sig.on_leave = lambda: card.mark_failed(self._card, card.LEFT)
         self.sig.explain_mismatch = self.explain_mismatch
@@ -411,10 +415,12 @@ class Runtime:
         finally:
             gen.close()
 
-    def resync_steps(self, fill: Optional[Callable] = None) -> Generator:
+    def resync_steps(self) -> Generator:
         """After an error: meet every rank on the host and start the round counters afresh above the highest
-        round any rank used. ``fill(slot)`` may add words after the slot header (``ipc.SLOT_HEADER``) for the
-        caller to read in the returned list of every rank's slot (a copy each).
+        round any rank used. The meeting is every mode's that shares this Runtime (a normal-mode call's and a
+        low-latency call's alike clear the error state they share): each of ``resync_parts`` adds its words after
+        the slot header (``ipc.SLOT_HEADER``) and reads every rank's after the meeting. Returns every rank's slot
+        (a copy each).
 
         Raises:
             EPError: on every rank, when the ranks have met on the host a different number of times (they
@@ -432,8 +438,9 @@ class Runtime:
             slot[_BASE], slot[_HASERR] = self.sig.local_state()
         slot[_SEQ] = self.dispatch_seq
         slot[_XN] = self._op          # this rank's exchange count: equal on ranks in step
-        if fill is not None:
-            fill(slot)
+        parts = [p for p in (ref() for ref in self.resync_parts) if p is not None]
+        for part in parts:
+            part.resync_fill(slot)
         self.host_waits["meet"] += 1
         yield Meet("resync after an error")
         slots = [comm.slot(parity, r).copy() for r in range(self.group_size)]
@@ -453,6 +460,8 @@ class Runtime:
         if any(s[_HASERR] for s in slots) or len(set(bases)) > 1:
             with self.comm_ctx():
                 self.sig.resync(max(bases) + 1)
+        for part in parts:
+            part.resync_apply(slots)
         return slots
 
     def capacity(self, row_bytes: int, stage: str) -> int:

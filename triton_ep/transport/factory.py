@@ -35,16 +35,29 @@ def _seconds(name: str) -> float:
     return v
 
 
-def emulated_fabric(device_names: Sequence[str], token: str, ports_per_device: int = 2) -> em.Fabric:
+def fabric_delays() -> tuple:
+    """``(reorder_s, skew_s)``: ``TRITON_EP_EMULATED_REORDER_S`` and ``TRITON_EP_EMULATED_SKEW_S`` as seconds (0.0
+    where unset or blank).
+
+    Raises:
+        ValueError: either variable is not a non-negative number, naming it and its value.
+    """
+    return _seconds(ENV_REORDER_S), _seconds(ENV_SKEW_S)
+
+
+def emulated_fabric(device_names: Sequence[str], token: str, ports_per_device: int = 2,
+                    delays: Optional[tuple] = None) -> em.Fabric:
     """The emulated fabric of ``device_names`` (one ``ports_per_device``-port NIC each), shared by every
     process that builds it with the same names and ``token``. With ``TRITON_EP_EMULATED_REORDER_S=s`` (a
     positive number of seconds) it reorders requests across QPs, seeded by ``token``; with
     ``TRITON_EP_EMULATED_SKEW_S=s`` it holds every request to an even-numbered QP ``s`` seconds more.
+    ``delays``: ``(reorder_s, skew_s)`` already read (:func:`fabric_delays`; a Buffer's ranks agree on them in
+    their set-up exchange), instead of the variables.
 
     Raises:
         ValueError: either variable is not a non-negative number.
     """
-    hold, skew = _seconds(ENV_REORDER_S), _seconds(ENV_SKEW_S)
+    hold, skew = fabric_delays() if delays is None else delays
     spec = em.FabricSpec([em.DeviceSpec(name, [em.PortSpec() for _ in range(ports_per_device)])
                           for name in device_names], ring_bytes=4 << 20,
                          reorder_seed=zlib.crc32(token.encode()) if hold > 0 else None, reorder_max_s=hold or 0.004,
