@@ -432,7 +432,8 @@ def bad_call_after_valid(rank, world, N, H, E):
 
 def rejection_then_normal_mode(rank, world, N, H, E, who):
     """One Buffer of both modes within one host: a low-latency dispatch that the ranks ``who`` ("all" or "one":
-    rank 1 only) reject (fp32 x; the others make it valid and hear of it), then a normal-mode round trip, then
+    rank 1 only) reject (fp32 x; the others make it valid and hear of it; "badid": rank 1's kernel finds an id
+    out of range), then a normal-mode round trip, then
     two valid low-latency round trips. Returns ``[(step, outcome)]`` with the last dispatch's counts. (A new
     user's find: the normal-mode call's re-synchronisation cleared the error state the modes share without
     restarting the low-latency call numbers, so the next low-latency call met the rejection's failure words
@@ -455,7 +456,11 @@ def rejection_then_normal_mode(rank, world, N, H, E, who):
     try:
         step("valid", lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False))
         bad = who == "all" or rank == 1
-        step("rejected", lambda: buf.low_latency_dispatch(x.float() if bad else x, idx, N, E, use_fp8=False))
+        if who == "badid":      # found by rank 1's kernel (an id of E): a record of a low-latency stage
+            bad_idx = idx.clone() if rank != 1 else torch.tensor([[0, E]] * 3)
+            step("rejected", lambda: buf.low_latency_dispatch(x, bad_idx, N, E, use_fp8=False))
+        else:
+            step("rejected", lambda: buf.low_latency_dispatch(x.float() if bad else x, idx, N, E, use_fp8=False))
 
         def normal():
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)

@@ -212,7 +212,8 @@ class Internode(CapturePath):
         NotImplementedError: ranks simulated in one process (internode mode needs a process group).
         ValueError: on every rank alike, where the ranks disagree on the network leg's shape, the capture path,
             ``low_latency_mode`` / ``num_rdma_bytes`` or the emulated fabric's delays, or a rank's
-            ``TRITON_EP_INTERNODE_CAPTURE_PATH``, ``TRITON_EP_EMULATED_REORDER_S`` or ``TRITON_EP_EMULATED_SKEW_S`` is bad
+            ``TRITON_EP_RDMA_QPS_PER_PEER`` / ``_SLOTS`` / ``_CHUNK_BYTES``, ``TRITON_EP_INTERNODE_CAPTURE_PATH``,
+            ``TRITON_EP_EMULATED_REORDER_S`` or ``TRITON_EP_EMULATED_SKEW_S`` is bad
             (naming that rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
@@ -246,18 +247,23 @@ class Internode(CapturePath):
             self.local_group, self.peer_group = rt.local_group, rt.peer_group
             self.local_rt = rt.local
             self.local = Intranode(self.local_rt)
-            env_shape = network_shape()
-            shape = tuple(e if v is None else int(v) for v, e in zip((num_qps_per_peer, slots, slot_bytes), env_shape))
-            num_qps_per_peer, slots, slot_bytes = shape
+            # (bad environment values are raised after the exchange, on every rank alike: the peers do not wait
+            # out their timeout for this rank)
+            try:
+                env_shape = network_shape()
+                shape = tuple(e if v is None else int(v)
+                              for v, e in zip((num_qps_per_peer, slots, slot_bytes), env_shape))
+            except ValueError as ex:
+                shape = f"rank {me}: {ex}"
             raw = os.environ.get(ENV_CAPTURE_PATH, "").strip()
-            # (a bad value is raised after the exchange, on every rank alike: the peers do not wait for this rank)
             capture = (None if not raw else raw == "1") if raw in ("", "0", "1") else \
                 f"rank {me}: {ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)"
             mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency), delays_to_exchange(rt.rdma_transport, me))
             every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
-            bad = [e[2] for e in every if isinstance(e[2], str)]
+            bad = [v for e in every for v in (e[1], e[2]) if isinstance(v, str)]
             if bad:
                 raise ValueError(bad[0])
+            num_qps_per_peer, slots, slot_bytes = shape
             delays = agreed_delays([e[4] for e in every])
             hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
             hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])

@@ -105,6 +105,11 @@ class LLHandle(tuple):
         return self
 
 
+#: the stages of low-latency kernels' error records (a record of one asks for a restart of the call numbers)
+_LL_STAGES = frozenset(int(st) for st in (F.STAGE_LL_DISPATCH_SEND, F.STAGE_LL_DISPATCH_RECV, F.STAGE_LL_COMBINE_SEND,
+                                          F.STAGE_LL_COMBINE_RECV))
+
+
 class LowLatency:
     """The low-latency state of one Buffer: its area (``area_bytes`` at byte ``offset`` of the Buffer's
     data buffer, the same offset on every rank), hooks still to run, and the host count of sends."""
@@ -196,25 +201,29 @@ class LowLatency:
     def _resync_steps(self):
         """After an error: meet every rank on the host (the normal re-synchronisation; :meth:`resync_apply`
         restarts the low-latency call numbers there)."""
-        self.failed = True          # (this rank raised a low-latency call's error: restart the numbers)
+        self.failed = True          # (the meeting of a low-latency call restarts the numbers, as it always did)
         yield from self.rt.resync_steps()
 
     def resync_fill(self, slot) -> None:
         """This rank's words in a re-synchronisation meeting (any mode's): its last low-latency call number and
-        whether its call numbers need a restart (it failed a low-latency call, or a peer's failure word waits in
-        its control block). A small device read: an error path."""
+        whether its call numbers need a restart (it rejected a low-latency call on the host, its kernels recorded
+        a low-latency call's error, or a peer's failure word waits in its control block). A small device read:
+        an error path."""
         if self.net is not None:        # (across hosts the network leg re-synchronises low-latency calls)
             return
         R = self.rt.group_size
         failed_words = self.ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R]
+        rec = self.rt.sig.record()
+        recorded = rec is not None and rec.stage in _LL_STAGES
         slot[SLOT_HEADER] = int(self.ctl[int(F.L_SEQ)].item())
-        slot[SLOT_HEADER + 1] = int(self.failed or bool(failed_words.any().item()))
+        slot[SLOT_HEADER + 1] = int(self.failed or recorded or bool(failed_words.any().item()))
 
     def resync_apply(self, slots) -> None:
         """After a re-synchronisation meeting: where any rank failed a low-latency call, holds a peer's failure
-        word or sent another number of calls, every rank restarts its low-latency call numbers above the
-        highest any rank reached (hooks still pending are dropped); otherwise nothing changes (a normal-mode
-        error leaves a pending hook alone)."""
+        word or sent another number of calls, or the meeting is a low-latency call's, every rank restarts its
+        low-latency call numbers above the highest any rank reached (hooks still pending are dropped); otherwise
+        (a normal-mode call's meeting after a normal-mode error) nothing changes, and a pending hook still
+        receives."""
         if self.net is not None:
             return
         seqs = [int(s[SLOT_HEADER]) for s in slots]

@@ -120,8 +120,9 @@ class Runtime:
         #: dispatches with num_worst_tokens since the last re-synchronisation (equal on ranks in step)
         self.worst_calls = 0
         #: weak references to what else shares this Runtime's re-synchronisation meeting (the Buffer's
-        #: low-latency state within one host): each referent's ``resync_fill(slot)`` writes its words after the
-        #: slot header before the meeting, and its ``resync_apply(slots)`` reads every rank's after it
+        #: low-latency state within one host; at most one: it owns the slot's words after the header): each
+        #: referent's ``resync_fill(slot)`` writes its words before the meeting, its ``resync_apply(slots)`` reads
+        #: every rank's after it
         self.resync_parts: list = []
         # a rank that leaves the group says so in its card too (peers may wait there: every_worst)
         self.sig.on_leave = lambda: card.mark_failed(self._card, card.LEFT)
@@ -427,6 +428,9 @@ class Runtime:
                 called different operations): the Buffer is broken.
         """
         comm = self.live()
+        # what the meeting's words read (the round counters, the low-latency call numbers) was written by work
+        # that may still be queued on the communication stream (async_finish): wait for it first
+        self.wait_comm_stream()
         parity = self._op & 1
         self._op += 1
         # the count of num_worst_tokens dispatches starts afresh on every rank (the values already published

@@ -1,8 +1,6 @@
 """Low-latency mode across hosts on CPU: rank processes standing in for hosts (``TRITON_EP_RANKS_PER_HOST``)
 over the emulated RDMA fabric, kernels under the interpreter; every result checked against the oracle of
 tests/ll_cases.py, bit for bit as within one host."""
-import time
-
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -208,16 +206,15 @@ def test_arrival_words_switch(arrival):
     ("TRITON_EP_EMULATED_REORDER_S", "nan", False, "rank 1: TRITON_EP_EMULATED_REORDER_S='nan'"),
     ("TRITON_EP_EMULATED_SKEW_S", "0.01", False, "ranks disagree on TRITON_EP_EMULATED_REORDER_S and"),
     ("TRITON_EP_INTERNODE_CAPTURE_PATH", "2", False, "rank 1: TRITON_EP_INTERNODE_CAPTURE_PATH='2'"),
+    ("TRITON_EP_RDMA_SLOTS", "0", False, "rank 1: TRITON_EP_RDMA_SLOTS='0'"),
 ])
 def test_a_bad_fabric_or_capture_variable_on_one_rank_raises_everywhere(var, value, low_latency, want):
     """(A new user's find: a bad value on one rank raised there at once, and its peers waited out their timeout.)
-    The emulated fabric's delays and the capture-path switch travel in the set-up exchange: a bad value on one
+    The emulated fabric's delays, the capture-path switch and the network leg's shape travel in the set-up exchange: a bad value on one
     rank, or delays that differ, give ValueError on every rank naming the variable (and the rank), at once."""
-    t0 = time.monotonic()
     out = run_ranks(ll_cases.across_hosts, 2, _env(1), "env_mismatch", var, value, low_latency)
-    for r in out:
+    for r in out:       # (a peer that waited for the bad rank would raise EPTimeoutError after its 20 s)
         assert getattr(r, "type_name", None) == "ValueError" and want in r.message, out
-    assert time.monotonic() - t0 < 15, "a rank waited out its timeout (20 s)"
 
 
 def test_arrival_words_switch_bad_value_or_disagreement_raises_everywhere():

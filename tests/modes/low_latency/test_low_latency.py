@@ -170,16 +170,17 @@ def test_a_bad_call_on_every_rank_leaves_a_late_hook_alone():
         assert [v for k, v in o if k == "final rows"] == [[6, 0] if rank == 0 else [0, 6]], o
 
 
-@pytest.mark.parametrize("who", ["all", "one"])
+@pytest.mark.parametrize("who", ["all", "one", "badid"])
 def test_a_rejected_call_then_a_normal_mode_call_then_low_latency_calls(who):
     """One Buffer of both modes within one host: after a low-latency call rejected on every rank (or on one,
-    whose peer hears of it), a normal-mode round trip and then low-latency round trips all succeed with the
+    whose peer hears of it, on the host or by its kernel), a normal-mode round trip and then low-latency round trips all succeed with the
     oracle's rows (the normal-mode call's re-synchronisation restarts the low-latency call numbers too)."""
     out = _values(run_ranks(ll_cases.rejection_then_normal_mode, 2, 4, 128, 4, who))
     for rank, o in enumerate(out):
         got = dict(o)
         assert got["valid"] == "ok" and got["normal"] == "ok", o
-        assert got["rejected"] == ("TypeError" if who == "all" or rank == 1 else "EPRemoteError"), o
+        bad = who == "all" or rank == 1
+        assert got["rejected"] == (("ValueError" if who == "badid" else "TypeError") if bad else "EPRemoteError"), o
         assert got["low-latency 0"] == "ok" and got["low-latency 1"] == "ok", o
         # 3 tokens from each of 2 ranks reach expert 0 (rank 0) and expert 3 (rank 1)
         assert got["counts 0"] == got["counts 1"] == ([6, 0] if rank == 0 else [0, 6]), o
