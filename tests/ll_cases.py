@@ -433,8 +433,7 @@ def bad_call_after_valid(rank, world, N, H, E):
 def rejection_then_normal_mode(rank, world, N, H, E, who):
     """One Buffer of both modes within one host: a low-latency dispatch that the ranks ``who`` ("all" or "one":
     rank 1 only) reject (fp32 x; the others make it valid and hear of it; "badid": rank 1's kernel finds an id
-    out of range), then a normal-mode round trip, then
-    two valid low-latency round trips. Returns ``[(step, outcome)]`` with the last dispatch's counts. (A new
+    out of range), then a normal-mode round trip, then two valid low-latency round trips. Returns ``[(step, outcome)]`` with the last dispatch's counts. (A new
     user's find: the normal-mode call's re-synchronisation cleared the error state the modes share without
     restarting the low-latency call numbers, so the next low-latency call met the rejection's failure words
     and failed on every rank.)"""
@@ -825,10 +824,10 @@ def _dequant_x(x):
 
 def ordering(rank, world, planted):
     """Round trips over a fabric that reorders requests across QPs (``TRITON_EP_EMULATED_REORDER_S`` and
-    ``TRITON_EP_EMULATED_SKEW_S``), with a probe at each chunk's signal (the scheduler's ``on_signal`` hook, run when the signal arrives, before the
-    tail moves): the chunk in the receive slot must already be the one signalled (its header names the call
-    ``seq + 1``). With ``planted`` every rank's scheduler posts each chunk's signal on the next QP instead of
-    the data's (the bug in-QP ordering prevents), so signals overtake rows. Returns ``(what failed or None,
+    ``TRITON_EP_EMULATED_SKEW_S``), with a probe at each chunk's signal (the scheduler's ``on_signal`` hook, run
+    when the signal arrives, before the tail moves): the chunk in the receive slot must already be the one
+    signalled (its header names the call ``seq + 1``). With ``planted`` every rank's scheduler posts each chunk's
+    signal on the next QP instead of the data's (the bug in-QP ordering prevents), so signals overtake rows. Returns ``(what failed or None,
     chunks seen incomplete at their signal, signals probed)``."""
     import numpy as np
     from triton_ep.scheduler import Scheduler, is_chunk_signal
@@ -1028,14 +1027,6 @@ def arrival_words(rank, world):
         return buf._ll.net.arrival_words, buf.get_rdma_stats()["low_latency"]["wrs"], calls
     finally:
         buf.destroy()
-
-
-def arrival_words_mismatch(rank, world, how):
-    """Rank 1 sets ``TRITON_EP_LL_ARRIVAL_WORDS`` to a value that is no switch (``how`` "bad") or on while rank
-    0 has it off ("disagree"); builds the Buffer, which must raise."""
-    if rank == 1:
-        os.environ["TRITON_EP_LL_ARRIVAL_WORDS"] = "maybe" if how == "bad" else "1"
-    _buffer(world, 4, 128, 2 * world, timeout_s=20).destroy()
 
 
 def env_mismatch(rank, world, var, value, low_latency):

@@ -94,7 +94,7 @@ class Buffer:
             try:
                 self._ll = internode_ll.open_internode_low_latency(
                     rt, ll_area_bytes(num_rdma_bytes), num_qps_per_rank, enable_shrink,
-                    bool(allow_nvlink_for_low_latency_mode))
+                    bool(allow_nvlink_for_low_latency_mode), delays=self._internode.delays)
             except BaseException:
                 try:
                     self._internode.close()

@@ -85,8 +85,9 @@ def run_probe(cls, world, qps, slots, slot, sizes, seed, proxies=1, wr_bytes=Non
         def __init__(self, t, **kw):
             super().__init__(t, on_signal=probe.hook(g_ref, t.rank), **kw)
 
-    with Group(fabric(world, reorder_seed=seed, reorder_max_s=0.006, skew_s=skew_s), world, qps=qps, cls=Probed, slots=slots,
-               slot_bytes=slot, proxies=proxies, timeout_s=20.0, wr_bytes=wr_bytes, arrival_words=arrival_words) as g:
+    fab = fabric(world, reorder_seed=seed, reorder_max_s=0.006, skew_s=skew_s)
+    with Group(fab, world, qps=qps, cls=Probed, slots=slots, slot_bytes=slot, proxies=proxies, timeout_s=20.0,
+               wr_bytes=wr_bytes, arrival_words=arrival_words) as g:
         g_ref[0] = g
         alltoall_checked(g, sizes, salt=seed)
     assert not probe.bad, f"chunks not intact when their signal arrived (src, dst, qp, seq): {probe.bad[:5]}"

@@ -258,13 +258,14 @@ class Internode(CapturePath):
             raw = os.environ.get(ENV_CAPTURE_PATH, "").strip()
             capture = (None if not raw else raw == "1") if raw in ("", "0", "1") else \
                 f"rank {me}: {ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)"
-            mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency), delays_to_exchange(rt.rdma_transport, me))
+            mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency),
+                    delays_to_exchange(rt.rdma_transport, me))
             every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
-            bad = [v for e in every for v in (e[1], e[2]) if isinstance(v, str)]
-            if bad:
-                raise ValueError(bad[0])
+            hosts_mod.first_error([v for e in every for v in (e[1], e[2])])
             num_qps_per_peer, slots, slot_bytes = shape
-            delays = agreed_delays([e[4] for e in every])
+            #: the emulated fabric's (reorder_s, skew_s) the ranks agreed on (None: verbs); the low-latency
+            #: network leg takes them too (internode_ll.open_internode_low_latency)
+            self.delays = delays = agreed_delays([e[4] for e in every])
             hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
             hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
             hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])

@@ -38,7 +38,7 @@ from ..transport import ipc
 from ..transport.bootstrap import gather_objects
 from ..transport.signals import RingFlags, header_bytes
 from .low_latency import LowLatency
-from .network import Network, agreed_delays, delays_to_exchange, open_network
+from .network import Network, open_network
 
 
 #: seconds ``NetLeg.close`` waits at most for chunks already published to be placed
@@ -201,7 +201,7 @@ def arrival_words_switch() -> bool:
 
 
 def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrink: bool,
-                               allow_nvlink: bool = True) -> LowLatency:
+                               allow_nvlink: bool = True, delays: Optional[tuple] = None) -> LowLatency:
     """The low-latency state of a Buffer across hosts (collective over ``rt.group``).
 
     Args:
@@ -214,12 +214,13 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         shrink: ``enable_shrink``: a peer that does not answer within ``timeout_s`` is masked.
         allow_nvlink: peers on this rank's host are reached through the shared buffer (NVLink / IPC, DeepEP's
             ``allow_nvlink_for_low_latency_mode``); else over RDMA as the other hosts' ranks.
+        delays: the emulated fabric's ``(reorder_s, skew_s)`` as the normal-mode set-up agreed on them
+            (``Internode.delays``); ``None``: read from the environment.
     Raises:
         ValueError: ``num_qps_per_rank`` not an int >= 1; ranks disagree on it, on ``enable_shrink``,
             ``allow_nvlink_for_low_latency_mode`` or ``TRITON_EP_LL_ARRIVAL_WORDS`` (on every rank; ``num_rdma_bytes``
             is checked before, by :class:`~triton_ep.modes.internode.Internode`); ``TRITON_EP_LL_ARRIVAL_WORDS``
-            is no switch on some rank, or ``TRITON_EP_EMULATED_REORDER_S`` / ``TRITON_EP_EMULATED_SKEW_S`` are no
-            non-negative numbers of seconds there or differ between ranks (on every rank, naming that rank).
+            is no switch on some rank (on every rank, naming that rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
     me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
@@ -232,19 +233,15 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
     except TypeError:
         qps = repr(num_qps_per_rank)
     # (num_rdma_bytes, with low_latency_mode, was checked equal on every rank by the normal-mode set-up)
-    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink), arrival,
-                                      delays_to_exchange(rt.rdma_transport, me)),
+    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink), arrival),
                            rt.timeout_s, "internode low-latency: fabric token")
-    delays = agreed_delays([e[5] for e in every])
     hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[1] for e in every])
     if not isinstance(qps, int) or qps < 1:     # (checked after the exchange: every rank raises it alike)
         raise ValueError(f"num_qps_per_rank must be an int >= 1 for low-latency mode across hosts (RC QPs to each "
                          f"peer); got {num_qps_per_rank!r}")
     hosts_mod.agreed("allow_nvlink_for_low_latency_mode (low-latency mode across hosts)", [e[2] for e in every])
     hosts_mod.agreed("enable_shrink (low-latency mode across hosts)", [e[3] for e in every])
-    bad = [e[4] for e in every if not isinstance(e[4], bool)]
-    if bad:
-        raise ValueError(bad[0])
+    hosts_mod.first_error([e[4] for e in every])
     hosts_mod.agreed("TRITON_EP_LL_ARRIVAL_WORDS (low-latency mode across hosts)", [e[4] for e in every])
     token = every[0][0]
     names = [f"ll{token}_{r}" for r in range(R)]

@@ -33,9 +33,7 @@ def agreed_delays(values):
         ValueError: on every rank alike, where a rank's value was bad (naming that rank and the variable) or
             the ranks' values differ.
     """
-    bad = [v for v in values if isinstance(v, str)]
-    if bad:
-        raise ValueError(bad[0])
+    hosts_mod.first_error(values)
     hosts_mod.agreed(f"{factory.ENV_REORDER_S} and {factory.ENV_SKEW_S} (the emulated fabric's delays)", values)
     return values[0] if values else None
 

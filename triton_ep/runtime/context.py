@@ -420,8 +420,7 @@ class Runtime:
         """After an error: meet every rank on the host and start the round counters afresh above the highest
         round any rank used. The meeting is every mode's that shares this Runtime (a normal-mode call's and a
         low-latency call's alike clear the error state they share): each of ``resync_parts`` adds its words after
-        the slot header (``ipc.SLOT_HEADER``) and reads every rank's after the meeting. Returns every rank's slot
-        (a copy each).
+        the slot header (``ipc.SLOT_HEADER``) and reads every rank's after the meeting.
 
         Raises:
             EPError: on every rank, when the ranks have met on the host a different number of times (they
@@ -466,7 +465,6 @@ class Runtime:
                 self.sig.resync(max(bases) + 1)
         for part in parts:
             part.resync_apply(slots)
-        return slots
 
     def capacity(self, row_bytes: int, stage: str) -> int:
         """Rows of ``row_bytes`` that fit the smallest buffer of the group (what one round may move).

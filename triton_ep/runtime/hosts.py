@@ -77,6 +77,19 @@ class Hosts:
         return tuple(r for h in range(self.num_hosts) for r in self.ranks(h))
 
 
+def first_error(values: Sequence) -> None:
+    """After a set-up exchange in which a rank sent the text of its own error instead of a value (a bad
+    environment value: raised here, on every rank alike, instead of on that rank alone while its peers wait out
+    their timeout): raise the first such text.
+
+    Raises:
+        ValueError: the first ``str`` among ``values``.
+    """
+    for v in values:
+        if isinstance(v, str):
+            raise ValueError(v)
+
+
 def agreed(what: str, values: Sequence) -> None:
     """Check that every rank gave the same value (``values``: one per rank).
 

@@ -210,8 +210,9 @@ def test_arrival_words_switch(arrival):
 ])
 def test_a_bad_fabric_or_capture_variable_on_one_rank_raises_everywhere(var, value, low_latency, want):
     """(A new user's find: a bad value on one rank raised there at once, and its peers waited out their timeout.)
-    The emulated fabric's delays, the capture-path switch and the network leg's shape travel in the set-up exchange: a bad value on one
-    rank, or delays that differ, give ValueError on every rank naming the variable (and the rank), at once."""
+    The emulated fabric's delays, the capture-path switch and the network leg's shape travel in the set-up
+    exchange: a bad value on one rank, or delays that differ, give ValueError on every rank naming the variable
+    (and the rank), at once."""
     out = run_ranks(ll_cases.across_hosts, 2, _env(1), "env_mismatch", var, value, low_latency)
     for r in out:       # (a peer that waited for the bad rank would raise EPTimeoutError after its 20 s)
         assert getattr(r, "type_name", None) == "ValueError" and want in r.message, out
@@ -222,7 +223,9 @@ def test_arrival_words_switch_bad_value_or_disagreement_raises_everywhere():
     variable (and, for a bad value, the rank), instead of a hang or a timeout."""
     env = _env(1)
     for how, want in (("bad", "TRITON_EP_LL_ARRIVAL_WORDS"), ("disagree", "disagree")):
-        out = run_ranks(ll_cases.across_hosts, 2, env, "arrival_words_mismatch", how)
+        # rank 1 alone sets a value that is no switch, or turns it on while rank 0 has it off (env: "0")
+        out = run_ranks(ll_cases.across_hosts, 2, env, "env_mismatch", "TRITON_EP_LL_ARRIVAL_WORDS",
+                        "maybe" if how == "bad" else "1", True)
         for r in out:
             assert getattr(r, "type_name", None) == "ValueError" and want in r.message, out
             if how == "bad":

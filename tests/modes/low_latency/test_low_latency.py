@@ -173,8 +173,9 @@ def test_a_bad_call_on_every_rank_leaves_a_late_hook_alone():
 @pytest.mark.parametrize("who", ["all", "one", "badid"])
 def test_a_rejected_call_then_a_normal_mode_call_then_low_latency_calls(who):
     """One Buffer of both modes within one host: after a low-latency call rejected on every rank (or on one,
-    whose peer hears of it, on the host or by its kernel), a normal-mode round trip and then low-latency round trips all succeed with the
-    oracle's rows (the normal-mode call's re-synchronisation restarts the low-latency call numbers too)."""
+    whose peer hears of it, on the host or by its kernel), a normal-mode round trip and then low-latency round
+    trips all succeed with the oracle's rows (the normal-mode call's re-synchronisation restarts the low-latency
+    call numbers too)."""
     out = _values(run_ranks(ll_cases.rejection_then_normal_mode, 2, 4, 128, 4, who))
     for rank, o in enumerate(out):
         got = dict(o)
