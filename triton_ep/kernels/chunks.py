@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags as F
 from ._util import interpreted, pow2
 
@@ -29,7 +30,7 @@ def chunk_pattern(src, dst, seq, idx):
     return v.to(tl.int32)
 
 
-@triton.jit(do_not_specialize=['first', 'count', 'me', 'timeout_ns'])
+@names.jit('scheduler_test', 'produce', do_not_specialize=['first', 'count', 'me', 'timeout_ns'])
 def _produce(ctrl, send, first, count, me, S, slot_words, timeout_ns, R: tl.constexpr, BLOCK: tl.constexpr,
              USE_CLOCK: tl.constexpr):
     peer = tl.program_id(0)
@@ -55,7 +56,7 @@ def _produce(ctrl, send, first, count, me, S, slot_words, timeout_ns, R: tl.cons
                     F.release(ctrl + F.ring_word(F.RING_READY, R, peer), tl.full([], 0, tl.int64) + k + 1)
 
 
-@triton.jit(do_not_specialize=['first', 'count', 'me', 'timeout_ns'])
+@names.jit('scheduler_test', 'consume', do_not_specialize=['first', 'count', 'me', 'timeout_ns'])
 def _consume(ctrl, recv, result, first, count, me, S, slot_words, timeout_ns, R: tl.constexpr,
              BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr):
     peer = tl.program_id(0)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
@@ -67,7 +68,7 @@ def _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_
             tl.store(row[:, None] + records.comb_weights(WX, K) + ok[None, :], tl.load(w_ptr + g[:, None] * K + ok[None, :], mask=mk), mask=mk)
 
 
-@triton.jit(do_not_specialize=['n_rows', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
+@names.jit('intranode', 'combine', do_not_specialize=['n_rows', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
 def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, n_ptr,
                          hdr, hdr_delta, host, k, sig, me, timeout_ns,
                          N_PTR: tl.constexpr, SYNC: tl.constexpr, DEFER: tl.constexpr, USE_CLOCK: tl.constexpr,
@@ -158,7 +159,7 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                 tl.store(wout_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
 
 
-@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
+@names.jit('intranode', 'combine', do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
 def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                            acc_ptr, out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr,
                            hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
@@ -191,7 +192,7 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
 _combine_reduce_launch = Launcher(_combine_reduce_kernel)
 
 
-@triton.jit(do_not_specialize=['n_rows', 'T', 'hi', 'sig', 'me', 'timeout_ns'])
+@names.jit('intranode', 'combine', do_not_specialize=['n_rows', 'T', 'hi', 'sig', 'me', 'timeout_ns'])
 def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, n_ptr,
                           rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, hi, out_ptr, b0_ptr, b1_ptr, wout_ptr,
                           hdr, hdr_delta, host, sig, me, timeout_ns,

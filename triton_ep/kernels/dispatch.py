@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
@@ -95,7 +96,7 @@ def _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delt
                 tl.store(row + records.rec_src(WX, S, K), t.to(tl.int32), mask=m)
 
 
-@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
+@names.jit('intranode', 'dispatch', do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns'])
 def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
                           T, lo, hi, num_experts,
                           hdr, hdr_delta, host, k, sig, me, timeout_ns,
@@ -187,7 +188,8 @@ def _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_pt
             tl.store(out_src_ptr + out, tl.load(row + records.rec_src(WX, S, K), mask=m, other=-1), mask=mo)
 
 
-@triton.jit(do_not_specialize=['n_rows', 'lo', 'expert_lo', 'cap', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
+@names.jit('intranode', 'dispatch',
+           do_not_specialize=['n_rows', 'lo', 'expert_lo', 'cap', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
 def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, n_ptr, cap,
                           hdr, hdr_delta, host, k, sig, me, timeout_ns, advance,
@@ -223,7 +225,8 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
 _dispatch_recv_launch = Launcher(_dispatch_recv_kernel)
 
 
-@triton.jit(do_not_specialize=['T', 'lo', 'hi', 'n_rows', 'expert_lo', 'cap', 'sig', 'me', 'timeout_ns', 'advance'])
+@names.jit('intranode', 'dispatch',
+           do_not_specialize=['T', 'lo', 'hi', 'n_rows', 'expert_lo', 'cap', 'sig', 'me', 'timeout_ns', 'advance'])
 def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
                            T, lo, hi, num_experts, n_rows, expert_lo, experts_per_rank,
                            out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, n_ptr, cap,

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from ._util import interpreted
 
 FP8_MAX = tl.constexpr(448.0)
@@ -83,7 +84,7 @@ def quantize_blocks(x, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_T:
     return q, scale
 
 
-@triton.jit(do_not_specialize=['T'])
+@names.jit('fp8_cast', do_not_specialize=['T'])
 def _cast_kernel(x_ptr, q_ptr, s_ptr, T, H: tl.constexpr, ROUND_SCALE: tl.constexpr, NATIVE: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     # Each program takes BLOCK_T rows and walks the row in BLOCK_H-channel tiles.

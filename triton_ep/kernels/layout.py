@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from .launch import Launcher, bound
 from ._util import cdiv, pow2, tuning
 
@@ -62,7 +63,7 @@ def _positions(in_rank, t, mt, offs_r, prefix, send_pos_ptr, R: tl.constexpr):
     tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1).to(tl.int32), mask=mtr)
 
 
-@triton.jit(do_not_specialize=['T'])
+@names.jit('layout', do_not_specialize=['T'])
 def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                          counts_ptr, K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_K: tl.constexpr, NBINS: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE: tl.constexpr,
@@ -102,7 +103,7 @@ def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, b
 _layout_block_launch = Launcher(_layout_block_kernel)
 
 
-@triton.jit(do_not_specialize=['T', 'num_blocks'])
+@names.jit('layout', do_not_specialize=['T', 'num_blocks'])
 def _layout_pos_kernel(in_rank_ptr, T, num_experts, num_blocks, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                        counts_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_B: tl.constexpr, EB: tl.constexpr, ATOMIC: tl.constexpr):

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags, ll_net, pdl
 from ._util import cdiv, pow2, tuning
 from .launch import Launcher, bound
@@ -65,7 +66,7 @@ def combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_m
                          tl.load(xw_ptr + (le * RN + j)[:, None] * WX + ow[None, :], mask=mw), mask=mw)
 
 
-@triton.jit(do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw'])
+@names.jit('low_latency', 'combine', do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
                             experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
                             remote, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
@@ -128,7 +129,7 @@ def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_pe
             tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mt[:, None])
 
 
-@triton.jit(do_not_specialize=['T', 'offset', 'sig', 'me', 'timeout_ns'])
+@names.jit('low_latency', 'combine', do_not_specialize=['T', 'offset', 'sig', 'me', 'timeout_ns'])
 def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T, offset, num_experts,
                               experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns,
                               R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,

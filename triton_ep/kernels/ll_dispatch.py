@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags, ll_net, pdl
 from ..protocol import records
 from ._util import cdiv, pow2, tuning
@@ -100,7 +101,7 @@ def _route_block(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_ra
                          tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, tl.load(ctl + flags.L_SEQ) + 1)
 
 
-@triton.jit(do_not_specialize=['T', 'me'])
+@names.jit('low_latency', 'route', do_not_specialize=['T', 'me'])
 def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank,
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -217,7 +218,7 @@ def wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ring_ctl, remote, st
     return go
 
 
-@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns', 'ring_dw'])
+@names.jit('low_latency', 'dispatch', do_not_specialize=['T', 'sig', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                              T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
                              hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w, remote,
@@ -346,7 +347,7 @@ def recv_call(ctl, hdr, hdr_delta, sig, me, offset, R: tl.constexpr, DEFER: tl.c
     return n
 
 
-@triton.jit(do_not_specialize=['offset', 'sig', 'me', 'timeout_ns'])
+@names.jit('low_latency', 'dispatch', do_not_specialize=['offset', 'sig', 'me', 'timeout_ns'])
 def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, cost_ptr,
                              offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
                              hdr, hdr_delta, host, sig, me, timeout_ns,

@@ -12,11 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags
 from .launch import Launcher
 
 
-@triton.jit(do_not_specialize=['me', 'timeout_ns', 'stage'])
+@names.jit('low_latency', 'fence', do_not_specialize=['me', 'timeout_ns', 'stage'])
 def _ll_fence_kernel(ctl, hdr, hdr_delta, host, me, timeout_ns, stage, R: tl.constexpr, SHRINK: tl.constexpr,
                      USE_CLOCK: tl.constexpr):
     flags.ll_release_cons(ctl)                  # (before the wait: the peers' fences wait for it)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags, pdl
 from ..protocol import records
 from ._util import cdiv, interpreted, pow2, tuning
@@ -48,7 +49,7 @@ def _as_grid2(p, P, S: tl.constexpr, rows):
     return p0, P0, p % S, S
 
 
-@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
+@names.jit('low_latency', 'dispatch', do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
 def _ll_dispatch_fused_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl,
                               out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, cost_ptr,
                               T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
@@ -207,7 +208,7 @@ def _bind_dispatch(T, H, K, lay, use_fp8, round_scale, use_ue8m0, native_fp8, sh
                                           num_warps=nw, **meta)
 
 
-@triton.jit(do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
+@names.jit('low_latency', 'combine', do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
 def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, delta_w, ctl, idx_ptr, w_ptr, out_ptr,
                              cost_ptr, T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
                              hdr, hdr_delta, host, sig, me, timeout_ns,

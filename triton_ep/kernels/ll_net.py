@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags
 from ._util import pow2
 from .dispatch import _grid2
@@ -154,7 +155,7 @@ def finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, 
         tl.store(ctl + flags.L_SEQ, n)
 
 
-@triton.jit(do_not_specialize=['offset', 'me', 'timeout_ns', 'ring_dw'])
+@names.jit('low_latency', 'unpack', do_not_specialize=['offset', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_max, ctl_w, half_w, cnt_w,
                       experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, cost_ptr, R: tl.constexpr,
                       COMBINE: tl.constexpr, REC: tl.constexpr, COST: tl.constexpr,

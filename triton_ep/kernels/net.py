@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags as F
 from ._util import interpreted
 from ..protocol.records import NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STATUS_LAYOUT, NetRecord
@@ -172,7 +173,7 @@ def _bases(ctrl, array, first_seq, h, c_lo, R: tl.constexpr, DEV: tl.constexpr):
     return seq0
 
 
-@triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns', 'HW'] + _SRC_NAMES)
+@names.jit('intranode', 'notify', do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns', 'HW'] + _SRC_NAMES)
 def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, hdr, HW, status, peer_words, c_lo, c_hi, me_host, S,
                SW, timeout_ns,
                x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w, id_w, wt_w, per_host,
@@ -215,7 +216,8 @@ def _pack_ring(ctrl, send, tokens, tok_start, n_words, first_seq, hdr, HW, statu
                     _publish(ctrl, F.RING_READY, h, k, R, USE_CLOCK)
 
 
-@triton.jit(do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns', 'HW', 'cap_words', 'key', 'rec_w'])
+@names.jit('internode', 'forward',
+           do_not_specialize=['c_lo', 'c_hi', 'me_host', 'timeout_ns', 'HW', 'cap_words', 'key', 'rec_w'])
 def _unpack_ring(ctrl, recv, out, out_start, n_words, first_seq, c_lo, c_hi, me_host, S, SW, timeout_ns,
                  rx_count, status, HW, cap_words, key, rec_w,
                  R: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr, DEV: tl.constexpr):
@@ -283,7 +285,7 @@ def _header(base, h, rx_count, status, cap_words, key, rec_w, HW, n_words, S, SW
     return nw, lim
 
 
-@triton.jit(do_not_specialize=['nw', 'host'] + _SRC_NAMES)
+@names.jit('internode', 'forward', do_not_specialize=['nw', 'host'] + _SRC_NAMES)
 def _pack_linear(out, tokens, nw, count, host, x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, row_w, sc_w,
                  id_w, wt_w, per_host, off_row, off_sc, off_id, off_wt, off_loc, rec_w, BLOCK: tl.constexpr,
                  COUNTED: tl.constexpr):

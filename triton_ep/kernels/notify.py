@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import names
 from . import flags
 from ..protocol import records
 from .launch import Launcher
@@ -83,7 +84,7 @@ def _publish(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delt
             flags.release(peer + flags.off_nflag(R) + me, n)
 
 
-@triton.jit(do_not_specialize=['num_worst', 'k', 'sig', 'me', 'timeout_ns'])
+@names.jit('intranode', 'notify', do_not_specialize=['num_worst', 'k', 'sig', 'me', 'timeout_ns'])
 def _notify_send_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, hdr, hdr_delta, host, k, sig, me,
                         timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, EXPERTS: tl.constexpr,
                         BLOCK_E: tl.constexpr):
@@ -193,7 +194,7 @@ def _tables(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_rank, hdr, hd
         flags.release(res_ptr + RES_SEQ, seq)
 
 
-@triton.jit(do_not_specialize=['num_worst', 'seq', 'k', 'sig', 'me', 'timeout_ns'])
+@names.jit('intranode', 'notify', do_not_specialize=['num_worst', 'seq', 'k', 'sig', 'me', 'timeout_ns'])
 def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_rank, hdr, hdr_delta, host, k, sig,
                         me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr, HOST_OUT: tl.constexpr,
                         BLOCK_E: tl.constexpr):
@@ -204,7 +205,7 @@ def _notify_recv_kernel(t32_ptr, t64_ptr, num_worst, res_ptr, seq, experts_per_r
 _notify_recv_launch = Launcher(_notify_recv_kernel)
 
 
-@triton.jit(do_not_specialize=['num_worst', 'num_worst_rx', 'seq', 'me', 'timeout_ns'])
+@names.jit('intranode', 'notify', do_not_specialize=['num_worst', 'num_worst_rx', 'seq', 'me', 'timeout_ns'])
 def _notify_kernel(counts_ptr, num_experts, experts_per_rank, num_worst, t32_ptr, t64_ptr, num_worst_rx, res_ptr, seq,
                    hdr, hdr_delta, host, me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
                    EXPERTS: tl.constexpr, HOST_OUT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EX: tl.constexpr):
