@@ -1180,3 +1180,32 @@ def replayed_calls(rank, world, device="cpu"):
         buf.destroy()
     assert all(p.launch is None for p in plans), "destroy() drops the plans"
     return counts[card.LL_DISPATCH], counts[card.LL_COMBINE], err
+
+
+def hidden_refusals(rank, world, N=4, E=4, K=2):
+    """An FP8 dispatch at hidden 2880, a bf16 one at hidden 2884 (rows of 5768 bytes) and the size hint at 2884:
+    each ``ValueError``'s key phrase; then a bf16 call at 2880 that works. Returns the phrases in order."""
+    R, me = world, rank
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, 2888, R, E)
+    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // R, timeout_s=60)
+    seen = []
+    try:
+        idx = torch.tensor([[0, 3], [1, -1]], dtype=torch.int64)
+        for H, fp8, phrase in ((2880, True, "use_fp8=True"), (2884, False, "hidden % 8 == 0")):
+            try:
+                buf.low_latency_dispatch(torch.zeros(2, H, dtype=torch.bfloat16), idx, N, E, use_fp8=fp8)
+            except ValueError as e:
+                assert phrase in str(e) and str(H) in str(e), str(e)
+                seen.append(phrase)
+        try:
+            triton_ep.Buffer.get_low_latency_rdma_size_hint(N, 2884, R, E)
+        except ValueError as e:
+            assert "2884" in str(e), str(e)
+            seen.append("not a multiple of 8")
+        xs, idxs, _ = ll_inputs(3, R, E, K, 2880, [2, 3])
+        out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False)
+        check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False)
+        seen.append("ok")
+        return seen
+    finally:
+        buf.destroy()

@@ -169,12 +169,16 @@ class Buffer:
         bytes. Pass it as ``Buffer(..., num_rdma_bytes=hint, low_latency_mode=True)``.
 
         Raises:
-            ValueError: a size is not a positive int, or ``num_experts % num_ranks != 0``.
+            ValueError: a size is not a positive int, ``num_experts % num_ranks != 0``, or ``hidden % 8 != 0`` (no
+            low-latency call takes such rows: bf16 calls take ``hidden % 8 == 0``, FP8 calls ``hidden % 128 == 0``).
         """
         vals = (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
         if not all(isint(v) and v > 0 for v in vals) or num_experts % num_ranks:
             raise ValueError(f"get_low_latency_rdma_size_hint takes positive ints with num_experts % num_ranks == 0, "
                              f"got {vals}")
+        if hidden % 8:
+            raise ValueError(f"get_low_latency_rdma_size_hint: hidden {hidden} is not a multiple of 8; low-latency "
+                             f"calls move rows of a multiple of 16 bytes (bf16: hidden % 8 == 0; FP8: hidden % 128 == 0)")
         return size_hint(*vals)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
@@ -248,7 +252,8 @@ class Buffer:
         ``low_latency_dispatch``). No host synchronisation: it captures in a CUDA graph.
 
         Args:
-            x: bf16 ``[T, H]``, ``T <= num_max_dispatch_tokens_per_rank`` (``N``), ``H % 128 == 0``.
+            x: bf16 ``[T, H]``, ``T <= num_max_dispatch_tokens_per_rank`` (``N``), ``H % 8 == 0`` (rows of a
+                multiple of 16 bytes: gpt-oss's 2880 too); with ``use_fp8``, ``H % 128 == 0``.
             topk_idx: int64 (or int32) ``[T, K]`` global expert ids, ``-1`` = none. A duplicate id within a
                 token sends the row once. Ids outside ``[-1, E)`` are masked, nothing is sent, and
                 ``check()`` raises ``ValueError`` (peers: ``EPRemoteError``).

@@ -476,8 +476,12 @@ class LowLatency:
         rt.check_num_experts(E)
         xv = self._check("x", x, (torch.bfloat16,), (None, None))
         T, H = xv.shape
-        if H % 128 or H == 0:
-            raise ValueError(f"low-latency x needs hidden % 128 == 0, got hidden {H}")
+        if H % 8 or H == 0:      # (rows move as 16-byte vectors)
+            raise ValueError(f"low-latency x needs rows of a multiple of 16 bytes (bf16: hidden % 8 == 0), got hidden "
+                             f"{H}")
+        if use_fp8 and H % 128:
+            raise ValueError(f"use_fp8=True casts x in blocks of 128 channels with one scale each: hidden must be a "
+                             f"multiple of 128, got hidden {H} (use_fp8=False takes it)")
         if T > N:
             raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={N}")
         idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), f"T = {T} rows of x")

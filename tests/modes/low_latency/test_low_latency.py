@@ -134,6 +134,22 @@ def test_hidden_a_multiple_of_128_but_not_a_power_of_two(H):
                       [(False, False, False, "affine", False, False), (True, False, False, "identity", False, False)]))
 
 
+@pytest.mark.parametrize("H", [2880, 200])
+def test_bf16_hidden_of_16_byte_rows(H):
+    """bf16 low-latency calls take any hidden whose row is a multiple of 16 bytes: gpt-oss's 2880 (not a multiple
+    of 128) and 200 (a send block of 8 channels), with and without a hook, against the reference."""
+    _values(run_ranks(ll_cases.round_trip, 2, 7, 4, 2, H, [3, 5], 8,
+                      [(False, False, False, "affine", False, False), (False, False, False, "identity", True, False)]))
+
+
+def test_hidden_sizes_no_call_takes_are_refused():
+    """FP8 calls refuse a hidden that is not a multiple of 128 (its scale blocks), naming use_fp8 and hidden; bf16
+    calls one whose rows are not a multiple of 16 bytes; the size hint accepts every hidden some call takes and
+    refuses the others. Checked on every rank before anything launches; the next call works."""
+    for msg in _values(run_ranks(ll_cases.hidden_refusals, 2)):
+        assert msg == ["use_fp8=True", "hidden % 8 == 0", "not a multiple of 8", "ok"], msg
+
+
 def test_more_top_k_columns_than_experts_is_refused():
     """top-k wider than num_experts would return more rows to a source than a half of the area holds (DeepEP's
     top-k picks distinct experts): ValueError on every rank before anything launches, and the next call works."""
