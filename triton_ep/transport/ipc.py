@@ -54,9 +54,10 @@ SHM_PREFIX = "triton_ep."
 _SHM_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
-def shm_name(rest: str, tag: Optional[str] = None) -> str:
-    """The file name (no folder) of a shared-memory file of triton-ep: ``triton_ep.<rest>``, or
-    ``triton_ep.<tag>.<rest>`` with a nonempty ``tag`` (default: ``$TRITON_EP_SHM_TAG``, read at each call).
+def shm_tag(tag: Optional[str] = None) -> str:
+    """The shared-memory tag checked: ``tag``, or (``None``) ``$TRITON_EP_SHM_TAG`` as it is now (empty: none).
+    A Buffer checks it at construction, before any file is made, and its ranks exchange the verdict (a bad
+    value on one rank raises on every rank).
 
     Raises:
         ValueError: a tag with characters other than letters, digits, ``_`` and ``-`` (it names the variable).
@@ -64,6 +65,17 @@ def shm_name(rest: str, tag: Optional[str] = None) -> str:
     tag = os.environ.get(SHM_TAG_ENV, "") if tag is None else tag
     if not set(tag) <= _SHM_TAG_CHARS:
         raise ValueError(f"{SHM_TAG_ENV}={tag!r}: the shared-memory tag may hold only letters, digits, _ and -")
+    return tag
+
+
+def shm_name(rest: str, tag: Optional[str] = None) -> str:
+    """The file name (no folder) of a shared-memory file of triton-ep: ``triton_ep.<rest>``, or
+    ``triton_ep.<tag>.<rest>`` with a nonempty ``tag`` (default: ``$TRITON_EP_SHM_TAG``, read at each call).
+
+    Raises:
+        ValueError: a tag with characters other than letters, digits, ``_`` and ``-`` (:func:`shm_tag`).
+    """
+    tag = shm_tag(tag)
     return f"{SHM_PREFIX}{tag}.{rest}" if tag else f"{SHM_PREFIX}{rest}"
 
 
@@ -260,12 +272,13 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
     ctrl_bytes = 8 * ctrl_words(size, slot_words)
     tag = uuid.uuid4().hex[:16]
     d = _shm_dir()
-    ctrl_path = os.path.join(d, shm_name(f"{tag}.ctrl")) if rank == 0 else None
-    data_path = os.path.join(d, shm_name(f"{tag}.r{rank}")) if device.type != "cuda" else None
+    ctrl_path = data_path = None
     # Every file this rank creates is unlinked on the way out, whatever happens: after a successful
     # bootstrap every rank holds its mappings, and after a failure (a peer that never joins, bad hosts,
-    # an interrupt) nothing may stay behind in /dev/shm.
+    # an interrupt, a bad TRITON_EP_SHM_TAG) nothing may stay behind in /dev/shm, and the peers are told.
     try:
+        ctrl_path = os.path.join(d, shm_name(f"{tag}.ctrl")) if rank == 0 else None
+        data_path = os.path.join(d, shm_name(f"{tag}.r{rank}")) if device.type != "cuda" else None
         ctrl = _map_file(ctrl_path, ctrl_bytes, create=True) if rank == 0 else None
         if device.type == "cuda":
             data = torch.empty(hb + num_bytes, dtype=torch.uint8, device=device)
