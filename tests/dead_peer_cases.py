@@ -20,11 +20,12 @@ def _die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu"):
+def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=None):
     """Every rank builds a Buffer and runs one correct call of ``mode``'s kind; after a barrier rank ``victim``
     dies at the point ``mode`` names (:data:`MODES`) while the others make the call. Returns, on a survivor,
     ``[error type, message, seconds from the call's start to the error, the next call's error type, its
-    seconds]``."""
+    seconds, the wall-clock time (time.time()) of the error]``. With ``stamp`` (a folder) the victim writes the
+    wall-clock time at which it kills itself into ``stamp/killed`` (benchmarks/bench_dead_peer.py)."""
     import torch.distributed as dist
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -59,6 +60,9 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu"):
             torch.cuda.synchronize()
         dist.barrier()
         if rank == victim:
+            if stamp is not None:
+                with open(os.path.join(stamp, "killed"), "w") as f:
+                    f.write(repr(time.time()))
             if mode in ("dispatch", "ll_dispatch"):
                 with unittest.mock.patch("triton_ep.kernels.dispatch_send", _die), \
                         unittest.mock.patch("triton_ep.modes.intranode.dispatch_fused", _die), \
@@ -75,10 +79,10 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu"):
                 if device == "cuda":
                     torch.cuda.synchronize()
                 buf.check()
-                out += ["no error", "", time.monotonic() - t0]
+                out += ["no error", "", time.monotonic() - t0, time.time()]
             except Exception as ex:     # noqa: BLE001 - reported
-                out += [type(ex).__name__, str(ex), time.monotonic() - t0]
-        return out[:3] + [out[3], out[5]]
+                out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
+        return out[:3] + [out[4], out[6], out[3]]
     finally:
         buf.destroy()
 

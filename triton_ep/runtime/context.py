@@ -25,8 +25,9 @@ from ..config import EventOverlap
 from ..errors import EPError, EPRemoteError, EPTimeoutError
 from ..kernels import flags as F
 from ..protocol import call_card as card
-from ..transport import ipc, signals
+from ..transport import ipc, signals, verbs
 from ..transport.bootstrap import Exchange
+from ..transport.liveness import dead_error
 from .hosts import (ENV_RANKS_PER_HOST, Hosts, agreed, choose_transport, group_hosts, host_identity,
                     rdma_backend_arg)
 from .checks import (DEFAULT_TIMEOUT_S, Rejected, bytes_arg, check_num_experts, check_tensor, device_arg,
@@ -128,6 +129,14 @@ class Runtime:
         # a rank that leaves the group says so in its card too (peers may wait there: every_worst)
         self.sig.on_leave = lambda: card.mark_failed(self._card, card.LEFT)
         self.sig.explain_mismatch = self.explain_mismatch
+        # ranks that are processes of one host: a watcher thread looks at the peers' liveness locks and sets a
+        # dead peer's DEAD word, which the kernels' waits read (transport.liveness); it stops when the Comm closes
+        # (or this Runtime is dropped)
+        live = comm.liveness
+        if live is not None:
+            self.sig.dead_peers = live.dead_peers
+            live.watch(self.sig.dead_marker())
+            weakref.finalize(self, live.close)
 
     # ------------------------------------------------------------------ lifetime
     def live(self) -> ipc.Comm:
@@ -253,13 +262,15 @@ class Runtime:
         published).
 
         Raises:
-            EPRemoteError: a peer gave this call up before launching anything. ValueError: a peer called
-                another operation here. EPTimeoutError: a peer did not reach the call within ``timeout_s``.
+            EPRemoteError: a peer gave this call up before launching anything, or its process is gone (its
+                liveness lock, looked at every 50 ms). ValueError: a peer called another operation here.
+                EPTimeoutError: a peer did not reach the call within ``timeout_s``.
         """
         comm = self.live()
         k, serial = self.worst_calls, self._calls
         vals = [None] * self.group_size
         deadline = time.monotonic() + self.timeout_s
+        next_live = 0.0
         while True:
             for r in range(self.group_size):
                 if vals[r] is not None:
@@ -280,6 +291,12 @@ class Runtime:
             if all(v is not None for v in vals):
                 return vals
             self.check()
+            if self.sig.dead_peers is not None and time.monotonic() >= next_live:     # every 50 ms
+                next_live = time.monotonic() + 0.05
+                dead = [r for r in self.sig.dead_peers() if vals[r] is None]
+                if dead:
+                    comm.broken = f"rank {dead[0]}'s process is gone"
+                    raise dead_error(self.rank, dead, "dispatch/num_worst_tokens of every rank (the host)")
             if time.monotonic() > deadline:
                 raise EPTimeoutError(self.rank, [r for r, v in enumerate(vals) if v is None],
                                      "dispatch/num_worst_tokens of every rank (the host)", self.timeout_s)
@@ -563,10 +580,13 @@ def _find_hosts(exchange: Exchange, backend: Optional[str], rejected: Optional[R
     rejection of its own constructor values, ``None`` where it has none), group the ranks into hosts and choose
     the transport between them: ``(Hosts, transport)``. Every rank raises the same error where the exchanged
     values are at fault (a rank's rejection first)."""
-    info = exchange.gather((host_identity(), os.environ.get(ENV_RANKS_PER_HOST), backend, rejected))
+    info = exchange.gather((host_identity(), os.environ.get(ENV_RANKS_PER_HOST), backend, rejected,
+                            _qos_rejection(exchange.rank)))
     raise_rejected([i[3] for i in info])
     agreed("rdma_backend / TRITON_EP_RDMA", [i[2] for i in info])
     hosts = group_hosts([i[0] for i in info], [i[1] for i in info])
+    if hosts.num_hosts > 1:     # (the transport between hosts reads them)
+        raise_rejected([i[4] for i in info])
     transport = choose_transport(backend, hosts)
     for h in range(hosts.num_hosts):       # a host's ranks share memory: they must run on one machine
         machines = sorted({info[r][0] for r in hosts.ranks(h)})
@@ -574,6 +594,16 @@ def _find_hosts(exchange: Exchange, backend: Optional[str], rejected: Optional[R
             raise ValueError(f"{ENV_RANKS_PER_HOST} puts ranks {list(hosts.ranks(h))} into host {h}, but they run on "
                              f"{len(machines)} machines ({', '.join(machines)}); a host's ranks must share a machine")
     return hosts, transport
+
+
+def _qos_rejection(rank: int) -> Optional[Rejected]:
+    """This rank's rejection of ``TRITON_EP_RDMA_TC`` / ``TRITON_EP_RDMA_SL`` (``verbs.QoS.resolve``), or ``None``:
+    exchanged at set-up so that a bad value on one rank raises on every rank, where ranks span hosts."""
+    try:
+        verbs.QoS.resolve()
+    except ValueError as e:
+        return Rejected.of(e, rank)
+    return None
 
 
 def _open_hosts(group, hosts: Hosts, transport: str, num_nvl_bytes: int, timeout_s: float, device) -> "HostsRuntime":

@@ -15,7 +15,7 @@ gives :class:`~triton_ep.Buffer` a small typed API over that state:
   waiting out their timeout;
 - :meth:`Signals.resync` re-aligns the round counters of the group after an error, at a host
   rendezvous where every rank's device work has finished;
-- :meth:`Signals.mark_dead` is what the liveness watcher (:mod:`triton_ep.transport.liveness`) does when a
+- :meth:`Signals.dead_marker` is what the liveness watcher (:mod:`triton_ep.transport.liveness`) does when a
   peer's process is gone: the peer's ``DEAD`` word, which every wait for that peer reads, so the group's
   waits for it end within a fraction of a second and raise ``EPRemoteError`` naming it.
 """
@@ -171,11 +171,16 @@ class Signals:
         with watchdog(self._host_np, int(F.H_ABORT), self.timeout_s):
             yield
 
-    def mark_dead(self, peer: int) -> None:
-        """Rank ``peer``'s process is gone: set its ``DEAD`` word in the host block (a plain store, no device
-        work: the liveness watcher's thread calls it while kernels may spin). Every wait for ``peer`` that is
-        still short ends with ``E_GONE`` (:func:`triton_ep.kernels.flags.wait_at_least`)."""
-        self._host_np[int(F.H_DEAD) + int(peer)] = 1
+    def dead_marker(self) -> Callable[[int], None]:
+        """``mark(peer)``: rank ``peer``'s process is gone, set its ``DEAD`` word in the host block (a plain store,
+        no device work: the liveness watcher's thread calls it while kernels may spin). Every wait for ``peer``
+        that is still short then ends with ``E_GONE`` (:func:`triton_ep.kernels.flags.wait_at_least`). The
+        function holds the host block only (a thread that holds it keeps nothing else of the Buffer alive)."""
+        words, base = self._host_np, int(F.H_DEAD)
+
+        def mark(peer: int) -> None:
+            words[base + int(peer)] = 1
+        return mark
 
     # ---- errors
     def record(self) -> Optional[ErrorRecord]:
