@@ -654,3 +654,104 @@ def worst_after_rejection(rank, world, env):
         return {"first": first, "checked": checked}
     finally:
         buf.destroy()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ambient defaults (docs/design.md, invariant 12) in every mode: tests/modes/internode/test_ambient_and_errors.py
+
+#: the modes :func:`ambient_defaults` runs: (ranks per host, or None for one host; low-latency calls; capture path)
+AMBIENT_MODES = {"intranode": (None, False, False), "low_latency": (None, True, False),
+                 "internode": (1, False, False), "internode_capture": (1, False, True),
+                 "internode_low_latency": (1, True, False)}
+
+
+def _flat_tensors(v) -> list:
+    """Every tensor in ``v`` (nested tuples and lists; a handle's entries included), moved to the CPU."""
+    if isinstance(v, torch.Tensor):
+        return [v.detach().cpu()]
+    if isinstance(v, (tuple, list)):
+        return [t for item in v for t in _flat_tensors(item)]
+    return []
+
+
+def _normal_calls(buf, rank, world, inputs, E, worst, device):
+    """layout -> dispatch -> x*2 'experts' -> combine (weights) -> cached dispatch of x+1: every output tensor."""
+    xs, idxs, ws = inputs
+    x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+    x2 = (xs[rank].float() + 1).to(torch.bfloat16).to(device)
+    layout = buf.get_dispatch_layout(idx, E)
+    per_rank, per_host, per_expert, in_rank, _ = layout
+    recv_x, recv_idx, recv_w, lst, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
+    y = (recv_x.float() * 2).to(torch.bfloat16)
+    comb = buf.combine(y, handle, topk_weights=recv_w)
+    cached = buf.dispatch(x2, handle=handle)[0]
+    return _flat_tensors([layout[:4], recv_x, recv_idx, recv_w, list(handle), comb[:2], cached]) + \
+        [torch.tensor(lst, dtype=torch.int64, device="cpu")]
+
+
+def _low_latency_calls(buf, rank, world, inputs, E, N):
+    """low_latency_dispatch (bf16, then FP8) -> a stand-in expert -> low_latency_combine: every output tensor."""
+    xs, idxs, ws = inputs
+    out = []
+    for use_fp8 in (False, True):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=use_fp8)
+        rows = recv[0].to(torch.bfloat16) if use_fp8 else recv
+        y = (rows.float() * 2 + 1).to(torch.bfloat16)
+        comb = buf.low_latency_combine(y, idxs[rank], ws[rank], handle)[0]
+        # the rows past each expert's count are not defined (as DeepEP's): only the received ones are compared
+        valid = [(t[e, :int(count[e])] for e in range(count.numel())) for t in (recv if use_fp8 else (recv,))]
+        out += _flat_tensors([[list(v) for v in valid], count, comb])
+    return out
+
+
+def ambient_defaults(rank, world, env, mode, default_device, default_dtype, device="cpu"):
+    """One mode's calls (:data:`AMBIENT_MODES`), first in the plain state, then on a new Buffer built and used
+    under ``torch.set_default_device(default_device)`` and ``torch.set_default_dtype(default_dtype)`` (DeepEP's
+    tests set ``'cuda'`` and ``torch.bfloat16``; on CPU ``'meta'`` stands in for a device other than the
+    Buffer's). The inputs are made in the plain state. Returns the number of output tensors, each compared bit
+    for bit (dtype, shape, bytes) with the plain state's."""
+    per_host, low_latency, capture = AMBIENT_MODES[mode]
+    os.environ.update(env)
+    if per_host is not None:
+        os.environ.update({"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated",
+                           "TRITON_EP_INTERNODE_CAPTURE_PATH": "1" if capture else "0"})
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    E, K, N = 2 * world, 2, 8
+    H = 128 if low_latency else 64
+    Ts = [N - 2 * r for r in range(world)] if low_latency else [7 + 2 * r for r in range(world)]
+    if low_latency:
+        import ll_cases
+        inputs = ll_cases.ll_inputs(3, world, E, K, H, Ts)
+        inputs = tuple([t.to(device) for t in part] for part in inputs)
+    else:
+        from mp_cases import make_inputs
+        inputs = make_inputs(3, world, E, K, H, Ts)
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E) if low_latency else 0
+    kwargs = dict(low_latency_mode=True, num_qps_per_rank=2) if low_latency else {}
+
+    def run():
+        buf = triton_ep.Buffer(None, 1 << 20, hint, timeout_s=60, device=device, **kwargs)
+        try:
+            if low_latency:
+                return _low_latency_calls(buf, rank, world, inputs, E, N)
+            return _normal_calls(buf, rank, world, inputs, E, sum(Ts) * K if capture else 0, device)
+        finally:
+            buf.destroy()
+
+    plain = run()
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_device(default_device)
+    torch.set_default_dtype(default_dtype)
+    try:
+        got = run()
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(old_dtype)
+    assert len(got) == len(plain), (len(got), len(plain))
+    for i, (a, b) in enumerate(zip(got, plain)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (i, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"output {i} differs"
+    return len(got)

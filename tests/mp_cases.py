@@ -764,8 +764,8 @@ def never_builds(rank, world, timeout_s, pid_file, subgroup):
 
 
 def rejects_its_arguments(rank, world):
-    """Rank 1 passes a bad num_nvl_bytes: it raises ValueError, rank 0 raises EPRemoteError at once naming
-    rank 1 and its reason (not a timeout)."""
+    """Rank 1 passes a bad num_nvl_bytes: every rank raises ValueError at once naming rank 1 and its reason (not a
+    timeout)."""
     import time
     t0 = time.monotonic()
     try:

@@ -2,6 +2,7 @@
 
     triton-ep info                                # this host: versions, devices, same-host IPC, RDMA
     triton-ep info --emulated                     # RDMA part for a model host: one dual-port mlx5 NIC, 4 paths
+    triton-ep info --devices mlx5_0,mlx5_1        # only these RDMA devices
     triton-ep info --num-qps 8 --n-paths 4 --hash crc
     triton-ep info --traffic-class 106 --service-level 3   # the QoS line, as VerbsTransport would set it
     python -m triton_ep info                      # the same without the console script
@@ -14,14 +15,17 @@ CPU ranks, and every rank's control block, live in); and the RDMA devices, ports
 Every option shows its effect in the report, or a line ``  OPTION VALUE: not applied: WHY`` at the end of the RDMA
 section says why it has none on this host (RDMA absent, the query failed, no active port, a port with no GID).
 
+The QP plan has as many QPs per peer as a Buffer's normal-mode network leg opens (``TRITON_EP_RDMA_QPS_PER_PEER``,
+default 4) unless --num-qps says otherwise; low-latency mode across hosts opens ``num_qps_per_rank`` per peer.
 The plan's flows are computed towards a peer laid out like this host (its GIDs stand in for the peer's), with
 the chosen path-hash model; on a real fabric the switch's hash decides, so treat the path column as a model.
 
 Exit status:
   0  the report was printed, RDMA present or absent (absent: pyverbs does not import, or there is no
-     RDMA device; the RDMA section says which), or present with no active port (then no QP plan)
+     RDMA device, --devices given or not; the RDMA section says which), or present with no active port
+     (then no QP plan)
   1  an RDMA device exists but a query of it failed (open, port or GID query), or a device named by
-     --devices is not there; the other sections are printed, the error goes to stderr
+     --devices is not there while others are; the other sections are printed, the error goes to stderr
   2  bad usage: unknown command or option, or a bad option value, or a bad TRITON_EP_RDMA_TC /
      TRITON_EP_RDMA_SL value
 """
@@ -36,7 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Callable, List, Optional, Sequence, TextIO
+from typing import Callable, List, Optional, Sequence, TextIO, Tuple
 
 from triton_ep.transport import topology
 
@@ -44,8 +48,9 @@ from triton_ep.transport import topology
 SHM_DIR = "/dev/shm"
 #: The exit statuses, as the module docstring and ``--help`` state them.
 EXIT_OK, EXIT_RDMA_QUERY_FAILED, EXIT_USAGE = 0, 1, 2
-#: ``--num-qps`` and ``--n-paths`` when not given (their argparse default is None, so a given value is seen).
-DEFAULT_NUM_QPS, DEFAULT_N_PATHS = 8, 4
+#: ``--n-paths`` when not given (its argparse default is None, so a given value is seen); ``--num-qps`` when not
+#: given is what a Buffer uses (:func:`buffer_qps_per_peer`).
+DEFAULT_N_PATHS = 4
 
 
 def _emulated_api():
@@ -88,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Print versions, devices, same-host IPC reachability, RDMA devices, "
                                     "ports, GIDs and the QP plan.", epilog=exits, formatter_class=fmt)
     ip.add_argument("--emulated", action="store_true", help="describe an emulated dual-port NIC instead of RDMA")
-    ip.add_argument("--num-qps", type=_positive_int, default=None, help=f"QPs per peer (default {DEFAULT_NUM_QPS})")
+    ip.add_argument("--num-qps", type=_positive_int, default=None,
+                    help="QPs per peer (default: what a Buffer's normal-mode network leg opens, "
+                         "$TRITON_EP_RDMA_QPS_PER_PEER, else 4)")
     ip.add_argument("--n-paths", type=_positive_int, default=None,
                     help=f"ECMP paths of the fabric model (default {DEFAULT_N_PATHS})")
     ip.add_argument("--hash", choices=["crc", "emulator"], default=None,
@@ -239,7 +246,22 @@ def qos_line(qos) -> str:
 
 #: The ``info`` options that shape the RDMA section: (attribute, option); the QoS ones also come from a variable.
 _RDMA_OPTIONS = (("num_qps", "--num-qps"), ("n_paths", "--n-paths"), ("hash", "--hash"),
-                 ("traffic_class", "--traffic-class"), ("service_level", "--service-level"))
+                 ("traffic_class", "--traffic-class"), ("service_level", "--service-level"), ("devices", "--devices"))
+
+
+def buffer_qps_per_peer(env=None) -> Tuple[int, str]:
+    """The RC QPs per peer a Buffer's normal-mode network leg opens (``triton_ep.modes.internode.network_shape``,
+    the one source of that number: ``TRITON_EP_RDMA_QPS_PER_PEER``, else its default), and where it came from.
+    A bad value of the variable gives the default (the internode section of the report names the error)."""
+    from triton_ep.modes import internode as I
+    env = os.environ if env is None else env
+    try:
+        qps = I.network_shape(env)[0]
+    except ValueError:
+        return I.DEFAULT_QPS_PER_PEER, f"a Buffer's normal-mode default; {I.ENV_QPS} is bad"
+    if env.get(I.ENV_QPS, "").strip():
+        return qps, f"{I.ENV_QPS}, as a Buffer's normal-mode network leg"
+    return qps, "as a Buffer's normal-mode network leg"
 
 
 def _not_applied(a: argparse.Namespace, qos, attrs: Sequence[str], why: str, out: TextIO) -> None:
@@ -265,9 +287,10 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
             ``traffic_class``, ``service_level``).
         out: the stream written to; errors go to stderr.
     Returns:
-        The exit status: 0 with RDMA present or absent, 1 when a device exists but a query of it failed
-        or a device named by ``--devices`` is not there, 2 when ``TRITON_EP_RDMA_TC`` or ``TRITON_EP_RDMA_SL``
-        holds a bad value (the message, naming the variable, goes to stderr).
+        The exit status: 0 with RDMA present or absent (``--devices`` given or not), 1 when a device exists but a
+        query of it failed or a device named by ``--devices`` is not there while others are, 2 when
+        ``TRITON_EP_RDMA_TC`` or ``TRITON_EP_RDMA_SL`` holds a bad value (the message, naming the variable, goes
+        to stderr).
     """
     from triton_ep.transport import rdma, verbs
     try:
@@ -281,13 +304,14 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
         devs = verbs.discover(api, a.devices.split(",") if a.devices else None)
     except rdma.RdmaError as ex:
         every = [attr for attr, _ in _RDMA_OPTIONS]
-        if isinstance(ex, rdma.RdmaUnavailable) and not a.devices:
+        # no RDMA at all (pyverbs absent, no device): --devices names none that could be there either
+        if isinstance(ex, rdma.RdmaUnavailable) and (not a.devices or ex.device is None):
             print(f"RDMA: absent\n  {ex}", file=out)
             _not_applied(a, qos, every, "RDMA is absent on this machine (use --emulated to see the plan)", out)
             return EXIT_OK
         # a device failed a query, or the devices named by --devices are not there
         print("RDMA: query failed (the error is on stderr)", file=out)
-        _not_applied(a, qos, every, "the RDMA query failed (the error is on stderr)", out)
+        _not_applied(a, qos, every[:-1], "the RDMA query failed (the error is on stderr)", out)   # (not --devices)
         print(str(ex), file=sys.stderr)
         return EXIT_RDMA_QUERY_FAILED
     t = topology.PlanTable([["device", "port", "state", "link", "Gb/s", "mtu", "lid", "gid_idx", "gid", "type", "use"]])
@@ -307,7 +331,7 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
         print("\nno active port: no QP plan", file=out)
         _not_applied(a, None, ("num_qps", "n_paths", "hash"), "no active port, so no QP plan", out)
         return EXIT_OK
-    num_qps = a.num_qps if a.num_qps is not None else DEFAULT_NUM_QPS
+    num_qps, qps_from = (a.num_qps, "--num-qps") if a.num_qps is not None else buffer_qps_per_peer()
     n_paths = a.n_paths if a.n_paths is not None else DEFAULT_N_PATHS
     hash_name = a.hash or ("emulator" if a.emulated else "crc")
     fn = topology.emulator_path_hash if hash_name == "emulator" else topology.crc_path_hash
@@ -319,7 +343,7 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
     how = (f"{n_paths} paths, {hash_name} path hash" if flows else
            "no flows planned: a port has no GID to hash (flow label 0, no path)")
     print(f"\nQP plan per peer: {num_qps} QPs over {len(ports)} port(s), {how} "
-          "(peer assumed laid out like this host):", file=out)
+          f"(QPs: {qps_from}; peer assumed laid out like this host):", file=out)
     print(topology.plan_table(plan).render(), file=out)
     if not flows:
         _not_applied(a, None, ("n_paths", "hash"), "no flows planned (a port has no GID to hash)", out)

@@ -20,7 +20,7 @@ from .modes import internode_ll, intranode_replay
 from .modes.low_latency import LowLatency, size_hint
 from .runtime import open_runtime
 from .runtime.context import ll_area_bytes
-from .runtime.checks import isint
+from .runtime.checks import MAX_EXPERTS, MAX_INT32, int_arg, isint
 
 Tensor = torch.Tensor
 
@@ -35,19 +35,24 @@ class Buffer:
     Args:
         group: the EP process group (any backend: gloo or NCCL; used only to exchange buffer handles).
             ``None`` means the default group.
-        num_nvl_bytes: bytes of this rank's intranode buffer, e.g. ``Config.get_nvl_buffer_size_hint``.
-            Transfers larger than it go through it in rounds.
+        num_nvl_bytes: bytes of this rank's intranode buffer, e.g. ``Config.get_nvl_buffer_size_hint``; an int
+            in ``[0, 2^62]``. Transfers larger than it go through it in rounds.
         num_rdma_bytes: with ``low_latency_mode``, bytes of the low-latency area
             (``get_low_latency_rdma_size_hint``), mapped by every rank of the host (across hosts: this rank's
-            own, plus about twice that of registered host memory for the network leg); else unused.
+            own, plus about twice that of registered host memory for the network leg); else unused. An int in
+            ``[0, 2^62]``.
         low_latency_mode: enable the ``low_latency_*`` calls (docs/low_latency.md).
         enable_shrink: allow rank masking in low-latency mode (a peer that times out is masked).
-        num_qps_per_rank: RC QPs to each peer of low-latency mode across hosts (DeepEP passes ``E / R``).
+        num_qps_per_rank: RC QPs to each peer of low-latency mode across hosts (DeepEP passes ``E / R``). Not
+            used by normal mode: its network leg's QPs per peer are ``TRITON_EP_RDMA_QPS_PER_PEER`` (default 4;
+            DeepEP sizes it to its SM channels, one QP each, while here the RDMA proxy spreads chunks over however
+            many QPs there are), nor within one host.
         allow_nvlink_for_low_latency_mode: across hosts, low-latency peers on this rank's host are reached
             through the host's shared buffer (NVLink / IPC); ``False``: over RDMA as well. Same results.
         allow_mnnvl, use_fabric, explicitly_destroy, comm: DeepEP's keyword arguments, accepted; those that do
             not apply are ignored.
-        timeout_s: bound in seconds on every wait for a peer (default 100, or ``TRITON_EP_TIMEOUT_S``).
+        timeout_s: bound in seconds on every wait for a peer (default 100, or ``TRITON_EP_TIMEOUT_S``), a number
+            in ``(0, 1e9]`` (kernels carry it as int64 nanoseconds).
         device: where buffers and inputs live; default the current CUDA device, else CPU.
         rdma_backend: the transport between hosts: ``"auto"`` (pyverbs on the machine's RDMA devices),
             ``"verbs"`` or ``"emulated"`` (the emulated fabric: one machine standing in for several hosts);
@@ -55,10 +60,13 @@ class Buffer:
             or by ``TRITON_EP_RANKS_PER_HOST=n`` (docs/internode.md).
 
     Raises:
-        ValueError: a bad argument value; ranks that disagree on ``rdma_backend`` or
+        ValueError: a bad argument value or environment value (``TRITON_EP_TIMEOUT_S``, ``TRITON_EP_SHM_TAG``,
+            ``TRITON_EP_RDMA``, ...) on any rank: raised on every rank at once, naming the rank (``TypeError``
+            where that rank's error is one); ranks that disagree on ``rdma_backend`` or
             ``TRITON_EP_RANKS_PER_HOST``; hosts of different sizes; a host whose ranks run on several
             machines; several hosts and no RDMA transport.
         EPTimeoutError: a rank did not join within ``timeout_s``.
+        EPRemoteError: a peer failed to build its Buffer otherwise (out of memory, say).
 
     With ``low_latency_mode`` and ranks on several hosts the Buffer serves both the normal-mode calls and the
     low-latency calls across hosts (as DeepEP's one Buffer for both modes); there a timeout or a failed RDMA
@@ -109,10 +117,11 @@ class Buffer:
         """Set the SM count DeepEP's configs carry (even, positive). Results never depend on it.
 
         Raises:
-            ValueError: ``new_num_sms`` is not a positive even int.
+            ValueError: ``new_num_sms`` is not an even int in ``[2, 2^31 - 2]`` (a Config field, an int32).
         """
-        if not isint(new_num_sms) or new_num_sms <= 0 or new_num_sms % 2:
-            raise ValueError(f"the SM count must be a positive even int, got {new_num_sms!r}")
+        if not isint(new_num_sms) or not 0 < new_num_sms <= MAX_INT32 or new_num_sms % 2:
+            raise ValueError(f"the SM count must be an even int in [2, {MAX_INT32 - 1}] (a Config field, int32), "
+                             f"got {new_num_sms!r}")
         Buffer.num_sms = int(new_num_sms)
 
     @staticmethod
@@ -169,13 +178,17 @@ class Buffer:
         bytes. Pass it as ``Buffer(..., num_rdma_bytes=hint, low_latency_mode=True)``.
 
         Raises:
-            ValueError: a size is not a positive int, ``num_experts % num_ranks != 0``, or ``hidden % 8 != 0`` (no
-            low-latency call takes such rows: bf16 calls take ``hidden % 8 == 0``, FP8 calls ``hidden % 128 == 0``).
+            ValueError: a size is not an int in ``[1, 2^31 - 1]`` (``num_experts``: at most ``MAX_EXPERTS``, what a
+                call takes), ``num_experts % num_ranks != 0``, or ``hidden % 8 != 0`` (no low-latency call takes
+                such rows: bf16 calls take ``hidden % 8 == 0``, FP8 calls ``hidden % 128 == 0``); the error names the
+                argument.
         """
         vals = (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-        if not all(isint(v) and v > 0 for v in vals) or num_experts % num_ranks:
-            raise ValueError(f"get_low_latency_rdma_size_hint takes positive ints with num_experts % num_ranks == 0, "
-                             f"got {vals}")
+        for name, v in zip(("num_max_dispatch_tokens_per_rank", "hidden", "num_ranks"), vals):
+            int_arg(name, v, 1, MAX_INT32, "int32 in the kernels")
+        int_arg("num_experts", num_experts, 1, MAX_EXPERTS, "the most experts a call takes")
+        if num_experts % num_ranks:
+            raise ValueError(f"get_low_latency_rdma_size_hint needs num_experts % num_ranks == 0, got {vals}")
         if hidden % 8:
             raise ValueError(f"get_low_latency_rdma_size_hint: hidden {hidden} is not a multiple of 8; low-latency "
                              f"calls move rows of a multiple of 16 bytes (bf16: hidden % 8 == 0; FP8: hidden % 128 == 0)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 #: dtype of ``topk_idx`` that DeepEP callers allocate (int32 is accepted as well).
@@ -11,6 +12,18 @@ topk_idx_t = torch.int64
 # Upper bounds used by the buffer size hints, as DeepEP sizes its buffers (top-k ids and scales per row).
 _MAX_TOPK = 128
 _MAX_SCALES = 128
+#: Config's fields, in DeepEP's positional order, and the largest value each takes (int32)
+_FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+           "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
+_MAX_FIELD = 2 ** 31 - 1
+
+
+def _positive_int(name: str, value, why: str) -> int:
+    """``value`` as an int in ``[1, 2^31 - 1]`` (a Python or numpy integer, not a bool); ``ValueError`` naming
+    ``name`` and ``why`` (what the bound is) otherwise."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 1 <= value <= _MAX_FIELD:
+        raise ValueError(f"{name} must be an int in [1, {_MAX_FIELD}] ({why}), got {value!r}")
+    return int(value)
 
 
 class Config:
@@ -22,10 +35,11 @@ class Config:
         num_max_nvl_chunked_recv_tokens: tokens per NVLink receive chunk (sets the NVLink buffer hint).
         num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: the same for RDMA.
 
-    Results never depend on a Config: triton-ep reduces in a fixed order whatever it says.
+    Results never depend on a Config: triton-ep reduces in a fixed order whatever it says. Each field is an int
+    in ``[1, 2^31 - 1]``, as DeepEP's (C++ ``int``) fields.
 
     Raises:
-        ValueError: a field is not a positive int.
+        ValueError: a field is not an int in that range (the error names it).
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
@@ -33,8 +47,8 @@ class Config:
                  num_max_rdma_chunked_recv_tokens: int = 256) -> None:
         vals = (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
                 num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
-        if any(not isinstance(v, int) or v <= 0 for v in vals):
-            raise ValueError(f"Config fields must be positive ints, got {vals}")
+        vals = tuple(_positive_int(f"Config's {name}", v, "DeepEP's fields are C++ ints")
+                     for name, v in zip(_FIELDS, vals))
         (self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
          self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens) = vals
 
@@ -58,14 +72,29 @@ class Config:
         Args:
             hidden_bytes: bytes of one row, e.g. ``hidden * max(x.element_size(), 2)``.
             num_ranks: ranks in the group.
+
+        Raises:
+            ValueError: ``hidden_bytes`` or ``num_ranks`` is not an int in ``[1, 2^31 - 1]``.
         """
-        return self._bytes(hidden_bytes, min(max(int(num_ranks), 1), 8), self.num_max_nvl_chunked_recv_tokens)
+        hidden_bytes, num_ranks = self._hint_args(hidden_bytes, num_ranks)
+        return self._bytes(hidden_bytes, min(num_ranks, 8), self.num_max_nvl_chunked_recv_tokens)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of RDMA buffer DeepEP would ask for; 0 within one host (at most 8 ranks)."""
+        """Bytes of RDMA buffer DeepEP would ask for; 0 within one host (at most 8 ranks).
+
+        Raises:
+            ValueError: ``hidden_bytes`` or ``num_ranks`` is not an int in ``[1, 2^31 - 1]``.
+        """
+        hidden_bytes, num_ranks = self._hint_args(hidden_bytes, num_ranks)
         if num_ranks <= 8:
             return 0
-        return self._bytes(hidden_bytes, (int(num_ranks) + 7) // 8, self.num_max_rdma_chunked_recv_tokens)
+        return self._bytes(hidden_bytes, (num_ranks + 7) // 8, self.num_max_rdma_chunked_recv_tokens)
+
+    @staticmethod
+    def _hint_args(hidden_bytes, num_ranks) -> tuple:
+        """The size hints' arguments checked: ``(hidden_bytes, num_ranks)`` as ints."""
+        return (_positive_int("hidden_bytes", hidden_bytes, "bytes of one row"),
+                _positive_int("num_ranks", num_ranks, "ranks in the group"))
 
 
 class EventOverlap:

@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import collections
 import heapq
+import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -51,8 +53,6 @@ import numpy as np
 
 from triton_ep.errors import EPError, EPRemoteError, EPTimeoutError
 from triton_ep.protocol import signal_header as F
-from triton_ep.transport import factory
-from triton_ep.transport.bootstrap import gather_objects
 from triton_ep.transport.rdma import (WRITE, WRITE_WITH_IMM, Completion, Op, RemoteRegion, Transport, exchange_info,
                                       exchange_regions)
 from triton_ep.transport.signals import RingFlags
@@ -65,6 +65,13 @@ _SEQ_MASK = (1 << 48) - 1
 STAGE_POST, STAGE_SEND_CQE, STAGE_RECV_CQE = F.STAGE_PROXY_POST, F.STAGE_PROXY_SEND_CQE, F.STAGE_PROXY_RECV_CQE
 STAGE_CREDIT, STAGE_SEND_WAIT, STAGE_INTERNAL = F.STAGE_PROXY_CREDIT, F.STAGE_PROXY_SEND_WAIT, F.STAGE_PROXY
 STAGE_NAMES = F.STAGE_NAMES
+
+if sys.argv[:1] == ["-m"]:
+    # ``python -m triton_ep.scheduler`` (argv[0] is "-m" while runpy finds the module): the package imports this
+    # module before runpy runs it again as __main__, and runpy warns of that; the __main__ copy only hands over to
+    # triton_ep.scheduler_cli, which uses this one, so the warning has nothing to say
+    warnings.filterwarnings("ignore", message=r"'triton_ep\.scheduler' found in sys\.modules",
+                            category=RuntimeWarning)
 
 
 def is_chunk_signal(op: Op) -> bool:
@@ -927,91 +934,12 @@ def bootstrap(transport: Transport, sched_kwargs: Optional[dict] = None, group=N
     return sched.start(exchange_regions(sched.remote_region(), group, timeout_s))
 
 
-def main(argv=None) -> None:
-    """``python -m triton_ep.scheduler``: a checked all-to-all between the ranks of a torchrun job (gloo from
-    the torchrun environment), one rank per host, through real pyverbs (the NICs nearest the local GPU, else
-    every active device) or, with ``--emulated``, the emulated fabric (all ranks on this machine).  Prints
-    wall-clock GB/s, bytes per port and per QP on rank 0."""
-    import argparse
-    import os
-
-    import torch.distributed as dist
-
-    def at_least(lo, kind=int):
-        def parse(v):
-            try:
-                x = kind(v)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{v!r} is not of type {kind.__name__}") from None
-            if not x >= lo or x != x or x == float("inf"):
-                raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}, got {v}")
-            return x
-        return parse
-
-    ap = argparse.ArgumentParser(prog="python -m triton_ep.scheduler", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 description="A checked all-to-all between the ranks of a torchrun job (gloo), one rank "
-                                             "per host, through real pyverbs or, with --emulated, the emulated fabric "
-                                             "(all ranks on this machine: torchrun --nnodes 1 --nproc-per-node N). "
-                                             "Prints wall-clock GB/s, bytes per port and per QP on rank 0.")
-    ap.add_argument("--mib", type=at_least(0), default=64, help="MiB each rank sends each peer (default 64)")
-    ap.add_argument("--qps", type=at_least(1), default=8, help="QPs per peer (default 8)")
-    ap.add_argument("--chunk-kib", type=at_least(1), default=1024, help="chunk (ring slot) size in KiB (default 1024)")
-    ap.add_argument("--slots", type=at_least(1), default=8, help="slots per send and receive ring (default 8)")
-    ap.add_argument("--timeout", type=at_least(0.001, float), default=60.0,
-                    help="seconds every wait may take before it raises (default 60)")
-    ap.add_argument("--emulated", action="store_true", help="emulated dual-port NICs, one per rank, on this machine")
-    a = ap.parse_args(argv)
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        ap.error(f"run it under torchrun (environment variables {', '.join(missing)} are not set), e.g. "
-                 f"torchrun --nnodes 1 --nproc-per-node 2 -m triton_ep.scheduler --emulated")
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    kw = dict(num_qps_per_peer=a.qps, timeout_s=a.timeout)
-    if a.emulated:
-        kw.update(fabric=factory.emulated_fabric([f"mlx5_{r}" for r in range(world)],
-                                                 "sched" + os.environ.get("TORCHELASTIC_RUN_ID", "0")[:8]),
-                  device_name=f"mlx5_{rank}")
-    else:
-        import torch
-        if torch.cuda.is_available():
-            kw["gpu"] = int(os.environ.get("LOCAL_RANK", "0"))
-    t = factory.open_transport("emulated" if a.emulated else "verbs", rank, world, **kw)
-    sched = None
-    try:
-        sched = bootstrap(t, dict(slots=a.slots, slot_bytes=a.chunk_kib << 10))
-        if a.emulated:      # every peer has mapped this rank's rings: a killed rank (torchrun's SIGTERM) leaves none
-            kw["fabric"].unlink_rings()
-        n = a.mib << 20
-        peers = [p for p in range(world) if p != rank]
-        data = {p: np.random.default_rng([rank, p]).integers(0, 256, n, dtype=np.uint8) for p in peers}
-        world_group = dist.group.WORLD
-        gather_objects(world_group, None, a.timeout, "scheduler CLI: start")      # a bounded barrier
-        t0 = time.perf_counter()
-        got = host_alltoall(sched, data, {p: n for p in peers})
-        dt = time.perf_counter() - t0
-        ok = all(np.array_equal(got[p], np.random.default_rng([p, rank]).integers(0, 256, n, dtype=np.uint8))
-                 for p in peers)
-        stats = sched.stats()
-        results = gather_objects(world_group, (ok, n * len(peers) / dt / 1e9, stats["ports"]), a.timeout,
-                                 "scheduler CLI: results")
-        if rank == 0:
-            for r, (okr, gbs, ports) in enumerate(results):
-                print(f"rank {r}: {'byte-exact' if okr else 'WRONG BYTES'}, {gbs:.2f} GB/s sent (wall clock), "
-                      f"bytes per port {ports}")
-            print("bytes per QP (rank 0):", {k: v["bytes"] for k, v in stats["qps"].items()})
-        if not all(r[0] for r in results):
-            raise SystemExit(1)
-    finally:
-        if sched is not None:
-            sched.close()
-        t.close()
-        dist.destroy_process_group()
+__all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "host_alltoall", "bootstrap",
+           "fault_word", "parse_fault", "is_chunk_signal", "TAG_CHUNK", "STAGE_NAMES"]
 
 
 if __name__ == "__main__":
+    # ``python -m triton_ep.scheduler``, the command's old name: this copy of the module hands over to the CLI's
+    # own module, which uses the one the package imported
+    from triton_ep.scheduler_cli import main
     main()
-
-
-__all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "host_alltoall", "bootstrap",
-           "fault_word", "parse_fault", "is_chunk_signal", "TAG_CHUNK", "STAGE_NAMES"]

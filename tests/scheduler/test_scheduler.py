@@ -371,19 +371,23 @@ def test_one_write_chunks_are_the_work_requests_chunk_ops_makes():
         assert len(hook_calls) == (12 if hooked else 0), hooked
 
 
-@pytest.mark.parametrize("args,words", [(["--mib", "-1"], "--mib"), (["--qps", "0"], "--qps"),
-                                        (["--chunk-kib", "0"], "--chunk-kib"), (["--slots", "x"], "--slots"),
-                                        (["--timeout", "0"], "--timeout"), ([], "torchrun")])
-def test_cli_refuses_bad_values_and_runs_outside_torchrun(args, words):
-    """``python -m triton_ep.scheduler``: bad option values, or no torchrun environment, are a usage error
-    (exit status 2 with a message naming the option), not a traceback from deep inside."""
+@pytest.mark.parametrize("args,words,module", [
+    (["--mib", "-1"], "--mib", "triton_ep.scheduler_cli"), (["--qps", "0"], "--qps", "triton_ep.scheduler_cli"),
+    (["--chunk-kib", "0"], "--chunk-kib", "triton_ep.scheduler_cli"),
+    (["--slots", "x"], "--slots", "triton_ep.scheduler"), (["--timeout", "0"], "--timeout", "triton_ep.scheduler_cli"),
+    (["--timeout", "1e12"], "<= 1e+09", "triton_ep.scheduler_cli"), ([], "torchrun", "triton_ep.scheduler")])
+def test_cli_refuses_bad_values_and_runs_outside_torchrun(args, words, module):
+    """``python -m triton_ep.scheduler_cli`` (and its old name ``-m triton_ep.scheduler``, which printed runpy's
+    RuntimeWarning, issue 46): bad option values, or no torchrun environment, are a usage error (exit status 2 with
+    a message naming the option), not a traceback from deep inside, and no warning."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "-m", "triton_ep.scheduler", *args], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                        env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert "Warning" not in r.stderr, r.stderr
 
 
 @settings(max_examples=25, deadline=None)

@@ -191,9 +191,12 @@ def test_every_info_option_shows_its_effect_or_says_why_not(monkeypatch, capsys,
         rows = [l.split()[0] for l in text.split("RDMA devices (emulated):\n")[1].splitlines()[2:] if l.strip()]
         assert rows and rows[0] == "mlx5_0" and "mlx5_1" not in rows
     capsys.readouterr()
-    # --devices where RDMA is absent: the query of the named device fails, and says so
-    assert report(["--devices", "mlx5_0"], rc=1).endswith("RDMA: query failed (the error is on stderr)\n")
-    assert "listing devices failed (test)" in capsys.readouterr().err
+    # --devices where RDMA is absent: absent, exit 0, and --devices says it was not applied (issue 46, item 9)
+    text = report(["--devices", "mlx5_0"])
+    assert "\nRDMA: absent\n  triton-ep RDMA: no RDMA device: listing devices failed (test)\n" in text, text
+    assert text.endswith("\n  --devices mlx5_0: not applied: RDMA is absent on this machine (use --emulated to see "
+                         "the plan)\n"), text
+    assert capsys.readouterr().err == ""
     # QoS values from the environment are reported the same way; no option, no such line
     monkeypatch.setenv("TRITON_EP_RDMA_TC", "8")
     if situation == "absent":
@@ -208,3 +211,50 @@ def test_info_option_audit_covers_every_option():
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["info"]
     flags = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
     assert flags == {o.split()[0] for o in OPTION_EFFECTS} | {"--emulated", "--devices", "--help"}
+
+
+def test_devices_on_a_host_without_any_rdma_device_is_absent_not_a_failure(monkeypatch, capsys):
+    """(A new user's find: ``info --devices X`` exited 1 where the machine has no RDMA device.) An empty device
+    list with --devices: absent, exit 0; a device list without the named device: still a failed query, exit 1."""
+    from triton_ep.transport import emulated as em
+    monkeypatch.setattr(cli, "_emulated_api", em.Fabric(em.FabricSpec([])).pyverbs)
+    text = report(["--emulated", "--devices", "mlx5_0"])
+    assert "RDMA: absent\n  triton-ep RDMA: no RDMA device: the device list is empty" in text, text
+    assert "--devices mlx5_0: not applied: RDMA is absent" in text and capsys.readouterr().err == ""
+    monkeypatch.setattr(cli, "_emulated_api", em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0")])).pyverbs)
+    report(["--emulated", "--devices", "mlx5_0,mlx5_9"], rc=1)
+    assert "no such RDMA device: ['mlx5_9'] not among ['mlx5_0']" in capsys.readouterr().err
+
+
+def test_the_default_qp_plan_is_what_a_buffer_opens(monkeypatch):
+    """(A new user's find: ``info --emulated`` showed 8 QPs per peer while a Buffer used 4.) Without --num-qps the
+    plan has the QPs per peer of a Buffer's normal-mode network leg (modes.internode.network_shape: its default,
+    or TRITON_EP_RDMA_QPS_PER_PEER), and says where the number came from."""
+    from triton_ep.modes import internode
+    monkeypatch.delenv(internode.ENV_QPS, raising=False)
+    n = internode.network_shape()[0]
+    assert f"QP plan per peer: {n} QPs over 2 port(s)" in report(["--emulated"])
+    assert "(QPs: as a Buffer's normal-mode network leg; " in report(["--emulated"])
+    monkeypatch.setenv(internode.ENV_QPS, "6")
+    text = report(["--emulated"])
+    assert "QP plan per peer: 6 QPs over 2 port(s)" in text and "(QPs: TRITON_EP_RDMA_QPS_PER_PEER, as a" in text
+    assert "QP plan per peer: 3 QPs " in report(["--emulated", "--num-qps", "3"])
+    monkeypatch.setenv(internode.ENV_QPS, "0")
+    text = report(["--emulated"])
+    assert f"QP plan per peer: {internode.DEFAULT_QPS_PER_PEER} QPs" in text
+    assert "TRITON_EP_RDMA_QPS_PER_PEER is bad" in text
+
+
+def test_gid_indexes_of_32_and_above_are_listed(monkeypatch):
+    """(A new user's find: only the first 32 GIDs of a port were read.) A port whose table holds 40 entries, the
+    only routable RoCEv2 GID at index 37: the table lists all 40 and marks index 37 for use."""
+    from triton_ep.transport import emulated as em
+    gids = [("fe80::200:ff:fe00:1", "RoCEv1")] * 37 + [("2001:db8::7", "RoCEv2"), ("fe80::1", "RoCEv2"),
+                                                        ("fe80::2", "RoCEv1")]
+    fab = em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", [em.PortSpec(gids=gids)])]))
+    (dev,) = verbs.discover(fab.pyverbs())
+    assert [g.index for g in dev.ports[0].gids] == list(range(40)) and dev.ports[0].best_gid().index == 37
+    monkeypatch.setattr(cli, "_emulated_api", fab.pyverbs)
+    rows = [l.split() for l in report(["--emulated", "--num-qps", "2"]).splitlines() if l.startswith("mlx5_0 ")]
+    assert [r[7] for r in rows[:40]] == [str(i) for i in range(40)]
+    assert [r[7] for r in rows[:40] if r[-1] == "*"] == ["37"]

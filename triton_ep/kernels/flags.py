@@ -40,7 +40,9 @@ programs of one rank never keep another's from starting.
 
 Every wait is bounded. On GPU a wait reads ``%globaltimer`` and gives up after ``timeout_ns``; under the
 interpreter (no clock) a host watchdog sets the host block's abort word. A wait also ends when the
-awaited peer says it failed (``FAILED[s]``) or gave up (``GONE[s]``). A wait that ends badly writes an
+awaited peer says it failed (``FAILED[s]``) or gave up (``GONE[s]``), or when the host saw its process gone
+(``DEAD[s]`` in the host block, set by the liveness watcher; read every spin under the interpreter, every
+:data:`DEAD_LOOK` spins on GPU, where it is a read of host memory). A wait that ends badly writes an
 *error record* into the host-visible block (first error wins), marks the local header (``W_ERR``) and
 tells every peer (``FAILED[me]`` or ``GONE[me]`` in their headers). Once ``W_ERR`` is set, later launches
 skip their waits and move nothing until the host re-synchronises the group.
@@ -52,7 +54,7 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     W_BASE, W_CONSUMED, W_DONE, W_DONE2, W_ERR, W_PENDC, W_NEXT, W_FIXED, off_ready, off_sig, off_failed, off_gone,
     off_nflag, off_notify,
     NOTIFY_E_WORDS, off_notify_e, header_words, H_ABORT, H_LOCK, H_KIND, H_PEER, H_STAGE, H_CALL, H_INFO,
-    H_INFO2, H_WORDS, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
+    H_INFO2, H_WORDS, H_DEAD, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
     STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
     STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
     L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_DONE2, L_GATE, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed,
@@ -60,6 +62,10 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
     ring_word, ring_len_word, ring_masked_word, ring_arrive_word, ring_asrc_word, ring_ctrl_words, STAGE_NAMES)
+
+
+#: a GPU wait reads the host's ``DEAD`` word of the awaited peer once in this many spins (a power of two)
+DEAD_LOOK = tl.constexpr(32)
 
 
 @triton.jit
@@ -160,13 +166,16 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
     - with ``ready``, ``E_MISMATCH`` when the peer released ``*ready >= want`` before the flag (a
       dispatch's ``NOTIFIED`` comes before anything it sends of that round: a peer that sends first runs
       another collective);
-    - the bound (``%globaltimer`` on GPU, the host watchdog's abort word under the interpreter).
+    - the bound (``%globaltimer`` on GPU, the host watchdog's abort word under the interpreter);
+    - ``E_GONE`` when the host saw the peer's process gone (its ``DEAD`` word in ``host``) and the flag is still
+      short (a peer that finished its part before it died is not waited for anyway).
     """
     status = _peer_status(hdr, peer, rnd, R)
     if fail_ptr is not None:
         status = _ll_failed(status, fail_ptr, fail_call)
     v = acquire(flag)
     t0 = _now_ns(USE_CLOCK)
+    spins = tl.full([], 0, tl.int32)
     while (v < want) & (status == 0):
         status = _peer_status(hdr, peer, rnd, R)
         if fail_ptr is not None:
@@ -178,8 +187,16 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
         if USE_CLOCK:
             if _now_ns(USE_CLOCK) - t0 > timeout_ns:
                 status = tl.maximum(status, E_TIMEOUT)
-        elif tl.load(host + H_ABORT, volatile=True) != 0:
-            status = tl.maximum(status, E_TIMEOUT)
+            look = (spins & (DEAD_LOOK - 1)) == 0
+        else:
+            if tl.load(host + H_ABORT, volatile=True) != 0:
+                status = tl.maximum(status, E_TIMEOUT)
+            look = spins >= 0
+        spins += 1
+        if look & (status == 0):
+            if tl.load(host + H_DEAD + peer, volatile=True) != 0:
+                if acquire(flag) < want:
+                    status = tl.full([], E_GONE, tl.int32)
         v = acquire(flag)
     return status
 
@@ -223,9 +240,11 @@ def wait_peers_ready(hdr, hdr_delta, host, want, sig, me, stage, call, timeout_n
 @triton.jit
 def post_wait_error(hdr, hdr_delta, host, st, peer, stage, call, me, R: tl.constexpr, ctl=None, lcall=-1):
     """A wait for ``peer`` ended with status ``st``: record it (``ctl``, ``lcall``: as :func:`post_error`).
-    For a peer that gave up, the record names the peer's own stage (from its ``GONE`` word)."""
+    For a peer that gave up, the record names the peer's own stage (from its ``GONE`` word); for a peer whose
+    process is gone (``DEAD``: no ``GONE`` word), this wait's ``stage``."""
     gone_stage = tl.load(hdr + off_gone(R) + peer, volatile=True) - 1
-    post_error(hdr, hdr_delta, host, st, peer, tl.where(st == E_GONE, gone_stage, stage), call, me, R, ctl, lcall)
+    post_error(hdr, hdr_delta, host, st, peer, tl.where((st == E_GONE) & (gone_stage >= 0), gone_stage, stage), call,
+               me, R, ctl, lcall)
 
 
 @triton.jit

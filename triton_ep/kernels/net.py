@@ -396,7 +396,7 @@ def pack_linear(out: torch.Tensor, src: Sources, tokens: torch.Tensor, host: int
 def reference_stream(src: Sources, tokens: torch.Tensor, host: int) -> torch.Tensor:
     """The record stream :func:`pack_linear` writes, built with torch (int32 ``[n * rec_w]``; tests)."""
     n, t = tokens.numel(), tokens.long().cpu()
-    out = torch.zeros(n, src.rec_w, dtype=torch.int32)
+    out = torch.zeros(n, src.rec_w, dtype=torch.int32, device="cpu")
     out[:, 0] = src.src_rank
     out[:, 1] = t.to(torch.int32)
     for off, w, ten in ((src.off_row, src.row_w, src.x32), (src.off_sc, src.sc_w, src.sc32),
@@ -405,7 +405,7 @@ def reference_stream(src: Sources, tokens: torch.Tensor, host: int) -> torch.Ten
             out[:, off:off + w] = ten.cpu()[t]
     if src.per_host:
         cols = src.cols.cpu()[host].long()
-        loc = torch.zeros(n, (src.per_host + 3) // 4 * 4, dtype=torch.uint8)
+        loc = torch.zeros(n, (src.per_host + 3) // 4 * 4, dtype=torch.uint8, device="cpu")
         loc[:, :src.per_host] = src.loc8.cpu()[t][:, cols]
         out[:, src.off_loc:src.off_loc + loc.shape[1] // 4] = loc.view(torch.int32)
     return out.view(-1)

@@ -780,12 +780,12 @@ class Internode(CapturePath):
             plan = CapturePlan.of_plain(self.rt.uid, self._seq, T, to_host, counts, local_handle, order)
         else:
             plan = _Plan(self.rt.uid, self._seq, T, to_host, counts, local_handle, order, n_rows)
-        head = torch.full((T, self.num_hosts), -1, dtype=torch.int32)
+        head = torch.full((T, self.num_hosts), -1, dtype=torch.int32, device="cpu")
         for h in range(self.num_hosts):
-            head[to_host[h].cpu(), h] = torch.arange(to_host[h].numel(), dtype=torch.int32)
-        cnt = torch.tensor(counts, dtype=torch.int32)
+            head[to_host[h].cpu(), h] = torch.arange(to_host[h].numel(), dtype=torch.int32, device="cpu")
+        cnt = torch.tensor(counts, dtype=torch.int32, device="cpu")
         new_handle = InternodeHandle((
-            in_rank, torch.tensor([t.numel() for t in to_host], dtype=torch.int32).view(-1, 1),
+            in_rank, torch.tensor([t.numel() for t in to_host], dtype=torch.int32, device="cpu").view(-1, 1),
             in_rank.sum(0, dtype=torch.int32).view(-1, 1), cnt.view(-1, 1), torch.cumsum(cnt, 0, dtype=torch.int32),
             recv_from.view(-1, 1), torch.cumsum(recv_from, 0, dtype=torch.int32), src_meta, head.to(xv.device),
             local_handle[5]), plan)
@@ -937,7 +937,7 @@ class Internode(CapturePath):
         forwarded rows' indices (int64 ``[F]``, on the device); no host synchronisation."""
         plan, H, K = prep.plan, prep.H, prep.K
         inv = torch.empty_like(plan.order)
-        inv.scatter_(0, plan.order, torch.arange(plan.num_rows, device=plan.order.device))
+        inv.scatter_(0, plan.order, torch.arange(plan.num_rows, dtype=torch.int64, device=plan.order.device))
         x_int = prep.xv[inv]
         w_int = prep.wv[inv] if K else None
         prep.local_started = True

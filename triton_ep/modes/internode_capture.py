@@ -100,12 +100,12 @@ class CapturePlan:
         tok = torch.zeros(nh, max(num_tokens, 1), dtype=torch.int64, device=dev)
         for h, t in enumerate(to_host):
             tok[h, :t.numel()] = t
-        cnt = torch.tensor([t.numel() for t in to_host], dtype=torch.int64).to(dev)
-        rx = torch.tensor(counts, dtype=torch.int32).to(dev)
+        cnt = torch.tensor([t.numel() for t in to_host], dtype=torch.int64, device=dev)
+        rx = torch.tensor(counts, dtype=torch.int32, device=dev)
         starts = [sum(counts[:h]) for h in range(nh)]
         m = max(max(counts), 1)
-        ctok = (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(m)[None, :]).clamp(
-            max=max(sum(counts) - 1, 0)).to(dev)
+        ctok = (torch.tensor(starts, dtype=torch.int64, device=dev)[:, None]
+                + torch.arange(m, dtype=torch.int64, device=dev)[None, :]).clamp(max=max(sum(counts) - 1, 0))
         return cls(uid, seq, num_tokens, tok, cnt, m, rx, local_handle, order, order.shape[0], ctok, list(counts))
 
 
@@ -118,7 +118,7 @@ class CapturePath:
         dev = self.rt.device
         #: int32 [num_hosts, 2]: the capture path's statuses (code, culprit / reason), pinned on GPU so the
         #: host reads them without a synchronisation
-        self._cstatus = torch.zeros(self.num_hosts, 2, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._cstatus = torch.zeros(self.num_hosts, 2, dtype=torch.int32, device="cpu", pin_memory=dev.type == "cuda")
         self._capture_mode = dev.type == "cuda" if mode is None else mode
         #: a capture-path call was made (or captured: its replays advance the ring counters unseen)
         self._capture_used = False
@@ -273,7 +273,7 @@ class CapturePath:
 
     def _valid(self, rx: Tensor, cap: int) -> Tensor:
         """bool ``[num_hosts * cap]``: which staging rows hold a received record."""
-        return (torch.arange(cap, device=rx.device)[None, :] < rx[:, None]).view(-1)
+        return (torch.arange(cap, dtype=torch.int64, device=rx.device)[None, :] < rx[:, None]).view(-1)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch_capture(self, intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
@@ -314,9 +314,9 @@ class CapturePath:
         reason = torch.where((reason == 0) & (given != cnt).any(), 2, reason).to(torch.int32)
         code = torch.where(reason != 0, NET_STATUS_FAILED, 0).to(torch.int32)
         pos = host_mask.to(torch.int64).cumsum(0) - 1
-        slot = torch.where(host_mask, torch.arange(nh, device=dev)[None, :] * T + pos, nh * T)
+        slot = torch.where(host_mask, torch.arange(nh, dtype=torch.int64, device=dev)[None, :] * T + pos, nh * T)
         tok = torch.zeros(nh * T + 1, dtype=torch.int64, device=dev)
-        tok.scatter_(0, slot.view(-1), torch.arange(T, device=dev)[:, None].expand(T, nh).reshape(-1))
+        tok.scatter_(0, slot.view(-1), torch.arange(T, dtype=torch.int64, device=dev)[:, None].expand(T, nh).reshape(-1))
         tok = tok[:nh * T].view(nh, T)
         rec = self._record(xv, sc, K, 0 if w is None else K, self.per_host)
         src = self._sources(rec, T, xv, sc, None if idx is None else idx.long(), w, in_rank)

@@ -164,12 +164,12 @@ class NetLeg:
         with torch.inference_mode():
             tx = [next_tx[p] - top for p in range(R)]
             rx = [next_rx[p] - top for p in range(R)]
-            ctl[F.off_ll_tx.host(R):F.off_ll_tx.host(R) + R].copy_(torch.tensor(tx, dtype=torch.int64))
-            ctl[F.off_ll_rx.host(R):F.off_ll_rx.host(R) + R].copy_(torch.tensor(rx, dtype=torch.int64))
+            ctl[F.off_ll_tx.host(R):F.off_ll_tx.host(R) + R].copy_(torch.tensor(tx, dtype=torch.int64, device=ctl.device))
+            ctl[F.off_ll_rx.host(R):F.off_ll_rx.host(R) + R].copy_(torch.tensor(rx, dtype=torch.int64, device=ctl.device))
             # L_SEQ, L_DONE, CONS[0..1], UNPACKED[0..1], PEND[0..1] (as CONS: nothing left to release): call top + 1
             # comes next, calls up to top are done
             unpacked = [top if top % 2 == h else top - 1 for h in (0, 1)]
-            ctl[:8].copy_(torch.tensor([top, 0, top, top] + unpacked + [top, top], dtype=torch.int64))
+            ctl[:8].copy_(torch.tensor([top, 0, top, top] + unpacked + [top, top], dtype=torch.int64, device=ctl.device))
             ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
             for p in renumber:
                 ctl[F.off_ll_mask.host(R) + p].fill_(0)
@@ -256,7 +256,7 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
         bufs = [local.peers[hosts.local_index(r)] if same[r] else local.data for r in range(R)]
         with torch.inference_mode(False):
             local.data[:hb].zero_()     # the group's signal header starts at zero (peers write after the exchange)
-            ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8)
+            ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8, device="cpu")
             remote = torch.tensor([0 if s else 1 for s in same], dtype=torch.int32, device=dev)
         comm = ipc.Comm(me, R, dev, bufs, ctrl, rt.timeout_s, ipc.SLOT_WORDS, ranks_on_device=local.ranks_on_device,
                         concurrent=True)

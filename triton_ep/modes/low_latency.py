@@ -233,7 +233,7 @@ class LowLatency:
         R = self.rt.group_size
         with torch.inference_mode():
             # L_SEQ, L_DONE, CONS[0..1]; PEND[0..1] as CONS (nothing left to release)
-            self.ctl[:4].copy_(torch.tensor([top, 0, top, top], dtype=torch.int64))
+            self.ctl[:4].copy_(torch.tensor([top, 0, top, top], dtype=torch.int64, device=self.ctl.device))
             self.ctl[int(F.L_PEND):int(F.L_PEND) + 2].fill_(top)
             self.ctl[int(F.L_DONE2)] = 0        # (a one-launch call's gate counter; GATE itself only grows)
             # failure words name calls up to top + 1: none may match a call after the restart (the peers

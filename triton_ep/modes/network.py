@@ -90,7 +90,7 @@ def open_network(backend: str, group, rank: int, world: int, *, token: str, name
     transport = factory.open_transport(backend, rank, world, **kw)
     try:
         lay = sched_mod.RingLayout(world, slots, slot_bytes)
-        mem = torch.zeros(lay.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        mem = torch.zeros(lay.nbytes, dtype=torch.uint8, device="cpu", pin_memory=device.type == "cuda")
         sched = sched_mod.bootstrap(transport, dict(slots=slots, slot_bytes=slot_bytes, memory=mem,
                                                     timeout_s=timeout_s, **sched_kwargs), group=group)
     except BaseException:

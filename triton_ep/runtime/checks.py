@@ -1,9 +1,10 @@
-"""Argument checks every mode shares: tensors, events, configs, sizes (DESIGN: shapes and dtypes are checked
-before any launch, and an error names the argument, what was expected and what was given)."""
+"""Argument checks every mode shares: tensors, events, configs, sizes, timeouts (docs/design.md: shapes and dtypes
+are checked before any launch, and an error names the argument, what was expected and what was given)."""
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -12,8 +13,21 @@ from ..config import Config, EventOverlap
 
 #: the default bound on every wait for a peer, in seconds
 DEFAULT_TIMEOUT_S = 100.0
+#: The largest ``timeout_s`` (about 31.7 years). The code carries it as int64 nanoseconds that the GPU kernels
+#: compare with ``%globaltimer`` (nanoseconds since 1970, about 1.8e18 now; the int64 limit is about 9.2e18)
+#: and as Python thread-wait bounds of ``timeout_s`` plus some seconds (``threading.TIMEOUT_MAX``, about
+#: 9.2e9 s): 1e9 s leaves room in both.
+MAX_TIMEOUT_S = 1e9
+#: the environment variable that sets ``timeout_s`` when the argument is not given
+ENV_TIMEOUT_S = "TRITON_EP_TIMEOUT_S"
 #: the largest expert count a call takes
 MAX_EXPERTS = 16384
+#: The largest int32 a kernel argument or a stored count carries (``2^31 - 1``).
+MAX_INT32 = 2 ** 31 - 1
+#: The largest buffer size in bytes (``num_nvl_bytes``, ``num_rdma_bytes``): ``2^62``. Sizes and byte offsets
+#: are int64 (kernels, torch, the shared-memory files); a size at the int64 limit would overflow once the
+#: signal header and the 4 KiB rounding are added.
+MAX_BUFFER_BYTES = 1 << 62
 
 
 def isint(v) -> bool:
@@ -79,29 +93,115 @@ def check_num_experts(num_experts, num_ranks: int) -> None:
         raise ValueError(f"num_experts {num_experts} exceeds the supported maximum {MAX_EXPERTS}")
 
 
-def timeout_arg(timeout_s) -> float:
-    """``timeout_s`` checked, or ``TRITON_EP_TIMEOUT_S``, or :data:`DEFAULT_TIMEOUT_S` (seconds).
+@dataclass(frozen=True)
+class Rejected:
+    """A rank's rejection of its own set-up values (a bad constructor argument or environment value), carried in
+    a set-up exchange so that every rank raises it at once (its peers would otherwise wait out their timeout).
+
+    Attributes:
+        kind: ``"ValueError"`` or ``"TypeError"``. message: the error's text, starting ``rank <r>: ``.
+    """
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, error: Exception, rank: int) -> "Rejected":
+        """The rejection of ``rank`` that ``error`` (a ``ValueError`` or ``TypeError``) states."""
+        return cls("TypeError" if isinstance(error, TypeError) else "ValueError", f"rank {rank}: {error}")
+
+    def error(self) -> Exception:
+        """The exception to raise: a ``TypeError`` or a ``ValueError`` with :attr:`message`."""
+        return (TypeError if self.kind == "TypeError" else ValueError)(self.message)
+
+
+def raise_rejected(values: Sequence) -> None:
+    """After a set-up exchange: raise the first :class:`Rejected` among every rank's ``values`` (``None`` where a
+    rank rejected nothing).
 
     Raises:
-        ValueError: not a finite positive number.
+        ValueError, TypeError: the first rank's rejection, the same on every rank.
     """
+    for v in values:
+        if isinstance(v, Rejected):
+            raise v.error()
+
+
+def int_arg(name: str, value, lo: int, hi: int, why: str = "") -> int:
+    """``value`` as an int in ``[lo, hi]`` (a Python or numpy integer, not a bool).
+
+    Args:
+        name: the argument's name, for the error. why: what the bound is (e.g. ``"int32 in the kernels"``).
+
+    Raises:
+        ValueError: not an integer, or out of range (the message names ``name``, the range and ``why``).
+    """
+    if not isint(value) or not lo <= value <= hi:
+        extra = f"; {why}" if why else ""
+        kind = "" if isint(value) else f" ({type(value).__name__}, not an int)"
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}]{extra}, got {value!r}{kind}")
+    return int(value)
+
+
+def bytes_arg(name: str, value) -> int:
+    """A buffer size in bytes (``num_nvl_bytes``, ``num_rdma_bytes``): an int in ``[0, MAX_BUFFER_BYTES]``.
+
+    Raises:
+        ValueError: naming ``name`` and the range.
+    """
+    return int_arg(name, value, 0, MAX_BUFFER_BYTES, "sizes and offsets are int64")
+
+
+def timeout_arg(timeout_s, env: Optional[Mapping[str, str]] = None) -> float:
+    """``timeout_s`` checked, or ``TRITON_EP_TIMEOUT_S`` (from ``env``, default ``os.environ``; decimal, spaces
+    around ignored), or :data:`DEFAULT_TIMEOUT_S`, in seconds: a number in ``(0, MAX_TIMEOUT_S]``.
+
+    Raises:
+        ValueError: not a number, not finite (nan, inf), not positive, or above :data:`MAX_TIMEOUT_S`; the
+            message names the argument or the variable it came from.
+    """
+    name = "timeout_s"
     if timeout_s is None:
-        env = os.environ.get("TRITON_EP_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+        raw = (os.environ if env is None else env).get(ENV_TIMEOUT_S, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        name = f"{ENV_TIMEOUT_S}={raw!r}"
         try:
-            timeout_s = float(env)
+            timeout_s = float(raw)
         except ValueError:
-            raise ValueError(f"TRITON_EP_TIMEOUT_S must be a number of seconds, got {env!r}") from None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
-        raise ValueError(f"timeout_s must be a finite positive number of seconds, got {timeout_s!r}")
+            timeout_s = None
+    number = isinstance(timeout_s, (int, float, np.integer, np.floating)) and not isinstance(timeout_s, bool)
+    # (compared before any conversion: an int too large for a float would raise OverflowError there)
+    if not number or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        got = f", got {timeout_s!r}" if name == "timeout_s" else ""
+        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}] (kernels carry it as "
+                         f"int64 nanoseconds){got}")
     return float(timeout_s)
 
 
 def device_arg(device) -> torch.device:
     """The Buffer's device: the given one (a CUDA device without index means the current one), else the
-    current CUDA device, else CPU."""
+    current CUDA device, else CPU.
+
+    Raises:
+        ValueError: not a device (or a string naming one), a type other than ``cpu`` and ``cuda``, or a CUDA
+            device this process has not got (no CUDA, or an index past the device count).
+    """
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a string such as 'cuda:0' or 'cpu', got {device!r}") \
+            from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"device {device}: this process has no CUDA device (use device='cpu')")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif not 0 <= device.index < n:
+            raise ValueError(f"device {device}: this process has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
     return device

@@ -25,11 +25,13 @@ from ..config import EventOverlap
 from ..errors import EPError, EPRemoteError, EPTimeoutError
 from ..kernels import flags as F
 from ..protocol import call_card as card
-from ..transport import ipc, signals
+from ..transport import ipc, signals, verbs
 from ..transport.bootstrap import Exchange
+from ..transport.liveness import dead_error
 from .hosts import (ENV_RANKS_PER_HOST, Hosts, agreed, choose_transport, group_hosts, host_identity,
                     rdma_backend_arg)
-from .checks import DEFAULT_TIMEOUT_S, check_num_experts, check_tensor, device_arg, isint, timeout_arg
+from .checks import (DEFAULT_TIMEOUT_S, Rejected, bytes_arg, check_num_experts, check_tensor, device_arg,
+                     raise_rejected, timeout_arg)
 
 Tensor = torch.Tensor
 _NO_CTX = contextlib.nullcontext()        # reusable: entering it does nothing
@@ -127,6 +129,14 @@ class Runtime:
         # a rank that leaves the group says so in its card too (peers may wait there: every_worst)
         self.sig.on_leave = lambda: card.mark_failed(self._card, card.LEFT)
         self.sig.explain_mismatch = self.explain_mismatch
+        # ranks that are processes of one host: a watcher thread looks at the peers' liveness locks and sets a
+        # dead peer's DEAD word, which the kernels' waits read (transport.liveness); it stops when the Comm closes
+        # (or this Runtime is dropped)
+        live = comm.liveness
+        if live is not None:
+            self.sig.dead_peers = live.dead_peers
+            live.watch(self.sig.dead_marker())
+            weakref.finalize(self, live.close)
 
     # ------------------------------------------------------------------ lifetime
     def live(self) -> ipc.Comm:
@@ -252,13 +262,15 @@ class Runtime:
         published).
 
         Raises:
-            EPRemoteError: a peer gave this call up before launching anything. ValueError: a peer called
-                another operation here. EPTimeoutError: a peer did not reach the call within ``timeout_s``.
+            EPRemoteError: a peer gave this call up before launching anything, or its process is gone (its
+                liveness lock, looked at every 50 ms). ValueError: a peer called another operation here.
+                EPTimeoutError: a peer did not reach the call within ``timeout_s``.
         """
         comm = self.live()
         k, serial = self.worst_calls, self._calls
         vals = [None] * self.group_size
         deadline = time.monotonic() + self.timeout_s
+        next_live = 0.0
         while True:
             for r in range(self.group_size):
                 if vals[r] is not None:
@@ -279,6 +291,12 @@ class Runtime:
             if all(v is not None for v in vals):
                 return vals
             self.check()
+            if self.sig.dead_peers is not None and time.monotonic() >= next_live:     # every 50 ms
+                next_live = time.monotonic() + 0.05
+                dead = [r for r in self.sig.dead_peers() if vals[r] is None]
+                if dead:
+                    comm.broken = f"rank {dead[0]}'s process is gone"
+                    raise dead_error(self.rank, dead, "dispatch/num_worst_tokens of every rank (the host)")
             if time.monotonic() > deadline:
                 raise EPTimeoutError(self.rank, [r for r, v in enumerate(vals) if v is None],
                                      "dispatch/num_worst_tokens of every rank (the host)", self.timeout_s)
@@ -492,18 +510,21 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     values, bootstrap the group's shared buffers (:func:`triton_ep.transport.ipc.open_group`: the normal-mode
     part of ``num_nvl_bytes`` rounded up to 4 KiB, then, with ``low_latency_mode``, the low-latency area of
     ``num_rdma_bytes``), and return the runtime. ``group`` may be an ``ipc.Comm`` (ranks simulated in one
-    process, :mod:`triton_ep.testing`). A rank that rejects its values tells its peers first (they raise
-    ``EPRemoteError`` at once instead of waiting). The ranks are grouped into hosts and the transport between
-    hosts chosen (:mod:`triton_ep.runtime.hosts`; ``rdma_backend``: ``"auto"``, ``"verbs"``, ``"emulated"``
-    or ``None`` for ``TRITON_EP_RDMA``).
+    process, :mod:`triton_ep.testing`). A rank that rejects its values (constructor arguments,
+    ``TRITON_EP_TIMEOUT_S``, ``TRITON_EP_SHM_TAG``, ``TRITON_EP_RDMA``) carries the rejection in the host
+    exchange: every rank raises it at once (:class:`~triton_ep.runtime.checks.Rejected`); a rank that fails
+    otherwise tells its peers (they raise ``EPRemoteError`` at once instead of waiting). The ranks are grouped
+    into hosts and the transport between hosts chosen (:mod:`triton_ep.runtime.hosts`; ``rdma_backend``:
+    ``"auto"``, ``"verbs"``, ``"emulated"`` or ``None`` for ``TRITON_EP_RDMA``).
 
     Ranks on several hosts get a :class:`HostsRuntime` instead: each host's ranks share their own buffers
     (nothing is mapped between hosts, which may be different machines).
 
     Raises:
-        ValueError: a bad value (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``, ``rdma_backend``), no
-            process group, ranks that disagree on ``rdma_backend`` or ``TRITON_EP_RANKS_PER_HOST``, hosts of
-            different sizes, a host whose ranks run on several machines, several hosts and no RDMA transport.
+        ValueError: a bad value on any rank (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``,
+            ``rdma_backend``, ``device``, the environment's), no process group, ranks that disagree on
+            ``rdma_backend`` or ``TRITON_EP_RANKS_PER_HOST``, hosts of different sizes, a host whose ranks run on
+            several machines, several hosts and no RDMA transport.
         EPTimeoutError: ranks did not arrive within ``timeout_s`` (named).
         EPRemoteError: a peer gave up or failed first.
     """
@@ -517,21 +538,28 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
         exchanges = [Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange host identities"),
                      Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")]
     try:
-        timeout_s = timeout_arg(timeout_s)
-        if not isint(num_nvl_bytes) or num_nvl_bytes < 0:
-            raise ValueError(f"num_nvl_bytes must be a non-negative int, got {num_nvl_bytes!r}")
-        if not isint(num_rdma_bytes) or num_rdma_bytes < 0:
-            raise ValueError(f"num_rdma_bytes must be a non-negative int, got {num_rdma_bytes!r}")
-        backend = rdma_backend_arg(rdma_backend)
-        device = device_arg(device) if exchanges else device
+        rejected = backend = None
+        try:
+            timeout_s = timeout_arg(timeout_s)
+            bytes_arg("num_nvl_bytes", num_nvl_bytes)
+            bytes_arg("num_rdma_bytes", num_rdma_bytes)
+            ipc.shm_tag()       # (it names the shared-memory files: checked before any is made)
+            backend = rdma_backend_arg(rdma_backend)
+            device = device_arg(device) if exchanges else device
+        except (ValueError, TypeError) as e:
+            if not exchanges:
+                raise
+            # carried in the host exchange: every rank raises it at once instead of its peers waiting
+            rejected = Rejected.of(e, group.rank())
         if not exchanges:
             size = group.size
             hosts = group_hosts([host_identity()] * size, [os.environ.get(ENV_RANKS_PER_HOST)] * size)
             return Runtime(group, timeout_s, uuid.uuid4().hex, hosts=hosts,
                            rdma_transport=choose_transport(backend, hosts))
-        for ex in exchanges:
-            ex.timeout_s = timeout_s
-        hosts, transport = _find_hosts(exchanges[0], backend)
+        if rejected is None:
+            for ex in exchanges:
+                ex.timeout_s = timeout_s
+        hosts, transport = _find_hosts(exchanges[0], backend, rejected)
     except Exception as e:
         for ex in exchanges:
             ex.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
@@ -547,13 +575,18 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport)
 
 
-def _find_hosts(exchange: Exchange, backend: str):
-    """Exchange host identities (and each rank's ``TRITON_EP_RANKS_PER_HOST`` and ``rdma_backend``), group
-    the ranks into hosts and choose the transport between them: ``(Hosts, transport)``. Every rank raises the
-    same error where the exchanged values are at fault."""
-    info = exchange.gather((host_identity(), os.environ.get(ENV_RANKS_PER_HOST), backend))
+def _find_hosts(exchange: Exchange, backend: Optional[str], rejected: Optional[Rejected] = None):
+    """Exchange host identities (and each rank's ``TRITON_EP_RANKS_PER_HOST``, ``rdma_backend`` and the
+    rejection of its own constructor values, ``None`` where it has none), group the ranks into hosts and choose
+    the transport between them: ``(Hosts, transport)``. Every rank raises the same error where the exchanged
+    values are at fault (a rank's rejection first)."""
+    info = exchange.gather((host_identity(), os.environ.get(ENV_RANKS_PER_HOST), backend, rejected,
+                            _qos_rejection(exchange.rank)))
+    raise_rejected([i[3] for i in info])
     agreed("rdma_backend / TRITON_EP_RDMA", [i[2] for i in info])
     hosts = group_hosts([i[0] for i in info], [i[1] for i in info])
+    if hosts.num_hosts > 1:     # (the transport between hosts reads them)
+        raise_rejected([i[4] for i in info])
     transport = choose_transport(backend, hosts)
     for h in range(hosts.num_hosts):       # a host's ranks share memory: they must run on one machine
         machines = sorted({info[r][0] for r in hosts.ranks(h)})
@@ -561,6 +594,16 @@ def _find_hosts(exchange: Exchange, backend: str):
             raise ValueError(f"{ENV_RANKS_PER_HOST} puts ranks {list(hosts.ranks(h))} into host {h}, but they run on "
                              f"{len(machines)} machines ({', '.join(machines)}); a host's ranks must share a machine")
     return hosts, transport
+
+
+def _qos_rejection(rank: int) -> Optional[Rejected]:
+    """This rank's rejection of ``TRITON_EP_RDMA_TC`` / ``TRITON_EP_RDMA_SL`` (``verbs.QoS.resolve``), or ``None``:
+    exchanged at set-up so that a bad value on one rank raises on every rank, where ranks span hosts."""
+    try:
+        verbs.QoS.resolve()
+    except ValueError as e:
+        return Rejected.of(e, rank)
+    return None
 
 
 def _open_hosts(group, hosts: Hosts, transport: str, num_nvl_bytes: int, timeout_s: float, device) -> "HostsRuntime":

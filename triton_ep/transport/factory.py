@@ -19,19 +19,24 @@ ENV_REORDER_S = "TRITON_EP_EMULATED_REORDER_S"
 ENV_SKEW_S = "TRITON_EP_EMULATED_SKEW_S"
 
 
+#: the longest delay either variable may ask for, in seconds (an hour: far beyond any test's timeout, and a
+#: range the fabric's deadlines, sums of clock readings and delays, carry exactly)
+MAX_DELAY_S = 3600.0
+
+
 def _seconds(name: str) -> float:
-    """The non-negative number of seconds in environment variable ``name`` (0 when unset or blank).
+    """The number of seconds in ``[0, MAX_DELAY_S]`` in environment variable ``name`` (0 when unset or blank).
 
     Raises:
-        ValueError: it is set to something else.
+        ValueError: it is set to something else (not a number, nan, negative, too large), naming it and the range.
     """
     raw = os.environ.get(name, "").strip()
     try:
         v = float(raw) if raw else 0.0
     except ValueError:
         v = -1.0
-    if not 0.0 <= v < float("inf"):
-        raise ValueError(f"{name}={raw!r} must be a non-negative number of seconds")
+    if not 0.0 <= v <= MAX_DELAY_S:
+        raise ValueError(f"{name}={raw!r} must be a number of seconds in [0, {MAX_DELAY_S:g}]")
     return v
 
 

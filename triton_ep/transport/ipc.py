@@ -28,6 +28,7 @@ import torch
 
 from ..errors import EPError, EPRemoteError, EPTimeoutError
 from ..protocol.call_card import CARD_WORDS
+from . import liveness as live
 from .bootstrap import Exchange
 from .signals import header_bytes
 
@@ -54,9 +55,10 @@ SHM_PREFIX = "triton_ep."
 _SHM_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
-def shm_name(rest: str, tag: Optional[str] = None) -> str:
-    """The file name (no folder) of a shared-memory file of triton-ep: ``triton_ep.<rest>``, or
-    ``triton_ep.<tag>.<rest>`` with a nonempty ``tag`` (default: ``$TRITON_EP_SHM_TAG``, read at each call).
+def shm_tag(tag: Optional[str] = None) -> str:
+    """The shared-memory tag checked: ``tag``, or (``None``) ``$TRITON_EP_SHM_TAG`` as it is now (empty: none).
+    A Buffer checks it at construction, before any file is made, and its ranks exchange the verdict (a bad
+    value on one rank raises on every rank).
 
     Raises:
         ValueError: a tag with characters other than letters, digits, ``_`` and ``-`` (it names the variable).
@@ -64,6 +66,17 @@ def shm_name(rest: str, tag: Optional[str] = None) -> str:
     tag = os.environ.get(SHM_TAG_ENV, "") if tag is None else tag
     if not set(tag) <= _SHM_TAG_CHARS:
         raise ValueError(f"{SHM_TAG_ENV}={tag!r}: the shared-memory tag may hold only letters, digits, _ and -")
+    return tag
+
+
+def shm_name(rest: str, tag: Optional[str] = None) -> str:
+    """The file name (no folder) of a shared-memory file of triton-ep: ``triton_ep.<rest>``, or
+    ``triton_ep.<tag>.<rest>`` with a nonempty ``tag`` (default: ``$TRITON_EP_SHM_TAG``, read at each call).
+
+    Raises:
+        ValueError: a tag with characters other than letters, digits, ``_`` and ``-`` (:func:`shm_tag`).
+    """
+    tag = shm_tag(tag)
     return f"{SHM_PREFIX}{tag}.{rest}" if tag else f"{SHM_PREFIX}{rest}"
 
 
@@ -127,6 +140,9 @@ class Comm:
         self.slot_words = slot_words
         self._seq = 0
         self.broken: Optional[str] = None
+        #: which peers' processes still live (:class:`~triton_ep.transport.liveness.Liveness`): set by
+        #: :func:`open_group` once every rank holds its lock; ``None`` for ranks simulated in one process
+        self.liveness: Optional[live.Liveness] = None
         #: when a list, each barrier appends (stage, t_arrive_start, t_device_synced, t_all_arrived)
         #: in ``time.perf_counter`` seconds (see benchmarks/profile_phases.py)
         self.profile: Optional[list] = None
@@ -160,7 +176,8 @@ class Comm:
         Raises:
             EPTimeoutError: a peer did not arrive within ``timeout_s`` seconds (the Comm is then marked
                 broken: the Buffer must be destroyed and built again).
-            EPRemoteError: a missing peer left the group (it timed out or failed elsewhere).
+            EPRemoteError: a missing peer left the group (it timed out or failed elsewhere), or its process is
+                gone (its liveness lock, looked at every 50 ms; the Comm is then marked broken).
             EPError: the Comm was broken by an earlier timeout.
         """
         if self.broken:
@@ -175,7 +192,7 @@ class Comm:
         ctr[self.rank] = n
         start = time.monotonic()
         deadline = start + self.timeout_s
-        next_look = start
+        next_look = next_live = start
         for peer in range(self.size):
             while ctr[peer] < n:
                 now = time.monotonic()
@@ -189,6 +206,11 @@ class Comm:
                         self.broken = f"rank {peer} left the group"
                         raise EPRemoteError(f"rank {self.rank}: {left[peer]}, so it will not reach '{stage}'; "
                                             f"destroy() and rebuild the Buffer")
+                if self.liveness is not None and now >= next_live:
+                    next_live = now + 0.05
+                    if self.liveness.dead_peers([peer]):
+                        self.broken = f"rank {peer}'s process is gone"
+                        raise live.dead_error(self.rank, [peer], stage)
                 # Yield the core for the first 5 ms (peers usually arrive within microseconds to a few
                 # milliseconds), then back off to 1 ms naps so a long wait costs no CPU.
                 time.sleep(0 if now - start < 5e-3 else 1e-3)
@@ -204,7 +226,11 @@ class Comm:
         return v
 
     def close(self) -> None:
-        """Drop this rank's mappings (the memory is released once no tensor refers to it)."""
+        """Drop this rank's mappings (the memory is released once no tensor refers to it) and release its liveness
+        lock (saying first that it destroyed its Buffer on purpose)."""
+        if self.liveness is not None:
+            self.liveness.close()
+            self.liveness = None
         self.peers = []
         self.peer_headers = []
         self.data = None
@@ -260,13 +286,17 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
     ctrl_bytes = 8 * ctrl_words(size, slot_words)
     tag = uuid.uuid4().hex[:16]
     d = _shm_dir()
-    ctrl_path = os.path.join(d, shm_name(f"{tag}.ctrl")) if rank == 0 else None
-    data_path = os.path.join(d, shm_name(f"{tag}.r{rank}")) if device.type != "cuda" else None
+    ctrl_path = data_path = live_path = liveness = None
     # Every file this rank creates is unlinked on the way out, whatever happens: after a successful
     # bootstrap every rank holds its mappings, and after a failure (a peer that never joins, bad hosts,
-    # an interrupt) nothing may stay behind in /dev/shm.
+    # an interrupt, a bad TRITON_EP_SHM_TAG) nothing may stay behind in /dev/shm, and the peers are told.
     try:
+        ctrl_path = os.path.join(d, shm_name(f"{tag}.ctrl")) if rank == 0 else None
+        data_path = os.path.join(d, shm_name(f"{tag}.r{rank}")) if device.type != "cuda" else None
         ctrl = _map_file(ctrl_path, ctrl_bytes, create=True) if rank == 0 else None
+        if rank == 0 and size > 1 and live.supported():     # each rank locks its byte (transport.liveness)
+            live_path = os.path.join(d, shm_name(f"{tag}.live"))
+            liveness = live.Liveness(live_path, rank, size, create=True)
         if device.type == "cuda":
             data = torch.empty(hb + num_bytes, dtype=torch.uint8, device=device)
             data[:hb].zero_()        # the signal header starts at zero (peers look after the bootstrap barrier)
@@ -275,14 +305,16 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         else:
             data = _map_file(data_path, hb + num_bytes, create=True)     # a new file reads zero
             mine = ("file", data_path)
-        info = exchange.gather((socket.gethostname(), ctrl_path, mine, num_bytes, device.index))
+        info = exchange.gather((socket.gethostname(), ctrl_path, mine, num_bytes, device.index, live_path))
         hosts = {i[0] for i in info}
         if len(hosts) != 1:
             raise ValueError(f"triton_ep intranode buffers need every rank on one host; got hosts {sorted(hosts)}")
         if ctrl is None:
             ctrl = _map_file(info[0][1], ctrl_bytes, create=False)
+        if liveness is None and info[0][5] is not None:
+            liveness = live.Liveness(info[0][5], rank, size, create=False)
         peers = []
-        for r, (_, _, (kind, h), nb, _) in enumerate(info):
+        for r, (_, _, (kind, h), nb, _, _) in enumerate(info):
             if r == rank:
                 peers.append(data)
             elif kind == "cuda":
@@ -294,12 +326,16 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info),
                     ranks_on_device=sum(1 for i in info if i[4] == device.index), concurrent=True)
         comm.barrier("bootstrap/map buffers")
+        # every rank took its lock before the barrier: from now on a free byte means a gone process
+        comm.liveness, liveness = liveness, None
     except BaseException as e:
         # peers still waiting in the exchange raise at once (a no-op once it is complete)
         exchange.fail(f"failed to build its Buffer ({type(e).__name__}: {e})")
         raise
     finally:
-        for path in (data_path, ctrl_path):
+        if liveness is not None:
+            liveness.close()
+        for path in (data_path, ctrl_path, live_path):
             if path is not None:
                 try:
                     os.unlink(path)

@@ -14,7 +14,10 @@ gives :class:`~triton_ep.Buffer` a small typed API over that state:
   arguments found before launch, an error of its own mid-call), so they raise at once instead of
   waiting out their timeout;
 - :meth:`Signals.resync` re-aligns the round counters of the group after an error, at a host
-  rendezvous where every rank's device work has finished.
+  rendezvous where every rank's device work has finished;
+- :meth:`Signals.dead_marker` is what the liveness watcher (:mod:`triton_ep.transport.liveness`) does when a
+  peer's process is gone: the peer's ``DEAD`` word, which every wait for that peer reads, so the group's
+  waits for it end within a fraction of a second and raise ``EPRemoteError`` naming it.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 
 from ..errors import EPCapacityError, EPRemoteError, EPTimeoutError
 from ..protocol import signal_header as F
+from .liveness import dead_error
 
 #: names of the stages error records carry (one table, in the protocol)
 STAGE_NAMES = F.STAGE_NAMES
@@ -131,7 +135,7 @@ class Signals:
         self.peer_headers = list(peer_headers)
         with torch.inference_mode(False):
             self.hdr_delta = (delta_bytes // 8).to(torch.int64)
-            self.host = torch.zeros(int(F.H_WORDS), dtype=torch.int64, device="cpu",
+            self.host = torch.zeros(int(F.H_WORDS) + size, dtype=torch.int64, device="cpu",
                                     pin_memory=device.type == "cuda")
         self._host_np = self.host.numpy()
         self.timeout_s = float(timeout_s)
@@ -145,6 +149,9 @@ class Signals:
         self.explain_mismatch: Optional[Callable[[int], Optional[str]]] = None
         #: called when this rank leaves the group (:meth:`leave`), before its peers are told; set by the Runtime
         self.on_leave: Optional[Callable[[], None]] = None
+        #: ``dead_peers()``: ``{peer: why}`` of the peers whose process is gone, looked at now
+        #: (:meth:`triton_ep.transport.liveness.Liveness.dead_peers`); set by the Runtime where ranks are processes
+        self.dead_peers: Optional[Callable[[], dict]] = None
 
     # ---- what kernels take
     def kernel_args(self, max_programs: Optional[int] = None) -> dict:
@@ -163,6 +170,17 @@ class Signals:
     def _watch(self):
         with watchdog(self._host_np, int(F.H_ABORT), self.timeout_s):
             yield
+
+    def dead_marker(self) -> Callable[[int], None]:
+        """``mark(peer)``: rank ``peer``'s process is gone, set its ``DEAD`` word in the host block (a plain store,
+        no device work: the liveness watcher's thread calls it while kernels may spin). Every wait for ``peer``
+        that is still short then ends with ``E_GONE`` (:func:`triton_ep.kernels.flags.wait_at_least`). The
+        function holds the host block only (a thread that holds it keeps nothing else of the Buffer alive)."""
+        words, base = self._host_np, int(F.H_DEAD)
+
+        def mark(peer: int) -> None:
+            words[base + int(peer)] = 1
+        return mark
 
     # ---- errors
     def record(self) -> Optional[ErrorRecord]:
@@ -183,6 +201,11 @@ class Signals:
         self._reported = True
         self.needs_resync = True
         me, peer, stage = self.rank, rec.peer, STAGE_NAMES.get(rec.stage, "unknown")
+        dead = self._dead() if rec.kind in (int(F.E_TIMEOUT), int(F.E_GONE), int(F.E_FAILED)) else None
+        if dead:
+            # a wait that ended because a peer's process is gone, or because a peer gave up or failed on it
+            # (that peer waited for the dead one): the dead rank is the one to name
+            return dead_error(me, dead, f"{stage} (round {rec.call})")
         if rec.kind == int(F.E_TIMEOUT):
             return EPTimeoutError(me, peer, f"{stage} (round {rec.call})", self.timeout_s)
         if rec.kind == int(F.E_GONE):
@@ -212,9 +235,15 @@ class Signals:
         return ex
 
     def permanent(self) -> bool:
-        """Whether the record is a timeout (ours or a peer's): the group cannot go on."""
+        """Whether the record is a timeout (ours or a peer's), or a peer's process is gone: the group cannot go on."""
         rec = self.record()
-        return rec is not None and rec.kind in (int(F.E_TIMEOUT), int(F.E_GONE))
+        return rec is not None and (rec.kind in (int(F.E_TIMEOUT), int(F.E_GONE)) or bool(self._dead()))
+
+    def _dead(self) -> dict:
+        """The peers whose process is gone (the watcher's ``DEAD`` words, or a look at their locks now)."""
+        h, R = self._host_np, self.size
+        marked = {p: "dead" for p in range(R) if h[int(F.H_DEAD) + p]}
+        return marked or (self.dead_peers() if self.dead_peers is not None else {})
 
     def post_local_failure(self) -> None:
         """This rank fails the current call before (or while) its kernels run: mark its header and tell
@@ -271,7 +300,7 @@ class Signals:
             h[int(F.W_DONE)].fill_(0)
             h[int(F.W_DONE2)].fill_(0)
             h[int(F.W_ERR)].fill_(0)
-        self._host_np[:] = 0
+        self._host_np[:int(F.H_WORDS)] = 0       # (not the DEAD words: a process stays gone)
         self.needs_resync = False
         self._reported = False
 

@@ -235,14 +235,18 @@ def pick_gid(gids: Sequence[GidInfo]) -> Optional[GidInfo]:
     return best
 
 
-def discover(api: SimpleNamespace, names: Optional[Sequence[str]] = None, max_gids: int = 32) -> List[DeviceInfo]:
+def discover(api: SimpleNamespace, names: Optional[Sequence[str]] = None,
+             max_gids: Optional[int] = None) -> List[DeviceInfo]:
     """Open each RDMA device briefly and describe its ports and GIDs.
 
     Args:
         api: a namespace from :func:`load_pyverbs` or the emulated fabric.
-        names: only these devices (default: all).  max_gids: GID table entries read per port.
+        names: only these devices (default: all).
+        max_gids: GID table entries read per port (default: the whole table, the port's ``gid_tbl_len``: RoCE
+            ports list a GID per address and RoCE version, often more than 32).
     Raises:
-        RdmaUnavailable: no device (message starts "no RDMA device: ... use the emulated fabric").
+        RdmaUnavailable: no device at all (message starts "no RDMA device: ... use the emulated fabric"; its
+            ``device`` is None), or a device of ``names`` is not there (``device`` names it).
         RdmaError: a device fails to open or answer (names the device and port).
     """
     e = enums_of(api)
@@ -250,13 +254,13 @@ def discover(api: SimpleNamespace, names: Optional[Sequence[str]] = None, max_gi
         devs = [d.name.decode() if isinstance(d.name, bytes) else d.name for d in api.get_device_list()]
     except api.PyverbsError as ex:
         raise RdmaUnavailable(NO_DEVICE_HINT.format(why=f"listing devices failed ({ex})")) from None
+    if not devs:
+        raise RdmaUnavailable(NO_DEVICE_HINT.format(why="the device list is empty"))
     if names is not None:
         missing = [n for n in names if n not in devs]
         if missing:
-            raise RdmaUnavailable(NO_DEVICE_HINT.format(why=f"{missing} not among {devs}"), device=missing[0])
+            raise RdmaUnavailable(f"no such RDMA device: {missing} not among {devs}", device=missing[0])
         devs = list(names)
-    if not devs:
-        raise RdmaUnavailable(NO_DEVICE_HINT.format(why="the device list is empty"))
     out = []
     for name in devs:
         ctx = _call(api, "open device", lambda: api.Context(name=name), device=name)
@@ -269,7 +273,8 @@ def discover(api: SimpleNamespace, names: Optional[Sequence[str]] = None, max_gi
                 ll = "InfiniBand" if pa.link_layer == e.IBV_LINK_LAYER_INFINIBAND else "Ethernet"
                 port = PortInfo(name, p, pa.state == e.IBV_PORT_ACTIVE, ll,
                                 speed_gbps(pa.active_speed, pa.active_width), int(pa.active_mtu), int(pa.lid))
-                for i in range(min(int(pa.gid_tbl_len), max_gids)):
+                n_gids = int(pa.gid_tbl_len)
+                for i in range(n_gids if max_gids is None else min(n_gids, max_gids)):
                     try:
                         g = str(ctx.query_gid(p, i).gid)
                         t = ctx.query_gid_type(p, i) if ll == "Ethernet" else -1

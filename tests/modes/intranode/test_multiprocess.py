@@ -175,10 +175,10 @@ def test_rank_that_never_builds_leaves_nothing_pending(tmp_path, subgroup):
 
 
 def test_rank_rejecting_its_arguments_tells_the_peers_at_once():
+    """Rank 1's bad num_nvl_bytes travels in the set-up exchange: both ranks raise its ValueError at once."""
     out = _values(run_ranks(mp_cases.rejects_its_arguments, 2))
-    assert out[1][0] == "ValueError" and "num_nvl_bytes" in out[1][2], out
-    assert out[0][0] == "EPRemoteError" and "rank 1 rejected its Buffer arguments" in out[0][2], out
-    assert "num_nvl_bytes" in out[0][2] and out[0][1] < 10, out
+    for kind, seconds, msg in out:
+        assert kind == "ValueError" and msg.startswith("rank 1: num_nvl_bytes") and seconds < 10, out
 
 
 def test_rank_failing_mid_call_never_yields_wrong_data():

@@ -1,0 +1,93 @@
+"""Seconds from a rank's death to the error on every other rank of its host, per mode (issue 46, item 3).
+
+For each mode, ``--ranks`` rank processes (gloo; CPU under the Triton interpreter, or ``--device cuda``) build a
+Buffer with ``--timeout-s``, make one correct call of the mode's kind and meet at a barrier; then rank 1 notes the
+wall-clock time and kills itself (SIGKILL) at the mode's point while every other rank makes the call. Each
+survivor notes the wall-clock time its error is raised. Modes (tests/dead_peer_cases.py): ``notify`` (the victim
+never calls the dispatch: the others wait in the count exchange), ``dispatch`` (it dies in its send, after the
+count exchange), ``worst`` (a dispatch with num_worst_tokens: the others wait on the host), ``combine``,
+``ll_dispatch`` (a low-latency dispatch, after the victim's send), ``ll_combine``. Target: 2 s; before the liveness
+watcher a survivor waited out ``timeout_s``.
+
+    ./run.sh python benchmarks/bench_dead_peer.py [--ranks 3] [--timeout-s 60] [--modes dispatch,combine]
+        [--device cpu] [--out DIR]
+
+About 2 minutes on two CPU cores at the defaults (the rank processes' set-up; each error itself comes in well under a
+second). Output: a table on stdout; ``dead_peer.json`` in ``--out`` only when it is given.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from _common import ROOT, check_out, print_table, say, write_json
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import torch  # noqa: E402
+
+import dead_peer_cases as cases  # noqa: E402
+from triton_ep import testing  # noqa: E402
+
+TARGET_S = 2.0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=3, help="rank processes (default 3; rank 1 dies)")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="the Buffer's timeout_s (default 60)")
+    p.add_argument("--modes", default=",".join(cases.MODES), help=f"comma-separated, of {', '.join(cases.MODES)}")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the buffers live (default cpu)")
+    p.add_argument("--out", default=None, help="folder for dead_peer.json (default: none, stdout only)")
+    a = p.parse_args(argv)
+    if a.ranks < 2:
+        p.error(f"--ranks must be at least 2 (a victim and a survivor), got {a.ranks}")
+    if not 0 < a.timeout_s <= 1e9:
+        p.error(f"--timeout-s must be in (0, 1e9], got {a.timeout_s}")
+    a.modes = a.modes.split(",")
+    bad = [m for m in a.modes if m not in cases.MODES]
+    if bad:
+        p.error(f"--modes: unknown {bad}; the modes are {', '.join(cases.MODES)}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU")
+    if a.out is not None:
+        check_out(p, a.out)
+    return a
+
+
+def one_mode(mode: str, ranks: int, timeout_s: float, device: str) -> dict:
+    """Run ``mode`` once: the survivors' error types and their seconds from the kill to the error."""
+    with tempfile.TemporaryDirectory(prefix="triton_ep_dead_peer_") as stamp:
+        out = testing.run_ranks(cases.killed_mid_call, ranks, mode, timeout_s, 1, device, stamp,
+                                timeout_s=timeout_s + 240)
+        with open(os.path.join(stamp, "killed")) as f:
+            killed = float(f.read())
+    row = {"mode": mode, "errors": [], "seconds": []}
+    for r, o in enumerate(out):
+        if r == 1:
+            continue
+        if isinstance(o, testing.RankFailure):
+            raise RuntimeError(f"{mode}: survivor rank {r} failed: {o.message}\n{o.traceback}")
+        row["errors"].append(o[0])
+        row["seconds"].append(o[5] - killed)
+    return row
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    if a.device == "cpu":
+        testing.start_forkserver(["dead_peer_cases"])       # (the ranks start as forks: no import each)
+    say(f"{a.ranks} ranks on {a.device}, timeout_s {a.timeout_s:g}; rank 1 dies (SIGKILL); target {TARGET_S:g} s")
+    rows = [one_mode(m, a.ranks, a.timeout_s, a.device) for m in a.modes]
+    print_table(["mode", "survivors' errors", "kill to error, s (min / max)", f"within {TARGET_S:g} s"],
+                [[r["mode"], ", ".join(sorted(set(r["errors"]))),
+                  f"{min(r['seconds']):.2f} / {max(r['seconds']):.2f}",
+                  "yes" if max(r["seconds"]) <= TARGET_S else "no"] for r in rows])
+    if a.out is not None:
+        write_json(os.path.join(a.out, "dead_peer.json"),
+                   {"ranks": a.ranks, "timeout_s": a.timeout_s, "device": a.device, "target_s": TARGET_S, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Rank bodies of tests/runtime/test_dead_peer.py: one rank's process dies (SIGKILL) in the middle of a call of
+one host, the others time their error."""
+import os
+import signal
+import time
+import unittest.mock
+
+import torch
+
+import triton_ep
+
+#: where the victim dies: "notify" (it never calls the dispatch: its peers wait in the count exchange), "dispatch"
+#: (after the count exchange, in its send launch), "worst" (it never calls a dispatch with num_worst_tokens: its peers
+#: wait on the host for its call card), "combine" (it never calls the combine), "ll_dispatch" (a low-latency dispatch,
+#: in its receive launch: after its send), "ll_combine" (it never calls the low-latency combine)
+MODES = ("notify", "dispatch", "worst", "combine", "ll_dispatch", "ll_combine")
+
+
+def _die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=None):
+    """Every rank builds a Buffer and runs one correct call of ``mode``'s kind; after a barrier rank ``victim``
+    dies at the point ``mode`` names (:data:`MODES`) while the others make the call. Returns, on a survivor,
+    ``[error type, message, seconds from the call's start to the error, the next call's error type, its
+    seconds, the wall-clock time (time.time()) of the error]``. With ``stamp`` (a folder) the victim writes the
+    wall-clock time at which it kills itself into ``stamp/killed`` (benchmarks/bench_dead_peer.py)."""
+    import torch.distributed as dist
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    ll = mode.startswith("ll_")
+    E, H, K, T, N = 2 * world, 128, 2, 4, 8
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(device)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
+    w = torch.rand(T, K, generator=g).to(device)
+    if ll:
+        hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+        buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world, device=device,
+                               timeout_s=timeout_s)
+    else:
+        buf = triton_ep.Buffer(None, 1 << 20, device=device, timeout_s=timeout_s)
+    try:
+        if ll:
+            rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+            buf.low_latency_combine(rx, idx, w, handle)
+            call = ((lambda: buf.low_latency_combine(rx, idx, w, handle)) if mode == "ll_combine" else
+                    (lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)))
+        else:
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=idx, topk_weights=w)
+            rx, _, rw, _, handle, _ = buf.dispatch(x, **kw)
+            buf.combine(rx, handle, topk_weights=rw)
+            call = ((lambda: buf.combine(rx, handle, topk_weights=rw)) if mode == "combine" else
+                    (lambda: buf.dispatch(x, num_worst_tokens=T * world, **kw)) if mode == "worst" else
+                    (lambda: buf.dispatch(x, **kw)))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        if rank == victim:
+            if stamp is not None:
+                with open(os.path.join(stamp, "killed"), "w") as f:
+                    f.write(repr(time.time()))
+            if mode in ("dispatch", "ll_dispatch"):
+                with unittest.mock.patch("triton_ep.kernels.dispatch_send", _die), \
+                        unittest.mock.patch("triton_ep.modes.intranode.dispatch_fused", _die), \
+                        unittest.mock.patch("triton_ep.modes.low_latency.ll_dispatch_recv", _die), \
+                        unittest.mock.patch("triton_ep.modes.low_latency.ll_dispatch_fused", _die):
+                    call()
+                    buf.check()
+            _die()
+        out = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                call()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                buf.check()
+                out += ["no error", "", time.monotonic() - t0, time.time()]
+            except Exception as ex:     # noqa: BLE001 - reported
+                out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
+        return out[:3] + [out[4], out[6], out[3]]
+    finally:
+        buf.destroy()
+
+
+def silent_peer(rank, world, how, timeout_s):
+    """Rank 1 lives on but never makes the dispatch: ``how`` "stuck" (it holds its Buffer) or "destroyed" (it
+    destroyed its Buffer first). Rank 0 dispatches; returns there ``[error type, message, seconds]``."""
+    import torch.distributed as dist
+    E, H, T = 2 * world, 64, 3
+    idx = torch.arange(T * 2).reshape(T, 2) % E
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=timeout_s)
+    try:
+        if rank == 1:
+            if how == "destroyed":
+                buf.destroy()
+            time.sleep(timeout_s + 3)
+            return None
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(torch.ones(T, H, dtype=torch.bfloat16), num_tokens_per_rank=per_rank,
+                         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+            return ["no error", "", time.monotonic() - t0]
+        except Exception as ex:     # noqa: BLE001 - reported
+            return [type(ex).__name__, str(ex), time.monotonic() - t0]
+    finally:
+        buf.destroy()
+        dist.barrier()
