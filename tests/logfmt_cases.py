@@ -7,7 +7,7 @@ import time
 import torch
 
 import triton_ep
-from ll_cases import check_dispatch, expert_fn, ll_inputs
+from ll_cases import _expected_after_fp8, _stand_in_expert, check_dispatch, expert_fn, ll_inputs
 from triton_ep import reference
 from triton_ep.kernels import flags as F
 from triton_ep.kernels.fp8 import quantize_reference
@@ -143,8 +143,7 @@ def round_trip(rank, world, forms, E=4, K=3, H=256, Ts=(6, 5), N=8, device="cpu"
     ``{"bytes": [(logfmt, bf16) per combine across hosts], "row_bytes": (logfmt, bf16)}``."""
     xs, idxs, ws = ll_inputs(seed, world, E, K, H, list(Ts))
     R, me, El = world, rank, E // world
-    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
-    buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=El, timeout_s=60)
+    buf = _buffer(R, N, H, E, device)
     lay = buf._ll.layout(N, H, E)
     seen = {"bytes": [], "row_bytes": (4 * lay.logfmt_row_words, 2 * H)}
     x, idx, w = xs[me].to(device), idxs[me].to(device), ws[me].to(device)
@@ -164,6 +163,7 @@ def round_trip(rank, world, forms, E=4, K=3, H=256, Ts=(6, 5), N=8, device="cpu"
             want = expected_combine(xin, idxs[me], ws[me], E, R, "affine")
             plain = expected_combine(xin, idxs[me], ws[me], E, R, "affine", logfmt=False)
             for form in forms:
+                assert (form == "one") == buf._ll._one_launch(idx.shape[0]) or form == "hook", form
                 got = {}
                 for logfmt in (True, False):
                     before = _ll_bytes(buf) if across_hosts else 0
@@ -203,6 +203,52 @@ def round_trip(rank, world, forms, E=4, K=3, H=256, Ts=(6, 5), N=8, device="cpu"
         buf.destroy()
 
 
+def _buffer(R, N, H, E, device, timeout_s=60):
+    """A low-latency Buffer sized by the hint, on ``device`` (``"cuda"``: GPU 0, every rank on it)."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    return triton_ep.Buffer(None, 0, triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
+                            num_qps_per_rank=E // R, timeout_s=timeout_s, device=device)
+
+
+def gpu_graph(rank, world, use_fp8, replays, E, K, H, T, N):
+    """On GPU 0: FP8 or bf16 dispatch, the affine stand-in expert and a LogFMT combine captured in one CUDA graph
+    (after an eager warm-up), replayed with fresh routing and data; every replay's output is the oracle's bit for
+    bit. Returns the replays checked."""
+    R, me, El = world, rank, E // world
+    buf = _buffer(R, N, H, E, "cuda")
+    try:
+        xs, idxs, ws = ll_inputs(1000, R, E, K, H, [T] * R)
+        x_s, idx_s, w_s = xs[me].cuda(), idxs[me].cuda(), ws[me].cuda()
+
+        def step():
+            out, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, N, E, use_fp8=use_fp8, round_scale=use_fp8)
+            rx, sc = (out[0], out[1]) if use_fp8 else (out, None)
+            return buf.low_latency_combine(_stand_in_expert(rx, sc, El, me, use_fp8), idx_s, w_s, handle,
+                                           use_logfmt=True)[0]
+
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        torch.cuda.synchronize()
+        for i in range(replays):
+            xs, idxs, ws = ll_inputs(2000 + i, R, E, K, H, [T] * R)
+            x_s.copy_(xs[me])
+            idx_s.copy_(idxs[me])
+            w_s.copy_(ws[me])
+            g.replay()
+            torch.cuda.synchronize()
+            buf.check()
+            want = expected_combine(_expected_after_fp8(xs[me], use_fp8), idxs[me], ws[me], E, R, "affine")
+            assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"replay {i}"
+        return replays
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+
+
 def _cpu(v):
     return tuple(_cpu(e) for e in v) if isinstance(v, tuple) else v.cpu() if isinstance(v, torch.Tensor) else v
 
@@ -218,8 +264,7 @@ def disagree(rank, world, N=8, H=128, E=4, K=2):
     """Rank 1 combines with LogFMT, rank 0 without: both raise ``ValueError`` naming ``use_logfmt``; the next
     call works. Returns the messages."""
     xs, idxs, ws = ll_inputs(4, world, E, K, H, [5] * world)
-    buf = triton_ep.Buffer(None, 0, triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E),
-                           low_latency_mode=True, num_qps_per_rank=E // world, timeout_s=30)
+    buf = _buffer(world, N, H, E, "cpu", timeout_s=30)
     try:
         out, _, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
         msg = None
@@ -245,8 +290,7 @@ def deepep_accuracy(rank, world, E, K, H, T, device="cpu", fused=None):
         os.environ["TRITON_EP_FUSED"] = fused
     xs, idx, w = deepep_inputs(rank, world, E, K, H, T)
     N = T
-    buf = triton_ep.Buffer(None, 0, triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E),
-                           low_latency_mode=True, num_qps_per_rank=E // world, timeout_s=60)
+    buf = _buffer(world, N, H, E, device)
     diffs = []
     try:
         for x in xs:

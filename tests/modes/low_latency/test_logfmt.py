@@ -169,8 +169,11 @@ def test_gpu_deepeps_bound_at_hidden_7168(fused):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", ["1", "0"])
 def test_gpu_round_trip_and_records(fused):
-    ok_results(run_ranks(LC.across_hosts, 2, {"TRITON_EP_FUSED": fused}, "round_trip", ["split", "hook"], 8, 4, 1024,
-                         (24, 17), 32, "cuda", backend="gloo"))
+    """On the GPU as on CPU (one launch with ``TRITON_EP_FUSED=1``, split with 0, and a hook): the oracle's results
+    bit for bit, the reference's records in the area."""
+    forms = ["one" if fused == "1" else "split", "hook"]
+    ok_results(run_ranks(LC.across_hosts, 2, {"TRITON_EP_FUSED": fused}, "round_trip", forms, 8, 4, 1024, (24, 17), 32,
+                         "cuda", backend="gloo"))
 
 
 @pytest.mark.gpu
@@ -178,3 +181,12 @@ def test_gpu_across_hosts_bytes():
     for r in ok_results(run_ranks(LC.across_hosts, 2, _HOSTS, "round_trip", ["split", "hook"], 8, 4, 1024, (24, 17),
                                   32, "cuda", True, backend="gloo")):
         assert all(got == want for _, got, want in r["bytes"]), r["bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_gpu_graph_capture_of_a_logfmt_combine(use_fp8):
+    """Dispatch, the stand-in expert and a LogFMT combine in one CUDA graph (the split launches), 20 replays of fresh
+    routing and data, each the oracle's bit for bit."""
+    out = ok_results(run_ranks(LC.gpu_graph, 2, use_fp8, 20, 16, 4, 512, 24, 32, backend="gloo"))
+    assert out == [20, 20], out
