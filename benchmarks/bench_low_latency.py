@@ -25,6 +25,12 @@ posts, credits: the emulator's Python over the emulated fabric, pyverbs calls on
 in it); ``proxy_cpu_us_per_call``: the proxy thread's CPU time in those sweeps, without its waits for the GIL, and
 ``proxy_own_cpu_us_per_call`` the part of it outside transport calls: the scheduler's own Python in CPU time),
 the bytes per port and their spread (max / min - 1) and the bytes per QP. The call timings there are functional.
+``--logfmt`` adds ``combine_logfmt`` (``low_latency_combine(use_logfmt=True)`` of the same rows, timed as
+``combine``) and ``graph_logfmt`` (FP8 dispatch + LogFMT combine per graph replay), and a line comparing it with the
+bf16 combine: bytes a returned row takes in the receiver's area (``logfmt_row_bytes`` against ``2 * hidden``;
+DeepEP's LogFMT-10 size ``hidden * 10 / 8 + hidden / 128 * 4`` beside it), the selections (rows) each rank
+returns, and the bandwidth DeepEP's way (those bytes over the combine's time); with ``--hosts``, also the bytes the
+network leg posted per combine of each kind (``get_rdma_stats()``, over ``--net-calls`` combines).
 ``--arrival-words`` (with ``--hosts``) sets ``TRITON_EP_LL_ARRIVAL_WORDS=1``: each chunk is signalled by an arrival
 word the receiving kernel polls instead of a WRITE_WITH_IMM the receiving proxy turns into the tail
 (``network.arrival_words`` says which ran).
@@ -71,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--net-calls", type=int, default=20, help="with --hosts: dispatch + combine pairs counted")
     p.add_argument("--arrival-words", action="store_true",
                    help="with --hosts: signal chunks by arrival words the receive polls (TRITON_EP_LL_ARRIVAL_WORDS=1)")
+    p.add_argument("--logfmt", action="store_true",
+                   help="also time the combine with use_logfmt=True against the bf16 one (bytes per row and time)")
     C.add_out_arg(p, "low_latency.json")
     return p.parse_args(argv)
 
@@ -241,11 +249,44 @@ def one_run(a, device, rank: int, R: int) -> dict:
 
         out["a2a_dispatch"], _ = time_call(a2a_dispatch, a.iters, a.warmup, device)
         out["a2a_combine"], _ = time_call(a2a_combine, a.iters, a.warmup, device)
+    if a.logfmt:
+        out.update(_logfmt(a, buf, dispatch, combine, recv_bf16, idx, w, handle, device))
     if a.hosts > 1:
         out["network"] = _network(buf, dispatch, combine, a.net_calls)
     buf.check()
     buf.destroy()
     return out
+
+
+def _logfmt(a, buf, dispatch, combine, rows, idx, w, handle, device) -> dict:
+    """``--logfmt``: the LogFMT combine of the same rows timed as ``combine`` (and in a graph after an FP8 dispatch),
+    the bytes a row takes (area stride, DeepEP's LogFMT-10 size, bf16), the selections this rank returns, and with
+    ``--hosts`` the network leg's bytes per combine of each kind."""
+    H = a.hidden
+
+    def combine_logfmt():
+        return buf.low_latency_combine(rows, idx, w, handle, use_logfmt=True)
+
+    res = {}
+    res["combine_logfmt"], res["combine_logfmt_host"] = time_call(combine_logfmt, a.iters, a.warmup, device)
+    if device.type == "cuda":
+        graph = _captured(lambda: (dispatch(), combine_logfmt()), device)
+        res["graph_logfmt"] = _graph_us(graph, device)
+        del graph
+    lay = buf._ll.layout(a.tokens, H, a.experts)
+    res["logfmt_row_bytes"] = 4 * lay.logfmt_row_words
+    res["selections"] = int((handle[1] & 0xFFFFFFFF).sum())      # rows this rank returns (its received rows)
+    if a.hosts > 1:
+        def posted(fn) -> float:
+            b0 = sum(q["bytes"] for q in buf.get_rdma_stats()["low_latency"]["qps"].values())
+            for _ in range(a.net_calls):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            return (sum(q["bytes"] for q in buf.get_rdma_stats()["low_latency"]["qps"].values()) - b0) / a.net_calls
+        res["net_bytes_bf16"], res["net_bytes_logfmt"] = posted(combine), posted(combine_logfmt)
+    return res
 
 
 def _network(buf, dispatch, combine, calls: int) -> dict:
@@ -329,6 +370,20 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
               f"{net['proxy_cpu_us_per_call']:.0f}, of which {net['proxy_own_cpu_us_per_call']:.0f} own) over "
               f"{net['proxy_busy_sweeps_per_call']:.1f} sweeps that moved something, {net['proxy_us_per_wr']:.1f} µs a work request, port "
               f"spread {C.sig(net['port_spread'])}; bytes per port {net['port_bytes']}")
+    if "combine_logfmt" in row:
+        H = a.hidden
+        deepep = H * 10 // 8 + H // 128 * 4
+        sel = row["selections"]
+        net = (f"; network leg per combine (slowest rank): {row['net_bytes_logfmt']:.0f} bytes LogFMT against "
+               f"{row['net_bytes_bf16']:.0f} bf16" if "net_bytes_logfmt" in row else "")
+        graphs = (f"; graph replay of FP8 dispatch + combine {C.sig(row.get('graph_logfmt'))} µs LogFMT against "
+                  f"{C.sig(row.get('graph'))} bf16" if row.get("graph_logfmt") is not None else "")
+        C.say(f"[bench_low_latency] LogFMT combine: {row['logfmt_row_bytes']} bytes a selection in the area (DeepEP's "
+              f"LogFMT-10: {deepep}) against {2 * H} bf16; up to {sel} selections a rank; combine "
+              f"{C.sig(row['combine_logfmt'])} µs LogFMT ({C.sig(C.gbps(sel * deepep, row['combine_logfmt'] / 1e3))} "
+              f"GB/s DeepEP's way) against {C.sig(row['combine'])} µs bf16 "
+              f"({C.sig(C.gbps(sel * 2 * H, row['combine'] / 1e3))} GB/s); host µs {row['combine_logfmt_host']:.0f} "
+              f"against {row['combine_host']:.0f}{graphs}{net}")
     if kernels:
         C.say("[bench_low_latency] rank 0's kernels per graph replay of dispatch + combine (torch.profiler):")
         C.print_table(["kernel", "launches", "GPU us"], [[k, f"{n:g}", f"{us:.1f}"] for k, (n, us) in kernels.items()])

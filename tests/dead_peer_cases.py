@@ -14,6 +14,7 @@ import triton_ep
 #: wait on the host for its call card), "combine" (it never calls the combine), "ll_dispatch" (a low-latency dispatch,
 #: in its receive launch: after its send), "ll_combine" (it never calls the low-latency combine)
 MODES = ("notify", "dispatch", "worst", "combine", "ll_dispatch", "ll_combine")
+#: and "ll_shrink": it never calls a low-latency dispatch of a Buffer with enable_shrink (its peers mask it)
 
 
 def _die(*args, **kwargs):
@@ -38,7 +39,7 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=No
     if ll:
         hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
         buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world, device=device,
-                               timeout_s=timeout_s)
+                               timeout_s=timeout_s, enable_shrink=mode == "ll_shrink")
     else:
         buf = triton_ep.Buffer(None, 1 << 20, device=device, timeout_s=timeout_s)
     try:
@@ -79,7 +80,10 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=No
                 if device == "cuda":
                     torch.cuda.synchronize()
                 buf.check()
-                out += ["no error", "", time.monotonic() - t0, time.time()]
+                mask = torch.zeros(world, dtype=torch.int32, device=device)
+                if mode == "ll_shrink":
+                    buf.low_latency_query_mask_buffer(mask)
+                out += ["no error", str(mask.tolist()), time.monotonic() - t0, time.time()]
             except Exception as ex:     # noqa: BLE001 - reported
                 out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
         return out[:3] + [out[4], out[6], out[3]]

@@ -755,3 +755,53 @@ def ambient_defaults(rank, world, env, mode, default_device, default_dtype, devi
         assert a.dtype == b.dtype and a.shape == b.shape, (i, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"output {i} differs"
     return len(got)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Disagreements across hosts (docs/design.md, "Error model"): tests/modes/internode/test_ambient_and_errors.py
+
+def disagreement(rank, world, env, kind):
+    """2 hosts of 2 ranks on the host path. ``kind`` names the call and the rank that differs: ``"dispatch_hidden"``
+    (rank 3's x is 32 wide, the others' 64: its RDMA peer finds it), ``"combine_hidden"`` (rank 3 combines rows
+    32 wide: its host's forwarding leg finds it), ``"dispatch_hidden_in_host"`` (rank 1 and rank 3
+    pass 32: each RDMA pair agrees, each host's forwarding leg finds it), ``"dispatch_topk"`` (rank 2
+    passes 3 ids a token), ``"combine_weights"`` (rank 0 passes no topk_weights to combine),
+    ``"cached_hidden"`` (rank 1's cached dispatch is 32 wide). Returns the failing call's ``[type, message]``
+    (or None), and whether a correct dispatch + combine works afterwards."""
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        T, H, E = 6, 64, 8
+        odd = {"dispatch_hidden": 3, "combine_hidden": 3, "dispatch_topk": 2, "combine_weights": 0,
+               "cached_hidden": 1}.get(kind, -1)
+        wide = 32 if (rank == odd and kind.endswith("hidden")) or (kind == "dispatch_hidden_in_host" and rank % 2) \
+            else H
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+        w = torch.rand(T, 2, generator=g)
+        pr, ph, pe, ir, _ = buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=pr, num_tokens_per_rdma_rank=ph, is_token_in_rank=ir, num_tokens_per_expert=pe)
+        first = None
+        try:
+            if kind.startswith("dispatch"):
+                bad_idx = torch.cat([idx, torch.full((T, 1), -1)], 1) if rank == odd and kind == "dispatch_topk" \
+                    else idx
+                bad_w = torch.cat([w, torch.zeros(T, 1)], 1) if bad_idx is not idx else w
+                buf.dispatch(torch.randn(T, wide).to(torch.bfloat16), topk_idx=bad_idx, topk_weights=bad_w, **kw)
+            else:
+                rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
+                if kind == "combine_hidden":
+                    buf.combine(torch.zeros(rx.shape[0], wide, dtype=torch.bfloat16), h, topk_weights=rw)
+                elif kind == "combine_weights":
+                    buf.combine(rx, h, topk_weights=None if rank == odd else rw)
+                else:
+                    buf.dispatch(torch.randn(T, wide).to(torch.bfloat16), handle=h)
+        except Exception as ex:   # noqa: BLE001 - the test compares the errors
+            first = _error(ex)
+        rx, _, _, _, h, _ = buf.dispatch(x, topk_idx=idx, **kw)
+        y, _, _ = buf.combine(rx, h)
+        expect = (x.float() * ir.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        return first, bool(torch.equal(y, expect))
+    finally:
+        buf.destroy()

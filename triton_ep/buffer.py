@@ -315,7 +315,9 @@ class Buffer:
                 ``recv_count`` are ignored).
             topk_idx, topk_weights: the dispatch's ``[T, K]`` ids and fp32 weights.
             handle: the matching ``low_latency_dispatch``'s handle.
-            use_logfmt: not implemented (``NotImplementedError``).
+            use_logfmt: the rows travel as DeepEP's LogFMT-10 (``H * 10 / 8 + H / 128 * 4`` bytes a row, against
+                ``2 * H``), decoded to fp32 before the same sum: lossy, within DeepEP's accuracy bound
+                (docs/low_latency.md); not with ``zero_copy`` (``ValueError``, as DeepEP).
             zero_copy: the expert outputs were written into ``get_next_low_latency_combine_buffer(handle)``
                 beforehand; what that buffer holds is combined, and ``x`` (any tensor of the right shape and
                 dtype, e.g. the one copied from) is not read (DeepEP's contract).

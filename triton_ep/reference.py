@@ -12,6 +12,7 @@ here is meant to be read. The semantics are DeepEP's (``deep_ep.Buffer.get_dispa
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -152,3 +153,137 @@ def combine(recv_xs: Sequence[Tensor], dispatched: Sequence[dict], num_tokens: S
             acc += b.cpu().float()
         results.append((acc.to(torch.bfloat16), wacc))
     return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LogFMT-10: the encoding of a low-latency combine with use_logfmt=True (DeepEP's LogFMT-10 size; docs/low_latency.md)
+#
+# Blocks of magnitude under 1 are coded by the log of their magnitudes as DeepEP codes them; DeepEP sends the
+# others as bf16 (their group of 512 or 1024 channels), which would not fit a record of this size: here they are
+# coded linearly against their largest magnitude (10 bits a channel too).
+#
+# A row of H bf16 channels (H % 128 == 0) becomes H / 128 scale words, then 40 words per block of 128 channels:
+# the low bytes of the 9-bit codes (4 a word, channel c at bits 8 (c % 4) of word c // 4), their ninth bits and
+# their signs (channel c at bit c % 32 of word c // 32 of each 4-word plane). Every step below is one fp32
+# operation rounded to nearest (no fused multiply-add), so any implementation that makes the same steps gets the
+# same bits.
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+_LOGFMT_LOG2 = torch.tensor([math.log2(1 + m / 128) for m in range(128)], dtype=torch.float64).to(torch.float32)
+_LOGFMT_STEP = _f32(1 / 510)
+_LOGFMT_ROUND = _f32(math.log(2) / 8)
+_LOGFMT_EXP2 = [_f32(math.log(2) ** k / math.factorial(k)) for k in range(8)]
+
+
+def _logfmt_log2(m: Tensor) -> Tensor:
+    """fp32 log2 of bf16 magnitudes given by their bits ``m`` (int32, normal, finite): exponent + table."""
+    return ((m >> 7) - 127).to(torch.float32) + _LOGFMT_LOG2[(m & 127).long()]
+
+
+def _logfmt_scale(amax: Tensor, amin: Tensor) -> Tuple[Tensor, Tensor]:
+    """A block's ``(lmin, s)``: ``lmax = log2(amax)``, ``lmin = max(log2(amin), lmax - 32)`` (``lmax - 32``
+    where ``amin`` is 0), ``s = (lmax - lmin) / 510`` (times fp32(1/510))."""
+    lmax = _logfmt_log2(amax.clamp_min(0x80))
+    lmin = torch.maximum(_logfmt_log2(amin.clamp_min(0x80)), lmax - 32.0)
+    lmin = torch.where(amin == 0, lmax - 32.0, lmin)
+    return lmin, (lmax - lmin) * _LOGFMT_STEP
+
+
+def _logfmt_log_mode(amax: Tensor, amin: Tensor) -> Tensor:
+    """Blocks coded by the log of their magnitudes: ``amax < 1`` and ``amin < amax`` (DeepEP's LogFMT condition,
+    ``log2(amax) < 0`` and ``lmin < lmax``); the others are coded linearly."""
+    return (amax < 0x3F80) & (amin < amax)
+
+
+def logfmt_encode(x: Tensor) -> Tensor:
+    """LogFMT-10 records of the rows ``x`` (bf16 ``[M, H]``, ``H % 128 == 0``): int32 ``[M, 41 * H / 128]``.
+
+    Per block of 128 channels: magnitudes of exponent 0 count as 0; the scale word holds the bf16 bits of the
+    largest magnitude ``amax`` (low half) and the smallest ``amin`` (high half). A block with ``amax < 1`` and
+    ``amin < amax`` (:func:`_logfmt_log_mode`) codes a channel, with ``(lmin, s)`` of :func:`_logfmt_scale`, as
+    ``min(floor(max((log2|x| - lmin) * (1 / s) + r, 0)), 511)``, ``r = 1.5 - s * ln2 / 8``; any other block as
+    ``min(floor(|x| * (511 / amax) + 0.5), 511)`` (divisions correctly rounded); a zero channel as 0. The sign
+    bit is the bf16 sign bit."""
+    M, H = x.shape
+    nb = H // 128
+    bits = (x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF).view(M, nb, 128)
+    mag = bits & 0x7FFF
+    mag = torch.where(mag < 0x80, torch.zeros_like(mag), mag)
+    amax, amin = mag.amax(-1), mag.amin(-1)
+    lmin, s = _logfmt_scale(amax, amin)
+    inv = torch.where(s > 0, torch.div(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s))),
+                      torch.zeros_like(s))
+    r = 1.5 - s * _LOGFMT_ROUND
+    u = (_logfmt_log2(mag.clamp_min(0x80)) - lmin[..., None]) * inv[..., None] + r[..., None]
+    lcode = u.clamp_min(0.0).floor().clamp_max(511.0)
+    finite = (amax > 0) & (amax < 0x7F80)
+    af = torch.where(finite, (amax << 16).view(torch.float32), torch.ones_like(s))
+    linv = torch.where(finite, torch.div(torch.full_like(af, 511.0), af), torch.zeros_like(af))
+    xf = torch.where(mag < 0x7F80, (mag << 16).view(torch.float32), torch.zeros_like(u))
+    ncode = (xf * linv[..., None] + 0.5).floor().clamp_max(511.0)
+    code = torch.where(_logfmt_log_mode(amax, amin)[..., None], lcode, ncode).to(torch.int32)
+    code = torch.where(mag == 0, torch.zeros_like(code), code)
+
+    def pack(v: Tensor, per_word: int, width: int) -> Tensor:     # [M, nb, 128] -> [M, nb, 128 / per_word]
+        shifts = torch.arange(per_word, dtype=torch.int64) * width
+        return ((v.long().view(M, nb, 128 // per_word, per_word) << shifts).sum(-1) & 0xFFFFFFFF)
+
+    planes = torch.cat([pack(code & 255, 4, 8), pack(code >> 8, 32, 1), pack(bits >> 15, 32, 1)], dim=-1)
+    planes = torch.where(planes >= 2 ** 31, planes - 2 ** 32, planes).to(torch.int32)
+    meta = (amax | (amin << 16)).to(torch.int32)
+    return torch.cat([meta, planes.view(M, nb * 40)], dim=1)
+
+
+def _logfmt_exp2(y: Tensor) -> Tensor:
+    """``2 ** y`` (fp32): ``2 ** f``, ``f = y - floor(y + 0.5)``, by the Horner form of its degree-7 Taylor
+    polynomial, times ``2 ** a * 2 ** b`` (``a = floor(n / 2)``, ``b = n - a``); 0 where ``y < -126``."""
+    n = (y + 0.5).floor()
+    f = y - n
+    c = _LOGFMT_EXP2
+    p = f * c[7]
+    for k in (6, 5, 4, 3, 2, 1):
+        p = (p + c[k]) * f
+    p = p + 1.0
+    ni = n.to(torch.int32)
+    a = torch.div(ni, 2, rounding_mode="floor")
+    b = ni - a
+    v = (p * ((a + 127) << 23).view(torch.float32)) * ((b + 127) << 23).view(torch.float32)
+    return torch.where(y < -126.0, torch.zeros_like(v), v)
+
+
+def logfmt_decode(records: Tensor, hidden: int) -> Tensor:
+    """The fp32 values ``[M, hidden]`` of LogFMT-10 records (int32 ``[M, >= 41 * hidden / 128]``,
+    :func:`logfmt_encode`'s): code 0 is 0, code 511 the block's ``amax``, code ``c`` otherwise
+    ``2 ** ((c - 1) * s + lmin)`` (0 below ``2 ** -126``) in a log-coded block, ``c * (amax / 511)`` in a
+    linear one; negated where the sign bit is set; NaN in every channel of a block whose ``amax`` is not
+    finite."""
+    M = records.shape[0]
+    nb = hidden // 128
+    rec = records[:, :41 * nb].long() & 0xFFFFFFFF
+    meta = rec[:, :nb]
+    amax, amin = (meta & 0xFFFF).to(torch.int32), ((meta >> 16) & 0xFFFF).to(torch.int32)
+    lmin, s = _logfmt_scale(amax, amin)
+    planes = rec[:, nb:].view(M, nb, 40)
+    ch = torch.arange(128)
+    code = (planes[:, :, ch // 4] >> (ch % 4 * 8)) & 255
+    code = (code | (((planes[:, :, 32 + ch // 32] >> (ch % 32)) & 1) << 8)).to(torch.int32)
+    neg = ((planes[:, :, 36 + ch // 32] >> (ch % 32)) & 1) != 0
+    top = (amax << 16).view(torch.float32)
+    vlog = _logfmt_exp2((code - 1).to(torch.float32) * s[..., None] + lmin[..., None])
+    vlin = code.to(torch.float32) * torch.div(top, torch.full_like(top, 511.0))[..., None]
+    v = torch.where(_logfmt_log_mode(amax, amin)[..., None], vlog, vlin)
+    v = torch.where(code == 511, top[..., None].expand_as(v), v)
+    v = torch.where(code == 0, torch.zeros_like(v), v)
+    v = torch.where(neg, -v, v)
+    v = torch.where((amax >= 0x7F80)[..., None], torch.full_like(v, float("nan")), v)
+    return v.reshape(M, hidden)
+
+
+def logfmt_round_trip(x: Tensor) -> Tensor:
+    """fp32 ``[M, H]``: the values a low-latency combine with ``use_logfmt=True`` reduces for the rows ``x``
+    (bf16 ``[M, H]``): ``logfmt_decode(logfmt_encode(x))``. The combine then sums ``w[t, k] * value`` in fp32 in
+    ascending ``k`` (one multiply, then one add) and rounds once to bf16, as without LogFMT."""
+    return logfmt_decode(logfmt_encode(x), x.shape[1])

@@ -45,6 +45,18 @@ def test_a_killed_peer_is_a_remote_error_within_seconds(mode):
 
 
 @pytest.mark.multiprocess
+def test_a_killed_peer_is_masked_with_enable_shrink():
+    """With enable_shrink a low-latency dispatch masks the dead rank (as a timed-out one) well within timeout_s, and
+    goes on without it; the next call too."""
+    out = run_ranks(cases.killed_mid_call, 3, "ll_shrink", TIMEOUT_S, 1, timeout_s=240)
+    assert isinstance(out[1], RankFailure) and "ProcessDied" in str(out[1]), out[1]
+    for r in (0, 2):
+        kind, mask, dt, kind2, dt2 = out[r][:5]
+        assert (kind, mask, kind2) == ("no error", "[0, 1, 0]", "no error"), out[r]
+        assert dt < BOUND_S and dt2 < BOUND_S, out[r]
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["stuck", "destroyed"])
 def test_a_live_silent_peer_still_times_out(how):
     """A peer that lives but never calls (holding its Buffer, or having destroyed it: its lock released on purpose
@@ -104,3 +116,21 @@ def test_gpu_a_killed_peer_is_a_remote_error_within_seconds(mode):
     world = 3 if torch.cuda.device_count() >= 3 else 2
     out = run_ranks(cases.killed_mid_call, world, mode, TIMEOUT_S, 1, "cuda", timeout_s=300)
     _check_survivors(out, mode)
+
+
+def test_bench_dead_peer_refuses_bad_arguments(tmp_path, capsys):
+    """benchmarks/bench_dead_peer.py checks its arguments before it starts any rank (argparse errors, exit 2)."""
+    bench_dir = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        import bench_dead_peer as bench
+    finally:
+        sys.path.remove(bench_dir)
+    (tmp_path / "file").write_text("")
+    for argv, says in ((["--ranks", "1"], "--ranks"), (["--modes", "dispatch,nope"], "nope"),
+                       (["--timeout-s", "0"], "--timeout-s"), (["--out", str(tmp_path / "file")], "--out")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
+    a = bench.parse_args(["--modes", "combine,ll_dispatch"])
+    assert a.modes == ["combine", "ll_dispatch"] and a.out is None

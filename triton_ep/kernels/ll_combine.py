@@ -2,7 +2,8 @@
 
 Combine is a low-latency call of its own (call ``n``, half ``n & 1`` of every rank's area; see
 :mod:`.ll_dispatch`). In the source rank's half, after the counts, slot ``t * K + k`` holds the bf16 row
-(``H`` values) returned for token ``t``'s entry ``k`` (the first entry of the token naming that expert).
+(``H`` values) returned for token ``t``'s entry ``k`` (the first entry of the token naming that expert); with
+``use_logfmt`` the row's LogFMT-10 record instead (:mod:`.logfmt`), ``lay.logfmt_row_words`` words a slot.
 
 1. :func:`ll_combine_send` (expert side): waits until every peer has received the call that last used
    the half, then writes each valid received row ``x[e, j]`` (``j < recv_count[e]``) into its source
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import names
-from . import flags, ll_net, pdl
+from . import flags, ll_net, logfmt, pdl
 from ._util import cdiv, pow2, tuning
 from .launch import Launcher, bound
 from .combine import _bf16_rtne_bits
@@ -30,14 +31,16 @@ from .ll_dispatch import recv_call, wait_recv, wait_send
 
 @triton.jit
 def combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, hb, experts_per_rank, n, go,
-                      ring_dw, slot_w, remote, p0, P0, p1, P1, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr,
-                      R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_W: tl.constexpr):
+                      ring_dw, slot_w, remote, ltab, p0, P0, p1, P1, NET: tl.constexpr, RW: tl.constexpr,
+                      BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_W: tl.constexpr, LOGFMT: tl.constexpr, LW: tl.constexpr):
     """The send of combine call ``n`` (its half's rows at word ``hb``) by program ``(p0, p1)`` of ``(P0, P1)``:
     local experts ``p0``, ``p0 + P0``, ... and, of each, the row blocks ``p1``, ``p1 + P1``, ...; each valid row
-    goes to its source's slot. Moves nothing unless ``go``."""
+    goes to its source's slot. Moves nothing unless ``go``. With ``LOGFMT`` each row goes as its LogFMT-10 record
+    (:mod:`.logfmt`, ``ltab`` its log2 table) in slots of ``LW`` words, else as its bf16 words."""
     RN = R * n_max
     WX: tl.constexpr = H // 2
+    SW: tl.constexpr = LW if LOGFMT else WX
     for le in range(p0, experts_per_rank, P0):
         total = tl.where(go, tl.load(count + le), 0)
         for j0 in range(p1 * BLOCK_R, total, P1 * BLOCK_R):
@@ -47,7 +50,7 @@ def combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_m
             m = m & (ret >= 0)
             s = tl.where(m, ret // (n_max * K), 0)
             m = m & (tl.load(ctl + flags.off_ll_mask(R) + s, mask=m, other=1) == 0)
-            dst = tl.load(delta_w + s, mask=m, other=0) + hb + (ret - s * (n_max * K)) * WX
+            dst = tl.load(delta_w + s, mask=m, other=0) + hb + (ret - s * (n_max * K)) * SW
             if NET:
                 # a source on the network gets its rows packed in its chunk, in the order of the records it
                 # sent: after the rows of this rank's experts below le, then by index among s's rows of le
@@ -59,20 +62,28 @@ def combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_m
                 far = m & (tl.load(remote + s, mask=m, other=0) != 0)
                 tl.store(area_w + at, (ret - s * (n_max * K)).to(tl.int32), mask=far)
                 dst = tl.where(far, at + 4, dst)
-            for w0 in range(0, WX, BLOCK_W):
-                ow = w0 + tl.arange(0, BLOCK_W)
-                mw = m[:, None] & (ow < WX)[None, :]
-                tl.store(area_w + dst[:, None] + ow[None, :],
-                         tl.load(xw_ptr + (le * RN + j)[:, None] * WX + ow[None, :], mask=mw), mask=mw)
+            if LOGFMT:      # block by block of 128 channels: the bf16 bits in, the record's words out
+                xh = xw_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+                oc = tl.arange(0, logfmt.BLOCK)
+                for b in range(0, H // logfmt.BLOCK):
+                    bits = tl.load(xh + (le * RN + j)[:, None] * H + b * logfmt.BLOCK + oc[None, :], mask=m[:, None],
+                                   other=0).to(tl.int32) & 0xFFFF
+                    logfmt.store_block(area_w, dst, b, m, bits, ltab, H // logfmt.BLOCK, BLOCK_R)
+            else:
+                for w0 in range(0, WX, BLOCK_W):
+                    ow = w0 + tl.arange(0, BLOCK_W)
+                    mw = m[:, None] & (ow < WX)[None, :]
+                    tl.store(area_w + dst[:, None] + ow[None, :],
+                             tl.load(xw_ptr + (le * RN + j)[:, None] * WX + ow[None, :], mask=mw), mask=mw)
 
 
 @names.jit('low_latency', 'combine', do_not_specialize=['sig', 'me', 'timeout_ns', 'ring_dw'])
 def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w, half_w, cnt_w,
                             experts_per_rank, hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, ring_dw, slot_w,
-                            remote, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
-                            K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
+                            remote, ltab, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr,
+                            R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
                             USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, DEFER: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, LOGFMT: tl.constexpr, LW: tl.constexpr):
     pdl.pdl_start()
     xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -83,9 +94,9 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                    NET, SHRINK, USE_CLOCK)
     # Program (p, q) takes local experts p, p + P0, ... and of each the row blocks q, q + P1, ...
     combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w + half * half_w + cnt_w,
-                      experts_per_rank, n, go, ring_dw, slot_w, remote,
+                      experts_per_rank, n, go, ring_dw, slot_w, remote, ltab,
                       tl.program_id(0), tl.num_programs(0), tl.program_id(1), tl.num_programs(1), NET, RW, BLOCK_C, R,
-                      K, H, BLOCK_R, BLOCK_W)
+                      K, H, BLOCK_R, BLOCK_W, LOGFMT, LW)
     if NET:     # each network peer's chunk: the rows this rank received from it
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, layout, R,
                            1, experts_per_rank, RW, 0, R, BLOCK_C, USE_ASM)
@@ -96,14 +107,18 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
         flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
 
 
-_ll_combine_send_launch = Launcher(_ll_combine_send_kernel, **pdl.options())
+# no fused multiply-add: the LogFMT encoding rounds every step as the reference does
+_ll_combine_send_launch = Launcher(_ll_combine_send_kernel, enable_fp_fusion=False, **pdl.options())
 
 
 @triton.jit
-def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb, p0, P0, p1, P1,
-                R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb, ltab, p0, P0, p1, P1,
+                R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                LOGFMT: tl.constexpr, LW: tl.constexpr):
     """The reduce of the rows at element ``hb`` of the area (bf16) into ``out`` by program ``(p0, p1)`` of ``(P0,
-    P1)``: token blocks ``p0``, ``p0 + P0``, ... and, of each, the hidden blocks ``p1``, ``p1 + P1``, ..."""
+    P1)``: token blocks ``p0``, ``p0 + P0``, ... and, of each, the hidden blocks ``p1``, ``p1 + P1``, ... With
+    ``LOGFMT`` the rows are LogFMT-10 records of ``LW`` words (``BLOCK_H`` is then 128, one block of the record;
+    ``ltab``: :func:`.logfmt.log2_table`), decoded to fp32 before the same weighted sum."""
     for pid in range(p0, tl.cdiv(T, BLOCK_T), P0):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
@@ -122,8 +137,13 @@ def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_pe
                     if k2 < k:
                         e2 = tl.load(idx_ptr + t * K + k2, mask=mt, other=-1).to(tl.int64)
                         first = tl.where((first == k) & (e2 == e), k2, first)
-                xv = tl.load(area_h + hb + (t * K + first)[:, None] * H + oh[None, :], mask=ok[:, None],
-                             other=0.0).to(tl.float32)
+                if LOGFMT:
+                    aw = area_h.to(tl.pointer_type(tl.int32), bitcast=True)
+                    xv = logfmt.load_block(aw, hb // 2 + (t * K + first) * LW, h0 // logfmt.BLOCK, ok, ltab,
+                                           H // logfmt.BLOCK, BLOCK_T)
+                else:
+                    xv = tl.load(area_h + hb + (t * K + first)[:, None] * H + oh[None, :], mask=ok[:, None],
+                                 other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + t * K + k, mask=ok, other=0.0)
                 acc = acc + tl.where(ok[:, None], xv * w[:, None], 0.0)
             tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mt[:, None])
@@ -131,10 +151,11 @@ def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_pe
 
 @names.jit('low_latency', 'combine', do_not_specialize=['T', 'offset', 'sig', 'me', 'timeout_ns'])
 def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T, offset, num_experts,
-                              experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns,
+                              experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns, ltab,
                               R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
                               SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
-                              DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                              DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOGFMT: tl.constexpr,
+                              LW: tl.constexpr):
     pdl.pdl_start()
     area_h = area_h.to(tl.pointer_type(tl.bfloat16), bitcast=True)     # (the area's rows, out as bf16 bits)
     out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
@@ -145,8 +166,8 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                    flags.STAGE_LL_COMBINE_RECV, R, SHRINK, USE_CLOCK, COST)
     # Program (p, q) takes token blocks p, p + P0, ... and of each the hidden blocks q, q + P1, ...
     reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, tl.where(go, T, 0), num_experts, experts_per_rank,
-                (ctl_w + half * half_w + cnt_w) * 2, tl.program_id(0), tl.num_programs(0), tl.program_id(1),
-                tl.num_programs(1), R, K, H, BLOCK_T, BLOCK_H)
+                (ctl_w + half * half_w + cnt_w) * 2, ltab, tl.program_id(0), tl.num_programs(0), tl.program_id(1),
+                tl.num_programs(1), R, K, H, BLOCK_T, BLOCK_H, LOGFMT, LW)
     # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 
@@ -157,63 +178,77 @@ _ll_combine_reduce_launch = Launcher(_ll_combine_reduce_kernel, enable_fp_fusion
 
 def ll_combine_send(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, layout_range: torch.Tensor,
                     num_topk: int, area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int,
-                    shrink: bool, signals: dict, net=None, defer: bool = False) -> None:
+                    shrink: bool, signals: dict, net=None, defer: bool = False, use_logfmt: bool = False) -> None:
     """Return rows ``x`` bf16 ``[E_local, R*N, H]`` (the first ``count[e]`` of each expert) to their source
     ranks' slots. ``ret_slot`` int32 ``[E_local, R*N]``: ``src * N * K + t * K + k`` or ``-1``;
     ``layout_range`` int64 ``[E_local, R]`` (the dispatch handle's); ``net``: the network leg (sources on
     other hosts get their rows in a chunk of the send ring, :mod:`.ll_net`), or None; ``defer``: no end-of-launch
     count, the call's :func:`ll_combine_reduce` (with ``defer``) comes next in the stream and publishes it (a call
-    without a receive hook; not with ``net``)."""
+    without a receive hook; not with ``net``); ``use_logfmt``: each row goes as its LogFMT-10 record
+    (:mod:`.logfmt`; slots of ``lay.logfmt_row_words``, network rows of ``lay.net_logfmt_row_words``)."""
     El, RN, H = x.shape
     tune = tuning("ll_combine_send")
     key = (El, H, lay, num_topk, shrink, net is not None, signals["use_clock"], signals.get("max_programs"),
-           bool(defer), tuple(tune.items()))
+           bool(defer), bool(use_logfmt), tuple(tune.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], signals, tune))
     launch(x, ret_slot, count, layout_range, area, delta_words, ctl, lay.n_max, lay.ctl_words,
            lay.half_words, lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"],
-           sig, signals["me"], signals["timeout_ns"], *ll_net.kernel_args(net, ctl))
+           sig, signals["me"], signals["timeout_ns"], *ll_net.kernel_args(net, ctl),
+           logfmt.table_arg(use_logfmt, ctl))
 
 
 _SEND_BOUND: dict = {}
 
 
-def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, defer, signals, tune):
+def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, defer, use_logfmt, signals, tune):
     if defer and has_net:
         raise ValueError("a deferred low-latency send (no receive hook) is for calls within one host")
     return _ll_combine_send_launch.bind(
         _grid2(El, tune["programs_per_expert"], signals), num_warps=tune["num_warps"], NET=has_net,
-        RW=lay.net_row_words, BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink,
-        USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer, BLOCK_R=tune["block_r"],
-        BLOCK_W=pow2(min(H // 2, tune["block_w"])))
+        RW=lay.net_logfmt_row_words if use_logfmt else lay.net_row_words, BLOCK_C=pow2(lay.experts_per_rank),
+        R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer,
+        BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(H // 2, tune["block_w"])), LOGFMT=use_logfmt,
+        LW=lay.logfmt_row_words)
 
 
 def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                       out: torch.Tensor, cost: Optional[torch.Tensor], offset: int, lay, sig: int, shrink: bool,
-                      signals: dict, defer: bool = False) -> None:
+                      signals: dict, defer: bool = False, use_logfmt: bool = False) -> None:
     """Reduce the rows returned for call ``SEQ - offset`` into ``out`` bf16 ``[T, H]`` with ``topk_weights``
     fp32 ``[T, K]`` (``topk_idx`` int32/int64 ``[T, K]``); wait ns per peer are added to ``cost`` (int64). With
     ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
-    this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`)."""
+    this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`). ``use_logfmt``: the rows
+    are LogFMT-10 records (:func:`ll_combine_send` with ``use_logfmt``)."""
     T, K = topk_idx.shape
     H = out.shape[1]
     tune = tuning("ll_reduce")
     key = (T, K, H, lay, cost is not None, shrink, signals["use_clock"], signals.get("max_programs"), bool(defer),
-           tuple(tune.items()))
+           bool(use_logfmt), tuple(tune.items()))
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], signals, tune))
     launch(area, ctl, topk_idx, topk_weights, out,
            cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
            lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
-           signals["timeout_ns"])
+           signals["timeout_ns"], logfmt.table_arg(use_logfmt, ctl))
 
 
 _REDUCE_BOUND: dict = {}
 
 
-def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, defer, signals, tune):
-    bt = tune["block_t"]
+def reduce_block_h(H: int, tune: dict, use_logfmt: bool) -> int:
+    """The reduce's hidden block: a power of two dividing ``H``, at most the tuning entry's ``block_h``; with
+    ``use_logfmt`` one LogFMT block (128 channels)."""
+    if use_logfmt:
+        return logfmt.LOGFMT_BLOCK
     bh = min(pow2(H), tune["block_h"])
     while H % bh:
         bh //= 2
+    return bh
+
+
+def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, defer, use_logfmt, signals, tune):
+    bt = tune["block_t"]
+    bh = reduce_block_h(H, tune, use_logfmt)
     return _ll_combine_reduce_launch.bind(
         _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], R=lay.num_ranks, K=K, H=H,
-        COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer, BLOCK_T=bt, BLOCK_H=bh)
+        COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer, BLOCK_T=bt, BLOCK_H=bh,
+        LOGFMT=use_logfmt, LW=lay.logfmt_row_words)

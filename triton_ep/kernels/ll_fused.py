@@ -35,7 +35,8 @@ from ..protocol import records
 from ._util import cdiv, interpreted, pow2, tuning
 from .dispatch import fused_programs, row_words
 from .launch import Launcher, bound, resident_per_sm
-from .ll_combine import combine_send_part, reduce_part
+from . import logfmt
+from .ll_combine import combine_send_part, reduce_block_h, reduce_part
 from .ll_dispatch import recv_part, route_part, send_part, typed_area, wait_recv, wait_send
 
 
@@ -211,11 +212,12 @@ def _bind_dispatch(T, H, K, lay, use_fp8, round_scale, use_ue8m0, native_fp8, sh
 @names.jit('low_latency', 'combine', do_not_specialize=['T', 'sig', 'me', 'timeout_ns'])
 def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, delta_w, ctl, idx_ptr, w_ptr, out_ptr,
                              cost_ptr, T, num_experts, experts_per_rank, n_max, ctl_w, half_w, cnt_w,
-                             hdr, hdr_delta, host, sig, me, timeout_ns,
+                             hdr, hdr_delta, host, sig, me, timeout_ns, ltab,
                              R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              SEND_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-                             REDUCE_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                             REDUCE_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                             LOGFMT: tl.constexpr, LW: tl.constexpr):
     pdl.pdl_start()
     xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -231,7 +233,7 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
                    SHRINK, USE_CLOCK)
     s0, S0, s1, S1 = _as_grid2(p, P, SEND_S, experts_per_rank)
     combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, hb, experts_per_rank, n, go, 0,
-                      0, ctl, s0, S0, s1, S1, False, 1, 1, R, K, H, BLOCK_R, BLOCK_W)
+                      0, ctl, ltab, s0, S0, s1, S1, False, 1, 1, R, K, H, BLOCK_R, BLOCK_W, LOGFMT, LW)
     flags.ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
     go = flags.ll_wait_own(ctl, hdr, hdr_delta, host, ctl + flags.off_ll_ready(R) + half * R + me, n, me,
                            flags.STAGE_LL_COMBINE_RECV, n, timeout_ns, R, USE_CLOCK)
@@ -239,8 +241,8 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
                         flags.STAGE_LL_COMBINE_RECV, R, SHRINK, USE_CLOCK, COST)
     T = tl.where(go, T, 0)
     r0, R0, r1, R1 = _as_grid2(p, P, REDUCE_S, tl.cdiv(T, BLOCK_T))
-    reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb * 2, r0, R0, r1, R1, R, K, H,
-                BLOCK_T, BLOCK_H)
+    reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb * 2, ltab, r0, R0, r1, R1, R,
+                K, H, BLOCK_T, BLOCK_H, LOGFMT, LW)
     # Program 0 records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 
@@ -252,22 +254,23 @@ _ll_combine_fused_launch = Launcher(_ll_combine_fused_kernel, enable_fp_fusion=F
 def ll_combine_fused(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, layout_range: torch.Tensor,
                      topk_idx: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, cost: Optional[torch.Tensor],
                      area: torch.Tensor, delta_words: torch.Tensor, ctl: torch.Tensor, lay, sig: int, shrink: bool,
-                     signals: dict) -> tuple:
+                     signals: dict, use_logfmt: bool = False) -> tuple:
     """A low-latency combine within one host as one launch: :func:`.ll_combine.ll_combine_send` (with its
     end-of-launch count), then :func:`.ll_combine.ll_combine_reduce` of the same call; same arguments and results
     (``x`` bf16 ``[E_local, R*N, H]``; ``ret_slot`` int32 ``[E_local, R*N]``; ``count`` int32 ``[E_local]``;
     ``layout_range`` int64 ``[E_local, R]``; ``topk_idx`` int32/int64 ``[T, K]``; ``topk_weights`` fp32 ``[T, K]``;
-    ``out`` bf16 ``[T, H]``; ``cost`` int64 ``[R]`` or None). Returns the bound launch and its arguments (for
+    ``out`` bf16 ``[T, H]``; ``cost`` int64 ``[R]`` or None; ``use_logfmt``: rows travel as LogFMT-10 records, as
+    the split launches' with ``use_logfmt``). Returns the bound launch and its arguments (for
     :meth:`triton_ep.kernels.launch.BoundLaunch.replay`)."""
     El, _, H = x.shape
     T, K = topk_idx.shape
     ts, tr, tf = tuning("ll_combine_send"), tuning("ll_reduce"), tuning("ll_fused")
-    key = (T, K, H, lay, shrink, cost is not None, signals["use_clock"], signals.get("max_programs"),
+    key = (T, K, H, lay, shrink, cost is not None, signals["use_clock"], signals.get("max_programs"), bool(use_logfmt),
            tuple(ts.items()), tuple(tr.items()), tuple(tf.items()), _variant(x, topk_idx, topk_weights, out, cost))
     args = (x, ret_slot, count, layout_range, area, area, delta_words, ctl, topk_idx, topk_weights, out,
             cost if cost is not None else ctl, T, lay.num_experts, lay.experts_per_rank, lay.n_max, lay.ctl_words,
             lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
-            signals["timeout_ns"])
+            signals["timeout_ns"], logfmt.table_arg(use_logfmt, ctl))
     launch = bound(_COMBINE_BOUND, key, lambda: _bind_combine(*key[:-4], signals, ts, tr, tf, args))
     launch(*args)
     return launch, args
@@ -276,17 +279,15 @@ def ll_combine_fused(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tenso
 _COMBINE_BOUND: dict = {}
 
 
-def _bind_combine(T, K, H, lay, shrink, has_cost, use_clock, _cap, signals, ts, tr, tf, args):
+def _bind_combine(T, K, H, lay, shrink, has_cost, use_clock, _cap, use_logfmt, signals, ts, tr, tf, args):
     bt = tr["block_t"]
-    bh = min(pow2(H), tr["block_h"])
-    while H % bh:
-        bh //= 2
+    bh = reduce_block_h(H, tr, use_logfmt)
     send_s = _slices(ts["programs_per_expert"], signals)
     reduce_s = _slices(H // bh, signals)
     items = max(lay.experts_per_rank * send_s, cdiv(T, bt) * reduce_s, send_s, reduce_s)    # (at least S programs)
     meta = dict(R=lay.num_ranks, K=K, H=H, COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock,
                 SEND_S=send_s, BLOCK_R=ts["block_r"], BLOCK_W=pow2(min(H // 2, ts["block_w"])), REDUCE_S=reduce_s,
-                BLOCK_T=bt, BLOCK_H=bh)
+                BLOCK_T=bt, BLOCK_H=bh, LOGFMT=use_logfmt, LW=lay.logfmt_row_words)
     nw = ts["num_warps"]
     return _ll_combine_fused_launch.bind(_grid(_ll_combine_fused_launch, items, nw, meta, signals, tf, args),
                                          num_warps=nw, **meta)

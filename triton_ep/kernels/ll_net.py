@@ -10,7 +10,8 @@ error or to unmask ranks, restarts the call numbers; :mod:`triton_ep.modes.inter
 - dispatch: the counts (int32 ``[E/R]``, padded to 4) of the receiver's local experts, then the records
   (as in the area, :mod:`.ll_dispatch`), packed by expert: the rows for the receiver's expert ``e`` follow
   those for its experts below ``e``, each expert's in slot order;
-- combine: the rows returned to the source, each ``[t * K + k, 3 pad words, bf16 row]``, in the order of
+- combine: the rows returned to the source, each ``[t * K + k, 3 pad words, bf16 row]`` (with ``use_logfmt``
+  the row's LogFMT-10 record instead, :mod:`.logfmt`), in the order of
   the records the source sent (so the packing needs no search).
 
 The send launches (:mod:`.ll_dispatch`, :mod:`.ll_combine`) write the chunk straight into the send slot
@@ -251,7 +252,7 @@ _ll_unpack_launch = Launcher(_ll_unpack_kernel)
 
 
 def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, combine: bool, use_fp8: bool,
-              shrink: bool, signals: dict, cost: Optional[torch.Tensor] = None) -> None:
+              shrink: bool, signals: dict, cost: Optional[torch.Tensor] = None, use_logfmt: bool = False) -> None:
     """Unpack the chunks of call ``SEQ - offset`` from every rank on the network into this rank's half
     (``combine``: returned rows at their slots ``t * K + k``; else the dispatch's counts and records).
 
@@ -261,9 +262,10 @@ def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, comb
     :class:`~triton_ep.protocol.ll_area.Layout`; ``net.arrival_words``: wait for each chunk's arrival word instead of
     the tail; ``shrink``: a peer that times out is masked; ``cost``: int64
     ``[R]``, the call's wait-cost statistics: the nanoseconds spent waiting for each network peer's chunk are
-    added to its entry (0 under the interpreter, which has no clock), as the receive adds its own waits."""
+    added to its entry (0 under the interpreter, which has no clock), as the receive adds its own waits;
+    ``use_logfmt``: a combine's rows are LogFMT-10 records (``lay.net_logfmt_row_words`` a row)."""
     R = lay.num_ranks
-    rw = lay.net_row_words
+    rw = lay.net_logfmt_row_words if use_logfmt else lay.net_row_words
     rec = lay.record_words(use_fp8)
     _ll_unpack_launch[_grid2(R, 4, signals)](
         area, ctl, net.ring_ctl, net.recv_dw, net.slot_w, net.remote, offset, lay.n_max, lay.ctl_words, lay.half_words,

@@ -47,6 +47,7 @@ from ..transport.bootstrap import gather_objects
 from .. import kernels
 from ..kernels import net
 from ..kernels._util import cdiv, interpreted
+from ..protocol import call_card
 from ..protocol.records import NET_META_BYTES, NetRecord
 from ..protocol.signal_header import STAGE_CAPACITY
 from ..transport.signals import stall_watchdog
@@ -60,6 +61,19 @@ _SKIP = object()            # the handle of a local call a rank takes only to fa
 DEFAULT_QPS_PER_PEER, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES = 4, 8, 1 << 16
 #: environment variables that override them (every rank must set the same values)
 ENV_QPS, ENV_SLOTS, ENV_CHUNK = "TRITON_EP_RDMA_QPS_PER_PEER", "TRITON_EP_RDMA_SLOTS", "TRITON_EP_RDMA_CHUNK_BYTES"
+#: the host path's header (int64 words): status code, record count, culprit | the record layout's key (6) | this
+#: rank's call card (the operation's code and up to 7 values) | a disagreement (status MISMATCH)
+_KEY_WORDS, _CARD_WORDS = 6, 8
+HEADER_WORDS = 3 + _KEY_WORDS + _CARD_WORDS + hosts_mod.Disagreement.WORDS
+#: header status codes: the call went on, this rank (or one it heard of) failed, found more rows than
+#: num_worst_tokens, or found ranks that disagree (the disagreement follows)
+_OK, _FAILED, _CAPACITY, _MISMATCH = 0, 1, 2, 3
+#: the forwarding leg's dispatches (of records) as disagreements name them (:data:`hosts.FORWARDED_DISPATCH`)
+_FORWARDED_CODES = {call_card.DISPATCH: hosts_mod.FORWARDED_DISPATCH,
+                    call_card.DISPATCH_WORST: hosts_mod.FORWARDED_DISPATCH,
+                    call_card.CACHED_DISPATCH: hosts_mod.FORWARDED_CACHED}
+#: the record layout's key words, as errors name them
+_KEY_FIELDS = ("row bytes", "scale bytes", "top-k", "weights", "ranks per host", "experts without top-k")
 
 
 def network_shape(env: Mapping[str, str] = os.environ) -> Tuple[int, int, int]:
@@ -124,6 +138,9 @@ class _Streams:
     #: a dispatch without topk_idx: num_tokens_per_expert (int32 [E]); each host's slice goes to the RDMA peer
     #: there, which forwards the sums (the forwarding leg's per-expert counts)
     npe: Optional[Tensor] = None
+    #: this rank's call as its RDMA peers compare it: ``(call-card code, value, ...)``
+    #: (:mod:`triton_ep.protocol.call_card`; ``()``: none to compare)
+    card: tuple = ()
 
     def count(self, host: int) -> int:
         return self.tokens[host].numel()
@@ -186,7 +203,7 @@ class InternodeHandle(tuple):
 @dataclasses.dataclass
 class _Plan:
     uid: str
-    seq: int
+    seq: int                        # the internode call number of the dispatch that made it
     num_tokens: int
     to_host: List[Tensor]           # per host: int64 indices of this rank's tokens sent there, ascending
     from_host: List[int]            # per host: rows this rank forwards for it
@@ -237,7 +254,10 @@ class Internode(CapturePath):
                                   device=rt.device)
         #: the same, flat (``hosts.rank_order``): the columns of is_token_in_rank host by host; None: in order
         self._order = None if hosts.rank_order == tuple(range(rt.group_size)) else self._cols.view(-1)
-        self._seq = 0
+        #: this Buffer's internode calls so far (equal on ranks in step, whether the calls succeeded or not):
+        #: names a dispatch's handle (its plan's ``seq``) and stamps the disagreements posted in the call cards
+        #: (:meth:`_skip_local`)
+        self._calls = 0
         #: seconds this rank's calls spent in the network leg (packing, waiting, unpacking), and its exchanges
         self.network_s, self.exchanges = 0.0, 0
         #: exchanges through host memory (headers, statuses, counts): the host path's; the capture path makes none
@@ -400,8 +420,9 @@ class Internode(CapturePath):
         ``streams.npe``) int32 ``[ranks per host * E / R]``: this host's experts' counts summed over the
         sources this rank forwards for.
         Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed; ``ValueError``
-        when the layouts differ (the ranks called with different arguments); the proxy's and the ring
-        kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
+        where ranks disagree (this rank and its RDMA peer called differently, or a peer passes on a disagreement
+        found elsewhere: :class:`~triton_ep.runtime.hosts.Disagreement`, naming the field and two ranks' values);
+        the proxy's and the ring kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
         """
         try:
             with self._network():
@@ -410,9 +431,9 @@ class Internode(CapturePath):
                     npe = None if streams.npe is None else self._expert_counts(streams.npe)
                     return self._move(streams, counts), counts, npe
             raise err
-        except BaseException:
+        except BaseException as ex:
             if skip is not None:
-                self._skip_local(skip)
+                self._skip_local(skip, ex)
             raise
 
     @contextlib.contextmanager
@@ -430,26 +451,70 @@ class Internode(CapturePath):
             self.network_s += time.perf_counter() - t0
             self.exchanges += 1
 
-    def _local_run(self, gen):
-        """Run an intranode call of this host's ranks; its errors number the host's ranks from 0, so they
-        are told which global ranks those are."""
+    def _local_run(self, gen, forwarded: bool = False):
+        """Run an intranode call of this host's ranks (``forwarded``: the forwarding leg's dispatch of records,
+        whose call-card fields are then named as the records', :data:`hosts.FORWARDED_DISPATCH`). Its errors
+        number the host's ranks from 0: they get global rank numbers. A disagreement the
+        host's ranks found, or one a rank of the host found with its RDMA peer and posted before it failed its
+        part of this call (:meth:`_skip_local`), is raised as a ``ValueError`` naming it (with
+        ``ex.disagreement``, which the header exchange passes on)."""
         try:
             return self.local_rt.run(gen)
         except (EPError, ValueError) as ex:     # (a disagreement of the host's ranks is a ValueError)
+            d = self._host_disagreement(forwarded)
+            if d is not None:
+                raise d.error(self.rt.rank) from ex
             self._annotate(ex)
             raise
 
+    def _host_disagreement(self, forwarded: bool = False) -> Optional[hosts_mod.Disagreement]:
+        """What this host's ranks disagree on in the running call: one they posted (:meth:`_skip_local`), else
+        the first difference between their call cards of this call (local rank 0's against the others', in
+        rank order: the same on every rank of the host), else ``None``."""
+        comm = self.local_rt.comm if self.local_rt is not None else None
+        if comm is None or comm.ctrl is None:
+            return None
+        ranks = self.hosts.ranks(self.host)
+        cards = [comm.card(i) for i in range(len(ranks))]
+        for c in cards:
+            d = hosts_mod.Disagreement.posted(c, self._calls)
+            if d is not None:
+                return d
+        base = cards[0]
+        for i in range(1, len(ranks)):
+            c = cards[i]
+            if int(c[0]) != int(base[0]):       # (not at the same call: a rank that failed before its card)
+                continue
+            vals = [[int(v) for v in card_[1:call_card.FAILED_WORD]] for card_ in (base, c)]
+            if forwarded:       # (the forwarding leg's dispatches move records: their fields say so)
+                vals = [[_FORWARDED_CODES.get(v[0], v[0])] + v[1:] for v in vals]
+            d = hosts_mod.Disagreement.of_cards(vals[0], vals[1], ranks[0], ranks[i])
+            if d is not None:
+                return d
+        return None
+
     def _annotate(self, ex: EPError) -> None:
-        """Add to an error of this host's intranode runtime which global ranks its local numbers are (and,
-        for a failure word, which global rank posted it: ``ex.culprit``, passed on in the status header)."""
+        """Give an error of this host's intranode runtime, which numbers the host's ranks from 0, global rank
+        numbers: in its message, its ``rank`` / ``peer`` / ``peers`` (``EPTimeoutError``) and, for a failure
+        word, ``ex.culprit`` (the global rank that posted it, passed on in the status header). Once per error."""
+        if getattr(ex, "_ep_global", False):
+            return
+        ex._ep_global = True
         ranks = list(self.hosts.ranks(self.host))
+
+        def glob(r):
+            return ranks[r] if isinstance(r, int) and 0 <= r < len(ranks) else r
         failed = getattr(ex, "failed_rank", None)
         if failed is not None and 0 <= failed < len(ranks) and not hasattr(ex, "culprit"):
             ex.culprit = ranks[failed]
+        for name in ("rank", "peer"):
+            if isinstance(getattr(ex, name, None), int):
+                setattr(ex, name, glob(getattr(ex, name)))
+        if isinstance(getattr(ex, "peers", None), list):
+            ex.peers = [glob(r) for r in ex.peers]
         if ex.args and isinstance(ex.args[0], str):
-            ex.args = (f"{ex.args[0]} [internode: in the forwarding leg of host {self.host}, ranks are numbered "
-                       f"within the host: 0..{len(ranks) - 1} are global ranks {ranks}; this is global rank "
-                       f"{self.rt.rank}]",) + ex.args[1:]
+            ex.args = (f"{hosts_mod.global_ranks(ex.args[0], ranks)} (in the forwarding leg of host {self.host}: "
+                       f"ranks {ranks})",) + ex.args[1:]
 
     def _leave_host(self, err: Optional[BaseException] = None) -> None:
         """The network leg failed for good (the scheduler's error is sticky): leave this host's group, so
@@ -460,14 +525,19 @@ class Internode(CapturePath):
             stage = STAGE_CAPACITY if isinstance(err, EPCapacityError) else int(kernels.flags.STAGE_FAILED)
             self.local_rt.sig.leave(stage)
 
-    def _skip_local(self, kind: str) -> None:
+    def _skip_local(self, kind: str, err: Optional[BaseException] = None) -> None:
         """This rank leaves the running call before its host's intranode leg (``kind``: ``"dispatch"``,
         ``"cached"`` or ``"combine"``): it still takes that call's steps and fails at their argument check,
         as a rank of one host that rejects its arguments does, so the ranks of its host that wait for it stop
         at once (its failure word: they raise ``EPRemoteError``) and every rank's call counters stay in step.
-        What that local call raises is dropped: the caller raises this rank's own error."""
+        What that local call raises is dropped: the caller raises this rank's own error ``err``. Where ``err`` is
+        a disagreement (``err.disagreement``), it is first posted in this rank's call card, so the host's ranks
+        raise it too (:meth:`_local_run`), not ``EPRemoteError``."""
         if self.local_rt is None or self.local_rt.comm is None:
             return
+        d = getattr(err, "disagreement", None)
+        if d is not None and self.local_rt.comm.ctrl is not None:
+            d.post(self.local_rt.comm.card(self.local_index), self._calls)
         steps = {"dispatch": lambda: self.local.dispatch_steps(None),
                  "cached": lambda: self.local.dispatch_steps(None, handle=_SKIP),
                  "combine": lambda: self.local.combine_steps(None, _SKIP)}[kind]
@@ -492,23 +562,33 @@ class Internode(CapturePath):
         self.sync_host_path()
         self.host_exchanges += 1
         peers = self.peer_hosts
-        key = (0,) * 6 if streams is None else \
+        key = (0,) * _KEY_WORDS if streams is None else \
             streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
-        code = 0 if err is None else (2 if isinstance(err, EPCapacityError) else 1)
+        mine = tuple(streams.card) if streams is not None and err is None else ()
+        told = getattr(err, "disagreement", None)
+        code = _OK if err is None else (_CAPACITY if isinstance(err, EPCapacityError) else
+                                        _MISMATCH if told is not None else _FAILED)
         # the rank whose own error started a failure (-1: unknown, e.g. heard in a host's forwarding leg)
         culprit = -1 if err is None else getattr(err, "culprit", -1 if isinstance(err, EPError) else self.rt.rank)
-        head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), culprit, *key],
+        tail = [*key, *mine, *[0] * (_CARD_WORDS - len(mine)),
+                *(told.words() if told is not None else [0] * hosts_mod.Disagreement.WORDS)]
+        head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), culprit, *tail],
                             np.int64).view(np.uint8) for h in peers}
-        got = sched_mod.host_alltoall(self.sched, head, {h: 72 for h in peers})
+        got = sched_mod.host_alltoall(self.sched, head, {h: 8 * HEADER_WORDS for h in peers})
         words = {h: got[h].view(np.int64) for h in peers}
         for h in peers:     # a capture-path stream read as a header: the ranks took different paths
-            if err is None and not (0 <= words[h][0] <= 2 and words[h][1] >= 0
+            if err is None and not (_OK <= words[h][0] <= _MISMATCH and words[h][1] >= 0
                                     and -1 <= words[h][2] < self.rt.group_size):
                 raise ValueError(f"rank {self.rt.rank}: rank {self._peer_rank(h)} (host {h}) sent no header this "
                                  f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
                                  f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
         if err is not None:
             return [0] * self.num_hosts
+        for h in peers:     # a disagreement found anywhere is this call's error on every rank
+            d = hosts_mod.Disagreement.of_words(words[h][-hosts_mod.Disagreement.WORDS:]) \
+                if words[h][0] == _MISMATCH else None
+            if d is not None:
+                raise d.error(self.rt.rank)
         for h in peers:
             if words[h][0]:
                 peer, first = self._peer_rank(h), int(words[h][2])
@@ -523,13 +603,19 @@ class Internode(CapturePath):
                                        f"this rank stopped too")
                 ex.culprit = first if first >= 0 else peer
                 raise ex
-        for h in peers:
-            if streams is not None and tuple(int(w) for w in words[h][3:]) != key:
-                raise ValueError(
-                    f"rank {self.rt.rank}: rank {self._peer_rank(h)} on host {h} sends records of another layout "
-                    f"(row bytes, scale bytes, top-k, weights, ranks per host, experts without top-k: "
-                    f"{tuple(int(w) for w in words[h][3:])} there, {key} here): the ranks called with different "
-                    f"arguments")
+        for h in peers:     # the RDMA peers compare their calls (the lower rank first, on both sides)
+            theirs = [int(w) for w in words[h][3 + _KEY_WORDS:3 + _KEY_WORDS + _CARD_WORDS]]
+            if mine and theirs[0]:
+                d = hosts_mod.Disagreement.of_cards(mine, theirs, self.rt.rank, self._peer_rank(h))
+                if d is not None:
+                    raise d.error(self.rt.rank)
+        for h in peers:     # (calls that agree give records of one layout: this names what still differs)
+            there = tuple(int(w) for w in words[h][3:3 + _KEY_WORDS])
+            if streams is not None and there != key:
+                diff = "; ".join(f"{n}: rank {self._peer_rank(h)} sends {a}, rank {self.rt.rank} sends {b}"
+                                 for n, a, b in zip(_KEY_FIELDS, there, key) if a != b)
+                raise ValueError(f"rank {self.rt.rank}: ranks disagree across hosts on the records of this call "
+                                 f"({diff}): the ranks called with different arguments")
         counts = [0] * self.num_hosts
         for h in peers:
             counts[h] = int(words[h][1])
@@ -672,6 +758,7 @@ class Internode(CapturePath):
             each host included), before anything moves; EPTimeoutError / ProxyError: a peer or the RDMA proxy
             did not answer within ``timeout_s``.
         """
+        self._calls += 1
         self._live()
         if self.capture_path(num_worst_tokens, handle):
             return self.dispatch_capture(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
@@ -692,7 +779,7 @@ class Internode(CapturePath):
         except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (their hosts' ranks then fail alike)
             err = e
             if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
-                self._skip_local(kind)
+                self._skip_local(kind, e)
         self._status(err)
         return result
 
@@ -702,7 +789,9 @@ class Internode(CapturePath):
         """Check a dispatch's arguments and pack its records for each host (nothing moves yet)."""
         if handle is not None:
             xv, sc, plan, rec, src = self._cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
-            streams = _Streams(rec, src, plan.to_host)
+            streams = _Streams(rec, src, plan.to_host, card=(
+                call_card.CACHED_DISPATCH, call_card.dtype_code(xv.dtype), xv.shape[1],
+                call_card.dtype_code(None if sc is None else sc.dtype), 0 if sc is None else sc.shape[1], plan.seq))
             return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=plan, local_started=False)
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         # the group-wide checks of intranode mode (R = every rank of every host)
@@ -730,7 +819,11 @@ class Internode(CapturePath):
         rec = self._record(xv, sc, K, 0 if w is None else K, self.per_host)
         streams = _Streams(rec, self._sources(rec, xv.shape[0], xv, sc, None if idx is None else idx.long(), w,
                                               in_rank), to_host,
-                           None if idx is not None else a.num_tokens_per_expert)
+                           None if idx is not None else a.num_tokens_per_expert, card=(
+                               call_card.DISPATCH_WORST if num_worst_tokens else call_card.DISPATCH,
+                               call_card.dtype_code(xv.dtype), xv.shape[1],
+                               call_card.dtype_code(None if sc is None else sc.dtype), 0 if sc is None else sc.shape[1],
+                               K, int(w is not None), E))
         return SimpleNamespace(xv=xv, sc=sc, rec=rec, streams=streams, plan=None, idx=idx, E=E, in_rank=in_rank,
                                to_host=to_host, local_started=False)
 
@@ -770,16 +863,15 @@ class Internode(CapturePath):
         prep.local_started = True
         out = self._local_run(self.local.dispatch_steps(
             xs_f, None, per_rank_f.to(dev), None, in_f.to(dev), npe_f.to(dev), ids_local, w_f,
-            expert_alignment, num_worst_tokens))
+            expert_alignment, num_worst_tokens), forwarded=True)
         recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
         x_ret, order, src_meta, recv_from = self._in_rank_order(recv_x_f, local_handle, xv)
         n_rows = order.shape[0]
-        self._seq += 1
         to_host, in_rank = prep.to_host, prep.in_rank
         if self._capture_mode:      # its cached dispatches and combines: no host wait, no host exchange
-            plan = CapturePlan.of_plain(self.rt.uid, self._seq, T, to_host, counts, local_handle, order)
+            plan = CapturePlan.of_plain(self.rt.uid, self._calls, T, to_host, counts, local_handle, order)
         else:
-            plan = _Plan(self.rt.uid, self._seq, T, to_host, counts, local_handle, order, n_rows)
+            plan = _Plan(self.rt.uid, self._calls, T, to_host, counts, local_handle, order, n_rows)
         head = torch.full((T, self.num_hosts), -1, dtype=torch.int32, device="cpu")
         for h in range(self.num_hosts):
             head[to_host[h].cpu(), h] = torch.arange(to_host[h].numel(), dtype=torch.int32, device="cpu")
@@ -810,7 +902,7 @@ class Internode(CapturePath):
         """A cached dispatch's forwarding leg: the intranode cached dispatch of ``xs_f`` (the forwarded records'
         ``x`` as :meth:`_split` gives it, with scales where there are) by ``plan``'s local handle, its rows put
         in ``plan.order`` as ``xv``'s dtype and hidden size. Returns DeepEP's six results."""
-        recv = self._local_run(self.local.dispatch_steps(xs_f, handle=plan.local_handle))[0]
+        recv = self._local_run(self.local.dispatch_steps(xs_f, handle=plan.local_handle), forwarded=True)[0]
         recv_xf = recv[0] if isinstance(recv, tuple) else recv
         x_out = self._rows(recv_xf, xv.dtype, xv.shape[1])[plan.order]
         if isinstance(recv, tuple):
@@ -872,6 +964,7 @@ class Internode(CapturePath):
             TypeError / ValueError: bad arguments or a handle of another Buffer; EPTimeoutError / ProxyError:
             as ``dispatch``.
         """
+        self._calls += 1
         self._live()
         if self.capture_path(handle=handle):
             return self.combine_capture(x, handle, topk_weights, bias, previous_event)
@@ -888,7 +981,7 @@ class Internode(CapturePath):
             except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (this host's ranks failed alike)
                 err = e
                 if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
-                    self._skip_local("combine")
+                    self._skip_local("combine", e)
         got, counts, _ = self._exchange(streams, err)
         plan, H, K, rec = prep.plan, prep.H, prep.K, streams.rec
         dev = prep.xv.device
@@ -928,7 +1021,7 @@ class Internode(CapturePath):
         rec, src, rows = self._combine_in_host(prep)
         starts = np.cumsum([0] + plan.from_host)
         tokens = [rows[int(starts[h]):int(starts[h + 1])] for h in range(self.num_hosts)]
-        return _Streams(rec, src, tokens)
+        return _Streams(rec, src, tokens, card=(call_card.COMBINE, prep.H, prep.K, plan.seq))
 
     def _combine_in_host(self, prep: SimpleNamespace):
         """The intranode combine of a combine's rows (``prep`` from :meth:`_prepare_combine`) back to the rows

@@ -337,11 +337,10 @@ class CapturePath:
             xs_f, None, in_f.sum(0, dtype=torch.int32), None, in_f, npe_f, ids_local, w_f, expert_alignment, W))
         recv_x_f, recv_idx, recv_w, _, local_handle, _ = res
         x_ret, order, src_meta, recv_from = self._in_rank_order(recv_x_f, local_handle, xv)
-        self._seq += 1
         cnt_c = cnt.clone()
         cnt_c[self.host] = cnt_c[self.host].clamp(max=C)
         ctok = torch.arange(nh * C, dtype=torch.int64, device=dev).view(nh, C)
-        plan = CapturePlan(self.rt.uid, self._seq, T, tok, cnt_c, C, rx, local_handle, order, W, ctok)
+        plan = CapturePlan(self.rt.uid, self._calls, T, tok, cnt_c, C, rx, local_handle, order, W, ctok)
         head = torch.where(host_mask, pos, -1).to(torch.int32)
         handle = inode.InternodeHandle((
             in_rank, cnt_c.to(torch.int32).view(-1, 1), in_rank.sum(0, dtype=torch.int32).view(-1, 1),

@@ -515,12 +515,12 @@ class LowLatency:
         rt = self.rt
         a = self._guard(self._combine_args, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                         return_recv_hook, out, combine_wait_recv_cost_stats)
-        xv, idx, w, h, lay, out, cost, fence, one = a
+        xv, idx, w, h, lay, out, cost, fence, one, logfmt = a
         T, K = idx.shape
         H = lay.hidden
-        sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K])
+        sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K, int(logfmt)])
         rt.count_call()
-        rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K))
+        rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K, int(logfmt)))
         if out is None:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)
         sa = rt.sig_args
@@ -533,15 +533,16 @@ class LowLatency:
                 ll_fence(self.ctl, rt.group_size, True, self.shrink, sa)
             if whole:   # send and reduce as one launch (kernels/ll_fused.py)
                 made.append(ll_combine_fused(xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost, self.area,
-                                             rt.delta_words, self.ctl, lay, sig, self.shrink, sa))
+                                             rt.delta_words, self.ctl, lay, sig, self.shrink, sa, logfmt))
                 return
             ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
-                            self.shrink, sa, self.net, defer)
+                            self.shrink, sa, self.net, defer, logfmt)
 
         def recv(offset: int, defer: bool = False):
             if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost)
-            ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa, defer)
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost, logfmt)
+            ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa, defer,
+                              logfmt)
 
         tensors = (xv, idx, w, h.ret_slot, h.recv_count, out, cost)
         if return_recv_hook:
@@ -549,13 +550,14 @@ class LowLatency:
             event = self._launch(True, False, send, tensors)
             return out, event, self._hook(idx_n, recv)
         event = self._launch(False, async_finish, lambda: self._send_recv(one, send, recv), tensors)
-        if made and plan_out and not zero_copy and self.net is None and rt.group is not None:
+        if made and plan_out and not zero_copy and not logfmt and self.net is None and rt.group is not None:
             # the next call of these sizes replays this launch (modes/low_latency_replay.py)
             launch, args = made[0]
             vary = tuple(t for t in (xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost) if t is not None)
             raw_cost = combine_wait_recv_cost_stats
             self.replay_combine = replay.LLPlan(
-                self, (cost is None,), (card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K)), launch.replay(args, vary),
+                self, (cost is None,), (card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K, 0)),
+                launch.replay(args, vary),
                 fused_switch(), (xv.shape, idx.shape, idx.dtype, None if raw_cost is None else raw_cost.shape),
                 (lay.n_max, H, lay.num_experts))
         rt.check()
@@ -563,8 +565,14 @@ class LowLatency:
 
     def _combine_args(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, hook, out, cost):
         rt = self.rt
-        if use_logfmt:
-            raise NotImplementedError("low_latency_combine(use_logfmt=True) is not implemented: rows return as bf16")
+        if not isinstance(use_logfmt, (bool, int)) or use_logfmt not in (0, 1):
+            raise TypeError(f"use_logfmt must be a bool, got {use_logfmt!r}")
+        logfmt = bool(use_logfmt)
+        if logfmt and zero_copy:
+            # as DeepEP, whose combine asserts not (zero_copy and use_logfmt): its zero-copy rows sit in the send
+            # buffer as bf16 and go out as they are
+            raise ValueError("use_logfmt=True cannot be combined with zero_copy=True (as in DeepEP): pass the expert "
+                             "outputs as x")
         h = self.check_handle(handle)
         if h.call in self.pending:
             raise ValueError("the handle's low_latency_dispatch still waits for its receive: call the hook it "
@@ -593,7 +601,7 @@ class LowLatency:
         if async_finish and hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
         return (xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost), self._fence(lay),
-                self._one_launch(T))
+                self._one_launch(T), logfmt)
 
     def check(self) -> None:
         """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one

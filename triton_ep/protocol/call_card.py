@@ -50,7 +50,8 @@ FIELDS: Dict[int, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
                                            ("num_experts", "int"), ("top-k (topk_idx columns)", "int"),
                                            ("use_fp8", "bool"), ("use_ue8m0", "bool"))),
     LL_COMBINE: ("low_latency_combine", (("num_max_dispatch_tokens_per_rank", "int"), ("hidden", "int"),
-                                         ("num_experts", "int"), ("top-k (topk_idx columns)", "int"))),
+                                         ("num_experts", "int"), ("top-k (topk_idx columns)", "int"),
+                                         ("use_logfmt", "bool"))),
 }
 #: the word holding the serial of a call this rank gave up before launching anything
 FAILED_WORD = CARD_WORDS - 3

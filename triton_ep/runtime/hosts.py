@@ -18,10 +18,12 @@ The transport between hosts (``rdma_backend``, or ``TRITON_EP_RDMA`` when the ke
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple
 
+from ..protocol import call_card
 from ..transport import verbs
 
 ENV_RANKS_PER_HOST = "TRITON_EP_RANKS_PER_HOST"
@@ -187,3 +189,124 @@ def choose_transport(backend: str, hosts: Hosts, devices=rdma_devices) -> Option
         f"this machine has no usable RDMA device ({why}). Either run on machines with RDMA NICs and pyverbs "
         f"(docs/rdma.md), or use the emulated fabric: set {ENV_RDMA}=emulated or pass "
         f"Buffer(..., rdma_backend='emulated') (one machine standing in for several hosts).")
+
+
+# ------------------------------------------------------------------ disagreements across hosts
+#: call-card codes of the forwarding leg's intranode dispatches (records, not the caller's rows): their fields
+#: name what the caller passed as it reaches the forwarding leg
+FORWARDED_DISPATCH, FORWARDED_CACHED = 101, 102
+_FORWARDED = {
+    FORWARDED_DISPATCH: ("dispatch", (("x dtype (records)", "dtype"),
+                                      ("record bytes (16 + hidden times the element size of x)", "int"),
+                                      ("scales dtype", "dtype"), ("scale columns", "int"),
+                                      ("top-k (topk_idx columns)", "int"), ("topk_weights given", "bool"),
+                                      ("num_experts of the host", "int"))),
+    FORWARDED_CACHED: ("cached dispatch", (("x dtype (records)", "dtype"),
+                                           ("record bytes (16 + hidden times the element size of x)", "int"),
+                                           ("scales dtype", "dtype"), ("scale columns", "int"),
+                                           ("the forwarding leg's dispatch number", "int"))),
+}
+#: the words of a call card nothing else uses (after the longest operation's values, before ``FAILED_WORD``):
+#: a rank that found a disagreement writes it there for its host's ranks (:meth:`Disagreement.post`)
+_SPARE = slice(2 + max(len(f) for _, f in call_card.FIELDS.values()), call_card.FAILED_WORD)
+assert _SPARE.stop - _SPARE.start >= 4, "a call card needs 4 spare words for a disagreement"
+
+
+def _operation(code: int):
+    return call_card.FIELDS.get(code) or _FORWARDED.get(code)
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """Two ranks of the group (global rank numbers) that made different calls: the operation's call-card code
+    (:mod:`triton_ep.protocol.call_card`), the index of the first field that differs in its field table (``-1``:
+    they called different operations, and the values are the two operation codes) and each rank's value.
+
+    Raised as a ``ValueError`` on every rank of the group (docs/design.md, "Error model"): the rank that finds it
+    tells its RDMA peers in the header exchange (:meth:`words`) and its host's ranks through its call card
+    (:meth:`post`)."""
+
+    op: int
+    field: int
+    rank_a: int
+    value_a: int
+    rank_b: int
+    value_b: int
+
+    #: int64 words of :meth:`words`
+    WORDS = 6
+
+    @classmethod
+    def of_cards(cls, a: Sequence[int], b: Sequence[int], rank_a: int, rank_b: int) -> Optional["Disagreement"]:
+        """The first difference between two calls ``(code, value, ...)`` of ranks ``rank_a`` and ``rank_b``
+        (the lower rank first); ``None`` when they agree or a code is unknown."""
+        a, b = [int(v) for v in a], [int(v) for v in b]
+        if rank_b < rank_a:
+            a, b, rank_a, rank_b = b, a, rank_b, rank_a
+        if _operation(a[0]) is None or _operation(b[0]) is None:
+            return None
+        if a[0] != b[0]:
+            return cls(a[0], -1, rank_a, a[0], rank_b, b[0])
+        n = len(_operation(a[0])[1])
+        for i, (u, v) in enumerate(zip(a[1:1 + n], b[1:1 + n])):
+            if u != v:
+                return cls(a[0], i, rank_a, u, rank_b, v)
+        return None
+
+    def words(self) -> List[int]:
+        return [self.op, self.field, self.rank_a, self.value_a, self.rank_b, self.value_b]
+
+    @classmethod
+    def of_words(cls, w: Sequence[int]) -> Optional["Disagreement"]:
+        d = cls(*(int(v) for v in w[:cls.WORDS]))
+        return d if _operation(d.op) is not None and -1 <= d.field < len(_operation(d.op)[1]) else None
+
+    def text(self) -> str:
+        """E.g. ``"dispatch: hidden: rank 1 passed 64, rank 3 passed 32"``."""
+        name, fields = _operation(self.op)
+        if self.field < 0:
+            return (f"the operation: rank {self.rank_a} called {_operation(self.value_a)[0]}, rank {self.rank_b} "
+                    f"called {_operation(self.value_b)[0]}")
+        field, kind = fields[self.field]
+        show = call_card._show
+        return (f"{name}: {field}: rank {self.rank_a} passed {show(kind, self.value_a)}, rank {self.rank_b} passed "
+                f"{show(kind, self.value_b)}")
+
+    def error(self, rank: int) -> ValueError:
+        """The ``ValueError`` rank ``rank`` raises (it carries this disagreement: ``ex.disagreement``)."""
+        ex = ValueError(f"rank {rank}: ranks disagree: {self.text()}; every rank must make the same "
+                        f"call (the same sizes, dtypes and handle); nothing was returned")
+        ex.disagreement = self
+        return ex
+
+    def post(self, card, stamp: int) -> None:
+        """Write this disagreement into the spare words of this rank's call card (``card``: its int64 view,
+        which every rank of the host maps), for call ``stamp``: a rank of the host that hears of this rank's
+        failure reads it there (:meth:`posted`) and raises the same ``ValueError``."""
+        w = card[_SPARE]
+        w[1] = (self.op << 48) | ((self.field + 1) << 40) | (self.rank_a << 20) | self.rank_b
+        w[2], w[3] = self.value_a, self.value_b
+        w[0] = stamp
+
+    @classmethod
+    def posted(cls, card, stamp: int) -> Optional["Disagreement"]:
+        """The disagreement a rank of this host posted in its call card for call ``stamp``, or ``None``."""
+        w = [int(v) for v in card[_SPARE]]
+        if w[0] != stamp:
+            return None
+        return cls.of_words([w[1] >> 48, ((w[1] >> 40) & 0xFF) - 1, (w[1] >> 20) & 0xFFFFF, w[2], w[1] & 0xFFFFF,
+                             w[3]])
+
+
+#: a rank number in a message: "rank 3", "ranks 0 and 1", "peers 0, 1", "rank(s) 2, 3", "ranks [0, 1]"
+_RANK_REF = re.compile(r"\b(ranks?|peers?|rank\(s\))( \[?)(\d+(?:(?:, | and |, and )\d+)*)")
+
+
+def global_ranks(text: str, ranks: Sequence[int]) -> str:
+    """``text`` (a message of a host's own runtime, which numbers that host's ranks ``0..n-1``) with each rank
+    number replaced by the global rank ``ranks[i]``."""
+    def number(m) -> str:
+        nums = re.sub(r"\d+", lambda d: str(ranks[int(d.group())]) if int(d.group()) < len(ranks) else d.group(),
+                      m.group(3))
+        return m.group(1) + m.group(2) + nums
+    return _RANK_REF.sub(number, text)

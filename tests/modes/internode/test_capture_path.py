@@ -73,7 +73,7 @@ def test_capture_path_errors_reach_every_rank(kind):
                 msg = o["first"][1] if o["first"] and o["first"][0] == "EPCapacityError" else o["checked"][1]
                 # (rank 1 may hear it from rank 0's GONE word, which names the rank but not its value)
                 assert ("num_worst_tokens=4" in msg or r == 1 and "rank 0 found more rows" in msg) and \
-                    "global ranks [0, 1]" in msg, (r, o)
+                    "forwarding leg of host 0: ranks [0, 1]" in msg, (r, o)
         assert o["next"] is not None and o["next_s"] < 10.0, (r, o)
 
 
