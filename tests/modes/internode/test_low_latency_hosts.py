@@ -60,6 +60,13 @@ def test_round_trip_every_feature_two_hosts_of_two(arrival):
     assert sum(out) > 0, out
 
 
+def test_bf16_hidden_of_16_byte_rows_across_hosts():
+    """gpt-oss's hidden 2880 (not a multiple of 128) across 2 emulated hosts of one rank, bf16, with and without a
+    hook: the oracle's rows and sums, as within one host."""
+    _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "round_trip", 7, 4, 2, 2880, [3, 5], 8,
+                      [(False, False, False, "affine", False, False), (False, False, False, "identity", True, False)]))
+
+
 def test_a_call_of_other_sizes_waits_for_a_slow_peer():
     """2 hosts of 2 ranks: rank 1 (rank 0's host peer) holds its combine's hook while the others go on to a
     dispatch of smaller N; every result equals the oracle, and other sizes while a hook is pending are refused."""
