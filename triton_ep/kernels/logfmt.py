@@ -59,7 +59,8 @@ _TABLES: dict = {}
 
 def log2_table(device: torch.device) -> torch.Tensor:
     """fp32 ``[128]``: ``log2(1 + m / 128)`` rounded to fp32, the mantissa part of the log of a bf16 value
-    (computed in float64). One tensor per device, made at its first use."""
+    (computed in float64 on the CPU). One tensor per device, made at its first use (a copy to the device: the
+    low-latency state asks for it when it is built, outside any CUDA-graph capture)."""
     key = str(device)
     t = _TABLES.get(key)
     if t is None:

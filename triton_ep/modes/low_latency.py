@@ -23,7 +23,7 @@ import torch
 
 from ..config import EventOverlap
 from ..errors import EPError, EPRemoteError
-from ..kernels import flags as F, pdl
+from ..kernels import flags as F, logfmt, pdl
 from ..kernels.dispatch import fused_switch, use_fused
 from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
@@ -140,6 +140,9 @@ class LowLatency:
         self.failed = False
         with torch.inference_mode():
             self.ctl.zero_()              # peers write here only after the construction's barrier
+            # the LogFMT combine's log2 table, copied to the device here: a first combine with use_logfmt may be
+            # captured into a CUDA graph, where no copy may run
+            logfmt.log2_table(self.ctl.device)
         # every re-synchronisation meeting of the Runtime, a normal-mode call's too, restarts the low-latency
         # call numbers where they need it (a normal-mode meeting clears the error state both modes share)
         rt.resync_parts.append(weakref.ref(self))
