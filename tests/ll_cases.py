@@ -5,6 +5,7 @@ import os
 import torch
 
 import triton_ep
+from triton_ep import reference
 from triton_ep.kernels.fp8 import quantize_reference, unpack_ue8m0
 
 
@@ -40,8 +41,9 @@ def expert_fn(kind, e, y):
     return (y.float() * (0.5 + 0.25 * e) + (e - 3) * 0.125).to(torch.bfloat16)
 
 
-def expected_combine(x, idx, w, E, R, kind, masked=()):
-    """sum_k w[t, k] * f_e(x_t) in fp32 in ascending k (invalid, masked entries add nothing), rounded once."""
+def expected_combine(x, idx, w, E, R, kind, masked=(), logfmt=False):
+    """sum_k w[t, k] * f_e(x_t) in fp32 in ascending k (invalid, masked entries add nothing), rounded once;
+    ``logfmt``: f_e(x_t) after the LogFMT-10 round trip (``use_logfmt=True``, triton_ep.reference)."""
     El = E // R
     T, H = x.shape
     acc = torch.zeros(T, H, dtype=torch.float32)
@@ -49,7 +51,8 @@ def expected_combine(x, idx, w, E, R, kind, masked=()):
         for t in range(T):
             e = int(idx[t, k])
             if 0 <= e < E and e // El not in masked:
-                acc[t] = acc[t] + expert_fn(kind, e, x[t:t + 1]).float()[0] * w[t, k]
+                row = expert_fn(kind, e, x[t:t + 1])
+                acc[t] = acc[t] + (reference.logfmt_round_trip(row) if logfmt else row.float())[0] * w[t, k]
     return acc.to(torch.bfloat16)
 
 
@@ -318,10 +321,10 @@ def _expected_after_fp8(x, use_fp8):
     return (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
 
 
-def gpu_graph_replay(rank, world, use_fp8, replays, E, K, H, T, N):
-    """Two processes on one GPU: capture dispatch + affine stand-in expert + combine in a CUDA graph
-    (eager warm-up first, under sync debug mode "error"), then replay it with fresh routing and data
-    copied into the static inputs; every replay's output equals the oracle bit for bit."""
+def gpu_graph_replay(rank, world, use_fp8, replays, E, K, H, T, N, logfmt=False):
+    """Two processes on one GPU: capture dispatch + affine stand-in expert + combine (``logfmt``: with
+    ``use_logfmt=True``) in a CUDA graph (eager warm-up first, under sync debug mode "error"), then replay it with
+    fresh routing and data copied into the static inputs; every replay's output equals the oracle bit for bit."""
     torch.cuda.set_device(0)
     R, me, El = world, rank, E // world
     buf = _buffer(R, N, H, E, timeout_s=60, device="cuda")
@@ -333,7 +336,7 @@ def gpu_graph_replay(rank, world, use_fp8, replays, E, K, H, T, N):
             out, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, N, E, use_fp8=use_fp8, round_scale=use_fp8)
             rx, sc = (out[0], out[1]) if use_fp8 else (out, None)
             y = _stand_in_expert(rx, sc, El, me, use_fp8)
-            return buf.low_latency_combine(y, idx_s, w_s, handle)[0]
+            return buf.low_latency_combine(y, idx_s, w_s, handle, use_logfmt=logfmt)[0]
 
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -355,7 +358,8 @@ def gpu_graph_replay(rank, world, use_fp8, replays, E, K, H, T, N):
             g.replay()
             torch.cuda.synchronize()
             buf.check()
-            want = expected_combine(_expected_after_fp8(xs[me], use_fp8), idxs[me], ws[me], E, R, "affine")
+            want = expected_combine(_expected_after_fp8(xs[me], use_fp8), idxs[me], ws[me], E, R, "affine",
+                                    logfmt=logfmt)
             assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"replay {i}"
             ok += 1
         return ok

@@ -7,7 +7,7 @@ import time
 import torch
 
 import triton_ep
-from ll_cases import _expected_after_fp8, _stand_in_expert, check_dispatch, expert_fn, ll_inputs
+from ll_cases import check_dispatch, expert_fn, ll_inputs
 from triton_ep import reference
 from triton_ep.kernels import flags as F
 from triton_ep.kernels.fp8 import quantize_reference
@@ -209,44 +209,6 @@ def _buffer(R, N, H, E, device, timeout_s=60):
         torch.cuda.set_device(0)
     return triton_ep.Buffer(None, 0, triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
                             num_qps_per_rank=E // R, timeout_s=timeout_s, device=device)
-
-
-def gpu_graph(rank, world, use_fp8, replays, E, K, H, T, N):
-    """On GPU 0: FP8 or bf16 dispatch, the affine stand-in expert and a LogFMT combine captured in one CUDA graph
-    (after an eager warm-up), replayed with fresh routing and data; every replay's output is the oracle's bit for
-    bit. Returns the replays checked."""
-    R, me, El = world, rank, E // world
-    buf = _buffer(R, N, H, E, "cuda")
-    try:
-        xs, idxs, ws = ll_inputs(1000, R, E, K, H, [T] * R)
-        x_s, idx_s, w_s = xs[me].cuda(), idxs[me].cuda(), ws[me].cuda()
-
-        def step():
-            out, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, N, E, use_fp8=use_fp8, round_scale=use_fp8)
-            rx, sc = (out[0], out[1]) if use_fp8 else (out, None)
-            return buf.low_latency_combine(_stand_in_expert(rx, sc, El, me, use_fp8), idx_s, w_s, handle,
-                                           use_logfmt=True)[0]
-
-        step()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step()
-        torch.cuda.synchronize()
-        for i in range(replays):
-            xs, idxs, ws = ll_inputs(2000 + i, R, E, K, H, [T] * R)
-            x_s.copy_(xs[me])
-            idx_s.copy_(idxs[me])
-            w_s.copy_(ws[me])
-            g.replay()
-            torch.cuda.synchronize()
-            buf.check()
-            want = expected_combine(_expected_after_fp8(xs[me], use_fp8), idxs[me], ws[me], E, R, "affine")
-            assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"replay {i}"
-        return replays
-    finally:
-        torch.cuda.synchronize()
-        buf.destroy()
 
 
 def _cpu(v):

@@ -33,11 +33,12 @@ from .ll_dispatch import recv_call, wait_recv, wait_send
 def combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, hb, experts_per_rank, n, go,
                       ring_dw, slot_w, remote, ltab, p0, P0, p1, P1, NET: tl.constexpr, RW: tl.constexpr,
                       BLOCK_C: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_W: tl.constexpr, LOGFMT: tl.constexpr, LW: tl.constexpr):
+                      BLOCK_W: tl.constexpr, LOGFMT: tl.constexpr, LW: tl.constexpr, LB: tl.constexpr):
     """The send of combine call ``n`` (its half's rows at word ``hb``) by program ``(p0, p1)`` of ``(P0, P1)``:
     local experts ``p0``, ``p0 + P0``, ... and, of each, the row blocks ``p1``, ``p1 + P1``, ...; each valid row
     goes to its source's slot. Moves nothing unless ``go``. With ``LOGFMT`` each row goes as its LogFMT-10 record
-    (:mod:`.logfmt`, ``ltab`` its log2 table) in slots of ``LW`` words, else as its bf16 words."""
+    (:mod:`.logfmt`, ``ltab`` its log2 table; ``LB`` blocks of 128 channels of each row at a time) in slots of
+    ``LW`` words, else as its bf16 words."""
     RN = R * n_max
     WX: tl.constexpr = H // 2
     SW: tl.constexpr = LW if LOGFMT else WX
@@ -62,13 +63,10 @@ def combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_m
                 far = m & (tl.load(remote + s, mask=m, other=0) != 0)
                 tl.store(area_w + at, (ret - s * (n_max * K)).to(tl.int32), mask=far)
                 dst = tl.where(far, at + 4, dst)
-            if LOGFMT:      # block by block of 128 channels: the bf16 bits in, the record's words out
+            if LOGFMT:      # LB blocks of 128 channels at a time: the bf16 bits in, the record's words out
                 xh = xw_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-                oc = tl.arange(0, logfmt.BLOCK)
-                for b in range(0, H // logfmt.BLOCK):
-                    bits = tl.load(xh + (le * RN + j)[:, None] * H + b * logfmt.BLOCK + oc[None, :], mask=m[:, None],
-                                   other=0).to(tl.int32) & 0xFFFF
-                    logfmt.store_block(area_w, dst, b, m, bits, ltab, H // logfmt.BLOCK, BLOCK_R)
+                for b0 in range(0, H // logfmt.BLOCK, LB):
+                    logfmt.store_rows(area_w, xh, (le * RN + j) * H, dst, m, b0, ltab, H // logfmt.BLOCK, BLOCK_R, LB)
             else:
                 for w0 in range(0, WX, BLOCK_W):
                     ow = w0 + tl.arange(0, BLOCK_W)
@@ -83,7 +81,8 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
                             remote, ltab, NET: tl.constexpr, RW: tl.constexpr, BLOCK_C: tl.constexpr,
                             R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, SHRINK: tl.constexpr,
                             USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, DEFER: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, LOGFMT: tl.constexpr, LW: tl.constexpr):
+                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, LOGFMT: tl.constexpr, LW: tl.constexpr,
+                            LB: tl.constexpr):
     pdl.pdl_start()
     xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -96,7 +95,7 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
     combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, ctl_w + half * half_w + cnt_w,
                       experts_per_rank, n, go, ring_dw, slot_w, remote, ltab,
                       tl.program_id(0), tl.num_programs(0), tl.program_id(1), tl.num_programs(1), NET, RW, BLOCK_C, R,
-                      K, H, BLOCK_R, BLOCK_W, LOGFMT, LW)
+                      K, H, BLOCK_R, BLOCK_W, LOGFMT, LW, LB)
     if NET:     # each network peer's chunk: the rows this rank received from it
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, layout, R,
                            1, experts_per_rank, RW, 0, R, BLOCK_C, USE_ASM)
@@ -117,8 +116,8 @@ def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_pe
                 LOGFMT: tl.constexpr, LW: tl.constexpr):
     """The reduce of the rows at element ``hb`` of the area (bf16) into ``out`` by program ``(p0, p1)`` of ``(P0,
     P1)``: token blocks ``p0``, ``p0 + P0``, ... and, of each, the hidden blocks ``p1``, ``p1 + P1``, ... With
-    ``LOGFMT`` the rows are LogFMT-10 records of ``LW`` words (``BLOCK_H`` is then 128, one block of the record;
-    ``ltab``: :func:`.logfmt.log2_table`), decoded to fp32 before the same weighted sum."""
+    ``LOGFMT`` the rows are LogFMT-10 records of ``LW`` words (``BLOCK_H`` a multiple of 128: whole blocks of the
+    record; ``ltab``: :func:`.logfmt.log2_table`), decoded to fp32 before the same weighted sum."""
     for pid in range(p0, tl.cdiv(T, BLOCK_T), P0):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
@@ -139,8 +138,8 @@ def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_pe
                         first = tl.where((first == k) & (e2 == e), k2, first)
                 if LOGFMT:
                     aw = area_h.to(tl.pointer_type(tl.int32), bitcast=True)
-                    xv = logfmt.load_block(aw, hb // 2 + (t * K + first) * LW, h0 // logfmt.BLOCK, ok, ltab,
-                                           H // logfmt.BLOCK, BLOCK_T)
+                    xv = logfmt.load_rows(aw, hb // 2 + (t * K + first) * LW, ok, h0 // logfmt.BLOCK, ltab,
+                                          H // logfmt.BLOCK, BLOCK_T, BLOCK_H // logfmt.BLOCK)
                 else:
                     xv = tl.load(area_h + hb + (t * K + first)[:, None] * H + oh[None, :], mask=ok[:, None],
                                  other=0.0).to(tl.float32)
@@ -208,7 +207,7 @@ def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, defer, us
         RW=lay.net_logfmt_row_words if use_logfmt else lay.net_row_words, BLOCK_C=pow2(lay.experts_per_rank),
         R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer,
         BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(H // 2, tune["block_w"])), LOGFMT=use_logfmt,
-        LW=lay.logfmt_row_words)
+        LW=lay.logfmt_row_words, LB=logfmt_blocks(H))
 
 
 def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -234,15 +233,19 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
 _REDUCE_BOUND: dict = {}
 
 
+def logfmt_blocks(H: int) -> int:
+    """Blocks of 128 channels a LogFMT send encodes per row at a time: 8 (1024 channels), fewer for a smaller
+    ``H`` (a power of two)."""
+    return min(8, pow2(H // logfmt.LOGFMT_BLOCK))
+
+
 def reduce_block_h(H: int, tune: dict, use_logfmt: bool) -> int:
     """The reduce's hidden block: a power of two dividing ``H``, at most the tuning entry's ``block_h``; with
-    ``use_logfmt`` one LogFMT block (128 channels)."""
-    if use_logfmt:
-        return logfmt.LOGFMT_BLOCK
+    ``use_logfmt`` at least one LogFMT block (128 channels, which divides ``H``)."""
     bh = min(pow2(H), tune["block_h"])
     while H % bh:
         bh //= 2
-    return bh
+    return max(bh, logfmt.LOGFMT_BLOCK) if use_logfmt else bh
 
 
 def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, defer, use_logfmt, signals, tune):

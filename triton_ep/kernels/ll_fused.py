@@ -36,7 +36,7 @@ from ._util import cdiv, interpreted, pow2, tuning
 from .dispatch import fused_programs, row_words
 from .launch import Launcher, bound, resident_per_sm
 from . import logfmt
-from .ll_combine import combine_send_part, reduce_block_h, reduce_part
+from .ll_combine import combine_send_part, logfmt_blocks, reduce_block_h, reduce_part
 from .ll_dispatch import recv_part, route_part, send_part, typed_area, wait_recv, wait_send
 
 
@@ -217,7 +217,7 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              SEND_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
                              REDUCE_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                             LOGFMT: tl.constexpr, LW: tl.constexpr):
+                             LOGFMT: tl.constexpr, LW: tl.constexpr, LB: tl.constexpr):
     pdl.pdl_start()
     xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -233,7 +233,7 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
                    SHRINK, USE_CLOCK)
     s0, S0, s1, S1 = _as_grid2(p, P, SEND_S, experts_per_rank)
     combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, hb, experts_per_rank, n, go, 0,
-                      0, ctl, ltab, s0, S0, s1, S1, False, 1, 1, R, K, H, BLOCK_R, BLOCK_W, LOGFMT, LW)
+                      0, ctl, ltab, s0, S0, s1, S1, False, 1, 1, R, K, H, BLOCK_R, BLOCK_W, LOGFMT, LW, LB)
     flags.ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
     go = flags.ll_wait_own(ctl, hdr, hdr_delta, host, ctl + flags.off_ll_ready(R) + half * R + me, n, me,
                            flags.STAGE_LL_COMBINE_RECV, n, timeout_ns, R, USE_CLOCK)
@@ -287,7 +287,7 @@ def _bind_combine(T, K, H, lay, shrink, has_cost, use_clock, _cap, use_logfmt, s
     items = max(lay.experts_per_rank * send_s, cdiv(T, bt) * reduce_s, send_s, reduce_s)    # (at least S programs)
     meta = dict(R=lay.num_ranks, K=K, H=H, COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock,
                 SEND_S=send_s, BLOCK_R=ts["block_r"], BLOCK_W=pow2(min(H // 2, ts["block_w"])), REDUCE_S=reduce_s,
-                BLOCK_T=bt, BLOCK_H=bh, LOGFMT=use_logfmt, LW=lay.logfmt_row_words)
+                BLOCK_T=bt, BLOCK_H=bh, LOGFMT=use_logfmt, LW=lay.logfmt_row_words, LB=logfmt_blocks(H))
     nw = ts["num_warps"]
     return _ll_combine_fused_launch.bind(_grid(_ll_combine_fused_launch, items, nw, meta, signals, tf, args),
                                          num_warps=nw, **meta)

@@ -59,7 +59,8 @@ _TABLES: dict = {}
 
 def log2_table(device: torch.device) -> torch.Tensor:
     """fp32 ``[128]``: ``log2(1 + m / 128)`` rounded to fp32, the mantissa part of the log of a bf16 value
-    (computed in float64). One tensor per device, made at its first use."""
+    (computed in float64 on the CPU). One tensor per device, made at its first use (a copy to the device: the
+    low-latency state asks for it when it is built, outside any CUDA-graph capture)."""
     key = str(device)
     t = _TABLES.get(key)
     if t is None:
@@ -198,3 +199,36 @@ def load_block(area_w, rec, b, m, ltab, NB: tl.constexpr, ROWS: tl.constexpr):
     hi = tl.load(area_w + at[:, None] + BLOCK // 4 + o4[None, :], mask=m[:, None], other=0)
     sg = tl.load(area_w + at[:, None] + BLOCK // 4 + BLOCK // 32 + o4[None, :], mask=m[:, None], other=0)
     return decode(meta, words, hi, sg, ltab, ROWS)
+
+
+@triton.jit
+def _spread(v, ROWS: tl.constexpr, NBB: tl.constexpr):
+    """``[ROWS]`` -> ``[ROWS * NBB]``: each entry ``NBB`` times in a row."""
+    return tl.reshape(tl.broadcast_to(v[:, None], [ROWS, NBB]), [ROWS * NBB])
+
+
+@triton.jit
+def store_rows(area_w, xh, src, rec, m, b0, ltab, NB: tl.constexpr, ROWS: tl.constexpr, NBB: tl.constexpr):
+    """Encode blocks ``b0 .. b0 + NBB - 1`` (those under ``NB``) of ``ROWS`` rows, the bf16 bits at ``xh + src``
+    (``xh`` an int16 pointer, ``src`` int64 ``[ROWS]`` element offsets), into their records at words ``rec`` (int64
+    ``[ROWS]``, of ``NB`` blocks) of ``area_w``, rows where ``m``: ``ROWS * NBB`` blocks at once."""
+    M: tl.constexpr = ROWS * NBB
+    ob = tl.arange(0, NBB) + b0
+    bm = tl.reshape(tl.broadcast_to(ob[None, :], [ROWS, NBB]), [M])
+    mm = _spread(m, ROWS, NBB) & (bm < NB)
+    oc = tl.arange(0, BLOCK)
+    bits = tl.load(xh + _spread(src, ROWS, NBB)[:, None] + bm[:, None] * BLOCK + oc[None, :], mask=mm[:, None],
+                   other=0).to(tl.int32) & 0xFFFF
+    store_block(area_w, _spread(rec, ROWS, NBB), bm, mm, bits, ltab, NB, M)
+
+
+@triton.jit
+def load_rows(area_w, rec, m, b0, ltab, NB: tl.constexpr, ROWS: tl.constexpr, NBB: tl.constexpr):
+    """The fp32 values ``[ROWS, NBB * 128]`` of blocks ``b0 .. b0 + NBB - 1`` (all under ``NB``) of the records at
+    words ``rec`` (int64 ``[ROWS]``) of ``area_w``; 0 in rows not ``m``."""
+    M: tl.constexpr = ROWS * NBB
+    ob = tl.arange(0, NBB) + b0
+    bm = tl.reshape(tl.broadcast_to(ob[None, :], [ROWS, NBB]), [M])
+    v = load_block(area_w, _spread(rec, ROWS, NBB), bm, _spread(m, ROWS, NBB), ltab, NB, M)
+    return tl.reshape(v, [ROWS, NBB * BLOCK])
+

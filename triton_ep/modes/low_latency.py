@@ -23,7 +23,7 @@ import torch
 
 from ..config import EventOverlap
 from ..errors import EPError, EPRemoteError
-from ..kernels import flags as F, pdl
+from ..kernels import flags as F, logfmt, pdl
 from ..kernels.dispatch import fused_switch, use_fused
 from ..kernels.fp8 import native_cast
 from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
@@ -140,6 +140,9 @@ class LowLatency:
         self.failed = False
         with torch.inference_mode():
             self.ctl.zero_()              # peers write here only after the construction's barrier
+            # the LogFMT combine's log2 table, copied to the device here: a first combine with use_logfmt may be
+            # captured into a CUDA graph, where no copy may run
+            logfmt.log2_table(self.ctl.device)
         # every re-synchronisation meeting of the Runtime, a normal-mode call's too, restarts the low-latency
         # call numbers where they need it (a normal-mode meeting clears the error state both modes share)
         rt.resync_parts.append(weakref.ref(self))
@@ -515,12 +518,12 @@ class LowLatency:
         rt = self.rt
         a = self._guard(self._combine_args, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                         return_recv_hook, out, combine_wait_recv_cost_stats)
-        xv, idx, w, h, lay, out, cost, fence, one, logfmt = a
+        xv, idx, w, h, lay, out, cost, fence, one, use_logfmt = a
         T, K = idx.shape
         H = lay.hidden
-        sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K, int(logfmt)])
+        sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K, int(use_logfmt)])
         rt.count_call()
-        rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K, int(logfmt)))
+        rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K, int(use_logfmt)))
         if out is None:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)
         sa = rt.sig_args
@@ -533,16 +536,16 @@ class LowLatency:
                 ll_fence(self.ctl, rt.group_size, True, self.shrink, sa)
             if whole:   # send and reduce as one launch (kernels/ll_fused.py)
                 made.append(ll_combine_fused(xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost, self.area,
-                                             rt.delta_words, self.ctl, lay, sig, self.shrink, sa, logfmt))
+                                             rt.delta_words, self.ctl, lay, sig, self.shrink, sa, use_logfmt))
                 return
             ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
-                            self.shrink, sa, self.net, defer, logfmt)
+                            self.shrink, sa, self.net, defer, use_logfmt)
 
         def recv(offset: int, defer: bool = False):
             if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost, logfmt)
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost, use_logfmt)
             ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa, defer,
-                              logfmt)
+                              use_logfmt)
 
         tensors = (xv, idx, w, h.ret_slot, h.recv_count, out, cost)
         if return_recv_hook:
@@ -550,7 +553,7 @@ class LowLatency:
             event = self._launch(True, False, send, tensors)
             return out, event, self._hook(idx_n, recv)
         event = self._launch(False, async_finish, lambda: self._send_recv(one, send, recv), tensors)
-        if made and plan_out and not zero_copy and not logfmt and self.net is None and rt.group is not None:
+        if made and plan_out and not zero_copy and not use_logfmt and self.net is None and rt.group is not None:
             # the next call of these sizes replays this launch (modes/low_latency_replay.py)
             launch, args = made[0]
             vary = tuple(t for t in (xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost) if t is not None)
@@ -567,8 +570,8 @@ class LowLatency:
         rt = self.rt
         if not isinstance(use_logfmt, (bool, int)) or use_logfmt not in (0, 1):
             raise TypeError(f"use_logfmt must be a bool, got {use_logfmt!r}")
-        logfmt = bool(use_logfmt)
-        if logfmt and zero_copy:
+        use_logfmt = bool(use_logfmt)
+        if use_logfmt and zero_copy:
             # as DeepEP, whose combine asserts not (zero_copy and use_logfmt): its zero-copy rows sit in the send
             # buffer as bf16 and go out as they are
             raise ValueError("use_logfmt=True cannot be combined with zero_copy=True (as in DeepEP): pass the expert "
@@ -601,7 +604,7 @@ class LowLatency:
         if async_finish and hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
         return (xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost), self._fence(lay),
-                self._one_launch(T), logfmt)
+                self._one_launch(T), use_logfmt)
 
     def check(self) -> None:
         """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one

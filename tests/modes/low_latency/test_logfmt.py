@@ -5,6 +5,7 @@ marked ``gpu``, on one GPU. Rank bodies in tests/logfmt_cases.py."""
 import pytest
 import torch
 
+import ll_cases
 import logfmt_cases as LC
 from helpers import ok_results
 from triton_ep import reference
@@ -186,7 +187,7 @@ def test_gpu_across_hosts_bytes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_gpu_graph_capture_of_a_logfmt_combine(use_fp8):
-    """Dispatch, the stand-in expert and a LogFMT combine in one CUDA graph (the split launches), 20 replays of fresh
-    routing and data, each the oracle's bit for bit."""
-    out = ok_results(run_ranks(LC.gpu_graph, 2, use_fp8, 20, 16, 4, 512, 24, 32, backend="gloo"))
+    """Dispatch, the stand-in expert and a LogFMT combine in one CUDA graph (the split launches; the eager warm-up
+    under sync debug mode "error"), 20 replays of fresh routing and data, each the oracle's bit for bit."""
+    out = ok_results(run_ranks(ll_cases.gpu_graph_replay, 2, use_fp8, 20, 16, 4, 512, 24, 32, True, backend="gloo"))
     assert out == [20, 20], out
