@@ -65,6 +65,8 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=No
                 with open(os.path.join(stamp, "killed"), "w") as f:
                     f.write(repr(time.time()))
             if mode in ("dispatch", "ll_dispatch"):
+                if ll:      # (a replayed call launches its plan, not the wrappers patched here: GPU ranks replay)
+                    buf._ll.replay_dispatch = None
                 with unittest.mock.patch("triton_ep.kernels.dispatch_send", _die), \
                         unittest.mock.patch("triton_ep.modes.intranode.dispatch_fused", _die), \
                         unittest.mock.patch("triton_ep.modes.low_latency.ll_dispatch_recv", _die), \

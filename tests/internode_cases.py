@@ -125,6 +125,11 @@ def round_trip(rank, world, env, seed, E, K, H, Ts, opts=None):
     device = opts.get("device", "cpu")
     if device == "cuda":
         torch.cuda.set_device(0)
+    if opts.get("bound"):
+        # as init_process_group(device_id=...) leaves it (DeepEP's init_dist): the default group bound to a device,
+        # which makes torch build subgroups by splitting its backend (gloo cannot)
+        import torch.distributed as dist
+        dist.distributed_c10d._get_default_group().bound_device_id = torch.device(device, 0)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60, device=device)
     try:
         return check_case(buf, rank, world, int(env["TRITON_EP_RANKS_PER_HOST"]), seed, E, K, H, Ts, opts)

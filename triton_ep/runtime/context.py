@@ -614,9 +614,10 @@ def _open_hosts(group, hosts: Hosts, transport: str, num_nvl_bytes: int, timeout
         return [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in ranks]
 
     me = group.rank()
-    local_groups = [dist.new_group(world(hosts.ranks(h))) for h in range(hosts.num_hosts)]
-    peer_groups = [dist.new_group(world([hosts.ranks(h)[i] for h in range(hosts.num_hosts)]))
-                   for i in range(hosts.ranks_per_host)]
+    with _no_split_source():
+        local_groups = [dist.new_group(world(hosts.ranks(h))) for h in range(hosts.num_hosts)]
+        peer_groups = [dist.new_group(world([hosts.ranks(h)[i] for h in range(hosts.num_hosts)]))
+                       for i in range(hosts.ranks_per_host)]
     host = hosts.host_of[me]
     mine = (local_groups[host], peer_groups[hosts.local_index(me)])
     try:
@@ -634,6 +635,31 @@ def _open_hosts(group, hosts: Hosts, transport: str, num_nvl_bytes: int, timeout
         raise
     return HostsRuntime(local, group, me, group.size(), hosts, transport, local_groups[host],
                         peer_groups[hosts.local_index(me)])
+
+
+@contextlib.contextmanager
+def _no_split_source():
+    """While the block makes subgroups: a default group bound to a device (``init_process_group(device_id=...)``,
+    as DeepEP's test programs call it) whose backend cannot split (gloo) is unbound. torch then makes a subgroup
+    by splitting the bound backend, and on the ranks outside the subgroup calls its ``perform_nocolor_split``,
+    which gloo lacks (torch 2.11: ``AttributeError``); unbound, every subgroup is made the plain way."""
+    pg = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    bound = getattr(pg, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    try:
+        splits = hasattr(pg._get_backend(bound), "perform_nocolor_split")
+    except RuntimeError:                # no backend for that device: nothing to split from either
+        splits = True
+    if splits:
+        yield
+        return
+    pg.bound_device_id = None
+    try:
+        yield
+    finally:
+        pg.bound_device_id = bound
 
 
 def _destroy_groups(groups) -> None:

@@ -186,3 +186,11 @@ def test_a_rank_that_rejects_its_arguments_keeps_its_host_in_step():
             "it is at call" not in out[r][4], out[r]
     assert "rank 3 (host 1) failed this call" in out[1][5], out[1][5]
     assert "rank 3 (host 1; rank 2 on host 1 passed it on)" in out[0][5], out[0][5]
+
+
+def test_round_trip_with_the_default_group_bound_to_a_device():
+    """DeepEP's test programs call ``init_process_group(..., device_id=...)``: the default group is bound to a device
+    and torch builds subgroups by splitting its backend, which gloo cannot (on torch 2.11 the ranks outside a
+    subgroup raised AttributeError in Buffer's set-up). The Buffer makes its per-host groups unbound; the round trip
+    is the reference's."""
+    _values(run_ranks(cases.round_trip, 2, _env(1), 3, 8, 2, 64, [5, 4], {"bound": True}))
