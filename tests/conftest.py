@@ -122,15 +122,66 @@ def _process_wide_singletons():
     gc.unfreeze()       # (frozen objects are never freed: nanobind, triton's binding, would report them at exit)
 
 
+def _last_pid() -> int:
+    """The most recently created process or thread id (``/proc/loadavg``'s last field; 0 where there is none)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _processes(since: int = 0, tag: str = SHM_TAG) -> set:
+    """Processes created after the id ``since`` (:func:`_last_pid`; all where ids wrapped since) that a test may
+    leave behind: this process's children (zombies included: not reaped), and this run's RDMA proxy processes
+    wherever their rank was (their environment carries this run's SHM_TAG). Only the new ids are read (a test
+    that started no process costs a listing of /proc)."""
+    me, out = os.getpid(), set()
+    if _last_pid() < since:
+        since = 0
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not d.isdigit() or int(d) <= since:
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == me:
+                out.add(int(d))
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"proxy_main.py" not in f.read():
+                    continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if f"TRITON_EP_SHM_TAG={tag}".encode() in f.read().split(b"\0"):
+                    out.add(int(d))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def processes_left_behind(since: int, grace_s: float = 5.0) -> set:
+    """Processes of :func:`_processes` created after ``since`` and still there after up to ``grace_s`` (a proxy
+    whose rank ended takes up to about a second)."""
+    deadline = time.monotonic() + grace_s
+    new = _processes(since)
+    while new and time.monotonic() < deadline:
+        time.sleep(0.05)
+        new &= _processes(since)
+    return new
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind(request, _process_wide_singletons):
     """Invariant 15 around every test (failure paths included): no new triton_ep files of this run in /dev/shm
-    (ours or the rank processes'; see SHM_TAG), no new open descriptors in this process, no new threads."""
+    (ours or the rank processes'; see SHM_TAG), no new open descriptors in this process, no new threads, no new
+    processes (children of this one, reaped or not; this run's RDMA proxy processes)."""
     import threading
     import gc
-    shm0, fds0, threads0 = _shm_files(), _open_fds(), set(threading.enumerate())
+    shm0, fds0, threads0, pid0 = _shm_files(), _open_fds(), set(threading.enumerate()), _last_pid()
     yield
     gc.collect()
+    new_procs = processes_left_behind(pid0)
+    assert not new_procs, f"processes left behind (children of this one, or RDMA proxies of this run): {sorted(new_procs)}"
     new_shm = shm_left_behind(shm0)
     assert not new_shm, f"left in /dev/shm: {sorted(new_shm)}"
     new_fds = {fd: p for fd, p in _open_fds().items() if fds0.get(fd) != p and not p.startswith("/dev/nvidia")}

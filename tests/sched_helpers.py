@@ -84,3 +84,25 @@ def in_threads(fn, world: int, timeout_s: float = 60.0) -> list:
 def payload(src: int, dst: int, n: int, salt: int = 0) -> np.ndarray:
     """Deterministic bytes ``src`` sends ``dst``."""
     return np.random.default_rng([src, dst, salt, n]).integers(0, 256, n, dtype=np.uint8)
+
+
+class ProcGroup(Group):
+    """``world`` ranks in this process, each with its RDMA proxy in a process of its own
+    (:class:`triton_ep.proxy_process.ProcessScheduler` over host ``rank`` of ``fab``), connected pairwise;
+    ``close()`` ends and reaps every proxy process (the transports are theirs)."""
+
+    def __init__(self, fab, world: int, qps: int = 4, timeout_s: float = 20.0, **sched_kw):
+        from triton_ep.proxy_process import ProcessScheduler
+        self.ts, self.scheds = [], []
+        try:
+            for r in range(world):
+                self.scheds.append(ProcessScheduler(
+                    "emulated", r, world, dict(fabric=fab, device_name=f"mlx5_{r}", num_qps_per_peer=qps,
+                                               timeout_s=timeout_s), timeout_s=timeout_s, **sched_kw))
+            regions = [s._request("connect", {p: self.scheds[p].local_infos[s.rank] for p in s.peers})
+                       for s in self.scheds]
+            for s in self.scheds:
+                s._request("start", regions)
+        except BaseException:
+            self.close()
+            raise

@@ -55,7 +55,7 @@ from triton_ep.errors import EPError, EPRemoteError, EPTimeoutError
 from triton_ep.protocol import signal_header as F
 from triton_ep.transport.rdma import (WRITE, WRITE_WITH_IMM, Completion, Op, RemoteRegion, Transport, exchange_info,
                                       exchange_regions)
-from triton_ep.transport.signals import RingFlags
+from triton_ep.transport.ring_flags import RingFlags
 
 #: wr_id tag of a chunk's signal (the low bits hold the chunk number)
 TAG_CHUNK = 1 << 60

@@ -95,6 +95,8 @@ def break_rdma_qp(buf: Buffer, peer_host: int, qp: int) -> None:
     if mode is None:
         raise ValueError("break_rdma_qp needs a Buffer whose ranks span several hosts")
     t = mode.transport
+    if hasattr(t, "test_hook"):     # the proxy in a process of its own (TRITON_EP_PROXY=process) holds the QPs
+        return t.test_hook("break_qp", peer_host, qp)
     t.qps[(peer_host, qp)].qp.modify(t.api.QPAttr(qp_state=t.e.IBV_QPS_ERR), 0)
 
 
@@ -112,6 +114,8 @@ def drop_rdma_signal(buf: Buffer, peer_host: int, nth: int = 0) -> None:
     sched = mode.sched
     mode.sync_host_path()           # after capture-path calls, the chunk numbers are the ring counters'
     first = sched._next_tx[peer_host]
+    if hasattr(sched, "test_hook"):     # the proxy in a process of its own builds the work requests
+        return sched.test_hook("drop_signal", peer_host, first + nth)
     chunk_ops = sched._chunk_ops
 
     def without_signal(peer, qp, seq, nbytes, signaled):

@@ -23,7 +23,9 @@ chunk (``TAIL`` past it, or with arrival words the chunk's arrival word, which t
 the chunk on its QP: ``Scheduler(arrival_words=True)``), copies its records or rows into this rank's half as a peer on the same host would
 have written them, then releases ``READY[s] = n`` in this rank's control block: the receive launches that
 follow are the same as within one host. A chunk whose status says the sender failed the call ends the
-receive's wait for that rank with ``EPRemoteError``; a chunk of another call number with a mismatch.
+receive's wait for that rank with ``EPRemoteError``; a chunk of another call number, or of another call
+signature (the sender passed other sizes or options: its chunk's layout is not this rank's), with a mismatch,
+and nothing of it is copied.
 """
 from typing import Optional
 
@@ -156,8 +158,8 @@ def finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, 
         tl.store(ctl + flags.L_SEQ, n)
 
 
-@names.jit('low_latency', 'unpack', do_not_specialize=['offset', 'me', 'timeout_ns', 'ring_dw'])
-def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_max, ctl_w, half_w, cnt_w,
+@names.jit('low_latency', 'unpack', do_not_specialize=['offset', 'me', 'timeout_ns', 'ring_dw', 'sig'])
+def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, sig, n_max, ctl_w, half_w, cnt_w,
                       experts_per_rank, hdr, hdr_delta, host, me, timeout_ns, cost_ptr, R: tl.constexpr,
                       COMBINE: tl.constexpr, REC: tl.constexpr, COST: tl.constexpr,
                       CW: tl.constexpr, RW: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
@@ -191,7 +193,9 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
         else:
             base = chunk_at(ring_dw, s, k, slot_w)
             h = (area_w + base).to(tl.pointer_type(tl.int64))
-            good = (tl.load(h + 2) == 0) & (tl.load(h) == n)
+            # (a chunk of another signature is laid out for other sizes: reading it as this call's could run
+            # past the slot, and its counts past this rank's half)
+            good = (tl.load(h + 2) == 0) & (tl.load(h) == n) & (tl.load(h + 1) == sig)
             if good:
                 if COMBINE:
                     rows = tl.load(h + 3)
@@ -226,8 +230,8 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
                                 tl.store(area_w + dst[:, None] + w0 + ow[None, :],
                                          tl.load(area_w + src[:, None] + w0 + ow[None, :], mask=mw), mask=mw)
             else:
-                if q == 0:      # the receive's wait for s ends at once: s failed this call, or sent another
-                    kind = tl.where(tl.load(h) == n, flags.E_FAILED, flags.E_MISMATCH)
+                if q == 0:      # the receive's wait for s ends at once: s failed this call, or made another
+                    kind = tl.where((tl.load(h) == n) & (tl.load(h + 2) != 0), flags.E_FAILED, flags.E_MISMATCH)
                     tl.store(ctl + flags.off_ll_failed(R) + s, flags.failure_word(n, kind))
     # The last program: READY = n for each chunk unpacked whole (its signature first), and the ring slots back
     # to the proxy in call order (hooks may run out of order: HEAD moves past call n only once n - 1 is done).
@@ -236,7 +240,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, n_
             for r in tl.static_range(R):
                 if live_peer(ctl, remote, r, R):
                     h = (area_w + chunk_at(ring_dw, r, rx_chunk(ctl, r, n, R), slot_w)).to(tl.pointer_type(tl.int64))
-                    if (tl.load(h + 2) == 0) & (tl.load(h) == n):
+                    if (tl.load(h + 2) == 0) & (tl.load(h) == n) & (tl.load(h + 1) == sig):
                         tl.store(ctl + flags.off_ll_sig(R) + half * R + r, tl.load(h + 1))
                         flags.release(ctl + flags.off_ll_ready(R) + half * R + r, n)
         tl.store(ctl + flags.L_UNPACKED + half, n)
@@ -252,9 +256,12 @@ _ll_unpack_launch = Launcher(_ll_unpack_kernel)
 
 
 def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, combine: bool, use_fp8: bool,
-              shrink: bool, signals: dict, cost: Optional[torch.Tensor] = None, use_logfmt: bool = False) -> None:
+              shrink: bool, signals: dict, cost: Optional[torch.Tensor] = None, use_logfmt: bool = False,
+              sig: int = 0) -> None:
     """Unpack the chunks of call ``SEQ - offset`` from every rank on the network into this rank's half
-    (``combine``: returned rows at their slots ``t * K + k``; else the dispatch's counts and records).
+    (``combine``: returned rows at their slots ``t * K + k``; else the dispatch's counts and records). ``sig``: this
+    rank's signature of the call (:func:`~triton_ep.transport.signals.call_signature`): a chunk of another
+    signature is not copied, and the receive's wait for its sender ends with a mismatch (``ValueError``).
 
     ``area``: int32 view of the local low-latency area; ``ctl``: its int64 control block; ``net``: the leg
     (``ring_ctl`` int64 control block of the scheduler's region, ``recv_dw``: its receive ring's first word
@@ -268,7 +275,7 @@ def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, comb
     rw = lay.net_logfmt_row_words if use_logfmt else lay.net_row_words
     rec = lay.record_words(use_fp8)
     _ll_unpack_launch[_grid2(R, 4, signals)](
-        area, ctl, net.ring_ctl, net.recv_dw, net.slot_w, net.remote, offset, lay.n_max, lay.ctl_words, lay.half_words,
+        area, ctl, net.ring_ctl, net.recv_dw, net.slot_w, net.remote, offset, sig, lay.n_max, lay.ctl_words, lay.half_words,
         lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"],
         signals["timeout_ns"], cost if cost is not None else ctl, R=R, COMBINE=combine, REC=rec,
         COST=cost is not None, CW=lay.net_count_words, RW=rw, SHRINK=shrink,

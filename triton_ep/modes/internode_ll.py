@@ -20,6 +20,7 @@ ranks that had masked the other renumbers its rings (:meth:`NetLeg.resync`).
 """
 from __future__ import annotations
 
+import functools
 import operator
 import time
 import uuid
@@ -34,8 +35,9 @@ from ..kernels._util import env_switch
 from ..protocol.ll_area import NET_HDR_WORDS, net_slot_bytes
 from ..runtime import Runtime
 from ..runtime import hosts as hosts_mod
+from ..protocol import call_card
 from ..transport import ipc
-from ..transport.bootstrap import gather_objects
+from ..transport.bootstrap import _group_store, gather_objects
 from ..transport.signals import RingFlags, header_bytes
 from .low_latency import LowLatency
 from .network import Network, open_network
@@ -43,6 +45,8 @@ from .network import Network, open_network
 
 #: seconds ``NetLeg.close`` waits at most for chunks already published to be placed
 CLOSE_WAIT_S = 5.0
+#: seconds a rank that found a disagreement waits at most for the peer's call card (:meth:`NetLeg.explain_mismatch`)
+CARD_WAIT_S = 10.0
 
 
 class NetLeg:
@@ -53,7 +57,7 @@ class NetLeg:
     the leg); ``group``: the Buffer's process group (the re-synchronisation meets there)."""
 
     def __init__(self, network: Network, area: torch.Tensor, slot_bytes: int, remote: torch.Tensor,
-                 local: Optional[ipc.Comm] = None, group=None) -> None:
+                 local: Optional[ipc.Comm] = None, group=None, token: str = "") -> None:
         self.network, self.sched, self.ring_ctl, self.group = network, network.sched, network.ring_ctl, group
         #: the receive polls each chunk's arrival word (``Scheduler(arrival_words=True)``) instead of the tail
         self.arrival_words = network.sched.arrival_words
@@ -65,6 +69,44 @@ class NetLeg:
             raise EPError(f"the rings are not 4-byte aligned with the low-latency area (deltas {deltas})")
         self.send_dw, self.recv_dw = (d // 4 for d in deltas)
         self.slot_bytes, self.slot_w = int(slot_bytes), int(slot_bytes) // 4
+        #: the group's key-value store (None where torch has none): ranks that disagree exchange their call cards
+        #: there, after the error is recorded (:meth:`explain_mismatch`)
+        self.store = _group_store(group) if group is not None else None
+        #: the keys of those cards: ``<prefix><epoch>/<rank>``, the epoch being the call number the group last
+        #: restarted at (:meth:`resync`: equal on every rank); the cards this rank posted, removed after the
+        #: next meeting (every rank raised its recorded error before it came)
+        self.card_prefix, self.epoch, self._posted = f"triton_ep/llcard/{token}/", 0, []
+
+    def explain_mismatch(self, rt, peer: int) -> Optional[str]:
+        """What differs between this rank's latest low-latency call and ``peer``'s, e.g. ``"low_latency_dispatch:
+        hidden: rank 0 passed 256, rank 1 passed 128"`` (``Signals.explain_mismatch``; ``rt``: the low-latency
+        Runtime, whose call card is in this rank's memory only). A peer on another host cannot read that card,
+        and the chunks carry only the call's 64-bit signature: so, on this error path only, this rank posts its
+        card in the group's store and reads ``peer``'s (which ``peer`` posts when it raises its side of the same
+        disagreement), waiting at most ``min(timeout_s, CARD_WAIT_S)``. Where ``peer``'s card agrees with this
+        rank's, the cards other ranks posted already are compared. ``None`` (the caller's message names the two
+        ranks only): no store, or no card came in time. Never raises."""
+        try:
+            me, store = rt.rank, self.store
+            if store is None:
+                return None
+            mine = np.array([int(v) for v in rt.comm.card(me)], dtype=np.int64)
+            key = f"{self.card_prefix}{self.epoch}/"
+            store.set(key + str(me), mine.tobytes())
+            self._posted.append(key + str(me))
+            deadline = time.monotonic() + min(rt.timeout_s, CARD_WAIT_S)
+            while not store.check([key + str(peer)]):
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.002)
+            others = [r for r in range(rt.group_size) if r not in (me, peer) and store.check([key + str(r)])]
+            for r in [peer] + others:
+                what = call_card.describe(mine, np.frombuffer(store.get(key + str(r)), dtype=np.int64), me, r)
+                if what is not None:
+                    return what
+        except Exception:   # noqa: BLE001 - an error path: the caller's plainer message stands
+            pass
+        return None
 
     def post_failure(self, ll: LowLatency, n: int) -> None:
         """This rank rejects low-latency call ``n`` on the host: send every unmasked network peer that call's
@@ -175,6 +217,14 @@ class NetLeg:
                 ctl[F.off_ll_mask.host(R) + p].fill_(0)
         rt.sig.resync(max(e[1] for e in every) + 1)
         ll.pending.clear()
+        # (every rank raised its recorded error before this meeting: the cards it posted were read)
+        self.epoch = top
+        for key in self._posted:
+            try:
+                self.store.delete_key(key)
+            except Exception:   # noqa: BLE001 - a store without delete: the key stays
+                pass
+        self._posted.clear()
         if unmask is not None:
             # every rank renumbered before any sends again: a peer's first chunk after the renumbering must not
             # arrive here before this rank's own renumbering (which would drop it)
@@ -267,7 +317,8 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
                                num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev,
                                peers=[r for r in range(R) if not same[r]],    # no QPs to peers on the NVLink path
                                arrival_words=arrival, delays=delays)
-        ll.net = NetLeg(network, ll.area, slot, remote, local, rt.group)
+        ll.net = NetLeg(network, ll.area, slot, remote, local, rt.group, token)
+        own.sig.explain_mismatch = functools.partial(ll.net.explain_mismatch, own)
         return ll
     except BaseException:
         try:

@@ -441,7 +441,7 @@ class LowLatency:
 
         def recv(offset: int, defer: bool = False):
             if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa, cost)
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa, cost, sig=sig)
             ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
                              recv_x, sc, src_info, ret_slot, layout_range,
                              recv_count, stats, cost, sig, self.shrink, sa, defer)
@@ -543,7 +543,8 @@ class LowLatency:
 
         def recv(offset: int, defer: bool = False):
             if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost, use_logfmt)
+                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost, use_logfmt,
+                          sig)
             ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa, defer,
                               use_logfmt)
 

@@ -63,7 +63,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 from triton_ep.transport import topology
-from triton_ep.transport.ipc import shm_name
+from triton_ep.transport.shm import shm_name
 
 
 # ----------------------------------------------------------------------------------------------- enums

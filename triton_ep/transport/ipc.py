@@ -47,37 +47,7 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-#: The environment variable whose value, when set, goes into the name of every shared-memory file triton-ep
-#: makes (``triton_ep.<tag>.<rest>``), so a program (a test run, say) can tell its own files, and those of the
-#: processes it starts (they inherit it), from other programs'. Letters, digits, ``_`` and ``-`` only.
-SHM_TAG_ENV = "TRITON_EP_SHM_TAG"
-SHM_PREFIX = "triton_ep."
-_SHM_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-
-
-def shm_tag(tag: Optional[str] = None) -> str:
-    """The shared-memory tag checked: ``tag``, or (``None``) ``$TRITON_EP_SHM_TAG`` as it is now (empty: none).
-    A Buffer checks it at construction, before any file is made, and its ranks exchange the verdict (a bad
-    value on one rank raises on every rank).
-
-    Raises:
-        ValueError: a tag with characters other than letters, digits, ``_`` and ``-`` (it names the variable).
-    """
-    tag = os.environ.get(SHM_TAG_ENV, "") if tag is None else tag
-    if not set(tag) <= _SHM_TAG_CHARS:
-        raise ValueError(f"{SHM_TAG_ENV}={tag!r}: the shared-memory tag may hold only letters, digits, _ and -")
-    return tag
-
-
-def shm_name(rest: str, tag: Optional[str] = None) -> str:
-    """The file name (no folder) of a shared-memory file of triton-ep: ``triton_ep.<rest>``, or
-    ``triton_ep.<tag>.<rest>`` with a nonempty ``tag`` (default: ``$TRITON_EP_SHM_TAG``, read at each call).
-
-    Raises:
-        ValueError: a tag with characters other than letters, digits, ``_`` and ``-`` (:func:`shm_tag`).
-    """
-    tag = shm_tag(tag)
-    return f"{SHM_PREFIX}{tag}.{rest}" if tag else f"{SHM_PREFIX}{rest}"
+from .shm import SHM_PREFIX, SHM_TAG_ENV, shm_name, shm_tag  # noqa: E402,F401  (torch-free: the proxy process's)
 
 
 def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:

@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from triton_ep.errors import EPError
 from triton_ep.transport import topology
-from triton_ep.transport.bootstrap import gather_objects
 
 #: Work request kinds accepted by :meth:`Transport.post`.
 WRITE = "write"
@@ -257,6 +256,7 @@ def exchange_info(local: Dict[int, List[QPInfo]], group: Any = None,
     import torch.distributed as dist
     group = group if group is not None else dist.group.WORLD
     me = group.rank()
+    from triton_ep.transport.bootstrap import gather_objects   # (torch: not in the proxy process)
     gathered = gather_objects(group, local, timeout_s, "rdma: exchange QP info")
     return {p: gathered[p][me] for p in range(len(gathered)) if p != me and me in gathered[p]}
 
@@ -266,6 +266,7 @@ def exchange_regions(region: RemoteRegion, group: Any = None, timeout_s: float =
     :func:`exchange_info`)."""
     import torch.distributed as dist
     group = group if group is not None else dist.group.WORLD
+    from triton_ep.transport.bootstrap import gather_objects
     return gather_objects(group, region, timeout_s, "rdma: exchange memory regions")
 
 

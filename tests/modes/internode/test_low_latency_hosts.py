@@ -186,6 +186,30 @@ def test_combine_before_its_dispatch_hook_is_refused(per_host):
         assert refused and "hook" in refused and ok, (refused, ok)
 
 
+def test_disagreement_across_hosts_names_the_field_and_both_values():
+    """2 hosts of 1 rank: rank 1 dispatches with use_fp8=False where rank 0 passes True, then with half of rank 0's
+    num_max_dispatch_tokens_per_rank. Each rank's call card is in its own memory only; the two ranks exchange them
+    through the group's store once the mismatch is recorded (modes.internode_ll, NetLeg.explain_mismatch): every
+    rank raises ValueError naming the field and both values (before: "ranks 0 and 1 called different operations
+    or passed different arguments"), and the next agreeing dispatch is correct."""
+    out = _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "disagree_then_recover", 8, 128, 4))
+    for me, peer in ((0, 1), (1, 0)):
+        (k0, m0), (k1, m1) = out[me]
+        assert k0 == "ValueError" and f"use_fp8: rank {me} passed {me != 1}, rank {peer} passed {peer != 1}" in m0, out
+        assert k1 == "ValueError" and (f"num_max_dispatch_tokens_per_rank: rank {me} passed {8 if me != 1 else 4}, "
+                                       f"rank {peer} passed {8 if peer != 1 else 4}") in m1, out
+
+
+@pytest.mark.extended
+def test_combine_disagreement_across_hosts_names_use_logfmt():
+    """2 hosts of 1 rank: rank 1 combines with use_logfmt, rank 0 without: ValueError naming use_logfmt and both
+    values on both ranks; the next round trip is correct."""
+    import logfmt_cases
+    out = _values(run_ranks(logfmt_cases.across_hosts, 2, _env(1), "disagree"))
+    for me, peer in ((0, 1), (1, 0)):
+        assert f"use_logfmt: rank {me} passed {me == 1}, rank {peer} passed {peer == 1}" in out[me], out
+
+
 def test_low_latency_mode_mismatch_across_hosts_raises_everywhere():
     """(A new user's find: the ranks' set-up exchanges fell out of step, and no Buffer could be built again.)"""
     for first in _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "mode_mismatch")):

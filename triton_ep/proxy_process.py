@@ -1,0 +1,528 @@
+"""The RDMA proxy as a process of its own (``TRITON_EP_PROXY=process``; Linux): the scheduler's sweeps beside the
+model instead of under its GIL.
+
+The rank's process keeps the producer and consumer side of the rings (kernels, host code): the rings are a file
+in /dev/shm mapped by both processes (reserved up front with ``posix_fallocate``; on GPU the rank registers the
+mapping with CUDA, device-mapped). The proxy process owns the transport (pyverbs context, PD, CQs, QPs, MRs, or
+the emulated NIC) and runs :class:`~triton_ep.scheduler.Scheduler`'s proxy threads on the same rings. The two talk
+through the rings' words (every chunk) and a small command channel (a socket pair: set-up, renumbering, failure,
+statistics, close; never per chunk).
+
+- Start-up: a fresh interpreter through ``subprocess.Popen`` (descriptors closed but its end of the channel, its
+  own session, SIGINT ignored) running :mod:`triton_ep.transport.proxy_main`, which imports neither torch nor
+  Triton; nothing is forked from the rank's process, the user's ``__main__`` is never run again.
+- Lifetime: :meth:`ProcessScheduler.close` ends and reaps it; the rank's process ending (SIGKILL included) ends
+  it within a second (it watches its parent through a pidfd, and ``getppid()``: not through the channel, which
+  processes forked from the rank keep open); a process forked from the rank that inherited the scheduler never
+  closes it (the pid is checked). The rings' file is unlinked once both processes mapped it, and the emulated
+  fabric's ring files once every QP is connected: nothing stays in /dev/shm on any path.
+- Failure: a proxy that fails records its :class:`~triton_ep.scheduler.ProxyError` as today (abort word, fault
+  words to the peers) and sends it over the channel; a proxy process that dies is a ``ProxyError`` naming the
+  rank, its pid and how it ended, at the rank's next :meth:`~ProcessScheduler.check` (a thread of the rank's
+  process reads the channel: its end is seen at once) and every ring wait ends (the abort word).
+"""
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import pickle
+import queue
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+
+from triton_ep.errors import EPError, EPTimeoutError
+from triton_ep.scheduler import STAGE_INTERNAL, STAGE_NAMES, ProxyError, RingLayout, Scheduler
+from triton_ep.transport import shm
+from triton_ep.transport.rdma import exchange_info, exchange_regions
+from triton_ep.transport.ring_flags import RingFlags
+
+#: the environment variable that picks where a Buffer's RDMA proxy runs: ``thread`` (default) or ``process``
+ENV_PROXY = "TRITON_EP_PROXY"
+PROXY_KINDS = ("thread", "process")
+#: the proxy process's entry, run by path (it must not go through ``triton_ep/__init__.py``)
+ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport", "proxy_main.py")
+#: seconds between the proxy process's looks at its parent (and at its scheduler's error)
+PARENT_POLL_S = 0.1
+#: seconds :meth:`ProcessScheduler.check` waits for the proxy's error once the abort word says it failed
+ERROR_WAIT_S = 2.0
+#: the stage a dead proxy process is reported at
+STAGE_PROCESS = f"{STAGE_NAMES[STAGE_INTERNAL]}/process"
+
+
+def proxy_kind(value: Optional[str] = None) -> str:
+    """Where the RDMA proxy runs: ``value``, else ``$TRITON_EP_PROXY`` (unset or empty: ``"thread"``).
+
+    Raises:
+        ValueError: another value (it names the variable and the choices).
+    """
+    v = os.environ.get(ENV_PROXY, "") if value is None else value
+    v = v.strip().lower() or "thread"
+    if v not in PROXY_KINDS:
+        raise ValueError(f"{ENV_PROXY}={v!r}: the RDMA proxy runs as a 'thread' of the rank's process or as a "
+                         f"'process' of its own")
+    return v
+
+
+# ------------------------------------------------------------------------------------------ the channel
+def _send(sock: socket.socket, msg: Any) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(struct.pack("<Q", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            return None
+        buf += part
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> Any:
+    """The next message, or ``None`` at the end of the channel."""
+    head = _recv_exact(sock, 8)
+    if head is None:
+        return None
+    body = _recv_exact(sock, struct.unpack("<Q", head)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def pack_error(ex: BaseException) -> tuple:
+    """An exception as it crosses the channel: ``(class, attributes, message)`` (triton-ep's errors take their
+    fields as arguments, which plain pickling of an exception loses); one that does not pickle goes as a
+    :class:`ProxyError` holding its text."""
+    msg = (type(ex), dict(getattr(ex, "__dict__", {})), str(ex))
+    try:
+        pickle.dumps(msg)
+        return msg
+    except Exception:   # noqa: BLE001
+        return (ProxyError, {}, f"{type(ex).__name__}: {ex}")
+
+
+def unpack_error(msg: tuple) -> BaseException:
+    """The exception :func:`pack_error` packed."""
+    cls, attrs, text = msg
+    ex = cls.__new__(cls)
+    ex.args = (text,)
+    ex.__dict__.update(attrs)
+    return ex
+
+
+# ------------------------------------------------------------------------------------- the rank's side
+class ProcessScheduler(Scheduler):
+    """The rank's side of a proxy process: the same host API as :class:`~triton_ep.scheduler.Scheduler` (rings,
+    producer and consumer calls, host waits, :meth:`check`, :meth:`fail`, :meth:`rebase`, :meth:`stats`,
+    :meth:`close`) over rings shared with the proxy process, which owns the transport. Built and connected by
+    :func:`bootstrap_process`.
+
+    Args:
+        backend: ``"verbs"`` or ``"emulated"`` (:func:`triton_ep.transport.factory.open_transport`).
+        rank, world: this rank and the ranks of the RDMA group.
+        transport_kw: the other arguments of ``open_transport`` (picklable: the emulated fabric pickles as its
+            spec and token).
+        slots, slot_bytes, timeout_s, arrival_words and the other ``sched_kw``: the proxy's
+            :class:`~triton_ep.scheduler.Scheduler` arguments (``memory``, ``on_signal`` and ``trace`` have no
+            meaning across processes: ``ValueError``).
+        device: the kernels' device: on CUDA the mapping is registered with ``cudaHostRegister`` (device-mapped).
+    Raises:
+        ValueError: bad sizes, or an argument that cannot cross to the proxy. OSError: /dev/shm has no room for
+        the rings (it names the size and ``--shm-size`` / ``--ipc=host``). ProxyError: the proxy process did not
+        start or its transport failed to open (its error).
+    """
+
+    def __init__(self, backend: str, rank: int, world: int, transport_kw: dict, *, slots: int = 8,
+                 slot_bytes: int = 1 << 20, timeout_s: float = 100.0, device=None, peers: Optional[Sequence[int]] = None,
+                 **sched_kw) -> None:
+        bad = [k for k in ("memory", "on_signal", "trace") if sched_kw.get(k)]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: not available with the proxy in a process of its own ({ENV_PROXY})")
+        if slots < 1 or slot_bytes < 64 or slot_bytes % 64:
+            raise ValueError(f"slots must be >= 1 and slot_bytes a positive multiple of 64 (got {slots}, {slot_bytes})")
+        self.rank, self.world = int(rank), int(world)
+        self.layout = RingLayout(self.world, slots, slot_bytes)
+        self.slots, self.slot_bytes, self.timeout_s = slots, slot_bytes, float(timeout_s)
+        self.arrival_words = bool(sched_kw.get("arrival_words", False))
+        self.trace, self.on_signal, self.events = False, None, []
+        self.peers = sorted(int(p) for p in peers) if peers is not None else [p for p in range(world) if p != rank]
+        self._next_tx = {p: 0 for p in self.peers}
+        self._next_rx = {p: 0 for p in self.peers}
+        self.error: Optional[BaseException] = None
+        self._pid = os.getpid()
+        self._err_lock, self._req_lock = threading.Lock(), threading.Lock()
+        self._replies: "queue.Queue" = queue.Queue()
+        self._closing = self._closed = False
+        self._cuda_ptr = None
+        self.proc = self._sock = self._listener = None
+        n = self.layout.nbytes
+        path = shm.create_file(shm.shm_name(f"proxy.{os.getpid()}.r{rank}.{uuid.uuid4().hex[:8]}"), n)
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, n)
+            finally:
+                os.close(fd)
+            self.mem = np.frombuffer(self._map, np.uint8)
+            self.flags = RingFlags(self.mem[:self.layout.ctrl_bytes].view(np.int64), self.rank, self.world, slots)
+            if device is not None and getattr(device, "type", device) == "cuda":
+                self._register_cuda()
+            self._spawn()
+            self.local_infos = self._request("setup", dict(path=path, nbytes=n, backend=backend, rank=self.rank,
+                                                           world=self.world, transport_kw=transport_kw,
+                                                           sched_kw=dict(slots=slots, slot_bytes=slot_bytes,
+                                                                         timeout_s=timeout_s, **sched_kw)))
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.unlink(path)     # both processes mapped it (or it failed): its name goes now
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _register_cuda(self) -> None:
+        """Pin the mapping and map it into the device's address space (``cudaHostRegister`` with
+        ``cudaHostRegisterPortable | cudaHostRegisterMapped``): kernels take it as they take pinned memory."""
+        import torch
+        ptr = self.mem.ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.mem.nbytes, 3)
+        if int(getattr(err, "value", err)) != 0:
+            raise RuntimeError(f"rank {self.rank}: cudaHostRegister of the RDMA proxy's rings ({self.mem.nbytes} "
+                               f"bytes) failed: {err}")
+        self._cuda_ptr = ptr
+
+    def _spawn(self) -> None:
+        """Start the proxy process and the thread that reads its channel."""
+        mine, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen([sys.executable, ENTRY, str(theirs.fileno()), str(os.getpid())],
+                                         pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True,
+                                         stdin=subprocess.DEVNULL)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock = mine
+        self._listener = threading.Thread(target=self._listen, name=f"triton-ep-proxy-channel-{self.rank}",
+                                          daemon=True)
+        self._listener.start()
+
+    def _listen(self) -> None:
+        """Read the channel: replies go to the requester, the proxy's error is recorded; at the channel's end (the
+        proxy process ended) a :class:`ProxyError` is recorded unless this side closed it."""
+        while True:
+            try:
+                msg = _recv(self._sock)
+            except OSError:
+                msg = None
+            if msg is None:
+                break
+            if msg[0] == "error":
+                self._record(unpack_error(msg[1]))
+            else:
+                self._replies.put(msg)
+        if not self._closing:
+            try:
+                code = self.proc.wait(timeout=1.0)
+                how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            except subprocess.TimeoutExpired:
+                how = "closed its channel"
+            self._record(ProxyError(self.rank, None, None, None, STAGE_PROCESS,
+                                    f"the RDMA proxy process (pid {self.proc.pid}) ended: {how}"))
+        self._replies.put(None)
+
+    def _record(self, ex: BaseException) -> bool:
+        """Record ``ex`` as the error (the first one wins) and end every ring wait. Returns whether it was the
+        first."""
+        with self._err_lock:
+            first = self.error is None
+            if first:
+                self.error = ex
+        self.flags.abort(2)
+        return first
+
+    def _request(self, cmd: str, *args, timeout_s: Optional[float] = None) -> Any:
+        """Send ``cmd`` to the proxy process and wait for its answer (bounded: ``timeout_s``, default the
+        scheduler's bound + 10 s). Raises the proxy's error for the command, or ProxyError."""
+        if os.getpid() != self._pid:
+            raise ProxyError(self.rank, None, None, None, STAGE_PROCESS,
+                             "a process forked from the rank cannot drive the rank's RDMA proxy")
+        wait = self.timeout_s + 10.0 if timeout_s is None else timeout_s
+        with self._req_lock:
+            try:
+                _send(self._sock, (cmd,) + args)
+            except OSError as ex:
+                raise self.error or ProxyError(self.rank, None, None, None, STAGE_PROCESS,
+                                               f"the RDMA proxy process is gone ({ex})") from None
+            try:
+                msg = self._replies.get(timeout=wait)
+            except queue.Empty:
+                raise ProxyError(self.rank, None, None, None, STAGE_PROCESS,
+                                 f"the RDMA proxy process did not answer {cmd!r} within {wait:g} s") from None
+        if msg is None:
+            self._replies.put(None)     # (the next requester sees the end too)
+            raise self.error or ProxyError(self.rank, None, None, None, STAGE_PROCESS, "the RDMA proxy process ended")
+        kind, val = msg
+        if kind == "err":
+            raise unpack_error(val)
+        return val
+
+    # ---------------------------------------------------------------- Scheduler's API, across the channel
+    def start(self, remotes) -> "ProcessScheduler":       # noqa: D102  (the set-up goes by bootstrap_process)
+        raise TypeError("a ProcessScheduler is started by bootstrap_process")
+
+    def remote_region(self):
+        """Not available here: the proxy process's region travels in :func:`bootstrap_process`."""
+        raise TypeError("a ProcessScheduler's region is exchanged by bootstrap_process")
+
+    def check(self) -> None:
+        """Raise the proxy's error: its own (sent over the channel) or the end of its process. Where the abort word
+        says the proxy failed (2) but its error is still on its way over the channel, wait for it (up to
+        :data:`ERROR_WAIT_S`), so the rank raises the proxy's own error as with a proxy thread."""
+        if self.error is None and self.flags.aborted == 2 and not self._closed:
+            deadline = time.monotonic() + ERROR_WAIT_S
+            while self.error is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+        if self.error is not None:
+            raise self.error
+
+    def fail(self, ex: BaseException) -> None:
+        """Record ``ex`` (the first error wins), end every ring wait, and have the proxy stop and tell the peers
+        (their ``FAULT`` words), as :meth:`Scheduler.fail` does in its process."""
+        if not isinstance(ex, EPError):
+            ex = ProxyError(self.rank, getattr(ex, "peer", None), None, None, STAGE_NAMES[STAGE_INTERNAL],
+                            f"{type(ex).__name__}: {ex}")
+        if self._record(ex) and self._sock is not None and not self._closed:
+            try:
+                self._request("fail", pack_error(ex), timeout_s=5.0)
+            except Exception:   # noqa: BLE001  (best effort: a dead proxy tells nobody)
+                pass
+
+    def wait_quiet(self, peer: int, stage: str) -> None:
+        """:meth:`Scheduler.wait_quiet`, in the proxy process."""
+        self._request("wait_quiet", int(peer), stage)
+
+    def rebase(self, peer: int, tx: int, rx: int) -> None:
+        """:meth:`Scheduler.rebase`, in the proxy process (and this side's next chunk numbers)."""
+        self._request("rebase", int(peer), int(tx), int(rx))
+        self._next_tx[peer], self._next_rx[peer] = int(tx), int(rx)
+
+    def test_hook(self, name: str, *args) -> None:
+        """Run a test hook of :mod:`triton_ep.testing` in the proxy process, where the transport and the sweeps
+        are: ``"break_qp", peer, qp`` (the QP goes to the error state), ``"drop_signal", peer, seq`` (chunk
+        ``seq``'s signal to ``peer`` is left out)."""
+        self._request(f"hook_{name}", *args)
+
+    def stats(self) -> dict:
+        """:meth:`Scheduler.stats` of the proxy process's scheduler, with ``proxy_process_cpu_s``: the whole proxy
+        process's CPU seconds (every thread, idle polling included)."""
+        return self._request("stats")
+
+    def close(self) -> None:
+        """End the proxy process (its transport closed) and reap it; idempotent. In a process forked from the
+        rank's (it inherited this object) nothing happens: the proxy is the rank's."""
+        if os.getpid() != self._pid or self._closed:
+            return
+        self._closed = True
+        if self.proc is not None and self.proc.poll() is None and self.error is None:
+            try:
+                self._request("close", timeout_s=self.timeout_s + 10.0)
+            except Exception:   # noqa: BLE001  (it is ended below either way)
+                pass
+        self._closing = True
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._listener is not None:
+            self._listener.join(timeout=5.0)
+        if self._sock is not None:
+            self._sock.close()
+        if self._cuda_ptr is not None:
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self._cuda_ptr)
+            self._cuda_ptr = None
+        # (the mapping goes with the last view of it: the rank's tensors over the rings may outlive this)
+
+
+def _close_at_exit(ref) -> None:
+    s = ref()
+    if s is not None:
+        s.close()
+
+
+def bootstrap_process(backend: str, rank: int, world: int, transport_kw: dict, sched_kwargs: dict, group=None,
+                      device=None) -> ProcessScheduler:
+    """:func:`triton_ep.scheduler.bootstrap` with the proxy in a process of its own: start it (it opens the
+    transport), exchange QP infos through the group's store, connect, exchange regions, start the sweeps.
+    Collective over ``group``. Returns the started :class:`ProcessScheduler`; on any failure nothing is left
+    (the proxy process ended and reaped, no file)."""
+    kw = dict(sched_kwargs)
+    peers = transport_kw.get("peers")
+    ps = ProcessScheduler(backend, rank, world, transport_kw, device=device, peers=peers, **kw)
+    try:
+        remote = exchange_info(ps.local_infos, group, ps.timeout_s)
+        region = ps._request("connect", {p: remote[p] for p in ps.peers})
+        ps._request("start", exchange_regions(region, group, ps.timeout_s))
+    except BaseException:
+        ps.close()
+        raise
+    return ps
+
+
+# ------------------------------------------------------------------------------------ the proxy's side
+class _Served:
+    """The proxy process's state: the mapped rings, the transport, the scheduler."""
+
+    def __init__(self) -> None:
+        self.mem = self.transport = self.sched = self.fabric = None
+        self.reported = False
+
+    def handle(self, msg: tuple):
+        """Run one command; returns ``(reply, done)``."""
+        cmd, args = msg[0], msg[1:]
+        try:
+            val = getattr(self, f"cmd_{cmd}")(*args)
+        except BaseException as ex:   # noqa: BLE001  (it goes back to the rank)
+            return ("err", pack_error(ex)), False
+        return ("ok", val), cmd == "close"
+
+    def cmd_setup(self, cfg: dict):
+        from triton_ep.transport import factory
+        n = cfg["nbytes"]
+        with open(cfg["path"], "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), n)
+        self.mem = np.frombuffer(self._map, np.uint8)
+        self.fabric = cfg["transport_kw"].get("fabric")
+        self.transport = factory.open_transport(cfg["backend"], cfg["rank"], cfg["world"], **cfg["transport_kw"])
+        self.sched_kw = cfg["sched_kw"]
+        return {p: self.transport.local_info(p) for p in self.transport.peer_ranks()}
+
+    def cmd_connect(self, remote: Dict[int, Any]):
+        for p, info in remote.items():
+            self.transport.connect(p, info)
+        self.sched = Scheduler(self.transport, memory=self.mem, **self.sched_kw)
+        return self.sched.remote_region()
+
+    def cmd_start(self, remotes):
+        self.sched.start(remotes)
+        if self.fabric is not None:     # every peer has mapped this process's fabric rings
+            self.fabric.unlink_rings()
+
+    def cmd_wait_quiet(self, peer: int, stage: str):
+        self.sched.wait_quiet(peer, stage)
+
+    def cmd_rebase(self, peer: int, tx: int, rx: int):
+        self.sched.rebase(peer, tx, rx)
+
+    def cmd_fail(self, packed: tuple):
+        if self.sched is not None:
+            self.reported = True        # (the rank has it)
+            self.sched.fail(unpack_error(packed))
+
+    def cmd_stats(self):
+        st = self.sched.stats()
+        t = os.times()
+        st["proxy_process_cpu_s"] = t.user + t.system
+        return st
+
+    def cmd_hook_break_qp(self, peer: int, qp: int):
+        t = self.transport
+        t.qps[(peer, qp)].qp.modify(t.api.QPAttr(qp_state=t.e.IBV_QPS_ERR), 0)
+
+    def cmd_hook_drop_signal(self, peer: int, seq: int):
+        sched = self.sched
+        chunk_ops = sched._chunk_ops
+
+        def without_signal(p, qp, k, nbytes, signaled):
+            ops = chunk_ops(p, qp, k, nbytes, signaled)
+            return ops[:-1] if p == peer and k == seq else ops
+
+        sched._chunk_ops = without_signal
+
+    def cmd_modules(self):
+        """The modules this process imported, and whether ``torch`` / ``triton`` are the real ones (a test's)."""
+        tr = sys.modules.get("triton")
+        return sorted(sys.modules), {"torch": sys.modules.get("torch") is not None,
+                                     "triton": tr is not None and hasattr(tr, "__version__")}
+
+    def cmd_close(self):
+        self.shutdown()
+
+    def report(self, sock: socket.socket) -> None:
+        """Send the scheduler's error to the rank, once."""
+        if self.sched is not None and self.sched.error is not None and not self.reported:
+            self.reported = True
+            _send(sock, ("error", pack_error(self.sched.error)))
+
+    def shutdown(self) -> None:
+        """Stop the sweeps, close the transport (idempotent)."""
+        sched, transport = self.sched, self.transport
+        self.sched = self.transport = None
+        try:
+            if sched is not None:
+                sched.close()
+        finally:
+            if transport is not None:
+                transport.close()
+
+
+def _parent_gone(ppid: int, pidfd: Optional[int], readable) -> bool:
+    return (pidfd is not None and pidfd in readable) or os.getppid() != ppid
+
+
+def serve(fd: int, ppid: int) -> int:
+    """The proxy process's loop: answer the rank's commands on the channel ``fd``, report the scheduler's error,
+    and end when told to, when the channel ends or when the parent ``ppid`` is gone (its pidfd, and
+    ``getppid()``, looked at every :data:`PARENT_POLL_S`). Returns the exit status (0: closed by the rank)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        pidfd = os.pidfd_open(ppid)
+    except (AttributeError, OSError):
+        pidfd = None
+    served = _Served()
+    try:
+        if os.getppid() != ppid:
+            return 3
+        watch = [sock] + ([pidfd] if pidfd is not None else [])
+        while True:
+            readable, _, _ = select.select(watch, [], [], PARENT_POLL_S)
+            if _parent_gone(ppid, pidfd, readable):
+                return 4
+            if sock in readable:
+                msg = _recv(sock)
+                if msg is None:
+                    return 5
+                reply, done = served.handle(msg)
+                _send(sock, reply)
+                if done:
+                    return 0
+            served.report(sock)
+    except (OSError, EPTimeoutError):
+        return 6
+    finally:
+        served.shutdown()
+        if pidfd is not None:
+            os.close(pidfd)
+        sock.close()
+
+
+__all__ = ["ProcessScheduler", "bootstrap_process", "proxy_kind", "ENV_PROXY", "PROXY_KINDS", "serve",
+           "pack_error", "unpack_error"]
