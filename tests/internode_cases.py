@@ -810,3 +810,61 @@ def disagreement(rank, world, env, kind):
         return first, bool(torch.equal(y, expect))
     finally:
         buf.destroy()
+
+
+def capture_disagreement(rank, world, env, kind):
+    """2 hosts of 2 ranks on the capture path (``TRITON_EP_INTERNODE_CAPTURE_PATH=1``). ``kind``: ``"dispatch_hidden"``
+    (rank 3's num_worst_tokens dispatch has x 32 wide, the others' 64: its RDMA peer, rank 1, and rank 3 itself
+    find it on the network), ``"combine_hidden"`` (after a num_worst_tokens dispatch, rank 3 combines rows 32
+    wide). Returns the first error of the call or of a ``check()`` after it (each after a barrier: a rank whose call
+    returned hears of the failure once the others found it) ([type, message] or None), the next call's error type and seconds (the network leg ends for good), and whether a dispatch +
+    combine on a new Buffer is correct."""
+    import time
+    import torch.distributed as dist
+    os.environ.update(env)
+    T, H, E, W = 6, 64, 8, 64
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    w = torch.rand(T, 2, generator=g)
+    wide = 32 if rank == 3 else H
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
+    try:
+        pr, ph, pe, ir, _ = buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=pr, num_tokens_per_rdma_rank=ph, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                  topk_idx=idx, topk_weights=w, num_worst_tokens=W)
+        seen = []
+        try:
+            if kind == "dispatch_hidden":
+                buf.dispatch(torch.randn(T, wide).to(torch.bfloat16), **kw)
+            else:
+                rx, _, rw, _, h, _ = buf.dispatch(x, **kw)
+                buf.check()
+                buf.combine(torch.zeros(rx.shape[0], wide, dtype=torch.bfloat16), h, topk_weights=rw)
+        except Exception as ex:   # noqa: BLE001 - the test compares the errors
+            seen.append(_error(ex))
+        for _ in range(2):      # (a rank whose call returned hears of it at a check: the others found it first)
+            dist.barrier()
+            try:
+                buf.check()
+            except Exception as ex:   # noqa: BLE001
+                seen.append(_error(ex))
+        first = seen[0] if seen else None
+        t0, nxt = time.monotonic(), None
+        try:
+            buf.dispatch(x, **kw)
+        except Exception as ex:   # noqa: BLE001
+            nxt = type(ex).__name__
+        nxt_s = time.monotonic() - t0
+    finally:
+        buf.destroy()
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
+    try:
+        pr, ph, pe, ir, _ = buf.get_dispatch_layout(idx, E)
+        rx, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=pr, num_tokens_per_rdma_rank=ph, is_token_in_rank=ir,
+                                         num_tokens_per_expert=pe, topk_idx=idx, num_worst_tokens=W)
+        y, _, _ = buf.combine(rx, h)
+        expect = (x.float() * ir.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        return first, nxt, nxt_s, bool(torch.equal(y, expect))
+    finally:
+        buf.destroy()

@@ -291,6 +291,7 @@ class Internode(CapturePath):
             hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])
             self._init_capture(capture)
             token = every[0][0]
+            self._init_capture_store(rt.group, token)
             names = [f"ep{token}_{r}" for r in range(rt.group_size)]
             # the rings: host memory the proxy and the NIC see, pinned and device-mapped for GPU kernels
             leg = open_network(rt.rdma_transport, self.peer_group, self.host, self.num_hosts, token=token, names=names,
@@ -340,9 +341,21 @@ class Internode(CapturePath):
     # ------------------------------------------------------------------ layout
     def _live(self) -> None:
         """Raise at once where an earlier call failed: the Buffer destroyed (``EPError``), a kernel's
-        recorded error, or the RDMA proxy's (sticky: every later call raises it, with global ranks)."""
+        recorded error, or the RDMA proxy's (sticky: every later call raises it, with global ranks). Where a
+        capture-path call failed because ranks disagree, the first such error is that disagreement's
+        ``ValueError`` (:meth:`~triton_ep.modes.internode_capture.CapturePath.translate_failure`)."""
         if self.sched is None:
             raise EPError(f"rank {self.rt.rank}: this Buffer was destroyed")
+        try:
+            self._live_checks()
+        except Exception as ex:     # noqa: BLE001 - raised as it is, or as the disagreement behind it
+            told = self.translate_failure(ex)
+            if told is not ex:
+                raise told from ex
+            raise
+
+    def _live_checks(self) -> None:
+        """:meth:`_live`'s checks, in order: the capture path's statuses, this host's runtime, the proxy."""
         self.check_capture()        # first: this rank's own recorded error names the cause, the others echo it
         try:
             self.rt.check()         # this host's runtime: also raises where its forwarding leg failed for good

@@ -121,9 +121,32 @@ def test_capture_path_different_calls_fail_at_once(kind, world, per_host):
         assert any(o["first"][0] == "ValueError" and "add up to 4294967294" in o["first"][1] for o in out), out
     if kind == "zero_worst":        # the rank without num_worst_tokens reads the other's stream as a header
         assert out[0]["first"][0] == "ValueError" and "different calls" in out[0]["first"][1], out
-    if kind in ("combine_vs_cached", "hidden"):     # both ranks read the other's header: the other layout
-        assert all(any(x and x[0] == "ValueError" and "another layout" in x[1] for x in (o["first"], o["checked"]))
-                   for o in out), out
+    if kind in ("combine_vs_cached", "hidden"):     # both ranks read the other's header (another layout), and name
+        want = {"combine_vs_cached": "the operation: rank 0 called combine, rank 1 called cached dispatch",
+                "hidden": "dispatch with num_worst_tokens: hidden: rank 0 passed 64, rank 1 passed 256"}[kind]
+        assert all(any(x and x[0] == "ValueError" and want in x[1] for x in (o["first"], o["checked"]))
+                   for o in out), out       # (from the two ranks' call cards, exchanged in the group's store)
+
+
+@pytest.mark.parametrize("kind,want", [
+    # rank 3's x is narrower: rank 1 (its RDMA peer) and rank 3 find other record layouts in their streams' headers,
+    # rank 2 and rank 3 in host 1's forwarding leg; ranks 0 and 2 only see the network leg end
+    ("dispatch_hidden", ("dispatch with num_worst_tokens: hidden: rank ", " passed 64, rank 3 passed 32")),
+    # rank 3 combines narrower rows: host 1's forwarding leg finds it, the other host sees the leg end
+    ("combine_hidden", ("combine: hidden: rank 2 passed 64, rank 3 passed 32",)),
+])
+def test_capture_path_disagreement_is_a_value_error_on_every_rank(kind, want):
+    """2 hosts of 2 ranks on the capture path; rank 3's call differs (its hidden size). Every rank raises ValueError
+    naming the field and both values with global rank numbers, at the call or at a check() after it (before:
+    ValueError on the two RDMA peers, "another layout", and EPRemoteError / ProxyRemoteError on the others): the
+    failing ranks post their call cards in the group's store and the one that found the disagreement tells it there
+    before the failure reaches anyone. As any capture-path failure, it ends the network leg: the next call raises at
+    once; a new Buffer's num_worst_tokens dispatch and combine are correct."""
+    out = _values(run_ranks(cases.capture_disagreement, 4, _env(2), kind, timeout_s=240))
+    for r, (first, nxt, nxt_s, fresh) in enumerate(out):
+        assert first is not None and first[0] == "ValueError" and all(w in first[1] for w in want), (r, first)
+        assert nxt is not None and nxt_s < 5.0, (r, out)
+        assert fresh is True, (r, out)
 
 
 def test_capture_path_after_a_rejected_host_path_call():
