@@ -8,13 +8,16 @@
 2. Proxy cost, over a null Transport (completions at once, no payload moved: the emulator copies payloads in the
    posting thread, so it would time itself): rank 0 sends ``--chunks`` chunks of ``--chunk-kib`` to rank 1.
    The producer and consumer stand in for kernels, so they run in a helper process (in the benchmark's main
-   thread a busy thread would starve them in any design of the proxy). ``--busy``: ``none``; ``python``, a
-   thread of the proxy's process running exactly ``while not stop: x += 1`` at the default switch interval;
+   thread a busy thread would starve them in any design of the proxy). ``--proxy``: ``thread`` (both ranks'
+   proxy threads in the benchmark's process, today's default) and ``process`` (one proxy process holding both
+   ranks' schedulers, ``TRITON_EP_PROXY=process``). ``--busy``: ``none``; ``python``, a thread of the
+   benchmark's process (the rank's) running exactly ``while not stop: x += 1`` at the default switch interval;
    ``launch``, a thread launching kernels (Triton-interpreted on CPU, compiled on GPU). Each busy load also
    runs as a control row with the loop in a process of its own (it shares the CPU, not the GIL). Figures:
    the helper's wall time per chunk (and its ratio to the idle row; target: ``python`` <= 1.5x), and the
-   proxy's CPU time per chunk: every proxy thread (``/proc/<pid>/task/<tid>/schedstat``), idle polling
-   included, less the transport's own payload copies (none over the null transport).
+   proxy's CPU time per chunk: every proxy thread, or every thread of the proxy process
+   (``/proc/<pid>/task/<tid>/schedstat``), idle polling included, less the transport's own payload copies (none
+   over the null transport).
 3. A timeline of one all-to-all (2 hosts, full plan): Chrome-trace JSON (opens in Perfetto) and a PNG:
    producer chunks, posts per channel/QP, arrivals.
 
@@ -192,6 +195,43 @@ class _ThreadProxies:
             x.close()
 
 
+class _ProcessProxies:
+    """The proxy as a process of its own (``TRITON_EP_PROXY=process``): one proxy process holding both ranks'
+    schedulers over one null wire (as the thread row holds both in this process), on the same rings."""
+
+    def __init__(self, paths, chunk: int, slots: int, qps: int) -> None:
+        from triton_ep import proxy_process as pp
+        self.pp = pp
+        self.proc, self.sock = pp.start_proxy()
+        self._ask("bench_null_pair", list(paths), slots, chunk, qps)
+
+    def _ask(self, *msg):
+        self.pp._send(self.sock, msg)
+        got = self.pp._recv(self.sock)
+        if got is None:
+            raise RuntimeError("the proxy process ended")
+        if got[0] in ("error", "err"):      # (the proxy's failure, or the command's)
+            raise self.pp.unpack_error(got[1])
+        return got[1]
+
+    def tasks(self) -> list:
+        """Every thread of the proxy process."""
+        return process_tasks(self.proc.pid)
+
+    def copy_s(self) -> float:
+        return 0.0
+
+    def check(self) -> None:
+        self._ask("stats")
+
+    def close(self) -> None:
+        try:
+            self._ask("close")
+        finally:
+            self.proc.wait(30)
+            self.sock.close()
+
+
 def proxy_cost(n_chunks: int, chunk: int, slots: int, qps: int, busy: str, proxy: str = "thread") -> dict:
     """Rank 0 -> 1 over the null transport, the producer and consumer in a helper process, ``busy``: ``"none"``,
     ``"python"`` / ``"launch"`` (a busy thread in this process, the proxy's when it is a thread), or
@@ -216,8 +256,10 @@ def proxy_cost(n_chunks: int, chunk: int, slots: int, qps: int, busy: str, proxy
     loader = ctl = helper = prox = None
     mine, theirs = ctx.Pipe()
     try:
-        mems = [np.frombuffer(m, np.uint8) for m in maps]
-        prox = _ThreadProxies(mems, chunk, slots, qps)
+        if proxy == "thread":
+            prox = _ThreadProxies([np.frombuffer(m, np.uint8) for m in maps], chunk, slots, qps)
+        else:
+            prox = _ProcessProxies(paths, chunk, slots, qps)
         helper = ctx.Process(target=_producer_consumer, args=(paths, 2, slots, chunk, n_chunks, theirs), daemon=True)
         helper.start()
         if mine.poll(120):
@@ -347,8 +389,9 @@ def main(argv=None):
                     help="loads of the proxy-cost runs: none, python (a thread running exactly 'while not stop: "
                          "x += 1'), launch (a thread launching kernels); each non-idle load also runs as a "
                          "control row with the loop in a process of its own (default: all)")
-    ap.add_argument("--proxy", nargs="+", choices=("thread",), default=["thread"],
-                    help="proxy kinds to measure (thread: the proxy threads in the benchmark's process)")
+    ap.add_argument("--proxy", nargs="+", choices=("thread", "process"), default=["thread", "process"],
+                    help="proxy kinds to measure (thread: the proxy threads in the benchmark's process, which "
+                         "also runs the busy thread; process: a proxy process of its own, TRITON_EP_PROXY=process)")
     ap.add_argument("--parts", nargs="+", choices=("model", "cost", "timeline"), default=["model", "cost", "timeline"],
                     help="what to run (default: all)")
     add_out_arg(ap, "scheduler.json, scheduler_trace.json/.png")

@@ -96,7 +96,8 @@ def _open_fds() -> dict:
 
 
 #: the test modules holding rank bodies (imported by the fork server, see below)
-RANK_BODY_MODULES = ("helpers", "mp_cases", "ll_cases", "internode_cases", "sched_cases", "metrics_cases")
+RANK_BODY_MODULES = ("helpers", "mp_cases", "ll_cases", "internode_cases", "sched_cases", "metrics_cases",
+                     "proxy_cases")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -110,6 +111,7 @@ def _process_wide_singletons():
     from triton_ep import testing
     if testing.start_forkserver(RANK_BODY_MODULES):
         testing.START_METHOD = "forkserver"
+    _SESSION_CHILDREN.update(_processes())
     if torch.cuda.is_available():          # the driver's own descriptors, opened once
         torch.zeros(1, device="cuda")
     # What the imports made (torch, triton, the test modules) lives as long as the process: out of the garbage
@@ -159,11 +161,16 @@ def _processes(since: int = 0, tag: str = SHM_TAG) -> set:
     return out
 
 
+#: this process's children that live as long as the session (the fork server, the resource tracker): process ids
+#: wrap (pid_max may be 32768), so a test after a wrap scans every process
+_SESSION_CHILDREN: set = set()
+
+
 def processes_left_behind(since: int, grace_s: float = 5.0) -> set:
-    """Processes of :func:`_processes` created after ``since`` and still there after up to ``grace_s`` (a proxy
-    whose rank ended takes up to about a second)."""
+    """Processes of :func:`_processes` created after ``since`` (not the session's own children) and still there
+    after up to ``grace_s`` (a proxy whose rank ended takes up to about a second)."""
     deadline = time.monotonic() + grace_s
-    new = _processes(since)
+    new = _processes(since) - _SESSION_CHILDREN
     while new and time.monotonic() < deadline:
         time.sleep(0.05)
         new &= _processes(since)

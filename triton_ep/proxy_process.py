@@ -42,6 +42,7 @@ from typing import Any, Dict, Optional, Sequence
 import numpy as np
 
 from triton_ep.errors import EPError, EPTimeoutError
+from triton_ep.protocol import signal_header as F
 from triton_ep.scheduler import STAGE_INTERNAL, STAGE_NAMES, ProxyError, RingLayout, Scheduler
 from triton_ep.transport import shm
 from triton_ep.transport.rdma import exchange_info, exchange_regions
@@ -202,17 +203,7 @@ class ProcessScheduler(Scheduler):
 
     def _spawn(self) -> None:
         """Start the proxy process and the thread that reads its channel."""
-        mine, theirs = socket.socketpair()
-        try:
-            self.proc = subprocess.Popen([sys.executable, ENTRY, str(theirs.fileno()), str(os.getpid())],
-                                         pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True,
-                                         stdin=subprocess.DEVNULL)
-        except BaseException:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
-        self._sock = mine
+        self.proc, self._sock = start_proxy()
         self._listener = threading.Thread(target=self._listen, name=f"triton-ep-proxy-channel-{self.rank}",
                                           daemon=True)
         self._listener.start()
@@ -286,15 +277,28 @@ class ProcessScheduler(Scheduler):
         raise TypeError("a ProcessScheduler's region is exchanged by bootstrap_process")
 
     def check(self) -> None:
-        """Raise the proxy's error: its own (sent over the channel) or the end of its process. Where the abort word
-        says the proxy failed (2) but its error is still on its way over the channel, wait for it (up to
-        :data:`ERROR_WAIT_S`), so the rank raises the proxy's own error as with a proxy thread."""
-        if self.error is None and self.flags.aborted == 2 and not self._closed:
+        """Raise the proxy's error: its own (sent over the channel) or the end of its process. Where the rings say
+        the proxy failed (:meth:`_proxy_failing`) but its error is still on its way over the channel, wait for it
+        (up to :data:`ERROR_WAIT_S`), so the rank raises the proxy's own error as with a proxy thread."""
+        if self.error is None and not self._closed and self._proxy_failing():
             deadline = time.monotonic() + ERROR_WAIT_S
             while self.error is None and time.monotonic() < deadline:
                 time.sleep(0.001)
         if self.error is not None:
             raise self.error
+
+    def _proxy_failing(self) -> bool:
+        """Whether the rings say that the proxy failed or is about to (its error may still be on the channel): the
+        abort word says so (2), a ring kernel recorded a wait that a failure ended, or a peer's fault word landed
+        (the proxy raises ``ProxyRemoteError`` at its next sweep; a kernel may see the word first)."""
+        f = self.flags
+        if f.aborted == 2:
+            return True
+        rec = f.record()
+        if rec is not None and rec.kind != int(F.E_TIMEOUT):
+            return True
+        R = self.world
+        return any(f.rows()[(RingFlags.FAULT - RingFlags.READY) * R:])
 
     def fail(self, ex: BaseException) -> None:
         """Record ``ex`` (the first error wins), end every ring wait, and have the proxy stop and tell the peers
@@ -360,6 +364,22 @@ class ProcessScheduler(Scheduler):
             torch.cuda.cudart().cudaHostUnregister(self._cuda_ptr)
             self._cuda_ptr = None
         # (the mapping goes with the last view of it: the rank's tensors over the rings may outlive this)
+
+
+def start_proxy() -> tuple:
+    """Start a proxy process: a fresh interpreter running :data:`ENTRY` (descriptors closed but its end of the
+    channel, its own session). Returns ``(Popen, this side's socket)``."""
+    mine, theirs = socket.socketpair()
+    try:
+        proc = subprocess.Popen([sys.executable, ENTRY, str(theirs.fileno()), str(os.getpid())],
+                                pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True,
+                                stdin=subprocess.DEVNULL)
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, mine
 
 
 def _close_at_exit(ref) -> None:
@@ -457,6 +477,22 @@ class _Served:
 
         sched._chunk_ops = without_signal
 
+    def cmd_bench_null_pair(self, paths, slots: int, slot_bytes: int, qps: int):
+        """benchmarks/bench_scheduler.py's process row: both ranks' schedulers over one null wire in this process
+        (as its thread row has them in the benchmark's), on the rings mapped from ``paths``."""
+        from triton_ep.transport.null import NullTransport, NullWire
+        wire, n = NullWire(), RingLayout(2, slots, slot_bytes).nbytes
+        self._maps = []
+        for path in paths:
+            with open(path, "r+b") as f:
+                self._maps.append(mmap.mmap(f.fileno(), n))
+        ts = [NullTransport(r, 2, wire, num_qps_per_peer=qps, timeout_s=60.0) for r in range(2)]
+        self.pair = [Scheduler(t, slots=slots, slot_bytes=slot_bytes, memory=np.frombuffer(m, np.uint8))
+                     for t, m in zip(ts, self._maps)]
+        for x in self.pair:
+            x.start([y.remote_region() for y in self.pair])
+        self.sched = self.pair[0]       # (its error is reported; shutdown closes both)
+
     def cmd_modules(self):
         """The modules this process imported, and whether ``torch`` / ``triton`` are the real ones (a test's)."""
         tr = sys.modules.get("triton")
@@ -474,6 +510,8 @@ class _Served:
 
     def shutdown(self) -> None:
         """Stop the sweeps, close the transport (idempotent)."""
+        for x in getattr(self, "pair", ()):
+            x.close()
         sched, transport = self.sched, self.transport
         self.sched = self.transport = None
         try:

@@ -1,0 +1,48 @@
+"""Rank bodies of the RDMA proxy-process tests across emulated hosts (module-level: rank processes import
+them; ``TRITON_EP_PROXY=process`` in their environment)."""
+import os
+import signal
+import time
+
+import torch
+
+import triton_ep
+
+
+def proxy_killed(rank, world, env, timeout_s):
+    """2 hosts of 1 rank, the proxy in a process of its own: one dispatch, then rank 1's proxy process is
+    SIGKILLed. Returns ``[seconds until check() raised, its type and text, the next dispatch's error type and
+    text, whether destroy reaped the proxy process]`` on rank 1, ``[whether destroy reaped it]`` on rank 0."""
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 8 << 20, timeout_s=timeout_s)
+    out = []
+    proc = None
+    try:
+        T, H, E = 16, 128, 2 * world
+        idx = torch.tensor([[(1 - rank) * 2, (1 - rank) * 2 + 1]]).repeat(T, 1)
+        x = torch.randn(T, H).to(torch.bfloat16)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert, topk_idx=idx)
+        buf.dispatch(x, **kw)
+        sched = buf._internode.sched
+        assert type(sched).__name__ == "ProcessScheduler", type(sched)
+        proc = sched.proc
+        if rank == 1:
+            os.kill(proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 5.0:
+                try:
+                    sched.check()
+                except Exception as ex:   # noqa: BLE001
+                    out += [time.monotonic() - t0, type(ex).__name__, str(ex)]
+                    break
+                time.sleep(0.01)
+            try:
+                buf.dispatch(x, **kw)
+                out += [None, ""]
+            except Exception as ex:   # noqa: BLE001
+                out += [type(ex).__name__, str(ex)]
+    finally:
+        buf.destroy()
+    return out + [proc.returncode is not None if proc is not None else None]
