@@ -1188,7 +1188,8 @@ def replayed_calls(rank, world, device="cpu"):
 
 def hidden_refusals(rank, world, N=4, E=4, K=2):
     """An FP8 dispatch at hidden 2880, a bf16 one at hidden 2884 (rows of 5768 bytes) and the size hint at 2884:
-    each ``ValueError``'s key phrase; then a bf16 call at 2880 that works. Returns the phrases in order."""
+    each ``ValueError``'s key phrase; then a bf16 dispatch at 2880 that works, a LogFMT combine of it refused (blocks
+    of 128 channels) and a bf16 combine that works. Returns the phrases in order."""
     R, me = world, rank
     hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, 2888, R, E)
     buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // R, timeout_s=60)
@@ -1206,9 +1207,17 @@ def hidden_refusals(rank, world, N=4, E=4, K=2):
         except ValueError as e:
             assert "2884" in str(e), str(e)
             seen.append("not a multiple of 8")
-        xs, idxs, _ = ll_inputs(3, R, E, K, 2880, [2, 3])
+        xs, idxs, ws = ll_inputs(3, R, E, K, 2880, [2, 3])
         out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False)
         check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False)
+        try:        # LogFMT codes blocks of 128 channels: 2880 is refused before anything launches
+            buf.low_latency_combine(out, idxs[me], ws[me], handle, use_logfmt=True)
+        except ValueError as e:
+            assert "use_logfmt=True" in str(e) and "2880" in str(e), str(e)
+            seen.append("logfmt refused")
+        comb, _, _ = buf.low_latency_combine(out, idxs[me], ws[me], handle)
+        want = expected_combine(xs[me], idxs[me], ws[me], E, R, "identity")
+        assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine after the refusal"
         seen.append("ok")
         return seen
     finally:

@@ -317,7 +317,8 @@ class Buffer:
             handle: the matching ``low_latency_dispatch``'s handle.
             use_logfmt: the rows travel as DeepEP's LogFMT-10 (``H * 10 / 8 + H / 128 * 4`` bytes a row, against
                 ``2 * H``), decoded to fp32 before the same sum: lossy, within DeepEP's accuracy bound
-                (docs/low_latency.md); not with ``zero_copy`` (``ValueError``, as DeepEP).
+                (docs/low_latency.md); not with ``zero_copy`` (``ValueError``, as DeepEP); needs ``H % 128 == 0``
+                (blocks of 128 channels; ``ValueError`` otherwise).
             zero_copy: the expert outputs were written into ``get_next_low_latency_combine_buffer(handle)``
                 beforehand; what that buffer holds is combined, and ``x`` (any tensor of the right shape and
                 dtype, e.g. the one copied from) is not read (DeepEP's contract).

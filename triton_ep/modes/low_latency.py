@@ -583,6 +583,10 @@ class LowLatency:
                              "returned before low_latency_combine (the handle's tables are written there)")
         R = rt.group_size
         N, H, E = h[2], h[3], h[4]
+        if use_logfmt and H % 128:
+            # LogFMT codes whole blocks of 128 channels (DeepEP's), each with its own scale words
+            raise ValueError(f"use_logfmt=True codes rows in blocks of 128 channels: hidden must be a multiple of "
+                             f"128, got hidden {H} (use_logfmt=False takes it)")
         lay = self.layout(N, H, E)
         xv = self._check("x", x, (torch.bfloat16,), (lay.experts_per_rank, R * N, H),
                          f"the handle's dispatch: E/R = {lay.experts_per_rank}, R*N = {R * N}, hidden {H}")

@@ -143,11 +143,12 @@ def test_bf16_hidden_of_16_byte_rows(H):
 
 
 def test_hidden_sizes_no_call_takes_are_refused():
-    """FP8 calls refuse a hidden that is not a multiple of 128 (its scale blocks), naming use_fp8 and hidden; bf16
-    calls one whose rows are not a multiple of 16 bytes; the size hint accepts every hidden some call takes and
+    """FP8 calls and LogFMT combines refuse a hidden that is not a multiple of 128 (their blocks), naming use_fp8 /
+    use_logfmt and hidden (a LogFMT combine at 2880 once corrupted memory); bf16 calls one whose rows are not a
+    multiple of 16 bytes; the size hint accepts every hidden some call takes and
     refuses the others. Checked on every rank before anything launches; the next call works."""
     for msg in _values(run_ranks(ll_cases.hidden_refusals, 2)):
-        assert msg == ["use_fp8=True", "hidden % 8 == 0", "not a multiple of 8", "ok"], msg
+        assert msg == ["use_fp8=True", "hidden % 8 == 0", "not a multiple of 8", "logfmt refused", "ok"], msg
 
 
 def test_more_top_k_columns_than_experts_is_refused():
