@@ -338,9 +338,9 @@ class ProcessScheduler(Scheduler):
         if os.getpid() != self._pid or self._closed:
             return
         self._closed = True
-        if self.proc is not None and self.proc.poll() is None and self.error is None:
-            try:
-                self._request("close", timeout_s=self.timeout_s + 10.0)
+        if self.proc is not None and self.proc.poll() is None:
+            try:        # (after a failure too: the proxy still answers, its sweeps stopped)
+                self._request("close", timeout_s=5.0 if self.error is not None else self.timeout_s + 10.0)
             except Exception:   # noqa: BLE001  (it is ended below either way)
                 pass
         self._closing = True

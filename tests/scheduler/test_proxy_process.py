@@ -158,3 +158,33 @@ def test_proxy_kind_values(monkeypatch):
     monkeypatch.setenv(ENV_PROXY, "fork")
     with pytest.raises(ValueError, match="TRITON_EP_PROXY='fork'"):
         proxy_kind()
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_writes_the_shared_rings():
+    """On a GPU the rank registers the rings' mapping with cudaHostRegister (device-mapped): a Triton kernel
+    stores into them through their pointer, the host (and the proxy process) read the words; close()
+    unregisters."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fill(ptr, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(ptr + o, o + 7, mask=o < n)
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fab = fabric(2)
+    s = ProcessScheduler("emulated", 0, 2, dict(fabric=fab, device_name="mlx5_0", num_qps_per_peer=2,
+                                                timeout_s=10.0), slots=2, slot_bytes=4096, timeout_s=10.0,
+                         device=torch.device("cuda", 0))
+    try:
+        ring = torch.from_numpy(s.mem[s.layout.ctrl_bytes:s.layout.ctrl_bytes + 4096]).view(torch.int32)
+        ring.fill_(-1)
+        _fill[(1,)](ring, 1024, BLOCK=1024)
+        torch.cuda.synchronize()
+        assert ring.tolist() == list(range(7, 7 + 1024))
+    finally:
+        s.close()
