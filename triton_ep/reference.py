@@ -169,10 +169,11 @@ def combine(recv_xs: Sequence[Tensor], dispatched: Sequence[dict], num_tokens: S
 # same bits.
 
 def _f32(v: float) -> float:
-    return float(torch.tensor(v, dtype=torch.float32))
+    return float(torch.tensor(v, dtype=torch.float32, device="cpu"))
 
 
-_LOGFMT_LOG2 = torch.tensor([math.log2(1 + m / 128) for m in range(128)], dtype=torch.float64).to(torch.float32)
+_LOGFMT_LOG2 = torch.tensor([math.log2(1 + m / 128) for m in range(128)], dtype=torch.float64,
+                            device="cpu").to(torch.float32)
 _LOGFMT_STEP = _f32(1 / 510)
 _LOGFMT_ROUND = _f32(math.log(2) / 8)
 _LOGFMT_EXP2 = [_f32(math.log(2) ** k / math.factorial(k)) for k in range(8)]
@@ -228,7 +229,7 @@ def logfmt_encode(x: Tensor) -> Tensor:
     code = torch.where(mag == 0, torch.zeros_like(code), code)
 
     def pack(v: Tensor, per_word: int, width: int) -> Tensor:     # [M, nb, 128] -> [M, nb, 128 / per_word]
-        shifts = torch.arange(per_word, dtype=torch.int64) * width
+        shifts = torch.arange(per_word, dtype=torch.int64, device=v.device) * width
         return ((v.long().view(M, nb, 128 // per_word, per_word) << shifts).sum(-1) & 0xFFFFFFFF)
 
     planes = torch.cat([pack(code & 255, 4, 8), pack(code >> 8, 32, 1), pack(bits >> 15, 32, 1)], dim=-1)
@@ -267,7 +268,7 @@ def logfmt_decode(records: Tensor, hidden: int) -> Tensor:
     amax, amin = (meta & 0xFFFF).to(torch.int32), ((meta >> 16) & 0xFFFF).to(torch.int32)
     lmin, s = _logfmt_scale(amax, amin)
     planes = rec[:, nb:].view(M, nb, 40)
-    ch = torch.arange(128)
+    ch = torch.arange(128, dtype=torch.int64, device=records.device)
     code = (planes[:, :, ch // 4] >> (ch % 4 * 8)) & 255
     code = (code | (((planes[:, :, 32 + ch // 32] >> (ch % 32)) & 1) << 8)).to(torch.int32)
     neg = ((planes[:, :, 36 + ch // 32] >> (ch % 32)) & 1) != 0

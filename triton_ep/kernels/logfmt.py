@@ -64,7 +64,7 @@ def log2_table(device: torch.device) -> torch.Tensor:
     key = str(device)
     t = _TABLES.get(key)
     if t is None:
-        m = torch.arange(128, dtype=torch.float64)
+        m = torch.arange(128, dtype=torch.float64, device="cpu")
         t = _TABLES[key] = torch.log2(1.0 + m / 128.0).to(torch.float32).to(device)
     return t
 
