@@ -17,7 +17,7 @@ from triton_ep.scheduler import ProxyError, ProxyRemoteError, Scheduler, host_al
 from triton_ep.transport.rdma import WRITE_WITH_IMM
 from triton_ep.transport.signals import RingFlags
 
-from sched_helpers import Group, fabric, in_threads, payload
+from tests.cases.sched_helpers import Group, fabric, in_threads, payload
 
 
 def alltoall_checked(g: Group, sizes: dict, salt: int = 0) -> None:
@@ -400,7 +400,7 @@ def test_qp_picker_matches_the_placement_rule(proxies, window, seed):
     (2 peers) of dual-port NICs, 6 QPs per peer."""
     rng = np.random.default_rng(seed)
     fab = fabric(3)
-    from sched_helpers import transport
+    from tests.cases.sched_helpers import transport
     ts = [transport(fab, r, 3, 6) for r in range(3)]
     try:
         for a in range(3):

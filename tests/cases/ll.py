@@ -13,7 +13,7 @@ def ll_inputs(seed, R, E, K, H, Ts, skew=0.0, p_invalid=0.15, p_dup=0.1):
     """Per-rank inputs, identical in every process: x bf16 [T, H] (normal draws times 3), topk_idx int64
     [T, K] with -1 entries, duplicates within a token and (with ``skew``) hot experts, weights fp32 [T, K]
     (``helpers.make_inputs``)."""
-    from helpers import make_inputs
+    from tests.cases.helpers import make_inputs
     return make_inputs(seed, E, K, H, Ts, skew=skew, p_invalid=p_invalid, p_dup=p_dup, x_scale=3.0)
 
 

@@ -62,7 +62,7 @@ def low_latency_buffer(rank, world, env, seed):
     DeepEP's one Buffer for both modes. Normal-mode calls, then low-latency calls, then normal-mode calls
     again (with ``clean_low_latency_buffer`` between the kinds of use, as DeepEP asks), each checked against
     its oracle: ``[normal ok, low-latency rows received, normal ok]``."""
-    import ll_cases
+    from tests.cases import ll as ll_cases
     os.environ.update(env)
     E, K, H, N = 4 * world, 2, 128, 8
     hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
@@ -147,7 +147,7 @@ def check_case(buf, rank, world, n, seed, E, K, H, Ts, opts):
     (dispatch routed by is_token_in_rank and counted by num_tokens_per_expert, without topk_idx: no weights,
     recv_topk_idx None)."""
     from triton_ep import reference as ref
-    from mp_cases import make_inputs
+    from tests.cases.mp import make_inputs
     fp8, worst, bias, weights = (opts.get("fp8", False), opts.get("worst", 0), opts.get("bias", False),
                                  opts.get("weights", True))
     f32, device, no_topk = opts.get("f32", False), opts.get("device", "cpu"), opts.get("no_topk", False)
@@ -535,7 +535,7 @@ def graph_across_hosts(rank, world, env, seed):
     bit for bit the reference (combine: the two-level order), padding rows zero / -1. Each rank passes its own
     num_worst_tokens. Returns the replays."""
     from triton_ep import reference as ref
-    from mp_cases import capture, check_replayed_dispatch, graph_inputs
+    from tests.cases.mp import capture, check_replayed_dispatch, graph_inputs
     import torch.distributed as dist
     os.environ.update(env)
     torch.cuda.set_device(0)
@@ -728,11 +728,11 @@ def ambient_defaults(rank, world, env, mode, default_device, default_dtype, devi
     H = 128 if low_latency else 64
     Ts = [N - 2 * r for r in range(world)] if low_latency else [7 + 2 * r for r in range(world)]
     if low_latency:
-        import ll_cases
+        from tests.cases import ll as ll_cases
         inputs = ll_cases.ll_inputs(3, world, E, K, H, Ts)
         inputs = tuple([t.to(device) for t in part] for part in inputs)
     else:
-        from mp_cases import make_inputs
+        from tests.cases.mp import make_inputs
         inputs = make_inputs(3, world, E, K, H, Ts)
     hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E) if low_latency else 0
     kwargs = dict(low_latency_mode=True, num_qps_per_rank=2) if low_latency else {}

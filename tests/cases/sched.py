@@ -12,7 +12,7 @@ def alltoall_rank(rank, world, fab, sizes, slots, slot_bytes, qps):
     """Host producers/consumers: one all-to-all of ``sizes[(src, dst)]`` bytes; returns per peer whether
     every byte matched."""
     from triton_ep.scheduler import bootstrap, host_alltoall
-    from sched_helpers import payload, transport
+    from tests.cases.sched_helpers import payload, transport
     t = transport(fab, rank, world, qps=qps, timeout_s=30.0)
     sched = None
     try:
@@ -38,7 +38,7 @@ def kernel_rank(rank, world, fab, device, rounds, slots, slot_bytes, timeout_s=3
     from triton_ep.scheduler import RingLayout, bootstrap
     from triton_ep.transport.signals import watchdog
     from triton_ep.kernels import flags as F
-    from sched_helpers import transport
+    from tests.cases.sched_helpers import transport
     lay = RingLayout(world, slots, slot_bytes)
     t = transport(fab, rank, world, qps=2, timeout_s=timeout_s)
     sched = None

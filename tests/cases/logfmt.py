@@ -7,7 +7,7 @@ import time
 import torch
 
 import triton_ep
-from ll_cases import check_dispatch, expert_fn, ll_inputs
+from tests.cases.ll import check_dispatch, expert_fn, ll_inputs
 from triton_ep import reference
 from triton_ep.kernels import flags as F
 from triton_ep.kernels.fp8 import quantize_reference
