@@ -125,6 +125,8 @@ def inside_rank(rank, world, a, worst: int = 0) -> dict:
                        "TRITON_EP_RDMA_QPS_PER_PEER": str(a.qps), "TRITON_EP_RDMA_SLOTS": str(a.slots),
                        "TRITON_EP_RDMA_CHUNK_BYTES": str(a.chunk_kib << 10)})
     import triton_ep
+    from triton_ep.proxy_process import proxy_kind
+    from triton_ep.transport import emulated
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
         torch.cuda.set_device(0)
@@ -148,14 +150,17 @@ def inside_rank(rank, world, a, worst: int = 0) -> dict:
 
         call()
         sync()
+        nic0 = emulated.nic_cpu_s()
         s0, t0 = buf.get_rdma_stats(), time.perf_counter()
         for _ in range(a.calls):
             call()
         sync()
         wall, s1 = time.perf_counter() - t0, buf.get_rdma_stats()
-        out = {k: s1[k] - s0[k] for k in ("chunks", "wrs", "proxy_busy_s", "proxy_post_s", "network_s",
-                                          "host_exchanges")} | {
-            "wall_s": wall, "bytes": sum(s1["ports"].values()) - sum(s0["ports"].values()), "device": dev}
+        out = {k: s1[k] - s0[k] for k in ("chunks", "wrs", "proxy_busy_s", "proxy_post_s", "proxy_cpu_s",
+                                          "proxy_transport_cpu_s", "network_s", "host_exchanges")} | {
+            "wall_s": wall, "bytes": sum(s1["ports"].values()) - sum(s0["ports"].values()), "device": dev,
+            # the emulated NIC's posts in this process: the proxy's (thread proxy) or none (process proxy)
+            "nic_cpu_s": emulated.nic_cpu_s() - nic0 if proxy_kind() == "thread" else None}
         if worst and dev == "cuda":
             import torch.distributed as dist
             graph = torch.cuda.CUDAGraph()
@@ -191,6 +196,11 @@ def inside(a, worst: int = 0) -> dict:
                          / max(o["chunks"], 1) * 1e6,
                          "proxy_us_per_MiB": o["proxy_busy_s"] / max(o["bytes"] / 2 ** 20, 1e-9) * 1e6,
                          "proxy_ms_per_call": o["proxy_busy_s"] / n * 1e3,
+                         "proxy_cpu_us_per_chunk": o["proxy_cpu_s"] / max(o["chunks"], 1) * 1e6,
+                         "proxy_own_cpu_us_per_chunk": (o["proxy_cpu_s"] - o["proxy_transport_cpu_s"])
+                         / max(o["chunks"], 1) * 1e6,
+                         "proxy_cpu_us_per_chunk_less_nic": None if o["nic_cpu_s"] is None else
+                         (o["proxy_cpu_s"] - o["nic_cpu_s"]) / max(o["chunks"], 1) * 1e6,
                          "network_ms_per_call": o["network_s"] / n * 1e3, "wall_ms_per_call": o["wall_s"] / n * 1e3,
                          "host_exchanges_per_call": o["host_exchanges"] / n,
                          "graph_replay_ms": o.get("graph_replay_ms")})
@@ -226,11 +236,14 @@ def main(argv=None):
             "CUDA-graph replay of dispatch + combine); on a CPU the host path. Two processes share one GPU: "
             "functional timings, not speed")
         print_table(["call", "rank", "device", "chunks/call", "WRs/call", "MiB/call", "proxy us/chunk",
-                     "outside posts", "proxy us/MiB", "proxy ms/call", "network ms/call", "wall ms/call",
-                     "host exch/call", "graph ms"],
+                     "outside posts", "CPU us/chunk", "own CPU", "CPU less NIC", "proxy us/MiB", "proxy ms/call",
+                     "network ms/call", "wall ms/call", "host exch/call", "graph ms"],
                     [[name, r["rank"], r["device"], f"{r['chunks_per_call']:.1f}", f"{r['wrs_per_call']:.1f}",
                       f"{r['MiB_per_call']:.2f}", f"{r['proxy_us_per_chunk']:.1f}",
-                      f"{r['proxy_us_per_chunk_outside_posts']:.1f}", f"{r['proxy_us_per_MiB']:.1f}",
+                      f"{r['proxy_us_per_chunk_outside_posts']:.1f}", f"{r['proxy_cpu_us_per_chunk']:.1f}",
+                      f"{r['proxy_own_cpu_us_per_chunk']:.1f}",
+                      "-" if r["proxy_cpu_us_per_chunk_less_nic"] is None else
+                      f"{r['proxy_cpu_us_per_chunk_less_nic']:.1f}", f"{r['proxy_us_per_MiB']:.1f}",
                       f"{r['proxy_ms_per_call']:.2f}", f"{r['network_ms_per_call']:.1f}", f"{r['wall_ms_per_call']:.1f}",
                       f"{r['host_exchanges_per_call']:.1f}",
                       "-" if r["graph_replay_ms"] is None else f"{r['graph_replay_ms']:.2f}"]
