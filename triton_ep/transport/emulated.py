@@ -1120,11 +1120,7 @@ class QP:
     def post_send(self, wr: SendWR, bad_wr=None) -> None:
         """Post a chain of send WRs (``next_wr``).  Raises ENOMEM on a full send queue, EINVAL before RTS.
         Its CPU time counts in :func:`nic_cpu_s` (what the posting thread spent playing the NIC)."""
-        c0 = time.thread_time_ns()
-        try:
-            self._post_send(wr)
-        finally:
-            _count_nic_cpu(c0)
+        _counting_nic_cpu(self._post_send, wr)
 
     def _post_send(self, wr: SendWR) -> None:
         with self.send_lock:
@@ -1293,11 +1289,7 @@ class QP:
     def post_recv(self, wr: RecvWR, bad_wr=None) -> None:
         """Post a chain of receive WRs.  Raises EINVAL in RESET, ENOMEM on a full receive queue. Its CPU time
         counts in :func:`nic_cpu_s`."""
-        c0 = time.thread_time_ns()
-        try:
-            self._post_recv(wr)
-        finally:
-            _count_nic_cpu(c0)
+        _counting_nic_cpu(self._post_recv, wr)
 
     def _post_recv(self, wr: RecvWR) -> None:
         with self.engine.lock:
@@ -1331,11 +1323,15 @@ _nic_cpu = [0]
 _nic_cpu_lock = threading.Lock()
 
 
-def _count_nic_cpu(c0: int) -> None:
-    """A post that began at ``time.thread_time_ns() == c0`` returned: count its CPU time."""
-    dt = time.thread_time_ns() - c0
-    with _nic_cpu_lock:
-        _nic_cpu[0] += dt
+def _counting_nic_cpu(fn, *args) -> None:
+    """``fn(*args)`` (a post), its CPU time counted in :func:`nic_cpu_s`."""
+    c0 = time.thread_time_ns()
+    try:
+        fn(*args)
+    finally:
+        dt = time.thread_time_ns() - c0
+        with _nic_cpu_lock:
+            _nic_cpu[0] += dt
 
 
 def nic_cpu_s() -> float:
