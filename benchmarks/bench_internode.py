@@ -19,7 +19,9 @@ as two hosts of one rank on the emulated fabric without the rate model, ``Buffer
 ``Buffer.combine`` called ``--calls`` times after one warm-up call (the record kernels under Triton's
 interpreter on CPU tensors, or on the GPU where there is one), and from ``Buffer.get_rdma_stats()`` the
 proxy's busy seconds per chunk (all, and outside the transport's data posts, where the emulated fabric copies
-the payloads: the proxy's own bookkeeping) and per MiB, the chunks and work requests per call, and the network leg's
+the payloads: the proxy's own bookkeeping) and per MiB, the proxy's CPU µs per chunk (all; its own Python outside
+transport calls, non-zero only with ``TRITON_EP_PROXY_CPU_SPLIT=1``; and with the thread proxy less the emulated
+NIC's own CPU in its posts, ``emulated.nic_cpu_s()``: the figure a NIC would leave), the chunks and work requests per call, and the network leg's
 seconds per call (kernels, proxy and waits: on a CPU the interpreter's kernels dominate it). With ``--worst``
 the same again with ``num_worst_tokens`` (on a GPU the capture path: no host exchange per call), and on a GPU
 one CUDA-graph replay of that dispatch + combine (wall time, two processes sharing the GPU: functional).
