@@ -34,7 +34,7 @@ def draw_case(rnd: random.Random, world: int) -> dict:
                 fp8=fp8, weights=rnd.random() < 0.8, expand=rnd.random() < 0.5,
                 sync=rnd.random() < 0.6, align=rnd.choice([1, 1, 2, 4]), bias=rnd.choice([0, 0, 1, 2]),
                 skew=rnd.random() < 0.3, col_major=rnd.random() < 0.5, cached=rnd.random() < 0.5,
-                H=128 if fp8 else 32, seed=rnd.randrange(1 << 30))
+                H=128 if fp8 else 32, async_=rnd.random() < 0.3, seed=rnd.randrange(1 << 30))
 
 
 def make_inputs(case, world):
@@ -76,8 +76,11 @@ def check_case(buf, rank, world, case, device="cpu", ranks_per_host=None):
         _to(xs[rank], device), topk_idx=idxs[rank].to(device), topk_weights=None if ws is None else ws[rank].to(device),
         cumulative_local_expert_recv_stats=stats, num_experts=E, num_max_tokens_per_rank=N_max,
         expert_alignment=align, do_cpu_sync=sync, do_expand=expand,
-        use_tma_aligned_col_major_sf=case["col_major"])
+        use_tma_aligned_col_major_sf=case["col_major"], async_with_compute_stream=case["async_"],
+        allocate_on_comm_stream=case["async_"], previous_event=buf.capture())
     assert isinstance(handle, triton_ep.EPHandle) and isinstance(event, triton_ep.EventOverlap)
+    assert (event.event is not None) == (case["async_"] and device == "cuda")
+    event.current_stream_wait()
     if case["fp8"]:
         _same(recv_x[0], e["recv_x"][0], "recv_x")
         _same(recv_x[1], e["recv_x"][1], "recv_x scales")
@@ -123,8 +126,10 @@ def check_case(buf, rank, world, case, device="cpu", ranks_per_host=None):
               for T in case["Ts"]]
     b = biases[rank]
     bias = None if not b else (b[0].to(device) if len(b) == 1 else (b[0].to(device), b[1].to(device)))
-    cx, cw, _ = buf.combine(ys[rank].to(device), handle, topk_weights=None if cw_in is None else cw_in[rank].to(device),
-                            bias=bias)
+    cx, cw, event = buf.combine(ys[rank].to(device), handle,
+                                topk_weights=None if cw_in is None else cw_in[rank].to(device), bias=bias,
+                                async_with_compute_stream=case["async_"], allocate_on_comm_stream=case["async_"])
+    event.current_stream_wait()
     want = ref.elastic_combine(ys, exp, case["Ts"], cw_in, biases, expand, ranks_per_host)[rank]
     _same(cx, want[0], "combined_x")
     _same(cw, want[1], "combined_topk_weights")
@@ -161,6 +166,8 @@ def cases(rank, world, env, seed, n_cases, device="cpu"):
             check_case(buf, rank, world, draw_case(rnd, world), device, per_host if hosts[0] > 1 else None)
         errors(buf, rank, world, device)
         buf.barrier(with_cpu_sync=True)
+        if hosts[0] > 1:            # the rows crossed the (emulated) network
+            assert buf._buffer.get_rdma_stats()["chunks"] > 0
         return n_cases
     finally:
         buf.destroy()

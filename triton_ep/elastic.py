@@ -103,7 +103,8 @@ class EPHandle:
     channel_linked_list: Optional[Tensor] = None
     #: the Buffer handle of the underlying normal-mode dispatch
     buffer_handle: tuple = dataclasses.field(default=(), repr=False)
-    #: the non-expanded local ids ``[N, K]`` (what a cached dispatch returns again, and what masks combine's weights)
+    #: the non-expanded local ids ``[N, K]``, a copy (callers may rewrite the returned ids in place, as vLLM does): what
+    #: a cached dispatch returns again, and what masks combine's weights
     recv_topk_idx: Optional[Tensor] = dataclasses.field(default=None, repr=False)
     #: which ElasticBuffer made it
     owner: int = dataclasses.field(default=0, repr=False)
@@ -463,7 +464,7 @@ class ElasticBuffer:
                 num_recv_tokens_per_expert_list=list(lst) if sync else [],
                 psum_num_recv_tokens_per_scaleup_rank=psum_r, psum_num_recv_tokens_per_expert=psum_e,
                 num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32), recv_src_metadata=meta,
-                buffer_handle=h1, recv_topk_idx=recv_idx, owner=id(self))
+                buffer_handle=h1, recv_topk_idx=recv_idx.clone(), owner=id(self))
             out = self._outputs(recv_x, recv_idx, recv_w, handle, exp, use_tma_aligned_col_major_sf)
             event = self._event(async_with_compute_stream)
         return (*out, handle, event)
