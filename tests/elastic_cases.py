@@ -148,10 +148,13 @@ def check_case(buf, rank, world, case, device="cpu", ranks_per_host=None):
     return int(handle.num_recv_tokens)
 
 
-def cases(rank, world, env, seed, n_cases, device="cpu"):
+def cases(rank, world, env, seed, n_cases, device="cpu", deterministic=False):
     """``n_cases`` random cases (:func:`draw_case`) on one ElasticBuffer; then argument errors (every rank makes
-    the same bad call: each raises before anything launches, and the buffer still works). Returns the cases run."""
+    the same bad call: each raises before anything launches, and the buffer still works). ``deterministic``: under
+    ``torch.use_deterministic_algorithms(True)`` (ops without a deterministic implementation would raise).
+    Returns the cases run."""
     os.environ.update(env)
+    torch.use_deterministic_algorithms(deterministic)
     if device == "cuda":
         torch.cuda.set_device(0)
     per_host = int(env["TRITON_EP_RANKS_PER_HOST"]) if "TRITON_EP_RANKS_PER_HOST" in env else None

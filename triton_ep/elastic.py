@@ -115,27 +115,29 @@ class _Expansion:
     """Where each (received row, top-k slot) goes in the expanded layout, computed on the device."""
 
     slots: Tensor           # int64 [N, K]: the row in the expanded layout, -1 where the expert is elsewhere
-    src_row: Tensor         # int64 [rows + 1]: per expanded row, its received row (N: none, a zero row)
-    src_entry: Tensor       # int64 [rows + 1]: per expanded row, its (row, slot) as row * K + slot (N * K: none)
+    src_row: Tensor         # int64 [rows]: per expanded row, its received row (N: none, a zero row)
+    src_entry: Tensor       # int64 [rows]: per expanded row, its (row, slot) as row * K + slot (N * K: none)
 
 
 def _unaligned_counts(recv_topk_idx: Tensor, num_local_experts: int) -> Tensor:
     """int64 ``[E_l]``: the entries of each local expert in ``recv_topk_idx`` (``[N, K]``, ``-1`` none; duplicates
-    counted each time). Device work only."""
+    counted each time). Device work only (a sort and a search: deterministic, no host synchronisation)."""
     flat = recv_topk_idx.reshape(-1).long()
-    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_local_experts))
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, key, torch.ones_like(key))[:num_local_experts]
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_local_experts)).sort().values
+    bounds = torch.searchsorted(key, torch.arange(num_local_experts + 1, dtype=torch.int64, device=key.device))
+    return bounds[1:] - bounds[:-1]
 
 
 def _sources(slots: Tensor, rows: int) -> Tuple[Tensor, Tensor]:
-    """Per row of an expanded layout of ``rows`` rows (plus one spare): the received row it holds and its entry
-    ``row * K + slot`` (``N`` and ``N * K`` where none: padding), from ``slots`` (``[N, K]``, ``-1`` none)."""
+    """Per row of an expanded layout of ``rows`` rows: the received row it holds and its entry ``row * K + slot``
+    (``N`` and ``N * K`` where none: padding), from ``slots`` (``[N, K]``, ``-1`` none). Each entry elsewhere is
+    scattered to a spare row of its own, so no two writes meet (deterministic)."""
     N, K = slots.shape
     flat = slots.reshape(-1)
-    dump = torch.where(flat >= 0, flat, torch.full_like(flat, rows))          # entries elsewhere: the spare row
     entry = torch.arange(N * K, dtype=torch.int64, device=slots.device)
-    src_entry = torch.full((rows + 1,), N * K, dtype=torch.int64, device=slots.device).scatter_(0, dump, entry)
+    dest = torch.where(flat >= 0, flat, rows + entry)
+    src_entry = torch.full((rows + N * K,), N * K, dtype=torch.int64, device=slots.device).scatter_(0, dest, entry)
+    src_entry = src_entry[:rows]
     src_row = torch.where(src_entry < N * K, src_entry // max(K, 1), torch.full_like(src_entry, N))
     return src_row, src_entry
 
@@ -524,10 +526,10 @@ class ElasticBuffer:
         rows, sf = (recv_x if isinstance(recv_x, tuple) else (recv_x, None))
         if expand:
             n = handle.num_expanded_tokens
-            rows = _gather_rows(rows, exp.src_row[:n])
-            sf = None if sf is None else _gather_rows(sf, exp.src_row[:n])
+            rows = _gather_rows(rows, exp.src_row)
+            sf = None if sf is None else _gather_rows(sf, exp.src_row)
             if recv_w is not None:
-                recv_w = _gather_rows(recv_w.reshape(-1, 1), exp.src_entry[:n]).reshape(n)
+                recv_w = _gather_rows(recv_w.reshape(-1, 1), exp.src_entry).reshape(n)
             recv_idx = None
         if sf is not None and col_major_sf:
             n, S = sf.shape
