@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -44,6 +45,8 @@ __all__ = ["ElasticBuffer", "EPHandle"]
 
 #: V2's buffer sizes are multiples of 2 MiB (``get_elastic_buffer_alignment()``)
 BUFFER_ALIGNMENT = 2 << 20
+#: a number per ElasticBuffer (a handle names the buffer that made it; ``id()`` may be reused after collection)
+_BUFFER_NUMBERS = itertools.count(1)
 #: V2's TMA-aligned column-major scales: the token stride is 1, the pack stride the row count rounded up to this
 SF_ROW_ALIGNMENT = 4
 
@@ -106,7 +109,7 @@ class EPHandle:
     #: the non-expanded local ids ``[N, K]``, a copy (callers may rewrite the returned ids in place, as vLLM does): what
     #: a cached dispatch returns again, and what masks combine's weights
     recv_topk_idx: Optional[Tensor] = dataclasses.field(default=None, repr=False)
-    #: which ElasticBuffer made it
+    #: the number of the ElasticBuffer that made it
     owner: int = dataclasses.field(default=0, repr=False)
 
 
@@ -241,6 +244,7 @@ class ElasticBuffer:
             size = dist.get_world_size(group) if dist.is_initialized() else 1
             num_bytes = self._size_hint(hidden, size)
         self.group = group
+        self._number = next(_BUFFER_NUMBERS)
         self._buffer = Buffer(group, int(num_bytes), timeout_s=num_gpu_timeout_secs, device=device,
                               rdma_backend=rdma_backend, explicitly_destroy=explicitly_destroy)
         b = self._buffer
@@ -435,7 +439,7 @@ class ElasticBuffer:
         b, R = self._buffer, self.num_ranks
         worst = 0 if sync else R * N_max
         per_rank, per_host, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx, num_experts, previous_event=prev)
-        recv_x, recv_idx, recv_w, lst, h1, ev = b.dispatch(
+        recv_x, recv_idx, recv_w, lst, h1, _ = b.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
             expert_alignment=align, num_worst_tokens=worst, async_finish=async_with_compute_stream,
@@ -466,7 +470,7 @@ class ElasticBuffer:
                 num_recv_tokens_per_expert_list=list(lst) if sync else [],
                 psum_num_recv_tokens_per_scaleup_rank=psum_r, psum_num_recv_tokens_per_expert=psum_e,
                 num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32), recv_src_metadata=meta,
-                buffer_handle=h1, recv_topk_idx=recv_idx.clone(), owner=id(self))
+                buffer_handle=h1, recv_topk_idx=recv_idx.clone(), owner=self._number)
             out = self._outputs(recv_x, recv_idx, recv_w, handle, exp, use_tma_aligned_col_major_sf)
             event = self._event(async_with_compute_stream)
         return (*out, handle, event)
@@ -496,8 +500,8 @@ class ElasticBuffer:
         El = handle.num_experts // self.num_ranks
         self._check_stats(stats, El)
         b, h1 = self._buffer, handle.buffer_handle
-        recv_x, _, _, _, _, ev = b.dispatch(x, handle=h1, previous_event=prev, async_finish=async_,
-                                            allocate_on_comm_stream=alloc_comm)
+        recv_x = b.dispatch(x, handle=h1, previous_event=prev, async_finish=async_,
+                            allocate_on_comm_stream=alloc_comm)[0]
         recv_w = None
         if topk_weights is not None:        # the weights travel as rows of their own (16-byte rows: K padded to 4)
             Kp = _align(K, 4)
@@ -610,10 +614,8 @@ class ElasticBuffer:
                                                               torch.zeros_like(topk_weights))
         if prev_epi is not None:
             prev_epi.current_stream_wait()
-        cx, cw, ev = self._buffer.combine(y, handle.buffer_handle, topk_weights=w, bias=bias,
-                                          async_finish=async_with_compute_stream,
-                                          allocate_on_comm_stream=allocate_on_comm_stream)
-        return cx, cw, ev
+        return self._buffer.combine(y, handle.buffer_handle, topk_weights=w, bias=bias,
+                                    async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
 
     # ------------------------------------------------------------------ helpers
     def _num_max(self, given, T: int) -> int:
@@ -633,7 +635,7 @@ class ElasticBuffer:
     def _check_handle(self, handle, name: str) -> None:
         if not isinstance(handle, EPHandle):
             raise TypeError(f"{name} must be an EPHandle from ElasticBuffer.dispatch, got {type(handle).__name__}")
-        if handle.owner != id(self):
+        if handle.owner != self._number:
             raise ValueError(f"{name} comes from another ElasticBuffer")
 
     def _psum_per_rank(self, h1) -> Tensor:
