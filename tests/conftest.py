@@ -97,7 +97,7 @@ def _open_fds() -> dict:
 
 #: the test modules holding rank bodies (imported by the fork server, see below)
 RANK_BODY_MODULES = ("helpers", "mp_cases", "ll_cases", "internode_cases", "sched_cases", "metrics_cases",
-                     "proxy_cases")
+                     "proxy_cases", "engines.replay")
 
 
 @pytest.fixture(autouse=True, scope="session")
