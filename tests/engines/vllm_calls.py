@@ -80,7 +80,7 @@ def _ll_step(name, tokens, use_fp8, ue8m0, async_combine):
     if async_combine:
         calls.append(Call("hook", dict(hook=Ref("hook")), f"{LL}:394",
                           note="finalize_async: the modular kernel runs the returned hook (dbo_maybe_run_recv_hook)"))
-    calls.append(Call("check", dict(what="ll_combine", use_fp8=use_fp8)))
+    calls.append(Call("check", dict(what="ll_combine", use_fp8=use_fp8, round_scale=ue8m0)))
     return Step(name, tuple(calls), tokens)
 
 
