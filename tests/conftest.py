@@ -100,7 +100,7 @@ def _open_fds() -> dict:
 
 #: the test modules holding rank bodies (imported by the fork server, see below)
 RANK_BODY_MODULES = tuple(f"tests.cases.{name}" for name in ("helpers", "mp", "ll", "internode", "sched", "metrics",
-                                                               "proxy", "elastic"))
+                                                               "proxy", "elastic")) + ("tests.engines.replay",)
 
 
 @pytest.fixture(autouse=True, scope="session")

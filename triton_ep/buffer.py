@@ -197,19 +197,29 @@ class Buffer:
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Tensor:
         """A view of this rank's raw intranode buffer as ``dtype`` (from element ``offset``, optionally
-        reshaped to ``size``); with ``use_rdma_buffer`` (ranks on several hosts), of its RDMA buffer: the
-        scheduler's registered rings (pinned host memory: control block, send ring, receive ring). Its
-        contents change with every call.
+        reshaped to ``size``). Its contents change with every call.
+
+        With ``use_rdma_buffer`` (DeepEP: its NVSHMEM buffer, which callers such as vLLM's fault-tolerance path
+        zero to reset it): a tensor of as many ``dtype`` elements as this rank's RDMA-side memory has (across
+        hosts the registered rings, else ``num_rdma_bytes``), all of them views of one scratch element (stride
+        0) that no call reads. Writing it, ``.zero_()`` included, changes nothing: triton-ep's signal words carry
+        call numbers, so there is nothing to reset by zeroing (``clean_low_latency_buffer`` and
+        ``low_latency_clean_mask_buffer`` re-synchronise after an error), and zeroing the real rings would wipe
+        those numbers. Across hosts ``get_rdma_stats`` reports the rings' traffic.
 
         Raises:
-            ValueError: ``use_rdma_buffer`` on one host (no RDMA buffer) or ``size`` too large. EPError: destroyed.
+            ValueError: ``size`` too large. EPError: destroyed.
         """
         if use_rdma_buffer:
-            if self._internode is None:
-                raise ValueError("triton_ep has no RDMA buffer within one host")
-            t = self._internode.rdma_buffer().view(dtype)[offset:]
-        else:
-            t = self._rt.live().data.view(dtype)[offset:]
+            self._rt.live()
+            nbytes = self._internode.rdma_buffer().numel() if self._internode is not None else self.num_rdma_bytes
+            n = max(nbytes // dtype.itemsize - int(offset), 0)
+            shape = torch.Size([n]) if size is None else torch.Size(size)
+            if shape.numel() > n:
+                raise ValueError(f"size {tuple(shape)} exceeds the RDMA buffer ({n} elements from offset {offset})")
+            scratch = torch.zeros(1, dtype=dtype, device=self.device)
+            return scratch.as_strided(shape, (0,) * len(shape))
+        t = self._rt.live().data.view(dtype)[offset:]
         if size is None:
             return t
         if t.numel() < torch.Size(size).numel():
