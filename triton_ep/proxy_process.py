@@ -19,7 +19,10 @@ statistics, close; never per chunk).
 - Failure: a proxy that fails records its :class:`~triton_ep.scheduler.ProxyError` as today (abort word, fault
   words to the peers) and sends it over the channel; a proxy process that dies is a ``ProxyError`` naming the
   rank, its pid and how it ended, at the rank's next :meth:`~ProcessScheduler.check` (a thread of the rank's
-  process reads the channel: its end is seen at once) and every ring wait ends (the abort word).
+  process reads the channel: its end is seen at once) and every ring wait ends (the abort word). A dead proxy
+  writes no fault word: the rank's process posts it in the group's store for it (:class:`FaultNotices`), and
+  the peers fail as its fault word would have made them.
+- Idle: the sweeps back off from a yield to naps of up to :data:`IDLE_MAX_S` (:class:`ProxySweeps`).
 """
 from __future__ import annotations
 
