@@ -290,7 +290,7 @@ class ProcessScheduler(Scheduler):
                 self._record(unpack_error(msg[1]))
             else:
                 self._replies.put(msg)
-        if not self._closing:
+        if not (self._closing or self._closed):     # (closed: this side asked it to end)
             try:
                 code = self.proc.wait(timeout=1.0)
                 how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
