@@ -19,7 +19,10 @@ statistics, close; never per chunk).
 - Failure: a proxy that fails records its :class:`~triton_ep.scheduler.ProxyError` as today (abort word, fault
   words to the peers) and sends it over the channel; a proxy process that dies is a ``ProxyError`` naming the
   rank, its pid and how it ended, at the rank's next :meth:`~ProcessScheduler.check` (a thread of the rank's
-  process reads the channel: its end is seen at once) and every ring wait ends (the abort word).
+  process reads the channel: its end is seen at once) and every ring wait ends (the abort word). A dead proxy
+  writes no fault word: the rank's process posts it in the group's store for it (:class:`FaultNotices`), and
+  the peers fail as its fault word would have made them.
+- Idle: the sweeps back off from a yield to naps of up to :data:`IDLE_MAX_S` (:class:`ProxySweeps`).
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ import numpy as np
 
 from triton_ep.errors import EPError, EPTimeoutError
 from triton_ep.protocol import signal_header as F
-from triton_ep.scheduler import STAGE_INTERNAL, STAGE_NAMES, ProxyError, RingLayout, Scheduler
+from triton_ep.scheduler import (STAGE_INTERNAL, STAGE_NAMES, ProxyError, ProxyRemoteError, RingLayout, Scheduler,
+                                 fault_word, parse_fault)
 from triton_ep.transport import shm
 from triton_ep.transport.rdma import exchange_info, exchange_regions
 from triton_ep.transport.ring_flags import RingFlags
@@ -59,6 +63,11 @@ PARENT_POLL_S = 0.1
 ERROR_WAIT_S = 2.0
 #: the stage a dead proxy process is reported at
 STAGE_PROCESS = f"{STAGE_NAMES[STAGE_INTERNAL]}/process"
+#: seconds between a rank's looks at the group's store for a peer whose proxy process died (:class:`FaultNotices`)
+FAULT_POLL_S = 0.25
+#: the proxy process's idle back-off (:class:`ProxySweeps`): sweeps that moved nothing followed by a yield only,
+#: then the first sleep (seconds), doubling up to the last
+IDLE_SPINS, IDLE_FIRST_S, IDLE_MAX_S = 20, 25e-6, 200e-6
 
 
 def proxy_kind(value: Optional[str] = None) -> str:
@@ -122,6 +131,63 @@ def unpack_error(msg: tuple) -> BaseException:
 
 
 # ------------------------------------------------------------------------------------- the rank's side
+class FaultNotices:
+    """A dead proxy process's fault notice, given by its rank's process through the group's key-value store.
+
+    A failing proxy (thread or process) writes its fault word into each peer's ``FAULT`` slot over RDMA, so the
+    peers raise :class:`~triton_ep.scheduler.ProxyRemoteError` at once. A proxy process that dies (SIGKILL, the OOM
+    killer) writes nothing, and the rank's process has no QP to write it with; so the rank's process posts the same
+    word in the group's store (``<prefix><rank>``: the word and why, then ``<prefix>count`` goes up by one), and
+    each rank's process looks at ``<prefix>count`` every :data:`FAULT_POLL_S` (one store request; a thread that
+    ends with :meth:`close`). A peer's notice fails this rank's scheduler with ``ProxyRemoteError`` naming that peer,
+    as its fault word would have, unless the peer is masked (as a masked peer's fault word is ignored).
+
+    Args:
+        store: the group's store (``torch.distributed.Store``).  prefix: the keys' prefix, the same on every rank
+            of the network leg.  rank: this rank (in the leg).  peers: the ranks it has QPs to.
+        on_fault: ``f(peer, word, why)`` called in the watching thread for each peer's notice, once.
+    """
+
+    def __init__(self, store, prefix: str, rank: int, peers: Sequence[int], on_fault) -> None:
+        self.store, self.prefix, self.rank, self.peers, self.on_fault = store, prefix, rank, list(peers), on_fault
+        self._stop = threading.Event()
+        self._heard: set = set()
+        self._thread = threading.Thread(target=self._watch, name=f"triton-ep-proxy-faults-{rank}", daemon=True)
+        self._thread.start()
+
+    def post(self, word: int, why: str) -> None:
+        """Tell the peers that this rank's proxy failed with fault ``word`` (:func:`~triton_ep.scheduler.fault_word`)
+        because ``why``. Never raises (the store may be gone: the job is ending)."""
+        try:
+            self.store.set(f"{self.prefix}{self.rank}", pickle.dumps((int(word), str(why))))
+            self.store.add(f"{self.prefix}count", 1)
+        except Exception:   # noqa: BLE001
+            pass
+
+    def _watch(self) -> None:
+        seen = 0
+        while not self._stop.wait(FAULT_POLL_S):
+            try:
+                n = self.store.add(f"{self.prefix}count", 0)
+                if n <= seen:
+                    continue
+                seen = n
+                for p in self.peers:
+                    key = f"{self.prefix}{p}"
+                    if p not in self._heard and self.store.check([key]):
+                        self._heard.add(p)
+                        word, why = pickle.loads(self.store.get(key))
+                        self.on_fault(p, word, why)
+            except Exception:   # noqa: BLE001  (the store is gone: the job is ending; peers' own bounds stand)
+                return
+
+    def close(self) -> None:
+        """Stop looking (joins the thread; idempotent)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0 + FAULT_POLL_S)
+
+
 class ProcessScheduler(Scheduler):
     """The rank's side of a proxy process: the same host API as :class:`~triton_ep.scheduler.Scheduler` (rings,
     producer and consumer calls, host waits, :meth:`check`, :meth:`fail`, :meth:`rebase`, :meth:`stats`,
@@ -166,6 +232,8 @@ class ProcessScheduler(Scheduler):
         self._closing = self._closed = False
         self._cuda_ptr = None
         self.proc = self._sock = self._listener = None
+        #: where a dead proxy's fault goes to the peers and theirs come from (set by :func:`bootstrap_process`)
+        self.notices: Optional[FaultNotices] = None
         n = self.layout.nbytes
         path = shm.create_file(shm.shm_name(f"proxy.{os.getpid()}.r{rank}.{uuid.uuid4().hex[:8]}"), n)
         try:
@@ -222,15 +290,29 @@ class ProcessScheduler(Scheduler):
                 self._record(unpack_error(msg[1]))
             else:
                 self._replies.put(msg)
-        if not self._closing:
+        if not (self._closing or self._closed):     # (closed: this side asked it to end)
             try:
                 code = self.proc.wait(timeout=1.0)
                 how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
             except subprocess.TimeoutExpired:
                 how = "closed its channel"
-            self._record(ProxyError(self.rank, None, None, None, STAGE_PROCESS,
-                                    f"the RDMA proxy process (pid {self.proc.pid}) ended: {how}"))
+            ex = ProxyError(self.rank, None, None, None, STAGE_PROCESS,
+                            f"the RDMA proxy process (pid {self.proc.pid}) ended: {how}")
+            if self._record(ex) and self.notices is not None:
+                # the dead proxy cannot write its fault word into the peers' rings: this process tells them
+                self.notices.post(fault_word(STAGE_INTERNAL, None, None), f"pid {self.proc.pid}, {how}")
         self._replies.put(None)
+
+    def _peer_fault(self, peer: int, word: int, why: str) -> None:
+        """``peer``'s proxy process died and its rank said so (:class:`FaultNotices`): fail as its fault word in the
+        ring would have made this rank's proxy fail (``ProxyRemoteError`` naming the peer; a masked peer is
+        ignored)."""
+        if self.flags.masked(peer):
+            return
+        st, ch, q = parse_fault(word)
+        self.fail(ProxyRemoteError(self.rank, peer, ch, q, STAGE_NAMES.get(st, STAGE_NAMES[STAGE_INTERNAL]),
+                                   f"the RDMA proxy process of rank {peer} ended ({why}); its rank told its peers "
+                                   f"through the group's store"))
 
     def _record(self, ex: BaseException) -> bool:
         """Record ``ex`` as the error (the first one wins) and end every ring wait. Returns whether it was the
@@ -338,6 +420,8 @@ class ProcessScheduler(Scheduler):
         if os.getpid() != self._pid or self._closed:
             return
         self._closed = True
+        if self.notices is not None:
+            self.notices.close()
         if self.proc is not None and self.proc.poll() is None:
             try:        # (after a failure too: the proxy still answers, its sweeps stopped)
                 self._request("close", timeout_s=5.0 if self.error is not None else self.timeout_s + 10.0)
@@ -394,6 +478,11 @@ def bootstrap_process(backend: str, rank: int, world: int, transport_kw: dict, s
     transport), exchange QP infos through the group's store, connect, exchange regions, start the sweeps.
     Collective over ``group``. Returns the started :class:`ProcessScheduler`; on any failure nothing is left
     (the proxy process ended and reaped, no file)."""
+    import torch.distributed as dist
+    from triton_ep.transport.bootstrap import _group_store     # (torch: not in the proxy process)
+    group = group if group is not None else dist.group.WORLD
+    name = str(getattr(group, "group_name", ""))
+    n = _legs[name] = _legs.get(name, 0) + 1      # (every rank opens its legs in the same order: the same n)
     kw = dict(sched_kwargs)
     peers = transport_kw.get("peers")
     ps = ProcessScheduler(backend, rank, world, transport_kw, device=device, peers=peers, **kw)
@@ -401,13 +490,36 @@ def bootstrap_process(backend: str, rank: int, world: int, transport_kw: dict, s
         remote = exchange_info(ps.local_infos, group, ps.timeout_s)
         region = ps._request("connect", {p: remote[p] for p in ps.peers})
         ps._request("start", exchange_regions(region, group, ps.timeout_s))
+        store = _group_store(group)
+        if store is not None:
+            ps.notices = FaultNotices(store, f"triton_ep/proxyfault/{name}/{n}/", ps.rank, ps.peers, ps._peer_fault)
     except BaseException:
         ps.close()
         raise
     return ps
 
 
+#: network legs with a proxy process opened per group (by group name), this process: the fault notices' keys
+_legs: Dict[str, int] = {}
+
+
 # ------------------------------------------------------------------------------------ the proxy's side
+class ProxySweeps(Scheduler):
+    """The proxy process's :class:`~triton_ep.scheduler.Scheduler`: the same sweeps, with an idle back-off. A proxy
+    thread naps 50 µs between idle sweeps and, while the rank's Python runs, waits for the GIL besides; a proxy
+    process has a core to itself, so at a fixed short nap every idle proxy would poll for good (four ranks with
+    four such proxies on 2 cores made a 9 s test take 89 s). Here, after :data:`IDLE_SPINS` idle sweeps with only
+    a yield between them, the nap starts at :data:`IDLE_FIRST_S` and doubles up to :data:`IDLE_MAX_S`; any sweep
+    that moves something starts over. A chunk published into an idle proxy waits at most about that long (plus
+    the kernel's timer slack, some 50 µs) before its post."""
+
+    def _idle_wait(self, idle: int) -> None:
+        if idle < IDLE_SPINS:
+            time.sleep(0)
+        else:
+            time.sleep(min(IDLE_MAX_S, IDLE_FIRST_S * (1 << min(idle - IDLE_SPINS, 16))))
+
+
 class _Served:
     """The proxy process's state: the mapped rings, the transport, the scheduler."""
 
@@ -438,7 +550,7 @@ class _Served:
     def cmd_connect(self, remote: Dict[int, Any]):
         for p, info in remote.items():
             self.transport.connect(p, info)
-        self.sched = Scheduler(self.transport, memory=self.mem, **self.sched_kw)
+        self.sched = ProxySweeps(self.transport, memory=self.mem, **self.sched_kw)
         return self.sched.remote_region()
 
     def cmd_start(self, remotes):
@@ -487,7 +599,7 @@ class _Served:
             with open(path, "r+b") as f:
                 self._maps.append(mmap.mmap(f.fileno(), n))
         ts = [NullTransport(r, 2, wire, num_qps_per_peer=qps, timeout_s=60.0) for r in range(2)]
-        self.pair = [Scheduler(t, slots=slots, slot_bytes=slot_bytes, memory=np.frombuffer(m, np.uint8))
+        self.pair = [ProxySweeps(t, slots=slots, slot_bytes=slot_bytes, memory=np.frombuffer(m, np.uint8))
                      for t, m in zip(ts, self._maps)]
         for x in self.pair:
             x.start([y.remote_region() for y in self.pair])
@@ -562,5 +674,5 @@ def serve(fd: int, ppid: int) -> int:
         sock.close()
 
 
-__all__ = ["ProcessScheduler", "bootstrap_process", "proxy_kind", "ENV_PROXY", "PROXY_KINDS", "serve",
+__all__ = ["ProcessScheduler", "ProxySweeps", "FaultNotices", "bootstrap_process", "proxy_kind", "ENV_PROXY", "PROXY_KINDS", "serve",
            "pack_error", "unpack_error"]

@@ -525,9 +525,15 @@ class Scheduler:
                     idle = 0
                 else:
                     idle += 1
-                    time.sleep(0 if idle < 20 else 0.00005)
+                    self._idle_wait(idle)
         except BaseException as ex:   # noqa: BLE001  (recorded, raised by check() in the caller's thread)
             self.fail(ex)
+
+    def _idle_wait(self, idle: int) -> None:
+        """The proxy thread's pause after ``idle`` sweeps in a row that moved nothing: a yield for the first 20, then
+        50 µs (a proxy thread waits for the GIL anyway while the rank's Python runs). The proxy process's scheduler
+        backs off further (:class:`triton_ep.proxy_process.ProxySweeps`)."""
+        time.sleep(0 if idle < 20 else 0.00005)
 
     def fail(self, ex: BaseException) -> None:
         """Record ``ex`` as this scheduler's error (the first one wins), end every ring wait (the abort

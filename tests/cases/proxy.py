@@ -10,9 +10,11 @@ import triton_ep
 
 
 def proxy_killed(rank, world, env, timeout_s):
-    """2 hosts of 1 rank, the proxy in a process of its own: one dispatch, then rank 1's proxy process is
-    SIGKILLed. Returns ``[seconds until check() raised, its type and text, the next dispatch's error type and
-    text, whether destroy reaped the proxy process]`` on rank 1, ``[whether destroy reaped it]`` on rank 0."""
+    """2 hosts of 1 rank, the proxy in a process of its own: one dispatch, a barrier, then rank 1's proxy process
+    is SIGKILLed. Each rank polls its scheduler's ``check()`` from the barrier on until it raises (rank 1: its own
+    proxy's end; rank 0: rank 1's notice through the group's store, ``proxy_process.FaultNotices``), then
+    dispatches again. Returns ``[seconds until check() raised, its type and text, the next dispatch's error type and
+    text, whether destroy reaped the proxy process]`` on both ranks."""
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 8 << 20, timeout_s=timeout_s)
     out = []
@@ -28,21 +30,24 @@ def proxy_killed(rank, world, env, timeout_s):
         sched = buf._internode.sched
         assert type(sched).__name__ == "ProcessScheduler", type(sched)
         proc = sched.proc
+        torch.distributed.barrier()
+        t0 = time.monotonic()
         if rank == 1:
             os.kill(proc.pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 5.0:
-                try:
-                    sched.check()
-                except Exception as ex:   # noqa: BLE001
-                    out += [time.monotonic() - t0, type(ex).__name__, str(ex)]
-                    break
-                time.sleep(0.01)
+        while time.monotonic() - t0 < timeout_s:
             try:
-                buf.dispatch(x, **kw)
-                out += [None, ""]
+                sched.check()
             except Exception as ex:   # noqa: BLE001
-                out += [type(ex).__name__, str(ex)]
+                out += [time.monotonic() - t0, type(ex).__name__, str(ex)]
+                break
+            time.sleep(0.01)
+        else:
+            out += [None, None, ""]
+        try:
+            buf.dispatch(x, **kw)
+            out += [None, ""]
+        except Exception as ex:   # noqa: BLE001
+            out += [type(ex).__name__, str(ex)]
     finally:
         buf.destroy()
     return out + [proc.returncode is not None if proc is not None else None]

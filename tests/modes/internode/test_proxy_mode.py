@@ -25,11 +25,19 @@ def test_ranks_agree_on_where_the_proxy_runs(values, want):
         assert kind == "ValueError" and want in msg, (kind, msg)
 
 
-def test_a_killed_proxy_process_is_a_proxy_error_at_its_rank():
+def test_a_killed_proxy_process_is_a_proxy_error_at_its_rank_and_its_peer():
+    """Rank 1's proxy process SIGKILLed: rank 1 raises ProxyError within 2 s; rank 0 (timeout 30 s) hears of it from
+    rank 1's process through the group's store and raises ProxyRemoteError naming rank 1 within 5 s (before: it
+    waited out its bound, a dead proxy writes no fault word); both next dispatches raise; destroy reaps both."""
     out = run_ranks(proxy_cases.proxy_killed, 2, dict(ENV, TRITON_EP_PROXY="process"), 30.0, timeout_s=180)
     assert not any(isinstance(o, RankFailure) for o in out), out
     dt, kind, msg, kind2, msg2, reaped = out[1]
     assert dt < 2.0 and kind == "ProxyError", out[1]
     assert "rank 1" in msg and "proxy process" in msg and "killed by signal 9" in msg, msg
     assert kind2 in ("ProxyError", "EPRemoteError"), out[1]
-    assert reaped and out[0] == [True], out
+    assert reaped, out
+    dt, kind, msg, kind2, msg2, reaped = out[0]
+    assert dt is not None and dt < 5.0 and kind == "ProxyRemoteError", out[0]
+    assert "peer 1" in msg and "RDMA proxy process of rank 1 ended (pid " in msg and "killed by signal 9" in msg, msg
+    assert kind2 in ("ProxyRemoteError", "ProxyError", "EPRemoteError"), out[0]
+    assert reaped, out
