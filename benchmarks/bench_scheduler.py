@@ -20,9 +20,14 @@
    over the null transport).
 3. A timeline of one all-to-all (2 hosts, full plan): Chrome-trace JSON (opens in Perfetto) and a PNG:
    producer chunks, posts per channel/QP, arrivals.
+4. ``--parts proxy_cpu`` (not in the default parts): the proxy's own CPU over the emulated fabric, ranks as emulated
+   hosts with one proxy thread each: per posted 1 MiB chunk of a normal-mode-like stream and per low-latency-like
+   call and rank (WRITE_WITH_IMM signals, and arrival words), the proxy threads' CPU clock less what the emulated NIC
+   counts as its own (payload copies, records); ``--before DIR`` also measures the triton_ep of another checkout
+   (``git worktree add /tmp/before main``), alternately in worker processes, for a before / after in one run.
 
     ./run.sh python benchmarks/bench_scheduler.py [--mib 64] [--qps 8] [--chunks 2000] [--busy none python launch]
-        [--parts model cost timeline] [--out DIR]
+        [--parts model cost timeline proxy_cpu] [--before DIR] [--out DIR]
 
 About 2 minutes on two CPU cores (Linux: it reads /proc).  Outputs: scheduler.json, scheduler_trace.json, scheduler_trace.png.
 """
