@@ -41,11 +41,10 @@ import sys
 
 from _common import ROOT, add_out_arg, print_table, progress, say, write_json
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from sched_helpers import Group, fabric, in_threads  # noqa: E402
+from tests.cases.sched_helpers import Group, fabric, in_threads  # noqa: E402
 from triton_ep.modes.internode import network_record_bytes  # noqa: E402
 from triton_ep.scheduler import host_alltoall  # noqa: E402
 

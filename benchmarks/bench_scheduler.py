@@ -20,9 +20,14 @@
    over the null transport).
 3. A timeline of one all-to-all (2 hosts, full plan): Chrome-trace JSON (opens in Perfetto) and a PNG:
    producer chunks, posts per channel/QP, arrivals.
+4. ``--parts proxy_cpu`` (not in the default parts): the proxy's own CPU over the emulated fabric, ranks as emulated
+   hosts with one proxy thread each: per posted 1 MiB chunk of a normal-mode-like stream and per low-latency-like
+   call and rank (WRITE_WITH_IMM signals, and arrival words), the proxy threads' CPU clock less what the emulated NIC
+   counts as its own (payload copies, records); ``--before DIR`` also measures the triton_ep of another checkout
+   (``git worktree add /tmp/before main``), alternately in worker processes, for a before / after in one run.
 
     ./run.sh python benchmarks/bench_scheduler.py [--mib 64] [--qps 8] [--chunks 2000] [--busy none python launch]
-        [--parts model cost timeline] [--out DIR]
+        [--parts model cost timeline proxy_cpu] [--before DIR] [--out DIR]
 
 About 2 minutes on two CPU cores (Linux: it reads /proc).  Outputs: scheduler.json, scheduler_trace.json, scheduler_trace.png.
 """
@@ -37,10 +42,12 @@ import time
 
 from _common import ROOT, add_out_arg, say, write_json
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+if os.environ.get(IMPL_ENV := "TRITON_EP_BENCH_IMPL"):
+    # --parts proxy_cpu's workers: the triton_ep to measure (a checkout of another commit, for the "before")
+    sys.path.insert(0, os.environ[IMPL_ENV])
 import numpy as np  # noqa: E402
 
-from sched_helpers import Group, fabric, in_threads  # noqa: E402
+from tests.cases.sched_helpers import Group, fabric, in_threads  # noqa: E402
 from triton_ep.scheduler import RingLayout, Scheduler, host_alltoall  # noqa: E402
 from triton_ep.transport.null import NullTransport, NullWire  # noqa: E402
 
@@ -355,6 +362,130 @@ def timeline(qps: int, chunk: int, slots: int, out: str) -> dict:
     return {"events": len(trace)}
 
 
+#: the streams of ``--parts proxy_cpu``: normal mode's 1 MiB chunks, and low-latency calls (small chunks, 2 slots per
+#: peer) with the chunk's signal a WRITE_WITH_IMM (the default) or an arrival word (``TRITON_EP_LL_ARRIVAL_WORDS``)
+CPU_STREAMS = ("normal", "ll", "ll-arrival")
+
+
+def _proxy_cpu_profiled(prof_out: list):
+    """Replace ``Scheduler._run`` so each proxy thread runs under ``cProfile`` with the thread's CPU clock as its
+    timer (``time.thread_time``: what the thread ran, not what it waited); the profiles go into ``prof_out``."""
+    import cProfile
+    run = Scheduler._run
+
+    def _run(self, own):
+        prof = cProfile.Profile(time.thread_time)
+        prof_out.append(prof)
+        prof.runcall(run, self, own)
+    Scheduler._run = _run
+
+
+def proxy_cpu_stream(stream: str, cfg: dict) -> list:
+    """One ``--parts proxy_cpu`` stream (in a worker process: ``TRITON_EP_BENCH_IMPL`` picks the triton_ep measured):
+    ranks as emulated hosts in this process (:class:`~tests.cases.sched_helpers.Group`, one proxy thread each),
+    host producers and consumers (:func:`host_alltoall`, in threads of their own). ``normal``: 2 ranks, each sends
+    the other ``cpu_mib`` MiB in ``chunk_kib`` chunks over ``qps`` QPs and ``slots`` slots; ``ll`` / ``ll-arrival``:
+    ``ll_ranks`` ranks, ``ll_calls`` calls, a call = a dispatch and a combine, each one chunk of ``ll_kib`` KiB to
+    every peer (2 slots, ``ll_qps`` QPs). Returns per repetition (after a warm-up round) the proxy threads' CPU in
+    the sweeps that moved something (``stats()["proxy_cpu_s"]``: the thread's own CPU clock) and in all
+    (``/proc/.../schedstat``: idle polling included), each less what the emulated NIC counts as its own
+    (:func:`~triton_ep.transport.emulated.nic_cpu_s`: payload copies, records, rate model in ``post_send`` /
+    ``post_recv``), per posted chunk (normal) or per call and rank (low latency)."""
+    from triton_ep.transport import emulated as em
+    normal = stream == "normal"
+    world = 2 if normal else cfg["ll_ranks"]
+    chunk = cfg["chunk_kib"] << 10 if normal else 2 * cfg["ll_kib"] << 10
+    kw = dict(qps=cfg["qps"] if normal else cfg["ll_qps"], slots=cfg["slots"] if normal else 2, slot_bytes=chunk,
+              timeout_s=120.0)
+    if stream == "ll-arrival":
+        kw["arrival_words"] = True
+    nbytes = cfg["cpu_mib"] << 20 if normal else cfg["ll_kib"] << 10
+    rounds = 1 if normal else cfg["ll_calls"]
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    out = []
+    with Group(fabric(world, ring_bytes=4 << 20), world, **kw) as g:
+        def rank(r, n):
+            peers = [p for p in range(world) if p != r]
+            for _ in range(n):
+                for _half in range(1 if normal else 2):       # (low latency: dispatch, then combine)
+                    got = host_alltoall(g.scheds[r], {p: data for p in peers}, {p: data.size for p in peers})
+            assert all(np.array_equal(v, data) for v in got.values())
+
+        def go(n):
+            for x in in_threads(lambda r: rank(r, n), world, timeout_s=600):
+                if isinstance(x, BaseException):
+                    raise x
+
+        def snap():
+            st = [s.stats() for s in g.scheds]
+            return (sum(x["proxy_cpu_s"] for x in st), task_cpu_ns(tasks) / 1e9, em.nic_cpu_s(),
+                    sum(q["chunks"] for x in st for q in x["qps"].values()))
+
+        tasks = [(os.getpid(), th.native_id) for s in g.scheds for th in s._threads]
+        go(1 if normal else 4)      # warm-up
+        for _ in range(cfg["cpu_reps"]):
+            b0, t0, n0, c0 = snap()
+            go(rounds)
+            b1, t1, n1, c1 = snap()
+            per = (c1 - c0) if normal else rounds * world
+            out.append({"busy_us": (b1 - b0 - (n1 - n0)) / per * 1e6, "all_us": (t1 - t0 - (n1 - n0)) / per * 1e6,
+                        "nic_us": (n1 - n0) / per * 1e6, "chunks": c1 - c0, "per": "chunk" if normal else "call, rank"})
+    return out
+
+
+def proxy_cpu_worker(cfg: dict) -> None:
+    """A worker of ``--parts proxy_cpu``: every stream of ``cfg["streams"]``; prints one JSON line (stream ->
+    repetitions), with ``cfg["profile"]`` the proxy threads' top functions by CPU time on stderr."""
+    import json
+    profs: list = []
+    if cfg.get("profile"):
+        _proxy_cpu_profiled(profs)
+    res = {st: proxy_cpu_stream(st, cfg) for st in cfg["streams"]}
+    if profs:
+        import pstats
+        ps = pstats.Stats(profs[0], stream=sys.stderr)
+        for x in profs[1:]:
+            ps.add(x)
+        ps.sort_stats("tottime").print_stats(35)
+    print(json.dumps(res))
+
+
+def proxy_cpu_rows(a) -> dict:
+    """``--parts proxy_cpu``: the proxy's CPU per event (:func:`proxy_cpu_stream`) of this checkout ("after") and,
+    with ``--before DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/before main``), of that one
+    ("before"), in worker processes run alternately ``--cpu-rounds`` times; medians over every repetition."""
+    import json
+    import statistics
+    import subprocess
+    cfg = dict(streams=a.cpu_streams, cpu_mib=a.cpu_mib, chunk_kib=a.chunk_kib, qps=a.qps, slots=a.slots,
+               ll_ranks=a.ll_ranks, ll_kib=a.ll_kib, ll_qps=a.ll_qps, ll_calls=a.ll_calls, cpu_reps=a.cpu_reps,
+               profile=a.profile)
+    impls = ([("before", os.path.abspath(a.before))] if a.before else []) + [("after", ROOT)]
+    got = {name: {st: [] for st in a.cpu_streams} for name, _ in impls}
+    for rnd in range(a.cpu_rounds):
+        for name, path in impls:
+            env = dict(os.environ, TRITON_EP_BENCH_IMPL=path)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--proxy-cpu-worker", json.dumps(cfg)],
+                               env=env, stdout=subprocess.PIPE, stderr=None if a.profile else subprocess.PIPE,
+                               text=True, timeout=1800)
+            if r.returncode:
+                raise RuntimeError(f"proxy_cpu worker ({name}, {path}) failed:\n{r.stderr}")
+            for st, reps in json.loads(r.stdout.strip().splitlines()[-1]).items():
+                got[name][st] += reps
+                busy, every = (" / ".join(f"{x[k]:.1f}" for x in reps) for k in ("busy_us", "all_us"))
+                say(f"round {rnd + 1} {name:6s} {st:10s}: proxy CPU less NIC, busy sweeps {busy} us, all {every} us "
+                    f"per {reps[0]['per']}")
+    rows = {}
+    for name, _ in impls:
+        for st, reps in got[name].items():
+            rows[f"{name}/{st}"] = {"impl": name, "stream": st, "per": reps[0]["per"], "runs": len(reps),
+                                    **{f"{k}_median": statistics.median(x[k] for x in reps)
+                                       for k in ("busy_us", "all_us", "nic_us")},
+                                    "busy_us": [x["busy_us"] for x in reps], "all_us": [x["all_us"] for x in reps]}
+    return {"config": cfg, "before": a.before and os.path.abspath(a.before), "load_avg": os.getloadavg(),
+            "rows": rows}
+
+
 BUSY = ("none", "python", "launch")
 
 
@@ -392,11 +523,34 @@ def main(argv=None):
     ap.add_argument("--proxy", nargs="+", choices=("thread", "process"), default=["thread", "process"],
                     help="proxy kinds to measure (thread: the proxy threads in the benchmark's process, which "
                          "also runs the busy thread; process: a proxy process of its own, TRITON_EP_PROXY=process)")
-    ap.add_argument("--parts", nargs="+", choices=("model", "cost", "timeline"), default=["model", "cost", "timeline"],
-                    help="what to run (default: all)")
+    ap.add_argument("--parts", nargs="+", choices=("model", "cost", "timeline", "proxy_cpu"),
+                    default=["model", "cost", "timeline"],
+                    help="what to run (default: model cost timeline; proxy_cpu: the proxy's own CPU per chunk and per "
+                         "low-latency call over the emulated fabric, see --before)")
+    ap.add_argument("--before", metavar="DIR",
+                    help="proxy_cpu: also measure the triton_ep of this checkout (e.g. 'git worktree add /tmp/before "
+                         "main'), alternately with this one")
+    ap.add_argument("--cpu-streams", nargs="+", choices=CPU_STREAMS, default=list(CPU_STREAMS),
+                    help="proxy_cpu: normal (1 MiB chunks, 2 hosts), ll (low-latency calls, WRITE_WITH_IMM signals), "
+                         "ll-arrival (arrival words)")
+    ap.add_argument("--cpu-mib", type=int, default=32, help="proxy_cpu normal: MiB each way per repetition")
+    ap.add_argument("--ll-ranks", type=int, default=2, help="proxy_cpu ll: ranks (each an emulated host)")
+    ap.add_argument("--ll-kib", type=int, default=16, help="proxy_cpu ll: KiB to each peer per dispatch / combine")
+    ap.add_argument("--ll-qps", type=int, default=4, help="proxy_cpu ll: QPs per peer")
+    ap.add_argument("--ll-calls", type=int, default=50, help="proxy_cpu ll: calls per repetition")
+    ap.add_argument("--cpu-reps", type=int, default=3, help="proxy_cpu: repetitions per worker process")
+    ap.add_argument("--cpu-rounds", type=int, default=2, help="proxy_cpu: worker processes per checkout, alternating")
+    ap.add_argument("--profile", action="store_true",
+                    help="proxy_cpu: print the proxy threads' top functions by CPU time (cProfile, thread CPU clock; "
+                         "it slows them: the figures then are not the proxy's cost)")
+    ap.add_argument("--proxy-cpu-worker", metavar="JSON", help=argparse.SUPPRESS)
     add_out_arg(ap, "scheduler.json, scheduler_trace.json/.png")
     a = ap.parse_args(argv)
-    for k in ("chunks", "busy_chunks", "slots", "qps", "chunk_kib", "mib"):
+    if a.proxy_cpu_worker:
+        import json
+        return proxy_cpu_worker(json.loads(a.proxy_cpu_worker))
+    for k in ("chunks", "busy_chunks", "slots", "qps", "chunk_kib", "mib", "cpu_mib", "ll_ranks", "ll_kib", "ll_qps",
+              "ll_calls", "cpu_reps", "cpu_rounds"):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     chunk = a.chunk_kib << 10
@@ -409,6 +563,8 @@ def main(argv=None):
         res["proxy_cost"] = cost_rows(a, chunk)
     if "timeline" in a.parts:
         res["timeline"] = timeline(min(a.qps, 4), 64 << 10, 4, a.out)
+    if "proxy_cpu" in a.parts:
+        res["proxy_cpu"] = proxy_cpu_rows(a)
     write_json(os.path.join(a.out, "scheduler.json"), res)
     print(NOTE)
     if "model" in a.parts:
@@ -425,6 +581,14 @@ def main(argv=None):
         for r in res["proxy_cost"].values():
             print(f"{r['proxy']:8s} {r['busy']:16s} {r['wall_us_per_chunk']:10.1f} {r['wall_x_idle']:8.2f} "
                   f"{r['proxy_cpu_us_per_chunk']:13.1f}")
+    if "proxy_cpu" in a.parts:
+        pc = res["proxy_cpu"]
+        print(f"proxy CPU less the emulated NIC's own (thread CPU clock; medians of {a.cpu_rounds} x {a.cpu_reps} runs; "
+              f"load average {pc['load_avg'][0]:.1f}; targets: 10 us a 1 MiB chunk, 25 us a low-latency call and rank):")
+        print(f"{'impl':7s} {'stream':11s} {'per':11s} {'busy sweeps us':>15s} {'all sweeps us':>14s} {'NIC us':>8s}")
+        for r in pc["rows"].values():
+            print(f"{r['impl']:7s} {r['stream']:11s} {r['per']:11s} {r['busy_us_median']:15.1f} "
+                  f"{r['all_us_median']:14.1f} {r['nic_us_median']:8.1f}")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,9 @@ class _QPState:
     chunks: int = 0
     unsignaled: int = 0
     parked: bool = False    # out of its port's heap: its window was full
+    #: its port's heap of the picker (:meth:`Scheduler._push`) and its port's ``[outstanding, total]`` bytes
+    heap: Optional[list] = None
+    port_w: Optional[List[int]] = None
 
 
 @dataclass
@@ -251,6 +254,7 @@ class Scheduler:
         self.peers = transport.peer_ranks()     # (the ranks it has QPs to: every other one, or a subset)
         self._remote: Dict[int, RemoteRegion] = {}
         self._peer = {p: _PeerState() for p in self.peers}
+        self._peer_list = list(self._peer.items())     # (the sweep's loops: no dict look-up per peer)
         self._next_tx = {p: 0 for p in self.peers}      # the next chunk numbers (:meth:`reserve`)
         self._next_rx = {p: 0 for p in self.peers}
         self._qps: Dict[Tuple[int, int], _QPState] = {}
@@ -286,7 +290,10 @@ class Scheduler:
         #: per (proxy thread, peer, port): a heap of ``(out_bytes, total_bytes, qp)`` of its QPs with room
         #: in their window (stale entries are dropped when met), and the QPs with chunks in flight
         self._heaps: Dict[Tuple[int, int], Dict[str, list]] = {}
+        self._picks: Dict[Tuple[int, int], List[Tuple[list, List[int]]]] = {}
         self._busy_qps: set = set()
+        #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
+        self._bound_at = 0.0
 
     # ---------------------------------------------------------------- set-up
     def remote_region(self) -> RemoteRegion:
@@ -316,18 +323,26 @@ class Scheduler:
                     self.t.post_recv(p, ent.qp, int(getattr(self.t, "rq_depth", 64)))
         for q in self._qps.values():
             q.owner = q.channel % self.proxies
-            self._heaps.setdefault((q.owner, q.peer), {}).setdefault(q.port, [])
+            q.heap = self._heaps.setdefault((q.owner, q.peer), {}).setdefault(q.port, [])
+            q.port_w = self._ports[q.port]
             self._push(q)
+        #: per (proxy thread, peer): its ports' ``(heap, [outstanding, total])``, for the picker
+        self._picks = {k: [(heap, self._ports[port]) for port, heap in ports.items()]
+                       for k, ports in self._heaps.items()}
 
     def _prepare_wrs(self) -> None:
         """Build each chunk's work requests once per ring slot and QP (:meth:`Transport.prepare`), for chunks of one
         WRITE (``wr_bytes`` at least ``slot_bytes``): the WRITE_WITH_IMM of slot ``k`` (key ``k``), or with arrival
         words the data WRITE (key ``(0, k)``) and the arrival word's WRITE (key ``(1, k)``). A sweep then posts them
-        with only length, immediate, ``wr_id`` and completion request new (:meth:`Transport.post_prepared`)."""
+        with only length, immediate, ``wr_id`` and completion request new (:meth:`Transport.post_prepared`). Each peer's
+        credit WRITE (8 bytes of ``SRC[p]`` into the peer's ``CREDIT[me]``, QP 0) is prepared too (key ``"credit"``)."""
+        lay = self.layout
+        for p in self.peers:        # the credit WRITE of each peer (:meth:`_credit`), whatever the chunks' shape
+            self.t.prepare(p, 0, _CREDIT_KEY, Op(WRITE, self.region, lay.word_off(RingFlags.SRC, p), 8,
+                                                 self._remote[p], lay.word_off(RingFlags.CREDIT, self.rank)))
         self._prepared = self.wr_bytes >= self.slot_bytes
         if not self._prepared:
             return
-        lay = self.layout
         for p in self.peers:
             rem = self._remote[p]
             for qp in range(self.t.num_qps_per_peer):
@@ -569,16 +584,21 @@ class Scheduler:
         anything moved.  Raises ProxyError."""
         did = False
         flags = self.flags
-        t0, c0 = self._tx_begin()
+        wall, split = time.perf_counter_ns, self._cpu_split
+        t0, c0 = wall(), (time.thread_time_ns() if split else 0)       # (_tx_begin / _tx_done, inline)
         try:
             comps = self.t.poll(raise_on_error=False)
         except Exception as ex:   # noqa: BLE001
             raise ProxyError(self.rank, None, None, None, STAGE_NAMES[STAGE_SEND_CQE], f"poll failed: {ex}") from ex
         finally:
-            self._tx_done(t0, c0)
-        for c in comps:
+            if split:
+                self._sweep_tx_cpu_ns += time.thread_time_ns() - c0
+            self._sweep_tx_ns += wall() - t0
+        if comps:
             did = True
-            self._on_completion(c)
+            on = self._on_completion
+            for c in comps:
+                on(c)
         if self.arrival_words:
             did |= self._arrivals()
         R = self.world
@@ -594,11 +614,16 @@ class Scheduler:
         # per QP: Ops to post (a test hook replaced _chunk_ops), or prepared work requests (key, length, imm,
         # wr_id, signaled): one post call per QP and sweep either way
         batches: Dict[Tuple[int, int], list] = {}
-        prepared = (self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS)
-        for p in self.peers:
-            did |= self._gather(p, own, batches, now, words[p], prepared)
+        prepared = None
+        for p, st in self._peer_list:
+            if words[p] > st.next_post:         # (else nothing ready: no call)
+                if prepared is None:
+                    prepared = self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
+                did |= self._gather(p, own, batches, now, words[p], prepared)
+            else:
+                st.stall_since = None
         for (p, qp), ops in batches.items():
-            t0, c0 = self._tx_begin()
+            t0, c0 = wall(), (time.thread_time_ns() if split else 0)
             try:
                 if prepared:
                     self.t.post_prepared(p, qp, ops)
@@ -608,19 +633,24 @@ class Scheduler:
                 raise ProxyError(self.rank, p, qp // self.qps_per_channel, qp, STAGE_NAMES[STAGE_POST],
                                  f"{type(ex).__name__}: {ex}") from ex
             finally:
-                self._post_ns += self._tx_done(t0, c0)
+                if split:
+                    self._sweep_tx_cpu_ns += time.thread_time_ns() - c0
+                dt = wall() - t0
+                self._sweep_tx_ns += dt
+                self._post_ns += dt
             self.wrs_posted += len(ops)
         h0 = (RingFlags.HEAD - RingFlags.READY) * R
-        for p in self.peers:
-            st = self._peer[p]
+        for p, st in self._peer_list:
             if words[h0 + p] > st.credit_sent:    # (the common case, nothing freed, without a call)
                 did |= self._credit(p, words[h0 + p])
             elif st.tail > st.credit_sent and self.flags.masked(p):
                 did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
-        for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
-            if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
-                raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
-                                 f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
+        if now >= self._bound_at and self._busy_qps:     # (every 1 ms: the bound is seconds)
+            self._bound_at = now + 0.001
+            for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
+                if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
+                    raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
+                                     f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
         return did
 
     def _arrivals(self) -> bool:
@@ -661,40 +691,39 @@ class Scheduler:
         totals never differ by more than one chunk), then least outstanding bytes on the port and on the QP,
         then least bytes so far (equal loads deal round-robin); ``None`` when every QP has a full window (a
         congested port's QPs fill their windows and are passed over, so the other port takes the chunks)."""
-        # each port's best QP heads its heap (an entry is stale once its QP's bytes moved: it is dropped; a
-        # QP whose window is full leaves its heap until a completion frees room); the port key decides
-        best, key = None, None
-        for port, heap in self._heaps.get((own[0].owner if own else -1, peer), {}).items():
-            q = self._head(heap, peer)
-            if q is not None:
-                pw = self._ports[port]
-                k = (pw[1], pw[0], q.out_bytes, q.total_bytes, q.qp)
-                if key is None or k < key:
-                    best, key = q, k
-        return best
+        return self._pick(self._picks.get((own[0].owner if own else -1, peer), ()))
 
-    def _head(self, heap: list, peer: int) -> Optional[_QPState]:
-        """The QP at the top of ``heap`` (one port's QPs to ``peer``), after dropping stale and full entries."""
-        while heap:
-            out, total, qp = heap[0]
-            q = self._qps[(peer, qp)]
-            if out == q.out_bytes and total == q.total_bytes and len(q.inflight) < self.max_chunks_per_qp:
-                return q
-            heapq.heappop(heap)
-            if out == q.out_bytes and total == q.total_bytes:
-                q.parked = True         # full: pushed again when a completion frees its window
-        return None
+    def _pick(self, ports: List[Tuple[list, List[int]]]) -> Optional[_QPState]:
+        """:meth:`_choose` over ``ports``, one proxy thread's ``(heap, [outstanding, total])`` per port for one peer.
+        Each port's best QP heads its heap as ``(out_bytes, total_bytes, qp index, QP)``: an entry is stale once
+        its QP's bytes moved (dropped when met); a QP whose window is full leaves its heap until a completion
+        frees room. The port key decides between the heads."""
+        best, key = None, None
+        window = self.max_chunks_per_qp
+        for heap, pw in ports:
+            while heap:             # the head, stale and full entries dropped
+                out, total, _, q = heap[0]
+                if out == q.out_bytes and total == q.total_bytes:
+                    if len(q.inflight) < window:
+                        break
+                    q.parked = True         # full: pushed again when a completion frees its window
+                heapq.heappop(heap)
+            else:
+                continue
+            k = (pw[1], pw[0], out, total, q.qp)
+            if key is None or k < key:
+                best, key = q, k
+        return best
 
     def _push(self, q: _QPState) -> None:
         """``q``'s bytes changed (or its window has room again): a fresh entry in its port's heap."""
-        heap = self._heaps[(q.owner, q.peer)][q.port]
+        heap = q.heap
         if len(heap) > 4 * self.t.num_qps_per_peer + 64:     # many stale entries: rebuild from the live QPs
-            live = {qp for _, _, qp in heap}
-            heap[:] = [(self._qps[(q.peer, i)].out_bytes, self._qps[(q.peer, i)].total_bytes, i) for i in live
-                       if i != q.qp and not self._qps[(q.peer, i)].parked]
+            live = {e[3] for e in heap}
+            heap[:] = [(x.out_bytes, x.total_bytes, x.qp, x) for x in live if x is not q and not x.parked]
             heapq.heapify(heap)
         q.parked = False
-        heapq.heappush(heap, (q.out_bytes, q.total_bytes, q.qp))
+        heapq.heappush(heap, (q.out_bytes, q.total_bytes, q.qp, q))
 
     def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], list], now: float,
                 ready: int, prepared: bool = False) -> bool:
@@ -711,19 +740,26 @@ class Scheduler:
             self.flags.put(RingFlags.SENT, p, ready)
             return True
         credit = max(self.flags.get(RingFlags.CREDIT, p), st.credit_floor)
-        chains: Dict[int, List[int]] = {}
-        while st.next_post < ready and st.next_post - credit < self.slots:
-            q = self._choose(own, p)
+        chains: Dict[_QPState, List[Tuple[int, int]]] = {}
+        picks = self._picks.get((own[0].owner if own else -1, p), ())
+        end = min(ready, credit + self.slots)
+        length, C = self.flags.length, self.slot_bytes
+        while st.next_post < end:
+            q = self._pick(picks)
             if q is None:
                 break
             seq = st.next_post
-            n = self.flags.length(p, seq)
-            if not 0 < n <= self.slot_bytes:
+            n = length(p, seq)
+            if not 0 < n <= C:
                 raise ProxyError(self.rank, p, q.channel, q.qp, STAGE_NAMES[STAGE_POST],
                                  f"chunk {seq} has length {n} (expected 1..{self.slot_bytes})")
-            chains.setdefault(q.qp, []).append((seq, n))
+            chain = chains.get(q)
+            if chain is None:
+                chains[q] = [(seq, n)]
+            else:
+                chain.append((seq, n))
             self._account(q, seq, n, now)
-            st.next_post += 1
+            st.next_post = seq + 1
         blocked = st.next_post < ready and st.next_post - credit >= self.slots
         if blocked:
             st.stall_since = st.stall_since or now
@@ -736,14 +772,14 @@ class Scheduler:
         # chunks of one WRITE skip _chunk_ops + _fold_signal, unless a test hook replaced _chunk_ops
         fast = (self.wr_bytes >= self.slot_bytes and not self.arrival_words
                 and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS)
-        S, arrival = self.slots, self.arrival_words
-        for qp, seqs in chains.items():
-            q = self._qps[(p, qp)]
+        S, arrival, every = self.slots, self.arrival_words, self.signal_every
+        for q, seqs in chains.items():
+            qp = q.qp
             last = len(seqs) - 1
             batch = batches.setdefault((p, qp), [])
             for i, (seq, n) in enumerate(seqs):
                 q.unsignaled += 1
-                sig = q.unsignaled >= self.signal_every or i == last
+                sig = q.unsignaled >= every or i == last
                 if sig:
                     q.unsignaled = 0
                 if prepared:    # the work requests built at start: what _chunk_ops (+ _fold_signal) would build
@@ -787,12 +823,13 @@ class Scheduler:
         q.out_bytes += n
         q.total_bytes += n
         q.chunks += 1
-        port = self._ports[q.port]
+        port = q.port_w
         port[0] += n
         port[1] += n
+        if not q.inflight:
+            self._busy_qps.add(q)
         q.inflight.append((seq, n, now))   # moved to the signal's QP where that is another one
         self._push(q)
-        self._busy_qps.add(q)
 
     def _chunk_ops(self, peer: int, qp: int, seq: int, nbytes: int, signaled: bool) -> List[Tuple[int, Op]]:
         """The work requests of one chunk, as ``(QP index, Op)``: its WRITEs, then its signal (a zero-length
@@ -831,55 +868,67 @@ class Scheduler:
                   wr_id=TAG_CHUNK | (seq & _SEQ_MASK))
 
     def _on_completion(self, c: Completion) -> None:
-        if c.peer is None:          # not one of our QPs' (cannot happen with one transport per scheduler)
+        peer = c.peer
+        if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
             return
-        ch = None if c.qp is None else c.qp // self.qps_per_channel
-        if not c.ok:
-            if self.flags.masked(c.peer):      # a masked (dead) peer's QPs may fail: nothing waits for them
+        if c.status != "IBV_WC_SUCCESS":
+            if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
                 return
             stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
-            raise ProxyError(self.rank, c.peer, ch, c.qp, STAGE_NAMES[stage],
+            raise ProxyError(self.rank, peer, None if c.qp is None else c.qp // self.qps_per_channel, c.qp,
+                             STAGE_NAMES[stage],
                              f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})")
         if c.opcode == "recv_imm":
-            st = self._peer[c.peer]
-            ahead = (c.imm - st.tail) & 0xFFFFFFFF
+            st = self._peer[peer]
+            tail = st.tail
+            ahead = (c.imm - tail) & 0xFFFFFFFF
             if ahead < 1 << 31:         # (else a chunk numbered before a renumbering, already counted: rebase)
-                seq = st.tail + ahead
+                seq = tail + ahead
                 if self.on_signal is not None:
-                    self.on_signal(c.peer, c.qp, seq)
+                    self.on_signal(peer, c.qp, seq)
                 if self.trace:
-                    self._event("arrive", c.peer, ch, c.qp, seq, 0)
-                st.arrived.add(seq)
-                while st.tail in st.arrived:
-                    st.arrived.discard(st.tail)
-                    st.tail += 1
-                self.flags.put(RingFlags.TAIL, c.peer, st.tail)
+                    self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, seq, 0)
+                arrived = st.arrived
+                if seq == tail:         # (the common case: in order)
+                    tail += 1
+                    while arrived and tail in arrived:
+                        arrived.discard(tail)
+                        tail += 1
+                    st.tail = tail
+                else:
+                    arrived.add(seq)
+                self.flags.put(RingFlags.TAIL, peer, tail)
             if self._replenish:
                 t0, c0 = self._tx_begin()
-                self.t.post_recv(c.peer, c.qp, 1)
+                self.t.post_recv(peer, c.qp, 1)
                 self._tx_done(t0, c0)
         elif c.wr_id & TAG_CHUNK:
-            self._retire(self._qps[(c.peer, c.qp)], c.wr_id & _SEQ_MASK)
+            self._retire(self._qps[(peer, c.qp)], c.wr_id & _SEQ_MASK)
 
     def _retire(self, q: _QPState, seq: int) -> None:
         """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""
         st = self._peer[q.peer]
-        port = self._ports[q.port]
-        moved = False
-        while q.inflight and q.inflight[0][0] <= seq:
-            s, n, _ = q.inflight.popleft()
+        inflight = q.inflight
+        if not inflight or inflight[0][0] > seq:
+            return
+        port = q.port_w
+        sent, done = st.sent, st.sent_set
+        while inflight and inflight[0][0] <= seq:
+            s, n, _ = inflight.popleft()
             q.out_bytes -= n
             port[0] -= n
-            st.sent_set.add(s)
-            moved = True
-        if moved:
-            self._push(q)
-        if not q.inflight:
+            if s == sent:           # (in order: no set)
+                sent += 1
+            elif s > sent:          # (below: a chunk numbered before a renumbering, rebase)
+                done.add(s)
+        while done and sent in done:
+            done.discard(sent)
+            sent += 1
+        st.sent = sent
+        self._push(q)
+        if not inflight:
             self._busy_qps.discard(q)
-        while st.sent in st.sent_set:
-            st.sent_set.discard(st.sent)
-            st.sent += 1
-        self.flags.put(RingFlags.SENT, q.peer, st.sent)
+        self.flags.put(RingFlags.SENT, q.peer, sent)
 
     def _credit(self, p: int, head: int) -> bool:
         """Send ``head`` (``HEAD[p]`` as the sweep read it; for a masked peer, whose chunks nothing consumes, the
@@ -889,12 +938,10 @@ class Scheduler:
         st = self._peer[p]
         if head <= st.credit_sent or (head - st.credit_sent < max(1, self.slots // 2) and head < st.tail):
             return False
-        lay = self.layout
         self.flags.put(RingFlags.SRC, p, head)
         t0, c0 = self._tx_begin()
-        try:
-            self.t.post(p, 0, [Op(WRITE, self.region, lay.word_off(RingFlags.SRC, p), 8, self._remote[p],
-                                  lay.word_off(RingFlags.CREDIT, self.rank))])
+        try:        # (the WRITE of SRC[p] into the peer's CREDIT[me], prepared at start)
+            self.t.post_prepared(p, 0, _CREDIT_REQ)
         except Exception as ex:   # noqa: BLE001
             raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST], f"credit write: {type(ex).__name__}: {ex}") from ex
         finally:
@@ -906,6 +953,9 @@ class Scheduler:
 
 #: the scheduler's own ``_chunk_ops`` (a chunk skips it only while nothing replaced it: the ordering tests do)
 _CHUNK_OPS = Scheduler._chunk_ops
+#: the prepared credit WRITE's key (QP 0 of each peer) and its post: 8 bytes, unsignalled
+_CREDIT_KEY = "credit"
+_CREDIT_REQ = ((_CREDIT_KEY, 8, 0, None, False),)
 
 
 def _fold_signal(ops: List[Tuple[int, Op]]) -> List[Tuple[int, Op]]:

@@ -93,8 +93,17 @@ def test_write_with_imm_consumes_posted_receive(make_pair):
     comps = [c for c in p.t1.wait(recv_count(4), stage="imm") if c.opcode == "recv_imm"]
     assert sorted((c.qp, c.imm, c.byte_len, c.peer) for c in comps) == \
         [(q, q + 10, 100 * (q + 1), 0) for q in range(4)]
-    # auto-replenish keeps the receive queue full
-    assert all(p.t1.qps[(0, q)].recvs_posted == p.t1.rq_depth for q in range(4))
+    # auto-replenish posts consumed receives again in chains of recv_batch: the queue never holds fewer than
+    # rq_depth - recv_batch + 1, and is full again once a batch was consumed
+    batch = p.t1.recv_batch
+    assert batch == max(1, p.t1.rq_depth // 8)
+    assert all(p.t1.qps[(0, q)].recvs_posted == p.t1.rq_depth - 1 for q in range(4)) or batch == 1
+    n = batch - 1
+    for i in range(n):
+        p.t0.post(1, 0, [Op(WRITE_WITH_IMM, src, 0, 8, dst.remote(), 0, imm=i, signaled=True)])
+    p.t1.wait(recv_count(n), stage="imm")
+    assert p.t1.qps[(0, 0)].recvs_posted == p.t1.rq_depth
+    assert all(p.t1.qps[(0, q)].recvs_posted >= p.t1.rq_depth - batch + 1 for q in range(4))
 
 
 def test_write_with_imm_without_receive_is_rnr_error(make_pair):

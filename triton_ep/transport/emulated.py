@@ -903,11 +903,19 @@ class CQ:
         with self.lock:
             if self.overrun:
                 raise PyverbsRDMAError("Failed to poll CQ: CQ overrun", _errno.EOVERFLOW)
-            out = [self.q.popleft() for _ in range(min(num_entries, len(self.q)))]
-        for wc in out:
-            if wc._retire is not None:
-                wc._retire[0]._retire(wc._retire[1])
-        return len(out), out
+            n = min(num_entries, len(self.q))
+            out = [self.q.popleft() for _ in range(n)]
+        if n == 1:
+            if out[0]._retire is not None:
+                out[0]._retire[0]._retire(out[0]._retire[1])
+        elif n:
+            last = {}       # per QP its latest send completion: it frees every slot up to it (one retirement each)
+            for wc in out:
+                if wc._retire is not None:
+                    last[wc._retire[0]] = wc._retire[1]
+            for qp, seq in last.items():
+                qp._retire(seq)
+        return n, out
 
     def close(self) -> None:
         """Nothing to release."""
@@ -1081,7 +1089,7 @@ class QP:
             with self.engine.lock:
                 self._to_error()
         elif attr.qp_state == E.IBV_QPS_RESET:
-            with self.engine.lock:
+            with self.send_lock, self.engine.lock:     # (the order _post_send takes them in; _retire: send lock)
                 self.state, self.lost_since = E.IBV_QPS_RESET, None
                 for q in (self.outstanding, self.sq, self.rq, self.pending, self.acks):
                     q.clear()
@@ -1197,9 +1205,11 @@ class QP:
             self.scq._push(wc)
 
     def _retire(self, seq: int) -> None:
-        with self.engine.lock:
-            while self.sq and self.sq[0] <= seq:
-                self.sq.popleft()
+        # (under the QP's send lock, not the engine's, which the progress thread holds while it places payloads)
+        with self.send_lock:
+            sq = self.sq
+            while sq and sq[0] <= seq:
+                sq.popleft()
 
     def _error(self, seq: int, status: int) -> None:
         self._complete(seq, status)

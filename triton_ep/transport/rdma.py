@@ -123,7 +123,7 @@ class Op:
     wr_id: Optional[int] = None
 
 
-@dataclass
+@dataclass(slots=True)      # (a proxy makes one per reported work completion: slots build and read faster)
 class Completion:
     """One work completion.
 

@@ -527,7 +527,8 @@ class VerbsTransport(Transport):
             hash (default: as many paths as QPs, CRC-32 of the 5-tuple as switches use).
         signal_every: force a signalled request after this many unsignalled ones (default sq_depth // 2),
             so send-queue slots are always reclaimed.
-        auto_replenish: repost a receive whenever a receive completion is polled.
+        auto_replenish: post consumed receives again as completions are polled, in chains of ``rq_depth // 8``
+            (``recv_batch``: a QP keeps at least ``rq_depth - recv_batch + 1`` posted).
         min_rnr_timer, rnr_retry, retry_cnt, qp_timeout: IB-encoded QP timers (see :func:`build_qp_attr`).
         timeout_s: bound of every wait; exceeded -> ``EPTimeoutError``.
         force_sport: on mlx5, also set the UDP source port (and LAG port) directly after RTS.
@@ -569,11 +570,15 @@ class VerbsTransport(Transport):
         self.qos = QoS.resolve(traffic_class, service_level)
         self.api = api if api is not None else load_pyverbs()
         self.e = enums_of(self.api)
+        self._wc_success = self.e.IBV_WC_SUCCESS        # (read per work completion: no enum look-up there)
         self.rank, self.world_size, self.num_qps_per_peer = rank, world_size, num_qps_per_peer
         self.sq_depth, self.rq_depth, self.timeout_s = sq_depth, rq_depth, timeout_s
         self.n_paths = num_qps_per_peer if n_paths is None else n_paths
         self.path_hash, self.auto_replenish, self.force_sport = path_hash, auto_replenish, force_sport
         self.signal_every = max(1, signal_every or sq_depth // 2)
+        #: receives consumed on a QP before they are posted again (one chain): the QP keeps at least
+        #: ``rq_depth - recv_batch + 1`` receives posted
+        self.recv_batch = max(1, rq_depth // 8)
         self.timers = dict(min_rnr_timer=min_rnr_timer, rnr_retry=rnr_retry, retry_cnt=retry_cnt, timeout=qp_timeout)
         self._rng = random.Random(seed * 7919 + rank)
         self._closed = False
@@ -941,8 +946,8 @@ class VerbsTransport(Transport):
                                           qp_num=c.qp_num, peer=c.peer)
 
     def _poll_cqs(self, max_entries: int) -> List[Completion]:
-        """One ``poll`` of every CQ (up to ``max_entries`` work completions each); the receives they consumed are
-        posted again afterwards, one chain per QP (``auto_replenish``)."""
+        """One ``poll`` of every CQ (up to ``max_entries`` work completions each); a QP whose consumed receives
+        reached ``recv_batch`` gets them posted again afterwards, one chain (``auto_replenish``)."""
         out: List[Completion] = []
         owed: List[_QP] = []
         for slot, cq in enumerate(self.cqs):
@@ -951,30 +956,32 @@ class VerbsTransport(Transport):
             except self.api.PyverbsError as ex:
                 raise RdmaError(f"poll CQ failed: {ex}", errno=getattr(ex, "error_code", None),
                                 device=self.devices[slot].name) from ex
-            for wc in wcs[:n]:
-                c = self._completion(slot, wc, owed)
-                if c is not None:
-                    out.append(c)
+            if n:
+                completion = self._completion
+                for wc in wcs[:n]:
+                    c = completion(slot, wc, owed)
+                    if c is not None:
+                        out.append(c)
         for q in owed:
             n, q.recv_owed = q.recv_owed, 0
             self.post_recv(q.peer, q.index, n)
         return out
 
     def _completion(self, slot: int, wc: Any, owed: List[_QP]) -> Optional[Completion]:
-        """The :class:`Completion` of work completion ``wc`` of CQ ``slot`` (None: nothing to report); a receive
-        to post again is counted on its QP (and the QP listed in ``owed``)."""
-        e = self.e
+        """The :class:`Completion` of work completion ``wc`` of CQ ``slot`` (None: nothing to report: an unsignalled
+        request's, a flushed receive's); a consumed receive is counted on its QP, which goes into ``owed`` once
+        ``recv_batch`` are owed."""
         q = self.by_qpn.get((slot, wc.qp_num))
-        ok = wc.status == e.IBV_WC_SUCCESS
-        status = "IBV_WC_SUCCESS" if ok else e.name_of("IBV_WC_STATUS_", wc.status, WC_STATUS_NAMES)
+        ok = wc.status == self._wc_success
+        status = "IBV_WC_SUCCESS" if ok else self.e.name_of("IBV_WC_STATUS_", wc.status, WC_STATUS_NAMES)
         peer, idx = (q.peer, q.index) if q else (None, None)
         if wc.wr_id & _RECV_BIT:   # classify by wr_id: the opcode of an error completion is undefined
             if q is not None:
                 q.recvs_posted -= 1
                 if self.auto_replenish and ok:
-                    if not q.recv_owed:
-                        owed.append(q)
                     q.recv_owed += 1
+                    if q.recv_owed == self.recv_batch:
+                        owed.append(q)
             if not ok and status == "IBV_WC_WR_FLUSH_ERR":
                 return None   # a flushed receive: the send side reports the failure
             return Completion(status, "recv_imm", wc.wr_id & ~_RECV_BIT, int(wc.imm_data) if ok else None,
