@@ -47,9 +47,6 @@ KNOWN_EDGES = {
     ("__main__", "kernels._util"), ("__main__", "transport.emulated"), ("__main__", "transport.ipc"),
     ("__main__", "transport.rdma"), ("__main__", "transport.topology"), ("__main__", "transport.verbs"),
     ("testing", "transport.ipc"),
-    # the modes' call signatures and slot words come from transport/ (to go through runtime/)
-    ("modes.intranode", "transport.signals"), ("modes.low_latency", "transport.signals"),
-    ("modes.low_latency", "transport.ipc"),
     # internode modes reach transport/ directly (they become a package of their own: issue 48, item 2)
     ("modes.internode", "transport.bootstrap"), ("modes.internode", "transport.signals"),
     ("modes.internode_capture", "transport.bootstrap"),
@@ -63,7 +60,6 @@ KNOWN_EDGES = {
 #: today's import loops, each as the set of its modules. Only shrinks.
 KNOWN_CYCLES = {
     frozenset({"modes.internode", "modes.internode_capture"}),
-    frozenset({"modes.low_latency", "modes.low_latency_replay"}),
     frozenset({"scheduler", "scheduler_cli"}),
 }
 

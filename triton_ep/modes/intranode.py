@@ -26,9 +26,8 @@ from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, row_words
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
 from ..protocol import records
-from ..runtime import Runtime, steps
+from ..runtime import Runtime, call_signature, steps
 from ..runtime.checks import check_config, check_event, isint
-from ..transport import signals
 from . import intranode_replay as replay
 
 Tensor = torch.Tensor
@@ -328,7 +327,7 @@ class Intranode:
             cap = self.rt.capacity(rec_words * 4, "dispatch")
             # rounds: from the counts, or (counts on the device only) from every rank's num_worst_tokens
             rounds = max(1, -(-recv_rows_max // cap))
-            plan = (rec_words, cap, rounds, signals.call_signature(sig + [rounds, rec_words]))
+            plan = (rec_words, cap, rounds, call_signature(sig + [rounds, rec_words]))
             if cached:
                 a.handle.plans[tuple(sig)] = plan
         rec_words, cap, rounds, call_sig = plan
@@ -558,7 +557,7 @@ class Intranode:
             cap = self.rt.capacity(rb, "combine")
             rounds = max(1, -(-h.area_rows_max // cap))
             plan = h.plans[(card.COMBINE, H, K)] = (rb, cap, rounds,
-                                                   signals.call_signature([card.COMBINE, H, K, h.seq, rounds]))
+                                                   call_signature([card.COMBINE, H, K, h.seq, rounds]))
         rb, cap, rounds, call_sig = plan
         self.rt.publish(card.COMBINE, (H, K, h.seq))
         self.rt.begin(previous_event, async_finish)
