@@ -6,12 +6,23 @@ from typing import List
 import torch
 
 from ...protocol.ll_area import Layout
+from ...runtime.checks import MAX_EXPERTS, MAX_INT32, int_arg
 
 Tensor = torch.Tensor
 
 
 def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes of the low-latency area for these sizes (:class:`Layout`), rounded up to 128 bytes as DeepEP's."""
+    """``Buffer.get_low_latency_rdma_size_hint``: bytes of the low-latency area for these sizes (:class:`Layout`),
+    rounded up to 128 bytes as DeepEP's. ``ValueError`` naming the argument for sizes no low-latency call takes."""
+    vals = (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    for name, v in zip(("num_max_dispatch_tokens_per_rank", "hidden", "num_ranks"), vals):
+        int_arg(name, v, 1, MAX_INT32, "int32 in the kernels")
+    int_arg("num_experts", num_experts, 1, MAX_EXPERTS, "the most experts a call takes")
+    if num_experts % num_ranks:
+        raise ValueError(f"get_low_latency_rdma_size_hint needs num_experts % num_ranks == 0, got {vals}")
+    if hidden % 8:
+        raise ValueError(f"get_low_latency_rdma_size_hint: hidden {hidden} is not a multiple of 8; low-latency "
+                         f"calls move rows of a multiple of 16 bytes (bf16: hidden % 8 == 0; FP8: hidden % 128 == 0)")
     n = Layout(int(num_ranks), int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts)).total_bytes
     return (n + 127) // 128 * 128
 
