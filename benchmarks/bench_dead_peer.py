@@ -3,7 +3,7 @@
 For each mode, ``--ranks`` rank processes (gloo; CPU under the Triton interpreter, or ``--device cuda``) build a
 Buffer with ``--timeout-s``, make one correct call of the mode's kind and meet at a barrier; then rank 1 notes the
 wall-clock time and kills itself (SIGKILL) at the mode's point while every other rank makes the call. Each
-survivor notes the wall-clock time its error is raised. Modes (tests/dead_peer_cases.py): ``notify`` (the victim
+survivor notes the wall-clock time its error is raised. Modes (tests/cases/dead_peer.py): ``notify`` (the victim
 never calls the dispatch: the others wait in the count exchange), ``dispatch`` (it dies in its send, after the
 count exchange), ``worst`` (a dispatch with num_worst_tokens: the others wait on the host), ``combine``,
 ``ll_dispatch`` (a low-latency dispatch, after the victim's send), ``ll_combine``. Target: 2 s; before the liveness
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 
-from _common import ROOT, check_out, print_table, say, write_json
+from _common import check_out, print_table, say, write_json  # (puts the repository root on sys.path)
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 
-import dead_peer_cases as cases  # noqa: E402
+from tests.cases import dead_peer as cases  # noqa: E402
 from triton_ep import testing  # noqa: E402
 
 TARGET_S = 2.0
@@ -77,7 +75,7 @@ def one_mode(mode: str, ranks: int, timeout_s: float, device: str) -> dict:
 def main(argv=None) -> None:
     a = parse_args(argv)
     if a.device == "cpu":
-        testing.start_forkserver(["dead_peer_cases"])       # (the ranks start as forks: no import each)
+        testing.start_forkserver(["tests.cases.dead_peer"])       # (the ranks start as forks: no import each)
     say(f"{a.ranks} ranks on {a.device}, timeout_s {a.timeout_s:g}; rank 1 dies (SIGKILL); target {TARGET_S:g} s")
     rows = [one_mode(m, a.ranks, a.timeout_s, a.device) for m in a.modes]
     print_table(["mode", "survivors' errors", "kill to error, s (min / max)", f"within {TARGET_S:g} s"],

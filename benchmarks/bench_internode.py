@@ -19,7 +19,9 @@ as two hosts of one rank on the emulated fabric without the rate model, ``Buffer
 ``Buffer.combine`` called ``--calls`` times after one warm-up call (the record kernels under Triton's
 interpreter on CPU tensors, or on the GPU where there is one), and from ``Buffer.get_rdma_stats()`` the
 proxy's busy seconds per chunk (all, and outside the transport's data posts, where the emulated fabric copies
-the payloads: the proxy's own bookkeeping) and per MiB, the chunks and work requests per call, and the network leg's
+the payloads: the proxy's own bookkeeping) and per MiB, the proxy's CPU µs per chunk (all; its own Python outside
+transport calls, non-zero only with ``TRITON_EP_PROXY_CPU_SPLIT=1``; and with the thread proxy less the emulated
+NIC's own CPU in its posts, ``emulated.nic_cpu_s()``: the figure a NIC would leave), the chunks and work requests per call, and the network leg's
 seconds per call (kernels, proxy and waits: on a CPU the interpreter's kernels dominate it). With ``--worst``
 the same again with ``num_worst_tokens`` (on a GPU the capture path: no host exchange per call), and on a GPU
 one CUDA-graph replay of that dispatch + combine (wall time, two processes sharing the GPU: functional).
@@ -125,6 +127,8 @@ def inside_rank(rank, world, a, worst: int = 0) -> dict:
                        "TRITON_EP_RDMA_QPS_PER_PEER": str(a.qps), "TRITON_EP_RDMA_SLOTS": str(a.slots),
                        "TRITON_EP_RDMA_CHUNK_BYTES": str(a.chunk_kib << 10)})
     import triton_ep
+    from triton_ep.proxy_process import proxy_kind
+    from triton_ep.transport import emulated
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
         torch.cuda.set_device(0)
@@ -148,14 +152,17 @@ def inside_rank(rank, world, a, worst: int = 0) -> dict:
 
         call()
         sync()
+        nic0 = emulated.nic_cpu_s()
         s0, t0 = buf.get_rdma_stats(), time.perf_counter()
         for _ in range(a.calls):
             call()
         sync()
         wall, s1 = time.perf_counter() - t0, buf.get_rdma_stats()
-        out = {k: s1[k] - s0[k] for k in ("chunks", "wrs", "proxy_busy_s", "proxy_post_s", "network_s",
-                                          "host_exchanges")} | {
-            "wall_s": wall, "bytes": sum(s1["ports"].values()) - sum(s0["ports"].values()), "device": dev}
+        out = {k: s1[k] - s0[k] for k in ("chunks", "wrs", "proxy_busy_s", "proxy_post_s", "proxy_cpu_s",
+                                          "proxy_transport_cpu_s", "network_s", "host_exchanges")} | {
+            "wall_s": wall, "bytes": sum(s1["ports"].values()) - sum(s0["ports"].values()), "device": dev,
+            # the emulated NIC's posts in this process: the proxy's (thread proxy) or none (process proxy)
+            "nic_cpu_s": emulated.nic_cpu_s() - nic0 if proxy_kind() == "thread" else None}
         if worst and dev == "cuda":
             import torch.distributed as dist
             graph = torch.cuda.CUDAGraph()
@@ -191,6 +198,11 @@ def inside(a, worst: int = 0) -> dict:
                          / max(o["chunks"], 1) * 1e6,
                          "proxy_us_per_MiB": o["proxy_busy_s"] / max(o["bytes"] / 2 ** 20, 1e-9) * 1e6,
                          "proxy_ms_per_call": o["proxy_busy_s"] / n * 1e3,
+                         "proxy_cpu_us_per_chunk": o["proxy_cpu_s"] / max(o["chunks"], 1) * 1e6,
+                         "proxy_own_cpu_us_per_chunk": (o["proxy_cpu_s"] - o["proxy_transport_cpu_s"])
+                         / max(o["chunks"], 1) * 1e6,
+                         "proxy_cpu_us_per_chunk_less_nic": None if o["nic_cpu_s"] is None else
+                         (o["proxy_cpu_s"] - o["nic_cpu_s"]) / max(o["chunks"], 1) * 1e6,
                          "network_ms_per_call": o["network_s"] / n * 1e3, "wall_ms_per_call": o["wall_s"] / n * 1e3,
                          "host_exchanges_per_call": o["host_exchanges"] / n,
                          "graph_replay_ms": o.get("graph_replay_ms")})
@@ -226,11 +238,14 @@ def main(argv=None):
             "CUDA-graph replay of dispatch + combine); on a CPU the host path. Two processes share one GPU: "
             "functional timings, not speed")
         print_table(["call", "rank", "device", "chunks/call", "WRs/call", "MiB/call", "proxy us/chunk",
-                     "outside posts", "proxy us/MiB", "proxy ms/call", "network ms/call", "wall ms/call",
-                     "host exch/call", "graph ms"],
+                     "outside posts", "CPU us/chunk", "own CPU", "CPU less NIC", "proxy us/MiB", "proxy ms/call",
+                     "network ms/call", "wall ms/call", "host exch/call", "graph ms"],
                     [[name, r["rank"], r["device"], f"{r['chunks_per_call']:.1f}", f"{r['wrs_per_call']:.1f}",
                       f"{r['MiB_per_call']:.2f}", f"{r['proxy_us_per_chunk']:.1f}",
-                      f"{r['proxy_us_per_chunk_outside_posts']:.1f}", f"{r['proxy_us_per_MiB']:.1f}",
+                      f"{r['proxy_us_per_chunk_outside_posts']:.1f}", f"{r['proxy_cpu_us_per_chunk']:.1f}",
+                      f"{r['proxy_own_cpu_us_per_chunk']:.1f}",
+                      "-" if r["proxy_cpu_us_per_chunk_less_nic"] is None else
+                      f"{r['proxy_cpu_us_per_chunk_less_nic']:.1f}", f"{r['proxy_us_per_MiB']:.1f}",
                       f"{r['proxy_ms_per_call']:.2f}", f"{r['network_ms_per_call']:.1f}", f"{r['wall_ms_per_call']:.1f}",
                       f"{r['host_exchanges_per_call']:.1f}",
                       "-" if r["graph_replay_ms"] is None else f"{r['graph_replay_ms']:.2f}"]

@@ -1,8 +1,11 @@
 """GPU time of a cached dispatch and of a combine at one rank for several caps of the normal-mode launches' grid
-(and other launch parameters of the tuning table), the settings alternated in one process.
+(and other launch parameters of the tuning table, and split against fused launches), the settings alternated in
+one process.
 
     ./run.sh python benchmarks/grid_cap.py [--tokens 2048,4096] [--caps 0,2,4,8,16] [--repeats 5] [--replays 50]
-                                           [--vary KERNEL.KEY=V1,V2 ...] [--config "K.K=V;K.K=V" ...] [--out DIR]
+                                           [--vary KERNEL.KEY=V1,V2 ...] [--config "K.K=V;K.K=V" ...]
+                                           [--fused] [--pair] [--out DIR]
+    ./run.sh python benchmarks/grid_cap.py --tokens 128,1024,4096 --caps 8 --fused --pair    # split vs fused
 
 The send and receive launches of normal-mode calls of more than one block (not the fused single launch of a
 small call, not low-latency mode) take at most ``GPU_TUNING["grid"]["programs_per_sm"]`` programs per
@@ -22,7 +25,13 @@ quicker). Every cap's outputs are compared bit for bit with the first cap's.
 ``--vary dispatch_recv.num_warps=4,16`` adds a setting per value: the tuning table's defaults with the first cap
 (unless the entry is the cap itself, ``grid.programs_per_sm``) and that one entry changed (``GPU_TUNING`` on a GPU, ``INTERP_TUNING`` on CPU; one entry at a time, repeatable);
 ``--config "dispatch_send.num_warps=8;grid.programs_per_sm=4"`` adds one setting that changes several entries at
-once (at the first cap unless it names one). Each setting is a row (``setting``: what it changes, ``tuning``: those entries), timed, compared and
+once (at the first cap unless it names one). ``env.TRITON_EP_FUSED=0`` / ``=1`` in a setting captures the calls
+with that switch (``0``: a send launch and a receive launch; ``1``: one fused launch per call, whatever the token
+count: :func:`triton_ep.kernels.dispatch.dispatch_fused`, :func:`triton_ep.kernels.combine.combine_fused`; unset:
+the library's own choice, fused up to ``GPU_TUNING["fused"]["max_tokens"]`` tokens); ``--fused`` is
+``--vary env.TRITON_EP_FUSED=0,1``. ``--pair`` also captures a cached dispatch followed by a combine of its output
+in one graph per setting: ``pair_us``, ``pair_ratio`` (what a decode step that replays both pays, the gap between
+the two launches included). Each setting is a row (``setting``: what it changes, ``tuning``: those entries), timed, compared and
 ratioed as the caps are. Results never depend on these entries (``triton_ep.kernels._util``), only speed does. On CPU (no CUDA graphs) eager
 calls run under the Triton interpreter with 4 "multiprocessors" (320 tokens: 5 blocks of the interpreter's 64,
 so a cap of 1 makes programs loop): they show that the capped grids agree, nothing about speed. Output: a
@@ -38,7 +47,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (puts the repository root on sys.path, sets the NVLS switches off)
-from fused_replay import _timer  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -59,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a setting per value: the defaults (first cap) with that tuning entry changed; repeatable")
     p.add_argument("--config", action="append", default=[], metavar="K.K=V;K.K=V",
                    help="one setting changing several tuning entries; repeatable")
+    p.add_argument("--fused", action="store_true",
+                   help="two more settings: split launches (TRITON_EP_FUSED=0) and one fused launch per call (=1)")
+    p.add_argument("--pair", action="store_true",
+                   help="also time a cached dispatch + combine captured in one graph (pair_us, pair_ratio)")
     C.add_replay_args(p, "alternations of the settings")
     C.add_out_arg(p, "grid_cap.json")
     a = p.parse_args(argv)
@@ -74,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         key, _, values = spec.partition("=")
         a.settings += [_setting(p, "--vary", f"{key}={v}") for v in values.split(",")]
     a.settings += [_setting(p, "--config", spec) for spec in a.config]
+    if a.fused:
+        a.settings += [_setting(p, "--fused", f"env.TRITON_EP_FUSED={v}") for v in (0, 1)]
     first = a.caps[0]           # a setting that leaves the cap alone runs at the first cap, as its label says
     a.settings = [dict(st) if "grid.programs_per_sm" in st else {"grid.programs_per_sm": first, **st}
                   for st in a.settings]
@@ -86,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+#: environment switches a setting may set (``env.NAME=value``) and their values
+ENV = {"TRITON_EP_FUSED": ("0", "1")}
+
 #: values of the tuning table's string entries (Triton's store cache modifiers and eviction policies)
 _STR_VALUES = {"store_cache": ("", ".wb", ".cg", ".cs", ".wt"), "store_evict": ("", "evict_first", "evict_last")}
 
@@ -97,6 +115,12 @@ def _setting(p, opt: str, spec: str) -> dict:
     for item in spec.split(";"):
         name, eq, text = item.strip().partition("=")
         kernel, _, key = name.partition(".")
+        if kernel == "env":
+            if key not in ENV or text.strip() not in ENV.get(key, ()):
+                allowed = ", ".join(f"env.{k}={'|'.join(v)}" for k, v in ENV.items())
+                p.error(f"{opt} {spec!r}: the switches a setting may set are {allowed}")
+            out[name] = text.strip()
+            continue
         table = _util.GPU_TUNING
         if not eq or kernel not in table or key not in table[kernel]:
             p.error(f"{opt} {spec!r}: {name!r} is no tuning entry (kernel.key=value; kernels: "
@@ -140,8 +164,8 @@ def copy_ceiling(dev: torch.device):
 
 
 class _Tuned:
-    """The tuning table's entries (``GPU_TUNING``, the interpreter's on CPU) set to ``setting``
-    (``{"kernel.key": value}``) inside, restored on exit."""
+    """The tuning table's entries (``GPU_TUNING``, the interpreter's on CPU) and the environment switches set to
+    ``setting`` (``{"kernel.key": value}``, ``{"env.NAME": value}``) inside, restored on exit."""
 
     def __init__(self, setting: dict) -> None:
         self.setting = setting
@@ -150,6 +174,10 @@ class _Tuned:
         self.saved = {}
         for name, value in self.setting.items():
             kernel, key = name.split(".")
+            if kernel == "env":
+                self.saved[name] = os.environ.get(key)
+                os.environ[key] = value
+                continue
             table = _util.tuning(kernel)
             self.saved[name] = table[key]
             table[key] = value
@@ -157,15 +185,57 @@ class _Tuned:
     def __exit__(self, *exc) -> None:
         for name, value in self.saved.items():
             kernel, key = name.split(".")
-            _util.tuning(kernel)[key] = value
+            if kernel != "env":
+                _util.tuning(kernel)[key] = value
+            elif value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _timer(step, dev: torch.device):
+    """``(run, out)``: ``run(n)`` gives the µs per call of ``n`` calls of ``step`` (GPU: replays of its graph, by
+    CUDA events, after 10 unmeasured; CPU: eager calls, by the wall clock), ``out()`` the outputs of the last one."""
+    if dev.type != "cuda":
+        last = [step()]                 # (a first call, unmeasured, as the GPU's capture: no one-time cost timed)
+
+        def run_cpu(n):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                last[:] = [step()]
+            return (time.perf_counter() - t0) * 1e6 / n
+        return run_cpu, lambda: last[0]
+    step()
+    torch.cuda.synchronize(dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+
+    def run_gpu(n):
+        for _ in range(10):
+            g.replay()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            g.replay()
+        e.record()
+        torch.cuda.synchronize(dev)
+        return s.elapsed_time(e) * 1000 / n
+    return run_gpu, lambda: out
 
 
 def _label(setting: dict) -> str:
     return ";".join(f"{k}={v}" for k, v in setting.items())
 
 
+def _bits(out) -> list:
+    """The outputs of a timed step as int16 views (a tensor, or a tuple of them), for a bit-for-bit comparison."""
+    return [t.view(torch.int16) for t in (out if isinstance(out, tuple) else (out,))]
+
+
 def one_size(a, T: int, dev: torch.device, ceiling) -> list:
-    """Every setting at ``T`` tokens: µs per cached dispatch and per combine over the repeats, outputs compared."""
+    """Every setting at ``T`` tokens: µs per cached dispatch, per combine and (``--pair``) per cached dispatch +
+    combine over the repeats, outputs compared with the first setting's."""
     gen = torch.Generator().manual_seed(7)
     x = C.random_rows(T, a.hidden, gen, dev)
     idx = C.random_topk(T, a.topk, a.experts, gen, dev)
@@ -175,31 +245,38 @@ def one_size(a, T: int, dev: torch.device, ceiling) -> list:
         pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, a.experts)
         recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir,
                                                 num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
+
+        def pair():
+            got = buf.dispatch(x, handle=handle)[0]
+            return got, buf.combine(got, handle)[0]
+        steps = {"dispatch": lambda: buf.dispatch(x, handle=handle)[0], "combine": lambda: buf.combine(recv, handle)[0]}
+        if a.pair:
+            steps["pair"] = pair
         timers = []
-        for st in a.settings:          # each graph keeps the grid and parameters it was captured with
+        for st in a.settings:          # each graph keeps the grid, parameters and switches it was captured with
             with _Tuned(st):
-                timers.append((_timer(lambda: buf.dispatch(x, handle=handle)[0], dev),
-                               _timer(lambda: buf.combine(recv, handle)[0], dev)))
-        us = [([], []) for _ in a.settings]
+                timers.append({part: _timer(step, dev) for part, step in steps.items()})
+        us = [{part: [] for part in steps} for _ in a.settings]
         for _ in range(a.repeats):
             for j, st in enumerate(a.settings):
                 with _Tuned(st):
-                    for i in (0, 1):
-                        us[j][i].append(timers[j][i][0](a.replays))
-        ref = [timers[0][i][1]().view(torch.int16) for i in (0, 1)]
+                    for part in steps:
+                        us[j][part].append(timers[j][part][0](a.replays))
+        ref = {part: _bits(timers[0][part][1]()) for part in steps}
         floor = None if ceiling is None else (x.numel() + 3 * recv.numel()) * x.element_size() / ceiling * 1e6
+        first = {part: statistics.median(us[0][part]) for part in steps}
         rows = []
-        d0, c0 = (statistics.median(us[0][i]) for i in (0, 1))
         for j, st in enumerate(a.settings):
-            d, c = (statistics.median(us[j][i]) for i in (0, 1))
-            same = all(torch.equal(timers[j][i][1]().view(torch.int16), ref[i]) for i in (0, 1))
-            rows.append(dict(tokens=T, setting=_label(st), tuning=st, programs_per_sm=st["grid.programs_per_sm"],
-                             dispatch_us=d,
-                             combine_us=c, dispatch_ratio=d / d0,
-                             combine_ratio=c / c0, floor_us=floor,
-                             dispatch_frac=None if floor is None else floor / d,
-                             combine_frac=None if floor is None else floor / c,
-                             dispatch_all=us[j][0], combine_all=us[j][1], results_equal=same))
+            row = dict(tokens=T, setting=_label(st), tuning=st, programs_per_sm=st["grid.programs_per_sm"],
+                       floor_us=floor)
+            for part in steps:
+                med = statistics.median(us[j][part])
+                row.update({f"{part}_us": med, f"{part}_ratio": med / first[part], f"{part}_all": us[j][part]})
+                if part != "pair":
+                    row[f"{part}_frac"] = None if floor is None else floor / med
+            row["results_equal"] = all(all(torch.equal(p, q) for p, q in zip(_bits(timers[j][part][1]()), ref[part]))
+                                       for part in steps)
+            rows.append(row)
         return rows
     finally:
         buf.destroy()
@@ -221,11 +298,13 @@ def main(argv=None) -> int:
             if dev.type == "cuda" else
             "CPU: µs per eager call under the Triton interpreter; they say nothing about GPU speed")
     print(f"[grid_cap] {C.device_name()}, one rank, hidden {a.hidden}, top-{a.topk} of {a.experts}: {what}")
-    C.print_table(["tokens", "setting", "dispatch us", "ratio", "frac", "combine us", "ratio", "frac", "equal"],
+    C.print_table(["tokens", "setting", "dispatch us", "ratio", "frac", "combine us", "ratio", "frac"]
+                  + (["pair us", "ratio"] if a.pair else []) + ["equal"],
                   [[r["tokens"], r["setting"], f"{r['dispatch_us']:.1f}", f"{r['dispatch_ratio']:.3f}",
                     "-" if r["dispatch_frac"] is None else f"{r['dispatch_frac']:.2f}", f"{r['combine_us']:.1f}",
-                    f"{r['combine_ratio']:.3f}", "-" if r["combine_frac"] is None else f"{r['combine_frac']:.2f}",
-                    r["results_equal"]] for r in rows])
+                    f"{r['combine_ratio']:.3f}", "-" if r["combine_frac"] is None else f"{r['combine_frac']:.2f}"]
+                   + ([f"{r['pair_us']:.1f}", f"{r['pair_ratio']:.3f}"] if a.pair else []) + [r["results_equal"]]
+                   for r in rows])
     C.write_json(os.path.join(a.out, "grid_cap.json"),
                  dict(device=C.device_name(), ranks=1, hidden=a.hidden, experts=a.experts, topk=a.topk,
                       repeats=a.repeats, replays=a.replays, copy_ceiling_Bps=ceiling,

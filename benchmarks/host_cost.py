@@ -1,7 +1,9 @@
 """Host cost of each normal-mode call on one rank alone: the microseconds Python spends in a call (argument
 checks, allocations, kernel launches, the plain dispatch's one host wait), and the kernel launches it makes.
 
-    ./run.sh python benchmarks/host_cost.py [--tokens 128] [--iters 30] [--cprofile] [--out DIR]
+    ./run.sh python benchmarks/host_cost.py [--tokens 128] [--iters 30] [--calls ...] [--cprofile] [--out DIR]
+    ./run.sh python benchmarks/host_cost.py --against DIR [--tokens 128] [--iters 20] [--rounds 6] [--calls ...]
+    ./run.sh python benchmarks/host_cost.py --diff BEFORE.json AFTER.json [--name NAME] [--out DIR]
 
 One rank (a gloo group of one), hidden 7168 bf16, top-8 of 256 experts on a GPU (tiny shapes on CPU),
 random routing, a buffer holding every transfer in one round. Per call: a device synchronise, then
@@ -23,18 +25,40 @@ call's own Python. Two rows give this machine's floor for one launch, timed the 
 attached CUPTI, later launches in the process cost more (seen on an H200 host in one probe: a one-line Triton
 kernel 9.0 -> 9.9 µs, ``Tensor.add_`` 7.9 -> 9.3 µs, ``torch.empty`` 2.3 -> 5.6 µs). Output: a table, and
 ``<out>/host_cost.json``.
+
+**This checkout against another, in one process** (``--against DIR``: an A/B for a change of the launch path).
+``DIR`` is another checkout of triton-ep (the folder holding its ``triton_ep`` package), e.g. a ``git worktree``
+of the commit before a change. Both packages are imported into this process (the other one under the same
+name, its modules kept apart), each builds the Buffers above (the same inputs), and every call of ``--calls`` is
+timed in alternating blocks: ``--rounds`` blocks of ``--iters`` calls for each side, the side that goes first
+alternating. Reported: the median host µs of each side, ``ratio`` = this checkout's median / the other's, and the
+minimums, in ``<out>/host_cost_ab.json``. Why in one process: on the H200 machine the host cost of the same code
+measured in two processes one after another differed by up to 2x from process to process, more than most
+changes of the launch path are worth; in one process both sides see the same CPU, clocks and placement. Limits:
+the other checkout must make the calls asked for with the same arguments (the low-latency Buffer is built only
+when ``--calls`` names a low-latency call), and each package must import its modules when it is imported.
+
+**Two result files side by side** (``--diff BEFORE.json AFTER.json``, nothing run): the figures two runs of one
+script share, ``ratio`` = after / before (below 1: the after run was quicker). Reads the JSON of this script
+(each call's median host µs), ``bench_low_latency.py`` (every call's µs, and with ``--profile`` each kernel's GPU
+µs per graph replay), ``bench_kernels.py`` (each kernel's median µs per shape) or ``grid_cap.py`` (each setting's
+GPU µs per replay and its fraction of the copy ceiling, per token count); a figure only one file has is left
+out. Writes ``<out>/<--name>.json`` (rows of ``what``, ``unit``, ``before``, ``after``, ``ratio``) and ``.png``.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
+import json
 import os
 import pstats
 import statistics
 import sys
 import tempfile
 import time
+from typing import Dict, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (puts the repository root on sys.path, sets the NVLS switches off)
@@ -53,6 +77,10 @@ LAUNCHES = ([(Launcher, "_launch")] + ([(_launch.BoundLaunch, "__call__")] if ha
             + ([(_launch.Replay, "__call__")] if hasattr(_launch, "Replay") else []))
 
 
+#: the calls timed (``floor_*``: this machine's floor for one launch, GPU only, not with ``--against``)
+CALLS = ("layout", "dispatch", "worst", "cached", "combine", "ll_dispatch", "ll_combine")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     gpu = C.on_gpu()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -60,11 +88,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=7168 if gpu else 256)
     p.add_argument("--experts", type=int, default=256 if gpu else 16)
     p.add_argument("--topk", type=int, default=8 if gpu else 4)
-    p.add_argument("--iters", type=int, default=30 if gpu else 5)
+    p.add_argument("--iters", type=int, default=None,
+                   help="calls timed per call (default 30 on a GPU, 5 on CPU); with --against, calls per block "
+                        "(default 20 on a GPU, 2 on CPU)")
+    p.add_argument("--calls", nargs="+", choices=CALLS, default=list(CALLS))
     p.add_argument("--cprofile", action="store_true", help="also print the top of a cProfile of each call")
-    C.add_out_arg(p, "host_cost.json")
+    p.add_argument("--against", metavar="DIR",
+                   help="another checkout of triton-ep (the folder holding triton_ep/): time both in one process")
+    p.add_argument("--rounds", type=int, default=6 if gpu else 2, help="with --against: blocks per side")
+    p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="two result files of one script side by side (nothing is run)")
+    p.add_argument("--name", default="compare", help="with --diff: output file name, without extension")
+    C.add_out_arg(p, "host_cost.json, host_cost_ab.json (--against) or <name>.json/.png (--diff)")
     a = p.parse_args(argv)
-    C.check_shape_args(p, a, ("tokens", "hidden", "experts", "topk", "iters"), 128, "low-latency mode's rows")
+    if a.iters is None:
+        a.iters = (20 if gpu else 2) if a.against else (30 if gpu else 5)
+    if a.diff:
+        if a.against:
+            p.error("--diff compares two files: it takes no --against")
+        return a
+    C.check_shape_args(p, a, ("tokens", "hidden", "experts", "topk", "iters", "rounds"), 128,
+                       "low-latency mode's rows")
+    if a.against is not None:
+        if not os.path.isdir(a.against):
+            p.error(f"--against {a.against!r} is not a folder (give the folder of another checkout)")
+        if not os.path.isfile(os.path.join(a.against, "triton_ep", "__init__.py")):
+            p.error(f"--against {a.against!r} holds no triton_ep package (give the folder of another checkout)")
+        if os.path.realpath(os.path.join(a.against, "triton_ep")) == os.path.realpath(os.path.dirname(triton_ep.__file__)):
+            p.error("--against names this checkout itself")
     return a
 
 
@@ -172,7 +223,7 @@ def inputs(a, dev) -> tuple:
 
 
 def make_calls(lib, a, dev, x, idx, w, low_latency: bool = True) -> tuple:
-    """Buffers of the package ``lib`` (``triton_ep``, or another copy of it: ``host_cost_ab.py``) on the default
+    """Buffers of the package ``lib`` (``triton_ep``, or another copy of it: ``--against``) on the default
     group: a normal one holding every transfer in one round and, with ``low_latency``, a low-latency one (N =
     tokens). Returns ``(buffer, low_latency_buffer or None, calls, dispatch_kwargs)``; ``calls``: name -> a
     function making that call once (dispatches take the layout ``get_dispatch_layout`` returned, so they launch
@@ -206,83 +257,263 @@ def make_calls(lib, a, dev, x, idx, w, low_latency: bool = True) -> tuple:
     return buf, llbuf, calls, kw
 
 
+def time_one(name: str, fn, a, sync, counter, gpu: bool) -> dict:
+    """One call's row: median and minimum host µs of ``a.iters`` calls after 3 unmeasured ones, its launcher calls
+    (CPU, ``counter``), on a GPU the µs inside launches and inside allocations; with ``--cprofile`` its profile."""
+    for _ in range(3):
+        fn()
+    launches = None
+    if counter is not None:
+        counter.clear()
+        fn()
+        launches = dict(counter)
+    ts = []
+    for _ in range(a.iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    sync()
+    row = dict(call=name, host_us=statistics.median(ts), host_us_min=min(ts), launches=launches)
+    if gpu and not name.startswith("floor"):
+        row.update(launch_us=time_inside(fn, a.iters, sync, LAUNCHES), alloc_us=time_inside(fn, a.iters, sync, ALLOCATORS))
+    if a.cprofile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.iters):
+            fn()
+        prof.disable()
+        sync()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+        print(f"--- cProfile of {name} ({a.iters} calls)\n{text.getvalue()}")
+    return row
+
+
+def run_one(a, dev) -> list:
+    """This checkout's calls (and on a GPU the floor rows), one after another: their rows."""
+    gpu = dev.type == "cuda"
+    x, idx, w = inputs(a, dev)
+    buf, llbuf, calls, kw = make_calls(triton_ep, a, dev, x, idx, w,
+                                       low_latency=any(c.startswith("ll_") for c in a.calls))
+    try:
+        calls = {name: fn for name, fn in calls.items() if name in a.calls}
+        if gpu:
+            calls.update(floor_calls(dev))
+        sync = torch.cuda.synchronize if gpu else (lambda: None)
+        counter = None if gpu else count_launches()
+
+        def fresh_layout():
+            """As a caller does: dispatch with the layout just computed for its topk_idx (the Buffer then
+            launches no layout of its own)."""
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
+            kw.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+        out = []
+        for name, fn in C.progress(list(calls.items()), desc="host_cost"):
+            if name == "dispatch":
+                fresh_layout()
+            out.append(time_one(name, fn, a, sync, counter, gpu))
+        if gpu:
+            # after every timing: CUPTI, once a profiler attached it, may slow later launches down
+            for row in out:
+                if row["call"] == "dispatch":
+                    fresh_layout()
+                row["launches"] = gpu_kernels(calls[row["call"]])
+        return out
+    finally:
+        for b in (llbuf, buf):
+            if b is not None:
+                b.destroy()
+
+
+def report_one(a, dev, out: list) -> None:
+    """The table of :func:`run_one`'s rows, and ``<out>/host_cost.json``."""
+    gpu = dev.type == "cuda"
+    what = ("host µs of one call from Python on this machine (GPU: the call only enqueues work, except a plain "
+            "dispatch's host wait)" if gpu else
+            "CPU: kernels run inside the call under the Triton interpreter; the times say nothing about a GPU")
+    C.say(f"[host_cost] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of {a.experts}; {what}")
+    C.print_table(["call", "host us (median)", "min", "in launches us", "in allocations us",
+                   "kernels" if gpu else "launcher calls", "per kernel"],
+                  [[r["call"], C.sig(r["host_us"]), C.sig(r["host_us_min"]), C.sig(r.get("launch_us")),
+                    C.sig(r.get("alloc_us")), sum(r["launches"].values()),
+                    ", ".join(f"{k} {v}" for k, v in r["launches"].items())] for r in out])
+    os.makedirs(a.out, exist_ok=True)
+    C.write_json(os.path.join(a.out, "host_cost.json"),
+                 dict(device=C.device_name(), ranks=1, ranks_per_gpu=1, tokens=a.tokens, hidden=a.hidden,
+                      experts=a.experts, topk=a.topk, iters=a.iters, note=what, results=out))
+
+
+# ------------------------------------------------------------------ --against: another checkout, same process
+def load_other(path: str):
+    """The ``triton_ep`` package of the checkout at ``path``, imported beside this checkout's: its modules are
+    imported under their own names, then this checkout's are put back in ``sys.modules``."""
+    mine = {k: v for k, v in sys.modules.items() if k == "triton_ep" or k.startswith("triton_ep.")}
+    for k in mine:
+        del sys.modules[k]
+    sys.path.insert(0, os.path.abspath(path))
+    try:
+        other = importlib.import_module("triton_ep")
+    finally:
+        sys.path.pop(0)
+        for k in [k for k in sys.modules if k == "triton_ep" or k.startswith("triton_ep.")]:
+            del sys.modules[k]
+        sys.modules.update(mine)
+    return other
+
+
+def code_of(lib) -> str:
+    """The file the ``Buffer`` class of package ``lib`` runs from (its methods' code, not the module name)."""
+    return os.path.abspath(lib.Buffer.__init__.__code__.co_filename)
+
+
+def time_pair(fns: dict, iters: int, rounds: int, sync) -> dict:
+    """``{side: [µs of each call]}``: ``rounds`` blocks of ``iters`` calls per side, alternating which side goes
+    first, after 3 calls of each side."""
+    ts = {side: [] for side in fns}
+    order = list(fns)
+    for side in order:
+        for _ in range(3):
+            fns[side]()
+    for r in range(rounds):
+        for side in (order if r % 2 == 0 else order[::-1]):
+            fn = fns[side]
+            for _ in range(iters):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                ts[side].append((time.perf_counter() - t0) * 1e6)
+    sync()
+    return ts
+
+
+def run_against(a, dev, other) -> list:
+    """Both checkouts' calls of ``--calls`` in alternating blocks: a row per call (medians, ratio, minimums)."""
+    libs = {"this": triton_ep, "other": other}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    built, calls, out = [], {}, []
+    try:
+        x, idx, w = inputs(a, dev)
+        ll = any(c.startswith("ll_") for c in a.calls)
+        for side, lib in libs.items():
+            try:
+                buf, llbuf, fns, _ = make_calls(lib, a, dev, x, idx, w, low_latency=ll)
+            except Exception as ex:     # noqa: BLE001 - said in one line: the other checkout lacks a call
+                raise SystemExit(f"host_cost.py --against: the {side} checkout's Buffer cannot make the calls "
+                                 f"asked for ({type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}); "
+                                 f"name fewer with --calls") from None
+            built += [b for b in (buf, llbuf) if b is not None]
+            calls[side] = fns
+        for name in C.progress(a.calls, desc="host_cost --against"):
+            ts = time_pair({side: calls[side][name] for side in libs}, a.iters, a.rounds, sync)
+            med = {side: statistics.median(v) for side, v in ts.items()}
+            out.append(dict(call=name, this_us=med["this"], other_us=med["other"], ratio=med["this"] / med["other"],
+                            this_us_min=min(ts["this"]), other_us_min=min(ts["other"])))
+        return out
+    finally:
+        for b in built:
+            b.destroy()
+
+
+def report_against(a, dev, other, out: list) -> None:
+    """The table of :func:`run_against`'s rows, and ``<out>/host_cost_ab.json``."""
+    what = ("host µs of one call from Python on this machine, both checkouts in one process" if dev.type == "cuda" else
+            "CPU: kernels run inside the call under the Triton interpreter; the times say nothing about a GPU")
+    C.say(f"[host_cost --against] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of "
+          f"{a.experts}; this checkout against {a.against}; medians of {a.rounds} blocks of {a.iters} calls a side; "
+          f"{what}")
+    C.print_table(["call", "this us", "other us", "ratio", "this min", "other min"],
+                  [[r["call"], C.sig(r["this_us"]), C.sig(r["other_us"]), C.sig(r["ratio"], 3),
+                    C.sig(r["this_us_min"]), C.sig(r["other_us_min"])] for r in out])
+    os.makedirs(a.out, exist_ok=True)
+    C.write_json(os.path.join(a.out, "host_cost_ab.json"),
+                 dict(device=C.device_name(), ranks=1, tokens=a.tokens, hidden=a.hidden, experts=a.experts,
+                      topk=a.topk, iters=a.iters, rounds=a.rounds, against=os.path.abspath(a.against), note=what,
+                      this_code=code_of(triton_ep), other_code=code_of(other), results=out))
+
+
+# ------------------------------------------------------------------ --diff: two result files side by side
+def figures(doc: dict) -> Tuple[str, Dict[str, Tuple[float, str]]]:
+    """``(kind, {name: (value, unit)})`` of one result file.
+
+    Raises:
+        ValueError: a JSON of no script ``--diff`` knows.
+    """
+    out: Dict[str, Tuple[float, str]] = {}
+    if "kernels" in doc and isinstance(doc["kernels"], list):                  # bench_kernels.py
+        for k in doc["kernels"]:
+            out[f"T={k['tokens']} {k['kernel']}"] = (k["ours_us"], "GPU us")
+        return "bench_kernels", out
+    if isinstance(doc.get("results"), list) and doc["results"] and "dispatch_frac" in doc["results"][0]:   # grid_cap.py
+        for c in doc["results"]:
+            for call in ("dispatch", "combine"):
+                out[f"T={c['tokens']} {c['setting']} {call}"] = (c[f"{call}_us"], "GPU us")
+                out[f"T={c['tokens']} {c['setting']} {call} frac"] = (c[f"{call}_frac"], "of the copy ceiling")
+        return "grid_cap", out
+    if isinstance(doc.get("results"), list):                                   # host_cost.py
+        for c in doc["results"]:
+            out[c["call"]] = (c["host_us"], "host us")
+        return "host_cost", out
+    if isinstance(doc.get("results"), dict) and "graph" in doc["results"]:    # bench_low_latency.py
+        for name, v in doc["results"].items():
+            if v is not None:
+                out[name] = (v, "host us" if name.endswith("_host") else "GPU us")
+        for name, (_, us) in (doc.get("kernels_per_replay") or {}).items():
+            out[f"replay: {name}"] = (us, "GPU us")
+        return "bench_low_latency", out
+    raise ValueError("not a JSON of bench_low_latency.py, bench_kernels.py, host_cost.py or grid_cap.py")
+
+
+def diff(before: dict, after: dict) -> list:
+    """Rows of the figures both files have, in the after file's order.
+
+    Raises:
+        ValueError: the files come from different scripts, or from none ``--diff`` knows.
+    """
+    kb, fb = figures(before)
+    ka, fa = figures(after)
+    if kb != ka:
+        raise ValueError(f"the files come from different scripts ({kb}, {ka})")
+    return [dict(what=name, unit=unit, before=fb[name][0], after=v, ratio=v / fb[name][0] if fb[name][0] else None)
+            for name, (v, unit) in fa.items() if name in fb]
+
+
+def run_diff(a) -> None:
+    """``--diff BEFORE AFTER``: the table, ``<out>/<name>.json`` and ``<out>/<name>.png``."""
+    docs = []
+    for path in a.diff:
+        with open(path) as f:
+            docs.append(json.load(f))
+    rows = diff(*docs)
+    C.print_table(["figure", "unit", "before", "after", "ratio"],
+                  [[r["what"], r["unit"], C.sig(r["before"], 4), C.sig(r["after"], 4), C.sig(r["ratio"], 3)]
+                   for r in rows])
+    C.write_json(os.path.join(a.out, a.name + ".json"),
+                 dict(note="ratio = after / before (below 1: the after run was quicker)",
+                      before=dict(path=a.diff[0], device=docs[0].get("device")),
+                      after=dict(path=a.diff[1], device=docs[1].get("device")), rows=rows))
+    C.bar_chart(os.path.join(a.out, a.name + ".png"), [r["what"] for r in rows],
+                {"after / before": [r["ratio"] or 0.0 for r in rows]}, f"{a.name}: after / before", "ratio", hline=1.0)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
-    import triton_ep
+    if a.diff:
+        run_diff(a)
+        return 0
+    other = load_other(a.against) if a.against else None
     dev = torch.device("cuda") if C.on_gpu() else torch.device("cpu")
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/rdv", rank=0, world_size=1)
         try:
-            x, idx, w = inputs(a, dev)
-            buf, llbuf, calls, kw = make_calls(triton_ep, a, dev, x, idx, w)
-            if dev.type == "cuda":
-                calls.update(floor_calls(dev))
-            sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-            counter = count_launches() if dev.type != "cuda" else None
-            out = []
-            def fresh_layout():
-                """As a caller does: dispatch with the layout just computed for its topk_idx (the Buffer then
-                launches no layout of its own)."""
-                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
-                kw.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-
-            for name, fn in C.progress(list(calls.items()), desc="host_cost"):
-                if name == "dispatch":
-                    fresh_layout()
-                for _ in range(3):
-                    fn()
-                launches = None
-                if counter is not None:
-                    counter.clear()
-                    fn()
-                    launches = dict(counter)
-                ts = []
-                for _ in range(a.iters):
-                    sync()
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append((time.perf_counter() - t0) * 1e6)
-                sync()
-                med, lo = statistics.median(ts), min(ts)
-                row = dict(call=name, host_us=med, host_us_min=lo, launches=launches)
-                if dev.type == "cuda" and not name.startswith("floor"):
-                    row.update(launch_us=time_inside(fn, a.iters, sync, LAUNCHES),
-                               alloc_us=time_inside(fn, a.iters, sync, ALLOCATORS))
-                out.append(row)
-                if a.cprofile:
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for _ in range(a.iters):
-                        fn()
-                    prof.disable()
-                    sync()
-                    text = io.StringIO()
-                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-                    print(f"--- cProfile of {name} ({a.iters} calls)\n{text.getvalue()}")
-            if counter is None:
-                # after every timing: CUPTI, once a profiler attached it, may slow later launches down
-                for row in out:
-                    if row["call"] == "dispatch":
-                        fresh_layout()
-                    row["launches"] = gpu_kernels(calls[row["call"]])
-            rows = [[r["call"], C.sig(r["host_us"]), C.sig(r["host_us_min"]), C.sig(r.get("launch_us")),
-                     C.sig(r.get("alloc_us")),
-                     sum(r["launches"].values()), ", ".join(f"{k} {v}" for k, v in r["launches"].items())]
-                    for r in out]
-            llbuf.destroy()
-            buf.destroy()
+            out = run_against(a, dev, other) if other is not None else run_one(a, dev)
         finally:
             dist.destroy_process_group()
-    what = ("host µs of one call from Python on this machine (GPU: the call only enqueues work, except a plain "
-            "dispatch's host wait)" if dev.type == "cuda" else
-            "CPU: kernels run inside the call under the Triton interpreter; the times say nothing about a GPU")
-    C.say(f"[host_cost] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of {a.experts}; {what}")
-    C.print_table(["call", "host us (median)", "min", "in launches us", "in allocations us",
-                   "kernels" if dev.type == "cuda" else "launcher calls", "per kernel"], rows)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "host_cost.json")
-    C.write_json(path, dict(device=C.device_name(), ranks=1, ranks_per_gpu=1, tokens=a.tokens, hidden=a.hidden,
-                            experts=a.experts, topk=a.topk, iters=a.iters, note=what, results=out))
+    if other is not None:
+        report_against(a, dev, other, out)
+    else:
+        report_one(a, dev, out)
     return 0
 
 

@@ -15,6 +15,9 @@ from hypothesis import HealthCheck, settings
 import triton_ep  # noqa: F401 - before any test module imports triton: it sets TRITON_INTERPRET=1 on CPU
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the repository root: ``tests`` is a namespace package there, and ``tests.cases`` holds what the tests share
+# (rank processes get this path too: spawn hands sys.path over, the fork server takes it as PYTHONPATH)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -96,8 +99,8 @@ def _open_fds() -> dict:
 
 
 #: the test modules holding rank bodies (imported by the fork server, see below)
-RANK_BODY_MODULES = ("helpers", "mp_cases", "ll_cases", "internode_cases", "sched_cases", "metrics_cases",
-                     "proxy_cases")
+RANK_BODY_MODULES = tuple(f"tests.cases.{name}" for name in ("helpers", "mp", "ll", "internode", "sched", "metrics",
+                                                               "proxy", "elastic")) + ("tests.engines.replay",)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -177,14 +177,14 @@ def test_host_cost_out(tmp_path, results_untouched):
 
 
 @pytest.mark.extended
-def test_host_cost_ab_against_a_copy(tmp_path, results_untouched):
-    """The in-process A/B against another checkout (here a copy of this one's package): both sides timed, the
+def test_host_cost_against_a_copy(tmp_path, results_untouched):
+    """``host_cost.py --against``: the in-process A/B against another checkout (here a copy of this one's package): both sides timed, the
     other side's Buffer really runs from the copy, ``ratio`` = this / other
     per call in ``host_cost_ab.json``; a call the other checkout cannot make is one line naming what failed."""
     other = tmp_path / "other"
     shutil.copytree(os.path.join(ROOT, "triton_ep"), other / "triton_ep",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    r = run_bench("host_cost_ab.py", "--against", str(other), "--calls", "cached", "ll_dispatch", "--iters", "1",
+    r = run_bench("host_cost.py", "--against", str(other), "--calls", "cached", "ll_dispatch", "--iters", "1",
                   "--rounds", "2", "--out", str(tmp_path / "ab"))
     out = json.loads((tmp_path / "ab" / "host_cost_ab.json").read_text())
     by = {c["call"]: c for c in out["results"]}
@@ -200,39 +200,47 @@ def test_host_cost_ab_against_a_copy(tmp_path, results_untouched):
     with open(other / "triton_ep" / "buffer.py", "a") as f:
         f.write("\n\ndef _no_ll(self, *args, **kwargs):\n    raise NotImplementedError('planted: no low-latency mode')\n"
                 "\n\nBuffer.low_latency_dispatch = _no_ll\n")
-    run_bench("host_cost_ab.py", "--against", str(other), "--calls", "cached", "--iters", "1", "--rounds", "1",
+    run_bench("host_cost.py", "--against", str(other), "--calls", "cached", "--iters", "1", "--rounds", "1",
               "--out", str(tmp_path / "ab2"))
-    r = python([os.path.join(ROOT, "benchmarks", "host_cost_ab.py"), "--against", str(other), "--calls", "ll_dispatch",
+    r = python([os.path.join(ROOT, "benchmarks", "host_cost.py"), "--against", str(other), "--calls", "ll_dispatch",
                 "--iters", "1", "--rounds", "1", "--out", str(tmp_path / "ab3")], ROOT)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "the other checkout's Buffer cannot make the calls asked for" in r.stderr and "planted" in r.stderr
 
 
-def test_host_cost_ab_refuses_a_bad_against(tmp_path, capsys):
-    """``--against`` without a package, naming this checkout, or naming no folder: exit status 2 and why."""
-    parse_args = bench_module("host_cost_ab").parse_args
+def test_host_cost_refuses_a_bad_against(tmp_path, capsys):
+    """``--against`` without a package, naming this checkout, or naming no folder, and ``--against`` with
+    ``--diff``: exit status 2 and why."""
+    parse_args = bench_module("host_cost").parse_args
     for bad, why in ((str(tmp_path), "holds no triton_ep package"), (ROOT, "names this checkout itself"),
                      (str(tmp_path / "nowhere"), "is not a folder")):
         assert_parse_error(parse_args, ["--against", bad], why, capsys)
+    assert_parse_error(parse_args, ["--against", str(tmp_path), "--diff", "a.json", "b.json"], "takes no --against",
+                       capsys)
 
 
 @pytest.mark.extended
-def test_fused_replay_out(tmp_path, results_untouched):
-    """One rank on CPU: cached dispatch + combine through split and fused launches, both timed and their outputs
-    equal, in ``fused_replay.json`` under ``--out``; a bad ``--tokens`` is an argparse error."""
-    r = run_bench("fused_replay.py", "--out", str(tmp_path / "f"))
-    out = json.loads((tmp_path / "f" / "fused_replay.json").read_text())
-    assert [row["tokens"] for row in out["results"]] == [16]
-    row = out["results"][0]
-    assert row["results_equal"] and row["split_us"] > 0 and row["fused_us"] > 0
-    assert math.isclose(row["ratio"], row["fused_us"] / row["split_us"])
+def test_grid_cap_fused_pair(tmp_path, results_untouched):
+    """``grid_cap.py --fused --pair`` (what fused_replay.py measured): one rank on CPU, a row at the first cap, one
+    with split launches (``TRITON_EP_FUSED=0``) and one with a fused launch per call (``=1``), each timing the
+    cached dispatch, the combine and the two in one step, outputs bit for bit equal; the switch is unset again
+    afterwards; a bad switch value is an argparse error."""
+    r = run_bench("grid_cap.py", "--tokens", "16", "--caps", "0", "--fused", "--pair", "--out", str(tmp_path / "f"))
+    out = json.loads((tmp_path / "f" / "grid_cap.json").read_text())
+    assert [row["setting"] for row in out["results"]] == [
+        "grid.programs_per_sm=0", "grid.programs_per_sm=0;env.TRITON_EP_FUSED=0",
+        "grid.programs_per_sm=0;env.TRITON_EP_FUSED=1"]
+    for row in out["results"]:
+        assert row["results_equal"] and row["tokens"] == 16 and row["pair_us"] > 0
+        assert math.isclose(row["pair_ratio"], row["pair_us"] / out["results"][0]["pair_us"])
+    assert "TRITON_EP_FUSED" not in os.environ
     assert_cpu_report(r, CPU_NOTE)
-    bad = python([os.path.join(ROOT, "benchmarks", "fused_replay.py"), "--tokens", "1,x", "--out", str(tmp_path / "g")],
-                 ROOT)
-    assert bad.returncode == 2 and "comma-separated ints" in bad.stderr
+    bad = python([os.path.join(ROOT, "benchmarks", "grid_cap.py"), "--vary", "env.TRITON_EP_FUSED=2", "--out",
+                  str(tmp_path / "g")], ROOT)
+    assert bad.returncode == 2 and "env.TRITON_EP_FUSED=0|1" in bad.stderr, bad.stderr
     (tmp_path / "afile").write_text("x")
     for out in (str(tmp_path / "afile" / "sub"), "", "/proc/triton_ep_nu"):   # refused before anything is measured
-        bad = python([os.path.join(ROOT, "benchmarks", "fused_replay.py"), "--out", out], ROOT)
+        bad = python([os.path.join(ROOT, "benchmarks", "grid_cap.py"), "--out", out], ROOT)
         assert bad.returncode == 2 and "--out" in bad.stderr, bad.stderr
 
 
@@ -333,33 +341,64 @@ def test_bench_low_latency_across_hosts(tmp_path, results_untouched, arrival):
         assert bad.returncode != 0 and "--arrival-words needs --hosts" in bad.stderr, bad.stderr
 
 
-def test_compare_writes_ratios(tmp_path, results_untouched):
-    """compare.py on two committed low-latency results (before and after this work's kernel levers): the
+def _slower(src: str, dst, factor: float = 2.0) -> str:
+    """A copy of the committed result ``src`` at ``dst`` with every figure ``--diff`` reads times ``factor``
+    (the "after" run of a before / after pair); returns its path."""
+    host_cost = bench_module("host_cost")
+    with open(src) as f:
+        doc = json.load(f)
+    kind, _ = host_cost.figures(doc)
+
+    def scale(d: dict, keys) -> None:
+        for k in keys:
+            if isinstance(d.get(k), (int, float)) and not isinstance(d[k], bool):
+                d[k] *= factor
+    if kind == "bench_low_latency":
+        scale(doc["results"], list(doc["results"]))
+        for v in (doc.get("kernels_per_replay") or {}).values():
+            v[1] *= factor
+    else:
+        for row in doc["results"]:
+            scale(row, [k for k in row if k.endswith("_us")])
+            scale(row, [k for k in row if k.endswith("_frac")])
+    with open(dst, "w") as f:
+        json.dump(doc, f)
+    return str(dst)
+
+
+def test_host_cost_diff_writes_ratios(tmp_path, results_untouched):
+    """``host_cost.py --diff`` on the committed low-latency result and a copy with every figure doubled: the
     figures both have, with ratio = after / before, in ``<name>.json`` under ``--out``; files of different
     scripts are refused."""
     res = os.path.join(ROOT, "benchmarks", "results")
-    run_bench("compare.py", os.path.join(res, "low_latency_h200_r1_base_c052012.json"),
-              os.path.join(res, "low_latency_h200_r1_new.json"), "--name", "ll", "--out", str(tmp_path))
+    before = os.path.join(res, "low_latency_h200_r1.json")
+    run_bench("host_cost.py", "--diff", before, _slower(before, tmp_path / "after.json"), "--name", "ll",
+              "--out", str(tmp_path))
     out = json.loads((tmp_path / "ll.json").read_text())
     rows = {r["what"]: r for r in out["rows"]}
-    assert rows["graph"]["ratio"] == pytest.approx(rows["graph"]["after"] / rows["graph"]["before"])
+    assert rows["graph"]["ratio"] == pytest.approx(2.0)
+    assert rows["graph"]["after"] == pytest.approx(2 * rows["graph"]["before"])
     assert rows["graph"]["unit"] == "GPU us" and rows["dispatch_host"]["unit"] == "host us"
+    assert any(w.startswith("replay: ") for w in rows)
     with pytest.raises(ValueError, match="different scripts"):       # (in this process: a process costs seconds)
-        bench_module("compare").main([os.path.join(res, "host_cost_h200.json"),
-                                      os.path.join(res, "low_latency_h200_r1_new.json"), "--out", str(tmp_path)])
+        bench_module("host_cost").main(["--diff", os.path.join(res, "host_cost_h200_r1_t128.json"), before,
+                                        "--out", str(tmp_path)])
 
 
-def test_compare_reads_grid_cap_results(tmp_path, results_untouched):
-    """compare.py on two committed grid_cap.py results (normal-mode split launches before and after they dropped
-    their end-of-launch counts): GPU µs and the fraction of the copy ceiling per token count and call."""
-    res = os.path.join(ROOT, "benchmarks", "results")
-    run_bench("compare.py", os.path.join(res, "grid_cap_h200_defer_before_run1.json"),
-              os.path.join(res, "grid_cap_h200_defer_after_run1.json"), "--name", "gc", "--out", str(tmp_path))
+def test_host_cost_diff_reads_grid_cap_results(tmp_path, results_untouched):
+    """``host_cost.py --diff`` on the committed grid_cap.py result and a copy with its figures doubled: GPU µs and
+    the fraction of the copy ceiling per token count, setting and call."""
+    res = os.path.join(ROOT, "benchmarks", "results", "grid_cap_h200_r1.json")
+    run_bench("host_cost.py", "--diff", res, _slower(res, tmp_path / "after.json"), "--name", "gc",
+              "--out", str(tmp_path))
     rows = {r["what"]: r for r in json.loads((tmp_path / "gc.json").read_text())["rows"]}
-    d = rows["T=4096 grid.programs_per_sm=8 dispatch"]
-    assert d["unit"] == "GPU us" and d["ratio"] == pytest.approx(d["after"] / d["before"])
-    assert rows["T=4096 grid.programs_per_sm=8 combine frac"]["unit"] == "of the copy ceiling"
-    assert len(rows) == 8       # 2 token counts x 2 calls x (µs, frac)
+    with open(res) as f:
+        settings = json.load(f)["results"]
+    row = settings[0]
+    d = rows[f"T={row['tokens']} {row['setting']} dispatch"]
+    assert d["unit"] == "GPU us" and d["ratio"] == pytest.approx(2.0)
+    assert rows[f"T={row['tokens']} {row['setting']} combine frac"]["unit"] == "of the copy ceiling"
+    assert len(rows) == 4 * len(settings)      # per row: 2 calls x (µs, frac)
 
 
 def test_bench_calls_compare_with_itself(tmp_path, results_untouched):

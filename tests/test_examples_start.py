@@ -1,6 +1,7 @@
-"""README's "Start the ranks of your own program": the two scripts it shows are examples/start_torchrun.py and
-examples/start_spawn.py word for word, and each makes a correct dispatch + combine round trip on CPU with 2
-ranks (torchrun over gloo, and torch.multiprocessing's spawn over gloo)."""
+"""docs/start.md, "Start the ranks of your own program" (linked from README's quick start): the two scripts it
+shows are examples/start_torchrun.py and examples/start_spawn.py word for word, and each makes a correct
+dispatch + combine round trip on CPU with 2 ranks (torchrun over gloo, and torch.multiprocessing's spawn over
+gloo). README shows the quick start's commands and names no folder outside the checkout."""
 from __future__ import annotations
 
 import os
@@ -15,18 +16,32 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("start_torchrun.py", "start_spawn.py")
 
 
-def readme_python_blocks() -> list:
-    return re.findall(r"^```python\n(.*?)^```$", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+START = ROOT / "docs" / "start.md"
+
+
+def python_blocks(path: Path) -> list:
+    return re.findall(r"^```python\n(.*?)^```$", path.read_text(), flags=re.S | re.M)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_readme_shows_the_script_as_it_is(name):
-    assert (ROOT / "examples" / name).read_text() in readme_python_blocks()
+def test_start_page_shows_the_script_as_it_is(name):
+    assert (ROOT / "examples" / name).read_text() in python_blocks(START)
+    assert f"(../examples/{name})" in START.read_text()
     assert f"(examples/{name})" in (ROOT / "README.md").read_text()
+    assert "(docs/start.md)" in (ROOT / "README.md").read_text()
+
+
+def test_readme_quick_start_commands():
+    """The commands CI and users run, as the README shows them (.ci/run runs ``./run.sh pytest``)."""
+    text = (ROOT / "README.md").read_text()
+    for command in ("./run.sh python examples/moe_layer.py", "./run.sh pytest", "./run.sh python -m triton_ep info"):
+        assert command in text, command
+    assert (ROOT / "examples" / "moe_layer.py").is_file()
 
 
 def test_readme_names_no_folder_outside_the_checkout():
-    assert "../shared" not in (ROOT / "README.md").read_text()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        assert "../shared" not in page.read_text(), page
 
 
 def run_cpu(args, tmp_path) -> subprocess.CompletedProcess:

@@ -16,7 +16,8 @@ PACKAGE = pathlib.Path(triton_ep.__file__).parent
 #: layer of each module, by the first matching prefix of its dotted name below ``triton_ep`` ("" = the package)
 LAYERS = [
     ("config", "base"), ("errors", "base"),
-    ("", "api"), ("__main__", "api"), ("buffer", "api"), ("testing", "api"), ("metrics", "api"),
+    ("", "api"), ("__main__", "api"), ("buffer", "api"), ("elastic", "api"), ("_deep_ep", "api"),
+    ("deep_ep_hook", "api"), ("testing", "api"), ("metrics", "api"),
     ("reference", "oracle"),
     ("modes", "modes"),
     ("runtime", "runtime"),

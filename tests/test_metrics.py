@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-import metrics_cases
+from tests.cases import metrics as metrics_cases
 from triton_ep.testing import RankFailure, VirtualGroup, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

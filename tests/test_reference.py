@@ -1,7 +1,7 @@
 """The oracle itself, checked against a per-token loop written straight from the contract (docs/design.md, section 1)."""
 import torch
 
-from helpers import make_inputs
+from tests.cases.helpers import make_inputs
 from triton_ep import reference as ref
 
 

@@ -395,8 +395,20 @@ def print_internode(out: TextIO, env=None) -> None:
               f"{H.ENV_RDMA}=emulated or Buffer(..., rdma_backend='emulated') to use the emulated fabric", file=out)
 
 
+def print_deep_ep(out: TextIO) -> None:
+    """The ``deep_ep`` switch (``TRITON_EP_AS_DEEP_EP``, docs/engines.md): whether the import hook is installed and
+    which ``deep_ep`` an ``import deep_ep`` gets here, triton-ep or a real DeepEP (it shadows one with the switch
+    on)."""
+    hook = importlib.import_module("triton_ep.deep_ep_hook")   # the module the .pth loaded, if it did
+    print("deep_ep (serving engines' import, docs/engines.md):", file=out)
+    for line in hook.describe():
+        print(line, file=out)
+
+
 def _report(a: argparse.Namespace, out: TextIO) -> int:
     print_versions(out)
+    print(file=out)
+    print_deep_ep(out)
     print(file=out)
     n_gpus = print_devices(out)
     print(file=out)

@@ -59,7 +59,7 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
         self.group, self.timeout_s, self.rank, self.group_size, self.device = \
             rt.group, rt.timeout_s, rt.rank, rt.group_size, rt.device
-        self._modes: Modes = open_modes(rt, low_latency_mode, num_rdma_bytes, num_qps_per_rank, enable_shrink,
+        self._modes: Modes = open_modes(rt, low_latency_mode, self.num_rdma_bytes, num_qps_per_rank, enable_shrink,
                                         allow_nvlink_for_low_latency_mode)
         #: normal mode (within one host or across hosts) and low-latency mode (or none), chosen once
         self._normal: Union[Intranode, AcrossHosts] = self._modes.normal
@@ -116,11 +116,13 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Tensor:
-        """A view of this rank's raw intranode buffer (or, across hosts with ``use_rdma_buffer``, its RDMA buffer)
-        as ``dtype`` from element ``offset``, reshaped to ``size`` (DeepEP's). Its contents change with every call.
+        """A view of this rank's raw intranode buffer as ``dtype`` from element ``offset``, reshaped to ``size``
+        (DeepEP's); its contents change with every call. With ``use_rdma_buffer``: as many ``dtype`` elements as
+        the RDMA-side memory has, views of one scratch element that no call reads (docs/api.md: zeroing it, as
+        vLLM does, changes nothing).
 
         Raises:
-            ValueError: ``use_rdma_buffer`` on one host or ``size`` too large. EPError: destroyed.
+            ValueError: ``size`` too large. EPError: destroyed.
         """
         return self._modes.local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 

@@ -288,3 +288,150 @@ def logfmt_round_trip(x: Tensor) -> Tensor:
     (bf16 ``[M, H]``): ``logfmt_decode(logfmt_encode(x))``. The combine then sums ``w[t, k] * value`` in fp32 in
     ascending ``k`` (one multiply, then one add) and rounds once to bf16, as without LogFMT."""
     return logfmt_decode(logfmt_encode(x), x.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepEP V2's ElasticBuffer (deep_ep/buffers/elastic.py and its kernels, commit dd758ca): dispatch and combine in its
+# two layouts. Non-expanded: one row per (token, destination rank), as V1's normal mode above. Expanded: one row per
+# (token, local expert) entry, each local expert's entries contiguous in (received row, top-k slot) order, expert
+# e's segment starting at the sum of the earlier experts' counts each rounded up to expert_alignment. Receive order:
+# by source rank, then source token (V2's deterministic order). Where V2's source leaves a value open (padding rows,
+# weights of experts elsewhere, the reduction order), the choice is the one docs/api_v1_v2.md lists.
+
+
+def _pad_rows(t: Tensor, rows: int, fill: int = 0) -> Tensor:
+    """``t`` (``[n, ...]``) followed by ``rows - n`` rows of ``fill`` (zero bits by default)."""
+    pad = torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype, device="cpu")
+    return torch.cat([t, pad.fill_(fill) if fill else pad])
+
+
+def elastic_dispatch(xs: Sequence[XLike], topk_idxs: Sequence[Tensor], topk_weights: Optional[Sequence[Tensor]],
+                     num_experts: int, num_max_tokens_per_rank: int, expert_alignment: int = 1,
+                     do_expand: bool = False, do_cpu_sync: bool = True) -> List[dict]:
+    """What ``ElasticBuffer.dispatch`` must give on every rank.
+
+    Args:
+        xs, topk_idxs, topk_weights, num_experts: as :func:`dispatch` (rows, or (rows, scales) pairs, per rank).
+        num_max_tokens_per_rank: ``N_max``: the worst case is ``R * N_max`` received tokens, and a token's global
+            index is ``src_rank * N_max + src_token``.
+        expert_alignment: each local expert's count rounded up to a multiple of it.
+        do_expand: the expanded layout. do_cpu_sync: exact sizes (else the worst case, padded).
+
+    Returns:
+        per rank a dict: ``recv_x`` (or ``(rows, scales)``), ``recv_topk_idx`` (``None`` expanded),
+        ``recv_topk_weights`` (``[rows, K]``, or ``[rows]`` expanded; ``None`` without weights),
+        ``num_recv_tokens``, ``num_expanded_tokens``, ``num_recv_tokens_per_expert_list`` (aligned counts, ``[]``
+        without ``do_cpu_sync``), ``psum_num_recv_tokens_per_scaleup_rank`` int32 ``[R]``,
+        ``psum_num_recv_tokens_per_expert`` int32 ``[E_l]``, ``num_unaligned_recv_tokens_per_expert`` int32 ``[E_l]``,
+        ``recv_src_metadata`` int32 ``[N, K + 2]``, and ``v1``: :func:`dispatch`'s dict for the same call. Padding
+        rows (worst case, alignment gaps): x and scales 0, ids -1, weights 0, metadata -1.
+    """
+    R = len(xs)
+    El = num_experts // R
+    align = max(int(expert_alignment), 1)
+    v1 = dispatch(xs, topk_idxs, topk_weights, num_experts, align)
+    out = []
+    for j, d in enumerate(v1):
+        rows, scales = d["recv_x"] if isinstance(d["recv_x"], tuple) else (d["recv_x"], None)
+        idx, w = d["recv_topk_idx"], d["recv_topk_weights"]
+        n_real, K = idx.shape
+        N = n_real if do_cpu_sync else R * num_max_tokens_per_rank
+        idx = _pad_rows(idx, N, -1)
+        unaligned = torch.tensor([int((idx == e).sum()) for e in range(El)], dtype=torch.int64, device="cpu")
+        aligned = (unaligned + align - 1) // align * align
+        if do_cpu_sync:
+            n_exp = int(aligned.sum())
+        else:
+            per_row = K if El < K else min(K, El)
+            n_exp = (R * num_max_tokens_per_rank * per_row + (align - 1) * El + align - 1) // align * align
+        # metadata: source global index, source rank * K + first local slot, expanded row per slot
+        m = d["rank_prefix_matrix"][:, j].long()
+        src_rank = torch.tensor([int((m <= n).sum()) for n in range(n_real)], dtype=torch.int64, device="cpu")
+        src_tok = d["recv_src_idx"].long()
+        first = torch.tensor([next(k for k in range(K) if idx[n, k] >= 0) for n in range(n_real)],
+                             dtype=torch.int64, device="cpu")
+        meta = torch.full((N, K + 2), -1, dtype=torch.int32, device="cpu")
+        meta[:n_real, 0] = (src_rank * num_max_tokens_per_rank + src_tok).to(torch.int32)
+        meta[:n_real, 1] = (src_rank * K + first).to(torch.int32)
+        res = dict(v1=d, num_recv_tokens=N, num_expanded_tokens=n_exp,
+                   num_recv_tokens_per_expert_list=[int(c) for c in aligned] if do_cpu_sync else [],
+                   psum_num_recv_tokens_per_scaleup_rank=m.to(torch.int32),
+                   num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32))
+        if not do_expand:
+            res.update(recv_x=(_pad_rows(rows, N, 0), _pad_rows(scales, N, 0)) if scales is not None
+                       else _pad_rows(rows, N, 0),
+                       recv_topk_idx=idx, recv_topk_weights=None if w is None else _pad_rows(w, N, 0),
+                       psum_num_recv_tokens_per_expert=torch.cumsum(aligned, 0).to(torch.int32),
+                       recv_src_metadata=meta)
+            out.append(res)
+            continue
+        x_exp = torch.zeros((n_exp, *rows.shape[1:]), dtype=rows.dtype, device="cpu")
+        s_exp = None if scales is None else torch.zeros((n_exp, scales.shape[1]), dtype=scales.dtype, device="cpu")
+        w_exp = None if w is None else torch.zeros(n_exp, dtype=torch.float32, device="cpu")
+        start = 0
+        for e in range(El):
+            row = start
+            for n in range(n_real):
+                for k in range(K):
+                    if int(idx[n, k]) == e:
+                        x_exp[row] = rows[n]
+                        if s_exp is not None:
+                            s_exp[row] = scales[n]
+                        if w_exp is not None:
+                            w_exp[row] = w[n, k]
+                        meta[n, 2 + k] = row
+                        row += 1
+            start += int(aligned[e])
+        res.update(recv_x=(x_exp, s_exp) if s_exp is not None else x_exp, recv_topk_idx=None, recv_topk_weights=w_exp,
+                   psum_num_recv_tokens_per_expert=(torch.cumsum(aligned, 0) - aligned + unaligned).to(torch.int32),
+                   recv_src_metadata=meta)
+        out.append(res)
+    return out
+
+
+def elastic_combine(ys: Sequence[Tensor], dispatched: Sequence[dict], num_tokens: Sequence[int],
+                    topk_weights: Optional[Sequence[Tensor]] = None, biases: Optional[Sequence[Sequence[Tensor]]] = None,
+                    do_expand: bool = False, ranks_per_host: Optional[int] = None
+                    ) -> List[Tuple[Tensor, Optional[Tensor]]]:
+    """What ``ElasticBuffer.combine`` must give on every rank.
+
+    Args:
+        ys: per rank, bf16 rows in the dispatch's layout (``[N, H]``, or ``[num_expanded_tokens, H]`` expanded).
+        dispatched: per rank, :func:`elastic_dispatch`'s dict.
+        num_tokens: ``T_i`` per source rank.
+        topk_weights: per rank, fp32 ``[N, K]`` (``[num_expanded_tokens]`` expanded), or ``None``.
+        biases: per source rank, up to two bf16 ``[T_i, H]`` tensors.
+        do_expand: the dispatch's layout. ranks_per_host: as :func:`combine` (the two-level sum across hosts).
+
+    Returns:
+        per source rank ``(combined_x bf16 [T_i, H], combined_topk_weights fp32 [T_i, K] or None)``. Expanded: each
+        rank first sums in fp32, in top-k slot order from 0, the rows of each received token and rounds to bf16.
+        Then, as :func:`combine`: the fp32 sum over ranks in ascending order (two levels across hosts), plus the
+        biases, rounded once. Weights: slot ``k`` of token ``t`` gets the value the rank holding expert
+        ``topk_idx[t, k]`` returned for it (those of the other ranks are 0), 0 where the id is -1.
+    """
+    rows, ws = [], []
+    for j, d in enumerate(dispatched):
+        n_real = d["v1"]["recv_topk_idx"].shape[0]
+        idx = d["v1"]["recv_topk_idx"]
+        K = idx.shape[1]
+        y, w = ys[j].cpu(), None if topk_weights is None else topk_weights[j].cpu()
+        if do_expand:
+            slots = d["recv_src_metadata"][:n_real, 2:].long()
+            acc = torch.zeros((n_real, y.shape[1]), dtype=torch.float32, device="cpu")
+            for k in range(K):
+                for n in range(n_real):
+                    if slots[n, k] >= 0:
+                        acc[n] += y[slots[n, k]].float()
+            y = acc.to(torch.bfloat16)
+            if w is not None:
+                w = torch.where(slots >= 0, w[slots.clamp(min=0)], torch.zeros((n_real, K), dtype=torch.float32,
+                                                                              device="cpu"))
+        else:
+            y = y[:n_real]
+            if w is not None:
+                w = torch.where(idx >= 0, w[:n_real], torch.zeros((n_real, K), dtype=torch.float32, device="cpu"))
+        rows.append(y)
+        ws.append(w)
+    return combine(rows, [d["v1"] for d in dispatched], num_tokens, None if topk_weights is None else ws, biases,
+                   ranks_per_host)

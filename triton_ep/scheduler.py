@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import os
 import sys
 import threading
 import time
@@ -206,6 +207,9 @@ class Scheduler:
             the data on the same QP) instead of a WRITE_WITH_IMM: two work requests a chunk of one WRITE, no
             receive completion at the peer (``flags.ring_arrive_word``).
         trace: keep ``(t_ns, kind, peer, channel, qp, seq, bytes)`` events in :attr:`events`.
+        cpu_split: also read the thread's CPU clock around every transport call, for ``proxy_transport_cpu_s`` in
+            :meth:`stats` (two system calls of about 1 µs each per call, paid by the proxy; default: the
+            environment variable ``TRITON_EP_PROXY_CPU_SPLIT`` is ``1``; otherwise that figure stays 0).
     Raises:
         ValueError: bad sizes (``slots``, ``slot_bytes``, ``wr_bytes``, ``qps_per_channel``).  RdmaError:
             registration failed.
@@ -215,7 +219,7 @@ class Scheduler:
                  wr_bytes: Optional[int] = None, qps_per_channel: int = 1, proxies: int = 1, signal_every: int = 4,
                  max_chunks_per_qp: Optional[int] = None, timeout_s: Optional[float] = None, memory=None,
                  on_signal: Optional[Callable[[int, int, int], None]] = None, trace: bool = False,
-                 arrival_words: bool = False) -> None:
+                 arrival_words: bool = False, cpu_split: Optional[bool] = None) -> None:
         nq = transport.num_qps_per_peer
         if slots < 1 or slot_bytes < 64 or slot_bytes % 64:
             raise ValueError(f"slots must be >= 1 and slot_bytes a positive multiple of 64 (got {slots}, {slot_bytes})")
@@ -262,20 +266,23 @@ class Scheduler:
         self._replenish = not getattr(transport, "auto_replenish", False) and not self.arrival_words
         self._t0 = time.perf_counter_ns()
         self.wrs_posted = 0
-        #: seconds the proxy threads spent in sweeps that moved something (wall clock: with the GIL waits of
-        #: a busy process), the part of it inside the transport's data posts (over the emulated fabric: its
-        #: payload copies), and the proxy threads' CPU seconds in those sweeps (no GIL waits)
-        self.busy_s = self.post_s = self.busy_cpu_s = 0.0
-        #: of ``busy_s``: seconds inside every transport call (polls, posts, credits, receive replenishes:
-        #: on a NIC, pyverbs calls; over the emulated fabric, the emulator's Python as well), and of
-        #: ``busy_cpu_s`` the proxy threads' CPU seconds inside them (``busy_cpu_s - transport_cpu_s``: the
-        #: scheduler's own Python in CPU time, without the waits for the GIL that its wall clock holds; the two
-        #: ``thread_time`` reads around each transport call, system calls of some 0.2-0.4 µs, count in the
-        #: transport's wall time but in the own CPU time, so own CPU can exceed own wall by about 1 µs a call)
-        self.transport_s = self.transport_cpu_s = 0.0
+        # The statistics are plain integers, nanoseconds, added to in the sweeps and folded into seconds only by
+        # stats(). Nanoseconds the proxy threads spent in sweeps that moved something (wall clock: with the GIL
+        # waits of a busy process), the part of it inside the transport's data posts (over the emulated fabric:
+        # its payload copies), and the proxy threads' CPU nanoseconds in those sweeps (no GIL waits; one read of
+        # the thread's CPU clock at the start of each sweep and one at the end of a busy one).
+        self._busy_ns = self._post_ns = self._busy_cpu_ns = 0
+        # Of _busy_ns: nanoseconds inside every transport call (polls, posts, credits, receive replenishes: on a
+        # NIC, pyverbs calls; over the emulated fabric, the emulator's Python as well); with cpu_split, of
+        # _busy_cpu_ns the CPU nanoseconds inside them (else 0: the two CPU-clock reads per call cost more than a
+        # chunk's own bookkeeping).
+        self._transport_ns = self._transport_cpu_ns = 0
+        if cpu_split is None:
+            cpu_split = os.environ.get("TRITON_EP_PROXY_CPU_SPLIT", "").strip() == "1"
+        self._cpu_split = bool(cpu_split)
         #: sweeps that moved something
         self.busy_sweeps = 0
-        self._sweep_tx = self._sweep_tx_cpu = 0.0
+        self._sweep_tx_ns = self._sweep_tx_cpu_ns = 0
         #: per (proxy thread, peer, port): a heap of ``(out_bytes, total_bytes, qp)`` of its QPs with room
         #: in their window (stale entries are dropped when met), and the QPs with chunks in flight
         self._heaps: Dict[Tuple[int, int], Dict[str, list]] = {}
@@ -290,6 +297,7 @@ class Scheduler:
         """Start the proxy threads, given every rank's :meth:`remote_region` (index = rank)."""
         self._remote = {p: remotes[p] for p in self.peers}
         self._plan_qps()
+        self._prepare_wrs()
         for i in range(self.proxies):
             own = [q for q in self._qps.values() if q.owner == i]
             th = threading.Thread(target=self._run, args=(own,), name=f"triton-ep-proxy-{self.rank}.{i}", daemon=True)
@@ -310,6 +318,27 @@ class Scheduler:
             q.owner = q.channel % self.proxies
             self._heaps.setdefault((q.owner, q.peer), {}).setdefault(q.port, [])
             self._push(q)
+
+    def _prepare_wrs(self) -> None:
+        """Build each chunk's work requests once per ring slot and QP (:meth:`Transport.prepare`), for chunks of one
+        WRITE (``wr_bytes`` at least ``slot_bytes``): the WRITE_WITH_IMM of slot ``k`` (key ``k``), or with arrival
+        words the data WRITE (key ``(0, k)``) and the arrival word's WRITE (key ``(1, k)``). A sweep then posts them
+        with only length, immediate, ``wr_id`` and completion request new (:meth:`Transport.post_prepared`)."""
+        self._prepared = self.wr_bytes >= self.slot_bytes
+        if not self._prepared:
+            return
+        lay = self.layout
+        for p in self.peers:
+            rem = self._remote[p]
+            for qp in range(self.t.num_qps_per_peer):
+                for k in range(self.slots):
+                    src, dst = lay.send_off(p, k), lay.recv_off(self.rank, k)
+                    if not self.arrival_words:
+                        self.t.prepare(p, qp, k, Op(WRITE_WITH_IMM, self.region, src, self.slot_bytes, rem, dst))
+                        continue
+                    self.t.prepare(p, qp, (0, k), Op(WRITE, self.region, src, self.slot_bytes, rem, dst))
+                    self.t.prepare(p, qp, (1, k), Op(WRITE, self.region, 8 * self.flags.asrc_index(p, k), 8, rem,
+                                                     self._arrive_off[k]))
 
     def close(self) -> None:
         """Stop and join the proxy threads (idempotent).  The transport (QPs, MRs, CQs, PD) is the caller's:
@@ -455,16 +484,22 @@ class Scheduler:
         transport call (polls, posts, credits, receive replenishes), ``proxy_cpu_s``: the proxy threads'
         CPU seconds in those sweeps (``proxy_busy_s`` less the time they waited, e.g. for the GIL),
         ``proxy_transport_cpu_s``: the part of those inside transport calls (``proxy_cpu_s -
-        proxy_transport_cpu_s`` is the scheduler's own Python in CPU time), and ``proxy_busy_sweeps``: how
-        many such sweeps."""
+        proxy_transport_cpu_s`` is the scheduler's own Python in CPU time; 0 unless ``cpu_split``), and
+        ``proxy_busy_sweeps``: how many such sweeps. The sweeps count nanoseconds as integers; this folds them."""
         with self._lock:
             qps = {f"{q.peer}/{q.qp}": dict(channel=q.channel, port=q.port, bytes=q.total_bytes, wrs=q.wrs,
                                             chunks=q.chunks) for q in self._qps.values()}
             ports = {k: v[1] for k, v in self._ports.items()}
-        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": self.busy_s,
-                "proxy_post_s": self.post_s, "proxy_transport_s": self.transport_s, "proxy_cpu_s": self.busy_cpu_s,
-                "proxy_transport_cpu_s": self.transport_cpu_s,
+            ns = (self._busy_ns, self._post_ns, self._transport_ns, self._busy_cpu_ns, self._transport_cpu_ns)
+        busy, post, tx, cpu, tx_cpu = (v / 1e9 for v in ns)
+        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": busy, "proxy_post_s": post,
+                "proxy_transport_s": tx, "proxy_cpu_s": cpu, "proxy_transport_cpu_s": tx_cpu,
                 "proxy_busy_sweeps": self.busy_sweeps}
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds (wall clock) the proxy threads spent in sweeps that moved something (``stats()["proxy_busy_s"]``)."""
+        return self._busy_ns / 1e9
 
     # ---------------------------------------------------------------- the proxy
     def _event(self, kind: str, peer, channel, qp, seq, nbytes) -> None:
@@ -473,18 +508,19 @@ class Scheduler:
     def _run(self, own: List[_QPState]) -> None:
         idle = 0
         try:
+            wall, cpu = time.perf_counter_ns, time.thread_time_ns
             while not self._stop.is_set():
-                t0, c0 = time.perf_counter(), time.thread_time()
+                t0, c0 = wall(), cpu()
                 with self._lock:        # (the counters too: proxy threads share them, stats() reads them whole)
-                    self._sweep_tx = self._sweep_tx_cpu = 0.0
+                    self._sweep_tx_ns = self._sweep_tx_cpu_ns = 0
                     did = self._sweep(own)
                     if did:
-                        c1 = time.thread_time()     # (read inside the wall-clock interval: CPU <= wall)
-                        self.busy_s += time.perf_counter() - t0
+                        c1 = cpu()      # (read inside the wall-clock interval: CPU <= wall)
+                        self._busy_ns += wall() - t0
                         self.busy_sweeps += 1
-                        self.busy_cpu_s += c1 - c0
-                        self.transport_s += self._sweep_tx
-                        self.transport_cpu_s += self._sweep_tx_cpu
+                        self._busy_cpu_ns += c1 - c0
+                        self._transport_ns += self._sweep_tx_ns
+                        self._transport_cpu_ns += self._sweep_tx_cpu_ns
                 if did:
                     idle = 0
                 else:
@@ -527,7 +563,7 @@ class Scheduler:
         anything moved.  Raises ProxyError."""
         did = False
         flags = self.flags
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = self._tx_begin()
         try:
             comps = self.t.poll(raise_on_error=False)
         except Exception as ex:   # noqa: BLE001
@@ -549,18 +585,24 @@ class Scheduler:
                     raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
                                            "the peer's proxy failed there and told its peers")
         now = time.monotonic()
-        batches: Dict[Tuple[int, int], List[Op]] = {}
+        # per QP: Ops to post (a test hook replaced _chunk_ops), or prepared work requests (key, length, imm,
+        # wr_id, signaled): one post call per QP and sweep either way
+        batches: Dict[Tuple[int, int], list] = {}
+        prepared = (self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS)
         for p in self.peers:
-            did |= self._gather(p, own, batches, now, words[p])
+            did |= self._gather(p, own, batches, now, words[p], prepared)
         for (p, qp), ops in batches.items():
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0 = self._tx_begin()
             try:
-                self.t.post(p, qp, ops)
+                if prepared:
+                    self.t.post_prepared(p, qp, ops)
+                else:
+                    self.t.post(p, qp, ops)
             except Exception as ex:   # noqa: BLE001
                 raise ProxyError(self.rank, p, qp // self.qps_per_channel, qp, STAGE_NAMES[STAGE_POST],
                                  f"{type(ex).__name__}: {ex}") from ex
             finally:
-                self.post_s += self._tx_done(t0, c0)
+                self._post_ns += self._tx_done(t0, c0)
             self.wrs_posted += len(ops)
         h0 = (RingFlags.HEAD - RingFlags.READY) * R
         for p in self.peers:
@@ -594,13 +636,18 @@ class Scheduler:
                 moved = True
         return moved
 
-    def _tx_done(self, t0: float, c0: float) -> float:
-        """A transport call that began at ``perf_counter() == t0`` and ``thread_time() == c0`` returned: its wall
-        and CPU seconds count as the sweep's transport time.  Returns the wall seconds."""
-        c1 = time.thread_time()         # (read inside the wall-clock interval: CPU <= wall)
-        dt = time.perf_counter() - t0
-        self._sweep_tx += dt
-        self._sweep_tx_cpu += c1 - c0
+    def _tx_begin(self) -> Tuple[int, int]:
+        """``(perf_counter_ns, thread_time_ns or 0)`` before a transport call (the CPU clock only with
+        ``cpu_split``)."""
+        return time.perf_counter_ns(), (time.thread_time_ns() if self._cpu_split else 0)
+
+    def _tx_done(self, t0: int, c0: int) -> int:
+        """A transport call that began at ``(t0, c0)`` (:meth:`_tx_begin`) returned: its wall (and with
+        ``cpu_split`` CPU) nanoseconds count as the sweep's transport time.  Returns the wall nanoseconds."""
+        if self._cpu_split:
+            self._sweep_tx_cpu_ns += time.thread_time_ns() - c0    # (read inside the wall-clock interval)
+        dt = time.perf_counter_ns() - t0
+        self._sweep_tx_ns += dt
         return dt
 
     def _choose(self, own: List[_QPState], peer: int) -> Optional[_QPState]:
@@ -643,10 +690,11 @@ class Scheduler:
         q.parked = False
         heapq.heappush(heap, (q.out_bytes, q.total_bytes, q.qp))
 
-    def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], List[Op]], now: float,
-                ready: int) -> bool:
+    def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], list], now: float,
+                ready: int, prepared: bool = False) -> bool:
         """Move ready (below ``ready``, ``READY[p]`` as the sweep read it), credited chunks for peer ``p`` into
-        per-QP chains (accounted as posted)."""
+        per-QP chains (accounted as posted): ``Op``s, or with ``prepared`` the prepared work requests'
+        ``(key, length, imm, wr_id, signaled)`` (:meth:`_prepare_wrs`)."""
         st = self._peer[p]
         if st.next_post >= ready:
             st.stall_since = None
@@ -682,14 +730,29 @@ class Scheduler:
         # chunks of one WRITE skip _chunk_ops + _fold_signal, unless a test hook replaced _chunk_ops
         fast = (self.wr_bytes >= self.slot_bytes and not self.arrival_words
                 and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS)
+        S, arrival = self.slots, self.arrival_words
         for qp, seqs in chains.items():
             q = self._qps[(p, qp)]
             last = len(seqs) - 1
+            batch = batches.setdefault((p, qp), [])
             for i, (seq, n) in enumerate(seqs):
                 q.unsignaled += 1
                 sig = q.unsignaled >= self.signal_every or i == last
                 if sig:
                     q.unsignaled = 0
+                if prepared:    # the work requests built at start: what _chunk_ops (+ _fold_signal) would build
+                    wr_id = TAG_CHUNK | (seq & _SEQ_MASK)
+                    if arrival:     # the data, then the arrival word seq + 1 from its ASRC word (_signal_op)
+                        self.flags.w[self.flags.asrc_index(p, seq)] = seq + 1
+                        batch.append(((0, seq % S), n, 0, None, False))
+                        batch.append(((1, seq % S), 8, 0, wr_id, sig))
+                        q.wrs += 2
+                    else:           # one WRITE_WITH_IMM carrying the signal
+                        batch.append((seq % S, n, seq & 0xFFFFFFFF, wr_id, sig))
+                        q.wrs += 1
+                    if self.trace:
+                        self._event("post", p, q.channel, qp, seq, n)
+                    continue
                 if fast:        # one WRITE carrying the signal: what _fold_signal makes of _chunk_ops' two
                     batches.setdefault((p, qp), []).append(self._signal_op(p, seq, n, sig))
                     q.wrs += 1
@@ -786,7 +849,7 @@ class Scheduler:
                     st.tail += 1
                 self.flags.put(RingFlags.TAIL, c.peer, st.tail)
             if self._replenish:
-                t0, c0 = time.perf_counter(), time.thread_time()
+                t0, c0 = self._tx_begin()
                 self.t.post_recv(c.peer, c.qp, 1)
                 self._tx_done(t0, c0)
         elif c.wr_id & TAG_CHUNK:
@@ -822,7 +885,7 @@ class Scheduler:
             return False
         lay = self.layout
         self.flags.put(RingFlags.SRC, p, head)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = self._tx_begin()
         try:
             self.t.post(p, 0, [Op(WRITE, self.region, lay.word_off(RingFlags.SRC, p), 8, self._remote[p],
                                   lay.word_off(RingFlags.CREDIT, self.rank))])

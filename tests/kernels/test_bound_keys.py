@@ -33,8 +33,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ll_cases
-from helpers import assert_bits, check_dispatch, make_inputs, raise_first, virtual_dispatch
+from tests.cases import ll as ll_cases
+from tests.cases.helpers import assert_bits, check_dispatch, make_inputs, raise_first, virtual_dispatch
 import triton_ep
 from triton_ep import reference as ref
 from triton_ep.kernels import _util, interpreted
@@ -458,7 +458,7 @@ _LL = [
 
 
 def _ll_case(buf, seed, N, H, E, K, T, use_fp8, round_scale, use_ue8m0, hook, zero_copy, stats):
-    """Low-latency dispatch and combine on a one-rank Buffer, checked against the oracle of tests/ll_cases.py."""
+    """Low-latency dispatch and combine on a one-rank Buffer, checked against the oracle of tests/cases/ll.py."""
     xs, idxs, ws = ll_cases.ll_inputs(seed, 1, E, K, H, [T])
     st = torch.zeros(E, dtype=torch.int32) if stats else None
     cost = torch.zeros(1, dtype=torch.int64) if stats else None

@@ -3,7 +3,7 @@
 ``::dispatch`` / ``::combine`` trace events come two a call (send phase, receive phase)."""
 import pytest
 
-import names_cases
+from tests.cases import names as names_cases
 from triton_ep.testing import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]

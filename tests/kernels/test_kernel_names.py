@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-import names_cases
+from tests.cases import names as names_cases
 from triton_ep.kernels import names
 from triton_ep.testing import run_ranks
 

@@ -130,7 +130,7 @@ def test_pdl_on_in_the_environment_still_imports_and_stays_off_on_cpu():
 def test_first_low_latency_call_rejects_a_bad_value(monkeypatch):
     """End to end (one rank, a fresh process): ``TRITON_EP_PDL=2`` makes the first low-latency dispatch raise
     ``ValueError`` naming the variable."""
-    import ll_cases
+    from tests.cases import ll as ll_cases
     from triton_ep.testing import run_ranks
     monkeypatch.setenv("TRITON_EP_PDL", "2")
     # spawned: the switch is read when triton_ep is imported, and a fork server imported it without the variable

@@ -2,7 +2,7 @@
 not at ``timeout_s``: every survivor raises ``EPRemoteError`` naming the dead rank and the stage it waited at, in
 normal mode (count exchange, send/receive, the host's wait for num_worst_tokens, combine) and low-latency mode. A
 peer that lives but does not answer still gets ``EPTimeoutError`` at ``timeout_s``. Nothing is left in /dev/shm
-(the autouse fixture). The rank bodies are in tests/dead_peer_cases.py."""
+(the autouse fixture). The rank bodies are in tests/cases/dead_peer.py."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-import dead_peer_cases as cases
+from tests.cases import dead_peer as cases
 from triton_ep.testing import RankFailure, run_ranks
 
 #: the survivors' bound: the time a live peer may take to answer
@@ -38,7 +38,7 @@ def _check_survivors(out, mode, victim=1):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", cases.MODES)
 def test_a_killed_peer_is_a_remote_error_within_seconds(mode):
-    """3 ranks; rank 1 dies (SIGKILL) at the point ``mode`` names (tests/dead_peer_cases.MODES): ranks 0 and 2 raise
+    """3 ranks; rank 1 dies (SIGKILL) at the point ``mode`` names (tests/cases/dead_peer.MODES): ranks 0 and 2 raise
     EPRemoteError naming rank 1 and their stage well within timeout_s (60 s), also the one whose wait was for a
     live peer that gave up on the dead one; their next call raises EPError at once."""
     _check_survivors(run_ranks(cases.killed_mid_call, 3, mode, TIMEOUT_S, 1, timeout_s=240), mode)

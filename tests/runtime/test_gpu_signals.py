@@ -3,8 +3,8 @@ and combine, kernel-side timeouts timed by the GPU clock, the communication stre
 import pytest
 import torch
 
-import mp_cases
-from helpers import check_dispatch, ok_results, make_inputs, raise_first, virtual_dispatch
+from tests.cases import mp as mp_cases
+from tests.cases.helpers import check_dispatch, ok_results, make_inputs, raise_first, virtual_dispatch
 from triton_ep import reference as ref
 from triton_ep.testing import VirtualGroup, run_ranks
 

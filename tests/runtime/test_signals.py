@@ -4,9 +4,9 @@ only where the contract allows (the counts of a non-cached dispatch)."""
 import pytest
 import torch
 
-import mp_cases
+from tests.cases import mp as mp_cases
 import triton_ep
-from helpers import ok_results, check_dispatch, make_inputs, raise_first, virtual_dispatch
+from tests.cases.helpers import ok_results, check_dispatch, make_inputs, raise_first, virtual_dispatch
 from triton_ep import reference as ref
 from triton_ep.testing import VirtualGroup, host_waits, run_ranks
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import triton_ep
-import value_cases
+from tests.cases import value as value_cases
 from triton_ep.runtime import checks
 from triton_ep.testing import RankFailure, run_ranks
 from triton_ep.transport import ipc

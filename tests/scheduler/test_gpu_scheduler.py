@@ -12,8 +12,8 @@ import torch
 
 from triton_ep.testing import RankFailure, run_ranks
 
-from sched_cases import kernel_rank
-from sched_helpers import fabric
+from tests.cases.sched import kernel_rank
+from tests.cases.sched_helpers import fabric
 
 pytestmark = pytest.mark.gpu
 

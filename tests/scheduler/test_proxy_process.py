@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from sched_helpers import ProcGroup, fabric, in_threads
+from tests.cases.sched_helpers import ProcGroup, fabric, in_threads
 from triton_ep.proxy_process import ENV_PROXY, ProcessScheduler, proxy_kind
 from triton_ep.scheduler import ProxyError, host_alltoall
 from triton_ep.transport import shm
@@ -111,8 +111,8 @@ def test_forked_child_does_not_close_the_proxy():
 
 RANK = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, {tests!r})
-    from sched_helpers import fabric
+    sys.path.insert(0, {root!r})
+    from tests.cases.sched_helpers import fabric
     from triton_ep.proxy_process import ProcessScheduler
     ps = ProcessScheduler("emulated", 0, 2, dict(fabric=fabric(2), device_name="mlx5_0", num_qps_per_peer=2,
                                                timeout_s=10.0), slots=2, slot_bytes=4096, timeout_s=10.0)
@@ -124,7 +124,7 @@ RANK = textwrap.dedent("""
 def test_rank_killed_ends_the_proxy_within_a_second():
     """The rank's process SIGKILLed (a forked child of it still holding the channel's end open is not needed:
     the proxy watches its parent, not the channel): the proxy process is gone within about a second."""
-    rank = subprocess.Popen([sys.executable, "-c", RANK.format(tests=os.path.join(ROOT, "tests"))],
+    rank = subprocess.Popen([sys.executable, "-c", RANK.format(root=str(ROOT))],
                             stdout=subprocess.PIPE, text=True)
     try:
         proxy = int(rank.stdout.readline())

@@ -17,7 +17,7 @@ from triton_ep.scheduler import ProxyError, ProxyRemoteError, Scheduler, host_al
 from triton_ep.transport.rdma import WRITE_WITH_IMM
 from triton_ep.transport.signals import RingFlags
 
-from sched_helpers import Group, fabric, in_threads, payload
+from tests.cases.sched_helpers import Group, fabric, in_threads, payload
 
 
 def alltoall_checked(g: Group, sizes: dict, salt: int = 0) -> None:
@@ -321,7 +321,8 @@ def test_over_the_null_transport_with_payload():
     from triton_ep.transport.null import NullTransport, NullWire
     wire = NullWire()
     ts = [NullTransport(r, 2, wire, num_qps_per_peer=3, timeout_s=5.0, move_payload=True) for r in range(2)]
-    scheds = [Scheduler(t, slots=2, slot_bytes=256) for t in ts]
+    # (rank 0 splits its CPU time at every transport call; rank 1 reads its CPU clock only around its sweeps)
+    scheds = [Scheduler(t, slots=2, slot_bytes=256, cpu_split=r == 0) for r, t in enumerate(ts)]
     try:
         for s in scheds:
             s.start([x.remote_region() for x in scheds])
@@ -331,6 +332,9 @@ def test_over_the_null_transport_with_payload():
         st = scheds[0].stats()      # the proxy's time split: transport calls within the busy sweeps, CPU time
         assert 0 < st["proxy_post_s"] <= st["proxy_transport_s"] <= st["proxy_busy_s"] and st["proxy_cpu_s"] > 0, st
         assert 0 < st["proxy_transport_cpu_s"] <= st["proxy_cpu_s"], st      # (CPU time nests as wall time does)
+        st = scheds[1].stats()
+        assert st["proxy_cpu_s"] > 0 and st["proxy_transport_cpu_s"] == 0 and st["proxy_busy_sweeps"] > 0, st
+        assert isinstance(st["proxy_busy_s"], float) and 0 < st["proxy_transport_s"] <= st["proxy_busy_s"], st
     finally:
         for s in scheds:
             s.close()
@@ -400,7 +404,7 @@ def test_qp_picker_matches_the_placement_rule(proxies, window, seed):
     (2 peers) of dual-port NICs, 6 QPs per peer."""
     rng = np.random.default_rng(seed)
     fab = fabric(3)
-    from sched_helpers import transport
+    from tests.cases.sched_helpers import transport
     ts = [transport(fab, r, 3, 6) for r in range(3)]
     try:
         for a in range(3):

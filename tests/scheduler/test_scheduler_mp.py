@@ -8,8 +8,8 @@ import pytest
 
 from triton_ep.testing import RankFailure, run_ranks
 
-from sched_cases import alltoall_rank, kernel_rank
-from sched_helpers import fabric
+from tests.cases.sched import alltoall_rank, kernel_rank
+from tests.cases.sched_helpers import fabric
 
 pytestmark = pytest.mark.multiprocess
 

@@ -5,7 +5,7 @@ import pytest
 
 from triton_ep.transport import topology, verbs
 
-from rdma_helpers import Pair, connect_pair, dual_port_fabric, real_api_or_skip
+from tests.cases.rdma import Pair, connect_pair, dual_port_fabric, real_api_or_skip
 
 
 @pytest.fixture(params=["emulated", "pyverbs"])

@@ -13,7 +13,7 @@ from triton_ep.transport import emulated as em
 from triton_ep.transport import verbs
 from triton_ep.transport.rdma import WRITE, Op, RdmaCompletionError
 
-from rdma_helpers import connect_pair
+from tests.cases.rdma import connect_pair
 
 #: The table of issue 12: IPv6 entries only, link-local at index 0, a routable address at index 1.
 LINK_LOCAL, ROUTABLE = "fe80::200:ff:fe00:1", "2001:db8::1"

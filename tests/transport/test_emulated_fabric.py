@@ -13,7 +13,7 @@ from triton_ep.transport import emulated as em
 from triton_ep.transport import topology, verbs
 from triton_ep.transport.rdma import WRITE, WRITE_WITH_IMM, Op, QPInfo
 
-from rdma_helpers import connect_pair, dual_port_fabric
+from tests.cases.rdma import connect_pair, dual_port_fabric
 
 
 _RAW_QPS = []

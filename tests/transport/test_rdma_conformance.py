@@ -204,6 +204,51 @@ def test_selective_signalling_with_full_send_queue(make_pair):
     assert (dst.view() == 77).all()
 
 
+def test_prepared_work_requests_post_again_with_new_lengths_and_immediates(make_pair):
+    """Work requests built once (``prepare``) and posted many times (``post_prepared``): each post writes exactly the
+    length it names (the bytes past it keep their old value), carries its own immediate and ``wr_id``, surfaces only
+    the completions asked for; a key named twice in one call and calls longer than the send queue (8) work; a chain
+    ends where the call ends (nothing posted before is posted again)."""
+    p = make_pair(sq_depth=8)
+    S, C = 3, 256
+    src, dst = p.t0.register(S * C), p.t1.register(S * C)
+    dst.view()[:] = 0xEE
+    for k in range(S):
+        p.t0.prepare(1, 2, k, Op(WRITE_WITH_IMM, src, k * C, C, dst.remote(), k * C))
+    p.t0.prepare(1, 2, "word", Op(WRITE, src, 0, 8, dst.remote(), S * C - 8))
+    rng = np.random.default_rng(5)
+    expect = dst.view().copy()
+    imms, want_ids = [], []
+    for rnd in range(12):
+        for i in range(int(rng.integers(1, 5))):
+            k, n = int(rng.integers(0, S)), int(rng.integers(1, C + 1))
+            src.view()[k * C:(k + 1) * C] = rng.integers(0, 256, C, dtype=np.uint8)
+            # a slot's bytes are read when the request executes: post one request per slot at a time and wait
+            sig = bool(rng.integers(0, 2))
+            imm = int(rng.integers(0, 1 << 32))
+            p.t0.post_prepared(1, 2, [(k, n, imm, 5000 + 10 * rnd + i, sig)])
+            expect[k * C:k * C + n] = src.view()[k * C:k * C + n]
+            imms.append(imm)
+            want_ids += [5000 + 10 * rnd + i] if sig else []
+            got = p.t1.wait(recv_count(1), stage="prepared imm")
+            assert [c.imm for c in got if c.opcode == "recv_imm"] == [imm] and got[-1].byte_len == n
+            assert (dst.view() == expect).all(), (rnd, i, k, n)
+    # one call naming keys twice, longer than the send queue: split into chains, every request once, in order
+    src.view()[:] = 9
+    reqs = [(k % S, C, 700 + k, None, False) for k in range(20)] + [("word", 8, 0, 9999, True)]
+    p.t0.post_prepared(1, 2, reqs)
+    comps = p.t0.wait(lambda cs: any(c.wr_id == 9999 for c in cs), stage="long prepared chain")
+    got = p.t1.wait(recv_count(20), stage="prepared imms")
+    assert sorted(c.imm for c in got if c.opcode == "recv_imm") == list(range(700, 720))
+    assert [c.imm for c in got if c.opcode == "recv_imm"] == list(range(700, 720))     # (one QP: in order)
+    assert (dst.view() == 9).all()
+    seen = [c.wr_id for c in comps] + [c.wr_id for c in p.t0.wait(lambda cs: True, stage="rest")]
+    assert 9999 in seen and set(seen) <= set(want_ids) | {9999}
+    assert len(p.t0.qps[(1, 2)].inflight) <= 8
+    with pytest.raises(KeyError):
+        p.t0.post_prepared(1, 2, [("never", 8, 0, None, True)])
+
+
 def test_wait_times_out_naming_rank_peer_stage(make_pair):
     p = make_pair()
     with pytest.raises(EPTimeoutError) as ei:

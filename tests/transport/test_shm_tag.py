@@ -103,7 +103,7 @@ def test_emulated_fabric_ring_files_carry_the_tag(shm_check):
     """The emulated fabric's ring files (one per QP, until every peer has mapped it) are named by
     ``ipc.shm_name`` too, so a run's leak check sees one its processes leave behind (a process killed
     before its peers moved their QPs to RTR) and another program's are not counted."""
-    from rdma_helpers import dual_port_fabric
+    from tests.cases.rdma import dual_port_fabric
     from triton_ep.transport import verbs
     before = shm_check.files()
     fab = dual_port_fabric()

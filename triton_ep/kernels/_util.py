@@ -20,7 +20,7 @@ import torch
 # ``record_align_words`` rounds the record width (a multiple of 4; every rank must use the same value).
 # The ``num_warps`` of dispatch_send / dispatch_recv / combine_send and the block_w of dispatch_recv /
 # combine_send were swept again on one H200 once the grid cap was in (benchmarks/grid_cap.py --vary, one rank,
-# CUDA-graph replays; benchmarks/README.md, results/grid_cap_h200_launch_params.json): a cached dispatch took 0.61x /
+# CUDA-graph replays; docs/history.md, 98fc3cd:benchmarks/results/grid_cap_h200_launch_params.json): a cached dispatch took 0.61x /
 # 0.84x / 0.83x / 0.95x the GPU time of the old parameters at T 128 / 1024 / 2048 / 4096, a combine 0.89x / 1.00x /
 # 0.95x / 0.97x.
 #: changes made to either tuning table so far (:class:`_Table` counts them): a call that replays a launch
@@ -87,15 +87,15 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     "fused": dict(max_tokens=1024, reduce_block_h=4096),
     "combine_send": dict(block_t=1, block_w=2048, num_warps=4),
     # (4 warps, blocks of 2048: a T 4096 combine 69.0 -> 65.8 us on one H200, T 2048 unchanged;
-    # benchmarks/results/grid_cap_h200_reduce_tuning.json)
+    # benchmarks/results/grid_cap_h200_r1.json)
     "combine_reduce": dict(block_t=1, block_h=2048, num_warps=4),
     # low-latency kernels: benchmarks/bench_low_latency.py --sweep on one H200 (T 128, H 7168, top-8 of 256;
-    # benchmarks/results/low_latency_h200_r1_sweep_*.json). ``programs_per_expert``: a second grid axis over
+    # benchmarks/results/low_latency_h200_r1_sweep.json). ``programs_per_expert``: a second grid axis over
     # each expert's rows; ``expert_programs`` > 0 caps the programs over experts (they loop).
     # ll_route: a program per ``experts`` experts, token blocks of ``block_t`` tokens at top-8 or less (fewer at a
     # larger top-k; both rounded up to powers of two); one H200, 20 launches in a CUDA graph: 2.9 us a launch
     # (torch.profiler in a dispatch + combine replay: 2.8) against 5.6-6.0 for the kernel it replaced (4 experts a
-    # program, [T, K, K] duplicate tiles); benchmarks/results/low_latency_h200_r1_launch_floor_probe.json
+    # program, [T, K, K] duplicate tiles); 98fc3cd:benchmarks/results/low_latency_h200_r1_launch_floor_probe.json
     "ll_route": dict(block_t=128, experts=1, num_warps=8),
     "ll_send": dict(block_t=1, block_h=1024, num_warps=4),
     "ll_recv": dict(block_r=8, block_w=2048, block_f=128, expert_programs=0, programs_per_expert=1, num_warps=4),

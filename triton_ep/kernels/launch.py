@@ -37,7 +37,7 @@ argument as before.
 A tensor argument reaches the compiled kernel's launcher as its address (``data_ptr()``, an integer), which
 the launcher passes on as it is. Given the tensor, it calls ``data_ptr()`` itself and then asks the driver to
 translate the address (``cuPointerGetAttribute``): one driver call per tensor argument of every launch.
-This saves little: on an H200 machine (one rank, ``benchmarks/host_cost_ab.py``: both versions in one
+This saves little: on an H200 machine (one rank, ``benchmarks/host_cost.py --against``: both versions in one
 process), with this and the low-latency dispatch's single carve together, a combine (one launch) took 0.97
 of the host time it took before and a low-latency combine (two launches) 0.97 and 0.90 at T 128 and 4096;
 two processes one after another had suggested much more, but on that machine such pairs differ by up to 2x.

@@ -53,10 +53,6 @@ class AcrossHosts:
         """``Buffer.internode_combine``: :meth:`combine`."""
         return self.combine(*args, **kwargs)
 
-    def rdma_buffer(self) -> Tensor:
-        """This rank's RDMA buffer (the scheduler's registered rings), uint8."""
-        return self.internode.rdma_buffer()
-
 
 @dataclass
 class Modes:
@@ -65,6 +61,7 @@ class Modes:
     normal: Union[Intranode, AcrossHosts]           # get_dispatch_layout, dispatch, combine
     low_latency: Union[LowLatency, Unavailable]     # the low_latency_* calls
     internode: Optional[Internode]                  # across hosts: normal mode's network leg; else None
+    num_rdma_bytes: int                             # the Buffer's num_rdma_bytes
 
     @property
     def intranode(self) -> Intranode:
@@ -103,16 +100,30 @@ class Modes:
 
     def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
                             use_rdma_buffer: bool) -> Tensor:
-        """``Buffer.get_local_buffer_tensor``: a view of this rank's shared (or RDMA) buffer."""
+        """``Buffer.get_local_buffer_tensor``: a view of this rank's shared buffer, or with ``use_rdma_buffer``
+        :meth:`rdma_scratch`."""
         if use_rdma_buffer:
-            t = self.normal.rdma_buffer().view(dtype)[offset:]
-        else:
-            t = self.rt.live().data.view(dtype)[offset:]
+            return self.rdma_scratch(dtype, size, offset)
+        t = self.rt.live().data.view(dtype)[offset:]
         if size is None:
             return t
         if t.numel() < torch.Size(size).numel():
             raise ValueError(f"size {tuple(size)} exceeds the buffer ({t.numel()} elements from offset {offset})")
         return t[:torch.Size(size).numel()].view(size)
+
+    def rdma_scratch(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int) -> Tensor:
+        """What ``get_local_buffer_tensor(use_rdma_buffer=True)`` gives in place of DeepEP's NVSHMEM buffer: as many
+        ``dtype`` elements as this rank's RDMA-side memory has from ``offset`` (across hosts the registered rings,
+        else ``num_rdma_bytes``), all views of one scratch element (stride 0) that no call reads, so that writing
+        it (vLLM zeroes it to reset it) changes nothing: the signal words carry call numbers."""
+        self.rt.live()
+        nbytes = self.internode.rdma_buffer().numel() if self.internode is not None else self.num_rdma_bytes
+        n = max(nbytes // dtype.itemsize - int(offset), 0)
+        shape = torch.Size([n]) if size is None else torch.Size(size)
+        if shape.numel() > n:
+            raise ValueError(f"size {tuple(shape)} exceeds the RDMA buffer ({n} elements from offset {offset})")
+        scratch = torch.zeros(1, dtype=dtype, device=self.rt.device)
+        return scratch.as_strided(shape, (0,) * len(shape))
 
 
 def open_modes(rt: Runtime, low_latency_mode: bool, num_rdma_bytes: int, num_qps_per_rank: int, shrink: bool,
@@ -122,7 +133,7 @@ def open_modes(rt: Runtime, low_latency_mode: bool, num_rdma_bytes: int, num_qps
     intranode = Intranode(rt)
     if rt.num_hosts == 1:
         ll = LowLatency(rt, rt.ll_offset, rt.ll_bytes, shrink) if rt.ll_bytes else Unavailable(rt)
-        modes = Modes(rt, intranode, ll, None)
+        modes = Modes(rt, intranode, ll, None, num_rdma_bytes)
     else:
         modes = _open_across_hosts(rt, intranode, low_latency_mode, num_rdma_bytes, num_qps_per_rank, shrink,
                                    allow_nvlink)
@@ -150,4 +161,4 @@ def _open_across_hosts(rt: Runtime, intranode: Intranode, low_latency_mode: bool
             finally:
                 rt.close()
             raise
-    return Modes(rt, AcrossHosts(internode, intranode), low_latency, internode)
+    return Modes(rt, AcrossHosts(internode, intranode), low_latency, internode, num_rdma_bytes)

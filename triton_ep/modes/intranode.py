@@ -291,10 +291,6 @@ class Intranode:
         """``Buffer.internode_combine`` within one host: ``ValueError`` (call ``combine``)."""
         raise ValueError(_ONE_HOST.format(name="internode_combine", call="combine"))
 
-    def rdma_buffer(self) -> Tensor:
-        """``Buffer.get_local_buffer_tensor(use_rdma_buffer=True)`` within one host: ``ValueError``."""
-        raise ValueError("triton_ep has no RDMA buffer within one host")
-
     def remember_layout(self, idx: Tensor, num_experts: int, lay: tuple) -> None:
         """Keep ``lay`` (``routing_layout``'s results for ``idx``) for the dispatch that takes this layout (the same
         ``topk_idx`` and ``is_token_in_rank``, unchanged): it then uses these send positions and counts instead of

@@ -466,15 +466,43 @@ class SGE:
 
 
 class SendWR:
-    """``ibv_send_wr``: id, opcode, SGEs, immediate, flags; ``set_wr_rdma`` / ``set_wr_atomic``; ``next_wr``."""
+    """``ibv_send_wr``: id, opcode, SGEs, immediate, flags; ``set_wr_rdma`` / ``set_wr_atomic``; ``next_wr``.
+
+    As in pyverbs, the constructor copies the SGEs given (a later change of those SGE objects does not show),
+    ``sg_list`` may only be set, to one :class:`SGE` whose fields the request then reads at each post (how a
+    request built once is reused with a new length), and ``next_wr`` may only be set to another request (never
+    back to ``None``: a chain ends at a request that was never linked)."""
 
     def __init__(self, wr_id: int = 0, opcode: int = E.IBV_WR_RDMA_WRITE, num_sge: int = 1, imm_data: int = 0,
                  sg=None, send_flags: int = E.IBV_SEND_SIGNALED) -> None:
         if not sg or num_sge < 1:
             raise PyverbsUserError("A WR needs at least one SGE")
         self.wr_id, self.opcode, self.num_sge, self.imm_data = wr_id, opcode, num_sge, imm_data
-        self.sg_list, self.send_flags, self.next_wr = list(sg)[:num_sge], send_flags, None
+        self._sg = [SGE(s.addr, s.length, s.lkey) for s in list(sg)[:num_sge]]
+        self.send_flags, self._next = send_flags, None
         self.rkey = self.remote_addr = self.compare_add = self.swap = 0
+
+    @property
+    def sg_list(self) -> List[SGE]:
+        """The SGEs the request reads when posted (the emulator's view; pyverbs has no getter)."""
+        return self._sg
+
+    @sg_list.setter
+    def sg_list(self, sge: SGE) -> None:
+        if not isinstance(sge, SGE):
+            raise TypeError(f"sg_list must be set to an SGE, got {type(sge).__name__}")
+        self._sg = [sge]
+
+    @property
+    def next_wr(self) -> Optional["SendWR"]:
+        """The next request of the chain (``None`` at its end)."""
+        return self._next
+
+    @next_wr.setter
+    def next_wr(self, wr: "SendWR") -> None:
+        if not isinstance(wr, SendWR):
+            raise TypeError(f"next_wr must be set to a SendWR, got {type(wr).__name__}")
+        self._next = wr
 
     def set_wr_rdma(self, rkey: int, addr: int) -> None:
         """Target of an RDMA WRITE: remote key and address."""
@@ -1090,7 +1118,11 @@ class QP:
         return self._path_resources()[1]
 
     def post_send(self, wr: SendWR, bad_wr=None) -> None:
-        """Post a chain of send WRs (``next_wr``).  Raises ENOMEM on a full send queue, EINVAL before RTS."""
+        """Post a chain of send WRs (``next_wr``).  Raises ENOMEM on a full send queue, EINVAL before RTS.
+        Its CPU time counts in :func:`nic_cpu_s` (what the posting thread spent playing the NIC)."""
+        _counting_nic_cpu(self._post_send, wr)
+
+    def _post_send(self, wr: SendWR) -> None:
         with self.send_lock:
             out: List[bytes] = []
             full = None
@@ -1255,7 +1287,11 @@ class QP:
         return reply(status)
 
     def post_recv(self, wr: RecvWR, bad_wr=None) -> None:
-        """Post a chain of receive WRs.  Raises EINVAL in RESET, ENOMEM on a full receive queue."""
+        """Post a chain of receive WRs.  Raises EINVAL in RESET, ENOMEM on a full receive queue. Its CPU time
+        counts in :func:`nic_cpu_s`."""
+        _counting_nic_cpu(self._post_recv, wr)
+
+    def _post_recv(self, wr: RecvWR) -> None:
         with self.engine.lock:
             while wr is not None:
                 if self.state == E.IBV_QPS_RESET:
@@ -1282,6 +1318,31 @@ class QP:
 
 _created_rings: set = set()
 
+#: CPU nanoseconds this process's threads spent inside the emulated NIC's posts (:func:`nic_cpu_s`)
+_nic_cpu = [0]
+_nic_cpu_lock = threading.Lock()
+
+
+def _counting_nic_cpu(fn, *args) -> None:
+    """``fn(*args)`` (a post), its CPU time counted in :func:`nic_cpu_s`."""
+    c0 = time.thread_time_ns()
+    try:
+        fn(*args)
+    finally:
+        dt = time.thread_time_ns() - c0
+        with _nic_cpu_lock:
+            _nic_cpu[0] += dt
+
+
+def nic_cpu_s() -> float:
+    """CPU seconds this process's threads have spent inside the emulated NIC's ``post_send`` and ``post_recv``
+    (the payload copies into the link rings, the records, the rate model), since the process started.
+
+    A real NIC does this work in hardware: benchmarks subtract it from a proxy's CPU time to get the proxy's own
+    cost (the emulator's completions, polled by the proxy, are not counted here and stay in the proxy's figure).
+    The two clock reads around each post are counted here too."""
+    return _nic_cpu[0] / 1e9
+
 
 @atexit.register
 def _unlink_rings() -> None:
@@ -1293,6 +1354,6 @@ def _unlink_rings() -> None:
             pass
 
 
-__all__ = ["Fabric", "FabricSpec", "DeviceSpec", "PortSpec", "RateModel", "enums", "port_gids", "port_lid",
+__all__ = ["Fabric", "FabricSpec", "nic_cpu_s", "DeviceSpec", "PortSpec", "RateModel", "enums", "port_gids", "port_lid",
            "gid_table", "mtu_code", "segment_of", "is_link_local",
            "PyverbsError", "PyverbsRDMAError", "PyverbsUserError"]

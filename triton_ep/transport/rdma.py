@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from triton_ep.errors import EPError
 from triton_ep.transport import topology
@@ -197,6 +197,35 @@ class Transport(abc.ABC):
         polled meanwhile are kept for :meth:`poll`.
         Raises :class:`RdmaError` if the verbs call fails, ``EPTimeoutError`` if the queue never drains.
         """
+
+    def prepare(self, peer: int, qp: int, key: Hashable, op: Op) -> None:
+        """Keep ``op`` (a WRITE or WRITE_WITH_IMM) as a work request of QP ``qp`` of ``peer`` under ``key``, built
+        once, for :meth:`post_prepared` to post again and again with only its length, immediate, ``wr_id`` and
+        completion request changed (the scheduler prepares one per ring slot and QP at start). Preparing a key
+        again replaces it. This default keeps the ``Op`` and posts copies of it through :meth:`post`; the verbs
+        backend keeps the built ``SendWR`` and its ``SGE``.
+
+        Raises :class:`RdmaError` (an unknown kind; the verbs backend: a QP not connected).
+        """
+        if op.kind not in (WRITE, WRITE_WITH_IMM):
+            raise RdmaError(f"prepare: only WRITE and WRITE_WITH_IMM are prepared, got {op.kind!r}", peer=peer)
+        self.__dict__.setdefault("_prepared_ops", {})[(peer, qp, key)] = op
+
+    def post_prepared(self, peer: int, qp: int, reqs: Sequence[Tuple[Hashable, int, int, Optional[int], bool]]
+                      ) -> None:
+        """Post, in order on QP ``qp`` of ``peer``, the prepared work requests ``reqs``: ``(key, length, imm,
+        wr_id, signaled)`` each (``length`` bytes from the prepared source; ``imm`` for a WRITE_WITH_IMM; ``wr_id``
+        None: the transport numbers it), as :meth:`post` posts ``Op``s (one chain per call where the send queue
+        has room; the same completions). ``reqs`` may name a key more than once.
+
+        Raises: as :meth:`post`; ``KeyError`` for a key never prepared on that QP.
+        """
+        ops = self.__dict__.get("_prepared_ops", {})
+        out = []
+        for key, length, imm, wr_id, signaled in reqs:
+            o = ops[(peer, qp, key)]
+            out.append(Op(o.kind, o.region, o.offset, length, o.remote, o.remote_offset, imm, 0, signaled, wr_id))
+        self.post(peer, qp, out)
 
     @abc.abstractmethod
     def post_recv(self, peer: int, qp: int, count: int) -> None:

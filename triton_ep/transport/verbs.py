@@ -489,6 +489,27 @@ class _QP:
     inflight: List[tuple] = field(default_factory=list)   # (seq, user wr_id, user-signalled, kind)
     unsignaled_run: int = 0
     recvs_posted: int = 0
+    #: key -> the work requests built once by :meth:`VerbsTransport.prepare` (None: this pyverbs cannot reuse them)
+    prepared: Dict[Any, Optional["_Prepared"]] = field(default_factory=dict)
+    #: receives built once, linked in a fixed chain ``recv_chain[i] -> recv_chain[i + 1] -> ... -> None``: posting
+    #: ``n`` of them posts from ``recv_chain[-n]`` (a receive request is free again once ``post_recv`` returns)
+    recv_chain: List[Any] = field(default_factory=list)
+    #: receive completions polled since the receives were last replenished
+    recv_owed: int = 0
+
+
+@dataclass(eq=False)
+class _Prepared:
+    """One prepared work request (:meth:`VerbsTransport.prepare`): its ``SGE``, and two ``SendWR``s reading it (set
+    through ``sg_list``, so a new length is one store): ``link`` goes where another request follows it in a chain
+    (its ``next_wr`` is set at each post), ``last`` ends a chain (never linked: pyverbs cannot set ``next_wr`` back
+    to none). ``kind``: the ``Op`` kind; ``stamp``: the post that used it last (a key named twice in one call
+    splits the chain)."""
+    sge: Any
+    link: Any
+    last: Any
+    kind: str
+    stamp: int = -1
 
 
 class VerbsTransport(Transport):
@@ -792,17 +813,115 @@ class VerbsTransport(Transport):
         return got
 
     def post_recv(self, peer: int, qp: int, count: int) -> None:
-        """Post ``count`` receives (one 64-byte scratch SGE each; WRITE_WITH_IMM writes no payload there)."""
+        """Post ``count`` receives (one 64-byte scratch SGE each; WRITE_WITH_IMM writes no payload there), as one
+        chain of receive requests built once per QP (``rq_depth`` of them, the first time) and posted again."""
         q = self.qps[(peer, qp)]
-        where = dict(device=q.port.device, port=q.port.port, qp_num=q.info.qp_num, peer=peer)
-        sc = self.scratch[q.slot]
-        wrs = [self.api.RecvWR(wr_id=_RECV_BIT | (q.slot << 56) | q.info.qp_num, num_sge=1,
-                               sg=[self.api.SGE(sc.buf, 64, sc.lkey)]) for _ in range(count)]
-        for a, b in zip(wrs, wrs[1:]):
-            a.next_wr = b
-        if wrs:
-            _call(self.api, "post_recv", lambda: q.qp.post_recv(wrs[0]), **where)
-            q.recvs_posted += count
+        if count <= 0:
+            return
+        if not q.recv_chain:
+            sc = self.scratch[q.slot]
+            q.recv_chain = [self.api.RecvWR(wr_id=_RECV_BIT | (q.slot << 56) | q.info.qp_num, num_sge=1,
+                                            sg=[self.api.SGE(sc.buf, 64, sc.lkey)]) for _ in range(self.rq_depth)]
+            for a, b in zip(q.recv_chain, q.recv_chain[1:]):
+                a.next_wr = b
+        chain = q.recv_chain
+        while count > 0:
+            n = min(count, len(chain))
+            try:
+                q.qp.post_recv(chain[len(chain) - n])
+            except self.api.PyverbsError as ex:
+                raise RdmaError(f"post_recv failed: {ex}", errno=getattr(ex, "error_code", None),
+                                device=q.port.device, port=q.port.port, qp_num=q.info.qp_num, peer=peer) from ex
+            q.recvs_posted += n
+            count -= n
+
+    def prepare(self, peer: int, qp: int, key: Any, op: Op) -> None:
+        """Build ``op``'s work request once for QP ``qp`` of ``peer`` (see :meth:`rdma.Transport.prepare`): an
+        ``SGE`` and two ``SendWR``s that read it through ``sg_list``. Where this pyverbs cannot point a request at an
+        ``SGE`` or set its immediate (older rdma-core), the key posts through :meth:`post` instead.
+
+        Raises :class:`RdmaError`: a kind other than WRITE / WRITE_WITH_IMM, or a QP not connected."""
+        q = self.qps[(peer, qp)]
+        if q.remote is None:
+            raise RdmaError("prepare before connect()", device=q.port.device, port=q.port.port,
+                            qp_num=q.info.qp_num, peer=peer)
+        super().prepare(peer, qp, key, op)          # (checks the kind; the fallback's Op)
+        rkeys = op.remote.rkeys
+        rkey = rkeys[q.remote.dev_slot] if q.remote.dev_slot < len(rkeys) else rkeys[0]
+        sge = self.api.SGE(op.region.addr + op.offset, op.length, op.region.lkeys[q.slot])
+        pair = [build_send_wr(self.api, op.kind, 0, sge, rkey, op.remote.addr + op.remote_offset, op.imm)
+                for _ in range(2)]
+        try:
+            for wr in pair:
+                wr.sg_list = sge
+                wr.imm_data = op.imm & 0xFFFFFFFF
+        except (AttributeError, TypeError):
+            q.prepared[key] = None
+            return
+        q.prepared[key] = _Prepared(sge, pair[0], pair[1], op.kind)
+
+    def post_prepared(self, peer: int, qp: int, reqs: Sequence[Tuple[Any, int, int, Optional[int], bool]]) -> None:
+        """Post prepared work requests in order on one QP (see :meth:`rdma.Transport.post_prepared`): per request
+        only its ``SGE``'s length, its immediate, ``wr_id`` and flags are stored, the requests are linked, and each
+        chain (as long as the send queue has room for; a key named twice in one chain ends it) is one
+        ``post_send``. Selective signalling as :meth:`post`."""
+        q = self.qps[(peer, qp)]
+        prepared = q.prepared
+        if any(prepared.get(r[0], 0) is None for r in reqs):      # (this pyverbs: no reusable requests)
+            return super().post_prepared(peer, qp, reqs)
+        i, n = 0, len(reqs)
+        while i < n:
+            room = self.sq_depth - len(q.inflight)
+            if room <= 0:
+                self.wait(lambda _: len(q.inflight) < self.sq_depth, stage="rdma/send-queue space", peer=peer,
+                          channel=qp, keep=True)
+                continue
+            i += self._post_prepared_chain(q, reqs, i, min(n, i + room))
+
+    def _post_prepared_chain(self, q: _QP, reqs: Sequence[tuple], i: int, end: int) -> int:
+        """Post ``reqs[i:end]`` (or its part before a key met twice) as one chain on ``q``; returns how many."""
+        self._stamp = stamp = getattr(self, "_stamp", 0) + 1
+        prepared, e = q.prepared, self.e
+        sig_flag, every = e.IBV_SEND_SIGNALED, self.signal_every
+        ents, j = [], i
+        while j < end:
+            p = prepared[reqs[j][0]]
+            if p.stamp == stamp:
+                break
+            p.stamp = stamp
+            ents.append(p)
+            j += 1
+        last = len(ents) - 1
+        fills = len(q.inflight) + len(ents) == self.sq_depth
+        base = len(q.inflight)
+        prev = None
+        head = None
+        for k, p in enumerate(ents):
+            key, length, imm, wr_id, signaled = reqs[i + k]
+            seq = next(q.seq)
+            q.unsignaled_run += 1
+            sig = signaled or q.unsignaled_run >= every or (fills and k == last)
+            if sig:
+                q.unsignaled_run = 0
+            wr = p.last if k == last else p.link
+            wr.wr_id = (q.slot << 56) | seq
+            wr.send_flags = sig_flag if sig else 0
+            if p.kind == WRITE_WITH_IMM:
+                wr.imm_data = imm & 0xFFFFFFFF
+            p.sge.length = length
+            if prev is None:
+                head = wr
+            else:
+                prev.next_wr = wr
+            prev = wr
+            q.inflight.append((seq, seq if wr_id is None else wr_id, signaled, p.kind))
+        try:
+            q.qp.post_send(head)
+        except self.api.PyverbsError as ex:
+            del q.inflight[base:]
+            raise RdmaError(f"post_send failed: {ex}", errno=getattr(ex, "error_code", None), device=q.port.device,
+                            port=q.port.port, qp_num=q.info.qp_num, peer=q.peer) from ex
+        return len(ents)
 
     def poll(self, max_entries: int = 64, raise_on_error: bool = True) -> List[Completion]:
         """Completions since the last call (queued ones first); see :meth:`rdma.Transport.poll`."""
@@ -822,42 +941,56 @@ class VerbsTransport(Transport):
                                           qp_num=c.qp_num, peer=c.peer)
 
     def _poll_cqs(self, max_entries: int) -> List[Completion]:
+        """One ``poll`` of every CQ (up to ``max_entries`` work completions each); the receives they consumed are
+        posted again afterwards, one chain per QP (``auto_replenish``)."""
         out: List[Completion] = []
+        owed: List[_QP] = []
         for slot, cq in enumerate(self.cqs):
-            n, wcs = _call(self.api, "poll CQ", lambda: cq.poll(max_entries), device=self.devices[slot].name)
+            try:
+                n, wcs = cq.poll(max_entries)
+            except self.api.PyverbsError as ex:
+                raise RdmaError(f"poll CQ failed: {ex}", errno=getattr(ex, "error_code", None),
+                                device=self.devices[slot].name) from ex
             for wc in wcs[:n]:
-                c = self._completion(slot, wc)
+                c = self._completion(slot, wc, owed)
                 if c is not None:
                     out.append(c)
+        for q in owed:
+            n, q.recv_owed = q.recv_owed, 0
+            self.post_recv(q.peer, q.index, n)
         return out
 
-    def _completion(self, slot: int, wc: Any) -> Optional[Completion]:
+    def _completion(self, slot: int, wc: Any, owed: List[_QP]) -> Optional[Completion]:
+        """The :class:`Completion` of work completion ``wc`` of CQ ``slot`` (None: nothing to report); a receive
+        to post again is counted on its QP (and the QP listed in ``owed``)."""
         e = self.e
         q = self.by_qpn.get((slot, wc.qp_num))
-        status = e.name_of("IBV_WC_STATUS_", wc.status, WC_STATUS_NAMES)
+        ok = wc.status == e.IBV_WC_SUCCESS
+        status = "IBV_WC_SUCCESS" if ok else e.name_of("IBV_WC_STATUS_", wc.status, WC_STATUS_NAMES)
         peer, idx = (q.peer, q.index) if q else (None, None)
         if wc.wr_id & _RECV_BIT:   # classify by wr_id: the opcode of an error completion is undefined
             if q is not None:
                 q.recvs_posted -= 1
-                if self.auto_replenish and wc.status == e.IBV_WC_SUCCESS:
-                    self.post_recv(q.peer, q.index, 1)
-            if wc.status != e.IBV_WC_SUCCESS and status == "IBV_WC_WR_FLUSH_ERR":
+                if self.auto_replenish and ok:
+                    if not q.recv_owed:
+                        owed.append(q)
+                    q.recv_owed += 1
+            if not ok and status == "IBV_WC_WR_FLUSH_ERR":
                 return None   # a flushed receive: the send side reports the failure
-            return Completion(status, "recv_imm", wc.wr_id & ~_RECV_BIT, int(wc.imm_data) if wc.status == 0 else None,
+            return Completion(status, "recv_imm", wc.wr_id & ~_RECV_BIT, int(wc.imm_data) if ok else None,
                               wc.qp_num, peer, idx, int(wc.byte_len))
         seq = wc.wr_id & ((1 << 56) - 1)
         if q is None:
             return Completion(status, "unknown", wc.wr_id, None, wc.qp_num, None, None)
-        user, done = None, 0
-        for k, (s, uid, usig, kind) in enumerate(q.inflight):
-            if s == seq:
-                user, done = (uid, usig, kind), k + 1
-                break
-        if user is None:
-            return None
-        del q.inflight[:done]   # this completion retires every earlier (unsignalled) request of the QP
-        uid, usig, kind = user
-        if usig or wc.status != e.IBV_WC_SUCCESS:
+        inflight = q.inflight
+        k = seq - inflight[0][0] if inflight else -1      # (a QP's requests are numbered 1, 2, 3, ... in order)
+        if not 0 <= k < len(inflight) or inflight[k][0] != seq:     # (numbers skipped by a failed post: search)
+            k = next((i for i, ent in enumerate(inflight) if ent[0] == seq), -1)
+            if k < 0:
+                return None
+        _, uid, usig, kind = inflight[k]
+        del inflight[:k + 1]   # this completion retires every earlier (unsignalled) request of the QP
+        if usig or not ok:
             return Completion(status, kind, uid, None, wc.qp_num, peer, idx, int(wc.byte_len))
         return None
 

@@ -4,7 +4,7 @@ that disagree raise ``ValueError`` on every rank naming the field and each rank'
 import pytest
 import torch
 
-import internode_cases as cases
+from tests.cases import internode as cases
 from triton_ep.testing import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multiprocess

@@ -4,7 +4,7 @@ across hosts with no host wait and no host exchange, on CPU processes over the e
 captures it in a CUDA graph)."""
 import pytest
 
-import internode_cases as cases
+from tests.cases import internode as cases
 from triton_ep.testing import RankFailure, run_ranks
 
 

@@ -4,7 +4,7 @@ bit-exact against its two-level order, cached dispatch, FP8 pairs. Functional on
 import pytest
 import torch
 
-import internode_cases as cases
+from tests.cases import internode as cases
 from triton_ep.testing import RankFailure, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

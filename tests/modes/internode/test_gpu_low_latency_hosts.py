@@ -4,8 +4,8 @@ reach directly. The same oracle as within one host, bit for bit: CUDA-graph capt
 fresh routing (the proxy runs beside the graph), and the receive hook with compute between send and receive."""
 import pytest
 
-import ll_cases
-from helpers import ok_results
+from tests.cases import ll as ll_cases
+from tests.cases.helpers import ok_results
 from triton_ep.testing import run_ranks
 
 pytestmark = pytest.mark.gpu

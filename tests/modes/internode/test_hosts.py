@@ -4,7 +4,7 @@ for several hosts through ``TRITON_EP_RANKS_PER_HOST``."""
 import pytest
 import torch
 
-import internode_cases as cases
+from tests.cases import internode as cases
 from triton_ep.runtime import hosts as H
 from triton_ep.testing import RankFailure, run_ranks
 

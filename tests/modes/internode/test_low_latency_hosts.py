@@ -1,10 +1,10 @@
 """Low-latency mode across hosts on CPU: rank processes standing in for hosts (``TRITON_EP_RANKS_PER_HOST``)
 over the emulated RDMA fabric, kernels under the interpreter; every result checked against the oracle of
-tests/ll_cases.py, bit for bit as within one host."""
+tests/cases/ll.py, bit for bit as within one host."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import ll_cases
+from tests.cases import ll as ll_cases
 from triton_ep.testing import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -204,7 +204,7 @@ def test_combine_disagreement_across_hosts_names_use_logfmt():
     """2 hosts of 1 rank: rank 1 combines with use_logfmt, rank 0 without: ValueError naming use_logfmt and both
     values on both ranks; the next round trip is correct. (Before, each rank's unpack read the other's chunk with
     its own row size, past the slot: both processes died of SIGSEGV under the interpreter.)"""
-    import logfmt_cases
+    from tests.cases import logfmt as logfmt_cases
     out = _values(run_ranks(logfmt_cases.across_hosts, 2, _env(1), "disagree"))
     for me, peer in ((0, 1), (1, 0)):
         assert f"use_logfmt: rank {me} passed {me == 1}, rank {peer} passed {peer == 1}" in out[me], out

@@ -3,8 +3,8 @@ set-up exchange, and a Buffer whose proxy process is killed raises ProxyError at
 is left (the autouse fixture: /dev/shm, processes)."""
 import pytest
 
-import internode_cases
-import proxy_cases
+from tests.cases import internode as internode_cases
+from tests.cases import proxy as proxy_cases
 from triton_ep.testing import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multiprocess

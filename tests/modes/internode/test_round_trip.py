@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-import internode_cases as cases
+from tests.cases import internode as cases
 from triton_ep.testing import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multiprocess

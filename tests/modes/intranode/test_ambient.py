@@ -5,8 +5,8 @@ import contextlib
 import pytest
 import torch
 
-import mp_cases
-from helpers import assert_bits, check_dispatch, make_inputs, raise_first, virtual_dispatch
+from tests.cases import mp as mp_cases
+from tests.cases.helpers import assert_bits, check_dispatch, make_inputs, raise_first, virtual_dispatch
 from triton_ep import reference as ref
 from triton_ep.testing import VirtualGroup, run_ranks
 

@@ -5,7 +5,7 @@ group at once (each collective needs all ranks), and the gradients of x and topk
 dense single-process autograd of the same MoE computation."""
 import torch
 
-from helpers import make_inputs, raise_first, virtual_dispatch
+from tests.cases.helpers import make_inputs, raise_first, virtual_dispatch
 from triton_ep.testing import VirtualGroup
 
 BF16 = torch.bfloat16

@@ -4,7 +4,7 @@ in combine. (A peer absent from dispatch and bad input on one rank: test_multipr
 R from 1 to 8: test_errors.py, both beside this file.)"""
 import pytest
 
-import mp_cases
+from tests.cases import mp as mp_cases
 from triton_ep.testing import run_ranks
 
 pytestmark = pytest.mark.multiprocess

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import triton_ep
-from helpers import make_inputs, virtual_dispatch
+from tests.cases.helpers import make_inputs, virtual_dispatch
 from triton_ep.testing import VirtualGroup
 
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import mp_cases
-from helpers import check_round_trip_virtual
+from tests.cases import mp as mp_cases
+from tests.cases.helpers import check_round_trip_virtual
 from triton_ep.testing import run_ranks
 
 pytestmark = pytest.mark.gpu

@@ -5,10 +5,10 @@ back-to-back rounds (ranks simulated in one process, and real processes sharing 
 import pytest
 import torch
 
-import mp_cases
+from tests.cases import mp as mp_cases
 import triton_ep
 import test_robustness as rb
-from helpers import make_inputs, raise_first, virtual_dispatch
+from tests.cases.helpers import make_inputs, raise_first, virtual_dispatch
 from test_autograd import case_autograd_matches_dense
 from test_deployment import values
 from triton_ep.testing import VirtualGroup, run_ranks

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import mp_cases
+from tests.cases import mp as mp_cases
 from triton_ep.testing import run_ranks
 
 pytestmark = pytest.mark.multiprocess

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import triton_ep
-from helpers import assert_bits, bits, check_dispatch, make_inputs, raise_first, virtual_dispatch
+from tests.cases.helpers import assert_bits, bits, check_dispatch, make_inputs, raise_first, virtual_dispatch
 from triton_ep import kernels
 from triton_ep import reference as ref
 from triton_ep.kernels import _util

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import triton_ep
-from helpers import _to, assert_bits, check_dispatch, make_inputs, raise_first, virtual_dispatch
+from tests.cases.helpers import _to, assert_bits, check_dispatch, make_inputs, raise_first, virtual_dispatch
 from triton_ep import reference as ref
 from triton_ep.kernels.fp8 import pack_ue8m0
 from triton_ep.testing import VirtualGroup, run_ranks

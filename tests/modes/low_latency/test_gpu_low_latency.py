@@ -2,8 +2,8 @@
 graph capture and replay with fresh routing, and the receive hook with compute between send and receive."""
 import pytest
 
-import ll_cases
-from helpers import ok_results
+from tests.cases import ll as ll_cases
+from tests.cases.helpers import ok_results
 from triton_ep.testing import run_ranks
 
 pytestmark = pytest.mark.gpu

@@ -1,13 +1,13 @@
 """``low_latency_combine(use_logfmt=True)``: the LogFMT-10 encoding (its reference in triton_ep/reference.py),
 the rows that cross between ranks (records in the receiver's area, bytes on the network leg) and DeepEP's accuracy
 bound; on CPU (rank processes under the interpreter, within one host and as 2 hosts over the emulated fabric) and,
-marked ``gpu``, on one GPU. Rank bodies in tests/logfmt_cases.py."""
+marked ``gpu``, on one GPU. Rank bodies in tests/cases/logfmt.py."""
 import pytest
 import torch
 
-import ll_cases
-import logfmt_cases as LC
-from helpers import ok_results
+from tests.cases import ll as ll_cases
+from tests.cases import logfmt as LC
+from tests.cases.helpers import ok_results
 from triton_ep import reference
 from triton_ep.kernels import logfmt
 from triton_ep.protocol.ll_area import Layout

@@ -1,12 +1,12 @@
 """Low-latency mode on CPU: real rank processes over POSIX shared memory, kernels under the interpreter.
 
 Each test spawns 2-4 processes once and runs several cases inside (spawning costs seconds): every
-result is checked against the oracle in tests/ll_cases.py."""
+result is checked against the oracle in tests/cases/ll.py."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import ll_cases
+from tests.cases import ll as ll_cases
 import triton_ep
 from triton_ep.kernels.fp8 import pack_ue8m0, quantize, quantize_reference, unpack_ue8m0
 from triton_ep.testing import run_ranks

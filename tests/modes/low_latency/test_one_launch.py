@@ -1,11 +1,11 @@
 """Low-latency calls as one launch each (triton_ep.kernels.ll_fused), on CPU: real rank processes, kernels under
 the interpreter, ``TRITON_EP_FUSED=1`` set in the rank processes (one program a launch here; on a GPU the calls
-take this path by default). Every result is checked against the oracle in tests/ll_cases.py, as the split
+take this path by default). Every result is checked against the oracle in tests/cases/ll.py, as the split
 launches' are in test_low_latency.py."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import ll_cases
+from tests.cases import ll as ll_cases
 from triton_ep.testing import run_ranks
 
 pytestmark = pytest.mark.multiprocess

@@ -1,0 +1,224 @@
+"""Replay an engine's DeepEP call sequence (``engines.vllm_calls`` / ``engines.sglang_calls``) against triton-ep,
+as the engine makes it: through ``import deep_ep`` with the ``TRITON_EP_AS_DEEP_EP`` switch on, every call with the
+engine's arguments, what the engine reads back checked against the plain-PyTorch reference
+(``triton_ep.reference`` for normal mode, ``ll_cases``' oracle for low-latency mode). A replay, not the engine: the
+experts between dispatch and combine are stand-ins (normal mode: rows times 2; low-latency: identity after the
+FP8 round trip), and sizes are small (the fixtures' ``deviations``).
+
+:func:`replay_rank` is a rank body for ``triton_ep.testing.run_ranks`` (or any launcher with a default process
+group): ranks on one host, or on emulated hosts with ``TRITON_EP_RANKS_PER_HOST`` and ``TRITON_EP_RDMA=emulated``
+in ``env``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The replay's sizes: experts ``E``, top-k ``K``, hidden ``H``, low-latency ``N``
+    (``num_max_dispatch_tokens_per_rank``), input ``seed``."""
+    E: int = 8
+    K: int = 3
+    H: int = 256
+    N: int = 8
+    seed: int = 0
+
+
+@dataclass
+class Trace:
+    """What a rank's replay did: per call ``"step/op@cite"`` in order, and the checks that passed."""
+    calls: List[str] = field(default_factory=list)
+    checks: List[str] = field(default_factory=list)
+    deep_ep_file: str = ""
+
+
+def find_sequence(module: str, backend: str):
+    """The :class:`~engines.calls.Sequence` named ``backend`` in ``engines.<module>``."""
+    mod = importlib.import_module(f"tests.engines.{module}")
+    for s in mod.SEQUENCES:
+        if s.backend == backend:
+            return s
+    raise ValueError(f"no sequence {backend!r} in engines.{module}: {[s.backend for s in mod.SEQUENCES]}")
+
+
+class _Rank:
+    """One rank's interpreter of a sequence: values by name per sub-batch, the step's inputs of every rank (the
+    reference needs them all), the Buffer."""
+
+    def __init__(self, deep_ep, rank: int, world: int, shape: Shape, per_host: int) -> None:
+        import torch.distributed as dist
+        self.deep_ep, self.rank, self.world, self.shape, self.per_host = deep_ep, rank, world, shape, per_host
+        self.buf = None
+        self.trace = Trace(deep_ep_file=deep_ep.__file__)
+        E = shape.E
+        self.base: Dict[str, Any] = dict(E=E, H=shape.H, N=shape.N, R=world, K=shape.K, E_local=E // world,
+                                         group=dist.group.WORLD, num_sms=deep_ep.Buffer.num_sms,
+                                         max_num_sms_E_local=max(deep_ep.Buffer.num_sms, E // world),
+                                         ht_rdma_bytes=0 if per_host >= world else 2 << 20,
+                                         ht_qps=1 if per_host >= world else 10)
+        self.vals: Dict[int, Dict[str, Any]] = {0: {}, 1: {}}
+
+    # -- values
+    def resolve(self, v, sub):
+        from tests.engines.calls import Ref
+        if isinstance(v, Ref):
+            for scope in (self.vals[sub], self.base):
+                if v.name in scope:
+                    return scope[v.name]
+            raise KeyError(f"the replay has no value {v.name!r} (sub-batch {sub})")
+        return v
+
+    def inputs(self, step, step_no):
+        """Every rank's inputs of this step, per sub-batch (seeded by step and sub-batch, identical on all ranks)."""
+        from tests.cases.ll import ll_inputs
+        s = self.shape
+        for sub in (0, 1):
+            Ts = [step.tokens[r % len(step.tokens)] for r in range(self.world)]
+            xs, idxs, ws = ll_inputs(s.seed * 1000 + step_no * 10 + sub, self.world, s.E, s.K, s.H,
+                                     [min(t, s.N) for t in Ts])
+            v = self.vals[sub]
+            v.clear()
+            v.update(all_x=xs, all_idx=idxs, all_w=ws, x=xs[self.rank], topk_idx=idxs[self.rank],
+                     topk_weights=ws[self.rank],
+                     output=torch.full((xs[self.rank].shape[0], s.H), float("nan"), dtype=torch.bfloat16, device="cpu"),
+                     mask=torch.full((self.world,), -7, dtype=torch.int32, device="cpu"))
+
+    # -- ops
+    def run(self, call, where):
+        sub = call.sub
+        args = {k: self.resolve(v, sub) for k, v in call.args.items()}
+        self.trace.calls.append(f"{where}/{call.op}@{call.cite}" if call.cite else f"{where}/{call.op}")
+        B = self.deep_ep.Buffer
+        op = call.op
+        if op == "Buffer":
+            self.buf = B(**args)
+            assert self.buf.group_size == self.world and self.buf.low_latency_mode == args["low_latency_mode"]
+            res = ()
+        elif op in ("get_low_latency_rdma_size_hint", "get_dispatch_config", "get_combine_config", "set_num_sms"):
+            res = getattr(B, op)(**args)
+        elif op == "capture":
+            res = B.capture()
+        elif op == "size_hints":
+            res = self._size_hints(**args)
+        elif op == "wait":
+            if args["event"].event is not None:
+                args["event"].current_stream_wait()
+            res = ()
+        elif op == "hook":
+            args["hook"]()
+            res = ()
+        elif op == "rdma_zero":
+            t = self.buf.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)
+            t.zero_()
+            res = ()
+        elif op == "expert":
+            res = self._expert(sub, **args)
+        elif op == "check":
+            res = self._check(sub, **args)
+        else:
+            res = getattr(self.buf, op)(**args)
+        if op == "low_latency_query_mask_buffer":
+            assert args["mask_status"].tolist() == [0] * self.world, args["mask_status"]
+        outs = call.out
+        if outs:
+            res = res if isinstance(res, tuple) and len(outs) > 1 else (res,)
+            assert len(res) == len(outs), (op, len(res), outs)
+            for name, value in zip(outs, res):
+                if name is not None:
+                    self.vals[sub][name] = value
+
+    def _size_hints(self, normal, low_latency):
+        B, R, H = self.deep_ep.Buffer, self.world, self.shape.H
+        nvl = rdma = 0
+        if normal:
+            for cfg in (B.get_dispatch_config(R), B.get_combine_config(R)):
+                nvl = max(cfg.get_nvl_buffer_size_hint(H * 2, R), nvl)
+                rdma = max(cfg.get_rdma_buffer_size_hint(H * 2, R), rdma)
+        if low_latency:
+            rdma = max(B.get_low_latency_rdma_size_hint(self.shape.N, H, R, self.shape.E), rdma)
+        return nvl, rdma
+
+    def _expert(self, sub, kind, use_fp8=False):
+        v = self.vals[sub]
+        if kind == "normal":
+            v["y"] = (v["recv_x"].float() * 2).to(torch.bfloat16)
+        else:
+            rx = v["recv_x"]
+            if use_fp8:
+                q, s = rx
+                if s.dtype == torch.int32:
+                    from triton_ep.kernels.fp8 import unpack_ue8m0
+                    s = unpack_ue8m0(s.contiguous())
+                rx = (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+            v["y"] = rx.clone()
+
+    def _check(self, sub, what, use_fp8=False, round_scale=False, use_ue8m0=False, expert_alignment=1):
+        from triton_ep import reference as ref
+        from tests.cases import ll as ll_cases
+        v, me, s = self.vals[sub], self.rank, self.shape
+        xs, idxs, ws = v["all_x"], v["all_idx"], v["all_w"]
+        if what in ("normal_dispatch", "normal_combine"):
+            exp = ref.dispatch(xs, idxs, ws, s.E, expert_alignment)
+        if what == "normal_dispatch":
+            e = exp[me]
+            assert torch.equal(v["recv_x"].view(torch.int16), e["recv_x"].view(torch.int16)), "recv_x"
+            assert torch.equal(v["recv_topk_idx"], e["recv_topk_idx"]), "recv_topk_idx"
+            assert torch.equal(v["recv_topk_weights"], e["recv_topk_weights"]), "recv_topk_weights"
+            assert v["num_recv_tokens_per_expert_list"] == e["num_recv_tokens_per_expert_list"]
+        elif what == "normal_combine":
+            ys = [(e["recv_x"].float() * 2).to(torch.bfloat16) for e in exp]
+            n = self.per_host if self.per_host < self.world else None
+            want = ref.combine(ys, exp, [x.shape[0] for x in xs], ranks_per_host=n)[me][0]
+            got = v["combined_x"]
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "combined_x"
+            if "output" in v and got.shape == v["output"].shape:
+                v["output"].copy_(got)
+        elif what == "ll_dispatch":
+            ll_cases.check_dispatch(v["recv_x"], v["recv_count"], v["handle"], xs, idxs, self.world, s.E, me,
+                                    use_fp8, round_scale, use_ue8m0)
+        elif what == "ll_combine":
+            x = xs[me]
+            if use_fp8 and x.shape[0]:
+                from triton_ep.kernels.fp8 import quantize_reference
+                q, sc = quantize_reference(x, round_scale)
+                x = (q.float() * sc.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+            want = ll_cases.expected_combine(x, idxs[me], ws[me], s.E, self.world, "identity")
+            got = v.get("combined_x", v["output"])
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "combined_x"
+        else:
+            raise ValueError(f"unknown check {what!r}")
+        self.trace.checks.append(f"{what}[{sub}]")
+
+
+def replay_rank(rank, world, module, backend, shape=Shape(), env=None):
+    """Rank body: turn the ``deep_ep`` switch on, import ``deep_ep`` as the engine does, replay the sequence
+    ``backend`` of ``engines.<module>`` and check every result. Returns the rank's :class:`Trace`."""
+    import importlib.util
+    os.environ.update(env or {})
+    os.environ["TRITON_EP_AS_DEEP_EP"] = "1"
+    from triton_ep import deep_ep_hook
+    deep_ep_hook.install()
+    assert importlib.util.find_spec("deep_ep") is not None          # vLLM's has_deep_ep() look-up
+    import deep_ep
+    seq = find_sequence(module, backend)
+    per_host = int(os.environ.get("TRITON_EP_RANKS_PER_HOST", world))
+    r = _Rank(deep_ep, rank, world, shape, per_host)
+    try:
+        for call in seq.setup:
+            r.run(call, "setup")
+        for i, step in enumerate(seq.steps):
+            r.inputs(step, i)
+            for call in step.calls:
+                r.run(call, step.name)
+        for call in seq.teardown:
+            r.run(call, "teardown")
+    finally:
+        if r.buf is not None:
+            r.buf.destroy()         # (idempotent; SGLang never destroys its process-wide Buffer)
+    return r.trace

@@ -1,0 +1,118 @@
+"""The ``deep_ep`` switch (triton_ep/deep_ep_hook.py, triton_ep_deep_ep.pth): each case runs a fresh interpreter
+that executes the ``.pth`` line as Python's ``site`` does (the shared development venv has triton-ep installed
+from another checkout, without this file), then imports what an engine imports."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PTH = (ROOT / "triton_ep_deep_ep.pth").read_text()
+
+#: what a fresh interpreter runs first: this checkout on sys.path, then the .pth line as site.addpackage runs it
+PRELUDE = f"import sys; sys.path.insert(0, {str(ROOT)!r})\nexec({PTH.strip()!r})\n"
+
+
+def run_py(code: str, switch, extra_path=None, timeout=120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_EP_AS_DEEP_EP"}
+    if switch is not None:
+        env["TRITON_EP_AS_DEEP_EP"] = switch
+    env["PYTHONPATH"] = os.pathsep.join([*( [str(extra_path)] if extra_path else []), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_pth_is_one_import_line_that_reads_only_the_switch():
+    lines = [ln for ln in PTH.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("import os;"), lines   # site executes lines starting "import "
+    r = run_py("import sys; print(sorted(m for m in ('torch', 'triton_ep', 'triton_ep.deep_ep_hook', 'typing', "
+               "'dataclasses', 'logging') if m in sys.modules))", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[0] == "['triton_ep.deep_ep_hook']", r.stdout   # the hook alone, no torch
+
+
+@pytest.mark.parametrize("switch", [None, "0", "", "off"])
+def test_switch_off_changes_nothing(switch):
+    r = run_py("""
+        import importlib.util, sys
+        assert not any(hasattr(f, 'triton_ep_deep_ep') for f in sys.meta_path)
+        assert 'triton_ep.deep_ep_hook' not in sys.modules
+        assert importlib.util.find_spec('deep_ep') is None
+        try:
+            import deep_ep
+        except ModuleNotFoundError:
+            print('absent')
+    """, switch)
+    assert r.returncode == 0 and r.stdout.strip() == "absent", (r.stdout, r.stderr)
+
+
+def test_switch_on_serves_every_deep_ep_path_the_engines_import():
+    r = run_py("""
+        import importlib.util, logging, sys
+        logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s %(message)s')
+        spec = importlib.util.find_spec('deep_ep')            # vLLM's has_deep_ep()
+        assert spec is not None and spec.origin.endswith('triton_ep/_deep_ep/__init__.py'), spec
+        from deep_ep import Buffer, Config, EventOverlap       # SGLang's import (deepep.py:54), vLLM's names
+        import deep_ep, triton_ep
+        import deep_ep.buffer, deep_ep.utils, deep_ep.buffers.legacy, deep_ep.buffers.elastic, deep_ep.utils.event
+        assert issubclass(Buffer, triton_ep.Buffer) and Config is triton_ep.Config and EventOverlap is triton_ep.EventOverlap
+        assert deep_ep.buffer.Buffer is Buffer is deep_ep.buffers.legacy.Buffer and deep_ep.topk_idx_t is triton_ep.topk_idx_t
+        assert deep_ep.__triton_ep__ and deep_ep.Buffer.num_sms == 20
+        assert hasattr(deep_ep, 'ElasticBuffer') == hasattr(triton_ep, 'ElasticBuffer')   # vLLM's V2 probe
+        for name, call in (('EventHandle', lambda: deep_ep.EventHandle()),
+                           ('get_physical_domain_size', lambda: deep_ep.get_physical_domain_size(None)),
+                           ('get_logical_domain_size', lambda: deep_ep.get_logical_domain_size(None))):
+            try:
+                call()
+            except NotImplementedError as ex:
+                assert name in str(ex), ex
+            else:
+                raise AssertionError(name)
+    """, "1")
+    assert r.returncode == 0, r.stderr
+    assert "INFO triton_ep deep_ep is triton-ep" in r.stderr, r.stderr
+
+
+def _fake_deep_ep(tmp_path) -> Path:
+    pkg = tmp_path / "real" / "deep_ep"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("REAL = True\n")
+    return tmp_path / "real"
+
+
+def test_a_real_deep_ep_is_shadowed_loudly_or_left_alone(tmp_path):
+    real = _fake_deep_ep(tmp_path)
+    r = run_py("import deep_ep; print(getattr(deep_ep, 'REAL', False), deep_ep.__file__)", "1", extra_path=real)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("False ") and "triton_ep/_deep_ep" in r.stdout
+    assert "WARNING" not in r.stderr      # the last-resort handler prints the message itself
+    assert f"the DeepEP at {real / 'deep_ep' / '__init__.py'} is shadowed" in r.stderr, r.stderr
+    r = run_py("""
+        import deep_ep
+        from triton_ep import deep_ep_hook
+        print(deep_ep.REAL); print('\\n'.join(deep_ep_hook.describe()))
+    """, "missing", extra_path=real)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("True\n") and f"a DeepEP at {real / 'deep_ep' / '__init__.py'}" in r.stdout
+
+
+def test_bad_switch_value_is_named_and_installs_nothing():
+    r = run_py("import sys; print(any(hasattr(f, 'triton_ep_deep_ep') for f in sys.meta_path))", "yes please")
+    assert r.returncode == 0 and r.stdout.strip() == "False"
+    assert "TRITON_EP_AS_DEEP_EP='yes please'" in r.stderr and "not installed" in r.stderr, r.stderr
+
+
+def test_info_says_which_deep_ep_is_in_use(tmp_path):
+    r = run_py("from triton_ep.__main__ import print_deep_ep; import sys; print_deep_ep(sys.stdout)", "1")
+    assert r.returncode == 0, r.stderr
+    assert "hook       installed by pth, mode 'on'" in r.stdout and "deep_ep    triton-ep (" in r.stdout, r.stdout
+    r = run_py("from triton_ep.__main__ import print_deep_ep; import sys; print_deep_ep(sys.stdout)", "1",
+               extra_path=_fake_deep_ep(tmp_path))
+    assert "shadowed   the DeepEP at" in r.stdout, r.stdout
+    r = run_py("from triton_ep.__main__ import print_deep_ep; import sys; print_deep_ep(sys.stdout)", None)
+    assert "unset (off)" in r.stdout and "hook       not installed\n" in r.stdout, r.stdout

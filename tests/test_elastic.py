@@ -1,0 +1,145 @@
+"""DeepEP V2's face, ``ElasticBuffer``: its dispatch / combine in both layouts (non-expanded, expanded), exact and
+worst-case sizes, cached dispatches, handle fields, weights, biases and FP8 pairs, checked bit for bit against
+``triton_ep.reference.elastic_dispatch`` / ``elastic_combine`` on rank processes within one host and across two
+emulated hosts; the reference's own semantics on small cases; V2's primitives triton-ep does not provide."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tests.cases import elastic as elastic_cases
+import triton_ep
+from triton_ep import reference as ref
+from triton_ep.testing import RankFailure, run_ranks
+
+
+def _values(out):
+    bad = [o for o in out if isinstance(o, RankFailure)]
+    assert not bad, "\n".join(o.traceback or o.message for o in bad)
+    return out
+
+
+def _hosts(per_host):
+    return {"TRITON_EP_RANKS_PER_HOST": str(per_host), "TRITON_EP_RDMA": "emulated", "TRITON_EP_PROXY": "thread"}
+
+
+# ---------------------------------------------------------------------------------------------------- the reference
+def test_reference_expanded_layout_by_hand():
+    """Two ranks, 4 experts (2 a rank), K = 2, alignment 4: the rows, ids, weights, prefix sums and metadata of
+    rank 1's dispatch written out by hand."""
+    x0 = torch.arange(3 * 8, dtype=torch.float32, device="cpu").reshape(3, 8).to(torch.bfloat16)
+    x1 = -torch.arange(2 * 8, dtype=torch.float32, device="cpu").reshape(2, 8).to(torch.bfloat16)
+    i0 = torch.tensor([[2, 3], [0, -1], [3, 1]], dtype=torch.int64, device="cpu")
+    i1 = torch.tensor([[3, 2], [1, 2]], dtype=torch.int64, device="cpu")
+    w0 = torch.tensor([[.1, .2], [.3, .4], [.5, .6]], dtype=torch.float32, device="cpu")
+    w1 = torch.tensor([[.7, .8], [.9, 1.]], dtype=torch.float32, device="cpu")
+    d = ref.elastic_dispatch([x0, x1], [i0, i1], [w0, w1], 4, 5, 4, do_expand=True)[1]
+    # rank 1 holds experts 2, 3 (local 0, 1); it receives rank 0's tokens 0, 2 and rank 1's tokens 0, 1
+    # local 0 (expert 2): (r0 t0 k0), (r1 t0 k1), (r1 t1 k1) -> rows 0..2, padded to 4
+    # local 1 (expert 3): (r0 t0 k1), (r0 t2 k0), (r1 t0 k0) -> rows 4..6, padded to 8
+    want_src = [x0[0], x1[0], x1[1], None, x0[0], x0[2], x1[0], None]
+    got = d["recv_x"]
+    assert got.shape == (8, 8)
+    for r, want in enumerate(want_src):
+        assert torch.equal(got[r], torch.zeros(8, dtype=torch.bfloat16, device="cpu") if want is None else want), r
+    assert torch.equal(d["recv_topk_weights"], torch.tensor([.1, .8, 1., 0, .2, .5, .7, 0], dtype=torch.float32,
+                                                            device="cpu"))
+    assert d["recv_topk_idx"] is None and d["num_expanded_tokens"] == 8 and d["num_recv_tokens"] == 4
+    assert d["num_recv_tokens_per_expert_list"] == [4, 4]
+    assert d["num_unaligned_recv_tokens_per_expert"].tolist() == [3, 3]
+    assert d["psum_num_recv_tokens_per_expert"].tolist() == [3, 7]          # start + count
+    assert d["psum_num_recv_tokens_per_scaleup_rank"].tolist() == [2, 4]
+    assert d["recv_src_metadata"].tolist() == [[0, 0, 0, 4], [2, 0, 5, -1], [5, 2, 6, 1], [6, 2 + 1, -1, 2]]
+
+
+@pytest.mark.property
+@settings(max_examples=8)
+@given(R=st.integers(1, 3), El=st.integers(1, 3), K=st.integers(1, 3), align=st.sampled_from([1, 2, 8]),
+       seed=st.integers(0, 1 << 16), expand=st.booleans(), sync=st.booleans())
+def test_reference_round_trip(R, El, K, align, seed, expand, sync):
+    """The reference with identity experts: expanded, rows weighted per entry before combine, each token comes back
+    as x times the sum of its valid weights; non-expanded, as x times the number of ranks it reached. Small integer
+    rows and dyadic weights keep every sum exact. Per-expert counts equal the histogram of the valid ids."""
+    g = torch.Generator().manual_seed(seed)
+    E, H, Ts = R * El, 16, [int(torch.randint(0, 6, (1,), generator=g)) for _ in range(R)]
+    xs = [torch.randint(-4, 5, (T, H), generator=g).to(torch.bfloat16) for T in Ts]
+    idxs = [torch.randint(-1, E, (T, K), generator=g) for T in Ts]
+    ws = [torch.randint(1, 5, (T, K), generator=g).float() / 4 for T in Ts]
+    d = ref.elastic_dispatch(xs, idxs, ws, E, 6, align, expand, sync)
+    for j in range(R):
+        local = torch.cat([i[(i // El) == j] for i in idxs]) - j * El
+        hist = torch.bincount(local, minlength=El)
+        assert d[j]["num_unaligned_recv_tokens_per_expert"].tolist() == hist.tolist()
+    if expand:
+        ys = [(dj["recv_x"].float() * dj["recv_topk_weights"][:, None]).to(torch.bfloat16) for dj in d]
+    else:
+        ys = [dj["recv_x"] for dj in d]
+    out = ref.elastic_combine(ys, d, Ts, None, None, expand)
+    for i in range(R):
+        valid = (idxs[i] >= 0) & (idxs[i] < E)
+        if expand:
+            factor = (ws[i] * valid).sum(1)
+        else:
+            factor = torch.stack([((idxs[i] // El == r) & valid).any(1) for r in range(R)], 1).sum(1).float() \
+                if Ts[i] else torch.zeros(0)
+        assert torch.equal(out[i][0].float(), xs[i].float() * factor[:, None]), i
+
+
+# ---------------------------------------------------------------------------------------------------- the face
+def test_face_names_and_primitives_not_provided():
+    """``import triton_ep as deep_ep``: ``deep_ep.ElasticBuffer`` and ``deep_ep.EPHandle`` (a dataclass); V2's
+    Engram, PP and AGRS calls raise NotImplementedError naming themselves."""
+    import dataclasses
+    deep_ep = triton_ep
+    assert dataclasses.is_dataclass(deep_ep.EPHandle)
+    buf = object.__new__(deep_ep.ElasticBuffer)
+    for name in ("engram_write", "engram_fetch", "pp_set_config", "pp_send", "pp_recv", "create_agrs_session",
+                 "destroy_agrs_session", "agrs_new_session", "agrs_set_config", "agrs_get_inplace_tensor",
+                 "all_gather", "get_engram_storage_size_hint", "get_pp_buffer_size_hint",
+                 "get_agrs_num_max_session_bytes", "get_agrs_buffer_size_hint"):
+        with pytest.raises(NotImplementedError, match=name):
+            getattr(buf, name)(1, 2)
+    assert deep_ep.ElasticBuffer.get_buffer_size_hint(None, 4096, 7168) % (2 << 20) == 0
+    with pytest.raises(ValueError, match="hidden"):
+        deep_ep.ElasticBuffer.get_buffer_size_hint(None, 4096, 0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.property
+@settings(max_examples=1)
+@given(seed=st.integers(0, 1 << 20))
+def test_one_host(seed):
+    """3 ranks, 3 random cases on one ElasticBuffer (expanded or not, exact or worst case, alignment, FP8 pairs,
+    duplicates, empty ranks, weights, biases, cached dispatch), then argument errors; bit for bit."""
+    assert _values(run_ranks(elastic_cases.cases, 3, {}, seed, 3, timeout_s=400)) == [3] * 3
+
+
+@pytest.mark.multiprocess
+def test_two_emulated_hosts():
+    """2 hosts of 1 rank over the emulated fabric: 3 random cases, then argument errors; combine checked against
+    the reference's two-level sum; under torch.use_deterministic_algorithms(True)."""
+    assert _values(run_ranks(elastic_cases.cases, 2, _hosts(1), 11, 3, "cpu", True, timeout_s=400)) == [3] * 2
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.property
+@settings(max_examples=4)
+@given(R=st.sampled_from([2, 3, 4]), seed=st.integers(0, 1 << 20))
+def test_one_host_many_cases(R, seed):
+    assert _values(run_ranks(elastic_cases.cases, R, {}, seed, 10, timeout_s=600)) == [10] * R
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,per_host", [(4, 2), (3, 1)])
+def test_emulated_hosts_many_cases(world, per_host):
+    assert _values(run_ranks(elastic_cases.cases, world, _hosts(per_host), 5 + world, 8, timeout_s=600)) == [8] * world
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_round_trip_gpu():
+    """On the GPU (2 ranks sharing it, gloo bootstrap): 8 random cases (async events among them) and the argument
+    errors, bit for bit; then 4 more under torch.use_deterministic_algorithms(True)."""
+    assert _values(run_ranks(elastic_cases.cases, 2, {}, 3, 8, "cuda", timeout_s=400)) == [8] * 2
+    assert _values(run_ranks(elastic_cases.cases, 2, {}, 4, 4, "cuda", True, timeout_s=400)) == [4] * 2

@@ -1,0 +1,702 @@
+"""``ElasticBuffer``: DeepEP V2's expert-parallel face (``deep_ep.ElasticBuffer``, DeepEP 2.x), served by the same
+modes as :class:`~triton_ep.Buffer`.
+
+DeepEP V2 unifies V1's two modes behind one ``dispatch`` / ``combine`` pair whose outputs come in two layouts:
+
+- **non-expanded** (``do_expand=False``): one row per (token, destination rank), as V1's normal mode: rows grouped
+  by source rank in rank order, the source's token order within a group; ``recv_topk_idx`` holds local expert ids
+  (``-1`` where the expert lives elsewhere);
+- **expanded** (``do_expand=True``): one row per (token, local expert) pair, the rows of each local expert
+  contiguous, expert ``e``'s segment starting at the sum of the earlier experts' counts each rounded up to
+  ``expert_alignment``; the weights come as a 1-D tensor, one per row; no ``recv_topk_idx``.
+
+and two sizes: exact (``do_cpu_sync=True``: the host waits for the receive counts) or worst case
+(``do_cpu_sync=False``: no host wait, CUDA-graph capturable; ``num_max_tokens_per_rank * R`` rows, or the expanded
+worst case, the real count on the device in ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``).
+
+Here every V2 call is one of :class:`~triton_ep.Buffer`'s normal-mode calls (``get_dispatch_layout`` +
+``dispatch``, a cached ``dispatch``, ``combine``; ``do_cpu_sync=False`` is ``num_worst_tokens = R *
+num_max_tokens_per_rank``), made through Buffer's public methods, plus local tensor work on this rank for the
+expanded layout (a stable sort of the received ids into expert segments, gathers into the output). The semantics
+are written out in :mod:`triton_ep.reference` (``elastic_dispatch``, ``elastic_combine``); docs/api_v1_v2.md puts
+the V1 and V2 arguments side by side and lists every place where V2's source left the behaviour open. The source
+of the semantics: DeepEP V2's ``deep_ep/buffers/elastic.py`` (docstrings, handle fields) and its kernels
+(``dispatch.cuh``, ``dispatch_copy_epilogue.cuh``, ``combine_reduce_epilogue.cuh``), commit dd758ca.
+
+V2's other primitives (Engram, pipeline-parallel send/recv, AGRS) raise ``NotImplementedError`` naming themselves.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .buffer import Buffer
+from .config import Config, EventOverlap
+from .runtime.checks import MAX_INT32, isint
+
+Tensor = torch.Tensor
+XLike = Union[Tensor, Tuple[Tensor, Tensor]]
+
+__all__ = ["ElasticBuffer", "EPHandle"]
+
+#: V2's buffer sizes are multiples of 2 MiB (``get_elastic_buffer_alignment()``)
+BUFFER_ALIGNMENT = 2 << 20
+#: a number per ElasticBuffer (a handle names the buffer that made it; ``id()`` may be reused after collection)
+_BUFFER_NUMBERS = itertools.count(1)
+#: V2's TMA-aligned column-major scales: the token stride is 1, the pack stride the row count rounded up to this
+SF_ROW_ALIGNMENT = 4
+
+
+def _align(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+@dataclasses.dataclass(eq=False)
+class EPHandle:
+    """The handle of an :meth:`ElasticBuffer.dispatch`: pass it to ``combine`` (the routes back) or to ``dispatch``
+    again (a cached dispatch: same routing, new data, no host wait). V2's ``deep_ep.EPHandle`` fields, with V2's
+    meanings (``R`` ranks, ``E_l`` local experts, ``K`` top-k, ``N`` non-expanded rows here):
+
+    Attributes:
+        do_expand: whether the dispatch that made it used the expanded layout.
+        num_experts: ``E``. expert_alignment: each local expert's count rounded up to a multiple of it.
+        num_max_tokens_per_rank: the per-rank token bound of the dispatch (sizes the worst case, and
+            ``src_token_global_idx = src_rank * num_max_tokens_per_rank + src_token``).
+        num_sms: the ``num_sms`` of the dispatch (accepted; results never depend on it).
+        topk_idx: the dispatch's ``topk_idx`` ``[T, K]`` (a copy unless ``do_handle_copy=False``).
+        num_recv_tokens: ``N``: the received tokens, or the worst case ``R * num_max_tokens_per_rank`` without a
+            host wait (the real count is then ``psum_num_recv_tokens_per_scaleup_rank[-1]``, on the device).
+        num_expanded_tokens: rows of the expanded layout (the sum of the aligned per-expert counts, or its worst
+            case without a host wait).
+        num_recv_tokens_per_expert_list: Python ints ``[E_l]``, each expert's received count rounded up to
+            ``expert_alignment``; an empty list without a host wait (``do_cpu_sync=False``), as in V2.
+        psum_num_recv_tokens_per_scaleup_rank: int32 ``[R]``: inclusive prefix sum over source ranks of the
+            tokens received from each (a token counted once per rank); its last entry is the real ``N``.
+        psum_num_recv_tokens_per_expert: int32 ``[E_l]``: non-expanded, the inclusive prefix sum of the aligned
+            counts; expanded, ``start(e) + count(e)`` where ``start(e)`` is the sum of the earlier experts' aligned
+            counts (``align(psum[e], expert_alignment)`` is then expert ``e + 1``'s start).
+        num_unaligned_recv_tokens_per_expert: int32 ``[E_l]``: the received counts, not rounded.
+        recv_src_metadata: int32 ``[N, K + 2]``: per received token, ``src_rank * num_max_tokens_per_rank +
+            src_token``; ``src_rank * K + k0`` (``k0`` the first top-k slot whose expert is on this rank); then per
+            top-k slot its row in the expanded layout (``-1`` where the expert is elsewhere, and everywhere for a
+            non-expanded dispatch). Worst-case padding rows hold ``-1``.
+        dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list: V2's kernel-side tables; ``None``
+            here (nothing reads them).
+    """
+
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    topk_idx: Tensor
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: List[int]
+    psum_num_recv_tokens_per_scaleup_rank: Tensor
+    psum_num_recv_tokens_per_expert: Tensor
+    num_unaligned_recv_tokens_per_expert: Tensor
+    recv_src_metadata: Tensor
+    dst_buffer_slot_idx: Optional[Tensor] = None
+    token_metadata_at_forward: Optional[Tensor] = None
+    channel_linked_list: Optional[Tensor] = None
+    #: the Buffer handle of the underlying normal-mode dispatch
+    buffer_handle: tuple = dataclasses.field(default=(), repr=False)
+    #: the non-expanded local ids ``[N, K]``, a copy (callers may rewrite the returned ids in place, as vLLM does): what
+    #: a cached dispatch returns again, and what masks combine's weights
+    recv_topk_idx: Optional[Tensor] = dataclasses.field(default=None, repr=False)
+    #: the number of the ElasticBuffer that made it
+    owner: int = dataclasses.field(default=0, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Expansion:
+    """Where each (received row, top-k slot) goes in the expanded layout, computed on the device."""
+
+    slots: Tensor           # int64 [N, K]: the row in the expanded layout, -1 where the expert is elsewhere
+    src_row: Tensor         # int64 [rows]: per expanded row, its received row (N: none, a zero row)
+    src_entry: Tensor       # int64 [rows]: per expanded row, its (row, slot) as row * K + slot (N * K: none)
+
+
+def _unaligned_counts(recv_topk_idx: Tensor, num_local_experts: int) -> Tensor:
+    """int64 ``[E_l]``: the entries of each local expert in ``recv_topk_idx`` (``[N, K]``, ``-1`` none; duplicates
+    counted each time). Device work only (a sort and a search: deterministic, no host synchronisation)."""
+    flat = recv_topk_idx.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_local_experts)).sort().values
+    bounds = torch.searchsorted(key, torch.arange(num_local_experts + 1, dtype=torch.int64, device=key.device))
+    return bounds[1:] - bounds[:-1]
+
+
+def _sources(slots: Tensor, rows: int) -> Tuple[Tensor, Tensor]:
+    """Per row of an expanded layout of ``rows`` rows: the received row it holds and its entry ``row * K + slot``
+    (``N`` and ``N * K`` where none: padding), from ``slots`` (``[N, K]``, ``-1`` none). Each entry elsewhere is
+    scattered to a spare row of its own, so no two writes meet (deterministic)."""
+    N, K = slots.shape
+    flat = slots.reshape(-1)
+    entry = torch.arange(N * K, dtype=torch.int64, device=slots.device)
+    dest = torch.where(flat >= 0, flat, rows + entry)
+    src_entry = torch.full((rows + N * K,), N * K, dtype=torch.int64, device=slots.device).scatter_(0, dest, entry)
+    src_entry = src_entry[:rows]
+    src_row = torch.where(src_entry < N * K, src_entry // max(K, 1), torch.full_like(src_entry, N))
+    return src_row, src_entry
+
+
+def _expansion(recv_topk_idx: Tensor, counts: Tensor, alignment: int, rows: int) -> _Expansion:
+    """The expanded layout of ``recv_topk_idx`` (``[N, K]`` local ids, ``-1`` none; ``counts`` its per-expert
+    entries) in ``rows`` rows: expert ``e``'s entries in (row, slot) order from ``start(e)``, the sum of the earlier
+    experts' counts each rounded up to ``alignment``. Device work only: no host synchronisation."""
+    N, K = recv_topk_idx.shape
+    dev, El = recv_topk_idx.device, counts.shape[0]
+    flat = recv_topk_idx.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, El))              # entries elsewhere sort last
+    aligned = (counts + alignment - 1) // alignment * alignment
+    start = torch.cat([torch.cumsum(aligned, 0) - aligned, torch.zeros(1, dtype=torch.int64, device=dev)])
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    all_counts = torch.cat([counts, (flat < 0).sum().reshape(1)])
+    first = torch.cumsum(all_counts, 0) - all_counts                            # each key's first sorted position
+    rank_in_expert = torch.arange(N * K, dtype=torch.int64, device=dev) - first[sorted_key]
+    slot_sorted = torch.where(sorted_key < El, start[sorted_key] + rank_in_expert, torch.full_like(sorted_key, -1))
+    slots = torch.empty(N * K, dtype=torch.int64, device=dev).scatter_(0, order, slot_sorted).view(N, K)
+    return _Expansion(slots, *_sources(slots, rows))
+
+
+def _gather_rows(t: Tensor, index: Tensor) -> Tensor:
+    """``t``'s rows at ``index`` (``t.shape[0]`` selects a zero row), as raw bytes (any dtype, fp8 included)."""
+    row_bytes = t.element_size() * (t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel()))
+    raw = t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+    ext = torch.cat([raw, torch.zeros((1, raw.shape[1]), dtype=torch.uint8, device=raw.device)])
+    return ext[index].view(t.dtype).reshape(index.shape[0], *t.shape[1:])
+
+
+def _as_event(ev, name: str) -> Optional[EventOverlap]:
+    """``ev`` as the :class:`EventOverlap` Buffer takes: ``None``, an EventOverlap (``capture()``'s), or a CUDA event."""
+    if ev is None or isinstance(ev, EventOverlap):
+        return ev
+    if torch.cuda.is_available() and isinstance(ev, torch.cuda.Event):
+        return EventOverlap(ev)
+    raise TypeError(f"{name} must be an EventOverlap (ElasticBuffer.capture()) or a torch.cuda.Event, "
+                    f"got {type(ev).__name__}")
+
+
+def _count(name: str, v, lo: int = 0) -> int:
+    if not isint(v) or not lo <= v <= MAX_INT32:
+        raise ValueError(f"{name} must be an int in [{lo}, {MAX_INT32}], got {v!r}")
+    return int(v)
+
+
+def _primitive(name: str, what: str):
+    """A stand-in for V2's ``ElasticBuffer.<name>`` (one of its ``what`` primitives), which triton-ep does not
+    provide: it raises ``NotImplementedError`` naming itself."""
+    def not_provided(*args, **kwargs):
+        raise NotImplementedError(f"ElasticBuffer.{name} (DeepEP V2's {what} primitive) is not provided by triton-ep: "
+                                  f"only expert-parallel dispatch and combine are")
+    not_provided.__name__ = not_provided.__qualname__ = name
+    not_provided.__doc__ = f"DeepEP V2's ``{name}`` ({what}): not provided. Raises NotImplementedError naming itself."
+    return not_provided
+
+
+class ElasticBuffer:
+    """DeepEP V2's ``deep_ep.ElasticBuffer`` for expert parallelism: ``dispatch`` / ``combine`` in V2's layouts,
+    served by :class:`~triton_ep.Buffer`'s normal mode (within one host and across hosts).
+
+    Args:
+        group: the EP process group (any backend; ``None``: the default group).
+        num_bytes: bytes of the underlying Buffer's intranode buffer; ``None``: :meth:`get_buffer_size_hint` of
+            ``hidden`` (transfers larger than the buffer go through it in rounds, so it never depends on the
+            token count). An int in ``[0, 2^62]``.
+        num_cpu_bytes: V2's CPU buffer for Engram storage: accepted, nothing is allocated (Engram is not served).
+        num_max_tokens_per_rank: the default per-rank token bound of ``dispatch`` (``0``: each call passes one).
+        hidden, num_topk, use_fp8_dispatch: V2's MoE settings for the size (``hidden`` is needed without
+            ``num_bytes``); ``num_topk`` and ``use_fp8_dispatch`` do not change it here.
+        deterministic: accepted; the receive order here is always V2's deterministic order (by source rank, then
+            source token).
+        allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps:
+            V2's transport and tuning knobs: accepted, results never depend on them (docs/api_v1_v2.md).
+        num_cpu_timeout_secs: accepted (the host's wait for the receive counts is bounded by the GPU bound below).
+        num_gpu_timeout_secs: bound in seconds on every wait for a peer (Buffer's ``timeout_s``).
+        explicitly_destroy: accepted; ``destroy()`` works either way, and the buffers are released when the object
+            is collected.
+        device, rdma_backend: triton-ep's own (keyword only), as :class:`~triton_ep.Buffer`'s.
+
+    Raises:
+        ValueError/TypeError: a bad argument (before anything is built), or as :class:`~triton_ep.Buffer`.
+    """
+
+    def __init__(self, group=None, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False,
+                 deterministic: bool = False, allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
+                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
+                 *, device=None, rdma_backend: Optional[str] = None) -> None:
+        for name, v in (("num_cpu_bytes", num_cpu_bytes), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                        ("hidden", hidden), ("num_topk", num_topk), ("sl_idx", sl_idx),
+                        ("num_allocated_qps", num_allocated_qps)):
+            _count(name, v)
+        if num_bytes is None:
+            if hidden == 0:
+                raise ValueError("ElasticBuffer needs num_bytes, or hidden (with num_max_tokens_per_rank) to size it")
+            import torch.distributed as dist
+            size = dist.get_world_size(group) if dist.is_initialized() else 1
+            num_bytes = self._size_hint(hidden, size)
+        self.group = group
+        self._number = next(_BUFFER_NUMBERS)
+        self._buffer = Buffer(group, int(num_bytes), timeout_s=num_gpu_timeout_secs, device=device,
+                              rdma_backend=rdma_backend, explicitly_destroy=explicitly_destroy)
+        b = self._buffer
+        self.rank_idx, self.num_ranks, self.device = b.rank, b.group_size, b.device
+        self.num_bytes, self.num_cpu_bytes = int(num_bytes), int(num_cpu_bytes)
+        self.num_max_tokens_per_rank = int(num_max_tokens_per_rank)
+        self.hidden, self.num_topk, self.use_fp8_dispatch = int(hidden), int(num_topk), bool(use_fp8_dispatch)
+        self.deterministic, self.allow_hybrid_mode = bool(deterministic), bool(allow_hybrid_mode)
+        self.allow_multiple_reduction = bool(allow_multiple_reduction)
+        self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.num_allocated_qps = int(num_allocated_qps) or (65 if self.allow_hybrid_mode else 17)
+        num_hosts = int(b.get_rdma_stats()["num_hosts"])
+        self.num_rdma_ranks, self.num_nvlink_ranks = num_hosts, self.num_ranks // num_hosts
+        # the received rows are grouped by global source rank (V2's direct layout), whatever the hosts
+        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
+
+    # ------------------------------------------------------------------ sizes, topology, tuning
+    @staticmethod
+    def _size_hint(hidden: int, num_ranks: int) -> int:
+        cfgs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+        return _align(max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in cfgs), BUFFER_ALIGNMENT)
+
+    @staticmethod
+    def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """Bytes for ``ElasticBuffer(group, num_bytes=...)``, a multiple of 2 MiB: the larger of V1's dispatch and
+        combine buffer hints for bf16 rows of ``hidden`` (``Config.get_nvl_buffer_size_hint``). It does not grow
+        with ``num_max_tokens_per_rank``: transfers larger than the buffer go through it in rounds.
+
+        Raises:
+            ValueError: a size is not an int in range (``hidden >= 1``).
+        """
+        _count("num_max_tokens_per_rank", num_max_tokens_per_rank)
+        _count("hidden", hidden, 1)
+        _count("num_topk", num_topk)
+        import torch.distributed as dist
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        return ElasticBuffer._size_hint(int(hidden), size)
+
+    def get_physical_domain_size(self) -> Tuple[int, int]:
+        """``(num_rdma_ranks, num_nvlink_ranks)``: hosts, and ranks per host."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_logical_domain_size(self) -> Tuple[int, int]:
+        """``(num_scaleout_ranks, num_scaleup_ranks)`` of the layout: always ``(1, R)`` here (received rows are
+        grouped by global source rank, V2's direct layout; ``psum_num_recv_tokens_per_scaleup_rank`` has ``R``
+        entries)."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
+                                rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
+                                sm_write_gbs: float = 50) -> int:
+        """The SM count V2 would pick: here :attr:`Buffer.num_sms` (even, at least 4); results never depend on it.
+
+        Raises:
+            ValueError: ``num_experts`` is not a positive multiple of the group size, or ``num_topk`` not an int.
+        """
+        if not isint(num_experts) or num_experts <= 0 or num_experts % self.num_ranks:
+            raise ValueError(f"num_experts must be a positive multiple of the group size {self.num_ranks}, "
+                             f"got {num_experts!r}")
+        _count("num_topk", num_topk)
+        return max(4, _align(Buffer.num_sms, 2))
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """The QP count V2 would pick for ``num_sms`` (its formula, capped by ``num_allocated_qps``); accepted by
+        ``dispatch`` / ``combine``, never used (the RDMA QPs per peer are ``TRITON_EP_RDMA_QPS_PER_PEER``)."""
+        n = _count("num_sms", num_sms)
+        return min(n * 16 + 1 if self.allow_hybrid_mode else min(n, 9), self.num_allocated_qps)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current CUDA stream (``EventOverlap(None)`` on CPU), for ``previous_event``."""
+        return Buffer.capture()
+
+    def get_comm_stream(self):
+        """The communication stream (``None`` on CPU): calls with ``async_with_compute_stream`` run there."""
+        return self._buffer.get_comm_stream()
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """Meet every rank of the group: a dispatch of no tokens through the Buffer (collective, bounded by
+        ``num_gpu_timeout_secs``); ``with_cpu_sync``: the device is synchronised before and after.
+        ``use_comm_stream`` and ``sequential`` are accepted.
+
+        Raises:
+            EPTimeoutError: a rank did not come within the bound. EPError: destroyed.
+        """
+        sync = with_cpu_sync and self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)
+        b, R = self._buffer, self.num_ranks
+        idx = torch.zeros((0, 1), dtype=torch.int64, device=self.device)
+        per_rank, per_host, per_expert, in_rank, _ = b.get_dispatch_layout(idx, R)
+        b.dispatch(torch.zeros((0, 8), dtype=torch.bfloat16, device=self.device), num_tokens_per_rank=per_rank,
+                   num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        if sync:
+            torch.cuda.synchronize(self.device)
+
+    def destroy(self) -> None:
+        """Release the shared buffers (idempotent; later calls raise ``EPError``)."""
+        self._buffer.destroy()
+
+    def check(self) -> None:
+        """Raise what the Buffer's kernels recorded since the last check (:meth:`triton_ep.Buffer.check`)."""
+        self._buffer.check()
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: XLike, topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None,
+                 cumulative_local_expert_recv_stats: Optional[Tensor] = None, num_experts: Optional[int] = None,
+                 num_max_tokens_per_rank: Optional[int] = None, expert_alignment: Optional[int] = None,
+                 num_sms: int = 0, num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: Optional[EPHandle] = None, do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None,
+                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+        """Send each token to every rank holding one of its experts (collective), in V2's layouts.
+
+        Args:
+            x: ``[T, H]`` rows (bf16, or any dtype whose row is a multiple of 16 bytes: they move bit for bit), or
+                ``(x, sf)``: 1-byte rows (fp8 e4m3) and ``[T, S]`` 4-byte scales (fp32 or packed UE8M0 int32).
+                ``T <= num_max_tokens_per_rank``; ``T`` may be 0.
+            topk_idx: int64 (or int32) ``[T, K]`` global expert ids, ``-1`` none; required unless ``handle``, and
+                ``None`` with one.
+            topk_weights: fp32 ``[T, K]`` or ``None``.
+            cumulative_local_expert_recv_stats: int32 ``[E_l]`` on the device: this call's received (unaligned)
+                per-expert counts are added to it.
+            num_experts: ``E``, a multiple of ``R`` (from ``handle`` if ``None``).
+            num_max_tokens_per_rank: per-rank token bound (default: the constructor's, or the handle's).
+            expert_alignment: each local expert's count rounded up to a multiple of it (default 1, or the handle's).
+            num_sms, num_qps: accepted, never used.
+            previous_event: an event (``capture()``) the call waits for first.
+            previous_event_before_epilogue: an event waited for before the expanded layout is written.
+            async_with_compute_stream: run on the communication stream and return an event (the caller's stream
+                does not wait); allocate_on_comm_stream: outputs are allocated there.
+            handle: an :class:`EPHandle` of this buffer: a cached dispatch (same routing, new ``x``; no host wait).
+            do_handle_copy: keep a copy of ``topk_idx`` in the handle (else the tensor itself).
+            do_cpu_sync: wait on the host for the exact counts (default ``True``, ``False`` with a handle). Without
+                it the outputs have the worst-case rows, every rank must pass the same, and the call is capturable.
+            do_expand: the expanded layout (with a handle: only if the handle's dispatch was expanded).
+            do_zero_padding: accepted with ``do_expand`` (padding rows are always zero here).
+            use_tma_aligned_col_major_sf: received scales column-major, the pack stride the row count rounded up to 4.
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``: ``recv_x`` like ``x`` (a pair for a pair);
+            non-expanded: ``[N, H]`` rows, ``recv_topk_idx`` ``[N, K]`` local ids (``-1`` elsewhere),
+            ``recv_topk_weights`` fp32 ``[N, K]`` (0 where the id is ``-1``); expanded: ``[num_expanded_tokens, H]``
+            rows, ``recv_topk_idx`` ``None``, weights fp32 ``[num_expanded_tokens]``. Padding rows (worst case,
+            alignment gaps): x 0, scales 0, ids ``-1``, weights 0. ``recv_topk_weights`` is ``None`` without
+            ``topk_weights``. The handle: a new :class:`EPHandle`, or ``handle`` for a cached dispatch. ``event``
+            holds an event only with ``async_with_compute_stream``.
+
+        Raises:
+            TypeError/ValueError: bad arguments (before anything launches; this rank only: its peers then time out,
+            as DeepEP's asserts stop a rank), or as :meth:`triton_ep.Buffer.dispatch`; EPTimeoutError,
+            EPRemoteError: as there.
+        """
+        for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
+            _count(name, v)
+        if do_zero_padding and not do_expand:
+            raise ValueError("do_zero_padding needs do_expand=True (it zeroes the expanded layout's padding rows)")
+        xs, sf = (x if isinstance(x, tuple) else (x, None))
+        if isinstance(x, tuple) and len(x) != 2:
+            raise ValueError(f"x must be a tensor or an (x, sf) pair, got a tuple of {len(x)}")
+        if not isinstance(xs, torch.Tensor) or xs.dim() != 2:
+            raise TypeError(f"x must be a 2-D tensor [T, H] (or an (x, sf) pair), got "
+                            f"{tuple(xs.shape) if isinstance(xs, torch.Tensor) else type(xs).__name__}")
+        T = xs.shape[0]
+        prev, prev_epi = _as_event(previous_event, "previous_event"), _as_event(previous_event_before_epilogue,
+                                                                                  "previous_event_before_epilogue")
+        if handle is not None:
+            return self._cached_dispatch(x, T, handle, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                                         num_experts, num_max_tokens_per_rank, expert_alignment, prev, prev_epi,
+                                         async_with_compute_stream, allocate_on_comm_stream, do_cpu_sync, do_expand,
+                                         use_tma_aligned_col_major_sf)
+        if topk_idx is None:
+            raise ValueError("dispatch needs topk_idx (or a handle of an earlier dispatch)")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != T:
+            raise ValueError(f"topk_idx must be [T, K] with T = {T} rows of x, got "
+                             f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
+        K = topk_idx.shape[1]
+        if num_experts is None:
+            raise ValueError("dispatch needs num_experts (or a handle of an earlier dispatch)")
+        if not isint(num_experts) or num_experts <= 0 or num_experts % self.num_ranks:
+            raise ValueError(f"num_experts must be a positive multiple of the group size {self.num_ranks}, "
+                             f"got {num_experts!r}")
+        N_max = self._num_max(num_max_tokens_per_rank, T)
+        align = 1 if expert_alignment is None else _count("expert_alignment", expert_alignment, 1)
+        sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+        El = num_experts // self.num_ranks
+        self._check_stats(cumulative_local_expert_recv_stats, El)
+        b, R = self._buffer, self.num_ranks
+        worst = 0 if sync else R * N_max
+        per_rank, per_host, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx, num_experts, previous_event=prev)
+        recv_x, recv_idx, recv_w, lst, h1, _ = b.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+            expert_alignment=align, num_worst_tokens=worst, async_finish=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream)
+        with self._epilogue_stream(async_with_compute_stream, prev_epi):
+            N = recv_idx.shape[0]
+            if sync:
+                num_expanded = sum(lst)
+            else:
+                per_row = K if El < K else min(K, El)       # (room for duplicate ids, which V2 rejects)
+                num_expanded = _align(R * N_max * per_row + (align - 1) * El, align)
+            unaligned = _unaligned_counts(recv_idx, El)
+            exp = _expansion(recv_idx, unaligned, align, num_expanded) if do_expand else None
+            aligned = (unaligned + align - 1) // align * align
+            if do_expand:
+                psum_e = (torch.cumsum(aligned, 0) - aligned + unaligned).to(torch.int32)
+            else:
+                psum_e = torch.cumsum(aligned, 0).to(torch.int32)
+            psum_r = self._psum_per_rank(h1)
+            meta = self._src_metadata(h1, psum_r, recv_idx, N_max, exp.slots if do_expand else None)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(unaligned.to(torch.int32))
+            handle = EPHandle(
+                do_expand=bool(do_expand), num_experts=int(num_experts), expert_alignment=align,
+                num_max_tokens_per_rank=N_max, num_sms=int(num_sms),
+                topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
+                num_recv_tokens=int(N), num_expanded_tokens=int(num_expanded),
+                num_recv_tokens_per_expert_list=list(lst) if sync else [],
+                psum_num_recv_tokens_per_scaleup_rank=psum_r, psum_num_recv_tokens_per_expert=psum_e,
+                num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32), recv_src_metadata=meta,
+                buffer_handle=h1, recv_topk_idx=recv_idx.clone(), owner=self._number)
+            out = self._outputs(recv_x, recv_idx, recv_w, handle, exp, use_tma_aligned_col_major_sf)
+            event = self._event(async_with_compute_stream)
+        return (*out, handle, event)
+
+    def _cached_dispatch(self, x, T, handle, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
+                         expert_alignment, prev, prev_epi, async_, alloc_comm, do_cpu_sync, do_expand, col_major_sf):
+        self._check_handle(handle, "handle")
+        if topk_idx is not None:
+            raise ValueError("a cached dispatch (with handle) takes no topk_idx: the handle's routing is used")
+        if do_cpu_sync:
+            raise ValueError("a cached dispatch (with handle) cannot do_cpu_sync: its counts are the handle's")
+        for name, given, have in (("num_experts", num_experts, handle.num_experts),
+                                  ("num_max_tokens_per_rank", num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
+                                  ("expert_alignment", expert_alignment, handle.expert_alignment)):
+            if given is not None and given != have:
+                raise ValueError(f"{name} {given!r} differs from the handle's {have}")
+        if do_expand and not handle.do_expand:
+            raise ValueError("do_expand=True needs a handle of an expanded dispatch (do_expand=True)")
+        K = handle.topk_idx.shape[1]
+        if T != handle.topk_idx.shape[0]:
+            raise ValueError(f"x has {T} rows, the handle's dispatch had {handle.topk_idx.shape[0]}")
+        if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
+                                         or tuple(topk_weights.shape) != (T, K)):
+            raise TypeError(f"topk_weights must be fp32 [{T}, {K}], got "
+                            f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
+                            f"{tuple(getattr(topk_weights, 'shape', ()))}")
+        El = handle.num_experts // self.num_ranks
+        self._check_stats(stats, El)
+        b, h1 = self._buffer, handle.buffer_handle
+        recv_x = b.dispatch(x, handle=h1, previous_event=prev, async_finish=async_,
+                            allocate_on_comm_stream=alloc_comm)[0]
+        recv_w = None
+        if topk_weights is not None:        # the weights travel as rows of their own (16-byte rows: K padded to 4)
+            Kp = _align(K, 4)
+            wrows = torch.zeros((T, Kp), dtype=torch.float32, device=topk_weights.device)
+            wrows[:, :K] = topk_weights
+            recv_w = b.dispatch(wrows, handle=h1, async_finish=async_, allocate_on_comm_stream=alloc_comm)[0][:, :K]
+        with self._epilogue_stream(async_, prev_epi):
+            recv_idx = handle.recv_topk_idx
+            if recv_w is not None:
+                recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w)).contiguous()
+            if stats is not None:
+                stats.add_(handle.num_unaligned_recv_tokens_per_expert)
+            exp = None
+            if do_expand:
+                slots = handle.recv_src_metadata[:, 2:].long()
+                rows = handle.num_expanded_tokens
+                exp = _Expansion(slots, *_sources(slots, rows))
+            out = self._outputs(recv_x, recv_idx.clone(), recv_w, handle, exp, col_major_sf, expand=do_expand)
+            event = self._event(async_)
+        return (*out, handle, event)
+
+    def _outputs(self, recv_x, recv_idx, recv_w, handle: EPHandle, exp: Optional[_Expansion], col_major_sf: bool,
+                 expand: Optional[bool] = None):
+        """``(recv_x, recv_topk_idx, recv_topk_weights)`` in the layout asked for."""
+        expand = handle.do_expand if expand is None else expand
+        rows, sf = (recv_x if isinstance(recv_x, tuple) else (recv_x, None))
+        if expand:
+            n = handle.num_expanded_tokens
+            rows = _gather_rows(rows, exp.src_row)
+            sf = None if sf is None else _gather_rows(sf, exp.src_row)
+            if recv_w is not None:
+                recv_w = _gather_rows(recv_w.reshape(-1, 1), exp.src_entry).reshape(n)
+            recv_idx = None
+        if sf is not None and col_major_sf:
+            n, S = sf.shape
+            cm = torch.empty_strided((n, S), (1, _align(n, SF_ROW_ALIGNMENT)), dtype=sf.dtype, device=sf.device)
+            sf = cm.copy_(sf)
+        return ((rows, sf) if sf is not None else rows), recv_idx, recv_w
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: Tensor, handle: EPHandle, topk_weights: Optional[Tensor] = None,
+                bias: Union[None, Tensor, Tuple[Tensor, Tensor]] = None, num_sms: int = 0, num_qps: int = 0,
+                previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
+        """Return each row along its route and sum per source token (collective).
+
+        Args:
+            x: bf16 rows in the dispatch's layout: non-expanded ``[N, H]`` (one per received token, its experts'
+                outputs already reduced by the caller), expanded ``[num_expanded_tokens, H]`` (one per (token, local
+                expert)). Padding rows are ignored. No weights are applied.
+            handle: the :class:`EPHandle` of the dispatch (of this buffer).
+            topk_weights: fp32, non-expanded ``[N, K]``, expanded ``[num_expanded_tokens]``: returned per top-k slot.
+            bias: ``None``, a bf16 ``[T, H]`` tensor or a pair of them, added to the sum.
+            num_sms, num_qps: accepted, never used. previous_event, previous_event_before_epilogue,
+            async_with_compute_stream, allocate_on_comm_stream: as in :meth:`dispatch`.
+
+        Returns:
+            ``(combined_x bf16 [T, H], combined_topk_weights fp32 [T, K] or None, event)``. Expanded: each rank first
+            sums, in fp32 in top-k order, the rows of each of its tokens and rounds that to bf16; then, as
+            non-expanded, the source sums over ranks in fp32 in ascending rank order (across hosts: per host, then
+            over hosts, as :meth:`triton_ep.Buffer.combine`), adds the biases and rounds once.
+            ``combined_topk_weights[t, k]``: the weight the rank holding expert ``topk_idx[t, k]`` returned for slot
+            ``k`` (0 where the id is ``-1``).
+
+        Raises:
+            TypeError/ValueError: bad arguments or a handle of another buffer (before anything launches), or as
+            :meth:`triton_ep.Buffer.combine`; EPTimeoutError, EPRemoteError: as there.
+        """
+        for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
+            _count(name, v)
+        self._check_handle(handle, "handle")
+        prev, prev_epi = _as_event(previous_event, "previous_event"), _as_event(previous_event_before_epilogue,
+                                                                                  "previous_event_before_epilogue")
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise TypeError(f"combine's x must be a bf16 [rows, H] tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        K = handle.topk_idx.shape[1]
+        N = handle.recv_topk_idx.shape[0]
+        rows = handle.num_expanded_tokens if handle.do_expand else N
+        if x.shape[0] != rows:
+            raise ValueError(f"combine's x must have {rows} rows ({'num_expanded_tokens' if handle.do_expand else 'N'} "
+                             f"of the handle's dispatch), got {x.shape[0]}")
+        want_w = (rows,) if handle.do_expand else (rows, K)
+        if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
+                                         or tuple(topk_weights.shape) != want_w):
+            raise TypeError(f"topk_weights must be fp32 {list(want_w)}, got "
+                            f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
+                            f"{tuple(getattr(topk_weights, 'shape', ()))}")
+        if isinstance(bias, tuple) and len(bias) != 2:
+            raise ValueError(f"bias must be a tensor or a pair of tensors, got a tuple of {len(bias)}")
+        if prev is not None:
+            prev.current_stream_wait()
+        recv_idx = handle.recv_topk_idx
+        if handle.do_expand:
+            slots = handle.recv_src_metadata[:, 2:].long()
+            H = x.shape[1]
+            idx = torch.where(slots >= 0, slots, torch.full_like(slots, rows))
+            ext = torch.cat([x, torch.zeros((1, H), dtype=x.dtype, device=x.device)])
+            acc = torch.zeros((N, H), dtype=torch.float32, device=x.device)
+            for k in range(K):
+                acc += ext[idx[:, k]].float()
+            y = acc.to(torch.bfloat16)
+            w = None
+            if topk_weights is not None:
+                wext = torch.cat([topk_weights, torch.zeros(1, dtype=torch.float32, device=x.device)])
+                w = wext[idx]
+        else:
+            y = x
+            w = None if topk_weights is None else torch.where(recv_idx >= 0, topk_weights,
+                                                              torch.zeros_like(topk_weights))
+        if prev_epi is not None:
+            prev_epi.current_stream_wait()
+        return self._buffer.combine(y, handle.buffer_handle, topk_weights=w, bias=bias,
+                                    async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
+
+    # ------------------------------------------------------------------ helpers
+    def _num_max(self, given, T: int) -> int:
+        n = self.num_max_tokens_per_rank if given is None else _count("num_max_tokens_per_rank", given)
+        if n <= 0:
+            raise ValueError("num_max_tokens_per_rank is needed: pass it to dispatch or to the constructor")
+        if T > n:
+            raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank = {n}")
+        return n
+
+    def _check_stats(self, stats, El: int) -> None:
+        if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
+                                  or tuple(stats.shape) != (El,) or stats.device.type != self.device.type):
+            raise TypeError(f"cumulative_local_expert_recv_stats must be int32 [{El}] on {self.device}, got "
+                            f"{getattr(stats, 'dtype', type(stats).__name__)} {tuple(getattr(stats, 'shape', ()))}")
+
+    def _check_handle(self, handle, name: str) -> None:
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"{name} must be an EPHandle from ElasticBuffer.dispatch, got {type(handle).__name__}")
+        if handle.owner != self._number:
+            raise ValueError(f"{name} comes from another ElasticBuffer")
+
+    def _psum_per_rank(self, h1) -> Tensor:
+        """int32 ``[R]``: rows received from source ranks ``0..i`` (from the V1 handle, intranode or internode)."""
+        if len(h1) == 10:                            # internode: recv_gbl_rank_prefix_sum
+            return h1[6].to(torch.int32).clone()
+        return h1[0][:, self.rank_idx].to(torch.int32).contiguous()
+
+    def _src_metadata(self, h1, psum_r: Tensor, recv_idx: Tensor, N_max: int, slots: Optional[Tensor]) -> Tensor:
+        N, K = recv_idx.shape
+        dev = recv_idx.device
+        if len(h1) == 10:
+            src_rank, src_tok = h1[7][:, 0].long(), h1[7][:, 1].long()
+        else:
+            src_tok = h1[3].long()
+            rows = torch.arange(N, dtype=torch.int64, device=dev)
+            src_rank = torch.searchsorted(psum_r.long(), rows, right=True)
+        pad = src_tok < 0
+        k_iota = torch.arange(K, dtype=torch.int64, device=dev).expand(N, K)
+        first = torch.where(recv_idx >= 0, k_iota, torch.full_like(k_iota, K)).amin(1) if K else \
+            torch.zeros(N, dtype=torch.int64, device=dev)
+        meta = torch.full((N, K + 2), -1, dtype=torch.int32, device=dev)
+        neg = torch.full_like(src_tok, -1)
+        meta[:, 0] = torch.where(pad, neg, src_rank * N_max + src_tok).to(torch.int32)
+        meta[:, 1] = torch.where(pad, neg, src_rank * K + first).to(torch.int32)
+        if slots is not None:
+            meta[:, 2:] = slots.to(torch.int32)
+        return meta
+
+    @contextlib.contextmanager
+    def _epilogue_stream(self, async_: bool, prev_epi: Optional[EventOverlap]):
+        """The stream the local work after a call runs on: the communication stream with ``async_`` (after the
+        call's kernels there), else the caller's; after ``prev_epi``."""
+        comm = self._buffer.get_comm_stream()
+        ctx = torch.cuda.stream(comm) if (async_ and comm is not None) else contextlib.nullcontext()
+        with ctx:
+            if prev_epi is not None:
+                prev_epi.current_stream_wait()
+            yield
+
+    def _event(self, async_: bool) -> EventOverlap:
+        comm = self._buffer.get_comm_stream()
+        if not async_ or comm is None:
+            return EventOverlap(None, check=self._buffer.check)
+        ev = torch.cuda.Event()
+        ev.record(comm)
+        return EventOverlap(ev, check=self._buffer.check)
+
+    # ------------------------------------------------------------------ V2's other primitives (not served)
+    get_engram_storage_size_hint = staticmethod(_primitive("get_engram_storage_size_hint", "Engram"))
+    get_pp_buffer_size_hint = staticmethod(_primitive("get_pp_buffer_size_hint", "pipeline-parallel send/recv"))
+    get_agrs_num_max_session_bytes = staticmethod(_primitive("get_agrs_num_max_session_bytes", "AGRS"))
+    get_agrs_buffer_size_hint = staticmethod(_primitive("get_agrs_buffer_size_hint", "AGRS"))
+    engram_write = _primitive("engram_write", "Engram")
+    engram_fetch = _primitive("engram_fetch", "Engram")
+    pp_set_config = _primitive("pp_set_config", "pipeline-parallel send/recv")
+    pp_send = _primitive("pp_send", "pipeline-parallel send/recv")
+    pp_recv = _primitive("pp_recv", "pipeline-parallel send/recv")
+    create_agrs_session = _primitive("create_agrs_session", "AGRS")
+    destroy_agrs_session = _primitive("destroy_agrs_session", "AGRS")
+    agrs_new_session = _primitive("agrs_new_session", "AGRS")
+    agrs_set_config = _primitive("agrs_set_config", "AGRS")
+    agrs_get_inplace_tensor = _primitive("agrs_get_inplace_tensor", "AGRS")
+    all_gather = _primitive("all_gather", "AGRS")
