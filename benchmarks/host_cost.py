@@ -125,7 +125,7 @@ def count_launches():
     import triton_ep.kernels as K
     import triton_ep.kernels.notify as NT
     import triton_ep.modes.intranode as IN
-    import triton_ep.modes.low_latency as LL
+    import triton_ep.modes.low_latency.calls as LL
     counter = {}
     for mod, names in ((K, ("routing_layout", "notify_send", "notify_recv", "dispatch_send", "dispatch_recv",
                             "combine_send", "combine_reduce")),

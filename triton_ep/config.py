@@ -97,6 +97,34 @@ class Config:
                 _positive_int("num_ranks", num_ranks, "ranks in the group"))
 
 
+#: DeepEP's recommended ``(num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens)`` by group size, for
+#: ``Buffer.get_dispatch_config`` and ``Buffer.get_combine_config`` (a group size between two rows takes the larger)
+DISPATCH_CONFIGS = {2: (24, 256), 4: (6, 256), 8: (6, 256), 16: (16, 288), 24: (8, 288), 32: (8, 288),
+                    64: (20, 288), 128: (20, 560), 144: (32, 720), 160: (28, 720)}
+COMBINE_CONFIGS = {2: (10, 256), 4: (9, 256), 8: (4, 256), 16: (2, 288), 24: (1, 288), 32: (1, 288), 64: (1, 288),
+                   128: (1, 560), 144: (2, 720), 160: (2, 720)}
+
+
+def recommended_config(num_ranks: int, table: dict, num_sms: int) -> "Config":
+    """The Config of ``table`` (:data:`DISPATCH_CONFIGS` or :data:`COMBINE_CONFIGS`) for ``num_ranks``: the next
+    group size up, the largest past the last. ``ValueError`` unless ``num_ranks`` is a positive int."""
+    if not isinstance(num_ranks, (int, np.integer)) or isinstance(num_ranks, bool) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    key = min((k for k in table if k >= num_ranks), default=max(table))   # next size up
+    send, recv = table[key]
+    return Config(num_sms, send, recv, 6, 128)
+
+
+def num_sms_arg(value) -> int:
+    """``Buffer.set_num_sms``'s argument as an int: an even int in ``[2, 2^31 - 2]`` (a Config field, int32);
+    ``ValueError`` otherwise."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 < value <= _MAX_FIELD \
+            or value % 2:
+        raise ValueError(f"the SM count must be an even int in [2, {_MAX_FIELD - 1}] (a Config field, int32), "
+                         f"got {value!r}")
+    return int(value)
+
+
 class EventOverlap:
     """An optional CUDA event, as DeepEP's ``EventOverlap``: ``current_stream_wait()`` makes the current
     stream wait for it; ``with event:`` runs the block and then waits. On CPU the event is ``None`` and

@@ -70,7 +70,7 @@ def steps(buf: Buffer, method: str, **kwargs) -> Generator:
     Raises:
         ValueError: another method name.
     """
-    mode = buf._intranode
+    mode = buf._modes.intranode
     fns = {"dispatch": mode.dispatch_steps, "combine": mode.combine_steps}
     if method not in fns:
         raise ValueError(f"steps() takes 'dispatch' or 'combine', got {method!r}")
@@ -91,7 +91,7 @@ def break_rdma_qp(buf: Buffer, peer_host: int, qp: int) -> None:
     Raises:
         ValueError: the Buffer's ranks are on one host (no QPs).
     """
-    mode = buf._internode
+    mode = buf._modes.internode
     if mode is None:
         raise ValueError("break_rdma_qp needs a Buffer whose ranks span several hosts")
     t = mode.transport
@@ -108,7 +108,7 @@ def drop_rdma_signal(buf: Buffer, peer_host: int, nth: int = 0) -> None:
     Raises:
         ValueError: the Buffer's ranks are on one host (no RDMA scheduler).
     """
-    mode = buf._internode
+    mode = buf._modes.internode
     if mode is None:
         raise ValueError("drop_rdma_signal needs a Buffer whose ranks span several hosts")
     sched = mode.sched

@@ -69,8 +69,8 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=No
                     buf._ll.replay_dispatch = None
                 with unittest.mock.patch("triton_ep.kernels.dispatch_send", _die), \
                         unittest.mock.patch("triton_ep.modes.intranode.dispatch_fused", _die), \
-                        unittest.mock.patch("triton_ep.modes.low_latency.ll_dispatch_recv", _die), \
-                        unittest.mock.patch("triton_ep.modes.low_latency.ll_dispatch_fused", _die):
+                        unittest.mock.patch("triton_ep.modes.low_latency.calls.ll_dispatch_recv", _die), \
+                        unittest.mock.patch("triton_ep.modes.low_latency.calls.ll_dispatch_fused", _die):
                     call()
                     buf.check()
             _die()

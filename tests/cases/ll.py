@@ -550,7 +550,7 @@ def across_hosts(rank, world, env, case, *args):
     return globals()[case](rank, world, *args)
 
 
-#: the low-latency mode's kernel launchers (triton_ep.modes.low_latency's names), counted by :func:`launches_per_call`
+#: the low-latency mode's kernel launchers (triton_ep.modes.low_latency.calls' names), counted by :func:`launches_per_call`
 LL_LAUNCHERS = ("ll_fence", "ll_route", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send", "ll_combine_reduce",
                 "ll_dispatch_fused", "ll_combine_fused")
 
@@ -562,7 +562,7 @@ def launches_per_call(rank, world, N=8, H=128, E=4, K=2):
     (``DONE``, ``DONE2``, ``GATE``). Returns ``(launches by step, words)``."""
     os.environ["TRITON_EP_FUSED"] = "1"
     from triton_ep.kernels import flags as F
-    import triton_ep.modes.low_latency as LL
+    import triton_ep.modes.low_latency.calls as LL
     R, me, El = world, rank, E // world
     a = ll_inputs(5, R, E, K, H, [5, 7][:R] + [3] * max(0, R - 2))
     log = []
@@ -573,7 +573,7 @@ def launches_per_call(rank, world, N=8, H=128, E=4, K=2):
             log.append(_name)
             return _real(*args, **kw)
         setattr(LL, name, counted)
-    # a call of the last call's sizes replays its launch (modes/low_latency_replay.py): counted by its kernel
+    # a call of the last call's sizes replays its launch (modes/low_latency/replay.py): counted by its kernel
     from triton_ep.kernels import launch as L
     real_replay = L.Replay.__call__
 
@@ -1096,14 +1096,14 @@ def control_words(rank, world, N=8, H=128, E=4, K=2):
 
 def replayed_calls(rank, world, device="cpu"):
     """Decode-like steps (fresh x, routing and weights each step, the same sizes): low-latency dispatches and
-    combines of one launch replay the plan of the last call (modes/low_latency_replay.py), each result against the
+    combines of one launch replay the plan of the last call (modes/low_latency/replay.py), each result against the
     oracle (FP8 with UE8M0 scales, stats and cost tensors); then what takes the general path (another stats
     argument, a receive hook, a non-contiguous x, the re-synchronisation after a rank's bad ids: that call is
     replayed and raises ``ValueError`` there and ``EPRemoteError`` on its peers) and ``destroy()`` dropping the
     plans. Returns ``(dispatch replays, combine replays, the error this rank raised)``."""
     os.environ["TRITON_EP_FUSED"] = "1"
     from triton_ep.errors import EPRemoteError
-    from triton_ep.modes import low_latency_replay as RP
+    from triton_ep.modes.low_latency import replay as RP
     from triton_ep.protocol import call_card as card
     if device == "cuda":
         torch.cuda.set_device(0)

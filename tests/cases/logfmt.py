@@ -11,7 +11,7 @@ from tests.cases.ll import check_dispatch, expert_fn, ll_inputs
 from triton_ep import reference
 from triton_ep.kernels import flags as F
 from triton_ep.kernels.fp8 import quantize_reference
-from triton_ep.protocol.ll_area import NET_HDR_WORDS
+from triton_ep.protocol.records import NET_HEADER_WORDS
 
 #: DeepEP's accuracy bounds for a combine (its tests/test_low_latency.py), LogFMT or not: ``calc_diff`` of
 #: ``x * sum(weights)`` and the combined rows under 1e-5 after a bf16 dispatch, 9e-4 after an FP8 one (it checks
@@ -163,7 +163,7 @@ def round_trip(rank, world, forms, E=4, K=3, H=256, Ts=(6, 5), N=8, device="cpu"
             want = expected_combine(xin, idxs[me], ws[me], E, R, "affine")
             plain = expected_combine(xin, idxs[me], ws[me], E, R, "affine", logfmt=False)
             for form in forms:
-                assert (form == "one") == buf._ll._one_launch(idx.shape[0]) or form == "hook", form
+                assert (form == "one") == buf._ll.one_launch(idx.shape[0]) or form == "hook", form
                 got = {}
                 for logfmt in (True, False):
                     before = _ll_bytes(buf) if across_hosts else 0
@@ -181,7 +181,7 @@ def round_trip(rank, world, forms, E=4, K=3, H=256, Ts=(6, 5), N=8, device="cpu"
                     if across_hosts:
                         rw = lay.net_logfmt_row_words if logfmt else lay.net_row_words
                         remote = buf._ll.net.remote.cpu().tolist()
-                        expect = sum(4 * (NET_HDR_WORDS + rows_from[s] * rw) for s in range(R) if remote[s])
+                        expect = sum(4 * (NET_HEADER_WORDS + rows_from[s] * rw) for s in range(R) if remote[s])
                         seen["bytes"].append((logfmt, _bytes_after(buf, before, expect), expect))
                 assert torch.equal(got[True].view(torch.int16), want.view(torch.int16)), f"logfmt combine ({form})"
                 assert torch.equal(got[False].view(torch.int16), plain.view(torch.int16)), f"bf16 combine ({form})"

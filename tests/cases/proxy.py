@@ -27,7 +27,7 @@ def proxy_killed(rank, world, env, timeout_s):
         kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
                   num_tokens_per_expert=per_expert, topk_idx=idx)
         buf.dispatch(x, **kw)
-        sched = buf._internode.sched
+        sched = buf._modes.internode.sched
         assert type(sched).__name__ == "ProcessScheduler", type(sched)
         proc = sched.proc
         torch.distributed.barrier()

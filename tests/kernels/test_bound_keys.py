@@ -140,8 +140,9 @@ def checker(monkeypatch):
                 v.clear()
     chk = BoundChecker(real, names)
     # every call takes the general path, which keys its launches (a call replayed from its plan, as a repeated call
-    # of unchanged shapes is, makes no key: modes/intranode_replay.py and low_latency_replay.py, tested apart)
-    from triton_ep.modes import intranode_replay, low_latency_replay
+    # of unchanged shapes is, makes no key: modes/intranode_replay.py and modes/low_latency/replay.py, tested apart)
+    from triton_ep.modes import intranode_replay
+    from triton_ep.modes.low_latency import replay as low_latency_replay
     for mod, fns in ((intranode_replay, ("layout", "cached_dispatch", "combine")),
                      (low_latency_replay, ("dispatch", "combine"))):
         for fn in fns:

@@ -5,7 +5,7 @@ Each call sends every rank on the network one chunk, in the scheduler's ring of 
 halves of the area): call ``n``'s chunk to rank ``p`` is chunk ``k = n - 1 + TXOFF[p]`` of that ring, in slot
 ``k & 1``, and from ``p`` chunk ``n - 1 + RXOFF[p]`` (the offsets are 0 until a re-synchronisation, after an
 error or to unmask ranks, restarts the call numbers; :mod:`triton_ep.modes.internode_ll`). A chunk is
-(:data:`triton_ep.protocol.ll_area.NET_HDR_WORDS` header words, int64 ``[n, signature, status, rows]``):
+(:data:`triton_ep.protocol.records.NET_HEADER_WORDS` header words, int64 ``[n, signature, status, rows]``):
 
 - dispatch: the counts (int32 ``[E/R]``, padded to 4) of the receiver's local experts, then the records
   (as in the area, :mod:`.ll_dispatch`), packed by expert: the rows for the receiver's expert ``e`` follow
@@ -38,10 +38,10 @@ from . import flags
 from ._util import pow2
 from .dispatch import _grid2
 from .launch import Launcher
-from ..protocol.ll_area import NET_HDR_WORDS
+from ..protocol.records import NET_HEADER_WORDS
 
 #: header words of a chunk (int32 words; int64 ``[n, signature, status, rows]``)
-NH: tl.constexpr = tl.constexpr(NET_HDR_WORDS)
+NH: tl.constexpr = tl.constexpr(NET_HEADER_WORDS)
 #: ring slots per peer: one per half of the area
 S: tl.constexpr = tl.constexpr(2)
 

@@ -48,7 +48,8 @@ from .. import kernels
 from ..kernels import net
 from ..kernels._util import cdiv, interpreted
 from ..protocol import call_card
-from ..protocol.records import NET_META_BYTES, NetRecord
+from ..protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS,
+                                HOST_MISMATCH, HOST_OK, NET_META_BYTES, NetRecord)
 from ..protocol.signal_header import STAGE_CAPACITY
 from ..transport.signals import stall_watchdog
 from .intranode import DispatchHandle, Intranode, check_cached_dispatch
@@ -61,13 +62,9 @@ _SKIP = object()            # the handle of a local call a rank takes only to fa
 DEFAULT_QPS_PER_PEER, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES = 4, 8, 1 << 16
 #: environment variables that override them (every rank must set the same values)
 ENV_QPS, ENV_SLOTS, ENV_CHUNK = "TRITON_EP_RDMA_QPS_PER_PEER", "TRITON_EP_RDMA_SLOTS", "TRITON_EP_RDMA_CHUNK_BYTES"
-#: the host path's header (int64 words): status code, record count, culprit | the record layout's key (6) | this
-#: rank's call card (the operation's code and up to 7 values) | a disagreement (status MISMATCH)
-_KEY_WORDS, _CARD_WORDS = 6, 8
-HEADER_WORDS = 3 + _KEY_WORDS + _CARD_WORDS + hosts_mod.Disagreement.WORDS
-#: header status codes: the call went on, this rank (or one it heard of) failed, found more rows than
-#: num_worst_tokens, or found ranks that disagree (the disagreement follows)
-_OK, _FAILED, _CAPACITY, _MISMATCH = 0, 1, 2, 3
+#: the host path's header and its status codes (protocol/records.py)
+_KEY_WORDS, _CARD_WORDS, HEADER_WORDS = HOST_KEY_WORDS, HOST_CARD_WORDS, HOST_HEADER_WORDS
+_OK, _FAILED, _CAPACITY, _MISMATCH = HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH
 #: the forwarding leg's dispatches (of records) as disagreements name them (:data:`hosts.FORWARDED_DISPATCH`)
 _FORWARDED_CODES = {call_card.DISPATCH: hosts_mod.FORWARDED_DISPATCH,
                     call_card.DISPATCH_WORST: hosts_mod.FORWARDED_DISPATCH,
@@ -608,7 +605,7 @@ class Internode(CapturePath):
                 who = f"rank {peer} (host {h})"
                 if first >= 0 and first != peer:
                     who = f"rank {first} (host {self.hosts.host_of[first]}; rank {peer} on host {h} passed it on)"
-                if words[h][0] == 2:
+                if words[h][0] == _CAPACITY:
                     ex = EPCapacityError(f"rank {self.rt.rank}: {who} found more rows than num_worst_tokens on its "
                                          f"host; no rank returns from this dispatch")
                 else:

@@ -32,7 +32,8 @@ import torch
 from ..errors import EPError, EPTimeoutError
 from ..kernels import flags as F
 from ..kernels._util import env_switch
-from ..protocol.ll_area import NET_HDR_WORDS, net_slot_bytes
+from ..protocol.ll_area import net_slot_bytes
+from ..protocol.records import NET_HEADER_WORDS
 from ..runtime import Runtime
 from ..runtime import hosts as hosts_mod
 from ..protocol import call_card
@@ -121,8 +122,8 @@ class NetLeg:
                 continue
             k = n - 1 + tx[p]
             sched.wait_counter(RingFlags.SENT, p, k - 1, "low-latency failure notice: free send slot")
-            sched.send_view(p, k)[:NET_HDR_WORDS * 4].view(np.int64)[:] = (n, 0, int(F.E_FAILED), 0)
-            sched.publish(p, k, NET_HDR_WORDS * 4)
+            sched.send_view(p, k)[:NET_HEADER_WORDS * 4].view(np.int64)[:] = (n, 0, int(F.E_FAILED), 0)
+            sched.publish(p, k, NET_HEADER_WORDS * 4)
 
     def resync(self, ll: LowLatency, unmask=None) -> None:
         """After an error that did not end the Buffer (a rejected call, a mismatch, bad ids), or to unmask ranks

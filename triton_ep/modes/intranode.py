@@ -26,15 +26,16 @@ from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, row_words
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
 from ..protocol import records
-from ..runtime import Runtime, steps
+from ..runtime import Runtime, call_signature, steps
 from ..runtime.checks import check_config, check_event, isint
-from ..transport import signals
 from . import intranode_replay as replay
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
 _MAX_INT32 = 2 ** 31 - 1
+#: what the internode calls say within one host
+_ONE_HOST = "{name}: this Buffer's ranks are all on one host; call {call}() (it picks the mode)"
 _MAX_ROWS = 1 << 62          # "no capacity limit" for the notify of a plain dispatch
 _dtype_code = card.dtype_code
 
@@ -166,6 +167,46 @@ class DispatchHandle(tuple):
         return self[5]
 
 
+@dataclasses.dataclass
+class _Counts:
+    """What a dispatch knows of its rows once the counts are exchanged (a cached one: from its handle)."""
+    in_rank: Tensor                     # bool [T, R]: is_token_in_rank
+    send_pos: Tensor                    # int32 [T, R]: each row's position among those sent to a rank (-1: none)
+    row_base: Tensor                    # int64: where each source's rows land here (records.split_t64)
+    n_recv: Optional[int]               # rows this rank receives; None: on the device only (num_worst_tokens)
+    n_out: int                          # rows of the outputs (n_recv, or num_worst_tokens)
+    n_recv_dev: Optional[Tensor]        # the received rows as the device counted them
+    recv_rows_max: int                  # the most rows any rank receives (sets the rounds)
+    area_rows_max: int = 0              # the most rows any rank sends (a combine's rounds)
+    expert_list: list = dataclasses.field(default_factory=list)     # rows per local expert, aligned
+    combine_tables: Optional[Tensor] = None     # int64: the combine's slices of the handle's tables
+    tables: Optional[Tensor] = None             # int64 [records.t64_words(R)]: the handle's tables
+    t32_dev: Optional[Tensor] = None            # int32 [records.t32_words(R)]: prefix matrices
+
+    @classmethod
+    def of_handle(cls, h: "DispatchHandle") -> "_Counts":
+        """A cached dispatch's counts: its handle's."""
+        return cls(h.is_token_in_rank, h.send_head, h.row_base, h.num_recv_tokens, h.num_out_rows, h.n_recv_dev,
+                   h.recv_rows_max)
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """A dispatch's fresh outputs, and what its kernels take (32-bit words of x, scales, weights and outputs)."""
+    recv_x: Tensor                      # [N, H], x's dtype
+    recv_sc: Optional[Tensor]           # [N, S], the scales' dtype; None without scales
+    recv_idx: Optional[Tensor]          # [N, K], topk_idx's dtype; None without topk_idx or cached
+    recv_w: Optional[Tensor]            # fp32 [N, K]; None without weights or cached
+    recv_src: Optional[Tensor]          # int32 [N]: each row's source token; None cached
+    rec: Tensor                         # int32: the shared buffer's data area, where records land
+    x_words: Tensor                     # x as the kernels move it
+    sc_words: Optional[Tensor]          # the scales (None: none, or S = 0)
+    w_words: Optional[Tensor]           # fp32 [T, K] weights sent (None cached)
+    idx: Optional[Tensor]               # [T, K] ids sent (None cached)
+    out_words: Tensor                   # recv_x as the kernels write it
+    sc_out: Optional[Tensor]            # recv_sc where scales move
+
+
 class Intranode:
     """Normal mode within one host for one Buffer.
 
@@ -191,7 +232,12 @@ class Intranode:
                             ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
         """``Buffer.get_dispatch_layout`` (same arguments and results): the routing layout, kept for the
         dispatch that passes it back. ``tokens_per_host`` (internode mode) computes the second result,
-        ``num_tokens_per_rdma_rank``, from ``is_token_in_rank`` on the layout's stream (else ``None``)."""
+        ``num_tokens_per_rdma_rank``, from ``is_token_in_rank`` on the layout's stream (else ``None``). Within one
+        host a layout of the last layout's shapes again is launched by its plan (:mod:`.intranode_replay`)."""
+        if tokens_per_host is None and self.replay_layout is not None:
+            out = replay.layout(self, topk_idx, num_experts, previous_event, async_finish)
+            if out is not None:     # (a layout of the last layout's shapes again: its plan launched it)
+                return out
         self.rt.live()
         idx = self.rt.check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None))
         self.rt.check_num_experts(num_experts)
@@ -208,6 +254,42 @@ class Intranode:
         self.remember_layout(idx, num_experts, lay)
         return per_rank, per_host, per_expert, in_rank, self.rt.end(async_finish,
                                                                     (idx, per_rank, per_host, per_expert, in_rank))
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
+                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """``Buffer.dispatch`` within one host (same arguments and results): a cached dispatch of the handle's last
+        shapes by its plan (:mod:`.intranode_replay`), else :meth:`dispatch_steps`."""
+        if (handle is not None and num_tokens_per_rank is None and is_token_in_rank is None
+                and num_tokens_per_expert is None and topk_idx is None and topk_weights is None
+                and expert_alignment.__class__ is int and expert_alignment == 1 and num_worst_tokens.__class__ is int
+                and num_worst_tokens == 0 and num_tokens_per_rdma_rank is None and handle.__class__ is DispatchHandle):
+            out = replay.cached_dispatch(self.rt, handle, x, config, previous_event, async_finish)
+            if out is not None:     # (the call of the handle's last shapes again: its plan launched it)
+                return out
+        return self.rt.run(self.dispatch_steps(
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+            topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+            allocate_on_comm_stream))
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
+                allocate_on_comm_stream=False):
+        """``Buffer.combine`` within one host (same arguments and results): a combine of the handle's last shapes by
+        its plan (:mod:`.intranode_replay`), else :meth:`combine_steps`."""
+        if bias is None and handle.__class__ is DispatchHandle:
+            out = replay.combine(self.rt, handle, x, topk_weights, config, previous_event, async_finish)
+            if out is not None:     # (the call of the handle's last shapes again: its plan launched it)
+                return out
+        return self.rt.run(self.combine_steps(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                              allocate_on_comm_stream))
+
+    def internode_dispatch(self, *args, **kwargs):
+        """``Buffer.internode_dispatch`` within one host: ``ValueError`` (call ``dispatch``)."""
+        raise ValueError(_ONE_HOST.format(name="internode_dispatch", call="dispatch"))
+
+    def internode_combine(self, *args, **kwargs):
+        """``Buffer.internode_combine`` within one host: ``ValueError`` (call ``combine``)."""
+        raise ValueError(_ONE_HOST.format(name="internode_combine", call="combine"))
 
     def remember_layout(self, idx: Tensor, num_experts: int, lay: tuple) -> None:
         """Keep ``lay`` (``routing_layout``'s results for ``idx``) for the dispatch that takes this layout (the same
@@ -243,7 +325,6 @@ class Intranode:
                        allocate_on_comm_stream=False):
         """The steps of ``Buffer.dispatch`` (same arguments; its docstring says what they mean): a generator
         that yields at each phase boundary and returns the call's results."""
-        R = self.rt.group_size
         self.rt.check()
         cached = handle is not None
         if not cached:
@@ -254,88 +335,110 @@ class Intranode:
             check_config(config)
             force = fused_switch()      # a bad TRITON_EP_FUSED is an argument error, before anything runs
             a = self.dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                    topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+                                   topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
             num_worst_tokens = int(num_worst_tokens)      # (a numpy integer: the kernels take Python ints)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
             raise self.rt.fail_call(e)
-        # With num_worst_tokens the host never learns the counts: they stay on the device.
-        worst = not cached and num_worst_tokens > 0
         # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
         # ranks that call different collectives, or pass handles of different dispatches, fail together.
-        op = card.CACHED_DISPATCH if cached else card.DISPATCH
         seq = a.handle.seq if cached else 0
-        sig = [op, a.row_words, a.scale_words, a.num_topk, a.flags, a.num_experts, seq, a.dtype_code]
+        sig = [card.CACHED_DISPATCH if cached else card.DISPATCH, a.row_words, a.scale_words, a.num_topk, a.flags,
+               a.num_experts, seq, a.dtype_code]
         sc_dtype = card.dtype_code(a.scales.dtype if a.scales is not None else None)
         if cached:
             self.rt.publish(card.CACHED_DISPATCH, (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, seq))
-        else:
-            self.rt.publish(card.DISPATCH_WORST if worst else card.DISPATCH, _card_values(a))
+        else:     # (with num_worst_tokens the host never learns the counts: they stay on the device)
+            self.rt.publish(card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH, _card_values(a))
         self.rt.begin(previous_event, async_finish)
-        if cached:
-            h = a.handle
-            recv_rows_max, row_base = h.recv_rows_max, h.row_base
-            send_pos, in_rank = h.send_head, h.is_token_in_rank
-            n_recv, n_out, n_recv_dev = h.num_recv_tokens, h.num_out_rows, h.n_recv_dev
-        else:
-            # The counts travel on the device (notify): every rank's row of the count matrix, and for a
-            # plain dispatch the per-expert counts, into every rank's header; each rank builds its
-            # handle's tables from the matrix.
-            El = a.num_experts // R
-            with self.rt.comm_ctx():
-                lay = self._routing(a)
-            in_rank, send_pos = lay[2], lay[3]
-            if worst:
-                self.rt.publish_worst(num_worst_tokens)
-            yield "dispatch/notify"
-            # each rank's num_worst_tokens (they may differ): the rounds follow from the largest
-            worst_all = self.rt.every_worst() if worst else None
-            # the count exchange: a send launch and a receive launch, or one launch (kernels.dispatch.use_fused)
-            one = use_fused(0, self.rt.group, force)
-            if not one:
-                with self.rt.comm_ctx(), self.rt.sig.watch():
-                    kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst,
-                                        num_worst_tokens=num_worst_tokens if worst else 0)
-                yield "dispatch/notify receive"
-            with self.rt.comm_ctx(), self.rt.sig.watch():
-                t32_dev = torch.empty(records.t32_words.host(R), dtype=torch.int32, device=self.rt.device)
-                tables = torch.empty(records.t64_words.host(R), dtype=torch.int64, device=self.rt.device)
-                res = None
-                if not worst:
-                    res = self._notify_block(El)
-                    self._notify_seq += 1
-                if one:
-                    NT.notify(lay[5], a.num_experts, t32_dev, tables, self.rt.sig_args, experts=not worst,
-                              num_worst_tokens=num_worst_tokens if worst else 0, res=res, seq=self._notify_seq,
-                              num_worst_rx=num_worst_tokens if worst else _MAX_ROWS)
-                else:
-                    kernels.notify_recv(t32_dev, tables, num_worst_tokens if worst else _MAX_ROWS, self.rt.sig_args,
-                                        res, self._notify_seq, El)
-            row_base, combine_tables, n_recv_dev = records.split_t64(tables, R)
-            if worst:
-                n_recv, n_out, expert_list = None, num_worst_tokens, []
-                # rank r receives at most its own value; rows returned to one source at most their sum
-                recv_rows_max, area_rows_max = max(worst_all), sum(worst_all)
-            else:
-                # The one host wait of a plain dispatch: the rows that arrive here, and per local expert.
-                n_recv, recv_rows_max, area_rows_max, per_expert = self._wait_notify(El)
-                n_out = n_recv
-                al = a.expert_alignment
-                expert_list = [(c + al - 1) // al * al for c in per_expert]
+        c = _Counts.of_handle(a.handle) if cached else (yield from self._count_steps(a, num_worst_tokens, force))
+        plan = self._dispatch_plan(a, sig, c.recv_rows_max)
+        o = self._dispatch_outputs(a, c.n_out)
+        launches = yield from self._dispatch_rounds(a, c, o, plan, force)
+        xv = a.x
+        if (cached and self.rt.group is not None and a.scales is None and o.x_words is xv and o.out_words is o.recv_x
+                and xv.numel()):
+            # the next cached dispatch of this handle with x of these shapes replays these launches
+            a.handle.replay_dispatch = replay.CallPlan(
+                self.rt, xv, 0, o.recv_x.shape, card.CACHED_DISPATCH, (a.dtype_code, xv.shape[1], sc_dtype, 0, seq),
+                tuple(la.replay(args, (xv, o.recv_x)) for la, args in launches), force)
+        return self._dispatch_end(a, c, o, async_finish)
 
+    def _count_steps(self, a: "DispatchArgs", num_worst_tokens: int, force):
+        """A plain dispatch's counts, exchanged on the device (notify): every rank's row of the count matrix, and
+        without ``num_worst_tokens`` the per-expert counts, into every rank's header; each rank builds its handle's
+        tables from the matrix. A generator (the dispatch's steps) that returns the :class:`_Counts`."""
+        R = self.rt.group_size
+        worst = num_worst_tokens > 0
+        El = a.num_experts // R
+        with self.rt.comm_ctx():
+            lay = self._routing(a)
+        if worst:
+            self.rt.publish_worst(num_worst_tokens)
+        yield "dispatch/notify"
+        # each rank's num_worst_tokens (they may differ): the rounds follow from the largest
+        worst_all = self.rt.every_worst() if worst else None
+        # the count exchange: a send launch and a receive launch, or one launch (kernels.dispatch.use_fused)
+        one = use_fused(0, self.rt.group, force)
+        if not one:
+            with self.rt.comm_ctx(), self.rt.sig.watch():
+                kernels.notify_send(lay[5], a.num_experts, self.rt.sig_args, experts=not worst,
+                                    num_worst_tokens=num_worst_tokens)
+            yield "dispatch/notify receive"
+        t32_dev, tables = self._notify(lay[5], a.num_experts, num_worst_tokens, one)
+        row_base, combine_tables, n_recv_dev = records.split_t64(tables, R)
+        c = _Counts(lay[2], lay[3], row_base, None, num_worst_tokens, n_recv_dev, 0, 0, [], combine_tables, tables,
+                    t32_dev)
+        if worst:
+            # rank r receives at most its own value; rows returned to one source at most their sum
+            c.recv_rows_max, c.area_rows_max = max(worst_all), sum(worst_all)
+        else:
+            # The one host wait of a plain dispatch: the rows that arrive here, and per local expert.
+            c.n_recv, c.recv_rows_max, c.area_rows_max, per_expert = self._wait_notify(El)
+            c.n_out = c.n_recv
+            al = a.expert_alignment
+            c.expert_list = [(n + al - 1) // al * al for n in per_expert]
+        return c
+
+    def _notify(self, counts: Tensor, num_experts: int, num_worst_tokens: int, one: bool) -> Tuple[Tensor, Tensor]:
+        """The receive of the count exchange (with ``one``, the whole exchange as one launch): the handle's int32
+        and int64 tables (``records.t32_words``, ``records.t64_words``), on the device."""
+        R, worst = self.rt.group_size, num_worst_tokens > 0
+        with self.rt.comm_ctx(), self.rt.sig.watch():
+            t32_dev = torch.empty(records.t32_words.host(R), dtype=torch.int32, device=self.rt.device)
+            tables = torch.empty(records.t64_words.host(R), dtype=torch.int64, device=self.rt.device)
+            res = None
+            if not worst:
+                res = self._notify_block(num_experts // R)
+                self._notify_seq += 1
+            if one:
+                NT.notify(counts, num_experts, t32_dev, tables, self.rt.sig_args, experts=not worst,
+                          num_worst_tokens=num_worst_tokens, res=res, seq=self._notify_seq,
+                          num_worst_rx=num_worst_tokens if worst else _MAX_ROWS)
+            else:
+                kernels.notify_recv(t32_dev, tables, num_worst_tokens if worst else _MAX_ROWS, self.rt.sig_args,
+                                    res, self._notify_seq, num_experts // R)
+        return t32_dev, tables
+
+    def _dispatch_plan(self, a: "DispatchArgs", sig: list, recv_rows_max: int) -> tuple:
+        """``(record words, rows a round takes, rounds, call signature)`` of a dispatch: from the counts, or
+        (counts on the device only) from every rank's ``num_worst_tokens``; a cached call's is kept on its handle."""
+        cached = a.handle is not None
         plan = a.handle.plans.get(tuple(sig)) if cached else None
         if plan is None:
             rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
             cap = self.rt.capacity(rec_words * 4, "dispatch")
-            # rounds: from the counts, or (counts on the device only) from every rank's num_worst_tokens
             rounds = max(1, -(-recv_rows_max // cap))
-            plan = (rec_words, cap, rounds, signals.call_signature(sig + [rounds, rec_words]))
+            plan = (rec_words, cap, rounds, call_signature(sig + [rounds, rec_words]))
             if cached:
                 a.handle.plans[tuple(sig)] = plan
-        rec_words, cap, rounds, call_sig = plan
-        dev = self.rt.device
+        return plan
+
+    def _dispatch_outputs(self, a: "DispatchArgs", n_out: int) -> "_Outputs":
+        """A dispatch's fresh outputs of ``n_out`` rows, and what its kernels take as 32-bit words (each view per
+        call costs microseconds of host time on a GPU machine: the kernels take their own dtypes)."""
+        cached, dev = a.handle is not None, self.rt.device
         xv, sc = a.x, a.scales
-        H = xv.shape[1]
-        recv_x = torch.empty((n_out, H), dtype=xv.dtype, device=dev)
+        recv_x = torch.empty((n_out, xv.shape[1]), dtype=xv.dtype, device=dev)
         # scales come back with their dtype, row-major [N, S] (DeepEP allocates them with x_scales' options)
         recv_sc = torch.empty((n_out, a.scale_words), dtype=sc.dtype, device=dev) if sc is not None else None
         recv_idx = recv_w = recv_src = None
@@ -345,65 +448,66 @@ class Intranode:
                 recv_idx = torch.empty((n_out, a.num_topk), dtype=a.topk_idx.dtype, device=dev)
                 if a.topk_weights is not None:
                     recv_w = torch.empty((n_out, a.num_topk), dtype=torch.float32, device=dev)
-        # (the kernels take x, scales, weights and outputs in their own dtypes and move them as 32-bit words: no
-        # view per call, each costing microseconds of host time on a GPU machine)
         rec = self.rt.comm.data_view(torch.int32)
         x_words = as_words(xv)
         sc_words = sc if (sc is not None and a.scale_words) else None    # S = 0: nothing to move
-        w_words = a.topk_weights if not cached else None
-        idx = a.topk_idx if not cached else None
-        # Rounds, each a send launch then a receive launch; ranks wait for each other on the device. A call of one
-        # round may run both as one launch (kernels.dispatch.use_fused).
-        # what the receive writes, as words, and its rows (with the count on the device, num_worst_tokens, an
-        # upper bound: the kernel also writes the padding rows)
-        out_words = as_words(recv_x)
-        sc_out = recv_sc if sc_words is not None else None
-        w_out = recv_w
-        rows = n_recv if n_recv is not None else n_out
+        return _Outputs(recv_x, recv_sc, recv_idx, recv_w, recv_src, rec, x_words, sc_words,
+                        a.topk_weights if not cached else None, a.topk_idx if not cached else None, as_words(recv_x),
+                        recv_sc if sc_words is not None else None)
+
+    def _dispatch_rounds(self, a: "DispatchArgs", c: "_Counts", o: "_Outputs", plan: tuple, force):
+        """A dispatch's launches: rounds, each a send launch then a receive launch (ranks wait for each other on the
+        device); a call of one round may run both as one launch (kernels.dispatch.use_fused). A generator (the
+        dispatch's steps) that returns ``[(bound launch, its arguments), ...]`` in order: what a later cached call
+        may replay. The receive writes ``rows`` rows (with the count on the device, ``num_worst_tokens``: an upper
+        bound, and the kernel also writes the padding rows)."""
+        R, rank, cached = self.rt.group_size, self.rt.rank, a.handle is not None
+        rec_words, cap, rounds, call_sig = plan
+        rows = c.n_recv if c.n_recv is not None else c.n_out
         k_rec = a.num_topk if not cached else 0
-        n_dev = n_recv_dev if n_recv is None else None
-        fused = rounds == 1 and use_fused(xv.shape[0], self.rt.group, force)
-        launches = []       # (bound launch, its arguments), in order: what a later cached call may replay
+        n_dev = c.n_recv_dev if c.n_recv is None else None
+        fused = rounds == 1 and use_fused(a.x.shape[0], self.rt.group, force)
+        launches = []
         if fused:
             yield "dispatch/send and receive"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(dispatch_fused(
-                    x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec, a.num_experts,
-                    rec_words, not cached, min(max(rows, 0), cap), self.rt.rank, a.num_experts // R, k_rec, out_words,
-                    sc_out, recv_idx, w_out, recv_src, self.rt.sig_args, call_sig, n_recv=n_dev, cap=cap))
+                    o.x_words, o.sc_words, o.idx, o.w_words, c.send_pos, c.row_base, self.rt.delta_words, o.rec,
+                    a.num_experts, rec_words, not cached, min(max(rows, 0), cap), rank, a.num_experts // R, k_rec,
+                    o.out_words, o.sc_out, o.recv_idx, o.recv_w, o.recv_src, self.rt.sig_args, call_sig, n_recv=n_dev,
+                    cap=cap))
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(kernels.dispatch_send(
-                    x_words, sc_words, idx, w_words, send_pos, row_base, self.rt.delta_words, rec, lo, hi,
+                    o.x_words, o.sc_words, o.idx, o.w_words, c.send_pos, c.row_base, self.rt.delta_words, o.rec, lo, hi,
                     a.num_experts, rec_words, with_src=not cached, signals=self.rt.sig_args, rnd=k, sig=call_sig))
             yield f"dispatch/receive round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(kernels.dispatch_recv(
-                    rec, min(max(rows - lo, 0), cap), lo, self.rt.rank, a.num_experts // R, a.row_words, a.scale_words,
-                    k_rec, rec_words, out_words, sc_out, recv_idx, w_out, recv_src, signals=self.rt.sig_args, rnd=k,
-                    sig=call_sig, advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap))
-        if (cached and self.rt.group is not None and sc is None and x_words is xv and out_words is recv_x
-                and xv.numel()):
-            # the next cached dispatch of this handle with x of these shapes replays these launches
-            a.handle.replay_dispatch = replay.CallPlan(
-                self.rt, xv, 0, recv_x.shape, card.CACHED_DISPATCH, (a.dtype_code, H, sc_dtype, 0, seq),
-                tuple(la.replay(args, (xv, recv_x)) for la, args in launches), force)
-        out_x = (recv_x, recv_sc) if sc is not None else recv_x
-        inputs = (xv, sc, idx, a.topk_weights, send_pos, row_base)
-        if cached:
-            event = self.rt.end(async_finish, inputs + (recv_x, recv_sc))
+                    o.rec, min(max(rows - lo, 0), cap), lo, rank, a.num_experts // R, a.row_words, a.scale_words,
+                    k_rec, rec_words, o.out_words, o.sc_out, o.recv_idx, o.recv_w, o.recv_src, signals=self.rt.sig_args,
+                    rnd=k, sig=call_sig, advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap))
+        return launches
+
+    def _dispatch_end(self, a: "DispatchArgs", c: "_Counts", o: "_Outputs", async_finish: bool):
+        """A dispatch's results after its launches: DeepEP's tuple, with a new handle unless cached."""
+        out_x = (o.recv_x, o.recv_sc) if a.scales is not None else o.recv_x
+        inputs = (a.x, a.scales, o.idx, a.topk_weights, c.send_pos, c.row_base)
+        if a.handle is not None:
+            event = self.rt.end(async_finish, inputs + (o.recv_x, o.recv_sc))
             self.rt.check()
             return out_x, None, None, None, None, event
         # DeepEP's channel_prefix_matrix and recv_channel_prefix_matrix with one channel (docs/design.md, Handle)
-        rpm_t, chan, recv_chan = records.split_t32(t32_dev, R)
-        new_handle = DispatchHandle((rpm_t, chan, recv_chan, recv_src, in_rank, send_pos), self.rt.uid,
-                                    a.num_tokens, n_recv, recv_rows_max, area_rows_max, self.rt.dispatch_seq, row_base,
-                                    combine_tables, n_recv_dev)
-        event = self.rt.end(async_finish, inputs + (recv_x, recv_sc, recv_idx, recv_w, recv_src, tables, t32_dev))
+        rpm_t, chan, recv_chan = records.split_t32(c.t32_dev, self.rt.group_size)
+        new_handle = DispatchHandle((rpm_t, chan, recv_chan, o.recv_src, c.in_rank, c.send_pos), self.rt.uid,
+                                    a.num_tokens, c.n_recv, c.recv_rows_max, c.area_rows_max, self.rt.dispatch_seq,
+                                    c.row_base, c.combine_tables, c.n_recv_dev)
+        event = self.rt.end(async_finish, inputs + (o.recv_x, o.recv_sc, o.recv_idx, o.recv_w, o.recv_src, c.tables,
+                                                    c.t32_dev))
         self.rt.check()
-        return out_x, recv_idx, recv_w, expert_list, new_handle, event
+        return out_x, o.recv_idx, o.recv_w, c.expert_list, new_handle, event
 
     def _notify_block(self, experts_per_rank: int) -> Tensor:
         """The host-visible block a plain dispatch's notify writes its results into (int64 ``[8 + E_local]``;
@@ -524,55 +628,79 @@ class Intranode:
                       async_finish=False, allocate_on_comm_stream=False):
         """The steps of ``Buffer.combine`` (same arguments; its docstring says what they mean): a generator
         that yields at each phase boundary and returns the call's results."""
-        h, xv, w, biases = None, None, None, []
         self.rt.check()
         if self.rt.sig.needs_resync:
             yield from self.rt.resync_steps()
         try:
-            self.rt.live()
-            check_config(config)
-            force = fused_switch()
-            check_event(previous_event)
-            h = self._check_handle(handle)
-            xv = self.rt.check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None),
-                                    f"{h.num_out_rows} rows the handle's dispatch delivered here")
-            if (xv.shape[1] * 2) % 16 or xv.shape[1] == 0:
-                raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]}")
-            if topk_weights is not None:
-                w = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, None),
-                                       f"{h.num_out_rows} rows the handle's dispatch delivered here")
-            bl = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
-            if len(bl) > 2:
-                raise ValueError(f"bias takes at most two tensors, got {len(bl)}")
-            biases = [self.rt.check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]),
-                                         f"the handle's {h.num_tokens} source tokens, hidden {xv.shape[1]} of x")
-                      for i, b in enumerate(bl) if b is not None]
+            h, xv, w, biases, force = self._combine_args(x, handle, topk_weights, bias, config, previous_event)
         except Exception as e:  # noqa: BLE001 - every rank learns it through the device words
             raise self.rt.fail_call(e)
         H = xv.shape[1]
         K = w.shape[1] if w is not None else 0
-        comb_base, send_base, prefix = h.combine_views
         plan = h.plans.get((card.COMBINE, H, K))
         if plan is None:
             rb = combine_record_bytes(H, K)
             cap = self.rt.capacity(rb, "combine")
             rounds = max(1, -(-h.area_rows_max // cap))
             plan = h.plans[(card.COMBINE, H, K)] = (rb, cap, rounds,
-                                                   signals.call_signature([card.COMBINE, H, K, h.seq, rounds]))
-        rb, cap, rounds, call_sig = plan
+                                                   call_signature([card.COMBINE, H, K, h.seq, rounds]))
         self.rt.publish(card.COMBINE, (H, K, h.seq))
         self.rt.begin(previous_event, async_finish)
-        T = h.num_tokens
-        out = torch.empty((T, H), dtype=torch.bfloat16, device=self.rt.device)
-        wout = torch.empty((T, K), dtype=torch.float32, device=self.rt.device) if w is not None else None
-        acc = torch.empty((T, H), dtype=torch.float32, device=self.rt.device) if rounds > 1 else None
-        wacc = torch.empty((T, K), dtype=torch.float32, device=self.rt.device) if (rounds > 1 and K) else None
+        T, dev, rounds = h.num_tokens, self.rt.device, plan[2]
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        wout = torch.empty((T, K), dtype=torch.float32, device=dev) if w is not None else None
+        acc = torch.empty((T, H), dtype=torch.float32, device=dev) if rounds > 1 else None
+        wacc = torch.empty((T, K), dtype=torch.float32, device=dev) if (rounds > 1 and K) else None
+        launches = yield from self._combine_rounds(h, xv, w, biases, plan, force, (out, wout, acc, wacc))
+        if self.rt.group is not None and not biases and xv.numel():
+            # the next combine of this handle with x (and weights) of these shapes replays these launches (with
+            # fresh fp32 sums for a combine of several rounds, as here)
+            vary = tuple(t for t in (xv, w, out, wout, acc, wacc) if t is not None)
+            h.replay_combine = replay.CallPlan(self.rt, xv, K, out.shape, card.COMBINE, (H, K, h.seq),
+                                               tuple(la.replay(args, vary) for la, args in launches), force,
+                                               sums=acc is not None)
+        event = self.rt.end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
+        self.rt.check()
+        return out, wout, event
+
+    def _combine_args(self, x, handle, topk_weights, bias, config, previous_event):
+        """Check ``Buffer.combine``'s arguments and ``TRITON_EP_FUSED``: ``(handle, x, topk_weights or None,
+        [biases], force)``. Raises ``TypeError`` / ``ValueError`` naming the argument."""
+        w = None
+        self.rt.live()
+        check_config(config)
+        force = fused_switch()
+        check_event(previous_event)
+        h = self._check_handle(handle)
+        xv = self.rt.check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None),
+                                  f"{h.num_out_rows} rows the handle's dispatch delivered here")
+        if (xv.shape[1] * 2) % 16 or xv.shape[1] == 0:
+            raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]}")
+        if topk_weights is not None:
+            w = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, None),
+                                     f"{h.num_out_rows} rows the handle's dispatch delivered here")
+        bl = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
+        if len(bl) > 2:
+            raise ValueError(f"bias takes at most two tensors, got {len(bl)}")
+        biases = [self.rt.check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]),
+                                       f"the handle's {h.num_tokens} source tokens, hidden {xv.shape[1]} of x")
+                  for i, b in enumerate(bl) if b is not None]
+        return h, xv, w, biases, force
+
+    def _combine_rounds(self, h: "DispatchHandle", xv: Tensor, w: Optional[Tensor], biases: list, plan: tuple,
+                        force, outs: tuple):
+        """A combine's launches: rounds, each a send launch then a reduce launch (ranks wait for each other on the
+        device); a combine of one round may run both as one launch (kernels.dispatch.use_fused). ``outs``: ``(out,
+        wout, acc, wacc)``. A generator (the combine's steps) that returns ``[(bound launch, its arguments), ...]``
+        in order: what a later combine may replay."""
+        rb, cap, rounds, call_sig = plan
+        out, wout, acc, wacc = outs
+        H, K = xv.shape[1], (w.shape[1] if w is not None else 0)
+        comb_base, send_base, prefix = h.combine_views
         area = self.rt.comm.data
-        # Rounds, each a send launch then a reduce launch; ranks wait for each other on the device. A combine of
-        # one round may run both as one launch (kernels.dispatch.use_fused).
         rows = h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows   # (device count: a bound)
-        fused = rounds == 1 and use_fused(T, self.rt.group, force)
-        launches = []       # (bound launch, its arguments), in order: what a later combine may replay
+        fused = rounds == 1 and use_fused(h.num_tokens, self.rt.group, force)
+        launches = []
         if fused:
             yield "combine/send and reduce"
             with self.rt.comm_ctx(), self.rt.sig.watch():
@@ -592,16 +720,7 @@ class Intranode:
                     area, h.send_head, send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout, first=k == 0,
                     last=k == rounds - 1, signals=self.rt.sig_args, rnd=k, sig=call_sig,
                     advance=rounds if k == rounds - 1 else 0))
-        if self.rt.group is not None and not biases and xv.numel():
-            # the next combine of this handle with x (and weights) of these shapes replays these launches (with
-            # fresh fp32 sums for a combine of several rounds, as here)
-            vary = tuple(t for t in (xv, w, out, wout, acc, wacc) if t is not None)
-            h.replay_combine = replay.CallPlan(self.rt, xv, K, out.shape, card.COMBINE, (H, K, h.seq),
-                                               tuple(la.replay(args, vary) for la, args in launches), force,
-                                               sums=acc is not None)
-        event = self.rt.end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
-        self.rt.check()
-        return out, wout, event
+        return launches
 
     def check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
         """Check ``x`` as ``dispatch`` takes it (a tensor ``[T, H]`` with rows of a multiple of 16 bytes, or

@@ -33,7 +33,7 @@ import torch
 from ..config import EventOverlap
 from ..kernels._util import tuning_changes
 from ..kernels.dispatch import fused_switch
-from ..runtime.checks import check_config, check_event
+from ..runtime.checks import check_config, check_event, plain
 
 Tensor = torch.Tensor
 
@@ -71,13 +71,6 @@ class CallPlan:
     def drop(self) -> None:
         """Forget the launches (and with them every reference to the Buffer's memory): the plan serves no call."""
         self.launches = None
-
-
-def plain(t, shape: tuple, dtype, device) -> bool:
-    """Whether ``t`` is a plain contiguous tensor of ``shape``, ``dtype`` and ``device``, 4-byte aligned (what the
-    general path's checks take as it is, without a copy)."""
-    return (t.__class__ is torch.Tensor and t.shape == shape and t.dtype is dtype and t.device == device
-            and t.is_contiguous() and not t.data_ptr() & 3)
 
 
 class LayoutCall:

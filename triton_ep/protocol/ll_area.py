@@ -92,10 +92,11 @@ class Layout:
 
     def net_chunk_bytes(self, num_topk: int) -> int:
         """Bytes of the largest chunk a call with ``num_topk`` sends one peer: a source sends a peer at most
-        ``N * min(K, E/R)`` rows (:data:`NET_HDR_WORDS` header words first; dispatch: the counts, then
-        records; combine: rows of :attr:`net_row_words`)."""
+        ``N * min(K, E/R)`` rows (:data:`~triton_ep.protocol.records.NET_HEADER_WORDS` header words first;
+        dispatch: the counts, then records; combine: rows of :attr:`net_row_words`)."""
         rows = self.n_max * min(int(num_topk), self.experts_per_rank)
-        return 4 * (NET_HDR_WORDS + max(self.net_count_words + rows * self.record_words(False), rows * self.net_row_words))
+        body = max(self.net_count_words + rows * self.record_words(False), rows * self.net_row_words)
+        return 4 * (records.NET_HEADER_WORDS + body)
 
 
 #: channels per LogFMT-10 block (one scale pair each)
@@ -116,9 +117,9 @@ def logfmt_record_words(hidden: int) -> int:
     return blocks * (1 + LOGFMT_BLOCK_WORDS)
 
 
-#: int32 words of a network chunk's header: int64 ``[call number, call signature, status, rows]``; status 0,
-#: or ``flags.E_FAILED`` when the sender failed the call (nothing follows)
-NET_HDR_WORDS = 8
+#: a network chunk's header: :data:`~triton_ep.protocol.records.NET_HEADER_WORDS` int32 words, int64 ``[call
+#: number, call signature, status, rows]``; status 0, or ``flags.E_FAILED`` when the sender failed the call
+#: (nothing follows)
 
 
 def net_slot_bytes(area_bytes: int, num_ranks: int) -> int:

@@ -180,14 +180,28 @@ assert all((t64_send_base.host(r), t64_prefix.host(r)) == (t64_comb_base.host(r)
 #: fields of a network-leg record, in order (:class:`NetRecord`)
 NET_FIELDS = ("meta", "row", "scales", "ids", "weights", "local")
 NET_META_BYTES = 16     #: the meta block: 4 int32 (global source rank, source token, 0, 0)
-#: A device-counted stream (the capture path: no host exchange) starts with a header of int32 words:
-#: ``[stream words (header included), records, status, culprit rank (-1: none), layout key, reason (the
-#: sender's own status), the records the sender's staging area takes from each peer host, 0]``, then
-#: (a dispatch without top-k ids) the sender's counts of the destination host's experts, padded to 4 words.
+#: int32 words of the header a network leg's unit starts with (the one definition of its size; kernels and host
+#: read it here). Internode normal mode: a device-counted stream (the capture path: no host exchange) starts
+#: with ``[stream words (header included), records, status, culprit rank (-1: none), layout key, reason (the
+#: sender's own status), the records the sender's staging area takes from each peer host, 0]``, then (a
+#: dispatch without top-k ids) the sender's counts of the destination host's experts, padded to 4 words.
+#: Low-latency mode: each chunk starts with int64 ``[call number, call signature, status, rows]``
+#: (:mod:`triton_ep.protocol.ll_area`).
 NET_HEADER_WORDS = 8
 #: header status codes: 0 ok; the sender failed this call (the culprit rank's own error says why); the
 #: records did not fit the receiver's staging area (num_worst_tokens too small); the layouts differ
 NET_STATUS_FAILED, NET_STATUS_CAPACITY, NET_STATUS_LAYOUT = 1, 2, 3
+
+# ---- internode host path's header ----
+#: The host path (internode normal mode's calls that exchange through host memory) sends each peer host a
+#: header of int64 words before its streams: ``[status, records, culprit rank (-1: none) | the record layout's
+#: key (HOST_KEY_WORDS) | this rank's call card: the operation's code and up to 7 values (HOST_CARD_WORDS) | a
+#: disagreement (HOST_DISAGREEMENT_WORDS; status HOST_MISMATCH)]``
+HOST_KEY_WORDS, HOST_CARD_WORDS, HOST_DISAGREEMENT_WORDS = 6, 8, 6
+HOST_HEADER_WORDS = 3 + HOST_KEY_WORDS + HOST_CARD_WORDS + HOST_DISAGREEMENT_WORDS
+#: host header status codes: the call went on, this rank (or one it heard of) failed, found more rows than
+#: num_worst_tokens, or found ranks that disagree (the disagreement follows)
+HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)

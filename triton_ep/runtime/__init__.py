@@ -1,5 +1,8 @@
 """What every mode shares: the runtime of one Buffer (shared buffers, signals, streams, errors, the driver
 of a collective's steps) and the argument checks."""
-from .context import Meet, Runtime, collective, open_runtime, steps
+from ..transport.ipc import SLOT_HEADER
+from ..transport.signals import call_signature
+from .context import Meet, Runtime, collective, current_event, open_runtime, steps
 
-__all__ = ["Meet", "Runtime", "collective", "open_runtime", "steps"]
+# (the modes reach transport/ through here: a call's signature words, the first mode word of a meeting's slot)
+__all__ = ["Meet", "Runtime", "SLOT_HEADER", "call_signature", "collective", "current_event", "open_runtime", "steps"]

@@ -205,3 +205,10 @@ def device_arg(device) -> torch.device:
         elif not 0 <= device.index < n:
             raise ValueError(f"device {device}: this process has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
     return device
+
+
+def plain(t, shape: tuple, dtype, device) -> bool:
+    """Whether ``t`` is a plain contiguous tensor of ``shape``, ``dtype`` and ``device``, 4-byte aligned (what the
+    general path's checks take as it is, without a copy)."""
+    return (t.__class__ is torch.Tensor and t.shape == shape and t.dtype is dtype and t.device == device
+            and t.is_contiguous() and not t.data_ptr() & 3)

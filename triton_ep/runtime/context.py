@@ -499,6 +499,15 @@ class Runtime:
         return cap
 
 
+def current_event() -> EventOverlap:
+    """``Buffer.capture``: an event recorded on the current CUDA stream (``EventOverlap(None)`` on CPU)."""
+    if not torch.cuda.is_available():
+        return EventOverlap(None)
+    ev = torch.cuda.Event()
+    ev.record()
+    return EventOverlap(ev)
+
+
 def ll_area_bytes(num_rdma_bytes: int) -> int:
     """Bytes of a low-latency area for ``num_rdma_bytes``: rounded up to 4 KiB."""
     return (int(num_rdma_bytes) + 4095) // 4096 * 4096
@@ -538,19 +547,8 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
         exchanges = [Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange host identities"),
                      Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")]
     try:
-        rejected = backend = None
-        try:
-            timeout_s = timeout_arg(timeout_s)
-            bytes_arg("num_nvl_bytes", num_nvl_bytes)
-            bytes_arg("num_rdma_bytes", num_rdma_bytes)
-            ipc.shm_tag()       # (it names the shared-memory files: checked before any is made)
-            backend = rdma_backend_arg(rdma_backend)
-            device = device_arg(device) if exchanges else device
-        except (ValueError, TypeError) as e:
-            if not exchanges:
-                raise
-            # carried in the host exchange: every rank raises it at once instead of its peers waiting
-            rejected = Rejected.of(e, group.rank())
+        timeout_s, backend, device, rejected = _buffer_args(group, exchanges, num_nvl_bytes, num_rdma_bytes,
+                                                            timeout_s, device, rdma_backend)
         if not exchanges:
             size = group.size
             hosts = group_hosts([host_identity()] * size, [os.environ.get(ENV_RANKS_PER_HOST)] * size)
@@ -573,6 +571,25 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchanges[1])
     comm.min_bytes -= ll_bytes
     return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport)
+
+
+def _buffer_args(group, exchanges: list, num_nvl_bytes, num_rdma_bytes, timeout_s, device, rdma_backend):
+    """The constructor's values checked (``open_runtime``'s): ``(timeout_s, backend, device, rejected)``. Over a
+    process group (``exchanges``) a rejected value is not raised but returned as ``rejected``: it is carried in the
+    host exchange, and every rank raises it at once instead of its peers waiting."""
+    rejected = backend = None
+    try:
+        timeout_s = timeout_arg(timeout_s)
+        bytes_arg("num_nvl_bytes", num_nvl_bytes)
+        bytes_arg("num_rdma_bytes", num_rdma_bytes)
+        ipc.shm_tag()       # (it names the shared-memory files: checked before any is made)
+        backend = rdma_backend_arg(rdma_backend)
+        device = device_arg(device) if exchanges else device
+    except (ValueError, TypeError) as e:
+        if not exchanges:
+            raise
+        rejected = Rejected.of(e, group.rank())
+    return timeout_s, backend, device, rejected
 
 
 def _find_hosts(exchange: Exchange, backend: Optional[str], rejected: Optional[Rejected] = None):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 from ..protocol import call_card
+from ..protocol.records import HOST_DISAGREEMENT_WORDS
 from ..transport import verbs
 
 ENV_RANKS_PER_HOST = "TRITON_EP_RANKS_PER_HOST"
@@ -233,8 +234,8 @@ class Disagreement:
     rank_b: int
     value_b: int
 
-    #: int64 words of :meth:`words`
-    WORDS = 6
+    #: int64 words of :meth:`words` (the host path's header carries them: protocol/records.py)
+    WORDS = HOST_DISAGREEMENT_WORDS
 
     @classmethod
     def of_cards(cls, a: Sequence[int], b: Sequence[int], rank_a: int, rank_b: int) -> Optional["Disagreement"]:

@@ -41,7 +41,7 @@ def test_a_call_of_other_sizes_waits_for_a_slow_peer():
 
 
 def test_decode_steps_replay_the_last_calls_plan_gpu():
-    """modes/low_latency_replay.py with compiled kernels (2 processes sharing the GPU): as on CPU, the replayed
+    """modes/low_latency/replay.py with compiled kernels (2 processes sharing the GPU): as on CPU, the replayed
     launches give the oracle's results and every case that takes the general path does."""
     out = ok_results(run_ranks(ll_cases.replayed_calls, 2, "cuda", backend="gloo"))
     for rank, (d, c, err) in enumerate(out):

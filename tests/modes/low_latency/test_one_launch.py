@@ -76,7 +76,7 @@ def test_bad_ids_then_recover_in_one_launch():
 
 
 def test_decode_steps_replay_the_last_calls_plan():
-    """Low-latency calls of the last call's sizes replay its plan (modes/low_latency_replay.py): fresh inputs each
+    """Low-latency calls of the last call's sizes replay its plan (modes/low_latency/replay.py): fresh inputs each
     step, every result against the oracle; another stats argument, a hook, a non-contiguous x and the
     re-synchronisation after a rank's bad ids take the general path; the replayed call with bad ids raises
     ``ValueError`` on that rank and ``EPRemoteError`` on its peer; ``destroy()`` drops the plans."""

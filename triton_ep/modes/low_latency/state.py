@@ -1,19 +1,5 @@
-"""Low-latency mode (DeepEP's decode-time dispatch and combine), within one host and, with the network leg of
-:mod:`triton_ep.modes.internode_ll`, across hosts.
-
-:class:`LowLatency` is what :class:`~triton_ep.Buffer` delegates its ``low_latency_*`` methods to. It
-owns the low-latency area: the part of each rank's shared buffer sized by ``num_rdma_bytes``, mapped by
-every rank (CUDA IPC on GPU, POSIX shared memory on CPU), laid out by :class:`Layout`::
-
-    [ control block | half 0 | half 1 | zero-copy combine input ]
-
-Every low-latency call (a dispatch or a combine) is numbered on the device (the control block's
-``L_SEQ``, advanced by the kernels, so a CUDA graph replays it correctly) and uses half ``n & 1``. Each
-call is a *send* launch then a *receive* launch (:mod:`triton_ep.kernels.ll_dispatch`,
-:mod:`triton_ep.kernels.ll_combine`); with ``return_recv_hook`` the receive launch is what the hook
-runs. No call waits on the host, reads the device or synchronises a stream: every wait is a bounded
-device wait that writes an error record, raised by :meth:`Buffer.check` (which every call runs first).
-"""
+"""The low-latency state of one Buffer: its area, the call numbers and pending hooks, errors and the
+re-synchronisation after one, masking (the package's docstring has the whole)."""
 from __future__ import annotations
 
 import weakref
@@ -21,89 +7,18 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..config import EventOverlap
-from ..errors import EPError, EPRemoteError
-from ..kernels import flags as F, logfmt, pdl
-from ..kernels.dispatch import fused_switch, use_fused
-from ..kernels.fp8 import native_cast
-from ..kernels.ll_combine import ll_combine_reduce, ll_combine_send
-from ..kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
-from ..kernels.ll_fence import ll_fence
-from ..kernels.ll_fused import ll_combine_fused, ll_dispatch_fused
-from ..kernels.ll_net import ll_unpack
-from ..protocol import call_card as card
-from ..protocol.ll_area import Layout
-from ..protocol.signal_header import failure_word_of
-from ..runtime import Runtime
-from ..runtime.checks import isint
-from ..transport import signals
-from ..transport.ipc import SLOT_HEADER
-from . import low_latency_replay as replay
+from ...config import EventOverlap
+from ...errors import EPError, EPRemoteError
+from ...kernels import flags as F, logfmt
+from ...kernels.dispatch import fused_switch, use_fused
+from ...protocol.ll_area import Layout
+from ...protocol.signal_header import failure_word_of
+from ...runtime import SLOT_HEADER, Runtime
+from ...runtime.checks import isint
+from . import calls
+from .handle import LLHandle
 
 Tensor = torch.Tensor
-
-
-def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes of the low-latency area for these sizes (:class:`Layout`), rounded up to 128 bytes as DeepEP's."""
-    n = Layout(int(num_ranks), int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts)).total_bytes
-    return (n + 127) // 128 * 128
-
-
-def carve(device: torch.device, parts) -> List[Tensor]:
-    """Uninitialised tensors ``[(dtype, shape), ...]`` on ``device`` (``parts``: a tuple of such pairs), views
-    of one allocation, each starting on a 16-byte boundary (what Triton specialises pointers on). They share
-    one storage: it lives until the last of them is freed. The offsets of each ``parts`` are worked out once;
-    a call makes one allocation, a view of it per dtype and a strided view per part."""
-    plan = _CARVE_PLANS.get(parts)
-    if plan is None:
-        plan = _carve_plan(parts)
-        if len(_CARVE_PLANS) >= 256:
-            _CARVE_PLANS.clear()
-        _CARVE_PLANS[parts] = plan
-    nbytes, dtypes, views = plan
-    raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    typed = {dt: raw.view(dt) for dt in dtypes}
-    return [typed[dt].as_strided(shape, stride, off) for dt, shape, stride, off in views]
-
-
-def _carve_plan(parts) -> tuple:
-    """``carve``'s layout of ``parts``: total bytes (a multiple of 16), the dtypes, and per part its dtype,
-    shape, contiguous strides and offset in elements of its dtype."""
-    views, at = [], 0
-    for dtype, shape in parts:
-        stride, n = [], 1
-        for d in reversed(shape):
-            stride.append(n)
-            n *= d
-        views.append((dtype, tuple(shape), tuple(reversed(stride)), at // dtype.itemsize))
-        at += (dtype.itemsize * n + 15) // 16 * 16
-    return max(at, 16), tuple(dict.fromkeys(dt for dt, _ in parts)), tuple(views)
-
-
-#: ``carve``'s plans, by ``parts``
-_CARVE_PLANS: dict = {}
-
-
-class LLHandle(tuple):
-    """DeepEP's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
-    num_experts)``:
-
-    - ``src_info`` int32 ``[E_local, R*N]``: the source token index of each received row (``-1`` past
-      the expert's count);
-    - ``layout_range`` int64 ``[E_local, R]``: ``begin << 32 | count`` of each source rank's rows.
-
-    It also keeps ``ret_slot`` (int32 ``[E_local, R*N]``: where combine returns each row), ``recv_count``,
-    ``num_topk``, ``num_tokens``, the Buffer that made it and ``call``, the host's number of the send that
-    made it (its tables are written by that call's receive: a combine before the receive hook ran is refused).
-    """
-
-    def __new__(cls, items, buffer_uid: str, ret_slot: Tensor, recv_count: Tensor, num_tokens: int, num_topk: int,
-                call: int = 0):
-        self = super().__new__(cls, items)
-        self.buffer_uid, self.ret_slot, self.recv_count = buffer_uid, ret_slot, recv_count
-        self.num_tokens, self.num_topk, self.call = num_tokens, num_topk, call
-        return self
-
 
 #: the stages of low-latency kernels' error records (a record of one asks for a restart of the call numbers)
 _LL_STAGES = frozenset(int(st) for st in (F.STAGE_LL_DISPATCH_SEND, F.STAGE_LL_DISPATCH_RECV, F.STAGE_LL_COMBINE_SEND,
@@ -133,7 +48,7 @@ class LowLatency:
         self.last_sizes: Optional[tuple] = None
         #: ranks on several hosts: the network leg to every other rank (:mod:`triton_ep.modes.internode_ll`)
         self.net = None
-        #: the plans the next dispatch and combine of the same sizes replay (:mod:`.low_latency_replay`)
+        #: the plans the next dispatch and combine of the same sizes replay (:mod:`.replay`)
         self.replay_dispatch = self.replay_combine = None
         self._layouts: dict = {}
         #: this rank failed a low-latency call since the last restart of the call numbers (see resync_fill)
@@ -163,7 +78,7 @@ class LowLatency:
                              f"Buffer with num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...)")
         return lay
 
-    def _fits_network(self, lay: Layout, num_topk: int) -> None:
+    def fits_network(self, lay: Layout, num_topk: int) -> None:
         """Across hosts: a call's largest chunk must fit a ring slot (it does with the size hint)."""
         if self.net is not None and lay.net_chunk_bytes(num_topk) > self.net.slot_bytes:
             raise ValueError(f"num_rdma_bytes={self.area_bytes} gives the network leg ring slots of "
@@ -172,7 +87,7 @@ class LowLatency:
                              f"send a peer {lay.net_chunk_bytes(num_topk)}; build the Buffer with num_rdma_bytes >= "
                              f"Buffer.get_low_latency_rdma_size_hint(...)")
 
-    def _start(self) -> None:
+    def start(self) -> None:
         """What every low-latency call does first: raise recorded errors, re-synchronise after one."""
         rt = self.rt
         comm = rt.live()
@@ -245,7 +160,7 @@ class LowLatency:
         self.pending.clear()
         self.failed = False
 
-    def _guard(self, fn, *args):
+    def guard(self, fn, *args):
         """Run argument checks; on failure tell the peers (their waits for this rank end at once with
         ``EPRemoteError``) and raise."""
         try:
@@ -280,7 +195,7 @@ class LowLatency:
         rt.sig.needs_resync = True
         self.failed = True
 
-    def _one_launch(self, num_tokens: int) -> bool:
+    def one_launch(self, num_tokens: int) -> bool:
         """Whether a call of ``num_tokens`` tokens runs as one launch (:mod:`triton_ep.kernels.ll_fused`; with a
         receive hook, a dispatch's route and send as one): within one host (no network leg), as normal mode's
         calls of one round (:func:`triton_ep.kernels.dispatch.use_fused`: real ranks, up to the tuning table's
@@ -293,7 +208,7 @@ class LowLatency:
             return False        # (in a CUDA graph host time does not count, and the split launches take less GPU time)
         return use_fused(num_tokens, self.rt.group, force)
 
-    def _fence(self, lay: Layout) -> bool:
+    def fence(self, lay: Layout) -> bool:
         """Whether a send of ``lay``'s sizes must wait until every peer received the last call: its sizes differ,
         so its half lies elsewhere, partly over the other half of the last call, which a slower peer may still be
         reading (:mod:`triton_ep.kernels.ll_fence`, launched before such a call's send). Raises ``ValueError``
@@ -307,7 +222,7 @@ class LowLatency:
                              f"this rank's receive hook of an earlier call has not run: call it first")
         return True
 
-    def _claim_send(self) -> int:
+    def claim_send(self) -> int:
         """Host bookkeeping of a new send: call ``n`` reuses the half of call ``n - 2``, which must have been
         received here (at most two calls outstanding)."""
         if any(p <= self.sent - 1 for p in self.pending):
@@ -316,10 +231,10 @@ class LowLatency:
         self.sent += 1
         return self.sent
 
-    def _check(self, name, t, dtypes, shape, why=""):
+    def check_arg(self, name, t, dtypes, shape, why=""):
         return self.rt.check_tensor(name, t, dtypes, shape, why)
 
-    def _stats(self, name: str, t: Optional[Tensor], dtype, shapes) -> Optional[Tensor]:
+    def stats_arg(self, name: str, t: Optional[Tensor], dtype, shapes) -> Optional[Tensor]:
         if t is None:
             return None
         if not isinstance(t, torch.Tensor) or t.dtype != dtype:
@@ -329,14 +244,14 @@ class LowLatency:
                              f"{self.rt.device}, got {tuple(t.shape)} on {t.device}")
         return t
 
-    def _cost(self, name: str, t: Optional[Tensor]) -> Optional[Tensor]:
+    def cost_arg(self, name: str, t: Optional[Tensor]) -> Optional[Tensor]:
         R = self.rt.group_size
-        t = self._stats(name, t, torch.int64, [(R,), (R, R)])
+        t = self.stats_arg(name, t, torch.int64, [(R,), (R, R)])
         if t is not None and t.dim() == 2:       # this rank's row: waits for each source rank
             t = t[self.rt.rank]
         return t
 
-    def _launch(self, hook: bool, async_finish: bool, body: Callable, tensors) -> EventOverlap:
+    def launch(self, hook: bool, async_finish: bool, body: Callable, tensors) -> EventOverlap:
         """Run ``body`` as ``Buffer`` calls run their kernels: on the communication stream with
         ``async_finish``, else on the caller's stream (always with a hook, as DeepEP: ``async_finish``
         and ``return_recv_hook`` exclude each other), and hand the results back."""
@@ -346,7 +261,7 @@ class LowLatency:
             body()
         return rt.end(async_finish and not hook, tensors)
 
-    def _send_recv(self, one: bool, send: Callable, recv: Callable) -> None:
+    def send_recv(self, one: bool, send: Callable, recv: Callable) -> None:
         """The launches of a call without a receive hook: with ``one`` the whole call as one launch
         (``send(whole=True)``), else the send and then the receive, back to back (within one host the send has no
         end-of-launch count: the receive publishes the call)."""
@@ -357,7 +272,8 @@ class LowLatency:
         send(defer)
         recv(0, defer)
 
-    def _hook(self, idx: int, recv: Callable) -> Callable[[], None]:
+    def hook(self, idx: int, recv: Callable) -> Callable[[], None]:
+        """The receive hook of send ``idx``: runs ``recv`` once, after the error checks."""
         done = []
 
         def hook() -> None:
@@ -382,234 +298,27 @@ class LowLatency:
             rt.check()
         return hook
 
-    # ------------------------------------------------------------------ dispatch
+    # ------------------------------------------------------------------ calls (modes/low_latency/calls.py)
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
                  round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
-        if not return_recv_hook and self.replay_dispatch is not None:
-            out = replay.dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                  round_scale, use_ue8m0, async_finish)
-            if out is not None:     # (a call of the last call's sizes again: its plan launched it)
-                return out
-        self._start()
-        rt = self.rt
-        R = rt.group_size
-        a = self._guard(self._dispatch_args, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
-                        use_ue8m0, async_finish, return_recv_hook)
-        xv, idx, lay, stats, cost, fence, one = a
-        T, H = xv.shape
-        K = idx.shape[1]
-        N, E, El = lay.n_max, lay.num_experts, lay.experts_per_rank
-        dev = rt.device
-        sig = signals.call_signature([card.LL_DISPATCH, N, H, E, K, int(use_fp8), int(use_ue8m0)])
-        rt.count_call()
-        rt.publish(card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0)))
-        # fresh outputs (scales column-major in their last two dimensions, as DeepEP returns them)
-        if use_fp8:
-            recv_x = torch.empty((El, R * N, H), dtype=torch.float8_e4m3fn, device=dev)
-            S = H // 512 if use_ue8m0 else H // 128
-            # [E_local, R*N, S] with strides of [E_local, S, R*N] (one call, not an allocation and a transpose)
-            sc = recv_scales = torch.empty_strided((El, R * N, S), (S * R * N, 1, R * N),
-                                                   dtype=torch.int32 if use_ue8m0 else torch.float32, device=dev)
-        else:
-            recv_x = torch.empty((El, R * N, H), dtype=torch.bfloat16, device=dev)
-            sc = recv_scales = None
-        # the handle's tables and the routing's scratch: one allocation (each torch.empty costs host time)
-        parts = ((torch.int64, (El, R)), (torch.int32, (El,)), (torch.int32, (El, R * N)), (torch.int32, (El, R * N)),
-                 (torch.int32, (T, K)), (torch.int32, (E,)))
-        layout_range, recv_count, src_info, ret_slot, slots, counts = carve(dev, parts)
-        sa = rt.sig_args
-        native = native_cast()
-        idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
-        self.last_sizes = (N, H, E)
-        made = []
+        """``Buffer.low_latency_dispatch``: :func:`.calls.dispatch`."""
+        self.rt.live()
+        return calls.dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                              use_ue8m0, async_finish, return_recv_hook)
 
-        def send(defer: bool = False, whole: bool = False):
-            if fence:
-                ll_fence(self.ctl, R, False, self.shrink, sa)
-            if one:     # route and send as one launch, with ``whole`` the receive too (kernels/ll_fused.py)
-                made.append(ll_dispatch_fused(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig,
-                                              use_fp8, round_scale, use_ue8m0, self.shrink, sa, native,
-                                              *((recv_x, sc, src_info, ret_slot, layout_range, recv_count, stats, cost)
-                                                if whole else ())))
-                return
-            ll_route(idx, slots, counts, self.ctl, E, R, sa)
-            ll_dispatch_send(xv, idx, slots, counts, self.area, rt.delta_words, self.ctl, lay, sig, use_fp8,
-                             round_scale, self.shrink, sa, native, self.net, defer)
-
-        def recv(offset: int, defer: bool = False):
-            if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, False, use_fp8, self.shrink, sa, cost, sig=sig)
-            ll_dispatch_recv(self.area, self.ctl, lay, offset, K, use_fp8, use_ue8m0,
-                             recv_x, sc, src_info, ret_slot, layout_range,
-                             recv_count, stats, cost, sig, self.shrink, sa, defer)
-
-        handle = LLHandle((src_info, layout_range, N, H, E), rt.uid, ret_slot, recv_count, T, K, idx_n)
-        out = (recv_x, recv_scales) if use_fp8 else recv_x
-        tensors = (xv, idx, slots, counts, recv_x, sc, recv_count, src_info, ret_slot, layout_range, stats, cost)
-        if return_recv_hook:
-            self.pending.append(idx_n)
-            event = self._launch(True, False, send, tensors)
-            return out, recv_count, handle, event, self._hook(idx_n, recv)
-        event = self._launch(False, async_finish, lambda: self._send_recv(one, send, recv), tensors)
-        if made and self.net is None and rt.group is not None:
-            # the next call of these sizes and flags replays this launch (modes/low_latency_replay.py)
-            launch, args = made[0]
-            vary = tuple(t for t in (xv, idx, slots, counts, recv_x, sc, src_info, ret_slot, layout_range, recv_count,
-                                     stats, cost) if t is not None)
-            raw_cost = dispatch_wait_recv_cost_stats
-            self.replay_dispatch = replay.LLPlan(
-                self, (num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, stats is None,
-                       cost is None), (card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0))),
-                launch.replay(args, vary), fused_switch(),
-                (xv.shape, idx.shape, idx.dtype, None if stats is None else stats.shape,
-                 None if raw_cost is None else raw_cost.shape),
-                (recv_x.shape, None if sc is None else sc.shape, None if sc is None else sc.stride(),
-                 None if sc is None else sc.dtype, parts))
-        rt.check()
-        return out, recv_count, handle, event, None
-
-    def _dispatch_args(self, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_ue8m0, async_finish, hook):
-        rt = self.rt
-        pdl.check(rt.device)
-        if not isint(N) or N <= 0:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
-        rt.check_num_experts(E)
-        xv = self._check("x", x, (torch.bfloat16,), (None, None))
-        T, H = xv.shape
-        if H % 8 or H == 0:      # (rows move as 16-byte vectors)
-            raise ValueError(f"low-latency x needs rows of a multiple of 16 bytes (bf16: hidden % 8 == 0), got hidden "
-                             f"{H}")
-        if use_fp8 and H % 128:
-            raise ValueError(f"use_fp8=True casts x in blocks of 128 channels with one scale each: hidden must be a "
-                             f"multiple of 128, got hidden {H} (use_fp8=False takes it)")
-        if T > N:
-            raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={N}")
-        idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), f"T = {T} rows of x")
-        if idx.shape[1] == 0:
-            raise ValueError("topk_idx must have at least one column")
-        if idx.shape[1] > E:
-            # combine returns N * K rows to each source in a half of the area sized for E * N records
-            raise ValueError(f"topk_idx has {idx.shape[1]} columns, more than num_experts={E}")
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 holds powers of two)")
-        if use_ue8m0 and H % 512:
-            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, got {H}")
-        if async_finish and hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
-        lay = self.layout(int(N), H, int(E))
-        self._fits_network(lay, idx.shape[1])
-        stats = self._stats("cumulative_local_expert_recv_stats", stats, torch.int32, [(lay.experts_per_rank,)])
-        return (xv, idx, lay, stats, self._cost("dispatch_wait_recv_cost_stats", cost), self._fence(lay),
-                self._one_launch(T))
-
-    # ------------------------------------------------------------------ combine
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
                 return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
-        if (not return_recv_hook and not zero_copy and not use_logfmt and out is None
-                and self.replay_combine is not None):
-            res = replay.combine(self, x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats, async_finish)
-            if res is not None:     # (a call of the last call's sizes again: its plan launched it)
-                return res
-        plan_out = out is None
-        self._start()
-        rt = self.rt
-        a = self._guard(self._combine_args, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                        return_recv_hook, out, combine_wait_recv_cost_stats)
-        xv, idx, w, h, lay, out, cost, fence, one, use_logfmt = a
-        T, K = idx.shape
-        H = lay.hidden
-        sig = signals.call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K, int(use_logfmt)])
-        rt.count_call()
-        rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K, int(use_logfmt)))
-        if out is None:
-            out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)
-        sa = rt.sig_args
-        idx_n = self._claim_send()      # a refused call launches nothing (every rank makes the same calls)
-        self.last_sizes = (lay.n_max, H, lay.num_experts)
-        made = []
+        """``Buffer.low_latency_combine``: :func:`.calls.combine`."""
+        self.rt.live()
+        return calls.combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                             return_recv_hook, out, combine_wait_recv_cost_stats)
 
-        def send(defer: bool = False, whole: bool = False):
-            if fence:
-                ll_fence(self.ctl, rt.group_size, True, self.shrink, sa)
-            if whole:   # send and reduce as one launch (kernels/ll_fused.py)
-                made.append(ll_combine_fused(xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost, self.area,
-                                             rt.delta_words, self.ctl, lay, sig, self.shrink, sa, use_logfmt))
-                return
-            ll_combine_send(xv, h.ret_slot, h.recv_count, h[1], K, self.area, rt.delta_words, self.ctl, lay, sig,
-                            self.shrink, sa, self.net, defer, use_logfmt)
-
-        def recv(offset: int, defer: bool = False):
-            if self.net is not None:
-                ll_unpack(self.area, self.ctl, self.net, lay, offset, True, False, self.shrink, sa, cost, use_logfmt,
-                          sig)
-            ll_combine_reduce(self.area, self.ctl, idx, w, out, cost, offset, lay, sig, self.shrink, sa, defer,
-                              use_logfmt)
-
-        tensors = (xv, idx, w, h.ret_slot, h.recv_count, out, cost)
-        if return_recv_hook:
-            self.pending.append(idx_n)
-            event = self._launch(True, False, send, tensors)
-            return out, event, self._hook(idx_n, recv)
-        event = self._launch(False, async_finish, lambda: self._send_recv(one, send, recv), tensors)
-        if made and plan_out and not zero_copy and not use_logfmt and self.net is None and rt.group is not None:
-            # the next call of these sizes replays this launch (modes/low_latency_replay.py)
-            launch, args = made[0]
-            vary = tuple(t for t in (xv, h.ret_slot, h.recv_count, h[1], idx, w, out, cost) if t is not None)
-            raw_cost = combine_wait_recv_cost_stats
-            self.replay_combine = replay.LLPlan(
-                self, (cost is None,), (card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K, 0)),
-                launch.replay(args, vary),
-                fused_switch(), (xv.shape, idx.shape, idx.dtype, None if raw_cost is None else raw_cost.shape),
-                (lay.n_max, H, lay.num_experts))
-        rt.check()
-        return out, event, None
-
-    def _combine_args(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, hook, out, cost):
-        rt = self.rt
-        if not isinstance(use_logfmt, (bool, int)) or use_logfmt not in (0, 1):
-            raise TypeError(f"use_logfmt must be a bool, got {use_logfmt!r}")
-        use_logfmt = bool(use_logfmt)
-        if use_logfmt and zero_copy:
-            # as DeepEP, whose combine asserts not (zero_copy and use_logfmt): its zero-copy rows sit in the send
-            # buffer as bf16 and go out as they are
-            raise ValueError("use_logfmt=True cannot be combined with zero_copy=True (as in DeepEP): pass the expert "
-                             "outputs as x")
-        h = self.check_handle(handle)
-        if h.call in self.pending:
-            raise ValueError("the handle's low_latency_dispatch still waits for its receive: call the hook it "
-                             "returned before low_latency_combine (the handle's tables are written there)")
-        R = rt.group_size
-        N, H, E = h[2], h[3], h[4]
-        if use_logfmt and H % 128:
-            # LogFMT codes whole blocks of 128 channels (DeepEP's), each with its own scale words
-            raise ValueError(f"use_logfmt=True codes rows in blocks of 128 channels: hidden must be a multiple of "
-                             f"128, got hidden {H} (use_logfmt=False takes it)")
-        lay = self.layout(N, H, E)
-        xv = self._check("x", x, (torch.bfloat16,), (lay.experts_per_rank, R * N, H),
-                         f"the handle's dispatch: E/R = {lay.experts_per_rank}, R*N = {R * N}, hidden {H}")
-        if zero_copy:
-            # DeepEP's contract: the caller wrote the expert outputs into the zero-copy buffer; what that
-            # buffer holds is sent, and x only has to have its shape and dtype (DeepEP's own programs pass
-            # the tensor they copied from)
-            xv = self.zero_copy_buffer(lay)
-        T = h.num_tokens
-        why = f"the handle's dispatch took {T} tokens and {h.num_topk} top-k columns"
-        idx = self._check("topk_idx", topk_idx, (torch.int64, torch.int32), (T, h.num_topk), why)
-        self._fits_network(lay, h.num_topk)
-        w = self._check("topk_weights", topk_weights, (torch.float32,), (T, h.num_topk), why)
-        if out is not None:
-            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H) \
-                    or not out.is_contiguous() or out.device != rt.device:
-                raise ValueError(f"out must be a contiguous bf16 tensor [{T}, {H}] on {rt.device} (the handle's "
-                                 f"tokens, hidden), got {getattr(out, 'dtype', type(out).__name__)} "
-                                 f"{list(getattr(out, 'shape', []))} on {getattr(out, 'device', '-')}")
-        if async_finish and hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set (as in DeepEP)")
-        return (xv, idx, w, h, lay, out, self._cost("combine_wait_recv_cost_stats", cost), self._fence(lay),
-                self._one_launch(T), use_logfmt)
+    def next_combine_buffer(self, handle) -> Tensor:
+        """``Buffer.get_next_low_latency_combine_buffer``: the zero-copy input of ``handle``'s sizes."""
+        self.rt.live()
+        return self.zero_copy_buffer(self.layout(*self.check_handle(handle).sizes))
 
     def check(self) -> None:
         """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one
@@ -629,11 +338,19 @@ class LowLatency:
                                                                             lay.num_ranks * lay.n_max, lay.hidden)
 
     # ------------------------------------------------------------------ masking
+    def _masking(self) -> None:
+        """What every masking call checks first: the Buffer lives and was built with ``enable_shrink``."""
+        self.rt.live()
+        if not self.shrink:
+            raise ValueError("rank masking needs Buffer(..., enable_shrink=True)")
+
     def _mask_words(self) -> Tensor:
         R = self.rt.group_size
         return self.ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R]
 
     def update_mask(self, rank: int, mask: bool) -> None:
+        """``Buffer.low_latency_update_mask_buffer``."""
+        self._masking()
         if not isint(rank) or not 0 <= rank < self.rt.group_size:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.rt.group_size}), got {rank!r}")
         rank = int(rank)
@@ -658,7 +375,7 @@ class LowLatency:
                 is then unusable).
         """
         rt = self.rt
-        self._start()
+        self.start()
         comm = rt.live()
         rt.wait_comm_stream()
         comm.sync_device()
@@ -676,6 +393,8 @@ class LowLatency:
                 self._mask_words()[r].fill_(0)
 
     def query_mask(self, status: Tensor) -> None:
+        """``Buffer.low_latency_query_mask_buffer``."""
+        self._masking()
         R = self.rt.group_size
         if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or tuple(status.shape) != (R,):
             raise ValueError(f"mask_status must be an int32 tensor [{R}], got "
@@ -684,15 +403,39 @@ class LowLatency:
             status.copy_((self._mask_words() != 0).to(torch.int32))
 
     def clean_mask(self) -> None:
+        """``Buffer.low_latency_clean_mask_buffer``."""
+        self._masking()
         if self.net is not None:            # a collective across hosts: every rank unmasks every rank
             self._unmask_across_hosts(list(range(self.rt.group_size)))
         with torch.inference_mode():
             self._mask_words().zero_()
 
     def clean(self, n_max: int, hidden: int, num_experts: int) -> None:
+        """``Buffer.clean_low_latency_buffer``."""
+        self.rt.live()
         if not all(isint(v) and v > 0 for v in (n_max, hidden, num_experts)):
             raise ValueError(f"clean_low_latency_buffer takes positive ints (num_max_dispatch_tokens_per_rank, "
                              f"hidden, num_experts), got {(n_max, hidden, num_experts)!r}")
         self.rt.check_num_experts(num_experts)
         self.layout(n_max, hidden, num_experts)
-        self._start()
+        self.start()
+
+
+class Unavailable:
+    """The low-latency mode of a Buffer built without one (no ``low_latency_mode``, no ``num_rdma_bytes`` or no
+    process group): every low-latency call raises ``ValueError`` (``EPError`` once the Buffer was destroyed)."""
+
+    net = None
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def _refuse(self, *args, **kwargs):
+        self.rt.live()
+        raise ValueError("low-latency calls need Buffer(..., num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint"
+                         "(...), low_latency_mode=True) built over a process group")
+
+    dispatch = combine = next_combine_buffer = clean = update_mask = query_mask = clean_mask = _refuse
+
+    def check(self) -> None:
+        """Nothing of its own to raise."""

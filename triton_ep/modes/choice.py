@@ -1,0 +1,164 @@
+"""The modes of one Buffer, chosen once when it is built: normal mode within one host (:class:`Intranode`) or
+across hosts (:class:`AcrossHosts`), and low-latency mode within one host or across hosts (:class:`LowLatency`,
+with its network leg across hosts) or none (:class:`Unavailable`). Every mode takes the Buffer's calls with the
+Buffer's own arguments, so the Buffer forwards each call with no branch (docs/design.md, section 2)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from ..runtime import Runtime
+from ..runtime.context import ll_area_bytes
+from . import internode_ll
+from .internode import Internode, traffic_stats
+from .intranode import Intranode
+from .low_latency import LowLatency, Unavailable
+
+Tensor = torch.Tensor
+
+
+class AcrossHosts:
+    """Normal mode across hosts as the Buffer calls it: :class:`Internode` (the network leg) over the group-wide
+    :class:`Intranode` of the Buffer (its layout kernel and argument checks)."""
+
+    def __init__(self, internode: Internode, intranode: Intranode) -> None:
+        self.internode, self.intranode = internode, intranode
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """``Buffer.get_dispatch_layout`` across hosts (:meth:`Internode.get_dispatch_layout`)."""
+        return self.internode.get_dispatch_layout(self.intranode, topk_idx, num_experts, previous_event, async_finish,
+                                                  allocate_on_comm_stream)
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
+                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """``Buffer.dispatch`` across hosts (:meth:`Internode.dispatch`; its kernels run on the caller's stream)."""
+        return self.internode.dispatch(self.intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                       is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                       expert_alignment, num_worst_tokens, config, previous_event)
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
+                allocate_on_comm_stream=False):
+        """``Buffer.combine`` across hosts (:meth:`Internode.combine`)."""
+        return self.internode.combine(x, handle, topk_weights, bias, config, previous_event)
+
+    def internode_dispatch(self, *args, **kwargs):
+        """``Buffer.internode_dispatch``: :meth:`dispatch`."""
+        return self.dispatch(*args, **kwargs)
+
+    def internode_combine(self, *args, **kwargs):
+        """``Buffer.internode_combine``: :meth:`combine`."""
+        return self.combine(*args, **kwargs)
+
+
+@dataclass
+class Modes:
+    """The modes a Buffer chose (:func:`open_modes`), and what the Buffer asks of them together."""
+    rt: Runtime                                     # the Buffer's runtime
+    normal: Union[Intranode, AcrossHosts]           # get_dispatch_layout, dispatch, combine
+    low_latency: Union[LowLatency, Unavailable]     # the low_latency_* calls
+    internode: Optional[Internode]                  # across hosts: normal mode's network leg; else None
+    num_rdma_bytes: int                             # the Buffer's num_rdma_bytes
+
+    @property
+    def intranode(self) -> Intranode:
+        """The Buffer's group-wide :class:`Intranode` (across hosts, the one under the network leg)."""
+        return self.normal.intranode if self.internode is not None else self.normal
+
+    def check(self) -> None:
+        """``Buffer.check``: within one host the runtime's records; across hosts also the RDMA proxies' and the
+        capture path's statuses, and low-latency mode's own signals and proxy."""
+        if self.internode is not None:
+            self.internode.check()
+            self.low_latency.check()
+        else:
+            self.rt.check()
+
+    def close(self) -> None:
+        """``Buffer.destroy``: low-latency mode's network leg, normal mode's, then the shared buffers."""
+        try:
+            internode_ll.close(self.low_latency)
+        finally:
+            try:
+                if self.internode is not None:
+                    self.internode.close()
+            finally:
+                self.rt.close()
+
+    def rdma_stats(self) -> dict:
+        """``Buffer.get_rdma_stats``: normal mode's traffic between hosts, and low-latency mode's under
+        ``"low_latency"`` where it has a network leg."""
+        self.rt.live()
+        stats = self.internode.stats() if self.internode is not None else traffic_stats()
+        if self.low_latency.net is not None:
+            stats["low_latency"] = traffic_stats(self.rt.rdma_transport, self.rt.num_hosts,
+                                                 self.low_latency.net.sched.stats())
+        return stats
+
+    def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
+                            use_rdma_buffer: bool) -> Tensor:
+        """``Buffer.get_local_buffer_tensor``: a view of this rank's shared buffer, or with ``use_rdma_buffer``
+        :meth:`rdma_scratch`."""
+        if use_rdma_buffer:
+            return self.rdma_scratch(dtype, size, offset)
+        t = self.rt.live().data.view(dtype)[offset:]
+        if size is None:
+            return t
+        if t.numel() < torch.Size(size).numel():
+            raise ValueError(f"size {tuple(size)} exceeds the buffer ({t.numel()} elements from offset {offset})")
+        return t[:torch.Size(size).numel()].view(size)
+
+    def rdma_scratch(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int) -> Tensor:
+        """What ``get_local_buffer_tensor(use_rdma_buffer=True)`` gives in place of DeepEP's NVSHMEM buffer: as many
+        ``dtype`` elements as this rank's RDMA-side memory has from ``offset`` (across hosts the registered rings,
+        else ``num_rdma_bytes``), all views of one scratch element (stride 0) that no call reads, so that writing
+        it (vLLM zeroes it to reset it) changes nothing: the signal words carry call numbers."""
+        self.rt.live()
+        nbytes = self.internode.rdma_buffer().numel() if self.internode is not None else self.num_rdma_bytes
+        n = max(nbytes // dtype.itemsize - int(offset), 0)
+        shape = torch.Size([n]) if size is None else torch.Size(size)
+        if shape.numel() > n:
+            raise ValueError(f"size {tuple(shape)} exceeds the RDMA buffer ({n} elements from offset {offset})")
+        scratch = torch.zeros(1, dtype=dtype, device=self.rt.device)
+        return scratch.as_strided(shape, (0,) * len(shape))
+
+
+def open_modes(rt: Runtime, low_latency_mode: bool, num_rdma_bytes: int, num_qps_per_rank: int, shrink: bool,
+               allow_nvlink: bool) -> Modes:
+    """Build a Buffer's modes over its runtime ``rt`` (the Buffer's arguments of the same names), then agree on
+    the layout with every rank. On failure what was built is closed, ``rt`` too, and the error raised."""
+    intranode = Intranode(rt)
+    if rt.num_hosts == 1:
+        ll = LowLatency(rt, rt.ll_offset, rt.ll_bytes, shrink) if rt.ll_bytes else Unavailable(rt)
+        modes = Modes(rt, intranode, ll, None, num_rdma_bytes)
+    else:
+        modes = _open_across_hosts(rt, intranode, low_latency_mode, num_rdma_bytes, num_qps_per_rank, shrink,
+                                   allow_nvlink)
+    rt.agree_on_layout()
+    return modes
+
+
+def _open_across_hosts(rt: Runtime, intranode: Intranode, low_latency_mode: bool, num_rdma_bytes: int,
+                       num_qps_per_rank: int, shrink: bool, allow_nvlink: bool) -> Modes:
+    try:
+        ll = (bool(low_latency_mode), int(num_rdma_bytes) if low_latency_mode else 0)
+        internode = Internode(rt, low_latency=ll)
+    except BaseException:
+        rt.close()
+        raise
+    low_latency = Unavailable(rt)
+    if low_latency_mode and num_rdma_bytes:
+        try:
+            low_latency = internode_ll.open_internode_low_latency(
+                rt, ll_area_bytes(num_rdma_bytes), num_qps_per_rank, shrink, bool(allow_nvlink),
+                delays=internode.delays)
+        except BaseException:
+            try:
+                internode.close()
+            finally:
+                rt.close()
+            raise
+    return Modes(rt, AcrossHosts(internode, intranode), low_latency, internode, num_rdma_bytes)
