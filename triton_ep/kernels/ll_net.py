@@ -4,7 +4,7 @@ RDMA scheduler's rings (:mod:`triton_ep.scheduler`), and the launch that unpacks
 Each call sends every rank on the network one chunk, in the scheduler's ring of 2 slots per peer (the two
 halves of the area): call ``n``'s chunk to rank ``p`` is chunk ``k = n - 1 + TXOFF[p]`` of that ring, in slot
 ``k & 1``, and from ``p`` chunk ``n - 1 + RXOFF[p]`` (the offsets are 0 until a re-synchronisation, after an
-error or to unmask ranks, restarts the call numbers; :mod:`triton_ep.modes.internode_ll`). A chunk is
+error or to unmask ranks, restarts the call numbers; :mod:`triton_ep.modes.internode.low_latency`). A chunk is
 (:data:`triton_ep.protocol.records.NET_HEADER_WORDS` header words, int64 ``[n, signature, status, rows]``):
 
 - dispatch: the counts (int32 ``[E/R]``, padded to 4) of the receiver's local experts, then the records

@@ -11,8 +11,8 @@ import torch
 
 from ..runtime import Runtime
 from ..runtime.context import ll_area_bytes
-from . import internode_ll
-from .internode import Internode, traffic_stats
+from .internode import low_latency as internode_ll
+from .internode.normal import Internode, traffic_stats
 from .intranode import Intranode
 from .low_latency import LowLatency, Unavailable
 

@@ -114,7 +114,7 @@ def test_construction_errors_across_hosts_on_every_rank():
 def test_network_shape_from_the_environment():
     """TRITON_EP_RDMA_QPS_PER_PEER / _SLOTS / _CHUNK_BYTES override the defaults; bad values raise naming the
     variable."""
-    from triton_ep.modes.internode import network_shape
+    from triton_ep.modes.internode.normal import network_shape
     assert network_shape({}) == (4, 8, 65536)
     assert network_shape({"TRITON_EP_RDMA_QPS_PER_PEER": "2", "TRITON_EP_RDMA_SLOTS": "3",
                           "TRITON_EP_RDMA_CHUNK_BYTES": "128"}) == (2, 3, 128)

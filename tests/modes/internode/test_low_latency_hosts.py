@@ -201,7 +201,7 @@ def test_combine_before_its_dispatch_hook_is_refused(per_host):
 def test_disagreement_across_hosts_names_the_field_and_both_values():
     """2 hosts of 1 rank: rank 1 dispatches with use_fp8=False where rank 0 passes True, then with half of rank 0's
     num_max_dispatch_tokens_per_rank. Each rank's call card is in its own memory only; the two ranks exchange them
-    through the group's store once the mismatch is recorded (modes.internode_ll, NetLeg.explain_mismatch): every
+    through the group's store once the mismatch is recorded (modes.internode.low_latency, NetLeg.explain_mismatch): every
     rank raises ValueError naming the field and both values (before: "ranks 0 and 1 called different operations
     or passed different arguments"), and the next agreeing dispatch is correct."""
     out = _values(run_ranks(ll_cases.across_hosts, 2, _env(1), "disagree_then_recover", 8, 128, 4))

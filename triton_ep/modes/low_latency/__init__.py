@@ -1,5 +1,5 @@
 """Low-latency mode (DeepEP's decode-time dispatch and combine), within one host and, with the network leg of
-:mod:`triton_ep.modes.internode_ll`, across hosts.
+:mod:`triton_ep.modes.internode.low_latency`, across hosts.
 
 :class:`LowLatency` (:mod:`.state`) is what :class:`~triton_ep.Buffer` delegates its ``low_latency_*`` methods
 to. It owns the low-latency area: the part of each rank's shared buffer sized by ``num_rdma_bytes``, mapped by

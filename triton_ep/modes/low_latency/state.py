@@ -46,7 +46,7 @@ class LowLatency:
         self.pending: List[int] = []
         #: (N, hidden, num_experts) of the last send: a send of other sizes waits for every peer's last receive
         self.last_sizes: Optional[tuple] = None
-        #: ranks on several hosts: the network leg to every other rank (:mod:`triton_ep.modes.internode_ll`)
+        #: ranks on several hosts: the network leg to every other rank (:mod:`triton_ep.modes.internode.low_latency`)
         self.net = None
         #: the plans the next dispatch and combine of the same sizes replay (:mod:`.replay`)
         self.replay_dispatch = self.replay_combine = None

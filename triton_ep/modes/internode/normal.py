@@ -15,7 +15,7 @@ chunk's WRITEs and then its signal on one QP of the plan; an unpack kernel acqui
 chunks out and releases ``HEAD`` (credits).  A launch moves at most ``slots`` chunks per peer; larger
 transfers run in rounds.  On the host path the host exchanges a small header with its RDMA peers per call
 (counts, record layout, status) and waits for the ring kernels; the capture path
-(:mod:`triton_ep.modes.internode_capture`: ``num_worst_tokens`` dispatches on a GPU, and the cached
+(:mod:`triton_ep.modes.internode.capture`: ``num_worst_tokens`` dispatches on a GPU, and the cached
 dispatches and combines of GPU handles) keeps all of that on the device, so it captures in a CUDA graph.
 The forwarding leg is an intranode call on both.
 
@@ -37,23 +37,23 @@ from typing import List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from .. import scheduler as sched_mod
-from ..config import EventOverlap
-from ..errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
-from ..runtime import Runtime
-from ..runtime.checks import check_event
-from ..runtime import hosts as hosts_mod
-from ..transport.bootstrap import gather_objects
-from .. import kernels
-from ..kernels import net
-from ..kernels._util import cdiv, interpreted
-from ..protocol import call_card
-from ..protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS,
+from ... import scheduler as sched_mod
+from ...config import EventOverlap
+from ...errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
+from ...runtime import Runtime
+from ...runtime.checks import check_event
+from ...runtime import hosts as hosts_mod
+from ...transport.bootstrap import gather_objects
+from ... import kernels
+from ...kernels import net
+from ...kernels._util import cdiv, interpreted
+from ...protocol import call_card
+from ...protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS,
                                 HOST_MISMATCH, HOST_OK, NET_META_BYTES, NetRecord)
-from ..protocol.signal_header import STAGE_CAPACITY
-from ..transport.signals import stall_watchdog
-from .intranode import DispatchHandle, Intranode, check_cached_dispatch
-from .internode_capture import ENV_CAPTURE_PATH, CapturePath, CapturePlan
+from ...protocol.signal_header import STAGE_CAPACITY
+from ...transport.signals import stall_watchdog
+from ..intranode import DispatchHandle, Intranode, check_cached_dispatch
+from .capture import ENV_CAPTURE_PATH, CapturePath, CapturePlan
 from .network import agreed_delays, delays_to_exchange, open_network
 
 Tensor = torch.Tensor
@@ -281,7 +281,7 @@ class Internode(CapturePath):
             hosts_mod.first_error([v for e in every for v in (e[1], e[2])])
             num_qps_per_peer, slots, slot_bytes = shape
             #: the emulated fabric's (reorder_s, skew_s) the ranks agreed on (None: verbs); the low-latency
-            #: network leg takes them too (internode_ll.open_internode_low_latency)
+            #: network leg takes them too (low_latency.open_internode_low_latency)
             self.delays = delays = agreed_delays([e[4] for e in every])
             hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
             hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
@@ -340,7 +340,7 @@ class Internode(CapturePath):
         """Raise at once where an earlier call failed: the Buffer destroyed (``EPError``), a kernel's
         recorded error, or the RDMA proxy's (sticky: every later call raises it, with global ranks). Where a
         capture-path call failed because ranks disagree, the first such error is that disagreement's
-        ``ValueError`` (:meth:`~triton_ep.modes.internode_capture.CapturePath.translate_failure`)."""
+        ``ValueError`` (:meth:`~triton_ep.modes.internode.capture.CapturePath.translate_failure`)."""
         if self.sched is None:
             raise EPError(f"rank {self.rt.rank}: this Buffer was destroyed")
         try:

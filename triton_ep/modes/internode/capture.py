@@ -1,7 +1,7 @@
 """The capture path of internode normal mode: a ``num_worst_tokens`` dispatch across hosts, its cached
 dispatches and its combines with no host wait and no host exchange, so they can be captured in a CUDA graph.
 
-The host path (:class:`~triton_ep.modes.internode.Internode`) exchanges a small header with each RDMA peer per
+The host path (:class:`~triton_ep.modes.internode.normal.Internode`) exchanges a small header with each RDMA peer per
 call and numbers the ring's chunks on the host; here everything the host learnt there stays on the device:
 
 - **Streams with a header.** Each stream to a peer host starts with
@@ -48,16 +48,16 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..config import EventOverlap
-from ..errors import EPCapacityError, EPRemoteError
-from ..kernels import net
-from ..kernels._util import cdiv
-from ..protocol import call_card
-from ..protocol.records import (NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STATUS_FAILED, NET_STATUS_LAYOUT,
+from ...config import EventOverlap
+from ...errors import EPCapacityError, EPRemoteError
+from ...kernels import net
+from ...kernels._util import cdiv
+from ...protocol import call_card
+from ...protocol.records import (NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STATUS_FAILED, NET_STATUS_LAYOUT,
                                 NetRecord)
-from ..runtime.hosts import Disagreement
-from ..transport.bootstrap import _group_store
-from . import internode as inode       # (a cycle: its Internode mixes this class in; names used at call time)
+from ...runtime.hosts import Disagreement
+from ...transport.bootstrap import _group_store
+from . import normal as inode       # (a cycle: its Internode mixes this class in; names used at call time)
 
 Tensor = torch.Tensor
 #: the environment variable that sends every num_worst_tokens call across hosts down the capture path
@@ -121,7 +121,7 @@ class CapturePlan:
 
 
 class CapturePath:
-    """The capture path's calls; a mix-in of :class:`~triton_ep.modes.internode.Internode` (its attributes:
+    """The capture path's calls; a mix-in of :class:`~triton_ep.modes.internode.normal.Internode` (its attributes:
     ``rt``, ``sched``, ``hosts``, ``host``, ``num_hosts``, ``per_host``, the ring tensors and helpers)."""
 
     def _init_capture(self, mode: Optional[bool]) -> None:

@@ -2,8 +2,8 @@
 
 A Buffer built with ``low_latency_mode`` whose ranks span several hosts gets a low-latency area of its own
 (``num_rdma_bytes``, mapped by the ranks of its host) and a network leg to every other rank of the group
-(:mod:`triton_ep.modes.network`: the transport, the RDMA scheduler and its rings, 2 slots per peer, one per half
-of the area). The low-latency kernels run as within one host, with the
+(:mod:`triton_ep.modes.internode.network`: the transport, the RDMA scheduler and its rings, 2 slots per peer,
+one per half of the area). The low-latency kernels run as within one host, with the
 network leg (:mod:`triton_ep.kernels.ll_net`): records and returned rows for another rank go packed into
 that rank's chunk of the send ring, the proxy posts the chunk's WRITEs and then its signal on one QP, and
 the receive (or its hook) first unpacks the chunks that arrived into the area. Each token still goes
@@ -29,18 +29,18 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..errors import EPError, EPTimeoutError
-from ..kernels import flags as F
-from ..kernels._util import env_switch
-from ..protocol.ll_area import net_slot_bytes
-from ..protocol.records import NET_HEADER_WORDS
-from ..runtime import Runtime
-from ..runtime import hosts as hosts_mod
-from ..protocol import call_card
-from ..transport import ipc
-from ..transport.bootstrap import _group_store, gather_objects
-from ..transport.signals import RingFlags, header_bytes
-from .low_latency import LowLatency
+from ...errors import EPError, EPTimeoutError
+from ...kernels import flags as F
+from ...kernels._util import env_switch
+from ...protocol.ll_area import net_slot_bytes
+from ...protocol.records import NET_HEADER_WORDS
+from ...runtime import Runtime
+from ...runtime import hosts as hosts_mod
+from ...protocol import call_card
+from ...transport import ipc
+from ...transport.bootstrap import _group_store, gather_objects
+from ...transport.signals import RingFlags, header_bytes
+from ..low_latency import LowLatency
 from .network import Network, open_network
 
 
@@ -270,7 +270,7 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
     Raises:
         ValueError: ``num_qps_per_rank`` not an int >= 1; ranks disagree on it, on ``enable_shrink``,
             ``allow_nvlink_for_low_latency_mode`` or ``TRITON_EP_LL_ARRIVAL_WORDS`` (on every rank; ``num_rdma_bytes``
-            is checked before, by :class:`~triton_ep.modes.internode.Internode`); ``TRITON_EP_LL_ARRIVAL_WORDS``
+            is checked before, by :class:`~triton_ep.modes.internode.normal.Internode`); ``TRITON_EP_LL_ARRIVAL_WORDS``
             is no switch on some rank (on every rank, naming that rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
