@@ -112,7 +112,7 @@ def drop_rdma_signal(buf: Buffer, peer_host: int, nth: int = 0) -> None:
     if mode is None:
         raise ValueError("drop_rdma_signal needs a Buffer whose ranks span several hosts")
     sched = mode.sched
-    mode.sync_host_path()           # after capture-path calls, the chunk numbers are the ring counters'
+    mode.capture.sync_host_path()   # after capture-path calls, the chunk numbers are the ring counters'
     first = sched._next_tx[peer_host]
     if hasattr(sched, "test_hook"):     # the proxy in a process of its own builds the work requests
         return sched.test_hook("drop_signal", peer_host, first + nth)

@@ -653,7 +653,7 @@ def worst_after_rejection(rank, world, env):
         except Exception as ex:   # noqa: BLE001
             first = type(ex).__name__
         dist.barrier()
-        buf._modes.internode._capture_mode = True
+        buf._modes.internode.capture.mode = True
         Ts = [7, 0, 9, 4]
         checked = check_case(buf, rank, world, 2, 5, 16, 3, 64, Ts, {"worst": "per_rank", "bias": True})
         return {"first": first, "checked": checked}

@@ -57,7 +57,7 @@ from ...protocol.records import (NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STAT
                                 NetRecord)
 from ...runtime.hosts import Disagreement
 from ...transport.bootstrap import _group_store
-from . import normal as inode       # (a cycle: its Internode mixes this class in; names used at call time)
+from .handle import InternodeHandle, record_field
 
 Tensor = torch.Tensor
 #: the environment variable that sends every num_worst_tokens call across hosts down the capture path
@@ -121,16 +121,27 @@ class CapturePlan:
 
 
 class CapturePath:
-    """The capture path's calls; a mix-in of :class:`~triton_ep.modes.internode.normal.Internode` (its attributes:
-    ``rt``, ``sched``, ``hosts``, ``host``, ``num_hosts``, ``per_host``, the ring tensors and helpers)."""
+    """The capture path's calls and state, a part of :class:`~triton_ep.modes.internode.normal.Internode`: it takes
+    the calls :meth:`takes` picks and runs the host path's own steps (argument checks, record layout and sources,
+    the ring kernels' rounds, the forwarding leg) through ``leg``.
 
-    def _init_capture(self, mode: Optional[bool]) -> None:
-        """``mode``: ``TRITON_EP_INTERNODE_CAPTURE_PATH`` (``None``: unset, the capture path on CUDA only)."""
+    Args:
+        leg: the :class:`~triton_ep.modes.internode.normal.Internode` that holds this path (its scheduler, call
+            count and steps are read from it at each call; ``rt``, ``hosts``, ``host``, ``num_hosts``,
+            ``per_host`` and ``local``, fixed once it is built, are kept here too).
+        mode: ``TRITON_EP_INTERNODE_CAPTURE_PATH`` (``None``: unset, the capture path on CUDA only).
+    """
+
+    def __init__(self, leg, mode: Optional[bool]) -> None:
+        self.leg = leg
+        self.rt, self.hosts, self.host, self.local = leg.rt, leg.hosts, leg.host, leg.local
+        self.num_hosts, self.per_host = leg.num_hosts, leg.per_host
         dev = self.rt.device
         #: int32 [num_hosts, 2]: the capture path's statuses (code, culprit / reason), pinned on GPU so the
         #: host reads them without a synchronisation
         self._cstatus = torch.zeros(self.num_hosts, 2, dtype=torch.int32, device="cpu", pin_memory=dev.type == "cuda")
-        self._capture_mode = dev.type == "cuda" if mode is None else mode
+        #: num_worst_tokens calls take this path (:meth:`takes`) on CUDA, or as TRITON_EP_INTERNODE_CAPTURE_PATH says
+        self.mode = dev.type == "cuda" if mode is None else mode
         #: a capture-path call was made (or captured: its replays advance the ring counters unseen)
         self._capture_used = False
         #: this host's ranks' num_worst_tokens at the latest capture-path dispatch (its staging areas' room)
@@ -138,17 +149,17 @@ class CapturePath:
         #: this rank's running capture-path call as disagreements name it: ``(call-card code, value, ...)``
         #: (:mod:`triton_ep.protocol.call_card`; ``()`` until its arguments passed their checks)
         self._capture_card: tuple = ()
-        #: the group's key-value store and this Buffer's prefix there (:meth:`_init_capture_store`): where ranks
+        #: the group's key-value store and this Buffer's prefix there (:meth:`open_store`): where ranks
         #: that disagree on a capture-path call exchange their call cards and tell the others
         self._cstore, self._ckey = None, ""
         #: this rank raised the disagreement that ended the network leg (later calls raise the leg's own error)
         self._disagreement_raised = False
 
-    def _init_capture_store(self, group, token: str) -> None:
+    def open_store(self, group, token: str) -> None:
         """``token``: the Buffer's fabric token (the same on every rank)."""
         self._cstore, self._ckey = _group_store(group), f"triton_ep/capture/{token}/"
 
-    def capture_path(self, num_worst_tokens: int = 0, handle=None) -> bool:
+    def takes(self, num_worst_tokens: int = 0, handle=None) -> bool:
         """Whether a call takes the capture path: a cached dispatch or combine of a handle it made; a
         ``num_worst_tokens`` dispatch on a CUDA device (``TRITON_EP_INTERNODE_CAPTURE_PATH=1``: on any device;
         ``=0``: nowhere) or while a CUDA graph is captured."""
@@ -156,16 +167,16 @@ class CapturePath:
             return isinstance(getattr(handle, "plan", None), CapturePlan)
         if not num_worst_tokens:
             return False
-        return self._capture_mode or (self.rt.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        return self.mode or (self.rt.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
     def sync_host_path(self) -> None:
         """Before a host-path exchange: once any capture-path call was made, wait for the work queued on the
         device (graph replays included) and take the scheduler's chunk numbers from the ring counters."""
         if self._capture_used:
-            self._wait_device()
-            self.sched.resync()
+            self.leg._wait_device()
+            self.leg.sched.resync()
 
-    def check_capture(self) -> None:
+    def check(self) -> None:
         """Raise what a capture-path call's status recorded (pinned host memory; no synchronisation). Any
         such error ends the network leg for good (the RDMA peers and this host's ranks are told)."""
         st = self._cstatus.numpy()
@@ -185,7 +196,7 @@ class CapturePath:
                 ex = ValueError(f"rank {me}: in a num_worst_tokens call across hosts, "
                                 f"{_REASONS.get(extra, 'an argument was bad')}")
         else:
-            peer = self._peer_rank(h)
+            peer = self.leg._peer_rank(h)
             if code == NET_STATUS_CAPACITY:
                 ex = EPCapacityError(f"rank {me}: rank {peer} (host {h}) sent this host (host {self.host}) more "
                                      f"records than {room}: a num_worst_tokens of those ranks is too small")
@@ -213,10 +224,10 @@ class CapturePath:
         if getattr(ex, "_ep_mismatch", False):
             self._tell(ex)
             self._disagreement_raised = True
-        if self.sched is not None and self.sched.error is None:
-            self.sched.fail(EPRemoteError(f"rank {self.rt.rank}: a num_worst_tokens call across hosts failed "
+        if self.leg.sched is not None and self.leg.sched.error is None:
+            self.leg.sched.fail(EPRemoteError(f"rank {self.rt.rank}: a num_worst_tokens call across hosts failed "
                                           f"({type(ex).__name__}: {ex}); destroy() and rebuild the Buffer"))
-        self._leave_host(ex)
+        self.leg._leave_host(ex)
 
     def _capture_call(self, body, *args):
         """One capture-path call, ``body(*args)``: any error it raises (an argument check on the host, this
@@ -347,7 +358,7 @@ class CapturePath:
         Returns: the staging area int32 ``[num_hosts, hw + cap_rx * rec_w]`` (each host's header, then its
         records; this host's: this rank's own), the records per host (int32 ``[num_hosts]``), and ``hw``.
         """
-        sched, dev, nh, me = self.sched, self.rt.device, self.num_hosts, self.host
+        sched, dev, nh, me = self.leg.sched, self.rt.device, self.num_hosts, self.host
         rw = rec.nbytes // 4
         ne = 0 if extra is None else extra.shape[1]
         hw = NET_HEADER_WORDS + cdiv(ne, 4) * 4
@@ -383,8 +394,8 @@ class CapturePath:
         tok_start, out_start = ar * n, ar * region
         n_tx = hdr[:, 0].to(torch.int64)
         f_tx, f_rx = (torch.empty(nh, dtype=torch.int64, device=dev) for _ in range(2))
-        with self._network():
-            self._rounds(rounds, src, tokens, tok_start, n_tx, f_tx, out.view(-1), out_start, n_rx, f_rx, dev=cd)
+        with self.leg._network():
+            self.leg._rounds(rounds, src, tokens, tok_start, n_tx, f_tx, out.view(-1), out_start, n_rx, f_rx, dev=cd)
         rx[me] = cnt[me].clamp(max=cap_rx).to(torch.int32)
         return out, rx, hw
 
@@ -407,7 +418,7 @@ class CapturePath:
         return (torch.arange(cap, dtype=torch.int64, device=rx.device)[None, :] < rx[:, None]).view(-1)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch_capture(self, intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+    def dispatch(self, intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                          previous_event):
         """:meth:`Internode.dispatch` on the capture path (same arguments and results)."""
@@ -421,7 +432,7 @@ class CapturePath:
     def _dispatch_capture(self, intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                           previous_event):
-        self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
+        self.leg.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         xv, sc, idx, w, E, K = a.x, a.scales, a.topk_idx, a.topk_weights, a.num_experts, a.num_topk
@@ -430,14 +441,14 @@ class CapturePath:
                               call_card.dtype_code(None if sc is None else sc.dtype), 0 if sc is None else sc.shape[1],
                               K, int(w is not None), E)
         # this host's ranks' values (each may pass its own): a record gives at least one row on this host
-        self._host_worst = self._local_run(self.local.worst_steps(a, W))
+        self._host_worst = self.leg._local_run(self.local.worst_steps(a, W))
         C = sum(self._host_worst)
         if C >= 1 << 31:        # (the same on every rank of the host: they all raise here)
             raise ValueError(f"rank {self.rt.rank}: the num_worst_tokens of host {self.host}'s ranks add up to {C} "
                              f"({', '.join(map(str, self._host_worst))}), more than a stream can count (2^31 - 1)")
         lay = intranode._routing(a)
         in_rank = lay[2]
-        host_mask = self._host_mask(in_rank)
+        host_mask = self.leg._host_mask(in_rank)
         cnt = host_mask.sum(0)
         reason = torch.zeros((), dtype=torch.int32, device=dev)
         if idx is not None:
@@ -452,32 +463,32 @@ class CapturePath:
         tok = torch.zeros(nh * T + 1, dtype=torch.int64, device=dev)
         tok.scatter_(0, slot.view(-1), torch.arange(T, dtype=torch.int64, device=dev)[:, None].expand(T, nh).reshape(-1))
         tok = tok[:nh * T].view(nh, T)
-        rec = self._record(xv, sc, K, 0 if w is None else K, self.per_host)
-        src = self._sources(rec, T, xv, sc, None if idx is None else idx.long(), w, in_rank)
+        rec = self.leg._record(xv, sc, K, 0 if w is None else K, self.per_host)
+        src = self.leg._sources(rec, T, xv, sc, None if idx is None else idx.long(), w, in_rank)
         extra = None if idx is not None else a.num_tokens_per_expert.to(torch.int32).view(nh, E // nh)
         out, rx, hw = self._move_capture(OP_DISPATCH, rec, src, tok, cnt, C, extra, code, reason, own_cap=True)
         fwd = self._records(out, hw, rec, C)
         valid = self._valid(rx, C)
-        x_f, sc_f, ids_f, w_f, in_f = self._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
+        x_f, sc_f, ids_f, w_f, in_f = self.leg._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
         in_f = in_f & valid[:, None]
         ids_local = None
         if idx is not None:
-            ids_local, npe_f = self._local_experts(ids_f, E, idx.dtype, valid)
+            ids_local, npe_f = self.leg._local_experts(ids_f, E, idx.dtype, valid)
         else:
             n_e = self.per_host * (E // R)
             npe_f = out[:, NET_HEADER_WORDS:NET_HEADER_WORDS + n_e].sum(0, dtype=torch.int32)
         xs_f = x_f if sc_f is None else (x_f, sc_f)
-        res = self._local_run(self.local.dispatch_steps(
+        res = self.leg._local_run(self.local.dispatch_steps(
             xs_f, None, in_f.sum(0, dtype=torch.int32), None, in_f, npe_f, ids_local, w_f, expert_alignment, W),
             forwarded=True)
         recv_x_f, recv_idx, recv_w, _, local_handle, _ = res
-        x_ret, order, src_meta, recv_from = self._in_rank_order(recv_x_f, local_handle, xv)
+        x_ret, order, src_meta, recv_from = self.leg._in_rank_order(recv_x_f, local_handle, xv)
         cnt_c = cnt.clone()
         cnt_c[self.host] = cnt_c[self.host].clamp(max=C)
         ctok = torch.arange(nh * C, dtype=torch.int64, device=dev).view(nh, C)
-        plan = CapturePlan(self.rt.uid, self._calls, T, tok, cnt_c, C, rx, local_handle, order, W, ctok)
+        plan = CapturePlan(self.rt.uid, self.leg._calls, T, tok, cnt_c, C, rx, local_handle, order, W, ctok)
         head = torch.where(host_mask, pos, -1).to(torch.int32)
-        handle = inode.InternodeHandle((
+        handle = InternodeHandle((
             in_rank, cnt_c.to(torch.int32).view(-1, 1), in_rank.sum(0, dtype=torch.int32).view(-1, 1),
             rx.view(-1, 1), torch.cumsum(rx, 0, dtype=torch.int32), recv_from.view(-1, 1),
             torch.cumsum(recv_from, 0, dtype=torch.int32), src_meta, head, local_handle[5]), plan)
@@ -485,7 +496,7 @@ class CapturePath:
                 recv_w[order] if recv_w is not None else None, [], handle, EventOverlap(None))
 
     def _cached_capture(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
-        xv, sc, plan, rec, src = self._cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
+        xv, sc, plan, rec, src = self.leg._cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
         self._capture_card = (call_card.CACHED_DISPATCH, call_card.dtype_code(xv.dtype), xv.shape[1],
                               call_card.dtype_code(None if sc is None else sc.dtype), 0 if sc is None else sc.shape[1],
                               plan.seq)
@@ -493,28 +504,28 @@ class CapturePath:
         # counts are exact
         out, rx, hw = self._move_capture(OP_CACHED, rec, src, plan.tok, plan.cnt, plan.cap,
                                          own_cap=plan.blocks is None)
-        x_f, sc_f, _, _, _ = self._split(self._forwarded(out, hw, rec, plan), rec, xv.dtype,
+        x_f, sc_f, _, _, _ = self.leg._split(self._forwarded(out, hw, rec, plan), rec, xv.dtype,
                                          None if sc is None else sc.dtype)
-        return self._forward_cached(x_f if sc_f is None else (x_f, sc_f), plan, xv)
+        return self.leg._forward_cached(x_f if sc_f is None else (x_f, sc_f), plan, xv)
 
     # ------------------------------------------------------------------ combine
-    def combine_capture(self, x, handle, topk_weights, bias, previous_event):
+    def combine(self, x, handle, topk_weights, bias, previous_event):
         """:meth:`Internode.combine` on the capture path (same arguments and results)."""
         return self._capture_call(self._combine_capture, x, handle, topk_weights, bias, previous_event)
 
     def _combine_capture(self, x, handle, topk_weights, bias, previous_event):
-        prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)
+        prep = self.leg._prepare_combine(x, handle, topk_weights, bias, previous_event)
         plan, H, K = prep.plan, prep.H, prep.K
         dev, nh, T = self.rt.device, self.num_hosts, plan.num_tokens
         self._capture_card = (call_card.COMBINE, H, K, plan.seq)
-        rec, src, _ = self._combine_in_host(prep)
+        rec, src, _ = self.leg._combine_in_host(prep)
         out, rx, hw = self._move_capture(OP_COMBINE, rec, src, plan.ctok, plan.rx, T)
         got = self._records(out, hw, rec, T)
         acc = torch.zeros(T + 1, H, dtype=torch.float32, device=dev)      # row T: where unused rows go
         wacc = torch.zeros(T + 1, K, dtype=torch.float32, device=dev) if K else None
         valid = self._valid(rx, T).view(nh, T)
-        rows = inode._get(rec, got, "row", torch.bfloat16)[:, :H].float().view(nh, T, H)
-        ws = inode._get(rec, got, "weights", torch.float32).view(nh, T, K) if K else None
+        rows = record_field(rec, got, "row", torch.bfloat16)[:, :H].float().view(nh, T, H)
+        ws = record_field(rec, got, "weights", torch.float32).view(nh, T, K) if K else None
         for h in range(nh):          # ascending host order; each token at most once per host
             t = torch.where(valid[h], plan.tok[h], T)
             acc.index_add_(0, t, rows[h])

@@ -54,6 +54,7 @@ from ...protocol.signal_header import STAGE_CAPACITY
 from ...transport.signals import stall_watchdog
 from ..intranode import DispatchHandle, Intranode, check_cached_dispatch
 from .capture import ENV_CAPTURE_PATH, CapturePath, CapturePlan
+from .handle import InternodeHandle, byte_columns, record_field, record_meta
 from .network import agreed_delays, delays_to_exchange, open_network
 
 Tensor = torch.Tensor
@@ -97,25 +98,6 @@ def network_shape(env: Mapping[str, str] = os.environ) -> Tuple[int, int, int]:
 
     return (get(ENV_QPS, DEFAULT_QPS_PER_PEER, 1, 64), get(ENV_SLOTS, DEFAULT_SLOTS, 1, 1024),
             get(ENV_CHUNK, DEFAULT_SLOT_BYTES, 64, 1 << 30, 64))
-
-
-def _field(rows: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
-    """Bytes ``[lo, hi)`` of each of ``rows`` (uint8 ``[n, nbytes]``) as ``dtype`` ``[n, (hi - lo) / size]``, in
-    fresh memory (a slice of one row keeps its offset, which a wider dtype's view may not take)."""
-    out = torch.empty((rows.shape[0], hi - lo), dtype=torch.uint8, device=rows.device)
-    out.copy_(rows[:, lo:hi])
-    return out.view(dtype)
-
-
-def _get(rec: NetRecord, rows: Tensor, field: str, dtype: torch.dtype) -> Tensor:
-    """``field`` of the records ``rows`` (uint8 ``[n, nbytes]``) as ``dtype`` ``[n, ...]``, in fresh memory."""
-    return _field(rows, *rec.span(field), dtype)
-
-
-def record_meta(recv_xf: Tensor) -> Tensor:
-    """The meta blocks of received records (uint8 ``[N, 16 + row]``) as int32 ``[N, 4]`` (source rank,
-    source token, 0, 0)."""
-    return _field(recv_xf, 0, NET_META_BYTES, torch.int32)
 
 
 def _words(t: Optional[Tensor], n: int, dev) -> Tensor:
@@ -172,31 +154,6 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
             "host_exchanges": host_exchanges}
 
 
-class InternodeHandle(tuple):
-    """The handle of an internode dispatch: DeepEP's 10-tuple (what each entry holds below), with this
-    mode's plan for cached dispatches and combine kept as attributes.
-
-    0. ``is_token_in_rank`` bool ``[T, R]``;
-    1. ``rdma_channel_prefix_matrix`` int32 ``[num_hosts, 1]``: tokens this rank sends to each host;
-    2. ``gbl_channel_prefix_matrix`` int32 ``[R, 1]``: tokens this rank sends to each rank;
-    3. ``recv_rdma_channel_prefix_matrix`` int32 ``[num_hosts, 1]``: tokens this rank forwards for each
-       source host (its RDMA peers, and itself);
-    4. ``recv_rdma_rank_prefix_sum`` int32 ``[num_hosts]``: cumulative of 3;
-    5. ``recv_gbl_channel_prefix_matrix`` int32 ``[R, 1]``: rows this rank receives from each rank;
-    6. ``recv_gbl_rank_prefix_sum`` int32 ``[R]``: rows received from ranks ``0..i`` (DeepEP's meaning);
-    7. ``recv_src_meta`` int32 ``[N, 2]``: each received row's global source rank and source token (``-1`` on
-       padding rows);
-    8. ``send_rdma_head`` int32 ``[T, num_hosts]``: token ``t``'s index among the rows sent to each host (``-1``);
-    9. ``send_nvl_head`` int32 ``[F, ranks per host]``: the intranode ``send_head`` of the rows this rank
-       forwarded (``F`` of them).
-    """
-
-    def __new__(cls, items, plan):
-        h = super().__new__(cls, items)
-        h.plan = plan
-        return h
-
-
 @dataclasses.dataclass
 class _Plan:
     uid: str
@@ -209,7 +166,7 @@ class _Plan:
     num_rows: int                   # N (padding included)
 
 
-class Internode(CapturePath):
+class Internode:
     """Internode normal mode for one Buffer whose ranks span several hosts.
 
     Args:
@@ -286,9 +243,10 @@ class Internode(CapturePath):
             hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
             hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
             hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])
-            self._init_capture(capture)
+            #: the capture path (:class:`~triton_ep.modes.internode.capture.CapturePath`): its calls and state
+            self.capture = CapturePath(self, capture)
             token = every[0][0]
-            self._init_capture_store(rt.group, token)
+            self.capture.open_store(rt.group, token)
             names = [f"ep{token}_{r}" for r in range(rt.group_size)]
             # the rings: host memory the proxy and the NIC see, pinned and device-mapped for GPU kernels
             leg = open_network(rt.rdma_transport, self.peer_group, self.host, self.num_hosts, token=token, names=names,
@@ -346,14 +304,14 @@ class Internode(CapturePath):
         try:
             self._live_checks()
         except Exception as ex:     # noqa: BLE001 - raised as it is, or as the disagreement behind it
-            told = self.translate_failure(ex)
+            told = self.capture.translate_failure(ex)
             if told is not ex:
                 raise told from ex
             raise
 
     def _live_checks(self) -> None:
         """:meth:`_live`'s checks, in order: the capture path's statuses, this host's runtime, the proxy."""
-        self.check_capture()        # first: this rank's own recorded error names the cause, the others echo it
+        self.capture.check()        # first: this rank's own recorded error names the cause, the others echo it
         try:
             self.rt.check()         # this host's runtime: also raises where its forwarding leg failed for good
         except EPError as ex:
@@ -569,7 +527,7 @@ class Internode(CapturePath):
         """The header exchange of :meth:`_exchange` (``streams`` ``None``: a status alone; ``err``: this rank
         failed, and says so). Returns the record counts per host (this host's: its own stream's); raises the
         peers' failures (not ``err``: the caller raises it outside the network's error translation)."""
-        self.sync_host_path()
+        self.capture.sync_host_path()
         self.host_exchanges += 1
         peers = self.peer_hosts
         key = (0,) * _KEY_WORDS if streams is None else \
@@ -770,8 +728,8 @@ class Internode(CapturePath):
         """
         self._calls += 1
         self._live()
-        if self.capture_path(num_worst_tokens, handle):
-            return self.dispatch_capture(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+        if self.capture.takes(num_worst_tokens, handle):
+            return self.capture.dispatch(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                          is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                          expert_alignment, num_worst_tokens, previous_event)
         prep = err = None
@@ -878,7 +836,7 @@ class Internode(CapturePath):
         x_ret, order, src_meta, recv_from = self._in_rank_order(recv_x_f, local_handle, xv)
         n_rows = order.shape[0]
         to_host, in_rank = prep.to_host, prep.in_rank
-        if self._capture_mode:      # its cached dispatches and combines: no host wait, no host exchange
+        if self.capture.mode:      # its cached dispatches and combines: no host wait, no host exchange
             plan = CapturePlan.of_plain(self.rt.uid, self._calls, T, to_host, counts, local_handle, order)
         else:
             plan = _Plan(self.rt.uid, self._calls, T, to_host, counts, local_handle, order, n_rows)
@@ -944,17 +902,17 @@ class Internode(CapturePath):
         the row's bytes), scales, ids int64 ``[F, K]``, weights fp32 ``[F, K]`` or ``None``, is_token_in_rank
         bool ``[F, per_host]``."""
         dev = self.local_rt.device
-        x_f = _field(fwd, 0, rec.span("row")[1], torch.uint8).to(dev)        # meta, then the row
-        sc_f = _get(rec, fwd, "scales", sc_dtype).to(dev) if rec.scales else None
-        ids = _get(rec, fwd, "ids", torch.int64).to(dev) if rec.ids else None
-        w = _get(rec, fwd, "weights", torch.float32).to(dev) if rec.weights else None
-        in_f = _get(rec, fwd, "local", torch.bool).to(dev) if rec.local else None
+        x_f = byte_columns(fwd, 0, rec.span("row")[1], torch.uint8).to(dev)        # meta, then the row
+        sc_f = record_field(rec, fwd, "scales", sc_dtype).to(dev) if rec.scales else None
+        ids = record_field(rec, fwd, "ids", torch.int64).to(dev) if rec.ids else None
+        w = record_field(rec, fwd, "weights", torch.float32).to(dev) if rec.weights else None
+        in_f = record_field(rec, fwd, "local", torch.bool).to(dev) if rec.local else None
         return x_f, sc_f, ids, w, in_f
 
     @staticmethod
     def _rows(recv_xf: Tensor, dtype, hidden: int) -> Tensor:
         """The x rows of received records (uint8 ``[N, 16 + row]``) as ``dtype`` ``[N, hidden]``."""
-        return _field(recv_xf, NET_META_BYTES, recv_xf.shape[1], dtype)
+        return byte_columns(recv_xf, NET_META_BYTES, recv_xf.shape[1], dtype)
 
     def _check_handle(self, handle) -> _Plan:
         plan = getattr(handle, "plan", None)
@@ -976,8 +934,8 @@ class Internode(CapturePath):
         """
         self._calls += 1
         self._live()
-        if self.capture_path(handle=handle):
-            return self.combine_capture(x, handle, topk_weights, bias, previous_event)
+        if self.capture.takes(handle=handle):
+            return self.capture.combine(x, handle, topk_weights, bias, previous_event)
         prep = err = None
         try:
             prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)
@@ -1001,9 +959,9 @@ class Internode(CapturePath):
         for h in range(self.num_hosts):          # ascending host order; each token at most once per host
             t = plan.to_host[h].to(dev)
             blk = got[int(starts[h]):int(starts[h + 1])]
-            acc[t] += _get(rec, blk, "row", torch.bfloat16)[:, :H].float()
+            acc[t] += record_field(rec, blk, "row", torch.bfloat16)[:, :H].float()
             if K:
-                wacc[t] += _get(rec, blk, "weights", torch.float32)
+                wacc[t] += record_field(rec, blk, "weights", torch.float32)
         for b in prep.biases:
             acc += b.float()
         return (acc.to(torch.bfloat16), wacc, EventOverlap(None))
