@@ -48,12 +48,6 @@ KNOWN_EDGES = {
     ("__main__", "kernels._util"), ("__main__", "transport.emulated"), ("__main__", "transport.ipc"),
     ("__main__", "transport.rdma"), ("__main__", "transport.topology"), ("__main__", "transport.verbs"),
     ("testing", "transport.ipc"),
-    # internode modes reach transport/ directly (they become a package of their own: issue 48, item 2)
-    ("modes.internode.normal", "transport.bootstrap"), ("modes.internode.normal", "transport.signals"),
-    ("modes.internode.capture", "transport.bootstrap"),
-    ("modes.internode.low_latency", "transport.bootstrap"), ("modes.internode.low_latency", "transport.ipc"),
-    ("modes.internode.low_latency", "transport.signals"),
-    ("modes.internode.network", "transport.bootstrap"), ("modes.internode.network", "transport.factory"),
     # the scheduler's command checks its arguments with runtime's checks; the proxy's process entry point
     ("scheduler_cli", "runtime.checks"), ("transport.proxy_main", "proxy_process"),
 }

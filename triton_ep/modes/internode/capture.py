@@ -56,7 +56,7 @@ from ...protocol import call_card
 from ...protocol.records import (NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STATUS_FAILED, NET_STATUS_LAYOUT,
                                 NetRecord)
 from ...runtime.hosts import Disagreement
-from ...transport.bootstrap import _group_store
+from ...runtime.fabric import group_store
 from .handle import InternodeHandle, record_field
 
 Tensor = torch.Tensor
@@ -157,7 +157,7 @@ class CapturePath:
 
     def open_store(self, group, token: str) -> None:
         """``token``: the Buffer's fabric token (the same on every rank)."""
-        self._cstore, self._ckey = _group_store(group), f"triton_ep/capture/{token}/"
+        self._cstore, self._ckey = group_store(group), f"triton_ep/capture/{token}/"
 
     def takes(self, num_worst_tokens: int = 0, handle=None) -> bool:
         """Whether a call takes the capture path: a cached dispatch or combine of a handle it made; a

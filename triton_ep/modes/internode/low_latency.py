@@ -37,9 +37,7 @@ from ...protocol.records import NET_HEADER_WORDS
 from ...runtime import Runtime
 from ...runtime import hosts as hosts_mod
 from ...protocol import call_card
-from ...transport import ipc
-from ...transport.bootstrap import _group_store, gather_objects
-from ...transport.signals import RingFlags, header_bytes
+from ...runtime.fabric import RingFlags, gather_objects, group_store, header_bytes, ipc
 from ..low_latency import LowLatency
 from .network import Network, open_network
 
@@ -72,7 +70,7 @@ class NetLeg:
         self.slot_bytes, self.slot_w = int(slot_bytes), int(slot_bytes) // 4
         #: the group's key-value store (None where torch has none): ranks that disagree exchange their call cards
         #: there, after the error is recorded (:meth:`explain_mismatch`)
-        self.store = _group_store(group) if group is not None else None
+        self.store = group_store(group) if group is not None else None
         #: the keys of those cards: ``<prefix><epoch>/<rank>``, the epoch being the call number the group last
         #: restarted at (:meth:`resync`: equal on every rank); the cards this rank posted, removed after the
         #: next meeting (every rank raised its recorded error before it came)

@@ -16,8 +16,7 @@ import torch
 from ... import proxy_process
 from ... import scheduler as sched_mod
 from ...runtime import hosts as hosts_mod
-from ...transport import factory
-from ...transport.bootstrap import gather_objects
+from ...runtime.fabric import factory, gather_objects
 
 
 def delays_to_exchange(backend: str, rank: int):

@@ -43,7 +43,7 @@ from ...errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from ...runtime import Runtime
 from ...runtime.checks import check_event
 from ...runtime import hosts as hosts_mod
-from ...transport.bootstrap import gather_objects
+from ...runtime.fabric import gather_objects, stall_watchdog
 from ... import kernels
 from ...kernels import net
 from ...kernels._util import cdiv, interpreted
@@ -51,7 +51,6 @@ from ...protocol import call_card
 from ...protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS,
                                 HOST_MISMATCH, HOST_OK, NET_META_BYTES, NetRecord)
 from ...protocol.signal_header import STAGE_CAPACITY
-from ...transport.signals import stall_watchdog
 from ..intranode import DispatchHandle, Intranode, check_cached_dispatch
 from .capture import ENV_CAPTURE_PATH, CapturePath, CapturePlan
 from .handle import InternodeHandle, byte_columns, record_field, record_meta
