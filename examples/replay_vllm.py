@@ -6,7 +6,8 @@ on CPU ranks, and every result is compared with the reference. The experts are s
 
     python examples/replay_vllm.py                      # deepep_low_latency, 2 ranks on one host
     python examples/replay_vllm.py --backend NAME --ranks 4 --hosts 2    # 4 ranks on 2 emulated hosts
-    python examples/replay_vllm.py --list               # the backends
+    python examples/replay_vllm.py --list               # the backends (V1 Buffer and V2 ElasticBuffer)
+    python examples/replay_vllm.py --backend deepep_v2  # DeepEP V2's ElasticBuffer path
 
 Run it from a checkout (it imports the fixtures from tests/).
 """
@@ -31,7 +32,7 @@ def main() -> int:
     a = p.parse_args()
     if a.list:
         for s in vllm_calls.SEQUENCES:
-            print(s.backend, "-", "; ".join(s.deviations))
+            print(f"{s.backend:40s} {'V2 ElasticBuffer' if s.v2 else 'V1 Buffer':16s}", "-", "; ".join(s.deviations))
         return 0
     env = {} if a.hosts == 1 else {"TRITON_EP_RANKS_PER_HOST": str(a.ranks // a.hosts), "TRITON_EP_RDMA": "emulated"}
     print(f"replaying {a.backend} (vLLM's calls, not vLLM) on {a.ranks} CPU ranks, {a.hosts} host(s)...")

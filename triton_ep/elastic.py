@@ -36,6 +36,7 @@ import torch
 
 from .buffer import Buffer
 from .config import Config, EventOverlap
+from .modes.internode import dense
 from .runtime.checks import MAX_INT32, isint
 
 Tensor = torch.Tensor
@@ -168,7 +169,7 @@ def _expansion(recv_topk_idx: Tensor, counts: Tensor, alignment: int, rows: int)
 def _gather_rows(t: Tensor, index: Tensor) -> Tensor:
     """``t``'s rows at ``index`` (``t.shape[0]`` selects a zero row), as raw bytes (any dtype, fp8 included)."""
     row_bytes = t.element_size() * (t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel()))
-    raw = t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+    raw = dense(t).view(torch.uint8).reshape(t.shape[0], row_bytes)
     ext = torch.cat([raw, torch.zeros((1, raw.shape[1]), dtype=torch.uint8, device=raw.device)])
     return ext[index].view(t.dtype).reshape(index.shape[0], *t.shape[1:])
 

@@ -33,8 +33,11 @@ class Call:
             ``set_num_sms``, ...), ``Buffer`` (construction), ``wait`` (``EventOverlap.current_stream_wait`` of
             ``args["event"]``), ``hook`` (calling the receive hook ``args["hook"]``), ``rdma_zero`` (vLLM's
             ``get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()``), ``size_hints`` (SGLang's
-            sizing from the configs' hints), or the replay's own ``expert`` (the stand-in for the experts between
-            dispatch and combine: no engine call) and ``check`` (compare with the reference).
+            sizing from the configs' hints); for DeepEP V2: ``ElasticBuffer`` (construction), the ElasticBuffer's
+            methods, ``read`` (the engine's own code on what a call returned or on its inputs: ``args["what"]``
+            names it in ``engines.replay_v2``), ``drop`` (the engine lets go of its last reference, no
+            ``destroy()``); or the replay's own ``expert`` (the stand-in for the experts between dispatch and
+            combine: no engine call) and ``check`` (compare with the reference).
         args: keyword arguments as the engine passes them (literals or :class:`Ref`).
         cite: ``path@version:line`` of the call in the engine (empty for the replay's own ops).
         out: names bound to the call's results, in order (``None`` entries: results the engine drops).
@@ -70,6 +73,11 @@ class Sequence:
     steps: Tuple[Step, ...]
     teardown: Tuple[Call, ...] = ()
     deviations: Tuple[str, ...] = ()
+
+    @property
+    def v2(self) -> bool:
+        """Whether the sequence is of DeepEP V2's face (it builds an ``ElasticBuffer``)."""
+        return any(c.op == "ElasticBuffer" for c in self.setup)
 
     def calls(self):
         """Every call in order (setup, each step's, teardown)."""

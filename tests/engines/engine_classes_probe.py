@@ -7,8 +7,12 @@ import traceback
 TARGETS = [
     ("vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ht", ["DeepEPHTPrepareAndFinalize"]),
     ("vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll", ["DeepEPLLPrepareAndFinalize"]),
-    ("vllm.distributed.device_communicators.all2all", ["DeepEPHTAll2AllManager", "DeepEPLLAll2AllManager"]),
+    ("vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_v2", ["DeepEPV2PrepareAndFinalize"]),
+    ("vllm.distributed.device_communicators.all2all", ["DeepEPHTAll2AllManager", "DeepEPLLAll2AllManager",
+                                                       "DeepEPV2All2AllManager"]),
+    ("vllm.utils.import_utils", ["deep_ep_v2_unavailable_reason"]),
     ("sglang.srt.layers.moe.token_dispatcher.deepep", ["DeepEPDispatcher", "DeepEPBuffer", "use_deepep"]),
+    ("sglang.srt.layers.moe.token_dispatcher.deepep_v2", ["DeepEPv2Dispatcher", "use_deepep_v2"]),
 ]
 
 
@@ -20,7 +24,9 @@ def main() -> int:
         try:
             m = importlib.import_module(mod)
             got = {n: getattr(m, n) for n in names}
-            extra = f" use_deepep={got['use_deepep']}" if "use_deepep" in got else ""
+            extra = "".join(f" {n}={got[n]}" for n in ("use_deepep", "use_deepep_v2") if n in got)
+            if "deep_ep_v2_unavailable_reason" in got:       # vLLM's deepep_v2 gate (NCCL >= 2.30.4 at run time)
+                extra += f" deepep_v2 unavailable: {got['deep_ep_v2_unavailable_reason']()!r}"
             print(f"{mod}: OK {', '.join(names)}{extra}")
             ok += 1
         except BaseException as ex:   # noqa: BLE001 - reported

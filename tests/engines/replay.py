@@ -47,6 +47,10 @@ def find_sequence(module: str, backend: str):
     raise ValueError(f"no sequence {backend!r} in engines.{module}: {[s.backend for s in mod.SEQUENCES]}")
 
 
+#: the values of a step's inputs (engines.replay._Rank.inputs)
+_INPUTS = ("all_x", "all_idx", "all_w", "x", "topk_idx", "topk_weights", "output", "mask")
+
+
 class _Rank:
     """One rank's interpreter of a sequence: values by name per sub-batch, the step's inputs of every rank (the
     reference needs them all), the Buffer."""
@@ -74,14 +78,15 @@ class _Rank:
             raise KeyError(f"the replay has no value {v.name!r} (sub-batch {sub})")
         return v
 
-    def inputs(self, step, step_no):
-        """Every rank's inputs of this step, per sub-batch (seeded by step and sub-batch, identical on all ranks)."""
+    def inputs(self, step, step_no, distinct_experts=False):
+        """Every rank's inputs of this step, per sub-batch (seeded by step and sub-batch, identical on all ranks);
+        ``distinct_experts``: no expert twice in a token (a router's top-k, which DeepEP V2 requires)."""
         from tests.cases.ll import ll_inputs
         s = self.shape
         for sub in (0, 1):
             Ts = [step.tokens[r % len(step.tokens)] for r in range(self.world)]
             xs, idxs, ws = ll_inputs(s.seed * 1000 + step_no * 10 + sub, self.world, s.E, s.K, s.H,
-                                     [min(t, s.N) for t in Ts])
+                                     [min(t, s.N) for t in Ts], p_dup=0.0 if distinct_experts else 0.1)
             v = self.vals[sub]
             v.clear()
             v.update(all_x=xs, all_idx=idxs, all_w=ws, x=xs[self.rank], topk_idx=idxs[self.rank],
@@ -96,10 +101,19 @@ class _Rank:
         self.trace.calls.append(f"{where}/{call.op}@{call.cite}" if call.cite else f"{where}/{call.op}")
         B = self.deep_ep.Buffer
         op = call.op
+        from tests.engines import replay_v2
         if op == "Buffer":
             self.buf = B(**args)
             assert self.buf.group_size == self.world and self.buf.low_latency_mode == args["low_latency_mode"]
             res = ()
+        elif op == "ElasticBuffer":
+            self.buf = self.deep_ep.ElasticBuffer(**args)
+            assert self.buf.num_ranks == self.world and self.buf.rank_idx == self.rank
+            res = ()
+        elif op == "drop":
+            res = self._drop()
+        elif op == "read":
+            res = replay_v2.run_read(self, self.vals[sub], **args)
         elif op in ("get_low_latency_rdma_size_hint", "get_dispatch_config", "get_combine_config", "set_num_sms"):
             res = getattr(B, op)(**args)
         elif op == "capture":
@@ -117,6 +131,8 @@ class _Rank:
             t = self.buf.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)
             t.zero_()
             res = ()
+        elif op == "expert" and args.get("kind") == "v2":
+            res = replay_v2.run_expert(self.vals[sub], **{k: a for k, a in args.items() if k != "kind"})
         elif op == "expert":
             res = self._expert(sub, **args)
         elif op == "check":
@@ -132,6 +148,21 @@ class _Rank:
             for name, value in zip(outs, res):
                 if name is not None:
                     self.vals[sub][name] = value
+
+    def _drop(self):
+        """SGLang's ``DeepEPv2Buffer.destroy``: the last reference goes (no ``destroy()`` call); the ElasticBuffer
+        and the Buffer under it must then be collected (their memory released by their finalizers). The step's
+        inputs stay; every other value (handles, events: an event refers to its Buffer) goes."""
+        import gc
+        import weakref
+        refs = [weakref.ref(self.buf), weakref.ref(self.buf._buffer)]
+        self.buf = None
+        for v in self.vals.values():
+            for k in [k for k in v if k not in _INPUTS]:
+                del v[k]
+        gc.collect()
+        assert all(r() is None for r in refs), "a dropped ElasticBuffer is still alive"
+        return ()
 
     def _size_hints(self, normal, low_latency):
         B, R, H = self.deep_ep.Buffer, self.world, self.shape.H
@@ -158,9 +189,10 @@ class _Rank:
                 rx = (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
             v["y"] = rx.clone()
 
-    def _check(self, sub, what, use_fp8=False, round_scale=False, use_ue8m0=False, expert_alignment=1):
+    def _check(self, sub, what, use_fp8=False, round_scale=False, use_ue8m0=False, expert_alignment=1, **args):
         from triton_ep import reference as ref
         from tests.cases import ll as ll_cases
+        from tests.engines import replay_v2
         v, me, s = self.vals[sub], self.rank, self.shape
         xs, idxs, ws = v["all_x"], v["all_idx"], v["all_w"]
         if what in ("normal_dispatch", "normal_combine"):
@@ -179,6 +211,11 @@ class _Rank:
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "combined_x"
             if "output" in v and got.shape == v["output"].shape:
                 v["output"].copy_(got)
+        elif what == "v2_dispatch":
+            replay_v2.check_dispatch(v, me, self.world, s.E, expert_alignment=expert_alignment, **args)
+        elif what == "v2_combine":
+            replay_v2.check_combine(v, me, self.world, s.E // self.world,
+                                    self.per_host if self.per_host < self.world else None)
         elif what == "ll_dispatch":
             ll_cases.check_dispatch(v["recv_x"], v["recv_count"], v["handle"], xs, idxs, self.world, s.E, me,
                                     use_fp8, round_scale, use_ue8m0)
@@ -213,7 +250,7 @@ def replay_rank(rank, world, module, backend, shape=Shape(), env=None):
         for call in seq.setup:
             r.run(call, "setup")
         for i, step in enumerate(seq.steps):
-            r.inputs(step, i)
+            r.inputs(step, i, distinct_experts=seq.v2)
             for call in step.calls:
                 r.run(call, step.name)
         for call in seq.teardown:

@@ -1,6 +1,9 @@
 """The ``deep_ep`` switch (triton_ep/deep_ep_hook.py, triton_ep_deep_ep.pth): each case runs a fresh interpreter
 that executes the ``.pth`` line as Python's ``site`` does (the shared development venv has triton-ep installed
-from another checkout, without this file), then imports what an engine imports."""
+from another checkout, without this file), then imports what an engine imports.
+
+A fresh interpreter costs seconds on a loaded machine, so the default tier runs two: the switch off (every off
+value, and a bad one) in one interpreter, and the switch on serving every path. The others are extended."""
 from __future__ import annotations
 
 import os
@@ -27,6 +30,7 @@ def run_py(code: str, switch, extra_path=None, timeout=120) -> subprocess.Comple
                           text=True, timeout=timeout)
 
 
+@pytest.mark.extended
 def test_pth_is_one_import_line_that_reads_only_the_switch():
     lines = [ln for ln in PTH.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("import os;"), lines   # site executes lines starting "import "
@@ -36,6 +40,33 @@ def test_pth_is_one_import_line_that_reads_only_the_switch():
     assert r.stdout.split("\n")[0] == "['triton_ep.deep_ep_hook']", r.stdout   # the hook alone, no torch
 
 
+def test_switch_off_or_bad_changes_nothing_in_one_interpreter():
+    """Every off value, then a bad one, each through the .pth line in turn: no finder, no hook module, no
+    ``deep_ep``; the bad value is named once on stderr."""
+    r = run_py(f"""
+        import importlib.util, os, sys
+        for value in (None, '0', '', 'off', 'no', 'FALSE', 'yes please'):
+            if value is None:
+                os.environ.pop('TRITON_EP_AS_DEEP_EP', None)
+            else:
+                os.environ['TRITON_EP_AS_DEEP_EP'] = value
+            exec({PTH.strip()!r})
+            assert not any(hasattr(f, 'triton_ep_deep_ep') for f in sys.meta_path), value
+            assert 'triton_ep.deep_ep_hook' not in sys.modules, value
+            assert importlib.util.find_spec('deep_ep') is None, value
+            try:
+                import deep_ep
+            except ModuleNotFoundError:
+                pass
+            else:
+                raise AssertionError(value)
+        print('absent')
+    """, None)
+    assert r.returncode == 0 and r.stdout.strip() == "absent", (r.stdout, r.stderr)
+    assert r.stderr.count("not installed") == 1 and "TRITON_EP_AS_DEEP_EP='yes please'" in r.stderr, r.stderr
+
+
+@pytest.mark.extended
 @pytest.mark.parametrize("switch", [None, "0", "", "off"])
 def test_switch_off_changes_nothing(switch):
     r = run_py("""
@@ -64,6 +95,9 @@ def test_switch_on_serves_every_deep_ep_path_the_engines_import():
         assert deep_ep.buffer.Buffer is Buffer is deep_ep.buffers.legacy.Buffer and deep_ep.topk_idx_t is triton_ep.topk_idx_t
         assert deep_ep.__triton_ep__ and deep_ep.Buffer.num_sms == 20
         assert hasattr(deep_ep, 'ElasticBuffer') == hasattr(triton_ep, 'ElasticBuffer')   # vLLM's V2 probe
+        from deep_ep import ElasticBuffer                      # SGLang's deepep_v2.py:42
+        assert ElasticBuffer is triton_ep.ElasticBuffer is deep_ep.buffers.elastic.ElasticBuffer
+        assert deep_ep.EPHandle is triton_ep.EPHandle          # vLLM's annotations (deepep_v2.py:136)
         for name, call in (('EventHandle', lambda: deep_ep.EventHandle()),
                            ('get_physical_domain_size', lambda: deep_ep.get_physical_domain_size(None)),
                            ('get_logical_domain_size', lambda: deep_ep.get_logical_domain_size(None))):
@@ -85,6 +119,7 @@ def _fake_deep_ep(tmp_path) -> Path:
     return tmp_path / "real"
 
 
+@pytest.mark.extended
 def test_a_real_deep_ep_is_shadowed_loudly_or_left_alone(tmp_path):
     real = _fake_deep_ep(tmp_path)
     r = run_py("import deep_ep; print(getattr(deep_ep, 'REAL', False), deep_ep.__file__)", "1", extra_path=real)
@@ -101,12 +136,14 @@ def test_a_real_deep_ep_is_shadowed_loudly_or_left_alone(tmp_path):
     assert r.stdout.startswith("True\n") and f"a DeepEP at {real / 'deep_ep' / '__init__.py'}" in r.stdout
 
 
+@pytest.mark.extended
 def test_bad_switch_value_is_named_and_installs_nothing():
     r = run_py("import sys; print(any(hasattr(f, 'triton_ep_deep_ep') for f in sys.meta_path))", "yes please")
     assert r.returncode == 0 and r.stdout.strip() == "False"
     assert "TRITON_EP_AS_DEEP_EP='yes please'" in r.stderr and "not installed" in r.stderr, r.stderr
 
 
+@pytest.mark.extended
 def test_info_says_which_deep_ep_is_in_use(tmp_path):
     r = run_py("from triton_ep.__main__ import print_deep_ep; import sys; print_deep_ep(sys.stdout)", "1")
     assert r.returncode == 0, r.stderr

@@ -1,7 +1,8 @@
 """The engines' DeepEP call sequences (engines/vllm_calls.py, engines/sglang_calls.py) replayed against triton-ep
 through ``import deep_ep`` on CPU ranks, every result checked against the reference (engines/replay.py).
-Default tier: vLLM's low-latency backend with its fault-tolerance clean between decode steps, and SGLang's normal
-mode, 2 ranks on one host; the rest (every sequence, 2 ranks on one host and 4 ranks on 2 emulated hosts) is
+Default tier: vLLM's low-latency backend with its fault-tolerance clean between decode steps, SGLang's normal
+mode, and SGLang's deepep_v2 (DeepEP V2's ElasticBuffer: expanded prefill with a host wait, masked decode without),
+2 ranks on one host; the rest (every sequence, V1 and V2, 2 ranks on one host and 4 ranks on 2 emulated hosts) is
 extended."""
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from triton_ep.testing import run_ranks
 EMULATED = {"TRITON_EP_RANKS_PER_HOST": "2", "TRITON_EP_RDMA": "emulated"}
 ALL = [("vllm_calls", s.backend) for s in vllm_calls.SEQUENCES] + \
       [("sglang_calls", s.backend) for s in sglang_calls.SEQUENCES]
-DEFAULT = {("vllm_calls", "deepep_low_latency", 2), ("sglang_calls", "deepep_normal", 2)}
+DEFAULT = {("vllm_calls", "deepep_low_latency", 2), ("sglang_calls", "deepep_normal", 2),
+           ("sglang_calls", "deepep_v2", 2)}
 
 
 def _replay(module, backend, world, env):

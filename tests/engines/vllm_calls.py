@@ -1,6 +1,7 @@
-"""vLLM v0.33.0's DeepEP calls (``--all2all-backend deepep_high_throughput`` and ``deepep_low_latency``), read from
-the wheel ``vllm-0.33.0`` (commit 4ba787ec9): the managers in ``vllm/distributed/device_communicators/all2all.py``
-build the Buffer, ``vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_{ht,ll}.py`` call it.
+"""vLLM v0.33.0's DeepEP calls (``--all2all-backend deepep_high_throughput``, ``deepep_low_latency`` and
+``deepep_v2``), read from the wheel ``vllm-0.33.0`` (commit 4ba787ec9): the managers in
+``vllm/distributed/device_communicators/all2all.py`` build the Buffer (the ElasticBuffer for V2),
+``vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_{ht,ll,v2}.py`` call it.
 
 What vLLM passes that the replay changes (CPU interpreter sizes): ``num_nvl_bytes`` is
 ``VLLM_DEEPEP_BUFFER_SIZE_MB`` MiB (default 1024), replayed with 2 MiB; low-latency hidden sizes are rounded up to
@@ -115,4 +116,79 @@ def low_latency(use_fp8=False, ue8m0=False, fault_tolerance=True):
 
 
 LOW_LATENCY = low_latency()
-SEQUENCES = (HIGH_THROUGHPUT, LOW_LATENCY, low_latency(use_fp8=True), low_latency(use_fp8=True, ue8m0=True))
+
+# --------------------------------------------------------------------------------------------- deepep_v2
+V2 = f"vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_v2.py@{VLLM}"
+UTILS = f"vllm/model_executor/layers/fused_moe/all2all_utils.py@{VLLM}"
+
+
+def _v2_step(name, tokens, use_cudagraph, use_fp8):
+    """One MoE layer of ``DeepEPV2PrepareAndFinalize``: prepare_async -> _do_dispatch -> _receiver, the experts,
+    finalize_async -> _finalize -> its receiver. ``use_cudagraph`` (``not enforce_eager``, all2all_utils.py:301) is
+    fixed per process, so prefill and decode take the same path: worst case, not expanded (CUDA graphs) or exact,
+    expanded (``--enforce-eager``)."""
+    calls = []
+    if use_fp8:
+        calls.append(Call("read", dict(what="quantize_fp8"), f"{V2}:397",
+                          note="_quantize_before_dispatch (block FP8): moe_kernel_quantize_input, row-major scales"))
+    nmax = None
+    if use_cudagraph:
+        calls.append(Call("read", dict(what="vllm_num_max_tokens"), f"{V2}:212", out=("num_max_tokens_per_rank",),
+                          note="max(dp_metadata.num_tokens_across_dp_cpu) (/ sp_size) rounded up to a power of 2"))
+        nmax = Ref("num_max_tokens_per_rank")
+    exact = not use_cudagraph
+    calls += [
+        Call("dispatch", dict(x=Ref("x"), topk_idx=Ref("topk_idx"), topk_weights=Ref("topk_weights"),
+                              num_experts=Ref("E"), num_max_tokens_per_rank=nmax, do_expand=exact, do_cpu_sync=exact,
+                              async_with_compute_stream=False), f"{V2}:220",
+             out=("recv_x", "recv_topk_idx", "recv_topk_weights", "handle", "event"),
+             note="x is (x, scales) with FP8; handle kept per DBO micro-batch (self.handles[a2a_idx], :231-232)"),
+        Call("check", dict(what="v2_dispatch", num_max_tokens_per_rank=nmax or Ref("N"), do_expand=exact,
+                           do_cpu_sync=exact)),
+        Call("wait", dict(event=Ref("event")), f"{V2}:262"),
+        Call("read", dict(what="vllm_receiver", num_experts=Ref("E")), f"{V2}:270",
+             note="reads handle.num_recv_tokens_per_expert_list (:240, :270-303) and "
+                  "handle.psum_num_recv_tokens_per_scaleup_rank (:242, :319, :340: psum[-1] in the kernel, :567)"),
+        Call("expert", dict(kind="v2", engine="vllm"),
+             note="the experts, then TopKWeightAndReduceContiguous (:468-477)"),
+        Call("combine", dict(x=Ref("y"), handle=Ref("handle"), topk_weights=None, async_with_compute_stream=True,
+                             allocate_on_comm_stream=True), f"{V2}:488",
+             out=("combined_x", None, "event"), note="finalize_async without DBO: combine_async = True (:487)"),
+        Call("wait", dict(event=Ref("event")), f"{V2}:503"),
+        Call("read", dict(what="vllm_copy_output"), f"{V2}:504"),
+        Call("check", dict(what="v2_combine")),
+    ]
+    return Step(name, tuple(calls), tokens)
+
+
+def deepep_v2(use_cudagraph=True, use_fp8=False):
+    """``--all2all-backend deepep_v2``: ``DeepEPV2All2AllManager`` (all2all.py:1040-1128) builds one ElasticBuffer
+    per argument set and destroys it at shutdown; ``use_cudagraph=False`` is ``--enforce-eager``; ``use_fp8``: a
+    block-FP8 model (all2all_utils.py:287-291). vLLM never passes a handle to dispatch (no cached dispatch)."""
+    return Sequence(
+        VLLM, "deepep_v2" + ("" if use_cudagraph else "_eager") + ("_fp8" if use_fp8 else ""),
+        setup=(
+            Call("ElasticBuffer", dict(group=Ref("group"), num_max_tokens_per_rank=Ref("N"), hidden=Ref("H"),
+                                       num_topk=Ref("K"), use_fp8_dispatch=use_fp8, allow_hybrid_mode=True,
+                                       prefer_overlap_with_compute=False, allow_multiple_reduction=False,
+                                       explicitly_destroy=True), f"{A2A}:1111",
+                 note="handle_cache.get_or_create(_make_all2all_kwargs(...), deep_ep.ElasticBuffer) (:1053-1072): "
+                      "num_max_tokens_per_rank=moe.max_num_tokens, hidden, num_topk from all2all_utils.py:289-295; "
+                      "VLLM_DEEPEP_V2_ALLOW_HYBRID_MODE=1, _PREFER_OVERLAP=0, _ALLOW_MULTIPLE_REDUCTION=0 (defaults); "
+                      "group: the device group (here the default group). Before it: _check_gin_support (:1074), "
+                      "no deep_ep call"),
+            Call("get_theoretical_num_sms", dict(num_experts=Ref("E"), num_topk=Ref("K")), f"{A2A}:1115",
+                 out=("num_sms",), note="kept as max_sms_used() (:1121)"),
+        ),
+        steps=(_v2_step("prefill", (7, 0, 5, 3), use_cudagraph, use_fp8),
+               _v2_step("decode", (1, 2, 0, 1), use_cudagraph, use_fp8)),
+        teardown=(Call("destroy", {}, f"{A2A}:1127"),),
+        deviations=("num_max_tokens_per_rank 8 (vLLM: max_num_batched_tokens) and hidden 256",
+                    "group: the default (gloo) group, vLLM's device (NCCL) group"),
+    )
+
+
+DEEPEP_V2 = deepep_v2()
+SEQUENCES = (HIGH_THROUGHPUT, LOW_LATENCY, low_latency(use_fp8=True), low_latency(use_fp8=True, ue8m0=True),
+             DEEPEP_V2, deepep_v2(use_cudagraph=False), deepep_v2(use_fp8=True),
+             deepep_v2(use_cudagraph=False, use_fp8=True))

@@ -151,5 +151,5 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0`: int32 ``[..., S/4]`` -> fp32 ``[..., S]`` powers of two."""
     p = packed.to(torch.int64)
-    e = torch.stack([(p >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(*packed.shape[:-1], -1)
+    e = torch.stack([(p >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 4)
     return (e.to(torch.int32) << 23).view(torch.float32)

@@ -100,10 +100,20 @@ def network_shape(env: Mapping[str, str] = os.environ) -> Tuple[int, int, int]:
 
 
 def _words(t: Optional[Tensor], n: int, dev) -> Tensor:
-    """``t`` (``[n, ...]``, contiguous) as int32 ``[n, words]``; a one-word dummy for ``None``."""
+    """``t`` (``[n, ...]``, any strides) as int32 ``[n, words]``; a one-word dummy for ``None``."""
     if t is None:
         return torch.zeros(1, dtype=torch.int32, device=dev)
-    return t.contiguous().view(torch.uint8).view(n, t.element_size() * math.prod(t.shape[1:])).view(torch.int32)
+    return dense(t).view(torch.uint8).view(n, t.element_size() * math.prod(t.shape[1:])).view(torch.int32)
+
+
+def dense(t: Tensor) -> Tensor:
+    """``t`` with row-major strides, a view where it has them. ``Tensor.contiguous()`` is not enough before a dtype
+    view: a size-1 dimension may keep any stride (a column-major ``[n, 1]`` scale tensor, a single row), and
+    ``view(dtype)`` of another element size needs the last stride to be 1."""
+    t = t.contiguous()
+    if t.dim() and t.stride(-1) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 @dataclasses.dataclass
