@@ -8,8 +8,8 @@ both modes open between hosts).
 """
 from .low_latency import open_internode_low_latency
 from .handle import InternodeHandle
-from .normal import (DEFAULT_QPS_PER_PEER, ENV_CHUNK, ENV_QPS, ENV_SLOTS, Internode, network_record_bytes,
+from .normal import (DEFAULT_QPS_PER_PEER, ENV_CHUNK, ENV_QPS, ENV_SLOTS, Internode, dense, network_record_bytes,
                      network_shape, traffic_stats)
 
-__all__ = ["DEFAULT_QPS_PER_PEER", "ENV_CHUNK", "ENV_QPS", "ENV_SLOTS", "Internode", "InternodeHandle",
+__all__ = ["DEFAULT_QPS_PER_PEER", "ENV_CHUNK", "ENV_QPS", "ENV_SLOTS", "Internode", "InternodeHandle", "dense",
            "network_record_bytes", "network_shape", "open_internode_low_latency", "traffic_stats"]
