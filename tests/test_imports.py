@@ -47,21 +47,19 @@ KNOWN_EDGES = {
     # the command line reads the machine's transports and kernels' settings directly
     ("__main__", "kernels._util"), ("__main__", "transport.emulated"), ("__main__", "transport.ipc"),
     ("__main__", "transport.rdma"), ("__main__", "transport.topology"), ("__main__", "transport.verbs"),
-    ("testing", "transport.ipc"),
     # internode modes reach transport/ directly (they become a package of their own: issue 48, item 2)
     ("modes.internode", "transport.bootstrap"), ("modes.internode", "transport.signals"),
     ("modes.internode_capture", "transport.bootstrap"),
     ("modes.internode_ll", "transport.bootstrap"), ("modes.internode_ll", "transport.ipc"),
     ("modes.internode_ll", "transport.signals"),
     ("modes.network", "transport.bootstrap"), ("modes.network", "transport.factory"),
-    # the scheduler's command checks its arguments with runtime's checks; the proxy's process entry point
-    ("scheduler_cli", "runtime.checks"), ("transport.proxy_main", "proxy_process"),
+    # the proxy's process entry point
+    ("transport.proxy_main", "proxy_process"),
 }
 
 #: today's import loops, each as the set of its modules. Only shrinks.
 KNOWN_CYCLES = {
     frozenset({"modes.internode", "modes.internode_capture"}),
-    frozenset({"scheduler", "scheduler_cli"}),
 }
 
 

@@ -1058,7 +1058,8 @@ __all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "host_al
 
 
 if __name__ == "__main__":
-    # ``python -m triton_ep.scheduler``, the command's old name: this copy of the module hands over to the CLI's
-    # own module, which uses the one the package imported
-    from triton_ep.scheduler_cli import main
-    main()
+    # ``python -m triton_ep.scheduler``, the command's old name: this copy of the module runs the CLI's own module
+    # as ``__main__`` (by name: the scheduler never imports its command, the command imports the scheduler the
+    # package imported)
+    import runpy
+    runpy.run_module("triton_ep.scheduler_cli", run_name="__main__", alter_sys=True)

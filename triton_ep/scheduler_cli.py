@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from triton_ep.runtime.checks import MAX_TIMEOUT_S
+from triton_ep.protocol.limits import MAX_TIMEOUT_S
 from triton_ep.scheduler import bootstrap, host_alltoall
 from triton_ep.transport import factory
 from triton_ep.transport.bootstrap import gather_objects
