@@ -314,6 +314,22 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
         _not_applied(a, qos, every[:-1], "the RDMA query failed (the error is on stderr)", out)   # (not --devices)
         print(str(ex), file=sys.stderr)
         return EXIT_RDMA_QUERY_FAILED
+    print(f"RDMA devices ({api.name}):", file=out)
+    print(_device_table(devs).render(), file=out)
+    print(qos_line(qos), file=out)
+    ports = verbs.ports_of(devs)
+    if not ports:
+        print("\nno active port: no QP plan", file=out)
+        _not_applied(a, None, ("num_qps", "n_paths", "hash"), "no active port, so no QP plan", out)
+        return EXIT_OK
+    _print_qp_plan(a, ports, out)
+    return EXIT_OK
+
+
+def _device_table(devs) -> "topology.PlanTable":
+    """One row per GID of every port of ``devs`` (:func:`triton_ep.transport.verbs.discover`'s devices; a port
+    without GIDs: one row of dashes), the GID a QP would use marked ``*``."""
+    from triton_ep.transport import verbs
     t = topology.PlanTable([["device", "port", "state", "link", "Gb/s", "mtu", "lid", "gid_idx", "gid", "type", "use"]])
     for d in devs:
         for p in d.ports:
@@ -323,14 +339,12 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
                 t.rows.append([d.name, str(p.port), "ACTIVE" if p.active else "DOWN", p.link_layer,
                                f"{p.speed_gbps:g}", str(128 << p.mtu), str(p.lid), str(g.index), g.gid, g.type,
                                "*" if best is not None and g.index == best.index else ""])
-    print(f"RDMA devices ({api.name}):", file=out)
-    print(t.render(), file=out)
-    print(qos_line(qos), file=out)
-    ports = verbs.ports_of(devs)
-    if not ports:
-        print("\nno active port: no QP plan", file=out)
-        _not_applied(a, None, ("num_qps", "n_paths", "hash"), "no active port, so no QP plan", out)
-        return EXIT_OK
+    return t
+
+
+def _print_qp_plan(a: argparse.Namespace, ports, out: TextIO) -> None:
+    """Print the QP plan per peer over the active ``ports`` (``--num-qps``, else what a Buffer opens), with each
+    QP's flow over ``--n-paths`` paths by ``--hash``, or why no flows were planned."""
     num_qps, qps_from = (a.num_qps, "--num-qps") if a.num_qps is not None else buffer_qps_per_peer()
     n_paths = a.n_paths if a.n_paths is not None else DEFAULT_N_PATHS
     hash_name = a.hash or ("emulator" if a.emulated else "crc")
@@ -347,7 +361,6 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
     print(topology.plan_table(plan).render(), file=out)
     if not flows:
         _not_applied(a, None, ("n_paths", "hash"), "no flows planned (a port has no GID to hash)", out)
-    return EXIT_OK
 
 
 def info(argv: Optional[List[str]] = None, out: Optional[TextIO] = None) -> int:

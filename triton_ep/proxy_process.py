@@ -9,7 +9,7 @@ through the rings' words (every chunk) and a small command channel (a socket pai
 statistics, close; never per chunk).
 
 - Start-up: a fresh interpreter through ``subprocess.Popen`` (descriptors closed but its end of the channel, its
-  own session, SIGINT ignored) running :mod:`triton_ep.transport.proxy_main`, which imports neither torch nor
+  own session, SIGINT ignored) running :mod:`triton_ep.proxy_main`, which imports neither torch nor
   Triton; nothing is forked from the rank's process, the user's ``__main__`` is never run again.
 - Lifetime: :meth:`ProcessScheduler.close` ends and reaps it; the rank's process ending (SIGKILL included) ends
   it within a second (it watches its parent through a pidfd, and ``getppid()``: not through the channel, which
@@ -56,7 +56,7 @@ from triton_ep.transport.ring_flags import RingFlags
 ENV_PROXY = "TRITON_EP_PROXY"
 PROXY_KINDS = ("thread", "process")
 #: the proxy process's entry, run by path (it must not go through ``triton_ep/__init__.py``)
-ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport", "proxy_main.py")
+ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proxy_main.py")
 #: seconds between the proxy process's looks at its parent (and at its scheduler's error)
 PARENT_POLL_S = 0.1
 #: seconds :meth:`ProcessScheduler.check` waits for the proxy's error once the abort word says it failed

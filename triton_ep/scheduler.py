@@ -184,6 +184,21 @@ class _PeerState:
     credit_floor: int = 0
 
 
+def _check_sizes(nq: int, slots: int, slot_bytes: int, wr_bytes: Optional[int], qps_per_channel: int) -> None:
+    """A :class:`Scheduler`'s ring and QP sizes against each other and the transport's ``nq`` QPs per peer.
+
+    Raises:
+        ValueError: ``slots < 1``, ``slot_bytes`` no positive multiple of 64, ``wr_bytes < 1``, or
+        ``qps_per_channel`` not dividing ``nq``.
+    """
+    if slots < 1 or slot_bytes < 64 or slot_bytes % 64:
+        raise ValueError(f"slots must be >= 1 and slot_bytes a positive multiple of 64 (got {slots}, {slot_bytes})")
+    if qps_per_channel < 1 or nq % qps_per_channel:
+        raise ValueError(f"qps_per_channel {qps_per_channel} must divide the transport's {nq} QPs per peer")
+    if wr_bytes is not None and wr_bytes < 1:
+        raise ValueError(f"wr_bytes must be >= 1 (a WRITE below 64 bytes is raised to 64), got {wr_bytes}")
+
+
 class Scheduler:
     """One rank's RDMA scheduler: rings, proxy threads, credits, completions.
 
@@ -224,16 +239,11 @@ class Scheduler:
                  on_signal: Optional[Callable[[int, int, int], None]] = None, trace: bool = False,
                  arrival_words: bool = False, cpu_split: Optional[bool] = None) -> None:
         nq = transport.num_qps_per_peer
-        if slots < 1 or slot_bytes < 64 or slot_bytes % 64:
-            raise ValueError(f"slots must be >= 1 and slot_bytes a positive multiple of 64 (got {slots}, {slot_bytes})")
-        if qps_per_channel < 1 or nq % qps_per_channel:
-            raise ValueError(f"qps_per_channel {qps_per_channel} must divide the transport's {nq} QPs per peer")
+        _check_sizes(nq, slots, slot_bytes, wr_bytes, qps_per_channel)
         self.t = transport
         self.rank, self.world = transport.rank, transport.world_size
         self.layout = RingLayout(self.world, slots, slot_bytes)
         self.slots, self.slot_bytes = slots, slot_bytes
-        if wr_bytes is not None and wr_bytes < 1:
-            raise ValueError(f"wr_bytes must be >= 1 (a WRITE below 64 bytes is raised to 64), got {wr_bytes}")
         self.wr_bytes = slot_bytes if wr_bytes is None else max(64, wr_bytes)
         self.qps_per_channel = qps_per_channel
         self.channels = nq // qps_per_channel
@@ -268,6 +278,18 @@ class Scheduler:
         self._arrive_off = [8 * F.ring_arrive_word.host(self.world, slots, self.rank, k) for k in range(slots)]
         # (with arrival words no WRITE_WITH_IMM arrives: no receive is consumed, none is posted)
         self._replenish = not getattr(transport, "auto_replenish", False) and not self.arrival_words
+        self._init_statistics(cpu_split)
+        #: per (proxy thread, peer, port): a heap of ``(out_bytes, total_bytes, qp)`` of its QPs with room
+        #: in their window (stale entries are dropped when met), and the QPs with chunks in flight
+        self._heaps: Dict[Tuple[int, int], Dict[str, list]] = {}
+        self._picks: Dict[Tuple[int, int], List[Tuple[list, List[int]]]] = {}
+        self._busy_qps: set = set()
+        #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
+        self._bound_at = 0.0
+
+    def _init_statistics(self, cpu_split: Optional[bool]) -> None:
+        """The counters :meth:`stats` reports, all zero (``cpu_split``: also split the CPU time inside transport
+        calls out; ``None``: ``TRITON_EP_PROXY_CPU_SPLIT=1``)."""
         self._t0 = time.perf_counter_ns()
         self.wrs_posted = 0
         # The statistics are plain integers, nanoseconds, added to in the sweeps and folded into seconds only by
@@ -287,13 +309,6 @@ class Scheduler:
         #: sweeps that moved something
         self.busy_sweeps = 0
         self._sweep_tx_ns = self._sweep_tx_cpu_ns = 0
-        #: per (proxy thread, peer, port): a heap of ``(out_bytes, total_bytes, qp)`` of its QPs with room
-        #: in their window (stale entries are dropped when met), and the QPs with chunks in flight
-        self._heaps: Dict[Tuple[int, int], Dict[str, list]] = {}
-        self._picks: Dict[Tuple[int, int], List[Tuple[list, List[int]]]] = {}
-        self._busy_qps: set = set()
-        #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
-        self._bound_at = 0.0
 
     # ---------------------------------------------------------------- set-up
     def remote_region(self) -> RemoteRegion:
@@ -740,9 +755,17 @@ class Scheduler:
             self.flags.put(RingFlags.SENT, p, ready)
             return True
         credit = max(self.flags.get(RingFlags.CREDIT, p), st.credit_floor)
-        chains: Dict[_QPState, List[Tuple[int, int]]] = {}
         picks = self._picks.get((own[0].owner if own else -1, p), ())
-        end = min(ready, credit + self.slots)
+        chains = self._place(p, st, picks, min(ready, credit + self.slots), now)
+        self._check_stall(p, st, ready, credit, now)
+        self._chain_ops(p, chains, batches, prepared)
+        return bool(chains)
+
+    def _place(self, p: int, st: _PeerState, picks, end: int, now: float) -> Dict[_QPState, List[Tuple[int, int]]]:
+        """Peer ``p``'s chunks from ``st.next_post`` up to ``end`` (ready and credited), each on the QP the
+        picker chooses among ``picks`` (until none has room), accounted as posted. Returns per QP its
+        ``(seq, length)`` in order. Raises :class:`ProxyError` on a chunk length outside ``1..slot_bytes``."""
+        chains: Dict[_QPState, List[Tuple[int, int]]] = {}
         length, C = self.flags.length, self.slot_bytes
         while st.next_post < end:
             q = self._pick(picks)
@@ -760,6 +783,11 @@ class Scheduler:
                 chain.append((seq, n))
             self._account(q, seq, n, now)
             st.next_post = seq + 1
+        return chains
+
+    def _check_stall(self, p: int, st: _PeerState, ready: int, credit: int, now: float) -> None:
+        """Start or end the clock of peer ``p``'s wait for room (ready chunks beyond the ``credit`` it consumed
+        plus the ring's slots). Raises :class:`ProxyError` once that wait is over ``timeout_s``."""
         blocked = st.next_post < ready and st.next_post - credit >= self.slots
         if blocked:
             st.stall_since = st.stall_since or now
@@ -769,6 +797,12 @@ class Scheduler:
                                  f"(it consumed {credit} chunks)")
         else:
             st.stall_since = None
+
+    def _chain_ops(self, p: int, chains: Dict[_QPState, List[Tuple[int, int]]], batches: Dict[Tuple[int, int], list],
+                   prepared: bool) -> None:
+        """Append the work requests of ``chains`` (:meth:`_place`) to ``batches`` per ``(peer, QP)``, every
+        ``signal_every``-th and each chain's last signalled: ``Op``s, or with ``prepared`` the prepared work
+        requests' tuples (see :meth:`_gather`)."""
         # chunks of one WRITE skip _chunk_ops + _fold_signal, unless a test hook replaced _chunk_ops
         fast = (self.wr_bytes >= self.slot_bytes and not self.arrival_words
                 and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS)
@@ -816,7 +850,6 @@ class Scheduler:
                         self._busy_qps.add(self._qps[(p, tqp)])
                 if self.trace:
                     self._event("post", p, q.channel, qp, seq, n)
-        return bool(chains)
 
     def _account(self, q: _QPState, seq: int, n: int, now: float) -> None:
         """Chunk ``seq`` of ``n`` bytes goes on ``q``: its bytes count as posted there and on its port."""
@@ -975,6 +1008,62 @@ def _fold_signal(ops: List[Tuple[int, Op]]) -> List[Tuple[int, Op]]:
     return ops[:-2] + [(qw, folded)]
 
 
+@dataclass
+class _HostAlltoall:
+    """One :func:`host_alltoall` in progress: per peer, its chunks (``slot_bytes`` each) and how far they went."""
+    sched: Scheduler
+    sends: Mapping[int, np.ndarray]     # peer -> uint8 bytes to send
+    out: Dict[int, np.ndarray]          # peer -> uint8 bytes received (filled chunk by chunk)
+    ntx: Dict[int, int]                 # peer -> chunks to send
+    nrx: Dict[int, int]                 # peer -> chunks to receive
+    tx0: Dict[int, int]                 # peer -> number of the first chunk sent (Scheduler.reserve)
+    rx0: Dict[int, int]                 # peer -> number of the first chunk received
+    done_tx: Dict[int, int] = field(default_factory=dict)     # peer -> chunks written into the send ring
+    done_rx: Dict[int, int] = field(default_factory=dict)     # peer -> chunks read out of the receive ring
+
+    def pending(self, p: int) -> bool:
+        """Whether peer ``p`` has chunks to write or read, or written chunks not yet placed at the peer."""
+        return (self.done_tx[p] < self.ntx[p] or self.done_rx[p] < self.nrx[p]
+                or self.sched.flags.get(RingFlags.SENT, p) < self.tx0[p] + self.ntx[p])
+
+    def move(self, p: int) -> bool:
+        """Write what fits of peer ``p``'s chunks into free send slots and read what arrived from it; whether
+        anything moved."""
+        sched, C, moved = self.sched, self.sched.slot_bytes, False
+        tx0, rx0, done_tx, done_rx = self.tx0[p], self.rx0[p], self.done_tx, self.done_rx
+        while done_tx[p] < self.ntx[p] and sched.slot_free(p, tx0 + done_tx[p]):
+            k = done_tx[p]
+            piece = self.sends[p][k * C:(k + 1) * C]
+            sched.send_view(p, tx0 + k)[:len(piece)] = piece
+            sched.publish(p, tx0 + k, len(piece))
+            done_tx[p] += 1
+            moved = True
+        tail = sched.arrived(p) - rx0
+        out = self.out[p]
+        while done_rx[p] < min(self.nrx[p], tail):
+            k = done_rx[p]
+            n = min(C, len(out) - k * C)
+            out[k * C:k * C + n] = sched.recv_view(p, rx0 + k)[:n]
+            done_rx[p] += 1
+            sched.consume(p, rx0 + done_rx[p])
+            moved = True
+        return moved
+
+    def check_stall(self, idle_s: float) -> None:
+        """After ``idle_s`` seconds in which nothing moved: past the bound (``timeout_s`` while a receive waits,
+        else twice that and a second), fail the scheduler and raise ``EPTimeoutError`` naming a waiting peer."""
+        sched = self.sched
+        waiting_rx = [p for p in sched.peers if self.done_rx[p] < self.nrx[p]]
+        # a free send slot depends on the proxy, whose own bounds (credits, completions) name the cause
+        # first; this host bound is the backstop of a proxy that stopped altogether
+        if idle_s > (sched.timeout_s if waiting_rx else 2 * sched.timeout_s + 1.0):
+            p = waiting_rx[0] if waiting_rx else next(p for p in sched.peers if self.pending(p))
+            stage = STAGE_NAMES[int(F.STAGE_RING_CONSUME if waiting_rx else F.STAGE_RING_PRODUCE)]
+            ex = EPTimeoutError(sched.rank, p, stage, sched.timeout_s)
+            sched.fail(ex)
+            raise ex
+
+
 def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray],
                   recv_sizes: Mapping[int, int]) -> Dict[int, np.ndarray]:
     """Host producer and consumer of one all-to-all through ``sched``: ``sends[p]`` (uint8 bytes) goes to
@@ -994,49 +1083,23 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray],
     for p in sched.peers:
         sched.wait_counter(RingFlags.READY, p, tx0[p], STAGE_NAMES[int(F.STAGE_RING_PRODUCE)])
         sched.wait_counter(RingFlags.HEAD, p, rx0[p], STAGE_NAMES[int(F.STAGE_RING_CONSUME)])
-    done_tx = {p: 0 for p in sched.peers}
-    done_rx = {p: 0 for p in sched.peers}
-    out = {p: np.empty(int(recv_sizes.get(p, 0)), np.uint8) for p in sched.peers}
+    xfer = _HostAlltoall(sched, sends, {p: np.empty(int(recv_sizes.get(p, 0)), np.uint8) for p in sched.peers},
+                         ntx, nrx, tx0, rx0, {p: 0 for p in sched.peers}, {p: 0 for p in sched.peers})
     last = time.monotonic()
     idle = 0
-    def pending(p):   # chunks to write or read, or written chunks not yet placed at the peer
-        return done_tx[p] < ntx[p] or done_rx[p] < nrx[p] or sched.flags.get(RingFlags.SENT, p) < tx0[p] + ntx[p]
-
-    while any(pending(p) for p in sched.peers):
+    while any(xfer.pending(p) for p in sched.peers):
         sched.check()
         moved = False
         for p in sched.peers:
-            while done_tx[p] < ntx[p] and sched.slot_free(p, tx0[p] + done_tx[p]):
-                k = done_tx[p]
-                piece = sends[p][k * C:(k + 1) * C]
-                sched.send_view(p, tx0[p] + k)[:len(piece)] = piece
-                sched.publish(p, tx0[p] + k, len(piece))
-                done_tx[p] += 1
-                moved = True
-            tail = sched.arrived(p) - rx0[p]
-            while done_rx[p] < min(nrx[p], tail):
-                k = done_rx[p]
-                n = min(C, len(out[p]) - k * C)
-                out[p][k * C:k * C + n] = sched.recv_view(p, rx0[p] + k)[:n]
-                done_rx[p] += 1
-                sched.consume(p, rx0[p] + done_rx[p])
-                moved = True
+            moved |= xfer.move(p)
         now = time.monotonic()
         if moved:
             last, idle = now, 0
             continue
-        waiting_rx = [p for p in sched.peers if done_rx[p] < nrx[p]]
-        # a free send slot depends on the proxy, whose own bounds (credits, completions) name the cause
-        # first; this host bound is the backstop of a proxy that stopped altogether
-        if now - last > (sched.timeout_s if waiting_rx else 2 * sched.timeout_s + 1.0):
-            p = waiting_rx[0] if waiting_rx else next(p for p in sched.peers if pending(p))
-            stage = STAGE_NAMES[int(F.STAGE_RING_CONSUME if waiting_rx else F.STAGE_RING_PRODUCE)]
-            ex = EPTimeoutError(sched.rank, p, stage, sched.timeout_s)
-            sched.fail(ex)
-            raise ex
+        xfer.check_stall(now - last)
         idle += 1
         time.sleep(0 if idle < 50 else 0.0002)
-    return out
+    return xfer.out
 
 
 def bootstrap(transport: Transport, sched_kwargs: Optional[dict] = None, group=None) -> Scheduler:
@@ -1058,7 +1121,8 @@ __all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "host_al
 
 
 if __name__ == "__main__":
-    # ``python -m triton_ep.scheduler``, the command's old name: this copy of the module hands over to the CLI's
-    # own module, which uses the one the package imported
-    from triton_ep.scheduler_cli import main
-    main()
+    # ``python -m triton_ep.scheduler``, the command's old name: this copy of the module runs the CLI's own module
+    # as ``__main__`` (by name: the scheduler never imports its command, the command imports the scheduler the
+    # package imported)
+    import runpy
+    runpy.run_module("triton_ep.scheduler_cli", run_name="__main__", alter_sys=True)

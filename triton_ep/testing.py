@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Generator, List, Optional, Sequence
 
 from .buffer import Buffer
-from .transport.ipc import LocalWorld
+from .runtime import LocalWorld
 
 
 def lockstep(gens: Sequence[Generator]) -> List[Any]:

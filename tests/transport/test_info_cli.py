@@ -35,12 +35,15 @@ def test_info_emulated_prints_gids_and_a_balanced_plan():
 
 
 def check_sections(text: str) -> None:
-    """The versions, devices, same-host IPC, internode and RDMA sections of a report from this host, in that
-    order."""
+    """The versions, deep_ep switch, devices, same-host IPC, internode and RDMA sections of a report from this
+    host, in that order."""
     heads = [l for l in text.splitlines() if l and not l.startswith(" ")]
-    assert heads[:3] == ["Versions:", "Devices:", "Same-host IPC:"]
-    assert heads[3].startswith("Internode (")
-    assert heads[4].startswith(("RDMA: absent", "RDMA devices ("))
+    assert heads[:4] == ["Versions:", "deep_ep (serving engines' import, docs/engines.md):", "Devices:",
+                         "Same-host IPC:"]
+    assert heads[4].startswith("Internode (")
+    assert heads[5].startswith(("RDMA: absent", "RDMA devices ("))
+    deep_ep = text.split("\n\n")[1].splitlines()[1:]
+    assert [l.split()[0] for l in deep_ep[:3]] == ["switch", "hook", "deep_ep"]
     versions = dict(l.split(None, 1) for l in text.split("\n\n")[0].splitlines()[1:])
     assert versions["triton-ep"].startswith(triton_ep.__version__ + " ")
     assert versions["torch"] == torch.__version__

@@ -1,7 +1,8 @@
 """Normal mode within one host (DeepEP V1's intranode ``dispatch`` / ``combine`` and ``get_dispatch_layout``).
 
-:class:`Intranode` owns this mode's arguments (:class:`DispatchArgs`), its steps and its handle
-(:class:`DispatchHandle`); what it shares with other modes comes from the :class:`~triton_ep.runtime.Runtime`
+:class:`Intranode` owns this mode's steps; its checked arguments (:class:`DispatchArgs`) and its handle
+(:class:`DispatchHandle`) are in :mod:`.intranode_args`, the replay of a call of the last shapes in
+:mod:`.intranode_replay`; what it shares with other modes comes from the :class:`~triton_ep.runtime.Runtime`
 it is given. Each collective call is a generator of steps (:meth:`Intranode.dispatch_steps`,
 :meth:`Intranode.combine_steps`) that ``Runtime.run`` drives for a real rank and
 :func:`triton_ep.testing.lockstep` for ranks simulated in one process. The protocol of one call (layout,
@@ -9,10 +10,9 @@ notify, rounds of send and receive launches) is in docs/design.md, section 3.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -22,189 +22,22 @@ from ..errors import EPError, EPTimeoutError
 from ..kernels import notify as NT
 from ..kernels.combine import combine_fused
 from ..kernels.combine import record_bytes as combine_record_bytes
-from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, row_words, use_fused
+from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, use_fused
 from ..kernels.dispatch import record_words as dispatch_record_words
 from ..protocol import call_card as card
 from ..protocol import records
 from ..runtime import Runtime, call_signature, steps
 from ..runtime.checks import check_config, check_event, isint
+from . import intranode_args as args
 from . import intranode_replay as replay
+from .intranode_args import Counts, DispatchArgs, DispatchHandle, Outputs, XLike, card_values, version_of
+from .intranode_args import check_cached_dispatch  # noqa: F401  (the internode modes take it from here)
 
 Tensor = torch.Tensor
-XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
-_MAX_INT32 = 2 ** 31 - 1
 #: what the internode calls say within one host
 _ONE_HOST = "{name}: this Buffer's ranks are all on one host; call {call}() (it picks the mode)"
 _MAX_ROWS = 1 << 62          # "no capacity limit" for the notify of a plain dispatch
-_dtype_code = card.dtype_code
-
-
-def check_cached_dispatch(num_rows: int, handle_tokens: int, topk_idx, topk_weights) -> None:
-    """A cached dispatch (a handle given) takes no routing, and ``x`` of the handle's token count.
-
-    Raises:
-        ValueError: ``topk_idx`` / ``topk_weights`` given, or ``num_rows`` differs from ``handle_tokens``.
-    """
-    if topk_idx is not None or topk_weights is not None:
-        raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
-    if num_rows != handle_tokens:
-        raise ValueError(f"x has {num_rows} rows but the handle was made for {handle_tokens} tokens")
-
-
-def _version_of(t: Tensor) -> Optional[int]:
-    """A tensor's in-place version counter; ``None`` for an inference tensor, which keeps none."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-def _card_values(a: "DispatchArgs") -> tuple:
-    """A new dispatch's call-card fields (:data:`triton_ep.protocol.call_card.DISPATCH`): dtype, hidden,
-    scale dtype and words, top-k, weights given, experts."""
-    sc_dtype = card.dtype_code(a.scales.dtype if a.scales is not None else None)
-    return (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, a.num_topk, int(a.topk_weights is not None),
-            a.num_experts)
-
-
-@dataclasses.dataclass
-class DispatchArgs:
-    """One dispatch call's checked arguments (what the steps of the call read).
-
-    ``x`` ``[T, H]`` (contiguous) and its ``scales`` ``[T, S]`` (contiguous, fp32 or int32, any ``S >= 0``;
-    given with a 1-byte ``x``, as DeepEP) or ``None``; ``row_words`` and ``scale_words`` (``S``): a row and
-    its scales in 32-bit words; ``dtype_code``: the dtype as the cross-rank signature carries it;
-    ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank`` ``[T, R]`` and
-    ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle`` for a cached
-    dispatch; ``flags``: bit 0 scales, bit 1 cached, bit 2 weights, bit 3 int32 scales (signature).
-    """
-    x: Tensor
-    scales: Optional[Tensor]
-    num_tokens: int
-    row_words: int
-    scale_words: int
-    dtype_code: int
-    expert_alignment: int
-    topk_idx: Optional[Tensor] = None
-    topk_weights: Optional[Tensor] = None
-    num_topk: int = 0
-    num_experts: int = 0
-    is_token_in_rank: Optional[Tensor] = None
-    num_tokens_per_expert: Optional[Tensor] = None
-    handle: Optional["DispatchHandle"] = None
-    flags: int = 0
-
-
-class DispatchHandle(tuple):
-    """The communication handle ``dispatch`` returns, shaped as DeepEP's intranode handle::
-
-        (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-         is_token_in_rank, send_head)
-
-    Every entry has DeepEP's dtype; the two channel matrices are DeepEP's with one channel (``C = 1``;
-    DeepEP has ``C = num_sms / 2``), see docs/design.md, *Handle*:
-
-    - ``rank_prefix_matrix`` int32 ``[R, R]``: ``[i][j]`` = rows rank ``j`` receives from ranks ``0..i``.
-    - ``channel_prefix_matrix`` int32 ``[R, 1]``: ``[j][0]`` = rows this rank sends to rank ``j``.
-    - ``recv_channel_prefix_matrix`` int32 ``[R, 1]``: ``[s][0]`` = where the channel starts within source
-      ``s``'s rows here: 0.
-    - ``recv_src_idx`` int32 ``[N]``: source token index of each received row (``-1`` on padding rows).
-    - ``is_token_in_rank`` bool ``[T, R]``; ``send_head`` int32 ``[T, R]``: index of token ``t`` among the
-      rows sent to rank ``r``, ``-1`` where it is not sent.
-
-    It also remembers, on the host, what cached calls need without a device synchronisation.
-    """
-
-    def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: Optional[int],
-                recv_rows_max: int, area_rows_max: int, seq: int, row_base: Tensor, combine_tables: Tensor,
-                n_recv_dev: Optional[Tensor] = None):
-        self = super().__new__(cls, items)
-        self.seq = seq
-        self.buffer_uid = buffer_uid
-        self.num_tokens = num_tokens
-        self.num_recv_tokens = num_recv_tokens
-        self.num_out_rows = int(items[3].shape[0])
-        #: the most rows any rank of the group receives, and the largest combine area (rows returned to
-        #: one source): they size the rounds of cached dispatches and combines, the same on every rank
-        #: (with ``num_worst_tokens``, bounds from it: the host never learnt the counts)
-        self.recv_rows_max, self.area_rows_max = recv_rows_max, area_rows_max
-        #: int64 [R] on the device: where this rank's rows start among each receiver's rows
-        self.row_base = row_base
-        #: int64 [3R] on the device: combine's comb_base, send_base and prefix (no upload per combine)
-        self.combine_tables = combine_tables
-        R = int(items[0].shape[0])
-        #: the same three as views, made once
-        self.combine_views = records.split_combine_tables(combine_tables, R)
-        #: per call shape (operation, widths): record size, rows per round, rounds and call signature,
-        #: worked out by the first call of that shape
-        self.plans: dict = {}
-        #: the plans a cached dispatch and a combine of this handle replay (:mod:`.intranode_replay`)
-        self.replay_dispatch = self.replay_combine = None
-        #: int64 [1] on the device: rows received, for a handle whose host never learnt the counts
-        #: (``num_worst_tokens``; then ``num_recv_tokens`` is ``None``)
-        self.n_recv_dev = n_recv_dev
-        return self
-
-    @property
-    def rank_prefix_matrix(self) -> Tensor:
-        """int32 ``[R, R]``: ``[i][j]`` = rows rank ``j`` receives from ranks ``0..i``."""
-        return self[0]
-
-    @property
-    def recv_src_idx(self) -> Tensor:
-        """int32 ``[N]``: the source token of each received row (``-1`` on padding rows)."""
-        return self[3]
-
-    @property
-    def is_token_in_rank(self) -> Tensor:
-        """bool ``[T, R]``: whether token ``t`` went to rank ``r``."""
-        return self[4]
-
-    @property
-    def send_head(self) -> Tensor:
-        """int32 ``[T, R]``: index of token ``t`` among the rows sent to rank ``r`` (``-1``: not sent)."""
-        return self[5]
-
-
-@dataclasses.dataclass
-class _Counts:
-    """What a dispatch knows of its rows once the counts are exchanged (a cached one: from its handle)."""
-    in_rank: Tensor                     # bool [T, R]: is_token_in_rank
-    send_pos: Tensor                    # int32 [T, R]: each row's position among those sent to a rank (-1: none)
-    row_base: Tensor                    # int64: where each source's rows land here (records.split_t64)
-    n_recv: Optional[int]               # rows this rank receives; None: on the device only (num_worst_tokens)
-    n_out: int                          # rows of the outputs (n_recv, or num_worst_tokens)
-    n_recv_dev: Optional[Tensor]        # the received rows as the device counted them
-    recv_rows_max: int                  # the most rows any rank receives (sets the rounds)
-    area_rows_max: int = 0              # the most rows any rank sends (a combine's rounds)
-    expert_list: list = dataclasses.field(default_factory=list)     # rows per local expert, aligned
-    combine_tables: Optional[Tensor] = None     # int64: the combine's slices of the handle's tables
-    tables: Optional[Tensor] = None             # int64 [records.t64_words(R)]: the handle's tables
-    t32_dev: Optional[Tensor] = None            # int32 [records.t32_words(R)]: prefix matrices
-
-    @classmethod
-    def of_handle(cls, h: "DispatchHandle") -> "_Counts":
-        """A cached dispatch's counts: its handle's."""
-        return cls(h.is_token_in_rank, h.send_head, h.row_base, h.num_recv_tokens, h.num_out_rows, h.n_recv_dev,
-                   h.recv_rows_max)
-
-
-@dataclasses.dataclass
-class _Outputs:
-    """A dispatch's fresh outputs, and what its kernels take (32-bit words of x, scales, weights and outputs)."""
-    recv_x: Tensor                      # [N, H], x's dtype
-    recv_sc: Optional[Tensor]           # [N, S], the scales' dtype; None without scales
-    recv_idx: Optional[Tensor]          # [N, K], topk_idx's dtype; None without topk_idx or cached
-    recv_w: Optional[Tensor]            # fp32 [N, K]; None without weights or cached
-    recv_src: Optional[Tensor]          # int32 [N]: each row's source token; None cached
-    rec: Tensor                         # int32: the shared buffer's data area, where records land
-    x_words: Tensor                     # x as the kernels move it
-    sc_words: Optional[Tensor]          # the scales (None: none, or S = 0)
-    w_words: Optional[Tensor]           # fp32 [T, K] weights sent (None cached)
-    idx: Optional[Tensor]               # [T, K] ids sent (None cached)
-    out_words: Tensor                   # recv_x as the kernels write it
-    sc_out: Optional[Tensor]            # recv_sc where scales move
 
 
 class Intranode:
@@ -295,7 +128,7 @@ class Intranode:
         """Keep ``lay`` (``routing_layout``'s results for ``idx``) for the dispatch that takes this layout (the same
         ``topk_idx`` and ``is_token_in_rank``, unchanged): it then uses these send positions and counts instead of
         computing the layout again."""
-        vi, vr = _version_of(idx), _version_of(lay[2])
+        vi, vr = version_of(idx), version_of(lay[2])
         self._layout_memo = (weakref.ref(idx), vi, int(num_experts), vr, lay) if None not in (vi, vr) else None
 
     @steps
@@ -313,7 +146,7 @@ class Intranode:
         self.rt.check()
         if self.rt.sig.needs_resync:      # (after a failed call: the worst-value slots restart from there)
             yield from self.rt.resync_steps()
-        self.rt.publish(card.DISPATCH_WORST, _card_values(a))
+        self.rt.publish(card.DISPATCH_WORST, card_values(a))
         self.rt.publish_worst(num_worst_tokens)
         yield "dispatch/num_worst_tokens"
         return self.rt.every_worst()
@@ -348,9 +181,9 @@ class Intranode:
         if cached:
             self.rt.publish(card.CACHED_DISPATCH, (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, seq))
         else:     # (with num_worst_tokens the host never learns the counts: they stay on the device)
-            self.rt.publish(card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH, _card_values(a))
+            self.rt.publish(card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH, card_values(a))
         self.rt.begin(previous_event, async_finish)
-        c = _Counts.of_handle(a.handle) if cached else (yield from self._count_steps(a, num_worst_tokens, force))
+        c = Counts.of_handle(a.handle) if cached else (yield from self._count_steps(a, num_worst_tokens, force))
         plan = self._dispatch_plan(a, sig, c.recv_rows_max)
         o = self._dispatch_outputs(a, c.n_out)
         launches = yield from self._dispatch_rounds(a, c, o, plan, force)
@@ -366,7 +199,7 @@ class Intranode:
     def _count_steps(self, a: "DispatchArgs", num_worst_tokens: int, force):
         """A plain dispatch's counts, exchanged on the device (notify): every rank's row of the count matrix, and
         without ``num_worst_tokens`` the per-expert counts, into every rank's header; each rank builds its handle's
-        tables from the matrix. A generator (the dispatch's steps) that returns the :class:`_Counts`."""
+        tables from the matrix. A generator (the dispatch's steps) that returns the :class:`Counts`."""
         R = self.rt.group_size
         worst = num_worst_tokens > 0
         El = a.num_experts // R
@@ -386,7 +219,7 @@ class Intranode:
             yield "dispatch/notify receive"
         t32_dev, tables = self._notify(lay[5], a.num_experts, num_worst_tokens, one)
         row_base, combine_tables, n_recv_dev = records.split_t64(tables, R)
-        c = _Counts(lay[2], lay[3], row_base, None, num_worst_tokens, n_recv_dev, 0, 0, [], combine_tables, tables,
+        c = Counts(lay[2], lay[3], row_base, None, num_worst_tokens, n_recv_dev, 0, 0, [], combine_tables, tables,
                     t32_dev)
         if worst:
             # rank r receives at most its own value; rows returned to one source at most their sum
@@ -433,7 +266,7 @@ class Intranode:
                 a.handle.plans[tuple(sig)] = plan
         return plan
 
-    def _dispatch_outputs(self, a: "DispatchArgs", n_out: int) -> "_Outputs":
+    def _dispatch_outputs(self, a: "DispatchArgs", n_out: int) -> "Outputs":
         """A dispatch's fresh outputs of ``n_out`` rows, and what its kernels take as 32-bit words (each view per
         call costs microseconds of host time on a GPU machine: the kernels take their own dtypes)."""
         cached, dev = a.handle is not None, self.rt.device
@@ -451,11 +284,11 @@ class Intranode:
         rec = self.rt.comm.data_view(torch.int32)
         x_words = as_words(xv)
         sc_words = sc if (sc is not None and a.scale_words) else None    # S = 0: nothing to move
-        return _Outputs(recv_x, recv_sc, recv_idx, recv_w, recv_src, rec, x_words, sc_words,
+        return Outputs(recv_x, recv_sc, recv_idx, recv_w, recv_src, rec, x_words, sc_words,
                         a.topk_weights if not cached else None, a.topk_idx if not cached else None, as_words(recv_x),
                         recv_sc if sc_words is not None else None)
 
-    def _dispatch_rounds(self, a: "DispatchArgs", c: "_Counts", o: "_Outputs", plan: tuple, force):
+    def _dispatch_rounds(self, a: "DispatchArgs", c: "Counts", o: "Outputs", plan: tuple, force):
         """A dispatch's launches: rounds, each a send launch then a receive launch (ranks wait for each other on the
         device); a call of one round may run both as one launch (kernels.dispatch.use_fused). A generator (the
         dispatch's steps) that returns ``[(bound launch, its arguments), ...]`` in order: what a later cached call
@@ -491,7 +324,7 @@ class Intranode:
                     rnd=k, sig=call_sig, advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap))
         return launches
 
-    def _dispatch_end(self, a: "DispatchArgs", c: "_Counts", o: "_Outputs", async_finish: bool):
+    def _dispatch_end(self, a: "DispatchArgs", c: "Counts", o: "Outputs", async_finish: bool):
         """A dispatch's results after its launches: DeepEP's tuple, with a new handle unless cached."""
         out_x = (o.recv_x, o.recv_sc) if a.scales is not None else o.recv_x
         inputs = (a.x, a.scales, o.idx, a.topk_weights, c.send_pos, c.row_base)
@@ -556,8 +389,8 @@ class Intranode:
         kernel, else from ``is_token_in_rank``."""
         if a.topk_idx is not None:
             m = self._layout_memo
-            if (m is not None and m[0]() is a.topk_idx and m[1] == _version_of(a.topk_idx) and m[2] == a.num_experts
-                    and a.is_token_in_rank is m[4][2] and m[3] == _version_of(a.is_token_in_rank)):
+            if (m is not None and m[0]() is a.topk_idx and m[1] == version_of(a.topk_idx) and m[2] == a.num_experts
+                    and a.is_token_in_rank is m[4][2] and m[3] == version_of(a.is_token_in_rank)):
                 return m[4]
             return kernels.routing_layout(a.topk_idx, a.num_experts, self.rt.group_size)
         in_rank = a.is_token_in_rank
@@ -569,59 +402,14 @@ class Intranode:
         return per_rank, a.num_tokens_per_expert, in_rank, send_pos, None, counts
 
     def dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                      topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> "DispatchArgs":
-        """Check ``Buffer.dispatch``'s arguments against this Buffer's group (shapes, dtypes, devices, values),
-        before anything is launched. Raises ``TypeError`` / ``ValueError`` naming the argument."""
-        self.rt.live()
-        R = self.rt.group_size
-        check_event(previous_event)
-        xv, sc = self.check_x(x)
-        T = xv.shape[0]
-        if not isint(expert_alignment) or not 1 <= expert_alignment <= _MAX_INT32:
-            raise ValueError(f"expert_alignment must be an int in [1, 2^31), got {expert_alignment!r}")
-        if not isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
-            raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
-        a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=row_words(xv),
-                         scale_words=sc.shape[1] if sc is not None else 0, dtype_code=_dtype_code(xv.dtype),
-                         expert_alignment=int(expert_alignment))
-        # scales and their dtype are in the signature: ranks must agree on both (and on their width, S)
-        sflags = 0 if sc is None else (9 if sc.dtype == torch.int32 else 1)
-        if handle is not None:
-            h = self._check_handle(handle)
-            check_cached_dispatch(T, h.num_tokens, topk_idx, topk_weights)
-            a.handle, a.flags = h, 2 | sflags
-            return a
-        if num_tokens_per_expert is None:
-            raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
-        npe = self.rt.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32, torch.int64), (None,))
-        E = npe.shape[0]
-        try:
-            self.rt.check_num_experts(E)
-        except ValueError as e:
-            raise ValueError(f"num_tokens_per_expert has {E} entries, one per expert: {e}") from None
-        if num_tokens_per_rank is not None:
-            self.rt.check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), (R,),
-                               f"R = {R} ranks in the group")
-        if is_token_in_rank is not None:
-            a.is_token_in_rank = self.rt.check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), (T, R),
-                                                    f"T = {T} rows of x, R = {R} ranks")
-        if topk_idx is not None:
-            a.topk_idx = self.rt.check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None),
-                                            f"T = {T} rows of x")
-            a.num_topk = a.topk_idx.shape[1]
-            if a.num_topk == 0:
-                raise ValueError("topk_idx must have at least one column")
-            if topk_weights is not None:
-                a.topk_weights = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (T, a.num_topk),
-                                                    f"T = {T} rows of x, K = {a.num_topk} columns of topk_idx")
-        elif topk_weights is not None:
-            raise ValueError("topk_weights given without topk_idx")
-        elif a.is_token_in_rank is None:
-            raise ValueError("dispatch needs topk_idx or is_token_in_rank (or a handle) to route the tokens")
-        else:
-            a.num_tokens_per_expert = npe.to(torch.int32)
-        a.num_experts, a.flags = E, sflags | (4 if a.topk_weights is not None else 0)
-        return a
+                      topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> DispatchArgs:
+        """:func:`triton_ep.modes.intranode_args.dispatch_args` against this Buffer's group."""
+        return args.dispatch_args(self.rt, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+
+    def check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
+        """:func:`triton_ep.modes.intranode_args.check_x` against this Buffer's group."""
+        return args.check_x(self.rt, x)
 
     @steps
     def combine_steps(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
@@ -632,7 +420,7 @@ class Intranode:
         if self.rt.sig.needs_resync:
             yield from self.rt.resync_steps()
         try:
-            h, xv, w, biases, force = self._combine_args(x, handle, topk_weights, bias, config, previous_event)
+            h, xv, w, biases, force = args.combine_args(self.rt, x, handle, topk_weights, bias, config, previous_event)
         except Exception as e:  # noqa: BLE001 - every rank learns it through the device words
             raise self.rt.fail_call(e)
         H = xv.shape[1]
@@ -662,30 +450,6 @@ class Intranode:
         event = self.rt.end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
         self.rt.check()
         return out, wout, event
-
-    def _combine_args(self, x, handle, topk_weights, bias, config, previous_event):
-        """Check ``Buffer.combine``'s arguments and ``TRITON_EP_FUSED``: ``(handle, x, topk_weights or None,
-        [biases], force)``. Raises ``TypeError`` / ``ValueError`` naming the argument."""
-        w = None
-        self.rt.live()
-        check_config(config)
-        force = fused_switch()
-        check_event(previous_event)
-        h = self._check_handle(handle)
-        xv = self.rt.check_tensor("x", x, (torch.bfloat16,), (h.num_out_rows, None),
-                                  f"{h.num_out_rows} rows the handle's dispatch delivered here")
-        if (xv.shape[1] * 2) % 16 or xv.shape[1] == 0:
-            raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]}")
-        if topk_weights is not None:
-            w = self.rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, None),
-                                     f"{h.num_out_rows} rows the handle's dispatch delivered here")
-        bl = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
-        if len(bl) > 2:
-            raise ValueError(f"bias takes at most two tensors, got {len(bl)}")
-        biases = [self.rt.check_tensor(f"bias[{i}]", b, (torch.bfloat16,), (h.num_tokens, xv.shape[1]),
-                                       f"the handle's {h.num_tokens} source tokens, hidden {xv.shape[1]} of x")
-                  for i, b in enumerate(bl) if b is not None]
-        return h, xv, w, biases, force
 
     def _combine_rounds(self, h: "DispatchHandle", xv: Tensor, w: Optional[Tensor], biases: list, plan: tuple,
                         force, outs: tuple):
@@ -721,39 +485,3 @@ class Intranode:
                     last=k == rounds - 1, signals=self.rt.sig_args, rnd=k, sig=call_sig,
                     advance=rounds if k == rounds - 1 else 0))
         return launches
-
-    def check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
-        """Check ``x`` as ``dispatch`` takes it (a tensor ``[T, H]`` with rows of a multiple of 16 bytes, or
-        DeepEP's pair of 1-byte ``x`` and fp32 / int32 ``scales [T, S]``): ``(x, scales or None)``, both
-        contiguous. Raises ``TypeError`` / ``ValueError`` naming the fault."""
-        if isinstance(x, tuple) and len(x) == 2 and x[1] is None:
-            x = x[0]            # DeepEP unpacks (x, None) as x without scales (and returns recv_x alone)
-        if isinstance(x, tuple):
-            # DeepEP's intranode dispatch (csrc/deep_ep.cpp, "FP8 scales checks"): x of 1-byte elements, scales
-            # fp32 or int32 (e.g. packed UE8M0) [T, S] with any S and any strides; S floats move per row
-            if len(x) != 2:
-                raise ValueError(f"x as a tuple must be (x [T, H] of 1-byte elements, scales [T, S] fp32 or int32), "
-                                 f"got a tuple of {len(x)}")
-            if isinstance(x[0], torch.Tensor) and (x[0].element_size() != 1 or x[0].is_quantized):
-                raise TypeError(f"x[0] must have plain 1-byte elements (e.g. torch.float8_e4m3fn) when scales are "
-                                f"given, got {x[0].dtype}")
-            xv = self.rt.check_tensor("x[0]", x[0], (x[0].dtype,) if isinstance(x[0], torch.Tensor) else (), (None, None))
-            T, H = xv.shape
-            if H % 16 or H == 0:
-                raise ValueError(f"x[0] rows must be a non-zero multiple of 16 bytes, got hidden {H} ({H} bytes)")
-            sc = self.rt.check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None),
-                                      f"T = {T} rows of x[0]")
-            return xv, sc
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor or an (fp8 tensor, scales) pair, got {type(x).__name__}")
-        if x.is_quantized:
-            raise TypeError(f"x must be a plain tensor (its rows are moved as raw bytes), got quantized {x.dtype}")
-        xv = self.rt.check_tensor("x", x, (x.dtype,), (None, None))
-        if (xv.shape[1] * xv.element_size()) % 16 or xv.shape[1] == 0:
-            raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]} "
-                             f"({xv.shape[1] * xv.element_size()} bytes)")
-        return xv, None
-
-    def _check_handle(self, handle) -> DispatchHandle:
-        return self.rt.check_handle(handle, DispatchHandle, "dispatch")
-

@@ -1,8 +1,9 @@
 """What every mode shares: the runtime of one Buffer (shared buffers, signals, streams, errors, the driver
 of a collective's steps) and the argument checks."""
-from ..transport.ipc import SLOT_HEADER
+from ..transport.ipc import SLOT_HEADER, LocalWorld
 from ..transport.signals import call_signature
 from .context import Meet, Runtime, collective, current_event, open_runtime, steps
 
-# (the modes reach transport/ through here: a call's signature words, the first mode word of a meeting's slot)
-__all__ = ["Meet", "Runtime", "SLOT_HEADER", "call_signature", "collective", "current_event", "open_runtime", "steps"]
+# (the modes reach transport/ through here: a call's signature words, the first mode word of a meeting's slot;
+# and the test kit reaches the ranks-in-one-process world through here)
+__all__ = ["LocalWorld", "Meet", "Runtime", "SLOT_HEADER", "call_signature", "collective", "current_event", "open_runtime", "steps"]

@@ -10,14 +10,10 @@ import numpy as np
 import torch
 
 from ..config import Config, EventOverlap
+from ..protocol.limits import MAX_TIMEOUT_S
 
 #: the default bound on every wait for a peer, in seconds
 DEFAULT_TIMEOUT_S = 100.0
-#: The largest ``timeout_s`` (about 31.7 years). The code carries it as int64 nanoseconds that the GPU kernels
-#: compare with ``%globaltimer`` (nanoseconds since 1970, about 1.8e18 now; the int64 limit is about 9.2e18)
-#: and as Python thread-wait bounds of ``timeout_s`` plus some seconds (``threading.TIMEOUT_MAX``, about
-#: 9.2e9 s): 1e9 s leaves room in both.
-MAX_TIMEOUT_S = 1e9
 #: the environment variable that sets ``timeout_s`` when the argument is not given
 ENV_TIMEOUT_S = "TRITON_EP_TIMEOUT_S"
 #: the largest expert count a call takes

@@ -267,14 +267,7 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         if rank == 0 and size > 1 and live.supported():     # each rank locks its byte (transport.liveness)
             live_path = os.path.join(d, shm_name(f"{tag}.live"))
             liveness = live.Liveness(live_path, rank, size, create=True)
-        if device.type == "cuda":
-            data = torch.empty(hb + num_bytes, dtype=torch.uint8, device=device)
-            data[:hb].zero_()        # the signal header starts at zero (peers look after the bootstrap barrier)
-            # One share per consumer: PyTorch counts the consumers of each share and expects exactly one.
-            mine = ("cuda", [pickle.dumps(_device_handle(data)) if r != rank else None for r in range(size)])
-        else:
-            data = _map_file(data_path, hb + num_bytes, create=True)     # a new file reads zero
-            mine = ("file", data_path)
+        data, mine = _own_buffer(device, data_path, hb + num_bytes, rank, size)
         info = exchange.gather((socket.gethostname(), ctrl_path, mine, num_bytes, device.index, live_path))
         hosts = {i[0] for i in info}
         if len(hosts) != 1:
@@ -283,14 +276,7 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
             ctrl = _map_file(info[0][1], ctrl_bytes, create=False)
         if liveness is None and info[0][5] is not None:
             liveness = live.Liveness(info[0][5], rank, size, create=False)
-        peers = []
-        for r, (_, _, (kind, h), nb, _, _) in enumerate(info):
-            if r == rank:
-                peers.append(data)
-            elif kind == "cuda":
-                peers.append(_open_device_handle(h[rank], device))
-            else:
-                peers.append(_map_file(h, hb + nb, create=False))
+        peers = _map_peers(info, rank, data, device, hb)
         if device.type == "cuda":
             _check_peer_access(device, {torch.device("cuda", i[4]) for i in info})
         comm = Comm(rank, size, device, peers, ctrl, timeout_s, slot_words, min(i[3] for i in info),
@@ -305,13 +291,44 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
     finally:
         if liveness is not None:
             liveness.close()
-        for path in (data_path, ctrl_path, live_path):
-            if path is not None:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+        _unlink(data_path, ctrl_path, live_path)
     return comm
+
+
+def _own_buffer(device: torch.device, data_path: Optional[str], nbytes: int, rank: int, size: int):
+    """This rank's shared buffer of ``nbytes`` (uint8: the signal header, then the data area), zeroed: device
+    memory on a GPU, else the new file ``data_path``. Returns ``(buffer, what the peers need to map it)``: one
+    IPC handle per peer on a GPU, else the file's path."""
+    if device.type == "cuda":
+        data = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        data[:header_bytes(size)].zero_()   # the signal header starts at zero (peers look after the bootstrap barrier)
+        # One share per consumer: PyTorch counts the consumers of each share and expects exactly one.
+        return data, ("cuda", [pickle.dumps(_device_handle(data)) if r != rank else None for r in range(size)])
+    return _map_file(data_path, nbytes, create=True), ("file", data_path)     # (a new file reads zero)
+
+
+def _map_peers(info: list, rank: int, data: torch.Tensor, device: torch.device, hb: int) -> List[torch.Tensor]:
+    """Every rank's buffer in rank order, from the exchanged ``info`` (:func:`open_group`'s records): this rank's
+    own ``data``, a peer's by its IPC handle for this rank or by mapping its file (``hb`` header bytes + its size)."""
+    peers = []
+    for r, (_, _, (kind, h), nb, _, _) in enumerate(info):
+        if r == rank:
+            peers.append(data)
+        elif kind == "cuda":
+            peers.append(_open_device_handle(h[rank], device))
+        else:
+            peers.append(_map_file(h, hb + nb, create=False))
+    return peers
+
+
+def _unlink(*paths: Optional[str]) -> None:
+    """Remove the named files (``None``: none; one already gone is fine)."""
+    for path in paths:
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 class LocalWorld:

@@ -1,5 +1,5 @@
 """Entry of the RDMA proxy process (``TRITON_EP_PROXY=process``), run by path by
-:class:`triton_ep.proxy_process.ProcessScheduler`: ``python .../triton_ep/transport/proxy_main.py FD PARENT_PID``.
+:class:`triton_ep.proxy_process.ProcessScheduler`: ``python .../triton_ep/proxy_main.py FD PARENT_PID``.
 
 It imports neither torch nor Triton, so it does not go through ``triton_ep/__init__.py`` (which imports both):
 ``triton_ep`` is registered as a bare namespace over the package's folder, so ``import triton_ep.x`` loads only
@@ -8,7 +8,8 @@ words as ``tl.constexpr`` and its formulas under ``triton.jit``; this process ge
 holds only those two (a constexpr is an int; a formula keeps its ``.host``), and ``torch`` is blocked (an import
 of it fails), so a module that starts needing either fails loudly here instead of slowing the start-up.
 Run by path, never with ``-m triton_ep...`` (that runs the package's ``__init__`` first); the folder of this
-file is dropped from ``sys.path`` (its modules' names would shadow others).
+file (the package's) is dropped from ``sys.path`` (its modules' names would shadow others). It sits beside
+:mod:`triton_ep.proxy_process`, in the scheduler's layer (docs/design.md, section 2).
 """
 import os
 import signal
@@ -53,9 +54,8 @@ def install_stand_ins(pkg_dir: str) -> None:
 def main() -> int:
     """Ignore SIGINT (the rank's process decides when the proxy ends), set the imports up, serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pkg_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    pkg_dir = os.path.dirname(os.path.abspath(__file__))       # (this file sits in the package's folder)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != pkg_dir]
     sys.path.insert(0, os.path.dirname(pkg_dir))
     install_stand_ins(pkg_dir)
     from triton_ep.proxy_process import serve
