@@ -190,6 +190,13 @@ def _count(name: str, v, lo: int = 0) -> int:
     return int(v)
 
 
+def _v2_names(message: str) -> str:
+    """``message`` (an error of :class:`~triton_ep.Buffer`'s set-up) with V1's argument names replaced by the V2
+    arguments ElasticBuffer passes them from: ``num_nvl_bytes`` is ``num_bytes``, ``timeout_s`` is
+    ``num_gpu_timeout_secs``."""
+    return message.replace("num_nvl_bytes", "num_bytes").replace("timeout_s ", "num_gpu_timeout_secs ")
+
+
 def _primitive(name: str, what: str):
     """A stand-in for V2's ``ElasticBuffer.<name>`` (one of its ``what`` primitives), which triton-ep does not
     provide: it raises ``NotImplementedError`` naming itself."""
@@ -238,6 +245,8 @@ class ElasticBuffer:
                         ("hidden", hidden), ("num_topk", num_topk), ("sl_idx", sl_idx),
                         ("num_allocated_qps", num_allocated_qps)):
             _count(name, v)
+        if num_bytes is not None and not isint(num_bytes):
+            raise TypeError(f"ElasticBuffer: num_bytes must be an int (bytes), got {type(num_bytes).__name__}")
         if num_bytes is None:
             if hidden == 0:
                 raise ValueError("ElasticBuffer needs num_bytes, or hidden (with num_max_tokens_per_rank) to size it")
@@ -246,8 +255,11 @@ class ElasticBuffer:
             num_bytes = self._size_hint(hidden, size)
         self.group = group
         self._number = next(_BUFFER_NUMBERS)
-        self._buffer = Buffer(group, int(num_bytes), timeout_s=num_gpu_timeout_secs, device=device,
-                              rdma_backend=rdma_backend, explicitly_destroy=explicitly_destroy)
+        try:
+            self._buffer = Buffer(group, int(num_bytes), timeout_s=num_gpu_timeout_secs, device=device,
+                                  rdma_backend=rdma_backend, explicitly_destroy=explicitly_destroy)
+        except (TypeError, ValueError) as ex:     # Buffer's set-up checks name V1's arguments: name V2's
+            raise (TypeError if isinstance(ex, TypeError) else ValueError)(_v2_names(str(ex))) from ex
         b = self._buffer
         self.rank_idx, self.num_ranks, self.device = b.rank, b.group_size, b.device
         self.num_bytes, self.num_cpu_bytes = int(num_bytes), int(num_cpu_bytes)

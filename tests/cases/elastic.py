@@ -159,6 +159,10 @@ def cases(rank, world, env, seed, n_cases, device="cpu", deterministic=False):
         torch.cuda.set_device(0)
     per_host = int(env["TRITON_EP_RANKS_PER_HOST"]) if "TRITON_EP_RANKS_PER_HOST" in env else None
     rnd = random.Random(seed)
+    for kind, word, kw in ((ValueError, "num_bytes must", dict(num_bytes=-5)),
+                           (ValueError, "num_gpu_timeout_secs must", dict(num_bytes=1 << 20, num_gpu_timeout_secs=0)),
+                           (TypeError, "num_bytes must", dict(num_bytes="big"))):
+        _expect(lambda **k: triton_ep.ElasticBuffer(None, device=device, **k), kind, word, kw)
     buf = triton_ep.ElasticBuffer(None, num_max_tokens_per_rank=16, hidden=128, num_topk=3, device=device,
                                   num_gpu_timeout_secs=60, explicitly_destroy=True)
     try:
