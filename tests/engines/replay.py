@@ -259,3 +259,36 @@ def replay_rank(rank, world, module, backend, shape=Shape(), env=None):
         if r.buf is not None:
             r.buf.destroy()         # (idempotent; SGLang never destroys its process-wide Buffer)
     return r.trace
+
+
+def replay_main(module: str, engine: str, default_backend: str, description: str, argv=None) -> int:
+    """The command line of ``examples/replay_<engine>.py``: replay one backend's sequence of ``tests.engines.<module>``
+    on CPU rank processes (``--ranks``, ``--hosts`` emulated hosts) and print its calls, or ``--list`` the backends.
+    Returns the exit status (1 when a rank failed, with its traceback printed)."""
+    import argparse
+    import time
+    from triton_ep.testing import run_ranks
+    sequences = importlib.import_module(f"tests.engines.{module}").SEQUENCES
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--backend", default=default_backend, choices=[s.backend for s in sequences])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--hosts", type=int, default=1, help="emulated hosts (ranks are split evenly)")
+    p.add_argument("--list", action="store_true")
+    a = p.parse_args(argv)
+    if a.list:
+        for s in sequences:
+            print(f"{s.backend:40s} {'V2 ElasticBuffer' if s.v2 else 'V1 Buffer':16s}", "-", "; ".join(s.deviations))
+        return 0
+    env = {} if a.hosts == 1 else {"TRITON_EP_RANKS_PER_HOST": str(a.ranks // a.hosts), "TRITON_EP_RDMA": "emulated"}
+    print(f"replaying {a.backend} ({engine}'s calls, not {engine}) on {a.ranks} CPU ranks, {a.hosts} host(s)...")
+    t = time.time()
+    out = run_ranks(replay_rank, a.ranks, module, a.backend, Shape(H=512 if "ue8m0" in a.backend else 256), env)
+    for r, o in enumerate(out):
+        if not hasattr(o, "checks"):
+            print(f"rank {r} failed: {o!r}\n{getattr(o, 'traceback', '')}")
+            return 1
+    print(f"rank 0 made {len(out[0].calls)} calls through {out[0].deep_ep_file}:")
+    for c in out[0].calls:
+        print("  ", c)
+    print(f"all {a.ranks} ranks: {len(out[0].checks)} results equal to the reference ({time.time() - t:.0f} s)")
+    return 0
