@@ -143,3 +143,34 @@ def test_round_trip_gpu():
     errors, bit for bit; then 4 more under torch.use_deterministic_algorithms(True)."""
     assert _values(run_ranks(elastic_cases.cases, 2, {}, 3, 8, "cuda", timeout_s=400)) == [8] * 2
     assert _values(run_ranks(elastic_cases.cases, 2, {}, 4, 4, "cuda", True, timeout_s=400)) == [4] * 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,env", [(2, {}), (2, _hosts(1))], ids=["one_host", "two_emulated_hosts"])
+def test_rejected_on_one_rank(world, env):
+    """A value only ElasticBuffer checks, bad on one rank alone (a dispatch with T > num_max_tokens_per_rank or a
+    float topk_idx, a cached dispatch with topk_idx, a combine with three biases): that rank raises its error naming
+    the argument, its peers EPRemoteError at once (before, their pending call waited for that rank and paired with
+    its next call); every rank's next good call gives the reference's results."""
+    assert _values(run_ranks(elastic_cases.rejected_on_one_rank, world, env, timeout_s=300)) == [3] * world
+
+
+@pytest.mark.multiprocess
+def test_ambient_defaults():
+    """2 ranks: ElasticBuffer built and called under torch.set_default_dtype(torch.bfloat16), then under
+    torch.float64, each with the default device 'meta' (a device other than the buffer's): exact and worst-case
+    sizes, both layouts, FP8 pairs, weights, biases and cached dispatches, bit for bit against the reference."""
+    n = len(elastic_cases.AMBIENT_CASES) * 2
+    assert _values(run_ranks(elastic_cases.ambient, 2, (torch.bfloat16, torch.float64), "meta",
+                             timeout_s=300)) == [n] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ambient_defaults_gpu():
+    """The GPU twin: 2 ranks sharing the GPU under torch.set_default_device('cuda') and
+    torch.set_default_dtype(torch.bfloat16) (as DeepEP's tests run), then float64."""
+    n = len(elastic_cases.AMBIENT_CASES) * 2
+    assert _values(run_ranks(elastic_cases.ambient, 2, (torch.bfloat16, torch.float64), "cuda", "cuda",
+                             timeout_s=300)) == [n] * 2

@@ -37,7 +37,7 @@ import torch
 from .buffer import Buffer
 from .config import Config, EventOverlap
 from .modes.internode import dense
-from .runtime.checks import MAX_INT32, isint
+from .runtime.checks import MAX_INT32, check_num_experts, check_tensor, isint
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -48,6 +48,9 @@ __all__ = ["ElasticBuffer", "EPHandle"]
 BUFFER_ALIGNMENT = 2 << 20
 #: a number per ElasticBuffer (a handle names the buffer that made it; ``id()`` may be reused after collection)
 _BUFFER_NUMBERS = itertools.count(1)
+#: the handle this rank passes to the Buffer call it makes only to reject it (:meth:`ElasticBuffer._agreed`) when
+#: the caller's handle is no EPHandle: any object but None makes it a cached dispatch (Buffer then rejects x=None)
+_NOT_A_HANDLE = object()
 #: V2's TMA-aligned column-major scales: the token stride is 1, the pack stride the row count rounded up to this
 SF_ROW_ALIGNMENT = 4
 
@@ -411,44 +414,35 @@ class ElasticBuffer:
             holds an event only with ``async_with_compute_stream``.
 
         Raises:
-            TypeError/ValueError: bad arguments (before anything launches; this rank only: its peers then time out,
-            as DeepEP's asserts stop a rank), or as :meth:`triton_ep.Buffer.dispatch`; EPTimeoutError,
-            EPRemoteError: as there.
+            TypeError/ValueError: bad arguments (before anything launches), or as :meth:`triton_ep.Buffer.dispatch`.
+            As with Buffer's own checks, the peers' call raises ``EPRemoteError`` at once, and the next call of
+            every rank re-synchronises the group. EPTimeoutError, EPRemoteError: as there.
         """
-        for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
-            _count(name, v)
-        if do_zero_padding and not do_expand:
-            raise ValueError("do_zero_padding needs do_expand=True (it zeroes the expanded layout's padding rows)")
-        xs, sf = (x if isinstance(x, tuple) else (x, None))
-        if isinstance(x, tuple) and len(x) != 2:
-            raise ValueError(f"x must be a tensor or an (x, sf) pair, got a tuple of {len(x)}")
-        if not isinstance(xs, torch.Tensor) or xs.dim() != 2:
-            raise TypeError(f"x must be a 2-D tensor [T, H] (or an (x, sf) pair), got "
-                            f"{tuple(xs.shape) if isinstance(xs, torch.Tensor) else type(xs).__name__}")
-        T = xs.shape[0]
-        prev, prev_epi = _as_event(previous_event, "previous_event"), _as_event(previous_event_before_epilogue,
-                                                                                  "previous_event_before_epilogue")
-        if handle is not None:
-            return self._cached_dispatch(x, T, handle, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
-                                         num_experts, num_max_tokens_per_rank, expert_alignment, prev, prev_epi,
-                                         async_with_compute_stream, allocate_on_comm_stream, do_cpu_sync, do_expand,
-                                         use_tma_aligned_col_major_sf)
-        if topk_idx is None:
-            raise ValueError("dispatch needs topk_idx (or a handle of an earlier dispatch)")
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != T:
-            raise ValueError(f"topk_idx must be [T, K] with T = {T} rows of x, got "
-                             f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
-        K = topk_idx.shape[1]
-        if num_experts is None:
-            raise ValueError("dispatch needs num_experts (or a handle of an earlier dispatch)")
-        if not isint(num_experts) or num_experts <= 0 or num_experts % self.num_ranks:
-            raise ValueError(f"num_experts must be a positive multiple of the group size {self.num_ranks}, "
-                             f"got {num_experts!r}")
-        N_max = self._num_max(num_max_tokens_per_rank, T)
-        align = 1 if expert_alignment is None else _count("expert_alignment", expert_alignment, 1)
         sync = True if do_cpu_sync is None else bool(do_cpu_sync)
-        El = num_experts // self.num_ranks
-        self._check_stats(cumulative_local_expert_recv_stats, El)
+        with self._agreed("dispatch" if handle is None else "cached", handle, 0 if sync else 1):
+            for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
+                _count(name, v)
+            if do_zero_padding and not do_expand:
+                raise ValueError("do_zero_padding needs do_expand=True (it zeroes the expanded layout's padding rows)")
+            xs, sf = (x if isinstance(x, tuple) else (x, None))
+            if isinstance(x, tuple) and len(x) != 2:
+                raise ValueError(f"x must be a tensor or an (x, sf) pair, got a tuple of {len(x)}")
+            if not isinstance(xs, torch.Tensor) or xs.dim() != 2:
+                raise TypeError(f"x must be a 2-D tensor [T, H] (or an (x, sf) pair), got "
+                                f"{tuple(xs.shape) if isinstance(xs, torch.Tensor) else type(xs).__name__}")
+            T = xs.shape[0]
+            prev, prev_epi = _as_event(previous_event, "previous_event"), _as_event(previous_event_before_epilogue,
+                                                                                      "previous_event_before_epilogue")
+            if handle is not None:
+                self._check_cached(T, handle, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
+                                   num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand)
+            else:
+                K, N_max, align, El = self._check_dispatch(T, topk_idx, cumulative_local_expert_recv_stats,
+                                                           num_experts, num_max_tokens_per_rank, expert_alignment)
+        if handle is not None:
+            return self._cached_dispatch(x, T, handle, topk_weights, cumulative_local_expert_recv_stats, prev,
+                                         prev_epi, async_with_compute_stream, allocate_on_comm_stream, do_expand,
+                                         use_tma_aligned_col_major_sf)
         b, R = self._buffer, self.num_ranks
         worst = 0 if sync else R * N_max
         per_rank, per_host, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx, num_experts, previous_event=prev)
@@ -488,8 +482,28 @@ class ElasticBuffer:
             event = self._event(async_with_compute_stream)
         return (*out, handle, event)
 
-    def _cached_dispatch(self, x, T, handle, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
-                         expert_alignment, prev, prev_epi, async_, alloc_comm, do_cpu_sync, do_expand, col_major_sf):
+    def _check_dispatch(self, T: int, topk_idx, stats, num_experts, num_max_tokens_per_rank,
+                        expert_alignment) -> Tuple[int, int, int, int]:
+        """The checks of a dispatch without a handle, the layout's among them (``Buffer.get_dispatch_layout`` checks
+        ``topk_idx`` on this rank alone): ``(K, N_max, expert_alignment, E_l)``."""
+        if topk_idx is None:
+            raise ValueError("dispatch needs topk_idx (or a handle of an earlier dispatch)")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != T:
+            raise ValueError(f"topk_idx must be [T, K] with T = {T} rows of x, got "
+                             f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), self.device)
+        if num_experts is None:
+            raise ValueError("dispatch needs num_experts (or a handle of an earlier dispatch)")
+        check_num_experts(num_experts, self.num_ranks)
+        N_max = self._num_max(num_max_tokens_per_rank, T)
+        align = 1 if expert_alignment is None else _count("expert_alignment", expert_alignment, 1)
+        El = num_experts // self.num_ranks
+        self._check_stats(stats, El)
+        return topk_idx.shape[1], N_max, align, El
+
+    def _check_cached(self, T: int, handle, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
+                      expert_alignment, do_cpu_sync, do_expand) -> None:
+        """The checks of a cached dispatch (with ``handle``)."""
         self._check_handle(handle, "handle")
         if topk_idx is not None:
             raise ValueError("a cached dispatch (with handle) takes no topk_idx: the handle's routing is used")
@@ -505,20 +519,21 @@ class ElasticBuffer:
         K = handle.topk_idx.shape[1]
         if T != handle.topk_idx.shape[0]:
             raise ValueError(f"x has {T} rows, the handle's dispatch had {handle.topk_idx.shape[0]}")
-        if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
-                                         or tuple(topk_weights.shape) != (T, K)):
-            raise TypeError(f"topk_weights must be fp32 [{T}, {K}], got "
-                            f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
-                            f"{tuple(getattr(topk_weights, 'shape', ()))}")
-        El = handle.num_experts // self.num_ranks
-        self._check_stats(stats, El)
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, (torch.float32,), (T, K), self.device,
+                         "the handle's dispatch's T and K")
+        self._check_stats(stats, handle.num_experts // self.num_ranks)
+
+    def _cached_dispatch(self, x, T, handle, topk_weights, stats, prev, prev_epi, async_, alloc_comm, do_expand,
+                         col_major_sf):
+        K = handle.topk_idx.shape[1]
         b, h1 = self._buffer, handle.buffer_handle
         recv_x = b.dispatch(x, handle=h1, previous_event=prev, async_finish=async_,
                             allocate_on_comm_stream=alloc_comm)[0]
         recv_w = None
         if topk_weights is not None:        # the weights travel as rows of their own (16-byte rows: K padded to 4)
             Kp = _align(K, 4)
-            wrows = torch.zeros((T, Kp), dtype=torch.float32, device=topk_weights.device)
+            wrows = torch.zeros((T, Kp), dtype=torch.float32, device=self.device)
             wrows[:, :K] = topk_weights
             recv_w = b.dispatch(wrows, handle=h1, async_finish=async_, allocate_on_comm_stream=alloc_comm)[0][:, :K]
         with self._epilogue_stream(async_, prev_epi):
@@ -580,31 +595,13 @@ class ElasticBuffer:
             ``k`` (0 where the id is ``-1``).
 
         Raises:
-            TypeError/ValueError: bad arguments or a handle of another buffer (before anything launches), or as
-            :meth:`triton_ep.Buffer.combine`; EPTimeoutError, EPRemoteError: as there.
+            TypeError/ValueError: bad arguments or a handle of another buffer (before anything launches; the peers'
+            call raises ``EPRemoteError``, as in :meth:`dispatch`), or as :meth:`triton_ep.Buffer.combine`;
+            EPTimeoutError, EPRemoteError: as there.
         """
-        for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
-            _count(name, v)
-        self._check_handle(handle, "handle")
-        prev, prev_epi = _as_event(previous_event, "previous_event"), _as_event(previous_event_before_epilogue,
-                                                                                  "previous_event_before_epilogue")
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
-            raise TypeError(f"combine's x must be a bf16 [rows, H] tensor, got "
-                            f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        K = handle.topk_idx.shape[1]
-        N = handle.recv_topk_idx.shape[0]
-        rows = handle.num_expanded_tokens if handle.do_expand else N
-        if x.shape[0] != rows:
-            raise ValueError(f"combine's x must have {rows} rows ({'num_expanded_tokens' if handle.do_expand else 'N'} "
-                             f"of the handle's dispatch), got {x.shape[0]}")
-        want_w = (rows,) if handle.do_expand else (rows, K)
-        if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
-                                         or tuple(topk_weights.shape) != want_w):
-            raise TypeError(f"topk_weights must be fp32 {list(want_w)}, got "
-                            f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
-                            f"{tuple(getattr(topk_weights, 'shape', ()))}")
-        if isinstance(bias, tuple) and len(bias) != 2:
-            raise ValueError(f"bias must be a tensor or a pair of tensors, got a tuple of {len(bias)}")
+        with self._agreed("combine", handle):
+            prev, prev_epi, K, N, rows = self._check_combine(x, handle, topk_weights, bias, num_sms, num_qps,
+                                                             previous_event, previous_event_before_epilogue)
         if prev is not None:
             prev.current_stream_wait()
         recv_idx = handle.recv_topk_idx
@@ -630,7 +627,57 @@ class ElasticBuffer:
         return self._buffer.combine(y, handle.buffer_handle, topk_weights=w, bias=bias,
                                     async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
 
+    def _check_combine(self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
+                       previous_event_before_epilogue):
+        """The checks of a combine: ``(previous_event, previous_event_before_epilogue, K, N, rows of x)``."""
+        for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
+            _count(name, v)
+        self._check_handle(handle, "handle")
+        prev, prev_epi = _as_event(previous_event, "previous_event"), _as_event(previous_event_before_epilogue,
+                                                                                  "previous_event_before_epilogue")
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise TypeError(f"combine's x must be a bf16 [rows, H] tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        K, N = handle.topk_idx.shape[1], handle.recv_topk_idx.shape[0]
+        rows = handle.num_expanded_tokens if handle.do_expand else N
+        if x.shape[0] != rows:
+            raise ValueError(f"combine's x must have {rows} rows ({'num_expanded_tokens' if handle.do_expand else 'N'} "
+                             f"of the handle's dispatch), got {x.shape[0]}")
+        want_w = (rows,) if handle.do_expand else (rows, K)
+        if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
+                                         or tuple(topk_weights.shape) != want_w):
+            raise TypeError(f"topk_weights must be fp32 {list(want_w)}, got "
+                            f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
+                            f"{tuple(getattr(topk_weights, 'shape', ()))}")
+        if isinstance(bias, tuple) and len(bias) != 2:
+            raise ValueError(f"bias must be a tensor or a pair of tensors, got a tuple of {len(bias)}")
+        return prev, prev_epi, K, N, rows
+
     # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _agreed(self, call: str, handle=None, num_worst_tokens: int = 0):
+        """Run ElasticBuffer's own checks of a collective ``call`` (``"dispatch"``, ``"cached"`` or ``"combine"``) so
+        that a rejection reaches the peers as :class:`~triton_ep.Buffer`'s own checks do. Where a check raises
+        ``TypeError`` / ``ValueError``, this rank first makes the Buffer call the peers are making (the same kind: a
+        dispatch with or without ``handle``, with ``num_worst_tokens`` or not, or a combine) with ``x=None``, which
+        Buffer's argument check rejects: that call counts as this rank's part of the collective, and Buffer tells
+        the peers (its failure word: their pending call raises ``EPRemoteError`` at once; across hosts the RDMA
+        peers hear it in the header exchange). So no peer's pending call pairs with this rank's next call, and the
+        next call of every rank re-synchronises the group first. Then the check's own error is raised here."""
+        try:
+            yield
+        except (TypeError, ValueError):
+            b = self._buffer
+            h1 = handle.buffer_handle if isinstance(handle, EPHandle) and handle.buffer_handle else _NOT_A_HANDLE
+            try:
+                if call == "combine":
+                    b.combine(None, h1)
+                else:
+                    b.dispatch(None, handle=h1 if call == "cached" else None, num_worst_tokens=num_worst_tokens)
+            except Exception:  # noqa: BLE001 - Buffer's rejection of x=None (or an earlier failure it reports): the
+                pass           # caller gets this rank's own error
+            raise
+
     def _num_max(self, given, T: int) -> int:
         n = self.num_max_tokens_per_rank if given is None else _count("num_max_tokens_per_rank", given)
         if n <= 0:

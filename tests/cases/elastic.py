@@ -1,5 +1,7 @@
 """Rank bodies of the ElasticBuffer tests (module level, so that rank processes can import them): random cases of
 DeepEP V2's dispatch / combine, each checked bit for bit against ``triton_ep.reference.elastic_*``."""
+import contextlib
+import functools
 import os
 import random
 
@@ -18,6 +20,7 @@ def _same(a, b, what):
     assert (a is None) == (b is None), f"{what}: one side is None ({a is None}, {b is None})"
     if a is None:
         return
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
     assert tuple(a.shape) == tuple(b.shape), f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
     assert torch.equal(_bits(a), _bits(b)), f"{what}: values differ"
 
@@ -63,24 +66,28 @@ def _to(v, device):
     return tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device)
 
 
-def check_case(buf, rank, world, case, device="cpu", ranks_per_host=None):
+def check_case(buf, rank, world, case, device="cpu", ranks_per_host=None, ambient=contextlib.nullcontext):
     """dispatch -> 'experts' (x * 3 - 1 per row, NaN in padding rows) -> combine (weights, biases), and a cached
-    dispatch of new data; every output and handle field bit for bit against the reference. Returns rows received."""
+    dispatch of new data; every output and handle field bit for bit against the reference. The inputs and the
+    reference are made here; the buffer's calls run inside ``ambient()`` (a context that sets ambient torch state).
+    Returns rows received."""
     xs, idxs, ws = make_inputs(case, world)
     E, N_max, align, expand, sync = case["E"], case["N_max"], case["align"], case["expand"], case["sync"]
     exp = ref.elastic_dispatch(xs, idxs, ws, E, N_max, align, expand, sync)
     e = exp[rank]
     El = E // world
     stats = torch.full((El,), 5, dtype=torch.int32, device=device)
-    recv_x, recv_idx, recv_w, handle, event = buf.dispatch(
-        _to(xs[rank], device), topk_idx=idxs[rank].to(device), topk_weights=None if ws is None else ws[rank].to(device),
-        cumulative_local_expert_recv_stats=stats, num_experts=E, num_max_tokens_per_rank=N_max,
-        expert_alignment=align, do_cpu_sync=sync, do_expand=expand,
-        use_tma_aligned_col_major_sf=case["col_major"], async_with_compute_stream=case["async_"],
-        allocate_on_comm_stream=case["async_"], previous_event=buf.capture())
-    assert isinstance(handle, triton_ep.EPHandle) and isinstance(event, triton_ep.EventOverlap)
-    assert (event.event is not None) == (case["async_"] and device == "cuda")
-    event.current_stream_wait()
+    x_in, idx_in = _to(xs[rank], device), idxs[rank].to(device)
+    w_in = None if ws is None else ws[rank].to(device)
+    with ambient():
+        recv_x, recv_idx, recv_w, handle, event = buf.dispatch(
+            x_in, topk_idx=idx_in, topk_weights=w_in, cumulative_local_expert_recv_stats=stats, num_experts=E,
+            num_max_tokens_per_rank=N_max, expert_alignment=align, do_cpu_sync=sync, do_expand=expand,
+            use_tma_aligned_col_major_sf=case["col_major"], async_with_compute_stream=case["async_"],
+            allocate_on_comm_stream=case["async_"], previous_event=buf.capture())
+        assert isinstance(handle, triton_ep.EPHandle) and isinstance(event, triton_ep.EventOverlap)
+        assert (event.event is not None) == (case["async_"] and device == "cuda")
+        event.current_stream_wait()
     if case["fp8"]:
         _same(recv_x[0], e["recv_x"][0], "recv_x")
         _same(recv_x[1], e["recv_x"][1], "recv_x scales")
@@ -126,10 +133,11 @@ def check_case(buf, rank, world, case, device="cpu", ranks_per_host=None):
               for T in case["Ts"]]
     b = biases[rank]
     bias = None if not b else (b[0].to(device) if len(b) == 1 else (b[0].to(device), b[1].to(device)))
-    cx, cw, event = buf.combine(ys[rank].to(device), handle,
-                                topk_weights=None if cw_in is None else cw_in[rank].to(device), bias=bias,
-                                async_with_compute_stream=case["async_"], allocate_on_comm_stream=case["async_"])
-    event.current_stream_wait()
+    y_in, cw_rank = ys[rank].to(device), None if cw_in is None else cw_in[rank].to(device)
+    with ambient():
+        cx, cw, event = buf.combine(y_in, handle, topk_weights=cw_rank, bias=bias,
+                                    async_with_compute_stream=case["async_"], allocate_on_comm_stream=case["async_"])
+        event.current_stream_wait()
     want = ref.elastic_combine(ys, exp, case["Ts"], cw_in, biases, expand, ranks_per_host)[rank]
     _same(cx, want[0], "combined_x")
     _same(cw, want[1], "combined_topk_weights")
@@ -137,9 +145,9 @@ def check_case(buf, rank, world, case, device="cpu", ranks_per_host=None):
     if case["cached"]:
         x2 = [(x.float() * -0.5 + 1).to(torch.bfloat16) for x in xs]
         w2 = None if ws is None else [w * 2 for w in ws]
-        rx2, ri2, rw2, h2, _ = buf.dispatch(x2[rank].to(device), handle=handle,
-                                            topk_weights=None if w2 is None else w2[rank].to(device),
-                                            do_expand=expand)
+        x2_in, w2_in = x2[rank].to(device), None if w2 is None else w2[rank].to(device)
+        with ambient():
+            rx2, ri2, rw2, h2, _ = buf.dispatch(x2_in, handle=handle, topk_weights=w2_in, do_expand=expand)
         assert h2 is handle
         e2 = ref.elastic_dispatch(x2, idxs, w2, E, N_max, align, expand, sync)[rank]
         _same(rx2, e2["recv_x"], "cached recv_x")
@@ -227,3 +235,107 @@ def errors(buf, rank, world, device):
     cx, _, _ = buf.combine(rx, h)
     # every token's ids are expert 0 (rank 0) twice: rank 0 gets each token once and returns it once
     assert torch.equal(cx.cpu(), x.cpu()), "round trip after the rejected calls"
+
+
+def _one_rank_rejects(rank, call, kind, word, bad):
+    """Rank 0 makes ``call(**bad)``, its peers ``call()``: rank 0 raises ``kind`` naming ``word``; each peer's call
+    raises ``EPRemoteError`` (it must neither complete, paired with rank 0's next call, nor wait out its timeout)."""
+    if rank == 0:
+        _expect(call, kind, word, bad)
+        return
+    try:
+        call()
+    except triton_ep.EPRemoteError:
+        return
+    raise AssertionError("a peer's call completed although rank 0 rejected its part of it")
+
+
+def rejected_on_one_rank(rank, world, env, device="cpu"):
+    """A value that only ElasticBuffer checks is bad on rank 0 alone, its peers' values good: rank 0 raises its
+    error, the peers ``EPRemoteError``; then every rank makes a good call, which gives the reference's results. For
+    a dispatch (exact and worst-case sizes: ``T > num_max_tokens_per_rank``, and a float ``topk_idx`` that the
+    layout rejects), a cached dispatch (a ``topk_idx`` with the handle) and a combine (three biases). Returns the
+    good round trips made."""
+    os.environ.update(env)
+    per_host = int(env["TRITON_EP_RANKS_PER_HOST"]) if "TRITON_EP_RANKS_PER_HOST" in env else None
+    per_host = per_host if per_host and per_host < world else None
+    case = dict(K=2, E=2 * world, N_max=4, Ts=[3] * world, fp8=False, weights=True, expand=False, sync=True, align=1,
+                bias=0, skew=False, col_major=False, cached=True, H=32, async_=False, seed=17)
+    xs, idxs, ws = make_inputs(case, world)
+    x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+    good = dict(topk_idx=idx, topk_weights=w, num_experts=case["E"], num_max_tokens_per_rank=case["N_max"])
+    buf = triton_ep.ElasticBuffer(None, num_max_tokens_per_rank=4, hidden=32, device=device, num_gpu_timeout_secs=60,
+                                  explicitly_destroy=True)
+    try:
+        for sync, kind, word, bad in ((True, ValueError, "num_max_tokens_per_rank", dict(num_max_tokens_per_rank=2)),
+                                      (False, TypeError, "topk_idx", dict(topk_idx=idx.float()))):
+            _one_rank_rejects(rank, lambda **kw: buf.dispatch(x, do_cpu_sync=sync, **dict(good, **kw)), kind, word, bad)
+            check_case(buf, rank, world, dict(case, sync=sync), device, per_host)
+        exp = ref.elastic_dispatch(xs, idxs, ws, case["E"], case["N_max"], 1)
+        rx, _, _, h, _ = buf.dispatch(x, **good)
+        _same(rx, exp[rank]["recv_x"], "recv_x")
+        x2 = [(v.float() * 2 + 1).to(torch.bfloat16) for v in xs]
+        _one_rank_rejects(rank, lambda **kw: buf.dispatch(x2[rank].to(device), handle=h, **kw), ValueError, "topk_idx",
+                          dict(topk_idx=idx))
+        _same(buf.dispatch(x2[rank].to(device), handle=h)[0],
+              ref.elastic_dispatch(x2, idxs, ws, case["E"], case["N_max"], 1)[rank]["recv_x"], "cached recv_x")
+        ys = [(e["recv_x"].float() * 3 - 1).to(torch.bfloat16) for e in exp]
+        b = torch.zeros((3, case["H"]), dtype=torch.bfloat16, device=device)
+        _one_rank_rejects(rank, lambda **kw: buf.combine(ys[rank].to(device), h, **kw), ValueError, "bias",
+                          dict(bias=(b, b, b)))
+        want = ref.elastic_combine(ys, exp, case["Ts"], None, None, False, per_host)[rank][0]
+        _same(buf.combine(ys[rank].to(device), h)[0], want, "combined_x")
+        return 3
+    finally:
+        buf.destroy()
+
+
+#: fixed cases for the ambient defaults: non-expanded with exact sizes, expanded with worst-case sizes, and FP8
+#: pairs with column-major scales (weights, biases, alignment and cached dispatches among them)
+AMBIENT_CASES = (
+    dict(K=2, N_max=7, fp8=False, weights=True, expand=False, sync=True, align=2, bias=2, skew=False,
+         col_major=False, cached=True, H=32, async_=False, seed=3),
+    dict(K=3, N_max=4, fp8=False, weights=True, expand=True, sync=False, align=4, bias=1, skew=True,
+         col_major=False, cached=True, H=32, async_=True, seed=4),
+    dict(K=2, N_max=4, fp8=True, weights=True, expand=True, sync=True, align=1, bias=0, skew=False,
+         col_major=True, cached=False, H=128, async_=False, seed=5),
+)
+
+
+@contextlib.contextmanager
+def ambient_defaults(dtype, device):
+    """``torch.set_default_dtype(dtype)`` and ``torch.set_default_device(device)`` inside, restored after."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(old)
+
+
+def ambient(rank, world, dtypes, default_device, device="cpu"):
+    """For each of ``dtypes``: an ElasticBuffer built and called under ``torch.set_default_dtype(dtype)`` and
+    ``torch.set_default_device(default_device)`` (DeepEP's tests set ``torch.bfloat16`` and ``'cuda'``; on CPU
+    ``'meta'`` stands in for a device other than the buffer's) runs :data:`AMBIENT_CASES`, each output and handle
+    field bit for bit against the reference (inputs and reference made in the plain state), then a barrier.
+    Returns the cases run."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    n = 0
+    for dtype in dtypes:
+        here = functools.partial(ambient_defaults, dtype, default_device)
+        with here():
+            buf = triton_ep.ElasticBuffer(None, num_max_tokens_per_rank=8, hidden=128, device=device,
+                                          num_gpu_timeout_secs=60, explicitly_destroy=True)
+        try:
+            for case in AMBIENT_CASES:
+                Ts = [(case["N_max"] - r) % (case["N_max"] + 1) for r in range(world)]
+                check_case(buf, rank, world, dict(case, E=2 * world, Ts=Ts), device, None, here)
+                n += 1
+            with here():
+                buf.barrier()
+        finally:
+            buf.destroy()
+    return n
