@@ -174,3 +174,61 @@ def test_ambient_defaults_gpu():
     n = len(elastic_cases.AMBIENT_CASES) * 2
     assert _values(run_ranks(elastic_cases.ambient, 2, (torch.bfloat16, torch.float64), "cuda", "cuda",
                              timeout_s=300)) == [n] * 2
+
+
+# ---------------------------------------------------------------------------------------------------- events
+def test_event_handle_and_event_overlap_on_cpu():
+    """DeepEP 2's ``EventHandle()`` (no argument: an event on the current stream; ``event`` None on CPU, where every
+    call has finished when it returns) is what ``ElasticBuffer.capture()`` returns, and its waits are no-ops here.
+    ``EventOverlap`` as the engines use it: its ``event`` attribute, ``current_stream_wait()`` and ``with`` (which
+    waits at the end of the block) each run the buffer's check first, so an error its kernels recorded raises
+    there; ``extra_tensors`` are kept."""
+    h = triton_ep.ElasticBuffer.capture()
+    assert isinstance(h, triton_ep.EventHandle) and h.event is None
+    h.current_stream_wait()
+    h.wait()
+    assert triton_ep.EventHandle().event is None
+    checks = []
+
+    def check():
+        checks.append(len(checks))
+        if len(checks) == 3:
+            raise triton_ep.EPRemoteError("recorded by a kernel")
+
+    t = torch.zeros(2, dtype=torch.float32, device="cpu")
+    ev = triton_ep.EventOverlap(None, extra_tensors=(t,), check=check)
+    assert ev.event is None and ev.extra_tensors[0] is t
+    ev.current_stream_wait()
+    with ev as inside:
+        assert inside is ev and checks == [0]       # (the wait comes at the end of the block)
+    assert checks == [0, 1]
+    with pytest.raises(triton_ep.EPRemoteError, match="recorded"):
+        with ev:
+            pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_event_handle_orders_streams_gpu():
+    """On the GPU: ``EventHandle()`` records on the current stream (a side stream busy with a sleep kernel); another
+    stream's ``current_stream_wait()``, ``EventOverlap(handle)`` in a ``with`` block, and ``wait_event(handle)``
+    each make that stream's later work wait for it."""
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for how in ("current_stream_wait", "with", "wait_event"):
+        with torch.cuda.stream(s1):
+            torch.cuda._sleep(200_000_000)          # about 0.1 s
+            h = triton_ep.ElasticBuffer.capture() if how == "with" else triton_ep.EventHandle()
+        assert isinstance(h.event, torch.cuda.Event) and not h.event.query(), how
+        with torch.cuda.stream(s2):
+            if how == "current_stream_wait":
+                h.current_stream_wait()
+            elif how == "with":
+                with triton_ep.EventOverlap(h):
+                    pass
+            else:
+                s2.wait_event(h)
+            done = torch.cuda.Event()
+            done.record()
+        assert not done.query(), how                # s2 waits for s1's sleep
+        done.synchronize()
+        assert h.event.query(), how

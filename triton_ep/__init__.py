@@ -5,16 +5,16 @@
                             .get_nvl_buffer_size_hint(hidden * 2, R))
 
 Public names only: :class:`Buffer`, :class:`Config`, :class:`EventOverlap`, ``topk_idx_t``, the errors
-and ``__version__``; DeepEP V2's face: :class:`ElasticBuffer` and :class:`EPHandle`.
+and ``__version__``; DeepEP V2's face: :class:`ElasticBuffer`, :class:`EPHandle` and :class:`EventHandle`.
 """
 from . import kernels  # noqa: F401 - first: on a CPU it sets TRITON_INTERPRET=1 before anything imports triton
 from .config import Config, EventOverlap, topk_idx_t
 from .errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from .buffer import Buffer
 
-from .elastic import ElasticBuffer, EPHandle
+from .elastic import ElasticBuffer, EPHandle, EventHandle
 
 __version__ = "0.1.0"
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "EPError", "EPTimeoutError", "EPCapacityError",
-           "EPRemoteError", "__version__", "ElasticBuffer", "EPHandle"]
+           "EPRemoteError", "__version__", "ElasticBuffer", "EPHandle", "EventHandle"]

@@ -37,12 +37,13 @@ import torch
 from .buffer import Buffer
 from .config import Config, EventOverlap
 from .modes.internode import dense
+from .runtime import current_event
 from .runtime.checks import MAX_INT32, check_num_experts, check_tensor, isint
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
 
-__all__ = ["ElasticBuffer", "EPHandle"]
+__all__ = ["ElasticBuffer", "EPHandle", "EventHandle"]
 
 #: V2's buffer sizes are multiples of 2 MiB (``get_elastic_buffer_alignment()``)
 BUFFER_ALIGNMENT = 2 << 20
@@ -57,6 +58,33 @@ SF_ROW_ALIGNMENT = 4
 
 def _align(v: int, a: int) -> int:
     return (v + a - 1) // a * a
+
+
+class EventHandle:
+    """DeepEP V2's ``EventHandle`` (``deep_ep._C.EventHandle``, ``csrc/utils/event.hpp`` at dd758ca): made with no
+    argument, it records an event on the current CUDA stream. :meth:`ElasticBuffer.capture` returns one, and
+    ``previous_event`` / ``previous_event_before_epilogue`` take one. A CUDA stream's ``wait_event`` takes it too
+    (through :meth:`wait`), so ``EventOverlap(EventHandle())`` works as in DeepEP.
+
+    Attributes:
+        event: the ``torch.cuda.Event`` recorded at construction, or ``None`` where CUDA is not available (on CPU
+            every call has finished when it returns, so there is nothing to wait for).
+    """
+
+    def __init__(self) -> None:
+        self.event = current_event().event
+
+    def current_stream_wait(self) -> None:
+        """Make the current CUDA stream wait for the event (DeepEP's; a no-op without one). Returns at once: only
+        work queued later on the stream waits."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream`` (default: the current CUDA stream) wait for the event, as ``torch.cuda.Event.wait``
+        (what ``torch.cuda.Stream.wait_event`` calls); a no-op without one."""
+        if self.event is not None:
+            self.event.wait(stream)
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,12 +206,15 @@ def _gather_rows(t: Tensor, index: Tensor) -> Tensor:
 
 
 def _as_event(ev, name: str) -> Optional[EventOverlap]:
-    """``ev`` as the :class:`EventOverlap` Buffer takes: ``None``, an EventOverlap (``capture()``'s), or a CUDA event."""
+    """``ev`` as the :class:`EventOverlap` Buffer takes: ``None``, an :class:`EventHandle` (``capture()``'s), an
+    EventOverlap (``Buffer.capture()``'s), or a CUDA event."""
     if ev is None or isinstance(ev, EventOverlap):
         return ev
+    if isinstance(ev, EventHandle):
+        return EventOverlap(ev.event)
     if torch.cuda.is_available() and isinstance(ev, torch.cuda.Event):
         return EventOverlap(ev)
-    raise TypeError(f"{name} must be an EventOverlap (ElasticBuffer.capture()) or a torch.cuda.Event, "
+    raise TypeError(f"{name} must be an EventHandle (ElasticBuffer.capture()), an EventOverlap or a torch.cuda.Event, "
                     f"got {type(ev).__name__}")
 
 
@@ -334,9 +365,10 @@ class ElasticBuffer:
         return min(n * 16 + 1 if self.allow_hybrid_mode else min(n, 9), self.num_allocated_qps)
 
     @staticmethod
-    def capture() -> EventOverlap:
-        """An event on the current CUDA stream (``EventOverlap(None)`` on CPU), for ``previous_event``."""
-        return Buffer.capture()
+    def capture() -> EventHandle:
+        """An :class:`EventHandle` recorded on the current CUDA stream (V2's; its ``event`` is ``None`` on CPU), for
+        ``previous_event``."""
+        return EventHandle()
 
     def get_comm_stream(self):
         """The communication stream (``None`` on CPU): calls with ``async_with_compute_stream`` run there."""

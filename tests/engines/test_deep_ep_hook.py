@@ -98,8 +98,11 @@ def test_switch_on_serves_every_deep_ep_path_the_engines_import():
         from deep_ep import ElasticBuffer                      # SGLang's deepep_v2.py:42
         assert ElasticBuffer is triton_ep.ElasticBuffer is deep_ep.buffers.elastic.ElasticBuffer
         assert deep_ep.EPHandle is triton_ep.EPHandle          # vLLM's annotations (deepep_v2.py:136)
-        for name, call in (('EventHandle', lambda: deep_ep.EventHandle()),
-                           ('get_physical_domain_size', lambda: deep_ep.get_physical_domain_size(None)),
+        assert deep_ep.EventHandle is deep_ep.utils.event.EventHandle is deep_ep.utils.EventHandle is triton_ep.EventHandle
+        import torch
+        assert deep_ep.utils.event.EventOverlap is EventOverlap
+        assert (deep_ep.EventHandle().event is None) == (not torch.cuda.is_available())   # DeepEP 2's no-arg form
+        for name, call in (('get_physical_domain_size', lambda: deep_ep.get_physical_domain_size(None)),
                            ('get_logical_domain_size', lambda: deep_ep.get_logical_domain_size(None))):
             try:
                 call()

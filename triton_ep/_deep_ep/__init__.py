@@ -8,8 +8,9 @@ It carries DeepEP's public names and module paths, each served by triton-ep:
 - V2 (DeepEP 2.x, ``deep_ep/buffers/elastic.py``): ``ElasticBuffer`` and ``EPHandle`` where triton-ep has them.
   Where it does not, the names are absent (not stand-ins), so vLLM's ``hasattr(deep_ep, "ElasticBuffer")`` and
   SGLang's ``from deep_ep import ElasticBuffer`` see no V2 and keep their V1 paths.
-- DeepEP 2.x's ``get_physical_domain_size`` / ``get_logical_domain_size`` and ``EventHandle``: names that raise
-  ``NotImplementedError`` on use.
+- DeepEP 2.x's ``EventHandle`` (triton-ep's: made with no argument, it records an event on the current CUDA stream).
+- DeepEP 2.x's ``get_physical_domain_size`` / ``get_logical_domain_size``: names that raise ``NotImplementedError``
+  on use.
 
 The first import writes one log line on the ``triton_ep`` logger saying this is triton-ep (a WARNING naming the
 real DeepEP it shadows, if one is installed).
