@@ -12,7 +12,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, EventOverlap, num_sms_arg, recommended_config
+from .config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, NUM_SMS_SET, Config, EventOverlap, num_sms_arg,
+                     recommended_config)
 from .modes.choice import AcrossHosts, Modes, open_modes
 from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
 from .modes.low_latency import LowLatency, Unavailable, size_hint
@@ -68,12 +69,14 @@ class Buffer:
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Set the SM count DeepEP's configs carry (DeepEP's); results never depend on it.
+        """Set the SM count (DeepEP's): the ``num_sms`` of the Configs ``get_dispatch_config`` and
+        ``get_combine_config`` return, and the SM bound of normal-mode calls made without a Config from now on
+        (docs/tuning.md); results never depend on it.
 
         Raises:
             ValueError: not an even int in ``[2, 2^31 - 2]``.
         """
-        Buffer.num_sms = num_sms_arg(new_num_sms)
+        Buffer.num_sms = NUM_SMS_SET.value = num_sms_arg(new_num_sms)
 
     @staticmethod
     def is_sm90_compiled() -> bool:
