@@ -62,6 +62,10 @@ def test_launch_parameters_of_a_config():
     assert LP.of_config(Config(2, 1000, 1), 16).rows_per_block == 64
     assert LP.of_config(Config(2, 1000, 1), 16).round_rows == 8        # 1 token x 1 channel x 8 ranks
     assert LP.of_config(None, 4) is None if NUM_SMS_SET.value is None else True
+    for mode in LP.MIN_NUM_SMS:     # (across hosts dispatch and combine run this check before anything moves)
+        with pytest.raises(ValueError, match=f"num_sms is 1, below the {mode} normal mode's minimum of 2"):
+            LP.check_num_sms(Config(1), mode)
+        LP.check_num_sms(Config(2), mode)
 
 
 def test_set_num_sms_bounds_calls_without_a_config(monkeypatch):
