@@ -128,3 +128,11 @@ def _values(results):
     bad = [r for r in results if hasattr(r, "traceback")]
     assert not bad, "\n".join(b.traceback or b.message for b in bad)
     return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS[1:] + [Config(24, 2, 256, num_warps=8), Config(132, 4, 512, num_warps=4)],
+                         ids=lambda c: repr(c))
+def test_results_are_bit_identical_whatever_the_config_on_gpu(config):
+    """The same round trip with compiled kernels on one GPU (2 simulated ranks), bit for bit against the reference."""
+    check_round_trip_virtual(2, 8, 2, 256, [37, 5], 7, 1 << 20, device="cuda", config=config)
