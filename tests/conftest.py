@@ -30,6 +30,9 @@ settings.load_profile(os.environ.get("TRITON_EP_HYPOTHESIS", "ci"))
 #: inherit it: the leak check below counts only files carrying it, never another program's.
 SHM_TAG = f"pytest{os.getpid()}-{uuid.uuid4().hex[:12]}"
 os.environ["TRITON_EP_SHM_TAG"] = SHM_TAG
+# no tuned table from this machine's cache (docs/tuning.md): the tests see the built-in Configs unless they point
+# TRITON_EP_TUNING_FILE at a table of their own
+os.environ["TRITON_EP_TUNING_FILE"] = os.path.join("/nonexistent", f"triton_ep_tests_{SHM_TAG}", "tuning.json")
 
 
 #: seconds a GPU test may take (``TRITON_EP_GPU_TEST_TIMEOUT_S``) where pytest-timeout is installed: a hang

@@ -15,9 +15,9 @@ PACKAGE = pathlib.Path(triton_ep.__file__).parent
 
 #: layer of each module, by the first matching prefix of its dotted name below ``triton_ep`` ("" = the package)
 LAYERS = [
-    ("config", "base"), ("errors", "base"),
+    ("config", "base"), ("errors", "base"), ("_version", "base"),
     ("", "api"), ("__main__", "api"), ("buffer", "api"), ("elastic", "api"), ("_deep_ep", "api"),
-    ("deep_ep_hook", "api"), ("testing", "api"), ("metrics", "api"),
+    ("deep_ep_hook", "api"), ("testing", "api"), ("metrics", "api"), ("tuned", "api"), ("tuner", "api"),
     ("reference", "oracle"),
     ("modes", "modes"),
     ("runtime", "runtime"),

@@ -13,8 +13,7 @@ from .errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from .buffer import Buffer
 
 from .elastic import ElasticBuffer, EPHandle, EventHandle
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "EPError", "EPTimeoutError", "EPCapacityError",
            "EPRemoteError", "__version__", "ElasticBuffer", "EPHandle", "EventHandle"]

@@ -6,6 +6,8 @@
     triton-ep info --num-qps 8 --n-paths 4 --hash crc
     triton-ep info --traffic-class 106 --service-level 3   # the QoS line, as VerbsTransport would set it
     python -m triton_ep info                      # the same without the console script
+    triton-ep tune                                # time Configs at DeepSeek-V3 shapes, save the tuned table
+    triton-ep tune --quick --output /tmp/t.json   # tiny shapes, two candidates (seconds, also on CPU)
 
 The report has four sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
 devices, and whether Triton kernels are compiled for the GPU or interpreted on the CPU; how ranks on this
@@ -19,6 +21,11 @@ The QP plan has as many QPs per peer as a Buffer's normal-mode network leg opens
 default 4) unless --num-qps says otherwise; low-latency mode across hosts opens ``num_qps_per_rank`` per peer.
 The plan's flows are computed towards a peer laid out like this host (its GIDs stand in for the peer's), with
 the chosen path-hash model; on a real fabric the switch's hash decides, so treat the path column as a model.
+
+``tune`` (docs/tuning.md) times a cached dispatch and a combine for the built-in tables and candidate Configs in
+rank processes, prints built-in against tuned microseconds per call and shape, and saves the fastest Configs
+where ``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON_EP_TUNING_FILE, else
+$XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved, 1 when a rank failed, 2 on bad usage.
 
 Exit status:
   0  the report was printed, RDMA present or absent (absent: pyverbs does not import, or there is no
@@ -42,6 +49,7 @@ import sys
 import tempfile
 from typing import Callable, List, Optional, Sequence, TextIO, Tuple
 
+from triton_ep import tuner
 from triton_ep.transport import topology
 
 #: Where ranks on one host put their shared buffers (CPU data buffers, and every rank's control block).
@@ -83,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``triton-ep`` command and its ``info`` subcommand.
 
     Returns:
-        An :class:`argparse.ArgumentParser`; its ``command`` attribute is ``"info"`` or None (no command).
+        An :class:`argparse.ArgumentParser`; its ``command`` attribute is ``"info"``, ``"tune"`` or None (no command).
     """
     fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(prog="triton-ep", description=__doc__.strip(), formatter_class=fmt)
@@ -105,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GRH traffic class to show for every QP, 0..255 (default: $TRITON_EP_RDMA_TC, else 0)")
     ip.add_argument("--service-level", type=_ranged_int(15), default=None,
                     help="service level to show for every QP, 0..15 (default: $TRITON_EP_RDMA_SL, else 0)")
+    tp = sub.add_parser("tune", help="time candidate Configs here and save the tuned table the library reads",
+                        description=tuner.__doc__.strip(), formatter_class=fmt)
+    tuner.add_arguments(tp, _positive_int)
     return ap
 
 
@@ -439,7 +450,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv: the arguments after the program name (default ``sys.argv[1:]``).
     Returns:
         The exit status: no command or ``--help`` 0 (the help is printed); otherwise the command's
-        (``info``: 0, 1 or 2, see :func:`info`); 2 for an unknown command or option.
+        (``info``: 0, 1 or 2, see :func:`info`; ``tune``: 0 saved, 1 a rank failed); 2 for an unknown command or
+        option.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     a = _parse(argv)
@@ -448,6 +460,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.command is None:
         build_parser().print_help()
         return EXIT_OK
+    if a.command == "tune":
+        return tuner.main(a, sys.stdout)
     return _report(a, sys.stdout)
 
 

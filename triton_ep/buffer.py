@@ -12,13 +12,30 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, EventOverlap, num_sms_arg, recommended_config
+from .config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, NUM_SMS_SET, Config, EventOverlap, num_sms_arg,
+                     recommended_config)
 from .modes.choice import AcrossHosts, Modes, open_modes
 from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
 from .modes.low_latency import LowLatency, Unavailable, size_hint
 from .runtime import current_event, open_runtime
+from . import tuned
 
 Tensor = torch.Tensor
+
+
+def _config(call: str, num_ranks: int, table: dict, hidden: Optional[int], num_tokens: Optional[int]) -> Config:
+    """``Buffer.get_dispatch_config`` / ``get_combine_config``: the tuned table's Config, else the built-in one."""
+    builtin = recommended_config(num_ranks, table, Buffer.num_sms)        # (checks num_ranks)
+    loaded = tuned.load()
+    got = loaded.config(call, int(num_ranks), hidden, num_tokens) if loaded is not None else None
+    if got is None:
+        return builtin
+    if NUM_SMS_SET.value is not None:
+        f = got.fields()
+        warps = f.pop("num_warps")
+        got = Config(**dict(f, num_sms=NUM_SMS_SET.value), num_warps=warps)
+    return got
+
 
 __all__ = ["Buffer", "DispatchArgs", "DispatchHandle"]
 
@@ -68,12 +85,14 @@ class Buffer:
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Set the SM count DeepEP's configs carry (DeepEP's); results never depend on it.
+        """Set the SM count (DeepEP's): the ``num_sms`` of the Configs ``get_dispatch_config`` and
+        ``get_combine_config`` return, and the SM bound of normal-mode calls made without a Config from now on
+        (docs/tuning.md); results never depend on it.
 
         Raises:
             ValueError: not an even int in ``[2, 2^31 - 2]``.
         """
-        Buffer.num_sms = num_sms_arg(new_num_sms)
+        Buffer.num_sms = NUM_SMS_SET.value = num_sms_arg(new_num_sms)
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -86,22 +105,25 @@ class Buffer:
         return current_event()
 
     @staticmethod
-    def get_dispatch_config(num_ranks: int) -> Config:
-        """DeepEP's recommended dispatch Config for ``num_ranks`` (any ``R >= 1``).
+    def get_dispatch_config(num_ranks: int, hidden: Optional[int] = None, num_tokens: Optional[int] = None) -> Config:
+        """The dispatch Config for ``num_ranks`` (any ``R >= 1``): the tuned table's when one is loaded for this GPU
+        and ``R`` (``python -m triton_ep tune``, docs/tuning.md; ``hidden`` and ``num_tokens``, triton-ep's keywords,
+        pick among its shapes), else DeepEP's recommendation with ``Buffer.num_sms``. After ``set_num_sms`` a tuned
+        Config carries that SM count.
 
         Raises:
             ValueError: ``num_ranks < 1``.
         """
-        return recommended_config(num_ranks, DISPATCH_CONFIGS, Buffer.num_sms)
+        return _config("dispatch", num_ranks, DISPATCH_CONFIGS, hidden, num_tokens)
 
     @staticmethod
-    def get_combine_config(num_ranks: int) -> Config:
-        """DeepEP's recommended combine Config for ``num_ranks`` (any ``R >= 1``).
+    def get_combine_config(num_ranks: int, hidden: Optional[int] = None, num_tokens: Optional[int] = None) -> Config:
+        """The combine Config for ``num_ranks``, as :meth:`get_dispatch_config` (the tuned table's combine entries).
 
         Raises:
             ValueError: ``num_ranks < 1``.
         """
-        return recommended_config(num_ranks, COMBINE_CONFIGS, Buffer.num_sms)
+        return _config("combine", num_ranks, COMBINE_CONFIGS, hidden, num_tokens)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

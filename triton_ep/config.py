@@ -1,6 +1,7 @@
 """``Config`` and ``EventOverlap``: DeepEP V1's tuning record and event wrapper, in Python."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -26,36 +27,73 @@ def _positive_int(name: str, value, why: str) -> int:
     return int(value)
 
 
+#: the ``num_warps`` a Config may name (Triton's: a power of two, at most 32)
+NUM_WARPS = (1, 2, 4, 8, 16, 32)
+
+
 class Config:
-    """Performance-tuning record with DeepEP's fields and positional order.
+    """Performance-tuning record with DeepEP's fields and positional order; a dispatch or combine given one
+    launches as it says (docs/tuning.md has the whole mapping).
 
     Args:
-        num_sms: SMs a DeepEP kernel would use (we size nothing by it; kept for the hint).
-        num_max_nvl_chunked_send_tokens: tokens per NVLink send chunk.
-        num_max_nvl_chunked_recv_tokens: tokens per NVLink receive chunk (sets the NVLink buffer hint).
-        num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: the same for RDMA.
+        num_sms: SMs the call may occupy: each normal-mode launch runs at most ``num_sms`` times the tuning
+            table's programs per SM (1 under the interpreter); at least 2 (one DeepEP channel), else the call
+            raises ``ValueError``. Also sizes the buffer hints (``num_sms / 2`` channels, as DeepEP).
+        num_max_nvl_chunked_send_tokens: tokens per NVLink send chunk: here the rows each program of normal mode's
+            send and receive kernels moves per step (rounded down to a power of two, at most 64).
+        num_max_nvl_chunked_recv_tokens: tokens per NVLink receive chunk: here a call moves at most
+            ``num_max_nvl_chunked_recv_tokens * (num_sms / 2) * min(R, 8)`` rows per round (what DeepEP's buffer
+            of this Config holds), and the NVLink buffer hint.
+        num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: the same for RDMA (the RDMA buffer
+            hint; the network leg's chunks are set at construction, docs/internode.md).
+        num_warps: (keyword only, triton-ep's; ``None``: the tuning table's) ``num_warps`` of those kernels, one
+            of 1, 2, 4, 8, 16, 32; a tuned table's Configs carry it (``python -m triton_ep tune``).
 
-    Results never depend on a Config: triton-ep reduces in a fixed order whatever it says. Each field is an int
-    in ``[1, 2^31 - 1]``, as DeepEP's (C++ ``int``) fields.
+    Results never depend on a Config: triton-ep reduces in a fixed order whatever it says; every rank of a call
+    must pass the same one (as in DeepEP: ranks that differ fail the call together). Each DeepEP field is an
+    int in ``[1, 2^31 - 1]``, as DeepEP's (C++ ``int``) fields.
 
     Raises:
-        ValueError: a field is not an int in that range (the error names it).
+        ValueError: a field is not an int in that range, or ``num_warps`` not one of the above (the error names it).
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
-                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+                 num_max_rdma_chunked_recv_tokens: int = 256, *, num_warps: Optional[int] = None) -> None:
         vals = (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
                 num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
         vals = tuple(_positive_int(f"Config's {name}", v, "DeepEP's fields are C++ ints")
                      for name, v in zip(_FIELDS, vals))
         (self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
          self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens) = vals
+        if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in NUM_WARPS):
+            raise ValueError(f"Config's num_warps must be None or one of {NUM_WARPS}, got {num_warps!r}")
+        self.num_warps = None if num_warps is None else int(num_warps)
+
+    def launch_key(self) -> tuple:
+        """What decides this Config's launches: ``(num_sms, nvl send tokens, nvl recv tokens, num_warps)`` (a call's
+        replay plan is kept per key, docs/tuning.md)."""
+        return (self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
+                self.num_warps)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Config) and self.fields() == other.fields()
+
+    def __hash__(self) -> int:
+        return hash(self.fields())
+
+    def fields(self) -> dict:
+        """DeepEP's five fields by name, plus ``num_warps`` (what a tuned table stores)."""
+        return dict(zip(_FIELDS + ("num_warps",), (self.num_sms, self.num_max_nvl_chunked_send_tokens,
+                                                    self.num_max_nvl_chunked_recv_tokens,
+                                                    self.num_max_rdma_chunked_send_tokens,
+                                                    self.num_max_rdma_chunked_recv_tokens, self.num_warps)))
 
     def __repr__(self) -> str:
+        warps = f", num_warps={self.num_warps}" if self.num_warps is not None else ""
         return (f"Config({self.num_sms}, {self.num_max_nvl_chunked_send_tokens}, "
                 f"{self.num_max_nvl_chunked_recv_tokens}, {self.num_max_rdma_chunked_send_tokens}, "
-                f"{self.num_max_rdma_chunked_recv_tokens})")
+                f"{self.num_max_rdma_chunked_recv_tokens}{warps})")
 
     def _bytes(self, hidden_bytes: int, ranks: int, chunk_tokens: int) -> int:
         channels = max(self.num_sms // 2, 1)
@@ -113,6 +151,17 @@ def recommended_config(num_ranks: int, table: dict, num_sms: int) -> "Config":
     key = min((k for k in table if k >= num_ranks), default=max(table))   # next size up
     send, recv = table[key]
     return Config(num_sms, send, recv, 6, 128)
+
+
+@dataclass
+class SmsSetting:
+    """``Buffer.set_num_sms``'s value: ``None`` until it is called. Calls without a Config take it as their SM
+    bound (as DeepEP's calls without one take ``Buffer.num_sms``); until then they use the built-in tables."""
+    value: Optional[int] = None
+
+
+#: the process's :class:`SmsSetting`
+NUM_SMS_SET = SmsSetting()
 
 
 def num_sms_arg(value) -> int:

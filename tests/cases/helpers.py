@@ -84,26 +84,28 @@ def check_dispatch(res, exp, fp8: bool = False) -> None:
         assert_bits(h[3], e["recv_src_idx"], f"rank {j} recv_src_idx")
 
 
-def check_round_trip_virtual(R, E, K, H, Ts, seed, num_nvl_bytes, device="cpu", **kw) -> None:
+def check_round_trip_virtual(R, E, K, H, Ts, seed, num_nvl_bytes, device="cpu", config=None, **kw) -> None:
     """dispatch, a non-trivial 'expert' (x*3 - 1), combine with weights and bias, and a cached dispatch,
-    on R simulated ranks; all bit for bit against the reference."""
+    on R simulated ranks (every call with ``config``); all bit for bit against the reference."""
     xs, idxs, ws = make_inputs(seed, E, K, H, Ts, **kw)
     vg = VirtualGroup(R, num_nvl_bytes, device=device)
-    res = virtual_dispatch(vg, xs, idxs, ws, E, device)
+    res = virtual_dispatch(vg, xs, idxs, ws, E, device, config=config)
     exp = ref.dispatch(xs, idxs, ws, E)
     check_dispatch(res, exp)
     ys = [(e["recv_x"].float() * 3 - 1).to(torch.bfloat16) for e in exp]
     g = torch.Generator().manual_seed(seed + 1)
     biases = [[torch.randn(T, H, generator=g).to(torch.bfloat16)] for T in Ts]
     got = raise_first(vg.call("combine", [dict(x=ys[j].to(device), handle=res[j][4],
-                                                topk_weights=res[j][2], bias=biases[j][0].to(device))
+                                                topk_weights=res[j][2], bias=biases[j][0].to(device),
+                                                config=config)
                                            for j in range(R)]))
     want = ref.combine(ys, exp, Ts, [e["recv_topk_weights"] for e in exp], biases)
     for i in range(R):
         assert_bits(got[i][0], want[i][0], f"rank {i} combined_x")
         assert_bits(got[i][1], want[i][1], f"rank {i} combined_topk_weights")
     x2 = [(x.float() * -0.5).to(torch.bfloat16) for x in xs]
-    cached = raise_first(vg.call("dispatch", [dict(x=x2[r].to(device), handle=res[r][4]) for r in range(R)]))
+    cached = raise_first(vg.call("dispatch", [dict(x=x2[r].to(device), handle=res[r][4], config=config)
+                                              for r in range(R)]))
     exp2 = ref.dispatch(x2, idxs, ws, E)
     for j in range(R):
         assert_bits(cached[j][0], exp2[j]["recv_x"], f"rank {j} cached recv_x")

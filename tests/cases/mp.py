@@ -1130,3 +1130,49 @@ def replay_plans_let_a_dropped_buffer_go(rank, world):
     gc.collect()
     dropped = handle.replay_dispatch.launches is None and handle.replay_combine.launches is None
     return rt() is None, data() is None, dropped
+
+
+def replays_follow_config(rank, world, seed):
+    """Cached dispatches and combines of one handle with per-call Configs (docs/tuning.md): a call replays the plan
+    of its handle's last call only under the same Config; another Config takes the general path and launches as
+    it says (rows per block, programs, rounds), then its plan replays. Every result bit for bit against the
+    reference. Returns per step ``(replays so far, {launch name: (BLOCK_T, programs)} of the step's launches,
+    dispatch_send launches of the step)``."""
+    from triton_ep.kernels import launch as L
+    from triton_ep.modes import intranode_replay as RP
+    E, K, H = 4 * world, 2, 64
+    Ts = [6 + 2 * r for r in range(world)]
+    xs, idxs, ws = make_inputs(seed, world, E, K, H, Ts)
+    replays, seen = [0], []
+    real_run, real_call = RP._run, L.BoundLaunch.__call__
+
+    def counted(*a, **k):
+        replays[0] += 1
+        return real_run(*a, **k)
+
+    def spied(self, *args):
+        seen.append((self.launcher.name, self.meta.get("BLOCK_T"), self.grid[0]))
+        return real_call(self, *args)
+    RP._run, L.BoundLaunch.__call__ = counted, spied
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    steps = []
+    try:
+        _, _, _, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
+        one_row = triton_ep.Config(2, 1, 4096)              # 1 row a block, at most 2 programs, one round
+        small_rounds = triton_ep.Config(2, 64, 1)           # 64 rows a block, 2 rows a round
+        for k, cfg in enumerate([one_row, one_row, small_rounds, small_rounds, None, one_row]):
+            xk = [(x.float() * (k + 2) - k).to(torch.bfloat16) for x in xs]
+            ek = ref.dispatch(xk, idxs, ws, E)
+            del seen[:]
+            got = buf.dispatch(xk[rank], handle=handle, config=cfg)[0]
+            assert torch.equal(got.view(torch.int16), ek[rank]["recv_x"].view(torch.int16)), k
+            ys = [(e["recv_x"].float() * 2).to(torch.bfloat16) for e in ek]
+            out, _, _ = buf.combine(ys[rank], handle, config=cfg)
+            cexp = ref.combine(ys, ek, Ts, [e["recv_topk_weights"] for e in ek])[rank]
+            assert torch.equal(out.view(torch.int16), cexp[0].view(torch.int16)), k
+            params = {name: (bt, g) for name, bt, g in seen}
+            steps.append((replays[0], params, sum(name == "dispatch_send" for name, _, _ in seen)))
+    finally:
+        RP._run, L.BoundLaunch.__call__ = real_run, real_call
+        buf.destroy()
+    return steps

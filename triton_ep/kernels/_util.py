@@ -159,6 +159,12 @@ def tuning(kernel: str) -> Dict[str, object]:
     return (INTERP_TUNING if interpreted() else GPU_TUNING)[kernel]
 
 
+def entry(kernel: str, tune: Optional[Dict[str, Dict[str, object]]] = None) -> Dict[str, object]:
+    """``tune[kernel]``: the entry of a call's own table (a Config's, :func:`triton_ep.kernels.params.of_config`),
+    or with ``tune`` None the built-in table's (:func:`tuning`)."""
+    return tuning(kernel) if tune is None else tune[kernel]
+
+
 @functools.lru_cache(maxsize=64)
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of ``device``; 4 for the interpreter's CPU tensors (asked once per device: a fused

@@ -22,7 +22,7 @@ from . import names
 from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
-from ._util import cdiv, pow2, tuning
+from ._util import cdiv, entry, pow2
 from .dispatch import _defer, _grid, _use_clock, fused_programs, row_words, sync_args
 
 
@@ -231,7 +231,7 @@ def record_bytes(hidden: int, k: int) -> int:
 def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
                  comb_base: torch.Tensor, delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int,
                  rec_words: int, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
-                 n_recv: Optional[torch.Tensor] = None) -> tuple:
+                 n_recv: Optional[torch.Tensor] = None, tune: Optional[dict] = None) -> tuple:
     """Return this rank's received rows ``[0, n_rows)`` to their source ranks' combine areas (slots ``[lo, hi)``).
     Returns the bound launch and its arguments (as :func:`combine_fused`).
 
@@ -248,13 +248,14 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
 
     The launch always runs (a rank with nothing to return still releases its round). With ``n_recv``
     (int64 ``[1]`` on the device) the kernel reads the rows received from it; ``n_rows`` then only sizes
-    the grid (an upper bound).
+    the grid (an upper bound). ``tune``: the call's launch table (a Config's,
+    :func:`triton_ep.kernels.params.of_config`), None for the built-in one; results never depend on it.
     """
     n_rows = max(n_rows, 0)
     wx = row_words(x_words)
     k = weight_words.shape[1] if weight_words is not None else 0
-    cfg = tuning("combine_send")
-    key = (_grid(cdiv(n_rows, cfg["block_t"]), signals), wx, k, weight_words is not None, rec_words, prefix.shape[0],
+    cfg = entry("combine_send", tune)
+    key = (_grid(cdiv(n_rows, cfg["block_t"]), signals, tune=tune), wx, k, weight_words is not None, rec_words, prefix.shape[0],
            n_recv is not None, signals is not None, _use_clock(signals), _defer(signals), tuple(cfg.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], cfg))
     args = (x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
@@ -277,7 +278,7 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
                    hidden: int, k: int, rec_bytes: int, acc: Optional[torch.Tensor], out: torch.Tensor,
                    biases: Sequence[torch.Tensor], wacc: Optional[torch.Tensor], wout: Optional[torch.Tensor],
                    first: bool, last: bool, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
-                   advance: int = 0) -> tuple:
+                   advance: int = 0, tune: Optional[dict] = None) -> tuple:
     """Add the slots ``[lo, hi)`` of the local combine area into each token's sum. Returns the bound launch and
     its arguments (as :func:`combine_fused`).
 
@@ -291,12 +292,13 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
         wacc, wout: the same for the ``[T, K]`` fp32 weights, or ``None``.
         first, last: whether this is the first / last round.
         signals, rnd, sig: the round's signalling; advance: the call's rounds in its last round, else 0.
+        tune: as in :func:`combine_send`.
 
     The launch always runs (it frees this rank's area for the next round).
     """
     T = send_pos.shape[0]
-    cfg = tuning("combine_reduce")
-    key = (_grid(cdiv(T, cfg["block_t"]), signals), hidden, k, rec_bytes, send_pos.shape[1], first, last,
+    cfg = entry("combine_reduce", tune)
+    key = (_grid(cdiv(T, cfg["block_t"]), signals, tune=tune), hidden, k, rec_bytes, send_pos.shape[1], first, last,
            len(biases), wout is not None, signals is not None, _use_clock(signals), _defer(signals), tuple(cfg.items()))
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], cfg))
     b0 = biases[0] if len(biases) > 0 else out
@@ -322,17 +324,20 @@ def _bind_reduce(grid, hidden, k, rec_bytes, R, first, last, n_biases, has_w, sy
 def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
                   comb_base: torch.Tensor, delta_words: torch.Tensor, area: torch.Tensor, send_pos: torch.Tensor,
                   send_base: torch.Tensor, hi: int, rec_bytes: int, out: torch.Tensor, biases: Sequence[torch.Tensor],
-                  wout: Optional[torch.Tensor], signals: dict, sig: int, n_recv: Optional[torch.Tensor] = None) -> tuple:
+                  wout: Optional[torch.Tensor], signals: dict, sig: int, n_recv: Optional[torch.Tensor] = None,
+                  tune: Optional[dict] = None) -> tuple:
     """A combine of one round (slots ``[0, hi)``) as one launch: :func:`combine_send`, then :func:`combine_reduce`
     (first and last round, ``advance = 1``), same arguments and results; ``area``: the local buffer (uint8).
-    The grid is :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps``.
+    The grid is :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps``
+    (``tune``: as in :func:`combine_send`).
     Returns the bound launch and its arguments (for :meth:`triton_ep.kernels.launch.BoundLaunch.replay`)."""
     n_rows = max(n_rows, 0)
     wx = row_words(x_words)
     k = weight_words.shape[1] if weight_words is not None else 0
     T = send_pos.shape[0]
-    cs, cr, cf = tuning("combine_send"), tuning("combine_reduce"), tuning("fused")
-    progs = fused_programs(max(cdiv(n_rows, cs["block_t"]), cdiv(T, cr["block_t"]), 1), area.device, signals)
+    cs, cr, cf = entry("combine_send", tune), entry("combine_reduce", tune), entry("fused", tune)
+    progs = fused_programs(max(cdiv(n_rows, cs["block_t"]), cdiv(T, cr["block_t"]), 1), area.device, signals,
+                           tune=tune)
     key = (progs, wx, k, weight_words is not None, rec_bytes, prefix.shape[0], n_recv is not None, len(biases),
            wout is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()), tuple(cf.items()))
     launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-3], cs, cr, cf))

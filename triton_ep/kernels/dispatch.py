@@ -22,7 +22,7 @@ from . import names
 from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
-from ._util import cdiv, env_switch, interpreted, num_sms, pow2, tuning
+from ._util import cdiv, entry, env_switch, interpreted, num_sms, pow2, tuning
 
 
 @triton.jit
@@ -271,13 +271,15 @@ def sync_args(signals: Optional[dict], rnd: int, sig: int, like: torch.Tensor) -
     return (signals["hdr"], signals["hdr_delta"], signals["host"], rnd, sig, signals["me"], signals["timeout_ns"])
 
 
-def _grid(blocks: int, signals: Optional[dict], per_sm: bool = True) -> int:
+def _grid(blocks: int, signals: Optional[dict], per_sm: bool = True, tune: Optional[dict] = None) -> int:
     """Programs of a signalling launch: one per block, at least one (a launch always releases its round), at
     most ``signals["max_programs"]`` where ranks share a GPU (so spinning programs never take the
     multiprocessors the launches they wait for need), and with ``per_sm`` (normal mode's launches; not
     :func:`_grid2`'s low-latency ones) at most the tuning table's ``grid`` / ``programs_per_sm`` per
-    multiprocessor (``signals["sms"]``, set by the runtime). The programs loop over the blocks. (A dispatch
-    send with ``split_w`` multiplies this by its second grid axis.)
+    multiprocessor (``signals["sms"]``, set by the runtime), and at most the ``grid`` entry's ``max_programs``
+    where it has one (a Config's ``num_sms`` bound, :mod:`triton_ep.kernels.params`; ``tune``: the call's table,
+    None for the built-in one). The programs loop over the blocks. (A dispatch send with ``split_w`` multiplies
+    this by its second grid axis.)
 
     The ``per_sm`` cap is for speed: every program of a signalling launch checks the round's flags when it
     starts and counts itself done with one system-scope atomic when it ends, so a grid of a program per token
@@ -287,9 +289,13 @@ def _grid(blocks: int, signals: Optional[dict], per_sm: bool = True) -> int:
     cap = None
     if signals is not None:
         cap = signals.get("max_programs")
-        n, sms = int(tuning("grid")["programs_per_sm"]), signals.get("sms")
+        g = entry("grid", tune)
+        n, sms = int(g["programs_per_sm"]), signals.get("sms")
         if per_sm and n and sms:
             cap = min(cap, n * sms) if cap else n * sms
+        bound_ = g.get("max_programs", 0) if per_sm else 0
+        if bound_:
+            cap = min(cap, bound_) if cap else bound_
     return max(min(blocks, cap) if cap else blocks, 1)
 
 
@@ -347,15 +353,16 @@ def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
     return records.dispatch_record_words(wx, s, k, with_src, int(tuning("dispatch_send").get("record_align_words", 4)))
 
 
-def _blocks(kernel: str, wx: int):
-    cfg = tuning(kernel)
+def _blocks(cfg: dict, wx: int):
+    """``(rows per block, row words per block, num_warps)`` of a send or receive entry for rows of ``wx`` words."""
     return cfg["block_t"], pow2(min(wx, cfg["block_w"])), cfg["num_warps"]
 
 
 def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                   weight_words: Optional[torch.Tensor], send_pos: torch.Tensor, row_base: torch.Tensor,
                   delta_words: torch.Tensor, rec: torch.Tensor, lo: int, hi: int, num_experts: int,
-                  rec_words: int, with_src: bool, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0) -> tuple:
+                  rec_words: int, with_src: bool, signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
+                  tune: Optional[dict] = None) -> tuple:
     """Write this rank's records for receive rows ``[lo, hi)`` into every receiver's buffer. Returns the bound
     launch and its arguments (as :func:`dispatch_fused`).
 
@@ -374,6 +381,8 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
         signals: :meth:`triton_ep.transport.signals.Signals.kernel_args` (``None``: the kernel alone, no
             flags, as benchmarks and single-kernel tests run it); rnd: the round within the call;
             sig: the call's signature (:func:`~triton_ep.transport.signals.call_signature`).
+        tune: the call's launch table (a Config's, :func:`triton_ep.kernels.params.of_config`), None for the
+            built-in one; results never depend on it.
 
     The launch always runs (a rank with nothing to send still releases its round).
     """
@@ -381,13 +390,13 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
-    cfg = tuning("dispatch_send")
+    cfg = entry("dispatch_send", tune)
+    grid = _grid(cdiv(T, cfg["block_t"]), signals, tune=tune)
     key = (T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
-           with_src, signals is not None, _use_clock(signals), _defer(signals), _grid(cdiv(T, cfg["block_t"]), signals),
-           x_words.device, tuple(cfg.items()))
+           with_src, signals is not None, _use_clock(signals), _defer(signals), grid, x_words.device, tuple(cfg.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(
         T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
-        with_src, signals, x_words.device, cfg))
+        with_src, signals, x_words.device, cfg, grid))
     dummy = x_words         # (in place of absent tensors: the kernel reads them as words, never dereferenced)
     wts = weight_words if (k and weight_words is not None) else dummy
     args = (x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
@@ -399,10 +408,10 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
 _SEND_BOUND: dict = {}
 
 
-def _bind_send(T, wx, s, k, R, rec_words, has_scales, has_topk, has_w, with_src, signals, device, cfg):
-    bt, bw, nw = _blocks("dispatch_send", wx)
+def _bind_send(T, wx, s, k, R, rec_words, has_scales, has_topk, has_w, with_src, signals, device, cfg, grid):
+    bt, bw, nw = _blocks(cfg, wx)
     split = bool(cfg.get("split_w", 0))
-    blocks = _grid(cdiv(T, bt), signals)
+    blocks = grid
     if cfg.get("programs_per_sm", 0):
         blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(device))
     return _dispatch_send_launch.bind(
@@ -418,7 +427,8 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
                   k: int, rec_words: int, out_x: torch.Tensor, out_scales: Optional[torch.Tensor],
                   out_idx: Optional[torch.Tensor], out_weights: Optional[torch.Tensor],
                   out_src: Optional[torch.Tensor], signals: Optional[dict] = None, rnd: int = 0, sig: int = 0,
-                  advance: int = 0, n_recv: Optional[torch.Tensor] = None, cap: int = 0) -> tuple:
+                  advance: int = 0, n_recv: Optional[torch.Tensor] = None, cap: int = 0,
+                  tune: Optional[dict] = None) -> tuple:
     """Unpack ``n_rows`` records from the local buffer into output rows ``[lo, lo + n_rows)``. Returns the bound
     launch and its arguments (as :func:`dispatch_fused`).
 
@@ -430,17 +440,18 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     :func:`dispatch_send`; ``advance``: the call's rounds in its last round (the round counter moves on), else 0.
     The launch always runs (it frees this rank's area for the next round). With ``n_recv`` (int64 ``[1]``
     on the device: the rows this rank receives in all) the rows of the round are ``clamp(n_recv - lo, 0,
-    cap)``, worked out by the kernel; ``n_rows`` is then only an upper bound that sizes the grid.
+    cap)``, worked out by the kernel; ``n_rows`` is then only an upper bound that sizes the grid. ``tune``: as in
+    :func:`dispatch_send`.
     """
     n_rows = max(n_rows, 0)
     dummy = out_x
     has_topk = out_idx is not None
-    cfg = tuning("dispatch_recv")
-    grid = _grid(cdiv(n_rows, cfg["block_t"]), signals)
+    cfg = entry("dispatch_recv", tune)
+    grid = _grid(cdiv(n_rows, cfg["block_t"]), signals, tune=tune)
     key = (grid, wx, s, k, rec_words, n_recv is not None, out_scales is not None, has_topk, out_weights is not None,
            out_src is not None, signals is not None, _use_clock(signals), _defer(signals),
            signals["hdr_delta"].shape[0] if signals is not None else 1, tuple(cfg.items()))
-    launch = bound(_RECV_BOUND, key, lambda: _bind_recv(grid, *key[1:-1]))
+    launch = bound(_RECV_BOUND, key, lambda: _bind_recv(grid, *key[1:-1], cfg))
     args = (rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
             out_x, out_scales if out_scales is not None else dummy, out_idx if has_topk else dummy,
             out_weights if out_weights is not None else dummy, out_src if out_src is not None else dummy,
@@ -452,21 +463,23 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
 _RECV_BOUND: dict = {}
 
 
-def _bind_recv(grid, wx, s, k, rec_words, n_ptr, has_scales, has_topk, has_w, has_src, sync, use_clock, defer, R):
-    bt, bw, nw = _blocks("dispatch_recv", wx)
+def _bind_recv(grid, wx, s, k, rec_words, n_ptr, has_scales, has_topk, has_w, has_src, sync, use_clock, defer, R, cfg):
+    bt, bw, nw = _blocks(cfg, wx)
     return _dispatch_recv_launch.bind(
         (grid,), num_warps=nw, N_PTR=n_ptr, R=R, SYNC=sync, DEFER=defer, USE_CLOCK=use_clock, USE_ASM=use_clock,
         WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=has_scales, HAS_TOPK=has_topk,
         HAS_W=has_w, HAS_SRC=has_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k))
 
 
-def fused_programs(blocks: int, device: torch.device, signals: dict, per_sm: int = 1) -> int:
+def fused_programs(blocks: int, device: torch.device, signals: dict, per_sm: int = 1,
+                   tune: Optional[dict] = None) -> int:
     """Programs of a fused send + receive launch: at most ``per_sm`` per multiprocessor (every program resident
     at once: its receive part waits for its send part's last program; the caller knows how many fit), within
-    the shared-GPU cap of :func:`_grid`; one under the interpreter, which runs programs one after another."""
+    the shared-GPU cap of :func:`_grid` (and its Config bound, ``tune``); one under the interpreter, which runs
+    programs one after another."""
     if interpreted():
         return 1
-    return min(_grid(blocks, signals), max(per_sm, 1) * num_sms(device))
+    return min(_grid(blocks, signals, tune=tune), max(per_sm, 1) * num_sms(device))
 
 
 def fused_switch() -> Optional[bool]:
@@ -497,11 +510,11 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
                    n_rows: int, rank: int, experts_per_rank: int, k_out: int, out_x: torch.Tensor,
                    out_scales: Optional[torch.Tensor], out_idx: Optional[torch.Tensor],
                    out_weights: Optional[torch.Tensor], out_src: Optional[torch.Tensor], signals: dict, sig: int,
-                   n_recv: Optional[torch.Tensor] = None, cap: int = 0) -> tuple:
+                   n_recv: Optional[torch.Tensor] = None, cap: int = 0, tune: Optional[dict] = None) -> tuple:
     """A call of one round (receive rows ``[0, cap)``) as one launch: :func:`dispatch_send`, then
     :func:`dispatch_recv` with ``advance = 1``, same arguments and results (``k_out``: the receive's ``k``).
     Its programs wait for each other between the parts, so the grid is :func:`fused_programs`; the launch
-    takes the send's ``num_warps`` and each part its own blocks. Returns the bound launch and its arguments
+    takes the send's ``num_warps`` and each part its own blocks (``tune``: as in :func:`dispatch_send`). Returns the bound launch and its arguments
     (:meth:`triton_ep.kernels.launch.BoundLaunch.replay` plans a later call of the same shapes from them)."""
     T, wx = x_words.shape[0], row_words(x_words)
     R = send_pos.shape[1]
@@ -510,12 +523,13 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
     if (scale_words is None) != (out_scales is None):
         raise ValueError("dispatch_fused moves scales only with both scale_words and out_scales")
     n_rows = max(n_rows, 0)
-    cs, cr = tuning("dispatch_send"), tuning("dispatch_recv")
-    progs = fused_programs(max(cdiv(T, cs["block_t"]), cdiv(n_rows, cr["block_t"]), 1), rec.device, signals)
+    cs, cr = entry("dispatch_send", tune), entry("dispatch_recv", tune)
+    progs = fused_programs(max(cdiv(T, cs["block_t"]), cdiv(n_rows, cr["block_t"]), 1), rec.device, signals,
+                           tune=tune)
     key = (progs, wx, s, k, k_out, R, rec_words, scale_words is not None, topk_idx is not None,
            weight_words is not None, with_src, n_recv is not None, out_idx is not None, out_weights is not None,
            out_src is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()))
-    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs))
+    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs, cr))
     dummy = x_words
     wts = weight_words if (k and weight_words is not None) else dummy
     args = (x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
@@ -532,9 +546,9 @@ _FUSED_BOUND: dict = {}
 
 
 def _bind_fused(progs, wx, s, k, k_out, R, rec_words, has_scales, has_topk, has_w, with_src, n_ptr, out_topk, out_w,
-                out_src, use_clock, cs):
-    bt, bw, nw = _blocks("dispatch_send", wx)
-    btr, bwr, _ = _blocks("dispatch_recv", wx)
+                out_src, use_clock, cs, cr):
+    bt, bw, nw = _blocks(cs, wx)
+    btr, bwr, _ = _blocks(cr, wx)
     if k_out != k:
         raise ValueError(f"the send's records carry {k} top-k columns but the receive reads {k_out}")
     return _dispatch_fused_launch.bind(

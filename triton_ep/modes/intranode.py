@@ -20,6 +20,7 @@ from .. import kernels
 from ..config import EventOverlap
 from ..errors import EPError, EPTimeoutError
 from ..kernels import notify as NT
+from ..kernels import params as LP
 from ..kernels.combine import combine_fused
 from ..kernels.combine import record_bytes as combine_record_bytes
 from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, use_fused
@@ -166,6 +167,7 @@ class Intranode:
             yield from self.rt.resync_steps()
         try:
             check_config(config)
+            lp = LP.of_config(config, self.rt.group_size)     # (a num_sms below the minimum: ValueError)
             force = fused_switch()      # a bad TRITON_EP_FUSED is an argument error, before anything runs
             a = self.dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                    topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
@@ -184,16 +186,16 @@ class Intranode:
             self.rt.publish(card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH, card_values(a))
         self.rt.begin(previous_event, async_finish)
         c = Counts.of_handle(a.handle) if cached else (yield from self._count_steps(a, num_worst_tokens, force))
-        plan = self._dispatch_plan(a, sig, c.recv_rows_max)
+        plan = self._dispatch_plan(a, sig, c.recv_rows_max, lp)
         o = self._dispatch_outputs(a, c.n_out)
-        launches = yield from self._dispatch_rounds(a, c, o, plan, force)
+        launches = yield from self._dispatch_rounds(a, c, o, plan, force, lp)
         xv = a.x
         if (cached and self.rt.group is not None and a.scales is None and o.x_words is xv and o.out_words is o.recv_x
                 and xv.numel()):
             # the next cached dispatch of this handle with x of these shapes replays these launches
             a.handle.replay_dispatch = replay.CallPlan(
                 self.rt, xv, 0, o.recv_x.shape, card.CACHED_DISPATCH, (a.dtype_code, xv.shape[1], sc_dtype, 0, seq),
-                tuple(la.replay(args, (xv, o.recv_x)) for la, args in launches), force)
+                tuple(la.replay(args, (xv, o.recv_x)) for la, args in launches), force, params_key=LP.config_key(config))
         return self._dispatch_end(a, c, o, async_finish)
 
     def _count_steps(self, a: "DispatchArgs", num_worst_tokens: int, force):
@@ -252,18 +254,21 @@ class Intranode:
                                     res, self._notify_seq, num_experts // R)
         return t32_dev, tables
 
-    def _dispatch_plan(self, a: "DispatchArgs", sig: list, recv_rows_max: int) -> tuple:
+    def _dispatch_plan(self, a: "DispatchArgs", sig: list, recv_rows_max: int, lp: Optional[LP.LaunchParams]) -> tuple:
         """``(record words, rows a round takes, rounds, call signature)`` of a dispatch: from the counts, or
-        (counts on the device only) from every rank's ``num_worst_tokens``; a cached call's is kept on its handle."""
+        (counts on the device only) from every rank's ``num_worst_tokens``, in rounds of at most what the buffer
+        holds and what the Config's launch parameters ``lp`` say; a cached call's is kept on its handle, per
+        Config key."""
         cached = a.handle is not None
-        plan = a.handle.plans.get(tuple(sig)) if cached else None
+        pkey = (*sig, lp.key if lp is not None else None)
+        plan = a.handle.plans.get(pkey) if cached else None
         if plan is None:
             rec_words = dispatch_record_words(a.row_words, a.scale_words, a.num_topk, with_src=not cached)
-            cap = self.rt.capacity(rec_words * 4, "dispatch")
+            cap = LP.round_cap(self.rt.capacity(rec_words * 4, "dispatch"), lp)
             rounds = max(1, -(-recv_rows_max // cap))
             plan = (rec_words, cap, rounds, call_signature(sig + [rounds, rec_words]))
             if cached:
-                a.handle.plans[tuple(sig)] = plan
+                a.handle.plans[pkey] = plan
         return plan
 
     def _dispatch_outputs(self, a: "DispatchArgs", n_out: int) -> "Outputs":
@@ -288,13 +293,16 @@ class Intranode:
                         a.topk_weights if not cached else None, a.topk_idx if not cached else None, as_words(recv_x),
                         recv_sc if sc_words is not None else None)
 
-    def _dispatch_rounds(self, a: "DispatchArgs", c: "Counts", o: "Outputs", plan: tuple, force):
+    def _dispatch_rounds(self, a: "DispatchArgs", c: "Counts", o: "Outputs", plan: tuple, force,
+                         lp: Optional[LP.LaunchParams] = None):
         """A dispatch's launches: rounds, each a send launch then a receive launch (ranks wait for each other on the
         device); a call of one round may run both as one launch (kernels.dispatch.use_fused). A generator (the
         dispatch's steps) that returns ``[(bound launch, its arguments), ...]`` in order: what a later cached call
         may replay. The receive writes ``rows`` rows (with the count on the device, ``num_worst_tokens``: an upper
-        bound, and the kernel also writes the padding rows)."""
+        bound, and the kernel also writes the padding rows). ``lp``: the call's Config's launch parameters (None:
+        the built-in tables)."""
         R, rank, cached = self.rt.group_size, self.rt.rank, a.handle is not None
+        tune = LP.table_of(lp)
         rec_words, cap, rounds, call_sig = plan
         rows = c.n_recv if c.n_recv is not None else c.n_out
         k_rec = a.num_topk if not cached else 0
@@ -308,20 +316,21 @@ class Intranode:
                     o.x_words, o.sc_words, o.idx, o.w_words, c.send_pos, c.row_base, self.rt.delta_words, o.rec,
                     a.num_experts, rec_words, not cached, min(max(rows, 0), cap), rank, a.num_experts // R, k_rec,
                     o.out_words, o.sc_out, o.recv_idx, o.recv_w, o.recv_src, self.rt.sig_args, call_sig, n_recv=n_dev,
-                    cap=cap))
+                    cap=cap, tune=tune))
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(kernels.dispatch_send(
                     o.x_words, o.sc_words, o.idx, o.w_words, c.send_pos, c.row_base, self.rt.delta_words, o.rec, lo, hi,
-                    a.num_experts, rec_words, with_src=not cached, signals=self.rt.sig_args, rnd=k, sig=call_sig))
+                    a.num_experts, rec_words, with_src=not cached, signals=self.rt.sig_args, rnd=k, sig=call_sig,
+                    tune=tune))
             yield f"dispatch/receive round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(kernels.dispatch_recv(
                     o.rec, min(max(rows - lo, 0), cap), lo, rank, a.num_experts // R, a.row_words, a.scale_words,
                     k_rec, rec_words, o.out_words, o.sc_out, o.recv_idx, o.recv_w, o.recv_src, signals=self.rt.sig_args,
-                    rnd=k, sig=call_sig, advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap))
+                    rnd=k, sig=call_sig, advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap, tune=tune))
         return launches
 
     def _dispatch_end(self, a: "DispatchArgs", c: "Counts", o: "Outputs", async_finish: bool):
@@ -421,17 +430,18 @@ class Intranode:
             yield from self.rt.resync_steps()
         try:
             h, xv, w, biases, force = args.combine_args(self.rt, x, handle, topk_weights, bias, config, previous_event)
+            lp = LP.of_config(config, self.rt.group_size)     # (a num_sms below the minimum: ValueError)
         except Exception as e:  # noqa: BLE001 - every rank learns it through the device words
             raise self.rt.fail_call(e)
         H = xv.shape[1]
         K = w.shape[1] if w is not None else 0
-        plan = h.plans.get((card.COMBINE, H, K))
+        pkey = (card.COMBINE, H, K, lp.key if lp is not None else None)
+        plan = h.plans.get(pkey)
         if plan is None:
             rb = combine_record_bytes(H, K)
-            cap = self.rt.capacity(rb, "combine")
+            cap = LP.round_cap(self.rt.capacity(rb, "combine"), lp)
             rounds = max(1, -(-h.area_rows_max // cap))
-            plan = h.plans[(card.COMBINE, H, K)] = (rb, cap, rounds,
-                                                   call_signature([card.COMBINE, H, K, h.seq, rounds]))
+            plan = h.plans[pkey] = (rb, cap, rounds, call_signature([card.COMBINE, H, K, h.seq, rounds]))
         self.rt.publish(card.COMBINE, (H, K, h.seq))
         self.rt.begin(previous_event, async_finish)
         T, dev, rounds = h.num_tokens, self.rt.device, plan[2]
@@ -439,25 +449,26 @@ class Intranode:
         wout = torch.empty((T, K), dtype=torch.float32, device=dev) if w is not None else None
         acc = torch.empty((T, H), dtype=torch.float32, device=dev) if rounds > 1 else None
         wacc = torch.empty((T, K), dtype=torch.float32, device=dev) if (rounds > 1 and K) else None
-        launches = yield from self._combine_rounds(h, xv, w, biases, plan, force, (out, wout, acc, wacc))
+        launches = yield from self._combine_rounds(h, xv, w, biases, plan, force, (out, wout, acc, wacc), lp)
         if self.rt.group is not None and not biases and xv.numel():
             # the next combine of this handle with x (and weights) of these shapes replays these launches (with
             # fresh fp32 sums for a combine of several rounds, as here)
             vary = tuple(t for t in (xv, w, out, wout, acc, wacc) if t is not None)
             h.replay_combine = replay.CallPlan(self.rt, xv, K, out.shape, card.COMBINE, (H, K, h.seq),
                                                tuple(la.replay(args, vary) for la, args in launches), force,
-                                               sums=acc is not None)
+                                               sums=acc is not None, params_key=LP.config_key(config))
         event = self.rt.end(async_finish, (xv, w, *biases, out, wout, acc, wacc))
         self.rt.check()
         return out, wout, event
 
     def _combine_rounds(self, h: "DispatchHandle", xv: Tensor, w: Optional[Tensor], biases: list, plan: tuple,
-                        force, outs: tuple):
+                        force, outs: tuple, lp: Optional[LP.LaunchParams] = None):
         """A combine's launches: rounds, each a send launch then a reduce launch (ranks wait for each other on the
         device); a combine of one round may run both as one launch (kernels.dispatch.use_fused). ``outs``: ``(out,
         wout, acc, wacc)``. A generator (the combine's steps) that returns ``[(bound launch, its arguments), ...]``
-        in order: what a later combine may replay."""
+        in order: what a later combine may replay. ``lp``: as in :meth:`_dispatch_rounds`."""
         rb, cap, rounds, call_sig = plan
+        tune = LP.table_of(lp)
         out, wout, acc, wacc = outs
         H, K = xv.shape[1], (w.shape[1] if w is not None else 0)
         comb_base, send_base, prefix = h.combine_views
@@ -470,18 +481,18 @@ class Intranode:
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(combine_fused(xv, w, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
                                               send_base, cap, rb, out, biases, wout, self.rt.sig_args, call_sig,
-                                              n_recv=h.n_recv_dev))
+                                              n_recv=h.n_recv_dev, tune=tune))
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(kernels.combine_send(xv, w, rows, prefix, comb_base, self.rt.delta_words,
                                                      area, lo, hi, rb // 4, signals=self.rt.sig_args, rnd=k,
-                                                     sig=call_sig, n_recv=h.n_recv_dev))
+                                                     sig=call_sig, n_recv=h.n_recv_dev, tune=tune))
             yield f"combine/reduce round {k}"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(kernels.combine_reduce(
                     area, h.send_head, send_base, lo, hi, H, K, rb, acc, out, biases, wacc, wout, first=k == 0,
                     last=k == rounds - 1, signals=self.rt.sig_args, rnd=k, sig=call_sig,
-                    advance=rounds if k == rounds - 1 else 0))
+                    advance=rounds if k == rounds - 1 else 0, tune=tune))
         return launches

@@ -19,7 +19,10 @@ layout's launches (:class:`triton_ep.kernels.layout.LayoutPlan`).
 Why: on an H200 machine most of a cached dispatch's or a combine's host time was the Python around its one
 launch (benchmarks/README.md), checks and bookkeeping that give the same answer as on the previous call.
 
-A plan stops serving (the general path runs and replans) once the tuning tables changed
+A plan is made for one Config (its launch parameters' key, :func:`triton_ep.kernels.params.config_key`: a call
+without a Config after ``Buffer.set_num_sms`` has its own key): a call with a Config of another key takes the
+general path, which launches as that Config says and plans again (the handle then replays the new Config's
+plan). A plan also stops serving once the tuning tables changed
 (:func:`triton_ep.kernels._util.tuning_changes`), once the ranks met to re-synchronise after an error, and for
 another value of ``TRITON_EP_FUSED`` (read on every call, as by the general path).
 """
@@ -33,6 +36,7 @@ import torch
 from ..config import EventOverlap
 from ..kernels._util import tuning_changes
 from ..kernels.dispatch import fused_switch
+from ..kernels.params import config_key
 from ..runtime.checks import check_config, check_event, plain
 
 Tensor = torch.Tensor
@@ -49,16 +53,17 @@ class CallPlan:
         (:class:`triton_ep.kernels.launch.Replay` each: one for a call of one launch, a send and a receive per round
         otherwise), ``None`` once the Buffer was destroyed (:meth:`drop`: they referenced its shared memory).
         force, tuning, exchanges: ``TRITON_EP_FUSED``, the tuning tables' changes and the Runtime's host
-        exchanges when it was made (another value makes it stale). sums: a combine of several rounds, whose
+        exchanges when it was made (another value makes it stale). params_key: the key of the Config it was made
+        for (:func:`triton_ep.kernels.params.config_key`; a call of another key does not replay it). sums: a combine of several rounds, whose
         launches carry the sums over in fp32 tensors ``[T, H]`` (and ``[T, K]`` with weights) made per call.
     """
 
     __slots__ = ("rt", "shape", "dtype", "k", "out_shape", "code", "card", "launches", "force", "tuning",
-                 "exchanges", "sums", "__weakref__")
+                 "exchanges", "sums", "params_key", "__weakref__")
 
     def __init__(self, rt, x: Tensor, k: int, out_shape: tuple, code: int, card_values: tuple, launches: tuple,
-                 force: Optional[bool], sums: bool = False) -> None:
-        self.sums = sums
+                 force: Optional[bool], sums: bool = False, params_key: Optional[tuple] = None) -> None:
+        self.sums, self.params_key = sums, params_key
         # (weakly, and the launches go with the Runtime: a handle kept after its Buffer was dropped without
         # destroy() keeps nothing of the Buffer alive, its shared memory included)
         me = weakref.ref(self)
@@ -121,6 +126,8 @@ def _usable(p: Optional[CallPlan], rt, x, config, previous_event) -> bool:
         return False
     try:
         check_config(config)
+        if config_key(config) != p.params_key:      # (another Config: the general path launches as it says)
+            return False
         check_event(previous_event)
         return fused_switch() == p.force
     except (TypeError, ValueError):

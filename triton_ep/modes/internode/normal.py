@@ -47,6 +47,7 @@ from ...runtime.fabric import gather_objects, stall_watchdog
 from ... import kernels
 from ...kernels import net
 from ...kernels._util import cdiv, interpreted
+from ...kernels.params import check_num_sms
 from ...protocol import call_card
 from ...protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS,
                                 HOST_MISMATCH, HOST_OK, NET_META_BYTES, NetRecord)
@@ -743,6 +744,7 @@ class Internode:
                                          expert_alignment, num_worst_tokens, previous_event)
         prep = err = None
         try:
+            check_num_sms(config, "internode")
             prep = self._prepare_dispatch(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                           is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                           expert_alignment, num_worst_tokens, previous_event)
@@ -947,6 +949,7 @@ class Internode:
             return self.capture.combine(x, handle, topk_weights, bias, previous_event)
         prep = err = None
         try:
+            check_num_sms(config, "internode")
             prep = self._prepare_combine(x, handle, topk_weights, bias, previous_event)
         except Exception as e:   # noqa: BLE001 - this host's ranks and the RDMA peers are told, then it is raised
             err = e

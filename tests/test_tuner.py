@@ -1,0 +1,91 @@
+"""``python -m triton_ep tune`` end to end on CPU (interpreted kernels, tiny shapes) into a temporary file, and the
+library reading that table back (docs/tuning.md)."""
+import io
+import json
+import warnings
+
+import pytest
+
+from triton_ep import Buffer, Config, tuned
+from triton_ep.__main__ import main
+from triton_ep.config import NUM_SMS_SET
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture
+def table_env(tmp_path, monkeypatch):
+    """``TRITON_EP_TUNING_FILE`` pointed at a file in ``tmp_path``; no ``set_num_sms`` in effect."""
+    path = tmp_path / "cache" / "tuning.json"
+    monkeypatch.setenv(tuned.ENV_FILE, str(path))
+    monkeypatch.setattr(NUM_SMS_SET, "value", None)
+    return path
+
+
+def test_tune_writes_a_table_the_library_reads(table_env, capsys):
+    """The quick tune on 2 CPU ranks saves a table naming this GPU ("cpu"), Triton and triton-ep versions, with a
+    dispatch and a combine entry whose Config is the fastest candidate; get_dispatch_config / get_combine_config
+    return those Configs for 2 ranks and the built-in ones for other group sizes."""
+    assert Buffer.get_dispatch_config(2) == Config(20, 24, 256, 6, 128)     # (nothing loaded: DeepEP's)
+    assert main(["tune", "--quick", "--iters", "1", "--warmup", "0", "--tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert f"saved 2 entries to {table_env}" in printed and "built-in us" in printed
+    doc = json.loads(table_env.read_text())
+    assert {k: doc[k] for k in ("gpu", "triton", "triton_ep")} == tuned.identity() and doc["gpu"] == "cpu"
+    assert [e["call"] for e in doc["entries"]] == ["dispatch", "combine"]
+    for e in doc["entries"]:
+        assert (e["num_ranks"], e["hidden"], e["num_tokens"]) == (2, 64, 6)
+        times = {json.dumps(c["config"], sort_keys=True): c["time_us"] for c in e["candidates"]}
+        assert len(times) == 2 and e["time_us"] == min(times.values()) > 0 and e["builtin_time_us"] > 0
+        assert times[json.dumps(e["config"], sort_keys=True)] == e["time_us"]
+    by_call = {e["call"]: e["config"] for e in doc["entries"]}
+    for call, get in (("dispatch", Buffer.get_dispatch_config), ("combine", Buffer.get_combine_config)):
+        got = get(2)
+        assert got.fields() == by_call[call], (call, got)
+        assert get(2, hidden=64, num_tokens=4096).fields() == by_call[call]
+        assert get(4) == get(4) and get(4).num_warps is None        # (no entry for 4 ranks: built-in)
+
+
+def _table(path, entries, **ident):
+    doc = {"format": tuned.FORMAT, "version": tuned.VERSION, **tuned.identity(), **ident, "entries": entries}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def _entry(call, T, num_sms, hidden=7168):
+    c = Config(num_sms, 2, 256, num_warps=8).fields()
+    return {"call": call, "num_ranks": 8, "hidden": hidden, "num_tokens": T, "config": c}
+
+
+@pytest.mark.parametrize("field", ["gpu", "triton", "triton_ep"], ids=["device-name", "triton", "triton-ep"])
+def test_a_table_of_another_gpu_or_version_warns_and_falls_back(table_env, field):
+    """A table naming another GPU, Triton or triton-ep version: a warning naming the field and the built-in Config;
+    a table that does not parse warns the same way; an absent one is silent."""
+    _table(table_env, [_entry("dispatch", 4096, 24)], **{field: "other"})
+    with pytest.warns(UserWarning, match=f"another {field} 'other'"):
+        assert Buffer.get_dispatch_config(8) == Config(20, 6, 256, 6, 128)
+    table_env.write_text("{not json")
+    with pytest.warns(UserWarning, match="cannot be read"):
+        assert Buffer.get_combine_config(8) == Config(20, 4, 256, 6, 128)
+    table_env.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Buffer.get_dispatch_config(8) == Config(20, 6, 256, 6, 128)
+
+
+def test_entries_are_chosen_by_shape_and_set_num_sms_wins(table_env, monkeypatch):
+    """Several shapes for one group size: without a shape the entry of the most tokens, else the entry of that
+    hidden size nearest in tokens; after ``set_num_sms`` the tuned Config carries that SM count."""
+    _table(table_env, [_entry("dispatch", 128, 16), _entry("dispatch", 4096, 64), _entry("dispatch", 1024, 32),
+                       _entry("dispatch", 4096, 48, hidden=4096)])
+    get = Buffer.get_dispatch_config
+    assert get(8).num_sms == 64 and get(8).num_warps == 8
+    assert [get(8, num_tokens=t).num_sms for t in (1, 200, 700, 2000, 9999)] == [16, 16, 32, 32, 64]
+    assert get(8, hidden=4096).num_sms == 48 and get(8, hidden=5).num_sms == 64
+    monkeypatch.setattr(Buffer, "num_sms", Buffer.num_sms)
+    Buffer.set_num_sms(24)
+    assert get(8).num_sms == 24 and get(8).num_warps == 8
+    assert tuned.default_path() == str(table_env)
+    monkeypatch.delenv(tuned.ENV_FILE)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/x/cache")
+    assert tuned.default_path() == "/x/cache/triton_ep/tuning.json"

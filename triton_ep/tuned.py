@@ -1,0 +1,151 @@
+"""The tuned table: the Configs ``python -m triton_ep tune`` found fastest, in a JSON file the library reads.
+
+Where it lives: ``$TRITON_EP_TUNING_FILE`` when set, else ``$XDG_CACHE_HOME/triton_ep/tuning.json`` (``XDG_CACHE_HOME``
+defaulting to ``~/.cache``). The file names the GPU it was measured on (``torch.cuda.get_device_name()``, or
+``"cpu"`` for interpreted kernels), the Triton version and the triton-ep version; :func:`load` checks all three
+against this process and on a mismatch warns (``UserWarning``) and returns ``None``, so that
+``Buffer.get_dispatch_config`` / ``get_combine_config`` fall back to the built-in tables. A file that is absent
+gives ``None`` silently; one that cannot be read or parsed warns the same way.
+
+Format (``"format": "triton-ep tuning table"``, ``"version": 1``): ``gpu``, ``triton``, ``triton_ep``, ``created``
+(UTC, ISO 8601), ``command`` (the tuner's arguments), and ``entries``: one per measured call and shape, each
+``{"call": "dispatch" or "combine", "num_ranks", "hidden", "num_tokens", "num_experts", "num_topk",
+"config": {Config.fields()}, "time_us", "builtin_time_us", "candidates": [{"config", "time_us"}, ...]}``
+(``time_us``: the best Config's median, slowest rank; ``builtin_time_us``: the same call without a Config, the
+built-in tables, timed in the same run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from ._version import __version__
+from .config import Config
+
+#: the environment variable naming the file, and the file's format name and version
+ENV_FILE = "TRITON_EP_TUNING_FILE"
+FORMAT, VERSION = "triton-ep tuning table", 1
+#: the calls a table has entries for
+CALLS = ("dispatch", "combine")
+
+
+def default_path() -> str:
+    """``$TRITON_EP_TUNING_FILE``, else ``$XDG_CACHE_HOME/triton_ep/tuning.json`` (``~/.cache`` without it)."""
+    env = os.environ.get(ENV_FILE, "").strip()
+    if env:
+        return os.path.expanduser(env)
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "triton_ep", "tuning.json")
+
+
+def identity() -> dict:
+    """This process's ``{"gpu", "triton", "triton_ep"}``: what a table must name to be used here."""
+    import triton
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "triton": triton.__version__, "triton_ep": __version__}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tuned call and shape: ``call`` (``"dispatch"`` or ``"combine"``), ``num_ranks``, ``hidden``,
+    ``num_tokens`` and the fastest ``config``."""
+    call: str
+    num_ranks: int
+    hidden: int
+    num_tokens: int
+    config: Config
+
+
+@dataclass(frozen=True)
+class Table:
+    """A loaded tuned table: its ``path`` and its :class:`Entry` list."""
+    path: str
+    entries: Tuple[Entry, ...]
+
+    def config(self, call: str, num_ranks: int, hidden: Optional[int] = None,
+               num_tokens: Optional[int] = None) -> Optional[Config]:
+        """The tuned Config of ``call`` for ``num_ranks`` ranks (exactly), or ``None``: of the entries for that
+        group size, those of ``hidden`` when given and some have it, then the one nearest ``num_tokens`` (in
+        ratio) when given, else the one of the most tokens (normal mode's prefill shapes)."""
+        es = [e for e in self.entries if e.call == call and e.num_ranks == num_ranks]
+        if hidden is not None and any(e.hidden == hidden for e in es):
+            es = [e for e in es if e.hidden == hidden]
+        if not es:
+            return None
+        if num_tokens is not None:
+            t = max(int(num_tokens), 1)
+            best = min(es, key=lambda e: (max(e.num_tokens, 1) / t if e.num_tokens >= t else t / max(e.num_tokens, 1),
+                                          -e.num_tokens))
+        else:
+            best = max(es, key=lambda e: e.num_tokens)
+        return best.config
+
+
+_CACHE: dict = {}
+
+
+def _mismatch(path: str, why: str) -> None:
+    warnings.warn(f"triton-ep: not using the tuned table {path}: {why}; the built-in tables apply "
+                  f"(run `python -m triton_ep tune` again)", stacklevel=3)
+
+
+def load(path: Optional[str] = None) -> Optional[Table]:
+    """The tuned table at ``path`` (default :func:`default_path`), or ``None``: absent, or unusable here (warns:
+    another GPU, Triton or triton-ep version, or a file that does not parse as a table). Read again only when
+    the file changes (its modification time and size)."""
+    path = default_path() if path is None else path
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key in _CACHE:
+        return _CACHE[key]
+    table = None
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise ValueError(f"not a {FORMAT!r} of version {VERSION}")
+        here = identity()
+        diff = [f"{k} {doc.get(k)!r} (here {v!r})" for k, v in here.items() if doc.get(k) != v]
+        if diff:
+            _mismatch(path, "it was measured for another " + ", ".join(diff))
+        else:
+            table = Table(path, tuple(_entry(e) for e in doc["entries"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        _mismatch(path, f"it cannot be read ({type(e).__name__}: {e})")
+    _CACHE.clear()
+    _CACHE[key] = table
+    return table
+
+
+def _entry(e: dict) -> Entry:
+    c = dict(e["config"])
+    warps = c.pop("num_warps", None)
+    if e["call"] not in CALLS:
+        raise ValueError(f"entry call {e['call']!r} is not one of {CALLS}")
+    return Entry(e["call"], int(e["num_ranks"]), int(e["hidden"]), int(e["num_tokens"]), Config(**c, num_warps=warps))
+
+
+def save(path: str, entries: List[dict], command: str) -> None:
+    """Write a table of ``entries`` (dicts of the module docstring's form) to ``path`` with this process's
+    :func:`identity`, atomically (a temporary file renamed over it); makes the directory."""
+    import datetime
+    doc = {"format": FORMAT, "version": VERSION, **identity(),
+           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": command, "entries": entries}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+__all__ = ["CALLS", "ENV_FILE", "Entry", "Table", "default_path", "identity", "load", "save"]

@@ -1,0 +1,226 @@
+"""``python -m triton_ep tune``: time candidate Configs for this GPU and these shapes, save the fastest as the tuned
+table (:mod:`triton_ep.tuned`) that ``Buffer.get_dispatch_config`` / ``get_combine_config`` return.
+
+For each token count it starts ``num_ranks`` rank processes (one GPU each where there are enough, else sharing
+GPU 0; interpreted kernels on CPU tensors without a GPU), bootstrapped over gloo, builds a Buffer of ``num_nvl_bytes``
+(default: DeepEP's size hint for the built-in Configs), makes one dispatch of random top-k routing and then times,
+for the built-in tables (no Config) and each candidate Config, a cached dispatch and a combine of that handle:
+``warmup`` calls, then ``iters`` calls each between a barrier and a device synchronisation (CUDA events around
+the call on GPU, ``perf_counter`` on CPU), median per rank, slowest rank. Every candidate's outputs are checked
+bit for bit against the built-in tables' (``RuntimeError`` otherwise). docs/tuning.md has the whole story.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+from . import tuned
+from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_config
+
+#: the candidates' axes on a GPU: SMs, rows per block (the NVLink send chunk), num_warps (a full run tries every
+#: combination up to the device's SM count, plus DeepEP's recommended Config with 20 SMs)
+GPU_SMS, GPU_ROWS, GPU_WARPS = (16, 24, 32, 48, 64, 96, 128), (1, 2, 4), (4, 8)
+#: ``--quick``'s candidates (and the candidates under the interpreter): few, so that a CPU run takes seconds
+QUICK = (Config(2, 1, 4096), Config(4, 64, 256, num_warps=8))
+
+
+@dataclass
+class TuneSpec:
+    """What one tuning run measures: ``num_ranks`` ranks, rows of ``hidden`` bf16 values, ``num_tokens`` tokens per
+    rank, ``num_topk`` of ``num_experts`` experts, a buffer of ``num_nvl_bytes``, each timing the median of
+    ``iters`` calls after ``warmup``; ``candidates``: the Configs' :meth:`Config.fields`; ``seed`` of the routing."""
+    num_ranks: int
+    hidden: int
+    num_tokens: int
+    num_experts: int
+    num_topk: int
+    num_nvl_bytes: int
+    iters: int
+    warmup: int
+    candidates: List[dict]
+    seed: int = 0
+
+
+def candidates(quick: bool, num_ranks: int) -> List[Config]:
+    """The Configs a run tries: :data:`QUICK` with ``quick`` or without a GPU; else every combination of
+    :data:`GPU_SMS` (up to this GPU's SM count, which is added), :data:`GPU_ROWS` and :data:`GPU_WARPS` with
+    DeepEP's receive chunk for ``num_ranks``, plus DeepEP's recommended dispatch and combine Configs (20 SMs)."""
+    if quick or not torch.cuda.is_available():
+        return list(QUICK)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // 2 * 2
+    recv = max(recommended_config(num_ranks, DISPATCH_CONFIGS, 20).num_max_nvl_chunked_recv_tokens, 256)
+    out = [recommended_config(num_ranks, t, 20) for t in (DISPATCH_CONFIGS, COMBINE_CONFIGS)]
+    for n in sorted({s for s in GPU_SMS if s <= sms} | {sms}):
+        out += [Config(n, rows, recv, num_warps=w) for rows in GPU_ROWS for w in GPU_WARPS]
+    return out
+
+
+def config_of(fields: dict) -> Config:
+    """The Config of :meth:`Config.fields`' dict (DeepEP's five fields and ``num_warps``)."""
+    f = dict(fields)
+    warps = f.pop("num_warps", None)
+    return Config(**f, num_warps=warps)
+
+
+def _timed(call, iters: int, warmup: int, dev: torch.device) -> float:
+    """Median microseconds of ``call()`` over ``iters`` calls after ``warmup``, each after a barrier and a device
+    synchronisation (CUDA events around it on GPU)."""
+    import torch.distributed as dist
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            call()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _slowest(us: float) -> float:
+    import torch.distributed as dist
+    t = torch.tensor([us], dtype=torch.float64, device="cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def rank_main(rank: int, world: int, spec: TuneSpec) -> dict:
+    """One rank of a tuning run (:func:`triton_ep.testing.run_ranks`): the slowest rank's median microseconds of a
+    cached dispatch and a combine, for the built-in tables (``"builtin"``) and each candidate (``"dispatch"``,
+    ``"combine"``: lists in ``spec.candidates``' order).
+
+    Raises:
+        RuntimeError: a candidate's output differs from the built-in tables' (results must not depend on a Config).
+    """
+    from .buffer import Buffer
+    dev = torch.device("cpu")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    g = torch.Generator(device="cpu").manual_seed(spec.seed * 1000 + rank)
+    T, H, E, K = spec.num_tokens, spec.hidden, spec.num_experts, spec.num_topk
+    x = torch.randn(T, H, generator=g, dtype=torch.float32, device="cpu").to(dtype=torch.bfloat16, device=dev)
+    idx = torch.rand(T, E, generator=g, dtype=torch.float32, device="cpu").topk(K, dim=1).indices.to(dev)
+    w = torch.rand(T, K, generator=g, dtype=torch.float32, device="cpu").to(dev)
+    buf = Buffer(None, spec.num_nvl_bytes, device=dev)
+    try:
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        configs = [None] + [config_of(c) for c in spec.candidates]
+        out = {"dispatch": [], "combine": []}
+        want = None
+        for cfg in configs:
+            got = (buf.dispatch(x, handle=handle, config=cfg)[0], buf.combine(recv_x, handle, config=cfg)[0])
+            if want is None:
+                want = got
+            elif not (_same(got[0], want[0]) and _same(got[1], want[1])):
+                raise RuntimeError(f"{cfg}: outputs differ from the built-in tables' (a bug: results must not "
+                                   f"depend on a Config)")
+            d = _timed(lambda: buf.dispatch(x, handle=handle, config=cfg), spec.iters, spec.warmup, dev)
+            c = _timed(lambda: buf.combine(recv_x, handle, config=cfg), spec.iters, spec.warmup, dev)
+            out["dispatch"].append(_slowest(d))
+            out["combine"].append(_slowest(c))
+        return out
+    finally:
+        buf.destroy()
+
+
+def entries_of(spec: TuneSpec, times: dict) -> List[dict]:
+    """The tuned table's entries for one run's ``times`` (:func:`rank_main`'s): per call, the fastest candidate."""
+    out = []
+    for call in tuned.CALLS:
+        ts = times[call]
+        best = min(range(1, len(ts)), key=ts.__getitem__)
+        out.append({"call": call, "num_ranks": spec.num_ranks, "hidden": spec.hidden, "num_tokens": spec.num_tokens,
+                    "num_experts": spec.num_experts, "num_topk": spec.num_topk,
+                    "config": spec.candidates[best - 1], "time_us": round(ts[best], 2),
+                    "builtin_time_us": round(ts[0], 2),
+                    "candidates": [{"config": c, "time_us": round(t, 2)} for c, t in zip(spec.candidates, ts[1:])]})
+    return out
+
+
+def default_nvl_bytes(hidden: int, num_ranks: int) -> int:
+    """DeepEP's buffer for these sizes: the larger size hint of the built-in dispatch and combine Configs."""
+    return max(recommended_config(num_ranks, t, 20).get_nvl_buffer_size_hint(hidden * 2, num_ranks)
+               for t in (DISPATCH_CONFIGS, COMBINE_CONFIGS))
+
+
+def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
+    """The ``tune`` subcommand's options (``positive_int``: the argparse type of the command line's)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    p.add_argument("--ranks", type=positive_int, default=max(gpus, 2),
+                   help="ranks (processes; one GPU each where there are enough, else sharing GPU 0); "
+                        "default: the GPUs here, at least 2")
+    p.add_argument("--hidden", type=positive_int, default=None, help="bf16 values per row (default 7168; --quick 64)")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated tokens per rank, one table entry each (default 128,1024,4096; --quick 8)")
+    p.add_argument("--num-experts", type=positive_int, default=None, help="experts (default 256; --quick 8)")
+    p.add_argument("--num-topk", type=positive_int, default=None, help="experts per token (default 8; --quick 2)")
+    p.add_argument("--num-nvl-bytes", type=positive_int, default=None,
+                   help="each rank's buffer (default: DeepEP's size hint of the built-in Configs)")
+    p.add_argument("--iters", type=positive_int, default=None, help="timed calls per candidate (default 20; --quick 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 3; --quick 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes and two candidates (what a CPU run can do in seconds)")
+    p.add_argument("--output", default=None,
+                   help=f"the table's file (default: ${tuned.ENV_FILE}, else $XDG_CACHE_HOME/triton_ep/tuning.json)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each shape's run, seconds (default 600)")
+
+
+def main(a: argparse.Namespace, out) -> int:
+    """Run the tuner with the parsed options ``a`` (:func:`add_arguments`), print a table of built-in against tuned
+    microseconds per call and shape to ``out`` and save the tuned table. Returns 0, or 1 when a rank failed (its
+    error printed)."""
+    from .testing import run_ranks
+    q = a.quick
+    hidden = a.hidden or (64 if q else 7168)
+    tokens = [int(t) for t in (a.tokens or ("8" if q else "128,1024,4096")).split(",")]
+    E, K = a.num_experts or (8 if q else 256), a.num_topk or (2 if q else 8)
+    iters, warmup = a.iters or (2 if q else 20), a.warmup if a.warmup is not None else (1 if q else 3)
+    nvl = a.num_nvl_bytes or default_nvl_bytes(hidden, a.ranks)
+    cands = [c.fields() for c in candidates(q, a.ranks)]
+    path = a.output or tuned.default_path()
+    entries = []
+    print(f"{'call':8} {'ranks':>5} {'hidden':>6} {'tokens':>6} {'built-in us':>11} {'tuned us':>9} {'ratio':>6}  "
+          f"best Config", file=out)
+    for T in tokens:
+        spec = TuneSpec(a.ranks, hidden, T, E, K, nvl, iters, warmup, cands)
+        res = run_ranks(rank_main, a.ranks, spec, timeout_s=a.timeout_s)
+        bad = [r for r in res if hasattr(r, "traceback")]
+        if bad:
+            print(bad[0].traceback or bad[0].message, file=out)
+            return 1
+        for e in entries_of(spec, res[0]):
+            entries.append(e)
+            print(f"{e['call']:8} {a.ranks:5d} {hidden:6d} {T:6d} {e['builtin_time_us']:11.1f} {e['time_us']:9.1f} "
+                  f"{e['time_us'] / e['builtin_time_us']:6.2f}  {config_of(e['config'])!r}", file=out)
+    tuned.save(path, entries, "python -m triton_ep tune " + " ".join(_argv(a)))
+    print(f"saved {len(entries)} entries to {path}", file=out)
+    return 0
+
+
+def _argv(a: argparse.Namespace) -> Sequence[str]:
+    return [f"--{k.replace('_', '-')}={v}" if v is not True else f"--{k.replace('_', '-')}"
+            for k, v in sorted(vars(a).items()) if k != "command" and v not in (None, False)]
+
+
+__all__ = ["TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main"]
