@@ -205,6 +205,10 @@ def test_event_handle_and_event_overlap_on_cpu():
     with pytest.raises(triton_ep.EPRemoteError, match="recorded"):
         with ev:
             pass
+    wrapped = triton_ep.EventOverlap(triton_ep.EventHandle())    # an EventOverlap around an EventHandle
+    wrapped.current_stream_wait()
+    with wrapped:
+        pass
 
 
 @pytest.mark.gpu

@@ -196,7 +196,7 @@ class EventOverlap:
         the Buffer's kernels have recorded (``Buffer.check()``)."""
         if self._check is not None:
             self._check()
-        if self.event is not None:
+        if getattr(self.event, "event", self.event) is not None:  # an EventHandle holds None on CPU
             torch.cuda.current_stream().wait_event(self.event)
 
     def __enter__(self) -> "EventOverlap":
