@@ -131,7 +131,8 @@ def killed_across_hosts(rank, world, mode, proxy, timeout_s, victim, stamp=None,
     call of ``mode``'s kind (:data:`HOST_MODES`); after a barrier rank ``victim`` waits ``delay_s`` (the others are
     inside the call by then) and dies (SIGKILL). Returns on a survivor what :func:`killed_mid_call` returns
     (``[error type, message, seconds, next call's error type, its seconds, wall-clock time of the error]``), and the
-    proxy processes' pids of this Buffer (``[]`` with proxy threads) so that the test checks they are gone."""
+    proxy processes' pids of this Buffer (``[]`` with proxy threads) so that the test checks they are gone, and
+    whether the first error is an ``EPRemoteError``."""
     import torch.distributed as dist
     os.environ.update(TRITON_EP_RDMA="emulated", TRITON_EP_RANKS_PER_HOST=str(world // 2), TRITON_EP_PROXY=proxy)
     ll = mode.startswith("internode_ll")
@@ -159,6 +160,7 @@ def killed_across_hosts(rank, world, mode, proxy, timeout_s, victim, stamp=None,
             buf.dispatch(x, **kw)
             call = (lambda: buf.dispatch(x, **kw))
         pids = _proxy_pids(buf)
+        remote = False
         dist.barrier()
         if rank == victim:
             time.sleep(delay_s)
@@ -175,7 +177,9 @@ def killed_across_hosts(rank, world, mode, proxy, timeout_s, victim, stamp=None,
                 out += ["no error", "", time.monotonic() - t0, time.time()]
             except Exception as ex:     # noqa: BLE001 - reported
                 out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
-        return out[:3] + [out[4], out[6], out[3], pids]
+                if len(out) == 4:       # (the first call's error)
+                    remote = isinstance(ex, triton_ep.EPRemoteError)
+        return out[:3] + [out[4], out[6], out[3], pids, remote]
     finally:
         buf.destroy()
 
