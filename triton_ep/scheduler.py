@@ -466,10 +466,10 @@ class Scheduler:
     def wait_stage(self) -> Optional[str]:
         """Where this rank waited when the proxy failed: the stage of the ring kernel's wait that the failure ended
         (its record), else of the host wait in progress (:meth:`wait_counter`, :func:`host_alltoall`), else
-        ``None``."""
+        ``None``. (No peer in it: the scheduler's ranks are not the mode's.)"""
         rec = self.flags.record()
         if rec is not None:
-            return f"{STAGE_NAMES.get(rec.stage, 'rdma ring')} (chunk {rec.call} of peer {rec.peer})"
+            return f"{STAGE_NAMES.get(rec.stage, 'rdma ring')} (chunk {rec.call})"
         return getattr(self, "waiting", None)
 
     # ---------------------------------------------------------------- producer / consumer (host side)
@@ -580,7 +580,7 @@ class Scheduler:
         up to ``timeout_s``; past it, fail the scheduler with ``EPTimeoutError(rank, peer, stage)`` and raise it."""
         deadline = time.monotonic() + self.timeout_s
         spins = 0
-        self.waiting = f"{stage} (peer {peer})"
+        self.waiting = stage
         try:
             while pending():
                 self.check()
