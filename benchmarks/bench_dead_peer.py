@@ -19,8 +19,8 @@ proxy (its zero-payload probe WRITE fails once the peer's QPs are gone) a surviv
     ./run.sh python benchmarks/bench_dead_peer.py [--ranks 3] [--timeout-s 60] [--modes dispatch,combine]
         [--device cpu] [--host-modes internode,internode_ll] [--host-ranks 2] [--proxies thread,process] [--out DIR]
 
-About 2 minutes on two CPU cores at the defaults (the rank processes' set-up; each error itself comes in well under a
-second). Output: a table on stdout; ``dead_peer.json`` in ``--out`` only when it is given.
+About 2 minutes on two CPU cores at the defaults within one host, and 2-4 more across hosts (the rank processes'
+set-up; each error itself comes in well under a second). Output: a table on stdout; ``dead_peer.json`` in ``--out`` only when it is given.
 """
 from __future__ import annotations
 
