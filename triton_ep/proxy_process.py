@@ -46,8 +46,8 @@ import numpy as np
 
 from triton_ep.errors import EPError, EPTimeoutError
 from triton_ep.protocol import signal_header as F
-from triton_ep.scheduler import (STAGE_INTERNAL, STAGE_NAMES, ProxyError, ProxyRemoteError, RingLayout, Scheduler,
-                                 fault_word, parse_fault)
+from triton_ep.scheduler import (STAGE_INTERNAL, STAGE_NAMES, PeerGoneError, ProxyError, ProxyRemoteError, RingLayout,
+                                 Scheduler, fault_word, parse_fault, placed_error)
 from triton_ep.transport import shm
 from triton_ep.transport.rdma import exchange_info, exchange_regions
 from triton_ep.transport.ring_flags import RingFlags
@@ -222,6 +222,8 @@ class ProcessScheduler(Scheduler):
         self.slots, self.slot_bytes, self.timeout_s = slots, slot_bytes, float(timeout_s)
         self.arrival_words = bool(sched_kw.get("arrival_words", False))
         self.trace, self.on_signal, self.events = False, None, []
+        self.waiting: Optional[str] = None
+        self.on_gone = None
         self.peers = sorted(int(p) for p in peers) if peers is not None else [p for p in range(world) if p != rank]
         self._next_tx = {p: 0 for p in self.peers}
         self._next_rx = {p: 0 for p in self.peers}
@@ -322,6 +324,8 @@ class ProcessScheduler(Scheduler):
             if first:
                 self.error = ex
         self.flags.abort(2)
+        if first and isinstance(ex, PeerGoneError) and self.on_gone is not None:
+            self.on_gone(ex.peer)
         return first
 
     def _request(self, cmd: str, *args, timeout_s: Optional[float] = None) -> Any:
@@ -367,6 +371,7 @@ class ProcessScheduler(Scheduler):
             while self.error is None and time.monotonic() < deadline:
                 time.sleep(0.001)
         if self.error is not None:
+            self.error = placed_error(self.error, self.wait_stage())
             raise self.error
 
     def _proxy_failing(self) -> bool:

@@ -28,6 +28,17 @@ ring of ``slots`` slots of ``slot_bytes`` per peer.  Chunk ``k`` for peer ``p`` 
   receiving proxy is not on the chunk's path (no receive completion, no receive to post again). The receiving
   proxy still moves ``TAIL`` from the arrival words it sees (host consumers, credits and masking use it).
 
+**Liveness probes.** Every :data:`PROBE_S` the proxy posts to each peer (not masked) one signalled 8-byte RDMA WRITE
+on QP 0: this rank's fault word (0 while it is healthy) into the peer's ``FAULT[me]`` word, where a failing proxy
+writes it anyway (:meth:`Scheduler.fail`). The peer's NIC acknowledges it without the peer's CPU, so a peer busy
+compiling or starved of the GIL is never taken for dead. A peer whose process is gone has no QPs left (the kernel
+destroys them with the process; a NIC drops packets for a QP that does not exist), so the probe, like any request
+to it, completes with ``IBV_WC_RETRY_EXC_ERR`` after the QP's retries (``retry_cnt`` + 1 local ACK timeouts: 0.54 s
+at ``timeout`` 14, ``retry_cnt`` 7); the same status comes when its host or the path to it is down. Any request to
+a peer that completes so is a :class:`PeerGoneError` naming that peer, which this proxy's fault word carries to its
+other peers (they raise ``PeerGoneError`` naming the same rank). Where a peer is alive but stuck, nothing fails
+here: ``timeout_s`` stays the bound.
+
 Every wait is bounded by ``timeout_s``.  A proxy that fails (a QP in the error state, an error completion,
 a chunk not completed within the bound, a peer that stops consuming) records a :class:`ProxyError` naming
 rank, peer, channel, QP and stage, sets the abort word (kernels' waits end), and writes a fault word into
@@ -60,6 +71,12 @@ from triton_ep.transport.ring_flags import RingFlags
 
 #: wr_id tag of a chunk's signal (the low bits hold the chunk number)
 TAG_CHUNK = 1 << 60
+#: wr_id tag of a liveness probe (:meth:`Scheduler._probe`; the low bits hold the peer)
+TAG_PROBE = 1 << 59
+#: seconds between two liveness probes to a peer (one at a time per peer)
+PROBE_S = 0.2
+#: the completion status of a request that the peer's QP never acknowledged (retries exhausted): the peer is gone
+STATUS_GONE = "IBV_WC_RETRY_EXC_ERR"
 _SEQ_MASK = (1 << 48) - 1
 
 #: stages a proxy error names (also carried in fault words): codes and names from the protocol's one table
@@ -82,12 +99,20 @@ def is_chunk_signal(op: Op) -> bool:
     return op.wr_id is not None and bool(op.wr_id & TAG_CHUNK)
 
 
-def fault_word(stage: int, channel: Optional[int], qp: Optional[int]) -> int:
+def fault_word(stage: int, channel: Optional[int], qp: Optional[int], gone: Optional[int] = None) -> int:
     """The 64-bit word a failed proxy writes into each peer's ``FAULT`` slot: bit 62 set, the stage in
-    bits 40..47, channel + 1 in 24..39 and QP + 1 in 8..23 (0: none)."""
+    bits 40..47, channel + 1 in 24..39 and QP + 1 in 8..23 (0: none); where it failed because a peer is gone
+    (:class:`PeerGoneError`), that peer's rank + 1 in bits 48..61 (:func:`fault_gone`)."""
     ch = 0 if channel is None else channel + 1
     q = 0 if qp is None else qp + 1
-    return (1 << 62) | (stage << 40) | (ch << 24) | (q << 8)
+    g = 0 if gone is None else gone + 1
+    return (1 << 62) | (g << 48) | (stage << 40) | (ch << 24) | (q << 8)
+
+
+def fault_gone(word: int) -> Optional[int]:
+    """The rank a :func:`fault_word` says is gone, or ``None``."""
+    g = (word >> 48) & 0x3FFF
+    return g - 1 if g else None
 
 
 def parse_fault(word: int) -> Tuple[int, Optional[int], Optional[int]]:
@@ -109,6 +134,42 @@ class ProxyError(EPError):
 
 class ProxyRemoteError(ProxyError, EPRemoteError):
     """A peer's proxy failed and said so (its fault word); ``peer``/``channel``/``qp``/``stage`` are its."""
+
+
+class PeerGoneError(ProxyError, EPRemoteError):
+    """Rank ``peer`` is gone: a work request to it completed with ``IBV_WC_RETRY_EXC_ERR`` (its QP never
+    acknowledged it within the QP's retries: its process ended and its QPs with it, or its host or the path to it
+    is down), seen by this proxy (``told_by`` None; ``channel``/``qp``: the QP) or by peer ``told_by``, whose fault
+    word named it. ``stage``: where this rank waited when it learnt of it (:meth:`Scheduler.check` fills it in
+    from the ring's record or the host wait; until then the proxy's stage). ``failed_rank`` and ``dead_ranks``
+    (``[peer]``) name the gone rank as :func:`triton_ep.transport.liveness.dead_error` does within a host. Ranks are
+    the scheduler's (its transport's) until the mode renames them (:meth:`renamed`)."""
+
+    def __init__(self, rank: int, peer: int, channel: Optional[int], qp: Optional[int], stage: str, why: str,
+                 told_by: Optional[int] = None, placed: bool = False) -> None:
+        self.rank, self.peer, self.channel, self.qp, self.stage, self.why = rank, peer, channel, qp, stage, why
+        self.failed_rank, self.dead_ranks, self.told_by, self.placed = peer, [peer], told_by, placed
+        heard = "" if told_by is None else f"; rank {told_by} found it and told this rank"
+        EPError.__init__(self, f"triton-ep: rank {rank}: rank {peer}'s process is gone or its host is unreachable "
+                               f"({why}{heard}) while this rank waited at stage '{stage}'; this call's outputs here "
+                               f"are not valid; destroy() and rebuild the Buffer")
+
+    def renamed(self, rank: int, peer: int, told_by: Optional[int], where: str = "",
+                stage: Optional[str] = None) -> "PeerGoneError":
+        """The same error with other rank numbers (the mode's: global ranks), ``where`` added to the reason and
+        (given) another ``stage``."""
+        return PeerGoneError(rank, peer, self.channel, self.qp, self.stage if stage is None else stage,
+                             f"{self.why}; {where}" if where else self.why, told_by, self.placed)
+
+
+def placed_error(ex: BaseException, stage: Optional[str]) -> BaseException:
+    """``ex``, where it is a :class:`PeerGoneError` not yet placed, at the stage this rank waited at (``stage``:
+    :meth:`Scheduler.wait_stage`; ``None``: the proxy's stage stays)."""
+    if not isinstance(ex, PeerGoneError) or ex.placed:
+        return ex
+    out = ex.renamed(ex.rank, ex.peer, ex.told_by, stage=stage)
+    out.placed = True
+    return out
 
 
 @dataclass(frozen=True)
@@ -286,6 +347,14 @@ class Scheduler:
         self._busy_qps: set = set()
         #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
         self._bound_at = 0.0
+        #: when the sweep next probes the peers (:meth:`_probe`), and the peers with a probe in flight
+        self._probe_at, self._probing = 0.0, set()
+        #: the stage of the host wait in progress (:meth:`wait_stage`), or None
+        self.waiting: Optional[str] = None
+        #: ``f(peer)``, called once where this scheduler fails because rank ``peer`` is gone (:class:`PeerGoneError`),
+        #: from the thread that failed it: a mode's kernels that wait for that peer elsewhere than in the rings
+        #: (low-latency across hosts) end their waits (their ``DEAD`` word). Must not raise.
+        self.on_gone: Optional[Callable[[int], None]] = None
 
     def _init_statistics(self, cpu_split: Optional[bool]) -> None:
         """The counters :meth:`stats` reports, all zero (``cpu_split``: also split the CPU time inside transport
@@ -355,6 +424,9 @@ class Scheduler:
         for p in self.peers:        # the credit WRITE of each peer (:meth:`_credit`), whatever the chunks' shape
             self.t.prepare(p, 0, _CREDIT_KEY, Op(WRITE, self.region, lay.word_off(RingFlags.SRC, p), 8,
                                                  self._remote[p], lay.word_off(RingFlags.CREDIT, self.rank)))
+            # the liveness probe (:meth:`_probe`): this rank's fault word (0 while healthy) into the peer's FAULT[me]
+            self.t.prepare(p, 0, _PROBE_KEY, Op(WRITE, self.region, lay.word_off(RingFlags.SRC, self.rank), 8,
+                                                self._remote[p], lay.word_off(RingFlags.FAULT, self.rank)))
         self._prepared = self.wr_bytes >= self.slot_bytes
         if not self._prepared:
             return
@@ -385,9 +457,20 @@ class Scheduler:
         self.close()
 
     def check(self) -> None:
-        """Raise the proxy's error, if it failed (every host wait calls this)."""
+        """Raise the proxy's error, if it failed (every host wait calls this). A :class:`PeerGoneError` is raised at
+        the stage this rank waited at (:meth:`wait_stage`), the first time, and so on."""
         if self.error is not None:
+            self.error = placed_error(self.error, self.wait_stage())
             raise self.error
+
+    def wait_stage(self) -> Optional[str]:
+        """Where this rank waited when the proxy failed: the stage of the ring kernel's wait that the failure ended
+        (its record), else of the host wait in progress (:meth:`wait_counter`, :func:`host_alltoall`), else
+        ``None``. (No peer in it: the scheduler's ranks are not the mode's.)"""
+        rec = self.flags.record()
+        if rec is not None:
+            return f"{STAGE_NAMES.get(rec.stage, 'rdma ring')} (chunk {rec.call})"
+        return getattr(self, "waiting", None)
 
     # ---------------------------------------------------------------- producer / consumer (host side)
     def send_view(self, peer: int, seq: int) -> np.ndarray:
@@ -497,14 +580,18 @@ class Scheduler:
         up to ``timeout_s``; past it, fail the scheduler with ``EPTimeoutError(rank, peer, stage)`` and raise it."""
         deadline = time.monotonic() + self.timeout_s
         spins = 0
-        while pending():
-            self.check()
-            if time.monotonic() > deadline:
-                ex = EPTimeoutError(self.rank, peer, stage, self.timeout_s)
-                self.fail(ex)
-                raise ex
-            spins += 1
-            time.sleep(0 if spins < 50 else 0.0002)
+        self.waiting = stage
+        try:
+            while pending():
+                self.check()
+                if time.monotonic() > deadline:
+                    ex = EPTimeoutError(self.rank, peer, stage, self.timeout_s)
+                    self.fail(ex)
+                    raise ex
+                spins += 1
+                time.sleep(0 if spins < 50 else 0.0002)
+        finally:
+            self.waiting = None
 
     def stats(self) -> dict:
         """Bytes, WRs and chunks per QP (``"peer/qp"`` keys, with channel and port), bytes per port, work
@@ -581,9 +668,13 @@ class Scheduler:
                 self.error = ex
         self.flags.abort(2)
         self._stop.set()
-        if not first or isinstance(ex, ProxyRemoteError):
-            return
-        self.flags.put(RingFlags.SRC, self.rank, fault_word(code, getattr(ex, "channel", None), getattr(ex, "qp", None)))
+        if first and isinstance(ex, PeerGoneError) and self.on_gone is not None:
+            self.on_gone(ex.peer)
+        if not first or isinstance(ex, ProxyRemoteError) or getattr(ex, "told_by", None) is not None:
+            return      # (the peer that failed, or found a rank gone, told its peers itself)
+        gone = ex.peer if isinstance(ex, PeerGoneError) else None
+        self.flags.put(RingFlags.SRC, self.rank,
+                       fault_word(code, getattr(ex, "channel", None), getattr(ex, "qp", None), gone))
         lay = self.layout
         with self._lock:
             for p in self.peers:                # every QP: the one that failed may be any of them
@@ -623,6 +714,10 @@ class Scheduler:
                 w = flags.get(RingFlags.FAULT, p)
                 if w and not flags.masked(p):
                     st, ch, q = parse_fault(w)
+                    gone = fault_gone(w)
+                    if gone is not None and gone != self.rank and not (gone in self._peer and flags.masked(gone)):
+                        raise PeerGoneError(self.rank, gone, None, None, STAGE_NAMES.get(st, "rdma proxy"),
+                                            "its QPs stopped acknowledging a peer's RDMA proxy", told_by=p)
                     raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
                                            "the peer's proxy failed there and told its peers")
         now = time.monotonic()
@@ -660,6 +755,8 @@ class Scheduler:
                 did |= self._credit(p, words[h0 + p])
             elif st.tail > st.credit_sent and self.flags.masked(p):
                 did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
+        if now >= self._probe_at:
+            self._probe(now)
         if now >= self._bound_at and self._busy_qps:     # (every 1 ms: the bound is seconds)
             self._bound_at = now + 0.001
             for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
@@ -667,6 +764,26 @@ class Scheduler:
                     raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
                                      f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
         return did
+
+    def _probe(self, now: float) -> None:
+        """Post a liveness probe (prepared at start: 8 bytes, signalled, ``wr_id`` :data:`TAG_PROBE` | peer) on QP 0
+        of each peer that is not masked and has none in flight; the next round in :data:`PROBE_S`. Its completion
+        clears it; an error completion fails the proxy (:meth:`_on_completion`: ``PeerGoneError`` where the peer
+        never acknowledged it). Raises ProxyError where the post itself fails."""
+        self._probe_at = now + PROBE_S
+        for p in self.peers:
+            if p in self._probing or self.flags.masked(p):
+                continue
+            t0, c0 = self._tx_begin()
+            try:
+                self.t.post_prepared(p, 0, ((_PROBE_KEY, 8, 0, TAG_PROBE | p, True),))
+            except Exception as ex:   # noqa: BLE001
+                raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST],
+                                 f"liveness probe: {type(ex).__name__}: {ex}") from ex
+            finally:
+                self._tx_done(t0, c0)
+            self._probing.add(p)
+            self.wrs_posted += 1
 
     def _arrivals(self) -> bool:
         """With arrival words: move each peer's ``TAIL`` past the chunks whose arrival words have landed (in order; a
@@ -904,13 +1021,18 @@ class Scheduler:
         peer = c.peer
         if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
             return
+        if c.wr_id is not None and c.wr_id & TAG_PROBE and not c.wr_id & TAG_CHUNK:
+            self._probing.discard(peer)
         if c.status != "IBV_WC_SUCCESS":
             if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
                 return
             stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
-            raise ProxyError(self.rank, peer, None if c.qp is None else c.qp // self.qps_per_channel, c.qp,
-                             STAGE_NAMES[stage],
-                             f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})")
+            ch = None if c.qp is None else c.qp // self.qps_per_channel
+            what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
+            if c.status == STATUS_GONE:
+                raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
+                                    f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
+            raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
         if c.opcode == "recv_imm":
             st = self._peer[peer]
             tail = st.tail
@@ -989,6 +1111,8 @@ _CHUNK_OPS = Scheduler._chunk_ops
 #: the prepared credit WRITE's key (QP 0 of each peer) and its post: 8 bytes, unsignalled
 _CREDIT_KEY = "credit"
 _CREDIT_REQ = ((_CREDIT_KEY, 8, 0, None, False),)
+#: the prepared liveness probe's key (QP 0 of each peer)
+_PROBE_KEY = "probe"
 
 
 def _fold_signal(ops: List[Tuple[int, Op]]) -> List[Tuple[int, Op]]:
@@ -1085,6 +1209,16 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray],
         sched.wait_counter(RingFlags.HEAD, p, rx0[p], STAGE_NAMES[int(F.STAGE_RING_CONSUME)])
     xfer = _HostAlltoall(sched, sends, {p: np.empty(int(recv_sizes.get(p, 0)), np.uint8) for p in sched.peers},
                          ntx, nrx, tx0, rx0, {p: 0 for p in sched.peers}, {p: 0 for p in sched.peers})
+    sched.waiting = "rdma host exchange (chunks to and from every peer)"
+    try:
+        _host_moves(sched, xfer)
+    finally:
+        sched.waiting = None
+    return xfer.out
+
+
+def _host_moves(sched: Scheduler, xfer: _HostAlltoall) -> None:
+    """:func:`host_alltoall`'s loop: move what can move, nap while nothing does, up to the bound."""
     last = time.monotonic()
     idle = 0
     while any(xfer.pending(p) for p in sched.peers):
@@ -1099,7 +1233,6 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray],
         xfer.check_stall(now - last)
         idle += 1
         time.sleep(0 if idle < 50 else 0.0002)
-    return xfer.out
 
 
 def bootstrap(transport: Transport, sched_kwargs: Optional[dict] = None, group=None) -> Scheduler:
@@ -1116,8 +1249,9 @@ def bootstrap(transport: Transport, sched_kwargs: Optional[dict] = None, group=N
     return sched.start(exchange_regions(sched.remote_region(), group, timeout_s))
 
 
-__all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "host_alltoall", "bootstrap",
-           "fault_word", "parse_fault", "is_chunk_signal", "TAG_CHUNK", "STAGE_NAMES"]
+__all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "PeerGoneError", "placed_error", "host_alltoall",
+           "bootstrap",
+           "fault_word", "parse_fault", "fault_gone", "is_chunk_signal", "TAG_CHUNK", "TAG_PROBE", "STAGE_NAMES"]
 
 
 if __name__ == "__main__":

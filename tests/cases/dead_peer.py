@@ -117,3 +117,78 @@ def silent_peer(rank, world, how, timeout_s):
     finally:
         buf.destroy()
         dist.barrier()
+
+
+#: where the victim dies across hosts (2 emulated hosts): "internode" (it never makes the normal-mode dispatch its
+#: peers make: they wait for its records), "internode_ll" (likewise a low-latency dispatch), "internode_ll_combine"
+#: (it never makes the low-latency combine)
+HOST_MODES = ("internode", "internode_ll", "internode_ll_combine")
+
+
+def killed_across_hosts(rank, world, mode, proxy, timeout_s, victim, stamp=None, delay_s=0.3):
+    """``world`` ranks on 2 emulated hosts (``TRITON_EP_RDMA=emulated``, ``TRITON_EP_RANKS_PER_HOST=world // 2``),
+    the RDMA proxy a ``proxy`` (``TRITON_EP_PROXY``). Every rank builds a Buffer (``timeout_s``) and runs one correct
+    call of ``mode``'s kind (:data:`HOST_MODES`); after a barrier rank ``victim`` waits ``delay_s`` (the others are
+    inside the call by then) and dies (SIGKILL). Returns on a survivor what :func:`killed_mid_call` returns
+    (``[error type, message, seconds, next call's error type, its seconds, wall-clock time of the error]``), and the
+    proxy processes' pids of this Buffer (``[]`` with proxy threads) so that the test checks they are gone, and
+    whether the first error is an ``EPRemoteError``."""
+    import torch.distributed as dist
+    os.environ.update(TRITON_EP_RDMA="emulated", TRITON_EP_RANKS_PER_HOST=str(world // 2), TRITON_EP_PROXY=proxy)
+    ll = mode.startswith("internode_ll")
+    E, H, K, T, N = 2 * world, 128, 2, 4, 8
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    if ll:
+        hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+        buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world, timeout_s=timeout_s)
+    else:
+        buf = triton_ep.Buffer(None, 1 << 20, timeout_s=timeout_s)
+    pids = []
+    try:
+        if ll:
+            rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+            buf.low_latency_combine(rx, idx, w, handle)
+            call = ((lambda: buf.low_latency_combine(rx, idx, w, handle)) if mode == "internode_ll_combine" else
+                    (lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)))
+        else:
+            per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            buf.dispatch(x, **kw)
+            call = (lambda: buf.dispatch(x, **kw))
+        pids = _proxy_pids(buf)
+        remote = False
+        dist.barrier()
+        if rank == victim:
+            time.sleep(delay_s)
+            if stamp is not None:
+                with open(os.path.join(stamp, "killed"), "w") as f:
+                    f.write(repr(time.time()))
+            _die()
+        out = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                call()
+                buf.check()
+                out += ["no error", "", time.monotonic() - t0, time.time()]
+            except Exception as ex:     # noqa: BLE001 - reported
+                out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
+                if len(out) == 4:       # (the first call's error)
+                    remote = isinstance(ex, triton_ep.EPRemoteError)
+        return out[:3] + [out[4], out[6], out[3], pids, remote]
+    finally:
+        buf.destroy()
+
+
+def _proxy_pids(buf) -> list:
+    """The pids of this process's children (the Buffer's RDMA proxy processes; none with proxy threads), from
+    ``/proc/self/task/*/children``."""
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    return sorted(set(pids))

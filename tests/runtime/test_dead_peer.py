@@ -128,9 +128,13 @@ def test_bench_dead_peer_refuses_bad_arguments(tmp_path, capsys):
         sys.path.remove(bench_dir)
     (tmp_path / "file").write_text("")
     for argv, says in ((["--ranks", "1"], "--ranks"), (["--modes", "dispatch,nope"], "nope"),
-                       (["--timeout-s", "0"], "--timeout-s"), (["--out", str(tmp_path / "file")], "--out")):
+                       (["--timeout-s", "0"], "--timeout-s"), (["--out", str(tmp_path / "file")], "--out"),
+                       (["--host-modes", "internode,nope"], "nope"), (["--host-ranks", "3"], "--host-ranks"),
+                       (["--proxies", "fork"], "--proxies")):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
     a = bench.parse_args(["--modes", "combine,ll_dispatch"])
     assert a.modes == ["combine", "ll_dispatch"] and a.out is None
+    a = bench.parse_args(["--modes", "", "--host-modes", "internode_ll", "--proxies", "process"])
+    assert (a.modes, a.host_modes, a.proxies) == ([], ["internode_ll"], ["process"])

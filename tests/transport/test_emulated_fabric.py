@@ -288,3 +288,72 @@ def test_fabric_delay_variables_take_seconds_and_refuse_the_rest(var, monkeypatc
         monkeypatch.setenv(var, bad)
         with pytest.raises(ValueError, match=var):
             emulated_fabric(["mlx5_0"], "t")
+
+
+def _responder_main(fabric, q_in, q_out):
+    """The responder of :func:`test_a_request_to_a_qp_whose_process_died_fails_with_retry_exceeded`: one QP and MR on
+    ``mlx5_1``, connected to the requester's QP, then it waits to be killed."""
+    import time
+    api = fabric.pyverbs(["mlx5_1"])
+    e = api.enums
+    ctx = api.Context(name="mlx5_1")
+    pd = api.PD(ctx)
+    cq = api.CQ(ctx, 16, None, None, 0)
+    qp = api.QP(pd, verbs.build_init_attr(api, cq, 4, 4))
+    mr = api.MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
+    mine = QPInfo(qp.qp_num, 1, ctx.query_gid(1, 3).gid, 3, 0, 5, 1, "mlx5_1")
+    q_out.put((mine, mr.buf, mr.rkey))
+    qp.to_rts(verbs.build_qp_attr(api, port=1, local=mine, remote=q_in.get(timeout=60)))
+    assert q_in.get(timeout=60) == "mapped"        # the requester mapped this QP's ring: its file may go
+    fabric.unlink_rings()
+    q_out.put("ready")
+    time.sleep(120)
+
+
+@pytest.mark.multiprocess
+def test_a_request_to_a_qp_whose_process_died_fails_with_retry_exceeded():
+    """As a NIC drops the packets of a QP that no longer exists: once the responder's process is killed (SIGKILL),
+    a WRITE to its QP completes with IBV_WC_RETRY_EXC_ERR after the requester's retry time (timeout 14,
+    retry_cnt 7: 0.54 s), not at the verbs backend's bound; the QP is in ERR then. Before the kill the same
+    WRITE completes. (The fabric knows from the responder's lock on its ring file, which the kernel releases.)"""
+    import signal
+    import time
+    fab = dual_port_fabric()
+    ctx_mp = mp.get_context("spawn")
+    q_in, q_out = ctx_mp.Queue(), ctx_mp.Queue()
+    child = ctx_mp.Process(target=_responder_main, args=(fab, q_in, q_out), daemon=True)
+    child.start()
+    try:
+        theirs, addr, rkey = q_out.get(timeout=60)
+        api = fab.pyverbs(["mlx5_0"])
+        e = api.enums
+        ctx = api.Context(name="mlx5_0")
+        pd = api.PD(ctx)
+        cq = api.CQ(ctx, 16, None, None, 0)
+        qp = api.QP(pd, verbs.build_init_attr(api, cq, 4, 4))
+        _RAW_QPS.append(qp)
+        mr = api.MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE)
+        mine = QPInfo(qp.qp_num, 1, ctx.query_gid(1, 3).gid, 3, 0, 5, 1, "mlx5_0")
+        q_in.put(mine)
+        qp.to_rts(verbs.build_qp_attr(api, port=1, local=mine, remote=theirs))
+        q_in.put("mapped")
+        assert q_out.get(timeout=60) == "ready"
+
+        def write(wr_id):
+            wr = verbs.build_send_wr(api, WRITE, wr_id, api.SGE(mr.buf, 8, mr.lkey), rkey, addr, signaled=True)
+            qp.post_send(wr)
+            t0 = time.monotonic()
+            (wc,) = poll_until(cq, 1, tries=40000)
+            return wc.status, time.monotonic() - t0
+
+        assert write(1)[0] == e.IBV_WC_SUCCESS
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=30)
+        status, dt = write(2)
+        assert status == e.IBV_WC_RETRY_EXC_ERR, status
+        assert 0.5 <= dt < 5.0, dt
+        assert qp.qp_state == e.IBV_QPS_ERR
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=30)

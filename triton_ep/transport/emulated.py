@@ -35,6 +35,14 @@ What it models -- the promises of the InfiniBand verbs spec for RC queue pairs, 
   port, each with a bandwidth cap, in virtual time.  The UDP source port is derived from the GRH flow label
   as the kernel does, or forced through the emulated mlx5 call.
 
+* A QP whose process is gone (killed, crashed) or that was destroyed answers nothing, as a real HCA drops the
+  packets of a QP that no longer exists: a request to it completes with ``IBV_WC_RETRY_EXC_ERR`` after the
+  requester's retry time (:meth:`QP.retry_time_s`; 0.54 s at the verbs backend's ``timeout`` 14, ``retry_cnt``
+  7), the QP moves to ERR and the rest flush. The fabric knows it from a lock: each QP's process holds an
+  open-file-description lock on its inbound ring's file (:func:`triton_ep.transport.liveness.lock_byte`), which
+  the kernel releases when the process ends; a requester looks at it (``F_OFD_GETLK``) every
+  :data:`PEER_LOOK_S` while requests are outstanding, and before it waits for room in a full ring.
+
 Transport between endpoints: every QP owns an inbound ring in a file under /dev/shm; requests, ACKs and NAKs
 are records in those rings, so endpoints may live in threads of one process or in separate processes.
 One progress thread per process (started on first use) plays both HCAs' roles for that process's QPs:
@@ -58,12 +66,17 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
-from triton_ep.transport import topology
+from triton_ep.transport import liveness, topology
 from triton_ep.transport.shm import shm_name
+
+#: seconds between a requester's looks at whether the QPs it has requests outstanding at still exist (their
+#: process's lock on the ring file)
+PEER_LOOK_S = 0.05
 
 
 # ----------------------------------------------------------------------------------------------- enums
@@ -546,25 +559,45 @@ def _pack(kind, opcode, flags, src, dst, seq, rkey=0, raddr=0, total=0, off=0, f
 
 
 class _Ring:
-    """Single-producer single-consumer byte ring in a shared file; 8-byte head/tail counters."""
+    """Single-producer single-consumer byte ring in a shared file; 8-byte head/tail counters. The consumer's
+    process (the QP's, ``create``) holds a lock on the file's first byte while the QP exists; a producer keeps a
+    descriptor of the file to ask whether that lock is still held (:meth:`consumer_alive`)."""
     DATA = 64
 
     def __init__(self, path: str, capacity: int, create: bool) -> None:
-        self.path, self.cap = path, capacity
+        self.path, self.cap, self.own = path, capacity, create
         fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         try:
             if create:
                 os.ftruncate(fd, self.DATA + capacity)
+                if liveness.supported():
+                    liveness.lock_byte(fd, 0)
             self.mm = mmap.mmap(fd, self.DATA + capacity)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        #: the file's descriptor (the consumer's holds the lock); None once closed
+        self.fd: Optional[int] = fd
         self.wlock = threading.Lock()
+        _open_rings.add(self)
+
+    def consumer_alive(self) -> bool:
+        """Whether the QP reading this ring still exists: its process holds the file's lock (always true for a
+        ring of this process's own QP, or where locks are not supported)."""
+        fd = self.fd
+        if self.own or fd is None or not liveness.supported():
+            return True
+        try:
+            return liveness.byte_locked(fd, 0)
+        except OSError:
+            return True
 
     def _get(self, off: int) -> int:
         return struct.unpack_from("<Q", self.mm, off)[0]
 
-    def put(self, rec: bytes, assist, deadline: float) -> None:
-        """Append one record; while full, call ``assist()`` and retry until ``deadline`` (monotonic)."""
+    def put(self, rec: bytes, assist, deadline: float) -> bool:
+        """Append one record; while full, call ``assist()`` and retry until ``deadline`` (monotonic). Returns False
+        where the ring's QP is gone (full, and its process's lock released): the record is dropped."""
         need = 8 + ((len(rec) + 7) & ~7)
         if need > self.cap // 2:
             raise PyverbsRDMAError("record larger than half the ring", _errno.EMSGSIZE)
@@ -575,6 +608,8 @@ class _Ring:
                 pad = self.cap - pos if pos + need > self.cap else 0
                 if self.cap - (head - tail) >= need + pad:
                     break
+                if not self.consumer_alive():
+                    return False        # (its QP is gone: the packets are lost, as on a wire)
                 if time.monotonic() > deadline:
                     raise PyverbsRDMAError(f"emulated link stalled: ring {self.path} full", _errno.ETIMEDOUT)
                 assist()
@@ -587,6 +622,7 @@ class _Ring:
             self.mm[self.DATA + pos + 8:self.DATA + pos + 8 + len(rec)] = rec
             struct.pack_into("<I", self.mm, self.DATA + pos, len(rec))
             struct.pack_into("<Q", self.mm, 0, head + need)
+        return True
 
     def drain(self) -> List[bytes]:
         """Every complete record now in the ring, oldest first (consumer side)."""
@@ -608,11 +644,36 @@ class _Ring:
             self.mm.close()
         except BufferError:
             pass
+        self._close_fd()
+        _open_rings.discard(self)
         if unlink:
             try:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+    def _close_fd(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+#: rings whose file this process holds open (a forked child closes its copies: it must not keep a dead parent's
+#: QPs alive through their locks)
+_open_rings: "weakref.WeakSet[_Ring]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for ring in list(_open_rings):
+        ring._close_fd()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _rnr_delay_s(timer: int) -> float:
@@ -698,9 +759,23 @@ class _Engine:
         return r
 
     def send(self, qpn: int, rec: bytes, timeout_s: float = 60.0) -> None:
-        """Put ``rec`` into QP ``qpn``'s inbound ring (outside the engine lock)."""
+        """Put ``rec`` into QP ``qpn``'s inbound ring (outside the engine lock); dropped where that QP is gone
+        (:meth:`_Ring.put`: its requester sees no ACK)."""
         self.out_ring(qpn).put(rec, self.drain, time.monotonic() + timeout_s)
         self.kick.set()
+
+    def look_at_peer(self, qp: "QP", now: float) -> None:
+        """Every :data:`PEER_LOOK_S` while ``qp`` has requests outstanding: where the QP they went to is gone (its
+        process's lock on its ring released), they are lost from now on (:meth:`QP._lost` fails the oldest after
+        the retry time). Called by the progress thread, under the engine lock."""
+        if now < qp.peer_look_at or qp.peer_gone or qp.dst is None:
+            return
+        qp.peer_look_at = now + PEER_LOOK_S
+        ring = self.out_rings.get(qp.dest_qpn)
+        if ring is not None and not ring.consumer_alive():
+            qp.peer_gone = True
+            if qp.outstanding:
+                qp.lost_since = qp.lost_since or now
 
     # ---- progress
     def drain(self) -> None:
@@ -731,6 +806,8 @@ class _Engine:
         with self.lock:
             now = time.monotonic()
             for qp in list(self.qps.values()):
+                if qp.outstanding:
+                    self.look_at_peer(qp, now)
                 qp._lost(now)
                 while qp.acks:
                     qp._on_ack(qp.acks.popleft())
@@ -983,6 +1060,9 @@ class QP:
         self.last_hold = 0.0
         self.rnr: Optional[dict] = None
         self.lost_since: Optional[float] = None   # post time of the oldest request to an unreachable destination
+        #: the destination QP is gone (its process ended, or it was destroyed: :meth:`_Engine.look_at_peer`), and
+        #: when the progress thread looks at it next
+        self.peer_gone, self.peer_look_at = False, 0.0
         self.async_error: Optional[str] = None
         self.send_lock = threading.Lock()
         self.ring = _Ring(eng.path(self.qp_num), eng.fabric.spec.ring_bytes, create=True)
@@ -1049,6 +1129,7 @@ class QP:
                                    f"({limit}) of this or the remote port", _errno.EINVAL)
         self.ah, self.dst, self.dest_qpn = copy.copy(ah), dst, attr.dest_qp_num
         self.mtu, self.min_rnr_timer, self.lost_since = attr.path_mtu, attr.min_rnr_timer, None
+        self.peer_gone, self.peer_look_at = False, 0.0
         if dst is not None:
             try:        # map the peer's inbound ring now, so that its owner may unlink the file (Fabric.unlink_rings)
                 self.engine.out_ring(self.dest_qpn)
@@ -1171,7 +1252,7 @@ class QP:
         if bad and total:
             self._error(seq, E.IBV_WC_LOC_PROT_ERR)
             return []
-        if self.dst is None:       # unreachable: the packets go nowhere and no ACK comes back
+        if self.dst is None or self.peer_gone:    # unreachable or gone: the packets go nowhere, no ACK comes back
             self.lost_since = self.lost_since or time.monotonic()
             return []
         res, _ = self._path_resources()

@@ -49,6 +49,24 @@ def _flock(kind: int, start: int) -> bytes:
     return struct.pack(_FLOCK, kind, os.SEEK_SET, start, 1, 0)
 
 
+def lock_byte(fd: int, byte: int) -> None:
+    """Take an open-file-description write lock on byte ``byte`` of the file ``fd`` (released when the last
+    descriptor of that open file description closes: at the process's end, however it ends).
+
+    Raises:
+        BlockingIOError: another open file description holds it. OSError: not supported (see :func:`supported`)."""
+    if _OFD_SETLK is None:
+        raise OSError("open-file-description locks (F_OFD_SETLK) are not available on this platform")
+    fcntl.fcntl(fd, _OFD_SETLK, _flock(fcntl.F_WRLCK, byte))
+
+
+def byte_locked(fd: int, byte: int) -> bool:
+    """Whether another open file description than ``fd``'s holds a lock on byte ``byte`` of the file (a query:
+    ``F_OFD_GETLK`` takes nothing)."""
+    got = fcntl.fcntl(fd, _OFD_GETLK, _flock(fcntl.F_WRLCK, byte))
+    return struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK
+
+
 def _after_fork_in_child() -> None:
     for live in list(_open):
         live._forked()
@@ -89,7 +107,7 @@ class Liveness:
         try:
             if create:
                 os.ftruncate(fd, size)
-            fcntl.fcntl(fd, _OFD_SETLK, _flock(fcntl.F_WRLCK, rank))
+            lock_byte(fd, rank)
         except BaseException:
             os.close(fd)
             raise
@@ -103,8 +121,7 @@ class Liveness:
     @staticmethod
     def _held(fd: int, peer: int) -> bool:
         """Whether ``peer``'s byte is locked (by its process: this rank's own descriptor holds only its byte)."""
-        got = fcntl.fcntl(fd, _OFD_GETLK, _flock(fcntl.F_WRLCK, peer))
-        return struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK
+        return byte_locked(fd, peer)
 
     def dead_peers(self, peers: Optional[Iterable[int]] = None) -> Dict[int, str]:
         """``{peer: "dead"}`` of the peers (default: all) whose process is gone, looked at now (a peer that

@@ -317,6 +317,9 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
                                peers=[r for r in range(R) if not same[r]],    # no QPs to peers on the NVLink path
                                arrival_words=arrival, delays=delays)
         ll.net = NetLeg(network, ll.area, slot, remote, local, rt.group, token)
+        # a peer the proxy finds gone (scheduler.PeerGoneError: its QPs stopped acknowledging) ends the kernels'
+        # waits for it as a dead peer of this host does (its DEAD word; the leg's ranks are the group's)
+        network.sched.on_gone = own.sig.dead_marker()
         own.sig.explain_mismatch = functools.partial(ll.net.explain_mismatch, own)
         return ll
     except BaseException:

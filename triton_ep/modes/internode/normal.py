@@ -622,6 +622,9 @@ class Internode:
     def _global(self, ex: BaseException) -> BaseException:
         """The scheduler's error with global ranks and host numbers in it (its ranks are host indices)."""
         where = f"internode, host {self.host} of {self.num_hosts}"
+        if isinstance(ex, sched_mod.PeerGoneError):     # (a rank on host ex.peer: this rank's RDMA peer there)
+            gone = self._peer_rank(ex.peer)
+            return ex.renamed(self.rt.rank, gone, self._peer_rank(ex.told_by), f"{where}; rank {gone} on host {ex.peer}")
         if isinstance(ex, sched_mod.ProxyError):
             peer = self._peer_rank(ex.peer)
             why = f"{ex.why} ({where}; the peer is rank {peer} on host {ex.peer})" if peer is not None else \

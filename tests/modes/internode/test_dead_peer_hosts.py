@@ -1,0 +1,45 @@
+"""A rank whose process dies (SIGKILL) while its peers on the other host are inside a call is seen there in about
+a second, not at ``timeout_s``: across 2 emulated hosts (``TRITON_EP_RDMA=emulated``), in internode normal and
+low-latency mode, with the RDMA proxy as a thread and as a process (the ``proxy_mode`` fixture of this folder's
+conftest; process variants outside its ``DEFAULT_PROCESS`` are in the extended tier). Every survivor raises an
+``EPRemoteError`` naming the dead rank and the stage it waited at, well under ``timeout_s`` (the RDMA proxy's
+liveness probe completes with ``IBV_WC_RETRY_EXC_ERR`` once the dead rank's QPs are gone: triton_ep/scheduler.py),
+and its next call raises at once. Nothing is left in /dev/shm and no process (the victim's proxy process included)
+is left over (the autouse fixture; the survivors' proxy processes are checked gone here too). The rank bodies are
+in tests/cases/dead_peer.py (``killed_across_hosts``)."""
+import os
+
+import pytest
+
+from tests.cases import dead_peer as cases
+from triton_ep.testing import RankFailure, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+#: the survivors' bound: large, so that a loaded machine never reaches it (before the probes they waited it out)
+TIMEOUT_S = 60.0
+#: what the tests accept from the call's start to the error (measured about 0.6-1.7 s after the kill on 2 cores)
+BOUND_S = TIMEOUT_S / 2
+#: what each mode's error names as the stage this rank waited at
+STAGES = {"internode": "stage 'rdma host exchange", "internode_ll": "stage 'low_latency_dispatch/",
+          "internode_ll_combine": "stage 'low_latency_combine/"}
+
+
+@pytest.mark.parametrize("mode", [
+    "internode", "internode_ll",
+    pytest.param("internode_ll_combine", marks=pytest.mark.extended),
+])
+def test_a_rank_killed_on_the_other_host_is_a_remote_error_within_seconds(mode, proxy_mode):
+    """2 hosts of 1 rank; rank 1 dies 0.3 s after a barrier while rank 0 makes the call ``mode`` names: rank 0
+    raises EPRemoteError naming rank 1's process and its own stage within BOUND_S (seconds here), and EPError at
+    once on its next call; its proxy processes are gone after destroy()."""
+    out = run_ranks(cases.killed_across_hosts, 2, mode, proxy_mode, TIMEOUT_S, 1, timeout_s=240)
+    assert isinstance(out[1], RankFailure) and "ProcessDied" in str(out[1]), out[1]
+    assert not isinstance(out[0], RankFailure), out[0]
+    kind, msg, dt, kind2, dt2, _, pids, remote = out[0]
+    assert remote, (kind, msg)
+    assert "rank 0: rank 1's process is gone" in msg and STAGES[mode] in msg, msg
+    assert dt < BOUND_S, dt
+    assert kind2 != "no error" and dt2 < 1.0, (kind2, dt2)
+    assert bool(pids) == (proxy_mode == "process"), pids
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], pids
