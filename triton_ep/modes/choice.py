@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 
 from ..runtime import Runtime
-from ..runtime.context import ll_area_bytes
+from ..runtime import ll_area_bytes
 from .internode import low_latency as internode_ll
 from .internode.normal import Internode, traffic_stats
 from .intranode import Intranode

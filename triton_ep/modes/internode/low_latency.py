@@ -254,7 +254,7 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
     """The low-latency state of a Buffer across hosts (collective over ``rt.group``).
 
     Args:
-        rt: the Buffer's :class:`~triton_ep.runtime.context.HostsRuntime`.
+        rt: the Buffer's :class:`~triton_ep.runtime.across_hosts.HostsRuntime`.
         area_bytes: ``num_rdma_bytes`` rounded up to 4 KiB: the area, in a buffer the ranks of this host map
             (CUDA IPC on GPU, POSIX shared memory on CPU); the network leg takes about twice that in
             registered host memory (2 slots of :func:`~triton_ep.protocol.ll_area.net_slot_bytes` per peer

@@ -179,7 +179,7 @@ class Internode:
     """Internode normal mode for one Buffer whose ranks span several hosts.
 
     Args:
-        rt: the Buffer's :class:`~triton_ep.runtime.context.HostsRuntime` (``rt.hosts``: the hosts;
+        rt: the Buffer's :class:`~triton_ep.runtime.across_hosts.HostsRuntime` (``rt.hosts``: the hosts;
             ``rt.rdma_transport``: ``"verbs"`` or ``"emulated"``; ``rt.group``: the process group; ``rt.local``:
             this host's runtime, whose shared buffers carry the forwarding leg).
         num_qps_per_peer: RC QPs to each RDMA peer (placed over ports and ECMP paths).
