@@ -2,7 +2,7 @@
 
 Two hosts of one rank each, hidden 7168 bf16, top-8 of 256 experts, random routing, ``--tokens`` tokens per
 rank (default 4096). Each rank sends the other host one record per token that has an expert there, in the
-byte layout internode dispatch uses (``triton_ep.modes.internode.normal.network_record_bytes``), and combine returns
+byte layout internode dispatch uses (``triton_ep.modes.internode.network_record_bytes``), and combine returns
 one bf16 partial sum per such token; both go through the RDMA scheduler (the proxy posts each chunk's WRITEs,
 then its signal on the same QP), with each host's NIC a dual-port model (400 Gb/s ports) over 2 ECMP paths
 of 400 Gb/s, as ``bench_scheduler.py``'s defaults. The ranks are threads of this process, so the fabric's
@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tests.cases.sched_helpers import Group, fabric, in_threads  # noqa: E402
-from triton_ep.modes.internode.normal import network_record_bytes  # noqa: E402
+from triton_ep.modes.internode import network_record_bytes  # noqa: E402
 from triton_ep.scheduler import host_alltoall  # noqa: E402
 
 NOTE = ("measured on this machine's CPU: bandwidths are the emulator's virtual time (a model of dual-port "

@@ -261,7 +261,7 @@ _RDMA_OPTIONS = (("num_qps", "--num-qps"), ("n_paths", "--n-paths"), ("hash", "-
 
 
 def buffer_qps_per_peer(env=None) -> Tuple[int, str]:
-    """The RC QPs per peer a Buffer's normal-mode network leg opens (``triton_ep.modes.internode.normal.network_shape``,
+    """The RC QPs per peer a Buffer's normal-mode network leg opens (``triton_ep.modes.internode.network_shape``,
     the one source of that number: ``TRITON_EP_RDMA_QPS_PER_PEER``, else its default), and where it came from.
     A bad value of the variable gives the default (the internode section of the report names the error)."""
     from triton_ep.modes import internode as I

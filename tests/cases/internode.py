@@ -98,10 +98,9 @@ def machines(rank, world, env, per_machine, seed):
     """Each rank claims to run on machine ``rank // per_machine`` (its host identity), with ``env`` set: the
     Buffer's hosts, what its runtime maps, and a dispatch + combine round trip against the reference (or
     the error the construction raises)."""
-    from triton_ep.runtime import context
-    from triton_ep.runtime.context import HostsRuntime
+    from triton_ep.runtime import HostsRuntime, opening
     os.environ.update(env)
-    context.host_identity = lambda: f"machine-{rank // per_machine}"
+    opening.host_identity = lambda: f"machine-{rank // per_machine}"
     try:
         buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
     except Exception as ex:   # noqa: BLE001

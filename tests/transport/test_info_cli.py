@@ -231,7 +231,7 @@ def test_devices_on_a_host_without_any_rdma_device_is_absent_not_a_failure(monke
 
 def test_the_default_qp_plan_is_what_a_buffer_opens(monkeypatch):
     """(A new user's find: ``info --emulated`` showed 8 QPs per peer while a Buffer used 4.) Without --num-qps the
-    plan has the QPs per peer of a Buffer's normal-mode network leg (modes.internode.normal.network_shape: its default,
+    plan has the QPs per peer of a Buffer's normal-mode network leg (modes.internode.network_shape: its default,
     or TRITON_EP_RDMA_QPS_PER_PEER), and says where the number came from."""
     from triton_ep.modes import internode
     monkeypatch.delenv(internode.ENV_QPS, raising=False)

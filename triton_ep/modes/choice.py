@@ -10,9 +10,8 @@ from typing import Optional, Union
 import torch
 
 from ..runtime import Runtime
-from ..runtime.context import ll_area_bytes
-from .internode import low_latency as internode_ll
-from .internode.normal import Internode, traffic_stats
+from ..runtime import ll_area_bytes
+from .internode import Internode, LowLatencyAcrossHosts, traffic_stats
 from .intranode import Intranode
 from .low_latency import LowLatency, Unavailable
 
@@ -80,7 +79,7 @@ class Modes:
     def close(self) -> None:
         """``Buffer.destroy``: low-latency mode's network leg, normal mode's, then the shared buffers."""
         try:
-            internode_ll.close(self.low_latency)
+            self.low_latency.close()
         finally:
             try:
                 if self.internode is not None:
@@ -152,7 +151,7 @@ def _open_across_hosts(rt: Runtime, intranode: Intranode, low_latency_mode: bool
     low_latency = Unavailable(rt)
     if low_latency_mode and num_rdma_bytes:
         try:
-            low_latency = internode_ll.open_internode_low_latency(
+            low_latency = LowLatencyAcrossHosts(
                 rt, ll_area_bytes(num_rdma_bytes), num_qps_per_rank, shrink, bool(allow_nvlink),
                 delays=internode.delays)
         except BaseException:

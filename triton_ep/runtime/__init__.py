@@ -2,8 +2,11 @@
 of a collective's steps) and the argument checks."""
 from ..transport.ipc import SLOT_HEADER, LocalWorld
 from ..transport.signals import call_signature
-from .context import Meet, Runtime, collective, current_event, open_runtime, steps
+from .across_hosts import HostsRuntime
+from .context import Meet, Runtime, collective, current_event, steps
+from .opening import ll_area_bytes, open_runtime
 
 # (the modes reach transport/ through here: a call's signature words, the first mode word of a meeting's slot;
 # and the test kit reaches the ranks-in-one-process world through here)
-__all__ = ["LocalWorld", "Meet", "Runtime", "SLOT_HEADER", "call_signature", "collective", "current_event", "open_runtime", "steps"]
+__all__ = ["HostsRuntime", "LocalWorld", "Meet", "Runtime", "SLOT_HEADER", "call_signature", "collective",
+           "current_event", "ll_area_bytes", "open_runtime", "steps"]

@@ -114,7 +114,7 @@ def test_construction_errors_across_hosts_on_every_rank():
 def test_network_shape_from_the_environment():
     """TRITON_EP_RDMA_QPS_PER_PEER / _SLOTS / _CHUNK_BYTES override the defaults; bad values raise naming the
     variable."""
-    from triton_ep.modes.internode.normal import network_shape
+    from triton_ep.modes.internode import network_shape
     assert network_shape({}) == (4, 8, 65536)
     assert network_shape({"TRITON_EP_RDMA_QPS_PER_PEER": "2", "TRITON_EP_RDMA_SLOTS": "3",
                           "TRITON_EP_RDMA_CHUNK_BYTES": "128"}) == (2, 3, 128)
@@ -173,7 +173,7 @@ def test_low_latency_mode_buffer_serves_both_modes_across_hosts():
 def test_rows_as_words_take_any_strides(shape, strides):
     """The network leg's rows as int32 words (``_words``) from column-major scales, as SGLang's DeepEP V2 path
     passes packed UE8M0 ones (``[T, 1]`` with a pack stride of ``T`` rounded up to 4 counts as contiguous)."""
-    from triton_ep.modes.internode.normal import _words
+    from triton_ep.modes.internode.records import words as _words
     n = shape[0] * shape[1]
     src = torch.arange(100, 100 + n, dtype=torch.int32, device="cpu").reshape(shape)
     t = torch.empty_strided(shape, strides, dtype=torch.int32, device="cpu").copy_(src)

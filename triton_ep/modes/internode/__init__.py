@@ -1,15 +1,18 @@
 """Normal and low-latency mode across hosts (DeepEP's internode modes).
 
-The rooms: :mod:`.normal` (normal mode's host path: :class:`Internode` and the network leg's shape),
-:mod:`.capture` (normal mode's capture path, a part of :class:`Internode`: no host wait, so it captures in a CUDA
-graph), :mod:`.handle` (the handle both paths build, the received records' fields), :mod:`.low_latency`
-(low-latency mode's network leg to every other rank) and :mod:`.network` (the RDMA transport, scheduler and rings
-both modes open between hosts).
+The rooms: :mod:`.normal` (normal mode: :class:`Internode`, its set-up and the host path's steps), :mod:`.capture`
+(normal mode's capture path, a part of :class:`Internode`: no host wait, so it captures in a CUDA graph),
+:mod:`.forward` (the forwarding leg both paths share), :mod:`.exchange` (the host path's exchange with the RDMA
+peers), :mod:`.host_ranks` (this host's ranks in the forwarding leg), :mod:`.handle` (the handle both paths build
+and their plans), :mod:`.records` (the network leg's records), :mod:`.low_latency` (low-latency mode across hosts,
+:class:`LowLatencyAcrossHosts`) and :mod:`.network` (the RDMA transport, scheduler and rings both modes open
+between hosts, and the network leg's shape).
 """
-from .low_latency import open_internode_low_latency
+from .low_latency import LowLatencyAcrossHosts
 from .handle import InternodeHandle
-from .normal import (DEFAULT_QPS_PER_PEER, ENV_CHUNK, ENV_QPS, ENV_SLOTS, Internode, dense, network_record_bytes,
-                     network_shape, traffic_stats)
+from .network import DEFAULT_QPS_PER_PEER, ENV_CHUNK, ENV_QPS, ENV_SLOTS, network_shape, traffic_stats
+from .normal import Internode
+from .records import dense, network_record_bytes
 
-__all__ = ["DEFAULT_QPS_PER_PEER", "ENV_CHUNK", "ENV_QPS", "ENV_SLOTS", "Internode", "InternodeHandle", "dense",
-           "network_record_bytes", "network_shape", "open_internode_low_latency", "traffic_stats"]
+__all__ = ["DEFAULT_QPS_PER_PEER", "ENV_CHUNK", "ENV_QPS", "ENV_SLOTS", "Internode", "InternodeHandle",
+           "LowLatencyAcrossHosts", "dense", "network_record_bytes", "network_shape", "traffic_stats"]

@@ -57,7 +57,10 @@ from ...protocol.records import (NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STAT
                                 NetRecord)
 from ...runtime.hosts import Disagreement
 from ...runtime.fabric import group_store
-from .handle import InternodeHandle, record_field
+from .combine import combine_args, combine_in_host
+from .forward import dispatch_results, forward_cached, forward_fresh
+from .handle import CapturePlan, build_handle
+from .records import record_field, split_records
 
 Tensor = torch.Tensor
 #: the environment variable that sends every num_worst_tokens call across hosts down the capture path
@@ -73,51 +76,15 @@ CARD_WAIT_S = 10.0
 
 
 @dataclasses.dataclass
-class CapturePlan:
-    """The plan a capture-path dispatch keeps in its handle (tensors on the device; nothing on the host).
-
-    Attributes:
-        tok: int64 ``[num_hosts, T]``: per host, this rank's tokens sent there, ascending (the first ``cnt[h]``).
-        cnt: int64 ``[num_hosts]``: tokens sent to each host.  cap: ``C``, records per host's staging area.
-        rx: int32 ``[num_hosts]``: records received from each host (this host: this rank's own).
-        local_handle: the forwarding leg's intranode handle.  order: int64 ``[N]``: received row ``i`` is
-        intranode row ``order[i]``.  num_rows: ``N`` (``W`` for a num_worst_tokens dispatch).
-        ctok: int64 ``[num_hosts, m]``: per host, the forwarding leg's rows that return there in a combine
-        (the first ``rx[h]``).  blocks: ``None`` where the forwarding leg took the staging areas as they are
-        (``num_hosts * cap`` rows, a num_worst_tokens dispatch); else the records per host, host-known (a
-        plain dispatch, whose forwarding leg took them packed one host after another).
-    """
-    uid: str
-    seq: int
-    num_tokens: int
-    tok: Tensor
-    cnt: Tensor
-    cap: int
-    rx: Tensor
-    local_handle: object
-    order: Tensor
-    num_rows: int
-    ctok: Tensor
-    blocks: Optional[List[int]] = None
-
-    @classmethod
-    def of_plain(cls, uid: str, seq: int, num_tokens: int, to_host: List[Tensor], counts: List[int], local_handle,
-                 order: Tensor) -> "CapturePlan":
-        """The plan of a plain dispatch (counts host-known: ``to_host``, per host the int64 tokens sent there;
-        ``counts``, per host the records received), so that its cached dispatches and combines take the
-        capture path. Builds its device tensors once, here (a later capture copies nothing from the host)."""
-        dev = order.device
-        nh = len(to_host)
-        tok = torch.zeros(nh, max(num_tokens, 1), dtype=torch.int64, device=dev)
-        for h, t in enumerate(to_host):
-            tok[h, :t.numel()] = t
-        cnt = torch.tensor([t.numel() for t in to_host], dtype=torch.int64, device=dev)
-        rx = torch.tensor(counts, dtype=torch.int32, device=dev)
-        starts = [sum(counts[:h]) for h in range(nh)]
-        m = max(max(counts), 1)
-        ctok = (torch.tensor(starts, dtype=torch.int64, device=dev)[:, None]
-                + torch.arange(m, dtype=torch.int64, device=dev)[None, :]).clamp(max=max(sum(counts) - 1, 0))
-        return cls(uid, seq, num_tokens, tok, cnt, m, rx, local_handle, order, order.shape[0], ctok, list(counts))
+class CaptureRoute:
+    """A capture-path dispatch's routing (on the device; nothing read on the host)."""
+    in_rank: Tensor                 # bool [T, R]: is_token_in_rank
+    host_mask: Tensor               # bool [T, num_hosts]: token t goes to at least one rank of host h
+    cnt: Tensor                     # int64 [num_hosts]: tokens sent to each host
+    pos: Tensor                     # int64 [T, num_hosts]: token t's index among those sent to host h (-1 where not)
+    tok: Tensor                     # int64 [num_hosts, T]: per host, the tokens sent there, ascending (first cnt[h])
+    reason: Tensor                  # int32 []: this rank's own status reason (0: none; _REASONS)
+    code: Tensor                    # int32 []: its status code (NET_STATUS_FAILED where reason != 0)
 
 
 class CapturePath:
@@ -173,7 +140,7 @@ class CapturePath:
         """Before a host-path exchange: once any capture-path call was made, wait for the work queued on the
         device (graph replays included) and take the scheduler's chunk numbers from the ring counters."""
         if self._capture_used:
-            self.leg._wait_device()
+            self.leg.rings.wait_device()
             self.leg.sched.resync()
 
     def check(self) -> None:
@@ -196,7 +163,7 @@ class CapturePath:
                 ex = ValueError(f"rank {me}: in a num_worst_tokens call across hosts, "
                                 f"{_REASONS.get(extra, 'an argument was bad')}")
         else:
-            peer = self.leg._peer_rank(h)
+            peer = self.leg.rings.peer_rank(h)
             if code == NET_STATUS_CAPACITY:
                 ex = EPCapacityError(f"rank {me}: rank {peer} (host {h}) sent this host (host {self.host}) more "
                                      f"records than {room}: a num_worst_tokens of those ranks is too small")
@@ -227,7 +194,7 @@ class CapturePath:
         if self.leg.sched is not None and self.leg.sched.error is None:
             self.leg.sched.fail(EPRemoteError(f"rank {self.rt.rank}: a num_worst_tokens call across hosts failed "
                                           f"({type(ex).__name__}: {ex}); destroy() and rebuild the Buffer"))
-        self.leg._leave_host(ex)
+        self.leg.host_ranks.leave(ex)
 
     def _capture_call(self, body, *args):
         """One capture-path call, ``body(*args)``: any error it raises (an argument check on the host, this
@@ -394,8 +361,9 @@ class CapturePath:
         tok_start, out_start = ar * n, ar * region
         n_tx = hdr[:, 0].to(torch.int64)
         f_tx, f_rx = (torch.empty(nh, dtype=torch.int64, device=dev) for _ in range(2))
-        with self.leg._network():
-            self.leg._rounds(rounds, src, tokens, tok_start, n_tx, f_tx, out.view(-1), out_start, n_rx, f_rx, dev=cd)
+        with self.leg.rings.network():
+            self.leg.rings.rounds(rounds, src, tokens, tok_start, n_tx, f_tx, out.view(-1), out_start, n_rx, f_rx,
+                                  dev=cd)
         rx[me] = cnt[me].clamp(max=cap_rx).to(torch.int32)
         return out, rx, hw
 
@@ -432,27 +400,44 @@ class CapturePath:
     def _dispatch_capture(self, intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                           previous_event):
-        self.leg.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
-        a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                    topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
-        xv, sc, idx, w, E, K = a.x, a.scales, a.topk_idx, a.topk_weights, a.num_experts, a.num_topk
-        dev, nh, R, T, W = self.rt.device, self.num_hosts, self.rt.group_size, xv.shape[0], num_worst_tokens
-        self._capture_card = (call_card.DISPATCH_WORST, call_card.dtype_code(xv.dtype), xv.shape[1],
-                              call_card.dtype_code(None if sc is None else sc.dtype), 0 if sc is None else sc.shape[1],
-                              K, int(w is not None), E)
+        f = self.leg.fresh(intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                           previous_event)
+        a = f.args
+        self._capture_card = f.card
         # this host's ranks' values (each may pass its own): a record gives at least one row on this host
-        self._host_worst = self.leg._local_run(self.local.worst_steps(a, W))
+        self._host_worst = self.leg.host_ranks.run(self.local.worst_steps(a, num_worst_tokens))
         C = sum(self._host_worst)
         if C >= 1 << 31:        # (the same on every rank of the host: they all raise here)
             raise ValueError(f"rank {self.rt.rank}: the num_worst_tokens of host {self.host}'s ranks add up to {C} "
                              f"({', '.join(map(str, self._host_worst))}), more than a stream can count (2^31 - 1)")
-        lay = intranode._routing(a)
-        in_rank = lay[2]
-        host_mask = self.leg._host_mask(in_rank)
+        route = self._route(intranode, a, num_tokens_per_rdma_rank)
+        ids = None if a.topk_idx is None else a.topk_idx.long()
+        src = self.leg.row_sources(f.rec, a.x.shape[0], a.x, a.scales, ids, a.topk_weights, route.in_rank)
+        nh, E = self.num_hosts, a.num_experts
+        extra = None if a.topk_idx is not None else a.num_tokens_per_expert.to(torch.int32).view(nh, E // nh)
+        out, rx, hw = self._move_capture(OP_DISPATCH, f.rec, src, route.tok, route.cnt, C, extra, route.code,
+                                         route.reason, own_cap=True)
+        npe_f = None
+        if a.topk_idx is None:      # the senders' counts of this host's experts, from their headers
+            npe_f = out[:, NET_HEADER_WORDS:NET_HEADER_WORDS + self.per_host * (E // self.rt.group_size)].sum(
+                0, dtype=torch.int32)
+        fwd = split_records(self._records(out, hw, f.rec, C), f.rec, None if a.scales is None else a.scales.dtype,
+                            self.leg.host_ranks.local_rt.device)
+        rows = forward_fresh(self.leg, fwd, a, npe_f, self._valid(rx, C), expert_alignment, num_worst_tokens)
+        return dispatch_results(rows, self._handle(route, C, rx, rows, a.x.shape[0], num_worst_tokens),
+                                per_expert=False)
+
+    def _route(self, intranode, a, num_tokens_per_rdma_rank: Tensor) -> "CaptureRoute":
+        """A capture-path dispatch's routing, on the device: each host's tokens and this rank's status (its own
+        errors as a reason code, raised at the next call or ``check()``)."""
+        dev, nh, T = self.rt.device, self.num_hosts, a.x.shape[0]
+        _, _, in_rank, _, num_bad, _ = intranode._routing(a)
+        host_mask = self.leg.host_mask(in_rank)
         cnt = host_mask.sum(0)
         reason = torch.zeros((), dtype=torch.int32, device=dev)
-        if idx is not None:
-            reason = torch.where(lay[4].view(()) > 0, 1, reason)
+        if a.topk_idx is not None:
+            reason = torch.where(num_bad.view(()) > 0, 1, reason)
         else:
             reason = torch.where((a.num_tokens_per_expert < 0).any(), 3, reason)
         given = num_tokens_per_rdma_rank.to(torch.int64)
@@ -461,52 +446,31 @@ class CapturePath:
         pos = host_mask.to(torch.int64).cumsum(0) - 1
         slot = torch.where(host_mask, torch.arange(nh, dtype=torch.int64, device=dev)[None, :] * T + pos, nh * T)
         tok = torch.zeros(nh * T + 1, dtype=torch.int64, device=dev)
-        tok.scatter_(0, slot.view(-1), torch.arange(T, dtype=torch.int64, device=dev)[:, None].expand(T, nh).reshape(-1))
-        tok = tok[:nh * T].view(nh, T)
-        rec = self.leg._record(xv, sc, K, 0 if w is None else K, self.per_host)
-        src = self.leg._sources(rec, T, xv, sc, None if idx is None else idx.long(), w, in_rank)
-        extra = None if idx is not None else a.num_tokens_per_expert.to(torch.int32).view(nh, E // nh)
-        out, rx, hw = self._move_capture(OP_DISPATCH, rec, src, tok, cnt, C, extra, code, reason, own_cap=True)
-        fwd = self._records(out, hw, rec, C)
-        valid = self._valid(rx, C)
-        x_f, sc_f, ids_f, w_f, in_f = self.leg._split(fwd, rec, xv.dtype, None if sc is None else sc.dtype)
-        in_f = in_f & valid[:, None]
-        ids_local = None
-        if idx is not None:
-            ids_local, npe_f = self.leg._local_experts(ids_f, E, idx.dtype, valid)
-        else:
-            n_e = self.per_host * (E // R)
-            npe_f = out[:, NET_HEADER_WORDS:NET_HEADER_WORDS + n_e].sum(0, dtype=torch.int32)
-        xs_f = x_f if sc_f is None else (x_f, sc_f)
-        res = self.leg._local_run(self.local.dispatch_steps(
-            xs_f, None, in_f.sum(0, dtype=torch.int32), None, in_f, npe_f, ids_local, w_f, expert_alignment, W),
-            forwarded=True)
-        recv_x_f, recv_idx, recv_w, _, local_handle, _ = res
-        x_ret, order, src_meta, recv_from = self.leg._in_rank_order(recv_x_f, local_handle, xv)
-        cnt_c = cnt.clone()
+        tokens = torch.arange(T, dtype=torch.int64, device=dev)[:, None].expand(T, nh).reshape(-1)
+        tok.scatter_(0, slot.view(-1), tokens)
+        return CaptureRoute(in_rank, host_mask, cnt, pos, tok[:nh * T].view(nh, T), reason, code)
+
+    def _handle(self, route: "CaptureRoute", C: int, rx: Tensor, rows, num_tokens: int, num_worst_tokens: int):
+        """The handle of a capture-path dispatch and its plan (everything on the device)."""
+        dev, nh = self.rt.device, self.num_hosts
+        cnt_c = route.cnt.clone()
         cnt_c[self.host] = cnt_c[self.host].clamp(max=C)
         ctok = torch.arange(nh * C, dtype=torch.int64, device=dev).view(nh, C)
-        plan = CapturePlan(self.rt.uid, self.leg._calls, T, tok, cnt_c, C, rx, local_handle, order, W, ctok)
-        head = torch.where(host_mask, pos, -1).to(torch.int32)
-        handle = InternodeHandle((
-            in_rank, cnt_c.to(torch.int32).view(-1, 1), in_rank.sum(0, dtype=torch.int32).view(-1, 1),
-            rx.view(-1, 1), torch.cumsum(rx, 0, dtype=torch.int32), recv_from.view(-1, 1),
-            torch.cumsum(recv_from, 0, dtype=torch.int32), src_meta, head, local_handle[5]), plan)
-        return (x_ret, recv_idx[order] if recv_idx is not None else None,
-                recv_w[order] if recv_w is not None else None, [], handle, EventOverlap(None))
+        plan = CapturePlan(self.rt.uid, self.leg._calls, num_tokens, route.tok, cnt_c, C, rx, rows.local_handle,
+                           rows.order, num_worst_tokens, ctok)
+        head = torch.where(route.host_mask, route.pos, -1).to(torch.int32)
+        return build_handle(route.in_rank, cnt_c.to(torch.int32), rx, rows, head, plan)
 
     def _cached_capture(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
-        xv, sc, plan, rec, src = self.leg._cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
-        self._capture_card = (call_card.CACHED_DISPATCH, call_card.dtype_code(xv.dtype), xv.shape[1],
-                              call_card.dtype_code(None if sc is None else sc.dtype), 0 if sc is None else sc.shape[1],
-                              plan.seq)
+        xv, sc, plan, rec, src = self.leg.cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
+        self._capture_card = self.leg.cached_card(xv, sc, plan)
         # a num_worst_tokens plan's own records must fit (the peers' receivers check theirs); a plain one's
         # counts are exact
         out, rx, hw = self._move_capture(OP_CACHED, rec, src, plan.tok, plan.cnt, plan.cap,
                                          own_cap=plan.blocks is None)
-        x_f, sc_f, _, _, _ = self.leg._split(self._forwarded(out, hw, rec, plan), rec, xv.dtype,
-                                         None if sc is None else sc.dtype)
-        return self.leg._forward_cached(x_f if sc_f is None else (x_f, sc_f), plan, xv)
+        fwd = split_records(self._forwarded(out, hw, rec, plan), rec, None if sc is None else sc.dtype,
+                            self.leg.host_ranks.local_rt.device)
+        return forward_cached(self.leg, fwd.xs, plan, xv)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, topk_weights, bias, previous_event):
@@ -514,11 +478,11 @@ class CapturePath:
         return self._capture_call(self._combine_capture, x, handle, topk_weights, bias, previous_event)
 
     def _combine_capture(self, x, handle, topk_weights, bias, previous_event):
-        prep = self.leg._prepare_combine(x, handle, topk_weights, bias, previous_event)
-        plan, H, K = prep.plan, prep.H, prep.K
+        prep = combine_args(self.leg, x, handle, topk_weights, bias, previous_event)
+        plan, H, K = prep.plan, prep.hidden, prep.num_topk
         dev, nh, T = self.rt.device, self.num_hosts, plan.num_tokens
         self._capture_card = (call_card.COMBINE, H, K, plan.seq)
-        rec, src, _ = self.leg._combine_in_host(prep)
+        rec, src, _ = combine_in_host(self.leg, prep)
         out, rx, hw = self._move_capture(OP_COMBINE, rec, src, plan.ctok, plan.rx, T)
         got = self._records(out, hw, rec, T)
         acc = torch.zeros(T + 1, H, dtype=torch.float32, device=dev)      # row T: where unused rows go

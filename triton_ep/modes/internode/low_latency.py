@@ -24,7 +24,7 @@ import functools
 import operator
 import time
 import uuid
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -249,12 +249,12 @@ def arrival_words_switch() -> bool:
     return bool(env_switch("TRITON_EP_LL_ARRIVAL_WORDS"))
 
 
-def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrink: bool,
-                               allow_nvlink: bool = True, delays: Optional[tuple] = None) -> LowLatency:
-    """The low-latency state of a Buffer across hosts (collective over ``rt.group``).
+class LowLatencyAcrossHosts(LowLatency):
+    """Low-latency mode of a Buffer across hosts (collective over ``rt.group``): :class:`LowLatency` over an area
+    of its own that this host's ranks map, with a network leg (:class:`NetLeg`) to every rank it reaches over RDMA.
 
     Args:
-        rt: the Buffer's :class:`~triton_ep.runtime.context.HostsRuntime`.
+        rt: the Buffer's :class:`~triton_ep.runtime.across_hosts.HostsRuntime`.
         area_bytes: ``num_rdma_bytes`` rounded up to 4 KiB: the area, in a buffer the ranks of this host map
             (CUDA IPC on GPU, POSIX shared memory on CPU); the network leg takes about twice that in
             registered host memory (2 slots of :func:`~triton_ep.protocol.ll_area.net_slot_bytes` per peer
@@ -272,7 +272,69 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
             is no switch on some rank (on every rank, naming that rank).
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
-    me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
+
+    def __init__(self, rt, area_bytes: int, num_qps_per_rank: int, shrink: bool, allow_nvlink: bool = True,
+                 delays: Optional[tuple] = None) -> None:
+        me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
+        token, qps, arrival = _agree(rt, num_qps_per_rank, allow_nvlink, shrink)
+        names = [f"ll{token}_{r}" for r in range(R)]
+        # Each rank's [signal header of the whole group | area], in a buffer this host's ranks map: the kernels
+        # see a group of R ranks in which a peer on another host (or, without allow_nvlink, any peer) aliases this
+        # rank's own buffer and is reached over the network leg instead.
+        hb = header_bytes(R)
+        local = ipc.open_group(rt.local_group, hb + int(area_bytes), dev, rt.timeout_s)
+        own = network = None
+        try:
+            same = [hosts.host_of[r] == hosts.host_of[me] and (allow_nvlink or r == me) for r in range(R)]
+            bufs = [local.peers[hosts.local_index(r)] if same[r] else local.data for r in range(R)]
+            with torch.inference_mode(False):
+                local.data[:hb].zero_()     # the group's signal header starts at zero (peers write after the exchange)
+                ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8, device="cpu")
+                remote = torch.tensor([0 if s else 1 for s in same], dtype=torch.int32, device=dev)
+            comm = ipc.Comm(me, R, dev, bufs, ctrl, rt.timeout_s, ipc.SLOT_WORDS,
+                            ranks_on_device=local.ranks_on_device, concurrent=True)
+            own = Runtime(comm, rt.timeout_s, rt.uid, None, 0, int(area_bytes), hosts, rt.rdma_transport)
+            super().__init__(own, 0, int(area_bytes), shrink)   # zeroes its control block before the exchange below
+            slot = net_slot_bytes(area_bytes, R)
+            network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
+                                   num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s,
+                                   device=dev, peers=[r for r in range(R) if not same[r]],   # none on the NVLink path
+                                   arrival_words=arrival, delays=delays)
+            self.net = NetLeg(network, self.area, slot, remote, local, rt.group, token)
+            # a peer the proxy finds gone (scheduler.PeerGoneError: its QPs stopped acknowledging) ends the kernels'
+            # waits for it as a dead peer of this host does (its DEAD word; the leg's ranks are the group's)
+            network.sched.on_gone = own.sig.dead_marker()
+            own.sig.explain_mismatch = functools.partial(self.net.explain_mismatch, own)
+        except BaseException:
+            try:
+                if network is not None:
+                    network.close()
+            finally:
+                if own is not None:
+                    own.close()
+                local.close()
+            raise
+
+    def close(self) -> None:
+        """Release the network leg (the proxy, QPs, MRs, CQs and PD), then the area."""
+        net = self.net
+        if net is None:
+            return
+        try:
+            net.close()
+        finally:
+            try:
+                self.rt.close()
+            finally:
+                if net.local is not None:
+                    net.local.close()
+
+
+def _agree(rt, num_qps_per_rank, allow_nvlink: bool, shrink: bool) -> Tuple[str, int, bool]:
+    """The set-up exchange (collective over ``rt.group``): every rank's fabric token, ``num_qps_per_rank``,
+    ``allow_nvlink_for_low_latency_mode``, ``enable_shrink`` and ``TRITON_EP_LL_ARRIVAL_WORDS``, checked equal
+    after the exchange (a bad value raises on every rank alike). Returns the token, the QPs and the switch."""
+    me = rt.rank
     try:                # (a bad value is raised after the exchange, on every rank alike)
         arrival = arrival_words_switch()
     except ValueError as ex:
@@ -292,56 +354,4 @@ def open_internode_low_latency(rt, area_bytes: int, num_qps_per_rank: int, shrin
     hosts_mod.agreed("enable_shrink (low-latency mode across hosts)", [e[3] for e in every])
     hosts_mod.first_error([e[4] for e in every])
     hosts_mod.agreed("TRITON_EP_LL_ARRIVAL_WORDS (low-latency mode across hosts)", [e[4] for e in every])
-    token = every[0][0]
-    names = [f"ll{token}_{r}" for r in range(R)]
-    # Each rank's [signal header of the whole group | area], in a buffer this host's ranks map: the kernels
-    # see a group of R ranks in which a peer on another host (or, without allow_nvlink, any peer) aliases this
-    # rank's own buffer and is reached over the network leg instead.
-    hb = header_bytes(R)
-    local = ipc.open_group(rt.local_group, hb + int(area_bytes), dev, rt.timeout_s)
-    own = network = None
-    try:
-        same = [hosts.host_of[r] == hosts.host_of[me] and (allow_nvlink or r == me) for r in range(R)]
-        bufs = [local.peers[hosts.local_index(r)] if same[r] else local.data for r in range(R)]
-        with torch.inference_mode(False):
-            local.data[:hb].zero_()     # the group's signal header starts at zero (peers write after the exchange)
-            ctrl = torch.zeros(ipc.ctrl_words(R, ipc.SLOT_WORDS) * 8, dtype=torch.uint8, device="cpu")
-            remote = torch.tensor([0 if s else 1 for s in same], dtype=torch.int32, device=dev)
-        comm = ipc.Comm(me, R, dev, bufs, ctrl, rt.timeout_s, ipc.SLOT_WORDS, ranks_on_device=local.ranks_on_device,
-                        concurrent=True)
-        own = Runtime(comm, rt.timeout_s, rt.uid, None, 0, int(area_bytes), hosts, rt.rdma_transport)
-        ll = LowLatency(own, 0, int(area_bytes), shrink)      # zeroes its control block before the exchange below
-        slot = net_slot_bytes(area_bytes, R)
-        network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
-                               num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s, device=dev,
-                               peers=[r for r in range(R) if not same[r]],    # no QPs to peers on the NVLink path
-                               arrival_words=arrival, delays=delays)
-        ll.net = NetLeg(network, ll.area, slot, remote, local, rt.group, token)
-        # a peer the proxy finds gone (scheduler.PeerGoneError: its QPs stopped acknowledging) ends the kernels'
-        # waits for it as a dead peer of this host does (its DEAD word; the leg's ranks are the group's)
-        network.sched.on_gone = own.sig.dead_marker()
-        own.sig.explain_mismatch = functools.partial(ll.net.explain_mismatch, own)
-        return ll
-    except BaseException:
-        try:
-            if network is not None:
-                network.close()
-        finally:
-            if own is not None:
-                own.close()
-            local.close()
-        raise
-
-
-def close(ll: Optional[LowLatency]) -> None:
-    """Release a low-latency state across hosts: the proxy, QPs, MRs, CQs and PD, then the area."""
-    if ll is None or ll.net is None:
-        return
-    try:
-        ll.net.close()
-    finally:
-        try:
-            ll.rt.close()
-        finally:
-            if ll.net.local is not None:
-                ll.net.local.close()
+    return every[0][0], qps, arrival

@@ -10,6 +10,8 @@ the rings shared with the rank in /dev/shm (Linux). The leg's ranks agree on it 
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Mapping, Optional, Tuple
 
 import torch
 
@@ -17,6 +19,61 @@ from ... import proxy_process
 from ... import scheduler as sched_mod
 from ...runtime import hosts as hosts_mod
 from ...runtime.fabric import factory, gather_objects
+
+
+#: the network leg's defaults: RC QPs per RDMA peer, ring slots per peer, bytes per slot (chunk)
+DEFAULT_QPS_PER_PEER, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES = 4, 8, 1 << 16
+#: environment variables that override them (every rank must set the same values)
+ENV_QPS, ENV_SLOTS, ENV_CHUNK = "TRITON_EP_RDMA_QPS_PER_PEER", "TRITON_EP_RDMA_SLOTS", "TRITON_EP_RDMA_CHUNK_BYTES"
+
+
+def network_shape(env: Mapping[str, str] = os.environ) -> Tuple[int, int, int]:
+    """The network leg's shape: ``(QPs per RDMA peer, ring slots per peer, bytes per slot)``, from
+    ``TRITON_EP_RDMA_QPS_PER_PEER`` (default 4), ``TRITON_EP_RDMA_SLOTS`` (8) and ``TRITON_EP_RDMA_CHUNK_BYTES``
+    (65536, a multiple of 64). The rings take ``2 * (num_hosts - 1) * slots * chunk`` bytes of pinned host
+    memory per rank (DeepEP's ``num_rdma_bytes`` is a hint this mode does not need).
+
+    Raises:
+        ValueError: a value that is not an integer in range, naming the variable.
+    """
+    def get(name: str, default: int, lo: int, hi: int, multiple: int = 1) -> int:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            v = int(raw)
+        except ValueError:
+            v = lo - 1
+        if not lo <= v <= hi or v % multiple:
+            extra = f", a multiple of {multiple}" if multiple > 1 else ""
+            raise ValueError(f"{name}={raw!r} must be an integer in [{lo}, {hi}]{extra}")
+        return v
+
+    return (get(ENV_QPS, DEFAULT_QPS_PER_PEER, 1, 64), get(ENV_SLOTS, DEFAULT_SLOTS, 1, 1024),
+            get(ENV_CHUNK, DEFAULT_SLOT_BYTES, 64, 1 << 30, 64))
+
+
+
+def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_stats: Optional[dict] = None,
+                  network_s: float = 0.0, exchanges: int = 0, host_exchanges: int = 0) -> dict:
+    """``Buffer.get_rdma_stats``'s dict from the scheduler's :meth:`~triton_ep.scheduler.Scheduler.stats`
+    (channels summed from its QPs); the defaults give a Buffer on one host: no traffic."""
+    s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0, "proxy_post_s": 0.0,
+                        "proxy_transport_s": 0.0, "proxy_cpu_s": 0.0, "proxy_transport_cpu_s": 0.0,
+                        "proxy_busy_sweeps": 0}
+    channels: dict = {}
+    for q in s["qps"].values():
+        c = channels.setdefault(q["channel"], {"bytes": 0, "chunks": 0})
+        c["bytes"] += q["bytes"]
+        c["chunks"] += q["chunks"]
+    return {"transport": transport, "num_hosts": num_hosts, "qps": s["qps"], "ports": s["ports"],
+            "channels": channels, "wrs": s["wrs"], "chunks": sum(q["chunks"] for q in s["qps"].values()),
+            "proxy_busy_s": s["proxy_busy_s"], "proxy_post_s": s["proxy_post_s"],
+            "proxy_transport_s": s["proxy_transport_s"], "proxy_cpu_s": s["proxy_cpu_s"],
+            "proxy_transport_cpu_s": s["proxy_transport_cpu_s"],
+            "proxy_busy_sweeps": s["proxy_busy_sweeps"], "network_s": network_s, "exchanges": exchanges,
+            "host_exchanges": host_exchanges}
+
 
 
 def delays_to_exchange(backend: str, rank: int):

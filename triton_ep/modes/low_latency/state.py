@@ -320,6 +320,10 @@ class LowLatency:
         self.rt.live()
         return self.zero_copy_buffer(self.layout(*self.check_handle(handle).sizes))
 
+    def close(self) -> None:
+        """Release what this mode holds of its own: nothing within one host (the Buffer's runtime holds the area;
+        across hosts :class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts` releases its leg)."""
+
     def check(self) -> None:
         """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one
         host the Buffer's runtime is this mode's, checked by the Buffer itself."""
@@ -436,6 +440,9 @@ class Unavailable:
                          "(...), low_latency_mode=True) built over a process group")
 
     dispatch = combine = next_combine_buffer = clean = update_mask = query_mask = clean_mask = _refuse
+
+    def close(self) -> None:
+        """Release what this mode holds of its own: nothing (no low-latency mode)."""
 
     def check(self) -> None:
         """Nothing of its own to raise."""

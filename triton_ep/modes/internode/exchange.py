@@ -1,0 +1,189 @@
+"""The host path's exchange with the RDMA peers in internode normal mode (:class:`HostExchange`): per call, a
+small header through host memory (a status, the record count, the record layout and the call card, which must
+agree), then the records through the ring kernels; after the forwarding leg, a status alone. The capture path
+(:mod:`.capture`) makes none of these: it keeps all on the device."""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ... import scheduler as sched_mod
+from ...errors import EPCapacityError, EPError, EPRemoteError
+from ...kernels import net
+from ...kernels._util import cdiv
+from ...protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS,
+                                HOST_MISMATCH, HOST_OK)
+from ...runtime import hosts as hosts_mod
+from .records import Streams
+
+Tensor = torch.Tensor
+#: the host path's header and its status codes (protocol/records.py)
+_KEY_WORDS, _CARD_WORDS, HEADER_WORDS = HOST_KEY_WORDS, HOST_CARD_WORDS, HOST_HEADER_WORDS
+_OK, _FAILED, _CAPACITY, _MISMATCH = HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH
+#: the record layout's key words, as errors name them
+_KEY_FIELDS = ("row bytes", "scale bytes", "top-k", "weights", "ranks per host", "experts without top-k")
+
+
+class HostExchange:
+    """The host path's exchanges of one :class:`~triton_ep.modes.internode.normal.Internode` (``leg``: its
+    scheduler, peers, counters and ring rounds are read from it at each call)."""
+
+    def __init__(self, leg) -> None:
+        self.leg = leg
+
+    def exchange(self, streams: Optional[Streams], err: Optional[BaseException] = None,
+                  skip: Optional[str] = None) -> Tuple[Tensor, List[int], Optional[Tensor]]:
+        """Send each host's record stream of ``streams`` to this rank's RDMA peer there and receive theirs:
+        first a header (a status, the record count and the record layout, which must agree), then the
+        records, through the network-leg kernels. A rank that failed (``err``) sends only its header. Where
+        this rank or a peer failed, every rank of the exchange raises after the headers, and (with ``skip``,
+        the kind of the forwarding leg still to come: ``"dispatch"`` or ``"cached"``) this rank first leaves
+        that leg (:meth:`~.host_ranks.HostRanks.skip`: its host's ranks stop at once and tell their own RDMA peers
+        in turn).
+
+        Returns: the records received, uint8 ``[n, rec.nbytes]`` on the device, one block per host in host
+        order (this host's block is this rank's own stream for it), the blocks' record counts, and (with
+        ``streams.npe``) int32 ``[ranks per host * E / R]``: this host's experts' counts summed over the
+        sources this rank forwards for.
+        Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed; ``ValueError``
+        where ranks disagree (this rank and its RDMA peer called differently, or a peer passes on a disagreement
+        found elsewhere: :class:`~triton_ep.runtime.hosts.Disagreement`, naming the field and two ranks' values);
+        the proxy's and the ring kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
+        """
+        try:
+            with self.leg.rings.network():
+                counts = self.headers(streams, err)
+                if err is None:
+                    npe = None if streams.npe is None else self.expert_counts(streams.npe)
+                    return self.move(streams, counts), counts, npe
+            raise err
+        except BaseException as ex:
+            if skip is not None:
+                self.leg.host_ranks.skip(skip, ex)
+            raise
+
+    def status(self, err: Optional[BaseException]) -> None:
+        """After the forwarding leg: tell the RDMA peers whether this rank's part succeeded and hear theirs
+        (every rank of a host fails such a leg alike, so each rank hears of a host that failed from its own
+        peer there). Raises ``err``, else the first peer's failure."""
+        with self.leg.rings.network():
+            self.headers(None, err)
+        if err is not None:
+            raise err
+
+    def headers(self, streams: Optional[Streams], err: Optional[BaseException] = None) -> List[int]:
+        """The header exchange of :meth:`exchange` (``streams`` ``None``: a status alone; ``err``: this rank
+        failed, and says so). Returns the record counts per host (this host's: its own stream's); raises the
+        peers' failures (not ``err``: the caller raises it outside the network's error translation)."""
+        self.leg.capture.sync_host_path()
+        self.leg.host_exchanges += 1
+        peers = self.leg.peer_hosts
+        key = (0,) * _KEY_WORDS if streams is None else \
+            streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
+        mine = tuple(streams.card) if streams is not None and err is None else ()
+        told = getattr(err, "disagreement", None)
+        code = _OK if err is None else (_CAPACITY if isinstance(err, EPCapacityError) else
+                                        _MISMATCH if told is not None else _FAILED)
+        # the rank whose own error started a failure (-1: unknown, e.g. heard in a host's forwarding leg)
+        culprit = -1 if err is None else getattr(err, "culprit", -1 if isinstance(err, EPError) else self.leg.rt.rank)
+        tail = [*key, *mine, *[0] * (_CARD_WORDS - len(mine)),
+                *(told.words() if told is not None else [0] * hosts_mod.Disagreement.WORDS)]
+        head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), culprit, *tail],
+                            np.int64).view(np.uint8) for h in peers}
+        got = sched_mod.host_alltoall(self.leg.sched, head, {h: 8 * HEADER_WORDS for h in peers})
+        words = {h: got[h].view(np.int64) for h in peers}
+        for h in peers:     # a capture-path stream read as a header: the ranks took different paths
+            if err is None and not (_OK <= words[h][0] <= _MISMATCH and words[h][1] >= 0
+                                    and -1 <= words[h][2] < self.leg.rt.group_size):
+                raise ValueError(f"rank {self.leg.rt.rank}: rank {self.leg.rings.peer_rank(h)} (host {h}) sent no header "
+                                 f"this "
+                                 f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
+                                 f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
+        if err is not None:
+            return [0] * self.leg.num_hosts
+        for h in peers:     # a disagreement found anywhere is this call's error on every rank
+            d = hosts_mod.Disagreement.of_words(words[h][-hosts_mod.Disagreement.WORDS:]) \
+                if words[h][0] == _MISMATCH else None
+            if d is not None:
+                raise d.error(self.leg.rt.rank)
+        for h in peers:
+            if words[h][0]:
+                peer, first = self.leg.rings.peer_rank(h), int(words[h][2])
+                who = f"rank {peer} (host {h})"
+                if first >= 0 and first != peer:
+                    who = f"rank {first} (host {self.leg.hosts.host_of[first]}; rank {peer} on host {h} passed it on)"
+                if words[h][0] == _CAPACITY:
+                    ex = EPCapacityError(f"rank {self.leg.rt.rank}: {who} found more rows than num_worst_tokens on its "
+                                         f"host; no rank returns from this dispatch")
+                else:
+                    ex = EPRemoteError(f"rank {self.leg.rt.rank}: {who} failed this call (its own error names why); "
+                                       f"this rank stopped too")
+                ex.culprit = first if first >= 0 else peer
+                raise ex
+        for h in peers:     # the RDMA peers compare their calls (the lower rank first, on both sides)
+            theirs = [int(w) for w in words[h][3 + _KEY_WORDS:3 + _KEY_WORDS + _CARD_WORDS]]
+            if mine and theirs[0]:
+                d = hosts_mod.Disagreement.of_cards(mine, theirs, self.leg.rt.rank, self.leg.rings.peer_rank(h))
+                if d is not None:
+                    raise d.error(self.leg.rt.rank)
+        for h in peers:     # (calls that agree give records of one layout: this names what still differs)
+            there = tuple(int(w) for w in words[h][3:3 + _KEY_WORDS])
+            if streams is not None and there != key:
+                diff = "; ".join(f"{n}: rank {self.leg.rings.peer_rank(h)} sends {a}, rank {self.leg.rt.rank} sends {b}"
+                                 for n, a, b in zip(_KEY_FIELDS, there, key) if a != b)
+                raise ValueError(f"rank {self.leg.rt.rank}: ranks disagree across hosts on the records of this call "
+                                 f"({diff}): the ranks called with different arguments")
+        counts = [0] * self.leg.num_hosts
+        for h in peers:
+            counts[h] = int(words[h][1])
+        if streams is not None:
+            counts[self.leg.host] = streams.count(self.leg.host)
+        return counts
+
+    def expert_counts(self, npe: Tensor) -> Tensor:
+        """A dispatch without ``topk_idx``: send each RDMA peer the counts of its host's experts in ``npe``
+        (int32 ``[E]``) and return this host's experts' counts summed over this rank and its peers (int32
+        ``[ranks per host * E / R]``, on the device): what this rank's forwarding leg delivers."""
+        n = npe.shape[0] // self.leg.num_hosts
+        self.leg.host_exchanges += 1
+        mine = npe.to(torch.int64).cpu().numpy()
+        peers = self.leg.peer_hosts
+        got = sched_mod.host_alltoall(self.leg.sched, {h: mine[h * n:(h + 1) * n].view(np.uint8) for h in peers},
+                                      {h: 8 * n for h in self.leg.peer_hosts})
+        total = mine[self.leg.host * n:(self.leg.host + 1) * n].copy()
+        for h in self.leg.peer_hosts:
+            total += got[h].view(np.int64)
+        return torch.from_numpy(total.astype(np.int32)).to(self.leg.rt.device)
+
+
+    def move(self, st: Streams, counts: List[int]) -> Tensor:
+        """The records of :meth:`exchange`: this host's own block by :func:`net.pack_linear`, the peers'
+        through the rings in rounds of ``slots`` chunks per peer (pack, then unpack; the proxy carries them).
+        Returns uint8 ``[sum(counts), rec.nbytes]`` on the device."""
+        sched, dev, rec = self.leg.sched, self.leg.rt.device, st.rec
+        rw = rec.nbytes // 4
+        starts = np.cumsum([0] + counts)
+        out = torch.empty(int(starts[-1]) * rw, dtype=torch.int32, device=dev)
+        net.pack_linear(out[int(starts[self.leg.host]) * rw:], st.src, st.tokens[self.leg.host], self.leg.host)
+        S, SW = sched.slots, sched.slot_bytes // 4
+        peers = self.leg.peer_hosts
+        tx_words = [st.count(h) * rw for h in range(self.leg.num_hosts)]
+        rx_words = [counts[h] * rw for h in range(self.leg.num_hosts)]
+        ntx = {h: cdiv(tx_words[h], SW) for h in peers}
+        nrx = {h: cdiv(rx_words[h], SW) for h in peers}
+        tx0, rx0 = sched.reserve(ntx, nrx)
+        rounds = max([cdiv(max(ntx[h], nrx[h]), S) for h in peers] + [0])
+        if rounds:
+            def i64(vals):
+                return torch.tensor(vals, dtype=torch.int64, device=dev)
+            tok_n = [st.count(h) for h in range(self.leg.num_hosts)]
+            tokens = torch.cat([t.to(dev, torch.int64) for t in st.tokens])
+            tok_start = i64(np.cumsum([0] + tok_n)[:-1].tolist())
+            n_tx, n_rx = i64(tx_words), i64(rx_words)
+            f_tx = i64([tx0.get(h, 0) for h in range(self.leg.num_hosts)])
+            f_rx = i64([rx0.get(h, 0) for h in range(self.leg.num_hosts)])
+            out_start = i64((starts[:-1] * rw).tolist())
+            self.leg.rings.rounds(rounds, st.src, tokens, tok_start, n_tx, f_tx, out, out_start, n_rx, f_rx, wait=True)
+        return out.view(torch.uint8).view(int(starts[-1]), rec.nbytes)

@@ -1,0 +1,165 @@
+"""Opening a Buffer's runtime (collective over its process group): the constructor's values checked, the ranks
+grouped into hosts, the transport between hosts chosen, and the group's shared buffers mapped. Ranks within one
+host get a :class:`~triton_ep.runtime.context.Runtime`; ranks on several hosts a
+:class:`~triton_ep.runtime.across_hosts.HostsRuntime` over their host's own runtime."""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..transport import ipc, verbs
+from ..transport.bootstrap import Exchange
+from .across_hosts import HostsRuntime, destroy_groups, no_split_source
+from .checks import DEFAULT_TIMEOUT_S, Rejected, bytes_arg, device_arg, raise_rejected, timeout_arg
+from .context import Runtime
+from .hosts import (ENV_RANKS_PER_HOST, Hosts, agreed, choose_transport, group_hosts, host_identity,
+                    rdma_backend_arg)
+
+
+def ll_area_bytes(num_rdma_bytes: int) -> int:
+    """Bytes of a low-latency area for ``num_rdma_bytes``: rounded up to 4 KiB."""
+    return (int(num_rdma_bytes) + 4095) // 4096 * 4096
+
+
+def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, timeout_s, device,
+                 rdma_backend: Optional[str] = None) -> Runtime:
+    """Build one rank's :class:`Runtime` for a Buffer (collective over ``group``): check the constructor's
+    values, bootstrap the group's shared buffers (:func:`triton_ep.transport.ipc.open_group`: the normal-mode
+    part of ``num_nvl_bytes`` rounded up to 4 KiB, then, with ``low_latency_mode``, the low-latency area of
+    ``num_rdma_bytes``), and return the runtime. ``group`` may be an ``ipc.Comm`` (ranks simulated in one
+    process, :mod:`triton_ep.testing`). A rank that rejects its values (constructor arguments,
+    ``TRITON_EP_TIMEOUT_S``, ``TRITON_EP_SHM_TAG``, ``TRITON_EP_RDMA``) carries the rejection in the host
+    exchange: every rank raises it at once (:class:`~triton_ep.runtime.checks.Rejected`); a rank that fails
+    otherwise tells its peers (they raise ``EPRemoteError`` at once instead of waiting). The ranks are grouped
+    into hosts and the transport between hosts chosen (:mod:`triton_ep.runtime.hosts`; ``rdma_backend``:
+    ``"auto"``, ``"verbs"``, ``"emulated"`` or ``None`` for ``TRITON_EP_RDMA``).
+
+    Ranks on several hosts get a :class:`HostsRuntime` instead: each host's ranks share their own buffers
+    (nothing is mapped between hosts, which may be different machines).
+
+    Raises:
+        ValueError: a bad value on any rank (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``,
+            ``rdma_backend``, ``device``, the environment's), no process group, ranks that disagree on
+            ``rdma_backend`` or ``TRITON_EP_RANKS_PER_HOST``, hosts of different sizes, a host whose ranks run on
+            several machines, several hosts and no RDMA transport.
+        EPTimeoutError: ranks did not arrive within ``timeout_s`` (named).
+        EPRemoteError: a peer gave up or failed first.
+    """
+    exchanges = []
+    if not isinstance(group, ipc.Comm):
+        if group is None and not dist.is_initialized():
+            raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
+                             "or an explicit group")
+        group = group if group is not None else dist.group.WORLD
+        # made before the checks below: a rank that rejects its arguments tells its peers at once
+        exchanges = [Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange host identities"),
+                     Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")]
+    try:
+        timeout_s, backend, device, rejected = _buffer_args(group, exchanges, num_nvl_bytes, num_rdma_bytes,
+                                                            timeout_s, device, rdma_backend)
+        if not exchanges:
+            size = group.size
+            hosts = group_hosts([host_identity()] * size, [os.environ.get(ENV_RANKS_PER_HOST)] * size)
+            return Runtime(group, timeout_s, uuid.uuid4().hex, hosts=hosts,
+                           rdma_transport=choose_transport(backend, hosts))
+        if rejected is None:
+            for ex in exchanges:
+                ex.timeout_s = timeout_s
+        hosts, transport = _find_hosts(exchanges[0], backend, rejected)
+    except Exception as e:
+        for ex in exchanges:
+            ex.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
+        raise
+    if hosts.num_hosts > 1:
+        return _open_hosts(group, hosts, transport, num_nvl_bytes, timeout_s, device)
+    # the low-latency area follows the normal-mode part of the same shared buffer (every rank maps it),
+    # which normal-mode rounds never touch
+    nvl_part = max(4096, (int(num_nvl_bytes) + 4095) // 4096 * 4096)
+    ll_bytes = ll_area_bytes(num_rdma_bytes) if low_latency_mode else 0
+    comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchanges[1])
+    comm.min_bytes -= ll_bytes
+    return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport)
+
+
+def _buffer_args(group, exchanges: list, num_nvl_bytes, num_rdma_bytes, timeout_s, device, rdma_backend):
+    """The constructor's values checked (``open_runtime``'s): ``(timeout_s, backend, device, rejected)``. Over a
+    process group (``exchanges``) a rejected value is not raised but returned as ``rejected``: it is carried in the
+    host exchange, and every rank raises it at once instead of its peers waiting."""
+    rejected = backend = None
+    try:
+        timeout_s = timeout_arg(timeout_s)
+        bytes_arg("num_nvl_bytes", num_nvl_bytes)
+        bytes_arg("num_rdma_bytes", num_rdma_bytes)
+        ipc.shm_tag()       # (it names the shared-memory files: checked before any is made)
+        backend = rdma_backend_arg(rdma_backend)
+        device = device_arg(device) if exchanges else device
+    except (ValueError, TypeError) as e:
+        if not exchanges:
+            raise
+        rejected = Rejected.of(e, group.rank())
+    return timeout_s, backend, device, rejected
+
+
+def _find_hosts(exchange: Exchange, backend: Optional[str], rejected: Optional[Rejected] = None):
+    """Exchange host identities (and each rank's ``TRITON_EP_RANKS_PER_HOST``, ``rdma_backend`` and the
+    rejection of its own constructor values, ``None`` where it has none), group the ranks into hosts and choose
+    the transport between them: ``(Hosts, transport)``. Every rank raises the same error where the exchanged
+    values are at fault (a rank's rejection first)."""
+    info = exchange.gather((host_identity(), os.environ.get(ENV_RANKS_PER_HOST), backend, rejected,
+                            _qos_rejection(exchange.rank)))
+    raise_rejected([i[3] for i in info])
+    agreed("rdma_backend / TRITON_EP_RDMA", [i[2] for i in info])
+    hosts = group_hosts([i[0] for i in info], [i[1] for i in info])
+    if hosts.num_hosts > 1:     # (the transport between hosts reads them)
+        raise_rejected([i[4] for i in info])
+    transport = choose_transport(backend, hosts)
+    for h in range(hosts.num_hosts):       # a host's ranks share memory: they must run on one machine
+        machines = sorted({info[r][0] for r in hosts.ranks(h)})
+        if len(machines) > 1:
+            raise ValueError(f"{ENV_RANKS_PER_HOST} puts ranks {list(hosts.ranks(h))} into host {h}, but they run on "
+                             f"{len(machines)} machines ({', '.join(machines)}); a host's ranks must share a machine")
+    return hosts, transport
+
+
+def _qos_rejection(rank: int) -> Optional[Rejected]:
+    """This rank's rejection of ``TRITON_EP_RDMA_TC`` / ``TRITON_EP_RDMA_SL`` (``verbs.QoS.resolve``), or ``None``:
+    exchanged at set-up so that a bad value on one rank raises on every rank, where ranks span hosts."""
+    try:
+        verbs.QoS.resolve()
+    except ValueError as e:
+        return Rejected.of(e, rank)
+    return None
+
+
+def _open_hosts(group, hosts: Hosts, transport: str, num_nvl_bytes: int, timeout_s: float, device) -> HostsRuntime:
+    """The :class:`HostsRuntime` of a Buffer whose ranks span several hosts (collective over ``group``): a
+    process group per host and one per local index (every rank makes every subgroup, in the same order), and
+    this host's own runtime (its ranks' shared buffers, of ``num_nvl_bytes``)."""
+    def world(ranks):           # hosts number the ranks of ``group``; new_group takes global ranks
+        return [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in ranks]
+
+    me = group.rank()
+    with no_split_source():
+        local_groups = [dist.new_group(world(hosts.ranks(h))) for h in range(hosts.num_hosts)]
+        peer_groups = [dist.new_group(world([hosts.ranks(h)[i] for h in range(hosts.num_hosts)]))
+                       for i in range(hosts.ranks_per_host)]
+    host = hosts.host_of[me]
+    mine = (local_groups[host], peer_groups[hosts.local_index(me)])
+    try:
+        local = open_runtime(local_groups[host], num_nvl_bytes, 0, False, timeout_s, device)
+    except BaseException:
+        destroy_groups(mine)
+        raise
+    try:
+        local.agree_on_layout()
+    except BaseException:
+        try:
+            local.close()
+        finally:
+            destroy_groups(mine)
+        raise
+    return HostsRuntime(local, group, me, group.size(), hosts, transport, local_groups[host],
+                        peer_groups[hosts.local_index(me)])
