@@ -531,7 +531,9 @@ def test_cli_killed_by_sigterm_leaves_no_ring_files(shm_check):
         deadline = time.monotonic() + 30        # (well inside the transfer, which takes about a minute)
         while time.monotonic() < deadline and p.poll() is None:
             seen |= ranks()
-            if sum(unlinked(pid) for pid in seen) >= 2:
+            # (each rank maps the other's rings: both look unlinked once one rank unlinked its own; so also wait
+            # until no ring file of the run has a name left)
+            if sum(unlinked(pid) for pid in seen) >= 2 and not any(n.startswith(prefix) for n in os.listdir("/dev/shm")):
                 break
             time.sleep(0.05)
         assert p.poll() is None, "the command ended before its ranks could be killed"

@@ -535,6 +535,22 @@ class RecvWR:
         self.wr_id, self.num_sge, self.sg_list, self.next_wr = wr_id, num_sge, list(sg), next_wr
 
 
+@dataclass(slots=True)
+class _WQE:
+    """A posted send request as the emulated HCA keeps it until it executes it (a work queue entry): the request's
+    number on its QP, id, opcode, whether it is signalled, immediate, remote key and address, FETCH_ADD's addend, and
+    its SGEs as ``(addr, length, lkey)``, copied at post time (the caller may reuse the request and its SGEs)."""
+    seq: int
+    wr_id: int
+    opcode: int
+    signaled: bool
+    imm: int
+    rkey: int
+    remote_addr: int
+    compare_add: int
+    sges: tuple
+
+
 class WC:
     """``ibv_wc``: status, opcode, wr_id, imm_data, qp_num, byte_len, wc_flags."""
 
@@ -709,6 +725,8 @@ class _Engine:
         self.key_next = 0x100
         self.rng = random.Random(fabric.spec.reorder_seed)
         self.kick = threading.Event()
+        #: QPs whose doorbell rang (:meth:`ring_doorbell`): the progress thread executes their work queue entries
+        self.rung: collections.deque = collections.deque()
         self.thread: Optional[threading.Thread] = None
         #: (responder qpn, requester seq) of the latest placements, in placement order (for tests)
         self.placements: collections.deque = collections.deque(maxlen=1 << 16)
@@ -777,7 +795,30 @@ class _Engine:
             if qp.outstanding:
                 qp.lost_since = qp.lost_since or now
 
+    def ring_doorbell(self, qp: "QP") -> None:
+        """``qp`` has work queue entries to execute (:meth:`QP.post_send`): wake the progress thread."""
+        self.rung.append(qp)
+        if not self.kick.is_set():
+            self.kick.set()
+
     # ---- progress
+    def execute(self) -> bool:
+        """Execute the work queue entries of every QP whose doorbell rang, in post order per QP (each under the
+        engine lock, its records sent outside it); returns whether there were any."""
+        rung, did = self.rung, False
+        while rung:
+            qp = rung.popleft()
+            bell = qp.doorbell
+            while bell:
+                with self.lock:
+                    if not bell:        # (a RESET emptied it)
+                        break
+                    recs = qp._start(bell.popleft())
+                did = True
+                for rec in recs:
+                    self.send(qp.dest_qpn, rec)
+        return did
+
     def drain(self) -> None:
         """Move every inbound record into its QP's pending queue (never blocks)."""
         with self.lock:
@@ -799,10 +840,11 @@ class _Engine:
                     qp.pending.append([hold, rec])
 
     def step(self) -> bool:
-        """One pass: drain, then handle every ready record; returns whether anything happened."""
+        """One pass: execute posted requests, drain, then handle every ready record; returns whether anything
+        happened."""
+        did = self.execute()
         self.drain()
         outgoing: List[Tuple[int, bytes]] = []
-        did = False
         with self.lock:
             now = time.monotonic()
             for qp in list(self.qps.values()):
@@ -828,6 +870,7 @@ class _Engine:
     def _run(self) -> None:
         idle = 0
         while True:
+            self.kick.clear()       # (before the step: a doorbell rung during it ends the wait below at once)
             try:
                 did = self.step()
             except Exception as ex:  # keep the emulated HCA alive; surface through the QPs
@@ -845,7 +888,6 @@ class _Engine:
                         self.thread = None
                         return
             self.kick.wait(0.00005 * idle)
-            self.kick.clear()
 
 
 # ----------------------------------------------------------------------------------------------- verbs
@@ -1053,6 +1095,8 @@ class QP:
         self.seq = 0
         self.outstanding: "collections.OrderedDict[int, dict]" = collections.OrderedDict()
         self.sq: collections.deque = collections.deque()   # seqs occupying send-queue slots
+        #: work queue entries posted and not yet executed by the progress thread (:meth:`post_send`)
+        self.doorbell: "collections.deque[_WQE]" = collections.deque()
         self.rq: collections.deque = collections.deque()   # posted receive wr_ids
         self.pending: collections.deque = collections.deque()   # [hold-until, request record]
         self.acks: collections.deque = collections.deque()
@@ -1172,7 +1216,7 @@ class QP:
         elif attr.qp_state == E.IBV_QPS_RESET:
             with self.send_lock, self.engine.lock:     # (the order _post_send takes them in; _retire: send lock)
                 self.state, self.lost_since = E.IBV_QPS_RESET, None
-                for q in (self.outstanding, self.sq, self.rq, self.pending, self.acks):
+                for q in (self.outstanding, self.sq, self.doorbell, self.rq, self.pending, self.acks):
                     q.clear()
         else:
             self._move(attr, attr.qp_state)
@@ -1207,46 +1251,67 @@ class QP:
         return self._path_resources()[1]
 
     def post_send(self, wr: SendWR, bad_wr=None) -> None:
-        """Post a chain of send WRs (``next_wr``).  Raises ENOMEM on a full send queue, EINVAL before RTS.
-        Its CPU time counts in :func:`nic_cpu_s` (what the posting thread spent playing the NIC)."""
+        """Post a chain of send WRs (``next_wr``): a doorbell, as on a NIC. Each request takes a send-queue slot and
+        its fields (and its SGEs' addresses, lengths and keys) are copied into a work queue entry, as a provider
+        library writes a WQE; the progress thread then executes it, as the HCA does after the doorbell: it checks the
+        keys, reads the payload (so, as on a NIC, the source memory must stay as it is until the request completes),
+        charges the rate model and sends the records. Raises ENOMEM on a full send queue (the requests before the
+        one that did not fit stay posted), EINVAL before RTS. Its CPU time counts in :func:`nic_cpu_s`."""
         _counting_nic_cpu(self._post_send, wr)
 
     def _post_send(self, wr: SendWR) -> None:
-        with self.send_lock:
-            out: List[bytes] = []
-            full = None
-            with self.engine.lock:
-                if self.state not in (E.IBV_QPS_RTS, E.IBV_QPS_ERR):
-                    raise PyverbsRDMAError(f"Failed to post send: QP {self.qp_num} not in RTS", _errno.EINVAL)
-                while wr is not None:
-                    if len(self.sq) >= self.cap.max_send_wr:   # WRs before this one stay posted, as in verbs
-                        full = PyverbsRDMAError("Failed to post send", _errno.ENOMEM)
-                        break
-                    out.extend(self._start(wr))
-                    wr = wr.next_wr
-            for rec in out:
-                self.engine.send(self.dest_qpn, rec)
-            if full is not None:
-                raise full
-
-    def _start(self, wr: SendWR) -> List[bytes]:
-        self.seq += 1
-        seq = self.seq
-        signaled = bool(self.sq_sig_all or wr.send_flags & E.IBV_SEND_SIGNALED)
-        wc_op = E.IBV_WC_FETCH_ADD if wr.opcode == E.IBV_WR_ATOMIC_FETCH_AND_ADD else E.IBV_WC_RDMA_WRITE
-        ent = {"wr_id": wr.wr_id, "signaled": signaled, "op": wc_op, "result": None}
-        self.sq.append(seq)
-        self.outstanding[seq] = ent
+        if self.state not in (E.IBV_QPS_RTS, E.IBV_QPS_ERR):
+            raise PyverbsRDMAError(f"Failed to post send: QP {self.qp_num} not in RTS", _errno.EINVAL)
         if self.state == E.IBV_QPS_ERR:
+            with self.send_lock, self.engine.lock:      # (in ERR the requests flush at once: nothing to execute)
+                self._flush_posted(wr)
+            return
+        full = None
+        sig_all, sig = self.sq_sig_all, E.IBV_SEND_SIGNALED
+        with self.send_lock:
+            sq, bell, depth = self.sq, self.doorbell, self.cap.max_send_wr
+            while wr is not None:
+                if len(sq) >= depth:   # WRs before this one stay posted, as in verbs
+                    full = PyverbsRDMAError("Failed to post send", _errno.ENOMEM)
+                    break
+                self.seq = seq = self.seq + 1
+                sq.append(seq)
+                bell.append(_WQE(seq, wr.wr_id, wr.opcode, bool(sig_all or wr.send_flags & sig), wr.imm_data, wr.rkey,
+                                 wr.remote_addr, wr.compare_add, tuple((g.addr, g.length, g.lkey) for g in wr._sg)))
+                wr = wr._next
+        if bell:
+            self.engine.ring_doorbell(self)
+        if full is not None:
+            raise full
+
+    def _flush_posted(self, wr: SendWR) -> None:
+        """Post the chain ``wr`` on a QP in ERR (under its send lock and the engine lock): each request completes at
+        once with ``IBV_WC_WR_FLUSH_ERR``."""
+        while wr is not None:
+            if len(self.sq) >= self.cap.max_send_wr:
+                raise PyverbsRDMAError("Failed to post send", _errno.ENOMEM)
+            self.seq += 1
+            self.sq.append(self.seq)
+            self._start(_WQE(self.seq, wr.wr_id, wr.opcode, bool(self.sq_sig_all or wr.send_flags & E.IBV_SEND_SIGNALED),
+                             0, 0, 0, 0, ()))
+            wr = wr._next
+
+    def _start(self, w: "_WQE") -> List[bytes]:
+        """Execute work queue entry ``w`` (the progress thread, under the engine lock): its records to send."""
+        seq = w.seq
+        wc_op = E.IBV_WC_FETCH_ADD if w.opcode == E.IBV_WR_ATOMIC_FETCH_AND_ADD else E.IBV_WC_RDMA_WRITE
+        ent = {"wr_id": w.wr_id, "signaled": w.signaled, "op": wc_op, "result": None}
+        self.outstanding[seq] = ent
+        if self.state != E.IBV_QPS_RTS:
             self._complete(seq, E.IBV_WC_WR_FLUSH_ERR)
             return []
-        sge = wr.sg_list[0]
-        mr = self.engine.mrs.get(sge.lkey)
-        total = sum(s.length for s in wr.sg_list)
-        bad = mr is None or mr.pd is not self.pd or sge.addr < mr.buf or sge.addr + total > mr.buf + mr.length
-        if wr.opcode == E.IBV_WR_ATOMIC_FETCH_AND_ADD:
+        addr, _, lkey = w.sges[0]
+        mr = self.engine.mrs.get(lkey)
+        total = sum(g[1] for g in w.sges)
+        bad = mr is None or mr.pd is not self.pd or addr < mr.buf or addr + total > mr.buf + mr.length
+        if w.opcode == E.IBV_WR_ATOMIC_FETCH_AND_ADD:
             bad = bad or total != 8 or not (mr.access & E.IBV_ACCESS_LOCAL_WRITE)
-        elif wr.opcode not in (E.IBV_WR_RDMA_WRITE, E.IBV_WR_RDMA_WRITE_WITH_IMM):
+        elif w.opcode not in (E.IBV_WR_RDMA_WRITE, E.IBV_WR_RDMA_WRITE_WITH_IMM):
             self._error(seq, E.IBV_WC_LOC_QP_OP_ERR)
             return []
         if bad and total:
@@ -1257,19 +1322,19 @@ class QP:
             return []
         res, _ = self._path_resources()
         self.engine.model.charge(("qp", self.ctx.dev_index, self.qp_num), res, total)
-        if wr.opcode == E.IBV_WR_ATOMIC_FETCH_AND_ADD:
-            ent["result"] = sge.addr
-            return [_pack(_REQ, wr.opcode, _F_LAST, self.qp_num, self.dest_qpn, seq, wr.rkey, wr.remote_addr,
-                          8, 0, 0, 0, wr.compare_add & ((1 << 64) - 1), 0, self.rnr_retry)]
-        data = b"".join(ctypes.string_at(s.addr, s.length) for s in wr.sg_list)
+        if w.opcode == E.IBV_WR_ATOMIC_FETCH_AND_ADD:
+            ent["result"] = addr
+            return [_pack(_REQ, w.opcode, _F_LAST, self.qp_num, self.dest_qpn, seq, w.rkey, w.remote_addr,
+                          8, 0, 0, 0, w.compare_add & ((1 << 64) - 1), 0, self.rnr_retry)]
+        data = b"".join(ctypes.string_at(a, n) for a, n, _ in w.sges)
         frag = max(4096, self.engine.fabric.spec.ring_bytes // 4 - _HDR.size - 64)
         recs = []
         off = 0
         while True:
             piece = data[off:off + frag]
             last = off + len(piece) >= total
-            recs.append(_pack(_REQ, wr.opcode, _F_LAST if last else 0, self.qp_num, self.dest_qpn, seq, wr.rkey,
-                              wr.remote_addr, total, off, len(piece), wr.imm_data & 0xFFFFFFFF, 0, 0,
+            recs.append(_pack(_REQ, w.opcode, _F_LAST if last else 0, self.qp_num, self.dest_qpn, seq, w.rkey,
+                              w.remote_addr, total, off, len(piece), w.imm & 0xFFFFFFFF, 0, 0,
                               self.rnr_retry, 0, piece))
             off += len(piece)
             if last:
