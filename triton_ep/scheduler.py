@@ -345,6 +345,14 @@ class Scheduler:
         self._heaps: Dict[Tuple[int, int], Dict[str, list]] = {}
         self._picks: Dict[Tuple[int, int], List[Tuple[list, List[int]]]] = {}
         self._busy_qps: set = set()
+        #: where the sweep finds each array in :meth:`RingFlags.snapshot` (``array[p]`` at its index + ``p``; ``LEN`` and
+        #: ``ARRIVE``: + ``p * slots + slot``)
+        R, f = self.world, self.flags
+        self._w_head, self._w_credit, self._w_fault = ((a - RingFlags.READY) * R for a in
+                                                       (RingFlags.HEAD, RingFlags.CREDIT, RingFlags.FAULT))
+        self._w_len, self._w_masked, self._w_arrive = f.len0, f.masked0, f.arrive0
+        #: the prepared keys of each slot's two work requests with arrival words (data, arrival word)
+        self._arrival_keys = [((0, k), (1, k)) for k in range(slots)]
         #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
         self._bound_at = 0.0
         #: when the sweep next probes the peers (:meth:`_probe`), and the peers with a probe in flight
@@ -626,23 +634,28 @@ class Scheduler:
         idle = 0
         try:
             wall, cpu = time.perf_counter_ns, time.thread_time_ns
-            while not self._stop.is_set():
-                t0, c0 = wall(), cpu()
+            stop = self._stop
+            # The thread's CPU clock (a system call, about 1 µs) is read once per pass: after a busy sweep (whose CPU
+            # time runs from the previous read) and after an idle sweep's wait (where the next sweep's time starts).
+            c0 = cpu()
+            while not stop.is_set():
+                t0 = wall()
                 with self._lock:        # (the counters too: proxy threads share them, stats() reads them whole)
                     self._sweep_tx_ns = self._sweep_tx_cpu_ns = 0
                     did = self._sweep(own)
                     if did:
-                        c1 = cpu()      # (read inside the wall-clock interval: CPU <= wall)
+                        c1 = cpu()
                         self._busy_ns += wall() - t0
                         self.busy_sweeps += 1
                         self._busy_cpu_ns += c1 - c0
                         self._transport_ns += self._sweep_tx_ns
                         self._transport_cpu_ns += self._sweep_tx_cpu_ns
                 if did:
-                    idle = 0
+                    idle, c0 = 0, c1
                 else:
                     idle += 1
                     self._idle_wait(idle)
+                    c0 = cpu()
         except BaseException as ex:   # noqa: BLE001  (recorded, raised by check() in the caller's thread)
             self.fail(ex)
 
@@ -686,10 +699,9 @@ class Scheduler:
                         pass
 
     def _sweep(self, own: List[_QPState]) -> bool:
-        """One pass of a proxy thread: completions, faults, posts, credits, bounds.  Returns whether
-        anything moved.  Raises ProxyError."""
+        """One pass of a proxy thread: completions, the ring words, faults, posts, credits, probes, bounds.  Returns
+        whether anything moved.  Raises ProxyError."""
         did = False
-        flags = self.flags
         wall, split = time.perf_counter_ns, self._cpu_split
         t0, c0 = wall(), (time.thread_time_ns() if split else 0)       # (_tx_begin / _tx_done, inline)
         try:
@@ -705,33 +717,61 @@ class Scheduler:
             on = self._on_completion
             for c in comps:
                 on(c)
+        words = self.flags.snapshot()       # READY .. SRC, LEN, MASKED, ARRIVE of every peer: one read
         if self.arrival_words:
-            did |= self._arrivals()
-        R = self.world
-        words = flags.rows()        # READY .. FAULT of every peer, one read
-        if any(words[(RingFlags.FAULT - RingFlags.READY) * R:]):        # (the loop is the rare case)
-            for p in self.peers:
-                w = flags.get(RingFlags.FAULT, p)
-                if w and not flags.masked(p):
-                    st, ch, q = parse_fault(w)
-                    gone = fault_gone(w)
-                    if gone is not None and gone != self.rank and not (gone in self._peer and flags.masked(gone)):
-                        raise PeerGoneError(self.rank, gone, None, None, STAGE_NAMES.get(st, "rdma proxy"),
-                                            "its QPs stopped acknowledging a peer's RDMA proxy", told_by=p)
-                    raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
-                                           "the peer's proxy failed there and told its peers")
+            did |= self._arrivals(words)
+        f0 = self._w_fault
+        if any(words[f0:f0 + self.world]):        # (the rare case)
+            self._raise_fault(words)
         now = time.monotonic()
         # per QP: Ops to post (a test hook replaced _chunk_ops), or prepared work requests (key, length, imm,
         # wr_id, signaled): one post call per QP and sweep either way
-        batches: Dict[Tuple[int, int], list] = {}
-        prepared = None
+        batches: Optional[Dict[Tuple[int, int], list]] = None
+        prepared = False
         for p, st in self._peer_list:
             if words[p] > st.next_post:         # (else nothing ready: no call)
-                if prepared is None:
+                if batches is None:
+                    batches = {}
                     prepared = self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
-                did |= self._gather(p, own, batches, now, words[p], prepared)
+                did |= self._gather(p, own, batches, now, words, prepared)
             else:
                 st.stall_since = None
+        if batches:
+            self._post_batches(batches, prepared)
+        h0, m0 = self._w_head, self._w_masked
+        for p, st in self._peer_list:
+            if words[h0 + p] > st.credit_sent:    # (the common case, nothing freed, without a call)
+                did |= self._credit(p, words[h0 + p])
+            elif st.tail > st.credit_sent and words[m0 + p]:
+                did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
+        if now >= self._probe_at:
+            self._probe(now)
+        if now >= self._bound_at and self._busy_qps:     # (every 1 ms: the bound is seconds)
+            self._bound_at = now + 0.001
+            for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
+                if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
+                    raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
+                                     f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
+        return did
+
+    def _raise_fault(self, words: list) -> None:
+        """A peer's ``FAULT`` word is set (``words``: :meth:`RingFlags.snapshot`): unless that peer is masked, raise
+        :class:`PeerGoneError` where it names a gone rank (not masked here), else :class:`ProxyRemoteError`."""
+        f0, m0 = self._w_fault, self._w_masked
+        for p in self.peers:
+            w = words[f0 + p]
+            if w and not words[m0 + p]:
+                st, ch, q = parse_fault(w)
+                gone = fault_gone(w)
+                if gone is not None and gone != self.rank and not (gone in self._peer and words[m0 + gone]):
+                    raise PeerGoneError(self.rank, gone, None, None, STAGE_NAMES.get(st, "rdma proxy"),
+                                        "its QPs stopped acknowledging a peer's RDMA proxy", told_by=p)
+                raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
+                                       "the peer's proxy failed there and told its peers")
+
+    def _post_batches(self, batches: Dict[Tuple[int, int], list], prepared: bool) -> None:
+        """One post call per QP of this sweep's chains (:meth:`_gather`): prepared work requests, or ``Op``s."""
+        wall, split = time.perf_counter_ns, self._cpu_split
         for (p, qp), ops in batches.items():
             t0, c0 = wall(), (time.thread_time_ns() if split else 0)
             try:
@@ -749,21 +789,6 @@ class Scheduler:
                 self._sweep_tx_ns += dt
                 self._post_ns += dt
             self.wrs_posted += len(ops)
-        h0 = (RingFlags.HEAD - RingFlags.READY) * R
-        for p, st in self._peer_list:
-            if words[h0 + p] > st.credit_sent:    # (the common case, nothing freed, without a call)
-                did |= self._credit(p, words[h0 + p])
-            elif st.tail > st.credit_sent and self.flags.masked(p):
-                did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
-        if now >= self._probe_at:
-            self._probe(now)
-        if now >= self._bound_at and self._busy_qps:     # (every 1 ms: the bound is seconds)
-            self._bound_at = now + 0.001
-            for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
-                if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
-                    raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
-                                     f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
-        return did
 
     def _probe(self, now: float) -> None:
         """Post a liveness probe (prepared at start: 8 bytes, signalled, ``wr_id`` :data:`TAG_PROBE` | peer) on QP 0
@@ -785,14 +810,14 @@ class Scheduler:
             self._probing.add(p)
             self.wrs_posted += 1
 
-    def _arrivals(self) -> bool:
+    def _arrivals(self, words: list) -> bool:
         """With arrival words: move each peer's ``TAIL`` past the chunks whose arrival words have landed (in order; a
-        slot's word is ``k + 1`` once chunk ``k`` is placed there). Returns whether a tail moved."""
-        arr, S, moved = self.flags.arrivals(), self.slots, False
-        for p in self.peers:
-            st = self._peer[p]
+        slot's word is ``k + 1`` once chunk ``k`` is placed there; ``words``: :meth:`RingFlags.snapshot`). Returns
+        whether a tail moved."""
+        S, moved, a0 = self.slots, False, self._w_arrive
+        for p, st in self._peer_list:
             tail = st.tail
-            while arr[p * S + tail % S] > tail:
+            while words[a0 + p * S + tail % S] > tail:
                 if self.on_signal is not None:
                     self.on_signal(p, None, tail)
                 if self.trace:
@@ -858,94 +883,133 @@ class Scheduler:
         heapq.heappush(heap, (q.out_bytes, q.total_bytes, q.qp, q))
 
     def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], list], now: float,
-                ready: int, prepared: bool = False) -> bool:
-        """Move ready (below ``ready``, ``READY[p]`` as the sweep read it), credited chunks for peer ``p`` into
-        per-QP chains (accounted as posted): ``Op``s, or with ``prepared`` the prepared work requests'
-        ``(key, length, imm, wr_id, signaled)`` (:meth:`_prepare_wrs`)."""
+                words: list, prepared: bool = False) -> bool:
+        """Move ready (below ``READY[p]``), credited chunks for peer ``p`` into per-QP chains in ``batches``
+        (accounted as posted): ``Op``s, or with ``prepared`` the prepared work requests' ``(key, length, imm, wr_id,
+        signaled)`` (:meth:`_prepare_wrs`). ``words``: the sweep's :meth:`RingFlags.snapshot`."""
         st = self._peer[p]
-        if st.next_post >= ready:
-            st.stall_since = None
-            return False
-        if self.flags.masked(p):        # a masked peer's chunks are dropped, counted as placed
+        ready = words[p]
+        if words[self._w_masked + p]:        # a masked peer's chunks are dropped, counted as placed
             st.next_post = st.sent = ready
             st.stall_since = None
             self.flags.put(RingFlags.SENT, p, ready)
             return True
-        credit = max(self.flags.get(RingFlags.CREDIT, p), st.credit_floor)
+        credit = words[self._w_credit + p]
+        if credit < st.credit_floor:
+            credit = st.credit_floor
         picks = self._picks.get((own[0].owner if own else -1, p), ())
-        chains = self._place(p, st, picks, min(ready, credit + self.slots), now)
-        self._check_stall(p, st, ready, credit, now)
-        self._chain_ops(p, chains, batches, prepared)
+        end = min(ready, credit + self.slots)
+        if prepared:
+            moved = self._place_prepared(p, st, picks, end, now, batches, words)
+        else:
+            chains = self._place(p, st, picks, end, now, words)
+            self._chain_ops(p, chains, batches)
+            moved = bool(chains)
+        if st.next_post < ready and st.next_post - credit >= self.slots:
+            self._stalled(p, st, credit, now)
+        else:
+            st.stall_since = None
+        return moved
+
+    def _chunk_len(self, p: int, q: _QPState, seq: int, words: list) -> int:
+        """Bytes of chunk ``seq`` for ``p`` (its ``LEN`` word in ``words``). Raises :class:`ProxyError` outside
+        ``1..slot_bytes``."""
+        n = words[self._w_len + p * self.slots + seq % self.slots]
+        if not 0 < n <= self.slot_bytes:
+            raise ProxyError(self.rank, p, q.channel, q.qp, STAGE_NAMES[STAGE_POST],
+                             f"chunk {seq} has length {n} (expected 1..{self.slot_bytes})")
+        return n
+
+    def _place_prepared(self, p: int, st: _PeerState, picks, end: int, now: float,
+                        batches: Dict[Tuple[int, int], list], words: list) -> bool:
+        """Peer ``p``'s chunks from ``st.next_post`` up to ``end`` (ready and credited), each on the QP the picker
+        chooses among ``picks`` (until none has room), accounted as posted, appended to that QP's chain in
+        ``batches`` as prepared work requests (what :meth:`_chunk_ops` + :func:`_fold_signal` would build): every
+        ``signal_every``-th chunk of a QP and the last of each chain signalled. Returns whether any chunk went."""
+        S, every, arrival, trace = self.slots, self.signal_every, self.arrival_words, self.trace
+        l0, C = self._w_len + p * S, self.slot_bytes
+        chains = []         # (QP, its chain) of this peer in this sweep
+        seq = st.next_post
+        while seq < end:
+            q = self._pick(picks)
+            if q is None:
+                break
+            k = seq % S
+            n = words[l0 + k]
+            if not 0 < n <= C:
+                self._chunk_len(p, q, seq, words)       # (raises)
+            self._account(q, seq, n, now)
+            batch = batches.get((p, q.qp))
+            if batch is None:
+                batch = batches[(p, q.qp)] = []
+                chains.append((q, batch))
+            q.unsignaled += 1
+            sig = q.unsignaled >= every
+            if sig:
+                q.unsignaled = 0
+            wr_id = TAG_CHUNK | (seq & _SEQ_MASK)
+            if arrival:     # the data, then the arrival word seq + 1 from its ASRC word (_signal_op)
+                self.flags.w[self.flags.asrc_index(p, seq)] = seq + 1
+                data_key, word_key = self._arrival_keys[k]
+                batch.append((data_key, n, 0, None, False))
+                batch.append((word_key, 8, 0, wr_id, sig))
+                q.wrs += 2
+            else:           # one WRITE_WITH_IMM carrying the signal
+                batch.append((k, n, seq & 0xFFFFFFFF, wr_id, sig))
+                q.wrs += 1
+            if trace:
+                self._event("post", p, q.channel, q.qp, seq, n)
+            seq += 1
+        st.next_post = seq
+        for q, batch in chains:     # each chain's last chunk is signalled
+            last = batch[-1]
+            if not last[4]:
+                batch[-1] = last[:4] + (True,)
+                q.unsignaled = 0
         return bool(chains)
 
-    def _place(self, p: int, st: _PeerState, picks, end: int, now: float) -> Dict[_QPState, List[Tuple[int, int]]]:
-        """Peer ``p``'s chunks from ``st.next_post`` up to ``end`` (ready and credited), each on the QP the
-        picker chooses among ``picks`` (until none has room), accounted as posted. Returns per QP its
-        ``(seq, length)`` in order. Raises :class:`ProxyError` on a chunk length outside ``1..slot_bytes``."""
+    def _place(self, p: int, st: _PeerState, picks, end: int, now: float,
+               words: list) -> Dict[_QPState, List[Tuple[int, int]]]:
+        """:meth:`_place_prepared` for ``Op``s: returns per QP its ``(seq, length)`` in order, for :meth:`_chain_ops`.
+        Raises :class:`ProxyError` on a chunk length outside ``1..slot_bytes``."""
         chains: Dict[_QPState, List[Tuple[int, int]]] = {}
-        length, C = self.flags.length, self.slot_bytes
         while st.next_post < end:
             q = self._pick(picks)
             if q is None:
                 break
             seq = st.next_post
-            n = length(p, seq)
-            if not 0 < n <= C:
-                raise ProxyError(self.rank, p, q.channel, q.qp, STAGE_NAMES[STAGE_POST],
-                                 f"chunk {seq} has length {n} (expected 1..{self.slot_bytes})")
-            chain = chains.get(q)
-            if chain is None:
-                chains[q] = [(seq, n)]
-            else:
-                chain.append((seq, n))
+            n = self._chunk_len(p, q, seq, words)
+            chains.setdefault(q, []).append((seq, n))
             self._account(q, seq, n, now)
             st.next_post = seq + 1
         return chains
 
-    def _check_stall(self, p: int, st: _PeerState, ready: int, credit: int, now: float) -> None:
-        """Start or end the clock of peer ``p``'s wait for room (ready chunks beyond the ``credit`` it consumed
-        plus the ring's slots). Raises :class:`ProxyError` once that wait is over ``timeout_s``."""
-        blocked = st.next_post < ready and st.next_post - credit >= self.slots
-        if blocked:
-            st.stall_since = st.stall_since or now
-            if now - st.stall_since > self.timeout_s:
-                raise ProxyError(self.rank, p, None, None, STAGE_NAMES[STAGE_CREDIT],
-                                 f"chunk {st.next_post} has had no room at the peer for {self.timeout_s:g} s "
-                                 f"(it consumed {credit} chunks)")
-        else:
-            st.stall_since = None
+    def _stalled(self, p: int, st: _PeerState, credit: int, now: float) -> None:
+        """Peer ``p`` has ready chunks beyond the ``credit`` it consumed plus the ring's slots: start the clock of that
+        wait, or raise :class:`ProxyError` once it is over ``timeout_s``."""
+        st.stall_since = st.stall_since or now
+        if now - st.stall_since > self.timeout_s:
+            raise ProxyError(self.rank, p, None, None, STAGE_NAMES[STAGE_CREDIT],
+                             f"chunk {st.next_post} has had no room at the peer for {self.timeout_s:g} s "
+                             f"(it consumed {credit} chunks)")
 
-    def _chain_ops(self, p: int, chains: Dict[_QPState, List[Tuple[int, int]]], batches: Dict[Tuple[int, int], list],
-                   prepared: bool) -> None:
-        """Append the work requests of ``chains`` (:meth:`_place`) to ``batches`` per ``(peer, QP)``, every
-        ``signal_every``-th and each chain's last signalled: ``Op``s, or with ``prepared`` the prepared work
-        requests' tuples (see :meth:`_gather`)."""
+    def _chain_ops(self, p: int, chains: Dict[_QPState, List[Tuple[int, int]]],
+                   batches: Dict[Tuple[int, int], list]) -> None:
+        """Append the ``Op``s of ``chains`` (:meth:`_place`) to ``batches`` per ``(peer, QP)``, every
+        ``signal_every``-th and each chain's last signalled (a test hook replaced :meth:`_chunk_ops`, or chunks of
+        several WRITEs)."""
         # chunks of one WRITE skip _chunk_ops + _fold_signal, unless a test hook replaced _chunk_ops
         fast = (self.wr_bytes >= self.slot_bytes and not self.arrival_words
                 and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS)
-        S, arrival, every = self.slots, self.arrival_words, self.signal_every
+        every = self.signal_every
         for q, seqs in chains.items():
             qp = q.qp
             last = len(seqs) - 1
-            batch = batches.setdefault((p, qp), [])
             for i, (seq, n) in enumerate(seqs):
                 q.unsignaled += 1
                 sig = q.unsignaled >= every or i == last
                 if sig:
                     q.unsignaled = 0
-                if prepared:    # the work requests built at start: what _chunk_ops (+ _fold_signal) would build
-                    wr_id = TAG_CHUNK | (seq & _SEQ_MASK)
-                    if arrival:     # the data, then the arrival word seq + 1 from its ASRC word (_signal_op)
-                        self.flags.w[self.flags.asrc_index(p, seq)] = seq + 1
-                        batch.append(((0, seq % S), n, 0, None, False))
-                        batch.append(((1, seq % S), 8, 0, wr_id, sig))
-                        q.wrs += 2
-                    else:           # one WRITE_WITH_IMM carrying the signal
-                        batch.append((seq % S, n, seq & 0xFFFFFFFF, wr_id, sig))
-                        q.wrs += 1
-                    if self.trace:
-                        self._event("post", p, q.channel, qp, seq, n)
-                    continue
                 if fast:        # one WRITE carrying the signal: what _fold_signal makes of _chunk_ops' two
                     batches.setdefault((p, qp), []).append(self._signal_op(p, seq, n, sig))
                     q.wrs += 1

@@ -561,3 +561,21 @@ def test_cli_killed_by_sigterm_leaves_no_ring_files(shm_check):
     for n in left:                              # (a failing run must not leave them for the next test either)
         os.unlink(os.path.join("/dev/shm", n))
     assert not left, f"ring files left in /dev/shm after SIGTERM: {left}"
+
+
+def test_ring_snapshot_holds_every_word_the_sweep_reads():
+    """RingFlags.snapshot (the sweep's one read of the control block): READY .. FAULT at rows()' indices, LEN, MASKED
+    and ARRIVE at len0 / masked0 / arrive0, each equal to what the word-by-word getters read (every word distinct)."""
+    from triton_ep.protocol import signal_header as F
+    R, S = 3, 4
+    w = np.arange(F.ring_ctrl_words.host(R, S), dtype=np.int64) * 7 + 1
+    f = RingFlags(w, 1, R, S)
+    snap, rows = f.snapshot(), f.rows()
+    assert snap[:len(rows)] == rows
+    for p in range(R):
+        for a in (RingFlags.READY, RingFlags.SENT, RingFlags.TAIL, RingFlags.HEAD, RingFlags.CREDIT, RingFlags.FAULT):
+            assert snap[(a - RingFlags.READY) * R + p] == f.get(a, p)
+        assert snap[f.masked0 + p] == int(w[F.ring_masked_word.host(R, S, p)])
+        for k in range(S):
+            assert snap[f.len0 + p * S + k] == f.length(p, k)
+            assert snap[f.arrive0 + p * S + k] == f.arrivals()[p * S + k]

@@ -1019,11 +1019,18 @@ class CQ:
 
     def poll(self, num_entries: int = 1) -> Tuple[int, List[WC]]:
         """Take up to ``num_entries`` completions; polling a send completion frees send-queue slots."""
+        q = self.q
+        if not q and not self.overrun:      # (an empty CQ: no lock, as a provider reads the next CQE's owner bit)
+            return 0, []
         with self.lock:
             if self.overrun:
                 raise PyverbsRDMAError("Failed to poll CQ: CQ overrun", _errno.EOVERFLOW)
-            n = min(num_entries, len(self.q))
-            out = [self.q.popleft() for _ in range(n)]
+            if len(q) <= num_entries:
+                out = list(q)
+                q.clear()
+            else:
+                out = [q.popleft() for _ in range(num_entries)]
+            n = len(out)
         if n == 1:
             if out[0]._retire is not None:
                 out[0]._retire[0]._retire(out[0]._retire[1])

@@ -55,6 +55,29 @@ class RingFlags:
         i = self._word[self.READY][0]
         return self.w[i:i + (self.FAULT - self.READY + 1) * self.size].tolist()
 
+    def snapshot(self) -> list:
+        """Every word the proxy's sweep reads, in one read of one numpy view (ascending addresses, so a chunk's
+        ``LEN`` word is read after the ``READY`` word that released it): ``READY`` .. ``SRC``, ``LEN``, ``MASKED`` and
+        ``ARRIVE``, as a list of ``7 R + 2 R S + R`` ints. Item indices: :meth:`rows`' for ``READY`` .. ``FAULT``, then
+        :attr:`len0` ``+ peer * S + slot``, :attr:`masked0` ``+ peer``, :attr:`arrive0` ``+ peer * S + slot``."""
+        i = self._word[self.READY][0]
+        return self.w[i:self._arrive0 + self.size * self.slots].tolist()
+
+    @property
+    def len0(self) -> int:
+        """Index of ``LEN[0][0]`` in :meth:`snapshot`."""
+        return self._len[0][0] - self._word[self.READY][0]
+
+    @property
+    def masked0(self) -> int:
+        """Index of ``MASKED[0]`` in :meth:`snapshot`."""
+        return self._masked[0] - self._word[self.READY][0]
+
+    @property
+    def arrive0(self) -> int:
+        """Index of ``ARRIVE[0][0]`` in :meth:`snapshot`."""
+        return self._arrive0 - self._word[self.READY][0]
+
     def arrivals(self) -> list:
         """The arrival words ``ARRIVE`` (``R * S`` ints, read at once): item ``peer * S + slot`` is ``k + 1`` once
         chunk ``k`` from ``peer`` (receive slot ``slot``) was placed, over RDMA, by a scheduler with arrival words."""

@@ -496,6 +496,8 @@ class _QP:
     recv_chain: List[Any] = field(default_factory=list)
     #: receive completions polled since the receives were last replenished
     recv_owed: int = 0
+    #: some key of :attr:`prepared` could not be built (this pyverbs): :meth:`VerbsTransport.post_prepared` posts Ops
+    unprepared: bool = False
 
 
 @dataclass(eq=False)
@@ -571,6 +573,8 @@ class VerbsTransport(Transport):
         self.api = api if api is not None else load_pyverbs()
         self.e = enums_of(self.api)
         self._wc_success = self.e.IBV_WC_SUCCESS        # (read per work completion: no enum look-up there)
+        self._send_signaled = self.e.IBV_SEND_SIGNALED  # (stored per post)
+        self._stamp = 0         # (numbers the calls of _post_prepared_chain: a key met twice in one splits the chain)
         self.rank, self.world_size, self.num_qps_per_peer = rank, world_size, num_qps_per_peer
         self.sq_depth, self.rq_depth, self.timeout_s = sq_depth, rq_depth, timeout_s
         self.n_paths = num_qps_per_peer if n_paths is None else n_paths
@@ -862,6 +866,7 @@ class VerbsTransport(Transport):
                 wr.imm_data = op.imm & 0xFFFFFFFF
         except (AttributeError, TypeError):
             q.prepared[key] = None
+            q.unprepared = True
             return
         q.prepared[key] = _Prepared(sge, pair[0], pair[1], op.kind)
 
@@ -871,8 +876,7 @@ class VerbsTransport(Transport):
         chain (as long as the send queue has room for; a key named twice in one chain ends it) is one
         ``post_send``. Selective signalling as :meth:`post`."""
         q = self.qps[(peer, qp)]
-        prepared = q.prepared
-        if any(prepared.get(r[0], 0) is None for r in reqs):      # (this pyverbs: no reusable requests)
+        if q.unprepared:        # (this pyverbs: no reusable requests)
             return super().post_prepared(peer, qp, reqs)
         i, n = 0, len(reqs)
         while i < n:
@@ -885,22 +889,25 @@ class VerbsTransport(Transport):
 
     def _post_prepared_chain(self, q: _QP, reqs: Sequence[tuple], i: int, end: int) -> int:
         """Post ``reqs[i:end]`` (or its part before a key met twice) as one chain on ``q``; returns how many."""
-        self._stamp = stamp = getattr(self, "_stamp", 0) + 1
-        prepared, e = q.prepared, self.e
-        sig_flag, every = e.IBV_SEND_SIGNALED, self.signal_every
-        ents, j = [], i
-        while j < end:
-            p = prepared[reqs[j][0]]
-            if p.stamp == stamp:
-                break
-            p.stamp = stamp
-            ents.append(p)
-            j += 1
+        self._stamp = stamp = self._stamp + 1
+        prepared, sig_flag, every = q.prepared, self._send_signaled, self.signal_every
+        if end - i == 1:        # (the common case: one request)
+            ents = [prepared[reqs[i][0]]]
+        else:
+            ents, j = [], i
+            while j < end:
+                p = prepared[reqs[j][0]]
+                if p.stamp == stamp:
+                    break
+                p.stamp = stamp
+                ents.append(p)
+                j += 1
         last = len(ents) - 1
-        fills = len(q.inflight) + len(ents) == self.sq_depth
-        base = len(q.inflight)
-        prev = None
-        head = None
+        inflight = q.inflight
+        base = len(inflight)
+        fills = base + len(ents) == self.sq_depth
+        prev = head = None
+        slot_bits = q.slot << 56
         for k, p in enumerate(ents):
             key, length, imm, wr_id, signaled = reqs[i + k]
             seq = next(q.seq)
@@ -909,7 +916,7 @@ class VerbsTransport(Transport):
             if sig:
                 q.unsignaled_run = 0
             wr = p.last if k == last else p.link
-            wr.wr_id = (q.slot << 56) | seq
+            wr.wr_id = slot_bits | seq
             wr.send_flags = sig_flag if sig else 0
             if p.kind == WRITE_WITH_IMM:
                 wr.imm_data = imm & 0xFFFFFFFF
@@ -919,7 +926,7 @@ class VerbsTransport(Transport):
             else:
                 prev.next_wr = wr
             prev = wr
-            q.inflight.append((seq, seq if wr_id is None else wr_id, signaled, p.kind))
+            inflight.append((seq, seq if wr_id is None else wr_id, signaled, p.kind))
         try:
             q.qp.post_send(head)
         except self.api.PyverbsError as ex:
@@ -930,9 +937,10 @@ class VerbsTransport(Transport):
 
     def poll(self, max_entries: int = 64, raise_on_error: bool = True) -> List[Completion]:
         """Completions since the last call (queued ones first); see :meth:`rdma.Transport.poll`."""
-        out, self._backlog = self._backlog, []
-        out.extend(self._poll_cqs(max_entries))
-        if raise_on_error:
+        out = self._poll_cqs(max_entries)
+        if self._backlog:
+            out, self._backlog = self._backlog + out, []
+        if raise_on_error and out:
             self._raise_failed(out)
         return out
 
