@@ -351,6 +351,11 @@ class Scheduler:
         self._w_head, self._w_credit, self._w_fault = ((a - RingFlags.READY) * R for a in
                                                        (RingFlags.HEAD, RingFlags.CREDIT, RingFlags.FAULT))
         self._w_len, self._w_masked, self._w_arrive = f.len0, f.masked0, f.arrive0
+        #: word indices of ``TAIL[p]``, ``SENT[p]`` and ``SRC[p]`` (the sweep stores them into ``flags.w`` directly)
+        self._i_tail, self._i_sent, self._i_src = ([f.index(a, p) for p in range(R)]
+                                                   for a in (RingFlags.TAIL, RingFlags.SENT, RingFlags.SRC))
+        #: a credit goes once the consumer freed this many slots since the last (or caught up)
+        self._credit_every = max(1, slots // 2)
         #: the prepared keys of each slot's two work requests with arrival words (data, arrival word)
         self._arrival_keys = [((0, k), (1, k)) for k in range(slots)]
         #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
@@ -1085,7 +1090,7 @@ class Scheduler:
         peer = c.peer
         if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
             return
-        if c.wr_id is not None and c.wr_id & TAG_PROBE and not c.wr_id & TAG_CHUNK:
+        if c.opcode != "recv_imm" and c.wr_id & TAG_PROBE and not c.wr_id & TAG_CHUNK:
             self._probing.discard(peer)
         if c.status != "IBV_WC_SUCCESS":
             if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
@@ -1116,7 +1121,7 @@ class Scheduler:
                     st.tail = tail
                 else:
                     arrived.add(seq)
-                self.flags.put(RingFlags.TAIL, peer, tail)
+                self.flags.w[self._i_tail[peer]] = tail
             if self._replenish:
                 t0, c0 = self._tx_begin()
                 self.t.post_recv(peer, c.qp, 1)
@@ -1147,7 +1152,7 @@ class Scheduler:
         self._push(q)
         if not inflight:
             self._busy_qps.discard(q)
-        self.flags.put(RingFlags.SENT, q.peer, sent)
+        self.flags.w[self._i_sent[q.peer]] = sent
 
     def _credit(self, p: int, head: int) -> bool:
         """Send ``head`` (``HEAD[p]`` as the sweep read it; for a masked peer, whose chunks nothing consumes, the
@@ -1155,9 +1160,9 @@ class Scheduler:
         peer that masked this rank (and was not masked here) so never stalls for credit: its chunks land and
         are discarded until its own kernels mask this rank."""
         st = self._peer[p]
-        if head <= st.credit_sent or (head - st.credit_sent < max(1, self.slots // 2) and head < st.tail):
+        if head <= st.credit_sent or (head - st.credit_sent < self._credit_every and head < st.tail):
             return False
-        self.flags.put(RingFlags.SRC, p, head)
+        self.flags.w[self._i_src[p]] = head
         t0, c0 = self._tx_begin()
         try:        # (the WRITE of SRC[p] into the peer's CREDIT[me], prepared at start)
             self.t.post_prepared(p, 0, _CREDIT_REQ)
