@@ -23,7 +23,8 @@
 4. ``--parts proxy_cpu`` (not in the default parts): the proxy's own CPU over the emulated fabric, ranks as emulated
    hosts with one proxy thread each: per posted 1 MiB chunk of a normal-mode-like stream and per low-latency-like
    call and rank (WRITE_WITH_IMM signals, and arrival words), the proxy threads' CPU clock less what the emulated NIC
-   counts as its own (payload copies, records); ``--before DIR`` also measures the triton_ep of another checkout
+   counts as its own (its posts: doorbells since the NIC's progress thread copies the payloads; before, the payload
+   copies and records as well); ``--before DIR`` also measures the triton_ep of another checkout
    (``git worktree add /tmp/before main``), alternately in worker processes, for a before / after in one run.
 
     ./run.sh python benchmarks/bench_scheduler.py [--mib 64] [--qps 8] [--chunks 2000] [--busy none python launch]
@@ -389,8 +390,7 @@ def proxy_cpu_stream(stream: str, cfg: dict) -> list:
     every peer (2 slots, ``ll_qps`` QPs). Returns per repetition (after a warm-up round) the proxy threads' CPU in
     the sweeps that moved something (``stats()["proxy_cpu_s"]``: the thread's own CPU clock) and in all
     (``/proc/.../schedstat``: idle polling included), each less what the emulated NIC counts as its own
-    (:func:`~triton_ep.transport.emulated.nic_cpu_s`: payload copies, records, rate model in ``post_send`` /
-    ``post_recv``), per posted chunk (normal) or per call and rank (low latency)."""
+    (:func:`~triton_ep.transport.emulated.nic_cpu_s`: the CPU inside its ``post_send`` / ``post_recv``), per posted chunk (normal) or per call and rank (low latency)."""
     from triton_ep.transport import emulated as em
     normal = stream == "normal"
     world = 2 if normal else cfg["ll_ranks"]

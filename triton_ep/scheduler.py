@@ -376,9 +376,8 @@ class Scheduler:
         self.wrs_posted = 0
         # The statistics are plain integers, nanoseconds, added to in the sweeps and folded into seconds only by
         # stats(). Nanoseconds the proxy threads spent in sweeps that moved something (wall clock: with the GIL
-        # waits of a busy process), the part of it inside the transport's data posts (over the emulated fabric:
-        # its payload copies), and the proxy threads' CPU nanoseconds in those sweeps (no GIL waits; one read of
-        # the thread's CPU clock at the start of each sweep and one at the end of a busy one).
+        # waits of a busy process), the part of it inside the transport's data posts, and the proxy threads' CPU
+        # nanoseconds in those sweeps (no GIL waits; the thread's CPU clock is read once per pass: _run).
         self._busy_ns = self._post_ns = self._busy_cpu_ns = 0
         # Of _busy_ns: nanoseconds inside every transport call (polls, posts, credits, receive replenishes: on a
         # NIC, pyverbs calls; over the emulated fabric, the emulator's Python as well); with cpu_split, of
@@ -609,8 +608,8 @@ class Scheduler:
     def stats(self) -> dict:
         """Bytes, WRs and chunks per QP (``"peer/qp"`` keys, with channel and port), bytes per port, work
         requests posted, ``proxy_busy_s``: seconds (wall clock) the proxy threads spent in sweeps that moved
-        something, ``proxy_post_s``: the part of those inside the transport's data posts (the emulated fabric
-        copies payloads there; a NIC's post only rings a doorbell), ``proxy_transport_s``: the part inside any
+        something, ``proxy_post_s``: the part of those inside the transport's data posts (a doorbell on a NIC and
+        on the emulated fabric, whose progress thread copies the payloads), ``proxy_transport_s``: the part inside any
         transport call (polls, posts, credits, receive replenishes), ``proxy_cpu_s``: the proxy threads'
         CPU seconds in those sweeps (``proxy_busy_s`` less the time they waited, e.g. for the GIL),
         ``proxy_transport_cpu_s``: the part of those inside transport calls (``proxy_cpu_s -

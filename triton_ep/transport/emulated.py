@@ -1498,12 +1498,13 @@ def _counting_nic_cpu(fn, *args) -> None:
 
 
 def nic_cpu_s() -> float:
-    """CPU seconds this process's threads have spent inside the emulated NIC's ``post_send`` and ``post_recv``
-    (the payload copies into the link rings, the records, the rate model), since the process started.
+    """CPU seconds this process's threads have spent inside the emulated NIC's ``post_send`` and ``post_recv``, since
+    the process started: the doorbells (a work queue entry per request; the payload copies, records and rate model
+    are the progress thread's, never the poster's) and the receives posted.
 
-    A real NIC does this work in hardware: benchmarks subtract it from a proxy's CPU time to get the proxy's own
-    cost (the emulator's completions, polled by the proxy, are not counted here and stay in the proxy's figure).
-    The two clock reads around each post are counted here too."""
+    Benchmarks subtract it from a proxy's CPU time to get the proxy's own cost (on a NIC a post is a doorbell write;
+    the emulator's completions, polled by the proxy, are not counted here and stay in the proxy's figure). The two
+    clock reads around each post are counted here too."""
     return _nic_cpu[0] / 1e9
 
 
