@@ -350,8 +350,8 @@ def watch_host(own: Runtime, local: ipc.Comm, ranks: List[int]) -> None:
     numbered by local index; ``ranks``: the global rank of each). Its watcher thread sets a dead rank's ``DEAD`` word
     in ``own``'s signals (the low-latency runtime, numbered by global rank), so every kernel wait for it ends with
     ``E_GONE`` within about 0.1 s and raises ``EPRemoteError`` naming it (whether the rank is reached through the
-    shared buffer or over RDMA: its RDMA peers' probes take longer); host waits look at the locks themselves. The
-    watcher stops when ``local`` closes. Nothing happens where the platform has no such locks (``local.liveness``
+    shared buffer or over RDMA: its RDMA peers' probes take longer); the error names the dead rank from those words,
+    or from the locks looked at then (``own.sig.dead_peers``). The watcher stops when ``local`` closes. Nothing happens where the platform has no such locks (``local.liveness``
     ``None``): a dead rank of this host is then seen by its peers' probes, or at ``timeout_s``.
 
     The watcher does not fail the network leg's scheduler: its proxy would stop receiving, and this rank's waits for
