@@ -200,8 +200,9 @@ NET_STATUS_FAILED, NET_STATUS_CAPACITY, NET_STATUS_LAYOUT = 1, 2, 3
 HOST_KEY_WORDS, HOST_CARD_WORDS, HOST_DISAGREEMENT_WORDS = 6, 8, 6
 HOST_HEADER_WORDS = 3 + HOST_KEY_WORDS + HOST_CARD_WORDS + HOST_DISAGREEMENT_WORDS
 #: host header status codes: the call went on, this rank (or one it heard of) failed, found more rows than
-#: num_worst_tokens, or found ranks that disagree (the disagreement follows)
-HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH = 0, 1, 2, 3
+#: num_worst_tokens, found ranks that disagree (the disagreement follows), or failed because the culprit rank's
+#: process is gone (found by this rank, or heard of)
+HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH, HOST_GONE = 0, 1, 2, 3, 4
 
 
 @dataclasses.dataclass(frozen=True)

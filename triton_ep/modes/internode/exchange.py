@@ -13,17 +13,36 @@ from ... import scheduler as sched_mod
 from ...errors import EPCapacityError, EPError, EPRemoteError
 from ...kernels import net
 from ...kernels._util import cdiv
-from ...protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS,
-                                HOST_MISMATCH, HOST_OK)
+from ...protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_GONE, HOST_HEADER_WORDS,
+                                HOST_KEY_WORDS, HOST_MISMATCH, HOST_OK)
 from ...runtime import hosts as hosts_mod
+from ...transport.liveness import dead_error
 from .records import Streams
 
 Tensor = torch.Tensor
 #: the host path's header and its status codes (protocol/records.py)
 _KEY_WORDS, _CARD_WORDS, HEADER_WORDS = HOST_KEY_WORDS, HOST_CARD_WORDS, HOST_HEADER_WORDS
-_OK, _FAILED, _CAPACITY, _MISMATCH = HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH
+_OK, _FAILED, _CAPACITY, _MISMATCH, _GONE = HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH, HOST_GONE
 #: the record layout's key words, as errors name them
 _KEY_FIELDS = ("row bytes", "scale bytes", "top-k", "weights", "ranks per host", "experts without top-k")
+
+
+def told_gone(rank: int, gone: int, stage: str, told_by: int, told_host: int) -> EPRemoteError:
+    """The error of a rank that heard from its RDMA peer ``told_by`` (on host ``told_host``) that rank ``gone``'s
+    process is gone (the header's ``HOST_GONE``): :func:`~triton_ep.transport.liveness.dead_error` naming ``gone``
+    (``failed_rank``, ``dead_ranks``, ``culprit``) at ``stage``, where this rank waited, and who told it
+    (``told_by``)."""
+    ex = dead_error(rank, [gone], stage)
+    ex.args = (f"{ex.args[0]} (rank {told_by} on host {told_host} found it, or heard of it, and told this rank)",)
+    ex.culprit, ex.told_by = gone, told_by
+    return ex
+
+
+def passed_on(err: Optional[BaseException]) -> bool:
+    """Whether ``err`` only says that another rank failed or did not answer (an ``EPError`` that names no dead rank,
+    no disagreement and no capacity overflow): a peer that knows which rank's process is gone then names it."""
+    return isinstance(err, EPError) and not isinstance(err, EPCapacityError) and \
+        not getattr(err, "dead_ranks", None) and getattr(err, "disagreement", None) is None
 
 
 class HostExchange:
@@ -47,7 +66,9 @@ class HostExchange:
         order (this host's block is this rank's own stream for it), the blocks' record counts, and (with
         ``streams.npe``) int32 ``[ranks per host * E / R]``: this host's experts' counts summed over the
         sources this rank forwards for.
-        Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed; ``ValueError``
+        Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed (``EPRemoteError``
+        naming the dead rank, instead of ``err`` where that only passes on another rank's failure, when a peer says
+        that a rank's process is gone: :func:`told_gone`); ``ValueError``
         where ranks disagree (this rank and its RDMA peer called differently, or a peer passes on a disagreement
         found elsewhere: :class:`~triton_ep.runtime.hosts.Disagreement`, naming the field and two ranks' values);
         the proxy's and the ring kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
@@ -67,7 +88,8 @@ class HostExchange:
     def status(self, err: Optional[BaseException]) -> None:
         """After the forwarding leg: tell the RDMA peers whether this rank's part succeeded and hear theirs
         (every rank of a host fails such a leg alike, so each rank hears of a host that failed from its own
-        peer there). Raises ``err``, else the first peer's failure."""
+        peer there). Raises ``err``, else the first peer's failure; where a peer says that a rank's process is gone
+        and ``err`` only passes on another rank's failure (:func:`passed_on`), the dead rank's error instead."""
         with self.leg.rings.network():
             self.headers(None, err)
         if err is not None:
@@ -75,8 +97,10 @@ class HostExchange:
 
     def headers(self, streams: Optional[Streams], err: Optional[BaseException] = None) -> List[int]:
         """The header exchange of :meth:`exchange` (``streams`` ``None``: a status alone; ``err``: this rank
-        failed, and says so). Returns the record counts per host (this host's: its own stream's); raises the
-        peers' failures (not ``err``: the caller raises it outside the network's error translation)."""
+        failed, and says so: ``HOST_GONE`` naming the dead rank where ``err`` names one, ``err.dead_ranks``).
+        Returns the record counts per host (this host's: its own stream's); raises the peers' failures (not
+        ``err``: the caller raises it outside the network's error translation, unless a peer names a dead rank and
+        ``err`` only passes on another's failure: then :func:`told_gone`)."""
         self.leg.capture.sync_host_path()
         self.leg.host_exchanges += 1
         peers = self.leg.peer_hosts
@@ -84,10 +108,14 @@ class HostExchange:
             streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
         mine = tuple(streams.card) if streams is not None and err is None else ()
         told = getattr(err, "disagreement", None)
+        # a rank whose process is gone (global rank; found by this rank, its host's ranks, or an RDMA peer)
+        dead = getattr(err, "dead_ranks", None) if err is not None else None
         code = _OK if err is None else (_CAPACITY if isinstance(err, EPCapacityError) else
-                                        _MISMATCH if told is not None else _FAILED)
-        # the rank whose own error started a failure (-1: unknown, e.g. heard in a host's forwarding leg)
-        culprit = -1 if err is None else getattr(err, "culprit", -1 if isinstance(err, EPError) else self.leg.rt.rank)
+                                        _MISMATCH if told is not None else _GONE if dead else _FAILED)
+        # the rank whose own error started a failure, or whose process is gone (-1: unknown, e.g. heard in a host's
+        # forwarding leg)
+        culprit = -1 if err is None else dead[0] if dead else \
+            getattr(err, "culprit", -1 if isinstance(err, EPError) else self.leg.rt.rank)
         tail = [*key, *mine, *[0] * (_CARD_WORDS - len(mine)),
                 *(told.words() if told is not None else [0] * hosts_mod.Disagreement.WORDS)]
         head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), culprit, *tail],
@@ -95,12 +123,20 @@ class HostExchange:
         got = sched_mod.host_alltoall(self.leg.sched, head, {h: 8 * HEADER_WORDS for h in peers})
         words = {h: got[h].view(np.int64) for h in peers}
         for h in peers:     # a capture-path stream read as a header: the ranks took different paths
-            if err is None and not (_OK <= words[h][0] <= _MISMATCH and words[h][1] >= 0
+            if err is None and not (_OK <= words[h][0] <= _GONE and words[h][1] >= 0
                                     and -1 <= words[h][2] < self.leg.rt.group_size):
                 raise ValueError(f"rank {self.leg.rt.rank}: rank {self.leg.rings.peer_rank(h)} (host {h}) sent no header "
                                  f"this "
                                  f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
                                  f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
+        gone = next((h for h in peers if words[h][0] == _GONE and words[h][2] >= 0), None)
+        if gone is not None and (err is None or passed_on(err)):
+            # a peer knows which rank's process is gone: that is this call's error here too (not the failure of
+            # another rank that passed it on)
+            at = "rdma host exchange (the call's headers)" if err is None else \
+                getattr(err, "stage", None) or f"the forwarding leg of host {self.leg.host}"
+            ex = told_gone(self.leg.rt.rank, int(words[gone][2]), at, self.leg.rings.peer_rank(gone), gone)
+            raise ex from err
         if err is not None:
             return [0] * self.leg.num_hosts
         for h in peers:     # a disagreement found anywhere is this call's error on every rank
