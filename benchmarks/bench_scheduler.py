@@ -25,10 +25,11 @@
    call and rank (WRITE_WITH_IMM signals, and arrival words), the proxy threads' CPU clock less what the emulated NIC
    counts as its own (its posts: doorbells since the NIC's progress thread copies the payloads; before, the payload
    copies and records as well); ``--before DIR`` also measures the triton_ep of another checkout
-   (``git worktree add /tmp/before main``), alternately in worker processes, for a before / after in one run.
+   (``git worktree add /tmp/before main``), alternately in worker processes, for a before / after in one run;
+   ``--calls`` also counts the busy sweeps' Python calls per event (a figure the machine's load does not move).
 
     ./run.sh python benchmarks/bench_scheduler.py [--mib 64] [--qps 8] [--chunks 2000] [--busy none python launch]
-        [--parts model cost timeline proxy_cpu] [--before DIR] [--out DIR]
+        [--parts model cost timeline proxy_cpu] [--before DIR] [--calls] [--out DIR]
 
 About 2 minutes on two CPU cores (Linux: it reads /proc).  Outputs: scheduler.json, scheduler_trace.json, scheduler_trace.png.
 """
@@ -381,6 +382,41 @@ def _proxy_cpu_profiled(prof_out: list):
     Scheduler._run = _run
 
 
+def _proxy_calls_counted() -> None:
+    """Replace ``Scheduler._sweep`` so each sweep counts the Python calls it makes (``sys.setprofile`` in the proxy
+    thread: function calls and builtin calls, whatever the load), leaving out everything under the emulated NIC's
+    ``post_send`` / ``post_recv`` (its doorbell); a busy sweep adds its count to the scheduler's ``_bench_calls``
+    (the proxy thread holds the scheduler's lock around a sweep). It slows the sweeps: with it, the CPU figures are
+    not the proxy's cost."""
+    run = Scheduler._sweep
+
+    def _sweep(self, own):
+        n = [0, 0]          # calls, depth inside the NIC's post
+
+        def count(frame, event, arg):
+            if event == "call":
+                if n[1]:
+                    n[1] += 1
+                elif frame.f_code.co_name in ("post_send", "post_recv") and "emulated" in frame.f_code.co_filename:
+                    n[1] = 1
+                else:
+                    n[0] += 1
+            elif event == "return":
+                if n[1]:
+                    n[1] -= 1
+            elif event == "c_call" and not n[1]:
+                n[0] += 1
+        sys.setprofile(count)
+        try:
+            did = run(self, own)
+        finally:
+            sys.setprofile(None)
+        if did:
+            self._bench_calls = getattr(self, "_bench_calls", 0) + n[0] - 1     # (less the setprofile call)
+        return did
+    Scheduler._sweep = _sweep
+
+
 def proxy_cpu_stream(stream: str, cfg: dict) -> list:
     """One ``--parts proxy_cpu`` stream (in a worker process: ``TRITON_EP_BENCH_IMPL`` picks the triton_ep measured):
     ranks as emulated hosts in this process (:class:`~tests.cases.sched_helpers.Group`, one proxy thread each),
@@ -419,17 +455,19 @@ def proxy_cpu_stream(stream: str, cfg: dict) -> list:
         def snap():
             st = [s.stats() for s in g.scheds]
             return (sum(x["proxy_cpu_s"] for x in st), task_cpu_ns(tasks) / 1e9, em.nic_cpu_s(),
-                    sum(q["chunks"] for x in st for q in x["qps"].values()))
+                    sum(q["chunks"] for x in st for q in x["qps"].values()), sum(x["proxy_busy_sweeps"] for x in st),
+                    sum(getattr(s, "_bench_calls", 0) for s in g.scheds))
 
         tasks = [(os.getpid(), th.native_id) for s in g.scheds for th in s._threads]
         go(1 if normal else 4)      # warm-up
         for _ in range(cfg["cpu_reps"]):
-            b0, t0, n0, c0 = snap()
+            b0, t0, n0, c0, w0, k0 = snap()
             go(rounds)
-            b1, t1, n1, c1 = snap()
+            b1, t1, n1, c1, w1, k1 = snap()
             per = (c1 - c0) if normal else rounds * world
             out.append({"busy_us": (b1 - b0 - (n1 - n0)) / per * 1e6, "all_us": (t1 - t0 - (n1 - n0)) / per * 1e6,
-                        "nic_us": (n1 - n0) / per * 1e6, "chunks": c1 - c0, "per": "chunk" if normal else "call, rank"})
+                        "nic_us": (n1 - n0) / per * 1e6, "chunks": c1 - c0, "per": "chunk" if normal else "call, rank",
+                        "busy_sweeps": (w1 - w0) / per, "calls": (k1 - k0) / per if cfg.get("calls") else None})
     return out
 
 
@@ -440,6 +478,8 @@ def proxy_cpu_worker(cfg: dict) -> None:
     profs: list = []
     if cfg.get("profile"):
         _proxy_cpu_profiled(profs)
+    if cfg.get("calls"):
+        _proxy_calls_counted()
     res = {st: proxy_cpu_stream(st, cfg) for st in cfg["streams"]}
     if profs:
         import pstats
@@ -459,7 +499,7 @@ def proxy_cpu_rows(a) -> dict:
     import subprocess
     cfg = dict(streams=a.cpu_streams, cpu_mib=a.cpu_mib, chunk_kib=a.chunk_kib, qps=a.qps, slots=a.slots,
                ll_ranks=a.ll_ranks, ll_kib=a.ll_kib, ll_qps=a.ll_qps, ll_calls=a.ll_calls, cpu_reps=a.cpu_reps,
-               profile=a.profile)
+               profile=a.profile, calls=a.calls)
     impls = ([("before", os.path.abspath(a.before))] if a.before else []) + [("after", ROOT)]
     got = {name: {st: [] for st in a.cpu_streams} for name, _ in impls}
     for rnd in range(a.cpu_rounds):
@@ -473,14 +513,16 @@ def proxy_cpu_rows(a) -> dict:
             for st, reps in json.loads(r.stdout.strip().splitlines()[-1]).items():
                 got[name][st] += reps
                 busy, every = (" / ".join(f"{x[k]:.1f}" for x in reps) for k in ("busy_us", "all_us"))
+                calls = f", {reps[0]['calls']:.0f} Python calls" if a.calls else ""
                 say(f"round {rnd + 1} {name:6s} {st:10s}: proxy CPU less NIC, busy sweeps {busy} us, all {every} us "
-                    f"per {reps[0]['per']}")
+                    f"per {reps[0]['per']} ({reps[0]['busy_sweeps']:.2f} busy sweeps{calls})")
     rows = {}
     for name, _ in impls:
         for st, reps in got[name].items():
             rows[f"{name}/{st}"] = {"impl": name, "stream": st, "per": reps[0]["per"], "runs": len(reps),
                                     **{f"{k}_median": statistics.median(x[k] for x in reps)
-                                       for k in ("busy_us", "all_us", "nic_us")},
+                                       for k in ("busy_us", "all_us", "nic_us", "busy_sweeps")
+                                       + (("calls",) if a.calls else ())},
                                     "busy_us": [x["busy_us"] for x in reps], "all_us": [x["all_us"] for x in reps]}
     return {"config": cfg, "before": a.before and os.path.abspath(a.before), "load_avg": os.getloadavg(),
             "rows": rows}
@@ -543,6 +585,10 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="proxy_cpu: print the proxy threads' top functions by CPU time (cProfile, thread CPU clock; "
                          "it slows them: the figures then are not the proxy's cost)")
+    ap.add_argument("--calls", action="store_true",
+                    help="proxy_cpu: also count the Python calls of the busy sweeps per chunk / call and rank "
+                         "(sys.setprofile, outside the emulated NIC's posts: a figure the machine's load does not move; "
+                         "it slows the sweeps: the CPU figures then are not the proxy's cost)")
     ap.add_argument("--proxy-cpu-worker", metavar="JSON", help=argparse.SUPPRESS)
     add_out_arg(ap, "scheduler.json, scheduler_trace.json/.png")
     a = ap.parse_args(argv)
@@ -585,10 +631,12 @@ def main(argv=None):
         pc = res["proxy_cpu"]
         print(f"proxy CPU less the emulated NIC's own (thread CPU clock; medians of {a.cpu_rounds} x {a.cpu_reps} runs; "
               f"load average {pc['load_avg'][0]:.1f}; targets: 10 us a 1 MiB chunk, 25 us a low-latency call and rank):")
-        print(f"{'impl':7s} {'stream':11s} {'per':11s} {'busy sweeps us':>15s} {'all sweeps us':>14s} {'NIC us':>8s}")
+        print(f"{'impl':7s} {'stream':11s} {'per':11s} {'busy sweeps us':>15s} {'all sweeps us':>14s} {'NIC us':>8s} "
+              f"{'busy sweeps':>12s}" + (f" {'Python calls':>13s}" if a.calls else ""))
         for r in pc["rows"].values():
             print(f"{r['impl']:7s} {r['stream']:11s} {r['per']:11s} {r['busy_us_median']:15.1f} "
-                  f"{r['all_us_median']:14.1f} {r['nic_us_median']:8.1f}")
+                  f"{r['all_us_median']:14.1f} {r['nic_us_median']:8.1f} {r['busy_sweeps_median']:12.2f}"
+                  + (f" {r['calls_median']:13.0f}" if a.calls else ""))
 
 
 if __name__ == "__main__":
