@@ -154,6 +154,29 @@ class _Expansion:
     src_entry: Tensor       # int64 [rows]: per expanded row, its (row, slot) as row * K + slot (N * K: none)
 
 
+@dataclasses.dataclass(frozen=True)
+class _DispatchPlan:
+    """A dispatch without a handle, its arguments checked (:meth:`ElasticBuffer._check_dispatch`)."""
+
+    num_topk: int               # K: columns of topk_idx
+    num_experts: int            # E, a multiple of R
+    num_local_experts: int      # E_l = E / R
+    num_max: int                # num_max_tokens_per_rank: the worst case is R * num_max received tokens
+    alignment: int              # expert_alignment, >= 1
+    sync: bool                  # do_cpu_sync: exact sizes (a host wait), else the worst case
+    expand: bool                # do_expand: the expanded layout
+
+
+@dataclasses.dataclass(frozen=True)
+class _Order:
+    """How a dispatch is ordered on the streams (its arguments, checked)."""
+
+    previous_event: Optional[EventOverlap]      # waited for before the call's kernels
+    before_epilogue: Optional[EventOverlap]     # previous_event_before_epilogue: waited for before this rank's epilogue
+    async_: bool                                # async_with_compute_stream: on the communication stream, an event back
+    alloc_comm: bool                            # allocate_on_comm_stream: outputs allocated there
+
+
 def _unaligned_counts(recv_topk_idx: Tensor, num_local_experts: int) -> Tensor:
     """int64 ``[E_l]``: the entries of each local expert in ``recv_topk_idx`` (``[N, K]``, ``-1`` none; duplicates
     counted each time). Device work only (a sort and a search: deterministic, no host synchronisation)."""
@@ -416,34 +439,30 @@ class ElasticBuffer:
                 ``(x, sf)``: 1-byte rows (fp8 e4m3) and ``[T, S]`` 4-byte scales (fp32 or packed UE8M0 int32).
                 ``T <= num_max_tokens_per_rank``; ``T`` may be 0.
             topk_idx: int64 (or int32) ``[T, K]`` global expert ids, ``-1`` none; required unless ``handle``, and
-                ``None`` with one.
-            topk_weights: fp32 ``[T, K]`` or ``None``.
+                ``None`` with one. topk_weights: fp32 ``[T, K]`` or ``None``.
             cumulative_local_expert_recv_stats: int32 ``[E_l]`` on the device: this call's received (unaligned)
                 per-expert counts are added to it.
             num_experts: ``E``, a multiple of ``R`` (from ``handle`` if ``None``).
             num_max_tokens_per_rank: per-rank token bound (default: the constructor's, or the handle's).
             expert_alignment: each local expert's count rounded up to a multiple of it (default 1, or the handle's).
-            num_sms, num_qps: accepted, never used.
-            previous_event: an event (``capture()``) the call waits for first.
-            previous_event_before_epilogue: an event waited for before the expanded layout is written.
+            num_sms, num_qps: accepted, never used. previous_event: an event (``capture()``) waited for first;
+                previous_event_before_epilogue: one waited for before the expanded layout is written.
             async_with_compute_stream: run on the communication stream and return an event (the caller's stream
                 does not wait); allocate_on_comm_stream: outputs are allocated there.
             handle: an :class:`EPHandle` of this buffer: a cached dispatch (same routing, new ``x``; no host wait).
-            do_handle_copy: keep a copy of ``topk_idx`` in the handle (else the tensor itself).
             do_cpu_sync: wait on the host for the exact counts (default ``True``, ``False`` with a handle). Without
                 it the outputs have the worst-case rows, every rank must pass the same, and the call is capturable.
             do_expand: the expanded layout (with a handle: only if the handle's dispatch was expanded).
-            do_zero_padding: accepted with ``do_expand`` (padding rows are always zero here).
-            use_tma_aligned_col_major_sf: received scales column-major, the pack stride the row count rounded up to 4.
+            do_handle_copy, do_zero_padding (with ``do_expand``; padding rows are always zero here),
+                use_tma_aligned_col_major_sf (received scales column-major): V2's, as docs/api_v1_v2.md lists them.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``: ``recv_x`` like ``x`` (a pair for a pair);
-            non-expanded: ``[N, H]`` rows, ``recv_topk_idx`` ``[N, K]`` local ids (``-1`` elsewhere),
-            ``recv_topk_weights`` fp32 ``[N, K]`` (0 where the id is ``-1``); expanded: ``[num_expanded_tokens, H]``
-            rows, ``recv_topk_idx`` ``None``, weights fp32 ``[num_expanded_tokens]``. Padding rows (worst case,
-            alignment gaps): x 0, scales 0, ids ``-1``, weights 0. ``recv_topk_weights`` is ``None`` without
-            ``topk_weights``. The handle: a new :class:`EPHandle`, or ``handle`` for a cached dispatch. ``event``
-            holds an event only with ``async_with_compute_stream``.
+            non-expanded: ``[N, H]`` rows, ``recv_topk_idx`` ``[N, K]`` local ids (``-1`` elsewhere), weights fp32
+            ``[N, K]`` (0 where the id is ``-1``); expanded: ``[num_expanded_tokens, H]`` rows, ids ``None``, weights
+            fp32 ``[num_expanded_tokens]``. Padding rows (worst case, alignment gaps): x 0, scales 0, ids ``-1``,
+            weights 0 (``None`` without ``topk_weights``). The handle: a new :class:`EPHandle`, or ``handle`` (cached).
+            ``event`` holds an event only with ``async_with_compute_stream``.
 
         Raises:
             TypeError/ValueError: bad arguments (before anything launches), or as :meth:`triton_ep.Buffer.dispatch`.
@@ -452,72 +471,95 @@ class ElasticBuffer:
         """
         sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         with self._agreed("dispatch" if handle is None else "cached", handle, 0 if sync else 1):
-            for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
-                _count(name, v)
-            if do_zero_padding and not do_expand:
-                raise ValueError("do_zero_padding needs do_expand=True (it zeroes the expanded layout's padding rows)")
-            xs, sf = (x if isinstance(x, tuple) else (x, None))
-            if isinstance(x, tuple) and len(x) != 2:
-                raise ValueError(f"x must be a tensor or an (x, sf) pair, got a tuple of {len(x)}")
-            if not isinstance(xs, torch.Tensor) or xs.dim() != 2:
-                raise TypeError(f"x must be a 2-D tensor [T, H] (or an (x, sf) pair), got "
-                                f"{tuple(xs.shape) if isinstance(xs, torch.Tensor) else type(xs).__name__}")
-            T = xs.shape[0]
-            prev, prev_epi = _as_event(previous_event, "previous_event"), _as_event(previous_event_before_epilogue,
-                                                                                      "previous_event_before_epilogue")
+            T, order = self._check_call(x, num_sms, num_qps, do_expand, do_zero_padding, previous_event,
+                                        previous_event_before_epilogue, async_with_compute_stream,
+                                        allocate_on_comm_stream)
             if handle is not None:
                 self._check_cached(T, handle, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
                                    num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand)
             else:
-                K, N_max, align, El = self._check_dispatch(T, topk_idx, cumulative_local_expert_recv_stats,
-                                                           num_experts, num_max_tokens_per_rank, expert_alignment)
+                plan = self._check_dispatch(T, topk_idx, cumulative_local_expert_recv_stats, num_experts,
+                                            num_max_tokens_per_rank, expert_alignment, sync, do_expand)
         if handle is not None:
-            return self._cached_dispatch(x, T, handle, topk_weights, cumulative_local_expert_recv_stats, prev,
-                                         prev_epi, async_with_compute_stream, allocate_on_comm_stream, do_expand,
-                                         use_tma_aligned_col_major_sf)
-        b, R = self._buffer, self.num_ranks
-        worst = 0 if sync else R * N_max
-        per_rank, per_host, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx, num_experts, previous_event=prev)
+            return self._cached_dispatch(x, T, handle, topk_weights, cumulative_local_expert_recv_stats, order,
+                                         do_expand, use_tma_aligned_col_major_sf)
+        return self._fresh_dispatch(x, topk_idx, topk_weights, plan, order, do_handle_copy, int(num_sms),
+                                    cumulative_local_expert_recv_stats, use_tma_aligned_col_major_sf)
+
+    def _fresh_dispatch(self, x: XLike, topk_idx: Tensor, topk_weights: Optional[Tensor], plan: "_DispatchPlan",
+                        order: "_Order", copy_idx: bool, num_sms: int, stats: Optional[Tensor], col_major_sf: bool):
+        """A dispatch without a handle, its arguments checked: Buffer's layout and dispatch (with
+        ``num_worst_tokens = R * num_max`` without a host wait), then this rank's epilogue (the handle, the
+        expanded layout) on :meth:`_epilogue_stream`. Returns :meth:`dispatch`'s tuple."""
+        b, async_ = self._buffer, order.async_
+        per_rank, per_host, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx, plan.num_experts,
+                                                                           previous_event=order.previous_event)
         recv_x, recv_idx, recv_w, lst, h1, _ = b.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            expert_alignment=align, num_worst_tokens=worst, async_finish=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream)
-        with self._epilogue_stream(async_with_compute_stream, prev_epi):
-            N = recv_idx.shape[0]
-            if sync:
-                num_expanded = sum(lst)
-            else:
-                per_row = K if El < K else min(K, El)       # (room for duplicate ids, which V2 rejects)
-                num_expanded = _align(R * N_max * per_row + (align - 1) * El, align)
-            unaligned = _unaligned_counts(recv_idx, El)
-            exp = _expansion(recv_idx, unaligned, align, num_expanded) if do_expand else None
-            aligned = (unaligned + align - 1) // align * align
-            if do_expand:
-                psum_e = (torch.cumsum(aligned, 0) - aligned + unaligned).to(torch.int32)
-            else:
-                psum_e = torch.cumsum(aligned, 0).to(torch.int32)
-            psum_r = self._psum_per_rank(h1)
-            meta = self._src_metadata(h1, psum_r, recv_idx, N_max, exp.slots if do_expand else None)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(unaligned.to(torch.int32))
-            handle = EPHandle(
-                do_expand=bool(do_expand), num_experts=int(num_experts), expert_alignment=align,
-                num_max_tokens_per_rank=N_max, num_sms=int(num_sms),
-                topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
-                num_recv_tokens=int(N), num_expanded_tokens=int(num_expanded),
-                num_recv_tokens_per_expert_list=list(lst) if sync else [],
-                psum_num_recv_tokens_per_scaleup_rank=psum_r, psum_num_recv_tokens_per_expert=psum_e,
-                num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32), recv_src_metadata=meta,
-                buffer_handle=h1, recv_topk_idx=recv_idx.clone(), owner=self._number)
-            out = self._outputs(recv_x, recv_idx, recv_w, handle, exp, use_tma_aligned_col_major_sf)
-            event = self._event(async_with_compute_stream)
+            expert_alignment=plan.alignment, num_worst_tokens=0 if plan.sync else self.num_ranks * plan.num_max,
+            async_finish=async_, allocate_on_comm_stream=order.alloc_comm)
+        with self._epilogue_stream(async_, order.before_epilogue):
+            handle, exp = self._new_handle(plan, topk_idx.clone() if copy_idx else topk_idx, recv_idx, lst, h1,
+                                           num_sms, stats)
+            out = self._outputs(recv_x, recv_idx, recv_w, handle, exp, col_major_sf)
+            event = self._event(async_)
         return (*out, handle, event)
 
-    def _check_dispatch(self, T: int, topk_idx, stats, num_experts, num_max_tokens_per_rank,
-                        expert_alignment) -> Tuple[int, int, int, int]:
+    def _check_call(self, x, num_sms, num_qps, do_expand: bool, do_zero_padding: bool, previous_event,
+                    previous_event_before_epilogue, async_with_compute_stream: bool,
+                    allocate_on_comm_stream: bool) -> Tuple[int, "_Order"]:
+        """The checks every dispatch makes, with or without a handle: ``x`` (a 2-D tensor or an ``(x, sf)`` pair),
+        the accepted counts, ``do_zero_padding`` and the events. Returns ``T`` and the call's :class:`_Order`."""
+        for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
+            _count(name, v)
+        if do_zero_padding and not do_expand:
+            raise ValueError("do_zero_padding needs do_expand=True (it zeroes the expanded layout's padding rows)")
+        if isinstance(x, tuple) and len(x) != 2:
+            raise ValueError(f"x must be a tensor or an (x, sf) pair, got a tuple of {len(x)}")
+        xs = x[0] if isinstance(x, tuple) else x
+        if not isinstance(xs, torch.Tensor) or xs.dim() != 2:
+            raise TypeError(f"x must be a 2-D tensor [T, H] (or an (x, sf) pair), got "
+                            f"{tuple(xs.shape) if isinstance(xs, torch.Tensor) else type(xs).__name__}")
+        return xs.shape[0], _Order(_as_event(previous_event, "previous_event"),
+                                   _as_event(previous_event_before_epilogue, "previous_event_before_epilogue"),
+                                   bool(async_with_compute_stream), bool(allocate_on_comm_stream))
+
+    def _new_handle(self, plan: "_DispatchPlan", topk_idx: Tensor, recv_idx: Tensor, lst: List[int], h1: tuple,
+                    num_sms: int, stats: Optional[Tensor]) -> Tuple[EPHandle, Optional[_Expansion]]:
+        """The :class:`EPHandle` of a dispatch without a handle, from the underlying Buffer dispatch's results
+        (``recv_idx`` ``[N, K]`` local ids, ``lst`` its per-expert list, ``h1`` its handle), and the expanded layout
+        (``None`` unless ``plan.expand``). Device work only; adds the unaligned counts to ``stats``."""
+        El, align, R, N_max = plan.num_local_experts, plan.alignment, self.num_ranks, plan.num_max
+        if plan.sync:
+            num_expanded = sum(lst)
+        else:
+            per_row = plan.num_topk if El < plan.num_topk else min(plan.num_topk, El)   # (room for duplicate ids)
+            num_expanded = _align(R * N_max * per_row + (align - 1) * El, align)
+        unaligned = _unaligned_counts(recv_idx, El)
+        exp = _expansion(recv_idx, unaligned, align, num_expanded) if plan.expand else None
+        aligned = (unaligned + align - 1) // align * align
+        if plan.expand:
+            psum_e = (torch.cumsum(aligned, 0) - aligned + unaligned).to(torch.int32)
+        else:
+            psum_e = torch.cumsum(aligned, 0).to(torch.int32)
+        psum_r = self._psum_per_rank(h1)
+        meta = self._src_metadata(h1, psum_r, recv_idx, N_max, exp.slots if plan.expand else None)
+        if stats is not None:
+            stats.add_(unaligned.to(torch.int32))
+        handle = EPHandle(
+            do_expand=plan.expand, num_experts=plan.num_experts, expert_alignment=align, num_max_tokens_per_rank=N_max,
+            num_sms=num_sms, topk_idx=topk_idx, num_recv_tokens=int(recv_idx.shape[0]),
+            num_expanded_tokens=int(num_expanded), num_recv_tokens_per_expert_list=list(lst) if plan.sync else [],
+            psum_num_recv_tokens_per_scaleup_rank=psum_r, psum_num_recv_tokens_per_expert=psum_e,
+            num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32), recv_src_metadata=meta,
+            buffer_handle=h1, recv_topk_idx=recv_idx.clone(), owner=self._number)
+        return handle, exp
+
+    def _check_dispatch(self, T: int, topk_idx, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
+                        sync: bool, expand: bool) -> "_DispatchPlan":
         """The checks of a dispatch without a handle, the layout's among them (``Buffer.get_dispatch_layout`` checks
-        ``topk_idx`` on this rank alone): ``(K, N_max, expert_alignment, E_l)``."""
+        ``topk_idx`` on this rank alone): the call's :class:`_DispatchPlan`."""
         if topk_idx is None:
             raise ValueError("dispatch needs topk_idx (or a handle of an earlier dispatch)")
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != T:
@@ -531,7 +573,7 @@ class ElasticBuffer:
         align = 1 if expert_alignment is None else _count("expert_alignment", expert_alignment, 1)
         El = num_experts // self.num_ranks
         self._check_stats(stats, El)
-        return topk_idx.shape[1], N_max, align, El
+        return _DispatchPlan(topk_idx.shape[1], int(num_experts), El, N_max, align, sync, bool(expand))
 
     def _check_cached(self, T: int, handle, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
                       expert_alignment, do_cpu_sync, do_expand) -> None:
@@ -556,11 +598,13 @@ class ElasticBuffer:
                          "the handle's dispatch's T and K")
         self._check_stats(stats, handle.num_experts // self.num_ranks)
 
-    def _cached_dispatch(self, x, T, handle, topk_weights, stats, prev, prev_epi, async_, alloc_comm, do_expand,
-                         col_major_sf):
+    def _cached_dispatch(self, x, T, handle, topk_weights, stats, order: "_Order", do_expand, col_major_sf):
+        """A dispatch with ``handle``, its arguments checked: Buffer's cached dispatch of ``x`` (and of the weights as
+        rows of their own), then this rank's epilogue from the handle's tables. Returns :meth:`dispatch`'s tuple."""
         K = handle.topk_idx.shape[1]
         b, h1 = self._buffer, handle.buffer_handle
-        recv_x = b.dispatch(x, handle=h1, previous_event=prev, async_finish=async_,
+        async_, alloc_comm = order.async_, order.alloc_comm
+        recv_x = b.dispatch(x, handle=h1, previous_event=order.previous_event, async_finish=async_,
                             allocate_on_comm_stream=alloc_comm)[0]
         recv_w = None
         if topk_weights is not None:        # the weights travel as rows of their own (16-byte rows: K padded to 4)
@@ -568,7 +612,7 @@ class ElasticBuffer:
             wrows = torch.zeros((T, Kp), dtype=torch.float32, device=self.device)
             wrows[:, :K] = topk_weights
             recv_w = b.dispatch(wrows, handle=h1, async_finish=async_, allocate_on_comm_stream=alloc_comm)[0][:, :K]
-        with self._epilogue_stream(async_, prev_epi):
+        with self._epilogue_stream(async_, order.before_epilogue):
             recv_idx = handle.recv_topk_idx
             if recv_w is not None:
                 recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w)).contiguous()
