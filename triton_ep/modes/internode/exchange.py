@@ -4,7 +4,8 @@ agree), then the records through the ring kernels; after the forwarding leg, a s
 (:mod:`.capture`) makes none of these: it keeps all on the device."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import dataclasses
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -13,14 +14,14 @@ from ... import scheduler as sched_mod
 from ...errors import EPCapacityError, EPError, EPRemoteError
 from ...kernels import net
 from ...kernels._util import cdiv
-from ...protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS,
-                                HOST_MISMATCH, HOST_OK)
+from ...protocol.records import (HOST_CAPACITY, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS, HOST_MISMATCH,
+                                HOST_OK, HostHeader)
 from ...runtime import hosts as hosts_mod
 from .records import Streams
 
 Tensor = torch.Tensor
 #: the host path's header and its status codes (protocol/records.py)
-_KEY_WORDS, _CARD_WORDS, HEADER_WORDS = HOST_KEY_WORDS, HOST_CARD_WORDS, HOST_HEADER_WORDS
+_KEY_WORDS, HEADER_WORDS = HOST_KEY_WORDS, HOST_HEADER_WORDS
 _OK, _FAILED, _CAPACITY, _MISMATCH = HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH
 #: the record layout's key words, as errors name them
 _KEY_FIELDS = ("row bytes", "scale bytes", "top-k", "weights", "ranks per host", "experts without top-k")
@@ -77,70 +78,82 @@ class HostExchange:
         """The header exchange of :meth:`exchange` (``streams`` ``None``: a status alone; ``err``: this rank
         failed, and says so). Returns the record counts per host (this host's: its own stream's); raises the
         peers' failures (not ``err``: the caller raises it outside the network's error translation)."""
-        self.leg.capture.sync_host_path()
-        self.leg.host_exchanges += 1
-        peers = self.leg.peer_hosts
+        leg = self.leg
+        leg.capture.sync_host_path()
+        leg.host_exchanges += 1
+        peers, mine = leg.peer_hosts, self._header(streams, err)
+        count = (lambda h: 0) if streams is None or err is not None else streams.count
+        head = {h: np.array(dataclasses.replace(mine, records=count(h)).words(), np.int64).view(np.uint8)
+                for h in peers}
+        got = sched_mod.host_alltoall(leg.sched, head, {h: 8 * HEADER_WORDS for h in peers})
+        theirs = {h: HostHeader.of_words(got[h].view(np.int64)) for h in peers}
+        for h in peers:     # a capture-path stream read as a header: the ranks took different paths
+            if err is None and not theirs[h].readable(leg.rt.group_size):
+                raise ValueError(f"rank {leg.rt.rank}: rank {leg.rings.peer_rank(h)} (host {h}) sent no header this "
+                                 f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
+                                 f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
+        if err is not None:
+            return [0] * leg.num_hosts
+        self._raise_failures(theirs)
+        self._compare(theirs, mine, streams)
+        counts = [0] * leg.num_hosts
+        for h in peers:
+            counts[h] = theirs[h].records
+        if streams is not None:
+            counts[leg.host] = streams.count(leg.host)
+        return counts
+
+    def _header(self, streams: Optional[Streams], err: Optional[BaseException]) -> HostHeader:
+        """This rank's header (its record count set per peer host by :meth:`headers`): the status of ``err``, the
+        rank that started it, the record layout's key, and the call card and disagreement ``err`` carries."""
         key = (0,) * _KEY_WORDS if streams is None else \
             streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
-        mine = tuple(streams.card) if streams is not None and err is None else ()
+        card = tuple(streams.card) if streams is not None and err is None else ()
         told = getattr(err, "disagreement", None)
         code = _OK if err is None else (_CAPACITY if isinstance(err, EPCapacityError) else
                                         _MISMATCH if told is not None else _FAILED)
         # the rank whose own error started a failure (-1: unknown, e.g. heard in a host's forwarding leg)
         culprit = -1 if err is None else getattr(err, "culprit", -1 if isinstance(err, EPError) else self.leg.rt.rank)
-        tail = [*key, *mine, *[0] * (_CARD_WORDS - len(mine)),
-                *(told.words() if told is not None else [0] * hosts_mod.Disagreement.WORDS)]
-        head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), culprit, *tail],
-                            np.int64).view(np.uint8) for h in peers}
-        got = sched_mod.host_alltoall(self.leg.sched, head, {h: 8 * HEADER_WORDS for h in peers})
-        words = {h: got[h].view(np.int64) for h in peers}
-        for h in peers:     # a capture-path stream read as a header: the ranks took different paths
-            if err is None and not (_OK <= words[h][0] <= _MISMATCH and words[h][1] >= 0
-                                    and -1 <= words[h][2] < self.leg.rt.group_size):
-                raise ValueError(f"rank {self.leg.rt.rank}: rank {self.leg.rings.peer_rank(h)} (host {h}) sent no header "
-                                 f"this "
-                                 f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
-                                 f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
-        if err is not None:
-            return [0] * self.leg.num_hosts
-        for h in peers:     # a disagreement found anywhere is this call's error on every rank
-            d = hosts_mod.Disagreement.of_words(words[h][-hosts_mod.Disagreement.WORDS:]) \
-                if words[h][0] == _MISMATCH else None
+        return HostHeader(code, 0, culprit, tuple(key), card, tuple(told.words()) if told is not None else ())
+
+    def _raise_failures(self, theirs: Dict[int, HostHeader]) -> None:
+        """Raise the first failure a peer's header tells: a disagreement found anywhere (this call's error on every
+        rank), else ``EPCapacityError`` / ``EPRemoteError`` naming the rank that started it."""
+        leg = self.leg
+        for h, hd in theirs.items():
+            d = hosts_mod.Disagreement.of_words(hd.disagreement) if hd.status == _MISMATCH else None
             if d is not None:
-                raise d.error(self.leg.rt.rank)
-        for h in peers:
-            if words[h][0]:
-                peer, first = self.leg.rings.peer_rank(h), int(words[h][2])
+                raise d.error(leg.rt.rank)
+        for h, hd in theirs.items():
+            if hd.status:
+                peer, first = leg.rings.peer_rank(h), hd.culprit
                 who = f"rank {peer} (host {h})"
                 if first >= 0 and first != peer:
-                    who = f"rank {first} (host {self.leg.hosts.host_of[first]}; rank {peer} on host {h} passed it on)"
-                if words[h][0] == _CAPACITY:
-                    ex = EPCapacityError(f"rank {self.leg.rt.rank}: {who} found more rows than num_worst_tokens on its "
+                    who = f"rank {first} (host {leg.hosts.host_of[first]}; rank {peer} on host {h} passed it on)"
+                if hd.status == _CAPACITY:
+                    ex = EPCapacityError(f"rank {leg.rt.rank}: {who} found more rows than num_worst_tokens on its "
                                          f"host; no rank returns from this dispatch")
                 else:
-                    ex = EPRemoteError(f"rank {self.leg.rt.rank}: {who} failed this call (its own error names why); "
+                    ex = EPRemoteError(f"rank {leg.rt.rank}: {who} failed this call (its own error names why); "
                                        f"this rank stopped too")
                 ex.culprit = first if first >= 0 else peer
                 raise ex
-        for h in peers:     # the RDMA peers compare their calls (the lower rank first, on both sides)
-            theirs = [int(w) for w in words[h][3 + _KEY_WORDS:3 + _KEY_WORDS + _CARD_WORDS]]
-            if mine and theirs[0]:
-                d = hosts_mod.Disagreement.of_cards(mine, theirs, self.leg.rt.rank, self.leg.rings.peer_rank(h))
+
+    def _compare(self, theirs: Dict[int, HostHeader], mine: HostHeader, streams: Optional[Streams]) -> None:
+        """The RDMA peers compare their calls (the lower rank first, on both sides), then the record layouts (calls
+        that agree give records of one layout: this names what still differs). Raises ``ValueError``."""
+        leg = self.leg
+        for h, hd in theirs.items():
+            if mine.card and hd.card[0]:
+                d = hosts_mod.Disagreement.of_cards(mine.card, hd.card, leg.rt.rank, leg.rings.peer_rank(h))
                 if d is not None:
-                    raise d.error(self.leg.rt.rank)
-        for h in peers:     # (calls that agree give records of one layout: this names what still differs)
-            there = tuple(int(w) for w in words[h][3:3 + _KEY_WORDS])
-            if streams is not None and there != key:
-                diff = "; ".join(f"{n}: rank {self.leg.rings.peer_rank(h)} sends {a}, rank {self.leg.rt.rank} sends {b}"
-                                 for n, a, b in zip(_KEY_FIELDS, there, key) if a != b)
-                raise ValueError(f"rank {self.leg.rt.rank}: ranks disagree across hosts on the records of this call "
+                    raise d.error(leg.rt.rank)
+        for h, hd in theirs.items():
+            if streams is not None and hd.key != mine.key:
+                diff = "; ".join(f"{n}: rank {leg.rings.peer_rank(h)} sends {a}, rank {leg.rt.rank} sends {b}"
+                                 for n, a, b in zip(_KEY_FIELDS, hd.key, mine.key) if a != b)
+                raise ValueError(f"rank {leg.rt.rank}: ranks disagree across hosts on the records of this call "
                                  f"({diff}): the ranks called with different arguments")
-        counts = [0] * self.leg.num_hosts
-        for h in peers:
-            counts[h] = int(words[h][1])
-        if streams is not None:
-            counts[self.leg.host] = streams.count(self.leg.host)
-        return counts
 
     def expert_counts(self, npe: Tensor) -> Tensor:
         """A dispatch without ``topk_idx``: send each RDMA peer the counts of its host's experts in ``npe``
