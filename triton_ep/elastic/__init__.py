@@ -28,17 +28,18 @@ V2's other primitives (Engram, pipeline-parallel send/recv, AGRS) raise ``NotImp
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .buffer import Buffer
-from .config import Config, EventOverlap
-from .modes.internode import dense
-from .runtime import current_event
-from .runtime.checks import MAX_INT32, check_num_experts, check_tensor, isint
+from ..buffer import Buffer
+from ..config import Config, EventOverlap
+from ..runtime.checks import isint
+from .checks import DispatchPlan, Order, check_cached, check_call, check_combine, check_dispatch, count, v2_names
+from .handle import EPHandle, EventHandle
+from .layout import (Expansion, align, col_major, expansion, gather_rows, psum_per_rank, reduce_expanded, sources,
+                     src_metadata, unaligned_counts)
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -52,206 +53,6 @@ _BUFFER_NUMBERS = itertools.count(1)
 #: the handle this rank passes to the Buffer call it makes only to reject it (:meth:`ElasticBuffer._agreed`) when
 #: the caller's handle is no EPHandle: any object but None makes it a cached dispatch (Buffer then rejects x=None)
 _NOT_A_HANDLE = object()
-#: V2's TMA-aligned column-major scales: the token stride is 1, the pack stride the row count rounded up to this
-SF_ROW_ALIGNMENT = 4
-
-
-def _align(v: int, a: int) -> int:
-    return (v + a - 1) // a * a
-
-
-class EventHandle:
-    """DeepEP V2's ``EventHandle`` (``deep_ep._C.EventHandle``, ``csrc/utils/event.hpp`` at dd758ca): made with no
-    argument, it records an event on the current CUDA stream. :meth:`ElasticBuffer.capture` returns one, and
-    ``previous_event`` / ``previous_event_before_epilogue`` take one. A CUDA stream's ``wait_event`` takes it too
-    (through :meth:`wait`), so ``EventOverlap(EventHandle())`` works as in DeepEP.
-
-    Attributes:
-        event: the ``torch.cuda.Event`` recorded at construction, or ``None`` where CUDA is not available (on CPU
-            every call has finished when it returns, so there is nothing to wait for).
-    """
-
-    def __init__(self) -> None:
-        self.event = current_event().event
-
-    def current_stream_wait(self) -> None:
-        """Make the current CUDA stream wait for the event (DeepEP's; a no-op without one). Returns at once: only
-        work queued later on the stream waits."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-
-    def wait(self, stream=None) -> None:
-        """Make ``stream`` (default: the current CUDA stream) wait for the event, as ``torch.cuda.Event.wait``
-        (what ``torch.cuda.Stream.wait_event`` calls); a no-op without one."""
-        if self.event is not None:
-            self.event.wait(stream)
-
-
-@dataclasses.dataclass(eq=False)
-class EPHandle:
-    """The handle of an :meth:`ElasticBuffer.dispatch`: pass it to ``combine`` (the routes back) or to ``dispatch``
-    again (a cached dispatch: same routing, new data, no host wait). V2's ``deep_ep.EPHandle`` fields, with V2's
-    meanings (``R`` ranks, ``E_l`` local experts, ``K`` top-k, ``N`` non-expanded rows here):
-
-    Attributes:
-        do_expand: whether the dispatch that made it used the expanded layout.
-        num_experts: ``E``. expert_alignment: each local expert's count rounded up to a multiple of it.
-        num_max_tokens_per_rank: the per-rank token bound of the dispatch (sizes the worst case, and
-            ``src_token_global_idx = src_rank * num_max_tokens_per_rank + src_token``).
-        num_sms: the ``num_sms`` of the dispatch (accepted; results never depend on it).
-        topk_idx: the dispatch's ``topk_idx`` ``[T, K]`` (a copy unless ``do_handle_copy=False``).
-        num_recv_tokens: ``N``: the received tokens, or the worst case ``R * num_max_tokens_per_rank`` without a
-            host wait (the real count is then ``psum_num_recv_tokens_per_scaleup_rank[-1]``, on the device).
-        num_expanded_tokens: rows of the expanded layout (the sum of the aligned per-expert counts, or its worst
-            case without a host wait).
-        num_recv_tokens_per_expert_list: Python ints ``[E_l]``, each expert's received count rounded up to
-            ``expert_alignment``; an empty list without a host wait (``do_cpu_sync=False``), as in V2.
-        psum_num_recv_tokens_per_scaleup_rank: int32 ``[R]``: inclusive prefix sum over source ranks of the
-            tokens received from each (a token counted once per rank); its last entry is the real ``N``.
-        psum_num_recv_tokens_per_expert: int32 ``[E_l]``: non-expanded, the inclusive prefix sum of the aligned
-            counts; expanded, ``start(e) + count(e)`` where ``start(e)`` is the sum of the earlier experts' aligned
-            counts (``align(psum[e], expert_alignment)`` is then expert ``e + 1``'s start).
-        num_unaligned_recv_tokens_per_expert: int32 ``[E_l]``: the received counts, not rounded.
-        recv_src_metadata: int32 ``[N, K + 2]``: per received token, ``src_rank * num_max_tokens_per_rank +
-            src_token``; ``src_rank * K + k0`` (``k0`` the first top-k slot whose expert is on this rank); then per
-            top-k slot its row in the expanded layout (``-1`` where the expert is elsewhere, and everywhere for a
-            non-expanded dispatch). Worst-case padding rows hold ``-1``.
-        dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list: V2's kernel-side tables; ``None``
-            here (nothing reads them).
-    """
-
-    do_expand: bool
-    num_experts: int
-    expert_alignment: int
-    num_max_tokens_per_rank: int
-    num_sms: int
-    topk_idx: Tensor
-    num_recv_tokens: int
-    num_expanded_tokens: int
-    num_recv_tokens_per_expert_list: List[int]
-    psum_num_recv_tokens_per_scaleup_rank: Tensor
-    psum_num_recv_tokens_per_expert: Tensor
-    num_unaligned_recv_tokens_per_expert: Tensor
-    recv_src_metadata: Tensor
-    dst_buffer_slot_idx: Optional[Tensor] = None
-    token_metadata_at_forward: Optional[Tensor] = None
-    channel_linked_list: Optional[Tensor] = None
-    #: the Buffer handle of the underlying normal-mode dispatch
-    buffer_handle: tuple = dataclasses.field(default=(), repr=False)
-    #: the non-expanded local ids ``[N, K]``, a copy (callers may rewrite the returned ids in place, as vLLM does): what
-    #: a cached dispatch returns again, and what masks combine's weights
-    recv_topk_idx: Optional[Tensor] = dataclasses.field(default=None, repr=False)
-    #: the number of the ElasticBuffer that made it
-    owner: int = dataclasses.field(default=0, repr=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Expansion:
-    """Where each (received row, top-k slot) goes in the expanded layout, computed on the device."""
-
-    slots: Tensor           # int64 [N, K]: the row in the expanded layout, -1 where the expert is elsewhere
-    src_row: Tensor         # int64 [rows]: per expanded row, its received row (N: none, a zero row)
-    src_entry: Tensor       # int64 [rows]: per expanded row, its (row, slot) as row * K + slot (N * K: none)
-
-
-@dataclasses.dataclass(frozen=True)
-class _DispatchPlan:
-    """A dispatch without a handle, its arguments checked (:meth:`ElasticBuffer._check_dispatch`)."""
-
-    num_topk: int               # K: columns of topk_idx
-    num_experts: int            # E, a multiple of R
-    num_local_experts: int      # E_l = E / R
-    num_max: int                # num_max_tokens_per_rank: the worst case is R * num_max received tokens
-    alignment: int              # expert_alignment, >= 1
-    sync: bool                  # do_cpu_sync: exact sizes (a host wait), else the worst case
-    expand: bool                # do_expand: the expanded layout
-
-
-@dataclasses.dataclass(frozen=True)
-class _Order:
-    """How a dispatch is ordered on the streams (its arguments, checked)."""
-
-    previous_event: Optional[EventOverlap]      # waited for before the call's kernels
-    before_epilogue: Optional[EventOverlap]     # previous_event_before_epilogue: waited for before this rank's epilogue
-    async_: bool                                # async_with_compute_stream: on the communication stream, an event back
-    alloc_comm: bool                            # allocate_on_comm_stream: outputs allocated there
-
-
-def _unaligned_counts(recv_topk_idx: Tensor, num_local_experts: int) -> Tensor:
-    """int64 ``[E_l]``: the entries of each local expert in ``recv_topk_idx`` (``[N, K]``, ``-1`` none; duplicates
-    counted each time). Device work only (a sort and a search: deterministic, no host synchronisation)."""
-    flat = recv_topk_idx.reshape(-1).long()
-    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_local_experts)).sort().values
-    bounds = torch.searchsorted(key, torch.arange(num_local_experts + 1, dtype=torch.int64, device=key.device))
-    return bounds[1:] - bounds[:-1]
-
-
-def _sources(slots: Tensor, rows: int) -> Tuple[Tensor, Tensor]:
-    """Per row of an expanded layout of ``rows`` rows: the received row it holds and its entry ``row * K + slot``
-    (``N`` and ``N * K`` where none: padding), from ``slots`` (``[N, K]``, ``-1`` none). Each entry elsewhere is
-    scattered to a spare row of its own, so no two writes meet (deterministic)."""
-    N, K = slots.shape
-    flat = slots.reshape(-1)
-    entry = torch.arange(N * K, dtype=torch.int64, device=slots.device)
-    dest = torch.where(flat >= 0, flat, rows + entry)
-    src_entry = torch.full((rows + N * K,), N * K, dtype=torch.int64, device=slots.device).scatter_(0, dest, entry)
-    src_entry = src_entry[:rows]
-    src_row = torch.where(src_entry < N * K, src_entry // max(K, 1), torch.full_like(src_entry, N))
-    return src_row, src_entry
-
-
-def _expansion(recv_topk_idx: Tensor, counts: Tensor, alignment: int, rows: int) -> _Expansion:
-    """The expanded layout of ``recv_topk_idx`` (``[N, K]`` local ids, ``-1`` none; ``counts`` its per-expert
-    entries) in ``rows`` rows: expert ``e``'s entries in (row, slot) order from ``start(e)``, the sum of the earlier
-    experts' counts each rounded up to ``alignment``. Device work only: no host synchronisation."""
-    N, K = recv_topk_idx.shape
-    dev, El = recv_topk_idx.device, counts.shape[0]
-    flat = recv_topk_idx.reshape(-1).long()
-    key = torch.where(flat >= 0, flat, torch.full_like(flat, El))              # entries elsewhere sort last
-    aligned = (counts + alignment - 1) // alignment * alignment
-    start = torch.cat([torch.cumsum(aligned, 0) - aligned, torch.zeros(1, dtype=torch.int64, device=dev)])
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    all_counts = torch.cat([counts, (flat < 0).sum().reshape(1)])
-    first = torch.cumsum(all_counts, 0) - all_counts                            # each key's first sorted position
-    rank_in_expert = torch.arange(N * K, dtype=torch.int64, device=dev) - first[sorted_key]
-    slot_sorted = torch.where(sorted_key < El, start[sorted_key] + rank_in_expert, torch.full_like(sorted_key, -1))
-    slots = torch.empty(N * K, dtype=torch.int64, device=dev).scatter_(0, order, slot_sorted).view(N, K)
-    return _Expansion(slots, *_sources(slots, rows))
-
-
-def _gather_rows(t: Tensor, index: Tensor) -> Tensor:
-    """``t``'s rows at ``index`` (``t.shape[0]`` selects a zero row), as raw bytes (any dtype, fp8 included)."""
-    row_bytes = t.element_size() * (t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel()))
-    raw = dense(t).view(torch.uint8).reshape(t.shape[0], row_bytes)
-    ext = torch.cat([raw, torch.zeros((1, raw.shape[1]), dtype=torch.uint8, device=raw.device)])
-    return ext[index].view(t.dtype).reshape(index.shape[0], *t.shape[1:])
-
-
-def _as_event(ev, name: str) -> Optional[EventOverlap]:
-    """``ev`` as the :class:`EventOverlap` Buffer takes: ``None``, an :class:`EventHandle` (``capture()``'s), an
-    EventOverlap (``Buffer.capture()``'s), or a CUDA event."""
-    if ev is None or isinstance(ev, EventOverlap):
-        return ev
-    if isinstance(ev, EventHandle):
-        return EventOverlap(ev.event)
-    if torch.cuda.is_available() and isinstance(ev, torch.cuda.Event):
-        return EventOverlap(ev)
-    raise TypeError(f"{name} must be an EventHandle (ElasticBuffer.capture()), an EventOverlap or a torch.cuda.Event, "
-                    f"got {type(ev).__name__}")
-
-
-def _count(name: str, v, lo: int = 0) -> int:
-    if not isint(v) or not lo <= v <= MAX_INT32:
-        raise ValueError(f"{name} must be an int in [{lo}, {MAX_INT32}], got {v!r}")
-    return int(v)
-
-
-def _v2_names(message: str) -> str:
-    """``message`` (an error of :class:`~triton_ep.Buffer`'s set-up) with V1's argument names replaced by the V2
-    arguments ElasticBuffer passes them from: ``num_nvl_bytes`` is ``num_bytes``, ``timeout_s`` is
-    ``num_gpu_timeout_secs``."""
-    return message.replace("num_nvl_bytes", "num_bytes").replace("timeout_s ", "num_gpu_timeout_secs ")
 
 
 def _primitive(name: str, what: str):
@@ -301,7 +102,7 @@ class ElasticBuffer:
         for name, v in (("num_cpu_bytes", num_cpu_bytes), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
                         ("hidden", hidden), ("num_topk", num_topk), ("sl_idx", sl_idx),
                         ("num_allocated_qps", num_allocated_qps)):
-            _count(name, v)
+            count(name, v)
         if num_bytes is not None and not isint(num_bytes):
             raise TypeError(f"ElasticBuffer: num_bytes must be an int (bytes), got {type(num_bytes).__name__}")
         if num_bytes is None:
@@ -316,7 +117,7 @@ class ElasticBuffer:
             self._buffer = Buffer(group, int(num_bytes), timeout_s=num_gpu_timeout_secs, device=device,
                                   rdma_backend=rdma_backend, explicitly_destroy=explicitly_destroy)
         except (TypeError, ValueError) as ex:     # Buffer's set-up checks name V1's arguments: name V2's
-            raise (TypeError if isinstance(ex, TypeError) else ValueError)(_v2_names(str(ex))) from ex
+            raise (TypeError if isinstance(ex, TypeError) else ValueError)(v2_names(str(ex))) from ex
         b = self._buffer
         self.rank_idx, self.num_ranks, self.device = b.rank, b.group_size, b.device
         self.num_bytes, self.num_cpu_bytes = int(num_bytes), int(num_cpu_bytes)
@@ -337,7 +138,7 @@ class ElasticBuffer:
     @staticmethod
     def _size_hint(hidden: int, num_ranks: int) -> int:
         cfgs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
-        return _align(max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in cfgs), BUFFER_ALIGNMENT)
+        return align(max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in cfgs), BUFFER_ALIGNMENT)
 
     @staticmethod
     def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
@@ -350,9 +151,9 @@ class ElasticBuffer:
         Raises:
             ValueError: a size is not an int in range (``hidden >= 1``).
         """
-        _count("num_max_tokens_per_rank", num_max_tokens_per_rank)
-        _count("hidden", hidden, 1)
-        _count("num_topk", num_topk)
+        count("num_max_tokens_per_rank", num_max_tokens_per_rank)
+        count("hidden", hidden, 1)
+        count("num_topk", num_topk)
         import torch.distributed as dist
         size = dist.get_world_size(group) if dist.is_initialized() else 1
         return ElasticBuffer._size_hint(int(hidden), size)
@@ -378,13 +179,13 @@ class ElasticBuffer:
         if not isint(num_experts) or num_experts <= 0 or num_experts % self.num_ranks:
             raise ValueError(f"num_experts must be a positive multiple of the group size {self.num_ranks}, "
                              f"got {num_experts!r}")
-        _count("num_topk", num_topk)
-        return max(4, _align(Buffer.num_sms, 2))
+        count("num_topk", num_topk)
+        return max(4, align(Buffer.num_sms, 2))
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """The QP count V2 would pick for ``num_sms`` (its formula, capped by ``num_allocated_qps``); accepted by
         ``dispatch`` / ``combine``, never used (the RDMA QPs per peer are ``TRITON_EP_RDMA_QPS_PER_PEER``)."""
-        n = _count("num_sms", num_sms)
+        n = count("num_sms", num_sms)
         return min(n * 16 + 1 if self.allow_hybrid_mode else min(n, 9), self.num_allocated_qps)
 
     @staticmethod
@@ -471,14 +272,14 @@ class ElasticBuffer:
         """
         sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         with self._agreed("dispatch" if handle is None else "cached", handle, 0 if sync else 1):
-            T, order = self._check_call(x, num_sms, num_qps, do_expand, do_zero_padding, previous_event,
+            T, order = check_call(x, num_sms, num_qps, do_expand, do_zero_padding, previous_event,
                                         previous_event_before_epilogue, async_with_compute_stream,
                                         allocate_on_comm_stream)
             if handle is not None:
-                self._check_cached(T, handle, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
+                check_cached(self, T, handle, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
                                    num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand)
             else:
-                plan = self._check_dispatch(T, topk_idx, cumulative_local_expert_recv_stats, num_experts,
+                plan = check_dispatch(self, T, topk_idx, cumulative_local_expert_recv_stats, num_experts,
                                             num_max_tokens_per_rank, expert_alignment, sync, do_expand)
         if handle is not None:
             return self._cached_dispatch(x, T, handle, topk_weights, cumulative_local_expert_recv_stats, order,
@@ -486,8 +287,8 @@ class ElasticBuffer:
         return self._fresh_dispatch(x, topk_idx, topk_weights, plan, order, do_handle_copy, int(num_sms),
                                     cumulative_local_expert_recv_stats, use_tma_aligned_col_major_sf)
 
-    def _fresh_dispatch(self, x: XLike, topk_idx: Tensor, topk_weights: Optional[Tensor], plan: "_DispatchPlan",
-                        order: "_Order", copy_idx: bool, num_sms: int, stats: Optional[Tensor], col_major_sf: bool):
+    def _fresh_dispatch(self, x: XLike, topk_idx: Tensor, topk_weights: Optional[Tensor], plan: DispatchPlan,
+                        order: Order, copy_idx: bool, num_sms: int, stats: Optional[Tensor], col_major_sf: bool):
         """A dispatch without a handle, its arguments checked: Buffer's layout and dispatch (with
         ``num_worst_tokens = R * num_max`` without a host wait), then this rank's epilogue (the handle, the
         expanded layout) on :meth:`_epilogue_stream`. Returns :meth:`dispatch`'s tuple."""
@@ -506,49 +307,30 @@ class ElasticBuffer:
             event = self._event(async_)
         return (*out, handle, event)
 
-    def _check_call(self, x, num_sms, num_qps, do_expand: bool, do_zero_padding: bool, previous_event,
-                    previous_event_before_epilogue, async_with_compute_stream: bool,
-                    allocate_on_comm_stream: bool) -> Tuple[int, "_Order"]:
-        """The checks every dispatch makes, with or without a handle: ``x`` (a 2-D tensor or an ``(x, sf)`` pair),
-        the accepted counts, ``do_zero_padding`` and the events. Returns ``T`` and the call's :class:`_Order`."""
-        for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
-            _count(name, v)
-        if do_zero_padding and not do_expand:
-            raise ValueError("do_zero_padding needs do_expand=True (it zeroes the expanded layout's padding rows)")
-        if isinstance(x, tuple) and len(x) != 2:
-            raise ValueError(f"x must be a tensor or an (x, sf) pair, got a tuple of {len(x)}")
-        xs = x[0] if isinstance(x, tuple) else x
-        if not isinstance(xs, torch.Tensor) or xs.dim() != 2:
-            raise TypeError(f"x must be a 2-D tensor [T, H] (or an (x, sf) pair), got "
-                            f"{tuple(xs.shape) if isinstance(xs, torch.Tensor) else type(xs).__name__}")
-        return xs.shape[0], _Order(_as_event(previous_event, "previous_event"),
-                                   _as_event(previous_event_before_epilogue, "previous_event_before_epilogue"),
-                                   bool(async_with_compute_stream), bool(allocate_on_comm_stream))
-
-    def _new_handle(self, plan: "_DispatchPlan", topk_idx: Tensor, recv_idx: Tensor, lst: List[int], h1: tuple,
-                    num_sms: int, stats: Optional[Tensor]) -> Tuple[EPHandle, Optional[_Expansion]]:
+    def _new_handle(self, plan: DispatchPlan, topk_idx: Tensor, recv_idx: Tensor, lst: List[int], h1: tuple,
+                    num_sms: int, stats: Optional[Tensor]) -> Tuple[EPHandle, Optional[Expansion]]:
         """The :class:`EPHandle` of a dispatch without a handle, from the underlying Buffer dispatch's results
         (``recv_idx`` ``[N, K]`` local ids, ``lst`` its per-expert list, ``h1`` its handle), and the expanded layout
         (``None`` unless ``plan.expand``). Device work only; adds the unaligned counts to ``stats``."""
-        El, align, R, N_max = plan.num_local_experts, plan.alignment, self.num_ranks, plan.num_max
+        El, al, R, N_max = plan.num_local_experts, plan.alignment, self.num_ranks, plan.num_max
         if plan.sync:
             num_expanded = sum(lst)
         else:
             per_row = plan.num_topk if El < plan.num_topk else min(plan.num_topk, El)   # (room for duplicate ids)
-            num_expanded = _align(R * N_max * per_row + (align - 1) * El, align)
-        unaligned = _unaligned_counts(recv_idx, El)
-        exp = _expansion(recv_idx, unaligned, align, num_expanded) if plan.expand else None
-        aligned = (unaligned + align - 1) // align * align
+            num_expanded = align(R * N_max * per_row + (al - 1) * El, al)
+        unaligned = unaligned_counts(recv_idx, El)
+        exp = expansion(recv_idx, unaligned, al, num_expanded) if plan.expand else None
+        aligned = (unaligned + al - 1) // al * al
         if plan.expand:
             psum_e = (torch.cumsum(aligned, 0) - aligned + unaligned).to(torch.int32)
         else:
             psum_e = torch.cumsum(aligned, 0).to(torch.int32)
-        psum_r = self._psum_per_rank(h1)
-        meta = self._src_metadata(h1, psum_r, recv_idx, N_max, exp.slots if plan.expand else None)
+        psum_r = psum_per_rank(h1, self.rank_idx)
+        meta = src_metadata(h1, psum_r, recv_idx, N_max, exp.slots if plan.expand else None)
         if stats is not None:
             stats.add_(unaligned.to(torch.int32))
         handle = EPHandle(
-            do_expand=plan.expand, num_experts=plan.num_experts, expert_alignment=align, num_max_tokens_per_rank=N_max,
+            do_expand=plan.expand, num_experts=plan.num_experts, expert_alignment=al, num_max_tokens_per_rank=N_max,
             num_sms=num_sms, topk_idx=topk_idx, num_recv_tokens=int(recv_idx.shape[0]),
             num_expanded_tokens=int(num_expanded), num_recv_tokens_per_expert_list=list(lst) if plan.sync else [],
             psum_num_recv_tokens_per_scaleup_rank=psum_r, psum_num_recv_tokens_per_expert=psum_e,
@@ -556,49 +338,7 @@ class ElasticBuffer:
             buffer_handle=h1, recv_topk_idx=recv_idx.clone(), owner=self._number)
         return handle, exp
 
-    def _check_dispatch(self, T: int, topk_idx, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
-                        sync: bool, expand: bool) -> "_DispatchPlan":
-        """The checks of a dispatch without a handle, the layout's among them (``Buffer.get_dispatch_layout`` checks
-        ``topk_idx`` on this rank alone): the call's :class:`_DispatchPlan`."""
-        if topk_idx is None:
-            raise ValueError("dispatch needs topk_idx (or a handle of an earlier dispatch)")
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != T:
-            raise ValueError(f"topk_idx must be [T, K] with T = {T} rows of x, got "
-                             f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), self.device)
-        if num_experts is None:
-            raise ValueError("dispatch needs num_experts (or a handle of an earlier dispatch)")
-        check_num_experts(num_experts, self.num_ranks)
-        N_max = self._num_max(num_max_tokens_per_rank, T)
-        align = 1 if expert_alignment is None else _count("expert_alignment", expert_alignment, 1)
-        El = num_experts // self.num_ranks
-        self._check_stats(stats, El)
-        return _DispatchPlan(topk_idx.shape[1], int(num_experts), El, N_max, align, sync, bool(expand))
-
-    def _check_cached(self, T: int, handle, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
-                      expert_alignment, do_cpu_sync, do_expand) -> None:
-        """The checks of a cached dispatch (with ``handle``)."""
-        self._check_handle(handle, "handle")
-        if topk_idx is not None:
-            raise ValueError("a cached dispatch (with handle) takes no topk_idx: the handle's routing is used")
-        if do_cpu_sync:
-            raise ValueError("a cached dispatch (with handle) cannot do_cpu_sync: its counts are the handle's")
-        for name, given, have in (("num_experts", num_experts, handle.num_experts),
-                                  ("num_max_tokens_per_rank", num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
-                                  ("expert_alignment", expert_alignment, handle.expert_alignment)):
-            if given is not None and given != have:
-                raise ValueError(f"{name} {given!r} differs from the handle's {have}")
-        if do_expand and not handle.do_expand:
-            raise ValueError("do_expand=True needs a handle of an expanded dispatch (do_expand=True)")
-        K = handle.topk_idx.shape[1]
-        if T != handle.topk_idx.shape[0]:
-            raise ValueError(f"x has {T} rows, the handle's dispatch had {handle.topk_idx.shape[0]}")
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, (torch.float32,), (T, K), self.device,
-                         "the handle's dispatch's T and K")
-        self._check_stats(stats, handle.num_experts // self.num_ranks)
-
-    def _cached_dispatch(self, x, T, handle, topk_weights, stats, order: "_Order", do_expand, col_major_sf):
+    def _cached_dispatch(self, x, T, handle, topk_weights, stats, order: Order, do_expand, col_major_sf):
         """A dispatch with ``handle``, its arguments checked: Buffer's cached dispatch of ``x`` (and of the weights as
         rows of their own), then this rank's epilogue from the handle's tables. Returns :meth:`dispatch`'s tuple."""
         K = handle.topk_idx.shape[1]
@@ -608,7 +348,7 @@ class ElasticBuffer:
                             allocate_on_comm_stream=alloc_comm)[0]
         recv_w = None
         if topk_weights is not None:        # the weights travel as rows of their own (16-byte rows: K padded to 4)
-            Kp = _align(K, 4)
+            Kp = align(K, 4)
             wrows = torch.zeros((T, Kp), dtype=torch.float32, device=self.device)
             wrows[:, :K] = topk_weights
             recv_w = b.dispatch(wrows, handle=h1, async_finish=async_, allocate_on_comm_stream=alloc_comm)[0][:, :K]
@@ -622,27 +362,25 @@ class ElasticBuffer:
             if do_expand:
                 slots = handle.recv_src_metadata[:, 2:].long()
                 rows = handle.num_expanded_tokens
-                exp = _Expansion(slots, *_sources(slots, rows))
+                exp = Expansion(slots, *sources(slots, rows))
             out = self._outputs(recv_x, recv_idx.clone(), recv_w, handle, exp, col_major_sf, expand=do_expand)
             event = self._event(async_)
         return (*out, handle, event)
 
-    def _outputs(self, recv_x, recv_idx, recv_w, handle: EPHandle, exp: Optional[_Expansion], col_major_sf: bool,
+    def _outputs(self, recv_x, recv_idx, recv_w, handle: EPHandle, exp: Optional[Expansion], col_major_sf: bool,
                  expand: Optional[bool] = None):
         """``(recv_x, recv_topk_idx, recv_topk_weights)`` in the layout asked for."""
         expand = handle.do_expand if expand is None else expand
         rows, sf = (recv_x if isinstance(recv_x, tuple) else (recv_x, None))
         if expand:
             n = handle.num_expanded_tokens
-            rows = _gather_rows(rows, exp.src_row)
-            sf = None if sf is None else _gather_rows(sf, exp.src_row)
+            rows = gather_rows(rows, exp.src_row)
+            sf = None if sf is None else gather_rows(sf, exp.src_row)
             if recv_w is not None:
-                recv_w = _gather_rows(recv_w.reshape(-1, 1), exp.src_entry).reshape(n)
+                recv_w = gather_rows(recv_w.reshape(-1, 1), exp.src_entry).reshape(n)
             recv_idx = None
         if sf is not None and col_major_sf:
-            n, S = sf.shape
-            cm = torch.empty_strided((n, S), (1, _align(n, SF_ROW_ALIGNMENT)), dtype=sf.dtype, device=sf.device)
-            sf = cm.copy_(sf)
+            sf = col_major(sf)
         return ((rows, sf) if sf is not None else rows), recv_idx, recv_w
 
     # ------------------------------------------------------------------ combine
@@ -676,24 +414,13 @@ class ElasticBuffer:
             EPTimeoutError, EPRemoteError: as there.
         """
         with self._agreed("combine", handle):
-            prev, prev_epi, K, N, rows = self._check_combine(x, handle, topk_weights, bias, num_sms, num_qps,
-                                                             previous_event, previous_event_before_epilogue)
+            prev, prev_epi, *_ = check_combine(self, x, handle, topk_weights, bias, num_sms, num_qps,
+                                                       previous_event, previous_event_before_epilogue)
         if prev is not None:
             prev.current_stream_wait()
         recv_idx = handle.recv_topk_idx
         if handle.do_expand:
-            slots = handle.recv_src_metadata[:, 2:].long()
-            H = x.shape[1]
-            idx = torch.where(slots >= 0, slots, torch.full_like(slots, rows))
-            ext = torch.cat([x, torch.zeros((1, H), dtype=x.dtype, device=x.device)])
-            acc = torch.zeros((N, H), dtype=torch.float32, device=x.device)
-            for k in range(K):
-                acc += ext[idx[:, k]].float()
-            y = acc.to(torch.bfloat16)
-            w = None
-            if topk_weights is not None:
-                wext = torch.cat([topk_weights, torch.zeros(1, dtype=torch.float32, device=x.device)])
-                w = wext[idx]
+            y, w = reduce_expanded(x, handle.recv_src_metadata[:, 2:].long(), topk_weights)
         else:
             y = x
             w = None if topk_weights is None else torch.where(recv_idx >= 0, topk_weights,
@@ -702,32 +429,6 @@ class ElasticBuffer:
             prev_epi.current_stream_wait()
         return self._buffer.combine(y, handle.buffer_handle, topk_weights=w, bias=bias,
                                     async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
-
-    def _check_combine(self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
-                       previous_event_before_epilogue):
-        """The checks of a combine: ``(previous_event, previous_event_before_epilogue, K, N, rows of x)``."""
-        for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
-            _count(name, v)
-        self._check_handle(handle, "handle")
-        prev, prev_epi = _as_event(previous_event, "previous_event"), _as_event(previous_event_before_epilogue,
-                                                                                  "previous_event_before_epilogue")
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
-            raise TypeError(f"combine's x must be a bf16 [rows, H] tensor, got "
-                            f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        K, N = handle.topk_idx.shape[1], handle.recv_topk_idx.shape[0]
-        rows = handle.num_expanded_tokens if handle.do_expand else N
-        if x.shape[0] != rows:
-            raise ValueError(f"combine's x must have {rows} rows ({'num_expanded_tokens' if handle.do_expand else 'N'} "
-                             f"of the handle's dispatch), got {x.shape[0]}")
-        want_w = (rows,) if handle.do_expand else (rows, K)
-        if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
-                                         or tuple(topk_weights.shape) != want_w):
-            raise TypeError(f"topk_weights must be fp32 {list(want_w)}, got "
-                            f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
-                            f"{tuple(getattr(topk_weights, 'shape', ()))}")
-        if isinstance(bias, tuple) and len(bias) != 2:
-            raise ValueError(f"bias must be a tensor or a pair of tensors, got a tuple of {len(bias)}")
-        return prev, prev_epi, K, N, rows
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -753,53 +454,6 @@ class ElasticBuffer:
             except Exception:  # noqa: BLE001 - Buffer's rejection of x=None (or an earlier failure it reports): the
                 pass           # caller gets this rank's own error
             raise
-
-    def _num_max(self, given, T: int) -> int:
-        n = self.num_max_tokens_per_rank if given is None else _count("num_max_tokens_per_rank", given)
-        if n <= 0:
-            raise ValueError("num_max_tokens_per_rank is needed: pass it to dispatch or to the constructor")
-        if T > n:
-            raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank = {n}")
-        return n
-
-    def _check_stats(self, stats, El: int) -> None:
-        if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
-                                  or tuple(stats.shape) != (El,) or stats.device.type != self.device.type):
-            raise TypeError(f"cumulative_local_expert_recv_stats must be int32 [{El}] on {self.device}, got "
-                            f"{getattr(stats, 'dtype', type(stats).__name__)} {tuple(getattr(stats, 'shape', ()))}")
-
-    def _check_handle(self, handle, name: str) -> None:
-        if not isinstance(handle, EPHandle):
-            raise TypeError(f"{name} must be an EPHandle from ElasticBuffer.dispatch, got {type(handle).__name__}")
-        if handle.owner != self._number:
-            raise ValueError(f"{name} comes from another ElasticBuffer")
-
-    def _psum_per_rank(self, h1) -> Tensor:
-        """int32 ``[R]``: rows received from source ranks ``0..i`` (from the V1 handle, intranode or internode)."""
-        if len(h1) == 10:                            # internode: recv_gbl_rank_prefix_sum
-            return h1[6].to(torch.int32).clone()
-        return h1[0][:, self.rank_idx].to(torch.int32).contiguous()
-
-    def _src_metadata(self, h1, psum_r: Tensor, recv_idx: Tensor, N_max: int, slots: Optional[Tensor]) -> Tensor:
-        N, K = recv_idx.shape
-        dev = recv_idx.device
-        if len(h1) == 10:
-            src_rank, src_tok = h1[7][:, 0].long(), h1[7][:, 1].long()
-        else:
-            src_tok = h1[3].long()
-            rows = torch.arange(N, dtype=torch.int64, device=dev)
-            src_rank = torch.searchsorted(psum_r.long(), rows, right=True)
-        pad = src_tok < 0
-        k_iota = torch.arange(K, dtype=torch.int64, device=dev).expand(N, K)
-        first = torch.where(recv_idx >= 0, k_iota, torch.full_like(k_iota, K)).amin(1) if K else \
-            torch.zeros(N, dtype=torch.int64, device=dev)
-        meta = torch.full((N, K + 2), -1, dtype=torch.int32, device=dev)
-        neg = torch.full_like(src_tok, -1)
-        meta[:, 0] = torch.where(pad, neg, src_rank * N_max + src_tok).to(torch.int32)
-        meta[:, 1] = torch.where(pad, neg, src_rank * K + first).to(torch.int32)
-        if slots is not None:
-            meta[:, 2:] = slots.to(torch.int32)
-        return meta
 
     @contextlib.contextmanager
     def _epilogue_stream(self, async_: bool, prev_epi: Optional[EventOverlap]):
