@@ -10,17 +10,20 @@ count exchange), ``worst`` (a dispatch with num_worst_tokens: the others wait on
 ``ll_dispatch`` (a low-latency dispatch, after the victim's send), ``ll_combine``. Target: 2 s; before the liveness
 watcher a survivor waited out ``timeout_s``.
 
-Across hosts (``--host-modes``, CPU only): ``--ranks`` ranks on 2 emulated hosts (``TRITON_EP_RDMA=emulated``), once per
-RDMA proxy kind of ``--proxies`` (``TRITON_EP_PROXY``); rank 1 (host 1) dies 0.3 s after the barrier, while the
-others are in the call: ``internode`` (a normal-mode dispatch), ``internode_ll`` (a low-latency dispatch),
-``internode_ll_combine`` (tests/cases/dead_peer.py, ``killed_across_hosts``). Before the liveness probes of the RDMA
-proxy (its zero-payload probe WRITE fails once the peer's QPs are gone) a survivor there waited out ``timeout_s``.
+Across hosts (``--host-modes``, CPU only): for each count of ``--host-ranks`` (default 2 and 4), that many ranks on 2
+emulated hosts (``TRITON_EP_RDMA=emulated``, ``TRITON_EP_RANKS_PER_HOST`` half of it), once per RDMA proxy kind of
+``--proxies`` (``TRITON_EP_PROXY``); rank 1 dies 0.3 s after the barrier, while the others are in the call:
+``internode`` (a normal-mode dispatch), ``internode_ll`` (a low-latency dispatch), ``internode_ll_combine``
+(tests/cases/dead_peer.py, ``killed_across_hosts``). With 1 rank per host rank 1 is alone on host 1; with 2 it shares
+host 0 with rank 0 (its liveness lock), its RDMA peer is rank 3 (its probes), and rank 2 hears of it from rank 0.
+Before the liveness probes of the RDMA proxy (its probe WRITE fails once the peer's QPs are gone) a survivor there
+waited out ``timeout_s``; before the host's lock was watched in low-latency mode across hosts, rank 0 there did too.
 
     ./run.sh python benchmarks/bench_dead_peer.py [--ranks 3] [--timeout-s 60] [--modes dispatch,combine]
-        [--device cpu] [--host-modes internode,internode_ll] [--host-ranks 2] [--proxies thread,process] [--out DIR]
+        [--device cpu] [--host-modes internode,internode_ll] [--host-ranks 2,4] [--proxies thread,process] [--out DIR]
 
-About 2 minutes on two CPU cores at the defaults within one host, and 2-4 more across hosts (the rank processes'
-set-up; each error itself comes in well under a second). Output: a table on stdout; ``dead_peer.json`` in ``--out`` only when it is given.
+About 2 minutes on two CPU cores at the defaults within one host, and 5-10 more across hosts (the rank processes'
+set-up; each error itself comes in well under 2 s). Output: a table on stdout; ``dead_peer.json`` in ``--out`` only when it is given.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the buffers live (default cpu)")
     p.add_argument("--host-modes", default=",".join(cases.HOST_MODES),
                    help=f"across 2 emulated hosts, comma-separated, of {', '.join(cases.HOST_MODES)} (empty: none)")
-    p.add_argument("--host-ranks", type=int, default=2, help="ranks across the 2 hosts (default 2; even)")
+    p.add_argument("--host-ranks", default="2,4", help="ranks across the 2 hosts, comma-separated (default 2,4; each even)")
     p.add_argument("--proxies", default="thread,process", help="RDMA proxy kinds across hosts (default thread,process)")
     p.add_argument("--out", default=None, help="folder for dead_peer.json (default: none, stdout only)")
     a = p.parse_args(argv)
@@ -62,8 +65,12 @@ def parse_args(argv=None):
     bad = [m for m in a.host_modes if m not in cases.HOST_MODES]
     if bad:
         p.error(f"--host-modes: unknown {bad}; the modes are {', '.join(cases.HOST_MODES)}")
-    if a.host_ranks < 2 or a.host_ranks % 2:
-        p.error(f"--host-ranks must be even and at least 2 (2 hosts), got {a.host_ranks}")
+    try:
+        a.host_ranks = [int(v) for v in a.host_ranks.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--host-ranks must be comma-separated ints, got {a.host_ranks!r}")
+    if not a.host_ranks or any(n < 2 or n % 2 for n in a.host_ranks):
+        p.error(f"--host-ranks must each be even and at least 2 (2 hosts), got {a.host_ranks}")
     a.proxies = [v for v in a.proxies.split(",") if v]
     bad = [v for v in a.proxies if v not in ("thread", "process")]
     if bad or not a.proxies:
@@ -89,7 +96,7 @@ def one_mode(mode: str, ranks: int, timeout_s: float, device: str, proxy: str = 
                                     timeout_s=timeout_s + 240)
         with open(os.path.join(stamp, "killed")) as f:
             killed = float(f.read())
-    row = {"mode": f"{mode} ({proxy} proxy)" if proxy else mode, "errors": [], "seconds": []}
+    row = {"mode": f"{mode} (2x{ranks // 2}, {proxy} proxy)" if proxy else mode, "errors": [], "seconds": []}
     for r, o in enumerate(out):
         if r == 1:
             continue
@@ -107,8 +114,10 @@ def main(argv=None) -> None:
     say(f"{a.ranks} ranks on {a.device}, timeout_s {a.timeout_s:g}; rank 1 dies (SIGKILL); target {TARGET_S:g} s")
     rows = [one_mode(m, a.ranks, a.timeout_s, a.device) for m in a.modes]
     if a.host_modes:
-        say(f"across 2 emulated hosts: {a.host_ranks} ranks, rank 1 dies; proxies {', '.join(a.proxies)}")
-        rows += [one_mode(m, a.host_ranks, a.timeout_s, a.device, proxy) for m in a.host_modes for proxy in a.proxies]
+        say(f"across 2 emulated hosts: {', '.join(map(str, a.host_ranks))} ranks, rank 1 dies; proxies "
+            f"{', '.join(a.proxies)}")
+        rows += [one_mode(m, n, a.timeout_s, a.device, proxy) for n in a.host_ranks for m in a.host_modes
+                 for proxy in a.proxies]
     print_table(["mode", "survivors' errors", "kill to error, s (min / max)", f"within {TARGET_S:g} s"],
                 [[r["mode"], ", ".join(sorted(set(r["errors"]))),
                   f"{min(r['seconds']):.2f} / {max(r['seconds']):.2f}",

@@ -6,7 +6,9 @@ checks, allocations, kernel launches, the plain dispatch's one host wait), and t
     ./run.sh python benchmarks/host_cost.py --diff BEFORE.json AFTER.json [--name NAME] [--out DIR]
 
 One rank (a gloo group of one), hidden 7168 bf16, top-8 of 256 experts on a GPU (tiny shapes on CPU),
-random routing, a buffer holding every transfer in one round. Per call: a device synchronise, then
+random routing, a buffer holding every transfer in one round (``--buffer round``, the default) or of DeepEP's size
+hint for this hidden and one rank (``--buffer hint``: a T past the hint's rows takes several rounds, as at ``R``
+ranks in a hint ``R`` times larger, benchmarks/host_counts.py). Per call: a device synchronise, then
 ``perf_counter`` around the one call; the median (and minimum) of ``--iters`` calls. This is what bounds a
 small call from below when the GPU waits for the host. The dispatches take the layout
 ``get_dispatch_layout`` returned for their ``topk_idx`` (so they launch no layout of their own); ``ll_dispatch``
@@ -92,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="calls timed per call (default 30 on a GPU, 5 on CPU); with --against, calls per block "
                         "(default 20 on a GPU, 2 on CPU)")
     p.add_argument("--calls", nargs="+", choices=CALLS, default=list(CALLS))
+    p.add_argument("--buffer", choices=("round", "hint"), default="round",
+                   help="the normal Buffer's size: every transfer in one round, or DeepEP's size hint (rounds)")
     p.add_argument("--cprofile", action="store_true", help="also print the top of a cProfile of each call")
     p.add_argument("--against", metavar="DIR",
                    help="another checkout of triton-ep (the folder holding triton_ep/): time both in one process")
@@ -224,13 +228,16 @@ def inputs(a, dev) -> tuple:
 
 def make_calls(lib, a, dev, x, idx, w, low_latency: bool = True) -> tuple:
     """Buffers of the package ``lib`` (``triton_ep``, or another copy of it: ``--against``) on the default
-    group: a normal one holding every transfer in one round and, with ``low_latency``, a low-latency one (N =
+    group: a normal one (``a.buffer``: holding every transfer in one round, or of DeepEP's size hint) and, with
+    ``low_latency``, a low-latency one (N =
     tokens). Returns ``(buffer, low_latency_buffer or None, calls, dispatch_kwargs)``; ``calls``: name -> a
     function making that call once (dispatches take the layout ``get_dispatch_layout`` returned, so they launch
     none of their own; ``ll_*`` only with ``low_latency``)."""
     made = []                   # destroyed again if a later step fails (the caller gets nothing to destroy)
     try:
-        buf = lib.Buffer(dist.group.WORLD, max(1 << 22, a.tokens * (a.hidden * 2 + 512) * 2), device=dev)
+        nbytes = (C.nvl_bytes_hint(a.hidden, 1) if a.buffer == "hint"
+                  else max(1 << 22, a.tokens * (a.hidden * 2 + 512) * 2))
+        buf = lib.Buffer(dist.group.WORLD, nbytes, device=dev)
         made.append(buf)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, a.experts)
         kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -333,7 +340,8 @@ def report_one(a, dev, out: list) -> None:
     what = ("host µs of one call from Python on this machine (GPU: the call only enqueues work, except a plain "
             "dispatch's host wait)" if gpu else
             "CPU: kernels run inside the call under the Triton interpreter; the times say nothing about a GPU")
-    C.say(f"[host_cost] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of {a.experts}; {what}")
+    C.say(f"[host_cost] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of {a.experts}, "
+          f"buffer: {a.buffer}; {what}")
     C.print_table(["call", "host us (median)", "min", "in launches us", "in allocations us",
                    "kernels" if gpu else "launcher calls", "per kernel"],
                   [[r["call"], C.sig(r["host_us"]), C.sig(r["host_us_min"]), C.sig(r.get("launch_us")),
@@ -341,7 +349,7 @@ def report_one(a, dev, out: list) -> None:
                     ", ".join(f"{k} {v}" for k, v in r["launches"].items())] for r in out])
     os.makedirs(a.out, exist_ok=True)
     C.write_json(os.path.join(a.out, "host_cost.json"),
-                 dict(device=C.device_name(), ranks=1, ranks_per_gpu=1, tokens=a.tokens, hidden=a.hidden,
+                 dict(device=C.device_name(), ranks=1, ranks_per_gpu=1, tokens=a.tokens, hidden=a.hidden, buffer=a.buffer,
                       experts=a.experts, topk=a.topk, iters=a.iters, note=what, results=out))
 
 
@@ -420,7 +428,8 @@ def report_against(a, dev, other, out: list) -> None:
     """The table of :func:`run_against`'s rows, and ``<out>/host_cost_ab.json``."""
     what = ("host µs of one call from Python on this machine, both checkouts in one process" if dev.type == "cuda" else
             "CPU: kernels run inside the call under the Triton interpreter; the times say nothing about a GPU")
-    C.say(f"[host_cost --against] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, top-{a.topk} of "
+    C.say(f"[host_cost --against] {C.device_name()}, 1 rank, {a.tokens} tokens x {a.hidden}, buffer: {a.buffer}, "
+          f"top-{a.topk} of "
           f"{a.experts}; this checkout against {a.against}; medians of {a.rounds} blocks of {a.iters} calls a side; "
           f"{what}")
     C.print_table(["call", "this us", "other us", "ratio", "this min", "other min"],
@@ -428,7 +437,7 @@ def report_against(a, dev, other, out: list) -> None:
                     C.sig(r["this_us_min"]), C.sig(r["other_us_min"])] for r in out])
     os.makedirs(a.out, exist_ok=True)
     C.write_json(os.path.join(a.out, "host_cost_ab.json"),
-                 dict(device=C.device_name(), ranks=1, tokens=a.tokens, hidden=a.hidden, experts=a.experts,
+                 dict(device=C.device_name(), ranks=1, tokens=a.tokens, hidden=a.hidden, buffer=a.buffer, experts=a.experts,
                       topk=a.topk, iters=a.iters, rounds=a.rounds, against=os.path.abspath(a.against), note=what,
                       this_code=code_of(triton_ep), other_code=code_of(other), results=out))
 

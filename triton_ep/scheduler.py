@@ -34,9 +34,11 @@ writes it anyway (:meth:`Scheduler.fail`). The peer's NIC acknowledges it withou
 compiling or starved of the GIL is never taken for dead. A peer whose process is gone has no QPs left (the kernel
 destroys them with the process; a NIC drops packets for a QP that does not exist), so the probe, like any request
 to it, completes with ``IBV_WC_RETRY_EXC_ERR`` after the QP's retries (``retry_cnt`` + 1 local ACK timeouts: 0.54 s
-at ``timeout`` 14, ``retry_cnt`` 7); the same status comes when its host or the path to it is down. Any request to
-a peer that completes so is a :class:`PeerGoneError` naming that peer, which this proxy's fault word carries to its
-other peers (they raise ``PeerGoneError`` naming the same rank). Where a peer is alive but stuck, nothing fails
+at ``timeout`` 14, ``retry_cnt`` 7); the same status comes when its host or the path to it is down. A probe (or any
+request on QP 0) that completes so is a :class:`PeerGoneError` naming that peer, which this proxy's fault word
+carries to its other peers (they raise ``PeerGoneError`` naming the same rank). A request on another QP that
+completes so may mean that only that QP failed (a responder QP in the error state drops packets too): the next
+probe, posted at once, decides: acknowledged, it is a :class:`ProxyError` naming that QP; not, ``PeerGoneError``. Where a peer is alive but stuck, nothing fails
 here: ``timeout_s`` stays the bound.
 
 Every wait is bounded by ``timeout_s``.  A proxy that fails (a QP in the error state, an error completion,
@@ -349,6 +351,11 @@ class Scheduler:
         self._bound_at = 0.0
         #: when the sweep next probes the peers (:meth:`_probe`), and the peers with a probe in flight
         self._probe_at, self._probing = 0.0, set()
+        #: peers one of whose work requests completed with ``IBV_WC_RETRY_EXC_ERR`` on a data QP, each with the
+        #: :class:`ProxyError` that names that QP: a probe posted after it (``_confirming``) tells a QP that failed
+        #: (the probe is acknowledged: that error is raised) from a peer that is gone (it fails too: PeerGoneError)
+        self._suspect: Dict[int, ProxyError] = {}
+        self._confirming: set = set()
         #: the stage of the host wait in progress (:meth:`wait_stage`), or None
         self.waiting: Optional[str] = None
         #: ``f(peer)``, called once where this scheduler fails because rank ``peer`` is gone (:class:`PeerGoneError`),
@@ -361,6 +368,8 @@ class Scheduler:
         calls out; ``None``: ``TRITON_EP_PROXY_CPU_SPLIT=1``)."""
         self._t0 = time.perf_counter_ns()
         self.wrs_posted = 0
+        #: liveness probes posted (:meth:`_probe`; not in ``wrs_posted``, which counts the data path's requests)
+        self.probes_posted = 0
         # The statistics are plain integers, nanoseconds, added to in the sweeps and folded into seconds only by
         # stats(). Nanoseconds the proxy threads spent in sweeps that moved something (wall clock: with the GIL
         # waits of a busy process), the part of it inside the transport's data posts (over the emulated fabric:
@@ -609,7 +618,7 @@ class Scheduler:
             ports = {k: v[1] for k, v in self._ports.items()}
             ns = (self._busy_ns, self._post_ns, self._transport_ns, self._busy_cpu_ns, self._transport_cpu_ns)
         busy, post, tx, cpu, tx_cpu = (v / 1e9 for v in ns)
-        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "proxy_busy_s": busy, "proxy_post_s": post,
+        return {"qps": qps, "ports": ports, "wrs": self.wrs_posted, "probes": self.probes_posted, "proxy_busy_s": busy, "proxy_post_s": post,
                 "proxy_transport_s": tx, "proxy_cpu_s": cpu, "proxy_transport_cpu_s": tx_cpu,
                 "proxy_busy_sweeps": self.busy_sweeps}
 
@@ -783,7 +792,9 @@ class Scheduler:
             finally:
                 self._tx_done(t0, c0)
             self._probing.add(p)
-            self.wrs_posted += 1
+            if p in self._suspect:
+                self._confirming.add(p)
+            self.probes_posted += 1
 
     def _arrivals(self) -> bool:
         """With arrival words: move each peer's ``TAIL`` past the chunks whose arrival words have landed (in order; a
@@ -1021,17 +1032,27 @@ class Scheduler:
         peer = c.peer
         if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
             return
-        if c.wr_id is not None and c.wr_id & TAG_PROBE and not c.wr_id & TAG_CHUNK:
+        probe = c.wr_id is not None and bool(c.wr_id & TAG_PROBE) and not c.wr_id & TAG_CHUNK
+        if probe:
             self._probing.discard(peer)
+            if peer in self._suspect:
+                self._probe_at = 0.0            # (confirm at the next sweep)
+                if c.status == "IBV_WC_SUCCESS" and peer in self._confirming:
+                    raise self._suspect[peer]   # the peer acknowledged QP 0 after its other QP failed: that QP
         if c.status != "IBV_WC_SUCCESS":
             if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
                 return
             stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
             ch = None if c.qp is None else c.qp // self.qps_per_channel
             what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
-            if c.status == STATUS_GONE:
+            if c.status == STATUS_GONE and (probe or c.qp == 0):
                 raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
                                     f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
+            if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells
+                if peer not in self._suspect:
+                    self._suspect[peer] = ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
+                    self._probe_at = 0.0
+                return
             raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
         if c.opcode == "recv_imm":
             st = self._peer[peer]

@@ -186,9 +186,12 @@ def killed_across_hosts(rank, world, mode, proxy, timeout_s, victim, stamp=None,
 
 def _proxy_pids(buf) -> list:
     """The pids of this process's children (the Buffer's RDMA proxy processes; none with proxy threads), from
-    ``/proc/self/task/*/children``."""
+    ``/proc/self/task/*/children`` (a thread that ends meanwhile is skipped)."""
     pids = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids += [int(p) for p in f.read().split()]
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):     # a thread that ended since the listing
+            continue
     return sorted(set(pids))

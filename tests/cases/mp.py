@@ -1007,10 +1007,12 @@ def replayed_calls(rank, world, seed, device="cpu", fused=True):
     return seen, err
 
 
-def replayed_rounds(rank, world, seed, num_nvl_bytes):
+def replayed_rounds(rank, world, seed, num_nvl_bytes, fused=False):
     """A buffer small enough for several rounds a call: cached dispatches and combines replay their send and receive
     launches of every round (a combine with fresh fp32 sums each call), fresh contents each call, bit for bit
-    against the reference, with and without weights. Returns ``(dispatch replays, combine replays)``."""
+    against the reference, with and without weights. ``fused``: every call (the plain dispatch too) runs all its
+    rounds as one launch (``TRITON_EP_FUSED=1``), and a replay is that one launch. Returns ``(dispatch replays,
+    combine replays)``."""
     from triton_ep.modes import intranode_replay as RP
     E, K, H = 4 * world, 3, 64
     Ts = [40 + 5 * r for r in range(world)]
@@ -1020,9 +1022,14 @@ def replayed_rounds(rank, world, seed, num_nvl_bytes):
 
     def counted(rt, p, *a, **k):
         counts[p.code] = counts.get(p.code, 0) + 1
-        assert len(p.launches) > 2, ("several rounds: a send and a receive launch each", len(p.launches))
+        if fused:
+            assert len(p.launches) == 1, ("several rounds as one launch", len(p.launches))
+        else:
+            assert len(p.launches) > 2, ("several rounds: a send and a receive launch each", len(p.launches))
         return real_run(rt, p, *a, **k)
     RP._run = counted
+    if fused:
+        os.environ["TRITON_EP_FUSED"] = "1"
     buf = triton_ep.Buffer(None, num_nvl_bytes, timeout_s=60)
     try:
         _, _, recv_w, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], E))
@@ -1042,6 +1049,7 @@ def replayed_rounds(rank, world, seed, num_nvl_bytes):
         return counts.get(card.CACHED_DISPATCH, 0), counts.get(card.COMBINE, 0)
     finally:
         RP._run = real_run
+        os.environ.pop("TRITON_EP_FUSED", None)
         buf.destroy()
 
 

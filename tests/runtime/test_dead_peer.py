@@ -130,6 +130,7 @@ def test_bench_dead_peer_refuses_bad_arguments(tmp_path, capsys):
     for argv, says in ((["--ranks", "1"], "--ranks"), (["--modes", "dispatch,nope"], "nope"),
                        (["--timeout-s", "0"], "--timeout-s"), (["--out", str(tmp_path / "file")], "--out"),
                        (["--host-modes", "internode,nope"], "nope"), (["--host-ranks", "3"], "--host-ranks"),
+                       (["--host-ranks", "2,x"], "--host-ranks"), (["--host-ranks", "2,6,0"], "--host-ranks"),
                        (["--proxies", "fork"], "--proxies")):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv)
@@ -137,4 +138,5 @@ def test_bench_dead_peer_refuses_bad_arguments(tmp_path, capsys):
     a = bench.parse_args(["--modes", "combine,ll_dispatch"])
     assert a.modes == ["combine", "ll_dispatch"] and a.out is None
     a = bench.parse_args(["--modes", "", "--host-modes", "internode_ll", "--proxies", "process"])
-    assert (a.modes, a.host_modes, a.proxies) == ([], ["internode_ll"], ["process"])
+    assert (a.modes, a.host_modes, a.proxies, a.host_ranks) == ([], ["internode_ll"], ["process"], [2, 4])
+    assert bench.parse_args(["--host-ranks", "4"]).host_ranks == [4]

@@ -81,7 +81,7 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # programs per multiprocessor, each looping over blocks (kernels.dispatch._grid; 0: a program per block;
     # a dispatch send with split_w multiplies it by its row slices)
     "grid": dict(programs_per_sm=8),
-    # a call of one round of at most max_tokens tokens runs its send and receive as one launch
+    # a call of at most max_tokens tokens runs the send and receive of all its rounds as one launch
     # (kernels.dispatch.dispatch_fused, kernels.combine.combine_fused); the fused combine's reduce part takes
     # reduce_block_h (the split reduce's 2048 made a fused T 1024 combine about 6% slower, benchmarks/README.md)
     "fused": dict(max_tokens=1024, reduce_block_h=4096),

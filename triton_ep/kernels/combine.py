@@ -112,10 +112,13 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                    wacc_ptr, wout_ptr, H: tl.constexpr, K: tl.constexpr, REC_H: tl.constexpr, REC_F: tl.constexpr,
                    R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr, FINAL: tl.constexpr,
                    HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, load_acc=1, store_acc=1, final=1):
     """The reduce's arithmetic: this program's token blocks, the returned rows of slots ``[lo, hi)`` added in
     ascending destination rank (and, in the last round, the biases), rounded once to bf16. The area comes in
-    any dtype (read as bf16 rows and fp32 weights) and ``out`` as bf16 (written as the rounded bits)."""
+    any dtype (read as bf16 rows and fp32 weights) and ``out`` as bf16 (written as the rounded bits).
+    ``LOAD_ACC``, ``STORE_ACC``, ``FINAL``: what the round may do (a split launch's round: exactly that);
+    ``load_acc``, ``store_acc``, ``final``: runtime conditions on each, int32 0 or 1 (a fused launch's round, where
+    one code serves every round: the first loads no sums, the last stores none)."""
     rec_h_ptr = rec_h_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     rec_f_ptr = rec_f_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
     out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
@@ -126,8 +129,11 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
         for h0 in range(0, H, BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             mth = mt[:, None] & (oh[None, :] < H)
+            # (a tile of the condition: the interpreter takes no scalar in a mask)
+            zh = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.int32)
+            l_h, s_h, f_h = (zh + load_acc) != 0, (zh + store_acc) != 0, (zh + final) != 0
             if LOAD_ACC:
-                acc = tl.load(acc_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0)
+                acc = tl.load(acc_ptr + t[:, None] * H + oh[None, :], mask=mth & l_h, other=0.0)
             else:
                 acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             for r in tl.static_range(R):
@@ -135,18 +141,21 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                 v = tl.load(rec_h_ptr + (slot - lo)[:, None] * REC_H + oh[None, :], mask=m[:, None] & mth, other=0.0)
                 acc += v.to(tl.float32)
             if STORE_ACC:
-                tl.store(acc_ptr + t[:, None] * H + oh[None, :], acc, mask=mth)
+                tl.store(acc_ptr + t[:, None] * H + oh[None, :], acc, mask=mth & s_h)
             if FINAL:
-                if HAS_B0:
-                    acc += tl.load(b0_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0).to(tl.float32)
+                if HAS_B0:      # (tl.where: a -0.0 sum stays -0.0 in a round that adds no bias)
+                    acc = tl.where(f_h, acc + tl.load(b0_ptr + t[:, None] * H + oh[None, :], mask=mth & f_h,
+                                                      other=0.0).to(tl.float32), acc)
                 if HAS_B1:
-                    acc += tl.load(b1_ptr + t[:, None] * H + oh[None, :], mask=mth, other=0.0).to(tl.float32)
-                tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mth)
+                    acc = tl.where(f_h, acc + tl.load(b1_ptr + t[:, None] * H + oh[None, :], mask=mth & f_h,
+                                                      other=0.0).to(tl.float32), acc)
+                tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mth & f_h)
         if HAS_W:
             ok = tl.arange(0, BLOCK_K)
             mtk = mt[:, None] & (ok[None, :] < K)
+            zk = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
             if LOAD_ACC:
-                wacc = tl.load(wacc_ptr + t[:, None] * K + ok[None, :], mask=mtk, other=0.0)
+                wacc = tl.load(wacc_ptr + t[:, None] * K + ok[None, :], mask=mtk & ((zk + load_acc) != 0), other=0.0)
             else:
                 wacc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
             for r in tl.static_range(R):
@@ -154,9 +163,9 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
                 wacc += tl.load(rec_f_ptr + (slot - lo)[:, None] * REC_F + records.comb_weights(H // 2, K) + ok[None, :],
                                 mask=m[:, None] & mtk, other=0.0)
             if STORE_ACC:
-                tl.store(wacc_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
+                tl.store(wacc_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk & ((zk + store_acc) != 0))
             if FINAL:
-                tl.store(wout_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk)
+                tl.store(wout_ptr + t[:, None] * K + ok[None, :], wacc, mask=mtk & ((zk + final) != 0))
 
 
 @names.jit('intranode', 'combine', do_not_specialize=['T', 'lo', 'hi', 'k', 'sig', 'me', 'timeout_ns', 'advance'])
@@ -192,32 +201,38 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
 _combine_reduce_launch = Launcher(_combine_reduce_kernel)
 
 
-@names.jit('intranode', 'combine', do_not_specialize=['n_rows', 'T', 'hi', 'sig', 'me', 'timeout_ns'])
+@names.jit('intranode', 'combine', do_not_specialize=['n_rows', 'T', 'cap', 'sig', 'me', 'timeout_ns', 'rounds'])
 def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, n_ptr,
-                          rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, hi, out_ptr, b0_ptr, b1_ptr, wout_ptr,
-                          hdr, hdr_delta, host, sig, me, timeout_ns,
+                          rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, cap, acc_ptr, out_ptr, b0_ptr, b1_ptr,
+                          wacc_ptr, wout_ptr, hdr, hdr_delta, host, sig, me, timeout_ns, rounds,
                           N_PTR: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr, WX: tl.constexpr,
                           K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr,
-                          HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-                          BLOCK_TR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    # A combine of one round as one launch: the send part, then the reduce part, each as its own launch does
-    # it (programs all resident at once: see dispatch._dispatch_fused_kernel).
+                          HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, SUMS: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_W: tl.constexpr, BLOCK_TR: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    # A combine as one launch: per round (slots [k * cap, (k + 1) * cap)), the send part, then the reduce part,
+    # each as its own launch does it, the fp32 sums carried between rounds in acc / wacc (SUMS: a call of several
+    # rounds); programs all resident at once, waiting for each other between parts and rounds (see
+    # dispatch._dispatch_fused_kernel).
     if N_PTR:
         n_rows = tl.load(n_ptr).to(tl.int32)
     flags.release_consumed(hdr)         # (the last receive's, where it had no end-of-launch count)
-    n = tl.load(hdr + flags.W_BASE) + 1
-    go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_COMBINE_SEND, n, timeout_ns, R,
-                                   USE_CLOCK)
-    _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, tl.where(go, n_rows, 0), 0, hi, WX, K,
-                 REC, R, HAS_W, BLOCK_T, BLOCK_W, BLOCK_K)
-    flags.finish_send_fused(hdr, hdr_delta, n, sig, me, R, USE_ASM)
-    go = flags.wait_own_send(hdr, hdr_delta, host, n, me, flags.STAGE_COMBINE_RECV, timeout_ns, R, USE_CLOCK)
-    go = go & flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_COMBINE_RECV, n, timeout_ns, R,
-                                     USE_CLOCK)
-    _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, tl.where(go, T, 0), 0, hi, out_ptr, out_ptr,
-                   b0_ptr, b1_ptr, wout_ptr, wout_ptr, 2 * WX, K, REC * 2, REC, R, False, False, True, HAS_B0, HAS_B1,
-                   HAS_W, BLOCK_TR, BLOCK_H, BLOCK_K)
-    flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, 1, USE_ASM)
+    base = tl.load(hdr + flags.W_BASE)  # (read before any program of this launch can advance it, in the last round)
+    for k in range(rounds):
+        n = base + k + 1
+        lo = tl.full([], 0, tl.int64) + k * cap     # (a row index: k * cap < 2^31)
+        go = flags.wait_round_free(hdr, hdr_delta, host, n, k > 0, me, flags.STAGE_COMBINE_SEND, timeout_ns, R, USE_CLOCK)
+        _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, tl.where(go, n_rows, 0), lo,
+                     lo + cap, WX, K, REC, R, HAS_W, BLOCK_T, BLOCK_W, BLOCK_K)
+        flags.finish_send_fused(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+        go = flags.wait_own_send(hdr, hdr_delta, host, n, me, flags.STAGE_COMBINE_RECV, timeout_ns, R, USE_CLOCK)
+        go = go & flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_COMBINE_RECV, n, timeout_ns,
+                                         R, USE_CLOCK)
+        _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, tl.where(go, T, 0), lo, lo + cap, acc_ptr,
+                       out_ptr, b0_ptr, b1_ptr, wacc_ptr, wout_ptr, 2 * WX, K, REC * 2, REC, R, SUMS, SUMS, True,
+                       HAS_B0, HAS_B1, HAS_W, BLOCK_TR, BLOCK_H, BLOCK_K, (lo > 0).to(tl.int32),
+                       (lo + cap < rounds * cap).to(tl.int32), (lo + cap >= rounds * cap).to(tl.int32))
+        flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, tl.where(k == rounds - 1, rounds, 0), USE_ASM)
 
 
 _combine_fused_launch = Launcher(_combine_fused_kernel)
@@ -323,30 +338,41 @@ def _bind_reduce(grid, hidden, k, rec_bytes, R, first, last, n_biases, has_w, sy
 
 def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_rows: int, prefix: torch.Tensor,
                   comb_base: torch.Tensor, delta_words: torch.Tensor, area: torch.Tensor, send_pos: torch.Tensor,
-                  send_base: torch.Tensor, hi: int, rec_bytes: int, out: torch.Tensor, biases: Sequence[torch.Tensor],
+                  send_base: torch.Tensor, cap: int, rec_bytes: int, out: torch.Tensor, biases: Sequence[torch.Tensor],
                   wout: Optional[torch.Tensor], signals: dict, sig: int, n_recv: Optional[torch.Tensor] = None,
-                  tune: Optional[dict] = None) -> tuple:
-    """A combine of one round (slots ``[0, hi)``) as one launch: :func:`combine_send`, then :func:`combine_reduce`
-    (first and last round, ``advance = 1``), same arguments and results; ``area``: the local buffer (uint8).
-    The grid is :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps``
-    (``tune``: as in :func:`combine_send`).
-    Returns the bound launch and its arguments (for :meth:`triton_ep.kernels.launch.BoundLaunch.replay`)."""
-    n_rows = max(n_rows, 0)
+                  tune: Optional[dict] = None, rounds: int = 1, acc: Optional[torch.Tensor] = None,
+                  wacc: Optional[torch.Tensor] = None) -> tuple:
+    """A combine of ``rounds`` rounds (round ``k``: slots ``[k * cap, (k + 1) * cap)``) as one launch: per round,
+    :func:`combine_send`, then :func:`combine_reduce` (``advance = rounds`` in the last), same arguments and
+    results; ``area``: the local buffer (uint8). A call of several rounds carries its fp32 sums in ``acc`` (``[T,
+    H]``) and, with weights, ``wacc`` (``[T, K]``), as :func:`combine_reduce`. The grid is
+    :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps`` (``tune``: as in
+    :func:`combine_send`). Returns the bound launch and its arguments (for
+    :meth:`triton_ep.kernels.launch.BoundLaunch.replay`).
+
+    Raises:
+        ValueError: several rounds without ``acc`` (or, with weights, ``wacc``); weights without ``wout``.
+    """
+    n_rows, rounds = max(n_rows, 0), max(int(rounds), 1)
     wx = row_words(x_words)
     k = weight_words.shape[1] if weight_words is not None else 0
     T = send_pos.shape[0]
+    sums = rounds > 1
+    if sums and (acc is None or (k and wacc is None)):
+        raise ValueError("combine_fused of several rounds carries its sums in acc (and wacc with weights)")
     cs, cr, cf = entry("combine_send", tune), entry("combine_reduce", tune), entry("fused", tune)
     progs = fused_programs(max(cdiv(n_rows, cs["block_t"]), cdiv(T, cr["block_t"]), 1), area.device, signals,
                            tune=tune)
     key = (progs, wx, k, weight_words is not None, rec_bytes, prefix.shape[0], n_recv is not None, len(biases),
-           wout is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()), tuple(cf.items()))
+           wout is not None, signals["use_clock"], sums, tuple(cs.items()), tuple(cr.items()), tuple(cf.items()))
     launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-3], cs, cr, cf))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
     args = (x_words, weight_words if k else x_words, prefix, comb_base, delta_words, area, n_rows,
-            n_recv if n_recv is not None else prefix, area, area, send_pos, send_base, T, hi, out, b0, b1,
+            n_recv if n_recv is not None else prefix, area, area, send_pos, send_base, T, cap,
+            acc if sums else out, out, b0, b1, wacc if (sums and wacc is not None) else out,
             wout if wout is not None else out,
-            signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
+            signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], rounds)
     launch(*args)
     return launch, args
 
@@ -354,12 +380,13 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
 _FUSED_BOUND: dict = {}
 
 
-def _bind_fused(progs, wx, k, has_w, rec_bytes, R, n_ptr, n_biases, has_wout, use_clock, cs, cr, cf):
+def _bind_fused(progs, wx, k, has_w, rec_bytes, R, n_ptr, n_biases, has_wout, use_clock, sums, cs, cr, cf):
     if has_w != has_wout:
         raise ValueError("combine's weights and their output come together")
     return _combine_fused_launch.bind(
         (progs,), num_warps=cs["num_warps"], N_PTR=n_ptr, USE_CLOCK=use_clock, USE_ASM=use_clock, WX=wx, K=k,
-        REC=rec_bytes // 4, R=R, HAS_W=has_w, HAS_B0=n_biases > 0, HAS_B1=n_biases > 1, BLOCK_T=cs["block_t"],
+        REC=rec_bytes // 4, R=R, HAS_W=has_w, HAS_B0=n_biases > 0, HAS_B1=n_biases > 1, SUMS=sums,
+        BLOCK_T=cs["block_t"],
         BLOCK_W=pow2(min(wx, cs["block_w"])), BLOCK_TR=cr["block_t"],
         BLOCK_H=pow2(min(2 * wx, cf["reduce_block_h"])),
         BLOCK_K=pow2(k))

@@ -226,11 +226,11 @@ _dispatch_recv_launch = Launcher(_dispatch_recv_kernel)
 
 
 @names.jit('intranode', 'dispatch',
-           do_not_specialize=['T', 'lo', 'hi', 'n_rows', 'expert_lo', 'cap', 'sig', 'me', 'timeout_ns', 'advance'])
+           do_not_specialize=['T', 'n_rows', 'expert_lo', 'cap', 'sig', 'me', 'timeout_ns', 'rounds'])
 def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
-                           T, lo, hi, num_experts, n_rows, expert_lo, experts_per_rank,
+                           T, num_experts, n_rows, expert_lo, experts_per_rank,
                            out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, n_ptr, cap,
-                           hdr, hdr_delta, host, sig, me, timeout_ns, advance,
+                           hdr, hdr_delta, host, sig, me, timeout_ns, rounds,
                            N_PTR: tl.constexpr, R: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                            WX: tl.constexpr, S: tl.constexpr, K: tl.constexpr, REC: tl.constexpr,
                            HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
@@ -238,25 +238,29 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
                            BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_TR: tl.constexpr,
                            BLOCK_WR: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
                            STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
-    # A call of one round as one launch: the send part, then the receive part, each as its own launch does
-    # it. The grid is capped so that every program is resident at once (a receive part waits for the send
-    # part's last program, of the same launch); the send part counts its programs at W_DONE, the receive
-    # part at W_DONE2.
+    # A call as one launch: per round (receive rows [k * cap, (k + 1) * cap)), the send part, then the receive
+    # part, each as its own launch does it. The grid is capped so that every program is resident at once (a
+    # receive part waits for the send part's last program, of the same launch; from the second round on, a send
+    # part waits for the receive part's last program of the round before: the area is this rank's own too); the
+    # send part counts its programs at W_DONE, the receive part at W_DONE2.
     flags.release_consumed(hdr)         # (the last receive's, where it had no end-of-launch count)
-    n = tl.load(hdr + flags.W_BASE) + 1
-    go = flags.wait_peers_consumed(hdr, hdr_delta, host, n - 1, me, flags.STAGE_DISPATCH_SEND, n, timeout_ns, R,
-                                   USE_CLOCK)
-    _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, tl.where(go, T, 0),
-                 lo, hi, num_experts, WX, S, K, REC, R, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W,
-                 BLOCK_S, BLOCK_K, False, EVEN_W, STORE_CACHE, STORE_EVICT)
-    flags.finish_send_fused(hdr, hdr_delta, n, sig, me, R, USE_ASM)
-    go = flags.wait_own_send(hdr, hdr_delta, host, n, me, flags.STAGE_DISPATCH_RECV, timeout_ns, R, USE_CLOCK)
-    go = go & flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
-                                     USE_CLOCK)
-    n_rows, n_out = _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR)
-    _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
-               out_src_ptr, WX, S, K, REC, HAS_SCALES, OUT_TOPK, OUT_W, OUT_SRC, BLOCK_TR, BLOCK_WR, BLOCK_S, BLOCK_K)
-    flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, advance, USE_ASM)
+    base = tl.load(hdr + flags.W_BASE)  # (read before any program of this launch can advance it, in the last round)
+    for k in range(rounds):
+        n = base + k + 1
+        lo = tl.full([], 0, tl.int64) + k * cap     # (a row index: k * cap < 2^31)
+        go = flags.wait_round_free(hdr, hdr_delta, host, n, k > 0, me, flags.STAGE_DISPATCH_SEND, timeout_ns, R, USE_CLOCK)
+        _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr,
+                     tl.where(go, T, 0), lo, lo + cap, num_experts, WX, S, K, REC, R, HAS_SCALES, HAS_TOPK, HAS_W,
+                     HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K, False, EVEN_W, STORE_CACHE, STORE_EVICT)
+        flags.finish_send_fused(hdr, hdr_delta, n, sig, me, R, USE_ASM)
+        go = flags.wait_own_send(hdr, hdr_delta, host, n, me, flags.STAGE_DISPATCH_RECV, timeout_ns, R, USE_CLOCK)
+        go = go & flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns,
+                                         R, USE_CLOCK)
+        n_round, n_out = _recv_window(tl.minimum(tl.maximum(n_rows - lo, 0), cap), n_ptr, lo, cap, go, N_PTR)
+        _recv_rows(rec_ptr, n_round, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr,
+                   out_w_ptr, out_src_ptr, WX, S, K, REC, HAS_SCALES, OUT_TOPK, OUT_W, OUT_SRC, BLOCK_TR, BLOCK_WR,
+                   BLOCK_S, BLOCK_K)
+        flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, tl.where(k == rounds - 1, rounds, 0), USE_ASM)
 
 
 _dispatch_fused_launch = Launcher(_dispatch_fused_kernel)
@@ -490,7 +494,7 @@ def fused_switch() -> Optional[bool]:
 
 
 def use_fused(num_tokens: int, group, force: Optional[bool]) -> bool:
-    """Whether a call of one round with ``num_tokens`` tokens runs its send and receive as one launch: real
+    """Whether a call with ``num_tokens`` tokens runs the send and receive of all its rounds as one launch: real
     ranks only (``group`` not None: the lock-step runner of simulated ranks needs split launches), and
     ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU: never). ``TRITON_EP_FUSED=1`` / ``0``: always /
     never (real ranks; the CPU tests run the fused kernels so, one program a launch). A dispatch's count
@@ -510,22 +514,25 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
                    n_rows: int, rank: int, experts_per_rank: int, k_out: int, out_x: torch.Tensor,
                    out_scales: Optional[torch.Tensor], out_idx: Optional[torch.Tensor],
                    out_weights: Optional[torch.Tensor], out_src: Optional[torch.Tensor], signals: dict, sig: int,
-                   n_recv: Optional[torch.Tensor] = None, cap: int = 0, tune: Optional[dict] = None) -> tuple:
-    """A call of one round (receive rows ``[0, cap)``) as one launch: :func:`dispatch_send`, then
-    :func:`dispatch_recv` with ``advance = 1``, same arguments and results (``k_out``: the receive's ``k``).
-    Its programs wait for each other between the parts, so the grid is :func:`fused_programs`; the launch
-    takes the send's ``num_warps`` and each part its own blocks (``tune``: as in :func:`dispatch_send`). Returns the bound launch and its arguments
-    (:meth:`triton_ep.kernels.launch.BoundLaunch.replay` plans a later call of the same shapes from them)."""
+                   n_recv: Optional[torch.Tensor] = None, cap: int = 0, tune: Optional[dict] = None,
+                   rounds: int = 1) -> tuple:
+    """A call of ``rounds`` rounds (round ``k``: receive rows ``[k * cap, (k + 1) * cap)``) as one launch: per round,
+    :func:`dispatch_send`, then :func:`dispatch_recv` (``advance = rounds`` in the last), same arguments and results
+    (``k_out``: the receive's ``k``; ``n_rows``: the rows received in all, or with ``n_recv`` their bound). Its
+    programs wait for each other between the parts (and between rounds), so the grid is :func:`fused_programs`;
+    the launch takes the send's ``num_warps`` and each part its own blocks (``tune``: as in :func:`dispatch_send`).
+    Returns the bound launch and its arguments (:meth:`triton_ep.kernels.launch.BoundLaunch.replay` plans a later
+    call of the same shapes from them)."""
     T, wx = x_words.shape[0], row_words(x_words)
     R = send_pos.shape[1]
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
     if (scale_words is None) != (out_scales is None):
         raise ValueError("dispatch_fused moves scales only with both scale_words and out_scales")
-    n_rows = max(n_rows, 0)
+    n_rows, rounds = max(n_rows, 0), max(int(rounds), 1)
     cs, cr = entry("dispatch_send", tune), entry("dispatch_recv", tune)
-    progs = fused_programs(max(cdiv(T, cs["block_t"]), cdiv(n_rows, cr["block_t"]), 1), rec.device, signals,
-                           tune=tune)
+    progs = fused_programs(max(cdiv(T, cs["block_t"]), cdiv(min(n_rows, cap), cr["block_t"]), 1), rec.device,
+                           signals, tune=tune)
     key = (progs, wx, s, k, k_out, R, rec_words, scale_words is not None, topk_idx is not None,
            weight_words is not None, with_src, n_recv is not None, out_idx is not None, out_weights is not None,
            out_src is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()))
@@ -533,11 +540,11 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
     dummy = x_words
     wts = weight_words if (k and weight_words is not None) else dummy
     args = (x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
-            send_pos, row_base, delta_words, rec, T, 0, cap, num_experts, n_rows, rank * experts_per_rank,
+            send_pos, row_base, delta_words, rec, T, num_experts, n_rows, rank * experts_per_rank,
             experts_per_rank, out_x, out_scales if out_scales is not None else dummy,
             out_idx if out_idx is not None else dummy, out_weights if out_weights is not None else dummy,
             out_src if out_src is not None else dummy, n_recv if n_recv is not None else rec, cap,
-            signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], 1)
+            signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], rounds)
     launch(*args)
     return launch, args
 

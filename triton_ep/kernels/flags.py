@@ -21,9 +21,10 @@ Protocol of round ``n`` (every collective round: a *send* launch, then a *receiv
 
 No program waits for a program of its own launch (Triton's interpreter runs them one after another),
 and a send of round ``n`` waits only for receives of round ``n - 1``, which each rank launches before
-its send of round ``n``: there is no wait cycle. The exception is a *fused* launch (a call of one round as
-one launch: :func:`wait_own_send` between its send and receive parts, the receive counted at ``W_DONE2``),
-whose grid is capped so that all its programs are resident at once (one program under the interpreter).
+its send of round ``n``: there is no wait cycle. The exception is a *fused* launch (a call of all its rounds as
+one launch: :func:`wait_own_send` between the send and receive parts of a round, the receive counted at
+``W_DONE2``, and :func:`wait_own_consumed` between a round's receive part and the next round's send part), whose
+grid is capped so that all its programs are resident at once (one program under the interpreter).
 
 Launches skip the end-of-launch count where the next launch in the stream can act instead, as it starts only
 once the launch before it has completed. Normal mode, where ranks run concurrently (``signals["defer"]``: not the
@@ -541,6 +542,36 @@ def wait_own_send(hdr, hdr_delta, host, round_no, me, stage, timeout_ns, R: tl.c
             post_error(hdr, hdr_delta, host, st, me, stage, round_no, me, R)
             ok = False
     return ok
+
+
+@triton.jit
+def wait_own_consumed(hdr, hdr_delta, host, round_no, me, stage, timeout_ns, R: tl.constexpr,
+                      USE_CLOCK: tl.constexpr):
+    """In a fused launch of several rounds, before the send part of round ``round_no + 1``: wait until the receive
+    part's last program of round ``round_no`` released ``CONSUMED = round_no`` here (every program of the launch
+    has then moved that round out of this rank's own area, which this rank's send writes into too, and the
+    launch's W_DONE2 count has started again). :func:`finish_recv_at` releases it even when this rank holds an
+    error. Every program must be resident, as for :func:`wait_own_send`. Returns True when the program may move
+    data."""
+    ok = tl.load(hdr + W_ERR, volatile=True) == 0
+    if ok:
+        st = wait_at_least(hdr + W_CONSUMED, round_no, hdr, host, me, round_no + 1, timeout_ns, R, USE_CLOCK)
+        if st != 0:
+            post_error(hdr, hdr_delta, host, st, me, stage, round_no + 1, me, R)
+            ok = False
+    return ok
+
+
+@triton.jit
+def wait_round_free(hdr, hdr_delta, host, round_no, own, me, stage, timeout_ns, R: tl.constexpr,
+                    USE_CLOCK: tl.constexpr):
+    """The send part of round ``round_no`` of a fused launch: wait until every peer has consumed round ``round_no -
+    1`` (:func:`wait_peers_consumed`) and, with ``own`` (a round after the launch's first), this rank too
+    (:func:`wait_own_consumed`). Returns True when the program may move data."""
+    go = wait_peers_consumed(hdr, hdr_delta, host, round_no - 1, me, stage, round_no, timeout_ns, R, USE_CLOCK)
+    if own:
+        go = go & wait_own_consumed(hdr, hdr_delta, host, round_no - 1, me, stage, timeout_ns, R, USE_CLOCK)
+    return go
 
 
 @triton.jit

@@ -289,7 +289,7 @@ class Intranode:
     def _dispatch_rounds(self, a: "DispatchArgs", c: "Counts", o: "Outputs", plan: tuple, force,
                          lp: Optional[LP.LaunchParams] = None):
         """A dispatch's launches: rounds, each a send launch then a receive launch (ranks wait for each other on the
-        device); a call of one round may run both as one launch (kernels.dispatch.use_fused). A generator (the
+        device); a call may run all its rounds as one launch (kernels.dispatch.use_fused). A generator (the
         dispatch's steps) that returns ``[(bound launch, its arguments), ...]`` in order: what a later cached call
         may replay. The receive writes ``rows`` rows (with the count on the device, ``num_worst_tokens``: an upper
         bound, and the kernel also writes the padding rows). ``lp``: the call's Config's launch parameters (None:
@@ -300,16 +300,16 @@ class Intranode:
         rows = c.n_recv if c.n_recv is not None else c.n_out
         k_rec = a.num_topk if not cached else 0
         n_dev = c.n_recv_dev if c.n_recv is None else None
-        fused = rounds == 1 and use_fused(a.x.shape[0], self.rt.group, force)
+        fused = use_fused(a.x.shape[0], self.rt.group, force)
         launches = []
         if fused:
             yield "dispatch/send and receive"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(dispatch_fused(
                     o.x_words, o.sc_words, o.idx, o.w_words, c.send_pos, c.row_base, self.rt.delta_words, o.rec,
-                    a.num_experts, rec_words, not cached, min(max(rows, 0), cap), rank, a.num_experts // R, k_rec,
+                    a.num_experts, rec_words, not cached, rows, rank, a.num_experts // R, k_rec,
                     o.out_words, o.sc_out, o.recv_idx, o.recv_w, o.recv_src, self.rt.sig_args, call_sig, n_recv=n_dev,
-                    cap=cap, tune=tune))
+                    cap=cap, tune=tune, rounds=rounds))
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
@@ -457,7 +457,7 @@ class Intranode:
     def _combine_rounds(self, h: "DispatchHandle", xv: Tensor, w: Optional[Tensor], biases: list, plan: tuple,
                         force, outs: tuple, lp: Optional[LP.LaunchParams] = None):
         """A combine's launches: rounds, each a send launch then a reduce launch (ranks wait for each other on the
-        device); a combine of one round may run both as one launch (kernels.dispatch.use_fused). ``outs``: ``(out,
+        device); a combine may run all its rounds as one launch (kernels.dispatch.use_fused). ``outs``: ``(out,
         wout, acc, wacc)``. A generator (the combine's steps) that returns ``[(bound launch, its arguments), ...]``
         in order: what a later combine may replay. ``lp``: as in :meth:`_dispatch_rounds`."""
         rb, cap, rounds, call_sig = plan
@@ -467,14 +467,14 @@ class Intranode:
         comb_base, send_base, prefix = h.combine_views
         area = self.rt.comm.data
         rows = h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows   # (device count: a bound)
-        fused = rounds == 1 and use_fused(h.num_tokens, self.rt.group, force)
+        fused = use_fused(h.num_tokens, self.rt.group, force)
         launches = []
         if fused:
             yield "combine/send and reduce"
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(combine_fused(xv, w, rows, prefix, comb_base, self.rt.delta_words, area, h.send_head,
                                               send_base, cap, rb, out, biases, wout, self.rt.sig_args, call_sig,
-                                              n_recv=h.n_recv_dev, tune=tune))
+                                              n_recv=h.n_recv_dev, tune=tune, rounds=rounds, acc=acc, wacc=wacc))
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"

@@ -200,8 +200,9 @@ NET_STATUS_FAILED, NET_STATUS_CAPACITY, NET_STATUS_LAYOUT = 1, 2, 3
 HOST_KEY_WORDS, HOST_CARD_WORDS, HOST_DISAGREEMENT_WORDS = 6, 8, 6
 HOST_HEADER_WORDS = 3 + HOST_KEY_WORDS + HOST_CARD_WORDS + HOST_DISAGREEMENT_WORDS
 #: host header status codes: the call went on, this rank (or one it heard of) failed, found more rows than
-#: num_worst_tokens, or found ranks that disagree (the disagreement follows)
-HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH = 0, 1, 2, 3
+#: num_worst_tokens, found ranks that disagree (the disagreement follows), or failed because the culprit rank's
+#: process is gone (found by this rank, or heard of)
+HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH, HOST_GONE = 0, 1, 2, 3, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +210,7 @@ class HostHeader:
     """One host-path header (:data:`HOST_HEADER_WORDS` int64 words, laid out as above), as a rank sends it to an
     RDMA peer and reads the peer's."""
 
-    status: int                             # HOST_OK, HOST_FAILED, HOST_CAPACITY or HOST_MISMATCH
+    status: int                             # HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH or HOST_GONE
     records: int                            # records that follow (0 with a status alone or a failure)
     culprit: int                            # the rank whose own error started a failure (-1: none or unknown)
     key: tuple                              # HOST_KEY_WORDS ints: the record layout's key (zeros: a status alone)
@@ -232,7 +233,7 @@ class HostHeader:
 
     def readable(self, group_size: int) -> bool:
         """Whether these words can be a header of this group (a capture-path stream read as one cannot)."""
-        return HOST_OK <= self.status <= HOST_MISMATCH and self.records >= 0 and -1 <= self.culprit < group_size
+        return HOST_OK <= self.status <= HOST_GONE and self.records >= 0 and -1 <= self.culprit < group_size
 
 
 @dataclasses.dataclass(frozen=True)

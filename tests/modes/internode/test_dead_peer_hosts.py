@@ -4,7 +4,10 @@ low-latency mode, with the RDMA proxy as a thread and as a process (the ``proxy_
 conftest; process variants outside its ``DEFAULT_PROCESS`` are in the extended tier). Every survivor raises an
 ``EPRemoteError`` naming the dead rank and the stage it waited at, well under ``timeout_s`` (the RDMA proxy's
 liveness probe completes with ``IBV_WC_RETRY_EXC_ERR`` once the dead rank's QPs are gone: triton_ep/scheduler.py),
-and its next call raises at once. Nothing is left in /dev/shm and no process (the victim's proxy process included)
+and its next call raises at once. With 2 ranks per host every kind of survivor is there: the dead rank's host mate
+(its liveness lock), the dead rank's RDMA peer (its probes) and the other host's rank whose RDMA peer lives (told by
+that peer: the host header's ``HOST_GONE`` in normal mode, the fault word in low-latency mode); each names the dead
+rank, not the rank that passed the failure on. Nothing is left in /dev/shm and no process (the victim's proxy process included)
 is left over (the autouse fixture; the survivors' proxy processes are checked gone here too). The rank bodies are
 in tests/cases/dead_peer.py (``killed_across_hosts``)."""
 import os
@@ -43,3 +46,33 @@ def test_a_rank_killed_on_the_other_host_is_a_remote_error_within_seconds(mode, 
     assert kind2 != "no error" and dt2 < 1.0, (kind2, dt2)
     assert bool(pids) == (proxy_mode == "process"), pids
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")], pids
+
+
+#: the 2 hosts x 2 ranks cases: (mode, victim); victim 1 is on host 0 (its RDMA peer is rank 3), victim 2 on host 1
+TWO_BY_TWO = [
+    ("internode", 1), ("internode_ll", 1),
+    pytest.param("internode", 2, marks=pytest.mark.extended),
+    pytest.param("internode_ll", 2, marks=pytest.mark.extended),
+    pytest.param("internode_ll_combine", 1, marks=pytest.mark.extended),
+]
+
+
+@pytest.mark.parametrize("mode,victim", TWO_BY_TWO)
+def test_a_rank_killed_on_two_hosts_of_two_names_it_on_every_rank(mode, victim, proxy_mode):
+    """2 hosts of 2 ranks (``TRITON_EP_RANKS_PER_HOST=2``); rank ``victim`` dies 0.3 s after a barrier while the others
+    make the call ``mode`` names: every survivor (the victim's host mate, its RDMA peer on the other host, and the
+    other host's rank whose RDMA peer lives) raises an EPRemoteError naming the victim's process and a stage within
+    BOUND_S, and raises at once on its next call; every proxy process is gone after destroy()."""
+    out = run_ranks(cases.killed_across_hosts, 4, mode, proxy_mode, TIMEOUT_S, victim, timeout_s=360)
+    assert isinstance(out[victim], RankFailure) and "ProcessDied" in str(out[victim]), out
+    for r in range(4):
+        if r == victim:
+            continue
+        assert not isinstance(out[r], RankFailure), (r, out[r])
+        kind, msg, dt, kind2, dt2, _, pids, remote = out[r]
+        assert remote, (r, kind, msg)
+        assert f"rank {r}: rank {victim}'s process is gone" in msg and "stage '" in msg, (r, msg)
+        assert dt < BOUND_S, (r, dt, msg)
+        assert kind2 != "no error" and dt2 < 1.0, (r, kind2, dt2)
+        assert bool(pids) == (proxy_mode == "process"), (r, pids)
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}")], (r, pids)

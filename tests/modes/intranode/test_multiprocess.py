@@ -71,11 +71,13 @@ def test_cached_dispatch_and_combine_replay_their_plan(fused):
         assert err == ("ValueError" if bad else "EPRemoteError"), (rank, err)
 
 
-def test_calls_of_several_rounds_replay_every_launch():
+@pytest.mark.parametrize("fused", [False, True], ids=["send and receive launches", "one launch"])
+def test_calls_of_several_rounds_replay_every_launch(fused):
     """A buffer of 4 KiB (1 KiB rounded up) and 40-45 tokens a rank: every call takes several rounds; cached
     dispatches and combines replay all their launches (bit for bit against the reference; the combine with fresh
-    fp32 sums each call, without and then with weights, each plan's first call on the general path)."""
-    for disp, comb in _values(run_ranks(mp_cases.replayed_rounds, 2, 6, 1024)):
+    fp32 sums each call, without and then with weights, each plan's first call on the general path). ``fused``
+    (``TRITON_EP_FUSED=1``): every call, the plain dispatch too, runs all its rounds as one launch."""
+    for disp, comb in _values(run_ranks(mp_cases.replayed_rounds, 2, 6, 1024, fused)):
         assert (disp, comb) == (5, 4), (disp, comb)
 
 

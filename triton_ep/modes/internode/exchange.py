@@ -14,17 +14,36 @@ from ... import scheduler as sched_mod
 from ...errors import EPCapacityError, EPError, EPRemoteError
 from ...kernels import net
 from ...kernels._util import cdiv
-from ...protocol.records import (HOST_CAPACITY, HOST_FAILED, HOST_HEADER_WORDS, HOST_KEY_WORDS, HOST_MISMATCH,
-                                HOST_OK, HostHeader)
+from ...protocol.records import (HOST_CAPACITY, HOST_FAILED, HOST_GONE, HOST_HEADER_WORDS, HOST_KEY_WORDS,
+                                HOST_MISMATCH, HOST_OK, HostHeader)
 from ...runtime import hosts as hosts_mod
+from ...runtime.fabric import dead_error
 from .records import Streams
 
 Tensor = torch.Tensor
 #: the host path's header and its status codes (protocol/records.py)
 _KEY_WORDS, HEADER_WORDS = HOST_KEY_WORDS, HOST_HEADER_WORDS
-_OK, _FAILED, _CAPACITY, _MISMATCH = HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH
+_OK, _FAILED, _CAPACITY, _MISMATCH, _GONE = HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH, HOST_GONE
 #: the record layout's key words, as errors name them
 _KEY_FIELDS = ("row bytes", "scale bytes", "top-k", "weights", "ranks per host", "experts without top-k")
+
+
+def told_gone(rank: int, gone: int, stage: str, told_by: int, told_host: int) -> EPRemoteError:
+    """The error of a rank that heard from its RDMA peer ``told_by`` (on host ``told_host``) that rank ``gone``'s
+    process is gone (the header's ``HOST_GONE``): :func:`~triton_ep.transport.liveness.dead_error` naming ``gone``
+    (``failed_rank``, ``dead_ranks``, ``culprit``) at ``stage``, where this rank waited, and who told it
+    (``told_by``)."""
+    ex = dead_error(rank, [gone], stage)
+    ex.args = (f"{ex.args[0]} (rank {told_by} on host {told_host} found it, or heard of it, and told this rank)",)
+    ex.culprit, ex.told_by = gone, told_by
+    return ex
+
+
+def passed_on(err: Optional[BaseException]) -> bool:
+    """Whether ``err`` only says that another rank failed or did not answer (an ``EPError`` that names no dead rank,
+    no disagreement and no capacity overflow): a peer that knows which rank's process is gone then names it."""
+    return isinstance(err, EPError) and not isinstance(err, EPCapacityError) and \
+        not getattr(err, "dead_ranks", None) and getattr(err, "disagreement", None) is None
 
 
 class HostExchange:
@@ -48,7 +67,9 @@ class HostExchange:
         order (this host's block is this rank's own stream for it), the blocks' record counts, and (with
         ``streams.npe``) int32 ``[ranks per host * E / R]``: this host's experts' counts summed over the
         sources this rank forwards for.
-        Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed; ``ValueError``
+        Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed (``EPRemoteError``
+        naming the dead rank, instead of ``err`` where that only passes on another rank's failure, when a peer says
+        that a rank's process is gone: :func:`told_gone`); ``ValueError``
         where ranks disagree (this rank and its RDMA peer called differently, or a peer passes on a disagreement
         found elsewhere: :class:`~triton_ep.runtime.hosts.Disagreement`, naming the field and two ranks' values);
         the proxy's and the ring kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
@@ -68,7 +89,8 @@ class HostExchange:
     def status(self, err: Optional[BaseException]) -> None:
         """After the forwarding leg: tell the RDMA peers whether this rank's part succeeded and hear theirs
         (every rank of a host fails such a leg alike, so each rank hears of a host that failed from its own
-        peer there). Raises ``err``, else the first peer's failure."""
+        peer there). Raises ``err``, else the first peer's failure; where a peer says that a rank's process is gone
+        and ``err`` only passes on another rank's failure (:func:`passed_on`), the dead rank's error instead."""
         with self.leg.rings.network():
             self.headers(None, err)
         if err is not None:
@@ -76,8 +98,10 @@ class HostExchange:
 
     def headers(self, streams: Optional[Streams], err: Optional[BaseException] = None) -> List[int]:
         """The header exchange of :meth:`exchange` (``streams`` ``None``: a status alone; ``err``: this rank
-        failed, and says so). Returns the record counts per host (this host's: its own stream's); raises the
-        peers' failures (not ``err``: the caller raises it outside the network's error translation)."""
+        failed, and says so: ``HOST_GONE`` naming the dead rank where ``err`` names one, ``err.dead_ranks``).
+        Returns the record counts per host (this host's: its own stream's); raises the peers' failures (not
+        ``err``: the caller raises it outside the network's error translation, unless a peer names a dead rank and
+        ``err`` only passes on another's failure: then :func:`told_gone`)."""
         leg = self.leg
         leg.capture.sync_host_path()
         leg.host_exchanges += 1
@@ -92,6 +116,7 @@ class HostExchange:
                 raise ValueError(f"rank {leg.rt.rank}: rank {leg.rings.peer_rank(h)} (host {h}) sent no header this "
                                  f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
                                  f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
+        self._raise_gone(theirs, err)
         if err is not None:
             return [0] * leg.num_hosts
         self._raise_failures(theirs)
@@ -110,11 +135,25 @@ class HostExchange:
             streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
         card = tuple(streams.card) if streams is not None and err is None else ()
         told = getattr(err, "disagreement", None)
+        # a rank whose process is gone (global rank; found by this rank, its host's ranks, or an RDMA peer)
+        dead = getattr(err, "dead_ranks", None) if err is not None else None
         code = _OK if err is None else (_CAPACITY if isinstance(err, EPCapacityError) else
-                                        _MISMATCH if told is not None else _FAILED)
-        # the rank whose own error started a failure (-1: unknown, e.g. heard in a host's forwarding leg)
-        culprit = -1 if err is None else getattr(err, "culprit", -1 if isinstance(err, EPError) else self.leg.rt.rank)
+                                        _MISMATCH if told is not None else _GONE if dead else _FAILED)
+        # the rank whose own error started a failure, or whose process is gone (-1: unknown, e.g. heard in a host's
+        # forwarding leg)
+        culprit = -1 if err is None else dead[0] if dead else \
+            getattr(err, "culprit", -1 if isinstance(err, EPError) else self.leg.rt.rank)
         return HostHeader(code, 0, culprit, tuple(key), card, tuple(told.words()) if told is not None else ())
+
+    def _raise_gone(self, theirs: Dict[int, HostHeader], err: Optional[BaseException]) -> None:
+        """Where a peer knows which rank's process is gone (``HOST_GONE`` naming it), raise that as this call's error
+        here too (:func:`told_gone`), unless this rank's own ``err`` says more than that another rank failed."""
+        leg = self.leg
+        gone = next((h for h, hd in theirs.items() if hd.status == _GONE and hd.culprit >= 0), None)
+        if gone is not None and (err is None or passed_on(err)):
+            at = "rdma host exchange (the call's headers)" if err is None else \
+                getattr(err, "stage", None) or f"the forwarding leg of host {leg.host}"
+            raise told_gone(leg.rt.rank, theirs[gone].culprit, at, leg.rings.peer_rank(gone), gone) from err
 
     def _raise_failures(self, theirs: Dict[int, HostHeader]) -> None:
         """Raise the first failure a peer's header tells: a disagreement found anywhere (this call's error on every

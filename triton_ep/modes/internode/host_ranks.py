@@ -88,8 +88,10 @@ class HostRanks:
 
     def annotate(self, ex: EPError) -> None:
         """Give an error of this host's intranode runtime, which numbers the host's ranks from 0, global rank
-        numbers: in its message, its ``rank`` / ``peer`` / ``peers`` (``EPTimeoutError``) and, for a failure
-        word, ``ex.culprit`` (the global rank that posted it, passed on in the status header). Once per error."""
+        numbers: in its message, its ``rank`` / ``peer`` / ``peers`` (``EPTimeoutError``), ``failed_rank`` /
+        ``dead_ranks`` (a failure word, a dead peer: :func:`triton_ep.transport.liveness.dead_error`) and, for a
+        failure word or a dead peer, ``ex.culprit`` (the global rank that posted it or died, passed on in the status
+        header). Once per error."""
         if getattr(ex, "_ep_global", False):
             return
         ex._ep_global = True
@@ -100,11 +102,12 @@ class HostRanks:
         failed = getattr(ex, "failed_rank", None)
         if failed is not None and 0 <= failed < len(ranks) and not hasattr(ex, "culprit"):
             ex.culprit = ranks[failed]
-        for name in ("rank", "peer"):
+        for name in ("rank", "peer", "failed_rank"):
             if isinstance(getattr(ex, name, None), int):
                 setattr(ex, name, glob(getattr(ex, name)))
-        if isinstance(getattr(ex, "peers", None), list):
-            ex.peers = [glob(r) for r in ex.peers]
+        for name in ("peers", "dead_ranks"):
+            if isinstance(getattr(ex, name, None), list):
+                setattr(ex, name, [glob(r) for r in getattr(ex, name)])
         if ex.args and isinstance(ex.args[0], str):
             ex.args = (f"{hosts_mod.global_ranks(ex.args[0], ranks)} (in the forwarding leg of host {self.host}: "
                        f"ranks {ranks})",) + ex.args[1:]

@@ -30,6 +30,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from ... import scheduler as sched_mod
 from ...errors import EPError, EPTimeoutError
 from ...kernels import flags as F
 from ...kernels._util import env_switch
@@ -282,15 +283,22 @@ class NetLeg:
                 pass
         self._posted.clear()
 
-    def close(self) -> None:
+    def close(self, gone: Optional[int] = None) -> None:
         """Let the proxy place the chunks already published (a failure notice a rank posted just before
         destroying its Buffer must still reach the peers; bounded by ``CLOSE_WAIT_S`` or ``timeout_s``, none
-        after a proxy error: a peer that closed first never takes them), then close the leg."""
+        after a proxy error: a peer that closed first never takes them), then close the leg. ``gone``: a rank
+        whose process this rank knows to be gone; unless the proxy failed already, it is failed with
+        :class:`~triton_ep.scheduler.PeerGoneError` naming that rank (after the wait: the peers still take this
+        rank's chunks), so its fault word tells every RDMA peer before this rank's QPs go."""
         sched = self.sched
         deadline = time.monotonic() + min(sched.timeout_s, CLOSE_WAIT_S)
         while sched.error is None and time.monotonic() < deadline and any(
                 sched.flags.get(RingFlags.SENT, p) < sched.flags.get(RingFlags.READY, p) for p in sched.peers):
             time.sleep(0.001)
+        if gone is not None and sched.error is None:
+            sched.fail(sched_mod.PeerGoneError(
+                sched.rank, gone, None, None, "destroy", "its process is gone (this rank knew it from its host's "
+                "liveness lock or its own waits) and this rank destroyed its Buffer"))
         self.network.close()
 
 
@@ -357,6 +365,7 @@ class LowLatencyAcrossHosts(LowLatency):
             # a peer the proxy finds gone (scheduler.PeerGoneError: its QPs stopped acknowledging) ends the kernels'
             # waits for it as a dead peer of this host does (its DEAD word; the leg's ranks are the group's)
             network.sched.on_gone = own.sig.dead_marker()
+            watch_host(own, local, list(hosts.ranks(hosts.host_of[me])))
             own.sig.explain_mismatch = functools.partial(self.net.explain_mismatch, own)
         except BaseException:
             try:
@@ -369,18 +378,54 @@ class LowLatencyAcrossHosts(LowLatency):
             raise
 
     def close(self) -> None:
-        """Release the network leg (the proxy, QPs, MRs, CQs and PD), then the area."""
+        """Release the network leg (the proxy, QPs, MRs, CQs and PD), then the area. A rank that knows of a dead rank
+        (:func:`known_dead`) and whose proxy has not failed first fails it with
+        :class:`~triton_ep.scheduler.PeerGoneError` naming that rank (not with ``enable_shrink``, where a dead rank is
+        masked): its fault word tells every RDMA peer before this rank's QPs go, so a peer still waiting raises
+        naming the dead rank, not this one (whose QPs its probes would find gone next)."""
         net = self.net
         if net is None:
             return
         try:
-            net.close()
+            dead = known_dead(self.rt) if not self.shrink and self.rt.comm is not None else []
+            net.close(dead[0] if dead else None)
         finally:
             try:
                 self.rt.close()
             finally:
                 if net.local is not None:
                     net.local.close()
+
+
+def watch_host(own: Runtime, local: ipc.Comm, ranks: List[int]) -> None:
+    """Within this host, see a dead peer as a Buffer of one host does: ``local`` (this host's shared buffers, opened
+    over the host's process group) holds a liveness lock per rank of the host (:mod:`triton_ep.transport.liveness`,
+    numbered by local index; ``ranks``: the global rank of each). Its watcher thread sets a dead rank's ``DEAD`` word
+    in ``own``'s signals (the low-latency runtime, numbered by global rank), so every kernel wait for it ends with
+    ``E_GONE`` within about 0.1 s and raises ``EPRemoteError`` naming it (whether the rank is reached through the
+    shared buffer or over RDMA: its RDMA peers' probes take longer); the error names the dead rank from those words,
+    or from the locks looked at then (``own.sig.dead_peers``). The watcher stops when ``local`` closes. Nothing happens where the platform has no such locks (``local.liveness``
+    ``None``): a dead rank of this host is then seen by its peers' probes, or at ``timeout_s``.
+
+    The watcher does not fail the network leg's scheduler: its proxy would stop receiving, and this rank's waits for
+    the chunks of live peers still on their way would last until ``timeout_s`` (the low-latency kernels end a wait
+    early only for the peer it waits for). :meth:`LowLatencyAcrossHosts.close` tells the RDMA peers instead."""
+    live = local.liveness
+    if live is None:
+        return
+    mark = own.sig.dead_marker()
+    own.sig.dead_peers = lambda: {ranks[p]: why for p, why in live.dead_peers().items()}
+    live.watch(lambda p: mark(ranks[p]))
+
+
+def known_dead(rt: Runtime) -> List[int]:
+    """The ranks whose process this rank knows to be gone: their ``DEAD`` words (set by this host's liveness watcher
+    or by the proxy's :class:`~triton_ep.scheduler.PeerGoneError`), else this host's locks looked at now."""
+    words = rt.sig.host[int(F.H_DEAD):int(F.H_DEAD) + rt.group_size].tolist()
+    dead = [r for r, w in enumerate(words) if w]
+    if not dead and rt.sig.dead_peers is not None:
+        dead = sorted(rt.sig.dead_peers())
+    return dead
 
 
 def _agree(rt, num_qps_per_rank, allow_nvlink: bool, shrink: bool) -> Tuple[str, int, bool]:
