@@ -163,21 +163,29 @@ def inside_rank(rank, world, a, worst: int = 0) -> dict:
             # the emulated NIC's posts in this process: the proxy's (thread proxy) or none (process proxy)
             "nic_cpu_s": emulated.nic_cpu_s() - nic0 if proxy_kind() == "thread" else None}
         if worst and dev == "cuda":
-            import torch.distributed as dist
-            graph = torch.cuda.CUDAGraph()
-            dist.barrier()
-            with torch.cuda.graph(graph):
-                call()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(a.calls):
-                graph.replay()
-            sync()
-            out["graph_replay_ms"] = (time.perf_counter() - t0) / a.calls * 1e3
-            dist.barrier()
+            out["graph_replay_ms"] = graph_replay_ms(call, a.calls)
         return out
     finally:
         buf.destroy()
+
+
+def graph_replay_ms(call, calls: int) -> float:
+    """Milliseconds per replay of ``call`` captured in a CUDA graph, over ``calls`` replays (every rank captures
+    and replays with the others: barriers around the capture and after the timed replays)."""
+    import time
+    import torch.distributed as dist
+    graph = torch.cuda.CUDAGraph()
+    dist.barrier()
+    with torch.cuda.graph(graph):
+        call()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        graph.replay()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / calls * 1e3
+    dist.barrier()
+    return ms
 
 
 def inside(a, worst: int = 0) -> dict:

@@ -518,6 +518,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def print_results(results: list, e2e, note: str, small: bool, first_tokens: int):
+    """The kernels' table, the targets and the end-to-end line on stdout. Returns ``(targets, skipped)``:
+    :func:`summarise_targets` at ``first_tokens`` tokens (``None`` where they do not apply) and why they do not."""
+    headers = ["shape", "kernel", "MB", "pred_us", "mix_us", "ours_us", "GB/s", "frac", "torch_us", "ours/torch", "check"]
+    print()
+    if note:
+        print(f"({note})")
+    C.print_table(headers, [[f"T={r['tokens']}", r["kernel"], C.sig(r["bytes"] / 1e6), C.sig(r["predicted_us"], 3),
+                             C.sig(r["mix_predicted_us"], 3),
+                             C.sig(r["ours_us"], 3), C.sig(r["ours_GBps"], 4), C.sig(r["ours_frac"], 3),
+                             C.sig(r["torch_us"], 3), C.sig(r["ours_over_torch"], 3), r["check_vs_torch"]]
+                            for r in results])
+    print()
+    skipped = targets_skipped(small)
+    targets = None if skipped else summarise_targets(results, first_tokens)
+    if skipped:
+        print(f"  targets (H200 at DeepSeek-V3 shapes): not applicable to this run ({skipped}), not checked")
+    for t in targets or ():
+        print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {C.sig(t['value'], 3)}")
+    if e2e is not None and "error" not in e2e:
+        print(f"\nend-to-end ({e2e['ranks']} processes, {e2e['note']}): dispatch {e2e['dispatch_ms']:.3f} ms "
+              f"({e2e['dispatch_GBps']:.2f} GB/s per rank), combine {e2e['combine_ms']:.3f} ms "
+              f"({e2e['combine_GBps']:.2f} GB/s per rank), combine check {'ok' if e2e['combine_ok'] else 'FAILED'}")
+    return targets, skipped
+
+
 def main(argv=None) -> int:
     """Run the benchmark; exit status 1 when any output check fails (missed targets do not fail it)."""
     a = parse_args(argv)
@@ -560,26 +586,7 @@ def main(argv=None) -> int:
             best={k: v["best"] for k, v in tuning.items()}, detail=tuning))
         del big_case
 
-    headers = ["shape", "kernel", "MB", "pred_us", "mix_us", "ours_us", "GB/s", "frac", "torch_us", "ours/torch", "check"]
-    print()
-    if note:
-        print(f"({note})")
-    C.print_table(headers, [[f"T={r['tokens']}", r["kernel"], C.sig(r["bytes"] / 1e6), C.sig(r["predicted_us"], 3),
-                             C.sig(r["mix_predicted_us"], 3),
-                             C.sig(r["ours_us"], 3), C.sig(r["ours_GBps"], 4), C.sig(r["ours_frac"], 3),
-                             C.sig(r["torch_us"], 3), C.sig(r["ours_over_torch"], 3), r["check_vs_torch"]]
-                            for r in results])
-    print()
-    skipped = targets_skipped(a.small)
-    targets = None if skipped else summarise_targets(results, token_counts[0])
-    if skipped:
-        print(f"  targets (H200 at DeepSeek-V3 shapes): not applicable to this run ({skipped}), not checked")
-    for t in targets or ():
-        print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {C.sig(t['value'], 3)}")
-    if e2e is not None and "error" not in e2e:
-        print(f"\nend-to-end ({e2e['ranks']} processes, {e2e['note']}): dispatch {e2e['dispatch_ms']:.3f} ms "
-              f"({e2e['dispatch_GBps']:.2f} GB/s per rank), combine {e2e['combine_ms']:.3f} ms "
-              f"({e2e['combine_GBps']:.2f} GB/s per rank), combine check {'ok' if e2e['combine_ok'] else 'FAILED'}")
+    targets, skipped = print_results(results, e2e, note, a.small, token_counts[0])
     ok = all(r["check_vs_torch"] in ("exact", "close") for r in results) and \
         (e2e is None or e2e.get("combine_ok", False))
     C.write_json(os.path.join(a.out, "kernels.json"), dict(

@@ -222,33 +222,7 @@ def one_run(a, device, rank: int, R: int) -> dict:
             del graph
             out["sweep"] = _sweep(dispatch, combine, device)
     if dist.get_backend() == "nccl":
-        # anchor: the same (token, expert) rows through all_to_all_single, with the permutes around it
-        valid = idx >= 0
-        dst = torch.where(valid, idx // El, R)
-        flat = dst.flatten()
-        order = torch.argsort(flat, stable=True)[: int(valid.sum())]
-        send = torch.bincount(flat[order], minlength=R)[:R].tolist()
-        every = [None] * R
-        dist.all_gather_object(every, send)
-        recv = [every[i][rank] for i in range(R)]
-        got = torch.empty((sum(recv), H), dtype=x.dtype, device=device)
-        tok = order // K
-        perm = torch.randperm(max(sum(recv), 1), device=device)[: sum(recv)]     # stands for the expert sort
-        back = torch.empty((len(tok), H), dtype=x.dtype, device=device)
-        wt = w.flatten()[order].unsqueeze(1)
-
-        def a2a_dispatch():
-            dist.all_to_all_single(got, x.index_select(0, tok), recv, send)
-            return got.index_select(0, perm)
-
-        def a2a_combine():
-            dist.all_to_all_single(back, got.index_select(0, perm), send, recv)
-            res = torch.zeros((T, H), dtype=torch.float32, device=device)
-            res.index_add_(0, tok, back.float() * wt)
-            return res.to(torch.bfloat16)
-
-        out["a2a_dispatch"], _ = time_call(a2a_dispatch, a.iters, a.warmup, device)
-        out["a2a_combine"], _ = time_call(a2a_combine, a.iters, a.warmup, device)
+        out.update(_a2a_anchor(a, x, idx, w, rank, R, device))
     if a.logfmt:
         out.update(_logfmt(a, buf, dispatch, combine, recv_bf16, idx, w, handle, device))
     if a.hosts > 1:
@@ -256,6 +230,38 @@ def one_run(a, device, rank: int, R: int) -> dict:
     buf.check()
     buf.destroy()
     return out
+
+
+def _a2a_anchor(a, x, idx, w, rank: int, R: int, device) -> dict:
+    """The anchor (NCCL only): the same (token, expert) rows through ``all_to_all_single``, with the permutes around
+    it, timed as the dispatch and the combine (``a2a_dispatch``, ``a2a_combine``)."""
+    T, H, K, El = a.tokens, a.hidden, a.topk, a.experts // R
+    valid = idx >= 0
+    dst = torch.where(valid, idx // El, R)
+    flat = dst.flatten()
+    order = torch.argsort(flat, stable=True)[: int(valid.sum())]
+    send = torch.bincount(flat[order], minlength=R)[:R].tolist()
+    every = [None] * R
+    dist.all_gather_object(every, send)
+    recv = [every[i][rank] for i in range(R)]
+    got = torch.empty((sum(recv), H), dtype=x.dtype, device=device)
+    tok = order // K
+    perm = torch.randperm(max(sum(recv), 1), device=device)[: sum(recv)]     # stands for the expert sort
+    back = torch.empty((len(tok), H), dtype=x.dtype, device=device)
+    wt = w.flatten()[order].unsqueeze(1)
+
+    def a2a_dispatch():
+        dist.all_to_all_single(got, x.index_select(0, tok), recv, send)
+        return got.index_select(0, perm)
+
+    def a2a_combine():
+        dist.all_to_all_single(back, got.index_select(0, perm), send, recv)
+        res = torch.zeros((T, H), dtype=torch.float32, device=device)
+        res.index_add_(0, tok, back.float() * wt)
+        return res.to(torch.bfloat16)
+
+    return {"a2a_dispatch": time_call(a2a_dispatch, a.iters, a.warmup, device)[0],
+            "a2a_combine": time_call(a2a_combine, a.iters, a.warmup, device)[0]}
 
 
 def _logfmt(a, buf, dispatch, combine, rows, idx, w, handle, device) -> dict:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import functools
 import importlib.util
@@ -266,16 +267,33 @@ def all_reduce_cpu(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM, dev
 
 # ---------------------------------------------------------------- one rank
 
-def rank_main(a: argparse.Namespace) -> int:
-    t_start = time.perf_counter()
+@dataclasses.dataclass
+class Rank:
+    """This process's place in the run."""
+    rank: int                       # its rank in the group
+    world: int                      # ranks in the group (R)
+    device: torch.device            # where its tensors live
+    backend: str                    # the process group's backend: nccl, or gloo (CPU, or ranks sharing a GPU)
+    sharing: int                    # ranks per GPU
+    group: object                   # the process group
+    reduce_device: object           # where the small all-reduces run (NCCL needs CUDA tensors; None: CPU)
+
+
+def open_rank(a: argparse.Namespace) -> Rank:
+    """Join the process group (``RANK``, ``WORLD_SIZE`` from the environment) on the device ``a`` picks."""
     rank, R = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device, backend, sharing = pick_device(a)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // R))
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=R,
                             timeout=datetime.timedelta(seconds=a.timeout))
-    group = dist.group.WORLD
-    red_dev = device if backend == "nccl" else None
+    return Rank(rank, R, device, backend, sharing, dist.group.WORLD, device if backend == "nccl" else None)
+
+
+def rank_main(a: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    me = open_rank(a)
+    rank, R, device = me.rank, me.world, me.device
     import triton_ep as deep_ep
 
     hidden_bytes = a.hidden * 2
@@ -283,18 +301,17 @@ def rank_main(a: argparse.Namespace) -> int:
                deep_ep.Buffer.get_combine_config(R).get_nvl_buffer_size_hint(hidden_bytes, R))
     requested_tokens = a.tokens
     if device.type == "cuda":
-        plan = [fit_tokens(a, hint, sharing) if rank == 0 else None]
+        plan = [fit_tokens(a, hint, me.sharing) if rank == 0 else None]
         dist.broadcast_object_list(plan, src=0)
         a.tokens = plan[0]
 
-    E_local = a.experts // R
     weights = MoEWeights(a, device)
     x, corpus = text_tokens(a, rank, device)
     topk_idx, topk_weights = route(x, weights, a)
 
-    buf = deep_ep.Buffer(group, num_nvl_bytes=hint, num_rdma_bytes=0)
-    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = \
-        buf.get_dispatch_layout(topk_idx, a.experts)
+    buf = deep_ep.Buffer(me.group, num_nvl_bytes=hint, num_rdma_bytes=0)
+    layout = buf.get_dispatch_layout(topk_idx, a.experts)
+    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = layout
 
     def dispatch():
         return buf.dispatch(x, num_tokens_per_rank=num_tokens_per_rank,
@@ -303,61 +320,83 @@ def rank_main(a: argparse.Namespace) -> int:
                             topk_weights=topk_weights)
 
     recv_x, recv_topk_idx, recv_topk_weights, recv_counts, handle, _ = dispatch()
+    E_local = a.experts // R
     expert_out = apply_experts(recv_x, recv_topk_idx, recv_topk_weights, weights,
                                rank * E_local, E_local).to(torch.bfloat16)
     out, _, _ = buf.combine(expert_out, handle)
+    check = check_layer(me, a, x, out, topk_idx, topk_weights, weights, layout, recv_x, recv_counts)
 
-    # The dense reference: the same layer on this rank's tokens, all experts here, fp32.
+    layout_ms = timed(lambda: buf.get_dispatch_layout(topk_idx, a.experts), a.iters, a.warmup, device, me.group)
+    dispatch_ms = timed(dispatch, a.iters, a.warmup, device, me.group)
+    combine_ms = timed(lambda: buf.combine(expert_out, handle), a.iters, a.warmup, device, me.group)
+    recv_bytes = recv_x.shape[0] * hidden_bytes  # DeepEP's measure: bf16 rows a rank receives (sends back)
+    worst = all_reduce_cpu([layout_ms, dispatch_ms, combine_ms], dist.ReduceOp.MAX, me.reduce_device).tolist()
+    gbps = all_reduce_cpu([recv_bytes / dispatch_ms / 1e6, recv_bytes / combine_ms / 1e6],
+                          device=me.reduce_device).div(R).tolist()
+
+    buf.destroy()
+    dist.barrier(group=me.group)
+    if rank == 0:
+        report(me, a, corpus, check, worst, gbps, requested_tokens, t_start)
+    dist.destroy_process_group()
+    return 0 if (check.max_rel_err <= TOLERANCE and check.counts_ok) else 1
+
+
+@dataclasses.dataclass
+class Check:
+    """The layer's result against the dense reference, and the library's counts against the routing's."""
+    max_rel_err: float              # ||out - ref|| / ||ref|| over every rank (fp32 reference)
+    counts_ok: bool                 # per-expert and per-rank counts match the routing's histograms on every rank
+    global_hist: torch.Tensor       # int64 [E]: tokens routed to each expert, over every rank
+    recv_per_rank: list             # rows each rank received
+
+
+def check_layer(me: Rank, a: argparse.Namespace, x, out, topk_idx, topk_weights, weights, layout, recv_x,
+                recv_counts) -> Check:
+    """Compare the layer's output ``out`` with the same layer on this rank's tokens, all experts here, in fp32;
+    and the library's per-expert and per-rank figures with the routing's own histograms (collective)."""
+    num_tokens_per_rank, _, num_tokens_per_expert, _, _ = layout
+    E_local, red_dev = a.experts // me.world, me.reduce_device
     ref = apply_experts(x, topk_idx, topk_weights, weights, 0, a.experts)
     err2, ref2 = all_reduce_cpu([(out.float() - ref).pow(2).sum().item(), ref.pow(2).sum().item()],
                                 device=red_dev).tolist()
-    max_rel_err = (err2 ** 0.5) / max(ref2 ** 0.5, 1e-30)
-
-    # Counts: the library's per-expert and per-rank figures against the routing's own histograms.
     hist = torch.bincount(topk_idx[topk_idx >= 0], minlength=a.experts)
     global_hist = all_reduce_cpu(hist.cpu().double(), device=red_dev).long()
     recv_per_rank = all_reduce_cpu(num_tokens_per_rank.cpu().double(), device=red_dev).long().tolist()
     counts_ok = (num_tokens_per_expert.cpu().long().equal(hist.cpu())
-                 and list(recv_counts) == global_hist[rank * E_local:(rank + 1) * E_local].tolist()
-                 and recv_x.shape[0] == recv_per_rank[rank])
+                 and list(recv_counts) == global_hist[me.rank * E_local:(me.rank + 1) * E_local].tolist()
+                 and recv_x.shape[0] == recv_per_rank[me.rank])
     counts_ok = all_reduce_cpu([float(not counts_ok)], device=red_dev).item() == 0
+    return Check((err2 ** 0.5) / max(ref2 ** 0.5, 1e-30), counts_ok, global_hist, recv_per_rank)
 
-    layout_ms = timed(lambda: buf.get_dispatch_layout(topk_idx, a.experts), a.iters, a.warmup, device, group)
-    dispatch_ms = timed(dispatch, a.iters, a.warmup, device, group)
-    combine_ms = timed(lambda: buf.combine(expert_out, handle), a.iters, a.warmup, device, group)
-    recv_bytes = recv_x.shape[0] * hidden_bytes  # DeepEP's measure: bf16 rows a rank receives (sends back)
-    worst = all_reduce_cpu([layout_ms, dispatch_ms, combine_ms], dist.ReduceOp.MAX, red_dev).tolist()
-    gbps = all_reduce_cpu([recv_bytes / dispatch_ms / 1e6, recv_bytes / combine_ms / 1e6],
-                          device=red_dev).div(R).tolist()
 
-    buf.destroy()
-    dist.barrier(group=group)
-    if rank == 0:
-        load = global_hist.double()
-        imbalance = load.max().item() / load.mean().item() if load.sum() > 0 else 1.0
-        print(f"[moe_layer] {R} ranks on {device.type} ({backend}), corpus {corpus}: expert load "
-              f"max/mean = {imbalance:.2f} (busiest expert "
-              f"{int(load.max())} tokens, idlest {int(load.min())}, mean {load.mean().item():.1f}); "
-              f"rows received per rank {recv_per_rank}")
-        if a.tokens != requested_tokens:
-            print(f"[moe_layer] tokens per rank scaled down {requested_tokens} -> {a.tokens} to fit memory")
-        result = dict(
-            ranks=R, tokens_per_rank=a.tokens, hidden=a.hidden, num_experts=a.experts, topk=a.topk,
-            num_groups=a.groups, topk_groups=a.topk_groups, intermediate=a.intermediate,
-            device=device_name(device), backend=backend, ranks_per_gpu=sharing if device.type == "cuda" else None,
-            max_rel_err=max_rel_err, counts_ok=counts_ok,
-            dispatch_ms=sig(worst[1]), combine_ms=sig(worst[2]), layout_ms=sig(worst[0]),
-            dispatch_GBps=sig(gbps[0]), combine_GBps=sig(gbps[1]),
-            recv_tokens_per_rank=recv_per_rank,
-            expert_load_max_over_mean=round(imbalance, 3),
-            tokens_requested=requested_tokens, iters=a.iters, seed=a.seed,
-            elapsed_s=round(time.perf_counter() - t_start, 2),
-            note=timing_note(device, sharing, R),
-            ok=max_rel_err <= TOLERANCE,
-        )
-        print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
-    return 0 if (max_rel_err <= TOLERANCE and counts_ok) else 1
+def report(me: Rank, a: argparse.Namespace, corpus: str, check: Check, worst: list, gbps: list,
+           requested_tokens: int, t_start: float) -> None:
+    """Rank 0's lines: the expert load, then the run's figures as one JSON line (``worst``: the slowest rank's
+    layout, dispatch and combine ms; ``gbps``: dispatch and combine GB/s averaged over ranks)."""
+    device, load = me.device, check.global_hist.double()
+    imbalance = load.max().item() / load.mean().item() if load.sum() > 0 else 1.0
+    print(f"[moe_layer] {me.world} ranks on {device.type} ({me.backend}), corpus {corpus}: expert load "
+          f"max/mean = {imbalance:.2f} (busiest expert "
+          f"{int(load.max())} tokens, idlest {int(load.min())}, mean {load.mean().item():.1f}); "
+          f"rows received per rank {check.recv_per_rank}")
+    if a.tokens != requested_tokens:
+        print(f"[moe_layer] tokens per rank scaled down {requested_tokens} -> {a.tokens} to fit memory")
+    result = dict(
+        ranks=me.world, tokens_per_rank=a.tokens, hidden=a.hidden, num_experts=a.experts, topk=a.topk,
+        num_groups=a.groups, topk_groups=a.topk_groups, intermediate=a.intermediate,
+        device=device_name(device), backend=me.backend, ranks_per_gpu=me.sharing if device.type == "cuda" else None,
+        max_rel_err=check.max_rel_err, counts_ok=check.counts_ok,
+        dispatch_ms=sig(worst[1]), combine_ms=sig(worst[2]), layout_ms=sig(worst[0]),
+        dispatch_GBps=sig(gbps[0]), combine_GBps=sig(gbps[1]),
+        recv_tokens_per_rank=check.recv_per_rank,
+        expert_load_max_over_mean=round(imbalance, 3),
+        tokens_requested=requested_tokens, iters=a.iters, seed=a.seed,
+        elapsed_s=round(time.perf_counter() - t_start, 2),
+        note=timing_note(device, me.sharing, me.world),
+        ok=check.max_rel_err <= TOLERANCE,
+    )
+    print(json.dumps(result), flush=True)
 
 
 def sig(v: float, digits: int = 4) -> float:

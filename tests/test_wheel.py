@@ -66,7 +66,8 @@ def test_wheel_carries_the_switch(tmp_path):
         assert PTH in names, sorted(n for n in names if "/" not in n)          # at the root: site-packages
         assert z.read(PTH).decode() == (ROOT / PTH).read_text()
         for mod in ("triton_ep/deep_ep_hook.py", "triton_ep/_deep_ep/__init__.py", "triton_ep/_deep_ep/utils/event.py",
-                    "triton_ep/_deep_ep/buffers/elastic.py", "triton_ep/elastic.py"):
+                    "triton_ep/_deep_ep/buffers/elastic.py", "triton_ep/elastic/__init__.py",
+                    "triton_ep/elastic/layout.py"):
             assert mod in names, mod
     _pip("install", "--no-deps", "--target", str(target), str(wheels[0]), cwd=tmp_path)
     assert (target / PTH).is_file() and (target / "triton_ep" / "deep_ep_hook.py").is_file()

@@ -327,66 +327,86 @@ def elastic_dispatch(xs: Sequence[XLike], topk_idxs: Sequence[Tensor], topk_weig
         rows (worst case, alignment gaps): x and scales 0, ids -1, weights 0, metadata -1.
     """
     R = len(xs)
-    El = num_experts // R
     align = max(int(expert_alignment), 1)
     v1 = dispatch(xs, topk_idxs, topk_weights, num_experts, align)
-    out = []
-    for j, d in enumerate(v1):
-        rows, scales = d["recv_x"] if isinstance(d["recv_x"], tuple) else (d["recv_x"], None)
-        idx, w = d["recv_topk_idx"], d["recv_topk_weights"]
-        n_real, K = idx.shape
-        N = n_real if do_cpu_sync else R * num_max_tokens_per_rank
-        idx = _pad_rows(idx, N, -1)
-        unaligned = torch.tensor([int((idx == e).sum()) for e in range(El)], dtype=torch.int64, device="cpu")
-        aligned = (unaligned + align - 1) // align * align
-        if do_cpu_sync:
-            n_exp = int(aligned.sum())
-        else:
-            per_row = K if El < K else min(K, El)
-            n_exp = (R * num_max_tokens_per_rank * per_row + (align - 1) * El + align - 1) // align * align
-        # metadata: source global index, source rank * K + first local slot, expanded row per slot
-        m = d["rank_prefix_matrix"][:, j].long()
-        src_rank = torch.tensor([int((m <= n).sum()) for n in range(n_real)], dtype=torch.int64, device="cpu")
-        src_tok = d["recv_src_idx"].long()
-        first = torch.tensor([next(k for k in range(K) if idx[n, k] >= 0) for n in range(n_real)],
-                             dtype=torch.int64, device="cpu")
-        meta = torch.full((N, K + 2), -1, dtype=torch.int32, device="cpu")
-        meta[:n_real, 0] = (src_rank * num_max_tokens_per_rank + src_tok).to(torch.int32)
-        meta[:n_real, 1] = (src_rank * K + first).to(torch.int32)
-        res = dict(v1=d, num_recv_tokens=N, num_expanded_tokens=n_exp,
-                   num_recv_tokens_per_expert_list=[int(c) for c in aligned] if do_cpu_sync else [],
-                   psum_num_recv_tokens_per_scaleup_rank=m.to(torch.int32),
-                   num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32))
-        if not do_expand:
-            res.update(recv_x=(_pad_rows(rows, N, 0), _pad_rows(scales, N, 0)) if scales is not None
-                       else _pad_rows(rows, N, 0),
-                       recv_topk_idx=idx, recv_topk_weights=None if w is None else _pad_rows(w, N, 0),
-                       psum_num_recv_tokens_per_expert=torch.cumsum(aligned, 0).to(torch.int32),
-                       recv_src_metadata=meta)
-            out.append(res)
-            continue
-        x_exp = torch.zeros((n_exp, *rows.shape[1:]), dtype=rows.dtype, device="cpu")
-        s_exp = None if scales is None else torch.zeros((n_exp, scales.shape[1]), dtype=scales.dtype, device="cpu")
-        w_exp = None if w is None else torch.zeros(n_exp, dtype=torch.float32, device="cpu")
-        start = 0
-        for e in range(El):
-            row = start
-            for n in range(n_real):
-                for k in range(K):
-                    if int(idx[n, k]) == e:
-                        x_exp[row] = rows[n]
-                        if s_exp is not None:
-                            s_exp[row] = scales[n]
-                        if w_exp is not None:
-                            w_exp[row] = w[n, k]
-                        meta[n, 2 + k] = row
-                        row += 1
-            start += int(aligned[e])
-        res.update(recv_x=(x_exp, s_exp) if s_exp is not None else x_exp, recv_topk_idx=None, recv_topk_weights=w_exp,
-                   psum_num_recv_tokens_per_expert=(torch.cumsum(aligned, 0) - aligned + unaligned).to(torch.int32),
-                   recv_src_metadata=meta)
-        out.append(res)
-    return out
+    return [_elastic_rank(d, j, R, num_experts // R, num_max_tokens_per_rank, align, do_expand, do_cpu_sync)
+            for j, d in enumerate(v1)]
+
+
+def _elastic_rank(d: dict, j: int, R: int, El: int, N_max: int, align: int, do_expand: bool,
+                  do_cpu_sync: bool) -> dict:
+    """Rank ``j``'s :func:`elastic_dispatch` dict, from its V1 :func:`dispatch` dict ``d`` (``El`` local experts,
+    ``N_max`` tokens per rank at most)."""
+    rows, scales = d["recv_x"] if isinstance(d["recv_x"], tuple) else (d["recv_x"], None)
+    idx, w = d["recv_topk_idx"], d["recv_topk_weights"]
+    n_real, K = idx.shape
+    N = n_real if do_cpu_sync else R * N_max
+    idx = _pad_rows(idx, N, -1)
+    unaligned = torch.tensor([int((idx == e).sum()) for e in range(El)], dtype=torch.int64, device="cpu")
+    aligned = (unaligned + align - 1) // align * align
+    if do_cpu_sync:
+        n_exp = int(aligned.sum())
+    else:
+        per_row = K if El < K else min(K, El)
+        n_exp = (R * N_max * per_row + (align - 1) * El + align - 1) // align * align
+    m = d["rank_prefix_matrix"][:, j].long()
+    meta = _elastic_metadata(d, m, idx[:n_real], N, N_max)
+    res = dict(v1=d, num_recv_tokens=N, num_expanded_tokens=n_exp,
+               num_recv_tokens_per_expert_list=[int(c) for c in aligned] if do_cpu_sync else [],
+               psum_num_recv_tokens_per_scaleup_rank=m.to(torch.int32),
+               num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32), recv_src_metadata=meta)
+    if not do_expand:
+        res.update(recv_x=(_pad_rows(rows, N, 0), _pad_rows(scales, N, 0)) if scales is not None
+                   else _pad_rows(rows, N, 0),
+                   recv_topk_idx=idx, recv_topk_weights=None if w is None else _pad_rows(w, N, 0),
+                   psum_num_recv_tokens_per_expert=torch.cumsum(aligned, 0).to(torch.int32))
+        return res
+    x_exp, s_exp, w_exp = _expanded(rows, scales, w, idx[:n_real], aligned, n_exp, meta)
+    res.update(recv_x=(x_exp, s_exp) if s_exp is not None else x_exp, recv_topk_idx=None, recv_topk_weights=w_exp,
+               psum_num_recv_tokens_per_expert=(torch.cumsum(aligned, 0) - aligned + unaligned).to(torch.int32))
+    return res
+
+
+def _elastic_metadata(d: dict, m: Tensor, idx: Tensor, N: int, N_max: int) -> Tensor:
+    """int32 ``[N, K + 2]``: per received token (``idx``: its ``[n, K]`` local ids, ``m``: the rows received from
+    ranks ``0..i``), the source's global index ``src_rank * N_max + src_token`` and ``src_rank * K + k0`` (``k0``
+    its first slot with a local expert); the slots' expanded rows stay ``-1`` (:func:`_expanded` writes them), as
+    do padding rows."""
+    n_real, K = idx.shape
+    src_rank = torch.tensor([int((m <= n).sum()) for n in range(n_real)], dtype=torch.int64, device="cpu")
+    src_tok = d["recv_src_idx"].long()
+    first = torch.tensor([next(k for k in range(K) if idx[n, k] >= 0) for n in range(n_real)],
+                         dtype=torch.int64, device="cpu")
+    meta = torch.full((N, K + 2), -1, dtype=torch.int32, device="cpu")
+    meta[:n_real, 0] = (src_rank * N_max + src_tok).to(torch.int32)
+    meta[:n_real, 1] = (src_rank * K + first).to(torch.int32)
+    return meta
+
+
+def _expanded(rows: Tensor, scales: Optional[Tensor], w: Optional[Tensor], idx: Tensor, aligned: Tensor, n_exp: int,
+              meta: Tensor) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The expanded layout of ``n_exp`` rows: expert ``e``'s entries of ``idx`` (``[n, K]`` local ids) in (row, slot)
+    order from the sum of the earlier experts' ``aligned`` counts; ``(rows, scales or None, weights fp32 [n_exp] or
+    None)``, zero elsewhere. Writes each entry's row into ``meta[:, 2:]``."""
+    n_real, K = idx.shape
+    x_exp = torch.zeros((n_exp, *rows.shape[1:]), dtype=rows.dtype, device="cpu")
+    s_exp = None if scales is None else torch.zeros((n_exp, scales.shape[1]), dtype=scales.dtype, device="cpu")
+    w_exp = None if w is None else torch.zeros(n_exp, dtype=torch.float32, device="cpu")
+    start = 0
+    for e in range(aligned.shape[0]):
+        row = start
+        for n in range(n_real):
+            for k in range(K):
+                if int(idx[n, k]) == e:
+                    x_exp[row] = rows[n]
+                    if s_exp is not None:
+                        s_exp[row] = scales[n]
+                    if w_exp is not None:
+                        w_exp[row] = w[n, k]
+                    meta[n, 2 + k] = row
+                    row += 1
+        start += int(aligned[e])
+    return x_exp, s_exp, w_exp
 
 
 def elastic_combine(ys: Sequence[Tensor], dispatched: Sequence[dict], num_tokens: Sequence[int],

@@ -174,16 +174,9 @@ class Intranode:
             num_worst_tokens = int(num_worst_tokens)      # (a numpy integer: the kernels take Python ints)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
             raise self.rt.fail_call(e)
-        # The operation (and, for a cached call, which dispatch made the handle) is part of the signature:
-        # ranks that call different collectives, or pass handles of different dispatches, fail together.
-        seq = a.handle.seq if cached else 0
-        sig = [card.CACHED_DISPATCH if cached else card.DISPATCH, a.row_words, a.scale_words, a.num_topk, a.flags,
-               a.num_experts, seq, a.dtype_code]
-        sc_dtype = card.dtype_code(a.scales.dtype if a.scales is not None else None)
-        if cached:
-            self.rt.publish(card.CACHED_DISPATCH, (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, seq))
-        else:     # (with num_worst_tokens the host never learns the counts: they stay on the device)
-            self.rt.publish(card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH, card_values(a))
+        sig = a.signature()
+        code, values = a.card(num_worst_tokens)
+        self.rt.publish(code, values)
         self.rt.begin(previous_event, async_finish)
         c = Counts.of_handle(a.handle) if cached else (yield from self._count_steps(a, num_worst_tokens, force))
         plan = self._dispatch_plan(a, sig, c.recv_rows_max, lp)
@@ -194,7 +187,7 @@ class Intranode:
                 and xv.numel()):
             # the next cached dispatch of this handle with x of these shapes replays these launches
             a.handle.replay_dispatch = replay.CallPlan(
-                self.rt, xv, 0, o.recv_x.shape, card.CACHED_DISPATCH, (a.dtype_code, xv.shape[1], sc_dtype, 0, seq),
+                self.rt, xv, 0, o.recv_x.shape, code, values,
                 tuple(la.replay(args, (xv, o.recv_x)) for la, args in launches), force, params_key=LP.config_key(config))
         return self._dispatch_end(a, c, o, async_finish)
 

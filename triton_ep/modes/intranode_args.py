@@ -44,9 +44,16 @@ def version_of(t: Tensor) -> Optional[int]:
 def card_values(a: "DispatchArgs") -> tuple:
     """A new dispatch's call-card fields (:data:`triton_ep.protocol.call_card.DISPATCH`): dtype, hidden,
     scale dtype and words, top-k, weights given, experts."""
-    sc_dtype = card.dtype_code(a.scales.dtype if a.scales is not None else None)
-    return (a.dtype_code, a.x.shape[1], sc_dtype, a.scale_words, a.num_topk, int(a.topk_weights is not None),
+    return (a.dtype_code, a.x.shape[1], a.scale_dtype_code, a.scale_words, a.num_topk, int(a.topk_weights is not None),
             a.num_experts)
+
+
+def cached_card_values(x: Tensor, scales: Optional[Tensor], seq: int) -> tuple:
+    """A cached dispatch's call-card fields (:data:`triton_ep.protocol.call_card.CACHED_DISPATCH`) for rows ``x``
+    ``[T, H]`` and ``scales`` ``[T, S]`` (or ``None``): dtype, hidden, scale dtype and words, and ``seq``, the number of
+    the dispatch that made the handle."""
+    return (card.dtype_code(x.dtype), x.shape[1], card.dtype_code(None if scales is None else scales.dtype),
+            0 if scales is None else scales.shape[1], seq)
 
 
 @dataclasses.dataclass
@@ -58,7 +65,8 @@ class DispatchArgs:
     its scales in 32-bit words; ``dtype_code``: the dtype as the cross-rank signature carries it;
     ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank`` ``[T, R]`` and
     ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle`` for a cached
-    dispatch; ``flags``: bit 0 scales, bit 1 cached, bit 2 weights, bit 3 int32 scales (signature).
+    dispatch; ``flags``: bit 0 scales, bit 1 cached, bit 2 weights, bit 3 int32 scales (signature);
+    ``scale_dtype_code``: the scales' dtype as the call card carries it (0 without scales).
     """
     x: Tensor
     scales: Optional[Tensor]
@@ -75,6 +83,24 @@ class DispatchArgs:
     num_tokens_per_expert: Optional[Tensor] = None
     handle: Optional["DispatchHandle"] = None
     flags: int = 0
+    scale_dtype_code: int = 0
+
+    def signature(self) -> list:
+        """The call's signature words (:func:`triton_ep.runtime.call_signature` of them, with the rounds and the
+        record words, is checked by every rank's kernels): the operation and, for a cached call, the number of
+        the dispatch that made the handle are part of it, so ranks that call different collectives, or pass
+        handles of different dispatches, fail together."""
+        cached = self.handle is not None
+        return [card.CACHED_DISPATCH if cached else card.DISPATCH, self.row_words, self.scale_words, self.num_topk,
+                self.flags, self.num_experts, self.handle.seq if cached else 0, self.dtype_code]
+
+    def card(self, num_worst_tokens: int) -> Tuple[int, tuple]:
+        """The call card this rank publishes, ``(operation code, values)``: a cached dispatch's, or a new dispatch's
+        (:data:`~triton_ep.protocol.call_card.DISPATCH_WORST` with ``num_worst_tokens``: the host then never learns
+        the counts, they stay on the device)."""
+        if self.handle is not None:
+            return card.CACHED_DISPATCH, cached_card_values(self.x, self.scales, self.handle.seq)
+        return (card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH), card_values(self)
 
 
 class DispatchHandle(tuple):
@@ -243,7 +269,8 @@ def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank,
         raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
     a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=row_words(xv),
                      scale_words=sc.shape[1] if sc is not None else 0, dtype_code=card.dtype_code(xv.dtype),
-                     expert_alignment=int(expert_alignment))
+                     expert_alignment=int(expert_alignment),
+                     scale_dtype_code=card.dtype_code(sc.dtype if sc is not None else None))
     # scales and their dtype are in the signature: ranks must agree on both (and on their width, S)
     sflags = 0 if sc is None else (9 if sc.dtype == torch.int32 else 1)
     if handle is not None:

@@ -206,6 +206,37 @@ HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH, HOST_GONE = 0, 1, 2, 3, 4
 
 
 @dataclasses.dataclass(frozen=True)
+class HostHeader:
+    """One host-path header (:data:`HOST_HEADER_WORDS` int64 words, laid out as above), as a rank sends it to an
+    RDMA peer and reads the peer's."""
+
+    status: int                             # HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH or HOST_GONE
+    records: int                            # records that follow (0 with a status alone or a failure)
+    culprit: int                            # the rank whose own error started a failure (-1: none or unknown)
+    key: tuple                              # HOST_KEY_WORDS ints: the record layout's key (zeros: a status alone)
+    card: tuple                             # HOST_CARD_WORDS ints: the sender's call card (zeros: none)
+    disagreement: tuple                     # HOST_DISAGREEMENT_WORDS ints (status HOST_MISMATCH; else zeros)
+
+    def words(self) -> list:
+        """The header as :data:`HOST_HEADER_WORDS` ints (card and disagreement padded with zeros)."""
+        return [self.status, self.records, self.culprit, *self.key, *self.card,
+                *[0] * (HOST_CARD_WORDS - len(self.card)), *self.disagreement,
+                *[0] * (HOST_DISAGREEMENT_WORDS - len(self.disagreement))]
+
+    @classmethod
+    def of_words(cls, w) -> "HostHeader":
+        """The header ``w`` (:data:`HOST_HEADER_WORDS` ints) holds."""
+        w = [int(v) for v in w]
+        c = 3 + HOST_KEY_WORDS
+        return cls(w[0], w[1], w[2], tuple(w[3:c]), tuple(w[c:c + HOST_CARD_WORDS]),
+                   tuple(w[c + HOST_CARD_WORDS:HOST_HEADER_WORDS]))
+
+    def readable(self, group_size: int) -> bool:
+        """Whether these words can be a header of this group (a capture-path stream read as one cannot)."""
+        return HOST_OK <= self.status <= HOST_GONE and self.records >= 0 and -1 <= self.culprit < group_size
+
+
+@dataclasses.dataclass(frozen=True)
 class NetRecord:
     """Byte layout of one internode network-leg record (every rank alike: checked at each exchange)::
 

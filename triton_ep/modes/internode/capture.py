@@ -30,7 +30,7 @@ call and numbers the ring's chunks on the host; here everything the host learnt 
   Ranks that disagree (another operation or other sizes) raise the same ``ValueError`` everywhere, naming the
   field and two ranks' values: the failing ranks exchange their call cards in the group's key-value store on
   this error path only, and the rank that found it tells the others there before the leg ends
-  (:meth:`CapturePath._tell`).
+  (:mod:`.cards`).
 
 This path takes every ``num_worst_tokens`` dispatch on a CUDA device (so the warm-up call before a capture
 compiles the same kernels), and the cached dispatches and combines of its handles and of plain dispatches'
@@ -42,8 +42,6 @@ those of the host path.
 from __future__ import annotations
 
 import dataclasses
-import pickle
-import time
 from typing import List, Optional, Tuple
 
 import torch
@@ -55,8 +53,8 @@ from ...kernels._util import cdiv
 from ...protocol import call_card
 from ...protocol.records import (NET_HEADER_WORDS, NET_STATUS_CAPACITY, NET_STATUS_FAILED, NET_STATUS_LAYOUT,
                                 NetRecord)
-from ...runtime.hosts import Disagreement
 from ...runtime.fabric import group_store
+from .cards import CaptureCards
 from .combine import combine_args, combine_in_host
 from .forward import dispatch_results, forward_cached, forward_fresh
 from .handle import CapturePlan, build_handle
@@ -71,8 +69,6 @@ OP_DISPATCH, OP_CACHED, OP_COMBINE = 1, 2, 3
 _REASONS = {1: "topk_idx held ids outside [-1, num_experts) (they were masked)",
             2: "num_tokens_per_rdma_rank differed from the tokens this rank sends to each host",
             3: "num_tokens_per_expert held negative counts"}
-#: seconds a rank that found a disagreement waits at most for the other rank's call card (``timeout_s`` if less)
-CARD_WAIT_S = 10.0
 
 
 @dataclasses.dataclass
@@ -113,18 +109,12 @@ class CapturePath:
         self._capture_used = False
         #: this host's ranks' num_worst_tokens at the latest capture-path dispatch (its staging areas' room)
         self._host_worst: List[int] = []
-        #: this rank's running capture-path call as disagreements name it: ``(call-card code, value, ...)``
-        #: (:mod:`triton_ep.protocol.call_card`; ``()`` until its arguments passed their checks)
-        self._capture_card: tuple = ()
-        #: the group's key-value store and this Buffer's prefix there (:meth:`open_store`): where ranks
-        #: that disagree on a capture-path call exchange their call cards and tell the others
-        self._cstore, self._ckey = None, ""
-        #: this rank raised the disagreement that ended the network leg (later calls raise the leg's own error)
-        self._disagreement_raised = False
+        #: this rank's call card and the store where ranks that disagree exchange theirs (:meth:`open_store`)
+        self.cards = CaptureCards(self.rt)
 
     def open_store(self, group, token: str) -> None:
         """``token``: the Buffer's fabric token (the same on every rank)."""
-        self._cstore, self._ckey = group_store(group), f"triton_ep/capture/{token}/"
+        self.cards.open(group_store(group), f"triton_ep/capture/{token}/")
 
     def takes(self, num_worst_tokens: int = 0, handle=None) -> bool:
         """Whether a call takes the capture path: a cached dispatch or combine of a handle it made; a
@@ -168,7 +158,7 @@ class CapturePath:
                 ex = EPCapacityError(f"rank {me}: rank {peer} (host {h}) sent this host (host {self.host}) more "
                                      f"records than {room}: a num_worst_tokens of those ranks is too small")
             elif code == NET_STATUS_LAYOUT:
-                d = self._compare_cards(peer)
+                d = self.cards.compare(peer)
                 ex = d.error(me) if d is not None else ValueError(
                     f"rank {me}: rank {peer} (host {h}) sent records of another layout: the ranks called with "
                     f"different arguments or made different calls (a combine against a cached dispatch; "
@@ -186,11 +176,11 @@ class CapturePath:
         """A capture-path call failed: end the network leg (the RDMA peers' waits end at once) and leave this
         host's group, so every later call of every rank raises at once. First this rank's call card goes to the
         group's store (a rank that found a disagreement with this one names its values from it), and where ``ex``
-        is a disagreement it is told there too (:meth:`_tell`), before any rank can hear of the failure."""
-        self._post_card()
+        is a disagreement it is told there too (:meth:`CaptureCards.tell`), before any rank can hear of the failure."""
+        self.cards.post()
         if getattr(ex, "_ep_mismatch", False):
-            self._tell(ex)
-            self._disagreement_raised = True
+            self.cards.tell(ex)
+            self.cards.raised = True
         if self.leg.sched is not None and self.leg.sched.error is None:
             self.leg.sched.fail(EPRemoteError(f"rank {self.rt.rank}: a num_worst_tokens call across hosts failed "
                                           f"({type(ex).__name__}: {ex}); destroy() and rebuild the Buffer"))
@@ -200,11 +190,11 @@ class CapturePath:
         """One capture-path call, ``body(*args)``: any error it raises (an argument check on the host, this
         host's forwarding leg) ends the network leg for good, since the peers' kernels already count on
         this rank's streams."""
-        self._capture_card = ()
+        self.cards.card = ()
         try:
             return body(*args)
         except Exception as ex:   # noqa: BLE001 - told to the peers, then raised
-            told = self._as_disagreement(ex)
+            told = self.cards.as_disagreement(ex)
             self._fail_for_good(told)
             if told is not ex:
                 raise told from ex
@@ -212,99 +202,15 @@ class CapturePath:
         finally:
             self._capture_used = True
 
-    # ------------------------------------------------------------------ disagreements (docs/design.md, "Error model")
-    # A rank finds that ranks disagree on a capture-path call where a peer host's stream has another record layout
-    # (its header's key) or where its host's forwarding leg compares call cards; the others only see the network
-    # leg end. So, on this error path only, each failing rank posts its call card in the group's store and the
-    # rank that found a disagreement names it from the two cards and tells it there, before the failure can
-    # reach anyone (the fault word, the GONE word): every rank then raises the same ValueError.
-    def _post_card(self) -> None:
-        """Post this rank's call card (``()`` where its call failed its own checks). Never raises."""
-        try:
-            if self._cstore is not None:
-                self._cstore.set(f"{self._ckey}card/{self.rt.rank}", pickle.dumps(tuple(self._capture_card)))
-        except Exception:   # noqa: BLE001 - an error path: the peers' messages are then plainer
-            pass
-
-    def _card_of(self, rank: int) -> Optional[tuple]:
-        """Rank ``rank``'s call card as it posted it (:meth:`_post_card`), waiting at most ``min(timeout_s,
-        CARD_WAIT_S)``; ``None`` where it did not come."""
-        store, key = self._cstore, f"{self._ckey}card/{rank}"
-        if store is None:
-            return None
-        deadline = time.monotonic() + min(self.rt.timeout_s, CARD_WAIT_S)
-        try:
-            while not store.check([key]):
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.002)
-            return pickle.loads(store.get(key))
-        except Exception:   # noqa: BLE001 - an error path
-            return None
-
-    def _compare_cards(self, peer: int) -> Optional[Disagreement]:
-        """The first difference between this rank's call and rank ``peer``'s (this rank's card posted first, so
-        ``peer`` can do the same), or ``None``."""
-        self._post_card()
-        mine, theirs = tuple(self._capture_card), self._card_of(peer)
-        if not mine or not theirs:
-            return None
-        return Disagreement.of_cards(mine, theirs, self.rt.rank, peer)
-
-    def _tell(self, ex: BaseException) -> None:
-        """Post the disagreement ``ex`` names (or its text) where every rank looks when the network leg fails
-        (:meth:`_told`). Never raises."""
-        try:
-            d = getattr(ex, "disagreement", None)
-            if self._cstore is not None and not self._cstore.check([self._ckey + "disagreement"]):
-                self._cstore.set(self._ckey + "disagreement",
-                                 pickle.dumps(("d", d.words()) if d is not None else ("t", str(ex))))
-        except Exception:   # noqa: BLE001 - an error path
-            pass
-
-    def _told(self) -> Optional[ValueError]:
-        """The ``ValueError`` of a disagreement a rank told (:meth:`_tell`), for this rank to raise in place of the
-        network leg's failure it heard of; ``None``: none was told (a look at the store, no wait)."""
-        try:
-            key = self._ckey + "disagreement"
-            if self._cstore is None or not self._cstore.check([key]):
-                return None
-            kind, what = pickle.loads(self._cstore.get(key))
-        except Exception:   # noqa: BLE001 - an error path
-            return None
-        d = Disagreement.of_words(what) if kind == "d" else None
-        ex = d.error(self.rt.rank) if d is not None else ValueError(
-            f"rank {self.rt.rank}: ranks disagree on a num_worst_tokens call across hosts: {what}")
-        ex._ep_mismatch = True
-        return ex
-
-    def _as_disagreement(self, ex: BaseException) -> BaseException:
-        """The error this rank raises for ``ex``, a failure of its capture-path call: a disagreement its host's
-        forwarding leg found named by the two ranks' own call cards (not the forwarded records'); a failure it
-        heard of as the disagreement a rank told (:meth:`_told`); else ``ex``."""
-        if self._disagreement_raised:
-            return ex
-        d = getattr(ex, "disagreement", None)
-        me = self.rt.rank
-        if d is not None and isinstance(ex, ValueError):
-            other = d.rank_b if d.rank_a == me else d.rank_a if d.rank_b == me else None
-            better = self._compare_cards(other) if other is not None else None
-            told = better.error(me) if better is not None else ex
-            told._ep_mismatch = True
-            return told
-        if isinstance(ex, (ValueError, TypeError)):
-            return ex           # (this rank's own rejection)
-        return self._told() or ex
-
     def translate_failure(self, ex: BaseException) -> BaseException:
         """What a rank raises for ``ex``, the network leg's failure seen at a call's start or ``check()``: the
-        disagreement a rank told, the first time (:meth:`_told`), else ``ex``."""
-        if self._disagreement_raised or not self._capture_used or isinstance(ex, (ValueError, TypeError)):
+        disagreement a rank told, the first time (:meth:`CaptureCards.told`), else ``ex``."""
+        if self.cards.raised or not self._capture_used or isinstance(ex, (ValueError, TypeError)):
             return ex
-        told = self._told()
+        told = self.cards.told()
         if told is None:
             return ex
-        self._disagreement_raised = True
+        self.cards.raised = True
         return told
 
     # ------------------------------------------------------------------ the network leg
@@ -404,7 +310,7 @@ class CapturePath:
                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                            previous_event)
         a = f.args
-        self._capture_card = f.card
+        self.cards.card = f.card
         # this host's ranks' values (each may pass its own): a record gives at least one row on this host
         self._host_worst = self.leg.host_ranks.run(self.local.worst_steps(a, num_worst_tokens))
         C = sum(self._host_worst)
@@ -463,7 +369,7 @@ class CapturePath:
 
     def _cached_capture(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
         xv, sc, plan, rec, src = self.leg.cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
-        self._capture_card = self.leg.cached_card(xv, sc, plan)
+        self.cards.card = self.leg.cached_card(xv, sc, plan)
         # a num_worst_tokens plan's own records must fit (the peers' receivers check theirs); a plain one's
         # counts are exact
         out, rx, hw = self._move_capture(OP_CACHED, rec, src, plan.tok, plan.cnt, plan.cap,
@@ -481,7 +387,7 @@ class CapturePath:
         prep = combine_args(self.leg, x, handle, topk_weights, bias, previous_event)
         plan, H, K = prep.plan, prep.hidden, prep.num_topk
         dev, nh, T = self.rt.device, self.num_hosts, plan.num_tokens
-        self._capture_card = (call_card.COMBINE, H, K, plan.seq)
+        self.cards.card = (call_card.COMBINE, H, K, plan.seq)
         rec, src, _ = combine_in_host(self.leg, prep)
         out, rx, hw = self._move_capture(OP_COMBINE, rec, src, plan.ctok, plan.rx, T)
         got = self._records(out, hw, rec, T)

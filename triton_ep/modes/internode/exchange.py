@@ -4,7 +4,8 @@ agree), then the records through the ring kernels; after the forwarding leg, a s
 (:mod:`.capture`) makes none of these: it keeps all on the device."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import dataclasses
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -13,15 +14,15 @@ from ... import scheduler as sched_mod
 from ...errors import EPCapacityError, EPError, EPRemoteError
 from ...kernels import net
 from ...kernels._util import cdiv
-from ...protocol.records import (HOST_CAPACITY, HOST_CARD_WORDS, HOST_FAILED, HOST_GONE, HOST_HEADER_WORDS,
-                                HOST_KEY_WORDS, HOST_MISMATCH, HOST_OK)
+from ...protocol.records import (HOST_CAPACITY, HOST_FAILED, HOST_GONE, HOST_HEADER_WORDS, HOST_KEY_WORDS,
+                                HOST_MISMATCH, HOST_OK, HostHeader)
 from ...runtime import hosts as hosts_mod
-from ...transport.liveness import dead_error
+from ...runtime.fabric import dead_error
 from .records import Streams
 
 Tensor = torch.Tensor
 #: the host path's header and its status codes (protocol/records.py)
-_KEY_WORDS, _CARD_WORDS, HEADER_WORDS = HOST_KEY_WORDS, HOST_CARD_WORDS, HOST_HEADER_WORDS
+_KEY_WORDS, HEADER_WORDS = HOST_KEY_WORDS, HOST_HEADER_WORDS
 _OK, _FAILED, _CAPACITY, _MISMATCH, _GONE = HOST_OK, HOST_FAILED, HOST_CAPACITY, HOST_MISMATCH, HOST_GONE
 #: the record layout's key words, as errors name them
 _KEY_FIELDS = ("row bytes", "scale bytes", "top-k", "weights", "ranks per host", "experts without top-k")
@@ -101,12 +102,38 @@ class HostExchange:
         Returns the record counts per host (this host's: its own stream's); raises the peers' failures (not
         ``err``: the caller raises it outside the network's error translation, unless a peer names a dead rank and
         ``err`` only passes on another's failure: then :func:`told_gone`)."""
-        self.leg.capture.sync_host_path()
-        self.leg.host_exchanges += 1
-        peers = self.leg.peer_hosts
+        leg = self.leg
+        leg.capture.sync_host_path()
+        leg.host_exchanges += 1
+        peers, mine = leg.peer_hosts, self._header(streams, err)
+        count = (lambda h: 0) if streams is None or err is not None else streams.count
+        head = {h: np.array(dataclasses.replace(mine, records=count(h)).words(), np.int64).view(np.uint8)
+                for h in peers}
+        got = sched_mod.host_alltoall(leg.sched, head, {h: 8 * HEADER_WORDS for h in peers})
+        theirs = {h: HostHeader.of_words(got[h].view(np.int64)) for h in peers}
+        for h in peers:     # a capture-path stream read as a header: the ranks took different paths
+            if err is None and not theirs[h].readable(leg.rt.group_size):
+                raise ValueError(f"rank {leg.rt.rank}: rank {leg.rings.peer_rank(h)} (host {h}) sent no header this "
+                                 f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
+                                 f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
+        self._raise_gone(theirs, err)
+        if err is not None:
+            return [0] * leg.num_hosts
+        self._raise_failures(theirs)
+        self._compare(theirs, mine, streams)
+        counts = [0] * leg.num_hosts
+        for h in peers:
+            counts[h] = theirs[h].records
+        if streams is not None:
+            counts[leg.host] = streams.count(leg.host)
+        return counts
+
+    def _header(self, streams: Optional[Streams], err: Optional[BaseException]) -> HostHeader:
+        """This rank's header (its record count set per peer host by :meth:`headers`): the status of ``err``, the
+        rank that started it, the record layout's key, and the call card and disagreement ``err`` carries."""
         key = (0,) * _KEY_WORDS if streams is None else \
             streams.rec.key() + (0 if streams.npe is None else streams.npe.shape[0],)
-        mine = tuple(streams.card) if streams is not None and err is None else ()
+        card = tuple(streams.card) if streams is not None and err is None else ()
         told = getattr(err, "disagreement", None)
         # a rank whose process is gone (global rank; found by this rank, its host's ranks, or an RDMA peer)
         dead = getattr(err, "dead_ranks", None) if err is not None else None
@@ -116,67 +143,56 @@ class HostExchange:
         # forwarding leg)
         culprit = -1 if err is None else dead[0] if dead else \
             getattr(err, "culprit", -1 if isinstance(err, EPError) else self.leg.rt.rank)
-        tail = [*key, *mine, *[0] * (_CARD_WORDS - len(mine)),
-                *(told.words() if told is not None else [0] * hosts_mod.Disagreement.WORDS)]
-        head = {h: np.array([code, 0 if streams is None or err is not None else streams.count(h), culprit, *tail],
-                            np.int64).view(np.uint8) for h in peers}
-        got = sched_mod.host_alltoall(self.leg.sched, head, {h: 8 * HEADER_WORDS for h in peers})
-        words = {h: got[h].view(np.int64) for h in peers}
-        for h in peers:     # a capture-path stream read as a header: the ranks took different paths
-            if err is None and not (_OK <= words[h][0] <= _GONE and words[h][1] >= 0
-                                    and -1 <= words[h][2] < self.leg.rt.group_size):
-                raise ValueError(f"rank {self.leg.rt.rank}: rank {self.leg.rings.peer_rank(h)} (host {h}) sent no header "
-                                 f"this "
-                                 f"call can read: the ranks made different calls (num_worst_tokens > 0 on every "
-                                 f"rank, or on none; TRITON_EP_INTERNODE_CAPTURE_PATH the same on every rank)")
-        gone = next((h for h in peers if words[h][0] == _GONE and words[h][2] >= 0), None)
+        return HostHeader(code, 0, culprit, tuple(key), card, tuple(told.words()) if told is not None else ())
+
+    def _raise_gone(self, theirs: Dict[int, HostHeader], err: Optional[BaseException]) -> None:
+        """Where a peer knows which rank's process is gone (``HOST_GONE`` naming it), raise that as this call's error
+        here too (:func:`told_gone`), unless this rank's own ``err`` says more than that another rank failed."""
+        leg = self.leg
+        gone = next((h for h, hd in theirs.items() if hd.status == _GONE and hd.culprit >= 0), None)
         if gone is not None and (err is None or passed_on(err)):
-            # a peer knows which rank's process is gone: that is this call's error here too (not the failure of
-            # another rank that passed it on)
             at = "rdma host exchange (the call's headers)" if err is None else \
-                getattr(err, "stage", None) or f"the forwarding leg of host {self.leg.host}"
-            ex = told_gone(self.leg.rt.rank, int(words[gone][2]), at, self.leg.rings.peer_rank(gone), gone)
-            raise ex from err
-        if err is not None:
-            return [0] * self.leg.num_hosts
-        for h in peers:     # a disagreement found anywhere is this call's error on every rank
-            d = hosts_mod.Disagreement.of_words(words[h][-hosts_mod.Disagreement.WORDS:]) \
-                if words[h][0] == _MISMATCH else None
+                getattr(err, "stage", None) or f"the forwarding leg of host {leg.host}"
+            raise told_gone(leg.rt.rank, theirs[gone].culprit, at, leg.rings.peer_rank(gone), gone) from err
+
+    def _raise_failures(self, theirs: Dict[int, HostHeader]) -> None:
+        """Raise the first failure a peer's header tells: a disagreement found anywhere (this call's error on every
+        rank), else ``EPCapacityError`` / ``EPRemoteError`` naming the rank that started it."""
+        leg = self.leg
+        for h, hd in theirs.items():
+            d = hosts_mod.Disagreement.of_words(hd.disagreement) if hd.status == _MISMATCH else None
             if d is not None:
-                raise d.error(self.leg.rt.rank)
-        for h in peers:
-            if words[h][0]:
-                peer, first = self.leg.rings.peer_rank(h), int(words[h][2])
+                raise d.error(leg.rt.rank)
+        for h, hd in theirs.items():
+            if hd.status:
+                peer, first = leg.rings.peer_rank(h), hd.culprit
                 who = f"rank {peer} (host {h})"
                 if first >= 0 and first != peer:
-                    who = f"rank {first} (host {self.leg.hosts.host_of[first]}; rank {peer} on host {h} passed it on)"
-                if words[h][0] == _CAPACITY:
-                    ex = EPCapacityError(f"rank {self.leg.rt.rank}: {who} found more rows than num_worst_tokens on its "
+                    who = f"rank {first} (host {leg.hosts.host_of[first]}; rank {peer} on host {h} passed it on)"
+                if hd.status == _CAPACITY:
+                    ex = EPCapacityError(f"rank {leg.rt.rank}: {who} found more rows than num_worst_tokens on its "
                                          f"host; no rank returns from this dispatch")
                 else:
-                    ex = EPRemoteError(f"rank {self.leg.rt.rank}: {who} failed this call (its own error names why); "
+                    ex = EPRemoteError(f"rank {leg.rt.rank}: {who} failed this call (its own error names why); "
                                        f"this rank stopped too")
                 ex.culprit = first if first >= 0 else peer
                 raise ex
-        for h in peers:     # the RDMA peers compare their calls (the lower rank first, on both sides)
-            theirs = [int(w) for w in words[h][3 + _KEY_WORDS:3 + _KEY_WORDS + _CARD_WORDS]]
-            if mine and theirs[0]:
-                d = hosts_mod.Disagreement.of_cards(mine, theirs, self.leg.rt.rank, self.leg.rings.peer_rank(h))
+
+    def _compare(self, theirs: Dict[int, HostHeader], mine: HostHeader, streams: Optional[Streams]) -> None:
+        """The RDMA peers compare their calls (the lower rank first, on both sides), then the record layouts (calls
+        that agree give records of one layout: this names what still differs). Raises ``ValueError``."""
+        leg = self.leg
+        for h, hd in theirs.items():
+            if mine.card and hd.card[0]:
+                d = hosts_mod.Disagreement.of_cards(mine.card, hd.card, leg.rt.rank, leg.rings.peer_rank(h))
                 if d is not None:
-                    raise d.error(self.leg.rt.rank)
-        for h in peers:     # (calls that agree give records of one layout: this names what still differs)
-            there = tuple(int(w) for w in words[h][3:3 + _KEY_WORDS])
-            if streams is not None and there != key:
-                diff = "; ".join(f"{n}: rank {self.leg.rings.peer_rank(h)} sends {a}, rank {self.leg.rt.rank} sends {b}"
-                                 for n, a, b in zip(_KEY_FIELDS, there, key) if a != b)
-                raise ValueError(f"rank {self.leg.rt.rank}: ranks disagree across hosts on the records of this call "
+                    raise d.error(leg.rt.rank)
+        for h, hd in theirs.items():
+            if streams is not None and hd.key != mine.key:
+                diff = "; ".join(f"{n}: rank {leg.rings.peer_rank(h)} sends {a}, rank {leg.rt.rank} sends {b}"
+                                 for n, a, b in zip(_KEY_FIELDS, hd.key, mine.key) if a != b)
+                raise ValueError(f"rank {leg.rt.rank}: ranks disagree across hosts on the records of this call "
                                  f"({diff}): the ranks called with different arguments")
-        counts = [0] * self.leg.num_hosts
-        for h in peers:
-            counts[h] = int(words[h][1])
-        if streams is not None:
-            counts[self.leg.host] = streams.count(self.leg.host)
-        return counts
 
     def expert_counts(self, npe: Tensor) -> Tensor:
         """A dispatch without ``topk_idx``: send each RDMA peer the counts of its host's experts in ``npe``

@@ -20,6 +20,7 @@ ranks that had masked the other renumbers its rings (:meth:`NetLeg.resync`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import time
@@ -47,6 +48,24 @@ from .network import Network, open_network
 CLOSE_WAIT_S = 5.0
 #: seconds a rank that found a disagreement waits at most for the peer's call card (:meth:`NetLeg.explain_mismatch`)
 CARD_WAIT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """What a rank brings to a re-synchronisation of low-latency mode across hosts (:meth:`NetLeg.resync`),
+    exchanged with every rank of the group."""
+
+    seq: int                # its low-latency call number (the control block's L_SEQ)
+    call_base: int          # its signals' call base (``Signals.local_state``)
+    ready: List[int]        # [R]: chunks it published to each network peer (RingFlags.READY; 0 for the others)
+    tail: List[int]         # [R]: chunks that arrived from each network peer (RingFlags.TAIL; 0 for the others)
+    mask: List[int]         # [R]: 1 where it masked the rank
+    unmask: List[int]       # the ranks it came to unmask, ascending
+    unmasking: bool         # it came to unmask them (else to re-synchronise after an error)
+
+    def purpose(self) -> str:
+        """Why it came, as the errors say it."""
+        return f"unmask ranks {self.unmask}" if self.unmasking else "re-synchronise after an error"
 
 
 class NetLeg:
@@ -148,39 +167,64 @@ class NetLeg:
         An error of the first exchange (a rank that did not come: dead, or raising its own error, e.g. its proxy
         failed) carries ``_ep_nothing_changed``: no state was touched.
         """
-        rt, sched = ll.rt, self.sched
-        R, me = rt.group_size, rt.rank
-        ctl = ll.ctl
-        seq = int(ctl[int(F.L_SEQ)].item())
-        base, _ = rt.sig.local_state()
+        rt, me = ll.rt, ll.rt.rank
+        mine = self._standing(ll, unmask)
+        every = self._meet(rt, mine)
+
+        def masked_pair(a: int, b: int) -> bool:
+            return bool(every[a].mask[b] or every[b].mask[a])
+        renumber = [p for p in self.remote_ranks if masked_pair(me, p) and (p in mine.unmask or me in mine.unmask)]
+        top = max(e.seq for e in every)
+        # nothing is drained from a peer either side masked
+        self._drain(rt, {p: every[p].ready[me] for p in self.remote_ranks if not masked_pair(me, p)})
+        next_tx, next_rx = self._renumber(every, mine, renumber, me)
+        self._restart(ll, top, next_tx, next_rx, renumber)
+        rt.sig.resync(max(e.call_base for e in every) + 1)
+        ll.pending.clear()
+        # (every rank raised its recorded error before this meeting: the cards it posted were read)
+        self.epoch = top
+        self._forget_cards()
+        if mine.unmasking:
+            # every rank renumbered before any sends again: a peer's first chunk after the renumbering must not
+            # arrive here before this rank's own renumbering (which would drop it)
+            gather_objects(self.group, None, rt.timeout_s,
+                           f"low-latency across hosts: {mine.purpose()}, rings renumbered")
+
+    def _standing(self, ll: LowLatency, unmask) -> "Standing":
+        """What this rank brings to a re-synchronisation: its counters, masks and the ranks it came to unmask."""
+        rt, sched, ctl, R = ll.rt, self.sched, ll.ctl, ll.rt.group_size
         remote = set(self.remote_ranks)
         ready = [sched.flags.get(RingFlags.READY, p) if p in remote else 0 for p in range(R)]
         tail = [sched.flags.get(RingFlags.TAIL, p) if p in remote else 0 for p in range(R)]
         mask = [int(v) for v in ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R].tolist()]
-        asked = sorted(int(r) for r in (unmask or ()))
-        what = ("unmask ranks " + str(asked)) if unmask is not None else "re-synchronise after an error"
+        return Standing(int(ctl[int(F.L_SEQ)].item()), rt.sig.local_state()[0], ready, tail, mask,
+                        sorted(int(r) for r in (unmask or ())), unmask is not None)
+
+    def _meet(self, rt, mine: "Standing") -> list:
+        """Meet every rank of the group (a bounded exchange through its store) and return every rank's
+        :class:`Standing`, in rank order.
+
+        Raises:
+            what :func:`gather_objects` raises, marked ``_ep_nothing_changed`` (no state was touched).
+            ValueError: a rank came for another purpose (other ``unmask`` ranks, or to re-synchronise).
+        """
         try:
-            every = gather_objects(self.group, (seq, base, ready, tail, mask, asked, unmask is not None),
-                                   rt.timeout_s, f"low-latency across hosts: {what}")
+            every = gather_objects(self.group, mine, rt.timeout_s, f"low-latency across hosts: {mine.purpose()}")
         except Exception as ex:
             ex._ep_nothing_changed = True       # (the caller may keep the Buffer: no state was touched)
             raise
-        odd = [r for r, e in enumerate(every) if (e[5], e[6]) != (asked, unmask is not None)]
+        odd = [r for r, e in enumerate(every) if (e.unmask, e.unmasking) != (mine.unmask, mine.unmasking)]
         if odd:
-            e = every[odd[0]]
-            theirs = f"unmask ranks {e[5]}" if e[6] else "re-synchronise after an error"
-            raise ValueError(f"rank {me}: the ranks met to change the low-latency masks differently: this rank came to "
-                             f"{what}, rank {odd[0]} to {theirs}; every rank must make the same unmask call "
-                             f"(low_latency_update_mask_buffer(rank, False) or low_latency_clean_mask_buffer())")
-        U = set(asked)
+            raise ValueError(f"rank {rt.rank}: the ranks met to change the low-latency masks differently: this rank "
+                             f"came to {mine.purpose()}, rank {odd[0]} to {every[odd[0]].purpose()}; every rank must "
+                             f"make the same unmask call (low_latency_update_mask_buffer(rank, False) or "
+                             f"low_latency_clean_mask_buffer())")
+        return every
 
-        def masked_pair(a: int, b: int) -> bool:
-            return bool(every[a][4][b] or every[b][4][a])
-        renumber = [p for p in sorted(remote) if masked_pair(me, p) and (p in U or me in U)]
-        top = max(e[0] for e in every)
-        # drain: consume what each network peer sent this rank, as it arrives (freeing slots lets its proxy
-        # post the rest), until its chunk count is reached; nothing from a peer either side masked
-        want = {p: every[p][2][me] for p in self.remote_ranks if not masked_pair(me, p)}
+    def _drain(self, rt, want: dict) -> None:
+        """Consume what each network peer ``p`` sent this rank, as it arrives (freeing slots lets its proxy post the
+        rest), until its chunk count ``want[p]`` is reached. Raises ``EPTimeoutError`` after ``timeout_s``."""
+        sched = self.sched
         deadline = time.monotonic() + rt.timeout_s
         while True:
             sched.check()
@@ -188,21 +232,35 @@ class NetLeg:
             for p in want:
                 sched.consume(p, min(sched.flags.get(RingFlags.TAIL, p), want[p]))
             if not late:
-                break
+                return
             if time.monotonic() > deadline:
                 p = next(iter(late))
-                raise EPTimeoutError(me, p, "low-latency re-synchronisation: chunks still on their way",
+                raise EPTimeoutError(rt.rank, p, "low-latency re-synchronisation: chunks still on their way",
                                      rt.timeout_s)
             time.sleep(0.0005)
-        next_tx = list(ready)
-        next_rx = [every[p][2][me] for p in range(R)]
+
+    def _renumber(self, every: list, mine: "Standing", renumber: list, me: int) -> Tuple[list, list]:
+        """The chunk numbers each peer's rings go on from (``[R]`` to send, ``[R]`` to receive): where they stand,
+        except for the ``renumber`` peers, which stop posting (their proxies drop what is held back), wait until no
+        chunk is in flight and renumber (:meth:`Scheduler.rebase`) to what either side counted, whichever is ahead
+        (the same numbers on both sides)."""
+        sched = self.sched
+        next_tx = list(mine.ready)
+        next_rx = [e.ready[me] for e in every]
         for p in renumber:
             sched.flags.mask(p)     # its proxy drops what is still held back for p (no credit): nothing more goes
             sched.wait_quiet(p, "low-latency unmask: chunks posted before the mask")
-            # the same numbers on both sides: what either side counted, whichever is ahead
-            next_tx[p] = max(ready[p], every[p][3][me])
-            next_rx[p] = max(every[p][2][me], tail[p])
+            next_tx[p] = max(mine.ready[p], every[p].tail[me])
+            next_rx[p] = max(every[p].ready[me], mine.tail[p])
             sched.rebase(p, next_tx[p], next_rx[p])
+        return next_tx, next_rx
+
+    @staticmethod
+    def _restart(ll: LowLatency, top: int, next_tx: list, next_rx: list, renumber: list) -> None:
+        """Restart the low-latency control block at call ``top + 1`` (calls up to ``top`` done): each peer's chunk
+        offsets (``TXOFF`` / ``RXOFF``) from ``next_tx`` / ``next_rx``, no failures, the ``renumber`` peers
+        unmasked."""
+        ctl, R = ll.ctl, ll.rt.group_size
         with torch.inference_mode():
             tx = [next_tx[p] - top for p in range(R)]
             rx = [next_rx[p] - top for p in range(R)]
@@ -215,20 +273,15 @@ class NetLeg:
             ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
             for p in renumber:
                 ctl[F.off_ll_mask.host(R) + p].fill_(0)
-        rt.sig.resync(max(e[1] for e in every) + 1)
-        ll.pending.clear()
-        # (every rank raised its recorded error before this meeting: the cards it posted were read)
-        self.epoch = top
+
+    def _forget_cards(self) -> None:
+        """Remove the call cards this rank posted (:meth:`explain_mismatch`) from the group's store."""
         for key in self._posted:
             try:
                 self.store.delete_key(key)
             except Exception:   # noqa: BLE001 - a store without delete: the key stays
                 pass
         self._posted.clear()
-        if unmask is not None:
-            # every rank renumbered before any sends again: a peer's first chunk after the renumbering must not
-            # arrive here before this rank's own renumbering (which would drop it)
-            gather_objects(self.group, None, rt.timeout_s, f"low-latency across hosts: {what}, rings renumbered")
 
     def close(self, gone: Optional[int] = None) -> None:
         """Let the proxy place the chunks already published (a failure notice a rank posted just before

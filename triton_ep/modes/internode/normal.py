@@ -44,6 +44,7 @@ from ...runtime.checks import check_event
 from ...runtime import hosts as hosts_mod
 from ...runtime.fabric import gather_objects
 from ..intranode import DispatchArgs, Intranode, check_cached_dispatch
+from ..intranode_args import cached_card_values
 from .capture import ENV_CAPTURE_PATH, CapturePath
 from .combine import combine_args, reduce_in_host, sum_over_hosts
 from .exchange import HostExchange
@@ -353,11 +354,9 @@ class Internode:
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     topk_weights, expert_alignment, num_worst_tokens, previous_event)
-        xv, sc, w, K = a.x, a.scales, a.topk_weights, a.num_topk
-        card = (call_card.DISPATCH_WORST if num_worst_tokens else call_card.DISPATCH, call_card.dtype_code(xv.dtype),
-                xv.shape[1], call_card.dtype_code(None if sc is None else sc.dtype), 0 if sc is None else sc.shape[1],
-                K, int(w is not None), a.num_experts)
-        return Fresh(a, card, record_layout(xv, sc, K, 0 if w is None else K, self.per_host))
+        code, values = a.card(num_worst_tokens)
+        w, K = a.topk_weights, a.num_topk
+        return Fresh(a, (code, *values), record_layout(a.x, a.scales, K, 0 if w is None else K, self.per_host))
 
     def _host_dispatch(self, f: Fresh, num_tokens_per_rdma_rank: Tensor) -> HostDispatch:
         """A fresh dispatch on the host path: its routing checked on the host (ids in range, non-negative
@@ -397,8 +396,7 @@ class Internode:
     @staticmethod
     def cached_card(xv: Tensor, sc: Optional[Tensor], plan) -> tuple:
         """A cached dispatch's call card (both paths)."""
-        return (call_card.CACHED_DISPATCH, call_card.dtype_code(xv.dtype), xv.shape[1],
-                call_card.dtype_code(None if sc is None else sc.dtype), 0 if sc is None else sc.shape[1], plan.seq)
+        return (call_card.CACHED_DISPATCH, *cached_card_values(xv, sc, plan.seq))
 
     def cached_args(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
         """Check a cached dispatch's arguments (both paths). Returns its rows (and scales), its handle's plan, its

@@ -1,0 +1,183 @@
+"""The argument checks of :class:`~triton_ep.elastic.ElasticBuffer`'s calls, made before anything launches (a
+rejection then reaches the peers through ``ElasticBuffer._agreed``), and the checked arguments they give
+(:class:`DispatchPlan`, :class:`Order`). ``eb``: the ElasticBuffer (its group size, device, default token bound and
+number)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from ..config import EventOverlap
+from ..runtime.checks import MAX_INT32, check_num_experts, check_tensor, isint
+from .handle import EPHandle, EventHandle
+
+Tensor = torch.Tensor
+
+
+def count(name: str, v, lo: int = 0) -> int:
+    """``v`` as an int in ``[lo, 2^31)``; ``ValueError`` naming ``name`` otherwise."""
+    if not isint(v) or not lo <= v <= MAX_INT32:
+        raise ValueError(f"{name} must be an int in [{lo}, {MAX_INT32}], got {v!r}")
+    return int(v)
+
+
+def as_event(ev, name: str) -> Optional[EventOverlap]:
+    """``ev`` as the :class:`EventOverlap` Buffer takes: ``None``, an :class:`EventHandle` (``capture()``'s), an
+    EventOverlap (``Buffer.capture()``'s), or a CUDA event."""
+    if ev is None or isinstance(ev, EventOverlap):
+        return ev
+    if isinstance(ev, EventHandle):
+        return EventOverlap(ev.event)
+    if torch.cuda.is_available() and isinstance(ev, torch.cuda.Event):
+        return EventOverlap(ev)
+    raise TypeError(f"{name} must be an EventHandle (ElasticBuffer.capture()), an EventOverlap or a torch.cuda.Event, "
+                    f"got {type(ev).__name__}")
+
+
+def v2_names(message: str) -> str:
+    """``message`` (an error of :class:`~triton_ep.Buffer`'s set-up) with V1's argument names replaced by the V2
+    arguments ElasticBuffer passes them from: ``num_nvl_bytes`` is ``num_bytes``, ``timeout_s`` is
+    ``num_gpu_timeout_secs``."""
+    return message.replace("num_nvl_bytes", "num_bytes").replace("timeout_s ", "num_gpu_timeout_secs ")
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+    """A dispatch without a handle, its arguments checked (:func:`check_dispatch`)."""
+
+    num_topk: int               # K: columns of topk_idx
+    num_experts: int            # E, a multiple of R
+    num_local_experts: int      # E_l = E / R
+    num_max: int                # num_max_tokens_per_rank: the worst case is R * num_max received tokens
+    alignment: int              # expert_alignment, >= 1
+    sync: bool                  # do_cpu_sync: exact sizes (a host wait), else the worst case
+    expand: bool                # do_expand: the expanded layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+    """How a dispatch is ordered on the streams (its arguments, checked)."""
+
+    previous_event: Optional[EventOverlap]      # waited for before the call's kernels
+    before_epilogue: Optional[EventOverlap]     # previous_event_before_epilogue: waited for before this rank's epilogue
+    async_: bool                                # async_with_compute_stream: on the communication stream, an event back
+    alloc_comm: bool                            # allocate_on_comm_stream: outputs allocated there
+
+
+def check_call(x, num_sms, num_qps, do_expand: bool, do_zero_padding: bool, previous_event,
+                previous_event_before_epilogue, async_with_compute_stream: bool,
+                allocate_on_comm_stream: bool) -> Tuple[int, Order]:
+    """The checks every dispatch makes, with or without a handle: ``x`` (a 2-D tensor or an ``(x, sf)`` pair),
+    the accepted counts, ``do_zero_padding`` and the events. Returns ``T`` and the call's :class:`Order`."""
+    for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
+        count(name, v)
+    if do_zero_padding and not do_expand:
+        raise ValueError("do_zero_padding needs do_expand=True (it zeroes the expanded layout's padding rows)")
+    if isinstance(x, tuple) and len(x) != 2:
+        raise ValueError(f"x must be a tensor or an (x, sf) pair, got a tuple of {len(x)}")
+    xs = x[0] if isinstance(x, tuple) else x
+    if not isinstance(xs, torch.Tensor) or xs.dim() != 2:
+        raise TypeError(f"x must be a 2-D tensor [T, H] (or an (x, sf) pair), got "
+                        f"{tuple(xs.shape) if isinstance(xs, torch.Tensor) else type(xs).__name__}")
+    return xs.shape[0], Order(as_event(previous_event, "previous_event"),
+                               as_event(previous_event_before_epilogue, "previous_event_before_epilogue"),
+                               bool(async_with_compute_stream), bool(allocate_on_comm_stream))
+
+
+def check_dispatch(eb, T: int, topk_idx, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
+                    sync: bool, expand: bool) -> DispatchPlan:
+    """The checks of a dispatch without a handle, the layout's among them (``Buffer.get_dispatch_layout`` checks
+    ``topk_idx`` on this rank alone): the call's :class:`DispatchPlan`."""
+    if topk_idx is None:
+        raise ValueError("dispatch needs topk_idx (or a handle of an earlier dispatch)")
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != T:
+        raise ValueError(f"topk_idx must be [T, K] with T = {T} rows of x, got "
+                         f"{tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
+    check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (T, None), eb.device)
+    if num_experts is None:
+        raise ValueError("dispatch needs num_experts (or a handle of an earlier dispatch)")
+    check_num_experts(num_experts, eb.num_ranks)
+    N_max = num_max(eb, num_max_tokens_per_rank, T)
+    align = 1 if expert_alignment is None else count("expert_alignment", expert_alignment, 1)
+    El = num_experts // eb.num_ranks
+    check_stats(eb, stats, El)
+    return DispatchPlan(topk_idx.shape[1], int(num_experts), El, N_max, align, sync, bool(expand))
+
+
+def check_cached(eb, T: int, handle, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
+                  expert_alignment, do_cpu_sync, do_expand) -> None:
+    """The checks of a cached dispatch (with ``handle``)."""
+    check_handle(eb, handle, "handle")
+    if topk_idx is not None:
+        raise ValueError("a cached dispatch (with handle) takes no topk_idx: the handle's routing is used")
+    if do_cpu_sync:
+        raise ValueError("a cached dispatch (with handle) cannot do_cpu_sync: its counts are the handle's")
+    for name, given, have in (("num_experts", num_experts, handle.num_experts),
+                              ("num_max_tokens_per_rank", num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
+                              ("expert_alignment", expert_alignment, handle.expert_alignment)):
+        if given is not None and given != have:
+            raise ValueError(f"{name} {given!r} differs from the handle's {have}")
+    if do_expand and not handle.do_expand:
+        raise ValueError("do_expand=True needs a handle of an expanded dispatch (do_expand=True)")
+    K = handle.topk_idx.shape[1]
+    if T != handle.topk_idx.shape[0]:
+        raise ValueError(f"x has {T} rows, the handle's dispatch had {handle.topk_idx.shape[0]}")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, (torch.float32,), (T, K), eb.device,
+                     "the handle's dispatch's T and K")
+    check_stats(eb, stats, handle.num_experts // eb.num_ranks)
+
+
+def check_combine(eb, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
+                   previous_event_before_epilogue):
+    """The checks of a combine: ``(previous_event, previous_event_before_epilogue, K, N, rows of x)``."""
+    for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
+        count(name, v)
+    check_handle(eb, handle, "handle")
+    prev, prev_epi = as_event(previous_event, "previous_event"), as_event(previous_event_before_epilogue,
+                                                                              "previous_event_before_epilogue")
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise TypeError(f"combine's x must be a bf16 [rows, H] tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    K, N = handle.topk_idx.shape[1], handle.recv_topk_idx.shape[0]
+    rows = handle.num_expanded_tokens if handle.do_expand else N
+    if x.shape[0] != rows:
+        raise ValueError(f"combine's x must have {rows} rows ({'num_expanded_tokens' if handle.do_expand else 'N'} "
+                         f"of the handle's dispatch), got {x.shape[0]}")
+    want_w = (rows,) if handle.do_expand else (rows, K)
+    if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
+                                     or tuple(topk_weights.shape) != want_w):
+        raise TypeError(f"topk_weights must be fp32 {list(want_w)}, got "
+                        f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
+                        f"{tuple(getattr(topk_weights, 'shape', ()))}")
+    if isinstance(bias, tuple) and len(bias) != 2:
+        raise ValueError(f"bias must be a tensor or a pair of tensors, got a tuple of {len(bias)}")
+    return prev, prev_epi, K, N, rows
+
+
+def num_max(eb, given, T: int) -> int:
+    """The per-rank token bound of a dispatch of ``T`` tokens: ``given``, or ``eb``'s default."""
+    n = eb.num_max_tokens_per_rank if given is None else count("num_max_tokens_per_rank", given)
+    if n <= 0:
+        raise ValueError("num_max_tokens_per_rank is needed: pass it to dispatch or to the constructor")
+    if T > n:
+        raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank = {n}")
+    return n
+
+
+def check_stats(eb, stats, El: int) -> None:
+    """``cumulative_local_expert_recv_stats`` must be ``None`` or int32 ``[E_l]`` on ``eb``'s device."""
+    if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
+                              or tuple(stats.shape) != (El,) or stats.device.type != eb.device.type):
+        raise TypeError(f"cumulative_local_expert_recv_stats must be int32 [{El}] on {eb.device}, got "
+                        f"{getattr(stats, 'dtype', type(stats).__name__)} {tuple(getattr(stats, 'shape', ()))}")
+
+
+def check_handle(eb, handle, name: str) -> None:
+    """``handle`` must be an :class:`EPHandle` that ``eb`` made."""
+    if not isinstance(handle, EPHandle):
+        raise TypeError(f"{name} must be an EPHandle from ElasticBuffer.dispatch, got {type(handle).__name__}")
+    if handle.owner != eb._number:
+        raise ValueError(f"{name} comes from another ElasticBuffer")
