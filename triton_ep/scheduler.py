@@ -75,6 +75,8 @@ from triton_ep.transport.ring_flags import RingFlags
 TAG_CHUNK = 1 << 60
 #: wr_id tag of a liveness probe (:meth:`Scheduler._probe`; the low bits hold the peer)
 TAG_PROBE = 1 << 59
+#: seconds :meth:`Scheduler.close` waits at most for chunks published but not yet sent (:meth:`Scheduler.drain`)
+DRAIN_S = 5.0
 #: seconds between two liveness probes to a peer (one at a time per peer)
 PROBE_S = 0.2
 #: the completion status of a request that the peer's QP never acknowledged (retries exhausted): the peer is gone
@@ -464,12 +466,29 @@ class Scheduler:
                                                      self._arrive_off[k]))
 
     def close(self) -> None:
-        """Stop and join the proxy threads (idempotent).  The transport (QPs, MRs, CQs, PD) is the caller's:
-        close it after this."""
+        """Let the proxy finish what was published (:meth:`drain`), then stop and join the proxy threads
+        (idempotent).  The transport (QPs, MRs, CQs, PD) is the caller's: close it after this."""
+        self.drain(min(self.timeout_s, DRAIN_S))
         self._stop.set()
         for th in self._threads:
             th.join(timeout=self.timeout_s + 5.0)
         self._threads = []
+
+    def drain(self, bound_s: float) -> bool:
+        """Wait, at most ``bound_s`` seconds, until every chunk published to a peer that is not masked was posted
+        and its send completed (``SENT`` reached ``READY``): a rank that returns from its last call and destroys
+        its Buffer must not take its QPs away under writes still queued or in flight to a slower peer (the
+        peer would find it gone, or wait out its bound). Returns at once where the proxy failed or is not
+        running. Returns whether everything was sent."""
+        end = time.monotonic() + bound_s
+        while self.error is None and any(th.is_alive() for th in self._threads):
+            if all(self.flags.get(RingFlags.SENT, p) >= self.flags.get(RingFlags.READY, p)
+                   for p in self.peers if not self.flags.masked(p)):
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.0005)
+        return self.error is None
 
     def __enter__(self) -> "Scheduler":
         return self

@@ -579,3 +579,29 @@ def test_ring_snapshot_holds_every_word_the_sweep_reads():
         for k in range(S):
             assert snap[f.len0 + p * S + k] == f.length(p, k)
             assert snap[f.arrive0 + p * S + k] == f.arrivals()[p * S + k]
+
+
+def test_close_sends_what_was_published_first():
+    """(A new user's find: a rank that returned from its last call and destroyed its Buffer took its QPs away
+    under chunks still queued for a slower peer, which then found it gone.) ``close()`` right after ``publish``
+    drains: every published chunk is posted and completed (``SENT`` reaches ``READY``) before the proxy stops,
+    and the peer receives them intact."""
+    from triton_ep.transport.null import NullTransport, NullWire
+    wire = NullWire()
+    ts = [NullTransport(r, 2, wire, num_qps_per_peer=2, timeout_s=5.0, move_payload=True) for r in range(2)]
+    scheds = [Scheduler(t, slots=2, slot_bytes=256) for t in ts]
+    try:
+        for s in scheds:
+            s.start([x.remote_region() for x in scheds])
+        data = [payload(0, 1, 200 + k) for k in range(2)]
+        for k in range(2):
+            _produce(scheds[0], 1, k, data[k])
+        scheds[0].close()                           # at once: nothing waited for the sends
+        assert scheds[0].flags.get(RingFlags.SENT, 1) == scheds[0].flags.get(RingFlags.READY, 1) == 2
+        for k in range(2):
+            assert np.array_equal(_consume(scheds[1], 0, k, len(data[k])), data[k])
+    finally:
+        for s in scheds:
+            s.close()
+        for t in ts:
+            t.close()
