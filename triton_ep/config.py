@@ -69,6 +69,10 @@ class Config:
         if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in NUM_WARPS):
             raise ValueError(f"Config's num_warps must be None or one of {NUM_WARPS}, got {num_warps!r}")
         self.num_warps = None if num_warps is None else int(num_warps)
+        #: made by ``Buffer.get_dispatch_config`` / ``get_combine_config`` from the built-in recommendation (no tuned
+        #: table, or a table whose measurement kept the built-in tables): a call given it launches with the built-in
+        #: tables, as with no Config (its fields still size the buffer hints); not a field, not compared
+        self.builtin = False
 
     def launch_key(self) -> tuple:
         """What decides this Config's launches: ``(num_sms, nvl send tokens, nvl recv tokens, num_warps)`` (a call's
@@ -150,7 +154,9 @@ def recommended_config(num_ranks: int, table: dict, num_sms: int) -> "Config":
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     key = min((k for k in table if k >= num_ranks), default=max(table))   # next size up
     send, recv = table[key]
-    return Config(num_sms, send, recv, 6, 128)
+    config = Config(num_sms, send, recv, 6, 128)
+    config.builtin = True
+    return config
 
 
 @dataclass

@@ -58,7 +58,7 @@ class Entry:
     num_ranks: int
     hidden: int
     num_tokens: int
-    config: Config
+    config: Optional[Config]     # None: the built-in tables stay (no candidate was faster)
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,14 @@ def load(path: Optional[str] = None) -> Optional[Table]:
 
 
 def _entry(e: dict) -> Entry:
-    c = dict(e["config"])
-    warps = c.pop("num_warps", None)
     if e["call"] not in CALLS:
         raise ValueError(f"entry call {e['call']!r} is not one of {CALLS}")
-    return Entry(e["call"], int(e["num_ranks"]), int(e["hidden"]), int(e["num_tokens"]), Config(**c, num_warps=warps))
+    config = None               # (null: no candidate beat the built-in tables, which stay)
+    if e["config"] is not None:
+        c = dict(e["config"])
+        warps = c.pop("num_warps", None)
+        config = Config(**c, num_warps=warps)
+    return Entry(e["call"], int(e["num_ranks"]), int(e["hidden"]), int(e["num_tokens"]), config)
 
 
 def save(path: str, entries: List[dict], command: str) -> None:

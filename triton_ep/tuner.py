@@ -12,6 +12,7 @@ bit for bit against the built-in tables' (``RuntimeError`` otherwise). docs/tuni
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -149,10 +150,10 @@ def entries_of(spec: TuneSpec, times: dict) -> List[dict]:
     out = []
     for call in tuned.CALLS:
         ts = times[call]
-        best = min(range(1, len(ts)), key=ts.__getitem__)
+        best = min(range(len(ts)), key=ts.__getitem__)     # (0: the built-in tables stay: "config" None)
         out.append({"call": call, "num_ranks": spec.num_ranks, "hidden": spec.hidden, "num_tokens": spec.num_tokens,
                     "num_experts": spec.num_experts, "num_topk": spec.num_topk,
-                    "config": spec.candidates[best - 1], "time_us": round(ts[best], 2),
+                    "config": spec.candidates[best - 1] if best else None, "time_us": round(ts[best], 2),
                     "builtin_time_us": round(ts[0], 2),
                     "candidates": [{"config": c, "time_us": round(t, 2)} for c, t in zip(spec.candidates, ts[1:])]})
     return out
@@ -164,6 +165,37 @@ def default_nvl_bytes(hidden: int, num_ranks: int) -> int:
                for t in (DISPATCH_CONFIGS, COMBINE_CONFIGS))
 
 
+def _token_list(text: str) -> str:
+    """``--tokens``: comma-separated positive ints (argparse's error otherwise)."""
+    try:
+        ok = all(int(t) >= 1 for t in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive ints, got {text!r}")
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v < 1e9:     # (nan fails too)
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, 1e9), got {text!r}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
     """The ``tune`` subcommand's options (``positive_int``: the argparse type of the command line's)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -171,24 +203,25 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
                    help="ranks (processes; one GPU each where there are enough, else sharing GPU 0); "
                         "default: the GPUs here, at least 2")
     p.add_argument("--hidden", type=positive_int, default=None, help="bf16 values per row (default 7168; --quick 64)")
-    p.add_argument("--tokens", default=None,
+    p.add_argument("--tokens", type=_token_list, default=None,
                    help="comma-separated tokens per rank, one table entry each (default 128,1024,4096; --quick 8)")
     p.add_argument("--num-experts", type=positive_int, default=None, help="experts (default 256; --quick 8)")
     p.add_argument("--num-topk", type=positive_int, default=None, help="experts per token (default 8; --quick 2)")
     p.add_argument("--num-nvl-bytes", type=positive_int, default=None,
                    help="each rank's buffer (default: DeepEP's size hint of the built-in Configs)")
     p.add_argument("--iters", type=positive_int, default=None, help="timed calls per candidate (default 20; --quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 3; --quick 1)")
+    p.add_argument("--warmup", type=_non_negative_int, default=None, help="untimed calls first (default 3; --quick 1)")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and two candidates (what a CPU run can do in seconds)")
     p.add_argument("--output", default=None,
                    help=f"the table's file (default: ${tuned.ENV_FILE}, else $XDG_CACHE_HOME/triton_ep/tuning.json)")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each shape's run, seconds (default 600)")
+    p.add_argument("--timeout-s", type=_seconds, default=600.0, help="bound on each shape's run, seconds (default 600)")
 
 
 def main(a: argparse.Namespace, out) -> int:
     """Run the tuner with the parsed options ``a`` (:func:`add_arguments`), print a table of built-in against tuned
-    microseconds per call and shape to ``out`` and save the tuned table. Returns 0, or 1 when a rank failed (its
+    microseconds per call and shape to ``out`` and save the tuned table. Returns 0; 2 where ``--output`` is a
+    directory (before any work); or 1 when a rank failed (its
     error printed)."""
     from .testing import run_ranks
     q = a.quick
@@ -199,6 +232,9 @@ def main(a: argparse.Namespace, out) -> int:
     nvl = a.num_nvl_bytes or default_nvl_bytes(hidden, a.ranks)
     cands = [c.fields() for c in candidates(q, a.ranks)]
     path = a.output or tuned.default_path()
+    if os.path.isdir(path):     # (before any work: the table is written at the end)
+        print(f"triton-ep tune: --output {path} is a directory; name the table's file", file=out)
+        return 2
     entries = []
     print(f"{'call':8} {'ranks':>5} {'hidden':>6} {'tokens':>6} {'built-in us':>11} {'tuned us':>9} {'ratio':>6}  "
           f"best Config", file=out)
@@ -212,7 +248,8 @@ def main(a: argparse.Namespace, out) -> int:
         for e in entries_of(spec, res[0]):
             entries.append(e)
             print(f"{e['call']:8} {a.ranks:5d} {hidden:6d} {T:6d} {e['builtin_time_us']:11.1f} {e['time_us']:9.1f} "
-                  f"{e['time_us'] / e['builtin_time_us']:6.2f}  {config_of(e['config'])!r}", file=out)
+                  f"{e['time_us'] / e['builtin_time_us']:6.2f}  "
+                  f"{repr(config_of(e['config'])) if e['config'] is not None else 'the built-in tables'}", file=out)
     tuned.save(path, entries, "python -m triton_ep tune " + " ".join(_argv(a)))
     print(f"saved {len(entries)} entries to {path}", file=out)
     return 0

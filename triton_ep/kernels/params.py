@@ -62,7 +62,7 @@ def config_key(config: Optional[Config]) -> Optional[tuple]:
     """The key of the launch parameters a call with ``config`` uses: ``config.launch_key()``, or for ``None``
     ``("set_num_sms", n)`` once ``Buffer.set_num_sms(n)`` was called, else ``None`` (the built-in tables). A plan
     made under one key serves only calls of the same key."""
-    if config is None:
+    if config is None or config.builtin:      # (a recommendation: the built-in tables, as without a Config)
         n = NUM_SMS_SET.value
         return None if n is None else ("set_num_sms", n)
     return config.launch_key()
