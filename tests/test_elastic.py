@@ -146,7 +146,8 @@ def test_round_trip_gpu():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world,env", [(2, {}), (2, _hosts(1))], ids=["one_host", "two_emulated_hosts"])
+@pytest.mark.parametrize("world,env", [(2, {}), pytest.param(2, _hosts(1), marks=pytest.mark.extended)],
+                         ids=["one_host", "two_emulated_hosts"])
 def test_rejected_on_one_rank(world, env):
     """A value only ElasticBuffer checks, bad on one rank alone (a dispatch with T > num_max_tokens_per_rank or a
     float topk_idx, a cached dispatch with topk_idx, a combine with three biases): that rank raises its error naming

@@ -311,6 +311,7 @@ def _responder_main(fabric, q_in, q_out):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended       # (20 s: a process of its own; test_dead_peer_hosts.py covers the path in the default tier)
 def test_a_request_to_a_qp_whose_process_died_fails_with_retry_exceeded():
     """As a NIC drops the packets of a QP that no longer exists: once the responder's process is killed (SIGKILL),
     a WRITE to its QP completes with IBV_WC_RETRY_EXC_ERR after the requester's retry time (timeout 14,
