@@ -66,7 +66,8 @@ from .faults import (STAGE_CREDIT, STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAG
                      placed_error)
 from .layout import RingLayout
 from .liveness import PROBE_S, STATUS_GONE, TAG_PROBE, Liveness
-from .posting import TAG_CHUNK, _fold_signal, is_chunk_signal  # noqa: F401  (_fold_signal: the ordering tests')
+# (_fold_signal: the ordering tests')
+from .posting import TAG_CHUNK, _fold_signal, is_chunk_signal  # noqa: F401
 
 __all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "PeerGoneError", "placed_error", "host_alltoall",
            "bootstrap",
