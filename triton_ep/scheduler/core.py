@@ -18,7 +18,7 @@ from .layout import RingLayout, _PeerState, _QPState
 from .posting import ChunkPosting
 from .rings import HostRings
 from .stats import ProxyStats
-from .sweep import ProxySweep
+from .sweep import ProxyThreads
 
 #: seconds :meth:`Scheduler.close` waits at most for chunks published but not yet sent (:meth:`Scheduler.drain`)
 DRAIN_S = 5.0
@@ -39,7 +39,7 @@ def _check_sizes(nq: int, slots: int, slot_bytes: int, wr_bytes: Optional[int], 
         raise ValueError(f"wr_bytes must be >= 1 (a WRITE below 64 bytes is raised to 64), got {wr_bytes}")
 
 
-class Scheduler(HostRings, ProxySweep, ChunkPosting, ProxyStats):
+class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
     """One rank's RDMA scheduler: rings, proxy threads, credits, completions.
 
     Args:

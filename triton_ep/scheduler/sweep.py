@@ -1,5 +1,5 @@
-"""The proxy thread: its loop (:meth:`ProxySweep._run`), one sweep (completions, the ring words, faults, posts,
-credits, probes, bounds), the completions it turns into ``TAIL`` and ``SENT``, and :meth:`ProxySweep.fail`, which
+"""The proxy thread: its loop (:meth:`ProxyThreads._run`), one sweep (completions, the ring words, faults, posts,
+credits, probes, bounds), the completions it turns into ``TAIL`` and ``SENT``, and :meth:`ProxyThreads.fail`, which
 tells the peers."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .liveness import PROBE_KEY, STATUS_GONE, TAG_PROBE, Liveness
 from .posting import _CHUNK_OPS, _SEQ_MASK, TAG_CHUNK
 
 
-class ProxySweep:
+class ProxyThreads:
     """The :class:`~triton_ep.scheduler.Scheduler`'s proxy threads (a part of it: its state is the scheduler's):
     each runs sweeps over the QPs it owns until the scheduler stops or fails."""
 
