@@ -49,6 +49,12 @@ One progress thread per process (started on first use) plays both HCAs' roles fo
 it places inbound data with ``ctypes.memmove`` into registered memory of its own process.  A device is
 meant to be opened by one process.  The rate model's state is per process (exact when all senders of a
 measurement share a process, as the benchmark's do).
+
+Its parts, each name importable from here too: :mod:`~triton_ep.transport.emulated_api` (enums, errors, attribute
+and work-request classes), :mod:`~triton_ep.transport.emulated_spec` (ports, devices, addressing),
+:mod:`~triton_ep.transport.emulated_ring` (the rings and their records), :mod:`~triton_ep.transport.emulated_engine`
+(the progress thread, the rate model), :mod:`~triton_ep.transport.emulated_device` (context, PD, MR, CQ, mlx5
+calls) and :mod:`~triton_ep.transport.emulated_qp` (the RC QP); this module holds the :class:`Fabric`.
 """
 from __future__ import annotations
 
