@@ -89,7 +89,8 @@ _PTX = textwrap.dedent('''
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=pdl.options()).asm["ptx"]
     las = (ll_dispatch._ll_route_launch, ll_dispatch._ll_dispatch_send_launch, ll_dispatch._ll_dispatch_recv_launch,
            ll_combine._ll_combine_send_launch, ll_combine._ll_combine_reduce_launch,
-           ll_fused._ll_dispatch_fused_launch, ll_fused._ll_combine_fused_launch)
+           ll_fused._ll_dispatch_fused_launch, ll_fused._ll_combine_fused_launch,
+           ll_fused._ll_combine_fused_logfmt_launch)
     print(json.dumps([pdl.PDL_ON, [la.options.get("launch_pdl", False) for la in las],
                       ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global")]))
 ''')
@@ -98,7 +99,7 @@ _PTX = textwrap.dedent('''
 @pytest.mark.parametrize("value", ["1", "0"])
 def test_compiled_for_sm90_the_kernel_waits_first(value, tmp_path):
     """Outside the interpreter (compiling for sm_90 on this machine, nothing launched): with ``TRITON_EP_PDL=1``
-    the seven low-latency launchers (split and one-launch) carry ``launch_pdl`` and a kernel starting with ``pdl_start`` waits
+    the eight low-latency launchers (split and one-launch, the LogFMT one-launch combine's own) carry ``launch_pdl`` and a kernel starting with ``pdl_start`` waits
     (``griddepcontrol.wait``) and lets the next launch start before its first load; with ``0``, neither."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_EP_PDL=value)
     script = tmp_path / "ptx_probe.py"           # (a @triton.jit function must live in a file)
@@ -109,10 +110,10 @@ def test_compiled_for_sm90_the_kernel_waits_first(value, tmp_path):
     assert out.returncode == 0, out.stderr[-1500:]
     on, flags_, wait, launch, load = json.loads(out.stdout.strip().splitlines()[-1])
     if value == "1":
-        assert on is True and flags_ == [True] * 7
+        assert on is True and flags_ == [True] * 8
         assert 0 <= wait < load and 0 <= launch < load
     else:
-        assert on is False and flags_ == [False] * 7 and wait == -1 and launch == -1 and load >= 0
+        assert on is False and flags_ == [False] * 8 and wait == -1 and launch == -1 and load >= 0
 
 
 def test_pdl_on_in_the_environment_still_imports_and_stays_off_on_cpu():

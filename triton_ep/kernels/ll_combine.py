@@ -111,40 +111,66 @@ _ll_combine_send_launch = Launcher(_ll_combine_send_kernel, enable_fp_fusion=Fal
 
 
 @triton.jit
+def _routes(ctl, idx_ptr, w_ptr, t, mt, num_experts, experts_per_rank, R: tl.constexpr, K: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """Per token ``t`` (where ``mt``) and entry ``k < K`` (columns of ``[BLOCK_T, BLOCK_K]``): whether
+    the entry adds its row (not -1, a valid id, an unmasked rank), the slot the row came back in (``t * K`` plus
+    the token's first entry naming that expert: the rank returns one row per token and expert), and the weight
+    (0 where the entry adds nothing)."""
+    k = tl.arange(0, BLOCK_K)
+    at = t[:, None] * K + k[None, :]
+    mk = mt[:, None] & (k < K)[None, :]
+    e = tl.load(idx_ptr + at, mask=mk, other=-1).to(tl.int64)
+    ok = mk & (e >= 0) & (e < num_experts)
+    ok = ok & (tl.load(ctl + flags.off_ll_mask(R) + tl.where(ok, e // experts_per_rank, 0), mask=ok, other=1) == 0)
+    same = (e[:, :, None] == e[:, None, :]) & (k[None, None, :] <= k[None, :, None])
+    first = tl.min(tl.where(same, k[None, None, :], BLOCK_K), axis=2)
+    return ok, t[:, None] * K + first, tl.load(w_ptr + at, mask=ok, other=0.0)
+
+
+@triton.jit
+def _entry(ok, slot, w, k, BLOCK_K: tl.constexpr):
+    """Column ``k`` of :func:`_routes`' ``[BLOCK_T, BLOCK_K]`` tiles: ``(ok, slot, weight)`` ``[BLOCK_T]`` (each
+    the column's one value, summed with zeros: exact)."""
+    sel = tl.arange(0, BLOCK_K)[None, :] == k
+    return (tl.sum(tl.where(sel & ok, 1, 0), axis=1) != 0, tl.sum(tl.where(sel, slot, 0), axis=1),
+            tl.sum(tl.where(sel, w, 0.0), axis=1))
+
+
+@triton.jit
 def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb, ltab, p0, P0, p1, P1,
                 R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                LOGFMT: tl.constexpr, LW: tl.constexpr):
+                LOGFMT: tl.constexpr, LW: tl.constexpr, BLOCK_K: tl.constexpr):
     """The reduce of the rows at element ``hb`` of the area (bf16) into ``out`` by program ``(p0, p1)`` of ``(P0,
     P1)``: token blocks ``p0``, ``p0 + P0``, ... and, of each, the hidden blocks ``p1``, ``p1 + P1``, ... With
     ``LOGFMT`` the rows are LogFMT-10 records of ``LW`` words (``BLOCK_H`` a multiple of 128: whole blocks of the
-    record; ``ltab``: :func:`.logfmt.log2_table`), decoded to fp32 before the same weighted sum."""
+    record; ``ltab``: :func:`.logfmt.log2_table`), decoded to fp32 before the same weighted sum. ``BLOCK_K``: a
+    power of two ``>= K``.
+
+    The bf16 rows' sum is unrolled over ``k``; the LogFMT one is a loop over ``k`` (one record's decode a step,
+    the routing of all ``K`` entries worked out before it): unrolled, the eight decodes of a top-8 reduce held 255
+    registers a thread and spilled 272 bytes on sm_90, and the kernel took 4 to 7 times as long to compile
+    (benchmarks/logfmt_compile.py)."""
     for pid in range(p0, tl.cdiv(T, BLOCK_T), P0):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T
+        ok, slot, w = _routes(ctl, idx_ptr, w_ptr, t, mt, num_experts, experts_per_rank, R, K, BLOCK_K)
         for h0 in range(p1 * BLOCK_H, H, P1 * BLOCK_H):
             oh = h0 + tl.arange(0, BLOCK_H)
             acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             # Fixed order: k ascending, one fp32 multiply and add per entry.
-            for k in tl.static_range(K):
-                e = tl.load(idx_ptr + t * K + k, mask=mt, other=-1).to(tl.int64)
-                ok = mt & (e >= 0) & (e < num_experts)
-                ok = ok & (tl.load(ctl + flags.off_ll_mask(R) + tl.where(ok, e // experts_per_rank, 0),
-                                   mask=ok, other=1) == 0)
-                # the row came back in the slot of the token's first entry naming this expert
-                first = tl.zeros([BLOCK_T], dtype=tl.int64) + k
-                for k2 in tl.static_range(K):
-                    if k2 < k:
-                        e2 = tl.load(idx_ptr + t * K + k2, mask=mt, other=-1).to(tl.int64)
-                        first = tl.where((first == k) & (e2 == e), k2, first)
-                if LOGFMT:
-                    aw = area_h.to(tl.pointer_type(tl.int32), bitcast=True)
-                    xv = logfmt.load_rows(aw, hb // 2 + (t * K + first) * LW, ok, h0 // logfmt.BLOCK, ltab,
-                                          H // logfmt.BLOCK, BLOCK_T, BLOCK_H // logfmt.BLOCK)
-                else:
-                    xv = tl.load(area_h + hb + (t * K + first)[:, None] * H + oh[None, :], mask=ok[:, None],
-                                 other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + t * K + k, mask=ok, other=0.0)
-                acc = acc + tl.where(ok[:, None], xv * w[:, None], 0.0)
+            if LOGFMT:
+                aw = area_h.to(tl.pointer_type(tl.int32), bitcast=True)
+                for k in range(K):
+                    okk, sk, wk = _entry(ok, slot, w, k, BLOCK_K)
+                    xv = logfmt.load_rows(aw, hb // 2 + sk * LW, okk, h0 // logfmt.BLOCK, ltab, H // logfmt.BLOCK,
+                                          BLOCK_T, BLOCK_H // logfmt.BLOCK)
+                    acc = acc + tl.where(okk[:, None], xv * wk[:, None], 0.0)
+            else:
+                for k in tl.static_range(K):
+                    okk, sk, wk = _entry(ok, slot, w, k, BLOCK_K)
+                    xv = tl.load(area_h + hb + sk[:, None] * H + oh[None, :], mask=okk[:, None], other=0.0)
+                    acc = acc + tl.where(okk[:, None], xv.to(tl.float32) * wk[:, None], 0.0)
             tl.store(out_ptr + t[:, None] * H + oh[None, :], _bf16_rtne_bits(acc), mask=mt[:, None])
 
 
@@ -154,7 +180,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                               R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
                               SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                               DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOGFMT: tl.constexpr,
-                              LW: tl.constexpr):
+                              LW: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl.pdl_start()
     area_h = area_h.to(tl.pointer_type(tl.bfloat16), bitcast=True)     # (the area's rows, out as bf16 bits)
     out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
@@ -166,7 +192,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
     # Program (p, q) takes token blocks p, p + P0, ... and of each the hidden blocks q, q + P1, ...
     reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, tl.where(go, T, 0), num_experts, experts_per_rank,
                 (ctl_w + half * half_w + cnt_w) * 2, ltab, tl.program_id(0), tl.num_programs(0), tl.program_id(1),
-                tl.num_programs(1), R, K, H, BLOCK_T, BLOCK_H, LOGFMT, LW)
+                tl.num_programs(1), R, K, H, BLOCK_T, BLOCK_H, LOGFMT, LW, BLOCK_K)
     # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 
@@ -254,4 +280,4 @@ def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, defer, use_log
     return _ll_combine_reduce_launch.bind(
         _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], R=lay.num_ranks, K=K, H=H,
         COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer, BLOCK_T=bt, BLOCK_H=bh,
-        LOGFMT=use_logfmt, LW=lay.logfmt_row_words)
+        LOGFMT=use_logfmt, LW=lay.logfmt_row_words, BLOCK_K=pow2(K))

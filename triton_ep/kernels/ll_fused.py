@@ -217,7 +217,7 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                              SEND_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
                              REDUCE_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                             LOGFMT: tl.constexpr, LW: tl.constexpr, LB: tl.constexpr):
+                             LOGFMT: tl.constexpr, LW: tl.constexpr, LB: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl.pdl_start()
     xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -242,13 +242,31 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
     T = tl.where(go, T, 0)
     r0, R0, r1, R1 = _as_grid2(p, P, REDUCE_S, tl.cdiv(T, BLOCK_T))
     reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb * 2, ltab, r0, R0, r1, R1, R,
-                K, H, BLOCK_T, BLOCK_H, LOGFMT, LW)
+                K, H, BLOCK_T, BLOCK_H, LOGFMT, LW, BLOCK_K)
     # Program 0 records the call; the rank's next low-latency launch frees the half for call n + 2.
     flags.ll_finish_recv(ctl, half, n)
 
 
+def _all_registers() -> dict:
+    """The compile option that lets ptxas give a program up to 255 registers a thread (Triton's ``maxnreg``), on
+    NVIDIA GPUs where the installed Triton has it; else none. Without it ptxas aimed the LogFMT one-launch combine
+    at 168 registers (3 programs a multiprocessor) and spilled 36 bytes a thread (72 of stack) at hidden 7168;
+    with it, 186-196 registers and no spill (sm_90, Triton 3.9; benchmarks/logfmt_compile.py)."""
+    if getattr(torch.version, "hip", None):
+        return {}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:         # pragma: no cover - a Triton without the NVIDIA backend
+        return {}
+    return {"maxnreg": 255} if "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {}) else {}
+
+
 # no fused multiply-add: w * v is rounded, then added, as in the reference (and the split reduce)
 _ll_combine_fused_launch = Launcher(_ll_combine_fused_kernel, enable_fp_fusion=False, **pdl.options())
+#: the same kernel with use_logfmt (LOGFMT): no register target below 255 (:func:`_all_registers`); the grid is
+#: sized by the registers it then takes (:func:`_grid`)
+_ll_combine_fused_logfmt_launch = Launcher(_ll_combine_fused_kernel, enable_fp_fusion=False, **_all_registers(),
+                                           **pdl.options())
 
 
 def ll_combine_fused(x: torch.Tensor, ret_slot: torch.Tensor, count: torch.Tensor, layout_range: torch.Tensor,
@@ -287,7 +305,8 @@ def _bind_combine(T, K, H, lay, shrink, has_cost, use_clock, _cap, use_logfmt, s
     items = max(lay.experts_per_rank * send_s, cdiv(T, bt) * reduce_s, send_s, reduce_s)    # (at least S programs)
     meta = dict(R=lay.num_ranks, K=K, H=H, COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock,
                 SEND_S=send_s, BLOCK_R=ts["block_r"], BLOCK_W=pow2(min(H // 2, ts["block_w"])), REDUCE_S=reduce_s,
-                BLOCK_T=bt, BLOCK_H=bh, LOGFMT=use_logfmt, LW=lay.logfmt_row_words, LB=logfmt_blocks(H))
+                BLOCK_T=bt, BLOCK_H=bh, LOGFMT=use_logfmt, LW=lay.logfmt_row_words, LB=logfmt_blocks(H),
+                BLOCK_K=pow2(K))
     nw = ts["num_warps"]
-    return _ll_combine_fused_launch.bind(_grid(_ll_combine_fused_launch, items, nw, meta, signals, tf, args),
-                                         num_warps=nw, **meta)
+    launcher = _ll_combine_fused_logfmt_launch if use_logfmt else _ll_combine_fused_launch
+    return launcher.bind(_grid(launcher, items, nw, meta, signals, tf, args), num_warps=nw, **meta)
