@@ -2,6 +2,7 @@
 processes can import them) and their oracle: :func:`triton_ep.reference.logfmt_round_trip` of each returned row,
 then the weighted sum of the low-latency combine."""
 import os
+import sys
 import time
 
 import torch
@@ -244,26 +245,37 @@ def disagree(rank, world, N=8, H=128, E=4, K=2):
         buf.destroy()
 
 
-def deepep_accuracy(rank, world, E, K, H, T, device="cpu", fused=None):
+def deepep_accuracy(rank, world, E, K, H, T, device="cpu", fused=None, timeout_s=60):
     """DeepEP's LogFMT test data (:func:`deepep_inputs`), bf16 and FP8 dispatch, identity experts: the LogFMT
-    combine is the oracle's bit for bit and ``calc_diff(x * sum(w), combined)`` is under DeepEP's bound. Returns the
-    diffs ``[(use_fp8, bf16 combine, logfmt combine)]`` of the last rows."""
+    combine is the oracle's bit for bit and ``calc_diff(x * sum(w), combined)`` is under DeepEP's bound. Each step's
+    wall time goes to stderr as it ends (``[rank r +s] ...``: a test stopped by a timeout shows how far each rank
+    got; at hidden 7168 on the 2-core CPU a LogFMT combine takes 25-55 s under the interpreter, so a CPU run there
+    needs ``timeout_s`` above 60). Returns the diffs ``[(use_fp8, bf16 combine, logfmt combine)]`` of the last
+    rows."""
     if fused is not None:
         os.environ["TRITON_EP_FUSED"] = fused
+    t0 = time.monotonic()
+
+    def done(what):
+        print(f"[rank {rank} +{time.monotonic() - t0:.1f} s] {what}", file=sys.stderr, flush=True)
+
     xs, idx, w = deepep_inputs(rank, world, E, K, H, T)
     N = T
-    buf = _buffer(world, N, H, E, device)
+    buf = _buffer(world, N, H, E, device, timeout_s)
+    done("Buffer")
     diffs = []
     try:
-        for x in xs:
+        for i, x in enumerate(xs):
             for use_fp8 in (False, True):
                 out, _, handle, _, _ = buf.low_latency_dispatch(x.to(device), idx.to(device), N, E, use_fp8=use_fp8)
+                done(f"input {i}: dispatch (use_fp8={use_fp8})")
                 rx = (out[0].float() * out[1].float().repeat_interleave(128, dim=-1)).to(torch.bfloat16) \
                     if use_fp8 else out
                 ref = x.float() * w.masked_fill(idx < 0, 0).sum(1, keepdim=True)
                 got = []
                 for logfmt in (False, True):
                     comb = buf.low_latency_combine(rx, idx.to(device), w.to(device), handle, use_logfmt=logfmt)[0].cpu()
+                    done(f"input {i}: combine (use_logfmt={logfmt})")
                     assert not torch.isnan(comb).any()
                     got.append(calc_diff(ref, comb.float()))
                     if logfmt:

@@ -2,6 +2,11 @@
 the rows that cross between ranks (records in the receiver's area, bytes on the network leg) and DeepEP's accuracy
 bound; on CPU (rank processes under the interpreter, within one host and as 2 hosts over the emulated fabric) and,
 marked ``gpu``, on one GPU. Rank bodies in tests/cases/logfmt.py."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -14,6 +19,7 @@ from triton_ep.protocol.ll_area import Layout
 from triton_ep.testing import run_ranks
 
 _HOSTS = {"TRITON_EP_RANKS_PER_HOST": "1", "TRITON_EP_RDMA": "emulated"}
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.mark.parametrize("H", [128, 512, 7168])
@@ -191,3 +197,35 @@ def test_gpu_graph_capture_of_a_logfmt_combine(use_fp8):
     under sync debug mode "error"), 20 replays of fresh routing and data, each the oracle's bit for bit."""
     out = ok_results(run_ranks(ll_cases.gpu_graph_replay, 2, use_fp8, 20, 16, 4, 512, 24, 32, True, backend="gloo"))
     assert out == [20, 20], out
+
+
+# ------------------------------------------------------------------------------------------------ sm_90 compiles
+def _compile_for_sm90(tmp_path, *args):
+    """benchmarks/logfmt_compile.py ``--check --json`` with ``args`` in a process of its own (it compiles for sm_90:
+    no interpreter; nothing is launched): its rows. Skipped where this Triton has no ptxas."""
+    out_json = tmp_path / "rows.json"
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", "logfmt_compile.py"), "--check", "--json",
+                          str(out_json), *args], capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0 and "ptxas" in out.stderr.lower() and "not found" in out.stderr.lower():
+        pytest.skip("no ptxas with this Triton")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    return json.loads(out_json.read_text())["rows"]
+
+
+def test_logfmt_reduce_compiles_for_sm90_without_spilling(tmp_path):
+    """The LogFMT reduce at hidden 7168, top-8, compiled for sm_90 as two ranks sharing a GPU launch it: no spill
+    and fewer than 255 registers a thread (its eight decodes unrolled took 255 and spilled 272 bytes, and 4 to 7
+    times as long to compile: the k loop of kernels/ll_combine.py reduce_part)."""
+    rows = _compile_for_sm90(tmp_path, "--hidden", "7168", "--kernels", "reduce", "--logfmt", "1")
+    assert len(rows) == 1 and rows[0]["spill_stores"] == 0 and rows[0]["regs"] < 255, rows
+
+
+@pytest.mark.extended
+def test_combine_kernels_compile_for_sm90_without_spilling(tmp_path):
+    """Every low-latency combine kernel (split send and reduce, one launch; with and without LogFMT) at hidden 1024
+    and 7168, ranks sharing a GPU or not, compiled for sm_90: none spills; the LogFMT one-launch combine (compiled
+    with ``maxnreg`` 255) fits 2 programs a multiprocessor."""
+    rows = _compile_for_sm90(tmp_path, "--hidden", "1024,7168", "--max-programs", "33,none")
+    assert len(rows) == 16 and all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows), rows
+    assert all(r["resident_per_sm"] >= 2 for r in rows if "one launch" in r["kernel"]), rows
