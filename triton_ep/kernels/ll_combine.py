@@ -149,8 +149,8 @@ def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_pe
 
     The bf16 rows' sum is unrolled over ``k``; the LogFMT one is a loop over ``k`` (one record's decode a step,
     the routing of all ``K`` entries worked out before it): unrolled, the eight decodes of a top-8 reduce held 255
-    registers a thread and spilled 272 bytes on sm_90, and the kernel took 4 to 7 times as long to compile
-    (benchmarks/logfmt_compile.py)."""
+    registers a thread and spilled 272 bytes on sm_90 (128 and none as a loop), and compiled in 10-19 s on the
+    2-core development CPU (1-3 s as a loop; benchmarks/logfmt_compile.py)."""
     for pid in range(p0, tl.cdiv(T, BLOCK_T), P0):
         t = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         mt = t < T

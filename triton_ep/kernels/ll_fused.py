@@ -250,8 +250,8 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
 def _all_registers() -> dict:
     """The compile option that lets ptxas give a program up to 255 registers a thread (Triton's ``maxnreg``), on
     NVIDIA GPUs where the installed Triton has it; else none. Without it ptxas aimed the LogFMT one-launch combine
-    at 168 registers (3 programs a multiprocessor) and spilled 36 bytes a thread (72 of stack) at hidden 7168;
-    with it, 186-196 registers and no spill (sm_90, Triton 3.9; benchmarks/logfmt_compile.py)."""
+    at 168 registers (3 programs a multiprocessor) and spilled up to 20 bytes a thread (96 reloaded) at hidden 1024
+    and 7168; with it, 186-195 registers and no spill (sm_90, Triton 3.9; benchmarks/logfmt_compile.py)."""
     if getattr(torch.version, "hip", None):
         return {}
     try:
