@@ -52,6 +52,12 @@ def kernel_args(net, ctl: torch.Tensor) -> tuple:
     return (ctl, 0, 0, ctl) if net is None else (net.ring_ctl, net.send_dw, net.slot_w, net.remote)
 
 
+def ring_arg(net, ctl: torch.Tensor) -> torch.Tensor:
+    """The receive launches' ``ring_ctl`` (whose abort word their waits read, :func:`abort_word`): the network
+    leg's (``net``), or a placeholder."""
+    return ctl if net is None else net.ring_ctl
+
+
 @triton.jit
 def tx_chunk(ctl, r, n, R: tl.constexpr):
     """The ring's chunk number of call ``n``'s chunk to rank ``r`` (elementwise over tensors ``r``)."""
@@ -84,6 +90,18 @@ def rows_before(cnt_ptr, first, upto, num, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def abort_word(ring_ctl, NET: tl.constexpr):
+    """With ``NET`` (a call with network peers), the RDMA proxy's abort word (``RING_ABORT`` of its control block
+    ``ring_ctl``: nonzero once the proxy failed, :meth:`triton_ep.scheduler.Scheduler.fail`), which every wait of the
+    call reads (:func:`flags.wait_at_least`); else ``None`` (nothing more to read)."""
+    if NET:
+        word = ring_ctl + flags.RING_ABORT
+    else:
+        word = None
+    return word
+
+
+@triton.jit
 def mask_peer(ctl, ring_ctl, r, R: tl.constexpr):
     """Rank masking (``enable_shrink``): rank ``r`` stopped answering; this rank no longer sends to it or
     waits for it (``MASK[r]``), and its proxy drops what it still holds for it (``MASKED[r]``)."""
@@ -102,12 +120,13 @@ def wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, stage, timeout_ns,
                USE_CLOCK: tl.constexpr, ctl, SHRINK: tl.constexpr):
     """A send launch of call ``n`` waits until every network peer's send slot for its chunk ``k`` is free
     (chunk ``k - 2`` placed there: ``SENT >= k - 1``); masked peers are not waited for, and with ``SHRINK`` a
-    peer that times out is masked. Returns True when the program may write."""
+    peer that times out is masked. The waits end once the proxy failed (its abort word). Returns True when the
+    program may write."""
     bad = (tl.load(hdr + flags.W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
         if (bad == 0) & live_peer(ctl, remote, r, R):
             st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_SENT, R, r), tx_chunk(ctl, r, n, R) - 1,
-                                     hdr, host, r, 0, timeout_ns, R, USE_CLOCK)
+                                     hdr, host, r, 0, timeout_ns, R, USE_CLOCK, abort=ring_ctl + flags.RING_ABORT)
             if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
                 mask_peer(ctl, ring_ctl, r, R)
                 st = tl.full([], 0, tl.int32)
@@ -182,7 +201,8 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, si
             arrived = ring_ctl + flags.ring_arrive_word(R, S, s, k & 1)
         else:               # the tail the receiving proxy moves on the chunk's receive completion
             arrived = ring_ctl + flags.ring_word(flags.RING_TAIL, R, s)
-        st = flags.wait_at_least(arrived, k + 1, hdr, host, s, 0, timeout_ns, R, USE_CLOCK)
+        st = flags.wait_at_least(arrived, k + 1, hdr, host, s, 0, timeout_ns, R, USE_CLOCK,
+                                 abort=ring_ctl + flags.RING_ABORT)
         if COST:            # the wait for s's chunk is the receive's wait for s (its wait-cost statistics)
             if q == 0:
                 tl.atomic_add(cost_ptr + s, flags._now_ns(USE_CLOCK) - t0, sem="relaxed")

@@ -286,7 +286,7 @@ class LowLatency:
             done.append(True)
             self.pending.remove(idx)
             rt = self.rt
-            rt.check()
+            self.raise_recorded()
             if rt.sig.record() is not None:
                 # an error record since this call was sent (raised already) stops this rank's kernels
                 # until the next call re-synchronises the group: the receive would move nothing
@@ -295,7 +295,7 @@ class LowLatency:
                                     f"the next call re-synchronises the group; its results are dropped")
             with rt.sig.watch():
                 recv(self.sent - idx)
-            rt.check()
+            self.raise_recorded()
         return hook
 
     # ------------------------------------------------------------------ calls (modes/low_latency/calls.py)
@@ -325,11 +325,21 @@ class LowLatency:
         across hosts :class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts` releases its leg)."""
 
     def check(self) -> None:
-        """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one
-        host the Buffer's runtime is this mode's, checked by the Buffer itself."""
+        """Across hosts (``Buffer.check``): raise what this mode's RDMA proxy (first: :meth:`NetLeg.check
+        <triton_ep.modes.internode.low_latency.NetLeg.check>`) and kernels recorded. Within one host the Buffer's
+        runtime is this mode's, checked by the Buffer itself."""
         if self.net is not None:
-            self.net.sched.check()
+            self.net.check(self.rt)
             self.rt.check()
+
+    def raise_recorded(self) -> None:
+        """The end of a call or hook: raise what the kernels recorded (``Runtime.check``). Across hosts, where they
+        recorded an error, the RDMA proxy's error comes first if it failed (their waits ended when it did: the error
+        to name is the proxy's, e.g. the gone rank, not the live peer a wait was for). No more than one host word
+        read where nothing was recorded."""
+        if self.net is not None and self.rt.sig.record() is not None:
+            self.net.check(self.rt)
+        self.rt.check()
 
     def check_handle(self, handle) -> LLHandle:
         return self.rt.check_handle(handle, LLHandle, "low_latency_dispatch")
