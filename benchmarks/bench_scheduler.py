@@ -209,14 +209,14 @@ class _ProcessProxies:
     schedulers over one null wire (as the thread row holds both in this process), on the same rings."""
 
     def __init__(self, paths, chunk: int, slots: int, qps: int) -> None:
-        from triton_ep import proxy_process as pp
+        from triton_ep.proxy_process import channel as pp
         self.pp = pp
         self.proc, self.sock = pp.start_proxy()
         self._ask("bench_null_pair", list(paths), slots, chunk, qps)
 
     def _ask(self, *msg):
-        self.pp._send(self.sock, msg)
-        got = self.pp._recv(self.sock)
+        self.pp.send_msg(self.sock, msg)
+        got = self.pp.recv_msg(self.sock)
         if got is None:
             raise RuntimeError("the proxy process ended")
         if got[0] in ("error", "err"):      # (the proxy's failure, or the command's)

@@ -146,14 +146,20 @@ def test_round_trip_gpu():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world,env", [(2, {}), pytest.param(2, _hosts(1), marks=pytest.mark.extended)],
-                         ids=["one_host", "two_emulated_hosts"])
-def test_rejected_on_one_rank(world, env):
+@pytest.mark.parametrize("world,env,body,n", [
+    (2, {}, "rejected_on_one_rank", 4),
+    pytest.param(2, _hosts(1), "rejected_on_one_rank", 4, marks=pytest.mark.extended),
+    (2, dict(_hosts(1), TRITON_EP_INTERNODE_CAPTURE_PATH="1"), "rejected_on_one_rank_capture", 3)], ids=["one_host", "two_emulated_hosts", "two_emulated_hosts_capture_path"])
+def test_rejected_on_one_rank(world, env, body, n):
     """A value only ElasticBuffer checks, bad on one rank alone (a dispatch with T > num_max_tokens_per_rank or a
-    float topk_idx, a cached dispatch with topk_idx, a combine with three biases): that rank raises its error naming
-    the argument, its peers EPRemoteError at once (before, their pending call waited for that rank and paired with
-    its next call); every rank's next good call gives the reference's results."""
-    assert _values(run_ranks(elastic_cases.rejected_on_one_rank, world, env, timeout_s=300)) == [3] * world
+    float topk_idx, a cached dispatch with topk_idx or of an expanded handle without do_expand=True, a combine with
+    three biases): that rank raises its error naming the argument, its peers EPRemoteError at once (before, their
+    pending call waited for that rank and paired with its next call); every rank's next good call gives the
+    reference's results. On the capture path across hosts (the path of do_cpu_sync=False on a GPU) such a rejection
+    ends the network leg, as Buffer's own argument errors do there: rank 0 raises its error, the peers' call
+    returns or raises at once, every rank's check() and next call raise at once, and a new buffer works
+    (:func:`tests.cases.elastic.rejected_on_one_rank_capture`)."""
+    assert _values(run_ranks(getattr(elastic_cases, body), world, env, timeout_s=300)) == [n] * world
 
 
 @pytest.mark.multiprocess
@@ -210,6 +216,90 @@ def test_event_handle_and_event_overlap_on_cpu():
     wrapped.current_stream_wait()
     with wrapped:
         pass
+
+
+def test_event_overlap_v2_extras_on_cpu():
+    """DeepEP 2.x's ``EventOverlap`` extras: a hook registered with ``register_hook_after_wait`` runs once, after the
+    next ``current_stream_wait()`` or the end of a ``with`` block (after the buffer's check, not when the check
+    raises); a second hook while one waits is a ValueError, a non-callable a TypeError; ``release_handle=True``
+    (an argument, or ``with ev(release_handle=True):``, which returns the same object) drops the event after the
+    wait, and only for that block. On CPU the waits are no-ops, the rest happens as on a GPU."""
+    ran, fail = [], []
+
+    def check():
+        if fail:
+            raise triton_ep.EPRemoteError("recorded by a kernel")
+
+    ev = triton_ep.EventOverlap(triton_ep.EventHandle(), check=check)
+    assert ev.hook_after_wait is None
+    ev.register_hook_after_wait(lambda: ran.append(ev.event))
+    with pytest.raises(ValueError, match="already registered"):
+        ev.register_hook_after_wait(lambda: None)
+    with pytest.raises(TypeError, match="callable"):
+        triton_ep.EventOverlap().register_hook_after_wait(3)
+    assert ran == []                                    # (nothing runs at registration)
+    fail.append(1)
+    with pytest.raises(triton_ep.EPRemoteError):        # the check first: the hook waits for the next wait
+        ev.current_stream_wait()
+    fail.clear()
+    assert ran == [] and ev.hook_after_wait is not None
+    handle = ev.event
+    ev.current_stream_wait(release_handle=True)
+    assert ran == [handle] and ev.event is None and ev.hook_after_wait is None   # (the hook saw the event; then gone)
+    ev.current_stream_wait()
+    assert len(ran) == 1                                # once
+
+    ev2 = triton_ep.EventOverlap(triton_ep.EventHandle())
+    ev2.register_hook_after_wait(lambda: ran.append("with"))
+    with ev2 as inside:
+        assert inside is ev2 and ran[-1] != "with"
+    assert ran[-1] == "with" and ev2.event is not None  # (no release without release_handle)
+    with ev2(release_handle=True) as inside:
+        assert inside is ev2 and ev2.event is not None
+    assert ev2.event is None
+    ev3 = triton_ep.EventOverlap(triton_ep.EventHandle())
+    with ev3(release_handle=True):
+        pass
+    with ev3:                                           # (a later block without it keeps whatever is there)
+        pass
+    assert ev3.event is None
+
+    def boom():
+        raise RuntimeError("hook failed")
+    ev4 = triton_ep.EventOverlap(triton_ep.EventHandle())
+    ev4.register_hook_after_wait(boom)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        ev4.current_stream_wait(release_handle=True)
+    assert ev4.hook_after_wait is None and ev4.event is not None     # (at most once; the event kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_event_overlap_hook_after_wait_gpu():
+    """On the GPU: the hook of an EventOverlap whose event a busy side stream recorded runs on the host right after
+    the current stream was made to wait, so the work it queues there waits for the side stream too (as DeepEP 2.x's
+    async deterministic epilogue relies on); ``release_handle`` then drops the event."""
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for how in ("current_stream_wait", "with"):
+        with torch.cuda.stream(s1):
+            torch.cuda._sleep(200_000_000)          # about 0.1 s
+            ev = triton_ep.EventOverlap(triton_ep.EventHandle())
+        marks = []
+
+        def hook():
+            done = torch.cuda.Event()
+            done.record()                           # on the current stream, s2
+            marks.append(done)
+        ev.register_hook_after_wait(hook)
+        with torch.cuda.stream(s2):
+            if how == "current_stream_wait":
+                ev.current_stream_wait(release_handle=True)
+            else:
+                with ev(release_handle=True):
+                    pass
+        assert len(marks) == 1 and ev.event is None, how
+        assert not marks[0].query(), how            # s2's work after the hook waits for s1's sleep
+        marks[0].synchronize()
 
 
 @pytest.mark.gpu

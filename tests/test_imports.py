@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(triton_ep.__file__).parent
 
 #: layer of each module, by the first matching prefix of its dotted name below ``triton_ep`` ("" = the package)
 LAYERS = [
-    ("config", "base"), ("errors", "base"), ("_version", "base"),
+    ("config", "base"), ("errors", "base"), ("_version", "base"), ("argtypes", "base"),
     ("", "api"), ("__main__", "api"), ("buffer", "api"), ("elastic", "api"), ("_deep_ep", "api"),
     ("deep_ep_hook", "api"), ("testing", "api"), ("metrics", "api"), ("tuned", "api"), ("tuner", "api"),
     ("reference", "oracle"),

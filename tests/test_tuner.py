@@ -117,3 +117,39 @@ def test_the_built_in_tables_compete_and_their_config_launches_as_none(table_env
     assert config_key(Config(20, 24, 256, 6, 128)) is not None     # (by hand: honoured)
     assert main(["tune", "--quick", "--tokens", "-5"]) == 2        # (argparse's error, before any work)
     assert main(["tune", "--quick", "--output", str(table_env.parent)]) == 2     # (a directory: before any work)
+
+
+@pytest.mark.parametrize("args,why", [
+    (["tune", "--tokens", "1,x"], "--tokens: must be comma-separated positive ints, got '1,x'"),
+    (["tune", "--tokens", "8,0"], "--tokens: must be comma-separated positive ints, got '8,0'"),
+    (["tune", "--tokens", ""], "--tokens: must be comma-separated positive ints, got ''"),
+    (["tune", "--warmup", "-1"], "--warmup: must be at least 0, got -1"),
+    (["tune", "--warmup", "two"], "--warmup: must be an int at least 0, got 'two'"),
+    (["tune", "--ranks", "0"], "--ranks: must be at least 1, got 0"),
+    (["tune", "--iters", "1.5"], "--iters: must be an int at least 1, got '1.5'"),
+    (["tune", "--timeout-s", "0"], "--timeout-s: must be seconds in (0, 1e9), got '0'"),
+    (["tune", "--timeout-s", "nan"], "--timeout-s: must be seconds in (0, 1e9), got 'nan'"),
+    (["info", "--num-qps", "x"], "--num-qps: must be an int at least 1, got 'x'"),
+    (["info", "--service-level", "0x10"], "--service-level: must be an integer in 0..15, got 16"),
+    (["info", "--traffic-class", "high"], "--traffic-class: must be an integer in 0..255, got 'high'"),
+])
+def test_bad_option_values_are_usage_errors_naming_the_option(args, why, capsys):
+    """Every subcommand's option values come from one place (triton_ep.argtypes): a bad one exits 2 (bad usage)
+    before any work, with argparse's line naming the option, the allowed values and the text given."""
+    assert main(args) == 2
+    assert why in capsys.readouterr().err
+
+
+def test_option_values_parse():
+    """The CLI's value types on good text: ints (``info`` takes 0x hex for its QoS values), token lists, seconds; the
+    tuner records a token list as it was written, and a zero (``--warmup 0``; it was dropped before as if left
+    out, so the saved command line would have rerun with the default warm-up)."""
+    import argparse
+    from triton_ep import argtypes
+    from triton_ep.tuner import _argv
+    assert argtypes.positive_int("3") == 3 and argtypes.non_negative_int("0") == 0
+    assert argtypes.int_in(0, 255)("0x68") == 104 and argtypes.int_in(0, 15)("15") == 15
+    assert argtypes.positive_int_list("128,1024") == (128, 1024)
+    assert argtypes.seconds("2.5") == 2.5
+    a = argparse.Namespace(command="tune", tokens=(8, 16), quick=True, warmup=0, output=None)
+    assert _argv(a) == ["--quick", "--tokens=8,16", "--warmup=0"]

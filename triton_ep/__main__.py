@@ -50,6 +50,7 @@ import tempfile
 from typing import Callable, List, Optional, Sequence, TextIO, Tuple
 
 from triton_ep import tuner
+from triton_ep.argtypes import int_in, positive_int
 from triton_ep.transport import topology
 
 #: Where ranks on one host put their shared buffers (CPU data buffers, and every rank's control block).
@@ -67,26 +68,6 @@ def _emulated_api():
     return em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", ports)], n_paths=4)).pyverbs()
 
 
-def _positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def _ranged_int(hi: int) -> Callable[[str], int]:
-    """An argparse type: an integer in 0..``hi`` (decimal or 0x hex)."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text, 0)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer in 0..{hi}, got {text!r}") from None
-        if not 0 <= n <= hi:
-            raise argparse.ArgumentTypeError(f"must be an integer in 0..{hi}, got {n}")
-        return n
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``triton-ep`` command and its ``info`` subcommand.
 
@@ -101,21 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Print versions, devices, same-host IPC reachability, RDMA devices, "
                                     "ports, GIDs and the QP plan.", epilog=exits, formatter_class=fmt)
     ip.add_argument("--emulated", action="store_true", help="describe an emulated dual-port NIC instead of RDMA")
-    ip.add_argument("--num-qps", type=_positive_int, default=None,
+    ip.add_argument("--num-qps", type=positive_int, default=None,
                     help="QPs per peer (default: what a Buffer's normal-mode network leg opens, "
                          "$TRITON_EP_RDMA_QPS_PER_PEER, else 4)")
-    ip.add_argument("--n-paths", type=_positive_int, default=None,
+    ip.add_argument("--n-paths", type=positive_int, default=None,
                     help=f"ECMP paths of the fabric model (default {DEFAULT_N_PATHS})")
     ip.add_argument("--hash", choices=["crc", "emulator"], default=None,
                     help="path hash model (default: crc on hardware, emulator with --emulated)")
     ip.add_argument("--devices", default=None, help="comma-separated RDMA device names (default: all)")
-    ip.add_argument("--traffic-class", type=_ranged_int(255), default=None,
+    ip.add_argument("--traffic-class", type=int_in(0, 255), default=None,
                     help="GRH traffic class to show for every QP, 0..255 (default: $TRITON_EP_RDMA_TC, else 0)")
-    ip.add_argument("--service-level", type=_ranged_int(15), default=None,
+    ip.add_argument("--service-level", type=int_in(0, 15), default=None,
                     help="service level to show for every QP, 0..15 (default: $TRITON_EP_RDMA_SL, else 0)")
     tp = sub.add_parser("tune", help="time candidate Configs here and save the tuned table the library reads",
                         description=tuner.__doc__.strip(), formatter_class=fmt)
-    tuner.add_arguments(tp, _positive_int)
+    tuner.add_arguments(tp)
     return ap
 
 

@@ -181,14 +181,22 @@ def num_sms_arg(value) -> int:
 
 
 class EventOverlap:
-    """An optional CUDA event, as DeepEP's ``EventOverlap``: ``current_stream_wait()`` makes the current
-    stream wait for it; ``with event:`` runs the block and then waits. On CPU the event is ``None`` and
-    both are no-ops (every call has finished when it returns).
+    """An optional CUDA event, as DeepEP's ``EventOverlap`` (V1's ``deep_ep/utils.py``, and DeepEP 2.x's
+    ``deep_ep/utils/event.py`` at dd758ca, whose extras it has too): ``current_stream_wait()`` makes the current
+    stream wait for it; ``with event:`` runs the block and then waits; a hook registered with
+    :meth:`register_hook_after_wait` runs once, right after the next wait; ``release_handle=True`` (an argument of
+    ``current_stream_wait``, or ``with event(release_handle=True):``) drops the event after the wait. On CPU the
+    event is ``None``: the waits are no-ops (every call has finished when it returns), while the check, the hook
+    and the release happen as on a GPU.
 
     Args:
-        event: a ``torch.cuda.Event`` or ``None``.
-        extra_tensors: tensors kept alive until the event is waited on.
+        event: a ``torch.cuda.Event``, an :class:`~triton_ep.EventHandle`, or ``None``.
+        extra_tensors: tensors kept alive with this object (DeepEP's, for CUDA graphs; V2 keeps them too).
         check: called before every wait (a Buffer's ``check``: errors its kernels recorded raise here).
+
+    Attributes:
+        event: as given; ``None`` after a wait with ``release_handle=True``.
+        hook_after_wait: the registered hook, or ``None`` (also once it has run).
     """
 
     def __init__(self, event: Optional[Any] = None, extra_tensors: Optional[tuple] = None,
@@ -196,17 +204,55 @@ class EventOverlap:
         self.event = event
         self.extra_tensors = extra_tensors
         self._check = check
+        self.hook_after_wait: Optional[Callable[[], Any]] = None
+        #: ``release_handle`` for the next ``with`` block (:meth:`__call__`)
+        self._release_on_exit = False
 
-    def current_stream_wait(self) -> None:
-        """Make the current CUDA stream wait for the event (no-op without one), after raising any error
-        the Buffer's kernels have recorded (``Buffer.check()``)."""
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Make the current CUDA stream wait for the event (no-op without one), after raising any error the Buffer's
+        kernels have recorded (``Buffer.check()``); then run the hook registered with
+        :meth:`register_hook_after_wait`, once (it is cleared before it runs, so it runs at most once even if it
+        raises; its GPU work, on the current stream, is ordered after the event). ``release_handle``: then drop
+        the event (``self.event = None``: its memory, and what it keeps alive, can go; later waits are no-ops), as
+        DeepEP 2.x does. Returns at once: only work queued later on the stream waits.
+
+        Raises:
+            what ``check`` raises (then nothing waits, the hook stays registered and the event is kept); what the
+            hook raises (after the wait; the event is then kept).
+        """
         if self._check is not None:
             self._check()
         if getattr(self.event, "event", self.event) is not None:  # an EventHandle holds None on CPU
             torch.cuda.current_stream().wait_event(self.event)
+        hook, self.hook_after_wait = self.hook_after_wait, None
+        if hook is not None:
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
+        """Register ``hook_after_wait`` (a callable of no argument) to run once, on the host, right after the next
+        :meth:`current_stream_wait` (or the end of a ``with`` block) made the current stream wait for the event:
+        DeepEP 2.x's, where an async dispatch's deterministic sort runs there.
+
+        Raises:
+            TypeError: not callable. ValueError: a hook is registered already and has not run yet.
+        """
+        if not callable(hook_after_wait):
+            raise TypeError(f"hook_after_wait must be callable, got {type(hook_after_wait).__name__}")
+        if self.hook_after_wait is not None:
+            raise ValueError("a hook is already registered on this EventOverlap (it runs after the next wait)")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """``with event(release_handle=True):``: the wait at the end of that ``with`` block drops the event (DeepEP
+        2.x's). Returns this object (no copy), for the ``with`` statement."""
+        self._release_on_exit = bool(release_handle)
+        return self
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
-        self.current_stream_wait()
+        release, self._release_on_exit = self._release_on_exit, False
+        self.current_stream_wait(release_handle=release)

@@ -2,8 +2,9 @@
 all-to-all between the ranks of a torchrun job through the RDMA scheduler (:mod:`triton_ep.scheduler`), one rank per
 host, over real pyverbs or, with ``--emulated``, the emulated fabric (docs/rdma.md).
 
-The command has a module of its own because the package imports :mod:`triton_ep.scheduler` (a Buffer needs it):
-``python -m`` on that module runs a second copy of it as ``__main__``, and runpy warns of it.
+The command has a module of its own, which the scheduler never imports (the command imports torch; the RDMA proxy
+process imports the scheduler without it); ``python -m triton_ep.scheduler`` runs the package's ``__main__``, which
+only hands over to this one.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from typing import List, Sequence
 import torch
 
 from . import tuned
+from .argtypes import non_negative_int, positive_int, positive_int_list, seconds
 from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_config
 
 #: the candidates' axes on a GPU: SMs, rows per block (the NVLink send chunk), num_warps (a full run tries every
@@ -165,57 +166,26 @@ def default_nvl_bytes(hidden: int, num_ranks: int) -> int:
                for t in (DISPATCH_CONFIGS, COMBINE_CONFIGS))
 
 
-def _token_list(text: str) -> str:
-    """``--tokens``: comma-separated positive ints (argparse's error otherwise)."""
-    try:
-        ok = all(int(t) >= 1 for t in text.split(","))
-    except ValueError:
-        ok = False
-    if not ok:
-        raise argparse.ArgumentTypeError(f"must be comma-separated positive ints, got {text!r}")
-    return text
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-    return v
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not 0 < v < 1e9:     # (nan fails too)
-        raise argparse.ArgumentTypeError(f"must be seconds in (0, 1e9), got {text!r}")
-    return v
-
-
-def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
-    """The ``tune`` subcommand's options (``positive_int``: the argparse type of the command line's)."""
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``tune`` subcommand's options, each checked as it is parsed (:mod:`triton_ep.argtypes`)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p.add_argument("--ranks", type=positive_int, default=max(gpus, 2),
                    help="ranks (processes; one GPU each where there are enough, else sharing GPU 0); "
                         "default: the GPUs here, at least 2")
     p.add_argument("--hidden", type=positive_int, default=None, help="bf16 values per row (default 7168; --quick 64)")
-    p.add_argument("--tokens", type=_token_list, default=None,
+    p.add_argument("--tokens", type=positive_int_list, default=None,
                    help="comma-separated tokens per rank, one table entry each (default 128,1024,4096; --quick 8)")
     p.add_argument("--num-experts", type=positive_int, default=None, help="experts (default 256; --quick 8)")
     p.add_argument("--num-topk", type=positive_int, default=None, help="experts per token (default 8; --quick 2)")
     p.add_argument("--num-nvl-bytes", type=positive_int, default=None,
                    help="each rank's buffer (default: DeepEP's size hint of the built-in Configs)")
     p.add_argument("--iters", type=positive_int, default=None, help="timed calls per candidate (default 20; --quick 2)")
-    p.add_argument("--warmup", type=_non_negative_int, default=None, help="untimed calls first (default 3; --quick 1)")
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed calls first (default 3; --quick 1)")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and two candidates (what a CPU run can do in seconds)")
     p.add_argument("--output", default=None,
                    help=f"the table's file (default: ${tuned.ENV_FILE}, else $XDG_CACHE_HOME/triton_ep/tuning.json)")
-    p.add_argument("--timeout-s", type=_seconds, default=600.0, help="bound on each shape's run, seconds (default 600)")
+    p.add_argument("--timeout-s", type=seconds, default=600.0, help="bound on each shape's run, seconds (default 600)")
 
 
 def main(a: argparse.Namespace, out) -> int:
@@ -226,7 +196,7 @@ def main(a: argparse.Namespace, out) -> int:
     from .testing import run_ranks
     q = a.quick
     hidden = a.hidden or (64 if q else 7168)
-    tokens = [int(t) for t in (a.tokens or ("8" if q else "128,1024,4096")).split(",")]
+    tokens = list(a.tokens or ((8,) if q else (128, 1024, 4096)))
     E, K = a.num_experts or (8 if q else 256), a.num_topk or (2 if q else 8)
     iters, warmup = a.iters or (2 if q else 20), a.warmup if a.warmup is not None else (1 if q else 3)
     nvl = a.num_nvl_bytes or default_nvl_bytes(hidden, a.ranks)
@@ -256,8 +226,12 @@ def main(a: argparse.Namespace, out) -> int:
 
 
 def _argv(a: argparse.Namespace) -> Sequence[str]:
-    return [f"--{k.replace('_', '-')}={v}" if v is not True else f"--{k.replace('_', '-')}"
-            for k, v in sorted(vars(a).items()) if k != "command" and v not in (None, False)]
+    """The options of ``a`` as a command line names them (``--tokens=128,1024``, ``--quick``, ``--warmup=0``: a
+    zero is an option given, not one left out)."""
+    def text(v):
+        return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return [f"--{k.replace('_', '-')}={text(v)}" if v is not True else f"--{k.replace('_', '-')}"
+            for k, v in sorted(vars(a).items()) if k != "command" and v is not None and v is not False]
 
 
 __all__ = ["TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main"]

@@ -223,8 +223,8 @@ def errors(buf, rank, world, device):
                                   handle=h)),
         (TypeError, "bf16", dict(x=rx.float(), handle=h)),
         (TypeError, "EPHandle", dict(x=rx, handle=(1, 2))),
-        (TypeError, "topk_weights", dict(x=rx, handle=h, topk_weights=torch.zeros((rx.shape[0],), dtype=torch.float32,
-                                                                                  device=device))),
+        (ValueError, "topk_weights", dict(x=rx, handle=h, topk_weights=torch.zeros((rx.shape[0],), dtype=torch.float32,
+                                                                                   device=device))),
     ]:
         _expect(buf.combine, kind, word, kw)
     for kind, word, kw in [(ValueError, "topk_idx", dict(x=x, handle=h, topk_idx=idx)),
@@ -232,9 +232,63 @@ def errors(buf, rank, world, device):
                            (ValueError, "do_expand", dict(x=x, handle=h, do_expand=True)),
                            (ValueError, "rows", dict(x=x[:2], handle=h))]:
         _expect(buf.dispatch, kind, word, kw)
+    handle_mismatches(buf, rank, world, device, x, idx, E, h)
     cx, _, _ = buf.combine(rx, h)
     # every token's ids are expert 0 (rank 0) twice: rank 0 gets each token once and returns it once
     assert torch.equal(cx.cpu(), x.cpu()), "round trip after the rejected calls"
+
+
+def handle_mismatches(buf, rank, world, device, x, idx, E, h):
+    """A handle given to a call of another kind (every rank alike): an expanded handle to a cached dispatch without
+    ``do_expand=True`` (and the reverse), other ``num_experts`` / ``num_max_tokens_per_rank`` / ``expert_alignment``
+    than the handle's, weights or stats of another shape, a combine's weights in the other layout, a handle of
+    another buffer, a Buffer's handle: each raises naming the argument before anything launches, and the handle
+    still works. A cached dispatch of rows of another hidden size (and of an FP8 pair) is new data: the reference's
+    rows. ``h``: a non-expanded handle of ``x`` routed by ``idx`` (every token to expert 0)."""
+    import dataclasses
+    K = idx.shape[1]
+    rx_e, _, _, he, _ = buf.dispatch(x, topk_idx=idx, num_experts=E, do_expand=True)
+    assert he.do_expand and rx_e.shape[0] == he.num_expanded_tokens
+    w = torch.ones((3, K), dtype=torch.float32, device=device)
+    for kind, word, kw in [
+        (ValueError, "do_expand=False with a handle of an expanded dispatch", dict(x=x, handle=he)),
+        (ValueError, "do_expand=False with a handle of an expanded", dict(x=x, handle=he, do_expand=False,
+                                                                          topk_weights=w)),
+        (ValueError, "do_expand=True needs a handle of an expanded dispatch", dict(x=x, handle=h, do_expand=True)),
+        (ValueError, "num_experts", dict(x=x, handle=he, do_expand=True, num_experts=2 * E)),
+        (ValueError, "num_max_tokens_per_rank", dict(x=x, handle=he, do_expand=True, num_max_tokens_per_rank=8)),
+        (ValueError, "expert_alignment", dict(x=x, handle=h, expert_alignment=4)),
+        (ValueError, "topk_weights must have shape [3, 2]", dict(x=x, handle=h, topk_weights=w[:, :1])),
+        (TypeError, "topk_weights must have dtype", dict(x=x, handle=h, topk_weights=w.double())),
+        (ValueError, "cumulative_local_expert_recv_stats must have shape [2]",
+         dict(x=x, handle=h, cumulative_local_expert_recv_stats=torch.zeros((3,), dtype=torch.int32, device=device))),
+        (ValueError, "comes from another ElasticBuffer", dict(x=x, handle=dataclasses.replace(h, owner=-1))),
+        (TypeError, "a Buffer's handle", dict(x=x, handle=h.buffer_handle)),
+    ]:
+        _expect(buf.dispatch, kind, word, kw)
+    rows, n = he.num_expanded_tokens, h.recv_topk_idx.shape[0]
+    for kind, word, kw in [
+        (ValueError, "topk_weights must have shape [%d, 2]" % n,
+         dict(x=torch.zeros((n, x.shape[1]), dtype=torch.bfloat16, device=device), handle=h,
+              topk_weights=torch.zeros((n,), dtype=torch.float32, device=device))),
+        (ValueError, "topk_weights must have shape [%d]" % rows,
+         dict(x=rx_e, handle=he, topk_weights=torch.zeros((rows, K), dtype=torch.float32, device=device))),
+        (ValueError, "num_expanded_tokens", dict(x=torch.zeros((rows + 1, x.shape[1]), dtype=torch.bfloat16,
+                                                               device=device), handle=he)),
+        (TypeError, "a Buffer's handle", dict(x=rx_e, handle=he.buffer_handle)),
+    ]:
+        _expect(buf.combine, kind, word, kw)
+    # new data through the same handles: another hidden size, an FP8 pair (the reference's rows)
+    wide = torch.cat([x, -x], 1)
+    fp8 = ((x.float() / 8).to(torch.float8_e4m3fn), torch.full((3, 1), 0.5, dtype=torch.float32, device=device))
+    for xin, hh in ((wide, he), (wide, h), (fp8, he)):
+        got = buf.dispatch(xin, handle=hh, do_expand=hh.do_expand)[0]
+        want = ref.elastic_dispatch([_cpu(xin)] * world, [idx.cpu()] * world, None, E, hh.num_max_tokens_per_rank,
+                                    1, hh.do_expand)[rank]["recv_x"]
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            _same(a, b, "cached recv_x of new data")
+    cx, _, _ = buf.combine(rx_e, he)
+    assert torch.equal(cx.cpu(), (x.float() * 2).to(torch.bfloat16).cpu()), "expanded round trip after the rejections"
 
 
 def _one_rank_rejects(rank, call, kind, word, bad):
@@ -254,8 +308,8 @@ def rejected_on_one_rank(rank, world, env, device="cpu"):
     """A value that only ElasticBuffer checks is bad on rank 0 alone, its peers' values good: rank 0 raises its
     error, the peers ``EPRemoteError``; then every rank makes a good call, which gives the reference's results. For
     a dispatch (exact and worst-case sizes: ``T > num_max_tokens_per_rank``, and a float ``topk_idx`` that the
-    layout rejects), a cached dispatch (a ``topk_idx`` with the handle) and a combine (three biases). Returns the
-    good round trips made."""
+    layout rejects), a cached dispatch (a ``topk_idx`` with the handle; an expanded handle without
+    ``do_expand=True``) and a combine (three biases). Returns the good calls checked after a rejection."""
     os.environ.update(env)
     per_host = int(env["TRITON_EP_RANKS_PER_HOST"]) if "TRITON_EP_RANKS_PER_HOST" in env else None
     per_host = per_host if per_host and per_host < world else None
@@ -279,15 +333,80 @@ def rejected_on_one_rank(rank, world, env, device="cpu"):
                           dict(topk_idx=idx))
         _same(buf.dispatch(x2[rank].to(device), handle=h)[0],
               ref.elastic_dispatch(x2, idxs, ws, case["E"], case["N_max"], 1)[rank]["recv_x"], "cached recv_x")
+        # an expanded handle to a cached dispatch without do_expand=True, on rank 0 alone
+        he = buf.dispatch(x, **good, do_expand=True)[3]
+        _one_rank_rejects(rank, lambda **kw: buf.dispatch(x2[rank].to(device), handle=he, **dict(dict(do_expand=True),
+                                                                                                 **kw)),
+                          ValueError, "do_expand=False with a handle of an expanded dispatch", dict(do_expand=False))
+        _same(buf.dispatch(x2[rank].to(device), handle=he, do_expand=True)[0],
+              ref.elastic_dispatch(x2, idxs, ws, case["E"], case["N_max"], 1, True)[rank]["recv_x"],
+              "cached expanded recv_x")
         ys = [(e["recv_x"].float() * 3 - 1).to(torch.bfloat16) for e in exp]
         b = torch.zeros((3, case["H"]), dtype=torch.bfloat16, device=device)
         _one_rank_rejects(rank, lambda **kw: buf.combine(ys[rank].to(device), h, **kw), ValueError, "bias",
                           dict(bias=(b, b, b)))
         want = ref.elastic_combine(ys, exp, case["Ts"], None, None, False, per_host)[rank][0]
         _same(buf.combine(ys[rank].to(device), h)[0], want, "combined_x")
-        return 3
+        return 4
     finally:
         buf.destroy()
+
+
+def rejected_on_one_rank_capture(rank, world, env, device="cpu"):
+    """:func:`rejected_on_one_rank` on the capture path across hosts (``TRITON_EP_INTERNODE_CAPTURE_PATH=1``, the
+    path of ``do_cpu_sync=False`` on a GPU, and of the calls on its handles): for a dispatch without a host wait
+    (``T > num_max_tokens_per_rank`` on rank 0), a cached dispatch of its handle (a ``topk_idx`` with it) and a
+    combine of its handle (three biases), each on a buffer of its own, rank 0 raises its error naming the argument,
+    and its peers' call returns or raises at once; as any argument error there, it ends the network leg for good
+    (docs/api_v1_v2.md, 9): every rank's ``check()`` and next call raise at once, and none waits out its 20 s
+    bound. A new buffer's round trip then gives the reference's results. Returns the rejections checked."""
+    import time
+    os.environ.update(env)
+    assert env.get("TRITON_EP_INTERNODE_CAPTURE_PATH") == "1" and int(env["TRITON_EP_RANKS_PER_HOST"]) < world
+    case = dict(K=2, E=2 * world, N_max=4, Ts=[3] * world, fp8=False, weights=True, expand=False, sync=False, align=1,
+                bias=0, skew=False, col_major=False, cached=True, H=32, async_=False, seed=17)
+    xs, idxs, ws = make_inputs(case, world)
+    x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+    good = dict(topk_idx=idx, topk_weights=w, num_experts=case["E"], num_max_tokens_per_rank=4, do_cpu_sync=False)
+    b = torch.zeros((3, case["H"]), dtype=torch.bfloat16, device=device)
+    bad = {"dispatch": (ValueError, "num_max_tokens_per_rank", lambda buf, h, rx, kw: buf.dispatch(x, **dict(good, **kw)),
+                        dict(num_max_tokens_per_rank=2)),
+           "cached": (ValueError, "topk_idx", lambda buf, h, rx, kw: buf.dispatch(x, handle=h, **kw),
+                      dict(topk_idx=idx)),
+           "combine": (ValueError, "bias", lambda buf, h, rx, kw: buf.combine(rx, h, **kw), dict(bias=(b, b, b)))}
+    for call, (kind, word, fn, kw) in bad.items():
+        buf = triton_ep.ElasticBuffer(None, num_max_tokens_per_rank=4, hidden=32, device=device,
+                                      num_gpu_timeout_secs=20, explicitly_destroy=True)
+        try:
+            rx, _, _, h, _ = buf.dispatch(x, **good)
+            assert buf._buffer._modes.internode.capture._capture_used, "the dispatch did not take the capture path"
+            t0 = time.monotonic()
+            if rank == 0:
+                _expect(lambda **k: fn(buf, h, rx, k), kind, word, kw)
+            else:
+                try:
+                    fn(buf, h, rx, {})
+                except triton_ep.EPRemoteError:       # (ProxyRemoteError among them)
+                    pass
+            assert time.monotonic() - t0 < 10.0, (call, "the rejected call took", time.monotonic() - t0)
+            for what, then in (("check()", buf.check), ("the next call", lambda: buf.dispatch(x, **good))):
+                t0 = time.monotonic()
+                try:
+                    then()
+                except triton_ep.EPError:
+                    pass
+                else:
+                    raise AssertionError(f"{call}: {what} after the rejection did not raise (the leg should be over)")
+                assert time.monotonic() - t0 < 5.0, (call, what, time.monotonic() - t0)
+        finally:
+            buf.destroy()
+    buf = triton_ep.ElasticBuffer(None, num_max_tokens_per_rank=4, hidden=32, device=device, num_gpu_timeout_secs=20,
+                                  explicitly_destroy=True)
+    try:
+        check_case(buf, rank, world, case, device, int(env["TRITON_EP_RANKS_PER_HOST"]))
+    finally:
+        buf.destroy()
+    return len(bad)
 
 
 #: fixed cases for the ambient defaults: non-expanded with exact sizes, expanded with worst-case sizes, and FP8

@@ -11,6 +11,7 @@ import numpy as np
 def alltoall_rank(rank, world, fab, sizes, slots, slot_bytes, qps):
     """Host producers/consumers: one all-to-all of ``sizes[(src, dst)]`` bytes; returns per peer whether
     every byte matched."""
+    import torch.distributed as dist
     from triton_ep.scheduler import bootstrap, host_alltoall
     from tests.cases.sched_helpers import payload, transport
     t = transport(fab, rank, world, qps=qps, timeout_s=30.0)
@@ -18,6 +19,7 @@ def alltoall_rank(rank, world, fab, sizes, slots, slot_bytes, qps):
     try:
         sched = bootstrap(t, dict(slots=slots, slot_bytes=slot_bytes))
         sched.mem[sched.layout.ctrl_bytes:] = 0xA5
+        dist.barrier()      # (every ring filled before any peer writes into it: else a chunk may land first)
         peers = [p for p in range(world) if p != rank]
         got = host_alltoall(sched, {p: payload(rank, p, sizes[(rank, p)]) for p in peers},
                             {p: sizes[(p, rank)] for p in peers})

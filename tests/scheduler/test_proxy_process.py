@@ -1,4 +1,4 @@
-"""The RDMA proxy in a process of its own (triton_ep/proxy_process.py, ``TRITON_EP_PROXY=process``): bit-exact
+"""The RDMA proxy in a process of its own (triton_ep/proxy_process/, ``TRITON_EP_PROXY=process``): bit-exact
 round trips, what its entry imports, and its lifetime on every path (closed and reaped; killed: ProxyError at the
 rank within 2 s; the rank killed: the proxy ends within about 1 s; a forked child of the rank cannot close it;
 /dev/shm too small: a clear error before anything starts). The fixture's leak check covers /dev/shm, threads,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from triton_ep.transport import emulated as em
-from triton_ep.transport import verbs
+from triton_ep.transport import verbs, verbs_discovery
 from triton_ep.transport.rdma import WRITE, Op, RdmaCompletionError
 
 from tests.cases.rdma import connect_pair
@@ -192,7 +192,7 @@ def test_link_local_gid_across_segments_is_retry_exceeded_and_the_routable_choic
     goes to ERR, as on hardware; the new choice (the routable GID) delivers."""
     import time
     fab = two_hosts(ipv6_port(0), ipv6_port(1))
-    monkeypatch.setattr(verbs, "pick_gid", old_pick_gid)
+    monkeypatch.setattr(verbs_discovery, "pick_gid", old_pick_gid)   # (what PortInfo.best_gid calls)
     t0, t1 = pair(fab, num_qps_per_peer=1, qp_timeout=8)        # 8: 1.05 ms local ACK timeout
     try:
         assert t0.qps[(1, 0)].info.gid_index == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import os
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import numpy as np
 import pytest
@@ -27,23 +29,40 @@ def _close_raw_qps():
         _RAW_QPS.pop().close()
 
 
+@dataclass
+class RawQP:
+    """One raw emulated QP (pyverbs level) on port 1 of a device: its context, QP, CQ (send and receive), a 4 KiB
+    MR of the QP's PD, and the QPInfo a peer connects to (GID index 3, the port's IPv4-mapped RoCEv2 GID)."""
+    ctx: Any
+    qp: Any
+    cq: Any
+    mr: Any
+    info: QPInfo
+
+
+def raw_qp(api, name: str, access: int, *, sq: int = 4, cqe: int = 16, keep: Optional[List[Any]] = None) -> RawQP:
+    """A :class:`RawQP` on device ``name`` of ``api`` (send queue ``sq`` deep, receive queue 4, a CQ of ``cqe``
+    entries, the MR registered with ``access``); ``keep``: a list the QP joins as soon as it exists (the test's
+    teardown destroys the QPs of ``_RAW_QPS``)."""
+    ctx = api.Context(name=name)
+    pd = api.PD(ctx)
+    cq = api.CQ(ctx, cqe, None, None, 0)
+    qp = api.QP(pd, verbs.build_init_attr(api, cq, sq, 4))
+    if keep is not None:
+        keep.append(qp)
+    mr = api.MR(pd, 4096, access)
+    return RawQP(ctx, qp, cq, mr, QPInfo(qp.qp_num, 1, ctx.query_gid(1, 3).gid, 3, 0, 5, 1, name))
+
+
 def raw_pair(sq=4, cqe=64, **fabric_kw):
     """Two raw emulated QPs (pyverbs-level), connected to each other; returns (api, qa, qb, cqa, cqb, mra, mrb).
     The test's teardown destroys them."""
     fab = dual_port_fabric(**fabric_kw)
     api = fab.pyverbs()
     e = api.enums
-    out = []
-    for name in ("mlx5_0", "mlx5_1"):
-        ctx = api.Context(name=name)
-        pd = api.PD(ctx)
-        cq = api.CQ(ctx, cqe, None, None, 0)
-        qp = api.QP(pd, verbs.build_init_attr(api, cq, sq, 4))
-        _RAW_QPS.append(qp)
-        mr = api.MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC)
-        gid = ctx.query_gid(1, 3).gid
-        out.append((ctx, qp, cq, mr, QPInfo(qp.qp_num, 1, gid, 3, 0, 5, 1, name)))
-    (_, qa, cqa, mra, ia), (_, qb, cqb, mrb, ib) = out
+    access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
+    a, b = (raw_qp(api, name, access, sq=sq, cqe=cqe, keep=_RAW_QPS) for name in ("mlx5_0", "mlx5_1"))
+    qa, cqa, mra, ia, qb, cqb, mrb, ib = a.qp, a.cq, a.mr, a.info, b.qp, b.cq, b.mr, b.info
     for q, mine, other in ((qa, ia, ib), (qb, ib, ia)):
         attr = verbs.build_qp_attr(api, port=1, local=mine, remote=other)
         q.to_rts(attr)
@@ -296,14 +315,9 @@ def _responder_main(fabric, q_in, q_out):
     import time
     api = fabric.pyverbs(["mlx5_1"])
     e = api.enums
-    ctx = api.Context(name="mlx5_1")
-    pd = api.PD(ctx)
-    cq = api.CQ(ctx, 16, None, None, 0)
-    qp = api.QP(pd, verbs.build_init_attr(api, cq, 4, 4))
-    mr = api.MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
-    mine = QPInfo(qp.qp_num, 1, ctx.query_gid(1, 3).gid, 3, 0, 5, 1, "mlx5_1")
-    q_out.put((mine, mr.buf, mr.rkey))
-    qp.to_rts(verbs.build_qp_attr(api, port=1, local=mine, remote=q_in.get(timeout=60)))
+    me = raw_qp(api, "mlx5_1", e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
+    q_out.put((me.info, me.mr.buf, me.mr.rkey))
+    me.qp.to_rts(verbs.build_qp_attr(api, port=1, local=me.info, remote=q_in.get(timeout=60)))
     assert q_in.get(timeout=60) == "mapped"        # the requester mapped this QP's ring: its file may go
     fabric.unlink_rings()
     q_out.put("ready")
@@ -328,15 +342,10 @@ def test_a_request_to_a_qp_whose_process_died_fails_with_retry_exceeded():
         theirs, addr, rkey = q_out.get(timeout=60)
         api = fab.pyverbs(["mlx5_0"])
         e = api.enums
-        ctx = api.Context(name="mlx5_0")
-        pd = api.PD(ctx)
-        cq = api.CQ(ctx, 16, None, None, 0)
-        qp = api.QP(pd, verbs.build_init_attr(api, cq, 4, 4))
-        _RAW_QPS.append(qp)
-        mr = api.MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE)
-        mine = QPInfo(qp.qp_num, 1, ctx.query_gid(1, 3).gid, 3, 0, 5, 1, "mlx5_0")
-        q_in.put(mine)
-        qp.to_rts(verbs.build_qp_attr(api, port=1, local=mine, remote=theirs))
+        me = raw_qp(api, "mlx5_0", e.IBV_ACCESS_LOCAL_WRITE, keep=_RAW_QPS)
+        qp, cq, mr = me.qp, me.cq, me.mr
+        q_in.put(me.info)
+        qp.to_rts(verbs.build_qp_attr(api, port=1, local=me.info, remote=theirs))
         q_in.put("mapped")
         assert q_out.get(timeout=60) == "ready"
 

@@ -108,7 +108,17 @@ def check_dispatch(eb, T: int, topk_idx, stats, num_experts, num_max_tokens_per_
 
 def check_cached(eb, T: int, handle, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
                   expert_alignment, do_cpu_sync, do_expand) -> None:
-    """The checks of a cached dispatch (with ``handle``)."""
+    """The checks of a cached dispatch (with ``handle``): the call must be the handle's kind of dispatch. The new
+    data may differ from the handle's dispatch in hidden size and dtype (an FP8 pair after bf16 rows, as in V2,
+    whose cached mode re-sends whatever rows it is given); its rows, ids and layout may not.
+
+    Raises:
+        TypeError: ``handle`` is no EPHandle (a Buffer's handle, say), ``topk_weights`` or the stats of another
+            dtype. ValueError: a handle of another buffer; ``topk_idx`` or ``do_cpu_sync=True`` with it;
+            ``num_experts``, ``num_max_tokens_per_rank``, ``expert_alignment`` or ``do_expand`` other than the
+            handle's (:func:`check_layout`); ``x`` of another ``T``; ``topk_weights`` not ``[T, K]``; the stats not
+            ``[E_l]``.
+    """
     check_handle(eb, handle, "handle")
     if topk_idx is not None:
         raise ValueError("a cached dispatch (with handle) takes no topk_idx: the handle's routing is used")
@@ -119,8 +129,7 @@ def check_cached(eb, T: int, handle, topk_idx, topk_weights, stats, num_experts,
                               ("expert_alignment", expert_alignment, handle.expert_alignment)):
         if given is not None and given != have:
             raise ValueError(f"{name} {given!r} differs from the handle's {have}")
-    if do_expand and not handle.do_expand:
-        raise ValueError("do_expand=True needs a handle of an expanded dispatch (do_expand=True)")
+    check_layout(handle, do_expand)
     K = handle.topk_idx.shape[1]
     if T != handle.topk_idx.shape[0]:
         raise ValueError(f"x has {T} rows, the handle's dispatch had {handle.topk_idx.shape[0]}")
@@ -130,9 +139,39 @@ def check_cached(eb, T: int, handle, topk_idx, topk_weights, stats, num_experts,
     check_stats(eb, stats, handle.num_experts // eb.num_ranks)
 
 
+def check_layout(handle: EPHandle, do_expand) -> None:
+    """A cached dispatch's ``do_expand`` must be its handle's: the handle's tables describe one layout.
+
+    DeepEP V2 (``ElasticBuffer.dispatch`` and its copy epilogue, dd758ca) checks neither direction. With
+    ``do_expand=True`` and a non-expanded handle its epilogue reads expanded row numbers from
+    ``recv_src_metadata[:, 2:]``, which a non-expanded dispatch never wrote (undefined). With ``do_expand=False`` and
+    an expanded handle it returns non-expanded rows in its receive buffer's arrival order, left unsorted even under
+    ``deterministic=True`` (its sort skips cached dispatches of expanded handles), and no call takes them back:
+    ``combine`` reads the layout from ``handle.do_expand``. Both are rejected here.
+
+    Raises:
+        ValueError: naming ``do_expand`` and the handle's layout.
+    """
+    if bool(do_expand) == bool(handle.do_expand):
+        return
+    if do_expand:
+        raise ValueError("do_expand=True needs a handle of an expanded dispatch; this handle's dispatch was "
+                         "non-expanded (do_expand=False): pass do_expand=False, or dispatch again with do_expand=True")
+    raise ValueError("do_expand=False with a handle of an expanded dispatch (do_expand=True): a cached dispatch "
+                     "returns its handle's layout, pass do_expand=True (non-expanded rows could not be combined with "
+                     "this handle: combine takes the layout of its dispatch)")
+
+
 def check_combine(eb, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                    previous_event_before_epilogue):
-    """The checks of a combine: ``(previous_event, previous_event_before_epilogue, K, N, rows of x)``."""
+    """The checks of a combine: ``(previous_event, previous_event_before_epilogue, K, N, rows of x)``.
+
+    Raises:
+        TypeError: ``handle`` is no EPHandle, ``x`` not bf16 2-D, ``topk_weights`` not fp32, a bad event.
+        ValueError: a handle of another buffer; ``x`` or ``topk_weights`` not in the handle's layout (expanded:
+            ``[num_expanded_tokens, H]`` and ``[num_expanded_tokens]``; else ``[N, H]`` and ``[N, K]``); three
+            biases.
+    """
     for name, v in (("num_sms", num_sms), ("num_qps", num_qps)):
         count(name, v)
     check_handle(eb, handle, "handle")
@@ -146,12 +185,11 @@ def check_combine(eb, x, handle, topk_weights, bias, num_sms, num_qps, previous_
     if x.shape[0] != rows:
         raise ValueError(f"combine's x must have {rows} rows ({'num_expanded_tokens' if handle.do_expand else 'N'} "
                          f"of the handle's dispatch), got {x.shape[0]}")
-    want_w = (rows,) if handle.do_expand else (rows, K)
-    if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32
-                                     or tuple(topk_weights.shape) != want_w):
-        raise TypeError(f"topk_weights must be fp32 {list(want_w)}, got "
-                        f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
-                        f"{tuple(getattr(topk_weights, 'shape', ()))}")
+    if topk_weights is not None:
+        want_w = (rows,) if handle.do_expand else (rows, K)
+        why = ("num_expanded_tokens of the handle's expanded dispatch" if handle.do_expand else
+               "N rows and K of the handle's non-expanded dispatch")
+        check_tensor("topk_weights", topk_weights, (torch.float32,), want_w, eb.device, why)
     if isinstance(bias, tuple) and len(bias) != 2:
         raise ValueError(f"bias must be a tensor or a pair of tensors, got a tuple of {len(bias)}")
     return prev, prev_epi, K, N, rows
@@ -168,16 +206,23 @@ def num_max(eb, given, T: int) -> int:
 
 
 def check_stats(eb, stats, El: int) -> None:
-    """``cumulative_local_expert_recv_stats`` must be ``None`` or int32 ``[E_l]`` on ``eb``'s device."""
-    if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
-                              or tuple(stats.shape) != (El,) or stats.device.type != eb.device.type):
-        raise TypeError(f"cumulative_local_expert_recv_stats must be int32 [{El}] on {eb.device}, got "
-                        f"{getattr(stats, 'dtype', type(stats).__name__)} {tuple(getattr(stats, 'shape', ()))}")
+    """``cumulative_local_expert_recv_stats`` must be ``None`` or int32 ``[E_l]`` on ``eb``'s device.
+
+    Raises:
+        TypeError: not a tensor, or not int32. ValueError: another shape (``E_l`` of ``num_experts`` or of the
+        handle's dispatch) or device.
+    """
+    if stats is not None:
+        check_tensor("cumulative_local_expert_recv_stats", stats, (torch.int32,), (El,), eb.device,
+                     f"E_l = num_experts / {eb.num_ranks} ranks")
 
 
 def check_handle(eb, handle, name: str) -> None:
     """``handle`` must be an :class:`EPHandle` that ``eb`` made."""
     if not isinstance(handle, EPHandle):
-        raise TypeError(f"{name} must be an EPHandle from ElasticBuffer.dispatch, got {type(handle).__name__}")
+        what = type(handle).__name__
+        if what in ("DispatchHandle", "InternodeHandle", "LLHandle", "tuple"):
+            what += " (a Buffer's handle: pass it to that Buffer's calls)"
+        raise TypeError(f"{name} must be an EPHandle from ElasticBuffer.dispatch, got {what}")
     if handle.owner != eb._number:
-        raise ValueError(f"{name} comes from another ElasticBuffer")
+        raise ValueError(f"{name} comes from another ElasticBuffer; pass the handle this buffer's dispatch returned")

@@ -204,7 +204,7 @@ def ll_ctl_words(R):
     return L_FIXED + 8 * R
 
 
-# ---- scheduler rings (triton_ep/scheduler.py): a rank's ring control block, int64 words ----
+# ---- scheduler rings (triton_ep/scheduler/): a rank's ring control block, int64 words ----
 # Chunk counters per peer ``p`` (each counts chunks, and only grows):
 #   READY[p]  producer -> proxy: chunks for ``p`` written into the send ring (released after the data)
 #   SENT[p]   proxy -> producer: chunks for ``p`` placed at ``p`` (their send slots may be rewritten)

@@ -67,6 +67,18 @@ def byte_locked(fd: int, byte: int) -> bool:
     return struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK
 
 
+def drop_descriptor(holder) -> None:
+    """Close ``holder.fd`` (a descriptor of a lock file: a :class:`Liveness`'s, an emulated QP ring's) and set it to
+    None, first, so that nothing uses it again; a failing close is ignored (the descriptor is gone either way).
+    Idempotent. The kernel releases a lock once the last descriptor of its open file description closes."""
+    fd, holder.fd = holder.fd, None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _after_fork_in_child() -> None:
     for live in list(_open):
         live._forked()
@@ -176,9 +188,4 @@ class Liveness:
         """In a child forked from this process: drop this descriptor (the parent keeps the lock) and the watcher
         (threads do not survive a fork)."""
         self._thread = None
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        drop_descriptor(self)

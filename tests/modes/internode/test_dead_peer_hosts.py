@@ -3,7 +3,8 @@ a second, not at ``timeout_s``: across 2 emulated hosts (``TRITON_EP_RDMA=emulat
 low-latency mode, with the RDMA proxy as a thread and as a process (the ``proxy_mode`` fixture of this folder's
 conftest; process variants outside its ``DEFAULT_PROCESS`` are in the extended tier). Every survivor raises an
 ``EPRemoteError`` naming the dead rank and the stage it waited at, well under ``timeout_s`` (the RDMA proxy's
-liveness probe completes with ``IBV_WC_RETRY_EXC_ERR`` once the dead rank's QPs are gone: triton_ep/scheduler.py),
+liveness probe completes with ``IBV_WC_RETRY_EXC_ERR`` once the dead rank's QPs are gone:
+triton_ep/scheduler/liveness.py),
 and its next call raises at once. With 2 ranks per host every kind of survivor is there: the dead rank's host mate
 (its liveness lock), the dead rank's RDMA peer (its probes) and the other host's rank whose RDMA peer lives (told by
 that peer: the host header's ``HOST_GONE`` in normal mode, the fault word in low-latency mode); each names the dead

@@ -1,4 +1,4 @@
-"""TRITON_EP_PROXY across emulated hosts (triton_ep/proxy_process.py): the ranks agree on it in the network leg's
+"""TRITON_EP_PROXY across emulated hosts (triton_ep/proxy_process/): the ranks agree on it in the network leg's
 set-up exchange, and a Buffer whose proxy process is killed raises ProxyError at that rank within 2 s; nothing
 is left (the autouse fixture: /dev/shm, processes)."""
 import pytest

@@ -1,41 +1,14 @@
-"""The RDMA proxy as a process of its own (``TRITON_EP_PROXY=process``; Linux): the scheduler's sweeps beside the
-model instead of under its GIL.
-
-The rank's process keeps the producer and consumer side of the rings (kernels, host code): the rings are a file
-in /dev/shm mapped by both processes (reserved up front with ``posix_fallocate``; on GPU the rank registers the
-mapping with CUDA, device-mapped). The proxy process owns the transport (pyverbs context, PD, CQs, QPs, MRs, or
-the emulated NIC) and runs :class:`~triton_ep.scheduler.Scheduler`'s proxy threads on the same rings. The two talk
-through the rings' words (every chunk) and a small command channel (a socket pair: set-up, renumbering, failure,
-statistics, close; never per chunk).
-
-- Start-up: a fresh interpreter through ``subprocess.Popen`` (descriptors closed but its end of the channel, its
-  own session, SIGINT ignored) running :mod:`triton_ep.proxy_main`, which imports neither torch nor
-  Triton; nothing is forked from the rank's process, the user's ``__main__`` is never run again.
-- Lifetime: :meth:`ProcessScheduler.close` ends and reaps it; the rank's process ending (SIGKILL included) ends
-  it within a second (it watches its parent through a pidfd, and ``getppid()``: not through the channel, which
-  processes forked from the rank keep open); a process forked from the rank that inherited the scheduler never
-  closes it (the pid is checked). The rings' file is unlinked once both processes mapped it, and the emulated
-  fabric's ring files once every QP is connected: nothing stays in /dev/shm on any path.
-- Failure: a proxy that fails records its :class:`~triton_ep.scheduler.ProxyError` as today (abort word, fault
-  words to the peers) and sends it over the channel; a proxy process that dies is a ``ProxyError`` naming the
-  rank, its pid and how it ended, at the rank's next :meth:`~ProcessScheduler.check` (a thread of the rank's
-  process reads the channel: its end is seen at once) and every ring wait ends (the abort word). A dead proxy
-  writes no fault word: the rank's process posts it in the group's store for it (:class:`FaultNotices`), and
-  the peers fail as its fault word would have made them.
-- Idle: the sweeps back off from a yield to naps of up to :data:`IDLE_MAX_S` (:class:`ProxySweeps`).
-"""
+"""The rank's side of a proxy process: :class:`ProcessScheduler` (the scheduler's host API over rings shared with
+the proxy process, which owns the transport), :func:`bootstrap_process`, and :func:`proxy_kind` (where a Buffer's
+proxy runs)."""
 from __future__ import annotations
 
 import atexit
 import mmap
 import os
-import pickle
 import queue
-import select
 import socket
-import struct
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -44,7 +17,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
-from triton_ep.errors import EPError, EPTimeoutError
+from triton_ep.errors import EPError
 from triton_ep.protocol import signal_header as F
 from triton_ep.scheduler import (STAGE_INTERNAL, STAGE_NAMES, PeerGoneError, ProxyError, ProxyRemoteError, RingLayout,
                                  Scheduler, fault_word, parse_fault, placed_error)
@@ -52,22 +25,16 @@ from triton_ep.transport import shm
 from triton_ep.transport.rdma import exchange_info, exchange_regions
 from triton_ep.transport.ring_flags import RingFlags
 
+from .channel import pack_error, recv_msg, send_msg, start_proxy, unpack_error
+from .notices import FaultNotices
+
 #: the environment variable that picks where a Buffer's RDMA proxy runs: ``thread`` (default) or ``process``
 ENV_PROXY = "TRITON_EP_PROXY"
 PROXY_KINDS = ("thread", "process")
-#: the proxy process's entry, run by path (it must not go through ``triton_ep/__init__.py``)
-ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proxy_main.py")
-#: seconds between the proxy process's looks at its parent (and at its scheduler's error)
-PARENT_POLL_S = 0.1
 #: seconds :meth:`ProcessScheduler.check` waits for the proxy's error once the abort word says it failed
 ERROR_WAIT_S = 2.0
 #: the stage a dead proxy process is reported at
 STAGE_PROCESS = f"{STAGE_NAMES[STAGE_INTERNAL]}/process"
-#: seconds between a rank's looks at the group's store for a peer whose proxy process died (:class:`FaultNotices`)
-FAULT_POLL_S = 0.25
-#: the proxy process's idle back-off (:class:`ProxySweeps`): sweeps that moved nothing followed by a yield only,
-#: then the first sleep (seconds), doubling up to the last
-IDLE_SPINS, IDLE_FIRST_S, IDLE_MAX_S = 20, 25e-6, 200e-6
 
 
 def proxy_kind(value: Optional[str] = None) -> str:
@@ -82,110 +49,6 @@ def proxy_kind(value: Optional[str] = None) -> str:
         raise ValueError(f"{ENV_PROXY}={v!r}: the RDMA proxy runs as a 'thread' of the rank's process or as a "
                          f"'process' of its own")
     return v
-
-
-# ------------------------------------------------------------------------------------------ the channel
-def _send(sock: socket.socket, msg: Any) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(struct.pack("<Q", len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            return None
-        buf += part
-    return bytes(buf)
-
-
-def _recv(sock: socket.socket) -> Any:
-    """The next message, or ``None`` at the end of the channel."""
-    head = _recv_exact(sock, 8)
-    if head is None:
-        return None
-    body = _recv_exact(sock, struct.unpack("<Q", head)[0])
-    return None if body is None else pickle.loads(body)
-
-
-def pack_error(ex: BaseException) -> tuple:
-    """An exception as it crosses the channel: ``(class, attributes, message)`` (triton-ep's errors take their
-    fields as arguments, which plain pickling of an exception loses); one that does not pickle goes as a
-    :class:`ProxyError` holding its text."""
-    msg = (type(ex), dict(getattr(ex, "__dict__", {})), str(ex))
-    try:
-        pickle.dumps(msg)
-        return msg
-    except Exception:   # noqa: BLE001
-        return (ProxyError, {}, f"{type(ex).__name__}: {ex}")
-
-
-def unpack_error(msg: tuple) -> BaseException:
-    """The exception :func:`pack_error` packed."""
-    cls, attrs, text = msg
-    ex = cls.__new__(cls)
-    ex.args = (text,)
-    ex.__dict__.update(attrs)
-    return ex
-
-
-# ------------------------------------------------------------------------------------- the rank's side
-class FaultNotices:
-    """A dead proxy process's fault notice, given by its rank's process through the group's key-value store.
-
-    A failing proxy (thread or process) writes its fault word into each peer's ``FAULT`` slot over RDMA, so the
-    peers raise :class:`~triton_ep.scheduler.ProxyRemoteError` at once. A proxy process that dies (SIGKILL, the OOM
-    killer) writes nothing, and the rank's process has no QP to write it with; so the rank's process posts the same
-    word in the group's store (``<prefix><rank>``: the word and why, then ``<prefix>count`` goes up by one), and
-    each rank's process looks at ``<prefix>count`` every :data:`FAULT_POLL_S` (one store request; a thread that
-    ends with :meth:`close`). A peer's notice fails this rank's scheduler with ``ProxyRemoteError`` naming that peer,
-    as its fault word would have, unless the peer is masked (as a masked peer's fault word is ignored).
-
-    Args:
-        store: the group's store (``torch.distributed.Store``).  prefix: the keys' prefix, the same on every rank
-            of the network leg.  rank: this rank (in the leg).  peers: the ranks it has QPs to.
-        on_fault: ``f(peer, word, why)`` called in the watching thread for each peer's notice, once.
-    """
-
-    def __init__(self, store, prefix: str, rank: int, peers: Sequence[int], on_fault) -> None:
-        self.store, self.prefix, self.rank, self.peers, self.on_fault = store, prefix, rank, list(peers), on_fault
-        self._stop = threading.Event()
-        self._heard: set = set()
-        self._thread = threading.Thread(target=self._watch, name=f"triton-ep-proxy-faults-{rank}", daemon=True)
-        self._thread.start()
-
-    def post(self, word: int, why: str) -> None:
-        """Tell the peers that this rank's proxy failed with fault ``word`` (:func:`~triton_ep.scheduler.fault_word`)
-        because ``why``. Never raises (the store may be gone: the job is ending)."""
-        try:
-            self.store.set(f"{self.prefix}{self.rank}", pickle.dumps((int(word), str(why))))
-            self.store.add(f"{self.prefix}count", 1)
-        except Exception:   # noqa: BLE001
-            pass
-
-    def _watch(self) -> None:
-        seen = 0
-        while not self._stop.wait(FAULT_POLL_S):
-            try:
-                n = self.store.add(f"{self.prefix}count", 0)
-                if n <= seen:
-                    continue
-                seen = n
-                for p in self.peers:
-                    key = f"{self.prefix}{p}"
-                    if p not in self._heard and self.store.check([key]):
-                        self._heard.add(p)
-                        word, why = pickle.loads(self.store.get(key))
-                        self.on_fault(p, word, why)
-            except Exception:   # noqa: BLE001  (the store is gone: the job is ending; peers' own bounds stand)
-                return
-
-    def close(self) -> None:
-        """Stop looking (joins the thread; idempotent)."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0 + FAULT_POLL_S)
 
 
 class ProcessScheduler(Scheduler):
@@ -283,7 +146,7 @@ class ProcessScheduler(Scheduler):
         proxy process ended) a :class:`ProxyError` is recorded unless this side closed it."""
         while True:
             try:
-                msg = _recv(self._sock)
+                msg = recv_msg(self._sock)
             except OSError:
                 msg = None
             if msg is None:
@@ -337,7 +200,7 @@ class ProcessScheduler(Scheduler):
         wait = self.timeout_s + 10.0 if timeout_s is None else timeout_s
         with self._req_lock:
             try:
-                _send(self._sock, (cmd,) + args)
+                send_msg(self._sock, (cmd,) + args)
             except OSError as ex:
                 raise self.error or ProxyError(self.rank, None, None, None, STAGE_PROCESS,
                                                f"the RDMA proxy process is gone ({ex})") from None
@@ -455,22 +318,6 @@ class ProcessScheduler(Scheduler):
         # (the mapping goes with the last view of it: the rank's tensors over the rings may outlive this)
 
 
-def start_proxy() -> tuple:
-    """Start a proxy process: a fresh interpreter running :data:`ENTRY` (descriptors closed but its end of the
-    channel, its own session). Returns ``(Popen, this side's socket)``."""
-    mine, theirs = socket.socketpair()
-    try:
-        proc = subprocess.Popen([sys.executable, ENTRY, str(theirs.fileno()), str(os.getpid())],
-                                pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True,
-                                stdin=subprocess.DEVNULL)
-    except BaseException:
-        mine.close()
-        raise
-    finally:
-        theirs.close()
-    return proc, mine
-
-
 def _close_at_exit(ref) -> None:
     s = ref()
     if s is not None:
@@ -506,178 +353,3 @@ def bootstrap_process(backend: str, rank: int, world: int, transport_kw: dict, s
 
 #: network legs with a proxy process opened per group (by group name), this process: the fault notices' keys
 _legs: Dict[str, int] = {}
-
-
-# ------------------------------------------------------------------------------------ the proxy's side
-class ProxySweeps(Scheduler):
-    """The proxy process's :class:`~triton_ep.scheduler.Scheduler`: the same sweeps, with an idle back-off. A proxy
-    thread naps 50 µs between idle sweeps and, while the rank's Python runs, waits for the GIL besides; a proxy
-    process has a core to itself, so at a fixed short nap every idle proxy would poll for good (four ranks with
-    four such proxies on 2 cores made a 9 s test take 89 s). Here, after :data:`IDLE_SPINS` idle sweeps with only
-    a yield between them, the nap starts at :data:`IDLE_FIRST_S` and doubles up to :data:`IDLE_MAX_S`; any sweep
-    that moves something starts over. A chunk published into an idle proxy waits at most about that long (plus
-    the kernel's timer slack, some 50 µs) before its post."""
-
-    def _idle_wait(self, idle: int) -> None:
-        if idle < IDLE_SPINS:
-            time.sleep(0)
-        else:
-            time.sleep(min(IDLE_MAX_S, IDLE_FIRST_S * (1 << min(idle - IDLE_SPINS, 16))))
-
-
-class _Served:
-    """The proxy process's state: the mapped rings, the transport, the scheduler."""
-
-    def __init__(self) -> None:
-        self.mem = self.transport = self.sched = self.fabric = None
-        self.reported = False
-
-    def handle(self, msg: tuple):
-        """Run one command; returns ``(reply, done)``."""
-        cmd, args = msg[0], msg[1:]
-        try:
-            val = getattr(self, f"cmd_{cmd}")(*args)
-        except BaseException as ex:   # noqa: BLE001  (it goes back to the rank)
-            return ("err", pack_error(ex)), False
-        return ("ok", val), cmd == "close"
-
-    def cmd_setup(self, cfg: dict):
-        from triton_ep.transport import factory
-        n = cfg["nbytes"]
-        with open(cfg["path"], "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), n)
-        self.mem = np.frombuffer(self._map, np.uint8)
-        self.fabric = cfg["transport_kw"].get("fabric")
-        self.transport = factory.open_transport(cfg["backend"], cfg["rank"], cfg["world"], **cfg["transport_kw"])
-        self.sched_kw = cfg["sched_kw"]
-        return {p: self.transport.local_info(p) for p in self.transport.peer_ranks()}
-
-    def cmd_connect(self, remote: Dict[int, Any]):
-        for p, info in remote.items():
-            self.transport.connect(p, info)
-        self.sched = ProxySweeps(self.transport, memory=self.mem, **self.sched_kw)
-        return self.sched.remote_region()
-
-    def cmd_start(self, remotes):
-        self.sched.start(remotes)
-        if self.fabric is not None:     # every peer has mapped this process's fabric rings
-            self.fabric.unlink_rings()
-
-    def cmd_wait_quiet(self, peer: int, stage: str):
-        self.sched.wait_quiet(peer, stage)
-
-    def cmd_rebase(self, peer: int, tx: int, rx: int):
-        self.sched.rebase(peer, tx, rx)
-
-    def cmd_fail(self, packed: tuple):
-        if self.sched is not None:
-            self.reported = True        # (the rank has it)
-            self.sched.fail(unpack_error(packed))
-
-    def cmd_stats(self):
-        st = self.sched.stats()
-        t = os.times()
-        st["proxy_process_cpu_s"] = t.user + t.system
-        return st
-
-    def cmd_hook_break_qp(self, peer: int, qp: int):
-        t = self.transport
-        t.qps[(peer, qp)].qp.modify(t.api.QPAttr(qp_state=t.e.IBV_QPS_ERR), 0)
-
-    def cmd_hook_drop_signal(self, peer: int, seq: int):
-        sched = self.sched
-        chunk_ops = sched._chunk_ops
-
-        def without_signal(p, qp, k, nbytes, signaled):
-            ops = chunk_ops(p, qp, k, nbytes, signaled)
-            return ops[:-1] if p == peer and k == seq else ops
-
-        sched._chunk_ops = without_signal
-
-    def cmd_bench_null_pair(self, paths, slots: int, slot_bytes: int, qps: int):
-        """benchmarks/bench_scheduler.py's process row: both ranks' schedulers over one null wire in this process
-        (as its thread row has them in the benchmark's), on the rings mapped from ``paths``."""
-        from triton_ep.transport.null import NullTransport, NullWire
-        wire, n = NullWire(), RingLayout(2, slots, slot_bytes).nbytes
-        self._maps = []
-        for path in paths:
-            with open(path, "r+b") as f:
-                self._maps.append(mmap.mmap(f.fileno(), n))
-        ts = [NullTransport(r, 2, wire, num_qps_per_peer=qps, timeout_s=60.0) for r in range(2)]
-        self.pair = [ProxySweeps(t, slots=slots, slot_bytes=slot_bytes, memory=np.frombuffer(m, np.uint8))
-                     for t, m in zip(ts, self._maps)]
-        for x in self.pair:
-            x.start([y.remote_region() for y in self.pair])
-        self.sched = self.pair[0]       # (its error is reported; shutdown closes both)
-
-    def cmd_modules(self):
-        """The modules this process imported, and whether ``torch`` / ``triton`` are the real ones (a test's)."""
-        tr = sys.modules.get("triton")
-        return sorted(sys.modules), {"torch": sys.modules.get("torch") is not None,
-                                     "triton": tr is not None and hasattr(tr, "__version__")}
-
-    def cmd_close(self):
-        self.shutdown()
-
-    def report(self, sock: socket.socket) -> None:
-        """Send the scheduler's error to the rank, once."""
-        if self.sched is not None and self.sched.error is not None and not self.reported:
-            self.reported = True
-            _send(sock, ("error", pack_error(self.sched.error)))
-
-    def shutdown(self) -> None:
-        """Stop the sweeps, close the transport (idempotent)."""
-        for x in getattr(self, "pair", ()):
-            x.close()
-        sched, transport = self.sched, self.transport
-        self.sched = self.transport = None
-        try:
-            if sched is not None:
-                sched.close()
-        finally:
-            if transport is not None:
-                transport.close()
-
-
-def _parent_gone(ppid: int, pidfd: Optional[int], readable) -> bool:
-    return (pidfd is not None and pidfd in readable) or os.getppid() != ppid
-
-
-def serve(fd: int, ppid: int) -> int:
-    """The proxy process's loop: answer the rank's commands on the channel ``fd``, report the scheduler's error,
-    and end when told to, when the channel ends or when the parent ``ppid`` is gone (its pidfd, and
-    ``getppid()``, looked at every :data:`PARENT_POLL_S`). Returns the exit status (0: closed by the rank)."""
-    sock = socket.socket(fileno=fd)
-    try:
-        pidfd = os.pidfd_open(ppid)
-    except (AttributeError, OSError):
-        pidfd = None
-    served = _Served()
-    try:
-        if os.getppid() != ppid:
-            return 3
-        watch = [sock] + ([pidfd] if pidfd is not None else [])
-        while True:
-            readable, _, _ = select.select(watch, [], [], PARENT_POLL_S)
-            if _parent_gone(ppid, pidfd, readable):
-                return 4
-            if sock in readable:
-                msg = _recv(sock)
-                if msg is None:
-                    return 5
-                reply, done = served.handle(msg)
-                _send(sock, reply)
-                if done:
-                    return 0
-            served.report(sock)
-    except (OSError, EPTimeoutError):
-        return 6
-    finally:
-        served.shutdown()
-        if pidfd is not None:
-            os.close(pidfd)
-        sock.close()
-
-
-__all__ = ["ProcessScheduler", "ProxySweeps", "FaultNotices", "bootstrap_process", "proxy_kind", "ENV_PROXY", "PROXY_KINDS", "serve",
-           "pack_error", "unpack_error"]

@@ -1,0 +1,92 @@
+"""The value types of the ``triton-ep`` command line (``python -m triton_ep``: ``info``, ``tune``), in one place.
+
+Each is an ``argparse`` ``type=``: it takes the option's text and returns its value, or raises
+``argparse.ArgumentTypeError`` whose message names the allowed values and the text given; argparse then prints
+``OPTION: MESSAGE`` and exits with status 2 (bad usage) before the command does any work.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Tuple
+
+#: the bound of :func:`seconds`, exclusive, as its message writes it
+_MAX_SECONDS_TEXT = "1e9"
+MAX_SECONDS = float(_MAX_SECONDS_TEXT)
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: a decimal int ``>= lo``.
+
+    Raises (the returned callable):
+        argparse.ArgumentTypeError: not an int ("must be an int at least LO, got 'TEXT'"), or below ``lo``
+            ("must be at least LO, got N").
+    """
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int at least {lo}, got {text!r}") from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {n}")
+        return n
+    parse.__name__ = parse.__qualname__ = f"int_at_least_{lo}"
+    return parse
+
+
+#: counts of things (``--ranks``, ``--num-qps``, ...): an int >= 1
+positive_int = int_at_least(1)
+#: counts that may be zero (``--warmup``): an int >= 0
+non_negative_int = int_at_least(0)
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an int in ``lo..hi``, decimal or ``0x`` hex (e.g. a traffic class, ``0..255``).
+
+    Raises (the returned callable):
+        argparse.ArgumentTypeError: "must be an integer in LO..HI, got ..." (the text where it is no int).
+    """
+    def parse(text: str) -> int:
+        try:
+            n = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer in {lo}..{hi}, got {text!r}") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in {lo}..{hi}, got {n}")
+        return n
+    parse.__name__ = parse.__qualname__ = f"int_in_{lo}_{hi}"
+    return parse
+
+
+def positive_int_list(text: str) -> Tuple[int, ...]:
+    """An argparse type: comma-separated ints ``>= 1`` (``--tokens 128,1024``), as a tuple.
+
+    Raises:
+        argparse.ArgumentTypeError: "must be comma-separated positive ints, got 'TEXT'".
+    """
+    try:
+        out = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive ints, got {text!r}")
+    return out
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, a float in ``(0, 1e9)`` (:data:`MAX_SECONDS`; ``nan`` and ``inf``
+    are not).
+
+    Raises:
+        argparse.ArgumentTypeError: "must be seconds in (0, 1e9), got 'TEXT'".
+    """
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v < MAX_SECONDS:     # (nan fails too)
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {_MAX_SECONDS_TEXT}), got {text!r}")
+    return v
+
+
+__all__ = ["MAX_SECONDS", "int_at_least", "int_in", "non_negative_int", "positive_int", "positive_int_list",
+           "seconds"]

@@ -1,0 +1,86 @@
+"""Where the RDMA proxy fails: the stages it names, the fault word it writes into each peer's ``FAULT`` slot, and
+its errors (:class:`ProxyError`, :class:`ProxyRemoteError`, :class:`PeerGoneError`)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from triton_ep.errors import EPError, EPRemoteError
+from triton_ep.protocol import signal_header as F
+
+#: stages a proxy error names (also carried in fault words): codes and names from the protocol's one table
+STAGE_POST, STAGE_SEND_CQE, STAGE_RECV_CQE = F.STAGE_PROXY_POST, F.STAGE_PROXY_SEND_CQE, F.STAGE_PROXY_RECV_CQE
+STAGE_CREDIT, STAGE_SEND_WAIT, STAGE_INTERNAL = F.STAGE_PROXY_CREDIT, F.STAGE_PROXY_SEND_WAIT, F.STAGE_PROXY
+STAGE_NAMES = F.STAGE_NAMES
+
+
+def fault_word(stage: int, channel: Optional[int], qp: Optional[int], gone: Optional[int] = None) -> int:
+    """The 64-bit word a failed proxy writes into each peer's ``FAULT`` slot: bit 62 set, the stage in
+    bits 40..47, channel + 1 in 24..39 and QP + 1 in 8..23 (0: none); where it failed because a peer is gone
+    (:class:`PeerGoneError`), that peer's rank + 1 in bits 48..61 (:func:`fault_gone`)."""
+    ch = 0 if channel is None else channel + 1
+    q = 0 if qp is None else qp + 1
+    g = 0 if gone is None else gone + 1
+    return (1 << 62) | (g << 48) | (stage << 40) | (ch << 24) | (q << 8)
+
+
+def fault_gone(word: int) -> Optional[int]:
+    """The rank a :func:`fault_word` says is gone, or ``None``."""
+    g = (word >> 48) & 0x3FFF
+    return g - 1 if g else None
+
+
+def parse_fault(word: int) -> Tuple[int, Optional[int], Optional[int]]:
+    """``(stage, channel, qp)`` of a :func:`fault_word` (channel / QP ``None`` where it named none)."""
+    ch, q = (word >> 24) & 0xFFFF, (word >> 8) & 0xFFFF
+    return (word >> 40) & 0xFF, (ch - 1 if ch else None), (q - 1 if q else None)
+
+
+class ProxyError(EPError):
+    """The RDMA proxy of ``rank`` failed: the peer, channel and QP index (towards that peer) concerned, the
+    stage, and why (a completion status, a verbs error, a bound that passed).  Each may be ``None``."""
+
+    def __init__(self, rank: int, peer: Optional[int], channel: Optional[int], qp: Optional[int], stage: str,
+                 why: str) -> None:
+        self.rank, self.peer, self.channel, self.qp, self.stage, self.why = rank, peer, channel, qp, stage, why
+        where = ", ".join(f"{k} {v}" for k, v in (("peer", peer), ("channel", channel), ("QP", qp)) if v is not None)
+        super().__init__(f"triton-ep scheduler: rank {rank} failed at stage '{stage}' ({where or 'no peer'}): {why}")
+
+
+class ProxyRemoteError(ProxyError, EPRemoteError):
+    """A peer's proxy failed and said so (its fault word); ``peer``/``channel``/``qp``/``stage`` are its."""
+
+
+class PeerGoneError(ProxyError, EPRemoteError):
+    """Rank ``peer`` is gone: a work request to it completed with ``IBV_WC_RETRY_EXC_ERR`` (its QP never
+    acknowledged it within the QP's retries: its process ended and its QPs with it, or its host or the path to it
+    is down), seen by this proxy (``told_by`` None; ``channel``/``qp``: the QP) or by peer ``told_by``, whose fault
+    word named it. ``stage``: where this rank waited when it learnt of it (:meth:`Scheduler.check` fills it in
+    from the ring's record or the host wait; until then the proxy's stage). ``failed_rank`` and ``dead_ranks``
+    (``[peer]``) name the gone rank as :func:`triton_ep.transport.liveness.dead_error` does within a host. Ranks are
+    the scheduler's (its transport's) until the mode renames them (:meth:`renamed`)."""
+
+    def __init__(self, rank: int, peer: int, channel: Optional[int], qp: Optional[int], stage: str, why: str,
+                 told_by: Optional[int] = None, placed: bool = False) -> None:
+        self.rank, self.peer, self.channel, self.qp, self.stage, self.why = rank, peer, channel, qp, stage, why
+        self.failed_rank, self.dead_ranks, self.told_by, self.placed = peer, [peer], told_by, placed
+        heard = "" if told_by is None else f"; rank {told_by} found it and told this rank"
+        EPError.__init__(self, f"triton-ep: rank {rank}: rank {peer}'s process is gone or its host is unreachable "
+                               f"({why}{heard}) while this rank waited at stage '{stage}'; this call's outputs here "
+                               f"are not valid; destroy() and rebuild the Buffer")
+
+    def renamed(self, rank: int, peer: int, told_by: Optional[int], where: str = "",
+                stage: Optional[str] = None) -> "PeerGoneError":
+        """The same error with other rank numbers (the mode's: global ranks), ``where`` added to the reason and
+        (given) another ``stage``."""
+        return PeerGoneError(rank, peer, self.channel, self.qp, self.stage if stage is None else stage,
+                             f"{self.why}; {where}" if where else self.why, told_by, self.placed)
+
+
+def placed_error(ex: BaseException, stage: Optional[str]) -> BaseException:
+    """``ex``, where it is a :class:`PeerGoneError` not yet placed, at the stage this rank waited at (``stage``:
+    :meth:`Scheduler.wait_stage`; ``None``: the proxy's stage stays)."""
+    if not isinstance(ex, PeerGoneError) or ex.placed:
+        return ex
+    out = ex.renamed(ex.rank, ex.peer, ex.told_by, stage=stage)
+    out.placed = True
+    return out

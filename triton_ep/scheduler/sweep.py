@@ -1,0 +1,292 @@
+"""The proxy thread: its loop (:meth:`ProxyThreads._run`), one sweep (completions, the ring words, faults, posts,
+credits, probes, bounds), the completions it turns into ``TAIL`` and ``SENT``, and :meth:`ProxyThreads.fail`, which
+tells the peers."""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+from triton_ep.errors import EPError
+from triton_ep.transport.rdma import WRITE, Completion, Op
+from triton_ep.transport.ring_flags import RingFlags
+
+from .faults import (STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE, STAGE_SEND_CQE, STAGE_SEND_WAIT,
+                     PeerGoneError, ProxyError, ProxyRemoteError, fault_gone, fault_word, parse_fault)
+from .layout import _QPState
+from .liveness import PROBE_KEY, STATUS_GONE, TAG_PROBE, Liveness
+from .posting import _CHUNK_OPS, _SEQ_MASK, TAG_CHUNK
+
+
+class ProxyThreads:
+    """The :class:`~triton_ep.scheduler.Scheduler`'s proxy threads (a part of it: its state is the scheduler's):
+    each runs sweeps over the QPs it owns until the scheduler stops or fails."""
+
+    def _init_sweep(self) -> None:
+        """The sweep's state: where it finds each peer's words in a snapshot of the ring words, when it next checks
+        the bounds, whether it posts receives again, and the liveness probes' state."""
+        # (with arrival words no WRITE_WITH_IMM arrives: no receive is consumed, none is posted)
+        self._replenish = not getattr(self.t, "auto_replenish", False) and not self.arrival_words
+        #: where the sweep finds each array in :meth:`RingFlags.snapshot` (``array[p]`` at its index + ``p``; ``LEN`` and
+        #: ``ARRIVE``: + ``p * slots + slot``)
+        R, f = self.world, self.flags
+        self._w_head, self._w_credit, self._w_fault = ((a - RingFlags.READY) * R for a in
+                                                       (RingFlags.HEAD, RingFlags.CREDIT, RingFlags.FAULT))
+        self._w_len, self._w_masked, self._w_arrive = f.len0, f.masked0, f.arrive0
+        #: word indices of ``TAIL[p]``, ``SENT[p]`` and ``SRC[p]`` (the sweep stores them into ``flags.w`` directly)
+        self._i_tail, self._i_sent, self._i_src = ([f.index(a, p) for p in range(R)]
+                                                   for a in (RingFlags.TAIL, RingFlags.SENT, RingFlags.SRC))
+        #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
+        self._bound_at = 0.0
+        #: the liveness probes (:class:`Liveness`): when the next round goes, the probes in flight, the suspects
+        self.liveness = Liveness()
+
+    def _run(self, own: List[_QPState]) -> None:
+        idle = 0
+        try:
+            wall, cpu = time.perf_counter_ns, time.thread_time_ns
+            stop = self._stop
+            # The thread's CPU clock (a system call, about 1 µs) is read once per pass: after a busy sweep (whose CPU
+            # time runs from the previous read) and after an idle sweep's wait (where the next sweep's time starts).
+            c0 = cpu()
+            while not stop.is_set():
+                t0 = wall()
+                with self._lock:        # (the counters too: proxy threads share them, stats() reads them whole)
+                    self._sweep_tx_ns = self._sweep_tx_cpu_ns = 0
+                    did = self._sweep(own)
+                    if did:
+                        c1 = cpu()
+                        self._busy_ns += wall() - t0
+                        self.busy_sweeps += 1
+                        self._busy_cpu_ns += c1 - c0
+                        self._transport_ns += self._sweep_tx_ns
+                        self._transport_cpu_ns += self._sweep_tx_cpu_ns
+                if did:
+                    idle, c0 = 0, c1
+                else:
+                    idle += 1
+                    self._idle_wait(idle)
+                    c0 = cpu()
+        except BaseException as ex:   # noqa: BLE001  (recorded, raised by check() in the caller's thread)
+            self.fail(ex)
+
+    def _idle_wait(self, idle: int) -> None:
+        """The proxy thread's pause after ``idle`` sweeps in a row that moved nothing: a yield for the first 20, then
+        50 µs (a proxy thread waits for the GIL anyway while the rank's Python runs). The proxy process's scheduler
+        backs off further (:class:`triton_ep.proxy_process.ProxySweeps`)."""
+        time.sleep(0 if idle < 20 else 0.00005)
+
+    def fail(self, ex: BaseException) -> None:
+        """Record ``ex`` as this scheduler's error (the first one wins), end every ring wait (the abort
+        word), stop the proxy threads and tell every peer through its ``FAULT`` word, so they raise
+        :class:`ProxyRemoteError` instead of waiting out their bound.  Host waits that time out call this;
+        so does a failing proxy thread."""
+        stage = getattr(ex, "stage", STAGE_NAMES[STAGE_INTERNAL])
+        code = next((k for k, v in STAGE_NAMES.items() if stage.startswith(v)), STAGE_INTERNAL)
+        if not isinstance(ex, EPError):
+            ex = ProxyError(self.rank, getattr(ex, "peer", None), None, None, STAGE_NAMES[STAGE_INTERNAL],
+                            f"{type(ex).__name__}: {ex}")
+        with self._lock:
+            first = self.error is None
+            if first:
+                self.error = ex
+        self.flags.abort(2)
+        self._stop.set()
+        if first and isinstance(ex, PeerGoneError) and self.on_gone is not None:
+            self.on_gone(ex.peer)
+        if not first or isinstance(ex, ProxyRemoteError) or getattr(ex, "told_by", None) is not None:
+            return      # (the peer that failed, or found a rank gone, told its peers itself)
+        gone = ex.peer if isinstance(ex, PeerGoneError) else None
+        self.flags.put(RingFlags.SRC, self.rank,
+                       fault_word(code, getattr(ex, "channel", None), getattr(ex, "qp", None), gone))
+        lay = self.layout
+        with self._lock:
+            for p in self.peers:                # every QP: the one that failed may be any of them
+                for q in range(self.t.num_qps_per_peer):
+                    try:
+                        self.t.post(p, q, [Op(WRITE, self.region, lay.word_off(RingFlags.SRC, self.rank), 8,
+                                              self._remote[p], lay.word_off(RingFlags.FAULT, self.rank))])
+                    except Exception:   # noqa: BLE001  (best effort: a broken QP cannot carry it)
+                        pass
+
+    def _sweep(self, own: List[_QPState]) -> bool:
+        """One pass of a proxy thread: completions, the ring words, faults, posts, credits, probes, bounds.  Returns
+        whether anything moved.  Raises ProxyError."""
+        did = False
+        wall, split = time.perf_counter_ns, self._cpu_split
+        t0, c0 = wall(), (time.thread_time_ns() if split else 0)       # (_tx_begin / _tx_done, inline)
+        try:
+            comps = self.t.poll(raise_on_error=False)
+        except Exception as ex:   # noqa: BLE001
+            raise ProxyError(self.rank, None, None, None, STAGE_NAMES[STAGE_SEND_CQE], f"poll failed: {ex}") from ex
+        finally:
+            if split:
+                self._sweep_tx_cpu_ns += time.thread_time_ns() - c0
+            self._sweep_tx_ns += wall() - t0
+        if comps:
+            did = True
+            on = self._on_completion
+            for c in comps:
+                on(c)
+        words = self.flags.snapshot()       # READY .. SRC, LEN, MASKED, ARRIVE of every peer: one read
+        if self.arrival_words:
+            did |= self._arrivals(words)
+        f0 = self._w_fault
+        if any(words[f0:f0 + self.world]):        # (the rare case)
+            self._raise_fault(words)
+        now = time.monotonic()
+        # per QP: Ops to post (a test hook replaced _chunk_ops), or prepared work requests (key, length, imm,
+        # wr_id, signaled): one post call per QP and sweep either way
+        batches: Optional[Dict[Tuple[int, int], list]] = None
+        prepared = False
+        for p, st in self._peer_list:
+            if words[p] > st.next_post:         # (else nothing ready: no call)
+                if batches is None:
+                    batches = {}
+                    prepared = self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
+                did |= self._gather(p, own, batches, now, words, prepared)
+            else:
+                st.stall_since = None
+        if batches:
+            self._post_batches(batches, prepared)
+        h0, m0 = self._w_head, self._w_masked
+        for p, st in self._peer_list:
+            if words[h0 + p] > st.credit_sent:    # (the common case, nothing freed, without a call)
+                did |= self._credit(p, words[h0 + p])
+            elif st.tail > st.credit_sent and words[m0 + p]:
+                did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
+        if now >= self.liveness.next_at:
+            self._probe(now)
+        if now >= self._bound_at and self._busy_qps:     # (every 1 ms: the bound is seconds)
+            self._bound_at = now + 0.001
+            for q in self._busy_qps:           # (the QPs with chunks in flight, not all of them)
+                if q.inflight and now - q.inflight[0][2] > self.timeout_s and not self.flags.masked(q.peer):
+                    raise ProxyError(self.rank, q.peer, q.channel, q.qp, STAGE_NAMES[STAGE_SEND_WAIT],
+                                     f"chunk {q.inflight[0][0]} not completed within {self.timeout_s:g} s")
+        return did
+
+    def _raise_fault(self, words: list) -> None:
+        """A peer's ``FAULT`` word is set (``words``: :meth:`RingFlags.snapshot`): unless that peer is masked, raise
+        :class:`PeerGoneError` where it names a gone rank (not masked here), else :class:`ProxyRemoteError`."""
+        f0, m0 = self._w_fault, self._w_masked
+        for p in self.peers:
+            w = words[f0 + p]
+            if w and not words[m0 + p]:
+                st, ch, q = parse_fault(w)
+                gone = fault_gone(w)
+                if gone is not None and gone != self.rank and not (gone in self._peer and words[m0 + gone]):
+                    raise PeerGoneError(self.rank, gone, None, None, STAGE_NAMES.get(st, "rdma proxy"),
+                                        "its QPs stopped acknowledging a peer's RDMA proxy", told_by=p)
+                raise ProxyRemoteError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
+                                       "the peer's proxy failed there and told its peers")
+
+    def _probe(self, now: float) -> None:
+        """Post a liveness probe (prepared at start: 8 bytes, signalled, ``wr_id`` :data:`TAG_PROBE` | peer) on QP 0
+        of each peer that is not masked and has none in flight; the next round in :data:`PROBE_S`. Its completion
+        clears it; an error completion fails the proxy (:meth:`_on_completion`: ``PeerGoneError`` where the peer
+        never acknowledged it). Raises ProxyError where the post itself fails."""
+        live = self.liveness
+        for p in live.round(now, self.peers, self.flags.masked):
+            t0, c0 = self._tx_begin()
+            try:
+                self.t.post_prepared(p, 0, ((PROBE_KEY, 8, 0, TAG_PROBE | p, True),))
+            except Exception as ex:   # noqa: BLE001
+                raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST],
+                                 f"liveness probe: {type(ex).__name__}: {ex}") from ex
+            finally:
+                self._tx_done(t0, c0)
+            live.posted(p)
+            self.probes_posted += 1
+
+    def _arrivals(self, words: list) -> bool:
+        """With arrival words: move each peer's ``TAIL`` past the chunks whose arrival words have landed (in order; a
+        slot's word is ``k + 1`` once chunk ``k`` is placed there; ``words``: :meth:`RingFlags.snapshot`). Returns
+        whether a tail moved."""
+        S, moved, a0 = self.slots, False, self._w_arrive
+        for p, st in self._peer_list:
+            tail = st.tail
+            while words[a0 + p * S + tail % S] > tail:
+                if self.on_signal is not None:
+                    self.on_signal(p, None, tail)
+                if self.trace:
+                    self._event("arrive", p, None, None, tail, 0)
+                tail += 1
+            if tail != st.tail:
+                st.tail = tail
+                self.flags.put(RingFlags.TAIL, p, tail)
+                moved = True
+        return moved
+
+    def _on_completion(self, c: Completion) -> None:
+        peer = c.peer
+        if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
+            return
+        probe = (c.opcode != "recv_imm" and c.wr_id is not None and bool(c.wr_id & TAG_PROBE)
+                 and not c.wr_id & TAG_CHUNK)
+        if probe:
+            qp_failed = self.liveness.answered(peer, c.status == "IBV_WC_SUCCESS")
+            if qp_failed is not None:
+                raise qp_failed             # the peer acknowledged QP 0 after its other QP failed: that QP
+        if c.status != "IBV_WC_SUCCESS":
+            if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
+                return
+            stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
+            ch = None if c.qp is None else c.qp // self.qps_per_channel
+            what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
+            if c.status == STATUS_GONE and (probe or c.qp == 0):
+                raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
+                                    f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
+            if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells
+                self.liveness.suspect(peer, ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what))
+                return
+            raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
+        if c.opcode == "recv_imm":
+            st = self._peer[peer]
+            tail = st.tail
+            ahead = (c.imm - tail) & 0xFFFFFFFF
+            if ahead < 1 << 31:         # (else a chunk numbered before a renumbering, already counted: rebase)
+                seq = tail + ahead
+                if self.on_signal is not None:
+                    self.on_signal(peer, c.qp, seq)
+                if self.trace:
+                    self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, seq, 0)
+                arrived = st.arrived
+                if seq == tail:         # (the common case: in order)
+                    tail += 1
+                    while arrived and tail in arrived:
+                        arrived.discard(tail)
+                        tail += 1
+                    st.tail = tail
+                else:
+                    arrived.add(seq)
+                self.flags.w[self._i_tail[peer]] = tail
+            if self._replenish:
+                t0, c0 = self._tx_begin()
+                self.t.post_recv(peer, c.qp, 1)
+                self._tx_done(t0, c0)
+        elif c.wr_id & TAG_CHUNK:
+            self._retire(self._qps[(peer, c.qp)], c.wr_id & _SEQ_MASK)
+
+    def _retire(self, q: _QPState, seq: int) -> None:
+        """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""
+        st = self._peer[q.peer]
+        inflight = q.inflight
+        if not inflight or inflight[0][0] > seq:
+            return
+        port = q.port_w
+        sent, done = st.sent, st.sent_set
+        while inflight and inflight[0][0] <= seq:
+            s, n, _ = inflight.popleft()
+            q.out_bytes -= n
+            port[0] -= n
+            if s == sent:           # (in order: no set)
+                sent += 1
+            elif s > sent:          # (below: a chunk numbered before a renumbering, rebase)
+                done.add(s)
+        while done and sent in done:
+            done.discard(sent)
+            sent += 1
+        st.sent = sent
+        self._push(q)
+        if not inflight:
+            self._busy_qps.discard(q)
+        self.flags.w[self._i_sent[q.peer]] = sent
