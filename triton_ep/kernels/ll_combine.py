@@ -25,7 +25,7 @@ from . import flags, ll_net, logfmt, pdl
 from ._util import cdiv, pow2, tuning
 from .launch import Launcher, bound
 from .combine import _bf16_rtne_bits
-from .dispatch import _grid2
+from .geometry import grid2
 from .ll_dispatch import recv_call, wait_recv, wait_send
 
 
@@ -204,7 +204,7 @@ def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, defer, us
     if defer and has_net:
         raise ValueError("a deferred low-latency send (no receive hook) is for calls within one host")
     return _ll_combine_send_launch.bind(
-        _grid2(El, tune["programs_per_expert"], signals), num_warps=tune["num_warps"], NET=has_net,
+        grid2(El, tune["programs_per_expert"], signals), num_warps=tune["num_warps"], NET=has_net,
         RW=lay.net_logfmt_row_words if use_logfmt else lay.net_row_words, BLOCK_C=pow2(lay.experts_per_rank),
         R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer,
         BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(H // 2, tune["block_w"])), LOGFMT=use_logfmt,
@@ -254,6 +254,6 @@ def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, defer, use_log
     bt = tune["block_t"]
     bh = reduce_block_h(H, tune, use_logfmt)
     return _ll_combine_reduce_launch.bind(
-        _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], R=lay.num_ranks, K=K, H=H,
+        grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], R=lay.num_ranks, K=K, H=H,
         COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer, BLOCK_T=bt, BLOCK_H=bh,
         LOGFMT=use_logfmt, LW=lay.logfmt_row_words, NET=has_net)

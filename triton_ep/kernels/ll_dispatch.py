@@ -35,7 +35,7 @@ from . import names
 from . import flags, ll_net, pdl
 from ..protocol import records
 from ._util import cdiv, pow2, tuning
-from .dispatch import _grid2, row_words
+from .geometry import grid2, row_words
 from .launch import Launcher, bound
 from .fp8 import quantize_blocks
 
@@ -439,7 +439,7 @@ def _bind_send(T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, has_net, 
     while H % bh:
         bh //= 2
     return _ll_dispatch_send_launch.bind(
-        _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], NET=has_net, CW=lay.net_count_words,
+        grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], NET=has_net, CW=lay.net_count_words,
         BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
         SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
         NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer,
@@ -478,7 +478,7 @@ def _bind_recv(El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, has_stats, has_cos
                has_net, signals, tune):
     SW = records.ll_scale_words.host(lay.hidden, use_fp8)
     return _ll_dispatch_recv_launch.bind(
-        _grid2(min(El, tune["expert_programs"] or El), tune["programs_per_expert"], signals), num_warps=tune["num_warps"],
+        grid2(min(El, tune["expert_programs"] or El), tune["programs_per_expert"], signals), num_warps=tune["num_warps"],
         R=lay.num_ranks, K=num_topk, PW=PW, SW=SW, REC=lay.record_words(use_fp8), UE8M0=use_ue8m0,
         STATS=has_stats, COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock,
         USE_ASM=use_clock, DEFER=defer, NET=has_net, BLOCK_R=tune["block_r"],

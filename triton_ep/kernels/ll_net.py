@@ -36,7 +36,7 @@ import triton.language as tl
 from . import names
 from . import flags
 from ._util import pow2
-from .dispatch import _grid2
+from .geometry import grid2
 from .launch import Launcher
 from ..protocol.records import NET_HEADER_WORDS
 
@@ -294,7 +294,7 @@ def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, comb
     R = lay.num_ranks
     rw = lay.net_logfmt_row_words if use_logfmt else lay.net_row_words
     rec = lay.record_words(use_fp8)
-    _ll_unpack_launch[_grid2(R, 4, signals)](
+    _ll_unpack_launch[grid2(R, 4, signals)](
         area, ctl, net.ring_ctl, net.recv_dw, net.slot_w, net.remote, offset, sig, lay.n_max, lay.ctl_words, lay.half_words,
         lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"],
         signals["timeout_ns"], cost if cost is not None else ctl, R=R, COMBINE=combine, REC=rec,

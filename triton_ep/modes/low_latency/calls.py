@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ...kernels import pdl
-from ...kernels.dispatch import fused_switch
+from ...kernels.geometry import fused_switch
 from ...kernels.fp8 import native_cast
 from ...kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ...kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route

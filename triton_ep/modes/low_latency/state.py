@@ -10,7 +10,7 @@ import torch
 from ...config import EventOverlap
 from ...errors import EPError, EPRemoteError
 from ...kernels import flags as F, logfmt
-from ...kernels.dispatch import fused_switch, use_fused
+from ...kernels.geometry import fused_switch, use_fused
 from ...protocol.ll_area import Layout
 from ...protocol.signal_header import failure_word_of
 from ...runtime import SLOT_HEADER, Runtime
@@ -198,7 +198,7 @@ class LowLatency:
     def one_launch(self, num_tokens: int) -> bool:
         """Whether a call of ``num_tokens`` tokens runs as one launch (:mod:`triton_ep.kernels.ll_fused`; with a
         receive hook, a dispatch's route and send as one): within one host (no network leg), as normal mode's
-        calls of one round (:func:`triton_ep.kernels.dispatch.use_fused`: real ranks, up to the tuning table's
+        calls of one round (:func:`triton_ep.kernels.geometry.use_fused`: real ranks, up to the tuning table's
         ``fused`` token limit; ``TRITON_EP_FUSED`` forces it on or off), and not while the stream is captured into a
         CUDA graph unless forced. Raises ``ValueError`` for a bad ``TRITON_EP_FUSED``."""
         force = fused_switch()
