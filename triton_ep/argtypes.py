@@ -1,4 +1,5 @@
-"""The value types of the ``triton-ep`` command line (``python -m triton_ep``: ``info``, ``tune``), in one place.
+"""The value types of the ``triton-ep`` command line (``python -m triton_ep``: ``info``, ``tune``) and of the
+examples' options, in one place.
 
 Each is an ``argparse`` ``type=``: it takes the option's text and returns its value, or raises
 ``argparse.ArgumentTypeError`` whose message names the allowed values and the text given; argparse then prints
@@ -88,5 +89,36 @@ def seconds(text: str) -> float:
     return v
 
 
-__all__ = ["MAX_SECONDS", "int_at_least", "int_in", "non_negative_int", "positive_int", "positive_int_list",
-           "seconds"]
+def name_list(text: str) -> Tuple[str, ...]:
+    """An argparse type: comma-separated non-empty names (``--devices mlx5_0,mlx5_1``), as a tuple.
+
+    Raises:
+        argparse.ArgumentTypeError: "must be comma-separated non-empty names, got 'TEXT'" (``''``, ``','``, ``'a,,b'``).
+    """
+    out = tuple(t.strip() for t in text.split(","))
+    if not all(out):
+        raise argparse.ArgumentTypeError(f"must be comma-separated non-empty names, got {text!r}")
+    return out
+
+
+def table_file(text: str) -> str:
+    """An argparse type: a file the tuned table may be written to (``tune --output``), checked by
+    :func:`triton_ep.tuned.check_target` when the option is parsed, before any measuring: not empty, absent or a
+    regular file (never a device, FIFO, socket or directory, symlinks followed), in an existing directory that
+    takes a new file (the directory is not made).
+
+    Returns:
+        The text as given (``save`` resolves symlinks again when it writes).
+    Raises:
+        argparse.ArgumentTypeError: the reason, naming the path.
+    """
+    from .tuned import check_target
+    try:
+        check_target(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+__all__ = ["MAX_SECONDS", "int_at_least", "int_in", "name_list", "non_negative_int", "positive_int",
+           "positive_int_list", "seconds", "table_file"]
