@@ -129,7 +129,7 @@ def test_the_built_in_tables_compete_and_their_config_launches_as_none(table_env
     (["tune", "--iters", "1.5"], "--iters: must be an int at least 1, got '1.5'"),
     (["tune", "--timeout-s", "0"], "--timeout-s: must be seconds in (0, 1e9), got '0'"),
     (["tune", "--timeout-s", "nan"], "--timeout-s: must be seconds in (0, 1e9), got 'nan'"),
-    (["info", "--num-qps", "x"], "--num-qps: must be an int at least 1, got 'x'"),
+    (["info", "--num-qps", "x"], "--num-qps: must be an integer in 1..1024, got 'x'"),
     (["info", "--service-level", "0x10"], "--service-level: must be an integer in 0..15, got 16"),
     (["info", "--traffic-class", "high"], "--traffic-class: must be an integer in 0..255, got 'high'"),
 ])
