@@ -75,16 +75,6 @@ def _example_module(name: str, monkeypatch):
     return mod
 
 
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Rank processes replaced by a failure: a bad argument must end the example before any rank starts."""
-    import triton_ep.testing
-
-    def started(*a, **k):
-        raise AssertionError("ranks started although an argument was bad")
-    monkeypatch.setattr(triton_ep.testing, "run_ranks", started)
-
-
 @pytest.mark.parametrize("argv,why", [
     (["--ranks", "0"], "argument --ranks: must be at least 1, got 0"),
     (["--hosts", "0"], "argument --hosts: must be at least 1, got 0"),

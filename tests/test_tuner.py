@@ -155,16 +155,6 @@ def test_option_values_parse():
     assert _argv(a) == ["--quick", "--tokens=8,16", "--warmup=0"]
 
 
-@pytest.fixture
-def no_measuring(monkeypatch):
-    """``tune``'s rank processes replaced by a failure: a test of a bad argument must end before any measuring."""
-    import triton_ep.testing
-
-    def measured(*a, **k):
-        raise AssertionError("the tuner measured although an argument was bad")
-    monkeypatch.setattr(triton_ep.testing, "run_ranks", measured)
-
-
 def _fifo(tmp_path):
     import os
     fifo = tmp_path / "fifo"
@@ -180,7 +170,7 @@ def _is_fifo(path) -> bool:
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink-to-fifo", "directory", "absent-directory", "under-a-file",
                                   "empty", "proc"])
-def test_tune_output_is_checked_before_any_measuring(kind, tmp_path, table_env, no_measuring, capsys):
+def test_tune_output_is_checked_before_any_measuring(kind, tmp_path, table_env, no_ranks, capsys):
     """(A new user's find: ``--output /dev/null`` measured, then renamed a file over the device; an absent
     directory was made at the root; ``''`` wrote the real cache file.) Every --output is checked as it is parsed:
     exit 2, argparse's error naming --output and the reason on stderr, nothing on stdout, nothing made or
@@ -220,7 +210,7 @@ def test_save_replaces_only_a_regular_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link", "t-link.json", "t.json"]
 
 
-def test_the_default_table_file_is_checked_and_its_directory_made(tmp_path, table_env, monkeypatch, no_measuring,
+def test_the_default_table_file_is_checked_and_its_directory_made(tmp_path, table_env, monkeypatch, no_ranks,
                                                                   capsys):
     """Without --output: ``$TRITON_EP_TUNING_FILE`` naming a FIFO is refused the same way before any work (exit 2,
     one line naming the variable); the default location's directory is made (only there)."""
@@ -248,7 +238,7 @@ def test_the_default_table_file_is_checked_and_its_directory_made(tmp_path, tabl
     (["--hidden", "2048", "--num-nvl-bytes", "1"], "--num-nvl-bytes 1: a Buffer rounds it up to 4 KiB (4096 bytes), "
                                                    "which must hold one record of a row of --hidden 2048"),
 ])
-def test_tune_options_that_do_not_go_together_exit_2_before_any_work(args, why, table_env, no_measuring, capsys):
+def test_tune_options_that_do_not_go_together_exit_2_before_any_work(args, why, table_env, no_ranks, capsys):
     """(A new user's find: ``--hidden 7``, ``--num-experts 3``, ``--num-topk 99`` gave tracebacks, exit 1.) The
     options are checked together, with their defaults, before any work: exit 2, one line on stderr naming the
     option and the rule."""
