@@ -39,6 +39,20 @@ def test_readme_quick_start_commands():
     assert (ROOT / "examples" / "moe_layer.py").is_file()
 
 
+def test_readme_tree_and_install_list_are_the_checkouts():
+    """(A new user's find: the README's tree left out a dozen parts of the package, and its install list
+    prometheus-client.) Every file and folder of triton_ep/ is in "How it works"; every package run.sh installs
+    in its setup is in "Install"."""
+    text = (ROOT / "README.md").read_text()
+    tree = text.split("## How it works\n\n```\n")[1].split("```")[0]
+    parts = {p.name + ("/" if p.is_dir() else "") for p in (ROOT / "triton_ep").iterdir()
+             if p.name != "__pycache__" and p.name != "__init__.py" and not p.name.endswith(".egg-info")}
+    assert not {p for p in parts if p not in tree}, parts
+    install = text.split("## Install")[1].split("## ")[0].replace("\n", " ")
+    step = re.search(r'pip install "\$\{pip_q\[@\]\}" (triton numpy [^\n]*)', (ROOT / "run.sh").read_text()).group(1)
+    assert not [p for p in step.split() if p not in install], step
+
+
 def test_readme_names_no_folder_outside_the_checkout():
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         assert "../shared" not in page.read_text(), page

@@ -7,12 +7,14 @@
     triton-ep info --traffic-class 106 --service-level 3   # the QoS line, as VerbsTransport would set it
     python -m triton_ep info                      # the same without the console script
     triton-ep tune                                # time Configs at DeepSeek-V3 shapes, save the tuned table
-    triton-ep tune --quick --output /tmp/t.json   # tiny shapes, two candidates (seconds, also on CPU)
+    triton-ep tune --quick --output /tmp/t.json   # tiny shapes, two candidates (also on CPU: 16-30 s seen)
 
-The report has four sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
-devices, and whether Triton kernels are compiled for the GPU or interpreted on the CPU; how ranks on this
-host reach each other's buffers (the GPU peer-access matrix, and the POSIX shared memory in /dev/shm that
-CPU ranks, and every rank's control block, live in); and the RDMA devices, ports and GIDs with the QP plan.
+The report has six sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
+deep_ep switch (TRITON_EP_AS_DEEP_EP, the import hook, which deep_ep an import gets); the devices, and whether
+Triton kernels are compiled for the GPU or interpreted on the CPU; how ranks on this host reach each other's
+buffers (the GPU peer-access matrix, and the POSIX shared memory in /dev/shm that CPU ranks, and every rank's
+control block, live in); the internode plan (how ranks group into hosts, the transport between them); and the
+RDMA devices, ports and GIDs with the QP plan.
 
 Every option shows its effect in the report, or a line ``  OPTION VALUE: not applied: WHY`` at the end of the RDMA
 section says why it has none on this host (RDMA absent, the query failed, no active port, a port with no GID).
@@ -25,7 +27,10 @@ the chosen path-hash model; on a real fabric the switch's hash decides, so treat
 ``tune`` (docs/tuning.md) times a cached dispatch and a combine for the built-in tables and candidate Configs in
 rank processes, prints built-in against tuned microseconds per call and shape, and saves the fastest Configs
 where ``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON_EP_TUNING_FILE, else
-$XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved, 1 when a rank failed, 2 on bad usage.
+$XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved, 1 when a rank failed, 2 on bad usage: a bad
+option, options that do not go together (--hidden a multiple of 8, --num-experts a multiple of --ranks,
+--num-topk at most --num-experts, a buffer that holds a row), or an --output that is empty, not a regular file,
+or in a directory that is absent or takes no file -- all found before any measuring.
 
 Exit status:
   0  the report was printed, RDMA present or absent (absent: pyverbs does not import, or there is no

@@ -28,7 +28,8 @@ from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_confi
 #: the candidates' axes on a GPU: SMs, rows per block (the NVLink send chunk), num_warps (a full run tries every
 #: combination up to the device's SM count, plus DeepEP's recommended Config with 20 SMs)
 GPU_SMS, GPU_ROWS, GPU_WARPS = (16, 24, 32, 48, 64, 96, 128), (1, 2, 4), (4, 8)
-#: ``--quick``'s candidates (and the candidates under the interpreter): few, so that a CPU run takes seconds
+#: ``--quick``'s candidates (and the candidates under the interpreter): few, so that a CPU run stays short
+#: (16-30 s seen on a loaded 2-core machine)
 QUICK = (Config(2, 1, 4096), Config(4, 64, 256, num_warps=8))
 
 
@@ -187,7 +188,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=positive_int, default=None, help="timed calls per candidate (default 20; --quick 2)")
     p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed calls first (default 3; --quick 1)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny shapes and two candidates (what a CPU run can do in seconds)")
+                   help="tiny shapes and two candidates (a CPU run: 16-30 s seen on a loaded 2-core machine)")
     p.add_argument("--output", type=table_file, default=None,
                    help="the table's file: absent or a regular file, in an existing writable directory (checked "
                         f"before any measuring; default: ${tuned.ENV_FILE}, else "

@@ -309,3 +309,19 @@ def test_info_flags_a_bad_ranks_per_host_as_a_buffer_would(value):
     out = io.StringIO()
     cli.print_internode(out, {hosts.ENV_RANKS_PER_HOST: "4"})
     assert "  hosts      TRITON_EP_RANKS_PER_HOST=4: ranks [0, 4), [4, 8), ... form hosts" in out.getvalue()
+
+
+def test_the_help_and_docs_count_the_report_sections():
+    """(A new user's find: --help said four sections, docs/cli.md five, the report has six.) The number the help and
+    docs/cli.md give is the number of section heads of a report, and docs/cli.md's sample shows each head."""
+    import re
+    words = {4: "four", 5: "five", 6: "six", 7: "seven"}
+    text = report()
+    heads = [l for l in text.splitlines() if l and not l.startswith(" ")]
+    n = words[len(heads)]
+    assert f"The report has {n} sections" in cli.__doc__
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    assert f"It prints {n} sections" in doc
+    sample = doc.split("On the 2-core CPU machine")[1].split("```")[1]
+    assert [re.sub(r" \(.*", "", l) for l in sample.splitlines() if l and not l.startswith(" ")] == \
+        [re.sub(r" \(.*", "", h) for h in heads[:-1]] + ["RDMA: absent"]
