@@ -101,24 +101,5 @@ def name_list(text: str) -> Tuple[str, ...]:
     return out
 
 
-def table_file(text: str) -> str:
-    """An argparse type: a file the tuned table may be written to (``tune --output``), checked by
-    :func:`triton_ep.tuned.check_target` when the option is parsed, before any measuring: not empty, absent or a
-    regular file (never a device, FIFO, socket or directory, symlinks followed), in an existing directory that
-    takes a new file (the directory is not made).
-
-    Returns:
-        The text as given (``save`` resolves symlinks again when it writes).
-    Raises:
-        argparse.ArgumentTypeError: the reason, naming the path.
-    """
-    from .tuned import check_target
-    try:
-        check_target(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 __all__ = ["MAX_SECONDS", "int_at_least", "int_in", "name_list", "non_negative_int", "positive_int",
-           "positive_int_list", "seconds", "table_file"]
+           "positive_int_list", "seconds"]

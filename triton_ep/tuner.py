@@ -22,7 +22,7 @@ from typing import List, Sequence
 import torch
 
 from . import tuned
-from .argtypes import non_negative_int, positive_int, positive_int_list, seconds, table_file
+from .argtypes import non_negative_int, positive_int, positive_int_list, seconds
 from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_config
 
 #: the candidates' axes on a GPU: SMs, rows per block (the NVLink send chunk), num_warps (a full run tries every
@@ -168,6 +168,26 @@ def default_nvl_bytes(hidden: int, num_ranks: int) -> int:
                for t in (DISPATCH_CONFIGS, COMBINE_CONFIGS))
 
 
+def table_file(text: str) -> str:
+    """An argparse type: a file the tuned table may be written to (``tune --output``; here, not in
+    :mod:`triton_ep.argtypes`, whose layer imports nothing of the package), checked by
+    :func:`triton_ep.tuned.check_target` when the option is parsed, before any measuring: not empty, absent or a
+    regular file (never a device, FIFO, socket or directory, symlinks followed), in an existing directory that
+    takes a new file (the directory is not made).
+
+    Returns:
+        The text as given (``save`` resolves symlinks again when it writes).
+    Raises:
+        argparse.ArgumentTypeError: the reason, naming the path.
+    """
+    try:
+        tuned.check_target(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``tune`` subcommand's options, each checked as it is parsed (:mod:`triton_ep.argtypes`)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -225,7 +245,7 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
     Raises:
         ValueError: one line naming the option, its value and the rule broken.
     """
-    from .protocol.records import combine_record_bytes, dispatch_record_words
+    from .modes.intranode import combine_record_bytes, dispatch_record_words   # (the records the mode sizes)
     from .runtime.checks import MAX_BUFFER_BYTES, MAX_EXPERTS
     q = a.quick
     hidden = a.hidden or (64 if q else 7168)
@@ -305,4 +325,4 @@ def _argv(a: argparse.Namespace) -> Sequence[str]:
             for k, v in sorted(vars(a).items()) if k != "command" and v is not None and v is not False]
 
 
-__all__ = ["TuneArgs", "TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main", "resolve"]
+__all__ = ["TuneArgs", "TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main", "resolve", "table_file"]
