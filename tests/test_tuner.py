@@ -246,3 +246,17 @@ def test_tune_options_that_do_not_go_together_exit_2_before_any_work(args, why, 
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("triton-ep tune: error: " + why), err
     assert not table_env.exists()
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--qps", "5000"], "--qps: must be a finite number >= 1 and <= 1024, got 5000"),
+    (["--slots", "2000"], "--slots: must be a finite number >= 1 and <= 1024, got 2000"),
+    (["--chunk-kib", "9999999"], "--chunk-kib: must be a finite number >= 1 and <= 1048576, got 9999999"),
+])
+def test_scheduler_cli_counts_have_upper_bounds(args, why, capsys):
+    """``python -m triton_ep.scheduler_cli``'s counts are bounded as a Buffer's network leg bounds them
+    (TRITON_EP_RDMA_SLOTS, TRITON_EP_RDMA_CHUNK_BYTES) or as ``info --num-qps``: a usage error at parse time."""
+    from triton_ep.scheduler_cli import build_parser
+    with pytest.raises(SystemExit) as ex:
+        build_parser().parse_args(args)
+    assert ex.value.code == 2 and why in capsys.readouterr().err

@@ -325,4 +325,5 @@ def _argv(a: argparse.Namespace) -> Sequence[str]:
             for k, v in sorted(vars(a).items()) if k != "command" and v is not None and v is not False]
 
 
-__all__ = ["TuneArgs", "TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main", "resolve", "table_file"]
+__all__ = ["TuneArgs", "TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main", "resolve",
+           "table_file"]
