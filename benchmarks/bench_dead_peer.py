@@ -13,11 +13,16 @@ watcher a survivor waited out ``timeout_s``.
 Across hosts (``--host-modes``, CPU only): for each count of ``--host-ranks`` (default 2 and 4), that many ranks on 2
 emulated hosts (``TRITON_EP_RDMA=emulated``, ``TRITON_EP_RANKS_PER_HOST`` half of it), once per RDMA proxy kind of
 ``--proxies`` (``TRITON_EP_PROXY``); rank 1 dies 0.3 s after the barrier, while the others are in the call:
-``internode`` (a normal-mode dispatch), ``internode_ll`` (a low-latency dispatch), ``internode_ll_combine``
-(tests/cases/dead_peer.py, ``killed_across_hosts``). With 1 rank per host rank 1 is alone on host 1; with 2 it shares
+``internode`` (a normal-mode dispatch), ``internode_ll`` (a low-latency dispatch), ``internode_ll_combine``, and
+``internode_ll_send`` (rank 1 makes the low-latency dispatch and dies right after its send, its chunks on their way;
+with 2 ranks per host rank 3 makes the call only once its proxy found rank 1 gone, so the others' proxies fail while
+they still wait for its part) (tests/cases/dead_peer.py, ``killed_across_hosts``; the times count from rank 1's death,
+or for ``internode_ll_send`` from the start of its receive, where it dies). With 1 rank per host rank 1 is alone on host 1; with 2 it shares
 host 0 with rank 0 (its liveness lock), its RDMA peer is rank 3 (its probes), and rank 2 hears of it from rank 0.
 Before the liveness probes of the RDMA proxy (its probe WRITE fails once the peer's QPs are gone) a survivor there
-waited out ``timeout_s``; before the host's lock was watched in low-latency mode across hosts, rank 0 there did too.
+waited out ``timeout_s``; before the host's lock was watched in low-latency mode across hosts, rank 0 there did too;
+before the low-latency waits read the proxy's abort word, a rank whose proxy failed while a live peer's part was still
+to come waited out ``timeout_s`` (``internode_ll_send`` with 2 ranks per host, and at times ``internode_ll_combine``).
 
     ./run.sh python benchmarks/bench_dead_peer.py [--ranks 3] [--timeout-s 60] [--modes dispatch,combine]
         [--device cpu] [--host-modes internode,internode_ll] [--host-ranks 2,4] [--proxies thread,process] [--out DIR]

@@ -40,7 +40,7 @@ import triton_ep  # noqa: E402
 from triton_ep import kernels  # noqa: E402
 from triton_ep.kernels import _util  # noqa: E402
 from triton_ep.kernels.combine import record_bytes as combine_record_bytes  # noqa: E402
-from triton_ep.kernels.dispatch import record_words as dispatch_record_words  # noqa: E402
+from triton_ep.kernels.geometry import record_words as dispatch_record_words  # noqa: E402
 from triton_ep.transport.ipc import LocalWorld  # noqa: E402
 
 KERNELS = ("layout", "dispatch_send", "dispatch_recv", "combine_send", "combine_reduce")

@@ -48,7 +48,7 @@ import triton_ep  # noqa: E402
 from triton_ep.kernels import _util  # noqa: E402
 from triton_ep.kernels import launch as L  # noqa: E402
 from triton_ep.kernels.combine import record_bytes as combine_record_bytes  # noqa: E402
-from triton_ep.kernels.dispatch import record_words  # noqa: E402
+from triton_ep.kernels.geometry import record_words  # noqa: E402
 from triton_ep.transport import signals as S  # noqa: E402
 
 #: the calls counted

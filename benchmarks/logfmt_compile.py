@@ -43,7 +43,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from triton_ep.kernels import dispatch as _dispatch  # noqa: E402
+from triton_ep.kernels import geometry as _geometry  # noqa: E402
 from triton_ep.kernels import launch as _launch  # noqa: E402
 from triton_ep.kernels import ll_combine, ll_dispatch, ll_fused  # noqa: E402
 from triton_ep.protocol.ll_area import Layout  # noqa: E402
@@ -125,7 +125,7 @@ class Compiler:
             me.compile(la.fn, args, bound.num_warps, bound.meta, la.options)
         _launch.BoundLaunch.__call__ = call
         ll_fused.resident_per_sm = self.resident_per_sm
-        _dispatch.num_sms = lambda device: SMS
+        _geometry.num_sms = lambda device: SMS
 
 
 def _signals(R: int, max_programs) -> dict:

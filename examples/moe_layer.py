@@ -68,6 +68,7 @@ sys.path.insert(0, _HERE)
 import _launch  # noqa: E402
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+from triton_ep.argtypes import non_negative_int, positive_int, seconds  # noqa: E402
 
 ROUTED_SCALING = 2.5  # DeepSeek-V3's routed_scaling_factor
 TOLERANCE = 1e-2
@@ -86,18 +87,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda when a GPU is visible (auto), else cpu")
-    p.add_argument("--ranks", type=int, help="ranks to start (ignored under torchrun)")
-    p.add_argument("--tokens", type=int, help="tokens per rank")
-    p.add_argument("--hidden", type=int, help="hidden size H")
-    p.add_argument("--experts", type=int, help="routed experts E (a multiple of ranks and groups)")
-    p.add_argument("--topk", type=int, help="experts per token K")
-    p.add_argument("--groups", type=int, help="expert groups G")
-    p.add_argument("--topk-groups", type=int, help="groups a token may route to")
-    p.add_argument("--intermediate", type=int, help="SwiGLU intermediate size of one expert")
-    p.add_argument("--iters", type=int, help="timed dispatch and combine calls (median reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before the timed ones")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, help="seconds: bound on the whole run and on every "
+    p.add_argument("--ranks", type=positive_int, help="ranks to start (ignored under torchrun)")
+    p.add_argument("--tokens", type=non_negative_int, help="tokens per rank")
+    p.add_argument("--hidden", type=positive_int, help="hidden size H, a multiple of 8")
+    p.add_argument("--experts", type=positive_int, help="routed experts E (a multiple of ranks and groups)")
+    p.add_argument("--topk", type=positive_int, help="experts per token K")
+    p.add_argument("--groups", type=positive_int, help="expert groups G")
+    p.add_argument("--topk-groups", type=positive_int, help="groups a token may route to")
+    p.add_argument("--intermediate", type=positive_int, help="SwiGLU intermediate size of one expert")
+    p.add_argument("--iters", type=positive_int, help="timed dispatch and combine calls (median reported)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed calls before the timed ones")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--timeout", type=seconds, help="seconds: bound on the whole run and on every "
                    "collective of the process group")
     a = p.parse_args(argv)
     if a.device == "auto":
@@ -118,8 +119,8 @@ def check_shapes(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--experts {a.experts} must split into --groups {a.groups}, and 1 <= --topk-groups <= groups")
     if not 1 <= a.topk <= a.topk_groups * (a.experts // a.groups):
         p.error(f"--topk {a.topk} must be at least 1 and at most the experts in the chosen groups")
-    if a.hidden % 8 or a.tokens < 0:
-        p.error("--hidden must be a multiple of 8 (16-byte bf16 rows) and --tokens >= 0")
+    if a.hidden % 8:
+        p.error(f"--hidden {a.hidden} must be a multiple of 8 (16-byte bf16 rows)")
 
 
 # ---------------------------------------------------------------- inputs: real text, embedded

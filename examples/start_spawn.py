@@ -3,14 +3,15 @@ over gloo.
 
     python examples/start_spawn.py 2      # the number of ranks (default 2)
 """
+import argparse
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import triton_ep as deep_ep   # on CPU it sets TRITON_INTERPRET=1 itself (Triton's interpreter)
+from triton_ep.argtypes import positive_int
 
 
 def rank_main(rank: int, R: int, port: int) -> None:
@@ -52,7 +53,9 @@ def rank_main(rank: int, R: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    R = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    p = argparse.ArgumentParser(description="a dispatch + combine round trip on ranks started by spawn")
+    p.add_argument("ranks", nargs="?", type=positive_int, default=2, help="the number of ranks (default 2)")
+    R = p.parse_args().ranks   # (argparse refuses 0 or text: exit 2, before any process starts)
     with socket.socket() as s:   # a free port for the ranks' rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -84,6 +84,17 @@ def shm_left_behind(before: set, grace_s: float = 5.0, tag: str = SHM_TAG, d: st
 
 
 @pytest.fixture
+def no_ranks(monkeypatch):
+    """``triton_ep.testing.run_ranks`` replaced by a failure: a test of a bad command-line argument must end
+    before any rank process starts (the tuner measures nothing, an example starts nothing)."""
+    import triton_ep.testing
+
+    def started(*a, **k):
+        raise AssertionError("rank processes started although an argument was bad")
+    monkeypatch.setattr(triton_ep.testing, "run_ranks", started)
+
+
+@pytest.fixture
 def shm_check():
     """The shared-memory part of the leak check, for tests of it: ``.tag``, ``.files(tag=...)``,
     ``.left_behind(before, grace_s=..., tag=...)`` (a fixture: ``import conftest`` may find another conftest)."""

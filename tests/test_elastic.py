@@ -327,3 +327,22 @@ def test_event_handle_orders_streams_gpu():
         assert not done.query(), how                # s2 waits for s1's sleep
         done.synchronize()
         assert h.event.query(), how
+
+
+def test_event_overlap_refuses_a_non_event_and_release_handle_is_one_blocks():
+    """(A new user's finds.) ``EventOverlap(42)``: a TypeError at construction (it was "Torch not compiled with
+    CUDA enabled" at the first wait); ``ev(release_handle=True)`` called outside a ``with`` changes nothing, so a
+    later plain ``with ev:`` keeps the event; ``with ev(release_handle=True):`` still drops it."""
+    for bad in (42, "event", object()):
+        with pytest.raises(TypeError, match="event must be a torch.cuda.Event, an EventHandle or None, got"):
+            triton_ep.EventOverlap(bad)
+    with pytest.raises(TypeError, match="check must be callable"):
+        triton_ep.EventOverlap(None, check=3)
+    ev = triton_ep.EventOverlap(triton_ep.EventHandle())
+    ev(release_handle=True)                              # (not a with block: nothing armed)
+    with ev as inside:
+        assert inside is ev
+    assert ev.event is not None
+    with ev(release_handle=True) as inside:
+        assert inside is ev and ev.event is not None
+    assert ev.event is None

@@ -129,7 +129,7 @@ def test_the_built_in_tables_compete_and_their_config_launches_as_none(table_env
     (["tune", "--iters", "1.5"], "--iters: must be an int at least 1, got '1.5'"),
     (["tune", "--timeout-s", "0"], "--timeout-s: must be seconds in (0, 1e9), got '0'"),
     (["tune", "--timeout-s", "nan"], "--timeout-s: must be seconds in (0, 1e9), got 'nan'"),
-    (["info", "--num-qps", "x"], "--num-qps: must be an int at least 1, got 'x'"),
+    (["info", "--num-qps", "x"], "--num-qps: must be an integer in 1..1024, got 'x'"),
     (["info", "--service-level", "0x10"], "--service-level: must be an integer in 0..15, got 16"),
     (["info", "--traffic-class", "high"], "--traffic-class: must be an integer in 0..255, got 'high'"),
 ])
@@ -153,3 +153,110 @@ def test_option_values_parse():
     assert argtypes.seconds("2.5") == 2.5
     a = argparse.Namespace(command="tune", tokens=(8, 16), quick=True, warmup=0, output=None)
     assert _argv(a) == ["--quick", "--tokens=8,16", "--warmup=0"]
+
+
+def _fifo(tmp_path):
+    import os
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    return fifo
+
+
+def _is_fifo(path) -> bool:
+    import os
+    import stat
+    return stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink-to-fifo", "directory", "absent-directory", "under-a-file",
+                                  "empty", "proc"])
+def test_tune_output_is_checked_before_any_measuring(kind, tmp_path, table_env, no_ranks, capsys):
+    """(A new user's find: ``--output /dev/null`` measured, then renamed a file over the device; an absent
+    directory was made at the root; ``''`` wrote the real cache file.) Every --output is checked as it is parsed:
+    exit 2, argparse's error naming --output and the reason on stderr, nothing on stdout, nothing made or
+    replaced. (A FIFO in tmp_path stands for a device: never point such a test at /dev/null.)"""
+    import os
+    fifo = _fifo(tmp_path)
+    os.symlink(fifo, tmp_path / "link")
+    (tmp_path / "f.py").write_text("")
+    path, why = {"fifo": (str(fifo), "is a FIFO, not a regular file"),
+                 "symlink-to-fifo": (str(tmp_path / "link"), f"(-> {fifo}) is a FIFO, not a regular file"),
+                 "directory": (str(tmp_path), "is a directory, not a regular file"),
+                 "absent-directory": (str(tmp_path / "no" / "dir" / "x.json"), "does not exist (it is not made"),
+                 "under-a-file": (str(tmp_path / "f.py" / "x.json"), "f.py is not a directory"),
+                 "empty": ("", "must be a non-empty path, got ''"),
+                 "proc": ("/proc/triton_ep_no_such_table.json", "its directory /proc takes no new file")}[kind]
+    assert main(["tune", "--quick", "--output", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"error: argument --output: {path}"[:40] in err and why in err, err
+    assert _is_fifo(fifo) and os.path.islink(tmp_path / "link") and not (tmp_path / "no").exists()
+    assert not table_env.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["f.py", "fifo", "link"]
+
+
+def test_save_replaces_only_a_regular_file(tmp_path):
+    """``tuned.save`` checks again (defence in depth): a FIFO, a symlink to one, an absent directory: ValueError,
+    nothing replaced, made or left behind; a symlink to a table: the table is replaced, the link kept."""
+    import os
+    fifo = _fifo(tmp_path)
+    os.symlink(fifo, tmp_path / "link")
+    for path, why in ((fifo, "is a FIFO"), (tmp_path / "link", "is a FIFO"), (tmp_path / "no" / "t.json", "does not")):
+        with pytest.raises(ValueError, match=why):
+            tuned.save(str(path), [], "test")
+    assert _is_fifo(fifo) and os.path.islink(tmp_path / "link") and not (tmp_path / "no").exists()
+    (tmp_path / "t.json").write_text("old")
+    os.symlink(tmp_path / "t.json", tmp_path / "t-link.json")
+    tuned.save(str(tmp_path / "t-link.json"), [], "test")
+    assert os.path.islink(tmp_path / "t-link.json") and json.loads((tmp_path / "t.json").read_text())["entries"] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link", "t-link.json", "t.json"]
+
+
+def test_the_default_table_file_is_checked_and_its_directory_made(tmp_path, table_env, monkeypatch, no_ranks,
+                                                                  capsys):
+    """Without --output: ``$TRITON_EP_TUNING_FILE`` naming a FIFO is refused the same way before any work (exit 2,
+    one line naming the variable); the default location's directory is made (only there)."""
+    import argparse
+    from triton_ep.tuner import resolve
+    monkeypatch.setenv(tuned.ENV_FILE, str(_fifo(tmp_path)))
+    assert main(["tune", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"triton-ep tune: error: the table's file at ${tuned.ENV_FILE}: ")
+    assert "is a FIFO" in err and _is_fifo(tmp_path / "fifo")
+    monkeypatch.delenv(tuned.ENV_FILE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    a = argparse.Namespace(quick=True, ranks=2, hidden=None, tokens=None, num_experts=None, num_topk=None,
+                           iters=None, warmup=None, num_nvl_bytes=None, output=None)
+    assert resolve(a).path == str(tmp_path / "cache" / "triton_ep" / "tuning.json")
+    assert (tmp_path / "cache" / "triton_ep").is_dir()
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--hidden", "7"], "--hidden 7: bf16 rows must be a multiple of 16 bytes, so hidden must be a multiple of 8"),
+    (["--num-experts", "3"], "--num-experts 3: must be a multiple of --ranks 2"),
+    (["--ranks", "3"], "--num-experts 8 (the default): must be a multiple of --ranks 3"),
+    (["--num-experts", "32768"], "--num-experts 32768: must be at most 16384"),
+    (["--num-topk", "99"], "--num-topk 99: must be at most --num-experts 8"),
+    (["--hidden", "2048", "--num-nvl-bytes", "1"], "--num-nvl-bytes 1: a Buffer rounds it up to 4 KiB (4096 bytes), "
+                                                   "which must hold one record of a row of --hidden 2048"),
+])
+def test_tune_options_that_do_not_go_together_exit_2_before_any_work(args, why, table_env, no_ranks, capsys):
+    """(A new user's find: ``--hidden 7``, ``--num-experts 3``, ``--num-topk 99`` gave tracebacks, exit 1.) The
+    options are checked together, with their defaults, before any work: exit 2, one line on stderr naming the
+    option and the rule."""
+    assert main(["tune", "--quick", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("triton-ep tune: error: " + why), err
+    assert not table_env.exists()
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--qps", "5000"], "--qps: must be a finite number >= 1 and <= 1024, got 5000"),
+    (["--slots", "2000"], "--slots: must be a finite number >= 1 and <= 1024, got 2000"),
+    (["--chunk-kib", "9999999"], "--chunk-kib: must be a finite number >= 1 and <= 1048576, got 9999999"),
+])
+def test_scheduler_cli_counts_have_upper_bounds(args, why, capsys):
+    """``python -m triton_ep.scheduler_cli``'s counts are bounded as a Buffer's network leg bounds them
+    (TRITON_EP_RDMA_SLOTS, TRITON_EP_RDMA_CHUNK_BYTES) or as ``info --num-qps``: a usage error at parse time."""
+    from triton_ep.scheduler_cli import build_parser
+    with pytest.raises(SystemExit) as ex:
+        build_parser().parse_args(args)
+    assert ex.value.code == 2 and why in capsys.readouterr().err

@@ -7,12 +7,14 @@
     triton-ep info --traffic-class 106 --service-level 3   # the QoS line, as VerbsTransport would set it
     python -m triton_ep info                      # the same without the console script
     triton-ep tune                                # time Configs at DeepSeek-V3 shapes, save the tuned table
-    triton-ep tune --quick --output /tmp/t.json   # tiny shapes, two candidates (seconds, also on CPU)
+    triton-ep tune --quick --output /tmp/t.json   # tiny shapes, two candidates (also on CPU: 16-30 s seen)
 
-The report has four sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
-devices, and whether Triton kernels are compiled for the GPU or interpreted on the CPU; how ranks on this
-host reach each other's buffers (the GPU peer-access matrix, and the POSIX shared memory in /dev/shm that
-CPU ranks, and every rank's control block, live in); and the RDMA devices, ports and GIDs with the QP plan.
+The report has six sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
+deep_ep switch (TRITON_EP_AS_DEEP_EP, the import hook, which deep_ep an import gets); the devices, and whether
+Triton kernels are compiled for the GPU or interpreted on the CPU; how ranks on this host reach each other's
+buffers (the GPU peer-access matrix, and the POSIX shared memory in /dev/shm that CPU ranks, and every rank's
+control block, live in); the internode plan (how ranks group into hosts, the transport between them); and the
+RDMA devices, ports and GIDs with the QP plan.
 
 Every option shows its effect in the report, or a line ``  OPTION VALUE: not applied: WHY`` at the end of the RDMA
 section says why it has none on this host (RDMA absent, the query failed, no active port, a port with no GID).
@@ -25,7 +27,10 @@ the chosen path-hash model; on a real fabric the switch's hash decides, so treat
 ``tune`` (docs/tuning.md) times a cached dispatch and a combine for the built-in tables and candidate Configs in
 rank processes, prints built-in against tuned microseconds per call and shape, and saves the fastest Configs
 where ``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON_EP_TUNING_FILE, else
-$XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved, 1 when a rank failed, 2 on bad usage.
+$XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved, 1 when a rank failed, 2 on bad usage: a bad
+option, options that do not go together (--hidden a multiple of 8, --num-experts a multiple of --ranks,
+--num-topk at most --num-experts, a buffer that holds a row), or an --output that is empty, not a regular file,
+or in a directory that is absent or takes no file -- all found before any measuring.
 
 Exit status:
   0  the report was printed, RDMA present or absent (absent: pyverbs does not import, or there is no
@@ -34,7 +39,7 @@ Exit status:
   1  an RDMA device exists but a query of it failed (open, port or GID query), or a device named by
      --devices is not there while others are; the other sections are printed, the error goes to stderr
   2  bad usage: unknown command or option, or a bad option value, or a bad TRITON_EP_RDMA_TC /
-     TRITON_EP_RDMA_SL value
+     TRITON_EP_RDMA_SL value, or options for which no QP plan exists
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ import tempfile
 from typing import Callable, List, Optional, Sequence, TextIO, Tuple
 
 from triton_ep import tuner
-from triton_ep.argtypes import int_in, positive_int
+from triton_ep.argtypes import int_in, name_list
 from triton_ep.transport import topology
 
 #: Where ranks on one host put their shared buffers (CPU data buffers, and every rank's control block).
@@ -60,6 +65,9 @@ EXIT_OK, EXIT_RDMA_QUERY_FAILED, EXIT_USAGE = 0, 1, 2
 #: ``--n-paths`` when not given (its argparse default is None, so a given value is seen); ``--num-qps`` when not
 #: given is what a Buffer uses (:func:`buffer_qps_per_peer`).
 DEFAULT_N_PATHS = 4
+#: ``--num-qps`` and ``--n-paths`` upper bounds: a plan this large prints a row per QP and takes seconds; beyond
+#: some thousands of QPs the RoCEv2 source ports (14 bits) run out and no plan exists
+MAX_NUM_QPS, MAX_N_PATHS = 1024, 256
 
 
 def _emulated_api():
@@ -82,14 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Print versions, devices, same-host IPC reachability, RDMA devices, "
                                     "ports, GIDs and the QP plan.", epilog=exits, formatter_class=fmt)
     ip.add_argument("--emulated", action="store_true", help="describe an emulated dual-port NIC instead of RDMA")
-    ip.add_argument("--num-qps", type=positive_int, default=None,
-                    help="QPs per peer (default: what a Buffer's normal-mode network leg opens, "
+    ip.add_argument("--num-qps", type=int_in(1, MAX_NUM_QPS), default=None,
+                    help=f"QPs per peer, 1..{MAX_NUM_QPS} (default: what a Buffer's normal-mode network leg opens, "
                          "$TRITON_EP_RDMA_QPS_PER_PEER, else 4)")
-    ip.add_argument("--n-paths", type=positive_int, default=None,
-                    help=f"ECMP paths of the fabric model (default {DEFAULT_N_PATHS})")
+    ip.add_argument("--n-paths", type=int_in(1, MAX_N_PATHS), default=None,
+                    help=f"ECMP paths of the fabric model, 1..{MAX_N_PATHS} (default {DEFAULT_N_PATHS})")
     ip.add_argument("--hash", choices=["crc", "emulator"], default=None,
                     help="path hash model (default: crc on hardware, emulator with --emulated)")
-    ip.add_argument("--devices", default=None, help="comma-separated RDMA device names (default: all)")
+    ip.add_argument("--devices", type=name_list, default=None,
+                    help="comma-separated RDMA device names (default: all)")
     ip.add_argument("--traffic-class", type=int_in(0, 255), default=None,
                     help="GRH traffic class to show for every QP, 0..255 (default: $TRITON_EP_RDMA_TC, else 0)")
     ip.add_argument("--service-level", type=int_in(0, 15), default=None,
@@ -265,6 +274,7 @@ def _not_applied(a: argparse.Namespace, qos, attrs: Sequence[str], why: str, out
         if attr not in attrs:
             continue
         value = getattr(a, attr, None)
+        value = ",".join(value) if isinstance(value, tuple) else value     # (--devices: names as given)
         if value is not None:
             print(f"  {flag} {value}: not applied: {why}", file=out)
         elif qos is not None and attr in verbs.QOS_ENV and qos.sources[attr == "service_level"] != "default":
@@ -293,7 +303,7 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
         return EXIT_USAGE
     try:
         api = _emulated_api() if a.emulated else verbs.load_pyverbs()
-        devs = verbs.discover(api, a.devices.split(",") if a.devices else None)
+        devs = verbs.discover(api, list(a.devices) if a.devices else None)
     except rdma.RdmaError as ex:
         every = [attr for attr, _ in _RDMA_OPTIONS]
         # no RDMA at all (pyverbs absent, no device): --devices names none that could be there either
@@ -314,7 +324,12 @@ def print_rdma(a: argparse.Namespace, out: TextIO) -> int:
         print("\nno active port: no QP plan", file=out)
         _not_applied(a, None, ("num_qps", "n_paths", "hash"), "no active port, so no QP plan", out)
         return EXIT_OK
-    _print_qp_plan(a, ports, out)
+    try:
+        _print_qp_plan(a, ports, out)
+    except topology.PlanError as ex:     # (within the bounds of --num-qps / --n-paths a plan exists; defence)
+        print("\nQP plan: none for these options (the error is on stderr)", file=out)
+        print(f"triton-ep info: no QP plan: {ex}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 
@@ -370,6 +385,23 @@ def info(argv: Optional[List[str]] = None, out: Optional[TextIO] = None) -> int:
     return a if isinstance(a, int) else _report(a, out or sys.stdout)
 
 
+def _hosts_line(value: Optional[str]) -> str:
+    """How a Buffer would group ranks into hosts with ``TRITON_EP_RANKS_PER_HOST`` = ``value`` (``None``: unset),
+    or the Buffer's error for a value it refuses (any group size: one that is not a positive integer)."""
+    from triton_ep.runtime import hosts as H
+    if value is None or not value.strip():
+        return f"by host identity (hostname and boot id); {H.ENV_RANKS_PER_HOST}=n overrides it"
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        return (f"{H.ENV_RANKS_PER_HOST}={value!r} must be a positive integer dividing the group size "
+                f"(a Buffer refuses it)")
+    return (f"{H.ENV_RANKS_PER_HOST}={n}: ranks [0, {n}), [{n}, {2 * n}), ... form hosts (a Buffer refuses a group "
+            f"size that is not a multiple of {n})")
+
+
 def print_internode(out: TextIO, env=None) -> None:
     """The plan a Buffer would use across hosts from this machine: how ranks are grouped into hosts, and the
     transport between hosts it would choose (docs/internode.md)."""
@@ -377,9 +409,7 @@ def print_internode(out: TextIO, env=None) -> None:
     from triton_ep.runtime import hosts as H
     env = os.environ if env is None else env
     print("Internode (a Buffer whose ranks span several hosts, docs/internode.md):", file=out)
-    n = env.get(H.ENV_RANKS_PER_HOST)
-    print(f"  hosts      {f'{H.ENV_RANKS_PER_HOST}={n}: ranks [0, {n}), [{n}, 2*{n}), ... form hosts' if n else 'by host identity (hostname and boot id); ' + H.ENV_RANKS_PER_HOST + '=n overrides it'}",
-          file=out)
+    print(f"  hosts      {_hosts_line(env.get(H.ENV_RANKS_PER_HOST))}", file=out)
     try:
         backend = H.rdma_backend_arg(None, env)
     except ValueError as ex:

@@ -1,4 +1,5 @@
-"""The value types of the ``triton-ep`` command line (``python -m triton_ep``: ``info``, ``tune``), in one place.
+"""The value types of the ``triton-ep`` command line (``python -m triton_ep``: ``info``, ``tune``) and of the
+examples' options, in one place.
 
 Each is an ``argparse`` ``type=``: it takes the option's text and returns its value, or raises
 ``argparse.ArgumentTypeError`` whose message names the allowed values and the text given; argparse then prints
@@ -88,5 +89,17 @@ def seconds(text: str) -> float:
     return v
 
 
-__all__ = ["MAX_SECONDS", "int_at_least", "int_in", "non_negative_int", "positive_int", "positive_int_list",
-           "seconds"]
+def name_list(text: str) -> Tuple[str, ...]:
+    """An argparse type: comma-separated non-empty names (``--devices mlx5_0,mlx5_1``), as a tuple.
+
+    Raises:
+        argparse.ArgumentTypeError: "must be comma-separated non-empty names, got 'TEXT'" (``''``, ``','``, ``'a,,b'``).
+    """
+    out = tuple(t.strip() for t in text.split(","))
+    if not all(out):
+        raise argparse.ArgumentTypeError(f"must be comma-separated non-empty names, got {text!r}")
+    return out
+
+
+__all__ = ["MAX_SECONDS", "int_at_least", "int_in", "name_list", "non_negative_int", "positive_int",
+           "positive_int_list", "seconds"]

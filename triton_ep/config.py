@@ -180,6 +180,11 @@ def num_sms_arg(value) -> int:
     return int(value)
 
 
+#: what an EventOverlap's event may be (besides None, or an EventHandle holding one)
+_EVENT_TYPES = tuple(t for t in (getattr(torch.cuda, "Event", None), getattr(torch, "Event", None))
+                     if isinstance(t, type))
+
+
 class EventOverlap:
     """An optional CUDA event, as DeepEP's ``EventOverlap`` (V1's ``deep_ep/utils.py``, and DeepEP 2.x's
     ``deep_ep/utils/event.py`` at dd758ca, whose extras it has too): ``current_stream_wait()`` makes the current
@@ -201,12 +206,17 @@ class EventOverlap:
 
     def __init__(self, event: Optional[Any] = None, extra_tensors: Optional[tuple] = None,
                  check: Optional[Callable[[], None]] = None) -> None:
+        """Raises: TypeError: ``event`` is not a CUDA event, an EventHandle (an object whose ``event`` is one or
+        ``None``) or ``None`` (found here, not at the first wait); ``check`` is neither callable nor ``None``."""
+        inner = getattr(event, "event", event) if not isinstance(event, _EVENT_TYPES) else event
+        if not (inner is None or isinstance(inner, _EVENT_TYPES)):
+            raise TypeError(f"event must be a torch.cuda.Event, an EventHandle or None, got {type(event).__name__}")
+        if check is not None and not callable(check):
+            raise TypeError(f"check must be callable or None, got {type(check).__name__}")
         self.event = event
         self.extra_tensors = extra_tensors
         self._check = check
         self.hook_after_wait: Optional[Callable[[], Any]] = None
-        #: ``release_handle`` for the next ``with`` block (:meth:`__call__`)
-        self._release_on_exit = False
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
         """Make the current CUDA stream wait for the event (no-op without one), after raising any error the Buffer's
@@ -244,15 +254,29 @@ class EventOverlap:
             raise ValueError("a hook is already registered on this EventOverlap (it runs after the next wait)")
         self.hook_after_wait = hook_after_wait
 
-    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+    def __call__(self, release_handle: bool = False) -> "WaitBlock":
         """``with event(release_handle=True):``: the wait at the end of that ``with`` block drops the event (DeepEP
-        2.x's). Returns this object (no copy), for the ``with`` statement."""
-        self._release_on_exit = bool(release_handle)
-        return self
+        2.x's). Returns a :class:`WaitBlock` whose ``with`` gives this object; the flag is its own, so a call
+        outside a ``with`` changes nothing (a later ``with event:`` keeps the event)."""
+        return WaitBlock(self, bool(release_handle))
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
-        release, self._release_on_exit = self._release_on_exit, False
-        self.current_stream_wait(release_handle=release)
+        self.current_stream_wait()
+
+
+@dataclass
+class WaitBlock:
+    """The ``with`` block of ``event(release_handle=...)`` (:meth:`EventOverlap.__call__`): entering gives the
+    EventOverlap ``overlap``; leaving makes the current stream wait for it and, with ``release_handle``, drops its
+    event."""
+    overlap: EventOverlap
+    release_handle: bool
+
+    def __enter__(self) -> EventOverlap:
+        return self.overlap
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        self.overlap.current_stream_wait(release_handle=self.release_handle)

@@ -16,8 +16,12 @@ built-in tables, timed in the same run).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import stat
+import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -136,19 +140,81 @@ def _entry(e: dict) -> Entry:
     return Entry(e["call"], int(e["num_ranks"]), int(e["hidden"]), int(e["num_tokens"]), config)
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_target(path: str, create_dir: bool = False) -> str:
+    """Check that :func:`save` may write the table to ``path``, before any measuring: the path is not empty; where it
+    exists (symlinks followed) it is a regular file, never a device, FIFO, socket or directory (a file renamed over
+    ``/dev/null`` would replace the device for the whole machine); its directory exists (made first with
+    ``create_dir``, the default cache location's case; never for a path the user named) and takes a new file (one
+    is created and removed there, so ``/proc`` and read-only mounts are refused too).
+
+    Returns:
+        The file to write: ``path`` with symlinks resolved (a symlink to a table keeps pointing at it).
+    Raises:
+        ValueError: the reason, naming the path.
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"the table's file must be a non-empty path, got {path!r}")
+    real = os.path.realpath(os.path.expanduser(path))
+    shown = path if real == path else f"{path} (-> {real})"
+    try:
+        mode = os.stat(real).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None
+    except OSError as e:
+        raise ValueError(f"{shown} cannot be checked ({e.strerror or e})") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+        raise ValueError(f"{shown} is {kind}, not a regular file; name the table's file (a .json path)")
+    parent = os.path.dirname(real)
+    if create_dir:
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{shown}: its directory {parent} cannot be made ({e.strerror or e})") from None
+    if not os.path.isdir(parent):
+        why = "is not a directory" if os.path.exists(parent) else "does not exist (it is not made for you)"
+        raise ValueError(f"{shown}: its directory {parent} {why}")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(real)}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{shown}: its directory {parent} takes no new file ({e.strerror or e})") from None
+    return real
+
+
 def save(path: str, entries: List[dict], command: str) -> None:
     """Write a table of ``entries`` (dicts of the module docstring's form) to ``path`` with this process's
-    :func:`identity`, atomically (a temporary file renamed over it); makes the directory."""
+    :func:`identity`, atomically: a new temporary file in the same directory, renamed over the target, which
+    must be absent or a regular file (symlinks followed). The directory is not made (:func:`check_target` with
+    ``create_dir`` does that for the default location).
+
+    Raises:
+        ValueError: :func:`check_target`'s reasons (an empty path, a target that is not a regular file, a directory
+            that is absent or takes no file); nothing is written or replaced then.
+        OSError: the write itself failed (the temporary file is removed).
+    """
     import datetime
+    real = check_target(path)
     doc = {"format": FORMAT, "version": VERSION, **identity(),
            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": command, "entries": entries}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    tmp = f"{real}.tmp{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)   # (umask applies)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        check_target(real)      # (again just before the rename: nothing but a regular file is ever replaced)
+        os.replace(tmp, real)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
-__all__ = ["CALLS", "ENV_FILE", "Entry", "Table", "default_path", "identity", "load", "save"]
+__all__ = ["CALLS", "ENV_FILE", "Entry", "Table", "check_target", "default_path", "identity", "load", "save"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import List, Sequence
@@ -27,7 +28,8 @@ from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_confi
 #: the candidates' axes on a GPU: SMs, rows per block (the NVLink send chunk), num_warps (a full run tries every
 #: combination up to the device's SM count, plus DeepEP's recommended Config with 20 SMs)
 GPU_SMS, GPU_ROWS, GPU_WARPS = (16, 24, 32, 48, 64, 96, 128), (1, 2, 4), (4, 8)
-#: ``--quick``'s candidates (and the candidates under the interpreter): few, so that a CPU run takes seconds
+#: ``--quick``'s candidates (and the candidates under the interpreter): few, so that a CPU run stays short
+#: (16-30 s seen on a loaded 2-core machine)
 QUICK = (Config(2, 1, 4096), Config(4, 64, 256, num_warps=8))
 
 
@@ -166,50 +168,139 @@ def default_nvl_bytes(hidden: int, num_ranks: int) -> int:
                for t in (DISPATCH_CONFIGS, COMBINE_CONFIGS))
 
 
+def table_file(text: str) -> str:
+    """An argparse type: a file the tuned table may be written to (``tune --output``; here, not in
+    :mod:`triton_ep.argtypes`, whose layer imports nothing of the package), checked by
+    :func:`triton_ep.tuned.check_target` when the option is parsed, before any measuring: not empty, absent or a
+    regular file (never a device, FIFO, socket or directory, symlinks followed), in an existing directory that
+    takes a new file (the directory is not made).
+
+    Returns:
+        The text as given (``save`` resolves symlinks again when it writes).
+    Raises:
+        argparse.ArgumentTypeError: the reason, naming the path.
+    """
+    try:
+        tuned.check_target(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``tune`` subcommand's options, each checked as it is parsed (:mod:`triton_ep.argtypes`)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p.add_argument("--ranks", type=positive_int, default=max(gpus, 2),
                    help="ranks (processes; one GPU each where there are enough, else sharing GPU 0); "
                         "default: the GPUs here, at least 2")
-    p.add_argument("--hidden", type=positive_int, default=None, help="bf16 values per row (default 7168; --quick 64)")
+    p.add_argument("--hidden", type=positive_int, default=None,
+                   help="bf16 values per row, a multiple of 8 (default 7168; --quick 64)")
     p.add_argument("--tokens", type=positive_int_list, default=None,
                    help="comma-separated tokens per rank, one table entry each (default 128,1024,4096; --quick 8)")
-    p.add_argument("--num-experts", type=positive_int, default=None, help="experts (default 256; --quick 8)")
-    p.add_argument("--num-topk", type=positive_int, default=None, help="experts per token (default 8; --quick 2)")
+    p.add_argument("--num-experts", type=positive_int, default=None,
+                   help="experts, a multiple of --ranks (default 256; --quick 8)")
+    p.add_argument("--num-topk", type=positive_int, default=None,
+                   help="experts per token, at most --num-experts (default 8; --quick 2)")
     p.add_argument("--num-nvl-bytes", type=positive_int, default=None,
-                   help="each rank's buffer (default: DeepEP's size hint of the built-in Configs)")
+                   help="each rank's buffer, rounded up to 4 KiB (at least 4 KiB) as a Buffer does; it must hold one "
+                        "row's record (default: DeepEP's size hint of the built-in Configs)")
     p.add_argument("--iters", type=positive_int, default=None, help="timed calls per candidate (default 20; --quick 2)")
     p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed calls first (default 3; --quick 1)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny shapes and two candidates (what a CPU run can do in seconds)")
-    p.add_argument("--output", default=None,
-                   help=f"the table's file (default: ${tuned.ENV_FILE}, else $XDG_CACHE_HOME/triton_ep/tuning.json)")
+                   help="tiny shapes and two candidates (a CPU run: 16-30 s seen on a loaded 2-core machine)")
+    p.add_argument("--output", type=table_file, default=None,
+                   help="the table's file: absent or a regular file, in an existing writable directory (checked "
+                        f"before any measuring; default: ${tuned.ENV_FILE}, else "
+                        "$XDG_CACHE_HOME/triton_ep/tuning.json, whose directory is made)")
     p.add_argument("--timeout-s", type=seconds, default=600.0, help="bound on each shape's run, seconds (default 600)")
 
 
-def main(a: argparse.Namespace, out) -> int:
-    """Run the tuner with the parsed options ``a`` (:func:`add_arguments`), print a table of built-in against tuned
-    microseconds per call and shape to ``out`` and save the tuned table. Returns 0; 2 where ``--output`` is a
-    directory (before any work); or 1 when a rank failed (its
-    error printed)."""
-    from .testing import run_ranks
+@dataclass
+class TuneArgs:
+    """The ``tune`` options with their defaults filled in (``--quick``'s where given) and checked together by
+    :func:`resolve`; ``path``: the table's file (``--output``, else :func:`triton_ep.tuned.default_path`)."""
+    hidden: int
+    tokens: List[int]
+    num_experts: int
+    num_topk: int
+    iters: int
+    warmup: int
+    num_nvl_bytes: int
+    path: str
+
+
+def _named(flag: str, value, given) -> str:
+    return f"{flag} {value}" if given is not None else f"{flag} {value} (the default)"
+
+
+def resolve(a: argparse.Namespace) -> TuneArgs:
+    """The run's :class:`TuneArgs` from the parsed options ``a``, checked together before any work (each option
+    alone was checked as it was parsed, :mod:`triton_ep.argtypes`), with the rules a Buffer's calls would apply
+    later: bf16 rows of a multiple of 16 bytes (DeepEP's), experts a multiple of the ranks (each rank holds as
+    many), at most :data:`~triton_ep.runtime.checks.MAX_EXPERTS`, top-k at most the experts (``torch.topk``),
+    and a buffer (rounded up to 4 KiB, as a Buffer does) that holds one dispatch and one combine record of a row.
+    The default table location's directory is made here (a ``--output`` directory never is).
+
+    Raises:
+        ValueError: one line naming the option, its value and the rule broken.
+    """
+    from .modes.intranode import combine_record_bytes, dispatch_record_words   # (the records the mode sizes)
+    from .runtime.checks import MAX_BUFFER_BYTES, MAX_EXPERTS
     q = a.quick
     hidden = a.hidden or (64 if q else 7168)
     tokens = list(a.tokens or ((8,) if q else (128, 1024, 4096)))
     E, K = a.num_experts or (8 if q else 256), a.num_topk or (2 if q else 8)
     iters, warmup = a.iters or (2 if q else 20), a.warmup if a.warmup is not None else (1 if q else 3)
+    if hidden % 8:
+        raise ValueError(f"{_named('--hidden', hidden, a.hidden)}: bf16 rows must be a multiple of 16 bytes, so "
+                         f"hidden must be a multiple of 8")
+    if E % a.ranks:
+        raise ValueError(f"{_named('--num-experts', E, a.num_experts)}: must be a multiple of --ranks {a.ranks} "
+                         f"(each rank holds as many experts)")
+    if E > MAX_EXPERTS:
+        raise ValueError(f"--num-experts {E}: must be at most {MAX_EXPERTS} (a Buffer's maximum)")
+    if K > E:
+        raise ValueError(f"{_named('--num-topk', K, a.num_topk)}: must be at most --num-experts {E} (a token's "
+                         f"top-k experts are distinct)")
     nvl = a.num_nvl_bytes or default_nvl_bytes(hidden, a.ranks)
-    cands = [c.fields() for c in candidates(q, a.ranks)]
-    path = a.output or tuned.default_path()
-    if os.path.isdir(path):     # (before any work: the table is written at the end)
-        print(f"triton-ep tune: --output {path} is a directory; name the table's file", file=out)
+    if nvl > MAX_BUFFER_BYTES:
+        raise ValueError(f"--num-nvl-bytes {nvl}: must be at most {MAX_BUFFER_BYTES} (a Buffer's maximum)")
+    held = max(4096, -(-nvl // 4096) * 4096)
+    need = max(dispatch_record_words(hidden // 2, 0, K, with_src=True) * 4, combine_record_bytes(hidden, K))
+    if held < need:
+        raise ValueError(f"{_named('--num-nvl-bytes', nvl, a.num_nvl_bytes)}: a Buffer rounds it up to 4 KiB "
+                         f"({held} bytes), which must hold one record of a row of --hidden {hidden} with --num-topk "
+                         f"{K} ({need} bytes)")
+    if a.output is not None:
+        path = tuned.check_target(a.output)     # (argparse checked it too: tuner.main may be called directly)
+    else:
+        where = f"${tuned.ENV_FILE}" if os.environ.get(tuned.ENV_FILE, "").strip() else "the default location"
+        try:
+            path = tuned.check_target(tuned.default_path(), create_dir=True)
+        except ValueError as e:
+            raise ValueError(f"the table's file at {where}: {e}") from None
+    return TuneArgs(hidden, tokens, E, K, iters, warmup, nvl, path)
+
+
+def main(a: argparse.Namespace, out) -> int:
+    """Run the tuner with the parsed options ``a`` (:func:`add_arguments`), print a table of built-in against tuned
+    microseconds per call and shape to ``out`` and save the tuned table. Returns 0; 2 where the options do not go
+    together or the table's file cannot be written (:func:`resolve`: one line on stderr, before any work); or 1
+    when a rank failed (its error printed)."""
+    from .testing import run_ranks
+    try:
+        r = resolve(a)
+    except ValueError as e:
+        print(f"triton-ep tune: error: {e}", file=sys.stderr)
         return 2
+    hidden, E, K, path = r.hidden, r.num_experts, r.num_topk, r.path
+    cands = [c.fields() for c in candidates(a.quick, a.ranks)]
     entries = []
     print(f"{'call':8} {'ranks':>5} {'hidden':>6} {'tokens':>6} {'built-in us':>11} {'tuned us':>9} {'ratio':>6}  "
           f"best Config", file=out)
-    for T in tokens:
-        spec = TuneSpec(a.ranks, hidden, T, E, K, nvl, iters, warmup, cands)
+    for T in r.tokens:
+        spec = TuneSpec(a.ranks, hidden, T, E, K, r.num_nvl_bytes, r.iters, r.warmup, cands)
         res = run_ranks(rank_main, a.ranks, spec, timeout_s=a.timeout_s)
         bad = [r for r in res if hasattr(r, "traceback")]
         if bad:
@@ -234,4 +325,5 @@ def _argv(a: argparse.Namespace) -> Sequence[str]:
             for k, v in sorted(vars(a).items()) if k != "command" and v is not None and v is not False]
 
 
-__all__ = ["TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main"]
+__all__ = ["TuneArgs", "TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main", "resolve",
+           "table_file"]

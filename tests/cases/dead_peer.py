@@ -31,32 +31,9 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=No
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     ll = mode.startswith("ll_")
-    E, H, K, T, N = 2 * world, 128, 2, 4, 8
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(device)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
-    w = torch.rand(T, K, generator=g).to(device)
-    if ll:
-        hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
-        buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world, device=device,
-                               timeout_s=timeout_s, enable_shrink=mode == "ll_shrink")
-    else:
-        buf = triton_ep.Buffer(None, 1 << 20, device=device, timeout_s=timeout_s)
+    buf, args = _buffer(rank, world, ll, timeout_s, device, shrink=mode == "ll_shrink")
     try:
-        if ll:
-            rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
-            buf.low_latency_combine(rx, idx, w, handle)
-            call = ((lambda: buf.low_latency_combine(rx, idx, w, handle)) if mode == "ll_combine" else
-                    (lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)))
-        else:
-            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-            kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                      topk_idx=idx, topk_weights=w)
-            rx, _, rw, _, handle, _ = buf.dispatch(x, **kw)
-            buf.combine(rx, handle, topk_weights=rw)
-            call = ((lambda: buf.combine(rx, handle, topk_weights=rw)) if mode == "combine" else
-                    (lambda: buf.dispatch(x, num_worst_tokens=T * world, **kw)) if mode == "worst" else
-                    (lambda: buf.dispatch(x, **kw)))
+        call = _warm_up(buf, mode, *args)
         if device == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
@@ -121,53 +98,52 @@ def silent_peer(rank, world, how, timeout_s):
 
 #: where the victim dies across hosts (2 emulated hosts): "internode" (it never makes the normal-mode dispatch its
 #: peers make: they wait for its records), "internode_ll" (likewise a low-latency dispatch), "internode_ll_combine"
-#: (it never makes the low-latency combine)
-HOST_MODES = ("internode", "internode_ll", "internode_ll_combine")
+#: (it never makes the low-latency combine), "internode_ll_send" (it makes the low-latency dispatch and dies right
+#: after its send published its chunks, at the start of its receive: its chunks are on their way; and with 2 ranks per
+#: host one survivor, :func:`late_rank`, makes the call only once its own proxy has found the victim gone: every other
+#: survivor's proxy fails while it still waits for that live rank's chunk or ``READY``)
+HOST_MODES = ("internode", "internode_ll", "internode_ll_combine", "internode_ll_send")
+#: seconds the late survivor of "internode_ll_send" waits at most for its proxy to fail before it makes the call
+LATE_WAIT_S = 30.0
+
+
+def late_rank(world: int, victim: int):
+    """The survivor that makes the call of "internode_ll_send" late: the highest rank other than 0 and ``victim``
+    (``None`` with 1 rank per host, where rank 0 is the only survivor)."""
+    others = [r for r in range(1, world) if r != victim]
+    return others[-1] if world >= 4 else None
 
 
 def killed_across_hosts(rank, world, mode, proxy, timeout_s, victim, stamp=None, delay_s=0.3):
     """``world`` ranks on 2 emulated hosts (``TRITON_EP_RDMA=emulated``, ``TRITON_EP_RANKS_PER_HOST=world // 2``),
     the RDMA proxy a ``proxy`` (``TRITON_EP_PROXY``). Every rank builds a Buffer (``timeout_s``) and runs one correct
     call of ``mode``'s kind (:data:`HOST_MODES`); after a barrier rank ``victim`` waits ``delay_s`` (the others are
-    inside the call by then) and dies (SIGKILL). Returns on a survivor what :func:`killed_mid_call` returns
-    (``[error type, message, seconds, next call's error type, its seconds, wall-clock time of the error]``), and the
-    proxy processes' pids of this Buffer (``[]`` with proxy threads) so that the test checks they are gone, and
-    whether the first error is an ``EPRemoteError``."""
+    inside the call by then) and dies (SIGKILL), or with "internode_ll_send" makes the call and dies in it, after its
+    send (then :func:`late_rank` makes its first call only once its proxy failed, within :data:`LATE_WAIT_S`). Returns
+    on a survivor what :func:`killed_mid_call` returns (``[error type, message, seconds, next call's error type, its
+    seconds, wall-clock time of the error]``), and the proxy processes' pids of this Buffer (``[]`` with proxy
+    threads) so that the test checks they are gone, and whether the first error is an ``EPRemoteError``."""
     import torch.distributed as dist
     os.environ.update(TRITON_EP_RDMA="emulated", TRITON_EP_RANKS_PER_HOST=str(world // 2), TRITON_EP_PROXY=proxy)
     ll = mode.startswith("internode_ll")
-    E, H, K, T, N = 2 * world, 128, 2, 4, 8
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
-    if ll:
-        hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
-        buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world, timeout_s=timeout_s)
-    else:
-        buf = triton_ep.Buffer(None, 1 << 20, timeout_s=timeout_s)
+    buf, args = _buffer(rank, world, ll, timeout_s)
     pids = []
     try:
-        if ll:
-            rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
-            buf.low_latency_combine(rx, idx, w, handle)
-            call = ((lambda: buf.low_latency_combine(rx, idx, w, handle)) if mode == "internode_ll_combine" else
-                    (lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)))
-        else:
-            per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-            kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
-                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-            buf.dispatch(x, **kw)
-            call = (lambda: buf.dispatch(x, **kw))
+        call = _warm_up(buf, mode, *args)
         pids = _proxy_pids(buf)
         remote = False
         dist.barrier()
+        send = mode == "internode_ll_send"
         if rank == victim:
+            if send:        # its receive's first launch (the chunks' unpack) is its death
+                with unittest.mock.patch("triton_ep.modes.low_latency.calls.ll_unpack", lambda *a, **k: _die_at(stamp)):
+                    call()
             time.sleep(delay_s)
-            if stamp is not None:
-                with open(os.path.join(stamp, "killed"), "w") as f:
-                    f.write(repr(time.time()))
-            _die()
+            _die_at(stamp)
+        if send and rank == late_rank(world, victim):
+            sched, end = buf._ll.net.sched, time.monotonic() + LATE_WAIT_S
+            while not sched.flags.aborted and time.monotonic() < end:
+                time.sleep(0.01)
         out = []
         for _ in range(2):
             t0 = time.monotonic()
@@ -182,6 +158,56 @@ def killed_across_hosts(rank, world, mode, proxy, timeout_s, victim, stamp=None,
         return out[:3] + [out[4], out[6], out[3], pids, remote]
     finally:
         buf.destroy()
+
+
+def _die_at(stamp) -> None:
+    """Die (SIGKILL), having written the wall-clock time into ``stamp/killed`` where ``stamp`` (a folder) is given."""
+    if stamp is not None:
+        with open(os.path.join(stamp, "killed"), "w") as f:
+            f.write(repr(time.time()))
+    _die()
+
+
+def _buffer(rank: int, world: int, ll: bool, timeout_s: float, device: str = "cpu", shrink: bool = False):
+    """This rank's Buffer (``timeout_s``; low-latency with ``ll``, ``enable_shrink`` with ``shrink``) and its call's
+    inputs ``(x, topk_idx, topk_weights, N, E)`` (seeded by the rank; ``E = 2 * world`` experts, top-2 of 4 tokens
+    of hidden 128, ``N = 8``)."""
+    E, H, K, T, N = 2 * world, 128, 2, 4, 8
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(device)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
+    w = torch.rand(T, K, generator=g).to(device)
+    if ll:
+        hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+        buf = triton_ep.Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world, device=device,
+                               timeout_s=timeout_s, enable_shrink=shrink)
+    else:
+        buf = triton_ep.Buffer(None, 1 << 20, device=device, timeout_s=timeout_s)
+    return buf, (x, idx, w, N, E)
+
+
+def _warm_up(buf, mode: str, x, idx, w, N: int, E: int):
+    """One correct call of ``mode``'s kind (:data:`MODES`, :data:`HOST_MODES`: its kernels compiled, the network leg
+    up): a low-latency dispatch and combine, or a normal-mode dispatch and (within one host) its combine. Returns the
+    call the survivors make after the kill: the combine for "ll_combine" and "internode_ll_combine", a dispatch with
+    ``num_worst_tokens`` for "worst", the combine for "combine", else the dispatch."""
+    if "ll" in mode:
+        rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+        buf.low_latency_combine(rx, idx, w, handle)
+        if mode.endswith("ll_combine"):
+            return lambda: buf.low_latency_combine(rx, idx, w, handle)
+        return lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+    per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+              num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    rx, _, rw, _, handle, _ = buf.dispatch(x, **kw)
+    if mode != "internode":         # (across hosts only the dispatch is timed: its combine is not warmed up)
+        buf.combine(rx, handle, topk_weights=rw)
+    if mode == "combine":
+        return lambda: buf.combine(rx, handle, topk_weights=rw)
+    if mode == "worst":
+        return lambda: buf.dispatch(x, num_worst_tokens=idx.shape[0] * (E // 2), **kw)
+    return lambda: buf.dispatch(x, **kw)
 
 
 def _proxy_pids(buf) -> list:

@@ -1,6 +1,10 @@
 """Input builders and checks shared by the tests: every check compares with triton_ep.reference."""
+import os
+import subprocess
+import sys
 from typing import List, Optional, Sequence
 
+import pytest
 import torch
 
 from triton_ep import reference as ref
@@ -117,3 +121,15 @@ def ok_results(results: List) -> List:
     bad = [r for r in results if hasattr(r, "traceback")]
     assert not bad, "\n".join(b.traceback or b.message for b in bad)
     return results
+
+
+def compiles_for_the_gpu(code: str, timeout_s: float = 600.0) -> None:
+    """Run ``code`` in a fresh interpreter with ``TRITON_INTERPRET=0``: a script that compiles kernels for a GPU target
+    (``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``, which needs no GPU) and prints ``ok``.
+    Skips the calling test where Triton's CUDA backend cannot compile here (no ``ptxas``, no NVIDIA backend); fails
+    it with the script's error output otherwise."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout_s)
+    if r.returncode and ("ptxas" in r.stderr or "No module named 'triton.backends.nvidia'" in r.stderr):
+        pytest.skip(f"Triton's CUDA backend cannot compile here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

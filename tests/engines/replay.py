@@ -269,12 +269,16 @@ def replay_main(module: str, engine: str, default_backend: str, description: str
     import time
     from triton_ep.testing import run_ranks
     sequences = importlib.import_module(f"tests.engines.{module}").SEQUENCES
+    from triton_ep.argtypes import positive_int
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--backend", default=default_backend, choices=[s.backend for s in sequences])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--hosts", type=int, default=1, help="emulated hosts (ranks are split evenly)")
+    p.add_argument("--ranks", type=positive_int, default=2, help="CPU rank processes (default 2)")
+    p.add_argument("--hosts", type=positive_int, default=1,
+                   help="emulated hosts, each of --ranks / --hosts ranks (a divisor of --ranks; default 1)")
     p.add_argument("--list", action="store_true")
     a = p.parse_args(argv)
+    if a.ranks % a.hosts:       # (before any work: TRITON_EP_RANKS_PER_HOST is set from the two)
+        p.error(f"--ranks {a.ranks} must be a multiple of --hosts {a.hosts} (hosts of equal size)")
     if a.list:
         for s in sequences:
             print(f"{s.backend:40s} {'V2 ElasticBuffer' if s.v2 else 'V1 Buffer':16s}", "-", "; ".join(s.deviations))

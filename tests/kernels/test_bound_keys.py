@@ -350,7 +350,7 @@ def _kernels_alone(T, H, K, E, R, seed, weights, n_on_device):
     rows and the sums are checked against the reference."""
     from triton_ep import kernels
     from triton_ep.kernels.combine import record_bytes
-    from triton_ep.kernels.dispatch import record_words
+    from triton_ep.kernels.geometry import record_words
     from triton_ep.transport.ipc import LocalWorld
     xs, idxs, ws = make_inputs(seed, E, K, H, [T] * R)
     ws = ws if weights else None

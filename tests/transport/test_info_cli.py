@@ -96,7 +96,7 @@ def test_usage_errors_exit_2_and_help_exits_0(capsys):
     assert main(["frobnicate"]) == 2
     assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
     assert info(["--num-qps", "0"]) == 2
-    assert "--num-qps: must be at least 1, got 0" in capsys.readouterr().err
+    assert "--num-qps: must be an integer in 1..1024, got 0" in capsys.readouterr().err
     assert main([]) == 0 and main(["--help"]) == 0 and info(["--help"]) == 0
     assert capsys.readouterr().out.count("Exit status:\n  0  the report was printed") == 3
 
@@ -261,3 +261,67 @@ def test_gid_indexes_of_32_and_above_are_listed(monkeypatch):
     rows = [l.split() for l in report(["--emulated", "--num-qps", "2"]).splitlines() if l.startswith("mlx5_0 ")]
     assert [r[7] for r in rows[:40]] == [str(i) for i in range(40)]
     assert [r[7] for r in rows[:40] if r[-1] == "*"] == ["37"]
+
+
+@pytest.mark.parametrize("argv,why", [
+    (["--num-qps", "1000000"], "--num-qps: must be an integer in 1..1024, got 1000000"),
+    (["--n-paths", "100000"], "--n-paths: must be an integer in 1..256, got 100000"),
+    (["--devices", ",,"], "--devices: must be comma-separated non-empty names, got ',,'"),
+    (["--devices", "mlx5_0,,mlx5_1"], "--devices: must be comma-separated non-empty names, got 'mlx5_0,,mlx5_1'"),
+    (["--devices", ""], "--devices: must be comma-separated non-empty names, got ''"),
+])
+def test_info_option_bounds_and_empty_device_names_are_usage_errors(argv, why, capsys):
+    """(A new user's find: ``--num-qps 1000000`` gave a PlanError traceback; ``--devices ,,`` said "no such RDMA
+    device: ['', '', '']".) Both counts have a documented upper bound and device names must not be empty: exit 2
+    at parse time, argparse's line naming the option."""
+    assert info(["--emulated", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and why in err, err
+
+
+def test_info_without_a_qp_plan_for_the_options_exits_2_with_one_line(monkeypatch, capsys):
+    """A plan the options make impossible (``PlanError``; within the bounds of --num-qps and --n-paths none is
+    known, so the planner is made to fail here): the report says so, one line on stderr, exit 2, no traceback."""
+    from triton_ep.transport import topology
+
+    def impossible(*a, **k):
+        raise topology.PlanError("no flow label in 65536 tries puts QP 0 (mlx5_0:1) on path 0 of 4")
+    monkeypatch.setattr(topology, "plan_flows", impossible)
+    assert report(["--emulated"], rc=2).endswith("\nQP plan: none for these options (the error is on stderr)\n")
+    assert capsys.readouterr().err == ("triton-ep info: no QP plan: no flow label in 65536 tries puts QP 0 "
+                                       "(mlx5_0:1) on path 0 of 4\n")
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "x"])
+def test_info_flags_a_bad_ranks_per_host_as_a_buffer_would(value):
+    """(A new user's find: ``TRITON_EP_RANKS_PER_HOST=0`` showed "ranks [0, 0), ... form hosts".) The internode
+    section gives the Buffer's own message for a value it refuses (runtime.hosts.group_hosts), and the grouping
+    for a good one."""
+    from triton_ep.runtime import hosts
+    out = io.StringIO()
+    cli.print_internode(out, {hosts.ENV_RANKS_PER_HOST: value})
+    line = next(l for l in out.getvalue().splitlines() if l.startswith("  hosts "))
+    with pytest.raises(ValueError) as ex:
+        hosts.group_hosts(["h"] * 2, [value] * 2)
+    shown = line.split(None, 1)[1]
+    assert shown.endswith(" (a Buffer refuses it)") and str(ex.value).startswith(shown[:-len(" (a Buffer refuses it)")])
+    assert "form hosts" not in line
+    out = io.StringIO()
+    cli.print_internode(out, {hosts.ENV_RANKS_PER_HOST: "4"})
+    assert "  hosts      TRITON_EP_RANKS_PER_HOST=4: ranks [0, 4), [4, 8), ... form hosts" in out.getvalue()
+
+
+def test_the_help_and_docs_count_the_report_sections():
+    """(A new user's find: --help said four sections, docs/cli.md five, the report has six.) The number the help and
+    docs/cli.md give is the number of section heads of a report, and docs/cli.md's sample shows each head."""
+    import re
+    words = {4: "four", 5: "five", 6: "six", 7: "seven"}
+    text = report()
+    heads = [l for l in text.splitlines() if l and not l.startswith(" ")]
+    n = words[len(heads)]
+    assert f"The report has {n} sections" in cli.__doc__
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    assert f"It prints {n} sections" in doc
+    sample = doc.split("On the 2-core CPU machine")[1].split("```")[1]
+    assert [re.sub(r" \(.*", "", l) for l in sample.splitlines() if l and not l.startswith(" ")] == \
+        [re.sub(r" \(.*", "", h) for h in heads[:-1]] + ["RDMA: absent"]

@@ -253,10 +253,8 @@ class ElasticBuffer:
             handle: an :class:`EPHandle` of this buffer: a cached dispatch (same routing, new ``x``; no host wait).
             do_cpu_sync: wait on the host for the exact counts (default ``True``, ``False`` with a handle). Without
                 it the outputs have the worst-case rows, every rank must pass the same, and the call is capturable.
-            do_expand: the expanded layout. With a handle it must be the handle's ``do_expand`` (``ValueError``
-                otherwise: V2 checks neither direction, and what it returns then is undefined or cannot be combined;
-                :func:`~triton_ep.elastic.checks.check_layout`). The new ``x`` of a cached dispatch may have another
-                hidden size or dtype than the handle's dispatch had.
+            do_expand: the expanded layout; with a handle, the handle's (``ValueError`` otherwise, where V2 checks
+                nothing: docs/api_v1_v2.md item 15). A cached dispatch's ``x`` may change hidden size or dtype.
             do_handle_copy, do_zero_padding (with ``do_expand``; padding rows are always zero here),
                 use_tma_aligned_col_major_sf (received scales column-major): V2's, as docs/api_v1_v2.md lists them.
 

@@ -78,7 +78,7 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
                           programs_per_sm=0, record_align_words=32),
     "dispatch_recv": dict(block_t=1, block_w=2048, num_warps=4),
     # normal mode's send and receive launches (not the fused ones, not low-latency): at most this many
-    # programs per multiprocessor, each looping over blocks (kernels.dispatch._grid; 0: a program per block;
+    # programs per multiprocessor, each looping over blocks (kernels.geometry.programs; 0: a program per block;
     # a dispatch send with split_w multiplies it by its row slices)
     "grid": dict(programs_per_sm=8),
     # a call of at most max_tokens tokens runs the send and receive of all its rounds as one launch

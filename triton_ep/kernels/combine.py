@@ -23,7 +23,7 @@ from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
 from ._util import cdiv, entry, pow2
-from .dispatch import _defer, _grid, _use_clock, fused_programs, row_words, sync_args
+from .geometry import defer, fused_programs, programs, row_words, sync_args, use_clock
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_
     x_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     w_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     rec_ptr = rec_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    # Programs take row blocks pid, pid + P, ... (P = the grid: capped, kernels.dispatch._grid).
+    # Programs take row blocks pid, pid + P, ... (P = the grid: capped, kernels.geometry.programs).
     for pid in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0)):
         g = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
         # The source rank of received row g: how many groups end at or before g.
@@ -122,7 +122,7 @@ def _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi,
     rec_h_ptr = rec_h_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     rec_f_ptr = rec_f_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
     out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-    # Programs take token blocks pid, pid + P, ... (P = the grid: capped, kernels.dispatch._grid).
+    # Programs take token blocks pid, pid + P, ... (P = the grid: capped, kernels.geometry.programs).
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
         mt = t < T
@@ -270,8 +270,8 @@ def combine_send(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n_
     wx = row_words(x_words)
     k = weight_words.shape[1] if weight_words is not None else 0
     cfg = entry("combine_send", tune)
-    key = (_grid(cdiv(n_rows, cfg["block_t"]), signals, tune=tune), wx, k, weight_words is not None, rec_words, prefix.shape[0],
-           n_recv is not None, signals is not None, _use_clock(signals), _defer(signals), tuple(cfg.items()))
+    key = (programs(cdiv(n_rows, cfg["block_t"]), signals, tune=tune), wx, k, weight_words is not None, rec_words, prefix.shape[0],
+           n_recv is not None, signals is not None, use_clock(signals), defer(signals), tuple(cfg.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(*key[:-1], cfg))
     args = (x_words, weight_words if k else x_words, prefix, comb_base, delta_words, rec, n_rows, lo, hi,
             n_recv if n_recv is not None else prefix, *sync_args(signals, rnd, sig, x_words))
@@ -313,8 +313,8 @@ def combine_reduce(area: torch.Tensor, send_pos: torch.Tensor, send_base: torch.
     """
     T = send_pos.shape[0]
     cfg = entry("combine_reduce", tune)
-    key = (_grid(cdiv(T, cfg["block_t"]), signals, tune=tune), hidden, k, rec_bytes, send_pos.shape[1], first, last,
-           len(biases), wout is not None, signals is not None, _use_clock(signals), _defer(signals), tuple(cfg.items()))
+    key = (programs(cdiv(T, cfg["block_t"]), signals, tune=tune), hidden, k, rec_bytes, send_pos.shape[1], first, last,
+           len(biases), wout is not None, signals is not None, use_clock(signals), defer(signals), tuple(cfg.items()))
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], cfg))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
@@ -346,7 +346,7 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
     :func:`combine_send`, then :func:`combine_reduce` (``advance = rounds`` in the last), same arguments and
     results; ``area``: the local buffer (uint8). A call of several rounds carries its fp32 sums in ``acc`` (``[T,
     H]``) and, with weights, ``wacc`` (``[T, K]``), as :func:`combine_reduce`. The grid is
-    :func:`triton_ep.kernels.dispatch.fused_programs`; the launch takes the send's ``num_warps`` (``tune``: as in
+    :func:`triton_ep.kernels.geometry.fused_programs`; the launch takes the send's ``num_warps`` (``tune``: as in
     :func:`combine_send`). Returns the bound launch and its arguments (for
     :meth:`triton_ep.kernels.launch.BoundLaunch.replay`).
 

@@ -10,8 +10,6 @@ GPU, a shared-memory mapping on CPU). A receiver's rows form a *window* ``[lo, h
 space: only rows inside the window are written, at ``row - lo``, so a buffer smaller than the transfer
 is used in rounds. All offsets are int64.
 """
-import functools
-import os
 from typing import Optional
 
 import torch
@@ -22,7 +20,8 @@ from . import names
 from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
-from ._util import cdiv, entry, env_switch, interpreted, num_sms, pow2, tuning
+from ._util import cdiv, entry, num_sms, pow2
+from .geometry import defer, fused_programs, programs, row_words, sync_args, use_clock
 
 
 @triton.jit
@@ -209,7 +208,7 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
         go = flags.wait_peers_ready(hdr, hdr_delta, host, n, sig, me, flags.STAGE_DISPATCH_RECV, n, timeout_ns, R,
                                     USE_CLOCK)
     # The round's rows (given, or the device's count with num_worst_tokens: then padding rows too), in row
-    # blocks pid, pid + P, ... (P = the grid: capped, kernels.dispatch._grid).
+    # blocks pid, pid + P, ... (P = the grid: capped, kernels.geometry.programs).
     n_rows, n_out = _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR)
     _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
                out_src_ptr, WX, S, K, REC, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K)
@@ -266,97 +265,6 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
 _dispatch_fused_launch = Launcher(_dispatch_fused_kernel)
 
 
-def sync_args(signals: Optional[dict], rnd: int, sig: int, like: torch.Tensor) -> tuple:
-    """The signalling arguments every signalling launch passes, in the kernels' order. ``signals`` None
-    runs the kernel alone, without flags (benchmarks and tests of one kernel): ``like`` fills the
-    pointer slots."""
-    if signals is None:
-        return (like, like, like, 0, 0, 0, 0)
-    return (signals["hdr"], signals["hdr_delta"], signals["host"], rnd, sig, signals["me"], signals["timeout_ns"])
-
-
-def _grid(blocks: int, signals: Optional[dict], per_sm: bool = True, tune: Optional[dict] = None) -> int:
-    """Programs of a signalling launch: one per block, at least one (a launch always releases its round), at
-    most ``signals["max_programs"]`` where ranks share a GPU (so spinning programs never take the
-    multiprocessors the launches they wait for need), and with ``per_sm`` (normal mode's launches; not
-    :func:`_grid2`'s low-latency ones) at most the tuning table's ``grid`` / ``programs_per_sm`` per
-    multiprocessor (``signals["sms"]``, set by the runtime), and at most the ``grid`` entry's ``max_programs``
-    where it has one (a Config's ``num_sms`` bound, :mod:`triton_ep.kernels.params`; ``tune``: the call's table,
-    None for the built-in one). The programs loop over the blocks. (A dispatch send with ``split_w`` multiplies
-    this by its second grid axis.)
-
-    The ``per_sm`` cap is for speed: every program of a signalling launch checks the round's flags when it
-    starts and counts itself done with one system-scope atomic when it ends, so a grid of a program per token
-    paid that thousands of times. On an H200, one rank, T 4096, hidden 7168, a CUDA-graph replay of a cached
-    dispatch took 104 us with a program per token and 74 with 8 programs per multiprocessor, a combine 94 and
-    75 (a probe; benchmarks/grid_cap.py measures it)."""
-    cap = None
-    if signals is not None:
-        cap = signals.get("max_programs")
-        g = entry("grid", tune)
-        n, sms = int(g["programs_per_sm"]), signals.get("sms")
-        if per_sm and n and sms:
-            cap = min(cap, n * sms) if cap else n * sms
-        bound_ = g.get("max_programs", 0) if per_sm else 0
-        if bound_:
-            cap = min(cap, bound_) if cap else bound_
-    return max(min(blocks, cap) if cap else blocks, 1)
-
-
-def _grid2(rows: int, cols: int, signals: Optional[dict]) -> tuple:
-    """A ``(rows, cols)`` grid of a signalling launch (each axis at least 1); where ranks share a GPU,
-    :func:`_grid`'s cap over the rows and one column (programs loop over the rest)."""
-    if signals is not None and signals.get("max_programs"):
-        return _grid(rows, signals, per_sm=False), 1
-    return max(rows, 1), max(cols, 1)
-
-
-def _use_clock(signals: Optional[dict]) -> bool:
-    return bool(signals is not None and signals["use_clock"])
-
-
-def _defer(signals: Optional[dict]) -> bool:
-    """Whether a split send / receive launch pair of a round skips its end-of-launch counts (the receive publishes
-    the round, the next send frees the area: :func:`triton_ep.kernels.flags.defer_send`): ranks that run
-    concurrently (``signals["defer"]``), not the lock-step runner, where one rank's whole launch runs before the
-    next rank's and no program may wait for a peer's program of the same launch."""
-    return bool(signals is not None and signals.get("defer"))
-
-
-#: dtypes every backend has a Triton pointer type for; float8_e4m3fn and float8_e5m2 join them under the
-#: interpreter and on GPUs of compute capability 8.9 and up (:func:`as_words`)
-_PLAIN_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
-                           torch.int16, torch.int32, torch.int64))
-
-
-@functools.lru_cache(maxsize=64)
-def _word_dtypes(device: torch.device) -> frozenset:
-    fp8 = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
-        return _PLAIN_DTYPES | fp8
-    return _PLAIN_DTYPES
-
-
-def as_words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the dispatch kernels take it (they move its rows as 32-bit words): itself where Triton has a
-    pointer type for its dtype on this device (no view per call), else its int32 view (fnuz FP8, e8m0,
-    complex, sub-byte and other dtypes Triton cannot name, or fp8 on a GPU older than compute capability
-    8.9). ``t``: contiguous, 4-byte aligned, rows of whole words."""
-    return t if t.dtype in _word_dtypes(t.device) else t.view(torch.int32)
-
-
-def row_words(t: torch.Tensor) -> int:
-    """32-bit words per row (last dimension) of a tensor whose rows are whole words (what the kernels move)."""
-    return t.shape[-1] * t.element_size() // 4
-
-
-def record_words(wx: int, s: int, k: int, with_src: bool) -> int:
-    """Words (4 bytes) of one dispatch record: ``wx`` row words, ``s`` scale words, ``k`` ids and ``k``
-    weight words (``k = 0`` without top-k), and with ``with_src`` the source index; rounded up to the
-    tuning table's ``record_align_words`` (4 words = 16 bytes, or more to start rows on whole lines)."""
-    return records.dispatch_record_words(wx, s, k, with_src, int(tuning("dispatch_send").get("record_align_words", 4)))
-
-
 def _blocks(cfg: dict, wx: int):
     """``(rows per block, row words per block, num_warps)`` of a send or receive entry for rows of ``wx`` words."""
     return cfg["block_t"], pow2(min(wx, cfg["block_w"])), cfg["num_warps"]
@@ -395,9 +303,9 @@ def dispatch_send(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], to
     s = scale_words.shape[1] if scale_words is not None else 0
     k = topk_idx.shape[1] if topk_idx is not None else 0
     cfg = entry("dispatch_send", tune)
-    grid = _grid(cdiv(T, cfg["block_t"]), signals, tune=tune)
+    grid = programs(cdiv(T, cfg["block_t"]), signals, tune=tune)
     key = (T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
-           with_src, signals is not None, _use_clock(signals), _defer(signals), grid, x_words.device, tuple(cfg.items()))
+           with_src, signals is not None, use_clock(signals), defer(signals), grid, x_words.device, tuple(cfg.items()))
     launch = bound(_SEND_BOUND, key, lambda: _bind_send(
         T, wx, s, k, R, rec_words, scale_words is not None, topk_idx is not None, weight_words is not None,
         with_src, signals, x_words.device, cfg, grid))
@@ -419,8 +327,8 @@ def _bind_send(T, wx, s, k, R, rec_words, has_scales, has_topk, has_w, with_src,
     if cfg.get("programs_per_sm", 0):
         blocks = min(blocks, int(cfg["programs_per_sm"]) * num_sms(device))
     return _dispatch_send_launch.bind(
-        (blocks, cdiv(wx, bw) if split else 1), num_warps=nw, SYNC=signals is not None, DEFER=_defer(signals),
-        USE_CLOCK=_use_clock(signals), USE_ASM=_use_clock(signals),
+        (blocks, cdiv(wx, bw) if split else 1), num_warps=nw, SYNC=signals is not None, DEFER=defer(signals),
+        USE_CLOCK=use_clock(signals), USE_ASM=use_clock(signals),
         WX=wx, S=s, K=k, REC=rec_words, R=R, HAS_SCALES=has_scales, HAS_TOPK=has_topk,
         HAS_W=has_w, HAS_SRC=with_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k),
         SPLIT_W=split, EVEN_W=wx % bw == 0, STORE_CACHE=cfg.get("store_cache", ""),
@@ -451,9 +359,9 @@ def dispatch_recv(rec: torch.Tensor, n_rows: int, lo: int, rank: int, experts_pe
     dummy = out_x
     has_topk = out_idx is not None
     cfg = entry("dispatch_recv", tune)
-    grid = _grid(cdiv(n_rows, cfg["block_t"]), signals, tune=tune)
+    grid = programs(cdiv(n_rows, cfg["block_t"]), signals, tune=tune)
     key = (grid, wx, s, k, rec_words, n_recv is not None, out_scales is not None, has_topk, out_weights is not None,
-           out_src is not None, signals is not None, _use_clock(signals), _defer(signals),
+           out_src is not None, signals is not None, use_clock(signals), defer(signals),
            signals["hdr_delta"].shape[0] if signals is not None else 1, tuple(cfg.items()))
     launch = bound(_RECV_BOUND, key, lambda: _bind_recv(grid, *key[1:-1], cfg))
     args = (rec, n_rows, lo, rank * experts_per_rank, experts_per_rank,
@@ -473,39 +381,6 @@ def _bind_recv(grid, wx, s, k, rec_words, n_ptr, has_scales, has_topk, has_w, ha
         (grid,), num_warps=nw, N_PTR=n_ptr, R=R, SYNC=sync, DEFER=defer, USE_CLOCK=use_clock, USE_ASM=use_clock,
         WX=wx, S=s, K=k, REC=rec_words, HAS_SCALES=has_scales, HAS_TOPK=has_topk,
         HAS_W=has_w, HAS_SRC=has_src, BLOCK_T=bt, BLOCK_W=bw, BLOCK_S=pow2(s), BLOCK_K=pow2(k))
-
-
-def fused_programs(blocks: int, device: torch.device, signals: dict, per_sm: int = 1,
-                   tune: Optional[dict] = None) -> int:
-    """Programs of a fused send + receive launch: at most ``per_sm`` per multiprocessor (every program resident
-    at once: its receive part waits for its send part's last program; the caller knows how many fit), within
-    the shared-GPU cap of :func:`_grid` (and its Config bound, ``tune``); one under the interpreter, which runs
-    programs one after another."""
-    if interpreted():
-        return 1
-    return min(_grid(blocks, signals, tune=tune), max(per_sm, 1) * num_sms(device))
-
-
-def fused_switch() -> Optional[bool]:
-    """``TRITON_EP_FUSED`` as a switch (:func:`._util.env_switch`): True / False, or None when unset. Raises
-    ``ValueError`` for a value other than 1 / 0, true / false, yes / no, on / off (calls check it with their
-    arguments, before anything runs)."""
-    return env_switch("TRITON_EP_FUSED")
-
-
-def use_fused(num_tokens: int, group, force: Optional[bool]) -> bool:
-    """Whether a call with ``num_tokens`` tokens runs the send and receive of all its rounds as one launch: real
-    ranks only (``group`` not None: the lock-step runner of simulated ranks needs split launches), and
-    ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU: never). ``TRITON_EP_FUSED=1`` / ``0``: always /
-    never (real ranks; the CPU tests run the fused kernels so, one program a launch). A dispatch's count
-    exchange (one program, any number of tokens) asks with ``num_tokens`` 0. ``force``: :func:`fused_switch`, read
-    once per call with its arguments."""
-    if group is None:
-        return False
-    if force is not None:
-        return force
-    limit = int(tuning("fused")["max_tokens"])
-    return 0 < limit and num_tokens <= limit
 
 
 def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],

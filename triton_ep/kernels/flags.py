@@ -156,7 +156,7 @@ def _ll_failed(status, fail_ptr, fail_call):
 
 @triton.jit
 def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
-                  fail_ptr=None, fail_call=-1, ready=None):
+                  fail_ptr=None, fail_call=-1, ready=None, abort=None):
     """Spin until ``*flag >= want`` (acquire), for round ``rnd``. Returns 0, or the error kind that ended
     the wait:
 
@@ -169,7 +169,11 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
       another collective);
     - the bound (``%globaltimer`` on GPU, the host watchdog's abort word under the interpreter);
     - ``E_GONE`` when the host saw the peer's process gone (its ``DEAD`` word in ``host``) and the flag is still
-      short (a peer that finished its part before it died is not waited for anyway).
+      short (a peer that finished its part before it died is not waited for anyway);
+    - with ``abort`` (the RDMA proxy's abort word, ``RING_ABORT`` of its control block: low-latency mode across
+      hosts), ``E_FAILED`` when it is set (this rank's proxy failed: nothing more arrives or leaves through it) and the
+      flag is still short. Read where the ``DEAD`` word is (every spin under the interpreter, every
+      :data:`DEAD_LOOK` spins on GPU); without ``abort`` the wait reads nothing more.
     """
     status = _peer_status(hdr, peer, rnd, R)
     if fail_ptr is not None:
@@ -198,6 +202,10 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
             if tl.load(host + H_DEAD + peer, volatile=True) != 0:
                 if acquire(flag) < want:
                     status = tl.full([], E_GONE, tl.int32)
+            if abort is not None:
+                if (status == 0) & (tl.load(abort, volatile=True) != 0):
+                    if acquire(flag) < want:
+                        status = tl.full([], E_FAILED, tl.int32)
         v = acquire(flag)
     return status
 
@@ -277,7 +285,7 @@ def last_program_at(counter, USE_ASM: tl.constexpr):
 @triton.jit
 def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout_ns, R: tl.constexpr,
                   REMOTE: tl.constexpr, CHECK_SIG: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
-                  COST: tl.constexpr, cost_ptr=None, cost_on=False, ahead=2):
+                  COST: tl.constexpr, cost_ptr=None, cost_on=False, ahead=2, abort=None):
     """A low-latency launch waits for every peer ``r`` that is not masked (``MASK[r]`` here): with
     ``REMOTE`` until ``r``'s word ``base`` is ``>= want`` (a send: the peer has received the call that last
     used this half), else until this rank's word ``base + r`` is (a receive: ``READY``), then with
@@ -289,8 +297,10 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
     timed out or left is masked instead (``MASK[r] = 1``) and the launch goes on without it. With
     ``COST`` and ``cost_on`` (one program of the launch) the nanoseconds spent waiting for each peer are
     added to ``cost_ptr[r]`` (0 under the interpreter, which has no clock). With ``REMOTE``, ``want + ahead``
-    is the call that waits (its number goes into failure records). Returns True when the program may move
-    data (this rank holds no error)."""
+    is the call that waits (its number goes into failure records). ``abort``: across hosts, the RDMA proxy's abort
+    word (:func:`wait_at_least`; ``None`` within one host): once this rank's proxy failed the call cannot complete, so
+    no wait goes on, not even for a peer of this host (which may itself wait for a chunk that will not come). Returns
+    True when the program may move data (this rank holds no error)."""
     call = tl.load(hdr + W_BASE) + 1
     bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
@@ -307,7 +317,7 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
             # (round 0: normal-mode FAILED words are not about low-latency calls, which learn of a
             # peer's failure from LFAILED only)
             st = wait_at_least(flag, want, hdr, host, r, 0, timeout_ns, R, USE_CLOCK,
-                               ctl + off_ll_failed(R) + r, lcall)
+                               ctl + off_ll_failed(R) + r, lcall, abort=abort)
             if COST:
                 if cost_on:
                     tl.atomic_add(cost_ptr + r, _now_ns(USE_CLOCK) - t0, sem="relaxed")

@@ -25,7 +25,7 @@ from . import flags, ll_net, logfmt, pdl
 from ._util import cdiv, pow2, tuning
 from .launch import Launcher, bound
 from .combine import _bf16_rtne_bits
-from .dispatch import _grid2
+from .geometry import grid2
 from .ll_dispatch import recv_call, wait_recv, wait_send
 
 
@@ -177,7 +177,8 @@ def reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_pe
 @names.jit('low_latency', 'combine', do_not_specialize=['T', 'offset', 'sig', 'me', 'timeout_ns'])
 def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T, offset, num_experts,
                               experts_per_rank, ctl_w, half_w, cnt_w, hdr, hdr_delta, host, sig, me, timeout_ns, ltab,
-                              R: tl.constexpr, K: tl.constexpr, H: tl.constexpr, COST: tl.constexpr,
+                              ring_ctl, NET: tl.constexpr, R: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+                              COST: tl.constexpr,
                               SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
                               DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOGFMT: tl.constexpr,
                               LW: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -188,7 +189,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
     n = recv_call(ctl, hdr, hdr_delta, sig, me, offset, R, DEFER)
     half = n & 1
     go = wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, p == 0,
-                   flags.STAGE_LL_COMBINE_RECV, R, SHRINK, USE_CLOCK, COST)
+                   flags.STAGE_LL_COMBINE_RECV, R, SHRINK, USE_CLOCK, COST, ring_ctl, NET)
     # Program (p, q) takes token blocks p, p + P0, ... and of each the hidden blocks q, q + P1, ...
     reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, tl.where(go, T, 0), num_experts, experts_per_rank,
                 (ctl_w + half * half_w + cnt_w) * 2, ltab, tl.program_id(0), tl.num_programs(0), tl.program_id(1),
@@ -229,7 +230,7 @@ def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, defer, us
     if defer and has_net:
         raise ValueError("a deferred low-latency send (no receive hook) is for calls within one host")
     return _ll_combine_send_launch.bind(
-        _grid2(El, tune["programs_per_expert"], signals), num_warps=tune["num_warps"], NET=has_net,
+        grid2(El, tune["programs_per_expert"], signals), num_warps=tune["num_warps"], NET=has_net,
         RW=lay.net_logfmt_row_words if use_logfmt else lay.net_row_words, BLOCK_C=pow2(lay.experts_per_rank),
         R=lay.num_ranks, K=num_topk, H=H, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer,
         BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(H // 2, tune["block_w"])), LOGFMT=use_logfmt,
@@ -238,22 +239,23 @@ def _bind_send(El, H, lay, num_topk, shrink, has_net, use_clock, _cap, defer, us
 
 def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                       out: torch.Tensor, cost: Optional[torch.Tensor], offset: int, lay, sig: int, shrink: bool,
-                      signals: dict, defer: bool = False, use_logfmt: bool = False) -> None:
+                      signals: dict, defer: bool = False, use_logfmt: bool = False, net=None) -> None:
     """Reduce the rows returned for call ``SEQ - offset`` into ``out`` bf16 ``[T, H]`` with ``topk_weights``
     fp32 ``[T, K]`` (``topk_idx`` int32/int64 ``[T, K]``); wait ns per peer are added to ``cost`` (int64). With
     ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
     this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`). ``use_logfmt``: the rows
-    are LogFMT-10 records (:func:`ll_combine_send` with ``use_logfmt``)."""
+    are LogFMT-10 records (:func:`ll_combine_send` with ``use_logfmt``). ``net``: the network leg (its waits end once
+    the RDMA proxy failed), or None."""
     T, K = topk_idx.shape
     H = out.shape[1]
     tune = tuning("ll_reduce")
     key = (T, K, H, lay, cost is not None, shrink, signals["use_clock"], signals.get("max_programs"), bool(defer),
-           bool(use_logfmt), tuple(tune.items()))
+           bool(use_logfmt), net is not None, tuple(tune.items()))
     launch = bound(_REDUCE_BOUND, key, lambda: _bind_reduce(*key[:-1], signals, tune))
     launch(area, ctl, topk_idx, topk_weights, out,
            cost if cost is not None else ctl, T, offset, lay.num_experts, lay.experts_per_rank, lay.ctl_words,
            lay.half_words, lay.count_words, signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"],
-           signals["timeout_ns"], logfmt.table_arg(use_logfmt, ctl))
+           signals["timeout_ns"], logfmt.table_arg(use_logfmt, ctl), ll_net.ring_arg(net, ctl))
 
 
 _REDUCE_BOUND: dict = {}
@@ -274,10 +276,10 @@ def reduce_block_h(H: int, tune: dict, use_logfmt: bool) -> int:
     return max(bh, logfmt.LOGFMT_BLOCK) if use_logfmt else bh
 
 
-def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, defer, use_logfmt, signals, tune):
+def _bind_reduce(T, K, H, lay, has_cost, shrink, use_clock, _cap, defer, use_logfmt, has_net, signals, tune):
     bt = tune["block_t"]
     bh = reduce_block_h(H, tune, use_logfmt)
     return _ll_combine_reduce_launch.bind(
-        _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], R=lay.num_ranks, K=K, H=H,
+        grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], R=lay.num_ranks, K=K, H=H,
         COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer, BLOCK_T=bt, BLOCK_H=bh,
-        LOGFMT=use_logfmt, LW=lay.logfmt_row_words, BLOCK_K=pow2(K))
+        LOGFMT=use_logfmt, LW=lay.logfmt_row_words, NET=has_net, BLOCK_K=pow2(K))

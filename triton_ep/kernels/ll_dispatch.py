@@ -35,7 +35,7 @@ from . import names
 from . import flags, ll_net, pdl
 from ..protocol import records
 from ._util import cdiv, pow2, tuning
-from .dispatch import _grid2, row_words
+from .geometry import grid2, row_words
 from .launch import Launcher, bound
 from .fp8 import quantize_blocks
 
@@ -208,10 +208,11 @@ def send_part(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f,
 def wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ring_ctl, remote, stage, R: tl.constexpr,
               NET: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr):
     """Before a send of call ``n`` (dispatch or combine): it uses half ``n & 1``; wait until every peer has
-    received call ``n - 2``, the half's last user (with ``NET``, also until the send ring's slots are free).
-    Returns True when the program may move data."""
+    received call ``n - 2``, the half's last user (with ``NET``, also until the send ring's slots are free; every
+    wait ends once the RDMA proxy failed: :func:`ll_net.abort_word`). Returns True when the program may move data."""
     go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + (n & 1), n - 2, 0, me, stage, timeout_ns,
-                             R=R, REMOTE=True, CHECK_SIG=False, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False)
+                             R=R, REMOTE=True, CHECK_SIG=False, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False,
+                             abort=ll_net.abort_word(ring_ctl, NET))
     if NET:     # ranks on the network: each one's chunk k reuses the send slot of its chunk k - 2, once placed
         go = go & ll_net.wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, stage, timeout_ns, R, USE_CLOCK,
                                     ctl, SHRINK)
@@ -324,13 +325,15 @@ def recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stat
 
 @triton.jit
 def wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, cost_on, stage, R: tl.constexpr,
-              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, COST: tl.constexpr):
+              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, COST: tl.constexpr, ring_ctl=None,
+              NET: tl.constexpr = False):
     """Before a receive of call ``n`` (dispatch or combine): wait for every peer's ``READY`` of the call's half
-    and check its signature (wait ns per peer into ``cost_ptr`` with ``COST`` where ``cost_on``). Returns True
+    and check its signature (wait ns per peer into ``cost_ptr`` with ``COST`` where ``cost_on``; with ``NET`` the
+    waits end once the RDMA proxy of control block ``ring_ctl`` failed: :func:`ll_net.abort_word`). Returns True
     when the program may move data."""
     return flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + (n & 1) * R, n, sig, me, stage,
                                timeout_ns, R=R, REMOTE=False, CHECK_SIG=True, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK,
-                               COST=COST, cost_ptr=cost_ptr, cost_on=cost_on)
+                               COST=COST, cost_ptr=cost_ptr, cost_on=cost_on, abort=ll_net.abort_word(ring_ctl, NET))
 
 
 @triton.jit
@@ -350,7 +353,7 @@ def recv_call(ctl, hdr, hdr_delta, sig, me, offset, R: tl.constexpr, DEFER: tl.c
 @names.jit('low_latency', 'dispatch', do_not_specialize=['offset', 'sig', 'me', 'timeout_ns'])
 def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, cost_ptr,
                              offset, n_max, ctl_w, half_w, cnt_w, experts_per_rank,
-                             hdr, hdr_delta, host, sig, me, timeout_ns,
+                             hdr, hdr_delta, host, sig, me, timeout_ns, ring_ctl, NET: tl.constexpr,
                              R: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, SW: tl.constexpr,
                              REC: tl.constexpr, UE8M0: tl.constexpr, STATS: tl.constexpr, COST: tl.constexpr,
                              SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr, USE_ASM: tl.constexpr,
@@ -365,7 +368,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
     n = recv_call(ctl, hdr, hdr_delta, sig, me, offset, R, DEFER)
     half = n & 1
     go = wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, p == 0, flags.STAGE_LL_DISPATCH_RECV,
-                   R, SHRINK, USE_CLOCK, COST)
+                   R, SHRINK, USE_CLOCK, COST, ring_ctl, NET)
     # Program (p, q) takes local experts p, p + P0, ... (P0 capped where ranks share a GPU), of each the row
     # blocks q, q + P1, ...
     recv_part(area_w, ctl, out_w, out_s, src_info, ret_slot, layout, count, stats_ptr, n_max, ctl_w + half * half_w,
@@ -436,7 +439,7 @@ def _bind_send(T, H, K, lay, use_fp8, round_scale, native_fp8, shrink, has_net, 
     while H % bh:
         bh //= 2
     return _ll_dispatch_send_launch.bind(
-        _grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], NET=has_net, CW=lay.net_count_words,
+        grid2(cdiv(T, bt), H // bh, signals), num_warps=tune["num_warps"], NET=has_net, CW=lay.net_count_words,
         BLOCK_C=pow2(lay.experts_per_rank), R=lay.num_ranks, K=K, H=H, PW=records.ll_payload_words.host(H, use_fp8),
         SW=records.ll_scale_words.host(H, use_fp8), REC=lay.record_words(use_fp8), FP8=use_fp8, ROUND_SCALE=round_scale,
         NATIVE=native_fp8, SHRINK=shrink, USE_CLOCK=use_clock, USE_ASM=use_clock, DEFER=defer,
@@ -447,34 +450,37 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
                      use_ue8m0: bool, out_words: torch.Tensor, out_scales: Optional[torch.Tensor],
                      src_info: torch.Tensor, ret_slot: torch.Tensor, layout_range: torch.Tensor, count: torch.Tensor,
                      stats: Optional[torch.Tensor], cost: Optional[torch.Tensor], sig: int, shrink: bool,
-                     signals: dict, defer: bool = False) -> None:
+                     signals: dict, defer: bool = False, net=None) -> None:
     """Pack the rows this rank received (call ``SEQ - offset``) expert-major into ``out_words`` (``[E_local,
     R*N, H]`` FP8 or bf16, or its int32 view ``[E_local, R*N, PW]``: written as words) and ``out_scales`` (fp32
     or int32, column-major: written as bits), and fill ``src_info``
     int32 / ``ret_slot`` int32 ``[E_local, R*N]``, ``layout_range`` int64 ``[E_local, R]``, ``count`` int32
     ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64). With
     ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
-    this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`)."""
+    this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`). ``net``: the network leg
+    (its waits end once the RDMA proxy failed), or None."""
     El, RN, PW = out_words.shape[0], out_words.shape[1], row_words(out_words)
     tune = tuning("ll_recv")
     key = (El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, stats is not None, cost is not None, shrink,
-           signals["use_clock"], signals.get("max_programs"), bool(defer), tuple(tune.items()))
+           signals["use_clock"], signals.get("max_programs"), bool(defer), net is not None, tuple(tune.items()))
     launch = bound(_RECV_BOUND, key, lambda: _bind_recv(*key[:-1], signals, tune))
     launch(area, ctl, out_words, out_scales if out_scales is not None else out_words, src_info, ret_slot, layout_range,
            count, stats if stats is not None else count, cost if cost is not None else layout_range,
            offset, lay.n_max, lay.ctl_words, lay.half_words, lay.count_words, lay.experts_per_rank,
-           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"])
+           signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"],
+           ll_net.ring_arg(net, ctl))
 
 
 _RECV_BOUND: dict = {}
 
 
 def _bind_recv(El, RN, PW, lay, num_topk, use_fp8, use_ue8m0, has_stats, has_cost, shrink, use_clock, _cap, defer,
-               signals, tune):
+               has_net, signals, tune):
     SW = records.ll_scale_words.host(lay.hidden, use_fp8)
     return _ll_dispatch_recv_launch.bind(
-        _grid2(min(El, tune["expert_programs"] or El), tune["programs_per_expert"], signals), num_warps=tune["num_warps"],
+        grid2(min(El, tune["expert_programs"] or El), tune["programs_per_expert"], signals), num_warps=tune["num_warps"],
         R=lay.num_ranks, K=num_topk, PW=PW, SW=SW, REC=lay.record_words(use_fp8), UE8M0=use_ue8m0,
         STATS=has_stats, COST=has_cost, SHRINK=shrink, USE_CLOCK=use_clock,
-        USE_ASM=use_clock, DEFER=defer, BLOCK_R=tune["block_r"], BLOCK_W=pow2(min(PW, tune["block_w"])),
+        USE_ASM=use_clock, DEFER=defer, NET=has_net, BLOCK_R=tune["block_r"],
+        BLOCK_W=pow2(min(PW, tune["block_w"])),
         BLOCK_S=pow2(max(SW, 4)), BLOCK_F=min(pow2(RN), tune["block_f"]))

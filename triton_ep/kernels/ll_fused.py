@@ -15,7 +15,7 @@ send, the receive) and a combine two (the send, the reduce). Each launch costs h
 
 Programs wait for each other inside the launch, so every program must be resident at once: the grid is at most
 the tuning table's ``ll_fused`` programs per multiprocessor, no more than fit there at once for the compiled kernel
-(:func:`.launch.resident_per_sm`), within the shared-GPU cap (:func:`.dispatch.fused_programs`); one program under
+(:func:`.launch.resident_per_sm`), within the shared-GPU cap (:func:`.geometry.fused_programs`); one program under
 the interpreter. Each part loops over its items as its split launch's programs would (the same blocks; the split
 launches' second grid axis becomes the parts' slices ``S``), and every record, count, table and output is the same
 as the split launches', bit for bit. Calls over the network (internode) stay split: their sends end with the
@@ -33,7 +33,7 @@ from . import names
 from . import flags, pdl
 from ..protocol import records
 from ._util import cdiv, interpreted, pow2, tuning
-from .dispatch import fused_programs, row_words
+from .geometry import fused_programs, row_words
 from .launch import Launcher, bound, resident_per_sm
 from . import logfmt
 from .ll_combine import combine_send_part, logfmt_blocks, reduce_block_h, reduce_part
@@ -169,7 +169,7 @@ def _send_blocks(H: int, tune: dict) -> int:
 
 def _slices(cols: int, signals: dict) -> int:
     """The slices ``S`` of a part whose split launch has ``cols`` programs on its second grid axis (1 where ranks
-    share a GPU, as :func:`.dispatch._grid2`, and under the interpreter, which runs one program: a grid of ``P``
+    share a GPU, as :func:`.geometry.grid2`, and under the interpreter, which runs one program: a grid of ``P``
     programs plays a ``(P // S, S)`` grid, so ``S`` must not exceed it)."""
     return 1 if (signals.get("max_programs") or interpreted()) else max(cols, 1)
 

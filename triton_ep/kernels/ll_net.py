@@ -36,7 +36,7 @@ import triton.language as tl
 from . import names
 from . import flags
 from ._util import pow2
-from .dispatch import _grid2
+from .geometry import grid2
 from .launch import Launcher
 from ..protocol.records import NET_HEADER_WORDS
 
@@ -50,6 +50,12 @@ def kernel_args(net, ctl: torch.Tensor) -> tuple:
     """The send launches' ``(ring_ctl, ring_dw, slot_w, remote)``: the network leg's (``net``), or
     placeholders."""
     return (ctl, 0, 0, ctl) if net is None else (net.ring_ctl, net.send_dw, net.slot_w, net.remote)
+
+
+def ring_arg(net, ctl: torch.Tensor) -> torch.Tensor:
+    """The receive launches' ``ring_ctl`` (whose abort word their waits read, :func:`abort_word`): the network
+    leg's (``net``), or a placeholder."""
+    return ctl if net is None else net.ring_ctl
 
 
 @triton.jit
@@ -84,6 +90,18 @@ def rows_before(cnt_ptr, first, upto, num, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def abort_word(ring_ctl, NET: tl.constexpr):
+    """With ``NET`` (a call with network peers), the RDMA proxy's abort word (``RING_ABORT`` of its control block
+    ``ring_ctl``: nonzero once the proxy failed, :meth:`triton_ep.scheduler.Scheduler.fail`), which every wait of the
+    call reads (:func:`flags.wait_at_least`); else ``None`` (nothing more to read)."""
+    if NET:
+        word = ring_ctl + flags.RING_ABORT
+    else:
+        word = None
+    return word
+
+
+@triton.jit
 def mask_peer(ctl, ring_ctl, r, R: tl.constexpr):
     """Rank masking (``enable_shrink``): rank ``r`` stopped answering; this rank no longer sends to it or
     waits for it (``MASK[r]``), and its proxy drops what it still holds for it (``MASKED[r]``)."""
@@ -102,12 +120,13 @@ def wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, stage, timeout_ns,
                USE_CLOCK: tl.constexpr, ctl, SHRINK: tl.constexpr):
     """A send launch of call ``n`` waits until every network peer's send slot for its chunk ``k`` is free
     (chunk ``k - 2`` placed there: ``SENT >= k - 1``); masked peers are not waited for, and with ``SHRINK`` a
-    peer that times out is masked. Returns True when the program may write."""
+    peer that times out is masked. The waits end once the proxy failed (its abort word). Returns True when the
+    program may write."""
     bad = (tl.load(hdr + flags.W_ERR, volatile=True) != 0).to(tl.int32)
     for r in tl.static_range(R):
         if (bad == 0) & live_peer(ctl, remote, r, R):
             st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_SENT, R, r), tx_chunk(ctl, r, n, R) - 1,
-                                     hdr, host, r, 0, timeout_ns, R, USE_CLOCK)
+                                     hdr, host, r, 0, timeout_ns, R, USE_CLOCK, abort=ring_ctl + flags.RING_ABORT)
             if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
                 mask_peer(ctl, ring_ctl, r, R)
                 st = tl.full([], 0, tl.int32)
@@ -182,7 +201,8 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, si
             arrived = ring_ctl + flags.ring_arrive_word(R, S, s, k & 1)
         else:               # the tail the receiving proxy moves on the chunk's receive completion
             arrived = ring_ctl + flags.ring_word(flags.RING_TAIL, R, s)
-        st = flags.wait_at_least(arrived, k + 1, hdr, host, s, 0, timeout_ns, R, USE_CLOCK)
+        st = flags.wait_at_least(arrived, k + 1, hdr, host, s, 0, timeout_ns, R, USE_CLOCK,
+                                 abort=ring_ctl + flags.RING_ABORT)
         if COST:            # the wait for s's chunk is the receive's wait for s (its wait-cost statistics)
             if q == 0:
                 tl.atomic_add(cost_ptr + s, flags._now_ns(USE_CLOCK) - t0, sem="relaxed")
@@ -274,7 +294,7 @@ def ll_unpack(area: torch.Tensor, ctl: torch.Tensor, net, lay, offset: int, comb
     R = lay.num_ranks
     rw = lay.net_logfmt_row_words if use_logfmt else lay.net_row_words
     rec = lay.record_words(use_fp8)
-    _ll_unpack_launch[_grid2(R, 4, signals)](
+    _ll_unpack_launch[grid2(R, 4, signals)](
         area, ctl, net.ring_ctl, net.recv_dw, net.slot_w, net.remote, offset, sig, lay.n_max, lay.ctl_words, lay.half_words,
         lay.count_words, lay.experts_per_rank, signals["hdr"], signals["hdr_delta"], signals["host"], signals["me"],
         signals["timeout_ns"], cost if cost is not None else ctl, R=R, COMBINE=combine, REC=rec,

@@ -32,7 +32,7 @@ from . import flags
 from ..protocol import records
 from .launch import Launcher
 from ._util import pow2
-from .dispatch import sync_args, _use_clock
+from .geometry import sync_args, use_clock
 
 # The host result block of a plain dispatch's notify (int64 words; pinned host memory on GPU).
 RES_SEQ = tl.constexpr(0)          #: the dispatch number, released last: the host polls it
@@ -237,7 +237,7 @@ def notify_send(counts: torch.Tensor, num_experts: int, signals: dict, experts: 
     _check_experts(experts, num_experts)
     _notify_send_launch[(1,)](counts, num_experts, num_experts // R, num_worst_tokens,
                               *sync_args(signals, 0, 0, counts), R=R,
-                              USE_CLOCK=_use_clock(signals), EXPERTS=experts,
+                              USE_CLOCK=use_clock(signals), EXPERTS=experts,
                               BLOCK_E=min(pow2(num_experts // R if experts else 1), 1024), num_warps=1 if not experts else 4)
 
 
@@ -254,7 +254,7 @@ def notify_recv(t32: torch.Tensor, t64: torch.Tensor, num_worst_tokens: int, sig
     expert (the ``RES_*`` words), then releases ``res[RES_SEQ] = seq`` for the host to poll."""
     R = signals["hdr_delta"].shape[0]
     _notify_recv_launch[(1,)](t32, t64, num_worst_tokens, res if res is not None else t64, seq, experts_per_rank,
-                              *sync_args(signals, 0, 0, t64), R=R, USE_CLOCK=_use_clock(signals),
+                              *sync_args(signals, 0, 0, t64), R=R, USE_CLOCK=use_clock(signals),
                               HOST_OUT=res is not None, BLOCK_E=min(pow2(experts_per_rank), 1024),
                               num_warps=1 if res is None else 4)
 
@@ -270,6 +270,6 @@ def notify(counts: torch.Tensor, num_experts: int, t32: torch.Tensor, t64: torch
     _check_experts(experts, num_experts)
     _notify_launch[(1,)](counts, num_experts, num_experts // R, num_worst_tokens, t32, t64, num_worst_rx,
                          res if res is not None else t64, seq, signals["hdr"], signals["hdr_delta"], signals["host"],
-                         signals["me"], signals["timeout_ns"], R=R, USE_CLOCK=_use_clock(signals), EXPERTS=experts,
+                         signals["me"], signals["timeout_ns"], R=R, USE_CLOCK=use_clock(signals), EXPERTS=experts,
                          HOST_OUT=res is not None, BLOCK_E=min(pow2(num_experts // R if experts else 1), 1024),
                          BLOCK_EX=min(pow2(num_experts // R), 1024), num_warps=4 if (experts or res is not None) else 1)

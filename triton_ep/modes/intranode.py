@@ -23,8 +23,9 @@ from ..kernels import notify as NT
 from ..kernels import params as LP
 from ..kernels.combine import combine_fused
 from ..kernels.combine import record_bytes as combine_record_bytes
-from ..kernels.dispatch import as_words, dispatch_fused, fused_switch, use_fused
-from ..kernels.dispatch import record_words as dispatch_record_words
+from ..kernels.dispatch import dispatch_fused
+from ..kernels.geometry import as_words, fused_switch, use_fused
+from ..kernels.geometry import record_words as dispatch_record_words
 from ..protocol import call_card as card
 from ..protocol import records
 from ..runtime import Runtime, call_signature, steps
@@ -205,7 +206,7 @@ class Intranode:
         yield "dispatch/notify"
         # each rank's num_worst_tokens (they may differ): the rounds follow from the largest
         worst_all = self.rt.every_worst() if worst else None
-        # the count exchange: a send launch and a receive launch, or one launch (kernels.dispatch.use_fused)
+        # the count exchange: a send launch and a receive launch, or one launch (kernels.geometry.use_fused)
         one = use_fused(0, self.rt.group, force)
         if not one:
             with self.rt.comm_ctx(), self.rt.sig.watch():
@@ -289,7 +290,7 @@ class Intranode:
     def _dispatch_rounds(self, a: "DispatchArgs", c: "Counts", o: "Outputs", plan: tuple, force,
                          lp: Optional[LP.LaunchParams] = None):
         """A dispatch's launches: rounds, each a send launch then a receive launch (ranks wait for each other on the
-        device); a call may run all its rounds as one launch (kernels.dispatch.use_fused). A generator (the
+        device); a call may run all its rounds as one launch (kernels.geometry.use_fused). A generator (the
         dispatch's steps) that returns ``[(bound launch, its arguments), ...]`` in order: what a later cached call
         may replay. The receive writes ``rows`` rows (with the count on the device, ``num_worst_tokens``: an upper
         bound, and the kernel also writes the padding rows). ``lp``: the call's Config's launch parameters (None:
@@ -457,7 +458,7 @@ class Intranode:
     def _combine_rounds(self, h: "DispatchHandle", xv: Tensor, w: Optional[Tensor], biases: list, plan: tuple,
                         force, outs: tuple, lp: Optional[LP.LaunchParams] = None):
         """A combine's launches: rounds, each a send launch then a reduce launch (ranks wait for each other on the
-        device); a combine may run all its rounds as one launch (kernels.dispatch.use_fused). ``outs``: ``(out,
+        device); a combine may run all its rounds as one launch (kernels.geometry.use_fused). ``outs``: ``(out,
         wout, acc, wacc)``. A generator (the combine's steps) that returns ``[(bound launch, its arguments), ...]``
         in order: what a later combine may replay. ``lp``: as in :meth:`_dispatch_rounds`."""
         rb, cap, rounds, call_sig = plan

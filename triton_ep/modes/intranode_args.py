@@ -9,7 +9,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..kernels.dispatch import fused_switch, row_words
+from ..kernels.geometry import fused_switch, row_words
 from ..protocol import call_card as card
 from ..protocol import records
 from ..runtime import Runtime

@@ -4,7 +4,7 @@ replayed.
 A cached ``dispatch`` (``handle=...``) of plain ``x`` (no scales), or a ``combine`` without bias, leaves a :class:`CallPlan` on its handle: what the next call of that handle with the same shapes needs (the
 call card's values, the output's shape, the call's launches with every argument but the call's own tensors,
 :class:`triton_ep.kernels.launch.Replay`: one launch up to ``tuning("fused")["max_tokens"]`` tokens,
-:func:`triton_ep.kernels.dispatch.use_fused`, else a send and a receive launch per round).
+:func:`triton_ep.kernels.geometry.use_fused`, else a send and a receive launch per round).
 That next call checks its tensors against the plan (type, shape, dtype, device, contiguity, 4-byte
 alignment), then does what the general path does (the call count, the error check, the card, the stream
 order, the output's allocation, the launch, the event, the error check) without working the rest out again.
@@ -35,7 +35,7 @@ import torch
 
 from ..config import EventOverlap
 from ..kernels._util import tuning_changes
-from ..kernels.dispatch import fused_switch
+from ..kernels.geometry import fused_switch
 from ..kernels.params import config_key
 from ..runtime.checks import check_config, check_event, plain
 

@@ -97,9 +97,9 @@ class Runtime:
         self.sig = signals.Signals(comm.rank, comm.size, comm.header, comm.peer_headers, comm.delta_bytes,
                                    comm.device, self.timeout_s, interpreted=interpreted())
         self.sig_args = self.sig.kernel_args(comm.max_programs)
-        self.sig_args["sms"] = num_sms(comm.device)      # (the normal-mode launches' grid cap, kernels.dispatch._grid)
+        self.sig_args["sms"] = num_sms(comm.device)      # (the normal-mode launches' grid cap, kernels.geometry.programs)
         # (split send / receive launches skip their end-of-launch counts where ranks run concurrently:
-        # kernels.dispatch._defer)
+        # kernels.geometry.defer)
         self.sig_args["defer"] = comm.concurrent
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         #: the running call's kernels go to the communication stream (async_finish), else the caller's

@@ -8,9 +8,11 @@ triton_ep/scheduler/liveness.py),
 and its next call raises at once. With 2 ranks per host every kind of survivor is there: the dead rank's host mate
 (its liveness lock), the dead rank's RDMA peer (its probes) and the other host's rank whose RDMA peer lives (told by
 that peer: the host header's ``HOST_GONE`` in normal mode, the fault word in low-latency mode); each names the dead
-rank, not the rank that passed the failure on. Nothing is left in /dev/shm and no process (the victim's proxy process included)
-is left over (the autouse fixture; the survivors' proxy processes are checked gone here too). The rank bodies are
-in tests/cases/dead_peer.py (``killed_across_hosts``)."""
+rank, not the rank that passed the failure on. In low-latency mode a rank whose own proxy failed waits for nothing
+more: a rank killed in the middle of its send while a live peer's part is still to come (its chunk, or its READY on
+this host) is named in seconds too, not at ``timeout_s`` (every wait reads the proxy's abort word). Nothing is left in
+/dev/shm and no process (the victim's proxy process included) is left over (the autouse fixture; the survivors' proxy
+processes are checked gone here too). The rank bodies are in tests/cases/dead_peer.py (``killed_across_hosts``)."""
 import os
 
 import pytest
@@ -29,6 +31,25 @@ STAGES = {"internode": "stage 'rdma host exchange", "internode_ll": "stage 'low_
           "internode_ll_combine": "stage 'low_latency_combine/"}
 
 
+
+def _check_survivors(out, victim: int, proxy_mode: str, stage: str = "stage '") -> None:
+    """``out`` of :func:`tests.cases.dead_peer.killed_across_hosts`: rank ``victim`` died, and every other rank raised
+    an EPRemoteError naming the victim's process and ``stage`` within BOUND_S, raised at once on its next call, and
+    had proxy processes as ``proxy_mode`` says, all gone after destroy()."""
+    assert isinstance(out[victim], RankFailure) and "ProcessDied" in str(out[victim]), out
+    for r in range(len(out)):
+        if r == victim:
+            continue
+        assert not isinstance(out[r], RankFailure), (r, out[r])
+        kind, msg, dt, kind2, dt2, _, pids, remote = out[r]
+        assert remote, (r, kind, msg)
+        assert f"rank {r}: rank {victim}'s process is gone" in msg and stage in msg, (r, msg)
+        assert dt < BOUND_S, (r, dt, msg)
+        assert kind2 != "no error" and dt2 < 1.0, (r, kind2, dt2)
+        assert bool(pids) == (proxy_mode == "process"), (r, pids)
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}")], (r, pids)
+
+
 @pytest.mark.parametrize("mode", [
     "internode", "internode_ll",
     pytest.param("internode_ll_combine", marks=pytest.mark.extended),
@@ -38,15 +59,7 @@ def test_a_rank_killed_on_the_other_host_is_a_remote_error_within_seconds(mode, 
     raises EPRemoteError naming rank 1's process and its own stage within BOUND_S (seconds here), and EPError at
     once on its next call; its proxy processes are gone after destroy()."""
     out = run_ranks(cases.killed_across_hosts, 2, mode, proxy_mode, TIMEOUT_S, 1, timeout_s=240)
-    assert isinstance(out[1], RankFailure) and "ProcessDied" in str(out[1]), out[1]
-    assert not isinstance(out[0], RankFailure), out[0]
-    kind, msg, dt, kind2, dt2, _, pids, remote = out[0]
-    assert remote, (kind, msg)
-    assert "rank 0: rank 1's process is gone" in msg and STAGES[mode] in msg, msg
-    assert dt < BOUND_S, dt
-    assert kind2 != "no error" and dt2 < 1.0, (kind2, dt2)
-    assert bool(pids) == (proxy_mode == "process"), pids
-    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], pids
+    _check_survivors(out, 1, proxy_mode, STAGES[mode])
 
 
 #: the 2 hosts x 2 ranks cases: (mode, victim); victim 1 is on host 0 (its RDMA peer is rank 3), victim 2 on host 1
@@ -64,16 +77,17 @@ def test_a_rank_killed_on_two_hosts_of_two_names_it_on_every_rank(mode, victim, 
     make the call ``mode`` names: every survivor (the victim's host mate, its RDMA peer on the other host, and the
     other host's rank whose RDMA peer lives) raises an EPRemoteError naming the victim's process and a stage within
     BOUND_S, and raises at once on its next call; every proxy process is gone after destroy()."""
-    out = run_ranks(cases.killed_across_hosts, 4, mode, proxy_mode, TIMEOUT_S, victim, timeout_s=360)
-    assert isinstance(out[victim], RankFailure) and "ProcessDied" in str(out[victim]), out
-    for r in range(4):
-        if r == victim:
-            continue
-        assert not isinstance(out[r], RankFailure), (r, out[r])
-        kind, msg, dt, kind2, dt2, _, pids, remote = out[r]
-        assert remote, (r, kind, msg)
-        assert f"rank {r}: rank {victim}'s process is gone" in msg and "stage '" in msg, (r, msg)
-        assert dt < BOUND_S, (r, dt, msg)
-        assert kind2 != "no error" and dt2 < 1.0, (r, kind2, dt2)
-        assert bool(pids) == (proxy_mode == "process"), (r, pids)
-        assert not [p for p in pids if os.path.exists(f"/proc/{p}")], (r, pids)
+    _check_survivors(run_ranks(cases.killed_across_hosts, 4, mode, proxy_mode, TIMEOUT_S, victim, timeout_s=360),
+                     victim, proxy_mode)
+
+
+def test_a_rank_killed_mid_send_ends_every_wait_once_the_proxy_failed(proxy_mode):
+    """2 hosts of 2 ranks, low-latency mode ("internode_ll_send"): rank 1 makes the dispatch and dies right after its
+    send published its chunks (they are on their way), and rank 3 (on the other host) makes the call only once its own
+    proxy found rank 1 gone. The other survivors' proxies fail meanwhile (their probes, or a peer's fault word) while
+    they still wait for rank 3's chunk (rank 0, over RDMA) or its READY (rank 2, its host mate): those waits end at once
+    (they read the proxy's abort word) and every survivor raises an EPRemoteError naming rank 1 and a stage within
+    BOUND_S (before, ranks 0 and 2 waited out TIMEOUT_S); its next call raises at once. (With 1 rank per host the
+    victim's chunks reach rank 0 whole and its call completes: nothing to see there.)"""
+    _check_survivors(run_ranks(cases.killed_across_hosts, 4, "internode_ll_send", proxy_mode, TIMEOUT_S, 1,
+                               timeout_s=2 * TIMEOUT_S + 240), 1, proxy_mode)

@@ -19,7 +19,7 @@ from triton_ep import kernels
 from triton_ep import reference as ref
 from triton_ep.kernels import _util
 from triton_ep.kernels.combine import record_bytes as combine_record_bytes
-from triton_ep.kernels.dispatch import record_words as dispatch_record_words
+from triton_ep.kernels.geometry import record_words as dispatch_record_words
 from triton_ep.testing import VirtualGroup
 from triton_ep.transport import ipc
 from test_properties import _garbage_empty

@@ -127,6 +127,25 @@ class NetLeg:
             pass
         return None
 
+    def check(self, rt) -> None:
+        """Raise the RDMA proxy's error, if it failed (:meth:`~triton_ep.scheduler.Scheduler.check`), placed at the
+        stage this rank's low-latency kernels recorded in ``rt``'s signals (the low-latency Runtime), if any: every
+        kernel wait of the leg ends once the proxy failed (its abort word, :func:`triton_ep.kernels.ll_net.abort_word`),
+        and its record names where it waited. A :class:`~triton_ep.scheduler.PeerGoneError` so names the gone rank
+        and that stage. A proxy process's error comes over its channel after its abort word: it is waited for, at most
+        ``timeout_s`` (the proxy's error, not a kernel's record of a wait that the abort ended, is the one to raise).
+        Nothing where the proxy did not fail."""
+        rec = rt.sig.record()
+        sched = self.sched
+        end = time.monotonic() + rt.timeout_s
+        while sched.error is None and sched.flags.aborted and time.monotonic() < end:
+            time.sleep(0.001)
+        sched.waiting = None if rec is None else f"{F.STAGE_NAMES.get(rec.stage, 'unknown')} (round {rec.call})"
+        try:
+            sched.check()
+        finally:
+            sched.waiting = None
+
     def post_failure(self, ll: LowLatency, n: int) -> None:
         """This rank rejects low-latency call ``n`` on the host: send every unmasked network peer that call's
         chunk with status ``E_FAILED`` and nothing else, so their receive of that call raises
@@ -407,9 +426,9 @@ def watch_host(own: Runtime, local: ipc.Comm, ranks: List[int]) -> None:
     or from the locks looked at then (``own.sig.dead_peers``). The watcher stops when ``local`` closes. Nothing happens where the platform has no such locks (``local.liveness``
     ``None``): a dead rank of this host is then seen by its peers' probes, or at ``timeout_s``.
 
-    The watcher does not fail the network leg's scheduler: its proxy would stop receiving, and this rank's waits for
-    the chunks of live peers still on their way would last until ``timeout_s`` (the low-latency kernels end a wait
-    early only for the peer it waits for). :meth:`LowLatencyAcrossHosts.close` tells the RDMA peers instead."""
+    The watcher does not fail the network leg's scheduler: its proxy would stop receiving, and this rank's call would
+    fail for want of the chunks of live peers still on their way (every wait of the leg ends once the proxy failed:
+    its abort word). :meth:`LowLatencyAcrossHosts.close` tells the RDMA peers instead."""
     live = local.liveness
     if live is None:
         return

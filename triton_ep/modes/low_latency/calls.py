@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ...kernels import pdl
-from ...kernels.dispatch import fused_switch
+from ...kernels.geometry import fused_switch
 from ...kernels.fp8 import native_cast
 from ...kernels.ll_combine import ll_combine_reduce, ll_combine_send
 from ...kernels.ll_dispatch import ll_dispatch_recv, ll_dispatch_send, ll_route
@@ -110,7 +110,7 @@ def dispatch(ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                a.cost is None)
         ll.replay_dispatch = replay.dispatch_plan(ll, key, (N, H, E, K, int(use_fp8), int(use_ue8m0)), made[0], a, o,
                                                   dispatch_wait_recv_cost_stats)
-    rt.check()
+    ll.raise_recorded()
     return out, o.recv_count, handle, event, None
 
 
@@ -147,7 +147,7 @@ def dispatch_launches(ll, a: DispatchArgs, o: DispatchOutputs, sig: int, use_fp8
 
     def send(defer: bool = False, whole: bool = False):
         if a.fence:
-            ll_fence(ll.ctl, R, False, ll.shrink, sa)
+            ll_fence(ll.ctl, R, False, ll.shrink, sa, ll.net)
         if a.one:     # route and send as one launch, with ``whole`` the receive too (kernels/ll_fused.py)
             made.append(ll_dispatch_fused(a.x, a.topk_idx, o.slots, o.counts, ll.area, rt.delta_words, ll.ctl, a.lay,
                                           sig, use_fp8, round_scale, use_ue8m0, ll.shrink, sa, native,
@@ -163,7 +163,7 @@ def dispatch_launches(ll, a: DispatchArgs, o: DispatchOutputs, sig: int, use_fp8
             ll_unpack(ll.area, ll.ctl, ll.net, a.lay, offset, False, use_fp8, ll.shrink, sa, a.cost, sig=sig)
         ll_dispatch_recv(ll.area, ll.ctl, a.lay, offset, K, use_fp8, use_ue8m0,
                          o.recv_x, o.scales, o.src_info, o.ret_slot, o.layout_range,
-                         o.recv_count, a.stats, a.cost, sig, ll.shrink, sa, defer)
+                         o.recv_count, a.stats, a.cost, sig, ll.shrink, sa, defer, ll.net)
     return send, recv, made
 
 
@@ -239,7 +239,7 @@ def combine(ll, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=F
     if made and plan_out and not zero_copy and not a.use_logfmt and ll.net is None and rt.group is not None:
         # the next call of these sizes replays this launch (modes/low_latency/replay.py)
         ll.replay_combine = replay.combine_plan(ll, made[0], a, combine_wait_recv_cost_stats)
-    rt.check()
+    ll.raise_recorded()
     return a.out, event, None
 
 
@@ -252,7 +252,7 @@ def combine_launches(ll, a: CombineArgs, sig: int):
 
     def send(defer: bool = False, whole: bool = False):
         if a.fence:
-            ll_fence(ll.ctl, rt.group_size, True, ll.shrink, sa)
+            ll_fence(ll.ctl, rt.group_size, True, ll.shrink, sa, ll.net)
         if whole:   # send and reduce as one launch (kernels/ll_fused.py)
             made.append(ll_combine_fused(a.x, h.ret_slot, h.recv_count, h.layout_range, a.topk_idx, a.weights, a.out,
                                          a.cost, ll.area, rt.delta_words, ll.ctl, a.lay, sig, ll.shrink, sa,
@@ -266,7 +266,7 @@ def combine_launches(ll, a: CombineArgs, sig: int):
             ll_unpack(ll.area, ll.ctl, ll.net, a.lay, offset, True, False, ll.shrink, sa, a.cost, a.use_logfmt,
                       sig)
         ll_combine_reduce(ll.area, ll.ctl, a.topk_idx, a.weights, a.out, a.cost, offset, a.lay, sig, ll.shrink, sa,
-                          defer, a.use_logfmt)
+                          defer, a.use_logfmt, ll.net)
     return send, recv, made
 
 

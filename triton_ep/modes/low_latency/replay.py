@@ -22,7 +22,7 @@ from typing import Optional, Union
 import torch
 
 from ...kernels._util import tuning_changes
-from ...kernels.dispatch import fused_switch
+from ...kernels.geometry import fused_switch
 from ...protocol import call_card as card
 from ...runtime.checks import plain
 from .handle import LLHandle, carve

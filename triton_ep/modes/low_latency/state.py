@@ -10,7 +10,7 @@ import torch
 from ...config import EventOverlap
 from ...errors import EPError, EPRemoteError
 from ...kernels import flags as F, logfmt
-from ...kernels.dispatch import fused_switch, use_fused
+from ...kernels.geometry import fused_switch, use_fused
 from ...protocol.ll_area import Layout
 from ...protocol.signal_header import failure_word_of
 from ...runtime import SLOT_HEADER, Runtime
@@ -198,7 +198,7 @@ class LowLatency:
     def one_launch(self, num_tokens: int) -> bool:
         """Whether a call of ``num_tokens`` tokens runs as one launch (:mod:`triton_ep.kernels.ll_fused`; with a
         receive hook, a dispatch's route and send as one): within one host (no network leg), as normal mode's
-        calls of one round (:func:`triton_ep.kernels.dispatch.use_fused`: real ranks, up to the tuning table's
+        calls of one round (:func:`triton_ep.kernels.geometry.use_fused`: real ranks, up to the tuning table's
         ``fused`` token limit; ``TRITON_EP_FUSED`` forces it on or off), and not while the stream is captured into a
         CUDA graph unless forced. Raises ``ValueError`` for a bad ``TRITON_EP_FUSED``."""
         force = fused_switch()
@@ -286,7 +286,7 @@ class LowLatency:
             done.append(True)
             self.pending.remove(idx)
             rt = self.rt
-            rt.check()
+            self.raise_recorded()
             if rt.sig.record() is not None:
                 # an error record since this call was sent (raised already) stops this rank's kernels
                 # until the next call re-synchronises the group: the receive would move nothing
@@ -295,7 +295,7 @@ class LowLatency:
                                     f"the next call re-synchronises the group; its results are dropped")
             with rt.sig.watch():
                 recv(self.sent - idx)
-            rt.check()
+            self.raise_recorded()
         return hook
 
     # ------------------------------------------------------------------ calls (modes/low_latency/calls.py)
@@ -325,11 +325,21 @@ class LowLatency:
         across hosts :class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts` releases its leg)."""
 
     def check(self) -> None:
-        """Across hosts (``Buffer.check``): raise what this mode's kernels and RDMA proxy recorded. Within one
-        host the Buffer's runtime is this mode's, checked by the Buffer itself."""
+        """Across hosts (``Buffer.check``): raise what this mode's RDMA proxy (first: :meth:`NetLeg.check
+        <triton_ep.modes.internode.low_latency.NetLeg.check>`) and kernels recorded. Within one host the Buffer's
+        runtime is this mode's, checked by the Buffer itself."""
         if self.net is not None:
-            self.net.sched.check()
+            self.net.check(self.rt)
             self.rt.check()
+
+    def raise_recorded(self) -> None:
+        """The end of a call or hook: raise what the kernels recorded (``Runtime.check``). Across hosts, where they
+        recorded an error, the RDMA proxy's error comes first if it failed (their waits ended when it did: the error
+        to name is the proxy's, e.g. the gone rank, not the live peer a wait was for). No more than one host word
+        read where nothing was recorded."""
+        if self.net is not None and self.rt.sig.record() is not None:
+            self.net.check(self.rt)
+        self.rt.check()
 
     def check_handle(self, handle) -> LLHandle:
         return self.rt.check_handle(handle, LLHandle, "low_latency_dispatch")
