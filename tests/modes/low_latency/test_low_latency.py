@@ -47,7 +47,8 @@ def test_control_words_without_and_with_hooks():
     R = 2
     # step: SEQ, NEXT, PEND[0], PEND[1], CONS[0], CONS[1], DONE, {half: (value, peers settled)}
     want = {
-        "dispatch 1": (1, 1, 0, 1, 0, 0, 0, {0: (0, True), 1: (1, True)}),
+        # (half 0 is free from the start: a peer's combine 2 may already have written its entry there, 0 or 2)
+        "dispatch 1": (1, 1, 0, 1, 0, 0, 0, {0: (0, False), 1: (1, True)}),
         "combine 2 sent": (2, 1, 0, 1, 0, 1, 0, {0: (2, False), 1: (1, True)}),
         "combine 2 received": (2, 1, 2, 1, 0, 1, 0, {0: (2, True), 1: (1, True)}),
         "dispatch 4 beside 3's hook": (4, 4, 4, 1, 2, 1, 0, {0: (4, True), 1: (3, False)}),
