@@ -49,8 +49,9 @@ def test_control_words_without_and_with_hooks():
     want = {
         # (half 0 is free from the start: a peer's combine 2 may already have written its entry there, 0 or 2)
         "dispatch 1": (1, 1, 0, 1, 0, 0, 0, {0: (0, False), 1: (1, True)}),
-        "combine 2 sent": (2, 1, 0, 1, 0, 1, 0, {0: (2, False), 1: (1, True)}),
-        "combine 2 received": (2, 1, 2, 1, 0, 1, 0, {0: (2, True), 1: (1, True)}),
+        # (combine 2's send released half 1 (CONS[1]): a peer's dispatch 3 may already have written its entry, 1 or 3)
+        "combine 2 sent": (2, 1, 0, 1, 0, 1, 0, {0: (2, False), 1: (1, False)}),
+        "combine 2 received": (2, 1, 2, 1, 0, 1, 0, {0: (2, True), 1: (1, False)}),
         "dispatch 4 beside 3's hook": (4, 4, 4, 1, 2, 1, 0, {0: (4, True), 1: (3, False)}),
         "dispatch 3 received": (4, 4, 4, 3, 4, 1, 0, {0: (4, True), 1: (3, True)}),
         "combine 5": (5, 5, 4, 5, 4, 3, 0, {0: (4, True), 1: (5, True)}),
