@@ -255,8 +255,7 @@ class ElasticBuffer:
                 it the outputs have the worst-case rows, every rank must pass the same, and the call is capturable.
             do_expand: the expanded layout; with a handle, the handle's (``ValueError`` otherwise, where V2 checks
                 nothing: docs/api_v1_v2.md item 15). A cached dispatch's ``x`` may change hidden size or dtype.
-            do_handle_copy, do_zero_padding (with ``do_expand``; padding rows are always zero here),
-                use_tma_aligned_col_major_sf (received scales column-major): V2's, as docs/api_v1_v2.md lists them.
+            do_handle_copy, do_zero_padding, use_tma_aligned_col_major_sf: V2's, as docs/api_v1_v2.md lists them.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``: ``recv_x`` like ``x`` (a pair for a pair);
