@@ -545,11 +545,20 @@ def wait_own_send(hdr, hdr_delta, host, round_no, me, stage, timeout_ns, R: tl.c
     :func:`finish_send_fused` releases it even when this rank holds an error). The grid is capped at one program
     per multiprocessor so that all are resident; where they are not (SMs withheld, e.g. by MPS), the wait runs
     out and the timeout is recorded against this rank. Returns True when the program may move data."""
+    return _wait_own(hdr + off_ready(R) + me, round_no, hdr, hdr_delta, host, round_no, me, stage, timeout_ns, R,
+                     USE_CLOCK)
+
+
+@triton.jit
+def _wait_own(flag, want, hdr, hdr_delta, host, rnd, me, stage, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """A fused launch's wait for a word of this rank's own (``*flag >= want``, for round ``rnd``) unless this rank
+    already holds an error; a wait that ends otherwise is posted as this rank's error. Returns True when the program
+    may move data."""
     ok = tl.load(hdr + W_ERR, volatile=True) == 0
     if ok:
-        st = wait_at_least(hdr + off_ready(R) + me, round_no, hdr, host, me, round_no, timeout_ns, R, USE_CLOCK)
+        st = wait_at_least(flag, want, hdr, host, me, rnd, timeout_ns, R, USE_CLOCK)
         if st != 0:
-            post_error(hdr, hdr_delta, host, st, me, stage, round_no, me, R)
+            post_error(hdr, hdr_delta, host, st, me, stage, rnd, me, R)
             ok = False
     return ok
 
@@ -563,13 +572,8 @@ def wait_own_consumed(hdr, hdr_delta, host, round_no, me, stage, timeout_ns, R: 
     launch's W_DONE2 count has started again). :func:`finish_recv_at` releases it even when this rank holds an
     error. Every program must be resident, as for :func:`wait_own_send`. Returns True when the program may move
     data."""
-    ok = tl.load(hdr + W_ERR, volatile=True) == 0
-    if ok:
-        st = wait_at_least(hdr + W_CONSUMED, round_no, hdr, host, me, round_no + 1, timeout_ns, R, USE_CLOCK)
-        if st != 0:
-            post_error(hdr, hdr_delta, host, st, me, stage, round_no + 1, me, R)
-            ok = False
-    return ok
+    return _wait_own(hdr + W_CONSUMED, round_no, hdr, hdr_delta, host, round_no + 1, me, stage, timeout_ns, R,
+                     USE_CLOCK)
 
 
 @triton.jit
