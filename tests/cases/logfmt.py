@@ -285,6 +285,7 @@ def deepep_accuracy(rank, world, E, K, H, T, device="cpu", fused=None, timeout_s
                             xin = (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
                         want = expected_combine(xin, idx, w, E, world, "identity")
                         assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "logfmt combine"
+                        done(f"input {i}: the oracle's combine compared")
                     assert got[-1] < (BOUND_FP8 if use_fp8 else BOUND_BF16), (use_fp8, logfmt, got)
                 diffs.append((use_fp8, *got))
         return diffs

@@ -176,9 +176,12 @@ def test_rows_times_hidden_past_2_31_dispatch_and_combine_gpu():
 
 
 # ------------------------------------------------------------------------- kind 6: 1,000 rounds
+@pytest.mark.extended
 def test_thousand_back_to_back_rounds_virtual_gpu():
     """1,000 dispatch -> combine rounds with fresh random routing on 4 simulated ranks (compiled kernels),
-    an older handle reused every 5th round; bit for bit each round."""
+    an older handle reused every 5th round; bit for bit each round. Extended tier: 22 s alone on an H200, but
+    over 200 s beside three other GPU test workers (its many small synchronised steps wait on their time
+    slices); the processes twin below runs 1,000 rounds on the GPU in the default tier."""
     rb.back_to_back(rb.guarded_group(4, 1 << 16, DEV), 1000, R=4, E=16, K=4, H=128, max_t=64, seed=5, device=DEV)
 
 
