@@ -249,9 +249,9 @@ def test_tune_options_that_do_not_go_together_exit_2_before_any_work(args, why, 
 
 
 @pytest.mark.parametrize("args,why", [
-    (["--qps", "5000"], "--qps: must be a finite number >= 1 and <= 1024, got 5000"),
-    (["--slots", "2000"], "--slots: must be a finite number >= 1 and <= 1024, got 2000"),
-    (["--chunk-kib", "9999999"], "--chunk-kib: must be a finite number >= 1 and <= 1048576, got 9999999"),
+    (["--qps", "5000"], "--qps: must be an integer in 1..1024, got 5000"),
+    (["--slots", "2000"], "--slots: must be an integer in 1..1024, got 2000"),
+    (["--chunk-kib", "9999999"], "--chunk-kib: must be an integer in 1..1048576, got 9999999"),
 ])
 def test_scheduler_cli_counts_have_upper_bounds(args, why, capsys):
     """``python -m triton_ep.scheduler_cli``'s counts are bounded as a Buffer's network leg bounds them

@@ -17,25 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from triton_ep.protocol.limits import MAX_TIMEOUT_S
+from triton_ep.argtypes import int_in, non_negative_int, seconds
 from triton_ep.scheduler import bootstrap, host_alltoall
 from triton_ep.transport import factory
 from triton_ep.transport.bootstrap import gather_objects
-
-
-def _at_least(lo, kind=int, hi=None):
-    """An argparse ``type``: ``kind`` of the text, finite, ``>= lo`` (and ``<= hi`` where given); else a usage
-    error naming the range."""
-    def parse(v):
-        try:
-            x = kind(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{v!r} is not of type {kind.__name__}") from None
-        if not x >= lo or x != x or x == float("inf") or (hi is not None and x > hi):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}"
-                                             f"{'' if hi is None else f' and <= {hi:g}' if kind is float else f' and <= {hi}'}, got {v}")
-        return x
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,17 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
                                              "fabric (all ranks on this machine: torchrun --nnodes 1 "
                                              "--nproc-per-node N). Prints wall-clock GB/s, bytes per port and per QP "
                                              "on rank 0.")
-    ap.add_argument("--mib", type=_at_least(0), default=64, help="MiB each rank sends each peer (default 64)")
-    ap.add_argument("--qps", type=_at_least(1, int, 1024), default=8,
+    ap.add_argument("--mib", type=non_negative_int, default=64, help="MiB each rank sends each peer (default 64)")
+    ap.add_argument("--qps", type=int_in(1, 1024), default=8,
                     help="QPs per peer, at most 1024 (default 8; a Buffer's normal-mode network leg opens "
                          "TRITON_EP_RDMA_QPS_PER_PEER, default 4)")
-    ap.add_argument("--chunk-kib", type=_at_least(1, int, 1 << 20), default=1024,
+    ap.add_argument("--chunk-kib", type=int_in(1, 1 << 20), default=1024,
                     help="chunk (ring slot) size in KiB, at most 1048576 (1 GiB, as TRITON_EP_RDMA_CHUNK_BYTES; "
                          "default 1024)")
-    ap.add_argument("--slots", type=_at_least(1, int, 1024), default=8,
+    ap.add_argument("--slots", type=int_in(1, 1024), default=8,
                     help="slots per send and receive ring, at most 1024 (as TRITON_EP_RDMA_SLOTS; default 8)")
-    ap.add_argument("--timeout", type=_at_least(0.001, float, MAX_TIMEOUT_S), default=60.0,
-                    help=f"seconds every wait may take before it raises, at most {MAX_TIMEOUT_S:g} (default 60)")
+    ap.add_argument("--timeout", type=seconds, default=60.0,
+                    help="seconds every wait may take before it raises, below 1e9 (default 60)")
     ap.add_argument("--emulated", action="store_true", help="emulated dual-port NICs, one per rank, on this machine")
     return ap
 

@@ -132,14 +132,10 @@ class NetLeg:
         stage this rank's low-latency kernels recorded in ``rt``'s signals (the low-latency Runtime), if any: every
         kernel wait of the leg ends once the proxy failed (its abort word, :func:`triton_ep.kernels.ll_net.abort_word`),
         and its record names where it waited. A :class:`~triton_ep.scheduler.PeerGoneError` so names the gone rank
-        and that stage. A proxy process's error comes over its channel after its abort word: it is waited for, at most
-        ``timeout_s`` (the proxy's error, not a kernel's record of a wait that the abort ended, is the one to raise).
-        Nothing where the proxy did not fail."""
+        and that stage. A proxy process's error, which comes over its channel after its abort word, is waited for by
+        the scheduler's own ``check`` (bounded there). Nothing where the proxy did not fail."""
         rec = rt.sig.record()
         sched = self.sched
-        end = time.monotonic() + rt.timeout_s
-        while sched.error is None and sched.flags.aborted and time.monotonic() < end:
-            time.sleep(0.001)
         sched.waiting = None if rec is None else f"{F.STAGE_NAMES.get(rec.stage, 'unknown')} (round {rec.call})"
         try:
             sched.check()
