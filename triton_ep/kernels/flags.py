@@ -31,9 +31,9 @@ once the launch before it has completed. Normal mode, where ranks run concurrent
 lock-step runner): a split send records its round (``NEXT``, :func:`defer_send`), the receive right after it
 publishes it (:func:`publish_deferred`) and records the freed area (``PENDC``, :func:`defer_recv`), which the
 rank's next send releases into ``CONSUMED`` (:func:`release_consumed`). Low-latency calls (the ``L_*`` words): a
-receive's ``CONS`` is released by the rank's next low-latency launch (:func:`ll_finish_recv`), and in a call
+receive's ``CONS`` is released by the rank's next low-latency launch (:func:`.ll_flags.ll_finish_recv`), and in a call
 without a receive hook, within one host, the receive launch publishes its own call's ``READY``
-(:func:`ll_publish_deferred`). Then the programs of a receive may wait for program (0, 0) of a peer's receive of
+(:func:`.ll_flags.ll_publish_deferred`). Then the programs of a receive may wait for program (0, 0) of a peer's receive of
 the same round or call (where that peer deferred too), which publishes before it waits; the GPU places a
 launch's programs in order (not a documented guarantee, but what persistent kernels rely on), so that program is
 among the first to run, and where ranks share a GPU their grids are capped (``max_programs``) so that spinning
@@ -76,7 +76,7 @@ def failure_word(round_no, kind):
 
 
 @triton.jit
-def _now_ns(USE_CLOCK: tl.constexpr):
+def now_ns(USE_CLOCK: tl.constexpr):
     """GPU global timer in nanoseconds; 0 under the interpreter (which has no clock)."""
     if USE_CLOCK:
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
@@ -179,7 +179,7 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
     if fail_ptr is not None:
         status = _ll_failed(status, fail_ptr, fail_call)
     v = acquire(flag)
-    t0 = _now_ns(USE_CLOCK)
+    t0 = now_ns(USE_CLOCK)
     spins = tl.full([], 0, tl.int32)
     while (v < want) & (status == 0):
         status = _peer_status(hdr, peer, rnd, R)
@@ -190,7 +190,7 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
                 if acquire(flag) < want:        # read again: a notifying peer released the flag before READY
                     status = tl.maximum(status, E_MISMATCH)
         if USE_CLOCK:
-            if _now_ns(USE_CLOCK) - t0 > timeout_ns:
+            if now_ns(USE_CLOCK) - t0 > timeout_ns:
                 status = tl.maximum(status, E_TIMEOUT)
             look = (spins & (DEAD_LOOK - 1)) == 0
         else:
@@ -283,176 +283,18 @@ def last_program_at(counter, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout_ns, R: tl.constexpr,
-                  REMOTE: tl.constexpr, CHECK_SIG: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
-                  COST: tl.constexpr, cost_ptr=None, cost_on=False, ahead=2, abort=None):
-    """A low-latency launch waits for every peer ``r`` that is not masked (``MASK[r]`` here): with
-    ``REMOTE`` until ``r``'s word ``base`` is ``>= want`` (a send: the peer has received the call that last
-    used this half), else until this rank's word ``base + r`` is (a receive: ``READY``), then with
-    ``CHECK_SIG`` compares ``r``'s signature (its ``SIG`` word) with ``sig``. Callers pass the flags by
-    keyword.
-
-    A wait that ends badly writes an error record (:func:`post_wait_error`; failure words are tagged
-    with the normal-mode round ``W_BASE + 1``, what peers compare them with); with ``SHRINK`` a peer that
-    timed out or left is masked instead (``MASK[r] = 1``) and the launch goes on without it. With
-    ``COST`` and ``cost_on`` (one program of the launch) the nanoseconds spent waiting for each peer are
-    added to ``cost_ptr[r]`` (0 under the interpreter, which has no clock). With ``REMOTE``, ``want + ahead``
-    is the call that waits (its number goes into failure records). ``abort``: across hosts, the RDMA proxy's abort
-    word (:func:`wait_at_least`; ``None`` within one host): once this rank's proxy failed the call cannot complete, so
-    no wait goes on, not even for a peer of this host (which may itself wait for a chunk that will not come). Returns
-    True when the program may move data (this rank holds no error)."""
-    call = tl.load(hdr + W_BASE) + 1
-    bad = (tl.load(hdr + W_ERR, volatile=True) != 0).to(tl.int32)
-    for r in tl.static_range(R):
-        masked = tl.load(ctl + off_ll_mask(R) + r, volatile=True) != 0
-        if (bad == 0) & (r != me) & (masked == 0):
-            if REMOTE:
-                flag = ctl + tl.load(hdr_delta + r) + base
-            else:
-                flag = ctl + base + r
-            t0 = _now_ns(USE_CLOCK)
-            # the low-latency call waited for: a receive waits for it (READY), a send for call - 2 (CONS; the
-            # fence of a call of new sizes for call - 1: kernels.ll_fence)
-            lcall = want + ahead if REMOTE else want
-            # (round 0: normal-mode FAILED words are not about low-latency calls, which learn of a
-            # peer's failure from LFAILED only)
-            st = wait_at_least(flag, want, hdr, host, r, 0, timeout_ns, R, USE_CLOCK,
-                               ctl + off_ll_failed(R) + r, lcall, abort=abort)
-            if COST:
-                if cost_on:
-                    tl.atomic_add(cost_ptr + r, _now_ns(USE_CLOCK) - t0, sem="relaxed")
-            if CHECK_SIG:
-                if (st == 0) & (tl.load(flag + (off_ll_sig(R) - off_ll_ready(R)), volatile=True) != sig):
-                    st = tl.full([], E_MISMATCH, tl.int32)
-            if SHRINK & ((st == E_TIMEOUT) | (st == E_GONE)):
-                tl.store(ctl + off_ll_mask(R) + r, tl.full([], 1, tl.int64))
-                st = tl.full([], 0, tl.int32)
-            if st != 0:
-                post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R, ctl, lcall)
-            bad = bad + st
-    return bad == 0
-
-
-@triton.jit
-def ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_ASM: tl.constexpr):
-    """End of a low-latency send launch: the last program stores the call's signature and releases
-    ``READY[half * R + me] = n`` in every peer's control block (unless this rank holds an error: the
-    peers then learn it from ``FAILED``), and records ``n`` as this rank's last sent call."""
-    if last_program_at(ctl + L_DONE, USE_ASM):
-        _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R, me)
-
-
-@triton.jit
-def ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me, USE_ASM: tl.constexpr):
-    """:func:`ll_finish_send` at the end of a one-launch call's send part. The last program also releases this
-    rank's own ``READY[half * R + me] = n`` when this rank holds an error (only :func:`ll_wait_own` reads that word
-    then), so the launch's other programs never wait for a release that would not come."""
-    if last_program_at(ctl + L_DONE, USE_ASM):
-        _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R, me)
-        if tl.load(hdr + W_ERR, volatile=True) != 0:
-            release(ctl + off_ll_ready(R) + half * R + me, n)
-
-
-@triton.jit
-def ll_wait_own(ctl, hdr, hdr_delta, host, flag, want, me, stage, lcall, timeout_ns, R: tl.constexpr,
-                USE_CLOCK: tl.constexpr):
-    """In a one-launch low-latency call, between its parts: wait until ``*flag >= want``, a word of this rank's
-    own that the launch's last program to finish the part before releases. Every program of the launch must be
-    resident at once (the grid holds no more programs than fit on the multiprocessors, kernels.ll_fused); where they
-    are not, the wait runs out and the timeout is recorded against this rank (low-latency call ``lcall``). Returns True when the program may
-    move data (this rank holds no error)."""
-    ok = tl.load(hdr + W_ERR, volatile=True) == 0
-    if ok:
-        st = wait_at_least(flag, want, hdr, host, me, 0, timeout_ns, R, USE_CLOCK)
-        if st != 0:
-            post_error(hdr, hdr_delta, host, st, me, stage, tl.load(hdr + W_BASE) + 1, me, R, ctl, lcall)
-            ok = False
-    return ok
-
-
-@triton.jit
-def ll_gate(ctl, hdr, hdr_delta, host, me, stage, lcall, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
-            USE_ASM: tl.constexpr):
-    """Every program of a one-launch low-latency call meets here (a grid barrier): each reads ``GATE`` before it
-    counts itself at ``DONE2``; the last to count releases ``GATE`` + 1, and all wait for it (:func:`ll_wait_own`:
-    bounded, every program resident). What each program stored before is visible to every program after.
-    Returns True when the program may move data."""
-    g = tl.load(ctl + L_GATE, volatile=True)
-    if last_program_at(ctl + L_DONE2, USE_ASM):
-        release(ctl + L_GATE, g + 1)
-    return ll_wait_own(ctl, hdr, hdr_delta, host, ctl + L_GATE, g + 1, me, stage, lcall, timeout_ns, R, USE_CLOCK)
-
-
-@triton.jit
-def _first_program():
+def first_program():
     """Program (0, 0) of the launch: the one that acts for a launch without an end-of-launch count."""
     return (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
 
 
 @triton.jit
-def _release_pending(flag, pending):
+def release_pending(flag, pending):
     """Release ``*flag = *pending`` where the flag is behind (a receive recorded ``*pending`` and left its release to
     the next launch, which calls this)."""
     p = tl.load(pending)
     if p > tl.load(flag):
         release(flag, p)
-
-
-@triton.jit
-def _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me):
-    if tl.load(hdr + W_ERR, volatile=True) == 0:
-        for r in tl.static_range(R):
-            peer = ctl + tl.load(hdr_delta + r)
-            tl.store(peer + off_ll_sig(R) + half * R + me, sig)
-            release(peer + off_ll_ready(R) + half * R + me, n)
-    tl.store(ctl + L_SEQ, n)
-
-
-@triton.jit
-def ll_defer_send(ctl, n):
-    """End of a low-latency send launch without its end-of-launch count (a call without a receive hook, within
-    one host: its receive launch follows it in the stream): program (0, 0) records the call as ``NEXT = n``.
-    Nothing is published yet: :func:`ll_publish_deferred`, in that receive launch, does it."""
-    if _first_program():
-        tl.store(ctl + L_NEXT, n)
-
-
-@triton.jit
-def ll_publish_deferred(ctl, hdr, hdr_delta, sig, R: tl.constexpr, me):
-    """Start of the receive launch of a call whose send launch had no end-of-launch count (:func:`ll_defer_send`):
-    returns the call's number ``n = NEXT``, and program (0, 0), before anything waits, does what the send's last
-    program would have done (:func:`ll_finish_send`): the signature and ``READY[half * R + me] = n`` in every peer
-    (unless this rank holds an error), then ``SEQ = n``. The send launch has completed (stream order), so every
-    row it wrote is in place before the release; the peers' receive launches of the call wait for it, and each
-    publishes its own in its program (0, 0) before it waits (the programs of a launch start in order, and where
-    ranks share a GPU their grids are capped so that no rank's programs keep another's from starting). No
-    program of this launch reads ``SEQ``."""
-    n = tl.load(ctl + L_NEXT)
-    if _first_program():
-        _ll_publish(ctl, hdr, hdr_delta, n & 1, n, sig, R, me)
-    return n
-
-
-@triton.jit
-def ll_finish_recv(ctl, half, n):
-    """End of a low-latency receive launch: program (0, 0) records ``PEND[half] = n``. The launch has no
-    end-of-launch count: the rank's next low-latency launch, which starts only once this one has completed
-    (stream order), releases ``CONS[half] = n`` (:func:`ll_release_cons`; the half is then free for call
-    ``n + 2``). A peer waits for that ``CONS`` only in a launch of a later call, and this rank's next low-latency
-    launch after this receive (at the latest the first launch of call ``n + 2``; with two hooks outstanding, the
-    receive of call ``n + 1``) releases it before it waits for anything, so no wait depends on its own launch."""
-    if _first_program():
-        tl.store(ctl + L_PEND + half, n)
-
-
-@triton.jit
-def ll_release_cons(ctl):
-    """First thing of every low-latency launch, in program (0, 0), before any wait: release ``CONS[h] =
-    PEND[h]`` for each half whose last receive (a launch before this one in the stream, so complete: its reads
-    of the half are done) is not released yet (:func:`ll_finish_recv`)."""
-    if _first_program():
-        for h in tl.static_range(2):
-            _release_pending(ctl + L_CONS + h, ctl + L_PEND + h)
 
 
 @triton.jit
@@ -499,8 +341,8 @@ def release_consumed(hdr):
     release ``CONSUMED = PENDC`` where the last receive launch, which had no end-of-launch count (:func:`defer_recv`),
     is not released yet. That receive precedes this launch in the stream, so it has completed: its reads of the
     area are done."""
-    if _first_program():
-        _release_pending(hdr + W_CONSUMED, hdr + W_PENDC)
+    if first_program():
+        release_pending(hdr + W_CONSUMED, hdr + W_PENDC)
 
 
 @triton.jit
@@ -508,7 +350,7 @@ def defer_send(hdr, round_no):
     """End of a send launch without an end-of-launch count (ranks that run concurrently: not the lock-step runner):
     program (0, 0) records ``NEXT = round_no``; the receive launch right after it publishes the round
     (:func:`publish_deferred`)."""
-    if _first_program():
+    if first_program():
         tl.store(hdr + W_NEXT, round_no)
 
 
@@ -520,7 +362,7 @@ def publish_deferred(hdr, hdr_delta, sig, me, R: tl.constexpr):
     send launch has completed (stream order), so its records are in place before the release. The peers' receive
     launches of the round wait for it and publish theirs first, in their program (0, 0) (see the module's notes)."""
     n = tl.load(hdr + W_NEXT)
-    if _first_program():
+    if first_program():
         if tl.load(hdr + W_ERR, volatile=True) == 0:
             _release_ready(hdr, hdr_delta, n, sig, me, R)
     return n
@@ -532,7 +374,7 @@ def defer_recv(hdr, round_no, advance):
     so none of its programs reads ``BASE``): program (0, 0) advances ``BASE`` by ``advance`` and records ``PENDC =
     round_no``; this rank's next send launch releases ``CONSUMED`` (:func:`release_consumed`), and a peer waits for
     that only in a send of a later round."""
-    if _first_program():
+    if first_program():
         if advance != 0:
             tl.store(hdr + W_BASE, tl.load(hdr + W_BASE) + advance)
         tl.store(hdr + W_PENDC, round_no)
@@ -604,14 +446,14 @@ def wait_ge(flag, want, abort, timeout_ns, USE_CLOCK: tl.constexpr):
     (``%globaltimer`` on GPU; under the interpreter the host's watchdog sets ``*abort`` to 1) or
     ``E_FAILED`` when the host set ``*abort`` to another value (the RDMA proxy failed)."""
     v = acquire(flag)
-    t0 = _now_ns(USE_CLOCK)
+    t0 = now_ns(USE_CLOCK)
     status = tl.full([], 0, tl.int32)
     while (v < want) & (status == 0):
         a = tl.load(abort, volatile=True)
         if a != 0:
             status = tl.where(a == 1, E_TIMEOUT, E_FAILED).to(tl.int32)
         if USE_CLOCK:
-            if _now_ns(USE_CLOCK) - t0 > timeout_ns:
+            if now_ns(USE_CLOCK) - t0 > timeout_ns:
                 status = tl.full([], E_TIMEOUT, tl.int32)
         v = acquire(flag)
     return status

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import names
-from . import flags, ll_net, logfmt, pdl
+from . import flags, ll_flags, ll_net, logfmt, pdl
 from ._util import cdiv, pow2, tuning
 from .launch import Launcher, bound
 from .combine import _bf16_rtne_bits
@@ -86,7 +86,7 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
     pdl.pdl_start()
     xw_ptr = xw_ptr.to(tl.pointer_type(tl.int32), bitcast=True)        # (x bf16, moved as words)
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
-    flags.ll_release_cons(ctl)      # (the last receive's CONS, before this launch waits)
+    ll_flags.ll_release_cons(ctl)      # (the last receive's CONS, before this launch waits)
     n = tl.load(ctl + flags.L_SEQ) + 1
     half = n & 1
     go = wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ring_ctl, remote, flags.STAGE_LL_COMBINE_SEND, R,
@@ -100,10 +100,10 @@ def _ll_combine_send_kernel(xw_ptr, ret_slot, count, layout, area_w, delta_w, ct
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, layout, R,
                            1, experts_per_rank, RW, 0, R, BLOCK_C, USE_ASM)
     elif DEFER:     # no end-of-launch count: the reduce launch right after this one publishes the call
-        flags.ll_defer_send(ctl, n)
+        ll_flags.ll_defer_send(ctl, n)
     else:
         # The last program releases READY = n in every peer and records n as this rank's last call.
-        flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+        ll_flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
 
 
 # no fused multiply-add: the LogFMT encoding rounds every step as the reference does
@@ -195,7 +195,7 @@ def _ll_combine_reduce_kernel(area_h, ctl, idx_ptr, w_ptr, out_ptr, cost_ptr, T,
                 (ctl_w + half * half_w + cnt_w) * 2, ltab, tl.program_id(0), tl.num_programs(0), tl.program_id(1),
                 tl.num_programs(1), R, K, H, BLOCK_T, BLOCK_H, LOGFMT, LW, BLOCK_K)
     # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
-    flags.ll_finish_recv(ctl, half, n)
+    ll_flags.ll_finish_recv(ctl, half, n)
 
 
 # no fused multiply-add: w * v is rounded, then added, as in the reference
@@ -243,7 +243,7 @@ def ll_combine_reduce(area: torch.Tensor, ctl: torch.Tensor, topk_idx: torch.Ten
     """Reduce the rows returned for call ``SEQ - offset`` into ``out`` bf16 ``[T, H]`` with ``topk_weights``
     fp32 ``[T, K]`` (``topk_idx`` int32/int64 ``[T, K]``); wait ns per peer are added to ``cost`` (int64). With
     ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
-    this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`). ``use_logfmt``: the rows
+    this launch publishes it first (:func:`triton_ep.kernels.ll_flags.ll_publish_deferred`). ``use_logfmt``: the rows
     are LogFMT-10 records (:func:`ll_combine_send` with ``use_logfmt``). ``net``: the network leg (its waits end once
     the RDMA proxy failed), or None."""
     T, K = topk_idx.shape

@@ -19,11 +19,11 @@ The three launches of one dispatch:
    casts rows to FP8 if asked, writes each record straight into the expert's rank, then the counts; its
    last program releases ``READY`` in every peer and advances this rank's call number. In a call without
    a receive hook, within one host, the send has no end-of-launch count: it records the call (``NEXT``) and
-   the receive launch, next in the stream, publishes it first thing (:func:`.flags.ll_publish_deferred`).
+   the receive launch, next in the stream, publishes it first thing (:func:`.ll_flags.ll_publish_deferred`).
 3. :func:`ll_dispatch_recv` (the receive hook's launch): waits for every peer's ``READY``, packs the
    records expert-major into fresh outputs (rows of source ranks in rank order, each in its token order),
    and fills DeepEP's handle tables. It has no end-of-launch count: the rank's next low-latency launch frees
-   the half for call ``n + 2`` (:func:`.flags.ll_finish_recv`).
+   the half for call ``n + 2`` (:func:`.ll_flags.ll_finish_recv`).
 """
 from typing import Optional
 
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import names
-from . import flags, ll_net, pdl
+from . import flags, ll_flags, ll_net, pdl
 from ..protocol import records
 from ._util import cdiv, pow2, tuning
 from .geometry import grid2, row_words
@@ -106,7 +106,7 @@ def _ll_route_kernel(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_pe
                      hdr, hdr_delta, host, me, R: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     pdl.pdl_start()
-    flags.ll_release_cons(ctl)      # (a dispatch's first launch: the last receive's CONS, before the send waits)
+    ll_flags.ll_release_cons(ctl)      # (a dispatch's first launch: the last receive's CONS, before the send waits)
     route_part(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me,
                tl.program_id(0), tl.num_programs(0), R, K, BLOCK_T, BLOCK_K, BLOCK_E, True)
 
@@ -210,7 +210,7 @@ def wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ring_ctl, remote, st
     """Before a send of call ``n`` (dispatch or combine): it uses half ``n & 1``; wait until every peer has
     received call ``n - 2``, the half's last user (with ``NET``, also until the send ring's slots are free; every
     wait ends once the RDMA proxy failed: :func:`ll_net.abort_word`). Returns True when the program may move data."""
-    go = flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + (n & 1), n - 2, 0, me, stage, timeout_ns,
+    go = ll_flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + (n & 1), n - 2, 0, me, stage, timeout_ns,
                              R=R, REMOTE=True, CHECK_SIG=False, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False,
                              abort=ll_net.abort_word(ring_ctl, NET))
     if NET:     # ranks on the network: each one's chunk k reuses the send slot of its chunk k - 2, once placed
@@ -245,10 +245,10 @@ def _ll_dispatch_send_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, 
         ll_net.finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, half, n, sig, me, cnt_ptr,
                            1, experts_per_rank, experts_per_rank, REC, CW, R, BLOCK_C, USE_ASM)
     elif DEFER:     # no end-of-launch count: the receive launch right after this one publishes the call
-        flags.ll_defer_send(ctl, n)
+        ll_flags.ll_defer_send(ctl, n)
     else:
         # The last program releases READY = n in every peer and records n as this rank's last call.
-        flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+        ll_flags.ll_finish_send(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
 
 
 _ll_dispatch_send_launch = Launcher(_ll_dispatch_send_kernel, **pdl.options())
@@ -331,7 +331,7 @@ def wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, cost_
     and check its signature (wait ns per peer into ``cost_ptr`` with ``COST`` where ``cost_on``; with ``NET`` the
     waits end once the RDMA proxy of control block ``ring_ctl`` failed: :func:`ll_net.abort_word`). Returns True
     when the program may move data."""
-    return flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + (n & 1) * R, n, sig, me, stage,
+    return ll_flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.off_ll_ready(R) + (n & 1) * R, n, sig, me, stage,
                                timeout_ns, R=R, REMOTE=False, CHECK_SIG=True, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK,
                                COST=COST, cost_ptr=cost_ptr, cost_on=cost_on, abort=ll_net.abort_word(ring_ctl, NET))
 
@@ -342,9 +342,9 @@ def recv_call(ctl, hdr, hdr_delta, sig, me, offset, R: tl.constexpr, DEFER: tl.c
     may follow another receive) and returns the call it receives: with ``DEFER`` the one the send launch just
     before it sent and left to it to publish (it publishes it here), else the rank's last sent call less the sends
     issued after it (``offset``, host-known)."""
-    flags.ll_release_cons(ctl)
+    ll_flags.ll_release_cons(ctl)
     if DEFER:
-        n = flags.ll_publish_deferred(ctl, hdr, hdr_delta, sig, R, me)
+        n = ll_flags.ll_publish_deferred(ctl, hdr, hdr_delta, sig, R, me)
     else:
         n = tl.load(ctl + flags.L_SEQ) - offset
     return n
@@ -375,7 +375,7 @@ def _ll_dispatch_recv_kernel(area_w, ctl, out_w, out_s, src_info, ret_slot, layo
               cnt_w, experts_per_rank, go, tl.program_id(0), tl.num_programs(0), tl.program_id(1), tl.num_programs(1),
               R, K, PW, SW, REC, UE8M0, STATS, BLOCK_R, BLOCK_W, BLOCK_S, BLOCK_F)
     # Program (0, 0) records the call; the rank's next low-latency launch frees the half for call n + 2.
-    flags.ll_finish_recv(ctl, half, n)
+    ll_flags.ll_finish_recv(ctl, half, n)
 
 
 _ll_dispatch_recv_launch = Launcher(_ll_dispatch_recv_kernel, **pdl.options())
@@ -457,7 +457,7 @@ def ll_dispatch_recv(area: torch.Tensor, ctl: torch.Tensor, lay, offset: int, nu
     int32 / ``ret_slot`` int32 ``[E_local, R*N]``, ``layout_range`` int64 ``[E_local, R]``, ``count`` int32
     ``[E_local]``; adds the counts to ``stats`` (int32 ``[E_local]``) and wait ns to ``cost`` (int64). With
     ``defer`` the call is the one the send launch just before it sent with ``defer`` (``offset`` is not used):
-    this launch publishes it first (:func:`triton_ep.kernels.flags.ll_publish_deferred`). ``net``: the network leg
+    this launch publishes it first (:func:`triton_ep.kernels.ll_flags.ll_publish_deferred`). ``net``: the network leg
     (its waits end once the RDMA proxy failed), or None."""
     El, RN, PW = out_words.shape[0], out_words.shape[1], row_words(out_words)
     tune = tuning("ll_recv")

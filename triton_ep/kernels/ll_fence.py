@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import names
-from . import flags
+from . import flags, ll_flags
 from . import ll_net
 from .launch import Launcher
 
@@ -21,9 +21,9 @@ from .launch import Launcher
 @names.jit('low_latency', 'fence', do_not_specialize=['me', 'timeout_ns', 'stage'])
 def _ll_fence_kernel(ctl, hdr, hdr_delta, host, me, timeout_ns, stage, ring_ctl, R: tl.constexpr, SHRINK: tl.constexpr,
                      USE_CLOCK: tl.constexpr, NET: tl.constexpr):
-    flags.ll_release_cons(ctl)                  # (before the wait: the peers' fences wait for it)
+    ll_flags.ll_release_cons(ctl)                  # (before the wait: the peers' fences wait for it)
     n = tl.load(ctl + flags.L_SEQ) + 1          # the call about to be sent
-    flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + 1 - (n & 1), n - 1, 0, me, stage, timeout_ns,
+    ll_flags.ll_wait_peers(ctl, hdr, hdr_delta, host, flags.L_CONS + 1 - (n & 1), n - 1, 0, me, stage, timeout_ns,
                         R=R, REMOTE=True, CHECK_SIG=False, SHRINK=SHRINK, USE_CLOCK=USE_CLOCK, COST=False, ahead=1,
                         abort=ll_net.abort_word(ring_ctl, NET))
 

@@ -5,10 +5,10 @@ A low-latency dispatch without a receive hook is three launches when split (:fun
 send, the receive) and a combine two (the send, the reduce). Each launch costs host time (on an H200 machine some
 15-25 µs with these kernels' 25-35 arguments), so a call here is one launch:
 
-- :func:`ll_dispatch_fused`: the route part (each program its expert blocks), a gate (:func:`.flags.ll_gate`:
+- :func:`ll_dispatch_fused`: the route part (each program its expert blocks), a gate (:func:`.ll_flags.ll_gate`:
   every program's slots and counts are written before any program reads them), the send part, its end-of-send
-  count (:func:`.flags.ll_finish_send_fused`: the last program publishes ``READY`` in every peer), then with
-  ``recv`` a wait for this rank's own ``READY`` (:func:`.flags.ll_wait_own`: every program's records into this
+  count (:func:`.ll_flags.ll_finish_send_fused`: the last program publishes ``READY`` in every peer), then with
+  ``recv`` a wait for this rank's own ``READY`` (:func:`.ll_flags.ll_wait_own`: every program's records into this
   rank's own area are in place) and the receive part. Without ``recv`` (a call with a receive hook) it is the
   send launch, route included, and the hook launches :func:`.ll_dispatch.ll_dispatch_recv` as before.
 - :func:`ll_combine_fused`: the send part, its end-of-send count, the wait for the own ``READY``, the reduce part.
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import names
-from . import flags, pdl
+from . import flags, ll_flags, pdl
 from ..protocol import records
 from ._util import cdiv, interpreted, pow2, tuning
 from .geometry import fused_programs, row_words
@@ -68,7 +68,7 @@ def _ll_dispatch_fused_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w,
     area_w, area_q, area_f = typed_area(area_w, area_q, area_f, NATIVE)
     out_w = out_w.to(tl.pointer_type(tl.int32), bitcast=True)        # (the rows and their scales as words)
     out_s = out_s.to(tl.pointer_type(tl.int32), bitcast=True)
-    flags.ll_release_cons(ctl)      # (the last receive's CONS, before anything waits)
+    ll_flags.ll_release_cons(ctl)      # (the last receive's CONS, before anything waits)
     p = tl.program_id(0)
     P = tl.num_programs(0)
     n = tl.load(ctl + flags.L_SEQ) + 1        # (every program reads it before the end-of-send count moves it)
@@ -76,16 +76,16 @@ def _ll_dispatch_fused_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w,
     hb = ctl_w + half * half_w
     route_part(idx_ptr, slot_ptr, cnt_ptr, ctl, T, num_experts, experts_per_rank, hdr, hdr_delta, host, me, p, P,
                R, K, ROUTE_T, BLOCK_K, ROUTE_E, False)
-    flags.ll_gate(ctl, hdr, hdr_delta, host, me, flags.STAGE_LL_DISPATCH_SEND, n, timeout_ns, R, USE_CLOCK, USE_ASM)
+    ll_flags.ll_gate(ctl, hdr, hdr_delta, host, me, flags.STAGE_LL_DISPATCH_SEND, n, timeout_ns, R, USE_CLOCK, USE_ASM)
     go = wait_send(ctl, hdr, hdr_delta, host, n, me, timeout_ns, ctl, ctl, flags.STAGE_LL_DISPATCH_SEND, R, False,
                    SHRINK, USE_CLOCK)
     s0, S0, s1, S1 = _as_grid2(p, P, SEND_S, tl.cdiv(tl.where(go, T, 0), BLOCK_T))
     send_part(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w, area_q, area_f, delta_w, ctl, T, num_experts,
               experts_per_rank, n_max, hb, cnt_w, n, go, me, 0, 0, ctl, s0, S0, s1, S1, False, 1, 1, R, K, H, PW, SW,
               REC, FP8, ROUND_SCALE, NATIVE, BLOCK_T, BLOCK_H, BLOCK_K, 1024)
-    flags.ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+    ll_flags.ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
     if RECV:
-        go = flags.ll_wait_own(ctl, hdr, hdr_delta, host, ctl + flags.off_ll_ready(R) + half * R + me, n, me,
+        go = ll_flags.ll_wait_own(ctl, hdr, hdr_delta, host, ctl + flags.off_ll_ready(R) + half * R + me, n, me,
                                flags.STAGE_LL_DISPATCH_RECV, n, timeout_ns, R, USE_CLOCK)
         go = go & wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, p == 0,
                             flags.STAGE_LL_DISPATCH_RECV, R, SHRINK, USE_CLOCK, COST)
@@ -94,7 +94,7 @@ def _ll_dispatch_fused_kernel(x_ptr, xw_ptr, idx_ptr, slot_ptr, cnt_ptr, area_w,
                   experts_per_rank, go, r0, R0, r1, R1, R, K, PW, SW, REC, UE8M0, STATS, BLOCK_R, BLOCK_W, BLOCK_S,
                   BLOCK_F)
         # Program 0 records the call; the rank's next low-latency launch frees the half for call n + 2.
-        flags.ll_finish_recv(ctl, half, n)
+        ll_flags.ll_finish_recv(ctl, half, n)
 
 
 _ll_dispatch_fused_launch = Launcher(_ll_dispatch_fused_kernel, **pdl.options())
@@ -223,7 +223,7 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
     area_w = area_w.to(tl.pointer_type(tl.int32), bitcast=True)
     area_h = area_h.to(tl.pointer_type(tl.bfloat16), bitcast=True)     # (the returned rows, out as bf16 bits)
     out_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-    flags.ll_release_cons(ctl)      # (the last receive's CONS, before anything waits)
+    ll_flags.ll_release_cons(ctl)      # (the last receive's CONS, before anything waits)
     p = tl.program_id(0)
     P = tl.num_programs(0)
     n = tl.load(ctl + flags.L_SEQ) + 1        # (every program reads it before the end-of-send count moves it)
@@ -234,8 +234,8 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
     s0, S0, s1, S1 = _as_grid2(p, P, SEND_S, experts_per_rank)
     combine_send_part(xw_ptr, ret_slot, count, layout, area_w, delta_w, ctl, n_max, hb, experts_per_rank, n, go, 0,
                       0, ctl, ltab, s0, S0, s1, S1, False, 1, 1, R, K, H, BLOCK_R, BLOCK_W, LOGFMT, LW, LB)
-    flags.ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
-    go = flags.ll_wait_own(ctl, hdr, hdr_delta, host, ctl + flags.off_ll_ready(R) + half * R + me, n, me,
+    ll_flags.ll_finish_send_fused(ctl, hdr, hdr_delta, half, n, sig, R, me, USE_ASM)
+    go = ll_flags.ll_wait_own(ctl, hdr, hdr_delta, host, ctl + flags.off_ll_ready(R) + half * R + me, n, me,
                            flags.STAGE_LL_COMBINE_RECV, n, timeout_ns, R, USE_CLOCK)
     go = go & wait_recv(ctl, hdr, hdr_delta, host, n, sig, me, timeout_ns, cost_ptr, p == 0,
                         flags.STAGE_LL_COMBINE_RECV, R, SHRINK, USE_CLOCK, COST)
@@ -244,7 +244,7 @@ def _ll_combine_fused_kernel(xw_ptr, ret_slot, count, layout, area_w, area_h, de
     reduce_part(area_h, ctl, idx_ptr, w_ptr, out_ptr, T, num_experts, experts_per_rank, hb * 2, ltab, r0, R0, r1, R1, R,
                 K, H, BLOCK_T, BLOCK_H, LOGFMT, LW, BLOCK_K)
     # Program 0 records the call; the rank's next low-latency launch frees the half for call n + 2.
-    flags.ll_finish_recv(ctl, half, n)
+    ll_flags.ll_finish_recv(ctl, half, n)
 
 
 def _all_registers() -> dict:

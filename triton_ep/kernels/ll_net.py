@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import names
-from . import flags
+from . import flags, ll_flags
 from ._util import pow2
 from .geometry import grid2
 from .launch import Launcher
@@ -160,7 +160,7 @@ def finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, 
     """End of a send launch with network peers: the last program publishes each network peer ``r``'s chunk
     (its rows: ``sum(rows_ptr[c * stride + r * col] & 0xFFFFFFFF for c < experts_per_rank)``, the counts of
     its experts or of the rows received from it), releases ``READY = n`` (signature first) in each peer on
-    this host as :func:`flags.ll_finish_send` does (unless this rank holds an error), and records ``n`` as
+    this host as :func:`ll_flags.ll_finish_send` does (unless this rank holds an error), and records ``n`` as
     this rank's last call."""
     if flags.last_program_at(ctl + flags.L_DONE, USE_ASM):
         ok = tl.load(hdr + flags.W_ERR, volatile=True) == 0
@@ -184,7 +184,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, si
                       CW: tl.constexpr, RW: tl.constexpr, SHRINK: tl.constexpr, USE_CLOCK: tl.constexpr,
                       USE_ASM: tl.constexpr, ARRIVAL_WORD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_C: tl.constexpr):
-    flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
+    ll_flags.ll_release_cons(ctl)      # (a hook's receive may follow another receive)
     # Program (s, q): the chunk from rank s (none from this rank or a masked one), work spread over q.
     n = tl.load(ctl + flags.L_SEQ) - offset
     half = n & 1
@@ -196,7 +196,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, si
     live = live_peer(ctl, remote, s, R) & (tl.load(hdr + flags.W_ERR, volatile=True) == 0)
     if live:
         k = rx_chunk(ctl, s, n, R)
-        t0 = flags._now_ns(USE_CLOCK)
+        t0 = flags.now_ns(USE_CLOCK)
         if ARRIVAL_WORD:    # the sender's arrival word for this slot, written after the chunk on its QP
             arrived = ring_ctl + flags.ring_arrive_word(R, S, s, k & 1)
         else:               # the tail the receiving proxy moves on the chunk's receive completion
@@ -205,7 +205,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, si
                                  abort=ring_ctl + flags.RING_ABORT)
         if COST:            # the wait for s's chunk is the receive's wait for s (its wait-cost statistics)
             if q == 0:
-                tl.atomic_add(cost_ptr + s, flags._now_ns(USE_CLOCK) - t0, sem="relaxed")
+                tl.atomic_add(cost_ptr + s, flags.now_ns(USE_CLOCK) - t0, sem="relaxed")
         if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
             mask_peer(ctl, ring_ctl, s, R)      # its rows are dropped: the receive does not wait for it
         elif st != 0:
