@@ -1,5 +1,5 @@
 """The capture path of internode normal mode (docs/internode.md, "CUDA graphs"): num_worst_tokens calls
-across hosts with no host wait and no host exchange, on CPU processes over the emulated fabric
+across hosts with no device synchronisation (a dispatch's one host wait: its RDMA peers' token counts), on CPU processes over the emulated fabric
 (``TRITON_EP_INTERNODE_CAPTURE_PATH=1``; on GPU it is the default, and tests/modes/internode/test_gpu_internode.py
 captures it in a CUDA graph)."""
 import pytest

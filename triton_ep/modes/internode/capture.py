@@ -1,5 +1,6 @@
 """The capture path of internode normal mode: a ``num_worst_tokens`` dispatch across hosts, its cached
-dispatches and its combines with no host wait and no host exchange, so they can be captured in a CUDA graph.
+dispatches and its combines with no device synchronisation (a dispatch's one host exchange, the RDMA peers' token
+counts through the group's store, needs no device work), so they can be captured in a CUDA graph.
 
 The host path (:class:`~triton_ep.modes.internode.normal.Internode`) exchanges a small header with each RDMA peer per
 call and numbers the ring's chunks on the host; here everything the host learnt there stays on the device:
@@ -16,11 +17,13 @@ call and numbers the ring's chunks on the host; here everything the host learnt 
 - **Sizes from num_worst_tokens.** Rank ``r`` receives at most its own ``W_r = num_worst_tokens`` rows (the
   ranks may pass different values, as in DeepEP), so a host's ranks receive at most ``C``, the sum of their
   ``W_r`` (they read each other's values from their call cards, :meth:`Intranode.worst_steps`), and each
-  record crossing the network gives at least one of those rows: this rank's staging area for each peer host
-  holds ``C`` records. Each stream's header names its sender's ``C``; a stream of more records than its
-  receiver's ``C`` ends with its first round's chunks on both sides, and the receiver notes a capacity
-  status. No rank assumes another's sizes: each rank's rounds (launches) follow from its own ``C``, its own
-  token count and the record size, and cover every chunk it sends or receives.
+  record crossing the network gives at least one of those rows. A peer host sends this rank at most its RDMA
+  peer's token count ``T_h`` records (each token once), which the RDMA peers post in the group's key-value store
+  (:mod:`.peer_tokens`: a host wait, no device work): this rank's staging area for each host holds
+  ``min(C, max(T, T_h...))`` records (``C`` without a store). Each stream's header names its sender's room; a
+  stream of more records than its receiver's room ends with its first round's chunks on both sides, and the
+  receiver notes a capacity status. No rank assumes another's sizes: each rank's rounds (launches) follow from
+  its own room, its own token count and the record size, and cover every chunk it sends or receives.
 - **Errors at the next call or check().** The header's status (this rank's own: bad ``topk_idx`` ids,
   ``num_tokens_per_rdma_rank`` that differs from the routing, negative ``num_tokens_per_expert``; a peer's:
   its failure, more records than fit, another layout) lands in pinned host memory; the next call or
