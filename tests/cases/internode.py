@@ -423,6 +423,7 @@ def capture_sequence(rank, world, env, seed, E, K, H, Ts, per_rank=False):
     plain dispatch on the host path (its chunk numbers re-read from the ring counters the capture path
     advanced), then the capture path again. ``per_rank``: each rank passes its own num_worst_tokens, as small
     as its rows allow (:func:`check_case`'s ``"per_rank"``). Returns what each case checked."""
+    import torch.distributed as dist
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
     n = int(env["TRITON_EP_RANKS_PER_HOST"])
@@ -433,6 +434,10 @@ def capture_sequence(rank, world, env, seed, E, K, H, Ts, per_rank=False):
                                   {"worst": worst, "skew": True})):
             out.append(check_case(buf, rank, world, n, seed + i, E, K, H, Ts, opts))
         out.append(buf.get_rdma_stats()["host_exchanges"])
+        # (the ranks' rounds, sized by their own T, end at different times: a rank that destroys its Buffer while a
+        # peer's last writes to it (a chunk's completion, a credit) are in flight makes that peer's proxy find it
+        # gone; Scheduler.close drains only this rank's own chunks)
+        dist.barrier()
         return out
     finally:
         buf.destroy()
@@ -469,7 +474,9 @@ def capture_errors(rank, world, env, kind):
     token goes to rank 0 alone, whose num_worst_tokens alone is too small: the staging areas, sized by host 0's
     ranks' sum, take every record, and the forwarding leg finds rank 0's; "capacity_net", run on 2 hosts of one
     rank: rank 1's tokens go to rank 0, whose num_worst_tokens is too small for that stream, which is cut after
-    its first round on both sides, and rank 0's to rank 1); "bad_shape": rank 3
+    its first round on both sides, and rank 0's to rank 1; "capacity_room": the same with num_worst_tokens 64
+    everywhere, but rank 1 tells its RDMA peer it has 1 token, so rank 0's staging area, sized by the token
+    counts, has room for 1 record); "bad_shape": rank 3
     passes int64 topk_weights (a host-side check). The call returns (bad values are found on the device);
     ``Buffer.check()`` then raises on the ranks that recorded it, and every rank's next call raises at once.
     Returns the first call's, the check's and the next call's errors ([type, message] or None) and the calls'
@@ -480,13 +487,18 @@ def capture_errors(rank, world, env, kind):
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=20)
     try:
         # (capacity_net: rank 0's own rounds, from its T of 1, cover only its room for rank 1's 6 records)
-        T, H, E = 1 if kind == "capacity_net" and rank == 0 else 6, 64, 8
+        net = kind in ("capacity_net", "capacity_room")
+        T, H, E = 1 if net and rank == 0 else 6, 64, 8
+        if kind == "capacity_room" and rank == 1:
+            from triton_ep.modes.internode.peer_tokens import PeerTokens
+            told = PeerTokens.post
+            PeerTokens.post = lambda self, seq, num_tokens: told(self, seq, 1)
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         capacity = kind.startswith("capacity")
         idx = torch.tensor([[0, 1 if kind == "capacity_rank" else 2]]).repeat(T, 1) if capacity else \
             torch.randint(0, E, (T, 2), generator=g)
-        if kind == "capacity_net":
+        if net:
             idx = torch.tensor([[4, 5] if rank == 0 else [0, 1]]).repeat(T, 1)
         if kind == "capacity_late" and rank == 0:
             _pause_after_notify(2.0)
@@ -508,7 +520,7 @@ def capture_errors(rank, world, env, kind):
         except Exception as ex:   # noqa: BLE001
             first = [type(ex).__name__, str(ex)]
         first_s = time.monotonic() - t0
-        if kind == "capacity_net":      # rank 1's call must end by itself (its cut stream), not by rank 0's failure
+        if net:      # rank 1's call must end by itself (its cut stream), not by rank 0's failure
             dist.barrier()
         checked = None                  # (no barrier first: this rank's own error must win over its peers' echo)
         try:
@@ -523,6 +535,22 @@ def capture_errors(rank, world, env, kind):
         except Exception as ex:   # noqa: BLE001
             nxt = [type(ex).__name__, str(ex)]
         return {"first": first, "first_s": first_s, "checked": checked, "next": nxt, "next_s": time.monotonic() - t0}
+    finally:
+        buf.destroy()
+
+
+def capture_staging(rank, world, env, Ts, worst):
+    """The capture path with ``num_worst_tokens`` = ``worst`` on every rank, far above the tokens (``Ts``, per
+    rank): dispatch, combine and cached dispatch the reference's bit for bit (:func:`check_case`), then the bytes
+    of the largest staging areas a call took (``get_rdma_stats()["capture_staging_bytes"]``)."""
+    import torch.distributed as dist
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    try:
+        out = check_case(buf, rank, world, int(env["TRITON_EP_RANKS_PER_HOST"]), 7, 8, 2, 64, Ts, {"worst": worst})
+        out["staging"] = buf.get_rdma_stats()["capture_staging_bytes"]
+        dist.barrier()      # (as capture_sequence: no rank leaves under a peer's last writes)
+        return out
     finally:
         buf.destroy()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Mapping
+from typing import Callable, Dict, Mapping, Optional
 
 import numpy as np
 
@@ -72,12 +72,14 @@ class _HostAlltoall:
             raise ex
 
 
-def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray],
-                  recv_sizes: Mapping[int, int]) -> Dict[int, np.ndarray]:
+def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray], recv_sizes: Mapping[int, int],
+                  on_idle: Optional[Callable[[float], None]] = None) -> Dict[int, np.ndarray]:
     """Host producer and consumer of one all-to-all through ``sched``: ``sends[p]`` (uint8 bytes) goes to
     peer ``p``; ``recv_sizes[p]`` bytes come from each peer.  Its chunks are numbered by
     :meth:`Scheduler.reserve` (every rank must move the same chunks in the same order); it starts once every
     earlier chunk (a kernel's) was produced and consumed, so host and kernel chunks never overtake each other.
+
+    ``on_idle(seconds)``, where given, is called while nothing moves, with the seconds since the exchange began.
 
     Returns (once every chunk it wrote is placed at its peer): peer -> received uint8 array.
 
@@ -95,15 +97,15 @@ def host_alltoall(sched: Scheduler, sends: Mapping[int, np.ndarray],
                          ntx, nrx, tx0, rx0, {p: 0 for p in sched.peers}, {p: 0 for p in sched.peers})
     sched.waiting = "rdma host exchange (chunks to and from every peer)"
     try:
-        _host_moves(sched, xfer)
+        _host_moves(sched, xfer, on_idle)
     finally:
         sched.waiting = None
     return xfer.out
 
 
-def _host_moves(sched: Scheduler, xfer: _HostAlltoall) -> None:
+def _host_moves(sched: Scheduler, xfer: _HostAlltoall, on_idle: Optional[Callable[[float], None]]) -> None:
     """:func:`host_alltoall`'s loop: move what can move, nap while nothing does, up to the bound."""
-    last = time.monotonic()
+    start = last = time.monotonic()
     idle = 0
     while any(xfer.pending(p) for p in sched.peers):
         sched.check()
@@ -115,5 +117,7 @@ def _host_moves(sched: Scheduler, xfer: _HostAlltoall) -> None:
             last, idle = now, 0
             continue
         xfer.check_stall(now - last)
+        if on_idle is not None:
+            on_idle(now - start)
         idle += 1
         time.sleep(0 if idle < 50 else 0.0002)

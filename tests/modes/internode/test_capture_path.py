@@ -1,10 +1,12 @@
 """The capture path of internode normal mode (docs/internode.md, "CUDA graphs"): num_worst_tokens calls
-across hosts with no host wait and no host exchange, on CPU processes over the emulated fabric
+across hosts with no device synchronisation (a dispatch's one host wait: its RDMA peers' token counts), on CPU processes over the emulated fabric
 (``TRITON_EP_INTERNODE_CAPTURE_PATH=1``; on GPU it is the default, and tests/modes/internode/test_gpu_internode.py
 captures it in a CUDA graph)."""
 import pytest
 
 from tests.cases import internode as cases
+from triton_ep.modes.internode.records import network_record_bytes
+from triton_ep.protocol.records import NET_HEADER_WORDS
 from triton_ep.testing import RankFailure, run_ranks
 
 
@@ -77,19 +79,40 @@ def test_capture_path_errors_reach_every_rank(kind):
         assert o["next"] is not None and o["next_s"] < 10.0, (r, o)
 
 
-def test_capture_path_stream_over_the_receivers_room_is_cut():
-    """2 hosts of one rank, many rounds: rank 0's num_worst_tokens (2) is too small for the 6 records rank 1
-    sends it, and rank 0's own rounds (its T is 1) cover only its room. Rank 1's stream is cut after its first
-    round (both sides agree from the headers, so no wait is left over): rank 1's call returns (both ranks meet
-    at a barrier before either checks), rank 0's check() raises EPCapacityError naming its value, rank 1 then
-    hears of the failure; no rank waits out its bound, and every next call raises at once."""
-    out = _values(run_ranks(cases.capture_errors, 2, _env(1, **_MANY_ROUNDS), "capacity_net", timeout_s=240))
+@pytest.mark.parametrize("kind,want", [("capacity_net", "rank 0: 2"),
+                                       ("capacity_room", "more records than the 1 its staging area took")])
+def test_capture_path_stream_over_the_receivers_room_is_cut(kind, want):
+    """2 hosts of one rank, many rounds: rank 0's room is too small for the 6 records rank 1 sends it (its
+    num_worst_tokens is 2; or, ``capacity_room``, it is 64, but rank 1 said it has 1 token, so the staging area,
+    bounded by the peers' token counts, takes 1 record), and rank 0's own rounds (its T is 1) cover only its
+    room. Rank 1's stream is cut after its first round (both sides agree from the headers, so no wait is left
+    over): rank 1's call returns (both ranks meet at a barrier before either checks), rank 0's check() raises
+    EPCapacityError naming its room, rank 1 then hears of the failure; no rank waits out its bound, and every next
+    call raises at once."""
+    out = _values(run_ranks(cases.capture_errors, 2, _env(1, **_MANY_ROUNDS), kind, timeout_s=240))
     for r, o in enumerate(out):
         assert o["first_s"] < 10.0 and o["next"] is not None and o["next_s"] < 10.0, (r, o)
     seen = [x for x in (out[0]["first"], out[0]["checked"]) if x]
-    assert seen and seen[0][0] == "EPCapacityError" and "rank 0: 2" in seen[0][1], out[0]
+    assert seen and seen[0][0] == "EPCapacityError" and want in seen[0][1], out[0]
     # rank 1's call ends by itself (its stream cut, not its wait for credit ended by rank 0's failure)
     assert out[1]["first"] is None, out[1]
+
+
+def test_capture_path_staging_follows_the_peers_tokens():
+    """2 hosts of 2 ranks, ragged T (one 0), num_worst_tokens 64 times the largest T (DeepEP passes T * R): each
+    rank's staging areas take the most tokens of itself and its RDMA peer (the rank of its local index on the other
+    host), not the host's num_worst_tokens added up, and dispatch, combine and cached dispatch are the reference's
+    bit for bit."""
+    Ts, H, K, per_host = [3, 0, 5, 6], 64, 2, 2
+    worst = 64 * max(Ts)
+    out = _values(run_ranks(cases.capture_staging, 4, _env(per_host), Ts, worst, timeout_s=240))
+    rec = network_record_bytes(2 * H, 0, K, True, per_host)
+    for r, o in enumerate(out):
+        assert o["combined"], (r, o)
+        room = max(Ts[r], Ts[(r + 2) % 4])
+        assert o["staging"] == 2 * (4 * NET_HEADER_WORDS + room * rec), (r, o["staging"], room, rec)
+        assert o["staging"] * 64 < 2 * (per_host * worst) * rec, (r, o["staging"])    # what C records took
+    assert sum(o["rows"] for o in out) > 0
 
 
 def test_capture_path_dropped_signal_ends_every_wait():

@@ -1,5 +1,6 @@
 """The capture path of internode normal mode: a ``num_worst_tokens`` dispatch across hosts, its cached
-dispatches and its combines with no host wait and no host exchange, so they can be captured in a CUDA graph.
+dispatches and its combines with no device synchronisation (a dispatch's one host exchange, the RDMA peers' token
+counts through the group's store, needs no device work), so they can be captured in a CUDA graph.
 
 The host path (:class:`~triton_ep.modes.internode.normal.Internode`) exchanges a small header with each RDMA peer per
 call and numbers the ring's chunks on the host; here everything the host learnt there stays on the device:
@@ -16,11 +17,13 @@ call and numbers the ring's chunks on the host; here everything the host learnt 
 - **Sizes from num_worst_tokens.** Rank ``r`` receives at most its own ``W_r = num_worst_tokens`` rows (the
   ranks may pass different values, as in DeepEP), so a host's ranks receive at most ``C``, the sum of their
   ``W_r`` (they read each other's values from their call cards, :meth:`Intranode.worst_steps`), and each
-  record crossing the network gives at least one of those rows: this rank's staging area for each peer host
-  holds ``C`` records. Each stream's header names its sender's ``C``; a stream of more records than its
-  receiver's ``C`` ends with its first round's chunks on both sides, and the receiver notes a capacity
-  status. No rank assumes another's sizes: each rank's rounds (launches) follow from its own ``C``, its own
-  token count and the record size, and cover every chunk it sends or receives.
+  record crossing the network gives at least one of those rows. A peer host sends this rank at most its RDMA
+  peer's token count ``T_h`` records (each token once), which the RDMA peers post in the group's key-value store
+  (:mod:`.peer_tokens`: a host wait, no device work): this rank's staging area for each host holds
+  ``min(C, max(T, T_h...))`` records (``C`` without a store). Each stream's header names its sender's room; a
+  stream of more records than its receiver's room ends with its first round's chunks on both sides, and the
+  receiver notes a capacity status. No rank assumes another's sizes: each rank's rounds (launches) follow from
+  its own room, its own token count and the record size, and cover every chunk it sends or receives.
 - **Errors at the next call or check().** The header's status (this rank's own: bad ``topk_idx`` ids,
   ``num_tokens_per_rdma_rank`` that differs from the routing, negative ``num_tokens_per_expert``; a peer's:
   its failure, more records than fit, another layout) lands in pinned host memory; the next call or
@@ -46,6 +49,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ... import scheduler as sched_mod
 from ...config import EventOverlap
 from ...errors import EPCapacityError, EPRemoteError
 from ...kernels import net
@@ -58,6 +62,7 @@ from .cards import CaptureCards
 from .combine import combine_args, combine_in_host
 from .forward import dispatch_results, forward_cached, forward_fresh
 from .handle import CapturePlan, build_handle
+from .peer_tokens import PeerTokens
 from .records import record_field, split_records
 
 Tensor = torch.Tensor
@@ -109,12 +114,28 @@ class CapturePath:
         self._capture_used = False
         #: this host's ranks' num_worst_tokens at the latest capture-path dispatch (its staging areas' room)
         self._host_worst: List[int] = []
+        #: the records its staging areas took where the RDMA peers' token counts bounded them below the sum of
+        #: ``_host_worst`` (``None``: that sum bounded them)
+        self._tokens_bound: Optional[int] = None
         #: this rank's call card and the store where ranks that disagree exchange theirs (:meth:`open_store`)
         self.cards = CaptureCards(self.rt)
+        #: the RDMA peers' token counts, which bound the staging areas (:mod:`.peer_tokens`)
+        self.peer_tokens = PeerTokens(self.rt.rank, [leg.rings.peer_rank(h) for h in leg.peer_hosts],
+                                      self.rt.timeout_s)
+        #: bytes of the largest staging areas a capture-path call took so far
+        #: (``get_rdma_stats()["capture_staging_bytes"]``)
+        self.staging_bytes = 0
 
     def open_store(self, group, token: str) -> None:
         """``token``: the Buffer's fabric token (the same on every rank)."""
-        self.cards.open(group_store(group), f"triton_ep/capture/{token}/")
+        store = group_store(group)
+        self.cards.open(store, f"triton_ep/capture/{token}/")
+        self.peer_tokens.open(store, f"triton_ep/capture/{token}/")
+
+    def close(self) -> None:
+        """Delete this rank's token-count keys from the group's store. Never raises."""
+        if self.peer_tokens.store is not None:
+            self.peer_tokens.forget()
 
     def takes(self, num_worst_tokens: int = 0, handle=None) -> bool:
         """Whether a call takes the capture path: a cached dispatch or combine of a handle it made; a
@@ -154,7 +175,12 @@ class CapturePath:
                                 f"{_REASONS.get(extra, 'an argument was bad')}")
         else:
             peer = self.leg.rings.peer_rank(h)
-            if code == NET_STATUS_CAPACITY:
+            if code == NET_STATUS_CAPACITY and self._tokens_bound is not None:
+                ex = EPCapacityError(f"rank {me}: rank {peer} (host {h}) sent this host (host {self.host}) more "
+                                     f"records than the {self._tokens_bound} its staging area took, the most "
+                                     f"tokens its RDMA peers and itself said they had (below what {room}): a peer "
+                                     f"sent more records than its token count")
+            elif code == NET_STATUS_CAPACITY:
                 ex = EPCapacityError(f"rank {me}: rank {peer} (host {h}) sent this host (host {self.host}) more "
                                      f"records than {room}: a num_worst_tokens of those ranks is too small")
             elif code == NET_STATUS_LAYOUT:
@@ -254,6 +280,7 @@ class CapturePath:
             hdr[:, NET_HEADER_WORDS:NET_HEADER_WORDS + ne] = extra
         region = hw + cap_rx * rw
         out = torch.empty(nh, region, dtype=torch.int32, device=dev)
+        self.staging_bytes = max(self.staging_bytes, out.numel() * out.element_size())
         out[me, :hw] = hdr[me]
         own = tok[me, :min(n, cap_rx)]
         net.pack_linear(out[me, hw:], src, own, me, count=cnt[me:me + 1])
@@ -311,12 +338,15 @@ class CapturePath:
                            previous_event)
         a = f.args
         self.cards.card = f.card
+        seq, T = self.leg._calls, a.x.shape[0]
+        self.peer_tokens.post(seq, T)       # (first: the peers' waits for it overlap this host's exchange)
         # this host's ranks' values (each may pass its own): a record gives at least one row on this host
         self._host_worst = self.leg.host_ranks.run(self.local.worst_steps(a, num_worst_tokens))
         C = sum(self._host_worst)
         if C >= 1 << 31:        # (the same on every rank of the host: they all raise here)
             raise ValueError(f"rank {self.rt.rank}: the num_worst_tokens of host {self.host}'s ranks add up to {C} "
                              f"({', '.join(map(str, self._host_worst))}), more than a stream can count (2^31 - 1)")
+        C = self._room(seq, T, C)
         route = self._route(intranode, a, num_tokens_per_rdma_rank)
         ids = None if a.topk_idx is None else a.topk_idx.long()
         src = self.leg.row_sources(f.rec, a.x.shape[0], a.x, a.scales, ids, a.topk_weights, route.in_rank)
@@ -333,6 +363,23 @@ class CapturePath:
         rows = forward_fresh(self.leg, fwd, a, npe_f, self._valid(rx, C), expert_alignment, num_worst_tokens)
         return dispatch_results(rows, self._handle(route, C, rx, rows, a.x.shape[0], num_worst_tokens),
                                 per_expert=False)
+
+    def _room(self, seq: int, num_tokens: int, C: int) -> int:
+        """Records per staging area of the dispatch ``seq``: ``C``, or (where the RDMA peers' token counts came,
+        :mod:`.peer_tokens`) at most the largest of theirs and this rank's ``num_tokens`` (a host gets each token
+        of a rank at most once), at least 1."""
+        got = self.peer_tokens.gather(seq, self._network_check)
+        room = C if got is None else max(1, min(C, max([num_tokens] + got)))
+        self._tokens_bound = room if room < C else None
+        return room
+
+    def _network_check(self) -> None:
+        """Raise the network leg's failure (the proxy's, with global ranks), as the ring waits would."""
+        try:
+            self.leg.sched.check()
+        except sched_mod.ProxyError as ex:
+            self.leg.host_ranks.leave()
+            raise self.leg.rings.global_error(ex) from ex
 
     def _route(self, intranode, a, num_tokens_per_rdma_rank: Tensor) -> "CaptureRoute":
         """A capture-path dispatch's routing, on the device: each host's tokens and this rank's status (its own

@@ -18,6 +18,7 @@ from ...protocol.records import (HOST_CAPACITY, HOST_FAILED, HOST_GONE, HOST_HEA
                                 HOST_MISMATCH, HOST_OK, HostHeader)
 from ...runtime import hosts as hosts_mod
 from ...runtime.fabric import dead_error
+from .peer_tokens import MARK_AFTER_S
 from .records import Streams
 
 Tensor = torch.Tensor
@@ -109,7 +110,8 @@ class HostExchange:
         count = (lambda h: 0) if streams is None or err is not None else streams.count
         head = {h: np.array(dataclasses.replace(mine, records=count(h)).words(), np.int64).view(np.uint8)
                 for h in peers}
-        got = sched_mod.host_alltoall(leg.sched, head, {h: 8 * HEADER_WORDS for h in peers})
+        got = sched_mod.host_alltoall(leg.sched, head, {h: 8 * HEADER_WORDS for h in peers},
+                                      self._marker(streams is not None and err is None))
         theirs = {h: HostHeader.of_words(got[h].view(np.int64)) for h in peers}
         for h in peers:     # a capture-path stream read as a header: the ranks took different paths
             if err is None and not theirs[h].readable(leg.rt.group_size):
@@ -121,12 +123,29 @@ class HostExchange:
             return [0] * leg.num_hosts
         self._raise_failures(theirs)
         self._compare(theirs, mine, streams)
+        if leg.capture.peer_tokens.posted:      # (every peer is at this call: none reads this rank's keys)
+            leg.capture.peer_tokens.forget()
         counts = [0] * leg.num_hosts
         for h in peers:
             counts[h] = theirs[h].records
         if streams is not None:
             counts[leg.host] = streams.count(leg.host)
         return counts
+
+    def _marker(self, calls: bool):
+        """``host_alltoall``'s ``on_idle`` for a call's header exchange (``calls``; else none): after
+        :data:`~.peer_tokens.MARK_AFTER_S` without the peers' headers, tell a peer that may wait for this rank's
+        token count on the capture path (another call there) that this call took the host path, once
+        (:meth:`~.peer_tokens.PeerTokens.mark_host_path`)."""
+        if not calls:
+            return None
+        tokens, seq, marked = self.leg.capture.peer_tokens, self.leg._calls, []
+
+        def on_idle(waited_s: float) -> None:
+            if waited_s > MARK_AFTER_S and not marked:
+                marked.append(seq)
+                tokens.mark_host_path(seq)
+        return on_idle
 
     def _header(self, streams: Optional[Streams], err: Optional[BaseException]) -> HostHeader:
         """This rank's header (its record count set per peer host by :meth:`headers`): the status of ``err``, the

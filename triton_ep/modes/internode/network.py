@@ -55,9 +55,11 @@ def network_shape(env: Mapping[str, str] = os.environ) -> Tuple[int, int, int]:
 
 
 def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_stats: Optional[dict] = None,
-                  network_s: float = 0.0, exchanges: int = 0, host_exchanges: int = 0) -> dict:
+                  network_s: float = 0.0, exchanges: int = 0, host_exchanges: int = 0,
+                  capture_staging_bytes: int = 0) -> dict:
     """``Buffer.get_rdma_stats``'s dict from the scheduler's :meth:`~triton_ep.scheduler.Scheduler.stats`
-    (channels summed from its QPs); the defaults give a Buffer on one host: no traffic."""
+    (channels summed from its QPs) and the capture path's largest staging areas (bytes); the defaults give a Buffer on one
+    host: no traffic."""
     s = sched_stats or {"qps": {}, "ports": {}, "wrs": 0, "proxy_busy_s": 0.0, "proxy_post_s": 0.0,
                         "proxy_transport_s": 0.0, "proxy_cpu_s": 0.0, "proxy_transport_cpu_s": 0.0,
                         "proxy_busy_sweeps": 0}
@@ -72,7 +74,7 @@ def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_sta
             "proxy_transport_s": s["proxy_transport_s"], "proxy_cpu_s": s["proxy_cpu_s"],
             "proxy_transport_cpu_s": s["proxy_transport_cpu_s"],
             "proxy_busy_sweeps": s["proxy_busy_sweeps"], "network_s": network_s, "exchanges": exchanges,
-            "host_exchanges": host_exchanges}
+            "host_exchanges": host_exchanges, "capture_staging_bytes": capture_staging_bytes}
 
 
 

@@ -184,6 +184,8 @@ class Internode:
     def close(self) -> None:
         """Stop the proxy, release the QPs, MRs, CQs and PD, and the host's shared buffers. Idempotent."""
         sched, transport, host_ranks = self.sched, self.transport, self.host_ranks
+        if sched is not None and getattr(self, "capture", None) is not None:
+            self.capture.close()
         self.sched = self.transport = None
         self.local_group = self.peer_group = None       # the HostsRuntime destroys them
         try:
@@ -214,7 +216,7 @@ class Internode:
         keys, with channel and port), bytes per port and per channel, and the network leg's seconds."""
         return traffic_stats(self.rt.rdma_transport, self.num_hosts,
                              self.sched.stats() if self.sched is not None else None, self.network_s, self.exchanges,
-                             self.host_exchanges)
+                             self.host_exchanges, self.capture.staging_bytes)
 
     # ------------------------------------------------------------------ layout
     def _live(self) -> None:

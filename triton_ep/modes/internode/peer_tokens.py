@@ -1,0 +1,99 @@
+"""The token counts of a capture-path dispatch's RDMA peers (:class:`PeerTokens`), which size its staging areas.
+
+The records a rank receives from a peer host are tokens of its RDMA peer there (the rank of the same local index),
+each at most once: at most that peer's ``T``. The capture path sizes each staging area by the smaller of that bound
+and ``C`` (the host's ranks' ``num_worst_tokens`` added up), so a ``num_worst_tokens`` far above the tokens (DeepEP's
+customary ``T * R``) no longer sizes device memory. No device work tells the host a peer's ``T``, so the RDMA peers
+post theirs in the process group's key-value store at each capture-path dispatch without a handle (a host wait for
+the peers' keys, bounded by ``timeout_s``, ended at once by the network leg's failure; no device synchronisation, so
+a CUDA graph still captures the call). Where the group has no store, or a peer took the host path for that call (it
+says so in the store when its header exchange waits: :meth:`PeerTokens.mark_host_path`), the staging areas take
+``C`` records as before. A peer that sends more records than the room it was given is still a capacity status (the
+stream's header and the receiver's check are unchanged)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, List, Optional
+
+from ...errors import EPTimeoutError
+
+#: seconds a host-path header exchange waits before it tells a capture-path peer that it took the host path
+MARK_AFTER_S = 0.5
+#: the value a rank on the host path posts instead of its token count
+_HOST_PATH = -1
+
+
+@dataclasses.dataclass
+class PeerTokens:
+    """This rank's side of the token-count exchange with its RDMA peers.
+
+    Attributes:
+        rank: this rank (global).  peers: the global ranks of its RDMA peers, one per other host.
+        timeout_s: bound on the wait for the peers' keys.  store: the group's key-value store (``None``: none,
+        every call then sizes by ``C``).  prefix: this Buffer's keys' prefix (the same on every rank).
+        posted: call numbers whose key this rank posted and has not deleted yet.
+    """
+    rank: int
+    peers: List[int]
+    timeout_s: float
+    store: Optional[object] = None
+    prefix: str = ""
+    posted: List[int] = dataclasses.field(default_factory=list)
+
+    def open(self, store, prefix: str) -> None:
+        """Use ``store`` (``None``: none) under keys of ``prefix``."""
+        self.store, self.prefix = store, prefix
+
+    def _key(self, seq: int, rank: int) -> str:
+        return f"{self.prefix}tokens/{seq}/{rank}"
+
+    def post(self, seq: int, num_tokens: int) -> None:
+        """Post this rank's token count for its internode call ``seq`` (no-op without a store or peers)."""
+        if self.store is not None and self.peers:
+            self.store.set(self._key(seq, self.rank), str(int(num_tokens)))
+            self.posted.append(seq)
+
+    def mark_host_path(self, seq: int) -> None:
+        """Call ``seq`` took the host path here: a peer waiting for this rank's count then sizes by ``C`` and sends
+        its stream, which this rank's header exchange reads as a call of another kind. Never raises."""
+        try:
+            self.post(seq, _HOST_PATH)
+        except Exception:   # noqa: BLE001 - best effort: the peer then waits out its bound
+            pass
+
+    def gather(self, seq: int, check: Callable[[], None]) -> Optional[List[int]]:
+        """The peers' token counts for call ``seq`` (in :attr:`peers` order), waiting for their keys; ``None``
+        without a store, or where a peer took the host path. Once every peer posted ``seq`` it has read this rank's
+        earlier keys, which are then deleted. ``check()`` runs between looks (it raises the network leg's failure).
+
+        Raises:
+            EPTimeoutError: a peer's key did not come within ``timeout_s`` (naming the peers still missing).
+        """
+        if self.store is None or not self.peers:
+            return None
+        keys = [self._key(seq, p) for p in self.peers]
+        deadline = time.monotonic() + self.timeout_s
+        looks = 0
+        while not self.store.check(keys):
+            check()
+            if time.monotonic() > deadline:
+                missing = [p for p, k in zip(self.peers, keys) if not self.store.check([k])]
+                raise EPTimeoutError(self.rank, missing, "internode capture path: the RDMA peers' token counts",
+                                     self.timeout_s)
+            looks += 1
+            time.sleep(0 if looks < 20 else 0.0005)
+        got = [int(self.store.get(k)) for k in keys]
+        self.forget(below=seq)
+        return None if _HOST_PATH in got else got
+
+    def forget(self, below: Optional[int] = None) -> None:
+        """Delete this rank's keys of calls before ``below`` (``None``: all of them). Never raises."""
+        keep = [s for s in self.posted if below is not None and s >= below]
+        for s in self.posted:
+            if s not in keep:
+                try:
+                    self.store.delete_key(self._key(s, self.rank))
+                except Exception:   # noqa: BLE001 - a store without deletion keeps a few bytes
+                    pass
+        self.posted = keep
