@@ -110,7 +110,7 @@ def test_replay_examples_check_their_arguments_before_any_rank_starts(argv, why,
     (["--ranks", "0"], "argument --ranks: must be at least 1, got 0"),
     (["--tokens", "-1"], "argument --tokens: must be at least 0, got -1"),
     (["--iters", "0"], "argument --iters: must be at least 1, got 0"),
-    (["--timeout", "nan"], "argument --timeout: must be seconds in (0, 1e9), got 'nan'"),
+    (["--timeout", "nan"], "argument --timeout: must be seconds in (0, 1e9], got 'nan'"),
     (["--hidden", "7"], "--hidden 7 must be a multiple of 8"),
     (["--device", "cpu", "--ranks", "3"], "--experts 32 must be a multiple of the ranks (3)"),
 ])

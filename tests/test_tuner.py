@@ -127,8 +127,8 @@ def test_the_built_in_tables_compete_and_their_config_launches_as_none(table_env
     (["tune", "--warmup", "two"], "--warmup: must be an int at least 0, got 'two'"),
     (["tune", "--ranks", "0"], "--ranks: must be at least 1, got 0"),
     (["tune", "--iters", "1.5"], "--iters: must be an int at least 1, got '1.5'"),
-    (["tune", "--timeout-s", "0"], "--timeout-s: must be seconds in (0, 1e9), got '0'"),
-    (["tune", "--timeout-s", "nan"], "--timeout-s: must be seconds in (0, 1e9), got 'nan'"),
+    (["tune", "--timeout-s", "0"], "--timeout-s: must be seconds in (0, 1e9], got '0'"),
+    (["tune", "--timeout-s", "nan"], "--timeout-s: must be seconds in (0, 1e9], got 'nan'"),
     (["info", "--num-qps", "x"], "--num-qps: must be an integer in 1..1024, got 'x'"),
     (["info", "--service-level", "0x10"], "--service-level: must be an integer in 0..15, got 16"),
     (["info", "--traffic-class", "high"], "--traffic-class: must be an integer in 0..255, got 'high'"),
@@ -150,7 +150,7 @@ def test_option_values_parse():
     assert argtypes.positive_int("3") == 3 and argtypes.non_negative_int("0") == 0
     assert argtypes.int_in(0, 255)("0x68") == 104 and argtypes.int_in(0, 15)("15") == 15
     assert argtypes.positive_int_list("128,1024") == (128, 1024)
-    assert argtypes.seconds("2.5") == 2.5
+    assert argtypes.seconds("2.5") == 2.5 and argtypes.seconds("1e9") == 1e9     # (a Buffer's timeout_s bound)
     a = argparse.Namespace(command="tune", tokens=(8, 16), quick=True, warmup=0, output=None)
     assert _argv(a) == ["--quick", "--tokens=8,16", "--warmup=0"]
 

@@ -74,18 +74,18 @@ def positive_int_list(text: str) -> Tuple[int, ...]:
 
 
 def seconds(text: str) -> float:
-    """An argparse type: a duration in seconds, a float in ``(0, 1e9)`` (:data:`MAX_SECONDS`; ``nan`` and ``inf``
-    are not).
+    """An argparse type: a duration in seconds, a float in ``(0, 1e9]`` (:data:`MAX_SECONDS`, as a Buffer's
+    ``timeout_s``; ``nan`` and ``inf`` are not).
 
     Raises:
-        argparse.ArgumentTypeError: "must be seconds in (0, 1e9), got 'TEXT'".
+        argparse.ArgumentTypeError: "must be seconds in (0, 1e9], got 'TEXT'".
     """
     try:
         v = float(text)
     except ValueError:
         v = float("nan")
-    if not 0 < v < MAX_SECONDS:     # (nan fails too)
-        raise argparse.ArgumentTypeError(f"must be seconds in (0, {_MAX_SECONDS_TEXT}), got {text!r}")
+    if not 0 < v <= MAX_SECONDS:     # (nan fails too)
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {_MAX_SECONDS_TEXT}], got {text!r}")
     return v
 
 

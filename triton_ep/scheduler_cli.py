@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slots", type=int_in(1, 1024), default=8,
                     help="slots per send and receive ring, at most 1024 (as TRITON_EP_RDMA_SLOTS; default 8)")
     ap.add_argument("--timeout", type=seconds, default=60.0,
-                    help="seconds every wait may take before it raises, below 1e9 (default 60)")
+                    help="seconds every wait may take before it raises, at most 1e9 (default 60)")
     ap.add_argument("--emulated", action="store_true", help="emulated dual-port NICs, one per rank, on this machine")
     return ap
 
@@ -96,6 +96,13 @@ def main(argv=None) -> None:
     if missing:
         ap.error(f"run it under torchrun (environment variables {', '.join(missing)} are not set), e.g. "
                  f"torchrun --nnodes 1 --nproc-per-node 2 -m triton_ep.scheduler_cli --emulated")
+    peers = max(int(os.environ["WORLD_SIZE"]) - 1, 1) if os.environ["WORLD_SIZE"].isdigit() else 1
+    ring = 2 * peers * a.slots * (a.chunk_kib << 10)        # send and receive rings, every peer
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if ring > memory:
+        ap.error(f"--slots {a.slots} x --chunk-kib {a.chunk_kib} for {peers} peer(s) take {ring / 2 ** 30:.1f} GiB "
+                 f"of rings per rank (2 x peers x slots x chunk), more than this machine's "
+                 f"{memory / 2 ** 30:.1f} GiB of memory")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     t, kw = _open_transport(a, rank, world)

@@ -169,6 +169,24 @@ def test_arrival_words_rebase_starts_past_what_arrived():
 
 
 # ------------------------------------------------------------------------------------------ faults
+def test_flushed_requests_of_a_suspect_wait_for_its_probe():
+    """A data QP towards a peer that died completes its first request with IBV_WC_RETRY_EXC_ERR (the peer is then a
+    suspect, its probe tells a failed QP from a gone peer) and the requests it still held with IBV_WC_WR_FLUSH_ERR:
+    those must not raise a plain ProxyError before the probe says PeerGoneError (a fresh user saw ProxyError in 2 of
+    11 kills of a peer mid-dispatch). A flushed request of a peer that is no suspect is still that QP's error."""
+    from triton_ep.scheduler.liveness import STATUS_FLUSHED
+    from triton_ep.transport.rdma import Completion
+    with Group(fabric(2), 2, qps=2, slots=2, slot_bytes=1024, timeout_s=3.0) as g:
+        s = g.scheds[0]
+        flushed = Completion(STATUS_FLUSHED, "write_imm", 5, None, 77, 1, 1)
+        with pytest.raises(ProxyError, match="IBV_WC_WR_FLUSH_ERR"):
+            s._on_completion(flushed)                       # no suspect: the QP's own error
+        first = ProxyError(0, 1, 1, 1, "send completion", "work completion IBV_WC_RETRY_EXC_ERR")
+        s.liveness.suspect(1, first)
+        assert s._on_completion(flushed) is None            # a suspect's: left to the probe
+        assert s.liveness.suspects[1] is first and s.error is None
+
+
 def both_fail(g, sizes, bound_s, back=None):
     """Run an all-to-all (``sizes`` bytes 0 -> 1, ``back`` bytes 1 -> 0, default the same) expected to fail
     on every rank; returns the two exceptions, checking the bound."""
@@ -379,7 +397,7 @@ def test_one_write_chunks_are_the_work_requests_chunk_ops_makes():
     (["--mib", "-1"], "--mib", "triton_ep.scheduler_cli"), (["--qps", "0"], "--qps", "triton_ep.scheduler_cli"),
     (["--chunk-kib", "0"], "--chunk-kib", "triton_ep.scheduler_cli"),
     (["--slots", "x"], "--slots", "triton_ep.scheduler"), (["--timeout", "0"], "--timeout", "triton_ep.scheduler_cli"),
-    (["--timeout", "1e12"], "must be seconds in (0, 1e9)", "triton_ep.scheduler_cli"), ([], "torchrun", "triton_ep.scheduler")])
+    (["--timeout", "1e12"], "must be seconds in (0, 1e9]", "triton_ep.scheduler_cli"), ([], "torchrun", "triton_ep.scheduler")])
 def test_cli_refuses_bad_values_and_runs_outside_torchrun(args, words, module):
     """``python -m triton_ep.scheduler_cli`` (and its old name ``-m triton_ep.scheduler``, which printed runpy's
     RuntimeWarning, issue 46): bad option values, or no torchrun environment, are a usage error (exit status 2 with
@@ -392,6 +410,18 @@ def test_cli_refuses_bad_values_and_runs_outside_torchrun(args, words, module):
                        env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
     assert "Warning" not in r.stderr, r.stderr
+
+
+def test_cli_refuses_rings_larger_than_the_machine(monkeypatch, capsys):
+    """Each of ``--chunk-kib`` and ``--slots`` in range, but together more rings than the machine's memory (a fresh
+    user's 1 GiB x 1024 slots was a 4 TiB allocation error from deep inside): a usage error before any set-up."""
+    from triton_ep.scheduler_cli import main
+    for k, v in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as ex:
+        main(["--emulated", "--chunk-kib", "1048576", "--slots", "1024"])
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and "2048.0 GiB of rings per rank" in err and "memory" in err, err
 
 
 @settings(max_examples=25, deadline=None)

@@ -41,6 +41,7 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     (nothing is mapped between hosts, which may be different machines).
 
     Raises:
+        TypeError: ``group`` is no process group (raised on this rank alone: no exchange is possible).
         ValueError: a bad value on any rank (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``,
             ``rdma_backend``, ``device``, the environment's), no process group, ranks that disagree on
             ``rdma_backend`` or ``TRITON_EP_RANKS_PER_HOST``, hosts of different sizes, a host whose ranks run on
@@ -54,6 +55,9 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
             raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
                              "or an explicit group")
         group = group if group is not None else dist.group.WORLD
+        if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
+            raise TypeError(f"Buffer's group must be a torch.distributed ProcessGroup (or None: the default group), "
+                            f"got {type(group).__name__}")
         # made before the checks below: a rank that rejects its arguments tells its peers at once
         exchanges = [Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange host identities"),
                      Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")]

@@ -14,6 +14,8 @@ TAG_PROBE = 1 << 59
 PROBE_S = 0.2
 #: the completion status of a request that the peer's QP never acknowledged (retries exhausted): the peer is gone
 STATUS_GONE = "IBV_WC_RETRY_EXC_ERR"
+#: the completion status of the requests a QP in the error state still held (after that QP's first error)
+STATUS_FLUSHED = "IBV_WC_WR_FLUSH_ERR"
 #: the prepared liveness probe's key (QP 0 of each peer)
 PROBE_KEY = "probe"
 

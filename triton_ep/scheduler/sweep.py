@@ -13,7 +13,7 @@ from triton_ep.transport.ring_flags import RingFlags
 from .faults import (STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE, STAGE_SEND_CQE, STAGE_SEND_WAIT,
                      PeerGoneError, ProxyError, ProxyRemoteError, fault_gone, fault_word, parse_fault)
 from .layout import _QPState
-from .liveness import PROBE_KEY, STATUS_GONE, TAG_PROBE, Liveness
+from .liveness import PROBE_KEY, STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness
 from .posting import _CHUNK_OPS, _SEQ_MASK, TAG_CHUNK
 
 
@@ -238,6 +238,8 @@ class ProxyThreads:
             if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells
                 self.liveness.suspect(peer, ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what))
                 return
+            if c.status == STATUS_FLUSHED and peer in self.liveness.suspects:
+                return      # (the rest of a suspect's failed QP, flushed after its first error: the probe tells)
             raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
         if c.opcode == "recv_imm":
             st = self._peer[peer]

@@ -93,6 +93,16 @@ def test_layout_and_group_size_errors():
         buf.get_dispatch_layout(torch.zeros(3, dtype=torch.int64), 4)
 
 
+@pytest.mark.parametrize("group", ["x", 3, object()])
+def test_a_group_that_is_no_process_group_is_a_type_error(group):
+    """``Buffer(group, ...)`` with something that is no process group (a fresh user passed a string) is a
+    TypeError naming ``group``, not an AttributeError from inside the bootstrap; ``ElasticBuffer`` alike."""
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+        triton_ep.Buffer(group, 1 << 20)
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+        triton_ep.ElasticBuffer(group, num_max_tokens_per_rank=8, hidden=128, num_topk=2)
+
+
 def test_buffer_too_small_for_one_row_is_a_clear_error():
     xs, idxs, ws = make_inputs(0, 2, 1, 4096, [3])
     vg = VirtualGroup(1, 4096)
