@@ -1,5 +1,6 @@
 """Rank bodies for the internode mode's multi-process tests (module-level: spawned processes import them)."""
 import os
+import time
 
 import torch
 
@@ -423,7 +424,6 @@ def capture_sequence(rank, world, env, seed, E, K, H, Ts, per_rank=False):
     plain dispatch on the host path (its chunk numbers re-read from the ring counters the capture path
     advanced), then the capture path again. ``per_rank``: each rank passes its own num_worst_tokens, as small
     as its rows allow (:func:`check_case`'s ``"per_rank"``). Returns what each case checked."""
-    import torch.distributed as dist
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
     n = int(env["TRITON_EP_RANKS_PER_HOST"])
@@ -434,10 +434,8 @@ def capture_sequence(rank, world, env, seed, E, K, H, Ts, per_rank=False):
                                   {"worst": worst, "skew": True})):
             out.append(check_case(buf, rank, world, n, seed + i, E, K, H, Ts, opts))
         out.append(buf.get_rdma_stats()["host_exchanges"])
-        # (the ranks' rounds, sized by their own T, end at different times: a rank that destroys its Buffer while a
-        # peer's last writes to it (a chunk's completion, a credit) are in flight makes that peer's proxy find it
-        # gone; Scheduler.close drains only this rank's own chunks)
-        dist.barrier()
+        # (the ranks' rounds, sized by their own T, end at different times: destroy() meets the RDMA peers before
+        # its QPs go, so no rank leaves under a peer's last writes; test_destroy_meets_the_rdma_peers_as_they_close)
         return out
     finally:
         buf.destroy()
@@ -543,16 +541,32 @@ def capture_staging(rank, world, env, Ts, worst):
     """The capture path with ``num_worst_tokens`` = ``worst`` on every rank, far above the tokens (``Ts``, per
     rank): dispatch, combine and cached dispatch the reference's bit for bit (:func:`check_case`), then the bytes
     of the largest staging areas a call took (``get_rdma_stats()["capture_staging_bytes"]``)."""
-    import torch.distributed as dist
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
     try:
         out = check_case(buf, rank, world, int(env["TRITON_EP_RANKS_PER_HOST"]), 7, 8, 2, 64, Ts, {"worst": worst})
         out["staging"] = buf.get_rdma_stats()["capture_staging_bytes"]
-        dist.barrier()      # (as capture_sequence: no rank leaves under a peer's last writes)
         return out
     finally:
         buf.destroy()
+
+
+def close_meeting(rank, world, env, late_s):
+    """One round trip across hosts, then the last rank destroys its Buffer ``late_s`` seconds after the others:
+    returns ``(seconds destroy() took, seconds it waited for the RDMA peers to close)``, the round trip's result
+    checked first (:func:`check_case`)."""
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
+    leg = buf._normal.internode
+    try:
+        out = check_case(buf, rank, world, int(env["TRITON_EP_RANKS_PER_HOST"]), 7, 8, 2, 64, [5] * world, {})
+        assert out["combined"], out
+    finally:
+        if rank == world - 1:
+            time.sleep(late_s)
+        t0 = time.monotonic()
+        buf.destroy()
+    return time.monotonic() - t0, leg.close_waited_s
 
 
 def graph_across_hosts(rank, world, env, seed):

@@ -196,3 +196,14 @@ def test_round_trip_with_the_default_group_bound_to_a_device():
     subgroup raised AttributeError in Buffer's set-up). The Buffer makes its per-host groups unbound; the round trip
     is the reference's."""
     _values(run_ranks(cases.round_trip, 2, _env(1), 3, 8, 2, 64, [5, 4], {"bound": True}))
+
+
+def test_destroy_meets_the_rdma_peers_as_they_close():
+    """2 hosts of 1 rank, one round trip, then rank 1 destroys its Buffer 1.5 s after rank 0: rank 0's destroy()
+    waits for rank 1 to close too (so it never closes under rank 1's last writes of the call, which made rank 1's
+    proxy find it gone: seen as PeerGoneError on 3 hosts of 1 rank under load), bounded (5 s); rank 1 finds rank 0
+    closing and does not wait."""
+    out = _values(run_ranks(cases.close_meeting, 2, _env(1), 1.5, timeout_s=240))
+    (took0, waited0), (took1, waited1) = out
+    assert 1.0 <= waited0 <= took0 < 5.0, out
+    assert waited1 < 1.0, out

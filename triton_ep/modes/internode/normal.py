@@ -53,6 +53,7 @@ from .handle import CapturePlan, HostPlan, InternodeHandle, build_handle
 from .host_ranks import HostRanks
 from .network import ENV_CHUNK, ENV_QPS, ENV_SLOTS, agreed_delays, delays_to_exchange, network_shape, open_network
 from .network import traffic_stats
+from . import peer_tokens
 from .rings import Rings
 from .records import Streams, record_layout, sources, split_records
 
@@ -116,6 +117,8 @@ class Internode:
         #: the other hosts: each holds one RDMA peer of this rank
         self.peer_hosts = [h for h in range(self.num_hosts) if h != self.host]
         self.host_ranks: Optional[HostRanks] = None
+        #: seconds close() waited for the RDMA peers to close too (:meth:`close`)
+        self.close_waited_s = 0.0
         self.sched = self.transport = self._ring_mem = None
         #: int32 [num_hosts, per_host]: the global rank (is_token_in_rank column) of each host's local ranks
         self._cols = torch.tensor([list(hosts.ranks(h)) for h in range(self.num_hosts)], dtype=torch.int32,
@@ -182,9 +185,13 @@ class Internode:
         self._ring_ctrl, self._ring_send, self._ring_recv = leg.ring_ctl, leg.send, leg.recv
 
     def close(self) -> None:
-        """Stop the proxy, release the QPs, MRs, CQs and PD, and the host's shared buffers. Idempotent."""
+        """Meet the RDMA peers as they close too (bounded: :meth:`~.peer_tokens.PeerTokens.meet_at_close`; the
+        seconds it took in :attr:`close_waited_s`), then stop the proxy, release the QPs, MRs, CQs and PD, and the
+        host's shared buffers. Idempotent."""
         sched, transport, host_ranks = self.sched, self.transport, self.host_ranks
         if sched is not None and getattr(self, "capture", None) is not None:
+            self.close_waited_s = self.capture.peer_tokens.meet_at_close(
+                min(self.rt.timeout_s, peer_tokens.CLOSE_MEET_S), lambda: sched.error is not None)
             self.capture.close()
         self.sched = self.transport = None
         self.local_group = self.peer_group = None       # the HostsRuntime destroys them

@@ -20,6 +20,8 @@ from ...errors import EPTimeoutError
 
 #: seconds a host-path header exchange waits before it tells a capture-path peer that it took the host path
 MARK_AFTER_S = 0.5
+#: seconds ``destroy()`` waits at most for the RDMA peers to close too (:meth:`PeerTokens.meet_at_close`)
+CLOSE_MEET_S = 5.0
 #: the value a rank on the host path posts instead of its token count
 _HOST_PATH = -1
 
@@ -86,6 +88,25 @@ class PeerTokens:
         got = [int(self.store.get(k)) for k in keys]
         self.forget(below=seq)
         return None if _HOST_PATH in got else got
+
+    def meet_at_close(self, bound_s: float, failed: Callable[[], bool]) -> float:
+        """Before this rank's QPs go (``destroy()``): post that it is closing and wait until each RDMA peer posted
+        the same, at most ``bound_s`` seconds, or until ``failed()`` (the proxy failed: nothing more will be written
+        here). A rank whose call ended before its peer's (their rounds follow each one's own ``T``) so never closes
+        under that peer's last writes for the call (the credits for this rank's last chunks), which would make the
+        peer's proxy find it gone. A peer that never closes (gone, or keeping its Buffer) costs ``bound_s``; DeepEP's
+        ``destroy`` waits for every rank without a bound. Returns the seconds waited. Never raises."""
+        if self.store is None or not self.peers or failed():
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            self.store.set(f"{self.prefix}closing/{self.rank}", "1")
+            keys = [f"{self.prefix}closing/{p}" for p in self.peers]
+            while not self.store.check(keys) and not failed() and time.monotonic() < t0 + bound_s:
+                time.sleep(0.002)
+        except Exception:   # noqa: BLE001 - the store may be gone (the process group destroyed first): close now
+            pass
+        return time.monotonic() - t0
 
     def forget(self, below: Optional[int] = None) -> None:
         """Delete this rank's keys of calls before ``below`` (``None``: all of them). Never raises."""
