@@ -257,6 +257,11 @@ def bad_ids_then_recover(rank, world, N, H, E):
     buf = _buffer(R, N, H, E, timeout_s=30)
     got = []
     try:
+        for bad_n in ("abc", 0):        # (raised on every rank before anything: no peer waits)
+            try:
+                buf.low_latency_dispatch(xs[me], idxs[me], bad_n, E)
+            except (TypeError, ValueError) as e:
+                got.append(f"N: {type(e).__name__}" if "num_max_dispatch_tokens_per_rank" in str(e) else str(e))
         try:
             buf.low_latency_dispatch(xs[me][:, :64], idxs[me], N, E)
         except ValueError as e:
@@ -276,6 +281,12 @@ def bad_ids_then_recover(rank, world, N, H, E):
             got.append(type(e).__name__)
         out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False)
         check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False)
+        T = xs[me].shape[0]
+        for bad_out in (torch.empty(T, H, dtype=torch.float32), torch.empty(T + 1, H, dtype=torch.bfloat16)):
+            try:        # (raised on every rank before anything)
+                buf.low_latency_combine(out, idxs[me], ws[me], handle, out=bad_out)
+            except (TypeError, ValueError) as e:
+                got.append(f"out: {type(e).__name__}" if str(e).startswith("out must be") else str(e))
         return got
     finally:
         buf.destroy()

@@ -98,8 +98,10 @@ def test_disagreeing_ranks_raise_value_error_everywhere_naming_the_field():
 
 def test_bad_ids_and_shapes():
     out = _values(run_ranks(ll_cases.bad_ids_then_recover, 2, 8, 128, 4))
-    assert out[1][:2] == ["shape", "ValueError (2 ids)"], out
-    assert out[0][0] == "shape" and "EPRemoteError" in out[0][1:], out
+    assert all(o[:2] == ["N: TypeError", "N: ValueError"] for o in out), out     # a str N, N = 0
+    assert out[1][2:4] == ["shape", "ValueError (2 ids)"], out
+    assert out[0][2] == "shape" and "EPRemoteError" in out[0][3:], out
+    assert all(o[-2:] == ["out: TypeError", "out: ValueError"] for o in out), out      # a float32 out, a bf16 of T+1
 
 
 @pytest.mark.parametrize("round_scale", [False, True])

@@ -172,7 +172,9 @@ def dispatch_args(ll, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_
     """Check a dispatch's arguments (``ValueError``/``TypeError`` naming the argument, before any launch)."""
     rt = ll.rt
     pdl.check(rt.device)
-    if not isint(N) or N <= 0:
+    if not isint(N):
+        raise TypeError(f"num_max_dispatch_tokens_per_rank must be an int, got {type(N).__name__}")
+    if N <= 0:
         raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
     rt.check_num_experts(E)
     xv = ll.check_arg("x", x, (torch.bfloat16,), (None, None))
@@ -313,11 +315,12 @@ def combine_args(ll, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, a
 
 
 def _check_out(out: Optional[Tensor], T: int, H: int, device) -> None:
-    """``out`` is ``None`` or a contiguous bf16 ``[T, H]`` on ``device`` (``ValueError`` otherwise)."""
+    """``out`` is ``None`` or a contiguous bf16 ``[T, H]`` on ``device`` (``TypeError`` for no tensor or another
+    dtype, as DeepEP's other dtype errors; ``ValueError`` for a shape, layout or device)."""
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H) \
-                or not out.is_contiguous() or out.device != device:
-            raise ValueError(f"out must be a contiguous bf16 tensor [{T}, {H}] on {device} (the handle's "
+        bad_type = not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+        if bad_type or tuple(out.shape) != (T, H) or not out.is_contiguous() or out.device != device:
+            raise (TypeError if bad_type else ValueError)(f"out must be a contiguous bf16 tensor [{T}, {H}] on {device} (the handle's "
                              f"tokens, hidden), got {getattr(out, 'dtype', type(out).__name__)} "
                              f"{list(getattr(out, 'shape', []))} on {getattr(out, 'device', '-')}")
 
