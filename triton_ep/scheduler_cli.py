@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from triton_ep.argtypes import int_in, non_negative_int, seconds
+from triton_ep.protocol.limits import check_ring_memory
 from triton_ep.scheduler import bootstrap, host_alltoall
 from triton_ep.transport import factory
 from triton_ep.transport.bootstrap import gather_objects
@@ -96,13 +97,11 @@ def main(argv=None) -> None:
     if missing:
         ap.error(f"run it under torchrun (environment variables {', '.join(missing)} are not set), e.g. "
                  f"torchrun --nnodes 1 --nproc-per-node 2 -m triton_ep.scheduler_cli --emulated")
-    peers = max(int(os.environ["WORLD_SIZE"]) - 1, 1) if os.environ["WORLD_SIZE"].isdigit() else 1
-    ring = 2 * peers * a.slots * (a.chunk_kib << 10)        # send and receive rings, every peer
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if ring > memory:
-        ap.error(f"--slots {a.slots} x --chunk-kib {a.chunk_kib} for {peers} peer(s) take {ring / 2 ** 30:.1f} GiB "
-                 f"of rings per rank (2 x peers x slots x chunk), more than this machine's "
-                 f"{memory / 2 ** 30:.1f} GiB of memory")
+    peers = int(os.environ["WORLD_SIZE"]) - 1 if os.environ["WORLD_SIZE"].isdigit() else 1
+    try:
+        check_ring_memory(a.slots, a.chunk_kib << 10, peers, "--slots", "--chunk-kib (in bytes)")
+    except ValueError as ex:
+        ap.error(str(ex))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     t, kw = _open_transport(a, rank, world)

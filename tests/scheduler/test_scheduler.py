@@ -421,7 +421,7 @@ def test_cli_refuses_rings_larger_than_the_machine(monkeypatch, capsys):
     with pytest.raises(SystemExit) as ex:
         main(["--emulated", "--chunk-kib", "1048576", "--slots", "1024"])
     err = capsys.readouterr().err
-    assert ex.value.code == 2 and "2048.0 GiB of rings per rank" in err and "memory" in err, err
+    assert ex.value.code == 2 and "2048.0 GiB of rings" in err and "--chunk-kib" in err and "memory" in err, err
 
 
 @settings(max_examples=25, deadline=None)

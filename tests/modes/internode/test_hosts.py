@@ -109,6 +109,9 @@ def test_construction_errors_across_hosts_on_every_rank():
     out = _values(run_ranks(cases.build_only, 2, [dict(emu, TRITON_EP_RDMA_SLOTS="4"), emu], {}))
     for o in out:
         assert o[0] == "ValueError" and "TRITON_EP_RDMA_SLOTS" in o[1] and "rank 0: (4, 4, 65536)" in o[1], o
+    big = dict(emu, TRITON_EP_RDMA_SLOTS="1024", TRITON_EP_RDMA_CHUNK_BYTES=str(1 << 30))   # each in range, 2 TiB
+    for o in _values(run_ranks(cases.build_only, 2, big, {})):
+        assert o[0] == "ValueError" and "2048.0 GiB of rings" in o[1] and "TRITON_EP_RDMA_CHUNK_BYTES" in o[1], o
 
 
 def test_network_shape_from_the_environment():

@@ -53,7 +53,6 @@ def network_shape(env: Mapping[str, str] = os.environ) -> Tuple[int, int, int]:
             get(ENV_CHUNK, DEFAULT_SLOT_BYTES, 64, 1 << 30, 64))
 
 
-
 def traffic_stats(transport: Optional[str] = None, num_hosts: int = 1, sched_stats: Optional[dict] = None,
                   network_s: float = 0.0, exchanges: int = 0, host_exchanges: int = 0,
                   capture_staging_bytes: int = 0) -> dict:

@@ -39,6 +39,7 @@ from ...errors import EPError, EPRemoteError, EPTimeoutError
 from ...kernels import net
 from ...kernels.params import check_num_sms
 from ...protocol import call_card
+from ...protocol.limits import check_ring_memory
 from ...protocol.records import NetRecord
 from ...runtime.checks import check_event
 from ...runtime import hosts as hosts_mod
@@ -51,7 +52,8 @@ from .exchange import HostExchange
 from .forward import dispatch_results, forward_cached, forward_fresh
 from .handle import CapturePlan, HostPlan, InternodeHandle, build_handle
 from .host_ranks import HostRanks
-from .network import ENV_CHUNK, ENV_QPS, ENV_SLOTS, agreed_delays, delays_to_exchange, network_shape, open_network
+from .network import ENV_CHUNK, ENV_QPS, ENV_SLOTS, agreed_delays, delays_to_exchange
+from .network import network_shape, open_network
 from .network import traffic_stats
 from . import peer_tokens
 from .rings import Rings
@@ -157,6 +159,7 @@ class Internode:
         try:
             env_shape = network_shape()
             shape = tuple(e if v is None else int(v) for v, e in zip((num_qps_per_peer, slots, slot_bytes), env_shape))
+            check_ring_memory(shape[1], shape[2], self.num_hosts - 1, ENV_SLOTS, ENV_CHUNK)
         except ValueError as ex:
             shape = f"rank {me}: {ex}"
         raw = os.environ.get(ENV_CAPTURE_PATH, "").strip()
