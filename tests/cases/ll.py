@@ -1187,7 +1187,7 @@ def replayed_calls(rank, world, device="cpu"):
                                          cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=cost,
                                          use_fp8=True, round_scale=True, use_ue8m0=True)
                 raise AssertionError(f"a dispatch with N, E = {n!r}, {e!r} ran")
-            except ValueError:
+            except (TypeError, ValueError):     # (a float N: TypeError; a float or bool E: ValueError)
                 pass
     finally:
         RP.LLPlan.usable = real_usable
