@@ -75,16 +75,10 @@ class PeerTokens:
         if self.store is None or not self.peers:
             return None
         keys = [self._key(seq, p) for p in self.peers]
-        deadline = time.monotonic() + self.timeout_s
-        looks = 0
-        while not self.store.check(keys):
-            check()
-            if time.monotonic() > deadline:
-                missing = [p for p, k in zip(self.peers, keys) if not self.store.check([k])]
-                raise EPTimeoutError(self.rank, missing, "internode capture path: the RDMA peers' token counts",
-                                     self.timeout_s)
-            looks += 1
-            time.sleep(0 if looks < 20 else 0.0005)
+        if not self._wait_for(keys, self.timeout_s, check):
+            missing = [p for p, k in zip(self.peers, keys) if not self.store.check([k])]
+            raise EPTimeoutError(self.rank, missing, "internode capture path: the RDMA peers' token counts",
+                                 self.timeout_s)
         got = [int(self.store.get(k)) for k in keys]
         self.forget(below=seq)
         return None if _HOST_PATH in got else got
@@ -101,12 +95,22 @@ class PeerTokens:
         t0 = time.monotonic()
         try:
             self.store.set(f"{self.prefix}closing/{self.rank}", "1")
-            keys = [f"{self.prefix}closing/{p}" for p in self.peers]
-            while not self.store.check(keys) and not failed() and time.monotonic() < t0 + bound_s:
-                time.sleep(0.002)
+            self._wait_for([f"{self.prefix}closing/{p}" for p in self.peers], bound_s, failed)
         except Exception:   # noqa: BLE001 - the store may be gone (the process group destroyed first): close now
             pass
         return time.monotonic() - t0
+
+    def _wait_for(self, keys: List[str], bound_s: float, stop: Callable[[], object]) -> bool:
+        """Poll the store until every key of ``keys`` is there (True), or ``stop()`` is true or ``bound_s`` seconds
+        passed (False). ``stop`` is called between looks and may raise instead."""
+        deadline = time.monotonic() + bound_s
+        looks = 0
+        while not self.store.check(keys):
+            if stop() or time.monotonic() > deadline:
+                return False
+            looks += 1
+            time.sleep(0 if looks < 20 else 0.0005)
+        return True
 
     def forget(self, below: Optional[int] = None) -> None:
         """Delete this rank's keys of calls before ``below`` (``None``: all of them). Never raises."""

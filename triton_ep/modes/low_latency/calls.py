@@ -320,7 +320,8 @@ def _check_out(out: Optional[Tensor], T: int, H: int, device) -> None:
     if out is not None:
         bad_type = not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
         if bad_type or tuple(out.shape) != (T, H) or not out.is_contiguous() or out.device != device:
-            raise (TypeError if bad_type else ValueError)(f"out must be a contiguous bf16 tensor [{T}, {H}] on {device} (the handle's "
-                             f"tokens, hidden), got {getattr(out, 'dtype', type(out).__name__)} "
-                             f"{list(getattr(out, 'shape', []))} on {getattr(out, 'device', '-')}")
+            err = TypeError if bad_type else ValueError
+            raise err(f"out must be a contiguous bf16 tensor [{T}, {H}] on {device} (the handle's tokens, hidden), "
+                      f"got {getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))} on "
+                      f"{getattr(out, 'device', '-')}")
 
