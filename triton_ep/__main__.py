@@ -76,6 +76,19 @@ def _emulated_api():
     return em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", ports)], n_paths=4)).pyverbs()
 
 
+class _Command(argparse.ArgumentParser):
+    """The parser of one subcommand (``info``, ``tune``): an argument it does not know is its own usage error,
+    printed with its usage (argparse hands a subcommand's unknown arguments back to the top-level parser, whose
+    error shows ``triton-ep [-h] COMMAND ...`` instead)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, with what is left over refused here (exit 2, this subcommand's usage on stderr)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``triton-ep`` command and its ``info`` subcommand.
 
@@ -84,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(prog="triton-ep", description=__doc__.strip(), formatter_class=fmt)
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Command)
     exits = __doc__[__doc__.index("Exit status:"):].strip()
     ip = sub.add_parser("info", help="versions, devices, same-host IPC, RDMA devices and the QP plan",
                         description="Print versions, devices, same-host IPC reachability, RDMA devices, "

@@ -101,6 +101,24 @@ def test_usage_errors_exit_2_and_help_exits_0(capsys):
     assert capsys.readouterr().out.count("Exit status:\n  0  the report was printed") == 3
 
 
+@pytest.mark.parametrize("argv,usage", [
+    (["info", "--bogus"], "usage: triton-ep info [-h]"),
+    (["info", "stray"], "usage: triton-ep info [-h]"),
+    (["tune", "--quick", "--bogus"], "usage: triton-ep tune [-h]"),
+])
+def test_an_unknown_argument_of_a_subcommand_prints_that_subcommands_usage(argv, usage, capsys):
+    """(A new user's find: ``info --bogus`` printed the top-level usage, ``triton-ep [-h] COMMAND ...``.) An
+    argument a subcommand does not know is that subcommand's usage error: exit 2 before any work, its usage and
+    ``triton-ep CMD: error: unrecognized arguments: ...`` on stderr; one before the command stays the top level's."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(usage), err
+    assert f"triton-ep {argv[0]}: error: unrecognized arguments: {argv[-1]}" in err and "COMMAND ..." not in err, err
+    assert main(["--bogus", "info"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: triton-ep [-h] COMMAND ...") and "unrecognized arguments: --bogus" in err, err
+
+
 def clean_env():
     """The environment of a fresh shell: no run.sh PATH/PYTHONPATH, no TRITON_INTERPRET set by conftest."""
     keep = ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER")
