@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--hash", choices=["crc", "emulator"], default=None,
                     help="path hash model (default: crc on hardware, emulator with --emulated)")
     ip.add_argument("--devices", type=name_list, default=None,
-                    help="comma-separated RDMA device names (default: all)")
+                    help="comma-separated RDMA device names, each once (default: all)")
     ip.add_argument("--traffic-class", type=int_in(0, 255), default=None,
                     help="GRH traffic class to show for every QP, 0..255 (default: $TRITON_EP_RDMA_TC, else 0)")
     ip.add_argument("--service-level", type=int_in(0, 15), default=None,

@@ -3,7 +3,8 @@ examples' options, in one place.
 
 Each is an ``argparse`` ``type=``: it takes the option's text and returns its value, or raises
 ``argparse.ArgumentTypeError`` whose message names the allowed values and the text given; argparse then prints
-``OPTION: MESSAGE`` and exits with status 2 (bad usage) before the command does any work.
+``OPTION: MESSAGE`` and exits with status 2 (bad usage) before the command does any work. A list option
+(:func:`positive_int_list`, :func:`name_list`) refuses a value given twice the same way (it is not folded).
 """
 from __future__ import annotations
 
@@ -58,11 +59,30 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-def positive_int_list(text: str) -> Tuple[int, ...]:
-    """An argparse type: comma-separated ints ``>= 1`` (``--tokens 128,1024``), as a tuple.
+def _each_once(values: tuple, what: str, text: str) -> tuple:
+    """``values`` (a list option's items), when none repeats: a repeat would measure or show the same thing twice.
 
     Raises:
-        argparse.ArgumentTypeError: "must be comma-separated positive ints, got 'TEXT'".
+        argparse.ArgumentTypeError: "must be comma-separated WHAT, each once, got 'TEXT' (V twice)", naming the
+            first value given more than once.
+    """
+    seen = set()
+    for v in values:
+        if v in seen:
+            n = values.count(v)
+            times = "twice" if n == 2 else f"{n} times"
+            raise argparse.ArgumentTypeError(f"must be comma-separated {what}, each once, got {text!r} ({v} {times})")
+        seen.add(v)
+    return values
+
+
+def positive_int_list(text: str) -> Tuple[int, ...]:
+    """An argparse type: comma-separated ints ``>= 1``, each once (``--tokens 128,1024``), as a tuple in the order
+    given.
+
+    Raises:
+        argparse.ArgumentTypeError: "must be comma-separated positive ints, got 'TEXT'", or a value repeated
+            ("..., each once, got '8,8' (8 twice)"; ``8,08`` too: the same int).
     """
     try:
         out = tuple(int(t) for t in text.split(","))
@@ -70,7 +90,7 @@ def positive_int_list(text: str) -> Tuple[int, ...]:
         out = ()
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"must be comma-separated positive ints, got {text!r}")
-    return out
+    return _each_once(out, "positive ints", text)
 
 
 def seconds(text: str) -> float:
@@ -90,15 +110,17 @@ def seconds(text: str) -> float:
 
 
 def name_list(text: str) -> Tuple[str, ...]:
-    """An argparse type: comma-separated non-empty names (``--devices mlx5_0,mlx5_1``), as a tuple.
+    """An argparse type: comma-separated non-empty names, each once (``--devices mlx5_0,mlx5_1``), as a tuple in the
+    order given (spaces around a name dropped).
 
     Raises:
-        argparse.ArgumentTypeError: "must be comma-separated non-empty names, got 'TEXT'" (``''``, ``','``, ``'a,,b'``).
+        argparse.ArgumentTypeError: "must be comma-separated non-empty names, got 'TEXT'" (``''``, ``','``, ``'a,,b'``),
+            or a name repeated ("..., each once, got 'a,a' (a twice)").
     """
     out = tuple(t.strip() for t in text.split(","))
     if not all(out):
         raise argparse.ArgumentTypeError(f"must be comma-separated non-empty names, got {text!r}")
-    return out
+    return _each_once(out, "non-empty names", text)
 
 
 __all__ = ["MAX_SECONDS", "int_at_least", "int_in", "name_list", "non_negative_int", "positive_int",

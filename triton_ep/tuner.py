@@ -197,7 +197,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=positive_int, default=None,
                    help="bf16 values per row, a multiple of 8 (default 7168; --quick 64)")
     p.add_argument("--tokens", type=positive_int_list, default=None,
-                   help="comma-separated tokens per rank, one table entry each (default 128,1024,4096; --quick 8)")
+                   help="comma-separated tokens per rank, each once, one table entry each (default 128,1024,4096; "
+                        "--quick 8)")
     p.add_argument("--num-experts", type=positive_int, default=None,
                    help="experts, a multiple of --ranks (default 256; --quick 8)")
     p.add_argument("--num-topk", type=positive_int, default=None,
