@@ -176,28 +176,40 @@ def _is_fifo(path) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink-to-fifo", "directory", "absent-directory", "under-a-file",
-                                  "empty", "proc"])
+                                  "empty", "proc", "proc-file", "read-only-file"])
 def test_tune_output_is_checked_before_any_measuring(kind, tmp_path, table_env, no_ranks, capsys):
     """(A new user's find: ``--output /dev/null`` measured, then renamed a file over the device; an absent
-    directory was made at the root; ``''`` wrote the real cache file.) Every --output is checked as it is parsed:
-    exit 2, argparse's error naming --output and the reason on stderr, nothing on stdout, nothing made or
-    replaced. (A FIFO in tmp_path stands for a device: never point such a test at /dev/null.)"""
+    directory was made at the root; ``''`` wrote the real cache file; ``/proc/version`` was refused as "its directory
+    /proc takes no new file (No such file or directory)", and a read-only file was replaced.) Every --output is
+    checked as it is parsed: exit 2, argparse's error naming --output, the path and the reason (the system's where it
+    refused something) on stderr, nothing on stdout, nothing made or replaced. (A FIFO in tmp_path stands for a
+    device: never point such a test at /dev/null.)"""
     import os
     fifo = _fifo(tmp_path)
     os.symlink(fifo, tmp_path / "link")
     (tmp_path / "f.py").write_text("")
+    (tmp_path / "ro.json").write_text("kept")
+    os.chmod(tmp_path / "ro.json", 0o444)
+    # (root opens a read-only file for writing: there the mode is the reason; elsewhere the system's refusal)
+    ro_why = ("cannot be written (read-only: mode 0444)" if os.geteuid() == 0 else
+              "cannot be written (Permission denied)")
     path, why = {"fifo": (str(fifo), "is a FIFO, not a regular file"),
                  "symlink-to-fifo": (str(tmp_path / "link"), f"(-> {fifo}) is a FIFO, not a regular file"),
                  "directory": (str(tmp_path), "is a directory, not a regular file"),
-                 "absent-directory": (str(tmp_path / "no" / "dir" / "x.json"), "does not exist (it is not made"),
+                 "absent-directory": (str(tmp_path / "no" / "dir" / "x.json"),
+                                      "does not exist (No such file or directory; it is not made"),
                  "under-a-file": (str(tmp_path / "f.py" / "x.json"), "f.py is not a directory"),
                  "empty": ("", "must be a non-empty path, got ''"),
-                 "proc": ("/proc/triton_ep_no_such_table.json", "its directory /proc takes no new file")}[kind]
+                 "proc": ("/proc/triton_ep_no_such_table.json",
+                          "its directory /proc (a proc file system) takes no new file ("),
+                 "proc-file": ("/proc/version", ro_why),
+                 "read-only-file": (str(tmp_path / "ro.json"), ro_why)}[kind]
     assert main(["tune", "--quick", "--output", path]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and f"error: argument --output: {path}"[:40] in err and why in err, err
+    assert out == "" and f"error: argument --output: {path}" in err and why in err, err
     assert _is_fifo(fifo) and os.path.islink(tmp_path / "link") and not (tmp_path / "no").exists()
-    assert not table_env.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["f.py", "fifo", "link"]
+    assert (tmp_path / "ro.json").read_text() == "kept"
+    assert not table_env.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["f.py", "fifo", "link", "ro.json"]
 
 
 def test_save_replaces_only_a_regular_file(tmp_path):

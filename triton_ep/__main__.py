@@ -30,7 +30,8 @@ where ``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON
 $XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved, 1 when a rank failed, 2 on bad usage: a bad
 option, options that do not go together (--hidden a multiple of 8, --num-experts a multiple of --ranks,
 --num-topk at most --num-experts, a buffer that holds a row), or an --output that is empty, not a regular file,
-or in a directory that is absent or takes no file -- all found before any measuring.
+read-only, or in a directory that is absent or takes no file (the message names the path and the system's
+reason) -- all found before any measuring.
 
 Exit status:
   0  the report was printed, RDMA present or absent (absent: pyverbs does not import, or there is no

@@ -144,17 +144,38 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (
           (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
 
 
+def _file_system(path: str) -> Optional[str]:
+    """The type of the file system ``path`` lies on (``"proc"``, ``"sysfs"``, ``"ext4"``...), from
+    ``/proc/self/mounts`` (the mount point that is the longest prefix of ``path``); ``None`` where it is unknown."""
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return None
+    return kind
+
+
 def check_target(path: str, create_dir: bool = False) -> str:
     """Check that :func:`save` may write the table to ``path``, before any measuring: the path is not empty; where it
     exists (symlinks followed) it is a regular file, never a device, FIFO, socket or directory (a file renamed over
-    ``/dev/null`` would replace the device for the whole machine); its directory exists (made first with
-    ``create_dir``, the default cache location's case; never for a path the user named) and takes a new file (one
-    is created and removed there, so ``/proc`` and read-only mounts are refused too).
+    ``/dev/null`` would replace the device for the whole machine), that may be written (opened for writing, which
+    changes nothing, and not read-only by its mode: root may open a read-only file, or ``/proc/version``, for
+    writing, but a table should not replace it); its directory exists (made first with ``create_dir``, the default
+    cache location's case; never for a path the user named) and takes a new file (one is created and removed there,
+    so ``/proc``, ``/sys`` and read-only mounts are refused too).
 
     Returns:
         The file to write: ``path`` with symlinks resolved (a symlink to a table keeps pointing at it).
     Raises:
-        ValueError: the reason, naming the path.
+        ValueError: the reason, naming the path and, where the system refused something, its reason
+            (e.g. ``Permission denied``, ``Read-only file system``).
     """
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"the table's file must be a non-empty path, got {path!r}")
@@ -169,21 +190,37 @@ def check_target(path: str, create_dir: bool = False) -> str:
     if mode is not None and not stat.S_ISREG(mode):
         kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
         raise ValueError(f"{shown} is {kind}, not a regular file; name the table's file (a .json path)")
+    if mode is not None:
+        try:
+            os.close(os.open(real, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK))    # (no O_TRUNC: nothing changes)
+        except OSError as e:
+            raise ValueError(f"{shown} cannot be written ({e.strerror or e})") from None
+        if not mode & 0o222:
+            raise ValueError(f"{shown} cannot be written (read-only: mode {stat.S_IMODE(mode):04o}); make it "
+                             f"writable or name another file")
     parent = os.path.dirname(real)
     if create_dir:
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
             raise ValueError(f"{shown}: its directory {parent} cannot be made ({e.strerror or e})") from None
-    if not os.path.isdir(parent):
-        why = "is not a directory" if os.path.exists(parent) else "does not exist (it is not made for you)"
-        raise ValueError(f"{shown}: its directory {parent} {why}")
+    try:
+        parent_mode = os.stat(parent).st_mode
+    except FileNotFoundError as e:
+        raise ValueError(f"{shown}: its directory {parent} does not exist ({e.strerror}; it is not made for "
+                         f"you)") from None
+    except OSError as e:
+        raise ValueError(f"{shown}: its directory {parent} cannot be reached ({e.strerror or e})") from None
+    if not stat.S_ISDIR(parent_mode):
+        raise ValueError(f"{shown}: its directory {parent} is not a directory")
     try:
         fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(real)}.", suffix=".probe")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ValueError(f"{shown}: its directory {parent} takes no new file ({e.strerror or e})") from None
+        fs = _file_system(parent)
+        on = f" (a {fs} file system)" if fs else ""
+        raise ValueError(f"{shown}: its directory {parent}{on} takes no new file ({e.strerror or e})") from None
     return real
 
 
@@ -194,8 +231,8 @@ def save(path: str, entries: List[dict], command: str) -> None:
     ``create_dir`` does that for the default location).
 
     Raises:
-        ValueError: :func:`check_target`'s reasons (an empty path, a target that is not a regular file, a directory
-            that is absent or takes no file); nothing is written or replaced then.
+        ValueError: :func:`check_target`'s reasons (an empty path, a target that is not a regular file or cannot be
+            written, a directory that is absent or takes no file); nothing is written or replaced then.
         OSError: the write itself failed (the temporary file is removed).
     """
     import datetime

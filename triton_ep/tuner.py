@@ -172,8 +172,8 @@ def table_file(text: str) -> str:
     """An argparse type: a file the tuned table may be written to (``tune --output``; here, not in
     :mod:`triton_ep.argtypes`, whose layer imports nothing of the package), checked by
     :func:`triton_ep.tuned.check_target` when the option is parsed, before any measuring: not empty, absent or a
-    regular file (never a device, FIFO, socket or directory, symlinks followed), in an existing directory that
-    takes a new file (the directory is not made).
+    regular file that may be written (never a device, FIFO, socket, directory or read-only file, symlinks
+    followed), in an existing directory that takes a new file (the directory is not made).
 
     Returns:
         The text as given (``save`` resolves symlinks again when it writes).
@@ -211,8 +211,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and two candidates (a CPU run: 16-30 s seen on a loaded 2-core machine)")
     p.add_argument("--output", type=table_file, default=None,
-                   help="the table's file: absent or a regular file, in an existing writable directory (checked "
-                        f"before any measuring; default: ${tuned.ENV_FILE}, else "
+                   help="the table's file: absent or a writable regular file, in an existing writable directory "
+                        f"(checked before any measuring; default: ${tuned.ENV_FILE}, else "
                         "$XDG_CACHE_HOME/triton_ep/tuning.json, whose directory is made)")
     p.add_argument("--timeout-s", type=seconds, default=600.0, help="bound on each shape's run, seconds (default 600)")
 
