@@ -2,6 +2,9 @@
 library reading that table back (docs/tuning.md)."""
 import io
 import json
+import os
+import signal
+import time
 import warnings
 
 import pytest
@@ -279,3 +282,127 @@ def test_scheduler_cli_counts_have_upper_bounds(args, why, capsys):
     with pytest.raises(SystemExit) as ex:
         build_parser().parse_args(args)
     assert ex.value.code == 2 and why in capsys.readouterr().err
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``/proc/PID/stat``; ``"gone"`` where there is none): ``"Z"``, ended but not reaped
+    (the orphans of a killed process are reaped by whoever adopted them, here whenever that gets to it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def _children(pid: int) -> list:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _maps_a_buffer(pid: int) -> bool:
+    """Whether process ``pid`` maps a shared-memory file of this test run (a Buffer of a rank: past its imports)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f"/triton_ep.{os.environ['TRITON_EP_SHM_TAG']}." in f.read()     # (conftest's tag)
+    except OSError:
+        return False
+
+
+def _ended_within(pids, seconds: float) -> list:
+    """The ``pids`` still running (neither gone nor a zombie) after up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if _state(p) not in ("gone", "Z")]
+    return left
+
+
+def _kill_all(proc, pids) -> None:
+    """Nothing left behind by a test that failed: ``proc`` (a Popen) killed and reaped, ``pids`` killed."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for p in pids:
+        if _state(p) not in ("gone", "Z"):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_tune_killed_with_sigkill_leaves_no_rank_running(tmp_path):
+    """(A new user's find: ``kill -9`` of ``triton-ep tune`` left its ranks running for 25-70 s.) ``tune`` in a
+    subprocess (2 CPU ranks, spawned: the tuner's own start method; SIGINT ignored), SIGKILLed once both ranks are
+    inside the rank function (each maps its Buffer's shared memory): every process it started (the ranks,
+    multiprocessing's resource tracker) has ended within 3 s (each rank watches its parent:
+    triton_ep.transport.parent.exit_with_parent)."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # SIGINT ignored, as in a background job of a script: torch's parent-death signal for its ranks (SIGINT) then
+    # does nothing (elsewhere it raises KeyboardInterrupt, whose handling may wait on peers); sh execs python
+    argv = [sys.executable, "-m", "triton_ep", "tune", "--quick", "--tokens", "6", "--iters", "200", "--warmup", "0",
+            "--output", str(tmp_path / "t.json")]
+    tune = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kids = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and tune.poll() is None:
+            kids = _children(tune.pid)
+            ranks = [p for p in kids if _maps_a_buffer(p)]
+            if len(ranks) == 2:
+                break
+            time.sleep(0.1)
+        assert len(ranks) == 2, f"the ranks did not start (tune's status {tune.poll()}, children {kids})"
+        tune.kill()
+        tune.wait()
+        left = _ended_within(kids, 3.0)
+        assert not left, f"still running 3 s after tune's SIGKILL: {left} of {kids} ({[_state(p) for p in left]})"
+    finally:
+        _kill_all(tune, kids)
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_a_process_that_starts_watching_after_its_parent_died_ends_at_once(tmp_path):
+    """exit_with_parent(ppid) with the pid the parent knew: a child that starts watching only after its parent died
+    (a rank still importing torch at the kill) ends at once, as does one that watched before (within 0.1 s);
+    ``getppid()`` asked at the late start would have named the process that adopted it, watched for good."""
+    import subprocess
+    import sys
+    from triton_ep.transport import parent
+    code = f"""
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("parent", {parent.__file__!r})
+m = sys.modules["parent"] = importlib.util.module_from_spec(spec)     # (stdlib only: no torch to import)
+spec.loader.exec_module(m)
+me = os.getpid()
+for delay in (0.0, 2.0):        # (watching before the parent dies, and after)
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(delay)
+        m.exit_with_parent(me)
+        time.sleep(60)
+        os._exit(0)
+    print(pid, flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    kids = []
+    try:
+        kids = [int(proc.stdout.readline()) for _ in range(2)]
+        time.sleep(0.3)
+        proc.kill()
+        proc.wait()
+        assert not _ended_within(kids[:1], 1.0), "the child that watched did not end within 1 s"
+        assert _state(kids[1]) not in ("gone", "Z")       # (it sleeps on; it watches at 2 s)
+        assert not _ended_within(kids[1:], 3.0), "the child that started watching late did not end"
+    finally:
+        proc.stdout.close()
+        _kill_all(proc, kids)

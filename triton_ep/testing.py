@@ -163,12 +163,19 @@ def start_forkserver(modules: Sequence[str] = ()) -> bool:
 
 
 def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple,
-               env: Optional[dict] = None) -> None:
+               parent_pid: Optional[int], env: Optional[dict] = None) -> None:
     import os
     import pickle
     import traceback
 
     import torch.distributed as dist
+
+    from triton_ep.runtime import exit_with_parent
+    # the caller (or, forked, the fork server, which ends with the caller) killed, SIGKILL included, now or while
+    # this process imported torch: end now, not when a wait for peers that also stop answering times out (torch's
+    # parent-death SIGINT is set after the imports, is handled only between bytecodes, is caught by the except
+    # below, and does nothing where SIGINT is ignored, as in a background job of a script)
+    exit_with_parent(parent_pid)
     if env is not None:
         # a fork server's child: the caller's environment at the call (not the server's), set before the rank
         # function and its arguments are unpickled (``fn``: their pickle), so modules they import read it
@@ -218,7 +225,9 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     gets this process's environment as it is at the call, before ``fn`` and ``args`` are unpickled there, but
     modules the server imported keep what they read from the environment at import, e.g. ``TRITON_EP_PDL``: a
     rank that needs such a variable changed is spawned; its standard streams are the server's). Where CUDA is
-    present ``"forkserver"`` means ``"spawn"``.
+    present ``"forkserver"`` means ``"spawn"``. A rank ends within about 0.1 s once this process is gone, SIGKILL
+    included (:func:`triton_ep.transport.parent.exit_with_parent`; forked, once the fork server is, which
+    ends with this process).
 
     Returns:
         per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.
@@ -236,11 +245,16 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
     if method == "forkserver" and not start_forkserver():
         method = "spawn"
+    parent_pid: Optional[int] = os.getpid()     # whom each rank watches (its parent)
+    if method == "forkserver":
+        from multiprocessing import forkserver
+        parent_pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     env = None
     if method == "forkserver":      # (_rank_main unpickles fn and args after it set env)
         env, fn, args = dict(os.environ), pickle.dumps((fn, args)), ()
     with tempfile.TemporaryDirectory(prefix="triton_ep_ranks_") as d:
-        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "init"), d, backend, args, env),
+        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "init"), d, backend, args, parent_pid,
+                                                   env),
                                  nprocs=world, join=False, start_method=method)
         import time
         deadline = time.monotonic() + timeout_s

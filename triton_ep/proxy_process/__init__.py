@@ -12,10 +12,11 @@ statistics, close; never per chunk).
   own session, SIGINT ignored) running :mod:`triton_ep.proxy_main`, which imports neither torch nor
   Triton; nothing is forked from the rank's process, the user's ``__main__`` is never run again.
 - Lifetime: :meth:`ProcessScheduler.close` ends and reaps it; the rank's process ending (SIGKILL included) ends
-  it within a second (it watches its parent through a pidfd, and ``getppid()``: not through the channel, which
-  processes forked from the rank keep open); a process forked from the rank that inherited the scheduler never
-  closes it (the pid is checked). The rings' file is unlinked once both processes mapped it, and the emulated
-  fabric's ring files once every QP is connected: nothing stays in /dev/shm on any path.
+  it within a second (it watches its parent through a pidfd, and ``getppid()``, :mod:`triton_ep.transport.parent`:
+  not through the channel, which processes forked from the rank keep open); a process forked from the rank that
+  inherited the scheduler never closes it (the pid is checked). The rings' file is unlinked once both processes
+  mapped it, and the emulated fabric's ring files once every QP is connected: nothing stays in /dev/shm on any
+  path.
 - Failure: a proxy that fails records its :class:`~triton_ep.scheduler.ProxyError` as today (abort word, fault
   words to the peers) and sends it over the channel; a proxy process that dies is a ``ProxyError`` naming the
   rank, its pid and how it ended, at the rank's next :meth:`~ProcessScheduler.check` (a thread of the rank's

@@ -9,17 +9,16 @@ import select
 import socket
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import numpy as np
 
 from triton_ep.errors import EPTimeoutError
 from triton_ep.scheduler import RingLayout, Scheduler
+from triton_ep.transport.parent import PARENT_GONE_STATUS, PARENT_POLL_S, ParentWatch
 
 from .channel import pack_error, recv_msg, send_msg, unpack_error
 
-#: seconds between the proxy process's looks at its parent (and at its scheduler's error)
-PARENT_POLL_S = 0.1
 #: the proxy process's idle back-off (:class:`ProxySweeps`): sweeps that moved nothing followed by a yield only,
 #: then the first sleep (seconds), doubling up to the last
 IDLE_SPINS, IDLE_FIRST_S, IDLE_MAX_S = 20, 25e-6, 200e-6
@@ -155,28 +154,22 @@ class _Served:
                 transport.close()
 
 
-def _parent_gone(ppid: int, pidfd: Optional[int], readable) -> bool:
-    return (pidfd is not None and pidfd in readable) or os.getppid() != ppid
-
-
 def serve(fd: int, ppid: int) -> int:
     """The proxy process's loop: answer the rank's commands on the channel ``fd``, report the scheduler's error,
-    and end when told to, when the channel ends or when the parent ``ppid`` is gone (its pidfd, and
-    ``getppid()``, looked at every :data:`PARENT_POLL_S`). Returns the exit status (0: closed by the rank)."""
+    and end when told to, when the channel ends or when the parent ``ppid`` is gone
+    (:class:`triton_ep.transport.parent.ParentWatch`: its pidfd, and ``getppid()``, looked at every
+    :data:`PARENT_POLL_S`; status :data:`PARENT_GONE_STATUS`). Returns the exit status (0: closed by the rank)."""
     sock = socket.socket(fileno=fd)
-    try:
-        pidfd = os.pidfd_open(ppid)
-    except (AttributeError, OSError):
-        pidfd = None
+    parent = ParentWatch.of(ppid)
     served = _Served()
     try:
-        if os.getppid() != ppid:
+        if parent.gone():
             return 3
-        watch = [sock] + ([pidfd] if pidfd is not None else [])
+        watch = [sock] + parent.fds()
         while True:
             readable, _, _ = select.select(watch, [], [], PARENT_POLL_S)
-            if _parent_gone(ppid, pidfd, readable):
-                return 4
+            if parent.gone(readable):
+                return PARENT_GONE_STATUS
             if sock in readable:
                 msg = recv_msg(sock)
                 if msg is None:
@@ -190,6 +183,5 @@ def serve(fd: int, ppid: int) -> int:
         return 6
     finally:
         served.shutdown()
-        if pidfd is not None:
-            os.close(pidfd)
+        parent.close()
         sock.close()
