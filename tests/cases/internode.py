@@ -13,7 +13,8 @@ def _error(ex: BaseException) -> list:
 
 def layout_and_checks(rank, world, env, E, K, T, seed):
     """Build a Buffer with ``env`` set in this rank; return what get_dispatch_layout gives, the reference
-    per-host counts, and the errors dispatch / combine raise for a few argument shapes."""
+    per-host counts, and the errors dispatch / combine raise for a few argument shapes and handles (``None``, a
+    tuple of the ok dispatch's handle's entries with a float in place of ``recv_src_meta``, one rebuilt as it was)."""
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=30)
     try:
@@ -29,18 +30,21 @@ def layout_and_checks(rank, world, env, E, K, T, seed):
             "value": dict(num_tokens_per_rdma_rank=per_host + 1 if per_host is not None else None),
             "ok": dict(num_tokens_per_rdma_rank=per_host),
         }
+        handle = None
         for name, kw in calls.items():
             try:
-                buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                             num_tokens_per_expert=per_expert, topk_idx=idx, **kw)
+                handle = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                      num_tokens_per_expert=per_expert, topk_idx=idx, **kw)[4]
                 out[name] = None
             except Exception as ex:   # noqa: BLE001 - the test compares the errors
                 out[name] = _error(ex)
-        try:
-            buf.combine(x, handle=None)
-            out["combine"] = None
-        except Exception as ex:   # noqa: BLE001
-            out["combine"] = _error(ex)
+        h = list(handle)
+        for name, bad in (("combine", None), ("float", tuple(h[:7] + [0.5] + h[8:])), ("rebuilt", tuple(h))):
+            try:
+                buf.combine(x, handle=bad)
+                out[name] = None
+            except Exception as ex:   # noqa: BLE001
+                out[name] = _error(ex)
         return out
     finally:
         buf.destroy()

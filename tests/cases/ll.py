@@ -251,7 +251,8 @@ def absent_without_shrink(rank, world, N, H, E):
 
 def bad_ids_then_recover(rank, world, N, H, E):
     """Rank 1 passes two ids outside [-1, E) (one above, one below): it raises ValueError counting both, the peers
-    EPRemoteError; the next call re-synchronises and is correct. Bad argument shapes raise before launch."""
+    EPRemoteError; the next call re-synchronises and is correct. Bad argument shapes, handles (a float entry,
+    too few entries, a tuple rebuilt from a handle) and outs raise before launch."""
     R, me = world, rank
     xs, idxs, ws = ll_inputs(7, R, E, 2, H, [4] * R)
     buf = _buffer(R, N, H, E, timeout_s=30)
@@ -282,6 +283,12 @@ def bad_ids_then_recover(rank, world, N, H, E):
         out, count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False)
         check_dispatch(out, count, handle, xs, idxs, R, E, me, False, False, False)
         T = xs[me].shape[0]
+        h = list(handle)
+        for bad_handle in (tuple(h[:3] + [float(H)] + h[4:]), h[:4], tuple(h)):   # (raised on every rank)
+            try:
+                buf.low_latency_combine(out, idxs[me], ws[me], bad_handle)
+            except (TypeError, ValueError) as e:
+                got.append(f"handle: {type(e).__name__}: {e}")
         for bad_out in (torch.empty(T, H, dtype=torch.float32), torch.empty(T + 1, H, dtype=torch.bfloat16)):
             try:        # (raised on every rank before anything)
                 buf.low_latency_combine(out, idxs[me], ws[me], handle, out=bad_out)

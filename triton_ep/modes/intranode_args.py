@@ -13,7 +13,7 @@ from ..kernels.geometry import fused_switch, row_words
 from ..protocol import call_card as card
 from ..protocol import records
 from ..runtime import Runtime
-from ..runtime.checks import check_config, check_event, isint
+from ..runtime.checks import HandleField, check_config, check_event, isint
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -122,6 +122,12 @@ class DispatchHandle(tuple):
 
     It also remembers, on the host, what cached calls need without a device synchronisation.
     """
+
+    #: the entries, as a check of a tuple given in its place names them (``Runtime.check_handle``)
+    FIELDS = (HandleField("rank_prefix_matrix", (torch.int32,)), HandleField("channel_prefix_matrix", (torch.int32,)),
+              HandleField("recv_channel_prefix_matrix", (torch.int32,)), HandleField("recv_src_idx", (torch.int32,)),
+              HandleField("is_token_in_rank", (torch.bool,)), HandleField("send_head", (torch.int32,)))
+    DESCRIPTION = "the handle of a normal-mode dispatch within one host"
 
     def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: Optional[int],
                 recv_rows_max: int, area_rows_max: int, seq: int, row_base: Tensor, combine_tables: Tensor,

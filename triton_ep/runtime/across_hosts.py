@@ -107,6 +107,10 @@ class HostsRuntime:
     def check_tensor(self, *args, **kwargs) -> Tensor:
         return self.local.check_tensor(*args, **kwargs)
 
+    def check_handle(self, handle, kind: type, made_by: str):
+        """:meth:`Runtime.check_handle` (this host's Runtime has the Buffer's uid)."""
+        return self.local.check_handle(handle, kind, made_by)
+
     def check_num_experts(self, num_experts) -> None:
         """:func:`triton_ep.runtime.checks.check_num_experts` for the whole group (every host's ranks)."""
         check_num_experts(num_experts, self.group_size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -66,6 +66,51 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], shape: Sequence[Op
     if t.data_ptr() & 3:
         t = t.clone()           # (a fresh allocation: aligned)
     return t
+
+
+@dataclass(frozen=True)
+class HandleField:
+    """One entry of a handle as DeepEP lays it out: its ``name`` (DeepEP's) and ``dtypes``, those its tensor may have
+    (``None``: the entry is an int, as the low-latency handle's ``hidden``)."""
+    name: str
+    dtypes: Optional[Tuple[torch.dtype, ...]] = None
+
+
+def handle_error(handle, kind: type, made_by: str) -> Exception:
+    """The error for ``handle`` given where a ``kind`` belongs (a handle class of a mode, whose ``FIELDS`` are its
+    entries in DeepEP's order, :class:`HandleField`, and ``DESCRIPTION`` says what it is), made by ``made_by``:
+
+    - a handle of another mode: ``TypeError`` naming it;
+    - a tuple or list (a handle taken apart and rebuilt, or made by hand), its entries checked in order: another
+      number of them is a ``ValueError``; an entry of another type a ``TypeError`` naming its index, its field and
+      its type (``handle[3] (recv_src_idx) must be a torch.Tensor, got float``), or its dtype; where every entry
+      is right, a ``TypeError`` all the same (a handle also keeps, on the host, what its cached calls need);
+    - anything else: ``TypeError`` naming its type.
+
+    Returns:
+        The exception, for the caller to raise.
+    """
+    want = f"handle must be a handle this Buffer's {made_by} returned"
+    fields = kind.FIELDS
+    if isinstance(handle, tuple) and hasattr(type(handle), "DESCRIPTION"):
+        return TypeError(f"{want}, got {type(handle).__name__}, {type(handle).DESCRIPTION}")
+    what = type(handle).__name__
+    if not isinstance(handle, (tuple, list)):
+        return TypeError(f"{want}, got {what}")
+    if len(handle) != len(fields):
+        return ValueError(f"{want}; a {what} of {len(handle)} entries is not one (it holds {len(fields)}: "
+                          f"{', '.join(f.name for f in fields)})")
+    for i, (f, v) in enumerate(zip(fields, handle)):
+        where = f"handle[{i}] ({f.name})"
+        if f.dtypes is None:
+            if not isint(v):
+                return TypeError(f"{where} must be an int, got {type(v).__name__}")
+        elif not isinstance(v, torch.Tensor):
+            return TypeError(f"{where} must be a torch.Tensor, got {type(v).__name__}")
+        elif v.dtype not in f.dtypes:
+            return TypeError(f"{where} must have dtype {' or '.join(map(str, f.dtypes))}, got {v.dtype}")
+    return TypeError(f"{want}, got a {what} of its entries: the handle itself also keeps, on the host, what its "
+                     f"cached calls need; pass it as it was returned")
 
 
 def check_event(ev) -> None:

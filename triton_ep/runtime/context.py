@@ -25,7 +25,7 @@ from ..protocol import call_card as card
 from ..transport import ipc, signals
 from ..transport.liveness import dead_error
 from .hosts import Hosts
-from .checks import check_num_experts, check_tensor
+from .checks import check_num_experts, check_tensor, handle_error
 
 Tensor = torch.Tensor
 _NO_CTX = contextlib.nullcontext()        # reusable: entering it does nothing
@@ -326,12 +326,13 @@ class Runtime:
         """``handle`` as given, when it is a ``kind`` made by this Buffer's ``made_by`` call.
 
         Raises:
-            TypeError: not a ``kind``. ValueError: made by another Buffer.
+            TypeError: not a ``kind``: another mode's handle, or a tuple or list with an entry of another type or
+            dtype (named: ``handle[3] (recv_src_idx) must be a torch.Tensor, got float``) or rebuilt from a
+            handle's entries. ValueError: a tuple or list of another number of entries; made by another Buffer
+            (:func:`triton_ep.runtime.checks.handle_error`).
         """
         if not isinstance(handle, kind):
-            what = ("the handle of a dispatch across hosts (this Buffer's ranks are on one host)"
-                    if type(handle).__name__ == "InternodeHandle" else type(handle).__name__)
-            raise TypeError(f"handle must be the handle {made_by} of triton_ep returned, got {what}")
+            raise handle_error(handle, kind, made_by)
         if handle.buffer_uid != self.uid:
             raise ValueError(f"handle was made by another Buffer; pass the handle this Buffer's {made_by} returned")
         return handle

@@ -87,7 +87,9 @@ def test_layout_per_host_and_dispatch_checks(world, per_host):
         assert o["shape"][0] == "ValueError" and "num_tokens_per_rdma_rank" in o["shape"][1]
         assert o["value"][0] == "ValueError" and "differs from the tokens this rank sends" in o["value"][1], o["value"]
         assert o["ok"] is None, o["ok"]
-        assert o["combine"][0] == "ValueError" and "handle" in o["combine"][1], o["combine"]
+        assert o["combine"] == ["TypeError", "handle must be a handle this Buffer's dispatch returned, got NoneType"]
+        assert o["float"] == ["TypeError", "handle[7] (recv_src_meta) must be a torch.Tensor, got float"], o["float"]
+        assert o["rebuilt"][0] == "TypeError" and "got a tuple of its entries" in o["rebuilt"][1], o["rebuilt"]
 
 
 @pytest.mark.multiprocess

@@ -645,24 +645,55 @@ def test_combine_errors_name_the_tensor(name, bad, exc):
 # ---------------------------------------------------------------------------------------------- kind 6
 def test_cached_dispatch_rejects_mismatched_handles():
     """A handle of another Buffer, a handle for another T, a plain tuple, and topk passed with a handle are
-    rejected (ValueError/TypeError on that rank, EPRemoteError on its peers); the group still works.
-    Catches: a cached dispatch trusting the handle blindly (rows copied from the wrong T: out of bounds)."""
+    rejected (ValueError/TypeError on that rank, EPRemoteError on its peers); the group still works. (A new
+    user's find: a tuple with a float entry said "got tuple".) A tuple in a handle's place names its first bad
+    entry, index, field and type; one of the right entries says it is no handle; one of another length is a
+    ValueError. Catches: a cached dispatch trusting the handle blindly (rows copied from the wrong T: out of
+    bounds)."""
     R, E, K, H = 2, 4, 2, 16
     xs, idxs, ws = make_inputs(10, E, K, H, [5, 3])
     a, b = guarded_group(R, 1 << 15), guarded_group(R, 1 << 15)
     ra = virtual_dispatch(a, xs, idxs, ws, E)
     rb = virtual_dispatch(b, xs, idxs, ws, E)
+    h = list(rb[0][4])
     cases = [(dict(x=xs[0], handle=ra[0][4]), ValueError, "another Buffer"),
              (dict(x=xs[0][:4], handle=rb[0][4]), ValueError, "5 tokens"),
-             (dict(x=xs[0], handle=tuple(rb[0][4])), TypeError, "handle"),
+             (dict(x=xs[0], handle=tuple(rb[0][4])), TypeError, "got a tuple of its entries: the handle itself"),
+             (dict(x=xs[0], handle=tuple(h[:3] + [1.5] + h[4:])), TypeError,
+              "handle[3] (recv_src_idx) must be a torch.Tensor, got float"),
+             (dict(x=xs[0], handle=h[:4] + [h[4].int()] + h[5:]), TypeError,
+              "handle[4] (is_token_in_rank) must have dtype torch.bool, got torch.int32"),
+             (dict(x=xs[0], handle=tuple(h[:5])), ValueError, "a tuple of 5 entries is not one (it holds 6: "
+                                                             "rank_prefix_matrix, channel_prefix_matrix, "),
              (dict(x=xs[0], handle=rb[0][4], topk_idx=idxs[0]), ValueError, "takes no topk")]
     for kw0, exc, words in cases:
         out = b.call("dispatch", [kw0, dict(x=xs[1], handle=rb[1][4])])
         assert isinstance(out[0], exc) and words in str(out[0]), repr(out[0])
         assert isinstance(out[1], triton_ep.EPRemoteError) and "rank 0" in str(out[1]), repr(out[1])
+    out = b.call("combine", [dict(x=rb[0][0], handle=None), dict(x=rb[1][0], handle=rb[1][4])])
+    assert isinstance(out[0], TypeError) and str(out[0]) == ("handle must be a handle this Buffer's dispatch "
+                                                             "returned, got NoneType"), repr(out[0])
+    assert isinstance(out[1], triton_ep.EPRemoteError), repr(out[1])
     cached = raise_first(b.call("dispatch", [dict(x=xs[r], handle=rb[r][4]) for r in range(R)]))
     for j in range(R):
         assert_bits(cached[j][0], rb[j][0], f"rank {j}")
+
+
+def test_another_modes_handle_is_named():
+    """A handle of another mode where a normal-mode one within one host belongs (and the other way round): a
+    TypeError naming its class and what it is (runtime.checks.handle_error, which every mode's check raises)."""
+    from triton_ep.modes.internode.handle import InternodeHandle
+    from triton_ep.modes.intranode_args import DispatchHandle
+    from triton_ep.modes.low_latency.handle import LLHandle
+    from triton_ep.runtime.checks import handle_error
+    i32 = torch.zeros(2, dtype=torch.int32, device="cpu")
+    ll = LLHandle((i32, i32.long(), 8, 128, 4), "uid", i32, i32, 3, 2)
+    e = handle_error(ll, DispatchHandle, "dispatch")
+    assert isinstance(e, TypeError) and str(e) == ("handle must be a handle this Buffer's dispatch returned, got "
+                                                   "LLHandle, the handle of a low_latency_dispatch"), e
+    e = handle_error(InternodeHandle((i32,) * 10, None), LLHandle, "low_latency_dispatch")
+    assert isinstance(e, TypeError) and str(e).endswith("got InternodeHandle, the handle of a normal-mode dispatch "
+                                                        "across hosts"), e
 
 
 def layout_kwargs(idx: torch.Tensor, E: int, R: int, device: str = "cpu") -> dict:

@@ -102,6 +102,14 @@ def test_bad_ids_and_shapes():
     assert out[1][2:4] == ["shape", "ValueError (2 ids)"], out
     assert out[0][2] == "shape" and "EPRemoteError" in out[0][3:], out
     assert all(o[-2:] == ["out: TypeError", "out: ValueError"] for o in out), out      # a float32 out, a bf16 of T+1
+    want = "handle must be a handle this Buffer's low_latency_dispatch returned"
+    for o in out:       # (a new user's find: a float in a handle's place said "got tuple")
+        assert [e for e in o if e.startswith("handle: ")] == [
+            "handle: TypeError: handle[3] (hidden) must be an int, got float",
+            f"handle: ValueError: {want}; a list of 4 entries is not one (it holds 5: src_info, layout_range, "
+            "num_max_dispatch_tokens_per_rank, hidden, num_experts)",
+            f"handle: TypeError: {want}, got a tuple of its entries: the handle itself also keeps, on the host, what "
+            "its cached calls need; pass it as it was returned"], o
 
 
 @pytest.mark.parametrize("round_scale", [False, True])

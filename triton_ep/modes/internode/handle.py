@@ -8,6 +8,7 @@ from typing import List, Optional, Union
 
 import torch
 
+from ...runtime.checks import HandleField
 from ..intranode import DispatchHandle
 
 Tensor = torch.Tensor
@@ -107,10 +108,23 @@ class InternodeHandle(tuple):
        forwarded (``F`` of them).
     """
 
+    #: the entries, as a check of a tuple given in its place names them (``Runtime.check_handle``)
+    FIELDS = (HandleField("is_token_in_rank", (torch.bool,)),
+              *(HandleField(name, (torch.int32,)) for name in (
+                  "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix", "recv_rdma_channel_prefix_matrix",
+                  "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum",
+                  "recv_src_meta", "send_rdma_head", "send_nvl_head")))
+    DESCRIPTION = "the handle of a normal-mode dispatch across hosts"
+
     def __new__(cls, items, plan):
         h = super().__new__(cls, items)
         h.plan = plan
         return h
+
+    @property
+    def buffer_uid(self) -> str:
+        """The uid of the Buffer whose dispatch made it (its plan's)."""
+        return self.plan.uid
 
 
 def build_handle(in_rank: Tensor, sent: Tensor, recv: Tensor, got: Received, head: Tensor,

@@ -452,13 +452,11 @@ class Internode:
         """The plan of ``handle``, an internode dispatch's of this Buffer (both paths).
 
         Raises:
-            ValueError: any other handle.
+            TypeError: no :class:`InternodeHandle` (another mode's handle, a tuple with an entry of another type,
+            named, or rebuilt from a handle's entries). ValueError: a tuple of another number of entries, or a
+            handle of another Buffer (``Runtime.check_handle``).
         """
-        plan = getattr(handle, "plan", None)
-        if not isinstance(handle, InternodeHandle) or not isinstance(plan, (HostPlan, CapturePlan)) or \
-                plan.uid != self.rt.uid:
-            raise ValueError("handle must be the handle of an internode dispatch of this Buffer")
-        return plan
+        return self.rt.check_handle(handle, InternodeHandle, "dispatch").plan
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: Tensor, handle, topk_weights: Optional[Tensor] = None, bias=None, config=None,

@@ -6,7 +6,7 @@ from typing import List
 import torch
 
 from ...protocol.ll_area import Layout
-from ...runtime.checks import MAX_EXPERTS, MAX_INT32, int_arg
+from ...runtime.checks import MAX_EXPERTS, MAX_INT32, HandleField, int_arg
 
 Tensor = torch.Tensor
 
@@ -74,6 +74,11 @@ class LLHandle(tuple):
     ``num_topk``, ``num_tokens``, the Buffer that made it and ``call``, the host's number of the send that
     made it (its tables are written by that call's receive: a combine before the receive hook ran is refused).
     """
+
+    #: the entries, as a check of a tuple given in its place names them (``Runtime.check_handle``)
+    FIELDS = (HandleField("src_info", (torch.int32,)), HandleField("layout_range", (torch.int64,)),
+              HandleField("num_max_dispatch_tokens_per_rank"), HandleField("hidden"), HandleField("num_experts"))
+    DESCRIPTION = "the handle of a low_latency_dispatch"
 
     def __new__(cls, items, buffer_uid: str, ret_slot: Tensor, recv_count: Tensor, num_tokens: int, num_topk: int,
                 call: int = 0):
