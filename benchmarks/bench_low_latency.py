@@ -34,6 +34,10 @@ network leg posted per combine of each kind (``get_rdma_stats()``, over ``--net-
 ``--arrival-words`` (with ``--hosts``) sets ``TRITON_EP_LL_ARRIVAL_WORDS=1``: each chunk is signalled by an arrival
 word the receiving kernel polls instead of a WRITE_WITH_IMM the receiving proxy turns into the tail
 (``network.arrival_words`` says which ran).
+``--busy-main`` (GPU) adds ``graph_one_idle`` / ``graph_one_busy``: CUDA events around one replay of that graph,
+the main thread idle (the end event's synchronise) or running plain Python until ``end.query()`` is true, as a
+serving engine's scheduler does while a decode step's graph runs; with ``--hosts``, run it once per
+``TRITON_EP_PROXY`` (a proxy thread waits for the GIL, a proxy process does not).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import functools
 import os
 import statistics
 import sys
+from typing import Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (puts the repository root on sys.path, sets the NVLS switches off)
@@ -51,6 +56,7 @@ from bench_calls import init_rank, time_call  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from triton_ep.proxy_process import proxy_kind  # noqa: E402
 
 CALLS = ("dispatch", "dispatch_bf16", "combine", "graph", "a2a_dispatch", "a2a_combine")
 
@@ -79,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --hosts: signal chunks by arrival words the receive polls (TRITON_EP_LL_ARRIVAL_WORDS=1)")
     p.add_argument("--logfmt", action="store_true",
                    help="also time the combine with use_logfmt=True against the bf16 one (bytes per row and time)")
+    p.add_argument("--busy-main", action="store_true",
+                   help="on a GPU, also time one replay of the dispatch + combine graph while the main thread runs "
+                        "plain Python until the replay's end event is done, against an idle main thread "
+                        "(graph_one_idle, graph_one_busy; with --hosts, TRITON_EP_PROXY says where the proxy runs)")
     C.add_out_arg(p, "low_latency.json")
     return p.parse_args(argv)
 
@@ -106,6 +116,30 @@ def _graph_us(g, device) -> float:
         torch.cuda.synchronize(device)
         ts.append(e0.elapsed_time(e1) * 1e3 / 20)
     return statistics.median(ts)
+
+
+def _graph_busy_us(g, device, samples: int = 20) -> Tuple[float, float]:
+    """GPU µs of one replay of ``g`` (CUDA events around it, median of ``samples``, a barrier before each) while
+    this process's main thread waits for its end event idle (``idle``: the event's synchronise, which lets the GIL
+    go) and while it runs plain Python until ``end.query()`` is true (``busy``: what a serving engine's scheduler
+    does while a decode step's graph runs; a proxy thread then waits for the GIL): ``(idle, busy)``."""
+    def one(busy: bool) -> float:
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        if busy:
+            n = 0
+            while not e1.query():
+                n += 1
+        e1.synchronize()
+        return e0.elapsed_time(e1) * 1e3
+
+    one(False), one(True)
+    return (statistics.median(one(False) for _ in range(samples)),
+            statistics.median(one(True) for _ in range(samples)))
 
 
 def _kernel_us(g, device, replays: int = 20) -> dict:
@@ -216,6 +250,8 @@ def one_run(a, device, rank: int, R: int) -> dict:
     if device.type == "cuda":
         graph = _captured(lambda: (dispatch(), combine()), device)
         out["graph"] = _graph_us(graph, device)
+        if a.busy_main:
+            out["graph_one_idle"], out["graph_one_busy"] = _graph_busy_us(graph, device, a.iters)
         if a.profile and rank == 0:
             out["kernels"] = _kernel_us(graph, device)
         if a.sweep:
@@ -390,6 +426,11 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
               f"GB/s DeepEP's way) against {C.sig(row['combine'])} µs bf16 "
               f"({C.sig(C.gbps(sel * 2 * H, row['combine'] / 1e3))} GB/s); host µs {row['combine_logfmt_host']:.0f} "
               f"against {row['combine_host']:.0f}{graphs}{net}")
+    if "graph_one_busy" in row:
+        C.say(f"[bench_low_latency] one graph replay of dispatch + combine (slowest rank's median, CUDA events), "
+              f"RDMA proxy as a {proxy_kind()}: {C.sig(row['graph_one_busy'])} µs while the main thread runs plain "
+              f"Python until the replay ends, {C.sig(row['graph_one_idle'])} µs with it idle: "
+              f"{row['graph_one_busy'] / row['graph_one_idle']:.2f}x")
     if kernels:
         C.say("[bench_low_latency] rank 0's kernels per graph replay of dispatch + combine (torch.profiler):")
         C.print_table(["kernel", "launches", "GPU us"], [[k, f"{n:g}", f"{us:.1f}"] for k, (n, us) in kernels.items()])
@@ -397,7 +438,7 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
     path = os.path.join(a.out, "low_latency.json")
     C.write_json(path, dict(device=C.device_name(), ranks=R, ranks_per_gpu=sharing if gpu else None, backend=backend,
                             tokens=a.tokens, hidden=a.hidden, experts=a.experts, topk=a.topk, iters=a.iters, note=what,
-                            results=row, kernels_per_replay=kernels))
+                            proxy=proxy_kind() if a.hosts > 1 else None, results=row, kernels_per_replay=kernels))
     C.say(f"[bench_low_latency] wrote {path}")
 
 

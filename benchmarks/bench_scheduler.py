@@ -211,7 +211,8 @@ class _ProcessProxies:
     def __init__(self, paths, chunk: int, slots: int, qps: int) -> None:
         from triton_ep.proxy_process import channel as pp
         self.pp = pp
-        self.proc, self.sock = pp.start_proxy()
+        started = pp.start_proxy()
+        self.proc, self.sock, self.bell = started.proc, started.sock, started.bell
         self._ask("bench_null_pair", list(paths), slots, chunk, qps)
 
     def _ask(self, *msg):
@@ -239,6 +240,7 @@ class _ProcessProxies:
         finally:
             self.proc.wait(30)
             self.sock.close()
+            os.close(self.bell)
 
 
 def proxy_cost(n_chunks: int, chunk: int, slots: int, qps: int, busy: str, proxy: str = "thread") -> dict:

@@ -59,7 +59,7 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(pkg_dir))
     install_stand_ins(pkg_dir)
     from triton_ep.proxy_process import serve
-    return serve(int(sys.argv[1]), int(sys.argv[2]))
+    return serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
 
 
 if __name__ == "__main__":

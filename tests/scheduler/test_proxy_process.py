@@ -58,6 +58,34 @@ def test_round_trip_bit_exact_and_closed():
     assert [p.returncode for p in procs] == [0, 0]
 
 
+def test_doorbell_ends_an_idle_naps_and_restarts_the_back_off():
+    """ProxySweeps' idle wait: without the doorbell rung a deep nap ends on its time (False: the idle count goes
+    on); rung (as ProcessScheduler.check and publish ring it), the nap ends at once and the count restarts (True),
+    and the ring is consumed (the next nap is a nap again). The rank's bell closes with the scheduler."""
+    from types import SimpleNamespace
+
+    from triton_ep.proxy_process.proxy_side import IDLE_DEEP_AFTER, IDLE_DEEP_S, ProxySweeps
+    bell = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        sweeps = SimpleNamespace(bell=bell)
+        t0 = time.monotonic()
+        assert ProxySweeps._idle_wait(sweeps, IDLE_DEEP_AFTER + 1) is False
+        assert time.monotonic() - t0 >= IDLE_DEEP_S * 0.9
+        os.eventfd_write(bell, 1)
+        assert ProxySweeps._idle_wait(sweeps, IDLE_DEEP_AFTER + 1) is True
+        assert ProxySweeps._idle_wait(sweeps, IDLE_DEEP_AFTER + 1) is False
+    finally:
+        os.close(bell)
+    with ProcGroup(fabric(2), 2, slots=4, slot_bytes=4096) as g:
+        s0 = g.scheds[0]
+        s0.check()          # (rings it: nothing to raise)
+        data, res = _alltoall(g, [5000, 300])
+        assert np.array_equal(res[0][1], data[1]) and np.array_equal(res[1][0], data[0])
+        assert s0._bell is not None and os.fstat(s0._bell)
+    assert s0._bell is None     # (closed with the scheduler)
+    s0.ring()                   # (a no-op then)
+
+
 def test_entry_imports_neither_torch_nor_triton():
     with ProcGroup(fabric(2), 2, slots=2, slot_bytes=4096) as g:
         mods, real = g.scheds[0]._request("modules")
@@ -152,6 +180,10 @@ def test_small_dev_shm_is_a_clear_error_before_any_process(monkeypatch):
 
 def test_proxy_kind_values(monkeypatch):
     monkeypatch.delenv(ENV_PROXY, raising=False)
+    assert proxy_kind() == ("process" if sys.platform.startswith("linux") else "thread")
+    monkeypatch.setenv(ENV_PROXY, " ")
+    assert proxy_kind() == ("process" if sys.platform.startswith("linux") else "thread")
+    monkeypatch.setenv(ENV_PROXY, "Thread")
     assert proxy_kind() == "thread"
     monkeypatch.setenv(ENV_PROXY, "Process")
     assert proxy_kind() == "process"

@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from triton_ep.scheduler import ProxyError
@@ -64,17 +65,33 @@ def unpack_error(msg: tuple) -> BaseException:
     return ex
 
 
-def start_proxy() -> tuple:
+@dataclass
+class StartedProxy:
+    """A proxy process as :func:`start_proxy` started it."""
+    proc: subprocess.Popen
+    #: this side's end of the command channel
+    sock: socket.socket
+    #: the doorbell: an eventfd both processes hold (``os.eventfd_write(bell, 1)`` wakes an idle proxy's sweeps);
+    #: this side closes it when done
+    bell: int
+
+
+def start_proxy() -> StartedProxy:
     """Start a proxy process: a fresh interpreter running :data:`ENTRY` (descriptors closed but its end of the
-    channel, its own session). Returns ``(Popen, this side's socket)``."""
+    channel and the doorbell, its own session). Raises OSError where the process or its descriptors cannot be
+    made (nothing is left open then)."""
     mine, theirs = socket.socketpair()
+    bell = -1
     try:
-        proc = subprocess.Popen([sys.executable, ENTRY, str(theirs.fileno()), str(os.getpid())],
-                                pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True,
+        bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        proc = subprocess.Popen([sys.executable, ENTRY, str(theirs.fileno()), str(os.getpid()), str(bell)],
+                                pass_fds=(theirs.fileno(), bell), close_fds=True, start_new_session=True,
                                 stdin=subprocess.DEVNULL)
     except BaseException:
         mine.close()
+        if bell >= 0:
+            os.close(bell)
         raise
     finally:
         theirs.close()
-    return proc, mine
+    return StartedProxy(proc, mine, bell)

@@ -9,7 +9,7 @@ import select
 import socket
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -20,30 +20,58 @@ from triton_ep.transport.parent import PARENT_GONE_STATUS, PARENT_POLL_S, Parent
 from .channel import pack_error, recv_msg, send_msg, unpack_error
 
 #: the proxy process's idle back-off (:class:`ProxySweeps`): sweeps that moved nothing followed by a yield only,
-#: then the first sleep (seconds), doubling up to the last
+#: then the first nap (seconds), doubling up to the last
 IDLE_SPINS, IDLE_FIRST_S, IDLE_MAX_S = 20, 25e-6, 200e-6
+#: after this many idle sweeps in a row (about 50 ms at the naps above) the naps are :data:`IDLE_DEEP_S` long, until
+#: a sweep moves something or the rank rings the doorbell
+IDLE_DEEP_AFTER, IDLE_DEEP_S = 200, 2e-3
 
 
 class ProxySweeps(Scheduler):
-    """The proxy process's :class:`~triton_ep.scheduler.Scheduler`: the same sweeps, with an idle back-off. A proxy
-    thread naps 50 µs between idle sweeps and, while the rank's Python runs, waits for the GIL besides; a proxy
-    process has a core to itself, so at a fixed short nap every idle proxy would poll for good (four ranks with
-    four such proxies on 2 cores made a 9 s test take 89 s). Here, after :data:`IDLE_SPINS` idle sweeps with only
-    a yield between them, the nap starts at :data:`IDLE_FIRST_S` and doubles up to :data:`IDLE_MAX_S`; any sweep
-    that moves something starts over. A chunk published into an idle proxy waits at most about that long (plus
-    the kernel's timer slack, some 50 µs) before its post."""
+    """The proxy process's :class:`~triton_ep.scheduler.Scheduler`: the same sweeps, with an idle back-off and a
+    doorbell. A proxy thread naps 50 µs between idle sweeps and, while the rank's Python runs, waits for the GIL
+    besides; a proxy process has a core to itself, so at a fixed short nap every idle proxy would poll for good
+    (four ranks with four such proxies on 2 cores made a 9 s test take 89 s). Here, after :data:`IDLE_SPINS` idle
+    sweeps with only a yield between them, the nap starts at :data:`IDLE_FIRST_S` and doubles up to
+    :data:`IDLE_MAX_S`; after :data:`IDLE_DEEP_AFTER` idle sweeps (about 50 ms) it is :data:`IDLE_DEEP_S`. A sweep
+    that moves something starts over, and so does the doorbell (``bell``, an eventfd the rank's process writes at
+    each call's host check and each host-published chunk: :meth:`ProcessScheduler.ring
+    <triton_ep.proxy_process.ProcessScheduler.ring>`), which also ends a nap at once. A chunk that a kernel
+    publishes into an idle proxy waits at most about one nap (plus the kernel's timer slack, some 50 µs) before
+    its post: 200 µs within 50 ms of the last thing that moved or of the call's start, 2 ms after that (a CUDA
+    graph replayed after a pause of more than 50 ms, whose launch the library does not see).
 
-    def _idle_wait(self, idle: int) -> None:
+    Args:
+        bell: the doorbell's descriptor (an eventfd), or ``None`` (naps end on their time only).
+        *args, **kwargs: those of :class:`~triton_ep.scheduler.Scheduler`.
+    """
+
+    def __init__(self, *args, bell: Optional[int] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bell = bell
+
+    def _idle_wait(self, idle: int) -> bool:
         if idle < IDLE_SPINS:
             time.sleep(0)
-        else:
-            time.sleep(min(IDLE_MAX_S, IDLE_FIRST_S * (1 << min(idle - IDLE_SPINS, 16))))
+            return False
+        nap = IDLE_DEEP_S if idle > IDLE_DEEP_AFTER else min(IDLE_MAX_S, IDLE_FIRST_S * (1 << min(idle - IDLE_SPINS, 16)))
+        if self.bell is None:
+            time.sleep(nap)
+            return False
+        if not select.select([self.bell], [], [], nap)[0]:
+            return False
+        try:
+            os.eventfd_read(self.bell)      # (another sweep thread may have read it first)
+        except BlockingIOError:
+            pass
+        return True
 
 
 class _Served:
     """The proxy process's state: the mapped rings, the transport, the scheduler."""
 
-    def __init__(self) -> None:
+    def __init__(self, bell: Optional[int] = None) -> None:
+        self.bell = bell
         self.mem = self.transport = self.sched = self.fabric = None
         self.reported = False
 
@@ -70,7 +98,7 @@ class _Served:
     def cmd_connect(self, remote: Dict[int, Any]):
         for p, info in remote.items():
             self.transport.connect(p, info)
-        self.sched = ProxySweeps(self.transport, memory=self.mem, **self.sched_kw)
+        self.sched = ProxySweeps(self.transport, memory=self.mem, bell=self.bell, **self.sched_kw)
         return self.sched.remote_region()
 
     def cmd_start(self, remotes):
@@ -154,14 +182,14 @@ class _Served:
                 transport.close()
 
 
-def serve(fd: int, ppid: int) -> int:
+def serve(fd: int, ppid: int, bell: Optional[int] = None) -> int:
     """The proxy process's loop: answer the rank's commands on the channel ``fd``, report the scheduler's error,
     and end when told to, when the channel ends or when the parent ``ppid`` is gone
     (:class:`triton_ep.transport.parent.ParentWatch`: its pidfd, and ``getppid()``, looked at every
     :data:`PARENT_POLL_S`; status :data:`PARENT_GONE_STATUS`). Returns the exit status (0: closed by the rank)."""
     sock = socket.socket(fileno=fd)
     parent = ParentWatch.of(ppid)
-    served = _Served()
+    served = _Served(bell)
     try:
         if parent.gone():
             return 3

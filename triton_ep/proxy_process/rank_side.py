@@ -9,6 +9,7 @@ import os
 import queue
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -28,9 +29,13 @@ from triton_ep.transport.ring_flags import RingFlags
 from .channel import pack_error, recv_msg, send_msg, start_proxy, unpack_error
 from .notices import FaultNotices
 
-#: the environment variable that picks where a Buffer's RDMA proxy runs: ``thread`` (default) or ``process``
+#: the environment variable that picks where a Buffer's RDMA proxy runs: ``process`` (the default on Linux) or
+#: ``thread``
 ENV_PROXY = "TRITON_EP_PROXY"
 PROXY_KINDS = ("thread", "process")
+#: where the proxy runs when ``TRITON_EP_PROXY`` is unset or empty: a process of its own on Linux (its rings are
+#: /dev/shm files, its parent watched by pidfd), a thread elsewhere
+DEFAULT_PROXY = "process" if sys.platform.startswith("linux") else "thread"
 #: seconds :meth:`ProcessScheduler.check` waits for the proxy's error once the abort word says it failed
 ERROR_WAIT_S = 2.0
 #: the stage a dead proxy process is reported at
@@ -38,13 +43,14 @@ STAGE_PROCESS = f"{STAGE_NAMES[STAGE_INTERNAL]}/process"
 
 
 def proxy_kind(value: Optional[str] = None) -> str:
-    """Where the RDMA proxy runs: ``value``, else ``$TRITON_EP_PROXY`` (unset or empty: ``"thread"``).
+    """Where the RDMA proxy runs: ``value``, else ``$TRITON_EP_PROXY`` (unset or empty: :data:`DEFAULT_PROXY`,
+    ``"process"`` on Linux).
 
     Raises:
         ValueError: another value (it names the variable and the choices).
     """
     v = os.environ.get(ENV_PROXY, "") if value is None else value
-    v = v.strip().lower() or "thread"
+    v = v.strip().lower() or DEFAULT_PROXY
     if v not in PROXY_KINDS:
         raise ValueError(f"{ENV_PROXY}={v!r}: the RDMA proxy runs as a 'thread' of the rank's process or as a "
                          f"'process' of its own")
@@ -97,6 +103,7 @@ class ProcessScheduler(Scheduler):
         self._closing = self._closed = False
         self._cuda_ptr = None
         self.proc = self._sock = self._listener = None
+        self._bell: Optional[int] = None
         #: where a dead proxy's fault goes to the peers and theirs come from (set by :func:`bootstrap_process`)
         self.notices: Optional[FaultNotices] = None
         n = self.layout.nbytes
@@ -136,7 +143,8 @@ class ProcessScheduler(Scheduler):
 
     def _spawn(self) -> None:
         """Start the proxy process and the thread that reads its channel."""
-        self.proc, self._sock = start_proxy()
+        started = start_proxy()
+        self.proc, self._sock, self._bell = started.proc, started.sock, started.bell
         self._listener = threading.Thread(target=self._listen, name=f"triton-ep-proxy-channel-{self.rank}",
                                           daemon=True)
         self._listener.start()
@@ -225,10 +233,27 @@ class ProcessScheduler(Scheduler):
         """Not available here: the proxy process's region travels in :func:`bootstrap_process`."""
         raise TypeError("a ProcessScheduler's region is exchanged by bootstrap_process")
 
+    def ring(self) -> None:
+        """Ring the proxy's doorbell: an idle proxy process's sweeps wake at once and poll without napping for a
+        while (:class:`~triton_ep.proxy_process.ProxySweeps`). About a microsecond (one ``write`` to an eventfd);
+        a no-op once closed."""
+        if self._bell is not None:
+            try:
+                os.eventfd_write(self._bell, 1)
+            except OSError:     # (its counter is full: the proxy is awake already)
+                pass
+
+    def publish(self, peer: int, seq: int, nbytes: int) -> None:
+        """:meth:`HostRings.publish <triton_ep.scheduler.rings.HostRings.publish>`, then :meth:`ring`."""
+        super().publish(peer, seq, nbytes)
+        self.ring()
+
     def check(self) -> None:
-        """Raise the proxy's error: its own (sent over the channel) or the end of its process. Where the rings say
-        the proxy failed (:meth:`_proxy_failing`) but its error is still on its way over the channel, wait for it
-        (up to :data:`ERROR_WAIT_S`), so the rank raises the proxy's own error as with a proxy thread."""
+        """Ring the doorbell (:meth:`ring`: the network leg calls this at each call's start), then raise the proxy's
+        error: its own (sent over the channel) or the end of its process. Where the rings say the proxy failed
+        (:meth:`_proxy_failing`) but its error is still on its way over the channel, wait for it (up to
+        :data:`ERROR_WAIT_S`), so the rank raises the proxy's own error as with a proxy thread."""
+        self.ring()
         if self.error is None and not self._closed and self._proxy_failing():
             deadline = time.monotonic() + ERROR_WAIT_S
             while self.error is None and time.monotonic() < deadline:
@@ -311,6 +336,9 @@ class ProcessScheduler(Scheduler):
             self._listener.join(timeout=5.0)
         if self._sock is not None:
             self._sock.close()
+        if self._bell is not None:
+            bell, self._bell = self._bell, None
+            os.close(bell)
         if self._cuda_ptr is not None:
             import torch
             torch.cuda.cudart().cudaHostUnregister(self._cuda_ptr)

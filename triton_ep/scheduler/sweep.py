@@ -63,17 +63,18 @@ class ProxyThreads:
                 if did:
                     idle, c0 = 0, c1
                 else:
-                    idle += 1
-                    self._idle_wait(idle)
+                    idle = 0 if self._idle_wait(idle + 1) else idle + 1
                     c0 = cpu()
         except BaseException as ex:   # noqa: BLE001  (recorded, raised by check() in the caller's thread)
             self.fail(ex)
 
-    def _idle_wait(self, idle: int) -> None:
+    def _idle_wait(self, idle: int) -> bool:
         """The proxy thread's pause after ``idle`` sweeps in a row that moved nothing: a yield for the first 20, then
-        50 µs (a proxy thread waits for the GIL anyway while the rank's Python runs). The proxy process's scheduler
-        backs off further (:class:`triton_ep.proxy_process.ProxySweeps`)."""
+        50 µs (a proxy thread waits for the GIL anyway while the rank's Python runs). Returns whether something woke
+        it that restarts the count (never here; the proxy process's scheduler backs off further and has a doorbell:
+        :class:`triton_ep.proxy_process.ProxySweeps`)."""
         time.sleep(0 if idle < 20 else 0.00005)
+        return False
 
     def fail(self, ex: BaseException) -> None:
         """Record ``ex`` as this scheduler's error (the first one wins), end every ring wait (the abort

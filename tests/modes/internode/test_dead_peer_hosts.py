@@ -1,7 +1,7 @@
 """A rank whose process dies (SIGKILL) while its peers on the other host are inside a call is seen there in about
 a second, not at ``timeout_s``: across 2 emulated hosts (``TRITON_EP_RDMA=emulated``), in internode normal and
 low-latency mode, with the RDMA proxy as a thread and as a process (the ``proxy_mode`` fixture of this folder's
-conftest; process variants outside its ``DEFAULT_PROCESS`` are in the extended tier). Every survivor raises an
+conftest; thread variants outside its ``DEFAULT_OTHER`` are in the extended tier). Every survivor raises an
 ``EPRemoteError`` naming the dead rank and the stage it waited at, well under ``timeout_s`` (the RDMA proxy's
 liveness probe completes with ``IBV_WC_RETRY_EXC_ERR`` once the dead rank's QPs are gone:
 triton_ep/scheduler/liveness.py),
