@@ -9,8 +9,8 @@
    posting thread, so it would time itself): rank 0 sends ``--chunks`` chunks of ``--chunk-kib`` to rank 1.
    The producer and consumer stand in for kernels, so they run in a helper process (in the benchmark's main
    thread a busy thread would starve them in any design of the proxy). ``--proxy``: ``thread`` (both ranks'
-   proxy threads in the benchmark's process, today's default) and ``process`` (one proxy process holding both
-   ranks' schedulers, ``TRITON_EP_PROXY=process``). ``--busy``: ``none``; ``python``, a thread of the
+   proxy threads in the benchmark's process, ``TRITON_EP_PROXY=thread``) and ``process`` (one proxy process
+   holding both ranks' schedulers, ``TRITON_EP_PROXY=process``, the default on Linux). ``--busy``: ``none``; ``python``, a thread of the
    benchmark's process (the rank's) running exactly ``while not stop: x += 1`` at the default switch interval;
    ``launch``, a thread launching kernels (Triton-interpreted on CPU, compiled on GPU). Each busy load also
    runs as a control row with the loop in a process of its own (it shares the CPU, not the GIL). Figures:
