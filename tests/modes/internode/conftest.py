@@ -3,7 +3,8 @@
 process, whose rank processes take its environment. The default tier runs every variant of the library's default
 (:data:`~triton_ep.proxy_process.rank_side.DEFAULT_PROXY`, ``process`` on Linux) and the other kind's variants of
 :data:`DEFAULT_OTHER` (a representative subset: round trips of both modes across hosts, the capture path, a dropped
-signal, a killed rank); the others are in the extended tier (``pytest --extended``). Tests that set the variable
+signal, a killed rank); the others are in the extended tier (``pytest --extended``), as are the default kind's
+variants of :data:`DEFAULT_TIER_THREAD` (many-process cases whose thread variant stays). Tests that set the variable
 per rank themselves (test_proxy_mode.py) run once in the default tier, as their variant of the default kind."""
 import pytest
 
@@ -20,6 +21,15 @@ DEFAULT_OTHER = {
     # GPU (skipped on CPU): round trips, a graph of low-latency calls across emulated hosts
     "test_round_trip_gpu",
     "test_graph_capture_and_100_replays_across_hosts",
+}
+
+#: many-process cases whose default-tier variant is the thread one (their variant of the default kind, 2-3x slower
+#: on 2 cores with two proxy processes a rank, is in the extended tier): 9 ranks as 3 hosts (30.9 s against about
+#: 8), the low-latency property test (24.5 s against 10) and a dead host's masking (25.0 s against 13)
+DEFAULT_TIER_THREAD = {
+    "test_three_hosts_of_three_ranks",
+    "test_round_trip_across_hosts_property",
+    "test_masked_dead_host",
 }
 
 #: tests whose process variant cannot run: the hook they plant lives in the rank's process
@@ -53,5 +63,9 @@ def pytest_collection_modifyitems(config, items):
             if kind == "process":
                 item.add_marker(pytest.mark.skip(reason=f"thread proxy only: {only}"))
             continue
-        if kind != DEFAULT_PROXY and name.split("[", 1)[0] not in DEFAULT_OTHER:
+        base = name.split("[", 1)[0]
+        if base in DEFAULT_TIER_THREAD:
+            if kind != "thread":
+                item.add_marker(pytest.mark.extended)
+        elif kind != DEFAULT_PROXY and base not in DEFAULT_OTHER:
             item.add_marker(pytest.mark.extended)
