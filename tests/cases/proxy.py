@@ -51,3 +51,22 @@ def proxy_killed(rank, world, env, timeout_s):
     finally:
         buf.destroy()
     return out + [proc.returncode is not None if proc is not None else None]
+
+
+def proxy_without_room(rank, world, env, timeout_s):
+    """2 hosts of 1 rank, the proxy in a process of its own; rank 1's /dev/shm has no room for its rings
+    (``posix_fallocate`` raises ``ENOSPC`` there, as in a container's 64 MiB /dev/shm). Returns ``[seconds until
+    the Buffer's construction raised, its type, its text]`` (``None``s where it did not raise)."""
+    import errno
+    os.environ.update(env)
+    if rank == 1:
+        def no_room(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.posix_fallocate = no_room
+    t0 = time.monotonic()
+    try:
+        buf = triton_ep.Buffer(None, 8 << 20, timeout_s=timeout_s)
+    except Exception as ex:   # noqa: BLE001
+        return [time.monotonic() - t0, type(ex).__name__, str(ex)]
+    buf.destroy()
+    return [None, None, ""]

@@ -23,7 +23,7 @@ from triton_ep.protocol import signal_header as F
 from triton_ep.scheduler import (STAGE_INTERNAL, STAGE_NAMES, PeerGoneError, ProxyError, ProxyRemoteError, RingLayout,
                                  Scheduler, fault_word, parse_fault, placed_error)
 from triton_ep.transport import shm
-from triton_ep.transport.rdma import exchange_info, exchange_regions
+from triton_ep.transport.rdma import QP_INFO_STAGE, exchange_info, exchange_regions
 from triton_ep.transport.ring_flags import RingFlags
 
 from .channel import pack_error, recv_msg, send_msg, start_proxy, unpack_error
@@ -357,17 +357,24 @@ def bootstrap_process(backend: str, rank: int, world: int, transport_kw: dict, s
     """:func:`triton_ep.scheduler.bootstrap` with the proxy in a process of its own: start it (it opens the
     transport), exchange QP infos through the group's store, connect, exchange regions, start the sweeps.
     Collective over ``group``. Returns the started :class:`ProcessScheduler`; on any failure nothing is left
-    (the proxy process ended and reaped, no file)."""
+    (the proxy process ended and reaped, no file). A rank whose proxy cannot start (no room in /dev/shm for its
+    rings, no process) raises that error and its peers raise ``EPRemoteError`` quoting it at once, not at
+    ``timeout_s`` (the QP-info exchange carries it)."""
     import torch.distributed as dist
-    from triton_ep.transport.bootstrap import _group_store     # (torch: not in the proxy process)
+    from triton_ep.transport.bootstrap import Exchange, _group_store     # (torch: not in the proxy process)
     group = group if group is not None else dist.group.WORLD
     name = str(getattr(group, "group_name", ""))
     n = _legs[name] = _legs.get(name, 0) + 1      # (every rank opens its legs in the same order: the same n)
     kw = dict(sched_kwargs)
     peers = transport_kw.get("peers")
-    ps = ProcessScheduler(backend, rank, world, transport_kw, device=device, peers=peers, **kw)
+    infos = Exchange(group, kw.get("timeout_s", 100.0), QP_INFO_STAGE)
     try:
-        remote = exchange_info(ps.local_infos, group, ps.timeout_s)
+        ps = ProcessScheduler(backend, rank, world, transport_kw, device=device, peers=peers, **kw)
+    except BaseException as ex:
+        infos.fail(f"could not start its RDMA proxy process ({ENV_PROXY}=process): {type(ex).__name__}: {ex}")
+        raise
+    try:
+        remote = exchange_info(ps.local_infos, group, ps.timeout_s, exchange=infos)
         region = ps._request("connect", {p: remote[p] for p in ps.peers})
         ps._request("start", exchange_regions(region, group, ps.timeout_s))
         store = _group_store(group)

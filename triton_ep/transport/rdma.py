@@ -268,8 +268,12 @@ class RdmaCompletionError(RdmaError):
         super().__init__(msg, status=completion.status, **where)
 
 
+#: the stage :func:`exchange_info` names in its errors
+QP_INFO_STAGE = "rdma: exchange QP info"
+
+
 def exchange_info(local: Dict[int, List[QPInfo]], group: Any = None,
-                  timeout_s: float = 100.0) -> Dict[int, List[QPInfo]]:
+                  timeout_s: float = 100.0, exchange: Any = None) -> Dict[int, List[QPInfo]]:
     """Swap connection info with every peer through the group's store (a bounded exchange that leaves
     nothing pending: :mod:`triton_ep.transport.bootstrap`).
 
@@ -277,6 +281,8 @@ def exchange_info(local: Dict[int, List[QPInfo]], group: Any = None,
         local: peer rank -> this rank's QP infos towards that peer.
         group: process group (None: the default group).  Must be initialised.
         timeout_s: bound in seconds on the wait for every rank.
+        exchange: a :class:`triton_ep.transport.bootstrap.Exchange` made earlier for this step (so that a rank that
+            fails before it can tell its peers through it), or None (one is made here).
     Returns:
         peer rank -> that peer's QP infos towards this rank.
     Raises:
@@ -285,8 +291,8 @@ def exchange_info(local: Dict[int, List[QPInfo]], group: Any = None,
     import torch.distributed as dist
     group = group if group is not None else dist.group.WORLD
     me = group.rank()
-    from triton_ep.transport.bootstrap import gather_objects   # (torch: not in the proxy process)
-    gathered = gather_objects(group, local, timeout_s, "rdma: exchange QP info")
+    from triton_ep.transport.bootstrap import Exchange   # (torch: not in the proxy process)
+    gathered = (exchange or Exchange(group, timeout_s, QP_INFO_STAGE)).gather(local)
     return {p: gathered[p][me] for p in range(len(gathered)) if p != me and me in gathered[p]}
 
 

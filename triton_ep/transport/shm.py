@@ -68,6 +68,7 @@ def create_file(name: str, nbytes: int) -> str:
         raise OSError(ex.errno,
             f"triton-ep: cannot reserve {nbytes} bytes ({nbytes / 2**20:.1f} MiB) in {d} for the RDMA proxy's rings "
             f"({os.strerror(ex.errno)}; {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free there): a container needs a "
-            f"larger /dev/shm (docker run --shm-size=..., or --ipc=host)") from None
+            f"larger /dev/shm (docker run --shm-size=..., or --ipc=host), or TRITON_EP_PROXY=thread (the proxy as a "
+            f"thread of the rank's process, its rings in pinned memory) on every rank") from None
     os.close(fd)
     return path

@@ -41,3 +41,17 @@ def test_a_killed_proxy_process_is_a_proxy_error_at_its_rank_and_its_peer():
     assert "peer 1" in msg and "RDMA proxy process of rank 1 ended (pid " in msg and "killed by signal 9" in msg, msg
     assert kind2 in ("ProxyRemoteError", "ProxyError", "EPRemoteError"), out[0]
     assert reaped, out
+
+
+def test_a_rank_whose_proxy_cannot_start_fails_every_rank_at_once():
+    """Rank 1's /dev/shm has no room for its proxy process's rings: rank 1 raises the OSError that names the size,
+    the container options and TRITON_EP_PROXY=thread; rank 0 (timeout 60 s) raises EPRemoteError quoting it within
+    10 s, not at its bound (before: it waited in the QP-info exchange for timeout_s). Nothing is left (the fixture
+    checks /dev/shm and processes)."""
+    out = run_ranks(proxy_cases.proxy_without_room, 2, dict(ENV, TRITON_EP_PROXY="process"), 60.0, timeout_s=180)
+    assert not any(isinstance(o, RankFailure) for o in out), out
+    dt, kind, msg = out[1]
+    assert kind == "OSError" and "--shm-size" in msg and "TRITON_EP_PROXY=thread" in msg, out[1]
+    dt, kind, msg = out[0]
+    assert kind == "EPRemoteError" and dt < 10.0, out[0]
+    assert "rank 1" in msg and "could not start its RDMA proxy process" in msg and "--shm-size" in msg, msg
