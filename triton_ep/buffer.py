@@ -275,7 +275,8 @@ class Buffer:
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
         """Release this rank's shared buffers, peer mappings and (across hosts) RDMA resources (DeepEP's).
-        Idempotent; later calls raise ``EPError``."""
+        Idempotent; later calls raise ``EPError``. In a process forked from the one that built the Buffer it does
+        nothing (they are the parent's)."""
         self._modes.close()
 
     def check(self) -> None:

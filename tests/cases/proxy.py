@@ -70,3 +70,39 @@ def proxy_without_room(rank, world, env, timeout_s):
         return [time.monotonic() - t0, type(ex).__name__, str(ex)]
     buf.destroy()
     return [None, None, ""]
+
+
+def forked_child_destroys(rank, world, env, timeout_s):
+    """2 hosts of 1 rank: after one round trip rank 0 forks; the child calls ``destroy()`` on the Buffer it inherited
+    and exits. Returns ``[the child's exit status or -signal, whether a second round trip after it is exact]``
+    (rank 1: ``[None, ...]``)."""
+    os.environ.update(env)
+    buf = triton_ep.Buffer(None, 8 << 20, timeout_s=timeout_s)
+    try:
+        T, H, E = 8, 64, 2 * world
+        idx = torch.tensor([[(1 - rank) * 2, (1 - rank) * 2 + 1]]).repeat(T, 1)
+
+        def round_trip():
+            x = torch.randn(T, H).to(torch.bfloat16)
+            per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                                                    is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                    topk_idx=idx)
+            back, _, _ = buf.combine(recv, handle)
+            return torch.equal(back, x)       # (one copy of each token, on the other host)
+
+        ok = round_trip()
+        status = None
+        if rank == 0:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    buf.destroy()
+                finally:
+                    os._exit(0)
+            st = os.waitpid(pid, 0)[1]
+            status = os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
+        torch.distributed.barrier()
+        return [status, ok and round_trip()]
+    finally:
+        buf.destroy()

@@ -4,6 +4,8 @@ with its network leg across hosts) or none (:class:`Unavailable`). Every mode ta
 Buffer's own arguments, so the Buffer forwards each call with no branch (docs/design.md, section 2)."""
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -61,6 +63,7 @@ class Modes:
     low_latency: Union[LowLatency, Unavailable]     # the low_latency_* calls
     internode: Optional[Internode]                  # across hosts: normal mode's network leg; else None
     num_rdma_bytes: int                             # the Buffer's num_rdma_bytes
+    pid: int = dataclasses.field(default_factory=os.getpid)     # the process that built them
 
     @property
     def intranode(self) -> Intranode:
@@ -77,7 +80,12 @@ class Modes:
             self.rt.check()
 
     def close(self) -> None:
-        """``Buffer.destroy``: low-latency mode's network leg, normal mode's, then the shared buffers."""
+        """``Buffer.destroy``: low-latency mode's network leg, normal mode's, then the shared buffers. In a process
+        forked from the one that built the Buffer nothing happens: the buffers, mappings, proxies and QPs are the
+        parent's (releasing them from the child, whose threads did not survive the fork, unmapped memory that
+        other objects still read: a segmentation fault across hosts)."""
+        if os.getpid() != self.pid:
+            return
         try:
             self.low_latency.close()
         finally:
