@@ -25,6 +25,20 @@ def test_ranks_agree_on_where_the_proxy_runs(values, want):
         assert kind == "ValueError" and want in msg, (kind, msg)
 
 
+@pytest.mark.parametrize("kwargs", [{}, dict(low_latency_mode=True, num_rdma_bytes=1 << 20, num_qps_per_rank=2)],
+                         ids=["normal", "low_latency"])
+def test_every_rank_of_the_group_agrees_on_where_the_proxy_runs(kwargs):
+    """2 hosts of 2 ranks, only rank 3 sets thread: every rank raises ValueError naming rank 3's value by its rank
+    in the group at set-up (before: only ranks 1 and 3, which share a network leg, raised, naming leg-local
+    ranks; ranks 0 and 2 built their Buffer and waited out timeout_s in their first call)."""
+    env = [dict(ENV, TRITON_EP_RANKS_PER_HOST="2", TRITON_EP_PROXY="thread" if r == 3 else "process")
+           for r in range(4)]
+    out = run_ranks(internode_cases.build_only, 4, env, kwargs, timeout_s=120)
+    assert all(o is not None and not isinstance(o, RankFailure) for o in out), out
+    for kind, msg in out:
+        assert kind == "ValueError" and "TRITON_EP_PROXY" in msg and "rank 3: 'thread'" in msg, (kind, msg)
+
+
 def test_a_killed_proxy_process_is_a_proxy_error_at_its_rank_and_its_peer():
     """Rank 1's proxy process SIGKILLed: rank 1 raises ProxyError within 2 s; rank 0 (timeout 30 s) hears of it from
     rank 1's process through the group's store and raises ProxyRemoteError naming rank 1 within 5 s (before: it

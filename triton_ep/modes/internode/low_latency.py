@@ -41,7 +41,7 @@ from ...runtime import hosts as hosts_mod
 from ...protocol import call_card
 from ...runtime.fabric import RingFlags, gather_objects, group_store, header_bytes, ipc
 from ..low_latency import LowLatency
-from .network import Network, open_network
+from .network import Network, agreed_proxy_kind, open_network, proxy_to_exchange
 
 
 #: seconds ``NetLeg.close`` waits at most for chunks already published to be placed
@@ -457,8 +457,9 @@ def _agree(rt, num_qps_per_rank, allow_nvlink: bool, shrink: bool) -> Tuple[str,
     except TypeError:
         qps = repr(num_qps_per_rank)
     # (num_rdma_bytes, with low_latency_mode, was checked equal on every rank by the normal-mode set-up)
-    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink), arrival),
-                           rt.timeout_s, "internode low-latency: fabric token")
+    every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink), arrival,
+                                      proxy_to_exchange(me)), rt.timeout_s, "internode low-latency: fabric token")
+    agreed_proxy_kind([e[5] for e in every])      # (every rank of the group, before any leg opens)
     hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[1] for e in every])
     if not isinstance(qps, int) or qps < 1:     # (checked after the exchange: every rank raises it alike)
         raise ValueError(f"num_qps_per_rank must be an int >= 1 for low-latency mode across hosts (RC QPs to each "

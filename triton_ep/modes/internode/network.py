@@ -102,6 +102,29 @@ def agreed_delays(values):
     return values[0] if values else None
 
 
+def proxy_to_exchange(rank: int):
+    """What rank ``rank`` (of the Buffer's group) puts in its Buffer's set-up exchange about ``TRITON_EP_PROXY``:
+    ``(kind,)``, or the text of its error for a bad value (raised on every rank after the exchange by
+    :func:`agreed_proxy_kind`)."""
+    try:
+        return (proxy_process.proxy_kind(),)      # (a tuple: a str in the exchange is a rank's error text)
+    except ValueError as ex:
+        return f"rank {rank}: {ex}"
+
+
+def agreed_proxy_kind(values) -> str:
+    """Every rank of the Buffer's group's :func:`proxy_to_exchange`, checked after the exchange: where the RDMA
+    proxies run.
+
+    Raises:
+        ValueError: on every rank alike, where a rank's value was bad (naming that rank) or the ranks' values
+            differ (naming each rank's, by its rank in the Buffer's group).
+    """
+    hosts_mod.first_error(values)
+    hosts_mod.agreed(f"{proxy_process.ENV_PROXY} (where the RDMA proxy runs)", [v[0] for v in values])
+    return values[0][0]
+
+
 def agreed_proxy(group, rank: int, timeout_s: float) -> str:
     """Where the ranks of ``group`` run their RDMA proxies (:func:`triton_ep.proxy_process.proxy_kind`), agreed in
     a set-up exchange (collective over ``group``): ``"thread"`` or ``"process"``.
@@ -111,14 +134,7 @@ def agreed_proxy(group, rank: int, timeout_s: float) -> str:
             ranks' values differ (naming each rank's).
         EPTimeoutError / EPRemoteError: a rank did not take part within ``timeout_s``.
     """
-    try:
-        mine = (proxy_process.proxy_kind(),)      # (a tuple: a str in the exchange is a rank's error text)
-    except ValueError as ex:
-        mine = f"rank {rank}: {ex}"
-    values = gather_objects(group, mine, timeout_s, "rdma: where the proxy runs")
-    hosts_mod.first_error(values)
-    hosts_mod.agreed(f"{proxy_process.ENV_PROXY} (where the RDMA proxy runs)", [v[0] for v in values])
-    return values[0][0]
+    return agreed_proxy_kind(gather_objects(group, proxy_to_exchange(rank), timeout_s, "rdma: where the proxy runs"))
 
 
 @dataclasses.dataclass

@@ -52,7 +52,8 @@ from .exchange import HostExchange
 from .forward import dispatch_results, forward_cached, forward_fresh
 from .handle import CapturePlan, HostPlan, InternodeHandle, build_handle
 from .host_ranks import HostRanks
-from .network import ENV_CHUNK, ENV_QPS, ENV_SLOTS, agreed_delays, delays_to_exchange
+from .network import (ENV_CHUNK, ENV_QPS, ENV_SLOTS, agreed_delays, agreed_proxy_kind, delays_to_exchange,
+                      proxy_to_exchange)
 from .network import network_shape, open_network
 from .network import traffic_stats
 from . import peer_tokens
@@ -165,12 +166,14 @@ class Internode:
         raw = os.environ.get(ENV_CAPTURE_PATH, "").strip()
         capture = (None if not raw else raw == "1") if raw in ("", "0", "1") else \
             f"rank {me}: {ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)"
-        mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency), delays_to_exchange(rt.rdma_transport, me))
+        mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency), delays_to_exchange(rt.rdma_transport, me),
+                proxy_to_exchange(me))
         every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
         hosts_mod.first_error([v for e in every for v in (e[1], e[2])])
         #: the emulated fabric's (reorder_s, skew_s) the ranks agreed on (None: verbs); the low-latency
         #: network leg takes them too (:class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts`)
         self.delays = agreed_delays([e[4] for e in every])
+        agreed_proxy_kind([e[5] for e in every])      # (every rank of the group; the legs check theirs again)
         hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
         hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
         hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])
