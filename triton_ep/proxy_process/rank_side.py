@@ -184,8 +184,9 @@ class ProcessScheduler(Scheduler):
             return
         st, ch, q = parse_fault(word)
         self.fail(ProxyRemoteError(self.rank, peer, ch, q, STAGE_NAMES.get(st, STAGE_NAMES[STAGE_INTERNAL]),
-                                   f"the RDMA proxy process of rank {peer} ended ({why}); its rank told its peers "
-                                   f"through the group's store"))
+                                   f"the peer's RDMA proxy process ended ({why}); its rank told its peers "
+                                   f"through the group's store"))       # (the peer's number: the error's field,
+        # which the mode renames to a global rank; a number in the text would stay the network leg's)
 
     def _record(self, ex: BaseException) -> bool:
         """Record ``ex`` as the error (the first one wins) and end every ring wait. Returns whether it was the
