@@ -425,6 +425,14 @@ def print_internode(out: TextIO, env=None) -> None:
     print("Internode (a Buffer whose ranks span several hosts, docs/internode.md):", file=out)
     print(f"  hosts      {_hosts_line(env.get(H.ENV_RANKS_PER_HOST))}", file=out)
     try:
+        raw = env.get(I.ENV_PROXY, "")
+        kind = I.proxy_kind(raw)
+        print(f"  proxy      {kind} ({I.ENV_PROXY}={raw!r}): the RDMA proxy runs as " +
+              ("a process of its own per rank and network leg (two a rank with low_latency_mode across hosts), off "
+               "the rank's GIL" if kind == "process" else "a thread of the rank's process"), file=out)
+    except ValueError as ex:
+        print(f"  proxy      {ex}", file=out)
+    try:
         backend = H.rdma_backend_arg(None, env)
     except ValueError as ex:
         print(f"  transport  {ex}", file=out)

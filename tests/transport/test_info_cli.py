@@ -343,3 +343,18 @@ def test_the_help_and_docs_count_the_report_sections():
     sample = doc.split("On the 2-core CPU machine")[1].split("```")[1]
     assert [re.sub(r" \(.*", "", l) for l in sample.splitlines() if l and not l.startswith(" ")] == \
         [re.sub(r" \(.*", "", h) for h in heads[:-1]] + ["RDMA: absent"]
+
+
+@pytest.mark.parametrize("value,want", [
+    ("", "  proxy      process (TRITON_EP_PROXY=''): the RDMA proxy runs as a process of its own"),
+    (" Thread ", "  proxy      thread (TRITON_EP_PROXY=' Thread '): the RDMA proxy runs as a thread of the rank's process"),
+    ("threads", "  proxy      TRITON_EP_PROXY='threads': the RDMA proxy runs as a 'thread'"),
+])
+def test_the_internode_section_says_where_the_proxy_runs(value, want):
+    """(A new user's find: the report did not say where the RDMA proxy runs.) The Internode section's ``proxy`` line:
+    the kind a Buffer would take from ``TRITON_EP_PROXY`` (Linux: ``process`` when unset or empty), or the Buffer's
+    message for a bad value."""
+    out = io.StringIO()
+    cli.print_internode(out, {"TRITON_EP_PROXY": value})
+    line = next(l for l in out.getvalue().splitlines() if l.startswith("  proxy "))
+    assert line.startswith(want), line

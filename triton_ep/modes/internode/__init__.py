@@ -13,6 +13,7 @@ from .handle import InternodeHandle
 from .network import DEFAULT_QPS_PER_PEER, ENV_CHUNK, ENV_QPS, ENV_SLOTS, network_shape, traffic_stats
 from .normal import Internode
 from .records import dense, network_record_bytes
+from ...proxy_process import ENV_PROXY, proxy_kind
 
-__all__ = ["DEFAULT_QPS_PER_PEER", "ENV_CHUNK", "ENV_QPS", "ENV_SLOTS", "Internode", "InternodeHandle",
-           "LowLatencyAcrossHosts", "dense", "network_record_bytes", "network_shape", "traffic_stats"]
+__all__ = ["DEFAULT_QPS_PER_PEER", "ENV_CHUNK", "ENV_PROXY", "ENV_QPS", "ENV_SLOTS", "Internode", "InternodeHandle",
+           "LowLatencyAcrossHosts", "dense", "network_record_bytes", "network_shape", "proxy_kind", "traffic_stats"]
