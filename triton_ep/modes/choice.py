@@ -4,9 +4,8 @@ with its network leg across hosts) or none (:class:`Unavailable`). Every mode ta
 Buffer's own arguments, so the Buffer forwards each call with no branch (docs/design.md, section 2)."""
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -63,7 +62,7 @@ class Modes:
     low_latency: Union[LowLatency, Unavailable]     # the low_latency_* calls
     internode: Optional[Internode]                  # across hosts: normal mode's network leg; else None
     num_rdma_bytes: int                             # the Buffer's num_rdma_bytes
-    pid: int = dataclasses.field(default_factory=os.getpid)     # the process that built them
+    pid: int = field(default_factory=os.getpid)     # the process that built them
 
     @property
     def intranode(self) -> Intranode:

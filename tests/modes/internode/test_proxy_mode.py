@@ -1,5 +1,5 @@
-"""TRITON_EP_PROXY across emulated hosts (triton_ep/proxy_process/): the ranks agree on it in the network leg's
-set-up exchange, and a Buffer whose proxy process is killed raises ProxyError at that rank within 2 s; nothing
+"""TRITON_EP_PROXY across emulated hosts (triton_ep/proxy_process/): every rank of the Buffer's group agrees on
+it in the mode's set-up exchange, and a Buffer whose proxy process is killed raises ProxyError at that rank within 2 s; nothing
 is left (the autouse fixture: /dev/shm, processes)."""
 import pytest
 

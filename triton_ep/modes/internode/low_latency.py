@@ -352,7 +352,7 @@ class LowLatencyAcrossHosts(LowLatency):
     def __init__(self, rt, area_bytes: int, num_qps_per_rank: int, shrink: bool, allow_nvlink: bool = True,
                  delays: Optional[tuple] = None) -> None:
         me, R, dev, hosts = rt.rank, rt.group_size, rt.device, rt.hosts
-        token, qps, arrival = _agree(rt, num_qps_per_rank, allow_nvlink, shrink)
+        token, qps, arrival, proxy = _agree(rt, num_qps_per_rank, allow_nvlink, shrink)
         names = [f"ll{token}_{r}" for r in range(R)]
         # Each rank's [signal header of the whole group | area], in a buffer this host's ranks map: the kernels
         # see a group of R ranks in which a peer on another host (or, without allow_nvlink, any peer) aliases this
@@ -374,7 +374,7 @@ class LowLatencyAcrossHosts(LowLatency):
             slot = net_slot_bytes(area_bytes, R)
             network = open_network(rt.rdma_transport, rt.group, me, R, token=token, names=names, name=names[me],
                                    num_qps_per_peer=qps, slots=2, slot_bytes=slot, timeout_s=rt.timeout_s,
-                                   device=dev, peers=[r for r in range(R) if not same[r]],   # none on the NVLink path
+                                   device=dev, proxy=proxy, peers=[r for r in range(R) if not same[r]],   # none on NVLink
                                    arrival_words=arrival, delays=delays)
             self.net = NetLeg(network, self.area, slot, remote, local, rt.group, token)
             # a peer the proxy finds gone (scheduler.PeerGoneError: its QPs stopped acknowledging) ends the kernels'
@@ -443,10 +443,11 @@ def known_dead(rt: Runtime) -> List[int]:
     return dead
 
 
-def _agree(rt, num_qps_per_rank, allow_nvlink: bool, shrink: bool) -> Tuple[str, int, bool]:
+def _agree(rt, num_qps_per_rank, allow_nvlink: bool, shrink: bool) -> Tuple[str, int, bool, str]:
     """The set-up exchange (collective over ``rt.group``): every rank's fabric token, ``num_qps_per_rank``,
-    ``allow_nvlink_for_low_latency_mode``, ``enable_shrink`` and ``TRITON_EP_LL_ARRIVAL_WORDS``, checked equal
-    after the exchange (a bad value raises on every rank alike). Returns the token, the QPs and the switch."""
+    ``allow_nvlink_for_low_latency_mode``, ``enable_shrink``, ``TRITON_EP_LL_ARRIVAL_WORDS`` and ``TRITON_EP_PROXY``,
+    checked equal after the exchange (a bad value raises on every rank alike). Returns the token, the QPs, the
+    switch and where the RDMA proxy runs."""
     me = rt.rank
     try:                # (a bad value is raised after the exchange, on every rank alike)
         arrival = arrival_words_switch()
@@ -459,7 +460,7 @@ def _agree(rt, num_qps_per_rank, allow_nvlink: bool, shrink: bool) -> Tuple[str,
     # (num_rdma_bytes, with low_latency_mode, was checked equal on every rank by the normal-mode set-up)
     every = gather_objects(rt.group, (uuid.uuid4().hex[:12], qps, bool(allow_nvlink), bool(shrink), arrival,
                                       proxy_to_exchange(me)), rt.timeout_s, "internode low-latency: fabric token")
-    agreed_proxy_kind([e[5] for e in every])      # (every rank of the group, before any leg opens)
+    proxy = agreed_proxy_kind([e[5] for e in every])      # (every rank of the group, before any leg opens)
     hosts_mod.agreed("num_qps_per_rank (low-latency mode across hosts)", [e[1] for e in every])
     if not isinstance(qps, int) or qps < 1:     # (checked after the exchange: every rank raises it alike)
         raise ValueError(f"num_qps_per_rank must be an int >= 1 for low-latency mode across hosts (RC QPs to each "
@@ -468,4 +469,4 @@ def _agree(rt, num_qps_per_rank, allow_nvlink: bool, shrink: bool) -> Tuple[str,
     hosts_mod.agreed("enable_shrink (low-latency mode across hosts)", [e[3] for e in every])
     hosts_mod.first_error([e[4] for e in every])
     hosts_mod.agreed("TRITON_EP_LL_ARRIVAL_WORDS (low-latency mode across hosts)", [e[4] for e in every])
-    return every[0][0], qps, arrival
+    return every[0][0], qps, arrival, proxy

@@ -3,9 +3,11 @@ it, and the scheduler's registered region (rings in host memory, pinned and devi
 normal mode opens one between RDMA peers (a rank per host), internode low-latency mode one between all
 ranks.
 
-Where the proxy runs is ``TRITON_EP_PROXY`` (:mod:`triton_ep.proxy_process`): ``thread`` (default), the
-scheduler's threads in the rank's process; ``process``, a process of its own per rank, which owns the transport,
-the rings shared with the rank in /dev/shm (Linux). The leg's ranks agree on it in a set-up exchange of its own.
+Where the proxy runs is ``TRITON_EP_PROXY`` (:mod:`triton_ep.proxy_process`): ``process`` (the default on
+Linux), a process of its own per rank, which owns the transport, the rings shared with the rank in /dev/shm;
+``thread`` (the default elsewhere), the scheduler's threads in the rank's process. Every rank of the Buffer's group
+agrees on it in the mode's set-up exchange (:func:`proxy_to_exchange`, :func:`agreed_proxy_kind`), which passes
+it to :func:`open_network`.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 from ... import proxy_process
 from ... import scheduler as sched_mod
 from ...runtime import hosts as hosts_mod
-from ...runtime.fabric import factory, gather_objects
+from ...runtime.fabric import factory
 
 
 #: the network leg's defaults: RC QPs per RDMA peer, ring slots per peer, bytes per slot (chunk)
@@ -125,18 +127,6 @@ def agreed_proxy_kind(values) -> str:
     return values[0][0]
 
 
-def agreed_proxy(group, rank: int, timeout_s: float) -> str:
-    """Where the ranks of ``group`` run their RDMA proxies (:func:`triton_ep.proxy_process.proxy_kind`), agreed in
-    a set-up exchange (collective over ``group``): ``"thread"`` or ``"process"``.
-
-    Raises:
-        ValueError: on every rank alike, where a rank's ``TRITON_EP_PROXY`` is bad (naming that rank) or the
-            ranks' values differ (naming each rank's).
-        EPTimeoutError / EPRemoteError: a rank did not take part within ``timeout_s``.
-    """
-    return agreed_proxy_kind(gather_objects(group, proxy_to_exchange(rank), timeout_s, "rdma: where the proxy runs"))
-
-
 @dataclasses.dataclass
 class Network:
     """An open RDMA leg.
@@ -164,7 +154,7 @@ class Network:
 
 def open_network(backend: str, group, rank: int, world: int, *, token: str, names, name: str,
                  num_qps_per_peer: int, slots: int, slot_bytes: int, timeout_s: float,
-                 device: torch.device, peers=None, delays=None, **sched_kwargs) -> Network:
+                 device: torch.device, proxy: str, peers=None, delays=None, **sched_kwargs) -> Network:
     """Open rank ``rank``'s RDMA leg to the ``world`` ranks of ``group`` (collective over it).
 
     Args:
@@ -172,15 +162,16 @@ def open_network(backend: str, group, rank: int, world: int, *, token: str, name
             ``token``, ``name``: this rank's).
         num_qps_per_peer: RC QPs per peer.  slots, slot_bytes: the scheduler's rings.
         device: the kernels' device: on CUDA the region is pinned host memory (device-mapped).
+        proxy: where the RDMA proxy runs, ``"thread"`` or ``"process"``, as every rank of the Buffer's group agreed
+            in its set-up exchange (:func:`agreed_proxy_kind`).
         peers: the ranks of ``group`` to make QPs to (default: every other one).
         delays: the emulated fabric's ``(reorder_s, skew_s)`` as the ranks agreed on them (:func:`agreed_delays`);
             ``None``: read from the environment.
         sched_kwargs: more :class:`~triton_ep.scheduler.Scheduler` arguments.
     Raises:
-        what the transport and the bootstrap raise (``EPTimeoutError`` for a peer that never joins), and
-        :func:`agreed_proxy`'s ``ValueError``; nothing stays open on the way out.
+        what the transport and the bootstrap raise (``EPTimeoutError`` for a peer that never joins); nothing stays
+        open on the way out.
     """
-    kind = agreed_proxy(group, rank, timeout_s)
     kw = dict(num_qps_per_peer=num_qps_per_peer, timeout_s=timeout_s, peers=peers)
     fabric = None
     if backend == "emulated":
@@ -190,7 +181,7 @@ def open_network(backend: str, group, rank: int, world: int, *, token: str, name
         kw["gpu"] = device.index
     lay = sched_mod.RingLayout(world, slots, slot_bytes)
     c, r = lay.ctrl_bytes, lay.ring_bytes
-    if kind == "process":
+    if proxy == "process":
         ps = proxy_process.bootstrap_process(backend, rank, world, kw, dict(slots=slots, slot_bytes=slot_bytes,
                                                                             timeout_s=timeout_s, **sched_kwargs),
                                              group=group, device=device)

@@ -53,9 +53,7 @@ from .forward import dispatch_results, forward_cached, forward_fresh
 from .handle import CapturePlan, HostPlan, InternodeHandle, build_handle
 from .host_ranks import HostRanks
 from .network import (ENV_CHUNK, ENV_QPS, ENV_SLOTS, agreed_delays, agreed_proxy_kind, delays_to_exchange,
-                      proxy_to_exchange)
-from .network import network_shape, open_network
-from .network import traffic_stats
+                      network_shape, open_network, proxy_to_exchange, traffic_stats)
 from . import peer_tokens
 from .rings import Rings
 from .records import Streams, record_layout, sources, split_records
@@ -173,7 +171,8 @@ class Internode:
         #: the emulated fabric's (reorder_s, skew_s) the ranks agreed on (None: verbs); the low-latency
         #: network leg takes them too (:class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts`)
         self.delays = agreed_delays([e[4] for e in every])
-        agreed_proxy_kind([e[5] for e in every])      # (every rank of the group; the legs check theirs again)
+        #: where the RDMA proxies run (``TRITON_EP_PROXY``), as every rank of the group agreed
+        self.proxy = agreed_proxy_kind([e[5] for e in every])
         hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
         hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
         hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])
@@ -186,7 +185,8 @@ class Internode:
         names = [f"ep{token}_{r}" for r in range(rt.group_size)]
         leg = open_network(rt.rdma_transport, self.peer_group, self.host, self.num_hosts, token=token, names=names,
                            name=names[rt.rank], num_qps_per_peer=num_qps_per_peer, slots=slots, slot_bytes=slot_bytes,
-                           timeout_s=rt.timeout_s, device=rt.device, delays=self.delays)
+                           timeout_s=rt.timeout_s, device=rt.device, proxy=self.proxy,
+                           delays=self.delays)
         self.transport, self.sched, self._ring_mem = leg.transport, leg.sched, leg.mem
         self._ring_ctrl, self._ring_send, self._ring_recv = leg.ring_ctl, leg.send, leg.recv
 
