@@ -175,7 +175,7 @@ def print_devices(out: TextIO) -> int:
     """Print the compute devices and whether triton-ep's Triton kernels are compiled or interpreted.
 
     Kernels are interpreted (Triton's interpreter on CPU tensors) when ``TRITON_INTERPRET`` is set to anything
-    but 0, which :mod:`triton_ep.kernels` does itself when no CUDA device exists.
+    but 0, which :mod:`triton_ep.triton_mode` does itself when no CUDA device exists.
 
     Args:
         out: the stream written to.
@@ -183,7 +183,7 @@ def print_devices(out: TextIO) -> int:
         The number of CUDA devices (0 on a CPU-only host).
     """
     import torch
-    from triton_ep.kernels._util import interpreted
+    from triton_ep.triton_mode import interpreted
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print("Devices:", file=out)
     print(f"  cpu       {os.cpu_count()} cores ({platform.machine()})", file=out)
