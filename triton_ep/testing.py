@@ -6,7 +6,7 @@ before any goes on. The kernels, offsets and rounds are exactly those of the mul
 """
 from __future__ import annotations
 
-from typing import Any, Generator, List, Optional, Sequence
+from typing import Any, Generator, List, Optional, Sequence, Tuple
 
 from .buffer import Buffer
 from .runtime import LocalWorld
@@ -216,6 +216,23 @@ def _picklable(obj) -> bool:
         return False
 
 
+def _start_method(start_method: Optional[str]) -> Tuple[str, Optional[int]]:
+    """``run_ranks``' start method (``None``: :data:`START_METHOD`; ``"forkserver"`` falls back to ``"spawn"`` where
+    no fork server starts) and the process each rank watches as its parent (the fork server's, when forked).
+    Raises ``ValueError`` for a method other than ``"spawn"`` and ``"forkserver"``."""
+    import os
+    method = START_METHOD if start_method is None else start_method
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
+    if method == "forkserver" and not start_forkserver():
+        method = "spawn"
+    parent_pid: Optional[int] = os.getpid()     # whom each rank watches (its parent)
+    if method == "forkserver":
+        from multiprocessing import forkserver
+        parent_pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return method, parent_pid
+
+
 def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
               start_method: Optional[str] = None) -> List[Any]:
     """Start ``world`` processes, bootstrap a ``torch.distributed`` group over a file rendezvous and call
@@ -240,15 +257,7 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     import tempfile
 
     import torch.multiprocessing as mp
-    method = START_METHOD if start_method is None else start_method
-    if method not in ("spawn", "forkserver"):
-        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
-    if method == "forkserver" and not start_forkserver():
-        method = "spawn"
-    parent_pid: Optional[int] = os.getpid()     # whom each rank watches (its parent)
-    if method == "forkserver":
-        from multiprocessing import forkserver
-        parent_pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    method, parent_pid = _start_method(start_method)
     env = None
     if method == "forkserver":      # (_rank_main unpickles fn and args after it set env)
         env, fn, args = dict(os.environ), pickle.dumps((fn, args)), ()
