@@ -4,7 +4,8 @@ from ..transport.ipc import SLOT_HEADER, LocalWorld
 from ..transport.parent import exit_with_parent
 from ..transport.signals import call_signature
 from .across_hosts import HostsRuntime
-from .context import Meet, Runtime, collective, current_event, steps
+from .call_steps import Meet, collective, steps
+from .context import Runtime, current_event
 from .opening import ll_area_bytes, open_runtime
 
 # (the modes reach transport/ through here: a call's signature words, the first mode word of a meeting's slot;
