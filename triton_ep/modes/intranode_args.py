@@ -44,7 +44,7 @@ def version_of(t: Tensor) -> Optional[int]:
 def card_values(a: "DispatchArgs") -> tuple:
     """A new dispatch's call-card fields (:data:`triton_ep.protocol.call_card.DISPATCH`): dtype, hidden,
     scale dtype and words, top-k, weights given, experts."""
-    return (a.dtype_code, a.x.shape[1], a.scale_dtype_code, a.scale_words, a.num_topk, int(a.topk_weights is not None),
+    return (a.dtype_code, a.hidden, a.scale_dtype_code, a.scale_words, a.num_topk, int(a.topk_weights is not None),
             a.num_experts)
 
 
@@ -60,17 +60,18 @@ def cached_card_values(x: Tensor, scales: Optional[Tensor], seq: int) -> tuple:
 class DispatchArgs:
     """One dispatch call's checked arguments (what the steps of the call read).
 
-    ``x`` ``[T, H]`` (contiguous) and its ``scales`` ``[T, S]`` (contiguous, fp32 or int32, any ``S >= 0``;
-    given with a 1-byte ``x``, as DeepEP) or ``None``; ``row_words`` and ``scale_words`` (``S``): a row and
-    its scales in 32-bit words; ``dtype_code``: the dtype as the cross-rank signature carries it;
+    The rows themselves (``x`` and its scales) are not here: only the steps that move them take them (the
+    counts, the plan and the card read these shapes). ``num_tokens`` ``T`` and ``hidden`` ``H`` of ``x``
+    ``[T, H]``; ``row_words`` and ``scale_words`` (``S`` of the scales ``[T, S]``, fp32 or int32, any
+    ``S >= 0``, given with a 1-byte ``x`` as DeepEP; 0 without): a row and its scales in 32-bit words;
+    ``dtype_code``: the dtype as the cross-rank signature carries it;
     ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank`` ``[T, R]`` and
     ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle`` for a cached
     dispatch; ``flags``: bit 0 scales, bit 1 cached, bit 2 weights, bit 3 int32 scales (signature);
     ``scale_dtype_code``: the scales' dtype as the call card carries it (0 without scales).
     """
-    x: Tensor
-    scales: Optional[Tensor]
     num_tokens: int
+    hidden: int
     row_words: int
     scale_words: int
     dtype_code: int
@@ -99,7 +100,8 @@ class DispatchArgs:
         (:data:`~triton_ep.protocol.call_card.DISPATCH_WORST` with ``num_worst_tokens``: the host then never learns
         the counts, they stay on the device)."""
         if self.handle is not None:
-            return card.CACHED_DISPATCH, cached_card_values(self.x, self.scales, self.handle.seq)
+            return card.CACHED_DISPATCH, (self.dtype_code, self.hidden, self.scale_dtype_code, self.scale_words,
+                                          self.handle.seq)
         return (card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH), card_values(self)
 
 
@@ -260,10 +262,11 @@ def check_x(rt: Runtime, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
 
 
 def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                  topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> DispatchArgs:
+                  topk_weights, expert_alignment, num_worst_tokens,
+                  previous_event=None) -> Tuple[Tensor, Optional[Tensor], DispatchArgs]:
     """Check ``Buffer.dispatch``'s arguments against this Buffer's group (shapes, dtypes, devices, values),
-    before anything is launched (``rt``: the Buffer's runtime). Raises ``TypeError`` / ``ValueError`` naming the
-    argument."""
+    before anything is launched (``rt``: the Buffer's runtime): ``(x, scales or None, DispatchArgs)``, the rows
+    as :func:`check_x` gives them and the rest. Raises ``TypeError`` / ``ValueError`` naming the argument."""
     rt.live()
     R = rt.group_size
     check_event(previous_event)
@@ -273,7 +276,7 @@ def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank,
         raise ValueError(f"expert_alignment must be an int in [1, 2^31), got {expert_alignment!r}")
     if not isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
         raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
-    a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=row_words(xv),
+    a = DispatchArgs(num_tokens=T, hidden=xv.shape[1], row_words=row_words(xv),
                      scale_words=sc.shape[1] if sc is not None else 0, dtype_code=card.dtype_code(xv.dtype),
                      expert_alignment=int(expert_alignment),
                      scale_dtype_code=card.dtype_code(sc.dtype if sc is not None else None))
@@ -283,7 +286,7 @@ def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank,
         h = check_handle(rt, handle)
         check_cached_dispatch(T, h.num_tokens, topk_idx, topk_weights)
         a.handle, a.flags = h, 2 | sflags
-        return a
+        return xv, sc, a
     if num_tokens_per_expert is None:
         raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
     npe = rt.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32, torch.int64), (None,))
@@ -314,7 +317,7 @@ def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank,
     else:
         a.num_tokens_per_expert = npe.to(torch.int32)
     a.num_experts, a.flags = E, sflags | (4 if a.topk_weights is not None else 0)
-    return a
+    return xv, sc, a
 
 
 def combine_args(rt: Runtime, x, handle, topk_weights, bias, config, previous_event):

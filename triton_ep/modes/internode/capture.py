@@ -338,7 +338,7 @@ class CapturePath:
                            previous_event)
         a = f.args
         self.cards.card = f.card
-        seq, T = self.leg._calls, a.x.shape[0]
+        seq, T = self.leg._calls, a.num_tokens
         self.peer_tokens.post(seq, T)       # (first: the peers' waits for it overlap this host's exchange)
         # this host's ranks' values (each may pass its own): a record gives at least one row on this host
         self._host_worst = self.leg.host_ranks.run(self.local.worst_steps(a, num_worst_tokens))
@@ -349,7 +349,7 @@ class CapturePath:
         C = self._room(seq, T, C)
         route = self._route(intranode, a, num_tokens_per_rdma_rank)
         ids = None if a.topk_idx is None else a.topk_idx.long()
-        src = self.leg.row_sources(f.rec, a.x.shape[0], a.x, a.scales, ids, a.topk_weights, route.in_rank)
+        src = self.leg.row_sources(f.rec, T, f.x, f.scales, ids, a.topk_weights, route.in_rank)
         nh, E = self.num_hosts, a.num_experts
         extra = None if a.topk_idx is not None else a.num_tokens_per_expert.to(torch.int32).view(nh, E // nh)
         out, rx, hw = self._move_capture(OP_DISPATCH, f.rec, src, route.tok, route.cnt, C, extra, route.code,
@@ -358,10 +358,10 @@ class CapturePath:
         if a.topk_idx is None:      # the senders' counts of this host's experts, from their headers
             npe_f = out[:, NET_HEADER_WORDS:NET_HEADER_WORDS + self.per_host * (E // self.rt.group_size)].sum(
                 0, dtype=torch.int32)
-        fwd = split_records(self._records(out, hw, f.rec, C), f.rec, None if a.scales is None else a.scales.dtype,
+        fwd = split_records(self._records(out, hw, f.rec, C), f.rec, None if f.scales is None else f.scales.dtype,
                             self.leg.host_ranks.local_rt.device)
-        rows = forward_fresh(self.leg, fwd, a, npe_f, self._valid(rx, C), expert_alignment, num_worst_tokens)
-        return dispatch_results(rows, self._handle(route, C, rx, rows, a.x.shape[0], num_worst_tokens),
+        rows = forward_fresh(self.leg, fwd, a, f.x, npe_f, self._valid(rx, C), expert_alignment, num_worst_tokens)
+        return dispatch_results(rows, self._handle(route, C, rx, rows, T, num_worst_tokens),
                                 per_expert=False)
 
     def _room(self, seq: int, num_tokens: int, C: int) -> int:
@@ -384,7 +384,7 @@ class CapturePath:
     def _route(self, intranode, a, num_tokens_per_rdma_rank: Tensor) -> "CaptureRoute":
         """A capture-path dispatch's routing, on the device: each host's tokens and this rank's status (its own
         errors as a reason code, raised at the next call or ``check()``)."""
-        dev, nh, T = self.rt.device, self.num_hosts, a.x.shape[0]
+        dev, nh, T = self.rt.device, self.num_hosts, a.num_tokens
         _, _, in_rank, _, num_bad, _ = intranode._routing(a)
         host_mask = self.leg.host_mask(in_rank)
         cnt = host_mask.sum(0)

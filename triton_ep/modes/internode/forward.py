@@ -32,14 +32,14 @@ def local_experts(ids_f: Tensor, num_experts: int, num_ranks: int, per_host: int
     return ids_local, npe
 
 
-def forward_fresh(leg, fwd: Forwarded, a: DispatchArgs, npe_f: Optional[Tensor], valid: Optional[Tensor],
+def forward_fresh(leg, fwd: Forwarded, a: DispatchArgs, xv: Tensor, npe_f: Optional[Tensor], valid: Optional[Tensor],
                   expert_alignment: int, num_worst_tokens: int,
                   started: Optional[Callable[[], None]] = None) -> Received:
     """The forwarding leg of a dispatch without a handle (``leg``: the :class:`~.normal.Internode`): the
     intranode dispatch of ``fwd`` (only its ``valid`` rows, bool ``[F]``, where given), routed by the records'
     is_token_in_rank and their ids (as this host's experts); ``npe_f`` int32 ``[per_host * E / R]``: without
     ``topk_idx``, the per-expert counts of the forwarded rows. ``started`` is called as this rank enters the
-    host's leg. Returns its rows in DeepEP's order."""
+    host's leg. Returns its rows in DeepEP's order, as the dtype and hidden size of ``xv`` (the dispatch's rows)."""
     in_f = fwd.in_rank if valid is None else fwd.in_rank & valid[:, None]
     ids_local = None
     if a.topk_idx is not None:
@@ -52,7 +52,7 @@ def forward_fresh(leg, fwd: Forwarded, a: DispatchArgs, npe_f: Optional[Tensor],
         fwd.xs, None, per_rank_f, None, in_f, npe_f, ids_local, fwd.weights, expert_alignment, num_worst_tokens),
         forwarded=True)
     recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
-    return in_rank_order(recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, a.x, leg.rt.group_size)
+    return in_rank_order(recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, xv, leg.rt.group_size)
 
 
 def in_rank_order(recv_x_f, recv_idx: Optional[Tensor], recv_w: Optional[Tensor], per_expert: list,

@@ -64,6 +64,8 @@ Tensor = torch.Tensor
 @dataclasses.dataclass
 class Fresh:
     """A dispatch without a handle, its arguments checked (both paths start so)."""
+    x: Tensor                       # [T, H] rows as the caller's dtype (checked, contiguous)
+    scales: Optional[Tensor]        # fp32 / int32 [T, S], or None
     args: DispatchArgs              # intranode's checks against the whole group (R = every rank of every host)
     card: tuple                     # this rank's call as its peers compare it (protocol.call_card)
     rec: NetRecord                  # its records' layout (ids, weights and is_token_in_rank bytes included)
@@ -367,11 +369,11 @@ class Internode:
         """Check a dispatch's arguments (both paths): ``num_tokens_per_rdma_rank`` present, then intranode
         mode's group-wide checks (R = every rank of every host); its call card and record layout."""
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
-        a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                    topk_weights, expert_alignment, num_worst_tokens, previous_event)
+        xv, sc, a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                            topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         code, values = a.card(num_worst_tokens)
         w, K = a.topk_weights, a.num_topk
-        return Fresh(a, (code, *values), record_layout(a.x, a.scales, K, 0 if w is None else K, self.per_host))
+        return Fresh(xv, sc, a, (code, *values), record_layout(xv, sc, K, 0 if w is None else K, self.per_host))
 
     def _host_dispatch(self, f: Fresh, num_tokens_per_rdma_rank: Tensor) -> HostDispatch:
         """A fresh dispatch on the host path: its routing checked on the host (ids in range, non-negative
@@ -397,10 +399,10 @@ class Internode:
                              f"{'topk_idx' if idx is not None else 'is_token_in_rank'}); pass what "
                              f"get_dispatch_layout returned")
         to_host = [torch.nonzero(host_mask[:, h], as_tuple=True)[0] for h in range(self.num_hosts)]
-        src = self.row_sources(f.rec, a.x.shape[0], a.x, a.scales, None if idx is None else idx.long(), a.topk_weights,
-                            in_rank)
+        src = self.row_sources(f.rec, a.num_tokens, f.x, f.scales, None if idx is None else idx.long(), a.topk_weights,
+                               in_rank)
         streams = Streams(f.rec, src, to_host, None if idx is not None else a.num_tokens_per_expert, card=f.card)
-        return HostDispatch(a.x, a.scales, streams, fresh=f, in_rank=in_rank)
+        return HostDispatch(f.x, f.scales, streams, fresh=f, in_rank=in_rank)
 
     def _cached_dispatch(self, intranode: Intranode, x, handle, topk_idx, topk_weights,
                          previous_event) -> HostDispatch:
@@ -437,7 +439,8 @@ class Internode:
 
         def started():
             prep.local_started = True
-        rows = forward_fresh(self, got, prep.fresh.args, npe_f, None, expert_alignment, num_worst_tokens, started)
+        rows = forward_fresh(self, got, prep.fresh.args, xv, npe_f, None, expert_alignment, num_worst_tokens,
+                             started)
         to_host, T = prep.streams.tokens, xv.shape[0]
         if self.capture.mode:      # its cached dispatches and combines: no host wait, no host exchange
             plan = CapturePlan.of_plain(self.rt.uid, self._calls, T, to_host, counts, rows.local_handle, rows.order)
