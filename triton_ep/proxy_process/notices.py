@@ -23,7 +23,8 @@ class FaultNotices:
 
     Args:
         store: the group's store (``torch.distributed.Store``).  prefix: the keys' prefix, the same on every rank
-            of the network leg.  rank: this rank (in the leg).  peers: the ranks it has QPs to.
+            of the network leg.  rank: this rank (in the leg).  peers: the ranks whose notices it heeds (every other
+            rank of the leg, those it has no QP to included).
         on_fault: ``f(peer, word, why)`` called in the watching thread for each peer's notice, once.
     """
 
