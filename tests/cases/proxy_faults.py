@@ -9,6 +9,7 @@ import time
 import torch
 
 import triton_ep
+import triton_ep.testing
 from tests.cases.dead_peer import _buffer, _warm_up
 
 #: 2 hosts of 2 ranks over the emulated fabric
@@ -67,9 +68,12 @@ def _over_tcp(rank: int, world: int, port: int, store_timeout_s: float) -> None:
 def died_with_child(rank, world, mode, timeout_s, done_path, port=None, store_timeout_s=120.0):
     """Every rank makes a correct call of ``mode`` (:data:`tests.cases.dead_peer.HOST_MODES`); rank 0 then forks a
     child that lives on (as a data-loader worker forked after the Buffer was built would: it holds whatever rank 0
-    held open) until ``done_path`` exists (60 s at most), and after a barrier rank 0 dies (SIGKILL). The survivors
-    make the call and destroy their Buffers; the last of them to finish creates ``done_path``. Returns on a survivor
-    ``[the call (:func:`_calls`, once), seconds destroy() took]``."""
+    held open, the group's store's sockets among them) until ``done_path`` exists (60 s at most), and after a barrier
+    rank 0 dies (SIGKILL). The survivors make the call and destroy their Buffers; the last of them to finish creates
+    ``done_path``. With ``port`` the group is rebuilt over a TCPStore hosted by rank 0 (:func:`_over_tcp`, timeout
+    ``store_timeout_s``) and the survivors end without tearing the group down (its store no longer answers:
+    :func:`triton_ep.testing.exit_after_return`). Returns on a survivor ``[the call (:func:`_calls`, once), seconds
+    destroy() took]``."""
     import torch.distributed as dist
     os.environ.update(ENV)
     if port is not None:
@@ -93,6 +97,8 @@ def died_with_child(rank, world, mode, timeout_s, done_path, port=None, store_ti
         buf.destroy()
         raise
     out = [out, _destroy_s(buf)]
+    if port is not None:        # (rank 0's store server does not answer: the group's teardown would wait on it)
+        triton_ep.testing.exit_after_return()
     with open(f"{done_path}.{rank}", "w"):
         pass
     if all(os.path.exists(f"{done_path}.{r}") for r in range(1, world)):
