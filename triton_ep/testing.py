@@ -162,6 +162,19 @@ def start_forkserver(modules: Sequence[str] = ()) -> bool:
     return True
 
 
+#: set by :func:`exit_after_return` in a rank process of :func:`run_ranks`
+_exit_after_return = False
+
+
+def exit_after_return() -> None:
+    """In a rank of :func:`run_ranks`: once its function returned and its result is written, the process ends at once
+    (``os._exit(0)``), without tearing down the process group: for a rank whose group's store no longer answers
+    (its server's process died while another process holds its sockets), where that teardown would wait for it.
+    Call it only once every Buffer of the process is destroyed."""
+    global _exit_after_return
+    _exit_after_return = True
+
+
 def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple,
                parent_pid: Optional[int], env: Optional[dict] = None) -> None:
     import os
@@ -203,6 +216,8 @@ def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend:
     finally:
         with open(os.path.join(out_dir, f"r{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        if _exit_after_return:
+            os._exit(0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
