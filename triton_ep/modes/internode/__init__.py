@@ -12,7 +12,8 @@ from .low_latency import LowLatencyAcrossHosts
 from .handle import InternodeHandle
 from .network import DEFAULT_QPS_PER_PEER, ENV_CHUNK, ENV_QPS, ENV_SLOTS, network_shape, traffic_stats
 from .normal import Internode
-from .records import dense, network_record_bytes
+from .records import network_record_bytes
+from ...kernels.net import dense
 from ...proxy_process import ENV_PROXY, proxy_kind
 
 __all__ = ["DEFAULT_QPS_PER_PEER", "ENV_CHUNK", "ENV_PROXY", "ENV_QPS", "ENV_SLOTS", "Internode", "InternodeHandle",
