@@ -14,7 +14,7 @@ from ..kernels.geometry import fused_switch
 from ..protocol import call_card as card
 from ..protocol import records
 from ..runtime import Runtime
-from ..runtime.checks import HandleField, check_config, check_event, isint
+from ..runtime.checks import HandleField, check_config, check_event, check_tensor, isint
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -267,18 +267,19 @@ def check_x(rt: Runtime, x: XLike) -> Rows:
         if isinstance(x[0], torch.Tensor) and (x[0].element_size() != 1 or x[0].is_quantized):
             raise TypeError(f"x[0] must have plain 1-byte elements (e.g. torch.float8_e4m3fn) when scales are "
                             f"given, got {x[0].dtype}")
-        xv = rt.check_tensor("x[0]", x[0], (x[0].dtype,) if isinstance(x[0], torch.Tensor) else (), (None, None))
+        xv = check_tensor("x[0]", x[0], (x[0].dtype,) if isinstance(x[0], torch.Tensor) else (), (None, None),
+                          rt.device)
         T, H = xv.shape
         if H % 16 or H == 0:
             raise ValueError(f"x[0] rows must be a non-zero multiple of 16 bytes, got hidden {H} ({H} bytes)")
-        sc = rt.check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None),
-                                  f"T = {T} rows of x[0]")
+        sc = check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None), rt.device,
+                          f"T = {T} rows of x[0]")
         return Rows(xv, sc)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or an (fp8 tensor, scales) pair, got {type(x).__name__}")
     if x.is_quantized:
         raise TypeError(f"x must be a plain tensor (its rows are moved as raw bytes), got quantized {x.dtype}")
-    xv = rt.check_tensor("x", x, (x.dtype,), (None, None))
+    xv = check_tensor("x", x, (x.dtype,), (None, None), rt.device)
     if (xv.shape[1] * xv.element_size()) % 16 or xv.shape[1] == 0:
         raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]} "
                          f"({xv.shape[1] * xv.element_size()} bytes)")
