@@ -32,8 +32,7 @@ from ..runtime import Runtime, call_signature, steps
 from ..runtime.checks import check_config, check_event, isint
 from . import intranode_args as args
 from . import intranode_replay as replay
-from .intranode_args import Counts, DispatchArgs, DispatchHandle, Outputs, XLike, card_values, version_of
-from .intranode_args import check_cached_dispatch  # noqa: F401  (the internode modes take it from here)
+from .intranode_args import Counts, DispatchArgs, DispatchHandle, Outputs, card_values, version_of
 
 Tensor = torch.Tensor
 
@@ -136,7 +135,7 @@ class Intranode:
     @steps
     def worst_steps(self, a: "DispatchArgs", num_worst_tokens: int):
         """The ``num_worst_tokens`` of every rank of this group for a dispatch of arguments ``a``
-        (:meth:`dispatch_args`), as a call of its own (a generator for :meth:`Runtime.run`, collective: every
+        (:func:`~.intranode_args.dispatch_args`), as a call of its own (a generator for :meth:`Runtime.run`, collective: every
         rank makes it): each rank publishes its value in its call card and reads every rank's, a host wait on
         shared memory with no device work. Internode's capture path sizes its staging areas from its host's
         values before the forwarding dispatch starts. Returns a list of ``R`` ints.
@@ -170,11 +169,13 @@ class Intranode:
             check_config(config)
             lp = LP.of_config(config, self.rt.group_size)     # (a num_sms below the minimum: ValueError)
             force = fused_switch()      # a bad TRITON_EP_FUSED is an argument error, before anything runs
-            xv, sc, a = self.dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                           topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+            rows, a = args.dispatch_args(self.rt, x, handle, num_tokens_per_rank, is_token_in_rank,
+                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                         num_worst_tokens, previous_event)
             num_worst_tokens = int(num_worst_tokens)      # (a numpy integer: the kernels take Python ints)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
             raise self.rt.fail_call(e)
+        xv, sc = rows.x, rows.scales
         sig = a.signature()
         code, values = a.card(num_worst_tokens)
         self.rt.publish(code, values)
@@ -403,17 +404,6 @@ class Intranode:
         counts = torch.cat([per_rank, a.num_tokens_per_expert.to(torch.int32),
                             torch.zeros(1, dtype=torch.int32, device=per_rank.device)])     # no bad ids
         return per_rank, a.num_tokens_per_expert, in_rank, send_pos, None, counts
-
-    def dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                      topk_weights, expert_alignment, num_worst_tokens,
-                      previous_event=None) -> Tuple[Tensor, Optional[Tensor], DispatchArgs]:
-        """:func:`triton_ep.modes.intranode_args.dispatch_args` against this Buffer's group."""
-        return args.dispatch_args(self.rt, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
-
-    def check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
-        """:func:`triton_ep.modes.intranode_args.check_x` against this Buffer's group."""
-        return args.check_x(self.rt, x)
 
     @steps
     def combine_steps(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
