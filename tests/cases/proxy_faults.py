@@ -105,3 +105,42 @@ def died_with_child(rank, world, mode, timeout_s, done_path, port=None, store_ti
         with open(done_path, "w"):
             pass
     return out
+
+
+def _sched(buf, mode: str):
+    """The Buffer's RDMA scheduler across hosts: the low-latency leg's (``mode`` "internode_ll") or the normal
+    mode's."""
+    return buf._ll.net.sched if mode == "internode_ll" else buf._modes.internode.sched
+
+
+def proxy_stopped(rank, world, mode, victim, timeout_s):
+    """Every rank makes a correct call of ``mode`` ("internode" or "internode_ll":
+    :func:`tests.cases.dead_peer._warm_up`); after a barrier rank ``victim`` stops its own proxy process (SIGSTOP)
+    and every rank makes the call twice, then destroys its Buffer (on the victim that ends the stopped proxy; it is
+    resumed, SIGCONT, on every path, so that nothing stays stopped). Returns ``[the calls (:func:`_calls`), seconds
+    destroy() took, this rank's proxy's pid]``."""
+    import torch.distributed as dist
+    os.environ.update(ENV)
+    buf, args = _buffer(rank, world, mode == "internode_ll", timeout_s)
+    pid = None
+    try:
+        call = _warm_up(buf, mode, *args)
+        pid = _sched(buf, mode).proc.pid
+        dist.barrier()
+        if rank == victim:
+            os.kill(pid, signal.SIGSTOP)
+        out = _calls(call)
+    except BaseException:
+        if rank == victim and pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        buf.destroy()
+        raise
+    try:
+        destroy_s = _destroy_s(buf)
+    finally:
+        if rank == victim:
+            try:
+                os.kill(pid, signal.SIGCONT)    # (destroy() ended it: gone, or a zombie reaped by now)
+            except ProcessLookupError:
+                pass
+    return [out, destroy_s, pid]

@@ -1,6 +1,6 @@
 """The RDMA proxy in a process of its own (triton_ep/proxy_process/, ``TRITON_EP_PROXY=process``): bit-exact
-round trips, what its entry imports, and its lifetime on every path (closed and reaped; killed: ProxyError at the
-rank within 2 s; the rank killed: the proxy ends within about 1 s; a forked child of the rank cannot close it;
+round trips, what its entry imports, and its lifetime on every path (closed and reaped; killed, or stopped: ProxyError
+at the rank within 2 s; the rank killed: the proxy ends within about 1 s; a forked child of the rank cannot close it;
 /dev/shm too small: a clear error before anything starts). The fixture's leak check covers /dev/shm, threads,
 descriptors and processes."""
 from __future__ import annotations
@@ -107,6 +107,63 @@ def test_proxy_killed_is_a_proxy_error_within_2_s():
         assert ei.value.rank == 1 and s.flags.aborted == 2
         with pytest.raises(ProxyError):
             s.wait_counter(RingFlags.TAIL, 0, 1, "test: a wait after the proxy died")
+
+
+def test_proxy_stopped_is_a_proxy_error_naming_it_within_2_s():
+    """SIGSTOP of one proxy process (it lives, its sweeps do not run): within 2 s that rank's check() raises a
+    ProxyError naming its own proxy process (pid, "stopped by a signal", state T) instead of a peer, its ring waits end
+    (abort word), a command to it raises at once; close() kills it at once (it would not answer the close) and
+    reaps it. The other rank's proxy runs on (its heartbeat moves: no error there). Before: nothing at that rank
+    until its waits ran out at timeout_s, naming the peer."""
+    with ProcGroup(fabric(2), 2, slots=2, slot_bytes=4096) as g:
+        s, other = g.scheds[1], g.scheds[0]
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            while s.error is None and time.monotonic() - t0 < 2.0:
+                time.sleep(0.01)
+            with pytest.raises(ProxyError, match=rf"rank 1 failed at stage 'rdma proxy/process' \(no peer\): the RDMA "
+                               rf"proxy process \(pid {s.proc.pid}\) stopped making progress: stopped by a signal such "
+                               rf"as SIGSTOP \(state T\)") as ei:
+                s.check()
+            assert ei.value.rank == 1 and s.flags.aborted == 2 and time.monotonic() - t0 < 2.0
+            with pytest.raises(ProxyError, match="stopped making progress"):
+                s.wait_counter(RingFlags.TAIL, 0, 1, "test: a wait after the proxy stopped")
+            with pytest.raises(ProxyError, match="stopped making progress"):
+                s.stats()
+            other.check()
+            t1 = time.monotonic()
+            s.close()
+            assert time.monotonic() - t1 < 2.0 and s.proc.returncode == -signal.SIGKILL
+        finally:
+            if s.proc.poll() is None:
+                os.kill(s.proc.pid, signal.SIGCONT)
+
+
+def test_heartbeat_rules():
+    """:class:`Heartbeat`: a word that moves, or no sweep yet, is no stall; one that stood still past ``stop_s``
+    is a stall only where the process is stopped (state T); in any other state only past ``starve_s`` (half
+    timeout_s, at least 5 s: a live proxy's heartbeat stood still for up to 1.2 s on a loaded 2-core machine)."""
+    from triton_ep.proxy_process.heartbeat import Heartbeat, proc_state
+    hb = Heartbeat(20.0)
+    assert (hb.stop_s, hb.starve_s) == (1.0, 10.0) and Heartbeat(2.0).stop_s == 0.5 and Heartbeat(2.0).starve_s == 5.0
+    me = os.getpid()
+    assert hb.stalled(0, 0.0, me) is None and hb.stalled(0, 100.0, me) is None      # (no sweep yet)
+    assert hb.stalled(7, 100.0, me) is None and hb.stalled(7, 101.5, me) is None    # (running: below starve_s)
+    assert "it lives (state R) but is starved" in hb.stalled(7, 110.5, me)
+    assert hb.stalled(8, 111.0, me) is None and hb.still_s(111.0) == 0.0            # (it moved)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while proc_state(child.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hb.stalled(8, 111.9, child.pid) is None                               # (below stop_s)
+        assert hb.stalled(8, 112.1, child.pid) == "stopped by a signal such as SIGSTOP (state T)"
+    finally:
+        child.kill()
+        child.wait()
+    assert proc_state(child.pid) is None and hb.stalled(8, 130.0, child.pid) is None    # (gone: the channel tells)
 
 
 def test_proxy_failure_travels_with_peer_qp_and_stage():

@@ -224,6 +224,9 @@ RING_ERR_KIND = tl.constexpr(1)   #: a kernel's error record: kind (first error 
 RING_ERR_PEER = tl.constexpr(2)
 RING_ERR_STAGE = tl.constexpr(3)
 RING_ERR_SEQ = tl.constexpr(4)
+#: the proxy's heartbeat (host only): each sweep stores its clock there; a proxy process's rank reads it to tell a
+#: proxy that stopped making progress (SIGSTOP, starved: triton_ep/proxy_process/heartbeat.py)
+RING_BEAT = tl.constexpr(5)
 RING_FIXED = tl.constexpr(8)
 RING_READY = tl.constexpr(0)      #: per-peer arrays, in units of R words after RING_FIXED
 RING_SENT = tl.constexpr(1)

@@ -22,12 +22,17 @@ statistics, close; never per chunk).
   rank, its pid and how it ended, at the rank's next :meth:`~ProcessScheduler.check` (a thread of the rank's
   process reads the channel: its end is seen at once) and every ring wait ends (the abort word). A dead proxy
   writes no fault word: the rank's process posts it in the group's store for it (:class:`FaultNotices`), and
-  the peers fail as its fault word would have made them.
+  the peers fail as its fault word would have made them. A proxy process that lives but stopped making progress
+  (SIGSTOP, a debugger, starved of CPU) is a ``ProxyError`` naming the rank and its pid, the same way: each sweep
+  stores its clock into the rings' heartbeat word, which the same thread of the rank's process looks at
+  (:class:`~.heartbeat.Heartbeat`: 1 s still while stopped, half ``timeout_s`` in any other state); its notice
+  goes to the peers, and ``close`` kills it.
 - Idle: the sweeps back off from a yield to naps of up to :data:`IDLE_MAX_S` (:class:`ProxySweeps`).
 
 Its modules: :mod:`.rank_side` (:class:`ProcessScheduler`, :func:`bootstrap_process`, :func:`proxy_kind`),
 :mod:`.proxy_side` (:func:`serve`, :class:`ProxySweeps`: what runs in the proxy process), :mod:`.channel` (the
-command channel's messages, errors across it, :func:`start_proxy`) and :mod:`.notices` (:class:`FaultNotices`).
+command channel's messages, errors across it, :func:`start_proxy`), :mod:`.notices` (:class:`FaultNotices`) and
+:mod:`.heartbeat` (:class:`~.heartbeat.Heartbeat`: a proxy that stopped making progress).
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import atexit
 import mmap
 import os
 import queue
+import select
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from triton_ep.transport.rdma import QP_INFO_STAGE, exchange_info, exchange_regi
 from triton_ep.transport.ring_flags import RingFlags
 
 from .channel import pack_error, recv_msg, send_msg, start_proxy, unpack_error
+from .heartbeat import LOOK_S, Heartbeat
 from .notices import FaultNotices
 
 #: the environment variable that picks where a Buffer's RDMA proxy runs: ``process`` (the default on Linux) or
@@ -102,6 +104,8 @@ class ProcessScheduler(Scheduler):
         self._err_lock, self._req_lock = threading.Lock(), threading.Lock()
         self._replies: "queue.Queue" = queue.Queue()
         self._closing = self._closed = False
+        #: the proxy process stopped making progress (:meth:`_look_at_beat`): it answers no command any more
+        self._stalled = False
         self._cuda_ptr = None
         self.proc = self._sock = self._listener = None
         self._bell: Optional[int] = None
@@ -152,11 +156,16 @@ class ProcessScheduler(Scheduler):
 
     def _listen(self) -> None:
         """Read the channel: replies go to the requester, the proxy's error is recorded; at the channel's end (the
-        proxy process ended) a :class:`ProxyError` is recorded unless this side closed it."""
+        proxy process ended) a :class:`ProxyError` is recorded unless this side closed it. While the channel is
+        quiet, look at the proxy's heartbeat every :data:`~.heartbeat.LOOK_S` (:meth:`_look_at_beat`)."""
+        beat = Heartbeat(self.timeout_s)
         while True:
             try:
+                if not select.select([self._sock], [], [], LOOK_S)[0]:
+                    self._look_at_beat(beat)
+                    continue
                 msg = recv_msg(self._sock)
-            except OSError:
+            except (OSError, ValueError):       # (ValueError: the socket was closed under select)
                 msg = None
             if msg is None:
                 break
@@ -174,18 +183,43 @@ class ProcessScheduler(Scheduler):
                             f"the RDMA proxy process (pid {self.proc.pid}) ended: {how}")
             if self._record(ex) and self.notices is not None:
                 # the dead proxy cannot write its fault word into the peers' rings: this process tells them
-                self.notices.post(fault_word(STAGE_INTERNAL, None, None), f"pid {self.proc.pid}, {how}")
+                self.notices.post(fault_word(STAGE_INTERNAL, None, None), f"ended (pid {self.proc.pid}, {how})")
         self._replies.put(None)
 
+    def _look_at_beat(self, beat: Heartbeat) -> None:
+        """Where the proxy process lives but stopped making progress (:meth:`Heartbeat.stalled
+        <triton_ep.proxy_process.heartbeat.Heartbeat.stalled>`: its heartbeat word stood still, each sweep stores its
+        clock there) while no error is recorded and this side is not closing: record a :class:`ProxyError` naming
+        this rank's proxy process (every ring wait ends: the abort word) and tell the peers through the group's
+        store (:class:`FaultNotices`), as for a dead proxy: a stopped one writes no fault word either. Its commands
+        go unanswered from then on (:meth:`_request` raises; :meth:`close` kills it)."""
+        if self.error is not None or self._closing or self._closed:
+            return
+        now = time.monotonic()
+        why = beat.stalled(self.flags.beat(), now, self.proc.pid)
+        if why is None:
+            return
+        pid, still = self.proc.pid, beat.still_s(now)
+        ex = ProxyError(self.rank, None, None, None, STAGE_PROCESS,
+                        f"the RDMA proxy process (pid {pid}) stopped making progress: {why}; its sweeps have not "
+                        f"run for {still:.1f} s; this call's outputs here are not valid; destroy() and rebuild the "
+                        f"Buffer")
+        if self._record(ex):
+            self._stalled = True
+            if self.notices is not None:
+                self.notices.post(fault_word(STAGE_INTERNAL, None, None),
+                                  f"stopped making progress (pid {pid}, {why}, no sweep for {still:.1f} s)")
+
     def _peer_fault(self, peer: int, word: int, why: str) -> None:
-        """``peer``'s proxy process died and its rank said so (:class:`FaultNotices`): fail as its fault word in the
-        ring would have made this rank's proxy fail (``ProxyRemoteError`` naming the peer; a masked peer is
-        ignored)."""
+        """``peer``'s proxy process died or stopped and its rank said so (:class:`FaultNotices`): fail as its fault
+        word in the ring would have made this rank's proxy fail (``ProxyRemoteError`` naming the peer; a masked peer
+        is ignored). ``why``: what its rank saw, e.g. "ended (pid 12, killed by signal 9)" or "stopped making
+        progress (...)"."""
         if self.flags.masked(peer):
             return
         st, ch, q = parse_fault(word)
         self.fail(ProxyRemoteError(self.rank, peer, ch, q, STAGE_NAMES.get(st, STAGE_NAMES[STAGE_INTERNAL]),
-                                   f"the peer's RDMA proxy process ended ({why}); its rank told its peers "
+                                   f"the peer's RDMA proxy process {why}; its rank told its peers "
                                    f"through the group's store"))       # (the peer's number: the error's field,
         # which the mode renames to a global rank; a number in the text would stay the network leg's)
 
@@ -203,22 +237,31 @@ class ProcessScheduler(Scheduler):
 
     def _request(self, cmd: str, *args, timeout_s: Optional[float] = None) -> Any:
         """Send ``cmd`` to the proxy process and wait for its answer (bounded: ``timeout_s``, default the
-        scheduler's bound + 10 s). Raises the proxy's error for the command, or ProxyError."""
+        scheduler's bound + 10 s; it ends once the proxy is found stopped, :meth:`_look_at_beat`). Raises the proxy's
+        error for the command, or ProxyError (the stopped proxy's among them)."""
         if os.getpid() != self._pid:
             raise ProxyError(self.rank, None, None, None, STAGE_PROCESS,
                              "a process forked from the rank cannot drive the rank's RDMA proxy")
         wait = self.timeout_s + 10.0 if timeout_s is None else timeout_s
         with self._req_lock:
+            if self._stalled:
+                raise self.error
             try:
                 send_msg(self._sock, (cmd,) + args)
             except OSError as ex:
                 raise self.error or ProxyError(self.rank, None, None, None, STAGE_PROCESS,
                                                f"the RDMA proxy process is gone ({ex})") from None
-            try:
-                msg = self._replies.get(timeout=wait)
-            except queue.Empty:
-                raise ProxyError(self.rank, None, None, None, STAGE_PROCESS,
-                                 f"the RDMA proxy process did not answer {cmd!r} within {wait:g} s") from None
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    msg = self._replies.get(timeout=max(0.0, min(LOOK_S, deadline - time.monotonic())))
+                    break
+                except queue.Empty:
+                    if self._stalled:       # (its answer, should it come, is read by nobody: no command follows)
+                        raise self.error from None
+                    if time.monotonic() >= deadline:
+                        raise ProxyError(self.rank, None, None, None, STAGE_PROCESS,
+                                         f"the RDMA proxy process did not answer {cmd!r} within {wait:g} s") from None
         if msg is None:
             self._replies.put(None)     # (the next requester sees the end too)
             raise self.error or ProxyError(self.rank, None, None, None, STAGE_PROCESS, "the RDMA proxy process ended")
@@ -252,9 +295,9 @@ class ProcessScheduler(Scheduler):
 
     def check(self) -> None:
         """Ring the doorbell (:meth:`ring`: the network leg calls this at each call's start), then raise the proxy's
-        error: its own (sent over the channel) or the end of its process. Where the rings say the proxy failed
-        (:meth:`_proxy_failing`) but its error is still on its way over the channel, wait for it (up to
-        :data:`ERROR_WAIT_S`), so the rank raises the proxy's own error as with a proxy thread."""
+        error: its own (sent over the channel), the end of its process, or its stop (:meth:`_look_at_beat`). Where
+        the rings say the proxy failed (:meth:`_proxy_failing`) but its error is still on its way over the channel,
+        wait for it (up to :data:`ERROR_WAIT_S`), so the rank raises the proxy's own error as with a proxy thread."""
         self.ring()
         if self.error is None and not self._closed and self._proxy_failing():
             deadline = time.monotonic() + ERROR_WAIT_S
@@ -319,10 +362,13 @@ class ProcessScheduler(Scheduler):
         if self.notices is not None:
             self.notices.close()
         if self.proc is not None and self.proc.poll() is None:
-            try:        # (after a failure too: the proxy still answers, its sweeps stopped)
-                self._request("close", timeout_s=5.0 if self.error is not None else self.timeout_s + 10.0)
-            except Exception:   # noqa: BLE001  (it is ended below either way)
-                pass
+            if self._stalled:   # (stopped: it would not answer; SIGKILL ends a stopped process too)
+                self.proc.kill()
+            else:
+                try:        # (after a failure too: the proxy still answers, its sweeps stopped)
+                    self._request("close", timeout_s=5.0 if self.error is not None else self.timeout_s + 10.0)
+                except Exception:   # noqa: BLE001  (it is ended below either way)
+                    pass
         self._closing = True
         if self.proc is not None:
             try:

@@ -45,12 +45,12 @@ class ProxyThreads:
         idle = 0
         try:
             wall, cpu = time.perf_counter_ns, time.thread_time_ns
-            stop = self._stop
+            stop, w, beat = self._stop, self.flags.w, RingFlags.BEAT
             # The thread's CPU clock (a system call, about 1 µs) is read once per pass: after a busy sweep (whose CPU
             # time runs from the previous read) and after an idle sweep's wait (where the next sweep's time starts).
             c0 = cpu()
             while not stop.is_set():
-                t0 = wall()
+                t0 = w[beat] = wall()   # (the heartbeat: a proxy process's rank tells a stopped proxy by it)
                 with self._lock:        # (the counters too: proxy threads share them, stats() reads them whole)
                     self._sweep_tx_ns = self._sweep_tx_cpu_ns = 0
                     did = self._sweep(own)

@@ -34,6 +34,8 @@ class RingFlags:
 
     READY, SENT, TAIL, HEAD = int(F.RING_READY), int(F.RING_SENT), int(F.RING_TAIL), int(F.RING_HEAD)
     CREDIT, FAULT, SRC = int(F.RING_CREDIT), int(F.RING_FAULT), int(F.RING_SRC)
+    #: word index of the proxy's heartbeat (``RING_BEAT``): each sweep of a proxy thread stores its clock there
+    BEAT = int(F.RING_BEAT)
 
     def __init__(self, words, rank: int, size: int, slots: int) -> None:
         self.w, self.rank, self.size, self.slots = words, rank, size, slots
@@ -118,6 +120,10 @@ class RingFlags:
         """Make every ring wait give up (kernels' and the host's): 1 means a timeout, 2 a failed proxy."""
         if self.w[int(F.RING_ABORT)] == 0:
             self.w[int(F.RING_ABORT)] = value
+
+    def beat(self) -> int:
+        """The proxy's heartbeat word (0 before its first sweep; it changes at every sweep, idle ones included)."""
+        return int(self.w[self.BEAT])
 
     @property
     def aborted(self) -> int:

@@ -1,6 +1,8 @@
-"""Faults of the RDMA proxy across 2 emulated hosts of 2 ranks, low-latency mode (rank bodies:
-tests/cases/proxy_faults.py): every rank names the root cause, never a live rank that merely destroyed its Buffer.
-Nothing is left (the autouse fixture: /dev/shm, processes)."""
+"""Faults of the RDMA proxy across 2 emulated hosts of 2 ranks, low-latency mode (a stopped proxy in normal mode too;
+rank bodies: tests/cases/proxy_faults.py): every rank names the root cause, never a live rank that merely destroyed its
+Buffer. Nothing is left (the autouse fixture: /dev/shm, processes)."""
+import os
+
 import pytest
 
 from tests.cases import proxy_faults as cases
@@ -52,3 +54,37 @@ def test_destroy_is_bounded_when_the_store_host_died_with_a_forked_child(proxy_m
         # QPs still acknowledge the probes; a proxy process ends with its rank, its QPs with it)
         assert kind != "no error" and ("rank 0" in msg or "peer 0" in msg) and dt < 20.0 + 5.0, (r, calls)
         assert destroy_s < 10.0, (r, destroy_s)
+
+
+@pytest.mark.parametrize("mode", ["internode_ll", "internode"])
+def test_a_stopped_proxy_process_is_named_by_its_own_rank(mode, proxy_mode):
+    """Rank 2's proxy process stopped (SIGSTOP, by its rank) after a warm-up call of ``mode``; every rank makes the
+    call twice and destroys its Buffer (timeout_s 20 s). Rank 2 raises a ProxyError naming its own proxy process (its
+    pid, "stopped by a signal": its heartbeat stood still for 1 s, its state T) within timeout_s / 4, where before it
+    waited out timeout_s and blamed a peer ("waited 20 s for peer 0 ... the peer stopped answering"). In low-latency
+    mode every other rank raises a ProxyRemoteError naming rank 2 (told through the group's store; rank 3, its host
+    mate, whose call may need nothing of rank 2's proxy, at its first or second call); in normal mode rank 2's RDMA
+    peer (rank 0) does, and ranks 1 and 3 raise a remote error of the ranks that failed before them (the host mate
+    that left the group, or its RDMA peer's fault word: as with a killed proxy), never a timeout. destroy() kills the
+    stopped proxy at once; no process is left (its pid gone too), nor anything in /dev/shm (the autouse fixture).
+    Proxy processes only."""
+    if proxy_mode != "process":
+        pytest.skip("a proxy process is stopped")
+    timeout_s = 20.0
+    out = run_ranks(cases.proxy_stopped, 4, mode, 2, timeout_s, timeout_s=240)
+    _ok(out)
+    pid = out[2][2]
+    for r, (calls, destroy_s, _) in enumerate(out):
+        first = 1 if mode == "internode_ll" and r == 3 and calls[0][0] == "no error" else 0
+        kind, msg, dt = calls[first]
+        if r == 2:
+            assert kind == "ProxyError" and "rank 2 failed" in msg and f"proxy process (pid {pid}) stopped making " \
+                   "progress: stopped by a signal such as SIGSTOP (state T)" in msg, (r, calls)
+        elif mode == "internode_ll" or r == 0:
+            assert kind == "ProxyRemoteError" and f"rank {r} failed" in msg and "(peer 2)" in msg \
+                and "stopped making progress" in msg, (r, calls)
+        else:
+            assert kind in ("EPRemoteError", "ProxyRemoteError"), (r, calls)
+        assert all(c[2] < timeout_s / 4 for c in calls) and calls[1][0] != "no error", (r, calls)
+        assert destroy_s < 5.0, (r, destroy_s)
+    assert not os.path.exists(f"/proc/{pid}"), pid
