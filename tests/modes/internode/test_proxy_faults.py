@@ -60,8 +60,9 @@ def test_destroy_is_bounded_when_the_store_host_died_with_a_forked_child(proxy_m
 def test_a_stopped_proxy_process_is_named_by_its_own_rank(mode, proxy_mode):
     """Rank 2's proxy process stopped (SIGSTOP, by its rank) after a warm-up call of ``mode``; every rank makes the
     call twice and destroys its Buffer (timeout_s 20 s). Rank 2 raises a ProxyError naming its own proxy process (its
-    pid, "stopped by a signal": its heartbeat stood still for 1 s, its state T) within timeout_s / 4, where before it
-    waited out timeout_s and blamed a peer ("waited 20 s for peer 0 ... the peer stopped answering"). In low-latency
+    pid, "stopped by a signal": its heartbeat stood still for 1 s, its state T) within timeout_s / 2 (1.1-1.5 s on 2
+    cores at a load of 11-18, the other ranks 1.2-1.9 s; above 5 s at a load of 30), where before it waited out timeout_s and blamed a
+    peer ("waited 20 s for peer 0 ... the peer stopped answering"). In low-latency
     mode every other rank raises a ProxyRemoteError naming rank 2 (told through the group's store; rank 3, its host
     mate, whose call may need nothing of rank 2's proxy, at its first or second call); in normal mode rank 2's RDMA
     peer (rank 0) does, and ranks 1 and 3 raise a remote error of the ranks that failed before them (the host mate
@@ -85,6 +86,6 @@ def test_a_stopped_proxy_process_is_named_by_its_own_rank(mode, proxy_mode):
                 and "stopped making progress" in msg, (r, calls)
         else:
             assert kind in ("EPRemoteError", "ProxyRemoteError"), (r, calls)
-        assert all(c[2] < timeout_s / 4 for c in calls) and calls[1][0] != "no error", (r, calls)
+        assert all(c[2] < timeout_s / 2 for c in calls) and calls[1][0] != "no error", (r, [c[::2] for c in calls])
         assert destroy_s < 5.0, (r, destroy_s)
     assert not os.path.exists(f"/proc/{pid}"), pid
