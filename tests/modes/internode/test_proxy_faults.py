@@ -61,14 +61,14 @@ def test_a_stopped_proxy_process_is_named_by_its_own_rank(mode, proxy_mode):
     """Rank 2's proxy process stopped (SIGSTOP, by its rank) after a warm-up call of ``mode``; every rank makes the
     call twice and destroys its Buffer (timeout_s 20 s). Rank 2 raises a ProxyError naming its own proxy process (its
     pid, "stopped by a signal": its heartbeat stood still for 1 s, its state T) within timeout_s / 2 (1.1-1.5 s on 2
-    cores at a load of 11-18, the other ranks 1.2-1.9 s; above 5 s at a load of 30), where before it waited out timeout_s and blamed a
-    peer ("waited 20 s for peer 0 ... the peer stopped answering"). In low-latency
-    mode every other rank raises a ProxyRemoteError naming rank 2 (told through the group's store; rank 3, its host
-    mate, whose call may need nothing of rank 2's proxy, at its first or second call); in normal mode rank 2's RDMA
-    peer (rank 0) does, and ranks 1 and 3 raise a remote error of the ranks that failed before them (the host mate
-    that left the group, or its RDMA peer's fault word: as with a killed proxy), never a timeout. destroy() kills the
-    stopped proxy at once; no process is left (its pid gone too), nor anything in /dev/shm (the autouse fixture).
-    Proxy processes only."""
+    cores at a load of 11-18, the other ranks 1.2-1.9 s; above 5 s at a load of 30), where before it waited out
+    timeout_s and blamed a peer ("waited 20 s for peer 0 ... the peer stopped answering"). In low-latency mode every
+    other rank raises a ProxyRemoteError naming rank 2 (told through the group's store; rank 3, its host mate, whose
+    call may need nothing of rank 2's proxy, at its first or second call); in normal mode rank 2's RDMA peer (rank 0)
+    does, and ranks 1 and 3 raise a remote error of the ranks that failed before them (the host mate that left the
+    group, or its RDMA peer's fault word: as with a killed proxy), never a timeout. destroy() kills the stopped proxy
+    at once; no process is left (its pid gone too), nor anything in /dev/shm (the autouse fixture). Proxy processes
+    only."""
     if proxy_mode != "process":
         pytest.skip("a proxy process is stopped")
     timeout_s = 20.0
