@@ -346,13 +346,16 @@ class ChunkPosting:
         if head <= st.credit_sent or (head - st.credit_sent < self._credit_every and head < st.tail):
             return False
         self.flags.w[self._i_src[p]] = head
-        t0, c0 = self._tx_begin()
+        wall, split = time.perf_counter_ns, self._cpu_split
+        t0, c0 = wall(), (time.thread_time_ns() if split else 0)       # (_tx_begin / _tx_done, inline)
         try:        # (the WRITE of SRC[p] into the peer's CREDIT[me], prepared at start)
             self.t.post_prepared(p, 0, _CREDIT_REQ)
         except Exception as ex:   # noqa: BLE001
             raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST], f"credit write: {type(ex).__name__}: {ex}") from ex
         finally:
-            self._tx_done(t0, c0)
+            if split:
+                self._sweep_tx_cpu_ns += time.thread_time_ns() - c0
+            self._sweep_tx_ns += wall() - t0
         self.wrs_posted += 1
         st.credit_sent = head
         return True

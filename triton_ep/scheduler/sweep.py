@@ -44,15 +44,15 @@ class ProxyThreads:
         idle = 0
         try:
             wall, cpu = time.perf_counter_ns, time.thread_time_ns
-            stop = self._stop
+            stop, lock, sweep = self._stop, self._lock, self._sweep
             # The thread's CPU clock (a system call, about 1 µs) is read once per pass: after a busy sweep (whose CPU
             # time runs from the previous read) and after an idle sweep's wait (where the next sweep's time starts).
             c0 = cpu()
             while not stop.is_set():
                 t0 = wall()
-                with self._lock:        # (the counters too: proxy threads share them, stats() reads them whole)
+                with lock:        # (the counters too: proxy threads share them, stats() reads them whole)
                     self._sweep_tx_ns = self._sweep_tx_cpu_ns = 0
-                    did = self._sweep(own)
+                    did = sweep(own)
                     if did:
                         c1 = cpu()
                         self._busy_ns += wall() - t0
@@ -139,20 +139,31 @@ class ProxyThreads:
         # wr_id, signaled): one post call per QP and sweep either way
         batches: Optional[Dict[Tuple[int, int], list]] = None
         prepared = False
+        c0_, m0, S = self._w_credit, self._w_masked, self.slots
         for p, st in self._peer_list:
-            if words[p] > st.next_post:         # (else nothing ready: no call)
-                if batches is None:
-                    batches = {}
-                    prepared = self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
-                did |= self._gather(p, own, batches, now, words, prepared)
-            else:
+            ready = words[p]
+            if ready <= st.next_post:           # (nothing ready: no call)
                 st.stall_since = None
+                continue
+            if not words[m0 + p]:
+                credit = words[c0_ + p]
+                if credit < st.credit_floor:
+                    credit = st.credit_floor
+                if st.next_post - credit >= S:  # (no room at the peer: no call but the stall's clock)
+                    self._stalled(p, st, credit, now)
+                    continue
+            if batches is None:
+                batches = {}
+                prepared = self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
+            did |= self._gather(p, own, batches, now, words, prepared)
         if batches:
             self._post_batches(batches, prepared)
-        h0, m0 = self._w_head, self._w_masked
+        h0, every = self._w_head, self._credit_every
         for p, st in self._peer_list:
-            if words[h0 + p] > st.credit_sent:    # (the common case, nothing freed, without a call)
-                did |= self._credit(p, words[h0 + p])
+            head = words[h0 + p]
+            if head > st.credit_sent:           # (the common case, nothing freed, without a call)
+                if head - st.credit_sent >= every or head >= st.tail:     # (_credit's rule, inline)
+                    did |= self._credit(p, head)
             elif st.tail > st.credit_sent and words[m0 + p]:
                 did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
         if now >= self.liveness.next_at:
@@ -218,56 +229,77 @@ class ProxyThreads:
         return moved
 
     def _on_completion(self, c: Completion) -> None:
+        """One completion of the sweep's poll. A successful one (the common case, looked at first): a chunk's
+        receive moves ``TAIL`` (:meth:`_received`), a chunk's signalled send retires it and those before it on its
+        QP (:meth:`_retire`), a probe's clears it (:class:`Liveness`). A failed one: :meth:`_failed`."""
         peer = c.peer
         if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
             return
+        if c.status != "IBV_WC_SUCCESS":
+            return self._failed(c, peer)
+        if c.opcode == "recv_imm":
+            self._received(c, peer)
+            return
+        wr_id = c.wr_id
+        if wr_id & TAG_CHUNK:
+            self._retire(self._qps[(peer, c.qp)], wr_id & _SEQ_MASK)
+        elif wr_id & TAG_PROBE:
+            qp_failed = self.liveness.answered(peer, True)
+            if qp_failed is not None:
+                raise qp_failed             # the peer acknowledged QP 0 after its other QP failed: that QP
+
+    def _failed(self, c: Completion, peer: int) -> None:
+        """A failed completion ``c`` of a QP to ``peer``: nothing where ``peer`` is masked or a suspect's flushed
+        request (its probe tells); a suspicion (:meth:`Liveness.suspect`) for a data QP's request the peer never
+        acknowledged; else :class:`PeerGoneError` (QP 0's or a probe's) or :class:`ProxyError`, raised."""
         probe = (c.opcode != "recv_imm" and c.wr_id is not None and bool(c.wr_id & TAG_PROBE)
                  and not c.wr_id & TAG_CHUNK)
         if probe:
-            qp_failed = self.liveness.answered(peer, c.status == "IBV_WC_SUCCESS")
+            qp_failed = self.liveness.answered(peer, False)
             if qp_failed is not None:
-                raise qp_failed             # the peer acknowledged QP 0 after its other QP failed: that QP
-        if c.status != "IBV_WC_SUCCESS":
-            if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
-                return
-            stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
-            ch = None if c.qp is None else c.qp // self.qps_per_channel
-            what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
-            if c.status == STATUS_GONE and (probe or c.qp == 0):
-                raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
-                                    f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
-            if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells
-                self.liveness.suspect(peer, ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what))
-                return
-            if c.status == STATUS_FLUSHED and peer in self.liveness.suspects:
-                return      # (the rest of a suspect's failed QP, flushed after its first error: the probe tells)
-            raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
-        if c.opcode == "recv_imm":
-            st = self._peer[peer]
-            tail = st.tail
-            ahead = (c.imm - tail) & 0xFFFFFFFF
-            if ahead < 1 << 31:         # (else a chunk numbered before a renumbering, already counted: rebase)
-                seq = tail + ahead
-                if self.on_signal is not None:
-                    self.on_signal(peer, c.qp, seq)
-                if self.trace:
-                    self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, seq, 0)
+                raise qp_failed
+        if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
+            return
+        stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
+        ch = None if c.qp is None else c.qp // self.qps_per_channel
+        what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
+        if c.status == STATUS_GONE and (probe or c.qp == 0):
+            raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
+                                f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
+        if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells
+            self.liveness.suspect(peer, ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what))
+            return
+        if c.status == STATUS_FLUSHED and peer in self.liveness.suspects:
+            return      # (the rest of a suspect's failed QP, flushed after its first error: the probe tells)
+        raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
+
+    def _received(self, c: Completion, peer: int) -> None:
+        """Chunk ``c.imm``'s WRITE_WITH_IMM from ``peer`` landed: ``TAIL[peer]`` moves past every chunk that arrived
+        in order (the rest wait in ``arrived``); without the transport's own replenishing, one receive is posted
+        again."""
+        st = self._peer[peer]
+        tail = st.tail
+        ahead = (c.imm - tail) & 0xFFFFFFFF
+        if ahead < 1 << 31:         # (else a chunk numbered before a renumbering, already counted: rebase)
+            seq = tail + ahead
+            if self.on_signal is not None:
+                self.on_signal(peer, c.qp, seq)
+            if self.trace:
+                self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, seq, 0)
+            if seq == tail:         # (the common case: in order)
+                tail += 1
                 arrived = st.arrived
-                if seq == tail:         # (the common case: in order)
+                while arrived and tail in arrived:
+                    arrived.discard(tail)
                     tail += 1
-                    while arrived and tail in arrived:
-                        arrived.discard(tail)
-                        tail += 1
-                    st.tail = tail
-                else:
-                    arrived.add(seq)
-                self.flags.w[self._i_tail[peer]] = tail
-            if self._replenish:
-                t0, c0 = self._tx_begin()
-                self.t.post_recv(peer, c.qp, 1)
-                self._tx_done(t0, c0)
-        elif c.wr_id & TAG_CHUNK:
-            self._retire(self._qps[(peer, c.qp)], c.wr_id & _SEQ_MASK)
+                st.tail = tail
+            else:
+                st.arrived.add(seq)
+            self.flags.w[self._i_tail[peer]] = tail
+        if self._replenish:
+            t0, c0 = self._tx_begin()
+            self.t.post_recv(peer, c.qp, 1)
+            self._tx_done(t0, c0)
 
     def _retire(self, q: _QPState, seq: int) -> None:
         """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""
