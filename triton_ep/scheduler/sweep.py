@@ -35,6 +35,12 @@ class ProxyThreads:
         #: word indices of ``TAIL[p]``, ``SENT[p]`` and ``SRC[p]`` (the sweep stores them into ``flags.w`` directly)
         self._i_tail, self._i_sent, self._i_src = ([f.index(a, p) for p in range(R)]
                                                    for a in (RingFlags.TAIL, RingFlags.SENT, RingFlags.SRC))
+        #: the words every sweep reads (:meth:`RingFlags.snapshot_view`, a view kept: ``tolist()`` per sweep)
+        self._words = f.snapshot_view()
+        #: what a sweep reads of its scheduler's sizes, in one tuple: where ``CREDIT``, ``MASKED`` and ``HEAD`` start in
+        #: the snapshot, the slots, a credit's pace (:meth:`_credit`), and the slice of the ``FAULT`` words
+        self._sweep_at = (self._w_credit, self._w_masked, self.slots, self._w_head, self._credit_every,
+                          slice(self._w_fault, self._w_fault + R))
         #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
         self._bound_at = 0.0
         #: the liveness probes (:class:`Liveness`): when the next round goes, the probes in flight, the suspects
@@ -128,18 +134,17 @@ class ProxyThreads:
             on = self._on_completion
             for c in comps:
                 on(c)
-        words = self.flags.snapshot()       # READY .. SRC, LEN, MASKED, ARRIVE of every peer: one read
+        words = self._words.tolist()        # READY .. SRC, LEN, MASKED, ARRIVE of every peer: one read
         if self.arrival_words:
             did |= self._arrivals(words)
-        f0 = self._w_fault
-        if any(words[f0:f0 + self.world]):        # (the rare case)
+        c0_, m0, S, h0, every, faults = self._sweep_at
+        if any(words[faults]):        # (the rare case)
             self._raise_fault(words)
         now = time.monotonic()
         # per QP: Ops to post (a test hook replaced _chunk_ops), or prepared work requests (key, length, imm,
         # wr_id, signaled): one post call per QP and sweep either way
         batches: Optional[Dict[Tuple[int, int], list]] = None
         prepared = False
-        c0_, m0, S = self._w_credit, self._w_masked, self.slots
         for p, st in self._peer_list:
             ready = words[p]
             if ready <= st.next_post:           # (nothing ready: no call)
@@ -158,7 +163,6 @@ class ProxyThreads:
             did |= self._gather(p, own, batches, now, words, prepared)
         if batches:
             self._post_batches(batches, prepared)
-        h0, every = self._w_head, self._credit_every
         for p, st in self._peer_list:
             head = words[h0 + p]
             if head > st.credit_sent:           # (the common case, nothing freed, without a call)
@@ -321,7 +325,8 @@ class ProxyThreads:
             done.discard(sent)
             sent += 1
         st.sent = sent
-        self._push(q)
+        if q.parked:            # (_room: its window has room again)
+            self._room(q)
         if not inflight:
             self._busy_qps.discard(q)
         self.flags.w[self._i_sent[q.peer]] = sent
