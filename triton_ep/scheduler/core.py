@@ -161,6 +161,7 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
             q.room = self._rooms.setdefault((q.owner, q.peer), {}).setdefault(q.port, [])
             q.port_w = self._ports[q.port]
             q.room.append(q)
+            q.peer_state, q.i_sent = self._peer[q.peer], self._i_sent[q.peer]
         #: per (proxy thread, peer): its ports' ``(QPs with room, [outstanding, total])``, for the picker
         self._picks = {k: [(room, self._ports[port]) for port, room in ports.items()]
                        for k, ports in self._rooms.items()}

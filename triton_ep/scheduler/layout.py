@@ -67,6 +67,9 @@ class _QPState:
     #: total]`` bytes
     room: Optional[list] = None
     port_w: Optional[List[int]] = None
+    #: its peer's state (:class:`_PeerState`) and the word index of ``SENT[peer]``, for the completions' path
+    peer_state: Optional["_PeerState"] = None
+    i_sent: int = 0
 
 
 @dataclass

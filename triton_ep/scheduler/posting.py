@@ -79,7 +79,8 @@ class ChunkPosting:
                                                      self._arrive_off[k]))
 
     def _post_batches(self, batches: Dict[Tuple[int, int], list], prepared: bool) -> None:
-        """One post call per QP of this sweep's chains (:meth:`_gather`): prepared work requests, or ``Op``s."""
+        """One post call per QP of this sweep's chains (:meth:`_place_prepared`: prepared work requests; :meth:`_gather`:
+        ``Op``s)."""
         wall, split = time.perf_counter_ns, self._cpu_split
         for (p, qp), ops in batches.items():
             t0, c0 = wall(), (time.thread_time_ns() if split else 0)
@@ -134,34 +135,26 @@ class ChunkPosting:
             q.room.append(q)
             q.parked = False
 
-    def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], list], now: float,
-                words: list, prepared: bool = False) -> bool:
-        """Move ready (below ``READY[p]``), credited chunks for peer ``p`` into per-QP chains in ``batches``
-        (accounted as posted): ``Op``s, or with ``prepared`` the prepared work requests' ``(key, length, imm, wr_id,
-        signaled)`` (:meth:`_prepare_wrs`). ``words``: the sweep's :meth:`RingFlags.snapshot`."""
-        st = self._peer[p]
-        ready = words[p]
-        if words[self._w_masked + p]:        # a masked peer's chunks are dropped, counted as placed
-            st.next_post = st.sent = ready
-            st.stall_since = None
-            self.flags.put(RingFlags.SENT, p, ready)
-            return True
-        credit = words[self._w_credit + p]
-        if credit < st.credit_floor:
-            credit = st.credit_floor
-        picks = self._picks.get((own[0].owner if own else -1, p), ())
-        end = min(ready, credit + self.slots)
-        if prepared:
-            moved = self._place_prepared(p, st, picks, end, now, batches, words)
-        else:
-            chains = self._place(p, st, picks, end, now, words)
-            self._chain_ops(p, chains, batches)
-            moved = bool(chains)
+    def _gather(self, p: int, st: _PeerState, picks, ready: int, credit: int, now: float,
+                batches: Dict[Tuple[int, int], list], words: list) -> bool:
+        """Move ready (below ``ready``, ``READY[p]``), credited (below ``credit + slots``) chunks for peer ``p`` into
+        per-QP chains of ``Op``s in ``batches`` (accounted as posted), each on the QP the picker chooses among
+        ``picks``: the path of a test hook that replaced :meth:`_chunk_ops`, or of chunks of several WRITEs
+        (:meth:`_place_prepared` is the other). ``words``: the sweep's :meth:`RingFlags.snapshot`. Returns whether
+        any chunk went."""
+        chains = self._place(p, st, picks, min(ready, credit + self.slots), now, words)
+        self._chain_ops(p, chains, batches)
         if st.next_post < ready and st.next_post - credit >= self.slots:
             self._stalled(p, st, credit, now)
         else:
             st.stall_since = None
-        return moved
+        return bool(chains)
+
+    def _drop_masked(self, p: int, st: _PeerState, ready: int) -> None:
+        """A masked peer's chunks (below ``ready``) are dropped, counted as placed."""
+        st.next_post = st.sent = ready
+        st.stall_since = None
+        self.flags.put(RingFlags.SENT, p, ready)
 
     def _chunk_len(self, p: int, q: _QPState, seq: int, words: list) -> int:
         """Bytes of chunk ``seq`` for ``p`` (its ``LEN`` word in ``words``). Raises :class:`ProxyError` outside
@@ -172,13 +165,15 @@ class ChunkPosting:
                              f"chunk {seq} has length {n} (expected 1..{self.slot_bytes})")
         return n
 
-    def _place_prepared(self, p: int, st: _PeerState, picks, end: int, now: float,
+    def _place_prepared(self, p: int, st: _PeerState, picks, ready: int, credit: int, now: float,
                         batches: Dict[Tuple[int, int], list], words: list) -> bool:
-        """Peer ``p``'s chunks from ``st.next_post`` up to ``end`` (ready and credited), each on the QP the picker
-        chooses among ``picks`` (until none has room), accounted as posted, appended to that QP's chain in
-        ``batches`` as prepared work requests (what :meth:`_chunk_ops` + :func:`_fold_signal` would build): every
-        ``signal_every``-th chunk of a QP and the last of each chain signalled. Returns whether any chunk went."""
+        """Peer ``p``'s chunks from ``st.next_post`` up to ``ready`` (``READY[p]``) and ``credit + slots``, each on the
+        QP the picker chooses among ``picks`` (until none has room), accounted as posted, appended to that QP's chain
+        in ``batches`` as prepared work requests (what :meth:`_chunk_ops` + :func:`_fold_signal` would build): every
+        ``signal_every``-th chunk of a QP and the last of each chain signalled; a peer that has no room for the rest
+        starts (or checks) the stall's clock. Returns whether any chunk went."""
         S, every, arrival, trace = self.slots, self.signal_every, self.arrival_words, self.trace
+        end = min(ready, credit + S)
         l0, C = self._w_len + p * S, self.slot_bytes
         pick, account, get = self._pick, self._account, batches.get
         chains = []         # (QP, its chain) of this peer in this sweep
@@ -219,6 +214,10 @@ class ChunkPosting:
             if not last[4]:
                 batch[-1] = last[:4] + (True,)
                 q.unsignaled = 0
+        if seq < ready and seq - credit >= S:
+            self._stalled(p, st, credit, now)
+        else:
+            st.stall_since = None
         return bool(chains)
 
     def _place(self, p: int, st: _PeerState, picks, end: int, now: float,

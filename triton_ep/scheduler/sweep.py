@@ -150,17 +150,25 @@ class ProxyThreads:
             if ready <= st.next_post:           # (nothing ready: no call)
                 st.stall_since = None
                 continue
-            if not words[m0 + p]:
-                credit = words[c0_ + p]
-                if credit < st.credit_floor:
-                    credit = st.credit_floor
-                if st.next_post - credit >= S:  # (no room at the peer: no call but the stall's clock)
-                    self._stalled(p, st, credit, now)
-                    continue
+            if words[m0 + p]:                   # a masked peer's chunks are dropped, counted as placed
+                self._drop_masked(p, st, ready)
+                did = True
+                continue
+            credit = words[c0_ + p]
+            if credit < st.credit_floor:
+                credit = st.credit_floor
+            if st.next_post - credit >= S:      # (no room at the peer: no call but the stall's clock)
+                self._stalled(p, st, credit, now)
+                continue
             if batches is None:
                 batches = {}
                 prepared = self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
-            did |= self._gather(p, own, batches, now, words, prepared)
+                picks = self._picks
+                owner = own[0].owner if own else -1
+            if prepared:        # (chunks of one WRITE each: prepared work requests)
+                did |= self._place_prepared(p, st, picks.get((owner, p), ()), ready, credit, now, batches, words)
+            else:
+                did |= self._gather(p, st, picks.get((owner, p), ()), ready, credit, now, batches, words)
         if batches:
             self._post_batches(batches, prepared)
         for p, st in self._peer_list:
@@ -307,10 +315,10 @@ class ProxyThreads:
 
     def _retire(self, q: _QPState, seq: int) -> None:
         """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""
-        st = self._peer[q.peer]
         inflight = q.inflight
         if not inflight or inflight[0][0] > seq:
             return
+        st = q.peer_state
         port = q.port_w
         sent, done = st.sent, st.sent_set
         while inflight and inflight[0][0] <= seq:
@@ -329,4 +337,4 @@ class ProxyThreads:
             self._room(q)
         if not inflight:
             self._busy_qps.discard(q)
-        self.flags.w[self._i_sent[q.peer]] = sent
+        self.flags.w[q.i_sent] = sent

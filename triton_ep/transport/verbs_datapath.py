@@ -204,22 +204,11 @@ class _VerbsDataPath(Transport):
         q = self.qps[(peer, qp)]
         if q.unprepared:        # (this pyverbs: no reusable requests)
             return super().post_prepared(peer, qp, reqs)
-        i, n = 0, len(reqs)
-        while i < n:
-            room = self.sq_depth - len(q.inflight)
-            if room <= 0:
-                self.wait(lambda _: len(q.inflight) < self.sq_depth, stage="rdma/send-queue space", peer=peer,
-                          channel=qp, keep=True)
-                continue
-            i += self._post_prepared_chain(q, reqs, i, min(n, i + room))
-
-    def _post_prepared_chain(self, q: _QP, reqs: Sequence[tuple], i: int, end: int) -> int:
-        """Post ``reqs[i:end]`` (or its part before a key met twice) as one chain on ``q``; returns how many."""
-        prepared, inflight = q.prepared, q.inflight
-        base = len(inflight)
-        if end - i == 1:        # (the common case: one request, no chain to link)
-            key, length, imm, wr_id, signaled = reqs[i]
-            p = prepared[key]
+        inflight = q.inflight
+        base, n = len(inflight), len(reqs)
+        if n == 1 and base < self.sq_depth:     # (the common case: one request, no chain to link)
+            key, length, imm, wr_id, signaled = reqs[0]
+            p = q.prepared[key]
             seq = next(q.seq)
             q.unsignaled_run += 1
             if signaled or q.unsignaled_run >= self.signal_every or base + 1 == self.sq_depth:
@@ -227,22 +216,35 @@ class _VerbsDataPath(Transport):
                 flags = self._send_signaled
             else:
                 flags = 0
-            head = p.last
-            head.wr_id = q.slot << 56 | seq
-            head.send_flags = flags
+            wr = p.last
+            wr.wr_id = q.slot << 56 | seq
+            wr.send_flags = flags
             if p.kind == WRITE_WITH_IMM:
-                head.imm_data = imm & 0xFFFFFFFF
+                wr.imm_data = imm & 0xFFFFFFFF
             p.sge.length = length
             inflight.append((seq, seq if wr_id is None else wr_id, signaled, p.kind))
-        else:
-            head = self._link_prepared(q, reqs, i, end)
+            self._post_send(q, wr, base)
+            return
+        i = 0
+        while i < n:
+            room = self.sq_depth - len(inflight)
+            if room <= 0:
+                self.wait(lambda _: len(q.inflight) < self.sq_depth, stage="rdma/send-queue space", peer=peer,
+                          channel=qp, keep=True)
+                continue
+            base = len(inflight)
+            self._post_send(q, self._link_prepared(q, reqs, i, min(n, i + room)), base)
+            i += len(inflight) - base
+
+    def _post_send(self, q: _QP, head: Any, base: int) -> None:
+        """``post_send`` of the chain ``head`` on ``q``, whose requests ``q.inflight`` holds from index ``base`` on
+        (taken out again where the post fails: :class:`RdmaError`)."""
         try:
             q.qp.post_send(head)
         except self.api.PyverbsError as ex:
-            del inflight[base:]
+            del q.inflight[base:]
             raise RdmaError(f"post_send failed: {ex}", errno=getattr(ex, "error_code", None), device=q.port.device,
                             port=q.port.port, qp_num=q.info.qp_num, peer=q.peer) from ex
-        return len(inflight) - base
 
     def _link_prepared(self, q: _QP, reqs: Sequence[tuple], i: int, end: int) -> Any:
         """Set up ``reqs[i:end]`` (up to a key met twice) as one linked chain of ``q``'s prepared requests, each
