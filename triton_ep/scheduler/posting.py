@@ -79,8 +79,8 @@ class ChunkPosting:
                                                      self._arrive_off[k]))
 
     def _post_batches(self, batches: Dict[Tuple[int, int], list], prepared: bool) -> None:
-        """One post call per QP of this sweep's chains (:meth:`_place_prepared`: prepared work requests; :meth:`_gather`:
-        ``Op``s)."""
+        """One post call per QP of this sweep's chains (:meth:`_place_prepared`: prepared work requests;
+        :meth:`_gather`: ``Op``s)."""
         wall, split = time.perf_counter_ns, self._cpu_split
         for (p, qp), ops in batches.items():
             t0, c0 = wall(), (time.thread_time_ns() if split else 0)

@@ -242,15 +242,39 @@ class ProxyThreads:
 
     def _on_completion(self, c: Completion) -> None:
         """One completion of the sweep's poll. A successful one (the common case, looked at first): a chunk's
-        receive moves ``TAIL`` (:meth:`_received`), a chunk's signalled send retires it and those before it on its
-        QP (:meth:`_retire`), a probe's clears it (:class:`Liveness`). A failed one: :meth:`_failed`."""
+        receive (its WRITE_WITH_IMM landed) moves ``TAIL[peer]`` past every chunk that arrived in order (the rest
+        wait in ``arrived``; without the transport's own replenishing, one receive is posted again), a chunk's
+        signalled send retires it and those before it on its QP (:meth:`_retire`), a probe's clears it
+        (:class:`Liveness`). A failed one: :meth:`_failed`."""
         peer = c.peer
         if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
             return
         if c.status != "IBV_WC_SUCCESS":
             return self._failed(c, peer)
-        if c.opcode == "recv_imm":
-            self._received(c, peer)
+        if c.opcode == "recv_imm":     # a chunk's WRITE_WITH_IMM landed
+            st = self._peer[peer]
+            tail = st.tail
+            ahead = (c.imm - tail) & 0xFFFFFFFF
+            if ahead < 1 << 31:         # (else a chunk numbered before a renumbering, already counted: rebase)
+                seq = tail + ahead
+                if self.on_signal is not None:
+                    self.on_signal(peer, c.qp, seq)
+                if self.trace:
+                    self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, seq, 0)
+                if seq == tail:         # (the common case: in order: TAIL moves at once)
+                    tail += 1
+                    arrived = st.arrived
+                    while arrived and tail in arrived:
+                        arrived.discard(tail)
+                        tail += 1
+                    st.tail = tail
+                else:                   # (past a gap: it waits in the arrived set)
+                    st.arrived.add(seq)
+                self.flags.w[self._i_tail[peer]] = tail
+            if self._replenish:         # (a transport that does not replenish its receives itself)
+                t0, c0 = self._tx_begin()
+                self.t.post_recv(peer, c.qp, 1)
+                self._tx_done(t0, c0)
             return
         wr_id = c.wr_id
         if wr_id & TAG_CHUNK:
@@ -284,34 +308,6 @@ class ProxyThreads:
         if c.status == STATUS_FLUSHED and peer in self.liveness.suspects:
             return      # (the rest of a suspect's failed QP, flushed after its first error: the probe tells)
         raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
-
-    def _received(self, c: Completion, peer: int) -> None:
-        """Chunk ``c.imm``'s WRITE_WITH_IMM from ``peer`` landed: ``TAIL[peer]`` moves past every chunk that arrived
-        in order (the rest wait in ``arrived``); without the transport's own replenishing, one receive is posted
-        again."""
-        st = self._peer[peer]
-        tail = st.tail
-        ahead = (c.imm - tail) & 0xFFFFFFFF
-        if ahead < 1 << 31:         # (else a chunk numbered before a renumbering, already counted: rebase)
-            seq = tail + ahead
-            if self.on_signal is not None:
-                self.on_signal(peer, c.qp, seq)
-            if self.trace:
-                self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, seq, 0)
-            if seq == tail:         # (the common case: in order)
-                tail += 1
-                arrived = st.arrived
-                while arrived and tail in arrived:
-                    arrived.discard(tail)
-                    tail += 1
-                st.tail = tail
-            else:
-                st.arrived.add(seq)
-            self.flags.w[self._i_tail[peer]] = tail
-        if self._replenish:
-            t0, c0 = self._tx_begin()
-            self.t.post_recv(peer, c.qp, 1)
-            self._tx_done(t0, c0)
 
     def _retire(self, q: _QPState, seq: int) -> None:
         """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""

@@ -223,7 +223,10 @@ class _VerbsDataPath(Transport):
                 wr.imm_data = imm & 0xFFFFFFFF
             p.sge.length = length
             inflight.append((seq, seq if wr_id is None else wr_id, signaled, p.kind))
-            self._post_send(q, wr, base)
+            try:
+                q.qp.post_send(wr)
+            except self.api.PyverbsError as ex:
+                raise self._post_failed(q, base, ex) from ex
             return
         i = 0
         while i < n:
@@ -233,18 +236,20 @@ class _VerbsDataPath(Transport):
                           channel=qp, keep=True)
                 continue
             base = len(inflight)
-            self._post_send(q, self._link_prepared(q, reqs, i, min(n, i + room)), base)
+            head = self._link_prepared(q, reqs, i, min(n, i + room))
+            try:
+                q.qp.post_send(head)
+            except self.api.PyverbsError as ex:
+                raise self._post_failed(q, base, ex) from ex
             i += len(inflight) - base
 
-    def _post_send(self, q: _QP, head: Any, base: int) -> None:
-        """``post_send`` of the chain ``head`` on ``q``, whose requests ``q.inflight`` holds from index ``base`` on
-        (taken out again where the post fails: :class:`RdmaError`)."""
-        try:
-            q.qp.post_send(head)
-        except self.api.PyverbsError as ex:
-            del q.inflight[base:]
-            raise RdmaError(f"post_send failed: {ex}", errno=getattr(ex, "error_code", None), device=q.port.device,
-                            port=q.port.port, qp_num=q.info.qp_num, peer=q.peer) from ex
+    @staticmethod
+    def _post_failed(q: _QP, base: int, ex: Exception) -> RdmaError:
+        """``post_send`` on ``q`` raised ``ex``: the requests ``q.inflight`` holds from index ``base`` on were not
+        posted (taken out again); returns the :class:`RdmaError` to raise."""
+        del q.inflight[base:]
+        return RdmaError(f"post_send failed: {ex}", errno=getattr(ex, "error_code", None), device=q.port.device,
+                         port=q.port.port, qp_num=q.info.qp_num, peer=q.peer)
 
     def _link_prepared(self, q: _QP, reqs: Sequence[tuple], i: int, end: int) -> Any:
         """Set up ``reqs[i:end]`` (up to a key met twice) as one linked chain of ``q``'s prepared requests, each
