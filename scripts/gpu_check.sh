@@ -9,7 +9,7 @@ out=${OUT:-out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 # bounded: each test by TRITON_EP_GPU_TEST_TIMEOUT_S (150 s), the whole run by SUITE_TIMEOUT_S (a hang is a failure)
-timeout -s INT -k 15 "${SUITE_TIMEOUT_S:-540}" ./run.sh python -m pytest -m gpu -n 4 --dist loadgroup -v -rfEs \
+timeout -s INT -k 15 "${SUITE_TIMEOUT_S:-540}" ./run.sh python -m pytest -m gpu -n 6 --dist loadgroup -v -rfEs \
     -p no:cacheprovider --durations=25 ${GPU_TESTS:-} > "$out/gpu_tests.log" 2>&1
 echo "GPU tests: exit status $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tests.log" | tail -15
 ./run.sh python examples/moe_layer.py 2>&1 | tee "$out/moe_layer.log" | tail -4

@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(triton_ep.__file__).parent
 
 #: layer of each module, by the first matching prefix of its dotted name below ``triton_ep`` ("" = the package)
 LAYERS = [
-    ("config", "base"), ("errors", "base"), ("_version", "base"), ("argtypes", "base"),
+    ("config", "base"), ("errors", "base"), ("_version", "base"), ("argtypes", "base"), ("triton_mode", "base"),
     ("", "api"), ("__main__", "api"), ("buffer", "api"), ("elastic", "api"), ("_deep_ep", "api"),
     ("deep_ep_hook", "api"), ("testing", "api"), ("metrics", "api"), ("tuned", "api"), ("tuner", "api"),
     ("reference", "oracle"),
@@ -42,13 +42,7 @@ ALLOWED = {
 }
 
 #: today's edges against the table: (importer, imported) by dotted name below ``triton_ep``. Only shrinks.
-KNOWN_EDGES = {
-    # the package imports kernels first: on a CPU it sets TRITON_INTERPRET=1 before anything imports triton
-    ("", "kernels"),
-    # the command line reads the machine's transports and kernels' settings directly
-    ("__main__", "kernels._util"), ("__main__", "transport.emulated"), ("__main__", "transport.ipc"),
-    ("__main__", "transport.rdma"), ("__main__", "transport.topology"), ("__main__", "transport.verbs"),
-}
+KNOWN_EDGES: set = set()
 
 #: today's import loops, each as the set of its modules. Only shrinks.
 KNOWN_CYCLES: set = set()

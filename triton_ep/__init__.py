@@ -7,7 +7,7 @@
 Public names only: :class:`Buffer`, :class:`Config`, :class:`EventOverlap`, ``topk_idx_t``, the errors
 and ``__version__``; DeepEP V2's face: :class:`ElasticBuffer`, :class:`EPHandle` and :class:`EventHandle`.
 """
-from . import kernels  # noqa: F401 - first: on a CPU it sets TRITON_INTERPRET=1 before anything imports triton
+from . import triton_mode  # noqa: F401 - first: on a CPU it sets TRITON_INTERPRET=1 before anything imports triton
 from .config import Config, EventOverlap, topk_idx_t
 from .errors import EPCapacityError, EPError, EPRemoteError, EPTimeoutError
 from .buffer import Buffer

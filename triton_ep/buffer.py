@@ -14,8 +14,10 @@ import torch
 
 from .config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, NUM_SMS_SET, Config, EventOverlap, num_sms_arg,
                      recommended_config)
-from .modes.choice import AcrossHosts, Modes, open_modes
-from .modes.intranode import DispatchArgs, DispatchHandle, Intranode, XLike
+from .modes.choice import Modes, open_modes
+from .modes.internode import Internode
+from .modes.intranode import Intranode
+from .modes.intranode_args import DispatchArgs, DispatchHandle, XLike
 from .modes.low_latency import LowLatency, Unavailable, size_hint
 from .runtime import current_event, open_runtime
 from . import tuned
@@ -79,7 +81,7 @@ class Buffer:
         self._modes: Modes = open_modes(rt, low_latency_mode, self.num_rdma_bytes, num_qps_per_rank, enable_shrink,
                                         allow_nvlink_for_low_latency_mode)
         #: normal mode (within one host or across hosts) and low-latency mode (or none), chosen once
-        self._normal: Union[Intranode, AcrossHosts] = self._modes.normal
+        self._normal: Union[Intranode, Internode] = self._modes.normal
         self._ll: Union[LowLatency, Unavailable] = self._modes.low_latency
 
     # ------------------------------------------------------------------ static, DeepEP-compatible helpers

@@ -6,7 +6,7 @@ before any goes on. The kernels, offsets and rounds are exactly those of the mul
 """
 from __future__ import annotations
 
-from typing import Any, Generator, List, Optional, Sequence
+from typing import Any, Generator, List, Optional, Sequence, Tuple
 
 from .buffer import Buffer
 from .runtime import LocalWorld
@@ -162,6 +162,19 @@ def start_forkserver(modules: Sequence[str] = ()) -> bool:
     return True
 
 
+#: set by :func:`exit_after_return` in a rank process of :func:`run_ranks`
+_exit_after_return = False
+
+
+def exit_after_return() -> None:
+    """In a rank of :func:`run_ranks`: once its function returned and its result is written, the process ends at once
+    (``os._exit(0)``), without tearing down the process group: for a rank whose group's store no longer answers
+    (its server's process died while another process holds its sockets), where that teardown would wait for it.
+    Call it only once every Buffer of the process is destroyed."""
+    global _exit_after_return
+    _exit_after_return = True
+
+
 def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple,
                parent_pid: Optional[int], env: Optional[dict] = None) -> None:
     import os
@@ -203,6 +216,8 @@ def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend:
     finally:
         with open(os.path.join(out_dir, f"r{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        if _exit_after_return:
+            os._exit(0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -214,6 +229,23 @@ def _picklable(obj) -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+def _start_method(start_method: Optional[str]) -> Tuple[str, Optional[int]]:
+    """``run_ranks``' start method (``None``: :data:`START_METHOD`; ``"forkserver"`` falls back to ``"spawn"`` where
+    no fork server starts) and the process each rank watches as its parent (the fork server's, when forked).
+    Raises ``ValueError`` for a method other than ``"spawn"`` and ``"forkserver"``."""
+    import os
+    method = START_METHOD if start_method is None else start_method
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
+    if method == "forkserver" and not start_forkserver():
+        method = "spawn"
+    parent_pid: Optional[int] = os.getpid()     # whom each rank watches (its parent)
+    if method == "forkserver":
+        from multiprocessing import forkserver
+        parent_pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return method, parent_pid
 
 
 def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
@@ -240,15 +272,7 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     import tempfile
 
     import torch.multiprocessing as mp
-    method = START_METHOD if start_method is None else start_method
-    if method not in ("spawn", "forkserver"):
-        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
-    if method == "forkserver" and not start_forkserver():
-        method = "spawn"
-    parent_pid: Optional[int] = os.getpid()     # whom each rank watches (its parent)
-    if method == "forkserver":
-        from multiprocessing import forkserver
-        parent_pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    method, parent_pid = _start_method(start_method)
     env = None
     if method == "forkserver":      # (_rank_main unpickles fn and args after it set env)
         env, fn, args = dict(os.environ), pickle.dumps((fn, args)), ()

@@ -561,7 +561,7 @@ def close_meeting(rank, world, env, late_s):
     checked first (:func:`check_case`)."""
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=60)
-    leg = buf._normal.internode
+    leg = buf._modes.internode
     try:
         out = check_case(buf, rank, world, int(env["TRITON_EP_RANKS_PER_HOST"]), 7, 8, 2, 64, [5] * world, {})
         assert out["combined"], out

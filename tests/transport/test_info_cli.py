@@ -14,6 +14,7 @@ import torch
 import triton_ep
 from triton_ep import __main__ as cli
 from triton_ep.__main__ import info, main
+from triton_ep.runtime import machine
 from triton_ep.transport import rdma, verbs
 
 
@@ -81,15 +82,15 @@ def test_info_exits_1_when_a_device_fails_a_query_or_is_not_there(monkeypatch, c
 
 def test_peer_access_matrix_and_shm_fallback(monkeypatch):
     out = io.StringIO()
-    cli.print_ipc(out, 3, can_access=lambda i, j: (i, j) != (2, 0))
+    machine.print_ipc(out, 3, can_access=lambda i, j: (i, j) != (2, 0))
     lines = out.getvalue().splitlines()
     assert lines[1].startswith("  control blocks (barriers, small exchanges) in /dev/shm (writable, ")
     assert [l.split() for l in lines[-3:]] == [["cuda:0", "-", "yes", "yes"], ["cuda:1", "yes", "-", "yes"],
                                                ["cuda:2", "NO", "yes", "-"]]
     out = io.StringIO()
-    cli.print_ipc(out, 1)
+    machine.print_ipc(out, 1)
     assert "one GPU: ranks sharing it map each other's buffers through CUDA IPC" in out.getvalue()
-    assert cli._shm_state("/proc").startswith("NOT writable (")
+    assert machine.shm_state("/proc").startswith("NOT writable (")
 
 
 def test_usage_errors_exit_2_and_help_exits_0(capsys):
@@ -143,7 +144,7 @@ def test_info_marks_the_routable_gid_of_an_ipv6_only_table(monkeypatch):
     from triton_ep.transport import emulated as em
     port = em.PortSpec(gids=[("fe80::200:ff:fe00:1", "RoCEv2"), ("2001:db8::1", "RoCEv2")])
     fab = em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", [port])]))
-    monkeypatch.setattr(cli, "_emulated_api", fab.pyverbs)
+    monkeypatch.setattr(machine, "emulated_api", fab.pyverbs)
     text = report(["--emulated", "--num-qps", "2"]).splitlines()
     rows = [l.split() for l in text if l.startswith("mlx5_0 ")]
     assert [(r[7], r[8], r[-1]) for r in rows[:2]] == [("0", "fe80:0000:0000:0000:0200:00ff:fe00:0001", "RoCEv2"),
@@ -184,7 +185,7 @@ def test_every_info_option_shows_its_effect_or_says_why_not(monkeypatch, capsys,
     monkeypatch.delenv("TRITON_EP_RDMA_SL", raising=False)
     port = {"no active port": em.PortSpec(active=False), "no GID": em.PortSpec(gids=[])}.get(situation, em.PortSpec())
     fab = em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", [port]), em.DeviceSpec("mlx5_1", [em.PortSpec()])]))
-    monkeypatch.setattr(cli, "_emulated_api", fab.pyverbs)
+    monkeypatch.setattr(machine, "emulated_api", fab.pyverbs)
 
     def no_rdma():
         raise rdma.RdmaUnavailable("no RDMA device: listing devices failed (test)")
@@ -238,11 +239,11 @@ def test_devices_on_a_host_without_any_rdma_device_is_absent_not_a_failure(monke
     """(A new user's find: ``info --devices X`` exited 1 where the machine has no RDMA device.) An empty device
     list with --devices: absent, exit 0; a device list without the named device: still a failed query, exit 1."""
     from triton_ep.transport import emulated as em
-    monkeypatch.setattr(cli, "_emulated_api", em.Fabric(em.FabricSpec([])).pyverbs)
+    monkeypatch.setattr(machine, "emulated_api", em.Fabric(em.FabricSpec([])).pyverbs)
     text = report(["--emulated", "--devices", "mlx5_0"])
     assert "RDMA: absent\n  triton-ep RDMA: no RDMA device: the device list is empty" in text, text
     assert "--devices mlx5_0: not applied: RDMA is absent" in text and capsys.readouterr().err == ""
-    monkeypatch.setattr(cli, "_emulated_api", em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0")])).pyverbs)
+    monkeypatch.setattr(machine, "emulated_api", em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0")])).pyverbs)
     report(["--emulated", "--devices", "mlx5_0,mlx5_9"], rc=1)
     assert "no such RDMA device: ['mlx5_9'] not among ['mlx5_0']" in capsys.readouterr().err
 
@@ -275,7 +276,7 @@ def test_gid_indexes_of_32_and_above_are_listed(monkeypatch):
     fab = em.Fabric(em.FabricSpec([em.DeviceSpec("mlx5_0", [em.PortSpec(gids=gids)])]))
     (dev,) = verbs.discover(fab.pyverbs())
     assert [g.index for g in dev.ports[0].gids] == list(range(40)) and dev.ports[0].best_gid().index == 37
-    monkeypatch.setattr(cli, "_emulated_api", fab.pyverbs)
+    monkeypatch.setattr(machine, "emulated_api", fab.pyverbs)
     rows = [l.split() for l in report(["--emulated", "--num-qps", "2"]).splitlines() if l.startswith("mlx5_0 ")]
     assert [r[7] for r in rows[:40]] == [str(i) for i in range(40)]
     assert [r[7] for r in rows[:40] if r[-1] == "*"] == ["37"]

@@ -83,7 +83,7 @@ def test_every_shm_file_triton_ep_makes_carries_the_tag(monkeypatch, tmp_path, s
     assert [os.path.basename(p).split(".")[::3] for p in made] == [["triton_ep", "ctrl"], ["triton_ep", "r1"]]
     assert all(os.path.basename(p).startswith(f"triton_ep.{shm_check.tag}.") for p in made)
 
-    from triton_ep import __main__ as cli
+    from triton_ep.runtime import machine
     import tempfile
     probes = []
     real = tempfile.NamedTemporaryFile
@@ -93,10 +93,10 @@ def test_every_shm_file_triton_ep_makes_carries_the_tag(monkeypatch, tmp_path, s
         probes.append(os.path.basename(f.name))
         return f
     monkeypatch.setattr(tempfile, "NamedTemporaryFile", spy)
-    assert cli._shm_state(str(tmp_path)).startswith("writable, ")
+    assert machine.shm_state(str(tmp_path)).startswith("writable, ")
     assert len(probes) == 1 and probes[0].startswith(f"triton_ep.{shm_check.tag}.info.")
     monkeypatch.setenv(ipc.SHM_TAG_ENV, "bad/tag")
-    assert cli._shm_state(str(tmp_path)).startswith("NOT usable: TRITON_EP_SHM_TAG='bad/tag'")
+    assert machine.shm_state(str(tmp_path)).startswith("NOT usable: TRITON_EP_SHM_TAG='bad/tag'")
 
 
 def test_emulated_fabric_ring_files_carry_the_tag(shm_check):

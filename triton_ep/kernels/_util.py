@@ -11,6 +11,8 @@ from typing import Dict, Optional
 
 import torch
 
+from ..triton_mode import interpreted  # noqa: F401 - (the launchers read it from here)
+
 # Best of the sweep on one H200 (benchmarks/results/tuning_h200.json: T=4096, H=7168, top-8, 256 experts,
 # 8 ranks). ``layout``: ``block_t`` tokens per program, ``block_b`` blocks per tile of the prefix sums, up to
 # ``one_launch_tokens`` tokens in one block (one launch), atomics past ``histogram_max_bins`` histogram bins.
@@ -128,12 +130,6 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
 
 GPU_TUNING = _Table({k: _Table(v) for k, v in GPU_TUNING.items()})
 INTERP_TUNING = _Table({k: _Table(v) for k, v in INTERP_TUNING.items()})
-
-
-@functools.lru_cache(maxsize=None)
-def interpreted() -> bool:
-    """True when Triton runs kernels in its interpreter (CPU tensors, ``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 _SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}

@@ -17,7 +17,8 @@ A launch moves at most ``slots`` chunks per peer (one *round*): under the interp
 program never waits for a later launch, so the caller runs rounds ``pack, unpack, pack, unpack...``.  A wait
 that ends badly writes the ring error record (``RingFlags.error``) and its program moves nothing more.
 """
-from typing import NamedTuple
+import math
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -74,6 +75,37 @@ class Sources(NamedTuple):
         return cls(x32, sc32, id32, wt32, loc8, loc_stride, cols, src_rank, rec.row // 4, rec.scales // 4, 2 * rec.ids,
                    rec.weights, rec.local, off["row"], off["scales"], off["ids"], off["weights"], off["local"],
                    rec.nbytes // 4)
+
+
+    @classmethod
+    def of_rows(cls, rec: NetRecord, n: int, x: torch.Tensor, cols: torch.Tensor, rank: int, dev,
+                sc: Optional[torch.Tensor] = None, ids: Optional[torch.Tensor] = None,
+                w: Optional[torch.Tensor] = None, in_rank: Optional[torch.Tensor] = None) -> "Sources":
+        """The sources of ``n`` rows: ``x`` (``[n, ...]``, ``rec.row`` bytes a row), scales, int64 ids, fp32
+        weights and bool ``is_token_in_rank`` ``[n, R]`` (each ``None`` where ``rec`` has no such field), as the
+        kernels' words (:func:`words`); ``cols``: int32 ``[num_hosts, per_host]``, the global rank of each host's
+        local ranks; ``rank``: the meta block's source rank; ``dev``: the device."""
+        loc = torch.zeros(1, dtype=torch.uint8, device=dev) if in_rank is None else \
+            in_rank.contiguous().view(torch.uint8)
+        return cls.of(rec, words(x, n, dev), words(sc, n, dev), words(ids, n, dev), words(w, n, dev), loc,
+                      0 if in_rank is None else in_rank.shape[1], cols, rank)
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides, a view where it has them. ``Tensor.contiguous()`` is not enough before a dtype
+    view: a size-1 dimension may keep any stride (a column-major ``[n, 1]`` scale tensor, a single row), and
+    ``view(dtype)`` of another element size needs the last stride to be 1."""
+    t = t.contiguous()
+    if t.dim() and t.stride(-1) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def words(t: Optional[torch.Tensor], n: int, dev) -> torch.Tensor:
+    """``t`` (``[n, ...]``, any strides) as int32 ``[n, words]``; a one-word dummy for ``None``."""
+    if t is None:
+        return torch.zeros(1, dtype=torch.int32, device=dev)
+    return dense(t).view(torch.uint8).view(n, t.element_size() * math.prod(t.shape[1:])).view(torch.int32)
 
 
 #: the integer fields of :class:`Sources` (the kernels do not specialise on them)

@@ -1,5 +1,5 @@
 """The modes of one Buffer, chosen once when it is built: normal mode within one host (:class:`Intranode`) or
-across hosts (:class:`AcrossHosts`), and low-latency mode within one host or across hosts (:class:`LowLatency`,
+across hosts (:class:`Internode`, over the group-wide :class:`Intranode`), and low-latency mode within one host or across hosts (:class:`LowLatency`,
 with its network leg across hosts) or none (:class:`Unavailable`). Every mode takes the Buffer's calls with the
 Buffer's own arguments, so the Buffer forwards each call with no branch (docs/design.md, section 2)."""
 from __future__ import annotations
@@ -19,46 +19,11 @@ from .low_latency import LowLatency, Unavailable
 Tensor = torch.Tensor
 
 
-class AcrossHosts:
-    """Normal mode across hosts as the Buffer calls it: :class:`Internode` (the network leg) over the group-wide
-    :class:`Intranode` of the Buffer (its layout kernel and argument checks)."""
-
-    def __init__(self, internode: Internode, intranode: Intranode) -> None:
-        self.internode, self.intranode = internode, intranode
-
-    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
-                            allocate_on_comm_stream=False):
-        """``Buffer.get_dispatch_layout`` across hosts (:meth:`Internode.get_dispatch_layout`)."""
-        return self.internode.get_dispatch_layout(self.intranode, topk_idx, num_experts, previous_event, async_finish,
-                                                  allocate_on_comm_stream)
-
-    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
-                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
-                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        """``Buffer.dispatch`` across hosts (:meth:`Internode.dispatch`; its kernels run on the caller's stream)."""
-        return self.internode.dispatch(self.intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                       is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                       expert_alignment, num_worst_tokens, config, previous_event)
-
-    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
-                allocate_on_comm_stream=False):
-        """``Buffer.combine`` across hosts (:meth:`Internode.combine`)."""
-        return self.internode.combine(x, handle, topk_weights, bias, config, previous_event)
-
-    def internode_dispatch(self, *args, **kwargs):
-        """``Buffer.internode_dispatch``: :meth:`dispatch`."""
-        return self.dispatch(*args, **kwargs)
-
-    def internode_combine(self, *args, **kwargs):
-        """``Buffer.internode_combine``: :meth:`combine`."""
-        return self.combine(*args, **kwargs)
-
-
 @dataclass
 class Modes:
     """The modes a Buffer chose (:func:`open_modes`), and what the Buffer asks of them together."""
     rt: Runtime                                     # the Buffer's runtime
-    normal: Union[Intranode, AcrossHosts]           # get_dispatch_layout, dispatch, combine
+    normal: Union[Intranode, Internode]             # get_dispatch_layout, dispatch, combine
     low_latency: Union[LowLatency, Unavailable]     # the low_latency_* calls
     internode: Optional[Internode]                  # across hosts: normal mode's network leg; else None
     num_rdma_bytes: int                             # the Buffer's num_rdma_bytes
@@ -67,7 +32,7 @@ class Modes:
     @property
     def intranode(self) -> Intranode:
         """The Buffer's group-wide :class:`Intranode` (across hosts, the one under the network leg)."""
-        return self.normal.intranode if self.internode is not None else self.normal
+        return self.internode.intranode if self.internode is not None else self.normal
 
     def check(self) -> None:
         """``Buffer.check``: within one host the runtime's records; across hosts also the RDMA proxies' and the
@@ -151,7 +116,7 @@ def _open_across_hosts(rt: Runtime, intranode: Intranode, low_latency_mode: bool
                        num_qps_per_rank: int, shrink: bool, allow_nvlink: bool) -> Modes:
     try:
         ll = (bool(low_latency_mode), int(num_rdma_bytes) if low_latency_mode else 0)
-        internode = Internode(rt, low_latency=ll)
+        internode = Internode(rt, intranode, low_latency=ll)
     except BaseException:
         rt.close()
         raise
@@ -167,4 +132,4 @@ def _open_across_hosts(rt: Runtime, intranode: Intranode, low_latency_mode: bool
             finally:
                 rt.close()
             raise
-    return Modes(rt, AcrossHosts(internode, intranode), low_latency, internode, num_rdma_bytes)
+    return Modes(rt, internode, low_latency, internode, num_rdma_bytes)

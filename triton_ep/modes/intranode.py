@@ -32,8 +32,7 @@ from ..runtime import Runtime, call_signature, steps
 from ..runtime.checks import check_config, check_event, isint
 from . import intranode_args as args
 from . import intranode_replay as replay
-from .intranode_args import Counts, DispatchArgs, DispatchHandle, Outputs, XLike, card_values, version_of
-from .intranode_args import check_cached_dispatch  # noqa: F401  (the internode modes take it from here)
+from .intranode_args import Counts, DispatchArgs, DispatchHandle, Outputs, card_values, version_of
 
 Tensor = torch.Tensor
 
@@ -136,7 +135,7 @@ class Intranode:
     @steps
     def worst_steps(self, a: "DispatchArgs", num_worst_tokens: int):
         """The ``num_worst_tokens`` of every rank of this group for a dispatch of arguments ``a``
-        (:meth:`dispatch_args`), as a call of its own (a generator for :meth:`Runtime.run`, collective: every
+        (:func:`~.intranode_args.dispatch_args`), as a call of its own (a generator for :meth:`Runtime.run`, collective: every
         rank makes it): each rank publishes its value in its call card and reads every rank's, a host wait on
         shared memory with no device work. Internode's capture path sizes its staging areas from its host's
         values before the forwarding dispatch starts. Returns a list of ``R`` ints.
@@ -170,27 +169,28 @@ class Intranode:
             check_config(config)
             lp = LP.of_config(config, self.rt.group_size)     # (a num_sms below the minimum: ValueError)
             force = fused_switch()      # a bad TRITON_EP_FUSED is an argument error, before anything runs
-            a = self.dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                   topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+            rows, a = args.dispatch_args(self.rt, x, handle, num_tokens_per_rank, is_token_in_rank,
+                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                         num_worst_tokens, previous_event)
             num_worst_tokens = int(num_worst_tokens)      # (a numpy integer: the kernels take Python ints)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
             raise self.rt.fail_call(e)
+        xv, sc = rows.x, rows.scales
         sig = a.signature()
         code, values = a.card(num_worst_tokens)
         self.rt.publish(code, values)
         self.rt.begin(previous_event, async_finish)
         c = Counts.of_handle(a.handle) if cached else (yield from self._count_steps(a, num_worst_tokens, force))
         plan = self._dispatch_plan(a, sig, c.recv_rows_max, lp)
-        o = self._dispatch_outputs(a, c.n_out)
+        o = self._dispatch_outputs(a, xv, sc, c.n_out)
         launches = yield from self._dispatch_rounds(a, c, o, plan, force, lp)
-        xv = a.x
-        if (cached and self.rt.group is not None and a.scales is None and o.x_words is xv and o.out_words is o.recv_x
+        if (cached and self.rt.group is not None and sc is None and o.x_words is xv and o.out_words is o.recv_x
                 and xv.numel()):
             # the next cached dispatch of this handle with x of these shapes replays these launches
             a.handle.replay_dispatch = replay.CallPlan(
                 self.rt, xv, 0, o.recv_x.shape, code, values,
                 tuple(la.replay(args, (xv, o.recv_x)) for la, args in launches), force, params_key=LP.config_key(config))
-        return self._dispatch_end(a, c, o, async_finish)
+        return self._dispatch_end(a, c, o, async_finish, (xv, sc))
 
     def _count_steps(self, a: "DispatchArgs", num_worst_tokens: int, force):
         """A plain dispatch's counts, exchanged on the device (notify): every rank's row of the count matrix, and
@@ -265,11 +265,11 @@ class Intranode:
                 a.handle.plans[pkey] = plan
         return plan
 
-    def _dispatch_outputs(self, a: "DispatchArgs", n_out: int) -> "Outputs":
-        """A dispatch's fresh outputs of ``n_out`` rows, and what its kernels take as 32-bit words (each view per
-        call costs microseconds of host time on a GPU machine: the kernels take their own dtypes)."""
+    def _dispatch_outputs(self, a: "DispatchArgs", xv: Tensor, sc: Optional[Tensor], n_out: int) -> "Outputs":
+        """A dispatch's fresh outputs of ``n_out`` rows, and what its kernels take as 32-bit words of the rows
+        ``xv`` ``[T, H]`` and their scales ``sc`` (each view per call costs microseconds of host time on a GPU
+        machine: the kernels take their own dtypes)."""
         cached, dev = a.handle is not None, self.rt.device
-        xv, sc = a.x, a.scales
         recv_x = torch.empty((n_out, xv.shape[1]), dtype=xv.dtype, device=dev)
         # scales come back with their dtype, row-major [N, S] (DeepEP allocates them with x_scales' options)
         recv_sc = torch.empty((n_out, a.scale_words), dtype=sc.dtype, device=dev) if sc is not None else None
@@ -301,7 +301,7 @@ class Intranode:
         rows = c.n_recv if c.n_recv is not None else c.n_out
         k_rec = a.num_topk if not cached else 0
         n_dev = c.n_recv_dev if c.n_recv is None else None
-        fused = (rounds == 1 or force is True) and use_fused(a.x.shape[0], self.rt.group, force)  # (several rounds in one launch: opt-in until a GPU run)
+        fused = (rounds == 1 or force is True) and use_fused(a.num_tokens, self.rt.group, force)  # (several rounds in one launch: opt-in until a GPU run)
         launches = []
         if fused:
             yield "dispatch/send and receive"
@@ -327,10 +327,11 @@ class Intranode:
                     rnd=k, sig=call_sig, advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap, tune=tune))
         return launches
 
-    def _dispatch_end(self, a: "DispatchArgs", c: "Counts", o: "Outputs", async_finish: bool):
-        """A dispatch's results after its launches: DeepEP's tuple, with a new handle unless cached."""
-        out_x = (o.recv_x, o.recv_sc) if a.scales is not None else o.recv_x
-        inputs = (a.x, a.scales, o.idx, a.topk_weights, c.send_pos, c.row_base)
+    def _dispatch_end(self, a: "DispatchArgs", c: "Counts", o: "Outputs", async_finish: bool, rows: tuple):
+        """A dispatch's results after its launches: DeepEP's tuple, with a new handle unless cached. ``rows``: the
+        call's ``(x, scales or None)``, kept for the stream."""
+        out_x = (o.recv_x, o.recv_sc) if rows[1] is not None else o.recv_x
+        inputs = (*rows, o.idx, a.topk_weights, c.send_pos, c.row_base)
         if a.handle is not None:
             event = self.rt.end(async_finish, inputs + (o.recv_x, o.recv_sc))
             self.rt.check()
@@ -403,16 +404,6 @@ class Intranode:
         counts = torch.cat([per_rank, a.num_tokens_per_expert.to(torch.int32),
                             torch.zeros(1, dtype=torch.int32, device=per_rank.device)])     # no bad ids
         return per_rank, a.num_tokens_per_expert, in_rank, send_pos, None, counts
-
-    def dispatch_args(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                      topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> DispatchArgs:
-        """:func:`triton_ep.modes.intranode_args.dispatch_args` against this Buffer's group."""
-        return args.dispatch_args(self.rt, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
-
-    def check_x(self, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
-        """:func:`triton_ep.modes.intranode_args.check_x` against this Buffer's group."""
-        return args.check_x(self.rt, x)
 
     @steps
     def combine_steps(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,

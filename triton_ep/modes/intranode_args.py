@@ -1,6 +1,7 @@
 """Intranode calls' checked arguments (:class:`DispatchArgs`, and the checks that make them), their handle
 (:class:`DispatchHandle`, DeepEP's intranode handle) and the state one dispatch passes between its steps
-(:class:`Counts`, :class:`Outputs`), for :mod:`triton_ep.modes.intranode` and the internode modes built on it.
+(:class:`Counts`, :class:`Outputs`), and the rows a dispatch moves (:class:`Rows`, apart: only the steps that move
+rows take them), for :mod:`triton_ep.modes.intranode` and the internode modes built on it.
 Every check runs before anything is launched and names the argument (docs/design.md, section 3)."""
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..kernels.geometry import fused_switch, row_words
+from ..kernels.geometry import fused_switch
 from ..protocol import call_card as card
 from ..protocol import records
 from ..runtime import Runtime
-from ..runtime.checks import HandleField, check_config, check_event, isint
+from ..runtime.checks import HandleField, check_config, check_event, check_tensor, isint
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -44,33 +45,57 @@ def version_of(t: Tensor) -> Optional[int]:
 def card_values(a: "DispatchArgs") -> tuple:
     """A new dispatch's call-card fields (:data:`triton_ep.protocol.call_card.DISPATCH`): dtype, hidden,
     scale dtype and words, top-k, weights given, experts."""
-    return (a.dtype_code, a.x.shape[1], a.scale_dtype_code, a.scale_words, a.num_topk, int(a.topk_weights is not None),
+    return (a.dtype_code, a.hidden, a.scale_dtype_code, a.scale_words, a.num_topk, int(a.topk_weights is not None),
             a.num_experts)
 
 
-def cached_card_values(x: Tensor, scales: Optional[Tensor], seq: int) -> tuple:
-    """A cached dispatch's call-card fields (:data:`triton_ep.protocol.call_card.CACHED_DISPATCH`) for rows ``x``
-    ``[T, H]`` and ``scales`` ``[T, S]`` (or ``None``): dtype, hidden, scale dtype and words, and ``seq``, the number of
-    the dispatch that made the handle."""
+def cached_card_values(rows: "Rows", seq: int) -> tuple:
+    """A cached dispatch's call-card fields (:data:`triton_ep.protocol.call_card.CACHED_DISPATCH`) for ``rows``:
+    dtype, hidden, scale dtype and words, and ``seq``, the number of the dispatch that made the handle."""
+    x, scales = rows.x, rows.scales
     return (card.dtype_code(x.dtype), x.shape[1], card.dtype_code(None if scales is None else scales.dtype),
             0 if scales is None else scales.shape[1], seq)
+
+
+@dataclasses.dataclass
+class Rows:
+    """A dispatch's rows as :func:`check_x` gives them (DeepEP's ``x``, or its pair of 1-byte ``x`` and scales).
+    Only the steps that move rows take them; the steps that need shapes read :class:`DispatchArgs`."""
+    x: Tensor                       # [T, H] as the caller's dtype, contiguous
+    scales: Optional[Tensor] = None     # fp32 / int32 [T, S] beside a 1-byte x, contiguous; None without
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of ``x`` (a multiple of 16)."""
+        return self.x.shape[1] * self.x.element_size()
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of one row's scales (0 without)."""
+        return 0 if self.scales is None else self.scales.shape[1] * 4
+
+    @property
+    def xs(self) -> XLike:
+        """``x``, or ``(x, scales)`` where there are scales (as ``dispatch`` takes and returns them)."""
+        return self.x if self.scales is None else (self.x, self.scales)
 
 
 @dataclasses.dataclass
 class DispatchArgs:
     """One dispatch call's checked arguments (what the steps of the call read).
 
-    ``x`` ``[T, H]`` (contiguous) and its ``scales`` ``[T, S]`` (contiguous, fp32 or int32, any ``S >= 0``;
-    given with a 1-byte ``x``, as DeepEP) or ``None``; ``row_words`` and ``scale_words`` (``S``): a row and
-    its scales in 32-bit words; ``dtype_code``: the dtype as the cross-rank signature carries it;
+    The rows themselves (``x`` and its scales) are not here: only the steps that move them take them (the
+    counts, the plan and the card read these shapes). ``num_tokens`` ``T`` and ``hidden`` ``H`` of ``x``
+    ``[T, H]``; ``row_words`` and ``scale_words`` (``S`` of the scales ``[T, S]``, fp32 or int32, any
+    ``S >= 0``, given with a 1-byte ``x`` as DeepEP; 0 without): a row and its scales in 32-bit words;
+    ``dtype_code``: the dtype as the cross-rank signature carries it;
     ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank`` ``[T, R]`` and
     ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle`` for a cached
     dispatch; ``flags``: bit 0 scales, bit 1 cached, bit 2 weights, bit 3 int32 scales (signature);
     ``scale_dtype_code``: the scales' dtype as the call card carries it (0 without scales).
     """
-    x: Tensor
-    scales: Optional[Tensor]
     num_tokens: int
+    hidden: int
     row_words: int
     scale_words: int
     dtype_code: int
@@ -99,7 +124,8 @@ class DispatchArgs:
         (:data:`~triton_ep.protocol.call_card.DISPATCH_WORST` with ``num_worst_tokens``: the host then never learns
         the counts, they stay on the device)."""
         if self.handle is not None:
-            return card.CACHED_DISPATCH, cached_card_values(self.x, self.scales, self.handle.seq)
+            return card.CACHED_DISPATCH, (self.dtype_code, self.hidden, self.scale_dtype_code, self.scale_words,
+                                          self.handle.seq)
         return (card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH), card_values(self)
 
 
@@ -226,9 +252,9 @@ def check_handle(rt: Runtime, handle) -> DispatchHandle:
     return rt.check_handle(handle, DispatchHandle, "dispatch")
 
 
-def check_x(rt: Runtime, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
+def check_x(rt: Runtime, x: XLike) -> Rows:
     """Check ``x`` as ``dispatch`` takes it (a tensor ``[T, H]`` with rows of a multiple of 16 bytes, or
-    DeepEP's pair of 1-byte ``x`` and fp32 / int32 ``scales [T, S]``): ``(x, scales or None)``, both
+    DeepEP's pair of 1-byte ``x`` and fp32 / int32 ``scales [T, S]``): its :class:`Rows`, both
     contiguous. Raises ``TypeError`` / ``ValueError`` naming the fault."""
     if isinstance(x, tuple) and len(x) == 2 and x[1] is None:
         x = x[0]            # DeepEP unpacks (x, None) as x without scales (and returns recv_x alone)
@@ -241,39 +267,42 @@ def check_x(rt: Runtime, x: XLike) -> Tuple[Tensor, Optional[Tensor]]:
         if isinstance(x[0], torch.Tensor) and (x[0].element_size() != 1 or x[0].is_quantized):
             raise TypeError(f"x[0] must have plain 1-byte elements (e.g. torch.float8_e4m3fn) when scales are "
                             f"given, got {x[0].dtype}")
-        xv = rt.check_tensor("x[0]", x[0], (x[0].dtype,) if isinstance(x[0], torch.Tensor) else (), (None, None))
+        xv = check_tensor("x[0]", x[0], (x[0].dtype,) if isinstance(x[0], torch.Tensor) else (), (None, None),
+                          rt.device)
         T, H = xv.shape
         if H % 16 or H == 0:
             raise ValueError(f"x[0] rows must be a non-zero multiple of 16 bytes, got hidden {H} ({H} bytes)")
-        sc = rt.check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None),
-                                  f"T = {T} rows of x[0]")
-        return xv, sc
+        sc = check_tensor("x[1] (scales)", x[1], (torch.float32, torch.int32), (T, None), rt.device,
+                          f"T = {T} rows of x[0]")
+        return Rows(xv, sc)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or an (fp8 tensor, scales) pair, got {type(x).__name__}")
     if x.is_quantized:
         raise TypeError(f"x must be a plain tensor (its rows are moved as raw bytes), got quantized {x.dtype}")
-    xv = rt.check_tensor("x", x, (x.dtype,), (None, None))
+    xv = check_tensor("x", x, (x.dtype,), (None, None), rt.device)
     if (xv.shape[1] * xv.element_size()) % 16 or xv.shape[1] == 0:
         raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]} "
                          f"({xv.shape[1] * xv.element_size()} bytes)")
-    return xv, None
+    return Rows(xv)
 
 
 def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                  topk_weights, expert_alignment, num_worst_tokens, previous_event=None) -> DispatchArgs:
+                  topk_weights, expert_alignment, num_worst_tokens,
+                  previous_event=None) -> Tuple[Rows, DispatchArgs]:
     """Check ``Buffer.dispatch``'s arguments against this Buffer's group (shapes, dtypes, devices, values),
-    before anything is launched (``rt``: the Buffer's runtime). Raises ``TypeError`` / ``ValueError`` naming the
-    argument."""
+    before anything is launched (``rt``: the Buffer's runtime): the :class:`Rows` as :func:`check_x` gives them,
+    and the rest (the rows' shapes included) as :class:`DispatchArgs`. Raises ``TypeError`` / ``ValueError`` naming the argument."""
     rt.live()
     R = rt.group_size
     check_event(previous_event)
-    xv, sc = check_x(rt, x)
+    rows = check_x(rt, x)
+    xv, sc = rows.x, rows.scales
     T = xv.shape[0]
     if not isint(expert_alignment) or not 1 <= expert_alignment <= _MAX_INT32:
         raise ValueError(f"expert_alignment must be an int in [1, 2^31), got {expert_alignment!r}")
     if not isint(num_worst_tokens) or not 0 <= num_worst_tokens <= _MAX_INT32:
         raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got {num_worst_tokens!r}")
-    a = DispatchArgs(x=xv, scales=sc, num_tokens=T, row_words=row_words(xv),
+    a = DispatchArgs(num_tokens=T, hidden=xv.shape[1], row_words=rows.row_bytes // 4,
                      scale_words=sc.shape[1] if sc is not None else 0, dtype_code=card.dtype_code(xv.dtype),
                      expert_alignment=int(expert_alignment),
                      scale_dtype_code=card.dtype_code(sc.dtype if sc is not None else None))
@@ -283,7 +312,7 @@ def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank,
         h = check_handle(rt, handle)
         check_cached_dispatch(T, h.num_tokens, topk_idx, topk_weights)
         a.handle, a.flags = h, 2 | sflags
-        return a
+        return rows, a
     if num_tokens_per_expert is None:
         raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required without a handle")
     npe = rt.check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32, torch.int64), (None,))
@@ -314,7 +343,7 @@ def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank,
     else:
         a.num_tokens_per_expert = npe.to(torch.int32)
     a.num_experts, a.flags = E, sflags | (4 if a.topk_weights is not None else 0)
-    return a
+    return rows, a
 
 
 def combine_args(rt: Runtime, x, handle, topk_weights, bias, config, previous_event):

@@ -8,6 +8,8 @@ from typing import Sequence
 
 #: seconds between a rank's looks at the group's store for a peer whose proxy process died (:class:`FaultNotices`)
 FAULT_POLL_S = 0.25
+#: seconds :meth:`FaultNotices.close` waits at most for its thread (a look at the store takes a millisecond)
+CLOSE_JOIN_S = 0.5 + FAULT_POLL_S
 
 
 class FaultNotices:
@@ -23,7 +25,8 @@ class FaultNotices:
 
     Args:
         store: the group's store (``torch.distributed.Store``).  prefix: the keys' prefix, the same on every rank
-            of the network leg.  rank: this rank (in the leg).  peers: the ranks it has QPs to.
+            of the network leg.  rank: this rank (in the leg).  peers: the ranks whose notices it heeds (every other
+            rank of the leg, those it has no QP to included).
         on_fault: ``f(peer, word, why)`` called in the watching thread for each peer's notice, once.
     """
 
@@ -48,6 +51,8 @@ class FaultNotices:
         while not self._stop.wait(FAULT_POLL_S):
             try:
                 n = self.store.add(f"{self.prefix}count", 0)
+                if self._stop.is_set():
+                    return
                 if n <= seen:
                     continue
                 seen = n
@@ -61,7 +66,9 @@ class FaultNotices:
                 return
 
     def close(self) -> None:
-        """Stop looking (joins the thread; idempotent)."""
+        """Stop looking (joins the thread, at most :data:`CLOSE_JOIN_S`; idempotent). A thread inside a store call that
+        does not return (a ``TCPStore`` whose server's process died while a process forked from it holds its sockets)
+        is left to end with that call (a daemon thread; it calls nothing more)."""
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0 + FAULT_POLL_S)
+            self._thread.join(timeout=CLOSE_JOIN_S)

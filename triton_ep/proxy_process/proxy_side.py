@@ -160,7 +160,7 @@ class _Served:
                                      "triton": tr is not None and hasattr(tr, "__version__")}
 
     def cmd_close(self):
-        self.shutdown()
+        self.shutdown(tell=True)
 
     def report(self, sock: socket.socket) -> None:
         """Send the scheduler's error to the rank, once."""
@@ -168,15 +168,17 @@ class _Served:
             self.reported = True
             send_msg(sock, ("error", pack_error(self.sched.error)))
 
-    def shutdown(self) -> None:
-        """Stop the sweeps, close the transport (idempotent)."""
+    def shutdown(self, tell: bool = False) -> None:
+        """Stop the sweeps, close the transport (idempotent). ``tell``: the rank closes its Buffer (the ``close``
+        command), so the peers get the scheduler's close words (:meth:`Scheduler.close
+        <triton_ep.scheduler.Scheduler.close>`); not where the rank's process is gone (it did not close: it died)."""
         for x in getattr(self, "pair", ()):
             x.close()
         sched, transport = self.sched, self.transport
         self.sched = self.transport = None
         try:
             if sched is not None:
-                sched.close()
+                sched.close(tell)
         finally:
             if transport is not None:
                 transport.close()

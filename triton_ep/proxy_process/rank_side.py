@@ -21,7 +21,8 @@ import numpy as np
 from triton_ep.errors import EPError
 from triton_ep.protocol import signal_header as F
 from triton_ep.scheduler import (STAGE_INTERNAL, STAGE_NAMES, PeerGoneError, ProxyError, ProxyRemoteError, RingLayout,
-                                 Scheduler, fault_word, parse_fault, placed_error)
+                                 Scheduler, fault_word, parse_close, parse_fault, placed_error)
+from triton_ep.scheduler.faults import CLOSED
 from triton_ep.transport import shm
 from triton_ep.transport.rdma import QP_INFO_STAGE, exchange_info, exchange_regions
 from triton_ep.transport.ring_flags import RingFlags
@@ -274,7 +275,8 @@ class ProcessScheduler(Scheduler):
         if rec is not None and rec.kind != int(F.E_TIMEOUT):
             return True
         R = self.world
-        return any(f.rows()[(RingFlags.FAULT - RingFlags.READY) * R:])
+        return any(w and not (w & CLOSED and parse_close(w)[0] is None)     # (a clean close fails nothing yet)
+                   for w in f.rows()[(RingFlags.FAULT - RingFlags.READY) * R:])
 
     def fail(self, ex: BaseException) -> None:
         """Record ``ex`` (the first error wins), end every ring wait, and have the proxy stop and tell the peers
@@ -379,8 +381,10 @@ def bootstrap_process(backend: str, rank: int, world: int, transport_kw: dict, s
         region = ps._request("connect", {p: remote[p] for p in ps.peers})
         ps._request("start", exchange_regions(region, group, ps.timeout_s))
         store = _group_store(group)
-        if store is not None:
-            ps.notices = FaultNotices(store, f"triton_ep/proxyfault/{name}/{n}/", ps.rank, ps.peers, ps._peer_fault)
+        if store is not None:       # (every rank of the leg: in low-latency mode a host mate has no QP to this rank,
+            # but its calls need this rank's as much; with its RDMA peers' errors it would name them, not the root cause)
+            ps.notices = FaultNotices(store, f"triton_ep/proxyfault/{name}/{n}/", ps.rank,
+                                      [p for p in range(ps.world) if p != ps.rank], ps._peer_fault)
     except BaseException:
         ps.close()
         raise

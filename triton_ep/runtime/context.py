@@ -1,19 +1,15 @@
 """What every mode of one Buffer shares: the group's shared buffers and signals, stream order, error checks,
-call cards and the driver of a collective's steps.
+call cards and the driver of a collective's steps (:meth:`Runtime.run`; the steps themselves:
+:mod:`triton_ep.runtime.call_steps`).
 
-A mode (:mod:`triton_ep.modes`) gets one :class:`Runtime` and uses only its public members. The body of
-every collective call is a generator that yields at each phase boundary: :meth:`Runtime.run` drives it for
-a real rank, meeting the other ranks on the host only at :class:`Meet` steps (the re-synchronisation after
-an error), while the kernels wait for each other on the device; :mod:`triton_ep.testing` drives the same
-generators for ranks simulated in one process.
+A mode (:mod:`triton_ep.modes`) gets one :class:`Runtime` and uses only its public members.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import weakref
-from typing import Callable, Generator, Optional, Sequence
+from typing import Generator, Optional, Sequence
 
 import torch
 
@@ -25,44 +21,13 @@ from ..protocol import call_card as card
 from ..transport import ipc, signals
 from ..transport.liveness import dead_error
 from .hosts import Hosts
+from .call_steps import Meet, collective
 from .checks import check_num_experts, check_tensor, handle_error
 
 Tensor = torch.Tensor
 _NO_CTX = contextlib.nullcontext()        # reusable: entering it does nothing
 # Exchange-slot header words (int64), ipc.SLOT_HEADER of them.
 _BASE, _HASERR, _SEQ, _XN = 12, 13, 14, 15   # rounds completed, holds an error, dispatches, exchange number
-
-
-class Meet(str):
-    """A step where the ranks meet on the host (a bounded barrier in the control block): the
-    re-synchronisation after an error. Every other step a call yields is only a phase boundary: ranks
-    simulated in one process run their launches phase by phase, and real ranks wait for each other on the
-    device."""
-
-
-def collective(e: BaseException) -> BaseException:
-    """Mark ``e`` as raised on every rank at the same step (the group stays in step)."""
-    e._ep_collective = True
-    return e
-
-
-def steps(fn: Callable) -> Callable:
-    """Decorate a mode's step generator (a method of an object with a ``rt`` :class:`Runtime`): whatever
-    it raises, this rank first tells its peers (a failure word in their signal headers), so kernels of
-    theirs that wait for this rank's part of the call stop at once and raise ``EPRemoteError``; the next
-    call re-synchronises the group. Every call it starts counts as one (:meth:`Runtime.count_call`), also on
-    a rank that rejects its arguments before publishing its card, so the ranks' call numbers stay equal."""
-    @functools.wraps(fn)
-    def run(self, *args, **kwargs):
-        self.rt.count_call()
-        try:
-            return (yield from fn(self, *args, **kwargs))
-        except GeneratorExit:
-            raise
-        except BaseException as e:
-            self.rt.tell_failure(e)
-            raise
-    return run
 
 
 class Runtime:

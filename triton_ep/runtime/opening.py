@@ -49,18 +49,7 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
         EPTimeoutError: ranks did not arrive within ``timeout_s`` (named).
         EPRemoteError: a peer gave up or failed first.
     """
-    exchanges = []
-    if not isinstance(group, ipc.Comm):
-        if group is None and not dist.is_initialized():
-            raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
-                             "or an explicit group")
-        group = group if group is not None else dist.group.WORLD
-        if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
-            raise TypeError(f"Buffer's group must be a torch.distributed ProcessGroup (or None: the default group), "
-                            f"got {type(group).__name__}")
-        # made before the checks below: a rank that rejects its arguments tells its peers at once
-        exchanges = [Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange host identities"),
-                     Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")]
+    group, exchanges = _group_exchanges(group)
     try:
         timeout_s, backend, device, rejected = _buffer_args(group, exchanges, num_nvl_bytes, num_rdma_bytes,
                                                             timeout_s, device, rdma_backend)
@@ -86,6 +75,25 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchanges[1])
     comm.min_bytes -= ll_bytes
     return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport)
+
+
+def _group_exchanges(group):
+    """``open_runtime``'s ``group`` checked (``None``: the default process group) and its two set-up exchanges
+    (host identities, buffer handles): ``(group, [Exchange, Exchange])``; ``(group, [])`` for an ``ipc.Comm``
+    (ranks simulated in one process). The exchanges are made before the values are checked: a rank that rejects
+    its arguments tells its peers at once. Raises ``ValueError`` (no group and no ``torch.distributed``) and
+    ``TypeError`` (no process group) on this rank alone."""
+    if isinstance(group, ipc.Comm):
+        return group, []
+    if group is None and not dist.is_initialized():
+        raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
+                         "or an explicit group")
+    group = group if group is not None else dist.group.WORLD
+    if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
+        raise TypeError(f"Buffer's group must be a torch.distributed ProcessGroup (or None: the default group), "
+                        f"got {type(group).__name__}")
+    return group, [Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange host identities"),
+                   Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")]
 
 
 def _buffer_args(group, exchanges: list, num_nvl_bytes, num_rdma_bytes, timeout_s, device, rdma_backend):

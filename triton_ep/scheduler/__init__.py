@@ -47,6 +47,14 @@ rank, peer, channel, QP and stage, sets the abort word (kernels' waits end), and
 every peer's ``FAULT`` slot over RDMA, so the peers raise :class:`ProxyRemoteError` at once.  A peer that
 stops producing is seen by the consumers' waits (:class:`~triton_ep.errors.EPTimeoutError`).
 
+**Close words.** A rank that destroys its Buffer is alive, not gone: before its QPs go, its proxy (stopped) writes a
+close word (:func:`close_word`) into each peer's ``FAULT`` slot, unless it wrote a fault word there before, and waits
+(at most :data:`~triton_ep.scheduler.core.CLOSE_WORD_S`) for those writes to complete. Where it closes after an
+error it heard of (a peer's failure, a gone rank), the word names that rank, the root cause: a peer raises
+:class:`ProxyRemoteError` (or :class:`PeerGoneError`) naming it at once. After a clean close the peer's proxy goes on
+(what was published has been placed there); once its probes find the closed rank's QPs gone it raises
+:class:`PeerClosedError` naming that rank, not :class:`PeerGoneError`.
+
 The scheduler talks only to :class:`triton_ep.transport.rdma.Transport`: the pyverbs backend and the
 emulated fabric are interchangeable.  Verbs names: QP (queue pair), CQ (completion queue), MR (memory
 region), PD (protection domain), rkey (the remote key in :class:`~triton_ep.transport.rdma.RemoteRegion`).
@@ -62,15 +70,15 @@ from __future__ import annotations
 from .alltoall import host_alltoall
 from .core import DRAIN_S, Scheduler, bootstrap
 from .faults import (STAGE_CREDIT, STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE, STAGE_SEND_CQE,
-                     STAGE_SEND_WAIT, PeerGoneError, ProxyError, ProxyRemoteError, fault_gone, fault_word, parse_fault,
-                     placed_error)
+                     STAGE_SEND_WAIT, PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError, close_word, fault_gone,
+                     fault_word, parse_close, parse_fault, placed_error)
 from .layout import RingLayout
 from .liveness import PROBE_S, STATUS_GONE, TAG_PROBE, Liveness
 # (_fold_signal: the ordering tests')
 from .posting import TAG_CHUNK, _fold_signal, is_chunk_signal  # noqa: F401
 
-__all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "PeerGoneError", "placed_error", "host_alltoall",
+__all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "PeerGoneError", "PeerClosedError", "placed_error", "host_alltoall",
            "bootstrap",
-           "fault_word", "parse_fault", "fault_gone", "is_chunk_signal", "TAG_CHUNK", "TAG_PROBE", "STAGE_NAMES",
+           "fault_word", "parse_fault", "fault_gone", "close_word", "parse_close", "is_chunk_signal", "TAG_CHUNK", "TAG_PROBE", "STAGE_NAMES",
            "Liveness", "DRAIN_S", "PROBE_S", "STATUS_GONE", "STAGE_POST", "STAGE_SEND_CQE", "STAGE_RECV_CQE",
            "STAGE_CREDIT", "STAGE_SEND_WAIT", "STAGE_INTERNAL"]

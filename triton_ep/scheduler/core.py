@@ -14,14 +14,18 @@ import numpy as np
 from triton_ep.transport.rdma import RemoteRegion, Transport, exchange_info, exchange_regions
 from triton_ep.transport.ring_flags import RingFlags
 
+from .faults import CLOSED, PeerClosedError, PeerGoneError, ProxyRemoteError, close_word, stage_code
 from .layout import RingLayout, _PeerState, _QPState
-from .posting import ChunkPosting
+from .liveness import PROBE_KEY, TAG_PROBE
+from .posting import TAG_CHUNK, ChunkPosting
 from .rings import HostRings
 from .stats import ProxyStats
 from .sweep import ProxyThreads
 
 #: seconds :meth:`Scheduler.close` waits at most for chunks published but not yet sent (:meth:`Scheduler.drain`)
 DRAIN_S = 5.0
+#: seconds :meth:`Scheduler.close` waits at most for its close words to complete (:meth:`Scheduler.tell_closing`)
+CLOSE_WORD_S = 1.0
 
 
 def _check_sizes(nq: int, slots: int, slot_bytes: int, wr_bytes: Optional[int], qps_per_channel: int) -> None:
@@ -166,14 +170,56 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
         self._picks = {k: [(room, self._ports[port]) for port, room in ports.items()]
                        for k, ports in self._rooms.items()}
 
-    def close(self) -> None:
-        """Let the proxy finish what was published (:meth:`drain`), then stop and join the proxy threads
-        (idempotent).  The transport (QPs, MRs, CQs, PD) is the caller's: close it after this."""
+    def close(self, tell: bool = True) -> None:
+        """Let the proxy finish what was published (:meth:`drain`), then stop and join the proxy threads, and with
+        ``tell`` (the rank closes, alive) write the peers its close word (:meth:`tell_closing`); idempotent. The
+        transport (QPs, MRs, CQs, PD) is the caller's: close it after this."""
         self.drain(min(self.timeout_s, DRAIN_S))
         self._stop.set()
         for th in self._threads:
             th.join(timeout=self.timeout_s + 5.0)
-        self._threads = []
+        started, self._threads = bool(self._threads), []
+        if started and tell:
+            self.tell_closing(min(self.timeout_s, CLOSE_WORD_S))
+
+    def tell_closing(self, bound_s: float) -> None:
+        """With the proxy threads stopped: where this proxy wrote no fault word, write a close word
+        (:func:`~.faults.close_word`: the rank its error named, if any) into the ``FAULT`` slot of each peer that is
+        not masked and has not closed itself (its close word here), with the liveness probe's request (QP 0:
+        after everything this rank sent it), and wait at most ``bound_s`` for those requests to complete, so the
+        words are placed before the QPs go. Never raises (a peer that cannot take it is ended anyway)."""
+        if self.flags.get(RingFlags.SRC, self.rank):
+            return                  # (its fault word told them)
+        ex = self.error
+        root = getattr(ex, "peer", None) if isinstance(ex, (ProxyRemoteError, PeerGoneError)) else None
+        if isinstance(ex, PeerClosedError):
+            root = None             # (a peer that closed is no root cause: this close is as clean as its)
+        elif ex is not None and root is None:
+            root = self.rank
+        self.flags.put(RingFlags.SRC, self.rank, close_word(stage_code(ex), root, isinstance(ex, PeerGoneError)))
+        want = {}
+        for p in self.peers:
+            if self.flags.masked(p) or self.flags.get(RingFlags.FAULT, p) & CLOSED or p == root:
+                continue
+            try:
+                self.t.post_prepared(p, 0, ((PROBE_KEY, 8, 0, TAG_PROBE | p, True),))
+            except Exception:   # noqa: BLE001  (a QP in the error state: nothing reaches that peer)
+                continue
+            want[p] = 1 + (p in self.liveness.probing)     # (a probe before it completes first)
+        end = time.monotonic() + bound_s
+        while want and time.monotonic() < end:
+            try:
+                comps = self.t.poll(raise_on_error=False)
+            except Exception:   # noqa: BLE001
+                return
+            for c in comps:
+                p = None if c.wr_id is None or not c.wr_id & TAG_PROBE or c.wr_id & TAG_CHUNK else c.peer
+                if p in want:
+                    want[p] -= 1
+                    if want[p] <= 0:
+                        del want[p]
+            if not comps:
+                time.sleep(0.0002)
 
     def drain(self, bound_s: float) -> bool:
         """Wait, at most ``bound_s`` seconds, until every chunk published to a peer that is not masked was posted

@@ -13,6 +13,13 @@ STAGE_CREDIT, STAGE_SEND_WAIT, STAGE_INTERNAL = F.STAGE_PROXY_CREDIT, F.STAGE_PR
 STAGE_NAMES = F.STAGE_NAMES
 
 
+def stage_code(ex: Optional[BaseException]) -> int:
+    """The stage code (``STAGE_*``) a fault word carries for error ``ex``: the code whose name its ``stage`` starts
+    with, else :data:`STAGE_INTERNAL`."""
+    stage = getattr(ex, "stage", None) or STAGE_NAMES[STAGE_INTERNAL]
+    return next((k for k, v in STAGE_NAMES.items() if stage.startswith(v)), STAGE_INTERNAL)
+
+
 def fault_word(stage: int, channel: Optional[int], qp: Optional[int], gone: Optional[int] = None) -> int:
     """The 64-bit word a failed proxy writes into each peer's ``FAULT`` slot: bit 62 set, the stage in
     bits 40..47, channel + 1 in 24..39 and QP + 1 in 8..23 (0: none); where it failed because a peer is gone
@@ -27,6 +34,26 @@ def fault_gone(word: int) -> Optional[int]:
     """The rank a :func:`fault_word` says is gone, or ``None``."""
     g = (word >> 48) & 0x3FFF
     return g - 1 if g else None
+
+
+#: bit 0 of a fault word: a close word, written by a proxy whose rank destroys its Buffer (:func:`close_word`)
+CLOSED = 1
+#: bit 1 of a close word: the rank it names (bits 48..61) is one whose proxy failed, not one that is gone
+ROOT_FAILED = 2
+
+
+def close_word(stage: int, root: Optional[int] = None, root_gone: bool = False) -> int:
+    """The fault word a proxy writes into each peer's ``FAULT`` slot as its rank destroys its Buffer, where it has
+    written no fault word before: bit :data:`CLOSED` set; ``root``, where it closes after an error, the rank that error
+    named (bits 48..61, as :func:`fault_gone`'s) with :data:`ROOT_FAILED` unless that rank is gone (``root_gone``).
+    A peer then reads the root cause (:func:`parse_close`) instead of taking the closing rank for dead once its QPs go.
+    """
+    return fault_word(stage, None, None, root) | CLOSED | (0 if root is None or root_gone else ROOT_FAILED)
+
+
+def parse_close(word: int) -> Tuple[Optional[int], bool]:
+    """``(root, root_gone)`` of a :func:`close_word` (``root`` ``None``: a clean close)."""
+    return fault_gone(word), not word & ROOT_FAILED
 
 
 def parse_fault(word: int) -> Tuple[int, Optional[int], Optional[int]]:
@@ -74,6 +101,11 @@ class PeerGoneError(ProxyError, EPRemoteError):
         (given) another ``stage``."""
         return PeerGoneError(rank, peer, self.channel, self.qp, self.stage if stage is None else stage,
                              f"{self.why}; {where}" if where else self.why, told_by, self.placed)
+
+
+class PeerClosedError(ProxyRemoteError):
+    """Rank ``peer`` destroyed its Buffer (its close word, :func:`close_word`, came before its QPs went) while this
+    rank's network leg still needed it: its process lives, it is not gone (:class:`PeerGoneError`)."""
 
 
 def placed_error(ex: BaseException, stage: Optional[str]) -> BaseException:

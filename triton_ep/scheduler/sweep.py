@@ -10,8 +10,9 @@ from triton_ep.errors import EPError
 from triton_ep.transport.rdma import WRITE, Completion, Op
 from triton_ep.transport.ring_flags import RingFlags
 
-from .faults import (STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE, STAGE_SEND_CQE, STAGE_SEND_WAIT,
-                     PeerGoneError, ProxyError, ProxyRemoteError, fault_gone, fault_word, parse_fault)
+from .faults import (CLOSED, STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE, STAGE_SEND_CQE, STAGE_SEND_WAIT,
+                     PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError, fault_gone, fault_word, parse_close,
+                     parse_fault, stage_code)
 from .layout import _QPState
 from .liveness import PROBE_KEY, STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness
 from .posting import _CHUNK_OPS, _SEQ_MASK, TAG_CHUNK
@@ -87,8 +88,7 @@ class ProxyThreads:
         word), stop the proxy threads and tell every peer through its ``FAULT`` word, so they raise
         :class:`ProxyRemoteError` instead of waiting out their bound.  Host waits that time out call this;
         so does a failing proxy thread."""
-        stage = getattr(ex, "stage", STAGE_NAMES[STAGE_INTERNAL])
-        code = next((k for k, v in STAGE_NAMES.items() if stage.startswith(v)), STAGE_INTERNAL)
+        code = stage_code(ex)
         if not isinstance(ex, EPError):
             ex = ProxyError(self.rank, getattr(ex, "peer", None), None, None, STAGE_NAMES[STAGE_INTERNAL],
                             f"{type(ex).__name__}: {ex}")
@@ -190,13 +190,24 @@ class ProxyThreads:
 
     def _raise_fault(self, words: list) -> None:
         """A peer's ``FAULT`` word is set (``words``: :meth:`RingFlags.snapshot`): unless that peer is masked, raise
-        :class:`PeerGoneError` where it names a gone rank (not masked here), else :class:`ProxyRemoteError`."""
+        :class:`PeerGoneError` where it names a gone rank (not masked here), else :class:`ProxyRemoteError`. A close
+        word (:func:`~.faults.close_word`) raises only where it names a root cause (not this rank, not masked here):
+        that rank's error, told by the closing peer; after a clean close the probes find the peer's QPs gone
+        (:class:`PeerClosedError`)."""
         f0, m0 = self._w_fault, self._w_masked
         for p in self.peers:
             w = words[f0 + p]
             if w and not words[m0 + p]:
                 st, ch, q = parse_fault(w)
                 gone = fault_gone(w)
+                if w & CLOSED:
+                    root, root_gone = parse_close(w)
+                    if root is None or root == self.rank or (root in self._peer and words[m0 + root]):
+                        continue
+                    if not root_gone:
+                        raise ProxyRemoteError(self.rank, root, None, None, STAGE_NAMES.get(st, "rdma proxy"),
+                                               "its RDMA proxy failed; a peer that heard of it destroyed its Buffer "
+                                               "and told this rank")
                 if gone is not None and gone != self.rank and not (gone in self._peer and words[m0 + gone]):
                     raise PeerGoneError(self.rank, gone, None, None, STAGE_NAMES.get(st, "rdma proxy"),
                                         "its QPs stopped acknowledging a peer's RDMA proxy", told_by=p)
@@ -300,6 +311,9 @@ class ProxyThreads:
         ch = None if c.qp is None else c.qp // self.qps_per_channel
         what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
         if c.status == STATUS_GONE and (probe or c.qp == 0):
+            if self.flags.get(RingFlags.FAULT, peer) & CLOSED:
+                raise PeerClosedError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
+                                      f"the peer destroyed its Buffer (its close word came first): {what}")
             raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
                                 f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
         if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells

@@ -50,6 +50,37 @@ def _group_store(group) -> Optional[Any]:
         return None
 
 
+#: seconds a store call made while a Buffer is destroyed may take (:func:`bounded_store_call`)
+STORE_CALL_S = 2.0
+
+
+def bounded_store_call(fn, bound_s: float = STORE_CALL_S, what: str = "a store call") -> Any:
+    """``fn()`` (calls on a group's store), bounded: its result, or its exception, or ``TimeoutError`` after
+    ``bound_s`` seconds. A ``TCPStore`` whose server's process died while another process holds its sockets (a
+    process forked from the server's rank, e.g. a data-loader worker) accepts requests and never answers them: its
+    client calls (``check``, ``add``, ``get``) then block for good, whatever the store's timeout. ``fn`` runs in a
+    daemon thread, which ends when the call does (the store's connection ends with the last process holding it)."""
+    import threading
+    box: Dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as ex:     # noqa: BLE001 - handed to the caller
+            box["error"] = ex
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="triton-ep-store-call", daemon=True).start()
+    if not done.wait(bound_s):
+        raise TimeoutError(f"{what}: the group's store did not answer within {bound_s:g} s (its server's process may "
+                           f"be gone while another process holds its sockets)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 class Exchange:
     """One bounded all-gather of picklable objects over ``group`` (collective: every rank makes it).
 

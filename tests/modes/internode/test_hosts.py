@@ -178,7 +178,7 @@ def test_low_latency_mode_buffer_serves_both_modes_across_hosts():
 def test_rows_as_words_take_any_strides(shape, strides):
     """The network leg's rows as int32 words (``_words``) from column-major scales, as SGLang's DeepEP V2 path
     passes packed UE8M0 ones (``[T, 1]`` with a pack stride of ``T`` rounded up to 4 counts as contiguous)."""
-    from triton_ep.modes.internode.records import words as _words
+    from triton_ep.kernels.net import words as _words
     n = shape[0] * shape[1]
     src = torch.arange(100, 100 + n, dtype=torch.int32, device="cpu").reshape(shape)
     t = torch.empty_strided(shape, strides, dtype=torch.int32, device="cpu").copy_(src)

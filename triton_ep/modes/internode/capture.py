@@ -66,8 +66,6 @@ from .peer_tokens import PeerTokens
 from .records import record_field, split_records
 
 Tensor = torch.Tensor
-#: the environment variable that sends every num_worst_tokens call across hosts down the capture path
-ENV_CAPTURE_PATH = "TRITON_EP_INTERNODE_CAPTURE_PATH"
 #: the operation of a capture-path stream, part of its layout key
 OP_DISPATCH, OP_CACHED, OP_COMBINE = 1, 2, 3
 #: this rank's own status reasons (header word 5)
@@ -319,26 +317,23 @@ class CapturePath:
         return (torch.arange(cap, dtype=torch.int64, device=rx.device)[None, :] < rx[:, None]).view(-1)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                         previous_event):
+    def dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event):
         """:meth:`Internode.dispatch` on the capture path (same arguments and results)."""
         if handle is not None:
-            return self._capture_call(self._cached_capture, intranode, x, handle, topk_idx, topk_weights,
-                                      previous_event)
-        return self._capture_call(self._dispatch_capture, intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank,
+            return self._capture_call(self._cached_capture, x, handle, topk_idx, topk_weights, previous_event)
+        return self._capture_call(self._dispatch_capture, x, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                   is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                   num_worst_tokens, previous_event)
 
-    def _dispatch_capture(self, intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+    def _dispatch_capture(self, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                           previous_event):
-        f = self.leg.fresh(intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                           previous_event)
+        f = self.leg.fresh(x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+                           topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         a = f.args
         self.cards.card = f.card
-        seq, T = self.leg._calls, a.x.shape[0]
+        seq, T = self.leg._calls, a.num_tokens
         self.peer_tokens.post(seq, T)       # (first: the peers' waits for it overlap this host's exchange)
         # this host's ranks' values (each may pass its own): a record gives at least one row on this host
         self._host_worst = self.leg.host_ranks.run(self.local.worst_steps(a, num_worst_tokens))
@@ -347,9 +342,9 @@ class CapturePath:
             raise ValueError(f"rank {self.rt.rank}: the num_worst_tokens of host {self.host}'s ranks add up to {C} "
                              f"({', '.join(map(str, self._host_worst))}), more than a stream can count (2^31 - 1)")
         C = self._room(seq, T, C)
-        route = self._route(intranode, a, num_tokens_per_rdma_rank)
+        route = self._route(a, num_tokens_per_rdma_rank)
         ids = None if a.topk_idx is None else a.topk_idx.long()
-        src = self.leg.row_sources(f.rec, a.x.shape[0], a.x, a.scales, ids, a.topk_weights, route.in_rank)
+        src = self.leg.row_sources(f.rec, T, f.rows.x, f.rows.scales, ids, a.topk_weights, route.in_rank)
         nh, E = self.num_hosts, a.num_experts
         extra = None if a.topk_idx is not None else a.num_tokens_per_expert.to(torch.int32).view(nh, E // nh)
         out, rx, hw = self._move_capture(OP_DISPATCH, f.rec, src, route.tok, route.cnt, C, extra, route.code,
@@ -358,10 +353,12 @@ class CapturePath:
         if a.topk_idx is None:      # the senders' counts of this host's experts, from their headers
             npe_f = out[:, NET_HEADER_WORDS:NET_HEADER_WORDS + self.per_host * (E // self.rt.group_size)].sum(
                 0, dtype=torch.int32)
-        fwd = split_records(self._records(out, hw, f.rec, C), f.rec, None if a.scales is None else a.scales.dtype,
+        sc = f.rows.scales
+        fwd = split_records(self._records(out, hw, f.rec, C), f.rec, None if sc is None else sc.dtype,
                             self.leg.host_ranks.local_rt.device)
-        rows = forward_fresh(self.leg, fwd, a, npe_f, self._valid(rx, C), expert_alignment, num_worst_tokens)
-        return dispatch_results(rows, self._handle(route, C, rx, rows, a.x.shape[0], num_worst_tokens),
+        rows = forward_fresh(self.leg, fwd, a, f.rows.x.dtype, npe_f, self._valid(rx, C), expert_alignment,
+                             num_worst_tokens)
+        return dispatch_results(rows, self._handle(route, C, rx, rows, T, num_worst_tokens),
                                 per_expert=False)
 
     def _room(self, seq: int, num_tokens: int, C: int) -> int:
@@ -381,11 +378,11 @@ class CapturePath:
             self.leg.host_ranks.leave()
             raise self.leg.rings.global_error(ex) from ex
 
-    def _route(self, intranode, a, num_tokens_per_rdma_rank: Tensor) -> "CaptureRoute":
+    def _route(self, a, num_tokens_per_rdma_rank: Tensor) -> "CaptureRoute":
         """A capture-path dispatch's routing, on the device: each host's tokens and this rank's status (its own
         errors as a reason code, raised at the next call or ``check()``)."""
-        dev, nh, T = self.rt.device, self.num_hosts, a.x.shape[0]
-        _, _, in_rank, _, num_bad, _ = intranode._routing(a)
+        dev, nh, T = self.rt.device, self.num_hosts, a.num_tokens
+        _, _, in_rank, _, num_bad, _ = self.leg.intranode._routing(a)
         host_mask = self.leg.host_mask(in_rank)
         cnt = host_mask.sum(0)
         reason = torch.zeros((), dtype=torch.int32, device=dev)
@@ -414,16 +411,17 @@ class CapturePath:
         head = torch.where(route.host_mask, route.pos, -1).to(torch.int32)
         return build_handle(route.in_rank, cnt_c.to(torch.int32), rx, rows, head, plan)
 
-    def _cached_capture(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
-        xv, sc, plan, rec, src = self.leg.cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
-        self.cards.card = self.leg.cached_card(xv, sc, plan)
+    def _cached_capture(self, x, handle, topk_idx, topk_weights, previous_event):
+        c = self.leg.cached_args(x, handle, topk_idx, topk_weights, previous_event)
+        plan, rec, sc = c.plan, c.rec, c.rows.scales
+        self.cards.card = c.card
         # a num_worst_tokens plan's own records must fit (the peers' receivers check theirs); a plain one's
         # counts are exact
-        out, rx, hw = self._move_capture(OP_CACHED, rec, src, plan.tok, plan.cnt, plan.cap,
+        out, rx, hw = self._move_capture(OP_CACHED, rec, c.src, plan.tok, plan.cnt, plan.cap,
                                          own_cap=plan.blocks is None)
         fwd = split_records(self._forwarded(out, hw, rec, plan), rec, None if sc is None else sc.dtype,
                             self.leg.host_ranks.local_rt.device)
-        return forward_cached(self.leg, fwd.xs, plan, xv)
+        return forward_cached(self.leg, fwd.xs, plan, c.rows.x.dtype, c.rows.x.shape[1])
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, topk_weights, bias, previous_event):

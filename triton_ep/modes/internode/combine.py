@@ -5,12 +5,13 @@ rank in ascending host order in fp32 (plus the biases), rounded once more to bf1
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from ...config import EventOverlap
+from ...kernels import net
 from ...protocol import call_card
 from ...protocol.records import NetRecord
 from ...runtime.checks import check_event
@@ -68,14 +69,15 @@ def combine_args(leg, x, handle, topk_weights, bias, previous_event) -> Combine:
     return Combine(plan, xv, wv, H, K, biases)
 
 
-def reduce_in_host(leg, prep: Combine) -> Streams:
+def reduce_in_host(leg, prep: Combine) -> Tuple[Streams, net.Sources]:
     """The intranode combine of this host's rows (per forwarded token: the fp32 sum over the host's ranks,
-    rounded to bf16), as record streams to each source host (rows padded to 4 bytes)."""
+    rounded to bf16), as record streams to each source host (rows padded to 4 bytes), and the kernels' view of
+    the sums they are built from."""
     plan = prep.plan
     rec, src, rows = combine_in_host(leg, prep)
     starts = np.cumsum([0] + plan.from_host)
     tokens = [rows[int(starts[h]):int(starts[h + 1])] for h in range(leg.num_hosts)]
-    return Streams(rec, src, tokens, card=(call_card.COMBINE, prep.hidden, prep.num_topk, plan.seq))
+    return Streams(rec, tokens, card=(call_card.COMBINE, prep.hidden, prep.num_topk, plan.seq)), src
 
 
 def combine_in_host(leg, prep: Combine):

@@ -1,19 +1,17 @@
-"""The host path's exchange with the RDMA peers in internode normal mode (:class:`HostExchange`): per call, a
+"""The host path's headers with the RDMA peers in internode normal mode (:class:`HostExchange`): per call, a
 small header through host memory (a status, the record count, the record layout and the call card, which must
-agree), then the records through the ring kernels; after the forwarding leg, a status alone. The capture path
-(:mod:`.capture`) makes none of these: it keeps all on the device."""
+agree), before the records go through the ring kernels (:meth:`~.rings.Rings.exchange`); after the forwarding
+leg, a status alone. The capture path (:mod:`.capture`) makes none of these: it keeps all on the device."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
 from ... import scheduler as sched_mod
 from ...errors import EPCapacityError, EPError, EPRemoteError
-from ...kernels import net
-from ...kernels._util import cdiv
 from ...protocol.records import (HOST_CAPACITY, HOST_FAILED, HOST_GONE, HOST_HEADER_WORDS, HOST_KEY_WORDS,
                                 HOST_MISMATCH, HOST_OK, HostHeader)
 from ...runtime import hosts as hosts_mod
@@ -54,39 +52,6 @@ class HostExchange:
     def __init__(self, leg) -> None:
         self.leg = leg
 
-    def exchange(self, streams: Optional[Streams], err: Optional[BaseException] = None,
-                  skip: Optional[str] = None) -> Tuple[Tensor, List[int], Optional[Tensor]]:
-        """Send each host's record stream of ``streams`` to this rank's RDMA peer there and receive theirs:
-        first a header (a status, the record count and the record layout, which must agree), then the
-        records, through the network-leg kernels. A rank that failed (``err``) sends only its header. Where
-        this rank or a peer failed, every rank of the exchange raises after the headers, and (with ``skip``,
-        the kind of the forwarding leg still to come: ``"dispatch"`` or ``"cached"``) this rank first leaves
-        that leg (:meth:`~.host_ranks.HostRanks.skip`: its host's ranks stop at once and tell their own RDMA peers
-        in turn).
-
-        Returns: the records received, uint8 ``[n, rec.nbytes]`` on the device, one block per host in host
-        order (this host's block is this rank's own stream for it), the blocks' record counts, and (with
-        ``streams.npe``) int32 ``[ranks per host * E / R]``: this host's experts' counts summed over the
-        sources this rank forwards for.
-        Raises: ``err``; ``EPRemoteError`` / ``EPCapacityError`` naming the peer that failed (``EPRemoteError``
-        naming the dead rank, instead of ``err`` where that only passes on another rank's failure, when a peer says
-        that a rank's process is gone: :func:`told_gone`); ``ValueError``
-        where ranks disagree (this rank and its RDMA peer called differently, or a peer passes on a disagreement
-        found elsewhere: :class:`~triton_ep.runtime.hosts.Disagreement`, naming the field and two ranks' values);
-        the proxy's and the ring kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
-        """
-        try:
-            with self.leg.rings.network():
-                counts = self.headers(streams, err)
-                if err is None:
-                    npe = None if streams.npe is None else self.expert_counts(streams.npe)
-                    return self.move(streams, counts), counts, npe
-            raise err
-        except BaseException as ex:
-            if skip is not None:
-                self.leg.host_ranks.skip(skip, ex)
-            raise
-
     def status(self, err: Optional[BaseException]) -> None:
         """After the forwarding leg: tell the RDMA peers whether this rank's part succeeded and hear theirs
         (every rank of a host fails such a leg alike, so each rank hears of a host that failed from its own
@@ -98,7 +63,7 @@ class HostExchange:
             raise err
 
     def headers(self, streams: Optional[Streams], err: Optional[BaseException] = None) -> List[int]:
-        """The header exchange of :meth:`exchange` (``streams`` ``None``: a status alone; ``err``: this rank
+        """The header exchange of :meth:`~.rings.Rings.exchange` (``streams`` ``None``: a status alone; ``err``: this rank
         failed, and says so: ``HOST_GONE`` naming the dead rank where ``err`` names one, ``err.dead_ranks``).
         Returns the record counts per host (this host's: its own stream's); raises the peers' failures (not
         ``err``: the caller raises it outside the network's error translation, unless a peer names a dead rank and
@@ -227,34 +192,3 @@ class HostExchange:
         for h in self.leg.peer_hosts:
             total += got[h].view(np.int64)
         return torch.from_numpy(total.astype(np.int32)).to(self.leg.rt.device)
-
-
-    def move(self, st: Streams, counts: List[int]) -> Tensor:
-        """The records of :meth:`exchange`: this host's own block by :func:`net.pack_linear`, the peers'
-        through the rings in rounds of ``slots`` chunks per peer (pack, then unpack; the proxy carries them).
-        Returns uint8 ``[sum(counts), rec.nbytes]`` on the device."""
-        sched, dev, rec = self.leg.sched, self.leg.rt.device, st.rec
-        rw = rec.nbytes // 4
-        starts = np.cumsum([0] + counts)
-        out = torch.empty(int(starts[-1]) * rw, dtype=torch.int32, device=dev)
-        net.pack_linear(out[int(starts[self.leg.host]) * rw:], st.src, st.tokens[self.leg.host], self.leg.host)
-        S, SW = sched.slots, sched.slot_bytes // 4
-        peers = self.leg.peer_hosts
-        tx_words = [st.count(h) * rw for h in range(self.leg.num_hosts)]
-        rx_words = [counts[h] * rw for h in range(self.leg.num_hosts)]
-        ntx = {h: cdiv(tx_words[h], SW) for h in peers}
-        nrx = {h: cdiv(rx_words[h], SW) for h in peers}
-        tx0, rx0 = sched.reserve(ntx, nrx)
-        rounds = max([cdiv(max(ntx[h], nrx[h]), S) for h in peers] + [0])
-        if rounds:
-            def i64(vals):
-                return torch.tensor(vals, dtype=torch.int64, device=dev)
-            tok_n = [st.count(h) for h in range(self.leg.num_hosts)]
-            tokens = torch.cat([t.to(dev, torch.int64) for t in st.tokens])
-            tok_start = i64(np.cumsum([0] + tok_n)[:-1].tolist())
-            n_tx, n_rx = i64(tx_words), i64(rx_words)
-            f_tx = i64([tx0.get(h, 0) for h in range(self.leg.num_hosts)])
-            f_rx = i64([rx0.get(h, 0) for h in range(self.leg.num_hosts)])
-            out_start = i64((starts[:-1] * rw).tolist())
-            self.leg.rings.rounds(rounds, st.src, tokens, tok_start, n_tx, f_tx, out, out_start, n_rx, f_rx, wait=True)
-        return out.view(torch.uint8).view(int(starts[-1]), rec.nbytes)

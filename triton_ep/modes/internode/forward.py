@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from ...config import EventOverlap
-from ..intranode import DispatchArgs
+from ..intranode_args import DispatchArgs
 from .handle import InternodeHandle, Received
 from .records import Forwarded, record_meta, x_rows
 
@@ -32,14 +32,14 @@ def local_experts(ids_f: Tensor, num_experts: int, num_ranks: int, per_host: int
     return ids_local, npe
 
 
-def forward_fresh(leg, fwd: Forwarded, a: DispatchArgs, npe_f: Optional[Tensor], valid: Optional[Tensor],
-                  expert_alignment: int, num_worst_tokens: int,
+def forward_fresh(leg, fwd: Forwarded, a: DispatchArgs, dtype: torch.dtype, npe_f: Optional[Tensor],
+                  valid: Optional[Tensor], expert_alignment: int, num_worst_tokens: int,
                   started: Optional[Callable[[], None]] = None) -> Received:
     """The forwarding leg of a dispatch without a handle (``leg``: the :class:`~.normal.Internode`): the
     intranode dispatch of ``fwd`` (only its ``valid`` rows, bool ``[F]``, where given), routed by the records'
     is_token_in_rank and their ids (as this host's experts); ``npe_f`` int32 ``[per_host * E / R]``: without
     ``topk_idx``, the per-expert counts of the forwarded rows. ``started`` is called as this rank enters the
-    host's leg. Returns its rows in DeepEP's order."""
+    host's leg. Returns its rows in DeepEP's order, as ``dtype`` (the dispatch's rows') and ``a.hidden`` wide."""
     in_f = fwd.in_rank if valid is None else fwd.in_rank & valid[:, None]
     ids_local = None
     if a.topk_idx is not None:
@@ -52,20 +52,21 @@ def forward_fresh(leg, fwd: Forwarded, a: DispatchArgs, npe_f: Optional[Tensor],
         fwd.xs, None, per_rank_f, None, in_f, npe_f, ids_local, fwd.weights, expert_alignment, num_worst_tokens),
         forwarded=True)
     recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
-    return in_rank_order(recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, a.x, leg.rt.group_size)
+    return in_rank_order(recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, dtype, a.hidden,
+                         leg.rt.group_size)
 
 
 def in_rank_order(recv_x_f, recv_idx: Optional[Tensor], recv_w: Optional[Tensor], per_expert: list,
-                  local_handle, xv: Tensor, num_ranks: int) -> Received:
+                  local_handle, dtype: torch.dtype, hidden: int, num_ranks: int) -> Received:
     """The forwarding leg's received rows (``recv_x_f``: uint8 ``[N, 16 + row]``, or that with scales; their
     ids and weights ``[N, K]``) in DeepEP's order: by global source rank, stable (the source's token order);
-    padding rows last. The rows come back as ``xv``'s dtype and hidden size; no host synchronisation."""
+    padding rows last. The rows come back as ``dtype`` ``[N, hidden]``; no host synchronisation."""
     recv_xf = recv_x_f[0] if isinstance(recv_x_f, tuple) else recv_x_f
     recv_sc = recv_x_f[1] if isinstance(recv_x_f, tuple) else None
     # padding rows (num_worst_tokens) carry no record
     meta = torch.where((local_handle.recv_src_idx < 0)[:, None], -1, record_meta(recv_xf))
     order = torch.sort(torch.where(meta[:, 0] >= 0, meta[:, 0].long(), num_ranks), stable=True)[1]
-    x_out = x_rows(recv_xf, xv.dtype, xv.shape[1])[order]
+    x_out = x_rows(recv_xf, dtype, hidden)[order]
     x_ret = x_out if recv_sc is None else (x_out, recv_sc[order])
     src_meta = meta[order][:, :2].contiguous()
     got = src_meta[:, 0] >= 0
@@ -83,13 +84,13 @@ def dispatch_results(got: Received, handle: InternodeHandle, per_expert: bool = 
             EventOverlap(None))
 
 
-def forward_cached(leg, xs_f, plan, xv: Tensor) -> tuple:
+def forward_cached(leg, xs_f, plan, dtype: torch.dtype, hidden: int) -> tuple:
     """A cached dispatch's forwarding leg: the intranode cached dispatch of ``xs_f`` (the forwarded records'
-    ``x``, with scales where there are) by ``plan``'s local handle, its rows put in ``plan.order`` as ``xv``'s
-    dtype and hidden size. Returns DeepEP's six results."""
+    ``x``, with scales where there are) by ``plan``'s local handle, its rows put in ``plan.order`` as ``dtype``
+    ``[N, hidden]`` (the dispatch's rows'). Returns DeepEP's six results."""
     recv = leg.host_ranks.run(leg.local.dispatch_steps(xs_f, handle=plan.local_handle), forwarded=True)[0]
     recv_xf = recv[0] if isinstance(recv, tuple) else recv
-    x_out = x_rows(recv_xf, xv.dtype, xv.shape[1])[plan.order]
+    x_out = x_rows(recv_xf, dtype, hidden)[plan.order]
     if isinstance(recv, tuple):
         x_out = (x_out, recv[1][plan.order])
     return x_out, None, None, None, None, EventOverlap(None)

@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, Optional, Tuple
+import uuid
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 
 from ... import proxy_process
 from ... import scheduler as sched_mod
+from ...protocol.limits import check_ring_memory
 from ...runtime import hosts as hosts_mod
-from ...runtime.fabric import factory
+from ...runtime.fabric import factory, gather_objects
 
 
 #: the network leg's defaults: RC QPs per RDMA peer, ring slots per peer, bytes per slot (chunk)
 DEFAULT_QPS_PER_PEER, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES = 4, 8, 1 << 16
 #: environment variables that override them (every rank must set the same values)
 ENV_QPS, ENV_SLOTS, ENV_CHUNK = "TRITON_EP_RDMA_QPS_PER_PEER", "TRITON_EP_RDMA_SLOTS", "TRITON_EP_RDMA_CHUNK_BYTES"
+#: the environment variable that sends every num_worst_tokens call across hosts down the capture path
+#: (:mod:`.capture`; every rank must set the same)
+ENV_CAPTURE_PATH = "TRITON_EP_INTERNODE_CAPTURE_PATH"
 
 
 def network_shape(env: Mapping[str, str] = os.environ) -> Tuple[int, int, int]:
@@ -125,6 +130,56 @@ def agreed_proxy_kind(values) -> str:
     hosts_mod.first_error(values)
     hosts_mod.agreed(f"{proxy_process.ENV_PROXY} (where the RDMA proxy runs)", [v[0] for v in values])
     return values[0][0]
+
+
+def capture_setting(rank: int) -> Union[None, bool, str]:
+    """What rank ``rank`` puts in the set-up exchange about ``TRITON_EP_INTERNODE_CAPTURE_PATH``: ``None`` (unset),
+    ``True`` / ``False`` (``1`` / ``0``), or the text of its error for another value (raised on every rank after
+    the exchange)."""
+    raw = os.environ.get(ENV_CAPTURE_PATH, "").strip()
+    return (None if not raw else raw == "1") if raw in ("", "0", "1") else \
+        f"rank {rank}: {ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)"
+
+
+@dataclasses.dataclass
+class SetUp:
+    """Internode normal mode's set-up exchange (:func:`agree_set_up`): what each rank offers (a value, or the text of
+    its error for a bad one), and afterwards what every rank agreed on."""
+    token: str                      # the fabric token: rank 0's names the rings
+    shape: Union[tuple, str]        # (QPs per RDMA peer, ring slots per peer, bytes per slot)
+    capture: Union[None, bool, str]     # TRITON_EP_INTERNODE_CAPTURE_PATH (capture_setting)
+    low_latency: tuple              # the Buffer's (low_latency_mode, num_rdma_bytes)
+    delays: object                  # the emulated fabric's (reorder_s, skew_s); None: verbs (delays_to_exchange)
+    proxy: object                   # where the RDMA proxies run (offered: proxy_to_exchange; agreed: the kind)
+
+
+def agree_set_up(rt, num_hosts: int, shape: tuple, low_latency: tuple) -> SetUp:
+    """The set-up exchange of internode normal mode over ``rt`` (the Buffer's runtime: its group, rank, timeout and
+    RDMA transport): every rank's fabric token, network-leg shape (``shape``: the arguments ``(num_qps_per_peer,
+    slots, slot_bytes)``, each ``None`` for :func:`network_shape`'s), capture-path setting,
+    ``(low_latency_mode, num_rdma_bytes)``, emulated delays and proxy kind, checked equal. Bad environment values
+    are raised after the exchange, on every rank alike: the peers do not wait out their timeout for this rank.
+
+    Raises:
+        ValueError: on every rank alike, a bad value (naming its rank) or values that differ between ranks.
+        EPTimeoutError / EPRemoteError: a rank did not take part within ``rt.timeout_s``.
+    """
+    me = rt.rank
+    try:
+        shape = tuple(e if v is None else int(v) for v, e in zip(shape, network_shape()))
+        check_ring_memory(shape[1], shape[2], num_hosts - 1, ENV_SLOTS, ENV_CHUNK)
+    except ValueError as ex:
+        shape = f"rank {me}: {ex}"
+    mine = SetUp(uuid.uuid4().hex[:12], shape, capture_setting(me), tuple(low_latency),
+                 delays_to_exchange(rt.rdma_transport, me), proxy_to_exchange(me))
+    every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
+    hosts_mod.first_error([v for e in every for v in (e.shape, e.capture)])
+    delays = agreed_delays([e.delays for e in every])
+    proxy = agreed_proxy_kind([e.proxy for e in every])
+    hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e.low_latency for e in every])
+    hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e.shape for e in every])
+    hosts_mod.agreed(ENV_CAPTURE_PATH, [e.capture for e in every])
+    return SetUp(every[0].token, shape, mine.capture, mine.low_latency, delays, proxy)
 
 
 @dataclasses.dataclass

@@ -26,9 +26,7 @@ the destination host's ranks (1 byte each)]``, 16-byte aligned).
 from __future__ import annotations
 
 import dataclasses
-import os
-import uuid
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -39,24 +37,20 @@ from ...errors import EPError, EPRemoteError, EPTimeoutError
 from ...kernels import net
 from ...kernels.params import check_num_sms
 from ...protocol import call_card
-from ...protocol.limits import check_ring_memory
 from ...protocol.records import NetRecord
 from ...runtime.checks import check_event
-from ...runtime import hosts as hosts_mod
-from ...runtime.fabric import gather_objects
-from ..intranode import DispatchArgs, Intranode, check_cached_dispatch
-from ..intranode_args import cached_card_values
-from .capture import ENV_CAPTURE_PATH, CapturePath
+from ..intranode import Intranode
+from ..intranode_args import DispatchArgs, Rows, cached_card_values, check_cached_dispatch, check_x, dispatch_args
+from .capture import CapturePath
 from .combine import combine_args, reduce_in_host, sum_over_hosts
 from .exchange import HostExchange
 from .forward import dispatch_results, forward_cached, forward_fresh
 from .handle import CapturePlan, HostPlan, InternodeHandle, build_handle
 from .host_ranks import HostRanks
-from .network import (ENV_CHUNK, ENV_QPS, ENV_SLOTS, agreed_delays, agreed_proxy_kind, delays_to_exchange,
-                      network_shape, open_network, proxy_to_exchange, traffic_stats)
+from .network import agree_set_up, open_network, traffic_stats
 from . import peer_tokens
 from .rings import Rings
-from .records import Streams, record_layout, sources, split_records
+from .records import Streams, split_records
 
 Tensor = torch.Tensor
 
@@ -64,17 +58,28 @@ Tensor = torch.Tensor
 @dataclasses.dataclass
 class Fresh:
     """A dispatch without a handle, its arguments checked (both paths start so)."""
+    rows: Rows                      # x [T, H] (and scales [T, S]), checked, contiguous
     args: DispatchArgs              # intranode's checks against the whole group (R = every rank of every host)
     card: tuple                     # this rank's call as its peers compare it (protocol.call_card)
     rec: NetRecord                  # its records' layout (ids, weights and is_token_in_rank bytes included)
 
 
 @dataclasses.dataclass
+class Cached:
+    """A cached dispatch, its arguments checked (both paths start so)."""
+    rows: Rows                      # x [T, H] (and scales [T, S]), checked, contiguous
+    plan: Union[HostPlan, CapturePlan]      # its handle's plan
+    card: tuple                     # this rank's call as its peers compare it (protocol.call_card)
+    rec: NetRecord                  # its records' layout (no ids, weights or is_token_in_rank bytes)
+    src: net.Sources                # the network-leg kernels' view of its rows
+
+
+@dataclasses.dataclass
 class HostDispatch:
     """A host-path dispatch between its steps."""
-    x: Tensor                       # [T, H] rows as the caller's dtype
-    scales: Optional[Tensor]        # fp32 / int32 [T, S], or None
-    streams: Optional[Streams]      # its records for each host
+    rows: Rows                      # x [T, H] (and scales [T, S])
+    src: net.Sources                # the network-leg kernels' view of its rows (and ids, weights, is_token_in_rank)
+    streams: Streams                # its records for each host, as the headers tell them
     plan: Optional[HostPlan] = None         # a cached dispatch: its handle's plan
     fresh: Optional[Fresh] = None           # a fresh one: its checked arguments
     in_rank: Optional[Tensor] = None        # bool [T, R] is_token_in_rank (fresh)
@@ -88,6 +93,7 @@ class Internode:
         rt: the Buffer's :class:`~triton_ep.runtime.across_hosts.HostsRuntime` (``rt.hosts``: the hosts;
             ``rt.rdma_transport``: ``"verbs"`` or ``"emulated"``; ``rt.group``: the process group; ``rt.local``:
             this host's runtime, whose shared buffers carry the forwarding leg).
+        intranode: the Buffer's group-wide :class:`Intranode` over ``rt`` (its layout kernel and routing).
         num_qps_per_peer: RC QPs to each RDMA peer (placed over ports and ECMP paths).
         slots, slot_bytes: the scheduler's rings: chunks in flight per peer and bytes per chunk.
         low_latency: the Buffer's ``(low_latency_mode, num_rdma_bytes)``: checked equal on every rank here,
@@ -104,10 +110,10 @@ class Internode:
         EPTimeoutError / EPRemoteError: a rank did not take part in the set-up within ``rt.timeout_s``.
     """
 
-    def __init__(self, rt, num_qps_per_peer: Optional[int] = None,
+    def __init__(self, rt, intranode: Intranode, num_qps_per_peer: Optional[int] = None,
                  slots: Optional[int] = None, slot_bytes: Optional[int] = None,
                  low_latency: tuple = (False, 0)) -> None:
-        self.rt = rt
+        self.rt, self.intranode = rt, intranode
         self.hosts = hosts = rt.hosts
         if rt.group is None:
             raise NotImplementedError("internode mode needs a torch.distributed process group (ranks simulated "
@@ -140,43 +146,19 @@ class Internode:
             self.local_group, self.peer_group = rt.local_group, rt.peer_group
             self.host_ranks = HostRanks(rt.local, hosts, self.host, self.local_index, lambda: self._calls)
             self.local = self.host_ranks.local
-            token, shape, capture = self._agree(num_qps_per_peer, slots, slot_bytes, low_latency)
+            agreed = agree_set_up(rt, self.num_hosts, (num_qps_per_peer, slots, slot_bytes), low_latency)
+            #: the emulated fabric's (reorder_s, skew_s) the ranks agreed on (None: verbs); the low-latency
+            #: network leg takes them too (:class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts`)
+            self.delays = agreed.delays
+            #: where the RDMA proxies run (``TRITON_EP_PROXY``), as every rank of the group agreed
+            self.proxy = agreed.proxy
             #: the capture path (:class:`~triton_ep.modes.internode.capture.CapturePath`): its calls and state
-            self.capture = CapturePath(self, capture)
-            self.capture.open_store(rt.group, token)
-            self._open_rings(token, *shape)
+            self.capture = CapturePath(self, agreed.capture)
+            self.capture.open_store(rt.group, agreed.token)
+            self._open_rings(agreed.token, *agreed.shape)
         except BaseException:
             self.close()
             raise
-
-    def _agree(self, num_qps_per_peer, slots, slot_bytes, low_latency) -> Tuple[str, tuple, Optional[bool]]:
-        """The set-up exchange: every rank's fabric token, network-leg shape, capture-path setting,
-        ``(low_latency_mode, num_rdma_bytes)`` and emulated delays, checked equal (bad environment values are
-        raised after the exchange, on every rank alike: the peers do not wait out their timeout for this rank).
-        Sets :attr:`delays`; returns the token, the shape ``(qps, slots, slot_bytes)`` and the capture setting."""
-        rt, me = self.rt, self.rt.rank
-        try:
-            env_shape = network_shape()
-            shape = tuple(e if v is None else int(v) for v, e in zip((num_qps_per_peer, slots, slot_bytes), env_shape))
-            check_ring_memory(shape[1], shape[2], self.num_hosts - 1, ENV_SLOTS, ENV_CHUNK)
-        except ValueError as ex:
-            shape = f"rank {me}: {ex}"
-        raw = os.environ.get(ENV_CAPTURE_PATH, "").strip()
-        capture = (None if not raw else raw == "1") if raw in ("", "0", "1") else \
-            f"rank {me}: {ENV_CAPTURE_PATH}={raw!r} must be 0 or 1 (or unset)"
-        mine = (uuid.uuid4().hex[:12], shape, capture, tuple(low_latency), delays_to_exchange(rt.rdma_transport, me),
-                proxy_to_exchange(me))
-        every = gather_objects(rt.group, mine, rt.timeout_s, "internode: fabric token")
-        hosts_mod.first_error([v for e in every for v in (e[1], e[2])])
-        #: the emulated fabric's (reorder_s, skew_s) the ranks agreed on (None: verbs); the low-latency
-        #: network leg takes them too (:class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts`)
-        self.delays = agreed_delays([e[4] for e in every])
-        #: where the RDMA proxies run (``TRITON_EP_PROXY``), as every rank of the group agreed
-        self.proxy = agreed_proxy_kind([e[5] for e in every])
-        hosts_mod.agreed("low_latency_mode and num_rdma_bytes", [e[3] for e in every])
-        hosts_mod.agreed(f"the network leg's shape ({ENV_QPS}, {ENV_SLOTS}, {ENV_CHUNK})", [e[1] for e in every])
-        hosts_mod.agreed(ENV_CAPTURE_PATH, [e[2] for e in every])
-        return every[0][0], shape, capture
 
     def _open_rings(self, token: str, num_qps_per_peer: int, slots: int, slot_bytes: int) -> None:
         """Open the network leg to the RDMA peers: the rings, host memory the proxy and the NIC see, pinned and
@@ -287,15 +269,14 @@ class Internode:
         in_rank = is_token_in_rank if self._order is None else is_token_in_rank.index_select(1, self._order)
         return in_rank.view(in_rank.shape[0], self.num_hosts, self.per_host).any(dim=2)
 
-    def get_dispatch_layout(self, intranode: Intranode, topk_idx: Tensor, num_experts: int,
-                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                            allocate_on_comm_stream: bool = False):
-        """``Buffer.get_dispatch_layout`` across hosts: the layout of ``intranode`` (the Buffer's group-wide
-        normal mode: the same kernel), plus ``num_tokens_per_rdma_rank`` int32 ``[num_hosts]`` second.
-        Raises at once where an earlier call failed for good (:meth:`_live`)."""
+    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """``Buffer.get_dispatch_layout`` across hosts: the layout of the Buffer's group-wide :class:`Intranode` (the
+        same kernel), plus ``num_tokens_per_rdma_rank`` int32 ``[num_hosts]`` second. Raises at once where an earlier
+        call failed for good (:meth:`_live`)."""
         self._live()
-        return intranode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
-                                             allocate_on_comm_stream, tokens_per_host=self.tokens_per_host)
+        return self.intranode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                                  allocate_on_comm_stream, tokens_per_host=self.tokens_per_host)
 
     def check_tokens_per_host(self, num_tokens_per_rdma_rank: Optional[Tensor], required: bool) -> None:
         """Check ``num_tokens_per_rdma_rank`` (int32 ``[num_hosts]`` on the Buffer's device; ``required``:
@@ -314,17 +295,16 @@ class Internode:
 
 
     def row_sources(self, rec: NetRecord, n: int, x: Tensor, sc: Optional[Tensor] = None, ids: Optional[Tensor] = None,
-                 w: Optional[Tensor] = None, in_rank: Optional[Tensor] = None) -> net.Sources:
-        """:func:`~.records.sources` of this rank's ``n`` rows (its device, its host columns)."""
-        return sources(rec, n, x, self._cols, self.rt.rank, self.rt.device, sc, ids, w, in_rank)
+                    w: Optional[Tensor] = None, in_rank: Optional[Tensor] = None) -> net.Sources:
+        """:meth:`net.Sources.of_rows` of this rank's ``n`` rows (its device, its host columns)."""
+        return net.Sources.of_rows(rec, n, x, self._cols, self.rt.rank, self.rt.device, sc, ids, w, in_rank)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, intranode: Intranode, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
-                 allocate_on_comm_stream=False):
-        """``Buffer.dispatch`` across hosts (same arguments and results; the handle is an
-        :class:`InternodeHandle`). ``intranode``: the Buffer's group-wide normal mode (its checks of ``x``).
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
+                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """``Buffer.dispatch`` across hosts (same arguments and results; the handle is an :class:`InternodeHandle`;
+        the kernels run on the caller's stream). The capture path takes the calls :meth:`CapturePath.takes` picks.
 
         Raises:
             ValueError / TypeError: bad arguments (``num_tokens_per_rdma_rank`` other than the tokens sent to
@@ -334,23 +314,24 @@ class Internode:
         self._calls += 1
         self._live()
         if self.capture.takes(num_worst_tokens, handle):
-            return self.capture.dispatch(intranode, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                         is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                         expert_alignment, num_worst_tokens, previous_event)
+            return self.capture.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                         num_worst_tokens, previous_event)
         prep = err = None
         try:
             check_num_sms(config, "internode")
             if handle is not None:
-                prep = self._cached_dispatch(intranode, x, handle, topk_idx, topk_weights, previous_event)
+                prep = self._cached_dispatch(self.cached_args(x, handle, topk_idx, topk_weights, previous_event))
             else:
-                prep = self._host_dispatch(self.fresh(intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                prep = self._host_dispatch(self.fresh(x, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                                       is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                                       expert_alignment, num_worst_tokens, previous_event),
                                            num_tokens_per_rdma_rank)
         except Exception as e:   # noqa: BLE001 - the RDMA peers and this host's ranks are told, then it is raised
             err = e
         kind = "dispatch" if handle is None else "cached"
-        fwd, counts, npe_f = self.peers.exchange(prep.streams if prep else None, err, skip=kind)
+        fwd, counts, npe_f = self.rings.exchange(prep.streams if prep else None, prep.src if prep else None, err,
+                                                 skip=kind)
         result = err = None
         try:
             result = self._forward(prep, fwd, counts, npe_f, expert_alignment, num_worst_tokens)
@@ -361,17 +342,17 @@ class Internode:
         self.peers.status(err)
         return result
 
-    def fresh(self, intranode: Intranode, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-              previous_event) -> Fresh:
+    def fresh(self, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+              topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event) -> Fresh:
         """Check a dispatch's arguments (both paths): ``num_tokens_per_rdma_rank`` present, then intranode
         mode's group-wide checks (R = every rank of every host); its call card and record layout."""
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
-        a = intranode.dispatch_args(x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                    topk_weights, expert_alignment, num_worst_tokens, previous_event)
+        rows, a = dispatch_args(self.rt, x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
         code, values = a.card(num_worst_tokens)
-        w, K = a.topk_weights, a.num_topk
-        return Fresh(a, (code, *values), record_layout(a.x, a.scales, K, 0 if w is None else K, self.per_host))
+        K = a.num_topk
+        rec = NetRecord(rows.row_bytes, rows.scale_bytes, K, 0 if a.topk_weights is None else K, self.per_host)
+        return Fresh(rows, a, (code, *values), rec)
 
     def _host_dispatch(self, f: Fresh, num_tokens_per_rdma_rank: Tensor) -> HostDispatch:
         """A fresh dispatch on the host path: its routing checked on the host (ids in range, non-negative
@@ -397,59 +378,54 @@ class Internode:
                              f"{'topk_idx' if idx is not None else 'is_token_in_rank'}); pass what "
                              f"get_dispatch_layout returned")
         to_host = [torch.nonzero(host_mask[:, h], as_tuple=True)[0] for h in range(self.num_hosts)]
-        src = self.row_sources(f.rec, a.x.shape[0], a.x, a.scales, None if idx is None else idx.long(), a.topk_weights,
-                            in_rank)
-        streams = Streams(f.rec, src, to_host, None if idx is not None else a.num_tokens_per_expert, card=f.card)
-        return HostDispatch(a.x, a.scales, streams, fresh=f, in_rank=in_rank)
+        src = self.row_sources(f.rec, a.num_tokens, f.rows.x, f.rows.scales, None if idx is None else idx.long(),
+                               a.topk_weights, in_rank)
+        streams = Streams(f.rec, to_host, None if idx is not None else a.num_tokens_per_expert, card=f.card)
+        return HostDispatch(f.rows, src, streams, fresh=f, in_rank=in_rank)
 
-    def _cached_dispatch(self, intranode: Intranode, x, handle, topk_idx, topk_weights,
-                         previous_event) -> HostDispatch:
-        """A cached dispatch on the host path: its arguments checked, its records for each host."""
-        xv, sc, plan, rec, src = self.cached_args(intranode, x, handle, topk_idx, topk_weights, previous_event)
-        return HostDispatch(xv, sc, Streams(rec, src, plan.to_host, card=self.cached_card(xv, sc, plan)), plan=plan)
+    def _cached_dispatch(self, c: "Cached") -> HostDispatch:
+        """A cached dispatch on the host path: its records for each host."""
+        return HostDispatch(c.rows, c.src, Streams(c.rec, c.plan.to_host, card=c.card), plan=c.plan)
 
-    @staticmethod
-    def cached_card(xv: Tensor, sc: Optional[Tensor], plan) -> tuple:
-        """A cached dispatch's call card (both paths)."""
-        return (call_card.CACHED_DISPATCH, *cached_card_values(xv, sc, plan.seq))
-
-    def cached_args(self, intranode, x, handle, topk_idx, topk_weights, previous_event):
-        """Check a cached dispatch's arguments (both paths). Returns its rows (and scales), its handle's plan, its
-        record layout (no ids, weights or is_token_in_rank bytes) and the records' sources."""
+    def cached_args(self, x, handle, topk_idx, topk_weights, previous_event) -> "Cached":
+        """Check a cached dispatch's arguments (both paths): its rows, its handle's plan, its call card, its record
+        layout and the records' sources."""
         check_event(previous_event)
-        xv, sc = intranode.check_x(x)
+        rows = check_x(self.rt, x)
         plan = self.check_handle(handle)
-        check_cached_dispatch(xv.shape[0], plan.num_tokens, topk_idx, topk_weights)
-        rec = record_layout(xv, sc)
-        return xv, sc, plan, rec, self.row_sources(rec, xv.shape[0], xv, sc)
+        check_cached_dispatch(rows.x.shape[0], plan.num_tokens, topk_idx, topk_weights)
+        rec = NetRecord(rows.row_bytes, rows.scale_bytes, 0, 0, 0)
+        card = (call_card.CACHED_DISPATCH, *cached_card_values(rows, plan.seq))
+        return Cached(rows, plan, card, rec, self.row_sources(rec, rows.x.shape[0], rows.x, rows.scales))
 
     def _forward(self, prep: HostDispatch, fwd: Tensor, counts: List[int], npe_f: Optional[Tensor],
                  expert_alignment: int, num_worst_tokens: int) -> tuple:
         """The forwarding leg (the intranode dispatch of ``fwd``, the records this rank received over the
         network and its own for its host, uint8 ``[F, nbytes]``) and the results in DeepEP's order.
         ``npe_f``: without ``topk_idx``, the per-expert counts of the forwarded rows (from the sources)."""
-        xv, rec = prep.x, prep.streams.rec
-        got = split_records(fwd, rec, None if prep.scales is None else prep.scales.dtype,
-                            self.host_ranks.local_rt.device)
+        rows, rec = prep.rows, prep.streams.rec
+        records = split_records(fwd, rec, None if rows.scales is None else rows.scales.dtype,
+                                self.host_ranks.local_rt.device)
         if prep.plan is not None:              # cached: the same routes, new rows
             prep.local_started = True
-            return forward_cached(self, got.xs, prep.plan, xv)
+            return forward_cached(self, records.xs, prep.plan, rows.x.dtype, rows.x.shape[1])
 
         def started():
             prep.local_started = True
-        rows = forward_fresh(self, got, prep.fresh.args, npe_f, None, expert_alignment, num_worst_tokens, started)
-        to_host, T = prep.streams.tokens, xv.shape[0]
+        got = forward_fresh(self, records, prep.fresh.args, rows.x.dtype, npe_f, None, expert_alignment, num_worst_tokens,
+                            started)
+        to_host, T = prep.streams.tokens, rows.x.shape[0]
         if self.capture.mode:      # its cached dispatches and combines: no host wait, no host exchange
-            plan = CapturePlan.of_plain(self.rt.uid, self._calls, T, to_host, counts, rows.local_handle, rows.order)
+            plan = CapturePlan.of_plain(self.rt.uid, self._calls, T, to_host, counts, got.local_handle, got.order)
         else:
-            plan = HostPlan(self.rt.uid, self._calls, T, to_host, counts, rows.local_handle, rows.order,
-                            rows.order.shape[0])
+            plan = HostPlan(self.rt.uid, self._calls, T, to_host, counts, got.local_handle, got.order,
+                            got.order.shape[0])
         head = torch.full((T, self.num_hosts), -1, dtype=torch.int32, device="cpu")
         for h in range(self.num_hosts):
             head[to_host[h].cpu(), h] = torch.arange(to_host[h].numel(), dtype=torch.int32, device="cpu")
         sent = torch.tensor([t.numel() for t in to_host], dtype=torch.int32, device="cpu")
         recv = torch.tensor(counts, dtype=torch.int32, device="cpu")
-        return dispatch_results(rows, build_handle(prep.in_rank, sent, recv, rows, head.to(xv.device), plan))
+        return dispatch_results(got, build_handle(prep.in_rank, sent, recv, got, head.to(rows.x.device), plan))
 
     def check_handle(self, handle) -> Union[HostPlan, CapturePlan]:
         """The plan of ``handle``, an internode dispatch's of this Buffer (both paths).
@@ -483,13 +459,21 @@ class Internode:
         except Exception as e:   # noqa: BLE001 - this host's ranks and the RDMA peers are told, then it is raised
             err = e
             self.host_ranks.skip("combine")
-        streams = None
+        streams = src = None
         if err is None:
             try:
-                streams = reduce_in_host(self, prep)
+                streams, src = reduce_in_host(self, prep)
             except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (this host's ranks failed alike)
                 err = e
                 if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
                     self.host_ranks.skip("combine", e)
-        got, counts, _ = self.peers.exchange(streams, err)
+        got, counts, _ = self.rings.exchange(streams, src, err)
         return sum_over_hosts(self, prep, streams.rec, got, counts)
+
+    def internode_dispatch(self, *args, **kwargs):
+        """``Buffer.internode_dispatch``: :meth:`dispatch`."""
+        return self.dispatch(*args, **kwargs)
+
+    def internode_combine(self, *args, **kwargs):
+        """``Buffer.internode_combine``: :meth:`combine`."""
+        return self.combine(*args, **kwargs)

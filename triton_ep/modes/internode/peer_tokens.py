@@ -17,6 +17,7 @@ import time
 from typing import Callable, List, Optional
 
 from ...errors import EPTimeoutError
+from ...runtime import STORE_CALL_S, bounded_store_call
 
 #: seconds a host-path header exchange waits before it tells a capture-path peer that it took the host path
 MARK_AFTER_S = 0.5
@@ -59,8 +60,10 @@ class PeerTokens:
     def mark_host_path(self, seq: int) -> None:
         """Call ``seq`` took the host path here: a peer waiting for this rank's count then sizes by ``C`` and sends
         its stream, which this rank's header exchange reads as a call of another kind. Never raises."""
-        try:
-            self.post(seq, _HOST_PATH)
+        try:        # (a store call may block for good: bounded_store_call; then nothing more is asked of it)
+            bounded_store_call(lambda: self.post(seq, _HOST_PATH), STORE_CALL_S, "telling the RDMA peers")
+        except TimeoutError:
+            self.store = None
         except Exception:   # noqa: BLE001 - best effort: the peer then waits out its bound
             pass
 
@@ -93,9 +96,15 @@ class PeerTokens:
         if self.store is None or not self.peers or failed():
             return 0.0
         t0 = time.monotonic()
-        try:
-            self.store.set(f"{self.prefix}closing/{self.rank}", "1")
-            self._wait_for([f"{self.prefix}closing/{p}" for p in self.peers], bound_s, failed)
+
+        keys = [f"{self.prefix}closing/{p}" for p in self.peers]
+        try:        # (a store call itself may block for good: bounded_store_call)
+            bounded_store_call(lambda: self.store.set(f"{self.prefix}closing/{self.rank}", "1"), STORE_CALL_S,
+                               "destroy(): telling the RDMA peers")
+            bounded_store_call(lambda: self._wait_for(keys, bound_s, failed), bound_s + STORE_CALL_S,
+                               "destroy(): meeting the RDMA peers")
+        except TimeoutError:
+            self.store = None       # (it does not answer: the keys stay, nothing more is asked of it)
         except Exception:   # noqa: BLE001 - the store may be gone (the process group destroyed first): close now
             pass
         return time.monotonic() - t0
@@ -113,12 +122,24 @@ class PeerTokens:
         return True
 
     def forget(self, below: Optional[int] = None) -> None:
-        """Delete this rank's keys of calls before ``below`` (``None``: all of them). Never raises."""
+        """Delete this rank's keys of calls before ``below`` (``None``: all of them, as the Buffer is destroyed: then
+        bounded, :func:`~triton_ep.transport.bootstrap.bounded_store_call`). Never raises."""
         keep = [s for s in self.posted if below is not None and s >= below]
-        for s in self.posted:
-            if s not in keep:
+        drop = [s for s in self.posted if s not in keep]
+        self.posted = keep
+
+        def delete() -> None:
+            for s in drop:
                 try:
                     self.store.delete_key(self._key(s, self.rank))
                 except Exception:   # noqa: BLE001 - a store without deletion keeps a few bytes
                     pass
-        self.posted = keep
+        if not drop or self.store is None:
+            return
+        if below is not None:
+            delete()
+            return
+        try:
+            bounded_store_call(delete, STORE_CALL_S, "destroy(): deleting the token counts' keys")
+        except TimeoutError:
+            self.store = None       # (it does not answer: the keys stay)

@@ -1,35 +1,16 @@
-"""The network leg's records as internode normal mode builds and reads them (both paths): a call's record layout
-(:class:`~triton_ep.protocol.records.NetRecord`), the kernels' view of its source rows, the streams a rank sends
-each host, and the fields of received records."""
+"""The network leg's records as internode normal mode sizes and reads them (both paths): a record's bytes
+(:class:`~triton_ep.protocol.records.NetRecord`), the streams a rank sends each host, and the fields of received
+records. The kernels' view of the rows a record carries is :meth:`triton_ep.kernels.net.Sources.of_rows`."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Tuple, Union
 
 import torch
 
-from ...kernels import net
 from ...protocol.records import NET_META_BYTES, NetRecord
 
 Tensor = torch.Tensor
-
-
-def dense(t: Tensor) -> Tensor:
-    """``t`` with row-major strides, a view where it has them. ``Tensor.contiguous()`` is not enough before a dtype
-    view: a size-1 dimension may keep any stride (a column-major ``[n, 1]`` scale tensor, a single row), and
-    ``view(dtype)`` of another element size needs the last stride to be 1."""
-    t = t.contiguous()
-    if t.dim() and t.stride(-1) != 1:
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
-def words(t: Optional[Tensor], n: int, dev) -> Tensor:
-    """``t`` (``[n, ...]``, any strides) as int32 ``[n, words]``; a one-word dummy for ``None``."""
-    if t is None:
-        return torch.zeros(1, dtype=torch.int32, device=dev)
-    return dense(t).view(torch.uint8).view(n, t.element_size() * math.prod(t.shape[1:])).view(torch.int32)
 
 
 def byte_columns(rows: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
@@ -56,12 +37,6 @@ def x_rows(recv_xf: Tensor, dtype, hidden: int) -> Tensor:
     return byte_columns(recv_xf, NET_META_BYTES, recv_xf.shape[1], dtype)
 
 
-def record_layout(xv: Tensor, sc: Optional[Tensor], ids: int = 0, weights: int = 0, local: int = 0) -> NetRecord:
-    """The record layout of a dispatch of rows ``xv`` with scales ``sc`` (fp32 / int32 ``[T, S]`` or
-    ``None``); a cached dispatch carries no ids, weights or is_token_in_rank bytes."""
-    return NetRecord(xv.shape[1] * xv.element_size(), 0 if sc is None else sc.shape[1] * 4, ids, weights, local)
-
-
 def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weights: bool, ranks_per_host: int) -> int:
     """Bytes of one network-leg dispatch record (16-byte aligned): meta, an x row of ``row_bytes``, its
     ``scale_bytes``, ``num_topk`` int64 ids (and fp32 weights with ``weights``), and ``ranks_per_host`` bytes of
@@ -70,25 +45,12 @@ def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weight
     return NetRecord(row_bytes, scale_bytes, num_topk, num_topk if weights else 0, ranks_per_host).nbytes
 
 
-def sources(rec: NetRecord, n: int, x: Tensor, cols: Tensor, rank: int, dev, sc: Optional[Tensor] = None,
-            ids: Optional[Tensor] = None, w: Optional[Tensor] = None,
-            in_rank: Optional[Tensor] = None) -> net.Sources:
-    """The network-leg kernels' view of ``n`` source rows: ``x`` (``[n, ...]``, ``rec.row`` bytes a row),
-    scales, int64 ids, fp32 weights and bool ``is_token_in_rank`` ``[n, R]`` (each ``None`` where ``rec``
-    has no such field); ``cols``: int32 ``[num_hosts, per_host]``, the global rank of each host's local ranks;
-    ``rank``: this rank; ``dev``: the device."""
-    loc = torch.zeros(1, dtype=torch.uint8, device=dev) if in_rank is None else \
-        in_rank.contiguous().view(torch.uint8)
-    return net.Sources.of(rec, words(x, n, dev), words(sc, n, dev), words(ids, n, dev), words(w, n, dev), loc,
-                          0 if in_rank is None else in_rank.shape[1], cols, rank)
-
-
 @dataclasses.dataclass
 class Streams:
     """What a rank sends each host in one host-path exchange: a record stream per host (its own host's included,
-    which stays on this rank), built by the network-leg kernels from ``src``."""
+    which stays on this rank), as its headers tell it; the network-leg kernels build the records from sources the
+    caller gives them (:meth:`~.rings.Rings.exchange`)."""
     rec: NetRecord                  # the records' layout
-    src: net.Sources                # the kernels' view of the source rows
     tokens: List[Tensor]            # per host: int64 [n_h] rows of the sources, in stream order, on the device
     #: a dispatch without topk_idx: num_tokens_per_expert (int32 [E]); each host's slice goes to the RDMA peer
     #: there, which forwards the sums (the forwarding leg's per-expert counts)

@@ -1,19 +1,23 @@
-"""The ring kernels' side of internode normal mode's network leg, both paths (:class:`Rings`): the rounds of
-the pack and unpack kernels, their bounds and errors, and the scheduler's errors given global ranks."""
+"""The ring kernels' side of internode normal mode's network leg, both paths (:class:`Rings`): the host path's
+exchange of records (its headers by :class:`~.exchange.HostExchange`), the rounds of the pack and unpack kernels,
+their bounds and errors, and the scheduler's errors given global ranks. The rows' sources come in here and go
+straight to the kernels (:mod:`triton_ep.kernels.net`)."""
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
+from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ... import scheduler as sched_mod
 from ...errors import EPTimeoutError
 from ...kernels import flags as F
 from ...kernels import net
-from ...kernels._util import interpreted
+from ...kernels._util import cdiv, interpreted
 from ...runtime.fabric import stall_watchdog
+from .records import Streams
 
 Tensor = torch.Tensor
 
@@ -59,6 +63,68 @@ class Rings:
         return EPTimeoutError(self.leg.rt.rank, peers, f"{ex.stage} ({where}; waiting for host(s) "
                               f"{', '.join(str(p) for p in ex.peers)})", ex.timeout_s, ex.channel)
 
+
+    def exchange(self, streams: Optional[Streams], src: Optional[net.Sources], err: Optional[BaseException] = None,
+                 skip: Optional[str] = None) -> Tuple[Tensor, List[int], Optional[Tensor]]:
+        """One host-path exchange with the RDMA peers: send each host's record stream of ``streams`` (built by the
+        kernels from ``src``, the rows' sources) to this rank's RDMA peer there and receive theirs: first a header
+        (:meth:`~.exchange.HostExchange.headers`: a status, the record count and the record layout, which must
+        agree), then the records (:meth:`move`). A rank that failed (``err``) sends only its header. Where
+        this rank or a peer failed, every rank of the exchange raises after the headers, and (with ``skip``,
+        the kind of the forwarding leg still to come: ``"dispatch"`` or ``"cached"``) this rank first leaves
+        that leg (:meth:`~.host_ranks.HostRanks.skip`: its host's ranks stop at once and tell their own RDMA peers
+        in turn).
+
+        Returns: the records received, uint8 ``[n, rec.nbytes]`` on the device, one block per host in host
+        order (this host's block is this rank's own stream for it), the blocks' record counts, and (with
+        ``streams.npe``) int32 ``[ranks per host * E / R]``: this host's experts' counts summed over the
+        sources this rank forwards for (:meth:`~.exchange.HostExchange.expert_counts`).
+        Raises: ``err``; what :meth:`~.exchange.HostExchange.headers` raises (a peer's failure, a dead rank, a
+        disagreement); the proxy's and the ring kernels' errors (``EPTimeoutError`` naming the peer and the chunk).
+        """
+        peers = self.leg.peers
+        try:
+            with self.network():
+                counts = peers.headers(streams, err)
+                if err is None:
+                    npe = None if streams.npe is None else peers.expert_counts(streams.npe)
+                    return self.move(streams, src, counts), counts, npe
+            raise err
+        except BaseException as ex:
+            if skip is not None:
+                self.leg.host_ranks.skip(skip, ex)
+            raise
+
+    def move(self, st: Streams, src: net.Sources, counts: List[int]) -> Tensor:
+        """The records of :meth:`exchange`: this host's own block by :func:`net.pack_linear`, the peers'
+        through the rings in rounds of ``slots`` chunks per peer (pack, then unpack; the proxy carries them).
+        Returns uint8 ``[sum(counts), rec.nbytes]`` on the device."""
+        leg = self.leg
+        sched, dev, rec = leg.sched, leg.rt.device, st.rec
+        rw = rec.nbytes // 4
+        starts = np.cumsum([0] + counts)
+        out = torch.empty(int(starts[-1]) * rw, dtype=torch.int32, device=dev)
+        net.pack_linear(out[int(starts[leg.host]) * rw:], src, st.tokens[leg.host], leg.host)
+        S, SW = sched.slots, sched.slot_bytes // 4
+        peers = leg.peer_hosts
+        tx_words = [st.count(h) * rw for h in range(leg.num_hosts)]
+        rx_words = [counts[h] * rw for h in range(leg.num_hosts)]
+        ntx = {h: cdiv(tx_words[h], SW) for h in peers}
+        nrx = {h: cdiv(rx_words[h], SW) for h in peers}
+        tx0, rx0 = sched.reserve(ntx, nrx)
+        rounds = max([cdiv(max(ntx[h], nrx[h]), S) for h in peers] + [0])
+        if rounds:
+            def i64(vals):
+                return torch.tensor(vals, dtype=torch.int64, device=dev)
+            tok_n = [st.count(h) for h in range(leg.num_hosts)]
+            tokens = torch.cat([t.to(dev, torch.int64) for t in st.tokens])
+            tok_start = i64(np.cumsum([0] + tok_n)[:-1].tolist())
+            n_tx, n_rx = i64(tx_words), i64(rx_words)
+            f_tx = i64([tx0.get(h, 0) for h in range(leg.num_hosts)])
+            f_rx = i64([rx0.get(h, 0) for h in range(leg.num_hosts)])
+            out_start = i64((starts[:-1] * rw).tolist())
+            self.rounds(rounds, src, tokens, tok_start, n_tx, f_tx, out, out_start, n_rx, f_rx, wait=True)
+        return out.view(torch.uint8).view(int(starts[-1]), rec.nbytes)
 
     def rounds(self, rounds: int, src: net.Sources, tokens: Tensor, tok_start: Tensor, n_tx: Tensor, f_tx: Tensor,
                 out: Tensor, out_start: Tensor, n_rx: Tensor, f_rx: Tensor, wait: bool = False,

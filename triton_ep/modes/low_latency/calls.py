@@ -1,14 +1,17 @@
-"""A low-latency dispatch's and a combine's general path: check the arguments, number and publish the call,
-allocate the outputs, launch (send and receive, one launch, or a send and a receive hook), and leave the plan the
-next call of the same sizes replays (:mod:`.replay`, tried first). ``ll`` is the Buffer's
-:class:`~triton_ep.modes.low_latency.state.LowLatency`."""
+"""Low-latency mode's calls (:class:`LowLatency`, the Buffer's low-latency mode over its
+:class:`~.state.LowLatencyState`): a dispatch's and a combine's general path: check the arguments, number and
+publish the call, allocate the outputs, launch (send and receive, one launch, or a send and a receive hook), and
+leave the plan the next call of the same sizes replays (:mod:`.replay`, tried first). ``ll`` is the Buffer's
+:class:`LowLatency`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from ...config import EventOverlap
+from ...errors import EPRemoteError
 from ...kernels import pdl
 from ...kernels.geometry import fused_switch
 from ...kernels.fp8 import native_cast
@@ -20,9 +23,10 @@ from ...kernels.ll_net import ll_unpack
 from ...protocol import call_card as card
 from ...protocol.ll_area import Layout
 from ...runtime import call_signature
-from ...runtime.checks import isint
+from ...runtime.checks import check_tensor, isint
 from . import replay
 from .handle import LLHandle, carve
+from .state import LowLatencyState
 
 Tensor = torch.Tensor
 
@@ -66,6 +70,92 @@ class CombineArgs:
     fence: bool                 # wait first until every peer received the last call (of other sizes)
     one: bool                   # the whole call as one launch
     use_logfmt: bool            # the rows travel as LogFMT-10
+
+
+class LowLatency(LowLatencyState):
+    """Low-latency mode of one Buffer (what :class:`~triton_ep.Buffer` delegates its ``low_latency_*`` methods to):
+    its calls over its :class:`~.state.LowLatencyState` (the area, call numbers, errors, masking). The rows of a
+    call come in here and go from here to the kernels' launchers.
+
+    Args:
+        rt, offset, area_bytes, shrink: as :class:`~.state.LowLatencyState`'s.
+    """
+
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                 cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
+                 round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        """``Buffer.low_latency_dispatch``: :func:`dispatch`."""
+        self.rt.live()
+        return dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                        use_ue8m0, async_finish, return_recv_hook)
+
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
+                return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        """``Buffer.low_latency_combine``: :func:`combine`."""
+        self.rt.live()
+        return combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                       return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    def guard(self, fn, *args):
+        """Run argument checks; on failure tell the peers (their waits for this rank end at once with
+        ``EPRemoteError``) and raise."""
+        try:
+            return fn(*args)
+        except Exception:
+            self._post_failure()
+            raise
+
+    def check_arg(self, name, t, dtypes, shape, why=""):
+        """:func:`~triton_ep.runtime.checks.check_tensor` of an argument on this Buffer's device."""
+        return check_tensor(name, t, dtypes, shape, self.rt.device, why)
+
+    def launch(self, hook: bool, async_finish: bool, body: Callable, tensors) -> EventOverlap:
+        """Run ``body`` as ``Buffer`` calls run their kernels: on the communication stream with
+        ``async_finish``, else on the caller's stream (always with a hook, as DeepEP: ``async_finish``
+        and ``return_recv_hook`` exclude each other), and hand the results back."""
+        rt = self.rt
+        rt.begin(None, async_finish and not hook)
+        with rt.comm_ctx(), rt.sig.watch():
+            body()
+        return rt.end(async_finish and not hook, tensors)
+
+    def send_recv(self, one: bool, send: Callable, recv: Callable) -> None:
+        """The launches of a call without a receive hook: with ``one`` the whole call as one launch
+        (``send(whole=True)``), else the send and then the receive, back to back (within one host the send has no
+        end-of-launch count: the receive publishes the call)."""
+        if one:
+            send(whole=True)
+            return
+        defer = self.net is None
+        send(defer)
+        recv(0, defer)
+
+    def hook(self, idx: int, recv: Callable) -> Callable[[], None]:
+        """The receive hook of send ``idx``: runs ``recv`` once, after the error checks."""
+        done = []
+
+        def hook() -> None:
+            """Complete the receive of this low-latency call (once). Raises what the kernels recorded."""
+            if done:
+                raise ValueError("this receive hook has already run")
+            if idx not in self.pending:
+                raise ValueError("this receive hook belongs to a call dropped by a re-synchronisation (after an "
+                                 "error, or an unmask across hosts)")
+            done.append(True)
+            self.pending.remove(idx)
+            rt = self.rt
+            self.raise_recorded()
+            if rt.sig.record() is not None:
+                # an error record since this call was sent (raised already) stops this rank's kernels
+                # until the next call re-synchronises the group: the receive would move nothing
+                raise EPRemoteError(f"rank {rt.rank}: the receive of this low-latency call cannot complete: an "
+                                    f"error raised after it was sent stopped this rank's low-latency kernels until "
+                                    f"the next call re-synchronises the group; its results are dropped")
+            with rt.sig.watch():
+                recv(self.sent - idx)
+            self.raise_recorded()
+        return hook
 
 
 # ------------------------------------------------------------------ dispatch

@@ -3,19 +3,17 @@ re-synchronisation after one, masking (the package's docstring has the whole).""
 from __future__ import annotations
 
 import weakref
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
-from ...config import EventOverlap
-from ...errors import EPError, EPRemoteError
+from ...errors import EPError
 from ...kernels import flags as F, logfmt
 from ...kernels.geometry import fused_switch, use_fused
 from ...protocol.ll_area import Layout
 from ...protocol.signal_header import failure_word_of
 from ...runtime import SLOT_HEADER, Runtime
 from ...runtime.checks import isint
-from . import calls
 from .handle import LLHandle
 
 Tensor = torch.Tensor
@@ -25,9 +23,10 @@ _LL_STAGES = frozenset(int(st) for st in (F.STAGE_LL_DISPATCH_SEND, F.STAGE_LL_D
                                           F.STAGE_LL_COMBINE_RECV))
 
 
-class LowLatency:
+class LowLatencyState:
     """The low-latency state of one Buffer: its area (``area_bytes`` at byte ``offset`` of the Buffer's
-    data buffer, the same offset on every rank), hooks still to run, and the host count of sends."""
+    data buffer, the same offset on every rank), hooks still to run, and the host count of sends; the calls that
+    use it are :class:`~triton_ep.modes.low_latency.calls.LowLatency`'s (the Buffer's low-latency mode)."""
 
     def __init__(self, rt: Runtime, offset: int, area_bytes: int, shrink: bool) -> None:
         self.rt = rt
@@ -160,15 +159,6 @@ class LowLatency:
         self.pending.clear()
         self.failed = False
 
-    def guard(self, fn, *args):
-        """Run argument checks; on failure tell the peers (their waits for this rank end at once with
-        ``EPRemoteError``) and raise."""
-        try:
-            return fn(*args)
-        except Exception:
-            self._post_failure()
-            raise
-
     def _post_failure(self) -> None:
         """This rank rejects its next low-latency call: write that call's number into every peer's
         ``LFAILED[rank]``, so their waits of that call end at once (their earlier calls, which may still
@@ -231,9 +221,6 @@ class LowLatency:
         self.sent += 1
         return self.sent
 
-    def check_arg(self, name, t, dtypes, shape, why=""):
-        return self.rt.check_tensor(name, t, dtypes, shape, why)
-
     def stats_arg(self, name: str, t: Optional[Tensor], dtype, shapes) -> Optional[Tensor]:
         if t is None:
             return None
@@ -250,70 +237,6 @@ class LowLatency:
         if t is not None and t.dim() == 2:       # this rank's row: waits for each source rank
             t = t[self.rt.rank]
         return t
-
-    def launch(self, hook: bool, async_finish: bool, body: Callable, tensors) -> EventOverlap:
-        """Run ``body`` as ``Buffer`` calls run their kernels: on the communication stream with
-        ``async_finish``, else on the caller's stream (always with a hook, as DeepEP: ``async_finish``
-        and ``return_recv_hook`` exclude each other), and hand the results back."""
-        rt = self.rt
-        rt.begin(None, async_finish and not hook)
-        with rt.comm_ctx(), rt.sig.watch():
-            body()
-        return rt.end(async_finish and not hook, tensors)
-
-    def send_recv(self, one: bool, send: Callable, recv: Callable) -> None:
-        """The launches of a call without a receive hook: with ``one`` the whole call as one launch
-        (``send(whole=True)``), else the send and then the receive, back to back (within one host the send has no
-        end-of-launch count: the receive publishes the call)."""
-        if one:
-            send(whole=True)
-            return
-        defer = self.net is None
-        send(defer)
-        recv(0, defer)
-
-    def hook(self, idx: int, recv: Callable) -> Callable[[], None]:
-        """The receive hook of send ``idx``: runs ``recv`` once, after the error checks."""
-        done = []
-
-        def hook() -> None:
-            """Complete the receive of this low-latency call (once). Raises what the kernels recorded."""
-            if done:
-                raise ValueError("this receive hook has already run")
-            if idx not in self.pending:
-                raise ValueError("this receive hook belongs to a call dropped by a re-synchronisation (after an "
-                                 "error, or an unmask across hosts)")
-            done.append(True)
-            self.pending.remove(idx)
-            rt = self.rt
-            self.raise_recorded()
-            if rt.sig.record() is not None:
-                # an error record since this call was sent (raised already) stops this rank's kernels
-                # until the next call re-synchronises the group: the receive would move nothing
-                raise EPRemoteError(f"rank {rt.rank}: the receive of this low-latency call cannot complete: an "
-                                    f"error raised after it was sent stopped this rank's low-latency kernels until "
-                                    f"the next call re-synchronises the group; its results are dropped")
-            with rt.sig.watch():
-                recv(self.sent - idx)
-            self.raise_recorded()
-        return hook
-
-    # ------------------------------------------------------------------ calls (modes/low_latency/calls.py)
-    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                 cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
-                 round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
-        """``Buffer.low_latency_dispatch``: :func:`.calls.dispatch`."""
-        self.rt.live()
-        return calls.dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
-                              use_ue8m0, async_finish, return_recv_hook)
-
-    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
-                return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
-        """``Buffer.low_latency_combine``: :func:`.calls.combine`."""
-        self.rt.live()
-        return calls.combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                             return_recv_hook, out, combine_wait_recv_cost_stats)
 
     def next_combine_buffer(self, handle) -> Tensor:
         """``Buffer.get_next_low_latency_combine_buffer``: the zero-copy input of ``handle``'s sizes."""

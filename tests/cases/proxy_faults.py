@@ -1,0 +1,107 @@
+"""Rank bodies of tests/modes/internode/test_proxy_faults.py: faults of the RDMA proxy (its process killed or
+stopped, a peer's Buffer destroyed) and of a rank with a forked child, across 2 emulated hosts of 2 ranks
+(``TRITON_EP_RDMA=emulated``, ``TRITON_EP_RANKS_PER_HOST=2``), low-latency mode; the proxy kind comes from the
+test's environment (``TRITON_EP_PROXY``)."""
+import os
+import signal
+import time
+
+import torch
+
+import triton_ep
+import triton_ep.testing
+from tests.cases.dead_peer import _buffer, _warm_up
+
+#: 2 hosts of 2 ranks over the emulated fabric
+ENV = {"TRITON_EP_RDMA": "emulated", "TRITON_EP_RANKS_PER_HOST": "2"}
+
+
+def _calls(call, n: int = 2) -> list:
+    """Make ``call`` ``n`` times; per call ``[error type or "no error", its text, seconds]``."""
+    out = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        try:
+            call()
+            out.append(["no error", "", time.monotonic() - t0])
+        except Exception as ex:     # noqa: BLE001 - reported
+            out.append([type(ex).__name__, str(ex), time.monotonic() - t0])
+    return out
+
+
+def _destroy_s(buf) -> float:
+    t0 = time.monotonic()
+    buf.destroy()
+    return time.monotonic() - t0
+
+
+def ll_proxy_killed(rank, world, victim, timeout_s):
+    """Every rank makes a correct low-latency dispatch; after a barrier rank ``victim``'s proxy process is SIGKILLed
+    (by its rank) and every rank makes the dispatch twice, then destroys its Buffer. Returns ``[the calls
+    (:func:`_calls`), seconds destroy() took]``."""
+    import torch.distributed as dist
+    os.environ.update(ENV)
+    buf, args = _buffer(rank, world, True, timeout_s)
+    try:
+        call = _warm_up(buf, "internode_ll", *args)
+        dist.barrier()
+        if rank == victim:
+            os.kill(buf._ll.net.sched.proc.pid, signal.SIGKILL)
+        out = _calls(call)
+    except BaseException:
+        buf.destroy()
+        raise
+    return [out, _destroy_s(buf)]
+
+
+def _over_tcp(rank: int, world: int, port: int, store_timeout_s: float) -> None:
+    """Rebuild the default process group over a TCPStore hosted by rank 0 on ``port`` (run_ranks' group uses a file
+    store): ``torchrun``'s kind of store, whose server is a thread of rank 0's process."""
+    import datetime
+
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=store_timeout_s))
+
+
+def died_with_child(rank, world, mode, timeout_s, done_path, port=None, store_timeout_s=120.0):
+    """Every rank makes a correct call of ``mode`` (:data:`tests.cases.dead_peer.HOST_MODES`); rank 0 then forks a
+    child that lives on (as a data-loader worker forked after the Buffer was built would: it holds whatever rank 0
+    held open, the group's store's sockets among them) until ``done_path`` exists (60 s at most), and after a barrier
+    rank 0 dies (SIGKILL). The survivors make the call and destroy their Buffers; the last of them to finish creates
+    ``done_path``. With ``port`` the group is rebuilt over a TCPStore hosted by rank 0 (:func:`_over_tcp`, timeout
+    ``store_timeout_s``) and the survivors end without tearing the group down (its store no longer answers:
+    :func:`triton_ep.testing.exit_after_return`). Returns on a survivor ``[the call (:func:`_calls`, once), seconds
+    destroy() took]``."""
+    import torch.distributed as dist
+    os.environ.update(ENV)
+    if port is not None:
+        _over_tcp(rank, world, port, store_timeout_s)
+    buf, args = _buffer(rank, world, mode.startswith("internode_ll"), timeout_s)
+    try:
+        call = _warm_up(buf, mode, *args)
+        if rank == 0 and os.fork() == 0:
+            try:
+                end = time.monotonic() + 60.0
+                while not os.path.exists(done_path) and time.monotonic() < end:
+                    time.sleep(0.05)
+            finally:
+                os._exit(0)
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = _calls(call, 1)
+    except BaseException:
+        buf.destroy()
+        raise
+    out = [out, _destroy_s(buf)]
+    if port is not None:        # (rank 0's store server does not answer: the group's teardown would wait on it)
+        triton_ep.testing.exit_after_return()
+    with open(f"{done_path}.{rank}", "w"):
+        pass
+    if all(os.path.exists(f"{done_path}.{r}") for r in range(1, world)):
+        with open(done_path, "w"):
+            pass
+    return out

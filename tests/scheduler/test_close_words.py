@@ -1,0 +1,71 @@
+"""Close words (triton_ep/scheduler/: ``close_word``, ``Scheduler.tell_closing``): a rank whose scheduler closes
+(its Buffer destroyed) is alive, not gone. Its peers name it as closed (``PeerClosedError``), not gone
+(``PeerGoneError``), once their probes find its QPs gone; where it closed after an error it heard of, they name that
+error's rank (the root cause) at once. Ranks as emulated hosts in this process, the proxy as a thread of it and as
+a process of its own (``ProcGroup``)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from triton_ep.scheduler import PeerClosedError, PeerGoneError, ProxyRemoteError, close_word, parse_close
+
+from tests.cases.sched_helpers import Group, ProcGroup, fabric, in_threads
+from tests.scheduler.test_scheduler import alltoall_checked
+
+GROUPS = {"thread": Group, "process": ProcGroup}
+
+
+def _close_rank(g, r: int) -> None:
+    """Close rank ``r``'s scheduler (and transport) and take it out of ``g``."""
+    g.scheds.pop(r).close()
+    if g.ts:
+        g.ts.pop(r).close()
+
+
+def _error_within(sched, bound_s: float):
+    """The scheduler's error (``check()`` raises it) within ``bound_s`` seconds, and the seconds it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < bound_s:
+        try:
+            sched.check()
+        except Exception as ex:     # noqa: BLE001 - returned
+            return ex, time.monotonic() - t0
+        time.sleep(0.01)
+    return None, bound_s
+
+
+def test_close_word_round_trip():
+    """A clean close names no rank; a close after an error names its rank and whether it is gone."""
+    assert parse_close(close_word(3)) == (None, True)
+    assert parse_close(close_word(3, 5)) == (5, False)
+    assert parse_close(close_word(3, 5, root_gone=True)) == (5, True)
+
+
+def test_a_peer_that_closes_is_named_closed_not_gone():
+    """2 ranks; after an all-to-all rank 1 closes its scheduler (destroy()): rank 0's proxy, whose probes then find
+    rank 1's QPs gone, raises PeerClosedError naming rank 1 within seconds (before: PeerGoneError, "rank 1's process
+    is gone"), not at once (what rank 1 sent was placed: nothing failed until its QPs went). Proxy processes only:
+    the emulated fabric sees a peer's QPs gone once the process that held them released its rings' locks (the thread
+    kind: tests/modes/internode/test_proxy_faults.py, ranks as processes)."""
+    with ProcGroup(fabric(2), 2, qps=2, slots=2, slot_bytes=1024, timeout_s=20.0) as g:
+        alltoall_checked(g, {(0, 1): 3000, (1, 0): 5000})
+        _close_rank(g, 1)
+        ex, dt = _error_within(g.scheds[0], 10.0)
+    assert isinstance(ex, PeerClosedError) and not isinstance(ex, PeerGoneError), repr(ex)
+    assert ex.peer == 1 and "destroyed its Buffer" in str(ex), str(ex)
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_peer_that_closes_after_an_error_names_the_root_cause(kind):
+    """3 ranks; rank 1's proxy fails because rank 2's failed (a ProxyRemoteError naming it: such a failure writes no
+    fault word) and rank 1 closes: rank 0 raises ProxyRemoteError naming rank 2 (the root cause) within 2 s (before:
+    PeerGoneError naming rank 1, the live rank that closed, once its probes found rank 1's QPs gone)."""
+    with GROUPS[kind](fabric(3), 3, qps=2, slots=2, slot_bytes=1024, timeout_s=20.0) as g:
+        alltoall_checked(g, {(a, b): 1000 + 10 * a + b for a in range(3) for b in range(3) if a != b})
+        g.scheds[1].fail(ProxyRemoteError(1, 2, None, None, "rdma proxy", "planted: rank 2's proxy failed"))
+        _close_rank(g, 1)
+        ex, dt = _error_within(g.scheds[0], 10.0)
+    assert type(ex) is ProxyRemoteError and ex.peer == 2, repr(ex)
+    assert "destroyed its Buffer and told this rank" in str(ex) and dt < 2.0, (dt, str(ex))
