@@ -118,26 +118,11 @@ class ProxyThreads:
     def _sweep(self, own: List[_QPState]) -> bool:
         """One pass of a proxy thread: completions, the ring words, faults, posts, credits, probes, bounds.  Returns
         whether anything moved.  Raises ProxyError."""
-        did = False
-        wall, split = time.perf_counter_ns, self._cpu_split
-        t0, c0 = wall(), (time.thread_time_ns() if split else 0)       # (_tx_begin / _tx_done, inline)
-        try:
-            comps = self.t.poll(raise_on_error=False)
-        except Exception as ex:   # noqa: BLE001
-            raise ProxyError(self.rank, None, None, None, STAGE_NAMES[STAGE_SEND_CQE], f"poll failed: {ex}") from ex
-        finally:
-            if split:
-                self._sweep_tx_cpu_ns += time.thread_time_ns() - c0
-            self._sweep_tx_ns += wall() - t0
-        if comps:
-            did = True
-            on = self._on_completion
-            for c in comps:
-                on(c)
+        did = self._completions()
         words = self._words.tolist()        # READY .. SRC, LEN, MASKED, ARRIVE of every peer: one read
         if self.arrival_words:
             did |= self._arrivals(words)
-        c0_, m0, S, h0, every, faults = self._sweep_at
+        c0_, m0, S, _, _, faults = self._sweep_at
         if any(words[faults]):        # (the rare case)
             self._raise_fault(words)
         now = time.monotonic()
@@ -171,6 +156,34 @@ class ProxyThreads:
                 did |= self._gather(p, st, picks.get((owner, p), ()), ready, credit, now, batches, words)
         if batches:
             self._post_batches(batches, prepared)
+        return self._credits_probes_bounds(words, now) or did
+
+    def _completions(self) -> bool:
+        """Step 1 of a sweep: one ``Transport.poll()`` (its wall and CPU time counted as the transport's), each
+        completion to :meth:`_on_completion`. Returns whether any came. Raises ProxyError where the poll fails."""
+        wall, split = time.perf_counter_ns, self._cpu_split
+        t0, c0 = wall(), (time.thread_time_ns() if split else 0)       # (_tx_begin / _tx_done, inline)
+        try:
+            comps = self.t.poll(raise_on_error=False)
+        except Exception as ex:   # noqa: BLE001
+            raise ProxyError(self.rank, None, None, None, STAGE_NAMES[STAGE_SEND_CQE], f"poll failed: {ex}") from ex
+        finally:
+            if split:
+                self._sweep_tx_cpu_ns += time.thread_time_ns() - c0
+            self._sweep_tx_ns += wall() - t0
+        if not comps:
+            return False
+        on = self._on_completion
+        for c in comps:
+            on(c)
+        return True
+
+    def _credits_probes_bounds(self, words: list, now: float) -> bool:
+        """The last steps of a sweep (``words``: this sweep's ring words; ``now``: its monotonic seconds): credits
+        for the slots consumers freed (a masked peer's at arrival), the liveness probes when due, and every 1 ms
+        the bound on chunks in flight. Returns whether a credit went out. Raises ProxyError past the bound."""
+        did = False
+        _, m0, _, h0, every, _ = self._sweep_at
         for p, st in self._peer_list:
             head = words[h0 + p]
             if head > st.credit_sent:           # (the common case, nothing freed, without a call)
