@@ -427,8 +427,8 @@ def test_cli_refuses_rings_larger_than_the_machine(monkeypatch, capsys):
 @settings(max_examples=25, deadline=None)
 @given(proxies=st.sampled_from([1, 2]), window=st.integers(1, 3), seed=st.integers(0, 2 ** 31 - 1))
 def test_qp_picker_matches_the_placement_rule(proxies, window, seed):
-    """The proxy's QP choice (per-port heaps, stale entries dropped lazily) is the rule the docs give, taken
-    by a scan of every QP: the port with the fewest bytes posted, then least outstanding on the port, on
+    """The proxy's QP choice (per port the minimum of a list of its QPs with room) is the rule the docs give,
+    taken by a scan of every QP: the port with the fewest bytes posted, then least outstanding on the port, on
     the QP, least bytes so far, lowest QP index, among QPs with room in their window; none when all are
     full. Random chunk sizes, completions of random QPs (cumulative, as signalled chunks retire), 3 hosts
     (2 peers) of dual-port NICs, 6 QPs per peer."""

@@ -153,7 +153,7 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
 
     def _plan_qps(self) -> None:
         """The QPs' states from the transport's placement (port, channel, owning proxy thread), their
-        receive queues filled, and the QP picker's heaps."""
+        receive queues filled, and the QP picker's lists of QPs with room."""
         for p in self.peers:
             for ent in self.t.placement(p):
                 port = f"{ent.port.device}:{ent.port.port}" + (f"/lag{ent.port.lag_port}" if ent.port.lag_port else "")
@@ -162,12 +162,13 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
                     self.t.post_recv(p, ent.qp, int(getattr(self.t, "rq_depth", 64)))
         for q in self._qps.values():
             q.owner = q.channel % self.proxies
-            q.heap = self._heaps.setdefault((q.owner, q.peer), {}).setdefault(q.port, [])
+            q.room = self._rooms.setdefault((q.owner, q.peer), {}).setdefault(q.port, [])
             q.port_w = self._ports[q.port]
-            self._push(q)
-        #: per (proxy thread, peer): its ports' ``(heap, [outstanding, total])``, for the picker
-        self._picks = {k: [(heap, self._ports[port]) for port, heap in ports.items()]
-                       for k, ports in self._heaps.items()}
+            q.room.append(q)
+            q.peer_state, q.i_sent = self._peer[q.peer], self._i_sent[q.peer]
+        #: per (proxy thread, peer): its ports' ``(QPs with room, [outstanding, total])``, for the picker
+        self._picks = {k: [(room, self._ports[port]) for port, room in ports.items()]
+                       for k, ports in self._rooms.items()}
 
     def close(self, tell: bool = True) -> None:
         """Let the proxy finish what was published (:meth:`drain`), then stop and join the proxy threads, and with

@@ -62,10 +62,14 @@ class _QPState:
     wrs: int = 0
     chunks: int = 0
     unsignaled: int = 0
-    parked: bool = False    # out of its port's heap: its window was full
-    #: its port's heap of the picker (:meth:`Scheduler._push`) and its port's ``[outstanding, total]`` bytes
-    heap: Optional[list] = None
+    parked: bool = False    # out of its port's list of QPs with room: its window is full
+    #: its port's list of QPs with room, the picker's (:meth:`Scheduler._room`), and its port's ``[outstanding,
+    #: total]`` bytes
+    room: Optional[list] = None
     port_w: Optional[List[int]] = None
+    #: its peer's state (:class:`_PeerState`) and the word index of ``SENT[peer]``, for the completions' path
+    peer_state: Optional["_PeerState"] = None
+    i_sent: int = 0
 
 
 @dataclass

@@ -4,7 +4,7 @@ credit WRITEs."""
 from __future__ import annotations
 
 import collections
-import heapq
+import operator
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -35,14 +35,14 @@ class ChunkPosting:
     WRITEs that give a peer its slots back."""
 
     def _init_posting(self) -> None:
-        """The send side's state: the arrival words' offsets and prepared keys, the QP picker's heaps (filled by
-        :meth:`_plan_qps`), the QPs with chunks in flight, and the credits' pace."""
+        """The send side's state: the arrival words' offsets and prepared keys, the QP picker's lists of QPs with room
+        (filled by :meth:`_plan_qps`), the QPs with chunks in flight, and the credits' pace."""
         S = self.slots
         #: byte offsets of this rank's arrival words at a peer, per slot (where its chunks' arrival words go)
         self._arrive_off = [8 * F.ring_arrive_word.host(self.world, S, self.rank, k) for k in range(S)]
-        #: per (proxy thread, peer, port): a heap of ``(out_bytes, total_bytes, qp)`` of its QPs with room
-        #: in their window (stale entries are dropped when met), and the QPs with chunks in flight
-        self._heaps: Dict[Tuple[int, int], Dict[str, list]] = {}
+        #: per (proxy thread, peer, port): its QPs with room in their window (:meth:`_room` keeps it), and the QPs
+        #: with chunks in flight
+        self._rooms: Dict[Tuple[int, int], Dict[str, list]] = {}
         self._picks: Dict[Tuple[int, int], List[Tuple[list, List[int]]]] = {}
         self._busy_qps: set = set()
         #: a credit goes once the consumer freed this many slots since the last (or caught up)
@@ -79,7 +79,8 @@ class ChunkPosting:
                                                      self._arrive_off[k]))
 
     def _post_batches(self, batches: Dict[Tuple[int, int], list], prepared: bool) -> None:
-        """One post call per QP of this sweep's chains (:meth:`_gather`): prepared work requests, or ``Op``s."""
+        """One post call per QP of this sweep's chains (:meth:`_place_prepared`: prepared work requests;
+        :meth:`_gather`: ``Op``s)."""
         wall, split = time.perf_counter_ns, self._cpu_split
         for (p, qp), ops in batches.items():
             t0, c0 = wall(), (time.thread_time_ns() if split else 0)
@@ -107,65 +108,53 @@ class ChunkPosting:
         return self._pick(self._picks.get((own[0].owner if own else -1, peer), ()))
 
     def _pick(self, ports: List[Tuple[list, List[int]]]) -> Optional[_QPState]:
-        """:meth:`_choose` over ``ports``, one proxy thread's ``(heap, [outstanding, total])`` per port for one peer.
-        Each port's best QP heads its heap as ``(out_bytes, total_bytes, qp index, QP)``: an entry is stale once
-        its QP's bytes moved (dropped when met); a QP whose window is full leaves its heap until a completion
-        frees room. The port key decides between the heads."""
+        """:meth:`_choose` over ``ports``, one proxy thread's ``(room, [outstanding, total])`` per port for one peer:
+        ``room`` lists the port's QPs with room in their window (:meth:`_room`); its best QP is their minimum by
+        ``(out_bytes, total_bytes, qp index)`` (one ``min`` in C), and the port key decides between the ports'."""
+        one = len(ports) == 1       # (one port: its best QP, no port key)
         best, key = None, None
-        window = self.max_chunks_per_qp
-        for heap, pw in ports:
-            while heap:             # the head, stale and full entries dropped
-                out, total, _, q = heap[0]
-                if out == q.out_bytes and total == q.total_bytes:
-                    if len(q.inflight) < window:
-                        break
-                    q.parked = True         # full: pushed again when a completion frees its window
-                heapq.heappop(heap)
-            else:
+        for room, pw in ports:
+            if not room:
                 continue
-            k = (pw[1], pw[0], out, total, q.qp)
+            q = min(room, key=_QP_ORDER)
+            if one:
+                return q
+            k = (pw[1], pw[0], q.out_bytes, q.total_bytes, q.qp)
             if key is None or k < key:
                 best, key = q, k
         return best
 
-    def _push(self, q: _QPState) -> None:
-        """``q``'s bytes changed (or its window has room again): a fresh entry in its port's heap."""
-        heap = q.heap
-        if len(heap) > 4 * self.t.num_qps_per_peer + 64:     # many stale entries: rebuild from the live QPs
-            live = {e[3] for e in heap}
-            heap[:] = [(x.out_bytes, x.total_bytes, x.qp, x) for x in live if x is not q and not x.parked]
-            heapq.heapify(heap)
-        q.parked = False
-        heapq.heappush(heap, (q.out_bytes, q.total_bytes, q.qp, q))
+    def _room(self, q: _QPState) -> None:
+        """``q``'s chunks in flight changed: it leaves its port's list of QPs with room once its window is full
+        (``parked``), and comes back once completions free it."""
+        if len(q.inflight) >= self.max_chunks_per_qp:
+            if not q.parked:
+                q.room.remove(q)
+                q.parked = True
+        elif q.parked:
+            q.room.append(q)
+            q.parked = False
 
-    def _gather(self, p: int, own: List[_QPState], batches: Dict[Tuple[int, int], list], now: float,
-                words: list, prepared: bool = False) -> bool:
-        """Move ready (below ``READY[p]``), credited chunks for peer ``p`` into per-QP chains in ``batches``
-        (accounted as posted): ``Op``s, or with ``prepared`` the prepared work requests' ``(key, length, imm, wr_id,
-        signaled)`` (:meth:`_prepare_wrs`). ``words``: the sweep's :meth:`RingFlags.snapshot`."""
-        st = self._peer[p]
-        ready = words[p]
-        if words[self._w_masked + p]:        # a masked peer's chunks are dropped, counted as placed
-            st.next_post = st.sent = ready
-            st.stall_since = None
-            self.flags.put(RingFlags.SENT, p, ready)
-            return True
-        credit = words[self._w_credit + p]
-        if credit < st.credit_floor:
-            credit = st.credit_floor
-        picks = self._picks.get((own[0].owner if own else -1, p), ())
-        end = min(ready, credit + self.slots)
-        if prepared:
-            moved = self._place_prepared(p, st, picks, end, now, batches, words)
-        else:
-            chains = self._place(p, st, picks, end, now, words)
-            self._chain_ops(p, chains, batches)
-            moved = bool(chains)
+    def _gather(self, p: int, st: _PeerState, picks, ready: int, credit: int, now: float,
+                batches: Dict[Tuple[int, int], list], words: list) -> bool:
+        """Move ready (below ``ready``, ``READY[p]``), credited (below ``credit + slots``) chunks for peer ``p`` into
+        per-QP chains of ``Op``s in ``batches`` (accounted as posted), each on the QP the picker chooses among
+        ``picks``: the path of a test hook that replaced :meth:`_chunk_ops`, or of chunks of several WRITEs
+        (:meth:`_place_prepared` is the other). ``words``: the sweep's :meth:`RingFlags.snapshot`. Returns whether
+        any chunk went."""
+        chains = self._place(p, st, picks, min(ready, credit + self.slots), now, words)
+        self._chain_ops(p, chains, batches)
         if st.next_post < ready and st.next_post - credit >= self.slots:
             self._stalled(p, st, credit, now)
         else:
             st.stall_since = None
-        return moved
+        return bool(chains)
+
+    def _drop_masked(self, p: int, st: _PeerState, ready: int) -> None:
+        """A masked peer's chunks (below ``ready``) are dropped, counted as placed."""
+        st.next_post = st.sent = ready
+        st.stall_since = None
+        self.flags.put(RingFlags.SENT, p, ready)
 
     def _chunk_len(self, p: int, q: _QPState, seq: int, words: list) -> int:
         """Bytes of chunk ``seq`` for ``p`` (its ``LEN`` word in ``words``). Raises :class:`ProxyError` outside
@@ -176,26 +165,29 @@ class ChunkPosting:
                              f"chunk {seq} has length {n} (expected 1..{self.slot_bytes})")
         return n
 
-    def _place_prepared(self, p: int, st: _PeerState, picks, end: int, now: float,
+    def _place_prepared(self, p: int, st: _PeerState, picks, ready: int, credit: int, now: float,
                         batches: Dict[Tuple[int, int], list], words: list) -> bool:
-        """Peer ``p``'s chunks from ``st.next_post`` up to ``end`` (ready and credited), each on the QP the picker
-        chooses among ``picks`` (until none has room), accounted as posted, appended to that QP's chain in
-        ``batches`` as prepared work requests (what :meth:`_chunk_ops` + :func:`_fold_signal` would build): every
-        ``signal_every``-th chunk of a QP and the last of each chain signalled. Returns whether any chunk went."""
+        """Peer ``p``'s chunks from ``st.next_post`` up to ``ready`` (``READY[p]``) and ``credit + slots``, each on the
+        QP the picker chooses among ``picks`` (until none has room), accounted as posted, appended to that QP's chain
+        in ``batches`` as prepared work requests (what :meth:`_chunk_ops` + :func:`_fold_signal` would build): every
+        ``signal_every``-th chunk of a QP and the last of each chain signalled; a peer that has no room for the rest
+        starts (or checks) the stall's clock. Returns whether any chunk went."""
         S, every, arrival, trace = self.slots, self.signal_every, self.arrival_words, self.trace
+        end = min(ready, credit + S)
         l0, C = self._w_len + p * S, self.slot_bytes
+        pick, account, get = self._pick, self._account, batches.get
         chains = []         # (QP, its chain) of this peer in this sweep
         seq = st.next_post
         while seq < end:
-            q = self._pick(picks)
+            q = pick(picks)
             if q is None:
                 break
             k = seq % S
             n = words[l0 + k]
             if not 0 < n <= C:
                 self._chunk_len(p, q, seq, words)       # (raises)
-            self._account(q, seq, n, now)
-            batch = batches.get((p, q.qp))
+            account(q, seq, n, now)
+            batch = get((p, q.qp))
             if batch is None:
                 batch = batches[(p, q.qp)] = []
                 chains.append((q, batch))
@@ -222,6 +214,10 @@ class ChunkPosting:
             if not last[4]:
                 batch[-1] = last[:4] + (True,)
                 q.unsignaled = 0
+        if seq < ready and seq - credit >= S:
+            self._stalled(p, st, credit, now)
+        else:
+            st.stall_since = None
         return bool(chains)
 
     def _place(self, p: int, st: _PeerState, picks, end: int, now: float,
@@ -278,13 +274,12 @@ class ChunkPosting:
                     if tqp != qp and is_chunk_signal(op):   # the signal went elsewhere: retire it there
                         ent = next(e for e in q.inflight if e[0] == seq)
                         q.inflight.remove(ent)
-                        if q.parked:            # its window has room again
-                            self._push(q)
-                        other = self._qps[(p, tqp)].inflight
-                        other.append(ent)
-                        other = sorted(other)
-                        self._qps[(p, tqp)].inflight = collections.deque(other)
-                        self._busy_qps.add(self._qps[(p, tqp)])
+                        self._room(q)           # (its window may have room again)
+                        to = self._qps[(p, tqp)]
+                        to.inflight.append(ent)
+                        to.inflight = collections.deque(sorted(to.inflight))
+                        self._room(to)
+                        self._busy_qps.add(to)
                 if self.trace:
                     self._event("post", p, q.channel, qp, seq, n)
 
@@ -296,10 +291,12 @@ class ChunkPosting:
         port = q.port_w
         port[0] += n
         port[1] += n
-        if not q.inflight:
+        inflight = q.inflight
+        if not inflight:
             self._busy_qps.add(q)
-        q.inflight.append((seq, n, now))   # moved to the signal's QP where that is another one
-        self._push(q)
+        inflight.append((seq, n, now))   # moved to the signal's QP where that is another one
+        if len(inflight) >= self.max_chunks_per_qp:     # (_room: its window is full)
+            self._room(q)
 
     def _chunk_ops(self, peer: int, qp: int, seq: int, nbytes: int, signaled: bool) -> List[Tuple[int, Op]]:
         """The work requests of one chunk, as ``(QP index, Op)``: its WRITEs, then its signal (a zero-length
@@ -346,19 +343,25 @@ class ChunkPosting:
         if head <= st.credit_sent or (head - st.credit_sent < self._credit_every and head < st.tail):
             return False
         self.flags.w[self._i_src[p]] = head
-        t0, c0 = self._tx_begin()
+        wall, split = time.perf_counter_ns, self._cpu_split
+        t0, c0 = wall(), (time.thread_time_ns() if split else 0)       # (_tx_begin / _tx_done, inline)
         try:        # (the WRITE of SRC[p] into the peer's CREDIT[me], prepared at start)
             self.t.post_prepared(p, 0, _CREDIT_REQ)
         except Exception as ex:   # noqa: BLE001
             raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST], f"credit write: {type(ex).__name__}: {ex}") from ex
         finally:
-            self._tx_done(t0, c0)
+            if split:
+                self._sweep_tx_cpu_ns += time.thread_time_ns() - c0
+            self._sweep_tx_ns += wall() - t0
         self.wrs_posted += 1
         st.credit_sent = head
         return True
 
 
 
+#: the order of a port's QPs for the picker (:meth:`ChunkPosting._pick`): least outstanding bytes, least bytes so far,
+#: lowest QP index
+_QP_ORDER = operator.attrgetter("out_bytes", "total_bytes", "qp")
 #: the scheduler's own ``_chunk_ops`` (a chunk skips it only while nothing replaced it: the ordering tests do)
 _CHUNK_OPS = ChunkPosting._chunk_ops
 #: the prepared credit WRITE's key (QP 0 of each peer) and its post: 8 bytes, unsignalled

@@ -36,6 +36,12 @@ class ProxyThreads:
         #: word indices of ``TAIL[p]``, ``SENT[p]`` and ``SRC[p]`` (the sweep stores them into ``flags.w`` directly)
         self._i_tail, self._i_sent, self._i_src = ([f.index(a, p) for p in range(R)]
                                                    for a in (RingFlags.TAIL, RingFlags.SENT, RingFlags.SRC))
+        #: the words every sweep reads (:meth:`RingFlags.snapshot_view`, a view kept: ``tolist()`` per sweep)
+        self._words = f.snapshot_view()
+        #: what a sweep reads of its scheduler's sizes, in one tuple: where ``CREDIT``, ``MASKED`` and ``HEAD`` start in
+        #: the snapshot, the slots, a credit's pace (:meth:`_credit`), and the slice of the ``FAULT`` words
+        self._sweep_at = (self._w_credit, self._w_masked, self.slots, self._w_head, self._credit_every,
+                          slice(self._w_fault, self._w_fault + R))
         #: when the sweep next checks the chunks in flight against ``timeout_s`` (monotonic seconds; every 1 ms)
         self._bound_at = 0.0
         #: the liveness probes (:class:`Liveness`): when the next round goes, the probes in flight, the suspects
@@ -45,15 +51,15 @@ class ProxyThreads:
         idle = 0
         try:
             wall, cpu = time.perf_counter_ns, time.thread_time_ns
-            stop, w, beat = self._stop, self.flags.w, RingFlags.BEAT
+            stop, lock, sweep, w, beat = self._stop, self._lock, self._sweep, self.flags.w, RingFlags.BEAT
             # The thread's CPU clock (a system call, about 1 µs) is read once per pass: after a busy sweep (whose CPU
             # time runs from the previous read) and after an idle sweep's wait (where the next sweep's time starts).
             c0 = cpu()
             while not stop.is_set():
                 t0 = w[beat] = wall()   # (the heartbeat: a proxy process's rank tells a stopped proxy by it)
-                with self._lock:        # (the counters too: proxy threads share them, stats() reads them whole)
+                with lock:        # (the counters too: proxy threads share them, stats() reads them whole)
                     self._sweep_tx_ns = self._sweep_tx_cpu_ns = 0
-                    did = self._sweep(own)
+                    did = sweep(own)
                     if did:
                         c1 = cpu()
                         self._busy_ns += wall() - t0
@@ -112,7 +118,49 @@ class ProxyThreads:
     def _sweep(self, own: List[_QPState]) -> bool:
         """One pass of a proxy thread: completions, the ring words, faults, posts, credits, probes, bounds.  Returns
         whether anything moved.  Raises ProxyError."""
-        did = False
+        did = self._completions()
+        words = self._words.tolist()        # READY .. SRC, LEN, MASKED, ARRIVE of every peer: one read
+        if self.arrival_words:
+            did |= self._arrivals(words)
+        c0_, m0, S, _, _, faults = self._sweep_at
+        if any(words[faults]):        # (the rare case)
+            self._raise_fault(words)
+        now = time.monotonic()
+        # per QP: Ops to post (a test hook replaced _chunk_ops), or prepared work requests (key, length, imm,
+        # wr_id, signaled): one post call per QP and sweep either way
+        batches: Optional[Dict[Tuple[int, int], list]] = None
+        prepared = False
+        for p, st in self._peer_list:
+            ready = words[p]
+            if ready <= st.next_post:           # (nothing ready: no call)
+                st.stall_since = None
+                continue
+            if words[m0 + p]:                   # a masked peer's chunks are dropped, counted as placed
+                self._drop_masked(p, st, ready)
+                did = True
+                continue
+            credit = words[c0_ + p]
+            if credit < st.credit_floor:
+                credit = st.credit_floor
+            if st.next_post - credit >= S:      # (no room at the peer: no call but the stall's clock)
+                self._stalled(p, st, credit, now)
+                continue
+            if batches is None:
+                batches = {}
+                prepared = self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
+                picks = self._picks
+                owner = own[0].owner if own else -1
+            if prepared:        # (chunks of one WRITE each: prepared work requests)
+                did |= self._place_prepared(p, st, picks.get((owner, p), ()), ready, credit, now, batches, words)
+            else:
+                did |= self._gather(p, st, picks.get((owner, p), ()), ready, credit, now, batches, words)
+        if batches:
+            self._post_batches(batches, prepared)
+        return self._credits_probes_bounds(words, now) or did
+
+    def _completions(self) -> bool:
+        """Step 1 of a sweep: one ``Transport.poll()`` (its wall and CPU time counted as the transport's), each
+        completion to :meth:`_on_completion`. Returns whether any came. Raises ProxyError where the poll fails."""
         wall, split = time.perf_counter_ns, self._cpu_split
         t0, c0 = wall(), (time.thread_time_ns() if split else 0)       # (_tx_begin / _tx_done, inline)
         try:
@@ -123,36 +171,24 @@ class ProxyThreads:
             if split:
                 self._sweep_tx_cpu_ns += time.thread_time_ns() - c0
             self._sweep_tx_ns += wall() - t0
-        if comps:
-            did = True
-            on = self._on_completion
-            for c in comps:
-                on(c)
-        words = self.flags.snapshot()       # READY .. SRC, LEN, MASKED, ARRIVE of every peer: one read
-        if self.arrival_words:
-            did |= self._arrivals(words)
-        f0 = self._w_fault
-        if any(words[f0:f0 + self.world]):        # (the rare case)
-            self._raise_fault(words)
-        now = time.monotonic()
-        # per QP: Ops to post (a test hook replaced _chunk_ops), or prepared work requests (key, length, imm,
-        # wr_id, signaled): one post call per QP and sweep either way
-        batches: Optional[Dict[Tuple[int, int], list]] = None
-        prepared = False
+        if not comps:
+            return False
+        on = self._on_completion
+        for c in comps:
+            on(c)
+        return True
+
+    def _credits_probes_bounds(self, words: list, now: float) -> bool:
+        """The last steps of a sweep (``words``: this sweep's ring words; ``now``: its monotonic seconds): credits
+        for the slots consumers freed (a masked peer's at arrival), the liveness probes when due, and every 1 ms
+        the bound on chunks in flight. Returns whether a credit went out. Raises ProxyError past the bound."""
+        did = False
+        _, m0, _, h0, every, _ = self._sweep_at
         for p, st in self._peer_list:
-            if words[p] > st.next_post:         # (else nothing ready: no call)
-                if batches is None:
-                    batches = {}
-                    prepared = self._prepared and getattr(self._chunk_ops, "__func__", None) is _CHUNK_OPS
-                did |= self._gather(p, own, batches, now, words, prepared)
-            else:
-                st.stall_since = None
-        if batches:
-            self._post_batches(batches, prepared)
-        h0, m0 = self._w_head, self._w_masked
-        for p, st in self._peer_list:
-            if words[h0 + p] > st.credit_sent:    # (the common case, nothing freed, without a call)
-                did |= self._credit(p, words[h0 + p])
+            head = words[h0 + p]
+            if head > st.credit_sent:           # (the common case, nothing freed, without a call)
+                if head - st.credit_sent >= every or head >= st.tail:     # (_credit's rule, inline)
+                    did |= self._credit(p, head)
             elif st.tail > st.credit_sent and words[m0 + p]:
                 did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
         if now >= self.liveness.next_at:
@@ -229,34 +265,17 @@ class ProxyThreads:
         return moved
 
     def _on_completion(self, c: Completion) -> None:
+        """One completion of the sweep's poll. A successful one (the common case, looked at first): a chunk's
+        receive (its WRITE_WITH_IMM landed) moves ``TAIL[peer]`` past every chunk that arrived in order (the rest
+        wait in ``arrived``; without the transport's own replenishing, one receive is posted again), a chunk's
+        signalled send retires it and those before it on its QP (:meth:`_retire`), a probe's clears it
+        (:class:`Liveness`). A failed one: :meth:`_failed`."""
         peer = c.peer
         if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
             return
-        probe = (c.opcode != "recv_imm" and c.wr_id is not None and bool(c.wr_id & TAG_PROBE)
-                 and not c.wr_id & TAG_CHUNK)
-        if probe:
-            qp_failed = self.liveness.answered(peer, c.status == "IBV_WC_SUCCESS")
-            if qp_failed is not None:
-                raise qp_failed             # the peer acknowledged QP 0 after its other QP failed: that QP
         if c.status != "IBV_WC_SUCCESS":
-            if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
-                return
-            stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
-            ch = None if c.qp is None else c.qp // self.qps_per_channel
-            what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
-            if c.status == STATUS_GONE and (probe or c.qp == 0):
-                if self.flags.get(RingFlags.FAULT, peer) & CLOSED:
-                    raise PeerClosedError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
-                                          f"the peer destroyed its Buffer (its close word came first): {what}")
-                raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
-                                    f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
-            if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells
-                self.liveness.suspect(peer, ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what))
-                return
-            if c.status == STATUS_FLUSHED and peer in self.liveness.suspects:
-                return      # (the rest of a suspect's failed QP, flushed after its first error: the probe tells)
-            raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
-        if c.opcode == "recv_imm":
+            return self._failed(c, peer)
+        if c.opcode == "recv_imm":     # a chunk's WRITE_WITH_IMM landed
             st = self._peer[peer]
             tail = st.tail
             ahead = (c.imm - tail) & 0xFFFFFFFF
@@ -266,29 +285,63 @@ class ProxyThreads:
                     self.on_signal(peer, c.qp, seq)
                 if self.trace:
                     self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, seq, 0)
-                arrived = st.arrived
-                if seq == tail:         # (the common case: in order)
+                if seq == tail:         # (the common case: in order: TAIL moves at once)
                     tail += 1
+                    arrived = st.arrived
                     while arrived and tail in arrived:
                         arrived.discard(tail)
                         tail += 1
                     st.tail = tail
-                else:
-                    arrived.add(seq)
+                else:                   # (past a gap: it waits in the arrived set)
+                    st.arrived.add(seq)
                 self.flags.w[self._i_tail[peer]] = tail
-            if self._replenish:
+            if self._replenish:         # (a transport that does not replenish its receives itself)
                 t0, c0 = self._tx_begin()
                 self.t.post_recv(peer, c.qp, 1)
                 self._tx_done(t0, c0)
-        elif c.wr_id & TAG_CHUNK:
-            self._retire(self._qps[(peer, c.qp)], c.wr_id & _SEQ_MASK)
+            return
+        wr_id = c.wr_id
+        if wr_id & TAG_CHUNK:
+            self._retire(self._qps[(peer, c.qp)], wr_id & _SEQ_MASK)
+        elif wr_id & TAG_PROBE:
+            qp_failed = self.liveness.answered(peer, True)
+            if qp_failed is not None:
+                raise qp_failed             # the peer acknowledged QP 0 after its other QP failed: that QP
+
+    def _failed(self, c: Completion, peer: int) -> None:
+        """A failed completion ``c`` of a QP to ``peer``: nothing where ``peer`` is masked or a suspect's flushed
+        request (its probe tells); a suspicion (:meth:`Liveness.suspect`) for a data QP's request the peer never
+        acknowledged; else :class:`PeerGoneError` (QP 0's or a probe's) or :class:`ProxyError`, raised."""
+        probe = (c.opcode != "recv_imm" and c.wr_id is not None and bool(c.wr_id & TAG_PROBE)
+                 and not c.wr_id & TAG_CHUNK)
+        if probe:
+            qp_failed = self.liveness.answered(peer, False)
+            if qp_failed is not None:
+                raise qp_failed
+        if self.flags.masked(peer):        # a masked (dead) peer's QPs may fail: nothing waits for them
+            return
+        stage = STAGE_RECV_CQE if c.opcode == "recv_imm" else STAGE_SEND_CQE
+        ch = None if c.qp is None else c.qp // self.qps_per_channel
+        what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
+        if c.status == STATUS_GONE and (probe or c.qp == 0):
+            if self.flags.get(RingFlags.FAULT, peer) & CLOSED:
+                raise PeerClosedError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
+                                      f"the peer destroyed its Buffer (its close word came first): {what}")
+            raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
+                                f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
+        if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells
+            self.liveness.suspect(peer, ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what))
+            return
+        if c.status == STATUS_FLUSHED and peer in self.liveness.suspects:
+            return      # (the rest of a suspect's failed QP, flushed after its first error: the probe tells)
+        raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
 
     def _retire(self, q: _QPState, seq: int) -> None:
         """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""
-        st = self._peer[q.peer]
         inflight = q.inflight
         if not inflight or inflight[0][0] > seq:
             return
+        st = q.peer_state
         port = q.port_w
         sent, done = st.sent, st.sent_set
         while inflight and inflight[0][0] <= seq:
@@ -303,7 +356,8 @@ class ProxyThreads:
             done.discard(sent)
             sent += 1
         st.sent = sent
-        self._push(q)
+        if q.parked:            # (_room: its window has room again)
+            self._room(q)
         if not inflight:
             self._busy_qps.discard(q)
-        self.flags.w[self._i_sent[q.peer]] = sent
+        self.flags.w[q.i_sent] = sent

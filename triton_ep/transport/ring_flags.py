@@ -62,8 +62,13 @@ class RingFlags:
         ``LEN`` word is read after the ``READY`` word that released it): ``READY`` .. ``SRC``, ``LEN``, ``MASKED`` and
         ``ARRIVE``, as a list of ``7 R + 2 R S + R`` ints. Item indices: :meth:`rows`' for ``READY`` .. ``FAULT``, then
         :attr:`len0` ``+ peer * S + slot``, :attr:`masked0` ``+ peer``, :attr:`arrive0` ``+ peer * S + slot``."""
+        return self.snapshot_view().tolist()
+
+    def snapshot_view(self) -> "numpy.ndarray":
+        """The int64 numpy view of the words :meth:`snapshot` reads (a view of the control block, not a copy: its
+        ``tolist()`` is a fresh snapshot; the proxy's sweep keeps it from its start and reads it every pass)."""
         i = self._word[self.READY][0]
-        return self.w[i:self._arrive0 + self.size * self.slots].tolist()
+        return self.w[i:self._arrive0 + self.size * self.slots]
 
     @property
     def len0(self) -> int:

@@ -107,7 +107,7 @@ class VerbsTransport(_VerbsMemory, _VerbsDataPath, Transport):
         self.e = enums_of(self.api)
         self._wc_success = self.e.IBV_WC_SUCCESS        # (read per work completion: no enum look-up there)
         self._send_signaled = self.e.IBV_SEND_SIGNALED  # (stored per post)
-        self._stamp = 0         # (numbers the calls of _post_prepared_chain: a key met twice in one splits the chain)
+        self._stamp = 0         # (numbers the calls of _link_prepared: a key met twice in one splits the chain)
         self.rank, self.world_size, self.num_qps_per_peer = rank, world_size, num_qps_per_peer
         self.sq_depth, self.rq_depth, self.timeout_s = sq_depth, rq_depth, timeout_s
         self.n_paths = num_qps_per_peer if n_paths is None else n_paths

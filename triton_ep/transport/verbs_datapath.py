@@ -16,6 +16,8 @@ from triton_ep.transport.verbs_memory import Region
 from triton_ep.transport.verbs_qp import build_send_wr
 
 _RECV_BIT = 1 << 63
+#: the request's number in a send completion's ``wr_id`` (the CQ slot is above it)
+_SEQ_BITS = (1 << 56) - 1
 
 
 @dataclass
@@ -202,34 +204,70 @@ class _VerbsDataPath(Transport):
         q = self.qps[(peer, qp)]
         if q.unprepared:        # (this pyverbs: no reusable requests)
             return super().post_prepared(peer, qp, reqs)
-        i, n = 0, len(reqs)
+        inflight = q.inflight
+        base, n = len(inflight), len(reqs)
+        if n == 1 and base < self.sq_depth:     # (the common case: one request, no chain to link)
+            key, length, imm, wr_id, signaled = reqs[0]
+            p = q.prepared[key]
+            seq = next(q.seq)
+            q.unsignaled_run += 1
+            if signaled or q.unsignaled_run >= self.signal_every or base + 1 == self.sq_depth:
+                q.unsignaled_run = 0
+                flags = self._send_signaled
+            else:
+                flags = 0
+            wr = p.last
+            wr.wr_id = q.slot << 56 | seq
+            wr.send_flags = flags
+            if p.kind == WRITE_WITH_IMM:
+                wr.imm_data = imm & 0xFFFFFFFF
+            p.sge.length = length
+            inflight.append((seq, seq if wr_id is None else wr_id, signaled, p.kind))
+            try:
+                q.qp.post_send(wr)
+            except self.api.PyverbsError as ex:
+                raise self._post_failed(q, base, ex) from ex
+            return
+        i = 0
         while i < n:
-            room = self.sq_depth - len(q.inflight)
+            room = self.sq_depth - len(inflight)
             if room <= 0:
                 self.wait(lambda _: len(q.inflight) < self.sq_depth, stage="rdma/send-queue space", peer=peer,
                           channel=qp, keep=True)
                 continue
-            i += self._post_prepared_chain(q, reqs, i, min(n, i + room))
+            base = len(inflight)
+            head = self._link_prepared(q, reqs, i, min(n, i + room))
+            try:
+                q.qp.post_send(head)
+            except self.api.PyverbsError as ex:
+                raise self._post_failed(q, base, ex) from ex
+            i += len(inflight) - base
 
-    def _post_prepared_chain(self, q: _QP, reqs: Sequence[tuple], i: int, end: int) -> int:
-        """Post ``reqs[i:end]`` (or its part before a key met twice) as one chain on ``q``; returns how many."""
+    @staticmethod
+    def _post_failed(q: _QP, base: int, ex: Exception) -> RdmaError:
+        """``post_send`` on ``q`` raised ``ex``: the requests ``q.inflight`` holds from index ``base`` on were not
+        posted (taken out again); returns the :class:`RdmaError` to raise."""
+        del q.inflight[base:]
+        return RdmaError(f"post_send failed: {ex}", errno=getattr(ex, "error_code", None), device=q.port.device,
+                         port=q.port.port, qp_num=q.info.qp_num, peer=q.peer)
+
+    def _link_prepared(self, q: _QP, reqs: Sequence[tuple], i: int, end: int) -> Any:
+        """Set up ``reqs[i:end]`` (up to a key met twice) as one linked chain of ``q``'s prepared requests, each
+        numbered and entered in ``q.inflight`` (every ``signal_every``-th, and the one that fills the send queue,
+        signalled); returns its head."""
         self._stamp = stamp = self._stamp + 1
         prepared, sig_flag, every = q.prepared, self._send_signaled, self.signal_every
-        if end - i == 1:        # (the common case: one request)
-            ents = [prepared[reqs[i][0]]]
-        else:
-            ents, j = [], i
-            while j < end:
-                p = prepared[reqs[j][0]]
-                if p.stamp == stamp:
-                    break
-                p.stamp = stamp
-                ents.append(p)
-                j += 1
+        ents, j = [], i
+        while j < end:
+            p = prepared[reqs[j][0]]
+            if p.stamp == stamp:
+                break
+            p.stamp = stamp
+            ents.append(p)
+            j += 1
         last = len(ents) - 1
         inflight = q.inflight
-        base = len(inflight)
-        fills = base + len(ents) == self.sq_depth
+        fills = len(inflight) + len(ents) == self.sq_depth
         prev = head = None
         slot_bits = q.slot << 56
         for k, p in enumerate(ents):
@@ -251,13 +289,7 @@ class _VerbsDataPath(Transport):
                 prev.next_wr = wr
             prev = wr
             inflight.append((seq, seq if wr_id is None else wr_id, signaled, p.kind))
-        try:
-            q.qp.post_send(head)
-        except self.api.PyverbsError as ex:
-            del q.inflight[base:]
-            raise RdmaError(f"post_send failed: {ex}", errno=getattr(ex, "error_code", None), device=q.port.device,
-                            port=q.port.port, qp_num=q.info.qp_num, peer=q.peer) from ex
-        return len(ents)
+        return head
 
     def poll(self, max_entries: int = 64, raise_on_error: bool = True) -> List[Completion]:
         """Completions since the last call (queued ones first); see :meth:`rdma.Transport.poll`."""
@@ -303,24 +335,26 @@ class _VerbsDataPath(Transport):
         """The :class:`Completion` of work completion ``wc`` of CQ ``slot`` (None: nothing to report: an unsignalled
         request's, a flushed receive's); a consumed receive is counted on its QP, which goes into ``owed`` once
         ``recv_batch`` are owed."""
-        q = self.by_qpn.get((slot, wc.qp_num))
+        qp_num, wr_id = wc.qp_num, wc.wr_id
+        q = self.by_qpn.get((slot, qp_num))
         ok = wc.status == self._wc_success
         status = "IBV_WC_SUCCESS" if ok else self.e.name_of("IBV_WC_STATUS_", wc.status, WC_STATUS_NAMES)
-        peer, idx = (q.peer, q.index) if q else (None, None)
-        if wc.wr_id & _RECV_BIT:   # classify by wr_id: the opcode of an error completion is undefined
+        if wr_id & _RECV_BIT:   # classify by wr_id: the opcode of an error completion is undefined
+            peer = idx = None
             if q is not None:
+                peer, idx = q.peer, q.index
                 q.recvs_posted -= 1
-                if self.auto_replenish and ok:
+                if ok and self.auto_replenish:
                     q.recv_owed += 1
                     if q.recv_owed == self.recv_batch:
                         owed.append(q)
             if not ok and status == "IBV_WC_WR_FLUSH_ERR":
                 return None   # a flushed receive: the send side reports the failure
-            return Completion(status, "recv_imm", wc.wr_id & ~_RECV_BIT, int(wc.imm_data) if ok else None,
-                              wc.qp_num, peer, idx, int(wc.byte_len))
-        seq = wc.wr_id & ((1 << 56) - 1)
+            return Completion(status, "recv_imm", wr_id & ~_RECV_BIT, int(wc.imm_data) if ok else None,
+                              qp_num, peer, idx, int(wc.byte_len))
         if q is None:
-            return Completion(status, "unknown", wc.wr_id, None, wc.qp_num, None, None)
+            return Completion(status, "unknown", wr_id, None, qp_num, None, None)
+        seq = wr_id & _SEQ_BITS
         inflight = q.inflight
         k = seq - inflight[0][0] if inflight else -1      # (a QP's requests are numbered 1, 2, 3, ... in order)
         if not 0 <= k < len(inflight) or inflight[k][0] != seq:     # (numbers skipped by a failed post: search)
@@ -330,5 +364,5 @@ class _VerbsDataPath(Transport):
         _, uid, usig, kind = inflight[k]
         del inflight[:k + 1]   # this completion retires every earlier (unsignalled) request of the QP
         if usig or not ok:
-            return Completion(status, kind, uid, None, wc.qp_num, peer, idx, int(wc.byte_len))
+            return Completion(status, kind, uid, None, qp_num, q.peer, q.index, int(wc.byte_len))
         return None

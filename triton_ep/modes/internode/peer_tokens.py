@@ -17,7 +17,7 @@ import time
 from typing import Callable, List, Optional
 
 from ...errors import EPTimeoutError
-from ...transport.bootstrap import STORE_CALL_S, bounded_store_call
+from ...runtime import STORE_CALL_S, bounded_store_call
 
 #: seconds a host-path header exchange waits before it tells a capture-path peer that it took the host path
 MARK_AFTER_S = 0.5
