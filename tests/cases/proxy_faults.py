@@ -11,6 +11,7 @@ import torch
 import triton_ep
 import triton_ep.testing
 from tests.cases.dead_peer import _buffer, _warm_up
+from tests.cases.internode import _all_live_ranks_reach
 
 #: 2 hosts of 2 ranks over the emulated fabric
 ENV = {"TRITON_EP_RDMA": "emulated", "TRITON_EP_RANKS_PER_HOST": "2"}
@@ -116,8 +117,9 @@ def _sched(buf, mode: str):
 def proxy_stopped(rank, world, mode, victim, timeout_s):
     """Every rank makes a correct call of ``mode`` ("internode" or "internode_ll":
     :func:`tests.cases.dead_peer._warm_up`); after a barrier rank ``victim`` stops its own proxy process (SIGSTOP)
-    and every rank makes the call twice, then destroys its Buffer (on the victim that ends the stopped proxy; it is
-    resumed, SIGCONT, on every path, so that nothing stays stopped). Returns ``[the calls (:func:`_calls`), seconds
+    and every rank makes the call twice, waits for every other rank to be done (the group's store), then destroys
+    its Buffer (on the victim that ends the stopped proxy; it is resumed, SIGCONT, on every path, so that nothing
+    stays stopped). Returns ``[the calls (:func:`_calls`), seconds
     destroy() took, this rank's proxy's pid]``."""
     import torch.distributed as dist
     os.environ.update(ENV)
@@ -130,6 +132,7 @@ def proxy_stopped(rank, world, mode, victim, timeout_s):
         if rank == victim:
             os.kill(pid, signal.SIGSTOP)
         out = _calls(call)
+        _all_live_ranks_reach(world, bound_s=60.0)      # (so that no rank's teardown is what a slow one hears first)
     except BaseException:
         if rank == victim and pid is not None:
             os.kill(pid, signal.SIGCONT)
