@@ -320,7 +320,8 @@ def test_bench_internode_out(tmp_path, results_untouched):
     assert len(inside) == 2 and all(r["chunks_per_call"] > 0 and r["proxy_us_per_chunk"] > 0 for r in inside), inside
 
 
-@pytest.mark.parametrize("arrival", [False, pytest.param(True, marks=pytest.mark.extended)])
+@pytest.mark.extended      # (about 40-55 s on 2 cores; the network leg's own tests are in tests/modes/internode)
+@pytest.mark.parametrize("arrival", [False, True])
 def test_bench_low_latency_across_hosts(tmp_path, results_untouched, arrival):
     """bench_low_latency.py --hosts 2 (and with --arrival-words): the ranks as 2 hosts over the emulated fabric;
     each rank reports its network leg: one chunk per peer and call, its work requests (one more a call with
@@ -372,8 +373,8 @@ def test_host_cost_diff_writes_ratios(tmp_path, results_untouched):
     scripts are refused."""
     res = os.path.join(ROOT, "benchmarks", "results")
     before = os.path.join(res, "low_latency_h200_r1.json")
-    run_bench("host_cost.py", "--diff", before, _slower(before, tmp_path / "after.json"), "--name", "ll",
-              "--out", str(tmp_path))
+    assert bench_module("host_cost").main(["--diff", before, _slower(before, tmp_path / "after.json"), "--name", "ll",
+                                           "--out", str(tmp_path)]) == 0    # (in this process: a process costs seconds)
     out = json.loads((tmp_path / "ll.json").read_text())
     rows = {r["what"]: r for r in out["rows"]}
     assert rows["graph"]["ratio"] == pytest.approx(2.0)
@@ -389,8 +390,8 @@ def test_host_cost_diff_reads_grid_cap_results(tmp_path, results_untouched):
     """``host_cost.py --diff`` on the committed grid_cap.py result and a copy with its figures doubled: GPU µs and
     the fraction of the copy ceiling per token count, setting and call."""
     res = os.path.join(ROOT, "benchmarks", "results", "grid_cap_h200_r1.json")
-    run_bench("host_cost.py", "--diff", res, _slower(res, tmp_path / "after.json"), "--name", "gc",
-              "--out", str(tmp_path))
+    assert bench_module("host_cost").main(["--diff", res, _slower(res, tmp_path / "after.json"), "--name", "gc",
+                                           "--out", str(tmp_path)]) == 0
     rows = {r["what"]: r for r in json.loads((tmp_path / "gc.json").read_text())["rows"]}
     with open(res) as f:
         settings = json.load(f)["results"]
@@ -401,6 +402,7 @@ def test_host_cost_diff_reads_grid_cap_results(tmp_path, results_untouched):
     assert len(rows) == 4 * len(settings)      # per row: 2 calls x (µs, frac)
 
 
+@pytest.mark.extended      # (about 35 s on 2 cores: two ranks, both sides' calls interpreted)
 def test_bench_calls_compare_with_itself(tmp_path, results_untouched):
     """``--compare triton_ep`` (the library against itself, two CPU ranks, tiny shapes): a row per compared
     call with finite positive host µs for both sides and ratio = ours / peer, one pair per repeat, the peer

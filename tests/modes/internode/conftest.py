@@ -2,8 +2,8 @@
 (``TRITON_EP_PROXY``, :mod:`triton_ep.proxy_process`): the ``proxy_mode`` parameter sets the variable in the test
 process, whose rank processes take its environment. The default tier runs every variant of the library's default
 (:data:`~triton_ep.proxy_process.rank_side.DEFAULT_PROXY`, ``process`` on Linux) and the other kind's variants of
-:data:`DEFAULT_OTHER` (a representative subset: round trips of both modes across hosts, the capture path, a dropped
-signal, a killed rank); the others are in the extended tier (``pytest --extended``), as are the default kind's
+:data:`DEFAULT_OTHER` (a representative subset: round trips across hosts, the capture path's errors, a killed rank, a
+forked child); the others are in the extended tier (``pytest --extended``), as are the default kind's
 variants of :data:`DEFAULT_TIER_THREAD` (many-process cases whose thread variant stays). Tests that set the variable
 per rank themselves (test_proxy_mode.py) run once in the default tier, as their variant of the default kind."""
 import pytest
@@ -13,11 +13,8 @@ from triton_ep.proxy_process.rank_side import DEFAULT_PROXY
 #: the tests whose variants of the kind that is not the default run in the default tier too
 DEFAULT_OTHER = {
     "test_round_trip",
-    "test_a_dropped_signal_fails_both_ranks_within_the_bound",
-    "test_two_outstanding_hooks_received_in_reverse_order",
     "test_capture_path_errors_reach_every_rank",
     "test_a_rank_killed_on_the_other_host_is_a_remote_error_within_seconds",
-    "test_round_trip_every_feature_two_hosts_of_two",
     "test_a_forked_child_that_destroys_the_buffer_changes_nothing",
     # GPU (skipped on CPU): round trips, a graph of low-latency calls across emulated hosts
     "test_round_trip_gpu",

@@ -143,7 +143,9 @@ def test_masked_remote_rank(by_timeout, proxy_mode):
             assert waits[0] >= bound and max(waits[1:]) < waits[0] - 2.0, waits
 
 
-@pytest.mark.parametrize("world,by_timeout,how,arrival", [(2, False, "update", False), (2, True, "clean", False),
+@pytest.mark.parametrize("world,by_timeout,how,arrival", [(2, False, "update", False),
+                                                         pytest.param(2, True, "clean", False,
+                                                                      marks=pytest.mark.extended),
                                                          pytest.param(3, True, "clean", False,
                                                                       marks=pytest.mark.extended),
                                                          pytest.param(2, False, "update", True,
