@@ -11,7 +11,7 @@ import torch
 import triton_ep
 import triton_ep.testing
 from tests.cases.dead_peer import _buffer, _warm_up
-from tests.cases.internode import _all_live_ranks_reach as all_live_ranks_reach
+from tests.cases.helpers import all_live_ranks_reach
 
 #: 2 hosts of 2 ranks over the emulated fabric
 ENV = {"TRITON_EP_RDMA": "emulated", "TRITON_EP_RANKS_PER_HOST": "2"}

@@ -16,7 +16,7 @@ from triton_ep.transport.ring_flags import RingFlags
 
 from .faults import CLOSED, close_root, close_word, stage_code
 from .layout import RingLayout, _PeerState, _QPState
-from .liveness import PROBE_KEY, TAG_PROBE
+from .liveness import TAG_PROBE, probe_request
 from .posting import TAG_CHUNK, ChunkPosting
 from .rings import HostRings
 from .stats import ProxyStats
@@ -199,7 +199,7 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
             if self.flags.masked(p) or self.flags.get(RingFlags.FAULT, p) & CLOSED or p == root:
                 continue
             try:
-                self.t.post_prepared(p, 0, ((PROBE_KEY, 8, 0, TAG_PROBE | p, True),))
+                self.t.post_prepared(p, 0, probe_request(p))
             except Exception:   # noqa: BLE001  (a QP in the error state: nothing reaches that peer)
                 continue
             want[p] = 1 + (p in self.liveness.probing)     # (a probe before it completes first)

@@ -14,7 +14,7 @@ from .faults import (CLOSED, ROOT_CLOSED, ROOT_FAILED, STAGE_INTERNAL, STAGE_NAM
                      STAGE_SEND_CQE, STAGE_SEND_WAIT, PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError,
                      fault_gone, fault_word, parse_close, parse_fault, stage_code)
 from .layout import _QPState
-from .liveness import PROBE_KEY, STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness
+from .liveness import STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness, probe_request
 from .posting import _CHUNK_OPS, _SEQ_MASK, TAG_CHUNK
 
 
@@ -237,7 +237,7 @@ class ProxyThreads:
         for p in live.round(now, self.peers, self.flags.masked):
             t0, c0 = self._tx_begin()
             try:
-                self.t.post_prepared(p, 0, ((PROBE_KEY, 8, 0, TAG_PROBE | p, True),))
+                self.t.post_prepared(p, 0, probe_request(p))
             except Exception as ex:   # noqa: BLE001
                 raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST],
                                  f"liveness probe: {type(ex).__name__}: {ex}") from ex
