@@ -116,6 +116,20 @@ def check_round_trip_virtual(R, E, K, H, Ts, seed, num_nvl_bytes, device="cpu", 
         assert cached[j][1:5] == (None, None, None, None)
 
 
+def all_live_ranks_reach(live: int, bound_s: float) -> None:
+    """Wait (at most ``bound_s`` seconds) until ``live`` ranks have called this, counted in the default group's
+    store (a barrier that a dead rank does not spoil; once per group: its key is not reset). Rank bodies of the
+    failure cases call it before they tear down, so that no rank's teardown is what a slower one hears first."""
+    import time
+
+    import torch.distributed as dist
+    store = dist.distributed_c10d._get_default_store()
+    store.add("failure_cases_done", 1)
+    deadline = time.monotonic() + bound_s
+    while store.add("failure_cases_done", 0) < live and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def ok_results(results: List) -> List:
     """``run_ranks`` results, after failing the test with every rank's traceback if any rank raised."""
     bad = [r for r in results if hasattr(r, "traceback")]

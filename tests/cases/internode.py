@@ -5,6 +5,7 @@ import time
 import torch
 
 import triton_ep
+from tests.cases.helpers import all_live_ranks_reach
 
 
 def _error(ex: BaseException) -> list:
@@ -271,18 +272,6 @@ def traffic(rank, world, env, T, H):
         buf.destroy()
 
 
-def _all_live_ranks_reach(live: int, bound_s: float) -> None:
-    """Wait (at most ``bound_s`` seconds) until ``live`` ranks have called this, counted in the default group's
-    store (a barrier that a dead rank does not spoil)."""
-    import time
-    import torch.distributed as dist
-    store = dist.distributed_c10d._get_default_store()
-    store.add("failure_cases_done", 1)
-    deadline = time.monotonic() + bound_s
-    while store.add("failure_cases_done", 0) < live and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def failure(rank, world, env, kind, timeout_s, worst=0):
     """``kind`` "stalled": rank 1 builds its Buffer and then calls nothing; "broken_qp": rank 0's QP 1 towards
     host 1 is put into the error state first; "dropped_signal": rank 0's proxy leaves out the signal of its
@@ -328,7 +317,7 @@ def failure(rank, world, env, kind, timeout_s, worst=0):
         if kind in ("broken_qp", "dropped_signal", "killed"):
             # every live rank has its errors before any tears down (on a loaded machine a quick rank's exit would
             # otherwise be what a slow one hears of first); then the peers hear of the failure from the fault word
-            _all_live_ranks_reach(world - (kind == "killed"), bound_s=60.0)
+            all_live_ranks_reach(world - (kind == "killed"), bound_s=60.0)
             time.sleep(timeout_s)
         return out
     finally:

@@ -11,7 +11,7 @@ import torch
 import triton_ep
 import triton_ep.testing
 from tests.cases.dead_peer import _buffer, _warm_up
-from tests.cases.internode import _all_live_ranks_reach
+from tests.cases.helpers import all_live_ranks_reach
 
 #: 2 hosts of 2 ranks over the emulated fabric
 ENV = {"TRITON_EP_RDMA": "emulated", "TRITON_EP_RANKS_PER_HOST": "2"}
@@ -132,7 +132,7 @@ def proxy_stopped(rank, world, mode, victim, timeout_s):
         if rank == victim:
             os.kill(pid, signal.SIGSTOP)
         out = _calls(call)
-        _all_live_ranks_reach(world, bound_s=60.0)      # (so that no rank's teardown is what a slow one hears first)
+        all_live_ranks_reach(world, bound_s=60.0)      # (so that no rank's teardown is what a slow one hears first)
     except BaseException:
         if rank == victim and pid is not None:
             os.kill(pid, signal.SIGCONT)
@@ -147,3 +147,23 @@ def proxy_stopped(rank, world, mode, victim, timeout_s):
             except ProcessLookupError:
                 pass
     return [out, destroy_s, pid]
+
+
+def ll_destroyed_early(rank, world, victim, timeout_s):
+    """Every rank makes a correct low-latency dispatch; after a barrier rank ``victim`` destroys its Buffer (a clean
+    close: its process lives on until every rank is done) while every other rank makes the dispatch twice and then
+    destroys its Buffer at once, as a job that failed does. Returns ``[the calls (:func:`_calls`; none on the
+    victim), seconds destroy() took]``."""
+    import torch.distributed as dist
+    os.environ.update(ENV)
+    buf, args = _buffer(rank, world, True, timeout_s)
+    try:
+        call = _warm_up(buf, "internode_ll", *args)
+        dist.barrier()
+        out = [] if rank == victim else _calls(call)
+    except BaseException:
+        buf.destroy()
+        raise
+    destroy_s = _destroy_s(buf)
+    all_live_ranks_reach(world, bound_s=60.0)       # (the victim's process lives until every rank is done)
+    return [out, destroy_s]

@@ -3,6 +3,7 @@ and rank code run in threads (one emulated host each) with bounded joins."""
 from __future__ import annotations
 
 import threading
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -89,16 +90,20 @@ def payload(src: int, dst: int, n: int, salt: int = 0) -> np.ndarray:
 class ProcGroup(Group):
     """``world`` ranks in this process, each with its RDMA proxy in a process of its own
     (:class:`triton_ep.proxy_process.ProcessScheduler` over host ``rank`` of ``fab``), connected pairwise;
-    ``close()`` ends and reaps every proxy process (the transports are theirs)."""
+    ``close()`` ends and reaps every proxy process (the transports are theirs). ``peers``: per rank, the ranks it has
+    QPs to (default: every other rank; low-latency mode across hosts has none to its host mates)."""
 
-    def __init__(self, fab, world: int, qps: int = 4, timeout_s: float = 20.0, **sched_kw):
+    def __init__(self, fab, world: int, qps: int = 4, timeout_s: float = 20.0,
+                 peers: Optional[Dict[int, List[int]]] = None, **sched_kw):
         from triton_ep.proxy_process import ProcessScheduler
         self.ts, self.scheds = [], []
         try:
             for r in range(world):
+                mine = None if peers is None else peers[r]
                 self.scheds.append(ProcessScheduler(
                     "emulated", r, world, dict(fabric=fab, device_name=f"mlx5_{r}", num_qps_per_peer=qps,
-                                               timeout_s=timeout_s), timeout_s=timeout_s, **sched_kw))
+                                               timeout_s=timeout_s, peers=mine), timeout_s=timeout_s, peers=mine,
+                    **sched_kw))
             regions = [s._request("connect", {p: self.scheds[p].local_infos[s.rank] for p in s.peers})
                        for s in self.scheds]
             for s in self.scheds:

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from triton_ep.scheduler import PeerClosedError, PeerGoneError, ProxyRemoteError, close_word, parse_close
+from triton_ep.scheduler import (PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError, close_word, fault_word,
+                                 parse_close)
+from triton_ep.scheduler.faults import ROOT_CLOSED, ROOT_FAILED, ROOT_GONE, close_root, fails_at_once
 
 from tests.cases.sched_helpers import Group, ProcGroup, fabric, in_threads
 from tests.scheduler.test_scheduler import alltoall_checked
@@ -37,10 +39,23 @@ def _error_within(sched, bound_s: float):
 
 
 def test_close_word_round_trip():
-    """A clean close names no rank; a close after an error names its rank and whether it is gone."""
-    assert parse_close(close_word(3)) == (None, True)
-    assert parse_close(close_word(3, 5)) == (5, False)
-    assert parse_close(close_word(3, 5, root_gone=True)) == (5, True)
+    """A clean close names no rank; a close after an error names its rank and how it left (failed, gone, or closed
+    first: only the first two fail the reader at once); the rank a closing proxy's error makes its root."""
+    assert parse_close(close_word(3)) == (None, None)
+    for how in (ROOT_FAILED, ROOT_GONE, ROOT_CLOSED):
+        assert parse_close(close_word(3, 5, how)) == (5, how)
+        assert fails_at_once(close_word(3, 5, how)) == (how != ROOT_CLOSED)
+    assert parse_close(close_word(3, None, None)) == (None, None) and not fails_at_once(close_word(3))
+    assert fails_at_once(fault_word(3, 0, 1))
+    with pytest.raises(ValueError, match="how must be one of"):
+        close_word(3, 5, "left")
+    why = "planted"
+    assert close_root(None, 1) == (None, None)
+    assert close_root(PeerClosedError(1, 2, None, None, "s", why), 1) == (2, ROOT_CLOSED)
+    assert close_root(PeerGoneError(1, 2, None, None, "s", why), 1) == (2, ROOT_GONE)
+    assert close_root(ProxyRemoteError(1, 2, None, None, "s", why), 1) == (2, ROOT_FAILED)
+    assert close_root(ProxyError(1, 2, None, None, "s", why), 1) == (1, ROOT_FAILED)
+    assert close_root(RuntimeError(why), 1) == (1, ROOT_FAILED)
 
 
 def test_a_peer_that_closes_is_named_closed_not_gone():
@@ -69,3 +84,20 @@ def test_a_peer_that_closes_after_an_error_names_the_root_cause(kind):
         ex, dt = _error_within(g.scheds[0], 10.0)
     assert type(ex) is ProxyRemoteError and ex.peer == 2, repr(ex)
     assert "destroyed its Buffer and told this rank" in str(ex) and dt < 2.0, (dt, str(ex))
+
+
+def test_a_close_after_a_peers_clean_close_names_that_peer():
+    """3 ranks, QPs as low-latency mode across hosts lays them out: rank 0 reaches ranks 1 and 2, ranks 1 and 2 only
+    rank 0 (rank 1 has none to rank 2). Rank 2 closes cleanly; rank 0's probes find its QPs gone (PeerClosedError
+    naming rank 2) and rank 0 closes after that error; rank 1, which can learn of rank 2 only from rank 0, raises
+    PeerClosedError naming rank 2, the rank that left first (before: rank 0, whose close after rank 2's was written
+    as a clean close of its own). Proxy processes only (as the clean close's test)."""
+    peers = {0: [1, 2], 1: [0], 2: [0]}
+    with ProcGroup(fabric(3), 3, qps=2, slots=2, slot_bytes=1024, timeout_s=20.0, peers=peers) as g:
+        _close_rank(g, 2)
+        ex0, _ = _error_within(g.scheds[0], 10.0)
+        _close_rank(g, 0)
+        ex1, _ = _error_within(g.scheds[0], 10.0)      # (rank 1's: the only one left)
+    assert isinstance(ex0, PeerClosedError) and ex0.peer == 2, repr(ex0)
+    assert isinstance(ex1, PeerClosedError) and not isinstance(ex1, PeerGoneError), repr(ex1)
+    assert ex1.peer == 2 and "destroyed its Buffer" in str(ex1), str(ex1)

@@ -22,8 +22,8 @@ import numpy as np
 from triton_ep.errors import EPError
 from triton_ep.protocol import signal_header as F
 from triton_ep.scheduler import (STAGE_INTERNAL, STAGE_NAMES, PeerGoneError, ProxyError, ProxyRemoteError, RingLayout,
-                                 Scheduler, fault_word, parse_close, parse_fault, placed_error)
-from triton_ep.scheduler.faults import CLOSED
+                                 Scheduler, fault_word, parse_fault, placed_error)
+from triton_ep.scheduler.faults import fails_at_once
 from triton_ep.transport import shm
 from triton_ep.transport.rdma import QP_INFO_STAGE, exchange_info, exchange_regions
 from triton_ep.transport.ring_flags import RingFlags
@@ -318,7 +318,7 @@ class ProcessScheduler(Scheduler):
         if rec is not None and rec.kind != int(F.E_TIMEOUT):
             return True
         R = self.world
-        return any(w and not (w & CLOSED and parse_close(w)[0] is None)     # (a clean close fails nothing yet)
+        return any(w and fails_at_once(w)     # (a clean close, or a close after one, fails nothing yet)
                    for w in f.rows()[(RingFlags.FAULT - RingFlags.READY) * R:])
 
     def fail(self, ex: BaseException) -> None:

@@ -53,7 +53,10 @@ close word (:func:`close_word`) into each peer's ``FAULT`` slot, unless it wrote
 error it heard of (a peer's failure, a gone rank), the word names that rank, the root cause: a peer raises
 :class:`ProxyRemoteError` (or :class:`PeerGoneError`) naming it at once. After a clean close the peer's proxy goes on
 (what was published has been placed there); once its probes find the closed rank's QPs gone it raises
-:class:`PeerClosedError` naming that rank, not :class:`PeerGoneError`.
+:class:`PeerClosedError` naming that rank, not :class:`PeerGoneError`. A rank that closes after such an error names
+the rank that closed first in its close word (:data:`~.faults.ROOT_CLOSED`): its peers go on as after a clean close
+and, once its QPs go, raise :class:`PeerClosedError` naming that first rank, not the one in between (in low-latency mode
+across hosts the closed rank's host mate, which has no QP to it, learns of it so).
 
 The scheduler talks only to :class:`triton_ep.transport.rdma.Transport`: the pyverbs backend and the
 emulated fabric are interchangeable.  Verbs names: QP (queue pair), CQ (completion queue), MR (memory

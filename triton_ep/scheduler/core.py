@@ -14,9 +14,9 @@ import numpy as np
 from triton_ep.transport.rdma import RemoteRegion, Transport, exchange_info, exchange_regions
 from triton_ep.transport.ring_flags import RingFlags
 
-from .faults import CLOSED, PeerClosedError, PeerGoneError, ProxyRemoteError, close_word, stage_code
+from .faults import CLOSED, close_root, close_word, stage_code
 from .layout import RingLayout, _PeerState, _QPState
-from .liveness import PROBE_KEY, TAG_PROBE
+from .liveness import TAG_PROBE, probe_request
 from .posting import TAG_CHUNK, ChunkPosting
 from .rings import HostRings
 from .stats import ProxyStats
@@ -184,25 +184,22 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
 
     def tell_closing(self, bound_s: float) -> None:
         """With the proxy threads stopped: where this proxy wrote no fault word, write a close word
-        (:func:`~.faults.close_word`: the rank its error named, if any) into the ``FAULT`` slot of each peer that is
-        not masked and has not closed itself (its close word here), with the liveness probe's request (QP 0:
-        after everything this rank sent it), and wait at most ``bound_s`` for those requests to complete, so the
-        words are placed before the QPs go. Never raises (a peer that cannot take it is ended anyway)."""
+        (:func:`~.faults.close_word`: the rank its error named, if any, and how that rank left:
+        :func:`~.faults.close_root`) into the ``FAULT`` slot of each peer that is not masked and has not closed itself
+        (its close word here), with the liveness probe's request (QP 0: after everything this rank sent it), and wait
+        at most ``bound_s`` for those requests to complete, so the words are placed before the QPs go. Never raises
+        (a peer that cannot take it is ended anyway)."""
         if self.flags.get(RingFlags.SRC, self.rank):
             return                  # (its fault word told them)
         ex = self.error
-        root = getattr(ex, "peer", None) if isinstance(ex, (ProxyRemoteError, PeerGoneError)) else None
-        if isinstance(ex, PeerClosedError):
-            root = None             # (a peer that closed is no root cause: this close is as clean as its)
-        elif ex is not None and root is None:
-            root = self.rank
-        self.flags.put(RingFlags.SRC, self.rank, close_word(stage_code(ex), root, isinstance(ex, PeerGoneError)))
+        root, how = close_root(ex, self.rank)
+        self.flags.put(RingFlags.SRC, self.rank, close_word(stage_code(ex), root, how))
         want = {}
         for p in self.peers:
             if self.flags.masked(p) or self.flags.get(RingFlags.FAULT, p) & CLOSED or p == root:
                 continue
             try:
-                self.t.post_prepared(p, 0, ((PROBE_KEY, 8, 0, TAG_PROBE | p, True),))
+                self.t.post_prepared(p, 0, probe_request(p))
             except Exception:   # noqa: BLE001  (a QP in the error state: nothing reaches that peer)
                 continue
             want[p] = 1 + (p in self.liveness.probing)     # (a probe before it completes first)

@@ -38,22 +38,42 @@ def fault_gone(word: int) -> Optional[int]:
 
 #: bit 0 of a fault word: a close word, written by a proxy whose rank destroys its Buffer (:func:`close_word`)
 CLOSED = 1
-#: bit 1 of a close word: the rank it names (bits 48..61) is one whose proxy failed, not one that is gone
-ROOT_FAILED = 2
+#: how the rank a close word names (its root, bits 48..61) left: its proxy failed (bit 1 of the word), it is gone
+#: (neither bit), or it destroyed its Buffer first (a clean close, bit 2) and the closing rank failed because of that
+ROOT_FAILED, ROOT_GONE, ROOT_CLOSED = "failed", "gone", "closed"
+_ROOT_BITS = {ROOT_FAILED: 2, ROOT_GONE: 0, ROOT_CLOSED: 4}
 
 
-def close_word(stage: int, root: Optional[int] = None, root_gone: bool = False) -> int:
+def close_word(stage: int, root: Optional[int] = None, how: Optional[str] = ROOT_FAILED) -> int:
     """The fault word a proxy writes into each peer's ``FAULT`` slot as its rank destroys its Buffer, where it has
     written no fault word before: bit :data:`CLOSED` set; ``root``, where it closes after an error, the rank that error
-    named (bits 48..61, as :func:`fault_gone`'s) with :data:`ROOT_FAILED` unless that rank is gone (``root_gone``).
-    A peer then reads the root cause (:func:`parse_close`) instead of taking the closing rank for dead once its QPs go.
+    named (bits 48..61, as :func:`fault_gone`'s) and ``how`` that rank left (:data:`ROOT_FAILED`, :data:`ROOT_GONE`,
+    :data:`ROOT_CLOSED`: :func:`close_root`). A peer then reads the root cause (:func:`parse_close`) instead of taking
+    the closing rank for dead once its QPs go, or for the rank that left first.
+
+    Raises:
+        ValueError: ``root`` given and ``how`` none of the three.
     """
-    return fault_word(stage, None, None, root) | CLOSED | (0 if root is None or root_gone else ROOT_FAILED)
+    if root is not None and how not in _ROOT_BITS:
+        raise ValueError(f"how must be one of {sorted(_ROOT_BITS)}, got {how!r}")
+    return fault_word(stage, None, None, root) | CLOSED | (0 if root is None else _ROOT_BITS[how])
 
 
-def parse_close(word: int) -> Tuple[Optional[int], bool]:
-    """``(root, root_gone)`` of a :func:`close_word` (``root`` ``None``: a clean close)."""
-    return fault_gone(word), not word & ROOT_FAILED
+def parse_close(word: int) -> Tuple[Optional[int], Optional[str]]:
+    """``(root, how)`` of a :func:`close_word`: ``(None, None)`` for a clean close, else the rank it names and how that
+    rank left (:data:`ROOT_FAILED`, :data:`ROOT_GONE` or :data:`ROOT_CLOSED`)."""
+    root = fault_gone(word)
+    if root is None:
+        return None, None
+    return root, (ROOT_FAILED if word & _ROOT_BITS[ROOT_FAILED] else
+                  ROOT_CLOSED if word & _ROOT_BITS[ROOT_CLOSED] else ROOT_GONE)
+
+
+def fails_at_once(word: int) -> bool:
+    """Whether ``FAULT`` word ``word`` (non-zero) fails the proxy that reads it at its next sweep: a fault word, or a
+    close word naming a root that failed or is gone; not a clean close, nor a close after a peer's clean close (its
+    reader goes on until its probes find QPs gone: what was published has been placed)."""
+    return not word & CLOSED or parse_close(word)[1] in (ROOT_FAILED, ROOT_GONE)
 
 
 def parse_fault(word: int) -> Tuple[int, Optional[int], Optional[int]]:
@@ -104,8 +124,9 @@ class PeerGoneError(ProxyError, EPRemoteError):
 
 
 class PeerClosedError(ProxyRemoteError):
-    """Rank ``peer`` destroyed its Buffer (its close word, :func:`close_word`, came before its QPs went) while this
-    rank's network leg still needed it: its process lives, it is not gone (:class:`PeerGoneError`)."""
+    """Rank ``peer`` destroyed its Buffer (its close word, :func:`close_word`, came before its QPs went; or a peer that
+    closed after it, because of it, named it in its own close word, :data:`ROOT_CLOSED`) while this rank's network
+    leg still needed it: its process lives, it is not gone (:class:`PeerGoneError`)."""
 
 
 def placed_error(ex: BaseException, stage: Optional[str]) -> BaseException:
@@ -116,3 +137,21 @@ def placed_error(ex: BaseException, stage: Optional[str]) -> BaseException:
     out = ex.renamed(ex.rank, ex.peer, ex.told_by, stage=stage)
     out.placed = True
     return out
+
+
+def close_root(ex: Optional[BaseException], rank: int) -> Tuple[Optional[int], Optional[str]]:
+    """``(root, how)`` a proxy of ``rank`` that closes after error ``ex`` (``None``: none) names in its close word
+    (:func:`close_word`): ``(None, None)`` after no error; the closed peer (:data:`ROOT_CLOSED`) after a
+    :class:`PeerClosedError` (which names the rank that left first); the gone peer (:data:`ROOT_GONE`) after a
+    :class:`PeerGoneError`; the failed peer (:data:`ROOT_FAILED`) after another :class:`ProxyRemoteError`; else
+    ``rank`` itself (:data:`ROOT_FAILED`: its own proxy failed)."""
+    if ex is None:
+        return None, None
+    peer = getattr(ex, "peer", None)
+    if isinstance(ex, PeerClosedError) and peer is not None:
+        return peer, ROOT_CLOSED
+    if isinstance(ex, PeerGoneError):
+        return peer, ROOT_GONE
+    if isinstance(ex, ProxyRemoteError) and peer is not None:
+        return peer, ROOT_FAILED
+    return rank, ROOT_FAILED

@@ -20,6 +20,13 @@ STATUS_FLUSHED = "IBV_WC_WR_FLUSH_ERR"
 PROBE_KEY = "probe"
 
 
+def probe_request(peer: int) -> tuple:
+    """The work requests of one liveness probe to ``peer``, as ``Transport.post_prepared(peer, 0, ...)`` takes them:
+    the prepared probe (:data:`PROBE_KEY`: this rank's 8-byte fault word into the peer's ``FAULT`` word), signalled,
+    ``wr_id`` :data:`TAG_PROBE` | ``peer``. The sweep's probes and the close words (which ride on it) post it."""
+    return ((PROBE_KEY, 8, 0, TAG_PROBE | peer, True),)
+
+
 @dataclass
 class Liveness:
     """The state of one scheduler's liveness probes, and their rules. The scheduler posts the probes

@@ -10,11 +10,11 @@ from triton_ep.errors import EPError
 from triton_ep.transport.rdma import WRITE, Completion, Op
 from triton_ep.transport.ring_flags import RingFlags
 
-from .faults import (CLOSED, STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE, STAGE_SEND_CQE, STAGE_SEND_WAIT,
-                     PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError, fault_gone, fault_word, parse_close,
-                     parse_fault, stage_code)
+from .faults import (CLOSED, ROOT_CLOSED, ROOT_FAILED, STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE,
+                     STAGE_SEND_CQE, STAGE_SEND_WAIT, PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError,
+                     fault_gone, fault_word, parse_close, parse_fault, stage_code)
 from .layout import _QPState
-from .liveness import PROBE_KEY, STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness
+from .liveness import STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness, probe_request
 from .posting import _CHUNK_OPS, _SEQ_MASK, TAG_CHUNK
 
 
@@ -204,9 +204,10 @@ class ProxyThreads:
     def _raise_fault(self, words: list) -> None:
         """A peer's ``FAULT`` word is set (``words``: :meth:`RingFlags.snapshot`): unless that peer is masked, raise
         :class:`PeerGoneError` where it names a gone rank (not masked here), else :class:`ProxyRemoteError`. A close
-        word (:func:`~.faults.close_word`) raises only where it names a root cause (not this rank, not masked here):
-        that rank's error, told by the closing peer; after a clean close the probes find the peer's QPs gone
-        (:class:`PeerClosedError`)."""
+        word (:func:`~.faults.close_word`) raises only where it names a root that failed or is gone (not this rank, not
+        masked here): that rank's error, told by the closing peer; after a clean close, or a close after a peer's clean
+        close (:data:`~.faults.ROOT_CLOSED`), the probes find the peer's QPs gone (:class:`PeerClosedError`,
+        :meth:`_closed_error`)."""
         f0, m0 = self._w_fault, self._w_masked
         for p in self.peers:
             w = words[f0 + p]
@@ -214,10 +215,10 @@ class ProxyThreads:
                 st, ch, q = parse_fault(w)
                 gone = fault_gone(w)
                 if w & CLOSED:
-                    root, root_gone = parse_close(w)
-                    if root is None or root == self.rank or (root in self._peer and words[m0 + root]):
+                    root, how = parse_close(w)
+                    if how in (None, ROOT_CLOSED) or root == self.rank or (root in self._peer and words[m0 + root]):
                         continue
-                    if not root_gone:
+                    if how == ROOT_FAILED:
                         raise ProxyRemoteError(self.rank, root, None, None, STAGE_NAMES.get(st, "rdma proxy"),
                                                "its RDMA proxy failed; a peer that heard of it destroyed its Buffer "
                                                "and told this rank")
@@ -236,7 +237,7 @@ class ProxyThreads:
         for p in live.round(now, self.peers, self.flags.masked):
             t0, c0 = self._tx_begin()
             try:
-                self.t.post_prepared(p, 0, ((PROBE_KEY, 8, 0, TAG_PROBE | p, True),))
+                self.t.post_prepared(p, 0, probe_request(p))
             except Exception as ex:   # noqa: BLE001
                 raise ProxyError(self.rank, p, 0, 0, STAGE_NAMES[STAGE_POST],
                                  f"liveness probe: {type(ex).__name__}: {ex}") from ex
@@ -324,9 +325,9 @@ class ProxyThreads:
         ch = None if c.qp is None else c.qp // self.qps_per_channel
         what = f"work completion {c.status} ({c.opcode}, wr_id {c.wr_id:#x}, QP number {c.qp_num})"
         if c.status == STATUS_GONE and (probe or c.qp == 0):
-            if self.flags.get(RingFlags.FAULT, peer) & CLOSED:
-                raise PeerClosedError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
-                                      f"the peer destroyed its Buffer (its close word came first): {what}")
+            word = self.flags.get(RingFlags.FAULT, peer)
+            if word & CLOSED:
+                raise self._closed_error(peer, word, ch, c.qp, STAGE_NAMES[stage], what)
             raise PeerGoneError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage],
                                 f"its QP {c.qp} stopped acknowledging: {what}, after the QP's retries")
         if c.status == STATUS_GONE:         # a data QP: that QP failed, or the whole peer? a probe tells
@@ -335,6 +336,20 @@ class ProxyThreads:
         if c.status == STATUS_FLUSHED and peer in self.liveness.suspects:
             return      # (the rest of a suspect's failed QP, flushed after its first error: the probe tells)
         raise ProxyError(self.rank, peer, ch, c.qp, STAGE_NAMES[stage], what)
+
+    def _closed_error(self, peer: int, word: int, ch: Optional[int], qp: Optional[int], stage: str,
+                      what: str) -> PeerClosedError:
+        """The error for ``peer``'s QPs found gone (``what``: the completion; ``ch``/``qp``: its channel and QP) after
+        its close word ``word``: :class:`PeerClosedError` naming the rank that left first, the one the word names where
+        ``peer`` closed because of that rank's clean close (:data:`~.faults.ROOT_CLOSED`; not this rank, not masked
+        here), else ``peer``."""
+        root, how = parse_close(word)
+        if how == ROOT_CLOSED and root != self.rank and not (root in self._peer and self.flags.masked(root)):
+            return PeerClosedError(self.rank, root, None, None, stage,
+                                   f"it destroyed its Buffer first; a peer that closed after it, because of it, named it "
+                                   f"in its close word, and then its QPs went: {what}")
+        return PeerClosedError(self.rank, peer, ch, qp, stage,
+                               f"the peer destroyed its Buffer (its close word came first): {what}")
 
     def _retire(self, q: _QPState, seq: int) -> None:
         """A signalled chunk ``seq`` of ``q`` completed: it and every earlier chunk of ``q`` are placed."""

@@ -34,6 +34,25 @@ def test_a_killed_proxy_process_is_named_on_every_rank(proxy_mode):
         assert dt < 10.0 and calls[1][0] != "no error" and destroy_s < 10.0, (r, calls, destroy_s)
 
 
+def test_a_buffer_destroyed_first_is_named_on_every_rank(proxy_mode):
+    """Rank 2 destroys its Buffer (a clean close; its process lives on) after a warm-up low-latency dispatch; every
+    other rank dispatches twice and destroys its Buffer at once. Every one of them raises PeerClosedError naming rank
+    2, the rank that left first: ranks 0 and 1 (its RDMA peers) find its QPs gone, rank 3 (its host mate, which has
+    no QP to it) hears of it in the close word of rank 0 or 1, which closed because of it (before: rank 3 named rank
+    0, whose close after rank 2's was written as a clean close of its own: 1.5 s into its call, both proxy kinds).
+    Each call raises within timeout_s / 2 and each destroy() returns within 5 s."""
+    timeout_s = 20.0
+    out = run_ranks(cases.ll_destroyed_early, 4, 2, timeout_s, timeout_s=240)
+    _ok(out)
+    assert out[2][0] == [] and out[2][1] < 5.0, out[2]
+    for r in (0, 1, 3):
+        calls, destroy_s = out[r]
+        for kind, msg, dt in calls:
+            assert kind == "PeerClosedError" and f"rank {r} failed" in msg and "(peer 2" in msg \
+                and "destroyed its Buffer" in msg and dt < timeout_s / 2, (r, calls)
+        assert destroy_s < 5.0, (r, destroy_s)
+
+
 def test_destroy_is_bounded_when_the_store_host_died_with_a_forked_child(proxy_mode, tmp_path):
     """2 hosts of 2 ranks, the group over a TCPStore hosted by rank 0; rank 0 forks a child that lives on, then dies.
     The child holds the store server's sockets, so the survivors' store requests are taken and never answered (a

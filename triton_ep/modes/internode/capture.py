@@ -131,9 +131,13 @@ class CapturePath:
         self.peer_tokens.open(store, f"triton_ep/capture/{token}/")
 
     def close(self) -> None:
-        """Delete this rank's token-count keys from the group's store. Never raises."""
-        if self.peer_tokens.store is not None:
-            self.peer_tokens.forget()
+        """Delete this rank's token-count keys from the group's store and end the worker of its bounded store calls.
+        Never raises."""
+        try:
+            if self.peer_tokens.store is not None:
+                self.peer_tokens.forget()
+        finally:
+            self.peer_tokens.close()
 
     def takes(self, num_worst_tokens: int = 0, handle=None) -> bool:
         """Whether a call takes the capture path: a cached dispatch or combine of a handle it made; a

@@ -17,7 +17,7 @@ import time
 from typing import Callable, List, Optional
 
 from ...errors import EPTimeoutError
-from ...runtime import STORE_CALL_S, bounded_store_call
+from ...runtime import STORE_CALL_S, StoreCaller
 
 #: seconds a host-path header exchange waits before it tells a capture-path peer that it took the host path
 MARK_AFTER_S = 0.5
@@ -36,6 +36,8 @@ class PeerTokens:
         timeout_s: bound on the wait for the peers' keys.  store: the group's key-value store (``None``: none,
         every call then sizes by ``C``).  prefix: this Buffer's keys' prefix (the same on every rank).
         posted: call numbers whose key this rank posted and has not deleted yet.
+        calls: the worker that makes the store calls that must not block for good (:meth:`mark_host_path`, those of
+        ``destroy()``), each bounded; one reused from call to call, ended by :meth:`close`.
     """
     rank: int
     peers: List[int]
@@ -43,6 +45,7 @@ class PeerTokens:
     store: Optional[object] = None
     prefix: str = ""
     posted: List[int] = dataclasses.field(default_factory=list)
+    calls: StoreCaller = dataclasses.field(default_factory=StoreCaller, repr=False, compare=False)
 
     def open(self, store, prefix: str) -> None:
         """Use ``store`` (``None``: none) under keys of ``prefix``."""
@@ -60,8 +63,10 @@ class PeerTokens:
     def mark_host_path(self, seq: int) -> None:
         """Call ``seq`` took the host path here: a peer waiting for this rank's count then sizes by ``C`` and sends
         its stream, which this rank's header exchange reads as a call of another kind. Never raises."""
-        try:        # (a store call may block for good: bounded_store_call; then nothing more is asked of it)
-            bounded_store_call(lambda: self.post(seq, _HOST_PATH), STORE_CALL_S, "telling the RDMA peers")
+        if self.store is None or not self.peers:
+            return
+        try:        # (a store call may block for good: bounded; then nothing more is asked of it)
+            self.calls.call(lambda: self.post(seq, _HOST_PATH), STORE_CALL_S, "telling the RDMA peers")
         except TimeoutError:
             self.store = None
         except Exception:   # noqa: BLE001 - best effort: the peer then waits out its bound
@@ -98,11 +103,11 @@ class PeerTokens:
         t0 = time.monotonic()
 
         keys = [f"{self.prefix}closing/{p}" for p in self.peers]
-        try:        # (a store call itself may block for good: bounded_store_call)
-            bounded_store_call(lambda: self.store.set(f"{self.prefix}closing/{self.rank}", "1"), STORE_CALL_S,
-                               "destroy(): telling the RDMA peers")
-            bounded_store_call(lambda: self._wait_for(keys, bound_s, failed), bound_s + STORE_CALL_S,
-                               "destroy(): meeting the RDMA peers")
+        try:        # (a store call itself may block for good: bounded)
+            self.calls.call(lambda: self.store.set(f"{self.prefix}closing/{self.rank}", "1"), STORE_CALL_S,
+                            "destroy(): telling the RDMA peers")
+            self.calls.call(lambda: self._wait_for(keys, bound_s, failed), bound_s + STORE_CALL_S,
+                            "destroy(): meeting the RDMA peers")
         except TimeoutError:
             self.store = None       # (it does not answer: the keys stay, nothing more is asked of it)
         except Exception:   # noqa: BLE001 - the store may be gone (the process group destroyed first): close now
@@ -123,7 +128,7 @@ class PeerTokens:
 
     def forget(self, below: Optional[int] = None) -> None:
         """Delete this rank's keys of calls before ``below`` (``None``: all of them, as the Buffer is destroyed: then
-        bounded, :func:`~triton_ep.transport.bootstrap.bounded_store_call`). Never raises."""
+        bounded, :attr:`calls`). Never raises."""
         keep = [s for s in self.posted if below is not None and s >= below]
         drop = [s for s in self.posted if s not in keep]
         self.posted = keep
@@ -140,6 +145,10 @@ class PeerTokens:
             delete()
             return
         try:
-            bounded_store_call(delete, STORE_CALL_S, "destroy(): deleting the token counts' keys")
+            self.calls.call(delete, STORE_CALL_S, "destroy(): deleting the token counts' keys")
         except TimeoutError:
             self.store = None       # (it does not answer: the keys stay)
+
+    def close(self) -> None:
+        """End the worker of the bounded store calls (:attr:`calls`; a stuck one ends with its call). Never raises."""
+        self.calls.close()
