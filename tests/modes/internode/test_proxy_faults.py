@@ -34,6 +34,7 @@ def test_a_killed_proxy_process_is_named_on_every_rank(proxy_mode):
         assert dt < 10.0 and calls[1][0] != "no error" and destroy_s < 10.0, (r, calls, destroy_s)
 
 
+@pytest.mark.extended   # (11-39 s on 2 cores; tests/scheduler/test_close_words.py holds the same rule in 2 s)
 def test_a_buffer_destroyed_first_is_named_on_every_rank(proxy_mode):
     """Rank 2 destroys its Buffer (a clean close; its process lives on) after a warm-up low-latency dispatch; every
     other rank dispatches twice and destroys its Buffer at once. Every one of them raises PeerClosedError naming rank
