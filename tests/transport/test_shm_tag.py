@@ -117,3 +117,26 @@ def test_emulated_fabric_ring_files_carry_the_tag(shm_check):
     finally:
         qp.close()
     assert shm_check.left_behind(before, grace_s=0.2) == set()
+
+
+def test_cpu_buffers_are_reserved_up_front_and_too_little_room_is_an_error(monkeypatch, shm_check):
+    """(A new user's find: CPU data buffers were sparse /dev/shm files, so a Buffer larger than the free space was
+    built and the first large transfer killed every rank with SIGBUS, no message.) Each file open_group makes is
+    reserved with posix_fallocate; where that finds no room (ENOSPC, as in a container's 64 MiB /dev/shm) the
+    Buffer fails at construction with an OSError naming the size and --shm-size / --ipc=host, and no file stays."""
+    import errno
+    sizes = []
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        sizes.append(length)
+        if length > 1 << 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2)
+    with pytest.raises(OSError, match=r"cannot reserve \d+ bytes .* for the ranks' shared buffers .*--shm-size.*"
+                                      r"--ipc=host") as got:
+        ipc.open_group(group, 4 << 20, torch.device("cpu"), 1.0, 8)
+    assert got.value.errno == errno.ENOSPC and len(sizes) == 2 and sizes[1] > 4 << 20, sizes   # ctrl, then data
+    assert not shm_check.files(), shm_check.files()

@@ -13,7 +13,7 @@ import time
 import weakref
 from typing import List, Optional
 
-from triton_ep.transport import liveness
+from triton_ep.transport import liveness, shm
 from triton_ep.transport.emulated_api import PyverbsRDMAError
 
 
@@ -39,7 +39,7 @@ class _Ring:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         try:
             if create:
-                os.ftruncate(fd, self.DATA + capacity)
+                shm.reserve(fd, path, self.DATA + capacity, "the emulated fabric's rings")
                 if liveness.supported():
                     liveness.lock_byte(fd, 0)
             self.mm = mmap.mmap(fd, self.DATA + capacity)

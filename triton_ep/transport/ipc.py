@@ -47,14 +47,17 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-from .shm import SHM_PREFIX, SHM_TAG_ENV, shm_name, shm_tag  # noqa: E402,F401  (torch-free: the proxy process's)
+from .shm import SHM_PREFIX, SHM_TAG_ENV, reserve, shm_name, shm_tag  # noqa: E402,F401  (torch-free: the proxy process's)
 
 
 def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    """``path`` mapped shared as uint8 ``[nbytes]``; with ``create`` a new file whose bytes are reserved up front
+    (:func:`~triton_ep.transport.shm.reserve`: too little room in /dev/shm is an ``OSError`` naming the size here,
+    not a SIGBUS at the first transfer that touches the missing pages)."""
     if create:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            reserve(fd, path, nbytes, "the ranks' shared buffers (on a CPU)")
         finally:
             os.close(fd)
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8, device="cpu")

@@ -46,29 +46,44 @@ def shm_name(rest: str, tag: Optional[str] = None) -> str:
     return f"{SHM_PREFIX}{tag}.{rest}" if tag else f"{SHM_PREFIX}{rest}"
 
 
-def create_file(name: str, nbytes: int) -> str:
-    """Create ``name`` (made by :func:`shm_name`) in :func:`shm_dir`, exclusive, mode 0600, and reserve its
-    ``nbytes`` with ``posix_fallocate`` (not only ``ftruncate``: a sparse file in a full tmpfs is a SIGBUS at the
-    first touch of a page, long after this returns). Returns the path; the caller unlinks it.
+def reserve(fd: int, path: str, nbytes: int, what: str, instead: str = "") -> None:
+    """Reserve ``nbytes`` of the new file ``path`` (open as ``fd``) with ``posix_fallocate`` (not only
+    ``ftruncate``: a sparse file in a full tmpfs is a SIGBUS at the first touch of a page, long after this
+    returns); ``ftruncate`` where the platform has no ``posix_fallocate``. ``what`` names the memory in the error,
+    ``instead`` is an optional last advice (", or ...").
 
     Raises:
-        OSError: the file cannot be made; ``ENOSPC`` (or what ``posix_fallocate`` said) where the folder has no
-            room for ``nbytes``, with a message naming the size, the folder and the container options that
-            enlarge /dev/shm (``--shm-size``, ``--ipc=host``); nothing is left behind.
+        OSError: ``ENOSPC`` (or what ``posix_fallocate`` said) where the folder has no room for ``nbytes``, with a
+            message naming the size, the folder, its free space and the container options that enlarge /dev/shm
+            (``--shm-size``, ``--ipc=host``); ``path`` is unlinked first (``fd`` stays the caller's to close).
     """
-    d = shm_dir()
-    path = os.path.join(d, name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    if not hasattr(os, "posix_fallocate"):
+        os.ftruncate(fd, nbytes)
+        return
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as ex:
-        os.close(fd)
         os.unlink(path)
+        d = os.path.dirname(path)
         st = os.statvfs(d)
         raise OSError(ex.errno,
-            f"triton-ep: cannot reserve {nbytes} bytes ({nbytes / 2**20:.1f} MiB) in {d} for the RDMA proxy's rings "
+            f"triton-ep: cannot reserve {nbytes} bytes ({nbytes / 2**20:.1f} MiB) in {d} for {what} "
             f"({os.strerror(ex.errno)}; {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free there): a container needs a "
-            f"larger /dev/shm (docker run --shm-size=..., or --ipc=host), or TRITON_EP_PROXY=thread (the proxy as a "
-            f"thread of the rank's process, its rings in pinned memory) on every rank") from None
-    os.close(fd)
+            f"larger /dev/shm (docker run --shm-size=..., or --ipc=host){instead}") from None
+
+
+def create_file(name: str, nbytes: int) -> str:
+    """Create ``name`` (made by :func:`shm_name`) in :func:`shm_dir`, exclusive, mode 0600, and reserve its
+    ``nbytes`` (:func:`reserve`). Returns the path; the caller unlinks it.
+
+    Raises:
+        OSError: the file cannot be made, or :func:`reserve`'s error (no room; nothing is left behind).
+    """
+    path = os.path.join(shm_dir(), name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        reserve(fd, path, nbytes, "the RDMA proxy's rings", ", or TRITON_EP_PROXY=thread (the proxy as a thread "
+                "of the rank's process, its rings in pinned memory) on every rank")
+    finally:
+        os.close(fd)
     return path
