@@ -81,19 +81,29 @@ def _group_exchanges(group):
     """``open_runtime``'s ``group`` checked (``None``: the default process group) and its two set-up exchanges
     (host identities, buffer handles): ``(group, [Exchange, Exchange])``; ``(group, [])`` for an ``ipc.Comm``
     (ranks simulated in one process). The exchanges are made before the values are checked: a rank that rejects
-    its arguments tells its peers at once. Raises ``ValueError`` (no group and no ``torch.distributed``) and
-    ``TypeError`` (no process group) on this rank alone."""
+    its arguments tells its peers at once. Raises ``ValueError`` (no group and no ``torch.distributed``, or this rank
+    outside ``group``: ``new_group``'s ``NON_GROUP_MEMBER``) and ``TypeError`` (no process group) on this rank alone."""
     if isinstance(group, ipc.Comm):
         return group, []
     if group is None and not dist.is_initialized():
         raise ValueError("Buffer(group=None) needs torch.distributed initialised (init_process_group) "
                          "or an explicit group")
     group = group if group is not None else dist.group.WORLD
+    if _non_member(group):
+        raise ValueError(f"Buffer's group: this process (global rank {dist.get_rank() if dist.is_initialized() else '?'}) is not a member of it "
+                         f"(torch.distributed.new_group gives GroupMember.NON_GROUP_MEMBER outside its ranks): build "
+                         f"the Buffer only on the group's ranks")
     if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
         raise TypeError(f"Buffer's group must be a torch.distributed ProcessGroup (or None: the default group), "
                         f"got {type(group).__name__}")
     return group, [Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange host identities"),
                    Exchange(group, DEFAULT_TIMEOUT_S, "bootstrap: exchange buffer handles")]
+
+
+def _non_member(group) -> bool:
+    """``group`` is what ``torch.distributed.new_group`` returns on a rank outside the new group."""
+    member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
+    return group is member or (type(group) is type(member) and group == member)
 
 
 def _buffer_args(group, exchanges: list, num_nvl_bytes, num_rdma_bytes, timeout_s, device, rdma_backend):

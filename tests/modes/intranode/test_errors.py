@@ -103,6 +103,16 @@ def test_a_group_that_is_no_process_group_is_a_type_error(group):
         triton_ep.ElasticBuffer(group, num_max_tokens_per_rank=8, hidden=128, num_topk=2)
 
 
+def test_a_rank_outside_the_group_is_told_so():
+    """(A new user's find: on a rank outside ``dist.new_group([0, 2])`` torch gives ``NON_GROUP_MEMBER``, an int, and
+    the Buffer said "must be a ProcessGroup, got int".) A ValueError saying this rank is not a member."""
+    import torch.distributed as dist
+    for make in (lambda g: triton_ep.Buffer(g, 1 << 20),
+                 lambda g: triton_ep.ElasticBuffer(g, num_max_tokens_per_rank=8, hidden=128, num_topk=2)):
+        with pytest.raises(ValueError, match="is not a member of it .*NON_GROUP_MEMBER"):
+            make(dist.GroupMember.NON_GROUP_MEMBER)
+
+
 def test_buffer_too_small_for_one_row_is_a_clear_error():
     xs, idxs, ws = make_inputs(0, 2, 1, 4096, [3])
     vg = VirtualGroup(1, 4096)
