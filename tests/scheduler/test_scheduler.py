@@ -126,6 +126,53 @@ def test_signal_is_the_chunks_last_write(wr_bytes, per_chunk):
             assert sum(q["wrs"] for q in qps) == want, (r, list(qps))
 
 
+@pytest.mark.parametrize("skew_s", [0.0, 0.05])
+def test_a_burst_goes_as_runs_one_signal_each(skew_s):
+    """8 chunks published at once (one ``READY`` store, as a kernel's round lands between two sweeps) over 3 QPs: the
+    proxy deals them in runs of consecutive chunks, 3, 3 and 2, one run per QP (the counts one chunk per pick would
+    give each), each run plain WRITEs and a last WRITE_WITH_IMM whose immediate names the run: one post per QP, one
+    receive completion per run at the peer. Every chunk is intact when its run's signal arrives and every byte lands;
+    with ``skew_s`` the peer's even-numbered QPs are held 50 ms, so the middle run arrives last and the one after
+    it waits past the gap."""
+    slot, n = 1024, 8
+    probe = Probe({(0, 1): n * slot, (1, 0): 0}, slot, 0)
+    g_ref, posts, recvs = [None], [], []
+
+    class Probed(Scheduler):
+        def __init__(self, t, **kw):
+            super().__init__(t, on_signal=probe.hook(g_ref, t.rank), **kw)
+
+    with Group(fabric(2, skew_s=skew_s), 2, qps=3, cls=Probed, slots=n, slot_bytes=slot) as g:
+        g_ref[0] = g
+        s0, s1 = g.scheds
+        held = [s1.t.qps[(0, q)].info.qp_num % 2 == 0 for q in range(3)]
+        post, poll = s0.t.post_prepared, s1.t.poll
+        s0.t.post_prepared = lambda peer, qp, reqs: posts.append((qp, [r[:3] for r in reqs])) or post(peer, qp, reqs)
+        s1.t.poll = lambda *a, **k: [c for c in poll(*a, **k) if c.opcode != "recv_imm" or recvs.append(c) or True]
+        data = payload(0, 1, n * slot)
+        for k in range(n):
+            s0.send_view(1, k)[:] = data[k * slot:(k + 1) * slot]
+            s0.flags.set_len(1, k, slot)
+        s0.flags.put(RingFlags.READY, 1, n)
+        s1.wait_counter(RingFlags.TAIL, 0, n, "test: every chunk arrived")
+        got = np.concatenate([s1.recv_view(0, k).copy() for k in range(n)])
+        s1.consume(0, n)
+        s0.wait_counter(RingFlags.SENT, 1, n, "test: every chunk placed")
+    assert np.array_equal(got, data)
+    assert not probe.bad, probe.bad
+    chunk_posts = sorted((qp, reqs) for qp, reqs in posts if reqs and reqs[0][0] not in ("credit", "probe"))
+    runs = [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [qp for qp, _ in chunk_posts] == [0, 1, 2], posts
+    for (qp, reqs), run in zip(chunk_posts, runs):
+        assert [r[0] for r in reqs] == [(0, k) for k in run[:-1]] + [run[-1]], reqs
+        assert reqs[-1][2] == (len(run) - 1) << 24 | run[-1], reqs      # the run's last chunk, its length less one
+    assert len(recvs) == 3 and all(c.ok for c in recvs), recvs
+    if skew_s:          # (the emulator numbers the peer's QPs so that only the middle run's is held)
+        assert held == [False, True, False], held
+        assert [c.imm & 0xFFFFFF for c in recvs][-1] == 5, recvs
+    assert sorted(s for seqs in probe.order.values() for s in seqs) == list(range(n)), probe.order
+
+
 class SignalOnAnotherQP(Scheduler):
     """Planted bug: each chunk's signal (its WRITE_WITH_IMM, or its arrival word) goes on the next QP, not the one
     that carried its data."""
