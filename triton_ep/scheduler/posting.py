@@ -196,7 +196,7 @@ class ChunkPosting:
         S, every, arrival, trace = self.slots, self.signal_every, self.arrival_words, self.trace
         end = min(ready, credit + S)
         l0, C, window = self._w_len + p * S, self.slot_bytes, self.max_chunks_per_qp
-        pick, account, get = self._pick, self._account, batches.get
+        pick, get = self._pick, batches.get
         chains = []         # (QP, its chain) of this peer in this sweep
         seq = st.next_post
         if end - seq > 1:   # (a burst: runs of ceil(m / r) chunks; one chunk: a run of one)
@@ -212,14 +212,17 @@ class ChunkPosting:
             if batch is None:
                 batch = batches[(p, q.qp)] = []
                 chains.append((q, batch))
-            first = seq
-            stop = min(end, seq + run, seq + window - len(q.inflight))
+            first, inflight, nbytes = seq, q.inflight, 0
+            stop = min(end, seq + run, seq + window - len(inflight))
+            if not inflight:
+                self._busy_qps.add(q)
             while seq < stop:
                 k = seq % S
                 n = words[l0 + k]
                 if not 0 < n <= C:
                     self._chunk_len(p, q, seq, words)       # (raises)
-                account(q, seq, n, now)
+                nbytes += n
+                inflight.append((seq, n, now))
                 q.unsignaled += 1
                 sig = q.unsignaled >= every
                 if sig:
@@ -240,6 +243,15 @@ class ChunkPosting:
                 if trace:
                     self._event("post", p, q.channel, q.qp, seq, n)
                 seq += 1
+            # the run's bytes count as posted on its QP and port (what _account does per chunk, once per run)
+            q.out_bytes += nbytes
+            q.total_bytes += nbytes
+            q.chunks += seq - first
+            port = q.port_w
+            port[0] += nbytes
+            port[1] += nbytes
+            if len(inflight) >= window:     # (_room: its window is full)
+                self._room(q)
         st.next_post = seq
         for q, batch in chains:     # each chain's last chunk is signalled
             last = batch[-1]
