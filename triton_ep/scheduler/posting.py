@@ -187,15 +187,17 @@ class ChunkPosting:
         consecutive chunks, each run on the QP the picker chooses among ``picks`` (until none has room), accounted as
         posted, appended to that QP's chain in ``batches`` as prepared work requests. A run takes ``ceil(m / r)``
         chunks of the ``m`` to place (``r``: the QPs with room; at most the QP's free window and :data:`MAX_RUN`), so
-        a burst deals the QPs the same number of chunks as one chunk per pick would, only consecutive ones: every chunk
-        of a run but its last is a plain WRITE, the last the WRITE_WITH_IMM whose immediate names the run
-        (:func:`chunk_imm`), one receive completion at the peer per run. With arrival words each chunk is its data
-        WRITE and its arrival word's. Every ``signal_every``-th chunk of a QP and the last of each chain are
-        signalled; a peer that has no room for the rest starts (or checks) the stall's clock. Returns whether any
-        chunk went."""
+        a burst deals the QPs the same number of chunks as one chunk per pick would, only consecutive ones. A run's
+        chunks sit in consecutive slots (until the ring's end), so its full chunks and the one after each go as one
+        WRITE from the first one's slot (``wr_bytes`` left to its default; else a WRITE per chunk): plain WRITEs
+        up to a partial chunk or the ring's end, and last the WRITE_WITH_IMM whose immediate names the run
+        (:func:`chunk_imm`): one work request, one send and one receive completion per run where it does not wrap.
+        With arrival words each chunk is its data WRITE and its arrival word's. A WRITE that holds the
+        ``signal_every``-th chunk of a QP, and the last of each chain, are signalled; a peer that has no room for
+        the rest starts (or checks) the stall's clock. Returns whether any chunk went."""
         S, every, arrival, trace = self.slots, self.signal_every, self.arrival_words, self.trace
         end = min(ready, credit + S)
-        l0, C, window = self._w_len + p * S, self.slot_bytes, self.max_chunks_per_qp
+        l0, C, window, merge = self._w_len + p * S, self.slot_bytes, self.max_chunks_per_qp, self._merge_runs
         pick, get = self._pick, batches.get
         chains = []         # (QP, its chain) of this peer in this sweep
         seq = st.next_post
@@ -216,6 +218,7 @@ class ChunkPosting:
             stop = min(end, seq + run, seq + window - len(inflight))
             if not inflight:
                 self._busy_qps.add(q)
+            seg, seg_bytes, seg_sig = seq % S, 0, False     # the WRITE being merged: its first slot, bytes, signal
             while seq < stop:
                 k = seq % S
                 n = words[l0 + k]
@@ -224,22 +227,26 @@ class ChunkPosting:
                 nbytes += n
                 inflight.append((seq, n, now))
                 q.unsignaled += 1
-                sig = q.unsignaled >= every
-                if sig:
+                if q.unsignaled >= every:
                     q.unsignaled = 0
-                wr_id = TAG_CHUNK | (seq & _SEQ_MASK)
+                    seg_sig = True
                 if arrival:     # the data, then the arrival word seq + 1 from its ASRC word (_signal_op)
                     self.flags.w[self.flags.asrc_index(p, seq)] = seq + 1
                     data_key, word_key = self._arrival_keys[k]
                     batch.append((data_key, n, 0, None, False))
-                    batch.append((word_key, 8, 0, wr_id, sig))
+                    batch.append((word_key, 8, 0, TAG_CHUNK | (seq & _SEQ_MASK), seg_sig))
                     q.wrs += 2
-                elif seq + 1 < stop:    # a run's chunk before its last: a plain WRITE
-                    batch.append(((0, k), n, 0, wr_id, sig))
+                    seg_sig = False
+                elif seq + 1 == stop:   # the run's last: its WRITE_WITH_IMM carries the run's signal
+                    batch.append((seg, seg_bytes + n, (seq - first) << IMM_SEQ_BITS | (seq & IMM_SEQ_MASK),
+                                  TAG_CHUNK | (seq & _SEQ_MASK), seg_sig))
                     q.wrs += 1
-                else:           # the run's last: one WRITE_WITH_IMM carrying the run's signal
-                    batch.append((k, n, (seq - first) << IMM_SEQ_BITS | (seq & IMM_SEQ_MASK), wr_id, sig))
+                elif n < C or k == S - 1 or not merge:      # a partial chunk or the ring's end ends a WRITE
+                    batch.append(((0, seg), seg_bytes + n, 0, TAG_CHUNK | (seq & _SEQ_MASK), seg_sig))
                     q.wrs += 1
+                    seg, seg_bytes, seg_sig = (k + 1) % S, 0, False
+                else:           # a full chunk followed by the next slot's: one WRITE carries both
+                    seg_bytes += n
                 if trace:
                     self._event("post", p, q.channel, q.qp, seq, n)
                 seq += 1
