@@ -21,8 +21,9 @@
 3. A timeline of one all-to-all (2 hosts, full plan): Chrome-trace JSON (opens in Perfetto) and a PNG:
    producer chunks, posts per channel/QP, arrivals.
 4. ``--parts proxy_cpu`` (not in the default parts): the proxy's own CPU over the emulated fabric, ranks as emulated
-   hosts with one proxy thread each: per posted 1 MiB chunk of a normal-mode-like stream and per low-latency-like
-   call and rank (WRITE_WITH_IMM signals, and arrival words), the proxy threads' CPU clock less what the emulated NIC
+   hosts with one proxy thread each: per posted 1 MiB chunk of a normal-mode-like stream (chunks published one at a
+   time, or a round of them with one store: ``normal-burst``) and per low-latency-like call and rank (WRITE_WITH_IMM
+   signals, and arrival words), the proxy threads' CPU clock less what the emulated NIC
    counts as its own (its posts: doorbells since the NIC's progress thread copies the payloads; before, the payload
    copies and records as well); ``--before DIR`` also measures the triton_ep of another checkout
    (``git worktree add /tmp/before main``), alternately in worker processes, for a before / after in one run;
