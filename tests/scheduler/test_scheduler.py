@@ -136,6 +136,9 @@ _RUNS = {
     "per chunk": (0, (), C_RUN, [[((0, 0), C_RUN, 0), ((0, 1), C_RUN, 0), (2, C_RUN, 2 << 24 | 2)],
                                  [((0, 3), C_RUN, 0), ((0, 4), C_RUN, 0), (5, C_RUN, 2 << 24 | 5)],
                                  [((0, 6), C_RUN, 0), (7, C_RUN, 1 << 24 | 7)]]),
+    # a WRITE carries at most MAX_WRITE_BYTES (2 chunks here)
+    "capped": (0, (), None, [[((0, 0), 2 * C_RUN, 0), (2, C_RUN, 2 << 24 | 2)],
+                             [((0, 3), 2 * C_RUN, 0), (5, C_RUN, 2 << 24 | 5)], [(6, 2 * C_RUN, 1 << 24 | 7)]]),
     # chunks 6..13 in slots 6, 7, 0, ..., 5: the ring's end and the partial chunk 9 end a WRITE
     "wrap and partial": (6, (9,), None, [[((0, 6), 2 * C_RUN, 0), (0, C_RUN, 2 << 24 | 8)],
                                          [((0, 1), 100, 0), (2, 2 * C_RUN, 2 << 24 | 11)],
@@ -145,15 +148,18 @@ _RUNS = {
 
 @pytest.mark.parametrize("case", list(_RUNS))
 @pytest.mark.parametrize("skew_s", [0.0, 0.05])
-def test_a_burst_goes_as_runs_one_signal_each(skew_s, case):
+def test_a_burst_goes_as_runs_one_signal_each(skew_s, case, monkeypatch):
     """8 chunks published at once (one ``READY`` store, as a kernel's round lands between two sweeps) over 3 QPs: the
     proxy deals them in runs of consecutive chunks, 3, 3 and 2, one run per QP (the counts one chunk per pick would
     give each); a run's consecutive full chunks go as one WRITE (unless ``wr_bytes`` asks for a WRITE per chunk; a
-    partial chunk and the ring's end end a WRITE), its last request the WRITE_WITH_IMM whose immediate names the
+    partial chunk, the ring's end and ``MAX_WRITE_BYTES`` end a WRITE), its last request the WRITE_WITH_IMM whose immediate names the
     run: one post per QP, one receive completion per run at the peer. Every chunk is intact when its run's signal
     arrives and every byte lands; with ``skew_s`` the peer's even-numbered QPs are held 50 ms, so a run arrives
     after the one behind it, which waits past the gap."""
     first, partial, wr_bytes, want = _RUNS[case]
+    if case == "capped":
+        from triton_ep.scheduler import posting
+        monkeypatch.setattr(posting, "MAX_WRITE_BYTES", 2 * C_RUN)
     slot, n = C_RUN, 8
     probe = Probe({(0, 1): (first + n) * slot, (1, 0): 0}, slot, 0)
     g_ref, posts, recvs = [None], [], []

@@ -24,6 +24,8 @@ _SEQ_MASK = (1 << 48) - 1
 IMM_SEQ_BITS = 24
 IMM_SEQ_MASK = (1 << IMM_SEQ_BITS) - 1
 MAX_RUN = 1 << (32 - IMM_SEQ_BITS)
+#: the most bytes one WRITE of merged chunks carries (1 GiB: mlx5's ``max_msg_sz``; the verbs spec allows 2 GiB)
+MAX_WRITE_BYTES = 1 << 30
 
 
 def chunk_imm(seq: int, count: int = 1) -> int:
@@ -190,7 +192,7 @@ class ChunkPosting:
         a burst deals the QPs the same number of chunks as one chunk per pick would, only consecutive ones. A run's
         chunks sit in consecutive slots (until the ring's end), so its full chunks and the one after each go as one
         WRITE from the first one's slot (``wr_bytes`` left to its default; else a WRITE per chunk): plain WRITEs
-        up to a partial chunk or the ring's end, and last the WRITE_WITH_IMM whose immediate names the run
+        up to a partial chunk, the ring's end or :data:`MAX_WRITE_BYTES`, and last the WRITE_WITH_IMM whose immediate names the run
         (:func:`chunk_imm`): one work request, one send and one receive completion per run where it does not wrap.
         With arrival words each chunk is its data WRITE and its arrival word's. A WRITE that holds the
         ``signal_every``-th chunk of a QP, and the last of each chain, are signalled; a peer that has no room for
@@ -241,7 +243,8 @@ class ChunkPosting:
                     batch.append((seg, seg_bytes + n, (seq - first) << IMM_SEQ_BITS | (seq & IMM_SEQ_MASK),
                                   TAG_CHUNK | (seq & _SEQ_MASK), seg_sig))
                     q.wrs += 1
-                elif n < C or k == S - 1 or not merge:      # a partial chunk or the ring's end ends a WRITE
+                elif n < C or k == S - 1 or not merge or seg_bytes + n + C > MAX_WRITE_BYTES:
+                    # (a partial chunk, the ring's end or a WRITE's most bytes ends it)
                     batch.append(((0, seg), seg_bytes + n, 0, TAG_CHUNK | (seq & _SEQ_MASK), seg_sig))
                     q.wrs += 1
                     seg, seg_bytes, seg_sig = (k + 1) % S, 0, False
