@@ -21,8 +21,9 @@
 3. A timeline of one all-to-all (2 hosts, full plan): Chrome-trace JSON (opens in Perfetto) and a PNG:
    producer chunks, posts per channel/QP, arrivals.
 4. ``--parts proxy_cpu`` (not in the default parts): the proxy's own CPU over the emulated fabric, ranks as emulated
-   hosts with one proxy thread each: per posted 1 MiB chunk of a normal-mode-like stream and per low-latency-like
-   call and rank (WRITE_WITH_IMM signals, and arrival words), the proxy threads' CPU clock less what the emulated NIC
+   hosts with one proxy thread each: per posted 1 MiB chunk of a normal-mode-like stream (chunks published one at a
+   time, or a round of them with one store: ``normal-burst``) and per low-latency-like call and rank (WRITE_WITH_IMM
+   signals, and arrival words), the proxy threads' CPU clock less what the emulated NIC
    counts as its own (its posts: doorbells since the NIC's progress thread copies the payloads; before, the payload
    copies and records as well); ``--before DIR`` also measures the triton_ep of another checkout
    (``git worktree add /tmp/before main``), alternately in worker processes, for a before / after in one run;
@@ -368,7 +369,53 @@ def timeline(qps: int, chunk: int, slots: int, out: str) -> dict:
 
 #: the streams of ``--parts proxy_cpu``: normal mode's 1 MiB chunks, and low-latency calls (small chunks, 2 slots per
 #: peer) with the chunk's signal a WRITE_WITH_IMM (the default) or an arrival word (``TRITON_EP_LL_ARRIVAL_WORDS``)
-CPU_STREAMS = ("normal", "ll", "ll-arrival")
+CPU_STREAMS = ("normal", "normal-burst", "ll", "ll-arrival")
+
+
+def burst_alltoall(sched, sends, nbytes: int, timeout_s: float = 120.0) -> dict:
+    """:func:`host_alltoall`'s exchange (``sends[p]``: ``nbytes`` uint8 bytes to each peer, as many from each), with
+    the chunks of a round published together: every free send slot is filled, then one ``READY`` store publishes
+    them (a normal-mode pack kernel's chunks land microseconds apart on a GPU, between two sweeps of the proxy), and
+    what arrived is read out and consumed with one ``HEAD`` store. Returns peer -> received bytes. Raises the proxy's
+    error, or ``TimeoutError`` after ``timeout_s`` without progress."""
+    C, peers = sched.slot_bytes, list(sends)
+    n = -(-nbytes // C)
+    tx0, rx0 = sched.reserve({p: n for p in peers}, {p: n for p in peers})
+    done_tx, done_rx = dict.fromkeys(peers, 0), dict.fromkeys(peers, 0)
+    out = {p: np.empty(nbytes, np.uint8) for p in peers}
+    flags, READY, SENT = sched.flags, type(sched.flags).READY, type(sched.flags).SENT
+    last, idle = time.monotonic(), 0
+    while any(done_tx[p] < n or done_rx[p] < n or flags.get(SENT, p) < tx0[p] + n for p in peers):
+        sched.check()
+        moved = False
+        for p in peers:
+            k0 = done_tx[p]
+            while done_tx[p] < n and sched.slot_free(p, tx0[p] + done_tx[p]):
+                k = done_tx[p]
+                piece = sends[p][k * C:(k + 1) * C]
+                sched.send_view(p, tx0[p] + k)[:len(piece)] = piece
+                flags.set_len(p, tx0[p] + k, len(piece))
+                done_tx[p] += 1
+            if done_tx[p] > k0:
+                flags.put(READY, p, tx0[p] + done_tx[p])
+                moved = True
+            k0, tail = done_rx[p], min(n, sched.arrived(p) - rx0[p])
+            while done_rx[p] < tail:
+                k = done_rx[p]
+                m = min(C, nbytes - k * C)
+                out[p][k * C:k * C + m] = sched.recv_view(p, rx0[p] + k)[:m]
+                done_rx[p] += 1
+            if done_rx[p] > k0:
+                sched.consume(p, rx0[p] + done_rx[p])
+                moved = True
+        if moved:
+            last, idle = time.monotonic(), 0
+            continue
+        if time.monotonic() - last > timeout_s:
+            raise TimeoutError(f"rank {sched.rank}: burst exchange made no progress for {timeout_s:g} s")
+        idle += 1
+        time.sleep(0 if idle < 50 else 0.0002)
+    return out
 
 
 def _proxy_cpu_profiled(prof_out: list):
@@ -430,11 +477,11 @@ def proxy_cpu_stream(stream: str, cfg: dict) -> list:
     (``/proc/.../schedstat``: idle polling included), each less what the emulated NIC counts as its own
     (:func:`~triton_ep.transport.emulated.nic_cpu_s`: the CPU inside its ``post_send`` / ``post_recv``), per posted chunk (normal) or per call and rank (low latency)."""
     from triton_ep.transport import emulated as em
-    normal = stream == "normal"
+    normal, burst = stream.startswith("normal"), stream == "normal-burst"
     world = 2 if normal else cfg["ll_ranks"]
     chunk = cfg["chunk_kib"] << 10 if normal else 2 * cfg["ll_kib"] << 10
-    kw = dict(qps=cfg["qps"] if normal else cfg["ll_qps"], slots=cfg["slots"] if normal else 2, slot_bytes=chunk,
-              timeout_s=120.0)
+    qps = (cfg["burst_qps"] if burst else cfg["qps"]) if normal else cfg["ll_qps"]
+    kw = dict(qps=qps, slots=cfg["slots"] if normal else 2, slot_bytes=chunk, timeout_s=120.0)
     if stream == "ll-arrival":
         kw["arrival_words"] = True
     nbytes = cfg["cpu_mib"] << 20 if normal else cfg["ll_kib"] << 10
@@ -446,7 +493,10 @@ def proxy_cpu_stream(stream: str, cfg: dict) -> list:
             peers = [p for p in range(world) if p != r]
             for _ in range(n):
                 for _half in range(1 if normal else 2):       # (low latency: dispatch, then combine)
-                    got = host_alltoall(g.scheds[r], {p: data for p in peers}, {p: data.size for p in peers})
+                    if burst:
+                        got = burst_alltoall(g.scheds[r], {p: data for p in peers}, data.size)
+                    else:
+                        got = host_alltoall(g.scheds[r], {p: data for p in peers}, {p: data.size for p in peers})
             assert all(np.array_equal(v, data) for v in got.values())
 
         def go(n):
@@ -500,6 +550,7 @@ def proxy_cpu_rows(a) -> dict:
     import statistics
     import subprocess
     cfg = dict(streams=a.cpu_streams, cpu_mib=a.cpu_mib, chunk_kib=a.chunk_kib, qps=a.qps, slots=a.slots,
+               burst_qps=a.burst_qps,
                ll_ranks=a.ll_ranks, ll_kib=a.ll_kib, ll_qps=a.ll_qps, ll_calls=a.ll_calls, cpu_reps=a.cpu_reps,
                profile=a.profile, calls=a.calls)
     impls = ([("before", os.path.abspath(a.before))] if a.before else []) + [("after", ROOT)]
@@ -575,9 +626,14 @@ def main(argv=None):
                     help="proxy_cpu: also measure the triton_ep of this checkout (e.g. 'git worktree add /tmp/before "
                          "main'), alternately with this one")
     ap.add_argument("--cpu-streams", nargs="+", choices=CPU_STREAMS, default=list(CPU_STREAMS),
-                    help="proxy_cpu: normal (1 MiB chunks, 2 hosts), ll (low-latency calls, WRITE_WITH_IMM signals), "
+                    help="proxy_cpu: normal (1 MiB chunks, 2 hosts), normal-burst (the same, a round of chunks "
+                         "published with one store, as a kernel's land between two sweeps, over --burst-qps QPs), "
+                         "ll (low-latency calls, WRITE_WITH_IMM signals), "
                          "ll-arrival (arrival words)")
     ap.add_argument("--cpu-mib", type=int, default=32, help="proxy_cpu normal: MiB each way per repetition")
+    ap.add_argument("--burst-qps", type=int, default=4,
+                    help="proxy_cpu normal-burst: QPs per peer (default 4, a normal-mode Buffer's "
+                         "TRITON_EP_RDMA_QPS_PER_PEER default)")
     ap.add_argument("--ll-ranks", type=int, default=2, help="proxy_cpu ll: ranks (each an emulated host)")
     ap.add_argument("--ll-kib", type=int, default=16, help="proxy_cpu ll: KiB to each peer per dispatch / combine")
     ap.add_argument("--ll-qps", type=int, default=4, help="proxy_cpu ll: QPs per peer")
@@ -597,8 +653,8 @@ def main(argv=None):
     if a.proxy_cpu_worker:
         import json
         return proxy_cpu_worker(json.loads(a.proxy_cpu_worker))
-    for k in ("chunks", "busy_chunks", "slots", "qps", "chunk_kib", "mib", "cpu_mib", "ll_ranks", "ll_kib", "ll_qps",
-              "ll_calls", "cpu_reps", "cpu_rounds"):
+    for k in ("chunks", "busy_chunks", "slots", "qps", "burst_qps", "chunk_kib", "mib", "cpu_mib", "ll_ranks", "ll_kib",
+              "ll_qps", "ll_calls", "cpu_reps", "cpu_rounds"):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     chunk = a.chunk_kib << 10
@@ -633,10 +689,10 @@ def main(argv=None):
         pc = res["proxy_cpu"]
         print(f"proxy CPU less the emulated NIC's own (thread CPU clock; medians of {a.cpu_rounds} x {a.cpu_reps} runs; "
               f"load average {pc['load_avg'][0]:.1f}; targets: 10 us a 1 MiB chunk, 25 us a low-latency call and rank):")
-        print(f"{'impl':7s} {'stream':11s} {'per':11s} {'busy sweeps us':>15s} {'all sweeps us':>14s} {'NIC us':>8s} "
+        print(f"{'impl':7s} {'stream':12s} {'per':11s} {'busy sweeps us':>15s} {'all sweeps us':>14s} {'NIC us':>8s} "
               f"{'busy sweeps':>12s}" + (f" {'Python calls':>13s}" if a.calls else ""))
         for r in pc["rows"].values():
-            print(f"{r['impl']:7s} {r['stream']:11s} {r['per']:11s} {r['busy_us_median']:15.1f} "
+            print(f"{r['impl']:7s} {r['stream']:12s} {r['per']:11s} {r['busy_us_median']:15.1f} "
                   f"{r['all_us_median']:14.1f} {r['nic_us_median']:8.1f} {r['busy_sweeps_median']:12.2f}"
                   + (f" {r['calls_median']:13.0f}" if a.calls else ""))
 

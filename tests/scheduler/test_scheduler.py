@@ -126,6 +126,97 @@ def test_signal_is_the_chunks_last_write(wr_bytes, per_chunk):
             assert sum(q["wrs"] for q in qps) == want, (r, list(qps))
 
 
+C_RUN = 1024
+#: (first chunk, chunk numbers of partial chunks of 100 bytes, wr_bytes, the requests expected per run: (key, bytes,
+#: immediate)); 8 chunks over 3 QPs go as runs of 3, 3 and 2, each run's last a WRITE_WITH_IMM naming it
+_RUNS = {
+    # consecutive full chunks go as one WRITE: one work request per run
+    "merged": (0, (), None, [[(0, 3 * C_RUN, 2 << 24 | 2)], [(3, 3 * C_RUN, 2 << 24 | 5)], [(6, 2 * C_RUN, 1 << 24 | 7)]]),
+    # wr_bytes given: a WRITE per chunk, the run's signal on its last
+    "per chunk": (0, (), C_RUN, [[((0, 0), C_RUN, 0), ((0, 1), C_RUN, 0), (2, C_RUN, 2 << 24 | 2)],
+                                 [((0, 3), C_RUN, 0), ((0, 4), C_RUN, 0), (5, C_RUN, 2 << 24 | 5)],
+                                 [((0, 6), C_RUN, 0), (7, C_RUN, 1 << 24 | 7)]]),
+    # a WRITE carries at most MAX_WRITE_BYTES (2 chunks here)
+    "capped": (0, (), None, [[((0, 0), 2 * C_RUN, 0), (2, C_RUN, 2 << 24 | 2)],
+                             [((0, 3), 2 * C_RUN, 0), (5, C_RUN, 2 << 24 | 5)], [(6, 2 * C_RUN, 1 << 24 | 7)]]),
+    # chunks 6..13 in slots 6, 7, 0, ..., 5: the ring's end and the partial chunk 9 end a WRITE
+    "wrap and partial": (6, (9,), None, [[((0, 6), 2 * C_RUN, 0), (0, C_RUN, 2 << 24 | 8)],
+                                         [((0, 1), 100, 0), (2, 2 * C_RUN, 2 << 24 | 11)],
+                                         [(4, 2 * C_RUN, 1 << 24 | 13)]]),
+}
+
+
+@pytest.mark.parametrize("case", list(_RUNS))
+@pytest.mark.parametrize("skew_s", [0.0, 0.05])
+def test_a_burst_goes_as_runs_one_signal_each(skew_s, case, monkeypatch):
+    """8 chunks published at once (one ``READY`` store, as a kernel's round lands between two sweeps) over 3 QPs: the
+    proxy deals them in runs of consecutive chunks, 3, 3 and 2, one run per QP (the counts one chunk per pick would
+    give each); a run's consecutive full chunks go as one WRITE (unless ``wr_bytes`` asks for a WRITE per chunk; a
+    partial chunk, the ring's end and ``MAX_WRITE_BYTES`` end a WRITE), its last request the WRITE_WITH_IMM whose immediate names the
+    run: one post per QP, one receive completion per run at the peer. Every chunk is intact when its run's signal
+    arrives and every byte lands; with ``skew_s`` the peer's even-numbered QPs are held 50 ms, so a run arrives
+    after the one behind it, which waits past the gap."""
+    first, partial, wr_bytes, want = _RUNS[case]
+    if case == "capped":
+        from triton_ep.scheduler import posting
+        monkeypatch.setattr(posting, "MAX_WRITE_BYTES", 2 * C_RUN)
+    slot, n = C_RUN, 8
+    probe = Probe({(0, 1): (first + n) * slot, (1, 0): 0}, slot, 0)
+    g_ref, posts, recvs = [None], [], []
+
+    class Probed(Scheduler):
+        def __init__(self, t, **kw):
+            super().__init__(t, on_signal=probe.hook(g_ref, t.rank) if not partial else None, **kw)
+
+    with Group(fabric(2, skew_s=skew_s), 2, qps=3, cls=Probed, slots=n, slot_bytes=slot, wr_bytes=wr_bytes) as g:
+        g_ref[0] = g
+        s0, s1 = g.scheds
+        data = payload(0, 1, (first + n) * slot)
+        lens = [100 if k in partial else slot for k in range(first + n)]
+
+        def burst(lo, hi):
+            for k in range(lo, hi):
+                s0.send_view(1, k)[:] = data[k * slot:(k + 1) * slot]
+                s0.flags.set_len(1, k, lens[k])
+            s0.flags.put(RingFlags.READY, 1, hi)
+            s1.wait_counter(RingFlags.TAIL, 0, hi, "test: every chunk arrived")
+            got = [s1.recv_view(0, k)[:lens[k]].copy() for k in range(lo, hi)]
+            s1.consume(0, hi)
+            s0.wait_counter(RingFlags.SENT, 1, hi, "test: every chunk placed")
+            s0.wait_counter(RingFlags.CREDIT, 1, hi, "test: every slot free at the peer")
+            return got
+        if first:
+            burst(0, first)
+        post, poll = s0.t.post_prepared, s1.t.poll
+        s0.t.post_prepared = lambda peer, qp, reqs: posts.append((qp, [r[:3] for r in reqs])) or post(peer, qp, reqs)
+        s1.t.poll = lambda *a, **k: [c for c in poll(*a, **k) if c.opcode != "recv_imm" or recvs.append(c) or True]
+        got = burst(first, first + n)
+    for k, chunk in zip(range(first, first + n), got):
+        assert np.array_equal(chunk, data[k * slot:k * slot + lens[k]]), k
+    assert not probe.bad, probe.bad
+    runs = []           # (the run's last chunk, QP, its requests): a chain split after each WRITE_WITH_IMM (int key)
+    for qp, reqs in posts:
+        if reqs and reqs[0][0] not in ("credit", "probe"):
+            run = []
+            for r in reqs:
+                run.append(r)
+                if isinstance(r[0], int):
+                    runs.append((r[2] & 0xFFFFFF, qp, run))
+                    run = []
+    runs.sort(key=lambda x: x[0])
+    assert [reqs for _, _, reqs in runs] == want, runs
+    if not first:       # (fresh QPs: a run each; after the first chunks the picker evens the QPs' bytes out)
+        assert sorted(qp for _, qp, _ in runs) == [0, 1, 2], runs
+    assert len(recvs) == 3 and all(c.ok for c in recvs), recvs
+    if skew_s:          # a run on a held QP (an even QP number at the peer) came after every other one
+        held = {s1.t.qps[(0, q)].info.qp_num % 2 == 0 for q in range(3)}
+        assert held == {True, False}, held
+        seen = [c.qp_num % 2 == 0 for c in recvs]
+        assert seen == sorted(seen), recvs
+    if not partial:
+        assert sorted(s for seqs in probe.order.values() for s in seqs) == list(range(first, first + n)), probe.order
+
+
 class SignalOnAnotherQP(Scheduler):
     """Planted bug: each chunk's signal (its WRITE_WITH_IMM, or its arrival word) goes on the next QP, not the one
     that carried its data."""

@@ -14,9 +14,14 @@ ring of ``slots`` slots of ``slot_bytes`` per peer.  Chunk ``k`` for peer ``p`` 
   transport placed them over ports and ECMP paths by the topology plan), and posts the chunk's RDMA WRITEs and then its signal, a
   WRITE_WITH_IMM carrying ``k`` in the immediate, **on the same QP**: RC ordering places the data before the
   receive completion of the signal, with no fence. The signal is the chunk's last WRITE itself (a
-  WRITE_WITH_IMM carries data), so a chunk of one WRITE is one work request.  A QP's chunks are posted as one chain
-  per sweep; only every ``signal_every``-th signal, and the last of a chain, is signalled; a completion
-  retires every earlier chunk of that QP.  Retired chunks advance ``SENT``.
+  WRITE_WITH_IMM carries data), so a chunk of one WRITE is one work request.  Chunks that are ready together go
+  in runs of consecutive chunks, one run per QP (as many per QP as one chunk per pick would give it): the run's
+  full chunks go as one WRITE with the chunk after them (consecutive slots; a partial chunk, the ring's end or
+  :data:`~.posting.MAX_WRITE_BYTES` ends a WRITE), and the run's last WRITE_WITH_IMM signals the whole run (its
+  immediate: ``k mod 2**24`` and the run's length less one, :func:`~.posting.chunk_imm`), one receive completion per
+  run.  A
+  QP's chunks are posted as one chain per sweep; only every ``signal_every``-th chunk, and the last of a chain,
+  is signalled; a completion retires every earlier chunk of that QP.  Retired chunks advance ``SENT``.
 - The receiving proxy turns receive completions (WRITE_WITH_IMM) into ``TAIL[p]``, the count of chunks
   arrived in order (chunks on different QPs may arrive out of order; the tail waits for the gap), which a
   consumer (kernel or host) acquires.  A consumer frees slots by releasing ``HEAD[p]``; the proxy writes

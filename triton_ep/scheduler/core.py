@@ -51,7 +51,7 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
         slots: S, ring slots per peer and direction (bounded rings: a producer waits for a free slot).
         slot_bytes: bytes per slot = the chunk size (a multiple of 64).
         wr_bytes: bytes per RDMA WRITE (a chunk is cut into WRITEs of at most this, at least 64; default: one
-            WRITE).
+            WRITE a chunk, and the consecutive full chunks of a run one WRITE together, :meth:`_place_prepared`).
         qps_per_channel: QPs each channel owns per peer; channels = ``num_qps_per_peer // qps_per_channel``
             (channel ``c`` owns QP indices ``c * qps_per_channel ...``).
         proxies: proxy threads; thread ``t`` owns channels ``c % proxies == t``.  They share one lock (the
@@ -89,6 +89,9 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
         self.layout = RingLayout(self.world, slots, slot_bytes)
         self.slots, self.slot_bytes = slots, slot_bytes
         self.wr_bytes = slot_bytes if wr_bytes is None else max(64, wr_bytes)
+        #: consecutive full chunks of a run in consecutive slots go as one WRITE (``wr_bytes`` left to its default:
+        #: no bound on a WRITE's bytes was asked for; :meth:`_place_prepared`)
+        self._merge_runs = wr_bytes is None
         self.qps_per_channel = qps_per_channel
         self.channels = nq // qps_per_channel
         self.proxies = max(1, min(proxies, self.channels))

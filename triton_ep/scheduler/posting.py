@@ -19,6 +19,21 @@ from .liveness import PROBE_KEY
 #: wr_id tag of a chunk's signal (the low bits hold the chunk number)
 TAG_CHUNK = 1 << 60
 _SEQ_MASK = (1 << 48) - 1
+#: a chunk signal's immediate: the low :data:`IMM_SEQ_BITS` bits of the last chunk number of a run, and above them the
+#: run's length less one (at most :data:`MAX_RUN` chunks: consecutive numbers on one QP, :func:`chunk_imm`)
+IMM_SEQ_BITS = 24
+IMM_SEQ_MASK = (1 << IMM_SEQ_BITS) - 1
+MAX_RUN = 1 << (32 - IMM_SEQ_BITS)
+#: the most bytes one WRITE of merged chunks carries (1 GiB: mlx5's ``max_msg_sz``; the verbs spec allows 2 GiB)
+MAX_WRITE_BYTES = 1 << 30
+
+
+def chunk_imm(seq: int, count: int = 1) -> int:
+    """The immediate (32 bits) of the WRITE_WITH_IMM that signals chunks ``seq - count + 1 .. seq`` (``count``
+    consecutive chunks on one QP, 1..:data:`MAX_RUN`; all but the last went as plain WRITEs before it on that QP,
+    so its receive completion says every one of them is placed): ``(count - 1) << 24 | seq mod 2**24``. The
+    receiver widens the number against its tail (a chunk in flight is less than ``slots`` past it)."""
+    return (count - 1) << IMM_SEQ_BITS | (seq & IMM_SEQ_MASK)
 
 
 def is_chunk_signal(op: Op) -> bool:
@@ -52,8 +67,10 @@ class ChunkPosting:
 
     def _prepare_wrs(self) -> None:
         """Build each chunk's work requests once per ring slot and QP (:meth:`Transport.prepare`), for chunks of one
-        WRITE (``wr_bytes`` at least ``slot_bytes``): the WRITE_WITH_IMM of slot ``k`` (key ``k``), or with arrival
-        words the data WRITE (key ``(0, k)``) and the arrival word's WRITE (key ``(1, k)``). A sweep then posts them
+        WRITE (``wr_bytes`` at least ``slot_bytes``): the WRITE_WITH_IMM of slot ``k`` (key ``k``: a run's last chunk,
+        :meth:`_place_prepared`) and its plain WRITE (key ``(0, k)``: the run's other chunks; with one slot there are
+        none), or with arrival words the data WRITE (key ``(0, k)``) and the arrival word's WRITE (key ``(1, k)``). A
+        sweep then posts them
         with only length, immediate, ``wr_id`` and completion request new (:meth:`Transport.post_prepared`). Each peer's
         credit WRITE (8 bytes of ``SRC[p]`` into the peer's ``CREDIT[me]``, QP 0) is prepared too (key ``"credit"``)."""
         lay = self.layout
@@ -71,10 +88,11 @@ class ChunkPosting:
             for qp in range(self.t.num_qps_per_peer):
                 for k in range(self.slots):
                     src, dst = lay.send_off(p, k), lay.recv_off(self.rank, k)
+                    if self.slots > 1 or self.arrival_words:     # (a chunk of a run that is not its last)
+                        self.t.prepare(p, qp, (0, k), Op(WRITE, self.region, src, self.slot_bytes, rem, dst))
                     if not self.arrival_words:
                         self.t.prepare(p, qp, k, Op(WRITE_WITH_IMM, self.region, src, self.slot_bytes, rem, dst))
                         continue
-                    self.t.prepare(p, qp, (0, k), Op(WRITE, self.region, src, self.slot_bytes, rem, dst))
                     self.t.prepare(p, qp, (1, k), Op(WRITE, self.region, 8 * self.flags.asrc_index(p, k), 8, rem,
                                                      self._arrive_off[k]))
 
@@ -167,47 +185,83 @@ class ChunkPosting:
 
     def _place_prepared(self, p: int, st: _PeerState, picks, ready: int, credit: int, now: float,
                         batches: Dict[Tuple[int, int], list], words: list) -> bool:
-        """Peer ``p``'s chunks from ``st.next_post`` up to ``ready`` (``READY[p]``) and ``credit + slots``, each on the
-        QP the picker chooses among ``picks`` (until none has room), accounted as posted, appended to that QP's chain
-        in ``batches`` as prepared work requests (what :meth:`_chunk_ops` + :func:`_fold_signal` would build): every
-        ``signal_every``-th chunk of a QP and the last of each chain signalled; a peer that has no room for the rest
-        starts (or checks) the stall's clock. Returns whether any chunk went."""
+        """Peer ``p``'s chunks from ``st.next_post`` up to ``ready`` (``READY[p]``) and ``credit + slots``, in runs of
+        consecutive chunks, each run on the QP the picker chooses among ``picks`` (until none has room), accounted as
+        posted, appended to that QP's chain in ``batches`` as prepared work requests. A run takes ``ceil(m / r)``
+        chunks of the ``m`` to place (``r``: the QPs with room; at most the QP's free window and :data:`MAX_RUN`), so
+        a burst deals the QPs the same number of chunks as one chunk per pick would, only consecutive ones. A run's
+        chunks sit in consecutive slots (until the ring's end), so its full chunks and the one after each go as one
+        WRITE from the first one's slot (``wr_bytes`` left to its default; else a WRITE per chunk): plain WRITEs
+        up to a partial chunk, the ring's end or :data:`MAX_WRITE_BYTES`, and last the WRITE_WITH_IMM whose immediate names the run
+        (:func:`chunk_imm`): one work request, one send and one receive completion per run where it does not wrap.
+        With arrival words each chunk is its data WRITE and its arrival word's. A WRITE that holds the
+        ``signal_every``-th chunk of a QP, and the last of each chain, are signalled; a peer that has no room for
+        the rest starts (or checks) the stall's clock. Returns whether any chunk went."""
         S, every, arrival, trace = self.slots, self.signal_every, self.arrival_words, self.trace
         end = min(ready, credit + S)
-        l0, C = self._w_len + p * S, self.slot_bytes
-        pick, account, get = self._pick, self._account, batches.get
+        l0, C, window, merge = self._w_len + p * S, self.slot_bytes, self.max_chunks_per_qp, self._merge_runs
+        pick, get = self._pick, batches.get
         chains = []         # (QP, its chain) of this peer in this sweep
         seq = st.next_post
+        if end - seq > 1:   # (a burst: runs of ceil(m / r) chunks; one chunk: a run of one)
+            r = sum(len(room) for room, _ in picks)
+            run = min(MAX_RUN, -(-(end - seq) // r)) if r else 1
+        else:
+            run = 1
         while seq < end:
             q = pick(picks)
             if q is None:
                 break
-            k = seq % S
-            n = words[l0 + k]
-            if not 0 < n <= C:
-                self._chunk_len(p, q, seq, words)       # (raises)
-            account(q, seq, n, now)
             batch = get((p, q.qp))
             if batch is None:
                 batch = batches[(p, q.qp)] = []
                 chains.append((q, batch))
-            q.unsignaled += 1
-            sig = q.unsignaled >= every
-            if sig:
-                q.unsignaled = 0
-            wr_id = TAG_CHUNK | (seq & _SEQ_MASK)
-            if arrival:     # the data, then the arrival word seq + 1 from its ASRC word (_signal_op)
-                self.flags.w[self.flags.asrc_index(p, seq)] = seq + 1
-                data_key, word_key = self._arrival_keys[k]
-                batch.append((data_key, n, 0, None, False))
-                batch.append((word_key, 8, 0, wr_id, sig))
-                q.wrs += 2
-            else:           # one WRITE_WITH_IMM carrying the signal
-                batch.append((k, n, seq & 0xFFFFFFFF, wr_id, sig))
-                q.wrs += 1
-            if trace:
-                self._event("post", p, q.channel, q.qp, seq, n)
-            seq += 1
+            first, inflight, nbytes = seq, q.inflight, 0
+            stop = min(end, seq + run, seq + window - len(inflight))
+            if not inflight:
+                self._busy_qps.add(q)
+            seg, seg_bytes, seg_sig = seq % S, 0, False     # the WRITE being merged: its first slot, bytes, signal
+            while seq < stop:
+                k = seq % S
+                n = words[l0 + k]
+                if not 0 < n <= C:
+                    self._chunk_len(p, q, seq, words)       # (raises)
+                nbytes += n
+                inflight.append((seq, n, now))
+                q.unsignaled += 1
+                if q.unsignaled >= every:
+                    q.unsignaled = 0
+                    seg_sig = True
+                if arrival:     # the data, then the arrival word seq + 1 from its ASRC word (_signal_op)
+                    self.flags.w[self.flags.asrc_index(p, seq)] = seq + 1
+                    data_key, word_key = self._arrival_keys[k]
+                    batch.append((data_key, n, 0, None, False))
+                    batch.append((word_key, 8, 0, TAG_CHUNK | (seq & _SEQ_MASK), seg_sig))
+                    q.wrs += 2
+                    seg_sig = False
+                elif seq + 1 == stop:   # the run's last: its WRITE_WITH_IMM carries the run's signal
+                    batch.append((seg, seg_bytes + n, (seq - first) << IMM_SEQ_BITS | (seq & IMM_SEQ_MASK),
+                                  TAG_CHUNK | (seq & _SEQ_MASK), seg_sig))
+                    q.wrs += 1
+                elif n < C or k == S - 1 or not merge or seg_bytes + n + C > MAX_WRITE_BYTES:
+                    # (a partial chunk, the ring's end or a WRITE's most bytes ends it)
+                    batch.append(((0, seg), seg_bytes + n, 0, TAG_CHUNK | (seq & _SEQ_MASK), seg_sig))
+                    q.wrs += 1
+                    seg, seg_bytes, seg_sig = (k + 1) % S, 0, False
+                else:           # a full chunk followed by the next slot's: one WRITE carries both
+                    seg_bytes += n
+                if trace:
+                    self._event("post", p, q.channel, q.qp, seq, n)
+                seq += 1
+            # the run's bytes count as posted on its QP and port (what _account does per chunk, once per run)
+            q.out_bytes += nbytes
+            q.total_bytes += nbytes
+            q.chunks += seq - first
+            port = q.port_w
+            port[0] += nbytes
+            port[1] += nbytes
+            if len(inflight) >= window:     # (_room: its window is full)
+                self._room(q)
         st.next_post = seq
         for q, batch in chains:     # each chain's last chunk is signalled
             last = batch[-1]
@@ -331,7 +385,7 @@ class ChunkPosting:
             return Op(WRITE, self.region, 8 * i, 8, self._remote[peer], self._arrive_off[seq % self.slots],
                       signaled=signaled, wr_id=TAG_CHUNK | (seq & _SEQ_MASK))
         return Op(WRITE_WITH_IMM, self.region, lay.send_off(peer, seq), nbytes, self._remote[peer],
-                  lay.recv_off(self.rank, seq), imm=seq & 0xFFFFFFFF, signaled=signaled,
+                  lay.recv_off(self.rank, seq), imm=chunk_imm(seq), signaled=signaled,
                   wr_id=TAG_CHUNK | (seq & _SEQ_MASK))
 
     def _credit(self, p: int, head: int) -> bool:

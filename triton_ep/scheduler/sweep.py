@@ -15,7 +15,7 @@ from .faults import (CLOSED, ROOT_CLOSED, ROOT_FAILED, STAGE_INTERNAL, STAGE_NAM
                      fault_gone, fault_word, parse_close, parse_fault, stage_code)
 from .layout import _QPState
 from .liveness import STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness, probe_request
-from .posting import _CHUNK_OPS, _SEQ_MASK, TAG_CHUNK
+from .posting import _CHUNK_OPS, _SEQ_MASK, IMM_SEQ_BITS, IMM_SEQ_MASK, TAG_CHUNK
 
 
 class ProxyThreads:
@@ -266,35 +266,38 @@ class ProxyThreads:
         return moved
 
     def _on_completion(self, c: Completion) -> None:
-        """One completion of the sweep's poll. A successful one (the common case, looked at first): a chunk's
-        receive (its WRITE_WITH_IMM landed) moves ``TAIL[peer]`` past every chunk that arrived in order (the rest
-        wait in ``arrived``; without the transport's own replenishing, one receive is posted again), a chunk's
-        signalled send retires it and those before it on its QP (:meth:`_retire`), a probe's clears it
-        (:class:`Liveness`). A failed one: :meth:`_failed`."""
+        """One completion of the sweep's poll. A successful one (the common case, looked at first): a run's receive
+        (its WRITE_WITH_IMM landed: :func:`~.posting.chunk_imm` names the run's chunks, all placed) moves
+        ``TAIL[peer]`` past every chunk that arrived in order (the rest wait in ``arrived``; without the transport's
+        own replenishing, one receive is posted again), a chunk's signalled send retires it and those before it on
+        its QP (:meth:`_retire`), a probe's clears it (:class:`Liveness`). A failed one: :meth:`_failed`."""
         peer = c.peer
         if peer is None:            # not one of our QPs' (cannot happen with one transport per scheduler)
             return
         if c.status != "IBV_WC_SUCCESS":
             return self._failed(c, peer)
-        if c.opcode == "recv_imm":     # a chunk's WRITE_WITH_IMM landed
+        if c.opcode == "recv_imm":     # a run's WRITE_WITH_IMM landed: its chunks are placed (chunk_imm)
             st = self._peer[peer]
-            tail = st.tail
-            ahead = (c.imm - tail) & 0xFFFFFFFF
-            if ahead < 1 << 31:         # (else a chunk numbered before a renumbering, already counted: rebase)
-                seq = tail + ahead
-                if self.on_signal is not None:
-                    self.on_signal(peer, c.qp, seq)
-                if self.trace:
-                    self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, seq, 0)
-                if seq == tail:         # (the common case: in order: TAIL moves at once)
-                    tail += 1
+            tail, imm = st.tail, c.imm
+            ahead = (imm - tail) & IMM_SEQ_MASK
+            if ahead < self.slots:      # (else a chunk numbered before a renumbering, already counted: rebase)
+                seq = tail + ahead      # (the run's last chunk; it began imm >> 24 chunks before)
+                first = seq - (imm >> IMM_SEQ_BITS)
+                if self.on_signal is not None or self.trace:
+                    for s in range(max(first, tail), seq + 1):
+                        if self.on_signal is not None:
+                            self.on_signal(peer, c.qp, s)
+                        if self.trace:
+                            self._event("arrive", peer, c.qp // self.qps_per_channel, c.qp, s, 0)
+                if first <= tail:       # (the common case: in order: TAIL moves at once)
+                    tail = seq + 1
                     arrived = st.arrived
                     while arrived and tail in arrived:
                         arrived.discard(tail)
                         tail += 1
                     st.tail = tail
                 else:                   # (past a gap: it waits in the arrived set)
-                    st.arrived.add(seq)
+                    st.arrived.update(range(first, seq + 1))
                 self.flags.w[self._i_tail[peer]] = tail
             if self._replenish:         # (a transport that does not replenish its receives itself)
                 t0, c0 = self._tx_begin()
