@@ -246,3 +246,24 @@ def test_a_pending_hook_and_a_failed_later_call(kind):
     else:
         assert d0["hook A"] == want[0], out            # the late hook is not failed by rank 1's next call
         assert d1["B"] == "ValueError" and d0["B"] == "EPRemoteError", out
+
+
+def test_bad_calls_on_one_rank_among_replays_and_resyncs_raise_on_every_rank():
+    """Rank 1 alternates valid calls with rejected ones (float topk_idx, found before launch; ids of -3, found by
+    its kernel; fp64 weights), rank 0's good calls replayed or after a re-synchronisation, rank 0 slow to restart
+    its call numbers after the meeting: every bad call raises on every rank at once (rank 1 its own error, rank 0
+    EPRemoteError), never waits out timeout_s, and the valid calls between them are correct. (A new user's find:
+    the restart cleared a failure word rank 1 had just posted, so rank 0 waited out timeout_s and the next
+    re-synchronisation timed out.)"""
+    out = _values(run_ranks(ll_cases.bad_calls_among_replays, 2, 0))
+    want_counts = [[6, 0], [0, 6]]
+    for rank, (log, _) in enumerate(out):
+        for name, got, secs in log:
+            if name.startswith("valid"):
+                want = want_counts[rank]
+            elif rank == 0:
+                want = "EPRemoteError"
+            else:
+                want = "ValueError" if name.startswith("neg3") else "TypeError"
+            assert got == want and secs < 5, (rank, name, got, secs, log)
+    assert out[0][1] >= 2, out      # rank 0 replayed the dispatch beside rank 1's rejections
