@@ -1309,3 +1309,51 @@ def bad_calls_among_replays(rank, world, slow_rank, delay_s=0.4):
         os.environ.pop("TRITON_EP_FUSED", None)
         buf.destroy()
     return log, sum(replays)
+
+
+def interrupted_mid_call(rank, world, at_call):
+    """Rank 1 gets SIGINT in the middle of its low-latency call number ``at_call`` (dispatches and combines counted
+    from 1; the first is the general path, later ones replay its plan): it raises ``KeyboardInterrupt``, its next
+    call ``EPError`` (it left the group). Its peers raise ``EPRemoteError`` naming it at once, not at ``timeout_s``
+    (a new user's find: they waited out ``timeout_s``; normal mode named the rank in 0.2 s). Returns
+    ``[(step, error type, seconds, text)]``."""
+    import signal
+    import time
+    from triton_ep.modes.low_latency.calls import LowLatency
+    os.environ["TRITON_EP_FUSED"] = "1"
+    N, H, E = 4, 128, 4
+    real_launch = LowLatency.launch
+    calls = [0]
+
+    def launch(self, hook, async_finish, body, tensors):
+        calls[0] += 1
+        if calls[0] != at_call:
+            return real_launch(self, hook, async_finish, body, tensors)
+
+        def interrupted():
+            os.kill(os.getpid(), signal.SIGINT)      # delivered at the launch's next bytecode
+            body()
+        return real_launch(self, hook, async_finish, interrupted, tensors)
+    if rank == 1:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        LowLatency.launch = launch
+    buf = _buffer(world, N, H, E, timeout_s=10)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    log = []
+    try:
+        for k in range(4):
+            t0 = time.monotonic()
+            try:
+                recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+                buf.low_latency_combine(recv, idx, torch.ones(3, 2), handle)
+                log.append((f"round {k}", "ok", 0.0, ""))
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too
+                log.append((f"round {k}", type(e).__name__, round(time.monotonic() - t0, 1), str(e)))
+                if not isinstance(e, KeyboardInterrupt):
+                    break
+    finally:
+        LowLatency.launch = real_launch
+        os.environ.pop("TRITON_EP_FUSED", None)
+        buf.destroy()
+    return log

@@ -267,3 +267,18 @@ def test_bad_calls_on_one_rank_among_replays_and_resyncs_raise_on_every_rank():
                 want = "ValueError" if name.startswith("neg3") else "TypeError"
             assert got == want and secs < 5, (rank, name, got, secs, log)
     assert out[0][1] >= 2, out      # rank 0 replayed the dispatch beside rank 1's rejections
+
+
+@pytest.mark.parametrize("at_call", [1, 4])
+def test_an_interrupt_in_the_middle_of_a_call_is_named_on_every_rank_at_once(at_call):
+    """SIGINT reaches rank 1 in the middle of a low-latency call (the general path's first dispatch, or a replayed
+    combine): rank 1 raises KeyboardInterrupt and its next call EPError (it left the group); rank 0 raises
+    EPRemoteError naming rank 1 at once, not EPTimeoutError at timeout_s (10 s), as in normal mode."""
+    out = _values(run_ranks(ll_cases.interrupted_mid_call, 2, at_call))
+    r0, r1 = out
+    step = f"round {(at_call - 1) // 2}"
+    assert [s[:2] for s in r1 if s[1] != "ok"] == [(step, "KeyboardInterrupt"), (f"round {(at_call + 1) // 2}",
+                                                                                 "EPError")], r1
+    bad = [s for s in r0 if s[1] != "ok"]
+    assert len(bad) == 1 and bad[0][:2] == (step, "EPRemoteError") and "rank 1" in bad[0][3], r0
+    assert bad[0][2] < 5, r0
