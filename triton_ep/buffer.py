@@ -351,8 +351,10 @@ class Buffer:
         """Return rows along the routes of ``handle`` and sum them per source token (collective; DeepEP V1's).
 
         Args:
-            x: bf16 ``[N, H]``. handle: the matching dispatch's. topk_weights: fp32 ``[N, K]`` or ``None``.
-            bias: ``None``, bf16 ``[T, H]`` or a tuple of up to two. config, previous_event, async_finish,
+            x: bf16 ``[N, H]``. handle: the matching dispatch's. topk_weights: fp32 ``[N, K]`` or ``None`` (``K``:
+            the columns of the dispatch's ``topk_idx`` within one host, where it took one, as its
+            ``recv_topk_weights``; another width is a ``ValueError`` on that rank and ``EPRemoteError`` on its
+            peers). bias: ``None``, bf16 ``[T, H]`` or a tuple of up to two. config, previous_event, async_finish,
             allocate_on_comm_stream: as in ``dispatch``.
 
         Returns:

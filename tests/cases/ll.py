@@ -1240,3 +1240,120 @@ def hidden_refusals(rank, world, N=4, E=4, K=2):
         return seen
     finally:
         buf.destroy()
+
+
+def bad_calls_among_replays(rank, world, slow_rank, delay_s=0.4):
+    """Rank 1 alternates valid calls with bad ones while rank 0 always passes good arguments: a float topk_idx
+    (found before launch) and ids of -3 (found by rank 1's kernel), a dispatch and a combine, some while rank 0
+    replays the last call's plan (modes/low_latency/replay.py), some right after a re-synchronisation (both take
+    the general path). ``slow_rank`` takes ``delay_s`` more between the re-synchronisation meeting and its restart
+    of the call numbers, so a rank that rejects its call at once posts its failure word while that rank still
+    restarts (a new user's find: the restart cleared the word, so the peer waited out ``timeout_s``). Returns
+    ``[(step, outcome)]`` with the valid steps' counts, and the dispatch plans rank 0 replayed."""
+    import time
+    os.environ["TRITON_EP_FUSED"] = "1"        # (one launch a call: the calls leave plans to replay)
+    from triton_ep.modes.low_latency import replay as RP
+    from triton_ep.modes.low_latency.state import LowLatencyState
+    N, H, E = 4, 128, 4
+    real_apply, real_usable = LowLatencyState.resync_apply, RP.LLPlan.usable
+    replays = []
+
+    def slow_apply(self, slots):
+        time.sleep(delay_s)
+        real_apply(self, slots)
+
+    def usable(self, sizes):
+        ok = real_usable(self, sizes)
+        replays.append(ok)
+        return ok
+    if rank == slow_rank:
+        LowLatencyState.resync_apply = slow_apply
+    RP.LLPlan.usable = usable
+    buf = _buffer(world, N, H, E, timeout_s=6)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    log = []
+
+    def call(name, bad):
+        t0 = time.monotonic()
+        try:
+            i = idx
+            if rank == 1 and bad == "float":
+                i = idx.float()
+            elif rank == 1 and bad == "neg3":
+                i = torch.full_like(idx, -3)
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x, i, N, E, use_fp8=False)
+            w = torch.ones(3, 2)
+            if rank == 1 and bad == "weights":
+                w = w.double()
+            comb = buf.low_latency_combine(recv, idx, w, handle)[0]
+            assert torch.equal(comb.float(), x.float() * 2), "combine"
+            out = [int(c) for c in count.tolist()]
+        except Exception as e:  # noqa: BLE001
+            out = type(e).__name__
+        log.append((name, out, round(time.monotonic() - t0, 1)))
+
+    try:
+        call("valid 0", None)              # the general path; leaves plans
+        call("valid 1", None)              # replayed
+        call("float at a replay", "float")      # rank 0 replays, rank 1 rejects before launch
+        for k in range(2):                 # each after a re-synchronisation: the general path on both
+            call(f"neg3 {k}", "neg3")
+            call(f"float {k}", "float")
+        call("valid 2", None)
+        call("valid 3", None)              # replayed
+        call("weights at a replay", "weights")  # rank 0 replays the combine, rank 1 rejects its weights
+        call("valid 4", None)
+    finally:
+        LowLatencyState.resync_apply, RP.LLPlan.usable = real_apply, real_usable
+        os.environ.pop("TRITON_EP_FUSED", None)
+        buf.destroy()
+    return log, sum(replays)
+
+
+def interrupted_mid_call(rank, world, at_call):
+    """Rank 1 gets SIGINT in the middle of its low-latency call number ``at_call`` (dispatches and combines counted
+    from 1; the first is the general path, later ones replay its plan): it raises ``KeyboardInterrupt``, its next
+    call ``EPError`` (it left the group). Its peers raise ``EPRemoteError`` naming it at once, not at ``timeout_s``
+    (a new user's find: they waited out ``timeout_s``; normal mode named the rank in 0.2 s). Returns
+    ``[(step, error type, seconds, text)]``."""
+    import signal
+    import time
+    from triton_ep.modes.low_latency.calls import LowLatency
+    os.environ["TRITON_EP_FUSED"] = "1"
+    N, H, E = 4, 128, 4
+    real_launch = LowLatency.launch
+    calls = [0]
+
+    def launch(self, hook, async_finish, body, tensors):
+        calls[0] += 1
+        if calls[0] != at_call:
+            return real_launch(self, hook, async_finish, body, tensors)
+
+        def interrupted():
+            os.kill(os.getpid(), signal.SIGINT)      # delivered at the launch's next bytecode
+            body()
+        return real_launch(self, hook, async_finish, interrupted, tensors)
+    if rank == 1:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        LowLatency.launch = launch
+    buf = _buffer(world, N, H, E, timeout_s=10)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    log = []
+    try:
+        for k in range(4):
+            t0 = time.monotonic()
+            try:
+                recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+                buf.low_latency_combine(recv, idx, torch.ones(3, 2), handle)
+                log.append((f"round {k}", "ok", 0.0, ""))
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too
+                log.append((f"round {k}", type(e).__name__, round(time.monotonic() - t0, 1), str(e)))
+                if not isinstance(e, KeyboardInterrupt):
+                    break
+    finally:
+        LowLatency.launch = real_launch
+        os.environ.pop("TRITON_EP_FUSED", None)
+        buf.destroy()
+    return log

@@ -128,12 +128,15 @@ def bad_input_on_one_rank(rank, world, kind):
         elif kind == "worst_not_tensor":   # a bad argument while every rank passes num_worst_tokens
             x = x.tolist()
     # each rank passes its own num_worst_tokens (DeepEP's contract): "worst": 1 on rank 1 (too small), 60
-    # and more elsewhere (enough); "worst_mixed": 0 (none) on rank 1, the others > 0
+    # and more elsewhere (enough); "worst_mixed": 0 (none) on rank 1, the others > 0; "worst_one": 60 on rank 1
+    # only
     extra = {}
     if kind.startswith("worst"):
         extra = dict(num_worst_tokens=60 + rank)
         if rank == 1 and kind in ("worst", "worst_mixed"):
             extra = dict(num_worst_tokens=1 if kind == "worst" else 0)
+        if kind == "worst_one" and rank != 1:
+            extra = {}
     import time
     t0 = time.monotonic()
     try:
@@ -1184,3 +1187,32 @@ def replays_follow_config(rank, world, seed):
         RP._run, L.BoundLaunch.__call__ = real_run, real_call
         buf.destroy()
     return steps
+
+
+def combine_weights_of_another_width(rank, world):
+    """A dispatch with top-2 weights, then a combine where rank 1 passes its received weights cut to one column
+    and the other ranks pass none: rank 1 raises ValueError naming topk_weights' shape (the handle's dispatch took
+    2 columns), every other rank EPRemoteError naming rank 1, at once (a new user's find: it was reported as the
+    ranks disagreeing on the weights' columns); then a correct combine works. Returns ``(error type, text,
+    seconds)``."""
+    import time
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(5, world, E, 2, H, [5] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=30)
+    try:
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank],
+                                                       **_layout_kwargs(buf, idxs[rank], E))
+        t0 = time.monotonic()
+        try:
+            buf.combine(recv_x, handle, topk_weights=recv_w[:, :1] if rank == 1 else None)
+            out = ("no error", "", 0.0)
+        except Exception as e:  # noqa: BLE001
+            out = (type(e).__name__, str(e), time.monotonic() - t0)
+        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        exp = ref.dispatch(xs, idxs, ws, E)
+        want_x, want_w = ref.combine([d["recv_x"] for d in exp], exp, [5] * world,
+                                     [d["recv_topk_weights"] for d in exp])[rank]
+        assert torch.equal(combined, want_x) and torch.equal(combined_w, want_w), "the combine after the refusal"
+        return out
+    finally:
+        buf.destroy()

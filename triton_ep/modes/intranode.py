@@ -340,7 +340,7 @@ class Intranode:
         rpm_t, chan, recv_chan = records.split_t32(c.t32_dev, self.rt.group_size)
         new_handle = DispatchHandle((rpm_t, chan, recv_chan, o.recv_src, c.in_rank, c.send_pos), self.rt.uid,
                                     a.num_tokens, c.n_recv, c.recv_rows_max, c.area_rows_max, self.rt.dispatch_seq,
-                                    c.row_base, c.combine_tables, c.n_recv_dev)
+                                    c.row_base, c.combine_tables, c.n_recv_dev, a.num_topk)
         event = self.rt.end(async_finish, inputs + (o.recv_x, o.recv_sc, o.recv_idx, o.recv_w, o.recv_src, c.tables,
                                                     c.t32_dev))
         self.rt.check()

@@ -157,9 +157,11 @@ class DispatchHandle(tuple):
 
     def __new__(cls, items: tuple, buffer_uid: str, num_tokens: int, num_recv_tokens: Optional[int],
                 recv_rows_max: int, area_rows_max: int, seq: int, row_base: Tensor, combine_tables: Tensor,
-                n_recv_dev: Optional[Tensor] = None):
+                n_recv_dev: Optional[Tensor] = None, num_topk: int = 0):
         self = super().__new__(cls, items)
         self.seq = seq
+        #: the top-k columns of the dispatch's ``topk_idx`` (0: it took none): a combine's weights have as many
+        self.num_topk = num_topk
         self.buffer_uid = buffer_uid
         self.num_tokens = num_tokens
         self.num_recv_tokens = num_recv_tokens
@@ -360,8 +362,11 @@ def combine_args(rt: Runtime, x, handle, topk_weights, bias, config, previous_ev
     if (xv.shape[1] * 2) % 16 or xv.shape[1] == 0:
         raise ValueError(f"x rows must be a non-zero multiple of 16 bytes, got hidden {xv.shape[1]}")
     if topk_weights is not None:
-        w = rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, None),
-                                 f"{h.num_out_rows} rows the handle's dispatch delivered here")
+        # as many columns as the dispatch's topk_idx (its recv_topk_weights' shape), where it took one
+        K = h.num_topk or None
+        w = rt.check_tensor("topk_weights", topk_weights, (torch.float32,), (h.num_out_rows, K),
+                            f"{h.num_out_rows} rows the handle's dispatch delivered here"
+                            + (f", {K} top-k columns it took" if K else ""))
     bl = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
     if len(bl) > 2:
         raise ValueError(f"bias takes at most two tensors, got {len(bl)}")

@@ -175,13 +175,15 @@ class Runtime:
     def tell_failure(self, e: BaseException) -> None:
         """This rank's call raises ``e``: unless the kernel that recorded it told the peers already, mark the
         call's card failed (a peer waiting on the host for it stops at once) and post the failure word (their
-        kernels waiting for this rank's part stop and raise ``EPRemoteError``). What :func:`steps` does."""
+        kernels waiting for this rank's part stop and raise ``EPRemoteError``; ``ValueError`` where ``e`` is a
+        disagreement this rank found on the host, ``_ep_mismatch``: :meth:`every_worst`). What :func:`steps`
+        does."""
         if self.comm is not None and not getattr(e, "_ep_recorded", False):
             card.mark_failed(self._card, self._calls)
             # the failure word names the round after this rank's completed ones: its earlier calls'
             # kernels must have finished (so a peer still in one of those is not told it failed)
             self.wait_comm_stream()
-            self.sig.post_local_failure()
+            self.sig.post_local_failure(F.E_MISMATCH if getattr(e, "_ep_mismatch", False) else F.E_FAILED)
 
     def broke_mid_call(self, e: BaseException) -> None:
         """``e`` (not raised on every rank alike) stopped this rank after its call started launching: it can no
@@ -231,6 +233,7 @@ class Runtime:
         deadline = time.monotonic() + self.timeout_s
         next_live = 0.0
         while True:
+            gave_up = None
             for r in range(self.group_size):
                 if vals[r] is not None:
                     continue
@@ -240,13 +243,19 @@ class Runtime:
                     continue
                 # (the peers raise too, at this step: the group stays in step)
                 if int(theirs[card.FAILED_WORD]) in (serial, card.LEFT):
-                    raise collective(EPRemoteError(
-                        f"rank {self.rank}: rank {r} gave this dispatch up before it started, or left the group "
-                        f"(rank {r} raised the details); nothing was moved"))
+                    gave_up = r if gave_up is None else gave_up
+                    continue
                 if int(theirs[0]) > serial or (int(theirs[0]) == serial and int(theirs[1]) != card.DISPATCH_WORST):
                     what = card.describe(self._card, theirs, self.rank, r) or "the operation"
-                    raise collective(ValueError(f"ranks disagree at 'dispatch': {what}; all ranks must make the "
-                                                f"same calls (num_worst_tokens > 0 on every rank, or on none)"))
+                    err = ValueError(f"ranks disagree at 'dispatch': {what}; all ranks must make the same calls "
+                                     f"(num_worst_tokens > 0 on every rank, or on none)")
+                    err._ep_mismatch = True     # (tell_failure tells the peers it is a disagreement)
+                    raise collective(err)
+            if gave_up is not None:     # (after every card was looked at: a rank that found a disagreement
+                # first gave up too, and the disagreement is what every rank raises)
+                raise collective(EPRemoteError(
+                    f"rank {self.rank}: rank {gave_up} gave this dispatch up before it started, or left the group "
+                    f"(rank {gave_up} raised the details); nothing was moved"))
             if all(v is not None for v in vals):
                 return vals
             self.check()

@@ -237,14 +237,16 @@ class Signals:
         marked = {p: "dead" for p in range(R) if h[int(F.H_DEAD) + p]}
         return marked or (self.dead_peers() if self.dead_peers is not None else {})
 
-    def post_local_failure(self) -> None:
+    def post_local_failure(self, kind=F.E_FAILED) -> None:
         """This rank fails the current call before (or while) its kernels run: mark its header and tell
         every peer through ``FAILED[rank]`` in theirs, so their waits of this call end at once with
-        ``EPRemoteError``. Later kernels of this rank move nothing until the next re-synchronisation.
-        (A low-latency call tells its peers through its own words instead.)"""
+        ``EPRemoteError`` (``kind`` ``E_FAILED``), or ``ValueError`` naming the disagreement (``E_MISMATCH``: this
+        rank found on the host that the ranks called different operations). Later kernels of this rank move
+        nothing until the next re-synchronisation. (A low-latency call tells its peers through its own words
+        instead.)"""
         R, me = self.size, self.rank
         # the call's first round: this rank's completed rounds + 1 (a device read: an error path)
-        word = F.failure_word_of(int(self.header[int(F.W_BASE)].item()) + 1, F.E_FAILED)
+        word = F.failure_word_of(int(self.header[int(F.W_BASE)].item()) + 1, kind)
         with torch.inference_mode():          # also updates buffers made in inference mode
             for r, h in enumerate(self.peer_headers):
                 if r != me:

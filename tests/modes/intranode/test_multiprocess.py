@@ -127,7 +127,8 @@ def test_absent_peer_times_out_then_recovers():
                                                ("not_tensor", "TypeError", "EPRemoteError"),
                                                ("worst", "EPCapacityError", "EPCapacityError"),
                                                ("worst_not_tensor", "TypeError", "EPRemoteError"),
-                                               ("worst_mixed", "EPRemoteError", "ValueError")])
+                                               ("worst_mixed", "ValueError", "ValueError"),
+                                               ("worst_one", "ValueError", "ValueError")])
 def test_bad_input_raises_on_every_rank(kind, local, remote):
     """Rank 1's input is bad (or its num_worst_tokens too small, or 0 where the others pass one): every rank
     raises at once (well within timeout_s = 30 s), naming rank 1 or the disagreement, and a correct dispatch
@@ -138,8 +139,13 @@ def test_bad_input_raises_on_every_rank(kind, local, remote):
     if kind == "worst":     # rank 1's value is too small: every rank names rank 1, with rank 1's value
         assert all(o[0] == remote and "rank 1 receives" in o[1] and "num_worst_tokens=1;" in o[1]
                    for o in out), out
-    elif kind == "worst_mixed":     # the others found that rank 1 made a dispatch without num_worst_tokens
-        assert all(out[r][0] == remote and "rank 1 called dispatch" in out[r][1] for r in (0, 2)), out
+    elif kind in ("worst_mixed", "worst_one"):
+        # ranks that disagree on whether num_worst_tokens is given (on rank 1 only, or on all but rank 1): a
+        # disagreement, ValueError on every rank (docs/design.md's table), each naming what rank 1 called (before:
+        # the ranks that did not find it raised EPRemoteError)
+        called = "dispatch" if kind == "worst_mixed" else "dispatch with num_worst_tokens"
+        assert all(out[r][0] == remote and f"rank 1 called {called}" in out[r][1] for r in (0, 2)), out
+        assert "the operation: rank 1 called" in out[1][1], out
     else:
         assert all(out[r][0] == remote and "rank 1" in out[r][1] for r in (0, 2)), out
 
@@ -216,3 +222,16 @@ def test_a_bad_call_on_every_rank_leaves_the_peers_earlier_call_alone():
         calls = [(k, v) for k, v in o if k != "same"]
         assert all(v == "ok" for k, v in calls if not k.startswith("bad")), o
         assert all(v in ("TypeError", "ValueError") for k, v in calls if k.startswith("bad")), o
+
+
+def test_combine_weights_of_another_width_on_one_rank_are_a_shape_error():
+    """Rank 1 passes combine weights of 1 column where the handle's dispatch took 2, the others none: a shape
+    error on rank 1 (ValueError naming topk_weights and the handle's 2 columns), EPRemoteError naming rank 1 on
+    the other, at once; then a correct combine works (mp_cases.combine_weights_of_another_width). (With 3 ranks a
+    third rank may name rank 0, which passed the failure on: a combine's failure word does not carry the rank it
+    came from.)"""
+    out = _values(run_ranks(mp_cases.combine_weights_of_another_width, 2))
+    assert out[1][0] == "ValueError" and "topk_weights must have shape [" in out[1][1], out
+    assert ", 2] (" in out[1][1] and "2 top-k columns" in out[1][1] and ", 1]" in out[1][1], out
+    assert out[0][0] == "EPRemoteError" and "rank 1 failed the call" in out[0][1], out
+    assert all(o[2] < 10.0 for o in out), out

@@ -246,3 +246,39 @@ def test_a_pending_hook_and_a_failed_later_call(kind):
     else:
         assert d0["hook A"] == want[0], out            # the late hook is not failed by rank 1's next call
         assert d1["B"] == "ValueError" and d0["B"] == "EPRemoteError", out
+
+
+def test_bad_calls_on_one_rank_among_replays_and_resyncs_raise_on_every_rank():
+    """Rank 1 alternates valid calls with rejected ones (float topk_idx, found before launch; ids of -3, found by
+    its kernel; fp64 weights), rank 0's good calls replayed or after a re-synchronisation, rank 0 slow to restart
+    its call numbers after the meeting: every bad call raises on every rank at once (rank 1 its own error, rank 0
+    EPRemoteError), never waits out timeout_s, and the valid calls between them are correct. (A new user's find:
+    the restart cleared a failure word rank 1 had just posted, so rank 0 waited out timeout_s and the next
+    re-synchronisation timed out.)"""
+    out = _values(run_ranks(ll_cases.bad_calls_among_replays, 2, 0))
+    want_counts = [[6, 0], [0, 6]]
+    for rank, (log, _) in enumerate(out):
+        for name, got, secs in log:
+            if name.startswith("valid"):
+                want = want_counts[rank]
+            elif rank == 0:
+                want = "EPRemoteError"
+            else:
+                want = "ValueError" if name.startswith("neg3") else "TypeError"
+            assert got == want and secs < 5, (rank, name, got, secs, log)
+    assert out[0][1] >= 2, out      # rank 0 replayed the dispatch beside rank 1's rejections
+
+
+@pytest.mark.parametrize("at_call", [1, 4])
+def test_an_interrupt_in_the_middle_of_a_call_is_named_on_every_rank_at_once(at_call):
+    """SIGINT reaches rank 1 in the middle of a low-latency call (the general path's first dispatch, or a replayed
+    combine): rank 1 raises KeyboardInterrupt and its next call EPError (it left the group); rank 0 raises
+    EPRemoteError naming rank 1 at once, not EPTimeoutError at timeout_s (10 s), as in normal mode."""
+    out = _values(run_ranks(ll_cases.interrupted_mid_call, 2, at_call))
+    r0, r1 = out
+    step = f"round {(at_call - 1) // 2}"
+    assert [s[:2] for s in r1 if s[1] != "ok"] == [(step, "KeyboardInterrupt"), (f"round {(at_call + 1) // 2}",
+                                                                                 "EPError")], r1
+    bad = [s for s in r0 if s[1] != "ok"]
+    assert len(bad) == 1 and bad[0][:2] == (step, "EPRemoteError") and "rank 1" in bad[0][3], r0
+    assert bad[0][2] < 5, r0

@@ -86,24 +86,44 @@ class LowLatency(LowLatencyState):
                  round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
         """``Buffer.low_latency_dispatch``: :func:`dispatch`."""
         self.rt.live()
-        return dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
-                        use_ue8m0, async_finish, return_recv_hook)
+        try:
+            return dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                            use_ue8m0, async_finish, return_recv_hook)
+        except BaseException as e:
+            self.failed_mid_call(e)
+            raise
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
                 return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
         """``Buffer.low_latency_combine``: :func:`combine`."""
         self.rt.live()
-        return combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                       return_recv_hook, out, combine_wait_recv_cost_stats)
+        try:
+            return combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                           return_recv_hook, out, combine_wait_recv_cost_stats)
+        except BaseException as e:
+            self.failed_mid_call(e)
+            raise
+
+    def failed_mid_call(self, e: BaseException) -> None:
+        """A low-latency call (or receive hook) of this rank raises ``e``. Within one host, unless every rank
+        raises it alike (a recorded error, ``_ep_collective``) or this rank refused its arguments and told its peers
+        (:meth:`guard`, ``_ep_told``): ``e`` is this rank's own failure (an interrupt, out of memory, a failed
+        launch), after which it can no longer keep step with its peers, so it leaves the group as a normal-mode call
+        does (``Runtime.broke_mid_call``): its peers' waits for it end at once with ``EPRemoteError`` naming it, and
+        its own next call raises ``EPError``. (Across hosts the network leg's probes and the proxy's failure tell the
+        peers; a call there marks the Buffer unusable after such errors itself.)"""
+        if self.net is None and not getattr(e, "_ep_told", False):
+            self.rt.broke_mid_call(e)
 
     def guard(self, fn, *args):
         """Run argument checks; on failure tell the peers (their waits for this rank end at once with
-        ``EPRemoteError``) and raise."""
+        ``EPRemoteError``) and raise (the Buffer stays usable: the next call re-synchronises the group)."""
         try:
             return fn(*args)
-        except Exception:
+        except Exception as e:
             self._post_failure()
+            e._ep_told = True
             raise
 
     def check_arg(self, name, t, dtypes, shape, why=""):
@@ -152,9 +172,13 @@ class LowLatency(LowLatencyState):
                 raise EPRemoteError(f"rank {rt.rank}: the receive of this low-latency call cannot complete: an "
                                     f"error raised after it was sent stopped this rank's low-latency kernels until "
                                     f"the next call re-synchronises the group; its results are dropped")
-            with rt.sig.watch():
-                recv(self.sent - idx)
-            self.raise_recorded()
+            try:
+                with rt.sig.watch():
+                    recv(self.sent - idx)
+                self.raise_recorded()
+            except BaseException as e:
+                self.failed_mid_call(e)
+                raise
         return hook
 
 
@@ -182,7 +206,7 @@ def dispatch(ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
     rt.count_call()
     rt.publish(card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0)))
     o = dispatch_outputs(rt, a, use_fp8, use_ue8m0)
-    idx_n = ll.claim_send()      # a refused call launches nothing (every rank makes the same calls)
+    idx_n = ll.guard(ll.claim_send)      # a refused call launches nothing (its peers are told, as of bad arguments)
     ll.last_sizes = (N, H, E)
     send, recv, made = dispatch_launches(ll, a, o, sig, use_fp8, round_scale, use_ue8m0)
     handle = LLHandle((o.src_info, o.layout_range, N, H, E), rt.uid, o.ret_slot, o.recv_count, T, K, idx_n)
@@ -318,7 +342,7 @@ def combine(ll, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=F
     rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K, int(a.use_logfmt)))
     if a.out is None:
         a.out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)
-    idx_n = ll.claim_send()      # a refused call launches nothing (every rank makes the same calls)
+    idx_n = ll.guard(ll.claim_send)      # a refused call launches nothing (its peers are told, as of bad arguments)
     ll.last_sizes = (lay.n_max, H, lay.num_experts)
     send, recv, made = combine_launches(ll, a, sig)
     h = a.handle

@@ -52,6 +52,9 @@ class LowLatencyState:
         self._layouts: dict = {}
         #: this rank failed a low-latency call since the last restart of the call numbers (see resync_fill)
         self.failed = False
+        #: the call number the last restart of the call numbers set (the same on every rank; 0 before any): every
+        #: failure word posted before that restart names a call up to it, every later call a call above it
+        self.floor = 0
         with torch.inference_mode():
             self.ctl.zero_()              # peers write here only after the construction's barrier
             # the LogFMT combine's log2 table, copied to the device here: a first combine with use_logfmt may be
@@ -124,8 +127,8 @@ class LowLatencyState:
     def resync_fill(self, slot) -> None:
         """This rank's words in a re-synchronisation meeting (any mode's): its last low-latency call number and
         whether its call numbers need a restart (it rejected a low-latency call on the host, its kernels recorded
-        a low-latency call's error, or a peer's failure word waits in its control block). A small device read:
-        an error path."""
+        a low-latency call's error, or a peer's failure word naming a call since the last restart waits in its
+        control block). A small device read: an error path."""
         if self.net is not None:        # (across hosts the network leg re-synchronises low-latency calls)
             return
         R = self.rt.group_size
@@ -133,29 +136,34 @@ class LowLatencyState:
         rec = self.rt.sig.record()
         recorded = rec is not None and rec.stage in _LL_STAGES
         slot[SLOT_HEADER] = int(self.ctl[int(F.L_SEQ)].item())
-        slot[SLOT_HEADER + 1] = int(self.failed or recorded or bool(failed_words.any().item()))
+        fresh = bool(((failed_words >> 3) > self.floor).any().item())
+        slot[SLOT_HEADER + 1] = int(self.failed or recorded or fresh)
 
     def resync_apply(self, slots) -> None:
         """After a re-synchronisation meeting: where any rank failed a low-latency call, holds a peer's failure
         word or sent another number of calls, or the meeting is a low-latency call's, every rank restarts its
         low-latency call numbers above the highest any rank reached (hooks still pending are dropped); otherwise
         (a normal-mode call's meeting after a normal-mode error) nothing changes, and a pending hook still
-        receives."""
+        receives.
+
+        The peers' failure words (``LFAILED``) are left as they are: a peer that leaves the meeting first may
+        already have posted the failure of its next call here (it rejected its arguments at once, or its kernel
+        found bad ids), and clearing the words would lose it (this rank would wait out ``timeout_s``). Instead the
+        numbers restart one call higher: the words posted before the meeting name calls up to ``top + 1`` (the
+        call after a rank's last, which it rejected), so the restart leaves ``top + 1`` unused and no such word
+        matches a later call."""
         if self.net is not None:
             return
         seqs = [int(s[SLOT_HEADER]) for s in slots]
         if len(set(seqs)) == 1 and not any(int(s[SLOT_HEADER + 1]) for s in slots):
             return
-        top = max(seqs)
-        R = self.rt.group_size
+        top = max(seqs) + 1
         with torch.inference_mode():
             # L_SEQ, L_DONE, CONS[0..1]; PEND[0..1] as CONS (nothing left to release)
             self.ctl[:4].copy_(torch.tensor([top, 0, top, top], dtype=torch.int64, device=self.ctl.device))
             self.ctl[int(F.L_PEND):int(F.L_PEND) + 2].fill_(top)
             self.ctl[int(F.L_DONE2)] = 0        # (a one-launch call's gate counter; GATE itself only grows)
-            # failure words name calls up to top + 1: none may match a call after the restart (the peers
-            # wrote them before they came to this meeting)
-            self.ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
+        self.floor = top
         self.pending.clear()
         self.failed = False
 
