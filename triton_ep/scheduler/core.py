@@ -16,8 +16,8 @@ from triton_ep.transport.ring_flags import RingFlags
 
 from .faults import CLOSED, close_root, close_word, stage_code
 from .layout import RingLayout, _PeerState, _QPState
-from .liveness import TAG_PROBE, probe_request
-from .posting import TAG_CHUNK, ChunkPosting
+from .liveness import probe_request
+from .posting import ChunkPosting, is_probe_completion
 from .rings import HostRings
 from .stats import ProxyStats
 from .sweep import ProxyThreads
@@ -213,7 +213,7 @@ class Scheduler(HostRings, ProxyThreads, ChunkPosting, ProxyStats):
             except Exception:   # noqa: BLE001
                 return
             for c in comps:
-                p = None if c.wr_id is None or not c.wr_id & TAG_PROBE or c.wr_id & TAG_CHUNK else c.peer
+                p = c.peer if is_probe_completion(c) else None
                 if p in want:
                     want[p] -= 1
                     if want[p] <= 0:

@@ -14,7 +14,7 @@ from triton_ep.transport.ring_flags import RingFlags
 
 from .faults import STAGE_NAMES, STAGE_POST, STAGE_CREDIT, ProxyError
 from .layout import _PeerState, _QPState
-from .liveness import PROBE_KEY
+from .liveness import PROBE_KEY, TAG_PROBE
 
 #: wr_id tag of a chunk's signal (the low bits hold the chunk number)
 TAG_CHUNK = 1 << 60
@@ -41,6 +41,14 @@ def is_chunk_signal(op: Op) -> bool:
     work request whose ``wr_id`` carries :data:`TAG_CHUNK` and the chunk number. Test hooks that move or drop a
     chunk's signal pick it with this."""
     return op.wr_id is not None and bool(op.wr_id & TAG_CHUNK)
+
+
+def is_probe_completion(c) -> bool:
+    """Whether completion ``c`` (a :class:`~triton_ep.transport.rdma.Completion`) is a liveness probe's (its send:
+    ``wr_id`` with :data:`~.liveness.TAG_PROBE`, not a chunk's), whatever its status: the sweep's probes and the
+    close words that ride on them (:func:`~.liveness.probe_request`)."""
+    wr_id = c.wr_id
+    return c.opcode != "recv_imm" and wr_id is not None and bool(wr_id & TAG_PROBE) and not wr_id & TAG_CHUNK
 
 
 

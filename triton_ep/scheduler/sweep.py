@@ -15,7 +15,7 @@ from .faults import (CLOSED, ROOT_CLOSED, ROOT_FAILED, STAGE_INTERNAL, STAGE_NAM
                      fault_gone, fault_word, parse_close, parse_fault, stage_code)
 from .layout import _QPState
 from .liveness import STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness, probe_request
-from .posting import _CHUNK_OPS, _SEQ_MASK, IMM_SEQ_BITS, IMM_SEQ_MASK, TAG_CHUNK
+from .posting import _CHUNK_OPS, _SEQ_MASK, IMM_SEQ_BITS, IMM_SEQ_MASK, TAG_CHUNK, is_probe_completion
 
 
 class ProxyThreads:
@@ -316,8 +316,7 @@ class ProxyThreads:
         """A failed completion ``c`` of a QP to ``peer``: nothing where ``peer`` is masked or a suspect's flushed
         request (its probe tells); a suspicion (:meth:`Liveness.suspect`) for a data QP's request the peer never
         acknowledged; else :class:`PeerGoneError` (QP 0's or a probe's) or :class:`ProxyError`, raised."""
-        probe = (c.opcode != "recv_imm" and c.wr_id is not None and bool(c.wr_id & TAG_PROBE)
-                 and not c.wr_id & TAG_CHUNK)
+        probe = is_probe_completion(c)
         if probe:
             qp_failed = self.liveness.answered(peer, False)
             if qp_failed is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-import tempfile
 import time
 import uuid
 from typing import List, Optional
@@ -43,11 +42,7 @@ def ctrl_words(size: int, slot_words: int) -> int:
     return size + 2 * size * slot_words + size * CARD_WORDS
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-from .shm import SHM_PREFIX, SHM_TAG_ENV, reserve, shm_name, shm_tag  # noqa: E402,F401  (torch-free: the proxy process's)
+from .shm import SHM_PREFIX, SHM_TAG_ENV, reserve, shm_dir, shm_name, shm_tag  # noqa: E402,F401  (torch-free: the proxy process's)
 
 
 def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -258,7 +253,7 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
     hb = header_bytes(size)
     ctrl_bytes = 8 * ctrl_words(size, slot_words)
     tag = uuid.uuid4().hex[:16]
-    d = _shm_dir()
+    d = shm_dir()
     ctrl_path = data_path = live_path = liveness = None
     # Every file this rank creates is unlinked on the way out, whatever happens: after a successful
     # bootstrap every rank holds its mappings, and after a failure (a peer that never joins, bad hosts,
