@@ -1,5 +1,6 @@
 """Rank bodies of tests/runtime/test_dead_peer.py: one rank's process dies (SIGKILL) in the middle of a call of
 one host, the others time their error."""
+import contextlib
 import os
 import signal
 import time
@@ -101,10 +102,51 @@ def silent_peer(rank, world, how, timeout_s):
 #: (it never makes the low-latency combine), "internode_ll_send" (it makes the low-latency dispatch and dies right
 #: after its send published its chunks, at the start of its receive: its chunks are on their way; and with 2 ranks per
 #: host one survivor, :func:`late_rank`, makes the call only once its own proxy has found the victim gone: every other
-#: survivor's proxy fails while it still waits for that live rank's chunk or ``READY``)
-HOST_MODES = ("internode", "internode_ll", "internode_ll_combine", "internode_ll_send")
+#: survivor's proxy fails while it still waits for that live rank's chunk or ``READY``), "internode_held" (as
+#: "internode", and with 2 ranks per host the RDMA peer of the victim's host mate, :func:`held_rank`, holds the end of
+#: its call's status exchange until that host mate's fault word has landed: :func:`_held_status`)
+HOST_MODES = ("internode", "internode_ll", "internode_ll_combine", "internode_ll_send", "internode_held")
 #: seconds the late survivor of "internode_ll_send" waits at most for its proxy to fail before it makes the call
 LATE_WAIT_S = 30.0
+
+
+def held_rank(world: int, victim: int):
+    """The survivor that holds the end of its status exchange in "internode_held" (2 hosts of ``world // 2`` ranks):
+    the RDMA peer of the victim's lowest host mate, on the other host (``None`` with 1 rank per host)."""
+    per = world // 2
+    if per < 2:
+        return None
+    host = victim // per
+    mate = next(r for r in range(host * per, (host + 1) * per) if r != victim)
+    return (mate + per) % world
+
+
+def _held_status(orig_status):
+    """``HostExchange.status`` of the held rank (:func:`held_rank`): its status exchange publishes this rank's header,
+    then waits (at most :data:`LATE_WAIT_S`) until a peer's ``FAULT`` word has landed in its rings, and makes the
+    exchange loop's next pass as where its proxy had not yet seen that header placed (``SENT`` behind: the loop looks
+    at the proxy's error, :meth:`~triton_ep.scheduler.Scheduler.check`, before it goes on). The peer (the victim's host
+    mate) has got this rank's header meanwhile, raised its call's error, and at its next call failed its network leg
+    for good: that fault word so reaches this rank before the end of the exchange in which the peer's header names the
+    dead rank (issue 46, a race seen once in CI: this rank's proxy slower to see its header placed than the peer to
+    answer with its fault word)."""
+    from triton_ep.scheduler import alltoall
+    from triton_ep.transport.ring_flags import RingFlags
+    orig_moves = alltoall._host_moves
+
+    def held_moves(sched, xfer, on_idle):
+        for p in sched.peers:
+            xfer.move(p)
+        end = time.monotonic() + LATE_WAIT_S
+        while not any(sched.flags.get(RingFlags.FAULT, p) for p in sched.peers) and time.monotonic() < end:
+            time.sleep(0.005)
+        sched.check()
+        return orig_moves(sched, xfer, on_idle)
+
+    def status(self, err):
+        with unittest.mock.patch.object(alltoall, "_host_moves", held_moves):
+            return orig_status(self, err)
+    return status
 
 
 def late_rank(world: int, victim: int):
@@ -144,11 +186,16 @@ def killed_across_hosts(rank, world, mode, proxy, timeout_s, victim, stamp=None,
             sched, end = buf._ll.net.sched, time.monotonic() + LATE_WAIT_S
             while not sched.flags.aborted and time.monotonic() < end:
                 time.sleep(0.01)
+        held = contextlib.nullcontext()
+        if mode == "internode_held" and rank == held_rank(world, victim):
+            from triton_ep.modes.internode.exchange import HostExchange
+            held = unittest.mock.patch.object(HostExchange, "status", _held_status(HostExchange.status))
         out = []
-        for _ in range(2):
+        for i in range(2):
             t0 = time.monotonic()
             try:
-                call()
+                with held if i == 0 else contextlib.nullcontext():
+                    call()
                 buf.check()
                 out += ["no error", "", time.monotonic() - t0, time.time()]
             except Exception as ex:     # noqa: BLE001 - reported
@@ -201,7 +248,7 @@ def _warm_up(buf, mode: str, x, idx, w, N: int, E: int):
     kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
     rx, _, rw, _, handle, _ = buf.dispatch(x, **kw)
-    if mode != "internode":         # (across hosts only the dispatch is timed: its combine is not warmed up)
+    if not mode.startswith("internode"):    # (across hosts only the dispatch is timed: its combine is not warmed up)
         buf.combine(rx, handle, topk_weights=rw)
     if mode == "combine":
         return lambda: buf.combine(rx, handle, topk_weights=rw)

@@ -650,6 +650,18 @@ def skew_to_remote(rank, world, E, K, H, T, N):
     return round_trip(rank, world, 0, E, K, H, [T] * world, N, cases, inputs=(xs, idxs, ws))
 
 
+def _round_trip_checked(buf, rank, world, seed, N, H, E, K) -> bool:
+    """A bf16 low-latency dispatch and identity combine of 3 tokens a rank (inputs of ``seed``), each checked against
+    its oracle bit for bit; returns True."""
+    xs, idxs, ws = ll_inputs(seed, world, E, K, H, [3] * world)
+    recv, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
+    check_dispatch(recv, count, handle, xs, idxs, world, E, rank, False, False, False)
+    comb = buf.low_latency_combine(recv, idxs[rank], ws[rank], handle)[0]
+    want = expected_combine(xs[rank], idxs[rank], ws[rank], E, world, "identity")
+    assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), f"round trip {seed}"
+    return True
+
+
 def rejected_across_hosts(rank, world, N, H, E):
     """Errors that do not end the Buffer, then recovery: rank 0 rejects a dispatch (bad dtype: TypeError there,
     EPRemoteError naming it elsewhere, at once: the failure travels in the call's chunk); the next round trip
@@ -661,13 +673,7 @@ def rejected_across_hosts(rank, world, N, H, E):
     out = {}
 
     def round_trip_ok(seed):
-        xs, idxs, ws = ll_inputs(seed, world, E, K, H, [3] * world)
-        recv, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], N, E, use_fp8=False)
-        check_dispatch(recv, count, handle, xs, idxs, world, E, rank, False, False, False)
-        comb = buf.low_latency_combine(recv, idxs[rank], ws[rank], handle)[0]
-        want = expected_combine(xs[rank], idxs[rank], ws[rank], E, world, "identity")
-        assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), f"round trip {seed}"
-        return True
+        return _round_trip_checked(buf, rank, world, seed, N, H, E, K)
 
     def failing(name, x, idx):
         t0 = time.monotonic()
@@ -690,6 +696,52 @@ def rejected_across_hosts(rank, world, N, H, E):
         out["after_ids"] = round_trip_ok(6)
         return out
     finally:
+        buf.destroy()
+
+
+def rejected_right_after_a_meeting(rank, world, slow_rank, delay_s=0.4):
+    """2 hosts of 2 ranks (``TRITON_EP_RANKS_PER_HOST=2``; rank 1's host mate, rank 0, reached through the shared
+    buffer): rank 1 rejects three dispatches in a row (a float topk_idx, found before launch), the last two right
+    after the re-synchronisation the one before needs, while ``slow_rank`` takes ``delay_s`` more between the meeting
+    and its restart of the call numbers (``NetLeg._restart``): rank 1 leaves the meeting first and posts its failure
+    word for the call into its host mate's control block while that rank still restarts (issue: the restart cleared
+    the word, so the host mate waited out ``timeout_s``, its Buffer then unusable). Then a round trip. Returns
+    ``[(step, outcome, seconds)]``: the error type raised and its message, or the round trip's ``True``."""
+    import time
+    from triton_ep.modes.internode.low_latency import NetLeg
+    N, H, E, K = 4, 128, 8, 2
+    real_restart = NetLeg._restart
+
+    def slow_restart(*args):
+        time.sleep(delay_s)
+        real_restart(*args)
+    if rank == slow_rank:
+        NetLeg._restart = staticmethod(slow_restart)
+    buf = _buffer(world, N, H, E, timeout_s=6)
+    log = []
+
+    def step(name, fn):
+        t0 = time.monotonic()
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - reported
+            out = [type(e).__name__, str(e)]
+        log.append((name, out, round(time.monotonic() - t0, 1)))
+
+    def rejected(seed):
+        xs, idxs, _ = ll_inputs(seed, world, E, K, H, [3] * world)
+        idx = idxs[rank].float() if rank == 1 else idxs[rank]
+        buf.low_latency_dispatch(xs[rank], idx, N, E, use_fp8=False)
+        return "no error"
+
+    try:
+        step("first", lambda: _round_trip_checked(buf, rank, world, 3, N, H, E, K))
+        for k in range(3):
+            step(f"float {k}", lambda: rejected(4 + k))
+        step("after", lambda: _round_trip_checked(buf, rank, world, 8, N, H, E, K))
+        return log
+    finally:
+        NetLeg._restart = real_restart
         buf.destroy()
 
 

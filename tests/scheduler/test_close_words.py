@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-from triton_ep.scheduler import (PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError, close_word, fault_word,
-                                 parse_close)
+from triton_ep.errors import EPRemoteError
+from triton_ep.scheduler import (PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError, RootCauseError,
+                                 close_word, fault_gone, fault_word, mode_root, parse_close, parse_fault, placed_error,
+                                 root_cause)
 from triton_ep.scheduler.faults import ROOT_CLOSED, ROOT_FAILED, ROOT_GONE, close_root, fails_at_once
 
 from tests.cases.sched_helpers import Group, ProcGroup, fabric, in_threads
@@ -56,6 +58,40 @@ def test_close_word_round_trip():
     assert close_root(ProxyRemoteError(1, 2, None, None, "s", why), 1) == (2, ROOT_FAILED)
     assert close_root(ProxyError(1, 2, None, None, "s", why), 1) == (1, ROOT_FAILED)
     assert close_root(RuntimeError(why), 1) == (1, ROOT_FAILED)
+
+
+def test_fault_word_with_a_root_of_the_modes_numbering_round_trip():
+    """A fault word may name a root of the mode's numbering (a rank the scheduler has no number for, gone or failed:
+    ``MODE_ROOT``, issue 46): it reads back as that root and as no gone rank of the scheduler's, with its stage, and
+    fails its reader at once; a word names a gone peer or such a root, not both, and the root is gone or failed. A
+    ``RootCauseError`` is placed once at the stage its rank waited at, as a ``PeerGoneError`` is."""
+    for how in (ROOT_GONE, ROOT_FAILED):
+        w = fault_word(3, None, None, root=(9000, how))
+        assert mode_root(w) == (9000, how) and fault_gone(w) is None and parse_fault(w) == (3, None, None)
+        assert fails_at_once(w) and parse_close(w) == (None, None)
+    assert mode_root(fault_word(3, 0, 1, 5)) is None and fault_gone(fault_word(3, 0, 1, 5)) == 5
+    for gone, root in ((5, (1, ROOT_GONE)), (None, (1, ROOT_CLOSED)), (None, (0x3FFF, ROOT_GONE))):
+        with pytest.raises(ValueError, match="a fault word names a gone peer or a root"):
+            fault_word(3, None, None, gone, root)
+    ex = RootCauseError(1, 0, None, None, "rdma proxy", "planted", 7, ROOT_GONE)
+    placed = placed_error(ex, "rdma host exchange")
+    assert (placed.stage, placed.placed, placed.root, placed.how, placed.peer) == \
+        ("rdma host exchange", True, 7, ROOT_GONE, 0), repr(placed)
+    assert placed_error(placed, "later") is placed
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_fault_word_names_a_root_the_scheduler_does_not_number(kind):
+    """2 ranks; rank 0's scheduler fails with an error marked with rank 7 of the mode's numbering, gone
+    (``root_cause``: in internode normal mode a host mate, which the network leg, one rank per host, does not
+    number): rank 1 raises RootCauseError within 2 s, naming rank 0 as the peer that told it and rank 7 (gone) as the
+    root (before: ProxyRemoteError naming rank 0 alone). With a proxy process the mark crosses its channel."""
+    with GROUPS[kind](fabric(2), 2, qps=2, slots=2, slot_bytes=1024, timeout_s=20.0) as g:
+        alltoall_checked(g, {(0, 1): 1000, (1, 0): 1500})
+        g.scheds[0].fail(root_cause(EPRemoteError("planted: rank 0's host leg failed"), 7, ROOT_GONE))
+        ex, dt = _error_within(g.scheds[1], 10.0)
+    assert type(ex) is RootCauseError and (ex.peer, ex.root, ex.how) == (0, 7, ROOT_GONE), repr(ex)
+    assert dt < 2.0, (dt, str(ex))
 
 
 def test_a_peer_that_closes_is_named_closed_not_gone():

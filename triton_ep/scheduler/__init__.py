@@ -50,7 +50,11 @@ Every wait is bounded by ``timeout_s``.  A proxy that fails (a QP in the error s
 a chunk not completed within the bound, a peer that stops consuming) records a :class:`ProxyError` naming
 rank, peer, channel, QP and stage, sets the abort word (kernels' waits end), and writes a fault word into
 every peer's ``FAULT`` slot over RDMA, so the peers raise :class:`ProxyRemoteError` at once.  A peer that
-stops producing is seen by the consumers' waits (:class:`~triton_ep.errors.EPTimeoutError`).
+stops producing is seen by the consumers' waits (:class:`~triton_ep.errors.EPTimeoutError`). A mode that fails the
+scheduler because of a rank the scheduler does not number (internode normal mode's network leg numbers one rank per
+host: a host mate that died) marks its error with that rank (:func:`root_cause`, the mode's numbering): the fault word
+carries it (:data:`~.faults.MODE_ROOT`), the peers raise :class:`RootCauseError`, and their mode names that rank, not
+the rank that passed it on.
 
 **Close words.** A rank that destroys its Buffer is alive, not gone: before its QPs go, its proxy (stopped) writes a
 close word (:func:`close_word`) into each peer's ``FAULT`` slot, unless it wrote a fault word there before, and waits
@@ -77,16 +81,17 @@ from __future__ import annotations
 
 from .alltoall import host_alltoall
 from .core import DRAIN_S, Scheduler, bootstrap
-from .faults import (STAGE_CREDIT, STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE, STAGE_SEND_CQE,
-                     STAGE_SEND_WAIT, PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError, close_word, fault_gone,
-                     fault_word, parse_close, parse_fault, placed_error)
+from .faults import (ROOT_CLOSED, ROOT_FAILED, ROOT_GONE, STAGE_CREDIT, STAGE_INTERNAL, STAGE_NAMES, STAGE_POST,
+                     STAGE_RECV_CQE, STAGE_SEND_CQE, STAGE_SEND_WAIT, PeerClosedError, PeerGoneError, ProxyError,
+                     ProxyRemoteError, RootCauseError, close_word, fault_gone, fault_word, mode_root, parse_close,
+                     parse_fault, placed_error, root_cause)
 from .layout import RingLayout
 from .liveness import PROBE_S, STATUS_GONE, TAG_PROBE, Liveness
 # (_fold_signal: the ordering tests')
 from .posting import TAG_CHUNK, _fold_signal, is_chunk_signal  # noqa: F401
 
 __all__ = ["Scheduler", "RingLayout", "ProxyError", "ProxyRemoteError", "PeerGoneError", "PeerClosedError", "placed_error", "host_alltoall",
-           "bootstrap",
+           "RootCauseError", "root_cause", "mode_root", "ROOT_GONE", "ROOT_FAILED", "ROOT_CLOSED", "bootstrap",
            "fault_word", "parse_fault", "fault_gone", "close_word", "parse_close", "is_chunk_signal", "TAG_CHUNK", "TAG_PROBE", "STAGE_NAMES",
            "Liveness", "DRAIN_S", "PROBE_S", "STATUS_GONE", "STAGE_POST", "STAGE_SEND_CQE", "STAGE_RECV_CQE",
            "STAGE_CREDIT", "STAGE_SEND_WAIT", "STAGE_INTERNAL"]

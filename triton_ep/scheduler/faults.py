@@ -1,5 +1,5 @@
 """Where the RDMA proxy fails: the stages it names, the fault word it writes into each peer's ``FAULT`` slot, and
-its errors (:class:`ProxyError`, :class:`ProxyRemoteError`, :class:`PeerGoneError`)."""
+its errors (:class:`ProxyError`, :class:`ProxyRemoteError`, :class:`PeerGoneError`, :class:`RootCauseError`)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -20,20 +20,37 @@ def stage_code(ex: Optional[BaseException]) -> int:
     return next((k for k, v in STAGE_NAMES.items() if stage.startswith(v)), STAGE_INTERNAL)
 
 
-def fault_word(stage: int, channel: Optional[int], qp: Optional[int], gone: Optional[int] = None) -> int:
+def fault_word(stage: int, channel: Optional[int], qp: Optional[int], gone: Optional[int] = None,
+               root: Optional[Tuple[int, str]] = None) -> int:
     """The 64-bit word a failed proxy writes into each peer's ``FAULT`` slot: bit 62 set, the stage in
     bits 40..47, channel + 1 in 24..39 and QP + 1 in 8..23 (0: none); where it failed because a peer is gone
-    (:class:`PeerGoneError`), that peer's rank + 1 in bits 48..61 (:func:`fault_gone`)."""
+    (:class:`PeerGoneError`), that peer's rank + 1 in bits 48..61 (:func:`fault_gone`). Where it failed because of a
+    rank the scheduler has no number for (``root``: ``(rank, how)``, :data:`ROOT_GONE` or :data:`ROOT_FAILED`, the rank
+    in the numbering of the mode that failed it, e.g. a global rank on this rank's host in internode normal mode,
+    whose network leg numbers one rank per host: :func:`root_cause`), that rank + 1 in bits 48..61 instead, with
+    :data:`MODE_ROOT` set and ``how`` in bit 1 (:func:`mode_root`).
+
+    Raises:
+        ValueError: both ``gone`` and ``root``, ``root``'s rank past bits 48..61, or ``how`` another value.
+    """
     ch = 0 if channel is None else channel + 1
     q = 0 if qp is None else qp + 1
     g = 0 if gone is None else gone + 1
-    return (1 << 62) | (g << 48) | (stage << 40) | (ch << 24) | (q << 8)
+    word = (1 << 62) | (stage << 40) | (ch << 24) | (q << 8)
+    if root is None:
+        return word | (g << 48)
+    rank, how = root
+    if gone is not None or how not in (ROOT_GONE, ROOT_FAILED) or not 0 <= rank < _ROOT_MAX:
+        raise ValueError(f"a fault word names a gone peer or a root of the mode's numbering (a rank below "
+                         f"{_ROOT_MAX}, gone or failed), not gone={gone!r} and root={root!r}")
+    return word | ((rank + 1) << 48) | MODE_ROOT | _ROOT_BITS[how]
 
 
 def fault_gone(word: int) -> Optional[int]:
-    """The rank a :func:`fault_word` says is gone, or ``None``."""
+    """The rank (the scheduler's) a :func:`fault_word` says is gone, or ``None`` (none; or its root is of the mode's
+    numbering, :data:`MODE_ROOT`: :func:`mode_root`)."""
     g = (word >> 48) & 0x3FFF
-    return g - 1 if g else None
+    return g - 1 if g and not word & MODE_ROOT else None
 
 
 #: bit 0 of a fault word: a close word, written by a proxy whose rank destroys its Buffer (:func:`close_word`)
@@ -42,6 +59,11 @@ CLOSED = 1
 #: (neither bit), or it destroyed its Buffer first (a clean close, bit 2) and the closing rank failed because of that
 ROOT_FAILED, ROOT_GONE, ROOT_CLOSED = "failed", "gone", "closed"
 _ROOT_BITS = {ROOT_FAILED: 2, ROOT_GONE: 0, ROOT_CLOSED: 4}
+#: bit 3 of a fault word: bits 48..61 hold a root of the mode's numbering, not a rank of the scheduler's
+#: (:func:`fault_word`'s ``root``, :func:`mode_root`); how it left in bit 1, as a close word's
+MODE_ROOT = 8
+#: the ranks a root of the mode's numbering may name (bits 48..61 hold the rank + 1)
+_ROOT_MAX = 0x3FFF
 
 
 def close_word(stage: int, root: Optional[int] = None, how: Optional[str] = ROOT_FAILED) -> int:
@@ -59,14 +81,38 @@ def close_word(stage: int, root: Optional[int] = None, how: Optional[str] = ROOT
     return fault_word(stage, None, None, root) | CLOSED | (0 if root is None else _ROOT_BITS[how])
 
 
+def _how(word: int) -> str:
+    """How the root a word names left: :data:`ROOT_FAILED` (bit 1), :data:`ROOT_CLOSED` (bit 2), else
+    :data:`ROOT_GONE`."""
+    return (ROOT_FAILED if word & _ROOT_BITS[ROOT_FAILED] else
+            ROOT_CLOSED if word & _ROOT_BITS[ROOT_CLOSED] else ROOT_GONE)
+
+
 def parse_close(word: int) -> Tuple[Optional[int], Optional[str]]:
     """``(root, how)`` of a :func:`close_word`: ``(None, None)`` for a clean close, else the rank it names and how that
     rank left (:data:`ROOT_FAILED`, :data:`ROOT_GONE` or :data:`ROOT_CLOSED`)."""
     root = fault_gone(word)
     if root is None:
         return None, None
-    return root, (ROOT_FAILED if word & _ROOT_BITS[ROOT_FAILED] else
-                  ROOT_CLOSED if word & _ROOT_BITS[ROOT_CLOSED] else ROOT_GONE)
+    return root, _how(word)
+
+
+def mode_root(word: int) -> Optional[Tuple[int, str]]:
+    """``(rank, how)`` of the root of the mode's numbering that a :func:`fault_word` names (:data:`MODE_ROOT`), or
+    ``None``."""
+    if not word & MODE_ROOT:
+        return None
+    return ((word >> 48) & 0x3FFF) - 1, _how(word)
+
+
+def root_cause(ex: BaseException, rank: int, how: str) -> BaseException:
+    """``ex``, which a mode passes to :meth:`Scheduler.fail <triton_ep.scheduler.Scheduler.fail>`, marked with the rank
+    (the mode's numbering, one the scheduler has no number for) whose death (:data:`ROOT_GONE`) or own failure
+    (:data:`ROOT_FAILED`) it passes on: the fault word names it (:data:`MODE_ROOT`), and the peers raise
+    :class:`RootCauseError` carrying it, for their mode to name. The mark (``ex.root_cause``) crosses to a proxy
+    process with the error."""
+    ex.root_cause = (int(rank), how)
+    return ex
 
 
 def fails_at_once(word: int) -> bool:
@@ -123,6 +169,20 @@ class PeerGoneError(ProxyError, EPRemoteError):
                              f"{self.why}; {where}" if where else self.why, told_by, self.placed)
 
 
+class RootCauseError(ProxyRemoteError):
+    """Peer ``peer``'s proxy failed because of rank ``root``, a rank of the mode's numbering (not the scheduler's: its
+    fault word carried it, :data:`MODE_ROOT`), whose process is gone (``how`` :data:`ROOT_GONE`) or that failed on its
+    own (:data:`ROOT_FAILED`); e.g. in internode normal mode a host mate of ``peer``, which the network leg, one rank
+    per host, does not number. ``stage``: where this rank waited when it learnt of it (:meth:`Scheduler.check`
+    fills it in, as for :class:`PeerGoneError`; until then the peer's stage). The mode names ``root``
+    (:meth:`triton_ep.modes.internode.rings.Rings.global_error`)."""
+
+    def __init__(self, rank: int, peer: int, channel: Optional[int], qp: Optional[int], stage: str, why: str,
+                 root: int, how: str, placed: bool = False) -> None:
+        super().__init__(rank, peer, channel, qp, stage, why)
+        self.root, self.how, self.placed = root, how, placed
+
+
 class PeerClosedError(ProxyRemoteError):
     """Rank ``peer`` destroyed its Buffer (its close word, :func:`close_word`, came before its QPs went; or a peer that
     closed after it, because of it, named it in its own close word, :data:`ROOT_CLOSED`) while this rank's network
@@ -130,8 +190,11 @@ class PeerClosedError(ProxyRemoteError):
 
 
 def placed_error(ex: BaseException, stage: Optional[str]) -> BaseException:
-    """``ex``, where it is a :class:`PeerGoneError` not yet placed, at the stage this rank waited at (``stage``:
-    :meth:`Scheduler.wait_stage`; ``None``: the proxy's stage stays)."""
+    """``ex``, where it is a :class:`PeerGoneError` or :class:`RootCauseError` not yet placed, at the stage this rank
+    waited at (``stage``: :meth:`Scheduler.wait_stage`; ``None``: the proxy's stage stays)."""
+    if isinstance(ex, RootCauseError) and not ex.placed:
+        return RootCauseError(ex.rank, ex.peer, ex.channel, ex.qp, ex.stage if stage is None else stage, ex.why,
+                              ex.root, ex.how, placed=True)
     if not isinstance(ex, PeerGoneError) or ex.placed:
         return ex
     out = ex.renamed(ex.rank, ex.peer, ex.told_by, stage=stage)

@@ -12,7 +12,7 @@ from triton_ep.transport.ring_flags import RingFlags
 
 from .faults import (CLOSED, ROOT_CLOSED, ROOT_FAILED, STAGE_INTERNAL, STAGE_NAMES, STAGE_POST, STAGE_RECV_CQE,
                      STAGE_SEND_CQE, STAGE_SEND_WAIT, PeerClosedError, PeerGoneError, ProxyError, ProxyRemoteError,
-                     fault_gone, fault_word, parse_close, parse_fault, stage_code)
+                     RootCauseError, fault_gone, fault_word, mode_root, parse_close, parse_fault, stage_code)
 from .layout import _QPState
 from .liveness import STATUS_FLUSHED, STATUS_GONE, TAG_PROBE, Liveness, probe_request
 from .posting import _CHUNK_OPS, _SEQ_MASK, IMM_SEQ_BITS, IMM_SEQ_MASK, TAG_CHUNK, is_probe_completion
@@ -86,8 +86,9 @@ class ProxyThreads:
     def fail(self, ex: BaseException) -> None:
         """Record ``ex`` as this scheduler's error (the first one wins), end every ring wait (the abort
         word), stop the proxy threads and tell every peer through its ``FAULT`` word, so they raise
-        :class:`ProxyRemoteError` instead of waiting out their bound.  Host waits that time out call this;
-        so does a failing proxy thread."""
+        :class:`ProxyRemoteError` instead of waiting out their bound (:class:`RootCauseError` where ``ex`` names the
+        rank of the mode's numbering that it passes on: :func:`~.faults.root_cause`).  Host waits that time out call
+        this; so does a failing proxy thread."""
         code = stage_code(ex)
         if not isinstance(ex, EPError):
             ex = ProxyError(self.rank, getattr(ex, "peer", None), None, None, STAGE_NAMES[STAGE_INTERNAL],
@@ -104,7 +105,8 @@ class ProxyThreads:
             return      # (the peer that failed, or found a rank gone, told its peers itself)
         gone = ex.peer if isinstance(ex, PeerGoneError) else None
         self.flags.put(RingFlags.SRC, self.rank,
-                       fault_word(code, getattr(ex, "channel", None), getattr(ex, "qp", None), gone))
+                       fault_word(code, getattr(ex, "channel", None), getattr(ex, "qp", None), gone,
+                                  None if gone is not None else getattr(ex, "root_cause", None)))
         lay = self.layout
         with self._lock:
             for p in self.peers:                # every QP: the one that failed may be any of them
@@ -203,6 +205,7 @@ class ProxyThreads:
 
     def _raise_fault(self, words: list) -> None:
         """A peer's ``FAULT`` word is set (``words``: :meth:`RingFlags.snapshot`): unless that peer is masked, raise
+        :class:`RootCauseError` where it names a root of the mode's numbering (:data:`~.faults.MODE_ROOT`),
         :class:`PeerGoneError` where it names a gone rank (not masked here), else :class:`ProxyRemoteError`. A close
         word (:func:`~.faults.close_word`) raises only where it names a root that failed or is gone (not this rank, not
         masked here): that rank's error, told by the closing peer; after a clean close, or a close after a peer's clean
@@ -213,6 +216,11 @@ class ProxyThreads:
             w = words[f0 + p]
             if w and not words[m0 + p]:
                 st, ch, q = parse_fault(w)
+                root = mode_root(w)
+                if root is not None:
+                    raise RootCauseError(self.rank, p, ch, q, STAGE_NAMES.get(st, "rdma proxy"),
+                                         f"the peer's proxy failed because of a rank it does not reach over RDMA "
+                                         f"(rank {root[0]} of the mode's numbering, {root[1]})", *root)
                 gone = fault_gone(w)
                 if w & CLOSED:
                     root, how = parse_close(w)

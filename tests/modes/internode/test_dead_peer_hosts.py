@@ -91,3 +91,36 @@ def test_a_rank_killed_mid_send_ends_every_wait_once_the_proxy_failed(proxy_mode
     victim's chunks reach rank 0 whole and its call completes: nothing to see there.)"""
     _check_survivors(run_ranks(cases.killed_across_hosts, 4, "internode_ll_send", proxy_mode, TIMEOUT_S, 1,
                                timeout_s=2 * TIMEOUT_S + 240), 1, proxy_mode)
+
+
+def test_a_host_mates_fault_word_that_comes_first_names_the_dead_rank(proxy_mode):
+    """2 hosts of 2 ranks, normal mode ("internode_held"); rank 1 dies as in the test above, and rank 2 (the RDMA peer
+    of rank 1's host mate, rank 0) holds the end of its call's status exchange until rank 0's fault word has landed:
+    rank 0 found rank 1 gone in its host's forwarding leg, raised, and at its next call failed its network leg for
+    good, a fault word that now reaches rank 2 first (issue 46: a race seen once in CI, made certain here). The network
+    leg numbers one rank per host, so that word carries rank 1 as a root of the mode's numbering (global ranks): every
+    survivor, rank 2 included, raises an EPRemoteError naming rank 1's process and a stage (before: rank 2 raised one
+    naming rank 0, "the peer's proxy failed there")."""
+    _check_survivors(run_ranks(cases.killed_across_hosts, 4, "internode_held", proxy_mode, TIMEOUT_S, 1,
+                               timeout_s=360), 1, proxy_mode)
+
+
+def test_a_root_cause_error_names_the_host_mate_with_global_ranks():
+    """The mode's side of a fault word that names a root (``Rings.global_error`` of a ``RootCauseError``), seen from
+    rank 2 of 2 hosts of 2 ranks: its RDMA peer rank 0 (host 0 in the network leg's numbering) passed on global rank 1
+    (its host mate). Gone: ``PeerGoneError`` naming rank 1 (``dead_ranks``, as the header's ``HOST_GONE`` would),
+    told by rank 0, at the stage this rank waited at. Failed on its own: ``ProxyRemoteError`` naming rank 1 (``peer``,
+    ``culprit``), told by rank 0. (No processes: the leg's numbers only.)"""
+    from types import SimpleNamespace
+
+    from triton_ep.modes.internode.rings import Rings
+    from triton_ep.scheduler import ROOT_FAILED, ROOT_GONE, PeerGoneError, ProxyRemoteError, RootCauseError
+    leg = SimpleNamespace(rt=SimpleNamespace(rank=2), host=1, num_hosts=2, local_index=0,
+                          hosts=SimpleNamespace(ranks=lambda h: [2 * h, 2 * h + 1]))
+    rings = Rings(leg)
+    gone = rings.global_error(RootCauseError(1, 0, None, None, "rdma host exchange", "planted", 1, ROOT_GONE, True))
+    assert isinstance(gone, PeerGoneError) and (gone.dead_ranks, gone.told_by, gone.placed) == ([1], 0, True)
+    assert "rank 2: rank 1's process is gone" in str(gone) and "stage 'rdma host exchange'" in str(gone), str(gone)
+    failed = rings.global_error(RootCauseError(1, 0, None, None, "rdma proxy", "planted", 1, ROOT_FAILED))
+    assert type(failed) is ProxyRemoteError and (failed.peer, failed.culprit, failed.told_by) == (1, 1, 0)
+    assert "rank 1 failed" in str(failed) and "rank 0 failed its network leg" in str(failed), str(failed)

@@ -104,6 +104,27 @@ def test_errors_raise_everywhere_at_once_and_the_group_recovers(arrival):
         assert o["dtype_s"] < 10 and o["ids_s"] < 10, o
 
 
+def test_a_call_rejected_right_after_a_meeting_raises_on_the_slow_host_mate_at_once():
+    """2 hosts of 2 ranks: rank 1 rejects three dispatches in a row, the last two right after the re-synchronisation
+    meeting, while its host mate (rank 0) is 0.4 s slower to restart its call numbers after that meeting: rank 1 raises
+    TypeError, every other rank EPRemoteError, each well within timeout_s (6 s), rank 0 naming rank 1, and the round
+    trip after them is correct on every rank. (Before: the restart cleared the failure word rank 1 had just written
+    into rank 0's control block, so rank 0 waited out timeout_s and its Buffer was unusable; within one host the same
+    race was fixed by restarting the call numbers one higher and leaving the words, modes/low_latency/state.py.) Ranks
+    2 and 3 name rank 1, whose chunk told them, or rank 0 where rank 0's send ended on rank 1's failure word first
+    and its own chunk, read first, told them (as before, with or without a meeting)."""
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "rejected_right_after_a_meeting", 0))
+    for rank, log in enumerate(out):
+        for name, got, secs in log:
+            if name.startswith("float"):
+                want = "TypeError" if rank == 1 else "EPRemoteError"
+                assert got[0] == want and secs < 4, (rank, name, got, secs, log)
+                named = {0: ("rank 1 failed",), 1: ("topk_idx",)}.get(rank, ("rank 1 failed", "rank 0 failed"))
+                assert any(n in got[1] for n in named), (rank, name, got, log)
+            else:
+                assert got is True, (rank, name, got, log)
+
+
 @pytest.mark.parametrize("allow_nvlink", [True, False])
 def test_same_host_peers_take_the_shared_buffer_with_allow_nvlink(allow_nvlink):
     """2 hosts of 2 ranks, every rank sending to every rank: with allow_nvlink_for_low_latency_mode the network

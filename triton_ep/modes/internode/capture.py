@@ -210,8 +210,9 @@ class CapturePath:
             self.cards.tell(ex)
             self.cards.raised = True
         if self.leg.sched is not None and self.leg.sched.error is None:
-            self.leg.sched.fail(EPRemoteError(f"rank {self.rt.rank}: a num_worst_tokens call across hosts failed "
-                                          f"({type(ex).__name__}: {ex}); destroy() and rebuild the Buffer"))
+            self.leg.sched.fail(self.leg.host_ranks.rooted(EPRemoteError(
+                f"rank {self.rt.rank}: a num_worst_tokens call across hosts failed ({type(ex).__name__}: {ex}); "
+                f"destroy() and rebuild the Buffer")))
         self.leg.host_ranks.leave(ex)
 
     def _capture_call(self, body, *args):

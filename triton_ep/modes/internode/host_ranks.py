@@ -3,7 +3,7 @@ over their shared buffers (:class:`HostRanks`). Its errors number the host's ran
 rank numbers, and a disagreement the host's ranks found is raised as the ``ValueError`` naming it."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from ...errors import EPCapacityError, EPError
 from ...kernels import flags as F
@@ -11,6 +11,7 @@ from ...protocol import call_card
 from ...protocol.signal_header import STAGE_CAPACITY
 from ...runtime import Runtime
 from ...runtime import hosts as hosts_mod
+from ...scheduler.faults import ROOT_FAILED, ROOT_GONE, root_cause
 from ..intranode import Intranode
 
 #: the handle of a local call a rank takes only to fail it (:meth:`HostRanks.skip`)
@@ -37,6 +38,11 @@ class HostRanks:
         self.hosts, self.host, self.local_index, self.calls = hosts, host, local_index, calls
         self.ranks = list(hosts.ranks(host))        # the global rank of each local index
         self.local = Intranode(local_rt)
+        #: what broke this host's forwarding leg for good, as :func:`~triton_ep.scheduler.root_cause` takes it: the
+        #: global rank whose process is gone (``"gone"``) or whose failure word (``"failed"``) the first error
+        #: :meth:`annotate` saw after the leg broke named (``None``: none, or not broken; set once)
+        self.root: Optional[Tuple[int, str]] = None
+        self._root_set = False
 
     def close(self) -> None:
         """Release the host's shared buffers. Idempotent."""
@@ -91,7 +97,7 @@ class HostRanks:
         numbers: in its message, its ``rank`` / ``peer`` / ``peers`` (``EPTimeoutError``), ``failed_rank`` /
         ``dead_ranks`` (a failure word, a dead peer: :func:`triton_ep.transport.liveness.dead_error`) and, for a
         failure word or a dead peer, ``ex.culprit`` (the global rank that posted it or died, passed on in the status
-        header). Once per error."""
+        header); the first such error after the leg broke for good sets :attr:`root`. Once per error."""
         if getattr(ex, "_ep_global", False):
             return
         ex._ep_global = True
@@ -108,9 +114,23 @@ class HostRanks:
         for name in ("peers", "dead_ranks"):
             if isinstance(getattr(ex, name, None), list):
                 setattr(ex, name, [glob(r) for r in getattr(ex, name)])
+        comm = self.local_rt.comm if self.local_rt is not None else None
+        if not self._root_set and comm is not None and comm.broken:
+            self._root_set = True
+            dead, culprit = getattr(ex, "dead_ranks", None), getattr(ex, "culprit", None)
+            if dead:
+                self.root = (dead[0], ROOT_GONE)
+            elif isinstance(culprit, int) and culprit >= 0 and culprit != ranks[self.local_index]:
+                self.root = (culprit, ROOT_FAILED)
         if ex.args and isinstance(ex.args[0], str):
             ex.args = (f"{hosts_mod.global_ranks(ex.args[0], ranks)} (in the forwarding leg of host {self.host}: "
                        f"ranks {ranks})",) + ex.args[1:]
+
+    def rooted(self, ex: BaseException) -> BaseException:
+        """``ex``, an error that fails the network leg because this host's forwarding leg failed, marked with
+        :attr:`root` where there is one (:func:`~triton_ep.scheduler.root_cause`): its fault word then names that
+        rank (a host mate, which the network leg does not number), so the RDMA peers name it too, not this rank."""
+        return ex if self.root is None else root_cause(ex, *self.root)
 
     def leave(self, err: Optional[BaseException] = None) -> None:
         """The network leg failed for good (the scheduler's error is sticky): leave this host's group, so

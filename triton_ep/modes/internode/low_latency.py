@@ -189,7 +189,9 @@ class NetLeg:
         def masked_pair(a: int, b: int) -> bool:
             return bool(every[a].mask[b] or every[b].mask[a])
         renumber = [p for p in self.remote_ranks if masked_pair(me, p) and (p in mine.unmask or me in mine.unmask)]
-        top = max(e.seq for e in every)
+        # calls up to top are done; top + 1 is left unused: the failure words posted before the meeting name calls
+        # up to it (_restart), so the numbers go on from top + 2
+        top = max(e.seq for e in every) + 1
         # nothing is drained from a peer either side masked
         self._drain(rt, {p: every[p].ready[me] for p in self.remote_ranks if not masked_pair(me, p)})
         next_tx, next_rx = self._renumber(every, mine, renumber, me)
@@ -273,8 +275,14 @@ class NetLeg:
     @staticmethod
     def _restart(ll: LowLatency, top: int, next_tx: list, next_rx: list, renumber: list) -> None:
         """Restart the low-latency control block at call ``top + 1`` (calls up to ``top`` done): each peer's chunk
-        offsets (``TXOFF`` / ``RXOFF``) from ``next_tx`` / ``next_rx``, no failures, the ``renumber`` peers
-        unmasked."""
+        offsets (``TXOFF`` / ``RXOFF``) from ``next_tx`` / ``next_rx``, the ``renumber`` peers unmasked.
+
+        The failure words (``LFAILED``) are left as they are, as within one host
+        (:meth:`~triton_ep.modes.low_latency.state.LowLatencyState.resync_apply`): a host mate that leaves the meeting
+        first may already have written the failure of its next call here (it rejected its arguments at once), and
+        clearing the words would lose it (this rank would wait out ``timeout_s`` for that host mate). The caller
+        passes a ``top`` one above the highest call any rank reached: the words posted before the meeting name calls up
+        to that one, so none matches a call after the restart."""
         ctl, R = ll.ctl, ll.rt.group_size
         with torch.inference_mode():
             tx = [next_tx[p] - top for p in range(R)]
@@ -285,7 +293,6 @@ class NetLeg:
             # comes next, calls up to top are done
             unpacked = [top if top % 2 == h else top - 1 for h in (0, 1)]
             ctl[:8].copy_(torch.tensor([top, 0, top, top] + unpacked + [top, top], dtype=torch.int64, device=ctl.device))
-            ctl[F.off_ll_failed.host(R):F.off_ll_failed.host(R) + R].fill_(0)
             for p in renumber:
                 ctl[F.off_ll_mask.host(R) + p].fill_(0)
 

@@ -235,12 +235,12 @@ class Internode:
         try:
             self.rt.check()         # this host's runtime: also raises where its forwarding leg failed for good
         except EPError as ex:
+            self.host_ranks.annotate(ex)
             comm = self.host_ranks.local_rt.comm
             if comm is not None and comm.broken and self.sched.error is None:
                 # the network's twin of HostRanks.leave: the RDMA peers hear it from the fault word and raise at once
-                self.sched.fail(EPRemoteError(f"rank {self.rt.rank}: the forwarding leg of host {self.host} failed "
-                                              f"for good ({comm.broken})"))
-            self.host_ranks.annotate(ex)
+                self.sched.fail(self.host_ranks.rooted(EPRemoteError(
+                    f"rank {self.rt.rank}: the forwarding leg of host {self.host} failed for good ({comm.broken})")))
             raise
         try:
             self.sched.check()

@@ -51,6 +51,8 @@ class Rings:
     def global_error(self, ex: BaseException) -> BaseException:
         """The scheduler's error with global ranks and host numbers in it (its ranks are host indices)."""
         where = f"internode, host {self.leg.host} of {self.leg.num_hosts}"
+        if isinstance(ex, sched_mod.RootCauseError):    # (a global rank: the peer's host mate, which it passed on)
+            return self.root_error(ex, where)
         if isinstance(ex, sched_mod.PeerGoneError):     # (a rank on host ex.peer: this rank's RDMA peer there)
             gone = self.peer_rank(ex.peer)
             return ex.renamed(self.leg.rt.rank, gone, self.peer_rank(ex.told_by), f"{where}; rank {gone} on host {ex.peer}")
@@ -63,6 +65,21 @@ class Rings:
         return EPTimeoutError(self.leg.rt.rank, peers, f"{ex.stage} ({where}; waiting for host(s) "
                               f"{', '.join(str(p) for p in ex.peers)})", ex.timeout_s, ex.channel)
 
+    def root_error(self, ex: "sched_mod.RootCauseError", where: str) -> BaseException:
+        """:meth:`global_error` of a :class:`~triton_ep.scheduler.RootCauseError`: the RDMA peer on host ``ex.peer``
+        failed its network leg because global rank ``ex.root`` (on its host) is gone, or failed on its own, and its
+        fault word said so. Returns :class:`~triton_ep.scheduler.PeerGoneError` naming that rank (``failed_rank``,
+        ``dead_ranks``) or :class:`~triton_ep.scheduler.ProxyRemoteError` naming it (``culprit``), at the stage this
+        rank waited at, with the peer that told it (``told_by``)."""
+        me, root, teller = self.leg.rt.rank, ex.root, self.peer_rank(ex.peer)
+        where = f"{where}; rank {root} on host {ex.peer}, a host mate of rank {teller}"
+        if ex.how == sched_mod.ROOT_GONE:
+            return sched_mod.PeerGoneError(me, root, None, None, ex.stage, where, told_by=teller, placed=ex.placed)
+        out = sched_mod.ProxyRemoteError(me, root, None, None, ex.stage,
+                                         f"rank {root} failed (its own error names why; {where}); rank {teller} "
+                                         f"failed its network leg because of it and told this rank")
+        out.culprit, out.told_by = root, teller
+        return out
 
     def exchange(self, streams: Optional[Streams], src: Optional[net.Sources], err: Optional[BaseException] = None,
                  skip: Optional[str] = None) -> Tuple[Tensor, List[int], Optional[Tensor]]:
