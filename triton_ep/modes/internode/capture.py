@@ -63,7 +63,7 @@ from .combine import combine_args, combine_in_host
 from .forward import dispatch_results, forward_cached, forward_fresh
 from .handle import CapturePlan, build_handle
 from .peer_tokens import PeerTokens
-from .records import record_field, split_records
+from .records import record_field, row_sums, split_records
 
 Tensor = torch.Tensor
 #: the operation of a capture-path stream, part of its layout key
@@ -444,7 +444,7 @@ class CapturePath:
         acc = torch.zeros(T + 1, H, dtype=torch.float32, device=dev)      # row T: where unused rows go
         wacc = torch.zeros(T + 1, K, dtype=torch.float32, device=dev) if K else None
         valid = self._valid(rx, T).view(nh, T)
-        rows = record_field(rec, got, "row", torch.bfloat16)[:, :H].float().view(nh, T, H)
+        rows = row_sums(rec, got, H).view(nh, T, H)
         ws = record_field(rec, got, "weights", torch.float32).view(nh, T, K) if K else None
         for h in range(nh):          # ascending host order; each token at most once per host
             t = torch.where(valid[h], plan.tok[h], T)

@@ -16,7 +16,7 @@ from ...protocol import call_card
 from ...protocol.records import NetRecord
 from ...runtime.checks import check_event
 from .handle import CapturePlan, HostPlan
-from .records import Streams, record_field
+from .records import Streams, record_field, row_sums
 
 Tensor = torch.Tensor
 
@@ -44,9 +44,9 @@ def sum_over_hosts(leg, prep: Combine, rec: NetRecord, got: Tensor, counts: List
     for h in range(leg.num_hosts):          # ascending host order; each token at most once per host
         t = plan.to_host[h].to(dev)
         blk = got[int(starts[h]):int(starts[h + 1])]
-        acc[t] += record_field(rec, blk, "row", torch.bfloat16)[:, :H].float()
+        acc.index_add_(0, t, row_sums(rec, blk, H))
         if K:
-            wacc[t] += record_field(rec, blk, "weights", torch.float32)
+            wacc.index_add_(0, t, record_field(rec, blk, "weights", torch.float32))
     for b in prep.biases:
         acc += b.float()
     return (acc.to(torch.bfloat16), wacc, EventOverlap(None))

@@ -66,7 +66,7 @@ def in_rank_order(recv_x_f, recv_idx: Optional[Tensor], recv_w: Optional[Tensor]
     # padding rows (num_worst_tokens) carry no record
     meta = torch.where((local_handle.recv_src_idx < 0)[:, None], -1, record_meta(recv_xf))
     order = torch.sort(torch.where(meta[:, 0] >= 0, meta[:, 0].long(), num_ranks), stable=True)[1]
-    x_out = x_rows(recv_xf, dtype, hidden)[order]
+    x_out = x_rows(recv_xf, dtype, hidden, order)
     x_ret = x_out if recv_sc is None else (x_out, recv_sc[order])
     src_meta = meta[order][:, :2].contiguous()
     got = src_meta[:, 0] >= 0
@@ -90,7 +90,7 @@ def forward_cached(leg, xs_f, plan, dtype: torch.dtype, hidden: int) -> tuple:
     ``[N, hidden]`` (the dispatch's rows'). Returns DeepEP's six results."""
     recv = leg.host_ranks.run(leg.local.dispatch_steps(xs_f, handle=plan.local_handle), forwarded=True)[0]
     recv_xf = recv[0] if isinstance(recv, tuple) else recv
-    x_out = x_rows(recv_xf, dtype, hidden)[plan.order]
+    x_out = x_rows(recv_xf, dtype, hidden, plan.order)
     if isinstance(recv, tuple):
         x_out = (x_out, recv[1][plan.order])
     return x_out, None, None, None, None, EventOverlap(None)

@@ -26,15 +26,29 @@ def record_field(rec: NetRecord, rows: Tensor, field: str, dtype: torch.dtype) -
     return byte_columns(rows, *rec.span(field), dtype)
 
 
+def row_sums(rec: NetRecord, rows: Tensor, hidden: int) -> Tensor:
+    """The bf16 partial sums of combine records ``rows`` (uint8 ``[n, rec.nbytes]``) as fp32 ``[n, hidden]``: one
+    conversion read straight from the records where their offset allows a bf16 view (always, for records of
+    :func:`network_record_bytes`), else through a copy of the field."""
+    lo, hi = rec.span("row")
+    try:
+        field = rows[:, lo:hi].view(torch.bfloat16)
+    except RuntimeError:            # (an offset a 2-byte view does not take)
+        field = byte_columns(rows, lo, hi, torch.bfloat16)
+    return field[:, :hidden].float()
+
+
 def record_meta(recv_xf: Tensor) -> Tensor:
     """The meta blocks of received records (uint8 ``[N, 16 + row]``) as int32 ``[N, 4]`` (source rank,
     source token, 0, 0)."""
     return byte_columns(recv_xf, 0, NET_META_BYTES, torch.int32)
 
 
-def x_rows(recv_xf: Tensor, dtype, hidden: int) -> Tensor:
-    """The x rows of received records (uint8 ``[N, 16 + row]``) as ``dtype`` ``[N, hidden]``."""
-    return byte_columns(recv_xf, NET_META_BYTES, recv_xf.shape[1], dtype)
+def x_rows(recv_xf: Tensor, dtype, hidden: int, order: Tensor) -> Tensor:
+    """The x rows of received records (uint8 ``[N, 16 + row]``) taken in ``order`` (int64 ``[N]``, a
+    permutation) as ``dtype`` ``[N, hidden]``, in fresh memory: one gather of the rows' bytes, with no
+    intermediate copy (a call of DeepEP's test shape moves hundreds of MB here)."""
+    return recv_xf[:, NET_META_BYTES:].index_select(0, order).view(dtype)
 
 
 def network_record_bytes(row_bytes: int, scale_bytes: int, num_topk: int, weights: bool, ranks_per_host: int) -> int:
