@@ -25,19 +25,40 @@ Both libraries' Buffers (the first ``--buffers`` size; the peer's built as ``Buf
 with ``explicitly_destroy=True`` where it takes that, and destroyed at the end only where it has
 ``destroy()``) live in the same rank processes and get the same inputs. Per token count and repeat, layout,
 dispatch, cached dispatch and combine are timed with one library and then the other, the order alternating
-(repeat 1: the peer first, repeat 2: ours first, ...). A timed call: device synchronise, ``dist.barrier()``,
-``perf_counter`` around the one call with nothing waited for inside (host µs), CUDA events around it (µs,
-end to end; on CPU the same wall time); the median of ``--iters`` after ``--warmup``, the slowest rank's,
-then the median over repeats. Each timed call gets fresh tensors, picked before the timer from a rotation of
-4 with one routing: ``x`` and ``topk_weights`` of new values, ``topk_idx`` copies of the same ids (so the
-cached handle stays valid); combine takes rows of the received shape, also 4 of them; outputs are new
-every call. A dispatch gets the layout ``get_dispatch_layout`` returned for its ``topk_idx`` just before it
-(untimed), as a framework calls them. ``ratio`` = ours / peer host µs: below 1, ours is quicker. DeepEP's
-Buffer takes 2, 4 or 8 ranks, one GPU each. Output: a table on rank 0's stdout, ``<out>/calls_compare.json``
-(rows of ``tokens``, ``call``, ``ours_host_us``, ``peer_host_us``, ``ratio``, ``ours_us``, ``peer_us``,
-``repeats``: each repeat's ``[ours, peer]`` host µs, ``repeats_us`` the same end to end; the peer module's
-name, file and version; ``note``: what the figures mean on this machine) and ``calls_compare.png`` (the
-ratios as bars; needs matplotlib). A module that does not import: a message and exit status 2.
+(repeat 1: the peer first, repeat 2: ours first, ...); each call two ways, one after the other:
+
+* after a barrier (``ours_host_us``, ``peer_host_us``, ``ratio``; ``ours_us``, ``peer_us``): device
+  synchronise, ``dist.barrier()``, ``perf_counter`` around the one call with nothing waited for inside (host
+  µs), CUDA events around it (µs, end to end; on CPU the same wall time); the median of ``--iters`` after
+  ``--warmup``. The process has just woken from the barrier, so host µs include that wake-up (a cold CPU: on
+  an H200 even ``Tensor.add_`` of 64 floats took 24-68 µs there against about 8 in a loop), which weighs more on
+  a library with more Python on its path.
+* hot, back to back (``ours_hot_host_us``, ``peer_hot_host_us``, ``hot_ratio``; ``ours_hot_us``,
+  ``peer_hot_us``): device synchronise, one ``dist.barrier()``, then ``--warmup`` + ``--iters`` calls in a row
+  with no synchronise or barrier between them (every rank makes the same number, so a collective call waits
+  for no rank on the host), ``perf_counter`` around each; hot host µs are the median of the last ``--iters``
+  (the wake-up lands in the warm-up calls), the pace a serving loop sees while its Python is hot. Hot µs are
+  the loop's pace per call: CUDA events before the first timed call and after the last, over ``--iters`` (on
+  CPU the loop's wall time over ``--iters``), about the larger of a call's host and GPU work; the device is
+  synchronised after the loop. Where hot µs exceed hot host µs the GPU is the slower side and the host runs
+  ahead, queueing launches; host µs stay free of waiting until the launch queue is full (on the order of a
+  thousand pending launches, a CUDA driver limit; a call makes a few), which is why ``--compare`` takes at most
+  ``HOT_CALLS_MAX`` (64) calls per loop. The plain ``dispatch`` is different: it waits on the host for the
+  received counts (both libraries do), so its hot host µs include that wait, which takes in the GPU work still
+  queued before it; and its layout, computed between the calls (untimed), is part of its hot µs.
+
+Each timed call gets fresh tensors, picked before its timer from a rotation of 4 with one routing: ``x`` and
+``topk_weights`` of new values, ``topk_idx`` copies of the same ids (so the cached handle stays valid); combine
+takes rows of the received shape, also 4 of them; outputs are new every call. A dispatch gets the layout
+``get_dispatch_layout`` returned for its ``topk_idx`` just before it (untimed), as a framework calls them. Each
+figure is the slowest rank's per repeat, then the median over repeats. ``ratio`` = ``ours_host_us`` /
+``peer_host_us`` and ``hot_ratio`` = ``ours_hot_host_us`` / ``peer_hot_host_us``: below 1, ours is quicker.
+DeepEP's Buffer takes 2, 4 or 8 ranks, one GPU each. Output: a table on rank 0's stdout,
+``<out>/calls_compare.json`` (rows of ``tokens``, ``call``, the ten figures above, ``repeats``: each repeat's
+``[ours, peer]`` after-barrier host µs, ``repeats_us`` the same end to end, ``repeats_hot`` the hot host µs;
+the peer module's name, file and version; ``hot_calls_max``; ``note``: what the figures mean on this machine)
+and ``calls_compare.png`` (both ratios as bars; needs matplotlib). A module that does not import:
+a message and exit status 2.
 """
 from __future__ import annotations
 
@@ -64,6 +85,10 @@ CALLS = ("layout", "dispatch", "worst", "cached", "combine", "a2a_dispatch", "a2
 #: The calls ``--compare`` times with both libraries, and how many input tensors each rotates through.
 COMPARED = ("layout", "dispatch", "cached", "combine")
 ROTATION = 4
+#: The most calls (``--warmup`` + ``--iters``) of one ``--compare`` hot loop: the host runs ahead of a slower
+#: GPU by at most this many calls' launches, far below CUDA's queue of pending launches, so hot host µs do not
+#: include waiting for room in it.
+HOT_CALLS_MAX = 64
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3,
                    help="with --compare: timings of each token count per library, the order alternating")
     C.add_out_arg(p, "calls.json and calls.png (with --compare: calls_compare.json and calls_compare.png)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.compare and a.warmup + a.iters > HOT_CALLS_MAX:
+        p.error(f"--compare: --warmup + --iters is at most {HOT_CALLS_MAX} (the hot loop makes that many calls "
+                f"back to back; more could fill the GPU's launch queue and time the wait for it)")
+    return a
 
 
 def _sync(device):
@@ -124,6 +153,38 @@ def time_drawn(draw, iters: int, warmup: int, device) -> tuple:
             times.append(t)
             host.append((h1 - h0) * 1e6)
     return statistics.median(times), statistics.median(host)
+
+
+def time_hot(draw, iters: int, warmup: int, device) -> tuple:
+    """(µs per call at the loop's pace, median host µs) of ``warmup + iters`` calls made back to back after one
+    barrier: a device synchronise, the barrier, then per call ``draw(i)`` (inputs picked, untimed set-up such as
+    dispatch's layout done, as a framework calls them) and the call with ``perf_counter`` around it, no
+    synchronise or barrier between calls; the host µs are the median of the last ``iters``. µs: CUDA events
+    before the first of those and after the last, over ``iters`` (on CPU their wall time over ``iters``): the
+    loop's pace, about the larger of a call's host and GPU work, untimed set-up included. The device is
+    synchronised after the loop. Every rank must make the same number of calls (collective calls then wait for
+    no rank on the host)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = []
+    _sync(device)
+    dist.barrier()
+    for i in range(warmup + iters):
+        if i == warmup:
+            if cuda:
+                e0.record()
+            w0 = time.perf_counter()
+        fn = draw(i)
+        h0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - h0) * 1e6)
+    w1 = time.perf_counter()
+    if cuda:
+        e1.record()
+    _sync(device)
+    pace = e0.elapsed_time(e1) * 1e3 / iters if cuda else (w1 - w0) * 1e6 / iters
+    return pace, statistics.median(host[warmup:])
 
 
 def one_case(a, tokens: int, nbytes: int, device, rank: int, R: int) -> dict:
@@ -277,9 +338,10 @@ def compare_calls(a, rank: int, R: int, device, sharing: int, backend: str) -> N
         if recv["ours"] != recv["peer"]:
             raise RuntimeError(f"rank {rank}, {tokens} tokens: {a.compare} received {recv['peer']} rows, "
                                f"triton_ep {recv['ours']}: not the same routing")
-        mine = []            # per repeat: {side: {call: (µs, host µs)}}
+        mine = []            # per repeat: {side: {call: (µs, host µs, hot µs, hot host µs)}}
         for r in range(a.repeats):
-            mine.append({side: {c: time_drawn(draws[side][c], a.iters, a.warmup, device) for c in COMPARED}
+            mine.append({side: {c: time_drawn(draws[side][c], a.iters, a.warmup, device) +
+                                time_hot(draws[side][c], a.iters, a.warmup, device) for c in COMPARED}
                          for side in (("peer", "ours") if r % 2 == 0 else ("ours", "peer"))})
         every = [None] * R
         dist.all_gather_object(every, mine)
@@ -292,23 +354,29 @@ def compare_calls(a, rank: int, R: int, device, sharing: int, backend: str) -> N
         compare_report(a, rows, R, sharing, backend, peer, b, nbytes)
 
 
+#: The figures of one timed call in :func:`compare_calls`, in order: after a barrier (µs, host µs), then hot.
+FIGURES = ("us", "host_us", "hot_us", "hot_host_us")
+
+
 def compare_rows(tokens: int, every: list) -> list:
-    """Rows of one token count from every rank's timings: per call and repeat the slowest rank's medians,
-    then the median over repeats of each, and ``ratio`` = ours / peer host µs."""
+    """Rows of one token count from every rank's timings: per call, repeat and figure (:data:`FIGURES`) the
+    slowest rank's median, then the median over repeats of each; ``ratio`` = ours / peer host µs after a
+    barrier, ``hot_ratio`` = ours / peer hot host µs."""
     rows = []
     for c in COMPARED:
-        # slow[r][side] = (µs, host µs) of repeat r, the slowest rank's
-        slow = [{side: tuple(max(e[r][side][c][j] for e in every) for j in (0, 1)) for side in ("ours", "peer")}
-                for r in range(len(every[0]))]
-
-        def med(side, j):
-            return statistics.median(rep[side][j] for rep in slow)
-
-        ours, peer = med("ours", 1), med("peer", 1)
-        rows.append(dict(tokens=tokens, call=c, ours_host_us=ours, peer_host_us=peer,
-                         ratio=ours / peer if peer else None, ours_us=med("ours", 0), peer_us=med("peer", 0),
-                         repeats=[[rep["ours"][1], rep["peer"][1]] for rep in slow],
-                         repeats_us=[[rep["ours"][0], rep["peer"][0]] for rep in slow]))
+        # slow[r][side][j] = figure j of repeat r, the slowest rank's
+        slow = [{side: tuple(max(e[r][side][c][j] for e in every) for j in range(len(FIGURES)))
+                 for side in ("ours", "peer")} for r in range(len(every[0]))]
+        row = dict(tokens=tokens, call=c)
+        for j, f in enumerate(FIGURES):
+            for side in ("ours", "peer"):
+                row[f"{side}_{f}"] = statistics.median(rep[side][j] for rep in slow)
+        for ratio, f in (("ratio", "host_us"), ("hot_ratio", "hot_host_us")):
+            row[ratio] = row["ours_" + f] / row["peer_" + f] if row["peer_" + f] else None
+        for key, f in (("repeats", "host_us"), ("repeats_us", "us"), ("repeats_hot", "hot_host_us")):
+            j = FIGURES.index(f)
+            row[key] = [[rep["ours"][j], rep["peer"][j]] for rep in slow]
+        rows.append(row)
     return rows
 
 
@@ -327,13 +395,15 @@ def compare_note(R: int, sharing: int) -> str:
     """What ``--compare``'s figures mean on this machine."""
     if not C.on_gpu():
         return (f"CPU: {R} ranks share this CPU and triton-ep's kernels run under the Triton interpreter; host µs "
-                f"and µs are both wall time of the whole call: they show the comparison runs and say nothing "
-                f"about GPU speed")
+                f"and µs (after a barrier and hot) are all wall time of the calls: they show the comparison runs "
+                f"and say nothing about GPU speed")
+    hot = ("; hot µs above hot host µs: the GPU is the slower side (the host queues ahead, up to "
+           f"{HOT_CALLS_MAX} calls); dispatch's hot host µs include its host wait for the counts")
     if sharing > 1:
         return (f"{sharing} ranks share each GPU: host µs (each process's own Python and launch work) compare; "
-                f"µs (CUDA events) are the GPU's time-slicing between processes and do not")
+                f"µs (CUDA events) are the GPU's time-slicing between processes and do not" + hot)
     return ("one GPU per rank: host µs are the Python and launch work of one call (nothing waited for inside), "
-            "µs the CUDA-event time of the same call, end to end; both compare")
+            "µs the CUDA-event time of the same call, end to end; both compare" + hot)
 
 
 def compare_report(a, rows, R, sharing, backend, peer, buffer: str, nbytes: int) -> None:
@@ -342,19 +412,28 @@ def compare_report(a, rows, R, sharing, backend, peer, buffer: str, nbytes: int)
     note = compare_note(R, sharing)
     C.say(f"[bench_calls] {C.device_name()}, {R} ranks ({backend}), hidden {a.hidden}, top-{a.topk} of "
           f"{a.experts}, buffer {buffer}; triton_ep vs {a.compare}, median of {a.repeats} repeats (order "
-          f"alternating), slowest rank; ratio = ours / peer host us (below 1: ours quicker); {note}")
-    C.print_table(["T", "call", "ours host us", "peer host us", "ratio", "ours us", "peer us"],
+          f"alternating), slowest rank. host us: perf_counter around one call right after a synchronise and a "
+          f"barrier (includes the process waking from the barrier), median of {a.iters}; us: CUDA events around "
+          f"that call; ratio = ours / peer host us. hot host us: the same call made {a.warmup} + {a.iters} times "
+          f"back to back after one barrier, median of the last {a.iters}; hot us: that loop's CUDA-event time per "
+          f"call; hot ratio = ours / peer hot host us. Ratios below 1: ours quicker; {note}")
+    C.print_table(["T", "call", "ours host us", "peer host us", "ratio", "ours hot host us", "peer hot host us",
+                   "hot ratio", "ours us", "peer us", "ours hot us", "peer hot us"],
                   [[r["tokens"], r["call"], C.sig(r["ours_host_us"]), C.sig(r["peer_host_us"]), C.sig(r["ratio"], 3),
-                    C.sig(r["ours_us"]), C.sig(r["peer_us"])] for r in rows])
+                    C.sig(r["ours_hot_host_us"]), C.sig(r["peer_hot_host_us"]), C.sig(r["hot_ratio"], 3),
+                    C.sig(r["ours_us"]), C.sig(r["peer_us"]), C.sig(r["ours_hot_us"]), C.sig(r["peer_hot_us"])]
+                   for r in rows])
     path = os.path.join(a.out, "calls_compare.json")
     C.write_json(path, dict(device=C.device_name(), ranks=R, ranks_per_gpu=sharing if gpu else None,
                             backend=backend, hidden=a.hidden, experts=a.experts, topk=a.topk, iters=a.iters,
                             warmup=a.warmup, num_repeats=a.repeats, rotation=ROTATION, buffer=buffer,
                             buffer_bytes=nbytes, ours=module_info(triton_ep), peer=module_info(peer),
                             order="repeat 1: the peer first, then ours; repeat 2: ours first; and so on",
+                            hot_calls_max=HOT_CALLS_MAX,
                             note=note, results=rows))
     C.bar_chart(os.path.join(a.out, "calls_compare.png"), [f"T{r['tokens']} {r['call']}" for r in rows],
-                {"ours / peer host µs": [r["ratio"] or 0.0 for r in rows]},
+                {"ours / peer host µs after a barrier": [r["ratio"] or 0.0 for r in rows],
+                 "ours / peer hot host µs": [r["hot_ratio"] or 0.0 for r in rows]},
                 f"triton-ep / {a.compare}, {R} ranks, {C.device_name()}", "ratio (below 1: ours quicker)",
                 hline=1.0)
     C.say(f"[bench_calls] wrote {path}")

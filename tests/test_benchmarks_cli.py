@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -405,8 +406,9 @@ def test_host_cost_diff_reads_grid_cap_results(tmp_path, results_untouched):
 @pytest.mark.extended      # (about 35 s on 2 cores: two ranks, both sides' calls interpreted)
 def test_bench_calls_compare_with_itself(tmp_path, results_untouched):
     """``--compare triton_ep`` (the library against itself, two CPU ranks, tiny shapes): a row per compared
-    call with finite positive host µs for both sides and ratio = ours / peer, one pair per repeat, the peer
-    module named, and the CPU note."""
+    call with finite positive figures for both sides, after a barrier and hot (host µs and µs), ratio = ours /
+    peer host µs and hot_ratio = ours / peer hot host µs, one pair per repeat of each, the peer module named,
+    and the CPU note; the table's header names both measurements."""
     r = run_bench("bench_calls.py", "--compare", "triton_ep", "--tokens", "16", "--iters", "1", "--warmup", "0",
                   "--repeats", "2", "--out", str(tmp_path / "c"))
     out = json.loads((tmp_path / "c" / "calls_compare.json").read_text())
@@ -415,14 +417,33 @@ def test_bench_calls_compare_with_itself(tmp_path, results_untouched):
     assert set(rows) == {"layout", "dispatch", "cached", "combine"} and len(out["results"]) == 4
     for row in rows.values():
         assert row["tokens"] == 16
-        for k in ("ours_host_us", "peer_host_us", "ours_us", "peer_us"):
-            assert math.isfinite(row[k]) and row[k] > 0, (k, row)
+        for k in ("ours_host_us", "peer_host_us", "ours_us", "peer_us",
+                  "ours_hot_host_us", "peer_hot_host_us", "ours_hot_us", "peer_hot_us", "ratio", "hot_ratio"):
+            assert isinstance(row[k], float) and math.isfinite(row[k]) and row[k] > 0, (k, row)
         assert row["ratio"] == pytest.approx(row["ours_host_us"] / row["peer_host_us"])
-        assert len(row["repeats"]) == 2 and all(len(pair) == 2 for pair in row["repeats"])
+        assert row["hot_ratio"] == pytest.approx(row["ours_hot_host_us"] / row["peer_hot_host_us"])
+        for key, ours, peer in (("repeats", "ours_host_us", "peer_host_us"), ("repeats_us", "ours_us", "peer_us"),
+                                ("repeats_hot", "ours_hot_host_us", "peer_hot_host_us")):
+            assert len(row[key]) == 2 and all(len(pair) == 2 and min(pair) > 0 for pair in row[key]), (key, row)
+            assert row[ours] == pytest.approx(statistics.median(pair[0] for pair in row[key])), (key, row)
+            assert row[peer] == pytest.approx(statistics.median(pair[1] for pair in row[key])), (key, row)
     assert out["ranks"] == 2 and out["backend"] == "gloo" and out["peer"]["module"] == "triton_ep"
     assert out["peer"]["file"] and out["peer"]["version"]
+    assert out["hot_calls_max"] == bench_module("bench_calls").HOT_CALLS_MAX
+    assert "ours hot host us" in r.stdout and "hot ratio" in r.stdout and "back to back" in r.stdout
     assert_cpu_report(r, out["note"])
     assert CPU_NOTE in out["note"]
+
+
+def test_bench_calls_compare_hot_loop_bounded(capsys):
+    """``--compare`` refuses more than ``HOT_CALLS_MAX`` calls per hot loop (``--warmup`` + ``--iters``): more
+    could fill the GPU's launch queue and time the wait for room in it; without ``--compare`` any count goes."""
+    bench_calls = bench_module("bench_calls")
+    n = bench_calls.HOT_CALLS_MAX
+    assert_parse_error(bench_calls.parse_args, ["--compare", "triton_ep", "--iters", str(n), "--warmup", "1"],
+                       f"--warmup + --iters is at most {n}", capsys)
+    assert bench_calls.parse_args(["--compare", "triton_ep", "--iters", str(n - 1), "--warmup", "1"]).iters == n - 1
+    assert bench_calls.parse_args(["--iters", str(n), "--warmup", "1"]).iters == n
 
 
 def test_bench_calls_compare_module_not_importable(tmp_path, capsys):
