@@ -124,7 +124,9 @@ def test_peer_failing_mid_call_is_seen_at_once_in_later_calls_too():
     out = ok_results(run_ranks(mp_cases.failed_mid_call_next_call, 2))
     assert out[1][0][0] == "RuntimeError" and out[1][1][0] == "EPError", out
     for name, secs, text in out[0]:
-        assert name in ("EPRemoteError", "EPError") and "rank 1" in text and secs < 2.0, out
+        # well under the case's timeout_s of 20 (3.7 s was seen on the 2-core machine at load 15: the call's own
+        # interpreted kernels take most of it)
+        assert name in ("EPRemoteError", "EPError") and "rank 1" in text and secs < 6.0, out
 
 
 def test_dispatch_uses_the_layout_it_is_given(monkeypatch):
