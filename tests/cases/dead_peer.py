@@ -79,12 +79,13 @@ DESTROYED_MODES = ("notify", "cached", "worst", "combine", "ll_dispatch", "ll_co
 
 def destroyed_mid_call(rank, world, mode, timeout_s, victim):
     """Every rank builds a Buffer (``timeout_s``) and runs one correct call of ``mode``'s kind
-    (:data:`DESTROYED_MODES`); after a barrier rank ``victim`` destroys its Buffer (its process lives on: it waits for
-    the others at a closing barrier) while the others make the call twice. Returns on a survivor what
-    :func:`killed_mid_call` returns (``[error type, message, seconds, next call's error type, its seconds, wall-clock
-    time of the error]``), on the victim ``None``."""
+    (:data:`DESTROYED_MODES`, or "ll_shrink": a low-latency dispatch of a Buffer with enable_shrink); after a barrier
+    rank ``victim`` destroys its Buffer (its process lives on: it waits for the others at a closing barrier) while the
+    others make the call twice. Returns on a survivor what :func:`killed_mid_call` returns (``[error type, message or
+    with "ll_shrink" the mask, seconds, next call's error type, its seconds, wall-clock time of the error]``), on the
+    victim ``None``."""
     import torch.distributed as dist
-    buf, args = _buffer(rank, world, mode.startswith("ll_"), timeout_s)
+    buf, args = _buffer(rank, world, mode.startswith("ll_"), timeout_s, shrink=mode == "ll_shrink")
     try:
         call = _warm_up(buf, mode, *args)
         dist.barrier()
@@ -97,7 +98,10 @@ def destroyed_mid_call(rank, world, mode, timeout_s, victim):
             try:
                 call()
                 buf.check()
-                out += ["no error", "", time.monotonic() - t0, time.time()]
+                mask = torch.zeros(world, dtype=torch.int32)
+                if mode == "ll_shrink":
+                    buf.low_latency_query_mask_buffer(mask)
+                out += ["no error", str(mask.tolist()), time.monotonic() - t0, time.time()]
             except Exception as ex:     # noqa: BLE001 - reported
                 out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
         return out[:3] + [out[4], out[6], out[3]]

@@ -114,6 +114,18 @@ def test_a_peer_destroyed_mid_call_is_named_within_seconds(mode):
 
 
 @pytest.mark.multiprocess
+def test_a_destroyed_peer_is_masked_with_enable_shrink():
+    """With enable_shrink a low-latency dispatch masks a rank that destroyed its Buffer (as a dead one) well within
+    timeout_s, and goes on without it; the next call too (before: masked after timeout_s, 10 s)."""
+    out = run_ranks(cases.destroyed_mid_call, 3, "ll_shrink", DESTROYED_TIMEOUT_S, 1, timeout_s=240)
+    assert out[1] is None, out[1]
+    for r in (0, 2):
+        kind, mask, dt, kind2, dt2 = out[r][:5]
+        assert (kind, mask, kind2) == ("no error", "[0, 1, 0]", "no error"), out[r]
+        assert dt < DESTROYED_TIMEOUT_S / 2 and dt2 < DESTROYED_TIMEOUT_S / 2, out[r]
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ll", [False, True], ids=["normal", "low_latency"])
 def test_ranks_destroying_at_different_times_at_the_end_raise_nothing(ll):
     """3 ranks make correct calls and destroy their Buffers one after another (rank 0 at once, rank 2 1.5 s later), as
