@@ -115,11 +115,14 @@ def destroyed_at_the_end(rank, world, ll, delay_s):
     ``ll``: low-latency dispatches and combines, the last pair with receive hooks), then destroys its Buffer at once
     (rank 0) or up to ``delay_s`` seconds later (rank ``r``: ``r * delay_s / (world - 1)``), the normal end of a program
     whose ranks finish at slightly different times. With ``ll``, rank 0 calls its last hooks at once and destroys,
-    while the others call theirs ``delay_s`` later: their waits were met before rank 0 left. Returns per rank the
-    errors seen (``[]``: none), each ``"type: message"``."""
+    while the others call their last ``delay_s`` later, once their liveness watcher has marked rank 0 closed (its
+    ``DEAD`` word, waited for at most 10 s): their waits were met before rank 0 left. Returns per rank ``(the errors
+    seen, [] for none, each "type: message"; rank 0's DEAD word as this rank saw it before its last hook, None where
+    not looked at)``."""
     import torch.distributed as dist
+    from triton_ep.protocol.signal_header import H_DEAD
     buf, (x, idx, w, N, E) = _buffer(rank, world, ll, 30.0)
-    errors = []
+    errors, word = [], None
     try:
         try:
             if ll:
@@ -133,6 +136,10 @@ def destroyed_at_the_end(rank, world, ll, delay_s):
                 _, _, hook = buf.low_latency_combine(rx, idx, w, handle, return_recv_hook=True)
                 if rank:
                     time.sleep(delay_s)
+                    dead_words, end = buf._rt.sig.host, time.monotonic() + 10.0
+                    while not dead_words[int(H_DEAD)] and time.monotonic() < end:
+                        time.sleep(0.01)
+                    word = int(dead_words[int(H_DEAD)])
                 hook()
             else:
                 per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
@@ -148,7 +155,7 @@ def destroyed_at_the_end(rank, world, ll, delay_s):
     finally:
         buf.destroy()
         dist.barrier()
-    return errors
+    return errors, word
 
 
 def silent_peer(rank, world, how, timeout_s):

@@ -130,10 +130,12 @@ def test_a_destroyed_peer_is_masked_with_enable_shrink():
 def test_ranks_destroying_at_different_times_at_the_end_raise_nothing(ll):
     """3 ranks make correct calls and destroy their Buffers one after another (rank 0 at once, rank 2 1.5 s later), as
     a program's ranks end; in low-latency mode rank 0 calls its last receive hooks at once and destroys, while the
-    others call theirs 1.5 s later (their waits were met before it left). No rank raises anything: a peer that
-    destroyed its Buffer ends only the waits it still leaves short."""
+    others call their last one once they saw rank 0 closed (its DEAD word set: their waits were met before it left).
+    No rank raises anything: a peer that destroyed its Buffer ends only the waits it still leaves short."""
+    from triton_ep.transport.signals import LEFT_WORDS
     out = run_ranks(cases.destroyed_at_the_end, 3, ll, 1.5, timeout_s=240)
-    assert out == [[], [], []], out
+    closed = LEFT_WORDS["closed"] if ll else None
+    assert out == [([], None), ([], closed), ([], closed)], out
 
 
 def test_the_dead_peer_look_compiles_for_the_gpu(tmp_path):
