@@ -71,6 +71,93 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=No
         buf.destroy()
 
 
+#: what the survivors of :func:`destroyed_mid_call` call while rank ``victim`` destroys its Buffer instead: as
+#: :data:`MODES` ("notify": a dispatch, whose count exchange waits for it), and "cached" (a cached dispatch, the
+#: warm-up's handle: no host wait, its kernels wait for it)
+DESTROYED_MODES = ("notify", "cached", "worst", "combine", "ll_dispatch", "ll_combine")
+
+
+def destroyed_mid_call(rank, world, mode, timeout_s, victim):
+    """Every rank builds a Buffer (``timeout_s``) and runs one correct call of ``mode``'s kind
+    (:data:`DESTROYED_MODES`, or "ll_shrink": a low-latency dispatch of a Buffer with enable_shrink); after a barrier
+    rank ``victim`` destroys its Buffer (its process lives on: it waits for the others at a closing barrier) while the
+    others make the call twice. Returns on a survivor what :func:`killed_mid_call` returns (``[error type, message or
+    with "ll_shrink" the mask, seconds, next call's error type, its seconds, wall-clock time of the error]``), on the
+    victim ``None``."""
+    import torch.distributed as dist
+    buf, args = _buffer(rank, world, mode.startswith("ll_"), timeout_s, shrink=mode == "ll_shrink")
+    try:
+        call = _warm_up(buf, mode, *args)
+        dist.barrier()
+        if rank == victim:
+            buf.destroy()
+            return None
+        out = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                call()
+                buf.check()
+                mask = torch.zeros(world, dtype=torch.int32)
+                if mode == "ll_shrink":
+                    buf.low_latency_query_mask_buffer(mask)
+                out += ["no error", str(mask.tolist()), time.monotonic() - t0, time.time()]
+            except Exception as ex:     # noqa: BLE001 - reported
+                out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
+        return out[:3] + [out[4], out[6], out[3]]
+    finally:
+        buf.destroy()
+        dist.barrier()      # (the victim's process lived until every survivor was done)
+
+
+def destroyed_at_the_end(rank, world, ll, delay_s):
+    """Every rank makes correct calls (normal mode: a dispatch, its combine, a cached dispatch and its combine;
+    ``ll``: low-latency dispatches and combines, the last pair with receive hooks), then destroys its Buffer at once
+    (rank 0) or up to ``delay_s`` seconds later (rank ``r``: ``r * delay_s / (world - 1)``), the normal end of a program
+    whose ranks finish at slightly different times. With ``ll``, rank 0 calls its last hooks at once and destroys,
+    while the others call their last ``delay_s`` later, once their liveness watcher has marked rank 0 closed (its
+    ``DEAD`` word, waited for at most 10 s): their waits were met before rank 0 left. Returns per rank ``(the errors
+    seen, [] for none, each "type: message"; rank 0's DEAD word as this rank saw it before its last hook, None where
+    not looked at)``."""
+    import torch.distributed as dist
+    from triton_ep.protocol.signal_header import H_DEAD
+    buf, (x, idx, w, N, E) = _buffer(rank, world, ll, 30.0)
+    errors, word = [], None
+    try:
+        try:
+            if ll:
+                for _ in range(2):
+                    rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+                    buf.low_latency_combine(rx, idx, w, handle)
+                rx, _, handle, _, hook = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False, return_recv_hook=True)
+                if rank:
+                    time.sleep(delay_s)
+                hook()
+                _, _, hook = buf.low_latency_combine(rx, idx, w, handle, return_recv_hook=True)
+                if rank:
+                    time.sleep(delay_s)
+                    dead_words, end = buf._rt.sig.host, time.monotonic() + 10.0
+                    while not dead_words[int(H_DEAD)] and time.monotonic() < end:
+                        time.sleep(0.01)
+                    word = int(dead_words[int(H_DEAD)])
+                hook()
+            else:
+                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+                rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+                buf.combine(rx, handle, topk_weights=rw)
+                rx, _, _, _, _, _ = buf.dispatch(x, handle=handle)
+                buf.combine(rx, handle)
+            buf.check()
+        except Exception as ex:     # noqa: BLE001 - reported
+            errors.append(f"{type(ex).__name__}: {ex}")
+        time.sleep(rank * delay_s / max(1, world - 1))
+    finally:
+        buf.destroy()
+        dist.barrier()
+    return errors, word
+
+
 def silent_peer(rank, world, how, timeout_s):
     """Rank 1 lives on but never makes the dispatch: ``how`` "stuck" (it holds its Buffer) or "destroyed" (it
     destroyed its Buffer first). Rank 0 dispatches; returns there ``[error type, message, seconds]``."""
@@ -254,6 +341,8 @@ def _warm_up(buf, mode: str, x, idx, w, N: int, E: int):
         return lambda: buf.combine(rx, handle, topk_weights=rw)
     if mode == "worst":
         return lambda: buf.dispatch(x, num_worst_tokens=idx.shape[0] * (E // 2), **kw)
+    if mode == "cached":
+        return lambda: buf.dispatch(x, handle=handle)
     return lambda: buf.dispatch(x, **kw)
 
 

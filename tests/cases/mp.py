@@ -80,8 +80,8 @@ def _layout_kwargs(buf, idx, E):
 
 
 def absent_peer(rank, world, timeout_s):
-    """The last rank never calls dispatch: the others must raise EPTimeoutError naming it within the
-    bound; then every rank destroys its Buffer, builds a new one and runs a correct dispatch."""
+    """The last rank never calls dispatch (it holds its Buffer meanwhile): the others must raise EPTimeoutError naming
+    it within the bound; then every rank destroys its Buffer, builds a new one and runs a correct dispatch."""
     import time
     import torch.distributed as dist
     E, H = 2 * world, 32
@@ -96,6 +96,9 @@ def absent_peer(rank, world, timeout_s):
         except triton_ep.EPTimeoutError as e:
             report = (type(e).__name__, isinstance(e, RuntimeError), isinstance(e, TimeoutError), e.rank, e.peer,
                       e.stage, round(time.monotonic() - t0, 2), str(e))
+    # (the absent rank holds its Buffer until the others have timed out: one that destroyed it would be named at once,
+    # tests/runtime/test_dead_peer.py)
+    dist.barrier()
     buf.destroy()
     dist.barrier()
     buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=timeout_s)
@@ -258,9 +261,9 @@ def subgroups_and_two_buffers(rank, world, groups, rounds, device="cpu"):
 
 
 def absent_in_combine(rank, world, timeout_s, device="cpu"):
-    """Every rank dispatches; the last never calls combine. The others must raise EPTimeoutError (a
-    RuntimeError and a TimeoutError) naming this rank, the combine stage and the missing peer within the
-    bound. Afterwards every process destroys its Buffer, builds a new one and runs a correct round."""
+    """Every rank dispatches; the last never calls combine (it holds its Buffer meanwhile). The others must raise
+    EPTimeoutError (a RuntimeError and a TimeoutError) naming this rank, the combine stage and the missing peer within
+    the bound. Afterwards every process destroys its Buffer, builds a new one and runs a correct round."""
     import time
     import torch.distributed as dist
     if device == "cuda":
@@ -288,6 +291,9 @@ def absent_in_combine(rank, world, timeout_s, device="cpu"):
         except triton_ep.EPTimeoutError as e:
             report = (isinstance(e, RuntimeError), isinstance(e, TimeoutError), e.rank, e.peer, e.stage,
                       time.monotonic() - t0, str(e))
+    # (the absent rank holds its Buffer until the others have timed out: one that destroyed it would be named at once,
+    # tests/runtime/test_dead_peer.py)
+    dist.barrier()
     buf.destroy()
     dist.barrier()
     buf = triton_ep.Buffer(None, 1 << 18, device=device, timeout_s=timeout_s)

@@ -104,8 +104,10 @@ H_INFO = tl.constexpr(6)          #: a number the error names (``E_CAPACITY``: t
                                   #: ``E_BADIDS``: the bad ids)
 H_INFO2 = tl.constexpr(7)         #: a second one (``E_BADIDS``: the number of experts)
 H_WORDS = tl.constexpr(8)         #: the fixed words; then one ``DEAD`` word per rank:
-H_DEAD = tl.constexpr(8)          #: ``DEAD[p]`` (``H_DEAD + p``): 1 once the host saw rank ``p``'s process gone
-                                  #: (``transport.liveness``); the block holds ``H_WORDS + R`` words
+H_DEAD = tl.constexpr(8)          #: ``DEAD[p]`` (``H_DEAD + p``): 1 once the host saw rank ``p``'s process gone,
+                                  #: 2-4 once (within one host) it saw rank ``p`` destroy its Buffer, by how it closed
+                                  #: (``transport.liveness``, ``transport.signals.LEFT_WORDS``; the kernels read any
+                                  #: non-zero value alike); the block holds ``H_WORDS + R`` words
 
 # error kinds
 E_TIMEOUT = tl.constexpr(1)       #: a wait for ``peer`` ran out of time

@@ -19,7 +19,7 @@ from ..errors import EPError, EPRemoteError, EPTimeoutError
 from ..kernels import flags as F
 from ..protocol import call_card as card
 from ..transport import ipc, signals
-from ..transport.liveness import dead_error
+from ..transport.liveness import left_error, left_phrase
 from .hosts import Hosts
 from .call_steps import Meet, collective
 from .checks import check_num_experts, check_tensor, handle_error
@@ -28,6 +28,12 @@ Tensor = torch.Tensor
 _NO_CTX = contextlib.nullcontext()        # reusable: entering it does nothing
 # Exchange-slot header words (int64), ipc.SLOT_HEADER of them.
 _BASE, _HASERR, _SEQ, _XN = 12, 13, 14, 15   # rounds completed, holds an error, dispatches, exchange number
+
+
+def _release_dropped(live, comm: ipc.Comm, host_block) -> None:
+    """A Runtime dropped without ``close()``: release its liveness lock, saying how (from its Comm's ``broken`` and its
+    host block's record; a raised error not yet re-synchronised is not known here: a clean close)."""
+    live.close(how=signals.closing_state(host_block, comm.broken is not None, False))
 
 
 class Runtime:
@@ -40,6 +46,9 @@ class Runtime:
         group: the process group, ``None`` for ranks simulated in one process.
         hosts: which ranks share a host (:class:`~triton_ep.runtime.hosts.Hosts`; default: one host).
         rdma_transport: the transport between hosts, ``None`` for one host, ``"emulated"`` or ``"verbs"``.
+        see_closed: whether a peer that destroyed its Buffer ends the waits for it at once, as a dead one does (its
+            liveness byte, :mod:`triton_ep.transport.liveness`): a Buffer's own group within one host. ``False`` for a
+            host's runtime under a Buffer across hosts, whose close words name such a peer.
 
     Attributes:
         comm, sig (:class:`~triton_ep.transport.signals.Signals`), sig_args (what signalling kernels take),
@@ -50,7 +59,8 @@ class Runtime:
     """
 
     def __init__(self, comm: ipc.Comm, timeout_s: float, uid: str, group=None, ll_offset: int = 0,
-                 ll_bytes: int = 0, hosts: Optional[Hosts] = None, rdma_transport: Optional[str] = None) -> None:
+                 ll_bytes: int = 0, hosts: Optional[Hosts] = None, rdma_transport: Optional[str] = None,
+                 see_closed: bool = True) -> None:
         self.comm, self.timeout_s, self.uid, self.group = comm, float(timeout_s), uid, group
         self.hosts = hosts if hosts is not None else Hosts((0,) * comm.size, ("this host",), "one process")
         self.num_hosts, self.rdma_transport = self.hosts.num_hosts, rdma_transport
@@ -88,14 +98,17 @@ class Runtime:
         # a rank that leaves the group says so in its card too (peers may wait there: every_worst)
         self.sig.on_leave = lambda: card.mark_failed(self._card, card.LEFT)
         self.sig.explain_mismatch = self.explain_mismatch
-        # ranks that are processes of one host: a watcher thread looks at the peers' liveness locks and sets a
-        # dead peer's DEAD word, which the kernels' waits read (transport.liveness); it stops when the Comm closes
-        # (or this Runtime is dropped)
+        # ranks that are processes of one host: a watcher thread looks at the peers' liveness locks and sets the
+        # DEAD word of a dead peer (and with see_closed of one that destroyed its Buffer), which the kernels' waits
+        # read (transport.liveness); it stops when the Comm closes (or this Runtime is dropped: its lock is then
+        # released saying how, from what the Comm and the host block hold)
         live = comm.liveness
         if live is not None:
-            self.sig.dead_peers = live.dead_peers
-            live.watch(self.sig.dead_marker())
-            weakref.finalize(self, live.close)
+            live.closes_leave = bool(see_closed)
+            self.sig.dead_peers = live.left_peers
+            mark = self.sig.dead_marker()
+            live.watch(mark, on_closed=mark if see_closed else None)
+            weakref.finalize(self, _release_dropped, live, comm, self.sig.host.numpy())
 
     # ------------------------------------------------------------------ lifetime
     def live(self) -> ipc.Comm:
@@ -115,7 +128,8 @@ class Runtime:
             finally:
                 for p in list(self.plans):
                     p.drop()
-                self.comm.close()
+                # (the liveness byte says whether this rank told its peers of an error first: transport.liveness)
+                self.comm.close(self.sig.closing_state(self.comm.broken is not None))
                 self.comm = None
 
     def agree_on_layout(self) -> None:
@@ -261,10 +275,10 @@ class Runtime:
             self.check()
             if self.sig.dead_peers is not None and time.monotonic() >= next_live:     # every 50 ms
                 next_live = time.monotonic() + 0.05
-                dead = [r for r in self.sig.dead_peers() if vals[r] is None]
-                if dead:
-                    comm.broken = f"rank {dead[0]}'s process is gone"
-                    raise dead_error(self.rank, dead, "dispatch/num_worst_tokens of every rank (the host)")
+                left = {r: how for r, how in self.sig.dead_peers().items() if vals[r] is None}
+                if left:
+                    comm.broken = left_phrase(left)
+                    raise left_error(self.rank, left, "dispatch/num_worst_tokens of every rank (the host)")
             if time.monotonic() > deadline:
                 raise EPTimeoutError(self.rank, [r for r, v in enumerate(vals) if v is None],
                                      "dispatch/num_worst_tokens of every rank (the host)", self.timeout_s)

@@ -25,7 +25,7 @@ def ll_area_bytes(num_rdma_bytes: int) -> int:
 
 
 def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, timeout_s, device,
-                 rdma_backend: Optional[str] = None) -> Runtime:
+                 rdma_backend: Optional[str] = None, see_closed: bool = True) -> Runtime:
     """Build one rank's :class:`Runtime` for a Buffer (collective over ``group``): check the constructor's
     values, bootstrap the group's shared buffers (:func:`triton_ep.transport.ipc.open_group`: the normal-mode
     part of ``num_nvl_bytes`` rounded up to 4 KiB, then, with ``low_latency_mode``, the low-latency area of
@@ -38,7 +38,9 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     ``"auto"``, ``"verbs"``, ``"emulated"`` or ``None`` for ``TRITON_EP_RDMA``).
 
     Ranks on several hosts get a :class:`HostsRuntime` instead: each host's ranks share their own buffers
-    (nothing is mapped between hosts, which may be different machines).
+    (nothing is mapped between hosts, which may be different machines). ``see_closed``: the Runtime's (whether a peer
+    that destroyed its Buffer ends the waits for it at once); a host's runtime under a :class:`HostsRuntime` is opened
+    without it (the close words across hosts name such a peer).
 
     Raises:
         TypeError: ``group`` is no process group (raised on this rank alone: no exchange is possible).
@@ -74,7 +76,7 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     ll_bytes = ll_area_bytes(num_rdma_bytes) if low_latency_mode else 0
     comm = ipc.open_group(group, nvl_part + ll_bytes, device, timeout_s, exchange=exchanges[1])
     comm.min_bytes -= ll_bytes
-    return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport)
+    return Runtime(comm, timeout_s, uuid.uuid4().hex, group, nvl_part, ll_bytes, hosts, transport, see_closed)
 
 
 def _group_exchanges(group):
@@ -171,7 +173,7 @@ def _open_hosts(group, hosts: Hosts, transport: str, num_nvl_bytes: int, timeout
     host = hosts.host_of[me]
     mine = (local_groups[host], peer_groups[hosts.local_index(me)])
     try:
-        local = open_runtime(local_groups[host], num_nvl_bytes, 0, False, timeout_s, device)
+        local = open_runtime(local_groups[host], num_nvl_bytes, 0, False, timeout_s, device, see_closed=False)
     except BaseException:
         destroy_groups(mine)
         raise

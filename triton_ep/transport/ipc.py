@@ -145,7 +145,8 @@ class Comm:
             EPTimeoutError: a peer did not arrive within ``timeout_s`` seconds (the Comm is then marked
                 broken: the Buffer must be destroyed and built again).
             EPRemoteError: a missing peer left the group (it timed out or failed elsewhere), or its process is
-                gone (its liveness lock, looked at every 50 ms; the Comm is then marked broken).
+                gone or (within one host, ``Liveness.closes_leave``) it destroyed its Buffer (its liveness lock,
+                looked at every 50 ms; the Comm is then marked broken).
             EPError: the Comm was broken by an earlier timeout.
         """
         if self.broken:
@@ -176,9 +177,10 @@ class Comm:
                                             f"destroy() and rebuild the Buffer")
                 if self.liveness is not None and now >= next_live:
                     next_live = now + 0.05
-                    if self.liveness.dead_peers([peer]):
-                        self.broken = f"rank {peer}'s process is gone"
-                        raise live.dead_error(self.rank, [peer], stage)
+                    left = self.liveness.left_peers([peer])
+                    if left:
+                        self.broken = live.left_phrase(left)
+                        raise live.left_error(self.rank, left, stage)
                 # Yield the core for the first 5 ms (peers usually arrive within microseconds to a few
                 # milliseconds), then back off to 1 ms naps so a long wait costs no CPU.
                 time.sleep(0 if now - start < 5e-3 else 1e-3)
@@ -193,11 +195,12 @@ class Comm:
             v = self._data_views[dtype] = self.data.view(dtype)
         return v
 
-    def close(self) -> None:
+    def close(self, how: str = live.CLOSED) -> None:
         """Drop this rank's mappings (the memory is released once no tensor refers to it) and release its liveness
-        lock (saying first that it destroyed its Buffer on purpose)."""
+        lock (saying first that it destroyed its Buffer on purpose, and ``how``: :meth:`Liveness.close
+        <triton_ep.transport.liveness.Liveness.close>`)."""
         if self.liveness is not None:
-            self.liveness.close()
+            self.liveness.close(how=how)
             self.liveness = None
         self.peers = []
         self.peer_headers = []

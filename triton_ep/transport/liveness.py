@@ -5,16 +5,18 @@ At set-up (:func:`triton_ep.transport.ipc.open_group`) the first rank makes a sm
 the shared buffers, every rank opens it and takes an open-file-description lock (Linux ``F_OFD_SETLK``) on
 its own byte of it; the file's name is unlinked once every rank has it open, so nothing stays in
 ``/dev/shm`` even when a process is killed. A peer whose byte is no longer locked (``F_OFD_GETLK``: a query
-that takes nothing) has either destroyed its Buffer, which first writes 1 into its byte, or its process is
-gone. Locks are on the file, not on process ids: PID namespaces (containers sharing ``/dev/shm``) do not
-matter. A process that forks after the set-up (a data loader's workers) closes its copy of the descriptor in
-the child, so a child never keeps a dead parent's lock alive.
+that takes nothing) has either destroyed its Buffer, which first writes into its byte whether it closed cleanly
+(:data:`CLOSED` and its kin), or its process is gone (:data:`DEAD`). Locks are on the file, not on process ids: PID
+namespaces (containers sharing ``/dev/shm``) do not matter. A process that forks after the set-up (a data loader's
+workers) closes its copy of the descriptor in the child, so a child never keeps a dead parent's lock alive.
 
 :meth:`Liveness.watch` starts the watcher: one daemon thread per Buffer that polls the peers' locks every
 :data:`POLL_S` seconds (``R - 1`` ``fcntl`` calls, a few microseconds) and reports each peer found dead once;
-the Runtime turns that into the ``DEAD`` words the kernels' waits read (:mod:`triton_ep.kernels.flags`).
-Host waits ask :meth:`Liveness.dead_peers` themselves. Where ``F_OFD_GETLK`` does not exist (not Linux),
-:func:`supported` is False and dead peers are seen at ``timeout_s`` as before.
+the Runtime turns that into the ``DEAD`` words the kernels' waits read (:mod:`triton_ep.kernels.flags`). Where a
+peer's clean close ends the waits for it too (:attr:`Liveness.closes_leave`: a Buffer's own group within one host), it
+also reports each peer found closed once, which the Runtime writes into the same words. Host waits ask
+:meth:`Liveness.left_peers` (or :meth:`Liveness.dead_peers`) themselves. Where ``F_OFD_GETLK`` does not exist (not
+Linux), :func:`supported` is False and dead or closed peers are seen at ``timeout_s`` as before.
 """
 from __future__ import annotations
 
@@ -33,8 +35,13 @@ POLL_S = 0.1
 _FLOCK = "hhqqi4x"
 _OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", None)
 _OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None)
-#: a byte's content: 1 once its rank destroyed its Buffer (released its lock on purpose)
-_CLOSED = b"\x01"
+#: how a peer left, from its byte once its lock is free: its process is gone (0: :data:`DEAD`), or it destroyed its
+#: Buffer, which writes the byte first: with no error pending (:data:`CLOSED`), after an error of its last call that
+#: it raised and told its peers of (:data:`CLOSED_FAILED`), or with its Buffer broken (:data:`CLOSED_BROKEN`: it timed
+#: out, left the group, or saw a peer gone)
+DEAD, CLOSED, CLOSED_FAILED, CLOSED_BROKEN = "dead", "closed", "closed after an error", "closed broken"
+_BYTES = {CLOSED: 1, CLOSED_FAILED: 2, CLOSED_BROKEN: 3}
+_HOW = {b: how for how, b in _BYTES.items()}
 
 #: live objects, whose descriptors a forked child closes (weak: a dropped Buffer's goes)
 _open: "weakref.WeakSet[Liveness]" = weakref.WeakSet()
@@ -101,6 +108,35 @@ def dead_error(rank: int, dead: Iterable[int], stage: str) -> EPRemoteError:
     return ex
 
 
+def closed_error(rank: int, closed: Iterable[int], stage: str, first: Optional[int] = None) -> EPRemoteError:
+    """The error a rank raises when ranks ``closed`` of its host destroyed their Buffer (their processes may live on)
+    while it waits at ``stage``: an ``EPRemoteError`` whose ``failed_rank`` is ``first`` (where it is one of them, else
+    the lowest), ``closed_ranks`` all of them, ``stage`` the wait's stage."""
+    closed = sorted(closed)
+    first = first if first in closed else closed[0]
+    who = f"rank {first} destroyed its Buffer" if len(closed) == 1 else f"ranks {closed} destroyed their Buffers"
+    ex = EPRemoteError(f"rank {rank}: {who} (destroy()) while this rank waited at stage '{stage}' (a Buffer collected "
+                       f"or released at its process's exit counts too; not a crash); this call's outputs here are not "
+                       f"valid; destroy() and rebuild the Buffer")
+    ex.failed_rank, ex.closed_ranks, ex.stage = first, closed, stage
+    return ex
+
+
+def left_phrase(left: Dict[int, str]) -> str:
+    """A few words on the first of peers ``left`` (``{peer: how}``, not empty; a dead one first): ``"rank 1's process
+    is gone"`` or ``"rank 1 destroyed its Buffer"`` (what a broken Comm says it broke on)."""
+    dead = sorted(p for p, how in left.items() if how == DEAD)
+    return f"rank {dead[0]}'s process is gone" if dead else f"rank {min(left)} destroyed its Buffer"
+
+
+def left_error(rank: int, left: Dict[int, str], stage: str) -> EPRemoteError:
+    """The error for peers ``left`` (``{peer: how}``, not empty) that left while this rank waited at ``stage`` (a host
+    wait): :func:`dead_error` naming the dead ones where there are any (a death is the cause to name), else
+    :func:`closed_error`."""
+    dead = [p for p, how in left.items() if how == DEAD]
+    return dead_error(rank, dead, stage) if dead else closed_error(rank, list(left), stage)
+
+
 class Liveness:
     """One rank's side of its group's liveness file.
 
@@ -124,8 +160,13 @@ class Liveness:
             os.close(fd)
             raise
         self.fd = fd
-        #: peers found dead so far (sticky)
-        self.dead: Dict[int, str] = {}
+        #: peers found gone so far, ``{peer: how}`` (:data:`DEAD`, :data:`CLOSED`...; sticky: a dead process stays dead,
+        #: a closed rank's byte stays as it wrote it)
+        self.left: Dict[int, str] = {}
+        #: whether a peer that destroyed its Buffer counts as having left (:meth:`left_peers`, the watcher's
+        #: ``on_closed``): set by the Runtime of a Buffer within one host, where nothing else would tell its peers
+        #: (across hosts the close words do); otherwise only dead peers count and a closed one is waited for
+        self.closes_leave = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         _open.add(self)
@@ -135,21 +176,36 @@ class Liveness:
         """Whether ``peer``'s byte is locked (by its process: this rank's own descriptor holds only its byte)."""
         return byte_locked(fd, peer)
 
-    def dead_peers(self, peers: Optional[Iterable[int]] = None) -> Dict[int, str]:
-        """``{peer: "dead"}`` of the peers (default: all) whose process is gone, looked at now (a peer that
-        destroyed its Buffer is not dead). Empty once closed."""
+    def _look(self, peers: Optional[Iterable[int]]) -> Dict[int, str]:
+        """Look at the locks of ``peers`` (default: all) not yet found gone; ``{peer: how}`` of those (of ``peers``)
+        found gone so far. A locked byte is a live peer (one that is closing writes its byte before it releases its
+        lock); a free one says how it left (:data:`CLOSED` and its kin), or holds 0: :data:`DEAD`. Empty once
+        closed."""
         fd = self.fd
         if fd is None:
             return {}
         for p in range(self.size) if peers is None else peers:
-            if p != self.rank and p not in self.dead and not self._held(fd, p) and os.pread(fd, 1, p) != _CLOSED:
-                self.dead[p] = "dead"
-        return {p: w for p, w in self.dead.items() if peers is None or p in peers}
+            if p != self.rank and p not in self.left and not self._held(fd, p):
+                b = os.pread(fd, 1, p)
+                self.left[p] = _HOW.get(b[0], DEAD) if b else DEAD
+        return {p: how for p, how in self.left.items() if peers is None or p in peers}
 
-    def watch(self, on_dead: Callable[[int], None], poll_s: float = POLL_S) -> None:
+    def dead_peers(self, peers: Optional[Iterable[int]] = None) -> Dict[int, str]:
+        """``{peer: "dead"}`` of the peers (default: all) whose process is gone, looked at now (a peer that
+        destroyed its Buffer is not dead). Empty once closed."""
+        return {p: how for p, how in self._look(peers).items() if how == DEAD}
+
+    def left_peers(self, peers: Optional[Iterable[int]] = None) -> Dict[int, str]:
+        """``{peer: how}`` of the peers (default: all) that left, looked at now: the dead ones, and those that
+        destroyed their Buffer where :attr:`closes_leave` (:data:`CLOSED` and its kin). Empty once closed."""
+        return {p: how for p, how in self._look(peers).items() if how == DEAD or self.closes_leave}
+
+    def watch(self, on_dead: Callable[[int], None], poll_s: float = POLL_S,
+              on_closed: Optional[Callable[[int, str], None]] = None) -> None:
         """Start the watcher thread: every ``poll_s`` seconds it looks at every peer's lock and calls
-        ``on_dead(peer)`` once for each peer found dead (from that thread; ``on_dead`` must not raise, and
-        should hold no reference to what owns this object). It stops at :meth:`close`."""
+        ``on_dead(peer)`` once for each peer found dead, and ``on_closed(peer, how)`` (where given) once for each peer
+        found to have destroyed its Buffer (``how``: :data:`CLOSED` and its kin), from that thread; neither may raise,
+        and they should hold no reference to what owns this object. It stops at :meth:`close`."""
         if self._thread is not None or self.size < 2:
             return
         stop, told = self._stop, set()
@@ -157,20 +213,24 @@ class Liveness:
         def run() -> None:
             while not stop.wait(poll_s):
                 try:
-                    dead = self.dead_peers()
+                    left = self._look(None)
                 except OSError:         # closed under us (close() races the look): stop
                     return
-                for p in dead:
-                    if p not in told:
+                for p, how in left.items():
+                    if p not in told and (how == DEAD or on_closed is not None):
                         told.add(p)
-                        on_dead(p)
+                        if how == DEAD:
+                            on_dead(p)
+                        else:
+                            on_closed(p, how)
 
         self._thread = threading.Thread(target=run, name=f"triton-ep-liveness-r{self.rank}", daemon=True)
         self._thread.start()
 
-    def close(self, orderly: bool = True) -> None:
+    def close(self, orderly: bool = True, how: str = CLOSED) -> None:
         """Stop the watcher, and release this rank's lock (``orderly``: saying first that this rank destroyed its
-        Buffer, so its peers do not take it for dead). Idempotent."""
+        Buffer, and ``how``: :data:`CLOSED`, :data:`CLOSED_FAILED` or :data:`CLOSED_BROKEN`, so its peers do not take it
+        for dead and know whether it told them of an error first). Idempotent."""
         self._stop.set()
         t, self._thread = self._thread, None
         if t is not None and t is not threading.current_thread():
@@ -179,7 +239,7 @@ class Liveness:
         if fd is not None:
             try:
                 if orderly:
-                    os.pwrite(fd, _CLOSED, self.rank)
+                    os.pwrite(fd, bytes([_BYTES[how]]), self.rank)
             finally:
                 os.close(fd)
         _open.discard(self)

@@ -16,8 +16,9 @@ gives :class:`~triton_ep.Buffer` a small typed API over that state:
 - :meth:`Signals.resync` re-aligns the round counters of the group after an error, at a host
   rendezvous where every rank's device work has finished;
 - :meth:`Signals.dead_marker` is what the liveness watcher (:mod:`triton_ep.transport.liveness`) does when a
-  peer's process is gone: the peer's ``DEAD`` word, which every wait for that peer reads, so the group's
-  waits for it end within a fraction of a second and raise ``EPRemoteError`` naming it.
+  peer's process is gone, or (a Buffer within one host) the peer destroyed its Buffer: the peer's ``DEAD`` word,
+  which every wait for that peer reads, so the group's waits for it end within a fraction of a second and raise
+  ``EPRemoteError`` naming it (as dead, or as having destroyed its Buffer).
 """
 from __future__ import annotations
 
@@ -32,11 +33,15 @@ import torch
 
 from ..errors import EPCapacityError, EPRemoteError, EPTimeoutError
 from ..protocol import signal_header as F
-from .liveness import dead_error
+from .liveness import CLOSED, CLOSED_BROKEN, CLOSED_FAILED, DEAD, closed_error, dead_error
 from .ring_flags import ErrorRecord, RingFlags  # noqa: F401  (they live where the proxy process can import them)
 
 #: names of the stages error records carry (one table, in the protocol)
 STAGE_NAMES = F.STAGE_NAMES
+#: a ``DEAD`` word's value (``H_DEAD + p``) for each way a peer left (:mod:`triton_ep.transport.liveness`; the kernels
+#: read any non-zero value alike)
+LEFT_WORDS = {DEAD: 1, CLOSED: 2, CLOSED_FAILED: 3, CLOSED_BROKEN: 4}
+_LEFT_OF = {w: how for how, w in LEFT_WORDS.items()}
 
 
 def _left(peer: int, stage: int) -> str:
@@ -107,6 +112,17 @@ def watchdog(words, index: int, timeout_s: float, value: int = 1):
     return stall_watchdog(words, index, timeout_s, lambda: 0, value)
 
 
+def closing_state(host_block, broken: bool, pending: bool) -> str:
+    """How a rank's liveness byte says it destroyed its Buffer (:meth:`Liveness.close
+    <triton_ep.transport.liveness.Liveness.close>`): ``"closed broken"`` where its Buffer is ``broken`` or its host
+    block (int64 numpy, ``Signals.host``) holds a timeout's or a departure's record; ``"closed after an error"`` where
+    an error of its last call is ``pending`` (raised: the peers were told) or recorded; else ``"closed"``."""
+    kind = int(host_block[int(F.H_KIND)])
+    if broken or kind in (int(F.E_TIMEOUT), int(F.E_GONE)):
+        return CLOSED_BROKEN
+    return CLOSED_FAILED if pending or kind else CLOSED
+
+
 class Signals:
     """One rank's signalling state.
 
@@ -141,8 +157,9 @@ class Signals:
         self.explain_mismatch: Optional[Callable[[int], Optional[str]]] = None
         #: called when this rank leaves the group (:meth:`leave`), before its peers are told; set by the Runtime
         self.on_leave: Optional[Callable[[], None]] = None
-        #: ``dead_peers()``: ``{peer: why}`` of the peers whose process is gone, looked at now
-        #: (:meth:`triton_ep.transport.liveness.Liveness.dead_peers`); set by the Runtime where ranks are processes
+        #: ``dead_peers()``: ``{peer: how}`` of the peers whose process is gone (``"dead"``) or, within one host, that
+        #: destroyed their Buffer (``"closed"`` and its kin), looked at now
+        #: (:meth:`~triton_ep.transport.liveness.Liveness.left_peers`); set by the Runtime where ranks are processes
         self.dead_peers: Optional[Callable[[], dict]] = None
 
     # ---- what kernels take
@@ -163,15 +180,18 @@ class Signals:
         with watchdog(self._host_np, int(F.H_ABORT), self.timeout_s):
             yield
 
-    def dead_marker(self) -> Callable[[int], None]:
-        """``mark(peer)``: rank ``peer``'s process is gone, set its ``DEAD`` word in the host block (a plain store,
-        no device work: the liveness watcher's thread calls it while kernels may spin). Every wait for ``peer``
-        that is still short then ends with ``E_GONE`` (:func:`triton_ep.kernels.flags.wait_at_least`). The
-        function holds the host block only (a thread that holds it keeps nothing else of the Buffer alive)."""
-        words, base = self._host_np, int(F.H_DEAD)
+    def dead_marker(self) -> Callable[..., None]:
+        """``mark(peer, how="dead")``: rank ``peer``'s process is gone, or (``how``: ``"closed"`` and its kin,
+        :mod:`triton_ep.transport.liveness`) it destroyed its Buffer: set its ``DEAD`` word in the host block to
+        :data:`LEFT_WORDS` ``[how]`` (a plain store, no device work: the liveness watcher's thread calls it while
+        kernels may spin; a dead peer's word stays dead). Every wait for ``peer`` that is still short then ends with
+        ``E_GONE`` (:func:`triton_ep.kernels.flags.wait_at_least`). The function holds the host block only (a thread
+        that holds it keeps nothing else of the Buffer alive)."""
+        words, base, dead = self._host_np, int(F.H_DEAD), LEFT_WORDS[DEAD]
 
-        def mark(peer: int) -> None:
-            words[base + int(peer)] = 1
+        def mark(peer: int, how: str = DEAD) -> None:
+            if words[base + int(peer)] != dead:
+                words[base + int(peer)] = LEFT_WORDS[how]
         return mark
 
     # ---- errors
@@ -193,11 +213,22 @@ class Signals:
         self._reported = True
         self.needs_resync = True
         me, peer, stage = self.rank, rec.peer, STAGE_NAMES.get(rec.stage, "unknown")
-        dead = self._dead() if rec.kind in (int(F.E_TIMEOUT), int(F.E_GONE), int(F.E_FAILED)) else None
+        left = self._dead() if rec.kind in (int(F.E_TIMEOUT), int(F.E_GONE), int(F.E_FAILED)) else {}
+        dead = [p for p, how in left.items() if how == DEAD]
         if dead:
             # a wait that ended because a peer's process is gone, or because a peer gave up or failed on it
             # (that peer waited for the dead one): the dead rank is the one to name
             return dead_error(me, dead, f"{stage} (round {rec.call})")
+        # peers that destroyed their Buffer (within one host): the record's peer, where it closed cleanly, or after
+        # an error it raised and told of where that did not end this wait (its failure word: named below), not where
+        # it broke (its GONE word is named below); else, where a peer that lives or broke failed the call (it waited
+        # for one that closed: a broken peer failed on a dead or closed one), those that closed cleanly. A live
+        # peer's timeout stays a timeout.
+        own, clean = left.get(peer), {p for p, how in left.items() if how == CLOSED}
+        direct = own == CLOSED or (own == CLOSED_FAILED and rec.kind != int(F.E_FAILED))
+        if rec.stage != F.STAGE_CAPACITY and (direct or (own in (None, CLOSED_BROKEN) and clean and
+                                                         rec.kind == int(F.E_FAILED))):
+            return closed_error(me, clean | {peer} if direct else clean, f"{stage} (round {rec.call})", peer)
         if rec.kind == int(F.E_TIMEOUT):
             return EPTimeoutError(me, peer, f"{stage} (round {rec.call})", self.timeout_s)
         if rec.kind == int(F.E_GONE):
@@ -232,10 +263,19 @@ class Signals:
         return rec is not None and (rec.kind in (int(F.E_TIMEOUT), int(F.E_GONE)) or bool(self._dead()))
 
     def _dead(self) -> dict:
-        """The peers whose process is gone (the watcher's ``DEAD`` words, or a look at their locks now)."""
-        h, R = self._host_np, self.size
-        marked = {p: "dead" for p in range(R) if h[int(F.H_DEAD) + p]}
-        return marked or (self.dead_peers() if self.dead_peers is not None else {})
+        """``{peer: how}`` of the peers whose process is gone (``"dead"``) or, within one host, that destroyed their
+        Buffer (``"closed"`` and its kin): the watcher's ``DEAD`` words and a look at their locks now (a dead peer the
+        watcher has not marked yet is named before one that closed)."""
+        h, base = self._host_np, int(F.H_DEAD)
+        left = {p: _LEFT_OF.get(int(h[base + p]), DEAD) for p in range(self.size) if h[base + p]}
+        if self.dead_peers is not None and DEAD not in left.values():
+            left.update(self.dead_peers())
+        return left
+
+    def closing_state(self, broken: bool) -> str:
+        """How this rank's liveness byte says it destroyed its Buffer (:func:`closing_state`; ``broken``: its Comm
+        is)."""
+        return closing_state(self._host_np, broken, self.needs_resync)
 
     def post_local_failure(self, kind=F.E_FAILED) -> None:
         """This rank fails the current call before (or while) its kernels run: mark its header and tell
