@@ -3,6 +3,8 @@
 Every collective call of :class:`triton_ep.Buffer` is a generator that yields where ranks must meet; in a
 real run each yield is a bounded barrier, here :func:`lockstep` advances all ranks to the same yield
 before any goes on. The kernels, offsets and rounds are exactly those of the multi-process path.
+
+Also: :func:`run_ranks` (ranks as processes) and :class:`LiveBytes` (the peak live memory of a block of calls).
 """
 from __future__ import annotations
 
