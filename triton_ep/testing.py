@@ -3,10 +3,21 @@
 Every collective call of :class:`triton_ep.Buffer` is a generator that yields where ranks must meet; in a
 real run each yield is a bounded barrier, here :func:`lockstep` advances all ranks to the same yield
 before any goes on. The kernels, offsets and rounds are exactly those of the multi-process path.
+
+Also: :func:`run_ranks` (ranks as processes) and :class:`LiveBytes` (the peak live memory of a block of calls).
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
+import os
+import sys
+import weakref
 from typing import Any, Generator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .buffer import Buffer
 from .runtime import LocalWorld
@@ -313,3 +324,135 @@ class RankFailure:
 
     def __repr__(self) -> str:
         return f"RankFailure({self.type_name}: {self.message})"
+
+
+@dataclasses.dataclass
+class Allocation:
+    """One storage allocated while a :class:`LiveBytes` was active."""
+    nbytes: int                     # bytes of its storage
+    op: str                         # the aten op that made it (e.g. ``aten.index_select.default``)
+    site: str                       # where: the innermost frames in triton_ep (``file:line function``, callee first)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of the tensor storages allocated while it is active (``with LiveBytes() as m: ...``), and their
+    peak: what a call adds to a process's memory at its worst. On a GPU, PyTorch's caching allocator keeps a
+    process's peak, so this peak is what a call costs there; it is measured here on any device, CPU included.
+
+    Every aten op's output tensors are looked at (a :class:`~torch.utils._python_dispatch.TorchDispatchMode`); a
+    storage that is none of the op's inputs' (tensors' or storages') and not seen before is new and counts its
+    ``nbytes`` once (views, in-place and ``out=`` ops count nothing; a storage of the block resized counts its new
+    size), until Python frees it (``weakref.finalize`` on its storage object, which PyTorch keeps while any
+    tensor or view holds the storage). Only this thread's ops count (dispatch modes are thread-local); memory an
+    op takes and frees inside itself (a sort's workspace) is not seen, nor memory made outside aten (numpy,
+    ``torch.from_numpy``, pinned host rings).
+
+    Args:
+        collect: collect garbage held in reference cycles (``gc.collect()``) after each launch of Triton's
+            interpreter (``TRITON_INTERPRET=1``), which keeps each launch's arguments in reference cycles until the
+            collector runs (compiled kernels do not); cycles of the measured code itself still count.
+        depth: the frames of the triton_ep package each :class:`Allocation` names.
+
+    Attributes (bytes):
+        now: live now. peak: the most live at once. peak_live: the :class:`Allocation` s live at the peak, largest
+        first. allocations: every allocation made, in order. ``freed_all`` after the block: whether every storage it
+        allocated is gone.
+    """
+
+    def __init__(self, collect: bool = True, depth: int = 2) -> None:
+        super().__init__()
+        self.collect, self.depth = collect, depth
+        self.now = self.peak = 0
+        self.live: dict = {}        # id(storage object) -> Allocation
+        self.peak_live: List[Allocation] = []
+        self.allocations: List[Allocation] = []
+        self._undo = None
+
+    def __enter__(self):
+        self._undo = _collect_after_launches() if self.collect else None
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._undo is not None:
+                self._undo()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) if isinstance(t, torch.Tensor) else id(t)
+                  for t in tree_leaves((args, kwargs)) if isinstance(t, (torch.Tensor, torch.UntypedStorage))}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._note(t.untyped_storage(), inputs, func)
+        return out
+
+    def _note(self, st, inputs: set, func) -> None:
+        key, n = id(st), st.nbytes()
+        if key in self.live:            # (a storage of this block resized in place: resize_, out=)
+            self.now += n - self.live[key].nbytes
+            self.live[key].nbytes = n
+        elif key in inputs:
+            return
+        else:
+            a = Allocation(n, str(func), _site(self.depth))
+            self.live[key] = a
+            self.allocations.append(a)
+            self.now += n
+            weakref.finalize(st, self._freed, key)
+        if self.now > self.peak:
+            self.peak = self.now
+            self.peak_live = sorted(self.live.values(), key=lambda a: -a.nbytes)
+
+    def _freed(self, key: int) -> None:
+        a = self.live.pop(key, None)
+        if a is not None:
+            self.now -= a.nbytes
+
+    @property
+    def freed_all(self) -> bool:
+        return not self.live
+
+    def largest(self, n: int = 8) -> List[Allocation]:
+        """The ``n`` largest allocations made (their sizes as last seen), largest first."""
+        return sorted(self.allocations, key=lambda a: -a.nbytes)[:n]
+
+
+def _collect_after_launches():
+    """Make every launch of Triton's interpreter collect reference cycles as it returns (the interpreter keeps its
+    arguments' storages in cycles). Returns the undo (None where Triton's interpreter cannot be imported)."""
+    try:
+        from triton.runtime.interpreter import GridExecutor
+    except ImportError:
+        return None
+    call = GridExecutor.__call__
+
+    def collected(self, *args, **kwargs):
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            gc.collect()
+    GridExecutor.__call__ = collected
+
+    def undo():
+        GridExecutor.__call__ = call
+    return undo
+
+
+def _site(depth: int) -> str:
+    """The innermost ``depth`` frames of the caller in the triton_ep package (this module and torch left out), as
+    ``file:line function`` joined by ``' <- '``; else the innermost frame outside torch and this module."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    me = os.path.abspath(__file__)
+    f, got, outside = sys._getframe(1), [], None
+    while f is not None and len(got) < depth:
+        path = os.path.abspath(f.f_code.co_filename)
+        if path != me and f"{os.sep}torch{os.sep}" not in path:
+            where = f"{os.path.relpath(path, os.path.dirname(here))}:{f.f_lineno} {f.f_code.co_name}"
+            if path.startswith(here + os.sep):
+                got.append(where)
+            elif outside is None:
+                outside = where
+        f = f.f_back
+    return " <- ".join(got) if got else (outside or "?")

@@ -1,4 +1,5 @@
 """Rank bodies for the internode mode's multi-process tests (module-level: spawned processes import them)."""
+import gc
 import os
 import time
 
@@ -915,5 +916,69 @@ def capture_disagreement(rank, world, env, kind):
         y, _, _ = buf.combine(rx, h)
         expect = (x.float() * ir.sum(1, keepdim=True).float()).to(torch.bfloat16)
         return first, nxt, nxt_s, bool(torch.equal(y, expect))
+    finally:
+        buf.destroy()
+
+
+def _bytes_of(*ts) -> int:
+    """Bytes of the storages of ``ts`` (tensors, tuples of tensors, None), each storage once."""
+    seen = {}
+    for t in _flat_tensors_live(ts):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _flat_tensors_live(v) -> list:
+    """Every tensor in ``v`` (nested tuples and lists), as it is (not moved)."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [t for item in v for t in _flat_tensors_live(item)]
+    return []
+
+
+def transient_bytes(rank, world, env, T, H, E, K, worst, fp8, calls=1, top=6):
+    """Each internode call's peak live bytes on this rank (:class:`triton_ep.testing.LiveBytes`): a dispatch with
+    ``topk_idx``, ``topk_weights`` and ``num_worst_tokens = worst`` of rows ``[T, H]`` (bf16, or with ``fp8`` an
+    FP8 pair), then (bf16 only) its combine with weights, then a cached dispatch; ``calls`` times, the last time's
+    counts returned. Per call ``{"peak", "out", "in", "retained", "cyclic", "largest", "kept"}``: ``out`` the bytes
+    of the call's main results (rows, scales, ids, weights; a combine's rows and weights), ``in`` of its rows
+    argument, ``retained`` what its allocations still hold at its end with its results alive (results, handle,
+    caches), ``cyclic`` what of that only a ``gc.collect()`` freed (reference cycles of the call's own code),
+    ``largest`` the ``top`` allocations live at the peak and ``kept`` those retained, as ``(nbytes, op, site)``."""
+    from tests.cases.mp import make_inputs
+    from triton_ep.testing import LiveBytes
+    os.environ.update(env)
+    xs, idxs, ws = make_inputs(3, world, E, K, H, [T] * world, fp8=fp8)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    buf = triton_ep.Buffer(None, 1 << 20, timeout_s=120)
+
+    def measured(fn, x_in, results):
+        with LiveBytes() as m:
+            res = fn()
+            cyclic = m.now
+            gc.collect()
+            cyclic -= m.now
+            kept = sorted(((a.nbytes, a.op, a.site) for a in m.live.values()), reverse=True)[:top]
+            entry = {"peak": m.peak, "out": _bytes_of(results(res)), "in": _bytes_of(x_in), "retained": m.now,
+                     "cyclic": cyclic, "kept": kept, "largest": [(a.nbytes, a.op, a.site) for a in m.peak_live[:top]]}
+        return res, entry
+    try:
+        for _ in range(calls):
+            per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            got = {}
+            d, got["dispatch"] = measured(lambda: buf.dispatch(
+                x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, num_worst_tokens=worst), x,
+                lambda r: r[:3])
+            recv_x, recv_w, handle = d[0], d[2], d[4]
+            del d
+            if not fp8:
+                y = recv_x * 2
+                c, got["combine"] = measured(lambda: buf.combine(y, handle, topk_weights=recv_w), y, lambda r: r[:2])
+                del c, y
+            cd, got["cached"] = measured(lambda: buf.dispatch(x, handle=handle), x, lambda r: r[0])
+            del cd, recv_x, recv_w, handle
+        return got
     finally:
         buf.destroy()

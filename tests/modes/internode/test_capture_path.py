@@ -181,3 +181,33 @@ def test_capture_path_after_a_rejected_host_path_call():
     assert out[3]["first"] == "TypeError", out
     assert all(o["first"] is not None for o in out), out
     assert all(o["checked"]["combined"] for o in out), out
+
+
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.extended)])
+def test_capture_path_peak_memory_of_a_num_worst_tokens_round_trip(fp8):
+    """2 hosts of 2 ranks, T 64, hidden 256, top-4 of 16 experts, num_worst_tokens = T * R (as DeepEP's tests pass):
+    each call's peak live bytes (:class:`triton_ep.testing.LiveBytes`, with a GPU's caching allocator the memory a
+    call costs) stay within what its design needs, so a regression that keeps one more copy alive shows.
+
+    - dispatch (bf16, and FP8 pairs): the forwarding leg's intranode dispatch writes ``W = num_worst_tokens`` rows
+      (each the record's 16-byte meta block and the row; the scales, ids and weights beside) in its own order, which
+      are gathered in DeepEP's order into the results: both live at once, 2 x the results' bytes, plus per row 16
+      meta bytes and under 112 bytes of index work (meta as int32, the sort's keys and order, the source index).
+      The staging areas and the records' fields are freed before that (kept alive until the gather, they made the
+      peak 3.2 x the results here).
+    - cached dispatch: the same without ids and weights (16 meta bytes and under 64 of index work a row).
+    - combine: its rows put in the intranode dispatch's order (``in`` bytes), and the intranode combine's bf16 sums
+      and fp32 sums over rounds of the ``F = num_hosts * T`` rows this rank forwarded, 6 bytes a value; the
+      staging areas come after those are freed, one host's sums in fp32 at a time."""
+    T, H, E, K, world, per_host = 64, 256, 16, 4, 4, 2
+    W, F = T * world, 2 * T
+    out = _values(run_ranks(cases.transient_bytes, world, _env(per_host), T, H, E, K, W, fp8, timeout_s=300))
+    for r, o in enumerate(out):
+        d, c = o["dispatch"], o["cached"]
+        assert d["peak"] <= 2 * d["out"] + 128 * W, (r, d)
+        assert c["peak"] <= 2 * c["out"] + 80 * W, (r, c)
+        assert d["cyclic"] == 0 and c["cyclic"] == 0, (r, o)      # (nothing left in reference cycles)
+        if not fp8:
+            m = o["combine"]
+            assert m["peak"] <= m["in"] + 6 * F * H + 64 * W, (r, m)
+            assert m["cyclic"] == 0, (r, m)

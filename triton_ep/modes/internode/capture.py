@@ -63,7 +63,7 @@ from .combine import combine_args, combine_in_host
 from .forward import dispatch_results, forward_cached, forward_fresh
 from .handle import CapturePlan, build_handle
 from .peer_tokens import PeerTokens
-from .records import record_field, row_sums, split_records
+from .records import Records, record_field, row_sums, split_records
 
 Tensor = torch.Tensor
 #: the operation of a capture-path stream, part of its layout key
@@ -304,18 +304,18 @@ class CapturePath:
         return out, rx, hw
 
     def _records(self, out: Tensor, hw: int, rec: NetRecord, cap: int) -> Tensor:
-        """The records of a staging area (int32 ``[num_hosts, hw + cap * rec_w]``) as uint8 ``[num_hosts * cap,
-        rec.nbytes]``, host by host."""
-        return out[:, hw:].contiguous().view(torch.uint8).view(self.num_hosts * cap, rec.nbytes)
+        """The records of a staging area (int32 ``[num_hosts, hw + cap * rec_w]``) as uint8 ``[num_hosts, cap,
+        rec.nbytes]``, host by host: a view (each field is copied out of it once, :func:`split_records`)."""
+        return out[:, hw:].view(torch.uint8).view(self.num_hosts, cap, rec.nbytes)
 
-    def _forwarded(self, out: Tensor, hw: int, rec: NetRecord, plan: CapturePlan) -> Tensor:
+    def _forwarded(self, out: Tensor, hw: int, rec: NetRecord, plan: CapturePlan) -> Records:
         """The records the forwarding leg takes, laid out as ``plan``'s dispatch had them: the staging areas
-        as they are, or (``plan.blocks``) each host's first ``blocks[h]`` records, one host after another."""
+        as they are, or (``plan.blocks``) each host's first ``blocks[h]`` records, one host after another (views of
+        the staging areas, each a block of :data:`~.records.Records`)."""
         if plan.blocks is None:
             return self._records(out, hw, rec, plan.cap)
         rw = rec.nbytes // 4
-        parts = [out[h, hw:hw + n * rw] for h, n in enumerate(plan.blocks)]
-        return torch.cat(parts).view(torch.uint8).view(sum(plan.blocks), rec.nbytes)
+        return [out[h, hw:hw + n * rw].view(torch.uint8).view(n, rec.nbytes) for h, n in enumerate(plan.blocks)]
 
     def _valid(self, rx: Tensor, cap: int) -> Tensor:
         """bool ``[num_hosts * cap]``: which staging rows hold a received record."""
@@ -361,6 +361,7 @@ class CapturePath:
         sc = f.rows.scales
         fwd = split_records(self._records(out, hw, f.rec, C), f.rec, None if sc is None else sc.dtype,
                             self.leg.host_ranks.local_rt.device)
+        del out         # (its fields were copied out: the staging areas go before the forwarding leg's outputs come)
         rows = forward_fresh(self.leg, fwd, a, f.rows.x.dtype, npe_f, self._valid(rx, C), expert_alignment,
                              num_worst_tokens)
         return dispatch_results(rows, self._handle(route, C, rx, rows, T, num_worst_tokens),
@@ -426,7 +427,8 @@ class CapturePath:
                                          own_cap=plan.blocks is None)
         fwd = split_records(self._forwarded(out, hw, rec, plan), rec, None if sc is None else sc.dtype,
                             self.leg.host_ranks.local_rt.device)
-        return forward_cached(self.leg, fwd.xs, plan, c.rows.x.dtype, c.rows.x.shape[1])
+        del out         # (as in a dispatch: the staging areas go before the forwarding leg's outputs come)
+        return forward_cached(self.leg, fwd, plan, c.rows.x.dtype, c.rows.x.shape[1])
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, topk_weights, bias, previous_event):
@@ -440,15 +442,15 @@ class CapturePath:
         self.cards.card = (call_card.COMBINE, H, K, plan.seq)
         rec, src, _ = combine_in_host(self.leg, prep)
         out, rx, hw = self._move_capture(OP_COMBINE, rec, src, plan.ctok, plan.rx, T)
+        del src         # (this host's sums, sent: they go before the sums over hosts are made)
         got = self._records(out, hw, rec, T)
         acc = torch.zeros(T + 1, H, dtype=torch.float32, device=dev)      # row T: where unused rows go
         wacc = torch.zeros(T + 1, K, dtype=torch.float32, device=dev) if K else None
         valid = self._valid(rx, T).view(nh, T)
-        rows = row_sums(rec, got, H).view(nh, T, H)
         ws = record_field(rec, got, "weights", torch.float32).view(nh, T, K) if K else None
         for h in range(nh):          # ascending host order; each token at most once per host
             t = torch.where(valid[h], plan.tok[h], T)
-            acc.index_add_(0, t, rows[h])
+            acc.index_add_(0, t, row_sums(rec, got[h], H))      # (one host's rows in fp32 at a time)
             if K:
                 wacc.index_add_(0, t, ws[h])
         acc = acc[:T]

@@ -39,7 +39,8 @@ def forward_fresh(leg, fwd: Forwarded, a: DispatchArgs, dtype: torch.dtype, npe_
     intranode dispatch of ``fwd`` (only its ``valid`` rows, bool ``[F]``, where given), routed by the records'
     is_token_in_rank and their ids (as this host's experts); ``npe_f`` int32 ``[per_host * E / R]``: without
     ``topk_idx``, the per-expert counts of the forwarded rows. ``started`` is called as this rank enters the
-    host's leg. Returns its rows in DeepEP's order, as ``dtype`` (the dispatch's rows') and ``a.hidden`` wide."""
+    host's leg. Returns its rows in DeepEP's order, as ``dtype`` (the dispatch's rows') and ``a.hidden`` wide.
+    ``fwd`` is released (:meth:`~.records.Forwarded.release`) once the intranode dispatch took it."""
     in_f = fwd.in_rank if valid is None else fwd.in_rank & valid[:, None]
     ids_local = None
     if a.topk_idx is not None:
@@ -51,6 +52,8 @@ def forward_fresh(leg, fwd: Forwarded, a: DispatchArgs, dtype: torch.dtype, npe_
     out = leg.host_ranks.run(leg.local.dispatch_steps(
         fwd.xs, None, per_rank_f, None, in_f, npe_f, ids_local, fwd.weights, expert_alignment, num_worst_tokens),
         forwarded=True)
+    fwd.release()
+    del in_f, ids_local
     recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, _ = out
     return in_rank_order(recv_x_f, recv_idx, recv_w, per_expert_list, local_handle, dtype, a.hidden,
                          leg.rt.group_size)
@@ -84,11 +87,13 @@ def dispatch_results(got: Received, handle: InternodeHandle, per_expert: bool = 
             EventOverlap(None))
 
 
-def forward_cached(leg, xs_f, plan, dtype: torch.dtype, hidden: int) -> tuple:
-    """A cached dispatch's forwarding leg: the intranode cached dispatch of ``xs_f`` (the forwarded records'
+def forward_cached(leg, fwd: Forwarded, plan, dtype: torch.dtype, hidden: int) -> tuple:
+    """A cached dispatch's forwarding leg: the intranode cached dispatch of ``fwd.xs`` (the forwarded records'
     ``x``, with scales where there are) by ``plan``'s local handle, its rows put in ``plan.order`` as ``dtype``
-    ``[N, hidden]`` (the dispatch's rows'). Returns DeepEP's six results."""
-    recv = leg.host_ranks.run(leg.local.dispatch_steps(xs_f, handle=plan.local_handle), forwarded=True)[0]
+    ``[N, hidden]`` (the dispatch's rows'); ``fwd`` is released once the intranode dispatch took it (as in
+    :func:`forward_fresh`). Returns DeepEP's six results."""
+    recv = leg.host_ranks.run(leg.local.dispatch_steps(fwd.xs, handle=plan.local_handle), forwarded=True)[0]
+    fwd.release()
     recv_xf = recv[0] if isinstance(recv, tuple) else recv
     x_out = x_rows(recv_xf, dtype, hidden, plan.order)
     if isinstance(recv, tuple):

@@ -50,7 +50,7 @@ from .host_ranks import HostRanks
 from .network import agree_set_up, open_network, traffic_stats
 from . import peer_tokens
 from .rings import Rings
-from .records import Streams, split_records
+from .records import Forwarded, Streams, split_records
 
 Tensor = torch.Tensor
 
@@ -334,7 +334,11 @@ class Internode:
                                                  skip=kind)
         result = err = None
         try:
-            result = self._forward(prep, fwd, counts, npe_f, expert_alignment, num_worst_tokens)
+            sc = prep.rows.scales
+            records = split_records(fwd, prep.streams.rec, None if sc is None else sc.dtype,
+                                    self.host_ranks.local_rt.device)
+            del fwd         # (its fields were copied out: the records go before the forwarding leg's outputs come)
+            result = self._forward(prep, records, counts, npe_f, expert_alignment, num_worst_tokens)
         except Exception as e:   # noqa: BLE001 - the RDMA peers hear of it (their hosts' ranks then fail alike)
             err = e
             if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
@@ -398,17 +402,16 @@ class Internode:
         card = (call_card.CACHED_DISPATCH, *cached_card_values(rows, plan.seq))
         return Cached(rows, plan, card, rec, self.row_sources(rec, rows.x.shape[0], rows.x, rows.scales))
 
-    def _forward(self, prep: HostDispatch, fwd: Tensor, counts: List[int], npe_f: Optional[Tensor],
+    def _forward(self, prep: HostDispatch, records: Forwarded, counts: List[int], npe_f: Optional[Tensor],
                  expert_alignment: int, num_worst_tokens: int) -> tuple:
-        """The forwarding leg (the intranode dispatch of ``fwd``, the records this rank received over the
-        network and its own for its host, uint8 ``[F, nbytes]``) and the results in DeepEP's order.
-        ``npe_f``: without ``topk_idx``, the per-expert counts of the forwarded rows (from the sources)."""
-        rows, rec = prep.rows, prep.streams.rec
-        records = split_records(fwd, rec, None if rows.scales is None else rows.scales.dtype,
-                                self.host_ranks.local_rt.device)
+        """The forwarding leg (the intranode dispatch of ``records``, those this rank received over the network
+        and its own for its host, ``F`` of them, split into their fields; released once it took them) and the
+        results in DeepEP's order. ``npe_f``: without ``topk_idx``, the per-expert counts of the forwarded rows
+        (from the sources)."""
+        rows = prep.rows
         if prep.plan is not None:              # cached: the same routes, new rows
             prep.local_started = True
-            return forward_cached(self, records.xs, prep.plan, rows.x.dtype, rows.x.shape[1])
+            return forward_cached(self, records, prep.plan, rows.x.dtype, rows.x.shape[1])
 
         def started():
             prep.local_started = True
@@ -468,6 +471,7 @@ class Internode:
                 if not prep.local_started:      # this host's ranks wait for this rank's part of the leg
                     self.host_ranks.skip("combine", e)
         got, counts, _ = self.rings.exchange(streams, src, err)
+        del src         # (this host's sums, sent: they go before the sums over hosts are made)
         return sum_over_hosts(self, prep, streams.rec, got, counts)
 
     def internode_dispatch(self, *args, **kwargs):

@@ -4,7 +4,7 @@ records. The kernels' view of the rows a record carries is :meth:`triton_ep.kern
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -13,23 +13,36 @@ from ...protocol.records import NET_META_BYTES, NetRecord
 Tensor = torch.Tensor
 
 
-def byte_columns(rows: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
-    """Bytes ``[lo, hi)`` of each of ``rows`` (uint8 ``[n, nbytes]``) as ``dtype`` ``[n, (hi - lo) / size]``, in
-    fresh memory (a slice of one row keeps its offset, which a wider dtype's view may not take)."""
-    out = torch.empty((rows.shape[0], hi - lo), dtype=torch.uint8, device=rows.device)
-    out.copy_(rows[:, lo:hi])
+#: records as the network leg's receivers hold them: uint8 ``[..., nbytes]`` (``[n, nbytes]``, or the capture path's
+#: staging areas ``[num_hosts, room, nbytes]`` as a strided view), or a list of such blocks, one after another
+Records = Union[Tensor, Sequence[Tensor]]
+
+
+def byte_columns(rows: Records, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
+    """Bytes ``[lo, hi)`` of each record of ``rows`` (:data:`Records`), in order, as ``dtype`` ``[n, (hi - lo) /
+    size]``, in fresh memory (a slice of one row keeps its offset, which a wider dtype's view may not take): one copy
+    per block, with no copy of the records themselves (a strided view of staging areas is read as it is)."""
+    blocks = [rows] if isinstance(rows, Tensor) else list(rows)
+    n = sum(b.numel() // b.shape[-1] for b in blocks)
+    out = torch.empty((n, hi - lo), dtype=torch.uint8, device=blocks[0].device)
+    at = 0
+    for b in blocks:
+        k = b.numel() // b.shape[-1]
+        out[at:at + k].view(*b.shape[:-1], hi - lo).copy_(b[..., lo:hi])
+        at += k
     return out.view(dtype)
 
 
-def record_field(rec: NetRecord, rows: Tensor, field: str, dtype: torch.dtype) -> Tensor:
-    """``field`` of the records ``rows`` (uint8 ``[n, nbytes]``) as ``dtype`` ``[n, ...]``, in fresh memory."""
+def record_field(rec: NetRecord, rows: Records, field: str, dtype: torch.dtype) -> Tensor:
+    """``field`` of the records ``rows`` (:data:`Records`, ``n`` of them) as ``dtype`` ``[n, ...]``, in fresh
+    memory."""
     return byte_columns(rows, *rec.span(field), dtype)
 
 
 def row_sums(rec: NetRecord, rows: Tensor, hidden: int) -> Tensor:
-    """The bf16 partial sums of combine records ``rows`` (uint8 ``[n, rec.nbytes]``) as fp32 ``[n, hidden]``: one
-    conversion read straight from the records where their offset allows a bf16 view (always, for records of
-    :func:`network_record_bytes`), else through a copy of the field."""
+    """The bf16 partial sums of combine records ``rows`` (uint8 ``[n, rec.nbytes]``, a strided view included) as
+    fp32 ``[n, hidden]``: one conversion read straight from the records where their offset allows a bf16 view
+    (always, for records of :func:`network_record_bytes`), else through a copy of the field."""
     lo, hi = rec.span("row")
     try:
         field = rows[:, lo:hi].view(torch.bfloat16)
@@ -91,10 +104,15 @@ class Forwarded:
         """``x``, or ``(x, scales)`` where the records carry scales (the intranode dispatch's ``x``)."""
         return self.x if self.scales is None else (self.x, self.scales)
 
+    def release(self) -> None:
+        """Drop every field (``None``) once the forwarding leg's intranode dispatch took them: they are freed
+        before its received rows are gathered in DeepEP's order, which needs memory of their size again."""
+        self.x = self.scales = self.ids = self.weights = self.in_rank = None
 
-def split_records(fwd: Tensor, rec: NetRecord, sc_dtype, dev) -> Forwarded:
-    """The records ``fwd`` (uint8 ``[F, rec.nbytes]``) as the intranode dispatch takes them, on ``dev``
-    (``sc_dtype``: the scales' dtype, where ``rec`` has scales)."""
+
+def split_records(fwd: Records, rec: NetRecord, sc_dtype, dev) -> Forwarded:
+    """The records ``fwd`` (:data:`Records`, ``F`` of them) as the intranode dispatch takes them, on ``dev``
+    (``sc_dtype``: the scales' dtype, where ``rec`` has scales): each field copied once out of the records."""
     x_f = byte_columns(fwd, 0, rec.span("row")[1], torch.uint8).to(dev)        # meta, then the row
     sc_f = record_field(rec, fwd, "scales", sc_dtype).to(dev) if rec.scales else None
     ids = record_field(rec, fwd, "ids", torch.int64).to(dev) if rec.ids else None
