@@ -52,23 +52,30 @@ def killed_mid_call(rank, world, mode, timeout_s, victim, device="cpu", stamp=No
                     call()
                     buf.check()
             _die()
-        out = []
-        for _ in range(2):
-            t0 = time.monotonic()
-            try:
-                call()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                buf.check()
-                mask = torch.zeros(world, dtype=torch.int32, device=device)
-                if mode == "ll_shrink":
-                    buf.low_latency_query_mask_buffer(mask)
-                out += ["no error", str(mask.tolist()), time.monotonic() - t0, time.time()]
-            except Exception as ex:     # noqa: BLE001 - reported
-                out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
-        return out[:3] + [out[4], out[6], out[3]]
+        return _survive_twice(buf, call, mode, world, device)
     finally:
         buf.destroy()
+
+
+def _survive_twice(buf, call, mode, world, device):
+    """A survivor's two calls of ``call`` (each then ``check()``; with "ll_shrink" the mask read): ``[error type (or
+    "no error"), message (or the mask), seconds, next call's error type, its seconds, wall-clock time of the first
+    error]``."""
+    out = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        try:
+            call()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            buf.check()
+            mask = torch.zeros(world, dtype=torch.int32, device=device)
+            if mode == "ll_shrink":
+                buf.low_latency_query_mask_buffer(mask)
+            out += ["no error", str(mask.tolist()), time.monotonic() - t0, time.time()]
+        except Exception as ex:     # noqa: BLE001 - reported
+            out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
+    return out[:3] + [out[4], out[6], out[3]]
 
 
 #: what the survivors of :func:`destroyed_mid_call` call while rank ``victim`` destroys its Buffer instead: as
@@ -92,19 +99,7 @@ def destroyed_mid_call(rank, world, mode, timeout_s, victim):
         if rank == victim:
             buf.destroy()
             return None
-        out = []
-        for _ in range(2):
-            t0 = time.monotonic()
-            try:
-                call()
-                buf.check()
-                mask = torch.zeros(world, dtype=torch.int32)
-                if mode == "ll_shrink":
-                    buf.low_latency_query_mask_buffer(mask)
-                out += ["no error", str(mask.tolist()), time.monotonic() - t0, time.time()]
-            except Exception as ex:     # noqa: BLE001 - reported
-                out += [type(ex).__name__, str(ex), time.monotonic() - t0, time.time()]
-        return out[:3] + [out[4], out[6], out[3]]
+        return _survive_twice(buf, call, mode, world, "cpu")
     finally:
         buf.destroy()
         dist.barrier()      # (the victim's process lived until every survivor was done)
