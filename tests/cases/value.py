@@ -7,7 +7,7 @@ import triton_ep
 
 #: the values each case gives rank 1 alone: (what, value); ``what`` is an environment variable (upper case) or a
 #: Buffer keyword argument
-ENV_CASES = (("TRITON_EP_SHM_TAG", "bad/tag"), ("TRITON_EP_TIMEOUT_S", "abc"), ("TRITON_EP_TIMEOUT_S", "1e300"),
+ENV_CASES = (("TRITON_EP_SHM_TAG", "bad/tag"), ("TRITON_EP_SHM_TAG", "t" * 300), ("TRITON_EP_TIMEOUT_S", "abc"), ("TRITON_EP_TIMEOUT_S", "1e300"),
              ("TRITON_EP_RDMA", "nope"), ("TRITON_EP_RANKS_PER_HOST", "0"), ("TRITON_EP_RDMA_TC", "300"))
 #: the one case among them that builds: the QoS variables are read by the transport between hosts only
 BUILDS_ON_ONE_HOST = ("TRITON_EP_RDMA_TC", "300")

@@ -136,6 +136,11 @@ def test_shm_tag_is_checked_by_itself(monkeypatch):
         ipc.shm_tag()
     with pytest.raises(ValueError, match="TRITON_EP_SHM_TAG='bad/tag'"):
         triton_ep.Buffer(LocalWorld(1, 1 << 16).comm(0), 1 << 16)
+    monkeypatch.setenv(ipc.SHM_TAG_ENV, "t" * 65)       # (a new user's 300 characters: OSError "File name too long")
+    with pytest.raises(ValueError, match="a tag of 65 characters; the shared-memory tag may hold at most 64"):
+        ipc.shm_tag()
+    monkeypatch.setenv(ipc.SHM_TAG_ENV, "t" * 64)
+    assert ipc.shm_tag() == "t" * 64
 
 
 @pytest.mark.parametrize("args,want", [

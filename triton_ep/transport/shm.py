@@ -19,6 +19,8 @@ def shm_dir() -> str:
 SHM_TAG_ENV = "TRITON_EP_SHM_TAG"
 SHM_PREFIX = "triton_ep."
 _SHM_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+#: The longest tag, in characters: the file names it goes into stay well inside a file name's 255 bytes (NAME_MAX)
+SHM_TAG_MAX = 64
 
 
 def shm_tag(tag: Optional[str] = None) -> str:
@@ -27,11 +29,15 @@ def shm_tag(tag: Optional[str] = None) -> str:
     value on one rank raises on every rank).
 
     Raises:
-        ValueError: a tag with characters other than letters, digits, ``_`` and ``-`` (it names the variable).
+        ValueError: a tag with characters other than letters, digits, ``_`` and ``-``, or longer than
+            :data:`SHM_TAG_MAX` characters (it names the variable).
     """
     tag = os.environ.get(SHM_TAG_ENV, "") if tag is None else tag
     if not set(tag) <= _SHM_TAG_CHARS:
         raise ValueError(f"{SHM_TAG_ENV}={tag!r}: the shared-memory tag may hold only letters, digits, _ and -")
+    if len(tag) > SHM_TAG_MAX:
+        raise ValueError(f"{SHM_TAG_ENV}='{tag[:12]}...': a tag of {len(tag)} characters; the shared-memory tag "
+                         f"may hold at most {SHM_TAG_MAX} (it goes into file names)")
     return tag
 
 
