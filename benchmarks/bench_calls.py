@@ -94,7 +94,8 @@ HOT_CALLS_MAX = 64
 def parse_args(argv=None) -> argparse.Namespace:
     """Command line; defaults are DeepEP's shapes on a GPU and tiny ones on CPU."""
     gpu = C.on_gpu()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ranks", type=int, default=max(torch.cuda.device_count(), 1) if gpu else 2)
     p.add_argument("--tokens", default="128,1024,4096" if gpu else "16,48")
     p.add_argument("--hidden", type=int, default=7168 if gpu else 256)
@@ -111,10 +112,41 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --compare: timings of each token count per library, the order alternating")
     C.add_out_arg(p, "calls.json and calls.png (with --compare: calls_compare.json and calls_compare.png)")
     a = p.parse_args(argv)
+    check_args(p, a)
     if a.compare and a.warmup + a.iters > HOT_CALLS_MAX:
         p.error(f"--compare: --warmup + --iters is at most {HOT_CALLS_MAX} (the hot loop makes that many calls "
                 f"back to back; more could fill the GPU's launch queue and time the wait for it)")
     return a
+
+
+def check_args(p, a) -> None:
+    """Argument errors of parser ``p`` (exit status 2, before any rank starts): counts of at least 1 (``--warmup`` at
+    least 0, ``--timeout`` above 0), ``--tokens`` a comma-separated list of token counts of at least 1, each of
+    ``--buffers`` ``hint`` or a number of bytes of at least 1, ``--experts`` a multiple of ``--ranks``, ``--topk``
+    at most ``--experts``, bf16 rows of whole 16 bytes (``--hidden`` a multiple of 8), ``--out`` a folder this
+    process can write in."""
+    C.check_shape_args(p, a, ("ranks", "hidden", "experts", "topk", "iters", "repeats"), 8,
+                       "bf16 rows of whole 16 bytes")
+    if a.warmup < 0:
+        p.error(f"--warmup must be at least 0, got {a.warmup}")
+    if not a.timeout > 0:
+        p.error(f"--timeout must be a number of seconds above 0, got {a.timeout}")
+    if a.experts % a.ranks:
+        p.error(f"--experts {a.experts} is not a multiple of --ranks {a.ranks} (every rank holds as many experts)")
+    try:
+        tokens = [int(t) for t in a.tokens.split(",")]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        p.error(f"--tokens must be comma-separated token counts of at least 1, got {a.tokens!r}")
+    for b in a.buffers.split(","):
+        try:
+            ok = b == "hint" or float(b) >= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error(f"--buffers must be comma-separated 'hint' or byte counts of at least 1, got {b!r} in "
+                    f"{a.buffers!r}")
 
 
 def _sync(device):
@@ -443,9 +475,11 @@ def peer_error(a) -> str:
     """Why ``--compare`` cannot run here ("" when it can): the module does not import, or DeepEP's rank
     counts."""
     try:
-        importlib.import_module(a.compare)
+        mod = importlib.import_module(a.compare)
     except Exception as e:  # noqa: BLE001 - any failure to import is reported the same way
         return f"--compare {a.compare}: module not importable: {type(e).__name__}: {e}"
+    if not callable(getattr(mod, "Buffer", None)):
+        return f"--compare {a.compare}: the module has no Buffer class (DeepEP V1's API is compared)"
     R = int(os.environ["WORLD_SIZE"]) if _launch.launched_externally() else a.ranks
     if a.compare.split(".")[0] == "deep_ep" and R not in (2, 4, 8):
         return f"--compare {a.compare}: DeepEP's Buffer takes 2, 4 or 8 ranks, not {R}"

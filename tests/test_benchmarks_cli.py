@@ -453,3 +453,27 @@ def test_bench_calls_compare_module_not_importable(tmp_path, capsys):
     assert code == 2
     assert "--compare no_such_module: module not importable: " in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--ranks", "0"], "--ranks must be at least 1, got 0"),
+    (["--tokens", "16,-3"], "--tokens must be comma-separated token counts of at least 1, got '16,-3'"),
+    (["--tokens", ""], "--tokens must be comma-separated token counts of at least 1"),
+    (["--iters", "0"], "--iters must be at least 1"), (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"), (["--timeout", "0"], "--timeout must be a number"),
+    (["--buffers", "hint,0"], "--buffers must be comma-separated 'hint' or byte counts of at least 1, got '0'"),
+    (["--experts", "15"], "--experts 15 is not a multiple of --ranks 2"),
+    (["--topk", "99"], "--topk 99 is more than --experts 16"),
+    (["--hidden", "12"], "--hidden must be a multiple of 8")])
+def test_bench_calls_refuses_bad_arguments(args, want, capsys):
+    """(A new user's find: ``--ranks 0`` ran nothing and exited 0, the others ended in tracebacks from the ranks.)
+    Every bad count, list or size is an argparse error (exit status 2) naming it, before any rank starts."""
+    assert_parse_error(bench_module("bench_calls").parse_args,
+                       args + (["--ranks", "2", "--experts", "16"] if "--ranks" not in args and "--experts" not in args
+                               else []), want, capsys)
+
+
+def test_bench_calls_compare_module_without_buffer(tmp_path, capsys):
+    """``--compare`` of a module with no ``Buffer``: exit status 2 and the reason, before any rank starts."""
+    assert bench_module("bench_calls").main(["--compare", "os", "--out", str(tmp_path)]) == 2
+    assert "--compare os: the module has no Buffer class" in capsys.readouterr().err
