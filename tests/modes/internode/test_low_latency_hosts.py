@@ -208,8 +208,14 @@ def test_signal_after_rows_on_one_qp_and_the_planted_variant_fails(arrival):
     env = dict(_env(1, arrival), TRITON_EP_EMULATED_REORDER_S="0.02", TRITON_EP_EMULATED_SKEW_S="0.05")
     for failed, bad, probed in _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", False)):
         assert failed is None and bad == 0 and probed >= 20, (failed, bad, probed)
-    out = _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", True))
-    assert sum(bad for _, bad, _ in out) > 0, out
+    tries = []
+    for _ in range(2):      # (a second run where a loaded machine timed the first out before any probe: seen once
+        #                     in a fresh-clone run at load 10, thread proxy, 'waited 3 s for peer 1' at call 0)
+        out = _values(run_ranks(ll_cases.across_hosts, 2, env, "ordering", True))
+        tries.append(out)
+        if sum(bad for _, bad, _ in out) > 0:
+            break
+    assert sum(bad for _, bad, _ in tries[-1]) > 0, tries
 
 
 @pytest.mark.parametrize("per_host", [1, 2])
