@@ -139,7 +139,8 @@ def check_args(p, a) -> None:
         tokens = []
     if not tokens or min(tokens) < 1:
         p.error(f"--tokens must be comma-separated token counts of at least 1, got {a.tokens!r}")
-    for b in a.buffers.split(","):
+    a.token_list, a.buffer_list = tokens, a.buffers.split(",")     # (parsed once; the runs read these)
+    for b in a.buffer_list:
         try:
             ok = b == "hint" or float(b) >= 1
         except ValueError:
@@ -292,7 +293,7 @@ def rank_main(a) -> int:
 def all_calls(a, rank: int, R: int, device, sharing: int, backend: str) -> None:
     """Every call of every (tokens, buffer) case, triton-ep alone; rank 0 reports."""
     results = []
-    cases = [(int(t), b) for t in a.tokens.split(",") for b in a.buffers.split(",")]
+    cases = [(t, b) for t in a.token_list for b in a.buffer_list]
     for tokens, b in C.progress(cases, desc="bench_calls", disable=rank != 0):
         nbytes = C.nvl_bytes_hint(a.hidden, R) if b == "hint" else int(float(b))
         mine = one_case(a, tokens, nbytes, device, rank, R)
@@ -357,11 +358,11 @@ def compare_calls(a, rank: int, R: int, device, sharing: int, backend: str) -> N
     token count and repeat; rank 0 reports."""
     import triton_ep
     peer = importlib.import_module(a.compare)
-    b = a.buffers.split(",")[0]
+    b = a.buffer_list[0]
     nbytes = C.nvl_bytes_hint(a.hidden, R) if b == "hint" else int(float(b))
     bufs = {"ours": triton_ep.Buffer(dist.group.WORLD, nbytes, device=device), "peer": peer_buffer(peer, nbytes)}
     rows = []
-    for tokens in C.progress([int(t) for t in a.tokens.split(",")], desc="bench_calls --compare",
+    for tokens in C.progress(a.token_list, desc="bench_calls --compare",
                              disable=rank != 0):
         inp = compare_inputs(a, tokens, rank, device)
         recv, draws = {}, {}
