@@ -1067,7 +1067,7 @@ def replayed_layouts(rank, world, seed):
     (modes/intranode_replay.py, kernels/layout.py ``LayoutPlan``): fresh routing each call (with ``-1`` and ids out
     of range), the layout against the reference and the dispatch that takes it (its remembered send positions)
     against the reference; another dtype, a non-contiguous ``topk_idx``, a tuning change (two launches of
-    several blocks; atomic counts) take the general path once and plan again; a float ``num_experts`` is refused
+    several blocks; one launch of several blocks; atomic counts) take the general path once and plan again; a float ``num_experts`` is refused
     as on the general path. Returns the replays counted."""
     from triton_ep.kernels import _util, layout as LY
     E, K, H, T = 4 * world, 3, 64, 10
@@ -1108,12 +1108,15 @@ def replayed_layouts(rank, world, seed):
         check(3, dtype=torch.int32)     # another dtype: the general path, plans again
         check(4, dtype=torch.int32)
         check(5, contiguous=False)      # a copy on the general path (a plan of int64 again)
-        table["one_launch_tokens"] = 4  # several blocks, two launches
+        table.update(one_launch_tokens=4, block_t=4, scan_tokens=0)     # several blocks, two launches
         check(6)
         check(7)
-        table["histogram_max_bins"] = 8     # atomic counts into zeroed counts
+        table.update(scan_tokens=64, scan_block_t=4)   # several blocks, one launch (each program reads every id)
         check(8)
         check(9)
+        table["histogram_max_bins"] = 8     # atomic counts into zeroed counts (two launches)
+        check(10)
+        check(11)
         try:
             buf.get_dispatch_layout(make_inputs(seed, world, E, K, H, [T] * world)[1][rank], float(E))
             raise AssertionError("a float num_experts was taken")

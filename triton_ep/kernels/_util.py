@@ -75,7 +75,10 @@ def tuning_changes() -> int:
 
 
 GPU_TUNING: Dict[str, Dict[str, object]] = {
-    "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, histogram_max_bins=512, num_warps=4),
+    # up to scan_tokens (past one_launch_tokens) one launch whose programs each read all the ids, in tiles of
+    # scan_block_t tokens (kernels/layout.py); past it two launches
+    "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, histogram_max_bins=512, num_warps=4,
+                   scan_tokens=4096, scan_block_t=256),
     "dispatch_send": dict(block_t=1, block_w=4096, num_warps=4, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=32),
     "dispatch_recv": dict(block_t=1, block_w=2048, num_warps=4),
@@ -110,7 +113,7 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
 
 INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "layout": dict(block_t=1024, block_b=4096, one_launch_tokens=1024, histogram_max_bins=1 << 20,
-               num_warps=4),
+               num_warps=4, scan_tokens=8192, scan_block_t=1024),
     "dispatch_send": dict(block_t=64, block_w=2048, num_warps=4, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=4),
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),

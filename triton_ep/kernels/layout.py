@@ -4,8 +4,13 @@ Semantics: DeepEP's ``get_dispatch_layout`` (see :func:`triton_ep.reference.get_
 ``send_pos[t, r]``: the index of token ``t`` among the tokens this rank sends to rank ``r`` (its row offset
 within this rank's group on the receiver), ``-1`` where ``t`` does not go to ``r``.
 
-No program waits on another, and (up to ``histogram_max_bins``, below) there is no memset and no atomic;
-one launch when the tokens fit one block, else two, over blocks of ``BLOCK_T`` tokens:
+No program waits on another, and (up to ``histogram_max_bins``, below) there is no memset and no atomic.
+One launch when the tokens fit one block. Up to ``scan_tokens`` tokens, also one launch over blocks of ``BLOCK_T``
+tokens (*scan* mode): each program reads every id (all ``T`` rows, in tiles of ``SCAN_T``): the tokens of the blocks
+before its own give its prefix of tokens per rank, and its slice ``[pid * EB, (pid + 1) * EB)`` of the ``E + 1``
+bins is counted over all tokens; then it stores its block's ``is_token_in_rank`` and ``send_pos``, and the last
+program the per-rank totals. Each program reads ``T x K`` ids (from L2: the same ids for every program), so the
+launch's time grows with ``T``; past ``scan_tokens`` two launches over blocks of ``BLOCK_T`` tokens:
 
 1. ``_layout_block_kernel``: per block, ``is_token_in_rank``, the block's tokens per rank, and the block's
    histogram of its ids over ``E + 1`` bins (bin ``E`` counts the ids outside ``[-1, E)``), stored as one
@@ -63,11 +68,53 @@ def _positions(in_rank, t, mt, offs_r, prefix, send_pos_ptr, R: tl.constexpr):
     tl.store(send_pos_ptr + t[:, None] * R + offs_r[None, :], tl.where(in_rank > 0, pos, -1).to(tl.int32), mask=mtr)
 
 
+@triton.jit
+def _bins(ids, mk, num_experts):
+    """Histogram bins of ids ``ids`` (``mk``: real entries): ``[0, E)`` the experts, ``E`` the bad ids (outside
+    ``[-1, E)``), ``E + 1`` the ``-1`` entries and padding."""
+    valid = (ids >= 0) & (ids < num_experts)
+    return tl.where(valid, ids, tl.where(mk & (ids != -1), num_experts, num_experts + 1)).to(tl.int32)
+
+
+@triton.jit
+def _scan_finish(idx_ptr, T, num_experts, in_rank, tot, t, mt, offs_r, send_pos_ptr, counts_ptr, pid,
+                 K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_T: tl.constexpr, SCAN_T: tl.constexpr, EB: tl.constexpr):
+    """Scan mode's rest of program ``pid`` (its block's ``in_rank`` tile and totals ``tot`` done): one pass over
+    every id in tiles of ``SCAN_T`` tokens sums the tokens per rank of the earlier blocks (this block's prefix) and
+    counts this program's ``EB`` bins ``[pid * EB, (pid + 1) * EB)`` of the ``E + 1`` (an id outside the slice goes
+    to the extra bins ``[EB, 2 EB)``, not stored); then this block's ``send_pos``, and the last program's per-rank
+    totals. Integer sums only: nothing depends on the tiles or the order programs run in."""
+    before = pid.to(tl.int64) * BLOCK_T          # tokens of the earlier blocks
+    lo_e = pid * EB
+    ok = tl.arange(0, BLOCK_K)
+    pre = tl.zeros([BLOCK_R], dtype=tl.int32)
+    hist = tl.zeros([2 * EB], dtype=tl.int32)
+    for s0 in range(0, T, SCAN_T):
+        ts = s0 + tl.arange(0, SCAN_T).to(tl.int64)
+        ms = ts < T
+        if s0 < before:
+            pre += tl.sum(_in_rank_tile(idx_ptr, ts, ms & (ts < before), num_experts, offs_r, K, EPR, BLOCK_R,
+                                        SCAN_T), axis=0)
+        mk = ms[:, None] & (ok < K)[None, :]
+        ids = tl.load(idx_ptr + ts[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64)
+        local = _bins(ids, mk, num_experts) - lo_e
+        local = tl.where((local >= 0) & (local < EB) & (local + lo_e <= num_experts), local, EB)
+        hist += tl.histogram(tl.reshape(local, [SCAN_T * BLOCK_K]), 2 * EB)
+    offs_h = tl.arange(0, 2 * EB)
+    tl.store(counts_ptr + R + lo_e + offs_h, hist, mask=(offs_h < EB) & (lo_e + offs_h <= num_experts))
+    prefix = pre.to(tl.int64)
+    _positions(in_rank, t, mt, offs_r, prefix, send_pos_ptr, R)
+    if pid == tl.num_programs(0) - 1:
+        tl.store(counts_ptr + offs_r, (prefix + tot).to(tl.int32), mask=offs_r < R)
+
+
 @names.jit('layout', do_not_specialize=['T'])
 def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, block_hist_ptr, send_pos_ptr,
                          counts_ptr, K: tl.constexpr, R: tl.constexpr, EPR: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_K: tl.constexpr, NBINS: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE: tl.constexpr,
-                         ATOMIC: tl.constexpr):
+                         ATOMIC: tl.constexpr, SCAN: tl.constexpr = False, SCAN_T: tl.constexpr = 16,
+                         EB: tl.constexpr = 16):
     in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8), bitcast=True)     # (bool as bytes: no view per call)
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -76,28 +123,32 @@ def _layout_block_kernel(idx_ptr, T, num_experts, in_rank_ptr, block_rank_ptr, b
     in_rank = _in_rank_tile(idx_ptr, t, mt, num_experts, offs_r, K, EPR, BLOCK_R, BLOCK_T)
     tl.store(in_rank_ptr + t[:, None] * R + offs_r[None, :], in_rank.to(tl.int8),
              mask=mt[:, None] & (offs_r < R)[None, :])
-    # the block's histogram: bins [0, E) the experts, E the bad ids, E + 1 the -1 entries and padding
-    ok = tl.arange(0, BLOCK_K)
-    mk = mt[:, None] & (ok < K)[None, :]
-    ids = tl.load(idx_ptr + t[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64)
-    valid = (ids >= 0) & (ids < num_experts)
-    bins = tl.where(valid, ids, tl.where(mk & (ids != -1), num_experts, num_experts + 1)).to(tl.int32)
     tot = tl.sum(in_rank, axis=0)
-    if ATOMIC:      # many experts: integer atomic adds into the zeroed counts instead of a block histogram
-        tl.atomic_add(counts_ptr + R + bins, tl.full([BLOCK_T, BLOCK_K], 1, tl.int32), mask=bins <= num_experts)
+    if SCAN:        # one launch of several blocks: every program reads all the ids (see the module's docstring)
+        _scan_finish(idx_ptr, T, num_experts, in_rank, tot, t, mt, offs_r, send_pos_ptr, counts_ptr, pid,
+                     K, R, EPR, BLOCK_R, BLOCK_K, BLOCK_T, SCAN_T, EB)
     else:
-        hist = tl.histogram(tl.reshape(bins, [BLOCK_T * BLOCK_K]), NBINS)
-        offs_b = tl.arange(0, NBINS)
-    if SINGLE:      # the only block: finish here
-        _positions(in_rank, t, mt, offs_r, tl.zeros([BLOCK_R], dtype=tl.int64), send_pos_ptr, R)
-        tl.store(counts_ptr + offs_r, tot, mask=offs_r < R)
-        if not ATOMIC:
-            tl.store(counts_ptr + R + offs_b, hist, mask=offs_b <= num_experts)
-    else:
-        tl.store(block_rank_ptr + pid * BLOCK_R + offs_r, tot)
-        if not ATOMIC:
-            tl.store(block_hist_ptr + pid.to(tl.int64) * (num_experts + 1) + offs_b, hist,
-                     mask=offs_b <= num_experts)
+        # the block's histogram (bins of :func:`_bins`)
+        ok = tl.arange(0, BLOCK_K)
+        mk = mt[:, None] & (ok < K)[None, :]
+        bins = _bins(tl.load(idx_ptr + t[:, None] * K + ok[None, :], mask=mk, other=-1).to(tl.int64), mk,
+                     num_experts)
+        if ATOMIC:      # many experts: integer atomic adds into the zeroed counts instead of a block histogram
+            tl.atomic_add(counts_ptr + R + bins, tl.full([BLOCK_T, BLOCK_K], 1, tl.int32),
+                          mask=bins <= num_experts)
+        else:
+            hist = tl.histogram(tl.reshape(bins, [BLOCK_T * BLOCK_K]), NBINS)
+            offs_b = tl.arange(0, NBINS)
+        if SINGLE:      # the only block: finish here
+            _positions(in_rank, t, mt, offs_r, tl.zeros([BLOCK_R], dtype=tl.int64), send_pos_ptr, R)
+            tl.store(counts_ptr + offs_r, tot, mask=offs_r < R)
+            if not ATOMIC:
+                tl.store(counts_ptr + R + offs_b, hist, mask=offs_b <= num_experts)
+        else:
+            tl.store(block_rank_ptr + pid * BLOCK_R + offs_r, tot)
+            if not ATOMIC:
+                tl.store(block_hist_ptr + pid.to(tl.int64) * (num_experts + 1) + offs_b, hist,
+                         mask=offs_b <= num_experts)
 
 
 _layout_block_launch = Launcher(_layout_block_kernel)
@@ -144,7 +195,8 @@ _POS_BOUND: dict = {}
 
 
 def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, plan: bool = False):
-    """Launch the layout kernels (one launch when ``T`` fits one block, else two).
+    """Launch the layout kernels (one launch when ``T`` fits one block or, with several blocks, up to the tuning
+    table's ``scan_tokens``; else two).
 
     Args:
         topk_idx: ``[T, K]`` int32 or int64, contiguous, on the kernels' device; ``T`` may be 0.
@@ -174,16 +226,20 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, pla
     br, nbins = pow2(num_ranks), pow2(num_experts + 2, 32)
     # past histogram_max_bins a block histogram costs too much (registers per bin): atomics into zeroed counts
     atomic = nbins > int(cfg["histogram_max_bins"])
-    sizes = (T, num_ranks, num_experts, nb, br, atomic)
+    # several blocks up to scan_tokens: one launch, every program reading all the ids (the module's docstring)
+    scan = nb > 1 and not atomic and T <= int(cfg["scan_tokens"])
+    two = nb > 1 and not scan
+    sizes = (T, num_ranks, num_experts, nb if two else 1, br, atomic)      # (scratch only for two launches)
     out = _outputs(sizes, topk_idx.device)
     counts, in_rank, send_pos, per_rank, per_expert, bad, block_rank, block_hist = out
-    key = (nb, bt, K, num_ranks, num_experts, atomic, cfg["num_warps"])
+    st, eb = (min(pow2(T), int(cfg["scan_block_t"])), pow2(cdiv(num_experts + 1, nb))) if scan else (16, 16)
+    key = (nb, bt, K, num_ranks, num_experts, atomic, cfg["num_warps"], scan, st)
     launch = bound(_BLOCK_BOUND, key, lambda: _layout_block_launch.bind(
         (nb,), num_warps=cfg["num_warps"], K=K, R=num_ranks, EPR=num_experts // num_ranks, BLOCK_R=br,
-        BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic))
+        BLOCK_K=pow2(K), NBINS=nbins, BLOCK_T=bt, SINGLE=nb == 1, ATOMIC=atomic, SCAN=scan, SCAN_T=st, EB=eb))
     made = [(launch, (topk_idx, T, num_experts, in_rank, block_rank, block_hist, send_pos, counts))]
     launch(*made[0][1])
-    if nb > 1:
+    if two:
         bb = min(pow2(nb), int(cfg["block_b"]))
         pos = bound(_POS_BOUND, key + (bb,), lambda: _layout_pos_launch.bind(
             (nb,), num_warps=cfg["num_warps"], R=num_ranks, BLOCK_R=br, BLOCK_T=bt, BLOCK_B=bb,
@@ -193,7 +249,7 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, pla
     results = per_rank, per_expert, in_rank, send_pos, bad, counts
     if not plan:
         return results
-    vary = (topk_idx, counts, in_rank, send_pos) + ((block_rank, block_hist) if nb > 1 else ())
+    vary = (topk_idx, counts, in_rank, send_pos) + ((block_rank, block_hist) if two else ())
     return results, LayoutPlan(sizes, tuple(la.replay(args, vary) for la, args in made))
 
 

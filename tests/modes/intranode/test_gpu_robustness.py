@@ -75,10 +75,11 @@ def test_layout_past_65536_tokens_gpu():
 
 @pytest.mark.parametrize("T,K,E,R", [(4096, 8, 1024, 8), (3000, 8, 4096, 8), (333, 6, 384, 8), (200, 9, 144, 72),
                                      (1, 1, 4096, 4), (4096, 8, 256, 8)])
-@pytest.mark.parametrize("one_launch,max_bins", [(None, None), (0, 32)])
-def test_layout_many_experts_and_ranks_gpu(T, K, E, R, one_launch, max_bins):
+@pytest.mark.parametrize("one_launch,max_bins,blocks", [(None, None, None), (0, 32, None), (0, None, "two"),
+                                                         (0, None, "scan")])
+def test_layout_many_experts_and_ranks_gpu(T, K, E, R, one_launch, max_bins, blocks):
     dirty_cuda_cache()
-    rb.case_layout_many_experts_and_ranks(T, K, E, R, DEV, one_launch, max_bins)
+    rb.case_layout_many_experts_and_ranks(T, K, E, R, DEV, one_launch, max_bins, blocks)
 
 
 @pytest.mark.parametrize("H,Ts", [(16, [300, 0, 71]), (2880, [64, 33, 1]), (8192, [40, 17]), (16384, [9, 30])])

@@ -510,17 +510,23 @@ def test_numpy_integer_num_experts():
 
 
 @pytest.mark.parametrize("T,K,E,R", [(50, 8, 1024, 8), (33, 6, 384, 8), (20, 9, 144, 72), (1, 1, 4096, 4)])
-@pytest.mark.parametrize("one_launch,max_bins", [(None, None), (0, 32)])
-def test_layout_many_experts_and_ranks(T, K, E, R, one_launch, max_bins):
-    case_layout_many_experts_and_ranks(T, K, E, R, one_launch=one_launch, max_bins=max_bins)
+@pytest.mark.parametrize("one_launch,max_bins,blocks", [(None, None, None), (0, 32, None), (0, None, "two"),
+                                                         (0, None, "scan")])
+def test_layout_many_experts_and_ranks(T, K, E, R, one_launch, max_bins, blocks):
+    case_layout_many_experts_and_ranks(T, K, E, R, one_launch=one_launch, max_bins=max_bins, blocks=blocks)
 
 
-def case_layout_many_experts_and_ranks(T, K, E, R, device="cpu", one_launch=None, max_bins=None):
+#: tuning of the layout's launch forms with several blocks (``blocks`` of :func:`case_layout_many_experts_and_ranks`)
+_LAYOUT_BLOCKS = {"two": dict(block_t=8, scan_tokens=0), "scan": dict(block_t=8, scan_tokens=1 << 20, scan_block_t=4)}
+
+
+def case_layout_many_experts_and_ranks(T, K, E, R, device="cpu", one_launch=None, max_bins=None, blocks=None):
     """routing_layout with many experts (the per-block histograms grow with E) and more than 64 ranks
     (rank sets no longer fit one int64), ids drawn with -1s and bad ids (-5, E, 2^40) mixed in: counts,
     ``is_token_in_rank``, send positions and the bad-id count equal the reference's; garbage-filled memory
     underneath does not leak. ``one_launch`` overrides the one-launch token bound (0: always two launches),
-    ``max_bins`` the histogram bound (past it: atomics).
+    ``max_bins`` the histogram bound (past it: atomics), ``blocks`` (``"two"``, ``"scan"``) blocks of 8 tokens in two
+    launches or in one whose programs each read every id (:data:`_LAYOUT_BLOCKS`).
     Catches: a histogram too small for E + 2 bins, a rank-bit overflow past 64 ranks, padding ids counted."""
     g = torch.Generator().manual_seed(E + R)
     idx = torch.randint(-1, E, (T, K), generator=g)
@@ -533,6 +539,7 @@ def case_layout_many_experts_and_ranks(T, K, E, R, device="cpu", one_launch=None
             table["layout"]["one_launch_tokens"] = one_launch
         if max_bins is not None:
             table["layout"]["histogram_max_bins"] = max_bins
+        table["layout"].update(_LAYOUT_BLOCKS.get(blocks, {}))
         per_rank, per_expert, in_rank, send_pos, nbad, counts = kernels.routing_layout(idx.to(device), E, R)
     finally:
         table["layout"].clear()
