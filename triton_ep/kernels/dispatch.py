@@ -52,6 +52,12 @@ def _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delt
     for pid in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tl.arange(0, BLOCK_T).to(tl.int64) + pid * BLOCK_T
         mt = t < T
+        # the tokens that go to some rank within this round's window: the only rows read (a call of several rounds
+        # reads a row in the rounds that move it, not in every round; a token that goes nowhere is not read)
+        go = tl.zeros([BLOCK_T], dtype=tl.int1)
+        for r in tl.static_range(R):
+            m, _ = _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, mt, r, lo, hi, R, REC)
+            go = go | m
         # x: each tile is read once and stored to every destination rank that takes the token. With SPLIT_W
         # the second grid axis picks one BLOCK_W slice of the row (and slice 0 writes the record's tail).
         if SPLIT_W:
@@ -64,9 +70,9 @@ def _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delt
             ow = w0 + tl.arange(0, BLOCK_W)
             src = x_ptr + t[:, None] * WX + ow[None, :]
             if EVEN_W:      # WX is a multiple of BLOCK_W: row masks only
-                v = tl.load(src, mask=mt[:, None])
+                v = tl.load(src, mask=go[:, None])
             else:
-                v = tl.load(src, mask=mt[:, None] & (ow < WX)[None, :])
+                v = tl.load(src, mask=go[:, None] & (ow < WX)[None, :])
             for r in tl.static_range(R):
                 m, row = _dest_rows(send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, t, mt, r, lo, hi, R, REC)
                 if EVEN_W:
