@@ -76,9 +76,13 @@ def tuning_changes() -> int:
 
 GPU_TUNING: Dict[str, Dict[str, object]] = {
     # up to scan_tokens (past one_launch_tokens) one launch whose programs each read all the ids, in tiles of
-    # scan_block_t tokens (kernels/layout.py); past it two launches
+    # scan_block_t tokens (kernels/layout.py); past it two launches. One H100, top-8 of 256, R 8, GPU µs per
+    # CUDA-graph replay two launches / one scan launch, and host µs of a hot loop: T 512 5.5 / 7.3 and 76 / 50,
+    # T 1024 5.5 / 10.9 and 81 / 49, T 2048 5.9 / 17.9 and 79 / 55, T 4096 5.9 / 30.7 and 84 / 54 (R 2 alike): the
+    # scan costs GPU time in proportion to T, so it stops at 1024 tokens (a probe, 2026-12-06 at fc519e2:
+    # benchmarks/results/layout_forms_h100_probe.json)
     "layout": dict(block_t=64, block_b=64, one_launch_tokens=256, histogram_max_bins=512, num_warps=4,
-                   scan_tokens=4096, scan_block_t=256),
+                   scan_tokens=1024, scan_block_t=256),
     "dispatch_send": dict(block_t=1, block_w=4096, num_warps=4, split_w=0, store_cache="", store_evict="",
                           programs_per_sm=0, record_align_words=32),
     "dispatch_recv": dict(block_t=1, block_w=2048, num_warps=4),
