@@ -46,7 +46,8 @@ from .network import Network, agreed_proxy_kind, open_network, proxy_to_exchange
 
 #: seconds ``NetLeg.close`` waits at most for chunks already published to be placed
 CLOSE_WAIT_S = 5.0
-#: seconds a rank that found a disagreement waits at most for the peer's call card (:meth:`NetLeg.explain_mismatch`)
+#: seconds a rank that found a disagreement waits at most for the call card that differs from its own
+#: (:meth:`NetLeg.explain_mismatch`)
 CARD_WAIT_S = 10.0
 
 
@@ -103,8 +104,10 @@ class NetLeg:
         and the chunks carry only the call's 64-bit signature: so, on this error path only, this rank posts its
         card in the group's store and reads ``peer``'s (which ``peer`` posts when it raises its side of the same
         disagreement), waiting at most ``min(timeout_s, CARD_WAIT_S)``. Where ``peer``'s card agrees with this
-        rank's, the cards other ranks posted already are compared. ``None`` (the caller's message names the two
-        ranks only): no store, or no card came in time. Never raises."""
+        rank's (``peer`` found the disagreement with a third rank and told this one), the other ranks' cards are
+        compared as they come, within the same bound: the rank that differs may post its card after ``peer``.
+        ``None`` (the caller's message names the two ranks only): no store, no card that differs came in time, or
+        every other rank's came and agrees. Never raises."""
         try:
             me, store = rt.rank, self.store
             if store is None:
@@ -114,15 +117,23 @@ class NetLeg:
             store.set(key + str(me), mine.tobytes())
             self._posted.append(key + str(me))
             deadline = time.monotonic() + min(rt.timeout_s, CARD_WAIT_S)
-            while not store.check([key + str(peer)]):
-                if time.monotonic() > deadline:
+            # ``peer``'s card first; where it agrees with this rank's (``peer`` found the disagreement with a third
+            # rank and told this one, e.g. a host mate that unpacked the third rank's chunk first), the others' as
+            # they come: the rank that differs posts its card when it raises its side, maybe later than ``peer``
+            pending = [peer] + [r for r in range(rt.group_size) if r not in (me, peer)]
+            while pending:
+                for r in list(pending):
+                    if not store.check([key + str(r)]):
+                        if r == peer:       # (named first: the others' are looked at once it came)
+                            break
+                        continue
+                    pending.remove(r)
+                    what = call_card.describe(mine, np.frombuffer(store.get(key + str(r)), dtype=np.int64), me, r)
+                    if what is not None:
+                        return what
+                if not pending or time.monotonic() > deadline:
                     return None
                 time.sleep(0.002)
-            others = [r for r in range(rt.group_size) if r not in (me, peer) and store.check([key + str(r)])]
-            for r in [peer] + others:
-                what = call_card.describe(mine, np.frombuffer(store.get(key + str(r)), dtype=np.int64), me, r)
-                if what is not None:
-                    return what
         except Exception:   # noqa: BLE001 - an error path: the caller's plainer message stands
             pass
         return None
