@@ -147,11 +147,34 @@ class NetLeg:
         the scheduler's own ``check`` (bounded there). Nothing where the proxy did not fail."""
         rec = rt.sig.record()
         sched = self.sched
+        if rec is not None and rec.kind == int(F.E_FAILED) and sched.error is None:
+            self._look_at_notices()
         sched.waiting = None if rec is None else f"{F.STAGE_NAMES.get(rec.stage, 'unknown')} (round {rec.call})"
         try:
             sched.check()
         finally:
             sched.waiting = None
+
+    def _look_at_notices(self) -> None:
+        """A peer's failure word ended a wait of this rank (an error path): look at the peers' proxy fault notices in
+        the group's store now (a proxy process's scheduler: :meth:`FaultNotices.look
+        <triton_ep.proxy_process.notices.FaultNotices.look>`, bounded), not at the watching thread's next look, up to
+        :data:`~triton_ep.proxy_process.notices.FAULT_POLL_S` later. A host mate whose proxy process stopped or died
+        posts its notice before its kernels write that word: so this rank names that proxy
+        (``ProxyRemoteError``), not a plain failure of the host mate. Never raises."""
+        notices = getattr(self.sched, "notices", None)
+        if notices is None:
+            return
+        try:
+            notices.look()
+        except Exception:   # noqa: BLE001 - an error path: the failure word's error stands
+            pass
+
+    def _proxy_failed(self, rt) -> None:
+        """Raise the proxy's error where it failed (:meth:`check`), e.g. a peer's proxy fault heard while this rank
+        waits at a re-synchronisation meeting; nothing otherwise (one attribute read)."""
+        if self.sched.error is not None:
+            self.check(rt)
 
     def post_failure(self, ll: LowLatency, n: int) -> None:
         """This rank rejects low-latency call ``n`` on the host: send every unmasked network peer that call's
@@ -216,7 +239,8 @@ class NetLeg:
             # every rank renumbered before any sends again: a peer's first chunk after the renumbering must not
             # arrive here before this rank's own renumbering (which would drop it)
             gather_objects(self.group, None, rt.timeout_s,
-                           f"low-latency across hosts: {mine.purpose()}, rings renumbered")
+                           f"low-latency across hosts: {mine.purpose()}, rings renumbered",
+                           check=functools.partial(self._proxy_failed, rt))
 
     def _standing(self, ll: LowLatency, unmask) -> "Standing":
         """What this rank brings to a re-synchronisation: its counters, masks and the ranks it came to unmask."""
@@ -233,13 +257,17 @@ class NetLeg:
         :class:`Standing`, in rank order.
 
         Raises:
-            what :func:`gather_objects` raises, marked ``_ep_nothing_changed`` (no state was touched).
+            what :func:`gather_objects` raises, marked ``_ep_nothing_changed`` (no state was touched); the proxy's
+                error as soon as it fails while this rank waits there (e.g. a peer's proxy process stopped, told
+                through the group's store: that peer will not come), not after ``timeout_s``.
             ValueError: a rank came for another purpose (other ``unmask`` ranks, or to re-synchronise).
         """
         try:
-            every = gather_objects(self.group, mine, rt.timeout_s, f"low-latency across hosts: {mine.purpose()}")
+            every = gather_objects(self.group, mine, rt.timeout_s, f"low-latency across hosts: {mine.purpose()}",
+                                   check=functools.partial(self._proxy_failed, rt))
         except Exception as ex:
-            ex._ep_nothing_changed = True       # (the caller may keep the Buffer: no state was touched)
+            if self.sched.error is None:        # (a failed proxy ends the low-latency calls whatever was touched)
+                ex._ep_nothing_changed = True   # (the caller may keep the Buffer: no state was touched)
             raise
         odd = [r for r, e in enumerate(every) if (e.unmask, e.unmasking) != (mine.unmask, mine.unmasking)]
         if odd:
