@@ -139,12 +139,13 @@ def test_ranks_waiting_to_re_synchronise_hear_a_stopped_proxy_at_once(proxy_mode
 
 @pytest.mark.extended   # (the rule of test_a_stopped_proxy_process_is_named_by_its_own_rank, the race more often)
 def test_a_host_mate_named_by_its_failure_word_first_names_its_stopped_proxy(proxy_mode):
-    """Rank 2's proxy process stopped; rank 3 (its host mate) looks at the peers' fault notices only every 5 s. Where
-    rank 2's failure word ends rank 3's first call (in 1 of 4 runs before the fix), rank 3 still raises
-    ProxyRemoteError naming rank 2's proxy: rank 2 posted its notice before its ring waits ended, and rank 3 looks at
-    the notices when a failure word ends its wait (before: EPRemoteError "rank 2 failed the call", then a 20 s timeout
-    at the re-synchronisation, as in the CI run above). Every rank raises within timeout_s / 2. Proxy processes
-    only."""
+    """Rank 2's proxy process stopped; rank 3 (its host mate) looks at the peers' fault notices only every 5 s (its
+    thread's, at a phase the test does not set: a weak forcing). Where rank 2's failure word ends rank 3's first call
+    (before the fix: 1 run of 4 on a 2-core machine at a load of about 8, none of 6 at a load of about 5), rank 3
+    still raises ProxyRemoteError naming rank 2's proxy: rank 2 posted its notice before its ring waits ended, and
+    rank 3 looks at the notices when a failure word ends its wait (before: EPRemoteError "rank 2 failed the call", then
+    a 20 s timeout at the re-synchronisation, as in the CI run above). Every rank raises within timeout_s / 2. Proxy
+    processes only."""
     if proxy_mode != "process":
         pytest.skip("a proxy process is stopped")
     timeout_s = 20.0
