@@ -1,6 +1,7 @@
 """Rank bodies of the low-latency tests (module-level, so spawned processes can import them), and the
 plain-PyTorch oracle of low-latency dispatch and combine."""
 import os
+import time
 
 import torch
 
@@ -299,17 +300,31 @@ def bad_ids_then_recover(rank, world, N, H, E):
         buf.destroy()
 
 
-def disagree_then_recover(rank, world, N, H, E):
+def disagree_then_recover(rank, world, N, H, E, late_card_s=0.0, late_call_s=0.0):
     """Rank 1 calls with use_fp8=False where the others pass True, then with another
     num_max_dispatch_tokens_per_rank: every rank raises ValueError naming the field and both values (one
-    exception type for a disagreement on every rank); the next agreeing call is correct."""
+    exception type for a disagreement on every rank); the next agreeing call is correct. ``late_card_s``
+    (across hosts): rank 1 posts its call card in the group's store that many seconds late
+    (``NetLeg.explain_mismatch``), as a loaded machine may: a rank told of the disagreement by a rank that
+    agrees with it then finds rank 1's card only after that rank's. ``late_call_s``: rank 2 starts each
+    disagreeing call that many seconds late (its host mate, rank 3, has then found the disagreement and told it)."""
     R, me = world, rank
+    if late_card_s and me == 1:
+        from triton_ep.modes.internode.low_latency import NetLeg
+        real = NetLeg.explain_mismatch
+
+        def late(self, rt, peer):
+            time.sleep(late_card_s)
+            return real(self, rt, peer)
+        NetLeg.explain_mismatch = late      # (this rank's process only; before its Buffer binds it)
     xs, idxs, ws = ll_inputs(9, R, E, 2, H, [4] * R)
     buf = _buffer(R, N, H, E, timeout_s=30)
     got = []
     try:
         for kw in (dict(use_fp8=me != 1), dict(use_fp8=False, n=N if me != 1 else N // 2)):
             n = kw.pop("n", N)
+            if late_call_s and me == 2:
+                time.sleep(late_call_s)
             try:
                 buf.low_latency_dispatch(xs[me], idxs[me], n, E, **kw)
                 buf.check()

@@ -108,21 +108,40 @@ def died_with_child(rank, world, mode, timeout_s, done_path, port=None, store_ti
     return out
 
 
+def _destroy_resuming(buf, pid) -> float:
+    """Destroy the Buffer (it ends its stopped proxy process), then resume (SIGCONT) the proxy process ``pid`` that
+    this rank stopped, if any, so that nothing stays stopped (gone by then, or a zombie reaped). Returns the seconds
+    destroy() took."""
+    try:
+        return _destroy_s(buf)
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
 def _sched(buf, mode: str):
     """The Buffer's RDMA scheduler across hosts: the low-latency leg's (``mode`` "internode_ll") or the normal
     mode's."""
     return buf._ll.net.sched if mode == "internode_ll" else buf._modes.internode.sched
 
 
-def proxy_stopped(rank, world, mode, victim, timeout_s):
+def proxy_stopped(rank, world, mode, victim, timeout_s, slow_watch_s=0.0):
     """Every rank makes a correct call of ``mode`` ("internode" or "internode_ll":
     :func:`tests.cases.dead_peer._warm_up`); after a barrier rank ``victim`` stops its own proxy process (SIGSTOP)
     and every rank makes the call twice, waits for every other rank to be done (the group's store), then destroys
     its Buffer (on the victim that ends the stopped proxy; it is resumed, SIGCONT, on every path, so that nothing
-    stays stopped). Returns ``[the calls (:func:`_calls`), seconds
-    destroy() took, this rank's proxy's pid]``."""
+    stays stopped). ``slow_watch_s``: the victim's host mate's thread looks at the peers'
+    fault notices that many seconds apart (:data:`triton_ep.proxy_process.notices.FAULT_POLL_S`), as a loaded
+    machine may, so the victim's failure words reach it before that thread's look. Returns ``[the calls
+    (:func:`_calls`), seconds destroy() took, this rank's proxy's pid]``."""
     import torch.distributed as dist
     os.environ.update(ENV)
+    if slow_watch_s and rank == victim ^ 1:     # (the victim's host mate: 2 ranks a host)
+        from triton_ep.proxy_process import notices
+        notices.FAULT_POLL_S = slow_watch_s
     buf, args = _buffer(rank, world, mode == "internode_ll", timeout_s)
     pid = None
     try:
@@ -134,19 +153,44 @@ def proxy_stopped(rank, world, mode, victim, timeout_s):
         out = _calls(call)
         all_live_ranks_reach(world, bound_s=60.0)      # (so that no rank's teardown is what a slow one hears first)
     except BaseException:
-        if rank == victim and pid is not None:
-            os.kill(pid, signal.SIGCONT)
-        buf.destroy()
+        _destroy_resuming(buf, pid if rank == victim else None)
         raise
+    return [out, _destroy_resuming(buf, pid if rank == victim else None), pid]
+
+
+def ll_proxy_stopped_while_meeting(rank, world, victim, timeout_s, stop_after_s=1.0):
+    """Low latency across hosts: after a warm-up dispatch and a barrier every rank but ``victim`` makes a dispatch
+    with a float32 ``x`` (refused on the host: its peers are told, the next call re-synchronises the group) and then
+    a correct one, which waits at the meeting 'low-latency across hosts: re-synchronise after an error'. The victim
+    stops its own proxy process (SIGSTOP) ``stop_after_s`` seconds after the barrier (the others are at the meeting
+    by then), waits until its rank found it stopped (its scheduler's error: the peers are told through the group's
+    store), then makes the correct dispatch twice (it raises its ProxyError at once, never comes to the meeting).
+    Every rank waits for every other rank to be done, then destroys its Buffer (the victim's proxy is resumed,
+    SIGCONT, on every path). Returns ``[the calls (:func:`_calls`; the refused one first), seconds destroy() took]``."""
+    import torch.distributed as dist
+    os.environ.update(ENV)
+    buf, args = _buffer(rank, world, True, timeout_s)
+    pid = None
     try:
-        destroy_s = _destroy_s(buf)
-    finally:
+        call = _warm_up(buf, "internode_ll", *args)
+        sched = buf._ll.net.sched
+        dist.barrier()
         if rank == victim:
-            try:
-                os.kill(pid, signal.SIGCONT)    # (destroy() ended it: gone, or a zombie reaped by now)
-            except ProcessLookupError:
-                pass
-    return [out, destroy_s, pid]
+            time.sleep(stop_after_s)
+            pid = sched.proc.pid
+            os.kill(pid, signal.SIGSTOP)
+            end = time.monotonic() + timeout_s
+            while sched.error is None and time.monotonic() < end:
+                time.sleep(0.01)
+            out = _calls(call)
+        else:
+            x, idx, _, N, E = args
+            out = _calls(lambda: buf.low_latency_dispatch(x.float(), idx, N, E, use_fp8=False), 1) + _calls(call, 1)
+        all_live_ranks_reach(world, bound_s=60.0)
+    except BaseException:
+        _destroy_resuming(buf, pid)
+        raise
+    return [out, _destroy_resuming(buf, pid)]
 
 
 def ll_destroyed_early(rank, world, victim, timeout_s):

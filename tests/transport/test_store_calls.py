@@ -134,3 +134,35 @@ def test_mark_host_path_without_a_store_starts_no_thread():
         tokens.mark_host_path(3)
         assert tokens.calls._worker is None
         tokens.close()
+
+
+def test_fault_notices_look_hears_a_notice_at_once(monkeypatch):
+    """``FaultNotices.look`` (an error path: a host mate's failure word ended a wait) hears a notice already posted
+    before it returns, not at the watching thread's next look (here 60 s away); each notice is heard once, by the
+    look or the thread; a look blocked past its bound raises TimeoutError (a store that never answers). Nothing is
+    left running once closed (the fixture)."""
+    from triton_ep.proxy_process import notices as notices_mod
+    monkeypatch.setattr(notices_mod, "FAULT_POLL_S", 60.0)
+    store, heard = dist.HashStore(), []
+    mine = notices_mod.FaultNotices(store, "p/", 0, [1], lambda *a: heard.append(a))
+    theirs = notices_mod.FaultNotices(store, "p/", 1, [0], lambda *a: None)
+    try:
+        mine.look()
+        assert heard == []
+        theirs.post(7, "stopped making progress")
+        t0 = time.monotonic()
+        mine.look()
+        assert heard == [(1, 7, "stopped making progress")] and time.monotonic() - t0 < 1.0, heard
+        mine.look()
+        assert len(heard) == 1, heard
+        with mine._lock:        # (the thread's look in progress, blocked in the store)
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                mine.look(0.2)
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        mine.close()
+        theirs.close()
+    deadline = time.monotonic() + 5.0
+    while [t for t in threading.enumerate() if t.name == "triton-ep-store-call"] and time.monotonic() < deadline:
+        time.sleep(0.01)

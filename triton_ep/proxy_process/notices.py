@@ -8,6 +8,8 @@ from typing import Sequence
 
 #: seconds between a rank's looks at the group's store for a peer whose proxy process died (:class:`FaultNotices`)
 FAULT_POLL_S = 0.25
+#: seconds :meth:`FaultNotices.look` waits at most for the store (a look takes a few milliseconds)
+LOOK_BOUND_S = 1.0
 #: seconds :meth:`FaultNotices.close` waits at most for its thread (a look at the store takes a millisecond)
 CLOSE_JOIN_S = 0.5 + FAULT_POLL_S
 
@@ -34,6 +36,8 @@ class FaultNotices:
         self.store, self.prefix, self.rank, self.peers, self.on_fault = store, prefix, rank, list(peers), on_fault
         self._stop = threading.Event()
         self._heard: set = set()
+        #: the notice count last looked at, under ``_lock`` (the thread and :meth:`look` take turns)
+        self._seen, self._lock = 0, threading.Lock()
         self._thread = threading.Thread(target=self._watch, name=f"triton-ep-proxy-faults-{rank}", daemon=True)
         self._thread.start()
 
@@ -46,22 +50,42 @@ class FaultNotices:
         except Exception:   # noqa: BLE001
             pass
 
+    def look(self, bound_s: float = LOOK_BOUND_S) -> None:
+        """Look at the store now, as the watching thread does every :data:`FAULT_POLL_S`: ``on_fault`` is called for
+        each peer's notice not heard yet before this returns. For an error path that must not miss a notice already
+        posted: a host mate's failure word ended this rank's wait, and its rank posts the notice before its kernels
+        can write that word (:meth:`~.rank_side.ProcessScheduler._record`). Bounded by ``bound_s`` (a worker thread
+        makes the store calls, :func:`~triton_ep.transport.bootstrap.bounded_store_call`; the watching thread's look
+        in progress is waited for within it).
+
+        Raises:
+            TimeoutError: no answer within ``bound_s``. What the store raises."""
+        from triton_ep.transport.bootstrap import bounded_store_call     # (torch: not in the proxy process)
+        bounded_store_call(self._look, bound_s, "a look at the peers' proxy fault notices")
+
+    def _look(self) -> bool:
+        """One look (the thread's or :meth:`look`'s: one at a time, each notice heard once). Returns whether this
+        side has stopped looking."""
+        with self._lock:
+            n = self.store.add(f"{self.prefix}count", 0)
+            if self._stop.is_set():
+                return True
+            if n <= self._seen:
+                return False
+            self._seen = n
+            for p in self.peers:
+                key = f"{self.prefix}{p}"
+                if p not in self._heard and self.store.check([key]):
+                    self._heard.add(p)
+                    word, why = pickle.loads(self.store.get(key))
+                    self.on_fault(p, word, why)
+        return False
+
     def _watch(self) -> None:
-        seen = 0
         while not self._stop.wait(FAULT_POLL_S):
             try:
-                n = self.store.add(f"{self.prefix}count", 0)
-                if self._stop.is_set():
+                if self._look():
                     return
-                if n <= seen:
-                    continue
-                seen = n
-                for p in self.peers:
-                    key = f"{self.prefix}{p}"
-                    if p not in self._heard and self.store.check([key]):
-                        self._heard.add(p)
-                        word, why = pickle.loads(self.store.get(key))
-                        self.on_fault(p, word, why)
             except Exception:   # noqa: BLE001  (the store is gone: the job is ending; peers' own bounds stand)
                 return
 

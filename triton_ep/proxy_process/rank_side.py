@@ -181,9 +181,8 @@ class ProcessScheduler(Scheduler):
                 how = "closed its channel"
             ex = ProxyError(self.rank, None, None, None, STAGE_PROCESS,
                             f"the RDMA proxy process (pid {self.proc.pid}) ended: {how}")
-            if self._record(ex) and self.notices is not None:
-                # the dead proxy cannot write its fault word into the peers' rings: this process tells them
-                self.notices.post(fault_word(STAGE_INTERNAL, None, None), f"ended (pid {self.proc.pid}, {how})")
+            # (the dead proxy cannot write its fault word into the peers' rings: this process tells them)
+            self._record(ex, notice=f"ended (pid {self.proc.pid}, {how})")
         self._replies.put(None)
 
     def _look_at_beat(self, beat: Heartbeat) -> None:
@@ -204,11 +203,8 @@ class ProcessScheduler(Scheduler):
                         f"the RDMA proxy process (pid {pid}) stopped making progress: {why}; its sweeps have not "
                         f"run for {still:.1f} s; this call's outputs here are not valid; destroy() and rebuild the "
                         f"Buffer")
-        if self._record(ex):
+        if self._record(ex, notice=f"stopped making progress (pid {pid}, {why}, no sweep for {still:.1f} s)"):
             self._stalled = True
-            if self.notices is not None:
-                self.notices.post(fault_word(STAGE_INTERNAL, None, None),
-                                  f"stopped making progress (pid {pid}, {why}, no sweep for {still:.1f} s)")
 
     def _peer_fault(self, peer: int, word: int, why: str) -> None:
         """``peer``'s proxy process died or stopped and its rank said so (:class:`FaultNotices`): fail as its fault
@@ -223,13 +219,20 @@ class ProcessScheduler(Scheduler):
                                    f"through the group's store"))       # (the peer's number: the error's field,
         # which the mode renames to a global rank; a number in the text would stay the network leg's)
 
-    def _record(self, ex: BaseException) -> bool:
+    def _record(self, ex: BaseException, notice: Optional[str] = None) -> bool:
         """Record ``ex`` as the error (the first one wins) and end every ring wait. Returns whether it was the
-        first."""
+        first. ``notice``: this rank's proxy process died or stopped (it writes no fault word), because ``notice``:
+        where ``ex`` is the first error, tell the peers through the group's store (:meth:`FaultNotices.post`)
+        before the ring waits end. This rank's kernels, whose waits the abort word ends, then write their failure
+        words into its host mates' control blocks after the notice is in the store: a host mate whose wait such a
+        word ended finds the notice there (:meth:`FaultNotices.look`) and names this rank's proxy, not a plain
+        failure of this rank."""
         with self._err_lock:
             first = self.error is None
             if first:
                 self.error = ex
+        if first and notice is not None and self.notices is not None:
+            self.notices.post(fault_word(STAGE_INTERNAL, None, None), notice)
         self.flags.abort(2)
         if first and isinstance(ex, PeerGoneError) and self.on_gone is not None:
             self.on_gone(ex.peer)

@@ -29,7 +29,7 @@ import pickle
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -218,13 +218,19 @@ class Exchange:
             raise EPTimeoutError(self.rank, missing, f"{self.stage} ({why})", self.timeout_s)
         raise EPRemoteError(f"rank {self.rank}: {why} at '{self.stage}'; this rank's Buffer was not built")
 
-    def gather(self, obj: Any) -> List[Any]:
-        """Every rank's ``obj``, in rank order.
+    def gather(self, obj: Any, check: Optional[Callable[[], None]] = None) -> List[Any]:
+        """Every rank's ``obj``, in rank order. ``check``: called at each look at the store while this rank waits
+        (a few milliseconds apart; it must be cheap), to raise an error this rank learns of meanwhile, e.g. its RDMA
+        proxy's, which a peer that will not come caused (its proxy stopped, told through the group's store), instead
+        of waiting out ``timeout_s`` for that peer. The exchange is not given up (:meth:`fail`): the other ranks
+        waiting learn of that error as this one did and raise it themselves (a peer's given-up exchange would be an
+        ``EPRemoteError`` quoting this rank, where they should name the root cause).
 
         Raises:
             EPTimeoutError: ranks did not arrive within ``timeout_s``; it names all of them (``peer`` is the
                 first, ``peers`` the list).
             EPRemoteError: a peer gave up or failed before the exchange (its reason is quoted).
+            what ``check`` raises.
         """
         if self.store is None:
             return _gather_collective(self.group, obj, self.timeout_s, self.stage)
@@ -234,6 +240,8 @@ class Exchange:
         deadline = start + self.timeout_s
         abort = self.base + "abort"
         while True:
+            if check is not None:
+                check()
             arrived = store.check(keys)
             if store.check([abort]):
                 self._gave_up(keys, store.get(abort).decode())
@@ -260,15 +268,17 @@ class Exchange:
         return out
 
 
-def gather_objects(group, obj: Any, timeout_s: float, stage: str) -> List[Any]:
+def gather_objects(group, obj: Any, timeout_s: float, stage: str,
+                   check: Optional[Callable[[], None]] = None) -> List[Any]:
     """``all_gather_object`` over ``group`` with a bound (see :class:`Exchange`): picklable ``obj`` from every
-    rank, in rank order.
+    rank, in rank order. ``check``: see :meth:`Exchange.gather` (looked at while this rank waits for its peers).
 
     Raises:
         EPTimeoutError: not every rank joined within ``timeout_s`` seconds (naming those that did not).
         EPRemoteError: a peer gave up or failed before the exchange.
+        what ``check`` raises.
     """
-    return Exchange(group, timeout_s, stage).gather(obj)
+    return Exchange(group, timeout_s, stage).gather(obj, check)
 
 
 def _gather_collective(group, obj: Any, timeout_s: float, stage: str) -> List[Any]:

@@ -241,6 +241,22 @@ def test_disagreement_across_hosts_names_the_field_and_both_values():
                                        f"rank {peer} passed {8 if peer != 1 else 4}") in m1, out
 
 
+def test_disagreement_two_hosts_of_two_names_the_field_on_every_rank():
+    """(A new user's find, 1 run in 5: a rank told of the disagreement by its agreeing host mate said "ranks 2 and 3
+    called different operations".) 2 hosts of 2 ranks, rank 1 disagrees and posts its call card 3 s late, rank 2 calls
+    1.5 s late (its host mate, rank 3, has found the disagreement and told it by then): every
+    rank still names the field, its own value and rank 1's (a rank whose named peer agrees waits, bounded, for the
+    card of a rank that differs)."""
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "disagree_then_recover", 8, 128, 4, 3.0, 1.5))
+    for me in (0, 2, 3):
+        (k0, m0), (k1, m1) = out[me]
+        assert k0 == "ValueError" and f"use_fp8: rank {me} passed True, rank 1 passed False" in m0, out
+        assert k1 == "ValueError" and f"num_max_dispatch_tokens_per_rank: rank {me} passed 8, rank 1 passed 4" in m1, out
+    (k0, m0), (k1, m1) = out[1]
+    assert k0 == "ValueError" and "use_fp8: rank 1 passed False, rank " in m0 and "passed True" in m0, out
+    assert k1 == "ValueError" and "num_max_dispatch_tokens_per_rank: rank 1 passed 4, rank " in m1, out
+
+
 def test_combine_disagreement_across_hosts_names_use_logfmt():
     """2 hosts of 1 rank: rank 1 combines with use_logfmt, rank 0 without: ValueError naming use_logfmt and both
     values on both ranks; the next round trip is correct. (Before, each rank's unpack read the other's chunk with

@@ -46,7 +46,8 @@ from .network import Network, agreed_proxy_kind, open_network, proxy_to_exchange
 
 #: seconds ``NetLeg.close`` waits at most for chunks already published to be placed
 CLOSE_WAIT_S = 5.0
-#: seconds a rank that found a disagreement waits at most for the peer's call card (:meth:`NetLeg.explain_mismatch`)
+#: seconds a rank that found a disagreement waits at most for the call card that differs from its own
+#: (:meth:`NetLeg.explain_mismatch`)
 CARD_WAIT_S = 10.0
 
 
@@ -103,8 +104,10 @@ class NetLeg:
         and the chunks carry only the call's 64-bit signature: so, on this error path only, this rank posts its
         card in the group's store and reads ``peer``'s (which ``peer`` posts when it raises its side of the same
         disagreement), waiting at most ``min(timeout_s, CARD_WAIT_S)``. Where ``peer``'s card agrees with this
-        rank's, the cards other ranks posted already are compared. ``None`` (the caller's message names the two
-        ranks only): no store, or no card came in time. Never raises."""
+        rank's (``peer`` found the disagreement with a third rank and told this one), the other ranks' cards are
+        compared as they come, within the same bound: the rank that differs may post its card after ``peer``.
+        ``None`` (the caller's message names the two ranks only): no store, no card that differs came in time, or
+        every other rank's came and agrees. Never raises."""
         try:
             me, store = rt.rank, self.store
             if store is None:
@@ -114,15 +117,23 @@ class NetLeg:
             store.set(key + str(me), mine.tobytes())
             self._posted.append(key + str(me))
             deadline = time.monotonic() + min(rt.timeout_s, CARD_WAIT_S)
-            while not store.check([key + str(peer)]):
-                if time.monotonic() > deadline:
+            # ``peer``'s card first; where it agrees with this rank's (``peer`` found the disagreement with a third
+            # rank and told this one, e.g. a host mate that unpacked the third rank's chunk first), the others' as
+            # they come: the rank that differs posts its card when it raises its side, maybe later than ``peer``
+            pending = [peer] + [r for r in range(rt.group_size) if r not in (me, peer)]
+            while pending:
+                for r in list(pending):
+                    if not store.check([key + str(r)]):
+                        if r == peer:       # (named first: the others' are looked at once it came)
+                            break
+                        continue
+                    pending.remove(r)
+                    what = call_card.describe(mine, np.frombuffer(store.get(key + str(r)), dtype=np.int64), me, r)
+                    if what is not None:
+                        return what
+                if not pending or time.monotonic() > deadline:
                     return None
                 time.sleep(0.002)
-            others = [r for r in range(rt.group_size) if r not in (me, peer) and store.check([key + str(r)])]
-            for r in [peer] + others:
-                what = call_card.describe(mine, np.frombuffer(store.get(key + str(r)), dtype=np.int64), me, r)
-                if what is not None:
-                    return what
         except Exception:   # noqa: BLE001 - an error path: the caller's plainer message stands
             pass
         return None
@@ -136,11 +147,34 @@ class NetLeg:
         the scheduler's own ``check`` (bounded there). Nothing where the proxy did not fail."""
         rec = rt.sig.record()
         sched = self.sched
+        if rec is not None and rec.kind == int(F.E_FAILED) and sched.error is None:
+            self._look_at_notices()
         sched.waiting = None if rec is None else f"{F.STAGE_NAMES.get(rec.stage, 'unknown')} (round {rec.call})"
         try:
             sched.check()
         finally:
             sched.waiting = None
+
+    def _look_at_notices(self) -> None:
+        """A peer's failure word ended a wait of this rank (an error path): look at the peers' proxy fault notices in
+        the group's store now (a proxy process's scheduler: :meth:`FaultNotices.look
+        <triton_ep.proxy_process.notices.FaultNotices.look>`, bounded), not at the watching thread's next look, up to
+        :data:`~triton_ep.proxy_process.notices.FAULT_POLL_S` later. A host mate whose proxy process stopped or died
+        posts its notice before its kernels write that word: so this rank names that proxy
+        (``ProxyRemoteError``), not a plain failure of the host mate. Never raises."""
+        notices = getattr(self.sched, "notices", None)
+        if notices is None:
+            return
+        try:
+            notices.look()
+        except Exception:   # noqa: BLE001 - an error path: the failure word's error stands
+            pass
+
+    def _proxy_failed(self, rt) -> None:
+        """Raise the proxy's error where it failed (:meth:`check`), e.g. a peer's proxy fault heard while this rank
+        waits at a re-synchronisation meeting; nothing otherwise (one attribute read)."""
+        if self.sched.error is not None:
+            self.check(rt)
 
     def post_failure(self, ll: LowLatency, n: int) -> None:
         """This rank rejects low-latency call ``n`` on the host: send every unmasked network peer that call's
@@ -205,7 +239,8 @@ class NetLeg:
             # every rank renumbered before any sends again: a peer's first chunk after the renumbering must not
             # arrive here before this rank's own renumbering (which would drop it)
             gather_objects(self.group, None, rt.timeout_s,
-                           f"low-latency across hosts: {mine.purpose()}, rings renumbered")
+                           f"low-latency across hosts: {mine.purpose()}, rings renumbered",
+                           check=functools.partial(self._proxy_failed, rt))
 
     def _standing(self, ll: LowLatency, unmask) -> "Standing":
         """What this rank brings to a re-synchronisation: its counters, masks and the ranks it came to unmask."""
@@ -222,13 +257,17 @@ class NetLeg:
         :class:`Standing`, in rank order.
 
         Raises:
-            what :func:`gather_objects` raises, marked ``_ep_nothing_changed`` (no state was touched).
+            what :func:`gather_objects` raises, marked ``_ep_nothing_changed`` (no state was touched); the proxy's
+                error as soon as it fails while this rank waits there (e.g. a peer's proxy process stopped, told
+                through the group's store: that peer will not come), not after ``timeout_s``.
             ValueError: a rank came for another purpose (other ``unmask`` ranks, or to re-synchronise).
         """
         try:
-            every = gather_objects(self.group, mine, rt.timeout_s, f"low-latency across hosts: {mine.purpose()}")
+            every = gather_objects(self.group, mine, rt.timeout_s, f"low-latency across hosts: {mine.purpose()}",
+                                   check=functools.partial(self._proxy_failed, rt))
         except Exception as ex:
-            ex._ep_nothing_changed = True       # (the caller may keep the Buffer: no state was touched)
+            if self.sched.error is None:        # (a failed proxy ends the low-latency calls whatever was touched)
+                ex._ep_nothing_changed = True   # (the caller may keep the Buffer: no state was touched)
             raise
         odd = [r for r, e in enumerate(every) if (e.unmask, e.unmasking) != (mine.unmask, mine.unmasking)]
         if odd:
