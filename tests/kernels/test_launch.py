@@ -333,3 +333,37 @@ def test_replay_under_the_interpreter_launches_the_same_kernel():
         x2, y2 = torch.arange(50, dtype=torch.float32) * (k + 2), torch.full((50,), -99.0)
         r(x2, y2)
         assert torch.equal(y2, x2 * 3 + 1 + 2), k
+
+
+def test_fused_programs_per_multiprocessor(monkeypatch):
+    """``geometry.fused_per_sm``: the tuning table's ``fused`` / ``programs_per_sm``, at most what fits on a
+    multiprocessor (asked once per key, through the launch bound to one program), 1 by default and under the
+    interpreter. Catches: a grid of more programs than are resident at once (the fused parts wait for each
+    other: a hang until the bounded wait gives up), or the occupancy compiled and asked on every call."""
+    from triton_ep.kernels import _util, geometry
+    asked = []
+
+    class _Bound:       # what bind_one returns: a bound launch's launcher, num_warps and constexprs
+        launcher, num_warps, meta = "launcher", 4, {"BLOCK": 1}
+
+    def fake_resident(launcher, args, num_warps, meta, device):
+        asked.append((launcher, args, num_warps, meta))
+        return 3
+
+    import triton_ep.kernels.launch as launch_mod
+    monkeypatch.setattr(launch_mod, "resident_per_sm", fake_resident)
+    monkeypatch.setattr(geometry, "_FIT", {})
+    table = {"fused": {"programs_per_sm": 1}}
+    dev = torch.device("cpu")
+    assert geometry.fused_per_sm(lambda: _Bound(), ("k", 1), (), dev, table) == 1      # the default: no question
+    monkeypatch.setattr(geometry, "interpreted", lambda: False)
+    assert geometry.fused_per_sm(lambda: _Bound(), ("k", 1), (), dev, table) == 1 and asked == []
+    table["fused"]["programs_per_sm"] = 8
+    assert geometry.fused_per_sm(lambda: _Bound(), ("k", 1), ("a",), dev, table) == 3     # what fits
+    assert geometry.fused_per_sm(lambda: _Bound(), ("k", 1), ("a",), dev, table) == 3
+    assert asked == [("launcher", ("a",), 4, {"BLOCK": 1})]                                # once per key
+    table["fused"]["programs_per_sm"] = 2
+    assert geometry.fused_per_sm(lambda: _Bound(), ("k", 1), ("a",), dev, table) == 2     # the table's bound
+    monkeypatch.setattr(geometry, "interpreted", lambda: True)
+    assert geometry.fused_per_sm(lambda: _Bound(), ("k", 2), (), dev, table) == 1         # the interpreter: one
+    assert int(_util.GPU_TUNING["fused"]["programs_per_sm"]) >= 1

@@ -93,7 +93,9 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # a call of at most max_tokens tokens runs the send and receive of all its rounds as one launch
     # (kernels.dispatch.dispatch_fused, kernels.combine.combine_fused); the fused combine's reduce part takes
     # reduce_block_h (the split reduce's 2048 made a fused T 1024 combine about 6% slower, benchmarks/README.md)
-    "fused": dict(max_tokens=1024, reduce_block_h=4096),
+    # programs_per_sm: at most this many fused programs per multiprocessor, and no more than fit there at once
+    # (geometry.fused_per_sm; 1 until a sweep says otherwise)
+    "fused": dict(max_tokens=1024, reduce_block_h=4096, programs_per_sm=1),
     "combine_send": dict(block_t=1, block_w=2048, num_warps=4),
     # (4 warps, blocks of 2048: a T 4096 combine 69.0 -> 65.8 us on one H200, T 2048 unchanged;
     # benchmarks/results/grid_cap_h200_r1.json)
@@ -123,7 +125,7 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
     "grid": dict(programs_per_sm=0),
     # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
-    "fused": dict(max_tokens=0, reduce_block_h=2048),
+    "fused": dict(max_tokens=0, reduce_block_h=2048, programs_per_sm=1),
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
     "ll_route": dict(block_t=64, experts=32, num_warps=4),     # (the interpreter runs programs one by one: few, large)

@@ -23,7 +23,7 @@ from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
 from ._util import cdiv, entry, pow2
-from .geometry import defer, fused_programs, programs, row_words, sync_args, use_clock
+from .geometry import defer, fused_per_sm, fused_programs, programs, row_words, sync_args, use_clock
 
 
 @triton.jit
@@ -361,11 +361,8 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
     if sums and (acc is None or (k and wacc is None)):
         raise ValueError("combine_fused of several rounds carries its sums in acc (and wacc with weights)")
     cs, cr, cf = entry("combine_send", tune), entry("combine_reduce", tune), entry("fused", tune)
-    progs = fused_programs(max(cdiv(n_rows, cs["block_t"]), cdiv(T, cr["block_t"]), 1), area.device, signals,
-                           tune=tune)
-    key = (progs, wx, k, weight_words is not None, rec_bytes, prefix.shape[0], n_recv is not None, len(biases),
-           wout is not None, signals["use_clock"], sums, tuple(cs.items()), tuple(cr.items()), tuple(cf.items()))
-    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-3], cs, cr, cf))
+    shape = (wx, k, weight_words is not None, rec_bytes, prefix.shape[0], n_recv is not None, len(biases),
+             wout is not None, signals["use_clock"], sums, tuple(cs.items()), tuple(cr.items()), tuple(cf.items()))
     b0 = biases[0] if len(biases) > 0 else out
     b1 = biases[1] if len(biases) > 1 else out
     args = (x_words, weight_words if k else x_words, prefix, comb_base, delta_words, area, n_rows,
@@ -373,6 +370,12 @@ def combine_fused(x_words: torch.Tensor, weight_words: Optional[torch.Tensor], n
             acc if sums else out, out, b0, b1, wacc if (sums and wacc is not None) else out,
             wout if wout is not None else out,
             signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], rounds)
+    per_sm = fused_per_sm(lambda: _bind_fused(1, *shape[:-3], cs, cr, cf), ("combine",) + shape, args, area.device,
+                          tune)
+    progs = fused_programs(max(cdiv(n_rows, cs["block_t"]), cdiv(T, cr["block_t"]), 1), area.device, signals,
+                           per_sm, tune=tune)
+    key = (progs,) + shape
+    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-3], cs, cr, cf))
     launch(*args)
     return launch, args
 

@@ -21,7 +21,7 @@ from . import flags
 from ..protocol import records
 from .launch import Launcher, bound
 from ._util import cdiv, entry, num_sms, pow2
-from .geometry import defer, fused_programs, programs, row_words, sync_args, use_clock
+from .geometry import defer, fused_per_sm, fused_programs, programs, row_words, sync_args, use_clock
 
 
 @triton.jit
@@ -412,12 +412,9 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
         raise ValueError("dispatch_fused moves scales only with both scale_words and out_scales")
     n_rows, rounds = max(n_rows, 0), max(int(rounds), 1)
     cs, cr = entry("dispatch_send", tune), entry("dispatch_recv", tune)
-    progs = fused_programs(max(cdiv(T, cs["block_t"]), cdiv(min(n_rows, cap), cr["block_t"]), 1), rec.device,
-                           signals, tune=tune)
-    key = (progs, wx, s, k, k_out, R, rec_words, scale_words is not None, topk_idx is not None,
-           weight_words is not None, with_src, n_recv is not None, out_idx is not None, out_weights is not None,
-           out_src is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()))
-    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs, cr))
+    shape = (wx, s, k, k_out, R, rec_words, scale_words is not None, topk_idx is not None,
+             weight_words is not None, with_src, n_recv is not None, out_idx is not None, out_weights is not None,
+             out_src is not None, signals["use_clock"], tuple(cs.items()), tuple(cr.items()))
     dummy = x_words
     wts = weight_words if (k and weight_words is not None) else dummy
     args = (x_words, scale_words if s else dummy, topk_idx if k else dummy, wts,
@@ -426,6 +423,11 @@ def dispatch_fused(x_words: torch.Tensor, scale_words: Optional[torch.Tensor], t
             out_idx if out_idx is not None else dummy, out_weights if out_weights is not None else dummy,
             out_src if out_src is not None else dummy, n_recv if n_recv is not None else rec, cap,
             signals["hdr"], signals["hdr_delta"], signals["host"], sig, signals["me"], signals["timeout_ns"], rounds)
+    per_sm = fused_per_sm(lambda: _bind_fused(1, *shape[:-2], cs, cr), ("dispatch",) + shape, args, rec.device, tune)
+    progs = fused_programs(max(cdiv(T, cs["block_t"]), cdiv(min(n_rows, cap), cr["block_t"]), 1), rec.device,
+                           signals, per_sm, tune=tune)
+    key = (progs,) + shape
+    launch = bound(_FUSED_BOUND, key, lambda: _bind_fused(*key[:-2], cs, cr))
     launch(*args)
     return launch, args
 

@@ -114,6 +114,30 @@ def fused_programs(blocks: int, device: torch.device, signals: dict, per_sm: int
     return min(programs(blocks, signals, tune=tune), max(per_sm, 1) * num_sms(device))
 
 
+#: programs per multiprocessor that fit at once, per fused launch's key without its grid (:func:`fused_per_sm`)
+_FIT: dict = {}
+
+
+def fused_per_sm(bind_one, key: tuple, args: tuple, device: torch.device, tune: Optional[dict] = None) -> int:
+    """Programs per multiprocessor of a fused normal-mode launch (:func:`fused_programs`' ``per_sm``): the tuning
+    table's ``fused`` / ``programs_per_sm`` (1 where it has none), at most as many as fit on a multiprocessor at
+    once with these arguments (:func:`.launch.resident_per_sm`, asked once per ``key``: the launch's key without
+    its grid; ``bind_one()``: the launch bound to one program, for its ``num_warps`` and constexprs). One under
+    the interpreter. A program of 4 warps per multiprocessor keeps too few bytes in flight to reach the copy
+    ceiling; its programs must all be resident, since they wait for each other between the parts."""
+    want = int(entry("fused", tune).get("programs_per_sm", 1))
+    if want <= 1 or interpreted():
+        return 1
+    fit = _FIT.get(key)
+    if fit is None:
+        from .launch import resident_per_sm
+        b = bind_one()
+        if len(_FIT) >= 256:
+            _FIT.clear()
+        fit = _FIT[key] = resident_per_sm(b.launcher, args, b.num_warps, b.meta, device)
+    return max(1, min(want, fit))
+
+
 def fused_switch() -> Optional[bool]:
     """``TRITON_EP_FUSED`` as a switch (:func:`._util.env_switch`): True / False, or None when unset. Raises
     ``ValueError`` for a value other than 1 / 0, true / false, yes / no, on / off (calls check it with their
