@@ -28,7 +28,7 @@ quicker). Every cap's outputs are compared bit for bit with the first cap's.
 once (at the first cap unless it names one). ``env.TRITON_EP_FUSED=0`` / ``=1`` in a setting captures the calls
 with that switch (``0``: a send launch and a receive launch; ``1``: one fused launch per call, whatever the token
 count: :func:`triton_ep.kernels.dispatch.dispatch_fused`, :func:`triton_ep.kernels.combine.combine_fused`; unset:
-the library's own choice, fused up to ``GPU_TUNING["fused"]["max_tokens"]`` tokens); ``--fused`` is
+the library's own choice, fused up to ``GPU_TUNING["fused"]["data_max_tokens"]`` tokens); ``--fused`` is
 ``--vary env.TRITON_EP_FUSED=0,1``. ``--pair`` also captures a cached dispatch followed by a combine of its output
 in one graph per setting: ``pair_us``, ``pair_ratio`` (what a decode step that replays both pays, the gap between
 the two launches included). Each setting is a row (``setting``: what it changes, ``tuning``: those entries), timed, compared and

@@ -94,8 +94,13 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # (kernels.dispatch.dispatch_fused, kernels.combine.combine_fused); the fused combine's reduce part takes
     # reduce_block_h (the split reduce's 2048 made a fused T 1024 combine about 6% slower, benchmarks/README.md)
     # programs_per_sm: at most this many fused programs per multiprocessor, and no more than fit there at once
-    # (geometry.fused_per_sm; 1 until a sweep says otherwise)
-    "fused": dict(max_tokens=1024, reduce_block_h=4096, programs_per_sm=1),
+    # (geometry.fused_per_sm). max_tokens bounds low-latency calls and a dispatch's count exchange, data_max_tokens
+    # normal mode's data calls (dispatch, cached dispatch, combine). data_max_tokens 0: on one H100 on 2026-12-06
+    # (fc519e2, grid_cap.py, one rank, GPU µs per graph replay) a fused T 1024 cached dispatch took 1058-1140 µs and
+    # a combine 1337-1342 against 19.1 and 21.5 split (50.8 / 41.9 on an H200 on 2026-12-03): the fused waits
+    # regressed, so these calls take split launches (one more launch of host time each) until that is found;
+    # TRITON_EP_FUSED=1 still forces them
+    "fused": dict(max_tokens=1024, data_max_tokens=0, reduce_block_h=4096, programs_per_sm=1),
     "combine_send": dict(block_t=1, block_w=2048, num_warps=4),
     # (4 warps, blocks of 2048: a T 4096 combine 69.0 -> 65.8 us on one H200, T 2048 unchanged;
     # benchmarks/results/grid_cap_h200_r1.json)
@@ -125,7 +130,7 @@ INTERP_TUNING: Dict[str, Dict[str, object]] = {
     "dispatch_recv": dict(block_t=64, block_w=2048, num_warps=4),
     "grid": dict(programs_per_sm=0),
     # off (the lock-step runner needs split launches; TRITON_EP_FUSED=1 tests it)
-    "fused": dict(max_tokens=0, reduce_block_h=2048, programs_per_sm=1),
+    "fused": dict(max_tokens=0, data_max_tokens=0, reduce_block_h=2048, programs_per_sm=1),
     "combine_send": dict(block_t=64, block_w=2048, num_warps=4),
     "combine_reduce": dict(block_t=64, block_h=2048, num_warps=4),
     "ll_route": dict(block_t=64, experts=32, num_warps=4),     # (the interpreter runs programs one by one: few, large)

@@ -123,8 +123,10 @@ def fused_per_sm(bind_one, key: tuple, args: tuple, device: torch.device, tune: 
     table's ``fused`` / ``programs_per_sm`` (1 where it has none), at most as many as fit on a multiprocessor at
     once with these arguments (:func:`.launch.resident_per_sm`, asked once per ``key``: the launch's key without
     its grid; ``bind_one()``: the launch bound to one program, for its ``num_warps`` and constexprs). One under
-    the interpreter. A program of 4 warps per multiprocessor keeps too few bytes in flight to reach the copy
-    ceiling; its programs must all be resident, since they wait for each other between the parts."""
+    the interpreter. Its programs must all be resident, since they wait for each other between the parts. On one
+    H100 (2026-12-06) more programs made a fused call slower, in proportion (T 1024 cached dispatch, one rank,
+    GPU µs per graph replay: 1140 at 1 per multiprocessor, 3020 at 2, 4760 at 4, 7486 at 8; split launches 19):
+    the programs' waits for each other, not the bytes in flight, set its time there."""
     want = int(entry("fused", tune).get("programs_per_sm", 1))
     if want <= 1 or interpreted():
         return 1
@@ -145,16 +147,17 @@ def fused_switch() -> Optional[bool]:
     return env_switch("TRITON_EP_FUSED")
 
 
-def use_fused(num_tokens: int, group, force: Optional[bool]) -> bool:
+def use_fused(num_tokens: int, group, force: Optional[bool], limit_key: str = "max_tokens") -> bool:
     """Whether a call with ``num_tokens`` tokens runs the send and receive of all its rounds as one launch: real
     ranks only (``group`` not None: the lock-step runner of simulated ranks needs split launches), and
-    ``num_tokens <= tuning("fused")["max_tokens"]`` (0 on CPU: never). ``TRITON_EP_FUSED=1`` / ``0``: always /
-    never (real ranks; the CPU tests run the fused kernels so, one program a launch). A dispatch's count
-    exchange (one program, any number of tokens) asks with ``num_tokens`` 0. ``force``: :func:`fused_switch`, read
-    once per call with its arguments."""
+    ``num_tokens <= tuning("fused")[limit_key]`` (0 on CPU: never): ``max_tokens`` for low-latency calls and a
+    dispatch's count exchange (one program, any number of tokens: it asks with ``num_tokens`` 0),
+    ``data_max_tokens`` for normal mode's data calls (dispatch, cached dispatch, combine). ``TRITON_EP_FUSED=1`` /
+    ``0``: always / never (real ranks; the CPU tests run the fused kernels so, one program a launch). ``force``:
+    :func:`fused_switch`, read once per call with its arguments."""
     if group is None:
         return False
     if force is not None:
         return force
-    limit = int(tuning("fused")["max_tokens"])
+    limit = int(tuning("fused")[limit_key])
     return 0 < limit and num_tokens <= limit
