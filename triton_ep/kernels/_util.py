@@ -96,8 +96,9 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # programs_per_sm: at most this many fused programs per multiprocessor, and no more than fit there at once
     # (geometry.fused_per_sm). max_tokens bounds low-latency calls and a dispatch's count exchange, data_max_tokens
     # normal mode's data calls (dispatch, cached dispatch, combine). data_max_tokens 0: on one H100 on 2026-12-06
-    # (grid_cap.py, one rank, GPU µs per graph replay: benchmarks/results/grid_cap_h100_fused_programs.json) a fused T 1024 cached dispatch took 1058-1140 µs and
-    # a combine 1337-1342 against 19.1 and 21.5 split (50.8 / 41.9 on an H200 on 2026-12-03): the fused waits
+    # (grid_cap.py, one rank, GPU µs per graph replay: benchmarks/results/grid_cap_h100_fused_programs.json) a fused
+    # T 1024 cached dispatch took 1058-1140 µs and a combine 1337-1342 against 19.1 and 21.5 split (50.8 / 41.9 on
+    # an H200 on 2026-12-03): the fused waits
     # regressed, so these calls take split launches (one more launch of host time each) until that is found;
     # TRITON_EP_FUSED=1 still forces them
     "fused": dict(max_tokens=1024, data_max_tokens=0, reduce_block_h=4096, programs_per_sm=1),
