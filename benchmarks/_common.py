@@ -233,8 +233,28 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
 
 
+def source_digest() -> str:
+    """sha256 (16 hex digits) of the ``triton_ep`` package's Python sources, in path order: which code a result
+    file was measured with (a machine's copy of the tree may carry no reliable git metadata; ``git`` users match
+    it with this function on a checkout)."""
+    import hashlib
+    h = hashlib.sha256()
+    pkg = os.path.join(ROOT, "triton_ep")
+    for d, dirs, files in sorted(os.walk(pkg)):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(".py"):
+                with open(os.path.join(d, f), "rb") as fh:
+                    h.update(os.path.relpath(os.path.join(d, f), pkg).encode() + b"\0" + fh.read())
+    return h.hexdigest()[:16]
+
+
 def write_json(path: str, obj) -> None:
-    """Write ``obj`` as indented JSON to ``path`` (making its folder) and say so."""
+    """Write ``obj`` as indented JSON to ``path`` (making its folder) and say so. A dict gets ``recorded``: the UTC
+    time and :func:`source_digest`."""
+    if isinstance(obj, dict) and "recorded" not in obj:
+        obj = dict(obj, recorded=dict(utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                      triton_ep_sources=source_digest()))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
