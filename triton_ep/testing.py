@@ -262,7 +262,9 @@ def _start_method(start_method: Optional[str]) -> Tuple[str, Optional[int]]:
 def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
               start_method: Optional[str] = None) -> List[Any]:
     """Start ``world`` processes, bootstrap a ``torch.distributed`` group over a file rendezvous and call
-    ``fn(rank, world, *args)`` in each (``fn`` must be importable: defined at module level). The processes
+    ``fn(rank, world, *args)`` in each (``fn`` must be importable: defined at module level; a script that calls
+    this keeps the call under ``if __name__ == "__main__":``, since each rank imports the script's module again
+    and would otherwise start ranks of its own, then die: a :class:`RankFailure`). The processes
     start by ``start_method`` (default :data:`START_METHOD`): ``"spawn"``, or ``"forkserver"`` on a machine
     without CUDA (forks of :func:`start_forkserver`'s server, started here if it is not running; each rank
     gets this process's environment as it is at the call, before ``fn`` and ``args`` are unpickled there, but
