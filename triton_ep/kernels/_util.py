@@ -98,9 +98,8 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # normal mode's data calls (dispatch, cached dispatch, combine). data_max_tokens 0: on one H100 on 2026-12-06
     # (grid_cap.py, one rank, GPU µs per graph replay: benchmarks/results/grid_cap_h100_fused_programs.json) a fused
     # T 1024 cached dispatch took 1058-1140 µs and a combine 1337-1342 against 19.1 and 21.5 split (50.8 / 41.9 on
-    # an H200 on 2026-12-03): the fused waits
-    # regressed, so these calls take split launches (one more launch of host time each) until that is found;
-    # TRITON_EP_FUSED=1 still forces them
+    # an H200 on 2026-12-03): the fused waits regressed, so these calls take split launches (one more launch of
+    # host time each) until that is found; TRITON_EP_FUSED=1 still forces them
     "fused": dict(max_tokens=1024, data_max_tokens=0, reduce_block_h=4096, programs_per_sm=1),
     "combine_send": dict(block_t=1, block_w=2048, num_warps=4),
     # (4 warps, blocks of 2048: a T 4096 combine 69.0 -> 65.8 us on one H200, T 2048 unchanged;

@@ -130,14 +130,12 @@ def fused_per_sm(bind_one, key: tuple, args: tuple, device: torch.device, tune: 
     want = int(entry("fused", tune).get("programs_per_sm", 1))
     if want <= 1 or interpreted():
         return 1
-    fit = _FIT.get(key)
-    if fit is None:
-        from .launch import resident_per_sm
+    from .launch import bound, resident_per_sm
+
+    def fit() -> int:
         b = bind_one()
-        if len(_FIT) >= 256:
-            _FIT.clear()
-        fit = _FIT[key] = resident_per_sm(b.launcher, args, b.num_warps, b.meta, device)
-    return max(1, min(want, fit))
+        return resident_per_sm(b.launcher, args, b.num_warps, b.meta, device)
+    return max(1, min(want, bound(_FIT, key, fit)))     # (bound: the launch wrappers' capped cache)
 
 
 def fused_switch() -> Optional[bool]:
