@@ -218,6 +218,12 @@ def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend:
                 pass
             server._forkserver_alive_fd = None
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if "OMP_NUM_THREADS" not in os.environ:
+        # one intra-op thread per rank, as torchrun gives each of several ranks of a host: a rank's CPU work shares
+        # the cores with its peers (and with other test workers); a pool per rank oversubscribed them (a 128 x 7168
+        # CPU oracle took 15 s instead of 0.06 on a 16-core GPU machine under six pytest-xdist workers)
+        import torch
+        torch.set_num_threads(1)
     result = None
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -272,7 +278,8 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     rank that needs such a variable changed is spawned; its standard streams are the server's). Where CUDA is
     present ``"forkserver"`` means ``"spawn"``. A rank ends within about 0.1 s once this process is gone, SIGKILL
     included (:func:`triton_ep.transport.parent.exit_with_parent`; forked, once the fork server is, which
-    ends with this process).
+    ends with this process). Each rank runs torch's CPU operators on one thread unless ``OMP_NUM_THREADS`` is
+    set (as torchrun does for several ranks of a host).
 
     Returns:
         per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.
