@@ -139,8 +139,9 @@ def test_ranks_destroying_at_different_times_at_the_end_raise_nothing(ll):
 
 
 def test_the_dead_peer_look_compiles_for_the_gpu(tmp_path):
-    """The GPU wait (``%globaltimer``) reads the host's DEAD word every DEAD_LOOK spins: its compiled form (loop-carried
-    spin count, the nested look) builds to a cubin, which the interpreter would not check."""
+    """The GPU wait (``%globaltimer``) reads the host's DEAD word every DEAD_LOOK looks: its compiled form (loop-carried
+    spin count, the nested look, the flag's bursts), and a low-latency wait's with its failure word and error post,
+    build to a cubin, which the interpreter would not check."""
     code = textwrap.dedent('''
         import os
         os.environ["TRITON_INTERPRET"] = "0"
@@ -165,6 +166,23 @@ def test_the_dead_peer_look_compiles_for_the_gpu(tmp_path):
                                                                           (names.index("USE_CLOCK"),): True}),
                            target=GPUTarget("cuda", 90, 32))
         assert "cubin" in k.asm and "globaltimer" in k.asm["ptx"], list(k.asm)
+
+        @triton.jit
+        def ll_waits(flag, hdr, hdr_delta, host, ctl, want, me, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr):
+            for r in tl.static_range(R):
+                if r != me:
+                    st = F.wait_at_least(flag + r, want, hdr, host, r, 0, timeout_ns, R, USE_CLOCK,
+                                         ctl + F.off_ll_failed(R) + r, want)
+                    if st != 0:
+                        F.post_wait_error(hdr, hdr_delta, host, st, r, 1, want, me, R, ctl, want)
+
+        names = list(ll_waits.arg_names)
+        sig = dict(flag="*i64", hdr="*i64", hdr_delta="*i64", host="*i64", ctl="*i64", want="i64", me="i32",
+                   timeout_ns="i64", R="constexpr", USE_CLOCK="constexpr")
+        k = triton.compile(ASTSource(fn=ll_waits, signature=sig, constexprs={(names.index("R"),): 4,
+                                                                             (names.index("USE_CLOCK"),): True}),
+                           target=GPUTarget("cuda", 90, 32))
+        assert "cubin" in k.asm, list(k.asm)
         print("ok")
     ''')
     script = tmp_path / "compile_waits.py"        # (a jit function needs a source file)
@@ -181,7 +199,7 @@ def test_the_dead_peer_look_compiles_for_the_gpu(tmp_path):
 @pytest.mark.parametrize("mode", ["dispatch", "combine", "ll_dispatch", "ll_combine"])
 def test_gpu_a_killed_peer_is_a_remote_error_within_seconds(mode):
     """The GPU twin: compiled kernels spinning on the GPU clock end their wait for the dead rank when the host's
-    watcher sets its DEAD word (read every DEAD_LOOK spins); 2 ranks per GPU (shared where there is one)."""
+    watcher sets its DEAD word (read every DEAD_LOOK looks); 2 ranks per GPU (shared where there is one)."""
     import torch
     world = 3 if torch.cuda.device_count() >= 3 else 2
     out = run_ranks(cases.killed_mid_call, world, mode, TIMEOUT_S, 1, "cuda", timeout_s=300)

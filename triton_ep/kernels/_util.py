@@ -95,12 +95,17 @@ GPU_TUNING: Dict[str, Dict[str, object]] = {
     # reduce_block_h (the split reduce's 2048 made a fused T 1024 combine about 6% slower, benchmarks/README.md)
     # programs_per_sm: at most this many fused programs per multiprocessor, and no more than fit there at once
     # (geometry.fused_per_sm). max_tokens bounds low-latency calls and a dispatch's count exchange, data_max_tokens
-    # normal mode's data calls (dispatch, cached dispatch, combine). data_max_tokens 0: on one H100 on 2026-12-06
-    # (grid_cap.py, one rank, GPU µs per graph replay: benchmarks/results/grid_cap_h100_fused_programs.json) a fused
-    # T 1024 cached dispatch took 1058-1140 µs and a combine 1337-1342 against 19.1 and 21.5 split (50.8 / 41.9 on
-    # an H200 on 2026-12-03): the fused waits regressed, so these calls take split launches (one more launch of
-    # host time each) until that is found; TRITON_EP_FUSED=1 still forces them
-    "fused": dict(max_tokens=1024, data_max_tokens=0, reduce_block_h=4096, programs_per_sm=1),
+    # normal mode's data calls (dispatch, cached dispatch, combine). On one H100 on 2026-12-06 (grid_cap.py, one
+    # rank, a buffer of one round, GPU µs per graph replay; benchmarks/results/grid_cap_h100_*): with the waits'
+    # bursts (flags.SPIN_BURST) a fused T 1024 cached dispatch takes 26.3 µs at 1 program per multiprocessor, 24.7
+    # at 2, 27.0 at 4, 31.6 at 8 (split: 19.8), a combine 38.0 / 30.2 / 28.9 / 33.2 (split 21.6); at T 4096
+    # 111.5 / 95.6 / 95.1 / 100.9 against 88.4 split, combine 173.1 / 119.9 / 100.6 / 100.5 against 91.1 (before
+    # the bursts: 1058-1140 µs at T 1024). Fused costs GPU time but saves a launch of host time (one rank, hint-sized
+    # buffer, bench_calls.py: cached dispatch 35-41 host µs fused against 94-99 split at T 128 and 1024).
+    # data_max_tokens 1024: at T 4096 a fused call at 4 per multiprocessor took 1100-1180 µs in two of seven
+    # settings over five processes (95-110 in the others; none such at T 128 or 1024), so larger calls stay split
+    # until that is found; TRITON_EP_FUSED=1 forces fused
+    "fused": dict(max_tokens=1024, data_max_tokens=1024, reduce_block_h=4096, programs_per_sm=4),
     "combine_send": dict(block_t=1, block_w=2048, num_warps=4),
     # (4 warps, blocks of 2048: a T 4096 combine 69.0 -> 65.8 us on one H200, T 2048 unchanged;
     # benchmarks/results/grid_cap_h200_r1.json)

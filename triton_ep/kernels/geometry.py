@@ -124,9 +124,8 @@ def fused_per_sm(bind_one, key: tuple, args: tuple, device: torch.device, tune: 
     once with these arguments (:func:`.launch.resident_per_sm`, asked once per ``key``: the launch's key without
     its grid; ``bind_one()``: the launch bound to one program, for its ``num_warps`` and constexprs). One under
     the interpreter. Its programs must all be resident, since they wait for each other between the parts. On one
-    H100 (2026-12-06) more programs made a fused call slower, in proportion (T 1024 cached dispatch, one rank,
-    GPU µs per graph replay: 1140 at 1 per multiprocessor, 3020 at 2, 4760 at 4, 7486 at 8; split launches 19):
-    the programs' waits for each other, not the bytes in flight, set its time there."""
+    H100 (2026-12-06, T 4096 cached dispatch, one rank, GPU µs per graph replay) 1 per multiprocessor took 111.5,
+    2 took 95.6, 4 took 95.1 and 8 took 100.9 (split launches: 88.4); the tuning table's comment has the rest."""
     want = int(entry("fused", tune).get("programs_per_sm", 1))
     if want <= 1 or interpreted():
         return 1

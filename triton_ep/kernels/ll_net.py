@@ -252,7 +252,7 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, si
             else:
                 if q == 0:      # the receive's wait for s ends at once: s failed this call, or made another
                     kind = tl.where((tl.load(h) == n) & (tl.load(h + 2) != 0), flags.E_FAILED, flags.E_MISMATCH)
-                    tl.store(ctl + flags.off_ll_failed(R) + s, flags.failure_word(n, kind))
+                    tl.store(ctl + flags.off_ll_failed(R) + s, flags.ll_failure_word(n, kind, s))
     # The last program: READY = n for each chunk unpacked whole (its signature first), and the ring slots back
     # to the proxy in call order (hooks may run out of order: HEAD moves past call n only once n - 1 is done).
     if flags.last_program_at(ctl + flags.L_DONE, USE_ASM):

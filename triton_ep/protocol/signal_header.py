@@ -120,9 +120,32 @@ E_BADCOUNTS = tl.constexpr(7)     #: this rank's ``num_tokens_per_expert`` holds
 
 
 def failure_word_of(call: int, kind) -> int:
-    """Host form of the kernels' ``flags.failure_word``: the ``FAILED`` (or ``LFAILED``) word saying that a
-    rank failed round (or low-latency call) ``call`` with error kind ``kind`` (kinds are < 8)."""
+    """Host form of the kernels' ``flags.failure_word``: the ``FAILED`` word saying that a rank failed round
+    ``call`` with error kind ``kind`` (kinds are < 8)."""
     return int(call) * 8 + int(kind)
+
+
+#: a low-latency failure word (``LFAILED``, :func:`ll_failure_word_of`) holds, above its kind (3 bits), the rank
+#: that failed the call first (``LL_ROOT_BITS`` bits: a rank that fails because a peer's word told it passes that
+#: word's root on), then the call number (from bit ``LL_CALL_SHIFT``)
+LL_ROOT_BITS = tl.constexpr(16)
+LL_CALL_SHIFT = tl.constexpr(19)
+
+
+def ll_failure_word_of(call: int, kind, root: int) -> int:
+    """Host form of the kernels' ``flags.ll_failure_word``: the ``LFAILED`` word saying that low-latency call
+    ``call`` failed with kind ``kind`` (< 8), first on rank ``root`` (< 2**16; its low 16 bits otherwise)."""
+    return ((int(call) << int(LL_ROOT_BITS)) | (int(root) & 0xFFFF)) * 8 + int(kind)
+
+
+def ll_failure_call(word):
+    """The call number of an ``LFAILED`` word (an int, or an int64 tensor of words)."""
+    return word >> int(LL_CALL_SHIFT)
+
+
+def ll_failure_root(word):
+    """The rank that failed first, of an ``LFAILED`` word (an int, or an int64 tensor of words)."""
+    return (word >> 3) & 0xFFFF
 
 
 # stages (error records name them; 0 = unknown)
@@ -181,9 +204,10 @@ def off_ll_mask(R):
 
 @formula
 def off_ll_failed(R):
-    """``LFAILED[s]``: ``failure_word(call, kind)`` of the low-latency call rank ``s`` failed (``E_FAILED``: it
-    rejected its arguments, or failed; ``E_MISMATCH``: it found ranks disagree): waits of that call for rank
-    ``s`` end at once; its other calls are not affected."""
+    """``LFAILED[s]``: ``ll_failure_word(call, kind, root)`` of the low-latency call rank ``s`` failed
+    (``E_FAILED``: it rejected its arguments, or failed; ``E_MISMATCH``: it found ranks disagree; ``root``: the
+    rank that failed first, as far as ``s`` knows): waits of that call for rank ``s`` end at once, naming ``root``;
+    its other calls are not affected."""
     return L_FIXED + 5 * R
 
 

@@ -11,7 +11,7 @@ from ...errors import EPError
 from ...kernels import flags as F, logfmt
 from ...kernels.geometry import fused_switch, use_fused
 from ...protocol.ll_area import Layout
-from ...protocol.signal_header import failure_word_of
+from ...protocol.signal_header import ll_failure_call, ll_failure_word_of
 from ...runtime import SLOT_HEADER, Runtime
 from ...runtime.checks import isint
 from .handle import LLHandle
@@ -136,7 +136,7 @@ class LowLatencyState:
         rec = self.rt.sig.record()
         recorded = rec is not None and rec.stage in _LL_STAGES
         slot[SLOT_HEADER] = int(self.ctl[int(F.L_SEQ)].item())
-        fresh = bool(((failed_words >> 3) > self.floor).any().item())
+        fresh = bool((ll_failure_call(failed_words) > self.floor).any().item())
         slot[SLOT_HEADER + 1] = int(self.failed or recorded or fresh)
 
     def resync_apply(self, slots) -> None:
@@ -179,7 +179,7 @@ class LowLatencyState:
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
-                    pc[F.off_ll_failed.host(R) + me].fill_(failure_word_of(n, F.E_FAILED))
+                    pc[F.off_ll_failed.host(R) + me].fill_(ll_failure_word_of(n, F.E_FAILED, me))
         if self.net is not None:        # the peers on the network learn it from this call's chunk
             rt.sig.needs_resync = True
             try:
