@@ -52,7 +52,7 @@ class Buffer:
         num_rdma_bytes: int in ``[0, 2^62]``, bytes of the low-latency area (with ``low_latency_mode``).
         low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
             explicitly_destroy, enable_shrink, comm: DeepEP's; those that do not apply are ignored.
-        timeout_s: seconds, in ``(0, 1e9]``, bound on every wait for a peer (default 100 or
+        timeout_s: seconds, in ``[1e-9, 1e9]``, bound on every wait for a peer (default 100 or
             ``TRITON_EP_TIMEOUT_S``). device: default the current CUDA device, else CPU.
         rdma_backend: ``"auto"``, ``"verbs"``, ``"emulated"`` or ``None`` (``TRITON_EP_RDMA``, else ``"auto"``).
 

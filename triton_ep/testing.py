@@ -218,12 +218,13 @@ def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend:
                 pass
             server._forkserver_alive_fd = None
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if "OMP_NUM_THREADS" not in os.environ:
-        # one intra-op thread per rank, as torchrun gives each of several ranks of a host: a rank's CPU work shares
-        # the cores with its peers (and with other test workers); a pool per rank oversubscribed them (a 128 x 7168
-        # CPU oracle took 15 s instead of 0.06 on a 16-core GPU machine under six pytest-xdist workers)
-        import torch
-        torch.set_num_threads(1)
+    # one intra-op thread per rank unless OMP_NUM_THREADS says otherwise, as torchrun gives each of several ranks
+    # of a host: a rank's CPU work shares the cores with its peers (and with other test workers); a pool per rank
+    # oversubscribed them (a 128 x 7168 CPU oracle took 15 s instead of 0.06 on a 16-core GPU machine under six
+    # pytest-xdist workers). Set here, not left to torch: a forked rank keeps the count its fork server started with
+    import torch
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
     result = None
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -271,15 +272,15 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     ``fn(rank, world, *args)`` in each (``fn`` must be importable: defined at module level; a script that calls
     this keeps the call under ``if __name__ == "__main__":``, since each rank imports the script's module again
     and would otherwise start ranks of its own, then die: a :class:`RankFailure`). The processes
-    start by ``start_method`` (default :data:`START_METHOD`): ``"spawn"``, or ``"forkserver"`` on a machine
-    without CUDA (forks of :func:`start_forkserver`'s server, started here if it is not running; each rank
+    start by ``start_method`` (default :data:`START_METHOD`, which is ``"spawn"``): ``"spawn"`` (a fresh interpreter
+    per rank), or ``"forkserver"`` on a machine without CUDA (forks of :func:`start_forkserver`'s server, started here if it is not running; each rank
     gets this process's environment as it is at the call, before ``fn`` and ``args`` are unpickled there, but
     modules the server imported keep what they read from the environment at import, e.g. ``TRITON_EP_PDL``: a
     rank that needs such a variable changed is spawned; its standard streams are the server's). Where CUDA is
     present ``"forkserver"`` means ``"spawn"``. A rank ends within about 0.1 s once this process is gone, SIGKILL
     included (:func:`triton_ep.transport.parent.exit_with_parent`; forked, once the fork server is, which
-    ends with this process). Each rank runs torch's CPU operators on one thread unless ``OMP_NUM_THREADS`` is
-    set (as torchrun does for several ranks of a host).
+    ends with this process). Each rank runs torch's CPU operators on ``OMP_NUM_THREADS`` threads (a positive
+    integer), else on one (as torchrun does for several ranks of a host), whatever the start method.
 
     Returns:
         per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.

@@ -297,6 +297,50 @@ def _die_at(stamp) -> None:
     _die()
 
 
+def rejected_then_dropped(rank, world, ll, timeout_s, victim):
+    """Every rank builds a Buffer (``timeout_s``; low-latency with ``ll``) and runs one correct dispatch; after a
+    barrier rank ``victim`` passes an int16 ``topk_idx`` to the next dispatch, catches the ``TypeError`` and drops its
+    Buffer without ``destroy()`` (collected: what an uncaught error does at its process's exit); the others make the
+    dispatch once their liveness watcher saw that Buffer released (at most 10 s). Returns on a survivor ``[error type, message, seconds]``, on the victim its own error's
+    ``[type, message]``."""
+    import gc
+
+    import torch.distributed as dist
+    buf, (x, idx, w, N, E) = _buffer(rank, world, ll, timeout_s)
+    try:
+        if ll:
+            def call(ids):
+                return buf.low_latency_dispatch(x, ids, N, E, use_fp8=False)
+        else:
+            def call(ids):
+                per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+                return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                                    is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
+                                    topk_weights=w)
+        call(idx)
+        dist.barrier()
+        if rank != victim:      # (until the victim's Buffer is released: DEAD[victim], set by the liveness watcher)
+            from triton_ep.protocol.signal_header import H_DEAD
+            dead_words, end = buf._rt.sig.host, time.monotonic() + 10.0
+            while not dead_words[int(H_DEAD) + victim] and time.monotonic() < end:
+                time.sleep(0.01)
+        t0 = time.monotonic()
+        try:
+            call(idx.to(torch.int16) if rank == victim else idx)
+            out = ["no error", "", time.monotonic() - t0]
+        except Exception as ex:     # noqa: BLE001 - reported
+            out = [type(ex).__name__, str(ex), time.monotonic() - t0]
+        if rank == victim:
+            del buf, call
+            gc.collect()
+            buf = None
+        return out
+    finally:
+        if buf is not None:
+            buf.destroy()
+        dist.barrier()      # (the victim's process lived until every survivor was done)
+
+
 def _buffer(rank: int, world: int, ll: bool, timeout_s: float, device: str = "cpu", shrink: bool = False):
     """This rank's Buffer (``timeout_s``; low-latency with ``ll``, ``enable_shrink`` with ``shrink``) and its call's
     inputs ``(x, topk_idx, topk_weights, N, E)`` (seeded by the rank; ``E = 2 * world`` experts, top-2 of 4 tokens

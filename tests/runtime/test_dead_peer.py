@@ -114,6 +114,22 @@ def test_a_peer_destroyed_mid_call_is_named_within_seconds(mode):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("ll", [False, True], ids=["dispatch", "ll_dispatch"])
+def test_a_peer_that_raised_then_dropped_its_buffer_is_named_as_failed(ll):
+    """3 ranks; rank 1 passes an int16 topk_idx, catches the TypeError and drops its Buffer without destroy() (as an
+    uncaught error does at its process's exit) while ranks 0 and 2 make the dispatch: they raise EPRemoteError
+    naming rank 1 as having failed the call, well within timeout_s, not as having destroyed its Buffer cleanly
+    (before: a dropped Buffer's liveness byte always said "closed", and peers that looked after it was released
+    named a clean destroy())."""
+    out = run_ranks(cases.rejected_then_dropped, 3, ll, DESTROYED_TIMEOUT_S, 1, timeout_s=240)
+    assert out[1][0] == "TypeError" and "topk_idx" in out[1][1], out[1]
+    for r in (0, 2):
+        kind, msg, dt = out[r]
+        assert kind == "EPRemoteError" and "rank 1 failed the call" in msg and "destroyed" not in msg, (r, kind, msg)
+        assert dt < DESTROYED_TIMEOUT_S / 2, (r, dt)
+
+
+@pytest.mark.multiprocess
 def test_a_destroyed_peer_is_masked_with_enable_shrink():
     """With enable_shrink a low-latency dispatch masks a rank that destroyed its Buffer (as a dead one) well within
     timeout_s, and goes on without it; the next call too (before: masked after timeout_s, 10 s)."""

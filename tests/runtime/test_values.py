@@ -18,7 +18,7 @@ from triton_ep.transport.ipc import LocalWorld
 WANT = {"TRITON_EP_SHM_TAG": "TRITON_EP_SHM_TAG='", "TRITON_EP_RDMA_TC": "TRITON_EP_RDMA_TC='300': the RDMA traffic "
         "class must be", "TRITON_EP_RDMA_SL": "TRITON_EP_RDMA_SL='x': the RDMA service level must be", "TRITON_EP_TIMEOUT_S": "TRITON_EP_TIMEOUT_S=",
         "TRITON_EP_RDMA": "TRITON_EP_RDMA must be one of", "TRITON_EP_RANKS_PER_HOST": "TRITON_EP_RANKS_PER_HOST",
-        "timeout_s": "timeout_s must be a number of seconds in (0, 1e+09]", "num_nvl_bytes": "num_nvl_bytes must be",
+        "timeout_s": "timeout_s must be a number of seconds in [1e-09, 1e+09]", "num_nvl_bytes": "num_nvl_bytes must be",
         "num_rdma_bytes": "num_rdma_bytes must be", "device": "device must be", "rdma_backend": "rdma_backend must be"}
 
 
@@ -49,21 +49,22 @@ def test_a_bad_value_on_one_rank_raises_everywhere_at_once(cases):
 @pytest.mark.parametrize("value,ok", [
     (1e-9, True), (1, True), (np.float32(2.5), True), (np.int64(7), True), (checks.MAX_TIMEOUT_S, True),
     (1e12, False), (1e300, False), (10 ** 400, False), (math.inf, False), (math.nan, False), (0, False),
-    (-1.0, False), (True, False), ("5", False), (None, True)])
+    (-1.0, False), (True, False), ("5", False), (None, True), (1e-10, False), (1e-300, False)])
 def test_timeout_arg_range(value, ok, monkeypatch):
-    """timeout_s: a number in (0, MAX_TIMEOUT_S], named with the range; None: the default."""
+    """timeout_s: a number in [MIN_TIMEOUT_S, MAX_TIMEOUT_S] (one nanosecond: what reaches the kernels is not 0),
+    named with the range; None: the default."""
     monkeypatch.delenv(checks.ENV_TIMEOUT_S, raising=False)
     if ok:
         got = checks.timeout_arg(value)
         assert got == (checks.DEFAULT_TIMEOUT_S if value is None else float(value)) and type(got) is float
     else:
-        with pytest.raises(ValueError, match=r"^timeout_s must be a number of seconds in \(0, 1e\+09\]"):
+        with pytest.raises(ValueError, match=r"^timeout_s must be a number of seconds in \[1e-09, 1e\+09\]"):
             checks.timeout_arg(value)
 
 
 @pytest.mark.parametrize("raw,want", [("", 100.0), ("  ", 100.0), (" 2.5 ", 2.5), ("1e9", 1e9), ("abc", None),
                                       ("1e300", None), ("1e10", None), ("inf", None), ("nan", None), ("0", None),
-                                      ("-3", None)])
+                                      ("-3", None), ("1e-300", None)])
 def test_timeout_variable_range(raw, want):
     """TRITON_EP_TIMEOUT_S: the same range; the error names the variable and its value."""
     if want is not None:

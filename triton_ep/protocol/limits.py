@@ -8,6 +8,8 @@ import os
 #: and as Python thread-wait bounds of ``timeout_s`` plus some seconds (``threading.TIMEOUT_MAX``, about
 #: 9.2e9 s): 1e9 s leaves room in both.
 MAX_TIMEOUT_S = 1e9
+#: The smallest ``timeout_s``: one nanosecond, the unit the kernels count in (a smaller value would reach them as 0)
+MIN_TIMEOUT_S = 1e-9
 
 
 def check_ring_memory(slots: int, slot_bytes: int, num_peers: int, slots_name: str, bytes_name: str) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..config import Config, EventOverlap
-from ..protocol.limits import MAX_TIMEOUT_S
+from ..protocol.limits import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 
 #: the default bound on every wait for a peer, in seconds
 DEFAULT_TIMEOUT_S = 100.0
@@ -195,10 +195,11 @@ def bytes_arg(name: str, value) -> int:
 
 def timeout_arg(timeout_s, env: Optional[Mapping[str, str]] = None) -> float:
     """``timeout_s`` checked, or ``TRITON_EP_TIMEOUT_S`` (from ``env``, default ``os.environ``; decimal, spaces
-    around ignored), or :data:`DEFAULT_TIMEOUT_S`, in seconds: a number in ``(0, MAX_TIMEOUT_S]``.
+    around ignored), or :data:`DEFAULT_TIMEOUT_S`, in seconds: a number in ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``
+    (one nanosecond to 1e9 s).
 
     Raises:
-        ValueError: not a number, not finite (nan, inf), not positive, or above :data:`MAX_TIMEOUT_S`; the
+        ValueError: not a number, not finite (nan, inf), below :data:`MIN_TIMEOUT_S` or above :data:`MAX_TIMEOUT_S`; the
             message names the argument or the variable it came from.
     """
     name = "timeout_s"
@@ -213,10 +214,10 @@ def timeout_arg(timeout_s, env: Optional[Mapping[str, str]] = None) -> float:
             timeout_s = None
     number = isinstance(timeout_s, (int, float, np.integer, np.floating)) and not isinstance(timeout_s, bool)
     # (compared before any conversion: an int too large for a float would raise OverflowError there)
-    if not number or not 0 < timeout_s <= MAX_TIMEOUT_S:
+    if not number or not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:
         got = f", got {timeout_s!r}" if name == "timeout_s" else ""
-        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}] (kernels carry it as "
-                         f"int64 nanoseconds){got}")
+        raise ValueError(f"{name} must be a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] (kernels "
+                         f"carry it as int64 nanoseconds){got}")
     return float(timeout_s)
 
 

@@ -30,10 +30,12 @@ _NO_CTX = contextlib.nullcontext()        # reusable: entering it does nothing
 _BASE, _HASERR, _SEQ, _XN = 12, 13, 14, 15   # rounds completed, holds an error, dispatches, exchange number
 
 
-def _release_dropped(live, comm: ipc.Comm, host_block) -> None:
-    """A Runtime dropped without ``close()``: release its liveness lock, saying how (from its Comm's ``broken`` and its
-    host block's record; a raised error not yet re-synchronised is not known here: a clean close)."""
-    live.close(how=signals.closing_state(host_block, comm.broken is not None, False))
+def _release_dropped(live, comm: ipc.Comm, host_block, resync_box: list) -> None:
+    """A Runtime dropped without ``close()`` (a Buffer collected, or left at its process's exit, e.g. after an
+    uncaught error): release its liveness lock, saying how (from its Comm's ``broken``, its host block's record and
+    ``resync_box``, its Signals' ``[needs_resync]``: an error it raised and told its peers of makes peers name that
+    failure, not a clean close)."""
+    live.close(how=signals.closing_state(host_block, comm.broken is not None, resync_box[0]))
 
 
 class Runtime:
@@ -108,7 +110,7 @@ class Runtime:
             self.sig.dead_peers = live.left_peers
             mark = self.sig.dead_marker()
             live.watch(mark, on_closed=mark if see_closed else None)
-            weakref.finalize(self, _release_dropped, live, comm, self.sig.host.numpy())
+            weakref.finalize(self, _release_dropped, live, comm, self.sig.host.numpy(), self.sig.resync_box)
 
     # ------------------------------------------------------------------ lifetime
     def live(self) -> ipc.Comm:

@@ -149,8 +149,9 @@ class Signals:
         self.timeout_s = float(timeout_s)
         self.interpreted = interpreted
         self.use_clock = device.type == "cuda" and not interpreted
-        #: set once an error has been raised (or this rank failed): the next call re-synchronises first
-        self.needs_resync = False
+        #: ``[needs_resync]``: a list the Runtime's drop finaliser also holds (it must not hold this object, which
+        #: refers back to the Runtime), so that a Buffer dropped at its process's exit after a raised error says so
+        self.resync_box = [False]
         self._reported = False
         #: ``explain_mismatch(peer)``: what differs between this rank's call and ``peer``'s (a phrase naming
         #: the field and both values), or ``None``; set by the Buffer (call cards)
@@ -271,6 +272,15 @@ class Signals:
         if self.dead_peers is not None and DEAD not in left.values():
             left.update(self.dead_peers())
         return left
+
+    @property
+    def needs_resync(self) -> bool:
+        """Set once an error has been raised (or this rank failed): the next call re-synchronises first."""
+        return self.resync_box[0]
+
+    @needs_resync.setter
+    def needs_resync(self, value: bool) -> None:
+        self.resync_box[0] = bool(value)
 
     def closing_state(self, broken: bool) -> str:
         """How this rank's liveness byte says it destroyed its Buffer (:func:`closing_state`; ``broken``: its Comm
