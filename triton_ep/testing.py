@@ -273,14 +273,15 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     this keeps the call under ``if __name__ == "__main__":``, since each rank imports the script's module again
     and would otherwise start ranks of its own, then die: a :class:`RankFailure`). The processes
     start by ``start_method`` (default :data:`START_METHOD`, which is ``"spawn"``): ``"spawn"`` (a fresh interpreter
-    per rank), or ``"forkserver"`` on a machine without CUDA (forks of :func:`start_forkserver`'s server, started here if it is not running; each rank
-    gets this process's environment as it is at the call, before ``fn`` and ``args`` are unpickled there, but
-    modules the server imported keep what they read from the environment at import, e.g. ``TRITON_EP_PDL``: a
-    rank that needs such a variable changed is spawned; its standard streams are the server's). Where CUDA is
-    present ``"forkserver"`` means ``"spawn"``. A rank ends within about 0.1 s once this process is gone, SIGKILL
-    included (:func:`triton_ep.transport.parent.exit_with_parent`; forked, once the fork server is, which
-    ends with this process). Each rank runs torch's CPU operators on ``OMP_NUM_THREADS`` threads (a positive
-    integer), else on one (as torchrun does for several ranks of a host), whatever the start method.
+    per rank), or ``"forkserver"`` on a machine without CUDA (forks of :func:`start_forkserver`'s server, started
+    here if it is not running; each rank gets this process's environment as it is at the call, before ``fn`` and
+    ``args`` are unpickled there, but modules the server imported keep what they read from the environment at
+    import, e.g. ``TRITON_EP_PDL``: a rank that needs such a variable changed is spawned; its standard streams are
+    the server's). Where CUDA is present ``"forkserver"`` means ``"spawn"``. A rank ends within about 0.1 s once
+    this process is gone, SIGKILL included (:func:`triton_ep.transport.parent.exit_with_parent`; forked, once the
+    fork server is, which ends with this process). Each rank runs torch's CPU operators on ``OMP_NUM_THREADS``
+    threads (a positive integer), else on one (as torchrun does for several ranks of a host), whatever the start
+    method.
 
     Returns:
         per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.

@@ -301,8 +301,8 @@ def rejected_then_dropped(rank, world, ll, timeout_s, victim):
     """Every rank builds a Buffer (``timeout_s``; low-latency with ``ll``) and runs one correct dispatch; after a
     barrier rank ``victim`` passes an int16 ``topk_idx`` to the next dispatch, catches the ``TypeError`` and drops its
     Buffer without ``destroy()`` (collected: what an uncaught error does at its process's exit); the others make the
-    dispatch once their liveness watcher saw that Buffer released (at most 10 s). Returns on a survivor ``[error type, message, seconds]``, on the victim its own error's
-    ``[type, message]``."""
+    dispatch once their liveness watcher saw that Buffer released (at most 10 s). Returns on a survivor ``[error type,
+    message, seconds]``, on the victim its own error's ``[type, message]``."""
     import gc
 
     import torch.distributed as dist

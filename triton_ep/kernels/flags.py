@@ -59,7 +59,9 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     H_INFO2, H_WORDS, H_DEAD, E_TIMEOUT, E_GONE, E_FAILED, E_MISMATCH, E_BADIDS, E_CAPACITY, E_BADCOUNTS,
     STAGE_DISPATCH_SEND, STAGE_DISPATCH_RECV, STAGE_COMBINE_SEND, STAGE_COMBINE_RECV, STAGE_NOTIFY, STAGE_HOST,
     STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
-    LL_ROOT_BITS, LL_CALL_SHIFT, L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_DONE2, L_GATE, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask, off_ll_failed,
+    LL_ROOT_BITS, LL_ROOT_MASK, LL_CALL_SHIFT,
+    L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_DONE2, L_GATE, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask,
+    off_ll_failed,
     off_ll_tx, off_ll_rx, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
@@ -87,8 +89,20 @@ def failure_word(round_no, kind):
 def ll_failure_word(lcall, kind, root):
     """The ``LFAILED`` word for a failure of kind ``kind`` (< 8) in low-latency call ``lcall``, first on rank
     ``root`` (the protocol's ``ll_failure_word_of``)."""
-    return (((tl.full([], 0, tl.int64) + lcall) << LL_ROOT_BITS) | ((tl.full([], 0, tl.int64) + root) & 0xFFFF)) * 8 \
-        + kind
+    zero = tl.full([], 0, tl.int64)
+    return (((zero + lcall) << LL_ROOT_BITS) | ((zero + root) & LL_ROOT_MASK)) * 8 + kind
+
+
+@triton.jit
+def ll_failure_call(w):
+    """The low-latency call an ``LFAILED`` word names (the protocol's ``ll_failure_call``)."""
+    return w >> LL_CALL_SHIFT
+
+
+@triton.jit
+def ll_failure_root(w):
+    """The rank that failed first, of an ``LFAILED`` word (the protocol's ``ll_failure_root``)."""
+    return (w >> 3) & LL_ROOT_MASK
 
 
 @triton.jit
@@ -137,8 +151,8 @@ def post_error(hdr, hdr_delta, host, kind, peer, stage, call, me, R: tl.constexp
     root, named = zero + me, peer
     if ctl is not None:
         w = tl.load(ctl + off_ll_failed(R) + peer, volatile=True)
-        relayed = (peer != me) & ((w & 7) != 0) & ((w >> LL_CALL_SHIFT) == lcall)
-        root = tl.where(relayed, (w >> 3) & 0xFFFF, root)
+        relayed = (peer != me) & ((w & 7) != 0) & (ll_failure_call(w) == lcall)
+        root = tl.where(relayed, ll_failure_root(w), root)
         named = tl.where(relayed, root, peer)
     if tl.atomic_cas(host + H_LOCK, zero, zero + 1, sem="acq_rel", scope="sys") == 0:
         tl.store(host + H_PEER, named)
@@ -176,7 +190,7 @@ def _peer_status(hdr, peer, rnd, R: tl.constexpr):
 def _ll_failed(status, fail_ptr, fail_call):
     """``status``, or (when 0) the kind in the peer's ``LFAILED`` word when it names call ``fail_call``."""
     w = tl.load(fail_ptr, volatile=True)
-    return tl.where((status == 0) & ((w >> LL_CALL_SHIFT) == fail_call), (w & 7).to(tl.int32), status)
+    return tl.where((status == 0) & (ll_failure_call(w) == fail_call), (w & 7).to(tl.int32), status)
 
 
 @triton.jit

@@ -301,7 +301,8 @@ class Intranode:
         rows = c.n_recv if c.n_recv is not None else c.n_out
         k_rec = a.num_topk if not cached else 0
         n_dev = c.n_recv_dev if c.n_recv is None else None
-        fused = (rounds == 1 or force is True) and use_fused(a.num_tokens, self.rt.group, force, "data_max_tokens")  # (several rounds in one launch: opt-in until a GPU run)
+        # (several rounds in one launch: opt-in until a GPU run)
+        fused = (rounds == 1 or force is True) and use_fused(a.num_tokens, self.rt.group, force, "data_max_tokens")
         launches = []
         if fused:
             yield "dispatch/send and receive"
@@ -459,7 +460,8 @@ class Intranode:
         comb_base, send_base, prefix = h.combine_views
         area = self.rt.comm.data
         rows = h.num_recv_tokens if h.num_recv_tokens is not None else h.num_out_rows   # (device count: a bound)
-        fused = (rounds == 1 or force is True) and use_fused(h.num_tokens, self.rt.group, force, "data_max_tokens")  # (several rounds in one launch: opt-in until a GPU run)
+        # (several rounds in one launch: opt-in until a GPU run)
+        fused = (rounds == 1 or force is True) and use_fused(h.num_tokens, self.rt.group, force, "data_max_tokens")
         launches = []
         if fused:
             yield "combine/send and reduce"

@@ -129,13 +129,14 @@ def failure_word_of(call: int, kind) -> int:
 #: that failed the call first (``LL_ROOT_BITS`` bits: a rank that fails because a peer's word told it passes that
 #: word's root on), then the call number (from bit ``LL_CALL_SHIFT``)
 LL_ROOT_BITS = tl.constexpr(16)
+LL_ROOT_MASK = tl.constexpr((1 << 16) - 1)
 LL_CALL_SHIFT = tl.constexpr(19)
 
 
 def ll_failure_word_of(call: int, kind, root: int) -> int:
     """Host form of the kernels' ``flags.ll_failure_word``: the ``LFAILED`` word saying that low-latency call
     ``call`` failed with kind ``kind`` (< 8), first on rank ``root`` (< 2**16; its low 16 bits otherwise)."""
-    return ((int(call) << int(LL_ROOT_BITS)) | (int(root) & 0xFFFF)) * 8 + int(kind)
+    return ((int(call) << int(LL_ROOT_BITS)) | (int(root) & int(LL_ROOT_MASK))) * 8 + int(kind)
 
 
 def ll_failure_call(word):
@@ -145,7 +146,7 @@ def ll_failure_call(word):
 
 def ll_failure_root(word):
     """The rank that failed first, of an ``LFAILED`` word (an int, or an int64 tensor of words)."""
-    return (word >> 3) & 0xFFFF
+    return (word >> 3) & int(LL_ROOT_MASK)
 
 
 # stages (error records name them; 0 = unknown)

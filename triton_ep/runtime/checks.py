@@ -199,8 +199,8 @@ def timeout_arg(timeout_s, env: Optional[Mapping[str, str]] = None) -> float:
     (one nanosecond to 1e9 s).
 
     Raises:
-        ValueError: not a number, not finite (nan, inf), below :data:`MIN_TIMEOUT_S` or above :data:`MAX_TIMEOUT_S`; the
-            message names the argument or the variable it came from.
+        ValueError: not a number, not finite (nan, inf), below :data:`MIN_TIMEOUT_S` or above
+            :data:`MAX_TIMEOUT_S`; the message names the argument or the variable it came from.
     """
     name = "timeout_s"
     if timeout_s is None:
