@@ -9,7 +9,8 @@ import triton_ep
 def exported_traffic(rank, world, env, T, H):
     """On a low-latency Buffer that serves both modes (DeepEP's one Buffer): one dispatch and combine of ``T``
     tokens of ``H`` bf16 each, every token to the other host's experts, then (after
-    ``clean_low_latency_buffer``) one low-latency dispatch and combine of the same rows; then a scrape of
+    ``clean_low_latency_buffer``) one low-latency dispatch and combine of the same rows; then (after a barrier of
+    the ranks) a scrape of
     ``triton_ep.metrics``'s exporter in a fresh registry (label ``job="test"``).
 
     Returns:
@@ -36,6 +37,9 @@ def exported_traffic(rank, world, env, T, H):
         buf.clean_low_latency_buffer(T, H, E)
         recv, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
         buf.low_latency_combine(recv, idx, torch.ones(T, 2), ll_handle)
+        # a call returns once its own rows arrived, maybe before this rank's proxy posted the peer's: once the
+        # peer's calls returned too, every byte is counted
+        torch.distributed.barrier()
         out = {"stats": buf.get_rdma_stats(), "text": prometheus_client.generate_latest(registry).decode()}
         out["stats_after"] = buf.get_rdma_stats()
     finally:
