@@ -65,20 +65,44 @@ def expected(stats: dict, base: dict, live: bool = True) -> dict:
     return out
 
 
+def moved(before: dict, after: dict, path: str = "") -> list:
+    """The keys (``a/b/c`` paths) whose values differ between two ``get_rdma_stats()`` dicts, with both values."""
+    out = []
+    for k in sorted(set(before) | set(after), key=str):
+        a, b = before.get(k), after.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += moved(a, b, f"{path}{k}/")
+        elif a != b:
+            out.append((f"{path}{k}", a, b))
+    return out
+
+
+def traffic(stats: dict) -> dict:
+    """The traffic counters of ``get_rdma_stats()`` (bytes, work requests, chunks per QP, port and channel, of each
+    leg): what the calls moved, without the proxies' time counters and liveness probes, which move on their own."""
+    keys = ("qps", "ports", "channels", "wrs", "chunks")
+    out = {k: stats.get(k) for k in keys}
+    if "low_latency" in stats:
+        out["low_latency"] = {k: stats["low_latency"].get(k) for k in keys}
+    return out
+
+
 @pytest.mark.multiprocess
 def test_exposition_holds_the_rdma_stats_of_two_emulated_hosts(prom):
     """2 ranks, one per emulated host, a low-latency Buffer serving both modes (4 QPs per peer over a
     dual-port NIC and 4 KiB chunks in normal mode, 2 QPs per peer in low-latency mode): every series of the
     exposition is one number of get_rdma_stats() with its labels (rank, job, mode, peer, qp, channel, port),
-    each leg under its own mode, and nothing else; after destroy() the scrape gives triton_ep_buffer_live 0
-    and no counters."""
+    each leg under its own mode, and nothing else (a scrape between two equal reads: the proxies' liveness probes move
+    their time counters now and then); no traffic is counted once every rank's calls returned; after destroy() the
+    scrape gives triton_ep_buffer_live 0 and no counters."""
     env = {"TRITON_EP_RANKS_PER_HOST": "1", "TRITON_EP_RDMA": "emulated", "TRITON_EP_RDMA_CHUNK_BYTES": "4096"}
     out = run_ranks(metrics_cases.exported_traffic, 2, env, 64, 256, timeout_s=180)
     bad = [o for o in out if isinstance(o, RankFailure)]
     assert not bad, "\n".join(o.traceback or str(o) for o in bad)
     for rank, o in enumerate(out):
         st = o["stats"]
-        assert st == o["stats_after"], "the counters moved after the calls returned"
+        assert st == o["stats_after"], f"no quiet scrape in {o['tries']} tries: {moved(st, o['stats_after'])}"
+        assert traffic(o["first"]) == traffic(st), f"traffic after the calls: {moved(o['first'], st)}"
         assert st["transport"] == "emulated" and st["num_hosts"] == 2
         assert len(st["qps"]) == 4 and all(q["chunks"] > 0 for q in st["qps"].values()), st["qps"]
         assert {k.split("/")[0] for k in st["qps"]} == {str(1 - rank)}, st["qps"]

@@ -14,8 +14,9 @@ def exported_traffic(rank, world, env, T, H):
     ``triton_ep.metrics``'s exporter in a fresh registry (label ``job="test"``).
 
     Returns:
-        ``{"stats": get_rdma_stats(), "text": the exposition, "stats_after": get_rdma_stats() after the scrape,
-        "destroyed": the exposition after Buffer.destroy()}``.
+        ``{"first": get_rdma_stats() right after the barrier, "stats": get_rdma_stats(), "text": the exposition,
+        "stats_after": get_rdma_stats() after the scrape, "tries": scrapes made until "stats" and "stats_after"
+        were equal (at most 20), "destroyed": the exposition after Buffer.destroy()}``.
     """
     import prometheus_client
     from triton_ep.metrics import start_prometheus_exporter
@@ -40,8 +41,15 @@ def exported_traffic(rank, world, env, T, H):
         # a call returns once its own rows arrived, maybe before this rank's proxy posted the peer's: once the
         # peer's calls returned too, every byte is counted
         torch.distributed.barrier()
-        out = {"stats": buf.get_rdma_stats(), "text": prometheus_client.generate_latest(registry).decode()}
-        out["stats_after"] = buf.get_rdma_stats()
+        out = {"first": buf.get_rdma_stats()}
+        # the proxies' liveness probes (every scheduler.PROBE_S) move their time counters now and then: scrape
+        # between two equal reads, within 20 tries
+        for out["tries"] in range(1, 21):
+            out["stats"] = buf.get_rdma_stats()
+            out["text"] = prometheus_client.generate_latest(registry).decode()
+            out["stats_after"] = buf.get_rdma_stats()
+            if out["stats"] == out["stats_after"]:
+                break
     finally:
         buf.destroy()
     out["destroyed"] = prometheus_client.generate_latest(registry).decode()
