@@ -54,25 +54,35 @@ class Config:
     int in ``[1, 2^31 - 1]``, as DeepEP's (C++ ``int``) fields.
 
     Raises:
-        ValueError: a field is not an int in that range, or ``num_warps`` not one of the above (the error names it).
+        ValueError: a field is not an int in that range, or ``num_warps`` not one of the above (the error names it),
+            at construction and at any later assignment of a field.
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256, *, num_warps: Optional[int] = None) -> None:
-        vals = (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
-                num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
-        vals = tuple(_positive_int(f"Config's {name}", v, "DeepEP's fields are C++ ints")
-                     for name, v in zip(_FIELDS, vals))
-        (self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
-         self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens) = vals
-        if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in NUM_WARPS):
-            raise ValueError(f"Config's num_warps must be None or one of {NUM_WARPS}, got {num_warps!r}")
-        self.num_warps = None if num_warps is None else int(num_warps)
+        # (each assignment checks its value: __setattr__)
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+        self.num_warps = num_warps
         #: made by ``Buffer.get_dispatch_config`` / ``get_combine_config`` from the built-in recommendation (no tuned
         #: table, or a table whose measurement kept the built-in tables): a call given it launches with the built-in
         #: tables, as with no Config (its fields still size the buffer hints); not a field, not compared
         self.builtin = False
+
+    def __setattr__(self, name: str, value) -> None:
+        """A field assigned after construction is checked as the constructor checks it (``ValueError`` naming it),
+        so that no call ever sees a value the constructor refuses (DeepEP's Config has no writable fields)."""
+        if name in _FIELDS:
+            value = _positive_int(f"Config's {name}", value, "DeepEP's fields are C++ ints")
+        elif name == "num_warps" and value is not None:
+            if isinstance(value, bool) or value not in NUM_WARPS:
+                raise ValueError(f"Config's num_warps must be None or one of {NUM_WARPS}, got {value!r}")
+            value = int(value)
+        object.__setattr__(self, name, value)
 
     def launch_key(self) -> tuple:
         """What decides this Config's launches: ``(num_sms, nvl send tokens, nvl recv tokens, num_warps)`` (a call's

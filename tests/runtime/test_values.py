@@ -158,6 +158,26 @@ def test_config_fields_are_int32_and_named(args, want):
     assert repr(triton_ep.Config(np.int32(2), 2 ** 31 - 1)) == "Config(2, 2147483647, 256, 6, 256)"
 
 
+@pytest.mark.parametrize("field,value,want", [
+    ("num_max_nvl_chunked_recv_tokens", -5, "Config's num_max_nvl_chunked_recv_tokens must be an int in [1, "),
+    ("num_max_nvl_chunked_send_tokens", 0, "Config's num_max_nvl_chunked_send_tokens must be"),
+    ("num_sms", -(2 ** 31), "Config's num_sms must be"),
+    ("num_max_rdma_chunked_recv_tokens", 1.5, "Config's num_max_rdma_chunked_recv_tokens must be"),
+    ("num_warps", 3, "Config's num_warps must be None or one of (1, 2, 4, 8, 16, 32), got 3"),
+])
+def test_a_config_field_assigned_later_is_checked_as_at_construction(field, value, want):
+    """A field assigned after construction (a new user's ``cfg.num_max_nvl_chunked_recv_tokens = -5`` once gave
+    wrong rows from dispatch and zeros from combine, with no error) raises as the constructor does, and the
+    Config keeps its old value."""
+    cfg = triton_ep.Config(20, 6, 256, 6, 128)
+    with pytest.raises(ValueError) as ei:
+        setattr(cfg, field, value)
+    assert want in str(ei.value), str(ei.value)
+    assert cfg == triton_ep.Config(20, 6, 256, 6, 128)
+    cfg.num_max_nvl_chunked_recv_tokens, cfg.num_warps = np.int64(64), 8      # (good values: taken, as ints)
+    assert cfg.launch_key() == (20, 6, 64, 8) and type(cfg.num_max_nvl_chunked_recv_tokens) is int
+
+
 @pytest.mark.parametrize("call,want", [
     (lambda: triton_ep.Config().get_nvl_buffer_size_hint(0, 2), "hidden_bytes must be"),
     (lambda: triton_ep.Config().get_rdma_buffer_size_hint(7168, 2 ** 31), "num_ranks must be"),
