@@ -77,9 +77,10 @@ def proxy_without_room(rank, world, env, timeout_s):
 
 
 def forked_child_destroys(rank, world, env, timeout_s):
-    """2 hosts of 1 rank: after one round trip rank 0 forks; the child calls ``destroy()`` on the Buffer it inherited
-    and exits. Returns ``[the child's exit status or -signal, whether a second round trip after it is exact]``
-    (rank 1: ``[None, ...]``)."""
+    """2 hosts of 1 rank: after one round trip rank 0 forks; the child makes a layout, a dispatch and a check on the
+    Buffer it inherited (each must raise ``EPError`` naming the fork: else exit status 3), calls ``destroy()`` and
+    exits. Returns ``[the child's exit status or -signal, whether a second round trip after it is exact]`` (rank 1:
+    ``[None, ...]``)."""
     os.environ.update(env)
     buf = triton_ep.Buffer(None, 8 << 20, timeout_s=timeout_s)
     try:
@@ -100,10 +101,19 @@ def forked_child_destroys(rank, world, env, timeout_s):
         if rank == 0:
             pid = os.fork()
             if pid == 0:
+                code = 0
                 try:
+                    for call in (lambda: buf.get_dispatch_layout(idx, E), buf.check,
+                                 lambda: buf.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), topk_idx=idx,
+                                                      num_tokens_per_rank=torch.zeros(world, dtype=torch.int32))):
+                        try:
+                            call()
+                            code = 3
+                        except triton_ep.EPError as e:
+                            code = code if "was forked from it and may not call it" in str(e) else 3
                     buf.destroy()
                 finally:
-                    os._exit(0)
+                    os._exit(code)
             st = os.waitpid(pid, 0)[1]
             status = os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
         torch.distributed.barrier()

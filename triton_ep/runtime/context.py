@@ -7,6 +7,7 @@ A mode (:mod:`triton_ep.modes`) gets one :class:`Runtime` and uses only its publ
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from typing import Generator, Optional, Sequence
@@ -64,6 +65,8 @@ class Runtime:
                  ll_bytes: int = 0, hosts: Optional[Hosts] = None, rdma_transport: Optional[str] = None,
                  see_closed: bool = True) -> None:
         self.comm, self.timeout_s, self.uid, self.group = comm, float(timeout_s), uid, group
+        #: the process that built the Buffer: a process forked from it may not call it (:meth:`live`)
+        self.pid = os.getpid()
         self.hosts = hosts if hosts is not None else Hosts((0,) * comm.size, ("this host",), "one process")
         self.num_hosts, self.rdma_transport = self.hosts.num_hosts, rdma_transport
         #: where the low-latency area starts in the data buffer, and its bytes (0: none)
@@ -114,9 +117,13 @@ class Runtime:
 
     # ------------------------------------------------------------------ lifetime
     def live(self) -> ipc.Comm:
-        """The shared buffers; ``EPError`` once the Buffer was destroyed."""
+        """The shared buffers; ``EPError`` once the Buffer was destroyed, or in a process forked from the one that
+        built it (its calls would pair with the peers' in the parent's place, which then fails)."""
         if self.comm is None:
             raise EPError(f"rank {self.rank}: this Buffer was destroyed")
+        if os.getpid() != self.pid:
+            raise EPError(f"rank {self.rank}: this Buffer was built by process {self.pid}; process {os.getpid()} was "
+                          f"forked from it and may not call it (build a Buffer of its own there)")
         return self.comm
 
     def close(self) -> None:

@@ -73,7 +73,8 @@ def test_a_rank_whose_proxy_cannot_start_fails_every_rank_at_once():
 
 def test_a_forked_child_that_destroys_the_buffer_changes_nothing():
     """A process forked from rank 0 calls destroy() on the Buffer it inherited and exits 0 (before: a segmentation
-    fault in the child, with either proxy kind); rank 0's Buffer still moves tokens exactly afterwards."""
+    fault in the child, with either proxy kind); its calls before that raise EPError naming the fork (before: they
+    paired with rank 1's calls in rank 0's place); rank 0's Buffer still moves tokens exactly afterwards."""
     out = run_ranks(proxy_cases.forked_child_destroys, 2, ENV, 60.0, timeout_s=180)
     assert not any(isinstance(o, RankFailure) for o in out), out
     assert out[0] == [0, True] and out[1] == [None, True], out
