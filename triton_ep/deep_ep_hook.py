@@ -56,8 +56,8 @@ def parse_switch(value: Optional[str]) -> Optional[str]:
         return "on"
     if v == MISSING:
         return MISSING
-    raise ValueError(f"{ENV}={value!r}: expected 1 (deep_ep is triton-ep), 'missing' (triton-ep only where no "
-                     f"DeepEP is installed) or 0 / unset (off)")
+    raise ValueError(f"{ENV}={value!r}: expected 1 / true / yes / on (deep_ep is triton-ep), 'missing' (triton-ep "
+                     f"only where no DeepEP is installed) or 0 / false / no / off / empty / unset (off), in any case")
 
 
 class HookState:

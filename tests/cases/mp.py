@@ -130,6 +130,8 @@ def bad_input_on_one_rank(rank, world, kind):
             x = x.float()
         elif kind == "worst_not_tensor":   # a bad argument while every rank passes num_worst_tokens
             x = x.tolist()
+        elif kind == "config":             # a Config of one row a round (several rounds; the others take one)
+            kw["config"] = triton_ep.Config(2, 1, 1)
     # each rank passes its own num_worst_tokens (DeepEP's contract): "worst": 1 on rank 1 (too small), 60
     # and more elsewhere (enough); "worst_mixed": 0 (none) on rank 1, the others > 0; "worst_one": 60 on rank 1
     # only

@@ -64,6 +64,8 @@ def test_switch_off_or_bad_changes_nothing_in_one_interpreter():
     """, None)
     assert r.returncode == 0 and r.stdout.strip() == "absent", (r.stdout, r.stderr)
     assert r.stderr.count("not installed") == 1 and "TRITON_EP_AS_DEEP_EP='yes please'" in r.stderr, r.stderr
+    # (the message lists every value the switch takes, as docs/engines.md does)
+    assert "1 / true / yes / on" in r.stderr and "0 / false / no / off / empty / unset" in r.stderr, r.stderr
 
 
 @pytest.mark.extended

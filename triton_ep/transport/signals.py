@@ -249,8 +249,8 @@ class Signals:
                                    f"than its num_worst_tokens={int(self._host_np[int(F.H_INFO2)])}; no data was moved")
         if rec.kind == int(F.E_MISMATCH):
             what = self.explain_mismatch(peer) if self.explain_mismatch is not None else None
-            what = what or (f"ranks {me} and {peer} called different operations or passed different arguments "
-                            f"(their calls no longer pair up)")
+            what = what or (f"ranks {me} and {peer} called different operations or passed different arguments, "
+                            f"such as Configs that take the call in different rounds (their calls no longer pair up)")
             return ValueError(f"ranks disagree at '{stage}': {what}; all ranks must agree (the same call with the "
                               f"same sizes, dtypes and handle); nothing was moved")
         ex = EPRemoteError(f"rank {me}: rank {peer} failed the call at '{stage}' (rank {peer} raised the "

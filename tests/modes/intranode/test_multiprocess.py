@@ -160,6 +160,15 @@ def test_ranks_sending_different_dtypes_raise_on_every_rank():
         assert f"x dtype: rank {r} passed bfloat16, rank 1 passed float32" in out[r][1], out
 
 
+def test_ranks_passing_configs_of_different_rounds_raise_on_every_rank():
+    """Rank 1 passes a Config of one row a round, the others none (one round): every rank raises ValueError at
+    once, and the message says that Configs of different rounds are among the causes (before: only 'called
+    different operations or passed different arguments')."""
+    out = _values(run_ranks(mp_cases.bad_input_on_one_rank, 3, "config"))
+    assert all(o[0] == "ValueError" and o[2] < 10.0 for o in out), out
+    assert all("such as Configs that take the call in different rounds" in o[1] for o in out), out
+
+
 def test_rank_missing_at_construction_times_out():
     """A rank that never builds its Buffer: the others raise EPTimeoutError naming the bootstrap stage
     within the bound instead of waiting for the process group's own (30 min) timeout."""
