@@ -122,6 +122,48 @@ def test_the_built_in_tables_compete_and_their_config_launches_as_none(table_env
     assert main(["tune", "--quick", "--output", str(table_env.parent)]) == 2     # (a directory: before any work)
 
 
+def test_without_a_gpu_the_defaults_are_quick_and_given_options_win(table_env, monkeypatch, capsys):
+    """(A new user's find: ``tune`` without ``--quick`` on CPU ran DeepSeek-V3 shapes for more than 5 minutes with no
+    output, though docs/tuning.md says a run without a GPU uses tiny shapes.) Without a GPU the defaults are
+    ``--quick``'s (shapes, iterations, the two candidates); an option given keeps its value; a GPU keeps
+    DeepSeek-V3's defaults. ``main`` says so on stderr and prints a line as each token count starts (the ranks are
+    a stand-in here that returns times: no rank process starts)."""
+    import argparse
+    import torch
+    import triton_ep.testing
+    from triton_ep.tuner import QUICK, candidates, resolve
+
+    def opts(**given):
+        base = dict(quick=False, ranks=2, hidden=None, tokens=None, num_experts=None, num_topk=None, iters=None,
+                    warmup=None, num_nvl_bytes=None, output=None)
+        return argparse.Namespace(**dict(base, **given))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = resolve(opts())
+    assert (r.hidden, r.tokens, r.num_experts, r.num_topk, r.iters, r.warmup) == (64, [8], 8, 2, 2, 1)
+    assert candidates(False, 2) == list(QUICK)
+    r = resolve(opts(hidden=128, tokens=(16, 32), num_topk=4, iters=5, warmup=0))
+    assert (r.hidden, r.tokens, r.num_experts, r.num_topk, r.iters, r.warmup) == (128, [16, 32], 8, 4, 5, 0)
+    specs = []
+
+    def fake_ranks(fn, world, spec, timeout_s):
+        specs.append(spec)
+        n = len(spec.candidates) + 1
+        return [{"dispatch": [10.0] * n, "combine": [10.0] * n}] * world
+    monkeypatch.setattr(triton_ep.testing, "run_ranks", fake_ranks)
+    assert main(["tune", "--tokens", "4,6"]) == 0
+    assert [(s.hidden, s.num_tokens, s.num_experts, s.num_topk, s.iters, s.warmup) for s in specs] == [
+        (64, 4, 8, 2, 2, 1), (64, 6, 8, 2, 2, 1)]
+    assert [s.label for s in specs] == ["triton-ep tune: tokens 4 (1/2)", "triton-ep tune: tokens 6 (2/2)"]
+    out, err = capsys.readouterr()
+    assert "triton-ep tune: no GPU: --quick's defaults" in err and f"saved 4 entries to {table_env}" in out
+    assert "triton-ep tune: tokens 6 (2/2): 2 ranks, hidden 64, top-2 of 8 experts, the built-in tables and 2 " \
+           "candidates, 1 + 2 calls each" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    r = resolve(opts(output=str(table_env)))
+    assert (r.hidden, r.tokens, r.num_experts, r.num_topk, r.iters, r.warmup) == (7168, [128, 1024, 4096], 256, 8,
+                                                                                   20, 3)
+
+
 @pytest.mark.parametrize("args,why", [
     (["tune", "--tokens", "1,x"], "--tokens: must be comma-separated positive ints, got '1,x'"),
     (["tune", "--tokens", "8,0"], "--tokens: must be comma-separated positive ints, got '8,0'"),
