@@ -303,7 +303,9 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
 def main(a: argparse.Namespace, out) -> int:
     """Run the tuner with the parsed options ``a`` (:func:`add_arguments`), print a table of built-in against tuned
     microseconds per call and shape to ``out`` (a row per call as each token count finishes; progress lines on
-    stderr: one as each token count starts, and rank 0's per Config measured) and save the tuned table. Returns 0;
+    stderr: one as each token count starts, and rank 0's per Config measured) and save the tuned table: the new
+    entries, plus those of other calls and shapes of a table already there that this process could use
+    (:func:`triton_ep.tuned.kept_entries`; a table it could not use is replaced whole, said on stderr). Returns 0;
     2 where the options do not go together or the table's file cannot be written (:func:`resolve`: one line on
     stderr, before any work); or 1 when a rank failed (its error printed)."""
     from .testing import run_ranks
@@ -336,8 +338,12 @@ def main(a: argparse.Namespace, out) -> int:
                   f"{e['time_us'] / e['builtin_time_us']:6.2f}  "
                   f"{repr(config_of(e['config'])) if e['config'] is not None else 'the built-in tables'}", file=out,
                   flush=True)
-    tuned.save(path, entries, "python -m triton_ep tune " + " ".join(_argv(a)))
-    print(f"saved {len(entries)} entries to {path}", file=out)
+    kept, why = tuned.kept_entries(path, entries)
+    if why:
+        print(f"triton-ep tune: replacing the table {path} whole: {why}", file=sys.stderr, flush=True)
+    tuned.save(path, kept + entries, "python -m triton_ep tune " + " ".join(_argv(a)))
+    also = f" (and kept {len(kept)} of other calls and shapes from the table there)" if kept else ""
+    print(f"saved {len(entries)} entries to {path}{also}", file=out)
     return 0
 
 
