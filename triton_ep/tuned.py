@@ -238,12 +238,12 @@ def _count(e: dict, name: str) -> int:
 def _entry(e: dict) -> Entry:
     """One entry of a table's document as the library would use it: its ``call`` one of :data:`CALLS`, its counts
     ints of at least 1, its ``config`` null or one the Config constructor takes and whose ``num_sms`` every normal
-    mode's calls take (:func:`triton_ep.kernels.params.check_num_sms`).
+    mode's calls take (:func:`triton_ep.runtime.checks.check_config_num_sms`).
 
     Raises:
         ValueError, KeyError, TypeError: naming what is wrong.
     """
-    from .kernels.params import MIN_NUM_SMS, check_num_sms
+    from .runtime.checks import check_config_num_sms
     if not isinstance(e, dict):
         raise TypeError(f"an entry must be a JSON object, got {type(e).__name__}")
     if e["call"] not in CALLS:
@@ -253,8 +253,7 @@ def _entry(e: dict) -> Entry:
         c = dict(e["config"])
         warps = c.pop("num_warps", None)
         config = Config(**c, num_warps=warps)
-        for mode in MIN_NUM_SMS:
-            check_num_sms(config, mode)
+        check_config_num_sms(config)
     return Entry(e["call"], _count(e, "num_ranks"), _count(e, "hidden"), _count(e, "num_tokens"), config)
 
 
