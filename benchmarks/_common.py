@@ -91,17 +91,27 @@ def int_list(p, name: str, value: str, lo: int) -> List[int]:
 
 
 def check_shape_args(p, a, positive, hidden_multiple: int, why: str) -> None:
-    """The checks the one-rank benchmarks share, as argparse errors of parser ``p`` (exit 2) on the parsed ``a``:
-    each name in ``positive`` at least 1, ``--topk`` at most ``--experts``, ``--hidden`` a multiple of
-    ``hidden_multiple`` (``why``: the reason, for the message), and ``--out`` not a file."""
+    """The checks the benchmarks share, as argparse errors of parser ``p`` (exit 2, one line naming the option) on
+    the parsed ``a``, before anything runs: each name in ``positive`` at least 1, ``--topk`` at most ``--experts``,
+    ``--hidden`` a multiple of ``hidden_multiple`` (``why``: the reason, for the message); and where ``a`` has them,
+    ``--experts`` a multiple of ``--ranks`` (every rank holds as many experts), ``--warmup`` at least 0,
+    ``--timeout`` above 0, and ``--out`` (unless ``None``: no file) a folder this process can write in
+    (:func:`check_out`)."""
     for name in positive:
         if getattr(a, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     if a.topk > a.experts:
         p.error(f"--topk {a.topk} is more than --experts {a.experts} (a token's experts are distinct)")
     if a.hidden % hidden_multiple:
         p.error(f"--hidden must be a multiple of {hidden_multiple} ({why}), got {a.hidden}")
-    check_out(p, a.out)
+    if hasattr(a, "ranks") and a.experts % a.ranks:
+        p.error(f"--experts {a.experts} is not a multiple of --ranks {a.ranks} (every rank holds as many experts)")
+    if getattr(a, "warmup", 0) < 0:
+        p.error(f"--warmup must be at least 0, got {a.warmup}")
+    if hasattr(a, "timeout") and not a.timeout > 0:
+        p.error(f"--timeout must be a number of seconds above 0, got {a.timeout}")
+    if getattr(a, "out", None) is not None:
+        check_out(p, a.out)
 
 
 def check_out(p, out: str) -> None:

@@ -72,8 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 5)
     if _launch.launched_externally():
         a.ranks = int(os.environ["WORLD_SIZE"])
-    if a.experts % a.ranks or a.hidden % 8:
-        p.error(f"--experts ({a.experts}) must be a multiple of the ranks ({a.ranks}) and --hidden of 8")
+    C.check_shape_args(p, a, ("ranks", "tokens", "hidden", "topk", "experts", "iters"), 8,
+                       "bf16 rows of whole 16 bytes")
     return a
 
 

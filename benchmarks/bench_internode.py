@@ -39,7 +39,7 @@ import argparse
 import os
 import sys
 
-from _common import ROOT, add_out_arg, print_table, progress, say, write_json
+from _common import ROOT, add_out_arg, check_shape_args, print_table, progress, say, write_json
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -73,9 +73,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.inside_tokens < 0:
         p.error("--inside-tokens must be >= 0")
-    for name in ("tokens", "hidden", "experts", "topk", "qps", "chunk_kib", "slots", "calls"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_shape_args(p, a, ("tokens", "hidden", "experts", "topk", "qps", "chunk_kib", "slots", "calls"), 8,
+                     "bf16 rows of whole 16 bytes")
     if a.experts % 2:
         p.error("--experts must be even (two hosts of one rank)")
     return a

@@ -515,6 +515,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
     a = p.parse_args(argv)
     a.small = a.small or not C.on_gpu()
+    if a.e2e_ranks is not None and a.e2e_ranks < 1:
+        p.error(f"--e2e-ranks must be at least 1, got {a.e2e_ranks}")
+    C.check_out(p, a.out)
     return a
 
 

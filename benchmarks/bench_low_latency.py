@@ -90,7 +90,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "plain Python until the replay's end event is done, against an idle main thread "
                         "(graph_one_idle, graph_one_busy; with --hosts, TRITON_EP_PROXY says where the proxy runs)")
     C.add_out_arg(p, "low_latency.json")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    check_args(p, a)
+    return a
+
+
+def check_args(p, a) -> None:
+    """Argument errors of parser ``p`` (exit status 2, one line, before any rank starts): the shared checks
+    (``_common.check_shape_args``: counts of at least 1, ``--warmup`` at least 0, ``--timeout`` above 0, ``--topk``
+    at most ``--experts``, ``--experts`` a multiple of ``--ranks``, ``--out`` a folder this process can write in),
+    ``--hidden`` a multiple of 128 (the FP8 dispatch's blocks), ``--hosts`` dividing ``--ranks``, ``--arrival-words``
+    only with ``--hosts`` 2 or more, ``--sweep`` only at ``--ranks`` 1."""
+    C.check_shape_args(p, a, ("ranks", "tokens", "hidden", "experts", "topk", "iters", "hosts", "net_calls"), 128,
+                       "the FP8 dispatch casts blocks of 128 channels")
+    if a.ranks % a.hosts:
+        p.error(f"--hosts {a.hosts} must divide --ranks {a.ranks}")
+    if a.arrival_words and a.hosts < 2:
+        p.error("--arrival-words needs --hosts 2 or more (it changes the network leg between hosts)")
+    if a.sweep and a.ranks != 1:
+        p.error("--sweep runs at --ranks 1 (each rank would choose its own shapes)")
 
 
 def _captured(fn, device) -> "torch.cuda.CUDAGraph":
@@ -439,21 +457,14 @@ def report(a, row, R, sharing, backend, kernels=None) -> None:
     C.write_json(path, dict(device=C.device_name(), ranks=R, ranks_per_gpu=sharing if gpu else None, backend=backend,
                             tokens=a.tokens, hidden=a.hidden, experts=a.experts, topk=a.topk, iters=a.iters, note=what,
                             proxy=proxy_kind() if a.hosts > 1 else None, results=row, kernels_per_replay=kernels))
-    C.say(f"[bench_low_latency] wrote {path}")
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.hosts > 1:
-        if a.ranks % a.hosts:
-            raise SystemExit(f"--hosts {a.hosts} must divide --ranks {a.ranks}")
         os.environ.update(TRITON_EP_RANKS_PER_HOST=str(a.ranks // a.hosts), TRITON_EP_RDMA="emulated")
         if a.arrival_words:
             os.environ["TRITON_EP_LL_ARRIVAL_WORDS"] = "1"
-    elif a.arrival_words:
-        raise SystemExit("--arrival-words needs --hosts 2 or more (it changes the network leg between hosts)")
-    if a.sweep and a.ranks != 1:
-        raise SystemExit("--sweep runs at --ranks 1 (each rank would choose its own shapes)")
     return _launch.run(functools.partial(rank_main, a), a.ranks, a.timeout)
 
 

@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 
-from _common import ROOT, add_out_arg, say, write_json
+from _common import ROOT, add_out_arg, check_out, say, write_json
 
 if os.environ.get(IMPL_ENV := "TRITON_EP_BENCH_IMPL"):
     # --parts proxy_cpu's workers: the triton_ep to measure (a checkout of another commit, for the "before")
@@ -657,6 +657,7 @@ def main(argv=None):
               "ll_qps", "ll_calls", "cpu_reps", "cpu_rounds"):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    check_out(ap, a.out)
     chunk = a.chunk_kib << 10
     res = {"note": NOTE, "config": {k: v for k, v in vars(a).items() if k != "out"}, "cpus": os.cpu_count()}
     if "model" in a.parts:

@@ -90,7 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{k}", type=int, default=shape[k], help=f"default {shape[k]} on this machine's {where}")
     p.add_argument("--iters", type=int, default=10, help="timed calls (default 10; two untimed calls come first)")
     p.add_argument("--cprofile", action="store_true", help="also print rank 0's host-side cProfile (tottime)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    C.check_shape_args(p, a, ("ranks", "tokens", "hidden", "experts", "topk", "iters"), 8, "bf16 rows of whole 16 bytes")
+    return a
 
 
 def figures_note(ranks: int) -> str:

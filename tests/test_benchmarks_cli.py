@@ -473,6 +473,54 @@ def test_bench_calls_refuses_bad_arguments(args, want, capsys):
                                else []), want, capsys)
 
 
+@pytest.mark.parametrize("script,args,want", [
+    ("bench_low_latency", ["--out", "FILE"], "FILE is a file, not a folder"),
+    ("bench_low_latency", ["--out", "FILE/sub"], "FILE is a file, not a folder"),
+    ("bench_low_latency", ["--tokens", "0"], "--tokens must be at least 1, got 0"),
+    ("bench_low_latency", ["--ranks", "0"], "--ranks must be at least 1, got 0"),
+    ("bench_low_latency", ["--hidden", "100"], "--hidden must be a multiple of 128 (the FP8 dispatch casts"),
+    ("bench_low_latency", ["--experts", "3"], "--experts 3 is not a multiple of --ranks 2"),
+    ("bench_low_latency", ["--topk", "9"], "--topk 9 is more than --experts 8"),
+    ("bench_low_latency", ["--timeout", "0"], "--timeout must be a number of seconds above 0, got 0.0"),
+    ("bench_low_latency", ["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    ("bench_low_latency", ["--net-calls", "0"], "--net-calls must be at least 1, got 0"),
+    ("bench_low_latency", ["--hosts", "3"], "--hosts 3 must divide --ranks 2"),
+    ("bench_low_latency", ["--arrival-words"], "--arrival-words needs --hosts 2 or more"),
+    ("bench_low_latency", ["--sweep"], "--sweep runs at --ranks 1"),
+    ("bench_ep8", ["--out", "FILE"], "FILE is a file, not a folder"),
+    ("bench_ep8", ["--ranks", "0"], "--ranks must be at least 1, got 0"),
+    ("bench_ep8", ["--tokens", "0"], "--tokens must be at least 1, got 0"),
+    ("bench_ep8", ["--hidden", "12"], "--hidden must be a multiple of 8"),
+    ("bench_ep8", ["--experts", "30"], "--experts 30 is not a multiple of --ranks 4"),
+    ("bench_ep8", ["--topk", "33"], "--topk 33 is more than --experts 32"),
+    ("bench_ep8", ["--timeout", "-1"], "--timeout must be a number of seconds above 0"),
+    ("bench_internode", ["--out", "FILE"], "FILE is a file, not a folder"),
+    ("bench_internode", ["--tokens", "0"], "--tokens must be at least 1, got 0"),
+    ("bench_internode", ["--hidden", "12"], "--hidden must be a multiple of 8"),
+    ("bench_internode", ["--topk", "257"], "--topk 257 is more than --experts 256"),
+    ("bench_kernels", ["--out", "FILE"], "FILE is a file, not a folder"),
+    ("bench_kernels", ["--e2e-ranks", "0"], "--e2e-ranks must be at least 1, got 0"),
+    ("profile_phases", ["--ranks", "0"], "--ranks must be at least 1, got 0"),
+    ("profile_phases", ["--hidden", "12"], "--hidden must be a multiple of 8"),
+    ("profile_phases", ["--experts", "31"], "--experts 31 is not a multiple of --ranks 2"),
+    ("profile_phases", ["--topk", "33"], "--topk 33 is more than --experts 32"),
+    ("bench_calls", ["--out", "FILE"], "FILE is a file, not a folder"),
+    ("bench_scheduler", ["--out", "FILE"], "FILE is a file, not a folder"),
+])
+def test_benchmarks_refuse_bad_shapes_and_out_before_running(script, args, want, tmp_path, capsys):
+    """(A new user's find: bench_low_latency.py ran the whole benchmark and then failed on ``--out <a file>``, gave
+    raw tracebacks for ``--tokens 0``, ``--hidden 100``, ``--experts 3`` and exited 0 with no output for
+    ``--ranks 0``.) Every benchmark taking shape options or ``--out`` refuses bad ones with the shared checks
+    (``_common.check_shape_args`` / ``check_out``): argparse's error, exit status 2, one line naming the option, before
+    anything runs (the parser alone, in this process)."""
+    (tmp_path / "afile").write_text("x")
+    args = [a.replace("FILE", str(tmp_path / "afile")) for a in args]
+    mod = bench_module(script)
+    parse = mod.main if script == "bench_scheduler" else mod.parse_args      # (bench_scheduler parses in main)
+    assert_parse_error(parse, args, want.replace("FILE", str(tmp_path / "afile")), capsys)
+    assert os.listdir(tmp_path) == ["afile"]
+
+
 def test_bench_calls_compare_module_without_buffer(tmp_path, capsys):
     """``--compare`` of a module with no ``Buffer``: exit status 2 and the reason, before any rank starts."""
     assert bench_module("bench_calls").main(["--compare", "os", "--out", str(tmp_path)]) == 2

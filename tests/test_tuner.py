@@ -25,6 +25,21 @@ def table_env(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture
+def fake_ranks(monkeypatch):
+    """``triton_ep.testing.run_ranks`` replaced by a stand-in that starts nothing and returns 10 us for every Config
+    of the tuner's spec; the fixture's value: the specs it was given, in order."""
+    import triton_ep.testing
+    specs = []
+
+    def run(fn, world, spec, timeout_s):
+        specs.append(spec)
+        n = len(spec.candidates) + 1
+        return [{"dispatch": [10.0] * n, "combine": [10.0] * n}] * world
+    monkeypatch.setattr(triton_ep.testing, "run_ranks", run)
+    return specs
+
+
 def test_tune_writes_a_table_the_library_reads(table_env, capsys):
     """The quick tune on 2 CPU ranks saves a table naming this GPU ("cpu"), Triton and triton-ep versions, with a
     dispatch and a combine entry whose Config is the fastest candidate; get_dispatch_config / get_combine_config
@@ -83,6 +98,111 @@ def test_a_table_of_another_gpu_or_version_warns_and_falls_back(table_env, field
         assert Buffer.get_dispatch_config(8) == Config(20, 6, 256, 6, 128)
 
 
+def _loads_once_with_a_warning(why: str, fifo=None) -> None:
+    """``get_dispatch_config(8)`` in a thread, bounded: within 10 s it returns the built-in Config with one
+    ``UserWarning`` matching ``why``; a second call (the same file) warns no more. ``fifo``: a FIFO a loader that
+    blocked on would be waiting for; it is opened for writing then, which ends that wait (no thread left behind)."""
+    import threading
+    got, caught = [], []
+
+    def call():
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            got.append(Buffer.get_dispatch_config(8))
+        caught.extend(ws)
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(10.0)
+    if t.is_alive() and fifo is not None:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))      # (the blocked open returns; the read sees EOF)
+        t.join(10.0)
+    assert got, "get_dispatch_config did not return within 10 s"
+    assert got[0] == Config(20, 6, 256, 6, 128) and got[0].builtin
+    assert len(caught) == 1 and issubclass(caught[0].category, UserWarning), [str(w.message) for w in caught]
+    assert why in str(caught[0].message) and "the built-in tables apply" in str(caught[0].message), caught[0].message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Buffer.get_dispatch_config(8) == Config(20, 6, 256, 6, 128)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "symlink-loop", "too-large", "num-sms-1", "num-warps-3",
+                                  "ranks-0", "entries-not-a-list"])
+def test_a_table_that_cannot_be_used_warns_once_and_falls_back(kind, tmp_path, table_env, monkeypatch):
+    """(A new user's find: a FIFO as the table blocked get_dispatch_config for ever, /dev/zero grew memory without
+    bound, an entry with ``num_sms`` 1 loaded and every dispatch given its Config failed, a symlink loop was ignored
+    without a word.) Only a regular file of at most ``tuned.MAX_TABLE_BYTES`` is read, and every entry is checked as
+    a call would use it; anything else is one warning naming the reason, and the built-in Configs. (``/dev/null``
+    stands for a device: reading it ends at once even where the check were missing.)"""
+    good = [_entry("dispatch", 4096, 24)]
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        path, why = tmp_path / "fifo", "it is a FIFO, not a regular file"
+    elif kind == "device":
+        path, why = "/dev/null", "it is a character device, not a regular file"
+    elif kind == "symlink-loop":
+        os.symlink(tmp_path / "b", tmp_path / "a")
+        os.symlink(tmp_path / "a", tmp_path / "b")
+        path, why = tmp_path / "a", "it cannot be reached (OSError: Too many levels of symbolic links)"
+    elif kind == "too-large":
+        path = tmp_path / "big.json"
+        _table(path, good)
+        with open(path, "r+b") as f:        # (sparse: nothing written beyond the table)
+            f.truncate(tuned.MAX_TABLE_BYTES + 1)
+        why = f"it is {tuned.MAX_TABLE_BYTES + 1} bytes, more than the {tuned.MAX_TABLE_BYTES} a table may take"
+    else:
+        path = tmp_path / "t.json"
+        bad = dict(_entry("dispatch", 1024, 16))
+        if kind == "num-sms-1":
+            bad["config"] = dict(bad["config"], num_sms=1)
+            why = "entry 1: config.num_sms is 1, below the intranode normal mode's minimum of 2"
+        elif kind == "num-warps-3":
+            bad["config"] = dict(bad["config"], num_warps=3)
+            why = "entry 1: Config's num_warps must be None or one of"
+        elif kind == "ranks-0":
+            bad["num_ranks"] = 0
+            why = "entry 1: num_ranks must be an int of at least 1, got 0"
+        if kind == "entries-not-a-list":
+            _table(path, {"0": good[0]})
+            why = "its entries are not a list, got dict"
+        else:
+            _table(path, good + [bad])
+    monkeypatch.setenv(tuned.ENV_FILE, str(path))
+    _loads_once_with_a_warning(why, fifo=path if kind == "fifo" else None)
+    if kind == "too-large":         # (the bound: a smaller one sets aside a table of that many bytes plus one)
+        _table(path, good)
+        monkeypatch.setattr(tuned, "MAX_TABLE_BYTES", path.stat().st_size - 1)
+        _loads_once_with_a_warning("more than the")
+        _table(path, good + [_entry("dispatch", 128, 16)])      # (another file version: read again)
+        monkeypatch.setattr(tuned, "MAX_TABLE_BYTES", path.stat().st_size)
+        assert Buffer.get_dispatch_config(8).num_sms == 24
+    if kind == "num-sms-1":         # (the same table with a valid entry there is used)
+        _table(path, good + [_entry("dispatch", 1024, 16)])
+        assert Buffer.get_dispatch_config(8, num_tokens=1024).num_sms == 16
+
+
+def test_tune_keeps_the_entries_of_other_shapes_of_a_usable_table(table_env, fake_ranks, capsys):
+    """(A new user's find: ``tune`` replaced the whole table, so tuning 2 ranks and then 8 kept only the 8.) Saving
+    keeps the entries of other calls and shapes from a table the library would use here, and replaces those of the
+    shapes measured again; another GPU's table (or one that cannot be used) is replaced whole, said on stderr."""
+    def shapes():
+        doc = json.loads(table_env.read_text())
+        return sorted((e["call"], e["num_ranks"], e["num_tokens"]) for e in doc["entries"])
+    assert main(["tune", "--quick", "--tokens", "4"]) == 0
+    assert main(["tune", "--quick", "--tokens", "6", "--ranks", "4"]) == 0
+    assert "(and kept 2 of other calls and shapes from the table there)" in capsys.readouterr().out
+    assert shapes() == [("combine", 2, 4), ("combine", 4, 6), ("dispatch", 2, 4), ("dispatch", 4, 6)]
+    assert main(["tune", "--quick", "--tokens", "6,8", "--ranks", "4"]) == 0
+    assert shapes() == [("combine", 2, 4), ("combine", 4, 6), ("combine", 4, 8), ("dispatch", 2, 4),
+                        ("dispatch", 4, 6), ("dispatch", 4, 8)]
+    capsys.readouterr()
+    doc = json.loads(table_env.read_text())
+    table_env.write_text(json.dumps(dict(doc, gpu="other")))
+    assert main(["tune", "--quick", "--tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert f"triton-ep tune: replacing the table {table_env} whole: it was measured for another gpu 'other'" in err
+    assert "kept" not in out and shapes() == [("combine", 2, 4), ("dispatch", 2, 4)]
+
+
 def test_entries_are_chosen_by_shape_and_set_num_sms_wins(table_env, monkeypatch):
     """Several shapes for one group size: without a shape the entry of the most tokens, else the entry of that
     hidden size nearest in tokens; after ``set_num_sms`` the tuned Config carries that SM count."""
@@ -120,6 +240,41 @@ def test_the_built_in_tables_compete_and_their_config_launches_as_none(table_env
     assert config_key(Config(20, 24, 256, 6, 128)) is not None     # (by hand: honoured)
     assert main(["tune", "--quick", "--tokens", "-5"]) == 2        # (argparse's error, before any work)
     assert main(["tune", "--quick", "--output", str(table_env.parent)]) == 2     # (a directory: before any work)
+
+
+def test_without_a_gpu_the_defaults_are_quick_and_given_options_win(table_env, monkeypatch, fake_ranks, capsys):
+    """(A new user's find: ``tune`` without ``--quick`` on CPU ran DeepSeek-V3 shapes for more than 5 minutes with no
+    output, though docs/tuning.md says a run without a GPU uses tiny shapes.) Without a GPU the defaults are
+    ``--quick``'s (shapes, iterations, the two candidates); an option given keeps its value; a GPU keeps
+    DeepSeek-V3's defaults. ``main`` says so on stderr and prints a line as each token count starts (the ranks are
+    a stand-in here that returns times: no rank process starts)."""
+    import argparse
+    import torch
+    from triton_ep.tuner import QUICK, candidates, resolve
+
+    def opts(**given):
+        base = dict(quick=False, ranks=2, hidden=None, tokens=None, num_experts=None, num_topk=None, iters=None,
+                    warmup=None, num_nvl_bytes=None, output=None)
+        return argparse.Namespace(**dict(base, **given))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = resolve(opts())
+    assert (r.hidden, r.tokens, r.num_experts, r.num_topk, r.iters, r.warmup) == (64, [8], 8, 2, 2, 1)
+    assert candidates(False, 2) == list(QUICK)
+    r = resolve(opts(hidden=128, tokens=(16, 32), num_topk=4, iters=5, warmup=0))
+    assert (r.hidden, r.tokens, r.num_experts, r.num_topk, r.iters, r.warmup) == (128, [16, 32], 8, 4, 5, 0)
+    specs = fake_ranks
+    assert main(["tune", "--tokens", "4,6"]) == 0
+    assert [(s.hidden, s.num_tokens, s.num_experts, s.num_topk, s.iters, s.warmup) for s in specs] == [
+        (64, 4, 8, 2, 2, 1), (64, 6, 8, 2, 2, 1)]
+    assert [s.label for s in specs] == ["triton-ep tune: tokens 4 (1/2)", "triton-ep tune: tokens 6 (2/2)"]
+    out, err = capsys.readouterr()
+    assert "triton-ep tune: no GPU: --quick's defaults" in err and f"saved 4 entries to {table_env}" in out
+    assert "triton-ep tune: tokens 6 (2/2): 2 ranks, hidden 64, top-2 of 8 experts, the built-in tables and 2 " \
+           "candidates, 1 + 2 calls each" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    r = resolve(opts(output=str(table_env)))
+    assert (r.hidden, r.tokens, r.num_experts, r.num_topk, r.iters, r.warmup) == (7168, [128, 1024, 4096], 256, 8,
+                                                                                   20, 3)
 
 
 @pytest.mark.parametrize("args,why", [

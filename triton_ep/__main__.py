@@ -6,7 +6,7 @@
     triton-ep info --num-qps 8 --n-paths 4 --hash crc
     triton-ep info --traffic-class 106 --service-level 3   # the QoS line, as VerbsTransport would set it
     python -m triton_ep info                      # the same without the console script
-    triton-ep tune                                # time Configs at DeepSeek-V3 shapes, save the tuned table
+    triton-ep tune                                # time Configs at DeepSeek-V3 shapes (no GPU: --quick's), save them
     triton-ep tune --quick --output /tmp/t.json   # tiny shapes, two candidates (also on CPU: 16-30 s seen)
 
 The report has six sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the

@@ -5,10 +5,12 @@ defaulting to ``~/.cache``). The file names the GPU it was measured on (``torch.
 ``"cpu"`` for interpreted kernels), the Triton version and the triton-ep version; :func:`load` checks all three
 against this process and on a mismatch warns (``UserWarning``) and returns ``None``, so that
 ``Buffer.get_dispatch_config`` / ``get_combine_config`` fall back to the built-in tables. A file that is absent
-gives ``None`` silently; one that cannot be read or parsed warns the same way.
+gives ``None`` silently; one that cannot be used warns the same way, once per file version: not a regular file
+(symlinks followed; a FIFO or device is never read), larger than :data:`MAX_TABLE_BYTES`, unreachable (a symlink
+loop), not a table, or with an entry a call could not use (a Config its constructor or the calls refuse).
 
 Format (``"format": "triton-ep tuning table"``, ``"version": 1``): ``gpu``, ``triton``, ``triton_ep``, ``created``
-(UTC, ISO 8601), ``command`` (the tuner's arguments), and ``entries``: one per measured call and shape, each
+(UTC, ISO 8601), ``command`` (the last tuner run's arguments), and ``entries``: one per measured call and shape, each
 ``{"call": "dispatch" or "combine", "num_ranks", "hidden", "num_tokens", "num_experts", "num_topk",
 "config": {Config.fields()}, "time_us", "builtin_time_us", "candidates": [{"config", "time_us"}, ...]}``
 (``time_us``: the best Config's median, slowest rank; ``builtin_time_us``: the same call without a Config, the
@@ -90,6 +92,10 @@ class Table:
         return best.config
 
 
+#: the most bytes :func:`load` reads of a table (a tuned table of every shape takes well under 1 MiB); a larger file
+#: is not used (a warning)
+MAX_TABLE_BYTES = 16 << 20
+
 _CACHE: dict = {}
 
 
@@ -98,38 +104,148 @@ def _mismatch(path: str, why: str) -> None:
                   f"(run `python -m triton_ep tune` again)", stacklevel=3)
 
 
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, for a message: ``"a FIFO"``, ``"a directory"``..."""
+    return next((k for test, k in _KINDS if test(mode)), "not a regular file")
+
+
+def _readable(st: os.stat_result) -> None:
+    """``ValueError`` unless ``st`` is a regular file of at most :data:`MAX_TABLE_BYTES`."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"it is {_kind(st.st_mode)}, not a regular file")
+    if st.st_size > MAX_TABLE_BYTES:
+        raise ValueError(f"it is {st.st_size} bytes, more than the {MAX_TABLE_BYTES} a table may take")
+
+
+def read_doc(path: str, st: Optional[os.stat_result] = None) -> object:
+    """The JSON document of the table file at ``path``, read safely: only a regular file (symlinks followed) of at
+    most :data:`MAX_TABLE_BYTES`, checked before it is opened and again through its descriptor (it is opened without
+    blocking, so a FIFO put there in the meantime is refused too, never waited on); at most that many bytes are
+    read. ``st``: ``os.stat(path)`` where the caller has it.
+
+    Raises:
+        OSError: the file cannot be reached or read (``FileNotFoundError`` where it is absent, ``ELOOP`` for a
+            symlink loop...).
+        ValueError: it is not a regular file, is larger than :data:`MAX_TABLE_BYTES`, or is not JSON (the message
+            says which).
+    """
+    _readable(os.stat(path) if st is None else st)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb") as f:
+        _readable(os.fstat(f.fileno()))
+        data = f.read(MAX_TABLE_BYTES + 1)      # (a file that grew since, or a /proc file of size 0: bounded too)
+    if len(data) > MAX_TABLE_BYTES:
+        raise ValueError(f"it holds more than the {MAX_TABLE_BYTES} bytes a table may take")
+    return json.loads(data)
+
+
+def check_doc(doc) -> Tuple[Optional[str], Tuple["Entry", ...]]:
+    """Check a table's document ``doc`` (:func:`read_doc`'s) against this process: ``(why, entries)``, ``why`` the
+    :func:`identity` fields it names otherwise (``None`` where they match), ``entries`` its checked entries (``()``
+    where ``why`` is set).
+
+    Raises:
+        ValueError: not a table of this format and version, or an entry that a call could not use (:func:`_entry`;
+            the message names the entry by its index).
+    """
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise ValueError(f"not a {FORMAT!r} of version {VERSION}")
+    here = identity()
+    diff = [f"{k} {doc.get(k)!r} (here {v!r})" for k, v in here.items() if doc.get(k) != v]
+    if diff:
+        return "it was measured for another " + ", ".join(diff), ()
+    if not isinstance(doc.get("entries"), list):
+        raise ValueError(f"its entries are not a list, got {type(doc.get('entries')).__name__}")
+    entries = []
+    for i, e in enumerate(doc["entries"]):
+        try:
+            entries.append(_entry(e))
+        except KeyError as ex:
+            raise ValueError(f"entry {i} has no {ex.args[0]!r}") from None
+        except (ValueError, TypeError) as ex:
+            raise ValueError(f"entry {i}: {ex}") from None
+    return None, tuple(entries)
+
+
 def load(path: Optional[str] = None) -> Optional[Table]:
-    """The tuned table at ``path`` (default :func:`default_path`), or ``None``: absent, or unusable here (warns:
-    another GPU, Triton or triton-ep version, or a file that does not parse as a table). Read again only when
+    """The tuned table at ``path`` (default :func:`default_path`), or ``None``: absent (silently), or unusable here,
+    with one ``UserWarning`` per file version naming the reason: another GPU, Triton or triton-ep version; not a
+    regular file (a FIFO, device, directory...: never opened in a way that could block), larger than
+    :data:`MAX_TABLE_BYTES`, unreachable (a symlink loop, no permission), not a table, or an entry a call could not
+    use (:func:`_entry`'s checks: the Config constructor's and the calls' ``num_sms`` minimum). Read again only when
     the file changes (its modification time and size)."""
     path = default_path() if path is None else path
     try:
         st = os.stat(path)
-    except OSError:
+    except FileNotFoundError:
         return None
-    key = (path, st.st_mtime_ns, st.st_size)
+    except OSError as e:
+        key = (path, "error", e.errno)
+        if key not in _CACHE:
+            _mismatch(path, f"it cannot be reached ({type(e).__name__}: {e.strerror or e})")
+            _CACHE.clear()
+            _CACHE[key] = None
+        return None
+    key = (path, st.st_mtime_ns, st.st_size, st.st_mode)
     if key in _CACHE:
         return _CACHE[key]
     table = None
     try:
-        with open(path) as f:
-            doc = json.load(f)
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise ValueError(f"not a {FORMAT!r} of version {VERSION}")
-        here = identity()
-        diff = [f"{k} {doc.get(k)!r} (here {v!r})" for k, v in here.items() if doc.get(k) != v]
-        if diff:
-            _mismatch(path, "it was measured for another " + ", ".join(diff))
+        why, entries = check_doc(read_doc(path, st))
+        if why:
+            _mismatch(path, why)
         else:
-            table = Table(path, tuple(_entry(e) for e in doc["entries"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+            table = Table(path, entries)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:    # (RecursionError: JSON nested deep)
         _mismatch(path, f"it cannot be read ({type(e).__name__}: {e})")
     _CACHE.clear()
     _CACHE[key] = table
     return table
 
 
+def _shape(e: dict) -> tuple:
+    """An entry's call and shape: ``(call, num_ranks, hidden, num_tokens)`` (what a table holds one entry of)."""
+    return e["call"], e["num_ranks"], e["hidden"], e["num_tokens"]
+
+
+def kept_entries(path: str, entries: List[dict]) -> Tuple[List[dict], Optional[str]]:
+    """What ``tune`` keeps of the table already at ``path`` when it saves ``entries`` there: ``(kept, why)``. Where
+    that table is one :func:`load` would use here (a regular file of this GPU, Triton and triton-ep version, every
+    entry valid), ``kept`` is its entries of other calls and shapes (``(call, num_ranks, hidden, num_tokens)``) than
+    ``entries``', as they are, and ``why`` ``None``. Otherwise ``kept`` is empty: ``why`` is ``None`` where there is
+    no file, else the reason the file is replaced whole (another GPU, a file that does not parse...)."""
+    try:
+        doc = read_doc(path)
+        why, _ = check_doc(doc)
+    except FileNotFoundError:
+        return [], None
+    except (OSError, ValueError, RecursionError) as e:
+        return [], f"it cannot be read ({type(e).__name__}: {e})"
+    if why:
+        return [], why
+    new = {_shape(e) for e in entries}
+    return [e for e in doc["entries"] if _shape(e) not in new], None
+
+
+def _count(e: dict, name: str) -> int:
+    """Entry ``e``'s ``name``: an int of at least 1 (``ValueError`` otherwise)."""
+    v = e[name]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be an int of at least 1, got {v!r}")
+    return v
+
+
 def _entry(e: dict) -> Entry:
+    """One entry of a table's document as the library would use it: its ``call`` one of :data:`CALLS`, its counts
+    ints of at least 1, its ``config`` null or one the Config constructor takes and whose ``num_sms`` every normal
+    mode's calls take (:func:`triton_ep.runtime.checks.check_config_num_sms`).
+
+    Raises:
+        ValueError, KeyError, TypeError: naming what is wrong.
+    """
+    from .runtime.checks import check_config_num_sms
+    if not isinstance(e, dict):
+        raise TypeError(f"an entry must be a JSON object, got {type(e).__name__}")
     if e["call"] not in CALLS:
         raise ValueError(f"entry call {e['call']!r} is not one of {CALLS}")
     config = None               # (null: no candidate beat the built-in tables, which stay)
@@ -137,7 +253,8 @@ def _entry(e: dict) -> Entry:
         c = dict(e["config"])
         warps = c.pop("num_warps", None)
         config = Config(**c, num_warps=warps)
-    return Entry(e["call"], int(e["num_ranks"]), int(e["hidden"]), int(e["num_tokens"]), config)
+        check_config_num_sms(config)
+    return Entry(e["call"], _count(e, "num_ranks"), _count(e, "hidden"), _count(e, "num_tokens"), config)
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -188,8 +305,7 @@ def check_target(path: str, create_dir: bool = False) -> str:
     except OSError as e:
         raise ValueError(f"{shown} cannot be checked ({e.strerror or e})") from None
     if mode is not None and not stat.S_ISREG(mode):
-        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
-        raise ValueError(f"{shown} is {kind}, not a regular file; name the table's file (a .json path)")
+        raise ValueError(f"{shown} is {_kind(mode)}, not a regular file; name the table's file (a .json path)")
     if mode is not None:
         try:
             os.close(os.open(real, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK))    # (no O_TRUNC: nothing changes)
@@ -254,4 +370,5 @@ def save(path: str, entries: List[dict], command: str) -> None:
         raise
 
 
-__all__ = ["CALLS", "ENV_FILE", "Entry", "Table", "check_target", "default_path", "identity", "load", "save"]
+__all__ = ["CALLS", "ENV_FILE", "Entry", "MAX_TABLE_BYTES", "Table", "check_doc", "check_target", "default_path",
+           "identity", "kept_entries", "load", "read_doc", "save"]

@@ -7,7 +7,9 @@ GPU 0; interpreted kernels on CPU tensors without a GPU), bootstrapped over gloo
 for the built-in tables (no Config) and each candidate Config, a cached dispatch and a combine of that handle:
 ``warmup`` calls, then ``iters`` calls each between a barrier and a device synchronisation (CUDA events around
 the call on GPU, ``perf_counter`` on CPU), median per rank, slowest rank. Every candidate's outputs are checked
-bit for bit against the built-in tables' (``RuntimeError`` otherwise). docs/tuning.md has the whole story.
+bit for bit against the built-in tables' (``RuntimeError`` otherwise). Without a GPU the defaults are ``--quick``'s
+(tiny shapes, two candidates); options given still apply. Progress goes to stderr: a line as each token count
+starts and one per Config measured (rank 0's). docs/tuning.md has the whole story.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ QUICK = (Config(2, 1, 4096), Config(4, 64, 256, num_warps=8))
 class TuneSpec:
     """What one tuning run measures: ``num_ranks`` ranks, rows of ``hidden`` bf16 values, ``num_tokens`` tokens per
     rank, ``num_topk`` of ``num_experts`` experts, a buffer of ``num_nvl_bytes``, each timing the median of
-    ``iters`` calls after ``warmup``; ``candidates``: the Configs' :meth:`Config.fields`; ``seed`` of the routing."""
+    ``iters`` calls after ``warmup``; ``candidates``: the Configs' :meth:`Config.fields`; ``seed`` of the routing;
+    ``label``: where not empty, rank 0 prints a progress line on stderr per Config measured, starting with it."""
     num_ranks: int
     hidden: int
     num_tokens: int
@@ -48,13 +51,21 @@ class TuneSpec:
     warmup: int
     candidates: List[dict]
     seed: int = 0
+    label: str = ""
+
+
+def quick_defaults(quick: bool) -> bool:
+    """Whether a run takes ``--quick``'s defaults (tiny shapes, few iterations, :data:`QUICK`'s two candidates):
+    with ``quick``, or without a GPU (the interpreter runs DeepSeek-V3 shapes for many minutes)."""
+    return bool(quick) or not torch.cuda.is_available()
 
 
 def candidates(quick: bool, num_ranks: int) -> List[Config]:
-    """The Configs a run tries: :data:`QUICK` with ``quick`` or without a GPU; else every combination of
-    :data:`GPU_SMS` (up to this GPU's SM count, which is added), :data:`GPU_ROWS` and :data:`GPU_WARPS` with
-    DeepEP's receive chunk for ``num_ranks``, plus DeepEP's recommended dispatch and combine Configs (20 SMs)."""
-    if quick or not torch.cuda.is_available():
+    """The Configs a run tries: :data:`QUICK` with ``quick`` or without a GPU (:func:`quick_defaults`); else every
+    combination of :data:`GPU_SMS` (up to this GPU's SM count, which is added), :data:`GPU_ROWS` and
+    :data:`GPU_WARPS` with DeepEP's receive chunk for ``num_ranks``, plus DeepEP's recommended dispatch and combine
+    Configs (20 SMs)."""
+    if quick_defaults(quick):
         return list(QUICK)
     sms = torch.cuda.get_device_properties(0).multi_processor_count // 2 * 2
     recv = max(recommended_config(num_ranks, DISPATCH_CONFIGS, 20).num_max_nvl_chunked_recv_tokens, 256)
@@ -132,7 +143,7 @@ def rank_main(rank: int, world: int, spec: TuneSpec) -> dict:
         configs = [None] + [config_of(c) for c in spec.candidates]
         out = {"dispatch": [], "combine": []}
         want = None
-        for cfg in configs:
+        for i, cfg in enumerate(configs):
             got = (buf.dispatch(x, handle=handle, config=cfg)[0], buf.combine(recv_x, handle, config=cfg)[0])
             if want is None:
                 want = got
@@ -143,6 +154,10 @@ def rank_main(rank: int, world: int, spec: TuneSpec) -> dict:
             c = _timed(lambda: buf.combine(recv_x, handle, config=cfg), spec.iters, spec.warmup, dev)
             out["dispatch"].append(_slowest(d))
             out["combine"].append(_slowest(c))
+            if spec.label and rank == 0:
+                print(f"{spec.label}: {i + 1}/{len(configs)} {cfg if cfg is not None else 'the built-in tables'}: "
+                      f"dispatch {out['dispatch'][-1]:.1f} us, combine {out['combine'][-1]:.1f} us",
+                      file=sys.stderr, flush=True)
         return out
     finally:
         buf.destroy()
@@ -195,21 +210,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks (processes; one GPU each where there are enough, else sharing GPU 0); "
                         "default: the GPUs here, at least 2")
     p.add_argument("--hidden", type=positive_int, default=None,
-                   help="bf16 values per row, a multiple of 8 (default 7168; --quick 64)")
+                   help="bf16 values per row, a multiple of 8 (default 7168; --quick or no GPU: 64)")
     p.add_argument("--tokens", type=positive_int_list, default=None,
                    help="comma-separated tokens per rank, each once, one table entry each (default 128,1024,4096; "
                         "--quick 8)")
     p.add_argument("--num-experts", type=positive_int, default=None,
-                   help="experts, a multiple of --ranks (default 256; --quick 8)")
+                   help="experts, a multiple of --ranks (default 256; --quick or no GPU: 8)")
     p.add_argument("--num-topk", type=positive_int, default=None,
-                   help="experts per token, at most --num-experts (default 8; --quick 2)")
+                   help="experts per token, at most --num-experts (default 8; --quick or no GPU: 2)")
     p.add_argument("--num-nvl-bytes", type=positive_int, default=None,
                    help="each rank's buffer, rounded up to 4 KiB (at least 4 KiB) as a Buffer does; it must hold one "
                         "row's record (default: DeepEP's size hint of the built-in Configs)")
-    p.add_argument("--iters", type=positive_int, default=None, help="timed calls per candidate (default 20; --quick 2)")
-    p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed calls first (default 3; --quick 1)")
+    p.add_argument("--iters", type=positive_int, default=None, help="timed calls per candidate (default 20; --quick or no GPU: 2)")
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed calls first (default 3; --quick or no GPU: 1)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny shapes and two candidates (a CPU run: 16-30 s seen on a loaded 2-core machine)")
+                   help="tiny shapes and two candidates, the defaults without a GPU (a CPU run: 16-30 s seen on a loaded 2-core "
+                        "machine); options given still apply")
     p.add_argument("--output", type=table_file, default=None,
                    help="the table's file: absent or a writable regular file, in an existing writable directory "
                         f"(checked before any measuring; default: ${tuned.ENV_FILE}, else "
@@ -219,8 +235,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class TuneArgs:
-    """The ``tune`` options with their defaults filled in (``--quick``'s where given) and checked together by
-    :func:`resolve`; ``path``: the table's file (``--output``, else :func:`triton_ep.tuned.default_path`)."""
+    """The ``tune`` options with their defaults filled in (``--quick``'s where given or without a GPU) and checked
+    together by :func:`resolve`; ``path``: the table's file (``--output``, else :func:`triton_ep.tuned.default_path`)."""
     hidden: int
     tokens: List[int]
     num_experts: int
@@ -248,7 +264,7 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
     """
     from .modes.intranode import combine_record_bytes, dispatch_record_words   # (the records the mode sizes)
     from .runtime.checks import MAX_BUFFER_BYTES, MAX_EXPERTS
-    q = a.quick
+    q = quick_defaults(a.quick)
     hidden = a.hidden or (64 if q else 7168)
     tokens = list(a.tokens or ((8,) if q else (128, 1024, 4096)))
     E, K = a.num_experts or (8 if q else 256), a.num_topk or (2 if q else 8)
@@ -286,9 +302,12 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
 
 def main(a: argparse.Namespace, out) -> int:
     """Run the tuner with the parsed options ``a`` (:func:`add_arguments`), print a table of built-in against tuned
-    microseconds per call and shape to ``out`` and save the tuned table. Returns 0; 2 where the options do not go
-    together or the table's file cannot be written (:func:`resolve`: one line on stderr, before any work); or 1
-    when a rank failed (its error printed)."""
+    microseconds per call and shape to ``out`` (a row per call as each token count finishes; progress lines on
+    stderr: one as each token count starts, and rank 0's per Config measured) and save the tuned table: the new
+    entries, plus those of other calls and shapes of a table already there that this process could use
+    (:func:`triton_ep.tuned.kept_entries`; a table it could not use is replaced whole, said on stderr). Returns 0;
+    2 where the options do not go together or the table's file cannot be written (:func:`resolve`: one line on
+    stderr, before any work); or 1 when a rank failed (its error printed)."""
     from .testing import run_ranks
     try:
         r = resolve(a)
@@ -298,10 +317,16 @@ def main(a: argparse.Namespace, out) -> int:
     hidden, E, K, path = r.hidden, r.num_experts, r.num_topk, r.path
     cands = [c.fields() for c in candidates(a.quick, a.ranks)]
     entries = []
+    if quick_defaults(a.quick) and not a.quick:
+        print("triton-ep tune: no GPU: --quick's defaults (tiny shapes, two candidates; options given still apply)",
+              file=sys.stderr, flush=True)
     print(f"{'call':8} {'ranks':>5} {'hidden':>6} {'tokens':>6} {'built-in us':>11} {'tuned us':>9} {'ratio':>6}  "
           f"best Config", file=out)
-    for T in r.tokens:
-        spec = TuneSpec(a.ranks, hidden, T, E, K, r.num_nvl_bytes, r.iters, r.warmup, cands)
+    for n, T in enumerate(r.tokens):
+        label = f"triton-ep tune: tokens {T} ({n + 1}/{len(r.tokens)})"
+        print(f"{label}: {a.ranks} ranks, hidden {hidden}, top-{K} of {E} experts, the built-in tables and "
+              f"{len(cands)} candidates, {r.warmup} + {r.iters} calls each", file=sys.stderr, flush=True)
+        spec = TuneSpec(a.ranks, hidden, T, E, K, r.num_nvl_bytes, r.iters, r.warmup, cands, label=label)
         res = run_ranks(rank_main, a.ranks, spec, timeout_s=a.timeout_s)
         bad = [r for r in res if hasattr(r, "traceback")]
         if bad:
@@ -311,9 +336,14 @@ def main(a: argparse.Namespace, out) -> int:
             entries.append(e)
             print(f"{e['call']:8} {a.ranks:5d} {hidden:6d} {T:6d} {e['builtin_time_us']:11.1f} {e['time_us']:9.1f} "
                   f"{e['time_us'] / e['builtin_time_us']:6.2f}  "
-                  f"{repr(config_of(e['config'])) if e['config'] is not None else 'the built-in tables'}", file=out)
-    tuned.save(path, entries, "python -m triton_ep tune " + " ".join(_argv(a)))
-    print(f"saved {len(entries)} entries to {path}", file=out)
+                  f"{repr(config_of(e['config'])) if e['config'] is not None else 'the built-in tables'}", file=out,
+                  flush=True)
+    kept, why = tuned.kept_entries(path, entries)
+    if why:
+        print(f"triton-ep tune: replacing the table {path} whole: {why}", file=sys.stderr, flush=True)
+    tuned.save(path, kept + entries, "python -m triton_ep tune " + " ".join(_argv(a)))
+    also = f" (and kept {len(kept)} of other calls and shapes from the table there)" if kept else ""
+    print(f"saved {len(entries)} entries to {path}{also}", file=out)
     return 0
 
 
@@ -326,5 +356,5 @@ def _argv(a: argparse.Namespace) -> Sequence[str]:
             for k, v in sorted(vars(a).items()) if k != "command" and v is not None and v is not False]
 
 
-__all__ = ["TuneArgs", "TuneSpec", "add_arguments", "candidates", "entries_of", "main", "rank_main", "resolve",
-           "table_file"]
+__all__ = ["TuneArgs", "TuneSpec", "add_arguments", "candidates", "entries_of", "main", "quick_defaults", "rank_main",
+           "resolve", "table_file"]

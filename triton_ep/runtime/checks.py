@@ -125,6 +125,15 @@ def check_config(config) -> None:
         raise TypeError(f"config must be a triton_ep.Config or None, got {type(config).__name__}")
 
 
+def check_config_num_sms(config: Optional[Config]) -> None:
+    """``ValueError`` when ``config.num_sms`` is below the minimum of any normal mode's calls
+    (:data:`triton_ep.kernels.params.MIN_NUM_SMS`, the message naming both): a Config every call takes (a tuned
+    table's entries are held to it)."""
+    from ..kernels.params import MIN_NUM_SMS, check_num_sms
+    for mode in MIN_NUM_SMS:
+        check_num_sms(config, mode)
+
+
 def check_num_experts(num_experts, num_ranks: int) -> None:
     """``num_experts`` is a positive multiple of the group size, at most :data:`MAX_EXPERTS` (``ValueError``)."""
     if not isint(num_experts) or num_experts <= 0 or num_experts % num_ranks:
