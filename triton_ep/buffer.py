@@ -55,6 +55,9 @@ class Buffer:
         timeout_s: seconds, in ``[1e-9, 1e9]``, bound on every wait for a peer (default 100 or
             ``TRITON_EP_TIMEOUT_S``). device: default the current CUDA device, else CPU.
         rdma_backend: ``"auto"``, ``"verbs"``, ``"emulated"`` or ``None`` (``TRITON_EP_RDMA``, else ``"auto"``).
+        _args_error: not for callers: the ``ValueError`` / ``TypeError`` a face built over Buffer
+            (:class:`~triton_ep.ElasticBuffer`) found in its own arguments on this rank, raised on every rank at once
+            as a bad argument of Buffer's own is (``None``: none).
 
     Raises:
         ValueError/TypeError: a bad argument or environment value on any rank (on every rank at once), ranks that
@@ -69,11 +72,11 @@ class Buffer:
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm=None, *, timeout_s: Optional[float] = None,
                  device: Optional[Union[str, torch.device]] = None, rdma_backend: Optional[str] = None,
-                 **unused) -> None:
+                 _args_error: Optional[Exception] = None, **unused) -> None:
         if unused:
             warnings.warn(f"triton_ep.Buffer ignores unknown arguments {sorted(unused)}", stacklevel=2)
         self._rt = rt = open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, timeout_s, device,
-                                     rdma_backend)
+                                     rdma_backend, args_error=_args_error)
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
         self.group, self.timeout_s, self.rank, self.group_size, self.device = \

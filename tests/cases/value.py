@@ -16,17 +16,27 @@ HOSTS_CASES = (("TRITON_EP_RDMA_TC", "300"), ("TRITON_EP_RDMA_SL", "x"), ("TRITO
 HOSTS_ENV = {"TRITON_EP_RANKS_PER_HOST": "1", "TRITON_EP_RDMA": "emulated"}
 ARG_CASES = (("timeout_s", 1e12), ("timeout_s", float("nan")), ("num_nvl_bytes", -5), ("num_nvl_bytes", 1 << 63),
              ("num_rdma_bytes", "4096"), ("device", "tpu"), ("rdma_backend", "infiniband"))
+#: the ElasticBuffer case that builds (a good value, last: the failed set-ups before it left the group usable)
+ELASTIC_BUILDS = ("num_bytes", 1 << 20)
+#: ElasticBuffer keyword arguments that ElasticBuffer checks itself (not the underlying Buffer); ``hidden`` 0 is bad
+#: because the buffer is then built without ``num_bytes``
+ELASTIC_CASES = (("num_max_tokens_per_rank", -1), ("num_bytes", 1.5), ("hidden", 0), ("num_cpu_bytes", -5),
+                 ("num_topk", -1), ELASTIC_BUILDS)
 
 
-def bad_value_on_rank_1(rank, world, cases, timeout_s, base_env=None):
+def bad_value_on_rank_1(rank, world, cases, timeout_s, base_env=None, elastic=False):
     """For each case in turn, every rank builds a Buffer over the default group (CPU, ``timeout_s``), rank 1 with
     the case's bad value (an environment variable set for that build alone, or a keyword argument; a bad
     ``TRITON_EP_TIMEOUT_S`` is read where rank 1 passes no ``timeout_s``); ``base_env``: variables every rank sets
-    first. Returns per case (type of the error raised or ``"built"``, seconds the build took, message)."""
+    first; ``elastic``: an ElasticBuffer instead (``num_gpu_timeout_secs=timeout_s``, sized from ``hidden``).
+    Returns per case (type of the error raised or ``"built"``, seconds the build took, message)."""
     os.environ.update(base_env or {})
     out = []
     for what, value in cases:
-        kw = dict(num_nvl_bytes=1 << 16, device="cpu", timeout_s=timeout_s)
+        if elastic:
+            kw = dict(num_max_tokens_per_rank=8, hidden=128, num_topk=2, device="cpu", num_gpu_timeout_secs=timeout_s)
+        else:
+            kw = dict(num_nvl_bytes=1 << 16, device="cpu", timeout_s=timeout_s)
         env = what.isupper() and rank == 1
         if env:
             saved = os.environ.get(what)
@@ -37,7 +47,7 @@ def bad_value_on_rank_1(rank, world, cases, timeout_s, base_env=None):
             kw[what] = value
         t0 = time.monotonic()
         try:
-            triton_ep.Buffer(None, **kw).destroy()
+            (triton_ep.ElasticBuffer if elastic else triton_ep.Buffer)(None, **kw).destroy()
             out.append(("built", round(time.monotonic() - t0, 2), ""))
         except Exception as e:  # noqa: BLE001
             out.append((type(e).__name__, round(time.monotonic() - t0, 2), str(e)))

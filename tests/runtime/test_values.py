@@ -19,28 +19,38 @@ WANT = {"TRITON_EP_SHM_TAG": "TRITON_EP_SHM_TAG='", "TRITON_EP_RDMA_TC": "TRITON
         "class must be", "TRITON_EP_RDMA_SL": "TRITON_EP_RDMA_SL='x': the RDMA service level must be", "TRITON_EP_TIMEOUT_S": "TRITON_EP_TIMEOUT_S=",
         "TRITON_EP_RDMA": "TRITON_EP_RDMA must be one of", "TRITON_EP_RANKS_PER_HOST": "TRITON_EP_RANKS_PER_HOST",
         "timeout_s": "timeout_s must be a number of seconds in [1e-09, 1e+09]", "num_nvl_bytes": "num_nvl_bytes must be",
-        "num_rdma_bytes": "num_rdma_bytes must be", "device": "device must be", "rdma_backend": "rdma_backend must be"}
+        "num_rdma_bytes": "num_rdma_bytes must be", "device": "device must be", "rdma_backend": "rdma_backend must be",
+        "num_max_tokens_per_rank": "num_max_tokens_per_rank must be an int in [0, 2147483647], got -1",
+        "num_bytes": "ElasticBuffer: num_bytes must be an int (bytes), got float",
+        "hidden": "ElasticBuffer needs num_bytes, or hidden", "num_cpu_bytes": "num_cpu_bytes must be an int",
+        "num_topk": "num_topk must be an int in [0, 2147483647], got -1"}
+#: the cases whose error is a TypeError (the others' is a ValueError)
+TYPE_ERRORS = {"num_bytes"}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cases", ["ENV_CASES", "ARG_CASES", "HOSTS_CASES"])
+@pytest.mark.parametrize("cases", ["ENV_CASES", "ARG_CASES", "HOSTS_CASES", "ELASTIC_CASES"])
 def test_a_bad_value_on_one_rank_raises_everywhere_at_once(cases):
     """(A new user's find: a bad TRITON_EP_SHM_TAG on one rank raised there and left the others waiting out their
-    timeout; so did a bad TRITON_EP_RDMA_TC / _SL across hosts, at the QP exchange.) Rank 1 alone gets a bad
-    environment value or Buffer argument: both ranks raise ValueError naming it (and rank 1, where the value is
-    rank 1's own), far within the 60 s bound; the next case's Buffers are built on the same group, so every failed
-    set-up leaves the group usable."""
+    timeout; so did a bad TRITON_EP_RDMA_TC / _SL across hosts, at the QP exchange, and, new-user trial 8, a bad
+    argument that ElasticBuffer checks itself, such as num_max_tokens_per_rank=-1.) Rank 1 alone gets a bad
+    environment value, Buffer argument or ElasticBuffer argument: both ranks raise ValueError (TypeError for
+    ElasticBuffer's float num_bytes) naming it (and rank 1, where the value is rank 1's own), far within the 60 s
+    bound; the next case's Buffers are built on the same group, so every failed set-up leaves the group usable (the
+    last ElasticBuffer case builds)."""
     todo = getattr(value_cases, cases)
     base = value_cases.HOSTS_ENV if cases == "HOSTS_CASES" else None
-    out = run_ranks(value_cases.bad_value_on_rank_1, 2, todo, 60.0, base)
+    out = run_ranks(value_cases.bad_value_on_rank_1, 2, todo, 60.0, base, cases == "ELASTIC_CASES")
     assert not any(isinstance(o, RankFailure) for o in out), out
+    builds = {"ENV_CASES": value_cases.BUILDS_ON_ONE_HOST, "ELASTIC_CASES": value_cases.ELASTIC_BUILDS}.get(cases)
     for i, (what, value) in enumerate(todo):
         for rank in (0, 1):
             kind, seconds, msg = out[rank][i]
-            if cases == "ENV_CASES" and (what, value) == value_cases.BUILDS_ON_ONE_HOST:
+            if (what, value) == builds:
                 assert kind == "built", (what, value, rank, out[rank][i])
                 continue
-            assert kind == "ValueError" and WANT[what] in msg, (what, value, rank, out[rank][i])
+            want_kind = "TypeError" if what in TYPE_ERRORS else "ValueError"
+            assert kind == want_kind and WANT[what] in msg, (what, value, rank, out[rank][i])
             assert seconds < 20, (what, value, rank, out[rank][i])
             if what != "TRITON_EP_RANKS_PER_HOST":       # (a disagreement names every rank's value instead)
                 assert msg.startswith("rank 1: "), (what, value, rank, msg)

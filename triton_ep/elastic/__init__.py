@@ -90,7 +90,9 @@ class ElasticBuffer:
         device, rdma_backend: triton-ep's own (keyword only), as :class:`~triton_ep.Buffer`'s.
 
     Raises:
-        ValueError/TypeError: a bad argument (before anything is built), or as :class:`~triton_ep.Buffer`.
+        ValueError/TypeError: a bad argument on any rank, before anything is built: raised on every rank at once,
+            naming that rank (``rank 1: num_topk must be ...``; it travels in the underlying Buffer's set-up exchange,
+            as :class:`~triton_ep.Buffer`'s own bad arguments do), or as :class:`~triton_ep.Buffer`.
     """
 
     def __init__(self, group=None, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
@@ -99,23 +101,18 @@ class ElasticBuffer:
                  prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
                  num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
                  *, device=None, rdma_backend: Optional[str] = None) -> None:
-        for name, v in (("num_cpu_bytes", num_cpu_bytes), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-                        ("hidden", hidden), ("num_topk", num_topk), ("sl_idx", sl_idx),
-                        ("num_allocated_qps", num_allocated_qps)):
-            count(name, v)
-        if num_bytes is not None and not isint(num_bytes):
-            raise TypeError(f"ElasticBuffer: num_bytes must be an int (bytes), got {type(num_bytes).__name__}")
-        if num_bytes is None:
-            if hidden == 0:
-                raise ValueError("ElasticBuffer needs num_bytes, or hidden (with num_max_tokens_per_rank) to size it")
-            import torch.distributed as dist
-            size = dist.get_world_size(group) if dist.is_initialized() else 1
-            num_bytes = self._size_hint(hidden, size)
+        try:            # a rejection here travels in Buffer's set-up exchange: every rank raises it at once
+            num_bytes, error = self._checked_size(group, num_bytes, num_cpu_bytes=num_cpu_bytes,
+                                                  num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
+                                                  num_topk=num_topk, sl_idx=sl_idx,
+                                                  num_allocated_qps=num_allocated_qps), None
+        except (TypeError, ValueError) as ex:
+            num_bytes, error = 0, ex
         self.group = group
         self._number = next(_BUFFER_NUMBERS)
         try:
-            self._buffer = Buffer(group, int(num_bytes), timeout_s=num_gpu_timeout_secs, device=device,
-                                  rdma_backend=rdma_backend, explicitly_destroy=explicitly_destroy)
+            self._buffer = Buffer(group, num_bytes, timeout_s=num_gpu_timeout_secs, device=device,
+                                  rdma_backend=rdma_backend, explicitly_destroy=explicitly_destroy, _args_error=error)
         except (TypeError, ValueError) as ex:     # Buffer's set-up checks name V1's arguments: name V2's
             raise (TypeError if isinstance(ex, TypeError) else ValueError)(v2_names(str(ex))) from ex
         b = self._buffer
@@ -135,6 +132,28 @@ class ElasticBuffer:
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
 
     # ------------------------------------------------------------------ sizes, topology, tuning
+    @staticmethod
+    def _checked_size(group, num_bytes, **counts) -> int:
+        """The constructor's own values checked (``counts``: name to value, each an int in ``[0, 2^31)``, ``hidden``
+        among them), and the bytes of the underlying Buffer: ``num_bytes``, else :meth:`_size_hint` of ``hidden``.
+
+        Raises:
+            TypeError: ``num_bytes`` neither an int nor ``None``. ValueError: a count out of range, or neither
+                ``num_bytes`` nor ``hidden`` given.
+        """
+        for name, v in counts.items():
+            count(name, v)
+        if num_bytes is not None and not isint(num_bytes):
+            raise TypeError(f"ElasticBuffer: num_bytes must be an int (bytes), got {type(num_bytes).__name__}")
+        if num_bytes is not None:
+            return int(num_bytes)
+        if counts["hidden"] == 0:
+            raise ValueError("ElasticBuffer needs num_bytes, or hidden (with num_max_tokens_per_rank) to size it; got "
+                             "num_bytes=None and hidden=0")
+        import torch.distributed as dist
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        return ElasticBuffer._size_hint(int(counts["hidden"]), size)
+
     @staticmethod
     def _size_hint(hidden: int, num_ranks: int) -> int:
         cfgs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))

@@ -25,7 +25,8 @@ def ll_area_bytes(num_rdma_bytes: int) -> int:
 
 
 def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, timeout_s, device,
-                 rdma_backend: Optional[str] = None, see_closed: bool = True) -> Runtime:
+                 rdma_backend: Optional[str] = None, see_closed: bool = True,
+                 args_error: Optional[Exception] = None) -> Runtime:
     """Build one rank's :class:`Runtime` for a Buffer (collective over ``group``): check the constructor's
     values, bootstrap the group's shared buffers (:func:`triton_ep.transport.ipc.open_group`: the normal-mode
     part of ``num_nvl_bytes`` rounded up to 4 KiB, then, with ``low_latency_mode``, the low-latency area of
@@ -40,11 +41,13 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     Ranks on several hosts get a :class:`HostsRuntime` instead: each host's ranks share their own buffers
     (nothing is mapped between hosts, which may be different machines). ``see_closed``: the Runtime's (whether a peer
     that destroyed its Buffer ends the waits for it at once); a host's runtime under a :class:`HostsRuntime` is opened
-    without it (the close words across hosts name such a peer).
+    without it (the close words across hosts name such a peer). ``args_error``: a ``ValueError`` / ``TypeError``
+    the caller found in its own constructor values (:class:`~triton_ep.ElasticBuffer`'s arguments), ``None`` where
+    it found none: it is this rank's rejection, carried and raised on every rank as a rejected constructor value.
 
     Raises:
         TypeError: ``group`` is no process group (raised on this rank alone: no exchange is possible).
-        ValueError: a bad value on any rank (``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``,
+        ValueError: a bad value on any rank (``args_error``, ``num_nvl_bytes``, ``num_rdma_bytes``, ``timeout_s``,
             ``rdma_backend``, ``device``, the environment's), no process group, ranks that disagree on
             ``rdma_backend`` or ``TRITON_EP_RANKS_PER_HOST``, hosts of different sizes, a host whose ranks run on
             several machines, several hosts and no RDMA transport.
@@ -54,7 +57,7 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
     group, exchanges = _group_exchanges(group)
     try:
         timeout_s, backend, device, rejected = _buffer_args(group, exchanges, num_nvl_bytes, num_rdma_bytes,
-                                                            timeout_s, device, rdma_backend)
+                                                            timeout_s, device, rdma_backend, args_error)
         if not exchanges:
             size = group.size
             hosts = group_hosts([host_identity()] * size, [os.environ.get(ENV_RANKS_PER_HOST)] * size)
@@ -108,12 +111,16 @@ def _non_member(group) -> bool:
     return group is member or (type(group) is type(member) and group == member)
 
 
-def _buffer_args(group, exchanges: list, num_nvl_bytes, num_rdma_bytes, timeout_s, device, rdma_backend):
-    """The constructor's values checked (``open_runtime``'s): ``(timeout_s, backend, device, rejected)``. Over a
-    process group (``exchanges``) a rejected value is not raised but returned as ``rejected``: it is carried in the
-    host exchange, and every rank raises it at once instead of its peers waiting."""
+def _buffer_args(group, exchanges: list, num_nvl_bytes, num_rdma_bytes, timeout_s, device, rdma_backend,
+                 args_error: Optional[Exception] = None):
+    """The constructor's values checked (``open_runtime``'s; ``args_error``, the caller's own rejection, first):
+    ``(timeout_s, backend, device, rejected)``. Over a process group (``exchanges``) a rejected value is not raised
+    but returned as ``rejected``: it is carried in the host exchange, and every rank raises it at once instead of
+    its peers waiting."""
     rejected = backend = None
     try:
+        if args_error is not None:
+            raise args_error
         timeout_s = timeout_arg(timeout_s)
         bytes_arg("num_nvl_bytes", num_nvl_bytes)
         bytes_arg("num_rdma_bytes", num_rdma_bytes)
