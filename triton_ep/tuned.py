@@ -12,9 +12,10 @@ loop), not a table, or with an entry a call could not use (a Config its construc
 Format (``"format": "triton-ep tuning table"``, ``"version": 1``): ``gpu``, ``triton``, ``triton_ep``, ``created``
 (UTC, ISO 8601), ``command`` (the last tuner run's arguments), and ``entries``: one per measured call and shape, each
 ``{"call": "dispatch" or "combine", "num_ranks", "hidden", "num_tokens", "num_experts", "num_topk",
-"config": {Config.fields()}, "time_us", "builtin_time_us", "candidates": [{"config", "time_us"}, ...]}``
-(``time_us``: the best Config's median, slowest rank; ``builtin_time_us``: the same call without a Config, the
-built-in tables, timed in the same run).
+"config": {Config.fields()}, "time_us", "builtin_time_us", "builtin_runs_us", "candidates": [{"config", "time_us"},
+...]}`` (``time_us``: the best Config's median, slowest rank; ``builtin_time_us``: the same call without a Config,
+the built-in tables, timed in the same run before the candidates and again after them, the faster of the two;
+``builtin_runs_us``: both, where the tuner wrote them).
 """
 from __future__ import annotations
 

@@ -143,6 +143,12 @@ def rank_main(rank: int, world: int, spec: TuneSpec) -> dict:
                                                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
         configs = [None] + [config_of(c) for c in spec.candidates]
         out = {"dispatch": [], "combine": []}
+
+        def timed(cfg) -> dict:     # the slowest rank's median µs of a cached dispatch and a combine with cfg
+            return {"dispatch": _slowest(_timed(lambda: buf.dispatch(x, handle=handle, config=cfg), spec.iters,
+                                                spec.warmup, dev)),
+                    "combine": _slowest(_timed(lambda: buf.combine(recv_x, handle, config=cfg), spec.iters,
+                                               spec.warmup, dev))}
         want = None
         for i, cfg in enumerate(configs):
             got = (buf.dispatch(x, handle=handle, config=cfg)[0], buf.combine(recv_x, handle, config=cfg)[0])
@@ -151,18 +157,15 @@ def rank_main(rank: int, world: int, spec: TuneSpec) -> dict:
             elif not (_same(got[0], want[0]) and _same(got[1], want[1])):
                 raise RuntimeError(f"{cfg}: outputs differ from the built-in tables' (a bug: results must not "
                                    f"depend on a Config)")
-            d = _timed(lambda: buf.dispatch(x, handle=handle, config=cfg), spec.iters, spec.warmup, dev)
-            c = _timed(lambda: buf.combine(recv_x, handle, config=cfg), spec.iters, spec.warmup, dev)
-            out["dispatch"].append(_slowest(d))
-            out["combine"].append(_slowest(c))
+            for call, us in timed(cfg).items():
+                out[call].append(us)
             if spec.label and rank == 0:
                 print(f"{spec.label}: {i + 1}/{len(configs)} {cfg if cfg is not None else 'the built-in tables'}: "
                       f"dispatch {out['dispatch'][-1]:.1f} us, combine {out['combine'][-1]:.1f} us",
                       file=sys.stderr, flush=True)
         # the built-in tables once more, last: timed first only, they were up to 1.5x slower than candidates of
         # the same launches (one H100, 2026-12-06), so the faster of their two medians is theirs
-        again = {"dispatch": _slowest(_timed(lambda: buf.dispatch(x, handle=handle), spec.iters, spec.warmup, dev)),
-                 "combine": _slowest(_timed(lambda: buf.combine(recv_x, handle), spec.iters, spec.warmup, dev))}
+        again = timed(None)
         out["builtin_runs"] = {call: [out[call][0], again[call]] for call in again}
         for call in again:
             out[call][0] = min(out[call][0], again[call])

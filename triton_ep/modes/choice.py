@@ -5,7 +5,7 @@ Buffer's own arguments, so the Buffer forwards each call with no branch (docs/de
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -27,7 +27,6 @@ class Modes:
     low_latency: Union[LowLatency, Unavailable]     # the low_latency_* calls
     internode: Optional[Internode]                  # across hosts: normal mode's network leg; else None
     num_rdma_bytes: int                             # the Buffer's num_rdma_bytes
-    pid: int = field(default_factory=os.getpid)     # the process that built them
 
     @property
     def intranode(self) -> Intranode:
@@ -48,7 +47,7 @@ class Modes:
         forked from the one that built the Buffer nothing happens: the buffers, mappings, proxies and QPs are the
         parent's (releasing them from the child, whose threads did not survive the fork, unmapped memory that
         other objects still read: a segmentation fault across hosts)."""
-        if os.getpid() != self.pid:
+        if os.getpid() != self.rt.pid:       # (the process that built the Buffer: Runtime.live)
             return
         try:
             self.low_latency.close()

@@ -8,10 +8,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import EventOverlap
-from ..errors import EPError
 from ..transport import ipc
 from .checks import check_num_experts
-from .context import Runtime
+from .context import Runtime, live_comm
 from .hosts import Hosts
 
 Tensor = torch.Tensor
@@ -83,10 +82,14 @@ class HostsRuntime:
     def comm_stream(self):
         return self.local.comm_stream
 
+    @property
+    def pid(self) -> int:
+        """The process that built the Buffer (:attr:`Runtime.pid`)."""
+        return self.local.pid
+
     def live(self) -> ipc.Comm:
-        if self.local.comm is None:
-            raise EPError(f"rank {self.rank}: this Buffer was destroyed")
-        return self.local.comm
+        """:meth:`Runtime.live`, naming this rank by its global number."""
+        return live_comm(self.local.comm, self.rank, self.local.pid)
 
     def check(self) -> None:
         self.local.check()

@@ -39,6 +39,18 @@ def _release_dropped(live, comm: ipc.Comm, host_block, resync_box: list) -> None
     live.close(how=signals.closing_state(host_block, comm.broken is not None, resync_box[0]))
 
 
+def live_comm(comm: Optional[ipc.Comm], rank: int, pid: int) -> ipc.Comm:
+    """``comm`` of a Buffer built by process ``pid``, as a call of rank ``rank`` may use it: ``EPError`` once it
+    was destroyed (``comm`` None), or in a process forked from that one (its calls would pair with the peers' in
+    the parent's place, which then fails)."""
+    if comm is None:
+        raise EPError(f"rank {rank}: this Buffer was destroyed")
+    if os.getpid() != pid:
+        raise EPError(f"rank {rank}: this Buffer was built by process {pid}; process {os.getpid()} was forked from "
+                      f"it and may not call it (build a Buffer of its own there)")
+    return comm
+
+
 class Runtime:
     """One rank's shared machinery for one Buffer.
 
@@ -119,12 +131,7 @@ class Runtime:
     def live(self) -> ipc.Comm:
         """The shared buffers; ``EPError`` once the Buffer was destroyed, or in a process forked from the one that
         built it (its calls would pair with the peers' in the parent's place, which then fails)."""
-        if self.comm is None:
-            raise EPError(f"rank {self.rank}: this Buffer was destroyed")
-        if os.getpid() != self.pid:
-            raise EPError(f"rank {self.rank}: this Buffer was built by process {self.pid}; process {os.getpid()} was "
-                          f"forked from it and may not call it (build a Buffer of its own there)")
-        return self.comm
+        return live_comm(self.comm, self.rank, self.pid)
 
     def close(self) -> None:
         """Release the shared buffers, waiting first for kernels still queued (each of their waits is bounded
