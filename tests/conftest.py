@@ -112,6 +112,13 @@ def _open_fds() -> dict:
     return fds
 
 
+@pytest.fixture
+def open_fds():
+    """This process's open descriptors now, ``{fd: what it names}``, as the leak check below reads them (a fixture:
+    ``import conftest`` may find another conftest): call it for a count inside a test."""
+    return _open_fds
+
+
 #: the test modules holding rank bodies (imported by the fork server, see below)
 RANK_BODY_MODULES = tuple(f"tests.cases.{name}" for name in ("helpers", "mp", "ll", "internode", "sched", "metrics",
                                                                "proxy", "elastic")) + ("tests.engines.replay",)

@@ -163,6 +163,16 @@ def test_rejected_on_one_rank(world, env, body, n):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("env", [{}, pytest.param(_hosts(1), marks=pytest.mark.extended)],
+                         ids=["one_host", "two_emulated_hosts"])
+def test_a_barrier_against_another_call_names_both(env):
+    """Rank 0 calls ``barrier()`` where rank 1 makes a dispatch (exact or worst-case sizes) or a combine: both ranks
+    raise at once, each naming what each rank called (``the operation: rank 0 called barrier, rank 1 called
+    dispatch``), not the fields of the barrier's dispatch of no tokens; then both ranks' next barrier and round trip
+    work (:func:`tests.cases.elastic.barrier_skipped`)."""
+    assert _values(run_ranks(elastic_cases.barrier_skipped, 2, env, timeout_s=300)) == [3] * 2
+
+@pytest.mark.multiprocess
 def test_ambient_defaults():
     """2 ranks: ElasticBuffer built and called under torch.set_default_dtype(torch.bfloat16), then under
     torch.float64, each with the default device 'meta' (a device other than the buffer's): exact and worst-case

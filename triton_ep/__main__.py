@@ -9,9 +9,10 @@
     triton-ep tune                                # time Configs at DeepSeek-V3 shapes (no GPU: --quick's), save them
     triton-ep tune --quick --output /tmp/t.json   # tiny shapes, two candidates (also on CPU: 16-30 s seen)
 
-The report has six sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
+The report has seven sections: the versions of triton-ep, Python, torch, triton, numpy and pyverbs; the
 deep_ep switch (TRITON_EP_AS_DEEP_EP, the import hook, which deep_ep an import gets); the devices, and whether
-Triton kernels are compiled for the GPU or interpreted on the CPU; how ranks on this host reach each other's
+Triton kernels are compiled for the GPU or interpreted on the CPU; the tuned table (its file, what it is checked
+against, and whether it is absent, used with how many entries, or not used and why); how ranks on this host reach each other's
 buffers (the GPU peer-access matrix, and the POSIX shared memory in /dev/shm that CPU ranks, and every rank's
 control block, live in); the internode plan (how ranks group into hosts, the transport between them); and the
 RDMA devices, ports and GIDs with the QP plan.
@@ -53,7 +54,7 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence, TextIO, Tuple
 
-from triton_ep import tuner
+from triton_ep import tuned, tuner
 from triton_ep.argtypes import int_in, name_list
 from triton_ep.runtime.machine import DEFAULT_N_PATHS, EXIT_OK, EXIT_USAGE, print_ipc, print_rdma
 
@@ -189,6 +190,34 @@ def print_devices(out: TextIO) -> int:
     return n
 
 
+def print_tuned(out: TextIO) -> None:
+    """The tuned table (docs/tuning.md) that ``Buffer.get_dispatch_config`` / ``get_combine_config`` would read here:
+    its path and where that comes from, what it is checked against (this process's GPU name, ``"cpu"`` without
+    one, and its Triton and triton-ep versions), and whether it is absent, used (its entries counted) or not used
+    (the loader's reason: :func:`triton_ep.tuned.examine`, the loader's own checks, which never block on a FIFO and
+    read at most ``tuned.MAX_TABLE_BYTES``).
+
+    Args:
+        out: the stream written to.
+    """
+    v, here = tuned.examine(), tuned.identity()
+    print("Tuned table (get_dispatch_config / get_combine_config, docs/tuning.md):", file=out)
+    print(f"  file       {v.path} (from {tuned.path_source()})", file=out)
+    gpu = repr(here["gpu"]) + (" (no CUDA device here; a rank on a GPU checks torch.cuda.get_device_name())"
+                               if here["gpu"] == "cpu" else "")
+    print(f"  checked    against gpu {gpu}, triton {here['triton']!r}, triton-ep {here['triton_ep']!r}", file=out)
+    if not v.exists:
+        state = "absent: the built-in tables apply (`python -m triton_ep tune` writes it)"
+    elif v.table is None:
+        state = f"present, not used: {v.why}; {tuned.FALLBACK}"
+    else:
+        es = v.table.entries
+        calls = ", ".join(f"{c} {sum(e.call == c for e in es)}" for c in tuned.CALLS)
+        ranks = ", ".join(str(r) for r in sorted({e.num_ranks for e in es})) or "no"
+        state = f"present, used: {len(es)} entries ({calls}) for {ranks} ranks"
+    print(f"  state      {state}", file=out)
+
+
 def buffer_qps_per_peer(env=None) -> Tuple[int, str]:
     """The RC QPs per peer a Buffer's normal-mode network leg opens (``triton_ep.modes.internode.network_shape``,
     the one source of that number: ``TRITON_EP_RDMA_QPS_PER_PEER``, else its default), and where it came from.
@@ -288,6 +317,8 @@ def _report(a: argparse.Namespace, out: TextIO) -> int:
     print_deep_ep(out)
     print(file=out)
     n_gpus = print_devices(out)
+    print(file=out)
+    print_tuned(out)
     print(file=out)
     print_ipc(out, n_gpus)
     print(file=out)

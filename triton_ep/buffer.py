@@ -20,6 +20,7 @@ from .modes.intranode import Intranode
 from .modes.intranode_args import DispatchArgs, DispatchHandle, XLike
 from .modes.low_latency import LowLatency, Unavailable, size_hint
 from .runtime import current_event, open_runtime
+from .protocol import call_card
 from . import tuned
 
 Tensor = torch.Tensor
@@ -370,3 +371,18 @@ class Buffer:
         """
         return self._normal.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                     allocate_on_comm_stream)
+
+    def _barrier(self) -> None:
+        """Not for callers: :meth:`triton_ep.ElasticBuffer.barrier`'s meeting of every rank (collective, bounded by
+        ``timeout_s``), a dispatch of no tokens that its signature and call card name as a barrier
+        (:data:`triton_ep.protocol.call_card.BARRIER`): a peer that made another call there fails with this rank,
+        each told ``the operation: rank 0 called barrier, rank 1 called dispatch``.
+
+        Raises:
+            ValueError: a peer made another call (on every rank). EPTimeoutError, EPRemoteError, EPError: as
+            ``dispatch``.
+        """
+        idx = torch.zeros((0, 1), dtype=torch.int64, device=self.device)
+        per_rank, per_host, per_expert, in_rank, _ = self.get_dispatch_layout(idx, self.group_size)
+        self._normal.dispatch(torch.zeros((0, 8), dtype=torch.bfloat16, device=self.device), None, per_rank, per_host,
+                              in_rank, per_expert, operation=call_card.BARRIER)

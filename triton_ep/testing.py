@@ -186,8 +186,9 @@ def exit_after_return() -> None:
     _exit_after_return = True
 
 
-def _rank_main(rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple,
+def _rank_main(_index: int, rank: int, fn, world: int, init_file: str, out_dir: str, backend: str, args: tuple,
                parent_pid: Optional[int], env: Optional[dict] = None) -> None:
+    # (``_index``: torch's process index, 0: :func:`run_ranks` starts each rank by a call of its own)
     import os
     import pickle
     import traceback
@@ -283,15 +284,21 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     threads (a positive integer), else on one (as torchrun does for several ranks of a host), whatever the start
     method.
 
+    Every path out of it, a timeout or a rank that could not start included, first ends the ranks it started (killed
+    where still running), waits for them and releases what their process objects hold (the pipes their start made),
+    so nothing of them outlives the call, even while the caller keeps its exception.
+
     Returns:
         per rank, ``fn``'s return value, or a :class:`RankFailure` describing its exception.
 
     Raises:
         TimeoutError: the ranks did not all finish within ``timeout_s`` seconds (they are killed).
+        OSError and others: a rank could not be started (those started are killed).
     """
     import os
     import pickle
     import tempfile
+    import time
 
     import torch.multiprocessing as mp
     method, parent_pid = _start_method(start_method)
@@ -299,31 +306,44 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     if method == "forkserver":      # (_rank_main unpickles fn and args after it set env)
         env, fn, args = dict(os.environ), pickle.dumps((fn, args)), ()
     with tempfile.TemporaryDirectory(prefix="triton_ep_ranks_") as d:
-        ctx = mp.start_processes(_rank_main, args=(fn, world, os.path.join(d, "init"), d, backend, args, parent_pid,
-                                                   env),
-                                 nprocs=world, join=False, start_method=method)
-        import time
-        deadline = time.monotonic() + timeout_s
+        procs: list = []
         try:
-            while not all(not p.is_alive() for p in ctx.processes):
+            for r in range(world):      # (one at a time: where a start fails, those before it are in procs)
+                procs += mp.start_processes(_rank_main, args=(r, fn, world, os.path.join(d, "init"), d, backend, args,
+                                                              parent_pid, env),
+                                            nprocs=1, join=False, start_method=method).processes
+            deadline = time.monotonic() + timeout_s
+            while any(p.is_alive() for p in procs):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks did not finish within {timeout_s} s")
                 time.sleep(0.05)
         finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                p.join()
+            codes = _end(procs)
         out = []
         for r in range(world):
             path = os.path.join(d, f"r{r}.pkl")
             if not os.path.exists(path):
-                out.append(RankFailure("ProcessDied", f"rank {r} exited with code {ctx.processes[r].exitcode}", "", None))
+                out.append(RankFailure("ProcessDied", f"rank {r} exited with code {codes[r]}", "", None))
                 continue
             with open(path, "rb") as f:
                 kind, val = pickle.load(f)
             out.append(val if kind == "ok" else RankFailure(*val))
         return out
+
+
+def _end(procs: list) -> List[Optional[int]]:
+    """End :func:`run_ranks`' rank processes ``procs`` (``multiprocessing`` processes, started): each still running
+    is killed, each is waited for, then closed (``Process.close``: the pipes its start made are closed now, not when
+    the object is collected, which a caller's exception that holds ``run_ranks``' frame would put off). Returns their
+    exit codes, in order."""
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+        codes.append(p.exitcode)
+        p.close()
+    return codes
 
 
 class RankFailure:

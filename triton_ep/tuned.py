@@ -50,6 +50,12 @@ def default_path() -> str:
     return os.path.join(cache, "triton_ep", "tuning.json")
 
 
+def path_source() -> str:
+    """Where :func:`default_path` took the path from, for a message: ``"$TRITON_EP_TUNING_FILE"`` or
+    ``"the default location"`` (the variable unset or blank)."""
+    return f"${ENV_FILE}" if os.environ.get(ENV_FILE, "").strip() else "the default location"
+
+
 def identity() -> dict:
     """This process's ``{"gpu", "triton", "triton_ep"}``: what a table must name to be used here."""
     import triton
@@ -100,9 +106,12 @@ MAX_TABLE_BYTES = 16 << 20
 _CACHE: dict = {}
 
 
+#: what applies instead of a table that is not used, as its warning (and ``triton-ep info``) says
+FALLBACK = "the built-in tables apply (run `python -m triton_ep tune` again)"
+
+
 def _mismatch(path: str, why: str) -> None:
-    warnings.warn(f"triton-ep: not using the tuned table {path}: {why}; the built-in tables apply "
-                  f"(run `python -m triton_ep tune` again)", stacklevel=3)
+    warnings.warn(f"triton-ep: not using the tuned table {path}: {why}; {FALLBACK}", stacklevel=3)
 
 
 def _kind(mode: int) -> str:
@@ -168,6 +177,48 @@ def check_doc(doc) -> Tuple[Optional[str], Tuple["Entry", ...]]:
     return None, tuple(entries)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What :func:`examine` found at a table's ``path``: whether something is there (``exists``; a symlink loop or a
+    FIFO counts, a dangling symlink does not), the :class:`Table` :func:`load` would use here (``table``; ``None``
+    otherwise) and, for a file that is there but would not be used, the reason (``why``, :func:`load`'s warning's)."""
+    path: str
+    exists: bool
+    table: Optional[Table]
+    why: Optional[str]
+
+
+def _stat(path: str) -> Tuple[Optional[os.stat_result], Optional[str]]:
+    """``(os.stat(path), None)``; ``(None, None)`` where nothing is there; ``(None, why)`` where it cannot be
+    reached (a symlink loop, no permission)."""
+    try:
+        return os.stat(path), None
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"it cannot be reached ({type(e).__name__}: {e.strerror or e})"
+
+
+def _judge(path: str, st: os.stat_result) -> Tuple[Optional[Table], Optional[str]]:
+    """The file at ``path`` (``st``: its ``os.stat``) as this process would use it: ``(table, None)``, or
+    ``(None, why)`` (:func:`read_doc`'s and :func:`check_doc`'s checks)."""
+    try:
+        why, entries = check_doc(read_doc(path, st))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:    # (RecursionError: JSON nested deep)
+        return None, f"it cannot be read ({type(e).__name__}: {e})"
+    return (None, why) if why else (Table(path, entries), None)
+
+
+def examine(path: Optional[str] = None) -> Verdict:
+    """What :func:`load` would make of the table at ``path`` (default :func:`default_path`), by its checks, without
+    a warning and without its cache (``triton-ep info`` reports it): nothing is opened that could block (a FIFO) and
+    at most :data:`MAX_TABLE_BYTES` are read."""
+    path = default_path() if path is None else path
+    st, why = _stat(path)
+    table, why = (None, why) if st is None else _judge(path, st)
+    return Verdict(path, st is not None or why is not None, table, why)
+
+
 def load(path: Optional[str] = None) -> Optional[Table]:
     """The tuned table at ``path`` (default :func:`default_path`), or ``None``: absent (silently), or unusable here,
     with one ``UserWarning`` per file version naming the reason: another GPU, Triton or triton-ep version; not a
@@ -176,29 +227,15 @@ def load(path: Optional[str] = None) -> Optional[Table]:
     use (:func:`_entry`'s checks: the Config constructor's and the calls' ``num_sms`` minimum). Read again only when
     the file changes (its modification time and size)."""
     path = default_path() if path is None else path
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
+    st, why = _stat(path)
+    if st is None and why is None:
         return None
-    except OSError as e:
-        key = (path, "error", e.errno)
-        if key not in _CACHE:
-            _mismatch(path, f"it cannot be reached ({type(e).__name__}: {e.strerror or e})")
-            _CACHE.clear()
-            _CACHE[key] = None
-        return None
-    key = (path, st.st_mtime_ns, st.st_size, st.st_mode)
+    key = (path, why) if st is None else (path, st.st_mtime_ns, st.st_size, st.st_mode)
     if key in _CACHE:
         return _CACHE[key]
-    table = None
-    try:
-        why, entries = check_doc(read_doc(path, st))
-        if why:
-            _mismatch(path, why)
-        else:
-            table = Table(path, entries)
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:    # (RecursionError: JSON nested deep)
-        _mismatch(path, f"it cannot be read ({type(e).__name__}: {e})")
+    table, why = (None, why) if st is None else _judge(path, st)
+    if why:
+        _mismatch(path, why)
     _CACHE.clear()
     _CACHE[key] = table
     return table
@@ -371,5 +408,6 @@ def save(path: str, entries: List[dict], command: str) -> None:
         raise
 
 
-__all__ = ["CALLS", "ENV_FILE", "Entry", "MAX_TABLE_BYTES", "Table", "check_doc", "check_target", "default_path",
-           "identity", "kept_entries", "load", "read_doc", "save"]
+__all__ = ["CALLS", "ENV_FILE", "Entry", "FALLBACK", "MAX_TABLE_BYTES", "Table", "Verdict", "check_doc",
+           "check_target", "default_path", "examine", "identity", "kept_entries", "load", "path_source", "read_doc",
+           "save"]

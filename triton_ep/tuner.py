@@ -14,7 +14,6 @@ starts and one per Config measured (rank 0's). docs/tuning.md has the whole stor
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -305,11 +304,10 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
     if a.output is not None:
         path = tuned.check_target(a.output)     # (argparse checked it too: tuner.main may be called directly)
     else:
-        where = f"${tuned.ENV_FILE}" if os.environ.get(tuned.ENV_FILE, "").strip() else "the default location"
         try:
             path = tuned.check_target(tuned.default_path(), create_dir=True)
         except ValueError as e:
-            raise ValueError(f"the table's file at {where}: {e}") from None
+            raise ValueError(f"the table's file at {tuned.path_source()}: {e}") from None
     return TuneArgs(hidden, tokens, E, K, iters, warmup, nvl, path)
 
 

@@ -409,6 +409,49 @@ def rejected_on_one_rank_capture(rank, world, env, device="cpu"):
     return len(bad)
 
 
+
+def barrier_skipped(rank, world, env, device="cpu"):
+    """(A new user's find: the rank that called ``barrier()`` where its peer made a dispatch was told the fields of
+    the barrier's dispatch of no tokens, "hidden: rank 0 passed 8, rank 1 passed 128; ... num_experts: rank 0 passed
+    2", which it never passed.) Rank 0 calls ``barrier()`` where rank 1 makes another call (a dispatch with exact
+    sizes, one with worst-case sizes, a combine): both raise ``ValueError`` naming what each called ("the operation:
+    rank 0 called barrier, rank 1 called dispatch") within 20 s (their bound is 60 s: no wait runs out); then a barrier
+    and a round trip on both give the reference's results. Two ranks. Returns the disagreements checked."""
+    import time
+    assert world == 2
+    os.environ.update(env)
+    per_host = 1 if env.get("TRITON_EP_RANKS_PER_HOST") == "1" else None
+    case = dict(K=2, E=2 * world, N_max=4, Ts=[3] * world, fp8=False, weights=True, expand=False, sync=True, align=1,
+                bias=0, skew=False, col_major=False, cached=True, H=32, async_=False, seed=19)
+    xs, idxs, ws = make_inputs(case, world)
+    x, idx, w = xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device)
+    good = dict(topk_idx=idx, topk_weights=w, num_experts=case["E"])
+    buf = triton_ep.ElasticBuffer(None, num_max_tokens_per_rank=4, hidden=32, device=device, num_gpu_timeout_secs=60,
+                                  explicitly_destroy=True)
+    try:
+        rx, _, _, h, _ = buf.dispatch(x, **good)
+        others = (("dispatch", lambda: buf.dispatch(x, **good)),
+                  ("dispatch with num_worst_tokens", lambda: buf.dispatch(x, do_cpu_sync=False, **good)),
+                  ("combine", lambda: buf.combine(rx, h)))
+        for name, call in others:
+            t0 = time.monotonic()
+            try:
+                buf.barrier() if rank == 0 else call()
+            except ValueError as ex:
+                what = str(ex)
+            else:
+                raise AssertionError(f"rank {rank} raised nothing where rank 0 called barrier and rank 1 {name}")
+            # (within one host this rank is named first; across hosts, rank 0 on every rank)
+            calls = ["rank 0 called barrier", f"rank 1 called {name}"]
+            want = [f"the operation: {calls[rank]}, {calls[1 - rank]}", f"the operation: {calls[0]}, {calls[1]}"]
+            assert want[per_host is not None] in what and "hidden" not in what, (want, what)
+            assert time.monotonic() - t0 < 20.0, (name, time.monotonic() - t0)
+        buf.barrier()
+        check_case(buf, rank, world, case, device, per_host)
+        return len(others)
+    finally:
+        buf.destroy()
+
 #: fixed cases for the ambient defaults: non-expanded with exact sizes, expanded with worst-case sizes, and FP8
 #: pairs with column-major scales (weights, biases, alignment and cached dispatches among them)
 AMBIENT_CASES = (

@@ -147,3 +147,10 @@ def compiles_for_the_gpu(code: str, timeout_s: float = 600.0) -> None:
     if r.returncode and ("ptxas" in r.stderr or "No module named 'triton.backends.nvidia'" in r.stderr):
         pytest.skip(f"Triton's CUDA backend cannot compile here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def sleeping_rank(rank: int, world: int, seconds: float) -> int:
+    """A rank body of ``run_ranks`` that sleeps ``seconds`` and returns its rank (for tests of run_ranks itself)."""
+    import time
+    time.sleep(seconds)
+    return rank

@@ -18,6 +18,10 @@ from triton_ep.runtime import machine
 from triton_ep.transport import rdma, verbs
 
 
+#: the head of the report's tuned-table section
+TUNED_HEAD = "Tuned table (get_dispatch_config / get_combine_config, docs/tuning.md):"
+
+
 def report(argv=(), rc=0):
     out = io.StringIO()
     assert info(list(argv), out=out) == rc
@@ -36,13 +40,13 @@ def test_info_emulated_prints_gids_and_a_balanced_plan():
 
 
 def check_sections(text: str) -> None:
-    """The versions, deep_ep switch, devices, same-host IPC, internode and RDMA sections of a report from this
-    host, in that order."""
+    """The versions, deep_ep switch, devices, tuned table, same-host IPC, internode and RDMA sections of a report
+    from this host, in that order."""
     heads = [l for l in text.splitlines() if l and not l.startswith(" ")]
-    assert heads[:4] == ["Versions:", "deep_ep (serving engines' import, docs/engines.md):", "Devices:",
+    assert heads[:5] == ["Versions:", "deep_ep (serving engines' import, docs/engines.md):", "Devices:", TUNED_HEAD,
                          "Same-host IPC:"]
-    assert heads[4].startswith("Internode (")
-    assert heads[5].startswith(("RDMA: absent", "RDMA devices ("))
+    assert heads[5].startswith("Internode (")
+    assert heads[6].startswith(("RDMA: absent", "RDMA devices ("))
     deep_ep = text.split("\n\n")[1].splitlines()[1:]
     assert [l.split()[0] for l in deep_ep[:3]] == ["switch", "hook", "deep_ep"]
     versions = dict(l.split(None, 1) for l in text.split("\n\n")[0].splitlines()[1:])
@@ -334,7 +338,7 @@ def test_the_help_and_docs_count_the_report_sections():
     """(A new user's find: --help said four sections, docs/cli.md five, the report has six.) The number the help and
     docs/cli.md give is the number of section heads of a report, and docs/cli.md's sample shows each head."""
     import re
-    words = {4: "four", 5: "five", 6: "six", 7: "seven"}
+    words = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
     text = report()
     heads = [l for l in text.splitlines() if l and not l.startswith(" ")]
     n = words[len(heads)]
@@ -359,3 +363,76 @@ def test_the_internode_section_says_where_the_proxy_runs(value, want):
     cli.print_internode(out, {"TRITON_EP_PROXY": value})
     line = next(l for l in out.getvalue().splitlines() if l.startswith("  proxy "))
     assert line.startswith(want), line
+
+
+def _report_within(seconds: float, fifo=None) -> str:
+    """:func:`report` in a thread, bounded: its text within ``seconds``. ``fifo``: a FIFO a report that blocked would
+    be waiting on; it is opened for writing then, which ends that wait (no thread left behind), and the test fails."""
+    import threading
+    got = []
+    t = threading.Thread(target=lambda: got.append(report()), daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive() and fifo is not None:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10.0)
+    assert got, f"info did not return within {seconds} s"
+    return got[0]
+
+
+@pytest.mark.parametrize("kind", ["good", "missing", "other-gpu", "malformed", "fifo", "too-large"])
+def test_info_says_whether_the_tuned_table_is_used_and_why_not(kind, tmp_path, monkeypatch):
+    """(A new user's find: info did not say whether a tuned table is in use, or why one was ignored.) The Tuned table
+    section names the file ``$TRITON_EP_TUNING_FILE`` points at, what it is checked against (this process's GPU
+    name, ``'cpu'`` here without a GPU, Triton and triton-ep versions) and its state: used with its entries counted,
+    absent, or not used with the loader's own reason (the reason is the one ``tuned.load`` warns with, and a table
+    info calls used is one it returns); exit status 0 every time, no warning, no wait on a FIFO (bounded: 10 s) and
+    no read of a file over ``tuned.MAX_TABLE_BYTES``."""
+    import json
+    import warnings
+    from triton_ep import Config, tuned
+    here = tuned.identity()
+    path = tmp_path / "tuning.json"
+    entries = [{"call": call, "num_ranks": r, "hidden": 7168, "num_tokens": 4096,
+                "config": Config(24, 2, 256, num_warps=8).fields()} for call, r in
+               (("dispatch", 2), ("combine", 2), ("dispatch", 8))]
+    if kind in ("good", "other-gpu", "too-large"):
+        tuned.save(str(path), entries, "test")
+    if kind == "good":
+        state = "present, used: 3 entries (dispatch 2, combine 1) for 2, 8 ranks"
+    elif kind == "missing":
+        state = "absent: the built-in tables apply (`python -m triton_ep tune` writes it)"
+    elif kind == "other-gpu":
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), gpu="NVIDIA H100 80GB HBM3")))
+        state = f"present, not used: it was measured for another gpu 'NVIDIA H100 80GB HBM3' (here {here['gpu']!r})"
+    elif kind == "malformed":
+        path.write_text("{not json")
+        state = "present, not used: it cannot be read (JSONDecodeError: Expecting property name"
+    elif kind == "fifo":
+        os.mkfifo(path)
+        state = "present, not used: it cannot be read (ValueError: it is a FIFO, not a regular file)"
+    else:
+        with open(path, "r+b") as f:        # (sparse: nothing written beyond the table)
+            f.truncate(tuned.MAX_TABLE_BYTES + 1)
+        state = (f"present, not used: it cannot be read (ValueError: it is {tuned.MAX_TABLE_BYTES + 1} bytes, more "
+                 f"than the {tuned.MAX_TABLE_BYTES} a table may take)")
+    monkeypatch.setenv(tuned.ENV_FILE, str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = _report_within(10.0, fifo=path if kind == "fifo" else None)
+    check_sections(text)
+    lines = next(p for p in text.split("\n\n") if p.startswith(TUNED_HEAD)).splitlines()
+    assert lines[1] == f"  file       {path} (from ${tuned.ENV_FILE})"
+    gpu = repr(here["gpu"]) + (" (no CUDA device here" if not torch.cuda.is_available() else ",")
+    assert lines[2].startswith(f"  checked    against gpu {gpu}") and f"triton {here['triton']!r}" in lines[2]
+    assert lines[3].startswith(f"  state      {state}") and len(lines) == 4, lines
+    with warnings.catch_warnings(record=True) as ws:     # (the loader: the same verdict, the same reason)
+        warnings.simplefilter("always")
+        table = tuned.load(str(path))
+    if kind == "good":
+        assert table is not None and len(table.entries) == 3 and not ws
+    elif kind == "missing":
+        assert table is None and not ws
+    else:
+        why = lines[3].split("present, not used: ", 1)[1].rsplit(f"; {tuned.FALLBACK}", 1)[0]
+        assert table is None and len(ws) == 1 and f": {why}; {tuned.FALLBACK}" in str(ws[0].message), ws

@@ -218,21 +218,19 @@ class ElasticBuffer:
         return self._buffer.get_comm_stream()
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
-        """Meet every rank of the group: a dispatch of no tokens through the Buffer (collective, bounded by
-        ``num_gpu_timeout_secs``); ``with_cpu_sync``: the device is synchronised before and after.
-        ``use_comm_stream`` and ``sequential`` are accepted.
+        """Meet every rank of the group: a dispatch of no tokens through the Buffer, named a barrier in its call card
+        (collective, bounded by ``num_gpu_timeout_secs``); ``with_cpu_sync``: the device is synchronised before and
+        after. ``use_comm_stream`` and ``sequential`` are accepted.
 
         Raises:
-            EPTimeoutError: a rank did not come within the bound. EPError: destroyed.
+            ValueError: a peer made another call meanwhile (a dispatch, a combine), on every rank alike, naming both
+                calls (``the operation: rank 0 called barrier, rank 1 called dispatch``); the next call of every rank
+                re-synchronises the group. EPTimeoutError: a rank did not come within the bound. EPError: destroyed.
         """
         sync = with_cpu_sync and self.device.type == "cuda"
         if sync:
             torch.cuda.synchronize(self.device)
-        b, R = self._buffer, self.num_ranks
-        idx = torch.zeros((0, 1), dtype=torch.int64, device=self.device)
-        per_rank, per_host, per_expert, in_rank, _ = b.get_dispatch_layout(idx, R)
-        b.dispatch(torch.zeros((0, 8), dtype=torch.bfloat16, device=self.device), num_tokens_per_rank=per_rank,
-                   num_tokens_per_rdma_rank=per_host, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        self._buffer._barrier()
         if sync:
             torch.cuda.synchronize(self.device)
 

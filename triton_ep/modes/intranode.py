@@ -91,9 +91,11 @@ class Intranode:
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
-                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        """``Buffer.dispatch`` within one host (same arguments and results): a cached dispatch of the handle's last
-        shapes by its plan (:mod:`.intranode_replay`), else :meth:`dispatch_steps`."""
+                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False,
+                 operation=card.DISPATCH):
+        """``Buffer.dispatch`` within one host (same arguments and results; ``operation``: the call as its card
+        names it, :attr:`DispatchArgs.operation`): a cached dispatch of the handle's last shapes by its plan
+        (:mod:`.intranode_replay`), else :meth:`dispatch_steps`."""
         if (handle is not None and num_tokens_per_rank is None and is_token_in_rank is None
                 and num_tokens_per_expert is None and topk_idx is None and topk_weights is None
                 and expert_alignment.__class__ is int and expert_alignment == 1 and num_worst_tokens.__class__ is int
@@ -104,7 +106,7 @@ class Intranode:
         return self.rt.run(self.dispatch_steps(
             x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-            allocate_on_comm_stream))
+            allocate_on_comm_stream, operation))
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
                 allocate_on_comm_stream=False):
@@ -156,9 +158,9 @@ class Intranode:
     def dispatch_steps(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                        is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                        expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
-                       allocate_on_comm_stream=False):
-        """The steps of ``Buffer.dispatch`` (same arguments; its docstring says what they mean): a generator
-        that yields at each phase boundary and returns the call's results."""
+                       allocate_on_comm_stream=False, operation=card.DISPATCH):
+        """The steps of ``Buffer.dispatch`` (same arguments; its docstring says what they mean; ``operation``: as
+        :meth:`dispatch`'s): a generator that yields at each phase boundary and returns the call's results."""
         self.rt.check()
         cached = handle is not None
         if not cached:
@@ -171,7 +173,7 @@ class Intranode:
             force = fused_switch()      # a bad TRITON_EP_FUSED is an argument error, before anything runs
             rows, a = args.dispatch_args(self.rt, x, handle, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                         num_worst_tokens, previous_event)
+                                         num_worst_tokens, previous_event, operation)
             num_worst_tokens = int(num_worst_tokens)      # (a numpy integer: the kernels take Python ints)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
             raise self.rt.fail_call(e)

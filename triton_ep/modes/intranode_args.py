@@ -92,7 +92,10 @@ class DispatchArgs:
     ``topk_idx``/``topk_weights`` ``[T, K]`` or ``None``; ``is_token_in_rank`` ``[T, R]`` and
     ``num_tokens_per_expert`` ``[E]`` (int32, used only without ``topk_idx``); ``handle`` for a cached
     dispatch; ``flags``: bit 0 scales, bit 1 cached, bit 2 weights, bit 3 int32 scales (signature);
-    ``scale_dtype_code``: the scales' dtype as the call card carries it (0 without scales).
+    ``scale_dtype_code``: the scales' dtype as the call card carries it (0 without scales); ``operation``: the
+    call-card code of a new dispatch as the caller made it (:data:`~triton_ep.protocol.call_card.DISPATCH`, or
+    :data:`~triton_ep.protocol.call_card.BARRIER` for ``ElasticBuffer.barrier()``'s dispatch of no tokens), the first
+    word of its signature and of its card.
     """
     num_tokens: int
     hidden: int
@@ -109,6 +112,7 @@ class DispatchArgs:
     handle: Optional["DispatchHandle"] = None
     flags: int = 0
     scale_dtype_code: int = 0
+    operation: int = card.DISPATCH
 
     def signature(self) -> list:
         """The call's signature words (:func:`triton_ep.runtime.call_signature` of them, with the rounds and the
@@ -116,17 +120,17 @@ class DispatchArgs:
         the dispatch that made the handle are part of it, so ranks that call different collectives, or pass
         handles of different dispatches, fail together."""
         cached = self.handle is not None
-        return [card.CACHED_DISPATCH if cached else card.DISPATCH, self.row_words, self.scale_words, self.num_topk,
+        return [card.CACHED_DISPATCH if cached else self.operation, self.row_words, self.scale_words, self.num_topk,
                 self.flags, self.num_experts, self.handle.seq if cached else 0, self.dtype_code]
 
     def card(self, num_worst_tokens: int) -> Tuple[int, tuple]:
         """The call card this rank publishes, ``(operation code, values)``: a cached dispatch's, or a new dispatch's
         (:data:`~triton_ep.protocol.call_card.DISPATCH_WORST` with ``num_worst_tokens``: the host then never learns
-        the counts, they stay on the device)."""
+        the counts, they stay on the device; else its :attr:`operation`)."""
         if self.handle is not None:
             return card.CACHED_DISPATCH, (self.dtype_code, self.hidden, self.scale_dtype_code, self.scale_words,
                                           self.handle.seq)
-        return (card.DISPATCH_WORST if num_worst_tokens > 0 else card.DISPATCH), card_values(self)
+        return (card.DISPATCH_WORST if num_worst_tokens > 0 else self.operation), card_values(self)
 
 
 class DispatchHandle(tuple):
@@ -289,11 +293,12 @@ def check_x(rt: Runtime, x: XLike) -> Rows:
 
 
 def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                  topk_weights, expert_alignment, num_worst_tokens,
-                  previous_event=None) -> Tuple[Rows, DispatchArgs]:
+                  topk_weights, expert_alignment, num_worst_tokens, previous_event=None,
+                  operation: int = card.DISPATCH) -> Tuple[Rows, DispatchArgs]:
     """Check ``Buffer.dispatch``'s arguments against this Buffer's group (shapes, dtypes, devices, values),
     before anything is launched (``rt``: the Buffer's runtime): the :class:`Rows` as :func:`check_x` gives them,
-    and the rest (the rows' shapes included) as :class:`DispatchArgs`. Raises ``TypeError`` / ``ValueError`` naming the argument."""
+    and the rest (the rows' shapes included) as :class:`DispatchArgs` (``operation``: its
+    :attr:`DispatchArgs.operation`). Raises ``TypeError`` / ``ValueError`` naming the argument."""
     rt.live()
     R = rt.group_size
     check_event(previous_event)
@@ -307,7 +312,7 @@ def dispatch_args(rt: Runtime, x, handle, num_tokens_per_rank, is_token_in_rank,
     a = DispatchArgs(num_tokens=T, hidden=xv.shape[1], row_words=rows.row_bytes // 4,
                      scale_words=sc.shape[1] if sc is not None else 0, dtype_code=card.dtype_code(xv.dtype),
                      expert_alignment=int(expert_alignment),
-                     scale_dtype_code=card.dtype_code(sc.dtype if sc is not None else None))
+                     scale_dtype_code=card.dtype_code(sc.dtype if sc is not None else None), operation=operation)
     # scales and their dtype are in the signature: ranks must agree on both (and on their width, S)
     sflags = 0 if sc is None else (9 if sc.dtype == torch.int32 else 1)
     if handle is not None:

@@ -32,16 +32,19 @@ CARD_WORDS = 16
 # card codes (one per operation as callers see it); also the first word of each call's signature digest
 DISPATCH, CACHED_DISPATCH, COMBINE, DISPATCH_WORST = 1, 2, 3, 5
 LL_DISPATCH, LL_COMBINE = 11, 12
+#: ``ElasticBuffer.barrier()``: a dispatch of no tokens that meets every rank, named as the caller's call (a rank
+#: whose peer made another call there is told "rank 0 called barrier, rank 1 called dispatch", not the fields of
+#: that dispatch of no tokens)
+BARRIER = 4
 
+#: a new dispatch's fields (a plain one, one with ``num_worst_tokens``, a barrier's): name, kind
+_DISPATCH_FIELDS = (("x dtype", "dtype"), ("hidden", "int"), ("scales dtype", "dtype"), ("scale columns", "int"),
+                    ("top-k (topk_idx columns)", "int"), ("topk_weights given", "bool"), ("num_experts", "int"))
 #: by card code: the operation's name and its fields (name, kind); kind "dtype" values are dtype codes
 FIELDS: Dict[int, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
-    DISPATCH: ("dispatch", (("x dtype", "dtype"), ("hidden", "int"), ("scales dtype", "dtype"),
-                            ("scale columns", "int"), ("top-k (topk_idx columns)", "int"),
-                            ("topk_weights given", "bool"), ("num_experts", "int"))),
-    DISPATCH_WORST: ("dispatch with num_worst_tokens", (("x dtype", "dtype"), ("hidden", "int"),
-                                                        ("scales dtype", "dtype"), ("scale columns", "int"),
-                                                        ("top-k (topk_idx columns)", "int"),
-                                                        ("topk_weights given", "bool"), ("num_experts", "int"))),
+    DISPATCH: ("dispatch", _DISPATCH_FIELDS),
+    DISPATCH_WORST: ("dispatch with num_worst_tokens", _DISPATCH_FIELDS),
+    BARRIER: ("barrier", _DISPATCH_FIELDS),
     CACHED_DISPATCH: ("cached dispatch", (("x dtype", "dtype"), ("hidden", "int"), ("scales dtype", "dtype"),
                                           ("scale columns", "int"), ("handle's dispatch number", "int"))),
     COMBINE: ("combine", (("hidden", "int"), ("topk_weights columns", "int"),

@@ -302,9 +302,12 @@ class Internode:
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
-                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False,
+                 operation=call_card.DISPATCH):
         """``Buffer.dispatch`` across hosts (same arguments and results; the handle is an :class:`InternodeHandle`;
-        the kernels run on the caller's stream). The capture path takes the calls :meth:`CapturePath.takes` picks.
+        the kernels run on the caller's stream; ``operation``: the call as its card names it,
+        :attr:`~triton_ep.modes.intranode_args.DispatchArgs.operation`). The capture path takes the calls
+        :meth:`CapturePath.takes` picks.
 
         Raises:
             ValueError / TypeError: bad arguments (``num_tokens_per_rdma_rank`` other than the tokens sent to
@@ -325,7 +328,7 @@ class Internode:
             else:
                 prep = self._host_dispatch(self.fresh(x, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                                       is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                                      expert_alignment, num_worst_tokens, previous_event),
+                                                      expert_alignment, num_worst_tokens, previous_event, operation),
                                            num_tokens_per_rdma_rank)
         except Exception as e:   # noqa: BLE001 - the RDMA peers and this host's ranks are told, then it is raised
             err = e
@@ -347,12 +350,14 @@ class Internode:
         return result
 
     def fresh(self, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-              topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event) -> Fresh:
+              topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event,
+              operation: int = call_card.DISPATCH) -> Fresh:
         """Check a dispatch's arguments (both paths): ``num_tokens_per_rdma_rank`` present, then intranode
-        mode's group-wide checks (R = every rank of every host); its call card and record layout."""
+        mode's group-wide checks (R = every rank of every host); its call card (``operation``: as :meth:`dispatch`'s)
+        and record layout."""
         self.check_tokens_per_host(num_tokens_per_rdma_rank, required=True)
         rows, a = dispatch_args(self.rt, x, None, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event)
+                                topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event, operation)
         code, values = a.card(num_worst_tokens)
         K = a.num_topk
         rec = NetRecord(rows.row_bytes, rows.scale_bytes, K, 0 if a.topk_weights is None else K, self.per_host)
