@@ -49,6 +49,10 @@ class Modes:
         other objects still read: a segmentation fault across hosts)."""
         if os.getpid() != self.rt.pid:       # (the process that built the Buffer: Runtime.live)
             return
+        if self.rt.comm is not None and self.rt.device.type == "cuda":
+            # every stream's kernels first (the low-latency runtime across hosts has a stream of its own): the modes
+            # drop their views of the shared buffers and rings as they close, and the rings are unmapped then
+            torch.cuda.synchronize(self.rt.device)
         try:
             self.low_latency.close()
         finally:
