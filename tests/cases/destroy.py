@@ -106,8 +106,8 @@ def destroyed_while_held(rank: int, world: int, kind: str):
     the RDMA proxy as the environment says), make its calls and keep everything they returned and the Buffer, then
     destroy it with the garbage collector off (``gc.disable()`` from the start: nothing of it is collected). Returns
     ``(what this process held of the shm files just before destroy(), what it held after, {use: outcome})``: each kept
-    object used after destroy (an event waited on, a hook run, a call with a kept handle, ``destroy()`` again), as
-    :func:`_outcome` reports it.
+    object used after destroy (an event waited on, a hook run, a call with a kept handle, ``check()``,
+    ``get_rdma_stats()``, ``destroy()`` again), as :func:`_outcome` reports it.
 
     Triton's CPU interpreter keeps the storages of every launch's arguments in reference cycles of its own (the
     recursive closures of ``GridExecutor._init_args_hst``), which a GPU has not: one ``gc.collect()`` right before
@@ -138,6 +138,9 @@ def destroyed_while_held(rank: int, world: int, kind: str):
         before = shm_held()
         buf.destroy()
         after = shm_held()
+        uses.update(check=buf.check)
+        if kind != "elastic":
+            uses.update(get_rdma_stats=buf.get_rdma_stats)
         outcomes = {name: _outcome(use) for name, use in uses.items()}
         outcomes["destroy again"] = _outcome(buf.destroy)
         dist.barrier()

@@ -49,18 +49,20 @@ class Modes:
         other objects still read: a segmentation fault across hosts)."""
         if os.getpid() != self.rt.pid:       # (the process that built the Buffer: Runtime.live)
             return
-        if self.rt.comm is not None and self.rt.device.type == "cuda":
-            # every stream's kernels first (the low-latency runtime across hosts has a stream of its own): the modes
-            # drop their views of the shared buffers and rings as they close, and the rings are unmapped then
-            torch.cuda.synchronize(self.rt.device)
         try:
-            self.low_latency.close()
+            if self.rt.comm is not None and self.rt.device.type == "cuda":
+                # every stream's kernels first (the low-latency runtime across hosts has a stream of its own): the
+                # modes drop their views of the shared buffers and rings as they close, and the rings are unmapped
+                torch.cuda.synchronize(self.rt.device)
         finally:
             try:
-                if self.internode is not None:
-                    self.internode.close()
+                self.low_latency.close()
             finally:
-                self.rt.close()
+                try:
+                    if self.internode is not None:
+                        self.internode.close()
+                finally:
+                    self.rt.close()
 
     def rdma_stats(self) -> dict:
         """``Buffer.get_rdma_stats``: normal mode's traffic between hosts, and low-latency mode's under
