@@ -17,10 +17,9 @@ from .config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, NUM_SMS_SET, Config, Eve
 from .modes.choice import Modes, open_modes
 from .modes.internode import Internode
 from .modes.intranode import Intranode
-from .modes.intranode_args import DispatchArgs, DispatchHandle, XLike
+from .modes.intranode_args import BARRIER, DispatchArgs, DispatchHandle, XLike
 from .modes.low_latency import LowLatency, Unavailable, size_hint
 from .runtime import current_event, open_runtime
-from .protocol import call_card
 from . import tuned
 
 Tensor = torch.Tensor
@@ -385,4 +384,4 @@ class Buffer:
         idx = torch.zeros((0, 1), dtype=torch.int64, device=self.device)
         per_rank, per_host, per_expert, in_rank, _ = self.get_dispatch_layout(idx, self.group_size)
         self._normal.dispatch(torch.zeros((0, 8), dtype=torch.bfloat16, device=self.device), None, per_rank, per_host,
-                              in_rank, per_expert, operation=call_card.BARRIER)
+                              in_rank, per_expert, operation=BARRIER)
