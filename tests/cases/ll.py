@@ -290,11 +290,13 @@ def bad_ids_then_recover(rank, world, N, H, E):
                 buf.low_latency_combine(out, idxs[me], ws[me], bad_handle)
             except (TypeError, ValueError) as e:
                 got.append(f"handle: {type(e).__name__}: {e}")
-        for bad_out in (torch.empty(T, H, dtype=torch.float32), torch.empty(T + 1, H, dtype=torch.bfloat16)):
+        for bad_out in (torch.empty(T, H, dtype=torch.float32), torch.empty(T + 1, H, dtype=torch.bfloat16),
+                        torch.empty(H, T, dtype=torch.bfloat16).t()):      # (the last: [T, H], non-contiguous)
             try:        # (raised on every rank before anything)
                 buf.low_latency_combine(out, idxs[me], ws[me], handle, out=bad_out)
             except (TypeError, ValueError) as e:
-                got.append(f"out: {type(e).__name__}" if str(e).startswith("out must be") else str(e))
+                layout = " (non-contiguous)" if "got a non-contiguous torch.bfloat16" in str(e) else ""
+                got.append(f"out: {type(e).__name__}{layout}" if str(e).startswith("out must be") else str(e))
         return got
     finally:
         buf.destroy()

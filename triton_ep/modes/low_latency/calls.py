@@ -435,7 +435,8 @@ def _check_out(out: Optional[Tensor], T: int, H: int, device) -> None:
         bad_type = not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
         if bad_type or tuple(out.shape) != (T, H) or not out.is_contiguous() or out.device != device:
             err = TypeError if bad_type else ValueError
+            layout = "non-contiguous " if isinstance(out, torch.Tensor) and not out.is_contiguous() else ""
             raise err(f"out must be a contiguous bf16 tensor [{T}, {H}] on {device} (the handle's tokens, hidden), "
-                      f"got {getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))} on "
-                      f"{getattr(out, 'device', '-')}")
+                      f"got a {layout}{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))} "
+                      f"on {getattr(out, 'device', '-')}")
 
