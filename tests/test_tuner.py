@@ -126,7 +126,8 @@ def _loads_once_with_a_warning(why: str, fifo=None) -> None:
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "symlink-loop", "too-large", "num-sms-1", "num-warps-3",
-                                  "ranks-0", "entries-not-a-list"])
+                                  "ranks-0", "entries-not-a-list", "config-empty", "same-shape-twice",
+                                  "version-true", "version-1.0"])
 def test_a_table_that_cannot_be_used_warns_once_and_falls_back(kind, tmp_path, table_env, monkeypatch):
     """(A new user's find: a FIFO as the table blocked get_dispatch_config for ever, /dev/zero grew memory without
     bound, an entry with ``num_sms`` 1 loaded and every dispatch given its Config failed, a symlink loop was ignored
@@ -161,7 +162,16 @@ def test_a_table_that_cannot_be_used_warns_once_and_falls_back(kind, tmp_path, t
         elif kind == "ranks-0":
             bad["num_ranks"] = 0
             why = "entry 1: num_ranks must be an int of at least 1, got 0"
-        if kind == "entries-not-a-list":
+        elif kind == "config-empty":        # (a new user's find: {} loaded as Config()'s defaults)
+            bad["config"] = {}
+            why = "entry 1: its config must name exactly num_sms,"
+        elif kind == "same-shape-twice":    # (a new user's find: the first of two entries of one shape held)
+            bad = dict(good[0], config=dict(good[0]["config"], num_sms=32))
+            why = "entries 0 and 1 are both for dispatch at num_ranks 8, hidden 7168, num_tokens 4096"
+        if kind in ("version-true", "version-1.0"):     # (a new user's find: True and 1.0 equal 1)
+            _table(path, good, version=True if kind == "version-true" else 1.0)
+            why = f"not a {tuned.FORMAT!r} of version {tuned.VERSION}"
+        elif kind == "entries-not-a-list":
             _table(path, {"0": good[0]})
             why = "its entries are not a list, got dict"
         else:

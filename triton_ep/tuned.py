@@ -100,6 +100,9 @@ class Table:
         return best.config
 
 
+#: the fields of an entry's ``config`` (:meth:`Config.fields`: DeepEP's five and ``num_warps``), every one named
+CONFIG_FIELDS = tuple(Config().fields())
+
 #: the most bytes :func:`load` reads of a table (a tuned table of every shape takes well under 1 MiB); a larger file
 #: is not used (a warning)
 MAX_TABLE_BYTES = 16 << 20
@@ -159,7 +162,8 @@ def check_doc(doc) -> Tuple[Optional[str], Tuple["Entry", ...]]:
         ValueError: not a table of this format and version, or an entry that a call could not use (:func:`_entry`;
             the message names the entry by its index).
     """
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+    if (not isinstance(doc, dict) or doc.get("format") != FORMAT or type(doc.get("version")) is not int
+            or doc["version"] != VERSION):      # (True and 1.0 equal 1: the version is the integer itself)
         raise ValueError(f"not a {FORMAT!r} of version {VERSION}")
     here = identity()
     diff = [f"{k} {doc.get(k)!r} (here {v!r})" for k, v in here.items() if doc.get(k) != v]
@@ -167,7 +171,7 @@ def check_doc(doc) -> Tuple[Optional[str], Tuple["Entry", ...]]:
         return "it was measured for another " + ", ".join(diff), ()
     if not isinstance(doc.get("entries"), list):
         raise ValueError(f"its entries are not a list, got {type(doc.get('entries')).__name__}")
-    entries = []
+    entries, seen = [], {}
     for i, e in enumerate(doc["entries"]):
         try:
             entries.append(_entry(e))
@@ -175,6 +179,12 @@ def check_doc(doc) -> Tuple[Optional[str], Tuple["Entry", ...]]:
             raise ValueError(f"entry {i} has no {ex.args[0]!r}") from None
         except (ValueError, TypeError) as ex:
             raise ValueError(f"entry {i}: {ex}") from None
+        x = entries[-1]
+        shape = (x.call, x.num_ranks, x.hidden, x.num_tokens)
+        if shape in seen:           # (tune writes one entry per shape: which one would hold is not for us to guess)
+            raise ValueError(f"entries {seen[shape]} and {i} are both for {x.call} at num_ranks {x.num_ranks}, "
+                             f"hidden {x.hidden}, num_tokens {x.num_tokens}")
+        seen[shape] = i
     return None, tuple(entries)
 
 
@@ -289,6 +299,9 @@ def _entry(e: dict) -> Entry:
         raise ValueError(f"entry call {e['call']!r} is not one of {CALLS}")
     config = None               # (null: no candidate beat the built-in tables, which stay)
     if e["config"] is not None:
+        if not isinstance(e["config"], dict) or set(e["config"]) != set(CONFIG_FIELDS):
+            raise ValueError(f"its config must name exactly {', '.join(CONFIG_FIELDS)} (what tune writes), got "
+                             f"{sorted(e['config']) if isinstance(e['config'], dict) else type(e['config']).__name__}")
         c = dict(e["config"])
         warps = c.pop("num_warps", None)
         config = Config(**c, num_warps=warps)
