@@ -1431,9 +1431,10 @@ def _both_modes_round_trips(buf, rank, x, idx, E, N) -> list:
     outcome ``"ok"`` when the results match the oracle (each token reaches experts 0 and E - 1: 2 ranks)."""
     log = []
     try:
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        rx, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                              num_tokens_per_expert=per_expert, topk_idx=idx)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                              topk_idx=idx)
         combined = buf.combine(rx, handle)[0]
         log.append(("normal after", "ok" if torch.equal(combined.float(), x.float() * 2) else "wrong rows"))
     except Exception as e:  # noqa: BLE001
@@ -1470,9 +1471,9 @@ def modes_mixed(rank, world, ll_rank, late, N=4, H=128, E=4, timeout_s=30.0):
             if rank == ll_rank:
                 buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
             else:
-                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-                buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                             num_tokens_per_expert=per_expert, topk_idx=idx)
+                per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+                buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
             log.append(("mixed", ("ok", round(time.monotonic() - t0, 2), "")))
         except Exception as e:  # noqa: BLE001
             log.append(("mixed", (type(e).__name__, round(time.monotonic() - t0, 2), str(e))))

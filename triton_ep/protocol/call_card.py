@@ -105,10 +105,11 @@ def count(card: np.ndarray, serial: int, low_latency: bool) -> None:
 
 def other_mode(theirs: np.ndarray, serial: int, low_latency: bool) -> Optional[bool]:
     """Whether the peer whose card is ``theirs`` made its call ``serial`` in the other mode than this rank
-    (``low_latency``: this rank's call is a low-latency one): ``None`` when its card cannot tell yet (it has not
-    published that call, or it is more than :data:`MODE_WINDOW` calls ahead)."""
+    (``low_latency``: this rank's call is a low-latency one): ``None`` when its card cannot tell (it has not
+    published that call yet, or it is so far ahead that the ``modes`` word no longer covers that call)."""
     t = int(theirs[0])          # (the serial first: the modes word read after it covers that call)
-    if t < serial or t - serial >= MODE_WINDOW:
+    # (a peer may have counted one call past its card, a call it refused: that call's bit is the latest)
+    if t < serial or t + 1 - serial >= MODE_WINDOW:
         return None
     return bool((int(theirs[MODES_WORD]) >> (serial % MODE_WINDOW)) & 1) != bool(low_latency)
 
