@@ -1426,3 +1426,98 @@ def interrupted_mid_call(rank, world, at_call):
         os.environ.pop("TRITON_EP_FUSED", None)
         buf.destroy()
     return log
+
+
+def _both_modes_round_trips(buf, rank, x, idx, E, N) -> list:
+    """A normal-mode round trip, then a low-latency one, on a Buffer of both modes: ``[(step, outcome)]``, each
+    outcome ``"ok"`` when the results match the oracle (each token reaches experts 0 and E - 1: 2 ranks)."""
+    log = []
+    try:
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                              topk_idx=idx)
+        combined = buf.combine(rx, handle)[0]
+        log.append(("normal after", "ok" if torch.equal(combined.float(), x.float() * 2) else "wrong rows"))
+    except Exception as e:  # noqa: BLE001
+        log.append(("normal after", f"{type(e).__name__}: {e}"))
+    try:
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+        comb = buf.low_latency_combine(recv, idx, torch.ones(idx.shape[0], 2), handle)[0]
+        log.append(("low-latency after", "ok" if torch.equal(comb.float(), x.float() * 2) else "wrong rows"))
+    except Exception as e:  # noqa: BLE001
+        log.append(("low-latency after", f"{type(e).__name__}: {e}"))
+    return log
+
+
+def modes_mixed(rank, world, ll_rank, late, N=4, H=128, E=4, timeout_s=30.0):
+    """One Buffer of both modes (SGLang's ``deepep_mode auto``): after a valid normal-mode round trip, rank
+    ``ll_rank`` calls ``low_latency_dispatch`` while the others call ``dispatch`` (a new user's find: every rank
+    waited out ``timeout_s``, was told the peer "never called it", and the Buffer was unusable after). ``late``
+    (``"ll"`` or ``"normal"``): the ranks of that mode start the call 0.5 s after the others, so that they find the
+    disagreement in the others' call cards (the others' waits hear of it). Returns
+    ``[(step, outcome)]``: the mixed call's ``(error type, seconds, message)``, then a normal-mode and a
+    low-latency round trip checked against the oracle."""
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    buf = triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=True, num_qps_per_rank=E // world,
+                           timeout_s=timeout_s)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    log = []
+    try:
+        log += [(s.replace(" after", " before"), v) for s, v in _both_modes_round_trips(buf, rank, x, idx, E, N)][:1]
+        if (rank == ll_rank) == (late == "ll"):
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        try:
+            if rank == ll_rank:
+                buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+            else:
+                per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+                buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+            log.append(("mixed", ("ok", round(time.monotonic() - t0, 2), "")))
+        except Exception as e:  # noqa: BLE001
+            log.append(("mixed", (type(e).__name__, round(time.monotonic() - t0, 2), str(e))))
+        log += _both_modes_round_trips(buf, rank, x, idx, E, N)
+    finally:
+        buf.destroy()
+    return log
+
+
+def fork_keyword(rank, world, which, N=4, H=128, E=4, timeout_s=30.0):
+    """DeepEP's ``Buffer`` as the ``deep_ep`` switch serves it (triton_ep._deep_ep): rank 1 passes an engine fork's
+    keyword triton-ep lacks (``which``: ``"nvfp4"``, ``low_latency_dispatch(use_nvfp4=True)``; ``"overlap"``,
+    ``low_latency_combine(overlap=True)`` after a valid dispatch), the others make the call valid (a new user's
+    find: only rank 1 raised, its peers waited out ``timeout_s`` and the Buffer was unusable after). Returns
+    ``[(step, outcome)]``: the refused call's ``(error type, seconds, message)``, then a low-latency round trip
+    checked against the oracle."""
+    from triton_ep._deep_ep.buffers.legacy import Buffer
+    hint = Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    buf = Buffer(None, 1 << 20, hint, low_latency_mode=True, num_qps_per_rank=E // world, timeout_s=timeout_s)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    w = torch.ones(3, 2)
+    bad = rank == 1
+    log = []
+    try:
+        t0 = time.monotonic()
+        try:
+            if which == "nvfp4":
+                buf.low_latency_dispatch(x, idx, N, E, use_fp8=False, **({"use_nvfp4": True} if bad else {}))
+            else:
+                recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+                t0 = time.monotonic()
+                buf.low_latency_combine(recv, idx, w, handle, **({"overlap": True, "block_m": 64} if bad else {}))
+            log.append(("refused", ("ok", round(time.monotonic() - t0, 2), "")))
+        except Exception as e:  # noqa: BLE001
+            log.append(("refused", (type(e).__name__, round(time.monotonic() - t0, 2), str(e))))
+        try:
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+            comb = buf.low_latency_combine(recv, idx, w, handle)[0]
+            log.append(("after", "ok" if torch.equal(comb.float(), x.float() * 2) else "wrong rows"))
+        except Exception as e:  # noqa: BLE001
+            log.append(("after", f"{type(e).__name__}: {e}"))
+    finally:
+        buf.destroy()
+    return log

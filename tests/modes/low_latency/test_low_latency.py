@@ -284,3 +284,40 @@ def test_an_interrupt_in_the_middle_of_a_call_is_named_on_every_rank_at_once(at_
     bad = [s for s in r0 if s[1] != "ok"]
     assert len(bad) == 1 and bad[0][:2] == (step, "EPRemoteError") and "rank 1" in bad[0][3], r0
     assert bad[0][2] < 5, r0
+
+
+@pytest.mark.parametrize("ll_rank, late", [(1, "normal"), (0, "normal"), (1, "ll"), (0, "ll")])
+def test_a_low_latency_call_against_a_normal_mode_call_raises_value_error_everywhere_at_once(ll_rank, late):
+    """One Buffer of both modes: one rank calls low_latency_dispatch while the other calls dispatch (both
+    orders of ranks; the rank of either mode comes last, and finds the disagreement in the other's call card,
+    whose waits hear of it). Every rank raises ValueError naming both calls, well within timeout_s (30 s), and a
+    normal-mode and a low-latency round trip then succeed with the oracle's rows (a new user's find: every rank
+    waited out timeout_s, and the Buffer was unusable after)."""
+    out = _values(run_ranks(ll_cases.modes_mixed, 2, ll_rank, late))
+    for rank, o in enumerate(out):
+        got = dict(o)
+        assert got["normal before"] == "ok", o
+        kind, secs, msg = got["mixed"]
+        assert kind == "ValueError" and secs < 10, o
+        ll_name, normal_name = f"rank {ll_rank} called low_latency_dispatch", f"rank {1 - ll_rank} called dispatch"
+        assert ll_name in msg and normal_name in msg and "disagree" in msg, o
+        assert got["normal after"] == "ok" and got["low-latency after"] == "ok", o
+
+
+@pytest.mark.parametrize("which", ["nvfp4", "overlap"])
+def test_an_engine_fork_keyword_refused_on_one_rank_is_told_to_its_peers(which):
+    """deep_ep's Buffer (the deep_ep switch's): rank 1 passes use_nvfp4=True to low_latency_dispatch or
+    overlap=True to low_latency_combine. It raises NotImplementedError naming the keyword, its peer
+    EPRemoteError well within timeout_s (30 s), and the next low-latency round trip succeeds on both (a new
+    user's find: the peer waited out timeout_s, and the Buffer was unusable after)."""
+    out = _values(run_ranks(ll_cases.fork_keyword, 2, which))
+    for rank, o in enumerate(out):
+        got = dict(o)
+        kind, secs, msg = got["refused"]
+        if rank == 1:
+            assert kind == "NotImplementedError", o
+            key = "use_nvfp4=True" if which == "nvfp4" else "low_latency_combine(overlap=True, block_m)"
+            assert key in msg, o
+        else:
+            assert kind == "EPRemoteError" and secs < 10, o
+        assert got["after"] == "ok", o

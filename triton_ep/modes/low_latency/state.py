@@ -167,11 +167,13 @@ class LowLatencyState:
         self.pending.clear()
         self.failed = False
 
-    def _post_failure(self) -> None:
+    def post_failure(self, kind: int = int(F.E_FAILED)) -> None:
         """This rank rejects its next low-latency call: write that call's number into every peer's
-        ``LFAILED[rank]``, so their waits of that call end at once (their earlier calls, which may still
-        be running, are not affected), and mark this rank for re-synchronisation (its own kernels go on:
-        a hook of an earlier call still receives)."""
+        ``LFAILED[rank]`` (with ``kind``: ``E_FAILED``, the peers raise ``EPRemoteError``; ``E_MISMATCH``, this rank
+        found that the ranks called different operations: they raise ``ValueError`` naming them), so their waits
+        of that call end at once (their earlier calls, which may still be running, are not affected), and mark
+        this rank for re-synchronisation (its own kernels go on: a hook of an earlier call still receives).
+        Across hosts the network peers hear ``E_FAILED`` whatever ``kind``."""
         rt = self.rt
         R, me = rt.group_size, rt.rank
         rt.wait_comm_stream()
@@ -179,7 +181,7 @@ class LowLatencyState:
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
-                    pc[F.off_ll_failed.host(R) + me].fill_(ll_failure_word_of(n, F.E_FAILED, me))
+                    pc[F.off_ll_failed.host(R) + me].fill_(ll_failure_word_of(n, kind, me))
         if self.net is not None:        # the peers on the network learn it from this call's chunk
             rt.sig.needs_resync = True
             try:
