@@ -105,7 +105,7 @@ def abort_word(ring_ctl, NET: tl.constexpr):
 def mask_peer(ctl, ring_ctl, r, R: tl.constexpr):
     """Rank masking (``enable_shrink``): rank ``r`` stopped answering; this rank no longer sends to it or
     waits for it (``MASK[r]``), and its proxy drops what it still holds for it (``MASKED[r]``)."""
-    tl.store(ctl + flags.off_ll_mask(R) + r, tl.full([], 1, tl.int64))
+    tl.store(ctl + flags.off_ll_mask(R) + r, tl.full([], 0, tl.int64) + flags.LL_MASK_WAIT)
     flags.release(ring_ctl + flags.ring_masked_word(R, S, r), tl.full([], 1, tl.int64))
 
 

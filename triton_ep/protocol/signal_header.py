@@ -199,7 +199,8 @@ def off_ll_sig(R):
 
 @formula
 def off_ll_mask(R):
-    """``MASK[s]``: nonzero when this rank no longer sends to or waits for rank ``s`` (rank masking)."""
+    """``MASK[s]``: nonzero when this rank no longer sends to or waits for rank ``s`` (rank masking):
+    ``LL_MASK_HAND`` or ``LL_MASK_WAIT``."""
     return L_FIXED + 4 * R
 
 
@@ -226,9 +227,25 @@ def off_ll_rx(R):
 
 
 @formula
+def off_ll_gaveup(R):
+    """``GAVEUP[s]`` (rank masking, ``enable_shrink``): nonzero once rank ``s`` gave up on this rank (its wait for
+    this rank timed out, or found this rank gone or given up on it, and it masked this rank): the low-latency call
+    of ``s``'s in which it did. ``s`` neither sent this rank that call nor pairs any later call with this rank's, so
+    every wait of this rank's, from that call on, for ``s`` masks ``s`` at once instead (no timeout, none of ``s``'s
+    rows taken). Written by ``s`` with a release, as failure words are; cleared here when this rank unmasks ``s``."""
+    return L_FIXED + 8 * R
+
+
+#: ``MASK[s]`` values: masked by hand (``low_latency_update_mask_buffer``), or by a wait (a timeout, a gone peer, a
+#: peer's ``GAVEUP`` word), after which the two ranks' call numbers may differ (an unmask then restarts them)
+LL_MASK_HAND = tl.constexpr(1)
+LL_MASK_WAIT = tl.constexpr(2)
+
+
+@formula
 def ll_ctl_words(R):
     """int64 words of one rank's low-latency control block."""
-    return L_FIXED + 8 * R
+    return L_FIXED + 9 * R
 
 
 # ---- scheduler rings (triton_ep/scheduler/): a rank's ring control block, int64 words ----
