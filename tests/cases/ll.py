@@ -250,7 +250,7 @@ def _source_of_rows(out, count, handle, sets, me, R, E):
     return got
 
 
-def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form):
+def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form, late=False):
     """Rank ``skipper`` skips a low-latency dispatch (A) that its peers make: with ``enable_shrink`` (a short
     ``timeout_s``) they time out on it, mask it and return. After a barrier every rank dispatches new inputs (B),
     then combines. The skipper's dispatch B takes no row of its peers' call A (rows compared against both input
@@ -258,20 +258,35 @@ def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form):
     ``timeout_s``, and its mask shows them; the peers' B drops exactly the skipper's rows. Then every rank unmasks
     (``low_latency_clean_mask_buffer``) and a round trip of fresh inputs (C) is whole and correct on every rank.
     ``form``: ``"split"`` (two launches a call), ``"hook"`` (the skipper's dispatch B with a receive hook),
-    ``"fused"`` (one launch a call, ``TRITON_EP_FUSED=1``). Returns ``(mask after B, mask after the unmask,
-    seconds of the skipper's dispatch B, sources of the rows it got)``."""
+    ``"fused"`` (one launch a call, ``TRITON_EP_FUSED=1``). With ``late`` the skipper makes call A too, after its
+    peers gave up on it (a round trip W first, so that both halves of the area hold an earlier call's counts): it
+    masks them at once in that call (none of their rows: they were given up with it) and in B. Returns ``(mask
+    after B, mask after the unmask, seconds of the skipper's dispatch B, sources of the rows it got in B, and with
+    ``late`` of those it got in its late A)``."""
     import torch.distributed as dist
     os.environ["TRITON_EP_FUSED"] = "1" if form == "fused" else "0"
     R, me = world, rank
     A = ll_inputs(seed, R, E, K, H, Ts)
     B = ll_inputs(seed + 1, R, E, K, H, Ts)
     C = ll_inputs(seed + 2, R, E, K, H, Ts)
-    buf = _buffer(R, N, H, E, timeout_s=2.0, enable_shrink=True)
+    # (3 s: a live peer slower than that under load would be masked too; barriers before the calls every rank
+    # makes at once)
+    buf = _buffer(R, N, H, E, timeout_s=3.0, enable_shrink=True)
     try:
         peers = tuple(r for r in range(R) if r != skipper)
+        if late:
+            dist.barrier()
+            W = ll_inputs(seed + 3, R, E, K, H, Ts)
+            out, count, handle, _, _ = buf.low_latency_dispatch(W[0][me], W[1][me], N, E, use_fp8=False)
+            check_dispatch(out, count, handle, W[0], W[1], R, E, me, False, False, False)
+            buf.low_latency_combine(out, W[1][me], W[2][me], handle)
         if me != skipper:
             buf.low_latency_dispatch(A[0][me], A[1][me], N, E, use_fp8=False)     # times out on the skipper
         dist.barrier()
+        if late and me == skipper:      # the same call A, after the peers gave up on it
+            out, count, handle, _, _ = buf.low_latency_dispatch(A[0][me], A[1][me], N, E, use_fp8=False)
+            late_a = _source_of_rows(out, count, handle, {"A": A[0]}, me, R, E)
+            check_dispatch(out, count, handle, A[0], A[1], R, E, me, False, False, False, masked=peers)
         t0 = time.monotonic()
         hook = form == "hook" and me == skipper
         out, count, handle, _, recv = buf.low_latency_dispatch(B[0][me], B[1][me], N, E, use_fp8=False,
@@ -294,12 +309,13 @@ def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form):
         buf.low_latency_clean_mask_buffer()
         after = torch.zeros(R, dtype=torch.int32)
         buf.low_latency_query_mask_buffer(after)
+        dist.barrier()
         out, count, handle, _, _ = buf.low_latency_dispatch(C[0][me], C[1][me], N, E, use_fp8=False)
         check_dispatch(out, count, handle, C[0], C[1], R, E, me, False, False, False)
         comb, _, _ = buf.low_latency_combine(out, C[1][me], C[2][me], handle)
         want = expected_combine(C[0][me], C[1][me], C[2][me], E, R, "identity")
         assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine C after the unmask"
-        return status.tolist(), after.tolist(), took, sources
+        return status.tolist(), after.tolist(), took, sources, (late_a if late and me == skipper else None)
     finally:
         buf.destroy()
 
