@@ -250,7 +250,7 @@ def _source_of_rows(out, count, handle, sets, me, R, E):
     return got
 
 
-def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form, late=False):
+def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form, late=False, timeout_s=3.0):
     """Rank ``skipper`` skips a low-latency dispatch (A) that its peers make: with ``enable_shrink`` (a short
     ``timeout_s``) they time out on it, mask it and return. After a barrier every rank dispatches new inputs (B),
     then combines. The skipper's dispatch B takes no row of its peers' call A (rows compared against both input
@@ -262,7 +262,8 @@ def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form, late=False):
     peers gave up on it (a round trip W first, so that both halves of the area hold an earlier call's counts): it
     masks them at once in that call (none of their rows: they were given up with it) and in B. Returns ``(mask
     after B, mask after the unmask, seconds of the skipper's dispatch B, sources of the rows it got in B, and with
-    ``late`` of those it got in its late A)``."""
+    ``late`` of those it got in its late A)``. Across hosts (:func:`across_hosts`) the unmask is the collective
+    re-synchronisation, and a peer on another host tells the skipper through its proxy (the ``GAVE`` ring word)."""
     import torch.distributed as dist
     os.environ["TRITON_EP_FUSED"] = "1" if form == "fused" else "0"
     R, me = world, rank
@@ -271,7 +272,7 @@ def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form, late=False):
     C = ll_inputs(seed + 2, R, E, K, H, Ts)
     # (3 s: a live peer slower than that under load would be masked too; barriers before the calls every rank
     # makes at once)
-    buf = _buffer(R, N, H, E, timeout_s=3.0, enable_shrink=True)
+    buf = _buffer(R, N, H, E, timeout_s=timeout_s, enable_shrink=True)
     try:
         peers = tuple(r for r in range(R) if r != skipper)
         if late:

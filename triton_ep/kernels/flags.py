@@ -65,7 +65,8 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     off_ll_tx, off_ll_rx, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
-    ring_word, ring_len_word, ring_masked_word, ring_arrive_word, ring_asrc_word, ring_ctrl_words, STAGE_NAMES)
+    ring_word, ring_len_word, ring_masked_word, ring_arrive_word, ring_asrc_word, ring_gave_word, ring_gsrc_word,
+    ring_ctrl_words, STAGE_NAMES)
 
 
 #: a GPU wait reads the awaited flag alone this many times in a row between its looks at the other words (the

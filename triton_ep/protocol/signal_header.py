@@ -263,6 +263,8 @@ def ll_ctl_words(R):
 #             written by ``p`` over RDMA after the chunk's data, on the same QP: ``k + 1`` once chunk ``k`` from
 #             ``p`` (in receive slot ``slot = k % S``) is placed here; consumers poll it instead of TAIL
 #   ASRC[p * S + slot]  the 8-byte source of this rank's arrival word for its chunk in send slot ``slot`` for ``p``
+#   GAVE[p]   written by ``p``'s proxy over RDMA: the low-latency call in which ``p`` gave up on this rank (masking)
+#   GSRC[p]   the call in which this rank gave up on ``p`` (the source of that write)
 RING_ABORT = tl.constexpr(0)      #: nonzero: every ring wait gives up (1 watchdog / timeout, 2 proxy failed)
 RING_ERR_KIND = tl.constexpr(1)   #: a kernel's error record: kind (first error wins), peer, stage, chunk
 RING_ERR_PEER = tl.constexpr(2)
@@ -327,9 +329,24 @@ def ring_asrc_word(R, S, peer, slot):
 
 
 @formula
+def ring_gave_word(R, S, peer):
+    """Word index of ``GAVE[peer]`` (after the ``ASRC`` words; low-latency rank masking across hosts): written by
+    ``peer``'s proxy over RDMA, the low-latency call in which ``peer`` gave up on this rank (0: it did not). The
+    unpack's wait for ``peer``'s chunk reads it as the within-host waits read ``GAVEUP`` (``off_ll_gaveup``)."""
+    return RING_FIXED + RING_LEN * R + 3 * R * S + R + peer
+
+
+@formula
+def ring_gsrc_word(R, S, peer):
+    """Word index of ``GSRC[peer]`` (after the ``GAVE`` words): the low-latency call in which this rank's kernels
+    gave up on ``peer`` (stored before ``MASKED[peer]``); the proxy writes it into ``peer``'s ``GAVE[me]``."""
+    return RING_FIXED + RING_LEN * R + 3 * R * S + 2 * R + peer
+
+
+@formula
 def ring_ctrl_words(R, S):
     """int64 words of a ring control block for ``R`` ranks and ``S`` slots per peer."""
-    return RING_FIXED + RING_LEN * R + 3 * R * S + R
+    return RING_FIXED + RING_LEN * R + 3 * R * S + 3 * R
 
 
 #: every stage code (error records and ring records name them), in one table with its name
