@@ -231,6 +231,96 @@ def masked_rank(rank, world, seed, E, K, H, Ts, N, victim, by_timeout):
         buf.destroy()
 
 
+def _source_of_rows(out, count, handle, sets, me, R, E):
+    """Per (local expert, source rank): which input set the rows received from that rank are, by bit equality:
+    the names in ``sets`` (``{name: xs}``) whose source rows (``src_info``'s tokens) all match, e.g. ``["B"]``."""
+    El = E // R
+    src_info, layout = handle[0].cpu(), handle[1].cpu()
+    got = {}
+    for le in range(El):
+        for s in range(R):
+            beg, c = int(layout[le, s]) >> 32, int(layout[le, s]) & 0xFFFFFFFF
+            if c == 0:
+                continue
+            rows = out[le, beg:beg + c].cpu().view(torch.int16)
+            toks = src_info[le, beg:beg + c].tolist()
+            got[(le, s)] = [name for name, xs in sets.items()
+                            if all(0 <= t < xs[s].shape[0] and torch.equal(rows[i], xs[s][t].view(torch.int16))
+                                   for i, t in enumerate(toks))]
+    return got
+
+
+def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form, late=False, timeout_s=3.0):
+    """Rank ``skipper`` skips a low-latency dispatch (A) that its peers make: with ``enable_shrink`` (a short
+    ``timeout_s``) they time out on it, mask it and return. After a barrier every rank dispatches new inputs (B),
+    then combines. The skipper's dispatch B takes no row of its peers' call A (rows compared against both input
+    sets) nor of their B (they sent it none): it masks them at once, from their give-up words, without waiting out
+    ``timeout_s``, and its mask shows them; the peers' B drops exactly the skipper's rows. Then every rank unmasks
+    (``low_latency_clean_mask_buffer``) and a round trip of fresh inputs (C) is whole and correct on every rank.
+    ``form``: ``"split"`` (two launches a call), ``"hook"`` (the skipper's dispatch B with a receive hook),
+    ``"fused"`` (one launch a call, ``TRITON_EP_FUSED=1``). With ``late`` the skipper makes call A too, after its
+    peers gave up on it (a round trip W first, so that both halves of the area hold an earlier call's counts): it
+    masks them at once in that call (none of their rows: they were given up with it) and in B. Returns ``(mask
+    after B, mask after the unmask, seconds of the skipper's dispatch B, sources of the rows it got in B, and with
+    ``late`` of those it got in its late A)``. Across hosts (:func:`across_hosts`) the unmask is the collective
+    re-synchronisation, and a peer on another host tells the skipper through its proxy (the ``GAVE`` ring word)."""
+    import torch.distributed as dist
+    os.environ["TRITON_EP_FUSED"] = "1" if form == "fused" else "0"
+    R, me = world, rank
+    A = ll_inputs(seed, R, E, K, H, Ts)
+    B = ll_inputs(seed + 1, R, E, K, H, Ts)
+    C = ll_inputs(seed + 2, R, E, K, H, Ts)
+    # (3 s: a live peer slower than that under load would be masked too; barriers before the calls every rank
+    # makes at once)
+    buf = _buffer(R, N, H, E, timeout_s=timeout_s, enable_shrink=True)
+    try:
+        peers = tuple(r for r in range(R) if r != skipper)
+        if late:
+            dist.barrier()
+            W = ll_inputs(seed + 3, R, E, K, H, Ts)
+            out, count, handle, _, _ = buf.low_latency_dispatch(W[0][me], W[1][me], N, E, use_fp8=False)
+            check_dispatch(out, count, handle, W[0], W[1], R, E, me, False, False, False)
+            buf.low_latency_combine(out, W[1][me], W[2][me], handle)
+        if me != skipper:
+            buf.low_latency_dispatch(A[0][me], A[1][me], N, E, use_fp8=False)     # times out on the skipper
+        dist.barrier()
+        if late and me == skipper:      # the same call A, after the peers gave up on it
+            out, count, handle, _, _ = buf.low_latency_dispatch(A[0][me], A[1][me], N, E, use_fp8=False)
+            late_a = _source_of_rows(out, count, handle, {"A": A[0]}, me, R, E)
+            check_dispatch(out, count, handle, A[0], A[1], R, E, me, False, False, False, masked=peers)
+        t0 = time.monotonic()
+        hook = form == "hook" and me == skipper
+        out, count, handle, _, recv = buf.low_latency_dispatch(B[0][me], B[1][me], N, E, use_fp8=False,
+                                                               return_recv_hook=hook)
+        if recv is not None:
+            recv()
+        took = time.monotonic() - t0
+        dist.barrier()      # (rows checked before any peer's next call: the old fault showed then, with no error)
+        sources = _source_of_rows(out, count, handle, {"A": A[0], "B": B[0]}, me, R, E)
+        masked = peers if me == skipper else (skipper,)
+        assert all(src == ["B"] for (_, s), src in sources.items() if s == me), sources
+        assert not [k for k in sources if k[1] != me and me == skipper], f"rows of a peer's call A or B: {sources}"
+        check_dispatch(out, count, handle, B[0], B[1], R, E, me, False, False, False, masked=masked)
+        comb, _, _ = buf.low_latency_combine(out, B[1][me], B[2][me], handle)
+        want = expected_combine(B[0][me], B[1][me], B[2][me], E, R, "identity", masked=masked)
+        assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine B"
+        status = torch.zeros(R, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(status)
+        dist.barrier()
+        buf.low_latency_clean_mask_buffer()
+        after = torch.zeros(R, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(after)
+        dist.barrier()
+        out, count, handle, _, _ = buf.low_latency_dispatch(C[0][me], C[1][me], N, E, use_fp8=False)
+        check_dispatch(out, count, handle, C[0], C[1], R, E, me, False, False, False)
+        comb, _, _ = buf.low_latency_combine(out, C[1][me], C[2][me], handle)
+        want = expected_combine(C[0][me], C[1][me], C[2][me], E, R, "identity")
+        assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine C after the unmask"
+        return status.tolist(), after.tolist(), took, sources, (late_a if late and me == skipper else None)
+    finally:
+        buf.destroy()
+
+
 def absent_without_shrink(rank, world, N, H, E):
     """Without enable_shrink a silent peer gives EPTimeoutError naming it."""
     import time

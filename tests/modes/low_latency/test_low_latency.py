@@ -82,6 +82,31 @@ def test_masked_rank_drops_exactly_its_tokens(by_timeout):
             assert waits[0] >= 2.0 and waits[1] < 1.5, waits
 
 
+@pytest.mark.parametrize("form", ["split", "hook", "fused"])
+def test_rank_that_skipped_a_call_takes_no_stale_rows(form):
+    """A rank that skipped a call its peers made and gave up on (new user's find: its next dispatch returned the
+    peer's rows of the skipped call as its own, counted, with an empty mask): it masks the peers that gave up on it
+    at once, takes none of their rows, and after every rank unmasks a round trip is correct again."""
+    out = _values(run_ranks(ll_cases.skipped_call, 2, 7, 4, 2, 128, [5, 6], 8, 1, form))
+    (st0, after0, _, _, _), (st1, after1, took, sources, _) = out
+    assert st0 == [0, 1] and st1 == [1, 0], (st0, st1)
+    assert after0 == after1 == [0, 0], (after0, after1)
+    assert all(src == 1 for (_, src) in sources), sources     # rows of its own only: none of rank 0's A (or B)
+
+
+def test_rank_that_calls_late_is_told_it_was_given_up_on():
+    """A rank that makes a call after its peers gave up on it (late, not absent): it masks them at once in that call
+    and the next (before, it took the give-up call's rows and then, at its next call, the peer's release of a call
+    that sent it nothing, over an earlier call's counts, with an empty mask), and after every rank unmasks a round
+    trip is correct again."""
+    out = _values(run_ranks(ll_cases.skipped_call, 2, 9, 4, 2, 128, [6, 5], 8, 1, "split", True))
+    (st0, after0, _, _, _), (st1, after1, _, sources, late_a) = out
+    assert st0 == [0, 1] and st1 == [1, 0], (st0, st1)
+    assert after0 == after1 == [0, 0], (after0, after1)
+    assert all(src == 1 for (_, src) in sources), sources
+    assert all(src == 1 for (_, src) in late_a), late_a        # (the call its peers gave up with: masked at once)
+
+
 def test_silent_peer_without_shrink_times_out():
     out = _values(run_ranks(ll_cases.absent_without_shrink, 2, 8, 128, 4))
     assert out[0][0] == "EPTimeoutError" and out[0][1] == 1, out
