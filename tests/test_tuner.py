@@ -126,7 +126,8 @@ def _loads_once_with_a_warning(why: str, fifo=None) -> None:
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "symlink-loop", "too-large", "num-sms-1", "num-warps-3",
-                                  "ranks-0", "entries-not-a-list"])
+                                  "ranks-0", "entries-not-a-list", "config-empty", "same-shape-twice",
+                                  "version-true", "version-1.0"])
 def test_a_table_that_cannot_be_used_warns_once_and_falls_back(kind, tmp_path, table_env, monkeypatch):
     """(A new user's find: a FIFO as the table blocked get_dispatch_config for ever, /dev/zero grew memory without
     bound, an entry with ``num_sms`` 1 loaded and every dispatch given its Config failed, a symlink loop was ignored
@@ -161,7 +162,16 @@ def test_a_table_that_cannot_be_used_warns_once_and_falls_back(kind, tmp_path, t
         elif kind == "ranks-0":
             bad["num_ranks"] = 0
             why = "entry 1: num_ranks must be an int of at least 1, got 0"
-        if kind == "entries-not-a-list":
+        elif kind == "config-empty":        # (a new user's find: {} loaded as Config()'s defaults)
+            bad["config"] = {}
+            why = "entry 1: its config must name exactly num_sms,"
+        elif kind == "same-shape-twice":    # (a new user's find: the first of two entries of one shape held)
+            bad = dict(good[0], config=dict(good[0]["config"], num_sms=32))
+            why = "entries 0 and 1 are both for dispatch at num_ranks 8, hidden 7168, num_tokens 4096"
+        if kind in ("version-true", "version-1.0"):     # (a new user's find: True and 1.0 equal 1)
+            _table(path, good, version=True if kind == "version-true" else 1.0)
+            why = f"not a {tuned.FORMAT!r} of version {tuned.VERSION}"
+        elif kind == "entries-not-a-list":
             _table(path, {"0": good[0]})
             why = "its entries are not a list, got dict"
         else:
@@ -352,7 +362,8 @@ def test_tune_output_is_checked_before_any_measuring(kind, tmp_path, table_env, 
     ro_why = ("cannot be written (read-only: mode 0444)" if os.geteuid() == 0 else
               "cannot be written (Permission denied)")
     path, why = {"fifo": (str(fifo), "is a FIFO, not a regular file"),
-                 "symlink-to-fifo": (str(tmp_path / "link"), f"(-> {fifo}) is a FIFO, not a regular file"),
+                 "symlink-to-fifo": (str(tmp_path / "link"), f"is a symbolic link (to {fifo}); tune never writes "
+                                                             "through one"),
                  "directory": (str(tmp_path), "is a directory, not a regular file"),
                  "absent-directory": (str(tmp_path / "no" / "dir" / "x.json"),
                                       "does not exist (No such file or directory; it is not made"),
@@ -372,19 +383,30 @@ def test_tune_output_is_checked_before_any_measuring(kind, tmp_path, table_env, 
 
 def test_save_replaces_only_a_regular_file(tmp_path):
     """``tuned.save`` checks again (defence in depth): a FIFO, a symlink to one, an absent directory: ValueError,
-    nothing replaced, made or left behind; a symlink to a table: the table is replaced, the link kept."""
+    nothing replaced, made or left behind. A symlink, even to a table, is never written through (it was followed
+    before: a new user's find); a file that is not a table is replaced only with ``force``; a table is replaced
+    (beside it stays its lock file, ``tuned.lock_path``)."""
     import os
     fifo = _fifo(tmp_path)
     os.symlink(fifo, tmp_path / "link")
-    for path, why in ((fifo, "is a FIFO"), (tmp_path / "link", "is a FIFO"), (tmp_path / "no" / "t.json", "does not")):
+    _table(tmp_path / "t.json", [])
+    os.symlink(tmp_path / "t.json", tmp_path / "t-link.json")
+    for path, why in ((fifo, "is a FIFO"), (tmp_path / "link", "is a symbolic link"),
+                      (tmp_path / "no" / "t.json", "does not"), (tmp_path / "t-link.json", "is a symbolic link")):
         with pytest.raises(ValueError, match=why):
             tuned.save(str(path), [], "test")
     assert _is_fifo(fifo) and os.path.islink(tmp_path / "link") and not (tmp_path / "no").exists()
-    (tmp_path / "t.json").write_text("old")
-    os.symlink(tmp_path / "t.json", tmp_path / "t-link.json")
-    tuned.save(str(tmp_path / "t-link.json"), [], "test")
-    assert os.path.islink(tmp_path / "t-link.json") and json.loads((tmp_path / "t.json").read_text())["entries"] == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link", "t-link.json", "t.json"]
+    assert os.path.islink(tmp_path / "t-link.json") and "created" not in json.loads((tmp_path / "t.json").read_text())
+    tuned.save(str(tmp_path / "t.json"), [], "test")
+    assert json.loads((tmp_path / "t.json").read_text())["command"] == "test"
+    (tmp_path / "old.json").write_text("old")
+    with pytest.raises(ValueError, match="is not a triton-ep tuned table .*pass --force to replace it"):
+        tuned.save(str(tmp_path / "old.json"), [], "test")
+    assert (tmp_path / "old.json").read_text() == "old"
+    tuned.save(str(tmp_path / "old.json"), [], "test", force=True)
+    assert json.loads((tmp_path / "old.json").read_text())["entries"] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old.json.lock", ".t.json.lock", "fifo", "link", "old.json",
+                                                          "t-link.json", "t.json"]
 
 
 def test_the_default_table_file_is_checked_and_its_directory_made(tmp_path, table_env, monkeypatch, no_ranks,
@@ -561,3 +583,170 @@ time.sleep(60)
     finally:
         proc.stdout.close()
         _kill_all(proc, kids)
+
+
+@pytest.mark.parametrize("kind", ["source-file", "empty-file", "truncated-table", "symlink-to-table",
+                                  "dangling-symlink", "env-source-file"])
+def test_tune_refuses_a_file_that_is_no_table_and_any_symlink_before_measuring(kind, tmp_path, table_env, monkeypatch,
+                                                                               no_ranks, capsys):
+    """(A new user's find: ``--output victim/precious.py`` replaced the source file with the table, said only after
+    the run; a symlink at the path, dangling or not, was followed and its target created or replaced.) Before any
+    measuring, exit 2 with one line naming the path: an existing file that is not a triton-ep tuned table (JSON of
+    our format, of any GPU or version) needs ``--force``; a symlink is never written through (a link planted in a
+    shared /tmp would redirect the write). Nothing is changed or made."""
+    src = tmp_path / "precious.py"
+    src.write_text("print('keep me')\n")
+    _table(tmp_path / "table.json", [_entry("dispatch", 8, 24)])
+    table_text = (tmp_path / "table.json").read_text()
+    args = ["tune", "--quick"]
+    if kind == "source-file":
+        path, why = src, "exists and is not a triton-ep tuned table (JSONDecodeError: "
+    elif kind == "empty-file":
+        path = tmp_path / "empty.json"
+        path.write_text("")
+        why = "exists and is not a triton-ep tuned table (JSONDecodeError: "
+    elif kind == "truncated-table":
+        path = tmp_path / "cut.json"
+        path.write_text(table_text[:-20])
+        why = "exists and is not a triton-ep tuned table (JSONDecodeError: "
+    elif kind == "symlink-to-table":
+        path = tmp_path / "link.json"
+        os.symlink(tmp_path / "table.json", path)
+        why = f"is a symbolic link (to {tmp_path / 'table.json'}); tune never writes through one"
+    elif kind == "dangling-symlink":
+        path = tmp_path / "dangling.json"
+        os.symlink(tmp_path / "created_by_tune.txt", path)
+        why = f"is a symbolic link (to {tmp_path / 'created_by_tune.txt'}); tune never writes through one"
+    else:
+        path, why = src, "exists and is not a triton-ep tuned table (JSONDecodeError: "
+        monkeypatch.setenv(tuned.ENV_FILE, str(src))
+    if kind != "env-source-file":
+        args += ["--output", str(path)]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and why in err, err
+    if "symlink" in kind:       # (argparse's usage error: when the option is parsed)
+        assert err.splitlines()[-1].startswith(f"triton-ep tune: error: argument --output: {path} "), err
+    else:
+        assert err.count("\n") == 1, err
+        where = f"the table's file at ${tuned.ENV_FILE}: " if kind.startswith("env") else "--output "
+        assert err.startswith(f"triton-ep tune: error: {where}{path} ") and err.rstrip().endswith(
+            "the table would replace it whole: name another file, or pass --force to replace it"), err
+    assert src.read_text() == "print('keep me')\n" and (tmp_path / "table.json").read_text() == table_text
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not table_env.exists()
+
+
+def test_tune_force_replaces_a_file_that_is_no_table_and_says_so_before_measuring(tmp_path, table_env, fake_ranks,
+                                                                                  capsys):
+    """With ``--force`` such a file is replaced whole: tune says so on stderr before any measuring (the first
+    progress line comes after it); the saved command records ``--force``. A table of another GPU needs no
+    ``--force`` (docs/tuning.md: it is replaced whole, said on stderr)."""
+    path = tmp_path / "notes.txt"
+    path.write_text("notes")
+    assert main(["tune", "--quick", "--tokens", "4", "--output", str(path), "--force"]) == 0
+    out, err = capsys.readouterr()
+    notice = f"triton-ep tune: replacing the table {path} whole: it cannot be read (JSONDecodeError: "
+    assert notice in err and err.index(notice) < err.index("triton-ep tune: tokens 4 (1/1)"), err
+    assert err.count("replacing the table") == 1 and f"saved 2 entries to {path}" in out
+    doc = json.loads(path.read_text())
+    assert len(doc["entries"]) == 2 and "--force" in doc["command"].split()
+    path.write_text(json.dumps(dict(doc, gpu="other")))
+    assert main(["tune", "--quick", "--tokens", "4", "--output", str(path)]) == 0
+    assert f"replacing the table {path} whole: it was measured for another gpu 'other'" in capsys.readouterr().err
+    assert json.loads(path.read_text())["gpu"] == tuned.identity()["gpu"]
+
+
+def test_a_saved_table_keeps_the_mode_and_owner_of_the_file_it_replaces(tmp_path):
+    """(A new user's find: a 0600 table owned by nobody became 0644 and root's when root tuned into it.) The new file
+    takes the replaced file's permission bits and, where the system allows it (root), its owner and group; a new
+    table gets 0666 less the umask."""
+    import stat
+    path = tmp_path / "perm.json"
+    tuned.save(str(path), [], "test")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    owner = (65534, 65534) if os.geteuid() == 0 else (os.getuid(), os.getgid())
+    os.chown(path, *owner)
+    for mode in (0o600, 0o640, 0o604):
+        os.chmod(path, mode)
+        tuned.save(str(path), [], f"mode {mode:o}")
+        st = path.stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (mode, *owner), (oct(st.st_mode), st.st_uid)
+        assert json.loads(path.read_text())["command"] == f"mode {mode:o}"
+
+
+_RACER = """
+import os, sys, time
+from triton_ep import tuned
+path, k, n, ready = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+open(f"{ready}.{k}", "w").close()
+deadline = time.monotonic() + 120
+while not os.path.exists(f"{ready}.{1 - k}") and time.monotonic() < deadline:    # (both start saving together)
+    time.sleep(0.005)
+for i in range(n):
+    entry = {"call": "dispatch", "num_ranks": 2, "hidden": 64, "num_tokens": 1000 * (k + 1) + i, "config": None}
+    tuned.save(path, [entry], f"racer {k}", merge=True)
+"""
+
+
+def test_two_processes_saving_to_one_table_keep_each_others_entries(tmp_path):
+    """(A new user's find: two writers of 100 saves each, each reading the table then renaming a new one over it,
+    kept 236 of 400 entries.) ``tuned.save(merge=True)``, tune's save, holds a lock beside the table from the read
+    to the rename: two processes saving 60 times each at once keep all 120 entries, and no temporary file is left."""
+    import subprocess
+    import sys
+    path, n = tmp_path / "t.json", 60
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(path), str(k), str(n), str(tmp_path / "ready")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    got = sorted(e["num_tokens"] for e in json.loads(path.read_text())["entries"])
+    assert got == sorted([1000 + i for i in range(n)] + [2000 + i for i in range(n)]), f"{len(got)} of {2 * n} kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".t.json.lock", "ready.0", "ready.1", "t.json"]
+
+
+def test_a_save_waits_for_the_lock_a_bounded_time(tmp_path):
+    """While another save holds the table's lock, ``tuned.save`` waits at most ``lock_timeout_s``, then raises
+    TimeoutError naming the lock file; nothing is written. A lock file that is a symlink is refused (ValueError)."""
+    path = tmp_path / "t.json"
+    with tuned.locked(str(path)) as lock:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"held its lock file {lock} for more than 0.3 s"):
+            tuned.save(str(path), [], "test", lock_timeout_s=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 10
+    assert not path.exists() and lock == str(tmp_path / ".t.json.lock")
+    tuned.save(str(path), [], "test", lock_timeout_s=0.3)      # (released)
+    os.unlink(lock)
+    os.symlink(tmp_path / "elsewhere", lock)
+    with pytest.raises(ValueError, match="its lock file .* cannot be opened"):
+        tuned.save(str(path), [], "again")
+    assert json.loads(path.read_text())["command"] == "test" and not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("exc,status,line", [
+    (TimeoutError("ranks did not finish within 1.0 s"), 1,
+     "triton-ep tune: error: tokens 4: ranks did not finish within 1.0 s (--timeout-s 1.0); nothing saved"),
+    (KeyboardInterrupt(), 130, "triton-ep tune: interrupted (Ctrl-C); nothing saved"),
+], ids=["timeout", "ctrl-c"])
+def test_tune_timeout_and_ctrl_c_end_in_one_line(exc, status, line, table_env, monkeypatch, capsys):
+    """(A new user's find: ``--timeout-s`` expiring and Ctrl-C ended in a raw traceback.) The ranks' run raising
+    TimeoutError (run_ranks has killed them) or KeyboardInterrupt ends tune with one line on stderr and a non-zero
+    status (1; 130 for Ctrl-C, the shell's for SIGINT), nothing saved."""
+    import triton_ep.testing
+
+    def run(fn, world, spec, timeout_s):
+        raise exc
+    monkeypatch.setattr(triton_ep.testing, "run_ranks", run)
+    assert main(["tune", "--quick", "--tokens", "4", "--timeout-s", "1"]) == status
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == line and "Traceback" not in err, err
+    assert not table_env.exists()

@@ -28,11 +28,13 @@ the chosen path-hash model; on a real fabric the switch's hash decides, so treat
 ``tune`` (docs/tuning.md) times a cached dispatch and a combine for the built-in tables and candidate Configs in
 rank processes, prints built-in against tuned microseconds per call and shape, and saves the fastest Configs
 where ``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON_EP_TUNING_FILE, else
-$XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved, 1 when a rank failed, 2 on bad usage: a bad
-option, options that do not go together (--hidden a multiple of 8, --num-experts a multiple of --ranks,
---num-topk at most --num-experts, a buffer that holds a row), or an --output that is empty, not a regular file,
-read-only, or in a directory that is absent or takes no file (the message names the path and the system's
-reason) -- all found before any measuring.
+$XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved; 1 when a rank failed, the ranks ran past
+--timeout-s or another save held the table's lock too long; 130 on Ctrl-C (nothing saved, one line on stderr);
+2 on bad usage: a bad option, options that do not go together (--hidden a multiple of 8, --num-experts a
+multiple of --ranks, --num-topk at most --num-experts, a buffer that holds a row), or an --output that is empty,
+a symbolic link (never written through), not a regular file, read-only, in a directory that is absent or takes
+no file, or an existing file that is not a triton-ep tuned table without --force (the message names the path
+and the reason) -- all found before any measuring.
 
 Exit status:
   0  the report was printed, RDMA present or absent (absent: pyverbs does not import, or there is no
@@ -334,8 +336,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv: the arguments after the program name (default ``sys.argv[1:]``).
     Returns:
         The exit status: no command or ``--help`` 0 (the help is printed); otherwise the command's
-        (``info``: 0, 1 or 2, see :func:`info`; ``tune``: 0 saved, 1 a rank failed); 2 for an unknown command or
-        option.
+        (``info``: 0, 1 or 2, see :func:`info`; ``tune``: :func:`triton_ep.tuner.main`'s, 0 saved, 1 a rank failed
+        or timed out, 130 Ctrl-C); 2 for an unknown command or option.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     a = _parse(argv)

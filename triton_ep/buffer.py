@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from .config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, NUM_SMS_SET, Config, EventOverlap, num_sms_arg,
@@ -17,18 +18,35 @@ from .config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, NUM_SMS_SET, Config, Eve
 from .modes.choice import Modes, open_modes
 from .modes.internode import Internode
 from .modes.intranode import Intranode
-from .modes.intranode_args import DispatchArgs, DispatchHandle, XLike
+from .modes.intranode_args import BARRIER, DispatchArgs, DispatchHandle, XLike
 from .modes.low_latency import LowLatency, Unavailable, size_hint
 from .runtime import current_event, open_runtime
-from .protocol import call_card
 from . import tuned
 
 Tensor = torch.Tensor
 
 
+def _shape_arg(name: str, value, least: int) -> Optional[int]:
+    """``get_*_config``'s ``hidden`` / ``num_tokens``: ``None`` or an int (not a bool) of at least ``least``.
+
+    Raises:
+        TypeError: not an int (a bool, float, str...). ValueError: less than ``least``. Both name ``name`` and the
+            value.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be None or an int of at least {least}, got {value!r} "
+                        f"({type(value).__name__})")
+    if value < least:
+        raise ValueError(f"{name} must be None or an int of at least {least}, got {value!r}")
+    return int(value)
+
+
 def _config(call: str, num_ranks: int, table: dict, hidden: Optional[int], num_tokens: Optional[int]) -> Config:
     """``Buffer.get_dispatch_config`` / ``get_combine_config``: the tuned table's Config, else the built-in one."""
     builtin = recommended_config(num_ranks, table, Buffer.num_sms)        # (checks num_ranks)
+    hidden, num_tokens = _shape_arg("hidden", hidden, 1), _shape_arg("num_tokens", num_tokens, 0)
     loaded = tuned.load()
     got = loaded.config(call, int(num_ranks), hidden, num_tokens) if loaded is not None else None
     if got is None:
@@ -115,10 +133,12 @@ class Buffer:
         """The dispatch Config for ``num_ranks`` (any ``R >= 1``): the tuned table's when one is loaded for this GPU
         and ``R`` (``python -m triton_ep tune``, docs/tuning.md; ``hidden`` and ``num_tokens``, triton-ep's keywords,
         pick among its shapes), else DeepEP's recommendation with ``Buffer.num_sms``. After ``set_num_sms`` a tuned
-        Config carries that SM count.
+        Config carries that SM count. ``hidden``: ``None`` or an int of at least 1; ``num_tokens``: ``None`` or an
+        int of at least 0 (a rank may have no tokens).
 
         Raises:
-            ValueError: ``num_ranks < 1``.
+            ValueError: ``num_ranks`` not a positive int; ``hidden < 1`` or ``num_tokens < 0``.
+            TypeError: ``hidden`` or ``num_tokens`` not an int (a bool, float or str), naming it and the value.
         """
         return _config("dispatch", num_ranks, DISPATCH_CONFIGS, hidden, num_tokens)
 
@@ -127,7 +147,7 @@ class Buffer:
         """The combine Config for ``num_ranks``, as :meth:`get_dispatch_config` (the tuned table's combine entries).
 
         Raises:
-            ValueError: ``num_ranks < 1``.
+            ValueError, TypeError: as :meth:`get_dispatch_config`.
         """
         return _config("combine", num_ranks, COMBINE_CONFIGS, hidden, num_tokens)
 
@@ -388,4 +408,4 @@ class Buffer:
         idx = torch.zeros((0, 1), dtype=torch.int64, device=self.device)
         per_rank, per_host, per_expert, in_rank, _ = self.get_dispatch_layout(idx, self.group_size)
         self._normal.dispatch(torch.zeros((0, 8), dtype=torch.bfloat16, device=self.device), None, per_rank, per_host,
-                              in_rank, per_expert, operation=call_card.BARRIER)
+                              in_rank, per_expert, operation=BARRIER)

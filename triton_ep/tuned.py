@@ -25,6 +25,7 @@ import os
 import secrets
 import stat
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -99,6 +100,9 @@ class Table:
         return best.config
 
 
+#: the fields of an entry's ``config`` (:meth:`Config.fields`: DeepEP's five and ``num_warps``), every one named
+CONFIG_FIELDS = tuple(Config().fields())
+
 #: the most bytes :func:`load` reads of a table (a tuned table of every shape takes well under 1 MiB); a larger file
 #: is not used (a warning)
 MAX_TABLE_BYTES = 16 << 20
@@ -158,7 +162,8 @@ def check_doc(doc) -> Tuple[Optional[str], Tuple["Entry", ...]]:
         ValueError: not a table of this format and version, or an entry that a call could not use (:func:`_entry`;
             the message names the entry by its index).
     """
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+    if (not isinstance(doc, dict) or doc.get("format") != FORMAT or type(doc.get("version")) is not int
+            or doc["version"] != VERSION):      # (True and 1.0 equal 1: the version is the integer itself)
         raise ValueError(f"not a {FORMAT!r} of version {VERSION}")
     here = identity()
     diff = [f"{k} {doc.get(k)!r} (here {v!r})" for k, v in here.items() if doc.get(k) != v]
@@ -166,7 +171,7 @@ def check_doc(doc) -> Tuple[Optional[str], Tuple["Entry", ...]]:
         return "it was measured for another " + ", ".join(diff), ()
     if not isinstance(doc.get("entries"), list):
         raise ValueError(f"its entries are not a list, got {type(doc.get('entries')).__name__}")
-    entries = []
+    entries, seen = [], {}
     for i, e in enumerate(doc["entries"]):
         try:
             entries.append(_entry(e))
@@ -174,6 +179,12 @@ def check_doc(doc) -> Tuple[Optional[str], Tuple["Entry", ...]]:
             raise ValueError(f"entry {i} has no {ex.args[0]!r}") from None
         except (ValueError, TypeError) as ex:
             raise ValueError(f"entry {i}: {ex}") from None
+        x = entries[-1]
+        shape = (x.call, x.num_ranks, x.hidden, x.num_tokens)
+        if shape in seen:           # (tune writes one entry per shape: which one would hold is not for us to guess)
+            raise ValueError(f"entries {seen[shape]} and {i} are both for {x.call} at num_ranks {x.num_ranks}, "
+                             f"hidden {x.hidden}, num_tokens {x.num_tokens}")
+        seen[shape] = i
     return None, tuple(entries)
 
 
@@ -288,6 +299,9 @@ def _entry(e: dict) -> Entry:
         raise ValueError(f"entry call {e['call']!r} is not one of {CALLS}")
     config = None               # (null: no candidate beat the built-in tables, which stay)
     if e["config"] is not None:
+        if not isinstance(e["config"], dict) or set(e["config"]) != set(CONFIG_FIELDS):
+            raise ValueError(f"its config must name exactly {', '.join(CONFIG_FIELDS)} (what tune writes), got "
+                             f"{sorted(e['config']) if isinstance(e['config'], dict) else type(e['config']).__name__}")
         c = dict(e["config"])
         warps = c.pop("num_warps", None)
         config = Config(**c, num_warps=warps)
@@ -317,42 +331,69 @@ def _file_system(path: str) -> Optional[str]:
     return kind
 
 
-def check_target(path: str, create_dir: bool = False) -> str:
-    """Check that :func:`save` may write the table to ``path``, before any measuring: the path is not empty; where it
-    exists (symlinks followed) it is a regular file, never a device, FIFO, socket or directory (a file renamed over
-    ``/dev/null`` would replace the device for the whole machine), that may be written (opened for writing, which
-    changes nothing, and not read-only by its mode: root may open a read-only file, or ``/proc/version``, for
-    writing, but a table should not replace it); its directory exists (made first with ``create_dir``, the default
-    cache location's case; never for a path the user named) and takes a new file (one is created and removed there,
-    so ``/proc``, ``/sys`` and read-only mounts are refused too).
+def _is_table(path: str) -> Optional[str]:
+    """``None`` where the file at ``path`` is a triton-ep tuned table (:func:`read_doc` reads it and its ``format`` is
+    ours, of any version, GPU, Triton or triton-ep version: :func:`save` may replace those), else what it is
+    instead, for a message."""
+    try:
+        doc = read_doc(path)
+    except (OSError, ValueError, RecursionError) as e:
+        return f"{type(e).__name__}: {e}"
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return f"its JSON has no \"format\": {FORMAT!r}"
+    return None
+
+
+def check_target(path: str, create_dir: bool = False, force: bool = False) -> str:
+    """Check that :func:`save` may write the table to ``path``, before any measuring: the path is not empty; it is not
+    a symbolic link (never followed, dangling or not: a link put in a shared directory such as ``/tmp`` would send
+    the table elsewhere; the directories above it may be links); where it exists it is a regular file, never a
+    device, FIFO, socket or directory (a file renamed over ``/dev/null`` would replace the device for the whole
+    machine), that may be written (opened for writing, which changes nothing, and not read-only by its mode: root
+    may open a read-only file, or ``/proc/version``, for writing, but a table should not replace it) and, unless
+    ``force``, a triton-ep tuned table (:func:`_is_table`: of our format, for any GPU or version; a source file
+    named by a typo is never replaced); its directory exists (made first with ``create_dir``, the default cache
+    location's case; never for a path the user named) and takes a new file (one is created and removed there, so
+    ``/proc``, ``/sys`` and read-only mounts are refused too).
 
     Returns:
-        The file to write: ``path`` with symlinks resolved (a symlink to a table keeps pointing at it).
+        The file to write: ``path`` with ``~`` expanded (no link resolved).
     Raises:
         ValueError: the reason, naming the path and, where the system refused something, its reason
             (e.g. ``Permission denied``, ``Read-only file system``).
     """
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"the table's file must be a non-empty path, got {path!r}")
-    real = os.path.realpath(os.path.expanduser(path))
-    shown = path if real == path else f"{path} (-> {real})"
+    real = os.path.expanduser(path)
+    shown = path if real == path else f"{path} ({real})"
     try:
-        mode = os.stat(real).st_mode
+        mode = os.lstat(real).st_mode
     except (FileNotFoundError, NotADirectoryError):
         mode = None
     except OSError as e:
         raise ValueError(f"{shown} cannot be checked ({e.strerror or e})") from None
+    if mode is not None and stat.S_ISLNK(mode):
+        try:
+            to = f" (to {os.readlink(real)})"
+        except OSError:
+            to = ""
+        raise ValueError(f"{shown} is a symbolic link{to}; tune never writes through one (a link in a shared "
+                         f"directory could send the table anywhere): name the file itself")
     if mode is not None and not stat.S_ISREG(mode):
         raise ValueError(f"{shown} is {_kind(mode)}, not a regular file; name the table's file (a .json path)")
     if mode is not None:
         try:
-            os.close(os.open(real, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK))    # (no O_TRUNC: nothing changes)
-        except OSError as e:
+            os.close(os.open(real, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)))
+        except OSError as e:        # (no O_TRUNC: nothing changes)
             raise ValueError(f"{shown} cannot be written ({e.strerror or e})") from None
         if not mode & 0o222:
             raise ValueError(f"{shown} cannot be written (read-only: mode {stat.S_IMODE(mode):04o}); make it "
                              f"writable or name another file")
-    parent = os.path.dirname(real)
+        what = None if force else _is_table(real)
+        if what is not None:
+            raise ValueError(f"{shown} exists and is not a triton-ep tuned table ({what}); the table would replace it "
+                             f"whole: name another file, or pass --force to replace it")
+    parent = os.path.dirname(real) or "."
     if create_dir:
         try:
             os.makedirs(parent, exist_ok=True)
@@ -372,42 +413,126 @@ def check_target(path: str, create_dir: bool = False) -> str:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        fs = _file_system(parent)
+        fs = _file_system(os.path.abspath(parent))
         on = f" (a {fs} file system)" if fs else ""
         raise ValueError(f"{shown}: its directory {parent}{on} takes no new file ({e.strerror or e})") from None
     return real
 
 
-def save(path: str, entries: List[dict], command: str) -> None:
-    """Write a table of ``entries`` (dicts of the module docstring's form) to ``path`` with this process's
-    :func:`identity`, atomically: a new temporary file in the same directory, renamed over the target, which
-    must be absent or a regular file (symlinks followed). The directory is not made (:func:`check_target` with
-    ``create_dir`` does that for the default location).
+#: the longest :func:`save` waits for another process's save to the same file (its lock), seconds; a save takes
+#: milliseconds
+LOCK_TIMEOUT_S = 30.0
+
+
+def lock_path(path: str) -> str:
+    """The lock file :func:`save` takes beside the table at ``path``: ``.NAME.lock`` in its directory (left there:
+    removing it would let two savers lock two different files)."""
+    d, name = os.path.split(path)
+    return os.path.join(d, f".{name}.lock")
+
+
+@contextlib.contextmanager
+def locked(path: str, timeout_s: float = LOCK_TIMEOUT_S):
+    """Hold an exclusive ``flock`` on :func:`lock_path` of ``path`` for the ``with`` block (released when its
+    descriptor is closed, on every way out, and by the system if the process dies). The lock file is opened without
+    following a symlink and must be a regular file.
 
     Raises:
-        ValueError: :func:`check_target`'s reasons (an empty path, a target that is not a regular file or cannot be
-            written, a directory that is absent or takes no file); nothing is written or replaced then.
+        TimeoutError: another process held it for more than ``timeout_s`` seconds (polled every 20 ms).
+        ValueError: the lock file cannot be opened or is not a regular file (naming it and the system's reason).
+    """
+    import fcntl
+    lp = lock_path(path)
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        try:
+            fd = os.open(lp, os.O_RDWR | os.O_CREAT | flags, 0o666)      # (umask applies)
+        except PermissionError:
+            fd = os.open(lp, os.O_RDONLY | flags)       # (another user's lock file: flock needs no write access)
+    except OSError as e:
+        raise ValueError(f"{path}: its lock file {lp} cannot be opened ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: its lock file {lp} is {_kind(st.st_mode)}, not a regular file")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path}: another process held its lock file {lp} for more than {timeout_s} s "
+                                       f"(another tune saving there?); nothing was written") from None
+                time.sleep(0.02)
+        yield lp
+    finally:
+        os.close(fd)
+
+
+def _keep_owner_and_mode(fd: int, st: Optional[os.stat_result]) -> None:
+    """Give the new file ``fd`` the owner (where the system allows it) and permission bits of the file it replaces
+    (``st``; ``None``: a new table, ``0o666`` less the umask)."""
+    if st is None:
+        return
+    for uid, gid in ((st.st_uid, st.st_gid), (-1, st.st_gid)):
+        try:
+            os.fchown(fd, uid, gid)
+            break
+        except OSError:         # (not root: another owner is refused; the group too unless the caller is in it)
+            pass
+    os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)
+
+
+def save(path: str, entries: List[dict], command: str, *, merge: bool = False, force: bool = False,
+         lock_timeout_s: float = LOCK_TIMEOUT_S) -> Tuple[List[dict], Optional[str]]:
+    """Write a table of ``entries`` (dicts of the module docstring's form) to ``path`` with this process's
+    :func:`identity`, atomically: a new temporary file in the same directory, renamed over the target (never
+    through a symlink), with the replaced file's permission bits and owner (where the system allows). With
+    ``merge`` (``tune``'s), the table also gets :func:`kept_entries` of the table already there. The whole
+    read-merge-write holds :func:`locked`, so two processes saving to one file at once keep each other's entries.
+    The directory is not made (:func:`check_target` with ``create_dir`` does that for the default location).
+
+    Args:
+        force: replace an existing regular file that is not a tuned table (:func:`check_target`).
+    Returns:
+        ``(kept, why)``: the entries kept from the table there and, where it was replaced whole, the reason
+        (:func:`kept_entries`; ``([], None)`` without ``merge``).
+    Raises:
+        ValueError: :func:`check_target`'s reasons (an empty path, a symlink, a target that is not a regular file,
+            is not a table without ``force`` or cannot be written, a directory that is absent or takes no file) or
+            :func:`locked`'s; nothing is written or replaced then.
+        TimeoutError: :func:`locked`'s: another save held the file for ``lock_timeout_s``.
         OSError: the write itself failed (the temporary file is removed).
     """
     import datetime
-    real = check_target(path)
-    doc = {"format": FORMAT, "version": VERSION, **identity(),
-           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": command, "entries": entries}
-    tmp = f"{real}.tmp{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)   # (umask applies)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        check_target(real)      # (again just before the rename: nothing but a regular file is ever replaced)
-        os.replace(tmp, real)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    real = check_target(path, force=force)
+    with locked(real, lock_timeout_s):
+        check_target(real, force=force)     # (again under the lock: what is there now is what gets replaced)
+        kept, why = kept_entries(real, entries) if merge else ([], None)
+        doc = {"format": FORMAT, "version": VERSION, **identity(),
+               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": command, "entries": kept + list(entries)}
+        try:
+            old = os.lstat(real)
+        except FileNotFoundError:
+            old = None
+        tmp = f"{real}.tmp{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # (umask)
+        try:
+            with os.fdopen(fd, "w") as f:
+                _keep_owner_and_mode(f.fileno(), old)
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+            check_target(real, force=force)     # (again just before the rename: only a regular file is replaced)
+            os.replace(tmp, real)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    return kept, why
 
 
-__all__ = ["CALLS", "ENV_FILE", "Entry", "FALLBACK", "MAX_TABLE_BYTES", "Table", "Verdict", "check_doc",
-           "check_target", "default_path", "examine", "identity", "kept_entries", "load", "path_source", "read_doc",
-           "save"]
+__all__ = ["CALLS", "ENV_FILE", "Entry", "FALLBACK", "LOCK_TIMEOUT_S", "MAX_TABLE_BYTES", "Table", "Verdict",
+           "check_doc", "check_target", "default_path", "examine", "identity", "kept_entries", "load", "lock_path",
+           "locked", "path_source", "read_doc", "save"]

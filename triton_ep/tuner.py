@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -198,17 +198,18 @@ def default_nvl_bytes(hidden: int, num_ranks: int) -> int:
 def table_file(text: str) -> str:
     """An argparse type: a file the tuned table may be written to (``tune --output``; here, not in
     :mod:`triton_ep.argtypes`, whose layer imports nothing of the package), checked by
-    :func:`triton_ep.tuned.check_target` when the option is parsed, before any measuring: not empty, absent or a
-    regular file that may be written (never a device, FIFO, socket, directory or read-only file, symlinks
-    followed), in an existing directory that takes a new file (the directory is not made).
+    :func:`triton_ep.tuned.check_target` when the option is parsed, before any measuring: not empty, not a
+    symlink, absent or a regular file that may be written (never a device, FIFO, socket, directory or read-only
+    file), in an existing directory that takes a new file (the directory is not made). Whether an existing file is
+    a tuned table (else ``--force`` is needed) is checked by :func:`resolve`, which knows ``--force``.
 
     Returns:
-        The text as given (``save`` resolves symlinks again when it writes).
+        The text as given.
     Raises:
         argparse.ArgumentTypeError: the reason, naming the path.
     """
     try:
-        tuned.check_target(text)
+        tuned.check_target(text, force=True)     # (the table check waits for --force: resolve)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -239,9 +240,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny shapes and two candidates, the defaults without a GPU (a CPU run: 16-30 s seen on a loaded 2-core "
                         "machine); options given still apply")
     p.add_argument("--output", type=table_file, default=None,
-                   help="the table's file: absent or a writable regular file, in an existing writable directory "
-                        f"(checked before any measuring; default: ${tuned.ENV_FILE}, else "
-                        "$XDG_CACHE_HOME/triton_ep/tuning.json, whose directory is made)")
+                   help="the table's file: absent or a writable triton-ep tuned table (any GPU or version), never a "
+                        "symlink, in an existing writable directory (checked before any measuring; default: "
+                        f"${tuned.ENV_FILE}, else $XDG_CACHE_HOME/triton_ep/tuning.json, whose directory is made)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the file at the table's path even where it is not a tuned table (without it such "
+                        "a file is refused before any measuring, exit 2)")
     p.add_argument("--timeout-s", type=seconds, default=600.0, help="bound on each shape's run, seconds (default 600)")
 
 
@@ -269,7 +273,8 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
     later: bf16 rows of a multiple of 16 bytes (DeepEP's), experts a multiple of the ranks (each rank holds as
     many), at most :data:`~triton_ep.runtime.checks.MAX_EXPERTS`, top-k at most the experts (``torch.topk``),
     and a buffer (rounded up to 4 KiB, as a Buffer does) that holds one dispatch and one combine record of a row.
-    The default table location's directory is made here (a ``--output`` directory never is).
+    The table's file is checked by :func:`triton_ep.tuned.check_target` (an existing file must be a tuned table
+    unless ``--force``). The default table location's directory is made here (a ``--output`` directory never is).
 
     Raises:
         ValueError: one line naming the option, its value and the rule broken.
@@ -301,11 +306,15 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
         raise ValueError(f"{_named('--num-nvl-bytes', nvl, a.num_nvl_bytes)}: a Buffer rounds it up to 4 KiB "
                          f"({held} bytes), which must hold one record of a row of --hidden {hidden} with --num-topk "
                          f"{K} ({need} bytes)")
+    force = bool(getattr(a, "force", False))
     if a.output is not None:
-        path = tuned.check_target(a.output)     # (argparse checked it too: tuner.main may be called directly)
+        try:
+            path = tuned.check_target(a.output, force=force)    # (argparse checked the rest: main may be called
+        except ValueError as e:                                 # directly)
+            raise ValueError(f"--output {e}") from None
     else:
         try:
-            path = tuned.check_target(tuned.default_path(), create_dir=True)
+            path = tuned.check_target(tuned.default_path(), create_dir=True, force=force)
         except ValueError as e:
             raise ValueError(f"the table's file at {tuned.path_source()}: {e}") from None
     return TuneArgs(hidden, tokens, E, K, iters, warmup, nvl, path)
@@ -316,15 +325,32 @@ def main(a: argparse.Namespace, out) -> int:
     microseconds per call and shape to ``out`` (a row per call as each token count finishes; progress lines on
     stderr: one as each token count starts, and rank 0's per Config measured) and save the tuned table: the new
     entries, plus those of other calls and shapes of a table already there that this process could use
-    (:func:`triton_ep.tuned.kept_entries`; a table it could not use is replaced whole, said on stderr). Returns 0;
-    2 where the options do not go together or the table's file cannot be written (:func:`resolve`: one line on
-    stderr, before any work); or 1 when a rank failed (its error printed)."""
-    from .testing import run_ranks
+    (:func:`triton_ep.tuned.save` with ``merge``, under its lock; a table it could not use is replaced whole, said
+    on stderr before any measuring and again when saving). Returns 0; 2 where the options do not go together or
+    the table's file cannot be written or is not a table without ``--force`` (:func:`resolve`: one line on stderr,
+    before any work); 1 when a rank failed (its error printed), the ranks ran past ``--timeout-s`` or the save
+    failed (one line on stderr, nothing saved); 130 on Ctrl-C (``KeyboardInterrupt``: one line, nothing saved; the
+    ranks are ended by :func:`triton_ep.testing.run_ranks` as on a timeout)."""
     try:
         r = resolve(a)
     except ValueError as e:
         print(f"triton-ep tune: error: {e}", file=sys.stderr)
         return 2
+    hidden, E, K, path = r.hidden, r.num_experts, r.num_topk, r.path
+    _, why = tuned.kept_entries(path, [])      # (said before any measuring, not only at the end)
+    if why:
+        print(f"triton-ep tune: replacing the table {path} whole: {why}", file=sys.stderr, flush=True)
+    try:
+        return _measure_and_save(a, r, why, out)
+    except KeyboardInterrupt:       # (run_ranks has ended the ranks on its way out)
+        print("triton-ep tune: interrupted (Ctrl-C); nothing saved", file=sys.stderr, flush=True)
+        return 130
+
+
+def _measure_and_save(a: argparse.Namespace, r: TuneArgs, said: Optional[str], out) -> int:
+    """:func:`main`'s work after its checks: measure each token count, print the rows, save (``said``: the reason
+    the table there is replaced whole, as :func:`main` printed it before measuring)."""
+    from .testing import run_ranks
     hidden, E, K, path = r.hidden, r.num_experts, r.num_topk, r.path
     cands = [c.fields() for c in candidates(a.quick, a.ranks)]
     entries = []
@@ -338,7 +364,12 @@ def main(a: argparse.Namespace, out) -> int:
         print(f"{label}: {a.ranks} ranks, hidden {hidden}, top-{K} of {E} experts, the built-in tables and "
               f"{len(cands)} candidates, {r.warmup} + {r.iters} calls each", file=sys.stderr, flush=True)
         spec = TuneSpec(a.ranks, hidden, T, E, K, r.num_nvl_bytes, r.iters, r.warmup, cands, label=label)
-        res = run_ranks(rank_main, a.ranks, spec, timeout_s=a.timeout_s)
+        try:
+            res = run_ranks(rank_main, a.ranks, spec, timeout_s=a.timeout_s)
+        except TimeoutError as e:   # (the ranks were killed)
+            print(f"triton-ep tune: error: tokens {T}: {e} (--timeout-s {a.timeout_s}); nothing saved",
+                  file=sys.stderr, flush=True)
+            return 1
         bad = [r for r in res if hasattr(r, "traceback")]
         if bad:
             print(bad[0].traceback or bad[0].message, file=out)
@@ -349,10 +380,14 @@ def main(a: argparse.Namespace, out) -> int:
                   f"{e['time_us'] / e['builtin_time_us']:6.2f}  "
                   f"{repr(config_of(e['config'])) if e['config'] is not None else 'the built-in tables'}", file=out,
                   flush=True)
-    kept, why = tuned.kept_entries(path, entries)
-    if why:
+    try:
+        kept, why = tuned.save(path, entries, "python -m triton_ep tune " + " ".join(_argv(a)), merge=True,
+                               force=bool(getattr(a, "force", False)))
+    except (ValueError, TimeoutError) as e:     # (the file changed during the run; another save held its lock)
+        print(f"triton-ep tune: error: not saved: {e}", file=sys.stderr, flush=True)
+        return 1
+    if why and why != said:         # (the file changed during the run)
         print(f"triton-ep tune: replacing the table {path} whole: {why}", file=sys.stderr, flush=True)
-    tuned.save(path, kept + entries, "python -m triton_ep tune " + " ".join(_argv(a)))
     also = f" (and kept {len(kept)} of other calls and shapes from the table there)" if kept else ""
     print(f"saved {len(entries)} entries to {path}{also}", file=out)
     return 0

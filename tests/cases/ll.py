@@ -231,6 +231,96 @@ def masked_rank(rank, world, seed, E, K, H, Ts, N, victim, by_timeout):
         buf.destroy()
 
 
+def _source_of_rows(out, count, handle, sets, me, R, E):
+    """Per (local expert, source rank): which input set the rows received from that rank are, by bit equality:
+    the names in ``sets`` (``{name: xs}``) whose source rows (``src_info``'s tokens) all match, e.g. ``["B"]``."""
+    El = E // R
+    src_info, layout = handle[0].cpu(), handle[1].cpu()
+    got = {}
+    for le in range(El):
+        for s in range(R):
+            beg, c = int(layout[le, s]) >> 32, int(layout[le, s]) & 0xFFFFFFFF
+            if c == 0:
+                continue
+            rows = out[le, beg:beg + c].cpu().view(torch.int16)
+            toks = src_info[le, beg:beg + c].tolist()
+            got[(le, s)] = [name for name, xs in sets.items()
+                            if all(0 <= t < xs[s].shape[0] and torch.equal(rows[i], xs[s][t].view(torch.int16))
+                                   for i, t in enumerate(toks))]
+    return got
+
+
+def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form, late=False, timeout_s=3.0):
+    """Rank ``skipper`` skips a low-latency dispatch (A) that its peers make: with ``enable_shrink`` (a short
+    ``timeout_s``) they time out on it, mask it and return. After a barrier every rank dispatches new inputs (B),
+    then combines. The skipper's dispatch B takes no row of its peers' call A (rows compared against both input
+    sets) nor of their B (they sent it none): it masks them at once, from their give-up words, without waiting out
+    ``timeout_s``, and its mask shows them; the peers' B drops exactly the skipper's rows. Then every rank unmasks
+    (``low_latency_clean_mask_buffer``) and a round trip of fresh inputs (C) is whole and correct on every rank.
+    ``form``: ``"split"`` (two launches a call), ``"hook"`` (the skipper's dispatch B with a receive hook),
+    ``"fused"`` (one launch a call, ``TRITON_EP_FUSED=1``). With ``late`` the skipper makes call A too, after its
+    peers gave up on it (a round trip W first, so that both halves of the area hold an earlier call's counts): it
+    masks them at once in that call (none of their rows: they were given up with it) and in B. Returns ``(mask
+    after B, mask after the unmask, seconds of the skipper's dispatch B, sources of the rows it got in B, and with
+    ``late`` of those it got in its late A)``. Across hosts (:func:`across_hosts`) the unmask is the collective
+    re-synchronisation, and a peer on another host tells the skipper through its proxy (the ``GAVE`` ring word)."""
+    import torch.distributed as dist
+    os.environ["TRITON_EP_FUSED"] = "1" if form == "fused" else "0"
+    R, me = world, rank
+    A = ll_inputs(seed, R, E, K, H, Ts)
+    B = ll_inputs(seed + 1, R, E, K, H, Ts)
+    C = ll_inputs(seed + 2, R, E, K, H, Ts)
+    # (3 s: a live peer slower than that under load would be masked too; barriers before the calls every rank
+    # makes at once)
+    buf = _buffer(R, N, H, E, timeout_s=timeout_s, enable_shrink=True)
+    try:
+        peers = tuple(r for r in range(R) if r != skipper)
+        if late:
+            dist.barrier()
+            W = ll_inputs(seed + 3, R, E, K, H, Ts)
+            out, count, handle, _, _ = buf.low_latency_dispatch(W[0][me], W[1][me], N, E, use_fp8=False)
+            check_dispatch(out, count, handle, W[0], W[1], R, E, me, False, False, False)
+            buf.low_latency_combine(out, W[1][me], W[2][me], handle)
+        if me != skipper:
+            buf.low_latency_dispatch(A[0][me], A[1][me], N, E, use_fp8=False)     # times out on the skipper
+        dist.barrier()
+        if late and me == skipper:      # the same call A, after the peers gave up on it
+            out, count, handle, _, _ = buf.low_latency_dispatch(A[0][me], A[1][me], N, E, use_fp8=False)
+            late_a = _source_of_rows(out, count, handle, {"A": A[0]}, me, R, E)
+            check_dispatch(out, count, handle, A[0], A[1], R, E, me, False, False, False, masked=peers)
+        t0 = time.monotonic()
+        hook = form == "hook" and me == skipper
+        out, count, handle, _, recv = buf.low_latency_dispatch(B[0][me], B[1][me], N, E, use_fp8=False,
+                                                               return_recv_hook=hook)
+        if recv is not None:
+            recv()
+        took = time.monotonic() - t0
+        dist.barrier()      # (rows checked before any peer's next call: the old fault showed then, with no error)
+        sources = _source_of_rows(out, count, handle, {"A": A[0], "B": B[0]}, me, R, E)
+        masked = peers if me == skipper else (skipper,)
+        assert all(src == ["B"] for (_, s), src in sources.items() if s == me), sources
+        assert not [k for k in sources if k[1] != me and me == skipper], f"rows of a peer's call A or B: {sources}"
+        check_dispatch(out, count, handle, B[0], B[1], R, E, me, False, False, False, masked=masked)
+        comb, _, _ = buf.low_latency_combine(out, B[1][me], B[2][me], handle)
+        want = expected_combine(B[0][me], B[1][me], B[2][me], E, R, "identity", masked=masked)
+        assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine B"
+        status = torch.zeros(R, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(status)
+        dist.barrier()
+        buf.low_latency_clean_mask_buffer()
+        after = torch.zeros(R, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(after)
+        dist.barrier()
+        out, count, handle, _, _ = buf.low_latency_dispatch(C[0][me], C[1][me], N, E, use_fp8=False)
+        check_dispatch(out, count, handle, C[0], C[1], R, E, me, False, False, False)
+        comb, _, _ = buf.low_latency_combine(out, C[1][me], C[2][me], handle)
+        want = expected_combine(C[0][me], C[1][me], C[2][me], E, R, "identity")
+        assert torch.equal(comb.view(torch.int16), want.view(torch.int16)), "combine C after the unmask"
+        return status.tolist(), after.tolist(), took, sources, (late_a if late and me == skipper else None)
+    finally:
+        buf.destroy()
+
+
 def absent_without_shrink(rank, world, N, H, E):
     """Without enable_shrink a silent peer gives EPTimeoutError naming it."""
     import time
@@ -290,11 +380,13 @@ def bad_ids_then_recover(rank, world, N, H, E):
                 buf.low_latency_combine(out, idxs[me], ws[me], bad_handle)
             except (TypeError, ValueError) as e:
                 got.append(f"handle: {type(e).__name__}: {e}")
-        for bad_out in (torch.empty(T, H, dtype=torch.float32), torch.empty(T + 1, H, dtype=torch.bfloat16)):
+        for bad_out in (torch.empty(T, H, dtype=torch.float32), torch.empty(T + 1, H, dtype=torch.bfloat16),
+                        torch.empty(H, T, dtype=torch.bfloat16).t()):      # (the last: [T, H], non-contiguous)
             try:        # (raised on every rank before anything)
                 buf.low_latency_combine(out, idxs[me], ws[me], handle, out=bad_out)
             except (TypeError, ValueError) as e:
-                got.append(f"out: {type(e).__name__}" if str(e).startswith("out must be") else str(e))
+                layout = " (non-contiguous)" if "got a non-contiguous torch.bfloat16" in str(e) else ""
+                got.append(f"out: {type(e).__name__}{layout}" if str(e).startswith("out must be") else str(e))
         return got
     finally:
         buf.destroy()
@@ -1422,5 +1514,100 @@ def interrupted_mid_call(rank, world, at_call):
     finally:
         LowLatency.launch = real_launch
         os.environ.pop("TRITON_EP_FUSED", None)
+        buf.destroy()
+    return log
+
+
+def _both_modes_round_trips(buf, rank, x, idx, E, N) -> list:
+    """A normal-mode round trip, then a low-latency one, on a Buffer of both modes: ``[(step, outcome)]``, each
+    outcome ``"ok"`` when the results match the oracle (each token reaches experts 0 and E - 1: 2 ranks)."""
+    log = []
+    try:
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                              topk_idx=idx)
+        combined = buf.combine(rx, handle)[0]
+        log.append(("normal after", "ok" if torch.equal(combined.float(), x.float() * 2) else "wrong rows"))
+    except Exception as e:  # noqa: BLE001
+        log.append(("normal after", f"{type(e).__name__}: {e}"))
+    try:
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+        comb = buf.low_latency_combine(recv, idx, torch.ones(idx.shape[0], 2), handle)[0]
+        log.append(("low-latency after", "ok" if torch.equal(comb.float(), x.float() * 2) else "wrong rows"))
+    except Exception as e:  # noqa: BLE001
+        log.append(("low-latency after", f"{type(e).__name__}: {e}"))
+    return log
+
+
+def modes_mixed(rank, world, ll_rank, late, N=4, H=128, E=4, timeout_s=30.0):
+    """One Buffer of both modes (SGLang's ``deepep_mode auto``): after a valid normal-mode round trip, rank
+    ``ll_rank`` calls ``low_latency_dispatch`` while the others call ``dispatch`` (a new user's find: every rank
+    waited out ``timeout_s``, was told the peer "never called it", and the Buffer was unusable after). ``late``
+    (``"ll"`` or ``"normal"``): the ranks of that mode start the call 0.5 s after the others, so that they find the
+    disagreement in the others' call cards (the others' waits hear of it). Returns
+    ``[(step, outcome)]``: the mixed call's ``(error type, seconds, message)``, then a normal-mode and a
+    low-latency round trip checked against the oracle."""
+    hint = triton_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    buf = triton_ep.Buffer(None, 1 << 20, hint, low_latency_mode=True, num_qps_per_rank=E // world,
+                           timeout_s=timeout_s)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    log = []
+    try:
+        log += [(s.replace(" after", " before"), v) for s, v in _both_modes_round_trips(buf, rank, x, idx, E, N)][:1]
+        if (rank == ll_rank) == (late == "ll"):
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        try:
+            if rank == ll_rank:
+                buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+            else:
+                per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+                buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+            log.append(("mixed", ("ok", round(time.monotonic() - t0, 2), "")))
+        except Exception as e:  # noqa: BLE001
+            log.append(("mixed", (type(e).__name__, round(time.monotonic() - t0, 2), str(e))))
+        log += _both_modes_round_trips(buf, rank, x, idx, E, N)
+    finally:
+        buf.destroy()
+    return log
+
+
+def fork_keyword(rank, world, which, N=4, H=128, E=4, timeout_s=30.0):
+    """DeepEP's ``Buffer`` as the ``deep_ep`` switch serves it (triton_ep._deep_ep): rank 1 passes an engine fork's
+    keyword triton-ep lacks (``which``: ``"nvfp4"``, ``low_latency_dispatch(use_nvfp4=True)``; ``"overlap"``,
+    ``low_latency_combine(overlap=True)`` after a valid dispatch), the others make the call valid (a new user's
+    find: only rank 1 raised, its peers waited out ``timeout_s`` and the Buffer was unusable after). Returns
+    ``[(step, outcome)]``: the refused call's ``(error type, seconds, message)``, then a low-latency round trip
+    checked against the oracle."""
+    from triton_ep._deep_ep.buffers.legacy import Buffer
+    hint = Buffer.get_low_latency_rdma_size_hint(N, H, world, E)
+    buf = Buffer(None, 1 << 20, hint, low_latency_mode=True, num_qps_per_rank=E // world, timeout_s=timeout_s)
+    x = (torch.arange(3 * H, dtype=torch.float32).reshape(3, H) % 7 + rank).to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 3)
+    w = torch.ones(3, 2)
+    bad = rank == 1
+    log = []
+    try:
+        t0 = time.monotonic()
+        try:
+            if which == "nvfp4":
+                buf.low_latency_dispatch(x, idx, N, E, use_fp8=False, **({"use_nvfp4": True} if bad else {}))
+            else:
+                recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+                t0 = time.monotonic()
+                buf.low_latency_combine(recv, idx, w, handle, **({"overlap": True, "block_m": 64} if bad else {}))
+            log.append(("refused", ("ok", round(time.monotonic() - t0, 2), "")))
+        except Exception as e:  # noqa: BLE001
+            log.append(("refused", (type(e).__name__, round(time.monotonic() - t0, 2), str(e))))
+        try:
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+            comb = buf.low_latency_combine(recv, idx, w, handle)[0]
+            log.append(("after", "ok" if torch.equal(comb.float(), x.float() * 2) else "wrong rows"))
+        except Exception as e:  # noqa: BLE001
+            log.append(("after", f"{type(e).__name__}: {e}"))
+    finally:
         buf.destroy()
     return log

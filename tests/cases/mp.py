@@ -697,6 +697,25 @@ def peer_fails_to_build(rank, world):
         return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))
 
 
+def peer_interrupted_while_building(rank, world):
+    """Rank 1 is interrupted (KeyboardInterrupt, as Ctrl-C raises it) while it waits in ``Buffer()`` for rank 0,
+    which comes 2 s late: rank 0 raises EPRemoteError saying rank 1 was interrupted, at once on arrival, not after
+    ``timeout_s`` (30 s). Returns ``(what rank raised, seconds, message)``."""
+    import _thread
+    import threading
+    import time
+    if rank == 0:
+        time.sleep(2.0)
+    else:
+        threading.Timer(0.5, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    try:
+        triton_ep.Buffer(None, 1 << 16, device="cpu", timeout_s=30)
+        return ("built", 0.0, "")
+    except BaseException as e:  # noqa: BLE001 - the interrupt is this case's subject
+        return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))
+
+
 def bad_call_after_valid(rank, world, device="cpu"):
     """Every rank alternates a valid call with the same invalid one (combine with fp32 x, then a cached
     dispatch with a short x); rank 1's receive launches start late, so rank 0 has rejected its next call

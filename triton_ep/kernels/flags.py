@@ -61,11 +61,12 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
     LL_ROOT_BITS, LL_ROOT_MASK, LL_CALL_SHIFT,
     L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_DONE2, L_GATE, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask,
-    off_ll_failed,
+    off_ll_failed, off_ll_gaveup, LL_MASK_HAND, LL_MASK_WAIT,
     off_ll_tx, off_ll_rx, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,
-    ring_word, ring_len_word, ring_masked_word, ring_arrive_word, ring_asrc_word, ring_ctrl_words, STAGE_NAMES)
+    ring_word, ring_len_word, ring_masked_word, ring_arrive_word, ring_asrc_word, ring_gave_word, ring_gsrc_word,
+    ring_ctrl_words, STAGE_NAMES)
 
 
 #: a GPU wait reads the awaited flag alone this many times in a row between its looks at the other words (the
@@ -195,7 +196,7 @@ def _ll_failed(status, fail_ptr, fail_call):
 
 @triton.jit
 def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr, USE_CLOCK: tl.constexpr,
-                  fail_ptr=None, fail_call=-1, ready=None, abort=None):
+                  fail_ptr=None, fail_call=-1, ready=None, abort=None, gave_ptr=None):
     """Spin until ``*flag >= want`` (acquire), for round ``rnd``. Returns 0, or the error kind that ended
     the wait:
 
@@ -212,7 +213,12 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
     - with ``abort`` (the RDMA proxy's abort word, ``RING_ABORT`` of its control block: low-latency mode across
       hosts), ``E_FAILED`` when it is set (this rank's proxy failed: nothing more arrives or leaves through it) and the
       flag is still short. Read where the ``DEAD`` word is (every spin under the interpreter, every
-      :data:`DEAD_LOOK` looks on GPU); without ``abort`` the wait reads nothing more.
+      :data:`DEAD_LOOK` looks on GPU); without ``abort`` the wait reads nothing more;
+    - with ``gave_ptr`` (rank masking: the peer's ``GAVEUP`` word in this rank's low-latency control block),
+      ``E_GONE`` when it names a call up to ``fail_call`` (the peer gave up on this rank then: a flag it released
+      since, or before in the call it gave up on, is not this call's). Read at every look while the flag is short,
+      and once more after the flag was acquired (a peer releases the word before any later flag: one load on the
+      path where the flag is already there).
 
     On GPU the wait reads the flag alone :data:`SPIN_BURST` times in a row between its looks at these words.
     """
@@ -249,8 +255,20 @@ def wait_at_least(flag, want, hdr, host, peer, rnd, timeout_ns, R: tl.constexpr,
                     if (status == 0) & (tl.load(abort, volatile=True) != 0):
                         if acquire(flag) < want:
                             status = tl.full([], E_FAILED, tl.int32)
+            if gave_ptr is not None:
+                status = _gave_up(status, gave_ptr, fail_call)
             v = acquire(flag)
+    if gave_ptr is not None:        # (after the flag's acquire: a give-up released before it is seen)
+        status = _gave_up(status, gave_ptr, fail_call)
     return status
+
+
+@triton.jit
+def _gave_up(status, gave_ptr, fail_call):
+    """``status``, or (when 0) ``E_GONE`` when the peer's ``GAVEUP`` word at ``gave_ptr`` names a call up to
+    ``fail_call`` (it gave up on this rank in that call)."""
+    w = tl.load(gave_ptr, volatile=True)
+    return tl.where((status == 0) & (w != 0) & (w <= fail_call), E_GONE, status).to(tl.int32)
 
 
 @triton.jit

@@ -8,9 +8,9 @@ import triton
 import triton.language as tl
 
 from . import flags
-from .flags import (E_GONE, E_MISMATCH, E_TIMEOUT, L_CONS, L_DONE, L_DONE2, L_GATE, L_NEXT, L_PEND, L_SEQ, W_BASE,
-                    W_ERR, last_program_at, now_ns, off_ll_failed, off_ll_mask, off_ll_ready, off_ll_sig, post_error,
-                    post_wait_error, release, wait_at_least)
+from .flags import (E_GONE, E_MISMATCH, E_TIMEOUT, L_CONS, L_DONE, L_DONE2, L_GATE, L_NEXT, L_PEND, L_SEQ,
+                    LL_MASK_WAIT, W_BASE, W_ERR, last_program_at, now_ns, off_ll_failed, off_ll_gaveup, off_ll_mask,
+                    off_ll_ready, off_ll_sig, post_error, post_wait_error, release, wait_at_least)
 
 
 @triton.jit
@@ -25,7 +25,9 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
 
     A wait that ends badly writes an error record (:func:`post_wait_error`; failure words are tagged
     with the normal-mode round ``W_BASE + 1``, what peers compare them with); with ``SHRINK`` a peer that
-    timed out or left is masked instead (``MASK[r] = 1``) and the launch goes on without it. With
+    timed out or left is masked instead and told so (:func:`ll_give_up`), and the launch goes on without it. With
+    ``SHRINK`` a peer whose ``GAVEUP`` word here names this call or an earlier one (it gave up on this rank then)
+    is masked so at once, without a wait (its flag, if released, is of a call it made without this rank). With
     ``COST`` and ``cost_on`` (one program of the launch) the nanoseconds spent waiting for each peer are
     added to ``cost_ptr[r]`` (0 under the interpreter, which has no clock). With ``REMOTE``, ``want + ahead``
     is the call that waits (its number goes into failure records). ``abort``: across hosts, the RDMA proxy's abort
@@ -47,8 +49,12 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
             lcall = want + ahead if REMOTE else want
             # (round 0: normal-mode FAILED words are not about low-latency calls, which learn of a
             # peer's failure from LFAILED only)
+            if SHRINK:      # (a peer that gave up on this rank in call lcall or before is not waited for)
+                gave = ctl + off_ll_gaveup(R) + r
+            else:
+                gave = None
             st = wait_at_least(flag, want, hdr, host, r, 0, timeout_ns, R, USE_CLOCK,
-                               ctl + off_ll_failed(R) + r, lcall, abort=abort)
+                               ctl + off_ll_failed(R) + r, lcall, abort=abort, gave_ptr=gave)
             if COST:
                 if cost_on:
                     tl.atomic_add(cost_ptr + r, now_ns(USE_CLOCK) - t0, sem="relaxed")
@@ -56,12 +62,27 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
                 if (st == 0) & (tl.load(flag + (off_ll_sig(R) - off_ll_ready(R)), volatile=True) != sig):
                     st = tl.full([], E_MISMATCH, tl.int32)
             if SHRINK & ((st == E_TIMEOUT) | (st == E_GONE)):
-                tl.store(ctl + off_ll_mask(R) + r, tl.full([], 1, tl.int64))
+                ll_give_up(ctl, hdr_delta, r, lcall, me, R)
                 st = tl.full([], 0, tl.int32)
             if st != 0:
                 post_wait_error(hdr, hdr_delta, host, st, r, stage, call, me, R, ctl, lcall)
             bad = bad + st
     return bad == 0
+
+
+@triton.jit
+def ll_give_up(ctl, hdr_delta, r, lcall, me, R: tl.constexpr):
+    """Rank masking: this rank gives up on rank ``r`` in its low-latency call ``lcall`` (a wait for ``r`` timed out,
+    found ``r`` gone, or found ``r``'s ``GAVEUP`` word): ``MASK[r] = LL_MASK_WAIT`` here, and ``GAVEUP[me] = lcall``
+    released in ``r``'s control block where it is mapped here (not a rank reached over the network, whose block
+    aliases this rank's own: ``hdr_delta[r] == 0``), unless already set, so that ``r`` never takes a flag of this
+    call or a later one as one of its own calls' (it masks this rank at its next wait for it)."""
+    tl.store(ctl + off_ll_mask(R) + r, tl.full([], 0, tl.int64) + LL_MASK_WAIT)
+    d = tl.load(hdr_delta + r)
+    if d != 0:
+        word = ctl + d + off_ll_gaveup(R) + me
+        if tl.load(word, volatile=True) == 0:
+            release(word, tl.full([], 0, tl.int64) + lcall)
 
 
 @triton.jit

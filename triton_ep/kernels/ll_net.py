@@ -102,11 +102,29 @@ def abort_word(ring_ctl, NET: tl.constexpr):
 
 
 @triton.jit
-def mask_peer(ctl, ring_ctl, r, R: tl.constexpr):
-    """Rank masking (``enable_shrink``): rank ``r`` stopped answering; this rank no longer sends to it or
-    waits for it (``MASK[r]``), and its proxy drops what it still holds for it (``MASKED[r]``)."""
-    tl.store(ctl + flags.off_ll_mask(R) + r, tl.full([], 1, tl.int64))
+def mask_peer(ctl, ring_ctl, r, n, R: tl.constexpr):
+    """Rank masking (``enable_shrink``): this rank gives up on rank ``r`` in its low-latency call ``n`` (``r`` stopped
+    answering, is gone, or gave up on this rank); this rank no longer sends to it or waits for it (``MASK[r]``), and
+    its proxy drops what it still holds for it (``MASKED[r]``) and tells it (``GSRC[r] = n``, stored first, unless
+    set: the proxy writes it into ``r``'s ``GAVE[me]``, so that ``r`` never takes this rank's chunk of call ``n`` or
+    a later call's as its own calls' data)."""
+    tl.store(ctl + flags.off_ll_mask(R) + r, tl.full([], 0, tl.int64) + flags.LL_MASK_WAIT)
+    gsrc = ring_ctl + flags.ring_gsrc_word(R, S, r)
+    if tl.load(gsrc, volatile=True) == 0:
+        tl.store(gsrc, tl.full([], 0, tl.int64) + n)
     flags.release(ring_ctl + flags.ring_masked_word(R, S, r), tl.full([], 1, tl.int64))
+
+
+@triton.jit
+def gave_word(ring_ctl, r, R: tl.constexpr, SHRINK: tl.constexpr):
+    """With ``SHRINK``, rank ``r``'s ``GAVE`` word in this rank's ring control block (the call in which ``r`` gave up
+    on this rank: a wait of a call from then on ends at once, :func:`flags.wait_at_least`'s ``gave_ptr``); else
+    ``None`` (nothing more to read)."""
+    if SHRINK:
+        word = ring_ctl + flags.ring_gave_word(R, S, r)
+    else:
+        word = None
+    return word
 
 
 @triton.jit
@@ -126,9 +144,10 @@ def wait_slots(ring_ctl, remote, hdr, hdr_delta, host, n, me, stage, timeout_ns,
     for r in tl.static_range(R):
         if (bad == 0) & live_peer(ctl, remote, r, R):
             st = flags.wait_at_least(ring_ctl + flags.ring_word(flags.RING_SENT, R, r), tx_chunk(ctl, r, n, R) - 1,
-                                     hdr, host, r, 0, timeout_ns, R, USE_CLOCK, abort=ring_ctl + flags.RING_ABORT)
+                                     hdr, host, r, 0, timeout_ns, R, USE_CLOCK, fail_call=n,
+                                     abort=ring_ctl + flags.RING_ABORT, gave_ptr=gave_word(ring_ctl, r, R, SHRINK))
             if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
-                mask_peer(ctl, ring_ctl, r, R)
+                mask_peer(ctl, ring_ctl, r, n, R)
                 st = tl.full([], 0, tl.int32)
             if st != 0:
                 flags.post_wait_error(hdr, hdr_delta, host, st, r, stage, tl.load(hdr + flags.W_BASE) + 1, me, R,
@@ -201,13 +220,13 @@ def _ll_unpack_kernel(area_w, ctl, ring_ctl, ring_dw, slot_w, remote, offset, si
             arrived = ring_ctl + flags.ring_arrive_word(R, S, s, k & 1)
         else:               # the tail the receiving proxy moves on the chunk's receive completion
             arrived = ring_ctl + flags.ring_word(flags.RING_TAIL, R, s)
-        st = flags.wait_at_least(arrived, k + 1, hdr, host, s, 0, timeout_ns, R, USE_CLOCK,
-                                 abort=ring_ctl + flags.RING_ABORT)
+        st = flags.wait_at_least(arrived, k + 1, hdr, host, s, 0, timeout_ns, R, USE_CLOCK, fail_call=n,
+                                 abort=ring_ctl + flags.RING_ABORT, gave_ptr=gave_word(ring_ctl, s, R, SHRINK))
         if COST:            # the wait for s's chunk is the receive's wait for s (its wait-cost statistics)
             if q == 0:
                 tl.atomic_add(cost_ptr + s, flags.now_ns(USE_CLOCK) - t0, sem="relaxed")
         if SHRINK & ((st == flags.E_TIMEOUT) | (st == flags.E_GONE)):
-            mask_peer(ctl, ring_ctl, s, R)      # its rows are dropped: the receive does not wait for it
+            mask_peer(ctl, ring_ctl, s, n, R)   # its rows are dropped: the receive does not wait for it
         elif st != 0:
             flags.post_wait_error(hdr, hdr_delta, host, st, s, stage, tl.load(hdr + flags.W_BASE) + 1, me, R, ctl, n)
         else:

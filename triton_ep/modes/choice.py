@@ -5,6 +5,7 @@ Buffer's own arguments, so the Buffer forwards each call with no branch (docs/de
 from __future__ import annotations
 
 import gc
+import operator
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -92,15 +93,23 @@ class Modes:
     def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
                             use_rdma_buffer: bool) -> Tensor:
         """``Buffer.get_local_buffer_tensor``: a view of this rank's shared buffer, or with ``use_rdma_buffer``
-        :meth:`rdma_scratch`."""
+        :meth:`rdma_scratch`.
+
+        Raises:
+            ValueError: a negative ``offset`` or one past the end (``numel`` of the buffer as ``dtype``), a
+                negative ``size`` dimension, or a ``size`` larger than what is left from ``offset``.
+            TypeError: ``offset`` not an int.
+        """
         if use_rdma_buffer:
             return self.rdma_scratch(dtype, size, offset)
-        t = self.rt.live().data.view(dtype)[offset:]
-        if size is None:
+        data = self.rt.live().data.view(dtype)
+        offset, shape = _view_args(offset, size, data.numel(), "the buffer")
+        t = data[offset:]
+        if shape is None:
             return t
-        if t.numel() < torch.Size(size).numel():
-            raise ValueError(f"size {tuple(size)} exceeds the buffer ({t.numel()} elements from offset {offset})")
-        return t[:torch.Size(size).numel()].view(size)
+        if t.numel() < shape.numel():
+            raise ValueError(f"size {tuple(shape)} exceeds the buffer ({t.numel()} elements from offset {offset})")
+        return t[:shape.numel()].view(shape)
 
     def rdma_scratch(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int) -> Tensor:
         """What ``get_local_buffer_tensor(use_rdma_buffer=True)`` gives in place of DeepEP's NVSHMEM buffer: as many
@@ -109,12 +118,33 @@ class Modes:
         it (vLLM zeroes it to reset it) changes nothing: the signal words carry call numbers."""
         self.rt.live()
         nbytes = self.internode.rdma_buffer().numel() if self.internode is not None else self.num_rdma_bytes
-        n = max(nbytes // dtype.itemsize - int(offset), 0)
-        shape = torch.Size([n]) if size is None else torch.Size(size)
+        offset, shape = _view_args(offset, size, nbytes // dtype.itemsize, "the RDMA buffer")
+        n = nbytes // dtype.itemsize - offset
+        shape = torch.Size([n]) if shape is None else shape
         if shape.numel() > n:
             raise ValueError(f"size {tuple(shape)} exceeds the RDMA buffer ({n} elements from offset {offset})")
         scratch = torch.zeros(1, dtype=dtype, device=self.rt.device)
         return scratch.as_strided(shape, (0,) * len(shape))
+
+
+def _view_args(offset, size, numel: int, what: str):
+    """``get_local_buffer_tensor``'s ``offset`` and ``size`` checked against ``numel`` elements of ``what``:
+    ``(int offset, torch.Size or None)``. No Python-style negative indexing: DeepEP adds the offset to the buffer's
+    pointer, so a negative one would point before the buffer.
+
+    Raises:
+        TypeError: ``offset`` not an int (a bool included). ValueError: ``offset`` negative or past the end, or a
+            negative dimension in ``size``; the message names the argument and value.
+    """
+    if isinstance(offset, bool) or not hasattr(offset, "__index__"):     # (numpy ints too; no float)
+        raise TypeError(f"offset must be an int, got {offset!r}")
+    offset = operator.index(offset)
+    if offset < 0 or offset > numel:
+        raise ValueError(f"offset must be in [0, {numel}] (elements of {what} as this dtype), got {offset}")
+    shape = None if size is None else torch.Size(size)
+    if shape is not None and any(d < 0 for d in shape):
+        raise ValueError(f"size must have no negative dimension, got {tuple(shape)}")
+    return offset, shape
 
 
 def open_modes(rt: Runtime, low_latency_mode: bool, num_rdma_bytes: int, num_qps_per_rank: int, shrink: bool,

@@ -18,6 +18,9 @@ from ..runtime.checks import HandleField, check_config, check_event, check_tenso
 
 Tensor = torch.Tensor
 XLike = Union[Tensor, Tuple[Tensor, Tensor]]
+#: the call-card operation of ``ElasticBuffer.barrier()``'s dispatch of no tokens (:data:`triton_ep.protocol.call_card.BARRIER`),
+#: for ``Buffer._barrier`` (the API layer reaches the protocol layer's codes through the modes)
+BARRIER = card.BARRIER
 
 _MAX_INT32 = 2 ** 31 - 1
 

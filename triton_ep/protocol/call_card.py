@@ -4,14 +4,17 @@ Ranks compare their calls on the device through 64-bit signature digests (a mism
 records ``E_MISMATCH``). A digest says *that* ranks disagree, not *where*. So every collective call also
 writes a small card into this rank's slot of the host control block, which every rank of the host maps:
 
-    [ serial | code | value 0 | value 1 | ... | failed | worst 0 | worst 1 ]     int64 words, CARD_WORDS per rank
+    [ serial | code | value 0 | value 1 | ... | modes | failed | worst 0 | worst 1 ]   int64 words, CARD_WORDS per rank
 
 ``serial`` counts this Buffer's collective calls (equal on ranks in step), ``code`` names the operation
 (:data:`FIELDS`), the values are the fields that operation's signature covers, in :data:`FIELDS` order.
 When a mismatch is raised, :func:`describe` compares this rank's card with the peer's: "hidden: rank 0
 passed 256, rank 1 passed 128". Only fields of the operation the ranks called appear.
 
-The last three words are not part of the comparison. ``failed`` holds the serial of the last call this rank
+The last four words are not part of the comparison. ``modes`` says which of this rank's latest calls were
+low-latency ones (bit ``serial % MODE_WINDOW``, set when the call is counted): a rank that starts a call of one mode
+(normal or low-latency) reads it in every peer's card that has reached the same call (:func:`other_mode`), since the
+two modes wait on different words and would otherwise wait for each other until ``timeout_s``. ``failed`` holds the serial of the last call this rank
 gave up before it launched anything, or :data:`LEFT` once it left the group (its peers stop waiting for its
 card). ``worst 0/1`` carry each rank's ``num_worst_tokens`` of its latest two dispatches with it
 (``serial << 32 | value``, in slot ``k & 1`` for the group's ``k``-th such dispatch since the last
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 #: int64 words of one rank's card
-CARD_WORDS = 16
+CARD_WORDS = 17
 
 # card codes (one per operation as callers see it); also the first word of each call's signature digest
 DISPATCH, CACHED_DISPATCH, COMBINE, DISPATCH_WORST = 1, 2, 3, 5
@@ -56,11 +59,17 @@ FIELDS: Dict[int, Tuple[str, Tuple[Tuple[str, str], ...]]] = {
                                          ("num_experts", "int"), ("top-k (topk_idx columns)", "int"),
                                          ("use_logfmt", "bool"))),
 }
+#: the word saying which of this rank's latest calls were low-latency calls (bit ``serial % MODE_WINDOW``)
+MODES_WORD = CARD_WORDS - 4
+#: calls the ``modes`` word covers: a peer at most this many calls ahead still says what its call ``serial`` was
+MODE_WINDOW = 62
 #: the word holding the serial of a call this rank gave up before launching anything
 FAILED_WORD = CARD_WORDS - 3
 #: the two words carrying ``num_worst_tokens`` (slot ``k & 1`` for the ``k``-th dispatch with it)
 WORST_WORDS = (CARD_WORDS - 2, CARD_WORDS - 1)
-assert all(2 + len(f) <= FAILED_WORD for _, f in FIELDS.values())
+assert all(2 + len(f) <= MODES_WORD for _, f in FIELDS.values())
+#: the operations of low-latency mode (every other code is a normal-mode call's)
+LOW_LATENCY = frozenset((LL_DISPATCH, LL_COMBINE))
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -84,6 +93,35 @@ def write(card: np.ndarray, serial: int, code: int, values: Sequence[int]) -> No
     card[2:2 + len(values)] = values
     card[1] = code
     card[0] = serial
+
+
+def count(card: np.ndarray, serial: int, low_latency: bool) -> None:
+    """Record the mode of this rank's call ``serial`` (counted, its card not written yet) in its ``modes`` word:
+    a peer reads it once this rank's card names that call or a later one (:func:`other_mode`)."""
+    bit = 1 << (serial % MODE_WINDOW)
+    m = int(card[MODES_WORD])
+    card[MODES_WORD] = (m | bit) if low_latency else (m & ~bit)
+
+
+def other_mode(theirs: np.ndarray, serial: int, low_latency: bool) -> Optional[bool]:
+    """Whether the peer whose card is ``theirs`` made its call ``serial`` in the other mode than this rank
+    (``low_latency``: this rank's call is a low-latency one): ``None`` when its card cannot tell (it has not
+    published that call yet, or it is so far ahead that the ``modes`` word no longer covers that call)."""
+    t = int(theirs[0])          # (the serial first: the modes word read after it covers that call)
+    # (a peer may have counted one call past its card, a call it refused: that call's bit is the latest)
+    if t < serial or t + 1 - serial >= MODE_WINDOW:
+        return None
+    return bool((int(theirs[MODES_WORD]) >> (serial % MODE_WINDOW)) & 1) != bool(low_latency)
+
+
+def mode_phrase(theirs: np.ndarray, serial: int) -> str:
+    """What the peer whose card is ``theirs`` called at call ``serial``, as :func:`describe` names operations:
+    the operation's name where its card is at that call, else its mode."""
+    if int(theirs[0]) == serial and int(theirs[1]) in FIELDS:
+        return FIELDS[int(theirs[1])][0]
+    if (int(theirs[MODES_WORD]) >> (serial % MODE_WINDOW)) & 1:
+        return "a low-latency operation (low_latency_dispatch or low_latency_combine)"
+    return "a normal-mode operation (dispatch or combine)"
 
 
 def publish_worst(card: np.ndarray, k: int, serial: int, value: int) -> None:

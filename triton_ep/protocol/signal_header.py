@@ -199,7 +199,8 @@ def off_ll_sig(R):
 
 @formula
 def off_ll_mask(R):
-    """``MASK[s]``: nonzero when this rank no longer sends to or waits for rank ``s`` (rank masking)."""
+    """``MASK[s]``: nonzero when this rank no longer sends to or waits for rank ``s`` (rank masking):
+    ``LL_MASK_HAND`` or ``LL_MASK_WAIT``."""
     return L_FIXED + 4 * R
 
 
@@ -226,9 +227,25 @@ def off_ll_rx(R):
 
 
 @formula
+def off_ll_gaveup(R):
+    """``GAVEUP[s]`` (rank masking, ``enable_shrink``): nonzero once rank ``s`` gave up on this rank (its wait for
+    this rank timed out, or found this rank gone or given up on it, and it masked this rank): the low-latency call
+    of ``s``'s in which it did. ``s`` neither sent this rank that call nor pairs any later call with this rank's, so
+    every wait of this rank's, from that call on, for ``s`` masks ``s`` at once instead (no timeout, none of ``s``'s
+    rows taken). Written by ``s`` with a release, as failure words are; cleared here when this rank unmasks ``s``."""
+    return L_FIXED + 8 * R
+
+
+#: ``MASK[s]`` values: masked by hand (``low_latency_update_mask_buffer``), or by a wait (a timeout, a gone peer, a
+#: peer's ``GAVEUP`` word), after which the two ranks' call numbers may differ (an unmask then restarts them)
+LL_MASK_HAND = tl.constexpr(1)
+LL_MASK_WAIT = tl.constexpr(2)
+
+
+@formula
 def ll_ctl_words(R):
     """int64 words of one rank's low-latency control block."""
-    return L_FIXED + 8 * R
+    return L_FIXED + 9 * R
 
 
 # ---- scheduler rings (triton_ep/scheduler/): a rank's ring control block, int64 words ----
@@ -246,6 +263,8 @@ def ll_ctl_words(R):
 #             written by ``p`` over RDMA after the chunk's data, on the same QP: ``k + 1`` once chunk ``k`` from
 #             ``p`` (in receive slot ``slot = k % S``) is placed here; consumers poll it instead of TAIL
 #   ASRC[p * S + slot]  the 8-byte source of this rank's arrival word for its chunk in send slot ``slot`` for ``p``
+#   GAVE[p]   written by ``p``'s proxy over RDMA: the low-latency call in which ``p`` gave up on this rank (masking)
+#   GSRC[p]   the call in which this rank gave up on ``p`` (the source of that write)
 RING_ABORT = tl.constexpr(0)      #: nonzero: every ring wait gives up (1 watchdog / timeout, 2 proxy failed)
 RING_ERR_KIND = tl.constexpr(1)   #: a kernel's error record: kind (first error wins), peer, stage, chunk
 RING_ERR_PEER = tl.constexpr(2)
@@ -310,9 +329,24 @@ def ring_asrc_word(R, S, peer, slot):
 
 
 @formula
+def ring_gave_word(R, S, peer):
+    """Word index of ``GAVE[peer]`` (after the ``ASRC`` words; low-latency rank masking across hosts): written by
+    ``peer``'s proxy over RDMA, the low-latency call in which ``peer`` gave up on this rank (0: it did not). The
+    unpack's wait for ``peer``'s chunk reads it as the within-host waits read ``GAVEUP`` (``off_ll_gaveup``)."""
+    return RING_FIXED + RING_LEN * R + 3 * R * S + R + peer
+
+
+@formula
+def ring_gsrc_word(R, S, peer):
+    """Word index of ``GSRC[peer]`` (after the ``GAVE`` words): the low-latency call in which this rank's kernels
+    gave up on ``peer`` (stored before ``MASKED[peer]``); the proxy writes it into ``peer``'s ``GAVE[me]``."""
+    return RING_FIXED + RING_LEN * R + 3 * R * S + 2 * R + peer
+
+
+@formula
 def ring_ctrl_words(R, S):
     """int64 words of a ring control block for ``R`` ranks and ``S`` slots per peer."""
-    return RING_FIXED + RING_LEN * R + 3 * R * S + R
+    return RING_FIXED + RING_LEN * R + 3 * R * S + 3 * R
 
 
 #: every stage code (error records and ring records name them), in one table with its name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import weakref
 from typing import Generator, Optional, Sequence
@@ -105,6 +106,8 @@ class Runtime:
         self.host_waits = {"meet": 0, "poll": 0}
         #: this rank's call card and its count of collective calls (named disagreements)
         self._card, self._calls = comm.card(comm.rank), 0
+        #: the peers' cards (rank, int64 view): a call's start reads them for a call of the other mode
+        self._peer_cards = [(r, comm.card(r)) for r in range(comm.size) if r != comm.rank]
         #: dispatches with num_worst_tokens since the last re-synchronisation (equal on ranks in step)
         self.worst_calls = 0
         #: weak references to what else shares this Runtime's re-synchronisation meeting (the Buffer's
@@ -235,15 +238,56 @@ class Runtime:
         """Host exchanges (re-synchronisations) this rank made so far: a plan made before one is stale."""
         return self._op
 
-    def count_call(self) -> None:
+    def count_call(self, low_latency: bool = False) -> None:
         """A collective call starts (its card carries the count; :func:`steps` counts its calls, the
-        low-latency calls count themselves)."""
+        low-latency calls count themselves with ``low_latency``, before anything can refuse them, as
+        :func:`steps` does): its mode goes into the card's ``modes`` word at once."""
         self._calls += 1
+        card.count(self._card, self._calls, low_latency)
 
     def publish(self, code: int, values: Sequence[int]) -> None:
         """Write this call's card (:mod:`triton_ep.protocol.call_card`) where the peers can read it: a
-        mismatch the kernels find is then raised naming the field and each rank's value."""
-        card.write(self._card, self._calls, code, values)
+        mismatch the kernels find is then raised naming the field and each rank's value.
+
+        Then read the peers' cards: the two modes wait on different words (normal mode's signal header,
+        low-latency mode's control block), so a peer that makes this call in the other mode would be waited for
+        until ``timeout_s``. Each rank writes its card before it reads the others' (a full barrier between), so of
+        two ranks making the call in different modes at least one sees the other's; it raises ``ValueError``
+        naming both operations and tells every peer in both modes' failure words (:meth:`tell_mode_mix`), whose
+        waits end at once with the same ``ValueError``; the next call re-synchronises the group.
+
+        Raises:
+            ValueError: a peer made this call in the other mode (normal against low-latency).
+        """
+        serial, ll = self._calls, code in card.LOW_LATENCY
+        card.write(self._card, serial, code, values)
+        if not self._peer_cards:
+            return
+        _full_barrier()
+        for r, theirs in self._peer_cards:
+            if card.other_mode(theirs, serial, ll):
+                self.tell_mode_mix()
+                err = ValueError(
+                    f"ranks disagree at '{card.FIELDS[code][0]}': the operation: rank {self.rank} called "
+                    f"{card.FIELDS[code][0]}, rank {r} called {card.mode_phrase(theirs, serial)}; all ranks must make "
+                    f"the same calls (a normal-mode call on every rank, or a low-latency call on every rank); nothing "
+                    f"was moved")
+                err._ep_recorded = err._ep_told = True      # (the peers were told: tell_failure, guard)
+                raise collective(err)
+
+    def tell_mode_mix(self) -> None:
+        """This rank found that a peer makes its call in the other mode: post ``E_MISMATCH`` in the failure words of
+        both modes (normal mode's ``FAILED`` through :meth:`Signals.post_local_failure
+        <triton_ep.transport.signals.Signals.post_local_failure>`, low-latency mode's ``LFAILED`` through the
+        low-latency state among :attr:`resync_parts`), so every peer's waits end at once in either mode and raise
+        ``ValueError``. This rank's next call re-synchronises the group (and restarts the low-latency call
+        numbers)."""
+        self.wait_comm_stream()
+        self.sig.post_local_failure(F.E_MISMATCH)
+        for part in [p for p in (ref() for ref in self.resync_parts) if p is not None]:
+            tell = getattr(part, "post_failure", None)
+            if tell is not None:
+                tell(F.E_MISMATCH)
 
     def publish_worst(self, value: int) -> None:
         """Publish this rank's ``num_worst_tokens`` of the dispatch it starts, in its call card (which every
@@ -502,6 +546,18 @@ class Runtime:
                 f"{self.comm.min_bytes} (num_nvl_bytes, rounded up to 4 KiB); raise num_nvl_bytes "
                 f"(see Config.get_nvl_buffer_size_hint)"))
         return cap
+
+
+#: a lock taken and released for its memory barrier only (:func:`_full_barrier`)
+_BARRIER_LOCK = threading.Lock()
+
+
+def _full_barrier() -> None:
+    """Order this process's earlier stores to shared memory before its later loads (a store-load barrier, which
+    plain stores and loads lack): taking an uncontended lock is an atomic read-modify-write (a locked instruction on
+    x86, a full barrier)."""
+    _BARRIER_LOCK.acquire()
+    _BARRIER_LOCK.release()
 
 
 def current_event() -> EventOverlap:

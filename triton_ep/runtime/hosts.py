@@ -207,9 +207,9 @@ _FORWARDED = {
                                            ("scales dtype", "dtype"), ("scale columns", "int"),
                                            ("the forwarding leg's dispatch number", "int"))),
 }
-#: the words of a call card nothing else uses (after the longest operation's values, before ``FAILED_WORD``):
+#: the words of a call card nothing else uses (after the longest operation's values, before ``MODES_WORD``):
 #: a rank that found a disagreement writes it there for its host's ranks (:meth:`Disagreement.post`)
-_SPARE = slice(2 + max(len(f) for _, f in call_card.FIELDS.values()), call_card.FAILED_WORD)
+_SPARE = slice(2 + max(len(f) for _, f in call_card.FIELDS.values()), call_card.MODES_WORD)
 assert _SPARE.stop - _SPARE.start >= 4, "a call card needs 4 spare words for a disagreement"
 
 

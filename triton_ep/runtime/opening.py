@@ -67,9 +67,11 @@ def open_runtime(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode: bool, t
             for ex in exchanges:
                 ex.timeout_s = timeout_s
         hosts, transport = _find_hosts(exchanges[0], backend, rejected)
-    except Exception as e:
+    except BaseException as e:      # an interrupt too (KeyboardInterrupt): the peers must not wait it out
+        why = (f"rejected its Buffer arguments ({type(e).__name__}: {e})" if isinstance(e, Exception)
+               else f"was interrupted while building its Buffer ({type(e).__name__})")
         for ex in exchanges:
-            ex.fail(f"rejected its Buffer arguments ({type(e).__name__}: {e})")
+            ex.fail(why)
         raise
     if hosts.num_hosts > 1:
         return _open_hosts(group, hosts, transport, num_nvl_bytes, timeout_s, device)

@@ -32,6 +32,10 @@ ring of ``slots`` slots of ``slot_bytes`` per peer.  Chunk ``k`` for peer ``p`` 
   chunk's data on the same QP (in-QP ordering places the data first): a consumer polls that word, so the
   receiving proxy is not on the chunk's path (no receive completion, no receive to post again). The receiving
   proxy still moves ``TAIL`` from the arrival words it sees (host consumers, credits and masking use it).
+- **Masked peers** (``MASKED[p]``, low-latency rank masking): their chunks are dropped (counted as placed), the
+  slots of their chunks go back on arrival, and where this rank's kernels gave up on ``p`` (``GSRC[p]``: the call,
+  stored before ``MASKED[p]``) the sweep WRITEs that word once (QP 0) into ``p``'s ``GAVE[me]``, which ``p``'s
+  kernels read so that they mask this rank at once (:meth:`~.posting.ChunkPosting._tell_gave_up`).
 
 **Liveness probes.** Every :data:`PROBE_S` the proxy posts to each peer (not masked) one signalled 8-byte RDMA WRITE
 on QP 0: this rank's fault word (0 while it is healthy) into the peer's ``FAULT[me]`` word, where a failing proxy

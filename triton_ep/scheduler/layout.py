@@ -84,3 +84,6 @@ class _PeerState:
     #: ``CREDIT`` as of the last renumbering (:meth:`Scheduler.rebase`): a credit word the peer wrote before it
     #: and that lands after it never counts for less
     credit_floor: int = 0
+    #: the give-up call this rank's proxy wrote into the peer's ``GAVE[me]`` (0: none yet;
+    #: :meth:`ChunkPosting._tell_gave_up`)
+    gave_told: int = 0

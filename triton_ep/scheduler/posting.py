@@ -420,6 +420,25 @@ class ChunkPosting:
         return True
 
 
+    def _tell_gave_up(self, p: int, st) -> bool:
+        """Low-latency rank masking across hosts: once this rank's kernels gave up on the masked peer ``p``
+        (``GSRC[p]``: the call they gave up in, stored before ``MASKED[p]``), WRITE that word into ``p``'s ``GAVE[me]``
+        (once, QP 0, unsignalled), so that ``p``'s kernels mask this rank at their next wait for it instead of taking
+        this rank's chunk of that call, or the silence after it, as one of their calls'. Nothing for a peer masked
+        by hand (no ``GSRC``). A failed post is not an error: the peer is masked (a dead one's QPs may fail).
+        Returns whether it posted."""
+        g = self.flags.gave_up_on(p)
+        if g == 0:
+            return False
+        st.gave_told = g
+        try:
+            self.t.post(p, 0, [Op(WRITE, self.region, 8 * self.flags.gsrc_index(p), 8, self._remote[p],
+                                  8 * F.ring_gave_word.host(self.world, self.slots, self.rank))])
+        except Exception:   # noqa: BLE001 - a masked peer: nothing waits for it
+            return False
+        self.wrs_posted += 1
+        return True
+
 
 #: the order of a port's QPs for the picker (:meth:`ChunkPosting._pick`): least outstanding bytes, least bytes so far,
 #: lowest QP index

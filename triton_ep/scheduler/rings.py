@@ -119,6 +119,8 @@ class HostRings:
                             (RingFlags.TAIL, rx), (RingFlags.HEAD, rx)):
                 self.flags.put(word, peer, v)
             self._next_tx[peer], self._next_rx[peer] = tx, rx
+            st.gave_told = 0
+            self.flags.clear_gave(peer)
             self.flags.mask(peer, False)
 
     def arrived(self, src: int) -> int:

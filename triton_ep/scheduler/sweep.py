@@ -193,6 +193,8 @@ class ProxyThreads:
                     did |= self._credit(p, head)
             elif st.tail > st.credit_sent and words[m0 + p]:
                 did |= self._credit(p, st.tail)   # nothing consumes a masked peer's chunks: slots go back on arrival
+            if words[m0 + p] and not st.gave_told:
+                did |= self._tell_gave_up(p, st)  # (a peer this rank's kernels gave up on is told so, once)
         if now >= self.liveness.next_at:
             self._probe(now)
         if now >= self._bound_at and self._busy_qps:     # (every 1 ms: the bound is seconds)

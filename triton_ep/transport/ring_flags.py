@@ -46,6 +46,8 @@ class RingFlags:
         self._masked = [F.ring_masked_word.host(size, slots, p) for p in range(size)]
         self._arrive0 = F.ring_arrive_word.host(size, slots, 0, 0)
         self._asrc = [[F.ring_asrc_word.host(size, slots, p, k) for k in range(slots)] for p in range(size)]
+        self._gave = [F.ring_gave_word.host(size, slots, p) for p in range(size)]
+        self._gsrc = [F.ring_gsrc_word.host(size, slots, p) for p in range(size)]
 
     def index(self, array: int, peer: int) -> int:
         """Word index of ``array[peer]``."""
@@ -116,6 +118,19 @@ class RingFlags:
         """Mask ``peer`` (kernels do the same with a store to ``MASKED[peer]``); ``on=False`` clears it (unmasking
         across hosts, once the rings with ``peer`` are renumbered: ``Scheduler.rebase``)."""
         self.w[self._masked[peer]] = 1 if on else 0
+
+    def gave_up_on(self, peer: int) -> int:
+        """``GSRC[peer]``: the low-latency call in which this rank's kernels gave up on ``peer`` (0: they did not)."""
+        return int(self.w[self._gsrc[peer]])
+
+    def gsrc_index(self, peer: int) -> int:
+        """Word index of ``GSRC[peer]`` (the source of this rank's write into ``peer``'s ``GAVE[me]``)."""
+        return self._gsrc[peer]
+
+    def clear_gave(self, peer: int) -> None:
+        """Forget the give-ups between this rank and ``peer`` (its ``GAVE`` and ``GSRC`` words: unmasking)."""
+        self.w[self._gave[peer]] = 0
+        self.w[self._gsrc[peer]] = 0
 
     def length(self, peer: int, seq: int) -> int:
         """Bytes of chunk ``seq`` for ``peer``, as its producer wrote them."""

@@ -190,6 +190,24 @@ def test_masked_rank_comes_back_and_is_unmasked(world, by_timeout, how, arrival,
         assert mismatch and "different" in mismatch, out
 
 
+@pytest.mark.parametrize("per_host,world", [(1, 2), (2, 4)])
+def test_rank_that_skipped_a_call_takes_no_stale_chunks(per_host, world, proxy_mode):
+    """The last rank skips a low-latency dispatch its peers make (new user's find, across hosts: its next dispatch
+    returned the peers' rows of the skipped call as its own, counted, with an empty mask): they time out on it and
+    mask it, and it masks them at once in its next call, a peer on another host told through its proxy (the ``GAVE``
+    ring word) and one on its own host through its control block; it takes none of their rows (compared against
+    both input sets), every rank's mask names the other side, and after every rank unmasks (the collective) a round
+    trip is whole and correct again."""
+    skipper = world - 1
+    Ts = [5, 6, 4, 7][:world]
+    out = _values(run_ranks(ll_cases.across_hosts, world, _env(per_host), "skipped_call", 7, 2 * world, 2, 128, Ts,
+                            8, skipper, "split", False, _mask_timeout(proxy_mode)))
+    for r, (status, after, _, sources, _) in enumerate(out):
+        assert status == ([1] * (world - 1) + [0] if r == skipper else [0] * (world - 1) + [1]), (r, status)
+        assert after == [0] * world, (r, after)
+    assert all(src == skipper for (_, src) in out[skipper][3]), out[skipper][3]
+
+
 @pytest.mark.parametrize("arrival", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_masked_dead_host(arrival, proxy_mode):
     """2 hosts of 2 ranks; both ranks of host 1 fall silent: host 0's ranks mask the whole host after one

@@ -1,4 +1,6 @@
 """Bad input gets a clear error before any kernel runs, naming the argument; nothing is modified."""
+import re
+
 import pytest
 import torch
 
@@ -255,3 +257,52 @@ def test_internode_entry_points_need_ranks_on_several_hosts():
     for name in ("internode_dispatch", "internode_combine"):
         with pytest.raises(ValueError, match=name.replace("internode_", "") + r"\(\)"):
             getattr(buf, name)()
+
+
+@pytest.mark.parametrize("kw,exc,words", [
+    (dict(hidden=-5), ValueError, "hidden must be None or an int of at least 1, got -5"),
+    (dict(hidden=0), ValueError, "hidden must be None or an int of at least 1, got 0"),
+    (dict(hidden="64"), TypeError, "hidden must be None or an int of at least 1, got '64' (str)"),
+    (dict(hidden=True), TypeError, "hidden must be None or an int of at least 1, got True (bool)"),
+    (dict(hidden=64.0), TypeError, "hidden must be None or an int of at least 1, got 64.0 (float)"),
+    (dict(num_tokens=-1), ValueError, "num_tokens must be None or an int of at least 0, got -1"),
+    (dict(num_tokens=1.5), TypeError, "num_tokens must be None or an int of at least 0, got 1.5 (float)"),
+    (dict(num_tokens=float("nan")), TypeError, "num_tokens must be None or an int of at least 0, got nan (float)"),
+])
+def test_config_shape_keywords_are_checked(kw, exc, words):
+    """(A new user's find: ``hidden=-5``, ``0``, ``'64'``, ``True``, ``num_tokens=-1`` and ``1.5`` were taken
+    silently, ``nan`` gave a bare "cannot convert float NaN to integer".) ``get_dispatch_config`` /
+    ``get_combine_config`` check ``hidden=`` and ``num_tokens=`` as they check ``num_ranks``: the error names the
+    argument and the value; ``None``, ints (numpy's too) and ``num_tokens=0`` (a rank without tokens) are taken."""
+    import numpy as np
+    for get in (triton_ep.Buffer.get_dispatch_config, triton_ep.Buffer.get_combine_config):
+        with pytest.raises(exc) as ex:
+            get(2, **kw)
+        assert str(ex.value) == words, ex.value
+        assert get(2, hidden=np.int64(64), num_tokens=0) == get(2) == get(2, hidden=None, num_tokens=None)
+
+
+def test_local_buffer_tensor_refuses_negative_and_past_the_end_views(one):
+    """(A new user's find: ``offset=-1`` gave the buffer's last element, ``size=(-1,)`` all but one element, an offset
+    past the end an empty tensor.) ``get_local_buffer_tensor`` takes no Python-style negative index (DeepEP adds
+    the offset to the buffer's pointer): a negative offset or size dimension, or an offset past the end, is a
+    ValueError naming the argument and value, for the RDMA-side scratch too; the whole range still works."""
+    _, buf = one
+    n = buf.get_local_buffer_tensor(torch.int32).numel()
+    for kw, words in ((dict(offset=-1), "offset must be in [0, "), (dict(offset=-1000), "got -1000"),
+                      (dict(offset=n + 1), f"offset must be in [0, {n}] (elements of the buffer as this dtype), "
+                                           f"got {n + 1}"),
+                      (dict(size=torch.Size([-1])), "size must have no negative dimension, got (-1,)"),
+                      (dict(size=(2, -3), offset=4), "size must have no negative dimension, got (2, -3)"),
+                      (dict(offset=-1, use_rdma_buffer=True), "offset must be in [0, 0] (elements of the RDMA buffer"),
+                      (dict(size=(-1,), use_rdma_buffer=True), "size must have no negative dimension")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            buf.get_local_buffer_tensor(torch.int32, **kw)
+    for bad in (1.0, True, "1"):
+        with pytest.raises(TypeError, match="offset must be an int"):
+            buf.get_local_buffer_tensor(torch.int32, offset=bad)
+    assert buf.get_local_buffer_tensor(torch.int32, offset=n).numel() == 0
+    t = buf.get_local_buffer_tensor(torch.int32, torch.Size([2, 3]), offset=n - 6)
+    assert t.shape == (2, 3) and t.data_ptr() == buf.get_local_buffer_tensor(torch.int32).data_ptr() + 4 * (n - 6)
+    with pytest.raises(ValueError, match="exceeds the buffer"):
+        buf.get_local_buffer_tensor(torch.int32, torch.Size([7]), offset=n - 6)

@@ -221,6 +221,14 @@ def test_peer_failing_to_build_its_buffer_is_a_remote_error_not_a_timeout():
     assert out[0][0] == "EPRemoteError" and "rank 1 failed to build its Buffer" in out[0][2] and out[0][1] < 10, out
 
 
+def test_peer_interrupted_while_building_its_buffer_is_a_remote_error_not_a_timeout():
+    """A rank interrupted (KeyboardInterrupt) in Buffer() while its peer is late: the peer raises EPRemoteError
+    naming the interrupt as soon as it arrives, not EPTimeoutError after timeout_s (30 s)."""
+    out = _values(run_ranks(mp_cases.peer_interrupted_while_building, 2))
+    assert out[1][0] == "KeyboardInterrupt", out
+    assert out[0][0] == "EPRemoteError" and "interrupted" in out[0][2] and out[0][1] < 10, out
+
+
 def test_a_bad_call_on_every_rank_leaves_the_peers_earlier_call_alone():
     """All ranks make the same invalid call right after a valid one that a late peer is still running:
     the late peer's valid call is not failed by the other rank's rejection of the next one; every valid

@@ -82,6 +82,31 @@ def test_masked_rank_drops_exactly_its_tokens(by_timeout):
             assert waits[0] >= 2.0 and waits[1] < 1.5, waits
 
 
+@pytest.mark.parametrize("form", ["split", "hook", "fused"])
+def test_rank_that_skipped_a_call_takes_no_stale_rows(form):
+    """A rank that skipped a call its peers made and gave up on (new user's find: its next dispatch returned the
+    peer's rows of the skipped call as its own, counted, with an empty mask): it masks the peers that gave up on it
+    at once, takes none of their rows, and after every rank unmasks a round trip is correct again."""
+    out = _values(run_ranks(ll_cases.skipped_call, 2, 7, 4, 2, 128, [5, 6], 8, 1, form))
+    (st0, after0, _, _, _), (st1, after1, took, sources, _) = out
+    assert st0 == [0, 1] and st1 == [1, 0], (st0, st1)
+    assert after0 == after1 == [0, 0], (after0, after1)
+    assert all(src == 1 for (_, src) in sources), sources     # rows of its own only: none of rank 0's A (or B)
+
+
+def test_rank_that_calls_late_is_told_it_was_given_up_on():
+    """A rank that makes a call after its peers gave up on it (late, not absent): it masks them at once in that call
+    and the next (before, it took the give-up call's rows and then, at its next call, the peer's release of a call
+    that sent it nothing, over an earlier call's counts, with an empty mask), and after every rank unmasks a round
+    trip is correct again."""
+    out = _values(run_ranks(ll_cases.skipped_call, 2, 9, 4, 2, 128, [6, 5], 8, 1, "split", True))
+    (st0, after0, _, _, _), (st1, after1, _, sources, late_a) = out
+    assert st0 == [0, 1] and st1 == [1, 0], (st0, st1)
+    assert after0 == after1 == [0, 0], (after0, after1)
+    assert all(src == 1 for (_, src) in sources), sources
+    assert all(src == 1 for (_, src) in late_a), late_a        # (the call its peers gave up with: masked at once)
+
+
 def test_silent_peer_without_shrink_times_out():
     out = _values(run_ranks(ll_cases.absent_without_shrink, 2, 8, 128, 4))
     assert out[0][0] == "EPTimeoutError" and out[0][1] == 1, out
@@ -101,7 +126,9 @@ def test_bad_ids_and_shapes():
     assert all(o[:2] == ["N: TypeError", "N: ValueError"] for o in out), out     # a str N, N = 0
     assert out[1][2:4] == ["shape", "ValueError (2 ids)"], out
     assert out[0][2] == "shape" and "EPRemoteError" in out[0][3:], out
-    assert all(o[-2:] == ["out: TypeError", "out: ValueError"] for o in out), out      # a float32 out, a bf16 of T+1
+    # a float32 out, a bf16 of T+1, a non-contiguous bf16 [T, H] (a new user's find: its message read "got
+    # torch.bfloat16 [8, 128]", the same as the requirement)
+    assert all(o[-3:] == ["out: TypeError", "out: ValueError", "out: ValueError (non-contiguous)"] for o in out), out
     want = "handle must be a handle this Buffer's low_latency_dispatch returned"
     for o in out:       # (a new user's find: a float in a handle's place said "got tuple")
         assert [e for e in o if e.startswith("handle: ")] == [
@@ -282,3 +309,40 @@ def test_an_interrupt_in_the_middle_of_a_call_is_named_on_every_rank_at_once(at_
     bad = [s for s in r0 if s[1] != "ok"]
     assert len(bad) == 1 and bad[0][:2] == (step, "EPRemoteError") and "rank 1" in bad[0][3], r0
     assert bad[0][2] < 5, r0
+
+
+@pytest.mark.parametrize("ll_rank, late", [(1, "normal"), (0, "normal"), (1, "ll"), (0, "ll")])
+def test_a_low_latency_call_against_a_normal_mode_call_raises_value_error_everywhere_at_once(ll_rank, late):
+    """One Buffer of both modes: one rank calls low_latency_dispatch while the other calls dispatch (both
+    orders of ranks; the rank of either mode comes last, and finds the disagreement in the other's call card,
+    whose waits hear of it). Every rank raises ValueError naming both calls, well within timeout_s (30 s), and a
+    normal-mode and a low-latency round trip then succeed with the oracle's rows (a new user's find: every rank
+    waited out timeout_s, and the Buffer was unusable after)."""
+    out = _values(run_ranks(ll_cases.modes_mixed, 2, ll_rank, late))
+    for rank, o in enumerate(out):
+        got = dict(o)
+        assert got["normal before"] == "ok", o
+        kind, secs, msg = got["mixed"]
+        assert kind == "ValueError" and secs < 10, o
+        ll_name, normal_name = f"rank {ll_rank} called low_latency_dispatch", f"rank {1 - ll_rank} called dispatch"
+        assert ll_name in msg and normal_name in msg and "disagree" in msg, o
+        assert got["normal after"] == "ok" and got["low-latency after"] == "ok", o
+
+
+@pytest.mark.parametrize("which", ["nvfp4", "overlap"])
+def test_an_engine_fork_keyword_refused_on_one_rank_is_told_to_its_peers(which):
+    """deep_ep's Buffer (the deep_ep switch's): rank 1 passes use_nvfp4=True to low_latency_dispatch or
+    overlap=True to low_latency_combine. It raises NotImplementedError naming the keyword, its peer
+    EPRemoteError well within timeout_s (30 s), and the next low-latency round trip succeeds on both (a new
+    user's find: the peer waited out timeout_s, and the Buffer was unusable after)."""
+    out = _values(run_ranks(ll_cases.fork_keyword, 2, which))
+    for rank, o in enumerate(out):
+        got = dict(o)
+        kind, secs, msg = got["refused"]
+        if rank == 1:
+            assert kind == "NotImplementedError", o
+            key = "use_nvfp4=True" if which == "nvfp4" else "low_latency_combine(overlap=True, block_m)"
+            assert key in msg, o
+        else:
+            assert kind == "EPRemoteError" and secs < 10, o
+        assert got["after"] == "ok", o

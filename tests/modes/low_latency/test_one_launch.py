@@ -74,7 +74,8 @@ def test_bad_ids_then_recover_in_one_launch():
     assert all(o[:2] == ["N: TypeError", "N: ValueError"] for o in out), out     # a str N, N = 0
     assert out[1][2:4] == ["shape", "ValueError (2 ids)"], out
     assert out[0][2] == "shape" and "EPRemoteError" in out[0][3:], out
-    assert all(o[-2:] == ["out: TypeError", "out: ValueError"] for o in out), out      # a float32 out, a bf16 of T+1
+    # a float32 out, a bf16 of T+1, a non-contiguous bf16 [T, H]
+    assert all(o[-3:] == ["out: TypeError", "out: ValueError", "out: ValueError (non-contiguous)"] for o in out), out
 
 
 def test_decode_steps_replay_the_last_calls_plan():

@@ -4,7 +4,8 @@
 DeepEP forks (vLLM v0.33.0, SGLang v0.5.23; docs/engines_vllm.md, docs/engines_sglang.md) accepted by name:
 where the value asks for nothing (``use_nvfp4=False``, ``x_global_scale=None``, ``overlap=False``) the call goes
 on as triton-ep's; where it asks for a feature triton-ep lacks it raises ``NotImplementedError`` naming it,
-before anything is sent (a plain ``TypeError`` "unexpected keyword" would not say what is missing).
+before anything is sent (a plain ``TypeError`` "unexpected keyword" would not say what is missing), and the peers,
+which make the call, raise ``EPRemoteError`` at once, as for any argument error.
 """
 from __future__ import annotations
 
@@ -33,14 +34,15 @@ class Buffer(triton_ep.Buffer):
             others: as :meth:`triton_ep.Buffer.low_latency_dispatch`.
 
         Raises:
-            NotImplementedError: ``use_nvfp4=True`` or an ``x_global_scale`` (before anything is sent);
-            otherwise as :meth:`triton_ep.Buffer.low_latency_dispatch`.
+            NotImplementedError: ``use_nvfp4=True`` or an ``x_global_scale`` (before anything is sent; the peers'
+            calls raise ``EPRemoteError`` at once and the next call goes on, as for any argument error); otherwise
+            as :meth:`triton_ep.Buffer.low_latency_dispatch`.
         """
         if use_nvfp4 or x_global_scale is not None:
-            raise NotImplementedError(
+            self._refuse(NotImplementedError(
                 f"low_latency_dispatch(use_nvfp4={use_nvfp4!r}, x_global_scale="
                 f"{'given' if x_global_scale is not None else None}): NVFP4 dispatch (DeepEP's hybrid-ep branch) is "
-                f"not in triton-ep; dispatch bf16 or FP8 (use_fp8=True) instead")
+                f"not in triton-ep; dispatch bf16 or FP8 (use_fp8=True) instead"))
         return super().low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *args,
                                             **kwargs)
 
@@ -56,14 +58,25 @@ class Buffer(triton_ep.Buffer):
 
         Raises:
             NotImplementedError: ``overlap=True`` (SGLang's ``--enable-single-batch-overlap``), before anything
-            is sent; otherwise as :meth:`triton_ep.Buffer.low_latency_combine`.
+            is sent (the peers' calls raise ``EPRemoteError`` at once, as for any argument error); otherwise as
+            :meth:`triton_ep.Buffer.low_latency_combine`.
         """
         given = [k for k in _OVERLAP_ARGS if k in kwargs]
         if overlap:
-            raise NotImplementedError(
-                f"low_latency_combine(overlap=True, {', '.join(given)}): combine overlapped with the expert GEMM's "
-                f"signals (SGLang's single-batch overlap, DeepEP fork fzyzcjy/DeepEP) is not in triton-ep; run "
-                f"without --enable-single-batch-overlap")
+            self._refuse(NotImplementedError(
+                f"low_latency_combine({', '.join(['overlap=True'] + given)}): combine overlapped with the expert "
+                f"GEMM's signals (SGLang's single-batch overlap, DeepEP fork fzyzcjy/DeepEP) is not in triton-ep; run "
+                f"without --enable-single-batch-overlap"))
         for k in given:
             del kwargs[k]
         return super().low_latency_combine(x, topk_idx, topk_weights, handle, *args, **kwargs)
+
+    def _refuse(self, err: NotImplementedError) -> None:
+        """Raise ``err`` for a low-latency call this rank cannot serve, as an argument error: its peers, which make
+        the call, are told at once (``EPRemoteError``) and the group goes on (the Buffer's low-latency mode refuses
+        it; a Buffer without one raises ``err`` alone, as its peers' calls raise too)."""
+        refuse = getattr(self._ll, "refuse", None)
+        if refuse is None:
+            raise err
+        refuse(err)
+        raise err       # (refuse raises it: not reached)

@@ -334,6 +334,7 @@ class NetLeg:
             ctl[:8].copy_(torch.tensor([top, 0, top, top] + unpacked + [top, top], dtype=torch.int64, device=ctl.device))
             for p in renumber:
                 ctl[F.off_ll_mask.host(R) + p].fill_(0)
+                ctl[F.off_ll_gaveup.host(R) + p].fill_(0)
 
     def _forget_cards(self) -> None:
         """Remove the call cards this rank posted (:meth:`explain_mismatch`) from the group's store."""

@@ -122,8 +122,22 @@ class LowLatency(LowLatencyState):
         try:
             return fn(*args)
         except Exception as e:
-            self._post_failure()
+            self.post_failure()
             e._ep_told = True
+            raise
+
+    def refuse(self, err: Exception) -> None:
+        """Refuse a low-latency call this rank cannot serve (``err``, e.g. ``NotImplementedError`` for an engine
+        fork's keyword argument) as a call whose arguments fail their checks: count it, start it as every call
+        starts (a recorded error, the re-synchronisation after one), then tell the peers (their waits of the call
+        end at once with ``EPRemoteError``; the next call re-synchronises the group) and raise ``err``."""
+        self.rt.live()
+        try:
+            self.rt.count_call(low_latency=True)
+            self.start()
+            self.guard(_raise, err)
+        except BaseException as e:
+            self.failed_mid_call(e)
             raise
 
     def check_arg(self, name, t, dtypes, shape, why=""):
@@ -183,6 +197,10 @@ class LowLatency(LowLatencyState):
         return hook
 
 
+def _raise(err: Exception):
+    raise err
+
+
 # ------------------------------------------------------------------ dispatch
 def dispatch(ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
@@ -195,8 +213,9 @@ def dispatch(ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               round_scale, use_ue8m0, async_finish)
         if out is not None:     # (a call of the last call's sizes again: its plan launched it)
             return out
-    ll.start()
     rt = ll.rt
+    rt.count_call(low_latency=True)     # (before anything can refuse the call: the ranks' call numbers stay equal)
+    ll.start()
     a = ll.guard(dispatch_args, ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                  use_ue8m0, async_finish, return_recv_hook)
@@ -204,7 +223,6 @@ def dispatch(ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
     K = a.topk_idx.shape[1]
     N, E = a.lay.n_max, a.lay.num_experts
     sig = call_signature([card.LL_DISPATCH, N, H, E, K, int(use_fp8), int(use_ue8m0)])
-    rt.count_call()
     rt.publish(card.LL_DISPATCH, (N, H, E, K, int(use_fp8), int(use_ue8m0)))
     o = dispatch_outputs(rt, a, use_fp8, use_ue8m0)
     idx_n = ll.guard(ll.claim_send)      # a refused call launches nothing (its peers are told, as of bad arguments)
@@ -332,14 +350,14 @@ def combine(ll, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=F
         if res is not None:     # (a call of the last call's sizes again: its plan launched it)
             return res
     plan_out = out is None
-    ll.start()
     rt = ll.rt
+    rt.count_call(low_latency=True)     # (before anything can refuse the call: the ranks' call numbers stay equal)
+    ll.start()
     a = ll.guard(combine_args, ll, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                  return_recv_hook, out, combine_wait_recv_cost_stats)
     T, K = a.topk_idx.shape
     lay, H = a.lay, a.lay.hidden
     sig = call_signature([card.LL_COMBINE, lay.n_max, H, lay.num_experts, K, int(a.use_logfmt)])
-    rt.count_call()
     rt.publish(card.LL_COMBINE, (lay.n_max, H, lay.num_experts, K, int(a.use_logfmt)))
     if a.out is None:
         a.out = torch.empty((T, H), dtype=torch.bfloat16, device=rt.device)
@@ -436,7 +454,8 @@ def _check_out(out: Optional[Tensor], T: int, H: int, device) -> None:
         bad_type = not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
         if bad_type or tuple(out.shape) != (T, H) or not out.is_contiguous() or out.device != device:
             err = TypeError if bad_type else ValueError
+            layout = "non-contiguous " if isinstance(out, torch.Tensor) and not out.is_contiguous() else ""
             raise err(f"out must be a contiguous bf16 tensor [{T}, {H}] on {device} (the handle's tokens, hidden), "
-                      f"got {getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))} on "
-                      f"{getattr(out, 'device', '-')}")
+                      f"got a {layout}{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))} "
+                      f"on {getattr(out, 'device', '-')}")
 

@@ -167,11 +167,13 @@ class LowLatencyState:
         self.pending.clear()
         self.failed = False
 
-    def _post_failure(self) -> None:
+    def post_failure(self, kind: int = int(F.E_FAILED)) -> None:
         """This rank rejects its next low-latency call: write that call's number into every peer's
-        ``LFAILED[rank]``, so their waits of that call end at once (their earlier calls, which may still
-        be running, are not affected), and mark this rank for re-synchronisation (its own kernels go on:
-        a hook of an earlier call still receives)."""
+        ``LFAILED[rank]`` (with ``kind``: ``E_FAILED``, the peers raise ``EPRemoteError``; ``E_MISMATCH``, this rank
+        found that the ranks called different operations: they raise ``ValueError`` naming them), so their waits
+        of that call end at once (their earlier calls, which may still be running, are not affected), and mark
+        this rank for re-synchronisation (its own kernels go on: a hook of an earlier call still receives).
+        Across hosts the network peers hear ``E_FAILED`` whatever ``kind``."""
         rt = self.rt
         R, me = rt.group_size, rt.rank
         rt.wait_comm_stream()
@@ -179,7 +181,7 @@ class LowLatencyState:
         with torch.inference_mode():
             for r, pc in enumerate(self.peer_ctl):
                 if r != me:
-                    pc[F.off_ll_failed.host(R) + me].fill_(ll_failure_word_of(n, F.E_FAILED, me))
+                    pc[F.off_ll_failed.host(R) + me].fill_(ll_failure_word_of(n, kind, me))
         if self.net is not None:        # the peers on the network learn it from this call's chunk
             rt.sig.needs_resync = True
             try:
@@ -303,6 +305,29 @@ class LowLatencyState:
         R = self.rt.group_size
         return self.ctl[F.off_ll_mask.host(R):F.off_ll_mask.host(R) + R]
 
+    def _gaveup_words(self) -> Tensor:
+        """``GAVEUP[s]`` of this rank's control block: nonzero where rank ``s`` gave up on this rank."""
+        R = self.rt.group_size
+        return self.ctl[F.off_ll_gaveup.host(R):F.off_ll_gaveup.host(R) + R]
+
+    def _unmask_here(self, ranks) -> None:
+        """Unmask ``ranks`` in this rank's control block: their ``MASK`` and ``GAVEUP`` words go to 0. Where one of
+        them was masked by a wait (a timeout, a gone peer, its ``GAVEUP`` word) or gave up on this rank, the two may
+        have made different numbers of calls since (a rank that skipped a call its peers made is one behind them), so
+        this rank's next low-latency call re-synchronises the group first (every rank of the host meets, as after an
+        error, and the call numbers restart alike): every rank involved holds such a word and unmasks too. A device
+        read: masking calls are not on the fast path."""
+        ranks = list(ranks)
+        with torch.inference_mode():
+            mask, gave = self._mask_words(), self._gaveup_words()
+            idx = torch.tensor(ranks, dtype=torch.long, device=mask.device)
+            waited = bool(((mask[idx] == int(F.LL_MASK_WAIT)) | (gave[idx] != 0)).any().item())
+            mask[idx] = 0
+            gave[idx] = 0
+        if waited and self.net is None:
+            self.rt.sig.needs_resync = True
+            self.failed = True
+
     def update_mask(self, rank: int, mask: bool) -> None:
         """``Buffer.low_latency_update_mask_buffer``."""
         self._masking()
@@ -312,10 +337,15 @@ class LowLatencyState:
         if self.net is not None and not mask:   # a collective across hosts, on every rank (the rank itself too)
             self._unmask_across_hosts([rank])
             return
+        if not mask:
+            self._unmask_here([rank])
+            return
         if self.net is not None and rank in self.net.remote_ranks:
             self.net.sched.flags.mask(rank)     # its proxy drops what it still holds for that rank
         with torch.inference_mode():
-            self._mask_words()[rank].fill_(1 if mask else 0)
+            # (a mask a wait set stays one: its unmask restarts the numbers; no device read)
+            word = self._mask_words()[rank:rank + 1]
+            word.copy_(torch.where(word != 0, word, torch.full_like(word, int(F.LL_MASK_HAND))))
 
     def _unmask_across_hosts(self, ranks) -> None:
         """Unmask ``ranks`` with a Buffer whose ranks span hosts: a collective (every rank makes the same call).
@@ -343,9 +373,8 @@ class LowLatencyState:
                 comm.broken = comm.broken or f"unmasking failed: {type(ex).__name__}: {ex}"
             raise
         local = [r for r in ranks if r not in self.net.remote_ranks]
-        with torch.inference_mode():
-            for r in local:
-                self._mask_words()[r].fill_(0)
+        if local:       # (the meeting restarted the call numbers already)
+            self._unmask_here(local)
 
     def query_mask(self, status: Tensor) -> None:
         """``Buffer.low_latency_query_mask_buffer``."""
@@ -355,15 +384,15 @@ class LowLatencyState:
             raise ValueError(f"mask_status must be an int32 tensor [{R}], got "
                              f"{getattr(status, 'dtype', type(status).__name__)} {list(getattr(status, 'shape', []))}")
         with torch.inference_mode():
-            status.copy_((self._mask_words() != 0).to(torch.int32))
+            # (a peer that gave up on this rank is masked by this rank's next wait for it: shown already)
+            status.copy_(((self._mask_words() != 0) | (self._gaveup_words() != 0)).to(torch.int32))
 
     def clean_mask(self) -> None:
         """``Buffer.low_latency_clean_mask_buffer``."""
         self._masking()
         if self.net is not None:            # a collective across hosts: every rank unmasks every rank
             self._unmask_across_hosts(list(range(self.rt.group_size)))
-        with torch.inference_mode():
-            self._mask_words().zero_()
+        self._unmask_here(range(self.rt.group_size))
 
     def clean(self, n_max: int, hidden: int, num_experts: int) -> None:
         """``Buffer.clean_low_latency_buffer``."""
