@@ -139,7 +139,7 @@ class Runtime:
     def close(self) -> None:
         """Release the shared buffers, waiting first for kernels still queued (each of their waits is bounded
         by ``timeout_s``), and drop every view of them this Runtime holds (the plans' launches, the signal headers,
-        the call card, the kernels' ``hdr`` argument): an object the caller keeps after ``destroy()`` (an event,
+        the call cards, the kernels' ``hdr`` argument): an object the caller keeps after ``destroy()`` (an event,
         whose check is this Runtime's, a handle, a hook) then keeps none of the shared memory mapped, with no
         garbage collection. Idempotent."""
         if self.comm is not None:
@@ -155,7 +155,7 @@ class Runtime:
                 self.comm = None
                 self.sig.release()
                 self.sig_args.pop("hdr", None)     # (the dict the modes' launches share)
-                self._card = None
+                self._card, self._peer_cards = None, []
 
     def agree_on_layout(self) -> None:
         """Every rank publishes where its low-latency area lies (its offset, the normal-mode part rounded from
