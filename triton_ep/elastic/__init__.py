@@ -235,7 +235,8 @@ class ElasticBuffer:
             torch.cuda.synchronize(self.device)
 
     def destroy(self) -> None:
-        """Release the shared buffers (idempotent; later calls raise ``EPError``)."""
+        """Release the shared buffers at once, whatever the caller keeps (:meth:`triton_ep.Buffer.destroy`;
+        idempotent; later calls and event waits raise ``EPError``)."""
         self._buffer.destroy()
 
     def check(self) -> None:

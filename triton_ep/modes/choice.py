@@ -4,6 +4,7 @@ with its network leg across hosts) or none (:class:`Unavailable`). Every mode ta
 Buffer's own arguments, so the Buffer forwards each call with no branch (docs/design.md, section 2)."""
 from __future__ import annotations
 
+import gc
 import operator
 import os
 from dataclasses import dataclass
@@ -13,11 +14,21 @@ import torch
 
 from ..runtime import Runtime
 from ..runtime import ll_area_bytes
+from ..triton_mode import interpreted
 from .internode import Internode, LowLatencyAcrossHosts, traffic_stats
 from .intranode import Intranode
 from .low_latency import LowLatency, Unavailable
 
 Tensor = torch.Tensor
+
+
+def collect_interpreter_cycles() -> None:
+    """Under Triton's interpreter (CPU), what ``Buffer.destroy`` does last: one full garbage collection. The
+    interpreter keeps the storages of each launch's arguments (views of the shared buffers among them) in reference
+    cycles of its own (the recursive closures that copy the arguments to the host), which only the collector frees;
+    without this, this rank's own buffer stayed mapped after ``destroy()`` until the next collection (about 0.3 s
+    here, a process with torch and Triton imported; a GPU has no interpreter and never collects)."""
+    gc.collect()
 
 
 @dataclass
@@ -51,13 +62,23 @@ class Modes:
         if os.getpid() != self.rt.pid:       # (the process that built the Buffer: Runtime.live)
             return
         try:
-            self.low_latency.close()
+            if self.rt.comm is not None and self.rt.device.type == "cuda":
+                # every stream's kernels first (the low-latency runtime across hosts has a stream of its own): the
+                # modes drop their views of the shared buffers and rings as they close, and the rings are unmapped
+                torch.cuda.synchronize(self.rt.device)
         finally:
             try:
-                if self.internode is not None:
-                    self.internode.close()
+                self.low_latency.close()
             finally:
-                self.rt.close()
+                try:
+                    if self.internode is not None:
+                        self.internode.close()
+                finally:
+                    try:
+                        self.rt.close()
+                    finally:
+                        if self.rt.group is not None and interpreted():
+                            collect_interpreter_cycles()
 
     def rdma_stats(self) -> dict:
         """``Buffer.get_rdma_stats``: normal mode's traffic between hosts, and low-latency mode's under

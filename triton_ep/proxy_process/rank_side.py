@@ -395,7 +395,25 @@ class ProcessScheduler(Scheduler):
             import torch
             torch.cuda.cudart().cudaHostUnregister(self._cuda_ptr)
             self._cuda_ptr = None
-        # (the mapping goes with the last view of it: the rank's tensors over the rings may outlive this)
+        self._unmap()
+
+    def _unmap(self) -> None:
+        """Unmap the rings and close the mapping's descriptor (``mmap`` keeps a duplicate of it) now, not when the
+        garbage collector finds this object: the control words live on in a private copy (read after the close,
+        e.g. a fault word), the views of the region are dropped. The rank's own views of the rings (the network
+        leg's tensors) must be gone by then (``Network.close`` drops them first); if one is still alive the mapping
+        stays until it goes (``BufferError``: never unmapped under a live view)."""
+        if getattr(self, "_map", None) is None:
+            return
+        flags = getattr(self, "flags", None)
+        if flags is not None:
+            self.flags = RingFlags(flags.w.copy(), self.rank, self.world, self.slots)
+        self.mem = flags = None
+        try:
+            self._map.close()
+        except BufferError:         # a view of the rings is still alive: the mapping goes with it
+            return
+        self._map = None
 
 
 def _close_at_exit(ref) -> None:

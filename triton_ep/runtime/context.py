@@ -116,7 +116,7 @@ class Runtime:
         #: every rank's after it
         self.resync_parts: list = []
         # a rank that leaves the group says so in its card too (peers may wait there: every_worst)
-        self.sig.on_leave = lambda: card.mark_failed(self._card, card.LEFT)
+        self.sig.on_leave = lambda: self._card is not None and card.mark_failed(self._card, card.LEFT)
         self.sig.explain_mismatch = self.explain_mismatch
         # ranks that are processes of one host: a watcher thread looks at the peers' liveness locks and sets the
         # DEAD word of a dead peer (and with see_closed of one that destroyed its Buffer), which the kernels' waits
@@ -138,7 +138,10 @@ class Runtime:
 
     def close(self) -> None:
         """Release the shared buffers, waiting first for kernels still queued (each of their waits is bounded
-        by ``timeout_s``). Idempotent."""
+        by ``timeout_s``), and drop every view of them this Runtime holds (the plans' launches, the signal headers,
+        the call cards, the kernels' ``hdr`` argument): an object the caller keeps after ``destroy()`` (an event,
+        whose check is this Runtime's, a handle, a hook) then keeps none of the shared memory mapped, with no
+        garbage collection. Idempotent."""
         if self.comm is not None:
             try:
                 if self.comm_stream is not None:
@@ -150,6 +153,9 @@ class Runtime:
                 # (the liveness byte says whether this rank told its peers of an error first: transport.liveness)
                 self.comm.close(self.sig.closing_state(self.comm.broken is not None))
                 self.comm = None
+                self.sig.release()
+                self.sig_args.pop("hdr", None)     # (the dict the modes' launches share)
+                self._card, self._peer_cards = None, []
 
     def agree_on_layout(self) -> None:
         """Every rank publishes where its low-latency area lies (its offset, the normal-mode part rounded from

@@ -163,6 +163,14 @@ class Signals:
         #: (:meth:`~triton_ep.transport.liveness.Liveness.left_peers`); set by the Runtime where ranks are processes
         self.dead_peers: Optional[Callable[[], dict]] = None
 
+    def release(self) -> None:
+        """Drop the views of the shared buffers (this rank's header and the peers'): ``Buffer.destroy`` calls it
+        once the Comm closed, so that an object the caller still holds (an event, whose check reaches the Runtime)
+        keeps none of that memory mapped. The host block stays (the liveness watcher may still write it); nothing
+        may read a header afterwards (every call checks the Buffer is alive first)."""
+        self.header = None
+        self.peer_headers = []
+
     # ---- what kernels take
     def kernel_args(self, max_programs: Optional[int] = None) -> dict:
         """What every signalling kernel launcher takes (``signals=``); ``max_programs``: the grid cap of a

@@ -361,7 +361,14 @@ class NetLeg:
             sched.fail(sched_mod.PeerGoneError(
                 sched.rank, gone, None, None, "destroy", "its process is gone (this rank knew it from its host's "
                 "liveness lock or its own waits) and this rank destroyed its Buffer"))
+        self.ring_ctl = None        # (a view of the rings: the proxy's mapping is closed with it, Network.close)
         self.network.close()
+
+    def drop_views(self) -> None:
+        """Forget the views of the rings and of this host's shared buffers (after :meth:`close`): an object the
+        caller still holds that reaches this leg keeps none of that memory mapped."""
+        self.ring_ctl = self.local = None
+        self.network.drop_views()
 
 
 def arrival_words_switch() -> bool:
@@ -455,8 +462,13 @@ class LowLatencyAcrossHosts(LowLatency):
             try:
                 self.rt.close()
             finally:
-                if net.local is not None:
-                    net.local.close()
+                try:
+                    if net.local is not None:
+                        net.local.close()
+                finally:
+                    # (a hook the caller keeps reaches this object: it must keep none of the memory mapped)
+                    net.drop_views()
+                    self.drop_views()
 
 
 def watch_host(own: Runtime, local: ipc.Comm, ranks: List[int]) -> None:

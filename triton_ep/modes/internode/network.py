@@ -194,17 +194,24 @@ class Network:
     """
     transport: object
     sched: sched_mod.Scheduler
-    mem: torch.Tensor
-    ring_ctl: torch.Tensor
-    send: torch.Tensor
-    recv: torch.Tensor
+    mem: Optional[torch.Tensor]          # (None once closed: drop_views)
+    ring_ctl: Optional[torch.Tensor]
+    send: Optional[torch.Tensor]
+    recv: Optional[torch.Tensor]
 
     def close(self) -> None:
-        """Stop the proxy, then release the QPs, MRs, CQs and PD. Idempotent."""
+        """Stop the proxy, then release the QPs, MRs, CQs and PD, and drop the views of the region (with the proxy
+        in a process of its own its mapping is closed then, :meth:`ProcessScheduler.close
+        <triton_ep.proxy_process.ProcessScheduler.close>`). Idempotent."""
+        self.drop_views()
         try:
             self.sched.close()
         finally:
             self.transport.close()
+
+    def drop_views(self) -> None:
+        """Forget the views of the region: nothing that still reaches this object keeps it mapped."""
+        self.mem = self.ring_ctl = self.send = self.recv = None
 
 
 def open_network(backend: str, group, rank: int, world: int, *, token: str, names, name: str,

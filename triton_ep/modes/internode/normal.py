@@ -183,6 +183,9 @@ class Internode:
             self.capture.close()
         self.sched = self.transport = None
         self.local_group = self.peer_group = None       # the HostsRuntime destroys them
+        # (before the scheduler closes: with the proxy in a process of its own it unmaps the rings then, which it
+        # does only where no view of them is left)
+        self._ring_mem = self._ring_ctrl = self._ring_send = self._ring_recv = None
         try:
             if sched is not None:
                 sched.close()
@@ -190,7 +193,6 @@ class Internode:
             try:
                 if transport is not None:
                     transport.close()
-                self._ring_mem = self._ring_ctrl = self._ring_send = self._ring_recv = None
             finally:
                 if host_ranks is not None:
                     host_ranks.close()

@@ -171,6 +171,7 @@ class LowLatency(LowLatencyState):
 
         def hook() -> None:
             """Complete the receive of this low-latency call (once). Raises what the kernels recorded."""
+            self.rt.live()          # (EPError once the Buffer was destroyed: its area is gone)
             if done:
                 raise ValueError("this receive hook has already run")
             if idx not in self.pending:

@@ -254,8 +254,18 @@ class LowLatencyState:
         return self.zero_copy_buffer(self.layout(*self.check_handle(handle).sizes))
 
     def close(self) -> None:
-        """Release what this mode holds of its own: nothing within one host (the Buffer's runtime holds the area;
-        across hosts :class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts` releases its leg)."""
+        """Drop this mode's views of the shared buffers (the area, the control blocks), so that a receive hook
+        the caller keeps after ``destroy()`` keeps none of that memory mapped (the Buffer's runtime, which closes
+        after this, holds the buffers and waits for the kernels still queued first). Across hosts
+        :class:`~triton_ep.modes.internode.low_latency.LowLatencyAcrossHosts` releases its leg too."""
+        self.drop_views()
+
+    def drop_views(self) -> None:
+        """Forget the views of the shared buffers (nothing may use them afterwards: every call and hook checks that
+        the Buffer is alive first)."""
+        self.area_u8 = self.area = self.ctl = None
+        self.peer_ctl = []
+        self.replay_dispatch = self.replay_combine = None
 
     def check(self) -> None:
         """Across hosts (``Buffer.check``): raise what this mode's RDMA proxy (first: :meth:`NetLeg.check
