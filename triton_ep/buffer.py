@@ -302,8 +302,9 @@ class Buffer:
     def destroy(self) -> None:
         """Release this rank's shared buffers, peer mappings and (across hosts) RDMA resources (DeepEP's) by the
         time it returns, whatever the caller keeps (events, handles, hooks, results, this object; not the views
-        ``get_local_buffer_tensor`` and ``get_next_low_latency_combine_buffer`` gave), with no garbage collection of
-        the caller's (on a CPU it runs one, for Triton's interpreter). Idempotent; later calls, event waits and
+        ``get_local_buffer_tensor`` and ``get_next_low_latency_combine_buffer`` gave), with no garbage collection
+        (on a CPU, Triton's interpreter keeps this rank's own buffer in reference cycles of its own until the next
+        collection). Idempotent; later calls, event waits and
         hooks raise ``EPError``. In a process forked from the one that
         built the Buffer it does nothing (they are the parent's)."""
         self._modes.close()

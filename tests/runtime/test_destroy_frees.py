@@ -42,9 +42,9 @@ def test_destroy_releases_the_shared_memory_that_kept_objects_reached(kind):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["normal", "low_latency"])
 def test_destroy_on_a_cpu_frees_what_the_interpreter_held(kind):
-    """As above, with destroy()'s own collection of the CPU interpreter's reference cycles (which hold the launches'
-    arguments, this rank's own buffer among them) and none before it: the memory goes at destroy() there too
-    (before: this rank's own buffer stayed mapped until the next collection)."""
+    """As above, with the collection of the CPU interpreter's reference cycles (which hold the launches' arguments,
+    this rank's own buffer among them) right after destroy() instead, everything still kept, as a CPU user's next
+    collection makes it: nothing is left (before: a kept event pinned the memory through any collection)."""
     _check(run_ranks(cases.destroyed_while_held, 2, kind, False, timeout_s=240))
 
 

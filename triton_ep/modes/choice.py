@@ -4,7 +4,6 @@ with its network leg across hosts) or none (:class:`Unavailable`). Every mode ta
 Buffer's own arguments, so the Buffer forwards each call with no branch (docs/design.md, section 2)."""
 from __future__ import annotations
 
-import gc
 import operator
 import os
 from dataclasses import dataclass
@@ -14,21 +13,11 @@ import torch
 
 from ..runtime import Runtime
 from ..runtime import ll_area_bytes
-from ..triton_mode import interpreted
 from .internode import Internode, LowLatencyAcrossHosts, traffic_stats
 from .intranode import Intranode
 from .low_latency import LowLatency, Unavailable
 
 Tensor = torch.Tensor
-
-
-def collect_interpreter_cycles() -> None:
-    """Under Triton's interpreter (CPU), what ``Buffer.destroy`` does last: one full garbage collection. The
-    interpreter keeps the storages of each launch's arguments (views of the shared buffers among them) in reference
-    cycles of its own (the recursive closures that copy the arguments to the host), which only the collector frees;
-    without this, this rank's own buffer stayed mapped after ``destroy()`` until the next collection (about 0.3 s
-    here, a process with torch and Triton imported; a GPU has no interpreter and never collects)."""
-    gc.collect()
 
 
 @dataclass
@@ -74,11 +63,7 @@ class Modes:
                     if self.internode is not None:
                         self.internode.close()
                 finally:
-                    try:
-                        self.rt.close()
-                    finally:
-                        if self.rt.group is not None and interpreted():
-                            collect_interpreter_cycles()
+                    self.rt.close()
 
     def rdma_stats(self) -> dict:
         """``Buffer.get_rdma_stats``: normal mode's traffic between hosts, and low-latency mode's under
