@@ -10,7 +10,6 @@ from __future__ import annotations
 import warnings
 from typing import Optional, Tuple, Union
 
-import numpy as np
 import torch
 
 from .config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, NUM_SMS_SET, Config, EventOverlap, num_sms_arg,
@@ -21,6 +20,7 @@ from .modes.intranode import Intranode
 from .modes.intranode_args import BARRIER, DispatchArgs, DispatchHandle, XLike
 from .modes.low_latency import LowLatency, Unavailable, size_hint
 from .runtime import current_event, open_runtime
+from .runtime.checks import isint
 from . import tuned
 
 Tensor = torch.Tensor
@@ -35,7 +35,7 @@ def _shape_arg(name: str, value, least: int) -> Optional[int]:
     """
     if value is None:
         return None
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+    if not isint(value):
         raise TypeError(f"{name} must be None or an int of at least {least}, got {value!r} "
                         f"({type(value).__name__})")
     if value < least:
@@ -304,9 +304,8 @@ class Buffer:
         time it returns, whatever the caller keeps (events, handles, hooks, results, this object; not the views
         ``get_local_buffer_tensor`` and ``get_next_low_latency_combine_buffer`` gave), with no garbage collection
         (on a CPU, Triton's interpreter keeps this rank's own buffer in reference cycles of its own until the next
-        collection). Idempotent; later calls, event waits and
-        hooks raise ``EPError``. In a process forked from the one that
-        built the Buffer it does nothing (they are the parent's)."""
+        collection). Idempotent; later calls, event waits and hooks raise ``EPError``. In a process forked from the
+        one that built the Buffer it does nothing (they are the parent's)."""
         self._modes.close()
 
     def check(self) -> None:

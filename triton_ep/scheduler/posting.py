@@ -419,7 +419,6 @@ class ChunkPosting:
         st.credit_sent = head
         return True
 
-
     def _tell_gave_up(self, p: int, st) -> bool:
         """Low-latency rank masking across hosts: once this rank's kernels gave up on the masked peer ``p``
         (``GSRC[p]``: the call they gave up in, stored before ``MASKED[p]``), WRITE that word into ``p``'s ``GAVE[me]``
