@@ -20,7 +20,10 @@ unmeasured and ``--replays`` times between two CUDA events, cap after cap: GPU �
 it). ``floor_us``: the bytes a call must move at one rank (x read once, each record written once and read once,
 the output written once: 4 x T rows) over the copy ceiling measured first (``dst.copy_(src)`` of 512 MiB, read
 plus written bytes per second); ``*_frac`` = floor / time; ``*_ratio`` = time / the first cap's time (below 1:
-quicker). Every cap's outputs are compared bit for bit with the first cap's.
+quicker). ``copy_same_bytes_us``: ``Tensor.copy_`` of those floor bytes (half read, half written), captured in a
+graph and replayed like the calls in each repeat (GPU only); ``*_of_copy`` = that copy's time / the call's (1: the
+call as fast as a plain copy of its floor bytes, timed the same way). Every cap's outputs are compared bit for bit
+with the first cap's.
 
 ``--vary dispatch_recv.num_warps=4,16`` adds a setting per value: the tuning table's defaults with the first cap
 (unless the entry is the cap itself, ``grid.programs_per_sm``) and that one entry changed (``GPU_TUNING`` on a GPU, ``INTERP_TUNING`` on CPU; one entry at a time, repeatable);
@@ -256,24 +259,37 @@ def one_size(a, T: int, dev: torch.device, ceiling) -> list:
         for st in a.settings:          # each graph keeps the grid, parameters and switches it was captured with
             with _Tuned(st):
                 timers.append({part: _timer(step, dev) for part, step in steps.items()})
+        # Tensor.copy_ of a call's floor bytes (4 x T rows: half read, half written), replayed from a graph
+        # in the same repeats as the calls (GPU only)
+        floor_bytes = (x.numel() + 3 * recv.numel()) * x.element_size()
+        copy_timer = None
+        if dev.type == "cuda":
+            src = torch.ones(floor_bytes // 2, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            copy_timer = _timer(lambda: dst.copy_(src), dev)[0]
         us = [{part: [] for part in steps} for _ in a.settings]
+        copy_us = []
         for _ in range(a.repeats):
+            if copy_timer is not None:
+                copy_us.append(copy_timer(a.replays))
             for j, st in enumerate(a.settings):
                 with _Tuned(st):
                     for part in steps:
                         us[j][part].append(timers[j][part][0](a.replays))
         ref = {part: _bits(timers[0][part][1]()) for part in steps}
-        floor = None if ceiling is None else (x.numel() + 3 * recv.numel()) * x.element_size() / ceiling * 1e6
+        floor = None if ceiling is None else floor_bytes / ceiling * 1e6
+        copy_med = statistics.median(copy_us) if copy_us else None
         first = {part: statistics.median(us[0][part]) for part in steps}
         rows = []
         for j, st in enumerate(a.settings):
             row = dict(tokens=T, setting=_label(st), tuning=st, programs_per_sm=st["grid.programs_per_sm"],
-                       floor_us=floor)
+                       floor_us=floor, floor_bytes=floor_bytes, copy_same_bytes_us=copy_med)
             for part in steps:
                 med = statistics.median(us[j][part])
                 row.update({f"{part}_us": med, f"{part}_ratio": med / first[part], f"{part}_all": us[j][part]})
                 if part != "pair":
                     row[f"{part}_frac"] = None if floor is None else floor / med
+                    row[f"{part}_of_copy"] = None if copy_med is None else copy_med / med
             row["results_equal"] = all(all(torch.equal(p, q) for p, q in zip(_bits(timers[j][part][1]()), ref[part]))
                                        for part in steps)
             rows.append(row)
@@ -294,16 +310,19 @@ def main(argv=None) -> int:
                 rows += one_size(a, T, dev, ceiling)
         finally:
             dist.destroy_process_group()
-    what = ("GPU µs per CUDA-graph replay, median of the repeats; frac = the call's bytes at the copy ceiling / time"
+    what = ("GPU µs per CUDA-graph replay, median of the repeats; frac = the call's bytes at the copy ceiling / time; "
+            "of_copy = Tensor.copy_ of the call's bytes (copy us), replayed in the same repeats, / time"
             if dev.type == "cuda" else
             "CPU: µs per eager call under the Triton interpreter; they say nothing about GPU speed")
     print(f"[grid_cap] {C.device_name()}, one rank, hidden {a.hidden}, top-{a.topk} of {a.experts}: {what}")
-    C.print_table(["tokens", "setting", "dispatch us", "ratio", "frac", "combine us", "ratio", "frac"]
-                  + (["pair us", "ratio"] if a.pair else []) + ["equal"],
+    opt = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    C.print_table(["tokens", "setting", "dispatch us", "ratio", "frac", "of_copy", "combine us", "ratio", "frac",
+                   "of_copy"] + (["pair us", "ratio"] if a.pair else []) + ["copy us", "equal"],
                   [[r["tokens"], r["setting"], f"{r['dispatch_us']:.1f}", f"{r['dispatch_ratio']:.3f}",
-                    "-" if r["dispatch_frac"] is None else f"{r['dispatch_frac']:.2f}", f"{r['combine_us']:.1f}",
-                    f"{r['combine_ratio']:.3f}", "-" if r["combine_frac"] is None else f"{r['combine_frac']:.2f}"]
-                   + ([f"{r['pair_us']:.1f}", f"{r['pair_ratio']:.3f}"] if a.pair else []) + [r["results_equal"]]
+                    opt(r["dispatch_frac"], ".2f"), opt(r["dispatch_of_copy"], ".3f"), f"{r['combine_us']:.1f}",
+                    f"{r['combine_ratio']:.3f}", opt(r["combine_frac"], ".2f"), opt(r["combine_of_copy"], ".3f")]
+                   + ([f"{r['pair_us']:.1f}", f"{r['pair_ratio']:.3f}"] if a.pair else [])
+                   + [opt(r["copy_same_bytes_us"], ".1f"), r["results_equal"]]
                    for r in rows])
     C.write_json(os.path.join(a.out, "grid_cap.json"),
                  dict(device=C.device_name(), ranks=1, hidden=a.hidden, experts=a.experts, topk=a.topk,
