@@ -310,11 +310,18 @@ def measure_ceiling(small: bool, warmup_ms: float, rep_ms: float) -> dict:
     return out
 
 
-def same_bytes_copies(case: Case, nbytes: float) -> Callable[[], None]:
-    """``Tensor.copy_`` of the same bytes as one of ``case``'s kernel calls: ``nbytes / 2`` bytes read and as
-    many written (rounded up to 16 bytes), over ``R`` source / destination pairs taken in turn as the kernel's
-    calls rotate over the ranks, so L2 serves neither from the call before. The callable holds its tensors."""
-    n = max(16, -(-int(nbytes / 2) // 16) * 16)
+#: a same-bytes copy's length is a multiple of this. On one H100 (torch 2.11, 2026-12-06) graph-replayed copy_ of
+#: about 177 and 298 MiB, not whole MiB, ran at 2.43-2.44 TB/s; of 117, 186 and 312 whole MiB at 2.97-3.02, as the
+#: eager copies of every size from 117 MiB to 1 GiB (2.85-3.02); of 512 MiB again at 2.45
+COPY_GRAIN = 1 << 20
+
+
+def same_bytes_copies(case: Case, nbytes: float) -> Tuple[Callable[[], None], int]:
+    """``Tensor.copy_`` of the same bytes as one of ``case``'s kernel calls, and its length: ``nbytes / 2`` bytes
+    read and as many written, rounded to whole :data:`COPY_GRAIN` (the rate, not the time, compares: see
+    :func:`graph_against_copy`), over ``R`` source / destination pairs taken in turn as the kernel's calls rotate
+    over the ranks, so L2 serves neither from the call before. The callable holds its tensors."""
+    n = max(COPY_GRAIN, round(nbytes / 2 / COPY_GRAIN) * COPY_GRAIN)
     pairs = [(torch.ones(n, dtype=torch.uint8, device=case.dev), torch.empty(n, dtype=torch.uint8, device=case.dev))
              for _ in range(case.R)]
     it = itertools.cycle(pairs)
@@ -322,18 +329,20 @@ def same_bytes_copies(case: Case, nbytes: float) -> Callable[[], None]:
     def copy() -> None:
         src, dst = next(it)
         dst.copy_(src)
-    return copy
+    return copy, n
 
 
 def graph_against_copy(case: Case, kernel: str, fn: Callable[[int], None], rep_ms: float,
                        alternations: int = 3) -> Tuple[Optional[float], Optional[float]]:
-    """GPU ms per call of ``fn`` (rotating over the ranks) and of ``Tensor.copy_`` of the same bytes
-    (:meth:`Case.min_bytes`, :func:`same_bytes_copies`), each replayed from a CUDA graph
-    (``C.bench_graph_ms``), the two alternated ``alternations`` times and the median of each kept, so a drift
-    of the GPU's clocks meets both. ``(None, None)`` on CPU or where a graph cannot be captured."""
+    """GPU ms per call of ``fn`` (rotating over the ranks), and the ms ``Tensor.copy_`` takes to move the same
+    bytes (:meth:`Case.min_bytes`) at the rate it reached: a copy of about half as many bytes
+    (:func:`same_bytes_copies`) timed, then scaled to the call's bytes. Both replayed from CUDA graphs
+    (``C.bench_graph_ms``), alternated ``alternations`` times, the median of each kept, so a drift of the
+    GPU's clocks meets both. ``(None, None)`` on CPU or where a graph cannot be captured."""
     if not C.on_gpu():
         return None, None
-    copy = same_bytes_copies(case, case.min_bytes(kernel))
+    nbytes = case.min_bytes(kernel)
+    copy, n = same_bytes_copies(case, nbytes)
     ours, plain = [], []
     for _ in range(alternations):
         ours.append(C.bench_graph_ms(rotating(case, fn), rep_ms))
@@ -341,7 +350,7 @@ def graph_against_copy(case: Case, kernel: str, fn: Callable[[int], None], rep_m
     del copy
     if None in ours or None in plain:
         return None, None
-    return float(np.median(ours)), float(np.median(plain))
+    return float(np.median(ours)), float(np.median(plain)) * nbytes / (2 * n)
 
 
 def bench_case(case: Case, ceiling: dict, warmup_ms: float, rep_ms: float) -> List[dict]:

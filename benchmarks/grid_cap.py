@@ -20,8 +20,9 @@ unmeasured and ``--replays`` times between two CUDA events, cap after cap: GPU Â
 it). ``floor_us``: the bytes a call must move at one rank (x read once, each record written once and read once,
 the output written once: 4 x T rows) over the copy ceiling measured first (``dst.copy_(src)`` of 512 MiB, read
 plus written bytes per second); ``*_frac`` = floor / time; ``*_ratio`` = time / the first cap's time (below 1:
-quicker). ``copy_same_bytes_us``: ``Tensor.copy_`` of those floor bytes (half read, half written), captured in a
-graph and replayed like the calls in each repeat (GPU only); ``*_of_copy`` = that copy's time / the call's (1: the
+quicker). ``copy_same_bytes_us``: the time ``Tensor.copy_`` takes to move those floor bytes (half read, half written) at
+the rate it reached, a copy of whole MiB captured in a graph and replayed like the calls in each repeat (GPU
+only); ``*_of_copy`` = that copy's time / the call's (1: the
 call as fast as a plain copy of its floor bytes, timed the same way). Every cap's outputs are compared bit for bit
 with the first cap's.
 
@@ -263,8 +264,9 @@ def one_size(a, T: int, dev: torch.device, ceiling) -> list:
         # in the same repeats as the calls (GPU only)
         floor_bytes = (x.numel() + 3 * recv.numel()) * x.element_size()
         copy_timer = None
+        copy_n = max(1 << 20, round(floor_bytes / 2 / (1 << 20)) << 20)     # (whole MiB: bench_kernels.COPY_GRAIN)
         if dev.type == "cuda":
-            src = torch.ones(floor_bytes // 2, dtype=torch.uint8, device=dev)
+            src = torch.ones(copy_n, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
             copy_timer = _timer(lambda: dst.copy_(src), dev)[0]
         us = [{part: [] for part in steps} for _ in a.settings]
@@ -278,7 +280,7 @@ def one_size(a, T: int, dev: torch.device, ceiling) -> list:
                         us[j][part].append(timers[j][part][0](a.replays))
         ref = {part: _bits(timers[0][part][1]()) for part in steps}
         floor = None if ceiling is None else floor_bytes / ceiling * 1e6
-        copy_med = statistics.median(copy_us) if copy_us else None
+        copy_med = statistics.median(copy_us) * floor_bytes / (2 * copy_n) if copy_us else None
         first = {part: statistics.median(us[0][part]) for part in steps}
         rows = []
         for j, st in enumerate(a.settings):
