@@ -231,6 +231,35 @@ def masked_rank(rank, world, seed, E, K, H, Ts, N, victim, by_timeout):
         buf.destroy()
 
 
+def one_sided_hand_mask(rank, world, seed, E, K, H, Ts, N, hook):
+    """Rank 0 masks rank 1 by hand; rank 1 masks nobody (new user's find: rank 1's round trip returned at once
+    without rank 0's entries, raised nothing, and its mask stayed empty). Rank 0's call tells rank 1 that it is made
+    without it (``LL_SIG_MASKED``), so rank 1 masks rank 0 by hand at once (no wait: ``timeout_s`` is 30 s),
+    visibly, and drops exactly rank 0's tokens and experts' entries; rank 0's round trip drops rank 1's. After both
+    clean their masks a round trip is whole again. Other ranks (``world`` > 2: with ``TRITON_EP_RANKS_PER_HOST``,
+    ranks 0 and 1 on one host and the rest on others) mask nobody and lose nothing. ``hook``: the dispatches' receive
+    hooks (the split launches), else one launch a call. Returns ``(mask status after the call, its seconds, mask status after the clean)``."""
+    import time
+    R, me = world, rank
+    xs, idxs, ws = ll_inputs(seed, R, E, K, H, Ts)
+    buf = _buffer(R, N, H, E, timeout_s=30.0, enable_shrink=True)
+    try:
+        if me == 0:
+            buf.low_latency_update_mask_buffer(1, True)
+        t0 = time.monotonic()
+        _masked_round_trip(buf, me, R, xs, idxs, ws, E, N, False, hook, {0: (1,), 1: (0,)}.get(me, ()))
+        took = time.monotonic() - t0
+        status = torch.zeros(R, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(status)
+        buf.low_latency_clean_mask_buffer()
+        after = torch.zeros(R, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(after)
+        _masked_round_trip(buf, me, R, xs, idxs, ws, E, N, False, hook, ())
+        return status.tolist(), took, after.tolist()
+    finally:
+        buf.destroy()
+
+
 def _source_of_rows(out, count, handle, sets, me, R, E):
     """Per (local expert, source rank): which input set the rows received from that rank are, by bit equality:
     the names in ``sets`` (``{name: xs}``) whose source rows (``src_info``'s tokens) all match, e.g. ``["B"]``."""

@@ -61,7 +61,7 @@ from ..protocol.signal_header import (  # noqa: F401 - the words, re-exported fo
     STAGE_FAILED, STAGE_LL_DISPATCH_SEND, STAGE_LL_DISPATCH_RECV, STAGE_LL_COMBINE_SEND, STAGE_LL_COMBINE_RECV,
     LL_ROOT_BITS, LL_ROOT_MASK, LL_CALL_SHIFT,
     L_SEQ, L_DONE, L_CONS, L_UNPACKED, L_PEND, L_NEXT, L_DONE2, L_GATE, L_FIXED, off_ll_ready, off_ll_sig, off_ll_mask,
-    off_ll_failed, off_ll_gaveup, LL_MASK_HAND, LL_MASK_WAIT,
+    off_ll_failed, off_ll_gaveup, LL_MASK_HAND, LL_MASK_WAIT, LL_SIG_MASKED,
     off_ll_tx, off_ll_rx, ll_ctl_words,
     RING_ABORT, RING_ERR_KIND, RING_ERR_PEER, RING_ERR_STAGE, RING_ERR_SEQ, RING_FIXED, RING_READY, RING_SENT,
     RING_TAIL, RING_HEAD, RING_CREDIT, RING_FAULT, RING_SRC, RING_LEN, STAGE_RING_PRODUCE, STAGE_RING_CONSUME,

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from . import flags
 from .flags import (E_GONE, E_MISMATCH, E_TIMEOUT, L_CONS, L_DONE, L_DONE2, L_GATE, L_NEXT, L_PEND, L_SEQ,
-                    LL_MASK_WAIT, W_BASE, W_ERR, last_program_at, now_ns, off_ll_failed, off_ll_gaveup, off_ll_mask,
+                    LL_MASK_HAND, LL_MASK_WAIT, LL_SIG_MASKED, W_BASE, W_ERR, last_program_at, now_ns, off_ll_failed, off_ll_gaveup, off_ll_mask,
                     off_ll_ready, off_ll_sig, post_error, post_wait_error, release, wait_at_least)
 
 
@@ -27,7 +27,10 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
     with the normal-mode round ``W_BASE + 1``, what peers compare them with); with ``SHRINK`` a peer that
     timed out or left is masked instead and told so (:func:`ll_give_up`), and the launch goes on without it. With
     ``SHRINK`` a peer whose ``GAVEUP`` word here names this call or an earlier one (it gave up on this rank then)
-    is masked so at once, without a wait (its flag, if released, is of a call it made without this rank). With
+    is masked so at once, without a wait (its flag, if released, is of a call it made without this rank); with
+    ``SHRINK`` and ``CHECK_SIG`` a peer whose ``SIG`` is ``LL_SIG_MASKED`` (it masks this rank by hand:
+    :func:`_ll_publish`) is masked here by hand (``MASK[r] = LL_MASK_HAND``: no rows of it taken, none sent to it,
+    and ``low_latency_query_mask_buffer`` shows it). With
     ``COST`` and ``cost_on`` (one program of the launch) the nanoseconds spent waiting for each peer are
     added to ``cost_ptr[r]`` (0 under the interpreter, which has no clock). With ``REMOTE``, ``want + ahead``
     is the call that waits (its number goes into failure records). ``abort``: across hosts, the RDMA proxy's abort
@@ -59,7 +62,11 @@ def ll_wait_peers(ctl, hdr, hdr_delta, host, base, want, sig, me, stage, timeout
                 if cost_on:
                     tl.atomic_add(cost_ptr + r, now_ns(USE_CLOCK) - t0, sem="relaxed")
             if CHECK_SIG:
-                if (st == 0) & (tl.load(flag + (off_ll_sig(R) - off_ll_ready(R)), volatile=True) != sig):
+                theirs = tl.load(flag + (off_ll_sig(R) - off_ll_ready(R)), volatile=True)
+                if SHRINK & (st == 0) & (theirs == LL_SIG_MASKED):
+                    # r made this call without this rank (r masks it by hand): masked here too, by hand, from now on
+                    tl.store(ctl + off_ll_mask(R) + r, tl.full([], 0, tl.int64) + LL_MASK_HAND)
+                elif (st == 0) & (theirs != sig):
                     st = tl.full([], E_MISMATCH, tl.int32)
             if SHRINK & ((st == E_TIMEOUT) | (st == E_GONE)):
                 ll_give_up(ctl, hdr_delta, r, lcall, me, R)
@@ -136,11 +143,20 @@ def ll_gate(ctl, hdr, hdr_delta, host, me, stage, lcall, timeout_ns, R: tl.const
 
 
 @triton.jit
+def publish_sig(ctl, r, sig, R: tl.constexpr):
+    """The ``SIG`` this rank stores in peer ``r`` with its ``READY``: the call's signature, or ``LL_SIG_MASKED``
+    where this rank masks ``r`` by hand (``r`` then masks this rank too, by hand, visibly: :func:`ll_wait_peers`;
+    a peer masked by a wait learns it from its ``GAVEUP`` word instead)."""
+    hand = tl.load(ctl + off_ll_mask(R) + r, volatile=True) == LL_MASK_HAND
+    return tl.where(hand, tl.full([], 0, tl.int64) + LL_SIG_MASKED, sig)
+
+
+@triton.jit
 def _ll_publish(ctl, hdr, hdr_delta, half, n, sig, R: tl.constexpr, me):
     if tl.load(hdr + W_ERR, volatile=True) == 0:
         for r in tl.static_range(R):
             peer = ctl + tl.load(hdr_delta + r)
-            tl.store(peer + off_ll_sig(R) + half * R + me, sig)
+            tl.store(peer + off_ll_sig(R) + half * R + me, publish_sig(ctl, r, sig, R))
             release(peer + off_ll_ready(R) + half * R + me, n)
     tl.store(ctl + L_SEQ, n)
 

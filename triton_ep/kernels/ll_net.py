@@ -191,7 +191,7 @@ def finish_send(ctl, hdr, hdr_delta, area_w, ring_ctl, ring_dw, slot_w, remote, 
                         tl.sum(v & 0xFFFFFFFF), ROW_W, EXTRA_W, R)
             elif ok & (r != me):
                 peer = ctl + tl.load(hdr_delta + r)
-                tl.store(peer + flags.off_ll_sig(R) + half * R + me, sig)
+                tl.store(peer + flags.off_ll_sig(R) + half * R + me, ll_flags.publish_sig(ctl, r, sig, R))
                 flags.release(peer + flags.off_ll_ready(R) + half * R + me, n)
         tl.store(ctl + flags.L_SEQ, n)
 

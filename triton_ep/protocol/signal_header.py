@@ -240,6 +240,9 @@ def off_ll_gaveup(R):
 #: peer's ``GAVEUP`` word), after which the two ranks' call numbers may differ (an unmask then restarts them)
 LL_MASK_HAND = tl.constexpr(1)
 LL_MASK_WAIT = tl.constexpr(2)
+#: the ``SIG`` a rank stores, with its ``READY``, in a peer of its host that it masks by hand: "this call is made
+#: without you" (never a call signature: those have bit 56 set and none above it, transport.signals.call_signature)
+LL_SIG_MASKED = tl.constexpr(1 << 60)
 
 
 @formula

@@ -167,6 +167,18 @@ def test_masked_remote_rank(by_timeout, proxy_mode):
             assert waits[0] >= bound and max(waits[1:]) < waits[0] - 2.0, waits
 
 
+def test_a_rank_masked_by_hand_on_one_side_masks_its_host_mate_visibly(proxy_mode):
+    """2 hosts of 2 ranks: rank 0 masks its host mate rank 1 by hand, no rank masks anyone else (new user's find,
+    within one host: rank 1 silently lost rank 0's entries). Rank 1 learns it from rank 0's call and masks rank 0 at
+    once, visibly; ranks 2 and 3 lose nothing; after every rank cleans its mask (a collective across hosts) a round
+    trip is whole (every row checked, tests/cases/ll.py)."""
+    out = _values(run_ranks(ll_cases.across_hosts, 4, _env(2), "one_sided_hand_mask", 13, 8, 2, 128, [5, 6, 4, 3], 8,
+                            True))
+    assert [o[0] for o in out] == [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], out
+    assert all(o[2] == [0, 0, 0, 0] for o in out), out
+    assert out[1][1] < 15.0, out        # (told, not a 30 s timeout)
+
+
 @pytest.mark.parametrize("world,by_timeout,how,arrival", [(2, False, "update", False),
                                                          pytest.param(2, True, "clean", False,
                                                                       marks=pytest.mark.extended),

@@ -82,6 +82,19 @@ def test_masked_rank_drops_exactly_its_tokens(by_timeout):
             assert waits[0] >= 2.0 and waits[1] < 1.5, waits
 
 
+@pytest.mark.parametrize("hook", [False, True])
+def test_a_rank_masked_by_hand_on_one_side_masks_its_peer_visibly(hook):
+    """Rank 0 masks rank 1 by hand, rank 1 masks nobody (new user's find: rank 1 silently lost rank 0's entries, its
+    mask empty): rank 1 learns it from rank 0's call and masks rank 0 at once (its mask shows it), dropping exactly
+    rank 0's tokens and entries; after both clean their masks a round trip is whole (tests/cases/ll.py checks every
+    row)."""
+    (st0, _, after0), (st1, took1, after1) = _values(
+        run_ranks(ll_cases.one_sided_hand_mask, 2, 13, 4, 2, 128, [5, 6], 8, hook))
+    assert st0 == [0, 1] and st1 == [1, 0], (st0, st1)
+    assert after0 == after1 == [0, 0], (after0, after1)
+    assert took1 < 15.0, took1          # (told, not a 30 s timeout)
+
+
 @pytest.mark.parametrize("form", ["split", "hook", "fused"])
 def test_rank_that_skipped_a_call_takes_no_stale_rows(form):
     """A rank that skipped a call its peers made and gave up on (new user's find: its next dispatch returned the
