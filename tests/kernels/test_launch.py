@@ -367,3 +367,46 @@ def test_fused_programs_per_multiprocessor(monkeypatch):
     monkeypatch.setattr(geometry, "interpreted", lambda: True)
     assert geometry.fused_per_sm(lambda: _Bound(), ("k", 2), (), dev, table) == 1         # the interpreter: one
     assert int(_util.GPU_TUNING["fused"]["programs_per_sm"]) >= 1
+
+
+@pytest.mark.skipif(not interpreted(), reason="the interpreter's turn: CPU only (compiled launches need none)")
+def test_a_second_thread_launching_under_the_interpreter_is_refused_at_once():
+    """Triton's interpreter is not thread-safe (new user's find: two threads' calls at once failed inside it with an
+    InterpreterError and broke both Buffers): while one thread runs a kernel under it, another thread's launch raises
+    EPError before it starts, through a Launcher and through the FP8 cast's own launch; after the turn ends both
+    launch and give the right results."""
+    import threading
+    from triton_ep.errors import EPError
+    from triton_ep.kernels import fp8
+    from triton_ep.kernels.launch import interpreter_turn
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    got = []
+
+    def other():
+        for launch in (lambda: fp8.quantize(x), lambda: _copy_launcher()):
+            try:
+                launch()
+                got.append("ran")
+            except EPError as e:
+                got.append(str(e))
+    with interpreter_turn():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(60)
+    assert len(got) == 2 and all("not thread-safe" in g for g in got), got
+    q, s = fp8.quantize(x)
+    qr, sr = fp8.quantize_reference(x)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    assert torch.equal(_copy_launcher(), torch.arange(8, dtype=torch.int32))
+
+
+@triton.jit
+def _copy8_kernel(src, dst):
+    o = tl.arange(0, 8)
+    tl.store(dst + o, tl.load(src + o))
+
+
+def _copy_launcher():
+    src, dst = torch.arange(8, dtype=torch.int32), torch.full((8,), -1, dtype=torch.int32)
+    Launcher(_copy8_kernel)[(1,)](src, dst)
+    return dst

@@ -139,6 +139,23 @@ def test_a_cuda_device_without_cuda_is_a_value_error():
             checks.device_arg(dev)
 
 
+def test_a_cpu_device_without_the_interpreter_is_a_value_error(monkeypatch):
+    """TRITON_INTERPRET=0 (set by hand on a machine without CUDA, or a CPU device where CUDA runs the kernels):
+    the Buffer's device check names the variable (new user's find: the Buffer was built, and its first call died
+    in Triton with "0 active drivers"). ``interpreted`` is read once per process: its cache is cleared around."""
+    from triton_ep import triton_mode
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    triton_mode.interpreted.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="TRITON_INTERPRET='0'"):
+            checks.device_arg("cpu")
+    finally:
+        monkeypatch.undo()
+        triton_mode.interpreted.cache_clear()
+    if not torch.cuda.is_available():
+        assert checks.device_arg("cpu") == torch.device("cpu")
+
+
 def test_shm_tag_is_checked_by_itself(monkeypatch):
     monkeypatch.setenv(ipc.SHM_TAG_ENV, "ok_tag-1")
     assert ipc.shm_tag() == "ok_tag-1" and ipc.shm_tag("") == ""

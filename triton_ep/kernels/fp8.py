@@ -23,6 +23,7 @@ import triton.language as tl
 
 from . import names
 from ._util import interpreted
+from .launch import interpreter_turn
 
 FP8_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)
@@ -123,8 +124,9 @@ def quantize(x: torch.Tensor, round_scale: bool = False):
         bh *= 2
     bt = 1 if native else 64
     if T:
-        _cast_kernel[(triton.cdiv(T, bt),)](x, q if native else q.view(torch.uint8), s, T, H=H,
-                                            ROUND_SCALE=bool(round_scale), NATIVE=native, BLOCK_T=bt, BLOCK_H=bh)
+        with interpreter_turn():
+            _cast_kernel[(triton.cdiv(T, bt),)](x, q if native else q.view(torch.uint8), s, T, H=H,
+                                                ROUND_SCALE=bool(round_scale), NATIVE=native, BLOCK_T=bt, BLOCK_H=bh)
     return q, s
 
 

@@ -47,12 +47,15 @@ every tensor's device before it launches anything.
 Triton's launch hooks (a profiler such as proton sets them) are honoured: while any is set, every launch
 goes through Triton. Under the interpreter (``TRITON_INTERPRET=1``) every launch goes through Triton too.
 """
+import contextlib
 import functools
 import operator
+import threading
 from typing import Dict, Tuple
 
 import torch
 
+from ..errors import EPError
 from ._util import interpreted
 
 try:                                    # Triton >= 3.4
@@ -61,6 +64,32 @@ except ImportError:                     # pragma: no cover - older Triton: alway
     _knobs = None
 
 _I32_LO, _I32_HI = -(1 << 31), 1 << 31
+
+
+_INTERPRETER_BUSY = threading.Lock()
+
+
+@contextlib.contextmanager
+def interpreter_turn():
+    """Around a launch under Triton's interpreter: the process's one turn at it. The interpreter keeps global state
+    while it runs a kernel and is not thread-safe (two threads' launches at once fail inside it, and the calls
+    around them break), so a launch of another thread while one runs raises at once, before it starts. On a GPU
+    (compiled kernels) this does nothing.
+
+    Raises:
+        EPError: another thread of this process is running a kernel under the interpreter.
+    """
+    if not interpreted():
+        yield
+        return
+    if not _INTERPRETER_BUSY.acquire(blocking=False):
+        raise EPError("two threads of this process launched triton-ep kernels at once on the CPU: Triton's "
+                      "interpreter (TRITON_INTERPRET=1) is not thread-safe; make triton-ep calls from one thread at a "
+                      "time there (threads that take turns work)")
+    try:
+        yield
+    finally:
+        _INTERPRETER_BUSY.release()
 
 
 def _hooks_set() -> bool:
@@ -190,7 +219,8 @@ class Launcher:
 
     def _launch(self, grid, *args, num_warps: int = 4, **meta) -> None:
         if self._interp or _hooks_set() or len(meta) != len(self.constexprs):
-            self.fn[grid](*args, num_warps=num_warps, **meta, **self.options)
+            with interpreter_turn():
+                self.fn[grid](*args, num_warps=num_warps, **meta, **self.options)
             return
         cvals = tuple(map(meta.__getitem__, self.constexprs))
         grid = tuple(grid)
@@ -261,7 +291,8 @@ class BoundLaunch:
     def __call__(self, *args) -> None:
         la = self.launcher
         if self.cvals is None or _hooks_set():
-            la.fn[self.grid](*args, num_warps=self.num_warps, **self.meta, **la.options)
+            with interpreter_turn():
+                la.fn[self.grid](*args, num_warps=self.num_warps, **self.meta, **la.options)
             return
         bind = self._bind
         if bind is None:

@@ -11,6 +11,7 @@ import torch
 
 from ..config import Config, EventOverlap
 from ..protocol.limits import MAX_TIMEOUT_S, MIN_TIMEOUT_S
+from ..triton_mode import interpreted
 
 #: the default bound on every wait for a peer, in seconds
 DEFAULT_TIMEOUT_S = 100.0
@@ -235,8 +236,9 @@ def device_arg(device) -> torch.device:
     current CUDA device, else CPU.
 
     Raises:
-        ValueError: not a device (or a string naming one), a type other than ``cpu`` and ``cuda``, or a CUDA
-            device this process has not got (no CUDA, or an index past the device count).
+        ValueError: not a device (or a string naming one), a type other than ``cpu`` and ``cuda``, a CUDA
+            device this process has not got (no CUDA, or an index past the device count), or the CPU where
+            Triton's interpreter is off (``TRITON_INTERPRET`` 0 or empty: the kernels could not run on it).
     """
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -247,6 +249,12 @@ def device_arg(device) -> torch.device:
             from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
+    if device.type == "cpu" and not interpreted():
+        raise ValueError(
+            f"device cpu: triton-ep's kernels run on CPU tensors only under Triton's interpreter, and "
+            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r} here ("
+            + ("set in the environment: unset it, or set it to 1, before Python starts)" if not torch.cuda.is_available()
+               else "this process has CUDA: use a CUDA device, or set TRITON_INTERPRET=1 before Python starts)"))
     if device.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
