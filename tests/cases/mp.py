@@ -697,6 +697,30 @@ def peer_fails_to_build(rank, world):
         return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))
 
 
+def peer_fails_late_in_building(rank, world):
+    """Rank 1 fails in ``Buffer()`` right after the ranks mapped each other's buffers (an error injected once its
+    barrier passed; a timeout of a rank that came late does the same), so rank 0 goes on and waits for it at the next
+    stage: rank 0 raises EPRemoteError saying rank 1 released its Buffer after an error of its own, at once (new
+    user's find: it said "rank 1 destroyed its Buffer (destroy())", which rank 1 never called). Returns ``(what the
+    rank raised, seconds, message)``."""
+    import time
+    from triton_ep.transport import ipc
+    if rank == 1:
+        real = ipc.Comm.barrier
+
+        def barrier(self, stage, *a, **kw):
+            real(self, stage, *a, **kw)
+            if stage == "bootstrap/map buffers":
+                raise RuntimeError("injected after the barrier")
+        ipc.Comm.barrier = barrier
+    t0 = time.monotonic()
+    try:
+        triton_ep.Buffer(None, 1 << 16, device="cpu", timeout_s=30)
+        return ("built", 0.0, "")
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, round(time.monotonic() - t0, 2), str(e))
+
+
 def peer_interrupted_while_building(rank, world):
     """Rank 1 is interrupted (KeyboardInterrupt, as Ctrl-C raises it) while it waits in ``Buffer()`` for rank 0,
     which comes 2 s late: rank 0 raises EPRemoteError saying rank 1 was interrupted, at once on arrival, not after

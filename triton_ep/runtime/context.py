@@ -179,7 +179,7 @@ class Runtime:
         c = self.comm
         mine = (0x4C4C, ll_bytes, nvl_part if ll_bytes else 0)
         c.slot(1, self.rank)[:3] = mine       # parity-1 slots: the first exchange of a call uses parity 0
-        c.barrier("bootstrap/low-latency area")
+        c.barrier("bootstrap/agree on the buffer layout")
         for r in range(self.group_size):
             theirs = tuple(int(v) for v in c.slot(1, r)[:3])
             if theirs != mine:

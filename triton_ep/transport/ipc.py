@@ -286,8 +286,12 @@ def open_group(group, num_bytes: int, device: torch.device, timeout_s: float, sl
         # every rank took its lock before the barrier: from now on a free byte means a gone process
         comm.liveness, liveness = liveness, None
     except BaseException as e:
-        # peers still waiting in the exchange raise at once (a no-op once it is complete)
+        # peers still waiting in the exchange raise at once (a no-op once it is complete); peers past it see this
+        # rank leave after an error of its own, not a destroy()
         exchange.fail(f"failed to build its Buffer ({type(e).__name__}: {e})")
+        if liveness is not None:
+            liveness.close(how=live.CLOSED_FAILED)
+            liveness = None
         raise
     finally:
         if liveness is not None:

@@ -108,12 +108,27 @@ def dead_error(rank: int, dead: Iterable[int], stage: str) -> EPRemoteError:
     return ex
 
 
-def closed_error(rank: int, closed: Iterable[int], stage: str, first: Optional[int] = None) -> EPRemoteError:
+#: what a peer that released its Buffer after an error did, by how it left (:data:`CLOSED_FAILED`, :data:`CLOSED_BROKEN`)
+_AFTER = {CLOSED_FAILED: "released its Buffer after an error of its own (a call that raised, or a Buffer it failed "
+                         "to build: a timeout or a bad value while building it)",
+          CLOSED_BROKEN: "released its Buffer after it broke (it timed out, left the group or saw a peer gone)"}
+
+
+def closed_error(rank: int, closed: Iterable[int], stage: str, first: Optional[int] = None,
+                 how: Optional[Dict[int, str]] = None) -> EPRemoteError:
     """The error a rank raises when ranks ``closed`` of its host destroyed their Buffer (their processes may live on)
     while it waits at ``stage``: an ``EPRemoteError`` whose ``failed_rank`` is ``first`` (where it is one of them, else
-    the lowest), ``closed_ranks`` all of them, ``stage`` the wait's stage."""
+    the lowest), ``closed_ranks`` all of them, ``stage`` the wait's stage. ``how`` (``{peer: how it left}``, where
+    known): a first rank that left after an error of its own (:data:`CLOSED_FAILED`, :data:`CLOSED_BROKEN`) is named
+    so, not as a ``destroy()``."""
     closed = sorted(closed)
     first = first if first in closed else closed[0]
+    after = _AFTER.get((how or {}).get(first))
+    if after is not None:
+        ex = EPRemoteError(f"rank {rank}: rank {first} {after} while this rank waited at stage '{stage}'; this "
+                           f"call's outputs here are not valid; destroy() and rebuild the Buffer")
+        ex.failed_rank, ex.closed_ranks, ex.stage = first, closed, stage
+        return ex
     who = f"rank {first} destroyed its Buffer" if len(closed) == 1 else f"ranks {closed} destroyed their Buffers"
     ex = EPRemoteError(f"rank {rank}: {who} (destroy()) while this rank waited at stage '{stage}' (a Buffer collected "
                        f"or released at its process's exit counts too; not a crash); this call's outputs here are not "
@@ -134,7 +149,7 @@ def left_error(rank: int, left: Dict[int, str], stage: str) -> EPRemoteError:
     wait): :func:`dead_error` naming the dead ones where there are any (a death is the cause to name), else
     :func:`closed_error`."""
     dead = [p for p, how in left.items() if how == DEAD]
-    return dead_error(rank, dead, stage) if dead else closed_error(rank, list(left), stage)
+    return dead_error(rank, dead, stage) if dead else closed_error(rank, list(left), stage, how=left)
 
 
 class Liveness:

@@ -215,6 +215,14 @@ def test_handles_of_different_dispatches_are_rejected_on_every_rank():
     assert out == [["ValueError: True"] * 2] * 2, out
 
 
+def test_peer_failing_late_in_building_is_named_as_an_error_not_a_destroy():
+    out = _values(run_ranks(mp_cases.peer_fails_late_in_building, 2))
+    assert out[1][:2] == ("RuntimeError", out[1][1]) and "injected" in out[1][2], out
+    kind, seconds, msg = out[0]
+    assert kind == "EPRemoteError" and seconds < 10, out
+    assert "rank 1 released its Buffer after an error of its own" in msg and "destroy())" not in msg, out
+
+
 def test_peer_failing_to_build_its_buffer_is_a_remote_error_not_a_timeout():
     out = _values(run_ranks(mp_cases.peer_fails_to_build, 2))
     assert out[1][0] != "built", out
