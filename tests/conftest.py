@@ -122,6 +122,12 @@ def open_fds():
 #: the test modules holding rank bodies (imported by the fork server, see below)
 RANK_BODY_MODULES = tuple(f"tests.cases.{name}" for name in ("helpers", "mp", "ll", "internode", "sched", "metrics",
                                                                "proxy", "elastic")) + ("tests.engines.replay",)
+#: imported by the fork server after the rank bodies: ``torch._dynamo``, which torch imports on a process's first
+#: TorchDispatchMode (:class:`triton_ep.testing.LiveBytes` in the capture path's peak-memory test: about 3 s of CPU
+#: and 110,000 objects in each of its 4 ranks), then :mod:`tests.cases.frozen`, last: every object imported so far
+#: goes to the garbage collector's permanent generation, which each forked rank inherits (a full collection there
+#: scans what the rank made, not torch's and triton's objects: about 0.09 s a collection on an idle machine)
+FORKSERVER_LAST = ("torch._dynamo", "tests.cases.frozen")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -133,7 +139,7 @@ def _process_wide_singletons():
     # CPU: rank processes fork from one server that imported torch, triton_ep and the rank bodies once
     # (``spawn`` pays about 4 s of CPU per rank for those imports); on a GPU machine they stay spawned
     from triton_ep import testing
-    if testing.start_forkserver(RANK_BODY_MODULES):
+    if testing.start_forkserver(RANK_BODY_MODULES + FORKSERVER_LAST):
         testing.START_METHOD = "forkserver"
     _SESSION_CHILDREN.update(_processes())
     if torch.cuda.is_available():          # the driver's own descriptors, opened once

@@ -155,7 +155,8 @@ def destroyed_at_the_end(rank, world, ll, delay_s):
 
 def silent_peer(rank, world, how, timeout_s):
     """Rank 1 lives on but never makes the dispatch: ``how`` "stuck" (it holds its Buffer) or "destroyed" (it
-    destroyed its Buffer first). Rank 0 dispatches; returns there ``[error type, message, seconds]``."""
+    destroyed its Buffer first); it waits in a barrier (alive, holding its Buffer where "stuck") until rank 0's
+    dispatch has ended. Rank 0 dispatches; returns there ``[error type, message, seconds]``."""
     import torch.distributed as dist
     E, H, T = 2 * world, 64, 3
     idx = torch.arange(T * 2).reshape(T, 2) % E
@@ -164,7 +165,6 @@ def silent_peer(rank, world, how, timeout_s):
         if rank == 1:
             if how == "destroyed":
                 buf.destroy()
-            time.sleep(timeout_s + 3)
             return None
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
         t0 = time.monotonic()
@@ -175,8 +175,10 @@ def silent_peer(rank, world, how, timeout_s):
         except Exception as ex:     # noqa: BLE001 - reported
             return [type(ex).__name__, str(ex), time.monotonic() - t0]
     finally:
+        if rank != 1:
+            buf.destroy()
+        dist.barrier()      # (rank 1 lives on until rank 0's dispatch has ended, not a fixed timeout_s + 3 s)
         buf.destroy()
-        dist.barrier()
 
 
 #: where the victim dies across hosts (2 emulated hosts): "internode" (it never makes the normal-mode dispatch its

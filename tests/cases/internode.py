@@ -274,7 +274,8 @@ def traffic(rank, world, env, T, H):
 
 
 def failure(rank, world, env, kind, timeout_s, worst=0):
-    """``kind`` "stalled": rank 1 builds its Buffer and then calls nothing; "broken_qp": rank 0's QP 1 towards
+    """``kind`` "stalled": rank 1 builds its Buffer and then calls nothing (until the others have their errors, at
+    most ``2 * timeout_s + 2`` s); "broken_qp": rank 0's QP 1 towards
     host 1 is put into the error state first; "dropped_signal": rank 0's proxy leaves out the signal of its
     second chunk to host 1; "killed": the last rank (on the last host) dies with SIGKILL in its first
     dispatch, after its records went out and before it unpacks its peers'. Every other rank dispatches a few
@@ -288,7 +289,7 @@ def failure(rank, world, env, kind, timeout_s, worst=0):
     buf = triton_ep.Buffer(None, 8 << 20, timeout_s=timeout_s)
     try:
         if kind == "stalled" and rank == 1:
-            time.sleep(2 * timeout_s + 2)
+            all_live_ranks_reach(world, bound_s=2 * timeout_s + 2)     # silent until the others have their errors
             return None
         if kind == "broken_qp" and rank == 0:
             break_rdma_qp(buf, 1, 1)
@@ -320,6 +321,8 @@ def failure(rank, world, env, kind, timeout_s, worst=0):
             # otherwise be what a slow one hears of first); then the peers hear of the failure from the fault word
             all_live_ranks_reach(world - (kind == "killed"), bound_s=60.0)
             time.sleep(timeout_s)
+        if kind == "stalled":
+            all_live_ranks_reach(world, bound_s=2 * timeout_s + 2)
         return out
     finally:
         buf.destroy()

@@ -201,6 +201,7 @@ def masked_rank(rank, world, seed, E, K, H, Ts, N, victim, by_timeout):
     timeout of enable_shrink): exactly its tokens and its experts' entries are dropped, and the mask
     query reports it; the next call does not wait again."""
     import time
+    from tests.cases.helpers import all_live_ranks_reach
     R, me = world, rank
     xs, idxs, ws = ll_inputs(seed, R, E, K, H, Ts)
     # (masked by hand, a long timeout: under load a 2 s one could mask a slow live peer too)
@@ -226,8 +227,8 @@ def masked_rank(rank, world, seed, E, K, H, Ts, N, victim, by_timeout):
         buf.low_latency_query_mask_buffer(after)
         return status.tolist(), after.tolist(), waits
     finally:
-        if me == victim:
-            time.sleep(8.0 if by_timeout else 1.0)     # stay mapped (alive but silent) while the others run
+        # the victim stays mapped (alive but silent) while the others run: until they are done, at most 8 s (1 s)
+        all_live_ranks_reach(R, bound_s=8.0 if by_timeout else 1.0)
         buf.destroy()
 
 
@@ -351,12 +352,12 @@ def skipped_call(rank, world, seed, E, K, H, Ts, N, skipper, form, late=False, t
 
 
 def absent_without_shrink(rank, world, N, H, E):
-    """Without enable_shrink a silent peer gives EPTimeoutError naming it."""
-    import time
+    """Without enable_shrink a silent peer gives EPTimeoutError naming it. The peer (rank 1) lives on, silent,
+    until the others have their errors (at most 6 s)."""
+    from tests.cases.helpers import all_live_ranks_reach
     buf = _buffer(world, N, H, E, timeout_s=2.0)
     try:
         if rank == 1:
-            time.sleep(6.0)
             return None
         x = torch.ones(3, H, dtype=torch.bfloat16)
         idx = torch.tensor([[0, E - 1]] * 3)
@@ -366,6 +367,7 @@ def absent_without_shrink(rank, world, N, H, E):
             return type(e).__name__, e.peer, str(e)
         return "no error"
     finally:
+        all_live_ranks_reach(world, bound_s=6.0)
         buf.destroy()
 
 

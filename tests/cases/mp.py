@@ -157,10 +157,12 @@ def bad_input_on_one_rank(rank, world, kind):
 
 
 def absent_at_construction(rank, world, timeout_s):
-    """The last rank never builds its Buffer: the others raise EPTimeoutError at bootstrap within the bound."""
+    """The last rank never builds its Buffer: the others raise EPTimeoutError at bootstrap within the bound. It lives
+    on until they have their errors (at most ``timeout_s + 3`` s)."""
     import time
+    from tests.cases.helpers import all_live_ranks_reach
     if rank == world - 1:
-        time.sleep(timeout_s + 3)
+        all_live_ranks_reach(world, bound_s=timeout_s + 3)
         return None
     t0 = time.monotonic()
     try:
@@ -168,6 +170,8 @@ def absent_at_construction(rank, world, timeout_s):
         return "no error"
     except triton_ep.EPTimeoutError as e:
         return (e.stage, round(time.monotonic() - t0, 2))
+    finally:
+        all_live_ranks_reach(world, bound_s=timeout_s + 3)
 
 
 # ---------------------------------------------------------------------------------------------------------
