@@ -67,7 +67,8 @@ class Buffer:
 
     Args:
         group: the EP process group (gloo or NCCL; ``None``: the default group), used only to bootstrap.
-        num_nvl_bytes: int in ``[0, 2^62]``, bytes of this rank's intranode buffer.
+        num_nvl_bytes: int in ``[0, 2^62]``, bytes of this rank's intranode buffer (rounded up to a multiple
+            of 4 KiB, at least 4 KiB).
         num_rdma_bytes: int in ``[0, 2^62]``, bytes of the low-latency area (with ``low_latency_mode``).
         low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
             explicitly_destroy, enable_shrink, comm: DeepEP's; those that do not apply are ignored.
