@@ -3,6 +3,7 @@ numbers with the right labels (2 emulated hosts); one host exports zeros; a dest
 error; the HTTP server serves /metrics; prometheus_client stays optional (lazy import, a clear ImportError)."""
 import gc
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -196,6 +197,22 @@ def test_bad_arguments(prom):
         start_prometheus_exporter(vg.buffers[0], registry=registry)
         with pytest.raises(ValueError, match="Duplicated"):
             start_prometheus_exporter(vg.buffers[0], registry=registry)
+    finally:
+        vg.buffers[0].destroy()
+
+
+@pytest.mark.parametrize("port", [-1, 65536, True, 1.5, "9400"])
+def test_a_bad_port_is_a_value_error_naming_it_before_anything_is_registered(prom, port):
+    """(A new user's find: ``port=-1`` raised ``socket.gaierror: Servname not supported for ai_socktype``, naming no
+    port.) ``port`` is an int in [0, 65535] (not a bool), checked first: a ValueError naming it and the value, and
+    the registry is left empty."""
+    from triton_ep.metrics import start_prometheus_exporter
+    vg = VirtualGroup(1, 1 << 16)
+    registry = prom.CollectorRegistry()
+    try:
+        with pytest.raises(ValueError, match=r"port must be an int in \[0, 65535\].*, got " + re.escape(repr(port))):
+            start_prometheus_exporter(vg.buffers[0], port=port, registry=registry, addr="127.0.0.1")
+        assert prom.generate_latest(registry) == b""
     finally:
         vg.buffers[0].destroy()
 

@@ -190,6 +190,48 @@ def test_a_table_that_cannot_be_used_warns_once_and_falls_back(kind, tmp_path, t
         assert Buffer.get_dispatch_config(8, num_tokens=1024).num_sms == 16
 
 
+@pytest.mark.parametrize("kind", ["other-gpu", "not-a-table", "fifo", "directory", "symlink-to-table"])
+def test_the_warning_advises_what_tune_accepts_at_that_path(kind, tmp_path, table_env, monkeypatch):
+    """(A new user's find: a FIFO as the table warned "run `python -m triton_ep tune` again", and that tune then
+    refused the path, exit 2.) The warning's advice (and ``triton-ep info``'s, :func:`tuned.fallback`) is what tune
+    does at the table's path: ``tune`` again where it replaces the file as it is; ``--force`` where the file is no
+    tuned table (tune refuses it without); for a path tune refuses even with ``--force``, its reason and another
+    path. Each advice is checked against tune's own check of the path (:func:`triton_ep.tuner.resolve`)."""
+    import argparse
+    from triton_ep.tuner import resolve
+    if kind == "other-gpu":
+        path = table_env
+        _table(path, [_entry("dispatch", 4096, 24)], gpu="other")
+        advice, plain, forced = "(run `python -m triton_ep tune` again)", True, True
+    elif kind == "not-a-table":
+        path = tmp_path / "notes.json"
+        path.write_text('{"not": "a table"}')
+        advice, plain, forced = "run `python -m triton_ep tune --force`, or remove the file)", False, True
+    elif kind == "symlink-to-table":
+        _table(table_env, [_entry("dispatch", 4096, 24)], gpu="other")
+        path = tmp_path / "link.json"
+        os.symlink(table_env, path)
+        advice, plain, forced = f"refuses this path too: {path} is a symbolic link", False, False
+    else:
+        path = tmp_path / kind
+        os.mkfifo(path) if kind == "fifo" else path.mkdir()
+        advice, plain, forced = f"refuses this path too: {path} is a", False, False
+    monkeypatch.setenv(tuned.ENV_FILE, str(path))
+    with pytest.warns(UserWarning) as ws:
+        assert Buffer.get_dispatch_config(8) == Config(20, 6, 256, 6, 128)
+    (w,) = [w for w in ws if "tuned table" in str(w.message)]
+    assert str(w.message).endswith(f"; {tuned.fallback(str(path))}") and advice in str(w.message), w.message
+    assert (tuned.fallback(str(path)) == tuned.FALLBACK) == plain
+    for force, accepted in ((False, plain), (True, forced)):
+        a = argparse.Namespace(quick=True, ranks=2, hidden=None, tokens=None, num_experts=None, num_topk=None,
+                               iters=None, warmup=None, num_nvl_bytes=None, output=None, force=force)
+        if accepted:
+            assert resolve(a).path == str(path)
+        else:
+            with pytest.raises(ValueError, match=f"the table's file at \\${tuned.ENV_FILE}: "):
+                resolve(a)
+
+
 def test_tune_keeps_the_entries_of_other_shapes_of_a_usable_table(table_env, fake_ranks, capsys):
     """(A new user's find: ``tune`` replaced the whole table, so tuning 2 ranks and then 8 kept only the 8.) Saving
     keeps the entries of other calls and shapes from a table the library would use here, and replaces those of the

@@ -211,7 +211,7 @@ def print_tuned(out: TextIO) -> None:
     if not v.exists:
         state = "absent: the built-in tables apply (`python -m triton_ep tune` writes it)"
     elif v.table is None:
-        state = f"present, not used: {v.why}; {tuned.FALLBACK}"
+        state = f"present, not used: {v.why}; {tuned.fallback(v.path)}"
     else:
         es = v.table.entries
         calls = ", ".join(f"{c} {sum(e.call == c for e in es)}" for c in tuned.CALLS)

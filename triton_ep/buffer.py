@@ -67,7 +67,8 @@ class Buffer:
 
     Args:
         group: the EP process group (gloo or NCCL; ``None``: the default group), used only to bootstrap.
-        num_nvl_bytes: int in ``[0, 2^62]``, bytes of this rank's intranode buffer.
+        num_nvl_bytes: int in ``[0, 2^62]``, bytes of this rank's intranode buffer (rounded up to a multiple
+            of 4 KiB, at least 4 KiB).
         num_rdma_bytes: int in ``[0, 2^62]``, bytes of the low-latency area (with ``low_latency_mode``).
         low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
             explicitly_destroy, enable_shrink, comm: DeepEP's; those that do not apply are ignored.
@@ -330,14 +331,15 @@ class Buffer:
         """The routing layout of this rank's tokens (local, no communication; DeepEP's).
 
         Args:
-            topk_idx: int64 (or int32) ``[T, K]``, ``-1`` = none. num_experts: ``E``, a multiple of ``R``.
+            topk_idx: int64 (or int32) ``[T, K]``, ``-1`` = none, ``K >= 1``. num_experts: ``E``, a positive multiple
+                of ``R``, at most ``MAX_EXPERTS`` (16384).
 
         Returns:
             ``num_tokens_per_rank`` int32 ``[R]``, ``num_tokens_per_rdma_rank`` int32 ``[num_hosts]`` (``None`` on
             one host), ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank`` bool ``[T, R]``, event.
 
         Raises:
-            TypeError/ValueError: bad dtype, shape, device, or ``E % R != 0``.
+            TypeError/ValueError: bad dtype, shape, device, ``K == 0``, ``E % R != 0`` or ``E > MAX_EXPERTS``.
         """
         return self._normal.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
                                                 allocate_on_comm_stream)

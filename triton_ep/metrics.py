@@ -220,10 +220,14 @@ def start_prometheus_exporter(buffer, port: Optional[int] = None, registry=None,
         ImportError: prometheus_client is not installed (``pip install prometheus-client``, or the
             ``metrics`` extra: ``pip install 'triton-ep[metrics]'``).
         TypeError: ``buffer`` is not a Buffer.
-        ValueError: a bad label name, or ``registry`` already holds an exporter of these metric names
+        ValueError: ``port`` is not an int in ``[0, 65535]`` (a bool is none; checked first, nothing is
+            registered), a bad label name, or ``registry`` already holds an exporter of these metric names
             (prometheus_client's "Duplicated timeseries").
         OSError: the server could not bind ``addr:port`` (the exporter is then unregistered again).
     """
+    if port is not None:
+        from .runtime.checks import int_arg
+        port = int_arg("port", port, 0, 65535, "a TCP port (0: one the system picks)")
     exporter = PrometheusExporter(buffer, labels)
     import prometheus_client
     registry = prometheus_client.REGISTRY if registry is None else registry
@@ -231,7 +235,7 @@ def start_prometheus_exporter(buffer, port: Optional[int] = None, registry=None,
     exporter.registry = registry
     if port is not None:
         try:
-            exporter.server = prometheus_client.start_http_server(int(port), addr=addr, registry=registry)
+            exporter.server = prometheus_client.start_http_server(port, addr=addr, registry=registry)
         except BaseException:
             exporter.close()
             raise

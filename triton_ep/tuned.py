@@ -110,12 +110,34 @@ MAX_TABLE_BYTES = 16 << 20
 _CACHE: dict = {}
 
 
-#: what applies instead of a table that is not used, as its warning (and ``triton-ep info``) says
+#: what applies instead of a table that is not used, as its warning (and ``triton-ep info``) says, where ``tune``
+#: may replace the file as it is (a table of another GPU or version, or with a bad entry): :func:`fallback`
 FALLBACK = "the built-in tables apply (run `python -m triton_ep tune` again)"
 
 
+def fallback(path: str) -> str:
+    """What applies instead of the table at ``path`` that is not used, and what makes one usable there, by the
+    checks ``tune`` makes before it writes (:func:`check_target`): :data:`FALLBACK` where ``tune`` replaces the file
+    as it is; the ``--force`` it needs where the file is no tuned table; where ``tune`` refuses the path even with
+    ``--force`` (a FIFO, a directory, a symbolic link, a file it cannot write), its reason and the way out.
+    (``--output path`` is named where ``path`` is not :func:`default_path`.)"""
+    tune = "python -m triton_ep tune" + ("" if path == default_path() else f" --output {path}")
+    try:
+        check_target(path)
+        return f"the built-in tables apply (run `{tune}` again)"        # (FALLBACK at the default path)
+    except ValueError:
+        pass
+    try:
+        check_target(path, force=True)
+        return (f"the built-in tables apply (`{tune}` replaces a file that is no tuned table only with --force: "
+                f"run `{tune} --force`, or remove the file)")
+    except ValueError as e:
+        return (f"the built-in tables apply (`{tune}` refuses this path too: {e}; set {ENV_FILE} to a path it "
+                f"writes, a file that is absent or a tuned table, then run it)")
+
+
 def _mismatch(path: str, why: str) -> None:
-    warnings.warn(f"triton-ep: not using the tuned table {path}: {why}; {FALLBACK}", stacklevel=3)
+    warnings.warn(f"triton-ep: not using the tuned table {path}: {why}; {fallback(path)}", stacklevel=3)
 
 
 def _kind(mode: int) -> str:
@@ -534,5 +556,5 @@ def save(path: str, entries: List[dict], command: str, *, merge: bool = False, f
 
 
 __all__ = ["CALLS", "ENV_FILE", "Entry", "FALLBACK", "LOCK_TIMEOUT_S", "MAX_TABLE_BYTES", "Table", "Verdict",
-           "check_doc", "check_target", "default_path", "examine", "identity", "kept_entries", "load", "lock_path",
-           "locked", "path_source", "read_doc", "save"]
+           "check_doc", "check_target", "default_path", "examine", "fallback", "identity", "kept_entries", "load",
+           "lock_path", "locked", "path_source", "read_doc", "save"]

@@ -33,7 +33,7 @@ def run_py(code: str, switch, extra_path=None, timeout=120) -> subprocess.Comple
 @pytest.mark.extended
 def test_pth_is_one_import_line_that_reads_only_the_switch():
     lines = [ln for ln in PTH.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("import os;"), lines   # site executes lines starting "import "
+    assert len(lines) == 1 and lines[0].startswith("import os, sys;"), lines   # site executes lines starting "import "
     r = run_py("import sys; print(sorted(m for m in ('torch', 'triton_ep', 'triton_ep.deep_ep_hook', 'typing', "
                "'dataclasses', 'logging') if m in sys.modules))", "1")
     assert r.returncode == 0, r.stderr
@@ -60,6 +60,7 @@ def test_switch_off_or_bad_changes_nothing_in_one_interpreter():
                 pass
             else:
                 raise AssertionError(value)
+        exec({PTH.strip()!r})     # (some Pythons run a venv's .pth files twice at start-up: the line runs once)
         print('absent')
     """, None)
     assert r.returncode == 0 and r.stdout.strip() == "absent", (r.stdout, r.stderr)
@@ -85,8 +86,12 @@ def test_switch_off_changes_nothing(switch):
 
 
 def test_switch_on_serves_every_deep_ep_path_the_engines_import():
-    r = run_py("""
+    r = run_py(f"""
         import importlib.util, logging, sys
+        hook = sys.modules['triton_ep.deep_ep_hook']
+        exec({PTH.strip()!r})     # (some Pythons run a venv's .pth files twice at start-up: installed once)
+        assert sys.modules['triton_ep.deep_ep_hook'] is hook
+        assert sum(hasattr(f, 'triton_ep_deep_ep') for f in sys.meta_path) == 1
         logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s %(message)s')
         spec = importlib.util.find_spec('deep_ep')            # vLLM's has_deep_ep()
         assert spec is not None and spec.origin.endswith('triton_ep/_deep_ep/__init__.py'), spec

@@ -434,5 +434,7 @@ def test_info_says_whether_the_tuned_table_is_used_and_why_not(kind, tmp_path, m
     elif kind == "missing":
         assert table is None and not ws
     else:
-        why = lines[3].split("present, not used: ", 1)[1].rsplit(f"; {tuned.FALLBACK}", 1)[0]
-        assert table is None and len(ws) == 1 and f": {why}; {tuned.FALLBACK}" in str(ws[0].message), ws
+        advice = tuned.fallback(str(path))     # (info and the warning advise alike: test_tuner checks the advice)
+        assert lines[3].endswith(f"; {advice}"), lines[3]
+        why = lines[3].split("present, not used: ", 1)[1].rsplit(f"; {advice}", 1)[0]
+        assert table is None and len(ws) == 1 and f": {why}; {advice}" in str(ws[0].message), ws

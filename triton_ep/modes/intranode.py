@@ -74,6 +74,8 @@ class Intranode:
                 return out
         self.rt.live()
         idx = self.rt.check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (None, None))
+        if idx.shape[1] == 0:       # (as dispatch refuses it: no layout of a call that cannot be made)
+            raise ValueError("topk_idx must have at least one column")
         self.rt.check_num_experts(num_experts)
         check_event(previous_event)
         self.rt.check()

@@ -95,6 +95,21 @@ def test_layout_and_group_size_errors():
         buf.get_dispatch_layout(torch.zeros(3, dtype=torch.int64), 4)
 
 
+def test_layout_refuses_a_topk_idx_without_columns_as_dispatch_does(one):
+    """(A new user's find: ``get_dispatch_layout`` returned a layout for a ``[T, 0]`` topk_idx that ``dispatch``
+    then refused.) Both raise the same ValueError (K >= 1)."""
+    vg, buf = one
+    idx = torch.zeros(3, 0, dtype=torch.int64)
+    with pytest.raises(ValueError) as layout:
+        buf.get_dispatch_layout(idx, 4)
+    err = _dispatch(vg, x=torch.zeros(3, 16, dtype=torch.bfloat16), topk_idx=idx,
+                    num_tokens_per_rank=torch.zeros(1, dtype=torch.int32),
+                    is_token_in_rank=torch.zeros(3, 1, dtype=torch.bool),
+                    num_tokens_per_expert=torch.zeros(4, dtype=torch.int32))
+    assert isinstance(err, ValueError), err
+    assert str(layout.value) == str(err) == "topk_idx must have at least one column"
+
+
 @pytest.mark.parametrize("group", ["x", 3, object()])
 def test_a_group_that_is_no_process_group_is_a_type_error(group):
     """``Buffer(group, ...)`` with something that is no process group (a fresh user passed a string) is a
