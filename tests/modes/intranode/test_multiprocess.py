@@ -71,6 +71,13 @@ def test_cached_dispatch_and_combine_replay_their_plan(fused):
         assert err == ("ValueError" if bad else "EPRemoteError"), (rank, err)
 
 
+def test_a_cached_dispatch_with_a_plan_still_refuses_bad_values():
+    """expert_alignment 1.0 / True and num_worst_tokens 0.0 are refused by a cached dispatch that has a plan, as by the
+    general path, and the plan replays afterwards (one rank: tests/cases/mp.py says why)."""
+    texts = _values(run_ranks(mp_cases.refused_values_with_a_plan, 1, 4))[0]
+    assert len(texts) == 3 and all("must be an int" in t for t in texts), texts
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["send and receive launches", "one launch"])
 def test_calls_of_several_rounds_replay_every_launch(fused):
     """A buffer of 4 KiB (1 KiB rounded up) and 40-45 tokens a rank: every call takes several rounds; cached
