@@ -229,6 +229,19 @@ def sig(v: Optional[float], digits: int = 4) -> Optional[float]:
     return None if v is None else float(f"{v:.{digits}g}")
 
 
+#: a same-bytes copy's length is a multiple of this. On one H100 (torch 2.11, 2026-12-06) graph-replayed copy_ of
+#: about 177 and 298 MiB, not whole MiB, ran at 2.43-2.44 TB/s; of 117, 186 and 312 whole MiB at 2.97-3.02, as the
+#: eager copies of every size from 117 MiB to 1 GiB (2.85-3.02); of 512 MiB again at 2.45
+COPY_GRAIN = 1 << 20
+
+
+def same_bytes_copy_length(nbytes: float) -> int:
+    """The length of the ``Tensor.copy_`` that stands for a call moving ``nbytes`` (read plus written): about
+    ``nbytes / 2``, rounded to whole :data:`COPY_GRAIN` (at least one). Its time scales to the call's bytes by
+    ``nbytes / (2 * length)``: the rate compares, not the time."""
+    return max(COPY_GRAIN, round(nbytes / 2 / COPY_GRAIN) * COPY_GRAIN)
+
+
 def gbps(nbytes: float, ms: float) -> float:
     """``nbytes`` over ``ms`` milliseconds, in GB/s (1e9 bytes per second)."""
     return nbytes / ms / 1e6

@@ -310,18 +310,12 @@ def measure_ceiling(small: bool, warmup_ms: float, rep_ms: float) -> dict:
     return out
 
 
-#: a same-bytes copy's length is a multiple of this. On one H100 (torch 2.11, 2026-12-06) graph-replayed copy_ of
-#: about 177 and 298 MiB, not whole MiB, ran at 2.43-2.44 TB/s; of 117, 186 and 312 whole MiB at 2.97-3.02, as the
-#: eager copies of every size from 117 MiB to 1 GiB (2.85-3.02); of 512 MiB again at 2.45
-COPY_GRAIN = 1 << 20
-
-
 def same_bytes_copies(case: Case, nbytes: float) -> Tuple[Callable[[], None], int]:
     """``Tensor.copy_`` of the same bytes as one of ``case``'s kernel calls, and its length: ``nbytes / 2`` bytes
-    read and as many written, rounded to whole :data:`COPY_GRAIN` (the rate, not the time, compares: see
-    :func:`graph_against_copy`), over ``R`` source / destination pairs taken in turn as the kernel's calls rotate
-    over the ranks, so L2 serves neither from the call before. The callable holds its tensors."""
-    n = max(COPY_GRAIN, round(nbytes / 2 / COPY_GRAIN) * COPY_GRAIN)
+    read and as many written, rounded to whole MiB (``C.same_bytes_copy_length``: the rate, not the time,
+    compares: see :func:`graph_against_copy`), over ``R`` source / destination pairs taken in turn as the kernel's
+    calls rotate over the ranks, so L2 serves neither from the call before. The callable holds its tensors."""
+    n = C.same_bytes_copy_length(nbytes)
     pairs = [(torch.ones(n, dtype=torch.uint8, device=case.dev), torch.empty(n, dtype=torch.uint8, device=case.dev))
              for _ in range(case.R)]
     it = itertools.cycle(pairs)

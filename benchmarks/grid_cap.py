@@ -264,7 +264,7 @@ def one_size(a, T: int, dev: torch.device, ceiling) -> list:
         # in the same repeats as the calls (GPU only)
         floor_bytes = (x.numel() + 3 * recv.numel()) * x.element_size()
         copy_timer = None
-        copy_n = max(1 << 20, round(floor_bytes / 2 / (1 << 20)) << 20)     # (whole MiB: bench_kernels.COPY_GRAIN)
+        copy_n = C.same_bytes_copy_length(floor_bytes)
         if dev.type == "cuda":
             src = torch.ones(copy_n, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)

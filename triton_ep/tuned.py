@@ -112,7 +112,8 @@ _CACHE: dict = {}
 
 #: what applies instead of a table that is not used, as its warning (and ``triton-ep info``) says, where ``tune``
 #: may replace the file as it is (a table of another GPU or version, or with a bad entry): :func:`fallback`
-FALLBACK = "the built-in tables apply (run `python -m triton_ep tune` again)"
+_AGAIN = "the built-in tables apply (run `{tune}` again)"
+FALLBACK = _AGAIN.format(tune="python -m triton_ep tune")
 
 
 def fallback(path: str) -> str:
@@ -123,17 +124,14 @@ def fallback(path: str) -> str:
     (``--output path`` is named where ``path`` is not :func:`default_path`.)"""
     tune = "python -m triton_ep tune" + ("" if path == default_path() else f" --output {path}")
     try:
-        check_target(path)
-        return f"the built-in tables apply (run `{tune}` again)"        # (FALLBACK at the default path)
-    except ValueError:
-        pass
-    try:
-        check_target(path, force=True)
-        return (f"the built-in tables apply (`{tune}` replaces a file that is no tuned table only with --force: "
-                f"run `{tune} --force`, or remove the file)")
+        real = check_target(path, force=True)
     except ValueError as e:
         return (f"the built-in tables apply (`{tune}` refuses this path too: {e}; set {ENV_FILE} to a path it "
                 f"writes, a file that is absent or a tuned table, then run it)")
+    if not os.path.lexists(real) or _is_table(real) is None:
+        return _AGAIN.format(tune=tune)
+    return (f"the built-in tables apply (`{tune}` replaces a file that is no tuned table only with --force: "
+            f"run `{tune} --force`, or remove the file)")
 
 
 def _mismatch(path: str, why: str) -> None:

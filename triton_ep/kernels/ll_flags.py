@@ -9,8 +9,9 @@ import triton.language as tl
 
 from . import flags
 from .flags import (E_GONE, E_MISMATCH, E_TIMEOUT, L_CONS, L_DONE, L_DONE2, L_GATE, L_NEXT, L_PEND, L_SEQ,
-                    LL_MASK_HAND, LL_MASK_WAIT, LL_SIG_MASKED, W_BASE, W_ERR, last_program_at, now_ns, off_ll_failed, off_ll_gaveup, off_ll_mask,
-                    off_ll_ready, off_ll_sig, post_error, post_wait_error, release, wait_at_least)
+                    LL_MASK_HAND, LL_MASK_WAIT, LL_SIG_MASKED, W_BASE, W_ERR, last_program_at, now_ns, off_ll_failed,
+                    off_ll_gaveup, off_ll_mask, off_ll_ready, off_ll_sig, post_error, post_wait_error, release,
+                    wait_at_least)
 
 
 @triton.jit

@@ -125,14 +125,12 @@ def closed_error(rank: int, closed: Iterable[int], stage: str, first: Optional[i
     first = first if first in closed else closed[0]
     after = _AFTER.get((how or {}).get(first))
     if after is not None:
-        ex = EPRemoteError(f"rank {rank}: rank {first} {after} while this rank waited at stage '{stage}'; this "
-                           f"call's outputs here are not valid; destroy() and rebuild the Buffer")
-        ex.failed_rank, ex.closed_ranks, ex.stage = first, closed, stage
-        return ex
-    who = f"rank {first} destroyed its Buffer" if len(closed) == 1 else f"ranks {closed} destroyed their Buffers"
-    ex = EPRemoteError(f"rank {rank}: {who} (destroy()) while this rank waited at stage '{stage}' (a Buffer collected "
-                       f"or released at its process's exit counts too; not a crash); this call's outputs here are not "
-                       f"valid; destroy() and rebuild the Buffer")
+        what = f"rank {first} {after} while this rank waited at stage '{stage}'"
+    else:
+        who = f"rank {first} destroyed its Buffer" if len(closed) == 1 else f"ranks {closed} destroyed their Buffers"
+        what = (f"{who} (destroy()) while this rank waited at stage '{stage}' (a Buffer collected or released at its "
+                f"process's exit counts too; not a crash)")
+    ex = EPRemoteError(f"rank {rank}: {what}; this call's outputs here are not valid; destroy() and rebuild the Buffer")
     ex.failed_rank, ex.closed_ranks, ex.stage = first, closed, stage
     return ex
 
