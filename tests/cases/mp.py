@@ -855,31 +855,45 @@ def fused(rank, world, seed, rounds):
     return rows, len(D._FUSED_BOUND) > 0 and len(C._FUSED_BOUND) > 0 and len(launched) > 0
 
 
-def bad_fused_switch(rank, world):
-    """``TRITON_EP_FUSED`` with a value that is not a switch: every call raises ``ValueError`` on every rank before
-    anything runs; with the variable fixed the same Buffer goes on (a cached dispatch gives the rows of the first
-    dispatch again). Returns the error messages of a plain dispatch, a cached dispatch and a combine, and whether
-    the rows came back equal."""
+def bad_switch(rank, world, which="fused"):
+    """A switch with a value that is no switch value (``which``: ``"fused"``, ``TRITON_EP_FUSED=maybe``, read per
+    call; ``"pdl"``, ``TRITON_EP_PDL=2`` as :mod:`triton_ep.kernels.pdl` keeps it from import, set here after the
+    first call): every call raises ``ValueError`` on every rank before anything runs; with the value fixed the same
+    Buffer goes on (a cached dispatch gives the rows of the first dispatch again). Returns the error messages of a
+    plain dispatch, a cached dispatch and a combine, and whether the rows came back equal."""
+    from triton_ep.kernels import pdl
+
+    def set_bad(bad):
+        if which == "fused":
+            if bad:
+                os.environ["TRITON_EP_FUSED"] = "maybe"
+            else:
+                os.environ.pop("TRITON_EP_FUSED", None)
+        else:
+            pdl.SWITCH = "2" if bad else False
+            pdl._CHECKED.clear()        # (judged once per device: judge the new value)
+
     buf = triton_ep.Buffer(None, 1 << 20, timeout_s=30)
     xs, idxs, ws = make_inputs(3, world, 4 * world, 2, 64, [6, 4, 5][:world])
     msgs = []
     try:
         first, _, _, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank],
                                                  **_layout_kwargs(buf, idxs[rank], 4 * world))
-        os.environ["TRITON_EP_FUSED"] = "maybe"
+        out = torch.full_like(first, float("nan"))
+        set_bad(True)
         for call in (lambda: buf.dispatch(xs[rank], topk_weights=ws[rank], **_layout_kwargs(buf, idxs[rank], 4 * world)),
                      lambda: buf.dispatch(xs[rank], handle=handle),
-                     lambda: buf.combine(torch.zeros_like(first), handle)):
+                     lambda: buf.combine(out, handle)):
             try:
                 call()
                 msgs.append("no error")
             except ValueError as e:
                 msgs.append(str(e))
-        os.environ.pop("TRITON_EP_FUSED")
+        set_bad(False)
         again = buf.dispatch(xs[rank], handle=handle)[0]
-        return msgs, torch.equal(first.view(torch.int16), again.view(torch.int16))
+        return msgs, torch.equal(first.view(torch.int16), again.view(torch.int16)) and bool(out.isnan().all())
     finally:
-        os.environ.pop("TRITON_EP_FUSED", None)
+        set_bad(False)
         buf.destroy()
 
 

@@ -1,5 +1,6 @@
-"""The opt-in programmatic dependent launch of the low-latency kernels (triton_ep/kernels/pdl.py): read from
-``TRITON_EP_PDL`` at import, never on under the interpreter, judged at the first low-latency call (a bad value,
+"""The opt-in programmatic dependent launch of the low-latency kernels and of normal mode's within one host
+(triton_ep/kernels/pdl.py): read from ``TRITON_EP_PDL`` at import, never on under the interpreter, judged at the
+first call of either mode (a bad value,
 or a GPU older than Hopper, raises ``ValueError`` before anything launches). Compiled for sm_90 here (no GPU
 needed), a kernel's first instruction is ``griddepcontrol.wait`` where it is on, and there is none where it is
 off. The GPU side (the low-latency GPU tests with ``TRITON_EP_PDL=1``) ran on an H200: benchmarks/README.md."""
@@ -78,7 +79,7 @@ _PTX = textwrap.dedent('''
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     import triton_ep.kernels.pdl as pdl
-    from triton_ep.kernels import ll_combine, ll_dispatch, ll_fused
+    from triton_ep.kernels import combine, dispatch, ll_combine, ll_dispatch, ll_fused
 
     @triton.jit
     def k(x_ptr, y_ptr):
@@ -90,7 +91,9 @@ _PTX = textwrap.dedent('''
     las = (ll_dispatch._ll_route_launch, ll_dispatch._ll_dispatch_send_launch, ll_dispatch._ll_dispatch_recv_launch,
            ll_combine._ll_combine_send_launch, ll_combine._ll_combine_reduce_launch,
            ll_fused._ll_dispatch_fused_launch, ll_fused._ll_combine_fused_launch,
-           ll_fused._ll_combine_fused_logfmt_launch)
+           ll_fused._ll_combine_fused_logfmt_launch,
+           dispatch._dispatch_send_launch, dispatch._dispatch_recv_launch, dispatch._dispatch_fused_launch,
+           combine._combine_send_launch, combine._combine_reduce_launch, combine._combine_fused_launch)
     print(json.dumps([pdl.PDL_ON, [la.options.get("launch_pdl", False) for la in las],
                       ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global")]))
 ''')
@@ -99,7 +102,9 @@ _PTX = textwrap.dedent('''
 @pytest.mark.parametrize("value", ["1", "0"])
 def test_compiled_for_sm90_the_kernel_waits_first(value, tmp_path):
     """Outside the interpreter (compiling for sm_90 on this machine, nothing launched): with ``TRITON_EP_PDL=1``
-    the eight low-latency launchers (split and one-launch, the LogFMT one-launch combine's own) carry ``launch_pdl`` and a kernel starting with ``pdl_start`` waits
+    the eight low-latency launchers (split and one-launch, the LogFMT one-launch combine's own) and the six of normal
+    mode within one host (dispatch and combine, split and one-launch) carry ``launch_pdl`` and a kernel starting with
+    ``pdl_start`` waits
     (``griddepcontrol.wait``) and lets the next launch start before its first load; with ``0``, neither."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_EP_PDL=value)
     script = tmp_path / "ptx_probe.py"           # (a @triton.jit function must live in a file)
@@ -110,10 +115,10 @@ def test_compiled_for_sm90_the_kernel_waits_first(value, tmp_path):
     assert out.returncode == 0, out.stderr[-1500:]
     on, flags_, wait, launch, load = json.loads(out.stdout.strip().splitlines()[-1])
     if value == "1":
-        assert on is True and flags_ == [True] * 8
+        assert on is True and flags_ == [True] * 14
         assert 0 <= wait < load and 0 <= launch < load
     else:
-        assert on is False and flags_ == [False] * 8 and wait == -1 and launch == -1 and load >= 0
+        assert on is False and flags_ == [False] * 14 and wait == -1 and launch == -1 and load >= 0
 
 
 def test_pdl_on_in_the_environment_still_imports_and_stays_off_on_cpu():

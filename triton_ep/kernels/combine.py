@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import names
-from . import flags
+from . import flags, pdl
 from ..protocol import records
 from .launch import Launcher, bound
 from ._util import cdiv, entry, pow2
@@ -75,6 +75,7 @@ def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec
                          USE_ASM: tl.constexpr, WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
                          HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                          BLOCK_K: tl.constexpr):
+    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     if N_PTR:       # the rows received, from the device (a dispatch with num_worst_tokens)
         n_rows = tl.load(n_ptr).to(tl.int32)
     # Round n: wait until every source rank has moved round n - 1 out of its area.
@@ -95,7 +96,7 @@ def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec
             flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
 
 
-_combine_send_launch = Launcher(_combine_send_kernel)
+_combine_send_launch = Launcher(_combine_send_kernel, **pdl.options())
 
 
 @triton.jit
@@ -177,6 +178,7 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
                            R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr,
                            FINAL: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # Round n: wait until every destination rank has returned its rows of round n here.
     if SYNC:
         if DEFER:       # the send launch just before wrote round NEXT: publish it here, then wait
@@ -198,7 +200,7 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
             flags.finish_recv(hdr, n, advance, USE_ASM)
 
 
-_combine_reduce_launch = Launcher(_combine_reduce_kernel)
+_combine_reduce_launch = Launcher(_combine_reduce_kernel, **pdl.options())
 
 
 @names.jit('intranode', 'combine', do_not_specialize=['n_rows', 'T', 'cap', 'sig', 'me', 'timeout_ns', 'rounds'])
@@ -210,6 +212,7 @@ def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, re
                           HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, SUMS: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_W: tl.constexpr, BLOCK_TR: tl.constexpr, BLOCK_H: tl.constexpr,
                           BLOCK_K: tl.constexpr):
+    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # A combine as one launch: per round (slots [k * cap, (k + 1) * cap)), the send part, then the reduce part,
     # each as its own launch does it, the fp32 sums carried between rounds in acc / wacc (SUMS: a call of several
     # rounds); programs all resident at once, waiting for each other between parts and rounds (see
@@ -235,7 +238,7 @@ def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, re
         flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, tl.where(k == rounds - 1, rounds, 0), USE_ASM)
 
 
-_combine_fused_launch = Launcher(_combine_fused_kernel)
+_combine_fused_launch = Launcher(_combine_fused_kernel, **pdl.options())
 
 
 def record_bytes(hidden: int, k: int) -> int:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import names
-from . import flags
+from . import flags, pdl
 from ..protocol import records
 from .launch import Launcher, bound
 from ._util import cdiv, entry, num_sms, pow2
@@ -111,6 +111,7 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
                           HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr,
                           STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
+    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # Round n of the Buffer: wait until every receiver has moved round n - 1 out of its area. A program
     # that may not write (an error, now or earlier) moves nothing.
     if SYNC:
@@ -131,7 +132,7 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
             flags.finish_send(hdr, hdr_delta, n, sig, me, R, USE_ASM)
 
 
-_dispatch_send_launch = Launcher(_dispatch_send_kernel)
+_dispatch_send_launch = Launcher(_dispatch_send_kernel, **pdl.options())
 
 
 @triton.jit
@@ -204,6 +205,7 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                           HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr):
+    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # Round n: wait until every sender has released it here, with the signature of this call.
     go = tl.full([], 1, tl.int1)
     if SYNC:
@@ -227,7 +229,7 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
             flags.finish_recv(hdr, n, advance, USE_ASM)
 
 
-_dispatch_recv_launch = Launcher(_dispatch_recv_kernel)
+_dispatch_recv_launch = Launcher(_dispatch_recv_kernel, **pdl.options())
 
 
 @names.jit('intranode', 'dispatch',
@@ -243,6 +245,7 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
                            BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_TR: tl.constexpr,
                            BLOCK_WR: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
                            STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
+    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # A call as one launch: per round (receive rows [k * cap, (k + 1) * cap)), the send part, then the receive
     # part, each as its own launch does it. The grid is capped so that every program is resident at once (a
     # receive part waits for the send part's last program, of the same launch; from the second round on, a send
@@ -268,7 +271,7 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
         flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, tl.where(k == rounds - 1, rounds, 0), USE_ASM)
 
 
-_dispatch_fused_launch = Launcher(_dispatch_fused_kernel)
+_dispatch_fused_launch = Launcher(_dispatch_fused_kernel, **pdl.options())
 
 
 def _blocks(cfg: dict, wx: int):

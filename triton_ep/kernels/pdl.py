@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL) for the low-latency kernels: an opt-in experiment (``TRITON_EP_PDL=1``).
+"""Programmatic dependent launch (PDL) for the low-latency kernels and normal mode's within one host (dispatch and
+combine, split and one-launch): an opt-in experiment (``TRITON_EP_PDL=1``).
 
 With PDL a launch may start while the launch before it in the stream is still running: its programs become
 resident and wait in :func:`pdl_start` (``griddepcontrol.wait``, Triton's ``gdc_wait``) until the launch before
@@ -9,8 +10,9 @@ one, which waited for the one before. Off by default, and always off under the i
 
 The switch is read once, when ``triton_ep`` is imported: set it before. Its values are those of
 ``TRITON_EP_FUSED`` (1 / 0, true / false, yes / no, on / off, any case, spaces around ignored). The first
-low-latency call of a process checks it (:func:`check`): another value, or PDL on for a GPU older than Hopper
-(or a ROCm one), raises ``ValueError`` before anything is launched.
+low-latency dispatch, and the first normal-mode dispatch or combine within one host, of a process checks it
+(:func:`check`): another value, or PDL on for a GPU older than Hopper (or a ROCm one), raises ``ValueError``
+before anything is launched.
 """
 import os
 import warnings
@@ -41,7 +43,7 @@ def pdl_enabled() -> bool:
     return _switch() is True and not interpreted() and gdc_wait is not None
 
 
-#: whether the low-latency kernels are compiled and launched with PDL (fixed at import)
+#: whether the low-latency and normal-mode kernels are compiled and launched with PDL (fixed at import)
 PDL_ON = pdl_enabled()
 PDL = tl.constexpr(PDL_ON)
 
@@ -56,7 +58,8 @@ def _capability(device: torch.device) -> tuple:
 
 
 def check(device: torch.device) -> None:
-    """Judge the switch once per process and device, at the first low-latency call (before anything launches).
+    """Judge the switch once per process and device, at the first call that launches a kernel taking it (before
+    anything launches).
 
     Raises:
         ValueError: ``TRITON_EP_PDL`` is not a switch value, or PDL is on and ``device`` is a GPU older than Hopper

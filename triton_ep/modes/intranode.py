@@ -21,6 +21,7 @@ from ..config import EventOverlap
 from ..errors import EPError, EPTimeoutError
 from ..kernels import notify as NT
 from ..kernels import params as LP
+from ..kernels import pdl
 from ..kernels.combine import combine_fused
 from ..kernels.combine import record_bytes as combine_record_bytes
 from ..kernels.dispatch import dispatch_fused
@@ -173,6 +174,7 @@ class Intranode:
             check_config(config)
             lp = LP.of_config(config, self.rt.group_size)     # (a num_sms below the minimum: ValueError)
             force = fused_switch()      # a bad TRITON_EP_FUSED is an argument error, before anything runs
+            pdl.check(self.rt.device)   # (so is a bad TRITON_EP_PDL, or PDL on a GPU older than Hopper)
             rows, a = args.dispatch_args(self.rt, x, handle, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                          num_worst_tokens, previous_event, operation)
@@ -420,6 +422,7 @@ class Intranode:
             yield from self.rt.resync_steps()
         try:
             h, xv, w, biases, force = args.combine_args(self.rt, x, handle, topk_weights, bias, config, previous_event)
+            pdl.check(self.rt.device)
             lp = LP.of_config(config, self.rt.group_size)     # (a num_sms below the minimum: ValueError)
         except Exception as e:  # noqa: BLE001 - every rank learns it through the device words
             raise self.rt.fail_call(e)

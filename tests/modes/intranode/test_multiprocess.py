@@ -104,11 +104,13 @@ def test_a_kept_handle_keeps_nothing_of_a_dropped_buffer():
         assert out == (True, True, True), out
 
 
-def test_a_bad_fused_switch_is_an_argument_error():
-    """TRITON_EP_FUSED=maybe: ValueError on every rank for a plain dispatch, a cached dispatch and a combine,
-    before anything runs; the same Buffer goes on once the variable is fixed."""
-    for msgs, same in _values(run_ranks(mp_cases.bad_fused_switch, 2)):
-        assert len(msgs) == 3 and all("TRITON_EP_FUSED must be 1 or 0" in m for m in msgs), msgs
+@pytest.mark.parametrize("which, name", [("fused", "TRITON_EP_FUSED"), ("pdl", "TRITON_EP_PDL")])
+def test_a_bad_switch_is_an_argument_error(which, name):
+    """TRITON_EP_FUSED=maybe, or TRITON_EP_PDL=2: ValueError on every rank for a plain dispatch, a cached dispatch
+    and a combine, before anything runs (the combine leaves its input as it was); the same Buffer goes on once the
+    value is fixed."""
+    for msgs, same in _values(run_ranks(mp_cases.bad_switch, 2, which)):
+        assert len(msgs) == 3 and all(f"{name} must be 1 or 0" in m for m in msgs), msgs
         assert same
 
 
