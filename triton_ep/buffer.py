@@ -30,13 +30,13 @@ def _shape_arg(name: str, value, least: int) -> Optional[int]:
     """``get_*_config``'s ``hidden`` / ``num_tokens``: ``None`` or an int (not a bool) of at least ``least``.
 
     Raises:
-        TypeError: not an int (a bool, float, str...). ValueError: less than ``least``. Both name ``name`` and the
-            value.
+        ValueError: not an int (a bool, float, str...: as every size argument, :func:`~triton_ep.runtime.checks.int_arg`)
+            or less than ``least``, naming ``name`` and the value.
     """
     if value is None:
         return None
     if not isint(value):
-        raise TypeError(f"{name} must be None or an int of at least {least}, got {value!r} "
+        raise ValueError(f"{name} must be None or an int of at least {least}, got {value!r} "
                         f"({type(value).__name__})")
     if value < least:
         raise ValueError(f"{name} must be None or an int of at least {least}, got {value!r}")
@@ -138,8 +138,8 @@ class Buffer:
         int of at least 0 (a rank may have no tokens).
 
         Raises:
-            ValueError: ``num_ranks`` not a positive int; ``hidden < 1`` or ``num_tokens < 0``.
-            TypeError: ``hidden`` or ``num_tokens`` not an int (a bool, float or str), naming it and the value.
+            ValueError: ``num_ranks`` not a positive int; ``hidden`` or ``num_tokens`` not an int (a bool, float or
+                str), ``hidden < 1`` or ``num_tokens < 0``, naming it and the value.
         """
         return _config("dispatch", num_ranks, DISPATCH_CONFIGS, hidden, num_tokens)
 
@@ -148,7 +148,7 @@ class Buffer:
         """The combine Config for ``num_ranks``, as :meth:`get_dispatch_config` (the tuned table's combine entries).
 
         Raises:
-            ValueError, TypeError: as :meth:`get_dispatch_config`.
+            ValueError: as :meth:`get_dispatch_config`.
         """
         return _config("combine", num_ranks, COMBINE_CONFIGS, hidden, num_tokens)
 
@@ -171,7 +171,7 @@ class Buffer:
         vLLM does, changes nothing).
 
         Raises:
-            ValueError: ``size`` too large. EPError: destroyed.
+            ValueError: ``offset`` not an int, negative or past the end; ``size`` too large. EPError: destroyed.
         """
         return self._modes.local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
