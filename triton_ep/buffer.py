@@ -58,7 +58,13 @@ def _config(call: str, num_ranks: int, table: dict, hidden: Optional[int], num_t
     return got
 
 
-__all__ = ["Buffer", "DispatchArgs", "DispatchHandle"]
+#: the error of ``Buffer.runtime``: DeepEP's C++ runtime object has no counterpart here; what its getters answer
+RUNTIME_ABSENT = ("triton_ep.Buffer has no 'runtime': DeepEP's is its C++ object, which vLLM and SGLang do not use. "
+                  "Its getters here: get_num_rdma_ranks() is buffer.get_rdma_stats()['num_hosts'], "
+                  "get_local_device_id() is buffer.device.index (None on CPU); the rank and group size are "
+                  "buffer.rank and buffer.group_size")
+
+__all__ = ["Buffer", "DispatchArgs", "DispatchHandle", "RUNTIME_ABSENT"]
 
 
 class Buffer:
@@ -320,6 +326,15 @@ class Buffer:
 
     def __enter__(self) -> "Buffer":
         return self
+
+    def __getattr__(self, name: str):
+        """Only for attributes that do not exist (Python calls it after the normal look-up failed): DeepEP's
+        ``runtime`` (its C++ object, not part of its Python API; vLLM and SGLang do not touch it, scripts read
+        getters on it) gets an ``AttributeError`` that says what to use here; any other name Python's own.
+        """
+        if name == "runtime":
+            raise AttributeError(RUNTIME_ABSENT, name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
         self.destroy()

@@ -191,6 +191,23 @@ def test_static_api_surface():
         pass
 
 
+def test_runtime_is_absent_and_says_what_to_use(one):
+    """(A new user's find: scripts written for DeepEP read ``buffer.runtime.get_num_rdma_ranks()`` /
+    ``get_local_device_id()``; here a bare AttributeError.) vLLM and SGLang never touch DeepEP's ``runtime`` (its C++
+    object), so none is provided: reading it raises an AttributeError naming what answers those getters, and
+    those answers hold; a misspelt attribute keeps Python's own message."""
+    _, buf = one
+    with pytest.raises(AttributeError) as ex:
+        buf.runtime
+    assert str(ex.value) == triton_ep.buffer.RUNTIME_ABSENT and not hasattr(buf, "runtime")
+    for words in ("get_num_rdma_ranks() is buffer.get_rdma_stats()['num_hosts']",
+                  "get_local_device_id() is buffer.device.index"):
+        assert words in str(ex.value), ex.value
+    assert buf.get_rdma_stats()["num_hosts"] == 1 and buf.device.index is None      # (one host, CPU)
+    with pytest.raises(AttributeError, match="^'Buffer' object has no attribute 'runtme'$"):
+        buf.runtme
+
+
 def test_destroyed_buffer_raises():
     vg = VirtualGroup(1, 1 << 16)
     buf = vg.buffers[0]
