@@ -255,6 +255,53 @@ def test_tune_keeps_the_entries_of_other_shapes_of_a_usable_table(table_env, fak
     assert "kept" not in out and shapes() == [("combine", 2, 4), ("dispatch", 2, 4)]
 
 
+def test_tune_says_who_reads_the_table_and_how_to_undo(tmp_path, table_env, fake_ranks, capsys, monkeypatch):
+    """(A new user's find: ``tune`` without ``--output``, run as a probe, silently wrote the user-wide table that
+    every later Buffer reads.) Its last line names the file, who reads it (every Buffer of this user at the default
+    location; processes with $TRITON_EP_TUNING_FILE naming it; for another file, only those) and how to undo:
+    delete the file, or, where a file was there, move its copy (``.bak`` beside it, made before the save) back."""
+    def last_line(*args):
+        assert main(["tune", "--quick", *args]) == 0
+        return capsys.readouterr().out.splitlines()[-1]
+    env = f"Every later Buffer of a process with ${tuned.ENV_FILE}={table_env} reads it"
+    assert last_line("--tokens", "4") == f"saved 2 entries to {table_env}. {env}; to undo, delete {table_env}"
+    first = table_env.read_text()
+    bak = tmp_path / "cache" / "tuning.json.bak"
+    assert not bak.exists()
+    assert last_line("--tokens", "6") == (
+        f"saved 2 entries to {table_env} (and kept 2 of other calls and shapes from the table there), replacing the "
+        f"file there (copied first to {bak}). {env}; to undo, move {bak} back to {table_env} (or delete {table_env} "
+        f"for the built-in tables)")
+    assert bak.read_text() == first != table_env.read_text()
+    monkeypatch.delenv(tuned.ENV_FILE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    user = tmp_path / "xdg" / "triton_ep" / "tuning.json"
+    assert last_line("--tokens", "4") == (
+        f"saved 2 entries to {user}. Every later Buffer of this user reads it (get_dispatch_config / "
+        f"get_combine_config), unless its process sets ${tuned.ENV_FILE}; to undo, delete {user}")
+    other = tmp_path / "other.json"
+    assert last_line("--tokens", "4", "--output", str(other)) == (
+        f"saved 2 entries to {other}. A Buffer reads it only where ${tuned.ENV_FILE} names it; to undo, delete "
+        f"{other}")
+    assert sorted(p.name for p in user.parent.iterdir()) == [".tuning.json.lock", "tuning.json"]
+
+
+def test_the_backup_is_never_written_through_a_symlink(tmp_path):
+    """``tuned.save(backup=True)`` copies the file there to ``.bak`` only where that path is absent or a regular file
+    (never through a symlink: a ValueError naming it, and nothing is replaced); without a file there, no backup."""
+    path = tmp_path / "t.json"
+    assert tuned.save(str(path), [], "first", backup=True) == ([], None, None)
+    first = path.read_text()
+    (tmp_path / "elsewhere").write_text("keep")
+    (tmp_path / "t.json.bak").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="t.json.bak is a symbolic link"):
+        tuned.save(str(path), [], "second", backup=True)
+    assert path.read_text() == first and (tmp_path / "elsewhere").read_text() == "keep"
+    (tmp_path / "t.json.bak").unlink()
+    assert tuned.save(str(path), [], "second", backup=True)[2] == str(tmp_path / "t.json.bak")
+    assert (tmp_path / "t.json.bak").read_text() == first
+
+
 def test_entries_are_chosen_by_shape_and_set_num_sms_wins(table_env, monkeypatch):
     """Several shapes for one group size: without a shape the entry of the most tokens, else the entry of that
     hidden size nearest in tokens; after ``set_num_sms`` the tuned Config carries that SM count."""

@@ -28,7 +28,8 @@ the chosen path-hash model; on a real fabric the switch's hash decides, so treat
 ``tune`` (docs/tuning.md) times a cached dispatch and a combine for the built-in tables and candidate Configs in
 rank processes, prints built-in against tuned microseconds per call and shape, and saves the fastest Configs
 where ``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON_EP_TUNING_FILE, else
-$XDG_CACHE_HOME/triton_ep/tuning.json). It exits 0 when saved; 1 when a rank failed, the ranks ran past
+$XDG_CACHE_HOME/triton_ep/tuning.json: every later Buffer of this user), the file there first copied to
+NAME.bak; its last line says which file it wrote, who reads it and how to undo that. It exits 0 when saved; 1 when a rank failed, the ranks ran past
 --timeout-s or another save held the table's lock too long; 130 on Ctrl-C (nothing saved, one line on stderr);
 2 on bad usage: a bad option, options that do not go together (--hidden a multiple of 8, --num-experts a
 multiple of --ranks, --num-topk at most --num-experts, a buffer that holds a row), or an --output that is empty,

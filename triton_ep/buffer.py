@@ -30,13 +30,13 @@ def _shape_arg(name: str, value, least: int) -> Optional[int]:
     """``get_*_config``'s ``hidden`` / ``num_tokens``: ``None`` or an int (not a bool) of at least ``least``.
 
     Raises:
-        TypeError: not an int (a bool, float, str...). ValueError: less than ``least``. Both name ``name`` and the
-            value.
+        ValueError: not an int (a bool, float, str...: as every size argument, :func:`~triton_ep.runtime.checks.int_arg`)
+            or less than ``least``, naming ``name`` and the value.
     """
     if value is None:
         return None
     if not isint(value):
-        raise TypeError(f"{name} must be None or an int of at least {least}, got {value!r} "
+        raise ValueError(f"{name} must be None or an int of at least {least}, got {value!r} "
                         f"({type(value).__name__})")
     if value < least:
         raise ValueError(f"{name} must be None or an int of at least {least}, got {value!r}")
@@ -58,7 +58,13 @@ def _config(call: str, num_ranks: int, table: dict, hidden: Optional[int], num_t
     return got
 
 
-__all__ = ["Buffer", "DispatchArgs", "DispatchHandle"]
+#: the error of ``Buffer.runtime``: DeepEP's C++ runtime object has no counterpart here; what its getters answer
+RUNTIME_ABSENT = ("triton_ep.Buffer has no 'runtime': DeepEP's is its C++ object, which vLLM and SGLang do not use. "
+                  "Its getters here: get_num_rdma_ranks() is buffer.get_rdma_stats()['num_hosts'], "
+                  "get_local_device_id() is buffer.device.index (None on CPU); the rank and group size are "
+                  "buffer.rank and buffer.group_size")
+
+__all__ = ["Buffer", "DispatchArgs", "DispatchHandle", "RUNTIME_ABSENT"]
 
 
 class Buffer:
@@ -138,8 +144,8 @@ class Buffer:
         int of at least 0 (a rank may have no tokens).
 
         Raises:
-            ValueError: ``num_ranks`` not a positive int; ``hidden < 1`` or ``num_tokens < 0``.
-            TypeError: ``hidden`` or ``num_tokens`` not an int (a bool, float or str), naming it and the value.
+            ValueError: ``num_ranks`` not a positive int; ``hidden`` or ``num_tokens`` not an int (a bool, float or
+                str), ``hidden < 1`` or ``num_tokens < 0``, naming it and the value.
         """
         return _config("dispatch", num_ranks, DISPATCH_CONFIGS, hidden, num_tokens)
 
@@ -148,7 +154,7 @@ class Buffer:
         """The combine Config for ``num_ranks``, as :meth:`get_dispatch_config` (the tuned table's combine entries).
 
         Raises:
-            ValueError, TypeError: as :meth:`get_dispatch_config`.
+            ValueError: as :meth:`get_dispatch_config`.
         """
         return _config("combine", num_ranks, COMBINE_CONFIGS, hidden, num_tokens)
 
@@ -171,7 +177,7 @@ class Buffer:
         vLLM does, changes nothing).
 
         Raises:
-            ValueError: ``size`` too large. EPError: destroyed.
+            ValueError: ``offset`` not an int, negative or past the end; ``size`` too large. EPError: destroyed.
         """
         return self._modes.local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
@@ -320,6 +326,15 @@ class Buffer:
 
     def __enter__(self) -> "Buffer":
         return self
+
+    def __getattr__(self, name: str):
+        """Only for attributes that do not exist (Python calls it after the normal look-up failed): DeepEP's
+        ``runtime`` (its C++ object, not part of its Python API; vLLM and SGLang do not touch it, scripts read
+        getters on it) gets an ``AttributeError`` that says what to use here; any other name Python's own.
+        """
+        if name == "runtime":
+            raise AttributeError(RUNTIME_ABSENT, name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
         self.destroy()

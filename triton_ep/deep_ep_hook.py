@@ -19,7 +19,9 @@ The switch's values (``TRITON_EP_AS_DEEP_EP``):
 - unset, ``""``, ``"0"``, ``"false"``, ``"no"``, ``"off"``: off; nothing changes.
 - ``"1"`` (or ``"true"``, ``"yes"``, ``"on"``): ``deep_ep`` is triton-ep, also where a real DeepEP is
   installed; then a WARNING at the first ``import deep_ep`` names the DeepEP it shadows.
-- ``"missing"``: triton-ep only where no other ``deep_ep`` is found (a real DeepEP wins; an INFO line says so).
+- ``"missing"``: triton-ep only where no other ``deep_ep`` imports: a real DeepEP that imports wins; one that is
+  found but does not import (a source checkout whose ``deep_ep_cpp`` extension was never built, say) gives way to
+  triton-ep, and a WARNING at the first ``import deep_ep`` names it and its import error.
 
 Any other value is a ``ValueError`` naming the variable, raised by :func:`install` (the ``.pth`` prints it
 and leaves the import system alone). ``triton-ep info`` shows the switch and which ``deep_ep`` is in use.
@@ -71,27 +73,74 @@ class HookState:
             known once ``deep_ep`` was looked up.
         served: True once this finder answered for ``deep_ep`` (triton-ep is in use); False where it left it to
             a real DeepEP; None before any look-up.
+        real_error: in mode ``"missing"``, why the real DeepEP found did not import (``"ModuleNotFoundError: No
+            module named 'deep_ep_cpp'"``), so that triton-ep served ``deep_ep`` instead; ``None`` otherwise.
         announced: the first-use log line was written.
     """
 
-    __slots__ = ("mode", "installed_by", "real_origin", "served", "announced")
+    __slots__ = ("mode", "installed_by", "real_origin", "served", "real_error", "announced")
 
     def __init__(self, mode: str, installed_by: str) -> None:
         self.mode, self.installed_by = mode, installed_by
         self.real_origin: Optional[str] = None
         self.served: Optional[bool] = None
+        self.real_error: Optional[str] = None
         self.announced = False
 
     def __repr__(self) -> str:
         return "HookState(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
 
 
+def _shim_spec():
+    """The spec of triton-ep's ``_deep_ep`` package under the name ``deep_ep`` (its ``submodule_search_locations``
+    is that directory, so ``deep_ep.buffers.legacy`` and the other submodules load from there)."""
+    return importlib.util.spec_from_file_location("deep_ep", os.path.join(SHIM_DIR, "__init__.py"),
+                                                  submodule_search_locations=[SHIM_DIR])
+
+
+class FallbackLoader:
+    """In mode ``"missing"``, the loader of a real DeepEP's spec: installed means importable. ``exec_module`` runs
+    the real loader; where that raises (``deep_ep_cpp`` never built, an ABI mismatch...), what the failed import
+    put in ``sys.modules`` (``deep_ep`` and its submodules) is removed, the reason is kept in
+    :attr:`HookState.real_error`, and triton-ep's package is loaded as ``deep_ep`` instead (the import system
+    returns what ``sys.modules["deep_ep"]`` holds after ``exec_module``: PEP 451). Other attributes are the real
+    loader's."""
+
+    def __init__(self, real, state: HookState) -> None:
+        self.real, self.state = real, state
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def create_module(self, spec):
+        make = getattr(self.real, "create_module", None)
+        return make(spec) if make is not None else None
+
+    def exec_module(self, module) -> None:
+        try:
+            self.real.exec_module(module)
+            return
+        except Exception as ex:     # noqa: BLE001 - any failure: that DeepEP is not importable
+            self.state.real_error = f"{type(ex).__name__}: {ex}"
+        for name in [n for n in sys.modules if n == "deep_ep" or n.startswith("deep_ep.")]:
+            del sys.modules[name]
+        self.state.served = True
+        spec = _shim_spec()
+        shim = importlib.util.module_from_spec(spec)
+        sys.modules["deep_ep"] = shim
+        try:
+            spec.loader.exec_module(shim)
+        except BaseException:
+            sys.modules.pop("deep_ep", None)
+            raise
+
+
 class DeepEPFinder:
     """The meta-path finder for the top-level name ``deep_ep`` (PEP 451). Other names: ``None`` (not mine).
 
-    ``find_spec("deep_ep")`` returns a spec of triton-ep's ``_deep_ep`` package named ``deep_ep`` (its
-    ``submodule_search_locations`` is that directory, so ``deep_ep.buffers.legacy`` and the other submodules
-    load from there), unless the mode is ``"missing"`` and another finder knows a ``deep_ep``.
+    ``find_spec("deep_ep")`` returns :func:`_shim_spec`, triton-ep's package, unless the mode is ``"missing"`` and
+    another finder knows a ``deep_ep``: then that spec, loaded by a :class:`FallbackLoader` (triton-ep's package
+    where the real one does not import).
     """
 
     #: marks the finder for :func:`current_finder` (this module may be loaded twice: by the ``.pth`` and as
@@ -122,10 +171,11 @@ class DeepEPFinder:
                                                                                     or [])))
         if self.state.mode == MISSING and real is not None:
             self.state.served = False
-            return None
+            if not isinstance(real.loader, FallbackLoader):
+                real.loader = FallbackLoader(real.loader, self.state)
+            return real
         self.state.served = True
-        return importlib.util.spec_from_file_location("deep_ep", os.path.join(SHIM_DIR, "__init__.py"),
-                                                      submodule_search_locations=[SHIM_DIR])
+        return _shim_spec()
 
 
 def current_finder() -> Optional[DeepEPFinder]:
@@ -179,6 +229,10 @@ def announce(version: str) -> None:
     how = f"{ENV}={os.environ.get(ENV, '')!r}" if state is not None else "imported directly"
     if state is not None:
         state.announced = True
+        if state.real_error:
+            log.warning("deep_ep is triton-ep %s (%s): the DeepEP at %s does not import (%s)", version, how,
+                        state.real_origin, state.real_error)
+            return
         if state.real_origin:
             log.warning("deep_ep is triton-ep %s (%s): the DeepEP at %s is shadowed; unset %s, or set it to "
                         "'missing', to use it", version, how, state.real_origin, ENV)
@@ -188,7 +242,9 @@ def announce(version: str) -> None:
 
 def describe(env=None) -> List[str]:
     """Lines for ``triton-ep info``: the switch, whether the finder is installed, and which ``deep_ep`` an
-    ``import deep_ep`` in this process gets (a look-up only: nothing is imported)."""
+    ``import deep_ep`` in this process gets. Where that is a real DeepEP not imported yet (the switch off or
+    ``"missing"``) it is imported, to tell whether it imports (installed means importable: with ``"missing"`` one
+    that does not gives way to triton-ep); triton-ep's own ``deep_ep`` is looked up only."""
     env = os.environ if env is None else env
     raw = env.get(ENV)
     lines = [f"  switch     {ENV}={raw!r}" if raw is not None else f"  switch     {ENV} unset (off)"]
@@ -204,21 +260,42 @@ def describe(env=None) -> List[str]:
             if mode else ""))
     else:
         lines.append(f"  hook       installed by {finder.state.installed_by}, mode {finder.state.mode!r}")
-    loaded = sys.modules.get("deep_ep")
-    if loaded is not None:
-        origin = getattr(loaded, "__file__", None)
-    else:
+    origin, error = _origin(), None
+    if origin is not None and not _is_shim(origin) and "deep_ep" not in sys.modules and (
+            finder is None or finder.state.mode == MISSING):
+        if finder is not None:
+            finder.state.announced = True       # (these lines say what its log line would)
         try:
-            spec = importlib.util.find_spec("deep_ep")
-        except (ImportError, ValueError):
-            spec = None
-        origin = None if spec is None else spec.origin
+            importlib.import_module("deep_ep")
+        except Exception as ex:     # noqa: BLE001 - any failure: it does not import
+            error = f"{type(ex).__name__}: {ex}"
+        origin = _origin() if "deep_ep" in sys.modules else origin
     if origin is None:
         lines.append("  deep_ep    not found: `import deep_ep` fails here")
-    elif os.path.dirname(os.path.abspath(origin)) == SHIM_DIR:
+    elif _is_shim(origin):
         lines.append(f"  deep_ep    triton-ep ({SHIM_DIR})")
     else:
-        lines.append(f"  deep_ep    a DeepEP at {origin}")
-    if finder is not None and finder.state.real_origin and finder.state.served:
-        lines.append(f"  shadowed   the DeepEP at {finder.state.real_origin}")
+        lines.append(f"  deep_ep    a DeepEP at {origin}" + (f", which does not import ({error}): `import deep_ep` "
+                                                               f"fails here" if error else ""))
+    state = finder.state if finder is not None else None
+    if state is not None and state.real_error:
+        lines.append(f"  not used   the DeepEP at {state.real_origin}: it does not import ({state.real_error})")
+    elif state is not None and state.real_origin and state.served:
+        lines.append(f"  shadowed   the DeepEP at {state.real_origin}")
     return lines
+
+
+def _is_shim(origin: str) -> bool:
+    return os.path.dirname(os.path.abspath(origin)) == SHIM_DIR
+
+
+def _origin() -> Optional[str]:
+    """The file of the ``deep_ep`` imported, else of the one a look-up finds (``None``: none)."""
+    loaded = sys.modules.get("deep_ep")
+    if loaded is not None:
+        return getattr(loaded, "__file__", None)
+    try:
+        spec = importlib.util.find_spec("deep_ep")
+    except (ImportError, ValueError):
+        spec = None
+    return None if spec is None else spec.origin

@@ -504,24 +504,65 @@ def _keep_owner_and_mode(fd: int, st: Optional[os.stat_result]) -> None:
     os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)
 
 
+def backup_path(path: str) -> str:
+    """Where :func:`save` with ``backup`` keeps the file it replaces at ``path``: ``path.bak`` beside it."""
+    return f"{path}.bak"
+
+
+def _write_beside(real: str, st: Optional[os.stat_result], write, force: bool) -> None:
+    """Put a new file at ``real`` atomically: ``write(f)`` fills a new temporary file (binary) in the same directory,
+    given the permission bits and owner of ``st`` (the file it replaces, :func:`_keep_owner_and_mode`), then it is
+    renamed over ``real`` (after :func:`check_target` of ``real`` with ``force`` once more, just before the rename:
+    only a regular file is replaced). The temporary file is removed on every failure."""
+    tmp = f"{real}.tmp{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # (umask)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _keep_owner_and_mode(f.fileno(), st)
+            write(f)
+        check_target(real, force=force)
+        os.replace(tmp, real)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _back_up(real: str, st: os.stat_result) -> str:
+    """Copy the file at ``real`` (``st``: its ``lstat``) to :func:`backup_path`, replacing an older backup there
+    (:func:`check_target` of it first: never through a symlink, nor over anything but a regular file). Returns that
+    path. Raises ValueError where the backup path is refused or the file there is no longer a regular file."""
+    bak = check_target(backup_path(real), force=True)
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_NOFOLLOW", 0))
+    with open(fd, "rb") as src:
+        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+            raise ValueError(f"{real} is no longer a regular file; nothing was written")
+        _write_beside(bak, st, lambda f: f.write(src.read()), force=True)
+    return bak
+
+
 def save(path: str, entries: List[dict], command: str, *, merge: bool = False, force: bool = False,
-         lock_timeout_s: float = LOCK_TIMEOUT_S) -> Tuple[List[dict], Optional[str]]:
+         backup: bool = False, lock_timeout_s: float = LOCK_TIMEOUT_S
+         ) -> Tuple[List[dict], Optional[str], Optional[str]]:
     """Write a table of ``entries`` (dicts of the module docstring's form) to ``path`` with this process's
     :func:`identity`, atomically: a new temporary file in the same directory, renamed over the target (never
     through a symlink), with the replaced file's permission bits and owner (where the system allows). With
-    ``merge`` (``tune``'s), the table also gets :func:`kept_entries` of the table already there. The whole
-    read-merge-write holds :func:`locked`, so two processes saving to one file at once keep each other's entries.
-    The directory is not made (:func:`check_target` with ``create_dir`` does that for the default location).
+    ``merge`` (``tune``'s), the table also gets :func:`kept_entries` of the table already there. With ``backup``
+    (``tune``'s), a file already there is first copied to :func:`backup_path` (one generation: an older backup is
+    replaced), so that the table before this save can be put back. The whole read-merge-write holds
+    :func:`locked`, so two processes saving to one file at once keep each other's entries. The directory is not
+    made (:func:`check_target` with ``create_dir`` does that for the default location).
 
     Args:
         force: replace an existing regular file that is not a tuned table (:func:`check_target`).
     Returns:
-        ``(kept, why)``: the entries kept from the table there and, where it was replaced whole, the reason
-        (:func:`kept_entries`; ``([], None)`` without ``merge``).
+        ``(kept, why, backup)``: the entries kept from the table there and, where it was replaced whole, the reason
+        (:func:`kept_entries`; ``([], None)`` without ``merge``); the backup's path, or ``None`` where no file was
+        there or ``backup`` is off.
     Raises:
         ValueError: :func:`check_target`'s reasons (an empty path, a symlink, a target that is not a regular file,
-            is not a table without ``force`` or cannot be written, a directory that is absent or takes no file) or
-            :func:`locked`'s; nothing is written or replaced then.
+            is not a table without ``force`` or cannot be written, a directory that is absent or takes no file,
+            the same for the backup's path) or :func:`locked`'s; nothing is written or replaced then.
         TimeoutError: :func:`locked`'s: another save held the file for ``lock_timeout_s``.
         OSError: the write itself failed (the temporary file is removed).
     """
@@ -537,22 +578,12 @@ def save(path: str, entries: List[dict], command: str, *, merge: bool = False, f
             old = os.lstat(real)
         except FileNotFoundError:
             old = None
-        tmp = f"{real}.tmp{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # (umask)
-        try:
-            with os.fdopen(fd, "w") as f:
-                _keep_owner_and_mode(f.fileno(), old)
-                json.dump(doc, f, indent=1)
-                f.write("\n")
-            check_target(real, force=force)     # (again just before the rename: only a regular file is replaced)
-            os.replace(tmp, real)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    return kept, why
+        kept_at = _back_up(real, old) if backup and old is not None else None
+        text = (json.dumps(doc, indent=1) + "\n").encode()
+        _write_beside(real, old, lambda f: f.write(text), force=force)
+    return kept, why, kept_at
 
 
 __all__ = ["CALLS", "ENV_FILE", "Entry", "FALLBACK", "LOCK_TIMEOUT_S", "MAX_TABLE_BYTES", "Table", "Verdict",
-           "check_doc", "check_target", "default_path", "examine", "fallback", "identity", "kept_entries", "load",
+           "backup_path", "check_doc", "check_target", "default_path", "examine", "fallback", "identity", "kept_entries", "load",
            "lock_path", "locked", "path_source", "read_doc", "save"]

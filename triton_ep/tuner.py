@@ -14,6 +14,7 @@ starts and one per Config measured (rank 0's). docs/tuning.md has the whole stor
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -381,16 +382,41 @@ def _measure_and_save(a: argparse.Namespace, r: TuneArgs, said: Optional[str], o
                   f"{repr(config_of(e['config'])) if e['config'] is not None else 'the built-in tables'}", file=out,
                   flush=True)
     try:
-        kept, why = tuned.save(path, entries, "python -m triton_ep tune " + " ".join(_argv(a)), merge=True,
-                               force=bool(getattr(a, "force", False)))
+        kept, why, bak = tuned.save(path, entries, "python -m triton_ep tune " + " ".join(_argv(a)), merge=True,
+                                    force=bool(getattr(a, "force", False)), backup=True)
     except (ValueError, TimeoutError) as e:     # (the file changed during the run; another save held its lock)
         print(f"triton-ep tune: error: not saved: {e}", file=sys.stderr, flush=True)
         return 1
     if why and why != said:         # (the file changed during the run)
         print(f"triton-ep tune: replacing the table {path} whole: {why}", file=sys.stderr, flush=True)
-    also = f" (and kept {len(kept)} of other calls and shapes from the table there)" if kept else ""
-    print(f"saved {len(entries)} entries to {path}{also}", file=out)
+    print(saved_line(len(entries), path, len(kept), bak), file=out)
     return 0
+
+
+def readers(path: str) -> str:
+    """Which later Buffers read the table at ``path``, for :func:`saved_line`: every one of this user where it is
+    the default location (:func:`triton_ep.tuned.default_path` without ``$TRITON_EP_TUNING_FILE``), those of
+    processes whose variable names it, or, for another file, only where the variable is set to it."""
+    here = os.path.realpath(path) == os.path.realpath(tuned.default_path())
+    if here and tuned.path_source() == "the default location":
+        return (f"Every later Buffer of this user reads it (get_dispatch_config / get_combine_config), unless its "
+                f"process sets ${tuned.ENV_FILE}")
+    if here:
+        return f"Every later Buffer of a process with ${tuned.ENV_FILE}={os.environ[tuned.ENV_FILE].strip()} reads it"
+    return f"A Buffer reads it only where ${tuned.ENV_FILE} names it"
+
+
+def saved_line(n: int, path: str, kept: int, bak: Optional[str]) -> str:
+    """``tune``'s last line: how many entries it saved to which file (``kept``: entries of other calls and shapes
+    kept from the table there), who reads that file (:func:`readers`) and how to undo the save: delete the file,
+    or, where one was there before (``bak``: its copy, :func:`triton_ep.tuned.save`'s backup), put that back."""
+    also = f" (and kept {kept} of other calls and shapes from the table there)" if kept else ""
+    if bak is None:
+        undo = f"to undo, delete {path}"
+    else:
+        also += f", replacing the file there (copied first to {bak})"
+        undo = f"to undo, move {bak} back to {path} (or delete {path} for the built-in tables)"
+    return f"saved {n} entries to {path}{also}. {readers(path)}; {undo}"
 
 
 def _argv(a: argparse.Namespace) -> Sequence[str]:
@@ -403,4 +429,4 @@ def _argv(a: argparse.Namespace) -> Sequence[str]:
 
 
 __all__ = ["TuneArgs", "TuneSpec", "add_arguments", "candidates", "entries_of", "main", "quick_defaults", "rank_main",
-           "resolve", "table_file"]
+           "readers", "resolve", "saved_line", "table_file"]

@@ -169,7 +169,7 @@ def cases(rank, world, env, seed, n_cases, device="cpu", deterministic=False):
     rnd = random.Random(seed)
     for kind, word, kw in ((ValueError, "num_bytes must", dict(num_bytes=-5)),
                            (ValueError, "num_gpu_timeout_secs must", dict(num_bytes=1 << 20, num_gpu_timeout_secs=0)),
-                           (TypeError, "num_bytes must", dict(num_bytes="big"))):
+                           (ValueError, "num_bytes must", dict(num_bytes="big"))):
         _expect(lambda **k: triton_ep.ElasticBuffer(None, device=device, **k), kind, word, kw)
     buf = triton_ep.ElasticBuffer(None, num_max_tokens_per_rank=16, hidden=128, num_topk=3, device=device,
                                   num_gpu_timeout_secs=60, explicitly_destroy=True)

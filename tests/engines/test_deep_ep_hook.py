@@ -2,8 +2,9 @@
 that executes the ``.pth`` line as Python's ``site`` does (the shared development venv has triton-ep installed
 from another checkout, without this file), then imports what an engine imports.
 
-A fresh interpreter costs seconds on a loaded machine, so the default tier runs two: the switch off (every off
-value, and a bad one) in one interpreter, and the switch on serving every path. The others are extended."""
+A fresh interpreter costs seconds on a loaded machine, so the default tier runs three: the switch off (every off
+value, and a bad one) in one interpreter, the switch on serving every path, and ``missing`` with a DeepEP that does
+not import. The others are extended."""
 from __future__ import annotations
 
 import os
@@ -144,6 +145,40 @@ def test_a_real_deep_ep_is_shadowed_loudly_or_left_alone(tmp_path):
     """, "missing", extra_path=real)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("True\n") and f"a DeepEP at {real / 'deep_ep' / '__init__.py'}" in r.stdout
+
+
+def test_missing_counts_a_deep_ep_that_does_not_import_as_absent(tmp_path):
+    """(A new user's find: from a DeepEP source checkout whose ``deep_ep_cpp`` was never built, ``missing`` took it
+    as installed: ``import deep_ep`` raised ModuleNotFoundError, and ``info`` named it without a word.) Installed
+    means importable: ``find_spec`` still finds that DeepEP (vLLM's check), the import gives way to triton-ep with a
+    WARNING naming it and its error, the failed import's submodules are gone (``deep_ep.utils`` is triton-ep's),
+    and ``info``'s lines say it does not import, with the switch ``missing`` and off."""
+    pkg = tmp_path / "checkout" / "deep_ep"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from . import utils\nimport deep_ep_cpp\n")
+    (pkg / "utils.py").write_text("REAL = True\n")
+    init = pkg / "__init__.py"
+    r = run_py("""
+        import importlib.util, sys
+        print(importlib.util.find_spec('deep_ep').origin)
+        import deep_ep, deep_ep.utils
+        from deep_ep import Buffer
+        print(deep_ep.__triton_ep__, hasattr(deep_ep.utils, 'REAL'), deep_ep.utils.__file__)
+        from triton_ep import deep_ep_hook
+        print('\\n'.join(deep_ep_hook.describe()))
+        deep_ep_hook.uninstall()
+        for name in [n for n in sys.modules if n == 'deep_ep' or n.startswith('deep_ep.')]:
+            del sys.modules[name]
+        print('\\n'.join(deep_ep_hook.describe({})))
+    """, "missing", extra_path=init.parents[1])
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0] == str(init) and out[1].startswith("True False ") and "triton_ep/_deep_ep/utils" in out[1], out
+    why = "ModuleNotFoundError: No module named 'deep_ep_cpp'"
+    assert f"the DeepEP at {init} does not import ({why})" in r.stderr, r.stderr
+    assert "  deep_ep    triton-ep (" in out[4] and out[5] == f"  not used   the DeepEP at {init}: it does not import " \
+                                                             f"({why})", out
+    assert out[-1] == f"  deep_ep    a DeepEP at {init}, which does not import ({why}): `import deep_ep` fails here", out
 
 
 @pytest.mark.extended

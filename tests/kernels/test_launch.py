@@ -154,6 +154,26 @@ def test_triton_imported_first_on_cpu_is_a_clear_import_error():
     assert good.returncode == 0 and "ok" in good.stdout, good.stderr[-500:]
 
 
+def test_the_import_order_on_a_cpu_is_documented():
+    """(A new user's find: the ImportError above is exact, but no page said that on a CPU triton_ep must be imported
+    before triton.) docs/usage.md's *Import order on a CPU* gives both ways out the error names, quotes the error, and
+    the README and docs/start.md, where CPU use starts, point to it."""
+    from pathlib import Path
+    import triton_ep.triton_mode
+    root = Path(__file__).resolve().parents[2]
+    usage = (root / "docs" / "usage.md").read_text()
+    para = usage[usage.index("Import order on a CPU:"):]
+    para = para[:para.index("\n\n")]
+    error = "triton was imported before triton_ep on a machine without CUDA"
+    assert error in Path(triton_ep.triton_mode.__file__).read_text()
+    for words in ("import `triton_ep`", "before anything imports `triton`",
+                  "export `TRITON_INTERPRET=1` before Python starts", f"ImportError: {error}"):
+        assert words in para.replace("\n", " "), words
+    for page in ("README.md", "docs/start.md"):
+        text = (root / page).read_text().replace("\n", " ")
+        assert "*Import order on a CPU*" in text and "before `triton`" in text, page
+
+
 # ---- the bound launch's compiled path, on CPU: Triton's compile step and compiled launcher replaced by recorders
 
 _I32 = 1 << 31

@@ -138,13 +138,13 @@ class ElasticBuffer:
         among them), and the bytes of the underlying Buffer: ``num_bytes``, else :meth:`_size_hint` of ``hidden``.
 
         Raises:
-            TypeError: ``num_bytes`` neither an int nor ``None``. ValueError: a count out of range, or neither
-                ``num_bytes`` nor ``hidden`` given.
+            ValueError: ``num_bytes`` neither an int nor ``None`` (as every size argument), a count out of range, or
+                neither ``num_bytes`` nor ``hidden`` given.
         """
         for name, v in counts.items():
             count(name, v)
         if num_bytes is not None and not isint(num_bytes):
-            raise TypeError(f"ElasticBuffer: num_bytes must be an int (bytes), got {type(num_bytes).__name__}")
+            raise ValueError(f"ElasticBuffer: num_bytes must be an int (bytes), got {type(num_bytes).__name__}")
         if num_bytes is not None:
             return int(num_bytes)
         if counts["hidden"] == 0:

@@ -81,9 +81,8 @@ class Modes:
         :meth:`rdma_scratch`.
 
         Raises:
-            ValueError: a negative ``offset`` or one past the end (``numel`` of the buffer as ``dtype``), a
+            ValueError: ``offset`` not an int, negative or past the end (``numel`` of the buffer as ``dtype``), a
                 negative ``size`` dimension, or a ``size`` larger than what is left from ``offset``.
-            TypeError: ``offset`` not an int.
         """
         if use_rdma_buffer:
             return self.rdma_scratch(dtype, size, offset)
@@ -118,11 +117,11 @@ def _view_args(offset, size, numel: int, what: str):
     pointer, so a negative one would point before the buffer.
 
     Raises:
-        TypeError: ``offset`` not an int (a bool included). ValueError: ``offset`` negative or past the end, or a
+        ValueError: ``offset`` not an int (a bool included; as every size argument), negative or past the end, or a
             negative dimension in ``size``; the message names the argument and value.
     """
     if isinstance(offset, bool) or not hasattr(offset, "__index__"):     # (numpy ints too; no float)
-        raise TypeError(f"offset must be an int, got {offset!r}")
+        raise ValueError(f"offset must be an int, got {offset!r}")
     offset = operator.index(offset)
     if offset < 0 or offset > numel:
         raise ValueError(f"offset must be in [0, {numel}] (elements of {what} as this dtype), got {offset}")

@@ -306,7 +306,7 @@ def dispatch_args(ll, x, topk_idx, N, E, stats, cost, use_fp8, round_scale, use_
     rt = ll.rt
     pdl.check(rt.device)
     if not isint(N):
-        raise TypeError(f"num_max_dispatch_tokens_per_rank must be an int, got {type(N).__name__}")
+        raise ValueError(f"num_max_dispatch_tokens_per_rank must be an int, got {type(N).__name__}")
     if N <= 0:
         raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
     rt.check_num_experts(E)
