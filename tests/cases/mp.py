@@ -355,6 +355,90 @@ def fail_mid_call(rank, world):
     return out
 
 
+def fail_mid_call_of_rounds(rank, world):
+    """A call of many rounds (a buffer of 4 KiB) where rank 0 fails in its second round (its send launch raises, as
+    an interrupt or out-of-memory would): the peer stops launching rounds once its kernels have seen that, and
+    raises ``EPRemoteError``, instead of launching every later round (each could only move nothing). First a
+    combine, then (a new Buffer: the first is broken) a plain dispatch. Returns, per phase, ``(send launches of the
+    call completed by both ranks, send launches of the failed call, the error's type)`` on this rank."""
+    import unittest.mock
+    from triton_ep import kernels
+    E, H, T = 2 * world, 64, 192
+    xs, idxs, ws = make_inputs(23, world, E, 2, H, [T] * world)
+    counts = {"dispatch_send": 0, "combine_send": 0}
+    fail_at = {"dispatch_send": 0, "combine_send": 0}      # (the launch that raises; 0: none)
+
+    def counting(name):
+        real = getattr(kernels, name)
+
+        def launch(*a, **k):
+            counts[name] += 1
+            if counts[name] == fail_at[name]:
+                raise RuntimeError("simulated failure in the middle of a call")
+            return real(*a, **k)
+        return unittest.mock.patch.object(kernels, name, launch)
+
+    out = []
+    with counting("dispatch_send"), counting("combine_send"):
+        for phase in ("combine", "dispatch"):
+            name = phase + "_send"
+            buf = triton_ep.Buffer(None, 4 << 10, device="cpu", timeout_s=20)
+            try:
+                kw = _layout_kwargs(buf, idxs[rank], E)
+
+                def call():
+                    # (a combine of a new handle each time: a handle's second combine would replay the first's plan)
+                    if phase == "dispatch":
+                        counts[name] = 0
+                    recv_x, _, _, _, handle, _ = buf.dispatch(xs[rank], topk_weights=ws[rank], **kw)
+                    if phase == "combine":
+                        counts[name] = 0
+                        buf.combine(recv_x, handle)
+
+                call()
+                good = counts[name]
+                fail_at[name] = 2 if rank == 0 else 0
+                try:
+                    call()
+                    how = "returned"
+                except Exception as e:  # noqa: BLE001
+                    how = type(e).__name__
+                out.append((good, counts[name], how))
+            finally:
+                fail_at[name] = 0
+                buf.destroy()
+    return out
+
+
+def destroy_from_another_thread(rank, world, late_s=4.0, destroy_s=0.5):
+    """Rank 1 comes ``late_s`` late to a plain dispatch; on rank 0 another thread destroys the Buffer ``destroy_s``
+    into the dispatch's wait (the "abort a hung step" pattern). Returns ``(error type, message, seconds until rank 0's
+    dispatch raised)`` on rank 0, ``(error type, message)`` on rank 1."""
+    import threading
+    import time
+    E = 2 * world
+    xs, idxs, ws = make_inputs(25, world, E, 2, 64, [6] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=20)
+    kw = _layout_kwargs(buf, idxs[rank], E)
+    buf.dispatch(xs[rank], topk_weights=ws[rank], **kw)       # (compiled and in step)
+    if rank == 1:
+        time.sleep(late_s)
+    killer = threading.Timer(destroy_s, buf.destroy) if rank == 0 else None
+    t0 = time.monotonic()
+    try:
+        if killer is not None:
+            killer.start()
+        buf.dispatch(xs[rank], topk_weights=ws[rank], **kw)
+        got = ("returned", "")
+    except Exception as e:  # noqa: BLE001
+        got = (type(e).__name__, str(e))
+    finally:
+        if killer is not None:
+            killer.join(30)
+        buf.destroy()
+    return got + (time.monotonic() - t0,) if rank == 0 else got
+
+
 def mixed_handles(rank, world):
     """Ranks pass handles of different dispatches to combine / cached dispatch: every rank raises."""
     E, H = 2 * world, 32

@@ -189,8 +189,8 @@ class Intranode:
         c = Counts.of_handle(a.handle) if cached else (yield from self._count_steps(a, num_worst_tokens, force))
         plan = self._dispatch_plan(a, sig, c.recv_rows_max, lp)
         o = self._dispatch_outputs(a, xv, sc, c.n_out)
-        launches = yield from self._dispatch_rounds(a, c, o, plan, force, lp)
-        if (cached and self.rt.group is not None and sc is None and o.x_words is xv and o.out_words is o.recv_x
+        launches = yield from self._dispatch_rounds(a, c, o, plan, force, lp)      # (None: cut short, an error)
+        if (launches is not None and cached and self.rt.group is not None and sc is None and o.x_words is xv and o.out_words is o.recv_x
                 and xv.numel()):
             # the next cached dispatch of this handle with x of these shapes replays these launches
             a.handle.replay_dispatch = replay.CallPlan(
@@ -298,7 +298,7 @@ class Intranode:
         """A dispatch's launches: rounds, each a send launch then a receive launch (ranks wait for each other on the
         device); a call may run all its rounds as one launch (kernels.geometry.use_fused). A generator (the
         dispatch's steps) that returns ``[(bound launch, its arguments), ...]`` in order: what a later cached call
-        may replay. The receive writes ``rows`` rows (with the count on the device, ``num_worst_tokens``: an upper
+        may replay, or ``None`` where it stopped between rounds after an error (:meth:`_cut_short`). The receive writes ``rows`` rows (with the count on the device, ``num_worst_tokens``: an upper
         bound, and the kernel also writes the padding rows). ``lp``: the call's Config's launch parameters (None:
         the built-in tables)."""
         R, rank, cached = self.rt.group_size, self.rt.rank, a.handle is not None
@@ -321,6 +321,8 @@ class Intranode:
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"dispatch/send round {k}"
+            if k and self._cut_short():
+                return None
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(kernels.dispatch_send(
                     o.x_words, o.sc_words, o.idx, o.w_words, c.send_pos, c.row_base, self.rt.delta_words, o.rec, lo, hi,
@@ -333,6 +335,14 @@ class Intranode:
                     k_rec, rec_words, o.out_words, o.sc_out, o.recv_idx, o.recv_w, o.recv_src, signals=self.rt.sig_args,
                     rnd=k, sig=call_sig, advance=rounds if k == rounds - 1 else 0, n_recv=n_dev, cap=cap, tune=tune))
         return launches
+
+    def _cut_short(self) -> bool:
+        """Between two rounds of a call: whether a kernel of this call recorded an error (a peer failed, left, died
+        or timed out; host memory only, no device sync). The later rounds could only move nothing, each a send and
+        a receive launch (on the CPU, interpreted; a call of ``num_worst_tokens`` rows may have millions), so the
+        call launches no more of them and raises the error at its end as before; the next call re-synchronises
+        every rank's round counters (:meth:`~triton_ep.runtime.Runtime.resync_steps`)."""
+        return self.rt.sig.record() is not None
 
     def _dispatch_end(self, a: "DispatchArgs", c: "Counts", o: "Outputs", async_finish: bool, rows: tuple):
         """A dispatch's results after its launches: DeepEP's tuple, with a new handle unless cached. ``rows``: the
@@ -373,20 +383,23 @@ class Intranode:
 
         Raises:
             what the kernels recorded (bad ids, a peer that failed, left or called another collective, a
-            timeout: :meth:`check`); EPTimeoutError: the block never arrived (this rank's device is stalled).
+            timeout: :meth:`check`); EPTimeoutError: the block never arrived (this rank's device is stalled);
+            EPError: the Buffer was destroyed meanwhile (by another thread: the wait stops at once).
         """
         res, want = self._notify_np, self._notify_seq
         self.rt.host_waits["poll"] += 1
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.rt.timeout_s + 5.0
-        while res[int(NT.RES_SEQ)] != want and self.rt.sig.record() is None:
+        rt = self.rt
+        while res[int(NT.RES_SEQ)] != want and rt.sig.record() is None and rt.comm is not None:
             if time.monotonic() > deadline:
-                raise EPTimeoutError(self.rt.rank, None, "dispatch/notify (the host's wait for its device)",
-                                     self.rt.timeout_s + 5.0)
+                raise EPTimeoutError(rt.rank, None, "dispatch/notify (the host's wait for its device)",
+                                     rt.timeout_s + 5.0)
             time.sleep(0)
-        if self.rt.comm.profile is not None:          # benchmarks/profile_phases.py
+        comm = rt.live()        # (destroy() from another thread meanwhile: EPError "this Buffer was destroyed")
+        if comm.profile is not None:          # benchmarks/profile_phases.py
             t1 = time.perf_counter()
-            self.rt.comm.profile.append(("dispatch/notify (host wait)", t0, t1, t1))
+            comm.profile.append(("dispatch/notify (host wait)", t0, t1, t1))
         self.rt.check()
         if res[int(NT.RES_STATUS)]:
             raise EPError(f"rank {self.rt.rank}: the dispatch's notify stopped on an earlier error; nothing was moved")
@@ -443,7 +456,7 @@ class Intranode:
         acc = torch.empty((T, H), dtype=torch.float32, device=dev) if rounds > 1 else None
         wacc = torch.empty((T, K), dtype=torch.float32, device=dev) if (rounds > 1 and K) else None
         launches = yield from self._combine_rounds(h, xv, w, biases, plan, force, (out, wout, acc, wacc), lp)
-        if self.rt.group is not None and not biases and xv.numel():
+        if launches is not None and self.rt.group is not None and not biases and xv.numel():
             # the next combine of this handle with x (and weights) of these shapes replays these launches (with
             # fresh fp32 sums for a combine of several rounds, as here)
             vary = tuple(t for t in (xv, w, out, wout, acc, wacc) if t is not None)
@@ -459,7 +472,8 @@ class Intranode:
         """A combine's launches: rounds, each a send launch then a reduce launch (ranks wait for each other on the
         device); a combine may run all its rounds as one launch (kernels.geometry.use_fused). ``outs``: ``(out,
         wout, acc, wacc)``. A generator (the combine's steps) that returns ``[(bound launch, its arguments), ...]``
-        in order: what a later combine may replay. ``lp``: as in :meth:`_dispatch_rounds`."""
+        in order: what a later combine may replay (``None``: cut short, as :meth:`_dispatch_rounds`). ``lp``: as in
+        :meth:`_dispatch_rounds`."""
         rb, cap, rounds, call_sig = plan
         tune = LP.table_of(lp)
         out, wout, acc, wacc = outs
@@ -479,6 +493,8 @@ class Intranode:
         for k in range(0 if fused else rounds):
             lo, hi = k * cap, (k + 1) * cap
             yield f"combine/send round {k}"
+            if k and self._cut_short():
+                return None
             with self.rt.comm_ctx(), self.rt.sig.watch():
                 launches.append(kernels.combine_send(xv, w, rows, prefix, comb_base, self.rt.delta_words,
                                                      area, lo, hi, rb // 4, signals=self.rt.sig_args, rnd=k,

@@ -217,6 +217,28 @@ def test_rank_failing_mid_call_never_yields_wrong_data():
     assert out[1][0] == "EPRemoteError", out
 
 
+def test_a_peer_failing_mid_call_cuts_the_later_rounds_short():
+    """A combine and a dispatch of many rounds where rank 0 fails in its second round: rank 1 raises EPRemoteError
+    after the round its kernels saw that in, not after launching every later round (a call of num_worst_tokens
+    rows may have millions; on the CPU each round is two interpreted launches)."""
+    out = _values(run_ranks(mp_cases.fail_mid_call_of_rounds, 2))
+    for (good, failed, how), phase in zip(out[1], ("combine", "dispatch")):
+        assert good >= 8, (phase, out)              # (the buffer makes the call take many rounds)
+        assert how == "EPRemoteError" and 2 <= failed <= 3, (phase, out)
+    assert [how for _, _, how in out[0]] == ["RuntimeError", "RuntimeError"], out
+
+
+def test_destroy_from_another_thread_ends_a_waiting_dispatch():
+    """destroy() from another thread while a plain dispatch waits for a late peer: the dispatch raises EPError
+    'this Buffer was destroyed' (before: an internal AttributeError), once its kernel's wait has ended (here when
+    the peer comes; on the CPU the interpreted kernel of the other thread runs on, within timeout_s); the late peer
+    learns that rank 0 destroyed its Buffer."""
+    (kind, msg, took), (kind1, msg1) = _values(run_ranks(mp_cases.destroy_from_another_thread, 2, 2.0, 0.5))
+    assert (kind, "this Buffer was destroyed" in msg) == ("EPError", True), (kind, msg)
+    assert took < 15.0, took                        # (within the Buffer's timeout_s of 20 s)
+    assert kind1 == "EPRemoteError" and "rank 0" in msg1 and "destroyed" in msg1, (kind1, msg1)
+
+
 def test_handles_of_different_dispatches_are_rejected_on_every_rank():
     """Each rank passes a valid handle of this Buffer, but from different dispatches: combine and cached
     dispatch raise on every rank (a bug would combine garbage silently)."""
