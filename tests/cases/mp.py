@@ -439,6 +439,40 @@ def destroy_from_another_thread(rank, world, late_s=4.0, destroy_s=0.5):
     return got + (time.monotonic() - t0,) if rank == 0 else got
 
 
+def worst_outputs_out_of_memory(rank, world):
+    """Rank 0's outputs of ``num_worst_tokens`` rows cannot be allocated (``torch.empty`` raises, as out of memory
+    would): the dispatch is refused on every rank (rank 0: that error; its peers: ``EPRemoteError``) before
+    anything moves, and the same Buffer goes on: a ``num_worst_tokens`` dispatch after it gives the reference
+    rows. Returns ``(the refused call's error type, whether the next call's rows equal the first's)``."""
+    import unittest.mock
+    E, H = 2 * world, 64
+    xs, idxs, ws = make_inputs(27, world, E, 2, H, [6] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=20)
+    real_empty = torch.empty
+
+    def failing_empty(*a, **k):
+        if k.get("dtype") == torch.bfloat16:
+            raise RuntimeError("simulated out of memory")
+        return real_empty(*a, **k)
+
+    try:
+        kw = _layout_kwargs(buf, idxs[rank], E)
+        first = buf.dispatch(xs[rank], topk_weights=ws[rank], num_worst_tokens=64, **kw)[0]
+        try:
+            if rank == 0:
+                with unittest.mock.patch.object(torch, "empty", failing_empty):
+                    buf.dispatch(xs[rank], topk_weights=ws[rank], num_worst_tokens=64, **kw)
+            else:
+                buf.dispatch(xs[rank], topk_weights=ws[rank], num_worst_tokens=64, **kw)
+            how = "returned"
+        except Exception as e:  # noqa: BLE001
+            how = type(e).__name__
+        again = buf.dispatch(xs[rank], topk_weights=ws[rank], num_worst_tokens=64, **kw)[0]
+        return how, torch.equal(first.view(torch.int16), again.view(torch.int16))
+    finally:
+        buf.destroy()
+
+
 def mixed_handles(rank, world):
     """Ranks pass handles of different dispatches to combine / cached dispatch: every rank raises."""
     E, H = 2 * world, 32

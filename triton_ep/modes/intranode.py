@@ -179,6 +179,10 @@ class Intranode:
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                          num_worst_tokens, previous_event, operation)
             num_worst_tokens = int(num_worst_tokens)      # (a numpy integer: the kernels take Python ints)
+            # outputs of num_worst_tokens rows are known before the call starts: allocated here, running out of
+            # memory is a refused call (the Buffer goes on), not a failure in the middle of one
+            pre = (self._dispatch_outputs(a, rows.x, rows.scales, num_worst_tokens)
+                   if num_worst_tokens > 0 and not cached else None)
         except Exception as e:  # noqa: BLE001 - the peers learn it from this rank's failure word
             raise self.rt.fail_call(e)
         xv, sc = rows.x, rows.scales
@@ -188,7 +192,7 @@ class Intranode:
         self.rt.begin(previous_event, async_finish)
         c = Counts.of_handle(a.handle) if cached else (yield from self._count_steps(a, num_worst_tokens, force))
         plan = self._dispatch_plan(a, sig, c.recv_rows_max, lp)
-        o = self._dispatch_outputs(a, xv, sc, c.n_out)
+        o = pre if pre is not None else self._dispatch_outputs(a, xv, sc, c.n_out)
         launches = yield from self._dispatch_rounds(a, c, o, plan, force, lp)      # (None: cut short, an error)
         if (launches is not None and cached and self.rt.group is not None and sc is None and o.x_words is xv and o.out_words is o.recv_x
                 and xv.numel()):
@@ -298,9 +302,9 @@ class Intranode:
         """A dispatch's launches: rounds, each a send launch then a receive launch (ranks wait for each other on the
         device); a call may run all its rounds as one launch (kernels.geometry.use_fused). A generator (the
         dispatch's steps) that returns ``[(bound launch, its arguments), ...]`` in order: what a later cached call
-        may replay, or ``None`` where it stopped between rounds after an error (:meth:`_cut_short`). The receive writes ``rows`` rows (with the count on the device, ``num_worst_tokens``: an upper
-        bound, and the kernel also writes the padding rows). ``lp``: the call's Config's launch parameters (None:
-        the built-in tables)."""
+        may replay, or ``None`` where it stopped between rounds after an error (:meth:`_cut_short`). The receive
+        writes ``rows`` rows (with the count on the device, ``num_worst_tokens``: an upper bound, and the kernel also
+        writes the padding rows). ``lp``: the call's Config's launch parameters (None: the built-in tables)."""
         R, rank, cached = self.rt.group_size, self.rt.rank, a.handle is not None
         tune = LP.table_of(lp)
         rec_words, cap, rounds, call_sig = plan

@@ -239,6 +239,14 @@ def test_destroy_from_another_thread_ends_a_waiting_dispatch():
     assert kind1 == "EPRemoteError" and "rank 0" in msg1 and "destroyed" in msg1, (kind1, msg1)
 
 
+def test_worst_outputs_out_of_memory_is_a_refused_call():
+    """A num_worst_tokens dispatch whose outputs rank 0 cannot allocate: refused on every rank before anything
+    moves (rank 0 raises the allocator's error, its peer EPRemoteError), and the Buffer goes on (before: rank 0
+    failed in the middle of the call and both Buffers had to be rebuilt)."""
+    out = _values(run_ranks(mp_cases.worst_outputs_out_of_memory, 2))
+    assert out == [("RuntimeError", True), ("EPRemoteError", True)], out
+
+
 def test_handles_of_different_dispatches_are_rejected_on_every_rank():
     """Each rank passes a valid handle of this Buffer, but from different dispatches: combine and cached
     dispatch raise on every rank (a bug would combine garbage silently)."""
