@@ -42,9 +42,12 @@ Exit status:
      RDMA device, --devices given or not; the RDMA section says which), or present with no active port
      (then no QP plan)
   1  an RDMA device exists but a query of it failed (open, port or GID query), or a device named by
-     --devices is not there while others are; the other sections are printed, the error goes to stderr
+     --devices is not there while others are; the other sections are printed, the error goes to stderr;
+     or stdout could not be written (a full disk: > /dev/full), one line on stderr says so
   2  bad usage: unknown command or option, or a bad option value, or a bad TRITON_EP_RDMA_TC /
      TRITON_EP_RDMA_SL value, or options for which no QP plan exists
+  141  stdout's reader went away (triton-ep info | head -1), as for a command ended by SIGPIPE; nothing
+     more is printed
 """
 from __future__ import annotations
 
@@ -60,6 +63,12 @@ from typing import List, Optional, Sequence, TextIO, Tuple
 from triton_ep import tuned, tuner
 from triton_ep.argtypes import int_in, name_list
 from triton_ep.runtime.machine import DEFAULT_N_PATHS, EXIT_OK, EXIT_USAGE, print_ipc, print_rdma
+
+#: the exit status of a command whose stdout's reader went away (``triton-ep info | head -1``): what a shell shows
+#: for a command ended by SIGPIPE (128 + 13), as other command-line tools end there
+EXIT_BROKEN_PIPE = 141
+#: the exit status of a command whose stdout could not be written otherwise (``> /dev/full``)
+EXIT_WRITE_FAILED = 1
 
 #: ``--num-qps`` and ``--n-paths`` upper bounds: a plan this large prints a row per QP and takes seconds; beyond
 #: some thousands of QPs the RoCEv2 source ports (14 bits) run out and no plan exists
@@ -163,8 +172,9 @@ def print_versions(out: TextIO) -> None:
 def print_devices(out: TextIO) -> int:
     """Print the compute devices and whether triton-ep's Triton kernels are compiled or interpreted.
 
-    Kernels are interpreted (Triton's interpreter on CPU tensors) when ``TRITON_INTERPRET`` is set to anything
-    but 0, which :mod:`triton_ep.triton_mode` does itself when no CUDA device exists.
+    Kernels are interpreted (Triton's interpreter on CPU tensors) when ``TRITON_INTERPRET`` is on (1, as
+    :mod:`triton_ep.triton_mode` sets it itself when no CUDA device exists); a value that is neither on nor off
+    gets a line of its own (a Buffer refuses it).
 
     Args:
         out: the stream written to.
@@ -172,7 +182,7 @@ def print_devices(out: TextIO) -> int:
         The number of CUDA devices (0 on a CPU-only host).
     """
     import torch
-    from triton_ep.triton_mode import interpreted
+    from triton_ep.triton_mode import interpreted, problem
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print("Devices:", file=out)
     print(f"  cpu       {os.cpu_count()} cores ({platform.machine()})", file=out)
@@ -182,14 +192,18 @@ def print_devices(out: TextIO) -> int:
     for i in range(n):
         p = torch.cuda.get_device_properties(i)
         print(f"  cuda:{i:<5}{p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.1f} GiB", file=out)
-    if interpreted():
+    bad = problem()
+    if bad is not None:
+        print(f"  kernels   none: {bad} (a Buffer raises ValueError)", file=out)
+    elif interpreted():
         why = "no CUDA device" if n == 0 else "set in the environment although CUDA is present"
         print(f"  kernels   interpreted: Triton's interpreter on CPU tensors (TRITON_INTERPRET="
               f"{os.environ.get('TRITON_INTERPRET')}: {why})", file=out)
     elif n:
         print("  kernels   compiled: Triton JIT-compiles each kernel for the GPU at its first call", file=out)
     else:
-        print("  kernels   neither: no CUDA device and TRITON_INTERPRET=0, so kernels cannot run", file=out)
+        print(f"  kernels   neither: no CUDA device and TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} (off), so "
+              f"kernels cannot run", file=out)
     return n
 
 
@@ -338,7 +352,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit status: no command or ``--help`` 0 (the help is printed); otherwise the command's
         (``info``: 0, 1 or 2, see :func:`info`; ``tune``: :func:`triton_ep.tuner.main`'s, 0 saved, 1 a rank failed
-        or timed out, 130 Ctrl-C); 2 for an unknown command or option.
+        or timed out, 130 Ctrl-C); 2 for an unknown command or option; :data:`EXIT_BROKEN_PIPE` (nothing printed)
+        when stdout's reader went away, :data:`EXIT_WRITE_FAILED` (one line on stderr) when stdout could not be
+        written otherwise.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     a = _parse(argv)
@@ -347,9 +363,57 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.command is None:
         build_parser().print_help()
         return EXIT_OK
-    if a.command == "tune":
-        return tuner.main(a, sys.stdout)
-    return _report(a, sys.stdout)
+    out = _Stdout(sys.stdout)
+    try:
+        rc = tuner.main(a, out) if a.command == "tune" else _report(a, out)
+        out.flush()     # (what is still buffered fails here, not as Python exits)
+        return rc
+    except OSError as ex:
+        if ex is not out.error:
+            raise
+    _stdout_to_devnull()
+    if isinstance(out.error, BrokenPipeError):
+        return EXIT_BROKEN_PIPE
+    print(f"triton-ep {a.command}: error: cannot write to stdout: {out.error}", file=sys.stderr)
+    return EXIT_WRITE_FAILED
+
+
+class _Stdout:
+    """The stream a command prints to (``sys.stdout``), remembering the error of a write or flush of it that failed
+    (its reader went away: ``triton-ep info | head -1``; a full disk: ``> /dev/full``), so that :func:`main` ends
+    such a run quietly, without taking another ``OSError`` for one of stdout."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.error = stream, None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as ex:
+            self.error = ex
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as ex:
+            self.error = ex
+            raise
+
+
+def _stdout_to_devnull() -> None:
+    """Point file descriptor 1 at /dev/null once a write to stdout has failed: what is still buffered then goes
+    nowhere as Python exits, instead of failing again there with "Exception ignored ..." (Python's own recipe for
+    SIGPIPE, docs.python.org's signal page). Nothing is done where stdout has no descriptor (a test's capture)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 checked against the range the code carries, with an error naming it; a bad value on one rank raises on every
 rank at once (issue 46, items 4 and 5)."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -134,6 +135,31 @@ def test_a_cuda_device_without_cuda_is_a_value_error():
     for dev in ("cuda", "cuda:1"):
         with pytest.raises(ValueError, match="this process has no CUDA device"):
             checks.device_arg(dev)
+
+
+@pytest.mark.parametrize("value", ["junk", "2", " 1"])
+def test_a_triton_interpret_neither_on_nor_off_is_a_value_error_naming_it(monkeypatch, value):
+    """(A new user's find: TRITON_INTERPRET=junk or 2 made ``import triton_ep`` raise an ImportError saying triton
+    had been imported first, which was false.) A value Triton reads neither as on (1, true, yes, y, on) nor as off
+    (0, empty, false, no, n, off) is named, with what is accepted, by the Buffer's device check, on any device; a
+    spelling of off is the off case's error. ``interpreted`` is read once per process: its cache is cleared
+    around."""
+    from triton_ep import triton_mode
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    triton_mode.interpreted.cache_clear()
+    try:
+        for dev in ("cpu", None):
+            with pytest.raises(ValueError, match=re.escape(f"TRITON_INTERPRET={value!r} is neither on nor off: set "
+                                                           f"it to 1 (Triton's interpreter, CPU tensors) or 0")):
+                checks.device_arg(dev)
+        monkeypatch.setenv("TRITON_INTERPRET", "Off")
+        triton_mode.interpreted.cache_clear()
+        assert triton_mode.problem() is None and not triton_mode.interpreted()
+        with pytest.raises(ValueError, match="TRITON_INTERPRET='Off' here"):
+            checks.device_arg("cpu")
+    finally:
+        monkeypatch.undo()
+        triton_mode.interpreted.cache_clear()
 
 
 def test_a_cpu_device_without_the_interpreter_is_a_value_error(monkeypatch):

@@ -438,3 +438,58 @@ def test_info_says_whether_the_tuned_table_is_used_and_why_not(kind, tmp_path, m
         assert lines[3].endswith(f"; {advice}"), lines[3]
         why = lines[3].split("present, not used: ", 1)[1].rsplit(f"; {advice}", 1)[0]
         assert table is None and len(ws) == 1 and f": {why}; {advice}" in str(ws[0].message), ws
+
+
+def _module(args, env=None, **kw) -> subprocess.CompletedProcess:
+    """``python -m triton_ep ARGS`` in a fresh interpreter (this checkout's package: PYTHONPATH is inherited)."""
+    return subprocess.run([sys.executable, "-m", "triton_ep", *args], env=dict(os.environ, **(env or {})),
+                          text=True, timeout=300, **kw)
+
+
+def test_info_into_a_closed_pipe_ends_quietly_with_sigpipes_status():
+    """(A new user's find: ``triton-ep info | head -1`` ended in a BrokenPipeError traceback.) A report whose reader
+    went away ends at once, nothing on stderr, with a shell's status of a command ended by SIGPIPE (141). The read
+    end is closed before the command starts, so its first write fails whatever the timing."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = _module(["info"], stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (cli.EXIT_BROKEN_PIPE, ""), p.stderr[-2000:]
+
+
+class _Failing(io.StringIO):
+    """A stdout whose writes fail as a full disk's do (and which has no file descriptor, as a test's capture)."""
+
+    def write(self, text):
+        raise OSError(28, "No space left on device")
+
+
+def test_info_onto_a_full_disk_is_one_line_on_stderr(monkeypatch, capsys):
+    """(A new user's find: ``triton-ep info > /dev/full`` ended in an OSError traceback.) A stdout that cannot be
+    written: exit 1 and one line on stderr naming the error; the real /dev/full too where there is one."""
+    monkeypatch.setattr(sys, "stdout", _Failing())
+    assert main(["info"]) == cli.EXIT_WRITE_FAILED == 1
+    err = capsys.readouterr().err
+    assert err == "triton-ep info: error: cannot write to stdout: [Errno 28] No space left on device\n", err
+    monkeypatch.undo()
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "w") as full:
+            p = _module(["info"], stdout=full, stderr=subprocess.PIPE)
+        assert p.returncode == 1 and p.stderr.splitlines() == [
+            "triton-ep info: error: cannot write to stdout: [Errno 28] No space left on device"], p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("value", ["junk", "2"])
+def test_info_runs_with_a_triton_interpret_that_is_neither_on_nor_off(value):
+    """(A new user's find: with TRITON_INTERPRET=junk or 2, ``import triton_ep`` raised an ImportError saying triton
+    was imported first, which nothing had, and ``triton-ep info`` could not run.) The package imports, and the
+    report's devices section names the value and what is accepted (a Buffer raises ValueError with the same
+    words: tests/runtime/test_values.py)."""
+    p = _module(["info"], env={"TRITON_INTERPRET": value}, capture_output=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next(l for l in p.stdout.splitlines() if l.startswith("  kernels "))
+    assert line.startswith(f"  kernels   none: TRITON_INTERPRET={value!r} is neither on nor off: set it to 1 "
+                           f"(Triton's interpreter, CPU tensors) or 0"), line
+    assert line.endswith("(a Buffer raises ValueError)"), line

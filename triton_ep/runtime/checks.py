@@ -11,7 +11,7 @@ import torch
 
 from ..config import Config, EventOverlap
 from ..protocol.limits import MAX_TIMEOUT_S, MIN_TIMEOUT_S
-from ..triton_mode import interpreted
+from ..triton_mode import interpreted, problem
 
 #: the default bound on every wait for a peer, in seconds
 DEFAULT_TIMEOUT_S = 100.0
@@ -238,8 +238,13 @@ def device_arg(device) -> torch.device:
     Raises:
         ValueError: not a device (or a string naming one), a type other than ``cpu`` and ``cuda``, a CUDA
             device this process has not got (no CUDA, or an index past the device count), or the CPU where
-            Triton's interpreter is off (``TRITON_INTERPRET`` 0 or empty: the kernels could not run on it).
+            Triton's interpreter is off (``TRITON_INTERPRET`` 0 or empty: the kernels could not run on it); on
+            any device, a ``TRITON_INTERPRET`` that is neither on nor off (``'2'``, ``'junk'``:
+            :func:`triton_ep.triton_mode.problem`).
     """
+    bad = problem()
+    if bad is not None:
+        raise ValueError(bad)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     try:
