@@ -172,12 +172,14 @@ class Buffer:
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Tensor:
         """A view of this rank's raw intranode buffer as ``dtype`` from element ``offset``, reshaped to ``size``
-        (DeepEP's); its contents change with every call. With ``use_rdma_buffer``: as many ``dtype`` elements as
-        the RDMA-side memory has, views of one scratch element that no call reads (docs/api.md: zeroing it, as
+        (DeepEP's); its contents change with every call, so it is never a call's input (the call's traffic would
+        overwrite it as it is read, unchecked: docs/api.md). With ``use_rdma_buffer``: as many ``dtype`` elements
+        as the RDMA-side memory has, views of one scratch element that no call reads (docs/api.md: zeroing it, as
         vLLM does, changes nothing).
 
         Raises:
-            ValueError: ``offset`` not an int, negative or past the end; ``size`` too large. EPError: destroyed.
+            ValueError: ``offset`` not an int, negative or past the end; ``size`` not a sequence of ints, or too
+                large. TypeError: ``dtype`` not a ``torch.dtype``. EPError: destroyed.
         """
         return self._modes.local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 

@@ -4,6 +4,7 @@ with its network leg across hosts) or none (:class:`Unavailable`). Every mode ta
 Buffer's own arguments, so the Buffer forwards each call with no branch (docs/design.md, section 2)."""
 from __future__ import annotations
 
+import math
 import operator
 import os
 from dataclasses import dataclass
@@ -81,19 +82,19 @@ class Modes:
         :meth:`rdma_scratch`.
 
         Raises:
+            TypeError: ``dtype`` not a ``torch.dtype``.
             ValueError: ``offset`` not an int, negative or past the end (``numel`` of the buffer as ``dtype``), a
-                negative ``size`` dimension, or a ``size`` larger than what is left from ``offset``.
+                ``size`` that is not a sequence of ints or has a negative dimension, or a ``size`` larger than
+                what is left from ``offset``.
         """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if use_rdma_buffer:
             return self.rdma_scratch(dtype, size, offset)
         data = self.rt.live().data.view(dtype)
         offset, shape = _view_args(offset, size, data.numel(), "the buffer")
         t = data[offset:]
-        if shape is None:
-            return t
-        if t.numel() < shape.numel():
-            raise ValueError(f"size {tuple(shape)} exceeds the buffer ({t.numel()} elements from offset {offset})")
-        return t[:shape.numel()].view(shape)
+        return t if shape is None else t[:shape.numel()].view(shape)
 
     def rdma_scratch(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int) -> Tensor:
         """What ``get_local_buffer_tensor(use_rdma_buffer=True)`` gives in place of DeepEP's NVSHMEM buffer: as many
@@ -103,10 +104,7 @@ class Modes:
         self.rt.live()
         nbytes = self.internode.rdma_buffer().numel() if self.internode is not None else self.num_rdma_bytes
         offset, shape = _view_args(offset, size, nbytes // dtype.itemsize, "the RDMA buffer")
-        n = nbytes // dtype.itemsize - offset
-        shape = torch.Size([n]) if shape is None else shape
-        if shape.numel() > n:
-            raise ValueError(f"size {tuple(shape)} exceeds the RDMA buffer ({n} elements from offset {offset})")
+        shape = torch.Size([nbytes // dtype.itemsize - offset]) if shape is None else shape
         scratch = torch.zeros(1, dtype=dtype, device=self.rt.device)
         return scratch.as_strided(shape, (0,) * len(shape))
 
@@ -117,18 +115,35 @@ def _view_args(offset, size, numel: int, what: str):
     pointer, so a negative one would point before the buffer.
 
     Raises:
-        ValueError: ``offset`` not an int (a bool included; as every size argument), negative or past the end, or a
-            negative dimension in ``size``; the message names the argument and value.
+        ValueError: ``offset`` not an int (a bool included; as every size argument), negative or past the end; a
+            ``size`` that is not a sequence of ints (a float or bool dimension included), has a negative dimension,
+            or has more elements than are left from ``offset`` (counted in Python ints: a product past int64, such as
+            ``[2**62, 2**62]``, is too large, not torch's overflow); the message names the argument and value.
     """
-    if isinstance(offset, bool) or not hasattr(offset, "__index__"):     # (numpy ints too; no float)
+    if not _is_int(offset):
         raise ValueError(f"offset must be an int, got {offset!r}")
     offset = operator.index(offset)
     if offset < 0 or offset > numel:
         raise ValueError(f"offset must be in [0, {numel}] (elements of {what} as this dtype), got {offset}")
-    shape = None if size is None else torch.Size(size)
-    if shape is not None and any(d < 0 for d in shape):
-        raise ValueError(f"size must have no negative dimension, got {tuple(shape)}")
-    return offset, shape
+    if size is None:
+        return offset, None
+    try:
+        dims = tuple(size)
+    except TypeError:
+        dims = None
+    if dims is None or not all(_is_int(d) for d in dims):
+        raise ValueError(f"size must be a torch.Size or a sequence of ints, got {size!r}")
+    dims = tuple(operator.index(d) for d in dims)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"size must have no negative dimension, got {dims}")
+    if math.prod(dims) > numel - offset:
+        raise ValueError(f"size {dims} exceeds {what} ({numel - offset} elements from offset {offset})")
+    return offset, torch.Size(dims)
+
+
+def _is_int(v) -> bool:
+    """An int as a size argument takes it: a Python or numpy int, never a bool or a float."""
+    return not isinstance(v, bool) and hasattr(v, "__index__")
 
 
 def open_modes(rt: Runtime, low_latency_mode: bool, num_rdma_bytes: int, num_qps_per_rank: int, shrink: bool,

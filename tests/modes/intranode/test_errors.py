@@ -1,6 +1,7 @@
 """Bad input gets a clear error before any kernel runs, naming the argument; nothing is modified."""
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -408,3 +409,23 @@ def test_local_buffer_tensor_refuses_negative_and_past_the_end_views(one):
     assert t.shape == (2, 3) and t.data_ptr() == buf.get_local_buffer_tensor(torch.int32).data_ptr() + 4 * (n - 6)
     with pytest.raises(ValueError, match="exceeds the buffer"):
         buf.get_local_buffer_tensor(torch.int32, torch.Size([7]), offset=n - 6)
+
+
+def test_local_buffer_tensor_names_a_bad_dtype_or_size(one):
+    """(A new user's find: a str dtype, a size of floats and ``torch.Size([2**62, 2**62])`` gave torch's own errors,
+    the last ``numel: integer multiplication overflow``.) A ``dtype`` that is not a ``torch.dtype`` is a TypeError
+    naming it; a ``size`` that is not a sequence of ints is a ValueError (docs/api.md's rule for sizes), and one
+    whose elements overflow int64 is too large for the buffer, as one that merely exceeds it is; the RDMA-side
+    view alike."""
+    _, buf = one
+    for rdma in (False, True):
+        with pytest.raises(TypeError, match=re.escape("dtype must be a torch.dtype, got 'float'")):
+            buf.get_local_buffer_tensor("float", use_rdma_buffer=rdma)
+        for bad in ((4.0,), (2, 1.5), (True,), 4, "4"):
+            with pytest.raises(ValueError, match=re.escape(f"size must be a torch.Size or a sequence of ints, got "
+                                                           f"{bad!r}")):
+                buf.get_local_buffer_tensor(torch.int8, bad, use_rdma_buffer=rdma)
+        for big in (torch.Size([2**62, 2**62]), (2**70,)):
+            with pytest.raises(ValueError, match=re.escape(f"size {tuple(big)} exceeds the ")):
+                buf.get_local_buffer_tensor(torch.int8, big, use_rdma_buffer=rdma)
+    assert buf.get_local_buffer_tensor(torch.int8, [np.int64(2), 3]).shape == (2, 3)
