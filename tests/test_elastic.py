@@ -2,6 +2,8 @@
 worst-case sizes, cached dispatches, handle fields, weights, biases and FP8 pairs, checked bit for bit against
 ``triton_ep.reference.elastic_dispatch`` / ``elastic_combine`` on rank processes within one host and across two
 emulated hosts; the reference's own semantics on small cases; V2's primitives triton-ep does not provide."""
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -101,6 +103,34 @@ def test_face_names_and_primitives_not_provided():
     assert deep_ep.ElasticBuffer.get_buffer_size_hint(None, 4096, 7168) % (2 << 20) == 0
     with pytest.raises(ValueError, match="hidden"):
         deep_ep.ElasticBuffer.get_buffer_size_hint(None, 4096, 0)
+
+
+def test_sizes_past_int32_name_the_v2_argument():
+    """(A new user's find: ``hidden=2**31-1`` was told as the size hint's ``hidden_bytes``, and a dispatch's
+    ``num_max_tokens_per_rank`` whose worst case passed int32 as Buffer's ``num_worst_tokens``, arguments a V2
+    caller never passed.) ``hidden`` is at most 2^30 - 1 (bf16 rows of ``2 * hidden`` bytes, an int32 count) in the
+    constructor and the size hint, and ``R * num_max_tokens_per_rank`` at most 2^31 - 1 (the worst case's rows and
+    ``recv_src_metadata``'s source index are int32), each message naming the V2 argument. (The dispatch's check on
+    every rank of a group: :func:`tests.cases.elastic.errors`.)"""
+    from types import SimpleNamespace
+    from triton_ep.elastic import checks
+    counts = dict(num_cpu_bytes=0, num_max_tokens_per_rank=8, num_topk=8, sl_idx=3, num_allocated_qps=0)
+    for big in (2**30, 2**31 - 1):
+        with pytest.raises(ValueError, match=re.escape(f"hidden must be an int in [0, {2**30 - 1}] (a bf16 row of 2 * "
+                                                       f"hidden bytes, an int32 count of bytes), got {big}")):
+            triton_ep.ElasticBuffer._checked_size(None, None, hidden=big, **counts)
+        with pytest.raises(ValueError, match=re.escape(f"hidden must be an int in [1, {2**30 - 1}]")):
+            triton_ep.ElasticBuffer.get_buffer_size_hint(None, 8, big)
+    assert triton_ep.ElasticBuffer._checked_size(None, None, hidden=2**30 - 1, **counts) > 0
+    for R in (2, 3, 8):     # (one rank: num_max_tokens_per_rank's own [0, 2^31) bound comes first)
+        eb = SimpleNamespace(num_ranks=R, num_max_tokens_per_rank=0)
+        top = (2**31 - 1) // R
+        assert checks.num_max(eb, top, 4) == top
+        with pytest.raises(ValueError, match=re.escape(f"num_max_tokens_per_rank must be at most {top} with {R} ranks "
+                                                       f"(R * num_max_tokens_per_rank, the worst case's rows and the "
+                                                       f"bound of recv_src_metadata's source index, is int32), got "
+                                                       f"{top + 1} ({R * (top + 1)})")):
+            checks.num_max(eb, top + 1, 4)
 
 
 @pytest.mark.multiprocess

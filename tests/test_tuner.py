@@ -525,11 +525,21 @@ def test_the_default_table_file_is_checked_and_its_directory_made(tmp_path, tabl
     (["--num-topk", "99"], "--num-topk 99: must be at most --num-experts 8"),
     (["--hidden", "2048", "--num-nvl-bytes", "1"], "--num-nvl-bytes 1: a Buffer rounds it up to 4 KiB (4096 bytes), "
                                                    "which must hold one record of a row of --hidden 2048"),
+    (["--hidden", "2147483648"], "--hidden 2147483648: must be at most 1073741823 (a row of bf16 values is 2 * hidden "
+                                 "bytes, an int32 count of bytes)"),
+    (["--tokens", "99999999999"], "--tokens 99999999999: must be at most 1073741823 with --ranks 2 (a rank may "
+                                  "receive every rank's tokens: --ranks x --tokens rows, an int32 count as a "
+                                  "Buffer's num_worst_tokens)"),
+    (["--ranks", "4", "--tokens", "8,536870912"], "--tokens 536870912: must be at most 536870911 with --ranks 4"),
+    (["--tokens", "8,100000000", "--hidden", "7168"], "--tokens 100000000: the tensors of --ranks 2 ranks at --hidden "
+                                                      "7168 would need about "),
 ])
 def test_tune_options_that_do_not_go_together_exit_2_before_any_work(args, why, table_env, no_ranks, capsys):
-    """(A new user's find: ``--hidden 7``, ``--num-experts 3``, ``--num-topk 99`` gave tracebacks, exit 1.) The
-    options are checked together, with their defaults, before any work: exit 2, one line on stderr naming the
-    option and the rule."""
+    """(A new user's find: ``--hidden 7``, ``--num-experts 3``, ``--num-topk 99`` gave tracebacks, exit 1; and
+    ``--hidden 2147483648`` was told as ``hidden_bytes``, ``--tokens 99999999999`` started the ranks, which died
+    allocating 25.6 TB.) The options are checked together, with their defaults, before any work: exit 2, one line
+    on stderr naming the option and the rule; ``--tokens`` is bounded as int32 row counts, and by the memory its
+    ranks' tensors would need (about 10 TiB a rank at 10^8 tokens of 7168 values: more than any host here)."""
     assert main(["tune", "--quick", *args]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("triton-ep tune: error: " + why), err

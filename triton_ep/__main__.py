@@ -31,7 +31,8 @@ where ``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON
 $XDG_CACHE_HOME/triton_ep/tuning.json: every later Buffer of this user), the file there first copied to
 NAME.bak; its last line says which file it wrote, who reads it and how to undo that. It exits 0 when saved; 1 when a rank failed, the ranks ran past
 --timeout-s or another save held the table's lock too long; 130 on Ctrl-C (nothing saved, one line on stderr);
-2 on bad usage: a bad option, options that do not go together (--hidden a multiple of 8, --num-experts a
+2 on bad usage: a bad option, options that do not go together (--hidden a multiple of 8 and at most 2^30 - 1,
+--ranks x --tokens at most 2^31 - 1 and tensors that fit this host's and a GPU's memory, --num-experts a
 multiple of --ranks, --num-topk at most --num-experts, a buffer that holds a row), or an --output that is empty,
 a symbolic link (never written through), not a regular file, read-only, in a directory that is absent or takes
 no file, or an existing file that is not a triton-ep tuned table without --force (the message names the path

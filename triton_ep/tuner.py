@@ -190,6 +190,50 @@ def entries_of(spec: TuneSpec, times: dict) -> List[dict]:
     return out
 
 
+#: ``--hidden``'s bound: a row of bf16 values is ``2 * hidden`` bytes, which the size hints take as an int32 count
+MAX_HIDDEN = (2**31 - 1) // 2
+#: the bound on ``--ranks`` x ``--tokens``: a rank may receive every rank's tokens, a row count that is int32 (as a
+#: Buffer's ``num_worst_tokens``)
+MAX_ROWS = 2**31 - 1
+
+
+def rank_bytes(num_ranks: int, hidden: int, num_tokens: int, num_experts: int) -> tuple:
+    """What one rank of a run (:func:`rank_main`) may hold at once, in bytes: ``(host, device)``. Host: the fp32
+    ``[T, H]`` and ``[T, E]`` drawn on the CPU. Device: ``x`` (bf16 ``[T, H]``), and each dispatch's received rows
+    (at most ``R * T``) and combine's ``[T, H]``, twice (the built-in tables' outputs are kept to compare each
+    candidate's with). On the CPU both are host memory."""
+    T, H = num_tokens, hidden
+    return 4 * T * (H + num_experts), 2 * T * H * (1 + 2 * (num_ranks + 1))
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory in bytes (``sysconf``), or 0 where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+def check_memory(num_ranks: int, hidden: int, num_tokens: int, num_experts: int) -> None:
+    """Refuse a run whose ranks could not hold their tensors (:func:`rank_bytes`) in this host's memory, or, with
+    GPUs, in one GPU's memory (ranks share the GPUs as :func:`rank_main` places them, rank ``r`` on GPU
+    ``r % count``): it would die in a rank with the allocator's error, after starting the ranks.
+
+    Raises:
+        ValueError: naming ``--tokens`` (with ``--hidden`` and ``--ranks``), the bytes needed and those there.
+    """
+    host, dev = rank_bytes(num_ranks, hidden, num_tokens, num_experts)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = [("this host's memory", num_ranks * (host + (0 if gpus else dev)), host_memory_bytes())]
+    if gpus:
+        need.append((f"one GPU's memory ({-(-num_ranks // gpus)} of the ranks on it)", -(-num_ranks // gpus) * dev,
+                     torch.cuda.get_device_properties(0).total_memory))
+    for where, n, have in need:
+        if have and n > have:
+            raise ValueError(f"--tokens {num_tokens}: the tensors of --ranks {num_ranks} ranks at --hidden {hidden} "
+                             f"would need about {n / 2**30:.1f} GiB of {where}, more than its {have / 2**30:.1f} GiB")
+
+
 def default_nvl_bytes(hidden: int, num_ranks: int) -> int:
     """DeepEP's buffer for these sizes: the larger size hint of the built-in dispatch and combine Configs."""
     return max(recommended_config(num_ranks, t, 20).get_nvl_buffer_size_hint(hidden * 2, num_ranks)
@@ -271,9 +315,11 @@ def _named(flag: str, value, given) -> str:
 def resolve(a: argparse.Namespace) -> TuneArgs:
     """The run's :class:`TuneArgs` from the parsed options ``a``, checked together before any work (each option
     alone was checked as it was parsed, :mod:`triton_ep.argtypes`), with the rules a Buffer's calls would apply
-    later: bf16 rows of a multiple of 16 bytes (DeepEP's), experts a multiple of the ranks (each rank holds as
-    many), at most :data:`~triton_ep.runtime.checks.MAX_EXPERTS`, top-k at most the experts (``torch.topk``),
-    and a buffer (rounded up to 4 KiB, as a Buffer does) that holds one dispatch and one combine record of a row.
+    later: bf16 rows of a multiple of 16 bytes (DeepEP's) and at most :data:`MAX_HIDDEN` values, ``--ranks`` x
+    each ``--tokens`` at most :data:`MAX_ROWS`, experts a multiple of the ranks (each rank holds as many), at most
+    :data:`~triton_ep.runtime.checks.MAX_EXPERTS`, top-k at most the experts (``torch.topk``), the ranks' tensors
+    within this host's (and a GPU's) memory (:func:`check_memory`), and a buffer (rounded up to 4 KiB, as a
+    Buffer does) that holds one dispatch and one combine record of a row.
     The table's file is checked by :func:`triton_ep.tuned.check_target` (an existing file must be a tuned table
     unless ``--force``). The default table location's directory is made here (a ``--output`` directory never is).
 
@@ -290,6 +336,14 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
     if hidden % 8:
         raise ValueError(f"{_named('--hidden', hidden, a.hidden)}: bf16 rows must be a multiple of 16 bytes, so "
                          f"hidden must be a multiple of 8")
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"--hidden {hidden}: must be at most {MAX_HIDDEN} (a row of bf16 values is 2 * hidden "
+                         f"bytes, an int32 count of bytes)")
+    for T in tokens:
+        if a.ranks * T > MAX_ROWS:
+            raise ValueError(f"--tokens {T}: must be at most {MAX_ROWS // a.ranks} with --ranks {a.ranks} (a rank "
+                             f"may receive every rank's tokens: --ranks x --tokens rows, an int32 count as a "
+                             f"Buffer's num_worst_tokens)")
     if E % a.ranks:
         raise ValueError(f"{_named('--num-experts', E, a.num_experts)}: must be a multiple of --ranks {a.ranks} "
                          f"(each rank holds as many experts)")
@@ -298,6 +352,7 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
     if K > E:
         raise ValueError(f"{_named('--num-topk', K, a.num_topk)}: must be at most --num-experts {E} (a token's "
                          f"top-k experts are distinct)")
+    check_memory(a.ranks, hidden, max(tokens), E)
     nvl = a.num_nvl_bytes or default_nvl_bytes(hidden, a.ranks)
     if nvl > MAX_BUFFER_BYTES:
         raise ValueError(f"--num-nvl-bytes {nvl}: must be at most {MAX_BUFFER_BYTES} (a Buffer's maximum)")

@@ -205,6 +205,9 @@ def errors(buf, rank, world, device):
     idx = torch.zeros((3, K), dtype=torch.int64, device=device)
     bad = [
         (ValueError, "num_max_tokens_per_rank", dict(x=x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=2)),
+        # (a new user's find: R * num_max_tokens_per_rank past int32 was told as Buffer's num_worst_tokens)
+        (ValueError, f"num_max_tokens_per_rank must be at most {(2**31 - 1) // world} with {world} ranks",
+         dict(x=x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=(2**31 - 1) // world + 1, do_cpu_sync=False)),
         (ValueError, "num_experts", dict(x=x, topk_idx=idx, num_experts=E + 1)),
         (ValueError, "topk_idx", dict(x=x, topk_idx=idx[:2], num_experts=E)),
         (ValueError, "topk_idx", dict(x=x, num_experts=E)),

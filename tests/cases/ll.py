@@ -374,7 +374,7 @@ def absent_without_shrink(rank, world, N, H, E):
 def bad_ids_then_recover(rank, world, N, H, E):
     """Rank 1 passes two ids outside [-1, E) (one above, one below): it raises ValueError counting both, the peers
     EPRemoteError; the next call re-synchronises and is correct. Bad argument shapes, handles (a float entry,
-    too few entries, a tuple rebuilt from a handle) and outs raise before launch."""
+    too few entries, a tuple rebuilt from a handle), outs and non-contiguous stats tensors raise before launch."""
     R, me = world, rank
     xs, idxs, ws = ll_inputs(7, R, E, 2, H, [4] * R)
     buf = _buffer(R, N, H, E, timeout_s=30)
@@ -418,6 +418,14 @@ def bad_ids_then_recover(rank, world, N, H, E):
             except (TypeError, ValueError) as e:
                 layout = " (non-contiguous)" if "got a non-contiguous torch.bfloat16" in str(e) else ""
                 got.append(f"out: {type(e).__name__}{layout}" if str(e).startswith("out must be") else str(e))
+        El = E // R     # (a new user's find: a non-contiguous stats tensor was told "got (El,)", as required)
+        for stats in (dict(cumulative_local_expert_recv_stats=torch.zeros(2 * El, dtype=torch.int32)[::2]),
+                      dict(dispatch_wait_recv_cost_stats=torch.zeros(R, 2, dtype=torch.int64)[:, 0])):
+            try:        # (raised on every rank before anything)
+                buf.low_latency_dispatch(xs[me], idxs[me], N, E, use_fp8=False, **stats)
+                got.append("none")
+            except ValueError as e:
+                got.append(f"{type(e).__name__}: {e}")
         return got
     finally:
         buf.destroy()

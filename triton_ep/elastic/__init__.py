@@ -36,7 +36,8 @@ import torch
 from ..buffer import Buffer
 from ..config import Config, EventOverlap
 from ..runtime.checks import isint
-from .checks import DispatchPlan, Order, check_cached, check_call, check_combine, check_dispatch, count, v2_names
+from .checks import (DispatchPlan, Order, check_cached, check_call, check_combine, check_dispatch, count,
+                     hidden_count, v2_names)
 from .handle import EPHandle, EventHandle
 from .layout import (Expansion, align, col_major, expansion, gather_rows, psum_per_rank, reduce_expanded, sources,
                      src_metadata, unaligned_counts)
@@ -138,11 +139,15 @@ class ElasticBuffer:
         among them), and the bytes of the underlying Buffer: ``num_bytes``, else :meth:`_size_hint` of ``hidden``.
 
         Raises:
-            ValueError: ``num_bytes`` neither an int nor ``None`` (as every size argument), a count out of range, or
-                neither ``num_bytes`` nor ``hidden`` given.
+            ValueError: ``num_bytes`` neither an int nor ``None`` (as every size argument), a count out of range
+                (``hidden`` at most :data:`~triton_ep.elastic.checks.MAX_HIDDEN`), or neither ``num_bytes`` nor
+                ``hidden`` given.
         """
         for name, v in counts.items():
-            count(name, v)
+            if name == "hidden":
+                hidden_count(v)
+            else:
+                count(name, v)
         if num_bytes is not None and not isint(num_bytes):
             raise ValueError(f"ElasticBuffer: num_bytes must be an int (bytes), got {type(num_bytes).__name__}")
         if num_bytes is not None:
@@ -168,10 +173,11 @@ class ElasticBuffer:
         with ``num_max_tokens_per_rank``: transfers larger than the buffer go through it in rounds.
 
         Raises:
-            ValueError: a size is not an int in range (``hidden >= 1``).
+            ValueError: a size is not an int in range (``hidden`` in ``[1, 2^30)``: bf16 rows of ``2 * hidden``
+                bytes, an int32 count).
         """
         count("num_max_tokens_per_rank", num_max_tokens_per_rank)
-        count("hidden", hidden, 1)
+        hidden_count(hidden, 1)
         count("num_topk", num_topk)
         import torch.distributed as dist
         size = dist.get_world_size(group) if dist.is_initialized() else 1

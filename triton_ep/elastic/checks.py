@@ -16,11 +16,23 @@ from .handle import EPHandle, EventHandle
 Tensor = torch.Tensor
 
 
-def count(name: str, v, lo: int = 0) -> int:
-    """``v`` as an int in ``[lo, 2^31)``; ``ValueError`` naming ``name`` otherwise."""
-    if not isint(v) or not lo <= v <= MAX_INT32:
-        raise ValueError(f"{name} must be an int in [{lo}, {MAX_INT32}], got {v!r}")
+#: ``hidden``'s bound in ElasticBuffer's constructor and size hint: a bf16 row of ``2 * hidden`` bytes, which
+#: ``Config.get_nvl_buffer_size_hint`` takes as an int32 count of bytes
+MAX_HIDDEN = MAX_INT32 // 2
+
+
+def count(name: str, v, lo: int = 0, hi: int = MAX_INT32, why: str = "") -> int:
+    """``v`` as an int in ``[lo, hi]`` (default ``[lo, 2^31)``); ``ValueError`` naming ``name`` otherwise, with
+    ``why`` (the bound's reason) after the range."""
+    if not isint(v) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}]{why}, got {v!r}")
     return int(v)
+
+
+def hidden_count(v, lo: int = 0) -> int:
+    """ElasticBuffer's ``hidden`` as an int in ``[lo, MAX_HIDDEN]``; ``ValueError`` naming ``hidden`` otherwise
+    (where it used to be the size hint's ``hidden_bytes``, an argument the caller never passed)."""
+    return count("hidden", v, lo, MAX_HIDDEN, " (a bf16 row of 2 * hidden bytes, an int32 count of bytes)")
 
 
 def as_event(ev, name: str) -> Optional[EventOverlap]:
@@ -196,10 +208,20 @@ def check_combine(eb, x, handle, topk_weights, bias, num_sms, num_qps, previous_
 
 
 def num_max(eb, given, T: int) -> int:
-    """The per-rank token bound of a dispatch of ``T`` tokens: ``given``, or ``eb``'s default."""
+    """The per-rank token bound of a dispatch of ``T`` tokens: ``given``, or ``eb``'s default.
+
+    Raises:
+        ValueError: naming ``num_max_tokens_per_rank``: none given nor set, ``T`` above it, or ``R`` times it past
+            int32 (the worst case's ``R * N_max`` rows, and ``src_rank * N_max + src_token`` in
+            ``recv_src_metadata``, are int32).
+    """
     n = eb.num_max_tokens_per_rank if given is None else count("num_max_tokens_per_rank", given)
     if n <= 0:
         raise ValueError("num_max_tokens_per_rank is needed: pass it to dispatch or to the constructor")
+    if eb.num_ranks * n > MAX_INT32:
+        raise ValueError(f"num_max_tokens_per_rank must be at most {MAX_INT32 // eb.num_ranks} with {eb.num_ranks} "
+                         f"ranks (R * num_max_tokens_per_rank, the worst case's rows and the bound of "
+                         f"recv_src_metadata's source index, is int32), got {n} ({eb.num_ranks * n})")
     if T > n:
         raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank = {n}")
     return n

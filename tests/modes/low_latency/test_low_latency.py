@@ -141,7 +141,14 @@ def test_bad_ids_and_shapes():
     assert out[0][2] == "shape" and "EPRemoteError" in out[0][3:], out
     # a float32 out, a bf16 of T+1, a non-contiguous bf16 [T, H] (a new user's find: its message read "got
     # torch.bfloat16 [8, 128]", the same as the requirement)
-    assert all(o[-3:] == ["out: TypeError", "out: ValueError", "out: ValueError (non-contiguous)"] for o in out), out
+    assert all(o[-5:-2] == ["out: TypeError", "out: ValueError", "out: ValueError (non-contiguous)"] for o in out), out
+    # (a new user's find: a non-contiguous stats tensor was told "got (4,) on cpu", what was required)
+    for o in out:
+        assert o[-2:] == [
+            "ValueError: cumulative_local_expert_recv_stats must be a contiguous tensor of shape (2,) on cpu, got a "
+            "non-contiguous tensor of shape (2,) (strides (2,)) on cpu",
+            "ValueError: dispatch_wait_recv_cost_stats must be a contiguous tensor of shape (2,) or (2, 2) on cpu, got "
+            "a non-contiguous tensor of shape (2,) (strides (2,)) on cpu"], o
     want = "handle must be a handle this Buffer's low_latency_dispatch returned"
     for o in out:       # (a new user's find: a float in a handle's place said "got tuple")
         assert [e for e in o if e.startswith("handle: ")] == [

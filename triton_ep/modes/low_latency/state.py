@@ -237,8 +237,10 @@ class LowLatencyState:
         if not isinstance(t, torch.Tensor) or t.dtype != dtype:
             raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
         if tuple(t.shape) not in shapes or not t.is_contiguous() or t.device != self.rt.device:
+            got = (f"a non-contiguous tensor of shape {tuple(t.shape)} (strides {t.stride()})"
+                   if not t.is_contiguous() else str(tuple(t.shape)))
             raise ValueError(f"{name} must be a contiguous tensor of shape {' or '.join(map(str, shapes))} on "
-                             f"{self.rt.device}, got {tuple(t.shape)} on {t.device}")
+                             f"{self.rt.device}, got {got} on {t.device}")
         return t
 
     def cost_arg(self, name: str, t: Optional[Tensor]) -> Optional[Tensor]:
