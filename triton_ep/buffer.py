@@ -382,9 +382,10 @@ class Buffer:
             handle, event)``; with a handle ``(recv_x, None, None, None, None, event)``.
 
         Raises:
-            TypeError/ValueError: bad arguments (before any kernel runs) or ids outside ``[-1, E)``;
-            EPRemoteError, EPCapacityError (``num_worst_tokens`` too small), EPTimeoutError, ProxyError (across
-            hosts).
+            TypeError/ValueError: bad arguments (before any kernel runs) or ids outside ``[-1, E)``; the
+            allocator's error where outputs of ``num_worst_tokens`` rows do not fit (before the call starts: a
+            refused call, the Buffer goes on); EPRemoteError, EPCapacityError (``num_worst_tokens`` too small),
+            EPTimeoutError, ProxyError (across hosts) (docs/api.md).
         """
         return self._normal.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
