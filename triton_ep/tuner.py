@@ -190,11 +190,6 @@ def entries_of(spec: TuneSpec, times: dict) -> List[dict]:
     return out
 
 
-#: ``--hidden``'s bound: a row of bf16 values is ``2 * hidden`` bytes, which the size hints take as an int32 count
-MAX_HIDDEN = (2**31 - 1) // 2
-#: the bound on ``--ranks`` x ``--tokens``: a rank may receive every rank's tokens, a row count that is int32 (as a
-#: Buffer's ``num_worst_tokens``)
-MAX_ROWS = 2**31 - 1
 
 
 def rank_bytes(num_ranks: int, hidden: int, num_tokens: int, num_experts: int) -> tuple:
@@ -315,11 +310,12 @@ def _named(flag: str, value, given) -> str:
 def resolve(a: argparse.Namespace) -> TuneArgs:
     """The run's :class:`TuneArgs` from the parsed options ``a``, checked together before any work (each option
     alone was checked as it was parsed, :mod:`triton_ep.argtypes`), with the rules a Buffer's calls would apply
-    later: bf16 rows of a multiple of 16 bytes (DeepEP's) and at most :data:`MAX_HIDDEN` values, ``--ranks`` x
-    each ``--tokens`` at most :data:`MAX_ROWS`, experts a multiple of the ranks (each rank holds as many), at most
-    :data:`~triton_ep.runtime.checks.MAX_EXPERTS`, top-k at most the experts (``torch.topk``), the ranks' tensors
-    within this host's (and a GPU's) memory (:func:`check_memory`), and a buffer (rounded up to 4 KiB, as a
-    Buffer does) that holds one dispatch and one combine record of a row.
+    later: bf16 rows of a multiple of 16 bytes (DeepEP's) and at most :data:`~triton_ep.runtime.checks.MAX_HIDDEN`
+    values, ``--ranks`` x each ``--tokens`` at most :data:`~triton_ep.runtime.checks.MAX_INT32` (a rank may receive
+    every rank's tokens: an int32 row count, as a Buffer's ``num_worst_tokens``), experts a multiple of the ranks
+    (each rank holds as many), at most :data:`~triton_ep.runtime.checks.MAX_EXPERTS`, top-k at most the experts
+    (``torch.topk``), the ranks' tensors within this host's (and a GPU's) memory (:func:`check_memory`), and a
+    buffer (rounded up to 4 KiB, as a Buffer does) that holds one dispatch and one combine record of a row.
     The table's file is checked by :func:`triton_ep.tuned.check_target` (an existing file must be a tuned table
     unless ``--force``). The default table location's directory is made here (a ``--output`` directory never is).
 
@@ -327,7 +323,7 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
         ValueError: one line naming the option, its value and the rule broken.
     """
     from .modes.intranode import combine_record_bytes, dispatch_record_words   # (the records the mode sizes)
-    from .runtime.checks import MAX_BUFFER_BYTES, MAX_EXPERTS
+    from .runtime.checks import MAX_BUFFER_BYTES, MAX_EXPERTS, MAX_HIDDEN, MAX_INT32
     q = quick_defaults(a.quick)
     hidden = a.hidden or (64 if q else 7168)
     tokens = list(a.tokens or ((8,) if q else (128, 1024, 4096)))
@@ -340,8 +336,8 @@ def resolve(a: argparse.Namespace) -> TuneArgs:
         raise ValueError(f"--hidden {hidden}: must be at most {MAX_HIDDEN} (a row of bf16 values is 2 * hidden "
                          f"bytes, an int32 count of bytes)")
     for T in tokens:
-        if a.ranks * T > MAX_ROWS:
-            raise ValueError(f"--tokens {T}: must be at most {MAX_ROWS // a.ranks} with --ranks {a.ranks} (a rank "
+        if a.ranks * T > MAX_INT32:
+            raise ValueError(f"--tokens {T}: must be at most {MAX_INT32 // a.ranks} with --ranks {a.ranks} (a rank "
                              f"may receive every rank's tokens: --ranks x --tokens rows, an int32 count as a "
                              f"Buffer's num_worst_tokens)")
     if E % a.ranks:

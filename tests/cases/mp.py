@@ -324,27 +324,31 @@ def back_to_back_processes(rank, world, rounds, seed, device="cpu"):
         buf.destroy()
 
 
-def fail_mid_call(rank, world):
-    """Rank 0 fails after the counts exchange (its output allocation raises, as out-of-memory would);
-    the peer must not return wrong data: it times out naming rank 0, and rank 0's later calls raise at
-    once instead of meeting the peer at a wrong step."""
+def _bf16_allocations_fail():
+    """Within it, ``torch.empty`` of bf16 raises ``RuntimeError`` (as out of memory would); other dtypes allocate."""
     import unittest.mock
-    E, H = 2 * world, 32
-    xs, idxs, ws = make_inputs(21, world, E, 2, H, [5] * world)
-    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=3)
-    kw = _layout_kwargs(buf, idxs[rank], E)
-    out = []
     real_empty = torch.empty
 
     def failing_empty(*a, **k):
         if k.get("dtype") == torch.bfloat16:
             raise RuntimeError("simulated out of memory")
         return real_empty(*a, **k)
+    return unittest.mock.patch.object(torch, "empty", failing_empty)
 
+
+def fail_mid_call(rank, world):
+    """Rank 0 fails after the counts exchange (its output allocation raises, as out-of-memory would);
+    the peer must not return wrong data: it times out naming rank 0, and rank 0's later calls raise at
+    once instead of meeting the peer at a wrong step."""
+    E, H = 2 * world, 32
+    xs, idxs, ws = make_inputs(21, world, E, 2, H, [5] * world)
+    buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=3)
+    kw = _layout_kwargs(buf, idxs[rank], E)
+    out = []
     for attempt in range(2):
         try:
             if rank == 0 and attempt == 0:
-                with unittest.mock.patch.object(torch, "empty", failing_empty):
+                with _bf16_allocations_fail():
                     buf.dispatch(xs[rank], topk_weights=ws[rank], **kw)
             else:
                 buf.dispatch(xs[rank], topk_weights=ws[rank], **kw)
@@ -444,23 +448,15 @@ def worst_outputs_out_of_memory(rank, world):
     would): the dispatch is refused on every rank (rank 0: that error; its peers: ``EPRemoteError``) before
     anything moves, and the same Buffer goes on: a ``num_worst_tokens`` dispatch after it gives the reference
     rows. Returns ``(the refused call's error type, whether the next call's rows equal the first's)``."""
-    import unittest.mock
     E, H = 2 * world, 64
     xs, idxs, ws = make_inputs(27, world, E, 2, H, [6] * world)
     buf = triton_ep.Buffer(None, 1 << 20, device="cpu", timeout_s=20)
-    real_empty = torch.empty
-
-    def failing_empty(*a, **k):
-        if k.get("dtype") == torch.bfloat16:
-            raise RuntimeError("simulated out of memory")
-        return real_empty(*a, **k)
-
     try:
         kw = _layout_kwargs(buf, idxs[rank], E)
         first = buf.dispatch(xs[rank], topk_weights=ws[rank], num_worst_tokens=64, **kw)[0]
         try:
             if rank == 0:
-                with unittest.mock.patch.object(torch, "empty", failing_empty):
+                with _bf16_allocations_fail():
                     buf.dispatch(xs[rank], topk_weights=ws[rank], num_worst_tokens=64, **kw)
             else:
                 buf.dispatch(xs[rank], topk_weights=ws[rank], num_worst_tokens=64, **kw)

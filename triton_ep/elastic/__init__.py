@@ -140,7 +140,7 @@ class ElasticBuffer:
 
         Raises:
             ValueError: ``num_bytes`` neither an int nor ``None`` (as every size argument), a count out of range
-                (``hidden`` at most :data:`~triton_ep.elastic.checks.MAX_HIDDEN`), or neither ``num_bytes`` nor
+                (``hidden`` at most :data:`~triton_ep.runtime.checks.MAX_HIDDEN`), or neither ``num_bytes`` nor
                 ``hidden`` given.
         """
         for name, v in counts.items():

@@ -10,15 +10,10 @@ from typing import Optional, Tuple
 import torch
 
 from ..config import EventOverlap
-from ..runtime.checks import MAX_INT32, check_num_experts, check_tensor, isint
+from ..runtime.checks import MAX_HIDDEN, MAX_INT32, check_num_experts, check_tensor, isint
 from .handle import EPHandle, EventHandle
 
 Tensor = torch.Tensor
-
-
-#: ``hidden``'s bound in ElasticBuffer's constructor and size hint: a bf16 row of ``2 * hidden`` bytes, which
-#: ``Config.get_nvl_buffer_size_hint`` takes as an int32 count of bytes
-MAX_HIDDEN = MAX_INT32 // 2
 
 
 def count(name: str, v, lo: int = 0, hi: int = MAX_INT32, why: str = "") -> int:

@@ -194,8 +194,8 @@ class Intranode:
         plan = self._dispatch_plan(a, sig, c.recv_rows_max, lp)
         o = pre if pre is not None else self._dispatch_outputs(a, xv, sc, c.n_out)
         launches = yield from self._dispatch_rounds(a, c, o, plan, force, lp)      # (None: cut short, an error)
-        if (launches is not None and cached and self.rt.group is not None and sc is None and o.x_words is xv and o.out_words is o.recv_x
-                and xv.numel()):
+        if (launches is not None and cached and self.rt.group is not None and sc is None and o.x_words is xv
+                and o.out_words is o.recv_x and xv.numel()):
             # the next cached dispatch of this handle with x of these shapes replays these launches
             a.handle.replay_dispatch = replay.CallPlan(
                 self.rt, xv, 0, o.recv_x.shape, code, values,

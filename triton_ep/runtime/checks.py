@@ -21,6 +21,9 @@ ENV_TIMEOUT_S = "TRITON_EP_TIMEOUT_S"
 MAX_EXPERTS = 16384
 #: The largest int32 a kernel argument or a stored count carries (``2^31 - 1``).
 MAX_INT32 = 2 ** 31 - 1
+#: The largest ``hidden`` (values per bf16 row) where a row's bytes, ``2 * hidden``, are taken as an int32 count
+#: (the size hints): ``(2^31 - 1) // 2``.
+MAX_HIDDEN = MAX_INT32 // 2
 #: The largest buffer size in bytes (``num_nvl_bytes``, ``num_rdma_bytes``): ``2^62``. Sizes and byte offsets
 #: are int64 (kernels, torch, the shared-memory files); a size at the int64 limit would overflow once the
 #: signal header and the 4 KiB rounding are added.
