@@ -26,17 +26,17 @@ The plan's flows are computed towards a peer laid out like this host (its GIDs s
 the chosen path-hash model; on a real fabric the switch's hash decides, so treat the path column as a model.
 
 ``tune`` (docs/tuning.md) times a cached dispatch and a combine for the built-in tables and candidate Configs in
-rank processes, prints built-in against tuned microseconds per call and shape, and saves the fastest Configs
-where ``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON_EP_TUNING_FILE, else
-$XDG_CACHE_HOME/triton_ep/tuning.json: every later Buffer of this user), the file there first copied to
-NAME.bak; its last line says which file it wrote, who reads it and how to undo that. It exits 0 when saved; 1 when a rank failed, the ranks ran past
---timeout-s or another save held the table's lock too long; 130 on Ctrl-C (nothing saved, one line on stderr);
-2 on bad usage: a bad option, options that do not go together (--hidden a multiple of 8 and at most 2^30 - 1,
---ranks x --tokens at most 2^31 - 1 and tensors that fit this host's and a GPU's memory, --num-experts a
-multiple of --ranks, --num-topk at most --num-experts, a buffer that holds a row), or an --output that is empty,
-a symbolic link (never written through), not a regular file, read-only, in a directory that is absent or takes
-no file, or an existing file that is not a triton-ep tuned table without --force (the message names the path
-and the reason) -- all found before any measuring.
+rank processes, prints built-in against tuned microseconds per call and shape, and saves the fastest Configs where
+``Buffer.get_dispatch_config`` / ``get_combine_config`` read them ($TRITON_EP_TUNING_FILE, else
+$XDG_CACHE_HOME/triton_ep/tuning.json: every later Buffer of this user), the file there first copied to NAME.bak;
+its last line says which file it wrote, who reads it and how to undo that. It exits 0 when saved; 1 when a rank
+failed, the ranks ran past --timeout-s or another save held the table's lock too long; 130 on Ctrl-C (nothing
+saved, one line on stderr); 2 on bad usage: a bad option, options that do not go together (--hidden a multiple of
+8 and at most 2^30 - 1, --ranks x --tokens at most 2^31 - 1 and tensors that fit this host's and a GPU's memory,
+--num-experts a multiple of --ranks, --num-topk at most --num-experts, a buffer that holds a row), or an --output
+that is empty, a symbolic link (never written through), not a regular file, read-only, in a directory that is
+absent or takes no file, or an existing file that is not a triton-ep tuned table without --force (the message
+names the path and the reason) -- all found before any measuring.
 
 Exit status:
   0  the report was printed, RDMA present or absent (absent: pyverbs does not import, or there is no
@@ -203,8 +203,8 @@ def print_devices(out: TextIO) -> int:
     elif n:
         print("  kernels   compiled: Triton JIT-compiles each kernel for the GPU at its first call", file=out)
     else:
-        print(f"  kernels   neither: no CUDA device and TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} (off), so "
-              f"kernels cannot run", file=out)
+        print(f"  kernels   neither: no CUDA device and TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} "
+              f"(off), so kernels cannot run", file=out)
     return n
 
 

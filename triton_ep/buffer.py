@@ -30,8 +30,8 @@ def _shape_arg(name: str, value, least: int) -> Optional[int]:
     """``get_*_config``'s ``hidden`` / ``num_tokens``: ``None`` or an int (not a bool) of at least ``least``.
 
     Raises:
-        ValueError: not an int (a bool, float, str...: as every size argument, :func:`~triton_ep.runtime.checks.int_arg`)
-            or less than ``least``, naming ``name`` and the value.
+        ValueError: not an int (a bool, float, str...: as every size argument,
+            :func:`~triton_ep.runtime.checks.int_arg`) or less than ``least``, naming ``name`` and the value.
     """
     if value is None:
         return None

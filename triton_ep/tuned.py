@@ -585,5 +585,5 @@ def save(path: str, entries: List[dict], command: str, *, merge: bool = False, f
 
 
 __all__ = ["CALLS", "ENV_FILE", "Entry", "FALLBACK", "LOCK_TIMEOUT_S", "MAX_TABLE_BYTES", "Table", "Verdict",
-           "backup_path", "check_doc", "check_target", "default_path", "examine", "fallback", "identity", "kept_entries", "load",
-           "lock_path", "locked", "path_source", "read_doc", "save"]
+           "backup_path", "check_doc", "check_target", "default_path", "examine", "fallback", "identity",
+           "kept_entries", "load", "lock_path", "locked", "path_source", "read_doc", "save"]
