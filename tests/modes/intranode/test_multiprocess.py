@@ -224,7 +224,9 @@ def test_a_peer_failing_mid_call_cuts_the_later_rounds_short():
     out = _values(run_ranks(mp_cases.fail_mid_call_of_rounds, 2))
     for (good, failed, how), phase in zip(out[1], ("combine", "dispatch")):
         assert good >= 8, (phase, out)              # (the buffer makes the call take many rounds)
-        assert how == "EPRemoteError" and 2 <= failed <= 3, (phase, out)
+        # (1 send launch: seen once in a fresh-clone CI run, the combine's round-0 kernels already saw rank 0 leave;
+        # 3: round 2's send launched before its kernels saw it)
+        assert how == "EPRemoteError" and 1 <= failed <= 3, (phase, out)
     assert [how for _, _, how in out[0]] == ["RuntimeError", "RuntimeError"], out
 
 
