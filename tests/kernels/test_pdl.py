@@ -86,8 +86,17 @@ _PTX = textwrap.dedent('''
         pdl.pdl_start()
         tl.store(y_ptr, tl.load(x_ptr) + 1)
 
-    src = triton.compiler.ASTSource(fn=k, signature={"x_ptr": "*fp32", "y_ptr": "*fp32"}, constexprs={})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=pdl.options()).asm["ptx"]
+    @triton.jit
+    def k_normal(x_ptr, y_ptr):
+        pdl.pdl_wait()
+        tl.store(y_ptr, tl.load(x_ptr) + 1)
+        pdl.pdl_release()
+
+    def ptx_of(fn):
+        src = triton.compiler.ASTSource(fn=fn, signature={"x_ptr": "*fp32", "y_ptr": "*fp32"}, constexprs={})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=pdl.options()).asm["ptx"]
+
+    ptx, ptx_n = ptx_of(k), ptx_of(k_normal)
     las = (ll_dispatch._ll_route_launch, ll_dispatch._ll_dispatch_send_launch, ll_dispatch._ll_dispatch_recv_launch,
            ll_combine._ll_combine_send_launch, ll_combine._ll_combine_reduce_launch,
            ll_fused._ll_dispatch_fused_launch, ll_fused._ll_combine_fused_launch,
@@ -95,7 +104,9 @@ _PTX = textwrap.dedent('''
            dispatch._dispatch_send_launch, dispatch._dispatch_recv_launch, dispatch._dispatch_fused_launch,
            combine._combine_send_launch, combine._combine_reduce_launch, combine._combine_fused_launch)
     print(json.dumps([pdl.PDL_ON, [la.options.get("launch_pdl", False) for la in las],
-                      ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global")]))
+                      ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global"),
+                      [ptx_n.find("griddepcontrol.wait"), ptx_n.find("ld.global"), ptx_n.find("st.global"),
+                       ptx_n.find("griddepcontrol.launch_dependents")]]))
 ''')
 
 
@@ -105,7 +116,9 @@ def test_compiled_for_sm90_the_kernel_waits_first(value, tmp_path):
     the eight low-latency launchers (split and one-launch, the LogFMT one-launch combine's own) and the six of normal
     mode within one host (dispatch and combine, split and one-launch) carry ``launch_pdl`` and a kernel starting with
     ``pdl_start`` waits
-    (``griddepcontrol.wait``) and lets the next launch start before its first load; with ``0``, neither."""
+    (``griddepcontrol.wait``) and lets the next launch start before its first load, where one in normal mode's
+    form (``pdl_wait`` first, ``pdl_release`` last) waits before its first load and lets the next launch start
+    only after its store; with ``0``, none of these."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_EP_PDL=value)
     script = tmp_path / "ptx_probe.py"           # (a @triton.jit function must live in a file)
     script.write_text(_PTX)
@@ -113,12 +126,14 @@ def test_compiled_for_sm90_the_kernel_waits_first(value, tmp_path):
     if out.returncode != 0 and "ptxas" in out.stderr.lower() and "not found" in out.stderr.lower():
         pytest.skip("no ptxas with this Triton")
     assert out.returncode == 0, out.stderr[-1500:]
-    on, flags_, wait, launch, load = json.loads(out.stdout.strip().splitlines()[-1])
+    on, flags_, wait, launch, load, (n_wait, n_load, n_store, n_launch) = json.loads(out.stdout.strip().splitlines()[-1])
     if value == "1":
         assert on is True and flags_ == [True] * 14
         assert 0 <= wait < load and 0 <= launch < load
+        assert 0 <= n_wait < n_load < n_store < n_launch
     else:
         assert on is False and flags_ == [False] * 14 and wait == -1 and launch == -1 and load >= 0
+        assert n_wait == -1 and n_launch == -1 and 0 <= n_load < n_store
 
 
 def test_pdl_on_in_the_environment_still_imports_and_stays_off_on_cpu():

@@ -75,7 +75,7 @@ def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec
                          USE_ASM: tl.constexpr, WX: tl.constexpr, K: tl.constexpr, REC: tl.constexpr, R: tl.constexpr,
                          HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                          BLOCK_K: tl.constexpr):
-    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
+    pdl.pdl_wait()      # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     if N_PTR:       # the rows received, from the device (a dispatch with num_worst_tokens)
         n_rows = tl.load(n_ptr).to(tl.int32)
     # Round n: wait until every source rank has moved round n - 1 out of its area.
@@ -87,6 +87,7 @@ def _combine_send_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec
         n_rows = tl.where(go, n_rows, 0)
     _return_rows(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, rec_ptr, n_rows, lo, hi, WX, K, REC, R, HAS_W,
                  BLOCK_T, BLOCK_W, BLOCK_K)
+    pdl.pdl_release()   # (TRITON_EP_PDL=1: the next launch may start now; else nothing)
     # The last program tells every source rank that round n is in its area (with DEFER: the reduce launch right
     # after this one does, first thing).
     if SYNC:
@@ -178,7 +179,7 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
                            R: tl.constexpr, LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr,
                            FINAL: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
+    pdl.pdl_wait()      # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # Round n: wait until every destination rank has returned its rows of round n here.
     if SYNC:
         if DEFER:       # the send launch just before wrote round NEXT: publish it here, then wait
@@ -191,6 +192,7 @@ def _combine_reduce_kernel(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T,
     _reduce_tokens(rec_h_ptr, rec_f_ptr, send_pos_ptr, send_base_ptr, T, lo, hi, acc_ptr, out_ptr, b0_ptr, b1_ptr,
                    wacc_ptr, wout_ptr, H, K, REC_H, REC_F, R, LOAD_ACC, STORE_ACC, FINAL, HAS_B0, HAS_B1, HAS_W, BLOCK_T,
                    BLOCK_H, BLOCK_K)
+    pdl.pdl_release()   # (TRITON_EP_PDL=1: the next launch may start now; else nothing)
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds); with DEFER program (0, 0)
     # ends the rounds and this rank's next send launch frees the area.
     if SYNC:
@@ -212,7 +214,7 @@ def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, re
                           HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, SUMS: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_W: tl.constexpr, BLOCK_TR: tl.constexpr, BLOCK_H: tl.constexpr,
                           BLOCK_K: tl.constexpr):
-    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
+    pdl.pdl_wait()      # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # A combine as one launch: per round (slots [k * cap, (k + 1) * cap)), the send part, then the reduce part,
     # each as its own launch does it, the fp32 sums carried between rounds in acc / wacc (SUMS: a call of several
     # rounds); programs all resident at once, waiting for each other between parts and rounds (see
@@ -236,6 +238,7 @@ def _combine_fused_kernel(x_ptr, w_ptr, prefix_ptr, comb_base_ptr, delta_ptr, re
                        HAS_B0, HAS_B1, HAS_W, BLOCK_TR, BLOCK_H, BLOCK_K, (lo > 0).to(tl.int32),
                        (lo + cap < rounds * cap).to(tl.int32), (lo + cap >= rounds * cap).to(tl.int32))
         flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, tl.where(k == rounds - 1, rounds, 0), USE_ASM)
+    pdl.pdl_release()   # (TRITON_EP_PDL=1: the next launch may start now; else nothing)
 
 
 _combine_fused_launch = Launcher(_combine_fused_kernel, **pdl.options())

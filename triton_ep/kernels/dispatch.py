@@ -111,7 +111,7 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
                           HAS_W: tl.constexpr, HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr, EVEN_W: tl.constexpr,
                           STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
-    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
+    pdl.pdl_wait()      # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # Round n of the Buffer: wait until every receiver has moved round n - 1 out of its area. A program
     # that may not write (an error, now or earlier) moves nothing.
     if SYNC:
@@ -123,6 +123,7 @@ def _dispatch_send_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_
     _send_tokens(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base_ptr, delta_ptr, rec_ptr, T, lo, hi, num_experts,
                  WX, S, K, REC, R, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K, SPLIT_W,
                  EVEN_W, STORE_CACHE, STORE_EVICT)
+    pdl.pdl_release()   # (TRITON_EP_PDL=1: the next launch may start now; else nothing)
     # The launch's last program tells every receiver that round n is in its area (with DEFER: the receive launch
     # right after this one does, first thing).
     if SYNC:
@@ -205,7 +206,7 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
                           HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                           HAS_SRC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_K: tl.constexpr):
-    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
+    pdl.pdl_wait()      # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # Round n: wait until every sender has released it here, with the signature of this call.
     go = tl.full([], 1, tl.int1)
     if SYNC:
@@ -220,6 +221,7 @@ def _dispatch_recv_kernel(rec_ptr, n_rows, lo, expert_lo, experts_per_rank,
     n_rows, n_out = _recv_window(n_rows, n_ptr, lo, cap, go, N_PTR)
     _recv_rows(rec_ptr, n_rows, n_out, lo, expert_lo, experts_per_rank, out_x_ptr, out_sc_ptr, out_idx_ptr, out_w_ptr,
                out_src_ptr, WX, S, K, REC, HAS_SCALES, HAS_TOPK, HAS_W, HAS_SRC, BLOCK_T, BLOCK_W, BLOCK_S, BLOCK_K)
+    pdl.pdl_release()   # (TRITON_EP_PDL=1: the next launch may start now; else nothing)
     # The last program frees this rank's area for round n + 1 (and ends the call's rounds); with DEFER program (0, 0)
     # ends the rounds and this rank's next send launch frees the area.
     if SYNC:
@@ -245,7 +247,7 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
                            BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_TR: tl.constexpr,
                            BLOCK_WR: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
                            STORE_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr):
-    pdl.pdl_start()     # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
+    pdl.pdl_wait()      # (TRITON_EP_PDL=1: wait for the launch before, first thing; else nothing)
     # A call as one launch: per round (receive rows [k * cap, (k + 1) * cap)), the send part, then the receive
     # part, each as its own launch does it. The grid is capped so that every program is resident at once (a
     # receive part waits for the send part's last program, of the same launch; from the second round on, a send
@@ -269,6 +271,7 @@ def _dispatch_fused_kernel(x_ptr, sc_ptr, idx_ptr, w_ptr, send_pos_ptr, row_base
                    out_w_ptr, out_src_ptr, WX, S, K, REC, HAS_SCALES, OUT_TOPK, OUT_W, OUT_SRC, BLOCK_TR, BLOCK_WR,
                    BLOCK_S, BLOCK_K)
         flags.finish_recv_at(hdr, hdr + flags.W_DONE2, n, tl.where(k == rounds - 1, rounds, 0), USE_ASM)
+    pdl.pdl_release()   # (TRITON_EP_PDL=1: the next launch may start now; else nothing)
 
 
 _dispatch_fused_launch = Launcher(_dispatch_fused_kernel, **pdl.options())
