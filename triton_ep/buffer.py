@@ -373,7 +373,9 @@ class Buffer:
             x: ``[T, H]`` of any dtype whose row is a multiple of 16 bytes, or ``(x, scales)``: 1-byte ``[T, H]`` and
                 fp32/int32 ``[T, S]``. handle: an earlier dispatch's (same routing, new data).
             num_tokens_per_rank int32 ``[R]``, num_tokens_per_rdma_rank int32 ``[num_hosts]`` (across hosts),
-                is_token_in_rank bool ``[T, R]``, num_tokens_per_expert int32 ``[E]``: ``get_dispatch_layout``'s.
+                is_token_in_rank bool ``[T, R]``, num_tokens_per_expert int32 ``[E]``: ``get_dispatch_layout``'s
+                (the two counts may also be int64; ``num_tokens_per_rank``'s values are not read, and
+                ``num_tokens_per_expert``'s only without ``topk_idx``: docs/api.md).
             topk_idx: int64 (or int32) ``[T, K]``; topk_weights: fp32 ``[T, K]``. expert_alignment,
             num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream: DeepEP's.
 

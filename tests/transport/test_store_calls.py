@@ -11,6 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from triton_ep.errors import EPRemoteError
 from triton_ep.modes.internode.peer_tokens import PeerTokens
 from triton_ep.transport import bootstrap
 from triton_ep.transport.bootstrap import StoreCaller, bounded_store_call
@@ -166,3 +167,50 @@ def test_fault_notices_look_hears_a_notice_at_once(monkeypatch):
     deadline = time.monotonic() + 5.0
     while [t for t in threading.enumerate() if t.name == "triton-ep-store-call"] and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+class _GoneStore:
+    """A store whose server's process has exited: every call raises torch's DistNetworkError, C++ frames and all."""
+
+    def __getattr__(self, name):
+        def gone(*args):
+            raise dist.DistNetworkError("Broken pipe\nException raised from sendBytes at tcputils.hpp:120 (most "
+                                        "recent call first):\nframe #0: c10::Error::Error(...) + 0x98")
+        return gone
+
+
+class _Group:
+    def __init__(self, store, rank=1, size=2):
+        self.store, self._rank, self._size = store, rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def get_group_store(self):
+        return self.store
+
+
+def test_an_exchange_whose_store_went_away_is_a_remote_error():
+    """A late rank whose group's store is gone (rank 0 gave up and exited) gets EPRemoteError naming the exchange and
+    the store's first line, not torch's DistNetworkError with its C++ frames; a store that answers still gathers."""
+    ex = bootstrap.Exchange(_Group(_GoneStore()), 5.0, "bootstrap: exchange host identities")
+    with pytest.raises(EPRemoteError) as info:
+        ex.gather({"host": "h"})
+    msg = str(info.value)
+    assert "rank 1: the group's store stopped answering at 'bootstrap: exchange host identities'" in msg
+    assert "DistNetworkError: Broken pipe" in msg and "frame #0" not in msg and "rank 0" in msg
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    store = dist.HashStore()
+    assert bootstrap.Exchange(_Group(store, 0, 1), 5.0, "a stage").gather("x") == ["x"]
+
+
+def test_an_exchange_passes_the_checks_own_errors_through():
+    """What ``check`` raises while a rank waits reaches the caller as it was, a RuntimeError included (only the store's
+    own failures become EPRemoteError)."""
+    def check():
+        raise RuntimeError("the proxy stopped")
+    with pytest.raises(RuntimeError, match="the proxy stopped"):
+        bootstrap.Exchange(_Group(dist.HashStore()), 5.0, "a stage").gather("x", check)

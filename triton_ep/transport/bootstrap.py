@@ -165,6 +165,46 @@ def bounded_store_call(fn, bound_s: float = STORE_CALL_S, what: str = "a store c
         caller.close()
 
 
+class _ExchangeStore:
+    """A group's store as :class:`Exchange` calls it: ``set``, ``get``, ``check``, ``add`` and ``delete_key`` pass
+    through, and a call that fails because the store is gone (torch's ``DistError`` family, e.g.
+    ``DistNetworkError: Broken pipe`` once the process serving it, the group's rank 0, has exited; a socket error)
+    raises :class:`~triton_ep.errors.EPRemoteError` naming the exchange, with the store's first line only (torch's
+    message goes on with its C++ frames)."""
+
+    __slots__ = ("store", "rank", "stage")
+
+    def __init__(self, store, rank: int, stage: str) -> None:
+        self.store, self.rank, self.stage = store, rank, stage
+
+    def _call(self, name: str, *args):
+        try:
+            return getattr(self.store, name)(*args)
+        except (RuntimeError, OSError) as e:
+            dist_error = getattr(dist, "DistError", None)
+            if not (isinstance(e, OSError) or (dist_error is not None and isinstance(e, dist_error))):
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise EPRemoteError(f"rank {self.rank}: the group's store stopped answering at '{self.stage}' "
+                                f"({type(e).__name__}: {first}): the process serving it (torch.distributed's rank 0) "
+                                f"may have exited; this rank's Buffer was not built") from None
+
+    def set(self, key, value):
+        return self._call("set", key, value)
+
+    def get(self, key):
+        return self._call("get", key)
+
+    def check(self, keys):
+        return self._call("check", keys)
+
+    def add(self, key, n):
+        return self._call("add", key, n)
+
+    def delete_key(self, key):
+        return self._call("delete_key", key)
+
+
 class Exchange:
     """One bounded all-gather of picklable objects over ``group`` (collective: every rank makes it).
 
@@ -180,7 +220,8 @@ class Exchange:
     def __init__(self, group, timeout_s: float, stage: str) -> None:
         self.group, self.timeout_s, self.stage = group, float(timeout_s), stage
         self.rank, self.size = group.rank(), group.size()
-        self.store = _group_store(group)
+        store = _group_store(group)
+        self.store = None if store is None else _ExchangeStore(store, self.rank, stage)
         name = str(getattr(group, "group_name", id(group)))
         n = _counts[name] = _counts.get(name, 0) + 1
         self.base = f"{_PREFIX}/{n}/"
@@ -229,7 +270,8 @@ class Exchange:
         Raises:
             EPTimeoutError: ranks did not arrive within ``timeout_s``; it names all of them (``peer`` is the
                 first, ``peers`` the list).
-            EPRemoteError: a peer gave up or failed before the exchange (its reason is quoted).
+            EPRemoteError: a peer gave up or failed before the exchange (its reason is quoted), or the group's
+                store stopped answering (its server's process, rank 0's, exited).
             what ``check`` raises.
         """
         if self.store is None:
