@@ -97,10 +97,10 @@ def options() -> dict:
 @triton.jit
 def pdl_start():
     """First thing of a kernel launched with PDL: wait until the launch before it in the stream completed,
-    then let the launch after it start (its programs wait here in turn). Nothing where PDL is off."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    then let the launch after it start (its programs wait here in turn): :func:`pdl_wait`, then
+    :func:`pdl_release` at once. Nothing where PDL is off."""
+    pdl_wait()
+    pdl_release()
 
 
 @triton.jit
