@@ -514,6 +514,9 @@ def capture_errors(rank, world, env, kind):
             _pause_after_notify(2.0)
         w = torch.rand(T, 2, generator=g)
         per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        # every rank's layout before any rank's dispatch: a layout raises at once where a peer's call already ended
+        # the network leg (a fresh-clone CI run saw rank 1, slowed, get rank 3's ProxyRemoteError from its layout)
+        dist.barrier()
         if kind == "bad_ids" and rank == 3:
             idx = idx.clone()
             idx[0, 0] = E + 5
